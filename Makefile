@@ -1,0 +1,38 @@
+# Two entry points that work on a fresh machine: `make demo` and `make test`.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+PIP     := $(BIN)/python -m pip
+STAMP   := $(VENV)/.installed
+TSTAMP  := $(VENV)/.installed-test
+
+.PHONY: demo test lint venv clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools
+
+# constraints.txt pins torch==2.13.0 (CPU wheel) so no CUDA build is ever pulled.
+$(STAMP): $(BIN)/python pyproject.toml constraints.txt
+	$(PIP) install -q -c constraints.txt -e .
+	touch $@
+
+$(TSTAMP): $(STAMP)
+	$(PIP) install -q -c constraints.txt -e '.[test]'
+	touch $@
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/polyparallel graph gpt-tiny --summary
+
+test: $(TSTAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+lint: $(TSTAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Backends that execute a Strategy (torch.distributed, collaborative training, MindSpore export)."""

@@ -1,0 +1,1 @@
+"""Cost models: compute, communication, memory and pipeline schedules."""

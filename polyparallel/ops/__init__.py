@@ -1,0 +1,23 @@
+"""Loop-nest builders, one module per op family; both frontends build ops through these.
+
+Each builder takes operand shapes and attributes and returns a
+:class:`~polyparallel.ir.LoopNest` whose operands are ``in0..`` in the argument order
+documented on the builder, or raises :class:`Unsupported` when the op with these
+shapes has no affine description (the frontend then keeps it as an opaque op).
+"""
+
+from ._attention import attention
+from ._common import Unsupported, broadcast_shapes
+from ._contraction import einsum, linear, matmul
+from ._conv import adaptive_pool, conv, out_extent, pool
+from ._gather import cross_entropy, embedding, gather, nll_loss
+from ._norm import batch_norm, group_norm, layer_norm, softmax
+from ._pointwise import FLOPS_PER_ELEMENT, create, elementwise, flops_per_element, reduce, scan
+from ._view import concat, expand, pad, permute, reshape, select, slice_, split, transpose
+
+__all__ = [
+    "FLOPS_PER_ELEMENT", "Unsupported", "adaptive_pool", "attention", "batch_norm", "broadcast_shapes",
+    "concat", "conv", "create", "cross_entropy", "einsum", "elementwise", "embedding", "expand",
+    "flops_per_element", "gather", "group_norm", "layer_norm", "linear", "matmul", "nll_loss", "out_extent",
+    "pad", "permute", "pool", "reduce", "reshape", "scan", "select", "slice_", "softmax", "split", "transpose",
+]

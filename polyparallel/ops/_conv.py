@@ -1,0 +1,117 @@
+"""Convolutions (1-3 spatial dims, stride, padding, dilation, groups) and pooling."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from polyparallel.ir import Access, Dim, E, Hint, LoopNest, Role, Statement
+
+from ._common import Unsupported
+
+_SPATIAL = {1: ("l",), 2: ("h", "w"), 3: ("t", "h", "w")}
+_KERNEL = {1: ("kl",), 2: ("r", "q"), 3: ("kt", "r", "q")}
+
+
+def _tuple(v: int | Sequence[int], n: int, what: str) -> tuple[int, ...]:
+    if isinstance(v, int):
+        return (v,) * n
+    v = tuple(int(x) for x in v)
+    if len(v) == 1:
+        return v * n
+    if len(v) != n:
+        raise Unsupported(f"{what} {list(v)} does not match {n} spatial dims")
+    return v
+
+
+def out_extent(size: int, k: int, stride: int, pad_lo: int, pad_hi: int, dil: int, ceil: bool = False) -> int:
+    span = size + pad_lo + pad_hi - dil * (k - 1) - 1
+    if ceil:
+        return -(-span // stride) + 1
+    return span // stride + 1
+
+
+def conv(x: Sequence[int], w: Sequence[int], bias: Sequence[int] | None = None, *,
+         stride: int | Sequence[int] = 1, padding: int | Sequence[int] = 0,
+         dilation: int | Sequence[int] = 1, groups: int = 1,
+         pads_hi: Sequence[int] | None = None) -> LoopNest:
+    """``y[b, o, h, w] += x[b, c, h*st + r*dil - pad, ...] * k[o, c, r, ...]`` (operands x, w, bias).
+
+    ``padding`` is the low-side padding per spatial dim; ``pads_hi`` the high side when
+    it differs (ONNX). Out-of-range reads are zero padding: they move no data.
+    """
+    n = len(x) - 2
+    if n not in _SPATIAL or len(w) != len(x):
+        raise Unsupported(f"conv with input{list(x)} and weight{list(w)}")
+    st, pad, dil = _tuple(stride, n, "stride"), _tuple(padding, n, "padding"), _tuple(dilation, n, "dilation")
+    phi = tuple(pads_hi) if pads_hi is not None else pad
+    B, C, O = x[0], x[1], w[0]
+    if C % groups or O % groups or w[1] != C // groups:
+        raise Unsupported(f"conv groups={groups} with {C} in and {O} out channels, weight{list(w)}")
+    outs = [out_extent(x[2 + i], w[2 + i], st[i], pad[i], phi[i], dil[i]) for i in range(n)]
+    if min(outs) < 1:
+        raise Unsupported(f"conv output would be empty: {outs}")
+    sp, kn = _SPATIAL[n], _KERNEL[n]
+    dims = [Dim("b", B, Role.PARALLEL, Hint.BATCH)]
+    if groups > 1:
+        dims.append(Dim("g", groups, Role.PARALLEL, Hint.CHANNEL))
+    dims.append(Dim("o", O // groups, Role.PARALLEL, Hint.CHANNEL))
+    dims += [Dim(s, e, Role.PARALLEL, Hint.SPATIAL) for s, e in zip(sp, outs)]
+    dims.append(Dim("c", C // groups, Role.REDUCTION, Hint.CHANNEL))
+    dims += [Dim(k, w[2 + i], Role.REDUCTION, Hint.KERNEL) for i, k in enumerate(kn)]
+    gch = (lambda per, d: E("g") * per + E(d)) if groups > 1 else (lambda per, d: E(d))
+    xi = (E("b"), gch(C // groups, "c"),
+          *[E(sp[i]) * st[i] + E(kn[i]) * dil[i] - pad[i] for i in range(n)])
+    wi = (gch(O // groups, "o"), E("c"), *[E(k) for k in kn])
+    yi = (E("b"), gch(O // groups, "o"), *[E(s) for s in sp])
+    names = tuple(d.name for d in dims)
+    sts = [Statement("mac", names, reads=(Access("in0", xi), Access("in1", wi)),
+                     writes=(Access("out0", yi),), flops_per_point=2)]
+    if bias is not None:
+        pd = tuple(d.name for d in dims if d.role is Role.PARALLEL)
+        sts.append(Statement("bias", pd, reads=(Access("in2", (gch(O // groups, "o"),)),),
+                             writes=(Access("out0", yi),), flops_per_point=1))
+    return LoopNest(tuple(dims), tuple(sts))
+
+
+def pool(x: Sequence[int], kernel: int | Sequence[int], *, stride: int | Sequence[int] | None = None,
+         padding: int | Sequence[int] = 0, dilation: int | Sequence[int] = 1, ceil_mode: bool = False,
+         pads_hi: Sequence[int] | None = None) -> LoopNest:
+    """Max/average pooling ``y[b, c, h, w] = red_{r,q} x[b, c, h*st + r*dil - pad, ...]``.
+
+    A leading batch dim is optional (``[C, H, W]`` inputs work too).
+    """
+    n = len(_tuple(kernel, 1, "kernel")) if not isinstance(kernel, int) else len(x) - 2
+    lead = len(x) - n
+    if n not in _SPATIAL or lead < 1:
+        raise Unsupported(f"pooling over input{list(x)} with kernel {kernel}")
+    k = _tuple(kernel, n, "kernel")
+    st = _tuple(stride if stride not in (None, [], ()) else k, n, "stride")
+    pad, dil = _tuple(padding, n, "padding"), _tuple(dilation, n, "dilation")
+    phi = tuple(pads_hi) if pads_hi is not None else pad
+    outs = [out_extent(x[lead + i], k[i], st[i], pad[i], phi[i], dil[i], ceil_mode) for i in range(n)]
+    sp, kn = _SPATIAL[n], _KERNEL[n]
+    lead_names = ("b", "c")[-lead:] if lead <= 2 else tuple(f"a{i}" for i in range(lead))
+    dims = [Dim(nm, e, Role.PARALLEL, Hint.BATCH if nm == "b" else Hint.CHANNEL)
+            for nm, e in zip(lead_names, x[:lead])]
+    dims += [Dim(s, e, Role.PARALLEL, Hint.SPATIAL) for s, e in zip(sp, outs)]
+    dims += [Dim(kk, e, Role.REDUCTION, Hint.KERNEL) for kk, e in zip(kn, k)]
+    xi = (*[E(nm) for nm in lead_names], *[E(sp[i]) * st[i] + E(kn[i]) * dil[i] - pad[i] for i in range(n)])
+    yi = (*[E(nm) for nm in lead_names], *[E(s) for s in sp])
+    stmt = Statement("pool", tuple(d.name for d in dims), reads=(Access("in0", xi),),
+                     writes=(Access("out0", yi),), flops_per_point=1)
+    return LoopNest(tuple(dims), (stmt,))
+
+
+def adaptive_pool(x: Sequence[int], out_size: Sequence[int]) -> LoopNest:
+    """Adaptive pooling where each output size divides the input (the common 1x1 case)."""
+    n = len(out_size)
+    lead = len(x) - n
+    ks = []
+    for i, o in enumerate(out_size):
+        s = x[lead + i]
+        if o <= 0 or s % o:
+            raise Unsupported(f"adaptive pooling {s}->{o} has uneven windows (not affine)")
+        ks.append(s // o)
+    return pool(x, ks, stride=ks)
+
+
