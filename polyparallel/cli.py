@@ -1,0 +1,51 @@
+"""The ``polyparallel`` command line.
+
+Each command group lives in its own ``_cli_*.py`` module that registers on :data:`app`;
+this module only assembles them and turns user errors into one readable line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import typer
+
+app = typer.Typer(
+    name="polyparallel",
+    help="Find how to parallelise deep-learning training, and run it.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# Modules that add commands to `app` when imported. Keep the list explicit.
+_COMMAND_MODULES = ("polyparallel._cli_graph", "polyparallel._cli_cluster")
+
+
+class UserError(Exception):
+    """A problem with the user's input: printed as one line, exit status 2."""
+
+
+def _load_commands() -> None:
+    for name in _COMMAND_MODULES:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+
+
+def main(argv: list[str] | None = None) -> None:
+    _load_commands()
+    from polyparallel.frontends import CaptureError
+
+    try:
+        app(args=argv, standalone_mode=True)
+    except (UserError, CaptureError, FileNotFoundError, ValueError) as e:
+        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
