@@ -80,7 +80,7 @@ def pool(x: Sequence[int], kernel: int | Sequence[int], *, stride: int | Sequenc
 
     A leading batch dim is optional (``[C, H, W]`` inputs work too).
     """
-    n = len(_tuple(kernel, 1, "kernel")) if not isinstance(kernel, int) else len(x) - 2
+    n = len(kernel) if not isinstance(kernel, int) else len(x) - 2
     lead = len(x) - n
     if n not in _SPATIAL or lead < 1:
         raise Unsupported(f"pooling over input{list(x)} with kernel {kernel}")
