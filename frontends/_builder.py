@@ -29,13 +29,14 @@ class GraphBuilder:
 
     def __init__(self, name: str, source: str) -> None:
         self.graph = Graph(name=name, source=source)
-        self._names: dict[str, int] = {}
+        self._names: dict[tuple[str, str], int] = {}
         self.opaque: dict[str, list[str]] = {}
 
-    def unique(self, base: str) -> str:
-        base = base or "op"
-        n = self._names.get(base, 0)
-        self._names[base] = n + 1
+    def unique(self, base: str, space: str = "op") -> str:
+        """A fresh name in a namespace ("op" or "tensor")."""
+        base = base or space
+        n = self._names.get((space, base), 0)
+        self._names[(space, base)] = n + 1
         return base if n == 0 else f"{base}_{n}"
 
     def tensor(self, name: str, shape: Sequence[int], dtype: str = "float32",

@@ -10,14 +10,45 @@ from ._attention import attention
 from ._common import Unsupported, broadcast_shapes
 from ._contraction import einsum, linear, matmul
 from ._conv import adaptive_pool, conv, out_extent, pool
-from ._gather import cross_entropy, embedding, gather, nll_loss
+from ._gather import advanced_index, cross_entropy, embedding, gather, nll_loss, take_along_axis
 from ._norm import batch_norm, group_norm, layer_norm, softmax
 from ._pointwise import FLOPS_PER_ELEMENT, create, elementwise, flops_per_element, reduce, scan
 from ._view import concat, expand, pad, permute, reshape, select, slice_, split, transpose
 
 __all__ = [
-    "FLOPS_PER_ELEMENT", "Unsupported", "adaptive_pool", "attention", "batch_norm", "broadcast_shapes",
-    "concat", "conv", "create", "cross_entropy", "einsum", "elementwise", "embedding", "expand",
-    "flops_per_element", "gather", "group_norm", "layer_norm", "linear", "matmul", "nll_loss", "out_extent",
-    "pad", "permute", "pool", "reduce", "reshape", "scan", "select", "slice_", "softmax", "split", "transpose",
+    "FLOPS_PER_ELEMENT",
+    "Unsupported",
+    "adaptive_pool",
+    "advanced_index",
+    "attention",
+    "batch_norm",
+    "broadcast_shapes",
+    "concat",
+    "conv",
+    "create",
+    "cross_entropy",
+    "einsum",
+    "elementwise",
+    "embedding",
+    "expand",
+    "flops_per_element",
+    "gather",
+    "group_norm",
+    "layer_norm",
+    "linear",
+    "matmul",
+    "nll_loss",
+    "out_extent",
+    "pad",
+    "permute",
+    "pool",
+    "reduce",
+    "reshape",
+    "scan",
+    "select",
+    "slice_",
+    "softmax",
+    "split",
+    "take_along_axis",
+    "transpose",
 ]

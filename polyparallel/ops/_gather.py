@@ -92,3 +92,39 @@ def nll_loss(logp: Sequence[int], target: Sequence[int], *, reduction: str = "me
     out = (Access("out0", ()),) if red is Role.REDUCTION else (Access("out0", rows),)
     total = Statement("reduce", row_names, reads=(Access("picked", rows),), writes=out, flops_per_point=1)
     return LoopNest(dims, (pick, total))
+
+
+def take_along_axis(data: Sequence[int], index: Sequence[int], axis: int) -> LoopNest:
+    """``torch.gather`` / ONNX ``GatherElements``: ``y[i..] = x[i.. with index[i..] on axis]``."""
+    axis = norm_axis(axis, len(data))
+    if len(index) != len(data) or any(i > d for k, (i, d) in enumerate(zip(index, data)) if k != axis):
+        raise Unsupported(f"gather of index{list(index)} from data{list(data)} along {axis}")
+    dims = generic_dims(index)
+    names = [d.name for d in dims]
+    di = tuple(ANY if k == axis else E(n) for k, n in enumerate(names))
+    st = Statement("gather", tuple(names), reads=(Access("in0", di), Access("in1", tuple(E(n) for n in names))),
+                   writes=(Access("out0", tuple(E(n) for n in names)),), flops_per_point=0)
+    return LoopNest(tuple(dims), (st,))
+
+
+def advanced_index(data: Sequence[int], indices: Sequence[Sequence[int] | None]) -> LoopNest:
+    """``x[i0, i1, ...]`` with index tensors on the leading axes (numpy advanced indexing).
+
+    ``indices[k]`` is the shape of the index tensor for axis k, or ``None`` for ``:``;
+    the indexed axes must be leading and consecutive (the common case).
+    """
+    from ._common import broadcast_index, broadcast_shapes
+
+    k = len(indices)
+    if any(s is None for s in indices) or k > len(data) or k == 0:
+        raise Unsupported("advanced indexing on non-leading or non-consecutive axes")
+    bshape = broadcast_shapes(*indices)
+    rest = tuple(data[k:])
+    dims = generic_dims((*bshape, *rest))
+    bd = dims[: len(bshape)]
+    names = [d.name for d in dims]
+    di = (*[ANY] * k, *[E(n) for n in names[len(bshape):]])
+    reads = [Access("in0", di)] + [Access(f"in{j + 1}", broadcast_index(s, bd)) for j, s in enumerate(indices)]
+    st = Statement("gather", tuple(names), reads=tuple(reads),
+                   writes=(Access("out0", tuple(E(n) for n in names)),), flops_per_point=0)
+    return LoopNest(tuple(dims), (st,))

@@ -15,7 +15,9 @@ FLOPS_PER_ELEMENT: dict[str, float] = {
     "softplus": 4, "elu": 3, "selu": 3, "celu": 3, "hardswish": 4, "hardsigmoid": 3, "rsqrt": 2, "sqrt": 2,
     "pow": 2, "reciprocal": 1, "div": 1, "sin": 4, "cos": 4, "dropout": 2, "where": 1, "clamp": 2,
     "clip": 2, "leakyrelu": 2, "prelu": 2, "gelu_tanh": 10, "gelu_new": 10,
-    "cast": 0, "to": 0, "copy": 0, "identity": 0, "clone": 0, "contiguous": 0, "detach": 0,
+    "cast": 0, "to": 0, "copy": 0, "identity": 0, "clone": 0, "contiguous": 0, "detach": 0, "alias": 0,
+    "_to_copy": 0, "lift_fresh_copy": 0, "type_as": 0, "float": 0, "half": 0, "bfloat16": 0, "long": 0,
+    "int": 0, "bool": 0, "type": 0, "_to_dtype": 0,
 }
 
 

@@ -9,6 +9,7 @@ reshape with no such refinement (e.g. ``[6, 4] -> [4, 6]``) is not affine.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -59,7 +60,7 @@ def reshape(x: Sequence[int], out: Sequence[int]) -> LoopNest:
         return res
 
     cuts = sorted(set(suffix_products(x)) | set(suffix_products(out)) | {1})
-    for lo, hi in zip(cuts, cuts[1:]):
+    for lo, hi in itertools.pairwise(cuts):
         if hi % lo:
             raise Unsupported(f"reshape {list(x)} -> {list(out)} is not a split/merge of axes (not affine)")
     # refinement axes, outermost first: axis j spans suffix products cuts[j]..cuts[j+1]
