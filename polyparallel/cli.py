@@ -47,5 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
 
 
-if __name__ == "__main__":  # pragma: no cover
-    main()
+if __name__ == "__main__":  # pragma: no cover - run as `python -m polyparallel`
+    from polyparallel.cli import main as _main  # the registered module, not this __main__ copy
+
+    _main()

@@ -1,0 +1,5 @@
+"""``python -m polyparallel`` == the ``polyparallel`` command."""
+
+from polyparallel.cli import main
+
+main()

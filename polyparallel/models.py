@@ -1,0 +1,379 @@
+"""Built-in example models and the resolution of a MODEL argument of the CLI.
+
+A MODEL is one of:
+
+* a built-in name (:data:`EXAMPLES`): ``mlp``, ``cnn``, ``resnet50``, ``gpt-tiny``,
+  ``gpt2-small``, ``llama-1b``, ``llama-8b``, ``gpt3-175b``, and, when ``transformers`` is
+  installed, ``hf-gpt2``, ``hf-llama``, ``hf-bert`` (random weights from a config);
+* a path to an ``.onnx`` file;
+* ``package.module:function`` returning ``(model, args)`` or ``(model, args, kwargs)``.
+
+Large examples are built on the ``meta`` device, so no weights are allocated.
+The GPT and LLaMA models are written here in plain PyTorch (pre-norm decoder blocks,
+``scaled_dot_product_attention`` with a causal mask; LLaMA with RMSNorm, SwiGLU,
+grouped-query attention and rotary embeddings) so the package needs no model zoo.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["EXAMPLES", "GPT", "GPTConfig", "Llama", "LlamaConfig", "ResNet", "load_model"]
+
+
+# ----------------------------------------------------------------------------------------
+# GPT
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 50257
+    seq: int = 1024
+    layers: int = 12
+    hidden: int = 768
+    heads: int = 12
+    mlp_ratio: int = 4
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.heads = c.heads
+        self.ln_1 = nn.LayerNorm(c.hidden)
+        self.qkv = nn.Linear(c.hidden, 3 * c.hidden)
+        self.proj = nn.Linear(c.hidden, c.hidden)
+        self.ln_2 = nn.LayerNorm(c.hidden)
+        self.fc = nn.Linear(c.hidden, c.mlp_ratio * c.hidden)
+        self.fc_out = nn.Linear(c.mlp_ratio * c.hidden, c.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, H = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).split(H, dim=-1)
+        q, k, v = (t.view(B, S, self.heads, H // self.heads).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, S, H))
+        return x + self.fc_out(F.gelu(self.fc(self.ln_2(x))))
+
+
+class GPT(nn.Module):
+    """A GPT-2-style decoder; ``forward(ids, labels=None)`` returns the loss when labels are given."""
+
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.wte = nn.Embedding(c.vocab, c.hidden)
+        self.wpe = nn.Embedding(c.seq, c.hidden)
+        self.h = nn.ModuleList(GPTBlock(c) for _ in range(c.layers))
+        self.ln_f = nn.LayerNorm(c.hidden)
+        self.lm_head = nn.Linear(c.hidden, c.vocab, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied, as in GPT-2 and GPT-3
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        x = self.wte(ids) + self.wpe(pos)
+        for blk in self.h:
+            x = blk(x)
+        logits = self.lm_head(self.ln_f(x))
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+# ----------------------------------------------------------------------------------------
+# LLaMA
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab: int = 32000
+    seq: int = 2048
+    layers: int = 16
+    hidden: int = 2048
+    heads: int = 32
+    kv_heads: int = 8
+    ffn: int = 8192
+    eps: float = 1e-5
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, n: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, c: LlamaConfig) -> None:
+        super().__init__()
+        self.c = c
+        hd = c.hidden // c.heads
+        self.attn_norm = RMSNorm(c.hidden, c.eps)
+        self.q = nn.Linear(c.hidden, c.heads * hd, bias=False)
+        self.k = nn.Linear(c.hidden, c.kv_heads * hd, bias=False)
+        self.v = nn.Linear(c.hidden, c.kv_heads * hd, bias=False)
+        self.o = nn.Linear(c.heads * hd, c.hidden, bias=False)
+        self.mlp_norm = RMSNorm(c.hidden, c.eps)
+        self.gate = nn.Linear(c.hidden, c.ffn, bias=False)
+        self.up = nn.Linear(c.hidden, c.ffn, bias=False)
+        self.down = nn.Linear(c.ffn, c.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        c = self.c
+        B, S, _ = x.shape
+        hd = c.hidden // c.heads
+        h = self.attn_norm(x)
+        q = self.q(h).view(B, S, c.heads, hd).transpose(1, 2)
+        k = self.k(h).view(B, S, c.kv_heads, hd).transpose(1, 2)
+        v = self.v(h).view(B, S, c.kv_heads, hd).transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.kv_heads != c.heads)
+        x = x + self.o(a.transpose(1, 2).reshape(B, S, c.hidden))
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Llama(nn.Module):
+    """A LLaMA-style decoder; ``forward(ids, labels=None)`` returns the loss when labels are given."""
+
+    def __init__(self, c: LlamaConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.embed = nn.Embedding(c.vocab, c.hidden)
+        self.layers = nn.ModuleList(LlamaBlock(c) for _ in range(c.layers))
+        self.norm = RMSNorm(c.hidden, c.eps)
+        self.lm_head = nn.Linear(c.hidden, c.vocab, bias=False)
+        hd = c.hidden // c.heads
+        inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+        ang = torch.outer(torch.arange(c.seq, dtype=torch.float32), inv)
+        self.register_buffer("cos", torch.cat((ang, ang), -1).cos(), persistent=False)
+        self.register_buffer("sin", torch.cat((ang, ang), -1).sin(), persistent=False)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        S = ids.shape[1]
+        cos, sin = self.cos[:S], self.sin[:S]
+        x = self.embed(ids)
+        for blk in self.layers:
+            x = blk(x, cos, sin)
+        logits = self.lm_head(self.norm(x))
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+# ----------------------------------------------------------------------------------------
+# CNNs
+
+
+class MLP(nn.Module):
+    def __init__(self, dims: tuple[int, ...] = (784, 512, 512, 10)) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(dims))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = F.relu(x)
+        return x if labels is None else F.cross_entropy(x, labels)
+
+
+class SmallCNN(nn.Module):
+    """A small CNN for 28x28 grey images (Fashion-MNIST sized)."""
+
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(16)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(32)
+        self.fc = nn.Linear(32 * 7 * 7, classes)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
+        x = self.fc(x.flatten(1))
+        return x if labels is None else F.cross_entropy(x, labels)
+
+
+class Bottleneck(nn.Module):
+    def __init__(self, cin: int, width: int, stride: int) -> None:
+        super().__init__()
+        cout = width * 4
+        self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, cout, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(cout)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = F.relu(self.bn2(self.conv2(y)))
+        y = self.bn3(self.conv3(y))
+        return F.relu(y + (x if self.down is None else self.down(x)))
+
+
+class ResNet(nn.Module):
+    """ResNet with bottleneck blocks; ``(3, 4, 6, 3)`` is ResNet-50 (25.6M parameters)."""
+
+    def __init__(self, blocks: tuple[int, ...] = (3, 4, 6, 3), classes: int = 1000) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        layers, cin = [], 64
+        for i, n in enumerate(blocks):
+            width = 64 * 2**i
+            for j in range(n):
+                layers.append(Bottleneck(cin, width, 2 if (j == 0 and i > 0) else 1))
+                cin = width * 4
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 3, 2, 1)
+        x = self.layers(x)
+        x = self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+        return x if labels is None else F.cross_entropy(x, labels)
+
+
+# ----------------------------------------------------------------------------------------
+# registry
+
+Built = tuple[nn.Module, tuple, dict]
+
+
+@dataclass(frozen=True)
+class Example:
+    name: str
+    description: str
+    build: Callable[[int, int | None], Built]  # (batch, seq) -> (model, args, kwargs)
+    default_batch: int
+    default_seq: int | None = None
+
+
+def _lm(model_fn: Callable[[], nn.Module], vocab: int, seq: int, meta: bool) -> Callable[[int, int | None], Built]:
+    def build(batch: int, s: int | None) -> Built:
+        s = s or seq
+        dev = torch.device("meta") if meta else torch.device("cpu")
+        with dev:
+            model = model_fn()
+        ids = torch.zeros(batch, s, dtype=torch.long, device=dev)
+        return model, (ids,), {"labels": ids}
+
+    return build
+
+
+def _vision(model_fn: Callable[[], nn.Module], shape: tuple[int, ...], classes: int, meta: bool):
+    def build(batch: int, _: int | None) -> Built:
+        dev = torch.device("meta") if meta else torch.device("cpu")
+        with dev:
+            model = model_fn()
+        x = torch.zeros(batch, *shape, device=dev)
+        y = torch.zeros(batch, dtype=torch.long, device=dev)
+        return model, (x,), {"labels": y}
+
+    return build
+
+
+def _hf(kind: str) -> Callable[[int, int | None], Built]:
+    def build(batch: int, s: int | None) -> Built:
+        try:
+            import transformers as tf
+        except ImportError as e:
+            raise ValueError(f"example hf-{kind} needs the 'transformers' package (pip install transformers)") from e
+        s = s or 128
+        if kind == "gpt2":
+            model = tf.GPT2LMHeadModel(tf.GPT2Config(use_cache=False))
+        elif kind == "llama":
+            model = tf.LlamaForCausalLM(tf.LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                                                       num_attention_heads=8, num_key_value_heads=4, use_cache=False))
+        else:
+            model = tf.BertForMaskedLM(tf.BertConfig())
+        ids = torch.zeros(batch, s, dtype=torch.long)
+        return model, (ids,), {"labels": ids}
+
+    return build
+
+
+_GPT_TINY = GPTConfig(vocab=512, seq=64, layers=2, hidden=64, heads=4)
+_GPT2_SMALL = GPTConfig()
+_GPT3 = GPTConfig(vocab=50257, seq=2048, layers=96, hidden=12288, heads=96)
+_LLAMA_1B = LlamaConfig(vocab=32000, seq=2048, layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192)
+_LLAMA_8B = LlamaConfig(vocab=128256, seq=8192, layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336)
+
+EXAMPLES: dict[str, Example] = {
+    e.name: e
+    for e in [
+        Example("mlp", "MLP 784-512-512-10", _vision(MLP, (784,), 10, False), 64),
+        Example("cnn", "small CNN for 28x28 images (2 conv + BN)", _vision(SmallCNN, (1, 28, 28), 10, False), 64),
+        Example("resnet50", "ResNet-50, 224x224 images, 25.6M params (meta)",
+                _vision(ResNet, (3, 224, 224), 1000, True), 32),
+        Example("gpt-tiny", "2-layer GPT, hidden 64, seq 64", _lm(lambda: GPT(_GPT_TINY), 512, 64, False), 8, 64),
+        Example("gpt2-small", "GPT-2 small, 124M params, seq 1024 (meta)",
+                _lm(lambda: GPT(_GPT2_SMALL), 50257, 1024, True), 8, 1024),
+        Example("llama-1b", "LLaMA-style 1.2B, 16 layers, GQA (meta)",
+                _lm(lambda: Llama(_LLAMA_1B), 32000, 2048, True), 4, 2048),
+        Example("llama-8b", "LLaMA-3-8B shape, 32 layers, GQA (meta)",
+                _lm(lambda: Llama(_LLAMA_8B), 128256, 8192, True), 1, 8192),
+        Example("gpt3-175b", "GPT-3 175B, 96 layers, hidden 12288, seq 2048 (meta)",
+                _lm(lambda: GPT(_GPT3), 50257, 2048, True), 1, 2048),
+        Example("hf-gpt2", "transformers GPT-2 (124M) from a config", _hf("gpt2"), 2, 128),
+        Example("hf-llama", "transformers LLaMA (4 layers, hidden 512) from a config", _hf("llama"), 2, 128),
+        Example("hf-bert", "transformers BERT-base MLM from a config", _hf("bert"), 2, 128),
+    ]
+}
+
+
+def load_model(spec: str, *, batch_size: int | None = None, seq_len: int | None = None) -> Any:
+    """Resolve a MODEL argument into something :func:`polyparallel.capture` takes.
+
+    Returns either an ``.onnx`` path or a ``(module, args, kwargs)`` triple.
+    """
+    if spec in EXAMPLES:
+        ex = EXAMPLES[spec]
+        return ex.build(batch_size or ex.default_batch, seq_len or ex.default_seq)
+    if spec.endswith(".onnx"):
+        p = Path(spec)
+        if not p.exists():
+            raise FileNotFoundError(f"ONNX file {spec!r} does not exist")
+        return p
+    if ":" in spec:
+        mod_name, _, fn_name = spec.partition(":")
+        try:
+            fn = getattr(importlib.import_module(mod_name), fn_name)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"cannot load {spec!r}: {e}") from e
+        out = fn()
+        if not isinstance(out, tuple) or len(out) not in (2, 3):
+            raise ValueError(f"{spec} must return (model, args) or (model, args, kwargs), got {type(out).__name__}")
+        model, args = out[0], out[1]
+        kwargs = out[2] if len(out) == 3 else {}
+        return model, args if isinstance(args, tuple) else (args,), kwargs
+    names = ", ".join(EXAMPLES)
+    raise ValueError(f"unknown model {spec!r}: give an .onnx path, package.module:function, or one of: {names}")
+
+
+def param_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
