@@ -1,0 +1,415 @@
+"""ONNX frontend: shapes, parameters and FLOPs against closed forms and onnxruntime.
+
+Reference values come from outside the frontend: closed-form FLOP counts written out
+here, parameter counts summed from the initializers, output shapes and values from
+onnxruntime, and view/pool loop nests executed point by point against its results.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from polyparallel.frontends import CaptureError, OpaqueOpWarning
+from polyparallel.frontends.onnx import capture_onnx
+
+import polyparallel as pp
+from polyparallel.ir import ANY, AffineExpr, Graph, LoopNest, OpKind, Role, TensorKind
+
+ort = pytest.importorskip("onnxruntime")
+RNG = np.random.default_rng(0)
+F = TensorProto.FLOAT
+
+
+def _init(name: str, shape: tuple[int, ...], dtype: type = np.float32) -> onnx.TensorProto:
+    if np.issubdtype(dtype, np.floating):
+        return numpy_helper.from_array(RNG.standard_normal(shape).astype(dtype), name)
+    return numpy_helper.from_array(np.asarray(shape, dtype=dtype), name)
+
+
+def _model(nodes, inputs, outputs, inits=(), opset: int = 18) -> onnx.ModelProto:
+    g = helper.make_graph(nodes, "m", inputs, outputs, list(inits))
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 8
+    return m
+
+
+def _vi(name: str, shape, dtype: int = F) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, dtype, shape)
+
+
+def _ort(m: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)
+
+
+def _capture(m, **kw) -> Graph:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", OpaqueOpWarning)  # these models must be fully modelled
+        return capture_onnx(m, **kw)
+
+
+def _float_init_numel(m: onnx.ModelProto, skip=()) -> int:
+    return sum(math.prod(t.dims) for t in m.graph.initializer
+               if t.data_type == F and len(t.dims) >= 1 and t.name not in skip)
+
+
+# ------------------------------------------------------------------------------------------
+# models
+
+
+def test_mlp_gemm_params_and_flops():
+    B, I, H, O = 4, 16, 32, 10
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], transB=1, name="/fc1/Gemm"),
+             helper.make_node("Relu", ["h"], ["a"], name="/act/Relu"),
+             helper.make_node("Gemm", ["a", "w2", "b2"], ["y"], transB=1, name="/fc2/Gemm")]
+    inits = [_init("w1", (H, I)), _init("b1", (H,)), _init("w2", (O, H)), _init("b2", (O,))]
+    m = _model(nodes, [_vi("x", [B, I])], [_vi("y", [B, O])], inits)
+    g = _capture(m)
+    assert g.param_count() == H * I + H + O * H + O == _float_init_numel(m)
+    assert {t.name for t in g.params} == {"w1", "b1", "w2", "b2"}
+    # two linears (2 flops per multiply-add, one per bias add) and one relu
+    assert g.flops() == 2 * B * I * H + B * H + B * H + 2 * B * H * O + B * O
+    assert [op.kind for op in g.ops] == [OpKind.CONTRACTION, OpKind.ELEMENTWISE, OpKind.CONTRACTION]
+    assert g.ops[0].module == "fc1" and g.inputs == ["x"] and g.outputs == ["y"]
+    assert g.source == "onnx" and not g.opaque_ops()
+
+
+def test_matmul_add_equals_gemm_flops():
+    """The 3-D export of nn.Linear (MatMul with a [K, N] weight, then Add) costs what Gemm does."""
+    B, S, K, N = 2, 5, 8, 6
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["t"]), helper.make_node("Add", ["t", "b"], ["y"])]
+    m = _model(nodes, [_vi("x", [B, S, K])], [_vi("y", [B, S, N])], [_init("w", (K, N)), _init("b", (N,))])
+    g = _capture(m)
+    assert g.flops() == 2 * B * S * K * N + B * S * N
+    assert g.param_count() == K * N + N
+    mac = g.ops[0].nest
+    assert {d.name for d in mac.dims if d.role is Role.REDUCTION} == {"k"}
+
+
+def test_conv_net_against_onnxruntime_shapes():
+    B, C, Hh, W, O = 2, 3, 11, 9, 8
+    nodes = [
+        helper.make_node("Conv", ["x", "cw", "cb"], ["c"], pads=[1, 2, 0, 1], strides=[2, 1], name="/conv/Conv"),
+        helper.make_node("BatchNormalization", ["c", "s", "bb", "mean", "var"], ["n"], name="/bn/BN"),
+        helper.make_node("Relu", ["n"], ["r"]),
+        helper.make_node("MaxPool", ["r"], ["p"], kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1),
+        helper.make_node("GlobalAveragePool", ["p"], ["gp"]),
+        helper.make_node("Flatten", ["gp"], ["f"], axis=1),
+        helper.make_node("Gemm", ["f", "fw", "fb"], ["y"], transB=1),
+    ]
+    inits = [_init("cw", (O, C, 3, 3)), _init("cb", (O,)), _init("s", (O,)), _init("bb", (O,)),
+             _init("mean", (O,)), numpy_helper.from_array(np.abs(RNG.standard_normal(O)).astype(np.float32), "var"),
+             _init("fw", (5, O)), _init("fb", (5,))]
+    m = _model(nodes, [_vi("x", [B, C, Hh, W])], [_vi("y", [B, 5])], inits)
+    x = RNG.standard_normal((B, C, Hh, W)).astype(np.float32)
+    g = _capture(m)
+    # every intermediate shape agrees with what onnxruntime computes
+    probe = onnx.ModelProto()
+    probe.CopyFrom(m)
+    for t in ("c", "p", "gp"):
+        probe.graph.output.append(helper.make_value_info(t, onnx.TypeProto()))
+    y, c, p, gp = _ort(probe, {"x": x})
+    assert g.shape("c") == c.shape and g.shape("p") == p.shape and g.shape("gp") == gp.shape
+    assert g.shape("y") == y.shape
+    Ho, Wo = c.shape[2:]
+    Po, Qo = p.shape[2:]
+    expect = (2 * B * O * Ho * Wo * C * 9 + B * O * Ho * Wo  # conv + bias
+              + 4 * B * O * Ho * Wo  # eval batch norm: normalise, scale, shift
+              + B * O * Ho * Wo  # relu
+              + B * O * Po * Qo * 4  # 2x2 max pool
+              + B * O * Po * Qo  # global average
+              + 2 * B * O * 5 + B * 5)  # classifier
+    assert g.flops() == expect
+    kinds = {t.name: t.kind for t in g.tensors.values()}
+    assert kinds["mean"] is TensorKind.BUFFER and kinds["var"] is TensorKind.BUFFER
+    assert g.param_count() == _float_init_numel(m, skip=("mean", "var"))
+
+
+def test_conv_auto_pad_groups_dilation():
+    B, C, O, G = 1, 4, 6, 2
+    for auto in ("SAME_UPPER", "SAME_LOWER", "VALID"):
+        dil = [1, 2] if auto == "VALID" else [1, 1]  # onnxruntime refuses dilated SAME padding
+        node = helper.make_node("Conv", ["x", "w"], ["y"], auto_pad=auto, strides=[2, 3], dilations=dil, group=G)
+        m = _model([node], [_vi("x", [B, C, 9, 10])], [_vi("y", None)], [_init("w", (O, C // G, 3, 2))])
+        x = RNG.standard_normal((B, C, 9, 10)).astype(np.float32)
+        (ref,) = _ort(m, {"x": x})
+        g = _capture(m)
+        assert g.shape("y") == ref.shape
+        assert g.flops() == 2 * math.prod(ref.shape) * (C // G) * 3 * 2
+
+
+def _attention_block(B: int, S: int, D: int, H: int) -> onnx.ModelProto:
+    dh = D // H
+    c64 = lambda name, v: numpy_helper.from_array(np.asarray(v, dtype=np.int64), name)  # noqa: E731
+    nodes = [
+        helper.make_node("LayerNormalization", ["x", "ln_w", "ln_b"], ["ln"], axis=-1, name="/ln/LN"),
+        helper.make_node("MatMul", ["ln", "w_qkv"], ["qkv"], name="/attn/qkv/MatMul"),
+        helper.make_node("Split", ["qkv", "split3"], ["q0", "k0", "v0"], axis=2),
+        *[helper.make_node("Reshape", [f"{t}0", "heads"], [f"{t}1"]) for t in "qkv"],
+        helper.make_node("Transpose", ["q1"], ["q"], perm=[0, 2, 1, 3]),
+        helper.make_node("Transpose", ["k1"], ["kt"], perm=[0, 2, 3, 1]),
+        helper.make_node("Transpose", ["v1"], ["v"], perm=[0, 2, 1, 3]),
+        helper.make_node("MatMul", ["q", "kt"], ["scores"], name="/attn/scores"),
+        helper.make_node("Mul", ["scores", "scale"], ["scaled"]),
+        helper.make_node("Softmax", ["scaled"], ["probs"], axis=-1),
+        helper.make_node("MatMul", ["probs", "v"], ["ctx"]),
+        helper.make_node("Transpose", ["ctx"], ["ctx_t"], perm=[0, 2, 1, 3]),
+        # the target shape is computed from the input's shape, as exporters do
+        helper.make_node("Shape", ["x"], ["xs"]),
+        helper.make_node("Gather", ["xs", "zero"], ["b_dim"], axis=0),
+        helper.make_node("Unsqueeze", ["b_dim", "ax0"], ["b1"]),
+        helper.make_node("Concat", ["b1", "rest"], ["merged_shape"], axis=0),
+        helper.make_node("Reshape", ["ctx_t", "merged_shape"], ["merged"]),
+        helper.make_node("MatMul", ["merged", "w_o"], ["proj"], name="/attn/o/MatMul"),
+        helper.make_node("Add", ["proj", "x"], ["y"]),
+    ]
+    inits = [_init("ln_w", (D,)), _init("ln_b", (D,)), _init("w_qkv", (D, 3 * D)), _init("w_o", (D, D)),
+             c64("split3", [D, D, D]), c64("heads", [0, 0, H, dh]), c64("zero", 0), c64("ax0", [0]),
+             c64("rest", [S, D]), numpy_helper.from_array(np.array(dh ** -0.5, np.float32), "scale")]
+    return _model(nodes, [_vi("x", ["batch", S, D])], [_vi("y", ["batch", S, D])], inits)
+
+
+def test_attention_block_closed_form():
+    B, S, D, H = 2, 7, 16, 4
+    m = _attention_block(B, S, D, H)
+    g = _capture(m, dim_values={"batch": B})
+    assert g.shape("y") == (B, S, D)
+    expect = (7 * B * S * D  # layer norm: statistics (3) and normalise-scale-shift (4)
+              + 2 * B * S * D * 3 * D  # qkv projection
+              + 2 * B * H * S * S * (D // H)  # scores
+              + B * H * S * S  # scaling
+              + 5 * B * H * S * S  # softmax: statistics (3) and normalisation (2)
+              + 2 * B * H * S * S * (D // H)  # probs @ v
+              + 2 * B * S * D * D  # output projection
+              + B * S * D)  # residual
+    assert g.flops() == expect
+    assert g.param_count() == 2 * D + 3 * D * D + D * D
+    kinds = {t.name: t.kind for t in g.tensors.values()}
+    assert kinds["scale"] is TensorKind.CONST and kinds["heads"] is TensorKind.CONST
+    # the shape plumbing was evaluated at capture time, not kept as ops
+    assert {"Shape", "Gather", "Unsqueeze"}.isdisjoint(op.target for op in g.ops)
+    assert any("constant-folded" in w for w in g.warnings)
+    assert g.producer("merged").kind is OpKind.VIEW
+    # against onnxruntime, with the same bound batch size
+    x = RNG.standard_normal((B, S, D)).astype(np.float32)
+    assert _ort(m, {"x": x})[0].shape == g.shape("y")
+
+
+def test_softmax_axis_semantics_by_opset():
+    x = [2, 3, 4]
+    for opset, axis, reduced in ((11, 1, {"d1", "d2"}), (13, 1, {"d1"}), (11, 2, {"d2"}), (13, -1, {"d2"})):
+        m = _model([helper.make_node("Softmax", ["x"], ["y"], axis=axis)], [_vi("x", x)], [_vi("y", x)],
+                   opset=opset)
+        op = _capture(m).ops[0]
+        red = {d.name for d in op.nest.dims if d.role is Role.REDUCTION}
+        assert red == reduced, (opset, axis)
+        assert op.flops == 5 * 24
+
+
+def test_reduce_axes_attribute_and_input():
+    x = (3, 4, 5)
+    old = _model([helper.make_node("ReduceSum", ["x"], ["y"], axes=[1], keepdims=0)], [_vi("x", x)],
+                 [_vi("y", [3, 5])], opset=11)
+    new = _model([helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=0)], [_vi("x", x)],
+                 [_vi("y", [3, 5])], [numpy_helper.from_array(np.array([1], np.int64), "axes")], opset=18)
+    for m in (old, new):
+        op = _capture(m).ops[0]
+        assert op.kind is OpKind.REDUCE and op.flops == 60
+        assert [d.role for d in op.nest.dims] == [Role.PARALLEL, Role.REDUCTION, Role.PARALLEL]
+
+
+def test_losses_and_embedding():
+    N, C, V, E = 6, 5, 11, 4
+    nodes = [helper.make_node("Gather", ["emb", "ids"], ["e"], axis=0),
+             helper.make_node("Gemm", ["e", "w"], ["logits"], transB=1),
+             helper.make_node("SoftmaxCrossEntropyLoss", ["logits", "labels"], ["loss"]),
+             helper.make_node("LogSoftmax", ["logits"], ["lp"], axis=1),
+             helper.make_node("NegativeLogLikelihoodLoss", ["lp", "labels"], ["nll"], reduction="sum")]
+    m = _model(nodes, [_vi("ids", [N], TensorProto.INT64), _vi("labels", [N], TensorProto.INT64)],
+               [_vi("loss", []), _vi("nll", [])], [_init("emb", (V, E)), _init("w", (C, E))])
+    g = _capture(m)
+    assert [op.kind for op in g.ops] == [OpKind.EMBEDDING, OpKind.CONTRACTION, OpKind.LOSS, OpKind.SOFTMAX,
+                                         OpKind.LOSS]
+    assert g.param_count() == V * E + C * E
+    assert g.ops[0].flops == 0 and g.ops[1].flops == 2 * N * E * C
+
+
+def test_unknown_op_is_opaque_and_warned():
+    nodes = [helper.make_node("Relu", ["x"], ["r"]),
+             helper.make_node("FancyOp", ["r"], ["f"], domain="com.example"),
+             helper.make_node("TopK", ["f", "k"], ["vals", "idx"], axis=-1)]
+    m = _model(nodes, [_vi("x", [2, 8])], [_vi("vals", [2, 3]), _vi("idx", [2, 3], TensorProto.INT64)],
+               [numpy_helper.from_array(np.array([3], np.int64), "k")])
+    m.opset_import.append(helper.make_opsetid("com.example", 1))
+    m.graph.value_info.append(_vi("f", [2, 8]))
+    with pytest.warns(OpaqueOpWarning, match=r"2 op\(s\) kept opaque.*FancyOp"):
+        g = capture_onnx(m)
+    assert [op.target for op in g.ops] == ["Relu", "com.example.FancyOp", "TopK"]
+    fancy, topk = g.ops[1], g.ops[2]
+    assert fancy.is_opaque and fancy.flops == 16 and fancy.opaque_reason
+    assert topk.is_opaque and topk.flops == 2 * 3 + 2 * 3
+    assert g.flops() == 16 + 16 + 12
+
+
+# ------------------------------------------------------------------------------------------
+# loop nests executed point by point against onnxruntime
+
+
+def _execute(nest: LoopNest, inputs: list[np.ndarray], out_shape: tuple[int, ...], *,
+             combine: str = "copy") -> np.ndarray:
+    """Run a single-statement data-movement (or max-pool) nest: out[w(p)] = in0[r(p)] for every point p."""
+    (st,) = nest.statements
+    ext = nest.extents
+    out = np.full(out_shape, -np.inf if combine == "max" else 0, dtype=np.float64)
+    read = st.reads[0]
+    src = inputs[int(read.operand[2:])]
+    for pt in itertools.product(*(range(ext[d]) for d in st.dims)):
+        env = dict(zip(st.dims, pt))
+        if any(c.eval(env) < 0 for c in st.constraints):
+            continue
+        ri = tuple(e.eval(env) for e in read.index)
+        wi = tuple(e.eval(env) for e in st.writes[0].index)
+        inside = all(0 <= i < s for i, s in zip(ri, src.shape))
+        v = src[ri] if inside else (-np.inf if combine == "max" else 0.0)
+        out[wi] = max(out[wi], v) if combine == "max" else v
+    return out
+
+
+@pytest.mark.parametrize("node,shape,inits", [
+    (helper.make_node("Slice", ["x", "st", "en", "ax", "sp"], ["y"]), (5, 6, 7),
+     {"st": [4, 1], "en": [0, 100], "ax": [0, 2], "sp": [-2, 3]}),
+    (helper.make_node("Slice", ["x", "st", "en"], ["y"]), (5, 6), {"st": [-3], "en": [-1]}),
+    (helper.make_node("Pad", ["x", "pads"], ["y"]), (3, 4), {"pads": [1, -1, 2, 2]}),
+    (helper.make_node("Tile", ["x", "reps"], ["y"]), (2, 3), {"reps": [3, 2]}),
+    (helper.make_node("Transpose", ["x"], ["y"], perm=[2, 0, 1]), (2, 3, 4), {}),
+    (helper.make_node("Reshape", ["x", "shape"], ["y"]), (2, 3, 4), {"shape": [0, -1, 2]}),
+    (helper.make_node("Expand", ["x", "shape"], ["y"]), (3, 1), {"shape": [2, 3, 4]}),
+    (helper.make_node("Gather", ["x", "i"], ["y"], axis=1), (3, 4, 2), {"i": 2}),
+    (helper.make_node("Flatten", ["x"], ["y"], axis=2), (2, 3, 4, 5), {}),
+    (helper.make_node("Unsqueeze", ["x", "ax"], ["y"]), (3, 4), {"ax": [0, 3]}),
+])
+def test_view_nests_reproduce_onnxruntime(node, shape, inits):
+    ints = [numpy_helper.from_array(np.asarray(v, np.int64), k) for k, v in inits.items()]
+    m = _model([node], [_vi("x", list(shape))], [_vi("y", None)], ints)
+    x = RNG.standard_normal(shape).astype(np.float32)
+    (ref,) = _ort(m, {"x": x})
+    g = _capture(m)
+    (op,) = g.ops
+    assert op.kind is OpKind.VIEW and op.flops == 0
+    np.testing.assert_allclose(_execute(op.nest, [x], g.shape("y")), ref, rtol=1e-6)
+
+
+@pytest.mark.parametrize("attrs", [
+    {"kernel_shape": [3, 3], "strides": [2, 2], "ceil_mode": 1},
+    {"kernel_shape": [2, 3], "strides": [2, 2], "pads": [1, 0, 0, 1], "ceil_mode": 1},
+    {"kernel_shape": [3, 2], "auto_pad": "SAME_UPPER", "strides": [2, 1]},
+    {"kernel_shape": [2, 2], "dilations": [2, 1]},
+])
+def test_max_pool_nest_reproduces_onnxruntime(attrs):
+    m = _model([helper.make_node("MaxPool", ["x"], ["y"], **attrs)], [_vi("x", [1, 2, 7, 6])], [_vi("y", None)])
+    x = RNG.standard_normal((1, 2, 7, 6)).astype(np.float32)
+    (ref,) = _ort(m, {"x": x})
+    g = _capture(m)
+    assert g.shape("y") == ref.shape
+    np.testing.assert_allclose(_execute(g.ops[0].nest, [x], ref.shape, combine="max"), ref, rtol=1e-6)
+
+
+def test_concat_and_split_cover_their_outputs():
+    nodes = [helper.make_node("Concat", ["a", "b"], ["c"], axis=1),
+             helper.make_node("Split", ["c", "sizes"], ["p", "q", "r"], axis=1)]
+    m = _model(nodes, [_vi("a", [2, 3]), _vi("b", [2, 5])], [_vi("p", None), _vi("q", None), _vi("r", None)],
+               [numpy_helper.from_array(np.array([1, 4, 3], np.int64), "sizes")])
+    g = _capture(m)
+    assert [op.kind for op in g.ops] == [OpKind.CONCAT, OpKind.SPLIT]
+    assert [g.shape(t) for t in "pqr"] == [(2, 1), (2, 4), (2, 3)]
+
+
+def test_gather_with_index_tensor_reads_any_row():
+    m = _model([helper.make_node("Gather", ["x", "i"], ["y"], axis=1)],
+               [_vi("x", [3, 4, 5]), _vi("i", [2, 6], TensorProto.INT64)], [_vi("y", None)])
+    op = _capture(m).ops[0]
+    assert op.kind is OpKind.GATHER
+    (st,) = op.nest.statements
+    assert st.reads[0].index[1] is ANY and all(isinstance(e, AffineExpr) for e in st.writes[0].index)
+
+
+# ------------------------------------------------------------------------------------------
+# dynamic dims and bad input
+
+
+def test_dynamic_dim_needs_a_value():
+    m = _attention_block(2, 7, 16, 4)
+    with pytest.raises(CaptureError, match=r"graph input 'x' has a dynamic dim 'batch'.*dim_values"):
+        capture_onnx(m)
+    assert capture_onnx(m, dim_values={"batch": 3}).shape("y") == (3, 7, 16)
+    assert capture_onnx(m, input_shapes={"x": [5, 7, 16]}).shape("y") == (5, 7, 16)
+
+
+def test_anonymous_dynamic_dim_named_by_input_and_axis():
+    m = _model([helper.make_node("Relu", ["x"], ["y"])], [_vi("x", [None, 4])], [_vi("y", [None, 4])])
+    with pytest.raises(CaptureError, match=r"'x:0'"):
+        capture_onnx(m)
+    assert capture_onnx(m, dim_values={"x:0": 6}).shape("y") == (6, 4)
+
+
+def test_input_without_shape():
+    vi = helper.make_tensor_value_info("x", F, None)
+    m = _model([helper.make_node("Relu", ["x"], ["y"])], [vi], [_vi("y", None)])
+    with pytest.raises(CaptureError, match=r"graph input 'x' has no shape.*input_shapes"):
+        capture_onnx(m)
+
+
+@pytest.fixture()
+def mlp_file(tmp_path: Path) -> Path:
+    nodes = [helper.make_node("Gemm", ["x", "w", "b"], ["y"], transB=1)]
+    m = _model(nodes, [_vi("x", [2, 64])], [_vi("y", [2, 32])], [_init("w", (32, 64)), _init("b", (32,))])
+    p = tmp_path / "mlp.onnx"
+    onnx.save(m, p)
+    return p
+
+
+def test_path_and_pp_capture_dispatch(mlp_file: Path):
+    g = pp.capture(str(mlp_file))
+    assert g.name == "m" and g.param_count() == 32 * 64 + 32
+    assert pp.capture(mlp_file).flops() == g.flops() == 2 * 2 * 64 * 32 + 2 * 32
+
+
+def test_not_onnx_file(tmp_path: Path):
+    p = tmp_path / "notes.onnx"
+    p.write_text("this is a text file, not a model\n" * 20)
+    with pytest.raises(CaptureError, match=r"notes\.onnx.*not (a readable|a complete) ONNX model"):
+        capture_onnx(p)
+
+
+def test_truncated_file(mlp_file: Path, tmp_path: Path):
+    data = mlp_file.read_bytes()
+    for cut in (len(data) // 2, len(data) - 7, 40):
+        p = tmp_path / f"cut{cut}.onnx"
+        p.write_bytes(data[:cut])
+        with pytest.raises(CaptureError, match=r"truncated"):
+            capture_onnx(p)
+
+
+def test_empty_and_missing_files(tmp_path: Path):
+    (tmp_path / "empty.onnx").write_bytes(b"")
+    with pytest.raises(CaptureError, match="is empty"):
+        capture_onnx(tmp_path / "empty.onnx")
+    with pytest.raises(CaptureError, match="does not exist"):
+        capture_onnx(tmp_path / "nope.onnx")
+
+
+def test_external_weights_are_not_read(tmp_path: Path):
+    """Only initializer shapes are needed: the side file of the weights may even be gone."""
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"])]
+    m = _model(nodes, [_vi("x", [2, 300])], [_vi("y", [2, 400])], [_init("w", (300, 400))])
+    onnx.save(m, tmp_path / "big.onnx", save_as_external_data=True, location="big.bin", size_threshold=1024)
+    (tmp_path / "big.bin").unlink()
+    g = capture_onnx(tmp_path / "big.onnx")
+    assert g.param_count() == 300 * 400 and g.flops() == 2 * 2 * 300 * 400
