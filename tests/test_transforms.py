@@ -1,0 +1,607 @@
+"""Transforms: canonicalisation and fusion checked by executing loop nests, blocks and balance by brute force.
+
+The reference interpreter below runs a graph by iterating every statement's domain
+with numpy: it reads operands through the statement's affine accesses (out-of-bounds
+reads are zero padding), applies the op's function, and writes through the write
+accesses. Canonicalisation and fusion rewrite the accesses, never the data, so the
+graph outputs must stay the same to rounding.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from polyparallel.frontends import GraphBuilder
+
+from polyparallel import ops
+from polyparallel.ir import ANY, Graph, OpKind, TensorKind
+from polyparallel.transforms import (
+    Block,
+    balance,
+    canonicalize,
+    find_repeated_blocks,
+    fuse_elementwise,
+    history,
+    layer_chain,
+    partition,
+)
+from polyparallel.transforms import _best_repeat as best_repeat
+
+# -- reference interpreter ----------------------------------------------------------------------------
+
+_MAP = {
+    "add": lambda *x: sum(x),
+    "sub": lambda a, b: a - b,
+    "mul": lambda *x: math.prod(x),
+    "relu": lambda a: np.maximum(a, 0),
+    "neg": lambda a: -a,
+    "tanh": np.tanh,
+    "gelu": lambda a: 0.5 * a * (1 + np.tanh(0.8 * a)),
+    "dropout": lambda a: a,
+    "clone": lambda a: a,
+    "contiguous": lambda a: a,
+    "_to_copy": lambda a: a,
+}
+_ACCUMULATE = {"mac", "bias", "reduce", "pool"}
+
+
+def _short(target: str) -> str:
+    parts = target.split(".")
+    return parts[1] if parts[0] == "aten" else parts[-1]
+
+
+def _index(acc, env, n):
+    assert ANY not in acc.index, "the reference interpreter has no data-dependent indices"
+    return [np.full(n, x.const, dtype=np.int64) + sum((c * env[d] for d, c in x.terms), np.zeros(n, np.int64))
+            for x in acc.index]
+
+
+def run(graph: Graph, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """Execute the graph's loop nests; returns the graph outputs in order."""
+    vals = dict(feeds)
+    for op in graph.ops:
+        if not op.outputs:  # an assertion: no effect on values
+            continue
+        assert op.nest is not None, f"interpreter cannot run opaque op {op.name}"
+        arrays = {f"in{i}": vals[t] for i, t in enumerate(op.inputs)}
+        arrays.update({f"out{i}": np.zeros(graph.shape(t)) for i, t in enumerate(op.outputs)})
+        for st in op.nest.statements:
+            ext = [op.nest.dim(d).extent for d in st.dims]
+            grid = np.meshgrid(*[np.arange(e) for e in ext], indexing="ij")
+            env = {d: g.ravel() for d, g in zip(st.dims, grid)}
+            n = math.prod(ext)
+            keep = np.ones(n, bool)
+            for c in st.constraints:
+                keep &= c.const + sum((k * env[d] for d, k in c.terms), np.zeros(n, np.int64)) >= 0
+            env = {d: v[keep] for d, v in env.items()}
+            n = int(keep.sum())
+            reads = []
+            for acc in st.reads:
+                arr = arrays[acc.operand]
+                idx = _index(acc, env, n)
+                ok = np.ones(n, bool)
+                for i, e in zip(idx, arr.shape):
+                    ok &= (i >= 0) & (i < e)
+                v = np.zeros(n)
+                v[ok] = arr[tuple(i[ok] for i in idx)]
+                reads.append(v)
+            fn, _, base = st.name.rpartition(".")
+            if base == "copy":
+                val = reads[0]
+            elif base == "map":
+                val = _MAP[fn or _short(op.target)](*reads)
+            elif base in ("mac", "bias", "reduce", "pool"):
+                val = math.prod(reads)
+            else:
+                raise AssertionError(f"no reference semantics for statement {st.name} of {op.target}")
+            for acc in st.writes:
+                if acc.operand not in arrays:  # a temporary: sized by its largest index
+                    hi = [max(int(i.max()) + 1, 1) for i in _index(acc, env, n)] if n else []
+                    arrays[acc.operand] = np.zeros(hi)
+                idx = tuple(_index(acc, env, n))
+                if base in _ACCUMULATE:
+                    np.add.at(arrays[acc.operand], idx, val)
+                else:
+                    arrays[acc.operand][idx] = val
+        for i, t in enumerate(op.outputs):
+            vals[t] = arrays[f"out{i}"]
+    return [vals[t] for t in graph.outputs]
+
+
+class Net:
+    """A few lines per test graph on top of GraphBuilder."""
+
+    def __init__(self, name: str = "t") -> None:
+        self.b = GraphBuilder(name, "test")
+        self.n = 0
+
+    def input(self, shape, name=None) -> str:
+        t = self.b.tensor(name or f"x{len(self.b.graph.inputs)}", shape, kind=TensorKind.INPUT)
+        self.b.graph.inputs.append(t)
+        return t
+
+    def param(self, shape, name) -> str:
+        return self.b.tensor(name, shape, kind=TensorKind.PARAM)
+
+    def op(self, kind, target, inputs, shape, nest, dtype="float32", module="", **attrs) -> str:
+        self.n += 1
+        out = self.b.tensor(f"v{self.n}", shape, dtype=dtype)
+        self.b.op(target.split(".")[-1], kind, target, inputs, [out], (lambda: nest) if nest else None,
+                  attrs=attrs, module=module)
+        return out
+
+    def shape(self, t):
+        return self.b.graph.shape(t)
+
+    # view and compute helpers: shapes are inferred from the builders
+    def view(self, target, x, nest) -> str:
+        return self.op(OpKind.VIEW, f"aten.{target}", [x], self._out(nest), nest)
+
+    @staticmethod
+    def _out(nest) -> tuple[int, ...]:
+        w = nest.statements[0].writes[0]
+        return tuple(max(x.eval({d: nest.dim(d).extent - 1 for d in x.dims}) + 1, 1) for x in w.index)
+
+    def permute(self, x, perm):
+        return self.view("permute", x, ops.permute(self.shape(x), perm))
+
+    def reshape(self, x, shape):
+        return self.view("reshape", x, ops.reshape(self.shape(x), shape))
+
+    def ew(self, target, *xs, dtype="float32", **attrs):
+        shapes = [self.shape(x) for x in xs]
+        out = ops.broadcast_shapes(*shapes)
+        nest = ops.elementwise(out, shapes, flops=ops.flops_per_element(target))
+        return self.op(OpKind.ELEMENTWISE, f"aten.{target}", list(xs), out, nest, dtype=dtype, **attrs)
+
+    def linear(self, x, w, bias=None, module=""):
+        xs, ws = self.shape(x), self.shape(w)
+        nest = ops.linear(xs, ws, self.shape(bias) if bias else None)
+        return self.op(OpKind.CONTRACTION, "aten.linear", [x, w] + ([bias] if bias else []),
+                       (*xs[:-1], ws[0]), nest, module=module)
+
+    def matmul(self, a, b):
+        from polyparallel.ops._contraction import matmul
+        sa, sb = self.shape(a), self.shape(b)
+        out = (*ops.broadcast_shapes(sa[:-2], sb[:-2]), sa[-2], sb[-1])
+        return self.op(OpKind.CONTRACTION, "aten.matmul", [a, b], out, matmul(sa, sb))
+
+    def conv1d(self, x, w, padding):
+        xs, ws = self.shape(x), self.shape(w)
+        out = (xs[0], ws[0], ops.out_extent(xs[2], ws[2], 1, padding, padding, 1))
+        return self.op(OpKind.CONV, "aten.conv1d", [x, w], out, ops.conv(xs, ws, padding=padding))
+
+    def done(self, *outputs) -> Graph:
+        self.b.graph.outputs.extend(outputs)
+        return self.b.finish()
+
+
+def feeds_for(g: Graph, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {n: rng.standard_normal(t.shape) for n, t in g.tensors.items() if t.kind is not TensorKind.ACTIVATION}
+
+
+def check_canonical(g: Graph) -> Graph:
+    """canonicalize(g) keeps outputs, FLOPs of kept ops, parameters; never mutates g."""
+    before = g.to_json()
+    c = canonicalize(g)
+    assert g.to_json() == before, "canonicalize mutated its input"
+    c.validate()
+    rec = history(c)[-1]
+    dropped = set(rec.dropped)
+    assert c.param_count() == g.param_count()
+    compute = lambda graph, skip=(): sum(op.flops for op in graph.ops if op.kind is not OpKind.VIEW  # noqa: E731
+                                         and op.name not in skip)
+    assert compute(c) == compute(g, dropped)
+    f = feeds_for(g)
+    for x, y in zip(run(g, f), run(c, f), strict=True):
+        np.testing.assert_allclose(y, x, rtol=1e-12, atol=1e-12)
+    return c
+
+
+def views(g: Graph) -> list[str]:
+    return [op.name for op in g.ops if op.kind is OpKind.VIEW]
+
+
+# -- canonicalize --------------------------------------------------------------------------------------
+
+
+def test_permute_folds_into_linear():
+    n = Net()
+    x, w = n.input((2, 4, 3)), n.param((5, 4), "w")
+    y = n.linear(n.permute(x, (0, 2, 1)), w)
+    c = check_canonical(n.done(y))
+    assert views(c) == [] and history(c)[-1].folded == ("permute",)
+    assert c.ops[0].inputs[0] == x
+
+
+def test_split_reshape_permute_chain_into_attention_scores():
+    n = Net()
+    q, k = n.input((2, 4, 6)), n.input((2, 4, 6))
+    heads = lambda t: n.permute(n.reshape(t, (2, 4, 2, 3)), (0, 2, 1, 3))  # noqa: E731
+    kt = n.permute(heads(k), (0, 1, 3, 2))
+    s = n.matmul(heads(q), kt)
+    c = check_canonical(n.done(s))
+    assert views(c) == []
+    assert c.ops[0].inputs == (q, k)
+
+
+def test_merge_reshape_splits_the_consumer_dim():
+    n = Net()
+    a, w = n.input((2, 2, 4, 3)), n.param((5, 6), "w")
+    merged = n.reshape(n.permute(a, (0, 2, 1, 3)), (2, 4, 6))
+    y = n.linear(merged, w)
+    c = check_canonical(n.done(y))
+    assert views(c) == [] and history(c)[-1].split_dims == 1
+    lin = c.ops[0]
+    assert lin.nest.flops() == 2 * 2 * 4 * 5 * 6
+    assert {d.name: d.extent for d in lin.nest.dims if d.name.startswith("k")} == {"k_0": 2, "k_1": 3}
+
+
+def test_expand_select_and_unsqueeze_fold():
+    n = Net()
+    x, bias = n.input((3, 4, 5)), n.input((1, 5))
+    row = n.view("select", x, ops.select((3, 4, 5), 1, 2))  # [3, 5]
+    y = n.ew("add", row, n.view("expand", bias, ops.expand((1, 5), (3, 5))))
+    z = n.ew("mul", n.reshape(y, (3, 1, 5)), n.input((3, 4, 5)))
+    c = check_canonical(n.done(z))
+    assert views(c) == []
+
+
+def test_slice_folds_when_reads_stay_in_bounds():
+    n = Net()
+    x = n.input((2, 7))
+    s = n.view("slice", x, ops.slice_((2, 7), 1, 1, 6, 2))  # columns 1, 3, 5
+    c = check_canonical(n.done(n.ew("relu", s)))
+    assert views(c) == []
+
+
+def test_slice_under_conv_padding_is_kept():
+    # conv pads the sliced tensor with zeros; reading the unsliced input there would read data
+    n = Net()
+    x, w = n.input((1, 2, 8)), n.param((3, 2, 3), "w")
+    s = n.view("slice", x, ops.slice_((1, 2, 8), 2, 2, 6))
+    c = check_canonical(n.done(n.conv1d(s, w, padding=1)))
+    assert views(c) == ["slice"]
+    assert "zero padding" in history(c)[-1].kept[0][1]
+
+
+def test_pad_folds_into_padded_conv():
+    n = Net()
+    x, w = n.input((1, 2, 5)), n.param((3, 2, 3), "w")
+    p = n.view("pad", x, ops.pad((1, 2, 5), [(0, 0), (0, 0), (2, 1)]))
+    c = check_canonical(n.done(n.conv1d(n.permute(n.permute(p, (0, 2, 1)), (0, 2, 1)), w, padding=1)))
+    assert views(c) == []
+    assert c.ops[0].inputs[0] == x
+
+
+@pytest.mark.filterwarnings("ignore::polyparallel.frontends.OpaqueOpWarning")
+def test_noops_dropped_and_consumers_rewired():
+    n = Net()
+    x = n.input((3, 4))
+    a = n.ew("clone", x)
+    b = n.ew("dropout", a, p=0.0, train=True)
+    live = n.ew("dropout", b, p=0.5, train=True)  # a real dropout stays
+    d = n.ew("_to_copy", live, dtype="float32")
+    e = n.reshape(d, (3, 4))
+    n.b.op("assert", OpKind.OPAQUE, "aten._assert_tensor_metadata.default", [e], [], None)
+    y = n.ew("relu", e)
+    cast = n.ew("_to_copy", y, dtype="float16")  # a real cast stays
+    g = n.done(y, cast)
+    c = canonicalize(g)
+    rec = history(c)[-1]
+    assert set(rec.dropped) == {"clone", "dropout", "_to_copy", "reshape", "assert"}
+    assert [op.target for op in c.ops] == ["aten.dropout", "aten.relu", "aten._to_copy"]
+    assert c.ops[0].inputs == (x,) and c.ops[1].inputs == c.ops[0].outputs
+    f = feeds_for(g)
+    for u, v in zip(run(g, f), run(c, f)):
+        np.testing.assert_allclose(u, v)
+
+
+@pytest.mark.filterwarnings("ignore::polyparallel.frontends.OpaqueOpWarning")
+def test_view_feeding_graph_output_or_opaque_consumer_stays():
+    n = Net()
+    x, w = n.input((2, 4, 3)), n.param((5, 4), "w")
+    t = n.permute(x, (0, 2, 1))
+    y = n.linear(t, w)
+    z = n.op(OpKind.OPAQUE, "aten.weird", [t], (2, 3, 4), None)
+    g = n.done(y, z)
+    c = canonicalize(g)
+    assert views(c) == ["permute"]
+    lin = next(op for op in c.ops if op.kind is OpKind.CONTRACTION)
+    assert lin.inputs[0] == x  # the foldable consumer reads the source anyway
+
+
+def _random_view_chain(rng, n: Net, x: str) -> str:
+    for _ in range(int(rng.integers(2, 6))):
+        s = n.shape(x)
+        kind = rng.choice(["permute", "split", "merge", "slice", "pad", "expand"])
+        if kind == "permute":
+            x = n.permute(x, tuple(rng.permutation(len(s))))
+        elif kind == "split":
+            ax = [i for i, e in enumerate(s) if e % 2 == 0]
+            if ax:
+                i = int(rng.choice(ax))
+                x = n.reshape(x, (*s[:i], 2, s[i] // 2, *s[i + 1:]))
+        elif kind == "merge" and len(s) > 2:
+            i = int(rng.integers(0, len(s) - 1))
+            x = n.reshape(x, (*s[:i], s[i] * s[i + 1], *s[i + 2:]))
+        elif kind == "slice":
+            i = int(rng.integers(0, len(s)))
+            if s[i] > 2:
+                x = n.view("slice", x, ops.slice_(s, i, 1, s[i], int(rng.integers(1, 3))))
+        elif kind == "pad":
+            i = int(rng.integers(0, len(s)))
+            pads = [(0, 0)] * len(s)
+            pads[i] = (int(rng.integers(0, 3)), int(rng.integers(0, 2)))
+            x = n.view("pad", x, ops.pad(s, pads))
+        elif kind == "expand":
+            x = n.reshape(x, (1, *s))
+            x = n.view("expand", x, ops.expand((1, *s), (2, *s)))
+    return x
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_view_chains_keep_values(seed):
+    rng = np.random.default_rng(seed)
+    n = Net()
+    x = n.input((4, 6, 2))
+    v = _random_view_chain(rng, n, x)
+    s = n.shape(v)
+    w = n.param((3, s[-1]), "w")
+    y = n.linear(v, w)
+    if len(s) >= 3:  # a padded conv over the last axis exercises zero-padding exactness
+        lead = math.prod(s[:-2])
+        r = n.reshape(v, (lead, s[-2], s[-1])) if len(s) > 3 else v
+        k = n.param((2, s[-2], 3), "k")
+        c = n.conv1d(r, k, padding=1)
+        g = n.done(y, c)
+    else:
+        g = n.done(y)
+    check_canonical(g)
+
+
+# -- fusion --------------------------------------------------------------------------------------------
+
+
+def _mlp(n: Net, x: str, i: int) -> str:
+    w1, b1 = n.param((8, 4), f"w1_{i}"), n.param((8,), f"b1_{i}")
+    w2 = n.param((4, 8), f"w2_{i}")
+    h = n.ew("gelu", n.ew("add", n.linear(x, w1), b1))
+    return n.ew("add", n.linear(h, w2), x)  # residual
+
+
+def test_fusion_absorbs_bias_gelu_and_residual():
+    n = Net()
+    x = n.input((2, 3, 4))
+    g = n.done(_mlp(n, x, 0))
+    f = fuse_elementwise(g)
+    assert [op.kind for op in f.ops] == [OpKind.CONTRACTION, OpKind.CONTRACTION]
+    assert f.flops() == g.flops()
+    assert dict(history(f)[-1].fused) == {"linear": ("add", "gelu"), "linear_1": ("add_1",)}
+    assert f.ops[0].attr["fused"] == ("aten.add", "aten.gelu")
+    assert f.bytes_moved() < g.bytes_moved()
+    fe = feeds_for(g)
+    np.testing.assert_allclose(run(f, fe)[0], run(g, fe)[0], rtol=1e-12)
+
+
+def test_fusion_respects_other_readers_and_late_operands():
+    n = Net()
+    x = n.input((3, 4))
+    w = n.param((4, 4), "w")
+    y = n.linear(x, w)
+    a = n.ew("relu", y)
+    b = n.ew("neg", y)  # y has two readers: neither may absorb the linear's output
+    late = n.linear(x, w)  # produced after the first linear...
+    z = n.ew("add", n.ew("add", a, b), late)  # ...and read by an op fusable into relu's chain
+    g = n.done(z)
+    f = fuse_elementwise(g)
+    f.validate()
+    assert any(op.name == "linear" and "fused" not in op.attr for op in f.ops)
+    fe = feeds_for(g)
+    np.testing.assert_allclose(run(f, fe)[0], run(g, fe)[0], rtol=1e-12)
+    assert f.flops() == g.flops()
+
+
+def test_fusion_after_canonicalize_through_reshaped_output():
+    # linear on a flattened [B*S, K] input, reshaped back: the bias add reads [S*b + s, n]
+    n = Net()
+    x, w = n.input((2, 3, 4)), n.param((5, 4), "w")
+    y = n.reshape(n.linear(n.reshape(x, (6, 4)), w), (2, 3, 5))
+    z = n.ew("relu", n.ew("add", y, n.param((5,), "bias")))
+    g = n.done(z)
+    c = check_canonical(g)
+    f = fuse_elementwise(c)
+    assert len(f.ops) == 1 and f.flops() == c.flops()
+    fe = feeds_for(g)
+    np.testing.assert_allclose(run(f, fe)[0], run(g, fe)[0], rtol=1e-12)
+
+
+# -- repeated blocks -----------------------------------------------------------------------------------
+
+
+def tiny_transformer(layers: int, *, modules: bool = True, odd: int | None = None, B=2, S=4, D=8, H=2) -> Graph:
+    """Embedding, ``layers`` pre-norm decoder layers, final norm and head (ops only, no numerics)."""
+    n = Net("tiny")
+    ids = n.input((B, S), "ids")
+    wte = n.param((16, D), "wte")
+    x = n.op(OpKind.EMBEDDING, "aten.embedding", [wte, ids], (B, S, D), ops.embedding((16, D), (B, S)),
+             module="wte" if modules else "")
+    for i in range(layers):
+        m = (lambda s, i=i: f"h.{i}.{s}") if modules else (lambda s: "")
+        ln = lambda t, nm, m=m, i=i: n.op(OpKind.NORM, "aten.layer_norm",  # noqa: E731
+                                          [t, n.param((D,), f"{nm}w{i}"), n.param((D,), f"{nm}b{i}")],
+                                          (B, S, D), ops.layer_norm((B, S, D), (D,)), module=m(nm))
+        h = ln(x, "ln1")
+        qkv = n.linear(h, n.param((3 * D, D), f"qkv{i}"), n.param((3 * D,), f"qkvb{i}"), module=m("attn.qkv"))
+        parts = []
+        for j in range(3):
+            s = n.view("slice", qkv, ops.slice_((B, S, 3 * D), 2, j * D, (j + 1) * D))
+            parts.append(n.permute(n.reshape(s, (B, S, H, D // H)), (0, 2, 1, 3)))
+        att = n.op(OpKind.ATTENTION, "aten.scaled_dot_product_attention", parts, (B, H, S, D // H),
+                   ops.attention(*(n.shape(p) for p in parts), causal=True), module=m("attn"))
+        o = n.reshape(n.permute(att, (0, 2, 1, 3)), (B, S, D))
+        x = n.ew("add", x, n.linear(o, n.param((D, D), f"proj{i}"), module=m("attn.proj")))
+        hidden = 4 * D if i != odd else 2 * D
+        f1 = n.linear(ln(x, "ln2"), n.param((hidden, D), f"fc{i}"), module=m("mlp.fc"))
+        x = n.ew("add", x, n.linear(n.ew("gelu", f1), n.param((D, hidden), f"out{i}"), module=m("mlp.proj")))
+    y = n.op(OpKind.NORM, "aten.layer_norm", [x, n.param((D,), "lnfw"), n.param((D,), "lnfb")], (B, S, D),
+             ops.layer_norm((B, S, D), (D,)), module="ln_f" if modules else "")
+    return n.done(n.linear(y, wte, module="head" if modules else ""))
+
+
+@pytest.mark.parametrize("modules", [True, False])
+def test_blocks_of_identical_layers(modules):
+    g = tiny_transformer(4, modules=modules)
+    per_layer = (len(g.ops) - 3) // 4
+    assert find_repeated_blocks(g) == [Block(1, per_layer, 4, find_repeated_blocks(g)[0].key)]
+    b = find_repeated_blocks(g)[0]
+    if modules:
+        assert {op.module.split(".")[1] for op in b.ops(g, 2) if op.module} == {"2"}
+    sigs = [[g.signature(op) for op in b.ops(g, m)] for m in range(4)]
+    assert all(s == sigs[0] for s in sigs)
+    # the final norm has the same signature as a layer's first norm: the phase is still right
+    assert g.signature(g.ops[b.stop]) == g.signature(g.ops[b.start])
+
+
+def test_blocks_survive_canonicalize_and_fusion():
+    g = tiny_transformer(3)
+    for h in (canonicalize(g), fuse_elementwise(canonicalize(g))):
+        (b,) = find_repeated_blocks(h)
+        assert b.count == 3 and b.start == 1 and b.stop == len(h.ops) - 2
+
+
+def test_one_different_layer_breaks_the_run():
+    g = tiny_transformer(6, odd=2)
+    blocks = find_repeated_blocks(g)
+    L = (len(g.ops) - 3) // 6
+    assert [(b.start, b.length, b.count) for b in blocks] == [(1, L, 2), (1 + 3 * L, L, 3)]
+    assert blocks[0].key == blocks[1].key
+
+
+def brute_best_coverage(a: list[int], min_len: int, min_count: int) -> int:
+    best = 0
+    n = len(a)
+    for start in range(n):
+        for p in range(min_len, n + 1):
+            k = 1
+            while start + (k + 1) * p <= n and a[start + k * p:start + (k + 1) * p] == a[start:start + p]:
+                k += 1
+            if k >= min_count:
+                best = max(best, k * p)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_tandem_repeat_search_matches_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(4, 30))
+    a = list(rng.integers(0, int(rng.integers(2, 4)), n))
+    if seed % 2:  # plant a repeat
+        blk = list(rng.integers(0, 3, int(rng.integers(2, 5))))
+        a = a[: n // 3] + blk * int(rng.integers(2, 5)) + a[n // 3:]
+    found = best_repeat(np.array(a), 0, len(a), 2, 2)
+    want = brute_best_coverage(a, 2, 2)
+    assert (found[3] if found else 0) == want
+    if found:
+        s, p, _, cover = found
+        assert all(a[s + i] == a[s + i % p] for i in range(cover))
+
+
+# -- balance -------------------------------------------------------------------------------------------
+
+
+def brute_partition(x, k):
+    n = len(x)
+    best = math.inf
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        b = (0, *cuts, n)
+        best = min(best, max(sum(x[u:v]) for u, v in itertools.pairwise(b)))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_partition_is_optimal(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 10))
+    k = int(rng.integers(1, n + 1))
+    x = [int(v) for v in rng.integers(0, 20, n)] if seed % 3 else [int(v) for v in rng.integers(0, 2, n)]
+    cuts, best = partition(x, k)
+    assert best == brute_partition(x, k)
+    assert len(cuts) == k + 1 and cuts[0] == 0 and cuts[-1] == n
+    assert all(u < v for u, v in itertools.pairwise(cuts))
+    assert max(sum(x[u:v]) for u, v in itertools.pairwise(cuts)) == best
+
+
+def test_partition_rejects_bad_input():
+    with pytest.raises(ValueError, match="non-empty part"):
+        partition([1, 2], 3)
+    with pytest.raises(ValueError, match="non-negative"):
+        partition([1, -2], 1)
+
+
+def test_balance_prefers_block_boundaries():
+    g = tiny_transformer(4)
+    (b,) = find_repeated_blocks(g)
+    cost = lambda op: float(op.flops)  # noqa: E731
+    segs = balance(g, 4, cost)
+    assert segs[0].start == 0 and segs[-1].stop == len(g.ops)
+    assert all(s.stop == t.start for s, t in itertools.pairwise(segs))
+    bounds = {r.start for r in b.instances} | {b.stop}
+    assert all(s.stop in bounds or s.stop == len(g.ops) or s.stop <= b.start for s in segs)
+    x = [cost(op) for op in g.ops]
+    op_opt = partition(x, 4)[1]
+    assert max(s.cost for s in segs) <= 1.05 * op_opt
+    exact = balance(g, 4, cost, tolerance=0.0)
+    assert max(s.cost for s in exact) == pytest.approx(op_opt)
+    with pytest.raises(ValueError, match="segment"):
+        balance(g, len(g.ops) + 1, cost)
+
+
+def test_layer_chain_covers_the_graph_with_one_key_per_layer():
+    g = fuse_elementwise(canonicalize(tiny_transformer(5)))
+    chain = layer_chain(g)
+    assert chain[0].start == 0 and chain[-1].stop == len(g.ops)
+    assert all(a.stop == b.start for a, b in itertools.pairwise(chain))
+    body = [L for L in chain if L.block is not None]
+    assert len(body) == 5 and len({L.key for L in body}) == 1
+    assert [L.instance for L in body] == list(range(5))
+
+
+def test_layer_chain_without_blocks_is_balanced():
+    n = Net()
+    x = n.input((4, 8))
+    for i in range(12):
+        x = n.ew("relu", n.linear(x, n.param((8, 8), f"w{i}")))
+    g = n.done(x)
+    chain = layer_chain(g, lambda op: float(op.flops), blocks=[], target_layers=4)
+    assert len(chain) == 4 and {L.cost for L in chain} == {chain[0].cost}
+
+
+# -- end to end on a captured model --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_gpt2_capture_has_three_blocks():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import polyparallel as pp
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=16, use_cache=False)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    g = pp.capture(model, (torch.randint(0, 64, (2, 8)),))
+    for h in (g, canonicalize(g), fuse_elementwise(canonicalize(g))):
+        h.validate()
+        (b,) = find_repeated_blocks(h)
+        assert b.count == 3
+        assert {op.module.split(".")[2] for op in b.ops(h, 1) if op.module.startswith("transformer.h.")} == {"1"}
+    c = canonicalize(g)
+    rec = history(c)[-1]
+    assert c.param_count() == g.param_count()
+    assert c.flops() == sum(op.flops for op in g.ops if op.name not in rec.dropped)
+    assert not [op for op in c.ops if op.kind is OpKind.VIEW and op.module.startswith("transformer.h.")]
+    assert len(layer_chain(fuse_elementwise(c))) >= 5
