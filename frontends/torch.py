@@ -517,6 +517,11 @@ def _named_args(target: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
         return out
     try:
         sig = inspect.signature(target)
+        if all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in sig.parameters.values()):
+            # a dispatch wrapper such as F.max_pool2d: bind with the ATen schema of the same name
+            aten = _aten_for(_base_name(target)[0])
+            if aten is not None and hasattr(aten, "default"):
+                return _named_args(aten.default, args, kwargs)
         bound = sig.bind_partial(*args, **kwargs)
         return dict(bound.arguments)
     except (TypeError, ValueError):
@@ -735,9 +740,14 @@ def _leaf_args(mod: torch.nn.Module, x: Any) -> tuple[str, dict[str, Any]] | Non
 def _fx(model: torch.nn.Module, args: tuple, kwargs: dict, name: str) -> Graph:
     from torch.fx.passes.shape_prop import ShapeProp
 
-    gm = torch.fx.symbolic_trace(model, concrete_args=None)
-    flat = list(args) + list(kwargs.values())
-    ShapeProp(gm).propagate(*flat)
+    # forward parameters the caller did not give are fixed to their defaults, so that
+    # `if labels is None:` branches are traced the way the example call takes them
+    sig = inspect.signature(model.forward)
+    bound = sig.bind_partial(*args, **kwargs)
+    concrete = {n: p.default for n, p in sig.parameters.items()
+                if n not in bound.arguments and p.default is not inspect.Parameter.empty}
+    gm = torch.fx.symbolic_trace(model, concrete_args=concrete or None)
+    ShapeProp(gm).propagate(*[bound.arguments[n] for n in sig.parameters if n in bound.arguments])
     gb = GraphBuilder(name, "torch.fx")
     w = _Walker(gb)
     graph = gb.graph
