@@ -14,9 +14,9 @@ import math
 
 import numpy as np
 import pytest
-from polyparallel.frontends import GraphBuilder
 
 from polyparallel import ops
+from polyparallel.frontends import GraphBuilder
 from polyparallel.ir import ANY, Graph, OpKind, TensorKind
 from polyparallel.transforms import (
     Block,
@@ -420,6 +420,21 @@ def test_fusion_after_canonicalize_through_reshaped_output():
     np.testing.assert_allclose(run(f, fe)[0], run(g, fe)[0], rtol=1e-12)
 
 
+def test_fusion_of_a_consumer_whose_dims_were_split():
+    # relu reads the linear's [2, 3, 5] output merged to [6, 5]: canonicalize splits relu's
+    # row dim in two, so relu writes out0[3*d0_0 + d0_1, d1]; fusion must keep that write
+    n = Net()
+    x, w = n.input((2, 3, 4)), n.param((5, 4), "w")
+    y = n.ew("relu", n.reshape(n.linear(x, w), (6, 5)))
+    g = n.done(y)
+    c = check_canonical(g)
+    assert history(c)[-1].split_dims == 1
+    f = fuse_elementwise(c)
+    assert len(f.ops) == 1 and f.shape(f.outputs[0]) == (6, 5)
+    fe = feeds_for(g)
+    np.testing.assert_allclose(run(f, fe)[0], run(g, fe)[0], rtol=1e-12)
+
+
 # -- repeated blocks -----------------------------------------------------------------------------------
 
 
@@ -601,6 +616,8 @@ def test_gpt2_capture_has_three_blocks():
         assert {op.module.split(".")[2] for op in b.ops(h, 1) if op.module.startswith("transformer.h.")} == {"1"}
     c = canonicalize(g)
     rec = history(c)[-1]
+    again = history(canonicalize(c))[-1]
+    assert (again.dropped, again.folded, again.split_dims) == ((), (), 0)  # idempotent
     assert c.param_count() == g.param_count()
     assert c.flops() == sum(op.flops for op in g.ops if op.name not in rec.dropped)
     assert not [op for op in c.ops if op.kind is OpKind.VIEW and op.module.startswith("transformer.h.")]
