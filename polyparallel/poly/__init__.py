@@ -1,0 +1,99 @@
+"""The polyhedral model: legal splits and exact communication volumes from integer sets.
+
+Every op's loop nest (:mod:`polyparallel.ir`) becomes isl sets (iteration domains) and
+maps (accesses). A :class:`Placement` block-distributes loop dims over the axes of a
+:class:`DeviceMesh`; from it the model derives which splits are legal, what each device
+computes, holds and must receive, and the collectives that move it — with exact counts,
+cached by op signature x placement so repeated layers cost nothing.
+
+Licence: the project is MIT, so it uses plain ``islpy`` (MIT). ``islpy-barvinok``
+(GPL, parametric ``card``) is not used: counts are exact for concrete shapes (unions of
+boxes and progressions counted in closed form, isl for the rest; see :mod:`._isl`).
+
+API:
+    ``legal_placements(graph, op, mesh) -> list[Placement]``
+    ``comm_of_op(graph, op, placement, mesh) -> OpComm`` (partial-sum reductions inside
+    the op, partial outputs, parameter-gradient all-reduces)
+    ``output_layout(graph, op, placement, mesh)`` / ``operand_need(graph, op, placement,
+    mesh, "in0") -> Distribution``
+    ``reshard(have, need, mesh) -> Reshard`` (steps: kind, mesh axes, exact elements)
+    ``reshard_edge(graph, tensor, producer_placement, consumer, consumer_placement, mesh)``
+    ``cache_stats()`` hit rates.
+
+Examples:
+    Megatron's column-then-row-parallel MLP: nothing moves between the two matmuls, and
+    the output needs one all-reduce:
+
+    >>> from polyparallel import ops
+    >>> from polyparallel.ir import Graph, Op, OpKind, TensorSpec, TensorKind
+    >>> from polyparallel.poly import DeviceMesh, Placement, TensorLayout, output_layout, operand_need, reshard
+    >>> g = Graph("mlp")
+    >>> for name, shape, kind in [("x", (4, 8, 16), "input"), ("w1", (64, 16), "param"),
+    ...                           ("h", (4, 8, 64), "activation"), ("w2", (16, 64), "param"),
+    ...                           ("y", (4, 8, 16), "activation")]:
+    ...     _ = g.add_tensor(TensorSpec(name, shape, kind=TensorKind(kind)))
+    >>> fc1 = g.add_op(Op("fc1", OpKind.CONTRACTION, "linear", ("x", "w1"), ("h",),
+    ...                   ops.linear((4, 8, 16), (64, 16))))
+    >>> fc2 = g.add_op(Op("fc2", OpKind.CONTRACTION, "linear", ("h", "w2"), ("y",),
+    ...                   ops.linear((4, 8, 64), (16, 64))))
+    >>> mesh = DeviceMesh.of(tp=4)
+    >>> col, row = Placement.parse("n:tp"), Placement.parse("k:tp")
+    >>> reshard(output_layout(g, fc1, col, mesh), operand_need(g, fc2, row, mesh, "in0"), mesh).kind
+    'none'
+    >>> r = reshard(output_layout(g, fc2, row, mesh), TensorLayout.replicated((4, 8, 16)), mesh)
+    >>> r.kind, r.steps[0].payload       # all-reduce of the whole output activation
+    ('all-reduce', 512)
+"""
+
+from __future__ import annotations
+
+from ._cache import CACHE, PolyCache, cache_stats, clear_cache
+from ._comm import (
+    Collective,
+    Distribution,
+    OpComm,
+    Reshard,
+    Step,
+    TensorLayout,
+    comm_of_op,
+    layout_distribution,
+    operand_need,
+    output_layout,
+    reshard,
+    reshard_edge,
+)
+from ._isl import ISL_TIME, access_map, count, domain_set, footprint_set
+from ._mesh import DeviceMesh, MeshAxis
+from ._placement import IllegalPlacement, Placement, check_placement, dim_split_kind, legal_placements, padding_of
+
+__all__ = [
+    "CACHE",
+    "ISL_TIME",
+    "Collective",
+    "DeviceMesh",
+    "Distribution",
+    "IllegalPlacement",
+    "MeshAxis",
+    "OpComm",
+    "Placement",
+    "PolyCache",
+    "Reshard",
+    "Step",
+    "TensorLayout",
+    "access_map",
+    "cache_stats",
+    "check_placement",
+    "clear_cache",
+    "comm_of_op",
+    "count",
+    "dim_split_kind",
+    "domain_set",
+    "footprint_set",
+    "layout_distribution",
+    "legal_placements",
+    "operand_need",
+    "output_layout",
+    "padding_of",
+    "reshard",
+    "reshard_edge",
+]

@@ -1,0 +1,598 @@
+"""Exact communication: what each device holds and needs, collectives inside an op, resharding.
+
+Notation: device ``p``; ``H_T(p)`` the elements of tensor ``T`` that the producer's
+placement leaves on ``p`` (its write footprint); ``N_T(p)`` the consumer's read
+footprint. The data ``p`` must receive is ``N_T(p) \\ H_T(p)``, counted exactly
+(``|N| - |N ∩ H|``, products of per-axis progressions, isl where that is not closed-form).
+
+**Inside an op** (:func:`comm_of_op`): a statement that reduces a split dim leaves
+partial sums on the mesh axes of that dim. Into a temporary (softmax/norm statistics,
+attention scores) it needs an all-reduce of ``p``'s block of the temporary before the
+statements that read it; into an output it leaves the output *Partial* on those axes
+for the reshard to finish. For training, a parameter read by a statement that iterates
+split dims absent from the parameter's index gets partial gradients on their mesh axes:
+an all-reduce of ``p``'s block of the parameter (data parallel: the parameter count).
+
+**Resharding** (:func:`reshard`): the route from a producer's distribution to a
+consumer's need, one mesh axis at a time, for a block layout ``H`` and need ``N``
+(``h(a)``/``n(a)``: the tensor axis that ``H``/``N`` splits on mesh axis ``a``):
+
+1. partial on ``a``: reduce-scatter onto ``n(a)`` when ``N`` splits along ``a``,
+   all-reduce otherwise;
+2. ``h(a) = -``, ``n(a) = j``: local slice (free);
+3. ``h(a) = i``, ``n(a) = j != i``: all-to-all over ``a``;
+4. ``h(a) = i``, ``n(a) = -``: all-gather over ``a``;
+5. what ``N(p)`` still lacks after that is a **halo** when ``N`` extends ``p``'s block
+   along the same mesh axes (convolution windows), else **p2p** (irregular needs).
+
+Each step is priced exactly as the elements ``p`` gains: ``|B'(p) \\ B(p)|`` for
+gathers, all-to-all and halos, ``(n-1)|B'(p)|`` for a reduce-scatter over ``n`` devices
+(``p`` receives its shard from every peer) and ``2(n-1)ceil(|B(p)|/n)`` for a ring
+all-reduce. A route of several steps is the multi-step reshard; ``direct_elements`` is
+the exact lower bound ``max_p |N(p) \\ H(p)|`` a single point-to-point exchange needs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import islpy as isl
+import numpy as np
+
+from polyparallel.ir import ANY, DTYPE_BYTES, Graph, LoopNest, Op, Shape, TensorKind
+
+from ._cache import CACHE
+from ._footprint import Prog, Region, dim_bounds, index_prog, layout_region, operand_region
+from ._isl import count, footprint_set, tensor_box
+from ._mesh import DeviceMesh
+from ._placement import Placement, check_placement, dim_split_kind, padding_of
+
+__all__ = [
+    "Collective",
+    "Distribution",
+    "OpComm",
+    "Reshard",
+    "Step",
+    "TensorLayout",
+    "comm_of_op",
+    "operand_need",
+    "output_layout",
+    "reshard",
+    "reshard_edge",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorLayout:
+    """A block layout of a tensor: axis ``i`` split over mesh axes ``shards[i]``, Partial on ``partial``.
+
+    ``str`` is ``S(0)@dp,S(2)@tp,P@pp`` (``R`` when replicated); :meth:`dtensor` gives
+    DTensor's per-mesh-axis form.
+
+    Examples:
+        >>> lay = TensorLayout((8, 16), (("dp",), ()), partial=("tp",))
+        >>> str(lay), lay.dtensor(DeviceMesh.of(dp=2, tp=2))
+        ('S(0)@dp,P@tp', ('S(0)', 'P'))
+    """
+
+    shape: Shape
+    shards: tuple[tuple[str, ...], ...]
+    partial: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.shards) != len(self.shape):
+            raise ValueError(f"layout of shape {list(self.shape)} needs {len(self.shape)} shard entries, "
+                             f"got {len(self.shards)}")
+        used = [a for s in self.shards for a in s] + list(self.partial)
+        if len(set(used)) != len(used):
+            raise ValueError(f"layout {self}: a mesh axis is used twice")
+
+    @classmethod
+    def replicated(cls, shape: Sequence[int]) -> TensorLayout:
+        return cls(tuple(shape), tuple(() for _ in shape))
+
+    @classmethod
+    def sharded(cls, shape: Sequence[int], partial: Sequence[str] = (), **axis_by_mesh: int) -> TensorLayout:
+        """``TensorLayout.sharded((8, 16), dp=0, tp=1)``: mesh axis -> tensor axis."""
+        shards: list[list[str]] = [[] for _ in shape]
+        for a, i in axis_by_mesh.items():
+            shards[i].append(a)
+        return cls(tuple(shape), tuple(tuple(s) for s in shards), tuple(partial))
+
+    def dtensor(self, mesh: DeviceMesh) -> tuple[str, ...]:
+        out = []
+        for a in mesh.names:
+            i = next((i for i, s in enumerate(self.shards) if a in s), None)
+            out.append("P" if a in self.partial else "R" if i is None else f"S({i})")
+        return tuple(out)
+
+    def __str__(self) -> str:
+        parts = [f"S({i})@{'+'.join(s)}" for i, s in enumerate(self.shards) if s]
+        if self.partial:
+            parts.append(f"P@{'+'.join(self.partial)}")
+        return ",".join(parts) or "R"
+
+
+@dataclass(frozen=True, eq=False)
+class Distribution:
+    """What every device holds (a producer) or needs (a consumer) of one tensor.
+
+    ``deps[i]``: mesh axes the footprint along tensor axis ``i`` depends on (outermost
+    first); ``block[i]``: the footprint along ``i`` is exactly the block distribution
+    over ``deps[i]``; ``layout``: the :class:`TensorLayout` when every axis is a block.
+    """
+
+    shape: Shape
+    mesh: DeviceMesh
+    region: Region
+    deps: tuple[tuple[str, ...], ...]
+    block: tuple[bool, ...]
+    partial: tuple[str, ...]
+    key: tuple
+    isl_of: Callable[[int], isl.Set] = field(repr=False)
+
+    @property
+    def layout(self) -> TensorLayout | None:
+        if not all(self.block) or len(_unique_pieces(self.region)) != 1:
+            return None
+        return TensorLayout(self.shape, self.deps, self.partial)
+
+    def counts(self) -> np.ndarray:
+        """Exact elements on each device."""
+        c, bad = self.region.counts()
+        for p in np.nonzero(bad)[0]:
+            c[p] = count(self.isl_of(int(p)))
+        return c
+
+    def common(self, other: Distribution) -> np.ndarray:
+        """Exact ``|self(p) ∩ other(p)|`` for each device ``p``."""
+        c, bad = self.region.intersect_counts(other.region)
+        for p in np.nonzero(bad)[0]:
+            c[p] = count(self.isl_of(int(p)).intersect(other.isl_of(int(p))))
+        return c
+
+    def missing(self, have: Distribution) -> np.ndarray:
+        """Exact ``|self(p) \\ have(p)|``: what ``p`` must receive."""
+        return self.counts() - self.common(have)
+
+    def __str__(self) -> str:
+        lay = self.layout
+        return str(lay) if lay is not None else f"irregular{[list(d) for d in self.deps]}"
+
+
+def _unique_pieces(region: Region) -> list:
+    uniq: list = []
+    for p in region.pieces:
+        if not any(all(a.same(b) for a, b in zip(p, q)) for q in uniq):
+            uniq.append(p)
+    return uniq
+
+
+def layout_distribution(layout: TensorLayout, mesh: DeviceMesh) -> Distribution:
+    """The :class:`Distribution` of a block layout."""
+    for a in [x for s in layout.shards for x in s] + list(layout.partial):
+        mesh.axis(a)
+
+    def make() -> Distribution:
+        region = layout_region(layout.shape, layout.shards, mesh)
+
+        def isl_of(p: int) -> isl.Set:
+            idx = [f"i{j}" for j in range(len(layout.shape))]
+            cons = []
+            for j, s in enumerate(layout.shards):
+                lo, hi = mesh.bounds(layout.shape[j], s)
+                cons.append(f"{int(lo[p])} <= i{j} < {int(hi[p])}")
+            return isl.Set(f"{{ T[{', '.join(idx)}] : {' and '.join(cons) or 'true'} }}")
+
+        return Distribution(tuple(layout.shape), mesh, region, layout.shards,
+                            tuple(True for _ in layout.shape), layout.partial,
+                            ("layout", layout, mesh), isl_of)
+
+    return CACHE.get("distribution", ("layout", layout, mesh), make)
+
+
+def _signature(graph: Graph | None, op: Op) -> str:
+    if graph is not None:
+        return graph.signature(op)
+    return hashlib.blake2b(repr(op.nest).encode(), digest_size=12).hexdigest()
+
+
+def _operand_shape(graph: Graph, op: Op, operand: str) -> Shape:
+    name = op.operand_name(operand)
+    if name is None:
+        raise ValueError(f"op {op.name!r} has no operand {operand!r} (inputs {list(op.inputs)}, "
+                         f"outputs {list(op.outputs)})")
+    return graph.shape(name)
+
+
+def _op_distribution(graph: Graph, op: Op, placement: Placement, mesh: DeviceMesh, operand: str,
+                     writes: bool) -> Distribution:
+    key = ("op", _signature(graph, op), placement, mesh, operand, writes)
+
+    def make() -> Distribution:
+        shape = _operand_shape(graph, op, operand)
+        nest = op.nest
+        if nest is None:
+            region = layout_region(shape, tuple(() for _ in shape), mesh)
+            return Distribution(shape, mesh, region, tuple(() for _ in shape), tuple(True for _ in shape), (),
+                                key, lambda p: tensor_box("T", shape))
+        check_placement(nest, placement, mesh, op=op.name)
+        bounds = dim_bounds(nest, placement, mesh)
+        region = operand_region(nest, operand, shape, bounds, writes=writes)
+        deps: list[list[str]] = [[] for _ in shape]
+        for _st, acc, is_write in nest.accesses(operand):
+            if is_write != writes:
+                continue
+            for j, e in enumerate(acc.index):
+                if e is ANY:
+                    continue
+                for d, _c in sorted(e.terms, key=lambda t: -abs(t[1])):
+                    for a in placement.axes_of(d):
+                        if a not in deps[j]:
+                            deps[j].append(a)
+        block = []
+        for j, n in enumerate(shape):
+            expect = Prog.interval(*mesh.bounds(n, tuple(deps[j])))
+            block.append(bool(region.pieces) and all(pc[j].same(expect) for pc in region.pieces))
+        partial = _partial_axes(nest, placement, operand) if writes else ()
+
+        def isl_of(p: int) -> isl.Set:
+            b = {d: (int(lo[p]), int(hi[p])) for d, (lo, hi) in bounds.items()}
+            return footprint_set(nest, operand, shape, b, writes=writes).set_tuple_name("T")
+
+        return Distribution(tuple(shape), mesh, region, tuple(tuple(d) for d in deps), tuple(block), partial,
+                            key, isl_of)
+
+    return CACHE.get("distribution", key, make)
+
+
+def _partial_axes(nest: LoopNest, placement: Placement, operand: str) -> tuple[str, ...]:
+    axes: list[str] = []
+    for st in nest.statements:
+        if not any(w.operand == operand for w in st.writes):
+            continue
+        for d in st.reduction_dims():
+            axes += [a for a in placement.axes_of(d) if a not in axes]
+    return tuple(axes)
+
+
+def output_layout(graph: Graph, op: Op, placement: Placement, mesh: DeviceMesh, index: int = 0) -> Distribution:
+    """What ``op`` under ``placement`` leaves on each device of output ``index`` (with Partial axes)."""
+    return _op_distribution(graph, op, placement, mesh, f"out{index}", True)
+
+
+def operand_need(graph: Graph, op: Op, placement: Placement, mesh: DeviceMesh, operand: str) -> Distribution:
+    """What ``op`` under ``placement`` reads of input ``operand`` (``in0``, ``in1``, ...) on each device."""
+    return _op_distribution(graph, op, placement, mesh, operand, False)
+
+
+# -- resharding -------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One collective of a reshard route.
+
+    ``elements``: max over devices of the elements a device receives in it (exact, see
+    the module docstring); ``total``: summed over devices; ``payload``: max per-device
+    buffer the collective operates on; ``group``: devices per collective group.
+    """
+
+    kind: str  # all-reduce | reduce-scatter | all-gather | all-to-all | halo | p2p
+    axes: tuple[str, ...]
+    tensor_axis: int | None
+    elements: int
+    total: int
+    payload: int
+    group: int
+
+    def __str__(self) -> str:
+        on = f" dim {self.tensor_axis}" if self.tensor_axis is not None else ""
+        return f"{self.kind}[{'+'.join(self.axes)}]{on}: {self.elements} el/device"
+
+
+@dataclass(frozen=True, slots=True)
+class Reshard:
+    """Cost of moving a tensor from a producer's distribution to a consumer's need."""
+
+    have: str
+    need: str
+    steps: tuple[Step, ...]
+    direct_elements: int
+    dtype_bytes: int
+
+    @property
+    def kind(self) -> str:
+        return "+".join(s.kind for s in self.steps) or "none"
+
+    @property
+    def elements(self) -> int:
+        """Elements received per device along the route (sum over steps of the per-step maximum)."""
+        return sum(s.elements for s in self.steps)
+
+    @property
+    def volume_bytes_per_device(self) -> int:
+        return self.elements * self.dtype_bytes
+
+    def __str__(self) -> str:
+        route = "; ".join(map(str, self.steps)) or "nothing to move"
+        return f"{self.have} -> {self.need}: {route}"
+
+
+def _as_distribution(x: Distribution | TensorLayout, mesh: DeviceMesh) -> Distribution:
+    return x if isinstance(x, Distribution) else layout_distribution(x, mesh)
+
+
+def reshard(have: Distribution | TensorLayout, need: Distribution | TensorLayout, mesh: DeviceMesh, *,
+            dtype_bytes: int = 4) -> Reshard:
+    """Route and exact cost from ``have`` (a producer's output) to ``need`` (a consumer's read).
+
+    Examples:
+        >>> m = DeviceMesh.of(tp=4)
+        >>> r = reshard(TensorLayout((8, 16), ((), ()), ("tp",)), TensorLayout.replicated((8, 16)), m)
+        >>> r.kind, r.elements        # ring all-reduce: 2 (n-1) ceil(128 / n)
+        ('all-reduce', 192)
+    """
+    h, n = _as_distribution(have, mesh), _as_distribution(need, mesh)
+    if h.shape != n.shape:
+        raise ValueError(f"reshard between shapes {list(h.shape)} and {list(n.shape)}")
+    if n.partial:
+        raise ValueError(f"a consumer cannot need partial sums ({n})")
+    return CACHE.get("reshard", (h.key, n.key, mesh, dtype_bytes), lambda: _reshard(h, n, mesh, dtype_bytes))
+
+
+def _reshard(h: Distribution, n: Distribution, mesh: DeviceMesh, dtype_bytes: int) -> Reshard:
+    steps: list[Step] = []
+    direct = int(n.missing(h).max(initial=0))
+    lay = h.layout
+    if lay is None:
+        # an irregular producer: settle partial sums in place, then one exchange of what is missing
+        cur = h
+        for a in h.partial:
+            steps.append(_all_reduce(cur.counts(), a, mesh, None))
+        if direct:
+            miss = n.missing(h)
+            steps.append(Step("p2p", tuple(sorted({x for d in n.deps for x in d} | {x for d in h.deps for x in d})),
+                              None, direct, int(miss.sum()), int(n.counts().max()), 0))
+        return Reshard(str(h), str(n), tuple(steps), direct, dtype_bytes)
+
+    shards = [list(s) for s in lay.shards]
+    cur = h
+    need_axis = {a: i for i, d in enumerate(n.deps) for a in d}
+
+    def move(new_shards: list[list[str]], kind: str, axes: tuple[str, ...], axis: int | None) -> None:
+        nonlocal cur
+        nxt = layout_distribution(TensorLayout(h.shape, tuple(tuple(s) for s in new_shards)), mesh)
+        gained = nxt.missing(cur)
+        if kind != "slice":
+            steps.append(Step(kind, axes, axis, int(gained.max(initial=0)), int(gained.sum()),
+                              int(nxt.counts().max(initial=0)), mesh.group_size(axes)))
+        cur = nxt
+
+    # 1. partial sums: reduce-scatter onto the axis the consumer splits on that mesh axis, else all-reduce
+    if lay.partial:
+        cur = layout_distribution(TensorLayout(h.shape, lay.shards), mesh)
+    for a in lay.partial:
+        j = need_axis.get(a)
+        if j is not None:
+            new = [list(s) for s in shards]
+            new[j] = _ordered([*new[j], a], n.deps[j])
+            before = cur.counts()
+            nxt = layout_distribution(TensorLayout(h.shape, tuple(tuple(s) for s in new)), mesh)
+            mine = nxt.counts()
+            g = mesh.axis(a).size
+            steps.append(Step("reduce-scatter", (a,), j, int(((g - 1) * mine).max(initial=0)),
+                              int(((g - 1) * mine).sum()), int(before.max(initial=0)), g))
+            shards, cur = new, nxt
+        else:
+            steps.append(_all_reduce(cur.counts(), a, mesh, None))
+
+    have_axis = {a: i for i, s in enumerate(shards) for a in s}
+    # 2. free local slices first: they shrink every later message
+    for a in mesh.names:
+        if a not in have_axis and a in need_axis:
+            j = need_axis[a]
+            shards[j] = _ordered([*shards[j], a], n.deps[j])
+            move(shards, "slice", (a,), j)
+    # 3. all-to-all where the split moves to another tensor axis
+    for a in mesh.names:
+        if a in have_axis and a in need_axis and have_axis[a] != need_axis[a]:
+            i, j = have_axis[a], need_axis[a]
+            shards[i] = [x for x in shards[i] if x != a]
+            shards[j] = _ordered([*shards[j], a], n.deps[j])
+            move(shards, "all-to-all", (a,), j)
+    # 4. all-gather where the consumer does not split along the mesh axis
+    gather = [a for a in mesh.names if a in have_axis and a not in need_axis]
+    for i in sorted({have_axis[a] for a in gather}):
+        axes = tuple(a for a in gather if have_axis[a] == i)
+        shards[i] = [x for x in shards[i] if x not in axes]
+        move(shards, "all-gather", axes, i)
+    # 5. what is still missing: a halo along the same mesh axes, or an irregular exchange
+    left = n.missing(cur)
+    if int(left.max(initial=0)):
+        irregular = [i for i, b in enumerate(n.block) if not b]
+        halo = bool(irregular) and all(n.deps[i] and set(n.deps[i]) == set(shards[i]) for i in irregular)
+        axes = tuple(a for i in irregular for a in n.deps[i]) if halo else tuple(mesh.names)
+        steps.append(Step("halo" if halo else "p2p", axes, irregular[0] if len(irregular) == 1 else None,
+                          int(left.max()), int(left.sum()), int(n.counts().max(initial=0)),
+                          2 if halo else mesh.size))
+    return Reshard(str(h), str(n), tuple(steps), direct, dtype_bytes)
+
+
+def _ordered(axes: list[str], reference: Sequence[str]) -> list[str]:
+    ref = [a for a in reference if a in axes]
+    return ref + [a for a in axes if a not in ref]
+
+
+def _all_reduce(block: np.ndarray, axis: str, mesh: DeviceMesh, operand: str | None) -> Step:
+    g = mesh.axis(axis).size
+    recv = 2 * (g - 1) * (-(-block // g))
+    return Step("all-reduce", (axis,), None, int(recv.max(initial=0)), int(recv.sum()),
+                int(block.max(initial=0)), g)
+
+
+def reshard_edge(graph: Graph, tensor: str, producer_placement: Placement, consumer: Op,
+                 consumer_placement: Placement, mesh: DeviceMesh) -> list[Reshard]:
+    """Reshards of ``tensor`` from its producer (or a replicated graph input) into each of
+    ``consumer``'s operands that read it."""
+    prod = graph.producer(tensor)
+    if prod is None:
+        have: Distribution | TensorLayout = TensorLayout.replicated(graph.shape(tensor))
+    else:
+        have = output_layout(graph, prod, producer_placement, mesh, prod.outputs.index(tensor))
+    nbytes = DTYPE_BYTES.get(graph.tensors[tensor].dtype, 4)
+    out = []
+    for i, t in enumerate(consumer.inputs):
+        if t == tensor:
+            need = operand_need(graph, consumer, consumer_placement, mesh, f"in{i}")
+            out.append(reshard(have, need, mesh, dtype_bytes=nbytes))
+    return out
+
+
+# -- communication inside an op ---------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Collective:
+    """A collective an op needs by itself: ``operand`` block of ``payload`` elements over ``axes``."""
+
+    kind: str
+    axes: tuple[str, ...]
+    operand: str
+    payload: int
+    elements: int
+    dtype_bytes: int
+
+    @property
+    def bytes(self) -> int:
+        return self.elements * self.dtype_bytes
+
+    def __str__(self) -> str:
+        return f"{self.kind}[{'+'.join(self.axes)}] {self.operand}: {self.payload} el"
+
+
+@dataclass(frozen=True, slots=True)
+class OpComm:
+    """What an op needs under a placement, apart from resharding its inputs.
+
+    ``forward``: all-reduces of partial temporaries (statistics, scores) inside the op;
+    ``partial_outputs``: output -> mesh axes it is left Partial on; ``grad``: parameter
+    gradient all-reduces of the backward pass; ``split_kinds``: dim -> parallel |
+    normalised | reduction; ``padding``: padded elements per unevenly split dim;
+    ``points``: max over devices of the statement-domain points each device computes.
+    """
+
+    placement: Placement
+    forward: tuple[Collective, ...]
+    partial_outputs: tuple[tuple[str, tuple[str, ...]], ...]
+    grad: tuple[Collective, ...]
+    split_kinds: tuple[tuple[str, str], ...]
+    padding: tuple[tuple[str, int], ...]
+    flops: float
+
+    @property
+    def forward_bytes(self) -> int:
+        return sum(c.bytes for c in self.forward)
+
+    @property
+    def grad_bytes(self) -> int:
+        return sum(c.bytes for c in self.grad)
+
+
+def comm_of_op(graph: Graph, op: Op, placement: Placement, mesh: DeviceMesh) -> OpComm:
+    """Collectives ``op`` needs under ``placement`` (raises IllegalPlacement when it is not legal)."""
+    key = (_signature(graph, op), placement, mesh)
+    return CACHE.get("op_comm", key, lambda: _comm_of_op(graph, op, placement, mesh))
+
+
+def _comm_of_op(graph: Graph, op: Op, placement: Placement, mesh: DeviceMesh) -> OpComm:
+    nest = op.nest
+    check_placement(nest, placement, mesh, op=op.name)
+    if nest is None:
+        return OpComm(placement, (), (), (), (), (), float(op.flops))
+    out_dtype = graph.tensors[op.outputs[0]].dtype if op.outputs else "float32"
+    obytes = DTYPE_BYTES.get(out_dtype, 4)
+    bounds = dim_bounds(nest, placement, mesh)
+    ndev = mesh.size
+    forward: list[Collective] = []
+    partial: list[tuple[str, tuple[str, ...]]] = []
+    flops = np.zeros(ndev)
+    for st in nest.statements:
+        flops += _points(nest, st, bounds, ndev) * st.flops_per_point
+    for tmp in nest.operands():
+        if tmp.startswith(("in", "out")) and tmp[3 if tmp.startswith("out") else 2:].isdigit():
+            continue
+        axes = _partial_axes(nest, placement, tmp)
+        if axes:
+            shape = _temporary_shape(nest, tmp)
+            region = operand_region(nest, tmp, shape, bounds, writes=True)
+            block, bad = region.counts()
+            if bad.any():  # temporaries are written through plain dims; be exact anyway
+                for p in np.nonzero(bad)[0]:
+                    b = {d: (int(lo[p]), int(hi[p])) for d, (lo, hi) in bounds.items()}
+                    block[p] = count(footprint_set(nest, tmp, shape, b, writes=True))
+            for a in axes:
+                s = _all_reduce(block, a, mesh, tmp)
+                forward.append(Collective("all-reduce", (a,), tmp, s.payload, s.elements, obytes))
+    for i in range(len(op.outputs)):
+        axes = _partial_axes(nest, placement, f"out{i}")
+        if axes:
+            partial.append((f"out{i}", axes))
+    grad: list[Collective] = []
+    for i, t in enumerate(op.inputs):
+        spec = graph.tensors[t]
+        if spec.kind is not TensorKind.PARAM:
+            continue
+        operand = f"in{i}"
+        axes_l: list[str] = []
+        for st, acc, is_write in nest.accesses(operand):
+            if is_write:
+                continue
+            for d in st.dims:
+                if d not in acc.dims:
+                    axes_l += [a for a in placement.axes_of(d) if a not in axes_l]
+        if not axes_l:
+            continue
+        need = operand_need(graph, op, placement, mesh, operand)
+        block = need.counts()
+        g = mesh.group_size(axes_l)
+        recv = 2 * (g - 1) * (-(-block // g))
+        grad.append(Collective("all-reduce", tuple(axes_l), operand, int(block.max(initial=0)),
+                               int(recv.max(initial=0)), DTYPE_BYTES.get(spec.dtype, 4)))
+    kinds = tuple((d, dim_split_kind(nest, d)) for d in placement.dims)
+    pad = tuple(sorted(padding_of(nest, placement, mesh).items()))
+    return OpComm(placement, tuple(forward), tuple(partial), tuple(grad), kinds, pad, float(flops.max(initial=0)))
+
+
+def _temporary_shape(nest: LoopNest, tmp: str) -> Shape:
+    full = {d.name: (np.zeros(1, dtype=np.int64), np.full(1, d.extent, dtype=np.int64)) for d in nest.dims}
+    shape: list[int] | None = None
+    for _st, acc, _w in nest.accesses(tmp):
+        ext = []
+        for e in acc.index:
+            if e is ANY:
+                raise ValueError(f"temporary {tmp!r} is indexed by a data-dependent index")
+            p, _ = index_prog(e, full, 1)
+            ext.append(int(p.start[0] + p.step[0] * (p.n[0] - 1)) + 1)
+        shape = ext if shape is None else [max(a, b) for a, b in zip(shape, ext)]
+    return tuple(shape or ())
+
+
+def _points(nest: LoopNest, st, bounds, ndev: int) -> np.ndarray:
+    """Domain points of the statement on each device (exact; isl for constrained statements)."""
+    box = np.ones(ndev, dtype=np.int64)
+    for d in st.dims:
+        lo, hi = bounds[d]
+        box = box * np.maximum(hi - lo, 0)
+    if not st.constraints:
+        return box
+    from ._isl import domain_set
+
+    keys = np.stack([np.stack(bounds[d]) for d in st.dims]).reshape(-1, ndev).T
+    out = np.zeros(ndev, dtype=np.int64)
+    seen: dict[bytes, int] = {}
+    for p in range(ndev):
+        k = keys[p].tobytes()
+        if k not in seen:
+            b = {d: (int(bounds[d][0][p]), int(bounds[d][1][p])) for d in st.dims}
+            seen[k] = count(domain_set(nest, st, b))
+        out[p] = seen[k]
+    return out

@@ -1,0 +1,275 @@
+"""Exact footprints of all devices at once, vectorised over the mesh.
+
+For a block-distributed statement the share of device ``p`` is a box
+``lo_d(p) <= i_d < hi_d(p)`` cut by the statement's constraints. For the affine
+accesses of the IR each tensor axis ``j`` of the image is a one-dimensional set, and
+the footprint is their product, so counting is a product of one-dimensional counts:
+
+* **index sets.** ``f_j(i) = c + sum_k a_k i_k`` over independent intervals of length
+  ``L_k``. Taking the terms by increasing ``|a_k|``, the values form one arithmetic
+  progression of step ``g`` and ``n`` points as long as each next ``|a_k|`` is a
+  multiple of ``g`` and at most ``g * n`` (no gap opens); then
+  ``n <- n + (|a_k| / g) (L_k - 1)``. A stride-2 1x1 convolution gives step 2, a 3x3
+  one a contiguous interval; a dilated window over a single output row opens gaps and
+  is left to isl. ``ANY`` is the whole axis. Progressions are clipped to ``[0, N)``.
+* **constraints.** Affine constraints (a causal ``s - t >= 0``) are propagated into the
+  dims' bounds to a fixpoint; for difference constraints this gives the exact
+  projection of the domain onto each dim. An access that uses two dims linked by a
+  constraint has an image that is not a product (a triangle), and goes to isl.
+* **unions and intersections.** The footprint of an operand is the union of its
+  accesses' products; intersections of products are products of per-axis
+  intersections (interval with progression in closed form, two progressions of equal
+  step by congruence), and ``|U_i P_i|`` is inclusion-exclusion over the few pieces.
+
+Devices where some piece is not representable are flagged; :mod:`._comm` counts those
+devices with isl (:mod:`._isl`), exactly.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from polyparallel.ir import ANY, AffineExpr, LoopNest, Statement
+
+from ._mesh import DeviceMesh
+from ._placement import Placement
+
+__all__ = ["Prog", "Region", "dim_bounds", "operand_region", "statement_bounds"]
+
+Bounds = dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+@dataclass(frozen=True, eq=False)
+class Prog:
+    """Per-device arithmetic progressions ``start + step * [0, n)`` (arrays over devices)."""
+
+    start: np.ndarray
+    step: np.ndarray
+    n: np.ndarray
+
+    @staticmethod
+    def interval(lo: np.ndarray, hi: np.ndarray) -> Prog:
+        return Prog(lo, np.ones_like(lo), np.maximum(hi - lo, 0))
+
+    def normal(self) -> Prog:
+        # a progression of <= 1 point has no meaningful step; step 1 keeps intersections closed-form
+        step = np.where(self.n <= 1, 1, self.step)
+        start = np.where(self.n <= 0, 0, self.start)
+        return Prog(start, step, np.maximum(self.n, 0))
+
+    def clip(self, size: int) -> Prog:
+        return self.intersect(Prog.interval(np.zeros_like(self.start), np.full_like(self.start, size)))[0]
+
+    def same(self, other: Prog) -> bool:
+        a, b = self.normal(), other.normal()
+        return bool(np.array_equal(a.n, b.n) and np.array_equal(a.start, b.start) and np.array_equal(a.step, b.step))
+
+    def intersect(self, other: Prog) -> tuple[Prog, np.ndarray]:
+        """(intersection, per-device mask of devices where it is not closed-form)."""
+        a, b = self.normal(), other.normal()
+        # orient so that ``a`` is the one with the larger step
+        swap = b.step > a.step
+        a, b = (Prog(np.where(swap, b.start, a.start), np.where(swap, b.step, a.step), np.where(swap, b.n, a.n)),
+                Prog(np.where(swap, a.start, b.start), np.where(swap, a.step, b.step), np.where(swap, a.n, b.n)))
+        g = a.step
+        # b is an interval [bl, bh]: keep the terms of a inside it
+        bl, bh = b.start, b.start + (b.n - 1) * b.step
+        k0 = np.maximum(0, -((a.start - bl) // g))  # ceil((bl - start) / g)
+        k1 = np.minimum(a.n - 1, (bh - a.start) // g)
+        n_iv = np.maximum(k1 - k0 + 1, 0)
+        s_iv = a.start + k0 * g
+        # both strided with equal step: congruent starts intersect as a progression
+        congruent = ((a.start - b.start) % g) == 0
+        n_eq = np.where(congruent, n_iv, 0)
+        unsupported = (b.step > 1) & (b.step != a.step) & (a.n > 0) & (b.n > 0)
+        n = np.where(b.step == 1, n_iv, n_eq)
+        empty = (a.n <= 0) | (b.n <= 0)
+        n = np.where(empty, 0, n)
+        return Prog(s_iv, g, n).normal(), unsupported
+
+
+Product = tuple[Prog, ...]
+
+
+@dataclass(eq=False)
+class Region:
+    """A union of products of progressions per device, and the devices it cannot describe.
+
+    ``pieces`` is a list of products (one :class:`Prog` per tensor axis); ``fallback[p]``
+    marks devices whose set is not a union of such products (count them with isl).
+    """
+
+    shape: tuple[int, ...]
+    pieces: list[Product]
+    fallback: np.ndarray
+
+    def counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per-device exact point counts (inclusion-exclusion), and the not-closed-form mask."""
+        return _union_count(self.pieces, self.fallback.copy(), len(self.fallback))
+
+    def intersect_counts(self, other: Region) -> tuple[np.ndarray, np.ndarray]:
+        """Per-device ``|self ∩ other|`` and the devices that need isl."""
+        bad = self.fallback | other.fallback
+        pieces = []
+        for p, q in itertools.product(self.pieces, other.pieces):
+            prod, nb = _intersect_products(p, q)
+            bad |= nb
+            pieces.append(prod)
+        return _union_count(pieces, bad, len(bad))
+
+
+def _intersect_products(p: Product, q: Product) -> tuple[Product, np.ndarray]:
+    out, bad = [], np.zeros(len(p[0].n) if p else 0, dtype=bool)
+    for a, b in zip(p, q):
+        c, nb = a.intersect(b)
+        out.append(c)
+        bad |= nb
+    return tuple(out), bad
+
+
+def _product_count(p: Product, ndev: int) -> np.ndarray:
+    c = np.ones(ndev, dtype=np.int64)
+    for a in p:
+        c = c * np.maximum(a.n, 0)
+    return c
+
+
+def _union_count(pieces: list[Product], bad: np.ndarray, ndev: int) -> tuple[np.ndarray, np.ndarray]:
+    if not pieces:
+        return np.zeros(ndev, dtype=np.int64), bad
+    uniq: list[Product] = []
+    for p in pieces:
+        if not any(all(a.same(b) for a, b in zip(p, q)) for q in uniq):
+            uniq.append(p)
+    if len(uniq) > 6:
+        return np.zeros(ndev, dtype=np.int64), np.ones(ndev, dtype=bool)
+    total = np.zeros(ndev, dtype=np.int64)
+    for r in range(1, len(uniq) + 1):
+        for sub in itertools.combinations(uniq, r):
+            acc = sub[0]
+            for q in sub[1:]:
+                acc, nb = _intersect_products(acc, q)
+                bad = bad | nb
+            total += (-1) ** (r + 1) * _product_count(acc, ndev)
+    return total, bad
+
+
+def dim_bounds(nest: LoopNest, placement: Placement, mesh: DeviceMesh) -> Bounds:
+    """Per device ``[lo, hi)`` of every dim of the nest under the placement."""
+    out: Bounds = {}
+    for d in nest.dims:
+        out[d.name] = mesh.bounds(d.extent, placement.axes_of(d.name))
+    return out
+
+
+def statement_bounds(st: Statement, bounds: Bounds) -> tuple[Bounds, np.ndarray, np.ndarray, list[set[str]]]:
+    """Tighten the box by the statement's constraints.
+
+    Returns (bounds, empty, inexact, linked): ``empty[p]`` when the domain of ``p`` is
+    empty, ``inexact[p]`` when propagation is not known to be exact there (not a
+    difference constraint), and the groups of dims linked by constraints.
+    """
+    b = {d: (bounds[d][0].copy(), bounds[d][1].copy()) for d in st.dims}
+    ndev = len(next(iter(bounds.values()))[0]) if bounds else 1
+    inexact = np.zeros(ndev, dtype=bool)
+    linked: list[set[str]] = []
+    for c in st.constraints:
+        ds = set(c.dims)
+        merged = [g for g in linked if g & ds]
+        for g in merged:
+            linked.remove(g)
+            ds |= g
+        linked.append(ds)
+        coefs = [abs(k) for _, k in c.terms]
+        if len(c.terms) > 2 or any(k != 1 for k in coefs) or (len(c.terms) == 2 and
+                                                              c.terms[0][1] == c.terms[1][1]):
+            inexact[:] = True
+    for _ in range(len(st.constraints) * len(st.dims) + 1):
+        changed = False
+        for c in st.constraints:
+            for d, k in c.terms:
+                # k * x_d >= -const - max(sum of the other terms)
+                rest = np.full(ndev, c.const, dtype=np.int64)
+                for o, ko in c.terms:
+                    if o != d:
+                        lo, hi = b[o]
+                        rest = rest + np.where(ko > 0, ko * (hi - 1), ko * lo)
+                lo, hi = b[d]
+                if k > 0:
+                    new_lo = np.maximum(lo, -(rest // k))  # ceil(-rest / k)
+                    changed |= bool((new_lo != lo).any())
+                    b[d] = (new_lo, hi)
+                else:
+                    new_hi = np.minimum(hi, rest // (-k) + 1)
+                    changed |= bool((new_hi != hi).any())
+                    b[d] = (lo, new_hi)
+        if not changed:
+            break
+    empty = np.zeros(ndev, dtype=bool)
+    for d in st.dims:
+        empty |= b[d][1] <= b[d][0]
+    return b, empty, inexact, linked
+
+
+def index_prog(e: AffineExpr, b: Mapping[str, tuple[np.ndarray, np.ndarray]], ndev: int) -> tuple[Prog, np.ndarray]:
+    """The values of ``e`` over the box ``b`` as a progression per device, and where it is not one."""
+    start = np.full(ndev, e.const, dtype=np.int64)
+    step = np.ones(ndev, dtype=np.int64)
+    n = np.ones(ndev, dtype=np.int64)
+    bad = np.zeros(ndev, dtype=bool)
+    for d, a in sorted(e.terms, key=lambda t: abs(t[1])):
+        lo, hi = b[d]
+        length = np.maximum(hi - lo, 0)
+        start = start + np.where(a > 0, a * lo, a * (hi - 1))
+        aa = abs(a)
+        trivial = length <= 1
+        first = (n == 1) & ~trivial
+        fits = (aa % step == 0) & (aa <= step * n)
+        grow = ~trivial & ~first & fits
+        bad |= ~trivial & ~first & ~fits
+        n_new = np.where(first, length, np.where(grow, n + (aa // step) * (length - 1), n))
+        step = np.where(first, aa, step)
+        n = n_new
+    return Prog(start, step, n), bad
+
+
+def operand_region(nest: LoopNest, operand: str, shape: Sequence[int], bounds: Bounds, *,
+                   writes: bool | None = None) -> Region:
+    """Footprint of every device on ``operand`` (optionally only write or only read accesses)."""
+    ndev = len(next(iter(bounds.values()))[0]) if bounds else 1
+    pieces: list[Product] = []
+    fallback = np.zeros(ndev, dtype=bool)
+    for st, acc, is_write in nest.accesses(operand):
+        if writes is not None and is_write != writes:
+            continue
+        if len(acc.index) != len(shape):
+            raise ValueError(f"access {acc} has {len(acc.index)} indices but the tensor has shape {list(shape)}")
+        b, empty, inexact, linked = statement_bounds(st, bounds)
+        used = [set(e.dims) for e in acc.index if e is not ANY]
+        for g in linked:
+            touching = [u for u in used if u & g]
+            if len(touching) > 1 or any(len(u & g) > 1 for u in touching):
+                fallback[:] = True  # the image is not a product of projections
+            if touching:
+                fallback |= inexact
+        axes = []
+        for e, size in zip(acc.index, shape):
+            if e is ANY:
+                p = Prog.interval(np.zeros(ndev, dtype=np.int64), np.full(ndev, size, dtype=np.int64))
+            else:
+                p, bad = index_prog(e, b, ndev)
+                fallback |= bad
+                p = p.clip(size)
+            axes.append(Prog(p.start, p.step, np.where(empty, 0, p.n)).normal())
+        pieces.append(tuple(axes))
+    return Region(tuple(shape), pieces, fallback)
+
+
+def layout_region(shape: Sequence[int], shards: Sequence[Sequence[str]], mesh: DeviceMesh) -> Region:
+    """The block of every device under a block layout (tensor axis ``i`` split over ``shards[i]``)."""
+    axes = tuple(Prog.interval(*mesh.bounds(n, tuple(s))) for n, s in zip(shape, shards))
+    return Region(tuple(shape), [axes], np.zeros(mesh.size, dtype=bool))

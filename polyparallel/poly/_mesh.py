@@ -1,0 +1,169 @@
+"""Device meshes and block distributions of an extent over mesh axes.
+
+A mesh is a row-major grid of devices with named axes (``dp=4, tp=2``). Splitting an
+extent ``N`` over an ordered list of mesh axes ``(a_1, ..., a_k)`` (outermost first)
+is a *nested block distribution*: ``a_1`` cuts ``[0, N)`` into ``size(a_1)`` blocks,
+``a_2`` cuts each of those, and so on. Along one axis with integer weights
+``w_0..w_{n-1}`` (``W_c = w_0 + ... + w_{c-1}``, ``W = W_n``) the block of coordinate
+``c`` inside ``[lo, hi)`` is::
+
+    [lo + (hi - lo) * W_c // W,  lo + (hi - lo) * W_{c+1} // W)
+
+Equal weights give balanced blocks (sizes differ by at most one); weights ``3:1`` give
+the proportional split a heterogeneous center wants (speeds of its device types).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+__all__ = ["DeviceMesh", "MeshAxis"]
+
+
+@dataclass(frozen=True, slots=True)
+class MeshAxis:
+    """One named axis of a mesh, optionally with integer speed weights per coordinate."""
+
+    name: str
+    size: int
+    weights: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name.isidentifier():
+            raise ValueError(f"mesh axis name {self.name!r} must be an identifier (e.g. 'dp', 'tp')")
+        if self.size < 1:
+            raise ValueError(f"mesh axis {self.name!r} has size {self.size}; sizes are >= 1")
+        if self.weights is not None:
+            w = tuple(int(x) for x in self.weights)
+            if len(w) != self.size or min(w) < 1:
+                raise ValueError(f"mesh axis {self.name!r}: weights {list(self.weights)} must be "
+                                 f"{self.size} positive integers (one per coordinate, e.g. 3,1)")
+            object.__setattr__(self, "weights", None if len(set(w)) == 1 else w)
+
+    @property
+    def even(self) -> bool:
+        return self.weights is None
+
+    def cumulative(self) -> np.ndarray:
+        """``W_0 .. W_n`` (length ``size + 1``)."""
+        w = self.weights or (1,) * self.size
+        return np.concatenate([[0], np.cumsum(w)]).astype(np.int64)
+
+    def __str__(self) -> str:
+        w = f"[{':'.join(map(str, self.weights))}]" if self.weights else ""
+        return f"{self.name}={self.size}{w}"
+
+
+@dataclass(frozen=True)
+class DeviceMesh:
+    """A named, row-major grid of devices.
+
+    Args:
+        axes: the mesh axes, outermost first.
+        device_ids: global device ids in row-major order (default ``0..size-1``).
+
+    Examples:
+        >>> m = DeviceMesh.of(dp=2, tp=2, weights={"dp": (3, 1)})
+        >>> str(m), m.size
+        ('dp=2[3:1],tp=2', 4)
+        >>> lo, hi = m.bounds(8, ("dp",))
+        >>> lo.tolist(), hi.tolist()
+        ([0, 0, 6, 6], [6, 6, 8, 8])
+    """
+
+    axes: tuple[MeshAxis, ...]
+    device_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [a.name for a in self.axes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate mesh axis names {names}")
+        n = math.prod(a.size for a in self.axes)
+        if not self.device_ids:
+            object.__setattr__(self, "device_ids", tuple(range(n)))
+        elif len(self.device_ids) != n or len(set(self.device_ids)) != n:
+            raise ValueError(f"mesh {self} has {n} devices but {len(self.device_ids)} distinct device ids "
+                             "were given")
+
+    @classmethod
+    def of(cls, weights: Mapping[str, Sequence[int]] | None = None, device_ids: Sequence[int] = (),
+           **sizes: int) -> DeviceMesh:
+        """``DeviceMesh.of(dp=4, tp=2, weights={"dp": (3, 1, 3, 1)})``."""
+        weights = dict(weights or {})
+        unknown = set(weights) - set(sizes)
+        if unknown:
+            raise ValueError(f"weights given for unknown mesh axes {sorted(unknown)}; axes are {list(sizes)}")
+        return cls(tuple(MeshAxis(k, int(v), tuple(weights[k]) if k in weights else None)
+                         for k, v in sizes.items()), tuple(device_ids))
+
+    @classmethod
+    def parse(cls, text: str) -> DeviceMesh:
+        """Inverse of ``str``: ``"dp=2[3:1],tp=2"``."""
+        axes = []
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, _, rest = part.partition("=")
+            size, _, w = rest.partition("[")
+            if not size.isdigit():
+                raise ValueError(f"mesh {text!r}: expected NAME=SIZE or NAME=SIZE[w0:w1:...], got {part!r}")
+            weights = tuple(int(x) for x in w.rstrip("]").split(":")) if w else None
+            axes.append(MeshAxis(name.strip(), int(size), weights))
+        return cls(tuple(axes))
+
+    # -- queries ----------------------------------------------------------------------------
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.axes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(a.size for a in self.axes)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def even(self) -> bool:
+        return all(a.even for a in self.axes)
+
+    def axis(self, name: str) -> MeshAxis:
+        for a in self.axes:
+            if a.name == name:
+                return a
+        raise KeyError(f"mesh {self} has no axis {name!r}; axes are {list(self.names)}")
+
+    def index(self, name: str) -> int:
+        return self.names.index(self.axis(name).name)
+
+    @cached_property
+    def coords(self) -> np.ndarray:
+        """``coords[p, i]``: coordinate of device ``p`` (row-major) along axis ``i``."""
+        if not self.axes:
+            return np.zeros((1, 0), dtype=np.int64)
+        grids = np.meshgrid(*[np.arange(s) for s in self.shape], indexing="ij")
+        return np.stack([g.reshape(-1) for g in grids], axis=1).astype(np.int64)
+
+    def bounds(self, extent: int, axes: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Per device ``[lo, hi)`` of ``[0, extent)`` split over ``axes`` (outermost first)."""
+        lo = np.zeros(self.size, dtype=np.int64)
+        hi = np.full(self.size, extent, dtype=np.int64)
+        for name in axes:
+            ax = self.axis(name)
+            if ax.size == 1:
+                continue
+            cum = ax.cumulative()
+            c = self.coords[:, self.index(name)]
+            span = hi - lo
+            lo, hi = lo + span * cum[c] // cum[-1], lo + span * cum[c + 1] // cum[-1]
+        return lo, hi
+
+    def group_size(self, axes: Sequence[str]) -> int:
+        return math.prod(self.axis(a).size for a in axes)
+
+    def __str__(self) -> str:
+        return ",".join(str(a) for a in self.axes)
