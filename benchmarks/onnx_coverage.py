@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import onnx
+
 from polyparallel.frontends import CaptureError
 from polyparallel.frontends.onnx import capture_onnx
 
@@ -43,6 +44,31 @@ def node_models() -> tuple[str, list[tuple[str, onnx.ModelProto | Path]]]:
         warnings.simplefilter("ignore")
         cases = node.collect_testcases(None)
     return "onnx.backend.test.case.node.collect_testcases()", [(c.name, c.model) for c in cases]
+
+
+def model_zoo() -> list[Path]:
+    """The whole models shipped with onnx's backend tests (CNNs, converted PyTorch modules)."""
+    data = Path(onnx.__file__).parent / "backend" / "test" / "data"
+    return (sorted(data.glob("light/*.onnx")) + sorted(data.glob("pytorch-converted/*/model.onnx"))
+            + sorted(data.glob("pytorch-operator/*/model.onnx")) + sorted(data.glob("simple/*/model.onnx")))
+
+
+def zoo_report() -> dict[str, Any]:
+    rows = []
+    for f in model_zoo():
+        name = f.stem if f.parent.name in ("light",) else f.parent.name
+        t0 = time.perf_counter()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                g = capture_onnx(f)
+            rows.append({"model": name, "ok": True, "ops": len(g.ops), "params": g.param_count(),
+                         "gflops": round(g.flops() / 1e9, 4), "opaque": g.summary()["opaque"],
+                         "seconds": round(time.perf_counter() - t0, 3)})
+        except CaptureError as e:
+            rows.append({"model": name, "ok": False, "error": str(e)})
+    return {"models": len(rows), "imported": sum(r["ok"] for r in rows),
+            "fully_modelled": sum(1 for r in rows if r["ok"] and not r["opaque"]), "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -133,6 +159,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "opaque_reasons": dict(sorted(opaque_reason.items())),
         "failures": dict(sorted(failures.items())),
     }
+    zoo = zoo_report()
+    print(f"\nwhole models shipped with onnx: {zoo['imported']}/{zoo['models']} imported, "
+          f"{zoo['fully_modelled']} with no opaque op")
+    print(f"{'model':<40}{'ops':>6}{'GFLOPs':>10}{'s':>7}  opaque")
+    for r in zoo["rows"]:
+        if r["ok"] and (r["ops"] > 20 or r["opaque"]):
+            print(f"{r['model']:<40}{r['ops']:>6}{r['gflops']:>10.3f}{r['seconds']:>7.2f}  "
+                  f"{', '.join(r['opaque'])}")
+    for r in zoo["rows"]:
+        if not r["ok"]:
+            print(f"{r['model']:<40}  FAILED: {r['error'][:150]}")
+    result["model_zoo"] = zoo
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=1) + "\n")
     print(f"\nwrote {RESULTS}")

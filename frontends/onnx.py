@@ -78,6 +78,9 @@ _DTYPES: dict[int, str] = {
 }
 
 _ELEM = {v: k for k, v in _DTYPES.items()}
+# Ops whose outputs all have the shape of their first input.
+_SAME_SHAPE = {"Dropout", "Identity", "Relu", "LeakyRelu", "Sigmoid", "Tanh", "Softmax", "LogSoftmax", "LRN",
+               "BatchNormalization", "Clip", "Elu", "Selu", "Abs", "Neg", "Exp", "Log", "Sqrt", "Erf"}
 
 # Inputs (by position) that act as attributes: shapes, axes, pads, bounds. A float
 # initializer read only through these is a constant, not a trainable parameter.
@@ -261,6 +264,7 @@ class _Capture:
         self.inferred: dict[str, tuple[str, list[int | str | None]]] = {}
         self.infer_note = ""
         self.folded: dict[str, int] = {}
+        self.nontensor: dict[str, str] = {}  # sequence / map / optional values
 
     # -- shapes ----------------------------------------------------------------------------
     def _bind_inputs(self) -> onnx.ModelProto:
@@ -290,11 +294,7 @@ class _Capture:
         return sk
 
     def _bind_input(self, vi: onnx.ValueInfoProto) -> None:
-        tt = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
-        if tt is None:
-            kind = vi.type.WhichOneof("value") or "untyped"
-            raise CaptureError(f"{self.where}: graph input {vi.name!r} is a {kind.replace('_type', '')} value; "
-                               "only tensor inputs are supported")
+        tt = vi.type.tensor_type  # run() has rejected non-tensor inputs
         if vi.name in self.input_shapes:
             shape = [int(x) for x in self.input_shapes[vi.name]]
             tt.shape.Clear()
@@ -332,6 +332,9 @@ class _Capture:
         g = m.graph
         for vi in [*g.input, *g.output, *g.value_info]:
             if not vi.type.HasField("tensor_type"):
+                kind = vi.type.WhichOneof("value")
+                if kind:
+                    self.nontensor[vi.name] = kind.replace("_type", "")
                 continue
             tt = vi.type.tensor_type
             dims: list[int | str | None] | None = None
@@ -355,6 +358,10 @@ class _Capture:
         dims = dtype_dims[1] if dtype_dims else None
         where = (f"output of node {node.name or node.op_type!r} ({node.op_type})" if node is not None
                  else "graph tensor")
+        if dims is None and tensor in self.nontensor:
+            raise CaptureError(f"{self.where}: {tensor!r} ({where}) has type {self.nontensor[tensor]}, not tensor; "
+                               "polyparallel models tensor programs only — remove sequence/map/optional "
+                               "values from the model (e.g. export without them)")
         if dims is None:
             note = f" (shape inference: {self.infer_note})" if self.infer_note else ""
             raise CaptureError(f"{self.where}: cannot determine the shape of tensor {tensor!r}, {where}{note}; "
@@ -370,6 +377,9 @@ class _Capture:
                 raise CaptureError(f"{self.where}: tensor {tensor!r} ({where}) has a data-dependent or unknown "
                                    f"dim {d!r} at axis {axis}; pass dim_values={{{d!r}: N}} if it is symbolic")
         return tuple(out)
+
+    def dtypes_of(self, tensor: str) -> str:
+        return self.b.graph.tensors[tensor].dtype
 
     def _known(self, tensor: str) -> bool:
         dims = self.inferred.get(tensor, ("", None))[1]
@@ -530,8 +540,8 @@ class _Capture:
         for vi in g.input:  # inputs (not initializers) need types we can read before inference
             if vi.name not in inits and not vi.type.HasField("tensor_type"):
                 kind = vi.type.WhichOneof("value") or "untyped"
-                raise CaptureError(f"{self.where}: graph input {vi.name!r} is a {kind.replace('_type', '')} "
-                                   "value; only tensor inputs are supported")
+                raise CaptureError(f"{self.where}: graph input {vi.name!r} has type {kind.replace('_type', '')}; "
+                                   "only tensor inputs are supported")
         inferred = self._infer(self._bind_inputs())
         self._read_value_infos(inferred)
         kinds = self._classify_initializers()
@@ -574,6 +584,12 @@ class _Capture:
             return
         if not all(self._known(o) for o in outs):
             self._infer_node(n)
+        if n.op_type in _SAME_SHAPE and n.input and n.input[0] in self.shapes:
+            # e.g. the unused mask of an old-opset Dropout, which shape inference leaves out
+            for o in outs:
+                if not self._known(o):
+                    dtype = "bool" if (n.op_type == "Dropout" and o != n.output[0]) else self.dtypes_of(n.input[0])
+                    self.inferred[o] = (dtype, list(self.shapes[n.input[0]]))
         for o in outs:
             self._add(o, TensorKind.ACTIVATION, node=n)
         view = _Node(n, list(n.input), self.shapes, self.values, self.opset)
@@ -715,8 +731,32 @@ def _gemm(n: _Node) -> Spec:
 
 @_handles("Einsum")
 def _einsum(n: _Node) -> Spec:
-    eq = str(n.attr("equation"))
-    return OpKind.CONTRACTION, lambda: ops.einsum(eq, n.data_shapes)
+    shapes = n.data_shapes
+    eq = _expand_ellipsis(str(n.attr("equation")).replace(" ", ""), shapes)
+    return OpKind.CONTRACTION, lambda: ops.einsum(eq, shapes)
+
+
+def _expand_ellipsis(eq: str, shapes: Sequence[Shape]) -> str:
+    """Spell ``...`` out with unused letters (numpy rules: right-aligned, broadcast)."""
+    if "..." not in eq:
+        return eq
+    lhs, arrow, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq]
+    ranks = [len(s) - (len(t) - 3) for t, s in zip(terms, shapes) if "..." in t]
+    width = max(ranks, default=0)
+    ell = "".join(free[:width])
+    terms = [t.replace("...", ell[width - (len(s) - (len(t) - 3)):]) if "..." in t else t
+             for t, s in zip(terms, shapes)]
+    if arrow:
+        rhs = rhs.replace("...", ell)
+    else:  # implicit output: the ellipsis dims first, then the letters used once, sorted
+        counts: dict[str, int] = {}
+        for t in terms:
+            for c in t:
+                counts[c] = counts.get(c, 0) + 1
+        rhs = ell + "".join(sorted(c for c, k in counts.items() if k == 1 and c not in ell))
+    return ",".join(terms) + "->" + rhs
 
 
 def _spatial_pads(n: _Node, x: Shape, kernel: Sequence[int], strides: Sequence[int],
@@ -1145,6 +1185,122 @@ def _tile(n: _Node) -> Spec:
         return LoopNest(tuple(dims), (st,))
 
     return OpKind.VIEW, nest
+
+
+@_handles("LRN")
+def _lrn(n: _Node) -> Spec:
+    x = n.shape(0)
+    size = int(n.attr("size"))
+
+    def nest() -> LoopNest:
+        # y = x / (bias + alpha / size * sum_{j < size} x[c + j - lo]^2) ** beta over a channel window
+        lo = (size - 1) // 2
+        dims = [Dim(f"d{i}", e) for i, e in enumerate(x)] + [Dim("j", size, Role.REDUCTION)]
+        idx = tuple(E(f"d{i}") for i in range(len(x)))
+        win = tuple(E("j") + E("d1") - lo if i == 1 else e for i, e in enumerate(idx))
+        names = tuple(d.name for d in dims)
+        stats = Statement("stats", names, reads=(Access("in0", win),), writes=(Access("stats", idx),),
+                          flops_per_point=2)
+        norm = Statement("normalize", names[:-1], reads=(Access("in0", idx), Access("stats", idx)),
+                         writes=(Access("out0", idx),), flops_per_point=5)
+        return LoopNest(tuple(dims), (stats, norm))
+
+    return OpKind.NORM, nest
+
+
+def _normalise_over(x: Shape, axes: Sequence[int], stats_flops: float, norm_flops: float) -> LoopNest:
+    """Statistics reduced over ``axes``, then a per-element normalisation (the norm/softmax shape)."""
+    red = {a % len(x) for a in axes}
+    dims = [Dim(f"d{i}", max(1, e), Role.REDUCTION if i in red else Role.PARALLEL) for i, e in enumerate(x)]
+    idx = tuple(E(d.name) for d in dims)
+    sidx = tuple(E(d.name) for i, d in enumerate(dims) if i not in red)
+    names = tuple(d.name for d in dims)
+    stats = Statement("stats", names, reads=(Access("in0", idx),), writes=(Access("stats", sidx),),
+                      flops_per_point=stats_flops)
+    norm = Statement("normalize", names, reads=(Access("in0", idx), Access("stats", sidx)),
+                     writes=(Access("out0", idx),), flops_per_point=norm_flops)
+    return LoopNest(tuple(dims), (stats, norm))
+
+
+@_handles("LpNormalization", "MeanVarianceNormalization", "Hardmax")
+def _axis_norm(n: _Node) -> Spec:
+    x = n.shape(0)
+    if n.op_type == "MeanVarianceNormalization":
+        axes = [int(a) for a in n.attr("axes", (0, 2, 3))]
+        return OpKind.NORM, lambda: _normalise_over(x, axes, 3, 2)
+    if n.op_type == "LpNormalization":
+        axis = int(n.attr("axis", -1))
+        return OpKind.NORM, lambda: _normalise_over(x, [axis], 2, 1)
+    axis = int(n.attr("axis", -1 if n.opset >= 13 else 1)) % max(len(x), 1)
+    axes = [axis] if n.opset >= 13 else list(range(axis, len(x)))
+    return OpKind.SOFTMAX, lambda: _normalise_over(x, axes, 1, 1)  # arg-max, then a one-hot compare
+
+
+@_handles("GatherND")
+def _gather_nd(n: _Node) -> Spec:
+    x, idx = n.shape(0), n.shape(1)
+    bd = int(n.attr("batch_dims", 0))
+
+    def nest() -> LoopNest:
+        k = idx[-1]
+        out = (*idx[:-1], *x[bd + k:])
+        dims = [Dim(f"d{i}", max(1, e)) for i, e in enumerate(out)]
+        names = [d.name for d in dims]
+        lead = len(idx) - 1
+        xi = (*[E(nm) for nm in names[:bd]], *[ANY] * k, *[E(nm) for nm in names[lead:]])
+        ii = (*[E(nm) for nm in names[:lead]], AffineExpr((), 0))
+        # the index tuple is read whole: one access per component
+        reads = (Access("in0", xi), *[Access("in1", (*ii[:-1], AffineExpr((), c))) for c in range(k)])
+        st = Statement("gather", tuple(names), reads=reads, writes=(Access("out0", tuple(E(nm) for nm in names)),),
+                       flops_per_point=0)
+        return LoopNest(tuple(dims), (st,))
+
+    return OpKind.GATHER, nest
+
+
+@_handles("ScatterElements", "ScatterND", "Scatter")
+def _scatter(n: _Node) -> Spec:
+    x, idx, upd = n.shape(0), n.shape(1), n.shape(2)
+    red = str(n.attr("reduction", "none"))
+
+    def nest() -> LoopNest:
+        # out = data, then out[data-dependent index] (op)= updates
+        dims = [Dim(f"d{i}", max(1, e)) for i, e in enumerate(x)]
+        xi = tuple(E(d.name) for d in dims)
+        copy = Statement("copy", tuple(d.name for d in dims), reads=(Access("in0", xi),),
+                         writes=(Access("out0", xi),), flops_per_point=0)
+        udims = [Dim(f"u{i}", max(1, e)) for i, e in enumerate(upd)]
+        ui = tuple(E(d.name) for d in udims)
+        if n.op_type == "ScatterND":
+            k = idx[-1]
+            lead = len(idx) - 1
+            wi = (*[ANY] * k, *ui[lead:])
+            ii = (*ui[:lead], AffineExpr((), 0))
+        else:
+            axis = int(n.attr("axis", 0)) % len(x)
+            wi = tuple(ANY if i == axis else e for i, e in enumerate(ui))
+            ii = ui
+        upd_st = Statement("scatter", tuple(d.name for d in udims), reads=(Access("in2", ui), Access("in1", ii)),
+                           writes=(Access("out0", wi),), flops_per_point=0 if red == "none" else 1)
+        return LoopNest((*dims, *udims), (copy, upd_st))
+
+    return OpKind.GATHER, nest
+
+
+@_handles("OneHot")
+def _one_hot(n: _Node) -> Spec:
+    out = n.out
+    axis = int(n.attr("axis", -1)) % len(out)
+
+    def nest() -> LoopNest:
+        dims = [Dim(f"d{i}", max(1, e)) for i, e in enumerate(out)]
+        oi = tuple(E(d.name) for d in dims)
+        ii = tuple(e for i, e in enumerate(oi) if i != axis)
+        st = Statement("compare", tuple(d.name for d in dims), reads=(Access("in0", ii),),
+                       writes=(Access("out0", oi),), flops_per_point=1)
+        return LoopNest(tuple(dims), (st,))
+
+    return OpKind.ELEMENTWISE, nest
 
 
 @_handles("ConstantOfShape", "Range", "EyeLike", "RandomNormal", "RandomUniform", "RandomNormalLike",

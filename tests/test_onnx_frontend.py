@@ -413,3 +413,58 @@ def test_external_weights_are_not_read(tmp_path: Path):
     (tmp_path / "big.bin").unlink()
     g = capture_onnx(tmp_path / "big.onnx")
     assert g.param_count() == 300 * 400 and g.flops() == 2 * 2 * 300 * 400
+
+
+def test_sequence_input_is_refused_clearly():
+    seq = helper.make_tensor_sequence_value_info("s", F, [2])
+    m = _model([helper.make_node("SequenceLength", ["s"], ["n"])], [seq], [_vi("n", [], TensorProto.INT64)])
+    with pytest.raises(CaptureError, match=r"graph input 's' has type sequence; only tensor inputs"):
+        capture_onnx(m)
+
+
+# ------------------------------------------------------------------------------------------
+# less common ops
+
+
+def test_einsum_ellipsis_matches_explicit_letters():
+    a, b = [2, 3, 4, 5], [2, 3, 5, 6]
+    flops = []
+    for eq in ("...ij,...jk->...ik", "abij,abjk->abik", "...ij,...jk"):
+        m = _model([helper.make_node("Einsum", ["a", "b"], ["y"], equation=eq)], [_vi("a", a), _vi("b", b)],
+                   [_vi("y", None)])
+        g = _capture(m)
+        assert g.shape("y") == (2, 3, 4, 6)
+        flops.append(g.flops())
+    assert flops == [2 * 2 * 3 * 4 * 5 * 6] * 3
+
+
+def test_lrn_and_normalisations():
+    x = [2, 6, 3, 3]
+    n = math.prod(x)
+    cases = [(helper.make_node("LRN", ["x"], ["y"], size=3), n * 3 * 2 + n * 5),
+             (helper.make_node("LpNormalization", ["x"], ["y"], axis=1), n * 3),
+             (helper.make_node("MeanVarianceNormalization", ["x"], ["y"]), n * 5),
+             (helper.make_node("InstanceNormalization", ["x", "s", "b"], ["y"]), n * 7)]
+    for node, flops in cases:
+        m = _model([node], [_vi("x", x)], [_vi("y", x)], [_init("s", (6,)), _init("b", (6,))])
+        op = _capture(m).ops[0]
+        assert op.kind is OpKind.NORM and op.flops == flops, node.op_type
+
+
+def test_scatter_and_gather_nd_write_data_dependent_rows():
+    nodes = [helper.make_node("ScatterND", ["x", "i", "u"], ["y"]),
+             helper.make_node("GatherND", ["y", "i"], ["z"])]
+    m = _model(nodes, [_vi("x", [4, 5]), _vi("i", [3, 1], TensorProto.INT64), _vi("u", [3, 5])],
+               [_vi("z", [3, 5])])
+    g = _capture(m)
+    scatter, gather = g.ops
+    assert scatter.nest.statements[1].writes[0].index[0] is ANY
+    assert gather.nest.statements[0].reads[0].index[0] is ANY and g.shape("z") == (3, 5)
+
+
+def test_old_opset_dropout_mask_gets_a_shape():
+    m = _model([helper.make_node("Dropout", ["x"], ["y", "mask"], ratio=0.5)], [_vi("x", [2, 3])],
+               [_vi("y", None)], opset=9)
+    g = _capture(m)
+    assert g.shape("mask") == (2, 3) and g.tensors["mask"].dtype == "bool"
+    assert g.ops[0].kind is OpKind.VIEW and g.flops() == 0  # inference: an identity
