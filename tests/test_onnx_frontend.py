@@ -16,10 +16,10 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from polyparallel.frontends import CaptureError, OpaqueOpWarning
-from polyparallel.frontends.onnx import capture_onnx
 
 import polyparallel as pp
+from polyparallel.frontends import CaptureError, OpaqueOpWarning
+from polyparallel.frontends.onnx import capture_onnx
 from polyparallel.ir import ANY, AffineExpr, Graph, LoopNest, OpKind, Role, TensorKind
 
 ort = pytest.importorskip("onnxruntime")
