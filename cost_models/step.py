@@ -320,8 +320,8 @@ def _plan_ops(graph: Graph, cfg: ParallelConfig) -> list[_OpPlan]:
                         pl.tp_fwd += [(c, _tensor_bytes(graph, t, cfg.dtype)) for c in ar]
                 else:  # column-parallel: the input gradient is reduced in the backward pass
                     out_split = True
-                    for t in acts:
-                        if t not in grad_ar_done:
+                    for t in acts:  # graph inputs need no gradient
+                        if t not in grad_ar_done and graph.tensors[t].kind is not TensorKind.INPUT:
                             grad_ar_done.add(t)
                             pl.tp_bwd += [(c, _tensor_bytes(graph, t, cfg.dtype)) for c in ar]
             elif kind is OpKind.EMBEDDING and has_param:

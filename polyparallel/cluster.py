@@ -56,6 +56,8 @@ __all__ = [
     "Link",
     "Node",
     "default_calibration_path",
+    "format_bandwidth",
+    "format_duration",
     "parse_quantity",
 ]
 
@@ -219,9 +221,9 @@ class Link:
         return self.down * self.ports * self.efficiency / self.oversubscription
 
     def __str__(self) -> str:
-        bw = f"{_fmt_bw(self.up_bandwidth)}" if self.up == self.down else \
-            f"up {_fmt_bw(self.up_bandwidth)} / down {_fmt_bw(self.down_bandwidth)}"
-        return f"{self.kind} {bw}, {_fmt_time(self.latency)}"
+        bw = f"{format_bandwidth(self.up_bandwidth)}" if self.up == self.down else \
+            f"up {format_bandwidth(self.up_bandwidth)} / down {format_bandwidth(self.down_bandwidth)}"
+        return f"{self.kind} {bw}, {format_duration(self.latency)}"
 
 
 @dataclass(frozen=True)
@@ -461,14 +463,14 @@ def _per_device(node: Node) -> float:
     return nic.bandwidth / nic.ports / share
 
 
-def _fmt_bw(bps: float) -> str:
+def format_bandwidth(bps: float) -> str:
     for unit, f in (("TB/s", 1e12), ("GB/s", 1e9), ("MB/s", 1e6), ("KB/s", 1e3)):
         if bps >= f:
             return f"{bps / f:.4g} {unit}"
     return f"{bps:.4g} B/s"
 
 
-def _fmt_time(s: float) -> str:
+def format_duration(s: float) -> str:
     for unit, f in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
         if s >= f:
             return f"{s / f:.4g} {unit}"

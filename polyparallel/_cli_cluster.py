@@ -1,0 +1,124 @@
+"""``polyparallel cluster show FILE|PRESET`` and ``polyparallel calibrate``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.tree import Tree
+
+from polyparallel.cli import UserError, app
+from polyparallel.cluster import (
+    PRESET_NAMES,
+    Cluster,
+    ClusterSpecError,
+    Link,
+    default_calibration_path,
+    format_bandwidth,
+    format_duration,
+)
+
+cluster_app = typer.Typer(help="Inspect cluster specs and presets.", no_args_is_help=True)
+app.add_typer(cluster_app, name="cluster")
+
+
+def _flops(x: float) -> str:
+    for div, suf in ((1e15, "PFLOP/s"), (1e12, "TFLOP/s"), (1e9, "GFLOP/s")):
+        if x >= div:
+            return f"{x / div:.4g} {suf}"
+    return f"{x:.4g} FLOP/s"
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.4g} GB"
+
+
+def _link(lk: Link | None) -> str:
+    return "-" if lk is None else str(lk)
+
+
+def load_cluster(spec: str) -> Cluster:
+    """Resolve FILE|PRESET for commands (bad input becomes a one-line UserError)."""
+    try:
+        return Cluster.resolve(spec)
+    except ClusterSpecError as e:
+        raise UserError(str(e)) from None
+
+
+def cluster_tree(c: Cluster) -> Tree:
+    t = c.totals
+    peak = t["peak_flops"]
+    root = Tree(f"[bold]{c.name}[/]: {t['centers']} center(s), {t['nodes']} node(s), {t['devices']} device(s), "
+                f"{_gb(t['memory_bytes'])}, peak {_flops(peak['bf16'])} bf16 / {_flops(peak['fp32'])} fp32")
+    for center in c.centers:
+        devs = c.devices_of(center=center.index)
+        residency = ("data stays" if not center.data_may_leave else "data may leave") + ", " + (
+            "activations stay" if not center.activations_may_leave else "activations may leave")
+        ct = root.add(f"[bold cyan]{center.name}[/]{f' ({center.city})' if center.city else ''}: "
+                      f"{center.framework}, {len(devs)} devices, {residency}; uplink {_link(center.wan)}")
+        groups: dict[tuple[str, str, str], list[int]] = {}
+        for n in center.nodes:
+            node = c.nodes[n]
+            key = (node.device_type.name, _link(node.intra), _link(node.nic))
+            groups.setdefault(key, []).append(n)
+        for (dtype, intra, nic), nodes in groups.items():
+            node = c.nodes[nodes[0]]
+            dt = node.device_type
+            per = len(node.devices)
+            label = f"{len(nodes)} x node" if len(nodes) > 1 else c.nodes[nodes[0]].name
+            nt = ct.add(f"{label}: {per} x {dtype}; intra {intra}; network {nic}")
+            mem = f"{_gb(dt.memory)} at {format_bandwidth(dt.memory_bandwidth)}"
+            nt.add(f"{dtype} ({dt.kind}, {dt.vendor}): " + ", ".join(f"{k} {_flops(v)}" for k, v in dt.peak)
+                   + f"; {mem}; floor {format_duration(dt.launch_overhead)}"
+                   + (f" — {dt.source}" if dt.source else ""))
+    if c.backbone is not None:
+        root.add(f"WAN backbone: {c.backbone}")
+    if c.pair_latency:
+        root.add("pair latencies: " + ", ".join(f"{a}-{b} {format_duration(s)}" for (a, b), s in c.pair_latency))
+    return root
+
+
+@cluster_app.command("show")
+def show_cmd(
+    spec: Annotated[str, typer.Argument(help=f"a YAML/JSON cluster spec, or a preset: {', '.join(PRESET_NAMES)}")],
+    as_json: Annotated[bool, typer.Option("--json", help="print the cluster as JSON (SI units)")] = False,
+) -> None:
+    """Print a cluster as a tree (centers, nodes, devices, links) with totals."""
+    c = load_cluster(spec)
+    if as_json:
+        typer.echo(json.dumps(c.to_dict(), indent=1))
+        return
+    Console().print(cluster_tree(c))
+
+
+@app.command("calibrate")
+def calibrate_cmd(
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="calibration JSON to write "
+                                             "(default: $POLYPARALLEL_CALIBRATION or ~/.cache/polyparallel/)")] = None,
+    group_sizes: Annotated[str, typer.Option("--group-sizes", help="gloo group sizes, comma separated")] = "2,3,4",
+    timeout: Annotated[float, typer.Option("--timeout", help="seconds before a gloo group is killed")] = 120.0,
+) -> None:
+    """Measure this machine (matmul/conv throughput, memory bandwidth, gloo collectives) for `local-cpu`."""
+    from polyparallel.cost_models.calibrate import calibrate
+
+    try:
+        sizes = tuple(int(x) for x in group_sizes.split(",") if x.strip())
+    except ValueError:
+        raise UserError(f"--group-sizes {group_sizes!r}: give integers like 2,3,4") from None
+    if not sizes or any(p < 2 or p > 64 for p in sizes):
+        raise UserError(f"--group-sizes {group_sizes!r}: each group size must be between 2 and 64")
+    if timeout <= 0:
+        raise UserError("--timeout must be > 0 seconds")
+    path = out or default_calibration_path()
+    if path.exists() and path.is_dir():
+        raise UserError(f"--out {path} is a directory: give a file name such as {path / 'calibration.json'}")
+    console = Console(stderr=True)
+    res = calibrate(path, group_sizes=sizes, timeout=timeout, progress=lambda s: console.print(f"  {s}"))
+    fit = res["collectives"].get("fit")
+    msg = f"wrote {path}"
+    if fit:
+        msg += f" (gloo alpha {fit['alpha'] * 1e6:.0f} us, bandwidth {fit['bandwidth'] / 1e9:.2f} GB/s)"
+    typer.echo(msg)
