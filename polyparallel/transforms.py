@@ -242,7 +242,8 @@ class _ViewMap:
     @staticmethod
     def of(graph: Graph, op: Op) -> _ViewMap:
         nest = op.nest
-        if (nest is None or len(nest.statements) != 1 or len(op.inputs) != 1 or len(op.outputs) != 1):
+        # extra inputs (an ONNX Reshape's shape tensor) are fine as long as the nest ignores them
+        if nest is None or len(nest.statements) != 1 or not op.inputs or len(op.outputs) != 1:
             raise _NoFold("not a single copy statement")
         st = nest.statements[0]
         if (len(st.reads) != 1 or len(st.writes) != 1 or st.reads[0].operand != "in0"

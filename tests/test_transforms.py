@@ -241,6 +241,16 @@ def test_merge_reshape_splits_the_consumer_dim():
     assert {d.name: d.extent for d in lin.nest.dims if d.name.startswith("k")} == {"k_0": 2, "k_1": 3}
 
 
+def test_onnx_style_reshape_with_a_shape_input_folds():
+    n = Net()
+    x, w = n.input((2, 3, 4)), n.param((5, 4), "w")
+    shape = n.b.tensor("shape", (2,), dtype="int64", kind=TensorKind.CONST)
+    flat = n.op(OpKind.VIEW, "Reshape", [x, shape], (6, 4), ops.reshape((2, 3, 4), (6, 4)))
+    c = check_canonical(n.done(n.linear(flat, w)))
+    assert views(c) == [] and c.ops[0].inputs == (x, w)
+    assert "shape" in c.tensors  # constants are kept even when no op reads them any more
+
+
 def test_expand_select_and_unsqueeze_fold():
     n = Net()
     x, bias = n.input((3, 4, 5)), n.input((1, 5))
