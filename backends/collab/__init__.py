@@ -1,0 +1,106 @@
+"""Cross-center collaborative training: centers train locally, a server fuses, round after round.
+
+Two engines run the same round logic (:mod:`._center`, :mod:`._server`): an in-process one for
+tests and as the reference, and a Flower deployment (SuperLink + one SuperNode per center) in
+:mod:`._flower`. Centers train in PyTorch or MindSpore; parameters cross as numpy arrays under torch
+names (:mod:`._mindspore` holds the name-and-layout map).
+
+Examples:
+    >>> import numpy as np
+    >>> from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, collaborate
+    >>> cfg = CollabConfig(centers=(CenterSpec("a"), CenterSpec("b")),
+    ...                    model=ModelSpec("mlp", (4,), 2, hidden=8), rounds=2, local_steps=3)
+    >>> rng = np.random.default_rng(0)
+    >>> data = {c: (rng.normal(size=(40, 4)).astype("float32"), rng.integers(0, 2, 40)) for c in "ab"}
+    >>> res = collaborate(cfg, data)
+    >>> [r.accepted for r in res.rounds]
+    [('a', 'b'), ('a', 'b')]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ._center import LocalTrainer, TorchTrainer, batch_indices, center_round, evaluate_torch, make_trainer
+from ._config import FRAMEWORKS, CenterSpec, CollabConfig
+from ._engine import CollabResult, initial_params, run_inprocess
+from ._fusion import (
+    FUSIONS,
+    CenterUpdate,
+    DiLoCo,
+    FedAdam,
+    FedAvg,
+    FedProx,
+    FedYogi,
+    FusionStrategy,
+    Median,
+    TrimmedMean,
+    make_fusion,
+)
+from ._models import MODEL_KINDS, ModelSpec, build_torch_model, load_torch_state, torch_state
+from ._server import CenterReply, FederationServer, RoundRecord, TimingLog
+from ._wire import COMPRESSIONS, check_payload, decode_update, encode_update, payload_nbytes
+
+__all__ = [
+    "COMPRESSIONS",
+    "FRAMEWORKS",
+    "FUSIONS",
+    "MODEL_KINDS",
+    "CenterReply",
+    "CenterSpec",
+    "CenterUpdate",
+    "CollabConfig",
+    "CollabResult",
+    "DiLoCo",
+    "FedAdam",
+    "FedAvg",
+    "FedProx",
+    "FedYogi",
+    "FederationServer",
+    "FusionStrategy",
+    "LocalTrainer",
+    "Median",
+    "ModelSpec",
+    "RoundRecord",
+    "TimingLog",
+    "TorchTrainer",
+    "TrimmedMean",
+    "batch_indices",
+    "build_torch_model",
+    "center_round",
+    "check_payload",
+    "collaborate",
+    "decode_update",
+    "encode_update",
+    "evaluate_torch",
+    "initial_params",
+    "load_torch_state",
+    "make_fusion",
+    "make_trainer",
+    "payload_nbytes",
+    "run_inprocess",
+    "torch_state",
+]
+
+
+def collaborate(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.ndarray]], *,
+                engine: str = "inprocess", **options: Any) -> CollabResult:
+    """Train ``config.model`` collaboratively over ``config.centers``.
+
+    Args:
+        config: the job (centers, fusion, rounds, local steps, compression).
+        data: center name -> ``(x, y)``; each center only ever sees its own pair.
+        engine: ``inprocess`` (no networking) or ``flower`` (SuperLink and one SuperNode process per
+            center on 127.0.0.1).
+        options: passed to :func:`run_inprocess` or :func:`~._flower.run_flower`.
+    """
+    if engine == "inprocess":
+        return run_inprocess(config, data, **options)
+    if engine == "flower":
+        from ._flower import run_flower
+
+        return run_flower(config, data, **options)
+    raise ValueError(f"unknown engine {engine!r}; use 'inprocess' or 'flower'")

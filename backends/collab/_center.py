@@ -1,0 +1,168 @@
+"""The center side of a round: load the global model, train ``H`` local steps, send the encoded update.
+
+Local training is stateless across rounds (a fresh SGD optimiser each round; the data order of
+round ``t`` at center ``i`` is drawn from ``default_rng([seed, i, t])``), so the in-process engine
+and a Flower ClientApp started fresh for every message compute bit-identical updates, and a center
+that crashed can rejoin any later round.
+
+With FedProx the local objective is ``f_i(w) + mu/2 ||w − x||²`` over the trainable parameters
+(``x`` the global model of the round).
+
+Only parameters and metrics leave a center: :func:`center_round` returns the encoded update and a
+flat dict of numbers (sample count, loss, the three time stamps) — never data.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from ._config import CollabConfig
+from ._models import ModelSpec, build_torch_model, load_torch_state, torch_state
+from ._wire import Payload, encode_update
+
+__all__ = ["LocalTrainer", "TorchTrainer", "batch_indices", "center_round", "make_trainer"]
+
+
+def batch_indices(n: int, batch_size: int, steps: int, seed: int, center_index: int, round_idx: int) -> np.ndarray:
+    """Row indices of each local step: ``steps × min(batch_size, n)``, epochs drawn as permutations."""
+    rng = np.random.default_rng([seed, center_index, round_idx])
+    b = min(batch_size, n)
+    per_epoch = n // b
+    epochs = -(-steps // per_epoch)
+    order = np.concatenate([rng.permutation(n)[: per_epoch * b] for _ in range(epochs)])
+    return order[: steps * b].reshape(steps, b)
+
+
+class LocalTrainer(Protocol):
+    """What a center needs from its framework."""
+
+    num_samples: int
+
+    def train(self, global_params: Mapping[str, np.ndarray], *, steps: int, round_idx: int,
+              proximal_mu: float) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """Train from ``global_params`` (torch names) and return the local model and metrics."""
+        ...
+
+    def evaluate(self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+        """Loss and accuracy of ``params`` on ``(x, y)``."""
+        ...
+
+
+@dataclass
+class TorchTrainer:
+    """Local SGD in PyTorch on one center's data (single device, one intra-op thread for determinism)."""
+
+    model_spec: ModelSpec
+    x: np.ndarray
+    y: np.ndarray
+    center_index: int = 0
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.0
+    seed: int = 0
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if len(self.x) != len(self.y) or len(self.x) == 0:
+            raise ValueError(f"center data: {len(self.x)} inputs vs {len(self.y)} labels (need equal, > 0)")
+        self._model = build_torch_model(self.model_spec, self.seed)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.x)
+
+    def _threads(self) -> Any:
+        import torch
+
+        class _Threads:
+            def __enter__(s) -> None:
+                s.old = torch.get_num_threads()
+                torch.set_num_threads(self.threads)
+
+            def __exit__(s, *exc: object) -> None:
+                torch.set_num_threads(s.old)
+
+        return _Threads()
+
+    def train(self, global_params: Mapping[str, np.ndarray], *, steps: int, round_idx: int,
+              proximal_mu: float = 0.0) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        import torch
+
+        with self._threads():
+            model = self._model
+            load_torch_state(model, dict(global_params))
+            model.train()
+            anchors = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else []
+            opt = torch.optim.SGD(model.parameters(), lr=self.lr, momentum=self.momentum)
+            xb_all = torch.from_numpy(np.ascontiguousarray(self.x))
+            yb_all = torch.from_numpy(np.ascontiguousarray(self.y)).long()
+            losses = []
+            for idx in batch_indices(len(self.x), self.batch_size, steps, self.seed, self.center_index, round_idx):
+                t = torch.from_numpy(idx)
+                loss = torch.nn.functional.cross_entropy(model(xb_all[t]), yb_all[t])
+                losses.append(float(loss.detach()))
+                if anchors:
+                    loss = loss + 0.5 * proximal_mu * sum(
+                        ((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchors))
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+            return torch_state(model), {"train_loss": float(np.mean(losses))}
+
+    def evaluate(self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+        return evaluate_torch(self.model_spec, params, x, y, threads=self.threads)
+
+
+def evaluate_torch(spec: ModelSpec, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray,
+                   threads: int = 1, batch: int = 2048) -> dict[str, float]:
+    """Mean cross-entropy and accuracy of the torch model with ``params`` on ``(x, y)``."""
+    import torch
+
+    model = build_torch_model(spec)
+    load_torch_state(model, dict(params))
+    model.eval()
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        loss, correct = 0.0, 0
+        with torch.no_grad():
+            for s in range(0, len(x), batch):
+                out = model(torch.from_numpy(np.ascontiguousarray(x[s:s + batch])))
+                yt = torch.from_numpy(np.ascontiguousarray(y[s:s + batch])).long()
+                loss += float(torch.nn.functional.cross_entropy(out, yt, reduction="sum"))
+                correct += int((out.argmax(1) == yt).sum())
+    finally:
+        torch.set_num_threads(old)
+    return {"loss": loss / len(x), "accuracy": correct / len(x)}
+
+
+def make_trainer(config: CollabConfig, center: str, x: np.ndarray, y: np.ndarray) -> LocalTrainer:
+    """The trainer for ``center`` in its declared framework."""
+    spec = config.center(center)
+    kw = dict(center_index=config.center_index(center), batch_size=config.batch_size, lr=config.lr,
+              momentum=config.momentum, seed=config.seed)
+    if spec.framework == "mindspore":
+        from ._mindspore import MindSporeTrainer
+
+        return MindSporeTrainer(config.model, x, y, **kw)
+    return TorchTrainer(config.model, x, y, **kw)
+
+
+def center_round(trainer: LocalTrainer, global_params: Mapping[str, np.ndarray], *, round_idx: int,
+                 config: CollabConfig, proximal_mu: float = 0.0,
+                 t_received: float | None = None) -> tuple[Payload, dict[str, float]]:
+    """Run one round at a center: returns the encoded update ``x_i − x`` and the metrics to send."""
+    t_received = time.time() if t_received is None else t_received
+    local, metrics = trainer.train(global_params, steps=config.local_steps, round_idx=round_idx,
+                                   proximal_mu=proximal_mu)
+    t_trained = time.time()
+    delta = {k: local[k].astype(np.float32) - np.asarray(global_params[k], dtype=np.float32) for k in global_params}
+    payload = encode_update(delta, config.compression)
+    out = {"num_samples": float(trainer.num_samples), **{k: float(v) for k, v in metrics.items()},
+           "t_received": t_received, "t_trained": t_trained, "t_sent": time.time()}
+    return payload, out

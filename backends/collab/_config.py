@@ -1,0 +1,120 @@
+"""The federation's configuration as frozen values.
+
+:class:`CollabConfig` is what a Strategy's collaborative section maps onto (centers with their
+framework and devices, fusion strategy and its options, local steps per round ``H``, rounds,
+compression); until the Strategy lands it is built from explicit arguments. It serialises to one
+JSON string, which is how it travels to Flower's ServerApp and ClientApps in the run config.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ._fusion import FUSIONS, FusionStrategy, make_fusion
+from ._models import ModelSpec
+from ._wire import COMPRESSIONS
+
+__all__ = ["FRAMEWORKS", "CenterSpec", "CollabConfig"]
+
+FRAMEWORKS = ("torch", "mindspore")
+
+
+@dataclass(frozen=True)
+class CenterSpec:
+    """One compute center: its name, the framework it trains with, and how many local devices."""
+
+    name: str
+    framework: str = "torch"
+    devices: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"center name {self.name!r}: use letters, digits, '-' and '_' only")
+        if self.framework not in FRAMEWORKS:
+            raise ValueError(f"center {self.name!r}: framework {self.framework!r} is not one of {FRAMEWORKS}")
+        if self.devices < 1:
+            raise ValueError(f"center {self.name!r}: devices must be >= 1")
+
+
+@dataclass(frozen=True)
+class CollabConfig:
+    """A collaborative training job.
+
+    Args:
+        centers: the participating centers (order fixes each center's index and data seed).
+        model: the shared architecture.
+        fusion: fusion strategy name (see :data:`FUSIONS`); ``fusion_options`` its keyword options.
+        rounds: number of fusion rounds.
+        local_steps: ``H``, optimiser steps each center takes per round.
+        batch_size, lr, momentum: the centers' local SGD (a fresh optimiser every round, so a
+            center keeps no state between rounds and can be restarted at any time).
+        compression: update code on the uplink: ``none``, ``fp16`` or ``int8``.
+        min_centers: rounds with fewer valid updates keep the previous global model (default: all).
+        seed: initial model and data-order seed.
+        round_timeout_s: how long the server waits for updates in a deployed round.
+    """
+
+    centers: tuple[CenterSpec, ...]
+    model: ModelSpec
+    fusion: str = "fedavg"
+    fusion_options: tuple[tuple[str, float], ...] = ()
+    rounds: int = 3
+    local_steps: int = 10
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.0
+    compression: str = "none"
+    min_centers: int = 0
+    seed: int = 0
+    round_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "centers", tuple(self.centers))
+        if isinstance(self.fusion_options, Mapping):
+            object.__setattr__(self, "fusion_options", tuple(sorted(self.fusion_options.items())))
+        if not self.centers:
+            raise ValueError("a federation needs at least one center")
+        names = [c.name for c in self.centers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"center names must be unique, got {names}")
+        if self.fusion.lower() not in FUSIONS:
+            raise ValueError(f"unknown fusion strategy {self.fusion!r}; choose one of {sorted(FUSIONS)}")
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"unknown compression {self.compression!r}; choose one of {COMPRESSIONS}")
+        if self.rounds < 1 or self.local_steps < 1 or self.batch_size < 1:
+            raise ValueError("rounds, local_steps and batch_size must be >= 1")
+        if not 0 <= self.min_centers <= len(self.centers):
+            raise ValueError(f"min_centers must be in [0, {len(self.centers)}] (0 means all)")
+        self.make_fusion()  # options checked now, not in round 1
+
+    @property
+    def required_centers(self) -> int:
+        return self.min_centers or len(self.centers)
+
+    def center(self, name: str) -> CenterSpec:
+        for c in self.centers:
+            if c.name == name:
+                return c
+        raise KeyError(f"no center named {name!r} in this federation ({[c.name for c in self.centers]})")
+
+    def center_index(self, name: str) -> int:
+        return [c.name for c in self.centers].index(self.center(name).name)
+
+    def make_fusion(self) -> FusionStrategy:
+        return make_fusion(self.fusion, **dict(self.fusion_options))
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["model"] = asdict(self.model)
+        return json.dumps(d, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> CollabConfig:
+        d: dict[str, Any] = json.loads(text)
+        d["centers"] = tuple(CenterSpec(**c) for c in d["centers"])
+        d["model"] = ModelSpec(**{**d["model"], "in_shape": tuple(d["model"]["in_shape"])})
+        d["fusion_options"] = tuple((k, v) for k, v in d["fusion_options"])
+        return cls(**d)

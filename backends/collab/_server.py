@@ -1,0 +1,209 @@
+"""The server side of a round, shared by the in-process engine and the Flower ServerApp.
+
+Per round ``t``: the server hands out the global model ``x_t``; for every reply it checks the payload
+(:func:`~._wire.check_payload`) and the metrics, decodes accepted updates ``δ̂_i`` into local models
+``x_t + δ̂_i`` (float64, so ``x_i − x_t`` is ``δ̂_i`` again), and, when at least ``min_centers`` are
+valid, fuses them into ``x_{t+1}``. Otherwise the round is recorded as skipped and ``x_t`` stays.
+After every round the global model, the fusion's optimiser state and the round number are written
+atomically to ``checkpoint_dir``; :meth:`FederationServer.resume` continues from the last one.
+
+Time stamps (seconds since the epoch) go to a JSON-lines file, one object per event:
+``{"round", "role": "center"|"server", "who", "event", "t"}`` with center events ``received_model``,
+``finished_training``, ``sent_update`` and server events ``round_start``, ``fusion_start``,
+``fusion_end``, ``round_end``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._config import CollabConfig
+from ._fusion import CenterUpdate, Params
+from ._wire import check_payload, decode_update, payload_nbytes
+
+__all__ = ["CenterReply", "FederationServer", "RoundRecord", "TimingLog"]
+
+log = logging.getLogger("polyparallel.collab")
+
+
+class TimingLog:
+    """Collects round events in memory and, when given a path, appends them as JSON lines."""
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        self.path = Path(path) if path else None
+        self.events: list[dict[str, Any]] = []
+        if self.path:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(self, round_idx: int, role: str, who: str, event: str, t: float | None = None, **extra: Any) -> None:
+        ev = {"round": round_idx, "role": role, "who": who, "event": event,
+              "t": time.time() if t is None else float(t), **extra}
+        self.events.append(ev)
+        if self.path:
+            with self.path.open("a") as f:
+                f.write(json.dumps(ev) + "\n")
+
+
+@dataclass(frozen=True)
+class CenterReply:
+    """What came back from one center in one round (before any checking)."""
+
+    center: str
+    payload: Mapping[str, Any]
+    metrics: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """The outcome of one round."""
+
+    round: int
+    accepted: tuple[str, ...]
+    rejected: Mapping[str, tuple[str, ...]]
+    missing: tuple[str, ...]
+    fused: bool
+    bytes_up: Mapping[str, int]
+    bytes_down: int
+    fusion_s: float
+    metrics: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    eval: Mapping[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"round": self.round, "accepted": list(self.accepted),
+                "rejected": {k: list(v) for k, v in self.rejected.items()}, "missing": list(self.missing),
+                "fused": self.fused, "bytes_up": dict(self.bytes_up), "bytes_down": self.bytes_down,
+                "fusion_s": self.fusion_s, "metrics": {k: dict(v) for k, v in self.metrics.items()},
+                "eval": dict(self.eval)}
+
+
+def _check_metrics(metrics: Mapping[str, Any]) -> list[str]:
+    n = metrics.get("num_samples")
+    if not isinstance(n, int | float) or not np.isfinite(n) or n <= 0 or float(n) != int(n):
+        return [f"num_samples must be a positive integer, got {n!r}"]
+    return []
+
+
+class FederationServer:
+    """Holds the global model and fuses the centers' replies round by round."""
+
+    def __init__(self, config: CollabConfig, initial_params: Mapping[str, np.ndarray],
+                 timing: TimingLog | None = None, checkpoint_dir: str | Path | None = None) -> None:
+        self.config = config
+        self.fusion = config.make_fusion()
+        self.params: Params = {k: np.asarray(v, dtype=np.float32).copy() for k, v in initial_params.items()}
+        self.round = 0  # rounds completed
+        self.timing = timing or TimingLog()
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
+        self.history: list[RoundRecord] = []
+
+    # ----------------------------------------------------------------- checkpoints
+    def _ckpt_path(self) -> Path:
+        assert self.checkpoint_dir is not None
+        return self.checkpoint_dir / "server_checkpoint.npz"
+
+    def save_checkpoint(self) -> None:
+        if self.checkpoint_dir is None:
+            return
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        arrays = {f"param/{k}": v for k, v in self.params.items()}
+        arrays.update({f"fusion/{k}": v for k, v in self.fusion.state().items()})
+        arrays["meta/round"] = np.array(self.round, dtype=np.int64)
+        arrays["meta/config"] = np.frombuffer(self.config.to_json().encode(), dtype=np.uint8)
+        tmp = self._ckpt_path().with_suffix(".tmp.npz")
+        np.savez(tmp, **arrays)
+        os.replace(tmp, self._ckpt_path())  # a crash mid-write never leaves a torn checkpoint
+
+    def resume(self) -> bool:
+        """Load the last checkpoint if there is one; returns whether it did."""
+        if self.checkpoint_dir is None or not self._ckpt_path().exists():
+            return False
+        with np.load(self._ckpt_path()) as z:
+            saved = bytes(z["meta/config"]).decode()
+            if CollabConfig.from_json(saved) != self.config:
+                raise ValueError(f"checkpoint {self._ckpt_path()} was written by a different federation "
+                                 "config; use a new checkpoint directory or the same config")
+            params = {k[6:]: z[k] for k in z.files if k.startswith("param/")}
+            if set(params) != set(self.params):
+                raise ValueError(f"checkpoint {self._ckpt_path()} holds other tensors than the model")
+            self.params = params
+            self.fusion.load_state({k[7:]: z[k] for k in z.files if k.startswith("fusion/")})
+            self.round = int(z["meta/round"])
+        log.info("resumed from %s after round %d", self._ckpt_path(), self.round)
+        return True
+
+    # ----------------------------------------------------------------- rounds
+    @property
+    def done(self) -> bool:
+        return self.round >= self.config.rounds
+
+    def begin_round(self) -> tuple[int, Params]:
+        """Index of the next round (1-based) and the model to send."""
+        r = self.round + 1
+        self.timing.record(r, "server", "server", "round_start")
+        return r, self.params
+
+    def finish_round(self, round_idx: int, replies: Sequence[CenterReply], *, sent_to: int | None = None,
+                     evaluate: Any = None) -> RoundRecord:
+        """Check, decode and fuse the replies of round ``round_idx``; checkpoint; return the record.
+
+        ``sent_to`` is how many centers were sent the model (default: all); ``evaluate`` maps the new
+        global model to metrics recorded with the round.
+        """
+        cfg = self.config
+        updates: list[CenterUpdate] = []
+        rejected: dict[str, tuple[str, ...]] = {}
+        bytes_up: dict[str, int] = {}
+        metrics: dict[str, dict[str, float]] = {}
+        for rep in replies:
+            m = dict(rep.metrics)
+            for ev, key in (("received_model", "t_received"), ("finished_training", "t_trained"),
+                            ("sent_update", "t_sent")):
+                if isinstance(m.get(key), int | float):
+                    self.timing.record(round_idx, "center", rep.center, ev, t=float(m[key]))
+            payload = dict(rep.payload)
+            problems = check_payload(payload, self.params, cfg.compression) + _check_metrics(m)
+            if rep.center not in {c.name for c in cfg.centers}:
+                problems.append(f"{rep.center!r} is not a center of this federation")
+            elif rep.center in bytes_up:
+                problems.append("a second reply in the same round")
+            if problems:
+                log.warning("round %d: rejected the update of %s: %s", round_idx, rep.center, "; ".join(problems))
+                rejected[rep.center] = tuple(problems)
+                continue
+            bytes_up[rep.center] = payload_nbytes(payload)
+            metrics[rep.center] = {k: float(v) for k, v in m.items() if isinstance(v, int | float)}
+            delta = decode_update(payload, cfg.compression)
+            local = {k: self.params[k].astype(np.float64) + delta[k].astype(np.float64) for k in self.params}
+            updates.append(CenterUpdate(rep.center, local, int(m["num_samples"]), metrics[rep.center]))
+        answered = {r.center for r in replies}
+        missing = tuple(c.name for c in cfg.centers if c.name not in answered)
+        fused = len(updates) >= cfg.required_centers and len(updates) > 0
+        t0 = time.time()
+        if fused:
+            self.timing.record(round_idx, "server", "server", "fusion_start", t=t0)
+            # order by center so the fused numbers do not depend on arrival order
+            updates.sort(key=lambda u: cfg.center_index(u.center))
+            self.params = self.fusion.fuse(self.params, updates)
+            self.timing.record(round_idx, "server", "server", "fusion_end")
+        else:
+            log.warning("round %d: %d valid updates < %d required; global model kept", round_idx, len(updates),
+                        cfg.required_centers)
+        fusion_s = time.time() - t0
+        self.round = round_idx
+        ev = dict(evaluate(self.params)) if evaluate is not None else {}
+        down = payload_nbytes(self.params) * (len(cfg.centers) if sent_to is None else sent_to)
+        rec = RoundRecord(round_idx, tuple(u.center for u in updates), rejected, missing, fused, bytes_up,
+                          down, fusion_s, metrics, ev)
+        self.history.append(rec)
+        self.save_checkpoint()
+        self.timing.record(round_idx, "server", "server", "round_end")
+        return rec
