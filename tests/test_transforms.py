@@ -445,6 +445,34 @@ def test_fusion_of_a_consumer_whose_dims_were_split():
     np.testing.assert_allclose(run(f, fe)[0], run(g, fe)[0], rtol=1e-12)
 
 
+@pytest.mark.parametrize("seed", range(10))
+def test_random_elementwise_dags_fuse_exactly(seed):
+    rng = np.random.default_rng(seed)
+    n = Net()
+    x = n.input((2, 3, 4))
+    live = [n.linear(x, n.param((4, 4), "w0"))]
+    for i in range(8):
+        kind = rng.choice(["unary", "binary", "bias", "linear"])
+        a = live[int(rng.integers(len(live)))]
+        if kind == "unary":
+            live.append(n.ew(str(rng.choice(["relu", "neg", "tanh", "gelu"])), a))
+        elif kind == "binary":
+            live.append(n.ew(str(rng.choice(["add", "mul", "sub"])), a, live[int(rng.integers(len(live)))]))
+        elif kind == "bias":
+            live.append(n.ew("add", a, n.param((4,), f"b{i}")))
+        else:
+            live.append(n.linear(a, n.param((4, 4), f"w{i + 1}")))
+    g = n.done(live[-1], live[int(rng.integers(len(live) - 1))])
+    f = fuse_elementwise(g)
+    f.validate()
+    assert f.flops() == g.flops() and f.param_count() == g.param_count()
+    absorbed = sum(len(a) for _, a in history(f)[-1].fused)
+    assert len(f.ops) == len(g.ops) - absorbed
+    fe = feeds_for(g)
+    for u, v in zip(run(g, fe), run(f, fe), strict=True):
+        np.testing.assert_allclose(v, u, rtol=1e-12)
+
+
 # -- repeated blocks -----------------------------------------------------------------------------------
 
 
@@ -584,6 +612,22 @@ def test_balance_prefers_block_boundaries():
     assert max(s.cost for s in exact) == pytest.approx(op_opt)
     with pytest.raises(ValueError, match="segment"):
         balance(g, len(g.ops) + 1, cost)
+
+
+def test_balance_at_block_boundaries_is_optimal_among_them():
+    g = tiny_transformer(3, S=3)
+    (b,) = find_repeated_blocks(g)
+    rng = np.random.default_rng(1)
+    costs = {op.name: float(rng.integers(0, 50)) for op in g.ops}
+    cost = lambda op: costs[op.name]  # noqa: E731
+    segs = balance(g, 3, cost, tolerance=10.0)  # block cuts always acceptable here
+    allowed = [0, *[r.stop for r in b.instances], len(g.ops) - 1, len(g.ops)]
+    allowed = sorted(set(allowed) | set(range(0, b.start + 1)) | set(range(b.stop, len(g.ops) + 1)))
+    x = [cost(op) for op in g.ops]
+    best = min(max(sum(x[u:v]) for u, v in itertools.pairwise((0, *c, len(g.ops))))
+               for c in itertools.combinations(allowed[1:-1], 2))
+    assert max(s.cost for s in segs) == best
+    assert all(s.stop in allowed for s in segs)
 
 
 def test_layer_chain_covers_the_graph_with_one_key_per_layer():
