@@ -1,0 +1,47 @@
+"""Roofline compute model against hand-computed times."""
+
+from __future__ import annotations
+
+import pytest
+
+from polyparallel.cluster import Cluster, DeviceType
+from polyparallel.cost_models.compute import COMPUTE_EFFICIENCY, MEMORY_EFFICIENCY, op_cost
+from polyparallel.cost_models.synthetic import mlp_graph
+from polyparallel.ir import OpKind
+
+A100 = Cluster.preset("dgx-a100").device(0).type
+
+
+def test_large_linear_is_compute_bound():
+    g = mlp_graph(batch=8192, widths=(8192, 8192), bias=False)
+    lin = g.ops[0]
+    c = op_cost(g, lin, A100, "bf16")
+    flops = 2 * 8192**3
+    assert c.flops == flops and c.bound == "compute"
+    assert c.forward == pytest.approx(flops / (312e12 * COMPUTE_EFFICIENCY[OpKind.CONTRACTION]))
+    assert c.backward == pytest.approx(2 * c.forward)
+    half = op_cost(g, lin, A100, "bf16", split=2)
+    assert half.forward == pytest.approx(c.forward / 2)
+
+
+def test_elementwise_is_memory_bound_and_tiny_ops_hit_the_floor():
+    g = mlp_graph(batch=4096, widths=(4096, 4096, 4096))
+    relu = next(op for op in g.ops if op.kind is OpKind.ELEMENTWISE)
+    c = op_cost(g, relu, A100, "bf16")
+    nbytes = 2 * 4096 * 4096 * 2  # read + write at bf16
+    assert c.bound == "memory" and c.bytes == nbytes
+    assert c.forward == pytest.approx(nbytes / (2039e9 * MEMORY_EFFICIENCY))
+    tiny = mlp_graph(batch=2, widths=(4, 4))
+    t = op_cost(tiny, tiny.ops[0], A100, "bf16")
+    assert t.bound == "launch" and t.forward == A100.launch_overhead
+
+
+def test_calibrated_curve_reproduces_measurements():
+    curve = ((2 * 64**3, 2 * 64**3 / 10e9), (2 * 512**3, 2 * 512**3 / 40e9))
+    cpu = DeviceType("cpu", "cpu", (("fp32", 40e9),), 8e9, 1e12, 0.0, matmul_curve=curve)
+    for n, rate in ((64, 10e9), (512, 40e9)):
+        g = mlp_graph(batch=n, widths=(n, n), bias=False)
+        assert op_cost(g, g.ops[0], cpu).forward == pytest.approx(2 * n**3 / rate)
+    g = mlp_graph(batch=181, widths=(181, 181), bias=False)  # between: log-log interpolation
+    rate = g.ops[0].flops / op_cost(g, g.ops[0], cpu).forward
+    assert 10e9 < rate < 40e9

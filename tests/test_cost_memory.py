@@ -1,0 +1,66 @@
+"""Memory model against configurations computed by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from polyparallel.cluster import Cluster
+from polyparallel.cost_models import ParallelConfig, device_memory, estimate_step
+from polyparallel.cost_models.synthetic import mlp_graph
+
+B = 32
+PARAMS = (64 * 128 + 128) + (128 * 128 + 128) + (128 * 10 + 10)
+
+
+def node(p: int, memory: str = "80 GB") -> Cluster:
+    return Cluster.from_dict({"name": "n", "device_types": {"chip": {
+        "peak": {"fp32": "50 TFLOP/s", "bf16": "400 TFLOP/s"}, "memory": memory, "memory_bandwidth": "2 TB/s"}},
+        "centers": [{"name": "c", "nodes": [{"device": "chip", "devices_per_node": p,
+                                             "intra": {"bandwidth": "100 GB/s", "latency": "5 us"}}]}]})
+
+
+def graph():
+    return mlp_graph(batch=B, widths=(64, 128, 128), classes=10)
+
+
+def test_mixed_precision_adam_is_16_bytes_per_param():
+    r = device_memory(label="x", device="d", capacity=1e12, params=1e9, dp=4, zero_stage=0, param_dtype="bf16",
+                      optimizer="adam", activations=0)
+    assert r.total == 16e9
+    z = [device_memory(label="x", device="d", capacity=1e12, params=1e9, dp=4, zero_stage=s, param_dtype="bf16",
+                       optimizer="adam", activations=0).total for s in (1, 2, 3)]
+    assert z == [4e9 + 12e9 / 4, 2e9 + (2e9 + 12e9) / 4, 16e9 / 4]
+
+
+def test_known_config_by_hand():
+    g = graph()
+    assert g.param_count() == PARAMS
+    e = estimate_step(g, node(2), ParallelConfig(dp=2, zero_stage=1, optimizer="adam", dtype="fp32"))
+    m = e.memory[0]
+    # fp32 Adam: weights 4, grads 4, two moments 8 sharded over dp=2 (no master copy in fp32)
+    assert m.term("weights") == 4 * PARAMS and m.term("gradients") == 4 * PARAMS
+    assert m.term("optimizer") == 8 * PARAMS / 2
+    # stored outputs: linear 128, relu 128, linear 128, relu 128, linear 10 per row, and the scalar loss
+    assert m.term("activations") == 4 * (B * (128 * 4 + 10) + 1)
+    # GPipe over 2 stages with 4 micro-batches keeps all 4 alive on both stages
+    e2 = estimate_step(g, node(2), ParallelConfig(pp=2, microbatches=4, schedule="gpipe"))
+    assert [r.in_flight for r in e2.memory] == [4, 4]
+    total_act = sum(r.term("activations") for r in e2.memory) / 4
+    assert total_act == pytest.approx(4 * (B * (128 * 4 + 10) + 1))
+
+
+def test_full_recompute_keeps_layer_inputs():
+    e = estimate_step(graph(), node(1), ParallelConfig(recompute="full"))
+    m = e.memory[0]
+    # layer inputs: x, relu0, relu1 (fp32) and the loss's logits (fp32) and labels (int64)
+    assert m.term("activations") == 4 * (B * 64 + B * 128 + B * 128 + B * 10) + 8 * B
+    assert m.term("workspace") == 4 * B * 128 * 2  # one hidden layer's linear + relu outputs
+
+
+def test_why_names_the_overflowing_term_and_device():
+    e = estimate_step(mlp_graph(batch=4096, widths=(1024, 1024, 1024)), node(2, memory="40 MB"),
+                      ParallelConfig(pp=2, microbatches=8, schedule="gpipe"))
+    assert not e.fits
+    why = e.why_not_fit()
+    assert why and "stage 0" in why[0] and "does not fit" in why[0]
+    assert "largest term activations" in why[0] and "8 micro-batches in flight" in why[0]

@@ -1,0 +1,66 @@
+"""Pipeline schedules against their closed forms."""
+
+from __future__ import annotations
+
+import pytest
+
+from polyparallel.cost_models.pipeline import bubble_fraction, schedule_order, simulate
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p", [1, 2, 3, 5])
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 12])
+def test_bubble_fraction_gpipe_1f1b(schedule, p, m):
+    f, b = 1.0, 2.0
+    r = simulate(schedule, [f] * p, [b] * p, microbatches=m)
+    assert r.makespan == pytest.approx((m + p - 1) * (f + b))
+    assert r.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    assert bubble_fraction(schedule, p, m) == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(2, 2, 2), (2, 6, 3), (4, 8, 2), (4, 4, 4), (3, 9, 2)])
+def test_bubble_fraction_interleaved(p, m, v):
+    f, b = 1.0, 2.0
+    r = simulate("interleaved", [f] * p, [b] * p, microbatches=m, chunks=v)
+    assert r.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
+    assert r.makespan == pytest.approx(m * (f + b) + (p - 1) * (f + b) / v)
+
+
+@pytest.mark.parametrize(("p", "m"), [(4, 8), (3, 3), (5, 2)])
+def test_in_flight_microbatches(p, m):
+    assert simulate("gpipe", [1.0] * p, [1.0] * p, m).in_flight == (m,) * p
+    # 1F1B: stage s keeps min(p - s, m) micro-batches alive
+    assert simulate("1f1b", [1.0] * p, [1.0] * p, m).in_flight == tuple(min(p - s, m) for s in range(p))
+
+
+def test_interleaved_in_flight_matches_megatron():
+    # stage 0 holds p*(v+1) - 1 chunks = p*(1 + (p-1)/(p*v)) micro-batches of its layers
+    p, v, m = 4, 2, 8
+    r = simulate("interleaved", [1.0] * p, [1.0] * p, m, v)
+    assert r.in_flight[0] == p * (v + 1) - 1
+    assert r.in_flight[0] / v == pytest.approx(p * (1 + (p - 1) / (p * v)))
+
+
+def test_unequal_stages_and_p2p():
+    # GPipe with backward proportional to forward: (m-1) * max + sum over stages
+    f, b, m = [1.0, 2.0, 1.0], [2.0, 4.0, 2.0], 6
+    r = simulate("gpipe", f, b, m)
+    assert r.makespan == pytest.approx((m - 1) * 6 + (3 + 6 + 3))
+    r1 = simulate("1f1b", f, b, m)
+    assert r1.makespan >= m * 6
+    assert r1.busy == (m * 3.0, m * 6.0, m * 3.0)
+    # each p2p hop delays the fill and the drain of GPipe once
+    p, c = 4, 0.25
+    base = simulate("gpipe", [1.0] * p, [2.0] * p, 8).makespan
+    assert simulate("gpipe", [1.0] * p, [2.0] * p, 8, p2p=c).makespan == pytest.approx(base + 2 * (p - 1) * c)
+
+
+def test_schedule_orders_are_complete_and_errors():
+    for sched, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 3)):
+        orders = schedule_order(sched, 3, 6, v)
+        for o in orders:
+            assert sorted(o) == sorted({(k, j, c) for k in "FB" for j in range(6) for c in range(v)})
+    with pytest.raises(ValueError, match="multiple of stages"):
+        schedule_order("interleaved", 4, 6, 2)
+    with pytest.raises(ValueError, match="unknown pipeline schedule"):
+        schedule_order("zigzag", 2, 2)

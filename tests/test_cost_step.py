@@ -1,0 +1,106 @@
+"""Step-time model: tensor-parallel collectives by hand, data-parallel overlap, breakdown, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from polyparallel.cluster import Cluster
+from polyparallel.cost_models import ParallelConfig, estimate_step
+from polyparallel.cost_models.synthetic import gpt_graph, mlp_graph
+
+BW, ALPHA = 100e9, 5e-6
+
+
+def node(p: int) -> Cluster:
+    return Cluster.from_dict({"name": "n", "centers": [{"name": "c", "nodes": [
+        {"device": "h100-sxm", "devices_per_node": p, "intra": {"bandwidth": BW, "latency": ALPHA}}]}]})
+
+
+def ar2(n: float) -> float:  # all-reduce over 2 ranks (ring = tree here)
+    return n / BW + 2 * ALPHA
+
+
+def test_megatron_tp_collectives_by_hand():
+    b = 32
+    g = mlp_graph(batch=b, widths=(64, 128, 128), classes=10)
+    m = 3
+    e = estimate_step(g, node(2), ParallelConfig(tp=2, microbatches=m))
+    # layer 0 column-parallel (input is data: no gradient all-reduce), layer 1 row-parallel (forward
+    # all-reduce of its output), layer 2 column-parallel (backward all-reduce of its input's gradient),
+    # vocab-parallel loss (all-reduce of 3 scalars per row)
+    per_mb = ar2(4 * b * 128) + ar2(4 * b * 128) + ar2(3 * b * 4)
+    assert e.stages[0].part("tensor_parallel") == pytest.approx(m * per_mb)
+
+
+def test_tp_halves_matmul_compute():
+    g = mlp_graph(batch=4096, widths=(4096, 4096, 4096), bias=False)
+    one = estimate_step(g, node(2), ParallelConfig(tp=1, dtype="bf16")).stages[0].part("compute")
+    two = estimate_step(g, node(2), ParallelConfig(tp=2, dtype="bf16")).stages[0].part("compute")
+    assert 0.5 <= two / one < 0.6  # matmuls halve; the full-width relu after the row layer does not
+
+
+def test_data_parallel_gradient_overlap():
+    g = mlp_graph(batch=32, widths=(64, 128, 128), classes=10)
+    grads = 4 * g.param_count()
+    none = estimate_step(g, node(2), ParallelConfig(dp=2, grad_overlap=0.0))
+    assert none.stages[0].part("data_parallel") == pytest.approx(ar2(grads))
+    full = estimate_step(g, node(2), ParallelConfig(dp=2, grad_overlap=1.0))
+    assert full.stages[0].part("data_parallel") <= none.stages[0].part("data_parallel")
+    assert full.step_time <= none.step_time
+    z1 = estimate_step(g, node(2), ParallelConfig(dp=2, zero_stage=1, grad_overlap=0.0))
+    # reduce-scatter of gradients + all-gather of weights moves what one all-reduce moves
+    rs = (grads / 2) / BW + ALPHA
+    assert z1.stages[0].part("data_parallel") == pytest.approx(2 * rs)
+
+
+def test_breakdown_sums_to_step_and_throughput():
+    g = gpt_graph(layers=4, hidden=64, heads=4, seq=32, vocab=256, batch=2)
+    cfg = ParallelConfig(dp=2, tp=2, pp=2, microbatches=4, schedule="interleaved", chunks=2, dtype="bf16",
+                         sequence_parallel=True, recompute="selective", zero_stage=1)
+    e = estimate_step(g, Cluster.preset("dgx-a100"), cfg)
+    for s in e.stages:
+        assert s.total == pytest.approx(e.step_time)
+        assert all(v >= 0 for _, v in s.parts)
+    assert e.samples_per_step == 2 * 4 * 2
+    assert e.throughput == pytest.approx(16 / e.step_time)
+    assert e.pipeline.chunks == 2 and len(e.memory) == 2
+
+
+def test_heterogeneous_stages_run_at_their_device_speed():
+    c = Cluster.from_dict({"name": "h", "centers": [{"name": "c", "nodes": [
+        {"device": "h100-sxm", "devices_per_node": 1, "nic": {"bandwidth": "100 Gb/s", "latency": "5 us"}},
+        {"device": "v100-sxm2-32gb", "devices_per_node": 1, "nic": {"bandwidth": "100 Gb/s", "latency": "5 us"}}]}]})
+    g = mlp_graph(batch=4096, widths=(4096,) * 4, bias=False)  # 4 equal layers: 2 per stage
+    e = estimate_step(g, c, ParallelConfig(pp=2, microbatches=4, dtype="fp32"))
+    h100, v100 = e.stages
+    assert (h100.device_type, v100.device_type) == ("h100-sxm", "v100-sxm2-32gb")
+    # the same FLOPs on a device with 67/15.7 of the fp32 peak
+    assert v100.part("compute") / h100.part("compute") == pytest.approx(67 / 15.7, rel=0.1)
+    assert h100.part("bubble") > v100.part("bubble")
+
+
+def test_ulysses_sequence_parallel_adds_all_to_all():
+    g = gpt_graph(layers=2, hidden=64, heads=4, seq=64, vocab=128, batch=1)
+    e = estimate_step(g, node(2), ParallelConfig(sp=2))
+    assert e.stages[0].part("sequence_parallel") > 0
+    assert estimate_step(g, node(2), ParallelConfig(dp=2)).stages[0].part("sequence_parallel") == 0
+
+
+@pytest.mark.parametrize(("cfg", "msg"), [
+    (ParallelConfig(dp=4), "has 2"),
+    (ParallelConfig(schedule="zigzag"), "schedule"),
+    (ParallelConfig(chunks=2), "interleaved"),
+    (ParallelConfig(sequence_parallel=True), "tp > 1"),
+    (ParallelConfig(zero_stage=4), "zero_stage"),
+    (ParallelConfig(recompute="most"), "recompute"),
+    (ParallelConfig(dp=0), "dp must be"),
+    (ParallelConfig(pp=2, devices=(0,)), "lists 1 devices"),
+])
+def test_config_validation(cfg, msg):
+    with pytest.raises(ValueError, match=msg):
+        estimate_step(mlp_graph(batch=4, widths=(8, 8, 8)), node(2), cfg)
+
+
+def test_more_stages_than_layers_is_an_error():
+    with pytest.raises(ValueError, match="cannot cut"):
+        estimate_step(mlp_graph(batch=4, widths=(8, 8)), node(8), ParallelConfig(pp=8))
