@@ -374,6 +374,23 @@ def canonicalize(graph: Graph) -> Graph:
     once no consumer reads it and it is not a graph output. FLOPs of the remaining ops
     and parameter tensors are unchanged.
 
+    Examples:
+        A transpose feeding a matmul disappears into the matmul's access:
+
+        >>> from polyparallel import ops
+        >>> from polyparallel.frontends import GraphBuilder
+        >>> b = GraphBuilder("t", "doc")
+        >>> x = b.tensor("x", (8, 4), kind=TensorKind.INPUT); b.graph.inputs.append(x)
+        >>> w = b.tensor("w", (8, 6), kind=TensorKind.PARAM)
+        >>> xt, y = b.tensor("xt", (4, 8)), b.tensor("y", (4, 6))
+        >>> _ = b.op("t", OpKind.VIEW, "aten.t", [x], [xt], lambda: ops.transpose((8, 4), 0, 1))
+        >>> _ = b.op("mm", OpKind.CONTRACTION, "aten.mm", [xt, w], [y], lambda: ops.matmul((4, 8), (8, 6)))
+        >>> b.graph.outputs.append(y)
+        >>> g = canonicalize(b.finish())
+        >>> [op.name for op in g.ops], str(g.ops[0].nest.statements[0].reads[0])
+        (['mm'], 'in0[k, m]')
+        >>> print(history(g)[-1])
+        canonicalize: dropped 0 no-op(s), folded 1 view(s), kept 0 view(s), split 0 dim(s)
     """
     ops, outputs, dropped = _drop_noops(graph)
     by_name = {op.name: op for op in ops}
@@ -655,8 +672,25 @@ def find_repeated_blocks(graph: Graph, *, min_length: int = 2, min_count: int = 
     sorted by start; blocks never overlap.
 
     Examples:
-        A graph of 4 identical layers of 7 ops, plus 2 ops before and 1 after, gives
-        ``[Block(start=2, length=7, count=4, ...)]``.
+        Four identical linear-relu layers (the first reads the graph input, which
+        makes its signature differ, so a negation comes first):
+
+        >>> from polyparallel import ops
+        >>> from polyparallel.frontends import GraphBuilder
+        >>> b = GraphBuilder("mlp", "doc")
+        >>> x = b.tensor("x", (2, 8), kind=TensorKind.INPUT); b.graph.inputs.append(x)
+        >>> ew = lambda: ops.elementwise((2, 8), [(2, 8)])
+        >>> _ = b.op("neg", OpKind.ELEMENTWISE, "aten.neg", [x], [b.tensor("x1", (2, 8))], ew)
+        >>> x = "x1"
+        >>> for i in range(4):
+        ...     w = b.tensor(f"w{i}", (8, 8), kind=TensorKind.PARAM)
+        ...     h, y = b.tensor(f"h{i}", (2, 8)), b.tensor(f"y{i}", (2, 8))
+        ...     _ = b.op("fc", OpKind.CONTRACTION, "aten.linear", [x, w], [h], lambda: ops.linear((2, 8), (8, 8)))
+        ...     _ = b.op("relu", OpKind.ELEMENTWISE, "aten.relu", [h], [y], ew)
+        ...     x = y
+        >>> b.graph.outputs.append(x)
+        >>> [(blk.start, blk.length, blk.count) for blk in find_repeated_blocks(b.finish())]
+        [(1, 2, 4)]
     """
     sigs = [graph.signature(op) for op in graph.ops]
     codes: dict[str, int] = {}

@@ -676,3 +676,12 @@ def test_gpt2_capture_has_three_blocks():
     assert c.flops() == sum(op.flops for op in g.ops if op.name not in rec.dropped)
     assert not [op for op in c.ops if op.kind is OpKind.VIEW and op.module.startswith("transformer.h.")]
     assert len(layer_chain(fuse_elementwise(c))) >= 5
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import polyparallel.transforms as mod
+
+    res = doctest.testmod(mod)
+    assert res.attempted >= 3 and res.failed == 0
