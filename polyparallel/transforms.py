@@ -225,6 +225,21 @@ def _mixed_radix(w: Index, extents: Mapping[str, int], size: int) -> tuple[tuple
     return tuple(terms) if stride == size else None
 
 
+def _radix_match(a: Index, terms: Sequence[tuple[str, int]], vext: Mapping[str, int],
+                 cext: Mapping[str, int]) -> list[str] | None:
+    """The consumer dims of ``a`` when it is the same mixed-radix sum as ``W_i = terms``.
+
+    This happens when an earlier fold already split the consumer's dim the same way
+    (e.g. the kv-head x group axis of grouped-query attention read by two operands).
+    """
+    if a is ANY or a.const != 0 or len(a.terms) != len(terms):
+        return None
+    mine = sorted(a.terms, key=lambda t: -t[1])
+    if all(c == k and cext[d] == vext[v] for (d, c), (v, k) in zip(mine, terms)):
+        return [d for d, _ in mine]
+    return None
+
+
 class _NoFold(Exception):
     """A view cannot be folded exactly into a consumer; the message says why."""
 
@@ -275,6 +290,9 @@ class _ViewMap:
                     lo, hi = _bounds(a, extents)
                     if lo < 0 or hi >= self.out_shape[i]:
                         oob.append(i)
+            elif (same := _radix_match(a, terms, self.extents, extents)) is not None:
+                for (v, _), dj in zip(terms, same):
+                    sigma[v] = E(dj).rename(sub)
             else:
                 d = a.terms[0][0]
                 for (v, _), dj in zip(terms, split[d]):
@@ -319,7 +337,7 @@ def _fold_view(vm: _ViewMap, view: Op, cons: Op, counter: list[int]) -> Op:
             if len(acc.index) != len(vm.axes):
                 raise _NoFold(f"consumer {cons.name} reads {acc} with the wrong rank")
             for a, terms in zip(acc.index, vm.axes):
-                if len(terms) <= 1:
+                if len(terms) <= 1 or _radix_match(a, terms, vm.extents, nest.extents) is not None:
                     continue
                 size = math.prod(vm.extents[v] for v, _ in terms)
                 if (a is ANY or a.const != 0 or len(a.terms) != 1 or a.terms[0][1] != 1

@@ -241,6 +241,16 @@ def test_merge_reshape_splits_the_consumer_dim():
     assert {d.name: d.extent for d in lin.nest.dims if d.name.startswith("k")} == {"k_0": 2, "k_1": 3}
 
 
+def test_second_merge_reshape_reuses_the_split_of_the_first():
+    # both operands are merged [2, 3, 4] -> [6, 4]: the first fold splits the row dim, the
+    # second sees 3*d0_0 + d0_1 and must match it rather than give up (GQA's k and v)
+    n = Net()
+    a, b = n.input((2, 3, 4)), n.input((2, 3, 4))
+    y = n.ew("mul", n.reshape(a, (6, 4)), n.reshape(b, (6, 4)))
+    c = check_canonical(n.done(y))
+    assert views(c) == [] and history(c)[-1].split_dims == 1
+
+
 def test_onnx_style_reshape_with_a_shape_input_folds():
     n = Net()
     x, w = n.input((2, 3, 4)), n.param((5, 4), "w")
