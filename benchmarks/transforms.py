@@ -8,7 +8,7 @@ wall time of each step. Checks on the way that canonicalisation kept the FLOPs o
 remaining ops and the parameter count.
 
 Run: ``.venv/bin/python benchmarks/transforms.py [MODEL ...]`` (default: gpt-tiny,
-hf-gpt2, gpt2-small, llama-1b, resnet50, gpt3-175b). Writes
+hf-gpt2, hf-llama, hf-bert, gpt2-small, llama-1b, resnet50, gpt3-175b). Writes
 ``benchmarks/results/transforms.json``.
 """
 
@@ -26,7 +26,7 @@ from polyparallel.models import load_model
 from polyparallel.transforms import balance, canonicalize, find_repeated_blocks, fuse_elementwise, history, layer_chain
 
 RESULTS = Path(__file__).parent / "results" / "transforms.json"
-DEFAULT = ["gpt-tiny", "hf-gpt2", "gpt2-small", "llama-1b", "resnet50", "gpt3-175b"]
+DEFAULT = ["gpt-tiny", "hf-gpt2", "hf-llama", "hf-bert", "gpt2-small", "llama-1b", "resnet50", "gpt3-175b"]
 
 
 def _timed(fn: Any, *args: Any, **kw: Any) -> tuple[Any, float]:
