@@ -78,6 +78,7 @@ _DTYPES: dict[int, str] = {
 }
 
 _ELEM = {v: k for k, v in _DTYPES.items()}
+_SEQUENCE_OPS = {"SplitToSequence", "SequenceConstruct", "SequenceAt", "SequenceLength", "ConcatFromSequence"}
 # Ops whose outputs all have the shape of their first input.
 _SAME_SHAPE = {"Dropout", "Identity", "Relu", "LeakyRelu", "Sigmoid", "Tanh", "Softmax", "LogSoftmax", "LRN",
                "BatchNormalization", "Clip", "Elu", "Selu", "Abs", "Neg", "Exp", "Log", "Sqrt", "Erf"}
@@ -265,6 +266,8 @@ class _Capture:
         self.infer_note = ""
         self.folded: dict[str, int] = {}
         self.nontensor: dict[str, str] = {}  # sequence / map / optional values
+        self.seqs: dict[str, list[str]] = {}  # sequence -> its element tensors
+        self.copies: dict[str, tuple[str, TensorKind]] = {}  # Identity(initializer) -> (source, kind)
 
     # -- shapes ----------------------------------------------------------------------------
     def _bind_inputs(self) -> onnx.ModelProto:
@@ -473,6 +476,14 @@ class _Capture:
                         end = a.i
                 self.values[n.output[0]] = np.array(shape[start:end], dtype=np.int64)
             return True
+        if (n.op_type == "CastLike" and len(names) == 2 and names[0] in self.values
+                and names[0] not in param_inputs and names[1] in self.b.graph.tensors):
+            dt = self.b.graph.tensors[names[1]].dtype
+            try:
+                self.values[n.output[0]] = self.values[names[0]].astype(dt)
+                return True
+            except TypeError:
+                return False
         if not names or any(x not in self.values or x in param_inputs for x in names):
             return False
         if any(self.values[x].size > _FOLD_MAX_ELEMS for x in names):
@@ -498,28 +509,46 @@ class _Capture:
 
     # -- tensors ---------------------------------------------------------------------------
     def _classify_initializers(self) -> dict[str, TensorKind]:
+        """Kind of each initializer, and of each ``Identity`` copy of one, from how it is read.
+
+        torch.onnx (TorchScript) merges parameters that hold equal values (every LayerNorm
+        weight starts as ones) into one initializer and re-creates the others as
+        ``Identity`` outputs; such a copy is a parameter of its own, as in the source model.
+        """
         g = self.proto.graph
-        data_use: dict[str, set[str]] = {}
-        buffer_use: set[str] = set()
+        uses: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
         for n in g.node:
-            attr_pos = _ATTR_INPUTS.get(n.op_type, frozenset())
-            buf_pos = _BUFFER_INPUTS.get(n.op_type, frozenset())
             for i, x in enumerate(n.input):
-                if not x:
-                    continue
-                if i in buf_pos:
-                    buffer_use.add(x)
-                elif i not in attr_pos:
-                    data_use.setdefault(x, set()).add(n.op_type)
+                if x:
+                    uses.setdefault(x, []).append((n, i))
+
+        def usage(name: str, depth: int = 0) -> tuple[bool, bool]:
+            data = buf = False
+            for n, i in uses.get(name, ()):
+                if n.op_type == "Identity" and depth < 8:
+                    d, b = usage(n.output[0], depth + 1)
+                    data, buf = data or d, buf or b
+                elif i in _BUFFER_INPUTS.get(n.op_type, frozenset()):
+                    buf = True
+                elif i not in _ATTR_INPUTS.get(n.op_type, frozenset()):
+                    data = True
+            return data, buf
+
+        def kind(name: str, dtype: str, rank: int) -> TensorKind:
+            data, buf = usage(name)
+            if buf and not data:
+                return TensorKind.BUFFER
+            if dtype in _FLOAT_TYPES and rank >= 1 and data:
+                return TensorKind.PARAM
+            return TensorKind.CONST
+
         kinds = {}
         for t in g.initializer:
             dtype = _dtype(t.data_type)
-            if t.name in buffer_use and t.name not in data_use:
-                kinds[t.name] = TensorKind.BUFFER
-            elif dtype in _FLOAT_TYPES and len(t.dims) >= 1 and t.name in data_use:
-                kinds[t.name] = TensorKind.PARAM
-            else:
-                kinds[t.name] = TensorKind.CONST
+            kinds[t.name] = kind(t.name, dtype, len(t.dims))
+            for n, _ in uses.get(t.name, ()):
+                if n.op_type == "Identity" and n.output and n.output[0]:
+                    self.copies[n.output[0]] = (t.name, kind(n.output[0], dtype, len(t.dims)))
         return kinds
 
     def _add(self, name: str, kind: TensorKind, origin: str | None = None,
@@ -557,7 +586,15 @@ class _Capture:
             self._add(vi.name, TensorKind.INPUT, origin=vi.name)
             self.b.graph.inputs.append(vi.name)
         params = {n for n, k in kinds.items() if k is not TensorKind.CONST}
+        params |= {o for o, (_, k) in self.copies.items() if k is not TensorKind.CONST}
+        self.bias_adds = _bias_adds(g, {n for n, k in kinds.items() if k is TensorKind.PARAM}, inits,
+                                    {o.name for o in g.output})
+        skip = {id(add) for add in self.bias_adds.values()}
         for node in _toposort(g, set(inits) | {vi.name for vi in g.input}, self.where):
+            if id(node) in skip:
+                continue
+            if node.op_type == "MatMul" and node.output[0] in self.bias_adds:
+                node = _fuse_bias(node, self.bias_adds[node.output[0]])
             self._node(node, params)
         self.b.graph.outputs.extend(o.name for o in g.output if o.name)
         graph = self.b.finish()
@@ -576,6 +613,18 @@ class _Capture:
             except Exception as e:
                 raise CaptureError(f"{self.where}: Constant node {n.name!r} has no readable value ({e})") from e
             self._add(n.output[0], TensorKind.CONST, origin=n.name or None, node=n)
+            return
+        if n.op_type == "Identity" and outs and outs[0] in self.copies:
+            src, kind = self.copies[outs[0]]
+            if src in self.values:
+                self.values[outs[0]] = self.values[src]
+            self.inferred[outs[0]] = self.inferred[src]
+            self._add(outs[0], kind, origin=outs[0], node=n)
+            key = "Identity (copy of an initializer)"
+            self.folded[key] = self.folded.get(key, 0) + 1
+            return
+        if n.domain in ("", "ai.onnx") and n.op_type in _SEQUENCE_OPS:
+            self._sequence_node(n)
             return
         if self._try_fold(n, params):
             self.folded[n.op_type] = self.folded.get(n.op_type, 0) + 1
@@ -607,6 +656,144 @@ class _Capture:
         attrs = {a.name: _attr_value(a) for a in n.attribute}
         self.b.op(n.name or n.op_type, kind, target, [x for x in n.input if x], outs, checked, attrs=attrs,
                   module=_module_of(n), reason=reason)
+
+
+    # -- sequences of known tensors (SplitToSequence -> SequenceAt, as torch.onnx exports split) --
+    def _sequence_node(self, n: onnx.NodeProto) -> None:
+        """Sequences whose elements are known tensors: a split, element picks, a concat.
+
+        The sequence itself is no tensor; it is a list of element tensors, and the ops
+        on it become ops on those elements (SPLIT, identity VIEW, CONCAT).
+        """
+        ins = [x for x in n.input]
+        out = n.output[0]
+        target = n.op_type
+        if target == "SequenceConstruct":
+            self.seqs[out] = [x for x in ins if x]
+            return
+        if target == "SplitToSequence":
+            x = ins[0]
+            shape = self.shapes[x]
+            axis = int(_attr(n, "axis", 0)) % len(shape)
+            keep = bool(_attr(n, "keepdims", 1))
+            split = self.values.get(ins[1]) if len(ins) > 1 and ins[1] else None
+            if len(ins) > 1 and ins[1] and split is None:
+                raise CaptureError(f"{self.where}: SplitToSequence {n.name!r} splits by a run-time tensor; "
+                                   "re-export with constant split sizes")
+            if split is None:
+                sizes = [1] * shape[axis]
+            elif split.ndim == 0:
+                step = int(split)
+                sizes = [min(step, shape[axis] - i) for i in range(0, shape[axis], step)]
+            else:
+                sizes = [int(v) for v in split.reshape(-1)]
+            elems = []
+            for i, sz in enumerate(sizes):
+                es = list(shape)
+                es[axis] = sz
+                if split is None and not keep:
+                    del es[axis]
+                name = self.b.unique(f"{out}.{i}", "tensor")
+                self.b.tensor(name, es, self.b.graph.tensors[x].dtype)
+                self.shapes[name] = tuple(es)
+                elems.append(name)
+            self.seqs[out] = elems
+            squeeze = split is None and not keep
+            self.b.op(n.name or target, OpKind.SPLIT, target, [x for x in ins if x], elems,
+                      None if squeeze else _checked(lambda: ops.split(shape, sizes, axis),
+                                                    [self.shapes[e] for e in elems], target),
+                      attrs={a.name: _attr_value(a) for a in n.attribute}, module=_module_of(n),
+                      reason="split into squeezed elements" if squeeze else None)
+            return
+        seq = self.seqs.get(ins[0])
+        if seq is None:
+            raise CaptureError(f"{self.where}: node {n.name or target!r} ({target}) reads the sequence "
+                               f"{ins[0]!r}, which is not built from known tensors; polyparallel models "
+                               "tensor programs only")
+        if target == "SequenceLength":
+            self.values[out] = np.array(len(seq), dtype=np.int64)
+            self._add(out, TensorKind.CONST, origin=n.name or None, node=n)
+            return
+        if target == "SequenceAt":
+            pos = self.values.get(ins[1])
+            if pos is None:
+                raise CaptureError(f"{self.where}: SequenceAt {n.name!r} picks a run-time position; "
+                                   "re-export with constant indices")
+            elem = seq[int(pos)]
+            self.inferred[out] = (self.b.graph.tensors[elem].dtype, list(self.shapes[elem]))
+            self._add(out, TensorKind.ACTIVATION, node=n)
+            shape = self.shapes[elem]
+            self.b.op(n.name or target, OpKind.VIEW, target, [elem], [out],
+                      _checked(lambda: _identity(shape), [shape], target), module=_module_of(n))
+            return
+        # ConcatFromSequence
+        axis, new_axis = int(_attr(n, "axis", 0)), bool(_attr(n, "new_axis", 0))
+        shapes = [self.shapes[e] for e in seq]
+        if not self._known(out):
+            cat = list(shapes[0])
+            if new_axis:
+                cat.insert(axis % (len(cat) + 1), len(seq))
+            else:
+                cat[axis % len(cat)] = sum(sh[axis % len(cat)] for sh in shapes)
+            self.inferred[out] = (self.b.graph.tensors[seq[0]].dtype, cat)
+        self._add(out, TensorKind.ACTIVATION, node=n)
+        fn = None if new_axis else _checked(lambda: ops.concat(shapes, axis), [self.shapes[out]], target)
+        self.b.op(n.name or target, OpKind.CONCAT, target, seq, [out], fn, module=_module_of(n),
+                  reason="stacking along a new axis" if new_axis else None)
+
+
+def _bias_adds(g: onnx.GraphProto, params: set[str], inits: Mapping[str, TensorProto],
+               graph_outputs: set[str]) -> dict[str, onnx.NodeProto]:
+    """``MatMul(x, W) -> Add(., b)`` pairs that are one linear layer (how nn.Linear exports on 3-D input).
+
+    Fusing them gives the loop nest the torch frontend builds for ``linear``: the bias
+    add is a statement of the contraction, not a separate elementwise op.
+    """
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in g.node:
+        for x in n.input:
+            readers.setdefault(x, []).append(n)
+    # weights given as Transpose(W) of a [N, K] parameter (TorchScript export without folding)
+    transposed = {n.output[0]: n.input[0] for n in g.node
+                  if n.op_type == "Transpose" and n.input and n.input[0] in params and n.input[0] in inits
+                  and len(inits[n.input[0]].dims) == 2 and list(_attr(n, "perm", (1, 0))) == [1, 0]}
+    out = {}
+    for n in g.node:
+        if n.op_type != "MatMul" or n.domain not in ("", "ai.onnx") or len(n.input) != 2:
+            continue
+        y = n.output[0]
+        if n.input[1] in transposed:
+            n_out = inits[transposed[n.input[1]]].dims[0]
+        elif n.input[1] in params and len(inits[n.input[1]].dims) == 2:
+            n_out = inits[n.input[1]].dims[1]
+        else:
+            continue
+        if y in graph_outputs:
+            continue
+        r = readers.get(y, [])
+        if len(r) != 1 or r[0].op_type != "Add" or r[0].domain not in ("", "ai.onnx"):
+            continue
+        add = r[0]
+        bias = add.input[1] if add.input[0] == y else add.input[0]
+        b = inits.get(bias)
+        if b is not None and bias in params and list(b.dims) == [n_out] and bias != y:
+            out[y] = add
+    return out
+
+
+def _fuse_bias(mm: onnx.NodeProto, add: onnx.NodeProto) -> onnx.NodeProto:
+    bias = add.input[1] if add.input[0] == mm.output[0] else add.input[0]
+    fused = helper.make_node("MatMul", [mm.input[0], mm.input[1], bias], [add.output[0]], name=mm.name,
+                             bias_add=add.name or "Add")
+    fused.metadata_props.extend(mm.metadata_props)
+    return fused
+
+
+def _attr(n: onnx.NodeProto, name: str, default: Any = None) -> Any:
+    for a in n.attribute:
+        if a.name == name:
+            return _attr_value(a)
+    return default
 
 
 def _np_dtype_name(dt: np.dtype) -> str:
@@ -714,8 +901,8 @@ def _handles(*names: str) -> Callable[[Callable[[_Node], Spec]], Callable[[_Node
 
 @_handles("MatMul", "MatMulInteger")
 def _matmul(n: _Node) -> Spec:
-    a, b = n.shape(0), n.shape(1)
-    return OpKind.CONTRACTION, lambda: ops.matmul(a, b)
+    a, b, c = n.shape(0), n.shape(1), (n.shape(2) if n.attr("bias_add") else None)  # c: a fused Add
+    return OpKind.CONTRACTION, lambda: ops.matmul(a, b, bias=c)
 
 
 @_handles("Gemm")

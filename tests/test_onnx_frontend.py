@@ -89,8 +89,31 @@ def test_matmul_add_equals_gemm_flops():
     g = _capture(m)
     assert g.flops() == 2 * B * S * K * N + B * S * N
     assert g.param_count() == K * N + N
+    # one linear layer, as the torch frontend sees nn.Linear: the bias add is part of it
+    (op,) = g.ops
+    assert op.kind is OpKind.CONTRACTION and op.inputs == ("x", "w", "b") and op.outputs == ("y",)
+    assert [st.name for st in op.nest.statements] == ["mac", "bias"]
     mac = g.ops[0].nest
     assert {d.name for d in mac.dims if d.role is Role.REDUCTION} == {"k"}
+
+
+def test_matmul_add_not_fused_when_the_product_is_reused():
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["t"]), helper.make_node("Add", ["t", "b"], ["y"]),
+             helper.make_node("Relu", ["t"], ["r"])]
+    m = _model(nodes, [_vi("x", [2, 4])], [_vi("y", [2, 3]), _vi("r", [2, 3])], [_init("w", (4, 3)), _init("b", (3,))])
+    g = _capture(m)
+    assert [op.target for op in g.ops] == ["MatMul", "Add", "Relu"] and g.flops() == 2 * 2 * 4 * 3 + 6 + 6
+
+
+def test_torchscript_parameter_copies_count_as_parameters():
+    """torch.onnx merges equal-valued parameters and re-creates them with Identity."""
+    nodes = [helper.make_node("Identity", ["ln1.w"], ["ln2.w"]),
+             helper.make_node("LayerNormalization", ["x", "ln1.w"], ["a"]),
+             helper.make_node("LayerNormalization", ["a", "ln2.w"], ["y"])]
+    ones = numpy_helper.from_array(np.ones(8, np.float32), "ln1.w")
+    g = _capture(_model(nodes, [_vi("x", [2, 8])], [_vi("y", [2, 8])], [ones]))
+    assert g.param_count() == 16 and {t.name for t in g.params} == {"ln1.w", "ln2.w"}
+    assert [op.target for op in g.ops] == ["LayerNormalization"] * 2
 
 
 def test_conv_net_against_onnxruntime_shapes():
