@@ -67,6 +67,8 @@ def zoo_report() -> dict[str, Any]:
                          "seconds": round(time.perf_counter() - t0, 3)})
         except CaptureError as e:
             rows.append({"model": name, "ok": False, "error": str(e)})
+        except Exception as e:  # a crash is a bug: report it as such
+            rows.append({"model": name, "ok": False, "error": f"CRASH {type(e).__name__}: {e}"})
     return {"models": len(rows), "imported": sum(r["ok"] for r in rows),
             "fully_modelled": sum(1 for r in rows if r["ok"] and not r["opaque"]), "rows": rows}
 

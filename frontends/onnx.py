@@ -397,6 +397,8 @@ class _Capture:
         from onnx import shape_inference
 
         names = [x for x in dict.fromkeys(n.input) if x]
+        if any(x not in self.values and x not in self.b.graph.tensors for x in names):
+            return  # reads a sequence: nothing to infer from here
         ins, inits = [], []
         for x in names:
             if x in self.values:
@@ -596,7 +598,8 @@ class _Capture:
             if node.op_type == "MatMul" and node.output[0] in self.bias_adds:
                 node = _fuse_bias(node, self.bias_adds[node.output[0]])
             self._node(node, params)
-        self.b.graph.outputs.extend(o.name for o in g.output if o.name)
+        for o in g.output:  # a sequence output stands for its elements
+            self.b.graph.outputs.extend(self.seqs.get(o.name, [o.name] if o.name else []))
         graph = self.b.finish()
         if self.infer_note:
             graph.warnings.append(f"ONNX shape inference failed ({self.infer_note}); used declared shapes")

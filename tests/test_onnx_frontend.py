@@ -491,3 +491,15 @@ def test_old_opset_dropout_mask_gets_a_shape():
     g = _capture(m)
     assert g.shape("mask") == (2, 3) and g.tensors["mask"].dtype == "bool"
     assert g.ops[0].kind is OpKind.VIEW and g.flops() == 0  # inference: an identity
+
+
+def test_split_to_sequence_then_sequence_at():
+    """How torch.onnx (dynamo) exports ``tensor.split``: a sequence, then picks by constant position."""
+    nodes = [helper.make_node("SplitToSequence", ["x", "sizes"], ["seq"], axis=1),
+             helper.make_node("SequenceAt", ["seq", "one"], ["b"]),
+             helper.make_node("Relu", ["b"], ["y"])]
+    inits = [numpy_helper.from_array(np.array([2, 3, 1], np.int64), "sizes"),
+             numpy_helper.from_array(np.array(1, np.int64), "one")]
+    g = _capture(_model(nodes, [_vi("x", [4, 6])], [_vi("y", None)], inits))
+    assert [op.kind for op in g.ops] == [OpKind.SPLIT, OpKind.VIEW, OpKind.ELEMENTWISE]
+    assert g.shape("b") == (4, 3) and g.flops() == 12
