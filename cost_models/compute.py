@@ -6,7 +6,9 @@ op's unit, memory bandwidth ``W`` and launch overhead ``τ``:
 
     t_fwd = max( F / (η_c(kind) · P),  Q / (η_m · W),  τ )
 
-``η_c`` is the fraction of peak a kernel of that class reaches (large GEMMs ~0.8 on tensor
+An op whose temporaries are materialised (attention without a fused kernel) is priced as one
+such kernel per statement, each moving its whole operands, temporaries included, and the
+times add up. ``η_c`` is the fraction of peak a kernel of that class reaches (large GEMMs ~0.8 on tensor
 cores, convolutions less, unfused attention less still); ``η_m`` the fraction of data-sheet
 bandwidth a streaming kernel reaches. Matrix ops (contraction, conv, attention) run at the
 dtype's matrix-unit peak; everything else runs on the vector units, priced at the fp32 peak.
@@ -114,32 +116,70 @@ def _curve_rate(curve: tuple[tuple[float, float], ...], flops: float) -> float:
     return math.exp(pts[-1][1])  # pragma: no cover - the loop covers the range
 
 
+def _kernels(graph: Graph, op: Op, dtype: str, fused: bool) -> list[tuple[float, float, bool]]:
+    """``(flops, bytes, on_matrix_units)`` per kernel: one for a fused op, one per statement otherwise.
+
+    An unfused op materialises its temporaries (attention scores): each statement is a kernel
+    that reads and writes whole operands, temporaries included.
+    """
+    kind = OpKind(op.kind)
+    if fused or op.nest is None or len(op.nest.statements) == 1:
+        return [(float(op.flops), op_bytes(graph, op, dtype), kind in MATRIX_KINDS)]
+    width = _SHORT_BYTES.get(dtype, DTYPE_BYTES.get(dtype, 4))
+    ext = op.nest.extents
+    out = []
+    for st in op.nest.statements:
+        nbytes = 0.0
+        for acc in dict((a.operand, a) for a in st.reads + st.writes).values():
+            name = op.operand_name(acc.operand)
+            if name is not None:
+                spec = graph.tensors[name]
+                nbytes += spec.numel * (width if spec.dtype in _FLOAT_DTYPES else DTYPE_BYTES.get(spec.dtype, 4))
+            else:
+                nbytes += math.prod(ext[d] for d in acc.dims) * width
+        reads = {a.operand for a in st.reads}
+        matrix = len(reads) >= 2 and bool(st.reduction_dims()) and st.flops_per_point >= 2
+        out.append((op.nest.points(st) * st.flops_per_point, nbytes, matrix))
+    return out
+
+
 def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split: float = 1.0,
-            flops_scale: float = 1.0) -> OpCost:
+            flops_scale: float = 1.0, fused: bool | None = None) -> OpCost:
     """Roofline time of ``op`` on ``device`` at compute precision ``dtype``.
 
     Args:
         split: the op's work (FLOPs and bytes) is divided by ``split`` (TP / SP shards).
         flops_scale: multiplies the FLOPs (e.g. 0 for an op whose work is recomputed elsewhere).
+        fused: whether a multi-statement op runs as one kernel; default: everything except
+            attention (unfused attention writes its score matrix to memory and reads it back).
     """
     if split <= 0:
         raise ValueError(f"split must be > 0, got {split}")
     kind = OpKind(op.kind)
-    flops = op.flops * flops_scale / split
-    nbytes = op_bytes(graph, op, dtype) / split
-    if kind in (OpKind.VIEW, OpKind.CREATE) and flops == 0:
+    if kind in (OpKind.VIEW, OpKind.CREATE) and op.flops == 0:
         return OpCost(op.name, str(kind), 0.0, 0.0, 0.0, 0.0, "free")
-    if kind in MATRIX_KINDS:
-        if device.matmul_curve:
-            rate = _curve_rate(device.matmul_curve, flops)
-        else:
-            rate = device.peak_flops(dtype) * COMPUTE_EFFICIENCY.get(kind, DEFAULT_COMPUTE_EFFICIENCY)
-    else:
-        rate = device.peak_flops("fp32") * DEFAULT_COMPUTE_EFFICIENCY
-    t_c = flops / rate if flops else 0.0
-    t_m = nbytes / (device.memory_bandwidth * MEMORY_EFFICIENCY)
-    t = max(t_c, t_m, device.launch_overhead)
-    bound = "compute" if t == t_c else "memory" if t == t_m else "launch"
+    if fused is None:
+        fused = kind is not OpKind.ATTENTION
     kb = BACKWARD_FACTOR.get(kind, DEFAULT_BACKWARD_FACTOR)
-    t_b = max(t_c * kb, t_m * kb, device.launch_overhead) if kb > 0 else 0.0
-    return OpCost(op.name, str(kind), flops, nbytes, t, t_b, bound)
+    t = t_b = flops_tot = bytes_tot = 0.0
+    bound, worst = "launch", -1.0
+    for f, b, matrix in _kernels(graph, op, dtype, fused):
+        f, b = f * flops_scale / split, b / split
+        if matrix and device.matmul_curve:
+            rate = _curve_rate(device.matmul_curve, f)
+        elif matrix:
+            eff = COMPUTE_EFFICIENCY.get(kind, DEFAULT_COMPUTE_EFFICIENCY) if fused else \
+                COMPUTE_EFFICIENCY[OpKind.CONTRACTION]
+            rate = device.peak_flops(dtype) * eff
+        else:
+            rate = device.peak_flops("fp32") * DEFAULT_COMPUTE_EFFICIENCY
+        t_c = f / rate if f else 0.0
+        t_m = b / (device.memory_bandwidth * MEMORY_EFFICIENCY)
+        k = max(t_c, t_m, device.launch_overhead)
+        t += k
+        t_b += max(t_c * kb, t_m * kb, device.launch_overhead) if kb > 0 else 0.0
+        flops_tot += f
+        bytes_tot += b
+        if k > worst:
+            worst, bound = k, "compute" if k == t_c else "memory" if k == t_m else "launch"
+    return OpCost(op.name, str(kind), flops_tot, bytes_tot, t, t_b, bound)

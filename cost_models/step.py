@@ -9,7 +9,8 @@ ZeRO stage, recomputation). One optimizer step processes ``dp · m`` micro-batch
 (Megatron's order): rank ``((s_pp·dp + i_dp)·sp + i_sp)·tp + i_tp`` runs on device
 ``devices[rank]`` (the first ``world`` devices of the cluster unless given). The op list is
 cut into ``pp·v`` contiguous chunks at layer boundaries (ops grouped by their module
-``layers.<i>``), balancing forward FLOPs (bisection on the bottleneck); chunk ``g`` runs on
+``layers.<i>``), balancing forward FLOPs (bisection on the bottleneck), or with equal layer
+counts (``partition="layers"``, what Megatron-LM and DeepSpeed do); chunk ``g`` runs on
 stage ``g mod pp``.
 
 **Tensor parallelism** (Megatron-LM, Shoeybi et al. 2019), propagated over the IR without a
@@ -88,6 +89,8 @@ class ParallelConfig:
         grad_overlap: ω of the module docstring; ``None`` picks 1 on accelerators, 0 on CPUs.
         fused_attention: attention keeps only softmax statistics (flash attention).
         devices: device ids in rank order (default: the cluster's first ``world`` devices).
+        partition: how layers are cut into pipeline chunks: ``flops`` (balance forward FLOPs) or
+            ``layers`` (equal layer counts, embedding/head on the end stages: Megatron/DeepSpeed).
     """
 
     dp: int = 1
@@ -105,6 +108,7 @@ class ParallelConfig:
     grad_overlap: float | None = None
     fused_attention: bool = False
     devices: tuple[int, ...] | None = None
+    partition: str = "flops"
 
     @property
     def world(self) -> int:
@@ -127,6 +131,8 @@ class ParallelConfig:
             raise ValueError("ParallelConfig.sequence_parallel needs tp > 1")
         if self.dtype not in _SHORT_BYTES:
             raise ValueError(f"ParallelConfig.dtype {self.dtype!r}: use one of {', '.join(_SHORT_BYTES)}")
+        if self.partition not in ("flops", "layers"):
+            raise ValueError(f"ParallelConfig.partition {self.partition!r}: use 'flops' or 'layers'")
         if self.grad_overlap is not None and not 0 <= self.grad_overlap <= 1:
             raise ValueError(f"ParallelConfig.grad_overlap must be in [0, 1], got {self.grad_overlap}")
         if cluster is not None:
@@ -279,6 +285,20 @@ def _partition(weights: Sequence[float], k: int) -> list[int]:
     return starts
 
 
+def _uniform_layers(graph: Graph, segs: list[list[int]], k: int) -> list[int]:
+    """Megatron / DeepSpeed ``uniform`` partition: equal numbers of numbered layers per chunk (the
+    first ``L mod k`` chunks take one more); embedding and head stay on the first and last chunk."""
+    layer_idx = [j for j, sg in enumerate(segs) if _LAYER.match(graph.ops[sg[0]].module or "")]
+    n = len(layer_idx)
+    if k > n:
+        raise ValueError(f"cannot cut {n} layers into {k} pipeline chunks: use fewer stages/chunks")
+    starts, pos = [0], 0
+    for g in range(k - 1):
+        pos += n // k + (1 if g < n % k else 0)
+        starts.append(layer_idx[pos])
+    return starts
+
+
 # --------------------------------------------------------------------------------------------
 # tensor / sequence parallel propagation
 # --------------------------------------------------------------------------------------------
@@ -383,8 +403,10 @@ def estimate_step(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> StepEs
         warnings.append(f"{len(graph.opaque_ops())} opaque op(s) priced from their FLOP estimate, never split")
 
     segs = layer_segments(graph)
-    seg_flops = [float(sum(graph.ops[i].flops for i in s)) + 1.0 for s in segs]
-    starts = _partition(seg_flops, p * v)
+    if cfg.partition == "layers":
+        starts = _uniform_layers(graph, segs, p * v)
+    else:
+        starts = _partition([float(sum(graph.ops[i].flops for i in s)) + 1.0 for s in segs], p * v)
     chunk_of_op = [0] * len(graph.ops)
     for g, (a, b) in enumerate(zip(starts, [*starts[1:], len(segs)])):
         for s in segs[a:b]:
@@ -431,7 +453,8 @@ def estimate_step(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> StepEs
             f = b = rc = 0.0
             for i in op_idx:
                 op = graph.ops[i]
-                c = op_cost(graph, op, dt, cfg.dtype, split=plans[i].split)
+                c = op_cost(graph, op, dt, cfg.dtype, split=plans[i].split,
+                            fused=True if cfg.fused_attention else None)
                 f += c.forward
                 b += c.backward
                 if cfg.recompute == "full" or (cfg.recompute == "selective" and OpKind(op.kind) is OpKind.ATTENTION):

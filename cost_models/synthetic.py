@@ -99,12 +99,15 @@ def mlp_graph(batch: int, widths: Sequence[int], classes: int | None = None, act
 
 def gpt_graph(layers: int, hidden: int, heads: int, seq: int, vocab: int, batch: int = 1, *,
               ffn: int | None = None, kv_heads: int | None = None, norm: str = "layer", mlp: str = "gelu",
-              bias: bool = True, tied: bool = True, positions: bool = True, causal: bool = False) -> Graph:
+              bias: bool = True, tied: bool = True, positions: bool = True, causal: bool = False,
+              dropout: bool = False) -> Graph:
     """A decoder-only transformer (GPT-2/3 by default; ``norm="rms", mlp="swiglu", kv_heads=..,
     bias=False, tied=False, positions=False`` for LLaMA).
 
     ``causal=True`` counts only the unmasked half of attention (flash-style kernels skip it);
     ``False`` prices the full score matrix, as kernels that mask after computing do.
+    ``dropout=True`` adds the hidden-state dropouts of GPT-2/3 training (after the embedding,
+    the attention projection and the MLP), each an elementwise op.
     """
     if hidden % heads:
         raise ValueError(f"hidden {hidden} is not a multiple of heads {heads}")
@@ -121,6 +124,8 @@ def gpt_graph(layers: int, hidden: int, heads: int, seq: int, vocab: int, batch:
     if positions:
         wpe = m.param("wpe", (seq, hidden))
         x = m.pointwise("add", [x, wpe], "embed")
+    if dropout:
+        x = m.pointwise("dropout", [x], "embed")
     for i in range(layers):
         mod, pre = f"layers.{i}", f"layers.{i}"
         h1 = m.norm(x, rms, f"{pre}.ln1", mod)
@@ -141,6 +146,8 @@ def gpt_graph(layers: int, hidden: int, heads: int, seq: int, vocab: int, batch:
                    [q4, k4, v4], (batch, heads, seq, d), mod)
         att = m.view(m.view(att, (), mod, perm=(0, 2, 1, 3)), (batch, seq, hidden), mod)
         o = proj(att, "o", hidden, hidden)
+        if dropout:
+            o = m.pointwise("dropout", [o], mod)
         x = m.pointwise("add", [x, o], mod)
         h2 = m.norm(x, rms, f"{pre}.ln2", mod)
         if mlp == "swiglu":
@@ -149,7 +156,10 @@ def gpt_graph(layers: int, hidden: int, heads: int, seq: int, vocab: int, batch:
             act = m.pointwise("mul", [gate, up], mod)
         else:
             act = m.pointwise(mlp, [proj(h2, "fc1", f, hidden)], mod)
-        x = m.pointwise("add", [x, proj(act, "fc2", hidden, f)], mod)
+        down = proj(act, "fc2", hidden, f)
+        if dropout:
+            down = m.pointwise("dropout", [down], mod)
+        x = m.pointwise("add", [x, down], mod)
     x = m.norm(x, rms, "ln_f", "head")
     w_out = wte if tied else m.param("lm_head.weight", (vocab, hidden))
     logits = m.linear(x, w_out, None, "head")

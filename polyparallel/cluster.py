@@ -502,7 +502,7 @@ class _DeviceTypeSpec(_Strict):
     peak: dict[str, float | str]
     memory: float | str
     memory_bandwidth: float | str
-    launch_overhead: float | str = "5 us"
+    launch_overhead: float | str = 5e-6
     source: str = ""
     calibration: str | None = None
 
@@ -787,9 +787,13 @@ def _local_cpu(procs: int) -> Cluster:
         cal = _read_calibration(path)
         cal = {**cal, "path": str(path)}
         dt = _calibrated_type("cpu-process", cal, procs)
-        ar = cal.get("collectives", {}).get("fit", {})
+        coll = cal.get("collectives", {})
+        by_p = {int(k): v for k, v in coll.get("fit_by_group_size", {}).items()}
+        # the fit measured with P processes alive, else the nearest group size, else the pooled fit
+        near = min(by_p, key=lambda k: (abs(k - procs), -k)) if by_p else None
+        ar = by_p[near] if near is not None else coll.get("fit", {})
         lat, bw = float(ar.get("alpha", 50e-6)), float(ar.get("bandwidth", 1e9))
-        src = f"gloo fit from {path}"
+        src = f"gloo fit ({near or 'pooled'} processes) from {path}"
     else:
         # Nominal figures until `polyparallel calibrate` has measured this machine: an AVX2 core
         # retires 2 FMA x 8 fp32 lanes = 32 FLOP/cycle at ~2.5 GHz; ~10 GB/s of DRAM per core;
