@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .cluster import Cluster as Cluster
 from .ir import Graph, Op, OpKind, TensorSpec
 
 __version__ = "0.1.0"
