@@ -16,9 +16,11 @@ Capture runs in four steps:
    :mod:`polyparallel.ops` builders as the torch frontend. An op without an affine model
    (or whose model disagrees with the inferred output shapes) is kept as an opaque op.
 
-Initializers are classified by use: a floating-point initializer of rank >= 1 read as
-data (not as a shape, axes, pads or clip bound) is a trainable ``PARAM``; the running
-statistics of ``BatchNormalization`` are ``BUFFER`` s; everything else is ``CONST``.
+Initializers are classified by what the exporter recorded (torch.onnx's dynamo exporter
+tags each one PARAMETER / BUFFER / CONSTANT_TENSOR), else by use: a floating-point
+initializer of rank >= 1 read as data (not as a shape, axes, pads or clip bound) is a
+trainable ``PARAM``; the running statistics of ``BatchNormalization`` are ``BUFFER`` s;
+everything else is ``CONST``.
 
 Examples:
     >>> import onnx
@@ -98,6 +100,7 @@ _ATTR_INPUTS: dict[str, frozenset[int]] = {
     "Trilu": frozenset({1}), "CenterCropPad": frozenset({1, 2}), "DFT": frozenset({1, 2}),
 }
 _BUFFER_INPUTS: dict[str, frozenset[int]] = {"BatchNormalization": frozenset({3, 4})}
+_EXPORT_KINDS = {"PARAMETER": TensorKind.PARAM, "BUFFER": TensorKind.BUFFER, "CONSTANT_TENSOR": TensorKind.CONST}
 
 
 def capture_onnx(model: str | Path | onnx.ModelProto, *, name: str | None = None,
@@ -536,7 +539,16 @@ class _Capture:
                     data = True
             return data, buf
 
+        # torch.onnx (dynamo) records what each initializer was in the torch.export signature
+        declared: dict[str, TensorKind] = {}
+        for vi in [*g.value_info, *g.input]:
+            for p in vi.metadata_props:
+                if p.key == "pkg.torch.export.graph_signature.InputSpec.kind" and p.value in _EXPORT_KINDS:
+                    declared[vi.name] = _EXPORT_KINDS[p.value]
+
         def kind(name: str, dtype: str, rank: int) -> TensorKind:
+            if name in declared:
+                return declared[name]
             data, buf = usage(name)
             if buf and not data:
                 return TensorKind.BUFFER

@@ -124,9 +124,25 @@ def test_same_flops_and_params(model: str, exporter: str):
         assert sum(op.flops for op in gt.ops if op.kind is kind) == sum(op.flops for op in go.ops if op.kind is kind)
 
 
+def _hf_model(name: str) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    small = {"num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100, "max_position_embeddings": 32}
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=16,
+                                      use_cache=False)
+        return transformers.GPT2LMHeadModel(cfg)
+    if name == "llama":
+        cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_key_value_heads=2, use_cache=False,
+                                       **small)
+        return transformers.LlamaForCausalLM(cfg)
+    return transformers.BertModel(transformers.BertConfig(hidden_size=32, intermediate_size=64, **small))
+
+
 @pytest.mark.slow
-def test_hf_gpt2_through_both_frontends():
-    """GPT-2 from transformers: same parameters and matmul FLOPs; the attention differs by design.
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
+def test_hf_models_through_both_frontends(name: str):
+    """transformers models: same parameters and matmul FLOPs; the attention differs by design.
 
     torch.export keeps ``scaled_dot_product_attention`` whole (one ATTENTION op whose
     loop nest holds the two matmuls and a fused masked softmax); the ONNX exporter
@@ -134,10 +150,7 @@ def test_hf_gpt2_through_both_frontends():
     NaN guard (IsNaN/Where). The matmuls must agree exactly; the totals only up to the
     few elementwise FLOPs per score that each decomposition spends differently.
     """
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=16, use_cache=False)
-    torch.manual_seed(0)
-    m = transformers.GPT2LMHeadModel(cfg)
+    m = _hf_model(name)
     gt, go = _both(m, (torch.randint(0, 100, (2, 8)),), "dynamo")
     assert gt.param_count() == go.param_count() == sum(p.numel() for p in m.parameters())
     assert not go.opaque_ops()
