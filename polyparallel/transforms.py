@@ -4,11 +4,12 @@ Every transform takes a :class:`~polyparallel.ir.Graph` and returns a new one (o
 description of it); the input is never mutated. What a transform did is appended to
 the graph's history (:func:`history`), a tuple of :class:`TransformRecord` s.
 
-**Canonicalisation** (:func:`canonicalize`) drops no-ops and folds views into the
-accesses of their consumers. A view op is a copy statement ``out[W(v)] = in[R(v)]``
-over view dims ``v``; a consumer reads the view's output through ``A: D_c -> out``.
-Where ``W`` is the identity on the view dims (permute, split-reshape, expand, slice,
-select, pad) the consumer's new access is ``R ∘ A``: substitute ``v_i := A_i`` in ``R``.
+**Canonicalisation** (:func:`canonicalize`) drops no-ops and folds views (and the
+outputs of splits, which are slices) into the accesses of their consumers. A view is a
+copy statement ``out[W(v)] = in[R(v)]`` over view dims ``v``; a consumer reads the
+view's output through ``A: D_c -> out``. Where ``W`` is the identity on the view dims
+(permute, split-reshape, expand, slice, select, pad, split outputs) the consumer's new
+access is ``R ∘ A``: substitute ``v_i := A_i`` in ``R``.
 A merge-reshape writes one output axis as a mixed-radix sum ``W_i = Σ_j c_j v_j``; when
 the consumer reads that axis by a single dim ``d`` of the same extent, ``d`` is split
 into factors ``d = Σ_j c_j d_j`` (a bijection of boxes, so points and FLOPs are
@@ -246,26 +247,30 @@ class _NoFold(Exception):
 
 @dataclass
 class _ViewMap:
-    """The copy statement of a view op, analysed for composition."""
+    """One output of a view (or split) op: a copy statement ``out_j[W(v)] = in_i[R(v)]``."""
 
     read: tuple[Index, ...]
     axes: tuple[tuple[tuple[str, int], ...], ...]  # per output axis: the mixed-radix terms of W_i
     extents: dict[str, int]
     in_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
+    src: str  # the graph tensor read
+    out: str  # the graph tensor written
 
     @staticmethod
-    def of(graph: Graph, op: Op) -> _ViewMap:
+    def of(graph: Graph, op: Op, j: int) -> _ViewMap:
         nest = op.nest
+        writers = [st for st in nest.statements if any(w.operand == f"out{j}" for w in st.writes)] if nest else []
+        if len(writers) != 1:
+            raise _NoFold("output not written by a single copy statement")
+        st = writers[0]
         # extra inputs (an ONNX Reshape's shape tensor) are fine as long as the nest ignores them
-        if nest is None or len(nest.statements) != 1 or not op.inputs or len(op.outputs) != 1:
-            raise _NoFold("not a single copy statement")
-        st = nest.statements[0]
-        if (len(st.reads) != 1 or len(st.writes) != 1 or st.reads[0].operand != "in0"
-                or st.writes[0].operand != "out0" or st.constraints or st.flops_per_point != 0):
-            raise _NoFold("not a single copy statement")
+        src = op.operand_name(st.reads[0].operand) if len(st.reads) == 1 else None
+        if (src is None or not st.reads[0].operand.startswith("in") or len(st.writes) != 1
+                or st.constraints or st.flops_per_point != 0):
+            raise _NoFold("output not written by a single copy statement")
         ext = {d: nest.dim(d).extent for d in st.dims}
-        out_shape = graph.shape(op.outputs[0])
+        out_shape = graph.shape(op.outputs[j])
         axes, used = [], []
         for w, n in zip(st.writes[0].index, out_shape):
             terms = _mixed_radix(w, ext, n)
@@ -275,7 +280,7 @@ class _ViewMap:
             used += [v for v, _ in terms]
         if sorted(used) != sorted(st.dims):
             raise _NoFold("view dims are not written exactly once")
-        return _ViewMap(st.reads[0].index, tuple(axes), ext, graph.shape(op.inputs[0]), out_shape)
+        return _ViewMap(st.reads[0].index, tuple(axes), ext, graph.shape(src), out_shape, src, op.outputs[j])
 
     def compose(self, acc: Access, extents: Mapping[str, int], split: Mapping[str, tuple[str, ...]],
                 sub: Mapping[str, AffineExpr]) -> Access:
@@ -320,11 +325,11 @@ class _ViewMap:
         return Access(acc.operand, tuple(index))
 
 
-def _fold_view(vm: _ViewMap, view: Op, cons: Op, counter: list[int]) -> Op:
+def _fold_view(vm: _ViewMap, cons: Op, counter: list[int]) -> Op:
     """The consumer reading the view's input directly; raises _NoFold when not exact."""
     if cons.nest is None:
         raise _NoFold(f"consumer {cons.name} is opaque")
-    operands = {f"in{i}" for i, t in enumerate(cons.inputs) if t == view.outputs[0]}
+    operands = {f"in{i}" for i, t in enumerate(cons.inputs) if t == vm.out}
     nest = cons.nest
     factors: dict[str, tuple[int, ...]] = {}
     for st in nest.statements:
@@ -377,7 +382,7 @@ def _fold_view(vm: _ViewMap, view: Op, cons: Op, counter: list[int]) -> Op:
     dims = tuple(Dim(nm, e, d.role, d.hint) if d.name in split else d
                  for d in nest.dims for nm, e in zip(split.get(d.name, (d.name,)), factors.get(d.name, (d.extent,))))
     counter[0] += len(split)
-    inputs = tuple(view.inputs[0] if t == view.outputs[0] else t for t in cons.inputs)
+    inputs = tuple(vm.src if t == vm.out else t for t in cons.inputs)
     return replace(cons, inputs=inputs, nest=LoopNest(dims, tuple(sts)))
 
 
@@ -387,9 +392,10 @@ def canonicalize(graph: Graph) -> Graph:
     Dropped (consumers rewired to the op's input): ops without outputs (``_assert_*``),
     identity / clone / contiguous / alias / detach copies, dropout with ``p = 0`` or in
     eval mode (when the op's attributes say so), casts to the same dtype, and views to
-    the same shape whose copy is the identity. Each view op is then folded into every
-    consumer for which the composition is exact (module docstring); a view is removed
-    once no consumer reads it and it is not a graph output. FLOPs of the remaining ops
+    the same shape whose copy is the identity. Each output of a view or split op is
+    then folded into every consumer for which the composition is exact (module
+    docstring); the op is removed once no consumer reads any of its outputs and none is
+    a graph output. FLOPs of the remaining ops
     and parameter tensors are unchanged.
 
     Examples:
@@ -422,32 +428,37 @@ def canonicalize(graph: Graph) -> Graph:
     counter = [0]
     for name in list(by_name):
         view = by_name[name]
-        if view.kind is not OpKind.VIEW:
+        if view.kind not in (OpKind.VIEW, OpKind.SPLIT):
             continue
-        try:
-            vm = _ViewMap.of(graph, view)
-        except _NoFold as e:
-            kept.append((name, str(e)))
-            continue
-        out, src = view.outputs[0], view.inputs[0]
-        remaining, why = [], ""
-        for cname in consumers.get(out, []):
+        why, live = "", False
+        for j, out in enumerate(view.outputs):
             try:
-                new = _fold_view(vm, view, by_name[cname], counter)
+                vm = _ViewMap.of(graph, view, j)
             except _NoFold as e:
-                remaining.append(cname)
-                why = why or str(e)
+                why, live = why or str(e), True
                 continue
-            by_name[cname] = new
-            if cname not in consumers.setdefault(src, []):
-                consumers[src].append(cname)
-        consumers[out] = remaining
-        if remaining or out in outputs:
-            kept.append((name, why or "its output is a graph output"))
+            remaining = []
+            for cname in consumers.get(out, []):
+                try:
+                    new = _fold_view(vm, by_name[cname], counter)
+                except _NoFold as e:
+                    remaining.append(cname)
+                    why = why or str(e)
+                    continue
+                by_name[cname] = new
+                if cname not in consumers.setdefault(vm.src, []):
+                    consumers[vm.src].append(cname)
+            consumers[out] = remaining
+            if out in outputs:
+                why = why or "its output is a graph output"
+            live = live or bool(remaining) or out in outputs
+        if live:
+            kept.append((name, why))
         else:
             folded.append(name)
             del by_name[name]
-            consumers[src] = [c for c in consumers[src] if c != name]
+            for t in view.inputs:
+                consumers[t] = [c for c in consumers.get(t, []) if c != name]
     new_ops = sorted(by_name.values(), key=lambda o: order[o.name])
     rec = TransformRecord("canonicalize", dropped=tuple(dropped), folded=tuple(folded), kept=tuple(kept),
                           split_dims=counter[0])

@@ -134,7 +134,7 @@ def run(graph: Graph, feeds: dict[str, np.ndarray], *, generic: bool = False) ->
                 val = reads[0] if st.flops_per_point == 0 and len(reads) == 1 else _generic(reads, n)
                 # a mean, not a sum, over the reduction dims keeps values O(1) and sin sensitive
                 val = val / math.prod(op.nest.dim(d).extent for d in st.reduction_dims())
-            elif base == "copy":
+            elif base == "copy" or base.startswith("part"):
                 val = reads[0]
             elif base == "map":
                 val = _MAP[fn or _short(op.target)](*reads)
@@ -295,6 +295,34 @@ def test_second_merge_reshape_reuses_the_split_of_the_first():
     y = n.ew("mul", n.reshape(a, (6, 4)), n.reshape(b, (6, 4)))
     c = check_canonical(n.done(y))
     assert views(c) == [] and history(c)[-1].split_dims == 1
+
+
+def test_split_outputs_fold_into_their_readers():
+    n = Net()
+    x, w = n.input((2, 3, 4)), n.param((12, 4), "w")
+    qkv = n.linear(x, w)
+    n.n += 1
+    parts = [n.b.tensor(f"part{i}", (2, 3, 4)) for i in range(3)]
+    n.b.op("split", OpKind.SPLIT, "aten.split", [qkv], parts, lambda: ops.split((2, 3, 12), [4, 4, 4], -1))
+    y = n.ew("mul", n.ew("add", parts[0], parts[1]), parts[2])
+    c = check_canonical(n.done(y))
+    assert [op.kind for op in c.ops] == [OpKind.CONTRACTION, OpKind.ELEMENTWISE, OpKind.ELEMENTWISE]
+    assert history(c)[-1].folded == ("split",)
+    reads = {str(a) for a in c.ops[1].nest.statements[0].reads}
+    assert reads == {"in0[d0, d1, d2]", "in1[d0, d1, d2 + 4]"}
+
+
+@pytest.mark.filterwarnings("ignore::polyparallel.frontends.OpaqueOpWarning")
+def test_split_with_an_unfoldable_reader_stays():
+    n = Net()
+    x = n.input((2, 6))
+    parts = [n.b.tensor(f"part{i}", (2, 3)) for i in range(2)]
+    n.b.op("split", OpKind.SPLIT, "aten.split", [x], parts, lambda: ops.split((2, 6), [3, 3], -1))
+    a = n.ew("relu", parts[0])
+    b = n.op(OpKind.OPAQUE, "aten.weird", [parts[1]], (2, 3), None)
+    c = canonicalize(n.done(a, b))
+    assert [op.name for op in c.ops if op.kind is OpKind.SPLIT] == ["split"]
+    assert c.op("relu").inputs == (x,)
 
 
 def test_onnx_style_reshape_with_a_shape_input_folds():
@@ -800,7 +828,7 @@ def test_gpt2_capture_has_three_blocks():
     assert (again.dropped, again.folded, again.split_dims) == ((), (), 0)  # idempotent
     assert c.param_count() == g.param_count()
     assert c.flops() == sum(op.flops for op in g.ops if op.name not in rec.dropped)
-    assert not [op for op in c.ops if op.kind is OpKind.VIEW and op.module.startswith("transformer.h.")]
+    assert not [op for op in c.ops if op.kind in (OpKind.VIEW, OpKind.SPLIT) and op.module.startswith("transformer.h.")]
     assert len(layer_chain(fuse_elementwise(c))) >= 5
 
 
