@@ -191,11 +191,11 @@ def _module_of(node: onnx.NodeProto) -> str:
     """Module path of a node: ``/transformer/h.0/attn/MatMul`` -> ``transformer.h.0.attn``."""
     for p in node.metadata_props:
         if p.key == "namespace" and p.value:
-            # torch.onnx (dynamo) writes "name: Class/child: Class/..." scopes
-            parts = [s.split(":")[0].strip() for s in p.value.split("/")]
-            path = ".".join(s for s in parts if s)
-            if path:
-                return path
+            # torch.onnx (dynamo): "name: Class/child.path: Class/.../op: aten.op.default",
+            # each name the full dotted path of a module; the last non-op entry is the module
+            mods = [name.strip() for name, _, cls in (e.partition(":") for e in p.value.split("/"))
+                    if name.strip() and not cls.strip().startswith(("aten.", "prims.", "torch.ops", "<built-in"))]
+            return mods[-1] if mods else ""
     if "/" in node.name:
         return ".".join(p for p in node.name.split("/")[:-1] if p)
     return node.name
