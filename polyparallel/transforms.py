@@ -645,8 +645,8 @@ def _module_layers(graph: Graph) -> list[str]:
     return out
 
 
-def _cut_widths(graph: Graph) -> np.ndarray:
-    """``width[b]``: activations produced before op ``b`` and read at or after it."""
+def _cut_widths(graph: Graph, *, nbytes: bool = False) -> np.ndarray:
+    """``width[b]``: activations (their count, or bytes) produced before op ``b`` and read at or after it."""
     width = np.zeros(len(graph.ops) + 2, dtype=np.int64)
     made = {t: i for i, op in enumerate(graph.ops) for t in op.outputs}
     last: dict[str, int] = {}
@@ -655,8 +655,9 @@ def _cut_widths(graph: Graph) -> np.ndarray:
             if t in made:
                 last[t] = j
     for t, j in last.items():
-        width[made[t] + 1] += 1
-        width[j + 1] -= 1
+        w = graph.tensors[t].nbytes if nbytes else 1
+        width[made[t] + 1] += w
+        width[j + 1] -= w
     return np.cumsum(width)
 
 
@@ -817,11 +818,16 @@ def partition(costs: Sequence[float], k: int) -> tuple[tuple[int, ...], float]:
 
 @dataclass(frozen=True)
 class Segment:
-    """Ops ``start..stop`` (exclusive) of the graph's op list, and their total cost."""
+    """Ops ``start..stop`` (exclusive) of the graph's op list, and their total cost.
+
+    ``out_bytes``: bytes of the activations made before ``stop`` and read at or after it
+    — what a pipeline stage ending here sends forward (and receives as gradients).
+    """
 
     start: int
     stop: int
     cost: float
+    out_bytes: int = 0
 
     def ops(self, graph: Graph) -> list[Op]:
         return graph.ops[self.start:self.stop]
@@ -878,7 +884,8 @@ def balance(graph: Graph, num_segments: int, cost: Callable[[Op], float], *,
         acuts, abest = partition(np.diff(S[atoms]), num_segments)
         if abest <= best * (1 + tolerance):
             cuts = tuple(atoms[c] for c in acuts)
-    return [Segment(a, b, float(S[b] - S[a])) for a, b in itertools.pairwise(cuts)]
+    cut = _cut_widths(graph, nbytes=True)
+    return [Segment(a, b, float(S[b] - S[a]), int(cut[b])) for a, b in itertools.pairwise(cuts)]
 
 
 @dataclass(frozen=True)
@@ -888,12 +895,15 @@ class Layer:
     ``key`` hashes the link's signature sequence: links with equal keys compute the same
     thing on the same shapes (the instances of a repeated block), so a planner prices one
     per key. ``block``/``instance`` locate a block instance in the blocks list used.
+    ``out_bytes``: bytes of the activations crossing the boundary after the link (as in
+    :class:`Segment`), the point-to-point volume if a pipeline cut is placed there.
     """
 
     start: int
     stop: int
     key: str
     cost: float
+    out_bytes: int = 0
     block: int | None = None
     instance: int | None = None
 
@@ -923,6 +933,7 @@ def layer_chain(graph: Graph, cost: Callable[[Op], float] | None = None, *,
     inst = sorted(((r.start, r.stop, bi, m) for bi, b in enumerate(blocks) for m, r in enumerate(b.instances)))
     unit = (float(np.median([S[b] - S[a] for a, b, _, _ in inst])) if inst
             else float(S[n]) / max(1, min(target_layers, n)))
+    cut = _cut_widths(graph, nbytes=True)
     out: list[Layer] = []
 
     def gap(a: int, b: int) -> None:
@@ -931,12 +942,13 @@ def layer_chain(graph: Graph, cost: Callable[[Op], float] | None = None, *,
         pieces = 1 if unit <= 0 else min(b - a, max(1, round(float(S[b] - S[a]) / unit)))
         cuts, _ = partition(x[a:b], pieces)
         for u, v in itertools.pairwise(cuts):
-            out.append(Layer(a + u, a + v, _seq_key(sigs[a + u:a + v]), float(S[a + v] - S[a + u])))
+            out.append(Layer(a + u, a + v, _seq_key(sigs[a + u:a + v]), float(S[a + v] - S[a + u]),
+                             int(cut[a + v])))
 
     pos = 0
     for a, b, bi, m in inst:
         gap(pos, a)
-        out.append(Layer(a, b, blocks[bi].key, float(S[b] - S[a]), bi, m))
+        out.append(Layer(a, b, blocks[bi].key, float(S[b] - S[a]), int(cut[b]), bi, m))
         pos = b
     gap(pos, n)
     return out

@@ -725,6 +725,22 @@ def test_layer_chain_covers_the_graph_with_one_key_per_layer():
     assert [L.instance for L in body] == list(range(5))
 
 
+def test_boundary_bytes_are_the_residual_stream():
+    B, S, D = 2, 4, 8
+    g = tiny_transformer(3, B=B, S=S, D=D)
+    chain = layer_chain(g)
+    body = [L for L in chain if L.block is not None]
+    assert [L.out_bytes for L in body[:-1]] == [B * S * D * 4] * 2  # only x crosses between layers
+    # against brute force at every cut of the op list
+    made = {t: i for i, op in enumerate(g.ops) for t in op.outputs}
+    for L in chain:
+        b = L.stop
+        live = {t for j, op in enumerate(g.ops) if j >= b for t in op.inputs if made.get(t, b) < b}
+        assert L.out_bytes == sum(g.tensors[t].nbytes for t in live)
+    segs = balance(g, 3, lambda op: float(op.flops))
+    assert segs[0].out_bytes == B * S * D * 4 and segs[-1].out_bytes == 0
+
+
 def test_layer_chain_without_blocks_is_balanced():
     n = Net()
     x = n.input((4, 8))
