@@ -334,6 +334,30 @@ class _Capture:
         self.infer_note = "; ".join(errors)
         return sk
 
+    def _infer_contrib(self, sk: onnx.ModelProto) -> None:
+        """onnxruntime's symbolic shape inference, which knows its ``com.microsoft`` ops.
+
+        ONNX's inference stops at ops it does not know (an ORT-optimised model's
+        ``SkipLayerNormalization``, ``FastGelu``...), leaving everything after them
+        without shapes. Shapes already known are kept.
+        """
+        try:
+            from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+        except ImportError:
+            return
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                m = SymbolicShapeInference.infer_shapes(sk, auto_merge=True, guess_output_rank=True)
+        except Exception as e:
+            self.infer_note = (self.infer_note + "; " if self.infer_note else "") + f"onnxruntime: {e}"
+            return
+        if m is None:
+            return
+        before = {k: v for k, v in self.inferred.items() if self._known(k)}
+        self._read_value_infos(m)
+        self.inferred.update(before)
+
     def _read_value_infos(self, m: onnx.ModelProto) -> None:
         g = m.graph
         for vi in [*g.input, *g.output, *g.value_info]:
@@ -585,8 +609,12 @@ class _Capture:
                 kind = vi.type.WhichOneof("value") or "untyped"
                 raise CaptureError(f"{self.where}: graph input {vi.name!r} has type {kind.replace('_type', '')}; "
                                    "only tensor inputs are supported")
-        inferred = self._infer(self._bind_inputs())
+        skeleton = self._bind_inputs()
+        inferred = self._infer(skeleton)
         self._read_value_infos(inferred)
+        if any(n.domain not in ("", "ai.onnx") for n in g.node) and not all(
+                self._known(o) for n in g.node for o in n.output if o and o not in self.nontensor):
+            self._infer_contrib(skeleton)
         kinds = self._classify_initializers()
         for t in g.initializer:
             self.inferred[t.name] = (_dtype(t.data_type), list(t.dims))
@@ -658,7 +686,8 @@ class _Capture:
             self._add(o, TensorKind.ACTIVATION, node=n)
         view = _Node(n, list(n.input), self.shapes, self.values, self.opset)
         target = n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}.{n.op_type}"
-        handler = _HANDLERS.get(n.op_type) if n.domain in ("", "ai.onnx") else None
+        handler = (_HANDLERS.get(n.op_type) if n.domain in ("", "ai.onnx")
+                   else _HANDLERS.get(n.op_type) if n.domain == "com.microsoft" and n.op_type in _CONTRIB else None)
         if handler is None:
             kind, fn, reason = OpKind.OPAQUE, None, f"no loop-nest model for ONNX op {target}"
         else:
@@ -1173,6 +1202,8 @@ _ELEMENTWISE = (
     "Sin", "Sinh", "Softplus", "Softsign", "Sqrt", "Sub", "Sum", "Tan", "Tanh", "ThresholdedRelu", "Trilu",
     "Where", "Xor", "Swish", "BiasGelu", "FastGelu", "QuickGelu",
 )
+# onnxruntime contrib ops (ORT-optimised models) with the same semantics as a handler above
+_CONTRIB = {"BiasGelu", "FastGelu", "QuickGelu", "Gelu"}
 
 
 @_handles(*_ELEMENTWISE)
@@ -1183,7 +1214,11 @@ def _elementwise(n: _Node) -> Spec:
     name = n.op_type.lower()
     if n.op_type == "Gelu" and n.attr("approximate", "none") == "tanh":
         name = "gelu_tanh"
-    flops = ops.flops_per_element(name)
+    # contrib GELUs: FastGelu is the tanh form; BiasGelu/FastGelu add an optional bias first
+    name = {"fastgelu": "gelu_tanh", "biasgelu": "gelu", "quickgelu": "sigmoid"}.get(name, name)
+    flops = ops.flops_per_element(name) + (1 if n.op_type in ("BiasGelu", "FastGelu") and len(shapes) > 1 else 0)
+    if n.op_type == "QuickGelu":
+        flops += 2  # x * sigmoid(alpha * x)
     if n.op_type in ("Sum", "Mean", "Max", "Min"):
         flops = max(1, len(shapes) - 1) + (1 if n.op_type == "Mean" else 0)
     out = n.out

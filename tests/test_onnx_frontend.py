@@ -503,3 +503,20 @@ def test_split_to_sequence_then_sequence_at():
     g = _capture(_model(nodes, [_vi("x", [4, 6])], [_vi("y", None)], inits))
     assert [op.kind for op in g.ops] == [OpKind.SPLIT, OpKind.VIEW, OpKind.ELEMENTWISE]
     assert g.shape("b") == (4, 3) and g.flops() == 12
+
+
+def test_onnxruntime_contrib_ops_keep_shapes_flowing():
+    """An ORT-optimised model: ONNX shape inference stops at com.microsoft ops; ORT's goes on."""
+    pytest.importorskip("onnxruntime.tools.symbolic_shape_infer")
+    nodes = [helper.make_node("FastGelu", ["x", "b"], ["g"], domain="com.microsoft"),
+             helper.make_node("SkipLayerNormalization", ["g", "x", "gamma", "beta"], ["s"], domain="com.microsoft"),
+             helper.make_node("MatMul", ["s", "w"], ["y"])]
+    inits = [_init("b", (8,)), _init("gamma", (8,)), _init("beta", (8,)), _init("w", (8, 4))]
+    m = _model(nodes, [_vi("x", [2, 3, 8])], [_vi("y", None)], inits, opset=17)
+    m.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    with pytest.warns(OpaqueOpWarning, match="SkipLayerNormalization"):
+        g = capture_onnx(m)
+    assert g.shape("s") == (2, 3, 8) and g.shape("y") == (2, 3, 4)
+    gelu, skip_ln, mm = g.ops
+    assert gelu.kind is OpKind.ELEMENTWISE and gelu.flops == 48 * (10 + 1)  # tanh-GELU after the bias add
+    assert skip_ln.is_opaque and mm.flops == 2 * 6 * 8 * 4
