@@ -173,10 +173,9 @@ def _noop_reason(graph: Graph, op: Op) -> str | None:
             return "dropout with p=0"
         if train is not None and not train:
             return "dropout in eval mode"
-        return None
-    if name in _CAST_TARGETS and len(op.inputs) == 1:
+    elif name in _CAST_TARGETS and len(op.inputs) == 1:
         return "cast to the same dtype"
-    if name in _COPY_TARGETS and (len(op.inputs) == 1 or name.endswith("_as")):
+    elif name in _COPY_TARGETS and (len(op.inputs) == 1 or name.endswith("_as")):
         return f"{name} is a copy"
     if op.kind is OpKind.VIEW and _is_identity_copy(op):
         return "view to the same shape"

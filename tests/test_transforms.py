@@ -383,12 +383,14 @@ def test_noops_dropped_and_consumers_rewired():
     d = n.ew("_to_copy", live, dtype="float32")
     e = n.reshape(d, (3, 4))
     n.b.op("assert", OpKind.OPAQUE, "aten._assert_tensor_metadata.default", [e], [], None)
+    ratio = n.b.tensor("ratio", (), kind=TensorKind.CONST)
+    e = n.op(OpKind.VIEW, "Dropout", [e, ratio], (3, 4), ops.expand((3, 4), (3, 4)))  # ONNX, inference
     y = n.ew("relu", e)
     cast = n.ew("_to_copy", y, dtype="float16")  # a real cast stays
     g = n.done(y, cast)
     c = canonicalize(g)
     rec = history(c)[-1]
-    assert set(rec.dropped) == {"clone", "dropout", "_to_copy", "reshape", "assert"}
+    assert set(rec.dropped) == {"clone", "dropout", "_to_copy", "reshape", "assert", "Dropout"}
     assert [op.target for op in c.ops] == ["aten.dropout", "aten.relu", "aten._to_copy"]
     assert c.ops[0].inputs == (x,) and c.ops[1].inputs == c.ops[0].outputs
     f = feeds_for(g)
