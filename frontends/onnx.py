@@ -263,7 +263,6 @@ class _Capture:
         gname = name or proto.graph.name or (Path(where).stem if where != "<ModelProto>" else "onnx_model")
         self.b = GraphBuilder(gname, "onnx")
         self.shapes: dict[str, Shape] = {}
-        self.dtypes: dict[str, str] = {}
         self.values: dict[str, np.ndarray] = {}
         self.inferred: dict[str, tuple[str, list[int | str | None]]] = {}
         self.infer_note = ""
@@ -407,9 +406,6 @@ class _Capture:
                 raise CaptureError(f"{self.where}: tensor {tensor!r} ({where}) has a data-dependent or unknown "
                                    f"dim {d!r} at axis {axis}; pass dim_values={{{d!r}: N}} if it is symbolic")
         return tuple(out)
-
-    def dtypes_of(self, tensor: str) -> str:
-        return self.b.graph.tensors[tensor].dtype
 
     def _known(self, tensor: str) -> bool:
         dims = self.inferred.get(tensor, ("", None))[1]
@@ -595,7 +591,7 @@ class _Capture:
             return
         shape = self._concrete(name, node)
         self.shapes[name] = shape
-        dtype = self.dtypes.get(name) or self.inferred.get(name, ("float32", None))[0]
+        dtype = self.inferred.get(name, ("float32", None))[0]
         if name in self.values:
             dtype = _np_dtype_name(self.values[name].dtype)
         self.b.tensor(name, shape, dtype, kind, origin)
@@ -678,10 +674,11 @@ class _Capture:
             self._infer_node(n)
         if n.op_type in _SAME_SHAPE and n.input and n.input[0] in self.shapes:
             # e.g. the unused mask of an old-opset Dropout, which shape inference leaves out
+            src = self.b.graph.tensors[n.input[0]]
             for o in outs:
                 if not self._known(o):
-                    dtype = "bool" if (n.op_type == "Dropout" and o != n.output[0]) else self.dtypes_of(n.input[0])
-                    self.inferred[o] = (dtype, list(self.shapes[n.input[0]]))
+                    dtype = "bool" if (n.op_type == "Dropout" and o != n.output[0]) else src.dtype
+                    self.inferred[o] = (dtype, list(src.shape))
         for o in outs:
             self._add(o, TensorKind.ACTIVATION, node=n)
         view = _Node(n, list(n.input), self.shapes, self.values, self.opset)
@@ -709,7 +706,7 @@ class _Capture:
         The sequence itself is no tensor; it is a list of element tensors, and the ops
         on it become ops on those elements (SPLIT, identity VIEW, CONCAT).
         """
-        ins = [x for x in n.input]
+        ins = list(n.input)
         out = n.output[0]
         target = n.op_type
         if target == "SequenceConstruct":
