@@ -315,7 +315,7 @@ class _ViewMap:
                 continue
             if any(sigma[v] is ANY for v in r.dims):
                 v = r.dims[0]
-                i = next(i for i, t in enumerate(self.axes) if t[0][0] == v)
+                i = next(i for i, t in enumerate(self.axes) if t and t[0][0] == v)
                 if r.terms != ((v, 1),) or r.const != 0 or self.in_shape[k] != self.out_shape[i]:
                     raise _NoFold(f"data-dependent index on axis {i} would widen to a larger input axis")
                 index.append(ANY)

@@ -326,6 +326,37 @@ def test_split_with_an_unfoldable_reader_stays():
     assert c.op("relu").inputs == (x,)
 
 
+def test_data_dependent_reads_fold_only_onto_full_axes():
+    # a gather reads "any row" of its table: through a permute that is any row of the
+    # source; through an unsqueeze the unit axis is skipped; through a slice it would
+    # widen to rows the gather never reads, so the slice stays
+    n = Net()
+    table, ids = n.input((4, 6)), n.input((3,))
+
+    def gather(t: str) -> str:
+        return n.op(OpKind.GATHER, "aten.index_select", [t, ids], (3, n.shape(t)[1]), _gather(n.shape(t)))
+
+    a = gather(n.permute(n.permute(table, (1, 0)), (1, 0)))
+    u = n.reshape(table, (1, 4, 6))
+    b = n.op(OpKind.GATHER, "aten.index_select", [u, ids], (1, 3, 6), ops.gather((1, 4, 6), (3,), 1))
+    s = n.view("slice", table, ops.slice_((4, 6), 0, 1, 4))
+    d = gather(s)
+    c = canonicalize(n.done(a, b, d))
+    assert [op.name for op in c.ops if op.kind is OpKind.VIEW] == ["slice"]
+    reads = [str(st.reads[0]) for op in c.ops if op.kind is OpKind.GATHER for st in op.nest.statements]
+    assert reads[:2] == ["in0[ANY, d1]", "in0[ANY, d2]"]
+
+
+def _gather(shape):
+    """``out[i, j] = table[ids[i], j]`` with the row as a data-dependent (ANY) index."""
+    from polyparallel.ir import Access, Dim, E, LoopNest, Statement
+
+    dims = (Dim("d0", 3), Dim("d1", shape[1]))
+    st = Statement("gather", ("d0", "d1"), reads=(Access("in0", (ANY, E("d1"))), Access("in1", (E("d0"),))),
+                   writes=(Access("out0", (E("d0"), E("d1"))),), flops_per_point=0)
+    return LoopNest(dims, (st,))
+
+
 def test_onnx_style_reshape_with_a_shape_input_folds():
     n = Net()
     x, w = n.input((2, 3, 4)), n.param((5, 4), "w")
