@@ -1160,18 +1160,31 @@ def _gather(n: _Node) -> Spec:
 
 @_handles("GatherElements")
 def _gather_elements(n: _Node) -> Spec:
-    idx = n.shape(1)
-    axis = int(n.attr("axis", 0)) % max(len(idx), 1)
+    x, idx = n.shape(0), n.shape(1)
+    axis = int(n.attr("axis", 0))
+    return OpKind.GATHER, lambda: ops.take_along_axis(x, idx, axis)
 
-    def nest() -> LoopNest:
-        dims = [Dim(f"d{i}", max(1, e)) for i, e in enumerate(idx)]
-        ii = tuple(E(d.name) for d in dims)
-        di = tuple(ANY if i == axis else E(d.name) for i, d in enumerate(dims))
-        st = Statement("gather", tuple(d.name for d in dims), reads=(Access("in0", di), Access("in1", ii)),
-                       writes=(Access("out0", ii),), flops_per_point=0)
-        return LoopNest(tuple(dims), (st,))
 
-    return OpKind.GATHER, nest
+@_handles("Resize", "Upsample")
+def _resize(n: _Node) -> Spec:
+    x, out = n.shape(0), n.out
+    mode = str(n.attr("mode", "nearest"))
+    old = n.op_type == "Upsample" or n.opset < 11  # before opset 11: asymmetric coordinates, floor
+    coord = str(n.attr("coordinate_transformation_mode", "asymmetric" if old else "half_pixel"))
+    rounding = str(n.attr("nearest_mode", "floor" if old else "round_prefer_floor"))
+    if mode != "nearest" or len(out) != len(x) or any(o % i for o, i in zip(out, x)):
+        raise ops.Unsupported(f"Resize mode={mode!r} from {list(x)} to {list(out)} (only nearest by integer "
+                              "factors is affine)")
+    scales = [o // i for o, i in zip(out, x)]
+    # with an integer factor s, output y reads floor(y / s) under these coordinate rules:
+    # asymmetric+floor directly; half-pixel maps y = h*s + r to h + (r + 1/2)/s - 1/2, which
+    # lies strictly within (h - 1/2, h + 1/2) and so rounds to h either way
+    exact = (coord == "asymmetric" and rounding == "floor") or (
+        coord in ("half_pixel", "pytorch_half_pixel") and rounding in ("round_prefer_floor", "round_prefer_ceil"))
+    if not exact and any(s > 1 for s in scales):
+        raise ops.Unsupported(f"Resize nearest with coordinate mode {coord!r} and rounding {rounding!r}")
+    lead = next((i for i, s in enumerate(scales) if s > 1), len(x))
+    return OpKind.VIEW, lambda: ops.upsample_nearest(x, scales[lead:])
 
 
 @_handles("SoftmaxCrossEntropyLoss")

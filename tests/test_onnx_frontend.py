@@ -344,6 +344,31 @@ def test_max_pool_nest_reproduces_onnxruntime(attrs):
     np.testing.assert_allclose(_execute(g.ops[0].nest, [x], ref.shape, combine="max"), ref, rtol=1e-6)
 
 
+@pytest.mark.parametrize("attrs,scales", [
+    ({}, [1, 1, 2, 2]),
+    ({"coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"}, [1, 1, 3, 2]),
+    ({"coordinate_transformation_mode": "pytorch_half_pixel"}, [1, 1, 1, 4]),
+])
+def test_resize_nearest_nest_reproduces_onnxruntime(attrs, scales):
+    sc = numpy_helper.from_array(np.array(scales, np.float32), "scales")
+    node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="nearest", **attrs)
+    m = _model([node], [_vi("x", [1, 2, 3, 4])], [_vi("y", None)], [sc])
+    x = RNG.standard_normal((1, 2, 3, 4)).astype(np.float32)
+    (ref,) = _ort(m, {"x": x})
+    g = _capture(m)
+    assert g.shape("y") == ref.shape and g.ops[0].kind is OpKind.VIEW
+    np.testing.assert_allclose(_execute(g.ops[0].nest, [x], ref.shape), ref, rtol=1e-6)
+
+
+def test_resize_linear_is_opaque():
+    sc = numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")
+    node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="linear")
+    m = _model([node], [_vi("x", [1, 2, 3, 4])], [_vi("y", None)], [sc])
+    with pytest.warns(OpaqueOpWarning, match="Resize"):
+        g = capture_onnx(m)
+    assert g.ops[0].is_opaque and g.shape("y") == (1, 2, 6, 8)
+
+
 def test_concat_and_split_cover_their_outputs():
     nodes = [helper.make_node("Concat", ["a", "b"], ["c"], axis=1),
              helper.make_node("Split", ["c", "sizes"], ["p", "q", "r"], axis=1)]

@@ -13,7 +13,7 @@ from ._conv import adaptive_pool, conv, out_extent, pool
 from ._gather import advanced_index, cross_entropy, embedding, gather, nll_loss, take_along_axis
 from ._norm import batch_norm, group_norm, layer_norm, softmax
 from ._pointwise import FLOPS_PER_ELEMENT, create, elementwise, flops_per_element, reduce, scan
-from ._view import concat, expand, pad, permute, reshape, select, slice_, split, transpose
+from ._view import concat, expand, pad, permute, reshape, select, slice_, split, transpose, upsample_nearest
 
 __all__ = [
     "FLOPS_PER_ELEMENT",
@@ -51,4 +51,5 @@ __all__ = [
     "split",
     "take_along_axis",
     "transpose",
+    "upsample_nearest",
 ]

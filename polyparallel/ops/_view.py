@@ -124,6 +124,28 @@ def pad(x: Sequence[int], pads: Sequence[tuple[int, int]]) -> LoopNest:
     return _remap(out, [E(d.name) - a for d, (a, _) in zip(dims, pads)], dims=dims)
 
 
+def upsample_nearest(x: Sequence[int], scales: Sequence[int]) -> LoopNest:
+    """Nearest upsampling by integer factors of the trailing axes: ``y[.., h*s + r, ..] = x[.., h, ..]``.
+
+    Each upsampled axis is iterated as (source index ``h``, replica ``r < s``), so the
+    access stays affine and every output element is written exactly once.
+    """
+    lead = len(x) - len(scales)
+    if lead < 0 or any(int(s) < 1 for s in scales):
+        raise Unsupported(f"nearest upsampling of input{list(x)} by {list(scales)}")
+    dims = generic_dims(x[:lead])
+    xi = [E(d.name) for d in dims]
+    yi = list(xi)
+    for i, (e, s) in enumerate(zip(x[lead:], scales)):
+        h, r = Dim(f"h{i}", e), Dim(f"r{i}", int(s))
+        dims += [h, r]
+        xi.append(E(h.name))
+        yi.append(E(h.name) * int(s) + E(r.name))
+    st = Statement("copy", tuple(d.name for d in dims), reads=(Access("in0", tuple(xi)),),
+                   writes=(Access("out0", tuple(yi)),), flops_per_point=0)
+    return LoopNest(tuple(dims), (st,))
+
+
 def concat(shapes: Sequence[Sequence[int]], axis: int) -> LoopNest:
     r = len(shapes[0])
     axis = norm_axis(axis, r)
