@@ -545,3 +545,29 @@ def test_onnxruntime_contrib_ops_keep_shapes_flowing():
     gelu, skip_ln, mm = g.ops
     assert gelu.kind is OpKind.ELEMENTWISE and gelu.flops == 48 * (10 + 1)  # tanh-GELU after the bias add
     assert skip_ln.is_opaque and mm.flops == 2 * 6 * 8 * 4
+
+
+@pytest.mark.slow
+def test_every_onnx_node_test_model_captures_or_fails_clearly():
+    """All ~1900 ONNX backend node tests: a graph with every node's outputs, or a CaptureError."""
+    from onnx.backend.test.case import node as node_cases
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cases = node_cases.collect_testcases(None)
+        assert len(cases) > 1000
+        captured = 0
+        for case in cases:
+            try:
+                g = capture_onnx(case.model, name=case.name)
+            except CaptureError as e:
+                assert "<ModelProto>" in str(e)  # says where
+                continue
+            captured += 1
+            seqs = {n.output[0] for n in case.model.graph.node if "Sequence" in n.op_type}
+            for n in case.model.graph.node:
+                for o in n.output:
+                    assert not o or o in g.tensors or o in seqs, (case.name, n.op_type, o)
+            for op in g.ops:
+                assert op.nest is not None or op.kind is OpKind.OPAQUE
+    assert captured > 0.9 * len(cases)
