@@ -1,0 +1,310 @@
+"""Flower deployment engine on loopback: a SuperLink, one SuperNode per center, ``flwr run``.
+
+Every Flower process is a real OS process in its own process group (``start_new_session``), with
+``FLWR_HOME`` in the federation's work directory, telemetry and update checks off, runtime dependency
+installation off (nothing is fetched: the app runs in this interpreter's environment), and the
+interpreter's ``bin`` first on ``PATH`` so Flower's own sub-launches (SuperExec, ServerApp, ClientApp)
+use it too. :class:`LoopbackFederation` is a context manager whose exit kills every process group it
+started (SIGTERM, then SIGKILL), whatever happened.
+
+Two ways to run the centers' ClientApps:
+
+- ``warm=False`` — Flower's default ``subprocess`` isolation: the SuperNode's SuperExec starts a fresh
+  ``flwr-clientapp`` process for every message, which re-imports torch and rebuilds the model.
+- ``warm=True`` — ``process`` isolation: the SuperNode runs no executor and we start one long-lived
+  :mod:`._warm_center` process per center that takes tasks from the SuperNode's Runtime API and runs
+  the ClientApp in-process, keeping imports, model and data between rounds.
+
+The app handed to ``flwr run`` is a two-file Flower App written into the work directory: a
+``pyproject.toml`` naming :data:`._flower_app.server_app` / ``client_app`` and carrying the run config,
+and a one-line module importing them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._config import CollabConfig
+from ._engine import CollabResult
+from ._server import RoundRecord
+
+__all__ = ["FlowerError", "LoopbackFederation", "run_flower"]
+
+
+class FlowerError(RuntimeError):
+    """A Flower process failed or the run did not finish in time (the message names the log to read)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_port(port: int, timeout_s: float, proc: subprocess.Popen, log: Path) -> None:
+    end = time.time() + timeout_s
+    while time.time() < end:
+        if proc.poll() is not None:
+            raise FlowerError(f"process exited with {proc.returncode} before listening on {port}; see {log}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise FlowerError(f"nothing listens on 127.0.0.1:{port} after {timeout_s} s; see {log}")
+
+
+@dataclass
+class _Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+
+
+@dataclass
+class LoopbackFederation:
+    """SuperLink + SuperNodes (+ warm center executors) on 127.0.0.1, stopped on exit.
+
+    Args:
+        workdir: directory for FLWR_HOME, logs, data files and outputs.
+        centers: center name -> path of its ``.npz`` (``x``, ``y``).
+        warm: long-lived ClientApp executors (``process`` isolation) instead of a process per message.
+        executor_poll_s: how often an idle executor asks its SuperNode for a task.
+    """
+
+    workdir: Path
+    centers: Mapping[str, Path]
+    warm: bool = True
+    executor_poll_s: float = 0.05
+    startup_timeout_s: float = 60.0
+    procs: list[_Proc] = field(default_factory=list)
+    superlink_port: int = 0
+    node_ports: dict[str, int] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ processes
+    @property
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        bindir = str(Path(sys.executable).parent)
+        env.update({
+            "FLWR_HOME": str(self.workdir / "flwr-home"),
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": str(self.executor_poll_s),
+            "PATH": bindir + os.pathsep + env.get("PATH", ""),
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+        })
+        return env
+
+    def _spawn(self, name: str, argv: list[str]) -> _Proc:
+        log = self.workdir / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("ab") as fh:
+            p = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 env=self.env, cwd=self.workdir, start_new_session=True)
+        proc = _Proc(name, p, log)
+        self.procs.append(proc)
+        return proc
+
+    def start(self) -> LoopbackFederation:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.superlink_port = free_port()
+        home = self.workdir / "flwr-home"
+        home.mkdir(parents=True, exist_ok=True)
+        (home / "config.toml").write_text(
+            f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\n'
+            f'address = "127.0.0.1:{self.superlink_port}"\ninsecure = true\n')
+        link = self._spawn("superlink", [
+            "flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(self.superlink_port),
+            "--database", str(self.workdir / "superlink.db"), "--disable-runtime-dependency-installation"])
+        _wait_port(self.superlink_port, self.startup_timeout_s, link.popen, link.log)
+        for name in self.centers:
+            self.start_center(name)
+        return self
+
+    def start_center(self, name: str) -> None:
+        """Start (or restart) the SuperNode of ``name`` and, when warm, its executor."""
+        port = free_port()  # a fresh port: the killed node's may linger in TIME_WAIT
+        self.node_ports[name] = port
+        argv = ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{self.superlink_port}",
+                "--node-config", f'center="{name}" data="{self.centers[name]}"',
+                "--host", "127.0.0.1", "--port", str(port)]
+        if self.warm:
+            argv += ["--isolation", "process"]
+        node = self._spawn(f"supernode-{name}", argv)
+        _wait_port(port, self.startup_timeout_s, node.popen, node.log)
+        if self.warm:
+            self._spawn(f"executor-{name}", [sys.executable, "-m", "polyparallel.backends.collab._warm_center",
+                                             "--runtime-api-address", f"127.0.0.1:{port}",
+                                             "--poll-s", str(self.executor_poll_s)])
+
+    def kill_center(self, name: str) -> None:
+        """SIGKILL a center's SuperNode and executor (a crash, not a shutdown)."""
+        for p in self.procs:
+            if p.name in (f"supernode-{name}", f"executor-{name}") and p.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.popen.pid, signal.SIGKILL)
+                p.popen.wait(timeout=10)
+
+    def stop(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            alive = [p for p in self.procs if p.popen.poll() is None]
+            for p in alive:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.popen.pid, sig)
+            end = time.time() + 5
+            for p in alive:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.popen.wait(timeout=max(0.1, end - time.time()))
+        # Flower's own launches may leave our groups (detached ServerApp, parent-pid monitors that
+        # take a second): find them by this federation's unique FLWR_HOME in their environment.
+        end = time.time() + 10
+        while (stray := self.stray_pids()) and time.time() < end:
+            for pid in stray:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
+
+    def stray_pids(self) -> list[int]:
+        """Live processes (other than zombies) that carry this federation's FLWR_HOME."""
+        tag = f"FLWR_HOME={self.workdir / 'flwr-home'}".encode() + b"\0"
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if tag in f.read():
+                        found.append(int(pid))
+            except OSError:
+                continue
+        return found
+
+    def __enter__(self) -> LoopbackFederation:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name} ({p.log})\n" + p.log.read_text(errors="replace")[-3000:] for p in self.procs)
+
+    # ------------------------------------------------------------------ runs
+    def submit(self, config: CollabConfig, out_dir: Path, *, eval_data: Path | None = None,
+               poll_s: float = 0.05) -> None:
+        """Write the Flower App for ``config`` and start it with ``flwr run``."""
+        app = self.workdir / "app"
+        app.mkdir(parents=True, exist_ok=True)
+        (app / "ppcollab_app.py").write_text(
+            '"""Flower App entry points of a polyparallel federation."""\n'
+            "from polyparallel.backends.collab import _flower_app\n\n"
+            "# plain assignments: `flwr run` finds the components by reading this file, not importing it\n"
+            "server_app = _flower_app.server_app\nclient_app = _flower_app.client_app\n")
+        run_config = {"collab-config": config.to_json(), "out-dir": str(out_dir),
+                      "eval-data": str(eval_data or ""), "poll-s": poll_s}
+        import tomli_w
+
+        (app / "pyproject.toml").write_text(tomli_w.dumps({
+            "build-system": {"requires": ["setuptools"], "build-backend": "setuptools.build_meta"},
+            "project": {"name": "ppcollab", "version": "1.0.0", "description": "polyparallel federation",
+                        "license": "MIT", "dependencies": []},
+            "tool": {"flwr": {"app": {"publisher": "polyparallel",
+                                      "components": {"serverapp": "ppcollab_app:server_app",
+                                                     "clientapp": "ppcollab_app:client_app"},
+                                      "config": run_config}}},
+        }))
+        res = subprocess.run(["flwr", "run", str(app), "loopback", "--format", "json"], env=self.env,
+                             cwd=self.workdir, capture_output=True, text=True, timeout=self.startup_timeout_s)
+        try:
+            ok = res.returncode == 0 and json.loads(res.stdout[res.stdout.index("{"):]).get("success")
+        except ValueError:
+            ok = False
+        if not ok:
+            raise FlowerError(f"`flwr run` failed ({res.returncode}): {res.stdout[-2000:]} {res.stderr[-2000:]}")
+
+    def wait(self, out_dir: Path, timeout_s: float) -> None:
+        """Block until the ServerApp wrote ``done.json`` in ``out_dir``."""
+        end = time.time() + timeout_s
+        link = self.procs[0]
+        while not (out_dir / "done.json").exists():
+            if link.popen.poll() is not None:
+                raise FlowerError(f"the SuperLink exited with {link.popen.returncode}; see {link.log}")
+            if time.time() > end:
+                raise FlowerError(f"the federation did not finish in {timeout_s:.0f} s; logs under "
+                                  f"{self.workdir / 'logs'} and {self.workdir / 'flwr-home'}")
+            time.sleep(0.1)
+
+
+def read_outputs(out_dir: Path) -> CollabResult:
+    """The result the ServerApp left in ``out_dir``."""
+    with np.load(out_dir / "final.npz") as z:
+        params = {k: z[k] for k in z.files}
+    rounds = []
+    for line in (out_dir / "rounds.jsonl").read_text().splitlines():
+        d: dict[str, Any] = json.loads(line)
+        rounds.append(RoundRecord(d["round"], tuple(d["accepted"]), {k: tuple(v) for k, v in d["rejected"].items()},
+                                  tuple(d["missing"]), d["fused"], d["bytes_up"], d["bytes_down"], d["fusion_s"],
+                                  d["metrics"], d["eval"]))
+    timing = [json.loads(x) for x in (out_dir / "timing.jsonl").read_text().splitlines()]
+    return CollabResult(params, tuple(rounds), tuple(timing))
+
+
+def write_center_data(workdir: Path, data: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, Path]:
+    paths = {}
+    (workdir / "data").mkdir(parents=True, exist_ok=True)
+    for name, (x, y) in data.items():
+        paths[name] = workdir / "data" / f"{name}.npz"
+        np.savez(paths[name], x=x, y=y)
+    return paths
+
+
+def run_flower(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.ndarray]], *,
+               workdir: str | Path | None = None, eval_data: tuple[np.ndarray, np.ndarray] | None = None,
+               warm: bool = True, timeout_s: float = 600.0, poll_s: float = 0.05) -> CollabResult:
+    """Run the federation with Flower on 127.0.0.1 and return what the ServerApp fused.
+
+    Args:
+        config: the job; data: center name -> ``(x, y)`` (written to one file per center, read only
+            by that center's SuperNode).
+        workdir: where FLWR_HOME, logs and outputs go (a temporary directory, removed after, if None).
+        eval_data: held-out ``(x, y)`` evaluated by the server after each round.
+        warm: long-lived ClientApp executors (see the module docstring).
+        timeout_s: limit for the whole run; every process is stopped when it passes.
+        poll_s: the ServerApp's and executors' polling interval.
+    """
+    names = {c.name for c in config.centers}
+    if set(data) != names:
+        raise ValueError(f"data given for centers {sorted(data)}, but the federation has {sorted(names)}")
+    with contextlib.ExitStack() as stack:
+        if workdir is None:
+            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="ppcollab-"))
+        wd = Path(workdir).resolve()
+        paths = write_center_data(wd, data)
+        ev = None
+        if eval_data is not None:
+            ev = wd / "data" / "_eval.npz"
+            np.savez(ev, x=eval_data[0], y=eval_data[1])
+        out = wd / "out"
+        fed = stack.enter_context(LoopbackFederation(wd, paths, warm=warm, executor_poll_s=poll_s))
+        fed.submit(config, out, eval_data=ev, poll_s=poll_s)
+        try:
+            fed.wait(out, timeout_s)
+        except FlowerError as e:
+            raise FlowerError(f"{e}\n{fed.logs()}") from None
+        return read_outputs(out)

@@ -1,0 +1,163 @@
+"""Flower ``ServerApp`` and ``ClientApp`` running the collab round logic (flwr 1.42 Message API).
+
+The ServerApp owns a :class:`~._server.FederationServer`; every round it sends the global model to
+each connected SuperNode as a ``train`` message, pulls the replies itself (a short poll instead of
+``Grid.send_and_receive``'s fixed 3 s sleep), and fuses. It stops waiting at
+``config.round_timeout_s``: a center that died mid-round is then simply missing, and the round fuses
+when ``min_centers`` replies are valid. It writes everything to ``out-dir`` from the run config.
+
+Messages (all a center ever sends is in :func:`reply_content`):
+
+- server → center: ``arrays`` (ArrayRecord, global model under torch names),
+  ``config`` (ConfigRecord: ``round``, ``proximal_mu``);
+- center → server: ``update`` (ArrayRecord, the encoded update, see :mod:`._wire`),
+  ``metrics`` (MetricRecord: numbers only), ``center`` (ConfigRecord: ``name``).
+
+Run config keys: ``collab-config`` (the :class:`~._config.CollabConfig` JSON), ``out-dir``,
+``eval-data`` (optional ``.npz`` with ``x``, ``y``), ``poll-s``. Node config keys: ``center``, ``data``
+(``.npz`` with the center's ``x``, ``y``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+from ._center import LocalTrainer, center_round, evaluate_torch, make_trainer
+from ._config import CollabConfig
+from ._engine import initial_params
+from ._server import CenterReply, FederationServer, TimingLog
+
+__all__ = ["client_app", "reply_content", "server_app"]
+
+log = logging.getLogger("polyparallel.collab")
+
+server_app = ServerApp()
+client_app = ClientApp()
+
+
+def _to_record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+
+
+def _from_record(rec: ArrayRecord) -> dict[str, np.ndarray]:
+    return {k: v.numpy() for k, v in rec.items()}
+
+
+# --------------------------------------------------------------------------------------------- center
+@lru_cache(maxsize=8)
+def _trainer(config_json: str, center: str, data_path: str) -> LocalTrainer:
+    # cached: a long-lived client process builds its model and loads its data once, not every round
+    with np.load(data_path) as z:
+        x, y = z["x"], z["y"]
+    return make_trainer(CollabConfig.from_json(config_json), center, x, y)
+
+
+def reply_content(payload: dict[str, np.ndarray], metrics: dict[str, float], center: str) -> RecordDict:
+    """The whole of what a center sends back: the encoded update, numbers, and its name."""
+    return RecordDict({"update": _to_record(payload), "metrics": MetricRecord(dict(metrics)),
+                       "center": ConfigRecord({"name": center})})
+
+
+@client_app.train()
+def _center_train(msg: Message, context: Context) -> Message:
+    t_received = time.time()
+    config_json = str(context.run_config["collab-config"])
+    config = CollabConfig.from_json(config_json)
+    center = str(context.node_config["center"])
+    trainer = _trainer(config_json, center, str(context.node_config["data"]))
+    global_params = _from_record(msg.content["arrays"])
+    cfg = msg.content["config"]
+    payload, metrics = center_round(trainer, global_params, round_idx=int(cfg["round"]), config=config,
+                                    proximal_mu=float(cfg["proximal_mu"]), t_received=t_received)
+    return Message(reply_content(payload, metrics, center), reply_to=msg)
+
+
+# --------------------------------------------------------------------------------------------- server
+def _wait_for_nodes(grid: Grid, want: int, timeout_s: float, poll_s: float) -> list[int]:
+    end = time.time() + timeout_s
+    while True:
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) >= want or time.time() > end:
+            return nodes
+        time.sleep(poll_s)
+
+
+def _center_of(m: Message) -> str | None:
+    try:
+        return None if m.has_error() else str(m.content["center"]["name"])
+    except (KeyError, TypeError):
+        return None
+
+
+def _exchange(grid: Grid, messages: list[Message], centers: set[str], timeout_s: float,
+              poll_s: float) -> list[Message]:
+    """Push ``messages`` and pull replies until every message or every center answered, or the timeout.
+
+    Stopping once every center answered matters after a crash: the dead SuperNode stays registered
+    until its heartbeat expires, and its message would otherwise hold the round to the timeout.
+    """
+    ids = set(grid.push_messages(messages))
+    end = time.time() + timeout_s
+    got: list[Message] = []
+    while ids and time.time() < end:
+        for m in grid.pull_messages(ids):
+            ids.discard(m.metadata.reply_to_message_id)
+            got.append(m)
+        if centers <= {_center_of(m) for m in got}:
+            break
+        if ids:
+            time.sleep(poll_s)
+    return got
+
+
+@server_app.main()
+def _serve(grid: Grid, context: Context) -> None:
+    rc = context.run_config
+    config = CollabConfig.from_json(str(rc["collab-config"]))
+    out = Path(str(rc["out-dir"]))
+    out.mkdir(parents=True, exist_ok=True)
+    poll_s = float(rc.get("poll-s", 0.05))
+    evaluate = None
+    if rc.get("eval-data"):
+        with np.load(str(rc["eval-data"])) as z:
+            ex, ey = z["x"], z["y"]
+
+        def evaluate(p: dict[str, np.ndarray]) -> dict[str, float]:
+            return evaluate_torch(config.model, p, ex, ey)
+
+    server = FederationServer(config, initial_params(config), TimingLog(out / "timing.jsonl"), out / "checkpoint")
+    server.resume()
+    first = True
+    while not server.done:
+        nodes = _wait_for_nodes(grid, len(config.centers) if first else config.required_centers,
+                                config.round_timeout_s, poll_s)
+        first = False
+        r, params = server.begin_round()
+        content = {"arrays": _to_record(params),
+                   "config": ConfigRecord({"round": r, "proximal_mu": server.fusion.proximal_mu})}
+        msgs = [grid.create_message(RecordDict(dict(content)), "train", n, group_id=str(r)) for n in nodes]
+        replies: list[CenterReply] = []
+        for m in _exchange(grid, msgs, {c.name for c in config.centers}, config.round_timeout_s, poll_s):
+            if m.has_error():
+                log.warning("round %d: node %d answered with an error: %s", r, m.metadata.src_node_id, m.error)
+                continue
+            try:
+                c = m.content
+                replies.append(CenterReply(str(c["center"]["name"]), _from_record(c["update"]), dict(c["metrics"])))
+            except (KeyError, TypeError, ValueError) as e:
+                log.warning("round %d: malformed reply from node %d dropped: %r", r, m.metadata.src_node_id, e)
+        rec = server.finish_round(r, replies, sent_to=len(nodes), evaluate=evaluate)
+        with (out / "rounds.jsonl").open("a") as f:
+            f.write(json.dumps(rec.to_dict()) + "\n")
+    np.savez(out / "final.npz", **server.params)
+    (out / "done.json").write_text(json.dumps({"rounds": server.round}))
+

@@ -1,0 +1,133 @@
+"""The Flower deployment engine (flwr 1.42, real SuperLink/SuperNode processes on 127.0.0.1).
+
+Main cross-check: the model fused over Flower equals, bit for bit, the in-process engine's for the
+same config and data. Also: what a center's reply holds (parameters and numbers, nothing else), and a
+center crashing between rounds and rejoining.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+flwr = pytest.importorskip("flwr", reason="the Flower engine needs flwr==1.42.0")
+
+from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, initial_params, run_inprocess  # noqa: E402
+from polyparallel.backends.collab._flower import LoopbackFederation, run_flower, write_center_data  # noqa: E402
+
+SPEC = ModelSpec("mlp", (6,), 3, hidden=8)
+
+
+def _data(names, n=48):
+    rng = np.random.default_rng(3)
+    return {c: (rng.normal(size=(n + 4 * i, 6)).astype(np.float32), rng.integers(0, 3, n + 4 * i))
+            for i, c in enumerate(names)}
+
+
+def _cfg(names, **kw):
+    return CollabConfig(centers=tuple(CenterSpec(n) for n in names), model=SPEC,
+                        **{"rounds": 2, "local_steps": 3, "batch_size": 16, "lr": 0.1, "round_timeout_s": 90, **kw})
+
+
+def _no_stray_processes(workdir):
+    """No process started for this federation survives it (found by its FLWR_HOME in /proc)."""
+    return LoopbackFederation(workdir, {}).stray_pids()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_flower_fuses_exactly_what_the_inprocess_engine_fuses(tmp_path):
+    names = ("a", "b", "c")
+    cfg = _cfg(names, fusion="fedadam", compression="int8")
+    data = _data(names)
+    res = run_flower(cfg, data, workdir=tmp_path, eval_data=data["a"], timeout_s=240)
+    ref = run_inprocess(cfg, data, eval_data=data["a"])
+    assert [r.accepted for r in res.rounds] == [names, names]
+    for k, v in ref.params.items():
+        np.testing.assert_array_equal(res.params[k], v)
+    assert not np.array_equal(res.params["fc1.weight"], initial_params(cfg)["fc1.weight"])
+    assert [r.bytes_up for r in res.rounds] == [r.bytes_up for r in ref.rounds]
+    assert res.rounds[-1].eval == ref.rounds[-1].eval
+    events = {(e["round"], e["who"], e["event"]) for e in res.timing}
+    for r in (1, 2):
+        assert {(r, c, "sent_update") for c in names} <= events and (r, "server", "fusion_end") in events
+    assert _no_stray_processes(tmp_path) == []
+
+
+def test_only_parameters_and_metrics_leave_a_center(tmp_path):
+    """Run the ClientApp on a message as the SuperNode would and read everything in its reply."""
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from polyparallel.backends.collab._flower_app import client_app
+
+    cfg = _cfg(("a", "b"), compression="fp16")
+    data = _data(("a", "b"))
+    paths = write_center_data(tmp_path, data)
+    x0 = initial_params(cfg)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    msg = Message(RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in x0.items()}),
+                              "config": ConfigRecord({"round": 1, "proximal_mu": 0.0})}),
+                  dst_node_id=7, message_type="train")
+    ctx = Context(run_id=1, node_id=7, node_config={"center": "b", "data": str(paths["b"])}, state=RecordDict(),
+                  run_config={"collab-config": cfg.to_json(), "out-dir": str(tmp_path)})
+    reply = client_app(message=msg, context=ctx)
+    content = reply.content
+    assert set(content.keys()) == {"update", "metrics", "center"}
+    assert set(content["update"].keys()) == {f"q/{k}" for k in x0}
+    for k, arr in content["update"].items():
+        a = arr.numpy()
+        assert a.shape == x0[k[2:]].shape and a.dtype == np.float16
+    assert dict(content["center"]) == {"name": "b"}
+    metrics = dict(content["metrics"])
+    assert set(metrics) == {"num_samples", "train_loss", "t_received", "t_trained", "t_sent"}
+    assert metrics["num_samples"] == len(data["b"][0])
+    x, y = data["b"]
+    raw = b"".join(arr.numpy().tobytes() for arr in content["update"].values())
+    assert x[:1].tobytes()[:16] not in raw and y.tobytes()[:16] not in raw  # no rows of data inside
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_crashed_center_is_skipped_and_rejoins(tmp_path):
+    names = ("a", "b", "c")
+    cfg = _cfg(names, rounds=3, min_centers=2, round_timeout_s=12)
+    data = _data(names)
+    out = tmp_path / "out"
+    with LoopbackFederation(tmp_path, write_center_data(tmp_path, data)) as fed:
+        fed.submit(cfg, out)
+
+        def rounds_done():
+            p = out / "rounds.jsonl"
+            return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+
+        end = time.time() + 150
+        while len(rounds_done()) < 1 and time.time() < end:
+            time.sleep(0.1)
+        fed.kill_center("b")  # SIGKILL while round 2 goes out: no goodbye to the SuperLink
+        fed.start_center("b")  # back (as a new node) before round 2's timeout ends
+        fed.wait(out, max(1.0, end - time.time()))
+        got = rounds_done()
+    assert [tuple(r["accepted"]) for r in got] == [names, ("a", "c"), names]
+    assert got[1]["fused"] and "b" in got[1]["missing"]
+    ref = run_inprocess(cfg, data, absent={2: ("b",)})
+    with np.load(out / "final.npz") as z:
+        for k, v in ref.params.items():
+            np.testing.assert_array_equal(z[k], v)
+    assert _no_stray_processes(tmp_path) == []
+
+
+def test_federation_stops_every_process_on_error(tmp_path):
+    cfg = _cfg(("a",))
+    with pytest.raises(ValueError, match="data given for centers"):
+        run_flower(cfg, {"zz": _data(("zz",))["zz"]}, workdir=tmp_path)
+    fed = LoopbackFederation(tmp_path / "f", {"a": tmp_path / "missing.npz"}, startup_timeout_s=60)
+    with fed:
+        pids = [p.popen.pid for p in fed.procs]
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pid, 0)
