@@ -695,7 +695,10 @@ class _Capture:
                 kind, fn, reason = OpKind.OPAQUE, None, str(e)
         checked = _checked(fn, view.outs, target) if fn is not None else None
         attrs = {a.name: _attr_value(a) for a in n.attribute}
-        self.b.op(n.name or n.op_type, kind, target, [x for x in n.input if x], outs, checked, attrs=attrs,
+        ins = [x for x in n.input if x]  # positional: in1 may repeat in0 (Mul(x, x))
+        # a control-flow body reads outer tensors by name: they are inputs of the op too
+        ins += [x for x in _outer_reads(n) if x in self.b.graph.tensors and x not in ins]
+        self.b.op(n.name or n.op_type, kind, target, ins, outs, checked, attrs=attrs,
                   module=_module_of(n), reason=reason)
 
 
@@ -781,6 +784,18 @@ class _Capture:
         fn = None if new_axis else _checked(lambda: ops.concat(shapes, axis), [self.shapes[out]], target)
         self.b.op(n.name or target, OpKind.CONCAT, target, seq, [out], fn, module=_module_of(n),
                   reason="stacking along a new axis" if new_axis else None)
+
+
+def _outer_reads(n: onnx.NodeProto) -> list[str]:
+    """Names a node's subgraphs (If/Loop/Scan bodies) read from the enclosing scope."""
+    out: list[str] = []
+    for a in n.attribute:
+        for sub in ([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs)):
+            local = {x.name for x in [*sub.input, *sub.initializer]} | {o for m in sub.node for o in m.output}
+            for m in sub.node:
+                out += [x for x in m.input if x and x not in local]
+                out += [x for x in _outer_reads(m) if x not in local]
+    return list(dict.fromkeys(out))
 
 
 def _bias_adds(g: onnx.GraphProto, params: set[str], inits: Mapping[str, TensorProto],

@@ -571,3 +571,19 @@ def test_every_onnx_node_test_model_captures_or_fails_clearly():
             for op in g.ops:
                 assert op.nest is not None or op.kind is OpKind.OPAQUE
     assert captured > 0.9 * len(cases)
+
+
+def test_control_flow_is_opaque_and_depends_on_what_its_body_reads():
+    then = helper.make_graph([helper.make_node("Add", ["x", "w"], ["t"])], "then", [], [_vi("t", [2, 3])])
+    other = helper.make_graph([helper.make_node("Sub", ["x", "w"], ["e"])], "else", [], [_vi("e", [2, 3])])
+    nodes = [helper.make_node("Relu", ["x0"], ["x"]),
+             helper.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=other),
+             helper.make_node("Mul", ["y", "y"], ["z"])]
+    m = _model(nodes, [_vi("x0", [2, 3]), _vi("cond", [], TensorProto.BOOL)], [_vi("z", [2, 3])],
+               [_init("w", (2, 3))])
+    with pytest.warns(OpaqueOpWarning, match="If"):
+        g = capture_onnx(m)
+    cond = g.op("If")
+    assert cond.is_opaque and set(cond.inputs) == {"cond", "x", "w"} and g.shape("y") == (2, 3)
+    mul = g.ops[-1]
+    assert mul.inputs == ("y", "y") and mul.flops == 6
