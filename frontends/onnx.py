@@ -37,6 +37,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import warnings
@@ -623,6 +624,9 @@ class _Capture:
                 continue
             self._add(vi.name, TensorKind.INPUT, origin=vi.name)
             self.b.graph.inputs.append(vi.name)
+            if 0 in self.shapes[vi.name]:  # an empty input's value is known: no elements (e.g. axes=[])
+                with contextlib.suppress(TypeError):  # dtypes numpy lacks (bfloat16) stay unknown
+                    self.values[vi.name] = np.zeros(self.shapes[vi.name], self.b.graph.tensors[vi.name].dtype)
         params = {n for n, k in kinds.items() if k is not TensorKind.CONST}
         params |= {o for o, (_, k) in self.copies.items() if k is not TensorKind.CONST}
         self.bias_adds = _bias_adds(g, {n for n, k in kinds.items() if k is TensorKind.PARAM}, inits,
