@@ -1320,7 +1320,7 @@ def _axes_from_shapes(x: Shape, out: Shape, keep: bool) -> list[int]:
     raise ops.Unsupported(f"cannot tell the reduced axes of {list(x)} -> {list(out)}")
 
 
-@_handles("CumSum")
+@_handles("CumSum", "CumProd")
 def _cumsum(n: _Node) -> Spec:
     x = n.shape(0)
     axis = n.ints(1, "axis")[0]
@@ -1567,6 +1567,51 @@ def _one_hot(n: _Node) -> Spec:
         return LoopNest(tuple(dims), (st,))
 
     return OpKind.ELEMENTWISE, nest
+
+
+@_handles("DepthToSpace", "SpaceToDepth")
+def _depth_space(n: _Node) -> Spec:
+    x, out = n.shape(0), n.out
+    bs = int(n.attr("blocksize"))
+    crd = str(n.attr("mode", "DCR")) == "CRD"
+
+    def nest() -> LoopNest:
+        # depth d = (i*bs + j)*C + c (DCR) or c*bs*bs + i*bs + j (CRD) <-> space (h*bs + i, w*bs + j)
+        if len(x) != 4:
+            raise ops.Unsupported(f"{n.op_type} of a rank-{len(x)} input")
+        to_space = n.op_type == "DepthToSpace"
+        B, C, H, W = (x[0], out[1], x[2], x[3]) if to_space else (x[0], x[1], out[2], out[3])
+        dims = (Dim("b", B), Dim("c", C), Dim("h", H), Dim("i", bs), Dim("w", W), Dim("j", bs))
+        b, c, h, i, w, j = (E(d.name) for d in dims)
+        depth = c * (bs * bs) + i * bs + j if crd else (i * bs + j) * C + c
+        deep, space = (b, depth, h, w), (b, c, h * bs + i, w * bs + j)
+        st = Statement("copy", tuple(d.name for d in dims), reads=(Access("in0", deep if to_space else space),),
+                       writes=(Access("out0", space if to_space else deep),), flops_per_point=0)
+        return LoopNest(dims, (st,))
+
+    return OpKind.VIEW, nest
+
+
+@_handles("TopK")
+def _topk(n: _Node) -> Spec:
+    x = n.shape(0)
+    axis = int(n.attr("axis", -1)) % max(len(x), 1)
+    k = n.out[axis]
+
+    def nest() -> LoopNest:
+        # selection by k passes of max over the axis: k * n comparisons per row
+        dims = [Dim(f"d{a}", e) for a, e in enumerate(x) if a != axis]
+        names = [d.name for d in dims]
+        dims += [Dim("j", max(1, k)), Dim("t", x[axis], Role.REDUCTION)]
+        xi = [E(nm) for nm in names]
+        oi = list(xi)
+        xi.insert(axis, E("t"))
+        oi.insert(axis, E("j"))
+        st = Statement("select", tuple(d.name for d in dims), reads=(Access("in0", tuple(xi)),),
+                       writes=tuple(Access(f"out{i}", tuple(oi)) for i in range(len(n.outs))), flops_per_point=1)
+        return LoopNest(tuple(dims), (st,))
+
+    return OpKind.REDUCE, nest
 
 
 @_handles("ConstantOfShape", "Range", "EyeLike", "RandomNormal", "RandomUniform", "RandomNormalLike",

@@ -267,18 +267,27 @@ def test_losses_and_embedding():
 def test_unknown_op_is_opaque_and_warned():
     nodes = [helper.make_node("Relu", ["x"], ["r"]),
              helper.make_node("FancyOp", ["r"], ["f"], domain="com.example"),
-             helper.make_node("TopK", ["f", "k"], ["vals", "idx"], axis=-1)]
-    m = _model(nodes, [_vi("x", [2, 8])], [_vi("vals", [2, 3]), _vi("idx", [2, 3], TensorProto.INT64)],
-               [numpy_helper.from_array(np.array([3], np.int64), "k")])
+             helper.make_node("Reshape", ["f", "sq"], ["m"]),
+             helper.make_node("Det", ["m"], ["d"])]
+    m = _model(nodes, [_vi("x", [2, 16])], [_vi("d", [2])],
+               [numpy_helper.from_array(np.array([2, 4, 4], np.int64), "sq")])
     m.opset_import.append(helper.make_opsetid("com.example", 1))
-    m.graph.value_info.append(_vi("f", [2, 8]))
+    m.graph.value_info.append(_vi("f", [2, 16]))
     with pytest.warns(OpaqueOpWarning, match=r"2 op\(s\) kept opaque.*FancyOp"):
         g = capture_onnx(m)
-    assert [op.target for op in g.ops] == ["Relu", "com.example.FancyOp", "TopK"]
-    fancy, topk = g.ops[1], g.ops[2]
-    assert fancy.is_opaque and fancy.flops == 16 and fancy.opaque_reason
-    assert topk.is_opaque and topk.flops == 2 * 3 + 2 * 3
-    assert g.flops() == 16 + 16 + 12
+    assert [op.target for op in g.ops] == ["Relu", "com.example.FancyOp", "Reshape", "Det"]
+    fancy, det = g.ops[1], g.ops[3]
+    assert fancy.is_opaque and fancy.flops == 32 and fancy.opaque_reason
+    assert det.is_opaque and det.flops == 2 and det.kind is OpKind.OPAQUE
+    assert g.flops() == 32 + 32 + 0 + 2
+
+
+def test_topk_reads_the_whole_axis():
+    m = _model([helper.make_node("TopK", ["x", "k"], ["v", "i"], axis=1)], [_vi("x", [2, 10, 3])],
+               [_vi("v", None), _vi("i", None)], [numpy_helper.from_array(np.array([4], np.int64), "k")])
+    op = _capture(m).ops[0]
+    assert op.kind is OpKind.REDUCE and op.flops == 2 * 3 * 4 * 10
+    assert [d.name for d in op.nest.dims if d.role is Role.REDUCTION] == ["t"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -317,6 +326,9 @@ def _execute(nest: LoopNest, inputs: list[np.ndarray], out_shape: tuple[int, ...
     (helper.make_node("Gather", ["x", "i"], ["y"], axis=1), (3, 4, 2), {"i": 2}),
     (helper.make_node("Flatten", ["x"], ["y"], axis=2), (2, 3, 4, 5), {}),
     (helper.make_node("Unsqueeze", ["x", "ax"], ["y"]), (3, 4), {"ax": [0, 3]}),
+    (helper.make_node("DepthToSpace", ["x"], ["y"], blocksize=2), (1, 8, 2, 3), {}),
+    (helper.make_node("DepthToSpace", ["x"], ["y"], blocksize=2, mode="CRD"), (2, 8, 3, 2), {}),
+    (helper.make_node("SpaceToDepth", ["x"], ["y"], blocksize=2), (1, 3, 4, 6), {}),
 ])
 def test_view_nests_reproduce_onnxruntime(node, shape, inits):
     ints = [numpy_helper.from_array(np.asarray(v, np.int64), k) for k, v in inits.items()]
