@@ -20,7 +20,7 @@ app = typer.Typer(
 )
 
 # Modules that add commands to `app` when imported. Keep the list explicit.
-_COMMAND_MODULES = ("polyparallel._cli_graph", "polyparallel._cli_cluster")
+_COMMAND_MODULES = ("polyparallel._cli_graph", "polyparallel._cli_cluster", "polyparallel._cli_search")
 
 
 class UserError(Exception):
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         app(args=argv, standalone_mode=True)
-    except (UserError, CaptureError, FileNotFoundError, ValueError) as e:
+    except (UserError, CaptureError, FileNotFoundError, ValueError, OSError) as e:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         sys.exit(2)
 

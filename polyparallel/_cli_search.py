@@ -1,0 +1,215 @@
+"""``polyparallel search``, ``explain`` and ``evaluate``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from polyparallel._cli_graph import MODEL_HELP
+from polyparallel.cli import app
+from polyparallel.strategy import Strategy
+
+CLUSTER_HELP = "cluster preset (dgx-a100x8, aisynergy-5, local-cpu:4, ...) or a YAML/JSON spec"
+
+
+def _console() -> Console:
+    return Console(width=None if sys.stdout.isatty() else 140)
+
+
+def _load(model: str) -> tuple[Any, Any, dict[str, Any]]:
+    from polyparallel.models import load_model
+
+    loaded = load_model(model, batch_size=None)
+    if isinstance(loaded, Path):
+        return loaded, None, {}
+    return loaded
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.2f} GB"
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.2f} ms" if x < 1 else f"{x:.3f} s"
+
+
+def _summary(s: Strategy) -> list[str]:
+    e = s.estimate
+    lines = [f"{s.model.name}: {s.mode} plan on {s.cluster.get('name', '?')} ({len(s.mesh.devices)} devices), "
+             f"global batch {s.global_batch}"]
+    if s.mode == "synchronous":
+        sched = s.schedule
+        lines.append(f"  dp={s.dp} tp={s.tp} pp={s.pp} sp={s.sp}, {s.microbatches} micro-batches ({sched}), "
+                     f"ZeRO-{s.zero_stage}, recompute {s.recompute}, {s.dtype}")
+    elif s.collaborative:
+        c = s.collaborative
+        lines.append(f"  {len(c.centers)} centers, fusion {c.fusion} every H={c.local_steps} local steps, "
+                     f"round {_ms(c.round_time_s)}, communication {100 * c.comm_fraction:.1f}% of the round")
+    if e:
+        lines.append(f"  step {_ms(e.step_time_s)}, {e.samples_per_s:,.1f} samples/s, "
+                     f"{e.model_flops_per_s_per_device / 1e12:.2f} model TFLOP/s per device, "
+                     f"peak memory {_gb(e.memory_bytes_max)}, communication {100 * e.comm_fraction:.1f}%")
+    r = s.search
+    lines.append(f"  searched {r.candidates} candidates in {r.search_s:.2f} s (+{r.capture_s:.2f} s capture), "
+                 f"solver {r.solver}")
+    return lines
+
+
+@app.command("search")
+def search_cmd(
+    model: Annotated[str, typer.Argument(help=MODEL_HELP)],
+    cluster: Annotated[str, typer.Option("--cluster", "-c", help=CLUSTER_HELP)] = "local-cpu:2",
+    batch_size: Annotated[int | None, typer.Option("--batch-size", "-b", help="global batch per step")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="write the strategy JSON here")] = None,
+    objective: Annotated[str, typer.Option(help="throughput or memory")] = "throughput",
+    exhaustive: Annotated[bool, typer.Option(help="price every candidate (small problems)")] = False,
+    tp: Annotated[int | None, typer.Option(help="pin the tensor-parallel degree")] = None,
+    pp: Annotated[int | None, typer.Option(help="pin the number of pipeline stages")] = None,
+    mode: Annotated[str | None, typer.Option(help="synchronous or collaborative")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the strategy JSON")] = False,
+) -> None:
+    """Find the fastest parallel plan of MODEL that fits CLUSTER."""
+    from polyparallel.search import search
+
+    console = _console()
+    m, args, kwargs = _load(model)
+    constraints = {k: v for k, v in {"tp": tp, "pp": pp, "mode": mode}.items() if v is not None}
+    with console.status(f"searching {model} on {cluster} ...") as status:
+        s = search(m, args, cluster, example_kwargs=kwargs, batch_size=batch_size, objective=objective,
+                   constraints=constraints, exhaustive=exhaustive,
+                   progress=None if as_json else (lambda msg: status.update(f"{model} on {cluster}: {msg}")))
+    if out is not None:
+        s.to_json(out)
+    if as_json:
+        typer.echo(s.to_json())
+        return
+    for line in _summary(s):
+        console.print(line)
+    if out is not None:
+        console.print(f"wrote {out}  (inspect with: polyparallel explain {out})")
+
+
+@app.command("explain")
+def explain_cmd(
+    strategy: Annotated[Path, typer.Argument(help="a strategy JSON file")],
+    diff: Annotated[Path | None, typer.Option("--diff", help="compare with another strategy")] = None,
+) -> None:
+    """Show a strategy as tables: mesh, stages, placements, cost breakdown, memory per device."""
+    s = Strategy.from_json(strategy)
+    console = _console()
+    if diff is not None:
+        _diff(console, s, Strategy.from_json(diff), strategy, diff)
+        return
+    for line in _summary(s):
+        console.print(line)
+    t = Table(title="device mesh")
+    for col in ("axis", "size", "spans"):
+        t.add_column(col)
+    for a in s.mesh.axes:
+        t.add_row(a.name, str(a.size), a.level)
+    console.print(t)
+    if s.stages:
+        t = Table(title="pipeline stages")
+        for col in ("stage", "ops (first .. last)", "layers", "devices", "device type", "compute"):
+            t.add_column(col)
+        for st in s.stages:
+            pairs = [f"{a} .. {b}" for a, b in zip(st.ops[::2], st.ops[1::2])]
+            layers = f"{st.layers[0]}..{st.layers[-1]}" if st.layers else ""
+            devs = f"{st.devices[0]}..{st.devices[-1]}" if len(st.devices) > 1 else str(st.devices[0])
+            t.add_row(str(st.index), "; ".join(pairs), layers, devs, st.device_type, _ms(st.compute_s))
+        console.print(t)
+    if s.placements:
+        t = Table(title="placements (loop dim : mesh axis)")
+        t.add_column("placement")
+        t.add_column("ops")
+        t.add_column("examples")
+        for p in s.placements:
+            t.add_row(p.placement or "replicated", str(len(p.ops)), ", ".join(p.ops[:4]) + (" ..." if len(p.ops) > 4
+                                                                                          else ""))
+        console.print(t)
+    if s.collaborative:
+        t = Table(title="centers")
+        for col in ("center", "framework", "devices", "data share", "local plan"):
+            t.add_column(col)
+        for c in s.collaborative.centers:
+            lp = c.local_strategy
+            t.add_row(c.name, c.framework, str(len(c.devices)), f"{100 * c.share:.1f}%",
+                      f"dp={lp.get('dp')} tp={lp.get('tp')} pp={lp.get('pp')}")
+        console.print(t)
+    if s.estimate:
+        t = Table(title="step time breakdown (critical stage)")
+        t.add_column("part")
+        t.add_column("time", justify="right")
+        t.add_column("share", justify="right")
+        total = sum(s.estimate.breakdown.values()) or 1.0
+        for k, v in s.estimate.breakdown.items():
+            if v:
+                t.add_row(k, _ms(v), f"{100 * v / total:.1f}%")
+        console.print(t)
+        if s.estimate.memory_by_device:
+            t = Table(title="memory per device")
+            t.add_column("where")
+            t.add_column("peak", justify="right")
+            for k, v in s.estimate.memory_by_device.items():
+                t.add_row(k, _gb(v))
+            console.print(t)
+    for n in s.search.notes[:5]:
+        console.print(f"[yellow]note[/yellow] {n}")
+
+
+def _diff(console: Console, a: Strategy, b: Strategy, pa: Path, pb: Path) -> None:
+    t = Table(title=f"{pa.name} vs {pb.name}")
+    t.add_column("field")
+    t.add_column(pa.name)
+    t.add_column(pb.name)
+    fields = ["mode", "global_batch", "dp", "tp", "pp", "sp", "microbatches", "schedule", "zero_stage", "recompute",
+              "dtype"]
+    for f in fields:
+        va, vb = getattr(a, f), getattr(b, f)
+        style = "" if va == vb else "bold"
+        t.add_row(f, f"[{style}]{va}[/{style}]" if style else str(va), f"[{style}]{vb}[/{style}]" if style else str(vb))
+    if a.estimate and b.estimate:
+        for f in ("step_time_s", "samples_per_s", "memory_bytes_max", "comm_fraction"):
+            va, vb = getattr(a.estimate, f), getattr(b.estimate, f)
+            t.add_row(f, f"{va:.4g}", f"{vb:.4g} ({(vb / va - 1) * 100 if va else 0:+.1f}%)")
+    console.print(t)
+
+
+@app.command("evaluate")
+def evaluate_cmd(
+    model: Annotated[str, typer.Argument(help=MODEL_HELP)],
+    cluster: Annotated[str, typer.Option("--cluster", "-c", help=CLUSTER_HELP)] = "local-cpu:2",
+    dp: Annotated[int | None, typer.Option(help="data-parallel degree (default: what the devices leave)")] = None,
+    tp: Annotated[int, typer.Option(help="tensor-parallel degree")] = 1,
+    pp: Annotated[int, typer.Option(help="pipeline stages")] = 1,
+    sp: Annotated[int, typer.Option(help="sequence-parallel degree")] = 1,
+    microbatches: Annotated[int | None, typer.Option(help="micro-batches per step")] = None,
+    schedule: Annotated[str | None, typer.Option(help="gpipe, 1f1b or interleaved")] = None,
+    zero: Annotated[int | None, typer.Option(help="ZeRO stage 0-3")] = None,
+    recompute: Annotated[str | None, typer.Option(help="none, selective or full")] = None,
+    batch_size: Annotated[int | None, typer.Option("--batch-size", "-b", help="global batch per step")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the estimate as JSON")] = False,
+) -> None:
+    """Price a hand-made recipe with the search's cost model; unset choices are made as the search would."""
+    from polyparallel.search import evaluate
+
+    m, args, kwargs = _load(model)
+    s = evaluate(m, args, cluster, example_kwargs=kwargs, dp=dp, tp=tp, pp=pp, sp=sp, microbatches=microbatches,
+                 schedule=schedule, zero_stage=zero, recompute=recompute, batch_size=batch_size)
+    if as_json:
+        d = s.estimate.model_dump() if s.estimate else {}
+        d.update({"dp": s.dp, "tp": s.tp, "pp": s.pp, "sp": s.sp, "microbatches": s.microbatches,
+                  "schedule": s.schedule, "fits": not s.search.notes, "notes": s.search.notes})
+        typer.echo(json.dumps(d, indent=1))
+        return
+    console = _console()
+    for line in _summary(s):
+        console.print(line)
+    for n in s.search.notes:
+        console.print(f"[red]does not fit[/red] {n}")

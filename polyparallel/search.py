@@ -1,0 +1,770 @@
+r"""Strategy search: the fastest parallel plan that fits in memory.
+
+The problem
+-----------
+Given a model (captured per micro-batch of ``b`` samples), a cluster of ``N`` devices and
+a global batch ``B``, choose
+
+* mesh degrees ``dp, tp, pp, sp`` with ``dp·tp·pp·sp = n`` devices of the cluster
+  (``n = N`` unless a center or a device cap is pinned), laid out tensor-parallel fastest,
+  then sequence, data, pipeline — so ``tp`` lives inside a node, ``pp`` crosses nodes
+  last (the mapping of each mesh axis onto a topology level follows from this order and
+  the sizes; an axis whose group spans two centers is a *WAN axis*);
+* the micro-batch size ``b`` and count ``m`` with ``dp·m·b = B``;
+* the pipeline schedule ``s ∈ {1F1B, interleaved(v), GPipe}`` (stage boundaries are
+  cut over the balanced layer chain by the cost model's min-max partition);
+* the memory knobs: ZeRO stage ``z ∈ {0..3}`` and recomputation ``r ∈ {none, selective, full}``;
+
+to solve
+
+.. math::
+
+    \min_{dp,tp,pp,sp,b,m,s,z,r}\; T(\cdot) \quad\text{s.t.}\quad
+    M_d(\cdot) \le C_d\ \forall d,\qquad dp·tp·pp·sp = n,\qquad dp·m·b = B,
+
+    tp·sp \le \text{devices per node (unless pinned)},\qquad
+    \text{no }tp/sp/dp\text{ group on a WAN link unless allowed},
+
+where ``T`` is the step time of :func:`polyparallel.cost_models.estimate_step` (compute
++ exposed communication + pipeline bubbles, per stage, the slowest stage) and ``M_d``
+the per-device memory of the same model (weights, gradients, optimizer state by ZeRO
+stage, activations in flight under the schedule). The objective ``throughput`` is
+``B / T``; ``memory`` minimises ``max_d M_d`` among plans within 10% of the fastest.
+
+How it is solved
+----------------
+The outer variables are enumerated over the divisors of ``n`` (a few hundred mesh
+shapes at most), pruned by feasibility (``tp·sp`` within a node, ``pp`` at most the
+number of layers, ``B`` divisible). For each mesh shape the micro-batch sizes are
+powers of two (captured on demand and cached); schedules are tried 1F1B then
+interleaved (GPipe has the same bubble as 1F1B and more activation memory, so it never
+wins on the cost model's terms and is only tried with ``exhaustive=True``). Memory knobs
+are tried cheapest-first along the ladder ``(z, r) = (0, none), (1, none), (2, none),
+(1, selective), (3, none), (1, full), (3, full)``: every *free* rung that fits (ZeRO 0-2
+without recomputation move the same gradient volume but shard the optimizer step
+differently) is priced; past them, the first rung that fits is kept (later rungs only add
+communication or recomputation). ``exhaustive=True`` drops every pruning
+rule and prices every combination: it is the yardstick the planner is tested against.
+
+Across centers (a cluster with several centers): a synchronous plan whose dp/tp/sp
+groups would cross a WAN link is refused unless ``constraints.allow_wan`` is set; a
+pipeline across centers is allowed where the centers let activations leave. The
+**collaborative mode** is then priced too: each center trains with its own best
+synchronous plan on its own data for ``H`` local steps, then the parameters are fused
+over the WAN. With ``T_c`` the slowest center's step time and ``T_f`` the fusion time
+(upload + download of the parameters at the WAN bandwidth plus latency),
+
+.. math::  H = \left\lceil \frac{T_f (1 - \phi)}{\phi\, T_c} \right\rceil
+
+keeps communication below the target share ``φ`` (default 20%) of the round, and each
+center's share of the data is proportional to its throughput.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from polyparallel.cluster import Cluster
+from polyparallel.cost_models import ParallelConfig, StepEstimate, estimate_step
+from polyparallel.ir import Graph
+from polyparallel.strategy import (
+    CenterPlan,
+    Collaborative,
+    Estimate,
+    Mesh,
+    MeshAxis,
+    ModelInfo,
+    OpPlacement,
+    SearchRecord,
+    Stage,
+    Strategy,
+    fingerprint,
+)
+
+__all__ = ["Constraints", "DoesNotFit", "evaluate", "search"]
+
+MEMORY_LADDER = (("0", "none"), ("1", "none"), ("2", "none"), ("1", "selective"), ("3", "none"), ("1", "full"),
+                 ("3", "full"))
+
+
+MAX_MICRO = 8
+
+
+class DoesNotFit(ValueError):
+    """No plan fits the cluster's memory; the message names the smallest shortfall."""
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """Choices an expert pins; the search optimises the rest.
+
+    Args:
+        dp / tp / pp / sp / microbatches / schedule / zero_stage / recompute: fixed values.
+        devices: use only this many devices (the first ones in the cluster's order).
+        centers: use only these centers (by name).
+        memory_cap: bytes per device the plan may use (below the device capacity).
+        dtype: training precision (default: bf16 on accelerators, fp32 on CPUs).
+        allow_wan: allow data/tensor-parallel collectives across centers.
+        mode: force ``synchronous`` or ``collaborative``.
+        comm_fraction: target communication share of a collaborative round.
+        cross_node_tp: allow tensor parallelism across nodes.
+    """
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    sp: int | None = None
+    microbatches: int | None = None
+    schedule: str | None = None
+    zero_stage: int | None = None
+    recompute: str | None = None
+    devices: int | None = None
+    centers: tuple[str, ...] | None = None
+    memory_cap: float | None = None
+    dtype: str | None = None
+    allow_wan: bool = False
+    mode: str | None = None
+    comm_fraction: float = 0.2
+    cross_node_tp: bool = False
+
+    @classmethod
+    def of(cls, value: Constraints | dict[str, Any] | None) -> Constraints:
+        if value is None:
+            return cls()
+        if isinstance(value, Constraints):
+            return value
+        known = set(cls.__dataclass_fields__)
+        bad = sorted(set(value) - known)
+        if bad:
+            raise ValueError(f"unknown constraint(s) {bad}; known: {', '.join(sorted(known))}")
+        v = dict(value)
+        if v.get("centers") is not None:
+            v["centers"] = tuple(v["centers"])
+        return cls(**v)
+
+
+# ----------------------------------------------------------------------------------------
+# model handling: one graph per micro-batch size
+
+
+class _Model:
+    """Captures the model at a given micro-batch size, on demand, with a cache."""
+
+    def __init__(self, model: Any, example_inputs: Any, example_kwargs: dict[str, Any] | None) -> None:
+        self.model, self.args, self.kwargs = model, example_inputs, example_kwargs or {}
+        self.graphs: dict[int, Graph] = {}
+        self.priced: dict[int, Graph] = {}
+        self.capture_s = 0.0
+        if isinstance(model, Graph):
+            self.b0 = _graph_batch(model)
+            self.graphs[self.b0] = model
+            self.name = model.name
+            self.resizable = False
+            return
+        import torch
+
+        if isinstance(model, torch.nn.Module):
+            args = example_inputs if isinstance(example_inputs, tuple) else (
+                tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,))
+            self.args = args
+            tensors = [t for t in [*args, *self.kwargs.values()] if isinstance(t, torch.Tensor) and t.dim() > 0]
+            if not tensors:
+                raise ValueError("example inputs need at least one tensor with a batch dimension")
+            self.b0 = int(tensors[0].shape[0])
+            self.name = type(model).__name__
+            self.resizable = True
+        else:  # ONNX path or ModelProto: fixed shapes
+            self.resizable = False
+            g = self._capture_raw(None)
+            self.b0 = _graph_batch(g)
+            self.graphs[self.b0] = g
+            self.name = g.name
+
+    def _capture_raw(self, b: int | None) -> Graph:
+        import polyparallel as pp
+
+        t = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if b is None:
+                g = pp.capture(self.model)
+            else:
+                args = tuple(_rebatch(a, self.b0, b) for a in self.args)
+                kwargs = {k: _rebatch(v, self.b0, b) for k, v in self.kwargs.items()}
+                g = pp.capture(self.model, args, kwargs)
+        self.capture_s += time.perf_counter() - t
+        return g
+
+    def graph(self, b: int) -> Graph:
+        """The graph priced for micro-batch ``b``: captured, canonicalised, elementwise ops fused.
+
+        Canonicalisation folds views into accesses and fusion merges elementwise chains, so
+        the cost model prices one memory pass per fused op (FLOPs and parameters unchanged).
+        """
+        if b not in self.priced:
+            if b not in self.graphs:
+                if not self.resizable:
+                    raise ValueError(f"the model has a fixed batch of {self.b0}; micro-batch {b} is not available")
+                self.graphs[b] = self._capture_raw(b)
+            from polyparallel.transforms import canonicalize, fuse_elementwise
+
+            self.priced[b] = fuse_elementwise(canonicalize(self.graphs[b]))
+        return self.priced[b]
+
+    def micro_sizes(self, per_replica: int, exhaustive: bool) -> list[int]:
+        if not self.resizable:
+            return [self.b0] if per_replica % self.b0 == 0 else []
+        # powers of two up to MAX_MICRO: larger micro-batches gain little efficiency and each
+        # size costs a capture; `exhaustive` tries every divisor
+        return [d for d in _divisors(per_replica) if exhaustive or (d & (d - 1) == 0 and d <= MAX_MICRO)]
+
+
+def _rebatch(v: Any, b0: int, b: int) -> Any:
+    import torch
+
+    if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == b0:
+        return torch.zeros((b, *v.shape[1:]), dtype=v.dtype, device=v.device)
+    return v
+
+
+def _graph_batch(g: Graph) -> int:
+    for name in g.inputs:
+        shape = g.tensors[name].shape
+        if shape:
+            return int(shape[0])
+    return 1
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# ----------------------------------------------------------------------------------------
+# search
+
+
+@dataclass
+class _Best:
+    est: StepEstimate | None = None
+    b: int = 0
+    candidates: int = 0
+    closest: StepEstimate | None = None  # the plan that misses memory by the least
+    notes: list[str] = field(default_factory=list)
+
+    def offer(self, est: StepEstimate, b: int, cap: float | None) -> bool:
+        self.candidates += 1
+        fits = _fits(est, cap)
+        if not fits:
+            if self.closest is None or _shortfall(est, cap) < _shortfall(self.closest, cap):
+                self.closest = est
+            return False
+        if self.est is None or est.step_time < self.est.step_time * (1 - 1e-12):
+            self.est, self.b = est, b
+        return True
+
+
+def _fits(est: StepEstimate, cap: float | None) -> bool:
+    if not est.fits:
+        return False
+    return cap is None or all(r.total <= cap for r in est.memory)
+
+
+def _shortfall(est: StepEstimate, cap: float | None) -> float:
+    return max(r.total - min(r.capacity, cap or math.inf) for r in est.memory)
+
+
+def _default_dtype(cluster: Cluster, devices: Iterable[int]) -> str:
+    kinds = {cluster.device(d).type.kind for d in devices}
+    return "fp32" if kinds == {"cpu"} else "bf16"
+
+
+def _pool(cluster: Cluster, c: Constraints) -> list[int]:
+    devs = list(range(cluster.num_devices))
+    if c.centers:
+        names = {ce.name: ce.index for ce in cluster.centers}
+        unknown = [n for n in c.centers if n not in names]
+        if unknown:
+            raise ValueError(f"unknown center(s) {unknown}; the cluster has {', '.join(names)}")
+        keep = {names[n] for n in c.centers}
+        devs = [d for d in devs if cluster.device(d).center in keep]
+    if c.devices is not None:
+        if not 1 <= c.devices <= len(devs):
+            raise ValueError(f"constraints.devices={c.devices}: the cluster offers {len(devs)}")
+        devs = devs[: c.devices]
+    return devs
+
+
+def _node_size(cluster: Cluster, devs: list[int]) -> int:
+    return min(len(cluster.nodes[cluster.device(d).node].devices) for d in devs)
+
+
+def _crosses_wan(cluster: Cluster, cfg: ParallelConfig, devs: list[int]) -> tuple[bool, bool]:
+    """(a dp/tp/sp group spans two centers, a pipeline boundary spans two centers)."""
+    center = [cluster.device(d).center for d in devs]
+    group_wan = any(len({center[cfg.rank(s, d, q, t)] for d in range(cfg.dp) for q in range(cfg.sp)
+                         for t in range(cfg.tp)}) > 1 for s in range(cfg.pp))
+    stage_centers = [center[cfg.rank(s, 0, 0, 0)] for s in range(cfg.pp)]
+    return group_wan, len(set(stage_centers)) > 1
+
+
+def _mesh_shapes(n: int, c: Constraints, node: int, layers: int, exhaustive: bool) -> list[tuple[int, int, int, int]]:
+    out = []
+    for tp in _divisors(n):
+        if c.tp is not None and tp != c.tp:
+            continue
+        for sp in _divisors(n // tp):
+            if c.sp is not None and sp != c.sp:
+                continue
+            if c.sp is None and sp > 1 and not exhaustive and sp > 8:
+                continue
+            if tp * sp > node and not (c.cross_node_tp or exhaustive or c.tp or c.sp):
+                continue
+            for pp in _divisors(n // (tp * sp)):
+                if c.pp is not None and pp != c.pp:
+                    continue
+                if pp > max(1, layers):
+                    continue
+                dp = n // (tp * sp * pp)
+                if c.dp is not None and dp != c.dp:
+                    continue
+                out.append((dp, tp, pp, sp))
+    return out
+
+
+def _plans(est_fn: Callable[[ParallelConfig], StepEstimate], base: ParallelConfig, c: Constraints, layers: int,
+           exhaustive: bool) -> Iterable[ParallelConfig]:
+    """Schedules and memory knobs for one mesh shape and micro-batching, cheapest first."""
+    scheds: list[tuple[str, int]] = [("1f1b", 1)]
+    if base.pp > 1:
+        for v in (2, 4):
+            if layers % (base.pp * v) == 0 and base.microbatches % base.pp == 0:
+                scheds.append(("interleaved", v))
+        if exhaustive:
+            scheds.append(("gpipe", 1))
+    if c.schedule is not None:
+        scheds = [(s, v) for s, v in scheds if s == c.schedule] or [(c.schedule, 1 if c.schedule != "interleaved"
+                                                                      else 2)]
+    ladder = [(int(z), r) for z, r in MEMORY_LADDER]
+    if base.dp * base.sp == 1:
+        ladder = [(z, r) for z, r in ladder if z == 0] + [(0, "selective"), (0, "full")]
+        ladder = list(dict.fromkeys(ladder))
+    if c.zero_stage is not None:
+        ladder = [(c.zero_stage, r) for r in ("none", "selective", "full")]
+    if c.recompute is not None:
+        ladder = list(dict.fromkeys((z, c.recompute) for z, _ in ladder))
+    for s, v in scheds:
+        for z, r in ladder:
+            yield replace(base, schedule=s, chunks=v, zero_stage=z, recompute=r)
+
+
+def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path = "local-cpu:2", *,
+           example_kwargs: dict[str, Any] | None = None, objective: str = "throughput",
+           constraints: Constraints | dict[str, Any] | None = None, exhaustive: bool = False,
+           batch_size: int | None = None, progress: Callable[[str], None] | None = None) -> Strategy:
+    """Find the fastest plan that fits (see the module docstring for the problem solved).
+
+    Args:
+        model: an ``nn.Module`` (meta device allowed), an ONNX path/ModelProto, or a Graph.
+        example_inputs / example_kwargs: fix the per-sample shapes; their leading dim is the
+            example batch (the search re-captures at other micro-batch sizes).
+        cluster: a :class:`Cluster`, a spec path or a preset name.
+        objective: ``throughput`` or ``memory``.
+        constraints: pinned choices (:class:`Constraints` or a dict of its fields).
+        exhaustive: price every candidate (the planner's yardstick; small problems only).
+        batch_size: the global batch (samples per optimizer step); default: the example
+            batch times the number of devices.
+        progress: called with short status lines.
+
+    Raises:
+        DoesNotFit: no plan fits; the message names the smallest shortfall.
+    """
+    t0 = time.perf_counter()
+    if objective not in ("throughput", "memory"):
+        raise ValueError(f"objective must be 'throughput' or 'memory', not {objective!r}")
+    cl = cluster if isinstance(cluster, Cluster) else Cluster.resolve(str(cluster))
+    c = Constraints.of(constraints)
+    mdl = _Model(model, example_inputs, example_kwargs)
+    devs = _pool(cl, c)
+    B = batch_size or mdl.b0 * len(devs)
+    say = progress or (lambda _: None)
+
+    best, collab = None, None
+    notes: list[str] = []
+    if c.mode != "collaborative":
+        best = _search_sync(mdl, cl, B, c, devs, exhaustive, objective, say)
+        notes += best.notes
+    if len(cl.centers) > 1 and c.mode != "synchronous" and not c.centers:
+        collab = _search_collab(mdl, cl, B, c, exhaustive, say)
+    search_s = time.perf_counter() - t0 - mdl.capture_s
+    cands = (best.candidates if best else 0) + (collab[1] if collab else 0)
+    record = SearchRecord(capture_s=round(mdl.capture_s, 3), search_s=round(search_s, 3), candidates=cands,
+                          solver="enumeration+min-max-partition" + ("(exhaustive)" if exhaustive else ""), notes=notes)
+    sync_ok = best is not None and best.est is not None
+    if collab is not None and (not sync_ok or collab[0].estimate.samples_per_s > best.est.throughput or
+                               c.mode == "collaborative"):
+        return collab[0].model_copy(update={"search": record})
+    if not sync_ok:
+        raise DoesNotFit(_does_not_fit_message(mdl, cl, best))
+    return _to_strategy(mdl, cl, best.est, best.b, B, devs, record)
+
+
+def _search_sync(mdl: _Model, cl: Cluster, B: int, c: Constraints, devs: list[int], exhaustive: bool,
+                 objective: str, say: Callable[[str], None]) -> _Best:
+    best = _Best()
+    n = len(devs)
+    g = mdl.graph(mdl.b0)
+    layers = len(_layer_count(g))
+    node = _node_size(cl, devs)
+    dtype = c.dtype or _default_dtype(cl, devs)
+    shapes = _mesh_shapes(n, c, node, layers, exhaustive)
+    say(f"{len(shapes)} mesh shapes over {n} devices")
+    for i, (dp, tp, pp, sp) in enumerate(shapes):
+        if B % dp:
+            continue
+        per_replica = B // dp
+        base = ParallelConfig(dp=dp, tp=tp, pp=pp, sp=sp, microbatches=1, dtype=dtype, devices=tuple(devs))
+        wan_group, wan_pipe = _crosses_wan(cl, base, devs)
+        if wan_group and not c.allow_wan:
+            continue
+        if wan_pipe and not all(ce.activations_may_leave for ce in cl.centers):
+            continue
+        order = _micro_order(mdl.micro_sizes(per_replica, exhaustive), per_replica, pp, c, exhaustive)
+        if not order:
+            continue
+        if not exhaustive:
+            # the most memory-frugal plan of this shape (smallest micro-batch, last ladder rung):
+            # if even that does not fit, no plan of this shape does
+            frugal = list(_plans(None, replace(base, microbatches=per_replica // min(order)), c, layers, False))
+            try:
+                est = estimate_step(mdl.graph(min(order)), cl, frugal[-1])
+            except ValueError as e:
+                best.notes.append(f"{frugal[-1]}: {e}")
+                continue
+            if not best.offer(est, min(order), c.memory_cap):
+                continue
+        for b in order:
+            cfg0 = replace(base, microbatches=per_replica // b)
+            graph = mdl.graph(b)
+            free_fit = False
+            for cfg in _plans(None, cfg0, c, layers, exhaustive):
+                try:
+                    est = estimate_step(graph, cl, cfg)
+                except ValueError as e:  # a combination the cost model refuses (e.g. sp > heads)
+                    best.notes.append(f"{cfg}: {e}")
+                    break
+                free = cfg.recompute == "none" and cfg.zero_stage < 3
+                if best.offer(est, b, c.memory_cap) and not exhaustive:
+                    # ZeRO 0-2 move the same gradient volume but shard the optimizer step, so
+                    # all of them are priced; later rungs only add communication/recomputation
+                    free_fit = free_fit or free
+                    if not free:
+                        break
+                elif free_fit and not free:
+                    break
+            if free_fit and pp == 1 and not exhaustive:
+                break  # without a pipeline, the largest micro-batch that fits for free is the fastest
+        if (i + 1) % 10 == 0:
+            say(f"priced {best.candidates} plans ({i + 1}/{len(shapes)} mesh shapes)")
+    if objective == "memory" and best.est is not None:
+        best = _least_memory(mdl, cl, B, c, devs, best, exhaustive)
+    return best
+
+
+def _micro_order(sizes: list[int], per_replica: int, pp: int, c: Constraints, exhaustive: bool) -> list[int]:
+    """Micro-batch sizes to try for one mesh shape.
+
+    Without a pipeline, gradient accumulation only trades memory for efficiency, so sizes
+    go largest first and the search stops at the first that fits. With ``pp`` stages the
+    bubble ``(pp-1)/(m+pp-1)`` favours many micro-batches while efficiency favours large
+    ones: the sizes giving ``m = pp, 2pp, 4pp`` micro-batches (and the largest) are tried.
+    """
+    if c.microbatches is not None:
+        return [per_replica // c.microbatches] if per_replica % c.microbatches == 0 and \
+            per_replica // c.microbatches in sizes else []
+    if exhaustive:
+        return sorted(sizes, reverse=True)
+    if pp == 1:
+        return sorted(sizes, reverse=True)
+    want = {per_replica // (pp * k) for k in (1, 2, 4) if per_replica % (pp * k) == 0}
+    picked = sorted({b for b in sizes if b in want} or {min(sizes)}, reverse=True)
+    return picked
+
+
+def _least_memory(mdl: _Model, cl: Cluster, B: int, c: Constraints, devs: list[int], fastest: _Best,
+                  exhaustive: bool) -> _Best:
+    """Among plans within 10% of the fastest step time, the one with the least peak memory."""
+    limit = fastest.est.step_time * 1.1
+    out = _Best(est=fastest.est, b=fastest.b, candidates=fastest.candidates)
+    peak = max(r.total for r in fastest.est.memory)
+    layers = len(_layer_count(mdl.graph(mdl.b0)))
+    for dp, tp, pp, sp in _mesh_shapes(len(devs), c, _node_size(cl, devs), layers, exhaustive):
+        if B % dp:
+            continue
+        for b in mdl.micro_sizes(B // dp, exhaustive):
+            base = ParallelConfig(dp=dp, tp=tp, pp=pp, sp=sp, microbatches=B // dp // b,
+                                  dtype=fastest.est.config.dtype, devices=tuple(devs))
+            for cfg in _plans(None, base, c, layers, True):
+                est = estimate_step(mdl.graph(b), cl, cfg)
+                out.candidates += 1
+                mem = max(r.total for r in est.memory)
+                if _fits(est, c.memory_cap) and est.step_time <= limit and mem < peak:
+                    out.est, out.b, peak = est, b, mem
+    return out
+
+
+def _layer_count(g: Graph) -> list[list[int]]:
+    from polyparallel.cost_models.step import layer_segments
+
+    return layer_segments(g)
+
+
+def _search_collab(mdl: _Model, cl: Cluster, B: int, c: Constraints, exhaustive: bool,
+                   say: Callable[[str], None]) -> tuple[Strategy, int] | None:
+    """Each center trains locally with its own best plan; fuse every H steps over the WAN."""
+    say("pricing the collaborative mode: one synchronous plan per center")
+    per_center: list[tuple[Any, _Best, list[int]]] = []
+    cands = 0
+    for ce in cl.centers:
+        devs = cl.devices_of(center=ce.index)
+        if not devs:
+            continue
+        cc = replace(c, centers=(ce.name,), devices=None, mode="synchronous")
+        # the center's local batch: its device share of B, in whole example batches
+        share = max(mdl.b0, round(B * len(devs) / cl.num_devices / mdl.b0) * mdl.b0)
+        best = _Best()
+        for local in dict.fromkeys((share, mdl.b0 * len(devs))):
+            try:
+                best = _search_sync(mdl, cl, local, cc, devs, exhaustive, "throughput", lambda _: None)
+            except ValueError:
+                continue
+            cands += best.candidates
+            if best.est is not None:
+                break
+        if best.est is None:
+            return None  # a center cannot hold the model: no collaborative plan
+        per_center.append((ce, best, devs))
+    if len(per_center) < 2:
+        return None
+    rates = [b.est.throughput for _, b, _ in per_center]
+    total_rate = sum(rates)
+    param_bytes = mdl.graph(mdl.b0).param_bytes()
+    fusion = 0.0
+    for ce, _, _ in per_center:
+        wan = ce.wan
+        if wan is None:
+            continue
+        fusion = max(fusion, param_bytes / wan.up_bandwidth + param_bytes / wan.down_bandwidth + 2 * wan.latency)
+    # every center runs H local steps of its share of the batch; the slowest sets the pace
+    step = max(B * r / total_rate / r for r in rates)  # = B / total_rate: shares are proportional to speed
+    phi = c.comm_fraction
+    H = max(1, math.ceil(fusion * (1 - phi) / (phi * step))) if fusion > 0 else 1
+    round_time = H * step + fusion
+    centers = [CenterPlan(name=ce.name, framework=ce.framework, devices=devs, share=round(r / total_rate, 6),
+                          local_strategy={"dp": b.est.config.dp, "tp": b.est.config.tp, "pp": b.est.config.pp,
+                                          "sp": b.est.config.sp, "microbatches": b.est.config.microbatches,
+                                          "step_time_s": b.est.step_time, "samples_per_s": b.est.throughput})
+               for (ce, b, devs), r in zip(per_center, rates)]
+    all_devs = [d for _, _, ds in per_center for d in ds]
+    est = Estimate(step_time_s=round_time / H, samples_per_s=B * H / round_time,
+                   model_flops_per_s_per_device=3 * mdl.graph(mdl.b0).flops() / mdl.b0 * B * H / round_time
+                   / len(all_devs), memory_bytes_max=max(max(r.total for r in b.est.memory)
+                                                         for _, b, _ in per_center),
+                   comm_fraction=fusion / round_time, breakdown={"local_compute": H * step, "fusion": fusion})
+    collab = Collaborative(centers=centers, fusion="fedavg", local_steps=H, rounds=1, compression="none",
+                           round_time_s=round_time, comm_fraction=fusion / round_time)
+    g = mdl.graph(mdl.b0)
+    strat = Strategy(model=_model_info(mdl, g, B), cluster=cl.to_dict() if hasattr(cl, "to_dict") else {},
+                     mode="collaborative", global_batch=B, dp=1, tp=1, pp=1, sp=1,
+                     mesh=Mesh(axes=[MeshAxis(name="center", size=len(all_devs), level="inter_center")],
+                               devices=all_devs),
+                     collaborative=collab, estimate=est)
+    return strat, cands
+
+
+def _model_info(mdl: _Model, g: Graph, B: int) -> ModelInfo:
+    return ModelInfo(name=mdl.name, fingerprint=fingerprint(g), params=g.param_count(),
+                     flops_per_step=3.0 * g.flops() / max(1, mdl.b0 if g is mdl.graphs.get(mdl.b0) else 1) * B,
+                     source=g.source)
+
+
+def _does_not_fit_message(mdl: _Model, cl: Cluster, best: _Best | None) -> str:
+    if best is None or best.closest is None:
+        return (f"no parallel plan of {mdl.name} is possible on {cl.name} under the constraints given "
+                "(check the pinned degrees against the device count)")
+    worst = max(best.closest.memory, key=lambda r: r.total - r.capacity)
+    return (f"{mdl.name} does not fit on {cl.name}: the closest plan ({best.closest.config}) needs "
+            f"{worst.total / 1e9:.2f} GB on {worst.label} but {worst.device} has {worst.capacity / 1e9:.2f} GB "
+            f"(short by {(worst.total - worst.capacity) / 1e9:.2f} GB). {worst.why()}")
+
+
+def _to_strategy(mdl: _Model, cl: Cluster, est: StepEstimate, b: int, B: int, devs: list[int],
+                 record: SearchRecord) -> Strategy:
+    cfg = est.config
+    g = mdl.graph(b)
+    axes = []
+    for name, size in (("pp", cfg.pp), ("dp", cfg.dp), ("sp", cfg.sp), ("tp", cfg.tp)):
+        if size > 1 or name == "dp":
+            axes.append(MeshAxis(name=name, size=size, level=_axis_level(cl, cfg, name, devs)))
+    order = [devs[cfg.rank(s, d, q, t)] for s in range(cfg.pp) for d in range(cfg.dp) for q in range(cfg.sp)
+             for t in range(cfg.tp)]
+    stages = []
+    chunks = _stage_chunks(g, cfg)
+    for s, st in enumerate(est.stages):
+        names = [name for a, z in chunks[s] for name in (g.ops[a].name, g.ops[z].name)]
+        layer_ids = sorted({i for a, z in chunks[s] for i in _layer_ids(g, a, z)})
+        stage_devs = [devs[cfg.rank(s, d, q, t)] for d in range(cfg.dp) for q in range(cfg.sp) for t in range(cfg.tp)]
+        stages.append(Stage(index=s, ops=names, layers=layer_ids, devices=stage_devs, device_type=est.memory[s].device,
+                            compute_s=round(st.part("compute"), 9)))
+    mem_max = max(r.total for r in est.memory)
+    bd = est.breakdown()
+    comm = sum(v for k, v in bd.items() if k in ("tensor_parallel", "sequence_parallel", "p2p", "data_parallel"))
+    estimate = Estimate(step_time_s=est.step_time, samples_per_s=B / est.step_time,
+                        model_flops_per_s_per_device=est.model_flops_per_device,
+                        memory_bytes_max=mem_max, comm_fraction=comm / est.step_time if est.step_time else 0.0,
+                        breakdown={k: float(v) for k, v in bd.items()},
+                        memory_by_device={r.label: float(r.total) for r in est.memory})
+    return Strategy(model=_model_info(mdl, g, B), cluster=cl.to_dict() if hasattr(cl, "to_dict") else {},
+                    mode="synchronous", global_batch=B, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, sp=cfg.sp,
+                    microbatches=cfg.microbatches, schedule=cfg.schedule if cfg.chunks == 1 else
+                    f"interleaved:{cfg.chunks}", zero_stage=cfg.zero_stage, recompute=cfg.recompute, dtype=cfg.dtype,
+                    mesh=Mesh(axes=axes, devices=order), stages=stages, placements=_placements(g, cfg),
+                    estimate=estimate, search=record)
+
+
+def _stage_chunks(g: Graph, cfg: ParallelConfig) -> list[list[tuple[int, int]]]:
+    """(first, last) op index of each chunk of each stage, cut exactly as the cost model cuts them."""
+    from polyparallel.cost_models.step import _partition, layer_segments
+
+    segs = layer_segments(g)
+    v = cfg.chunks if cfg.schedule == "interleaved" else 1
+    starts = _partition([float(sum(g.ops[i].flops for i in seg)) + 1.0 for seg in segs], cfg.pp * v)
+    out: list[list[tuple[int, int]]] = [[] for _ in range(cfg.pp)]
+    for k, (a, b) in enumerate(zip(starts, [*starts[1:], len(segs)])):
+        if a < b:
+            out[k % cfg.pp].append((segs[a][0], segs[b - 1][-1]))
+    return out
+
+
+def _layer_ids(g: Graph, a: int, z: int) -> set[int]:
+    import re
+
+    ids = set()
+    for op in g.ops[a: z + 1]:
+        m = re.search(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)", op.module or "")
+        if m:
+            ids.add(int(m.group(1)))
+    return ids
+
+
+def _axis_level(cl: Cluster, cfg: ParallelConfig, axis: str, devs: list[int]) -> str:
+    def members(t: int, q: int, d: int, s: int) -> int:
+        return devs[cfg.rank(s, d, q, t)]
+
+    size = {"tp": cfg.tp, "sp": cfg.sp, "dp": cfg.dp, "pp": cfg.pp}[axis]
+    if size == 1:
+        return "intra_node"
+    group = []
+    for x in range(size):
+        idx = {"tp": (x, 0, 0, 0), "sp": (0, x, 0, 0), "dp": (0, 0, x, 0), "pp": (0, 0, 0, x)}[axis]
+        group.append(members(*idx))
+    levels = {cl.level(group[0], d) for d in group[1:]}
+    for lvl in ("inter_center", "inter_node", "intra_node"):
+        if lvl in levels:
+            return lvl
+    return "intra_node"
+
+
+def _placements(g: Graph, cfg: ParallelConfig) -> list[OpPlacement]:
+    """Per-op placements implied by the plan: batch dims on dp, Megatron splits on tp."""
+    from polyparallel.cost_models.step import _plan_ops
+    from polyparallel.ir import Hint, TensorKind
+
+    plans = _plan_ops(g, cfg)
+    groups: dict[str, list[str]] = {}
+    for op, plan in zip(g.ops, plans):
+        if op.nest is None:
+            groups.setdefault("", []).append(op.name)
+            continue
+        parts = []
+        batch = next((d.name for d in op.nest.dims if d.hint is Hint.BATCH and d.extent % max(1, cfg.dp) == 0), None)
+        if cfg.dp > 1 and batch:
+            parts.append(f"{batch}:dp")
+        if cfg.tp > 1 and plan.split % cfg.tp == 0:
+            has_param = any(g.tensors[t].kind is TensorKind.PARAM for t in op.inputs)
+            dim = _tp_dim(op, has_param, plan)
+            if dim:
+                parts.append(f"{dim}:tp")
+        groups.setdefault(",".join(parts), []).append(op.name)
+    return [OpPlacement(ops=names, placement=pl) for pl, names in groups.items()]
+
+
+def _tp_dim(op: Any, has_param: bool, plan: Any) -> str | None:
+    names = [d.name for d in op.nest.dims]
+    if has_param and "n" in names and not plan.tp_fwd:
+        return "n"  # column-parallel
+    if has_param and "k" in names and plan.tp_fwd:
+        return "k"  # row-parallel (partial sums reduced)
+    if has_param and "v" in names:
+        return "v"  # vocabulary-parallel embedding
+    for pref in ("h", "o", "c", "n", "e"):
+        if pref in names:
+            return pref
+    return None
+
+
+# ----------------------------------------------------------------------------------------
+# evaluate a hand-made recipe
+
+
+def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path = "local-cpu:2", *,
+             example_kwargs: dict[str, Any] | None = None, dp: int | None = None, tp: int = 1, pp: int = 1,
+             sp: int = 1, microbatches: int | None = None, schedule: str | None = None,
+             zero_stage: int | None = None, recompute: str | None = None, batch_size: int | None = None,
+             dtype: str | None = None) -> Strategy:
+    """Price a hand-made recipe with the same cost model; what is not given is chosen as the search would.
+
+    Returns a Strategy whose ``estimate`` holds the price (even when the recipe does not fit:
+    then ``estimate.memory_bytes_max`` exceeds the capacity and ``search.notes`` says why).
+    """
+    cl = cluster if isinstance(cluster, Cluster) else Cluster.resolve(str(cluster))
+    mdl = _Model(model, example_inputs, example_kwargs)
+    devs = list(range(cl.num_devices))
+    if dp is None:
+        dp = len(devs) // (tp * pp * sp)
+        if dp < 1:
+            raise ValueError(f"tp*pp*sp = {tp * pp * sp} exceeds the {len(devs)} devices of {cl.name}")
+    world = dp * tp * pp * sp
+    if world > len(devs):
+        raise ValueError(f"dp*tp*pp*sp = {world} but {cl.name} has {len(devs)} devices")
+    devs = devs[:world]
+    B = batch_size or mdl.b0 * dp
+    if B % dp:
+        raise ValueError(f"the global batch {B} is not divisible by dp={dp}")
+    c = Constraints(dp=dp, tp=tp, pp=pp, sp=sp, microbatches=microbatches, schedule=schedule, zero_stage=zero_stage,
+                    recompute=recompute, dtype=dtype, allow_wan=True, cross_node_tp=True, devices=world)
+    t0 = time.perf_counter()
+    best = _search_sync(mdl, cl, B, c, devs, False, "throughput", lambda _: None)
+    record = SearchRecord(capture_s=round(mdl.capture_s, 3), search_s=round(time.perf_counter() - t0, 3),
+                          candidates=best.candidates, solver="evaluate")
+    if best.est is None:
+        if best.closest is None:
+            raise ValueError(f"the recipe dp={dp} tp={tp} pp={pp} sp={sp} cannot be priced on {cl.name}: "
+                             + "; ".join(best.notes[:3]))
+        est = best.closest
+        s = _to_strategy(mdl, cl, est, _batch_of(mdl, est), B, devs, record)
+        return s.model_copy(update={"search": record.model_copy(update={"notes": [
+            r.why() for r in est.memory if not r.fits]})})
+    return _to_strategy(mdl, cl, best.est, best.b, B, devs, record)
+
+
+def _batch_of(mdl: _Model, est: StepEstimate) -> int:
+    for b in mdl.graphs:
+        if est.samples_per_step == b * est.config.dp * est.config.microbatches:
+            return b
+    return mdl.b0

@@ -1,0 +1,285 @@
+"""Strategy: the plan the search returns and the backends execute, as versioned JSON.
+
+A strategy is self-describing and validated on load. Two parts are a contract read by
+outside tools and must keep their keys: ``estimate`` (``step_time_s``, ``samples_per_s``,
+``model_flops_per_s_per_device``, ``memory_bytes_max``, ``comm_fraction``, ``breakdown``)
+and ``search`` (``capture_s``, ``search_s``, ``candidates``, ``solver``); the parallel
+degrees ``dp``, ``tp``, ``pp`` (``sp``, ``microbatches``, ``schedule``) sit at the top
+level whenever the strategy is expressible that way.
+
+The JSON Schema of the format ships as ``polyparallel/strategy.schema.json``
+(:func:`json_schema` regenerates it; a test keeps the two equal).
+
+Examples:
+    >>> from polyparallel.strategy import Mesh, MeshAxis, ModelInfo, Strategy
+    >>> s = Strategy(model=ModelInfo(name="mlp", fingerprint="0" * 24),
+    ...              mesh=Mesh(axes=[MeshAxis(name="dp", size=2, level="intra_node")], devices=[0, 1]),
+    ...              dp=2)
+    >>> Strategy.from_json(s.to_json()).dp
+    2
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "CenterPlan",
+    "Collaborative",
+    "Estimate",
+    "Mesh",
+    "MeshAxis",
+    "ModelInfo",
+    "OpPlacement",
+    "SearchRecord",
+    "Stage",
+    "Strategy",
+    "StrategyError",
+    "fingerprint",
+    "json_schema",
+]
+
+SCHEMA_VERSION = 1
+SCHEMA_FILE = Path(__file__).with_name("strategy.schema.json")
+
+
+class StrategyError(ValueError):
+    """A strategy file or object is invalid; the message says where and what to do."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelInfo(_Model):
+    """The model the strategy was made for."""
+
+    name: str
+    fingerprint: str = Field(description="hash of the captured graph's op signatures and tensor shapes")
+    params: int = 0
+    flops_per_step: float = Field(0.0, description="useful model FLOPs of one optimizer step (fwd + bwd)")
+    source: str = ""
+
+
+class MeshAxis(_Model):
+    name: str = Field(description="dp, fsdp, tp, sp, pp, or a center axis")
+    size: int = Field(ge=1)
+    level: Literal["intra_node", "inter_node", "inter_center"] = Field(
+        "intra_node", description="the highest topology level a group of this axis spans")
+
+
+class Mesh(_Model):
+    axes: list[MeshAxis]
+    devices: list[int] = Field(description="cluster device ids in row-major mesh order")
+
+    @model_validator(mode="after")
+    def _size(self) -> Mesh:
+        n = 1
+        for a in self.axes:
+            n *= a.size
+        if n != len(self.devices):
+            raise ValueError(f"mesh axes multiply to {n} but {len(self.devices)} device ids are listed")
+        if len(set(self.devices)) != len(self.devices):
+            raise ValueError("a device id appears twice in the mesh")
+        return self
+
+    def shape(self) -> dict[str, int]:
+        return {a.name: a.size for a in self.axes}
+
+
+class Stage(_Model):
+    index: int = Field(ge=0)
+    ops: list[str] = Field(description="first and last op name of each contiguous op range (chunk) of the stage")
+    layers: list[int] = Field(default_factory=list, description="indices of repeated blocks in the stage")
+    devices: list[int]
+    device_type: str = ""
+    compute_s: float = 0.0
+
+
+class OpPlacement(_Model):
+    """Placement of a group of ops (a block's ops share one entry)."""
+
+    ops: list[str]
+    placement: str = Field(description="loop dim -> mesh axes, e.g. 'b:dp,n:tp' ('' = replicated)")
+    comm: str = ""
+
+
+class CenterPlan(_Model):
+    name: str
+    framework: Literal["torch", "mindspore"] = "torch"
+    devices: list[int]
+    share: float = Field(gt=0, le=1, description="fraction of the global batch / data the center trains on")
+    local_strategy: dict[str, Any] = Field(default_factory=dict)
+
+
+class Collaborative(_Model):
+    centers: list[CenterPlan]
+    fusion: str = "fedavg"
+    local_steps: int = Field(ge=1, description="H: local optimizer steps between two fusions")
+    rounds: int = Field(1, ge=1)
+    compression: Literal["none", "fp16", "int8"] = "none"
+    round_time_s: float = 0.0
+    comm_fraction: float = 0.0
+
+
+class Estimate(_Model):
+    step_time_s: float
+    samples_per_s: float
+    model_flops_per_s_per_device: float
+    memory_bytes_max: float
+    comm_fraction: float
+    breakdown: dict[str, float] = Field(default_factory=dict)
+    memory_by_device: dict[str, float] = Field(default_factory=dict)
+
+
+class SearchRecord(_Model):
+    capture_s: float = 0.0
+    search_s: float = 0.0
+    candidates: int = 0
+    solver: str = ""
+    notes: list[str] = Field(default_factory=list)
+
+
+class Strategy(_Model):
+    """A parallel training plan. See the module docstring for the stable keys."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    model: ModelInfo
+    cluster: dict[str, Any] = Field(default_factory=dict, description="echo of the cluster (name, devices, ...)")
+    mode: Literal["synchronous", "collaborative"] = "synchronous"
+    global_batch: int = Field(1, ge=1)
+    dp: int = Field(1, ge=1)
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    sp: int = Field(1, ge=1)
+    microbatches: int = Field(1, ge=1)
+    schedule: str = "1f1b"
+    zero_stage: int = Field(0, ge=0, le=3)
+    recompute: Literal["none", "selective", "full"] = "none"
+    dtype: str = "fp32"
+    mesh: Mesh
+    stages: list[Stage] = Field(default_factory=list)
+    placements: list[OpPlacement] = Field(default_factory=list)
+    collaborative: Collaborative | None = None
+    estimate: Estimate | None = None
+    search: SearchRecord = Field(default_factory=SearchRecord)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Strategy:
+        if self.mode == "collaborative" and self.collaborative is None:
+            raise ValueError("mode is 'collaborative' but the 'collaborative' section is missing")
+        if self.mode == "synchronous":
+            world = self.dp * self.tp * self.pp * self.sp
+            if world != len(self.mesh.devices):
+                raise ValueError(f"dp*tp*pp*sp = {world} but the mesh has {len(self.mesh.devices)} devices")
+        return self
+
+    # -- I/O ------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_json(self, path: str | os.PathLike[str] | None = None, *, indent: int = 1) -> str:
+        """Serialise; with ``path``, also write the file."""
+        text = json.dumps(self.to_dict(), indent=indent)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    @classmethod
+    def from_json(cls, source: str | os.PathLike[str]) -> Strategy:
+        """Load from a JSON file path or a JSON string; errors name the file and the field."""
+        where = "<string>"
+        text = str(source)
+        if isinstance(source, os.PathLike) or (isinstance(source, str) and not source.lstrip().startswith("{")):
+            where = str(source)
+            try:
+                text = Path(source).read_text()
+            except OSError as e:
+                raise StrategyError(f"cannot read strategy file {where}: {e.strerror}") from e
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise StrategyError(f"{where}: not JSON ({e.msg} at line {e.lineno}, column {e.colno})") from e
+        return cls.from_dict(raw, where)
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str = "<dict>") -> Strategy:
+        if not isinstance(raw, dict):
+            raise StrategyError(f"{where}: a strategy is a JSON object, got {type(raw).__name__}")
+        version = raw.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise StrategyError(
+                f"{where}: schema_version {version!r} is not supported (this polyparallel reads version "
+                f"{SCHEMA_VERSION}); re-run `polyparallel search` with this version to regenerate the strategy")
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as e:
+            lines = []
+            for err in e.errors():
+                loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+                lines.append(f"  {loc}: {err['msg']}")
+            raise StrategyError(f"{where}: invalid strategy\n" + "\n".join(lines)) from None
+
+    # -- deeper checks --------------------------------------------------------------------
+    def validate_against(self, cluster: Any = None, graph: Any = None) -> None:
+        """Check device ids against a cluster and placements against a graph's ops.
+
+        Raises :class:`StrategyError` naming the first problem found.
+        """
+        if cluster is not None:
+            n = cluster.num_devices
+            used = set(self.mesh.devices) | {d for s in self.stages for d in s.devices}
+            if self.collaborative:
+                used |= {d for c in self.collaborative.centers for d in c.devices}
+            bad = sorted(d for d in used if not 0 <= d < n)
+            if bad:
+                raise StrategyError(f"device ids {bad} are not in cluster {getattr(cluster, 'name', '')!r} "
+                                    f"(it has devices 0..{n - 1})")
+        if graph is not None:
+            from polyparallel.poly import DeviceMesh, Placement, legal_placements
+
+            mesh = DeviceMesh.of(**self.mesh.shape()) if self.mesh.axes else None
+            names = {op.name: op for op in graph.ops}
+            for entry in self.placements:
+                try:
+                    pl = Placement.parse(entry.placement)
+                except ValueError as e:
+                    raise StrategyError(
+                        f"placement {entry.placement!r} of ops {entry.ops[:3]} is not legal: {e}") from e
+                for name in entry.ops:
+                    op = names.get(name)
+                    if op is None:
+                        raise StrategyError(f"placement names op {name!r}, which is not in model "
+                                            f"{self.model.name!r}")
+                    if mesh is not None and pl not in legal_placements(graph, op, mesh):
+                        raise StrategyError(f"placement {entry.placement!r} is not legal for op {name!r} "
+                                            f"({op.kind}) on mesh {self.mesh.shape()}")
+
+
+def fingerprint(graph: Any) -> str:
+    """A stable hash of a graph: its ops' signatures in order and its parameter shapes."""
+    h = hashlib.blake2b(digest_size=12)
+    for op in graph.ops:
+        h.update(graph.signature(op).encode())
+    for t in graph.params:
+        h.update(repr(t.shape).encode())
+    return h.hexdigest()
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema of the strategy format (shipped as ``strategy.schema.json``)."""
+    schema = Strategy.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["$id"] = f"polyparallel.strategy/{SCHEMA_VERSION}"
+    return schema
+
+
+def write_schema(path: Path = SCHEMA_FILE) -> None:
+    path.write_text(json.dumps(json_schema(), indent=1, sort_keys=True) + "\n")

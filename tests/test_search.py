@@ -1,0 +1,154 @@
+"""Strategy search and the Strategy JSON: round trips, legality, memory, and planner vs exhaustive."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+import polyparallel as pp
+from polyparallel.cluster import Cluster
+from polyparallel.cost_models import ParallelConfig, estimate_step
+from polyparallel.models import GPT, MLP, GPTConfig
+from polyparallel.search import DoesNotFit, _Model, evaluate, search
+from polyparallel.strategy import SCHEMA_FILE, Strategy, StrategyError, json_schema
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt():
+    m = GPT(GPTConfig(vocab=128, seq=32, layers=4, hidden=64, heads=4))
+    ids = torch.zeros(4, 32, dtype=torch.long)
+    return m, (ids,), {"labels": ids}
+
+
+@pytest.fixture(scope="module")
+def tiny_graph(tiny_gpt):
+    m, a, k = tiny_gpt
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return pp.capture(m, a, k)
+
+
+def test_strategy_json_round_trip_and_schema(tiny_gpt, tmp_path):
+    m, a, k = tiny_gpt
+    s = search(m, a, "local-cpu:4", example_kwargs=k, batch_size=16, constraints={"tp": 2})
+    path = tmp_path / "s.json"
+    s.to_json(path)
+    back = Strategy.from_json(path)
+    assert back == s
+    assert (back.dp, back.tp) == (2, 2)
+    d = json.loads(path.read_text())
+    assert set(d["estimate"]) >= {"step_time_s", "samples_per_s", "model_flops_per_s_per_device", "memory_bytes_max",
+                                  "comm_fraction", "breakdown"}
+    assert set(d["search"]) >= {"capture_s", "search_s", "candidates", "solver"}
+    assert json.loads(SCHEMA_FILE.read_text()) == json.loads(json.dumps(json_schema(), sort_keys=True))
+
+
+def test_bad_strategy_files_get_clear_errors(tmp_path, tiny_gpt):
+    p = tmp_path / "x.json"
+    p.write_text('{"schema_version": 99}')
+    with pytest.raises(StrategyError, match="schema_version 99 is not supported"):
+        Strategy.from_json(p)
+    p.write_text("{not json")
+    with pytest.raises(StrategyError, match="not JSON"):
+        Strategy.from_json(p)
+    m, a, k = tiny_gpt
+    s = search(m, a, "local-cpu:2", example_kwargs=k, batch_size=8)
+    d = s.to_dict()
+    d["dp"] = 3
+    with pytest.raises(StrategyError, match="dp\\*tp\\*pp\\*sp = 3"):
+        Strategy.from_dict(d)
+    with pytest.raises(StrategyError, match="device ids \\[2, 3\\] are not in cluster"):
+        s.model_copy(update={"mesh": s.mesh.model_copy(update={"devices": [2, 3]})}).validate_against(
+            Cluster.preset("local-cpu:2"))
+
+
+def test_every_placement_of_a_found_strategy_is_legal(tiny_gpt):
+    m, a, k = tiny_gpt
+    s = search(m, a, "local-cpu:4", example_kwargs=k, batch_size=16, constraints={"tp": 2, "dp": 2})
+    graph = _Model(m, a, k).graph(s.global_batch // (s.dp * s.microbatches))
+    s.validate_against(Cluster.preset("local-cpu:4"), graph)  # raises on an illegal placement
+    assert any(":tp" in p.placement for p in s.placements)
+    bad = s.model_copy(update={"placements": [s.placements[0].model_copy(update={"placement": "k:dp,k:tp"})]})
+    with pytest.raises(StrategyError, match="not legal"):
+        bad.validate_against(None, graph)
+
+
+@pytest.mark.parametrize(("cluster", "batch"), [("local-cpu:2", 8), ("local-cpu:4", 16), ("dgx-a100x1", 64),
+                                                ("dgx-h100x2", 128)])
+def test_planner_matches_exhaustive_optimum(tiny_graph, cluster, batch):
+    fast = search(tiny_graph, cluster=cluster, batch_size=batch)
+    full = search(tiny_graph, cluster=cluster, batch_size=batch, exhaustive=True)
+    assert full.search.candidates >= fast.search.candidates
+    assert fast.estimate.step_time_s <= full.estimate.step_time_s * 1.01
+
+
+def test_found_strategy_fits_and_matches_the_cost_model(tiny_graph):
+    cl = Cluster.preset("dgx-a100x1")
+    s = search(tiny_graph, cluster=cl, batch_size=32)
+    cfg = ParallelConfig(dp=s.dp, tp=s.tp, pp=s.pp, sp=s.sp, microbatches=s.microbatches,
+                         schedule=s.schedule.split(":")[0], chunks=int(s.schedule.split(":")[1]) if ":" in s.schedule
+                         else 1, zero_stage=s.zero_stage, recompute=s.recompute, dtype=s.dtype,
+                         devices=tuple(range(cl.num_devices)))
+    from polyparallel.transforms import canonicalize, fuse_elementwise
+
+    est = estimate_step(fuse_elementwise(canonicalize(tiny_graph)), cl, cfg)
+    assert est.fits
+    assert est.step_time == pytest.approx(s.estimate.step_time_s, rel=1e-9)
+    assert s.estimate.memory_bytes_max <= 80e9
+
+
+def test_too_big_model_gets_a_does_not_fit_answer():
+    with torch.device("meta"):
+        m = MLP((4096, 65536, 65536, 4096))  # 4.3B params: 17 GB of fp32 weights, ~70 GB with Adam
+    x = torch.zeros(2, 4096, device="meta")
+    with pytest.raises(DoesNotFit) as e:
+        search(m, (x,), "local-cpu:2", batch_size=2)
+    msg = str(e.value)
+    assert "does not fit" in msg and "short by" in msg and "GB" in msg
+
+
+def test_evaluate_prices_a_recipe_like_the_search(tiny_graph):
+    s = search(tiny_graph, cluster="dgx-a100x1", batch_size=32, constraints={"tp": 2, "pp": 2})
+    e = evaluate(tiny_graph, cluster="dgx-a100x1", tp=2, pp=2, batch_size=32, microbatches=s.microbatches,
+                 schedule=s.schedule.split(":")[0])
+    assert (e.dp, e.tp, e.pp) == (s.dp, s.tp, s.pp) == (2, 2, 2)
+    assert e.estimate.step_time_s == pytest.approx(s.estimate.step_time_s, rel=1e-9) or \
+        e.estimate.step_time_s >= s.estimate.step_time_s
+
+
+def test_multi_center_search_never_puts_collectives_on_the_wan(tiny_gpt):
+    m, a, k = tiny_gpt
+    s = search(m, a, "aisynergy-5", example_kwargs=k, batch_size=352)
+    if s.mode == "synchronous":
+        assert all(a.level != "inter_center" for a in s.mesh.axes if a.name in ("dp", "tp", "sp"))
+    else:
+        c = s.collaborative
+        assert len(c.centers) == 5 and c.local_steps >= 1
+        assert c.comm_fraction <= 0.2 + 1e-9
+        assert sum(x.share for x in c.centers) == pytest.approx(1.0, abs=1e-4)
+
+
+def test_cli_search_explain_evaluate(tmp_path):
+    exe = [sys.executable, "-m", "polyparallel"]
+    out = tmp_path / "s.json"
+    r = subprocess.run([*exe, "search", "mlp", "--cluster", "local-cpu:2", "-b", "64", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    s = Strategy.from_json(out)
+    assert s.dp * s.tp * s.pp * s.sp == 2
+    r = subprocess.run([*exe, "explain", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "device mesh" in r.stdout and "step time breakdown" in r.stdout
+    r = subprocess.run([*exe, "evaluate", "mlp", "--cluster", "local-cpu:2", "--tp", "2", "-b", "64", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    est = json.loads(r.stdout)
+    assert est["tp"] == 2 and est["step_time_s"] > 0
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema_version": 0}')
+    r = subprocess.run([*exe, "explain", str(bad)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "not supported" in r.stderr and "Traceback" not in r.stderr
