@@ -1157,12 +1157,34 @@ def _attention(n: _Node) -> Spec:
     q, k, v, m = n.shape(0), n.shape(1), n.shape(2), n.shape(3)
     if any(n.has(i) for i in (4, 5)) or len(n.outs) > 1:
         raise ops.Unsupported("Attention with a KV cache or extra outputs is not modelled")
-    if len(q) != 4:
-        raise ops.Unsupported("Attention with heads folded into the hidden dim (3-D inputs) is not modelled")
-    if m is not None and n.const(3) is None and len(m) > 4:
-        raise ops.Unsupported(f"Attention mask of shape {list(m)}")
     causal = bool(n.attr("is_causal", 0))
-    return OpKind.ATTENTION, lambda: ops.attention(q, k, v, m, causal=causal)
+    if m is not None and len(m) > 4:
+        raise ops.Unsupported(f"Attention mask of shape {list(m)}")
+    if len(q) == 4:
+        return OpKind.ATTENTION, lambda: ops.attention(q, k, v, m, causal=causal)
+    hq, hk = n.attr("q_num_heads"), n.attr("kv_num_heads")
+    if len(q) != 3 or not hq or not hk:
+        raise ops.Unsupported(f"Attention with q{list(q)} and no head counts")
+    hq, hk = int(hq), int(hk)
+
+    def nest() -> LoopNest:
+        # 3-D inputs [B, S, H*D]: the 4-D nest with [b, h, s, d] read as [b, s, h*D + d]
+        q4, k4 = (q[0], hq, q[1], q[2] // hq), (k[0], hk, k[1], k[2] // hk)
+        v4 = (v[0], hk, v[1], v[2] // hk)
+        nt = ops.attention(q4, k4, v4, m, causal=causal)
+        width = {"in0": q4[3], "in1": k4[3], "in2": v4[3], "out0": v4[3]}
+
+        def fold(a: Access) -> Access:
+            if a.operand not in width or len(a.index) != 4:
+                return a
+            b, h, t, d = a.index
+            return Access(a.operand, (b, t, h * width[a.operand] + d))
+
+        return LoopNest(nt.dims, tuple(
+            Statement(st.name, st.dims, tuple(map(fold, st.reads)), tuple(map(fold, st.writes)),
+                      st.flops_per_point, st.constraints) for st in nt.statements))
+
+    return OpKind.ATTENTION, nest
 
 
 @_handles("Gather")

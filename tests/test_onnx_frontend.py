@@ -599,3 +599,22 @@ def test_control_flow_is_opaque_and_depends_on_what_its_body_reads():
     assert cond.is_opaque and set(cond.inputs) == {"cond", "x", "w"} and g.shape("y") == (2, 3)
     mul = g.ops[-1]
     assert mul.inputs == ("y", "y") and mul.flops == 6
+
+
+def test_attention_op_3d_inputs_same_nest_as_4d():
+    """Opset-23 Attention on [B, S, H*D] inputs costs what it costs on [B, H, S, D]."""
+    B, S, T, Hq, Hk, D = 2, 5, 6, 4, 2, 8
+    flat = _model([helper.make_node("Attention", ["q", "k", "v"], ["y"], q_num_heads=Hq, kv_num_heads=Hk,
+                                    is_causal=1)],
+                  [_vi("q", [B, S, Hq * D]), _vi("k", [B, T, Hk * D]), _vi("v", [B, T, Hk * D])], [_vi("y", None)],
+                  opset=23)
+    heads = _model([helper.make_node("Attention", ["q", "k", "v"], ["y"], is_causal=1)],
+                   [_vi("q", [B, Hq, S, D]), _vi("k", [B, Hk, T, D]), _vi("v", [B, Hk, T, D])], [_vi("y", None)],
+                   opset=23)
+    g3, g4 = _capture(flat), _capture(heads)
+    assert g3.ops[0].kind is g4.ops[0].kind is OpKind.ATTENTION
+    assert g3.flops() == g4.flops() > 0
+    feeds = {t: RNG.standard_normal(g3.shape(t)).astype(np.float32) for t in "qkv"}
+    assert _ort(flat, feeds)[0].shape == g3.shape("y") == (B, S, Hq * D)
+    q_read = g3.ops[0].nest.statements[0].reads[0]
+    assert str(q_read) == "in0[b, s, d + 8*g + 16*h]"  # GQA: query head h*G + g, then d
