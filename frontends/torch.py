@@ -413,6 +413,8 @@ def _pointwise(c: Call) -> Spec:
     tensors = [v for v in _flat_args(c.args) if isinstance(v, TRef)]
     tensors = list(dict.fromkeys(tensors))
     flops = ops.flops_per_element(c.name)
+    if "dropout" in c.name and (c.get("train", "training", default=True) is False or c.get("p", default=1) == 0):
+        flops = 0.0  # dropout in eval mode (or p=0) is the identity
     n_out = len(c.outputs)
     out_shapes = [c.shapes[o] for o in c.outputs]
 
@@ -446,6 +448,19 @@ def _reduce(c: Call) -> Spec:
 
     ins = [x] + ([c.tensor("other")] if c.tensor("other") else [])
     return OpKind.REDUCE, ins, nest
+
+
+@handles("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact2d")
+def _upsample(c: Call) -> Spec:
+    x = c.tensor("input", "self")
+
+    def nest() -> LoopNest:
+        src, dst = c.shape(x), c.out_shape()
+        if len(src) != len(dst) or any(d % s for s, d in zip(src, dst)):
+            raise ops.Unsupported(f"nearest upsampling {list(src)} -> {list(dst)} by a non-integer factor")
+        return ops.upsample_nearest(src, [d // s for s, d in zip(src, dst)])
+
+    return OpKind.VIEW, [x], nest
 
 
 @handles("cumsum", "cumprod", "cummax", "logcumsumexp")

@@ -13,22 +13,33 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from polyparallel.cli import app
+from polyparallel.cli import UserError, app
 from polyparallel.ir import Graph, Role
 
 MODEL_HELP = ("built-in example (see `polyparallel examples`), an .onnx file, or package.module:function "
               "returning (model, args[, kwargs])")
 
 
+def parse_dims(dims: list[str] | None) -> dict[str, int]:
+    """``["batch=8", "seq=128"]`` -> ``{"batch": 8, "seq": 128}`` (dynamic ONNX dims)."""
+    out: dict[str, int] = {}
+    for d in dims or []:
+        name, sep, val = d.partition("=")
+        if not sep or not val.strip().isdigit():
+            raise UserError(f"--dim {d!r}: write NAME=INTEGER, e.g. --dim batch=8")
+        out[name.strip()] = int(val)
+    return out
+
+
 def capture_model(model: str, batch_size: int | None = None, seq_len: int | None = None,
-                  method: str = "auto") -> Graph:
+                  method: str = "auto", dims: dict[str, int] | None = None) -> Graph:
     """Resolve a MODEL argument and capture it (shared by the commands that take a MODEL)."""
     import polyparallel as pp
     from polyparallel.models import load_model
 
     loaded = load_model(model, batch_size=batch_size, seq_len=seq_len)
     if isinstance(loaded, Path):
-        return pp.capture(loaded)
+        return pp.capture(loaded, dim_values=dims) if dims else pp.capture(loaded)
     m, args, kwargs = loaded
     return pp.capture(m, args, kwargs, method=method)
 
@@ -56,6 +67,7 @@ def graph_cmd(
     summary: Annotated[bool, typer.Option("--summary", help="only the totals and the op kinds")] = False,
     limit: Annotated[int, typer.Option("--limit", help="show at most this many ops (0: all)")] = 0,
     method: Annotated[str, typer.Option("--method", help="torch capture: auto, export or fx")] = "auto",
+    dim: Annotated[list[str] | None, typer.Option("--dim", help="value of a dynamic ONNX dim, NAME=N")] = None,
 ) -> None:
     """Capture MODEL and print its graph: ops, kinds, loop dims with roles, shapes, FLOPs, params."""
     console = Console(width=None if sys.stdout.isatty() else 160)
@@ -63,10 +75,10 @@ def graph_cmd(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if as_json:
-            g = capture_model(model, batch_size, seq_len, method)
+            g = capture_model(model, batch_size, seq_len, method, parse_dims(dim))
         else:
             with console.status(f"capturing {model} ..."):
-                g = capture_model(model, batch_size, seq_len, method)
+                g = capture_model(model, batch_size, seq_len, method, parse_dims(dim))
     dt = time.perf_counter() - t0
     if as_json:
         d = g.to_dict()

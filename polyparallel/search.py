@@ -36,9 +36,10 @@ How it is solved
 The outer variables are enumerated over the divisors of ``n`` (a few hundred mesh
 shapes at most), pruned by feasibility (``tp·sp`` within a node, ``pp`` at most the
 number of layers, ``B`` divisible). For each mesh shape the micro-batch sizes are
-powers of two (captured on demand and cached); schedules are tried 1F1B then
-interleaved (GPipe has the same bubble as 1F1B and more activation memory, so it never
-wins on the cost model's terms and is only tried with ``exhaustive=True``). Memory knobs
+powers of two up to ``MAX_MICRO`` (captured on demand and cached); with a pipeline, the
+sizes giving ``m = pp, 2pp, 4pp`` micro-batches. Schedules: 1F1B, GPipe (same bubble,
+but its p2p and activation timing differ in the simulation) and interleaved with 2 or
+4 chunks where the layers divide. Memory knobs
 are tried cheapest-first along the ladder ``(z, r) = (0, none), (1, none), (2, none),
 (1, selective), (3, none), (1, full), (3, full)``: every *free* rung that fits (ZeRO 0-2
 without recomputation move the same gradient volume but shard the optimizer step
@@ -342,11 +343,10 @@ def _plans(est_fn: Callable[[ParallelConfig], StepEstimate], base: ParallelConfi
     """Schedules and memory knobs for one mesh shape and micro-batching, cheapest first."""
     scheds: list[tuple[str, int]] = [("1f1b", 1)]
     if base.pp > 1:
+        scheds.append(("gpipe", 1))
         for v in (2, 4):
             if layers % (base.pp * v) == 0 and base.microbatches % base.pp == 0:
                 scheds.append(("interleaved", v))
-        if exhaustive:
-            scheds.append(("gpipe", 1))
     if c.schedule is not None:
         scheds = [(s, v) for s, v in scheds if s == c.schedule] or [(c.schedule, 1 if c.schedule != "interleaved"
                                                                       else 2)]

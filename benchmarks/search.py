@@ -1,0 +1,133 @@
+"""Search time and plan quality.
+
+    .venv/bin/python benchmarks/search.py            # all parts (slow on 2 cores)
+    .venv/bin/python benchmarks/search.py --part big|quality|baselines
+
+Part ``big``: capture and search time and the plan found for the issue's cases.
+Part ``quality``: on small problems (<= 8 devices, <= 6 layers, mixed model kinds) the
+planner's step time vs the exhaustive optimum (gap must be <= 1%).
+Part ``baselines``: on the big cases, the planner vs pure data parallel, FSDP (ZeRO-3) and
+Megatron's recipe (tensor parallel inside a node, pipeline across nodes, data parallel
+over the rest), all priced by the same cost model.
+Writes benchmarks/results/search.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from polyparallel.models import EXAMPLES, GPT, MLP, GPTConfig, Llama, LlamaConfig, ResNet, SmallCNN
+from polyparallel.search import DoesNotFit, _Model, evaluate, search
+
+OUT = Path(__file__).parent / "results" / "search.json"
+BIG = [("gpt2-small", "dgx-a100x1", 64), ("llama-8b", "dgx-a100x8", 512), ("gpt3-175b", "dgx-a100x192", 1536),
+       ("resnet50", "dgx-a100x4", 1024), ("gpt2-small", "aisynergy-5", 512)]
+
+
+def _row(name, cluster, B, s, wall):
+    e = s.estimate
+    return {"model": name, "cluster": cluster, "global_batch": B, "mode": s.mode, "dp": s.dp, "tp": s.tp,
+            "pp": s.pp, "sp": s.sp, "microbatches": s.microbatches, "schedule": s.schedule, "zero": s.zero_stage,
+            "recompute": s.recompute, "step_time_s": e.step_time_s, "samples_per_s": e.samples_per_s,
+            "mfu_tflops_per_device": e.model_flops_per_s_per_device / 1e12, "memory_gb": e.memory_bytes_max / 1e9,
+            "capture_s": s.search.capture_s, "search_s": s.search.search_s, "candidates": s.search.candidates,
+            "wall_s": round(wall, 2)}
+
+
+def big() -> list[dict]:
+    rows = []
+    for name, cluster, B in BIG:
+        m, a, k = EXAMPLES[name].build(1, None)
+        t = time.perf_counter()
+        s = search(m, a, cluster, example_kwargs=k, batch_size=B)
+        rows.append(_row(name, cluster, B, s, time.perf_counter() - t))
+        r = rows[-1]
+        print(f"{name:11s} {cluster:13s} B={B:5d} {r['mode']:12s} dp={r['dp']} tp={r['tp']} pp={r['pp']} "
+              f"sp={r['sp']} m={r['microbatches']} {r['schedule']} z{r['zero']} {r['recompute']:9s} "
+              f"step {r['step_time_s']:.3f}s capture {r['capture_s']:.1f}s search {r['search_s']:.1f}s "
+              f"({r['candidates']} plans)")
+    return rows
+
+
+def _small_models():
+    yield "mlp", MLP((64, 128, 128, 128, 10)), (torch.zeros(4, 64),), {}
+    yield "cnn", SmallCNN(), (torch.zeros(4, 1, 28, 28),), {}
+    for layers in (2, 4, 6):
+        ids = torch.zeros(2, 32, dtype=torch.long)
+        yield f"gpt-{layers}l", GPT(GPTConfig(vocab=256, seq=32, layers=layers, hidden=64, heads=4)), (ids,), \
+            {"labels": ids}
+    ids = torch.zeros(2, 32, dtype=torch.long)
+    yield "llama-4l", Llama(LlamaConfig(vocab=256, seq=32, layers=4, hidden=64, heads=4, kv_heads=2, ffn=128)), \
+        (ids,), {"labels": ids}
+    yield "resnet-mini", ResNet((1, 1), classes=10), (torch.zeros(2, 3, 32, 32),), {}
+
+
+def quality() -> list[dict]:
+    rows = []
+    clusters = [("local-cpu:2", 8), ("local-cpu:4", 16), ("dgx-a100x1", 64)]
+    for name, m, a, k in _small_models():
+        g = _Model(m, a, k).graph(a[0].shape[0])  # a fixed micro-batch: the two solvers see the same space
+        for cl, B in clusters:
+            try:
+                fast = search(g, cluster=cl, batch_size=B)
+                full = search(g, cluster=cl, batch_size=B, exhaustive=True)
+            except DoesNotFit as e:
+                print(f"{name} on {cl}: {e}")
+                continue
+            gap = fast.estimate.step_time_s / full.estimate.step_time_s - 1
+            rows.append({"model": name, "cluster": cl, "global_batch": B, "planner_s": fast.estimate.step_time_s,
+                         "exhaustive_s": full.estimate.step_time_s, "gap": gap,
+                         "planner_candidates": fast.search.candidates,
+                         "exhaustive_candidates": full.search.candidates})
+            print(f"{name:12s} {cl:12s} planner {fast.estimate.step_time_s * 1e3:9.3f} ms "
+                  f"({fast.search.candidates:4d} plans)  exhaustive {full.estimate.step_time_s * 1e3:9.3f} ms "
+                  f"({full.search.candidates:4d} plans)  gap {100 * gap:+.2f}%")
+    return rows
+
+
+def baselines() -> list[dict]:
+    rows = []
+    for name, cluster, B in BIG[:3]:
+        m, a, k = EXAMPLES[name].build(1, None)
+        planner = search(m, a, cluster, example_kwargs=k, batch_size=B)
+        recipes = {"data parallel": {"tp": 1, "pp": 1, "zero_stage": 0}, "FSDP": {"tp": 1, "pp": 1, "zero_stage": 3},
+                   "Megatron tp8+pp+dp": {"tp": 8, "pp": max(1, planner.pp)}}
+        row = {"model": name, "cluster": cluster, "planner_s": planner.estimate.step_time_s}
+        for rname, kw in recipes.items():
+            try:
+                s = evaluate(m, a, cluster, example_kwargs=k, batch_size=B, **kw)
+                fits = not s.search.notes
+                row[rname] = s.estimate.step_time_s if fits else None
+            except ValueError as e:
+                row[rname] = None
+                print(f"{name} {rname}: {e}")
+        rows.append(row)
+        print(json.dumps(row))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--part", choices=["big", "quality", "baselines", "all"], default="all")
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")
+    res = json.loads(OUT.read_text()) if OUT.exists() else {}
+    if args.part in ("quality", "all"):
+        res["quality"] = quality()
+    if args.part in ("big", "all"):
+        res["big"] = big()
+    if args.part in ("baselines", "all"):
+        res["baselines"] = baselines()
+    OUT.parent.mkdir(exist_ok=True)
+    OUT.write_text(json.dumps(res, indent=1))
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
