@@ -20,7 +20,8 @@ app = typer.Typer(
 )
 
 # Modules that add commands to `app` when imported. Keep the list explicit.
-_COMMAND_MODULES = ("polyparallel._cli_graph", "polyparallel._cli_cluster", "polyparallel._cli_search")
+_COMMAND_MODULES = ("polyparallel._cli_graph", "polyparallel._cli_cluster", "polyparallel._cli_search",
+                    "polyparallel._cli_collab")
 
 
 class UserError(Exception):

@@ -83,6 +83,7 @@ class LoopbackFederation:
         centers: center name -> path of its ``.npz`` (``x``, ``y``).
         warm: long-lived ClientApp executors (``process`` isolation) instead of a process per message.
         executor_poll_s: how often an idle executor asks its SuperNode for a task.
+        autostart: ``with`` starts the SuperLink and every center (else only cleanup is managed).
     """
 
     workdir: Path
@@ -90,6 +91,7 @@ class LoopbackFederation:
     warm: bool = True
     executor_poll_s: float = 0.05
     startup_timeout_s: float = 60.0
+    autostart: bool = True
     procs: list[_Proc] = field(default_factory=list)
     superlink_port: int = 0
     node_ports: dict[str, int] = field(default_factory=dict)
@@ -121,26 +123,34 @@ class LoopbackFederation:
         return proc
 
     def start(self) -> LoopbackFederation:
+        self.start_superlink()
+        for name in self.centers:
+            self.start_center(name)
+        return self
+
+    def start_superlink(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        """Start the SuperLink (Fleet, Control and Runtime APIs on one HTTP port) and point FLWR_HOME at it."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.superlink_port = free_port()
+        self.superlink_port = port or free_port()
         home = self.workdir / "flwr-home"
         home.mkdir(parents=True, exist_ok=True)
         (home / "config.toml").write_text(
             f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\n'
             f'address = "127.0.0.1:{self.superlink_port}"\ninsecure = true\n')
         link = self._spawn("superlink", [
-            "flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(self.superlink_port),
+            "flower-superlink", "--insecure", "--host", host, "--port", str(self.superlink_port),
             "--database", str(self.workdir / "superlink.db"), "--disable-runtime-dependency-installation"])
         _wait_port(self.superlink_port, self.startup_timeout_s, link.popen, link.log)
-        for name in self.centers:
-            self.start_center(name)
-        return self
 
-    def start_center(self, name: str) -> None:
-        """Start (or restart) the SuperNode of ``name`` and, when warm, its executor."""
+    def start_center(self, name: str, superlink: str | None = None) -> None:
+        """Start (or restart) the SuperNode of ``name`` and, when warm, its executor.
+
+        ``superlink`` is the SuperLink's ``host:port`` (default: the one this object started).
+        """
+        self.workdir.mkdir(parents=True, exist_ok=True)
         port = free_port()  # a fresh port: the killed node's may linger in TIME_WAIT
         self.node_ports[name] = port
-        argv = ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{self.superlink_port}",
+        argv = ["flower-supernode", "--insecure", "--superlink", superlink or f"127.0.0.1:{self.superlink_port}",
                 "--node-config", f'center="{name}" data="{self.centers[name]}"',
                 "--host", "127.0.0.1", "--port", str(port)]
         if self.warm:
@@ -194,13 +204,21 @@ class LoopbackFederation:
 
     def __enter__(self) -> LoopbackFederation:
         try:
-            return self.start()
+            return self.start() if self.autostart else self
         except BaseException:
             self.stop()
             raise
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def watch(self) -> None:
+        """Block while every started process is alive (a center deployment); raise when one exits."""
+        while True:
+            for p in self.procs:
+                if p.popen.poll() is not None:
+                    raise FlowerError(f"{p.name} exited with {p.popen.returncode}; see {p.log}")
+            time.sleep(0.5)
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name} ({p.log})\n" + p.log.read_text(errors="replace")[-3000:] for p in self.procs)
@@ -241,7 +259,7 @@ class LoopbackFederation:
     def wait(self, out_dir: Path, timeout_s: float) -> None:
         """Block until the ServerApp wrote ``done.json`` in ``out_dir``."""
         end = time.time() + timeout_s
-        link = self.procs[0]
+        link = next(p for p in self.procs if p.name == "superlink")
         while not (out_dir / "done.json").exists():
             if link.popen.poll() is not None:
                 raise FlowerError(f"the SuperLink exited with {link.popen.returncode}; see {link.log}")

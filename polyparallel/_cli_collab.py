@@ -1,0 +1,215 @@
+"""Collaborative-training commands: ``collab`` (a whole federation here), ``serve`` and ``center``.
+
+``polyparallel collab`` runs the server and every center on this machine (in-process, or Flower
+processes on 127.0.0.1). ``polyparallel serve`` and ``polyparallel center`` start the two sides of a
+real deployment on different machines: the server reads a job file (``collab --save-config``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import sys
+import tempfile
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from polyparallel.cli import UserError, app
+
+_FW_HELP = "framework per center, comma separated (torch, mindspore); default all torch"
+
+
+def _parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(d) for d in text.split(","))
+    except ValueError:
+        raise UserError(f"--in-shape {text!r}: give integers separated by commas, e.g. 1,28,28") from None
+
+
+def _parse_options(items: list[str]) -> dict[str, float]:
+    out = {}
+    for it in items:
+        k, sep, v = it.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            out[k.strip()] = float(v)
+        except ValueError:
+            raise UserError(f"--fusion-opt {it!r}: use NAME=NUMBER, e.g. mu=0.01") from None
+    return out
+
+
+def _load_data(config: Any, data_dir: Path | None, synthetic: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    names = [c.name for c in config.centers]
+    if data_dir is not None:
+        out = {}
+        for n in names:
+            p = data_dir / f"{n}.npz"
+            if not p.exists():
+                raise UserError(f"no data for center {n!r}: expected {p} holding arrays x and y")
+            with np.load(p) as z:
+                if "x" not in z.files or "y" not in z.files:
+                    raise UserError(f"{p}: needs arrays named x and y, found {z.files}")
+                out[n] = (z["x"].astype(np.float32), z["y"].astype(np.int64))
+        return out
+    # synthetic: a random linear teacher, shifted inputs per center (a mild non-IID), for demos
+    rng = np.random.default_rng(config.seed)
+    spec = config.model
+    teacher = rng.normal(size=(int(np.prod(spec.in_shape)), spec.num_classes))
+    out = {}
+    for i, n in enumerate(names):
+        if spec.kind == "embbag":
+            x = rng.integers(0, spec.vocab, size=(synthetic, *spec.in_shape)).astype(np.float32)
+            y = (x.sum(1) % spec.num_classes).astype(np.int64)
+        else:
+            x = rng.normal(loc=0.2 * i, size=(synthetic, *spec.in_shape)).astype(np.float32)
+            y = (x.reshape(synthetic, -1) @ teacher).argmax(1).astype(np.int64)
+        out[n] = (x, y)
+    return out
+
+
+def _exit_on_sigterm() -> None:
+    # SIGTERM (a scheduler, `timeout`, `kill`) must unwind through the `with` that stops Flower's processes
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+def _round_table(result: Any) -> Table:
+    t = Table(title="rounds")
+    for col in ("round", "fused", "accepted", "rejected/missing", "bytes up", "bytes down", "eval acc"):
+        t.add_column(col)
+    for r in result.rounds:
+        t.add_row(str(r.round), "yes" if r.fused else "no", ",".join(r.accepted),
+                  ",".join([*r.rejected, *r.missing]) or "-", str(sum(r.bytes_up.values())), str(r.bytes_down),
+                  f"{r.eval['accuracy']:.4f}" if "accuracy" in r.eval else "-")
+    return t
+
+
+@app.command("collab")
+def collab_cmd(
+    centers: Annotated[str, typer.Option("--centers", help="center names, comma separated")] = "a,b,c",
+    frameworks: Annotated[str, typer.Option("--frameworks", help=_FW_HELP)] = "",
+    model: Annotated[str, typer.Option("--model", help="mlp, cnn or embbag")] = "mlp",
+    in_shape: Annotated[str, typer.Option("--in-shape", help="one example's shape, e.g. 1,28,28")] = "16",
+    classes: Annotated[int, typer.Option("--classes")] = 4,
+    hidden: Annotated[int, typer.Option("--hidden", help="width / first conv channels / embedding size")] = 32,
+    vocab: Annotated[int, typer.Option("--vocab", help="embbag vocabulary")] = 0,
+    fusion: Annotated[str, typer.Option("--fusion", help="fedavg fedprox fedadam fedyogi diloco trimmed_mean median")]
+    = "fedavg",
+    fusion_opt: Annotated[list[str] | None, typer.Option("--fusion-opt", help="NAME=NUMBER, repeatable")] = None,
+    rounds: Annotated[int, typer.Option("--rounds")] = 3,
+    local_steps: Annotated[int, typer.Option("--local-steps", "-H", help="local steps per round")] = 10,
+    batch_size: Annotated[int, typer.Option("--batch-size")] = 32,
+    lr: Annotated[float, typer.Option("--lr")] = 0.05,
+    compression: Annotated[str, typer.Option("--compression", help="none, fp16 or int8")] = "none",
+    min_centers: Annotated[int, typer.Option("--min-centers", help="0: all")] = 0,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    config: Annotated[Path | None, typer.Option("--config", help="job JSON (overrides the options above)")] = None,
+    save_config: Annotated[Path | None, typer.Option("--save-config", help="write the job JSON and exit")] = None,
+    engine: Annotated[str, typer.Option("--engine", help="inprocess or flower (processes on 127.0.0.1)")]
+    = "inprocess",
+    data: Annotated[Path | None, typer.Option("--data", help="directory with CENTER.npz (x, y) per center")] = None,
+    synthetic: Annotated[int, typer.Option("--synthetic", help="samples per center when --data is not given")] = 256,
+    out: Annotated[Path | None, typer.Option("--out", help="write result.json, final.npz, timing.jsonl here")]
+    = None,
+) -> None:
+    """Run a whole federation on this machine: every center trains on its own data, the server fuses."""
+    from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, collaborate
+
+    try:
+        if config is not None:
+            cfg = CollabConfig.from_json(config.read_text())
+        else:
+            names = [n.strip() for n in centers.split(",") if n.strip()]
+            fws = [f.strip() for f in frameworks.split(",")] if frameworks else ["torch"] * len(names)
+            if len(fws) != len(names):
+                raise UserError(f"--frameworks has {len(fws)} entries for {len(names)} centers")
+            cfg = CollabConfig(
+                centers=tuple(CenterSpec(n, framework=f) for n, f in zip(names, fws)),
+                model=ModelSpec(model, _parse_shape(in_shape), classes, hidden=hidden, vocab=vocab),
+                fusion=fusion, fusion_options=_parse_options(fusion_opt or []), rounds=rounds,
+                local_steps=local_steps, batch_size=batch_size, lr=lr, compression=compression,
+                min_centers=min_centers, seed=seed)
+    except (ValueError, KeyError, json.JSONDecodeError) as e:
+        raise UserError(str(e)) from None
+    if save_config is not None:
+        save_config.write_text(cfg.to_json() + "\n")
+        typer.echo(f"wrote {save_config}")
+        return
+    if engine not in ("inprocess", "flower"):
+        raise UserError(f"--engine {engine!r}: use inprocess or flower")
+    d = _load_data(cfg, data, synthetic)
+    kw: dict[str, Any] = {}
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        if engine == "inprocess":
+            kw["timing_path"] = out / "timing.jsonl"
+        else:
+            kw["workdir"] = out / "flower"
+    result = collaborate(cfg, d, engine=engine, eval_data=next(iter(d.values())), **kw)
+    Console().print(_round_table(result))
+    if out is not None:
+        (out / "result.json").write_text(json.dumps(result.to_dict(), indent=1))
+        np.savez(out / "final.npz", **result.params)
+        typer.echo(f"wrote {out / 'result.json'} and {out / 'final.npz'}")
+
+
+@app.command("serve")
+def serve_cmd(
+    config: Annotated[Path, typer.Option("--config", help="job JSON (polyparallel collab --save-config)")],
+    port: Annotated[int, typer.Option("--port", help="the SuperLink's port (Fleet, Control, Runtime APIs)")] = 9092,
+    host: Annotated[str, typer.Option("--host", help="address to listen on")] = "0.0.0.0",
+    out: Annotated[Path, typer.Option("--out", help="fused model, rounds, timing and checkpoints")]
+    = Path("collab-out"),
+    workdir: Annotated[Path | None, typer.Option("--workdir", help="FLWR_HOME and logs (default: a temp dir)")]
+    = None,
+    timeout: Annotated[float, typer.Option("--timeout", help="seconds before giving up")] = 24 * 3600,
+) -> None:
+    """Start the server side of a deployment: a SuperLink, then the federation's ServerApp; wait for it.
+
+    Centers join with `polyparallel center --name NAME --superlink THIS_HOST:PORT --data FILE.npz`.
+    A restarted server with the same --out resumes from its last checkpoint.
+    """
+    from polyparallel.backends.collab import CollabConfig
+    from polyparallel.backends.collab._flower import LoopbackFederation, read_outputs
+
+    try:
+        cfg = CollabConfig.from_json(config.read_text())
+    except (ValueError, KeyError, json.JSONDecodeError) as e:
+        raise UserError(f"{config}: not a collab job file: {e}") from None
+    _exit_on_sigterm()
+    wd = workdir or Path(tempfile.mkdtemp(prefix="ppcollab-serve-"))
+    with LoopbackFederation(wd.resolve(), {}, autostart=False) as fed:
+        fed.start_superlink(host=host, port=port)
+        fed.submit(cfg, out.resolve())
+        typer.echo(f"SuperLink on {host}:{port}; waiting for {len(cfg.centers)} centers "
+                   f"({', '.join(c.name for c in cfg.centers)}); logs in {wd / 'logs'}")
+        fed.wait(out.resolve(), timeout)
+    Console().print(_round_table(read_outputs(out.resolve())))
+
+
+@app.command("center")
+def center_cmd(
+    name: Annotated[str, typer.Option("--name", help="this center's name in the job")],
+    superlink: Annotated[str, typer.Option("--superlink", help="the server's HOST:PORT")],
+    data: Annotated[Path, typer.Option("--data", help=".npz with this center's x and y (never leaves it)")],
+    workdir: Annotated[Path | None, typer.Option("--workdir", help="FLWR_HOME and logs (default: a temp dir)")]
+    = None,
+) -> None:
+    """Start one center of a deployment: a SuperNode and a long-lived trainer; runs until stopped."""
+    from polyparallel.backends.collab._flower import LoopbackFederation
+
+    if not data.exists():
+        raise UserError(f"--data {data}: no such file (an .npz with arrays x and y)")
+    _exit_on_sigterm()
+    wd = workdir or Path(tempfile.mkdtemp(prefix=f"ppcollab-{name}-"))
+    with LoopbackFederation(wd.resolve(), {name: data.resolve()}, autostart=False) as fed:
+        fed.start_center(name, superlink=superlink)
+        typer.echo(f"center {name} connected to {superlink}; logs in {wd / 'logs'} (Ctrl-C to stop)")
+        with contextlib.suppress(KeyboardInterrupt):
+            fed.watch()
