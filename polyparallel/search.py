@@ -339,8 +339,8 @@ def _mesh_shapes(n: int, c: Constraints, node: int, layers: int, exhaustive: boo
 
 
 def _plans(est_fn: Callable[[ParallelConfig], StepEstimate], base: ParallelConfig, c: Constraints, layers: int,
-           exhaustive: bool) -> Iterable[ParallelConfig]:
-    """Schedules and memory knobs for one mesh shape and micro-batching, cheapest first."""
+           exhaustive: bool) -> Iterable[list[ParallelConfig]]:
+    """Per schedule, the memory-knob ladder for one mesh shape and micro-batching, cheapest first."""
     scheds: list[tuple[str, int]] = [("1f1b", 1)]
     if base.pp > 1:
         scheds.append(("gpipe", 1))
@@ -359,8 +359,7 @@ def _plans(est_fn: Callable[[ParallelConfig], StepEstimate], base: ParallelConfi
     if c.recompute is not None:
         ladder = list(dict.fromkeys((z, c.recompute) for z, _ in ladder))
     for s, v in scheds:
-        for z, r in ladder:
-            yield replace(base, schedule=s, chunks=v, zero_stage=z, recompute=r)
+        yield [replace(base, schedule=s, chunks=v, zero_stage=z, recompute=r) for z, r in ladder]
 
 
 def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path = "local-cpu:2", *,
@@ -440,11 +439,12 @@ def _search_sync(mdl: _Model, cl: Cluster, B: int, c: Constraints, devs: list[in
         if not exhaustive:
             # the most memory-frugal plan of this shape (smallest micro-batch, last ladder rung):
             # if even that does not fit, no plan of this shape does
-            frugal = list(_plans(None, replace(base, microbatches=per_replica // min(order)), c, layers, False))
+            frugal = next(iter(_plans(None, replace(base, microbatches=per_replica // min(order)), c, layers,
+                                      False)))[-1]
             try:
-                est = estimate_step(mdl.graph(min(order)), cl, frugal[-1])
+                est = estimate_step(mdl.graph(min(order)), cl, frugal)
             except ValueError as e:
-                best.notes.append(f"{frugal[-1]}: {e}")
+                best.notes.append(f"{frugal}: {e}")
                 continue
             if not best.offer(est, min(order), c.memory_cap):
                 continue
@@ -452,21 +452,24 @@ def _search_sync(mdl: _Model, cl: Cluster, B: int, c: Constraints, devs: list[in
             cfg0 = replace(base, microbatches=per_replica // b)
             graph = mdl.graph(b)
             free_fit = False
-            for cfg in _plans(None, cfg0, c, layers, exhaustive):
-                try:
-                    est = estimate_step(graph, cl, cfg)
-                except ValueError as e:  # a combination the cost model refuses (e.g. sp > heads)
-                    best.notes.append(f"{cfg}: {e}")
-                    break
-                free = cfg.recompute == "none" and cfg.zero_stage < 3
-                if best.offer(est, b, c.memory_cap) and not exhaustive:
-                    # ZeRO 0-2 move the same gradient volume but shard the optimizer step, so
-                    # all of them are priced; later rungs only add communication/recomputation
-                    free_fit = free_fit or free
-                    if not free:
+            for ladder in _plans(None, cfg0, c, layers, exhaustive):
+                sched_free_fit = False
+                for cfg in ladder:
+                    try:
+                        est = estimate_step(graph, cl, cfg)
+                    except ValueError as e:  # a combination the cost model refuses (e.g. sp > heads)
+                        best.notes.append(f"{cfg}: {e}")
                         break
-                elif free_fit and not free:
-                    break
+                    free = cfg.recompute == "none" and cfg.zero_stage < 3
+                    if best.offer(est, b, c.memory_cap) and not exhaustive:
+                        # ZeRO 0-2 move the same gradient volume but shard the optimizer step, so
+                        # all of them are priced; later rungs only add communication/recomputation
+                        sched_free_fit = sched_free_fit or free
+                        if not free:
+                            break
+                    elif sched_free_fit and not free:
+                        break
+                free_fit = free_fit or sched_free_fit
             if free_fit and pp == 1 and not exhaustive:
                 break  # without a pipeline, the largest micro-batch that fits for free is the fastest
         if (i + 1) % 10 == 0:
@@ -509,7 +512,7 @@ def _least_memory(mdl: _Model, cl: Cluster, B: int, c: Constraints, devs: list[i
         for b in mdl.micro_sizes(B // dp, exhaustive):
             base = ParallelConfig(dp=dp, tp=tp, pp=pp, sp=sp, microbatches=B // dp // b,
                                   dtype=fastest.est.config.dtype, devices=tuple(devs))
-            for cfg in _plans(None, base, c, layers, True):
+            for cfg in (x for ladder in _plans(None, base, c, layers, True) for x in ladder):
                 est = estimate_step(mdl.graph(b), cl, cfg)
                 out.candidates += 1
                 mem = max(r.total for r in est.memory)
