@@ -169,6 +169,8 @@ def serve_cmd(
     workdir: Annotated[Path | None, typer.Option("--workdir", help="FLWR_HOME and logs (default: a temp dir)")]
     = None,
     timeout: Annotated[float, typer.Option("--timeout", help="seconds before giving up")] = 24 * 3600,
+    credentials: Annotated[Path | None, typer.Option(
+        "--credentials", help="directory from `collab-certs`: TLS, and only the centers' keys may join")] = None,
 ) -> None:
     """Start the server side of a deployment: a SuperLink, then the federation's ServerApp; wait for it.
 
@@ -177,15 +179,19 @@ def serve_cmd(
     """
     from polyparallel.backends.collab import CollabConfig
     from polyparallel.backends.collab._flower import LoopbackFederation, read_outputs
+    from polyparallel.backends.collab._security import load_credentials
 
     try:
         cfg = CollabConfig.from_json(config.read_text())
     except (ValueError, KeyError, json.JSONDecodeError) as e:
         raise UserError(f"{config}: not a collab job file: {e}") from None
+    creds = load_credentials(credentials, [c.name for c in cfg.centers]) if credentials else None
     _exit_on_sigterm()
     wd = workdir or Path(tempfile.mkdtemp(prefix="ppcollab-serve-"))
-    with LoopbackFederation(wd.resolve(), {}, autostart=False) as fed:
+    with LoopbackFederation(wd.resolve(), {}, autostart=False, credentials=creds) as fed:
         fed.start_superlink(host=host, port=port)
+        for name, _, pub in creds.node_keys if creds else ():
+            fed.register_center(name, pub)
         fed.submit(cfg, out.resolve())
         typer.echo(f"SuperLink on {host}:{port}; waiting for {len(cfg.centers)} centers "
                    f"({', '.join(c.name for c in cfg.centers)}); logs in {wd / 'logs'}")
@@ -200,16 +206,47 @@ def center_cmd(
     data: Annotated[Path, typer.Option("--data", help=".npz with this center's x and y (never leaves it)")],
     workdir: Annotated[Path | None, typer.Option("--workdir", help="FLWR_HOME and logs (default: a temp dir)")]
     = None,
+    ca: Annotated[Path | None, typer.Option("--ca", help="CA certificate of the server (enables TLS)")] = None,
+    key: Annotated[Path | None, typer.Option("--key", help="this center's private key (node authentication)")]
+    = None,
 ) -> None:
     """Start one center of a deployment: a SuperNode and a long-lived trainer; runs until stopped."""
     from polyparallel.backends.collab._flower import LoopbackFederation
+    from polyparallel.backends.collab._security import Credentials
 
     if not data.exists():
         raise UserError(f"--data {data}: no such file (an .npz with arrays x and y)")
+    if (ca is None) != (key is None):
+        raise UserError("--ca and --key go together (TLS and node authentication)")
+    creds = None
+    if ca is not None and key is not None:
+        for p in (ca, key):
+            if not p.exists():
+                raise UserError(f"{p}: no such file")
+        creds = Credentials(ca.parent, ca.resolve(), ca, ca, ((name, key.resolve(), key),))
     _exit_on_sigterm()
     wd = workdir or Path(tempfile.mkdtemp(prefix=f"ppcollab-{name}-"))
-    with LoopbackFederation(wd.resolve(), {name: data.resolve()}, autostart=False) as fed:
+    with LoopbackFederation(wd.resolve(), {name: data.resolve()}, autostart=False, credentials=creds) as fed:
         fed.start_center(name, superlink=superlink)
         typer.echo(f"center {name} connected to {superlink}; logs in {wd / 'logs'} (Ctrl-C to stop)")
         with contextlib.suppress(KeyboardInterrupt):
             fed.watch()
+
+
+@app.command("collab-certs")
+def certs_cmd(
+    out: Annotated[Path, typer.Option("--out", help="directory to write into")],
+    centers: Annotated[str, typer.Option("--centers", help="center names, comma separated")],
+    hosts: Annotated[str, typer.Option("--hosts", help="server names/IPs the certificate is valid for")]
+    = "127.0.0.1,localhost",
+) -> None:
+    """Create test credentials: a CA, the server's TLS certificate, and one key pair per center."""
+    from polyparallel.backends.collab._security import make_credentials
+
+    names = [c.strip() for c in centers.split(",") if c.strip()]
+    if not names:
+        raise UserError("--centers: give at least one center name")
+    cr = make_credentials(out, names, [h.strip() for h in hosts.split(",") if h.strip()])
+    typer.echo(f"wrote {cr.ca}, {cr.server_cert}, {cr.server_key} and {len(names)} key pairs in {out}\n"
+               f"server: polyparallel serve --credentials {out} ...\n"
+               f"center: polyparallel center --ca {cr.ca} --key {out}/NAME.key ...")

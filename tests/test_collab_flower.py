@@ -140,3 +140,34 @@ def test_federation_stops_every_process_on_error(tmp_path):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.killpg(pid, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tls_and_node_authentication_refuse_an_unknown_key(tmp_path):
+    """TLS on every SuperLink API; registered centers train, a SuperNode with an unknown key is refused."""
+    from polyparallel.backends.collab._security import make_credentials, make_node_key
+
+    names = ("a", "b")
+    cfg = _cfg(names, rounds=1)
+    data = _data(names)
+    creds = make_credentials(tmp_path / "certs", names)
+    paths = write_center_data(tmp_path, data)
+    out = tmp_path / "out"
+    with LoopbackFederation(tmp_path, paths, credentials=creds) as fed:
+        intruder_key, _ = make_node_key(tmp_path / "certs", "intruder")  # never registered
+        fed.centers = {**fed.centers, "intruder": paths["a"]}
+        fed.start_center("intruder", private_key=intruder_key, wait=False)
+        fed.submit(cfg, out)
+        fed.wait(out, 150)
+        intruder = next(p for p in fed.procs if p.name == "supernode-intruder")
+        intruder.popen.wait(timeout=60)
+        assert intruder.popen.returncode != 0
+        assert "Failed to activate SuperNode" in intruder.log.read_text()
+    got = [json.loads(x) for x in (out / "rounds.jsonl").read_text().splitlines()]
+    assert [tuple(r["accepted"]) for r in got] == [names]
+    ref = run_inprocess(cfg, data)
+    with np.load(out / "final.npz") as z:
+        for k, v in ref.params.items():
+            np.testing.assert_array_equal(z[k], v)
+    assert "insecure" not in (tmp_path / "flwr-home" / "config.toml").read_text()

@@ -92,6 +92,7 @@ def run_inprocess(config: CollabConfig, data: Data, *, eval_data: tuple[np.ndarr
                                             round_idx=r, config=config, proximal_mu=server.fusion.proximal_mu,
                                             t_received=t_recv)
             replies.append(CenterReply(c.name, payload, metrics))
+            server.timing.record(r, "server", c.name, "update_received")
         server.finish_round(r, replies, evaluate=evaluate)
         done += 1
     return CollabResult(server.params, tuple(server.history), tuple(timing.events))

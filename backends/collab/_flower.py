@@ -40,6 +40,7 @@ import numpy as np
 
 from ._config import CollabConfig
 from ._engine import CollabResult
+from ._security import Credentials
 from ._server import RoundRecord
 
 __all__ = ["FlowerError", "LoopbackFederation", "run_flower"]
@@ -84,6 +85,10 @@ class LoopbackFederation:
         warm: long-lived ClientApp executors (``process`` isolation) instead of a process per message.
         executor_poll_s: how often an idle executor asks its SuperNode for a task.
         autostart: ``with`` starts the SuperLink and every center (else only cleanup is managed).
+        supernode_poll_s: run the SuperNodes through :mod:`._supernode`, which caps Flower's fixed
+            3 s idle poll at this many seconds (None: stock ``flower-supernode``).
+        credentials: TLS on the SuperLink's HTTP APIs and SuperNode authentication (only the
+            public keys registered with :meth:`register_center` may join); None: plain HTTP, no auth.
     """
 
     workdir: Path
@@ -92,6 +97,8 @@ class LoopbackFederation:
     executor_poll_s: float = 0.05
     startup_timeout_s: float = 60.0
     autostart: bool = True
+    supernode_poll_s: float | None = None
+    credentials: Credentials | None = None
     procs: list[_Proc] = field(default_factory=list)
     superlink_port: int = 0
     node_ports: dict[str, int] = field(default_factory=dict)
@@ -134,28 +141,58 @@ class LoopbackFederation:
         self.superlink_port = port or free_port()
         home = self.workdir / "flwr-home"
         home.mkdir(parents=True, exist_ok=True)
+        cr = self.credentials
+        transport = f'root-certificates = "{cr.ca}"\n' if cr else "insecure = true\n"
         (home / "config.toml").write_text(
             f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\n'
-            f'address = "127.0.0.1:{self.superlink_port}"\ninsecure = true\n')
+            f'address = "127.0.0.1:{self.superlink_port}"\n{transport}')
+        tls = (["--ssl-certfile", str(cr.server_cert), "--ssl-keyfile", str(cr.server_key),
+                "--ssl-ca-certfile", str(cr.ca), "--enable-supernode-auth"] if cr else ["--insecure"])
         link = self._spawn("superlink", [
-            "flower-superlink", "--insecure", "--host", host, "--port", str(self.superlink_port),
+            "flower-superlink", *tls, "--host", host, "--port", str(self.superlink_port),
             "--database", str(self.workdir / "superlink.db"), "--disable-runtime-dependency-installation"])
         _wait_port(self.superlink_port, self.startup_timeout_s, link.popen, link.log)
+        if cr:
+            for name, _, pub in cr.node_keys:
+                if name in self.centers:
+                    self.register_center(name, pub)
 
-    def start_center(self, name: str, superlink: str | None = None) -> None:
+    def register_center(self, name: str, public_key: Path) -> None:
+        """Allow the SuperNode holding the private half of ``public_key`` to join (``flwr supernode register``)."""
+        res = subprocess.run(["flwr", "supernode", "register", str(public_key), "loopback", "--name", name],
+                             env=self.env, cwd=self.workdir, capture_output=True, text=True,
+                             timeout=self.startup_timeout_s)
+        if res.returncode != 0:
+            raise FlowerError(f"registering {name}'s key failed: {res.stdout[-1500:]} {res.stderr[-1500:]}")
+
+    def start_center(self, name: str, superlink: str | None = None, private_key: Path | None = None,
+                     wait: bool = True) -> None:
         """Start (or restart) the SuperNode of ``name`` and, when warm, its executor.
 
-        ``superlink`` is the SuperLink's ``host:port`` (default: the one this object started).
+        ``superlink`` is the SuperLink's ``host:port`` (default: the one this object started);
+        ``private_key`` overrides the center's key from :attr:`credentials`; ``wait=False`` returns
+        once the processes are spawned.
         """
         self.workdir.mkdir(parents=True, exist_ok=True)
         port = free_port()  # a fresh port: the killed node's may linger in TIME_WAIT
         self.node_ports[name] = port
-        argv = ["flower-supernode", "--insecure", "--superlink", superlink or f"127.0.0.1:{self.superlink_port}",
+        cr = self.credentials
+        if cr:
+            key = private_key or cr.node_key(name)[0]
+            transport = ["--root-certificates", str(cr.ca), "--auth-supernode-private-key", str(key)]
+        else:
+            transport = ["--insecure"]
+        argv = ["flower-supernode", *transport, "--superlink", superlink or f"127.0.0.1:{self.superlink_port}",
                 "--node-config", f'center="{name}" data="{self.centers[name]}"',
                 "--host", "127.0.0.1", "--port", str(port)]
         if self.warm:
             argv += ["--isolation", "process"]
+        if self.supernode_poll_s is not None:
+            argv = [sys.executable, "-m", "polyparallel.backends.collab._supernode",
+                    "--poll-s", str(self.supernode_poll_s), "--", *argv[1:]]
         node = self._spawn(f"supernode-{name}", argv)
+        if not wait:
+            return
         _wait_port(port, self.startup_timeout_s, node.popen, node.log)
         if self.warm:
             self._spawn(f"executor-{name}", [sys.executable, "-m", "polyparallel.backends.collab._warm_center",
@@ -294,7 +331,8 @@ def write_center_data(workdir: Path, data: Mapping[str, tuple[np.ndarray, np.nda
 
 def run_flower(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.ndarray]], *,
                workdir: str | Path | None = None, eval_data: tuple[np.ndarray, np.ndarray] | None = None,
-               warm: bool = True, timeout_s: float = 600.0, poll_s: float = 0.05) -> CollabResult:
+               warm: bool = True, timeout_s: float = 600.0, poll_s: float = 0.05,
+               supernode_poll_s: float | None = None, credentials: Credentials | None = None) -> CollabResult:
     """Run the federation with Flower on 127.0.0.1 and return what the ServerApp fused.
 
     Args:
@@ -305,6 +343,8 @@ def run_flower(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.nda
         warm: long-lived ClientApp executors (see the module docstring).
         timeout_s: limit for the whole run; every process is stopped when it passes.
         poll_s: the ServerApp's and executors' polling interval.
+        supernode_poll_s: cap on the SuperNodes' idle poll (see :mod:`._supernode`); None: Flower's 3 s.
+        credentials: run with TLS and SuperNode authentication (see :func:`~._security.make_credentials`).
     """
     names = {c.name for c in config.centers}
     if set(data) != names:
@@ -319,7 +359,8 @@ def run_flower(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.nda
             ev = wd / "data" / "_eval.npz"
             np.savez(ev, x=eval_data[0], y=eval_data[1])
         out = wd / "out"
-        fed = stack.enter_context(LoopbackFederation(wd, paths, warm=warm, executor_poll_s=poll_s))
+        fed = stack.enter_context(LoopbackFederation(wd, paths, warm=warm, executor_poll_s=poll_s,
+                                                     supernode_poll_s=supernode_poll_s, credentials=credentials))
         fed.submit(config, out, eval_data=ev, poll_s=poll_s)
         try:
             fed.wait(out, timeout_s)

@@ -99,7 +99,7 @@ def _center_of(m: Message) -> str | None:
 
 
 def _exchange(grid: Grid, messages: list[Message], centers: set[str], timeout_s: float,
-              poll_s: float) -> list[Message]:
+              poll_s: float) -> list[tuple[Message, float]]:
     """Push ``messages`` and pull replies until every message or every center answered, or the timeout.
 
     Stopping once every center answered matters after a crash: the dead SuperNode stays registered
@@ -107,12 +107,12 @@ def _exchange(grid: Grid, messages: list[Message], centers: set[str], timeout_s:
     """
     ids = set(grid.push_messages(messages))
     end = time.time() + timeout_s
-    got: list[Message] = []
+    got: list[tuple[Message, float]] = []
     while ids and time.time() < end:
         for m in grid.pull_messages(ids):
             ids.discard(m.metadata.reply_to_message_id)
-            got.append(m)
-        if centers <= {_center_of(m) for m in got}:
+            got.append((m, time.time()))
+        if centers <= {_center_of(m) for m, _ in got}:
             break
         if ids:
             time.sleep(poll_s)
@@ -146,13 +146,14 @@ def _serve(grid: Grid, context: Context) -> None:
                    "config": ConfigRecord({"round": r, "proximal_mu": server.fusion.proximal_mu})}
         msgs = [grid.create_message(RecordDict(dict(content)), "train", n, group_id=str(r)) for n in nodes]
         replies: list[CenterReply] = []
-        for m in _exchange(grid, msgs, {c.name for c in config.centers}, config.round_timeout_s, poll_s):
+        for m, t_arrived in _exchange(grid, msgs, {c.name for c in config.centers}, config.round_timeout_s, poll_s):
             if m.has_error():
                 log.warning("round %d: node %d answered with an error: %s", r, m.metadata.src_node_id, m.error)
                 continue
             try:
                 c = m.content
                 replies.append(CenterReply(str(c["center"]["name"]), _from_record(c["update"]), dict(c["metrics"])))
+                server.timing.record(r, "server", replies[-1].center, "update_received", t=t_arrived)
             except (KeyError, TypeError, ValueError) as e:
                 log.warning("round %d: malformed reply from node %d dropped: %r", r, m.metadata.src_node_id, e)
         rec = server.finish_round(r, replies, sent_to=len(nodes), evaluate=evaluate)

@@ -9,8 +9,9 @@ atomically to ``checkpoint_dir``; :meth:`FederationServer.resume` continues from
 
 Time stamps (seconds since the epoch) go to a JSON-lines file, one object per event:
 ``{"round", "role": "center"|"server", "who", "event", "t"}`` with center events ``received_model``,
-``finished_training``, ``sent_update`` and server events ``round_start``, ``fusion_start``,
-``fusion_end``, ``round_end``.
+``finished_training``, ``sent_update`` and server events ``round_start``, ``update_received`` (one per
+center, ``who`` = the center), ``fusion_start``, ``fusion_end``, ``round_end``. All on one clock on a
+single machine; across machines the center stamps carry that machine's clock offset.
 """
 
 from __future__ import annotations

@@ -1,0 +1,142 @@
+"""Wall time per collaborative round on loopback, and where it goes.
+
+For each setting a Flower federation (SuperLink + one SuperNode per center on 127.0.0.1) runs a few
+rounds of an MLP; from the timing JSON lines of rounds 2.. (round 1 carries one-off start-up) we
+split a round into, averaged over centers:
+
+- ``down``    round start → center received the model (serialise, SuperNode poll, transfer, deserialise)
+- ``compute`` center received → finished its local steps
+- ``up``      center sent → server pulled its update
+- ``wait``    server pulled it → fusion starts (waiting for the slowest center)
+- ``fusion``  fusion start → end
+- ``round``   round start → end
+
+``overhead = round − max_c compute_c − fusion − raw`` where ``raw`` is the time the same bytes take
+through a plain loopback TCP socket (measured here): what the framework adds beyond computing and
+moving bytes. ``comm%`` is ``(round − max compute − fusion) / round``, the share the seeds' 20%
+budget refers to.
+
+Modes: ``cold`` = Flower defaults (a new ClientApp process per message, SuperNode idle poll 3 s);
+``warm`` = long-lived ClientApp executors (``--isolation process``); ``warm+poll`` = warm and the
+SuperNode idle poll capped at 0.1 s (:mod:`polyparallel.backends.collab._supernode`).
+
+Run: ``nice python benchmarks/collab.py`` (``--quick``: only 3 centers × 1M params, all modes).
+Writes ``benchmarks/results/collab.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, run_inprocess
+from polyparallel.backends.collab._flower import run_flower
+
+SIZES = {"1M": ModelSpec("mlp", (1000,), 10, hidden=1000), "25M": ModelSpec("mlp", (5000,), 10, hidden=5000)}
+MODES = {"cold": dict(warm=False), "warm": dict(warm=True), "warm+poll": dict(warm=True, supernode_poll_s=0.1)}
+
+
+def loopback_bytes_per_s(nbytes: int = 64 << 20) -> float:
+    """Throughput of one plain TCP connection on 127.0.0.1."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+    buf = b"\0" * (1 << 20)
+
+    def sink() -> None:
+        conn, _ = srv.accept()
+        got = 0
+        while got < nbytes:
+            got += len(conn.recv(1 << 20))
+        conn.close()
+
+    th = threading.Thread(target=sink)
+    th.start()
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        t0 = time.perf_counter()
+        for _ in range(nbytes // len(buf)):
+            c.sendall(buf)
+        th.join()
+        dt = time.perf_counter() - t0
+    srv.close()
+    return nbytes / dt
+
+
+def split_rounds(res, centers: list[str], bps: float) -> dict:
+    ev: dict[tuple, float] = {(e["round"], e["who"], e["event"]): e["t"] for e in res.timing}
+    rows = []
+    for rec in res.rounds[1:]:
+        r = rec.round
+        s = {k: ev[(r, "server", k)] for k in ("round_start", "fusion_start", "fusion_end", "round_end")}
+        per = []
+        for c in centers:
+            per.append({"down": ev[(r, c, "received_model")] - s["round_start"],
+                        "compute": ev[(r, c, "finished_training")] - ev[(r, c, "received_model")],
+                        "up": ev[(r, c, "update_received")] - ev[(r, c, "sent_update")],
+                        "wait": s["fusion_start"] - ev[(r, c, "update_received")]})
+        row = {k: float(np.mean([p[k] for p in per])) for k in per[0]}
+        row["fusion"] = s["fusion_end"] - s["fusion_start"]
+        row["round"] = s["round_end"] - s["round_start"]
+        row["bytes"] = rec.bytes_down + sum(rec.bytes_up.values())
+        row["raw"] = row["bytes"] / bps
+        busy = max(p["compute"] for p in per) + row["fusion"]
+        row["overhead"] = row["round"] - busy - row["raw"]
+        row["comm_frac"] = (row["round"] - busy) / row["round"]
+        rows.append(row)
+    return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+
+
+def bench(n_centers: int, size: str, mode: str, rounds: int, steps: int, bps: float, workroot: Path) -> dict:
+    spec = SIZES[size]
+    names = [f"c{i}" for i in range(n_centers)]
+    cfg = CollabConfig(centers=tuple(CenterSpec(n) for n in names), model=spec, rounds=rounds, local_steps=steps,
+                       batch_size=16, lr=0.01, round_timeout_s=600)
+    rng = np.random.default_rng(0)
+    data = {n: (rng.normal(size=(64, *spec.in_shape)).astype(np.float32), rng.integers(0, 10, 64)) for n in names}
+    t0 = time.time()
+    res = run_flower(cfg, data, workdir=workroot / f"{n_centers}-{size}-{mode}", timeout_s=1800, **MODES[mode])
+    wall = time.time() - t0
+    t1 = time.time()
+    ref = run_inprocess(cfg, data)
+    inproc = (time.time() - t1) / rounds
+    same = all(np.array_equal(ref.params[k], res.params[k]) for k in ref.params)
+    out = {"centers": n_centers, "size": size, "params": int(sum(v.size for v in ref.params.values())),
+           "mode": mode, "rounds": rounds, "local_steps": steps, "total_wall_s": wall,
+           "inprocess_round_s": inproc, "matches_inprocess": same, **split_rounds(res, names, bps)}
+    print(f"{n_centers:>2} {size:>4} {mode:>10} | round {out['round']:7.2f} s | down {out['down']:6.2f} "
+          f"compute {out['compute']:6.2f} up {out['up']:6.2f} wait {out['wait']:6.2f} fusion {out['fusion']:5.2f} "
+          f"| raw {out['raw']:5.2f} overhead {out['overhead']:6.2f} comm {100 * out['comm_frac']:5.1f}% "
+          f"| in-process {inproc:6.2f} s/round | exact {same}", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/collab.json"))
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/ppcollab-bench"))
+    args = ap.parse_args()
+    bps = loopback_bytes_per_s()
+    print(f"loopback TCP: {bps / 1e9:.2f} GB/s; {os.cpu_count()} CPUs; load {os.getloadavg()}", flush=True)
+    plan = [(3, "1M", m) for m in MODES]
+    if not args.quick:
+        plan += [(5, "1M", "warm+poll"), (3, "25M", "warm+poll"), (5, "25M", "warm+poll")]
+    rows = [bench(n, s, m, args.rounds, args.steps, bps, args.workdir) for n, s, m in plan]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                                "loadavg_at_start": os.getloadavg()},
+                                    "loopback_bytes_per_s": bps, "rows": rows}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
