@@ -17,8 +17,10 @@ moving bytes. ``comm%`` is ``(round − max compute − fusion) / round``, the s
 budget refers to.
 
 Modes: ``cold`` = Flower defaults (a new ClientApp process per message, SuperNode idle poll 3 s);
-``warm`` = long-lived ClientApp executors (``--isolation process``); ``warm+poll`` = warm and the
-SuperNode idle poll capped at 0.1 s (:mod:`polyparallel.backends.collab._supernode`).
+``warm`` = long-lived ClientApp executors (``--isolation process``), executors and ServerApp polling
+every 0.05 s; ``warm-lazy`` = the same polling every 0.25 s (less CPU burnt on polling, which matters
+on a small shared machine); ``warm+poll`` = warm-lazy and the SuperNode idle poll capped at 0.5 s
+(:mod:`polyparallel.backends.collab._supernode`).
 
 Run: ``nice python benchmarks/collab.py`` (``--quick``: only 3 centers × 1M params, all modes).
 Writes ``benchmarks/results/collab.json``.
@@ -41,7 +43,12 @@ from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, ru
 from polyparallel.backends.collab._flower import run_flower
 
 SIZES = {"1M": ModelSpec("mlp", (1000,), 10, hidden=1000), "25M": ModelSpec("mlp", (5000,), 10, hidden=5000)}
-MODES = {"cold": dict(warm=False), "warm": dict(warm=True), "warm+poll": dict(warm=True, supernode_poll_s=0.1)}
+MODES = {
+    "cold": dict(warm=False),
+    "warm": dict(warm=True, poll_s=0.05),
+    "warm-lazy": dict(warm=True, poll_s=0.25),
+    "warm+poll": dict(warm=True, poll_s=0.25, supernode_poll_s=0.5),
+}
 
 
 def loopback_bytes_per_s(nbytes: int = 64 << 20) -> float:
@@ -129,7 +136,7 @@ def main() -> None:
     print(f"loopback TCP: {bps / 1e9:.2f} GB/s; {os.cpu_count()} CPUs; load {os.getloadavg()}", flush=True)
     plan = [(3, "1M", m) for m in MODES]
     if not args.quick:
-        plan += [(5, "1M", "warm+poll"), (3, "25M", "warm+poll"), (5, "25M", "warm+poll")]
+        plan += [(5, "1M", "warm-lazy"), (3, "25M", "warm-lazy"), (5, "25M", "warm-lazy")]
     rows = [bench(n, s, m, args.rounds, args.steps, bps, args.workdir) for n, s, m in plan]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),

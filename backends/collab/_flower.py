@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -102,6 +103,7 @@ class LoopbackFederation:
     procs: list[_Proc] = field(default_factory=list)
     superlink_port: int = 0
     node_ports: dict[str, int] = field(default_factory=dict)
+    _old_term: Any = field(default=None, repr=False)
 
     # ------------------------------------------------------------------ processes
     @property
@@ -240,14 +242,23 @@ class LoopbackFederation:
         return found
 
     def __enter__(self) -> LoopbackFederation:
+        # SIGTERM must unwind through __exit__ (Python's default would skip it and orphan Flower's processes)
+        self._old_term = None
+        if threading.current_thread() is threading.main_thread():
+            self._old_term = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         try:
             return self.start() if self.autostart else self
         except BaseException:
-            self.stop()
+            self.__exit__()
             raise
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            if self._old_term is not None:
+                signal.signal(signal.SIGTERM, self._old_term)
+                self._old_term = None
 
     def watch(self) -> None:
         """Block while every started process is alive (a center deployment); raise when one exits."""
