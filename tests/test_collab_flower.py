@@ -125,7 +125,7 @@ def test_a_crashed_center_is_skipped_and_rejoins(tmp_path):
         c_framework = "torch"
     cfg = CollabConfig(centers=(CenterSpec("a"), CenterSpec("b"), CenterSpec("c", framework=c_framework)),
                        model=SPEC, rounds=3, local_steps=3, batch_size=16, lr=0.1, min_centers=2,
-                       round_timeout_s=8)
+                       round_timeout_s=30)
     data = _data(names)
     out = tmp_path / "out"
     with LoopbackFederation(tmp_path, write_center_data(tmp_path, data)) as fed:
