@@ -12,8 +12,9 @@ times add up. ``η_c`` is the fraction of peak a kernel of that class reaches (l
 cores, convolutions less, unfused attention less still); ``η_m`` the fraction of data-sheet
 bandwidth a streaming kernel reaches. Matrix ops (contraction, conv, attention) run at the
 dtype's matrix-unit peak; everything else runs on the vector units, priced at the fp32 peak.
-A device with a measured ``matmul_curve`` (a calibrated CPU) replaces ``η_c · P`` for matrix
-ops by the throughput measured at the nearest size, interpolated in log–log.
+A device with a measured ``matmul_curve`` (a calibrated CPU) prices matrix ops by the
+throughput measured at the nearest size (interpolated in log–log), which already includes
+their memory traffic, so no bandwidth term is added for them.
 
 The backward pass of an op costs ``κ(kind)`` times its forward (``κ = 2``: a contraction
 computes the input gradient and the weight gradient, each a GEMM as large as the forward;
@@ -174,7 +175,8 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
         else:
             rate = device.peak_flops("fp32") * DEFAULT_COMPUTE_EFFICIENCY
         t_c = f / rate if f else 0.0
-        t_m = b / (device.memory_bandwidth * MEMORY_EFFICIENCY)
+        # a measured matmul time already contains its memory traffic at that size (in cache or not)
+        t_m = 0.0 if matrix and device.matmul_curve else b / (device.memory_bandwidth * MEMORY_EFFICIENCY)
         k = max(t_c, t_m, device.launch_overhead)
         t += k
         t_b += max(t_c * kb, t_m * kb, device.launch_overhead) if kb > 0 else 0.0

@@ -464,12 +464,16 @@ def estimate_step(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> StepEs
         assert best is not None
         _, dt, f, b, rc = best
         stage_types.append(dt)
-        tgrp = group(s, 0, 0, 0, "tp")
-        qgrp = group(s, 0, 0, 0, "sp")
-        tf = sum(price_collectives(plans[i].tp_fwd, tgrp, ccache) for i in op_idx)
-        tb = sum(price_collectives(plans[i].tp_bwd, tgrp, ccache) for i in op_idx)
-        qf = sum(price_collectives(plans[i].sp_fwd, qgrp, ccache) for i in op_idx)
-        qb = sum(price_collectives(plans[i].sp_bwd, qgrp, ccache) for i in op_idx)
+        # every group of the stage runs the same collectives; the slowest one sets the pace
+        tgrps = [group(s, d, q, 0, "tp") for d in range(cfg.dp) for q in range(cfg.sp)]
+        qgrps = [group(s, d, 0, t, "sp") for d in range(cfg.dp) for t in range(cfg.tp)]
+
+        def slowest(events_of: str, groups: list[list[int]], op_idx: list[int] = op_idx) -> float:
+            return max(sum(price_collectives(getattr(plans[i], events_of), grp, ccache) for i in op_idx)
+                       for grp in groups)
+
+        tf, tb = slowest("tp_fwd", tgrps), slowest("tp_bwd", tgrps)
+        qf, qb = slowest("sp_fwd", qgrps), slowest("sp_bwd", qgrps)
         # recomputing a forward repeats its tensor/sequence-parallel collectives too
         rc_comm = (tf + qf) if cfg.recompute == "full" else 0.0
         fwd[s] = f + tf + qf
@@ -521,8 +525,9 @@ def estimate_step(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> StepEs
     for s in range(p):
         times = []
         for g in range(s, p * v - 1, p):
-            src, dst = devs[cfg.rank(s, 0, 0, 0)], devs[cfg.rank((s + 1) % p, 0, 0, 0)]
-            times.append(p2p_time(cluster, src, dst, boundary[g]))
+            times.append(max(p2p_time(cluster, devs[cfg.rank(s, d, q, t)], devs[cfg.rank((s + 1) % p, d, q, t)],
+                                      boundary[g])
+                             for d in range(cfg.dp) for q in range(cfg.sp) for t in range(cfg.tp)))
         p2p[s] = max(times) if times else 0.0
         p2p_total[s] = 2 * m * sum(times)
 
@@ -535,7 +540,8 @@ def estimate_step(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> StepEs
     totals = []
     for s in range(p):
         dt = stage_types[s]
-        dgrp = group(s, 0, 0, 0, "dp")
+        dgrps = [group(s, 0, 0, t, "dp") for t in range(cfg.tp)]
+        dgrp = dgrps[0]
         dp_events: list[tuple[str, float]] = []
         grad_bytes = params_local[s] * gb
         if len(dgrp) > 1:
@@ -545,7 +551,7 @@ def estimate_step(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> StepEs
                 dp_events += [("reduce_scatter", grad_bytes), ("all_gather", params_local[s] * gb)]
             if cfg.zero_stage == 3:
                 dp_events += [("all_gather", params_local[s] * gb)] * (2 * m)
-        t_dp = price_collectives(dp_events, dgrp, ccache)
+        t_dp = max(price_collectives(dp_events, grp, ccache) for grp in dgrps)
         omega = cfg.grad_overlap if cfg.grad_overlap is not None else (0.0 if dt.kind == "cpu" else 1.0)
         hide = omega * (bwd[s] / v) * (m if cfg.zero_stage == 3 else 1)
         exposed = max(0.0, t_dp - hide)

@@ -760,21 +760,28 @@ def _read_calibration(p: Path) -> dict[str, Any]:
 def _calibrated_type(name: str, cal: Mapping[str, Any], procs: int, base: DeviceType | None = None) -> DeviceType:
     """A CPU process's device type from a calibration; ``procs`` processes share the cores.
 
-    Each process runs ``max(1, cores // procs)`` threads; when there are more processes than
-    cores they time-share, so every rate is scaled by ``min(1, cores / procs)``.
+    Each process runs ``max(1, cores // procs)`` threads. Rates measured with ``procs``
+    processes at once are used as they are; otherwise the single-process rates are scaled by
+    ``min(1, cores / procs)`` (processes beyond the core count time-share).
     """
     cores = int(cal["cores"])
     threads = max(1, cores // procs)
-    share = min(1.0, cores / procs)
-    by_threads = {int(k): v for k, v in cal["matmul"].items()}
-    t = max(k for k in by_threads if k <= threads) if any(k <= threads for k in by_threads) else min(by_threads)
-    points = by_threads[t]
-    curve = tuple(sorted((float(p["flops"]), float(p["seconds"]) / share) for p in points))
+    measured = cal.get("per_processes", {}).get(str(procs))
+    if measured:  # taken with `procs` processes computing at once: no scaling to guess
+        curve = tuple(sorted((float(p["flops"]), float(p["seconds"])) for p in measured["matmul"]))
+        mem_bw = float(measured["memory_bandwidth"])
+        floor = float(measured["launch_overhead"])
+    else:
+        share = min(1.0, cores / procs)
+        by_threads = {int(k): v for k, v in cal["matmul"].items()}
+        t = max(k for k in by_threads if k <= threads) if any(k <= threads for k in by_threads) else min(by_threads)
+        curve = tuple(sorted((float(p["flops"]), float(p["seconds"]) / share) for p in by_threads[t]))
+        mem_bw = float(cal["memory_bandwidth"]) * share / max(1, min(procs, cores))
+        floor = float(cal.get("launch_overhead", 5e-6)) / share
     peak = max(f / s for f, s in curve)
-    mem_bw = float(cal["memory_bandwidth"]) * share / max(1, min(procs, cores))
     return DeviceType(name=name, kind="cpu", peak=(("fp32", peak),), vendor="this machine",
                       memory=float(cal.get("memory_bytes", 8 * 2**30)) / procs, memory_bandwidth=mem_bw,
-                      launch_overhead=float(cal.get("launch_overhead", 5e-6)) / share,
+                      launch_overhead=floor,
                       source=f"calibration {cal.get('path', '')} ({cal.get('host', '?')}, {cal.get('date', '?')}, "
                              f"{threads} thread(s)/process, {procs} processes on {cores} cores)",
                       matmul_curve=curve)

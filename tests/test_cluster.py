@@ -196,3 +196,35 @@ def test_totals_sum_devices():
     assert t["devices"] == sum(t["devices_by_type"].values()) == 88
     assert t["memory_bytes"] == pytest.approx(24 * 80e9 + 16 * 32e9 + 48 * 32e9)
     assert math.isclose(t["peak_flops"]["bf16"], 24 * 312e12 + 16 * 15.7e12 + 48 * 256e12)
+
+
+def test_local_cpu_picks_the_fit_of_its_process_count(tmp_path, monkeypatch):
+    from polyparallel.cost_models.calibrate import fit_alpha_beta
+
+    pts = [(p, n, 2 * (p - 1) * 1e-4 + 2 * (p - 1) / p * n / 3e9) for p in (2, 3, 4) for n in (1e3, 1e5, 1e7)]
+    fit = fit_alpha_beta(pts)
+    assert fit["alpha"] == pytest.approx(1e-4) and fit["bandwidth"] == pytest.approx(3e9)
+    cal = {"cores": 4, "memory_bandwidth": 8e9, "matmul": {"1": [{"n": 64, "flops": 1e6, "seconds": 1e-4}]},
+           "collectives": {"fit": {"alpha": 1e-4, "bandwidth": 1e9},
+                           "fit_by_group_size": {"2": {"alpha": 2e-4, "bandwidth": 2e9},
+                                                 "4": {"alpha": 4e-4, "bandwidth": 4e9}}}}
+    p = tmp_path / "cal.json"
+    p.write_text(json.dumps(cal))
+    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(p))
+    assert Cluster.preset("local-cpu:2").link(0, 1) == (2e9, 2e-4)
+    assert Cluster.preset("local-cpu:4").link(0, 1) == (4e9, 4e-4)
+    assert Cluster.preset("local-cpu:3").link(0, 1) == (4e9, 4e-4)  # nearest, the larger on a tie
+
+
+def test_local_cpu_prefers_rates_measured_with_p_processes(tmp_path, monkeypatch):
+    one = [{"n": 256, "flops": 2 * 256**3, "seconds": 2 * 256**3 / 100e9}]
+    four = [{"n": 256, "flops": 2 * 256**3, "seconds": 2 * 256**3 / 30e9}]
+    cal = {"cores": 2, "memory_bandwidth": 10e9, "matmul": {"1": one},
+           "per_processes": {"4": {"matmul": four, "memory_bandwidth": 3e9, "launch_overhead": 1e-5}}}
+    p = tmp_path / "cal.json"
+    p.write_text(json.dumps(cal))
+    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(p))
+    four_procs = Cluster.preset("local-cpu:4").device(0).type
+    assert four_procs.peak_flops() == pytest.approx(30e9) and four_procs.memory_bandwidth == 3e9
+    # no measurement with 3 processes: single-process rates scaled by the core share 2/3
+    assert Cluster.preset("local-cpu:3").device(0).type.peak_flops() == pytest.approx(100e9 * 2 / 3)

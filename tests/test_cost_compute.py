@@ -45,3 +45,29 @@ def test_calibrated_curve_reproduces_measurements():
     g = mlp_graph(batch=181, widths=(181, 181), bias=False)  # between: log-log interpolation
     rate = g.ops[0].flops / op_cost(g, g.ops[0], cpu).forward
     assert 10e9 < rate < 40e9
+
+
+def test_unfused_attention_is_priced_per_statement():
+    from polyparallel import ops
+    from polyparallel.ir import Graph, Op, TensorKind, TensorSpec
+
+    b, h, s, d = 8, 16, 2048, 64
+    g = Graph("att")
+    for n in ("q", "k", "v"):
+        g.add_tensor(TensorSpec(n, (b, h, s, d), "float32", TensorKind.INPUT))
+    g.add_tensor(TensorSpec("o", (b, h, s, d)))
+    op = g.add_op(Op("att", OpKind.ATTENTION, "sdpa", ("q", "k", "v"), ("o",),
+                     ops.attention((b, h, s, d), (b, h, s, d), (b, h, s, d))))
+    S, R, T = b * h * s * s, b * h * s, b * h * s * d  # scores, softmax rows, one of q/k/v/o
+    bw, mm, vec = 2039e9 * 0.8, 312e12 * 0.8, 19.5e12 * 0.5
+
+    def k(flops, nbytes, rate):
+        return max(flops / rate, nbytes / bw, 5e-6)
+
+    want = (k(2 * S * d, 2 * (2 * T + S), mm)  # scores = q k^T, written out
+            + k(3 * S, 2 * (S + R), vec)  # softmax statistics, scores read back
+            + k(2 * S * d, 2 * (S + R + 2 * T), mm))  # probabilities x v
+    assert op_cost(g, op, A100, "bf16").forward == pytest.approx(want)
+    fused = op_cost(g, op, A100, "bf16", fused=True)
+    assert fused.forward == pytest.approx(max(op.flops / (312e12 * 0.5), 2 * 4 * T / bw))
+    assert fused.forward < want

@@ -104,3 +104,15 @@ def test_config_validation(cfg, msg):
 def test_more_stages_than_layers_is_an_error():
     with pytest.raises(ValueError, match="cannot cut"):
         estimate_step(mlp_graph(batch=4, widths=(8, 8)), node(8), ParallelConfig(pp=8))
+
+
+def test_equal_layer_partition_puts_embedding_and_head_on_end_stages():
+    h, v, s = 32, 100, 8
+    g = gpt_graph(layers=5, hidden=h, heads=4, seq=s, vocab=v, batch=1)
+    e = estimate_step(g, node(2), ParallelConfig(pp=2, microbatches=2, partition="layers"))
+    layer = 12 * h * h + 13 * h
+    # first ceil(5/2) = 3 layers with the embeddings; 2 layers, the final norm and the tied head after
+    assert e.memory[0].term("weights") == 4 * (3 * layer + v * h + s * h)
+    assert e.memory[1].term("weights") == 4 * (2 * layer + 2 * h + v * h)
+    with pytest.raises(ValueError, match="partition"):
+        estimate_step(g, node(2), ParallelConfig(pp=2, partition="random"))
