@@ -25,6 +25,10 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/polyparallel graph gpt-tiny --summary
+	mkdir -p .demo
+	$(BIN)/polyparallel search gpt-tiny --cluster local-cpu:2 --batch-size 16 --out .demo/strategy.json
+	$(BIN)/polyparallel explain .demo/strategy.json
+	$(BIN)/polyparallel search gpt2-small --cluster dgx-a100x1 --batch-size 64 --out .demo/gpt2-small.json
 
 test: $(TSTAMP)
 	$(BIN)/ruff check .
