@@ -21,7 +21,7 @@ from polyparallel.poly import DeviceMesh, Placement, TensorLayout, count, footpr
 from polyparallel.poly._comm import Distribution, layout_distribution
 from polyparallel.poly._footprint import dim_bounds, operand_region
 
-SETTINGS = settings(max_examples=int(os.environ.get("POLY_EXAMPLES", "30")), deadline=None,
+SETTINGS = settings(max_examples=int(os.environ.get("POLY_EXAMPLES", "20")), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -80,14 +80,14 @@ def layout_touched(layout: TensorLayout, mesh: DeviceMesh, p: int) -> np.ndarray
 def make_need(nest: LoopNest, operand: str, shape: tuple[int, ...], placement: Placement,
               mesh: DeviceMesh) -> Distribution:
     bounds = dim_bounds(nest, placement, mesh)
-    region = operand_region(nest, operand, shape, bounds, writes=False)
+    region = operand_region(nest, operand, shape, bounds, writes=False, ndev=mesh.size)
 
     def isl_of(p: int):
         b = {d: (int(lo[p]), int(hi[p])) for d, (lo, hi) in bounds.items()}
         return footprint_set(nest, operand, shape, b, writes=False).set_tuple_name("T")
 
     return Distribution(shape, mesh, region, tuple(() for _ in shape), tuple(False for _ in shape), (),
-                        ("test", id(region)), isl_of)
+                        ("test", id(region)), isl_of, np.arange(mesh.size))
 
 
 def draw_placement(data, nest: LoopNest, mesh: DeviceMesh) -> Placement:
@@ -105,7 +105,7 @@ meshes = st.sampled_from([
 
 
 KINDS = ["matmul", "bmm", "conv", "pool", "softmax", "attention", "elementwise", "layer_norm", "embedding",
-         "gather"]
+         "gather", "reshape"]
 
 
 @st.composite
@@ -151,6 +151,11 @@ def op_cases(draw, kind: str):
     if kind == "gather":
         data, idx = (draw(small), draw(small), draw(small)), (draw(small),)
         return ops.gather(data, idx, 1), [data, idx]
+    if kind == "reshape":  # flattened heads: reads in0[b, D*h + d]
+        b, h, d = draw(small), draw(st.integers(1, 4)), draw(st.integers(1, 6))
+        if draw(st.booleans()):
+            return ops.reshape((b, h * d), (b, h, d)), [(b, h * d)]
+        return ops.reshape((b, h, d), (b, h * d)), [(b, h, d)]
     out = (draw(small), draw(small), draw(small))
     a = tuple(x if draw(st.booleans()) else 1 for x in out)
     b2 = out[-draw(st.integers(1, 3)):]
@@ -170,7 +175,7 @@ def test_footprints_and_receives_match_brute_force(kind, mesh, data):
         operand = f"in{i}"
         if operand not in nest.operands():
             continue
-        region = operand_region(nest, operand, shape, bounds, writes=False)
+        region = operand_region(nest, operand, shape, bounds, writes=False, ndev=mesh.size)
         need = make_need(nest, operand, shape, placement, mesh)
         got = need.counts()
         # a random producer layout of this tensor
@@ -199,7 +204,7 @@ def test_output_footprints_match_brute_force(kind, mesh, data):
     full = {d.name: (0, d.extent) for d in nest.dims}
     shape = tuple(int(x) for x in np.argwhere(brute_touched(nest, "out0", _out_shape(nest), full, True))
                   .max(axis=0) + 1) if _out_shape(nest) else ()
-    region = operand_region(nest, "out0", shape, bounds, writes=True)
+    region = operand_region(nest, "out0", shape, bounds, writes=True, ndev=mesh.size)
     counts, bad = region.counts()
     for p, box in enumerate(device_boxes(nest, placement, mesh)):
         assert bad[p] or counts[p] == brute_touched(nest, "out0", shape, box, True).sum()
@@ -245,3 +250,27 @@ def test_progression_intersection_matches_sets(a, b):
         assert a[1] > 1 and b[1] > 1 and a[1] != b[1] and a[2] > 1 and b[2] > 1
         return
     assert {int(got.start[0] + got.step[0] * i) for i in range(int(got.n[0]))} == ref
+
+
+@SETTINGS
+@given(data=st.data(), mesh=meshes)
+def test_per_device_points_of_constrained_statements(data, mesh):
+    """Causal attention and prefix scans: the closed form of the per-device FLOPs against enumeration."""
+    from polyparallel.poly._comm import _points
+
+    if data.draw(st.booleans()):
+        s = data.draw(st.integers(2, 7))
+        nest = ops.attention((2, 2, s, 3), (2, 2, s, 3), (2, 2, s, 3), causal=True)
+    else:
+        nest = ops.scan((data.draw(st.integers(1, 3)), data.draw(st.integers(2, 7))), data.draw(st.integers(0, 1)))
+    placement = draw_placement(data, nest, mesh)
+    bounds = dim_bounds(nest, placement, mesh)
+    for stmt in nest.statements:
+        got = _points(nest, stmt, bounds, mesh.size)
+        for p, box in enumerate(device_boxes(nest, placement, mesh)):
+            grids = np.meshgrid(*[np.arange(*box[d]) for d in stmt.dims], indexing="ij")
+            env = dict(zip(stmt.dims, grids))
+            keep = np.ones(grids[0].shape, dtype=bool)
+            for c in stmt.constraints:
+                keep &= (sum(k * env[d] for d, k in c.terms) + c.const) >= 0
+            assert got[p] == keep.sum(), (stmt.name, p, placement)

@@ -18,6 +18,7 @@ API:
     mesh, "in0") -> Distribution``
     ``reshard(have, need, mesh) -> Reshard`` (steps: kind, mesh axes, exact elements)
     ``reshard_edge(graph, tensor, producer_placement, consumer, consumer_placement, mesh)``
+    ``edge_costs(graph, tensor, consumer, "in0", mesh) -> EdgeCosts`` (every placement pair)
     ``cache_stats()`` hit rates.
 
 Examples:
@@ -51,11 +52,13 @@ from ._cache import CACHE, PolyCache, cache_stats, clear_cache
 from ._comm import (
     Collective,
     Distribution,
+    EdgeCosts,
     OpComm,
     Reshard,
     Step,
     TensorLayout,
     comm_of_op,
+    edge_costs,
     layout_distribution,
     operand_need,
     output_layout,
@@ -72,6 +75,7 @@ __all__ = [
     "Collective",
     "DeviceMesh",
     "Distribution",
+    "EdgeCosts",
     "IllegalPlacement",
     "MeshAxis",
     "OpComm",
@@ -88,6 +92,7 @@ __all__ = [
     "count",
     "dim_split_kind",
     "domain_set",
+    "edge_costs",
     "footprint_set",
     "layout_distribution",
     "legal_placements",

@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import islpy as isl
 import numpy as np
@@ -44,7 +45,7 @@ import numpy as np
 from polyparallel.ir import ANY, DTYPE_BYTES, Graph, LoopNest, Op, Shape, TensorKind
 
 from ._cache import CACHE
-from ._footprint import Prog, Region, dim_bounds, index_prog, layout_region, operand_region
+from ._footprint import Prog, Region, dim_bounds, layout_region, operand_region
 from ._isl import count, footprint_set, tensor_box
 from ._mesh import DeviceMesh
 from ._placement import Placement, check_placement, dim_split_kind, padding_of
@@ -52,11 +53,14 @@ from ._placement import Placement, check_placement, dim_split_kind, padding_of
 __all__ = [
     "Collective",
     "Distribution",
+    "EdgeCosts",
     "OpComm",
     "Reshard",
     "Step",
     "TensorLayout",
     "comm_of_op",
+    "edge_costs",
+    "layout_distribution",
     "operand_need",
     "output_layout",
     "reshard",
@@ -132,8 +136,16 @@ class Distribution:
     partial: tuple[str, ...]
     key: tuple
     isl_of: Callable[[int], isl.Set] = field(repr=False)
+    box_of: np.ndarray = field(repr=False, default=None)  # devices with equal ids hold equal sets
 
     @property
+    def reshard_key(self) -> tuple:
+        """Cache key of the set each device holds: the layout when it is one (shared by every
+        op that leaves or needs that layout), else the op-level key."""
+        lay = self.layout
+        return ("layout", lay, self.mesh) if lay is not None else self.key
+
+    @cached_property
     def layout(self) -> TensorLayout | None:
         if not all(self.block) or len(_unique_pieces(self.region)) != 1:
             return None
@@ -141,16 +153,31 @@ class Distribution:
 
     def counts(self) -> np.ndarray:
         """Exact elements on each device."""
+        return self._counts
+
+    @cached_property
+    def _counts(self) -> np.ndarray:
         c, bad = self.region.counts()
+        done: dict[int, int] = {}
         for p in np.nonzero(bad)[0]:
-            c[p] = count(self.isl_of(int(p)))
+            k = int(self.box_of[p])
+            if k not in done:
+                done[k] = count(self.isl_of(int(p)))
+            c[p] = done[k]
         return c
 
     def common(self, other: Distribution) -> np.ndarray:
         """Exact ``|self(p) ∩ other(p)|`` for each device ``p``."""
+        return CACHE.get("common", (self.reshard_key, other.reshard_key), lambda: self._common(other))
+
+    def _common(self, other: Distribution) -> np.ndarray:
         c, bad = self.region.intersect_counts(other.region)
+        done: dict[tuple[int, int], int] = {}
         for p in np.nonzero(bad)[0]:
-            c[p] = count(self.isl_of(int(p)).intersect(other.isl_of(int(p))))
+            k = (int(self.box_of[p]), int(other.box_of[p]))
+            if k not in done:
+                done[k] = count(self.isl_of(int(p)).intersect(other.isl_of(int(p))))
+            c[p] = done[k]
         return c
 
     def missing(self, have: Distribution) -> np.ndarray:
@@ -160,6 +187,14 @@ class Distribution:
     def __str__(self) -> str:
         lay = self.layout
         return str(lay) if lay is not None else f"irregular{[list(d) for d in self.deps]}"
+
+
+def _box_ids(boxes: list[np.ndarray], ndev: int) -> np.ndarray:
+    """An id per device, equal for devices whose (lo, hi) bounds are all equal."""
+    if not boxes:
+        return np.zeros(ndev, dtype=np.int64)
+    rows = np.concatenate([b.reshape(2, ndev) for b in boxes], axis=0).T
+    return np.unique(rows, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
 
 
 def _unique_pieces(region: Region) -> list:
@@ -186,17 +221,29 @@ def layout_distribution(layout: TensorLayout, mesh: DeviceMesh) -> Distribution:
                 cons.append(f"{int(lo[p])} <= i{j} < {int(hi[p])}")
             return isl.Set(f"{{ T[{', '.join(idx)}] : {' and '.join(cons) or 'true'} }}")
 
+        boxes = [np.stack(mesh.bounds(n, s)) for n, s in zip(layout.shape, layout.shards)]
         return Distribution(tuple(layout.shape), mesh, region, layout.shards,
                             tuple(True for _ in layout.shape), layout.partial,
-                            ("layout", layout, mesh), isl_of)
+                            ("layout", layout, mesh), isl_of, _box_ids(boxes, mesh.size))
 
     return CACHE.get("distribution", ("layout", layout, mesh), make)
 
 
+_SIGNATURES: dict[tuple[int, int], tuple[Graph | None, Op, str]] = {}
+
+
 def _signature(graph: Graph | None, op: Op) -> str:
-    if graph is not None:
-        return graph.signature(op)
-    return hashlib.blake2b(repr(op.nest).encode(), digest_size=12).hexdigest()
+    """``graph.signature(op)``, memoised per (graph, op) object (it hashes the whole nest)."""
+    key = (id(graph), id(op))
+    hit = _SIGNATURES.get(key)
+    if hit is not None and hit[0] is graph and hit[1] is op:
+        return hit[2]
+    sig = graph.signature(op) if graph is not None else \
+        hashlib.blake2b(repr(op.nest).encode(), digest_size=12).hexdigest()
+    if len(_SIGNATURES) > 100_000:
+        _SIGNATURES.clear()
+    _SIGNATURES[key] = (graph, op, sig)
+    return sig
 
 
 def _operand_shape(graph: Graph, op: Op, operand: str) -> Shape:
@@ -217,10 +264,10 @@ def _op_distribution(graph: Graph, op: Op, placement: Placement, mesh: DeviceMes
         if nest is None:
             region = layout_region(shape, tuple(() for _ in shape), mesh)
             return Distribution(shape, mesh, region, tuple(() for _ in shape), tuple(True for _ in shape), (),
-                                key, lambda p: tensor_box("T", shape))
+                                key, lambda p: tensor_box("T", shape), np.zeros(mesh.size, dtype=np.int64))
         check_placement(nest, placement, mesh, op=op.name)
         bounds = dim_bounds(nest, placement, mesh)
-        region = operand_region(nest, operand, shape, bounds, writes=writes)
+        region = operand_region(nest, operand, shape, bounds, writes=writes, ndev=mesh.size)
         deps: list[list[str]] = [[] for _ in shape]
         for _st, acc, is_write in nest.accesses(operand):
             if is_write != writes:
@@ -242,8 +289,9 @@ def _op_distribution(graph: Graph, op: Op, placement: Placement, mesh: DeviceMes
             b = {d: (int(lo[p]), int(hi[p])) for d, (lo, hi) in bounds.items()}
             return footprint_set(nest, operand, shape, b, writes=writes).set_tuple_name("T")
 
+        boxes = [np.stack(b) for b in bounds.values()]
         return Distribution(tuple(shape), mesh, region, tuple(tuple(d) for d in deps), tuple(block), partial,
-                            key, isl_of)
+                            key, isl_of, _box_ids(boxes, mesh.size))
 
     return CACHE.get("distribution", key, make)
 
@@ -338,7 +386,8 @@ def reshard(have: Distribution | TensorLayout, need: Distribution | TensorLayout
         raise ValueError(f"reshard between shapes {list(h.shape)} and {list(n.shape)}")
     if n.partial:
         raise ValueError(f"a consumer cannot need partial sums ({n})")
-    return CACHE.get("reshard", (h.key, n.key, mesh, dtype_bytes), lambda: _reshard(h, n, mesh, dtype_bytes))
+    return CACHE.get("reshard", (h.reshard_key, n.reshard_key, mesh, dtype_bytes),
+                     lambda: _reshard(h, n, mesh, dtype_bytes))
 
 
 def _reshard(h: Distribution, n: Distribution, mesh: DeviceMesh, dtype_bytes: int) -> Reshard:
@@ -523,9 +572,11 @@ def _comm_of_op(graph: Graph, op: Op, placement: Placement, mesh: DeviceMesh) ->
         axes = _partial_axes(nest, placement, tmp)
         if axes:
             shape = _temporary_shape(nest, tmp)
-            region = operand_region(nest, tmp, shape, bounds, writes=True)
+            region = operand_region(nest, tmp, shape, bounds, writes=True, ndev=ndev)
             block, bad = region.counts()
-            if bad.any():  # temporaries are written through plain dims; be exact anyway
+            if bad.any():
+                block, bad = _temporary_block(nest, tmp, bounds, block, bad, ndev)
+            if bad.any():
                 for p in np.nonzero(bad)[0]:
                     b = {d: (int(lo[p]), int(hi[p])) for d, (lo, hi) in bounds.items()}
                     block[p] = count(footprint_set(nest, tmp, shape, b, writes=True))
@@ -562,28 +613,68 @@ def _comm_of_op(graph: Graph, op: Op, placement: Placement, mesh: DeviceMesh) ->
     return OpComm(placement, tuple(forward), tuple(partial), tuple(grad), kinds, pad, float(flops.max(initial=0)))
 
 
+def _temporary_block(nest: LoopNest, tmp: str, bounds, block: np.ndarray, bad: np.ndarray,
+                     ndev: int) -> tuple[np.ndarray, np.ndarray]:
+    """Count a temporary written as ``tmp[d1, .., dk]`` (plain dims) by a constrained statement:
+    its block is the domain projected onto ``d1..dk``, i.e. the points of the statement
+    restricted to those dims when every constraint lives on them (attention scores)."""
+    from polyparallel.ir import Statement
+
+    writers = [(st, w) for st in nest.statements for w in st.writes if w.operand == tmp]
+    if len(writers) != 1:
+        return block, bad
+    st, w = writers[0]
+    plain = [e.dims[0] for e in w.index if e is not ANY and len(e.terms) == 1 and e.terms[0][1] == 1
+             and e.const == 0]
+    if len(plain) != len(w.index) or len(set(plain)) != len(plain) or \
+            any(not set(c.dims) <= set(plain) for c in st.constraints):
+        return block, bad
+    sub = Statement(st.name, tuple(plain), reads=(), writes=(w,), constraints=st.constraints)
+    return np.where(bad, _points(nest, sub, bounds, ndev), block), np.zeros_like(bad)
+
+
 def _temporary_shape(nest: LoopNest, tmp: str) -> Shape:
-    full = {d.name: (np.zeros(1, dtype=np.int64), np.full(1, d.extent, dtype=np.int64)) for d in nest.dims}
+    """Extent of each axis of a temporary: one past the largest index any access reaches."""
     shape: list[int] | None = None
     for _st, acc, _w in nest.accesses(tmp):
         ext = []
         for e in acc.index:
             if e is ANY:
                 raise ValueError(f"temporary {tmp!r} is indexed by a data-dependent index")
-            p, _ = index_prog(e, full, 1)
-            ext.append(int(p.start[0] + p.step[0] * (p.n[0] - 1)) + 1)
+            ext.append(1 + e.const + sum(max(k, 0) * (nest.dim(d).extent - 1) for d, k in e.terms))
         shape = ext if shape is None else [max(a, b) for a, b in zip(shape, ext)]
     return tuple(shape or ())
 
 
 def _points(nest: LoopNest, st, bounds, ndev: int) -> np.ndarray:
-    """Domain points of the statement on each device (exact; isl for constrained statements)."""
+    """Domain points of the statement on each device (exact).
+
+    Unconstrained: the box volume. One constraint ``cx x + cy y + c0 >= 0`` with unit
+    coefficients (a causal mask, a scan): for each ``x`` the admissible ``y`` of
+    ``[c, d)`` number ``clip(cx x + m, 0, d - c)`` (``m = c0 + 1 - c`` when ``cy = -1``,
+    ``c0 + d`` when ``cy = 1``), and the sum over ``x`` of a clipped linear function is
+    closed-form (:func:`_sum_clip`). Anything else: isl, once per distinct device box.
+    """
     box = np.ones(ndev, dtype=np.int64)
     for d in st.dims:
         lo, hi = bounds[d]
         box = box * np.maximum(hi - lo, 0)
     if not st.constraints:
         return box
+    if len(st.constraints) == 1 and len(st.constraints[0].terms) == 2 and \
+            all(abs(k) == 1 for _, k in st.constraints[0].terms):
+        c = st.constraints[0]
+        (x, cx), (y, cy) = c.terms
+        a, b = bounds[x]
+        lo_y, hi_y = bounds[y]
+        width = np.maximum(hi_y - lo_y, 0)
+        m = c.const + 1 - lo_y if cy == -1 else c.const + hi_y
+        if cx == 1:
+            pairs = _sum_clip(a + m, b + m, width)
+        else:
+            pairs = _sum_clip(m - b + 1, m - a + 1, width)
+        rest = box // np.maximum((b - a) * width, 1)
+        return np.where((b > a) & (width > 0), pairs * rest, 0)
     from ._isl import domain_set
 
     keys = np.stack([np.stack(bounds[d]) for d in st.dims]).reshape(-1, ndev).T
@@ -596,3 +687,84 @@ def _points(nest: LoopNest, st, bounds, ndev: int) -> np.ndarray:
             seen[k] = count(domain_set(nest, st, b))
         out[p] = seen[k]
     return out
+
+
+def _sum_clip(lo: np.ndarray, hi: np.ndarray, top: np.ndarray) -> np.ndarray:
+    """``sum_{u=lo}^{hi-1} min(max(u, 0), top)`` elementwise."""
+    a = np.maximum(lo, 0)
+    b = np.minimum(hi, top + 1)
+    n = np.maximum(b - a, 0)
+    linear = n * (a + b - 1) // 2  # sum of u over [a, b)
+    flat = np.maximum(hi - np.maximum(lo, top + 1), 0) * top
+    return linear + flat
+
+
+# -- pricing every producer x consumer placement pair of an edge --------------------------------
+@dataclass(frozen=True, eq=False)
+class EdgeCosts:
+    """Reshard costs of one graph edge for every (producer placement, consumer placement) pair.
+
+    Placements that leave (or need) the same distribution share a row (column):
+    ``cost(i, j) = reshards[have_of[i]][need_of[j]]``. ``bytes`` is the matrix of bytes
+    received per device along the route, indexed like ``reshards``.
+    """
+
+    producer_placements: tuple[Placement, ...]
+    consumer_placements: tuple[Placement, ...]
+    have_of: np.ndarray
+    need_of: np.ndarray
+    reshards: tuple[tuple[Reshard, ...], ...]
+
+    @property
+    def bytes(self) -> np.ndarray:
+        return np.array([[r.volume_bytes_per_device for r in row] for row in self.reshards], dtype=np.int64)
+
+    def cost(self, i: int, j: int) -> Reshard:
+        return self.reshards[int(self.have_of[i])][int(self.need_of[j])]
+
+    @property
+    def pairs(self) -> int:
+        return len(self.producer_placements) * len(self.consumer_placements)
+
+
+def edge_costs(graph: Graph, tensor: str, consumer: Op, operand: str, mesh: DeviceMesh,
+               producer_placements: Sequence[Placement] | None = None,
+               consumer_placements: Sequence[Placement] | None = None) -> EdgeCosts:
+    """Price every producer x consumer placement pair of the edge ``tensor -> consumer.operand``.
+
+    Defaults to all legal placements of both ops. A graph input has one "producer
+    placement" (replicated). Cached by (producer signature, consumer signature, operand,
+    mesh, placements), so the edges of repeated layers are lookups.
+    """
+    from ._placement import legal_placements
+
+    prod = graph.producer(tensor)
+    pp_ = tuple(producer_placements if producer_placements is not None else
+                (legal_placements(graph, prod, mesh) if prod is not None else [Placement()]))
+    cp_ = tuple(consumer_placements if consumer_placements is not None else legal_placements(graph, consumer, mesh))
+    psig = _signature(graph, prod) if prod is not None else ("input", graph.shape(tensor))
+    out_idx = prod.outputs.index(tensor) if prod is not None else 0
+    key = (psig, out_idx, _signature(graph, consumer), operand, mesh, pp_, cp_, graph.tensors[tensor].dtype)
+
+    def make() -> EdgeCosts:
+        nbytes = DTYPE_BYTES.get(graph.tensors[tensor].dtype, 4)
+        haves: dict = {}
+        have_of = np.zeros(len(pp_), dtype=np.int64)
+        for i, p in enumerate(pp_):
+            d = (output_layout(graph, prod, p, mesh, out_idx) if prod is not None else
+                 layout_distribution(TensorLayout.replicated(graph.shape(tensor)), mesh))
+            have_of[i] = haves.setdefault(_dedupe_key(d), (len(haves), d))[0]
+        needs: dict = {}
+        need_of = np.zeros(len(cp_), dtype=np.int64)
+        for j, p in enumerate(cp_):
+            d = operand_need(graph, consumer, p, mesh, operand)
+            need_of[j] = needs.setdefault(_dedupe_key(d), (len(needs), d))[0]
+        rows = tuple(tuple(reshard(h, n, mesh, dtype_bytes=nbytes) for _, n in needs.values())
+                     for _, h in haves.values())
+        return EdgeCosts(pp_, cp_, have_of, need_of, rows)
+
+    return CACHE.get("edge", key, make)
+
+
+def _dedupe_key(d: Distribution) -> tuple:
+    return d.reshard_key

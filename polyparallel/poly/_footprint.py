@@ -38,7 +38,7 @@ from polyparallel.ir import ANY, AffineExpr, LoopNest, Statement
 from ._mesh import DeviceMesh
 from ._placement import Placement
 
-__all__ = ["Prog", "Region", "dim_bounds", "operand_region", "statement_bounds"]
+__all__ = ["Grid", "Prog", "Region", "dim_bounds", "operand_region", "statement_bounds"]
 
 Bounds = dict[str, tuple[np.ndarray, np.ndarray]]
 
@@ -50,27 +50,41 @@ class Prog:
     start: np.ndarray
     step: np.ndarray
     n: np.ndarray
+    unit: bool = False  # every step is 1 (an interval): intersections are max/min
 
     @staticmethod
     def interval(lo: np.ndarray, hi: np.ndarray) -> Prog:
-        return Prog(lo, np.ones_like(lo), np.maximum(hi - lo, 0))
+        return Prog(lo, np.ones_like(lo), np.maximum(hi - lo, 0), True)
 
     def normal(self) -> Prog:
+        if self.unit:
+            return self
         # a progression of <= 1 point has no meaningful step; step 1 keeps intersections closed-form
         step = np.where(self.n <= 1, 1, self.step)
         start = np.where(self.n <= 0, 0, self.start)
-        return Prog(start, step, np.maximum(self.n, 0))
+        return Prog(start, step, np.maximum(self.n, 0), bool((step == 1).all()))
 
     def clip(self, size: int) -> Prog:
         return self.intersect(Prog.interval(np.zeros_like(self.start), np.full_like(self.start, size)))[0]
 
-    def same(self, other: Prog) -> bool:
+    def same(self, other: Prog | Grid) -> bool:
+        if self is other:
+            return True
+        if isinstance(other, Grid):
+            return False
         a, b = self.normal(), other.normal()
         return bool(np.array_equal(a.n, b.n) and np.array_equal(a.start, b.start) and np.array_equal(a.step, b.step))
 
-    def intersect(self, other: Prog) -> tuple[Prog, np.ndarray]:
+    def intersect(self, other: Prog | Grid) -> tuple[Prog, np.ndarray]:
         """(intersection, per-device mask of devices where it is not closed-form)."""
+        if isinstance(other, Grid):
+            return other.intersect(self)
         a, b = self.normal(), other.normal()
+        if a.unit and b.unit:
+            lo = np.maximum(a.start, b.start)
+            hi = np.minimum(a.start + a.n, b.start + b.n)
+            n = np.maximum(hi - lo, 0)
+            return Prog(np.where(n > 0, lo, 0), a.step, n, True), _NO_BAD(len(n))
         # orient so that ``a`` is the one with the larger step
         swap = b.step > a.step
         a, b = (Prog(np.where(swap, b.start, a.start), np.where(swap, b.step, a.step), np.where(swap, b.n, a.n)),
@@ -92,7 +106,70 @@ class Prog:
         return Prog(s_iv, g, n).normal(), unsupported
 
 
-Product = tuple[Prog, ...]
+@dataclass(frozen=True, eq=False)
+class Grid:
+    """Per-device two-level sets ``{start + c h + i : 0 <= h < H, 0 <= i < n}`` with ``c > n``.
+
+    The footprint of a flattened index such as ``d + 64 h`` (heads x head-dim) when ``d``
+    is split: ``H`` rows of ``n`` consecutive elements, ``c`` apart. Counted against an
+    interval ``[a, b)`` in closed form: ``F(b) - F(a)`` with ``F(x)`` the elements below
+    ``x``, ``F = w * #{full rows} + (the one partial row)``.
+    """
+
+    start: np.ndarray
+    n: np.ndarray
+    c: np.ndarray
+    H: np.ndarray
+
+    def size(self) -> np.ndarray:
+        return np.maximum(self.n, 0) * np.maximum(self.H, 0)
+
+    def same(self, other: object) -> bool:
+        return isinstance(other, Grid) and all(np.array_equal(getattr(self, f), getattr(other, f))
+                                               for f in ("start", "n", "c", "H"))
+
+    def below(self, x: np.ndarray) -> np.ndarray:
+        A = x - self.start
+        w = np.maximum(self.n, 0)
+        c = np.maximum(self.c, np.maximum(w, 1))
+        full = np.clip((A - w) // c + 1, 0, self.H)
+        hp = (A - 1) // c
+        rest = A - c * hp
+        partial = np.where((hp >= 0) & (hp < self.H) & (rest > 0) & (rest < w), rest, 0)
+        return full * w + partial
+
+    def count_in(self, iv: Prog) -> np.ndarray:
+        return np.where(iv.n > 0, self.below(iv.start + iv.n) - self.below(iv.start), 0)
+
+    def intersect(self, other: object) -> tuple[Prog, np.ndarray]:
+        # a grid cut by another set is not a grid: only counts are closed-form (see count_in)
+        z = np.zeros_like(self.start)
+        return Prog(z, np.ones_like(z), z, True), np.ones(len(z), dtype=bool)
+
+
+Axis = Prog | Grid
+Product = tuple[Axis, ...]
+
+
+def _size(a: Axis) -> np.ndarray:
+    return a.size() if isinstance(a, Grid) else np.maximum(a.n, 0)
+
+
+def _axis_common(a: Axis, b: Axis) -> tuple[np.ndarray, np.ndarray]:
+    """``|a ∩ b|`` per device, and where that is not closed-form."""
+    if isinstance(a, Grid) or isinstance(b, Grid):
+        g, o = (a, b) if isinstance(a, Grid) else (b, a)
+        if isinstance(o, Grid):
+            return np.zeros_like(g.start), np.ones(len(g.start), dtype=bool)
+        o = o.normal()
+        bad = (o.step != 1) & (o.n > 1)
+        return g.count_in(o), bad
+    c, bad = a.intersect(b)
+    return c.n, bad
+
+
+def _NO_BAD(n: int) -> np.ndarray:
+    return np.zeros(n, dtype=bool)
 
 
 @dataclass(eq=False)
@@ -114,6 +191,13 @@ class Region:
     def intersect_counts(self, other: Region) -> tuple[np.ndarray, np.ndarray]:
         """Per-device ``|self ∩ other|`` and the devices that need isl."""
         bad = self.fallback | other.fallback
+        if len(self.pieces) == 1 and len(other.pieces) == 1:
+            total = np.ones(len(bad), dtype=np.int64)
+            for a, b in zip(self.pieces[0], other.pieces[0]):
+                c, nb = _axis_common(a, b)
+                total = total * c
+                bad = bad | nb
+            return total, bad
         pieces = []
         for p, q in itertools.product(self.pieces, other.pieces):
             prod, nb = _intersect_products(p, q)
@@ -134,27 +218,33 @@ def _intersect_products(p: Product, q: Product) -> tuple[Product, np.ndarray]:
 def _product_count(p: Product, ndev: int) -> np.ndarray:
     c = np.ones(ndev, dtype=np.int64)
     for a in p:
-        c = c * np.maximum(a.n, 0)
+        c = c * _size(a)
     return c
 
 
 def _union_count(pieces: list[Product], bad: np.ndarray, ndev: int) -> tuple[np.ndarray, np.ndarray]:
+    """``|U pieces|`` per device by inclusion-exclusion, pruning subsets whose intersection is
+    empty on every device (their supersets are empty too: disjoint pieces cost nothing)."""
     if not pieces:
         return np.zeros(ndev, dtype=np.int64), bad
-    uniq: list[Product] = []
-    for p in pieces:
-        if not any(all(a.same(b) for a, b in zip(p, q)) for q in uniq):
-            uniq.append(p)
-    if len(uniq) > 6:
+    uniq = pieces  # operand_region removed duplicate pieces
+    if len(uniq) == 1:
+        return _product_count(uniq[0], ndev), bad
+    if len(uniq) > 8:
         return np.zeros(ndev, dtype=np.int64), np.ones(ndev, dtype=bool)
     total = np.zeros(ndev, dtype=np.int64)
-    for r in range(1, len(uniq) + 1):
-        for sub in itertools.combinations(uniq, r):
-            acc = sub[0]
-            for q in sub[1:]:
-                acc, nb = _intersect_products(acc, q)
-                bad = bad | nb
-            total += (-1) ** (r + 1) * _product_count(acc, ndev)
+    # depth-first over subsets in increasing index order; (last index, intersection, size)
+    stack = [(i, uniq[i], 1) for i in range(len(uniq))]
+    while stack:
+        i, acc, r = stack.pop()
+        c = _product_count(acc, ndev)
+        if not c.any():
+            continue
+        total += c if r % 2 else -c
+        for j in range(i + 1, len(uniq)):
+            nxt, nb = _intersect_products(acc, uniq[j])
+            bad = bad | nb
+            stack.append((j, nxt, r + 1))
     return total, bad
 
 
@@ -166,7 +256,8 @@ def dim_bounds(nest: LoopNest, placement: Placement, mesh: DeviceMesh) -> Bounds
     return out
 
 
-def statement_bounds(st: Statement, bounds: Bounds) -> tuple[Bounds, np.ndarray, np.ndarray, list[set[str]]]:
+def statement_bounds(st: Statement, bounds: Bounds,
+                     ndev: int | None = None) -> tuple[Bounds, np.ndarray, np.ndarray, list[set[str]]]:
     """Tighten the box by the statement's constraints.
 
     Returns (bounds, empty, inexact, linked): ``empty[p]`` when the domain of ``p`` is
@@ -174,7 +265,8 @@ def statement_bounds(st: Statement, bounds: Bounds) -> tuple[Bounds, np.ndarray,
     difference constraint), and the groups of dims linked by constraints.
     """
     b = {d: (bounds[d][0].copy(), bounds[d][1].copy()) for d in st.dims}
-    ndev = len(next(iter(bounds.values()))[0]) if bounds else 1
+    if ndev is None:
+        ndev = len(next(iter(bounds.values()))[0]) if bounds else 1
     inexact = np.zeros(ndev, dtype=bool)
     linked: list[set[str]] = []
     for c in st.constraints:
@@ -215,11 +307,16 @@ def statement_bounds(st: Statement, bounds: Bounds) -> tuple[Bounds, np.ndarray,
     return b, empty, inexact, linked
 
 
-def index_prog(e: AffineExpr, b: Mapping[str, tuple[np.ndarray, np.ndarray]], ndev: int) -> tuple[Prog, np.ndarray]:
-    """The values of ``e`` over the box ``b`` as a progression per device, and where it is not one."""
+def index_prog(e: AffineExpr, b: Mapping[str, tuple[np.ndarray, np.ndarray]],
+               ndev: int) -> tuple[Prog | Grid, np.ndarray]:
+    """The values of ``e`` over the box ``b`` per device: a progression, or a :class:`Grid`
+    when the last growing term jumps past a contiguous run (``d + 64 h`` with ``d`` split);
+    the mask marks devices where it is neither."""
     start = np.full(ndev, e.const, dtype=np.int64)
     step = np.ones(ndev, dtype=np.int64)
     n = np.ones(ndev, dtype=np.int64)
+    gc = np.zeros(ndev, dtype=np.int64)
+    gh = np.ones(ndev, dtype=np.int64)
     bad = np.zeros(ndev, dtype=bool)
     for d, a in sorted(e.terms, key=lambda t: abs(t[1])):
         lo, hi = b[d]
@@ -227,20 +324,28 @@ def index_prog(e: AffineExpr, b: Mapping[str, tuple[np.ndarray, np.ndarray]], nd
         start = start + np.where(a > 0, a * lo, a * (hi - 1))
         aa = abs(a)
         trivial = length <= 1
-        first = (n == 1) & ~trivial
-        fits = (aa % step == 0) & (aa <= step * n)
+        gridded = gh > 1
+        first = (n == 1) & ~trivial & ~gridded
+        fits = (aa % step == 0) & (aa <= step * n) & ~gridded
         grow = ~trivial & ~first & fits
-        bad |= ~trivial & ~first & ~fits
+        to_grid = ~trivial & ~first & ~fits & ~gridded & (step == 1)
+        bad |= ~trivial & ~first & ~fits & ~to_grid
         n_new = np.where(first, length, np.where(grow, n + (aa // step) * (length - 1), n))
         step = np.where(first, aa, step)
+        gc = np.where(to_grid, aa, gc)
+        gh = np.where(to_grid, length, gh)
         n = n_new
+    if (gh > 1).any():
+        bad |= (gh == 1) & (step != 1) & (n > 1)
+        return Grid(start, n, gc, gh), bad
     return Prog(start, step, n), bad
 
 
 def operand_region(nest: LoopNest, operand: str, shape: Sequence[int], bounds: Bounds, *,
-                   writes: bool | None = None) -> Region:
+                   writes: bool | None = None, ndev: int | None = None) -> Region:
     """Footprint of every device on ``operand`` (optionally only write or only read accesses)."""
-    ndev = len(next(iter(bounds.values()))[0]) if bounds else 1
+    if ndev is None:
+        ndev = len(next(iter(bounds.values()))[0]) if bounds else 1
     pieces: list[Product] = []
     fallback = np.zeros(ndev, dtype=bool)
     for st, acc, is_write in nest.accesses(operand):
@@ -248,7 +353,7 @@ def operand_region(nest: LoopNest, operand: str, shape: Sequence[int], bounds: B
             continue
         if len(acc.index) != len(shape):
             raise ValueError(f"access {acc} has {len(acc.index)} indices but the tensor has shape {list(shape)}")
-        b, empty, inexact, linked = statement_bounds(st, bounds)
+        b, empty, inexact, linked = statement_bounds(st, bounds, ndev)
         used = [set(e.dims) for e in acc.index if e is not ANY]
         for g in linked:
             touching = [u for u in used if u & g]
@@ -263,9 +368,16 @@ def operand_region(nest: LoopNest, operand: str, shape: Sequence[int], bounds: B
             else:
                 p, bad = index_prog(e, b, ndev)
                 fallback |= bad
+                if isinstance(p, Grid):
+                    last = p.start + p.c * (p.H - 1) + p.n - 1
+                    fallback |= (p.start < 0) | (last >= size)  # a grid is not clipped
+                    axes.append(Grid(p.start, np.where(empty, 0, p.n), p.c, p.H))
+                    continue
                 p = p.clip(size)
             axes.append(Prog(p.start, p.step, np.where(empty, 0, p.n)).normal())
-        pieces.append(tuple(axes))
+        piece = tuple(axes)
+        if not any(all(a.same(b) for a, b in zip(piece, q)) for q in pieces):
+            pieces.append(piece)
     return Region(tuple(shape), pieces, fallback)
 
 

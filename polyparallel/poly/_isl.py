@@ -13,11 +13,12 @@ move no data.
 Licence: polyparallel is MIT, so it uses plain ``islpy`` (MIT) and never
 ``islpy-barvinok`` (GPL; the two install the same module, so an environment has one).
 Plain isl has no parametric ``card``; counts here are exact for concrete shapes:
-a set is made disjoint, each basic set that is a box counts as the product of its
-extents, a basic set that is the product of its one-dimensional projections counts as
-the product of the projections' counts (strided progressions included), and anything
-else falls back to isl's point-scanning ``count_val`` (used only for small sets in
-practice: triangles of causal masks, gaps of dilated windows).
+a set is made disjoint; each basic set splits into groups of dims that no constraint
+links (directly or through an existential div); a group that is a box counts as the
+product of its extents, any other group (a stride, a causal triangle) by isl's
+point-scanning ``count_val`` on that group alone, and the basic set's count is the
+product over groups. Scanning cost is then that of the few linked dims (``s, t`` of
+a causal mask), not of the whole domain.
 """
 
 from __future__ import annotations
@@ -124,35 +125,77 @@ def count(s: isl.Set) -> int:
 
 
 def _count_basic(bs: isl.BasicSet) -> int:
+    """Points of a basic set: the product over groups of dims that no constraint links."""
     if bs.is_empty():
         return 0
     n = bs.dim(isl.dim_type.set)
     if n == 0:
         return 1
-    as_set = isl.Set.from_basic_set(bs)
-    if as_set.is_box():
-        return math.prod(_extent(as_set, i) for i in range(n))
-    # product of one-dimensional projections?
-    projs = [as_set.project_out(isl.dim_type.set, i + 1, n - i - 1).project_out(isl.dim_type.set, 0, i)
-             for i in range(n)]
-    prod = projs[0]
-    for p in projs[1:]:
-        prod = prod.flat_product(p)
-    if prod.is_equal(as_set.reset_tuple_id() if as_set.has_tuple_id() else as_set) or \
-            prod.is_equal(as_set.set_tuple_id(prod.get_tuple_id()) if prod.has_tuple_id() else as_set):
-        return math.prod(_count_1d(p) for p in projs)
-    return int(as_set.count_val().to_python())
+    whole = isl.Set.from_basic_set(bs)
+    if whole.is_box():
+        return math.prod(_extent(whole, i) for i in range(n))
+    total = 1
+    for group in _independent_groups(bs, n):
+        others = [i for i in range(n) if i not in group]
+        part = bs
+        for i in reversed(others):  # highest index first so that positions stay valid
+            part = part.project_out(isl.dim_type.set, i, 1)
+        total *= _count_group(isl.Set.from_basic_set(part))
+        if total == 0:
+            return 0
+    return total
+
+
+def _independent_groups(bs: isl.BasicSet, n: int) -> list[list[int]]:
+    """Groups of set dims linked by a constraint, directly or through an existential div."""
+    parent = list(range(n))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    def union(ids: list[int]) -> None:
+        for a in ids[1:]:
+            parent[find(a)] = find(ids[0])
+
+    ndiv = bs.dim(isl.dim_type.div)
+    div_dims = []
+    for j in range(ndiv):
+        div = bs.get_div(j)
+        div_dims.append([i for i in range(n) if div.involves_dims(isl.dim_type.in_, i, 1)])
+    for c in bs.get_constraints():
+        ids = [i for i in range(n) if c.involves_dims(isl.dim_type.set, i, 1)]
+        for j in range(ndiv):
+            if c.involves_dims(isl.dim_type.div, j, 1):
+                ids += div_dims[j]
+                if not div_dims[j]:
+                    ids += []
+        if len(ids) > 1:
+            union(ids)
+    if ndiv and any(not d for d in div_dims):
+        # a div of unknown definition may link anything: count the set as one group
+        return [list(range(n))]
+    groups: dict[int, list[int]] = {}
+    for i in range(n):
+        groups.setdefault(find(i), []).append(i)
+    return list(groups.values())
+
+
+def _count_group(s: isl.Set) -> int:
+    k = s.dim(isl.dim_type.set)
+    if k == 0:
+        return 0 if s.is_empty() else 1
+    if s.is_box():
+        return math.prod(_extent(s, i) for i in range(k))
+    return int(s.count_val().to_python())
 
 
 def _extent(s: isl.Set, i: int) -> int:
     lo = s.dim_min_val(i).to_python()
     hi = s.dim_max_val(i).to_python()
     return int(hi - lo + 1)
-
-
-def _count_1d(s: isl.Set) -> int:
-    # isl scans one-dimensional sets quickly (a progression counts in O(1) per piece)
-    return int(s.count_val().to_python())
 
 
 @lru_cache(maxsize=4096)

@@ -227,15 +227,16 @@ def legal_placements(graph: Graph | None, op: Op | LoopNest | None, mesh: Device
     ``max_split_dims`` bounds how many dims may be split at once.
     """
     nest = op.nest if isinstance(op, Op) else op
-    name = op.name if isinstance(op, Op) else "op"
     if nest is None:
         return [Placement()]
-    return list(_legal(nest, mesh, name, uneven, max_split_dims))
+    from ._cache import CACHE
+
+    sig = graph.signature(op) if graph is not None and isinstance(op, Op) else nest
+    key = (sig, mesh, uneven, max_split_dims)
+    return list(CACHE.get("legal", key, lambda: _legal(nest, mesh, uneven, max_split_dims)))
 
 
-@lru_cache(maxsize=8192)
-def _legal(nest: LoopNest, mesh: DeviceMesh, name: str, uneven: str,
-           max_split_dims: int | None) -> tuple[Placement, ...]:
+def _legal(nest: LoopNest, mesh: DeviceMesh, uneven: str, max_split_dims: int | None) -> tuple[Placement, ...]:
     choices = [None, *[d.name for d in nest.dims if d.extent > 1]]
     out: list[Placement] = []
     for assign in itertools.product(choices, repeat=len(mesh.axes)):
@@ -247,7 +248,7 @@ def _legal(nest: LoopNest, mesh: DeviceMesh, name: str, uneven: str,
             continue
         p = Placement(tuple((d, tuple(a)) for d, a in splits.items()))
         try:
-            check_placement(nest, p, mesh, op=name, uneven=uneven)
+            check_placement(nest, p, mesh, uneven=uneven)
         except IllegalPlacement:
             continue
         out.append(p)
