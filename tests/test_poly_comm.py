@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from polyparallel import ops
 from polyparallel.ir import Graph, LoopNest, Op, OpKind, TensorKind, TensorSpec
@@ -237,3 +240,51 @@ def test_strings_round_trip():
     assert str(Placement.parse("s:dp+tp,b:pp")) == "b:pp,s:dp+tp"
     assert str(DeviceMesh.parse("dp=2[3:1],tp=4")) == "dp=2[3:1],tp=4"
     assert TensorLayout.sharded((4, 4), partial=("pp",), tp=1).dtensor(DeviceMesh.of(tp=2, pp=2)) == ("S(1)", "P")
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_closed_form_layout_reshards_equal_per_device_counts(data):
+    """The closed form for equal blocks against the exact per-device path, and the direct volume
+    against a numpy enumeration of which elements each device lacks."""
+    from polyparallel.poly import _comm
+
+    mesh = data.draw(st.sampled_from([DeviceMesh.of(a=2), DeviceMesh.of(a=2, b=2), DeviceMesh.of(a=2, b=3),
+                                      DeviceMesh.of(a=4, b=2)]))
+    shape = tuple(data.draw(st.sampled_from([2, 3, 4, 6, 8])) for _ in range(data.draw(st.integers(1, 3))))
+
+    def layout(partial_ok: bool) -> TensorLayout:
+        shards: list[list[str]] = [[] for _ in shape]
+        partial = []
+        for a in mesh.names:
+            j = data.draw(st.integers(-2 if partial_ok else -1, len(shape) - 1))
+            if j >= 0:
+                shards[j].append(a)
+            elif j == -2:
+                partial.append(a)
+        return TensorLayout(shape, tuple(tuple(s) for s in shards), tuple(partial))
+
+    have, need = layout(True), layout(False)
+    CACHE.clear()
+    fast = reshard(have, need, mesh)
+    CACHE.clear()
+    original = _comm._even_blocks
+    _comm._even_blocks = lambda layout, mesh: None
+    try:
+        slow = reshard(have, need, mesh)
+    finally:
+        _comm._even_blocks = original
+        CACHE.clear()
+    assert fast.steps == slow.steps and fast.direct_elements == slow.direct_elements
+    lacks = []
+    for p in range(mesh.size):
+        held = np.zeros(shape, dtype=bool)
+        wanted = np.zeros(shape, dtype=bool)
+        for lay, arr in ((have, held), (need, wanted)):
+            idx = []
+            for n, s in zip(shape, lay.shards):
+                lo, hi = mesh.bounds(n, s)
+                idx.append(slice(int(lo[p]), int(hi[p])))
+            arr[tuple(idx)] = True
+        lacks.append(int((wanted & ~held).sum()))
+    assert fast.direct_elements == max(lacks)

@@ -35,6 +35,7 @@ the exact lower bound ``max_p |N(p) \\ H(p)|`` a single point-to-point exchange 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -392,49 +393,52 @@ def reshard(have: Distribution | TensorLayout, need: Distribution | TensorLayout
 
 def _reshard(h: Distribution, n: Distribution, mesh: DeviceMesh, dtype_bytes: int) -> Reshard:
     steps: list[Step] = []
-    direct = int(n.missing(h).max(initial=0))
     lay = h.layout
     if lay is None:
         # an irregular producer: settle partial sums in place, then one exchange of what is missing
-        cur = h
+        direct = int(n.missing(h).max(initial=0))
         for a in h.partial:
-            steps.append(_all_reduce(cur.counts(), a, mesh, None))
+            steps.append(_all_reduce(h.counts(), a, mesh, None))
         if direct:
             miss = n.missing(h)
             steps.append(Step("p2p", tuple(sorted({x for d in n.deps for x in d} | {x for d in h.deps for x in d})),
                               None, direct, int(miss.sum()), int(n.counts().max()), 0))
         return Reshard(str(h), str(n), tuple(steps), direct, dtype_bytes)
 
+    need_lay = n.layout
+    plain = TensorLayout(h.shape, lay.shards)
+    direct = _gain(need_lay, plain, mesh)[0] if need_lay is not None else \
+        int(n.missing(layout_distribution(plain, mesh)).max(initial=0))
     shards = [list(s) for s in lay.shards]
-    cur = h
     need_axis = {a: i for i, d in enumerate(n.deps) for a in d}
+
+    def layout_of(sh: list[list[str]]) -> TensorLayout:
+        return TensorLayout(h.shape, tuple(tuple(s) for s in sh))
 
     def move(new_shards: list[list[str]], kind: str, axes: tuple[str, ...], axis: int | None) -> None:
         nonlocal cur
-        nxt = layout_distribution(TensorLayout(h.shape, tuple(tuple(s) for s in new_shards)), mesh)
-        gained = nxt.missing(cur)
+        nxt = layout_of(new_shards)
         if kind != "slice":
-            steps.append(Step(kind, axes, axis, int(gained.max(initial=0)), int(gained.sum()),
-                              int(nxt.counts().max(initial=0)), mesh.group_size(axes)))
+            most, total, payload = _gain(nxt, cur, mesh)
+            steps.append(Step(kind, axes, axis, most, total, payload, mesh.group_size(axes)))
         cur = nxt
 
+    cur = plain
     # 1. partial sums: reduce-scatter onto the axis the consumer splits on that mesh axis, else all-reduce
-    if lay.partial:
-        cur = layout_distribution(TensorLayout(h.shape, lay.shards), mesh)
     for a in lay.partial:
         j = need_axis.get(a)
         if j is not None:
             new = [list(s) for s in shards]
             new[j] = _ordered([*new[j], a], n.deps[j])
-            before = cur.counts()
-            nxt = layout_distribution(TensorLayout(h.shape, tuple(tuple(s) for s in new)), mesh)
-            mine = nxt.counts()
+            before = _block_counts(cur, mesh)
+            nxt = layout_of(new)
+            mine = _block_counts(nxt, mesh)
             g = mesh.axis(a).size
             steps.append(Step("reduce-scatter", (a,), j, int(((g - 1) * mine).max(initial=0)),
                               int(((g - 1) * mine).sum()), int(before.max(initial=0)), g))
             shards, cur = new, nxt
         else:
-            steps.append(_all_reduce(cur.counts(), a, mesh, None))
+            steps.append(_all_reduce(_block_counts(cur, mesh), a, mesh, None))
 
     have_axis = {a: i for i, s in enumerate(shards) for a in s}
     # 2. free local slices first: they shrink every later message
@@ -457,15 +461,57 @@ def _reshard(h: Distribution, n: Distribution, mesh: DeviceMesh, dtype_bytes: in
         shards[i] = [x for x in shards[i] if x not in axes]
         move(shards, "all-gather", axes, i)
     # 5. what is still missing: a halo along the same mesh axes, or an irregular exchange
-    left = n.missing(cur)
-    if int(left.max(initial=0)):
+    if need_lay is not None:
+        most, total, payload = _gain(need_lay, cur, mesh)
+    else:
+        left = n.missing(layout_distribution(cur, mesh))
+        most, total, payload = int(left.max(initial=0)), int(left.sum()), int(n.counts().max(initial=0))
+    if most:
         irregular = [i for i, b in enumerate(n.block) if not b]
         halo = bool(irregular) and all(n.deps[i] and set(n.deps[i]) == set(shards[i]) for i in irregular)
         axes = tuple(a for i in irregular for a in n.deps[i]) if halo else tuple(mesh.names)
         steps.append(Step("halo" if halo else "p2p", axes, irregular[0] if len(irregular) == 1 else None,
-                          int(left.max()), int(left.sum()), int(n.counts().max(initial=0)),
-                          2 if halo else mesh.size))
+                          most, total, payload, 2 if halo else mesh.size))
     return Reshard(str(h), str(n), tuple(steps), direct, dtype_bytes)
+
+
+def _even_blocks(layout: TensorLayout, mesh: DeviceMesh) -> list[int] | None:
+    """Block extents when every device's block is the same (even mesh, divisible extents)."""
+    if not mesh.even:
+        return None
+    out = []
+    for n, s in zip(layout.shape, layout.shards):
+        k = mesh.group_size(s)
+        if n % k:
+            return None
+        out.append(n // k)
+    return out
+
+
+def _block_counts(layout: TensorLayout, mesh: DeviceMesh) -> np.ndarray:
+    blocks = _even_blocks(layout, mesh)
+    if blocks is not None:
+        return np.full(mesh.size, math.prod(blocks), dtype=np.int64)
+    return layout_distribution(layout, mesh).counts()
+
+
+def _gain(nxt: TensorLayout, cur: TensorLayout, mesh: DeviceMesh) -> tuple[int, int, int]:
+    """(max, total over devices, max block) of ``|nxt(p) \\ cur(p)|``.
+
+    Closed form when both layouts have equal blocks on every device and, along every
+    tensor axis, one list of mesh axes is a prefix of the other: the finer block then
+    lies inside the coarser one of the same device, so the overlap is the smaller block.
+    Otherwise the exact per-device count.
+    """
+    bn, bc = _even_blocks(nxt, mesh), _even_blocks(cur, mesh)
+    if bn is not None and bc is not None and all(a[:len(b)] == b or b[:len(a)] == a
+                                                 for a, b in zip(nxt.shards, cur.shards)):
+        size = math.prod(bn)
+        g = size - math.prod(min(x, y) for x, y in zip(bn, bc))
+        return g, g * mesh.size, size
+    nd, cd = layout_distribution(nxt, mesh), layout_distribution(cur, mesh)
+    gained = nd.missing(cd)
+    return int(gained.max(initial=0)), int(gained.sum()), int(nd.counts().max(initial=0))
 
 
 def _ordered(axes: list[str], reference: Sequence[str]) -> list[str]:

@@ -114,6 +114,14 @@ class DeviceMesh:
             axes.append(MeshAxis(name.strip(), int(size), weights))
         return cls(tuple(axes))
 
+    def __hash__(self) -> int:
+        # meshes key every cache entry: hash the axes once, not on every lookup
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.axes, self.device_ids))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     # -- queries ----------------------------------------------------------------------------
     @property
     def names(self) -> tuple[str, ...]:

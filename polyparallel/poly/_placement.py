@@ -33,7 +33,7 @@ Legality rule (explicit):
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -254,6 +254,3 @@ def _legal(nest: LoopNest, mesh: DeviceMesh, uneven: str, max_split_dims: int | 
         out.append(p)
     return tuple(dict.fromkeys(out))
 
-
-def placements_by_kind(nest: LoopNest, placement: Placement) -> Mapping[str, str]:
-    return {d: dim_split_kind(nest, d) for d in placement.dims}
