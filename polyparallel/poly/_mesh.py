@@ -123,30 +123,35 @@ class DeviceMesh:
         return h
 
     # -- queries ----------------------------------------------------------------------------
-    @property
+    @cached_property
     def names(self) -> tuple[str, ...]:
         return tuple(a.name for a in self.axes)
 
-    @property
+    @cached_property
     def shape(self) -> tuple[int, ...]:
         return tuple(a.size for a in self.axes)
 
-    @property
+    @cached_property
     def size(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @cached_property
     def even(self) -> bool:
         return all(a.even for a in self.axes)
 
+    @cached_property
+    def _axis_index(self) -> dict[str, int]:
+        return {a.name: i for i, a in enumerate(self.axes)}
+
     def axis(self, name: str) -> MeshAxis:
-        for a in self.axes:
-            if a.name == name:
-                return a
-        raise KeyError(f"mesh {self} has no axis {name!r}; axes are {list(self.names)}")
+        i = self._axis_index.get(name)
+        if i is None:
+            raise KeyError(f"mesh {self} has no axis {name!r}; axes are {list(self.names)}")
+        return self.axes[i]
 
     def index(self, name: str) -> int:
-        return self.names.index(self.axis(name).name)
+        self.axis(name)
+        return self._axis_index[name]
 
     @cached_property
     def coords(self) -> np.ndarray:
@@ -171,7 +176,8 @@ class DeviceMesh:
         return lo, hi
 
     def group_size(self, axes: Sequence[str]) -> int:
-        return math.prod(self.axis(a).size for a in axes)
+        return math.prod(self.axes[self._axis_index[a]].size for a in axes) if all(
+            a in self._axis_index for a in axes) else math.prod(self.axis(a).size for a in axes)
 
     def __str__(self) -> str:
         return ",".join(str(a) for a in self.axes)
