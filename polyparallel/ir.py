@@ -369,6 +369,10 @@ class LoopNest:
         return _domain_points(tuple((d, self.dim(d).extent) for d in st.dims), st.constraints)
 
     def flops(self) -> int:
+        return self._flops
+
+    @cached_property
+    def _flops(self) -> int:  # a nest is an immutable value: count its points once
         return int(sum(self.points(st) * st.flops_per_point for st in self.statements))
 
     def operands(self) -> tuple[str, ...]:
