@@ -86,8 +86,9 @@ _QTY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-zµ/]*)\s
 
 
 def _unit_factor(kind: str, unit: str) -> float | None:
-    if kind == "time":
-        return {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}.get(unit)
+    if kind == "time":  # divisors, so that "5 us" is exactly 5e-06
+        div = {"": 1.0, "s": 1.0, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}.get(unit)
+        return None if div is None else -div
     if kind == "flops":
         m = re.fullmatch(r"([kKMGTP]?)(?:FLOP/s|FLOPS|flop/s|OP/s|OPS)", unit)
         if unit == "":
@@ -133,7 +134,7 @@ def parse_quantity(value: Any, kind: str) -> float:
     factor = _unit_factor(kind, m.group(2)) if m else None
     if m is None or factor is None:
         raise ValueError(f"cannot read {value!r} as {_UNIT_KINDS[kind]}")
-    return float(m.group(1)) * factor
+    return float(m.group(1)) / -factor if factor < 0 else float(m.group(1)) * factor
 
 
 # --------------------------------------------------------------------------------------------
