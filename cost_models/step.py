@@ -66,7 +66,7 @@ from .compute import op_cost
 from .memory import MemoryReport, device_memory
 from .pipeline import SCHEDULES, PipelineResult, simulate
 
-__all__ = ["ParallelConfig", "StageBreakdown", "StepEstimate", "estimate_step", "layer_segments"]
+__all__ = ["ParallelConfig", "StageBreakdown", "StepEstimate", "chunk_of_ops", "estimate_step", "layer_segments"]
 
 RECOMPUTE = ("none", "selective", "full")
 _SHORT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -253,6 +253,23 @@ def layer_segments(graph: Graph) -> list[list[int]]:
     return segs
 
 
+def chunk_of_ops(graph: Graph, cfg: ParallelConfig) -> list[int]:
+    """The pipeline chunk (``0 .. pp·v − 1``; chunk ``g`` runs on stage ``g mod pp``) of every op,
+    cut at layer boundaries as ``cfg.partition`` says — the one place that decides it."""
+    v = cfg.chunks if cfg.schedule == "interleaved" else 1
+    segs = layer_segments(graph)
+    if cfg.partition == "layers":
+        starts = _uniform_layers(graph, segs, cfg.pp * v)
+    else:
+        starts = _partition([float(sum(graph.ops[i].flops for i in s)) + 1.0 for s in segs], cfg.pp * v)
+    out = [0] * len(graph.ops)
+    for g, (a, b) in enumerate(zip(starts, [*starts[1:], len(segs)])):
+        for sg in segs[a:b]:
+            for i in sg:
+                out[i] = g
+    return out
+
+
 def _partition(weights: Sequence[float], k: int) -> list[int]:
     """Cut a sequence into ``k`` contiguous non-empty parts minimising the largest sum; returns starts."""
     n = len(weights)
@@ -403,15 +420,7 @@ def estimate_step(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> StepEs
         warnings.append(f"{len(graph.opaque_ops())} opaque op(s) priced from their FLOP estimate, never split")
 
     segs = layer_segments(graph)
-    if cfg.partition == "layers":
-        starts = _uniform_layers(graph, segs, p * v)
-    else:
-        starts = _partition([float(sum(graph.ops[i].flops for i in s)) + 1.0 for s in segs], p * v)
-    chunk_of_op = [0] * len(graph.ops)
-    for g, (a, b) in enumerate(zip(starts, [*starts[1:], len(segs)])):
-        for s in segs[a:b]:
-            for i in s:
-                chunk_of_op[i] = g
+    chunk_of_op = chunk_of_ops(graph, cfg)
     plans = _plan_ops(graph, cfg)
 
     def stage_devices(s: int) -> list[int]:
