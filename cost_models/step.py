@@ -443,6 +443,9 @@ def estimate_step(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> StepEs
         return tot
 
     ccache: dict = {}
+    # op prices depend only on the op, device type, dtype and split: the search prices many
+    # configurations of one graph, so they are kept on the graph (dropped when it changes)
+    op_costs: dict = graph.__dict__.setdefault("_op_cost_cache", {})
     fwd = [0.0] * p
     bwd = [0.0] * p
     comp = [0.0] * p
@@ -462,8 +465,11 @@ def estimate_step(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> StepEs
             f = b = rc = 0.0
             for i in op_idx:
                 op = graph.ops[i]
-                c = op_cost(graph, op, dt, cfg.dtype, split=plans[i].split,
-                            fused=True if cfg.fused_attention else None)
+                key = (i, dt.name, cfg.dtype, plans[i].split, cfg.fused_attention)
+                c = op_costs.get(key)
+                if c is None:
+                    c = op_costs[key] = op_cost(graph, op, dt, cfg.dtype, split=plans[i].split,
+                                                fused=True if cfg.fused_attention else None)
                 f += c.forward
                 b += c.backward
                 if cfg.recompute == "full" or (cfg.recompute == "selective" and OpKind(op.kind) is OpKind.ATTENTION):
@@ -478,8 +484,17 @@ def estimate_step(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> StepEs
         qgrps = [group(s, d, 0, t, "sp") for d in range(cfg.dp) for t in range(cfg.tp)]
 
         def slowest(events_of: str, groups: list[list[int]], op_idx: list[int] = op_idx) -> float:
-            return max(sum(price_collectives(getattr(plans[i], events_of), grp, ccache) for i in op_idx)
-                       for grp in groups)
+            # identical (kind, bytes) events repeat in every layer: price each distinct one once
+            # per group, and each distinct group (by the nodes its members sit on) once
+            agg: dict[tuple[str, float], int] = {}
+            for i in op_idx:
+                for ev in getattr(plans[i], events_of):
+                    agg[ev] = agg.get(ev, 0) + 1
+            if not agg:
+                return 0.0
+            distinct = {tuple(sorted(cluster.device(d).node for d in grp)): grp for grp in groups}
+            return max(sum(n * price_collectives([ev], grp, ccache) for ev, n in agg.items())
+                       for grp in distinct.values())
 
         tf, tb = slowest("tp_fwd", tgrps), slowest("tp_bwd", tgrps)
         qf, qb = slowest("sp_fwd", qgrps), slowest("sp_bwd", qgrps)

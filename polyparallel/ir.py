@@ -518,8 +518,8 @@ class Graph:
             if t not in self.tensors:
                 raise ValueError(f"op {op.name!r} refers to unknown tensor {t!r}")
         self.ops.append(op)
-        self.__dict__.pop("_producer", None)
-        self.__dict__.pop("_consumers", None)
+        for cached in ("_producer", "_consumers", "_op_cost_cache"):
+            self.__dict__.pop(cached, None)
         return op
 
     # -- queries ------------------------------------------------------------------------
