@@ -14,7 +14,9 @@ rate, the share of time inside isl, and the number of placements and pairs price
 Target: GPT-3 175B on the 3-axis 1024-device mesh <= 5 s with the cache.
 
 Run: ``.venv/bin/python benchmarks/poly.py [--models gpt2-small llama-8b gpt3-175b]
-[--meshes dp=2,tp=4 ...]``. Writes ``benchmarks/results/poly.json``.
+[--meshes dp=2,tp=4 ...] [--edge-budget SECONDS]``. Writes ``benchmarks/results/poly.json``;
+with a budget, edge pricing stops after that many seconds and the row says how many
+edges were priced (``complete: false``).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def build(name: str) -> tuple[Graph, float]:
     return g, time.perf_counter() - t
 
 
-def measure(g: Graph, name: str, mesh: poly.DeviceMesh) -> dict[str, Any]:
+def measure(g: Graph, name: str, mesh: poly.DeviceMesh, edge_budget: float = float("inf")) -> dict[str, Any]:
     poly.clear_cache()
     isl0 = poly.ISL_TIME["seconds"]
     t0 = time.perf_counter()
@@ -59,21 +61,25 @@ def measure(g: Graph, name: str, mesh: poly.DeviceMesh) -> dict[str, Any]:
             comm += 1
     t_ops = time.perf_counter() - t0
     pairs = distinct = edges = 0
-    for op in g.ops:
-        for i, t in enumerate(op.inputs):
-            if g.tensors[t].is_param or (g.producer(t) is None and op.nest is None):
-                continue
-            ec = poly.edge_costs(g, t, op, f"in{i}", mesh)
-            edges += 1
-            pairs += ec.pairs
-            distinct += len(ec.reshards) * len(ec.reshards[0]) if ec.reshards else 0
+    todo = [(op, i, t) for op in g.ops for i, t in enumerate(op.inputs)
+            if not g.tensors[t].is_param and not (g.producer(t) is None and op.nest is None)]
+    t1 = time.perf_counter()
+    for op, i, t in todo:
+        if time.perf_counter() - t1 > edge_budget:
+            break
+        ec = poly.edge_costs(g, t, op, f"in{i}", mesh)
+        edges += 1
+        pairs += ec.pairs
+        distinct += len(ec.reshards) * len(ec.reshards[0]) if ec.reshards else 0
     total = time.perf_counter() - t0
     sigs = len({g.signature(op) for op in g.ops})
     stats = poly.cache_stats()
     return {
         "model": name, "mesh": str(mesh), "devices": mesh.size, "ops": len(g.ops), "signatures": sigs,
-        "placements": placements, "edges": edges, "pairs": pairs, "reshards": distinct,
-        "t_ops_s": t_ops, "t_total_s": total, "ms_per_signature": 1e3 * total / sigs,
+        "placements": placements, "edges": edges, "edges_total": len(todo), "complete": edges == len(todo),
+        "pairs": pairs, "reshards": distinct,
+        "t_ops_s": t_ops, "t_edges_s": total - t_ops, "t_total_s": total,
+        "ms_per_signature_ops": 1e3 * t_ops / sigs, "ms_per_signature": 1e3 * total / sigs,
         "hit_rate": stats["all"]["hit_rate"], "isl_share": (poly.ISL_TIME["seconds"] - isl0) / total,
         "cache": {k: v for k, v in stats.items() if k != "all"},
     }
@@ -83,18 +89,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="*", default=MODELS)
     ap.add_argument("--meshes", nargs="*", default=MESHES)
+    ap.add_argument("--edge-budget", type=float, default=float("inf"),
+                    help="stop pricing edges after this many seconds per (model, mesh); reported as incomplete")
     a = ap.parse_args()
     rows = []
     for name in a.models:
         g, t_cap = build(name)
         print(f"{name}: {len(g.ops)} ops after canonicalise + fuse (capture {t_cap:.1f} s)", flush=True)
         for m in a.meshes:
-            r = measure(g, name, poly.DeviceMesh.parse(m))
+            r = measure(g, name, poly.DeviceMesh.parse(m), a.edge_budget)
             rows.append(r)
-            print(f"  {r['mesh']:>18} {r['devices']:>5} dev  sigs {r['signatures']:>3}  placements "
-                  f"{r['placements']:>6}  pairs {r['pairs']:>9}  reshards {r['reshards']:>6}  total "
-                  f"{r['t_total_s']:6.2f} s  {r['ms_per_signature']:6.1f} ms/sig  hit {r['hit_rate']:.2f}  "
-                  f"isl {100 * r['isl_share']:4.1f}%", flush=True)
+            done = "" if r["complete"] else f" (stopped at {r['edges']}/{r['edges_total']} edges)"
+            print(f"  {r['mesh']:>16} {r['devices']:>5} dev  sigs {r['signatures']:>3}  placements "
+                  f"{r['placements']:>6}  ops {r['t_ops_s']:6.2f} s ({r['ms_per_signature_ops']:6.1f} ms/sig)  "
+                  f"pairs {r['pairs']:>9}  edges {r['t_edges_s']:7.2f} s  total {r['t_total_s']:7.2f} s  "
+                  f"hit {r['hit_rate']:.2f}  isl {100 * r['isl_share']:4.1f}%{done}", flush=True)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(rows, indent=1))
     print(f"wrote {RESULTS}")

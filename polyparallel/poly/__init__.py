@@ -21,6 +21,14 @@ API:
     ``edge_costs(graph, tensor, consumer, "in0", mesh) -> EdgeCosts`` (every placement pair)
     ``cache_stats()`` hit rates.
 
+Counting conventions: footprints and receive volumes are exact element counts per
+device (``max`` over devices where one number is given, ``total`` summed). A collective's
+``elements`` is what one device receives in it: all-gather / all-to-all / halo exactly
+``|new block| - |new block ∩ old block|``; reduce-scatter ``(n-1)|shard|``; all-reduce the ring's
+``2(n-1)ceil(|block|/n)``. Rules for legality and padding: :mod:`._placement`.
+Per-device arrays are computed once per (op signature, placement, operand) and every
+reshard once per pair of distributions (layouts are shared across ops).
+
 Examples:
     Megatron's column-then-row-parallel MLP: nothing moves between the two matmuls, and
     the output needs one all-reduce:
