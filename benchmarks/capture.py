@@ -38,7 +38,8 @@ def main() -> None:
                      "capture_s": round(t2 - t1, 3), "ops": s["ops"], "tensors": s["tensors"],
                      "distinct_signatures": len(sigs), "params": s["params"], "forward_flops": s["flops"],
                      "opaque": s["opaque"]})
-    hdr = f"{'model':12s} {'capture s':>9s} {'ops':>6s} {'tensors':>8s} {'signatures':>10s} {'params':>10s} {'fwd FLOPs':>10s}"
+    hdr = (f"{'model':12s} {'capture s':>9s} {'ops':>6s} {'tensors':>8s} {'signatures':>10s} {'params':>10s} "
+           f"{'fwd FLOPs':>10s}")
     print(hdr)
     for r in rows:
         print(f"{r['model']:12s} {r['capture_s']:9.2f} {r['ops']:6d} {r['tensors']:8d} {r['distinct_signatures']:10d} "

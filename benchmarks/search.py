@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from polyparallel.models import EXAMPLES, GPT, MLP, GPTConfig, Llama, LlamaConfig, ResNet, SmallCNN
-from polyparallel.search import DoesNotFit, _Model, evaluate, search
+from polyparallel.planner import DoesNotFit, _Model, evaluate, search
 
 OUT = Path(__file__).parent / "results" / "search.json"
 BIG = [("gpt2-small", "dgx-a100x1", 64), ("llama-8b", "dgx-a100x8", 512), ("gpt3-175b", "dgx-a100x192", 1536),

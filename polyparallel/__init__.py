@@ -12,12 +12,28 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .cluster import Cluster as Cluster
+from .cluster import Cluster
 from .ir import Graph, Op, OpKind, TensorSpec
+from .strategy import Strategy
 
 __version__ = "0.1.0"
 
-__all__ = ["Graph", "Op", "OpKind", "TensorSpec", "__version__", "capture"]
+__all__ = ["Cluster", "Graph", "Op", "OpKind", "Strategy", "TensorSpec", "__version__", "capture", "evaluate",
+           "search"]
+
+
+def search(model: Any, example_inputs: Any = None, cluster: Any = "local-cpu:2", **kwargs: Any) -> Strategy:
+    """Find the fastest parallel plan that fits; see :func:`polyparallel.planner.search`."""
+    from .planner import search as _search
+
+    return _search(model, example_inputs, cluster, **kwargs)
+
+
+def evaluate(model: Any, example_inputs: Any = None, cluster: Any = "local-cpu:2", **kwargs: Any) -> Strategy:
+    """Price a hand-made recipe; see :func:`polyparallel.planner.evaluate`."""
+    from .planner import evaluate as _evaluate
+
+    return _evaluate(model, example_inputs, cluster, **kwargs)
 
 
 def capture(model: Any, example_inputs: Any = None, example_kwargs: dict[str, Any] | None = None,

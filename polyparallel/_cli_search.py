@@ -75,7 +75,7 @@ def search_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="print the strategy JSON")] = False,
 ) -> None:
     """Find the fastest parallel plan of MODEL that fits CLUSTER."""
-    from polyparallel.search import search
+    from polyparallel.planner import search
 
     console = _console()
     m, args, kwargs = _load(model)
@@ -197,7 +197,7 @@ def evaluate_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="print the estimate as JSON")] = False,
 ) -> None:
     """Price a hand-made recipe with the search's cost model; unset choices are made as the search would."""
-    from polyparallel.search import evaluate
+    from polyparallel.planner import evaluate
 
     m, args, kwargs = _load(model)
     s = evaluate(m, args, cluster, example_kwargs=kwargs, dp=dp, tp=tp, pp=pp, sp=sp, microbatches=microbatches,

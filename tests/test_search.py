@@ -14,7 +14,7 @@ import polyparallel as pp
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, estimate_step
 from polyparallel.models import GPT, MLP, GPTConfig
-from polyparallel.search import DoesNotFit, _Model, evaluate, search
+from polyparallel.planner import DoesNotFit, _Model, evaluate, search
 from polyparallel.strategy import SCHEMA_FILE, Strategy, StrategyError, json_schema
 
 

@@ -641,16 +641,15 @@ def _to_strategy(mdl: _Model, cl: Cluster, est: StepEstimate, b: int, B: int, de
 
 
 def _stage_chunks(g: Graph, cfg: ParallelConfig) -> list[list[tuple[int, int]]]:
-    """(first, last) op index of each chunk of each stage, cut exactly as the cost model cuts them."""
-    from polyparallel.cost_models.step import _partition, layer_segments
+    """(first, last) op index of each chunk of each stage, as the cost model cuts them."""
+    from polyparallel.cost_models.step import chunk_of_ops
 
-    segs = layer_segments(g)
-    v = cfg.chunks if cfg.schedule == "interleaved" else 1
-    starts = _partition([float(sum(g.ops[i].flops for i in seg)) + 1.0 for seg in segs], cfg.pp * v)
+    chunk = chunk_of_ops(g, cfg)
     out: list[list[tuple[int, int]]] = [[] for _ in range(cfg.pp)]
-    for k, (a, b) in enumerate(zip(starts, [*starts[1:], len(segs)])):
-        if a < b:
-            out[k % cfg.pp].append((segs[a][0], segs[b - 1][-1]))
+    for k in range(max(chunk) + 1 if chunk else 0):
+        idx = [i for i, c in enumerate(chunk) if c == k]
+        if idx:
+            out[k % cfg.pp].append((idx[0], idx[-1]))
     return out
 
 
