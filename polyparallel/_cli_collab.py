@@ -110,6 +110,8 @@ def collab_cmd(
     min_centers: Annotated[int, typer.Option("--min-centers", help="0: all")] = 0,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     config: Annotated[Path | None, typer.Option("--config", help="job JSON (overrides the options above)")] = None,
+    strategy: Annotated[Path | None, typer.Option(
+        "--strategy", help="collaborative Strategy JSON: centers, fusion, H, rounds, compression from it")] = None,
     save_config: Annotated[Path | None, typer.Option("--save-config", help="write the job JSON and exit")] = None,
     engine: Annotated[str, typer.Option("--engine", help="inprocess or flower (processes on 127.0.0.1)")]
     = "inprocess",
@@ -119,11 +121,16 @@ def collab_cmd(
     = None,
 ) -> None:
     """Run a whole federation on this machine: every center trains on its own data, the server fuses."""
-    from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, collaborate
+    from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, collaborate, config_from_strategy
 
     try:
         if config is not None:
             cfg = CollabConfig.from_json(config.read_text())
+        elif strategy is not None:
+            cfg = config_from_strategy(
+                strategy, ModelSpec(model, _parse_shape(in_shape), classes, hidden=hidden, vocab=vocab),
+                fusion_options=_parse_options(fusion_opt or []), batch_size=batch_size, lr=lr,
+                min_centers=min_centers, seed=seed)
         else:
             names = [n.strip() for n in centers.split(",") if n.strip()]
             fws = [f.strip() for f in frameworks.split(",")] if frameworks else ["torch"] * len(names)

@@ -69,3 +69,19 @@ def test_bad_input_is_one_line(argv, msg, capsys):
     code, _, err = _run(argv, capsys)
     assert code == 2
     assert msg in err and "Traceback" not in err
+
+
+def test_collab_from_a_strategy_file(tmp_path, capsys):
+    from polyparallel.strategy import CenterPlan, Collaborative, Mesh, MeshAxis, ModelInfo, Strategy
+
+    st = Strategy(model=ModelInfo(name="m", fingerprint="f"), mode="collaborative",
+                  mesh=Mesh(axes=[MeshAxis(name="center", size=2, level="inter_center")], devices=[0, 1]),
+                  collaborative=Collaborative(centers=[CenterPlan(name="u", devices=[0], share=0.5),
+                                                       CenterPlan(name="v", devices=[1], share=0.5)],
+                                              fusion="median", local_steps=2, rounds=3))
+    st.to_json(tmp_path / "s.json")
+    code, out, err = _run(["collab", "--strategy", str(tmp_path / "s.json"), "--in-shape", "4", "--classes", "2",
+                           "--synthetic", "32", "--out", str(tmp_path / "o")], capsys)
+    assert code == 0, err
+    res = json.loads((tmp_path / "o" / "result.json").read_text())
+    assert [r["accepted"] for r in res["rounds"]] == [["u", "v"]] * 3

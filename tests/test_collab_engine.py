@@ -197,3 +197,23 @@ def test_config_errors_are_actionable():
         run_inprocess(_cfg(("a", "b")), _data(["a"]))
     cfg = _cfg(fusion="trimmed_mean", fusion_options={"beta": 0.1})
     assert CollabConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_config_from_a_collaborative_strategy(tmp_path):
+    from polyparallel.backends.collab import config_from_strategy
+    from polyparallel.strategy import CenterPlan, Collaborative, Mesh, MeshAxis, ModelInfo, Strategy
+
+    st = Strategy(model=ModelInfo(name="m", fingerprint="f"), mode="collaborative",
+                  mesh=Mesh(axes=[MeshAxis(name="center", size=3, level="inter_center")], devices=[0, 1, 2]),
+                  collaborative=Collaborative(
+                      centers=[CenterPlan(name="a", devices=[0], share=0.5),
+                               CenterPlan(name="b", framework="mindspore", devices=[1, 2], share=0.5)],
+                      fusion="fedyogi", local_steps=7, rounds=4, compression="int8"))
+    path = tmp_path / "s.json"
+    st.to_json(path)
+    cfg = config_from_strategy(path, SPEC, lr=0.2, min_centers=1)
+    assert cfg.centers == (CenterSpec("a"), CenterSpec("b", framework="mindspore", devices=2))
+    assert (cfg.fusion, cfg.local_steps, cfg.rounds, cfg.compression, cfg.lr) == ("fedyogi", 7, 4, "int8", 0.2)
+    sync = st.model_copy(update={"mode": "synchronous", "collaborative": None, "dp": 3})
+    with pytest.raises(ValueError, match="'synchronous' mode"):
+        config_from_strategy(sync, SPEC)

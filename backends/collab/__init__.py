@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ._center import LocalTrainer, TorchTrainer, batch_indices, center_round, evaluate_torch, make_trainer
-from ._config import FRAMEWORKS, CenterSpec, CollabConfig
+from ._config import FRAMEWORKS, CenterSpec, CollabConfig, config_from_strategy
 from ._engine import CollabResult, initial_params, run_inprocess
 from ._fusion import (
     FUSIONS,
@@ -73,6 +73,7 @@ __all__ = [
     "center_round",
     "check_payload",
     "collaborate",
+    "config_from_strategy",
     "decode_update",
     "encode_update",
     "evaluate_torch",

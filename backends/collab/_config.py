@@ -17,7 +17,7 @@ from ._fusion import FUSIONS, FusionStrategy, make_fusion
 from ._models import ModelSpec
 from ._wire import COMPRESSIONS
 
-__all__ = ["FRAMEWORKS", "CenterSpec", "CollabConfig"]
+__all__ = ["FRAMEWORKS", "CenterSpec", "CollabConfig", "config_from_strategy"]
 
 FRAMEWORKS = ("torch", "mindspore")
 
@@ -118,3 +118,26 @@ class CollabConfig:
         d["model"] = ModelSpec(**{**d["model"], "in_shape": tuple(d["model"]["in_shape"])})
         d["fusion_options"] = tuple((k, v) for k, v in d["fusion_options"])
         return cls(**d)
+
+
+def config_from_strategy(strategy: Any, model: ModelSpec, **training: Any) -> CollabConfig:
+    """The job described by a collaborative :class:`polyparallel.strategy.Strategy` (object or JSON path).
+
+    Read from the Strategy: the centers (name, framework, number of devices), fusion, local steps per
+    round, rounds, compression. The Strategy fingerprints the model but does not carry it, so the
+    shared architecture comes as ``model``; ``training`` sets the remaining :class:`CollabConfig`
+    fields (``batch_size``, ``lr``, ``min_centers``, ``fusion_options``, ...).
+    """
+    from polyparallel.strategy import Strategy
+
+    if not isinstance(strategy, Strategy):
+        strategy = Strategy.from_json(strategy)
+    if strategy.mode != "collaborative" or strategy.collaborative is None:
+        raise ValueError(f"strategy for {strategy.model.name!r} is in {strategy.mode!r} mode; "
+                         "collaborative training needs mode 'collaborative' with a 'collaborative' section")
+    c = strategy.collaborative
+    return CollabConfig(
+        centers=tuple(CenterSpec(cp.name, framework=cp.framework, devices=max(1, len(cp.devices)))
+                      for cp in c.centers),
+        model=model, fusion=c.fusion, rounds=c.rounds, local_steps=c.local_steps, compression=c.compression,
+        **training)
