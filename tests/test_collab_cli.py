@@ -80,7 +80,7 @@ def test_collab_from_a_strategy_file(tmp_path, capsys):
                                                        CenterPlan(name="v", devices=[1], share=0.5)],
                                               fusion="median", local_steps=2, rounds=3))
     st.to_json(tmp_path / "s.json")
-    code, out, err = _run(["collab", "--strategy", str(tmp_path / "s.json"), "--in-shape", "4", "--classes", "2",
+    code, _, err = _run(["collab", "--strategy", str(tmp_path / "s.json"), "--in-shape", "4", "--classes", "2",
                            "--synthetic", "32", "--out", str(tmp_path / "o")], capsys)
     assert code == 0, err
     res = json.loads((tmp_path / "o" / "result.json").read_text())
