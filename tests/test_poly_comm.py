@@ -276,6 +276,7 @@ def test_closed_form_layout_reshards_equal_per_device_counts(data):
         _comm._even_blocks = original
         CACHE.clear()
     assert fast.steps == slow.steps and fast.direct_elements == slow.direct_elements
+    assert fast.elements >= fast.direct_elements  # a route never beats the exact lower bound
     lacks = []
     for p in range(mesh.size):
         held = np.zeros(shape, dtype=bool)
@@ -288,3 +289,11 @@ def test_closed_form_layout_reshards_equal_per_device_counts(data):
             arr[tuple(idx)] = True
         lacks.append(int((wanted & ~held).sum()))
     assert fast.direct_elements == max(lacks)
+
+
+def test_reordered_mesh_axes_are_a_permutation_not_a_free_slice():
+    mesh = DeviceMesh.of(dp=2, tp=2)
+    r = reshard(TensorLayout.sharded((8,), tp=0), TensorLayout.sharded((8,), dp=0), mesh)
+    # device (d, t) holds half t and needs half d: the two off-diagonal devices need all 4 elements
+    assert r.direct_elements == 4
+    assert r.elements >= r.direct_elements

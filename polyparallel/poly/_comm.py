@@ -19,11 +19,12 @@ consumer's need, one mesh axis at a time, for a block layout ``H`` and need ``N`
 
 1. partial on ``a``: reduce-scatter onto ``n(a)`` when ``N`` splits along ``a``,
    all-reduce otherwise;
-2. ``h(a) = -``, ``n(a) = j``: local slice (free);
+2. ``h(a) = -``, ``n(a) = j``: local slice (free: ``a`` splits the held block innermost);
 3. ``h(a) = i``, ``n(a) = j != i``: all-to-all over ``a``;
 4. ``h(a) = i``, ``n(a) = -``: all-gather over ``a``;
 5. what ``N(p)`` still lacks after that is a **halo** when ``N`` extends ``p``'s block
-   along the same mesh axes (convolution windows), else **p2p** (irregular needs).
+   along the same mesh axes (convolution windows), else **p2p** (irregular needs, or the
+   same mesh axes in another order: a device permutation).
 
 Each step is priced exactly as the elements ``p`` gains: ``|B'(p) \\ B(p)|`` for
 gathers, all-to-all and halos, ``(n-1)|B'(p)|`` for a reduce-scatter over ``n`` devices
@@ -429,7 +430,7 @@ def _reshard(h: Distribution, n: Distribution, mesh: DeviceMesh, dtype_bytes: in
         j = need_axis.get(a)
         if j is not None:
             new = [list(s) for s in shards]
-            new[j] = _ordered([*new[j], a], n.deps[j])
+            new[j] = [*new[j], a]  # innermost: each device keeps a piece of the block it summed
             before = _block_counts(cur, mesh)
             nxt = layout_of(new)
             mine = _block_counts(nxt, mesh)
@@ -445,7 +446,7 @@ def _reshard(h: Distribution, n: Distribution, mesh: DeviceMesh, dtype_bytes: in
     for a in mesh.names:
         if a not in have_axis and a in need_axis:
             j = need_axis[a]
-            shards[j] = _ordered([*shards[j], a], n.deps[j])
+            shards[j] = [*shards[j], a]  # innermost, so the slice lies inside the block held
             move(shards, "slice", (a,), j)
     # 3. all-to-all where the split moves to another tensor axis
     for a in mesh.names:
