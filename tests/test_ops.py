@@ -133,3 +133,10 @@ def test_norm_and_loss_roles():
     assert ce.role("c") == Role.REDUCTION
     emb = ops.embedding((100, 16), (2, 5))
     assert emb.flops() == 0 and emb.role("v") == Role.REDUCTION
+
+
+def test_empty_outputs_are_unsupported_not_crashes():
+    with pytest.raises(ops.Unsupported, match="empty"):
+        ops.pool((1, 1, 2, 2), 3)
+    with pytest.raises(ops.Unsupported, match="empty"):
+        ops.conv((1, 1, 2, 2), (1, 1, 3, 3))

@@ -89,6 +89,8 @@ def pool(x: Sequence[int], kernel: int | Sequence[int], *, stride: int | Sequenc
     pad, dil = _tuple(padding, n, "padding"), _tuple(dilation, n, "dilation")
     phi = tuple(pads_hi) if pads_hi is not None else pad
     outs = [out_extent(x[lead + i], k[i], st[i], pad[i], phi[i], dil[i], ceil_mode) for i in range(n)]
+    if min(outs) < 1:
+        raise Unsupported(f"pooling output would be empty: {outs}")
     sp, kn = _SPATIAL[n], _KERNEL[n]
     lead_names = ("b", "c")[-lead:] if lead <= 2 else tuple(f"a{i}" for i in range(lead))
     dims = [Dim(nm, e, Role.PARALLEL, Hint.BATCH if nm == "b" else Hint.CHANNEL)
