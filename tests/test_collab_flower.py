@@ -114,8 +114,10 @@ def test_only_parameters_and_metrics_leave_a_center(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_crashed_center_is_skipped_and_rejoins(tmp_path):
-    """Center b is SIGKILLed after round 1 and restarted; center c trains in MindSpore when it is installed."""
+def test_a_crashed_center_rejoins_and_a_restarted_server_resumes(tmp_path):
+    """Center b is SIGKILLed after round 1 and restarted (a new node); the first ServerApp leaves after
+    round 2 (as a server taken down between rounds) and a new one is submitted: it resumes from the
+    checkpoint with no round lost or repeated. Center c trains in MindSpore when it is installed."""
     names = ("a", "b", "c")
     try:
         import mindspore  # noqa: F401
@@ -128,20 +130,28 @@ def test_a_crashed_center_is_skipped_and_rejoins(tmp_path):
                        round_timeout_s=30)
     data = _data(names)
     out = tmp_path / "out"
-    with LoopbackFederation(tmp_path, write_center_data(tmp_path, data)) as fed:
-        fed.submit(cfg, out)
 
-        def rounds_done():
-            p = out / "rounds.jsonl"
-            return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+    def rounds_done():
+        p = out / "rounds.jsonl"
+        return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
 
-        end = time.time() + 150
-        while len(rounds_done()) < 1 and time.time() < end:
+    def wait_rounds(n, end):
+        while len(rounds_done()) < n and time.time() < end:
             time.sleep(0.1)
+
+    end = time.time() + 200
+    with LoopbackFederation(tmp_path, write_center_data(tmp_path, data)) as fed:
+        fed.submit(cfg, out, max_rounds=2)
+        wait_rounds(1, end)
         fed.kill_center("b")  # SIGKILL while round 2 goes out: no goodbye to the SuperLink
         fed.start_center("b")  # back (as a new node) before round 2's timeout ends
+        while not (out / "stopped-after-2.json").exists() and time.time() < end:
+            time.sleep(0.1)  # the first server went away after round 2 ...
+        fed.submit(cfg, out)  # ... and a new one picks up from its checkpoint
         fed.wait(out, max(1.0, end - time.time()))
         got = rounds_done()
+    assert (out / "stopped-after-2.json").exists()  # round 3 was fused by the second, resumed server
+    assert [r["round"] for r in got] == [1, 2, 3]
     assert [tuple(r["accepted"]) for r in got] == [names, ("a", "c"), names]
     assert got[1]["fused"] and "b" in got[1]["missing"]
     ref = run_inprocess(cfg, data, absent={2: ("b",)})

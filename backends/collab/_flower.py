@@ -273,8 +273,11 @@ class LoopbackFederation:
 
     # ------------------------------------------------------------------ runs
     def submit(self, config: CollabConfig, out_dir: Path, *, eval_data: Path | None = None,
-               poll_s: float = 0.05) -> None:
-        """Write the Flower App for ``config`` and start it with ``flwr run``."""
+               poll_s: float = 0.05, max_rounds: int = 0) -> int:
+        """Write the Flower App for ``config``, start it with ``flwr run`` and return the run id.
+
+        Submitting again with the same ``out_dir`` resumes from the server's last checkpoint.
+        """
         app = self.workdir / "app"
         app.mkdir(parents=True, exist_ok=True)
         (app / "ppcollab_app.py").write_text(
@@ -283,7 +286,7 @@ class LoopbackFederation:
             "# plain assignments: `flwr run` finds the components by reading this file, not importing it\n"
             "server_app = _flower_app.server_app\nclient_app = _flower_app.client_app\n")
         run_config = {"collab-config": config.to_json(), "out-dir": str(out_dir),
-                      "eval-data": str(eval_data or ""), "poll-s": poll_s}
+                      "eval-data": str(eval_data or ""), "poll-s": poll_s, "max-rounds": max_rounds}
         import tomli_w
 
         (app / "pyproject.toml").write_text(tomli_w.dumps({
@@ -298,11 +301,24 @@ class LoopbackFederation:
         res = subprocess.run(["flwr", "run", str(app), "loopback", "--format", "json"], env=self.env,
                              cwd=self.workdir, capture_output=True, text=True, timeout=self.startup_timeout_s)
         try:
-            ok = res.returncode == 0 and json.loads(res.stdout[res.stdout.index("{"):]).get("success")
+            reply = json.loads(res.stdout[res.stdout.index("{"):])
+            ok = res.returncode == 0 and reply.get("success")
         except ValueError:
             ok = False
         if not ok:
             raise FlowerError(f"`flwr run` failed ({res.returncode}): {res.stdout[-2000:]} {res.stderr[-2000:]}")
+        return int(reply["run-id"])
+
+    def stop_run(self, run_id: int) -> None:
+        """Stop a run (``flwr stop``): its ServerApp ends; the SuperLink and the centers stay up.
+
+        Caution (flwr 1.42): a SuperNode whose ClientApp is mid-task when its run stops keeps waiting
+        for that task's reply and takes no new messages; stop between rounds.
+        """
+        res = subprocess.run(["flwr", "stop", str(run_id), "loopback"], env=self.env, cwd=self.workdir,
+                             capture_output=True, text=True, timeout=self.startup_timeout_s)
+        if res.returncode != 0:
+            raise FlowerError(f"`flwr stop {run_id}` failed: {res.stdout[-1500:]} {res.stderr[-1500:]}")
 
     def wait(self, out_dir: Path, timeout_s: float) -> None:
         """Block until the ServerApp wrote ``done.json`` in ``out_dir``."""

@@ -14,7 +14,8 @@ Messages (all a center ever sends is in :func:`reply_content`):
   ``metrics`` (MetricRecord: numbers only), ``center`` (ConfigRecord: ``name``).
 
 Run config keys: ``collab-config`` (the :class:`~._config.CollabConfig` JSON), ``out-dir``,
-``eval-data`` (optional ``.npz`` with ``x``, ``y``), ``poll-s``. Node config keys: ``center``, ``data``
+``eval-data`` (optional ``.npz`` with ``x``, ``y``), ``poll-s``, ``max-rounds`` (exit after that many
+rounds, as a server taken down between rounds; 0: run to the end). Node config keys: ``center``, ``data``
 (``.npz`` with the center's ``x``, ``y``).
 """
 
@@ -137,7 +138,10 @@ def _serve(grid: Grid, context: Context) -> None:
     server = FederationServer(config, initial_params(config), TimingLog(out / "timing.jsonl"), out / "checkpoint")
     server.resume()
     first = True
-    while not server.done:
+    stop_after = int(rc.get("max-rounds", 0)) or None  # rounds this ServerApp runs before exiting (0: all)
+    ran = 0
+    while not server.done and (stop_after is None or ran < stop_after):
+        ran += 1
         nodes = _wait_for_nodes(grid, len(config.centers) if first else config.required_centers,
                                 config.round_timeout_s, poll_s)
         first = False
@@ -159,6 +163,9 @@ def _serve(grid: Grid, context: Context) -> None:
         rec = server.finish_round(r, replies, sent_to=len(nodes), evaluate=evaluate)
         with (out / "rounds.jsonl").open("a") as f:
             f.write(json.dumps(rec.to_dict()) + "\n")
+    if not server.done:  # leaves like a server taken down between rounds; a new one resumes
+        (out / f"stopped-after-{server.round}.json").write_text(json.dumps({"rounds": server.round}))
+        return
     np.savez(out / "final.npz", **server.params)
     (out / "done.json").write_text(json.dumps({"rounds": server.round}))
 

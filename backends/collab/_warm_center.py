@@ -89,7 +89,10 @@ def serve(address: str, poll_s: float = 0.05) -> None:
     while True:
         res = acquirer.AcquireTask(AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP.value]))
         if res.HasField("task") and res.token:
-            _run_task(address, res.token, apps)
+            try:
+                _run_task(address, res.token, apps)
+            except Exception:  # e.g. the run was stopped while we trained: keep serving the next one
+                log.exception("task failed")
             continue
         time.sleep(poll_s)
 
