@@ -17,8 +17,14 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(PIP) install -q -c constraints.txt -e .
 	touch $@
 
-$(TSTAMP): $(STAMP)
+# Test extras, then the collaborative-training stack: MindSpore (needs protobuf>=7.34.1) and Flower
+# (declares protobuf<7 but runs on 7.36.2), so flwr goes in with --no-deps and its other
+# requirements from requirements-flwr.txt.
+$(TSTAMP): $(STAMP) requirements-flwr.txt
 	$(PIP) install -q -c constraints.txt -e '.[test]'
+	$(PIP) install -q -c constraints.txt mindspore==2.10.0
+	$(PIP) install -q --no-deps flwr==1.42.0
+	$(PIP) install -q -c constraints.txt -r requirements-flwr.txt
 	touch $@
 
 venv: $(STAMP)
