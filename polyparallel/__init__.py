@@ -18,8 +18,8 @@ from .strategy import Strategy
 
 __version__ = "0.1.0"
 
-__all__ = ["Cluster", "Graph", "Op", "OpKind", "Strategy", "TensorSpec", "__version__", "capture", "evaluate",
-           "search"]
+__all__ = ["Cluster", "Graph", "Op", "OpKind", "Strategy", "TensorSpec", "__version__", "capture", "collaborate",
+           "evaluate", "search"]
 
 
 def search(model: Any, example_inputs: Any = None, cluster: Any = "local-cpu:2", **kwargs: Any) -> Strategy:
@@ -64,3 +64,10 @@ def capture(model: Any, example_inputs: Any = None, example_kwargs: dict[str, An
         return capture_torch(model, example_inputs, example_kwargs, **options)
     raise TypeError(f"cannot capture a {type(model).__name__}: pass an nn.Module, an .onnx path "
                     "or an onnx.ModelProto")
+
+
+def collaborate(*args: Any, **kwargs: Any) -> Any:
+    """Train across centers with periodic fusion; see :func:`polyparallel.backends.collab.collaborate`."""
+    from .backends.collab import collaborate as _collaborate
+
+    return _collaborate(*args, **kwargs)
