@@ -318,7 +318,7 @@ class _Capture:
             val = self.dim_values.get(key, self.dim_values.get(alt))
             if val is None:
                 raise CaptureError(f"{self.where}: graph input {vi.name!r} has a dynamic dim {key!r} (axis "
-                                   f"{axis}); pass dim_values={{{key!r}: N}} to fix it")
+                                   f"{axis}); pass dim_values={{{key!r}: N}} (CLI: --dim {key}=N) to fix it")
             d.Clear()
             d.dim_value = int(val)
 
