@@ -582,7 +582,7 @@ def _search_collab(mdl: _Model, cl: Cluster, B: int, c: Constraints, exhaustive:
     collab = Collaborative(centers=centers, fusion="fedavg", local_steps=H, rounds=1, compression="none",
                            round_time_s=round_time, comm_fraction=fusion / round_time)
     g = mdl.graph(mdl.b0)
-    strat = Strategy(model=_model_info(mdl, g, B), cluster=cl.to_dict() if hasattr(cl, "to_dict") else {},
+    strat = Strategy(model=_model_info(mdl, g, mdl.b0, B), cluster=cl.to_dict() if hasattr(cl, "to_dict") else {},
                      mode="collaborative", global_batch=B, dp=1, tp=1, pp=1, sp=1,
                      mesh=Mesh(axes=[MeshAxis(name="center", size=len(all_devs), level="inter_center")],
                                devices=all_devs),
@@ -590,10 +590,10 @@ def _search_collab(mdl: _Model, cl: Cluster, B: int, c: Constraints, exhaustive:
     return strat, cands
 
 
-def _model_info(mdl: _Model, g: Graph, B: int) -> ModelInfo:
+def _model_info(mdl: _Model, g: Graph, b: int, B: int) -> ModelInfo:
+    """``g`` is the graph of one micro-batch of ``b`` samples; a step trains ``B`` samples."""
     return ModelInfo(name=mdl.name, fingerprint=fingerprint(g), params=g.param_count(),
-                     flops_per_step=3.0 * g.flops() / max(1, mdl.b0 if g is mdl.graphs.get(mdl.b0) else 1) * B,
-                     source=g.source)
+                     flops_per_step=3.0 * g.flops() / b * B, source=g.source)
 
 
 def _does_not_fit_message(mdl: _Model, cl: Cluster, best: _Best | None) -> str:
@@ -632,7 +632,7 @@ def _to_strategy(mdl: _Model, cl: Cluster, est: StepEstimate, b: int, B: int, de
                         memory_bytes_max=mem_max, comm_fraction=comm / est.step_time if est.step_time else 0.0,
                         breakdown={k: float(v) for k, v in bd.items()},
                         memory_by_device={r.label: float(r.total) for r in est.memory})
-    return Strategy(model=_model_info(mdl, g, B), cluster=cl.to_dict() if hasattr(cl, "to_dict") else {},
+    return Strategy(model=_model_info(mdl, g, b, B), cluster=cl.to_dict() if hasattr(cl, "to_dict") else {},
                     mode="synchronous", global_batch=B, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, sp=cfg.sp,
                     microbatches=cfg.microbatches, schedule=cfg.schedule if cfg.chunks == 1 else
                     f"interleaved:{cfg.chunks}", zero_stage=cfg.zero_stage, recompute=cfg.recompute, dtype=cfg.dtype,

@@ -152,3 +152,10 @@ def test_cli_search_explain_evaluate(tmp_path):
     bad.write_text('{"schema_version": 0}')
     r = subprocess.run([*exe, "explain", str(bad)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "not supported" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_model_flops_per_step_is_three_forward_passes_of_the_global_batch(tiny_graph):
+    s = search(tiny_graph, cluster="dgx-a100x1", batch_size=32)
+    per_sample = tiny_graph.flops() / 4  # tiny_graph was captured with a batch of 4
+    assert s.model.flops_per_step == pytest.approx(3 * per_sample * 32, rel=1e-9)
+    assert s.model.params == tiny_graph.param_count()
