@@ -689,9 +689,11 @@ def _placements(g: Graph, cfg: ParallelConfig) -> list[OpPlacement]:
 
     plans = _plan_ops(g, cfg)
     groups: dict[str, list[str]] = {}
+    modules: dict[str, list[str]] = {}
     for op, plan in zip(g.ops, plans):
         if op.nest is None:
             groups.setdefault("", []).append(op.name)
+            modules.setdefault("", []).append(op.module)
             continue
         parts = []
         batch = next((d.name for d in op.nest.dims if d.hint is Hint.BATCH and d.extent % max(1, cfg.dp) == 0), None)
@@ -703,20 +705,28 @@ def _placements(g: Graph, cfg: ParallelConfig) -> list[OpPlacement]:
             if dim:
                 parts.append(f"{dim}:tp")
         groups.setdefault(",".join(parts), []).append(op.name)
-    return [OpPlacement(ops=names, placement=pl) for pl, names in groups.items()]
+        modules.setdefault(",".join(parts), []).append(op.module)
+    return [OpPlacement(ops=names, placement=pl, modules=modules[pl]) for pl, names in groups.items()]
 
 
 def _tp_dim(op: Any, has_param: bool, plan: Any) -> str | None:
+    """The loop dim the Megatron rule splits over tp. Canonicalisation may have split a dim
+    into factors (``k`` -> ``k_0, k_1``); the outermost factor (e.g. the heads) is taken."""
     names = [d.name for d in op.nest.dims]
-    if has_param and "n" in names and not plan.tp_fwd:
-        return "n"  # column-parallel
-    if has_param and "k" in names and plan.tp_fwd:
-        return "k"  # row-parallel (partial sums reduced)
-    if has_param and "v" in names:
-        return "v"  # vocabulary-parallel embedding
+
+    def first(prefix: str) -> str | None:
+        return next((n for n in names if n == prefix or (n.startswith(prefix + "_") and n[len(prefix) + 1:].isdigit())),
+                    None)
+
+    if has_param and plan.tp_fwd and first("k"):
+        return first("k")  # row-parallel: partial sums reduced in the forward pass
+    if has_param and first("n") and not plan.tp_fwd:
+        return first("n")  # column-parallel
+    if has_param and first("v"):
+        return first("v")  # vocabulary-parallel embedding
     for pref in ("h", "o", "c", "n", "e"):
-        if pref in names:
-            return pref
+        if first(pref):
+            return first(pref)
     return None
 
 

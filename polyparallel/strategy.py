@@ -109,6 +109,8 @@ class OpPlacement(_Model):
     ops: list[str]
     placement: str = Field(description="loop dim -> mesh axes, e.g. 'b:dp,n:tp' ('' = replicated)")
     comm: str = ""
+    modules: list[str] = Field(default_factory=list, description="module path of each op (same order as ops; "
+                                                                 "'' where unknown), for executors")
 
 
 class CenterPlan(_Model):
