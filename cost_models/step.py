@@ -433,16 +433,23 @@ def estimate_step(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> StepEs
             return [devs[cfg.rank(s, d, x, t)] for x in range(cfg.sp)]
         return [devs[cfg.rank(s, x, y, t)] for x in range(cfg.dp) for y in range(cfg.sp)]  # dp (x sp)
 
+    def group_key(grp: list[int]) -> tuple[int, ...]:
+        # nodes are homogeneous (one device type, one intra-node link), so a collective's time
+        # depends on how many members sit on which node, not on which devices they are
+        return tuple(sorted(cluster.device(d).node for d in grp))
+
     def price_collectives(events: list[tuple[str, float]], grp: list[int], cache: dict) -> float:
         tot = 0.0
+        gk = group_key(grp)
         for kind, nbytes in events:
-            key = (kind, nbytes, tuple(grp))
+            key = (kind, nbytes, gk)
             if key not in cache:
                 cache[key] = collective_time(cluster, kind, nbytes, grp).seconds
             tot += cache[key]
         return tot
 
-    ccache: dict = {}
+    # collective prices depend only on the cluster: keep them across the search's many calls
+    ccache: dict = cluster.__dict__.setdefault("_collective_cache", {})
     # op prices depend only on the op, device type, dtype and split: the search prices many
     # configurations of one graph, so they are kept on the graph (dropped when it changes)
     op_costs: dict = graph.__dict__.setdefault("_op_cost_cache", {})
@@ -492,7 +499,7 @@ def estimate_step(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> StepEs
                     agg[ev] = agg.get(ev, 0) + 1
             if not agg:
                 return 0.0
-            distinct = {tuple(sorted(cluster.device(d).node for d in grp)): grp for grp in groups}
+            distinct = {group_key(grp): grp for grp in groups}
             return max(sum(n * price_collectives([ev], grp, ccache) for ev, n in agg.items())
                        for grp in distinct.values())
 
@@ -549,9 +556,10 @@ def estimate_step(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> StepEs
     for s in range(p):
         times = []
         for g in range(s, p * v - 1, p):
-            times.append(max(p2p_time(cluster, devs[cfg.rank(s, d, q, t)], devs[cfg.rank((s + 1) % p, d, q, t)],
-                                      boundary[g])
-                             for d in range(cfg.dp) for q in range(cfg.sp) for t in range(cfg.tp)))
+            pairs = {(cluster.device(a).node, cluster.device(b).node): (a, b)
+                     for a, b in ((devs[cfg.rank(s, d, q, t)], devs[cfg.rank((s + 1) % p, d, q, t)])
+                                  for d in range(cfg.dp) for q in range(cfg.sp) for t in range(cfg.tp))}
+            times.append(max(p2p_time(cluster, a, b, boundary[g]) for a, b in pairs.values()))
         p2p[s] = max(times) if times else 0.0
         p2p_total[s] = 2 * m * sum(times)
 
