@@ -1,0 +1,30 @@
+"""Small models and deterministic data for ``polyparallel train`` and the backend's tests."""
+
+from __future__ import annotations
+
+import torch
+
+from polyparallel.models import GPT, MLP, GPTConfig
+
+__all__ = ["gpt_data", "mlp_data", "tiny_gpt", "tiny_mlp"]
+
+BATCH = 8
+
+
+def tiny_mlp() -> MLP:
+    return MLP((32, 64, 64, 8))
+
+
+def mlp_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)  # the same batch on every rank
+    return torch.randn(BATCH, 32, generator=g), torch.randint(0, 8, (BATCH,), generator=g)
+
+
+def tiny_gpt() -> GPT:
+    return GPT(GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4))
+
+
+def gpt_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2000 + step)
+    ids = torch.randint(0, 64, (BATCH, 17), generator=g)
+    return ids[:, :-1], ids[:, 1:]

@@ -1,0 +1,108 @@
+"""``train``: check the plan, launch the workers with torch.distributed.run, collect the log."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from polyparallel.backends.torch._plan import plan_for
+from polyparallel.backends.torch._worker import resolve
+from polyparallel.strategy import Strategy
+
+__all__ = ["TrainError", "train"]
+
+
+class TrainError(RuntimeError):
+    """A worker failed; ``rank``, ``step`` and ``error`` say which, where and why."""
+
+    def __init__(self, message: str, rank: int | None = None, step: int | None = None, error: str = "") -> None:
+        super().__init__(message)
+        self.rank, self.step, self.error = rank, step, error
+
+
+def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps: int, optimizer: str = "sgd",
+          lr: float = 0.1, seed: int = 0, log_dir: str | Path | None = None,
+          timeout_s: float = 600.0) -> list[dict[str, float]]:
+    """Train ``model_fn()`` as ``strategy`` says on ``dp * tp`` local processes; return the step log.
+
+    ``model_fn`` and ``data_fn`` are ``"package.module:function"`` strings or picklable callables
+    (module-level functions). ``model_fn()`` builds the model, whose ``forward(inputs, labels)``
+    returns the mean loss; ``data_fn(step)`` returns the global batch ``(inputs, labels)``, which is
+    split into equal contiguous shares over the ``dp`` ranks. Every rank seeds torch with ``seed``
+    before building the model. Rank 0 writes ``{"step", "loss", "step_time_s"}`` JSON lines to
+    ``log_dir/train.jsonl`` (a temporary folder when ``log_dir`` is None); the list is returned.
+
+    Raises :class:`~polyparallel.backends.torch.Unsupported` (a ValueError) before launching when the
+    plan cannot be executed exactly, and :class:`TrainError` naming the rank when a worker fails.
+    """
+    import torch
+
+    if not isinstance(strategy, Strategy):
+        strategy = Strategy.from_json(strategy)
+    if steps < 1:
+        raise ValueError(f"steps={steps}: need at least one step")
+    if optimizer not in ("sgd", "adam", "adamw"):
+        raise ValueError(f"optimizer {optimizer!r}: choose sgd, adam or adamw")
+    torch.manual_seed(seed)
+    plan = plan_for(strategy, resolve(model_fn)())  # refuse before any process starts
+    nproc = plan.dp * plan.tp
+    if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
+        raise ValueError(f"the strategy needs {nproc} GPUs on this machine; {torch.cuda.device_count()} are visible")
+    tmp = None
+    if log_dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="pp-train-")
+        log_dir = tmp.name
+    run_dir = Path(log_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for old in [run_dir / "train.jsonl", *run_dir.glob("failure-rank*.json")]:
+        old.unlink(missing_ok=True)
+    job = {"plan": plan, "model_fn": model_fn, "data_fn": data_fn, "steps": steps, "optimizer": optimizer,
+           "lr": lr, "seed": seed}
+    try:
+        (run_dir / "job.pkl").write_bytes(pickle.dumps(job))
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise ValueError(f"model_fn/data_fn must be 'package.module:function' strings or module-level "
+                         f"functions (they are sent to the worker processes): {e}") from e
+    env = dict(os.environ)
+    # the workers must import whatever the caller could (e.g. a test module's functions)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "--max-restarts=0", "-m", "polyparallel.backends.torch._entry", str(run_dir)]
+    try:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise TrainError(f"training did not finish within {timeout_s:.0f} s; all workers were killed") from None
+        if proc.returncode != 0:
+            failures = sorted((json.loads(p.read_text()) for p in run_dir.glob("failure-rank*.json")),
+                              key=lambda f: f["time"])
+            # the first rank to fail is the cause; the others typically died of its absence
+            if failures:
+                f = failures[0]
+                raise TrainError(f"rank {f['rank']} failed at step {f['step']}: {f['error']}\n{f['traceback']}",
+                                 rank=f["rank"], step=f["step"], error=f["error"])
+            # no failure file: the rank died outside Python (a signal, an abort); the elastic agent's
+            # summary names the root-cause rank
+            m = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)[^\n]*", out, re.S)
+            if m:
+                raise TrainError(f"rank {m.group(1)} failed (exit code {m.group(2)}); launcher output:\n"
+                                 f"{out[-4000:]}", rank=int(m.group(1)), error=f"exit code {m.group(2)}")
+            raise TrainError(f"torch.distributed.run exited with status {proc.returncode}:\n{out[-4000:]}")
+        log = run_dir / "train.jsonl"
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    finally:
+        if tmp is not None:
+            tmp.cleanup()

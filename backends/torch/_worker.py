@@ -1,0 +1,128 @@
+"""Worker body, one per rank, started by torch.distributed.run.
+
+``python -m polyparallel.backends.torch._entry RUN_DIR`` reads ``RUN_DIR/job.pkl`` (the plan, the
+model and data functions, optimiser settings), trains, and has rank 0 append one JSON line per step
+to ``RUN_DIR/train.jsonl``. A failing rank writes ``RUN_DIR/failure-rank{R}.json`` (step, error,
+traceback) before exiting non-zero, so the launcher can say which rank failed and why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import time
+import traceback
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["resolve", "run_worker"]
+
+
+def resolve(fn: Any) -> Any:
+    """``"package.module:function"`` -> the function; a callable is returned as is."""
+    if callable(fn):
+        return fn
+    import importlib
+
+    mod, sep, name = str(fn).partition(":")
+    if not sep or not mod or not name:
+        raise ValueError(f"{fn!r}: expected 'package.module:function'")
+    obj: Any = importlib.import_module(mod)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _apply(model: torch.nn.Module, job: dict[str, Any], device: torch.device) -> tuple[torch.nn.Module, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    plan = job["plan"]
+    mesh = init_device_mesh(device.type, (plan.dp, plan.tp), mesh_dim_names=("dp", "tp"))
+    if plan.tp > 1 and plan.tp_plan:
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        styles = {"col": ColwiseParallel(), "row": RowwiseParallel(),
+                  "col_gather": ColwiseParallel(output_layouts=Replicate()),
+                  "col_to_loss": ColwiseParallel(use_local_output=False)}
+        parallelize_module(model, mesh["tp"], {path: styles[kind] for path, kind in plan.tp_plan})
+    if plan.data_parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model, process_group=mesh["dp"].get_group(),
+                                        device_ids=[device.index] if device.type == "cuda" else None)
+    elif plan.data_parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=mesh["dp"])
+    return model, mesh
+
+
+def run_worker(run_dir: Path) -> None:
+    job = pickle.loads((run_dir / "job.pkl").read_bytes())
+    rank = int(os.environ["RANK"])
+    step = -1
+    try:
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        dist.init_process_group("nccl" if cuda else "gloo")
+        plan = job["plan"]
+        torch.manual_seed(job["seed"])  # every rank builds the same initial weights
+        model = resolve(job["model_fn"])().to(device)
+        model, mesh = _apply(model, job, device)
+        data_fn = resolve(job["data_fn"])
+        opt_cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[job["optimizer"]]
+        opt = opt_cls(model.parameters(), lr=job["lr"])
+        dp_rank = mesh["dp"].get_local_rank()
+        local = plan.global_batch // plan.dp
+        dp_group = mesh["dp"].get_group()
+        if plan.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+            ctx: Any = loss_parallel
+        else:
+            ctx = nullcontext
+        log = run_dir / "train.jsonl"
+        for step in range(job["steps"]):
+            inputs, labels = data_fn(step)
+            if inputs.shape[0] != plan.global_batch:
+                raise ValueError(f"data_fn({step}) returned a batch of {inputs.shape[0]}; the strategy's "
+                                 f"global_batch is {plan.global_batch}")
+            sl = slice(dp_rank * local, (dp_rank + 1) * local)
+            x, y = inputs[sl].to(device), labels[sl].to(device)
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            with ctx():
+                loss = model(x, y)
+                loss.backward()
+            opt.step()
+            if cuda:
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            val = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+            val = val.detach().clone().reshape(1)
+            # each dp rank's loss is the mean over its equal share: the global mean is their mean
+            dist.all_reduce(val, group=dp_group)
+            if rank == 0:
+                rec = {"step": step, "loss": float(val.item()) / plan.dp, "step_time_s": dt}
+                with log.open("a") as f:
+                    f.write(json.dumps(rec) + "\n")
+        # every rank leaves together: a rank tearing gloo down while its peer still has work in
+        # flight aborts the peer ("terminate called without an active exception")
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as e:
+        # written whole then renamed: the launcher kills the surviving ranks, possibly mid-write
+        tmp = run_dir / f".failure-rank{rank}.tmp"
+        tmp.write_text(json.dumps({"rank": rank, "step": step, "time": time.time(),
+                                   "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}))
+        os.replace(tmp, run_dir / f"failure-rank{rank}.json")
+        raise

@@ -1,0 +1,34 @@
+"""``polyparallel train``: run a Strategy with the torch.distributed backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from polyparallel.cli import UserError, app
+
+
+@app.command()
+def train(
+    strategy: Annotated[Path, typer.Argument(help="strategy JSON written by `polyparallel search`")],
+    model: Annotated[str, typer.Option(help="package.module:function building the model")],
+    data: Annotated[str, typer.Option(help="package.module:function; data(step) -> (inputs, labels), the "
+                                           "global batch")],
+    steps: Annotated[int, typer.Option(help="optimizer steps")] = 10,
+    optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw")] = "sgd",
+    lr: Annotated[float, typer.Option(help="learning rate")] = 0.1,
+    seed: Annotated[int, typer.Option(help="torch seed set on every rank before building the model")] = 0,
+    log_dir: Annotated[Path | None, typer.Option(help="folder for train.jsonl (loss and step time per step)")] = None,
+) -> None:
+    """Train MODEL on DATA exactly as the strategy says (refused, exit 2, if it cannot be executed)."""
+    from polyparallel.backends.torch import TrainError
+    from polyparallel.backends.torch import train as run
+
+    try:
+        log = run(strategy, model, data, steps=steps, optimizer=optimizer, lr=lr, seed=seed, log_dir=log_dir)
+    except TrainError as e:
+        raise UserError(str(e)) from e
+    for rec in log:
+        typer.echo(f"step {rec['step']:>4}  loss {rec['loss']:.6f}  {rec['step_time_s'] * 1e3:.1f} ms")
