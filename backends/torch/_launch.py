@@ -86,6 +86,11 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
             raise TrainError(f"training did not finish within {timeout_s:.0f} s; all workers were killed") from None
+        except BaseException:
+            # interrupted (Ctrl-C, a test timeout): never leave the launcher and its workers behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
         if proc.returncode != 0:
             failures = sorted((json.loads(p.read_text()) for p in run_dir.glob("failure-rank*.json")),
                               key=lambda f: f["time"])

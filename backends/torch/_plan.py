@@ -142,6 +142,15 @@ def plan_for(strategy: Strategy, model: nn.Module) -> ExecPlan:
         raise Unsupported("the torch backend cannot execute this strategy exactly: " + "; ".join(problems[:5]) + more
                           + ". Search with other constraints (e.g. {'tp': 1}) or change the model")
     linears.sort()
+    owners: dict[int, list[str]] = {}
+    for name, mod in modules.items():
+        for p in mod.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(name)
+    for _, path, _ in linears:
+        shared = [o for o in owners.get(id(modules[path].weight), []) if o != path]
+        if shared:  # e.g. GPT's lm_head tied to the token embedding
+            raise Unsupported(f"tensor-parallel Linear {path!r} shares its weight with {shared[0]!r}; sharding a "
+                              "tied weight for one module only is not executed in this slice")
     seen: dict[str, str] = {}
     for j, (_, path, kind) in enumerate(linears):
         if path in seen and seen[path] != kind:
