@@ -23,7 +23,13 @@ def train(
     log_dir: Annotated[Path | None, typer.Option(help="folder for train.jsonl (loss and step time per step)")] = None,
 ) -> None:
     """Train MODEL on DATA exactly as the strategy says (refused, exit 2, if it cannot be executed)."""
+    import os
+    import sys
+
     from polyparallel.backends.torch import TrainError
+
+    if os.getcwd() not in sys.path:  # like `python -m`: the user's own modules in this folder import
+        sys.path.insert(0, os.getcwd())
     from polyparallel.backends.torch import train as run
 
     try:

@@ -32,9 +32,15 @@ def resolve(fn: Any) -> Any:
     mod, sep, name = str(fn).partition(":")
     if not sep or not mod or not name:
         raise ValueError(f"{fn!r}: expected 'package.module:function'")
-    obj: Any = importlib.import_module(mod)
-    for part in name.split("."):
-        obj = getattr(obj, part)
+    try:
+        obj: Any = importlib.import_module(mod)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{fn!r}: cannot load it ({type(e).__name__}: {e}); give an importable "
+                         "'package.module:function' (the current directory is on the path for the CLI)") from e
+    if not callable(obj):
+        raise ValueError(f"{fn!r} is a {type(obj).__name__}, not a function")
     return obj
 
 
