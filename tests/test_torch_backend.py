@@ -117,6 +117,20 @@ def test_dead_worker_is_named() -> None:
     assert (e.value.rank, e.value.step) == (1, 2)
 
 
+@pytest.mark.timeout(75)
+def test_resume_after_a_dead_worker_loses_no_step(tmp_path: Path) -> None:
+    """FSDP run killed at step 2 (rank 1), resumed from the step-1 checkpoint: same trajectory."""
+    s = _strategy(ex.tiny_mlp(), ex.mlp_data, dp=2, tp=1, zero_stage=3)
+    with pytest.raises(TrainError, match="rank 1 failed at step 2"):
+        train(s, ex.tiny_mlp, failing_data, steps=STEPS, lr=LR, seed=SEED, checkpoint_dir=tmp_path)
+    assert (tmp_path / "LATEST").read_text() == "1"
+    log = train(s, ex.tiny_mlp, ex.mlp_data, steps=STEPS, lr=LR, seed=SEED + 1, checkpoint_dir=tmp_path)
+    # a different seed proves the weights came from the checkpoint, not from a fresh init
+    err = _max_rel(log, _single(ex.tiny_mlp, ex.mlp_data))
+    print(f"max relative loss difference after resume {err:.2e}")
+    assert err <= 1e-4
+
+
 def test_refuses_what_it_cannot_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     gpt = _strategy(ex.tiny_gpt(), ex.gpt_data, dp=1, tp=2)
     assert any(p.placement == "h:tp" for p in gpt.placements)

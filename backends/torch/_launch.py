@@ -30,6 +30,7 @@ class TrainError(RuntimeError):
 
 def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps: int, optimizer: str = "sgd",
           lr: float = 0.1, seed: int = 0, log_dir: str | Path | None = None,
+          checkpoint_dir: str | Path | None = None, checkpoint_every: int = 1,
           timeout_s: float = 600.0) -> list[dict[str, float]]:
     """Train ``model_fn()`` as ``strategy`` says on ``dp * tp`` local processes; return the step log.
 
@@ -39,6 +40,11 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
     split into equal contiguous shares over the ``dp`` ranks. Every rank seeds torch with ``seed``
     before building the model. Rank 0 writes ``{"step", "loss", "step_time_s"}`` JSON lines to
     ``log_dir/train.jsonl`` (a temporary folder when ``log_dir`` is None); the list is returned.
+
+    With ``checkpoint_dir``, model and optimiser are saved with torch.distributed.checkpoint every
+    ``checkpoint_every`` steps (and after the last); a later call with the same ``checkpoint_dir``
+    resumes after the latest complete checkpoint (so a run killed mid-way loses no saved step), and
+    the log is ``checkpoint_dir/train.jsonl`` unless ``log_dir`` says otherwise.
 
     Raises :class:`~polyparallel.backends.torch.Unsupported` (a ValueError) before launching when the
     plan cannot be executed exactly, and :class:`TrainError` naming the rank when a worker fails.
@@ -56,16 +62,24 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
     nproc = plan.dp * plan.tp
     if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
         raise ValueError(f"the strategy needs {nproc} GPUs on this machine; {torch.cuda.device_count()} are visible")
+    if checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every={checkpoint_every}: must be >= 1")
+    if checkpoint_dir is not None:
+        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        log_dir = checkpoint_dir if log_dir is None else log_dir
+    resuming = checkpoint_dir is not None and (Path(checkpoint_dir) / "LATEST").exists()
     tmp = None
     if log_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="pp-train-")
         log_dir = tmp.name
     run_dir = Path(log_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    for old in [run_dir / "train.jsonl", *run_dir.glob("failure-rank*.json")]:
+    stale = [*run_dir.glob("failure-rank*.json")] + ([] if resuming else [run_dir / "train.jsonl"])
+    for old in stale:
         old.unlink(missing_ok=True)
     job = {"plan": plan, "model_fn": model_fn, "data_fn": data_fn, "steps": steps, "optimizer": optimizer,
-           "lr": lr, "seed": seed}
+           "lr": lr, "seed": seed, "checkpoint_every": checkpoint_every,
+           "checkpoint_dir": str(Path(checkpoint_dir).resolve()) if checkpoint_dir is not None else None}
     try:
         (run_dir / "job.pkl").write_bytes(pickle.dumps(job))
     except (pickle.PicklingError, AttributeError, TypeError) as e:

@@ -69,6 +69,45 @@ def _apply(model: torch.nn.Module, job: dict[str, Any], device: torch.device) ->
     return model, mesh
 
 
+def _save(ckpt: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int) -> None:
+    """Save model and optimiser (sharded as they are) with torch.distributed.checkpoint after ``step``.
+
+    ``LATEST`` is rewritten (atomically, by rank 0) only after every rank finished writing, so a
+    kill mid-save leaves the previous checkpoint as the one to resume from.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(ckpt / f"step-{step}"))
+    dist.barrier()
+    if rank == 0:
+        tmp = ckpt / ".LATEST.tmp"
+        tmp.write_text(str(step))
+        os.replace(tmp, ckpt / "LATEST")
+
+
+def _resume(ckpt: Path | None, model: torch.nn.Module, opt: torch.optim.Optimizer, log: Path | None) -> int:
+    """Load the latest checkpoint if there is one; return the first step still to run.
+
+    Rank 0 also drops log lines of steps after the checkpoint (they are run again).
+    """
+    if ckpt is None or not (ckpt / "LATEST").exists():
+        return 0
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    done = int((ckpt / "LATEST").read_text())
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=str(ckpt / f"step-{done}"))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if log is not None and log.exists():
+        kept = [line for line in log.read_text().splitlines() if json.loads(line)["step"] <= done]
+        log.write_text("".join(line + "\n" for line in kept))
+    return done + 1
+
+
 def run_worker(run_dir: Path) -> None:
     job = pickle.loads((run_dir / "job.pkl").read_bytes())
     rank = int(os.environ["RANK"])
@@ -95,7 +134,9 @@ def run_worker(run_dir: Path) -> None:
         else:
             ctx = nullcontext
         log = run_dir / "train.jsonl"
-        for step in range(job["steps"]):
+        ckpt = Path(job["checkpoint_dir"]) if job.get("checkpoint_dir") else None
+        start = _resume(ckpt, model, opt, log if rank == 0 else None)
+        for step in range(start, job["steps"]):
             inputs, labels = data_fn(step)
             if inputs.shape[0] != plan.global_batch:
                 raise ValueError(f"data_fn({step}) returned a batch of {inputs.shape[0]}; the strategy's "
@@ -121,6 +162,8 @@ def run_worker(run_dir: Path) -> None:
                 rec = {"step": step, "loss": float(val.item()) / plan.dp, "step_time_s": dt}
                 with log.open("a") as f:
                     f.write(json.dumps(rec) + "\n")
+            if ckpt is not None and ((step + 1) % job["checkpoint_every"] == 0 or step + 1 == job["steps"]):
+                _save(ckpt, step, model, opt, rank)
         # every rank leaves together: a rank tearing gloo down while its peer still has work in
         # flight aborts the peer ("terminate called without an active exception")
         dist.barrier()
