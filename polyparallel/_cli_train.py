@@ -21,6 +21,9 @@ def train(
     lr: Annotated[float, typer.Option(help="learning rate")] = 0.1,
     seed: Annotated[int, typer.Option(help="torch seed set on every rank before building the model")] = 0,
     log_dir: Annotated[Path | None, typer.Option(help="folder for train.jsonl (loss and step time per step)")] = None,
+    checkpoint_dir: Annotated[Path | None, typer.Option(help="save here with torch.distributed.checkpoint; a "
+                                                             "rerun with the same folder resumes")] = None,
+    checkpoint_every: Annotated[int, typer.Option(help="steps between checkpoints")] = 1,
 ) -> None:
     """Train MODEL on DATA exactly as the strategy says (refused, exit 2, if it cannot be executed)."""
     import os
@@ -33,7 +36,8 @@ def train(
     from polyparallel.backends.torch import train as run
 
     try:
-        log = run(strategy, model, data, steps=steps, optimizer=optimizer, lr=lr, seed=seed, log_dir=log_dir)
+        log = run(strategy, model, data, steps=steps, optimizer=optimizer, lr=lr, seed=seed, log_dir=log_dir,
+                  checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)
     except TrainError as e:
         raise UserError(str(e)) from e
     for rec in log:
