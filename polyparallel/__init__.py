@@ -19,7 +19,7 @@ from .strategy import Strategy
 __version__ = "0.1.0"
 
 __all__ = ["Cluster", "Graph", "Op", "OpKind", "Strategy", "TensorSpec", "__version__", "capture", "collaborate",
-           "evaluate", "search"]
+           "evaluate", "search", "train"]
 
 
 def search(model: Any, example_inputs: Any = None, cluster: Any = "local-cpu:2", **kwargs: Any) -> Strategy:
@@ -71,3 +71,10 @@ def collaborate(*args: Any, **kwargs: Any) -> Any:
     from .backends.collab import collaborate as _collaborate
 
     return _collaborate(*args, **kwargs)
+
+
+def train(*args: Any, **kwargs: Any) -> Any:
+    """Execute a Strategy with torch.distributed; see :func:`polyparallel.backends.torch.train`."""
+    from .backends.torch import train as _train
+
+    return _train(*args, **kwargs)
