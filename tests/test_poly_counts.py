@@ -8,6 +8,7 @@ code with the polyhedral model except the IR and the block bounds of the mesh.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import numpy as np
@@ -77,6 +78,9 @@ def layout_touched(layout: TensorLayout, mesh: DeviceMesh, p: int) -> np.ndarray
     return t
 
 
+_NEED_KEYS = itertools.count()
+
+
 def make_need(nest: LoopNest, operand: str, shape: tuple[int, ...], placement: Placement,
               mesh: DeviceMesh) -> Distribution:
     bounds = dim_bounds(nest, placement, mesh)
@@ -86,8 +90,10 @@ def make_need(nest: LoopNest, operand: str, shape: tuple[int, ...], placement: P
         b = {d: (int(lo[p]), int(hi[p])) for d, (lo, hi) in bounds.items()}
         return footprint_set(nest, operand, shape, b, writes=False).set_tuple_name("T")
 
+    # a unique cache key: id(region) can be reused by a later object once this one is freed,
+    # and the poly cache would then hand a stale result to an unrelated example
     return Distribution(shape, mesh, region, tuple(() for _ in shape), tuple(False for _ in shape), (),
-                        ("test", id(region)), isl_of, np.arange(mesh.size))
+                        ("test", next(_NEED_KEYS)), isl_of, np.arange(mesh.size))
 
 
 def draw_placement(data, nest: LoopNest, mesh: DeviceMesh) -> Placement:
