@@ -830,19 +830,13 @@ def _aten_for(name: str) -> Any:
 
 
 def _method_args(method: str, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Name a Tensor method's arguments with the first ATen overload that takes that many."""
     aten = getattr(torch.ops.aten, method, None)
     if aten is not None:
         for ov in aten.overloads():
-            schema = getattr(aten, ov)._schema
-            try:
-                out = {}
-                for a, v in zip(schema.arguments, args):
-                    out[a.name] = v
-                if len(args) <= len(schema.arguments):
-                    out.update(kwargs)
-                    return out
-            except Exception:  # pragma: no cover - schema mismatch, try the next overload
-                continue
+            overload = getattr(aten, ov)
+            if len(args) <= len(overload._schema.arguments):
+                return _named_args(overload, args, kwargs)
     out = {"self": args[0] if args else None}
     out.update({f"arg{i}": v for i, v in enumerate(args[1:], 1)})
     out.update(kwargs)

@@ -42,7 +42,7 @@ import enum
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -661,7 +661,3 @@ def _jsonable(v: Any) -> Any:
     if isinstance(v, float | int | str | bool) or v is None:
         return v
     return str(v)
-
-
-def shapes_of(graph: Graph, names: Sequence[str]) -> list[Shape]:
-    return [graph.shape(n) for n in names]

@@ -338,8 +338,7 @@ def _mesh_shapes(n: int, c: Constraints, node: int, layers: int, exhaustive: boo
     return out
 
 
-def _plans(est_fn: Callable[[ParallelConfig], StepEstimate], base: ParallelConfig, c: Constraints, layers: int,
-           exhaustive: bool) -> Iterable[list[ParallelConfig]]:
+def _plans(base: ParallelConfig, c: Constraints, layers: int, exhaustive: bool) -> Iterable[list[ParallelConfig]]:
     """Per schedule, the memory-knob ladder for one mesh shape and micro-batching, cheapest first."""
     scheds: list[tuple[str, int]] = [("1f1b", 1)]
     if base.pp > 1:
@@ -439,7 +438,7 @@ def _search_sync(mdl: _Model, cl: Cluster, B: int, c: Constraints, devs: list[in
         if not exhaustive:
             # the most memory-frugal plan of this shape (smallest micro-batch, last ladder rung):
             # if even that does not fit, no plan of this shape does
-            frugal = next(iter(_plans(None, replace(base, microbatches=per_replica // min(order)), c, layers,
+            frugal = next(iter(_plans(replace(base, microbatches=per_replica // min(order)), c, layers,
                                       False)))[-1]
             try:
                 est = estimate_step(mdl.graph(min(order)), cl, frugal)
@@ -452,7 +451,7 @@ def _search_sync(mdl: _Model, cl: Cluster, B: int, c: Constraints, devs: list[in
             cfg0 = replace(base, microbatches=per_replica // b)
             graph = mdl.graph(b)
             free_fit = False
-            for ladder in _plans(None, cfg0, c, layers, exhaustive):
+            for ladder in _plans(cfg0, c, layers, exhaustive):
                 sched_free_fit = False
                 for cfg in ladder:
                     try:
@@ -512,7 +511,7 @@ def _least_memory(mdl: _Model, cl: Cluster, B: int, c: Constraints, devs: list[i
         for b in mdl.micro_sizes(B // dp, exhaustive):
             base = ParallelConfig(dp=dp, tp=tp, pp=pp, sp=sp, microbatches=B // dp // b,
                                   dtype=fastest.est.config.dtype, devices=tuple(devs))
-            for cfg in (x for ladder in _plans(None, base, c, layers, True) for x in ladder):
+            for cfg in (x for ladder in _plans(base, c, layers, True) for x in ladder):
                 est = estimate_step(mdl.graph(b), cl, cfg)
                 out.candidates += 1
                 mem = max(r.total for r in est.memory)
@@ -564,7 +563,8 @@ def _search_collab(mdl: _Model, cl: Cluster, B: int, c: Constraints, exhaustive:
             continue
         fusion = max(fusion, param_bytes / wan.up_bandwidth + param_bytes / wan.down_bandwidth + 2 * wan.latency)
     # every center runs H local steps of its share of the batch; the slowest sets the pace
-    step = max(B * r / total_rate / r for r in rates)  # = B / total_rate: shares are proportional to speed
+    # shares are proportional to speed, so every center finishes its share of B at the same time
+    step = B / total_rate
     phi = c.comm_fraction
     H = max(1, math.ceil(fusion * (1 - phi) / (phi * step))) if fusion > 0 else 1
     round_time = H * step + fusion
@@ -654,13 +654,15 @@ def _stage_chunks(g: Graph, cfg: ParallelConfig) -> list[list[tuple[int, int]]]:
 
 
 def _layer_ids(g: Graph, a: int, z: int) -> set[int]:
-    import re
+    """Indices of the numbered layers (``h.3``, ``layers.7``) among ops ``a..z``, matched by the
+    cost model's own layer pattern so the stages list the layers it cut at."""
+    from polyparallel.cost_models.step import _LAYER
 
     ids = set()
     for op in g.ops[a: z + 1]:
-        m = re.search(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)(?:\.|$)", op.module or "")
+        m = _LAYER.match(op.module or "")
         if m:
-            ids.add(int(m.group(1)))
+            ids.add(int(m.group(1).rsplit(".", 1)[1]))
     return ids
 
 
