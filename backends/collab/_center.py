@@ -15,9 +15,10 @@ flat dict of numbers (sample count, loss, the three time stamps) — never data.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from ._config import CollabConfig
 from ._models import ModelSpec, build_torch_model, load_torch_state, torch_state
 from ._wire import Payload, encode_update
 
-__all__ = ["LocalTrainer", "TorchTrainer", "batch_indices", "center_round", "make_trainer"]
+__all__ = ["CenterData", "LocalTrainer", "TorchTrainer", "batch_indices", "center_round", "make_trainer"]
 
 
 def batch_indices(n: int, batch_size: int, steps: int, seed: int, center_index: int, round_idx: int) -> np.ndarray:
@@ -54,8 +55,12 @@ class LocalTrainer(Protocol):
 
 
 @dataclass
-class TorchTrainer:
-    """Local SGD in PyTorch on one center's data (single device, one intra-op thread for determinism)."""
+class CenterData:
+    """What every framework's trainer holds: the model, the center's data and the SGD settings.
+
+    The data order comes from :func:`batch_indices`, so trainers of different frameworks
+    given the same fields take the same batches.
+    """
 
     model_spec: ModelSpec
     x: np.ndarray
@@ -65,35 +70,44 @@ class TorchTrainer:
     lr: float = 0.05
     momentum: float = 0.0
     seed: int = 0
-    threads: int = 1
 
     def __post_init__(self) -> None:
         if len(self.x) != len(self.y) or len(self.x) == 0:
             raise ValueError(f"center data: {len(self.x)} inputs vs {len(self.y)} labels (need equal, > 0)")
-        self._model = build_torch_model(self.model_spec, self.seed)
 
     @property
     def num_samples(self) -> int:
         return len(self.x)
 
-    def _threads(self) -> Any:
-        import torch
 
-        class _Threads:
-            def __enter__(s) -> None:
-                s.old = torch.get_num_threads()
-                torch.set_num_threads(self.threads)
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Run torch with ``n`` intra-op threads, restoring the previous count afterwards."""
+    import torch
 
-            def __exit__(s, *exc: object) -> None:
-                torch.set_num_threads(s.old)
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
-        return _Threads()
+
+@dataclass
+class TorchTrainer(CenterData):
+    """Local SGD in PyTorch on one center's data (single device, one intra-op thread for determinism)."""
+
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._model = build_torch_model(self.model_spec, self.seed)
 
     def train(self, global_params: Mapping[str, np.ndarray], *, steps: int, round_idx: int,
               proximal_mu: float = 0.0) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         import torch
 
-        with self._threads():
+        with torch_threads(self.threads):
             model = self._model
             load_torch_state(model, dict(global_params))
             model.train()
@@ -126,18 +140,13 @@ def evaluate_torch(spec: ModelSpec, params: Mapping[str, np.ndarray], x: np.ndar
     model = build_torch_model(spec)
     load_torch_state(model, dict(params))
     model.eval()
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        loss, correct = 0.0, 0
-        with torch.no_grad():
-            for s in range(0, len(x), batch):
-                out = model(torch.from_numpy(np.ascontiguousarray(x[s:s + batch])))
-                yt = torch.from_numpy(np.ascontiguousarray(y[s:s + batch])).long()
-                loss += float(torch.nn.functional.cross_entropy(out, yt, reduction="sum"))
-                correct += int((out.argmax(1) == yt).sum())
-    finally:
-        torch.set_num_threads(old)
+    loss, correct = 0.0, 0
+    with torch_threads(threads), torch.no_grad():
+        for s in range(0, len(x), batch):
+            out = model(torch.from_numpy(np.ascontiguousarray(x[s:s + batch])))
+            yt = torch.from_numpy(np.ascontiguousarray(y[s:s + batch])).long()
+            loss += float(torch.nn.functional.cross_entropy(out, yt, reduction="sum"))
+            correct += int((out.argmax(1) == yt).sum())
     return {"loss": loss / len(x), "accuracy": correct / len(x)}
 
 

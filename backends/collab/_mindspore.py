@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ._center import batch_indices
+from ._center import CenterData, batch_indices
 from ._models import ModelSpec, build_torch_model
 
 __all__ = [
@@ -184,27 +184,13 @@ def load_mindspore_state(model: Any, params: Mapping[str, np.ndarray]) -> None:
 
 
 @dataclass
-class MindSporeTrainer:
+class MindSporeTrainer(CenterData):
     """Local SGD in MindSpore (CPU, PyNative) on one center's data; speaks torch names on the wire."""
 
-    model_spec: ModelSpec
-    x: np.ndarray
-    y: np.ndarray
-    center_index: int = 0
-    batch_size: int = 32
-    lr: float = 0.05
-    momentum: float = 0.0
-    seed: int = 0
-
     def __post_init__(self) -> None:
-        if len(self.x) != len(self.y) or len(self.x) == 0:
-            raise ValueError(f"center data: {len(self.x)} inputs vs {len(self.y)} labels (need equal, > 0)")
+        super().__post_init__()
         self.mapping = parameter_map(self.model_spec)
         self._model = build_mindspore_model(self.model_spec)
-
-    @property
-    def num_samples(self) -> int:
-        return len(self.x)
 
     def train(self, global_params: Mapping[str, np.ndarray], *, steps: int, round_idx: int,
               proximal_mu: float = 0.0) -> tuple[dict[str, np.ndarray], dict[str, float]]:
