@@ -217,3 +217,15 @@ def test_config_from_a_collaborative_strategy(tmp_path):
     sync = st.model_copy(update={"mode": "synchronous", "collaborative": None, "dp": 3})
     with pytest.raises(ValueError, match="'synchronous' mode"):
         config_from_strategy(sync, SPEC)
+
+
+def test_cosine_round_schedule_closed_form_and_bad_names():
+    from polyparallel.backends.collab._center import round_lr
+
+    assert [round_lr(0.1, "cosine", t, 4) for t in (1, 2, 3, 4)] == pytest.approx(
+        [0.1, 0.1 * (1 + 0.5 ** 0.5) / 2, 0.05, 0.1 * (1 - 0.5 ** 0.5) / 2])
+    assert round_lr(0.1, "constant", 3, 4) == 0.1
+    with pytest.raises(ValueError, match="unknown lr_schedule"):
+        round_lr(0.1, "step", 1, 4)
+    with pytest.raises(ValueError, match="unknown lr_schedule"):
+        CollabConfig(centers=(CenterSpec("a"),), model=ModelSpec("mlp", (4,), 2), lr_schedule="linear")

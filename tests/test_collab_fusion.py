@@ -17,6 +17,7 @@ from polyparallel.backends.collab import (
     check_payload,
     decode_update,
     encode_update,
+    is_statistic,
     make_fusion,
     payload_nbytes,
 )
@@ -101,6 +102,23 @@ def test_diloco_nesterov_matches_torch_sgd():
         opt.step()
         cur = f.fuse(cur, ups)
         np.testing.assert_allclose(cur["w"], w.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fusion", [FedAdam(lr=0.5), FedYogi(lr=0.5), DiLoCo(lr=0.7, momentum=0.9)])
+def test_server_optimisers_average_running_statistics(fusion):
+    """BatchNorm statistics take the weighted average x + Δ; extrapolating them made variances negative."""
+    g = {"bn.weight": np.ones(3, np.float32), "bn.running_var": np.ones(3, np.float32),
+         "bn.running_mean": np.zeros(3, np.float32)}
+    assert [is_statistic(k) for k in g] == [False, True, True]
+    for _ in range(4):  # the variances shrink every round: momentum would overshoot below zero
+        locals_ = [{k: (0.2 * v + 0.01 * i).astype(np.float32) for k, v in g.items()} for i in range(3)]
+        ups = [CenterUpdate(f"c{i}", p, n) for i, (p, n) in enumerate(zip(locals_, [1, 2, 3]))]
+        avg = {k: sum(n * p[k].astype(np.float64) for p, n in zip(locals_, [1, 2, 3])) / 6 for k in g}
+        g = fusion.fuse(g, ups)
+        for k in ("bn.running_var", "bn.running_mean"):
+            np.testing.assert_allclose(g[k], avg[k], rtol=1e-6)
+        assert not np.allclose(g["bn.weight"], avg["bn.weight"])  # the trained parameter is optimised
+    assert (g["bn.running_var"] > 0).all()
 
 
 def test_trimmed_mean_matches_sorted_arrays():

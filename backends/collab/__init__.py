@@ -38,6 +38,7 @@ from ._fusion import (
     FusionStrategy,
     Median,
     TrimmedMean,
+    is_statistic,
     make_fusion,
 )
 from ._models import MODEL_KINDS, ModelSpec, build_torch_model, load_torch_state, torch_state
@@ -78,6 +79,7 @@ __all__ = [
     "encode_update",
     "evaluate_torch",
     "initial_params",
+    "is_statistic",
     "load_torch_state",
     "make_fusion",
     "make_trainer",

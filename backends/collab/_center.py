@@ -14,6 +14,7 @@ flat dict of numbers (sample count, loss, the three time stamps) — never data.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -26,7 +27,8 @@ from ._config import CollabConfig
 from ._models import ModelSpec, build_torch_model, load_torch_state, torch_state
 from ._wire import Payload, encode_update
 
-__all__ = ["CenterData", "LocalTrainer", "TorchTrainer", "batch_indices", "center_round", "make_trainer"]
+__all__ = ["LR_SCHEDULES", "CenterData", "LocalTrainer", "TorchTrainer", "batch_indices", "center_round",
+           "make_trainer", "round_lr"]
 
 
 def batch_indices(n: int, batch_size: int, steps: int, seed: int, center_index: int, round_idx: int) -> np.ndarray:
@@ -37,6 +39,27 @@ def batch_indices(n: int, batch_size: int, steps: int, seed: int, center_index: 
     epochs = -(-steps // per_epoch)
     order = np.concatenate([rng.permutation(n)[: per_epoch * b] for _ in range(epochs)])
     return order[: steps * b].reshape(steps, b)
+
+
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def round_lr(lr: float, schedule: str, round_idx: int, rounds: int) -> float:
+    """Learning rate of round ``t = round_idx`` out of ``R = rounds``: constant, or cosine decay per round.
+
+    ``cosine``: ``lr_t = lr · ½ (1 + cos(π (t − 1) / R))`` — ``lr`` in round 1, decaying towards 0 (the
+    last round gets ``lr · ½ (1 − cos(π / R))``). The schedule depends on the round only, so every arm of
+    an experiment that shares the round structure (local-only, pooled, collaborative) sees the same rates,
+    and a stateless center that rejoins in round ``t`` uses the rate it would have had.
+    """
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"unknown lr_schedule {schedule!r}; choose one of {LR_SCHEDULES}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1 for an lr schedule, got {rounds}")
+    if schedule == "constant":
+        return float(lr)
+    t = min(max(round_idx, 1), rounds)
+    return float(lr) * 0.5 * (1.0 + math.cos(math.pi * (t - 1) / rounds))
 
 
 class LocalTrainer(Protocol):
@@ -70,10 +93,17 @@ class CenterData:
     lr: float = 0.05
     momentum: float = 0.0
     seed: int = 0
+    lr_schedule: str = "constant"
+    rounds: int = 1
 
     def __post_init__(self) -> None:
         if len(self.x) != len(self.y) or len(self.x) == 0:
             raise ValueError(f"center data: {len(self.x)} inputs vs {len(self.y)} labels (need equal, > 0)")
+        round_lr(self.lr, self.lr_schedule, 1, self.rounds)  # the schedule is checked now, not in round 1
+
+    def lr_at(self, round_idx: int) -> float:
+        """The local learning rate of round ``round_idx`` (see :func:`round_lr`)."""
+        return round_lr(self.lr, self.lr_schedule, round_idx, self.rounds)
 
     @property
     def num_samples(self) -> int:
@@ -112,7 +142,7 @@ class TorchTrainer(CenterData):
             load_torch_state(model, dict(global_params))
             model.train()
             anchors = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else []
-            opt = torch.optim.SGD(model.parameters(), lr=self.lr, momentum=self.momentum)
+            opt = torch.optim.SGD(model.parameters(), lr=self.lr_at(round_idx), momentum=self.momentum)
             xb_all = torch.from_numpy(np.ascontiguousarray(self.x))
             yb_all = torch.from_numpy(np.ascontiguousarray(self.y)).long()
             losses = []
@@ -151,14 +181,27 @@ def evaluate_torch(spec: ModelSpec, params: Mapping[str, np.ndarray], x: np.ndar
 
 
 def make_trainer(config: CollabConfig, center: str, x: np.ndarray, y: np.ndarray) -> LocalTrainer:
-    """The trainer for ``center`` in its declared framework."""
+    """The trainer for ``center`` in its declared framework.
+
+    A torch center with ``devices > 1`` trains with DDP over that many long-lived worker processes
+    (:class:`~._dp_center.DataParallelTrainer`, same updates as one process up to rounding); close it
+    with ``trainer.close()`` when done (the engines do).
+    """
     spec = config.center(center)
     kw = dict(center_index=config.center_index(center), batch_size=config.batch_size, lr=config.lr,
-              momentum=config.momentum, seed=config.seed)
+              momentum=config.momentum, seed=config.seed, lr_schedule=config.lr_schedule, rounds=config.rounds)
     if spec.framework == "mindspore":
+        if spec.devices > 1:
+            raise ValueError(f"center {center!r}: MindSpore centers train in one process; data parallelism inside "
+                             f"a center ({spec.devices} devices) is implemented for torch centers — set devices=1 "
+                             "or framework='torch'")
         from ._mindspore import MindSporeTrainer
 
         return MindSporeTrainer(config.model, x, y, **kw)
+    if spec.devices > 1:
+        from ._dp_center import DataParallelTrainer
+
+        return DataParallelTrainer(config.model, x, y, devices=spec.devices, timeout_s=config.round_timeout_s, **kw)
     return TorchTrainer(config.model, x, y, **kw)
 
 

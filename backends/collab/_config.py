@@ -51,6 +51,7 @@ class CollabConfig:
         local_steps: ``H``, optimiser steps each center takes per round.
         batch_size, lr, momentum: the centers' local SGD (a fresh optimiser every round, so a
             center keeps no state between rounds and can be restarted at any time).
+        lr_schedule: ``constant`` or ``cosine`` (decay per round over ``rounds``, see ``_center.round_lr``).
         compression: update code on the uplink: ``none``, ``fp16`` or ``int8``.
         min_centers: rounds with fewer valid updates keep the previous global model (default: all).
         seed: initial model and data-order seed.
@@ -66,6 +67,7 @@ class CollabConfig:
     batch_size: int = 32
     lr: float = 0.05
     momentum: float = 0.0
+    lr_schedule: str = "constant"
     compression: str = "none"
     min_centers: int = 0
     seed: int = 0
@@ -88,6 +90,8 @@ class CollabConfig:
             raise ValueError("rounds, local_steps and batch_size must be >= 1")
         if not 0 <= self.min_centers <= len(self.centers):
             raise ValueError(f"min_centers must be in [0, {len(self.centers)}] (0 means all)")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"unknown lr_schedule {self.lr_schedule!r}; choose 'constant' or 'cosine'")
         self.make_fusion()  # options checked now, not in round 1
 
     @property

@@ -80,6 +80,17 @@ def run_inprocess(config: CollabConfig, data: Data, *, eval_data: tuple[np.ndarr
     if eval_data is not None:
         def evaluate(p: Params) -> dict[str, float]:
             return evaluate_torch(config.model, p, *eval_data)
+    try:
+        _run_rounds(config, server, pool, evaluate, max_rounds, absent)
+    finally:  # a data-parallel center's worker processes end with the run
+        for name, t in pool.items():
+            if not trainers or name not in trainers:
+                getattr(t, "close", lambda: None)()
+    return CollabResult(server.params, tuple(server.history), tuple(timing.events))
+
+
+def _run_rounds(config: CollabConfig, server: FederationServer, pool: Mapping[str, LocalTrainer],
+                evaluate: Any, max_rounds: int | None, absent: Mapping[int, tuple[str, ...]] | None) -> None:
     done = 0
     while not server.done and (max_rounds is None or done < max_rounds):
         r, global_params = server.begin_round()
@@ -95,4 +106,3 @@ def run_inprocess(config: CollabConfig, data: Data, *, eval_data: tuple[np.ndarr
             server.timing.record(r, "server", c.name, "update_received")
         server.finish_round(r, replies, evaluate=evaluate)
         done += 1
-    return CollabResult(server.params, tuple(server.history), tuple(timing.events))

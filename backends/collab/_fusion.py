@@ -16,6 +16,11 @@ averaged update ``Δ = sum_i p_i (x_i - x)``. Every strategy below is one small 
 - :class:`TrimmedMean` per coordinate: sort the ``K`` values, drop ``⌊βK⌋`` at each end, average the rest
 - :class:`Median`      per coordinate median of the ``K`` values
 
+The server-side optimisers (FedAdam, FedYogi, DiLoCo) step only the trained parameters. Running
+statistics (BatchNorm's ``running_mean`` / ``running_var``, see :func:`is_statistic`) are estimates, not
+the result of gradient steps: extrapolating them with momentum or an adaptive step can drive a variance
+negative (a NaN model after a few rounds), so they take the sample-weighted average ``x + Δ`` instead.
+
 The robust pair ignores the sample counts on purpose: a center that lies about its data size must
 not buy itself a larger say. The server-side optimisers keep state (``m``, ``v``, ``u``); it is
 exposed through :meth:`FusionStrategy.state` so the server checkpoint can carry it.
@@ -42,8 +47,17 @@ __all__ = [
     "Median",
     "Params",
     "TrimmedMean",
+    "is_statistic",
     "make_fusion",
 ]
+
+#: exchanged tensors that are running statistics, not trained parameters (torch names on the wire)
+STATISTIC_SUFFIXES = ("running_mean", "running_var")
+
+
+def is_statistic(name: str) -> bool:
+    """Whether the exchanged tensor ``name`` is a running statistic (averaged, never optimised)."""
+    return name.rsplit(".", 1)[-1] in STATISTIC_SUFFIXES
 
 Params = dict[str, np.ndarray]
 
@@ -180,6 +194,9 @@ class FedAdam(_ServerOptimizer):
         delta = _weighted_delta(global_params, updates)
         out: Params = {}
         for k, x in global_params.items():
+            if is_statistic(k):
+                out[k] = x + delta[k]
+                continue
             m = self._buf("m", k, x)
             v = self._buf("v", k, x)
             m[...] = self.beta1 * m + (1.0 - self.beta1) * delta[k]
@@ -214,6 +231,9 @@ class DiLoCo(_ServerOptimizer):
         delta = _weighted_delta(global_params, updates)
         out: Params = {}
         for k, x in global_params.items():
+            if is_statistic(k):
+                out[k] = x + delta[k]
+                continue
             g = -delta[k]
             u = self._buf("u", k, x)
             u[...] = self.momentum * u + g

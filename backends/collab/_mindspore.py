@@ -202,7 +202,7 @@ class MindSporeTrainer(CenterData):
         model.set_train(True)
         trainable = model.trainable_params()
         anchors = [ms.Tensor(p.asnumpy()) for p in trainable] if proximal_mu > 0 else []
-        opt = nn.SGD(trainable, learning_rate=self.lr, momentum=self.momentum)
+        opt = nn.SGD(trainable, learning_rate=self.lr_at(round_idx), momentum=self.momentum)
         loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
 
         def forward(xb: Any, yb: Any) -> Any:
