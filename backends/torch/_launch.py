@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from polyparallel.backends.torch._plan import plan_for
+from polyparallel.backends.torch._tensor_parallel import strategy_graph
 from polyparallel.backends.torch._worker import resolve
 from polyparallel.strategy import Strategy
 
@@ -31,8 +32,8 @@ class TrainError(RuntimeError):
 def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps: int, optimizer: str = "sgd",
           lr: float = 0.1, seed: int = 0, log_dir: str | Path | None = None,
           checkpoint_dir: str | Path | None = None, checkpoint_every: int = 1,
-          timeout_s: float = 600.0) -> list[dict[str, float]]:
-    """Train ``model_fn()`` as ``strategy`` says on ``dp * tp`` local processes; return the step log.
+          timeout_s: float = 600.0, check_fingerprint: bool = True) -> list[dict[str, float]]:
+    """Train ``model_fn()`` as ``strategy`` says on ``dp * sp * tp * pp`` local processes; return the step log.
 
     ``model_fn`` and ``data_fn`` are ``"package.module:function"`` strings or picklable callables
     (module-level functions). ``model_fn()`` builds the model, whose ``forward(inputs, labels)``
@@ -46,8 +47,15 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
     resumes after the latest complete checkpoint (so a run killed mid-way loses no saved step), and
     the log is ``checkpoint_dir/train.jsonl`` unless ``log_dir`` says otherwise.
 
+    Before launching, ``model_fn()`` is captured (on the meta device) at the strategy's micro-batch
+    size ``global_batch / (dp·microbatches)``, the size the planner fingerprinted, and must have the
+    strategy's ``model.fingerprint``; ``check_fingerprint=False`` runs a stand-in model instead (e.g.
+    a smaller model with the same module paths), matched to the placements by module path only.
+
     Raises :class:`~polyparallel.backends.torch.Unsupported` (a ValueError) before launching when the
-    plan cannot be executed exactly, and :class:`TrainError` naming the rank when a worker fails.
+    plan cannot be executed exactly, :class:`~polyparallel.backends.torch.FingerprintMismatch` (a
+    ValueError) for another model than the strategy's, and :class:`TrainError` naming the rank when a
+    worker fails.
     """
     import torch
 
@@ -58,8 +66,12 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
     if optimizer not in ("sgd", "adam", "adamw"):
         raise ValueError(f"optimizer {optimizer!r}: choose sgd, adam or adamw")
     torch.manual_seed(seed)
-    plan = plan_for(strategy, resolve(model_fn)())  # refuse before any process starts
-    nproc = plan.dp * plan.tp
+    batch = resolve(data_fn)(0)  # pipeline stages are cut, and the model captured, on (a micro-batch of) it
+    graph = strategy_graph(strategy, resolve(model_fn), batch, check_fingerprint)
+    torch.manual_seed(seed)
+    plan = plan_for(strategy, resolve(model_fn)(), batch if strategy.pp > 1 else None,
+                    graph=graph)  # refuse before any process starts
+    nproc = plan.dp * plan.sp * plan.tp * plan.pp
     if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
         raise ValueError(f"the strategy needs {nproc} GPUs on this machine; {torch.cuda.device_count()} are visible")
     if checkpoint_every < 1:

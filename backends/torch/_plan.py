@@ -9,20 +9,45 @@ The backend runs a plan exactly or not at all. Supported in this slice:
   is ``RowwiseParallel``; a column-parallel linear not followed by a row-parallel one feeds the loss,
   which is then class-parallel (``c:tp`` on cross entropy, run under ``loss_parallel``) or gathered
   to a replicated output when the loss is replicated;
-* DP x TP on a 2-D ``("dp", "tp")`` mesh with FSDP2 (``zero_stage >= 1``).
+* DP x TP on a 2-D ``("dp", "tp")`` mesh with FSDP2 (``zero_stage >= 1``);
+* pipeline parallelism over the ``pp`` axis (:mod:`._pipeline`): the model exported with
+  ``torch.export`` is cut before the first op of each stage's op range, each stage runs with
+  ``torch.distributed.pipelining`` (GPipe, 1F1B or interleaved 1F1B, ``microbatches`` micro-batches,
+  the loss on the last stage), alone or with DDP / FSDP2 over ``dp`` on a 2-D ``("pp", "dp")`` mesh;
+  tied weights used by several stages have their gradients summed over those stages.
 
-Everything else (pipeline or sequence axes, a tp placement on a module that is not a Linear, such as
-head-parallel attention over GPT's fused ``qkv`` projection, vocab-parallel embeddings) is refused:
-``parallelize_module`` would either fail or compute something else than the plan priced.
+* head-parallel attention (:mod:`._tensor_parallel`): an attention op split over its heads
+  (``h:tp``) runs locally on each rank's heads; the Linear(s) producing its ``q, k, v`` are
+  column-parallel, a fused ``qkv`` projection with its rows regrouped so every rank owns whole heads
+  of ``q``, ``k`` and ``v`` (read off the attention's accesses in the model's captured graph), and
+  the output projection is row-parallel. The module's forward must size its views from the tensors
+  (``view(B, S, -1, head_dim)``), as ``polyparallel.models.GPT`` does;
+* vocabulary-parallel embeddings (``v:tp``): ``RowwiseParallel`` on ``nn.Embedding``; a weight tied
+  between such an embedding and a column-parallel output head stays tied (both shard the vocabulary);
+* sequence parallelism over an ``sp`` axis as the cost model prices it (DeepSpeed-Ulysses, on a
+  ``("dp", "sp", "tp")`` mesh): every rank holds ``1/sp`` of each sequence, each
+  ``scaled_dot_product_attention`` is wrapped in all-to-alls to whole sequences of ``1/sp`` of the
+  heads, position indices are offset, and gradients are averaged over ``dp·sp``. The planner's
+  placements do not name the sequence dim; ``sp`` on a placement is accepted and executed this way;
+* before launch the model is captured on one micro-batch and its fingerprint compared with the
+  strategy's (``check_fingerprint=False`` skips that for a stand-in model).
+
+Everything else (tensor or sequence parallelism inside pipeline stages, a tp placement on a module
+that is not a Linear, Embedding or head-split attention, Megatron-style sequence parallelism, which
+the planner never emits) is refused: ``parallelize_module`` would either fail or compute something
+else than the plan priced.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
+from polyparallel.backends.torch._tensor_parallel import head_split, position_embeddings, sp_problems, tied_shards
+from polyparallel.ir import Graph, OpKind
 from polyparallel.strategy import Strategy
 
 __all__ = ["ExecPlan", "Unsupported", "plan_for"]
@@ -34,8 +59,11 @@ class Unsupported(ValueError):
 
 @dataclass(frozen=True)
 class ExecPlan:
-    """What each worker applies. ``tp_plan`` maps module path -> ``"colwise"`` / ``"rowwise"`` /
-    ``"colwise_to_loss"`` (column-parallel whose output feeds the loss directly)."""
+    """What each worker applies. ``tp_plan`` maps module path -> ``"col"`` / ``"row"`` /
+    ``"col_to_loss"`` (column-parallel whose output feeds the loss directly) / ``"col_gather"`` /
+    ``"emb_row"`` (vocabulary-parallel embedding); ``fused`` gives the head-major blocks of fused
+    projections (regrouped column-parallel), ``tied`` the ``module.param`` paths re-tied after
+    sharding, ``positions`` the position embeddings offset on sequence shards."""
 
     dp: int
     tp: int
@@ -43,6 +71,12 @@ class ExecPlan:
     tp_plan: tuple[tuple[str, str], ...]
     loss_parallel: bool
     global_batch: int
+    pp: int = 1
+    pipeline: Any = None  # a ._pipeline.PipelinePlan when pp > 1
+    sp: int = 1
+    fused: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    tied: tuple[tuple[str, ...], ...] = ()
+    positions: tuple[str, ...] = ()
 
 
 def _parse(placement: str) -> dict[str, tuple[str, ...]]:
@@ -60,8 +94,14 @@ def _op_index(name: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-def plan_for(strategy: Strategy, model: nn.Module) -> ExecPlan:
+def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: Graph | None = None) -> ExecPlan:
     """Check ``strategy`` against ``model`` (built on this process) and return the worker plan.
+
+    ``graph`` is the model's captured graph (``_tensor_parallel.strategy_graph``); head-parallel
+    attention and sequence parallelism are read off it and refused without it.
+
+    With ``pp > 1``, ``batch`` is one global batch ``(inputs, labels)`` (``data_fn(0)``): the model is
+    exported on a micro-batch of it to cut it into the strategy's stages.
 
     Raises :class:`Unsupported` naming the op/module and what to change when any part of the plan
     cannot be expressed with DDP / FSDP2 / ``parallelize_module``.
@@ -69,15 +109,17 @@ def plan_for(strategy: Strategy, model: nn.Module) -> ExecPlan:
     s = strategy
     if s.mode != "synchronous":
         raise Unsupported(f"a {s.mode} strategy is run by `polyparallel collab`, not the torch backend")
-    if s.pp > 1:
-        raise Unsupported(f"pp={s.pp}: pipeline parallelism is not implemented in the torch backend yet; "
-                          "search with constraints={'pp': 1}")
     if s.sp > 1:
-        raise Unsupported(f"sp={s.sp}: sequence parallelism is not implemented in the torch backend yet; "
-                          "search with constraints={'sp': 1}")
+        why = (["sequence parallelism inside pipeline stages is not executed"] if s.pp > 1 else
+               ["the model could not be captured to check it"] if graph is None else
+               sp_problems(graph, s.sp, s.tp * s.sp))
+        if why:
+            raise Unsupported(f"sp={s.sp} (Ulysses sequence parallelism) cannot be executed exactly: "
+                              + "; ".join(why[:4]) + ". Search with constraints={'sp': 1}")
     for ax in s.mesh.axes:
-        if ax.name not in ("dp", "tp") and ax.size > 1:
-            raise Unsupported(f"mesh axis {ax.name!r} of size {ax.size}: only 'dp' and 'tp' axes are executed")
+        if ax.name not in ("dp", "tp", "pp", "sp") and ax.size > 1:
+            raise Unsupported(f"mesh axis {ax.name!r} of size {ax.size}: only 'dp', 'tp', 'sp' and 'pp' axes are "
+                              "executed")
     if s.recompute != "none":
         raise Unsupported(f"recompute={s.recompute!r}: activation recomputation is not executed in this slice; "
                           "search with constraints={'recompute': 'none'}")
@@ -85,11 +127,14 @@ def plan_for(strategy: Strategy, model: nn.Module) -> ExecPlan:
         raise Unsupported(f"dtype {s.dtype!r}: only fp32 training is executed in this slice")
     if s.global_batch % s.dp:
         raise Unsupported(f"global_batch={s.global_batch} is not divisible by dp={s.dp}")
-    if s.microbatches != 1:
+    if s.microbatches != 1 and s.pp == 1:
         raise Unsupported(f"microbatches={s.microbatches} without pipeline parallelism (gradient accumulation) "
                           "is not executed in this slice")
     modules = dict(model.named_modules())
     linears: list[tuple[int, str, str]] = []  # (capture index, module path, "col"/"row")
+    attention: list[tuple[str, str]] = []  # (op, dim) split over tp
+    embeddings: list[str] = []
+    graph_ops = {o.name: o for o in graph.ops} if graph is not None else {}
     loss_parallel = False
     problems: list[str] = []
     for pl in s.placements:
@@ -98,7 +143,7 @@ def plan_for(strategy: Strategy, model: nn.Module) -> ExecPlan:
             path = pl.modules[i] if i < len(pl.modules) else ""
             where = f"op {op!r}" + (f" (module {path!r})" if path else "")
             for dim, axes in dims.items():
-                bad = [a for a in axes if a not in ("dp", "tp")]
+                bad = [a for a in axes if a not in ("dp", "tp", "sp")]
                 if bad:
                     problems.append(f"{where}: placement {pl.placement!r} uses mesh axis {bad[0]!r}")
                     continue
@@ -123,12 +168,18 @@ def plan_for(strategy: Strategy, model: nn.Module) -> ExecPlan:
                 loss_parallel = True
                 continue
             mod = modules.get(path) if path else None
+            gop = graph_ops.get(op)
+            if OpKind(gop.kind) is OpKind.ATTENTION if gop is not None else "attention" in op:
+                attention.append((op, d))  # checked against the graph below
+                continue
+            if isinstance(mod, nn.Embedding) and re.fullmatch(r"v(_0)?", d):
+                embeddings.append(path)
+                continue
             if not isinstance(mod, nn.Linear):
                 kind = type(mod).__name__ if mod is not None else "no module"
-                hint = (" (head-parallel attention over a fused qkv Linear: ColwiseParallel would give each rank "
-                        "a slice of the concatenated [q|k|v], not whole heads)" if "attention" in op else "")
-                problems.append(f"{where}: placement {pl.placement!r} splits {d!r} over tp on a {kind}; "
-                                  f"only nn.Linear modules are tensor-parallel in this backend{hint}")
+                problems.append(f"{where}: placement {pl.placement!r} splits {d!r} over tp on a {kind}; only "
+                                  "nn.Linear, nn.Embedding (vocabulary) and attention (heads) are tensor-parallel "
+                                  "in this backend")
                 continue
             if d == "n":
                 linears.append((_op_index(op), path, "col"))
@@ -142,20 +193,24 @@ def plan_for(strategy: Strategy, model: nn.Module) -> ExecPlan:
         raise Unsupported("the torch backend cannot execute this strategy exactly: " + "; ".join(problems[:5]) + more
                           + ". Search with other constraints (e.g. {'tp': 1}) or change the model")
     linears.sort()
-    owners: dict[int, list[str]] = {}
-    for name, mod in modules.items():
-        for p in mod.parameters(recurse=False):
-            owners.setdefault(id(p), []).append(name)
-    for _, path, _ in linears:
-        shared = [o for o in owners.get(id(modules[path].weight), []) if o != path]
-        if shared:  # e.g. GPT's lm_head tied to the token embedding
-            raise Unsupported(f"tensor-parallel Linear {path!r} shares its weight with {shared[0]!r}; sharding a "
-                              "tied weight for one module only is not executed in this slice")
+    heads: dict[str, tuple[int, ...]] = {}  # projection module -> blocks the head-split attention reads
+    for op, d in attention:
+        splits, why = head_split(graph, op, d, s.tp) if graph is not None else (
+            [], [f"attention op {op!r} is split over tp but the model could not be captured to check its inputs"])
+        for h in splits:
+            if h.module not in {p for _, p, k in linears if k == "col"}:
+                why.append(f"attention op {op!r} is head-parallel but its input projection {h.module!r} is not "
+                           "column-parallel in the strategy")
+            heads[h.module] = h.segments
+        if why:
+            raise Unsupported("the torch backend cannot execute this strategy exactly: " + "; ".join(why[:3]))
     seen: dict[str, str] = {}
     for j, (_, path, kind) in enumerate(linears):
         if path in seen and seen[path] != kind:
             raise Unsupported(f"module {path!r} is called more than once with different tp placements")
-        if kind == "col":
+        if kind == "col" and path in heads:
+            pass  # its output is consumed sharded, by whole heads, by a head-parallel attention
+        elif kind == "col":
             nxt = linears[j + 1][2] if j + 1 < len(linears) else None
             # A column-parallel output is only consumed sharded by a following row-parallel linear
             # (Megatron pairing) or by a class-parallel loss; otherwise it must be gathered.
@@ -167,12 +222,26 @@ def plan_for(strategy: Strategy, model: nn.Module) -> ExecPlan:
                                       f"row-parallel {linears[j + 1][1]!r} ({b.in_features} inputs): not a "
                                       "Megatron pair whose sharded activation passes straight through")
         seen[path] = kind
+    for path in embeddings:
+        seen[path] = "emb_row"
+    tied, why = tied_shards(model, seen)
+    if why:
+        raise Unsupported("the torch backend cannot execute this strategy exactly: " + "; ".join(why[:3]))
     if loss_parallel and not any(k == "col_to_loss" for k in seen.values()):
         raise Unsupported("cross entropy is class-parallel over tp but no column-parallel Linear produces its "
                           "logits")
-    if s.dp > 1 and s.tp > 1 and s.zero_stage == 0:
-        raise Unsupported("dp>1 with tp>1 and zero_stage=0: DDP over DTensor parameters is not executed; "
-                          "2-D plans run with FSDP2 (zero_stage>=1)")
-    dp_kind = "none" if s.dp == 1 else ("fsdp" if s.zero_stage >= 1 else "ddp")
+    if s.dp * s.sp > 1 and s.tp > 1 and s.zero_stage == 0:
+        raise Unsupported(f"dp·sp={s.dp * s.sp} with tp>1 and zero_stage=0: DDP over DTensor parameters is not "
+                          "executed; 2-D plans run with FSDP2 (zero_stage>=1)")
+    dp_kind = "none" if s.dp * s.sp == 1 else ("fsdp" if s.zero_stage >= 1 else "ddp")
+    pipe = None
+    if s.pp > 1:
+        if batch is None:
+            raise ValueError(f"pp={s.pp}: plan_for needs one global batch (data_fn(0)) to cut the model into stages")
+        from polyparallel.backends.torch._pipeline import pipeline_plan
+
+        pipe = pipeline_plan(s, model, batch)
     return ExecPlan(dp=s.dp, tp=s.tp, data_parallel=dp_kind, tp_plan=tuple(sorted(seen.items())),
-                    loss_parallel=loss_parallel, global_batch=s.global_batch)
+                    loss_parallel=loss_parallel, global_batch=s.global_batch, pp=s.pp, pipeline=pipe, sp=s.sp,
+                    fused=tuple(sorted((p, seg) for p, seg in heads.items() if len(seg) > 1)),
+                    tied=tuple(tied), positions=tuple(position_embeddings(graph)) if s.sp > 1 and graph else ())

@@ -13,7 +13,6 @@ import os
 import pickle
 import time
 import traceback
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -45,27 +44,20 @@ def resolve(fn: Any) -> Any:
 
 
 def _apply(model: torch.nn.Module, job: dict[str, Any], device: torch.device) -> tuple[torch.nn.Module, Any]:
-    from torch.distributed.device_mesh import init_device_mesh
+    from polyparallel.backends.torch._tensor_parallel import build_mesh, parallelize, replica_mesh
 
     plan = job["plan"]
-    mesh = init_device_mesh(device.type, (plan.dp, plan.tp), mesh_dim_names=("dp", "tp"))
-    if plan.tp > 1 and plan.tp_plan:
-        from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-        styles = {"col": ColwiseParallel(), "row": RowwiseParallel(),
-                  "col_gather": ColwiseParallel(output_layouts=Replicate()),
-                  "col_to_loss": ColwiseParallel(use_local_output=False)}
-        parallelize_module(model, mesh["tp"], {path: styles[kind] for path, kind in plan.tp_plan})
+    mesh = build_mesh(device.type, plan)
+    parallelize(model, plan, mesh)
     if plan.data_parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        model = DistributedDataParallel(model, process_group=mesh["dp"].get_group(),
+        model = DistributedDataParallel(model, process_group=replica_mesh(mesh, plan).get_group(),
                                         device_ids=[device.index] if device.type == "cuda" else None)
     elif plan.data_parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(model, mesh=mesh["dp"])
+        fully_shard(model, mesh=replica_mesh(mesh, plan))
     return model, mesh
 
 
@@ -118,6 +110,14 @@ def run_worker(run_dir: Path) -> None:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         dist.init_process_group("nccl" if cuda else "gloo")
+        if job["plan"].pp > 1:  # pipeline stages have their own loop (same log and checkpoint format)
+            from polyparallel.backends.torch._pipeline import train_pipeline
+
+            for step in train_pipeline(job, run_dir, rank, device):  # noqa: B007 - a failure names `step`
+                pass
+            dist.barrier()
+            dist.destroy_process_group()
+            return
         plan = job["plan"]
         torch.manual_seed(job["seed"])  # every rank builds the same initial weights
         model = resolve(job["model_fn"])().to(device)
@@ -127,12 +127,9 @@ def run_worker(run_dir: Path) -> None:
         opt = opt_cls(model.parameters(), lr=job["lr"])
         dp_rank = mesh["dp"].get_local_rank()
         local = plan.global_batch // plan.dp
-        dp_group = mesh["dp"].get_group()
-        if plan.loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-            ctx: Any = loss_parallel
-        else:
-            ctx = nullcontext
+        from polyparallel.backends.torch._tensor_parallel import replica_mesh, sequence_shard, step_context
+
+        replicas = replica_mesh(mesh, plan)  # dp, times sp: each holds an equal share of the tokens
         log = run_dir / "train.jsonl"
         ckpt = Path(job["checkpoint_dir"]) if job.get("checkpoint_dir") else None
         start = _resume(ckpt, model, opt, log if rank == 0 else None)
@@ -142,12 +139,12 @@ def run_worker(run_dir: Path) -> None:
                 raise ValueError(f"data_fn({step}) returned a batch of {inputs.shape[0]}; the strategy's "
                                  f"global_batch is {plan.global_batch}")
             sl = slice(dp_rank * local, (dp_rank + 1) * local)
-            x, y = inputs[sl].to(device), labels[sl].to(device)
+            x, y = (sequence_shard(t[sl], plan, mesh).to(device) for t in (inputs, labels))
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            with ctx():
+            with step_context(plan, mesh):
                 loss = model(x, y)
                 loss.backward()
             opt.step()
@@ -156,10 +153,10 @@ def run_worker(run_dir: Path) -> None:
             dt = time.perf_counter() - t0
             val = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
             val = val.detach().clone().reshape(1)
-            # each dp rank's loss is the mean over its equal share: the global mean is their mean
-            dist.all_reduce(val, group=dp_group)
+            # each dp (and sp) rank's loss is the mean over its equal share: the global mean is their mean
+            dist.all_reduce(val, group=replicas.get_group())
             if rank == 0:
-                rec = {"step": step, "loss": float(val.item()) / plan.dp, "step_time_s": dt}
+                rec = {"step": step, "loss": float(val.item()) / replicas.size(), "step_time_s": dt}
                 with log.open("a") as f:
                     f.write(json.dumps(rec) + "\n")
             if ckpt is not None and ((step + 1) % job["checkpoint_every"] == 0 or step + 1 == job["steps"]):

@@ -1,0 +1,387 @@
+"""Pipeline parallelism for the torch backend: the Strategy's stages run with ``torch.distributed.pipelining``.
+
+**Stage split.** The model is captured with ``torch.export`` (as the frontend captured it for the
+planner, so the op names are the ones the Strategy's stages name) on one micro-batch. A strategy with
+``pp`` stages and ``v`` chunks per stage (``v > 1`` only for the interleaved schedule) cuts the op
+sequence into ``K = pp * v`` chunks; chunk ``k`` runs on stage ``k mod pp`` and starts at the first op
+its ``Stage.ops`` range names. Every exported op between two cuts belongs to the earlier chunk, so
+chunk ``k`` computes exactly the ops ``[cut_k, cut_{k+1})`` of the plan. Chunk ``k`` becomes an
+``fx.GraphModule`` whose inputs are the values live across cut ``k`` (produced before it, used at or
+after it) and whose outputs are those live across cut ``k + 1``; a value skipping a chunk is passed
+through it. Parameters keep their model paths (``h.3.fc.weight``), so checkpoints name them as the
+unsplit model does.
+
+**Loss.** ``model(inputs, labels)`` returns the mean loss. The ops that depend on ``labels`` (the
+loss) form the *loss tail*, run by the schedule's ``loss_fn`` on the last stage with the labels as
+the target. Micro-batch ``j`` of ``M`` gives ``L_j = mean over its samples``; the schedule scales the
+gradients by ``1/M``, so with equal micro-batches the step's gradient is ``∇(1/M Σ_j L_j) = ∇L`` of the
+whole batch, and the logged loss is ``1/M Σ_j L_j``, averaged over the ``dp`` replicas.
+
+**Tied weights** (GPT's ``lm_head.weight = wte.weight``): each stage that uses the parameter holds a
+copy; after the schedule's backward their gradients are summed over the stages holding it (the
+Megatron embedding all-reduce), so every copy takes the same update and stays equal to the others.
+
+**Data parallelism inside a stage** (a 2-D ``("pp", "dp")`` mesh, as the Strategy's mesh lists it):
+each chunk is wrapped in DDP (``zero_stage == 0``) or FSDP2 ``fully_shard`` over the stage's dp group;
+``PipelineStage`` then synchronises gradients once per step (no-sync on all but the last micro-batch).
+
+Refused before launch, with the reason: a stage boundary naming an op the model does not have, cuts
+out of order, layer lists that disagree with the model, a non-tensor value or ``labels`` crossing a
+cut, parameters inside the loss tail, buffers mutated in forward (BatchNorm running statistics), an
+unknown schedule, ``global_batch`` not divisible by ``dp * microbatches``, and (in this slice)
+``tp > 1`` together with ``pp > 1``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+__all__ = ["PipelinePlan", "pipeline_plan", "split_model", "train_pipeline"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """What the pipeline workers execute.
+
+    ``cuts[k]`` is the exported op that starts chunk ``k + 1``; ``chunk_params[k]`` the parameter
+    paths chunk ``k`` holds; ``tied`` lists parameters held by several chunks with those chunks.
+    """
+
+    stages: int
+    virtual: int
+    schedule: str
+    microbatches: int
+    cuts: tuple[str, ...]
+    chunk_params: tuple[tuple[str, ...], ...]
+    tied: tuple[tuple[str, tuple[int, ...]], ...]
+
+
+def _unsupported(msg: str) -> Exception:
+    from polyparallel.backends.torch._plan import Unsupported
+
+    return Unsupported(msg)
+
+
+def _export(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> fx.GraphModule:
+    try:
+        ep = torch.export.export(model, (inputs, labels), strict=False)
+    except Exception as e:  # any export failure means the model cannot be cut this way
+        raise _unsupported(f"pipeline parallelism needs the model captured by torch.export to cut it into stages, "
+                           f"and export failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    return ep.module()
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    return str(list(stack.values())[-1][0]) if stack else ""
+
+
+@dataclass
+class _Split:
+    chunks: list[fx.GraphModule]
+    tail: fx.GraphModule
+    params: list[tuple[str, ...]]
+    layers: list[set[int]]
+
+
+def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cuts: Sequence[str]) -> _Split:
+    """Cut ``model`` (exported on ``(inputs, labels)``, one micro-batch) before each op named in ``cuts``.
+
+    Returns ``len(cuts) + 1`` chunk modules (``chunk_k(*live_in) -> tuple(live_out)``; chunk 0 takes
+    ``inputs``) and the loss tail ``tail(*live_out_of_last_chunk, labels) -> loss``. Raises
+    :class:`~polyparallel.backends.torch.Unsupported` when the cuts cannot be executed.
+    """
+    from polyparallel.cost_models.step import _LAYER  # the planner's own layer pattern
+
+    gm = _export(model, inputs, labels)
+    nodes = list(gm.graph.nodes)
+    user_inputs = [n for n in nodes if n.op == "placeholder"]
+    if len(user_inputs) != 2:
+        raise _unsupported(f"the exported model takes {len(user_inputs)} inputs; pipeline stages need "
+                           "forward(inputs, labels)")
+    x_in, y_in = user_inputs
+    ops = [n for n in nodes if n.op == "call_function"]
+    for n in nodes:
+        if n.op == "call_module" and n.target != "_guards_fn":  # export's input-shape guard: not computation
+            raise _unsupported(f"exported graph calls module {n.target!r}; cannot split it into stages")
+        if n.op == "call_function" and (getattr(n.target, "_schema", None) is not None
+                                        and n.target._schema.is_mutable):
+            raise _unsupported(f"op {n.name!r} ({n.target}) mutates a tensor in forward (e.g. BatchNorm running "
+                               "statistics); pipeline stages of such models are not executed")
+    pos = {n.name: i for i, n in enumerate(ops)}
+    # the loss tail: everything that depends on the labels
+    tail: set[fx.Node] = set()
+    for n in ops:
+        if any(a is y_in or a in tail for a in n.all_input_nodes):
+            tail.add(n)
+    chunk_of: dict[fx.Node, int] = {}
+    k, starts = 0, [0]
+    for name in cuts:
+        if name not in pos:
+            raise _unsupported(f"a pipeline stage starts at op {name!r}, which the model's exported graph does not "
+                               "have: the strategy's stage boundaries cannot be mapped onto this model (was it "
+                               "searched for another model or frontend?)")
+        if pos[name] <= starts[-1]:
+            raise _unsupported(f"pipeline chunk starting at op {name!r} does not come after the previous chunk's "
+                               "start; stage op ranges must be contiguous and in model order")
+        starts.append(pos[name])
+    for i, n in enumerate(ops):
+        while k + 1 < len(starts) and i >= starts[k + 1]:
+            k += 1
+        if n not in tail:
+            chunk_of[n] = k
+        elif any(a.op == "get_attr" and getattr(_attr(gm, str(a.target)), "requires_grad", False)
+                 for a in n.all_input_nodes):
+            raise _unsupported(f"op {n.name!r} uses the labels and parameters: the loss must be parameter-free to run "
+                               "as the pipeline's loss function")
+    last = len(starts) - 1
+    for n in ops:
+        users = [u for u in n.users if u.op == "call_function"]
+        if n in chunk_of and any(u not in tail and chunk_of[u] < chunk_of[n] for u in users):
+            raise _unsupported(f"op {n.name!r} is used before its stage; cannot pipeline this graph")
+    # values crossing cut c (c = 1..last) and into the tail (c = last + 1)
+    live: list[list[fx.Node]] = [[] for _ in range(last + 2)]
+    for n in [x_in, *ops]:
+        src = 0 if n is x_in else chunk_of.get(n)
+        if src is None:
+            continue
+        dsts = [last + 1 if u in tail else chunk_of[u] for u in n.users if u.op == "call_function"]
+        far = max(dsts, default=src)
+        if far > src:
+            if not isinstance(n.meta.get("val"), torch.Tensor):
+                raise _unsupported(f"value {n.name!r} ({type(n.meta.get('val')).__name__}) made in pipeline chunk "
+                                   f"{src} is used in chunk {far}: only tensors can cross stage boundaries; cut "
+                                   "at another op")
+            if n is x_in and far <= last:
+                raise _unsupported(f"the model input {n.name!r} is used after the first stage (chunk {far}); "
+                                   "only activations cross stage boundaries in this backend")
+            for c in range(src + 1, far + 1):
+                live[c].append(n)
+    chunks, params, layers = [], [], []
+    for c in range(last + 1):
+        g = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for n in ([x_in] if c == 0 else live[c]):
+            env[n] = g.placeholder(n.name)
+
+        def arg(a: fx.Node, g: fx.Graph = g, env: dict[fx.Node, fx.Node] = env) -> fx.Node:
+            if a not in env:  # a parameter or buffer: each chunk that uses it holds it
+                assert a.op == "get_attr", a
+                env[a] = g.get_attr(a.target)
+            return env[a]
+
+        lyr: set[int] = set()
+        for n in ops:
+            if chunk_of.get(n) == c:
+                env[n] = g.node_copy(n, arg)
+                m = _LAYER.match(_module_path(n))
+                if m:
+                    lyr.add(int(m.group(1).rsplit(".", 1)[1]))
+        outs = tuple(env[n] for n in live[c + 1])
+        g.output(outs)
+        chunks.append(fx.GraphModule(gm, g, f"PipelineChunk{c}"))
+        params.append(tuple(sorted(str(n.target) for n in g.nodes if n.op == "get_attr"
+                                   and isinstance(_attr(gm, str(n.target)), nn.Parameter))))
+        layers.append(lyr)
+    tg = fx.Graph()
+    tenv = {n: tg.placeholder(n.name) for n in live[last + 1]}
+    tenv[y_in] = tg.placeholder(y_in.name)
+    for n in ops:
+        if n in tail:
+            tenv[n] = tg.node_copy(n, lambda a: tenv[a])
+    out = next(n for n in nodes if n.op == "output").args[0]
+    loss = out[0] if isinstance(out, list | tuple) else out
+    if loss not in tail:
+        raise _unsupported("the model's output does not depend on the labels: forward(inputs, labels) must return "
+                           "the loss")
+    tg.output(tenv[loss])
+    return _Split(chunks, fx.GraphModule(gm, tg, "PipelineLoss"), params, layers)
+
+
+def _attr(root: nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _chunks_of(strategy: Any) -> list[tuple[str, str]]:
+    """(first op, last op) of every chunk ``k = 0 .. pp*v - 1`` from the Strategy's stages."""
+    pp = strategy.pp
+    by_stage = {st.index: st for st in strategy.stages}
+    if sorted(by_stage) != list(range(pp)):
+        raise _unsupported(f"pp={pp}: pipeline parallelism needs one Stage entry per stage 0..{pp - 1}, but the "
+                           f"strategy lists stages {sorted(by_stage)}")
+    counts = {len(st.ops) for st in strategy.stages}
+    if len(counts) != 1 or next(iter(counts)) % 2 or not next(iter(counts)):
+        raise _unsupported("every stage must list the (first, last) op of each of its chunks, the same number "
+                           f"of chunks per stage; got {[len(st.ops) for st in strategy.stages]} op names")
+    v = next(iter(counts)) // 2
+    return [tuple(by_stage[k % pp].ops[2 * (k // pp): 2 * (k // pp) + 2]) for k in range(pp * v)]  # type: ignore[misc]
+
+
+def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> PipelinePlan:
+    """Check that ``strategy``'s stages can be cut out of ``model`` exactly; return the worker plan.
+
+    ``batch`` is one global batch (``data_fn(0)``); the model is exported on one micro-batch of it.
+    """
+    s = strategy
+    sched, _, v_txt = s.schedule.partition(":")
+    if sched not in SCHEDULES:
+        raise _unsupported(f"pipeline schedule {s.schedule!r}: the torch backend runs {', '.join(SCHEDULES)}")
+    chunks = _chunks_of(s)
+    v = len(chunks) // s.pp
+    if sched == "interleaved":
+        if v_txt and int(v_txt) != v:
+            raise _unsupported(f"schedule {s.schedule!r} but the stages list {v} chunks each")
+        if v < 2:
+            raise _unsupported("an interleaved schedule needs at least 2 chunks per stage")
+        if s.microbatches % s.pp:
+            raise _unsupported(f"interleaved 1F1B needs microbatches ({s.microbatches}) divisible by pp ({s.pp})")
+    elif v != 1:
+        raise _unsupported(f"schedule {s.schedule!r} with {v} chunks per stage: several chunks per stage need "
+                           "schedule 'interleaved'")
+    if s.tp > 1:
+        raise _unsupported(f"pp={s.pp} with tp={s.tp}: tensor parallelism inside pipeline stages is not executed "
+                           "in this slice; search with constraints={'tp': 1} or {'pp': 1}")
+    n = s.dp * s.microbatches
+    if s.global_batch % n:
+        raise _unsupported(f"global_batch={s.global_batch} is not divisible by dp*microbatches={n}: pipeline "
+                           "micro-batches must be equal for the mean loss to equal the full-batch loss")
+    inputs, labels = batch
+    mb = s.global_batch // n
+    split = split_model(model, inputs[:mb], labels[:mb], [first for first, _ in chunks[1:]])
+    for k, (first, last) in enumerate(chunks):
+        want = set(s.stages[[st.index for st in s.stages].index(k % s.pp)].layers)
+        if v == 1 and want and split.layers[k] != want:
+            raise _unsupported(f"stage {k} (ops {first}..{last}) holds layers {sorted(split.layers[k])} of this model "
+                               f"but the strategy lists {sorted(want)}: the strategy was made for another model")
+    holders: dict[str, list[int]] = {}
+    for k, names in enumerate(split.params):
+        for p in names:
+            holders.setdefault(p, []).append(k)
+    tied = tuple((p, tuple(ks)) for p, ks in sorted(holders.items()) if len(ks) > 1)
+    for p, ks in tied:
+        stages = [k % s.pp for k in ks]
+        if len(set(stages)) != len(stages):
+            raise _unsupported(f"parameter {p!r} is used by chunks {list(ks)}, two of them on one stage; not executed")
+    return PipelinePlan(stages=s.pp, virtual=v, schedule=sched, microbatches=s.microbatches,
+                        cuts=tuple(first for first, _ in chunks[1:]), chunk_params=tuple(split.params), tied=tied)
+
+
+def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.device) -> Iterator[int]:
+    """Run the pipeline training loop on this rank; yields each step index as it starts.
+
+    Logs (rank 0) and checkpoints exactly as the non-pipeline worker does.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    from polyparallel.backends.torch._worker import _resume, _save, resolve
+
+    plan, pipe = job["plan"], job["plan"].pipeline
+    pp, dp, K = pipe.stages, plan.dp, pipe.stages * pipe.virtual
+    mesh = init_device_mesh(device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
+    stage, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    data_fn = resolve(job["data_fn"])
+    inputs, labels = data_fn(0)
+    mb = plan.global_batch // (dp * pipe.microbatches)
+    torch.manual_seed(job["seed"])  # every rank builds the same initial weights, then keeps its chunks
+    model = resolve(job["model_fn"])()
+    split = split_model(model, inputs[:mb], labels[:mb], pipe.cuts)
+    mine = list(range(stage, K, pp))
+    modules: list[nn.Module] = []
+    for k in mine:
+        mod = split.chunks[k].to(device)
+        has_params = any(p.requires_grad for p in mod.parameters())
+        if plan.data_parallel == "ddp" and has_params:
+            # ZeRO-0 (replicated parameters, all-reduced gradients) with the FSDP2-based `replicate`,
+            # which PipelineStage syncs once per step: DistributedDataParallel's bucket rebuild fails
+            # after a step of several micro-batch backwards (reducer.cpp, "rebuilt parameter indices")
+            from torch.distributed._composable.replicate_with_fsdp import replicate
+
+            replicate(mod, mesh=mesh["dp"])
+        elif plan.data_parallel == "fsdp" and has_params:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(mod, mesh=mesh["dp"])
+        modules.append(mod)
+    tail = split.tail.to(device)
+
+    def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
+        return tail(*(out if isinstance(out, tuple) else (out,)), target)
+
+    pp_group = mesh["pp"].get_group()
+    stages = [PipelineStage(mod, k, K, device, group=pp_group) for mod, k in zip(modules, mine)]
+    if pipe.schedule == "interleaved":
+        schedule: Any = ScheduleInterleaved1F1B(stages, n_microbatches=pipe.microbatches, loss_fn=loss_fn)
+    else:
+        cls = ScheduleGPipe if pipe.schedule == "gpipe" else Schedule1F1B
+        schedule = cls(stages[0], n_microbatches=pipe.microbatches, loss_fn=loss_fn)
+    # tied parameters: one group per (set of stages holding it, dp index); every rank creates every
+    # group in the same order, as new_group requires
+    tie_groups: list[tuple[str, Any]] = []
+    for name, ks in pipe.tied:
+        holders = sorted({k % pp for k in ks})
+        for d in range(dp):
+            g = dist.new_group([s * dp + d for s in holders])
+            if stage in holders and d == dp_rank:
+                tie_groups.append((name, g))
+    owner = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
+    named = {n.removeprefix("module."): p for mod in modules for n, p in mod.named_parameters()}
+    opt_cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[job["optimizer"]]
+    opt = opt_cls(owner.parameters(), lr=job["lr"])
+    ckpt = Path(job["checkpoint_dir"]) if job.get("checkpoint_dir") else None
+    if ckpt is not None and len(modules) > 1:
+        raise _unsupported("checkpointing an interleaved pipeline (several chunks per rank) is not executed")
+    log = run_dir / "train.jsonl"
+    start = _resume(ckpt, owner, opt, log if rank == 0 else None)
+    first, last = 0 in mine, (K - 1) in mine
+    local = plan.global_batch // dp
+    cuda = device.type == "cuda"
+    for step in range(start, job["steps"]):
+        yield step
+        x, y = data_fn(step)
+        if x.shape[0] != plan.global_batch:
+            raise ValueError(f"data_fn({step}) returned a batch of {x.shape[0]}; the strategy's global_batch is "
+                             f"{plan.global_batch}")
+        sl = slice(dp_rank * local, (dp_rank + 1) * local)
+        x, y = x[sl].to(device), y[sl].to(device)
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        args = (x,) if first else ()
+        schedule.step(*args, target=y if last else None, losses=losses if last else None, return_outputs=False)
+        for name, g in tie_groups:
+            grad = named[name].grad
+            if grad is not None:
+                dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=g)
+        opt.step()
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        # the last stage holds the micro-batch losses; a sum over the pp group brings their mean to
+        # every stage (the others add 0), then the dp replicas' means are averaged
+        val = (torch.stack([v.detach().float() for v in losses]).mean() if last else torch.zeros(())).reshape(1)
+        val = val.to(device)
+        dist.all_reduce(val, group=pp_group)
+        dist.all_reduce(val, group=mesh["dp"].get_group())
+        if rank == 0:
+            rec = {"step": step, "loss": float(val.item()) / dp, "step_time_s": dt}
+            with log.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+        if ckpt is not None and ((step + 1) % job["checkpoint_every"] == 0 or step + 1 == job["steps"]):
+            _save(ckpt, step, owner, opt, rank)
