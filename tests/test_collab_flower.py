@@ -165,3 +165,25 @@ def test_run_flower_checks_its_arguments_before_starting_anything(tmp_path):
     with pytest.raises(ValueError, match="data given for centers"):
         run_flower(_cfg(("a",)), {"zz": _data(("zz",))["zz"]}, workdir=tmp_path)
     assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_two_device_center_trains_data_parallel_inside_flower(tmp_path):
+    """Center a has 2 devices: its long-lived Flower executor keeps 2 DDP worker processes across rounds.
+    Flower fuses exactly what the in-process engine fuses with the same data-parallel center, and that
+    equals the federation whose center a trains in one process up to float32 rounding."""
+    names = ("a", "b")
+    cfg = CollabConfig(centers=(CenterSpec("a", devices=2), CenterSpec("b")), model=SPEC, rounds=2, local_steps=3,
+                       batch_size=16, lr=0.1, round_timeout_s=120)
+    data = _data(names)
+    res = run_flower(cfg, data, workdir=tmp_path, supernode_poll_s=0.2, timeout_s=240)
+    assert [r.accepted for r in res.rounds] == [names, names]
+    ref = run_inprocess(cfg, data)
+    for k, v in ref.params.items():
+        np.testing.assert_array_equal(res.params[k], v)
+    one = run_inprocess(CollabConfig(**{**cfg.__dict__, "centers": (CenterSpec("a"), CenterSpec("b"))}), data)
+    for k, v in one.params.items():
+        np.testing.assert_allclose(res.params[k], v, rtol=1e-5, atol=1e-6)
+    assert not np.array_equal(res.params["fc1.weight"], initial_params(cfg)["fc1.weight"])
+    assert _no_stray_processes(tmp_path) == []
