@@ -346,7 +346,10 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
     if ckpt is not None and len(modules) > 1:
         raise _unsupported("checkpointing an interleaved pipeline (several chunks per rank) is not executed")
     log = run_dir / "train.jsonl"
-    start = _resume(ckpt, owner, opt, log if rank == 0 else None)
+    # parameters keep their model paths, but each stage's optimiser has its own param_groups: one
+    # optimiser entry per stage, or the stages would overwrite each other's
+    optim_key = f"optim.stage{stage}"
+    start = _resume(ckpt, owner, opt, log if rank == 0 else None, optim_key)
     first, last = 0 in mine, (K - 1) in mine
     local = plan.global_batch // dp
     cuda = device.type == "cuda"
@@ -384,4 +387,4 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
             with log.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
         if ckpt is not None and ((step + 1) % job["checkpoint_every"] == 0 or step + 1 == job["steps"]):
-            _save(ckpt, step, owner, opt, rank)
+            _save(ckpt, step, owner, opt, rank, optim_key)

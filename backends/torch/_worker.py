@@ -61,7 +61,8 @@ def _apply(model: torch.nn.Module, job: dict[str, Any], device: torch.device) ->
     return model, mesh
 
 
-def _save(ckpt: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int) -> None:
+def _save(ckpt: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int,
+          optim_key: str = "optim") -> None:
     """Save model and optimiser (sharded as they are) with torch.distributed.checkpoint after ``step``.
 
     ``LATEST`` is rewritten (atomically, by rank 0) only after every rank finished writing, so a
@@ -71,7 +72,7 @@ def _save(ckpt: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimi
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(ckpt / f"step-{step}"))
+    dcp.save({"model": msd, optim_key: osd}, checkpoint_id=str(ckpt / f"step-{step}"))
     dist.barrier()
     if rank == 0:
         tmp = ckpt / ".LATEST.tmp"
@@ -79,7 +80,8 @@ def _save(ckpt: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimi
         os.replace(tmp, ckpt / "LATEST")
 
 
-def _resume(ckpt: Path | None, model: torch.nn.Module, opt: torch.optim.Optimizer, log: Path | None) -> int:
+def _resume(ckpt: Path | None, model: torch.nn.Module, opt: torch.optim.Optimizer, log: Path | None,
+            optim_key: str = "optim") -> int:
     """Load the latest checkpoint if there is one; return the first step still to run.
 
     Rank 0 also drops log lines of steps after the checkpoint (they are run again).
@@ -91,9 +93,9 @@ def _resume(ckpt: Path | None, model: torch.nn.Module, opt: torch.optim.Optimize
 
     done = int((ckpt / "LATEST").read_text())
     msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd}
+    state = {"model": msd, optim_key: osd}
     dcp.load(state, checkpoint_id=str(ckpt / f"step-{done}"))
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state[optim_key])
     if log is not None and log.exists():
         kept = [line for line in log.read_text().splitlines() if json.loads(line)["step"] <= done]
         log.write_text("".join(line + "\n" for line in kept))

@@ -1,0 +1,134 @@
+"""Torch backend, pipeline parallelism: a Strategy with pp > 1 trains as single-process training does.
+
+Each config launches 2 or 4 CPU worker processes (gloo) with torch.distributed.run and compares the
+per-step loss with a plain single-process loop on the same seed and global batch (SGD, fp32). The
+tiny GPT has its lm_head tied to the token embedding, which the pipeline puts on different stages,
+so the tied-gradient all-reduce is exercised too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import polyparallel as pp
+from polyparallel.backends.torch import Unsupported, plan_for, train
+from polyparallel.backends.torch import _examples as ex
+from tests.test_torch_backend import LR, SEED, STEPS, _max_rel, _single
+
+pytestmark = pytest.mark.slow
+
+
+def _pipeline_strategy(n: int, **constraints) -> pp.Strategy:
+    x, y = ex.gpt_data(0)
+    return pp.search(ex.tiny_gpt(), (x,), f"local-cpu:{n}", example_kwargs={"labels": y}, batch_size=ex.BATCH,
+                     constraints={"pp": 2, "tp": 1, "recompute": "none", **constraints})
+
+
+def _mutated_reference(microbatches: int, *, grad_scale: float = 1.0, untie: bool = False) -> list[float]:
+    """Single-process training that is wrong in a way a pipeline could be: micro-batch gradients
+    summed without the 1/M (``grad_scale=M``), or the tied embedding/head trained as two weights."""
+    torch.manual_seed(SEED)
+    m = ex.tiny_gpt()
+    if untie:
+        m.lm_head.weight = torch.nn.Parameter(m.wte.weight.detach().clone())
+    opt = torch.optim.SGD(m.parameters(), lr=LR)
+    out = []
+    for step in range(STEPS):
+        x, y = ex.gpt_data(step)
+        opt.zero_grad()
+        losses = [m(xm, ym) for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches))]
+        (sum(losses) * (grad_scale / microbatches)).backward()
+        opt.step()
+        out.append(float(sum(losses)) / microbatches)
+    return out
+
+
+def test_stages_map_onto_the_model() -> None:
+    """The cut follows the strategy's op ranges: embeddings and block 0 on stage 0, block 1, the
+    final norm and the tied head on stage 1, the loss on the last stage's loss function."""
+    s = _pipeline_strategy(2, dp=1, microbatches=4, schedule="gpipe")
+    plan = plan_for(s, ex.tiny_gpt(), ex.gpt_data(0))
+    pipe = plan.pipeline
+    assert (plan.pp, pipe.stages, pipe.virtual, pipe.schedule, pipe.microbatches) == (2, 2, 1, "gpipe", 4)
+    assert pipe.cuts == (s.stages[1].ops[0],)
+    first, last = (set(p) for p in pipe.chunk_params)
+    assert {"wpe.weight", "h.0.qkv.weight", "h.0.fc_out.bias"} <= first and not any(p.startswith("h.1.") for p in first)
+    assert {"h.1.qkv.weight", "ln_f.weight"} <= last and not any(p.startswith("h.0.") for p in last)
+    tied = dict(pipe.tied)
+    assert len(tied) == 1 and next(iter(tied.values())) == (0, 1)  # wte.weight is lm_head.weight
+    # every parameter of the model is held by some stage, and only the tied one by two
+    names = {n for n, _ in ex.tiny_gpt().named_parameters()}
+    held = first | last
+    assert len(held) == len(names) and len(first & last) == 1
+
+
+@pytest.mark.timeout(90)
+def test_pp2_gpipe_matches_single_process(tmp_path: Path) -> None:
+    s = _pipeline_strategy(2, dp=1, microbatches=4, schedule="gpipe")
+    assert (s.pp, s.dp, s.microbatches, s.schedule) == (2, 1, 4, "gpipe")
+    log = train(s, ex.tiny_gpt, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED, log_dir=tmp_path)
+    err = _max_rel(log, _single(ex.tiny_gpt, ex.gpt_data))
+    print(f"PP=2 GPipe m=4: max relative loss difference {err:.2e}")
+    assert err <= 1e-4
+    assert (tmp_path / "train.jsonl").read_text().count("\n") == STEPS
+    assert all(r["step_time_s"] > 0 for r in log)
+    # the comparison can fail: a pipeline that forgot the 1/M micro-batch scaling, or that trained
+    # the tied embedding and head as two weights, would be far off
+    wrong_scale = _max_rel(log, _mutated_reference(4, grad_scale=4.0))
+    untied = _max_rel(log, _mutated_reference(4, untie=True))
+    print(f"same log vs unscaled micro-batches {wrong_scale:.2e}, vs untied weights {untied:.2e}")
+    assert wrong_scale > 1e-2 and untied > 1e-3
+
+
+@pytest.mark.timeout(150)
+def test_pp2_1f1b_matches_single_process_and_resumes(tmp_path: Path) -> None:
+    s = _pipeline_strategy(2, dp=1, microbatches=4, schedule="1f1b")
+    assert (s.pp, s.microbatches, s.schedule) == (2, 4, "1f1b")
+    first = train(s, ex.tiny_gpt, ex.gpt_data, steps=STEPS - 1, lr=LR, seed=SEED, checkpoint_dir=tmp_path)
+    assert (tmp_path / "LATEST").read_text() == str(STEPS - 2)
+    # resumed from the checkpoint with another seed: the weights must come from the checkpoint
+    log = train(s, ex.tiny_gpt, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED + 1, checkpoint_dir=tmp_path)
+    assert log[: STEPS - 1] == first
+    err = _max_rel(log, _single(ex.tiny_gpt, ex.gpt_data))
+    print(f"PP=2 1F1B m=4 (checkpointed, resumed for the last step): max relative loss difference {err:.2e}")
+    assert err <= 1e-4
+
+
+@pytest.mark.timeout(150)
+def test_dp2_x_pp2_fsdp_matches_single_process() -> None:
+    """2-D: FSDP2 over dp=2 inside each of 2 pipeline stages (1F1B), 4 processes on a (pp, dp) mesh."""
+    s = _pipeline_strategy(4, dp=2, microbatches=2, schedule="1f1b", zero_stage=3)
+    assert (s.pp, s.dp, s.zero_stage) == (2, 2, 3)
+    assert [a.name for a in s.mesh.axes if a.size > 1] == ["pp", "dp"]
+    log = train(s, ex.tiny_gpt, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED)
+    err = _max_rel(log, _single(ex.tiny_gpt, ex.gpt_data))
+    print(f"DP2 x PP2 (FSDP2, 1F1B, m=2): max relative loss difference {err:.2e}")
+    assert err <= 1e-4
+
+
+def test_refuses_stages_it_cannot_cut() -> None:
+    s = _pipeline_strategy(2, dp=1, microbatches=2, schedule="1f1b")
+    model, batch = ex.tiny_gpt(), ex.gpt_data(0)
+
+    def with_stage1(ops: list[str], **extra) -> pp.Strategy:
+        st = s.stages[1].model_copy(update={"ops": ops, **extra})
+        return s.model_copy(update={"stages": [s.stages[0], st]})
+
+    # a boundary at an op this model does not have (a strategy for another model)
+    with pytest.raises(Unsupported, match=r"starts at op 'conv2d_9'.*cannot be mapped onto this model"):
+        plan_for(with_stage1(["conv2d_9", "cross_entropy_loss"]), model, batch)
+    # a boundary between qkv's split and its getitem: a list, not a tensor, would cross stages
+    with pytest.raises(Unsupported, match=r"value 'split' \(list\).*only tensors can cross"):
+        plan_for(with_stage1(["getitem", "cross_entropy_loss"], layers=[0, 1]), model, batch)
+    # layers that disagree with where the ops sit in this model
+    with pytest.raises(Unsupported, match=r"stage 1 .* holds layers \[1\] .* lists \[0\]"):
+        plan_for(with_stage1(s.stages[1].ops, layers=[0]), model, batch)
+    with pytest.raises(Unsupported, match=r"schedule 'zero-bubble'"):
+        plan_for(s.model_copy(update={"schedule": "zero-bubble"}), model, batch)
+    with pytest.raises(Unsupported, match=r"not divisible by dp\*microbatches=3"):
+        plan_for(s.model_copy(update={"microbatches": 3}), model, batch)
+    with pytest.raises(Unsupported, match=r"pp=2 with tp=2"):
+        plan_for(s.model_copy(update={"tp": 2}), model, batch)
