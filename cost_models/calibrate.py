@@ -1,26 +1,37 @@
 """Measure this machine: matmul throughput by size, memory bandwidth, kernel floor, gloo collectives.
 
 The result is a JSON file that ``Cluster.preset("local-cpu:<P>")`` (and any spec whose device
-type names it under ``calibration:``) turns into a device type and an intra-node link:
+type names it under ``calibration:``) turns into a device type and an intra-node link.
 
-* ``matmul``: ``{threads: [{n, flops, seconds}]}`` for square fp32 matmuls, 1 thread and all
-  cores; the compute model interpolates it in log–log instead of a peak × efficiency;
-* ``memory_bandwidth``: bytes/s of a large tensor copy (read + write), all cores;
-* ``launch_overhead``: seconds of a 1-element add (dispatcher + kernel floor);
-* ``per_processes``: the same kernel measurements taken by ``P`` processes at once (the
-  slowest rank per size), for each group size ``P``: what each process of a ``P``-process
-  run gets when its siblings compute too; ``local-cpu:<P>`` uses them when present;
+**Threads.** A process of a ``local-cpu:<P>`` run computes on ``THREADS_PER_PROCESS`` (= 1)
+intra-op thread, as the torch backend's workers do (``pp.train`` launches them with
+``OMP_NUM_THREADS=1``, torchrun's own default). Every per-process rate below is measured
+with that many threads, so the calibration describes the processes that actually train.
+(Measuring with ``cores // P`` threads instead was the cause of a 129x error for one process:
+two OpenMP threads on a core shared with other work spin in their barriers, and a small matmul
+then takes milliseconds; a training process on one thread never sees that.)
+
+* ``per_processes``: for each ``P`` in ``1`` and the group sizes, ``P`` processes measure at
+  once (the slowest rank per quantity): matmul times by size (square fp32, ``n``),
+  copy bandwidth, and the floor of a 1-element op. This is what each process of a
+  ``P``-process run gets while its siblings compute too (``P`` above the core count
+  time-shares); ``local-cpu:<P>`` uses these rates as they are;
+* ``matmul``: ``{threads: [{n, flops, seconds}]}`` of this process alone with 1 thread and with
+  all cores (for reference; ``local-cpu`` uses ``per_processes``), ``conv``,
+  ``memory_bandwidth`` and ``launch_overhead`` (all cores);
 * ``collectives``: gloo all-reduce times by message size and group size (2–4 real
   ``torch.distributed`` processes on loopback), and the α–β fit of the ring formula
 
       t(n, p) = 2(p−1)·α + 2(p−1)/p · n/B
 
-  by non-negative least squares over all points (``fit: {alpha, bandwidth}``) and per group
+  by weighted least squares (:func:`fit_alpha_beta`) over all points (``fit``) and per group
   size (``fit_by_group_size``: ``local-cpu:<P>`` uses the fit measured with ``P`` processes).
 
-Kernel timings are means over windows of back-to-back calls about a training step long, best
-window kept: on a machine shared with other work, it is the least disturbed one, and it
-includes the time-sharing between sibling processes that a real step sees.
+**Statistic.** Each kernel rate is the *median* over several windows of back-to-back calls
+about a training step long, all ``P`` processes busy during the same windows (a barrier starts
+each size); each collective time is the median over repetitions of the slowest rank. The
+medians match how :mod:`benchmarks.executor` reads a training run (median step time), so on a
+machine shared with other work the calibration and the run see the same kind of interference.
 
 Every multi-process run has a timeout: a hung group is killed and reported, never waited on.
 """
@@ -33,13 +44,18 @@ import os
 import platform
 import queue
 import socket
+import statistics
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["calibrate", "fit_alpha_beta", "free_port", "run_gloo"]
+__all__ = ["THREADS_PER_PROCESS", "calibrate", "fit_alpha_beta", "free_port", "kernel_rates", "run_gloo",
+           "slowest_rank"]
+
+# intra-op threads of one training process: what pp.train gives its workers (OMP_NUM_THREADS=1)
+THREADS_PER_PROCESS = 1
 
 
 def free_port() -> int:
@@ -67,8 +83,10 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
 
 
 def run_gloo(fn: Callable[..., Any], world: int, args: tuple = (), timeout: float = 120.0,
-             threads: int | None = None) -> list[Any]:
+             threads: int = THREADS_PER_PROCESS) -> list[Any]:
     """Run ``fn(rank, world, *args)`` in ``world`` spawned processes joined by a gloo group.
+
+    Each process computes on ``threads`` intra-op threads (default: as a torch-backend worker).
 
     ``fn`` must be importable (a module-level function). Returns the per-rank results; raises
     ``RuntimeError`` with the failing rank's traceback, or ``TimeoutError`` after ``timeout``
@@ -79,8 +97,8 @@ def run_gloo(fn: Callable[..., Any], world: int, args: tuple = (), timeout: floa
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    thr = threads if threads is not None else max(1, (os.cpu_count() or 1) // world)
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, thr, q), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, threads, q), daemon=True)
+             for r in range(world)]
     for pr in procs:
         pr.start()
     results: dict[int, Any] = {}
@@ -110,14 +128,13 @@ def run_gloo(fn: Callable[..., Any], world: int, args: tuple = (), timeout: floa
 
 
 def _time(fn: Callable[[], Any], window: float = 0.03, windows: int = 5, max_calls: int = 100_000) -> float:
-    """Seconds per call: the mean over a window of back-to-back calls, best of ``windows`` windows.
+    """Seconds per call: the median over ``windows`` windows of back-to-back calls.
 
     A window (about one training step long) includes the time-sharing with sibling processes
-    that a step sees; the best window is the one least disturbed by other tenants, which is
-    how the benchmark reads its measured steps too.
+    that a step sees; the median is how a training run's step time is read too.
     """
     fn()
-    best = float("inf")
+    per_call = []
     for _ in range(windows):
         n, t0 = 0, time.perf_counter()
         while True:
@@ -126,8 +143,8 @@ def _time(fn: Callable[[], Any], window: float = 0.03, windows: int = 5, max_cal
             el = time.perf_counter() - t0
             if el >= window or n >= max_calls:
                 break
-        best = min(best, el / n)
-    return best
+        per_call.append(el / n)
+    return statistics.median(per_call)
 
 
 def _allreduce_sizes(rank: int, world: int, sizes: Sequence[int], iters: int) -> list[tuple[int, float]]:
@@ -145,55 +162,76 @@ def _allreduce_sizes(rank: int, world: int, sizes: Sequence[int], iters: int) ->
             t0 = time.perf_counter()
             dist.all_reduce(x)
             ts.append(time.perf_counter() - t0)
-        # all ranks finish together; the slowest rank's best repetition is the collective's time
-        t = torch.tensor([min(ts)])
+        # a collective ends when its slowest rank does: per repetition the max over ranks, then the median
+        t = torch.tensor(ts, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out.append((n, float(t)))
+        out.append((n, float(t.median())))
     return out
 
 
-def _kernel_rates(matmul_sizes: Sequence[int]) -> dict[str, Any]:
-    """Matmul times by size, copy bandwidth and the 1-element op floor, in this process."""
+def kernel_rates(matmul_sizes: Sequence[int], sync: Callable[[], Any] = lambda: None) -> dict[str, Any]:
+    """Matmul times by size, copy bandwidth and the 1-element op floor, in this process.
+
+    ``sync`` (a barrier when several processes measure together) starts every quantity at the
+    same moment on all of them, so each window is timed while all siblings are busy.
+    """
     import torch
 
     rows = []
     for n in matmul_sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)
+        sync()
         rows.append({"n": n, "flops": 2.0 * n**3, "seconds": _time(lambda a=a, b=b: torch.mm(a, b))})
     big = torch.empty(16 << 20)
     dst = torch.empty_like(big)
+    sync()
     bw = 2 * big.numel() * 4 / _time(lambda: dst.copy_(big), window=0.1)
     one = torch.ones(1)
+    sync()
     floor = _time(lambda: torch.add(one, one), window=0.01)
-    return {"matmul": rows, "memory_bandwidth": bw, "launch_overhead": floor}
+    return {"matmul": rows, "memory_bandwidth": bw, "launch_overhead": floor, "threads": torch.get_num_threads()}
 
 
 def _group_measure(rank: int, world: int, sizes: Sequence[int], iters: int,
                    matmul_sizes: Sequence[int]) -> tuple[dict[str, Any], list[tuple[int, float]]]:
     import torch.distributed as dist
 
-    dist.barrier()
-    kernels = _kernel_rates(matmul_sizes)  # all ranks at once: the occupancy a P-process run sees
+    kernels = kernel_rates(matmul_sizes, sync=dist.barrier)  # all ranks at once: what a P-process run sees
     dist.barrier()
     return kernels, _allreduce_sizes(rank, world, sizes, iters)
 
 
-def _slowest(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def slowest_rank(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Merge per-rank :func:`kernel_rates`: per quantity the slowest rank (a synchronous step waits for it)."""
     rows = [{**r, "seconds": max(k["matmul"][i]["seconds"] for k in per_rank)}
             for i, r in enumerate(per_rank[0]["matmul"])]
     return {"matmul": rows, "memory_bandwidth": min(k["memory_bandwidth"] for k in per_rank),
-            "launch_overhead": max(k["launch_overhead"] for k in per_rank)}
+            "launch_overhead": max(k["launch_overhead"] for k in per_rank),
+            "threads": max(k.get("threads", THREADS_PER_PROCESS) for k in per_rank)}
 
 
 def fit_alpha_beta(points: Sequence[tuple[int, float, float]]) -> dict[str, float]:
-    """Fit ``t = 2(p−1)α + 2(p−1)/p · n/B`` to ``(p, n, t)`` points; non-negative least squares."""
+    r"""Fit ``t = 2(p−1)α + 2(p−1)/p · n/B`` to ``(p, n, t)`` points.
+
+    The model is linear in ``x = (α, 1/B)``: row ``a_i = (2(p_i−1), 2(p_i−1)/p_i · n_i)``.
+    Each row is weighted by ``1/t_i`` so that small and large messages count alike (the
+    residuals are relative errors), and ``x ≥ 0`` is enforced (non-negative least squares):
+
+    .. math:: \min_{x \ge 0} \sum_i \big((a_i·x − t_i)/t_i\big)^2
+
+    Exact points (``t_i = a_i·x*``) give back ``x*``; ``median_rel_error`` says how well the
+    formula describes the measurements.
+    """
     import numpy as np
     from scipy.optimize import nnls
 
+    if len(points) < 2:
+        raise ValueError(f"fitting alpha and bandwidth needs at least 2 (p, bytes, seconds) points, got {len(points)}")
+    if any(p < 2 or t <= 0 for p, _, t in points):
+        raise ValueError("every point needs a group size p >= 2 and a positive time")
     a = np.array([[2 * (p - 1), 2 * (p - 1) / p * n] for p, n, _ in points], dtype=float)
     y = np.array([t for _, _, t in points], dtype=float)
-    # weight by 1/t so small and large messages count alike (relative error)
-    w = 1.0 / np.maximum(y, 1e-9)
+    w = 1.0 / y
     sol, _ = nnls(a * w[:, None], y * w)
     alpha, inv_b = float(sol[0]), float(sol[1])
     pred = a @ sol
@@ -203,7 +241,7 @@ def fit_alpha_beta(points: Sequence[tuple[int, float, float]]) -> dict[str, floa
 
 def calibrate(out: str | os.PathLike[str] | None = None, *, group_sizes: Sequence[int] = (2, 3, 4),
               sizes: Sequence[int] = (4096, 65536, 1 << 20, 8 << 20), matmul_sizes: Sequence[int] = (
-                  32, 64, 128, 256, 512, 1024), iters: int = 5, timeout: float = 120.0,
+                  32, 64, 128, 256, 512, 1024), iters: int = 7, timeout: float = 120.0,
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure this machine and write the calibration JSON to ``out`` (if given); returns it."""
     import torch
@@ -213,10 +251,11 @@ def calibrate(out: str | os.PathLike[str] | None = None, *, group_sizes: Sequenc
     prev_threads = torch.get_num_threads()
     result: dict[str, Any] = {
         "host": platform.node(), "machine": platform.machine(), "processor": platform.processor(),
-        "cores": cores, "torch": torch.__version__,
+        "cores": cores, "torch": torch.__version__, "threads_per_process": THREADS_PER_PROCESS,
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "memory_bytes": _total_memory(),
+        "memory_bytes": _total_memory(), "load_average": _load_average(),
     }
+    per_procs: dict[str, Any] = {}
     try:
         mm: dict[str, list[dict[str, float]]] = {}
         for threads in sorted({1, cores}):
@@ -244,41 +283,56 @@ def calibrate(out: str | os.PathLike[str] | None = None, *, group_sizes: Sequenc
         say(f"memory bandwidth: {result['memory_bandwidth'] / 1e9:.1f} GB/s")
         one = torch.ones(1)
         result["launch_overhead"] = _time(lambda: torch.add(one, one), window=0.01)
+        # one training process alone, on the threads the torch backend gives it
+        torch.set_num_threads(THREADS_PER_PROCESS)
+        per_procs["1"] = kernel_rates(matmul_sizes)
+        _say_rates(say, 1, per_procs["1"])
     finally:
         torch.set_num_threads(prev_threads)
     points = []
     runs = []
-    per_procs: dict[str, Any] = {}
     for p in group_sizes:
         try:
             res = run_gloo(_group_measure, p, (tuple(sizes), iters, tuple(matmul_sizes)), timeout=timeout,
-                           threads=max(1, cores // p))
+                           threads=THREADS_PER_PROCESS)
         except (TimeoutError, RuntimeError) as e:
             runs.append({"p": p, "error": str(e).splitlines()[0]})
             say(f"{p} processes: FAILED {e}")
             continue
-        per_procs[str(p)] = _slowest([k for k, _ in res])
-        best = max(r["flops"] / r["seconds"] for r in per_procs[str(p)]["matmul"])
-        say(f"{p} processes at once: best matmul {best / 1e9:.1f} GFLOP/s per process, copy "
-            f"{per_procs[str(p)]['memory_bandwidth'] / 1e9:.1f} GB/s per process")
+        per_procs[str(p)] = slowest_rank([k for k, _ in res])
+        _say_rates(say, p, per_procs[str(p)])
         for n, t in res[0][1]:
             points.append((p, n, t))
             runs.append({"p": p, "bytes": n, "seconds": t})
             say(f"gloo all_reduce p={p} {n} B: {t * 1e6:.0f} us")
     result["per_processes"] = per_procs
     coll: dict[str, Any] = {"op": "all_reduce", "backend": "gloo", "points": runs}
-    if points:
+    if len(points) >= 2:
         coll["fit"] = fit_alpha_beta(points)
         # P processes alive change gloo's latency (time-sharing): a fit per group size as well
         coll["fit_by_group_size"] = {str(p): fit_alpha_beta([x for x in points if x[0] == p])
-                                     for p in sorted({x[0] for x in points})}
+                                     for p in sorted({x[0] for x in points}) if sum(x[0] == p for x in points) >= 2}
         say(f"fit: alpha {coll['fit']['alpha'] * 1e6:.1f} us, bandwidth {coll['fit']['bandwidth'] / 1e9:.2f} GB/s")
     result["collectives"] = coll
+    result["load_average_after"] = _load_average()
     if out is not None:
         path = Path(out)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=1))
     return result
+
+
+def _say_rates(say: Callable[[str], None], p: int, k: dict[str, Any]) -> None:
+    best = max(r["flops"] / r["seconds"] for r in k["matmul"])
+    say(f"{p} process(es) at once, {THREADS_PER_PROCESS} thread each: best matmul {best / 1e9:.1f} GFLOP/s per "
+        f"process, copy {k['memory_bandwidth'] / 1e9:.1f} GB/s, 1-element op {k['launch_overhead'] * 1e6:.1f} us")
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return None
 
 
 def _total_memory() -> int:

@@ -761,24 +761,34 @@ def _read_calibration(p: Path) -> dict[str, Any]:
 def _calibrated_type(name: str, cal: Mapping[str, Any], procs: int, base: DeviceType | None = None) -> DeviceType:
     """A CPU process's device type from a calibration; ``procs`` processes share the cores.
 
-    Each process runs ``max(1, cores // procs)`` threads. Rates measured with ``procs``
-    processes at once are used as they are; otherwise the single-process rates are scaled by
+    Each process computes on ``threads_per_process`` intra-op threads (1: what the torch
+    backend's workers run). Rates measured with ``procs`` processes at once (``per_processes``)
+    are used as they are; otherwise the rates of one process alone (``per_processes["1"]``, or
+    the 1-thread ``matmul`` curve of an older calibration) are scaled by the core share
     ``min(1, cores / procs)`` (processes beyond the core count time-share).
     """
     cores = int(cal["cores"])
-    threads = max(1, cores // procs)
-    measured = cal.get("per_processes", {}).get(str(procs))
+    threads = int(cal.get("threads_per_process", 1))
+    per = cal.get("per_processes", {})
+    measured = per.get(str(procs))
     if measured:  # taken with `procs` processes computing at once: no scaling to guess
         curve = tuple(sorted((float(p["flops"]), float(p["seconds"])) for p in measured["matmul"]))
         mem_bw = float(measured["memory_bandwidth"])
         floor = float(measured["launch_overhead"])
     else:
         share = min(1.0, cores / procs)
-        by_threads = {int(k): v for k, v in cal["matmul"].items()}
-        t = max(k for k in by_threads if k <= threads) if any(k <= threads for k in by_threads) else min(by_threads)
-        curve = tuple(sorted((float(p["flops"]), float(p["seconds"]) / share) for p in by_threads[t]))
-        mem_bw = float(cal["memory_bandwidth"]) * share / max(1, min(procs, cores))
-        floor = float(cal.get("launch_overhead", 5e-6)) / share
+        alone = per.get("1")
+        if alone:
+            rows, mem_bw, floor = alone["matmul"], float(alone["memory_bandwidth"]), float(alone["launch_overhead"])
+        else:
+            by_threads = {int(k): v for k, v in cal["matmul"].items()}
+            rows = by_threads[1] if 1 in by_threads else by_threads[min(by_threads)]
+            # an all-core copy bandwidth: one process gets its share of the cores
+            mem_bw = float(cal["memory_bandwidth"]) / cores
+            floor = float(cal.get("launch_overhead", 5e-6))
+        curve = tuple(sorted((float(p["flops"]), float(p["seconds"]) / share) for p in rows))
+        mem_bw *= share
+        floor /= share
     peak = max(f / s for f, s in curve)
     return DeviceType(name=name, kind="cpu", peak=(("fp32", peak),), vendor="this machine",
                       memory=float(cal.get("memory_bytes", 8 * 2**30)) / procs, memory_bandwidth=mem_bw,
@@ -803,14 +813,14 @@ def _local_cpu(procs: int) -> Cluster:
         lat, bw = float(ar.get("alpha", 50e-6)), float(ar.get("bandwidth", 1e9))
         src = f"gloo fit ({near or 'pooled'} processes) from {path}"
     else:
-        # Nominal figures until `polyparallel calibrate` has measured this machine: an AVX2 core
-        # retires 2 FMA x 8 fp32 lanes = 32 FLOP/cycle at ~2.5 GHz; ~10 GB/s of DRAM per core;
+        # Nominal figures until `polyparallel calibrate` has measured this machine, for one thread
+        # per process (as the torch backend runs them): an AVX2 core retires 2 FMA x 8 fp32
+        # lanes = 32 FLOP/cycle at ~2.5 GHz; ~10 GB/s of DRAM per core;
         # gloo over loopback TCP ~50 us and ~1 GB/s. Prices from these are indicative only.
         cal = None
         share = min(1.0, cores / procs)
-        threads = max(1, cores // procs)
-        dt = DeviceType(name="cpu-process", kind="cpu", peak=(("fp32", 80e9 * threads * share),), vendor="nominal",
-                        memory=8 * 2**30 / procs, memory_bandwidth=10e9 * threads * share,
+        dt = DeviceType(name="cpu-process", kind="cpu", peak=(("fp32", 80e9 * share),), vendor="nominal",
+                        memory=8 * 2**30 / procs, memory_bandwidth=10e9 * share,
                         launch_overhead=5e-6 / share,
                         source=f"nominal (no calibration at {path}: run `polyparallel calibrate`)")
         lat, bw, src = 50e-6, 1e9, "nominal gloo loopback (uncalibrated)"

@@ -1,0 +1,169 @@
+"""The calibration pipeline: synthetic measurements in, known α/β and throughputs out; one real run."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from polyparallel.cluster import Cluster
+from polyparallel.cost_models import ParallelConfig, estimate_step
+from polyparallel.cost_models.calibrate import (
+    THREADS_PER_PROCESS,
+    calibrate,
+    fit_alpha_beta,
+    slowest_rank,
+)
+from polyparallel.cost_models.comm import collective_time, ring_time
+from polyparallel.cost_models.compute import op_cost
+from polyparallel.cost_models.synthetic import mlp_graph
+
+SIZES = (4096, 65536, 1 << 20, 8 << 20)
+
+
+def _ring(p: int, n: float, alpha: float, bw: float) -> float:
+    return 2 * (p - 1) * alpha + 2 * (p - 1) / p * n / bw
+
+
+def _matmul_rows(rate_of_n: dict[int, float]) -> list[dict[str, float]]:
+    return [{"n": n, "flops": 2.0 * n**3, "seconds": 2.0 * n**3 / r} for n, r in rate_of_n.items()]
+
+
+def _calibration(cores: int = 2) -> dict:
+    """A calibration file as `calibrate` writes it, from known rates and a known gloo α/β per group size."""
+    rates = {1: {64: 20e9, 256: 40e9, 1024: 50e9}, 2: {64: 15e9, 256: 30e9, 1024: 36e9},
+             4: {64: 6e9, 256: 14e9, 1024: 18e9}}
+    gloo = {2: (150e-6, 1.5e9), 4: (600e-6, 0.6e9)}
+    points = [{"p": p, "bytes": n, "seconds": _ring(p, n, *gloo[p])} for p in gloo for n in SIZES]
+    return {
+        "cores": cores, "threads_per_process": 1, "memory_bandwidth": 10e9, "launch_overhead": 2e-6,
+        "memory_bytes": 16e9, "matmul": {"1": _matmul_rows(rates[1])},
+        "per_processes": {str(p): {"matmul": _matmul_rows(r), "memory_bandwidth": 10e9 / p,
+                                   "launch_overhead": 2e-6 * p} for p, r in rates.items()},
+        "collectives": {"points": points,
+                        "fit": fit_alpha_beta([(q["p"], q["bytes"], q["seconds"]) for q in points]),
+                        "fit_by_group_size": {str(p): fit_alpha_beta([(q["p"], q["bytes"], q["seconds"])
+                                                                      for q in points if q["p"] == p])
+                                              for p in gloo}},
+    }
+
+
+def test_fit_recovers_alpha_and_bandwidth_of_exact_ring_times():
+    alpha, bw = 80e-6, 2.5e9
+    pts = [(p, n, _ring(p, n, alpha, bw)) for p in (2, 3, 4) for n in SIZES]
+    fit = fit_alpha_beta(pts)
+    assert fit["alpha"] == pytest.approx(alpha, rel=1e-9)
+    assert fit["bandwidth"] == pytest.approx(bw, rel=1e-9)
+    assert fit["median_rel_error"] < 1e-9
+
+
+def test_fit_equals_the_closed_form_of_two_points():
+    # two (n, t) points of one group size determine α and 1/B: solve the 2x2 system by hand
+    p, (n1, t1), (n2, t2) = 3, (1e4, 7e-4), (4e6, 9e-3)
+    k = 2 * (p - 1) / p
+    inv_b = (t2 - t1) / (k * (n2 - n1))
+    alpha = (t1 - k * n1 * inv_b) / (2 * (p - 1))
+    fit = fit_alpha_beta([(p, n1, t1), (p, n2, t2)])
+    assert fit["alpha"] == pytest.approx(alpha, rel=1e-9)
+    assert fit["bandwidth"] == pytest.approx(1 / inv_b, rel=1e-9)
+
+
+def test_fit_weights_relative_errors_and_stays_non_negative():
+    rng = np.random.default_rng(0)
+    alpha, bw = 200e-6, 1e9
+    pts = [(p, n, _ring(p, n, alpha, bw) * float(rng.uniform(0.95, 1.05))) for p in (2, 4) for n in SIZES
+           for _ in range(3)]
+    fit = fit_alpha_beta(pts)
+    # ±5% noise on every point: the relative-error fit stays within a few percent on both terms
+    assert fit["alpha"] == pytest.approx(alpha, rel=0.05)
+    assert fit["bandwidth"] == pytest.approx(bw, rel=0.05)
+    # latency-free points (pure bandwidth): the fit may not invent a negative latency
+    flat = fit_alpha_beta([(2, n, n / 1e9) for n in SIZES])
+    assert flat["alpha"] == pytest.approx(0.0, abs=1e-12) and flat["bandwidth"] == pytest.approx(1e9)
+    with pytest.raises(ValueError, match="at least 2"):
+        fit_alpha_beta([(2, 1e3, 1e-4)])
+    with pytest.raises(ValueError, match="p >= 2"):
+        fit_alpha_beta([(1, 1e3, 1e-4), (1, 1e6, 1e-3)])
+
+
+def test_slowest_rank_takes_the_slowest_of_every_quantity():
+    a = {"matmul": _matmul_rows({64: 20e9, 256: 40e9}), "memory_bandwidth": 8e9, "launch_overhead": 2e-6}
+    b = {"matmul": _matmul_rows({64: 25e9, 256: 30e9}), "memory_bandwidth": 6e9, "launch_overhead": 3e-6}
+    m = slowest_rank([a, b])
+    assert [r["flops"] / r["seconds"] for r in m["matmul"]] == pytest.approx([20e9, 30e9])
+    assert m["memory_bandwidth"] == 6e9 and m["launch_overhead"] == 3e-6
+
+
+def test_local_cpu_prices_with_the_rates_and_links_measured_for_its_process_count(tmp_path, monkeypatch):
+    cal = _calibration()
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(cal))
+    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(path))
+    for p, rate in ((1, 40e9), (2, 30e9), (4, 14e9)):
+        c = Cluster.preset(f"local-cpu:{p}")
+        dt = c.device(0).type
+        # a 256-wide square matmul runs at exactly the rate measured at that size with p processes alive
+        g = mlp_graph(batch=256, widths=(256, 256), bias=False)
+        assert op_cost(g, g.ops[0], dt).forward == pytest.approx(2 * 256**3 / rate)
+        assert dt.memory_bandwidth == pytest.approx(10e9 / p) and dt.launch_overhead == pytest.approx(2e-6 * p)
+        assert "1 thread(s)/process" in dt.source
+    # the gloo link of a p-process cluster is the α/β fitted to that group size's points
+    for p, (alpha, bw) in ((2, (150e-6, 1.5e9)), (4, (600e-6, 0.6e9))):
+        c = Cluster.preset(f"local-cpu:{p}")
+        assert c.link(0, 1) == (pytest.approx(bw, rel=1e-6), pytest.approx(alpha, rel=1e-6))
+        # and the ring all-reduce priced on that link reproduces the measured points
+        for n in (65536, 8 << 20):
+            assert ring_time("all_reduce", n, p, *c.link(0, 1)) == pytest.approx(_ring(p, n, alpha, bw), rel=1e-6)
+    # with 2 ranks the ring is also what the cost model picks
+    two = Cluster.preset("local-cpu:2")
+    assert collective_time(two, "all_reduce", 1 << 20, (0, 1)).seconds == pytest.approx(
+        _ring(2, 1 << 20, 150e-6, 1.5e9), rel=1e-6)
+
+
+def test_unmeasured_process_counts_share_the_cores_of_one_process(tmp_path, monkeypatch):
+    cal = _calibration(cores=2)
+    del cal["per_processes"]["4"]
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(cal))
+    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(path))
+    dt = Cluster.preset("local-cpu:4").device(0).type
+    # 4 processes on 2 cores: each gets half of what one process alone measured
+    assert dt.peak_flops("fp32") == pytest.approx(50e9 / 2)
+    assert dt.memory_bandwidth == pytest.approx(10e9 / 2) and dt.launch_overhead == pytest.approx(4e-6)
+    # 3 processes would each have a core if there were 3: with 2 cores, a 2/3 share
+    assert Cluster.preset("local-cpu:3").device(0).type.peak_flops("fp32") == pytest.approx(50e9 * 2 / 3)
+
+
+def test_single_process_step_is_priced_from_the_single_process_rates(tmp_path, monkeypatch):
+    # the 129x error of the last session: one process was priced with a 2-thread curve measured
+    # under contention; now it is the 1-thread rate of one process, and the step is its sum of GEMMs
+    cal = _calibration()
+    flat = {n: 40e9 for n in (16, 64, 256, 1024, 4096)}
+    cal["per_processes"]["1"]["matmul"] = _matmul_rows(flat)
+    cal["per_processes"]["1"]["memory_bandwidth"] = 1e15  # elementwise work free: only the GEMMs count
+    cal["per_processes"]["1"]["launch_overhead"] = 0.0
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(cal))
+    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(path))
+    g = mlp_graph(batch=512, widths=(512, 512, 512), bias=False)
+    est = estimate_step(g, Cluster.preset("local-cpu:1"), ParallelConfig(optimizer="sgd"))
+    gemm = sum(op.flops for op in g.ops if op.kind.value == "contraction")
+    assert est.breakdown()["compute"] == pytest.approx(3 * gemm / 40e9, rel=1e-2)
+
+
+def test_calibrate_measures_this_machine_with_the_training_thread_count(tmp_path, monkeypatch):
+    # a real (small) run: one process alone and a 2-process gloo group, both written to the file
+    out = tmp_path / "cal.json"
+    res = calibrate(out, group_sizes=(2,), sizes=(4096, 1 << 16), matmul_sizes=(32, 64), iters=3)
+    assert json.loads(out.read_text())["cores"] == res["cores"] and res["threads_per_process"] == 1
+    assert set(res["per_processes"]) == {"1", "2"}
+    # every process measured on the thread count a torch-backend worker trains with
+    assert [k["threads"] for k in res["per_processes"].values()] == [THREADS_PER_PROCESS] * 2
+    assert all(r["seconds"] > 0 for k in res["per_processes"].values() for r in k["matmul"])
+    assert [(q["p"], q["bytes"]) for q in res["collectives"]["points"]] == [(2, 4096), (2, 1 << 16)]
+    assert res["collectives"]["fit_by_group_size"]["2"]["alpha"] >= 0
+    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(out))
+    dt = Cluster.preset("local-cpu:2").device(0).type
+    measured = res["per_processes"]["2"]["matmul"][-1]
+    assert dt.peak_flops("fp32") >= measured["flops"] / measured["seconds"] * (1 - 1e-9)
