@@ -24,6 +24,10 @@ on a small shared machine); ``warm+poll`` = warm-lazy and the SuperNode idle pol
 
 Run: ``nice python benchmarks/collab.py`` (``--quick``: only 3 centers × 1M params, all modes).
 Writes ``benchmarks/results/collab.json``.
+
+``--steps-sweep 5,100,400`` instead runs 3 centers × 1M params with long-lived centers (``warm+poll``)
+at each number of local steps per round ``H`` and writes ``benchmarks/results/collab_steps.json``:
+the per-round cost of Flower is a constant, so its share of the round falls as ``1 / (1 + H·t_step / c)``.
 """
 
 from __future__ import annotations
@@ -117,7 +121,7 @@ def bench(n_centers: int, size: str, mode: str, rounds: int, steps: int, bps: fl
     out = {"centers": n_centers, "size": size, "params": int(sum(v.size for v in ref.params.values())),
            "mode": mode, "rounds": rounds, "local_steps": steps, "total_wall_s": wall,
            "inprocess_round_s": inproc, "matches_inprocess": same, **split_rounds(res, names, bps)}
-    print(f"{n_centers:>2} {size:>4} {mode:>10} | round {out['round']:7.2f} s | down {out['down']:6.2f} "
+    print(f"{n_centers:>2} {size:>4} {mode:>10} H={steps:<4d} | round {out['round']:7.2f} s | down {out['down']:6.2f} "
           f"compute {out['compute']:6.2f} up {out['up']:6.2f} wait {out['wait']:6.2f} fusion {out['fusion']:5.2f} "
           f"| raw {out['raw']:5.2f} overhead {out['overhead']:6.2f} comm {100 * out['comm_frac']:5.1f}% "
           f"| in-process {inproc:6.2f} s/round | exact {same}", flush=True)
@@ -131,13 +135,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/collab.json"))
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/ppcollab-bench"))
+    ap.add_argument("--steps-sweep", default="", help="comma-separated H values: the local-steps sweep only")
     args = ap.parse_args()
     bps = loopback_bytes_per_s()
     print(f"loopback TCP: {bps / 1e9:.2f} GB/s; {os.cpu_count()} CPUs; load {os.getloadavg()}", flush=True)
-    plan = [(3, "1M", m) for m in MODES]
+    plan = [(3, "1M", m, args.steps) for m in MODES]
     if not args.quick:
-        plan += [(5, "1M", "warm-lazy"), (3, "25M", "warm-lazy"), (5, "25M", "warm-lazy")]
-    rows = [bench(n, s, m, args.rounds, args.steps, bps, args.workdir) for n, s, m in plan]
+        plan += [(5, "1M", "warm-lazy", args.steps), (3, "25M", "warm-lazy", args.steps),
+                 (5, "25M", "warm-lazy", args.steps)]
+    if args.steps_sweep:
+        plan = [(3, "1M", "warm+poll", int(h)) for h in args.steps_sweep.split(",")]
+        if args.out == Path("benchmarks/results/collab.json"):
+            args.out = Path("benchmarks/results/collab_steps.json")
+    rows = [bench(n, s, m, args.rounds, h, bps, args.workdir) for n, s, m, h in plan]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                                 "loadavg_at_start": os.getloadavg()},
