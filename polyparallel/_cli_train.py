@@ -24,6 +24,10 @@ def train(
     checkpoint_dir: Annotated[Path | None, typer.Option(help="save here with torch.distributed.checkpoint; a "
                                                              "rerun with the same folder resumes")] = None,
     checkpoint_every: Annotated[int, typer.Option(help="steps between checkpoints")] = 1,
+    fingerprint_check: Annotated[bool, typer.Option(
+        "--fingerprint-check/--no-fingerprint-check",
+        help="refuse a model whose captured graph is not the strategy's (--no-fingerprint-check: run a "
+             "stand-in model, matched to the placements by module path)")] = True,
 ) -> None:
     """Train MODEL on DATA exactly as the strategy says (refused, exit 2, if it cannot be executed)."""
     import os
@@ -37,7 +41,8 @@ def train(
 
     try:
         log = run(strategy, model, data, steps=steps, optimizer=optimizer, lr=lr, seed=seed, log_dir=log_dir,
-                  checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)
+                  checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                  check_fingerprint=fingerprint_check)
     except TrainError as e:
         raise UserError(str(e)) from e
     for rec in log:

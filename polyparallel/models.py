@@ -57,10 +57,13 @@ class GPTBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, H = x.shape
-        q, k, v = self.qkv(self.ln_1(x)).split(H, dim=-1)
-        q, k, v = (t.view(B, S, self.heads, H // self.heads).transpose(1, 2) for t in (q, k, v))
+        # sizes are read off the projection's output, not the config: under head-parallel tensor
+        # parallelism (polyparallel.backends.torch) it holds this rank's heads of q, k and v only
+        qkv = self.qkv(self.ln_1(x))
+        q, k, v = qkv.split(qkv.shape[-1] // 3, dim=-1)
+        q, k, v = (t.view(B, S, -1, H // self.heads).transpose(1, 2) for t in (q, k, v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(B, S, H))
+        x = x + self.proj(a.transpose(1, 2).reshape(B, S, -1))
         return x + self.fc_out(F.gelu(self.fc(self.ln_2(x))))
 
 

@@ -266,9 +266,17 @@ class Strategy(_Model):
 
 
 def fingerprint(graph: Any) -> str:
-    """A stable hash of a graph: its ops' signatures in order and its parameter shapes."""
+    """A stable hash of a graph: its ops' signatures in order and its parameter shapes.
+
+    The device an op creates tensors on (``arange(device=...)``) is left out: the same model
+    captured on the meta device, the CPU or a GPU is the same model.
+    """
+    from dataclasses import replace
+
     h = hashlib.blake2b(digest_size=12)
     for op in graph.ops:
+        if any(k == "device" for k, _ in op.attrs):
+            op = replace(op, attrs=tuple((k, v) for k, v in op.attrs if k != "device"))
         h.update(graph.signature(op).encode())
     for t in graph.params:
         h.update(repr(t.shape).encode())

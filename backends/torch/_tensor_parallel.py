@@ -1,0 +1,477 @@
+r"""Head-parallel attention, vocabulary-parallel embeddings, Ulysses sequence parallelism and the
+model fingerprint check of the torch backend.
+
+**Head-parallel attention over a fused projection.** GPT-style blocks compute ``q, k, v`` with one
+``nn.Linear`` of ``3H`` outputs. The strategy splits that Linear's output dim ``n`` over ``tp`` and
+the attention op's head dim ``h`` over ``tp``, and prices no communication between the two: rank
+``r`` must hold exactly the ``q``, ``k`` and ``v`` features of *its* heads. Which features those are
+is read off the attention op's affine accesses in the captured graph: operand ``j`` reads feature
+``c_j + \sum_i a_i x_i`` of the projection's output, so with ``h`` restricted to its ``r``-th block
+``[rE/t, (r+1)E/t)`` (``E`` heads, ``t = tp``) and every other dim full, the footprint
+
+.. math::  F_{j,r} = \{\, c_j + \textstyle\sum_i a_i x_i \;:\; h \in [rE/t, (r+1)E/t) \,\}
+
+is enumerated and must be the contiguous range ``[c_j + r w_j, c_j + (r+1) w_j)`` with
+``w_j = W_j / t`` (``W_j`` the operand's width); the operands must tile the output features. The
+projection's weight rows (and bias) are then regrouped rank-major,
+
+.. math::  \pi = \big[\, c_j + r w_j + i \;\big|\; r < t,\ j \text{ by offset},\ i < w_j \,\big],
+
+and the regrouped weight is sharded ``Shard(0)`` (:class:`FusedColwiseParallel`, a DTensor
+``ColwiseParallel``): rank ``r``'s local output is ``[q_r | k_r | v_r]``, which the module's own
+forward splits into equal parts and views with ``-1`` heads of the fixed head size. ``n:tp`` is
+thus executed as a permutation of the block split of ``n``: the same share per rank and the same
+(zero) communication the cost model priced; a plain ``ColwiseParallel`` would hand rank 0 all of
+``q`` and half of ``k``. The parameter's global DTensor view is the regrouped weight (a checkpoint
+of this plan resumes under the same plan; :func:`qkv_rows` maps it back). The output projection
+(row-parallel over the heads factor ``k_0``) is a plain ``RowwiseParallel``: its input features
+``h·d + e`` split in blocks are the same head blocks.
+
+**Vocabulary-parallel embedding** (``v:tp``): ``RowwiseParallel`` on ``nn.Embedding`` shards the
+table's rows; each rank looks up the ids it owns and the partial rows are all-reduced. An output
+head tied to the token embedding is column-parallel over the same vocabulary rows (``Shard(0)`` of
+the same table), so the tie is kept: both modules hold one DTensor parameter.
+
+**Sequence parallelism** ``sp`` is what the cost model prices (DeepSpeed-Ulysses, see
+``cost_models/step.py``): each ``sp`` rank holds a contiguous ``1/sp`` of every sequence, every op
+runs on its shard, and each attention call is wrapped in two all-to-alls over the ``sp`` group —
+``q, k, v`` from sequence-sharded ``[B, h, S/sp, d]`` to head-sharded ``[B, h/sp, S, d]``, the
+output back (:class:`UlyssesAttention`, DTensor ``Shard(2) -> Shard(1)`` redistributions, which
+gloo executes as all-gather + chunk). Positions indexed by ``arange(S/sp)`` are offset by the
+shard's first position. Gradients are averaged over the ``dp·sp`` ranks, the loss is the mean of
+the ``sp`` shards' mean losses (equal token counts). Models whose graph mixes positions outside
+SDPA attention, or builds other tables from the sequence length (rotary tables, explicit masks),
+are refused.
+
+**Fingerprint**: the strategy names its model by :func:`polyparallel.strategy.fingerprint` of the
+canonicalised, fused graph the planner priced, captured at one micro-batch ``b = B / (dp·m)``. The
+hash covers every extent, the batch included, so the model given to ``train`` is captured at that
+same ``b`` (on the meta device) — whatever example batch the search was given — and the two hashes
+compared.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel
+from torch.overrides import TorchFunctionMode
+
+from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind
+
+__all__ = ["FingerprintMismatch", "FusedColwiseParallel", "HeadSplit", "UlyssesAttention", "build_mesh",
+           "capture_for_strategy", "check_fingerprint", "head_split", "offset_positions", "parallelize",
+           "position_embeddings", "qkv_rows", "replica_mesh", "sequence_shard", "sp_problems", "step_context",
+           "strategy_graph", "tie_groups", "tied_shards"]
+
+
+class FingerprintMismatch(ValueError):
+    """The model given to ``train`` is not the model the strategy was searched for."""
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """How an attention op split over heads reads one projection's output: ``segments`` are the
+    widths of the blocks of output features it reads (by offset: ``q, k, v`` for a fused
+    projection, one block for a separate one); ``fused`` is True when rows must be regrouped."""
+
+    producer: str  # op name of the projection
+    module: str  # its module path
+    segments: tuple[int, ...]
+
+    @property
+    def fused(self) -> bool:
+        return len(self.segments) > 1
+
+
+def qkv_rows(segments: tuple[int, ...], parts: int) -> list[int]:
+    """The permutation ``pi`` of the module docstring: output rows regrouped rank-major."""
+    offsets = list(itertools.accumulate((0, *segments[:-1])))
+    rows: list[int] = []
+    for r in range(parts):
+        for c, w in zip(offsets, segments):
+            rows += range(c + r * w // parts, c + (r + 1) * w // parts)
+    return rows
+
+
+def _last_index_footprint(op: Op, operand: str, dim: str, lo: int, hi: int) -> tuple[set[int], str | None]:
+    """Values of the last index of ``operand`` over the nest with ``dim`` in ``[lo, hi)``.
+
+    Returns the set and, when the access cannot be split like a feature block, why not.
+    """
+    assert op.nest is not None
+    ext = op.nest.extents
+    accesses = [a for st in op.nest.statements for a in st.reads if a.operand == operand]
+    if not accesses:
+        return set(), f"{operand} is not read"
+    out: set[int] = set()
+    for a in accesses:
+        *lead, last = a.index
+        if any(dim in e.dims for e in lead):
+            return set(), f"{operand} is split over {dim!r} along an axis other than its features"
+        names = [d for d, _ in last.terms]
+        if dim not in names:
+            return set(), f"{operand}'s features do not depend on {dim!r}"
+        ranges = [range(lo, hi) if d == dim else range(ext[d]) for d in names]
+        coefs = [c for _, c in last.terms]
+        for point in itertools.product(*ranges):
+            out.add(last.const + sum(c * x for c, x in zip(coefs, point)))
+    return out, None
+
+
+def head_split(graph: Graph, op_name: str, dim: str, parts: int) -> tuple[list[HeadSplit], list[str]]:
+    """Check that attention op ``op_name`` split over ``dim`` in ``parts`` blocks reads contiguous
+    feature blocks of Linear outputs (module docstring); return them, or the reasons it does not."""
+    op = next((o for o in graph.ops if o.name == op_name), None)
+    if op is None or op.nest is None or OpKind(op.kind) is not OpKind.ATTENTION:
+        return [], [f"op {op_name!r} is not an attention op of the model's captured graph"]
+    ext = op.nest.extents
+    if dim not in ext:
+        return [], [f"attention op {op_name!r} has no dim {dim!r}"]
+    if ext[dim] % parts:
+        return [], [f"attention op {op_name!r}: {ext[dim]} heads ({dim!r}) do not split into {parts} equal blocks"]
+    step = ext[dim] // parts
+    by_tensor: dict[str, list[str]] = {}
+    for j, t in enumerate(op.inputs):
+        if graph.tensors[t].kind is not TensorKind.PARAM:
+            by_tensor.setdefault(t, []).append(f"in{j}")
+    out: list[HeadSplit] = []
+    problems: list[str] = []
+    for t, operands in by_tensor.items():
+        prod = graph.producer(t)
+        if prod is None or OpKind(prod.kind) is not OpKind.CONTRACTION or not any(
+                graph.tensors[i].kind is TensorKind.PARAM for i in prod.inputs):
+            problems.append(f"attention op {op_name!r} reads {t!r}, which no parameterised projection produces "
+                            "directly (only q/k/v straight from Linear layers are head-split)")
+            continue
+        width = graph.tensors[t].shape[-1]
+        segs: list[tuple[int, int]] = []  # (offset, width)
+        for operand in operands:
+            blocks = []
+            for r in range(parts):
+                fp, why = _last_index_footprint(op, operand, dim, r * step, (r + 1) * step)
+                if why:
+                    problems.append(f"attention op {op_name!r}: {why}")
+                    break
+                blocks.append(fp)
+            else:
+                w = len(blocks[0])
+                c = min(blocks[0])
+                if any(b != set(range(c + r * w, c + (r + 1) * w)) for r, b in enumerate(blocks)):
+                    problems.append(f"attention op {op_name!r}: the heads block of {operand} is not a contiguous "
+                                    f"range of {t!r}'s features")
+                else:
+                    segs.append((c, w * parts))
+        if problems:
+            continue
+        segs.sort()
+        ends = [c + w for c, w in segs]
+        if segs[0][0] != 0 or ends[-1] != width or any(segs[i + 1][0] != ends[i] for i in range(len(segs) - 1)):
+            problems.append(f"attention op {op_name!r} reads {t!r} in blocks {segs} that do not tile its "
+                            f"{width} features")
+            continue
+        out.append(HeadSplit(producer=prod.name, module=prod.module, segments=tuple(w for _, w in segs)))
+    return out, problems
+
+
+class FusedColwiseParallel(ColwiseParallel):
+    """``ColwiseParallel`` over a projection whose output holds several head-major blocks (fused
+    ``q|k|v``): the weight rows and bias are regrouped by :func:`qkv_rows` before ``Shard(0)``, so
+    rank ``r`` owns rows ``[q_r | k_r | v_r]`` — whole heads of every block."""
+
+    def __init__(self, segments: tuple[int, ...], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.segments = tuple(segments)
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        rows = torch.tensor(qkv_rows(self.segments, device_mesh.size()))
+        for pname, param in module.named_parameters(recurse=False):
+            if param.shape[0] != sum(self.segments):
+                raise ValueError(f"{name}.{pname}: {param.shape[0]} rows, but the attention reads "
+                                 f"{sum(self.segments)} features in blocks {self.segments}")
+            regrouped = param.detach().index_select(0, rows.to(param.device))
+            dist = nn.Parameter(distribute_tensor(regrouped, device_mesh, [Shard(0)],
+                                                  src_data_rank=self.src_data_rank),
+                                requires_grad=param.requires_grad)
+            module.register_parameter(pname, dist)
+
+    def __repr__(self) -> str:
+        return f"FusedColwiseParallel(segments={self.segments})"
+
+
+def tie_groups(model: nn.Module) -> list[list[str]]:
+    """Parameters shared by several modules (e.g. an output head tied to the token embedding), as
+    lists of ``module.param`` paths."""
+    owners: dict[int, list[str]] = {}
+    for name, mod in model.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append(f"{name}.{pname}" if name else pname)
+    return [paths for paths in owners.values() if len(paths) > 1]
+
+
+# dim of the weight each tp kind shards: Linear weights are (out, in), embedding tables (vocab, dim)
+_WEIGHT_SHARD = {"col": 0, "col_fused": None, "col_gather": 0, "col_to_loss": 0, "row": 1, "emb_row": 0}
+
+
+def tied_shards(model: nn.Module, kinds: dict[str, str]) -> tuple[list[tuple[str, ...]], list[str]]:
+    """The tied parameter groups touched by tensor parallelism, and why a group cannot be kept tied.
+
+    A tie survives sharding only when every module sharing the parameter shards the same dim of it
+    (a vocabulary-parallel embedding and a column-parallel output head both shard the vocabulary
+    rows); the group is then re-tied to one DTensor parameter after ``parallelize_module``.
+    """
+    groups, problems = [], []
+    for group in tie_groups(model):
+        mods = [p.rsplit(".", 1)[0] if "." in p else "" for p in group]
+        dims = {kinds.get(m, "none") for m in mods}
+        if dims == {"none"}:
+            continue
+        shard = {_WEIGHT_SHARD.get(k, "none") if k != "none" else "none" for k in dims}
+        if len(shard) != 1 or None in shard or "none" in shard or not all(p.endswith(".weight") for p in group):
+            problems.append(f"parameter shared by {', '.join(group)} is split as {sorted(dims)}: a tied weight "
+                            "stays tied only when every module using it shards the same dim")
+            continue
+        groups.append(tuple(group))
+    return groups, problems
+
+
+# ---------------------------------------------------------------------------------------------
+# sequence parallelism (Ulysses)
+
+
+def position_embeddings(graph: Graph) -> list[str]:
+    """Module paths of embeddings indexed by an ``arange`` (positions), whose indices a sequence
+    shard must offset."""
+    out = []
+    for op in graph.ops:
+        if OpKind(op.kind) is OpKind.EMBEDDING and len(op.inputs) > 1:
+            prod = graph.producer(op.inputs[1])
+            if prod is not None and OpKind(prod.kind) is OpKind.CREATE and "arange" in prod.target:
+                out.append(op.module)
+    return out
+
+
+def sp_problems(graph: Graph, sp: int, heads_parts: int) -> list[str]:
+    """Why running ``graph`` with its sequence split over ``sp`` ranks (Ulysses) would compute
+    something else than the unsplit model; empty when it is exact."""
+    problems: list[str] = []
+    # the sequence length is the attention's query extent; every input is split along its dim 1
+    lengths = {d.extent for op in graph.ops if OpKind(op.kind) is OpKind.ATTENTION and op.nest is not None
+               for d in op.nest.dims if d.hint is Hint.SEQUENCE}
+    if len(lengths) != 1:
+        problems.append("the model has no attention over one sequence length: no sequence dim to split"
+                        if not lengths else f"attention ops see several sequence lengths {sorted(lengths)}")
+    for t in graph.inputs:
+        shape = graph.tensors[t].shape
+        if len(lengths) == 1 and (len(shape) < 2 or shape[1] not in lengths):
+            problems.append(f"input {t!r} of shape {shape} has no sequence dim 1 of length {min(lengths)}")
+        elif len(shape) >= 2 and shape[1] % sp:
+            problems.append(f"input {t!r} has sequence length {shape[1]}, not divisible by sp={sp}")
+    pos = set(position_embeddings(graph))
+    for op in graph.ops:
+        kind = OpKind(op.kind)
+        if kind is OpKind.ATTENTION:
+            if "scaled_dot_product_attention" not in op.target:
+                problems.append(f"attention op {op.name!r} ({op.target}) is not torch's scaled_dot_product_attention, "
+                                "the call the sequence-parallel all-to-alls wrap")
+            elif op.nest is not None:
+                heads = next((d.extent for d in op.nest.dims if d.hint is Hint.HEAD), None)
+                if heads is None or heads % heads_parts:
+                    problems.append(f"attention op {op.name!r}: {heads} heads do not split over {heads_parts} ranks "
+                                    "(tp·sp)")
+        elif kind is OpKind.CREATE:
+            users = graph.consumers(op.outputs[0]) if op.outputs else []
+            if not users or any(OpKind(u.kind) is not OpKind.EMBEDDING or u.module not in pos for u in users):
+                problems.append(f"op {op.name!r} ({op.target}) builds a tensor from the sequence length that is not "
+                                "only a position-embedding index (rotary tables, masks): its values would be per shard")
+        elif kind is not OpKind.LOSS and op.nest is not None:
+            mixed = [d.name for d in op.nest.dims if d.hint is Hint.SEQUENCE
+                     and any(d.name in st.reduction_dims() for st in op.nest.statements)]
+            if mixed:
+                problems.append(f"op {op.name!r} ({op.target}) reduces over sequence dim {mixed[0]!r} outside "
+                                "attention: a sequence shard would see only its part")
+    return problems
+
+
+def offset_positions(module: nn.Module, rank: int) -> Any:
+    """Pre-hook on a position embedding: ``arange(S/sp)`` becomes this shard's ``rank·S/sp + arange``."""
+
+    def hook(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        idx = args[0]
+        return (idx + rank * idx.shape[-1], *args[1:])
+
+    return module.register_forward_pre_hook(hook, prepend=True)
+
+
+class UlyssesAttention(TorchFunctionMode):
+    """Inside this mode every ``F.scaled_dot_product_attention`` on sequence shards runs on whole
+    sequences of ``1/sp`` of the heads (all-to-all before and after, differentiable)."""
+
+    def __init__(self, mesh: Any) -> None:
+        super().__init__()
+        self.mesh = mesh
+
+    def _swap(self, t: torch.Tensor, src: int, dst: int) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Shard
+
+        if isinstance(t, DTensor):  # never reached with the backend's local tensors; be explicit
+            raise TypeError("sequence-parallel attention expects local tensors, got a DTensor")
+        d = DTensor.from_local(t, self.mesh, [Shard(src % t.dim())], run_check=False)
+        return d.redistribute(self.mesh, [Shard(dst % t.dim())]).to_local()
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        if kwargs.get("attn_mask") is not None or (len(args) > 3 and args[3] is not None):
+            raise ValueError("sequence-parallel attention with an explicit attn_mask is not executed; "
+                             "use is_causal=True or sp=1")
+        q, k, v = (self._swap(t, -2, -3) for t in args[:3])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = func(q, k, v, *args[3:], **kwargs)
+        return self._swap(out, -3, -2)
+
+
+# ---------------------------------------------------------------------------------------------
+# the model fingerprint
+
+
+def capture_for_strategy(model_fn: Callable[[], nn.Module], example: tuple[Any, ...]) -> Graph:
+    """The graph the planner would price for ``model_fn()`` on ``example`` (one micro-batch):
+    captured (on the meta device when the model builds there), canonicalised, fused."""
+    import polyparallel as pp
+    from polyparallel.transforms import canonicalize, fuse_elementwise
+
+    errors = []
+    for device in ("meta", None):
+        try:
+            if device is None:
+                model = model_fn()
+            else:
+                with torch.device(device):
+                    model = model_fn()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return fuse_elementwise(canonicalize(pp.capture(model, example)))
+        except Exception as e:  # the meta attempt fails for models that build real tensors: try the CPU
+            errors.append(f"{device or 'cpu'}: {type(e).__name__}: {e}")
+    raise ValueError("cannot capture the model to compare it with the strategy's: " + "; ".join(errors))
+
+
+def strategy_graph(strategy: Any, model_fn: Callable[[], nn.Module], batch: tuple[Any, ...],
+                   check: bool) -> Graph | None:
+    """Capture ``model_fn()`` on one micro-batch of ``batch`` (``B / (dp·m)`` rows, the size the
+    planner fingerprinted) and, with ``check``, refuse it unless it is the strategy's model.
+
+    Returns None when the capture fails and ``check`` is off (plans that need the graph are then
+    refused by :func:`~polyparallel.backends.torch.plan_for`).
+    """
+    b = strategy.global_batch // (strategy.dp * strategy.microbatches)
+    example = tuple(t[:b] if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in batch)
+    try:
+        graph = capture_for_strategy(model_fn, example)
+    except ValueError as e:
+        if check:
+            raise FingerprintMismatch(f"{e}. Pass check_fingerprint=False (CLI: --no-fingerprint-check) to run "
+                                      "without comparing the model with the strategy's") from e
+        return None
+    if check:
+        check_fingerprint(strategy, graph)
+    return graph
+
+
+def check_fingerprint(strategy: Any, graph: Graph) -> None:
+    """Refuse a model that is not the one the strategy was searched for (module docstring)."""
+    from polyparallel.strategy import fingerprint
+
+    got = fingerprint(graph)
+    want = strategy.model.fingerprint
+    if got == want:
+        return
+    raise FingerprintMismatch(
+        f"the model given to train is not the model this strategy was made for: its fingerprint is {got} "
+        f"({graph.param_count():,} parameters, {len(graph.ops)} ops at micro-batch "
+        f"{graph.tensors[graph.inputs[0]].shape[0] if graph.inputs else '?'}), the strategy's is {want} "
+        f"({strategy.model.name}, {strategy.model.params:,} parameters). Search again for this model, or pass "
+        "check_fingerprint=False (CLI: --no-fingerprint-check) to run a smaller stand-in with the same module "
+        "paths")
+
+
+# ---------------------------------------------------------------------------------------------
+# on the workers
+
+
+def build_mesh(device_type: str, plan: Any) -> Any:
+    """The ``("dp", "sp", "tp")`` mesh, tensor-parallel fastest as in the strategy's device order."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (plan.dp, plan.sp, plan.tp), mesh_dim_names=("dp", "sp", "tp"))
+
+
+def replica_mesh(mesh: Any, plan: Any) -> Any:
+    """The ranks holding replicas of the same parameters, over which gradients are averaged: ``dp``,
+    times ``sp`` (sequence shards hold the full parameters and see different tokens)."""
+    return mesh["dp", "sp"]._flatten("dp_sp") if plan.sp > 1 else mesh["dp"]
+
+
+def parallelize(model: nn.Module, plan: Any, mesh: Any) -> None:
+    """Apply the plan's tensor-parallel styles on ``mesh["tp"]``, re-tie shared weights, and offset
+    position indices on sequence shards."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    if plan.tp > 1 and plan.tp_plan:
+        fused = dict(plan.fused)
+        styles = {"col": ColwiseParallel, "row": RowwiseParallel,
+                  "col_gather": lambda: ColwiseParallel(output_layouts=Replicate()),
+                  "col_to_loss": lambda: ColwiseParallel(use_local_output=False),
+                  "emb_row": lambda: RowwiseParallel(input_layouts=Replicate())}
+        parallelize_module(model, mesh["tp"], {
+            path: FusedColwiseParallel(fused[path]) if path in fused else styles[kind]()
+            for path, kind in plan.tp_plan})
+        for group in plan.tied:
+            param = model.get_parameter(group[0])
+            for other in group[1:]:
+                path, _, name = other.rpartition(".")
+                setattr(model.get_submodule(path), name, param)
+    if plan.sp > 1:
+        rank = mesh["sp"].get_local_rank()
+        for path in plan.positions:
+            offset_positions(model.get_submodule(path), rank)
+
+
+def sequence_shard(t: torch.Tensor, plan: Any, mesh: Any) -> torch.Tensor:
+    """This ``sp`` rank's contiguous block of dim 1 (the sequence) of an input or label batch."""
+    if plan.sp == 1:
+        return t
+    if t.dim() < 2 or t.shape[1] % plan.sp:
+        raise ValueError(f"sequence parallelism over sp={plan.sp} needs inputs and labels of shape (batch, seq, ...) "
+                         f"with seq divisible by {plan.sp}; got {tuple(t.shape)}")
+    n = t.shape[1] // plan.sp
+    r = mesh["sp"].get_local_rank()
+    return t[:, r * n:(r + 1) * n]
+
+
+def step_context(plan: Any, mesh: Any) -> Any:
+    """What a forward and backward run under: ``loss_parallel`` for a class-parallel loss, the
+    Ulysses attention mode with ``sp > 1``."""
+    from contextlib import ExitStack
+
+    stack = ExitStack()
+    if plan.loss_parallel:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        stack.enter_context(loss_parallel())
+    if plan.sp > 1:
+        stack.enter_context(UlyssesAttention(mesh["sp"]))
+    return stack

@@ -1,0 +1,152 @@
+"""Torch backend on GPT: head-parallel TP over the fused qkv projection, vocabulary-parallel
+embeddings with the tied output head, Ulysses sequence parallelism, DP x TP, and the model
+fingerprint check.
+
+Each run launches CPU worker processes (gloo) with torch.distributed.run; the loss per step must
+equal a plain single-process loop on the same seed and global batch (SGD, fp32, rel <= 1e-4).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import polyparallel as pp
+from polyparallel.backends.torch import FingerprintMismatch, Unsupported, _launch, plan_for, train
+from polyparallel.backends.torch import _examples as ex
+from polyparallel.backends.torch._tensor_parallel import capture_for_strategy, head_split, qkv_rows, strategy_graph
+from polyparallel.cli import main
+
+EX = "polyparallel.backends.torch._examples"
+STEPS, LR, SEED = 3, 0.1, 0
+pytestmark = pytest.mark.slow
+
+
+def _strategy(devices: int, **degrees: int) -> pp.Strategy:
+    """The planner's own strategy for tiny GPT at the pinned degrees (placements as it emits them)."""
+    x, y = ex.gpt_data(0)
+    dp = degrees.get("dp", 1)
+    return pp.evaluate(ex.tiny_gpt(), (x[: ex.BATCH // dp], y[: ex.BATCH // dp]), f"local-cpu:{devices}",
+                       batch_size=ex.BATCH, recompute="none", microbatches=1, **degrees)
+
+
+def _single() -> list[float]:
+    torch.manual_seed(SEED)
+    m = ex.tiny_gpt()
+    opt = torch.optim.SGD(m.parameters(), lr=LR)
+    out = []
+    for step in range(STEPS):
+        x, y = ex.gpt_data(step)
+        opt.zero_grad()
+        loss = m(x, y)
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
+REF: list[float] = []
+
+
+def _max_rel(log: list[dict[str, float]]) -> float:
+    if not REF:
+        REF.extend(_single())
+    assert [r["step"] for r in log] == list(range(STEPS))
+    return max(abs(r["loss"] - want) / abs(want) for r, want in zip(log, REF))
+
+
+def test_qkv_rows_give_each_rank_whole_heads() -> None:
+    """The regrouping read off the attention's accesses: rank r gets [q_r | k_r | v_r]."""
+    x, y = ex.gpt_data(0)
+    g = capture_for_strategy(ex.tiny_gpt, (x, y))
+    splits, why = head_split(g, "scaled_dot_product_attention", "h", 2)
+    assert not why and [(h.module, h.segments) for h in splits] == [("h.0.qkv", (32, 32, 32))]
+    rows = qkv_rows((32, 32, 32), 2)
+    H = 32
+    for r in range(2):  # brute force: the heads 2r, 2r+1 of q, k, v, 8 features each
+        want = [j * H + h * 8 + e for j in range(3) for h in (2 * r, 2 * r + 1) for e in range(8)]
+        assert rows[48 * r: 48 * (r + 1)] == want
+    assert head_split(g, "scaled_dot_product_attention", "h", 3)[1]  # 4 heads do not split in 3
+
+
+@pytest.mark.timeout(60)
+def test_head_parallel_gpt_matches_single_process() -> None:
+    s = _strategy(2, tp=2)
+    pl = {p.placement for p in s.placements}
+    assert {"n:tp", "h:tp", "k_0:tp", "v:tp", "c:tp"} <= pl  # fused qkv, heads, proj, vocab, loss
+    plan = plan_for(s, ex.tiny_gpt(), graph=capture_for_strategy(ex.tiny_gpt, ex.gpt_data(0)))
+    assert dict(plan.fused) == {"h.0.qkv": (32, 32, 32), "h.1.qkv": (32, 32, 32)}
+    assert dict(plan.tp_plan)["wte"] == "emb_row" and plan.tied == (("wte.weight", "lm_head.weight"),)
+    log = train(s, ex.tiny_gpt, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED)
+    err = _max_rel(log)
+    print(f"TP=2 GPT: max relative loss difference {err:.2e}")
+    assert err <= 1e-4
+
+
+@pytest.mark.timeout(60)
+def test_naive_colwise_qkv_differs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test can fail: a plain ColwiseParallel on the fused qkv (no regrouping) trains another model."""
+
+    def naive(*args, **kwargs):
+        p = plan_for(*args, **kwargs)
+        return type(p)(**{**p.__dict__, "fused": ()})
+
+    monkeypatch.setattr(_launch, "plan_for", naive)
+    log = train(_strategy(2, tp=2), ex.tiny_gpt, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED)
+    err = _max_rel(log)
+    print(f"TP=2 GPT with naive colwise qkv: max relative loss difference {err:.2e}")
+    assert err > 1e-3
+
+
+@pytest.mark.timeout(60)
+def test_sequence_parallel_gpt_matches_single_process() -> None:
+    s = _strategy(2, sp=2)
+    assert (s.sp, s.tp, s.dp) == (2, 1, 1)
+    log = train(s, ex.tiny_gpt, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED)
+    err = _max_rel(log)
+    print(f"SP=2 (Ulysses) GPT: max relative loss difference {err:.2e}")
+    assert err <= 1e-4
+
+
+@pytest.mark.timeout(90)
+def test_tp_x_sp_gpt_matches_single_process() -> None:
+    s = _strategy(4, tp=2, sp=2, zero_stage=1)
+    log = train(s, ex.tiny_gpt, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED)
+    err = _max_rel(log)
+    print(f"TP=2 x SP=2 GPT: max relative loss difference {err:.2e}")
+    assert err <= 1e-4
+
+
+@pytest.mark.timeout(90)
+def test_dp_x_tp_gpt_matches_single_process() -> None:
+    s = _strategy(4, dp=2, tp=2, zero_stage=1)
+    assert (s.dp, s.tp) == (2, 2)
+    log = train(s, ex.tiny_gpt, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED)
+    err = _max_rel(log)
+    print(f"DP=2 x TP=2 GPT: max relative loss difference {err:.2e}")
+    assert err <= 1e-4
+
+
+def small_gpt() -> pp.models.GPT:
+    return pp.models.GPT(pp.models.GPTConfig(vocab=64, seq=16, layers=1, hidden=32, heads=4))
+
+
+def test_fingerprint_mismatch_is_refused(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    s = _strategy(2, tp=2)
+    with pytest.raises(FingerprintMismatch, match=r"not the model this strategy was made for.*--no-fingerprint"):
+        train(s, small_gpt, ex.gpt_data, steps=1)
+    path = tmp_path / "s.json"
+    s.to_json(path)
+    with pytest.raises(SystemExit) as e:
+        main(["train", str(path), "--model", f"{__name__}:small_gpt", "--data", f"{EX}:gpt_data", "--steps", "1",
+              "--log-dir", str(tmp_path / "log")])
+    assert e.value.code == 2 and "fingerprint" in capsys.readouterr().err
+    assert not (tmp_path / "log").exists()
+    # the same model at another batch size is the same model: the capture is at the strategy's micro-batch
+    s4 = _strategy(4, dp=2, tp=2, zero_stage=1)
+    assert strategy_graph(s4, ex.tiny_gpt, ex.gpt_data(0), check=True) is not None
+    # sp needs position-wise ops only: an MLP has no sequence to split
+    x, y = ex.mlp_data(0)
+    mlp = pp.evaluate(ex.tiny_mlp(), (x,), "local-cpu:2", example_kwargs={"labels": y}, dp=2, batch_size=ex.BATCH)
+    with pytest.raises(Unsupported, match=r"sp=2 .*no sequence dim to split"):
+        train(mlp.model_copy(update={"sp": 2}), ex.tiny_mlp, ex.mlp_data, steps=1)
