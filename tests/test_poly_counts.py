@@ -93,7 +93,7 @@ def make_need(nest: LoopNest, operand: str, shape: tuple[int, ...], placement: P
     # a unique cache key: id(region) can be reused by a later object once this one is freed,
     # and the poly cache would then hand a stale result to an unrelated example
     return Distribution(shape, mesh, region, tuple(() for _ in shape), tuple(False for _ in shape), (),
-                        ("test", next(_NEED_KEYS)), isl_of, np.arange(mesh.size))
+                        ("test", next(_NEED_KEYS)), isl_of, (np.stack([np.arange(mesh.size)] * 2),))
 
 
 def draw_placement(data, nest: LoopNest, mesh: DeviceMesh) -> Placement:

@@ -7,22 +7,35 @@ tensor distributions, so the second and later layers are lookups.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["CACHE", "PolyCache", "cache_stats", "clear_cache"]
+if TYPE_CHECKING:
+    from polyparallel.ir import Graph, Op
+
+__all__ = ["CACHE", "PolyCache", "cache_stats", "clear_cache", "signature_of"]
 
 
 @dataclass
 class PolyCache:
-    """Named LRU tables; ``maxsize`` bounds each table (distributions hold per-device arrays)."""
+    """Named LRU tables; ``maxsize`` bounds each table, ``big`` the tables of small values
+    (distributions and per-device intersections hold arrays over the devices; reshards and
+    op prices are a few integers, and one attention edge alone has ~10^4 of them)."""
 
     maxsize: int = 4096
+    big: int = 1 << 18
+    small_values: frozenset[str] = frozenset({"reshard", "op_comm", "legal", "edge"})
     tables: dict[str, OrderedDict[Hashable, Any]] = field(default_factory=dict)
     hits: dict[str, int] = field(default_factory=dict)
     misses: dict[str, int] = field(default_factory=dict)
+    clearers: list[Callable[[], None]] = field(default_factory=list)
+
+    def on_clear(self, *fns: Callable[[], None]) -> None:
+        """Register memo tables kept outside ``tables`` (``functools.lru_cache``) so ``clear`` empties them."""
+        self.clearers.extend(fns)
 
     def get(self, table: str, key: Hashable, make: Callable[[], Any]) -> Any:
         t = self.tables.setdefault(table, OrderedDict())
@@ -33,7 +46,7 @@ class PolyCache:
         self.misses[table] = self.misses.get(table, 0) + 1
         value = make()
         t[key] = value
-        if len(t) > self.maxsize:
+        if len(t) > (self.big if table in self.small_values else self.maxsize):
             t.popitem(last=False)
         return value
 
@@ -50,6 +63,8 @@ class PolyCache:
         self.tables.clear()
         self.hits.clear()
         self.misses.clear()
+        for fn in self.clearers:
+            fn()
 
 
 #: The process-wide cache used by :mod:`polyparallel.poly`.
@@ -63,3 +78,20 @@ def cache_stats() -> dict[str, dict[str, float]]:
 
 def clear_cache() -> None:
     CACHE.clear()
+
+
+_SIGNATURES: dict[tuple[int, int], tuple[Graph | None, Op, str]] = {}
+
+
+def signature_of(graph: Graph | None, op: Op) -> str:
+    """``graph.signature(op)``, memoised per (graph, op) object (it hashes the whole nest)."""
+    key = (id(graph), id(op))
+    hit = _SIGNATURES.get(key)
+    if hit is not None and hit[0] is graph and hit[1] is op:
+        return hit[2]
+    sig = graph.signature(op) if graph is not None else \
+        hashlib.blake2b(repr(op.nest).encode(), digest_size=12).hexdigest()
+    if len(_SIGNATURES) > 100_000:
+        _SIGNATURES.clear()
+    _SIGNATURES[key] = (graph, op, sig)
+    return sig

@@ -35,11 +35,10 @@ the exact lower bound ``max_p |N(p) \\ H(p)|`` a single point-to-point exchange 
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import islpy as isl
 import numpy as np
@@ -47,7 +46,8 @@ import numpy as np
 from polyparallel.ir import ANY, DTYPE_BYTES, Graph, LoopNest, Op, Shape, TensorKind
 
 from ._cache import CACHE
-from ._footprint import Prog, Region, dim_bounds, layout_region, operand_region
+from ._cache import signature_of as _signature
+from ._footprint import _AXIS_MEMO, Prog, Region, axis_key, dim_bounds, layout_region, operand_region
 from ._isl import count, footprint_set, tensor_box
 from ._mesh import DeviceMesh
 from ._placement import Placement, check_placement, dim_split_kind, padding_of
@@ -138,14 +138,26 @@ class Distribution:
     partial: tuple[str, ...]
     key: tuple
     isl_of: Callable[[int], isl.Set] = field(repr=False)
-    box_of: np.ndarray = field(repr=False, default=None)  # devices with equal ids hold equal sets
+    boxes: tuple[np.ndarray, ...] = field(repr=False, default=())  # (2, ndev) bounds the sets depend on
 
-    @property
+    @cached_property
+    def box_of(self) -> np.ndarray:
+        """An id per device, equal for devices whose sets are equal (only needed for isl fallbacks)."""
+        return _box_ids(list(self.boxes), self.mesh.size)
+
+    @cached_property
     def reshard_key(self) -> tuple:
         """Cache key of the set each device holds: the layout when it is one (shared by every
-        op that leaves or needs that layout), else the op-level key."""
+        op that leaves or needs that layout), else a digest of the per-device sets when the
+        region describes every device exactly (placements that differ only in dims the operand
+        does not index need the same data), else the op-level key."""
         lay = self.layout
-        return ("layout", lay, self.mesh) if lay is not None else self.key
+        if lay is not None:
+            return ("layout", lay, self.mesh)
+        if self.region.pieces and not self.region.fallback.any():
+            content = tuple(tuple(axis_key(a) for a in piece) for piece in self.region.pieces)
+            return ("sets", self.shape, content, self.deps, self.block, self.partial, self.mesh)
+        return self.key
 
     @cached_property
     def layout(self) -> TensorLayout | None:
@@ -187,6 +199,10 @@ class Distribution:
         return self.counts() - self.common(have)
 
     def __str__(self) -> str:
+        return self._str
+
+    @cached_property
+    def _str(self) -> str:
         lay = self.layout
         return str(lay) if lay is not None else f"irregular{[list(d) for d in self.deps]}"
 
@@ -226,26 +242,9 @@ def layout_distribution(layout: TensorLayout, mesh: DeviceMesh) -> Distribution:
         boxes = [np.stack(mesh.bounds(n, s)) for n, s in zip(layout.shape, layout.shards)]
         return Distribution(tuple(layout.shape), mesh, region, layout.shards,
                             tuple(True for _ in layout.shape), layout.partial,
-                            ("layout", layout, mesh), isl_of, _box_ids(boxes, mesh.size))
+                            ("layout", layout, mesh), isl_of, tuple(boxes))
 
     return CACHE.get("distribution", ("layout", layout, mesh), make)
-
-
-_SIGNATURES: dict[tuple[int, int], tuple[Graph | None, Op, str]] = {}
-
-
-def _signature(graph: Graph | None, op: Op) -> str:
-    """``graph.signature(op)``, memoised per (graph, op) object (it hashes the whole nest)."""
-    key = (id(graph), id(op))
-    hit = _SIGNATURES.get(key)
-    if hit is not None and hit[0] is graph and hit[1] is op:
-        return hit[2]
-    sig = graph.signature(op) if graph is not None else \
-        hashlib.blake2b(repr(op.nest).encode(), digest_size=12).hexdigest()
-    if len(_SIGNATURES) > 100_000:
-        _SIGNATURES.clear()
-    _SIGNATURES[key] = (graph, op, sig)
-    return sig
 
 
 def _operand_shape(graph: Graph, op: Op, operand: str) -> Shape:
@@ -266,7 +265,7 @@ def _op_distribution(graph: Graph, op: Op, placement: Placement, mesh: DeviceMes
         if nest is None:
             region = layout_region(shape, tuple(() for _ in shape), mesh)
             return Distribution(shape, mesh, region, tuple(() for _ in shape), tuple(True for _ in shape), (),
-                                key, lambda p: tensor_box("T", shape), np.zeros(mesh.size, dtype=np.int64))
+                                key, lambda p: tensor_box("T", shape))
         check_placement(nest, placement, mesh, op=op.name)
         bounds = dim_bounds(nest, placement, mesh)
         region = operand_region(nest, operand, shape, bounds, writes=writes, ndev=mesh.size)
@@ -293,7 +292,7 @@ def _op_distribution(graph: Graph, op: Op, placement: Placement, mesh: DeviceMes
 
         boxes = [np.stack(b) for b in bounds.values()]
         return Distribution(tuple(shape), mesh, region, tuple(tuple(d) for d in deps), tuple(block), partial,
-                            key, isl_of, _box_ids(boxes, mesh.size))
+                            key, isl_of, tuple(boxes))
 
     return CACHE.get("distribution", key, make)
 
@@ -397,75 +396,72 @@ def _reshard(h: Distribution, n: Distribution, mesh: DeviceMesh, dtype_bytes: in
     lay = h.layout
     if lay is None:
         # an irregular producer: settle partial sums in place, then one exchange of what is missing
-        direct = int(n.missing(h).max(initial=0))
+        miss = n.missing(h)
+        direct = int(miss.max(initial=0))
         for a in h.partial:
             steps.append(_all_reduce(h.counts(), a, mesh, None))
         if direct:
-            miss = n.missing(h)
             steps.append(Step("p2p", tuple(sorted({x for d in n.deps for x in d} | {x for d in h.deps for x in d})),
                               None, direct, int(miss.sum()), int(n.counts().max()), 0))
         return Reshard(str(h), str(n), tuple(steps), direct, dtype_bytes)
 
+    # the route works on raw shard tuples; every count below is memoised per (shape, shards, mesh)
+    shape = h.shape
     need_lay = n.layout
-    plain = TensorLayout(h.shape, lay.shards)
-    direct = _gain(need_lay, plain, mesh)[0] if need_lay is not None else \
-        int(n.missing(layout_distribution(plain, mesh)).max(initial=0))
-    shards = [list(s) for s in lay.shards]
+    plain: Shards = lay.shards
+    direct = _gain(shape, need_lay.shards, plain, mesh)[0] if need_lay is not None else \
+        int(n.missing(layout_distribution(TensorLayout(shape, plain), mesh)).max(initial=0))
+    shards = [list(x) for x in plain]
     need_axis = {a: i for i, d in enumerate(n.deps) for a in d}
+    cur: Shards = plain
 
-    def layout_of(sh: list[list[str]]) -> TensorLayout:
-        return TensorLayout(h.shape, tuple(tuple(s) for s in sh))
-
-    def move(new_shards: list[list[str]], kind: str, axes: tuple[str, ...], axis: int | None) -> None:
+    def move(kind: str, axes: tuple[str, ...], axis: int | None) -> None:
         nonlocal cur
-        nxt = layout_of(new_shards)
+        nxt = tuple(tuple(x) for x in shards)
         if kind != "slice":
-            most, total, payload = _gain(nxt, cur, mesh)
+            most, total, payload = _gain(shape, nxt, cur, mesh)
             steps.append(Step(kind, axes, axis, most, total, payload, mesh.group_size(axes)))
         cur = nxt
 
-    cur = plain
     # 1. partial sums: reduce-scatter onto the axis the consumer splits on that mesh axis, else all-reduce
     for a in lay.partial:
         j = need_axis.get(a)
+        g = mesh.axis(a).size
         if j is not None:
-            new = [list(s) for s in shards]
-            new[j] = [*new[j], a]  # innermost: each device keeps a piece of the block it summed
-            before = _block_counts(cur, mesh)
-            nxt = layout_of(new)
-            mine = _block_counts(nxt, mesh)
-            g = mesh.axis(a).size
-            steps.append(Step("reduce-scatter", (a,), j, int(((g - 1) * mine).max(initial=0)),
-                              int(((g - 1) * mine).sum()), int(before.max(initial=0)), g))
-            shards, cur = new, nxt
+            shards[j] = [*shards[j], a]  # innermost: each device keeps a piece of the block it summed
+            nxt = tuple(tuple(x) for x in shards)
+            before_max = _block_stats(shape, cur, mesh)[0]
+            mine_max, mine_sum = _block_stats(shape, nxt, mesh)
+            steps.append(Step("reduce-scatter", (a,), j, (g - 1) * mine_max, (g - 1) * mine_sum, before_max, g))
+            cur = nxt
         else:
-            steps.append(_all_reduce(_block_counts(cur, mesh), a, mesh, None))
+            steps.append(_all_reduce_of(shape, cur, a, mesh))
 
-    have_axis = {a: i for i, s in enumerate(shards) for a in s}
+    have_axis = {a: i for i, x in enumerate(shards) for a in x}
     # 2. free local slices first: they shrink every later message
     for a in mesh.names:
         if a not in have_axis and a in need_axis:
             j = need_axis[a]
             shards[j] = [*shards[j], a]  # innermost, so the slice lies inside the block held
-            move(shards, "slice", (a,), j)
+            move("slice", (a,), j)
     # 3. all-to-all where the split moves to another tensor axis
     for a in mesh.names:
         if a in have_axis and a in need_axis and have_axis[a] != need_axis[a]:
             i, j = have_axis[a], need_axis[a]
             shards[i] = [x for x in shards[i] if x != a]
             shards[j] = _ordered([*shards[j], a], n.deps[j])
-            move(shards, "all-to-all", (a,), j)
+            move("all-to-all", (a,), j)
     # 4. all-gather where the consumer does not split along the mesh axis
     gather = [a for a in mesh.names if a in have_axis and a not in need_axis]
     for i in sorted({have_axis[a] for a in gather}):
         axes = tuple(a for a in gather if have_axis[a] == i)
         shards[i] = [x for x in shards[i] if x not in axes]
-        move(shards, "all-gather", axes, i)
+        move("all-gather", axes, i)
     # 5. what is still missing: a halo along the same mesh axes, or an irregular exchange
     if need_lay is not None:
-        most, total, payload = _gain(need_lay, cur, mesh)
+        most, total, payload = _gain(shape, need_lay.shards, cur, mesh)
     else:
-        left = n.missing(layout_distribution(cur, mesh))
+        left = n.missing(layout_distribution(TensorLayout(shape, cur), mesh))
         most, total, payload = int(left.max(initial=0)), int(left.sum()), int(n.counts().max(initial=0))
     if most:
         irregular = [i for i, b in enumerate(n.block) if not b]
@@ -476,27 +472,55 @@ def _reshard(h: Distribution, n: Distribution, mesh: DeviceMesh, dtype_bytes: in
     return Reshard(str(h), str(n), tuple(steps), direct, dtype_bytes)
 
 
-def _even_blocks(layout: TensorLayout, mesh: DeviceMesh) -> list[int] | None:
+Shards = tuple[tuple[str, ...], ...]
+
+
+@lru_cache(maxsize=1 << 16)
+def _even_blocks(shape: Shape, shards: Shards, mesh: DeviceMesh) -> tuple[int, ...] | None:
     """Block extents when every device's block is the same (even mesh, divisible extents)."""
     if not mesh.even:
         return None
     out = []
-    for n, s in zip(layout.shape, layout.shards):
+    for n, s in zip(shape, shards):
         k = mesh.group_size(s)
         if n % k:
             return None
         out.append(n // k)
-    return out
+    return tuple(out)
 
 
-def _block_counts(layout: TensorLayout, mesh: DeviceMesh) -> np.ndarray:
-    blocks = _even_blocks(layout, mesh)
+@lru_cache(maxsize=1 << 16)
+def _block_stats(shape: Shape, shards: Shards, mesh: DeviceMesh) -> tuple[int, int]:
+    """(max, sum) over devices of the block size of a layout."""
+    blocks = _even_blocks(shape, shards, mesh)
+    if blocks is not None:
+        b = math.prod(blocks)
+        return b, b * mesh.size
+    c = _block_counts(shape, shards, mesh)
+    return int(c.max(initial=0)), int(c.sum())
+
+
+def _block_counts(shape: Shape, shards: Shards, mesh: DeviceMesh) -> np.ndarray:
+    blocks = _even_blocks(shape, shards, mesh)
     if blocks is not None:
         return np.full(mesh.size, math.prod(blocks), dtype=np.int64)
-    return layout_distribution(layout, mesh).counts()
+    return layout_distribution(TensorLayout(shape, shards), mesh).counts()
 
 
-def _gain(nxt: TensorLayout, cur: TensorLayout, mesh: DeviceMesh) -> tuple[int, int, int]:
+@lru_cache(maxsize=1 << 16)
+def _all_reduce_of(shape: Shape, shards: Shards, axis: str, mesh: DeviceMesh) -> Step:
+    """Ring all-reduce over ``axis`` of each device's block of the layout ``shards``."""
+    blocks = _even_blocks(shape, shards, mesh)
+    if blocks is None:
+        return _all_reduce(_block_counts(shape, shards, mesh), axis, mesh, None)
+    g = mesh.axis(axis).size
+    b = math.prod(blocks)
+    recv = 2 * (g - 1) * (-(-b // g))
+    return Step("all-reduce", (axis,), None, recv, recv * mesh.size, b, g)
+
+
+@lru_cache(maxsize=1 << 16)
+def _gain(shape: Shape, nxt: Shards, cur: Shards, mesh: DeviceMesh) -> tuple[int, int, int]:
     """(max, total over devices, max block) of ``|nxt(p) \\ cur(p)|``.
 
     Closed form when both layouts have equal blocks on every device and, along every
@@ -504,15 +528,18 @@ def _gain(nxt: TensorLayout, cur: TensorLayout, mesh: DeviceMesh) -> tuple[int, 
     lies inside the coarser one of the same device, so the overlap is the smaller block.
     Otherwise the exact per-device count.
     """
-    bn, bc = _even_blocks(nxt, mesh), _even_blocks(cur, mesh)
-    if bn is not None and bc is not None and all(a[:len(b)] == b or b[:len(a)] == a
-                                                 for a, b in zip(nxt.shards, cur.shards)):
+    bn, bc = _even_blocks(shape, nxt, mesh), _even_blocks(shape, cur, mesh)
+    if bn is not None and bc is not None and all(a[:len(b)] == b or b[:len(a)] == a for a, b in zip(nxt, cur)):
         size = math.prod(bn)
         g = size - math.prod(min(x, y) for x, y in zip(bn, bc))
         return g, g * mesh.size, size
-    nd, cd = layout_distribution(nxt, mesh), layout_distribution(cur, mesh)
+    nd, cd = layout_distribution(TensorLayout(shape, nxt), mesh), layout_distribution(TensorLayout(shape, cur), mesh)
     gained = nd.missing(cd)
     return int(gained.max(initial=0)), int(gained.sum()), int(nd.counts().max(initial=0))
+
+
+CACHE.on_clear(_AXIS_MEMO.clear, _even_blocks.cache_clear, _block_stats.cache_clear, _all_reduce_of.cache_clear,
+               _gain.cache_clear)
 
 
 def _ordered(axes: list[str], reference: Sequence[str]) -> list[str]:

@@ -27,6 +27,7 @@ devices with isl (:mod:`._isl`), exactly.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -168,6 +169,37 @@ def _axis_common(a: Axis, b: Axis) -> tuple[np.ndarray, np.ndarray]:
     return c.n, bad
 
 
+_AXIS_MEMO: dict[tuple[bytes, bytes], tuple[np.ndarray, np.ndarray | None]] = {}
+
+
+def axis_key(a: Axis) -> bytes:
+    """A content digest of a per-device 1-D set (memoised on the object: arrays are never mutated)."""
+    k = a.__dict__.get("_key")
+    if k is None:
+        h = hashlib.blake2b(digest_size=16)
+        h.update(b"G" if isinstance(a, Grid) else b"P")
+        fields = (a.start, a.n, a.c, a.H) if isinstance(a, Grid) else (a.start, a.step, a.n)
+        for f in fields:
+            h.update(np.ascontiguousarray(f, dtype=np.int64).tobytes())
+        k = h.digest()
+        object.__setattr__(a, "_key", k)
+    return k
+
+
+def _axis_common_memo(a: Axis, b: Axis) -> tuple[np.ndarray, np.ndarray | None]:
+    """:func:`_axis_common` memoised by content; the mask is None where every device is closed-form."""
+    key = (axis_key(a), axis_key(b))
+    hit = _AXIS_MEMO.get(key)
+    if hit is None:
+        c, bad = _axis_common(a, b)
+        c.setflags(write=False)
+        hit = (c, bad if bad.any() else None)
+        if len(_AXIS_MEMO) > 1 << 16:
+            _AXIS_MEMO.clear()
+        _AXIS_MEMO[key] = hit
+    return hit
+
+
 def _NO_BAD(n: int) -> np.ndarray:
     return np.zeros(n, dtype=bool)
 
@@ -192,12 +224,15 @@ class Region:
         """Per-device ``|self ∩ other|`` and the devices that need isl."""
         bad = self.fallback | other.fallback
         if len(self.pieces) == 1 and len(other.pieces) == 1:
-            total = np.ones(len(bad), dtype=np.int64)
+            # a product meets a product axis by axis; the few distinct 1-D sets per tensor axis
+            # recur across many layout pairs, so their per-device counts are memoised
+            total = None
             for a, b in zip(self.pieces[0], other.pieces[0]):
-                c, nb = _axis_common(a, b)
-                total = total * c
-                bad = bad | nb
-            return total, bad
+                c, nb = _axis_common_memo(a, b)
+                total = c.copy() if total is None else total * c
+                if nb is not None:
+                    bad = bad | nb
+            return (np.ones(len(bad), dtype=np.int64) if total is None else total), bad
         pieces = []
         for p, q in itertools.product(self.pieces, other.pieces):
             prod, nb = _intersect_products(p, q)

@@ -162,7 +162,23 @@ class DeviceMesh:
         return np.stack([g.reshape(-1) for g in grids], axis=1).astype(np.int64)
 
     def bounds(self, extent: int, axes: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Per device ``[lo, hi)`` of ``[0, extent)`` split over ``axes`` (outermost first)."""
+        """Per device ``[lo, hi)`` of ``[0, extent)`` split over ``axes`` (outermost first).
+
+        Memoised per mesh; the arrays are read-only because every caller shares them.
+        """
+        memo = self.__dict__.setdefault("_bounds_memo", {})
+        key = (extent, tuple(axes))
+        hit = memo.get(key)
+        if hit is None:
+            hit = self._bounds(extent, key[1])
+            for arr in hit:
+                arr.setflags(write=False)
+            if len(memo) > 65536:
+                memo.clear()
+            memo[key] = hit
+        return hit
+
+    def _bounds(self, extent: int, axes: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         lo = np.zeros(self.size, dtype=np.int64)
         hi = np.full(self.size, extent, dtype=np.int64)
         for name in axes:
@@ -175,9 +191,16 @@ class DeviceMesh:
             lo, hi = lo + span * cum[c] // cum[-1], lo + span * cum[c + 1] // cum[-1]
         return lo, hi
 
+    @cached_property
+    def _sizes(self) -> dict[str, int]:
+        return {a.name: a.size for a in self.axes}
+
     def group_size(self, axes: Sequence[str]) -> int:
-        return math.prod(self.axes[self._axis_index[a]].size for a in axes) if all(
-            a in self._axis_index for a in axes) else math.prod(self.axis(a).size for a in axes)
+        sizes = self._sizes
+        try:
+            return math.prod(sizes[a] for a in axes)
+        except KeyError:
+            return math.prod(self.axis(a).size for a in axes)  # raises with the mesh's axes named
 
     def __str__(self) -> str:
         return ",".join(str(a) for a in self.axes)
