@@ -98,14 +98,16 @@ def test_pp2_1f1b_matches_single_process_and_resumes(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_dp2_x_pp2_fsdp_matches_single_process() -> None:
-    """2-D: FSDP2 over dp=2 inside each of 2 pipeline stages (1F1B), 4 processes on a (pp, dp) mesh."""
-    s = _pipeline_strategy(4, dp=2, microbatches=2, schedule="1f1b", zero_stage=3)
-    assert (s.pp, s.dp, s.zero_stage) == (2, 2, 3)
+@pytest.mark.parametrize(("zero_stage", "schedule"), [(3, "1f1b"), (0, "gpipe")])
+def test_dp2_x_pp2_matches_single_process(zero_stage: int, schedule: str) -> None:
+    """2-D: FSDP2 (ZeRO-3) or replicated parameters with all-reduced gradients (ZeRO-0) over dp=2
+    inside each of 2 pipeline stages, 4 processes on a (pp, dp) mesh."""
+    s = _pipeline_strategy(4, dp=2, microbatches=2, schedule=schedule, zero_stage=zero_stage)
+    assert (s.pp, s.dp, s.zero_stage, s.schedule) == (2, 2, zero_stage, schedule)
     assert [a.name for a in s.mesh.axes if a.size > 1] == ["pp", "dp"]
     log = train(s, ex.tiny_gpt, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED)
     err = _max_rel(log, _single(ex.tiny_gpt, ex.gpt_data))
-    print(f"DP2 x PP2 (FSDP2, 1F1B, m=2): max relative loss difference {err:.2e}")
+    print(f"DP2 x PP2 (ZeRO-{zero_stage}, {schedule}, m=2): max relative loss difference {err:.2e}")
     assert err <= 1e-4
 
 
