@@ -20,6 +20,9 @@ API:
     ``reshard_edge(graph, tensor, producer_placement, consumer, consumer_placement, mesh)``
     ``edge_costs(graph, tensor, consumer, "in0", mesh) -> EdgeCosts`` (every placement pair)
     ``cache_stats()`` hit rates.
+    ``symbolic_volume(op, placement, mesh, "in0", params={"b": "B", "s": "S"}, device=p)`` and
+    ``symbolic_receive(...)``: footprint / receive volumes as formulas in shape parameters
+    (exact where the footprint is a box; :mod:`._symbolic`).
 
 Counting conventions: footprints and receive volumes are exact element counts per
 device (``max`` over devices where one number is given, ``total`` summed). A collective's
@@ -76,6 +79,7 @@ from ._comm import (
 from ._isl import ISL_TIME, access_map, count, domain_set, footprint_set
 from ._mesh import DeviceMesh, MeshAxis
 from ._placement import IllegalPlacement, Placement, check_placement, dim_split_kind, legal_placements, padding_of
+from ._symbolic import NotSymbolic, SymbolicVolume, symbolic_receive, symbolic_volume
 
 __all__ = [
     "CACHE",
@@ -86,11 +90,13 @@ __all__ = [
     "EdgeCosts",
     "IllegalPlacement",
     "MeshAxis",
+    "NotSymbolic",
     "OpComm",
     "Placement",
     "PolyCache",
     "Reshard",
     "Step",
+    "SymbolicVolume",
     "TensorLayout",
     "access_map",
     "cache_stats",
@@ -109,4 +115,6 @@ __all__ = [
     "padding_of",
     "reshard",
     "reshard_edge",
+    "symbolic_receive",
+    "symbolic_volume",
 ]
