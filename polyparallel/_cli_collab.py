@@ -94,6 +94,8 @@ def _round_table(result: Any) -> Table:
 def collab_cmd(
     centers: Annotated[str, typer.Option("--centers", help="center names, comma separated")] = "a,b,c",
     frameworks: Annotated[str, typer.Option("--frameworks", help=_FW_HELP)] = "",
+    devices: Annotated[str, typer.Option(
+        "--devices", help="devices per center, comma separated (torch centers with > 1 train data parallel)")] = "",
     model: Annotated[str, typer.Option("--model", help="mlp, cnn or embbag")] = "mlp",
     in_shape: Annotated[str, typer.Option("--in-shape", help="one example's shape, e.g. 1,28,28")] = "16",
     classes: Annotated[int, typer.Option("--classes")] = 4,
@@ -136,8 +138,11 @@ def collab_cmd(
             fws = [f.strip() for f in frameworks.split(",")] if frameworks else ["torch"] * len(names)
             if len(fws) != len(names):
                 raise UserError(f"--frameworks has {len(fws)} entries for {len(names)} centers")
+            devs = [int(d) for d in devices.split(",")] if devices else [1] * len(names)
+            if len(devs) != len(names):
+                raise UserError(f"--devices has {len(devs)} entries for {len(names)} centers")
             cfg = CollabConfig(
-                centers=tuple(CenterSpec(n, framework=f) for n, f in zip(names, fws)),
+                centers=tuple(CenterSpec(n, framework=f, devices=d) for n, f, d in zip(names, fws, devs)),
                 model=ModelSpec(model, _parse_shape(in_shape), classes, hidden=hidden, vocab=vocab),
                 fusion=fusion, fusion_options=_parse_options(fusion_opt or []), rounds=rounds,
                 local_steps=local_steps, batch_size=batch_size, lr=lr, compression=compression,

@@ -57,6 +57,15 @@ def test_job_file_round_trip(tmp_path, capsys):
     assert cfg.centers[1] == CenterSpec("q", framework="mindspore") and cfg.make_fusion().proximal_mu == 0.1
 
 
+def test_devices_per_center_reach_the_job(tmp_path, capsys):
+    job = tmp_path / "job.json"
+    code, _, err = _run(["collab", "--centers", "p,q", "--devices", "2,1", "--save-config", str(job)], capsys)
+    assert code == 0, err
+    assert [c.devices for c in CollabConfig.from_json(job.read_text()).centers] == [2, 1]
+    code, _, err = _run(["collab", "--centers", "p,q", "--devices", "2"], capsys)
+    assert code == 2 and "--devices has 1 entries for 2 centers" in err
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["collab", "--fusion", "fedfoo"], "unknown fusion strategy 'fedfoo'"),
     (["collab", "--in-shape", "1,x"], "--in-shape '1,x'"),
