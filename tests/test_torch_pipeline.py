@@ -8,6 +8,7 @@ so the tied-gradient all-reduce is exercised too.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from tests.test_torch_backend import LR, SEED, STEPS, _max_rel, _single
 pytestmark = pytest.mark.slow
 
 
+@functools.cache
 def _pipeline_strategy(n: int, **constraints) -> pp.Strategy:
     x, y = ex.gpt_data(0)
     return pp.search(ex.tiny_gpt(), (x,), f"local-cpu:{n}", example_kwargs={"labels": y}, batch_size=ex.BATCH,
@@ -83,17 +85,29 @@ def test_pp2_gpipe_matches_single_process(tmp_path: Path) -> None:
     assert wrong_scale > 1e-2 and untied > 1e-3
 
 
-@pytest.mark.timeout(150)
-def test_pp2_1f1b_matches_single_process_and_resumes(tmp_path: Path) -> None:
+@pytest.mark.timeout(90)
+def test_pp2_1f1b_matches_single_process() -> None:
     s = _pipeline_strategy(2, dp=1, microbatches=4, schedule="1f1b")
     assert (s.pp, s.microbatches, s.schedule) == (2, 4, "1f1b")
+    log = train(s, ex.tiny_gpt, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED)
+    err = _max_rel(log, _single(ex.tiny_gpt, ex.gpt_data))
+    print(f"PP=2 1F1B m=4: max relative loss difference {err:.2e}")
+    assert err <= 1e-4
+
+
+@pytest.mark.timeout(150)
+def test_pp2_interleaved_matches_single_process_and_resumes(tmp_path: Path) -> None:
+    """Interleaved 1F1B, 2 chunks per stage (chunk k on stage k mod 2), checkpointed and resumed."""
+    s = _pipeline_strategy(2, dp=1, microbatches=4, schedule="interleaved")
+    assert (s.pp, s.microbatches, s.schedule) == (2, 4, "interleaved:2")
+    assert [len(st.ops) for st in s.stages] == [4, 4]
     first = train(s, ex.tiny_gpt, ex.gpt_data, steps=STEPS - 1, lr=LR, seed=SEED, checkpoint_dir=tmp_path)
     assert (tmp_path / "LATEST").read_text() == str(STEPS - 2)
     # resumed from the checkpoint with another seed: the weights must come from the checkpoint
     log = train(s, ex.tiny_gpt, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED + 1, checkpoint_dir=tmp_path)
     assert log[: STEPS - 1] == first
     err = _max_rel(log, _single(ex.tiny_gpt, ex.gpt_data))
-    print(f"PP=2 1F1B m=4 (checkpointed, resumed for the last step): max relative loss difference {err:.2e}")
+    print(f"PP=2 interleaved x2 m=4 (checkpointed, resumed for the last step): max relative loss difference {err:.2e}")
     assert err <= 1e-4
 
 

@@ -22,8 +22,13 @@ copy; after the schedule's backward their gradients are summed over the stages h
 Megatron embedding all-reduce), so every copy takes the same update and stays equal to the others.
 
 **Data parallelism inside a stage** (a 2-D ``("pp", "dp")`` mesh, as the Strategy's mesh lists it):
-each chunk is wrapped in DDP (``zero_stage == 0``) or FSDP2 ``fully_shard`` over the stage's dp group;
-``PipelineStage`` then synchronises gradients once per step (no-sync on all but the last micro-batch).
+each chunk is wrapped over the stage's dp group in FSDP2 ``fully_shard`` (``zero_stage >= 1``) or, for
+``zero_stage == 0`` (replicated parameters, all-reduced gradients), in FSDP2's ``replicate`` rather
+than ``DistributedDataParallel``, whose bucket rebuild fails after a step of several micro-batch
+backwards. ``PipelineStage`` reduces the gradients once per step, after the last micro-batch.
+
+**Checkpoints** (``torch.distributed.checkpoint``) keep the model paths as keys (prefixed by the
+chunk's position on its rank when a rank holds several chunks) and one optimiser entry per stage.
 
 Refused before launch, with the reason: a stage boundary naming an op the model does not have, cuts
 out of order, layer lists that disagree with the model, a non-tensor value or ``labels`` crossing a
@@ -261,11 +266,11 @@ def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, to
     inputs, labels = batch
     mb = s.global_batch // n
     split = split_model(model, inputs[:mb], labels[:mb], [first for first, _ in chunks[1:]])
-    for k, (first, last) in enumerate(chunks):
-        want = set(s.stages[[st.index for st in s.stages].index(k % s.pp)].layers)
-        if v == 1 and want and split.layers[k] != want:
-            raise _unsupported(f"stage {k} (ops {first}..{last}) holds layers {sorted(split.layers[k])} of this model "
-                               f"but the strategy lists {sorted(want)}: the strategy was made for another model")
+    for st in s.stages:
+        have = set().union(*(split.layers[k] for k in range(st.index, len(chunks), s.pp)))
+        if st.layers and have != set(st.layers):
+            raise _unsupported(f"stage {st.index} (ops {', '.join(st.ops)}) holds layers {sorted(have)} of this model "
+                               f"but the strategy lists {sorted(st.layers)}: the strategy was made for another model")
     holders: dict[str, list[int]] = {}
     for k, names in enumerate(split.params):
         for p in names:
@@ -343,8 +348,6 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
     opt_cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[job["optimizer"]]
     opt = opt_cls(owner.parameters(), lr=job["lr"])
     ckpt = Path(job["checkpoint_dir"]) if job.get("checkpoint_dir") else None
-    if ckpt is not None and len(modules) > 1:
-        raise _unsupported("checkpointing an interleaved pipeline (several chunks per rank) is not executed")
     log = run_dir / "train.jsonl"
     # parameters keep their model paths, but each stage's optimiser has its own param_groups: one
     # optimiser entry per stage, or the stages would overwrite each other's
