@@ -33,9 +33,11 @@ def test_every_op_and_edge_of_a_captured_gpt_prices():
             edges += 1
             # replicated producer -> replicated consumer moves nothing
             assert ec.cost(0, 0).kind == "none" and ec.cost(0, 0).elements == 0
-            for row in ec.reshards:
+            for row in (*ec.reshards, *ec.backward):
                 for r in row:
-                    # a route never receives less than the exact lower bound
+                    # a route never receives less than the exact lower bound, forward or backward
                     assert r.elements >= r.direct_elements >= 0
+            # replicated both ways: the gradient needs no reshard either
+            assert ec.backward_cost(0, 0).kind == "none"
     assert edges > 10
     assert poly.cache_stats()["all"]["hit_rate"] > 0.3  # the two decoder layers share their work

@@ -18,7 +18,11 @@ API:
     mesh, "in0") -> Distribution``
     ``reshard(have, need, mesh) -> Reshard`` (steps: kind, mesh axes, exact elements)
     ``reshard_edge(graph, tensor, producer_placement, consumer, consumer_placement, mesh)``
-    ``edge_costs(graph, tensor, consumer, "in0", mesh) -> EdgeCosts`` (every placement pair)
+    ``edge_costs(graph, tensor, consumer, "in0", mesh) -> EdgeCosts`` (every placement pair,
+    forward ``cost(i, j)`` and backward ``backward_cost(i, j)``)
+    ``backward_reshard_edge(...)``: the activation gradient's way back along an edge (a
+    column-parallel linear's input gradient is Partial over tp: one all-reduce, the dual of
+    the row-parallel forward all-reduce); ``grad_held`` / ``grad_needed`` / ``grad_partial_axes``.
     ``cache_stats()`` hit rates.
     ``symbolic_volume(op, placement, mesh, "in0", params={"b": "B", "s": "S"}, device=p)`` and
     ``symbolic_receive(...)``: footprint / receive volumes as formulas in shape parameters
@@ -68,8 +72,12 @@ from ._comm import (
     Reshard,
     Step,
     TensorLayout,
+    backward_reshard_edge,
     comm_of_op,
     edge_costs,
+    grad_held,
+    grad_needed,
+    grad_partial_axes,
     layout_distribution,
     operand_need,
     output_layout,
@@ -99,6 +107,7 @@ __all__ = [
     "SymbolicVolume",
     "TensorLayout",
     "access_map",
+    "backward_reshard_edge",
     "cache_stats",
     "check_placement",
     "clear_cache",
@@ -108,6 +117,9 @@ __all__ = [
     "domain_set",
     "edge_costs",
     "footprint_set",
+    "grad_held",
+    "grad_needed",
+    "grad_partial_axes",
     "layout_distribution",
     "legal_placements",
     "operand_need",

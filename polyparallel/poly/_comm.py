@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 
 import islpy as isl
@@ -60,8 +60,12 @@ __all__ = [
     "Reshard",
     "Step",
     "TensorLayout",
+    "backward_reshard_edge",
     "comm_of_op",
     "edge_costs",
+    "grad_held",
+    "grad_needed",
+    "grad_partial_axes",
     "layout_distribution",
     "operand_need",
     "output_layout",
@@ -600,7 +604,12 @@ class OpComm:
     ``partial_outputs``: output -> mesh axes it is left Partial on; ``grad``: parameter
     gradient all-reduces of the backward pass; ``split_kinds``: dim -> parallel |
     normalised | reduction; ``padding``: padded elements per unevenly split dim;
-    ``points``: max over devices of the statement-domain points each device computes.
+    ``points``: max over devices of the statement-domain points each device computes;
+    ``backward``: the backward pass's all-reduces of partial statistics inside the op, the
+    dual of ``forward`` (softmax/norm backward sums ``dy * y`` over the normalised dim into
+    a temporary of the statistics' shape, so a split normalised dim all-reduces the same
+    volume again). Input-activation gradients are priced per edge
+    (:func:`backward_reshard_edge`, ``EdgeCosts.backward``).
     """
 
     placement: Placement
@@ -610,6 +619,7 @@ class OpComm:
     split_kinds: tuple[tuple[str, str], ...]
     padding: tuple[tuple[str, int], ...]
     flops: float
+    backward: tuple[Collective, ...] = ()
 
     @property
     def forward_bytes(self) -> int:
@@ -618,6 +628,10 @@ class OpComm:
     @property
     def grad_bytes(self) -> int:
         return sum(c.bytes for c in self.grad)
+
+    @property
+    def backward_bytes(self) -> int:
+        return sum(c.bytes for c in self.backward)
 
 
 def comm_of_op(graph: Graph, op: Op, placement: Placement, mesh: DeviceMesh) -> OpComm:
@@ -667,13 +681,7 @@ def _comm_of_op(graph: Graph, op: Op, placement: Placement, mesh: DeviceMesh) ->
         if spec.kind is not TensorKind.PARAM:
             continue
         operand = f"in{i}"
-        axes_l: list[str] = []
-        for st, acc, is_write in nest.accesses(operand):
-            if is_write:
-                continue
-            for d in st.dims:
-                if d not in acc.dims:
-                    axes_l += [a for a in placement.axes_of(d) if a not in axes_l]
+        axes_l = grad_partial_axes(nest, placement, operand, mesh)
         if not axes_l:
             continue
         need = operand_need(graph, op, placement, mesh, operand)
@@ -684,7 +692,97 @@ def _comm_of_op(graph: Graph, op: Op, placement: Placement, mesh: DeviceMesh) ->
                                int(recv.max(initial=0)), DTYPE_BYTES.get(spec.dtype, 4)))
     kinds = tuple((d, dim_split_kind(nest, d)) for d in placement.dims)
     pad = tuple(sorted(padding_of(nest, placement, mesh).items()))
-    return OpComm(placement, tuple(forward), tuple(partial), tuple(grad), kinds, pad, float(flops.max(initial=0)))
+    return OpComm(placement, tuple(forward), tuple(partial), tuple(grad), kinds, pad, float(flops.max(initial=0)),
+                  tuple(forward))
+
+
+def grad_partial_axes(nest: LoopNest, placement: Placement, operand: str, mesh: DeviceMesh) -> tuple[str, ...]:
+    """Mesh axes on which the gradient of input ``operand`` is a partial sum.
+
+    The gradient of a read ``in[f(i)]`` is ``d in[f(i)] += d out(i) * ...``: a statement
+    that iterates a split dim absent from ``f`` sums, on every device, only its block of
+    that dim; the gradient is Partial on the dim's mesh axes (column-parallel linear:
+    ``dx[b, s, k] = sum_n dy[b, s, n] w[n, k]`` with ``n`` split over tp).
+    """
+    axes: list[str] = []
+    for st, acc, is_write in nest.accesses(operand):
+        if is_write:
+            continue
+        for d in st.dims:
+            if d not in acc.dims:
+                axes += [a for a in placement.axes_of(d) if a not in axes and mesh.axis(a).size > 1]
+    return tuple(axes)
+
+
+def grad_held(graph: Graph, op: Op, placement: Placement, mesh: DeviceMesh, operand: str) -> Distribution:
+    """What ``op`` leaves of the gradient of input ``operand``: its read footprint, Partial on
+    :func:`grad_partial_axes` (the backward dual of :func:`operand_need`)."""
+    need = operand_need(graph, op, placement, mesh, operand)
+    axes = grad_partial_axes(op.nest, placement, operand, mesh) if op.nest is not None else ()
+    if not axes:
+        return need
+    return CACHE.get("distribution", ("grad", need.key, axes),
+                     lambda: replace(need, partial=axes, key=("grad", need.key, axes)))
+
+
+def grad_needed(graph: Graph, op: Op, placement: Placement, mesh: DeviceMesh, index: int = 0, *,
+                reader: tuple[Op, str] | None = None) -> Distribution:
+    """What ``op`` needs of the gradient of output ``index`` to run its backward: the block it
+    wrote, complete (a Partial output's summands each need the whole gradient of the sum).
+
+    With ``reader=(consumer, operand)``, only the part of that block the reader reads at
+    all (its footprint over the whole domain, ``U``): elements no device reads get no
+    gradient from this reader, so nothing is sent for them (attention reading the q slice
+    of a fused qkv contributes only to q's gradient): ``H(p) ∩ U``.
+    """
+    out = output_layout(graph, op, placement, mesh, index)
+    base = out if not out.partial else CACHE.get(
+        "distribution", ("grad-need", out.key), lambda: replace(out, partial=(), key=("grad-need", out.key)))
+    if reader is None:
+        return base
+    u = operand_need(graph, reader[0], Placement(), mesh, reader[1])
+    if int(u.counts().min(initial=0)) == math.prod(u.shape):
+        return base  # the reader reads the whole tensor
+    return CACHE.get("distribution", ("grad-need", base.key, u.key), lambda: _restrict(base, u))
+
+
+def _restrict(a: Distribution, u: Distribution) -> Distribution:
+    """``a(p) ∩ u(p)`` on every device (pieces intersected pairwise; isl where not closed-form)."""
+    from ._footprint import _intersect_products
+
+    fallback = a.region.fallback | u.region.fallback
+    pieces = []
+    for p in a.region.pieces:
+        for q in u.region.pieces:
+            prod, bad = _intersect_products(p, q)
+            fallback = fallback | bad
+            pieces.append(prod)
+    full = [all(q[j].same(Prog.interval(np.zeros(a.mesh.size, dtype=np.int64),
+                                        np.full(a.mesh.size, n, dtype=np.int64))) for q in u.region.pieces)
+            for j, n in enumerate(a.shape)]
+    block = tuple(b and f for b, f in zip(a.block, full))
+    key = ("restrict", a.key, u.key)
+    return Distribution(a.shape, a.mesh, Region(a.shape, pieces, fallback), a.deps, block, a.partial, key,
+                        lambda p: a.isl_of(p).intersect(u.isl_of(p)), a.boxes + u.boxes)
+
+
+def backward_reshard_edge(graph: Graph, tensor: str, producer_placement: Placement, consumer: Op,
+                          consumer_placement: Placement, mesh: DeviceMesh) -> list[Reshard]:
+    """Backward dual of :func:`reshard_edge`: the gradient of ``tensor`` moves from what each of
+    ``consumer``'s operands that read it leaves (:func:`grad_held`) to what the producer needs
+    (:func:`grad_needed`). A graph input needs no gradient: an empty list."""
+    prod = graph.producer(tensor)
+    if prod is None:
+        return []
+    nbytes = DTYPE_BYTES.get(graph.tensors[tensor].dtype, 4)
+    out = []
+    for i, t in enumerate(consumer.inputs):
+        if t == tensor:
+            need = grad_needed(graph, prod, producer_placement, mesh, prod.outputs.index(tensor),
+                               reader=(consumer, f"in{i}"))
+            out.append(reshard(grad_held(graph, consumer, consumer_placement, mesh, f"in{i}"), need, mesh,
+                               dtype_bytes=nbytes))
+    return out
 
 
 def _temporary_block(nest: LoopNest, tmp: str, bounds, block: np.ndarray, bad: np.ndarray,
@@ -781,6 +879,10 @@ class EdgeCosts:
     Placements that leave (or need) the same distribution share a row (column):
     ``cost(i, j) = reshards[have_of[i]][need_of[j]]``. ``bytes`` is the matrix of bytes
     received per device along the route, indexed like ``reshards``.
+
+    The backward pass moves the gradient the other way (:func:`backward_reshard_edge`):
+    ``backward_cost(i, j) = backward[grad_have_of[j]][grad_need_of[i]]``, priced on first
+    use (forward-only callers pay nothing for it). A graph input needs no gradient.
     """
 
     producer_placements: tuple[Placement, ...]
@@ -788,6 +890,26 @@ class EdgeCosts:
     have_of: np.ndarray
     need_of: np.ndarray
     reshards: tuple[tuple[Reshard, ...], ...]
+    _backward: Callable[[], tuple[np.ndarray, np.ndarray, tuple[tuple[Reshard, ...], ...]]] | None = \
+        field(default=None, repr=False)
+
+    @cached_property
+    def _backward_tables(self) -> tuple[np.ndarray, np.ndarray, tuple[tuple[Reshard, ...], ...]]:
+        if self._backward is None:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), ()
+        return self._backward()
+
+    @property
+    def backward(self) -> tuple[tuple[Reshard, ...], ...]:
+        """Distinct backward reshards: rows by consumer gradient class, columns by producer need class."""
+        return self._backward_tables[2]
+
+    def backward_cost(self, i: int, j: int) -> Reshard | None:
+        """Gradient reshard for producer placement ``i`` and consumer placement ``j`` (None: no gradient)."""
+        grad_have_of, grad_need_of, table = self._backward_tables
+        if not table:
+            return None
+        return table[int(grad_have_of[j])][int(grad_need_of[i])]
 
     @property
     def bytes(self) -> np.ndarray:
@@ -835,7 +957,23 @@ def edge_costs(graph: Graph, tensor: str, consumer: Op, operand: str, mesh: Devi
             need_of[j] = needs.setdefault(_dedupe_key(d), (len(needs), d))[0]
         rows = tuple(tuple(reshard(h, n, mesh, dtype_bytes=nbytes) for _, n in needs.values())
                      for _, h in haves.values())
-        return EdgeCosts(pp_, cp_, have_of, need_of, rows)
+
+        def backward() -> tuple[np.ndarray, np.ndarray, tuple[tuple[Reshard, ...], ...]]:
+            gneeds: dict = {}
+            grad_need_of = np.zeros(len(pp_), dtype=np.int64)
+            for i, p in enumerate(pp_):
+                d = grad_needed(graph, prod, p, mesh, out_idx, reader=(consumer, operand))
+                grad_need_of[i] = gneeds.setdefault(_dedupe_key(d), (len(gneeds), d))[0]
+            ghaves: dict = {}
+            grad_have_of = np.zeros(len(cp_), dtype=np.int64)
+            for j, p in enumerate(cp_):
+                d = grad_held(graph, consumer, p, mesh, operand)
+                grad_have_of[j] = ghaves.setdefault(_dedupe_key(d), (len(ghaves), d))[0]
+            table = tuple(tuple(reshard(h, n, mesh, dtype_bytes=nbytes) for _, n in gneeds.values())
+                          for _, h in ghaves.values())
+            return grad_have_of, grad_need_of, table
+
+        return EdgeCosts(pp_, cp_, have_of, need_of, rows, backward if prod is not None else None)
 
     return CACHE.get("edge", key, make)
 
