@@ -59,7 +59,9 @@ class PipelinePlan:
     """What the pipeline workers execute.
 
     ``cuts[k]`` is the exported op that starts chunk ``k + 1``; ``chunk_params[k]`` the parameter
-    paths chunk ``k`` holds; ``tied`` lists parameters held by several chunks with those chunks.
+    paths chunk ``k`` holds; ``tied`` lists parameters held by several chunks with those chunks;
+    ``pp_major`` says whether ranks are numbered stage-major (the Strategy's mesh lists ``pp`` before
+    ``dp``, as the planner writes it) or dp-major.
     """
 
     stages: int
@@ -69,6 +71,7 @@ class PipelinePlan:
     cuts: tuple[str, ...]
     chunk_params: tuple[tuple[str, ...], ...]
     tied: tuple[tuple[str, tuple[int, ...]], ...]
+    pp_major: bool = True
 
 
 def _unsupported(msg: str) -> Exception:
@@ -280,8 +283,10 @@ def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, to
         stages = [k % s.pp for k in ks]
         if len(set(stages)) != len(stages):
             raise _unsupported(f"parameter {p!r} is used by chunks {list(ks)}, two of them on one stage; not executed")
+    order = [a.name for a in s.mesh.axes if a.name in ("pp", "dp") and a.size > 1]
     return PipelinePlan(stages=s.pp, virtual=v, schedule=sched, microbatches=s.microbatches,
-                        cuts=tuple(first for first, _ in chunks[1:]), chunk_params=tuple(split.params), tied=tied)
+                        cuts=tuple(first for first, _ in chunks[1:]), chunk_params=tuple(split.params), tied=tied,
+                        pp_major=order[0] == "pp")
 
 
 def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.device) -> Iterator[int]:
@@ -297,7 +302,10 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
 
     plan, pipe = job["plan"], job["plan"].pipeline
     pp, dp, K = pipe.stages, plan.dp, pipe.stages * pipe.virtual
-    mesh = init_device_mesh(device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
+    # ranks follow the Strategy's mesh order: stage-major (pp, dp) or dp-major (dp, pp)
+    names = ("pp", "dp") if pipe.pp_major else ("dp", "pp")
+    mesh = init_device_mesh(device.type, (pp, dp) if pipe.pp_major else (dp, pp), mesh_dim_names=names)
+    grid = mesh.mesh if pipe.pp_major else mesh.mesh.T  # grid[stage][dp index] = global rank
     stage, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     data_fn = resolve(job["data_fn"])
     inputs, labels = data_fn(0)
@@ -340,7 +348,7 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
     for name, ks in pipe.tied:
         holders = sorted({k % pp for k in ks})
         for d in range(dp):
-            g = dist.new_group([s * dp + d for s in holders])
+            g = dist.new_group([int(grid[s][d]) for s in holders])
             if stage in holders and d == dp_rank:
                 tie_groups.append((name, g))
     owner = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
