@@ -5,45 +5,85 @@ Given a stage's mesh (e.g. ``dp=2, tp=4``) and its ops, choose one legal placeme
 
 .. math::
 
-    \min_{x, y}\ \sum_{o} \sum_{p \in P_o} c_{o,p}\, x_{o,p}
-      + \sum_{e=(u \to v)} \sum_{p \in P_u} \sum_{q \in P_v} r_{e,p,q}\, y_{e,p,q}
+    \min_{x}\ \sum_{o} c_{o, x_o} + \sum_{e=(u \to v)} r_{e, x_u, x_v}
 
-    \text{s.t.}\quad \sum_{p} x_{o,p} = 1,\qquad
-    y_{e,p,q} \ge x_{u,p} + x_{v,q} - 1,\qquad x \in \{0,1\},\ y \ge 0,
+where ``x_o`` is the candidate placement of op ``o``;
 
-where ``c_{o,p}`` is the op's forward + backward compute at its per-device share of the
-domain (roofline of :mod:`polyparallel.cost_models.compute`) plus the collectives the op
-needs by itself under ``p`` (partial statistics, parameter-gradient all-reduces:
-:func:`polyparallel.poly.comm_of_op`), and ``r_{e,p,q}`` the time to reshard the tensor
-of edge ``e`` from what ``p`` leaves to what ``q`` needs (:func:`polyparallel.poly.edge_costs`),
-twice (the backward pass moves the gradient back along the same route). Collective times
-are α–β on the link the mesh axis spans. Minimising ``y`` drives it to
-``max(0, x_u + x_v - 1)``, so the relaxation is exact at integral ``x``.
+* ``c_{o,p}``: the op's forward + backward compute at its per-device share of the domain
+  (roofline of :mod:`polyparallel.cost_models.compute`) plus the collectives the op needs
+  by itself under ``p`` (:func:`polyparallel.poly.comm_of_op`: partial statistics forward
+  and backward, parameter-gradient all-reduces);
+* ``r_{e,p,q}``: the time to reshard the tensor of edge ``e`` from what ``p`` leaves to what
+  ``q`` needs (forward, :func:`polyparallel.poly.edge_costs`) plus the time to move its
+  gradient back (``EdgeCosts.backward_cost``: e.g. a column-parallel linear leaves its
+  input gradient Partial over tp: one all-reduce).
 
-Solved as a MILP with HiGHS (``scipy.optimize.milp``). Candidates per op are its ``K``
-cheapest placements by ``c_{o,p}`` (all of them with ``k=None``), so the optimum is over
-that candidate set. A graph of a single chain could be solved by dynamic programming; the MILP covers
-branching graphs (residual connections) with the same objective, and tests check it
-against brute-force enumeration on small graphs.
+Every collective is priced by :func:`polyparallel.cost_models.comm.collective_time` (ring /
+tree / hierarchical by the cluster's links, as the step model does) on the device group
+the mesh axes span (the group through the stage's first device): poly's kinds
+``all-reduce`` / ``reduce-scatter`` / ``all-gather`` / ``all-to-all`` map to the cost
+model's ``all_reduce`` ..., with the full per-device buffer (poly's ``payload``, elements
+x dtype bytes) as the message; a halo is a point-to-point message of the exact halo to a
+neighbour; an irregular exchange is an all-to-all whose per-rank receive ``(p-1)/p * n``
+equals poly's exact count.
+
+**Solvers** (all exact on the candidate set; candidates per op are its ``K`` cheapest
+placements by ``c_{o,p}``, all of them with ``k=None``):
+
+* *variable elimination* (min-sum dynamic programming over the graph): eliminating op
+  ``o`` replaces the terms that mention it by
+  ``g(N(o)) = min_{x_o} [c_{o,x_o} + sum of the terms on o]``, a table over its
+  neighbours ``N(o)``; ops are eliminated smallest-table first, and the argmin tables
+  give the optimum back. On a chain this *is* the DP along the chain; with residual
+  connections the tables stay small (a transformer block's width is 2-3).
+* *blocks*: for repeated blocks (:func:`polyparallel.transforms.find_repeated_blocks`)
+  one instance is solved with its boundary as DP state: eliminating the interior of
+  instance ``m`` leaves ``F(s_in, s_out)``, a table over the placements of the ops that
+  feed it (state in) and of its ops read later (state out). Instances ``1..L-1`` of a
+  block have the same ``F`` (same signatures, same edges), so it is computed once per
+  (block signature, mesh) and the chain is the min-plus product
+  ``V_m(s) = min_{s'} V_{m-1}(s') + F(s', s)``: a 96-layer model costs one block.
+* *MILP* (HiGHS, ``scipy.optimize.milp``) as the fallback when an elimination table would
+  exceed ``max_table`` entries (wide, branchy graphs):
+
+  .. math::
+
+      \min \sum_{o,p} c_{o,p} x_{o,p} + \sum_{e,p,q} r_{e,p,q} y_{e,p,q}\quad
+      \text{s.t.}\ \sum_p x_{o,p} = 1,\ y_{e,p,q} \ge x_{u,p} + x_{v,q} - 1,\ x \in \{0,1\},\ y \ge 0
+
+  (``y`` is driven to ``max(0, x_u + x_v - 1)``, so the relaxation is exact at integral ``x``).
+
+Memory is not a constraint here: the step model's memory ladder (ZeRO, recompute) decides
+what fits; this chooses the fastest placements inside a stage.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from polyparallel.cluster import Cluster
 from polyparallel.ir import Graph, Op, TensorKind
 
-__all__ = ["PlacementPlan", "PlacementTables", "price_placements", "solve_placements"]
+__all__ = ["PlacementPlan", "PlacementTables", "price_placements", "solve_placements", "solve_stage"]
+
+_KIND = {"all-reduce": "all_reduce", "reduce-scatter": "reduce_scatter", "all-gather": "all_gather",
+         "all-to-all": "all_to_all"}
 
 
 @dataclass(frozen=True)
 class PlacementPlan:
-    """The chosen placement per op and the objective's parts."""
+    """The chosen placement per op and the objective's parts (seconds per micro-batch).
+
+    ``compute_s``: forward + backward compute; ``own_comm_s``: collectives inside ops
+    (statistics, parameter gradients); ``forward_reshard_s`` / ``backward_reshard_s``: the
+    edges, activations forward and their gradients backward; ``comm_s`` their sum.
+    """
 
     placements: dict[str, str]
     objective_s: float
@@ -53,31 +93,133 @@ class PlacementPlan:
     pairs: int
     solve_s: float
     status: str
+    solver: str = "milp"
+    own_comm_s: float = 0.0
+    forward_reshard_s: float = 0.0
+    backward_reshard_s: float = 0.0
+    blocks: tuple[str, ...] = ()
+
+    def breakdown(self) -> dict[str, float]:
+        return {"compute_s": self.compute_s, "own_comm_s": self.own_comm_s,
+                "forward_reshard_s": self.forward_reshard_s, "backward_reshard_s": self.backward_reshard_s}
 
 
-def _axis_links(cluster: Cluster, mesh: object, devices: list[int]) -> dict[str, tuple[float, float]]:
-    """(bandwidth bytes/s, latency s) of each mesh axis: the link between neighbours on it."""
-    out = {}
-    sizes = [a.size for a in mesh.axes]
-    for k, ax in enumerate(mesh.axes):
-        if ax.size == 1:
-            out[ax.name] = (math.inf, 0.0)
+# -- pricing --------------------------------------------------------------------------------------
+@dataclass
+class _Pricer:
+    """Prices candidates and edges for one (graph, mesh, cluster, devices), memoised by signature."""
+
+    graph: Graph
+    mesh: Any
+    cluster: Cluster
+    devices: list[int]
+    dtype: str
+    k: int | None
+    _coll: dict = field(default_factory=dict)
+    _groups: dict = field(default_factory=dict)
+    _ops: dict = field(default_factory=dict)
+    _edges: dict = field(default_factory=dict)
+
+    def group(self, axes: Sequence[str]) -> list[int]:
+        """Device ids of the group spanned by ``axes`` through the stage's first device."""
+        key = tuple(axes)
+        g = self._groups.get(key)
+        if g is None:
+            idx = [self.mesh.index(a) for a in axes]
+            others = [i for i in range(len(self.mesh.axes)) if i not in idx]
+            coords = self.mesh.coords
+            members = np.nonzero((coords[:, others] == 0).all(axis=1))[0] if others else np.arange(self.mesh.size)
+            g = [self.devices[int(i)] for i in members]
+            self._groups[key] = g
+        return g
+
+    def collective(self, kind: str, axes: Sequence[str], payload_bytes: float, received_bytes: float) -> float:
+        """Seconds of one poly collective (see the module docstring for the mapping)."""
+        from polyparallel.cost_models.comm import collective_time
+
+        if received_bytes <= 0 and payload_bytes <= 0:
+            return 0.0
+        key = (kind, tuple(axes), payload_bytes, received_bytes)
+        t = self._coll.get(key)
+        if t is None:
+            group = self.group(axes)
+            p = len(group)
+            if p <= 1:
+                t = 0.0
+            elif kind in _KIND:
+                t = collective_time(self.cluster, _KIND[kind], float(payload_bytes), group).seconds
+            elif kind == "halo":
+                t = collective_time(self.cluster, "p2p", float(received_bytes), group[:2]).seconds
+            elif kind == "p2p":
+                t = collective_time(self.cluster, "all_to_all", float(received_bytes) * p / (p - 1), group).seconds
+            else:
+                raise ValueError(f"unknown collective kind {kind!r} from the polyhedral model")
+            self._coll[key] = t
+        return t
+
+    def reshard_s(self, rs: Any) -> float:
+        if rs is None:
+            return 0.0
+        return sum(self.collective(st.kind, st.axes, st.payload * rs.dtype_bytes, st.elements * rs.dtype_bytes)
+                   for st in rs.steps)
+
+    def op(self, op: Op) -> tuple[list, list[float], list[float], list[float]]:
+        """(candidates, total own seconds, compute seconds, own-collective seconds), K cheapest."""
+        from polyparallel.cost_models.compute import op_cost
+        from polyparallel.poly import comm_of_op, legal_placements
+        from polyparallel.poly._cache import signature_of
+
+        key = signature_of(self.graph, op)
+        hit = self._ops.get(key)
+        if hit is not None:
+            return hit
+        dt = self.cluster.device(self.devices[0]).type
+        pls = legal_placements(self.graph, op, self.mesh)
+        costs, computes, comms = [], [], []
+        for p in pls:
+            oc = comm_of_op(self.graph, op, p, self.mesh)
+            split = op.flops / oc.flops if oc.flops else 1.0
+            c = op_cost(self.graph, op, dt, self.dtype, split=max(split, 1.0))
+            comm = sum(self.collective(col.kind, col.axes, col.payload * col.dtype_bytes, col.bytes)
+                       for col in (*oc.forward, *oc.backward, *oc.grad))
+            computes.append(c.forward + c.backward)
+            comms.append(comm)
+            costs.append(c.forward + c.backward + comm)
+        order = sorted(range(len(pls)), key=lambda i: costs[i])[: (len(pls) if self.k is None else max(1, self.k))]
+        hit = ([pls[i] for i in order], [costs[i] for i in order], [computes[i] for i in order],
+               [comms[i] for i in order])
+        self._ops[key] = hit
+        return hit
+
+    def edge(self, tensor: str, u: Op, v: Op, pos: int) -> tuple[np.ndarray, np.ndarray]:
+        """(forward seconds, backward seconds) matrices over (candidates of u, candidates of v)."""
+        from polyparallel.poly import edge_costs
+        from polyparallel.poly._cache import signature_of
+
+        key = (signature_of(self.graph, u), u.outputs.index(tensor), signature_of(self.graph, v), pos)
+        hit = self._edges.get(key)
+        if hit is not None:
+            return hit
+        cu, cv = self.op(u)[0], self.op(v)[0]
+        ec = edge_costs(self.graph, tensor, v, f"in{pos}", self.mesh, cu, cv)
+        fwd = np.zeros((len(cu), len(cv)))
+        bwd = np.zeros((len(cu), len(cv)))
+        for i in range(len(cu)):
+            for j in range(len(cv)):
+                fwd[i, j] = self.reshard_s(ec.cost(i, j))
+                bwd[i, j] = self.reshard_s(ec.backward_cost(i, j))
+        self._edges[key] = (fwd, bwd)
+        return fwd, bwd
+
+
+def _in_edges(graph: Graph, v: Op) -> list[tuple[str, Op, int]]:
+    out = []
+    for pos, t in enumerate(v.inputs):
+        u = graph.producer(t)
+        if u is None or graph.tensors[t].kind is TensorKind.PARAM:
             continue
-        stride = math.prod(sizes[k + 1:])
-        a, b = devices[0], devices[stride]
-        bw, lat = cluster.link(a, b)
-        out[ax.name] = (bw, lat)
+        out.append((t, u, pos))
     return out
-
-
-def _collective_time(kind: str, axes: tuple[str, ...], nbytes: float, links: dict[str, tuple[float, float]],
-                     group: int) -> float:
-    if nbytes <= 0:
-        return 0.0
-    bw = min(links[a][0] for a in axes) if axes else math.inf
-    lat = max(links[a][1] for a in axes) if axes else 0.0
-    steps = 2 * (group - 1) if kind == "all-reduce" else max(1, group - 1)
-    return nbytes / bw + steps * lat
 
 
 @dataclass
@@ -88,8 +230,9 @@ class PlacementTables:
     candidates: dict[str, list]
     own: dict[str, list[float]]
     own_comm: dict[str, list[float]]
-    edges: list[tuple[str, str, np.ndarray]]  # (producer, consumer, seconds[i_u, j_v])
+    edges: list[tuple[str, str, np.ndarray]]  # (producer, consumer, forward + backward seconds[i_u, j_v])
     pairs: int
+    edge_parts: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # (forward, backward)
 
     def objective(self, choice: dict[str, int]) -> float:
         """The objective of one assignment (candidate index per op), computed directly."""
@@ -97,66 +240,132 @@ class PlacementTables:
         return total + sum(float(m[choice[u], choice[v]]) for u, v, m in self.edges)
 
 
-def price_placements(graph: Graph, mesh: object, cluster: Cluster, *, dtype: str = "fp32",
+def _pricer(graph: Graph, mesh: Any, cluster: Cluster, dtype: str, devices: list[int] | None,
+            k: int | None) -> _Pricer:
+    devices = list(devices or range(mesh.size))
+    if len(devices) != mesh.size:
+        raise ValueError(f"the stage mesh {mesh} has {mesh.size} devices but {len(devices)} device ids were given")
+    return _Pricer(graph, mesh, cluster, devices, dtype, k)
+
+
+def price_placements(graph: Graph, mesh: Any, cluster: Cluster, *, dtype: str = "fp32",
                      devices: list[int] | None = None, ops: list[Op] | None = None,
                      k: int | None = 6) -> PlacementTables:
     """Price every op's candidate placements and every edge's candidate pairs."""
-    from polyparallel.cost_models.compute import op_cost
-    from polyparallel.poly import comm_of_op, edge_costs, legal_placements
+    pr = _pricer(graph, mesh, cluster, dtype, devices, k)
+    return _tables(pr, list(ops if ops is not None else graph.ops))
 
-    ops = list(ops if ops is not None else graph.ops)
-    devices = devices or list(range(math.prod(a.size for a in mesh.axes)))
-    links = _axis_links(cluster, mesh, devices)
-    dt = cluster.device(devices[0]).type
-    sizes = {a.name: a.size for a in mesh.axes}
-    cand: dict[str, list] = {}
-    own: dict[str, list[float]] = {}
-    own_comm: dict[str, list[float]] = {}
+
+def _tables(pr: _Pricer, ops: list[Op]) -> PlacementTables:
+    cand, own, own_comm = {}, {}, {}
     for op in ops:
-        pls = legal_placements(graph, op, mesh)
-        costs, comms = [], []
-        for p in pls:
-            oc = comm_of_op(graph, op, p, mesh)
-            split = op.flops / oc.flops if oc.flops else 1.0
-            c = op_cost(graph, op, dt, dtype, split=max(split, 1.0))
-            comm = sum(_collective_time(col.kind, col.axes, col.bytes, links, math.prod(sizes[a] for a in col.axes))
-                       for col in (*oc.forward, *oc.grad))
-            costs.append(c.forward + c.backward + comm)
-            comms.append(comm)
-        order = sorted(range(len(pls)), key=lambda i: costs[i])[: (len(pls) if k is None else max(1, k))]
-        cand[op.name] = [pls[i] for i in order]
-        own[op.name] = [costs[i] for i in order]
-        own_comm[op.name] = [comms[i] for i in order]
+        c, total, _compute, comm = pr.op(op)
+        cand[op.name], own[op.name], own_comm[op.name] = c, total, comm
     in_set = {op.name for op in ops}
-    edges = []
-    pairs = 0
+    edges, parts, pairs = [], [], 0
     for v in ops:
-        for pos, t in enumerate(v.inputs):
-            u = graph.producer(t)
-            if u is None or u.name not in in_set or graph.tensors[t].kind is TensorKind.PARAM:
+        for t, u, pos in _in_edges(pr.graph, v):
+            if u.name not in in_set:
                 continue
-            ec = edge_costs(graph, t, v, f"in{pos}", mesh, cand[u.name], cand[v.name])
-            m = np.zeros((len(cand[u.name]), len(cand[v.name])))
-            for i in range(m.shape[0]):
-                for j in range(m.shape[1]):
-                    rs = ec.cost(i, j)
-                    # forward activation and backward gradient take the same route
-                    m[i, j] = 2 * sum(_collective_time(st.kind, st.axes, st.elements * rs.dtype_bytes, links, st.group)
-                                      for st in rs.steps)
-            pairs += m.size
-            edges.append((u.name, v.name, m))
-    return PlacementTables([op.name for op in ops], cand, own, own_comm, edges, pairs)
+            fwd, bwd = pr.edge(t, u, v, pos)
+            edges.append((u.name, v.name, fwd + bwd))
+            parts.append((fwd, bwd))
+            pairs += fwd.size
+    return PlacementTables([op.name for op in ops], cand, own, own_comm, edges, pairs, parts)
 
 
-def solve_placements(graph: Graph, mesh: object, cluster: Cluster, *, dtype: str = "fp32",
-                     devices: list[int] | None = None, ops: list[Op] | None = None, k: int | None = 6,
-                     time_limit: float = 30.0) -> PlacementPlan:
-    """Choose a placement per op (see the module docstring). ``ops`` defaults to all ops."""
+# -- variable elimination ------------------------------------------------------------------------
+class _TooWide(Exception):
+    pass
+
+
+Factor = tuple[tuple[str, ...], np.ndarray]
+
+
+def _combine(factors: list[Factor], scope: tuple[str, ...], size: dict[str, int]) -> np.ndarray:
+    total = np.zeros([size[v] for v in scope])
+    for vars_, table in factors:
+        order = sorted(range(len(vars_)), key=lambda i: scope.index(vars_[i]))
+        t = np.transpose(table, order) if order != list(range(len(vars_))) else table
+        total = total + t.reshape([size[v] if v in vars_ else 1 for v in scope])
+    return total
+
+
+@dataclass
+class _Trace:
+    """Argmin tables of eliminated variables, in elimination order (for back-substitution)."""
+
+    steps: list[tuple[str, tuple[str, ...], np.ndarray]] = field(default_factory=list)
+
+    def assign(self, values: dict[str, int], rename: Callable[[str], str] = lambda v: v) -> None:
+        for var, scope, arg in reversed(self.steps):
+            values[rename(var)] = int(arg[tuple(values[rename(s)] for s in scope)]) if scope else int(arg)
+
+
+def _eliminate(factors: list[Factor], size: dict[str, int], eliminate: set[str],
+               max_table: int) -> tuple[list[Factor], _Trace]:
+    """Min-sum elimination of ``eliminate`` (smallest resulting table first); the remaining factors
+    are over the other variables. Raises _TooWide when a table would exceed ``max_table``."""
+    factors = list(factors)
+    by_var: dict[str, set[int]] = {}
+    for i, (vars_, _) in enumerate(factors):
+        for v in vars_:
+            by_var.setdefault(v, set()).add(i)
+    alive = set(range(len(factors)))
+    trace = _Trace()
+    todo = set(eliminate)
+    while todo:
+        best, best_size, best_scope = None, None, None
+        for x in sorted(todo):
+            scope = tuple(dict.fromkeys(v for i in sorted(by_var.get(x, ())) for v in factors[i][0]))
+            n = math.prod(size[v] for v in scope)
+            if best_size is None or n < best_size:
+                best, best_size, best_scope = x, n, scope
+        assert best is not None and best_scope is not None and best_size is not None
+        if best_size > max_table:
+            raise _TooWide(f"eliminating {best} needs a table of {best_size} entries")
+        x = best
+        ids = sorted(by_var.get(x, ()))
+        scope = best_scope if best_scope else (x,)
+        total = _combine([factors[i] for i in ids], scope, size) if ids else np.zeros(size[x])
+        ax = scope.index(x)
+        rest = tuple(v for v in scope if v != x)
+        arg = np.argmin(total, axis=ax)
+        new = np.min(total, axis=ax)
+        trace.steps.append((x, rest, arg))
+        for i in ids:
+            alive.discard(i)
+            for v in factors[i][0]:
+                by_var[v].discard(i)
+        factors.append((rest, new))
+        nid = len(factors) - 1
+        alive.add(nid)
+        for v in rest:
+            by_var.setdefault(v, set()).add(nid)
+        todo.discard(x)
+    return [factors[i] for i in sorted(alive)], trace
+
+
+def _problem(tab: PlacementTables) -> tuple[list[Factor], dict[str, int]]:
+    size = {o: len(tab.candidates[o]) for o in tab.ops}
+    factors: list[Factor] = [((o,), np.asarray(tab.own[o], dtype=float)) for o in tab.ops]
+    factors += [((u, v), m) for u, v, m in tab.edges]
+    return factors, size
+
+
+def _solve_elimination(tab: PlacementTables, max_table: int) -> dict[str, int]:
+    factors, size = _problem(tab)
+    _, trace = _eliminate(factors, size, set(tab.ops), max_table)
+    values: dict[str, int] = {}
+    trace.assign(values)
+    return values
+
+
+# -- MILP -----------------------------------------------------------------------------------------
+def _solve_milp(tab: PlacementTables, time_limit: float) -> tuple[dict[str, int], str]:
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import csr_matrix
 
-    t0 = time.perf_counter()
-    tab = price_placements(graph, mesh, cluster, dtype=dtype, devices=devices, ops=ops, k=k)
     index: dict[tuple[str, int], int] = {}
     for name in tab.ops:
         for i in range(len(tab.candidates[name])):
@@ -198,10 +407,189 @@ def solve_placements(graph: Graph, mesh: object, cluster: Cluster, *, dtype: str
         raise RuntimeError(f"placement MILP found no solution: {res.message}")
     choice = {name: max(range(len(tab.candidates[name])), key=lambda i: res.x[index[(name, i)]])
               for name in tab.ops}
-    own_comm = sum(tab.own_comm[o][choice[o]] for o in tab.ops)
-    compute = sum(tab.own[o][choice[o]] for o in tab.ops) - own_comm
-    edge = sum(float(m[choice[u], choice[v]]) for u, v, m in tab.edges)
+    return choice, "optimal" if res.status == 0 else str(res.message)
+
+
+def _plan(tab: PlacementTables, pr: _Pricer, choice: dict[str, int], t0: float, status: str, solver: str,
+          blocks: tuple[str, ...] = ()) -> PlacementPlan:
+    compute = own_comm = 0.0
+    for o in tab.ops:
+        own_comm += tab.own_comm[o][choice[o]]
+        compute += tab.own[o][choice[o]] - tab.own_comm[o][choice[o]]
+    fwd = sum(float(f[choice[u], choice[v]]) for (u, v, _), (f, _b) in zip(tab.edges, tab.edge_parts))
+    bwd = sum(float(b[choice[u], choice[v]]) for (u, v, _), (_f, b) in zip(tab.edges, tab.edge_parts))
     return PlacementPlan(placements={o: str(tab.candidates[o][choice[o]]) for o in tab.ops},
-                         objective_s=tab.objective(choice), compute_s=compute, comm_s=own_comm + edge,
-                         candidates=nx, pairs=tab.pairs, solve_s=time.perf_counter() - t0,
-                         status="optimal" if res.status == 0 else str(res.message))
+                         objective_s=tab.objective(choice), compute_s=compute, comm_s=own_comm + fwd + bwd,
+                         candidates=sum(len(c) for c in tab.candidates.values()), pairs=tab.pairs,
+                         solve_s=time.perf_counter() - t0, status=status, solver=solver, own_comm_s=own_comm,
+                         forward_reshard_s=fwd, backward_reshard_s=bwd, blocks=blocks)
+
+
+def solve_placements(graph: Graph, mesh: Any, cluster: Cluster, *, dtype: str = "fp32",
+                     devices: list[int] | None = None, ops: list[Op] | None = None, k: int | None = 6,
+                     time_limit: float = 30.0, solver: str = "auto", max_table: int = 1 << 20) -> PlacementPlan:
+    """Choose a placement per op over the whole op list (see the module docstring).
+
+    ``solver``: ``"elimination"`` (exact DP; raises when a table exceeds ``max_table``),
+    ``"milp"``, or ``"auto"`` (elimination, MILP when too wide).
+    """
+    if solver not in ("auto", "elimination", "milp"):
+        raise ValueError(f"solver must be 'auto', 'elimination' or 'milp', not {solver!r}")
+    t0 = time.perf_counter()
+    pr = _pricer(graph, mesh, cluster, dtype, devices, k)
+    tab = _tables(pr, list(ops if ops is not None else graph.ops))
+    if solver != "milp":
+        try:
+            return _plan(tab, pr, _solve_elimination(tab, max_table), t0, "optimal", "elimination")
+        except _TooWide:
+            if solver == "elimination":
+                raise
+    choice, status = _solve_milp(tab, time_limit)
+    return _plan(tab, pr, choice, t0, status, "milp")
+
+
+# -- blocks: solve one instance with its boundary as DP state, chain the rest ---------------------
+_BLOCK_CACHE: dict[tuple, tuple[tuple[str, ...], np.ndarray, _Trace]] = {}
+
+
+def _block_factor(pr: _Pricer, inst: list[Op], prev: list[Op] | None, in_set: set[str], max_table: int,
+                  ) -> tuple[tuple[str, ...], np.ndarray, _Trace, Callable[[str], str], list[str]]:
+    """The instance's transfer table ``F(boundary)`` in role names, its trace, and the renaming.
+
+    Roles: ``b{i}`` op ``i`` of this instance, ``p{i}`` op ``i`` of the previous instance,
+    ``x:NAME`` any other op feeding the instance.
+    """
+    from polyparallel.poly._cache import signature_of
+
+    g = pr.graph
+    pos = {op.name: i for i, op in enumerate(inst)}
+    ppos = {op.name: i for i, op in enumerate(prev)} if prev is not None else {}
+    later = _read_later(g, inst)
+
+    def role(name: str) -> str:
+        if name in pos:
+            return f"b{pos[name]}"
+        if name in ppos:
+            return f"p{ppos[name]}"
+        return f"x:{name}"
+
+    names = {role(op.name): op.name for op in inst}
+    factors: list[Factor] = []
+    size: dict[str, int] = {}
+    pattern = []
+    for op in inst:
+        c, total, _, _ = pr.op(op)
+        r = role(op.name)
+        size[r] = len(c)
+        factors.append(((r,), np.asarray(total, dtype=float)))
+        for t, u, p in _in_edges(g, op):
+            if u.name not in in_set:
+                continue  # produced in an earlier stage: not this stage's choice
+            ru = role(u.name)
+            names[ru] = u.name
+            size[ru] = len(pr.op(u)[0])
+            fwd, bwd = pr.edge(t, u, op, p)
+            factors.append(((ru, r), fwd + bwd))
+            pattern.append((ru, r, p, u.outputs.index(t)))
+    keep = {role(op.name) for op in inst if op.name in later}
+    key = (tuple(signature_of(g, op) for op in inst), tuple(pattern), tuple(sorted(keep)), pr.mesh,
+           id(pr.cluster), tuple(pr.devices), pr.dtype, pr.k, max_table)
+    hit = _BLOCK_CACHE.get(key)
+    if hit is None:
+        interior = {role(op.name) for op in inst} - keep
+        rest, trace = _eliminate(factors, size, interior, max_table)
+        scope = tuple(dict.fromkeys(v for vars_, _ in rest for v in vars_))
+        table = _combine(rest, scope, size) if scope else np.array(sum(float(t) for _, t in rest))
+        hit = (scope, table, trace)
+        if len(_BLOCK_CACHE) > 256:
+            _BLOCK_CACHE.clear()
+        _BLOCK_CACHE[key] = hit
+    scope, table, trace = hit
+    return scope, table, trace, lambda r: names[r], [names[r] for r in scope]
+
+
+def _read_later(g: Graph, inst: list[Op]) -> set[str]:
+    """Ops of ``inst`` whose outputs are read by an op outside it."""
+    inside = {op.name for op in inst}
+    out = set()
+    for op in inst:
+        for t in op.outputs:
+            if any(c.name not in inside for c in g.consumers(t)):
+                out.add(op.name)
+    return out
+
+
+def solve_stage(graph: Graph, mesh: Any, cluster: Cluster, *, dtype: str = "fp32",
+                devices: list[int] | None = None, ops: list[Op] | None = None, k: int | None = 6,
+                max_table: int = 1 << 20, time_limit: float = 30.0) -> PlacementPlan:
+    """Per-op placements of one stage (``ops``, default the whole graph) on ``mesh``.
+
+    Repeated blocks are solved once per (block signature, mesh) with their boundary as DP
+    state and chained (module docstring); the rest by variable elimination; the MILP when
+    a table would exceed ``max_table``. The plan's ``solver`` says which ran, ``blocks``
+    the repeated blocks used.
+    """
+    from polyparallel.transforms import find_repeated_blocks
+
+    t0 = time.perf_counter()
+    ops = list(ops if ops is not None else graph.ops)
+    pr = _pricer(graph, mesh, cluster, dtype, devices, k)
+    index = {op.name: i for i, op in enumerate(graph.ops)}
+    idx = sorted(index[op.name] for op in ops)
+    lo, hi = (idx[0], idx[-1] + 1) if idx else (0, 0)
+    contiguous = idx == list(range(lo, hi))
+    blocks = [b for b in find_repeated_blocks(graph) if contiguous and b.start >= lo and b.stop <= hi] if ops else []
+    if not blocks:
+        plan = solve_placements(graph, mesh, cluster, dtype=dtype, devices=devices, ops=ops, k=k,
+                                time_limit=time_limit, max_table=max_table)
+        return plan
+    try:
+        return _solve_chain(pr, ops, blocks, t0, max_table)
+    except _TooWide:
+        tab = _tables(pr, ops)
+        choice, status = _solve_milp(tab, time_limit)
+        return _plan(tab, pr, choice, t0, status, "milp")
+
+
+def _solve_chain(pr: _Pricer, ops: list[Op], blocks: list, t0: float, max_table: int) -> PlacementPlan:
+    g = pr.graph
+    in_block: dict[str, int] = {}
+    instances: list[tuple[list[Op], list[Op] | None]] = []
+    for b in blocks:
+        prev = None
+        for m in range(b.count):
+            inst = b.ops(g, m)
+            instances.append((inst, prev))
+            for op in inst:
+                in_block[op.name] = len(instances) - 1
+            prev = inst
+    outside = [op for op in ops if op.name not in in_block]
+    in_set = {op.name for op in ops}
+    factors: list[Factor] = []
+    size: dict[str, int] = {}
+    for op in outside:
+        c, total, _, _ = pr.op(op)
+        size[op.name] = len(c)
+        factors.append(((op.name,), np.asarray(total, dtype=float)))
+        for t, u, p in _in_edges(g, op):
+            if u.name not in in_set:
+                continue
+            size[u.name] = len(pr.op(u)[0])
+            fwd, bwd = pr.edge(t, u, op, p)
+            factors.append(((u.name, op.name), fwd + bwd))
+    traces = []
+    for inst, prev in instances:
+        scope, table, trace, rename, names = _block_factor(pr, inst, prev, in_set, max_table)
+        for r, n in zip(scope, names):
+            size[n] = table.shape[scope.index(r)]
+        factors.append((tuple(names), table))
+        traces.append((trace, rename))
+    _, top = _eliminate(factors, size, set(size), max_table)
+    values: dict[str, int] = {}
+    top.assign(values)
+    for trace, rename in reversed(traces):
+        trace.assign(values, rename)
+    tab = _tables(pr, ops)
+    choice = {op.name: values[op.name] for op in ops}
+    keys = tuple(dict.fromkeys(b.key[:8] for b in blocks))
+    return _plan(tab, pr, choice, t0, "optimal", "blocks", keys)
