@@ -150,3 +150,20 @@ def test_fingerprint_mismatch_is_refused(tmp_path, capsys: pytest.CaptureFixture
     mlp = pp.evaluate(ex.tiny_mlp(), (x,), "local-cpu:2", example_kwargs={"labels": y}, dp=2, batch_size=ex.BATCH)
     with pytest.raises(Unsupported, match=r"sp=2 .*no sequence dim to split"):
         train(mlp.model_copy(update={"sp": 2}), ex.tiny_mlp, ex.mlp_data, steps=1)
+
+
+def tiny_llama() -> pp.models.Llama:
+    return pp.models.Llama(pp.models.LlamaConfig(vocab=64, seq=16, layers=1, hidden=32, heads=4, kv_heads=2, ffn=64))
+
+
+def test_llama_tp_and_sp_are_refused_with_the_reason() -> None:
+    """Rotary attention: q/k reach the attention through the rotation, and cos/sin are tables read by
+    position; neither is split the way the plan assumes, so both are refused before launch."""
+    x, y = ex.gpt_data(0)
+    g = capture_for_strategy(tiny_llama, (x, y))
+    for degrees, why in (({"tp": 2}, r"reads 'add', which no parameterised projection produces directly"),
+                         ({"sp": 2}, r"sp=2 .*reads buffer 'b_sin' by sequence position")):
+        s = pp.evaluate(tiny_llama(), (x, y), "local-cpu:2", batch_size=ex.BATCH, recompute="none", microbatches=1,
+                        **degrees)
+        with pytest.raises(Unsupported, match=why):
+            plan_for(s, tiny_llama(), graph=g)

@@ -298,6 +298,20 @@ def sp_problems(graph: Graph, sp: int, heads_parts: int) -> list[str]:
             if mixed:
                 problems.append(f"op {op.name!r} ({op.target}) reduces over sequence dim {mixed[0]!r} outside "
                                 "attention: a sequence shard would see only its part")
+        if op.nest is not None and kind is not OpKind.ATTENTION:
+            # a stored table indexed by position (rotary cos/sin, a mask buffer) would be read from
+            # position 0 on every shard; pointwise nests carry no hints, so any dim as long as the
+            # sequence counts (a false alarm refuses, it never runs something else)
+            seq_dims = {d.name for d in op.nest.dims if d.hint is Hint.SEQUENCE or d.extent in lengths}
+            for st in op.nest.statements:
+                for a in st.reads:
+                    j = int(a.operand[2:]) if a.operand[:2] == "in" and a.operand[2:].isdigit() else -1
+                    t = op.inputs[j] if 0 <= j < len(op.inputs) else None
+                    if t is not None and graph.tensors[t].kind in (TensorKind.BUFFER, TensorKind.CONST) and \
+                            a.dims & seq_dims:
+                        problems.append(f"op {op.name!r} reads {graph.tensors[t].kind} {t!r} by sequence position "
+                                        "(e.g. rotary tables): every shard would read the first positions")
+                        break
     return problems
 
 
