@@ -34,8 +34,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
-__all__ = ["SCHEDULES", "PipelineResult", "bubble_fraction", "schedule_order", "simulate"]
+__all__ = ["SCHEDULES", "PipelineResult", "bubble_fraction", "makespan_bound", "peak_in_flight", "schedule_order",
+           "simulate"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -70,6 +72,15 @@ def bubble_fraction(schedule: str, stages: int, microbatches: int, chunks: int =
 
 def schedule_order(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> list[list[tuple[str, int, int]]]:
     """Per-stage task order: lists of ``("F"|"B", microbatch, local chunk)``."""
+    return [list(o) for o in _order(schedule, stages, microbatches, chunks)]
+
+
+@lru_cache(maxsize=256)
+def _order(schedule: str, stages: int, microbatches: int, chunks: int) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+    return tuple(tuple(o) for o in _build_order(schedule, stages, microbatches, chunks))
+
+
+def _build_order(schedule: str, stages: int, microbatches: int, chunks: int) -> list[list[tuple[str, int, int]]]:
     p, m, v = stages, microbatches, chunks
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; one of {', '.join(SCHEDULES)}")
@@ -117,6 +128,57 @@ def schedule_order(schedule: str, stages: int, microbatches: int, chunks: int = 
     return orders
 
 
+def peak_in_flight(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> tuple[int, ...]:
+    """Peak chunk-activations alive per stage (``F`` done, ``B`` not yet).
+
+    It depends only on each stage's task order, not on task durations, so memory can be
+    priced without simulating: ``min(p − s, m)`` for 1F1B, ``m`` for GPipe.
+    """
+    return _in_flight(schedule, stages, microbatches, chunks if schedule == "interleaved" else 1)
+
+
+@lru_cache(maxsize=4096)
+def _in_flight(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]:
+    peaks = []
+    for o in _order(schedule, p, m, v):
+        alive = peak = 0
+        for kind, _, _ in o:
+            alive += 1 if kind == "F" else -1
+            peak = max(peak, alive)
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def makespan_bound(forward: Sequence[float], backward: Sequence[float], microbatches: int, chunks: int = 1,
+                   p2p: Sequence[float] | float = 0.0) -> float:
+    r"""A lower bound on the simulated makespan of any of the schedules, in ``O(p)``.
+
+    Stage ``s`` starts with the forward of micro-batch 0 on its first chunk, which waits for
+    that forward on the stages before it, and ends with the backward of the last micro-batch
+    on its first chunk, which the stages before it must still run; in between it is busy
+    ``m·(f_s + b_s)``. With ``c_s`` the hop from stage ``s`` to ``s + 1``:
+
+    .. math::  T \ge \max_s \Big[\sum_{s' < s} \Big(rac{f_{s'} + b_{s'}}{v} + 2 c_{s'}\Big) + m (f_s + b_s)\Big]
+
+    For ``p`` equal stages without hops this is ``(m + (p − 1)/v)(f + b)``, the closed form,
+    so the bound is tight where stages are balanced.
+    """
+    p = len(forward)
+    comm = _hops(p2p, p)
+    acc, best = 0.0, 0.0
+    for s in range(p):
+        best = max(best, acc + microbatches * (forward[s] + backward[s]))
+        acc += (forward[s] + backward[s]) / chunks + 2 * comm[s]
+    return best
+
+
+def _hops(p2p: Sequence[float] | float, p: int) -> list[float]:
+    comm = [float(p2p)] * p if isinstance(p2p, int | float) else [float(x) for x in p2p]
+    if len(comm) < p:
+        comm += [comm[-1] if comm else 0.0] * (p - len(comm))
+    return comm
+
+
 def simulate(schedule: str, forward: Sequence[float], backward: Sequence[float], microbatches: int,
              chunks: int = 1, p2p: Sequence[float] | float = 0.0) -> PipelineResult:
     """Simulate one step.
@@ -132,10 +194,18 @@ def simulate(schedule: str, forward: Sequence[float], backward: Sequence[float],
     if len(backward) != p:
         raise ValueError("forward and backward need one time per stage")
     v = chunks if schedule == "interleaved" else 1
-    order = schedule_order(schedule, p, microbatches, v)
-    comm = [float(p2p)] * p if isinstance(p2p, int | float) else [float(x) for x in p2p]
-    if len(comm) < p:
-        comm += [comm[-1] if comm else 0.0] * (p - len(comm))
+    comm = _hops(p2p, p)
+    return _simulate(schedule, tuple(float(x) for x in forward), tuple(float(x) for x in backward), microbatches,
+                     v, tuple(comm))
+
+
+@lru_cache(maxsize=4096)
+def _simulate(schedule: str, forward: tuple[float, ...], backward: tuple[float, ...], microbatches: int, v: int,
+              comm: tuple[float, ...]) -> PipelineResult:
+    # a search prices many plans with the same stage times (ZeRO stages 0-2 differ only after
+    # the pipeline), so a simulation is kept by its inputs
+    p = len(forward)
+    order = _order(schedule, p, microbatches, v)
     f = [x / v for x in forward]
     b = [x / v for x in backward]
     last = p * v - 1

@@ -54,7 +54,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from bisect import bisect_left
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,11 +65,14 @@ from polyparallel.ir import DTYPE_BYTES, Graph, Op, OpKind, TensorKind
 from .comm import collective_time, p2p_time
 from .compute import op_cost
 from .memory import MemoryReport, device_memory
-from .pipeline import SCHEDULES, PipelineResult, simulate
+from .pipeline import SCHEDULES, PipelineResult, makespan_bound, peak_in_flight, simulate
 
-__all__ = ["ParallelConfig", "StageBreakdown", "StepEstimate", "chunk_of_ops", "estimate_step", "layer_segments"]
+__all__ = ["ParallelConfig", "StageBreakdown", "StepBound", "StepEstimate", "chunk_of_ops", "estimate_step",
+           "layer_segments", "step_lower_bound"]
 
 RECOMPUTE = ("none", "selective", "full")
+# kernels per parameter tensor of torch's single-tensor optimizer step (torch/optim/adam.py etc.):
+# Adam: step += 1, lerp_, mul_ + addcmul_, sqrt / c + eps, addcdiv_
 _SHORT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
@@ -230,12 +234,33 @@ class StepEstimate:
 _LAYER = re.compile(r"^(.*?\b(?:layers?|h|blocks?|layer)\.\d+)(?:\.|$)")
 
 
+def _cache(graph: Graph) -> dict:
+    """Per-graph memo of the prices and layouts that depend only on the graph (and the keys).
+
+    It is the graph's ``_op_cost_cache``, which :meth:`Graph.add_op` drops when the graph
+    changes; keys here are tuples starting with a tag string (op prices are keyed by index).
+    """
+    return graph.__dict__.setdefault("_op_cost_cache", {})
+
+
+def _segments(graph: Graph) -> list[list[int]]:
+    cache = _cache(graph)
+    segs = cache.get(("segments",))
+    if segs is None:
+        segs = cache[("segments",)] = _layer_segments(graph)
+    return segs
+
+
 def layer_segments(graph: Graph) -> list[list[int]]:
     """Consecutive op indices grouped into layers by module path (``...layers.<i>...``).
 
     Ops outside any numbered layer join the neighbouring run of such ops; a graph without
     numbered modules falls back to ``⌈√n⌉`` equal runs (Chen et al.'s √n checkpointing).
     """
+    return [list(sg) for sg in _segments(graph)]
+
+
+def _layer_segments(graph: Graph) -> list[list[int]]:
     keys = []
     for op in graph.ops:
         m = _LAYER.match(op.module or "")
@@ -257,16 +282,29 @@ def chunk_of_ops(graph: Graph, cfg: ParallelConfig) -> list[int]:
     """The pipeline chunk (``0 .. pp·v − 1``; chunk ``g`` runs on stage ``g mod pp``) of every op,
     cut at layer boundaries as ``cfg.partition`` says — the one place that decides it."""
     v = cfg.chunks if cfg.schedule == "interleaved" else 1
-    segs = layer_segments(graph)
-    if cfg.partition == "layers":
-        starts = _uniform_layers(graph, segs, cfg.pp * v)
+    return list(_chunks(graph, cfg.pp * v, cfg.partition))
+
+
+def _chunks(graph: Graph, k: int, partition: str) -> list[int]:
+    cache = _cache(graph)
+    key = ("chunks", k, partition)
+    out = cache.get(key)
+    if out is not None:
+        return out
+    segs = _segments(graph)
+    if partition == "layers":
+        starts = _uniform_layers(graph, segs, k)
     else:
-        starts = _partition([float(sum(graph.ops[i].flops for i in s)) + 1.0 for s in segs], cfg.pp * v)
+        sf = cache.get(("seg_flops",))
+        if sf is None:
+            sf = cache[("seg_flops",)] = [float(sum(graph.ops[i].flops for i in s)) + 1.0 for s in segs]
+        starts = _partition(sf, k)
     out = [0] * len(graph.ops)
     for g, (a, b) in enumerate(zip(starts, [*starts[1:], len(segs)])):
         for sg in segs[a:b]:
             for i in sg:
                 out[i] = g
+    cache[key] = out
     return out
 
 
@@ -337,19 +375,28 @@ def _tensor_bytes(graph: Graph, name: str, dtype: str) -> float:
 
 
 def _plan_ops(graph: Graph, cfg: ParallelConfig) -> list[_OpPlan]:
+    """Per op: its work split and its tensor/sequence-parallel collectives (read-only, memoised)."""
+    key = ("plans", cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.dtype)
+    cache = _cache(graph)
+    plans = cache.get(key)
+    if plans is None:
+        plans = cache[key] = _propagate(graph, cfg)
+    return plans
+
+
+def _propagate(graph: Graph, cfg: ParallelConfig) -> list[_OpPlan]:
     tp, sp = cfg.tp, cfg.sp
+    if tp == 1 and sp == 1:
+        return [_OpPlan() for _ in graph.ops]
     split_state: dict[str, bool] = {}
     grad_ar_done: set[str] = set()
     plans: list[_OpPlan] = []
     ar = ("reduce_scatter", "all_gather") if cfg.sequence_parallel else ("all_reduce",)
-    for op in graph.ops:
+    for op, (kind, acts, has_param) in zip(graph.ops, _op_roles(graph)):
         pl = _OpPlan()
-        acts = [t for t in op.inputs if graph.tensors[t].kind is not TensorKind.PARAM]
-        has_param = any(graph.tensors[t].kind is TensorKind.PARAM for t in op.inputs)
         any_split = any(split_state.get(t, False) for t in acts)
         out_split = False
         if tp > 1:
-            kind = OpKind(op.kind)
             if kind in (OpKind.CONTRACTION, OpKind.CONV) and has_param:
                 pl.split = pl.param_split = tp
                 if any_split:  # row-parallel: partial sums reduced in the forward pass
@@ -382,13 +429,24 @@ def _plan_ops(graph: Graph, cfg: ParallelConfig) -> list[_OpPlan]:
             split_state[t] = out_split
         if sp > 1:
             pl.split *= sp
-            if OpKind(op.kind) is OpKind.ATTENTION:
+            if kind is OpKind.ATTENTION:
                 for t in list(acts) + list(op.outputs):
                     b = _tensor_bytes(graph, t, cfg.dtype) / (sp * (tp if any_split else 1))
                     pl.sp_fwd.append(("all_to_all", b))
                     pl.sp_bwd.append(("all_to_all", b))
         plans.append(pl)
     return plans
+
+
+def _op_roles(graph: Graph) -> list[tuple[OpKind, tuple[str, ...], bool]]:
+    """Per op: its kind, its non-parameter inputs, whether it reads a parameter."""
+    cache = _cache(graph)
+    roles = cache.get(("roles",))
+    if roles is None:
+        roles = cache[("roles",)] = [
+            (OpKind(op.kind), tuple(t for t in op.inputs if graph.tensors[t].kind is not TensorKind.PARAM),
+             any(graph.tensors[t].kind is TensorKind.PARAM for t in op.inputs)) for op in graph.ops]
+    return roles
 
 
 def _activation_bytes(graph: Graph, op: Op, dtype: str, fused_attention: bool, selective: bool) -> float:
@@ -413,217 +471,425 @@ def _activation_bytes(graph: Graph, op: Op, dtype: str, fused_attention: bool, s
 def estimate_step(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> StepEstimate:
     """Price one training step of ``graph`` on ``cluster`` under ``cfg`` (see the module docstring)."""
     cfg.validate(cluster)
-    devs = cfg.devices if cfg.devices is not None else tuple(range(cfg.world))
+    pre = _prepare(graph, cluster, cfg)
+    terms, m = pre.terms, cfg.microbatches
+    sim = simulate(cfg.schedule, pre.fwd, pre.bwd, m, pre.chunks, terms.p2p)
+    totals = [sim.makespan + x.exposed + x.t_opt for x in pre.dp]
+    step = max(totals)
+    out = []
+    for s, (x, tot) in enumerate(zip(pre.dp, totals)):
+        busy_compute = terms.comp[s] * m
+        tpc, spc = terms.tp_t[s] * m, terms.sp_t[s] * m
+        waiting = max(0.0, sim.makespan - sim.busy[s])
+        p2p_total = 2 * m * terms.p2p_sum[s]
+        p2p_part = min(p2p_total, waiting)
+        parts = (("compute", busy_compute), ("tensor_parallel", tpc), ("sequence_parallel", spc),
+                 ("p2p", p2p_part), ("bubble", waiting - p2p_part), ("data_parallel", x.exposed),
+                 ("optimizer", x.t_opt), ("idle", step - tot))
+        dp_kinds = "+".join(dict.fromkeys(k for k, _ in x.events)) or "none"
+        coll = [("tensor_parallel", tpc), ("sequence_parallel", spc), ("p2p", p2p_total),
+                (f"data_parallel {dp_kinds} (before overlap)", x.t_dp)]
+        out.append(StageBreakdown(s, terms.devices[s], terms.types[s].name, parts, tuple(coll)))
+    cache = _cache(graph)
+    totals_key = ("totals",)
+    if totals_key not in cache:
+        n_opaque = len(graph.opaque_ops())
+        cache[totals_key] = (_batch(graph), graph.flops(), n_opaque)
+    batch, flops, n_opaque = cache[totals_key]
+    warnings = (f"{n_opaque} opaque op(s) priced from their FLOP estimate, never split",) if n_opaque else ()
+    samples = batch * m * cfg.dp
+    model_flops = 3.0 * flops * m * cfg.dp
+    return StepEstimate(cfg, step, tuple(out), pre.memory, sim, samples, model_flops, warnings)
+
+
+@dataclass(frozen=True)
+class StepBound:
+    """A lower bound on a configuration's step time, and its exact memory, without simulating the pipeline.
+
+    ``lower_bound ≤ estimate_step(...).step_time`` always (see :func:`step_lower_bound`), and
+    ``memory`` equals ``estimate_step(...).memory``.
+    """
+
+    config: ParallelConfig
+    lower_bound: float
+    memory: tuple[MemoryReport, ...]
+
+    @property
+    def fits(self) -> bool:
+        return all(r.fits for r in self.memory)
+
+
+def step_lower_bound(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> StepBound:
+    r"""A cheap admissible lower bound on the step time of ``cfg`` (for branch and bound).
+
+    The step time is ``T = makespan + max_s (exposed_s + T_opt,s)`` (module docstring), and
+    every term but the makespan is computed here exactly; the makespan is bounded below by
+    :func:`~.pipeline.makespan_bound` (each stage's own busy time plus the forward and
+    backward fill of the stages before it), which equals the simulated makespan for equal
+    stages without point-to-point cost. Memory does not depend on timing, so it is exact.
+    """
+    cfg.validate(cluster)
+    pre = _prepare(graph, cluster, cfg)
+    mk = makespan_bound(pre.fwd, pre.bwd, cfg.microbatches, pre.chunks, pre.terms.p2p)
+    return StepBound(cfg, mk + max(x.exposed + x.t_opt for x in pre.dp), pre.memory)
+
+
+# -- the parts of the estimate that do not need the pipeline simulation --------------------------
+
+@dataclass(frozen=True)
+class _StageTerms:
+    """Per stage and micro-batch, what does not depend on ``m``, the schedule order, ZeRO or the optimizer."""
+
+    devices: tuple[tuple[int, ...], ...]
+    types: tuple[DeviceType, ...]
+    fwd: tuple[float, ...]
+    bwd: tuple[float, ...]
+    comp: tuple[float, ...]
+    tp_t: tuple[float, ...]
+    sp_t: tuple[float, ...]
+    act: tuple[float, ...]
+    seg_act_max: tuple[float, ...]
+    params: tuple[float, ...]
+    p2p: tuple[float, ...]
+    p2p_sum: tuple[float, ...]
+    dp_groups: tuple[tuple[tuple[int, ...], ...], ...]  # distinct (by nodes) dp groups of each stage
+
+
+@dataclass(frozen=True)
+class _DataParallel:
+    exposed: float
+    t_opt: float
+    t_dp: float
+    events: tuple[tuple[str, float], ...]
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    terms: _StageTerms
+    chunks: int
+    fwd: tuple[float, ...]
+    bwd: tuple[float, ...]
+    dp: tuple[_DataParallel, ...]
+    memory: tuple[MemoryReport, ...]
+
+
+def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
     p, v, m = cfg.pp, cfg.chunks if cfg.schedule == "interleaved" else 1, cfg.microbatches
-    warnings: list[str] = []
-    if graph.opaque_ops():
-        warnings.append(f"{len(graph.opaque_ops())} opaque op(s) priced from their FLOP estimate, never split")
-
-    segs = layer_segments(graph)
-    chunk_of_op = chunk_of_ops(graph, cfg)
-    plans = _plan_ops(graph, cfg)
-
-    def stage_devices(s: int) -> list[int]:
-        return [devs[cfg.rank(s, d, q, t)] for d in range(cfg.dp) for q in range(cfg.sp) for t in range(cfg.tp)]
-
-    def group(s: int, d: int, q: int, t: int, axis: str) -> list[int]:
-        if axis == "tp":
-            return [devs[cfg.rank(s, d, q, x)] for x in range(cfg.tp)]
-        if axis == "sp":
-            return [devs[cfg.rank(s, d, x, t)] for x in range(cfg.sp)]
-        return [devs[cfg.rank(s, x, y, t)] for x in range(cfg.dp) for y in range(cfg.sp)]  # dp (x sp)
-
-    def group_key(grp: list[int]) -> tuple[int, ...]:
-        # nodes are homogeneous (one device type, one intra-node link), so a collective's time
-        # depends on how many members sit on which node, not on which devices they are
-        return tuple(sorted(cluster.device(d).node for d in grp))
-
-    def price_collectives(events: list[tuple[str, float]], grp: list[int], cache: dict) -> float:
-        tot = 0.0
-        gk = group_key(grp)
-        for kind, nbytes in events:
-            key = (kind, nbytes, gk)
-            if key not in cache:
-                cache[key] = collective_time(cluster, kind, nbytes, grp).seconds
-            tot += cache[key]
-        return tot
-
-    # collective prices depend only on the cluster: keep them across the search's many calls
+    terms = _stage_terms(graph, cluster, cfg, v)
     ccache: dict = cluster.__dict__.setdefault("_collective_cache", {})
-    # op prices depend only on the op, device type, dtype and split: the search prices many
-    # configurations of one graph, so they are kept on the graph (dropped when it changes)
-    op_costs: dict = graph.__dict__.setdefault("_op_cost_cache", {})
-    fwd = [0.0] * p
-    bwd = [0.0] * p
-    comp = [0.0] * p
-    tp_t = [0.0] * p
-    sp_t = [0.0] * p
-    stage_types: list[DeviceType] = []
-    act_bytes = [0.0] * p
-    seg_act_max = [0.0] * p
-    params_local = [0.0] * p
-    for s in range(p):
-        sdevs = stage_devices(s)
-        types = {cluster.device(d).type.name: cluster.device(d).type for d in sdevs}
-        # The slowest device type of the stage sets its pace (synchronous collectives).
-        op_idx = [i for i, g in enumerate(chunk_of_op) if g % p == s]
-        best: tuple[float, DeviceType, float, float, float] | None = None
-        for dt in types.values():
-            f = b = rc = 0.0
-            for i in op_idx:
-                op = graph.ops[i]
-                key = (i, dt.name, cfg.dtype, plans[i].split, cfg.fused_attention)
-                c = op_costs.get(key)
-                if c is None:
-                    c = op_costs[key] = op_cost(graph, op, dt, cfg.dtype, split=plans[i].split,
-                                                fused=True if cfg.fused_attention else None)
-                f += c.forward
-                b += c.backward
-                if cfg.recompute == "full" or (cfg.recompute == "selective" and OpKind(op.kind) is OpKind.ATTENTION):
-                    rc += c.forward
-            if best is None or f + b + rc > best[2] + best[3] + best[4]:
-                best = (0.0, dt, f, b, rc)
-        assert best is not None
-        _, dt, f, b, rc = best
-        stage_types.append(dt)
-        # every group of the stage runs the same collectives; the slowest one sets the pace
-        tgrps = [group(s, d, q, 0, "tp") for d in range(cfg.dp) for q in range(cfg.sp)]
-        qgrps = [group(s, d, 0, t, "sp") for d in range(cfg.dp) for t in range(cfg.tp)]
-
-        def slowest(events_of: str, groups: list[list[int]], op_idx: list[int] = op_idx) -> float:
-            # identical (kind, bytes) events repeat in every layer: price each distinct one once
-            # per group, and each distinct group (by the nodes its members sit on) once
-            agg: dict[tuple[str, float], int] = {}
-            for i in op_idx:
-                for ev in getattr(plans[i], events_of):
-                    agg[ev] = agg.get(ev, 0) + 1
-            if not agg:
-                return 0.0
-            distinct = {group_key(grp): grp for grp in groups}
-            return max(sum(n * price_collectives([ev], grp, ccache) for ev, n in agg.items())
-                       for grp in distinct.values())
-
-        tf, tb = slowest("tp_fwd", tgrps), slowest("tp_bwd", tgrps)
-        qf, qb = slowest("sp_fwd", qgrps), slowest("sp_bwd", qgrps)
-        # recomputing a forward repeats its tensor/sequence-parallel collectives too
-        rc_comm = (tf + qf) if cfg.recompute == "full" else 0.0
-        fwd[s] = f + tf + qf
-        bwd[s] = b + rc + tb + qb + rc_comm
-        comp[s] = f + b + rc
-        tp_t[s] = tf + tb + (tf if cfg.recompute == "full" else 0.0)
-        sp_t[s] = qf + qb + (qf if cfg.recompute == "full" else 0.0)
-        # memory inputs
-        seen: set[str] = set()
-        for i in op_idx:
-            op = graph.ops[i]
-            for t in op.inputs:
-                if graph.tensors[t].kind is TensorKind.PARAM and t not in seen:
-                    seen.add(t)
-                    params_local[s] += graph.tensors[t].numel / (plans[i].param_split if cfg.tp > 1 else 1)
-        stage_segs = [sg for sg in segs if chunk_of_op[sg[0]] % p == s]
-        full_act = 0.0
-        for sg in stage_segs:
-            a = sum(_activation_bytes(graph, graph.ops[i], cfg.dtype, cfg.fused_attention,
-                                      cfg.recompute == "selective") / plans[i].split for i in sg)
-            full_act += a
-            seg_act_max[s] = max(seg_act_max[s], a)
-        if cfg.recompute == "full":
-            # keep each layer's input (its first op's activation inputs), recompute the rest
-            kept = 0.0
-            for sg in stage_segs:
-                produced = {t for i in sg for t in graph.ops[i].outputs}
-                ins = {t for i in sg for t in graph.ops[i].inputs
-                       if graph.tensors[t].kind is not TensorKind.PARAM and t not in produced}
-                kept += sum(_tensor_bytes(graph, t, cfg.dtype) for t in ins) / (cfg.tp if cfg.sequence_parallel
-                                                                                  else 1) / cfg.sp
-            act_bytes[s] = kept
-        else:
-            act_bytes[s] = full_act
-            seg_act_max[s] = 0.0
-
-    # p2p between consecutive chunks: tensors produced at or before chunk g, read after it
-    last_use: dict[str, int] = {}
-    for i, op in enumerate(graph.ops):
-        for t in op.inputs:
-            last_use[t] = max(last_use.get(t, -1), chunk_of_op[i])
-    boundary = [0.0] * (p * v)
-    for i, op in enumerate(graph.ops):
-        for t in op.outputs:
-            for g in range(chunk_of_op[i], last_use.get(t, -1)):
-                boundary[g] += _tensor_bytes(graph, t, cfg.dtype) / (cfg.tp * cfg.sp)
-    p2p = [0.0] * p
-    p2p_total = [0.0] * p
-    for s in range(p):
-        times = []
-        for g in range(s, p * v - 1, p):
-            pairs = {(cluster.device(a).node, cluster.device(b).node): (a, b)
-                     for a, b in ((devs[cfg.rank(s, d, q, t)], devs[cfg.rank((s + 1) % p, d, q, t)])
-                                  for d in range(cfg.dp) for q in range(cfg.sp) for t in range(cfg.tp))}
-            times.append(max(p2p_time(cluster, a, b, boundary[g]) for a, b in pairs.values()))
-        p2p[s] = max(times) if times else 0.0
-        p2p_total[s] = 2 * m * sum(times)
-
-    sim = simulate(cfg.schedule, fwd, bwd, m, v, p2p)
-
-    # data-parallel gradient synchronisation and optimizer step
-    stages = []
-    mems = []
+    in_flight = peak_in_flight(cfg.schedule, p, m, v)
     gb = _SHORT_BYTES[cfg.dtype]
-    totals = []
+    dps, mems = [], []
     for s in range(p):
-        dt = stage_types[s]
-        dgrps = [group(s, 0, 0, t, "dp") for t in range(cfg.tp)]
-        dgrp = dgrps[0]
-        dp_events: list[tuple[str, float]] = []
-        grad_bytes = params_local[s] * gb
-        if len(dgrp) > 1:
+        dt = terms.types[s]
+        dgrp_size = len(terms.dp_groups[s][0])
+        params = terms.params[s]
+        events: list[tuple[str, float]] = []
+        grad_bytes = params * gb
+        if dgrp_size > 1:
             if cfg.zero_stage == 0:
-                dp_events.append(("all_reduce", grad_bytes))
+                events.append(("all_reduce", grad_bytes))
             else:
-                dp_events += [("reduce_scatter", grad_bytes), ("all_gather", params_local[s] * gb)]
+                events += [("reduce_scatter", grad_bytes), ("all_gather", params * gb)]
             if cfg.zero_stage == 3:
-                dp_events += [("all_gather", params_local[s] * gb)] * (2 * m)
-        t_dp = max(price_collectives(dp_events, grp, ccache) for grp in dgrps)
+                events += [("all_gather", params * gb)] * (2 * m)
+        t_dp = max(_price(cluster, ccache, events, grp) for grp in terms.dp_groups[s])
         omega = cfg.grad_overlap if cfg.grad_overlap is not None else (0.0 if dt.kind == "cpu" else 1.0)
-        hide = omega * (bwd[s] / v) * (m if cfg.zero_stage == 3 else 1)
+        hide = omega * (terms.bwd[s] / v) * (m if cfg.zero_stage == 3 else 1)
         exposed = max(0.0, t_dp - hide)
-        shard = len(dgrp) if cfg.zero_stage >= 1 else 1
+        shard = dgrp_size if cfg.zero_stage >= 1 else 1
         master = 4 if gb < 4 else 0
         opt_state = 8 if cfg.optimizer in ("adam", "adamw", "lamb") else 4 if cfg.optimizer in (
             "sgd_momentum", "lion") else 0
-        opt_bytes = params_local[s] / shard * (gb * 3 + 2 * (master + opt_state))
-        t_opt = max(opt_bytes / (dt.memory_bandwidth * 0.8), dt.launch_overhead) if params_local[s] else 0.0
-        totals.append(sim.makespan + exposed + t_opt)
-        stages.append((s, dt, exposed, t_opt, t_dp, dp_events))
-        # memory
-        in_flight = sim.in_flight[s] / v
-        ws = seg_act_max[s]
+        opt_bytes = params / shard * (gb * 3 + 2 * (master + opt_state))
+        t_opt = max(opt_bytes / (dt.memory_bandwidth * 0.8), dt.launch_overhead) if params else 0.0
+        dps.append(_DataParallel(exposed, t_opt, t_dp, tuple(events)))
+        ws = terms.seg_act_max[s]
         if cfg.zero_stage == 3:
-            seg_params = max((sum(graph.tensors[t].numel for i in sg for t in graph.ops[i].inputs
-                                  if graph.tensors[t].kind is TensorKind.PARAM) for sg in segs), default=0)
-            ws += 2 * seg_params * gb / cfg.tp
+            ws += 2 * _max_segment_params(graph) * gb / cfg.tp
         mems.append(device_memory(
-            label=f"stage {s} (devices {_span(stage_devices(s))})", device=f"{dt.name} {dt.memory / 1e9:.0f} GB",
-            capacity=dt.memory, params=params_local[s], dp=len(dgrp), zero_stage=cfg.zero_stage,
-            param_dtype=cfg.dtype, optimizer=cfg.optimizer, activations=act_bytes[s], in_flight=in_flight,
+            label=f"stage {s} (devices {_span(terms.devices[s])})", device=f"{dt.name} {dt.memory / 1e9:.0f} GB",
+            capacity=dt.memory, params=params, dp=dgrp_size, zero_stage=cfg.zero_stage,
+            param_dtype=cfg.dtype, optimizer=cfg.optimizer, activations=terms.act[s], in_flight=in_flight[s] / v,
             workspace=ws))
-    step = max(totals)
-    out = []
-    for (s, dt, exposed, t_opt, t_dp, dp_events), tot in zip(stages, totals):
-        busy_compute = comp[s] * m
-        tpc, spc = tp_t[s] * m, sp_t[s] * m
-        waiting = max(0.0, sim.makespan - sim.busy[s])
-        p2p_part = min(p2p_total[s], waiting)
-        parts = (("compute", busy_compute), ("tensor_parallel", tpc), ("sequence_parallel", spc),
-                 ("p2p", p2p_part), ("bubble", waiting - p2p_part), ("data_parallel", exposed),
-                 ("optimizer", t_opt), ("idle", step - tot))
-        dp_kinds = "+".join(dict.fromkeys(k for k, _ in dp_events)) or "none"
-        coll = [("tensor_parallel", tpc), ("sequence_parallel", spc), ("p2p", p2p_total[s]),
-                (f"data_parallel {dp_kinds} (before overlap)", t_dp)]
-        out.append(StageBreakdown(s, tuple(stage_devices(s)), dt.name, parts, tuple(coll)))
-    samples = _batch(graph) * m * cfg.dp
-    model_flops = 3.0 * graph.flops() * m * cfg.dp
-    return StepEstimate(cfg, step, tuple(out), tuple(mems), sim, samples, model_flops, tuple(warnings))
+    return _Prepared(terms, v, terms.fwd, terms.bwd, tuple(dps), tuple(mems))
+
+
+def _price(cluster: Cluster, ccache: dict, events: Sequence[tuple[str, float]], grp: Sequence[int]) -> float:
+    """Seconds of a list of collectives over one group, each distinct one priced once per cluster."""
+    tot = 0.0
+    gk = _group_key(cluster, grp)
+    for kind, nbytes in events:
+        key = (kind, nbytes, gk)
+        t = ccache.get(key)
+        if t is None:
+            t = ccache[key] = collective_time(cluster, kind, nbytes, grp).seconds
+        tot += t
+    return tot
+
+
+def _group_key(cluster: Cluster, grp: Sequence[int]) -> tuple[int, ...]:
+    # nodes are homogeneous (one device type, one intra-node link), so a collective's time
+    # depends on how many members sit on which node, not on which devices they are
+    return tuple(sorted(cluster.device(d).node for d in grp))
+
+
+def _max_segment_params(graph: Graph) -> int:
+    """Parameters of the largest layer (ZeRO-3 gathers one layer at a time)."""
+    cache = _cache(graph)
+    if ("max_seg_params",) not in cache:
+        cache[("max_seg_params",)] = max((sum(graph.tensors[t].numel for i in sg for t in graph.ops[i].inputs
+                                              if graph.tensors[t].kind is TensorKind.PARAM)
+                                          for sg in _segments(graph)), default=0)
+    return cache[("max_seg_params",)]
+
+
+def _stage_terms(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int) -> _StageTerms:
+    """Memoised per graph and cluster: the search prices many configurations sharing these."""
+    devs = cfg.devices if cfg.devices is not None else tuple(range(cfg.world))
+    key = ("stages", id(cluster), devs, cfg.dp, cfg.tp, cfg.pp, cfg.sp, v, cfg.partition, cfg.sequence_parallel,
+           cfg.dtype, cfg.fused_attention, cfg.recompute)
+    cache = _cache(graph)
+    hit = cache.get(key)
+    if hit is not None and hit[0] is cluster:  # the cluster is held, so its id is not reused
+        return hit[1]
+    terms = _compute_stage_terms(graph, cluster, cfg, v, devs)
+    cache[key] = (cluster, terms)
+    return terms
+
+
+def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
+                plans: list[_OpPlan]) -> tuple[list[float], list[float], list[float]]:
+    """Forward, backward and attention-forward seconds of every op on one device type."""
+    key = ("opvec", dt.name, cfg.dtype, cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.fused_attention)
+    op_costs = _cache(graph)
+    hit = op_costs.get(key)
+    if hit is not None:
+        return hit
+    fw, bw, att = [], [], []
+    for i, op in enumerate(graph.ops):
+        k = (i, dt.name, cfg.dtype, plans[i].split, cfg.fused_attention)
+        c = op_costs.get(k)
+        if c is None:
+            c = op_costs[k] = op_cost(graph, op, dt, cfg.dtype, split=plans[i].split,
+                                      fused=True if cfg.fused_attention else None)
+        fw.append(c.forward)
+        bw.append(c.backward)
+        att.append(c.forward if OpKind(op.kind) is OpKind.ATTENTION else 0.0)
+    op_costs[key] = (fw, bw, att)
+    return fw, bw, att
+
+
+def _per_plan(graph: Graph, cfg: ParallelConfig, plans: list[_OpPlan]) -> tuple[list[int], list[tuple], list[int],
+                                                                                 list[tuple[int, str, float]]]:
+    """Ops with tensor/sequence-parallel collectives, and parameter uses, in op order."""
+    key = ("per_plan", cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.dtype)
+    cache = _cache(graph)
+    hit = cache.get(key)
+    if hit is not None:
+        return hit
+    ev_idx, ev = [], []
+    for i, pl in enumerate(plans):
+        if pl.tp_fwd or pl.tp_bwd or pl.sp_fwd or pl.sp_bwd:
+            ev_idx.append(i)
+            ev.append((pl.tp_fwd, pl.tp_bwd, pl.sp_fwd, pl.sp_bwd))
+    uses = []
+    for i, op in enumerate(graph.ops):
+        for t in op.inputs:
+            if graph.tensors[t].kind is TensorKind.PARAM:
+                uses.append((i, t, graph.tensors[t].numel / (plans[i].param_split if cfg.tp > 1 else 1)))
+    out = (ev_idx, ev, [u[0] for u in uses], uses)
+    cache[key] = out
+    return out
+
+
+def _segment_activations(graph: Graph, cfg: ParallelConfig, plans: list[_OpPlan]) -> list[float]:
+    selective = cfg.recompute == "selective"
+    key = ("seg_act", cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.dtype, cfg.fused_attention, selective)
+    cache = _cache(graph)
+    if key not in cache:
+        op_key = ("op_act", cfg.dtype, cfg.fused_attention, selective)
+        if op_key not in cache:
+            cache[op_key] = [_activation_bytes(graph, op, cfg.dtype, cfg.fused_attention, selective)
+                             for op in graph.ops]
+        act = cache[op_key]
+        cache[key] = [sum(act[i] / plans[i].split for i in sg) for sg in _segments(graph)]
+    return cache[key]
+
+
+def _segment_inputs(graph: Graph, dtype: str) -> list[float]:
+    """Bytes of each layer's inputs (what full recomputation keeps)."""
+    key = ("seg_in", dtype)
+    cache = _cache(graph)
+    if key not in cache:
+        out = []
+        for sg in _segments(graph):
+            produced = {t for i in sg for t in graph.ops[i].outputs}
+            ins = {t for i in sg for t in graph.ops[i].inputs
+                   if graph.tensors[t].kind is not TensorKind.PARAM and t not in produced}
+            out.append(sum(_tensor_bytes(graph, t, dtype) for t in ins))
+        cache[key] = out
+    return cache[key]
+
+
+def _crossing(graph: Graph, dtype: str) -> list[tuple[int, int, float]]:
+    """(producer op, last consumer op, bytes) of every tensor read after the op that writes it, in op order."""
+    key = ("crossing", dtype)
+    cache = _cache(graph)
+    if key not in cache:
+        last: dict[str, int] = {}
+        for i, op in enumerate(graph.ops):
+            for t in op.inputs:
+                last[t] = i
+        cache[key] = [(i, last[t], _tensor_bytes(graph, t, dtype)) for i, op in enumerate(graph.ops)
+                      for t in op.outputs if last.get(t, -1) > i]
+    return cache[key]
+
+
+def _compute_stage_terms(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
+                         devs: tuple[int, ...]) -> _StageTerms:
+    p = cfg.pp
+    segs = _segments(graph)
+    chunk_of_op = _chunks(graph, p * v, cfg.partition)
+    plans = _plan_ops(graph, cfg)
+    ev_idx, ev, use_idx, uses = _per_plan(graph, cfg, plans)
+    seg_act = _segment_activations(graph, cfg, plans)
+    ccache: dict = cluster.__dict__.setdefault("_collective_cache", {})
+    n = len(graph.ops)
+    ranges = _chunk_ranges(graph, p * v, cfg.partition)
+    node_of = {d: cluster.device(d).node for d in devs}
+
+    def group(s: int, d: int, q: int, t: int, axis: str) -> tuple[int, ...]:
+        if axis == "tp":
+            return tuple(devs[cfg.rank(s, d, q, x)] for x in range(cfg.tp))
+        if axis == "sp":
+            return tuple(devs[cfg.rank(s, d, x, t)] for x in range(cfg.sp))
+        return tuple(devs[cfg.rank(s, x, y, t)] for x in range(cfg.dp) for y in range(cfg.sp))  # dp (x sp)
+
+    def distinct(groups: Iterable[tuple[int, ...]]) -> list[tuple[int, ...]]:
+        return list({tuple(sorted(node_of[d] for d in grp)): grp for grp in groups}.values())
+
+    out: dict[str, list] = {k: [] for k in ("devices", "types", "fwd", "bwd", "comp", "tp_t", "sp_t", "act",
+                                             "seg_act_max", "params", "p2p", "p2p_sum", "dp_groups")}
+    stage_of_seg = [chunk_of_op[sg[0]] % p for sg in segs]
+    for s in range(p):
+        sdevs = tuple(devs[cfg.rank(s, d, q, t)] for d in range(cfg.dp) for q in range(cfg.sp) for t in range(cfg.tp))
+        rng = [ranges[g] for g in range(s, p * v, p)]
+        types = {cluster.device(d).type.name: cluster.device(d).type for d in sdevs}
+        # The slowest device type of the stage sets its pace (synchronous collectives).
+        best: tuple[DeviceType, float, float, float] | None = None
+        for dt in types.values():
+            fw, bw, att = _op_vectors(graph, dt, cfg, plans)
+            f = b = rc = 0.0
+            for a, z in rng:
+                f = sum(fw[a:z], f)
+                b = sum(bw[a:z], b)
+                if cfg.recompute == "full":
+                    rc = sum(fw[a:z], rc)
+                elif cfg.recompute == "selective":
+                    rc = sum(att[a:z], rc)
+            if best is None or f + b + rc > best[1] + best[2] + best[3]:
+                best = (dt, f, b, rc)
+        assert best is not None
+        dt, f, b, rc = best
+        # every group of the stage runs the same collectives; the slowest one sets the pace
+        tgrps = distinct(group(s, d, q, 0, "tp") for d in range(cfg.dp) for q in range(cfg.sp))
+        qgrps = distinct(group(s, d, 0, t, "sp") for d in range(cfg.dp) for t in range(cfg.tp))
+        stage_ev = [e for a, z in rng for e in ev[bisect_left(ev_idx, a): bisect_left(ev_idx, z)]]
+
+        def slowest(which: int, groups: list[tuple[int, ...]], stage_ev: list[tuple] = stage_ev) -> float:
+            # identical (kind, bytes) events repeat in every layer: price each distinct one once
+            # per group, and each distinct group (by the nodes its members sit on) once
+            agg: dict[tuple[str, float], int] = {}
+            for e in stage_ev:
+                for x in e[which]:
+                    agg[x] = agg.get(x, 0) + 1
+            if not agg:
+                return 0.0
+            return max(sum(k * _price(cluster, ccache, [x], grp) for x, k in agg.items()) for grp in groups)
+
+        tf, tb = slowest(0, tgrps), slowest(1, tgrps)
+        qf, qb = slowest(2, qgrps), slowest(3, qgrps)
+        # recomputing a forward repeats its tensor/sequence-parallel collectives too
+        rc_comm = (tf + qf) if cfg.recompute == "full" else 0.0
+        out["devices"].append(sdevs)
+        out["types"].append(dt)
+        out["fwd"].append(f + tf + qf)
+        out["bwd"].append(b + rc + tb + qb + rc_comm)
+        out["comp"].append(f + b + rc)
+        out["tp_t"].append(tf + tb + (tf if cfg.recompute == "full" else 0.0))
+        out["sp_t"].append(qf + qb + (qf if cfg.recompute == "full" else 0.0))
+        # memory inputs
+        seen: set[str] = set()
+        params = 0.0
+        for a, z in rng:
+            for _, t, numel in uses[bisect_left(use_idx, a): bisect_left(use_idx, z)]:
+                if t not in seen:
+                    seen.add(t)
+                    params += numel
+        out["params"].append(params)
+        full_act = seg_max = 0.0
+        stage_segs = [j for j in range(len(segs)) if stage_of_seg[j] == s]
+        for j in stage_segs:
+            full_act += seg_act[j]
+            seg_max = max(seg_max, seg_act[j])
+        if cfg.recompute == "full":
+            # keep each layer's input (its first op's activation inputs), recompute the rest
+            kept = 0.0
+            seg_in = _segment_inputs(graph, cfg.dtype)
+            for j in stage_segs:
+                kept += seg_in[j] / (cfg.tp if cfg.sequence_parallel else 1) / cfg.sp
+            out["act"].append(kept)
+            out["seg_act_max"].append(seg_max)
+        else:
+            out["act"].append(full_act)
+            out["seg_act_max"].append(0.0)
+        out["dp_groups"].append(tuple(distinct(group(s, 0, 0, t, "dp") for t in range(cfg.tp))))
+
+    # p2p between consecutive chunks: tensors produced at or before chunk g, read after it
+    boundary = [0.0] * (p * v)
+    cross = _crossing(graph, cfg.dtype)
+    active: list[tuple[int, int, float]] = []
+    k = 0
+    for g in range(p * v - 1):
+        cut = next((ranges[h][0] for h in range(g + 1, p * v) if ranges[h][1] > ranges[h][0]), n)
+        while k < len(cross) and cross[k][0] < cut:
+            active.append(cross[k])
+            k += 1
+        active = [x for x in active if x[1] >= cut]
+        for _, _, nb in active:
+            boundary[g] += nb / (cfg.tp * cfg.sp)
+    for s in range(p):
+        times = []
+        for g in range(s, p * v - 1, p):
+            pairs = {(node_of[a], node_of[b]): (a, b)
+                     for a, b in ((devs[cfg.rank(s, d, q, t)], devs[cfg.rank((s + 1) % p, d, q, t)])
+                                  for d in range(cfg.dp) for q in range(cfg.sp) for t in range(cfg.tp))}
+            times.append(max(_p2p(cluster, ccache, a, b, boundary[g]) for a, b in pairs.values()))
+        out["p2p"].append(max(times) if times else 0.0)
+        out["p2p_sum"].append(sum(times))
+    return _StageTerms(**{k: tuple(x) for k, x in out.items()})
+
+
+def _chunk_ranges(graph: Graph, k: int, partition: str) -> list[tuple[int, int]]:
+    """Op index range ``[a, z)`` of every chunk (chunks are contiguous and in op order; empty: ``(0, 0)``)."""
+    key = ("chunk_ranges", k, partition)
+    cache = _cache(graph)
+    if key not in cache:
+        n = len(graph.ops)
+        ranges = [(n, n)] * k
+        for i, g in enumerate(_chunks(graph, k, partition)):
+            ranges[g] = (min(ranges[g][0], i), i + 1)
+        cache[key] = [(a, z) if a < z else (0, 0) for a, z in ranges]
+    return cache[key]
+
+
+def _p2p(cluster: Cluster, ccache: dict, a: int, b: int, nbytes: float) -> float:
+    key = ("p2p", cluster.device(a).node, cluster.device(b).node, a == b, nbytes)
+    t = ccache.get(key)
+    if t is None:
+        t = ccache[key] = p2p_time(cluster, a, b, nbytes)
+    return t
 
 
 def _batch(graph: Graph) -> int:

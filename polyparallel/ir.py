@@ -415,23 +415,47 @@ _POINTS_CACHE: dict[tuple, int] = {}
 
 
 def _constrained_points(dims: tuple[tuple[str, int], ...], constraints: tuple[AffineExpr, ...]) -> int:
-    key = (dims, constraints)
-    if key in _POINTS_CACHE:
-        return _POINTS_CACHE[key]
-    import numpy as np
-
     involved = sorted({d for c in constraints for d in c.dims})
     ext = dict(dims)
     free = math.prod(e for d, e in dims if d not in involved)
-    grids = np.meshgrid(*[np.arange(ext[d], dtype=np.int64) for d in involved], indexing="ij", sparse=True)
-    env = dict(zip(involved, grids))
-    mask = np.ones([ext[d] for d in involved], dtype=bool)
+    # dims outside the constraints only multiply the count: key the cache by the rest
+    key = (tuple((d, ext[d]) for d in involved), constraints)
+    if key not in _POINTS_CACHE:
+        _POINTS_CACHE[key] = _count_constrained(involved, ext, constraints)
+    return _POINTS_CACHE[key] * free
+
+
+def _count_constrained(involved: list[str], ext: dict[str, int], constraints: tuple[AffineExpr, ...]) -> int:
+    """Integer points of the box over ``involved`` where every constraint is ``>= 0``.
+
+    The last dim ``y`` is counted in closed form over a grid of the others: each constraint
+    ``a·y + r >= 0`` (``r`` the rest, an integer) bounds ``y`` below by ``⌈−r/a⌉`` when
+    ``a > 0``, above by ``⌊−r/a⌋`` when ``a < 0``, and filters the grid point when ``a = 0``;
+    the count is ``max(0, min(upper) − max(lower) + 1)`` within ``[0, extent)``. So a causal
+    mask over ``s, t`` costs ``O(s)``, not ``O(s·t)``.
+    """
+    import numpy as np
+
+    if not involved:
+        return int(all(c.const >= 0 for c in constraints))
+    *rest, y = involved
+    grids = np.meshgrid(*[np.arange(ext[d], dtype=np.int64) for d in rest], indexing="ij", sparse=True)
+    env = dict(zip(rest, grids))
+    shape = [ext[d] for d in rest]
+    lo = np.zeros(shape, dtype=np.int64)
+    hi = np.full(shape, ext[y] - 1, dtype=np.int64)
+    ok = np.ones(shape, dtype=bool)
     for c in constraints:
-        val = sum(coef * env[d] for d, coef in c.terms) + c.const
-        mask &= np.broadcast_to(val >= 0, mask.shape)
-    n = int(mask.sum()) * free
-    _POINTS_CACHE[key] = n
-    return n
+        r = np.broadcast_to(np.asarray(sum((coef * env[d] for d, coef in c.terms if d != y), np.int64(c.const))),
+                            shape)
+        a = c.coef(y)
+        if a > 0:
+            lo = np.maximum(lo, -(r // a))  # ceil(-r / a)
+        elif a < 0:
+            hi = np.minimum(hi, r // -a)  # floor(r / -a)
+        else:
+            ok &= r >= 0
+    return int(np.where(ok, np.clip(hi - lo + 1, 0, None), 0).sum())
 
 
 def _freeze(v: Any) -> Any:

@@ -67,13 +67,15 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, StepEstimate, estimate_step
-from polyparallel.ir import Graph
+from polyparallel.cost_models.step import StepBound, step_lower_bound
+from polyparallel.ir import Graph, _Any
 from polyparallel.strategy import (
     CenterPlan,
     Collaborative,
@@ -95,6 +97,7 @@ MEMORY_LADDER = (("0", "none"), ("1", "none"), ("2", "none"), ("1", "selective")
 
 
 MAX_MICRO = 8
+ANCHORS = (2, 4)  # batch sizes a module is captured at; the others are re-batched from these
 
 
 class DoesNotFit(ValueError):
@@ -162,6 +165,7 @@ class _Model:
         self.graphs: dict[int, Graph] = {}
         self.priced: dict[int, Graph] = {}
         self.capture_s = 0.0
+        self.rebatch_failed = ""  # why re-batching was given up, if it was
         if isinstance(model, Graph):
             self.b0 = _graph_batch(model)
             self.graphs[self.b0] = model
@@ -207,16 +211,33 @@ class _Model:
 
         Canonicalisation folds views into accesses and fusion merges elementwise chains, so
         the cost model prices one memory pass per fused op (FLOPs and parameters unchanged).
+        A module is captured (and transformed) at the two ``ANCHORS`` batch sizes only; every
+        other size is re-batched from them (:func:`_rebatch_graph`), which on a big model
+        replaces a capture of seconds by milliseconds. Should the two captures not differ by
+        batch-affine integers alone, each size is captured instead.
         """
         if b not in self.priced:
-            if b not in self.graphs:
-                if not self.resizable:
-                    raise ValueError(f"the model has a fixed batch of {self.b0}; micro-batch {b} is not available")
-                self.graphs[b] = self._capture_raw(b)
-            from polyparallel.transforms import canonicalize, fuse_elementwise
+            derived = self._derive(b)
+            if derived is None:
+                if b not in self.graphs:
+                    if not self.resizable:
+                        raise ValueError(f"the model has a fixed batch of {self.b0}; micro-batch {b} is not available")
+                    self.graphs[b] = self._capture_raw(b)
+                from polyparallel.transforms import canonicalize, fuse_elementwise
 
-            self.priced[b] = fuse_elementwise(canonicalize(self.graphs[b]))
+                derived = fuse_elementwise(canonicalize(self.graphs[b]))
+            self.priced[b] = derived
         return self.priced[b]
+
+    def _derive(self, b: int) -> Graph | None:
+        lo, hi = ANCHORS
+        if not self.resizable or self.rebatch_failed or b in (lo, hi):
+            return None
+        try:
+            return _rebatch_graph(self.graph(lo), self.graph(hi), lo, hi, b)
+        except (_NotAffine, ValueError, RuntimeError, TypeError) as e:  # capture each size instead
+            self.rebatch_failed = f"{type(e).__name__}: {e}"
+            return None
 
     def micro_sizes(self, per_replica: int, exhaustive: bool) -> list[int]:
         if not self.resizable:
@@ -232,6 +253,70 @@ def _rebatch(v: Any, b0: int, b: int) -> Any:
     if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == b0:
         return torch.zeros((b, *v.shape[1:]), dtype=v.dtype, device=v.device)
     return v
+
+
+# ----------------------------------------------------------------------------------------
+# re-batching a captured graph
+
+
+class _NotAffine(ValueError):
+    """Two captures of a model differ in more than batch-affine integers."""
+
+
+def _rebatch_graph(lo: Graph, hi: Graph, b_lo: int, b_hi: int, b: int) -> Graph:
+    r"""The graph of micro-batch ``b`` from the graphs of the same model captured at ``b_lo < b_hi``.
+
+    Both captures must have the same structure (ops, tensors, dims, statements and accesses in
+    the same order, the same names and kinds); every integer ``x`` that differs between them
+    (an extent, a shape entry, an access coefficient or offset) is taken to be affine in the
+    batch, ``x(b) = x_lo + (x_hi − x_lo)(b − b_lo)/(b_hi − b_lo)``, which must be an exact
+    integer. This holds for the models a frontend produces: batch sizes enter shapes as
+    ``b`` or ``b·k`` and strides of dims outside the batch. (A capture at batch 1 may
+    index an extent-1 batch dim as the constant 0 where the re-batched graph keeps ``b``:
+    the same points, the same prices.)
+
+    Raises:
+        _NotAffine: naming the first difference that is not batch-affine (then capture instead).
+    """
+    for name, t in lo.tensors.items():
+        if t.is_param and hi.tensors.get(name) != t:
+            raise _NotAffine(f"parameter {name} differs between the batch {b_lo} and {b_hi} captures")
+    g = Graph(name=lo.name, tensors=_affine(lo.tensors, hi.tensors, b_lo, b_hi, b, "tensors"),
+              ops=_affine(lo.ops, hi.ops, b_lo, b_hi, b, "ops"), inputs=list(lo.inputs), outputs=list(lo.outputs),
+              source=lo.source, warnings=list(lo.warnings))
+    g.__dict__["_transform_history"] = lo.__dict__.get("_transform_history", ())
+    return g
+
+
+def _affine(x: Any, y: Any, b_lo: int, b_hi: int, b: int, where: str) -> Any:
+    if type(x) is not type(y):
+        raise _NotAffine(f"{where}: {type(x).__name__} vs {type(y).__name__}")
+    if isinstance(x, bool) or x is None or isinstance(x, str | float | Enum | _Any):
+        if x != y:
+            raise _NotAffine(f"{where}: {x!r} vs {y!r}")
+        return x
+    if isinstance(x, int):
+        if x == y:
+            return x
+        slope, rem = divmod(y - x, b_hi - b_lo)
+        if rem:
+            raise _NotAffine(f"{where}: {x} at batch {b_lo}, {y} at batch {b_hi} is not affine in the batch")
+        return x + slope * (b - b_lo)
+    if isinstance(x, tuple | list):
+        if len(x) != len(y):
+            raise _NotAffine(f"{where}: {len(x)} vs {len(y)} entries")
+        out = [_affine(u, v, b_lo, b_hi, b, f"{where}[{i}]") for i, (u, v) in enumerate(zip(x, y))]
+        return tuple(out) if isinstance(x, tuple) else out
+    if isinstance(x, dict):
+        if list(x) != list(y):
+            raise _NotAffine(f"{where}: different keys")
+        return {k: _affine(x[k], y[k], b_lo, b_hi, b, f"{where}.{k}") for k in x}
+    if is_dataclass(x):
+        return type(x)(**{f.name: _affine(getattr(x, f.name), getattr(y, f.name), b_lo, b_hi, b,
+                                          f"{where}.{f.name}") for f in fields(x)})
+    if x == y:  # an attribute value of another type (a dtype, a device...)
+        return x
+    raise _NotAffine(f"{where}: {x!r} vs {y!r}")
 
 
 def _graph_batch(g: Graph) -> int:
@@ -251,32 +336,85 @@ def _divisors(n: int) -> list[int]:
 
 
 @dataclass
+class _Candidate:
+    index: int  # enumeration order: ties in step time go to the earliest, as a plain scan would
+    b: int
+    graph: Graph
+    bound: StepBound
+
+    @property
+    def peak(self) -> float:
+        return max(r.total for r in self.bound.memory)
+
+
+@dataclass
 class _Best:
+    """Branch and bound over the enumerated plans.
+
+    Enumeration (:meth:`offer`) prices every plan's memory exactly and its step time from
+    below (:func:`~polyparallel.cost_models.step.step_lower_bound`, no pipeline simulation);
+    the control flow of the enumeration depends only on whether plans fit, so the candidate
+    set is the same as pricing each in full. :meth:`solve` then prices the fitting plans in
+    full in increasing order of their bounds and stops at the first bound above the best
+    step time found: a skipped plan cannot be faster, so the optimum is unchanged.
+    """
+
+    cl: Cluster | None = None
+    cap: float | None = None
     est: StepEstimate | None = None
     b: int = 0
     candidates: int = 0
+    priced: int = 0  # plans priced in full (pipeline simulated)
     closest: StepEstimate | None = None  # the plan that misses memory by the least
     notes: list[str] = field(default_factory=list)
+    fitting: list[_Candidate] = field(default_factory=list)
+    _closest: _Candidate | None = None
+    _full: dict[int, StepEstimate] = field(default_factory=dict)
 
-    def offer(self, est: StepEstimate, b: int, cap: float | None) -> bool:
+    def offer(self, graph: Graph, cfg: ParallelConfig, b: int) -> bool:
+        """Enumerate one plan: ``True`` when it fits (``ValueError`` when the cost model refuses it)."""
+        assert self.cl is not None
+        bound = step_lower_bound(graph, self.cl, cfg)
+        cand = _Candidate(self.candidates, b, graph, bound)
         self.candidates += 1
-        fits = _fits(est, cap)
-        if not fits:
-            if self.closest is None or _shortfall(est, cap) < _shortfall(self.closest, cap):
-                self.closest = est
+        if not _fits(bound, self.cap):
+            if self._closest is None or _shortfall(bound, self.cap) < _shortfall(self._closest.bound, self.cap):
+                self._closest = cand
             return False
-        if self.est is None or est.step_time < self.est.step_time * (1 - 1e-12):
-            self.est, self.b = est, b
+        self.fitting.append(cand)
         return True
 
+    def full(self, cand: _Candidate) -> StepEstimate:
+        est = self._full.get(cand.index)
+        if est is None:
+            assert self.cl is not None
+            est = self._full[cand.index] = estimate_step(cand.graph, self.cl, cand.bound.config)
+            self.priced += 1
+        return est
 
-def _fits(est: StepEstimate, cap: float | None) -> bool:
+    def solve(self, prune: bool = True) -> None:
+        """Price the fitting plans; ``prune=False`` prices every one (the exhaustive yardstick)."""
+        best: _Candidate | None = None
+        for cand in sorted(self.fitting, key=lambda x: (x.bound.lower_bound, x.index)):
+            if prune and self.est is not None and cand.bound.lower_bound > self.est.step_time * (1 + 1e-9):
+                break  # sorted by bound: no later plan can be faster
+            est = self.full(cand)
+            faster = self.est is None or est.step_time < self.est.step_time * (1 - 1e-12)
+            tie = self.est is not None and best is not None and est.step_time <= self.est.step_time * (1 + 1e-12) \
+                and cand.index < best.index
+            if faster or tie:
+                self.est, self.b, best = est, cand.b, cand
+        if self._closest is not None:
+            self.closest = self.full(self._closest)
+
+
+def _fits(est: StepEstimate | StepBound, cap: float | None) -> bool:
     if not est.fits:
         return False
     return cap is None or all(r.total <= cap for r in est.memory)
 
 
-def _shortfall(est: StepEstimate, cap: float | None) -> float:
+def _shortfall(est: StepEstimate | StepBound, cap: float | None) -> float:
     return max(r.total - min(r.capacity, cap or math.inf) for r in est.memory)
 
 
@@ -338,7 +476,7 @@ def _mesh_shapes(n: int, c: Constraints, node: int, layers: int, exhaustive: boo
     return out
 
 
-def _plans(base: ParallelConfig, c: Constraints, layers: int, exhaustive: bool) -> Iterable[list[ParallelConfig]]:
+def _plans(base: ParallelConfig, c: Constraints, layers: int) -> Iterable[list[ParallelConfig]]:
     """Per schedule, the memory-knob ladder for one mesh shape and micro-batching, cheapest first."""
     scheds: list[tuple[str, int]] = [("1f1b", 1)]
     if base.pp > 1:
@@ -414,7 +552,10 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
 
 def _search_sync(mdl: _Model, cl: Cluster, B: int, c: Constraints, devs: list[int], exhaustive: bool,
                  objective: str, say: Callable[[str], None]) -> _Best:
-    best = _Best()
+    best = _Best(cl=cl, cap=c.memory_cap)
+    # the memory objective looks for the least memory near the fastest plan, so it enumerates
+    # every micro-batch size and ladder rung instead of stopping at the first that fits
+    wide = exhaustive or objective == "memory"
     n = len(devs)
     g = mdl.graph(mdl.b0)
     layers = len(_layer_count(g))
@@ -432,35 +573,33 @@ def _search_sync(mdl: _Model, cl: Cluster, B: int, c: Constraints, devs: list[in
             continue
         if wan_pipe and not all(ce.activations_may_leave for ce in cl.centers):
             continue
-        order = _micro_order(mdl.micro_sizes(per_replica, exhaustive), per_replica, pp, c, exhaustive)
+        order = _micro_order(mdl.micro_sizes(per_replica, exhaustive), per_replica, pp, c, wide)
         if not order:
             continue
         if not exhaustive:
             # the most memory-frugal plan of this shape (smallest micro-batch, last ladder rung):
             # if even that does not fit, no plan of this shape does
-            frugal = next(iter(_plans(replace(base, microbatches=per_replica // min(order)), c, layers,
-                                      False)))[-1]
+            frugal = next(iter(_plans(replace(base, microbatches=per_replica // min(order)), c, layers)))[-1]
             try:
-                est = estimate_step(mdl.graph(min(order)), cl, frugal)
+                if not best.offer(mdl.graph(min(order)), frugal, min(order)):
+                    continue
             except ValueError as e:
                 best.notes.append(f"{frugal}: {e}")
-                continue
-            if not best.offer(est, min(order), c.memory_cap):
                 continue
         for b in order:
             cfg0 = replace(base, microbatches=per_replica // b)
             graph = mdl.graph(b)
             free_fit = False
-            for ladder in _plans(cfg0, c, layers, exhaustive):
+            for ladder in _plans(cfg0, c, layers):
                 sched_free_fit = False
                 for cfg in ladder:
                     try:
-                        est = estimate_step(graph, cl, cfg)
+                        fits = best.offer(graph, cfg, b)
                     except ValueError as e:  # a combination the cost model refuses (e.g. sp > heads)
                         best.notes.append(f"{cfg}: {e}")
                         break
                     free = cfg.recompute == "none" and cfg.zero_stage < 3
-                    if best.offer(est, b, c.memory_cap) and not exhaustive:
+                    if fits and not wide:
                         # ZeRO 0-2 move the same gradient volume but shard the optimizer step, so
                         # all of them are priced; later rungs only add communication/recomputation
                         sched_free_fit = sched_free_fit or free
@@ -469,12 +608,14 @@ def _search_sync(mdl: _Model, cl: Cluster, B: int, c: Constraints, devs: list[in
                     elif sched_free_fit and not free:
                         break
                 free_fit = free_fit or sched_free_fit
-            if free_fit and pp == 1 and not exhaustive:
+            if free_fit and pp == 1 and not wide:
                 break  # without a pipeline, the largest micro-batch that fits for free is the fastest
         if (i + 1) % 10 == 0:
-            say(f"priced {best.candidates} plans ({i + 1}/{len(shapes)} mesh shapes)")
+            say(f"enumerated {best.candidates} plans ({i + 1}/{len(shapes)} mesh shapes)")
+    best.solve(prune=not exhaustive)
+    say(f"{best.candidates} plans, {best.priced} priced in full (the others bounded out)")
     if objective == "memory" and best.est is not None:
-        best = _least_memory(mdl, cl, B, c, devs, best, exhaustive)
+        _least_memory(best)
     return best
 
 
@@ -498,26 +639,25 @@ def _micro_order(sizes: list[int], per_replica: int, pp: int, c: Constraints, ex
     return picked
 
 
-def _least_memory(mdl: _Model, cl: Cluster, B: int, c: Constraints, devs: list[int], fastest: _Best,
-                  exhaustive: bool) -> _Best:
-    """Among plans within 10% of the fastest step time, the one with the least peak memory."""
-    limit = fastest.est.step_time * 1.1
-    out = _Best(est=fastest.est, b=fastest.b, candidates=fastest.candidates)
-    peak = max(r.total for r in fastest.est.memory)
-    layers = len(_layer_count(mdl.graph(mdl.b0)))
-    for dp, tp, pp, sp in _mesh_shapes(len(devs), c, _node_size(cl, devs), layers, exhaustive):
-        if B % dp:
+def _least_memory(best: _Best) -> None:
+    """Among plans within 10% of the fastest step time, the one with the least peak memory.
+
+    The enumeration already holds every fitting plan's exact memory and a lower bound on its
+    step time: plans are visited least memory first, those bounded above the limit skipped
+    unpriced, and the first whose full price is within the limit is taken.
+    """
+    assert best.est is not None
+    limit = best.est.step_time * 1.1
+    peak = max(r.total for r in best.est.memory)
+    for cand in sorted(best.fitting, key=lambda x: (x.peak, x.index)):
+        if cand.peak >= peak:
+            break
+        if cand.bound.lower_bound > limit * (1 + 1e-9):
             continue
-        for b in mdl.micro_sizes(B // dp, exhaustive):
-            base = ParallelConfig(dp=dp, tp=tp, pp=pp, sp=sp, microbatches=B // dp // b,
-                                  dtype=fastest.est.config.dtype, devices=tuple(devs))
-            for cfg in (x for ladder in _plans(base, c, layers, True) for x in ladder):
-                est = estimate_step(mdl.graph(b), cl, cfg)
-                out.candidates += 1
-                mem = max(r.total for r in est.memory)
-                if _fits(est, c.memory_cap) and est.step_time <= limit and mem < peak:
-                    out.est, out.b, peak = est, b, mem
-    return out
+        est = best.full(cand)
+        if est.step_time <= limit:
+            best.est, best.b = est, cand.b
+            return
 
 
 def _layer_count(g: Graph) -> list[list[int]]:
@@ -778,7 +918,7 @@ def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Pa
 
 
 def _batch_of(mdl: _Model, est: StepEstimate) -> int:
-    for b in mdl.graphs:
+    for b in mdl.priced:
         if est.samples_per_step == b * est.config.dp * est.config.microbatches:
             return b
     return mdl.b0
