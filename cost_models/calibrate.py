@@ -13,9 +13,10 @@ then takes milliseconds; a training process on one thread never sees that.)
 
 * ``per_processes``: for each ``P`` in ``1`` and the group sizes, ``P`` processes measure at
   once (the slowest rank per quantity): matmul times by size (square fp32, ``n``),
-  copy bandwidth, and the floor of a 1-element op. This is what each process of a
-  ``P``-process run gets while its siblings compute too (``P`` above the core count
-  time-shares); ``local-cpu:<P>`` uses these rates as they are;
+  copy bandwidth, the floor of a 1-element op, and (``P >= 2``) ``dtensor_overhead``, what a
+  DTensor op adds to it (tensor-parallel modules and FSDP2's sharded parameters pay it per op).
+  This is what each process of a ``P``-process run gets while its siblings compute too (``P``
+  above the core count time-shares); ``local-cpu:<P>`` uses these rates as they are;
 * ``matmul``: ``{threads: [{n, flops, seconds}]}`` of this process alone with 1 thread and with
   all cores (for reference; ``local-cpu`` uses ``per_processes``), ``conv``,
   ``memory_bandwidth`` and ``launch_overhead`` (all cores);
@@ -192,11 +193,33 @@ def kernel_rates(matmul_sizes: Sequence[int], sync: Callable[[], Any] = lambda: 
     return {"matmul": rows, "memory_bandwidth": bw, "launch_overhead": floor, "threads": torch.get_num_threads()}
 
 
+def _dtensor_overhead(world: int) -> float:
+    """Seconds a sharded-tensor (DTensor) op costs over a plain one, measured on a tiny tensor.
+
+    Tensor-parallel modules and FSDP2's sharded parameters run every op on them (forward,
+    backward, each optimizer update) through DTensor's dispatch: sharding propagation and
+    wrapping on the host, before the local kernel. A 1-element-per-rank in-place add is the
+    floor of such an op; the plain add's floor is subtracted.
+    """
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    a, b = (distribute_tensor(torch.ones(world), mesh, [Shard(0)]) for _ in range(2))
+    x, y = torch.ones(1), torch.ones(1)
+    sharded = _time(lambda: a.add_(b, alpha=0.5), window=0.02)
+    plain = _time(lambda: x.add_(y, alpha=0.5), window=0.02)
+    return max(0.0, sharded - plain)
+
+
 def _group_measure(rank: int, world: int, sizes: Sequence[int], iters: int,
                    matmul_sizes: Sequence[int]) -> tuple[dict[str, Any], list[tuple[int, float]]]:
     import torch.distributed as dist
 
     kernels = kernel_rates(matmul_sizes, sync=dist.barrier)  # all ranks at once: what a P-process run sees
+    dist.barrier()
+    kernels["dtensor_overhead"] = _dtensor_overhead(world)
     dist.barrier()
     return kernels, _allreduce_sizes(rank, world, sizes, iters)
 
@@ -207,7 +230,9 @@ def slowest_rank(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
             for i, r in enumerate(per_rank[0]["matmul"])]
     return {"matmul": rows, "memory_bandwidth": min(k["memory_bandwidth"] for k in per_rank),
             "launch_overhead": max(k["launch_overhead"] for k in per_rank),
-            "threads": max(k.get("threads", THREADS_PER_PROCESS) for k in per_rank)}
+            "threads": max(k.get("threads", THREADS_PER_PROCESS) for k in per_rank),
+            **({"dtensor_overhead": max(k["dtensor_overhead"] for k in per_rank)}
+               if all("dtensor_overhead" in k for k in per_rank) else {})}
 
 
 def fit_alpha_beta(points: Sequence[tuple[int, float, float]]) -> dict[str, float]:
@@ -324,8 +349,9 @@ def calibrate(out: str | os.PathLike[str] | None = None, *, group_sizes: Sequenc
 
 def _say_rates(say: Callable[[str], None], p: int, k: dict[str, Any]) -> None:
     best = max(r["flops"] / r["seconds"] for r in k["matmul"])
+    dt = f", DTensor op +{k['dtensor_overhead'] * 1e6:.0f} us" if "dtensor_overhead" in k else ""
     say(f"{p} process(es) at once, {THREADS_PER_PROCESS} thread each: best matmul {best / 1e9:.1f} GFLOP/s per "
-        f"process, copy {k['memory_bandwidth'] / 1e9:.1f} GB/s, 1-element op {k['launch_overhead'] * 1e6:.1f} us")
+        f"process, copy {k['memory_bandwidth'] / 1e9:.1f} GB/s, 1-element op {k['launch_overhead'] * 1e6:.1f} us{dt}")
 
 
 def _load_average() -> float | None:

@@ -23,6 +23,13 @@ gradient); views cost nothing. ``split`` divides the work when an op is partitio
 devices (tensor / sequence parallel), before the launch floor is applied — so splitting a
 small op buys nothing, as on real hardware.
 
+An op on *sharded parameters* (a tensor-parallel module: torch runs it on DTensors) also pays
+the host's DTensor dispatch ``δ`` (``sharded_op_overhead``, measured by ``polyparallel
+calibrate``; 0 on accelerators, whose host runs ahead of the device) once per kernel forward
+and ``κ`` times backward:
+
+    t_fwd += δ,    t_bwd += κ · δ.
+
 Examples:
     >>> from polyparallel.cluster import Cluster
     >>> from polyparallel.cost_models.synthetic import mlp_graph
@@ -145,7 +152,7 @@ def _kernels(graph: Graph, op: Op, dtype: str, fused: bool) -> list[tuple[float,
 
 
 def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split: float = 1.0,
-            flops_scale: float = 1.0, fused: bool | None = None) -> OpCost:
+            flops_scale: float = 1.0, fused: bool | None = None, sharded: bool = False) -> OpCost:
     """Roofline time of ``op`` on ``device`` at compute precision ``dtype``.
 
     Args:
@@ -153,6 +160,8 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
         flops_scale: multiplies the FLOPs (e.g. 0 for an op whose work is recomputed elsewhere).
         fused: whether a multi-statement op runs as one kernel; default: everything except
             attention (unfused attention writes its score matrix to memory and reads it back).
+        sharded: the op runs on sharded parameters (DTensor): each kernel pays the device's
+            ``sharded_op_overhead`` forward and ``κ`` times backward.
     """
     if split <= 0:
         raise ValueError(f"split must be > 0, got {split}")
@@ -178,8 +187,9 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
         # a measured matmul time already contains its memory traffic at that size (in cache or not)
         t_m = 0.0 if matrix and device.matmul_curve else b / (device.memory_bandwidth * MEMORY_EFFICIENCY)
         k = max(t_c, t_m, device.launch_overhead)
-        t += k
-        t_b += max(t_c * kb, t_m * kb, device.launch_overhead) if kb > 0 else 0.0
+        dispatch = device.sharded_op_overhead if sharded else 0.0
+        t += k + dispatch
+        t_b += max(t_c * kb, t_m * kb, device.launch_overhead) + kb * dispatch if kb > 0 else 0.0
         flops_tot += f
         bytes_tot += b
         if k > worst:

@@ -73,6 +73,9 @@ __all__ = ["ParallelConfig", "StageBreakdown", "StepBound", "StepEstimate", "chu
 RECOMPUTE = ("none", "selective", "full")
 # kernels per parameter tensor of torch's single-tensor optimizer step (torch/optim/adam.py etc.):
 # Adam: step += 1, lerp_, mul_ + addcmul_, sqrt / c + eps, addcdiv_
+_OPT_KERNELS = {"adam": 9, "adamw": 10, "lamb": 12, "lion": 5, "sgd": 1, "sgd_momentum": 3}
+# kernels per parameter tensor of torch's single-tensor optimizer step (torch/optim/adam.py etc.):
+# Adam: step += 1, lerp_, mul_ + addcmul_, sqrt / c + eps, addcdiv_
 _SHORT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
@@ -553,6 +556,8 @@ class _StageTerms:
     p2p: tuple[float, ...]
     p2p_sum: tuple[float, ...]
     dp_groups: tuple[tuple[tuple[int, ...], ...], ...]  # distinct (by nodes) dp groups of each stage
+    param_tensors: tuple[int, ...] = ()  # distinct parameter tensors of each stage
+    tp_param_tensors: tuple[int, ...] = ()  # of those, the ones split over tp (DTensors in torch)
 
 
 @dataclass(frozen=True)
@@ -603,6 +608,13 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
             "sgd_momentum", "lion") else 0
         opt_bytes = params / shard * (gb * 3 + 2 * (master + opt_state))
         t_opt = max(opt_bytes / (dt.memory_bandwidth * 0.8), dt.launch_overhead) if params else 0.0
+        if dt.kind == "cpu" and terms.param_tensors:
+            # torch's CPU optimizers update tensor by tensor (no multi-tensor kernels there): each
+            # parameter tensor costs ~k kernels, each at least the kernel floor, plus DTensor's
+            # dispatch for sharded ones (FSDP2 shards all of them, tensor parallelism its own)
+            k = _OPT_KERNELS.get(cfg.optimizer, 9)
+            dtensors = terms.param_tensors[s] if cfg.zero_stage >= 1 and dgrp_size > 1 else terms.tp_param_tensors[s]
+            t_opt = max(t_opt, k * (terms.param_tensors[s] * dt.launch_overhead + dtensors * dt.sharded_op_overhead))
         dps.append(_DataParallel(exposed, t_opt, t_dp, tuple(events)))
         ws = terms.seg_act_max[s]
         if cfg.zero_stage == 3:
@@ -668,11 +680,13 @@ def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
         return hit
     fw, bw, att = [], [], []
     for i, op in enumerate(graph.ops):
-        k = (i, dt.name, cfg.dtype, plans[i].split, cfg.fused_attention)
+        # tensor-parallel parameters are DTensors: their ops pay the host's dispatch (compute.py)
+        sharded = plans[i].param_split > 1
+        k = (i, dt.name, cfg.dtype, plans[i].split, cfg.fused_attention, sharded)
         c = op_costs.get(k)
         if c is None:
             c = op_costs[k] = op_cost(graph, op, dt, cfg.dtype, split=plans[i].split,
-                                      fused=True if cfg.fused_attention else None)
+                                      fused=True if cfg.fused_attention else None, sharded=sharded)
         fw.append(c.forward)
         bw.append(c.backward)
         att.append(c.forward if OpKind(op.kind) is OpKind.ATTENTION else 0.0)
@@ -770,7 +784,8 @@ def _compute_stage_terms(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v:
         return list({tuple(sorted(node_of[d] for d in grp)): grp for grp in groups}.values())
 
     out: dict[str, list] = {k: [] for k in ("devices", "types", "fwd", "bwd", "comp", "tp_t", "sp_t", "act",
-                                             "seg_act_max", "params", "p2p", "p2p_sum", "dp_groups")}
+                                             "seg_act_max", "params", "p2p", "p2p_sum", "dp_groups",
+                                             "param_tensors", "tp_param_tensors")}
     stage_of_seg = [chunk_of_op[sg[0]] % p for sg in segs]
     for s in range(p):
         sdevs = tuple(devs[cfg.rank(s, d, q, t)] for d in range(cfg.dp) for q in range(cfg.sp) for t in range(cfg.tp))
@@ -822,12 +837,16 @@ def _compute_stage_terms(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v:
         # memory inputs
         seen: set[str] = set()
         params = 0.0
+        split_tensors = 0
         for a, z in rng:
             for _, t, numel in uses[bisect_left(use_idx, a): bisect_left(use_idx, z)]:
                 if t not in seen:
                     seen.add(t)
                     params += numel
+                    split_tensors += numel < graph.tensors[t].numel
         out["params"].append(params)
+        out["param_tensors"].append(len(seen))
+        out["tp_param_tensors"].append(split_tensors)
         full_act = seg_max = 0.0
         stage_segs = [j for j in range(len(segs)) if stage_of_seg[j] == s]
         for j in stage_segs:

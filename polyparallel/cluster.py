@@ -167,6 +167,8 @@ class DeviceType:
         launch_overhead: seconds: the floor of any kernel.
         source: where the numbers come from.
         matmul_curve: measured ``(flops, seconds)`` of matmuls by size (calibrated devices).
+        sharded_op_overhead: seconds a sharded-tensor (DTensor) op adds on the host over a plain
+            one (calibrated CPU processes); 0 where the host runs ahead of the device.
     """
 
     name: str
@@ -178,6 +180,7 @@ class DeviceType:
     vendor: str = ""
     source: str = ""
     matmul_curve: tuple[tuple[float, float], ...] = ()
+    sharded_op_overhead: float = 0.0
 
     def peak_flops(self, dtype: str = "fp32") -> float:
         """Peak FLOP/s for a dtype (``fp32``/``bf16``.. or torch names), with documented fallbacks."""
@@ -790,9 +793,12 @@ def _calibrated_type(name: str, cal: Mapping[str, Any], procs: int, base: Device
         mem_bw *= share
         floor /= share
     peak = max(f / s for f, s in curve)
+    # DTensor's dispatch cost, measured with >= 2 processes: the nearest measured process count
+    dts = {int(k): float(v["dtensor_overhead"]) for k, v in per.items() if "dtensor_overhead" in v}
+    sharded = dts[min(dts, key=lambda k: (abs(k - procs), -k))] if dts else 0.0
     return DeviceType(name=name, kind="cpu", peak=(("fp32", peak),), vendor="this machine",
                       memory=float(cal.get("memory_bytes", 8 * 2**30)) / procs, memory_bandwidth=mem_bw,
-                      launch_overhead=floor,
+                      launch_overhead=floor, sharded_op_overhead=sharded,
                       source=f"calibration {cal.get('path', '')} ({cal.get('host', '?')}, {cal.get('date', '?')}, "
                              f"{threads} thread(s)/process, {procs} processes on {cores} cores)",
                       matmul_curve=curve)

@@ -167,3 +167,48 @@ def test_calibrate_measures_this_machine_with_the_training_thread_count(tmp_path
     dt = Cluster.preset("local-cpu:2").device(0).type
     measured = res["per_processes"]["2"]["matmul"][-1]
     assert dt.peak_flops("fp32") >= measured["flops"] / measured["seconds"] * (1 - 1e-9)
+
+
+def test_sharded_ops_pay_the_measured_dtensor_dispatch(tmp_path, monkeypatch):
+    cal = _calibration()
+    cal["per_processes"]["2"]["dtensor_overhead"] = 40e-6
+    cal["per_processes"]["4"]["dtensor_overhead"] = 90e-6
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(cal))
+    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(path))
+    assert Cluster.preset("local-cpu:2").device(0).type.sharded_op_overhead == 40e-6
+    assert Cluster.preset("local-cpu:3").device(0).type.sharded_op_overhead == 90e-6  # nearest, larger on a tie
+    assert Cluster.preset("local-cpu:1").device(0).type.sharded_op_overhead == 40e-6
+    dt = Cluster.preset("local-cpu:2").device(0).type
+    g = mlp_graph(batch=256, widths=(256, 256), bias=False)
+    plain, sharded = op_cost(g, g.ops[0], dt, split=2), op_cost(g, g.ops[0], dt, split=2, sharded=True)
+    # forward: one DTensor dispatch; backward: two GEMMs, two dispatches
+    assert sharded.forward - plain.forward == pytest.approx(40e-6)
+    assert sharded.backward - plain.backward == pytest.approx(2 * 40e-6)
+
+
+def test_cpu_optimizer_costs_kernels_per_parameter_tensor(tmp_path, monkeypatch):
+    cal = _calibration()
+    for k in cal["per_processes"].values():
+        k["memory_bandwidth"] = 1e18  # no streaming term: only the per-tensor kernel floors remain
+        k["launch_overhead"] = 3e-6
+        k["dtensor_overhead"] = 50e-6
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(cal))
+    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(path))
+    g = mlp_graph(batch=64, widths=(128, 128, 128), bias=True)  # 3 Linear (the last to classes): 6 tensors
+    two = Cluster.preset("local-cpu:2")
+    adam = 9  # kernels per tensor of torch's single-tensor Adam
+    ddp = estimate_step(g, two, ParallelConfig(dp=2, optimizer="adam")).breakdown()["optimizer"]
+    assert ddp == pytest.approx(adam * 6 * 3e-6)
+    # FSDP2 shards every parameter: every update kernel also pays DTensor's dispatch
+    fsdp = estimate_step(g, two, ParallelConfig(dp=2, zero_stage=3, optimizer="adam")).breakdown()["optimizer"]
+    assert fsdp == pytest.approx(adam * 6 * (3e-6 + 50e-6))
+    # tensor parallelism: the parameters of its modules are DTensors (here all three Linears are split)
+    tp = estimate_step(g, two, ParallelConfig(tp=2, optimizer="adam")).breakdown()["optimizer"]
+    assert tp == pytest.approx(fsdp)
+    sgd = estimate_step(g, two, ParallelConfig(dp=2, optimizer="sgd")).breakdown()["optimizer"]
+    assert sgd == pytest.approx(6 * 3e-6)
+    # accelerators run multi-tensor optimizer kernels: no per-tensor floor there
+    gpu = estimate_step(g, Cluster.preset("dgx-a100"), ParallelConfig(dp=2, optimizer="adam"))
+    assert gpu.breakdown()["optimizer"] < adam * 6 * 5e-6
