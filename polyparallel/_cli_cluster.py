@@ -101,7 +101,8 @@ def calibrate_cmd(
     group_sizes: Annotated[str, typer.Option("--group-sizes", help="gloo group sizes, comma separated")] = "2,3,4",
     timeout: Annotated[float, typer.Option("--timeout", help="seconds before a gloo group is killed")] = 120.0,
 ) -> None:
-    """Measure this machine (matmul/conv throughput, memory bandwidth, gloo collectives) for `local-cpu`."""
+    """Measure this machine for `local-cpu:<P>`: matmul throughput, memory bandwidth, kernel and DTensor
+    floors with 1..P processes at once (one thread each, as the torch backend runs them), gloo all-reduce."""
     from polyparallel.cost_models.calibrate import calibrate
 
     try:
