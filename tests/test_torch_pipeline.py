@@ -17,6 +17,7 @@ import torch
 import polyparallel as pp
 from polyparallel.backends.torch import Unsupported, plan_for, train
 from polyparallel.backends.torch import _examples as ex
+from polyparallel.strategy import Mesh
 from tests.test_torch_backend import LR, SEED, STEPS, _max_rel, _single
 
 pytestmark = pytest.mark.slow
@@ -148,3 +149,18 @@ def test_refuses_stages_it_cannot_cut() -> None:
         plan_for(s.model_copy(update={"microbatches": 3}), model, batch)
     with pytest.raises(Unsupported, match=r"pp=2 with tp=2"):
         plan_for(s.model_copy(update={"tp": 2}), model, batch)
+
+
+def test_rank_layout_follows_the_mesh() -> None:
+    """Stage-major as the planner writes meshes, or dp-major when a hand-written mesh lists dp first;
+    stage device lists that contradict the mesh are refused."""
+    s = _pipeline_strategy(4, dp=2, microbatches=2, schedule="1f1b", zero_stage=0)
+    model, batch = ex.tiny_gpt(), ex.gpt_data(0)
+    assert plan_for(s, model, batch).pipeline.pp_major
+    assert [st.devices for st in s.stages] == [[0, 1], [2, 3]]
+    flipped = Mesh(axes=list(reversed(s.mesh.axes)), devices=s.mesh.devices)
+    with pytest.raises(Unsupported, match=r"stage 0 lists devices \[0, 1\] but the mesh \['dp', 'pp'\] puts it on "
+                                          r"\[0, 2\]"):
+        plan_for(s.model_copy(update={"mesh": flipped}), model, batch)
+    stages = [st.model_copy(update={"devices": [st.index, st.index + 2]}) for st in s.stages]
+    assert not plan_for(s.model_copy(update={"mesh": flipped, "stages": stages}), model, batch).pipeline.pp_major

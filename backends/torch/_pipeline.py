@@ -15,7 +15,9 @@ unsplit model does.
 loss) form the *loss tail*, run by the schedule's ``loss_fn`` on the last stage with the labels as
 the target. Micro-batch ``j`` of ``M`` gives ``L_j = mean over its samples``; the schedule scales the
 gradients by ``1/M``, so with equal micro-batches the step's gradient is ``∇(1/M Σ_j L_j) = ∇L`` of the
-whole batch, and the logged loss is ``1/M Σ_j L_j``, averaged over the ``dp`` replicas.
+whole batch, and the logged loss is ``1/M Σ_j L_j``, averaged over the ``dp`` replicas. (A loss whose
+mean is over a data-dependent count, e.g. cross entropy with ``ignore_index`` tokens, would weight
+micro-batches unequally; as with data parallelism, equal counts per micro-batch are assumed.)
 
 **Tied weights** (GPT's ``lm_head.weight = wte.weight``): each stage that uses the parameter holds a
 copy; after the schedule's backward their gradients are summed over the stages holding it (the
@@ -30,10 +32,12 @@ backwards. ``PipelineStage`` reduces the gradients once per step, after the last
 **Checkpoints** (``torch.distributed.checkpoint``) keep the model paths as keys (prefixed by the
 chunk's position on its rank when a rank holds several chunks) and one optimiser entry per stage.
 
-Refused before launch, with the reason: a stage boundary naming an op the model does not have, cuts
-out of order, layer lists that disagree with the model, a non-tensor value or ``labels`` crossing a
-cut, parameters inside the loss tail, buffers mutated in forward (BatchNorm running statistics), an
-unknown schedule, ``global_batch`` not divisible by ``dp * microbatches``, and (in this slice)
+Refused before launch, with the reason: a model ``torch.export`` cannot capture, a stage boundary
+naming an op the model does not have (a strategy for another model), cuts out of order, stage layer
+lists that disagree with where the layers sit in the model, a non-tensor value crossing a cut (e.g.
+between a ``split`` and its ``getitem``), the model input used after the first stage, parameters in
+the loss tail, tensors mutated in forward (BatchNorm running statistics), schedules other than GPipe /
+1F1B / interleaved 1F1B, ``global_batch`` not divisible by ``dp * microbatches``, and (in this slice)
 ``tp > 1`` together with ``pp > 1``.
 """
 
@@ -152,11 +156,7 @@ def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cu
                  for a in n.all_input_nodes):
             raise _unsupported(f"op {n.name!r} uses the labels and parameters: the loss must be parameter-free to run "
                                "as the pipeline's loss function")
-    last = len(starts) - 1
-    for n in ops:
-        users = [u for u in n.users if u.op == "call_function"]
-        if n in chunk_of and any(u not in tail and chunk_of[u] < chunk_of[n] for u in users):
-            raise _unsupported(f"op {n.name!r} is used before its stage; cannot pipeline this graph")
+    last = len(starts) - 1  # (the graph is in topological order, so no op is used before its chunk)
     # values crossing cut c (c = 1..last) and into the tail (c = last + 1)
     live: list[list[fx.Node]] = [[] for _ in range(last + 2)]
     for n in [x_in, *ops]:
@@ -250,7 +250,7 @@ def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, to
     chunks = _chunks_of(s)
     v = len(chunks) // s.pp
     if sched == "interleaved":
-        if v_txt and int(v_txt) != v:
+        if v_txt and (not v_txt.isdigit() or int(v_txt) != v):
             raise _unsupported(f"schedule {s.schedule!r} but the stages list {v} chunks each")
         if v < 2:
             raise _unsupported("an interleaved schedule needs at least 2 chunks per stage")
@@ -283,10 +283,25 @@ def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, to
         stages = [k % s.pp for k in ks]
         if len(set(stages)) != len(stages):
             raise _unsupported(f"parameter {p!r} is used by chunks {list(ks)}, two of them on one stage; not executed")
-    order = [a.name for a in s.mesh.axes if a.name in ("pp", "dp") and a.size > 1]
     return PipelinePlan(stages=s.pp, virtual=v, schedule=sched, microbatches=s.microbatches,
                         cuts=tuple(first for first, _ in chunks[1:]), chunk_params=tuple(split.params), tied=tied,
-                        pp_major=order[0] == "pp")
+                        pp_major=_pp_major(s))
+
+
+def _pp_major(s: Any) -> bool:
+    """Whether the mesh numbers ranks stage-major; checks the mesh against the degrees and the stages'
+    device lists, since the workers place stage ``k``'s chunks on the ranks the mesh gives it."""
+    sizes = {a.name: a.size for a in s.mesh.axes if a.size > 1}
+    if sizes.get("pp") != s.pp or sizes.get("dp", 1) != s.dp:
+        raise _unsupported(f"the mesh axes {sizes} do not match pp={s.pp}, dp={s.dp}")
+    order = [a for a in sizes if a in ("pp", "dp")]
+    pp_major = order[0] == "pp"
+    for st in s.stages:
+        ranks = [st.index * s.dp + d if pp_major else d * s.pp + st.index for d in range(s.dp)]
+        if st.devices and sorted(st.devices) != sorted(s.mesh.devices[r] for r in ranks):
+            raise _unsupported(f"stage {st.index} lists devices {st.devices} but the mesh {order} puts it on "
+                               f"{[s.mesh.devices[r] for r in ranks]}")
+    return pp_major
 
 
 def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.device) -> Iterator[int]:
