@@ -19,15 +19,18 @@ if TYPE_CHECKING:
 __all__ = ["CACHE", "PolyCache", "cache_stats", "clear_cache", "signature_of"]
 
 
+_MISSING = object()
+
+
 @dataclass
 class PolyCache:
-    """Named LRU tables; ``maxsize`` bounds each table, ``big`` the tables of small values
+    """Named memo tables; ``maxsize`` bounds each table, ``big`` the tables of small values
     (distributions and per-device intersections hold arrays over the devices; reshards and
     op prices are a few integers, and one attention edge alone has ~10^4 of them)."""
 
     maxsize: int = 4096
     big: int = 1 << 18
-    small_values: frozenset[str] = frozenset({"reshard", "op_comm", "legal", "edge"})
+    small_values: frozenset[str] = frozenset({"reshard", "op_comm", "legal", "edge", "missing"})
     tables: dict[str, OrderedDict[Hashable, Any]] = field(default_factory=dict)
     hits: dict[str, int] = field(default_factory=dict)
     misses: dict[str, int] = field(default_factory=dict)
@@ -38,11 +41,14 @@ class PolyCache:
         self.clearers.extend(fns)
 
     def get(self, table: str, key: Hashable, make: Callable[[], Any]) -> Any:
-        t = self.tables.setdefault(table, OrderedDict())
-        if key in t:
-            t.move_to_end(key)
+        t = self.tables.get(table)
+        if t is None:
+            t = self.tables[table] = OrderedDict()
+        # one hash of the key per lookup (keys are long tuples); eviction is first-in first-out
+        value = t.get(key, _MISSING)
+        if value is not _MISSING:
             self.hits[table] = self.hits.get(table, 0) + 1
-            return t[key]
+            return value
         self.misses[table] = self.misses.get(table, 0) + 1
         value = make()
         t[key] = value

@@ -409,14 +409,44 @@ def _reshard(h: Distribution, n: Distribution, mesh: DeviceMesh, dtype_bytes: in
                               None, direct, int(miss.sum()), int(n.counts().max()), 0))
         return Reshard(str(h), str(n), tuple(steps), direct, dtype_bytes)
 
-    # the route works on raw shard tuples; every count below is memoised per (shape, shards, mesh)
+    # steps 1-4 depend only on the layouts' shards and the need's mesh axes per tensor axis, and
+    # step 5 only on (need, final layout): both are memoised, so the ~10^4 pairs of an edge
+    # reduce to a few hundred routes and final exchanges
     shape = h.shape
     need_lay = n.layout
-    plain: Shards = lay.shards
-    direct = _gain(shape, need_lay.shards, plain, mesh)[0] if need_lay is not None else \
-        int(n.missing(layout_distribution(TensorLayout(shape, plain), mesh)).max(initial=0))
+    steps_14, cur = _route(shape, lay.shards, lay.partial, n.deps, mesh)
+    steps = list(steps_14)
+    if need_lay is not None:
+        direct = _gain(shape, need_lay.shards, lay.shards, mesh)[0]
+        most, total, payload = _gain(shape, need_lay.shards, cur, mesh)
+    else:
+        direct = _missing_stats(n, lay.shards)[0]
+        most, total, payload = _missing_stats(n, cur)
+    if most:
+        irregular = [i for i, b in enumerate(n.block) if not b]
+        halo = bool(irregular) and all(n.deps[i] and set(n.deps[i]) == set(cur[i]) for i in irregular)
+        axes = tuple(a for i in irregular for a in n.deps[i]) if halo else tuple(mesh.names)
+        steps.append(Step("halo" if halo else "p2p", axes, irregular[0] if len(irregular) == 1 else None,
+                          most, total, payload, 2 if halo else mesh.size))
+    return Reshard(str(h), str(n), tuple(steps), direct, dtype_bytes)
+
+
+def _missing_stats(n: Distribution, held: Shards) -> tuple[int, int, int]:
+    """(max, total over devices) of ``|n(p) \\ held(p)|`` and ``max |n(p)|``, memoised per (need, layout)."""
+    def make() -> tuple[int, int, int]:
+        left = n.missing(layout_distribution(TensorLayout(n.shape, held), n.mesh))
+        return int(left.max(initial=0)), int(left.sum()), int(n.counts().max(initial=0))
+
+    return CACHE.get("missing", (n.reshard_key, held), make)
+
+
+@lru_cache(maxsize=1 << 16)
+def _route(shape: Shape, plain: Shards, partial: tuple[str, ...], deps: Shards,
+           mesh: DeviceMesh) -> tuple[tuple[Step, ...], Shards]:
+    """Steps 1-4 of the route (module docstring) and the layout they end in."""
+    steps: list[Step] = []
     shards = [list(x) for x in plain]
-    need_axis = {a: i for i, d in enumerate(n.deps) for a in d}
+    need_axis = {a: i for i, d in enumerate(deps) for a in d}
     cur: Shards = plain
 
     def move(kind: str, axes: tuple[str, ...], axis: int | None) -> None:
@@ -428,7 +458,7 @@ def _reshard(h: Distribution, n: Distribution, mesh: DeviceMesh, dtype_bytes: in
         cur = nxt
 
     # 1. partial sums: reduce-scatter onto the axis the consumer splits on that mesh axis, else all-reduce
-    for a in lay.partial:
+    for a in partial:
         j = need_axis.get(a)
         g = mesh.axis(a).size
         if j is not None:
@@ -453,7 +483,7 @@ def _reshard(h: Distribution, n: Distribution, mesh: DeviceMesh, dtype_bytes: in
         if a in have_axis and a in need_axis and have_axis[a] != need_axis[a]:
             i, j = have_axis[a], need_axis[a]
             shards[i] = [x for x in shards[i] if x != a]
-            shards[j] = _ordered([*shards[j], a], n.deps[j])
+            shards[j] = _ordered([*shards[j], a], deps[j])
             move("all-to-all", (a,), j)
     # 4. all-gather where the consumer does not split along the mesh axis
     gather = [a for a in mesh.names if a in have_axis and a not in need_axis]
@@ -461,19 +491,7 @@ def _reshard(h: Distribution, n: Distribution, mesh: DeviceMesh, dtype_bytes: in
         axes = tuple(a for a in gather if have_axis[a] == i)
         shards[i] = [x for x in shards[i] if x not in axes]
         move("all-gather", axes, i)
-    # 5. what is still missing: a halo along the same mesh axes, or an irregular exchange
-    if need_lay is not None:
-        most, total, payload = _gain(shape, need_lay.shards, cur, mesh)
-    else:
-        left = n.missing(layout_distribution(TensorLayout(shape, cur), mesh))
-        most, total, payload = int(left.max(initial=0)), int(left.sum()), int(n.counts().max(initial=0))
-    if most:
-        irregular = [i for i, b in enumerate(n.block) if not b]
-        halo = bool(irregular) and all(n.deps[i] and set(n.deps[i]) == set(shards[i]) for i in irregular)
-        axes = tuple(a for i in irregular for a in n.deps[i]) if halo else tuple(mesh.names)
-        steps.append(Step("halo" if halo else "p2p", axes, irregular[0] if len(irregular) == 1 else None,
-                          most, total, payload, 2 if halo else mesh.size))
-    return Reshard(str(h), str(n), tuple(steps), direct, dtype_bytes)
+    return tuple(steps), cur
 
 
 Shards = tuple[tuple[str, ...], ...]
@@ -542,8 +560,8 @@ def _gain(shape: Shape, nxt: Shards, cur: Shards, mesh: DeviceMesh) -> tuple[int
     return int(gained.max(initial=0)), int(gained.sum()), int(nd.counts().max(initial=0))
 
 
-CACHE.on_clear(_AXIS_MEMO.clear, _even_blocks.cache_clear, _block_stats.cache_clear, _all_reduce_of.cache_clear,
-               _gain.cache_clear)
+CACHE.on_clear(_AXIS_MEMO.clear, _route.cache_clear, _even_blocks.cache_clear, _block_stats.cache_clear,
+               _all_reduce_of.cache_clear, _gain.cache_clear)
 
 
 def _ordered(axes: list[str], reference: Sequence[str]) -> list[str]:
