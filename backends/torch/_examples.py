@@ -6,7 +6,7 @@ import torch
 
 from polyparallel.models import GPT, MLP, GPTConfig
 
-__all__ = ["gpt_data", "mlp_data", "tiny_gpt", "tiny_mlp"]
+__all__ = ["gpt_data", "gpt_example", "mlp_data", "tiny_gpt", "tiny_mlp"]
 
 BATCH = 8
 
@@ -22,6 +22,13 @@ def mlp_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def tiny_gpt() -> GPT:
     return GPT(GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4))
+
+
+def gpt_example() -> tuple[GPT, tuple[torch.Tensor], dict[str, torch.Tensor]]:
+    """``tiny_gpt`` with one global batch, for ``polyparallel search`` (MODEL ``package.module:function``):
+    the strategy's fingerprint is then the one ``polyparallel train --model ...:tiny_gpt`` checks."""
+    x, y = gpt_data(0)
+    return tiny_gpt(), (x,), {"labels": y}
 
 
 def gpt_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
