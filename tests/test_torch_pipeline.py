@@ -68,6 +68,35 @@ def test_stages_map_onto_the_model() -> None:
     assert len(held) == len(names) and len(first & last) == 1
 
 
+def test_chunks_chained_give_the_model_loss_and_gradients() -> None:
+    """Cuts anywhere (mid-block too: a transposed q crosses the cut before attention) chain back to
+    the unsplit model's loss and gradients; values sent between stages are contiguous (p2p needs it)."""
+    from polyparallel.backends.torch._pipeline import split_model
+
+    torch.manual_seed(SEED)
+    model = ex.tiny_gpt()
+    x, y = ex.gpt_data(0)
+    loss = model(x[:2], y[:2])
+    loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    split = split_model(model, x[:2], y[:2], ["embedding_1", "scaled_dot_product_attention", "linear_5"])
+    assert len(split.chunks) == 4
+    acts: tuple[torch.Tensor, ...] = (x[:2],)
+    for c, chunk in enumerate(split.chunks):
+        acts = chunk(*acts)
+        assert all(a.is_contiguous() for a in acts), c
+    got = split.tail(*acts, y[:2])
+    got.backward()
+    assert torch.equal(got, loss)
+    # in one process the chunks share parameter objects, so the tied weight's gradient from the
+    # first and the last chunk accumulates in one tensor, as the workers' all-reduce sums it
+    grads = {n: p.grad for chunk in split.chunks for n, p in chunk.named_parameters()}
+    assert len(grads) == len(want)  # every parameter once; the tied one by its lm_head name
+    for n, g in grads.items():
+        torch.testing.assert_close(g, want.get(n, want["wte.weight"]), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.timeout(90)
 def test_pp2_gpipe_matches_single_process(tmp_path: Path) -> None:
     s = _pipeline_strategy(2, dp=1, microbatches=4, schedule="gpipe")

@@ -123,13 +123,19 @@ def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cu
                            "forward(inputs, labels)")
     x_in, y_in = user_inputs
     ops = [n for n in nodes if n.op == "call_function"]
+    mutated: list[tuple[fx.Node, fx.Node]] = []  # (in-place op, the tensor it writes)
     for n in nodes:
         if n.op == "call_module" and n.target != "_guards_fn":  # export's input-shape guard: not computation
             raise _unsupported(f"exported graph calls module {n.target!r}; cannot split it into stages")
-        if n.op == "call_function" and (getattr(n.target, "_schema", None) is not None
-                                        and n.target._schema.is_mutable):
-            raise _unsupported(f"op {n.name!r} ({n.target}) mutates a tensor in forward (e.g. BatchNorm running "
-                               "statistics); pipeline stages of such models are not executed")
+        schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
+        for i, a in enumerate(schema.arguments if schema is not None and schema.is_mutable else ()):
+            written = a.alias_info is not None and a.alias_info.is_write
+            t = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+            if written and isinstance(t, fx.Node):
+                if t.op in ("get_attr", "placeholder"):
+                    raise _unsupported(f"op {n.name!r} ({n.target}) writes to {t.target!r} in forward (e.g. BatchNorm "
+                                       "running statistics): each micro-batch would update it; not executed")
+                mutated.append((n, t))
     pos = {n.name: i for i, n in enumerate(ops)}
     # the loss tail: everything that depends on the labels
     tail: set[fx.Node] = set()
@@ -157,6 +163,10 @@ def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cu
             raise _unsupported(f"op {n.name!r} uses the labels and parameters: the loss must be parameter-free to run "
                                "as the pipeline's loss function")
     last = len(starts) - 1  # (the graph is in topological order, so no op is used before its chunk)
+    for n, t in mutated:  # an in-place write must stay with its tensor, or it would hit a stage's copy
+        if (chunk_of.get(n), n in tail) != (chunk_of.get(t), t in tail):
+            raise _unsupported(f"op {n.name!r} writes in place to {t.name!r}, which another pipeline stage made; "
+                               "cut at another op")
     # values crossing cut c (c = 1..last) and into the tail (c = last + 1)
     live: list[list[fx.Node]] = [[] for _ in range(last + 2)]
     for n in [x_in, *ops]:
@@ -195,7 +205,8 @@ def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cu
                 m = _LAYER.match(_module_path(n))
                 if m:
                     lyr.add(int(m.group(1).rsplit(".", 1)[1]))
-        outs = tuple(env[n] for n in live[c + 1])
+        # p2p sends and receives whole contiguous buffers (an expanded mask or a transposed view is not)
+        outs = tuple(env[n] if c == last else g.call_method("contiguous", (env[n],)) for n in live[c + 1])
         g.output(outs)
         chunks.append(fx.GraphModule(gm, g, f"PipelineChunk{c}"))
         params.append(tuple(sorted(str(n.target) for n in g.nodes if n.op == "get_attr"
