@@ -9,12 +9,20 @@ and each mesh, with an empty cache:
    placement) pair (``edge_costs``; placements that leave or need the same
    distribution share one exact reshard).
 
-Reports the wall time, time per distinct op signature (target <= 50 ms), the cache hit
-rate, the share of time inside isl, and the number of placements and pairs priced.
+Reports the wall and CPU time (CPU time is the honest number on a shared machine), time
+per distinct op signature (target <= 50 ms), the time per layer once blocks repeat (ops of
+the third and later instance of a repeated block: every price is then a cache lookup, so
+the model's cost does not grow with its depth), the cache hit rate, the share of time
+inside isl, and the number of placements and pairs priced.
 Target: GPT-3 175B on the 3-axis 1024-device mesh <= 5 s with the cache.
 
+``--solve K`` also runs :func:`polyparallel.placement.solve_stage` on each (model, mesh)
+(the whole model as one stage, K candidates per op; cluster dgx-a100 with the mesh's
+device count) and reports its time and the chosen solver.
+
 Run: ``.venv/bin/python benchmarks/poly.py [--models gpt2-small llama-8b gpt3-175b]
-[--meshes dp=2,tp=4 ...] [--edge-budget SECONDS]``. Writes ``benchmarks/results/poly.json``;
+[--meshes dp=2,tp=4 ...] [--edge-budget SECONDS] [--solve K]``. Writes ``benchmarks/results/poly.json``
+(and ``poly_solve.json`` with ``--solve``);
 with a budget, edge pricing stops after that many seconds and the row says how many
 edges were priced (``complete: false``).
 """
@@ -32,9 +40,10 @@ import polyparallel as pp
 from polyparallel import poly
 from polyparallel.ir import Graph
 from polyparallel.models import load_model
-from polyparallel.transforms import canonicalize, fuse_elementwise
+from polyparallel.transforms import canonicalize, find_repeated_blocks, fuse_elementwise
 
 RESULTS = Path(__file__).parent / "results" / "poly.json"
+SOLVE_RESULTS = Path(__file__).parent / "results" / "poly_solve.json"
 MODELS = ["gpt2-small", "llama-8b", "gpt3-175b"]
 MESHES = ["dp=2,tp=4", "dp=4,tp=4,sp=4", "dp=16,tp=8,sp=8"]
 
@@ -51,38 +60,70 @@ def build(name: str) -> tuple[Graph, float]:
 def measure(g: Graph, name: str, mesh: poly.DeviceMesh, edge_budget: float = float("inf")) -> dict[str, Any]:
     poly.clear_cache()
     isl0 = poly.ISL_TIME["seconds"]
-    t0 = time.perf_counter()
+    blocks = find_repeated_blocks(g)
+    # ops of the third and later instance of a block: by then every signature has been seen
+    repeated = {i for b in blocks for inst in b.instances[2:] for i in inst}
+    layers_repeated = sum(max(b.count - 2, 0) for b in blocks)
+    t0, c0 = time.perf_counter(), time.process_time()
     placements = comm = 0
-    for op in g.ops:
+    pairs = distinct = edges = todo = 0
+    t_ops = t_repeat = 0.0
+    complete = True
+    for k, op in enumerate(g.ops):
+        ta = time.perf_counter()
         legal = poly.legal_placements(g, op, mesh)
         placements += len(legal)
         for p in legal:
             poly.comm_of_op(g, op, p, mesh)
             comm += 1
-    t_ops = time.perf_counter() - t0
-    pairs = distinct = edges = 0
-    todo = [(op, i, t) for op in g.ops for i, t in enumerate(op.inputs)
-            if not g.tensors[t].is_param and not (g.producer(t) is None and op.nest is None)]
-    t1 = time.perf_counter()
-    for op, i, t in todo:
-        if time.perf_counter() - t1 > edge_budget:
-            break
-        ec = poly.edge_costs(g, t, op, f"in{i}", mesh)
-        edges += 1
-        pairs += ec.pairs
-        distinct += len(ec.reshards) * len(ec.reshards[0]) if ec.reshards else 0
-    total = time.perf_counter() - t0
+        tb = time.perf_counter()
+        t_ops += tb - ta
+        for i, t in enumerate(op.inputs):
+            if g.tensors[t].is_param or (g.producer(t) is None and op.nest is None):
+                continue
+            todo += 1
+            if time.perf_counter() - t0 > edge_budget:
+                complete = False
+                continue
+            ec = poly.edge_costs(g, t, op, f"in{i}", mesh)
+            edges += 1
+            pairs += ec.pairs
+            distinct += len(ec.reshards) * len(ec.reshards[0]) if ec.reshards else 0
+        if k in repeated:
+            t_repeat += time.perf_counter() - ta
+    total, cpu = time.perf_counter() - t0, time.process_time() - c0
     sigs = len({g.signature(op) for op in g.ops})
     stats = poly.cache_stats()
     return {
         "model": name, "mesh": str(mesh), "devices": mesh.size, "ops": len(g.ops), "signatures": sigs,
-        "placements": placements, "edges": edges, "edges_total": len(todo), "complete": edges == len(todo),
+        "placements": placements, "edges": edges, "edges_total": todo, "complete": complete,
         "pairs": pairs, "reshards": distinct,
-        "t_ops_s": t_ops, "t_edges_s": total - t_ops, "t_total_s": total,
+        "t_ops_s": t_ops, "t_edges_s": total - t_ops, "t_total_s": total, "cpu_total_s": cpu,
         "ms_per_signature_ops": 1e3 * t_ops / sigs, "ms_per_signature": 1e3 * total / sigs,
+        "cpu_ms_per_signature": 1e3 * cpu / sigs,
+        "layers_repeated": layers_repeated, "t_repeated_layers_s": t_repeat,
+        "ms_per_repeated_layer": 1e3 * t_repeat / layers_repeated if layers_repeated else None,
         "hit_rate": stats["all"]["hit_rate"], "isl_share": (poly.ISL_TIME["seconds"] - isl0) / total,
         "cache": {k: v for k, v in stats.items() if k != "all"},
     }
+
+
+CLUSTER_OF = {8: "dgx-a100x1", 64: "dgx-a100x8", 1024: "dgx-a100x128"}
+
+
+def solve(g: Graph, name: str, mesh: poly.DeviceMesh, k: int) -> dict[str, Any]:
+    """Per-op placements of the whole model as one stage (``placement.solve_stage``), empty caches."""
+    from polyparallel.cluster import Cluster
+    from polyparallel.placement import solve_stage
+
+    poly.clear_cache()
+    cluster = Cluster.preset(CLUSTER_OF.get(mesh.size, f"dgx-a100x{max(1, mesh.size // 8)}"))
+    t0, c0 = time.perf_counter(), time.process_time()
+    plan = solve_stage(g, mesh, cluster, k=k)
+    preset = CLUSTER_OF.get(mesh.size, f"dgx-a100x{max(1, mesh.size // 8)}")
+    return {"model": name, "mesh": str(mesh), "cluster": preset,
+            "k": k, "solver": plan.solver, "status": plan.status, "t_s": time.perf_counter() - t0,
+            "cpu_s": time.process_time() - c0, "objective_s": plan.objective_s, **plan.breakdown()}
 
 
 def main() -> None:
@@ -91,8 +132,11 @@ def main() -> None:
     ap.add_argument("--meshes", nargs="*", default=MESHES)
     ap.add_argument("--edge-budget", type=float, default=float("inf"),
                     help="stop pricing edges after this many seconds per (model, mesh); reported as incomplete")
+    ap.add_argument("--solve", type=int, default=0, metavar="K",
+                    help="also solve per-op placements (placement.solve_stage) with K candidates per op")
     a = ap.parse_args()
     rows = []
+    solves = []
     for name in a.models:
         g, t_cap = build(name)
         print(f"{name}: {len(g.ops)} ops after canonicalise + fuse (capture {t_cap:.1f} s)", flush=True)
@@ -102,11 +146,21 @@ def main() -> None:
             done = "" if r["complete"] else f" (stopped at {r['edges']}/{r['edges_total']} edges)"
             print(f"  {r['mesh']:>16} {r['devices']:>5} dev  sigs {r['signatures']:>3}  placements "
                   f"{r['placements']:>6}  ops {r['t_ops_s']:6.2f} s ({r['ms_per_signature_ops']:6.1f} ms/sig)  "
-                  f"pairs {r['pairs']:>9}  edges {r['t_edges_s']:7.2f} s  total {r['t_total_s']:7.2f} s  "
+                  f"pairs {r['pairs']:>9}  edges {r['t_edges_s']:7.2f} s  total {r['t_total_s']:7.2f} s "
+                  f"(cpu {r['cpu_total_s']:6.2f} s, {r['cpu_ms_per_signature']:6.1f} ms/sig)  "
+                  f"layer>2 {r['ms_per_repeated_layer'] or 0:6.2f} ms  "
                   f"hit {r['hit_rate']:.2f}  isl {100 * r['isl_share']:4.1f}%{done}", flush=True)
+            if a.solve:
+                s_ = solve(g, name, poly.DeviceMesh.parse(m), a.solve)
+                solves.append(s_)
+                print(f"  {'':>16} solve_stage k={a.solve}: {s_['solver']} {s_['t_s']:.2f} s "
+                      f"(cpu {s_['cpu_s']:.2f} s), objective {s_['objective_s'] * 1e3:.1f} ms", flush=True)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(rows, indent=1))
     print(f"wrote {RESULTS}")
+    if solves:
+        SOLVE_RESULTS.write_text(json.dumps(solves, indent=1))
+        print(f"wrote {SOLVE_RESULTS}")
 
 
 if __name__ == "__main__":

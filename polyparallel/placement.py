@@ -538,27 +538,34 @@ def solve_stage(graph: Graph, mesh: Any, cluster: Cluster, *, dtype: str = "fp32
     idx = sorted(index[op.name] for op in ops)
     lo, hi = (idx[0], idx[-1] + 1) if idx else (0, 0)
     contiguous = idx == list(range(lo, hi))
-    blocks = [b for b in find_repeated_blocks(graph) if contiguous and b.start >= lo and b.stop <= hi] if ops else []
-    if not blocks:
+    runs: list[tuple[str, list[range]]] = []
+    if ops and contiguous:
+        for b in find_repeated_blocks(graph):
+            # a pipeline stage may cut a run of layers: keep the instances wholly inside it
+            inside = [r for r in b.instances if r.start >= lo and r.stop <= hi]
+            if len(inside) >= 2:
+                runs.append((b.key, inside))
+    if not runs:
         plan = solve_placements(graph, mesh, cluster, dtype=dtype, devices=devices, ops=ops, k=k,
                                 time_limit=time_limit, max_table=max_table)
         return plan
     try:
-        return _solve_chain(pr, ops, blocks, t0, max_table)
+        return _solve_chain(pr, ops, runs, t0, max_table)
     except _TooWide:
         tab = _tables(pr, ops)
         choice, status = _solve_milp(tab, time_limit)
         return _plan(tab, pr, choice, t0, status, "milp")
 
 
-def _solve_chain(pr: _Pricer, ops: list[Op], blocks: list, t0: float, max_table: int) -> PlacementPlan:
+def _solve_chain(pr: _Pricer, ops: list[Op], runs: list[tuple[str, list[range]]], t0: float,
+                 max_table: int) -> PlacementPlan:
     g = pr.graph
     in_block: dict[str, int] = {}
     instances: list[tuple[list[Op], list[Op] | None]] = []
-    for b in blocks:
+    for _key, ranges in runs:
         prev = None
-        for m in range(b.count):
-            inst = b.ops(g, m)
+        for r in ranges:
+            inst = [g.ops[i] for i in r]
             instances.append((inst, prev))
             for op in inst:
                 in_block[op.name] = len(instances) - 1
@@ -591,5 +598,5 @@ def _solve_chain(pr: _Pricer, ops: list[Op], blocks: list, t0: float, max_table:
         trace.assign(values, rename)
     tab = _tables(pr, ops)
     choice = {op.name: values[op.name] for op in ops}
-    keys = tuple(dict.fromkeys(b.key[:8] for b in blocks))
+    keys = tuple(dict.fromkeys(key[:8] for key, _ in runs))
     return _plan(tab, pr, choice, t0, "optimal", "blocks", keys)

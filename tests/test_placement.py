@@ -145,3 +145,15 @@ def test_collectives_are_priced_by_the_cost_model():
     # one all-reduce of the activation forward (fc2 -> add) and one of its gradient backward (fc1 -> neg)
     assert plan.forward_reshard_s == pytest.approx(ar, rel=1e-12)
     assert plan.backward_reshard_s == pytest.approx(ar, rel=1e-12)
+
+
+def test_a_stage_that_cuts_a_run_of_layers_uses_its_whole_instances():
+    from polyparallel.placement import solve_stage
+
+    g = residual_mlp(4, 2, 8, 128, 512)
+    mesh, cl = DeviceMesh.of(dp=2, tp=2), Cluster.preset("dgx-a100x1")
+    stage = g.ops[3:13]  # from the middle of layer 0 to the end of layer 2: layers 1 and 2 are whole
+    plan = solve_stage(g, mesh, cl, ops=stage, k=4)
+    ref = solve_placements(g, mesh, cl, ops=stage, k=4, solver="milp")
+    assert plan.solver == "blocks" and set(plan.placements) == {op.name for op in stage}
+    assert plan.objective_s == pytest.approx(ref.objective_s, rel=1e-9)

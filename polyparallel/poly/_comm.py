@@ -35,6 +35,7 @@ the exact lower bound ``max_p |N(p) \\ H(p)|`` a single point-to-point exchange 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -164,6 +165,16 @@ class Distribution:
         return self.key
 
     @cached_property
+    def rid(self) -> int:
+        """A small int standing for :attr:`reshard_key` (equal keys, equal ids while the cache
+        lives; ids are never reused), so cache keys hash a few ints instead of long tuples."""
+        key = self.reshard_key
+        rid = _RIDS.get(key)
+        if rid is None:
+            rid = _RIDS[key] = next(_RID_COUNTER)
+        return rid
+
+    @cached_property
     def layout(self) -> TensorLayout | None:
         if not all(self.block) or len(_unique_pieces(self.region)) != 1:
             return None
@@ -186,7 +197,7 @@ class Distribution:
 
     def common(self, other: Distribution) -> np.ndarray:
         """Exact ``|self(p) ∩ other(p)|`` for each device ``p``."""
-        return CACHE.get("common", (self.reshard_key, other.reshard_key), lambda: self._common(other))
+        return CACHE.get("common", (self.rid, other.rid), lambda: self._common(other))
 
     def _common(self, other: Distribution) -> np.ndarray:
         c, bad = self.region.intersect_counts(other.region)
@@ -209,6 +220,10 @@ class Distribution:
     def _str(self) -> str:
         lay = self.layout
         return str(lay) if lay is not None else f"irregular{[list(d) for d in self.deps]}"
+
+
+_RIDS: dict[tuple, int] = {}
+_RID_COUNTER = itertools.count()
 
 
 def _box_ids(boxes: list[np.ndarray], ndev: int) -> np.ndarray:
@@ -391,7 +406,7 @@ def reshard(have: Distribution | TensorLayout, need: Distribution | TensorLayout
         raise ValueError(f"reshard between shapes {list(h.shape)} and {list(n.shape)}")
     if n.partial:
         raise ValueError(f"a consumer cannot need partial sums ({n})")
-    return CACHE.get("reshard", (h.reshard_key, n.reshard_key, mesh, dtype_bytes),
+    return CACHE.get("reshard", (h.rid, n.rid, dtype_bytes),
                      lambda: _reshard(h, n, mesh, dtype_bytes))
 
 
@@ -437,7 +452,7 @@ def _missing_stats(n: Distribution, held: Shards) -> tuple[int, int, int]:
         left = n.missing(layout_distribution(TensorLayout(n.shape, held), n.mesh))
         return int(left.max(initial=0)), int(left.sum()), int(n.counts().max(initial=0))
 
-    return CACHE.get("missing", (n.reshard_key, held), make)
+    return CACHE.get("missing", (n.rid, held), make)
 
 
 @lru_cache(maxsize=1 << 16)
@@ -560,7 +575,7 @@ def _gain(shape: Shape, nxt: Shards, cur: Shards, mesh: DeviceMesh) -> tuple[int
     return int(gained.max(initial=0)), int(gained.sum()), int(nd.counts().max(initial=0))
 
 
-CACHE.on_clear(_AXIS_MEMO.clear, _route.cache_clear, _even_blocks.cache_clear, _block_stats.cache_clear,
+CACHE.on_clear(_AXIS_MEMO.clear, _RIDS.clear, _route.cache_clear, _even_blocks.cache_clear, _block_stats.cache_clear,
                _all_reduce_of.cache_clear, _gain.cache_clear)
 
 
@@ -996,5 +1011,5 @@ def edge_costs(graph: Graph, tensor: str, consumer: Op, operand: str, mesh: Devi
     return CACHE.get("edge", key, make)
 
 
-def _dedupe_key(d: Distribution) -> tuple:
-    return d.reshard_key
+def _dedupe_key(d: Distribution) -> int:
+    return d.rid
