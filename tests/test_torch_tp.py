@@ -98,14 +98,26 @@ def test_naive_colwise_qkv_differs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert err > 1e-3
 
 
-@pytest.mark.timeout(60)
-def test_sequence_parallel_gpt_matches_single_process() -> None:
+@pytest.mark.timeout(120)
+def test_sequence_parallel_gpt_matches_single_process(monkeypatch: pytest.MonkeyPatch) -> None:
     s = _strategy(2, sp=2)
     assert (s.sp, s.tp, s.dp) == (2, 1, 1)
     log = train(s, ex.tiny_gpt, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED)
     err = _max_rel(log)
     print(f"SP=2 (Ulysses) GPT: max relative loss difference {err:.2e}")
     assert err <= 1e-4
+
+    # the shards really are sequence blocks: without offsetting the second block's positions the
+    # run trains another model
+    def unshifted(*args, **kwargs):
+        p = plan_for(*args, **kwargs)
+        assert p.positions == ("wpe",)
+        return type(p)(**{**p.__dict__, "positions": ()})
+
+    monkeypatch.setattr(_launch, "plan_for", unshifted)
+    err = _max_rel(train(s, ex.tiny_gpt, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED))
+    print(f"SP=2 GPT without position offsets: max relative loss difference {err:.2e}")
+    assert err > 1e-3
 
 
 @pytest.mark.timeout(90)

@@ -36,8 +36,8 @@ the same table), so the tie is kept: both modules hold one DTensor parameter.
 ``cost_models/step.py``): each ``sp`` rank holds a contiguous ``1/sp`` of every sequence, every op
 runs on its shard, and each attention call is wrapped in two all-to-alls over the ``sp`` group —
 ``q, k, v`` from sequence-sharded ``[B, h, S/sp, d]`` to head-sharded ``[B, h/sp, S, d]``, the
-output back (:class:`UlyssesAttention`, DTensor ``Shard(2) -> Shard(1)`` redistributions, which
-gloo executes as all-gather + chunk). Positions indexed by ``arange(S/sp)`` are offset by the
+output back (:class:`UlyssesAttention`, one differentiable ``all_to_all_single`` each way, on gloo
+as on NCCL). Positions indexed by ``arange(S/sp)`` are offset by the
 shard's first position. Gradients are averaged over the ``dp·sp`` ranks, the loss is the mean of
 the ``sp`` shards' mean losses (equal token counts). Models whose graph mixes positions outside
 SDPA attention, or builds other tables from the sequence length (rotary tables, explicit masks),
@@ -327,19 +327,34 @@ def offset_positions(module: nn.Module, rank: int) -> Any:
 
 class UlyssesAttention(TorchFunctionMode):
     """Inside this mode every ``F.scaled_dot_product_attention`` on sequence shards runs on whole
-    sequences of ``1/sp`` of the heads (all-to-all before and after, differentiable)."""
+    sequences of ``1/sp`` of the heads.
+
+    With ``p = sp``, rank ``r`` holds ``x[:, :, rS/p:(r+1)S/p]`` of ``[B, h, S, d]``. It cuts its
+    heads into ``p`` blocks and sends block ``j`` to rank ``j`` (one ``all_to_all_single``, autograd
+    through it): rank ``r`` receives head block ``r`` of every sequence block, in sequence order. The
+    output goes back by the inverse exchange. Each exchange moves ``(p-1)/p`` of the local tensor,
+    the all-to-all volume the cost model prices.
+    """
 
     def __init__(self, mesh: Any) -> None:
         super().__init__()
         self.mesh = mesh
+        self.p = mesh.size()
 
-    def _swap(self, t: torch.Tensor, src: int, dst: int) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor, Shard
+    def _exchange(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed._functional_collectives as funcol
 
-        if isinstance(t, DTensor):  # never reached with the backend's local tensors; be explicit
-            raise TypeError("sequence-parallel attention expects local tensors, got a DTensor")
-        d = DTensor.from_local(t, self.mesh, [Shard(src % t.dim())], run_check=False)
-        return d.redistribute(self.mesh, [Shard(dst % t.dim())]).to_local()
+        return funcol.wait_tensor(funcol.all_to_all_single_autograd(x.contiguous(), None, None, self.mesh))
+
+    def seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        B, h, s, d = x.shape
+        y = self._exchange(x.reshape(B, self.p, h // self.p, s, d).transpose(0, 1))  # [p(seq block), B, h/p, s, d]
+        return y.permute(1, 2, 0, 3, 4).reshape(B, h // self.p, self.p * s, d)
+
+    def heads_to_seq(self, x: torch.Tensor) -> torch.Tensor:
+        B, hp, S, d = x.shape
+        y = self._exchange(x.reshape(B, hp, self.p, S // self.p, d).permute(2, 0, 1, 3, 4))  # [p(head block), ...]
+        return y.transpose(0, 1).reshape(B, self.p * hp, S // self.p, d)
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -349,11 +364,10 @@ class UlyssesAttention(TorchFunctionMode):
         if kwargs.get("attn_mask") is not None or (len(args) > 3 and args[3] is not None):
             raise ValueError("sequence-parallel attention with an explicit attn_mask is not executed; "
                              "use is_causal=True or sp=1")
-        q, k, v = (self._swap(t, -2, -3) for t in args[:3])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out = func(q, k, v, *args[3:], **kwargs)
-        return self._swap(out, -3, -2)
+        if any(t.dim() != 4 for t in args[:3]):
+            raise ValueError("sequence-parallel attention expects q, k, v of shape [batch, heads, seq, head_dim]")
+        q, k, v = (self.seq_to_heads(t) for t in args[:3])
+        return self.heads_to_seq(func(q, k, v, *args[3:], **kwargs))
 
 
 # ---------------------------------------------------------------------------------------------
