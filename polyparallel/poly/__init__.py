@@ -8,7 +8,9 @@ cached by op signature x placement so repeated layers cost nothing.
 
 Licence: the project is MIT, so it uses plain ``islpy`` (MIT). ``islpy-barvinok``
 (GPL, parametric ``card``) is not used: counts are exact for concrete shapes (unions of
-boxes and progressions counted in closed form, isl for the rest; see :mod:`._isl`).
+boxes and progressions counted in closed form, isl for the rest; see :mod:`._isl`), and
+box-shaped footprints also have exact formulas in symbolic shape parameters (products of
+piecewise quasi-affine extents; :mod:`._symbolic`).
 
 API:
     ``legal_placements(graph, op, mesh) -> list[Placement]``
