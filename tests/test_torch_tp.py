@@ -14,7 +14,13 @@ import torch
 import polyparallel as pp
 from polyparallel.backends.torch import FingerprintMismatch, Unsupported, _launch, plan_for, train
 from polyparallel.backends.torch import _examples as ex
-from polyparallel.backends.torch._tensor_parallel import capture_for_strategy, head_split, qkv_rows, strategy_graph
+from polyparallel.backends.torch._tensor_parallel import (
+    capture_for_strategy,
+    head_split,
+    qkv_rows,
+    sharded_consumer,
+    strategy_graph,
+)
 from polyparallel.cli import main
 
 EX = "polyparallel.backends.torch._examples"
@@ -67,6 +73,10 @@ def test_qkv_rows_give_each_rank_whole_heads() -> None:
         want = [j * H + h * 8 + e for j in range(3) for h in (2 * r, 2 * r + 1) for e in range(8)]
         assert rows[48 * r: 48 * (r + 1)] == want
     assert head_split(g, "scaled_dot_product_attention", "h", 3)[1]  # 4 heads do not split in 3
+    # Megatron pairs are read off the graph: fc's shards flow through gelu into fc_out only
+    assert sharded_consumer(g, "h.0.fc", "h.0.fc_out") is None and sharded_consumer(g, "lm_head", None) is None
+    assert "linear_3" in sharded_consumer(g, "h.0.fc", "h.1.fc_out")  # h.0.fc_out would take a shard as whole
+    assert "layer_norm" in sharded_consumer(g, "h.0.proj", "h.0.fc")
 
 
 @pytest.mark.timeout(60)

@@ -8,7 +8,9 @@ The backend runs a plan exactly or not at all. Supported in this slice:
   dim ``n`` is ``ColwiseParallel``, one splitting the reduction dim ``k`` (or a factor ``k_0`` of it)
   is ``RowwiseParallel``; a column-parallel linear not followed by a row-parallel one feeds the loss,
   which is then class-parallel (``c:tp`` on cross entropy, run under ``loss_parallel``) or gathered
-  to a replicated output when the loss is replicated;
+  to a replicated output when the loss is replicated; with the captured graph, each such pairing is
+  checked: the column shards must reach the row-parallel Linear (or the loss) through pointwise ops
+  only;
 * DP x TP on a 2-D ``("dp", "tp")`` mesh with FSDP2 (``zero_stage >= 1``);
 * pipeline parallelism over the ``pp`` axis (:mod:`._pipeline`): the model exported with
   ``torch.export`` is cut before the first op of each stage's op range, each stage runs with
@@ -46,7 +48,13 @@ from typing import Any
 
 from torch import nn
 
-from polyparallel.backends.torch._tensor_parallel import head_split, position_embeddings, sp_problems, tied_shards
+from polyparallel.backends.torch._tensor_parallel import (
+    head_split,
+    position_embeddings,
+    sharded_consumer,
+    sp_problems,
+    tied_shards,
+)
 from polyparallel.ir import Graph, OpKind
 from polyparallel.strategy import Strategy
 
@@ -221,6 +229,13 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
                     raise Unsupported(f"column-parallel {path!r} ({a.out_features} outputs) is followed by "
                                       f"row-parallel {linears[j + 1][1]!r} ({b.in_features} inputs): not a "
                                       "Megatron pair whose sharded activation passes straight through")
+            if graph is not None and kind in ("col", "col_to_loss"):
+                dst = linears[j + 1][1] if kind == "col" else None
+                bad = sharded_consumer(graph, path, dst)
+                if bad:
+                    raise Unsupported(f"column-parallel {path!r} feeds {bad} in the model's graph, not only "
+                                      + (f"the row-parallel {dst!r}" if dst else "the class-parallel loss")
+                                      + " through pointwise ops: that op would see one shard as the whole tensor")
         seen[path] = kind
     for path in embeddings:
         seen[path] = "emb_row"

@@ -67,8 +67,8 @@ from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind
 
 __all__ = ["FingerprintMismatch", "FusedColwiseParallel", "HeadSplit", "UlyssesAttention", "build_mesh",
            "capture_for_strategy", "check_fingerprint", "head_split", "offset_positions", "parallelize",
-           "position_embeddings", "qkv_rows", "replica_mesh", "sequence_shard", "sp_problems", "step_context",
-           "strategy_graph", "tie_groups", "tied_shards"]
+           "position_embeddings", "qkv_rows", "replica_mesh", "sequence_shard", "sharded_consumer", "sp_problems",
+           "step_context", "strategy_graph", "tie_groups", "tied_shards"]
 
 
 class FingerprintMismatch(ValueError):
@@ -215,6 +215,37 @@ def tie_groups(model: nn.Module) -> list[list[str]]:
         for pname, p in mod.named_parameters(recurse=False):
             owners.setdefault(id(p), []).append(f"{name}.{pname}" if name else pname)
     return [paths for paths in owners.values() if len(paths) > 1]
+
+
+def sharded_consumer(graph: Graph, src: str, dst: str | None) -> str | None:
+    """Check that every use of the output of the Linear at module ``src`` reaches the row-parallel
+    Linear at module ``dst`` (or, with ``dst=None``, the loss) through pointwise ops only, so its
+    column shards may flow there unreduced. Returns None if so, else the op where a shard would be
+    consumed as if it were the whole tensor."""
+    frontier = [t for op in graph.ops if op.module == src and OpKind(op.kind) is OpKind.CONTRACTION
+                for t in op.outputs]
+    if not frontier:
+        return f"(no Linear op of module {src!r} in the captured graph)"
+    seen: set[str] = set()
+    while frontier:
+        t = frontier.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        users = graph.consumers(t)
+        if not users and t in graph.outputs:
+            return "(the graph's output)"
+        for op in users:
+            kind = OpKind(op.kind)
+            if kind is OpKind.CONTRACTION and dst is not None and op.module == dst:
+                continue
+            if kind is OpKind.LOSS and dst is None:
+                continue
+            if kind in (OpKind.ELEMENTWISE, OpKind.VIEW):
+                frontier.extend(op.outputs)
+                continue
+            return f"{op.name!r} ({op.target})"
+    return None
 
 
 # dim of the weight each tp kind shards: Linear weights are (out, in), embedding tables (vocab, dim)
