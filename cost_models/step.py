@@ -55,7 +55,7 @@ from __future__ import annotations
 import math
 import re
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,8 +74,6 @@ RECOMPUTE = ("none", "selective", "full")
 # kernels per parameter tensor of torch's single-tensor optimizer step (torch/optim/adam.py etc.):
 # Adam: step += 1, lerp_, mul_ + addcmul_, sqrt / c + eps, addcdiv_
 _OPT_KERNELS = {"adam": 9, "adamw": 10, "lamb": 12, "lion": 5, "sgd": 1, "sgd_momentum": 3}
-# kernels per parameter tensor of torch's single-tensor optimizer step (torch/optim/adam.py etc.):
-# Adam: step += 1, lerp_, mul_ + addcmul_, sqrt / c + eps, addcdiv_
 _SHORT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
@@ -146,7 +144,7 @@ class ParallelConfig:
             devs = self.devices if self.devices is not None else tuple(range(self.world))
             if len(devs) != self.world:
                 raise ValueError(f"ParallelConfig.devices lists {len(devs)} devices for a world of {self.world}")
-            if self.world > cluster.num_devices or any(not 0 <= d < cluster.num_devices for d in devs):
+            if self.world > cluster.num_devices or min(devs) < 0 or max(devs) >= cluster.num_devices:
                 raise ValueError(f"the configuration needs {self.world} devices (dp {self.dp} x tp {self.tp} x pp "
                                  f"{self.pp} x sp {self.sp}); cluster {cluster.name!r} has {cluster.num_devices}")
 
@@ -555,7 +553,8 @@ class _StageTerms:
     params: tuple[float, ...]
     p2p: tuple[float, ...]
     p2p_sum: tuple[float, ...]
-    dp_groups: tuple[tuple[tuple[int, ...], ...], ...]  # distinct (by nodes) dp groups of each stage
+    spans: tuple[str, ...]
+    dp_groups: tuple[tuple[_Group, ...], ...]  # distinct (by nodes) dp groups of each stage
     param_tensors: tuple[int, ...] = ()  # distinct parameter tensors of each stage
     tp_param_tensors: tuple[int, ...] = ()  # of those, the ones split over tp (DTensors in torch)
 
@@ -587,7 +586,7 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
     dps, mems = [], []
     for s in range(p):
         dt = terms.types[s]
-        dgrp_size = len(terms.dp_groups[s][0])
+        dgrp_size = len(terms.dp_groups[s][0][0])
         params = terms.params[s]
         events: list[tuple[str, float]] = []
         grad_bytes = params * gb
@@ -598,7 +597,7 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
                 events += [("reduce_scatter", grad_bytes), ("all_gather", params * gb)]
             if cfg.zero_stage == 3:
                 events += [("all_gather", params * gb)] * (2 * m)
-        t_dp = max(_price(cluster, ccache, events, grp) for grp in terms.dp_groups[s])
+        t_dp = max(_price(cluster, ccache, events, grp, gid) for grp, gid in terms.dp_groups[s])
         omega = cfg.grad_overlap if cfg.grad_overlap is not None else (0.0 if dt.kind == "cpu" else 1.0)
         hide = omega * (terms.bwd[s] / v) * (m if cfg.zero_stage == 3 else 1)
         exposed = max(0.0, t_dp - hide)
@@ -620,30 +619,29 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
         if cfg.zero_stage == 3:
             ws += 2 * _max_segment_params(graph) * gb / cfg.tp
         mems.append(device_memory(
-            label=f"stage {s} (devices {_span(terms.devices[s])})", device=f"{dt.name} {dt.memory / 1e9:.0f} GB",
+            label=f"stage {s} (devices {terms.spans[s]})", device=f"{dt.name} {dt.memory / 1e9:.0f} GB",
             capacity=dt.memory, params=params, dp=dgrp_size, zero_stage=cfg.zero_stage,
             param_dtype=cfg.dtype, optimizer=cfg.optimizer, activations=terms.act[s], in_flight=in_flight[s] / v,
             workspace=ws))
     return _Prepared(terms, v, terms.fwd, terms.bwd, tuple(dps), tuple(mems))
 
 
-def _price(cluster: Cluster, ccache: dict, events: Sequence[tuple[str, float]], grp: Sequence[int]) -> float:
-    """Seconds of a list of collectives over one group, each distinct one priced once per cluster."""
+def _price(cluster: Cluster, ccache: dict, events: Sequence[tuple[str, float]], grp: Sequence[int],
+           gid: int) -> float:
+    """Seconds of a list of collectives over one group, each distinct one priced once per cluster.
+
+    ``gid`` names the group's price class (:func:`_layout`): nodes are homogeneous (one device
+    type, one intra-node link), so a collective's time depends on how many members sit on which
+    node, not on which devices they are.
+    """
     tot = 0.0
-    gk = _group_key(cluster, grp)
     for kind, nbytes in events:
-        key = (kind, nbytes, gk)
+        key = (kind, nbytes, gid)
         t = ccache.get(key)
         if t is None:
             t = ccache[key] = collective_time(cluster, kind, nbytes, grp).seconds
         tot += t
     return tot
-
-
-def _group_key(cluster: Cluster, grp: Sequence[int]) -> tuple[int, ...]:
-    # nodes are homogeneous (one device type, one intra-node link), so a collective's time
-    # depends on how many members sit on which node, not on which devices they are
-    return tuple(sorted(cluster.device(d).node for d in grp))
 
 
 def _max_segment_params(graph: Graph) -> int:
@@ -657,17 +655,91 @@ def _max_segment_params(graph: Graph) -> int:
 
 
 def _stage_terms(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int) -> _StageTerms:
-    """Memoised per graph and cluster: the search prices many configurations sharing these."""
+    """Memoised per graph and cluster: the search prices many configurations sharing these.
+
+    Two levels: the per-stage sums that do not depend on recomputation (:func:`_stage_base`,
+    shared by the three recomputation choices), then the cheap step that applies one.
+    """
     devs = cfg.devices if cfg.devices is not None else tuple(range(cfg.world))
     key = ("stages", id(cluster), devs, cfg.dp, cfg.tp, cfg.pp, cfg.sp, v, cfg.partition, cfg.sequence_parallel,
-           cfg.dtype, cfg.fused_attention, cfg.recompute)
+           cfg.dtype, cfg.fused_attention)
     cache = _cache(graph)
-    hit = cache.get(key)
+    hit = cache.get((*key, cfg.recompute))
     if hit is not None and hit[0] is cluster:  # the cluster is held, so its id is not reused
         return hit[1]
-    terms = _compute_stage_terms(graph, cluster, cfg, v, devs)
-    cache[key] = (cluster, terms)
+    base = cache.get(key)
+    if base is None or base[0] is not cluster:
+        base = cache[key] = (cluster, _stage_base(graph, cluster, cfg, v, devs))
+    terms = _apply_recompute(graph, cfg, base[1])
+    cache[(*key, cfg.recompute)] = (cluster, terms)
     return terms
+
+
+@dataclass(frozen=True)
+class _StageBase:
+    """One stage's sums per micro-batch before a recomputation choice."""
+
+    layout: _StageLayout
+    by_type: tuple[tuple[DeviceType, float, float, float], ...]  # (type, forward, backward, attention forward)
+    tf: float  # tensor-parallel collectives, forward and backward
+    tb: float
+    qf: float  # sequence-parallel collectives
+    qb: float
+    params: float
+    param_tensors: int
+    tp_param_tensors: int
+    segs: tuple[int, ...]  # the stage's layer segments
+    p2p: float
+    p2p_sum: float
+
+
+def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, ...]) -> _StageTerms:
+    plans = _plan_ops(graph, cfg)
+    seg_act = _segment_activations(graph, cfg, plans)
+    full = cfg.recompute == "full"
+    out: dict[str, list] = {k: [] for k in _StageTerms.__dataclass_fields__}
+    for st in base:
+        # The slowest device type of the stage sets its pace (synchronous collectives).
+        best: tuple[DeviceType, float, float, float] | None = None
+        for dt, f, b, att in st.by_type:
+            rc = f if full else att if cfg.recompute == "selective" else 0.0
+            if best is None or f + b + rc > best[1] + best[2] + best[3]:
+                best = (dt, f, b, rc)
+        assert best is not None
+        dt, f, b, rc = best
+        tf, tb, qf, qb = st.tf, st.tb, st.qf, st.qb
+        # recomputing a forward repeats its tensor/sequence-parallel collectives too
+        rc_comm = (tf + qf) if full else 0.0
+        out["devices"].append(st.layout.devices)
+        out["spans"].append(st.layout.span)
+        out["types"].append(dt)
+        out["fwd"].append(f + tf + qf)
+        out["bwd"].append(b + rc + tb + qb + rc_comm)
+        out["comp"].append(f + b + rc)
+        out["tp_t"].append(tf + tb + (tf if full else 0.0))
+        out["sp_t"].append(qf + qb + (qf if full else 0.0))
+        out["params"].append(st.params)
+        out["param_tensors"].append(st.param_tensors)
+        out["tp_param_tensors"].append(st.tp_param_tensors)
+        full_act = seg_max = 0.0
+        for j in st.segs:
+            full_act += seg_act[j]
+            seg_max = max(seg_max, seg_act[j])
+        if full:
+            # keep each layer's input (its first op's activation inputs), recompute the rest
+            kept = 0.0
+            seg_in = _segment_inputs(graph, cfg.dtype)
+            for j in st.segs:
+                kept += seg_in[j] / (cfg.tp if cfg.sequence_parallel else 1) / cfg.sp
+            out["act"].append(kept)
+            out["seg_act_max"].append(seg_max)
+        else:
+            out["act"].append(full_act)
+            out["seg_act_max"].append(0.0)
+        out["dp_groups"].append(st.layout.dp_groups)
+        out["p2p"].append(st.p2p)
+        out["p2p_sum"].append(st.p2p_sum)
+    return _StageTerms(**{k: tuple(x) for k, x in out.items()})
 
 
 def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
@@ -695,8 +767,9 @@ def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
 
 
 def _per_plan(graph: Graph, cfg: ParallelConfig, plans: list[_OpPlan]) -> tuple[list[int], list[tuple], list[int],
-                                                                                 list[tuple[int, str, float]]]:
-    """Ops with tensor/sequence-parallel collectives, and parameter uses, in op order."""
+                                                                                 list[tuple[int, str, float, int]]]:
+    """Ops with tensor/sequence-parallel collectives, and parameter uses ``(op, tensor, local numel,
+    numel)``, in op order."""
     key = ("per_plan", cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.dtype)
     cache = _cache(graph)
     hit = cache.get(key)
@@ -711,7 +784,8 @@ def _per_plan(graph: Graph, cfg: ParallelConfig, plans: list[_OpPlan]) -> tuple[
     for i, op in enumerate(graph.ops):
         for t in op.inputs:
             if graph.tensors[t].kind is TensorKind.PARAM:
-                uses.append((i, t, graph.tensors[t].numel / (plans[i].param_split if cfg.tp > 1 else 1)))
+                whole = graph.tensors[t].numel
+                uses.append((i, t, whole / (plans[i].param_split if cfg.tp > 1 else 1), whole))
     out = (ev_idx, ev, [u[0] for u in uses], uses)
     cache[key] = out
     return out
@@ -760,111 +834,18 @@ def _crossing(graph: Graph, dtype: str) -> list[tuple[int, int, float]]:
     return cache[key]
 
 
-def _compute_stage_terms(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
-                         devs: tuple[int, ...]) -> _StageTerms:
+def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
+                devs: tuple[int, ...]) -> tuple[_StageBase, ...]:
     p = cfg.pp
     segs = _segments(graph)
     chunk_of_op = _chunks(graph, p * v, cfg.partition)
     plans = _plan_ops(graph, cfg)
     ev_idx, ev, use_idx, uses = _per_plan(graph, cfg, plans)
-    seg_act = _segment_activations(graph, cfg, plans)
     ccache: dict = cluster.__dict__.setdefault("_collective_cache", {})
     n = len(graph.ops)
     ranges = _chunk_ranges(graph, p * v, cfg.partition)
-    node_of = {d: cluster.device(d).node for d in devs}
-
-    def group(s: int, d: int, q: int, t: int, axis: str) -> tuple[int, ...]:
-        if axis == "tp":
-            return tuple(devs[cfg.rank(s, d, q, x)] for x in range(cfg.tp))
-        if axis == "sp":
-            return tuple(devs[cfg.rank(s, d, x, t)] for x in range(cfg.sp))
-        return tuple(devs[cfg.rank(s, x, y, t)] for x in range(cfg.dp) for y in range(cfg.sp))  # dp (x sp)
-
-    def distinct(groups: Iterable[tuple[int, ...]]) -> list[tuple[int, ...]]:
-        return list({tuple(sorted(node_of[d] for d in grp)): grp for grp in groups}.values())
-
-    out: dict[str, list] = {k: [] for k in ("devices", "types", "fwd", "bwd", "comp", "tp_t", "sp_t", "act",
-                                             "seg_act_max", "params", "p2p", "p2p_sum", "dp_groups",
-                                             "param_tensors", "tp_param_tensors")}
+    layout = _layout(cluster, cfg, devs)
     stage_of_seg = [chunk_of_op[sg[0]] % p for sg in segs]
-    for s in range(p):
-        sdevs = tuple(devs[cfg.rank(s, d, q, t)] for d in range(cfg.dp) for q in range(cfg.sp) for t in range(cfg.tp))
-        rng = [ranges[g] for g in range(s, p * v, p)]
-        types = {cluster.device(d).type.name: cluster.device(d).type for d in sdevs}
-        # The slowest device type of the stage sets its pace (synchronous collectives).
-        best: tuple[DeviceType, float, float, float] | None = None
-        for dt in types.values():
-            fw, bw, att = _op_vectors(graph, dt, cfg, plans)
-            f = b = rc = 0.0
-            for a, z in rng:
-                f = sum(fw[a:z], f)
-                b = sum(bw[a:z], b)
-                if cfg.recompute == "full":
-                    rc = sum(fw[a:z], rc)
-                elif cfg.recompute == "selective":
-                    rc = sum(att[a:z], rc)
-            if best is None or f + b + rc > best[1] + best[2] + best[3]:
-                best = (dt, f, b, rc)
-        assert best is not None
-        dt, f, b, rc = best
-        # every group of the stage runs the same collectives; the slowest one sets the pace
-        tgrps = distinct(group(s, d, q, 0, "tp") for d in range(cfg.dp) for q in range(cfg.sp))
-        qgrps = distinct(group(s, d, 0, t, "sp") for d in range(cfg.dp) for t in range(cfg.tp))
-        stage_ev = [e for a, z in rng for e in ev[bisect_left(ev_idx, a): bisect_left(ev_idx, z)]]
-
-        def slowest(which: int, groups: list[tuple[int, ...]], stage_ev: list[tuple] = stage_ev) -> float:
-            # identical (kind, bytes) events repeat in every layer: price each distinct one once
-            # per group, and each distinct group (by the nodes its members sit on) once
-            agg: dict[tuple[str, float], int] = {}
-            for e in stage_ev:
-                for x in e[which]:
-                    agg[x] = agg.get(x, 0) + 1
-            if not agg:
-                return 0.0
-            return max(sum(k * _price(cluster, ccache, [x], grp) for x, k in agg.items()) for grp in groups)
-
-        tf, tb = slowest(0, tgrps), slowest(1, tgrps)
-        qf, qb = slowest(2, qgrps), slowest(3, qgrps)
-        # recomputing a forward repeats its tensor/sequence-parallel collectives too
-        rc_comm = (tf + qf) if cfg.recompute == "full" else 0.0
-        out["devices"].append(sdevs)
-        out["types"].append(dt)
-        out["fwd"].append(f + tf + qf)
-        out["bwd"].append(b + rc + tb + qb + rc_comm)
-        out["comp"].append(f + b + rc)
-        out["tp_t"].append(tf + tb + (tf if cfg.recompute == "full" else 0.0))
-        out["sp_t"].append(qf + qb + (qf if cfg.recompute == "full" else 0.0))
-        # memory inputs
-        seen: set[str] = set()
-        params = 0.0
-        split_tensors = 0
-        for a, z in rng:
-            for _, t, numel in uses[bisect_left(use_idx, a): bisect_left(use_idx, z)]:
-                if t not in seen:
-                    seen.add(t)
-                    params += numel
-                    split_tensors += numel < graph.tensors[t].numel
-        out["params"].append(params)
-        out["param_tensors"].append(len(seen))
-        out["tp_param_tensors"].append(split_tensors)
-        full_act = seg_max = 0.0
-        stage_segs = [j for j in range(len(segs)) if stage_of_seg[j] == s]
-        for j in stage_segs:
-            full_act += seg_act[j]
-            seg_max = max(seg_max, seg_act[j])
-        if cfg.recompute == "full":
-            # keep each layer's input (its first op's activation inputs), recompute the rest
-            kept = 0.0
-            seg_in = _segment_inputs(graph, cfg.dtype)
-            for j in stage_segs:
-                kept += seg_in[j] / (cfg.tp if cfg.sequence_parallel else 1) / cfg.sp
-            out["act"].append(kept)
-            out["seg_act_max"].append(seg_max)
-        else:
-            out["act"].append(full_act)
-            out["seg_act_max"].append(0.0)
-        out["dp_groups"].append(tuple(distinct(group(s, 0, 0, t, "dp") for t in range(cfg.tp))))
-
     # p2p between consecutive chunks: tensors produced at or before chunk g, read after it
     boundary = [0.0] * (p * v)
     cross = _crossing(graph, cfg.dtype)
@@ -878,16 +859,113 @@ def _compute_stage_terms(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v:
         active = [x for x in active if x[1] >= cut]
         for _, _, nb in active:
             boundary[g] += nb / (cfg.tp * cfg.sp)
+    out = []
     for s in range(p):
-        times = []
-        for g in range(s, p * v - 1, p):
-            pairs = {(node_of[a], node_of[b]): (a, b)
-                     for a, b in ((devs[cfg.rank(s, d, q, t)], devs[cfg.rank((s + 1) % p, d, q, t)])
-                                  for d in range(cfg.dp) for q in range(cfg.sp) for t in range(cfg.tp))}
-            times.append(max(_p2p(cluster, ccache, a, b, boundary[g]) for a, b in pairs.values()))
-        out["p2p"].append(max(times) if times else 0.0)
-        out["p2p_sum"].append(sum(times))
-    return _StageTerms(**{k: tuple(x) for k, x in out.items()})
+        lay = layout[s]
+        rng = [ranges[g] for g in range(s, p * v, p)]
+        by_type = []
+        for dt in lay.types:
+            fw, bw, att = _op_vectors(graph, dt, cfg, plans)
+            f = b = a_f = 0.0
+            for a, z in rng:
+                f = sum(fw[a:z], f)
+                b = sum(bw[a:z], b)
+                a_f = sum(att[a:z], a_f)
+            by_type.append((dt, f, b, a_f))
+        # every group of the stage runs the same collectives; the slowest one sets the pace
+        stage_ev = [e for a, z in rng for e in ev[bisect_left(ev_idx, a): bisect_left(ev_idx, z)]]
+
+        def slowest(which: int, groups: tuple[_Group, ...], stage_ev: list[tuple] = stage_ev) -> float:
+            # identical (kind, bytes) events repeat in every layer: price each distinct one once
+            # per group, and each distinct group (by the nodes its members sit on) once
+            agg: dict[tuple[str, float], int] = {}
+            for e in stage_ev:
+                for x in e[which]:
+                    agg[x] = agg.get(x, 0) + 1
+            if not agg:
+                return 0.0
+            return max(sum(k * _price(cluster, ccache, [x], grp, gid) for x, k in agg.items())
+                       for grp, gid in groups)
+
+        # memory inputs
+        seen: set[str] = set()
+        params = 0.0
+        split_tensors = 0
+        for a, z in rng:
+            for _, t, numel, whole in uses[bisect_left(use_idx, a): bisect_left(use_idx, z)]:
+                if t not in seen:
+                    seen.add(t)
+                    params += numel
+                    split_tensors += numel < whole
+        times = [max(_p2p(cluster, ccache, a, b, boundary[g]) for a, b in lay.p2p_pairs)
+                 for g in range(s, p * v - 1, p)]
+        out.append(_StageBase(
+            layout=lay, by_type=tuple(by_type), tf=slowest(0, lay.tp_groups), tb=slowest(1, lay.tp_groups),
+            qf=slowest(2, lay.sp_groups), qb=slowest(3, lay.sp_groups), params=params, param_tensors=len(seen),
+            tp_param_tensors=split_tensors, segs=tuple(j for j in range(len(segs)) if stage_of_seg[j] == s),
+            p2p=max(times) if times else 0.0, p2p_sum=sum(times)))
+    return tuple(out)
+
+
+_Group = tuple[tuple[int, ...], int]  # (device ids, id of their sorted node ids: the price class)
+
+
+@dataclass(frozen=True)
+class _StageLayout:
+    devices: tuple[int, ...]
+    span: str
+    types: tuple[DeviceType, ...]  # in order of first appearance
+    tp_groups: tuple[_Group, ...]  # distinct by the nodes they span: each distinct group priced once
+    sp_groups: tuple[_Group, ...]
+    dp_groups: tuple[_Group, ...]
+    p2p_pairs: tuple[tuple[int, int], ...]  # (device of this stage, its peer on the next), distinct by nodes
+
+
+def _layout(cluster: Cluster, cfg: ParallelConfig, devs: tuple[int, ...]) -> tuple[_StageLayout, ...]:
+    """Devices, groups and p2p pairs of every stage (kept on the cluster: it is graph-independent).
+
+    Ranks are ``((s·dp + d)·sp + q)·tp + t``, so the device array reshaped to ``(pp, dp, sp, tp)``
+    gives tensor-parallel groups along the last axis, sequence-parallel along the third, and the
+    data-parallel (× sequence) group of ``t`` as the ``(dp, sp)`` slab at ``t``.
+    """
+    import numpy as np
+
+    key = (devs, cfg.dp, cfg.tp, cfg.pp, cfg.sp)
+    cache = cluster.__dict__.setdefault("_layout_cache", {})
+    if key in cache:
+        return cache[key]
+    ids: dict[tuple[int, ...], int] = cluster.__dict__.setdefault("_group_ids", {})
+    D = np.asarray(devs, dtype=np.int64).reshape(cfg.pp, cfg.dp, cfg.sp, cfg.tp)
+    N = np.asarray([d.node for d in cluster.devices], dtype=np.int64)[D]
+
+    def distinct(dg: np.ndarray, ng: np.ndarray) -> tuple[_Group, ...]:
+        first: dict[tuple[int, ...], int] = {}
+        for i, row in enumerate(map(tuple, np.sort(ng, axis=1).tolist())):
+            first.setdefault(row, i)
+        return tuple((tuple(dg[i].tolist()), ids.setdefault(row, len(ids))) for row, i in first.items())
+
+    out = []
+    for s in range(cfg.pp):
+        ds, ns = D[s], N[s]
+        flat = tuple(ds.ravel().tolist())
+        nodes = ns.ravel().tolist()
+        first_idx: dict[int, int] = {}
+        for i, nd in enumerate(nodes):
+            first_idx.setdefault(nd, i)
+        types = {cluster.device(flat[i]).type.name: cluster.device(flat[i]).type for i in first_idx.values()}
+        nxt = (s + 1) % cfg.pp
+        peers = D[nxt].ravel().tolist()
+        pairs: dict[tuple[int, int], tuple[int, int]] = {}
+        for a, b, na, nb in zip(flat, peers, nodes, N[nxt].ravel().tolist()):
+            pairs.setdefault((na, nb), (a, b))
+        out.append(_StageLayout(
+            devices=flat, span=_span(flat), types=tuple(types.values()),
+            tp_groups=distinct(ds.reshape(-1, cfg.tp), ns.reshape(-1, cfg.tp)),
+            sp_groups=distinct(ds.transpose(0, 2, 1).reshape(-1, cfg.sp), ns.transpose(0, 2, 1).reshape(-1, cfg.sp)),
+            dp_groups=distinct(ds.transpose(2, 0, 1).reshape(cfg.tp, -1), ns.transpose(2, 0, 1).reshape(cfg.tp, -1)),
+            p2p_pairs=tuple(pairs.values())))
+    cache[key] = tuple(out)
+    return cache[key]
 
 
 def _chunk_ranges(graph: Graph, k: int, partition: str) -> list[tuple[int, int]]:
