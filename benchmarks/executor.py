@@ -1,0 +1,395 @@
+"""Measured vs predicted: the torch backend's step times on this machine against the cost model.
+
+For a small GPT (2 layers, hidden 128, 4 heads, sequence 64, vocabulary 256) and a set of
+recipes — one process, DDP, FSDP2, tensor, sequence and pipeline parallelism and their
+combinations, at global batches 8 and 16, on 1–4 CPU processes — this benchmark
+
+1. measures this machine with :func:`polyparallel.cost_models.calibrate.calibrate` (what
+   ``polyparallel calibrate`` runs), unless ``--no-recalibrate``: the load of a shared machine
+   changes within minutes, so the prices are calibrated right before the runs they predict;
+2. prices every recipe with ``pp.evaluate(model, cluster="local-cpu:<P>", ...)``;
+3. executes it with ``pp.train`` (torch.distributed.run, gloo, one thread per process as the
+   backend sets it) for ``--steps`` steps, ``--repeats`` times, recipes interleaved so that a
+   slow phase of the machine hits all of them alike; the measured step time is the median of
+   rank 0's logged step times after ``--warmup`` warm-up steps of every run;
+4. reports per recipe predicted vs measured and the relative error, the Spearman rank
+   correlation of predicted vs measured over the executed recipes (target >= 0.8), and
+   whether ``pp.search``'s choice for the main workload (global batch 8, the fastest
+   predicted over ``local-cpu:1/2/4``) runs within 10% of the fastest measured recipe of
+   that workload.
+
+A recipe the backend cannot execute is listed as ``refused: <reason>`` (the backend refuses
+before launching anything), never dropped. :func:`run_recipes` is shared with
+``benchmarks/cost_validation.py --part local`` (an MLP through the same backend).
+
+    .venv/bin/python benchmarks/executor.py                   # calibration + 2 x 14 runs + search
+    .venv/bin/python benchmarks/executor.py --no-recalibrate  # reuse the calibration file
+
+On 2 idle cores a launch takes ~5 s, so the whole benchmark takes about 4-5 minutes; with other
+work on the cores (load 15) each launch took 30-40 s and the benchmark 20 minutes, and the step
+times moved by up to 2x between repeats: read such a run's table as indicative only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+OUT = Path(__file__).parent / "results" / "executor.json"
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # the workers import this module by name to build the model
+    sys.path.insert(0, str(HERE))
+
+__all__ = ["GPT", "MLP", "Recipe", "Workload", "calibrate_now", "gpt_data", "gpt_model", "mlp_data", "mlp_model",
+           "print_table", "run_recipes", "search_check", "spearman"]
+
+# --------------------------------------------------------------------------------------------
+# workloads: model and data functions the workers import as "executor:<name>"
+# --------------------------------------------------------------------------------------------
+
+GPT_SHAPE = {"vocab": 256, "seq": 64, "layers": 2, "hidden": 128, "heads": 4}
+
+
+def gpt_model() -> torch.nn.Module:
+    from polyparallel.models import GPT, GPTConfig
+
+    return GPT(GPTConfig(**GPT_SHAPE))
+
+
+def gpt_data(step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7000 + step)  # the same global batch on every rank
+    ids = torch.randint(0, GPT_SHAPE["vocab"], (batch, GPT_SHAPE["seq"] + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model and its data, as ``"module:function"`` names the workers can import.
+
+    ``data`` is called as ``data(step, batch)`` and returns the global batch ``(inputs, labels)``.
+    """
+
+    name: str
+    model: str
+    data: str
+    description: str
+
+    def model_fn(self) -> Callable[[], torch.nn.Module]:
+        return _resolve(self.model)
+
+    def data_fn(self, batch: int) -> Callable[[int], Any]:
+        # a partial of a module-level function pickles by reference: the workers rebuild it
+        return functools.partial(_resolve(self.data), batch=batch)
+
+
+GPT = Workload("gpt", "executor:gpt_model", "executor:gpt_data",
+               "GPT {layers} layers, hidden {hidden}, {heads} heads, seq {seq}, vocab {vocab} (tied), Adam, fp32"
+               .format(**GPT_SHAPE))
+
+MLP_DIMS = (1024,) * 7  # six Linear(1024, 1024) + ReLU, 1024 classes: three Megatron column/row pairs
+
+
+def mlp_model() -> torch.nn.Module:
+    from polyparallel.models import MLP
+
+    return MLP(MLP_DIMS)
+
+
+def mlp_data(step: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(8000 + step)
+    return torch.randn(batch, MLP_DIMS[0], generator=g), torch.randint(0, MLP_DIMS[-1], (batch,), generator=g)
+
+
+MLP = Workload("mlp", "executor:mlp_model", "executor:mlp_data",
+               f"MLP {len(MLP_DIMS) - 1} x Linear({MLP_DIMS[0]}, {MLP_DIMS[0]}) + ReLU + cross-entropy, Adam, fp32")
+
+
+def _resolve(name: str) -> Any:
+    mod, _, fn = name.partition(":")
+    return getattr(importlib.import_module(mod), fn)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One way to run a workload: parallel degrees, ZeRO stage, global batch, micro-batches.
+
+    ``zero_stage >= 1`` runs as FSDP2 ``fully_shard`` in the backend, which shards the
+    parameters too: it is priced as what runs, ZeRO-3.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sp: int = 1
+    zero_stage: int = 0
+    batch: int = 8
+    microbatches: int = 1
+    schedule: str | None = None
+    sequence_parallel: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.sp
+
+    @property
+    def name(self) -> str:
+        parts = [f"{k}{v}" for k, v in (("dp", self.dp), ("tp", self.tp), ("pp", self.pp), ("sp", self.sp)) if v > 1]
+        parts = parts or ["single"]
+        if self.zero_stage:
+            parts.append("fsdp")
+        if self.pp > 1 or self.microbatches > 1:
+            parts.append(f"m{self.microbatches}" + (f"-{self.schedule}" if self.schedule else ""))
+        if self.sequence_parallel:
+            parts.append("seqpar")
+        return " ".join(parts) + f" B={self.batch}"
+
+    def evaluate_kwargs(self) -> dict[str, Any]:
+        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "sp": self.sp, "zero_stage": self.zero_stage,
+                "microbatches": self.microbatches, "schedule": self.schedule, "batch_size": self.batch}
+
+
+GPT_RECIPES = (
+    Recipe(batch=4),
+    Recipe(dp=2, batch=4),
+    Recipe(batch=8),
+    Recipe(dp=2, batch=8),
+    Recipe(dp=2, zero_stage=3, batch=8),
+    Recipe(tp=2, batch=8),
+    Recipe(dp=2, tp=2, zero_stage=3, batch=8),
+    Recipe(pp=2, microbatches=4, schedule="1f1b", batch=8),
+    Recipe(pp=2, microbatches=4, schedule="gpipe", batch=8),
+    Recipe(sp=2, batch=8),
+    Recipe(dp=2, batch=16),
+    Recipe(dp=4, batch=16),
+    Recipe(dp=4, zero_stage=3, batch=16),
+    Recipe(dp=2, pp=2, microbatches=2, schedule="1f1b", batch=16),
+)
+MAIN_BATCH = 8  # the workload whose fastest recipe the search must find
+
+# --------------------------------------------------------------------------------------------
+# measuring and pricing
+# --------------------------------------------------------------------------------------------
+
+
+def calibrate_now(say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Measure this machine into the default calibration file (what ``polyparallel calibrate`` does)."""
+    from polyparallel.cluster import default_calibration_path
+    from polyparallel.cost_models.calibrate import calibrate
+
+    path = default_calibration_path()
+    say(f"calibrating this machine -> {path}")
+    t0 = time.perf_counter()
+    cal = calibrate(path)
+    say(f"  calibrated in {time.perf_counter() - t0:.0f} s")
+    return cal
+
+
+def _example(workload: Workload) -> tuple[Any, ...]:
+    x, y = workload.data_fn(2)(0)
+    return (x, y)
+
+
+def _price(workload: Workload, recipe: Recipe, model: torch.nn.Module) -> Any:
+    import polyparallel as pp
+
+    kw = {k: v for k, v in recipe.evaluate_kwargs().items() if v is not None}
+    return pp.evaluate(model, _example(workload), f"local-cpu:{recipe.world}", **kw)
+
+
+def _train(workload: Workload, strategy: Any, batch: int, steps: int) -> list[float]:
+    import polyparallel as pp
+
+    # one intra-op thread per process, as the calibration measured (and as pp.train defaults to)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    log = pp.train(strategy, workload.model, workload.data_fn(batch), steps=steps, optimizer="adam", lr=1e-3,
+                   timeout_s=300)
+    return [float(r["step_time_s"]) for r in sorted(log, key=lambda r: r["step"])]
+
+
+def run_recipes(workload: Workload, recipes: Sequence[Recipe], *, steps: int, warmup: int, repeats: int,
+                say: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Price and execute every recipe; one row per recipe (measured, predicted, error or why not)."""
+    from polyparallel.backends.torch import Unsupported
+
+    model = workload.model_fn()()
+    rows: list[dict[str, Any]] = []
+    strategies: dict[int, Any] = {}
+    for i, r in enumerate(recipes):
+        row: dict[str, Any] = {"recipe": r.name, **asdict(r), "world": r.world}
+        try:
+            s = _price(workload, r, model)
+        except (ValueError, RuntimeError) as e:  # the cost model cannot price it (e.g. it does not divide)
+            row["status"] = f"not priced: {str(e).splitlines()[0]}"
+        else:
+            row.update(predicted_s=s.estimate.step_time_s, predicted_breakdown_s={
+                k: v for k, v in s.estimate.breakdown.items() if v})
+            if s.search.notes:
+                row["notes"] = s.search.notes
+            strategies[i] = s
+        rows.append(row)
+    times: dict[int, list[float]] = {i: [] for i in strategies}
+    for rep in range(repeats):
+        for i, s in strategies.items():
+            row = rows[i]
+            if "status" in row:
+                continue
+            t0 = time.perf_counter()
+            try:
+                ts = _train(workload, s, recipes[i].batch, steps)
+            except Unsupported as e:
+                row["status"] = f"refused: {e}"
+                say(f"  {row['recipe']:<28} refused: {str(e)[:150]}")
+                continue
+            except Exception as e:  # a failed run is reported with its reason, the others go on
+                row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                say(f"  {row['recipe']:<28} {row['status']}")
+                continue
+            times[i] += ts[warmup:]
+            say(f"  run {rep + 1}/{repeats} {row['recipe']:<28} median step {1e3 * statistics.median(ts[warmup:]):7.1f}"
+                f" ms  ({time.perf_counter() - t0:.0f} s with launch)")
+    for i, ts in times.items():
+        row = rows[i]
+        if ts and "status" not in row:
+            row.update(status="ok", measured_s=statistics.median(ts), measured_steps=len(ts),
+                       measured_min_s=min(ts), measured_max_s=max(ts))
+            row["error"] = row["predicted_s"] / row["measured_s"] - 1
+    return rows
+
+
+def spearman(rows: Sequence[dict[str, Any]]) -> float | None:
+    """Spearman rank correlation of predicted vs measured over the executed rows."""
+    from scipy.stats import spearmanr
+
+    ok = [r for r in rows if r.get("status") == "ok"]
+    if len(ok) < 3:
+        return None
+    return float(spearmanr([r["predicted_s"] for r in ok], [r["measured_s"] for r in ok]).statistic)
+
+
+def search_check(workload: Workload, rows: list[dict[str, Any]], batch: int, procs: Sequence[int], *,
+                 steps: int, warmup: int, repeats: int, say: Callable[[str], None] = print) -> dict[str, Any]:
+    """``pp.search`` on ``local-cpu:P`` for each ``P``; the fastest predicted is the planner's choice.
+
+    Its measured step time (from the matching recipe's row, or run here) is compared with the
+    fastest measured recipe of the same workload (global ``batch``).
+    """
+    import polyparallel as pp
+
+    model = workload.model_fn()()
+    picks = []
+    for p in procs:
+        try:
+            s = pp.search(model, _example(workload), f"local-cpu:{p}", batch_size=batch)
+        except ValueError as e:
+            picks.append({"procs": p, "status": f"no plan: {e}"})
+            continue
+        r = Recipe(dp=s.dp, tp=s.tp, pp=s.pp, sp=s.sp, zero_stage=s.zero_stage, batch=batch,
+                   microbatches=s.microbatches, schedule=s.schedule if s.pp > 1 else None)
+        picks.append({"procs": p, "recipe": r, "predicted_s": s.estimate.step_time_s})
+    priced = [c for c in picks if "predicted_s" in c]
+    out: dict[str, Any] = {"batch": batch, "candidates": [
+        {**{k: v for k, v in c.items() if k != "recipe"}, **({"recipe": c["recipe"].name} if "recipe" in c else {})}
+        for c in picks]}
+    if not priced:
+        return {**out, "status": "the search found no plan"}
+    choice = min(priced, key=lambda c: c["predicted_s"])
+    r = choice["recipe"]
+    same = [x for x in rows if x["recipe"] == r.name and x.get("status") == "ok"]
+    if same:
+        measured = same[0]["measured_s"]
+    else:
+        say(f"  the search's choice {r.name} is not among the recipes: running it")
+        extra = run_recipes(workload, [r], steps=steps, warmup=warmup, repeats=repeats, say=say)[0]
+        if extra.get("status") != "ok":
+            return {**out, "choice": r.name, "status": extra.get("status")}
+        measured = extra["measured_s"]
+    best = min((x for x in rows if x.get("status") == "ok" and x["batch"] == batch), key=lambda x: x["measured_s"])
+    ratio = measured / best["measured_s"]
+    return {**out, "status": "ok", "choice": r.name, "choice_predicted_s": choice["predicted_s"],
+            "choice_measured_s": measured, "fastest_measured": best["recipe"],
+            "fastest_measured_s": best["measured_s"], "choice_over_fastest": ratio, "within_10pct": ratio <= 1.10}
+
+
+def print_table(rows: Sequence[dict[str, Any]], say: Callable[[str], None] = print) -> None:
+    say(f"  {'recipe':<28} {'P':>2} {'predicted':>10} {'measured':>10} {'error':>8}")
+    for r in rows:
+        if r.get("status") == "ok":
+            say(f"  {r['recipe']:<28} {r['world']:>2} {1e3 * r['predicted_s']:8.1f}ms {1e3 * r['measured_s']:8.1f}ms "
+                f"{100 * r['error']:+7.1f}%")
+        else:
+            pred = f"{1e3 * r['predicted_s']:8.1f}ms" if "predicted_s" in r else f"{'-':>10}"
+            say(f"  {r['recipe']:<28} {r['world']:>2} {pred} {r.get('status', '?')[:150]}")
+
+
+def _calibration_summary(path: Path) -> dict[str, Any]:
+    cal = json.loads(path.read_text())
+    fits = cal.get("collectives", {}).get("fit_by_group_size", {})
+    return {"path": str(path), "date": cal.get("date"), "cores": cal.get("cores"),
+            "threads_per_process": cal.get("threads_per_process"), "load_average": cal.get("load_average"),
+            "gloo_by_group_size": {p: {"alpha_s": f["alpha"], "bandwidth_Bps": f["bandwidth"]}
+                                   for p, f in fits.items()},
+            "matmul_peak_flops_by_procs": {p: max(r["flops"] / r["seconds"] for r in k["matmul"])
+                                           for p, k in cal.get("per_processes", {}).items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=20, help="training steps per run (warm-up included)")
+    ap.add_argument("--warmup", type=int, default=5, help="first steps of every run left out")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of every recipe (interleaved)")
+    ap.add_argument("--no-recalibrate", action="store_true", help="use the existing calibration file")
+    args = ap.parse_args()
+    from polyparallel.cluster import default_calibration_path
+
+    t0 = time.perf_counter()
+    load0 = os.getloadavg()[0]
+    if not args.no_recalibrate or not default_calibration_path().is_file():
+        calibrate_now()
+    print(f"{GPT.description}; {args.repeats} x {args.steps} steps per recipe, first {args.warmup} left out:")
+    rows = run_recipes(GPT, GPT_RECIPES, steps=args.steps, warmup=args.warmup, repeats=args.repeats)
+    rho = spearman(rows)
+    print("search (pp.search on local-cpu:1, 2, 4; the fastest predicted is the choice):")
+    check = search_check(GPT, rows, MAIN_BATCH, (1, 2, 4), steps=args.steps, warmup=args.warmup,
+                         repeats=args.repeats)
+    print_table(rows)
+    ok = [r for r in rows if r.get("status") == "ok"]
+    med = statistics.median(abs(r["error"]) for r in ok) if ok else None
+    print(f"  Spearman (predicted vs measured, {len(ok)} executed recipes): "
+          f"{'n/a' if rho is None else f'{rho:.3f}'} (target >= 0.8); median |error| "
+          f"{'n/a' if med is None else f'{100 * med:.0f}%'}")
+    if check.get("status") == "ok":
+        print(f"  search's choice {check['choice']}: measured {1e3 * check['choice_measured_s']:.1f} ms; "
+              f"fastest measured {check['fastest_measured']} {1e3 * check['fastest_measured_s']:.1f} ms -> "
+              f"x{check['choice_over_fastest']:.2f} ({'within' if check['within_10pct'] else 'NOT within'} 10%)")
+    else:
+        print(f"  search check: {check.get('status')}")
+    result = {
+        "workload": GPT.description, "host": {"machine": platform.machine(), "cores": os.cpu_count(),
+                                              "load_average_start": load0, "load_average_end": os.getloadavg()[0]},
+        "command": "python benchmarks/executor.py " + " ".join(sys.argv[1:]),
+        "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
+        "measured": "median over runs of rank 0's logged step times after warm-up",
+        "calibration": _calibration_summary(default_calibration_path()),
+        "rows": rows, "spearman": rho, "median_abs_error": med, "executed": len(ok), "search": check,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {OUT} ({result['wall_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
