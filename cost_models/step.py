@@ -35,15 +35,32 @@ each attention op all-to-alls its three inputs and its output, forward and backw
 the slowest device type of the stage. The pipeline schedule is simulated
 (:mod:`.pipeline`) with the boundary p2p times (activations scattered over ``tp``).
 
-**Data-parallel gradients**: an all-reduce of the stage's gradient bytes over the ``dp·sp``
-group (ZeRO-1/2: reduce-scatter + all-gather, same volume; ZeRO-3 adds two parameter
-all-gathers per micro-batch). Gradient buckets are reduced while the backward pass of the
-last micro-batch runs, so the exposed part is
+**Data-parallel gradients**: over the ``dp·sp`` group, with ``G`` the stage's gradient bytes,
+``B_s`` its backward seconds per micro-batch and ``ω ∈ [0, 1]`` = ``grad_overlap`` (1 on
+accelerators, whose collectives run on their own engines/streams; 0 on CPU processes, where
+gloo's threads compete with the compute for the same cores):
 
-    T_dp,exposed = max(0, T_dp − ω · B_s),    ω ∈ [0, 1] = ``grad_overlap``,
+* ZeRO-0: one all-reduce of ``G`` per step, reduced in buckets while the backward of the last
+  micro-batch runs: ``T_dp,exposed = max(0, AR(G) − ω · B_s / v)``.
+* ZeRO-1: reduce-scatter of ``G`` + all-gather of the updated weights once per step (the same
+  volume as the all-reduce), exposed the same way.
+* ZeRO-2: the gradients are sharded, so each micro-batch's are reduce-scattered as its
+  backward produces them: ``max(0, m·RS(G) + AG(W) − ω·m·B_s / v)``.
+* ZeRO-3 / FSDP: weights are sharded too. For every micro-batch, layer ``i`` of the stage
+  (``i = 0..n−1`` in execution order, ``W_i`` its weight bytes, ``c_i`` its forward compute)
+  is all-gathered before its forward; the gather of layer ``i`` is prefetched during the
+  compute of layer ``i − 1``, so the first gather is fully exposed and the others only by what
+  the previous layer's compute cannot cover. The backward gathers every layer again and
+  reduce-scatters its gradients; the two share the link and are summed against the whole
+  backward:
 
-with ``ω = 1`` on accelerators (communication runs on its own engines/streams) and ``ω = 0``
-on CPU processes, where gloo's threads compete with the compute for the same cores.
+      E_fwd = AG(W_0) + Σ_{i≥1} max(0, AG(W_i) − ω·c_{i−1}),
+      E_bwd = max(0, Σ_i [AG(W_i) + RS(W_i)] − ω·B_s).
+
+  ``E_fwd`` and ``E_bwd`` lengthen every micro-batch's forward and backward inside the
+  pipeline (they repeat ``m`` times), and nothing is left for after the pipeline. Earlier
+  versions hid all of ZeRO-3's traffic under the backward of all micro-batches, which made
+  FSDP look nearly free for GPT-3-sized models.
 
 **Step**: ``T_s = makespan + T_dp,exposed + T_opt`` per stage (``T_opt`` streams the
 optimizer state once); ``T = max_s T_s``; every stage's breakdown (compute, tensor-parallel,
@@ -485,7 +502,8 @@ def estimate_step(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> StepEs
         p2p_total = 2 * m * terms.p2p_sum[s]
         p2p_part = min(p2p_total, waiting)
         parts = (("compute", busy_compute), ("tensor_parallel", tpc), ("sequence_parallel", spc),
-                 ("p2p", p2p_part), ("bubble", waiting - p2p_part), ("data_parallel", x.exposed),
+                 ("p2p", p2p_part), ("bubble", waiting - p2p_part),
+                 ("data_parallel", x.exposed + m * x.per_microbatch),
                  ("optimizer", x.t_opt), ("idle", step - tot))
         dp_kinds = "+".join(dict.fromkeys(k for k, _ in x.events)) or "none"
         coll = [("tensor_parallel", tpc), ("sequence_parallel", spc), ("p2p", p2p_total),
@@ -554,6 +572,8 @@ class _StageTerms:
     p2p: tuple[float, ...]
     p2p_sum: tuple[float, ...]
     spans: tuple[str, ...]
+    seg_params: tuple[tuple[float, ...], ...]  # per stage, parameters first used in each of its layers
+    seg_fwd: tuple[tuple[float, ...], ...]  # per stage, forward seconds of each of its layers
     dp_groups: tuple[tuple[_Group, ...], ...]  # distinct (by nodes) dp groups of each stage
     param_tensors: tuple[int, ...] = ()  # distinct parameter tensors of each stage
     tp_param_tensors: tuple[int, ...] = ()  # of those, the ones split over tp (DTensors in torch)
@@ -561,10 +581,11 @@ class _StageTerms:
 
 @dataclass(frozen=True)
 class _DataParallel:
-    exposed: float
+    exposed: float  # per step, after the pipeline
     t_opt: float
-    t_dp: float
+    t_dp: float  # before overlap, per step
     events: tuple[tuple[str, float], ...]
+    per_microbatch: float = 0.0  # exposed inside every micro-batch (ZeRO-3 gathers), forward + backward
 
 
 @dataclass(frozen=True)
@@ -584,23 +605,15 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
     in_flight = peak_in_flight(cfg.schedule, p, m, v)
     gb = _SHORT_BYTES[cfg.dtype]
     dps, mems = [], []
+    fwd, bwd = list(terms.fwd), list(terms.bwd)
     for s in range(p):
         dt = terms.types[s]
         dgrp_size = len(terms.dp_groups[s][0][0])
         params = terms.params[s]
-        events: list[tuple[str, float]] = []
-        grad_bytes = params * gb
-        if dgrp_size > 1:
-            if cfg.zero_stage == 0:
-                events.append(("all_reduce", grad_bytes))
-            else:
-                events += [("reduce_scatter", grad_bytes), ("all_gather", params * gb)]
-            if cfg.zero_stage == 3:
-                events += [("all_gather", params * gb)] * (2 * m)
-        t_dp = max(_price(cluster, ccache, events, grp, gid) for grp, gid in terms.dp_groups[s])
         omega = cfg.grad_overlap if cfg.grad_overlap is not None else (0.0 if dt.kind == "cpu" else 1.0)
-        hide = omega * (terms.bwd[s] / v) * (m if cfg.zero_stage == 3 else 1)
-        exposed = max(0.0, t_dp - hide)
+        events, t_dp, exposed, ef, eb = _data_parallel(cluster, ccache, terms, s, cfg, gb, omega, v)
+        fwd[s] += ef
+        bwd[s] += eb
         shard = dgrp_size if cfg.zero_stage >= 1 else 1
         master = 4 if gb < 4 else 0
         opt_state = 8 if cfg.optimizer in ("adam", "adamw", "lamb") else 4 if cfg.optimizer in (
@@ -614,7 +627,7 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
             k = _OPT_KERNELS.get(cfg.optimizer, 9)
             dtensors = terms.param_tensors[s] if cfg.zero_stage >= 1 and dgrp_size > 1 else terms.tp_param_tensors[s]
             t_opt = max(t_opt, k * (terms.param_tensors[s] * dt.launch_overhead + dtensors * dt.sharded_op_overhead))
-        dps.append(_DataParallel(exposed, t_opt, t_dp, tuple(events)))
+        dps.append(_DataParallel(exposed, t_opt, t_dp, events, ef + eb))
         ws = terms.seg_act_max[s]
         if cfg.zero_stage == 3:
             ws += 2 * _max_segment_params(graph) * gb / cfg.tp
@@ -623,7 +636,43 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
             capacity=dt.memory, params=params, dp=dgrp_size, zero_stage=cfg.zero_stage,
             param_dtype=cfg.dtype, optimizer=cfg.optimizer, activations=terms.act[s], in_flight=in_flight[s] / v,
             workspace=ws))
-    return _Prepared(terms, v, terms.fwd, terms.bwd, tuple(dps), tuple(mems))
+    return _Prepared(terms, v, tuple(fwd), tuple(bwd), tuple(dps), tuple(mems))
+
+
+def _data_parallel(cluster: Cluster, ccache: dict, terms: _StageTerms, s: int, cfg: ParallelConfig, gb: int,
+                   omega: float, v: int) -> tuple[tuple[tuple[str, float], ...], float, float, float, float]:
+    """Stage ``s``'s data-parallel traffic (module docstring): ``(events, seconds before overlap,
+    exposed seconds per step, exposed seconds per micro-batch forward, and backward)``."""
+    groups = terms.dp_groups[s]
+    if len(groups[0][0]) == 1:
+        return (), 0.0, 0.0, 0.0, 0.0
+    m, z = cfg.microbatches, cfg.zero_stage
+    params = terms.params[s]
+    if z == 0:
+        events: tuple[tuple[str, float], ...] = (("all_reduce", params * gb),)
+        t_dp = max(_price(cluster, ccache, events, grp, gid) for grp, gid in groups)
+        return events, t_dp, max(0.0, t_dp - omega * terms.bwd[s] / v), 0.0, 0.0
+    if z in (1, 2):
+        # ZeRO-2 shards the gradients, so every micro-batch's are reduce-scattered as they come
+        n_rs = m if z == 2 else 1
+        events = (("reduce_scatter", params * gb), ("all_gather", params * gb))
+        t_dp = max(n_rs * _price(cluster, ccache, events[:1], grp, gid) + _price(cluster, ccache, events[1:], grp, gid)
+                   for grp, gid in groups)
+        return events, t_dp, max(0.0, t_dp - omega * n_rs * terms.bwd[s] / v), 0.0, 0.0
+    # ZeRO-3: per micro-batch, each layer's weights are gathered before its forward (the next
+    # layer's gather runs during this layer's compute), gathered again for its backward, and its
+    # gradients reduce-scattered; the backward's two share the link against the backward compute
+    seg_bytes = [x * gb for x in terms.seg_params[s]]
+    seg_fwd = terms.seg_fwd[s]
+    t_dp = ef = eb = 0.0
+    for grp, gid in groups:
+        ag = [_price(cluster, ccache, (("all_gather", x),), grp, gid) for x in seg_bytes]
+        rs = [_price(cluster, ccache, (("reduce_scatter", x),), grp, gid) for x in seg_bytes]
+        f = (ag[0] if ag else 0.0) + sum(max(0.0, ag[i] - omega * seg_fwd[i - 1]) for i in range(1, len(ag)))
+        b = max(0.0, sum(ag) + sum(rs) - omega * terms.bwd[s])
+        t_dp = max(t_dp, m * (2 * sum(ag) + sum(rs)))
+        ef, eb = max(ef, f), max(eb, b)
+    return (("all_gather", params * gb), ("reduce_scatter", params * gb)), t_dp, 0.0, ef, eb
 
 
 def _price(cluster: Cluster, ccache: dict, events: Sequence[tuple[str, float]], grp: Sequence[int],
@@ -680,7 +729,8 @@ class _StageBase:
     """One stage's sums per micro-batch before a recomputation choice."""
 
     layout: _StageLayout
-    by_type: tuple[tuple[DeviceType, float, float, float], ...]  # (type, forward, backward, attention forward)
+    # (type, forward, backward, attention forward, forward of each layer)
+    by_type: tuple[tuple[DeviceType, float, float, float, tuple[float, ...]], ...]
     tf: float  # tensor-parallel collectives, forward and backward
     tb: float
     qf: float  # sequence-parallel collectives
@@ -689,6 +739,7 @@ class _StageBase:
     param_tensors: int
     tp_param_tensors: int
     segs: tuple[int, ...]  # the stage's layer segments
+    seg_params: tuple[float, ...]  # parameters first used in each of them
     p2p: float
     p2p_sum: float
 
@@ -700,13 +751,13 @@ def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, 
     out: dict[str, list] = {k: [] for k in _StageTerms.__dataclass_fields__}
     for st in base:
         # The slowest device type of the stage sets its pace (synchronous collectives).
-        best: tuple[DeviceType, float, float, float] | None = None
-        for dt, f, b, att in st.by_type:
+        best: tuple[DeviceType, float, float, float, tuple[float, ...]] | None = None
+        for dt, f, b, att, seg_f in st.by_type:
             rc = f if full else att if cfg.recompute == "selective" else 0.0
             if best is None or f + b + rc > best[1] + best[2] + best[3]:
-                best = (dt, f, b, rc)
+                best = (dt, f, b, rc, seg_f)
         assert best is not None
-        dt, f, b, rc = best
+        dt, f, b, rc, seg_f = best
         tf, tb, qf, qb = st.tf, st.tb, st.qf, st.qb
         # recomputing a forward repeats its tensor/sequence-parallel collectives too
         rc_comm = (tf + qf) if full else 0.0
@@ -719,6 +770,8 @@ def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, 
         out["tp_t"].append(tf + tb + (tf if full else 0.0))
         out["sp_t"].append(qf + qb + (qf if full else 0.0))
         out["params"].append(st.params)
+        out["seg_params"].append(st.seg_params)
+        out["seg_fwd"].append(seg_f)
         out["param_tensors"].append(st.param_tensors)
         out["tp_param_tensors"].append(st.tp_param_tensors)
         full_act = seg_max = 0.0
@@ -846,6 +899,10 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
     ranges = _chunk_ranges(graph, p * v, cfg.partition)
     layout = _layout(cluster, cfg, devs)
     stage_of_seg = [chunk_of_op[sg[0]] % p for sg in segs]
+    seg_of_op = [0] * n
+    for j, sg in enumerate(segs):
+        for i in sg:
+            seg_of_op[i] = j
     # p2p between consecutive chunks: tensors produced at or before chunk g, read after it
     boundary = [0.0] * (p * v)
     cross = _crossing(graph, cfg.dtype)
@@ -863,6 +920,7 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
     for s in range(p):
         lay = layout[s]
         rng = [ranges[g] for g in range(s, p * v, p)]
+        stage_segs = tuple(j for j in range(len(segs)) if stage_of_seg[j] == s)
         by_type = []
         for dt in lay.types:
             fw, bw, att = _op_vectors(graph, dt, cfg, plans)
@@ -871,7 +929,7 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
                 f = sum(fw[a:z], f)
                 b = sum(bw[a:z], b)
                 a_f = sum(att[a:z], a_f)
-            by_type.append((dt, f, b, a_f))
+            by_type.append((dt, f, b, a_f, tuple(sum(fw[i] for i in segs[j]) for j in stage_segs)))
         # every group of the stage runs the same collectives; the slowest one sets the pace
         stage_ev = [e for a, z in rng for e in ev[bisect_left(ev_idx, a): bisect_left(ev_idx, z)]]
 
@@ -891,18 +949,20 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
         seen: set[str] = set()
         params = 0.0
         split_tensors = 0
+        seg_params = dict.fromkeys(stage_segs, 0.0)
         for a, z in rng:
-            for _, t, numel, whole in uses[bisect_left(use_idx, a): bisect_left(use_idx, z)]:
+            for i, t, numel, whole in uses[bisect_left(use_idx, a): bisect_left(use_idx, z)]:
                 if t not in seen:
                     seen.add(t)
                     params += numel
                     split_tensors += numel < whole
+                    seg_params[seg_of_op[i]] += numel
         times = [max(_p2p(cluster, ccache, a, b, boundary[g]) for a, b in lay.p2p_pairs)
                  for g in range(s, p * v - 1, p)]
         out.append(_StageBase(
             layout=lay, by_type=tuple(by_type), tf=slowest(0, lay.tp_groups), tb=slowest(1, lay.tp_groups),
             qf=slowest(2, lay.sp_groups), qb=slowest(3, lay.sp_groups), params=params, param_tensors=len(seen),
-            tp_param_tensors=split_tensors, segs=tuple(j for j in range(len(segs)) if stage_of_seg[j] == s),
+            tp_param_tensors=split_tensors, segs=stage_segs, seg_params=tuple(seg_params.values()),
             p2p=max(times) if times else 0.0, p2p_sum=sum(times)))
     return tuple(out)
 

@@ -116,3 +116,35 @@ def test_equal_layer_partition_puts_embedding_and_head_on_end_stages():
     assert e.memory[1].term("weights") == 4 * (2 * layer + 2 * h + v * h)
     with pytest.raises(ValueError, match="partition"):
         estimate_step(g, node(2), ParallelConfig(pp=2, partition="random"))
+
+
+def test_zero3_exposed_gathers_by_hand():
+    """FSDP/ZeRO-3: first gather exposed, the others only beyond the previous layer's compute; the
+    backward's re-gathers and reduce-scatters summed against the backward (module docstring)."""
+    from polyparallel.cost_models import op_cost
+    from polyparallel.cost_models.step import layer_segments
+
+    # layer 0 is big (its compute hides layer 1's gather); layer 1 is tiny (layer 2's gather shows)
+    g = mlp_graph(batch=256, widths=(1024, 4096, 64, 4096), classes=64)
+    cl = node(2)
+    dt = cl.devices[0].type
+    m = 3
+    e = estimate_step(g, cl, ParallelConfig(dp=2, zero_stage=3, microbatches=m, grad_overlap=1.0))
+
+    def ring(nbytes: float) -> float:  # all-gather / reduce-scatter over 2 ranks
+        return nbytes / 2 / BW + ALPHA
+
+    segs = layer_segments(g)
+    assert len(segs) == 5  # four linear layers and the loss
+    w = [4 * sum(g.tensors[t].numel for i in sg for t in g.ops[i].inputs if g.tensors[t].is_param) for sg in segs]
+    c = [sum(op_cost(g, g.ops[i], dt, "fp32").forward for i in sg) for sg in segs]
+    back = sum(op_cost(g, op, dt, "fp32").backward for op in g.ops)
+    gather = [ring(x) if x else 0.0 for x in w]
+    scatter = gather  # same volume, same ring steps
+    exposed_fwd = gather[0] + sum(max(0.0, gather[i] - c[i - 1]) for i in range(1, len(w)))
+    exposed_bwd = max(0.0, sum(gather) + sum(scatter) - back)
+    assert gather[1] < c[0] and gather[2] > c[1]  # the configuration exercises both branches
+    assert e.stages[0].part("data_parallel") == pytest.approx(m * (exposed_fwd + exposed_bwd), rel=1e-9)
+    # nothing else is exposed: the step is m micro-batches of compute plus those gathers, and the optimizer
+    assert e.step_time == pytest.approx(m * (sum(c) + back + exposed_fwd + exposed_bwd)
+                                        + e.stages[0].part("optimizer"), rel=1e-9)
