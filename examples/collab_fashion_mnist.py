@@ -5,19 +5,30 @@ laptop CPU trains in minutes): a small CNN, five centers, an IID split and a Dir
 split, the same total number of epochs for every arm:
 
 - ``local``   each center trains only on its own data (mean test accuracy of the five models);
-- ``fedavg``, ``fedprox``, ``fedadam`` ...   collaborative training, ``R`` rounds of ``H`` local steps;
+- ``fedavg``, ``diloco``, ``fedprox``, ``fedadam`` ... (``--fusions``)   collaborative training, ``R``
+  rounds of ``H`` local steps, each fusion with its paper's hyper-parameters (:data:`FUSION_OPTIONS`);
 - ``pooled``  one model trained on the union of the centers' data;
 - ``fedavg-ms`` (``--mindspore``)  FedAvg with two of the five centers training in MindSpore.
 
-Every arm sees ``E`` epochs of its data in total; a round is ``H = E·n̄/(B·R)`` local steps (n̄ the mean
-center size), the pooled model takes ``5·H`` steps per round (same samples per round). Accuracy is on
-the official 10k test images (or ``--test`` of them). Writes ``<out>/fashion_mnist_<split>.json``, a
-Markdown table ``<out>/fashion_mnist.md`` and an SVG plot of accuracy per round per arm.
+Protocol, identical for every arm: ``E`` epochs of the union of the data in total; a round is
+``H = E·n̄/(B·R)`` local steps of batch ``B`` (n̄ the mean center size; 20 rounds of 5 epochs fuse every
+quarter epoch), the pooled model takes ``5·H`` steps per round (same samples per round), and local-only
+centers ``H`` steps per round on their own data. Every arm uses the same local SGD (``--lr``,
+``--momentum``, a fresh optimiser per round) and the same per-round learning-rate schedule
+(``--lr-schedule``, cosine by default). Nothing is tuned per arm. Accuracy is on the official 10k test
+images (or ``--test`` of them); ``--seeds`` repeats everything (data split, initial model, data order)
+and the table gives mean ± std over seeds, differences taken per seed.
+
+Writes ``<out>/collab_fashion_mnist[_TAG]_<split>.json`` (a list, one entry per seed), a Markdown table
+``<out>/collab_fashion_mnist[_TAG].md`` and an SVG plot of mean accuracy per round per arm. Runs started
+apart (e.g. one process per split) are merged by ``--table-only``.
 
 Data: Debian's ``dataset-fashion-mnist`` package (``apt-get install -y dataset-fashion-mnist``), files in
 ``/usr/share/datasets/fashion-mnist``.
 
-Run:  ``nice python examples/collab_fashion_mnist.py --out benchmarks/results --mindspore``
+Run (the full experiment; about 25 CPU-minutes per split and seed):
+``nice python examples/collab_fashion_mnist.py --out benchmarks/results --lr 0.02 --momentum 0.9
+--local-eval-every 4``
 """
 
 from __future__ import annotations
@@ -82,64 +93,79 @@ def split(y: np.ndarray, centers: int, alpha: float | None, seed: int) -> list[n
     return [np.sort(np.array(p, dtype=np.int64)) for p in parts]
 
 
-def run_split(name: str, alpha: float | None, xtr, ytr, xte, yte, args) -> dict:
-    parts = split(ytr, args.centers, alpha, args.seed)
+# Each fusion's own hyper-parameters, from the paper that introduced it (never tuned on this experiment):
+# FedProx mu from Li et al. 2020's grid; FedAdam eta=10^-2, tau=10^-3 from Reddi et al. 2021;
+# DiLoCo outer lr 0.7 with Nesterov momentum 0.9 from Douillard et al. 2023.
+FUSION_OPTIONS: dict[str, dict[str, float]] = {
+    "fedavg": {}, "fedprox": {"mu": 0.01}, "fedadam": {"lr": 0.01, "tau": 1e-3}, "fedyogi": {"lr": 0.01, "tau": 1e-3},
+    "diloco": {"lr": 0.7, "momentum": 0.9},
+}
+
+
+def run_split(name: str, alpha: float | None, xtr, ytr, xte, yte, args, seed: int) -> dict:
+    parts = split(ytr, args.centers, alpha, seed)
     names = [f"c{i}" for i in range(args.centers)]
     data = {n: (xtr[p], ytr[p]) for n, p in zip(names, parts)}
     sizes = [len(p) for p in parts]
     spec = ModelSpec("cnn", (1, 28, 28), 10, hidden=args.width)
     steps = max(1, round(args.epochs * np.mean(sizes) / (args.batch * args.rounds)))
-    base = dict(model=spec, rounds=args.rounds, local_steps=steps, batch_size=args.batch, lr=args.lr, seed=args.seed)
+    base = dict(model=spec, rounds=args.rounds, local_steps=steps, batch_size=args.batch, lr=args.lr, seed=seed,
+                lr_schedule=args.lr_schedule, momentum=args.momentum)
+    sched = dict(batch_size=args.batch, lr=args.lr, seed=seed, lr_schedule=args.lr_schedule, rounds=args.rounds,
+                 momentum=args.momentum)
     arms: dict[str, dict] = {}
-    print(f"[{name}] center sizes {sizes}; {args.rounds} rounds x {steps} local steps", flush=True)
+    print(f"[{name} seed {seed}] center sizes {sizes}; {args.rounds} rounds x {steps} local steps", flush=True)
 
-    def record(arm: str, accs: list[float], t0: float, extra: dict | None = None) -> None:
-        arms[arm] = {"accuracy_per_round": accs, "final_accuracy": accs[-1], "wall_s": time.time() - t0,
-                     **(extra or {})}
-        print(f"[{name}] {arm:12s} acc {accs[-1]:.4f}  ({time.time() - t0:.0f} s)", flush=True)
+    def record(arm: str, accs: list[float], t0: float, extra: dict | None = None,
+               rounds: list[int] | None = None) -> None:
+        arms[arm] = {"accuracy_per_round": accs, "eval_rounds": rounds or list(range(1, len(accs) + 1)),
+                     "final_accuracy": accs[-1], "wall_s": time.time() - t0, **(extra or {})}
+        print(f"[{name} seed {seed}] {arm:12s} acc {accs[-1]:.4f}  ({time.time() - t0:.0f} s)", flush=True)
 
     # local only: each center continues from its own model, round after round
     t0 = time.time()
     x0 = initial_params(CollabConfig(centers=(CenterSpec("c0"),), **base))
-    trainers = [TorchTrainer(spec, *data[n], center_index=i, batch_size=args.batch, lr=args.lr, seed=args.seed)
-                for i, n in enumerate(names)]
+    trainers = [TorchTrainer(spec, *data[n], center_index=i, **sched) for i, n in enumerate(names)]
     own = [x0] * len(names)
     per_center: list[list[float]] = [[] for _ in names]
+    # five models to evaluate per round: --local-eval-every thins that out (the final round always counts)
+    eval_rounds = [r for r in range(1, args.rounds + 1) if r % args.local_eval_every == 0 or r == args.rounds]
     for r in range(1, args.rounds + 1):
         own = [t.train(p, steps=steps, round_idx=r)[0] for t, p in zip(trainers, own)]
-        for i, p in enumerate(own):
+        for i, p in enumerate(own if r in eval_rounds else ()):
             per_center[i].append(evaluate_torch(spec, p, xte, yte)["accuracy"])
-    mean_local = [float(np.mean([pc[r] for pc in per_center])) for r in range(args.rounds)]
-    record("local", mean_local, t0, {"per_center_final": [pc[-1] for pc in per_center]})
+    mean_local = [float(np.mean([pc[j] for pc in per_center])) for j in range(len(eval_rounds))]
+    record("local", mean_local, t0, {"per_center_final": [pc[-1] for pc in per_center]}, rounds=eval_rounds)
 
     # pooled: one model on all the data, 5·H steps per round
     t0 = time.time()
     allx, ally = np.concatenate([data[n][0] for n in names]), np.concatenate([data[n][1] for n in names])
-    pooled = TorchTrainer(spec, allx, ally, batch_size=args.batch, lr=args.lr, seed=args.seed)
+    pooled = TorchTrainer(spec, allx, ally, **sched)
     p, accs = x0, []
     for r in range(1, args.rounds + 1):
         p = pooled.train(p, steps=steps * len(names), round_idx=r)[0]
         accs.append(evaluate_torch(spec, p, xte, yte)["accuracy"])
     record("pooled", accs, t0)
 
-    fusions = [("fedavg", {}), ("fedprox", {"mu": 0.01}), ("fedadam", {"lr": 0.01, "tau": 1e-3})]
-    for fusion, opts in fusions:
+    for fusion in args.fusions.split(","):
+        opts = FUSION_OPTIONS[fusion]
         t0 = time.time()
         cfg = CollabConfig(centers=tuple(CenterSpec(n) for n in names), fusion=fusion, fusion_options=opts, **base)
         res = run_inprocess(cfg, data, eval_data=(xte, yte))
         record(fusion, [r.eval["accuracy"] for r in res.rounds], t0,
-               {"bytes_up_per_round": sum(res.rounds[0].bytes_up.values()),
+               {"fusion_options": opts, "bytes_up_per_round": sum(res.rounds[0].bytes_up.values()),
                 "bytes_down_per_round": res.rounds[0].bytes_down})
-    if args.mindspore and name in args.mindspore_splits:
+    if args.mindspore and name.split("(")[0].lower() in args.mindspore_splits.lower() and seed == args.seeds[0]:
         t0 = time.time()
         centers = tuple(CenterSpec(n, framework="mindspore" if i >= len(names) - 2 else "torch")
                         for i, n in enumerate(names))
         res = run_inprocess(CollabConfig(centers=centers, **base), data, eval_data=(xte, yte))
         record("fedavg-ms", [r.eval["accuracy"] for r in res.rounds], t0,
                {"mindspore_centers": [c.name for c in centers if c.framework == "mindspore"]})
-    return {"split": name, "alpha": alpha, "center_sizes": sizes, "local_steps": steps, "rounds": args.rounds,
-            "epochs": args.epochs, "batch": args.batch, "lr": args.lr, "width": args.width,
-            "train_images": len(ytr), "test_images": len(yte), "arms": arms}
+    return {"split": name, "seed": seed, "alpha": alpha, "center_sizes": sizes, "local_steps": steps,
+            "rounds": args.rounds, "epochs": args.epochs, "batch": args.batch, "lr": args.lr, "momentum": args.momentum,
+            "lr_schedule": args.lr_schedule, "width": args.width, "train_images": len(ytr),
+            "test_images": len(yte), "arms": arms}
 
 
 def svg_plot(results: list[dict], path: Path) -> None:
@@ -166,7 +192,7 @@ def svg_plot(results: list[dict], path: Path) -> None:
             parts.append(f'<text x="{ox + pad - 4}" y="{xy(0, t).split(",")[1]}" text-anchor="end">{t:.2f}</text>')
         parts.append(f'<text x="{ox + w / 2}" y="{h - pad + 28}" text-anchor="middle">round (1..{n})</text>')
         for k, (arm, d) in enumerate(res["arms"].items()):
-            pts = " ".join(xy(i, a) for i, a in enumerate(d["accuracy_per_round"]))
+            pts = " ".join(xy(r - 1, a) for r, a in zip(d["eval_rounds"], d["accuracy_per_round"]))
             c = colors[k % len(colors)]
             parts.append(f'<polyline fill="none" stroke="{c}" stroke-width="1.6" points="{pts}"/>')
             parts.append(f'<text x="{ox + w - pad + 4 - 80}" y="{pad + 14 + 13 * k}" fill="{c}">{arm}</text>')
@@ -174,16 +200,35 @@ def svg_plot(results: list[dict], path: Path) -> None:
     path.write_text("\n".join(parts))
 
 
-def table(results: list[dict]) -> str:
-    lines = ["| split | arm | final test accuracy | vs mean local-only | vs pooled | wall s |",
-             "|---|---|---|---|---|---|"]
-    for res in results:
-        local = res["arms"]["local"]["final_accuracy"]
-        pooled = res["arms"]["pooled"]["final_accuracy"]
-        for arm, d in res["arms"].items():
-            a = d["final_accuracy"]
-            lines.append(f"| {res['split']} | {arm} | {100 * a:.2f} | {100 * (a - local):+.2f} | "
-                         f"{100 * (a - pooled):+.2f} | {d['wall_s']:.0f} |")
+def _pm(values: list[float]) -> str:
+    """``mean ± std`` in points (std over seeds, ddof 1; just the value for one seed)."""
+    v = 100 * np.asarray(values)
+    return f"{v.mean():+.2f}" if len(v) == 1 else f"{v.mean():+.2f} ± {v.std(ddof=1):.2f}"
+
+
+def aggregate(runs: list[dict]) -> dict:
+    """One split's runs (one per seed) -> mean accuracy per round per arm, for the plot."""
+    arms = {arm: {"accuracy_per_round": np.mean([r["arms"][arm]["accuracy_per_round"] for r in runs
+                                                 if arm in r["arms"]], axis=0).tolist(),
+                  "eval_rounds": runs[0]["arms"][arm]["eval_rounds"]}
+            for arm in runs[0]["arms"]}
+    return {"split": runs[0]["split"], "rounds": runs[0]["rounds"], "arms": arms}
+
+
+def table(results: dict[str, list[dict]]) -> str:
+    """Final test accuracy per split and arm, and its difference to mean local-only and to pooled.
+
+    Differences are taken per seed (same data split, same initial model) and then averaged."""
+    lines = ["| split | arm | seeds | final test accuracy (%) | vs mean local-only (points) | vs pooled (points) "
+             "| wall s (mean) |", "|---|---|---|---|---|---|---|"]
+    for runs in results.values():
+        for arm in runs[0]["arms"]:
+            have = [r for r in runs if arm in r["arms"]]
+            acc = [r["arms"][arm]["final_accuracy"] for r in have]
+            vs_local = [r["arms"][arm]["final_accuracy"] - r["arms"]["local"]["final_accuracy"] for r in have]
+            vs_pooled = [r["arms"][arm]["final_accuracy"] - r["arms"]["pooled"]["final_accuracy"] for r in have]
+            lines.append(f"| {runs[0]['split']} | {arm} | {len(have)} | {_pm(acc).lstrip('+')} | {_pm(vs_local)} | "
+                         f"{_pm(vs_pooled)} | {np.mean([r['arms'][arm]['wall_s'] for r in have]):.0f} |")
     return "\n".join(lines)
 
 
@@ -196,36 +241,53 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--momentum", type=float, default=0.0, help="local SGD momentum (every arm; reset each round)")
+    ap.add_argument("--lr-schedule", default="cosine", choices=("constant", "cosine"),
+                    help="per-round learning-rate schedule, the same for every arm")
+    ap.add_argument("--local-eval-every", type=int, default=1,
+                    help="evaluate the five local-only models every this many rounds (and after the last)")
     ap.add_argument("--width", type=int, default=8, help="channels of the first conv")
     ap.add_argument("--train", type=int, default=0, help="use this many training images (0: all 60k)")
     ap.add_argument("--test", type=int, default=0, help="use this many test images (0: all 10k)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default="0", help="comma-separated seeds (data split, initial model, data order)")
+    ap.add_argument("--fusions", default="fedavg,diloco", help=f"comma-separated, from {sorted(FUSION_OPTIONS)}")
     ap.add_argument("--mindspore", action="store_true", help="also run FedAvg with two MindSpore centers")
-    ap.add_argument("--mindspore-splits", default="IID", help="splits (IID, Dirichlet(α)) that get the MindSpore run")
+    ap.add_argument("--mindspore-splits", default="IID", help="splits (IID, Dirichlet) that get the MindSpore run")
     ap.add_argument("--splits", default="iid,dirichlet")
+    ap.add_argument("--tag", default="", help="suffix of the output files (e.g. a second configuration)")
+    ap.add_argument("--table-only", action="store_true",
+                    help="only rebuild the table and plot from the JSON files of --splits (runs started apart)")
     args = ap.parse_args()
+    args.seeds = [int(x) for x in args.seeds.split(",")]
+    unknown = set(args.fusions.split(",")) - set(FUSION_OPTIONS)
+    if unknown:
+        raise SystemExit(f"--fusions: unknown {sorted(unknown)}; choose from {sorted(FUSION_OPTIONS)}")
     import torch
 
     torch.set_num_threads(1)
-    xtr, ytr, xte, yte = load_fashion_mnist()
-    rng = np.random.default_rng(args.seed)
-    if args.train:
-        keep = np.sort(rng.permutation(len(ytr))[: args.train])
-        xtr, ytr = xtr[keep], ytr[keep]
-    if args.test:
-        keep = np.sort(rng.permutation(len(yte))[: args.test])
-        xte, yte = xte[keep], yte[keep]
+    xtr0, ytr0, xte0, yte0 = load_fashion_mnist()
     args.out.mkdir(parents=True, exist_ok=True)
-    results = []
-    for s in args.splits.split(","):
+    stem = "collab_fashion_mnist" + (f"_{args.tag}" if args.tag else "")
+    results: dict[str, list[dict]] = {}
+    for s in args.splits.split(",") if args.table_only else ():
+        results[s] = json.loads((args.out / f"{stem}_{s}.json").read_text())
+    for s in () if args.table_only else args.splits.split(","):
         alpha = None if s == "iid" else args.alpha
         label = "IID" if alpha is None else f"Dirichlet({alpha})"
-        res = run_split(label, alpha, xtr, ytr, xte, yte, args)
-        results.append(res)
-        (args.out / f"collab_fashion_mnist_{s}.json").write_text(json.dumps(res, indent=1))
+        for seed in args.seeds:
+            rng = np.random.default_rng(seed)
+            xtr, ytr, xte, yte = xtr0, ytr0, xte0, yte0
+            if args.train:
+                keep = np.sort(rng.permutation(len(ytr))[: args.train])
+                xtr, ytr = xtr[keep], ytr[keep]
+            if args.test:
+                keep = np.sort(rng.permutation(len(yte))[: args.test])
+                xte, yte = xte[keep], yte[keep]
+            results.setdefault(s, []).append(run_split(label, alpha, xtr, ytr, xte, yte, args, seed))
+            (args.out / f"{stem}_{s}.json").write_text(json.dumps(results[s], indent=1))
     md = table(results)
-    (args.out / "collab_fashion_mnist.md").write_text(md + "\n")
-    svg_plot(results, args.out / "collab_fashion_mnist.svg")
+    (args.out / f"{stem}.md").write_text(md + "\n")
+    svg_plot([aggregate(runs) for runs in results.values()], args.out / f"{stem}.svg")
     print(md)
 
 
