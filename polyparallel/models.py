@@ -142,12 +142,12 @@ class LlamaBlock(nn.Module):
         B, S, _ = x.shape
         hd = c.hidden // c.heads
         h = self.attn_norm(x)
-        q = self.q(h).view(B, S, c.heads, hd).transpose(1, 2)
-        k = self.k(h).view(B, S, c.kv_heads, hd).transpose(1, 2)
-        v = self.v(h).view(B, S, c.kv_heads, hd).transpose(1, 2)
+        # head counts read off the projections' outputs: under head-parallel tensor parallelism
+        # (polyparallel.backends.torch) they hold this rank's heads only
+        q, k, v = (p(h).view(B, S, -1, hd).transpose(1, 2) for p in (self.q, self.k, self.v))
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.kv_heads != c.heads)
-        x = x + self.o(a.transpose(1, 2).reshape(B, S, c.hidden))
+        x = x + self.o(a.transpose(1, 2).reshape(B, S, -1))
         h = self.mlp_norm(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 

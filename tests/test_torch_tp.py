@@ -22,6 +22,7 @@ from polyparallel.backends.torch._tensor_parallel import (
     strategy_graph,
 )
 from polyparallel.cli import main
+from polyparallel.strategy import OpPlacement
 
 EX = "polyparallel.backends.torch._examples"
 STEPS, LR, SEED = 3, 0.1, 0
@@ -178,14 +179,52 @@ def tiny_llama() -> pp.models.Llama:
     return pp.models.Llama(pp.models.LlamaConfig(vocab=64, seq=16, layers=1, hidden=32, heads=4, kv_heads=2, ffn=64))
 
 
-def test_llama_tp_and_sp_are_refused_with_the_reason() -> None:
-    """Rotary attention: q/k reach the attention through the rotation, and cos/sin are tables read by
-    position; neither is split the way the plan assumes, so both are refused before launch."""
+def _llama_strategy(**degrees: int) -> pp.Strategy:
+    x, y = ex.gpt_data(0)
+    return pp.evaluate(tiny_llama(), (x, y), "local-cpu:2", batch_size=ex.BATCH, recompute="none", microbatches=1,
+                       **degrees)
+
+
+def test_llama_sp_and_the_planners_mlp_split_are_refused_with_the_reason() -> None:
+    """cos/sin are tables read by position, so a sequence shard would rotate by the wrong angles; and
+    the planner's tp rule, seeing ``silu(gate(h)) * up(h)`` fused into ``gate``, makes ``gate``
+    row-parallel on an unsplit input. Both are refused before launch."""
     x, y = ex.gpt_data(0)
     g = capture_for_strategy(tiny_llama, (x, y))
-    for degrees, why in (({"tp": 2}, r"reads 'add', which no parameterised projection produces directly"),
-                         ({"sp": 2}, r"sp=2 .*reads buffer 'b_sin' by sequence position")):
-        s = pp.evaluate(tiny_llama(), (x, y), "local-cpu:2", batch_size=ex.BATCH, recompute="none", microbatches=1,
-                        **degrees)
-        with pytest.raises(Unsupported, match=why):
-            plan_for(s, tiny_llama(), graph=g)
+    with pytest.raises(Unsupported, match=r"sp=2 .*reads buffer 'b_sin' by sequence position"):
+        plan_for(_llama_strategy(sp=2), tiny_llama(), graph=g)
+    s = _llama_strategy(tp=2)
+    assert {p.placement for p in s.placements if "layers.0.gate" in p.modules} == {"k:tp"}
+    with pytest.raises(Unsupported, match=r"row-parallel Linear 'layers.0.gate' reads an input"):
+        plan_for(s, tiny_llama(), graph=g)
+
+
+@pytest.mark.timeout(60)
+def test_llama_head_parallel_through_rotary_and_gqa_matches_single_process() -> None:
+    """Heads traced from the attention back through the rotary ops to q, k, v (4 query heads, 2
+    key/value heads: one group per rank); MLP placements written by hand as Megatron's (gate, up
+    column, down row), since the planner's fused-epilogue rule gets them wrong (test above)."""
+    s = _llama_strategy(tp=2)
+    fix = {"layers.0.gate": "n:tp", "layers.0.down": "k:tp", "lm_head": "n:tp"}
+    s = s.model_copy(update={"placements": [
+        OpPlacement(ops=[op], placement=fix.get(mod, p.placement), modules=[mod])
+        for p in s.placements for op, mod in zip(p.ops, p.modules)]})
+    x, y = ex.gpt_data(0)
+    plan = plan_for(s, tiny_llama(), graph=capture_for_strategy(tiny_llama, (x, y)))
+    kinds = dict(plan.tp_plan)
+    assert [kinds[f"layers.0.{m}"] for m in ("q", "k", "v", "o", "gate", "up", "down")] == \
+        ["col", "col", "col", "row", "col", "col", "row"] and plan.fused == ()
+    log = train(s, tiny_llama, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED)
+    torch.manual_seed(SEED)
+    m = tiny_llama()
+    opt = torch.optim.SGD(m.parameters(), lr=LR)
+    ref = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = m(*ex.gpt_data(step))
+        loss.backward()
+        opt.step()
+        ref.append(loss.item())
+    err = max(abs(r["loss"] - want) / abs(want) for r, want in zip(log, ref))
+    print(f"TP=2 LLaMA (GQA, rotary): max relative loss difference {err:.2e}")
+    assert err <= 1e-4

@@ -8,9 +8,10 @@ The backend runs a plan exactly or not at all. Supported in this slice:
   dim ``n`` is ``ColwiseParallel``, one splitting the reduction dim ``k`` (or a factor ``k_0`` of it)
   is ``RowwiseParallel``; a column-parallel linear not followed by a row-parallel one feeds the loss,
   which is then class-parallel (``c:tp`` on cross entropy, run under ``loss_parallel``) or gathered
-  to a replicated output when the loss is replicated; with the captured graph, each such pairing is
-  checked: the column shards must reach the row-parallel Linear (or the loss) through pointwise ops
-  only;
+  to a replicated output when the loss is replicated. With the captured graph the pairing is read off
+  it: a column-parallel Linear's partner is the row-parallel Linear (or the loss) its shards reach
+  through pointwise ops only (a pointwise epilogue fused into another column-parallel Linear, as
+  LLaMA's ``silu(gate(h)) * up(h)``, counts); otherwise its output is gathered;
 * DP x TP on a 2-D ``("dp", "tp")`` mesh with FSDP2 (``zero_stage >= 1``);
 * pipeline parallelism over the ``pp`` axis (:mod:`._pipeline`): the model exported with
   ``torch.export`` is cut before the first op of each stage's op range, each stage runs with
@@ -51,6 +52,7 @@ from torch import nn
 from polyparallel.backends.torch._tensor_parallel import (
     head_split,
     position_embeddings,
+    reads_head_shards,
     sharded_consumer,
     sp_problems,
     tied_shards,
@@ -213,30 +215,42 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
         if why:
             raise Unsupported("the torch backend cannot execute this strategy exactly: " + "; ".join(why[:3]))
     seen: dict[str, str] = {}
+    partners: set[str] = set()  # row-parallel Linears a column-parallel one feeds
     for j, (_, path, kind) in enumerate(linears):
+        dst = None
         if path in seen and seen[path] != kind:
             raise Unsupported(f"module {path!r} is called more than once with different tp placements")
         if kind == "col" and path in heads:
             pass  # its output is consumed sharded, by whole heads, by a head-parallel attention
         elif kind == "col":
-            nxt = linears[j + 1][2] if j + 1 < len(linears) else None
-            # A column-parallel output is only consumed sharded by a following row-parallel linear
-            # (Megatron pairing) or by a class-parallel loss; otherwise it must be gathered.
-            kind = "col" if nxt == "row" else ("col_to_loss" if loss_parallel else "col_gather")
-            if kind == "col":
-                a, b = modules[path], modules[linears[j + 1][1]]
+            # A column-parallel output is only consumed sharded by a row-parallel linear (Megatron
+            # pairing) or by a class-parallel loss; otherwise it must be gathered. With the graph the
+            # partner is the row-parallel Linear its shards reach through pointwise ops; without it,
+            # the next Linear in op order.
+            rows = [p for _, p, k in linears[j + 1:] if k == "row"]
+            if graph is None:
+                dst = rows[0] if j + 1 < len(linears) and linears[j + 1][2] == "row" else None
+                to_loss = loss_parallel
+            else:
+                cols = frozenset(p for _, p, k in linears if k == "col")
+                dst = next((r for r in rows if sharded_consumer(graph, path, r, cols) is None), None)
+                to_loss = loss_parallel and sharded_consumer(graph, path, None, cols) is None
+            kind = "col" if dst else ("col_to_loss" if to_loss else "col_gather")
+            if dst:
+                a, b = modules[path], modules[dst]
                 if a.out_features != b.in_features:  # type: ignore[union-attr]
-                    raise Unsupported(f"column-parallel {path!r} ({a.out_features} outputs) is followed by "
-                                      f"row-parallel {linears[j + 1][1]!r} ({b.in_features} inputs): not a "
+                    raise Unsupported(f"column-parallel {path!r} ({a.out_features} outputs) feeds "
+                                      f"row-parallel {dst!r} ({b.in_features} inputs): not a "
                                       "Megatron pair whose sharded activation passes straight through")
-            if graph is not None and kind in ("col", "col_to_loss"):
-                dst = linears[j + 1][1] if kind == "col" else None
-                bad = sharded_consumer(graph, path, dst)
-                if bad:
-                    raise Unsupported(f"column-parallel {path!r} feeds {bad} in the model's graph, not only "
-                                      + (f"the row-parallel {dst!r}" if dst else "the class-parallel loss")
-                                      + " through pointwise ops: that op would see one shard as the whole tensor")
         seen[path] = kind
+        if kind == "col" and dst:
+            partners.add(dst)
+    heads_ops = frozenset(op for op, _ in attention)
+    for _, path, kind in linears if graph is not None else ():
+        if kind == "row" and path not in partners and not reads_head_shards(graph, path, heads_ops):
+            raise Unsupported(f"row-parallel Linear {path!r} reads an input that no column-parallel Linear or "
+                              "head-parallel attention leaves split over tp in the model's graph: the strategy's "
+                              "placements are not a Megatron pairing here")
     for path in embeddings:
         seen[path] = "emb_row"
     tied, why = tied_shards(model, seen)

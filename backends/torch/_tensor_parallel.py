@@ -53,6 +53,7 @@ compared.
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,10 +66,10 @@ from torch.overrides import TorchFunctionMode
 
 from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind
 
-__all__ = ["FingerprintMismatch", "FusedColwiseParallel", "HeadSplit", "UlyssesAttention", "build_mesh",
+__all__ = ["FingerprintMismatch", "FusedColwiseParallel", "HeadSplit", "Region", "UlyssesAttention", "build_mesh",
            "capture_for_strategy", "check_fingerprint", "head_split", "offset_positions", "parallelize",
-           "position_embeddings", "qkv_rows", "replica_mesh", "sequence_shard", "sharded_consumer", "sp_problems",
-           "step_context", "strategy_graph", "tie_groups", "tied_shards"]
+           "position_embeddings", "qkv_rows", "reads_head_shards", "replica_mesh", "sequence_shard",
+           "sharded_consumer", "sp_problems", "step_context", "strategy_graph", "tie_groups", "tied_shards"]
 
 
 class FingerprintMismatch(ValueError):
@@ -100,34 +101,95 @@ def qkv_rows(segments: tuple[int, ...], parts: int) -> list[int]:
     return rows
 
 
-def _last_index_footprint(op: Op, operand: str, dim: str, lo: int, hi: int) -> tuple[set[int], str | None]:
-    """Values of the last index of ``operand`` over the nest with ``dim`` in ``[lo, hi)``.
+Region = tuple[frozenset[int] | None, ...]  # per coordinate: the indices needed, None for all of them
+_MAX_POINTS = 1 << 20
 
-    Returns the set and, when the access cannot be split like a feature block, why not.
-    """
+
+class _NotHeadLocal(Exception):
+    """The heads of an attention cannot be traced to column blocks of projections."""
+
+
+def _values(e: Any, ext: dict[str, int], cons: dict[str, frozenset[int]]) -> frozenset[int] | None:
+    """Values of index expression ``e`` with the constrained loop dims in their sets (None: every
+    value; an over-approximation when ``e`` uses no constrained dim, which can only refuse more)."""
+    dims = [d for d, _ in e.terms]
+    if not any(d in cons for d in dims):
+        return None
+    ranges = [sorted(cons[d]) if d in cons else range(ext[d]) for d in dims]
+    if math.prod(len(r) for r in ranges) > _MAX_POINTS:
+        raise _NotHeadLocal(f"index {e} spans too many points to enumerate")
+    coefs = [c for _, c in e.terms]
+    return frozenset(e.const + sum(c * x for c, x in zip(coefs, pt)) for pt in itertools.product(*ranges))
+
+
+def _constraints(write: Any, region: Region, ext: dict[str, int]) -> dict[str, frozenset[int]] | None:
+    """Loop-dim values whose write lands in ``region``; None when the statement writes nothing there."""
+    cons: dict[str, frozenset[int]] = {}
+    for e, allowed in zip(write.index, region):
+        if allowed is None:
+            continue
+        if not e.terms:
+            if e.const not in allowed:
+                return None
+            continue
+        if len(e.terms) != 1:
+            raise _NotHeadLocal(f"write index {e} mixes loop dims")
+        ((x, c),) = e.terms
+        vals = frozenset(v for v in range(ext[x]) if c * v + e.const in allowed)
+        cons[x] = cons.get(x, vals) & vals
+        if not cons[x]:
+            return None
+    return cons
+
+
+def _is_projection(graph: Graph, op: Op | None) -> bool:
+    return op is not None and OpKind(op.kind) is OpKind.CONTRACTION and any(
+        graph.tensors[t].kind is TensorKind.PARAM for t in op.inputs)
+
+
+def _reads_under(graph: Graph, op: Op, cons: dict[str, frozenset[int]], found: dict[str, list[Region]],
+                 statements: Any) -> None:
+    """Trace every activation that ``statements`` of ``op`` read under ``cons`` back to projections."""
     assert op.nest is not None
     ext = op.nest.extents
-    accesses = [a for st in op.nest.statements for a in st.reads if a.operand == operand]
-    if not accesses:
-        return set(), f"{operand} is not read"
-    out: set[int] = set()
-    for a in accesses:
-        *lead, last = a.index
-        if any(dim in e.dims for e in lead):
-            return set(), f"{operand} is split over {dim!r} along an axis other than its features"
-        names = [d for d, _ in last.terms]
-        if dim not in names:
-            return set(), f"{operand}'s features do not depend on {dim!r}"
-        ranges = [range(lo, hi) if d == dim else range(ext[d]) for d in names]
-        coefs = [c for _, c in last.terms]
-        for point in itertools.product(*ranges):
-            out.add(last.const + sum(c * x for c, x in zip(coefs, point)))
-    return out, None
+    temps: set[str] = set()
+    for st in statements:
+        for a in st.reads:
+            if a.operand.startswith("in") and a.operand[2:].isdigit():
+                t = op.inputs[int(a.operand[2:])]
+                if graph.tensors[t].kind is TensorKind.ACTIVATION:
+                    _back(graph, t, tuple(_values(e, ext, cons) for e in a.index), found)
+            elif not a.operand.startswith("out"):
+                temps.add(a.operand)
+    if temps:  # an op-internal temporary (a fused chain): its writers run over the same loop dims
+        _reads_under(graph, op, cons, found, [st for st in op.nest.statements
+                                              if any(w.operand in temps for w in st.writes)])
+
+
+def _back(graph: Graph, tensor: str, region: Region, found: dict[str, list[Region]]) -> None:
+    """Follow ``region`` of ``tensor`` back through pointwise ops (elementwise, concat, views) to the
+    projections producing it; record the region of each projection output reached in ``found``."""
+    prod = graph.producer(tensor)
+    if _is_projection(graph, prod):
+        found.setdefault(tensor, []).append(region)
+        return
+    if prod is None or prod.nest is None or OpKind(prod.kind) not in (OpKind.ELEMENTWISE, OpKind.CONCAT,
+                                                                        OpKind.VIEW):
+        what = f"op {prod.name!r} ({prod.kind})" if prod is not None else "no op"
+        raise _NotHeadLocal(f"{tensor!r} comes from {what}, not from projections through pointwise ops")
+    out = f"out{prod.outputs.index(tensor)}"
+    for st in prod.nest.statements:
+        for w in st.writes:
+            if w.operand == out:
+                cons = _constraints(w, region, prod.nest.extents)
+                if cons is not None:
+                    _reads_under(graph, prod, cons, found, [st])
 
 
 def head_split(graph: Graph, op_name: str, dim: str, parts: int) -> tuple[list[HeadSplit], list[str]]:
     """Check that attention op ``op_name`` split over ``dim`` in ``parts`` blocks reads contiguous
-    feature blocks of Linear outputs (module docstring); return them, or the reasons it does not."""
+    feature blocks of projection outputs (module docstring), directly or through pointwise ops
+    (e.g. rotary embeddings); return the projections, or the reasons it does not."""
     op = next((o for o in graph.ops if o.name == op_name), None)
     if op is None or op.nest is None or OpKind(op.kind) is not OpKind.ATTENTION:
         return [], [f"op {op_name!r} is not an attention op of the model's captured graph"]
@@ -137,47 +199,47 @@ def head_split(graph: Graph, op_name: str, dim: str, parts: int) -> tuple[list[H
     if ext[dim] % parts:
         return [], [f"attention op {op_name!r}: {ext[dim]} heads ({dim!r}) do not split into {parts} equal blocks"]
     step = ext[dim] // parts
-    by_tensor: dict[str, list[str]] = {}
-    for j, t in enumerate(op.inputs):
-        if graph.tensors[t].kind is not TensorKind.PARAM:
-            by_tensor.setdefault(t, []).append(f"in{j}")
+    # per projection output: per attention operand: the features each rank's heads need
+    need: dict[str, dict[int, list[set[int]]]] = {}
+    try:
+        for j, t in enumerate(op.inputs):
+            if graph.tensors[t].kind is not TensorKind.ACTIVATION:
+                continue
+            for r in range(parts):
+                found: dict[str, list[Region]] = {}
+                cons = {dim: frozenset(range(r * step, (r + 1) * step))}
+                for a in (a for st in op.nest.statements for a in st.reads if a.operand == f"in{j}"):
+                    _back(graph, t, tuple(_values(e, ext, cons) for e in a.index), found)
+                for lt, regions in found.items():
+                    feats: set[int] = set()
+                    for reg in regions:
+                        if reg[-1] is None or any(c is not None for c in reg[:-1]):
+                            raise _NotHeadLocal(f"its heads block reads {lt!r} along other axes than a block of "
+                                                "its features")
+                        feats |= reg[-1]
+                    need.setdefault(lt, {}).setdefault(j, []).append(feats)
+    except _NotHeadLocal as e:
+        return [], [f"attention op {op_name!r} split over {dim!r}: {e}"]
     out: list[HeadSplit] = []
     problems: list[str] = []
-    for t, operands in by_tensor.items():
-        prod = graph.producer(t)
-        if prod is None or OpKind(prod.kind) is not OpKind.CONTRACTION or not any(
-                graph.tensors[i].kind is TensorKind.PARAM for i in prod.inputs):
-            problems.append(f"attention op {op_name!r} reads {t!r}, which no parameterised projection produces "
-                            "directly (only q/k/v straight from Linear layers are head-split)")
-            continue
-        width = graph.tensors[t].shape[-1]
+    for lt, by_operand in need.items():
         segs: list[tuple[int, int]] = []  # (offset, width)
-        for operand in operands:
-            blocks = []
-            for r in range(parts):
-                fp, why = _last_index_footprint(op, operand, dim, r * step, (r + 1) * step)
-                if why:
-                    problems.append(f"attention op {op_name!r}: {why}")
-                    break
-                blocks.append(fp)
-            else:
-                w = len(blocks[0])
-                c = min(blocks[0])
-                if any(b != set(range(c + r * w, c + (r + 1) * w)) for r, b in enumerate(blocks)):
-                    problems.append(f"attention op {op_name!r}: the heads block of {operand} is not a contiguous "
-                                    f"range of {t!r}'s features")
-                else:
-                    segs.append((c, w * parts))
-        if problems:
-            continue
+        for j, blocks in by_operand.items():
+            w, c = len(blocks[0]), min(blocks[0])
+            if len(blocks) != parts or any(b != set(range(c + r * w, c + (r + 1) * w)) for r, b in enumerate(blocks)):
+                problems.append(f"attention op {op_name!r}: the heads blocks of in{j} are not consecutive ranges "
+                                f"of {lt!r}'s features")
+            segs.append((c, w * parts))
         segs.sort()
+        width = graph.tensors[lt].shape[-1]
         ends = [c + w for c, w in segs]
         if segs[0][0] != 0 or ends[-1] != width or any(segs[i + 1][0] != ends[i] for i in range(len(segs) - 1)):
-            problems.append(f"attention op {op_name!r} reads {t!r} in blocks {segs} that do not tile its "
+            problems.append(f"attention op {op_name!r} reads {lt!r} in blocks {segs} that do not tile its "
                             f"{width} features")
-            continue
+        prod = graph.producer(lt)
+        assert prod is not None
         out.append(HeadSplit(producer=prod.name, module=prod.module, segments=tuple(w for _, w in segs)))
-    return out, problems
+    return (out, []) if not problems else ([], problems)
 
 
 class FusedColwiseParallel(ColwiseParallel):
@@ -217,10 +279,12 @@ def tie_groups(model: nn.Module) -> list[list[str]]:
     return [paths for paths in owners.values() if len(paths) > 1]
 
 
-def sharded_consumer(graph: Graph, src: str, dst: str | None) -> str | None:
+def sharded_consumer(graph: Graph, src: str, dst: str | None, columns: frozenset[str] = frozenset()) -> str | None:
     """Check that every use of the output of the Linear at module ``src`` reaches the row-parallel
     Linear at module ``dst`` (or, with ``dst=None``, the loss) through pointwise ops only, so its
-    column shards may flow there unreduced. Returns None if so, else the op where a shard would be
+    column shards may flow there unreduced. A pointwise epilogue fused into another column-parallel
+    Linear (``columns``; e.g. ``silu(gate(h)) * up(h)`` fused into ``gate``) is such a pointwise op:
+    it combines equal column blocks. Returns None if so, else the op where a shard would be
     consumed as if it were the whole tensor."""
     frontier = [t for op in graph.ops if op.module == src and OpKind(op.kind) is OpKind.CONTRACTION
                 for t in op.outputs]
@@ -241,11 +305,32 @@ def sharded_consumer(graph: Graph, src: str, dst: str | None) -> str | None:
                 continue
             if kind is OpKind.LOSS and dst is None:
                 continue
-            if kind in (OpKind.ELEMENTWISE, OpKind.VIEW):
+            if kind in (OpKind.ELEMENTWISE, OpKind.VIEW) or (
+                    kind is OpKind.CONTRACTION and op.module in columns and op.inputs[0] != t):
                 frontier.extend(op.outputs)
                 continue
             return f"{op.name!r} ({op.target})"
     return None
+
+
+def reads_head_shards(graph: Graph, module: str, attention: frozenset[str]) -> bool:
+    """Whether the Linear at ``module`` reads (through pointwise ops) the output of one of the
+    head-parallel ``attention`` ops, i.e. an input already split by heads over ``tp``."""
+    frontier = [op.inputs[0] for op in graph.ops if op.module == module and OpKind(op.kind) is OpKind.CONTRACTION]
+    seen: set[str] = set()
+    while frontier:
+        t = frontier.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        prod = graph.producer(t)
+        if prod is None:
+            continue
+        if prod.name in attention:
+            return True
+        if OpKind(prod.kind) in (OpKind.ELEMENTWISE, OpKind.VIEW):
+            frontier.extend(i for i in prod.inputs if graph.tensors[i].kind is TensorKind.ACTIVATION)
+    return False
 
 
 # dim of the weight each tp kind shards: Linear weights are (out, in), embedding tables (vocab, dim)
