@@ -12,7 +12,12 @@ is read off the attention op's affine accesses in the captured graph: operand ``
 .. math::  F_{j,r} = \{\, c_j + \textstyle\sum_i a_i x_i \;:\; h \in [rE/t, (r+1)E/t) \,\}
 
 is enumerated and must be the contiguous range ``[c_j + r w_j, c_j + (r+1) w_j)`` with
-``w_j = W_j / t`` (``W_j`` the operand's width); the operands must tile the output features. The
+``w_j = W_j / t`` (``W_j`` the operand's width); the operands must tile the output features. When
+``q`` or ``k`` reach the attention through pointwise ops (LLaMA's rotary embedding: negate, concat,
+multiply by cos/sin), the footprint is carried back through each op's write and read accesses
+(:func:`_back`; per coordinate a set of indices, an over-approximation that can only refuse more)
+until a projection is reached; grouped-query attention's ``q = g + G h`` index is handled the same
+way. Separate projections (one block each) are plain ``ColwiseParallel``. The
 projection's weight rows (and bias) are then regrouped rank-major,
 
 .. math::  \pi = \big[\, c_j + r w_j + i \;\big|\; r < t,\ j \text{ by offset},\ i < w_j \,\big],
@@ -26,6 +31,11 @@ thus executed as a permutation of the block split of ``n``: the same share per r
 of this plan resumes under the same plan; :func:`qkv_rows` maps it back). The output projection
 (row-parallel over the heads factor ``k_0``) is a plain ``RowwiseParallel``: its input features
 ``h·d + e`` split in blocks are the same head blocks.
+
+**Megatron pairs** are read off the graph too: a column-parallel Linear's partner is the
+row-parallel Linear its output shards reach through pointwise ops only (:func:`sharded_consumer`),
+and every row-parallel Linear must have such a partner or read a head-parallel attention's output
+(:func:`reads_head_shards`).
 
 **Vocabulary-parallel embedding** (``v:tp``): ``RowwiseParallel`` on ``nn.Embedding`` shards the
 table's rows; each rank looks up the ids it owns and the partial rows are all-reduced. An output
