@@ -1,12 +1,15 @@
 """Validate the cost models: measured step times on this machine, and published GPU-cluster runs.
 
-Part 1 (``--part local``): a small MLP (``L`` linear layers of width ``W``, ReLU, cross-entropy,
-plain SGD) trained by 1–4 real ``torch.distributed`` gloo processes in ten different ways —
-data parallel, Megatron tensor parallel (column/row pairs with the f/g all-reduces), GPipe and
-1F1B pipelines with point-to-point activations, and their combinations. Each configuration's
-measured median step time is compared with ``estimate_step`` on ``local-cpu:<P>`` priced with
-this machine's calibration (``polyparallel calibrate``; run here first if missing).
-Reported: the error per configuration and the Spearman rank correlation (target >= 0.8).
+Part 1 (``--part local``): a small MLP (six ``Linear(1024, 1024)`` + ReLU, cross-entropy, Adam,
+global batch 8) trained by the torch backend (``pp.train``: 1–4 ``torch.distributed`` gloo
+processes, one thread each) in twelve ways — one process, DDP, FSDP2, Megatron tensor parallel
+(column/row pairs), GPipe and 1F1B pipelines, and their combinations. Each recipe's measured
+median step time is compared with ``pp.evaluate`` on ``local-cpu:<P>`` priced with this
+machine's calibration (``polyparallel calibrate``; run first with ``--recalibrate`` or when
+missing). The measuring and pricing code is ``benchmarks/executor.py``'s (the torch backend's
+GPT benchmark), so both benchmarks read a run the same way; a recipe the backend refuses is
+listed with the reason. Reported: the error per recipe and the Spearman rank correlation
+(target >= 0.8).
 
 Part 2 (``--part published``): published training throughputs of large models on GPU
 clusters, re-priced with the same cost model on the matching cluster preset and parallel
@@ -16,6 +19,7 @@ step times. Parameters a source does not state (micro-batch size, interleaving d
 marked as assumptions in the table.
 
     .venv/bin/python benchmarks/cost_validation.py              # both parts
+    .venv/bin/python benchmarks/cost_validation.py --part local --recalibrate  # about 4 min on 2 cores
     .venv/bin/python benchmarks/cost_validation.py --part published
 """
 
@@ -23,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
@@ -34,7 +37,10 @@ from typing import Any
 
 from polyparallel.cluster import Cluster, default_calibration_path
 from polyparallel.cost_models import ParallelConfig, estimate_step
-from polyparallel.cost_models.synthetic import gpt_graph, mlp_graph
+from polyparallel.cost_models.synthetic import gpt_graph
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from executor import MLP, Recipe, calibrate_now, print_table, run_recipes, spearman
 
 OUT = Path(__file__).parent / "results" / "cost_validation.json"
 
@@ -154,239 +160,58 @@ def run_published() -> list[dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------------------------
-# part 1: measured on this machine
+# part 1: measured on this machine (the torch backend, measured and priced by benchmarks/executor.py)
 # --------------------------------------------------------------------------------------------
 
-WIDTH, LAYERS, BATCH = 512, 8, 64
-LOCAL_CONFIGS = [
-    {"dp": 1, "tp": 1, "pp": 1, "m": 1, "schedule": "1f1b"},
-    {"dp": 2, "tp": 1, "pp": 1, "m": 1, "schedule": "1f1b"},
-    {"dp": 4, "tp": 1, "pp": 1, "m": 1, "schedule": "1f1b"},
-    {"dp": 1, "tp": 2, "pp": 1, "m": 1, "schedule": "1f1b"},
-    {"dp": 1, "tp": 4, "pp": 1, "m": 1, "schedule": "1f1b"},
-    {"dp": 1, "tp": 1, "pp": 2, "m": 4, "schedule": "gpipe"},
-    {"dp": 1, "tp": 1, "pp": 2, "m": 4, "schedule": "1f1b"},
-    {"dp": 1, "tp": 1, "pp": 4, "m": 4, "schedule": "1f1b"},
-    {"dp": 2, "tp": 2, "pp": 1, "m": 1, "schedule": "1f1b"},
-    {"dp": 2, "tp": 1, "pp": 2, "m": 2, "schedule": "1f1b"},
-    {"dp": 1, "tp": 2, "pp": 2, "m": 4, "schedule": "1f1b"},
-]
-
-
-def _train(rank: int, world: int, spec: dict[str, Any]) -> list[float]:
-    """One process of a DP x TP x PP MLP training run; returns its step times (seconds)."""
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    dp, tp, pp, m = spec["dp"], spec["tp"], spec["pp"], spec["m"]
-    w, layers, batch = spec["width"], spec["layers"], spec["batch"]
-    tp_i, dp_i, pp_i = rank % tp, (rank // tp) % dp, rank // (tp * dp)
-
-    def rank_of(p: int, d: int, t: int) -> int:
-        return (p * dp + d) * tp + t
-
-    tp_group = dp_group = None
-    for p in range(pp):  # every rank creates every group, in the same order
-        for d in range(dp):
-            g = dist.new_group([rank_of(p, d, t) for t in range(tp)])
-            if (p, d) == (pp_i, dp_i):
-                tp_group = g
-        for t in range(tp):
-            g = dist.new_group([rank_of(p, d, t) for d in range(dp)])
-            if (p, t) == (pp_i, tp_i):
-                dp_group = g
-
-    class Copy(torch.autograd.Function):  # Megatron f: identity forward, all-reduce backward
-        @staticmethod
-        def forward(ctx, x):
-            return x
-
-        @staticmethod
-        def backward(ctx, g):
-            g = g.clone()
-            dist.all_reduce(g, group=tp_group)
-            return g
-
-    class Reduce(torch.autograd.Function):  # Megatron g: all-reduce forward, identity backward
-        @staticmethod
-        def forward(ctx, x):
-            x = x.clone()
-            dist.all_reduce(x, group=tp_group)
-            return x
-
-        @staticmethod
-        def backward(ctx, g):
-            return g
-
-    torch.manual_seed(1234)
-    full = [torch.randn(w, w) / math.sqrt(w) for _ in range(layers)]
-    per = layers // pp
-    mine = list(range(pp_i * per, (pp_i + 1) * per))
-    params = []
-    for li in mine:
-        wt = full[li]
-        if tp > 1:  # even layers column-parallel (split outputs), odd layers row-parallel (split inputs)
-            k = w // tp
-            wt = wt[tp_i * k:(tp_i + 1) * k, :] if li % 2 == 0 else wt[:, tp_i * k:(tp_i + 1) * k]
-        params.append(wt.clone().requires_grad_(True))
-
-    def stage(x):
-        for j, li in enumerate(mine):
-            if tp > 1 and li % 2 == 0:
-                x = F.linear(Copy.apply(x), params[j])
-            elif tp > 1:
-                x = Reduce.apply(F.linear(x, params[j]))
-            else:
-                x = F.linear(x, params[j])
-            if li < layers - 1:
-                x = F.relu(x)
-        return x
-
-    gen = torch.Generator().manual_seed(dp_i)
-    mb = batch // dp // m
-    xs = [torch.randn(mb, w, generator=gen) for _ in range(m)]
-    ys = [torch.randint(0, w, (mb,), generator=gen) for _ in range(m)]
-    prev = rank_of(pp_i - 1, dp_i, tp_i) if pp_i > 0 else None
-    nxt = rank_of(pp_i + 1, dp_i, tp_i) if pp_i < pp - 1 else None
-
-    if spec["schedule"] == "gpipe":
-        order = [("F", j) for j in range(m)] + [("B", j) for j in reversed(range(m))]
-    else:
-        warm = min(pp - pp_i - 1, m)
-        order = [("F", j) for j in range(warm)]
-        nf = warm
-        for j in range(m):
-            if nf < m:
-                order.append(("F", nf))
-                nf += 1
-            order.append(("B", j))
-
-    def step() -> None:
-        saved: dict[int, tuple] = {}
-        pending = []
-        for kind, j in order:
-            if kind == "F":
-                if prev is None:
-                    inp = xs[j]
-                else:
-                    inp = torch.empty(mb, w)
-                    dist.recv(inp, src=prev)
-                    inp.requires_grad_(True)
-                out = stage(inp)
-                if nxt is None:
-                    out = F.cross_entropy(out, ys[j]) / m
-                else:
-                    pending.append(dist.isend(out.detach(), dst=nxt))
-                saved[j] = (inp, out)
-            else:
-                inp, out = saved.pop(j)
-                if nxt is None:
-                    out.backward()
-                else:
-                    grad = torch.empty(mb, w)
-                    dist.recv(grad, src=nxt)
-                    out.backward(grad)
-                if prev is not None:
-                    pending.append(dist.isend(inp.grad, dst=prev))
-        for h in pending:
-            h.wait()
-        if dp > 1:  # one bucket: all gradients in a single all-reduce, as DDP does for small models
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.all_reduce(flat, group=dp_group)
-            flat /= dp
-            off = 0
-            for p in params:
-                p.grad.copy_(flat[off:off + p.numel()].view_as(p))
-                off += p.numel()
-        with torch.no_grad():
-            for p in params:
-                p -= 0.01 * p.grad
-                p.grad = None
-
-    times = []
-    for i in range(spec["warmup"] + spec["steps"]):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        t = time.perf_counter() - t0
-        if i >= spec["warmup"]:
-            times.append(t)
-    return times
+MLP_RECIPES = (
+    Recipe(batch=8),
+    Recipe(dp=2, batch=8),
+    Recipe(dp=4, batch=8),
+    Recipe(dp=2, zero_stage=3, batch=8),
+    Recipe(tp=2, batch=8),
+    Recipe(tp=4, batch=8),
+    Recipe(dp=2, tp=2, zero_stage=3, batch=8),
+    Recipe(pp=2, microbatches=4, schedule="gpipe", batch=8),
+    Recipe(pp=2, microbatches=4, schedule="1f1b", batch=8),
+    Recipe(pp=4, microbatches=4, schedule="1f1b", batch=8),
+    Recipe(dp=2, pp=2, microbatches=2, schedule="1f1b", batch=8),
+    Recipe(tp=2, pp=2, microbatches=4, schedule="1f1b", batch=8),
+)
 
 
 def run_local(steps: int, warmup: int, recalibrate: bool, repeats: int) -> dict[str, Any]:
-    from scipy.stats import spearmanr
+    """The MLP through ``pp.train`` in every recipe, against ``pp.evaluate`` on ``local-cpu:<P>``.
 
-    from polyparallel.cost_models.calibrate import calibrate, run_gloo
-
+    The measuring and pricing code is :func:`executor.run_recipes`, shared with the GPT
+    benchmark of the torch backend (``benchmarks/executor.py``).
+    """
     cal_path = default_calibration_path()
     if recalibrate or not cal_path.is_file():
-        print(f"  calibrating this machine -> {cal_path}", flush=True)
-        calibrate(cal_path, progress=lambda s: print("    " + s, flush=True))
-    cal = json.loads(cal_path.read_text())
-    rows = []
-    times: dict[int, list[list[float]]] = {i: [] for i in range(len(LOCAL_CONFIGS))}
-    failed: dict[int, str] = {}
-    cores = cal["cores"]
-    for rep in range(repeats):  # configurations interleaved, so slow phases of the machine hit all alike
-        for i, c in enumerate(LOCAL_CONFIGS):
-            if i in failed:
-                continue
-            world = c["dp"] * c["tp"] * c["pp"]
-            spec = {**c, "width": WIDTH, "layers": LAYERS, "batch": BATCH, "steps": steps, "warmup": warmup}
-            try:
-                per_rank = run_gloo(_train, world, (spec,), timeout=300, threads=max(1, cores // world))
-            except (TimeoutError, RuntimeError) as e:
-                failed[i] = str(e).splitlines()[0]
-                print(f"  {c}: FAILED {failed[i]}", flush=True)
-                continue
-            # a step ends when its slowest rank ends
-            times[i].append([max(r[k] for r in per_rank) for k in range(steps)])
-            print(f"  run {rep + 1}/{repeats} {c}: best step {1e3 * min(times[i][-1]):.1f} ms", flush=True)
-    for i, c in enumerate(LOCAL_CONFIGS):
-        world = c["dp"] * c["tp"] * c["pp"]
-        if i in failed and not times[i]:
-            rows.append({**c, "world": world, "error": failed[i]})
-            continue
-        allt = [t for run in times[i] for t in run]
-        measured = min(allt)  # the least disturbed step, as for the calibration
-        g = mlp_graph(batch=BATCH // c["dp"] // c["m"], widths=(WIDTH,) * LAYERS, classes=WIDTH, bias=False)
-        cfg = ParallelConfig(dp=c["dp"], tp=c["tp"], pp=c["pp"], microbatches=c["m"], schedule=c["schedule"],
-                             optimizer="sgd")
-        est = estimate_step(g, Cluster.preset(f"local-cpu:{world}"), cfg)
-        row = {**c, "world": world, "config": str(cfg), "measured_s": measured,
-               "measured_median_s": statistics.median(allt), "predicted_s": est.step_time,
-               "error": est.step_time / measured - 1,
-               "predicted_breakdown_s": {k: v for k, v in est.breakdown().items() if v}}
-        rows.append(row)
-        print(f"  {row['config']:<34} P={world}  measured {1e3 * measured:8.1f} ms (median "
-              f"{1e3 * row['measured_median_s']:.1f})  predicted {1e3 * est.step_time:8.1f} ms  error "
-              f"{100 * row['error']:+6.1f}%", flush=True)
-    ok = [r for r in rows if "measured_s" in r]
+        calibrate_now(lambda s: print("  " + s, flush=True))
+    rows = run_recipes(MLP, MLP_RECIPES, steps=steps, warmup=warmup, repeats=repeats,
+                       say=lambda s: print(s, flush=True))
+    print_table(rows)
+    ok = [r for r in rows if r.get("status") == "ok"]
     multi = [r for r in ok if r["world"] >= 2]
-    rho_all = spearmanr([r["measured_s"] for r in ok], [r["predicted_s"] for r in ok]).statistic if len(ok) > 2 \
-        else float("nan")
-    rho = spearmanr([r["measured_s"] for r in multi], [r["predicted_s"] for r in multi]).statistic \
-        if len(multi) > 2 else float("nan")
-    fit = cal.get("collectives", {}).get("fit", {})
+    cal = json.loads(cal_path.read_text())
     return {
-        "model": f"MLP {LAYERS} x linear({WIDTH},{WIDTH}) + ReLU + cross-entropy, batch {BATCH}, SGD, fp32",
-        "calibration": {"path": str(cal_path), "cores": cal["cores"], "date": cal.get("date"),
-                        "gloo_alpha_s": fit.get("alpha"), "gloo_bandwidth_Bps": fit.get("bandwidth")},
-        "steps": steps, "warmup": warmup, "repeats": repeats, "measured": "fastest step (max over ranks)",
-        "rows": rows,
-        "spearman_multi_process": rho, "spearman_all": rho_all,
+        "model": MLP.description, "calibration": {"path": str(cal_path), "cores": cal["cores"],
+                                                  "date": cal.get("date"), "load_average": cal.get("load_average"),
+                                                  "threads_per_process": cal.get("threads_per_process")},
+        "steps": steps, "warmup": warmup, "repeats": repeats,
+        "measured": "median over runs of rank 0's logged step times after warm-up (benchmarks/executor.py)",
+        "rows": rows, "spearman_multi_process": spearman(multi), "spearman_all": spearman(ok),
         "median_abs_error": statistics.median(abs(r["error"]) for r in ok) if ok else None,
         "configs_with_2_to_4_processes": len(multi),
+        "not_executed": [f"{r['recipe']}: {r.get('status')}" for r in rows if r.get("status") != "ok"],
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--part", choices=["local", "published", "both"], default="both")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=20, help="training steps per run (warm-up included)")
+    ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=2, help="runs of every configuration (interleaved)")
     ap.add_argument("--recalibrate", action="store_true", help="measure this machine again first")
     args = ap.parse_args()
@@ -400,12 +225,14 @@ def main() -> None:
                                "median_abs_error": statistics.median(abs(r["error"]) for r in rows)}
         print(f"  within ±25%: {result['published']['within_25pct']} of {len(rows)}")
     if args.part in ("local", "both"):
-        print(f"this machine ({os.cpu_count()} cores), gloo processes, best of {args.repeats} x {args.steps} steps:")
+        print(f"this machine ({os.cpu_count()} cores), pp.train on gloo processes, {args.repeats} x {args.steps} steps "
+              f"per recipe, first {args.warmup} left out:")
         loc = run_local(args.steps, args.warmup, args.recalibrate, args.repeats)
         result["local"] = loc
+        rho, rho_all = loc["spearman_multi_process"], loc["spearman_all"]
         print(f"  Spearman rank correlation (2-4 processes, {loc['configs_with_2_to_4_processes']} configs): "
-              f"{loc['spearman_multi_process']:.3f}; all configs: {loc['spearman_all']:.3f}; "
-              f"median |error| {100 * (loc['median_abs_error'] or 0):.1f}%")
+              f"{'n/a' if rho is None else f'{rho:.3f}'}; all configs: {'n/a' if rho_all is None else f'{rho_all:.3f}'}"
+              f"; median |error| {100 * (loc['median_abs_error'] or 0):.1f}%")
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=1, default=float))
     print(f"wrote {OUT}")
