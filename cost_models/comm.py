@@ -33,6 +33,12 @@ first. An irregular group, and all-to-all (every pair talks), is priced as a fla
 its slowest link, with that link's bandwidth shared by the flows crossing it. The result
 is the cheaper of the hierarchical and the flat schedule.
 
+**Concurrent groups.** The data-parallel groups of the ``t`` tensor-parallel ranks of a node
+reduce at the same time and leave through the same network ports: ``concurrent = t`` groups
+share each node's ports (and each center's uplink), so each sees ``1/t`` of them. (With
+``tp = 8`` on an 8-GPU node that is one NIC per GPU, rail-aligned, as on a DGX.) Intra-node
+links are per device and are not shared.
+
 A WAN backbone declared shared carries all inter-center flows: with ``c`` centers in a ring
 each flow gets ``backbone / c``; asymmetric up/down links are used as ``min(up, down)``
 for ring steps (each rank sends and receives).
@@ -129,11 +135,12 @@ def p2p_time(cluster: Cluster, src: int, dst: int, nbytes: float) -> float:
     return lat + nbytes / bw
 
 
-def _levels(cluster: Cluster, group: Sequence[int]) -> list[tuple[str, int, float, float]] | None:
+def _levels(cluster: Cluster, group: Sequence[int], concurrent: int = 1) -> list[tuple[str, int, float, float]] | None:
     """Regular level structure of a group: ``[(level, k, bandwidth_per_endpoint, alpha)]`` inner first.
 
     ``bandwidth_per_endpoint`` is the bandwidth one endpoint (device / node / center) of the
-    level offers to all the group's flows that leave through it.
+    level offers to all the group's flows that leave through it (``1/concurrent`` of a node's
+    ports or a center's uplink when that many groups run at once).
     """
     by_center: dict[int, dict[int, list[int]]] = {}
     for d in group:
@@ -150,19 +157,20 @@ def _levels(cluster: Cluster, group: Sequence[int]) -> list[tuple[str, int, floa
         levels.append(("intra_node", k0, min(n.intra.bandwidth for n in nodes), max(n.intra.latency for n in nodes)))
     if k1 > 1:
         node_ids = [n for c in by_center.values() for n in c]
-        bw = min(cluster.node_bandwidth(n) for n in node_ids)
+        bw = min(cluster.node_bandwidth(n) for n in node_ids) / concurrent
         lat = max(cluster.nodes[n].nic.latency for n in node_ids if cluster.nodes[n].nic is not None)
         levels.append(("inter_node", k1, bw, lat))
     if k2 > 1:
         cs = list(by_center)
-        bw = min(cluster.center_bandwidth(c, flows=k2) for c in cs)
+        bw = min(cluster.center_bandwidth(c, flows=k2) for c in cs) / concurrent
         lat = max(cluster.center_latency(a, b) for a in cs for b in cs)
         levels.append(("inter_center", k2, bw, lat))
     return levels
 
 
-def _flat(cluster: Cluster, kind: str, n: float, group: Sequence[int]) -> tuple[float, str, str]:
-    """Flat ring/tree on the slowest link of the ring, bandwidth shared by the flows crossing it."""
+def _flat(cluster: Cluster, kind: str, n: float, group: Sequence[int], concurrent: int = 1) -> tuple[float, str, str]:
+    """Flat ring/tree on the slowest link of the ring, bandwidth shared by the flows crossing it
+    (those of ``concurrent`` identical groups too)."""
     p = len(group)
     worst_bw, worst_lat, worst_level = math.inf, 0.0, "intra_node"
     order = ("intra_node", "inter_node", "inter_center")
@@ -173,9 +181,9 @@ def _flat(cluster: Cluster, kind: str, n: float, group: Sequence[int]) -> tuple[
         b = group[(i + 1) % p]
         lvl = cluster.level(a, b)
         if lvl != "intra_node":
-            out_node[cluster.device(a).node] = out_node.get(cluster.device(a).node, 0) + 1
+            out_node[cluster.device(a).node] = out_node.get(cluster.device(a).node, 0) + concurrent
         if lvl == "inter_center":
-            out_center[cluster.device(a).center] = out_center.get(cluster.device(a).center, 0) + 1
+            out_center[cluster.device(a).center] = out_center.get(cluster.device(a).center, 0) + concurrent
     flows_wan = sum(out_center.values())
     for i, a in enumerate(group):
         b = group[(i + 1) % p]
@@ -195,12 +203,19 @@ def _flat(cluster: Cluster, kind: str, n: float, group: Sequence[int]) -> tuple[
     return t, algo, worst_level
 
 
-def collective_time(cluster: Cluster, kind: str, nbytes: float, group: Sequence[int]) -> CollectiveCost:
+def collective_time(cluster: Cluster, kind: str, nbytes: float, group: Sequence[int],
+                    concurrent: int = 1) -> CollectiveCost:
     """Price a collective of ``nbytes`` (the full buffer) over the device ids in ``group``.
 
     Returns the cheaper of the flat ring/tree on the slowest link and the hierarchical
     decomposition (regular groups), with the per-level parts of the hierarchical one.
+    ``concurrent`` identical groups run at the same time on the same nodes (the data-parallel
+    groups of all the tensor-parallel ranks of a node reduce together): they share each node's
+    network ports and each center's WAN uplink, so each group sees ``1/concurrent`` of them.
+    Intra-node links are per device (NVLink/NVSwitch) and are not shared.
     """
+    if concurrent < 1:
+        raise ValueError(f"concurrent must be >= 1, got {concurrent}")
     group = list(dict.fromkeys(group))
     p = len(group)
     _check(kind, nbytes, p)
@@ -211,9 +226,9 @@ def collective_time(cluster: Cluster, kind: str, nbytes: float, group: Sequence[
             raise ValueError(f"p2p is between two devices, got a group of {p}")
         return CollectiveCost(kind, nbytes, 2, p2p_time(cluster, group[0], group[1], nbytes), "direct",
                               cluster.level(group[0], group[1]))
-    flat_t, flat_algo, flat_level = _flat(cluster, kind, nbytes, group)
+    flat_t, flat_algo, flat_level = _flat(cluster, kind, nbytes, group, concurrent)
     best = CollectiveCost(kind, nbytes, p, flat_t, flat_algo, flat_level)
-    levels = _levels(cluster, group)
+    levels = _levels(cluster, group, concurrent)
     if levels is None or len(levels) < 2 or kind == "all_to_all":
         return best
     parts: list[tuple[str, float]] = []

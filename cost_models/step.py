@@ -35,7 +35,9 @@ each attention op all-to-alls its three inputs and its output, forward and backw
 the slowest device type of the stage. The pipeline schedule is simulated
 (:mod:`.pipeline`) with the boundary p2p times (activations scattered over ``tp``).
 
-**Data-parallel gradients**: over the ``dp·sp`` group, with ``G`` the stage's gradient bytes,
+**Data-parallel gradients**: over the ``dp·sp`` group (the groups of all ``tp`` ranks run at
+once and share their nodes' network ports: ``concurrent`` in :mod:`.comm`; likewise for the
+tensor- and sequence-parallel groups), with ``G`` the stage's gradient bytes,
 ``B_s`` its backward seconds per micro-batch and ``ω ∈ [0, 1]`` = ``grad_overlap`` (1 on
 accelerators, whose collectives run on their own engines/streams; 0 on CPU processes, where
 gloo's threads compete with the compute for the same cores):
@@ -681,14 +683,15 @@ def _price(cluster: Cluster, ccache: dict, events: Sequence[tuple[str, float]], 
 
     ``gid`` names the group's price class (:func:`_layout`): nodes are homogeneous (one device
     type, one intra-node link), so a collective's time depends on how many members sit on which
-    node, not on which devices they are.
+    node and how many groups of its kind share those nodes' ports, not on which devices they are.
     """
     tot = 0.0
     for kind, nbytes in events:
         key = (kind, nbytes, gid)
         t = ccache.get(key)
         if t is None:
-            t = ccache[key] = collective_time(cluster, kind, nbytes, grp).seconds
+            conc = cluster.__dict__["_group_concurrency"][gid]
+            t = ccache[key] = collective_time(cluster, kind, nbytes, grp, concurrent=conc).seconds
         tot += t
     return tot
 
@@ -967,7 +970,8 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
     return tuple(out)
 
 
-_Group = tuple[tuple[int, ...], int]  # (device ids, id of their sorted node ids: the price class)
+# (device ids, price class: the id of their sorted node ids and the groups running alongside on a node)
+_Group = tuple[tuple[int, ...], int]
 
 
 @dataclass(frozen=True)
@@ -994,15 +998,28 @@ def _layout(cluster: Cluster, cfg: ParallelConfig, devs: tuple[int, ...]) -> tup
     cache = cluster.__dict__.setdefault("_layout_cache", {})
     if key in cache:
         return cache[key]
-    ids: dict[tuple[int, ...], int] = cluster.__dict__.setdefault("_group_ids", {})
+    ids: dict[tuple[tuple[int, ...], int], int] = cluster.__dict__.setdefault("_group_ids", {})
+    conc_of: dict[int, int] = cluster.__dict__.setdefault("_group_concurrency", {})
     D = np.asarray(devs, dtype=np.int64).reshape(cfg.pp, cfg.dp, cfg.sp, cfg.tp)
     N = np.asarray([d.node for d in cluster.devices], dtype=np.int64)[D]
 
     def distinct(dg: np.ndarray, ng: np.ndarray) -> tuple[_Group, ...]:
+        # groups of one kind run their collectives at the same time: those sharing a node
+        # share its network ports (comm.collective_time's ``concurrent``)
+        rows = np.sort(ng, axis=1).tolist()
+        per_node: dict[int, int] = {}
+        for row in rows:
+            for nd in set(row):
+                per_node[nd] = per_node.get(nd, 0) + 1
         first: dict[tuple[int, ...], int] = {}
-        for i, row in enumerate(map(tuple, np.sort(ng, axis=1).tolist())):
+        for i, row in enumerate(map(tuple, rows)):
             first.setdefault(row, i)
-        return tuple((tuple(dg[i].tolist()), ids.setdefault(row, len(ids))) for row, i in first.items())
+        out = []
+        for row, i in first.items():
+            conc = max(per_node[nd] for nd in row)
+            out.append((tuple(dg[i].tolist()), ids.setdefault((row, conc), len(ids))))
+            conc_of[out[-1][1]] = conc
+        return tuple(out)
 
     out = []
     for s in range(cfg.pp):
