@@ -39,7 +39,8 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
     (module-level functions). ``model_fn()`` builds the model, whose ``forward(inputs, labels)``
     returns the mean loss; ``data_fn(step)`` returns the global batch ``(inputs, labels)``, which is
     split into equal contiguous shares over the ``dp`` ranks. Every rank seeds torch with ``seed``
-    before building the model. Rank 0 writes ``{"step", "loss", "step_time_s"}`` JSON lines to
+    before building the model. Rank 0 writes ``{"step", "loss", "step_time_s", "rank0_input_shape"}``
+    JSON lines (the last, without pipeline stages: rank 0's share of the inputs after the dp and sp splits) to
     ``log_dir/train.jsonl`` (a temporary folder when ``log_dir`` is None); the list is returned.
 
     With ``checkpoint_dir``, model and optimiser are saved with torch.distributed.checkpoint every

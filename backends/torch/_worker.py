@@ -158,7 +158,8 @@ def run_worker(run_dir: Path) -> None:
             # each dp (and sp) rank's loss is the mean over its equal share: the global mean is their mean
             dist.all_reduce(val, group=replicas.get_group())
             if rank == 0:
-                rec = {"step": step, "loss": float(val.item()) / replicas.size(), "step_time_s": dt}
+                rec = {"step": step, "loss": float(val.item()) / replicas.size(), "step_time_s": dt,
+                       "rank0_input_shape": list(x.shape)}  # what a rank trains on: its dp and sp share
                 with log.open("a") as f:
                     f.write(json.dumps(rec) + "\n")
             if ckpt is not None and ((step + 1) % job["checkpoint_every"] == 0 or step + 1 == job["steps"]):
