@@ -68,7 +68,8 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
         raise ValueError(f"optimizer {optimizer!r}: choose sgd, adam or adamw")
     torch.manual_seed(seed)
     batch = resolve(data_fn)(0)  # pipeline stages are cut, and the model captured, on (a micro-batch of) it
-    graph = strategy_graph(strategy, resolve(model_fn), batch, check_fingerprint)
+    graph = strategy_graph(strategy, resolve(model_fn), batch, check_fingerprint) if strategy.mode == "synchronous" \
+        else None  # plan_for says where a collaborative strategy runs
     torch.manual_seed(seed)
     plan = plan_for(strategy, resolve(model_fn)(), batch if strategy.pp > 1 else None,
                     graph=graph)  # refuse before any process starts
