@@ -781,21 +781,37 @@ def grad_needed(graph: Graph, op: Op, placement: Placement, mesh: DeviceMesh, in
 
 def _restrict(a: Distribution, u: Distribution) -> Distribution:
     """``a(p) ∩ u(p)`` on every device (pieces intersected pairwise; isl where not closed-form)."""
-    from ._footprint import _intersect_products
+    from ._footprint import Grid, _intersect_products, grid_cut
 
     fallback = a.region.fallback | u.region.fallback
     pieces = []
+    disjoint = len(a.region.pieces) == 1 and len(u.region.pieces) == 1
     for p in a.region.pieces:
         for q in u.region.pieces:
-            prod, bad = _intersect_products(p, q)
-            fallback = fallback | bad
-            pieces.append(prod)
+            if not disjoint:
+                prod, bad = _intersect_products(p, q)
+                fallback = fallback | bad
+                pieces.append(prod)
+                continue
+            # one product each: intersect axis by axis; a grid cut by an interval (a block of a
+            # head-interleaved axis read by rotate_half) splits into disjoint closed-form pieces
+            per_axis: list[list] = []
+            for x, y in zip(p, q):
+                g, o = (x, y) if isinstance(x, Grid) else (y, x)
+                if isinstance(g, Grid) and not isinstance(o, Grid) and bool(((o.normal().step == 1)
+                                                                             | (o.n <= 1)).all()):
+                    per_axis.append(grid_cut(g, o.normal()))
+                else:
+                    c, bad = x.intersect(y)
+                    fallback = fallback | bad
+                    per_axis.append([c])
+            pieces.extend(itertools.product(*per_axis))
     full = [all(q[j].same(Prog.interval(np.zeros(a.mesh.size, dtype=np.int64),
                                         np.full(a.mesh.size, n, dtype=np.int64))) for q in u.region.pieces)
             for j, n in enumerate(a.shape)]
     block = tuple(b and f for b, f in zip(a.block, full))
     key = ("restrict", a.key, u.key)
-    return Distribution(a.shape, a.mesh, Region(a.shape, pieces, fallback), a.deps, block, a.partial, key,
+    return Distribution(a.shape, a.mesh, Region(a.shape, pieces, fallback, disjoint), a.deps, block, a.partial, key,
                         lambda p: a.isl_of(p).intersect(u.isl_of(p)), a.boxes + u.boxes)
 
 

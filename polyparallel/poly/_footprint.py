@@ -39,7 +39,7 @@ from polyparallel.ir import ANY, AffineExpr, LoopNest, Statement
 from ._mesh import DeviceMesh
 from ._placement import Placement
 
-__all__ = ["Grid", "Prog", "Region", "dim_bounds", "operand_region", "statement_bounds"]
+__all__ = ["Grid", "Prog", "Region", "dim_bounds", "grid_cut", "operand_region", "statement_bounds"]
 
 Bounds = dict[str, tuple[np.ndarray, np.ndarray]]
 
@@ -209,20 +209,37 @@ class Region:
     """A union of products of progressions per device, and the devices it cannot describe.
 
     ``pieces`` is a list of products (one :class:`Prog` per tensor axis); ``fallback[p]``
-    marks devices whose set is not a union of such products (count them with isl).
+    marks devices whose set is not a union of such products (count them with isl);
+    ``disjoint``: the pieces never overlap, so counts add up piece by piece.
     """
 
     shape: tuple[int, ...]
     pieces: list[Product]
     fallback: np.ndarray
+    disjoint: bool = False
 
     def counts(self) -> tuple[np.ndarray, np.ndarray]:
         """Per-device exact point counts (inclusion-exclusion), and the not-closed-form mask."""
+        if self.disjoint:
+            n = len(self.fallback)
+            return sum((_product_count(pc, n) for pc in self.pieces), np.zeros(n, dtype=np.int64)), \
+                self.fallback.copy()
         return _union_count(self.pieces, self.fallback.copy(), len(self.fallback))
 
     def intersect_counts(self, other: Region) -> tuple[np.ndarray, np.ndarray]:
         """Per-device ``|self ∩ other|`` and the devices that need isl."""
         bad = self.fallback | other.fallback
+        if (self.disjoint or len(self.pieces) == 1) and (other.disjoint or len(other.pieces) == 1) and \
+                (len(self.pieces) > 1 or len(other.pieces) > 1):
+            # disjoint unions: |(U_i P_i) ∩ (U_j Q_j)| = sum_ij |P_i ∩ Q_j|, each a product pair
+            total = np.zeros(len(bad), dtype=np.int64)
+            for p in self.pieces:
+                for q in other.pieces:
+                    c, b = Region(self.shape, [p], self.fallback).intersect_counts(Region(self.shape, [q],
+                                                                                          other.fallback))
+                    total = total + c
+                    bad = bad | b
+            return total, bad
         if len(self.pieces) == 1 and len(other.pieces) == 1:
             # a product meets a product axis by axis; the few distinct 1-D sets per tensor axis
             # recur across many layout pairs, so their per-device counts are memoised
@@ -239,6 +256,31 @@ class Region:
             bad |= nb
             pieces.append(prod)
         return _union_count(pieces, bad, len(bad))
+
+
+def grid_cut(g: Grid, iv: Prog) -> list[Axis]:
+    """``g ∩ [lo, hi)`` per device as disjoint pieces: the full rows (a :class:`Grid`) and the
+    partial first and last rows (intervals). Rows are ``[start + c h, start + c h + n)``."""
+    lo, hi = iv.start, iv.start + np.maximum(iv.n, 0)
+    w = np.maximum(g.n, 0)
+    c = np.maximum(g.c, np.maximum(w, 1))
+    # full rows: start + c h >= lo and start + c h + w <= hi
+    h0 = np.maximum(-((g.start - lo) // c), 0)  # ceil((lo - start) / c)
+    h1 = np.minimum((hi - w - g.start) // c, g.H - 1)
+    nfull = np.maximum(h1 - h0 + 1, 0)
+    full = Grid(g.start + c * h0, np.where(nfull > 0, w, 0), c, np.where(nfull > 0, nfull, 1))
+    out: list[Axis] = [full]
+    ha = (lo - g.start) // c  # the row holding lo
+    hb = (hi - 1 - g.start) // c  # the row holding hi - 1
+    for h, other in ((ha, None), (hb, ha)):
+        row_lo = g.start + c * h
+        a = np.maximum(lo, row_lo)
+        b = np.minimum(hi, row_lo + w)
+        ok = (h >= 0) & (h < g.H) & (b > a) & ~((a == row_lo) & (b == row_lo + w))  # partial rows only
+        if other is not None:
+            ok &= h != other
+        out.append(Prog.interval(np.where(ok, a, 0), np.where(ok, b, 0)))
+    return out
 
 
 def _intersect_products(p: Product, q: Product) -> tuple[Product, np.ndarray]:
