@@ -12,8 +12,10 @@ two OpenMP threads on a core shared with other work spin in their barriers, and 
 then takes milliseconds; a training process on one thread never sees that.)
 
 * ``per_processes``: for each ``P`` in ``1`` and the group sizes, ``P`` processes measure at
-  once (the slowest rank per quantity): matmul times by size (square fp32, ``n``),
-  copy bandwidth, the floor of a 1-element op, and (``P >= 2``) ``dtensor_overhead``, what a
+  once (the slowest rank per quantity). The same ``max P`` gloo workers measure every ``P`` in
+  interleaved rounds (the ranks ``>= P`` wait blocked in a barrier), median over rounds, so all
+  process counts see the same mix of other work on a shared machine. Measured: matmul times by
+  size (square fp32, ``n``), copy bandwidth, the floor of a 1-element op, and (``P >= 2``) ``dtensor_overhead``, what a
   DTensor op adds to it (tensor-parallel modules and FSDP2's sharded parameters pay it per op).
   This is what each process of a ``P``-process run gets while its siblings compute too (``P``
   above the core count time-shares); ``local-cpu:<P>`` uses these rates as they are;
@@ -148,7 +150,7 @@ def _time(fn: Callable[[], Any], window: float = 0.03, windows: int = 5, max_cal
     return statistics.median(per_call)
 
 
-def _allreduce_sizes(rank: int, world: int, sizes: Sequence[int], iters: int) -> list[tuple[int, float]]:
+def _allreduce_sizes(sizes: Sequence[int], iters: int, group: Any = None) -> list[tuple[int, float]]:
     import torch
     import torch.distributed as dist
 
@@ -156,16 +158,16 @@ def _allreduce_sizes(rank: int, world: int, sizes: Sequence[int], iters: int) ->
     for n in sizes:
         x = torch.ones(max(1, n // 4))
         for _ in range(2):
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=group)
         ts = []
         for _ in range(iters):
-            dist.barrier()
+            dist.barrier(group=group)
             t0 = time.perf_counter()
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=group)
             ts.append(time.perf_counter() - t0)
         # a collective ends when its slowest rank does: per repetition the max over ranks, then the median
         t = torch.tensor(ts, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         out.append((n, float(t.median())))
     return out
 
@@ -193,7 +195,7 @@ def kernel_rates(matmul_sizes: Sequence[int], sync: Callable[[], Any] = lambda: 
     return {"matmul": rows, "memory_bandwidth": bw, "launch_overhead": floor, "threads": torch.get_num_threads()}
 
 
-def _dtensor_overhead(world: int) -> float:
+def _dtensor_overhead(procs: int) -> float:
     """Seconds a sharded-tensor (DTensor) op costs over a plain one, measured on a tiny tensor.
 
     Tensor-parallel modules and FSDP2's sharded parameters run every op on them (forward,
@@ -202,26 +204,60 @@ def _dtensor_overhead(world: int) -> float:
     floor of such an op; the plain add's floor is subtracted.
     """
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (world,))
-    a, b = (distribute_tensor(torch.ones(world), mesh, [Shard(0)]) for _ in range(2))
+    mesh = DeviceMesh("cpu", list(range(procs)))  # ranks 0..procs-1 (every rank creates it)
+    if int(torch.distributed.get_rank()) >= procs:
+        return 0.0
+    a, b = (distribute_tensor(torch.ones(procs), mesh, [Shard(0)]) for _ in range(2))
     x, y = torch.ones(1), torch.ones(1)
     sharded = _time(lambda: a.add_(b, alpha=0.5), window=0.02)
     plain = _time(lambda: x.add_(y, alpha=0.5), window=0.02)
     return max(0.0, sharded - plain)
 
 
-def _group_measure(rank: int, world: int, sizes: Sequence[int], iters: int,
-                   matmul_sizes: Sequence[int]) -> tuple[dict[str, Any], list[tuple[int, float]]]:
+def _interleaved_measure(rank: int, world: int, counts: Sequence[int], sizes: Sequence[int], iters: int,
+                         matmul_sizes: Sequence[int], rounds: int) -> dict[str, Any]:
+    """Every process count measured by the same ``world`` workers, in interleaved rounds.
+
+    Round ``r`` measures ``P = counts[0], counts[1], ...`` in turn: ranks ``< P`` compute at once
+    while the others wait in a barrier (blocked, off the cores). On a machine shared with other
+    work every ``P`` then sees the same mix of load, and one process alone is a worker like
+    the others (not the parent process, measured at another moment).
+    """
     import torch.distributed as dist
 
-    kernels = kernel_rates(matmul_sizes, sync=dist.barrier)  # all ranks at once: what a P-process run sees
+    groups = {p: dist.new_group(list(range(p))) for p in counts if p > 1}  # every rank creates every group
+    kernels: dict[int, list[dict[str, Any]]] = {p: [] for p in counts}
+    for _ in range(rounds):
+        for p in counts:
+            dist.barrier()
+            if rank < p:
+                sync = (lambda g=groups[p]: dist.barrier(group=g)) if p > 1 else (lambda: None)
+                kernels[p].append(kernel_rates(matmul_sizes, sync=sync))
+    dtensor: dict[int, float] = {}
+    allreduce: dict[int, list[tuple[int, float]]] = {}
+    for p in counts:
+        if p == 1:
+            continue
+        dist.barrier()
+        dtensor[p] = _dtensor_overhead(p)
+        dist.barrier()
+        if rank < p:
+            allreduce[p] = _allreduce_sizes(sizes, iters, group=groups[p])
     dist.barrier()
-    kernels["dtensor_overhead"] = _dtensor_overhead(world)
-    dist.barrier()
-    return kernels, _allreduce_sizes(rank, world, sizes, iters)
+    return {"kernels": kernels, "dtensor": dtensor, "allreduce": allreduce}
+
+
+def _median_rounds(per_round: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per quantity, the median over rounds (each round already the slowest rank's)."""
+    med = statistics.median
+    out = {**per_round[0], "memory_bandwidth": med(k["memory_bandwidth"] for k in per_round),
+           "launch_overhead": med(k["launch_overhead"] for k in per_round)}
+    out["matmul"] = [{**r, "seconds": med(k["matmul"][i]["seconds"] for k in per_round)}
+                     for i, r in enumerate(per_round[0]["matmul"])]
+    return out
 
 
 def slowest_rank(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -266,9 +302,12 @@ def fit_alpha_beta(points: Sequence[tuple[int, float, float]]) -> dict[str, floa
 
 def calibrate(out: str | os.PathLike[str] | None = None, *, group_sizes: Sequence[int] = (2, 3, 4),
               sizes: Sequence[int] = (4096, 65536, 1 << 20, 8 << 20), matmul_sizes: Sequence[int] = (
-                  32, 64, 128, 256, 512, 1024), iters: int = 7, timeout: float = 120.0,
+                  32, 64, 128, 256, 512, 1024), iters: int = 7, rounds: int = 2, timeout: float = 300.0,
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Measure this machine and write the calibration JSON to ``out`` (if given); returns it."""
+    """Measure this machine and write the calibration JSON to ``out`` (if given); returns it.
+
+    ``rounds``: how many times every process count's kernels are measured, interleaved (median).
+    """
     import torch
 
     say = progress or (lambda s: None)
@@ -308,25 +347,26 @@ def calibrate(out: str | os.PathLike[str] | None = None, *, group_sizes: Sequenc
         say(f"memory bandwidth: {result['memory_bandwidth'] / 1e9:.1f} GB/s")
         one = torch.ones(1)
         result["launch_overhead"] = _time(lambda: torch.add(one, one), window=0.01)
-        # one training process alone, on the threads the torch backend gives it
-        torch.set_num_threads(THREADS_PER_PROCESS)
-        per_procs["1"] = kernel_rates(matmul_sizes)
-        _say_rates(say, 1, per_procs["1"])
     finally:
         torch.set_num_threads(prev_threads)
+    counts = sorted({1, *group_sizes})
     points = []
     runs = []
-    for p in group_sizes:
-        try:
-            res = run_gloo(_group_measure, p, (tuple(sizes), iters, tuple(matmul_sizes)), timeout=timeout,
-                           threads=THREADS_PER_PROCESS)
-        except (TimeoutError, RuntimeError) as e:
-            runs.append({"p": p, "error": str(e).splitlines()[0]})
-            say(f"{p} processes: FAILED {e}")
-            continue
-        per_procs[str(p)] = slowest_rank([k for k, _ in res])
+    try:
+        res = run_gloo(_interleaved_measure, max(counts), (tuple(counts), tuple(sizes), iters, tuple(matmul_sizes),
+                                                           rounds), timeout=timeout, threads=THREADS_PER_PROCESS)
+    except (TimeoutError, RuntimeError) as e:
+        res = []
+        runs.append({"p": max(counts), "error": str(e).splitlines()[0]})
+        say(f"{max(counts)} gloo processes: FAILED {e}")
+    for p in counts if res else ():
+        # per round the slowest of the P ranks that computed together, then the median over rounds
+        per_round = [slowest_rank([res[r]["kernels"][p][i] for r in range(p)]) for i in range(rounds)]
+        per_procs[str(p)] = _median_rounds(per_round)
+        if p > 1:
+            per_procs[str(p)]["dtensor_overhead"] = max(res[r]["dtensor"][p] for r in range(p))
         _say_rates(say, p, per_procs[str(p)])
-        for n, t in res[0][1]:
+        for n, t in res[0]["allreduce"].get(p, []):
             points.append((p, n, t))
             runs.append({"p": p, "bytes": n, "seconds": t})
             say(f"gloo all_reduce p={p} {n} B: {t * 1e6:.0f} us")

@@ -99,7 +99,7 @@ def calibrate_cmd(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="calibration JSON to write "
                                              "(default: $POLYPARALLEL_CALIBRATION or ~/.cache/polyparallel/)")] = None,
     group_sizes: Annotated[str, typer.Option("--group-sizes", help="gloo group sizes, comma separated")] = "2,3,4",
-    timeout: Annotated[float, typer.Option("--timeout", help="seconds before a gloo group is killed")] = 120.0,
+    timeout: Annotated[float, typer.Option("--timeout", help="seconds before the gloo workers are killed")] = 300.0,
 ) -> None:
     """Measure this machine for `local-cpu:<P>`: matmul throughput, memory bandwidth, kernel and DTensor
     floors with 1..P processes at once (one thread each, as the torch backend runs them), gloo all-reduce."""

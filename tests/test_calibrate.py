@@ -160,6 +160,7 @@ def test_calibrate_measures_this_machine_with_the_training_thread_count(tmp_path
     assert set(res["per_processes"]) == {"1", "2"}
     # every process measured on the thread count a torch-backend worker trains with
     assert [k["threads"] for k in res["per_processes"].values()] == [THREADS_PER_PROCESS] * 2
+    assert res["per_processes"]["2"]["dtensor_overhead"] >= 0 and "dtensor_overhead" not in res["per_processes"]["1"]
     assert all(r["seconds"] > 0 for k in res["per_processes"].values() for r in k["matmul"])
     assert [(q["p"], q["bytes"]) for q in res["collectives"]["points"]] == [(2, 4096), (2, 1 << 16)]
     assert res["collectives"]["fit_by_group_size"]["2"]["alpha"] >= 0
