@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import socket
 import threading
 import time
@@ -111,8 +112,11 @@ def bench(n_centers: int, size: str, mode: str, rounds: int, steps: int, bps: fl
                        batch_size=16, lr=0.01, round_timeout_s=600)
     rng = np.random.default_rng(0)
     data = {n: (rng.normal(size=(64, *spec.in_shape)).astype(np.float32), rng.integers(0, 10, 64)) for n in names}
+    workdir = workroot / f"{n_centers}-{size}-{mode}-H{steps}"
+    # a stale work directory holds a finished server checkpoint, which the ServerApp would resume from
+    shutil.rmtree(workdir, ignore_errors=True)
     t0 = time.time()
-    res = run_flower(cfg, data, workdir=workroot / f"{n_centers}-{size}-{mode}", timeout_s=1800, **MODES[mode])
+    res = run_flower(cfg, data, workdir=workdir, timeout_s=1800, **MODES[mode])
     wall = time.time() - t0
     t1 = time.time()
     ref = run_inprocess(cfg, data)
