@@ -280,3 +280,19 @@ def test_per_device_points_of_constrained_statements(data, mesh):
             for c in stmt.constraints:
                 keep &= (sum(k * env[d] for d, k in c.terms) + c.const) >= 0
             assert got[p] == keep.sum(), (stmt.name, p, placement)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 30), st.integers(0, 30), st.integers(1, 9), st.integers(0, 9), st.integers(0, 9),
+       st.integers(0, 5), st.integers(0, 5))
+def test_grid_intersections_match_sets(s1, s2, c, n1, n2, h1, h2):
+    """Two grids of equal row period (head-interleaved footprints) meet in closed form."""
+    from polyparallel.poly._footprint import Grid, _axis_common
+
+    n1, n2 = min(n1, c), min(n2, c)
+    a = Grid(np.array([s1]), np.array([n1]), np.array([c]), np.array([h1]))
+    b = Grid(np.array([s2]), np.array([n2]), np.array([c]), np.array([h2]))
+    got, bad = _axis_common(a, b)
+    sa = {s1 + c * h + i for h in range(h1) for i in range(n1)}
+    sb = {s2 + c * h + i for h in range(h2) for i in range(n2)}
+    assert not bad.any() and int(got[0]) == len(sa & sb)
