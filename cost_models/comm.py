@@ -175,21 +175,25 @@ def _flat(cluster: Cluster, kind: str, n: float, group: Sequence[int], concurren
     worst_bw, worst_lat, worst_level = math.inf, 0.0, "intra_node"
     order = ("intra_node", "inter_node", "inter_center")
     # Flows that leave one endpoint share it: count ring edges leaving each node / center.
+    # Links depend on the nodes only (nodes are homogeneous): look each pair up once.
+    dev = [cluster.device(d) for d in group]
+    edges: dict[tuple[int, int, bool], tuple[str, float, float]] = {}
+    ring = []
+    for i in range(p):
+        a, b = group[i], group[(i + 1) % p]
+        key = (dev[i].node, dev[(i + 1) % p].node, a == b)
+        if key not in edges:
+            edges[key] = (cluster.level(a, b), *cluster.link(a, b))
+        ring.append((dev[i], edges[key]))
     out_node: dict[int, int] = {}
     out_center: dict[int, int] = {}
-    for i, a in enumerate(group):
-        b = group[(i + 1) % p]
-        lvl = cluster.level(a, b)
+    for da, (lvl, _, _) in ring:
         if lvl != "intra_node":
-            out_node[cluster.device(a).node] = out_node.get(cluster.device(a).node, 0) + concurrent
+            out_node[da.node] = out_node.get(da.node, 0) + concurrent
         if lvl == "inter_center":
-            out_center[cluster.device(a).center] = out_center.get(cluster.device(a).center, 0) + concurrent
+            out_center[da.center] = out_center.get(da.center, 0) + concurrent
     flows_wan = sum(out_center.values())
-    for i, a in enumerate(group):
-        b = group[(i + 1) % p]
-        lvl = cluster.level(a, b)
-        bw, lat = cluster.link(a, b)
-        da = cluster.device(a)
+    for da, (lvl, bw, lat) in ring:
         if lvl == "inter_node":
             bw = min(bw, cluster.node_bandwidth(da.node) / out_node[da.node])
         elif lvl == "inter_center":

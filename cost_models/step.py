@@ -577,6 +577,7 @@ class _StageTerms:
     seg_params: tuple[tuple[float, ...], ...]  # per stage, parameters first used in each of its layers
     seg_fwd: tuple[tuple[float, ...], ...]  # per stage, forward seconds of each of its layers
     dp_groups: tuple[tuple[_Group, ...], ...]  # distinct (by nodes) dp groups of each stage
+    memo: dict = field(default_factory=dict, compare=False, repr=False)  # per-plan parts that repeat
     param_tensors: tuple[int, ...] = ()  # distinct parameter tensors of each stage
     tp_param_tensors: tuple[int, ...] = ()  # of those, the ones split over tp (DTensors in torch)
 
@@ -664,17 +665,26 @@ def _data_parallel(cluster: Cluster, ccache: dict, terms: _StageTerms, s: int, c
     # ZeRO-3: per micro-batch, each layer's weights are gathered before its forward (the next
     # layer's gather runs during this layer's compute), gathered again for its backward, and its
     # gradients reduce-scattered; the backward's two share the link against the backward compute
-    seg_bytes = [x * gb for x in terms.seg_params[s]]
-    seg_fwd = terms.seg_fwd[s]
-    t_dp = ef = eb = 0.0
-    for grp, gid in groups:
-        ag = [_price(cluster, ccache, (("all_gather", x),), grp, gid) for x in seg_bytes]
-        rs = [_price(cluster, ccache, (("reduce_scatter", x),), grp, gid) for x in seg_bytes]
-        f = (ag[0] if ag else 0.0) + sum(max(0.0, ag[i] - omega * seg_fwd[i - 1]) for i in range(1, len(ag)))
-        b = max(0.0, sum(ag) + sum(rs) - omega * terms.bwd[s])
-        t_dp = max(t_dp, m * (2 * sum(ag) + sum(rs)))
-        ef, eb = max(ef, f), max(eb, b)
-    return (("all_gather", params * gb), ("reduce_scatter", params * gb)), t_dp, 0.0, ef, eb
+    key = ("zero3", s, gb, omega)
+    hit = terms.memo.get(key)  # independent of m: the plans of one stage layout share it
+    if hit is None:
+        seg_fwd = terms.seg_fwd[s]
+        per_mb = ef = eb = 0.0
+        for grp, gid in groups:
+            price: dict[float, tuple[float, float]] = {}  # the repeated layers gather the same bytes
+            for x in terms.seg_params[s]:
+                if x not in price:
+                    price[x] = (_price(cluster, ccache, (("all_gather", x * gb),), grp, gid),
+                                _price(cluster, ccache, (("reduce_scatter", x * gb),), grp, gid))
+            ag = [price[x][0] for x in terms.seg_params[s]]
+            rs = [price[x][1] for x in terms.seg_params[s]]
+            f = (ag[0] if ag else 0.0) + sum(max(0.0, ag[i] - omega * seg_fwd[i - 1]) for i in range(1, len(ag)))
+            b = max(0.0, sum(ag) + sum(rs) - omega * terms.bwd[s])
+            per_mb = max(per_mb, 2 * sum(ag) + sum(rs))
+            ef, eb = max(ef, f), max(eb, b)
+        hit = terms.memo[key] = (per_mb, ef, eb)
+    per_mb, ef, eb = hit
+    return (("all_gather", params * gb), ("reduce_scatter", params * gb)), m * per_mb, 0.0, ef, eb
 
 
 def _price(cluster: Cluster, ccache: dict, events: Sequence[tuple[str, float]], grp: Sequence[int],
@@ -751,7 +761,7 @@ def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, 
     plans = _plan_ops(graph, cfg)
     seg_act = _segment_activations(graph, cfg, plans)
     full = cfg.recompute == "full"
-    out: dict[str, list] = {k: [] for k in _StageTerms.__dataclass_fields__}
+    out: dict[str, list] = {k: [] for k in _StageTerms.__dataclass_fields__ if k != "memo"}
     for st in base:
         # The slowest device type of the stage sets its pace (synchronous collectives).
         best: tuple[DeviceType, float, float, float, tuple[float, ...]] | None = None

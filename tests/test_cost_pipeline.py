@@ -64,3 +64,31 @@ def test_schedule_orders_are_complete_and_errors():
         schedule_order("interleaved", 4, 6, 2)
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         schedule_order("zigzag", 2, 2)
+
+
+def _stage_times(rng, p):
+    return [rng.uniform(0.1, 3.0) for _ in range(p)], [rng.uniform(0.1, 6.0) for _ in range(p)], \
+        [rng.choice([0.0, rng.uniform(0.0, 0.5)]) for _ in range(p)]
+
+
+def test_makespan_bound_is_a_lower_bound_tight_for_equal_stages():
+    """The bound the search prunes with never exceeds the simulated makespan (unequal stages, hops,
+    all three schedules), and equals the closed form for equal stages."""
+    import random
+
+    from polyparallel.cost_models.pipeline import makespan_bound, peak_in_flight
+
+    rng = random.Random(7)
+    for _ in range(300):
+        p = rng.randint(1, 6)
+        schedule = rng.choice(["gpipe", "1f1b", "interleaved"])
+        v = rng.choice([2, 3]) if schedule == "interleaved" else 1
+        m = p * rng.randint(1, 4) if schedule == "interleaved" else rng.randint(1, 10)
+        f, b, hop = _stage_times(rng, p)
+        r = simulate(schedule, f, b, microbatches=m, chunks=v, p2p=hop)
+        assert makespan_bound(f, b, m, v, hop) <= r.makespan * (1 + 1e-12)
+        assert peak_in_flight(schedule, p, m, v) == r.in_flight  # memory needs no simulation
+    for p, m, v in [(4, 8, 1), (3, 6, 2), (1, 5, 1)]:
+        schedule = "interleaved" if v > 1 else "1f1b"
+        assert makespan_bound([1.0] * p, [2.0] * p, m, v) == pytest.approx(
+            simulate(schedule, [1.0] * p, [2.0] * p, microbatches=m, chunks=v).makespan, rel=1e-12)

@@ -159,3 +159,83 @@ def test_model_flops_per_step_is_three_forward_passes_of_the_global_batch(tiny_g
     per_sample = tiny_graph.flops() / 4  # tiny_graph was captured with a batch of 4
     assert s.model.flops_per_step == pytest.approx(3 * per_sample * 32, rel=1e-9)
     assert s.model.params == tiny_graph.param_count()
+
+
+def test_rebatched_graphs_equal_direct_captures(tiny_gpt):
+    """Sizes other than the two captured anchors are re-batched; a direct capture gives the same graph
+    (b >= 2), and at batch 1 the same prices, with the exact capture taken for the strategy."""
+    from polyparallel.planner import ANCHORS, _NotAffine, _rebatch, _rebatch_graph
+    from polyparallel.transforms import canonicalize, fuse_elementwise
+
+    m, a, k = tiny_gpt
+    mdl = _Model(m, a, k)
+
+    def direct(b):
+        args = tuple(_rebatch(x, 4, b) for x in a)
+        kw = {n: _rebatch(v, 4, b) for n, v in k.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return fuse_elementwise(canonicalize(pp.capture(m, args, kw)))
+
+    for b in (3, 8):
+        assert mdl.graph(b) == direct(b) and b in mdl.derived
+    assert sorted(mdl.graphs) == sorted(ANCHORS)  # two captures served four sizes
+    one = mdl.graph(1)
+    cl = Cluster.preset("dgx-a100x1")
+    cfg = ParallelConfig(dp=2, tp=2, pp=2, microbatches=2, dtype="bf16", devices=tuple(range(8)))
+    exact = mdl.exact(1)
+    assert exact == direct(1) and exact is not one
+    assert estimate_step(exact, cl, cfg).step_time == pytest.approx(estimate_step(one, cl, cfg).step_time, rel=1e-12)
+    assert exact.flops() == one.flops() and exact.param_count() == one.param_count()
+    # different models, or batch-dependent integers that are not affine, are refused (then captured)
+    other = pp.capture(GPT(GPTConfig(vocab=128, seq=32, layers=3, hidden=64, heads=4)), a, k)
+    with pytest.raises(_NotAffine):
+        _rebatch_graph(mdl.graphs[2], other, 2, 4, 8)
+
+
+def test_step_lower_bound_never_exceeds_the_estimate(tiny_graph):
+    """The planner skips a plan whose bound is above the best: the bound must hold everywhere, and
+    its memory is the estimate's exactly (the enumeration decides on it)."""
+    import itertools
+
+    from polyparallel.cost_models.step import step_lower_bound
+    from polyparallel.transforms import canonicalize, fuse_elementwise
+
+    g = fuse_elementwise(canonicalize(tiny_graph))
+    cl = Cluster.preset("dgx-h100x2")
+    n = 0
+    for tp, pp_, sched, z, rc in itertools.product((1, 2, 4), (1, 2, 4), ("1f1b", "gpipe", "interleaved"), (0, 2, 3),
+                                                   ("none", "full")):
+        if sched == "interleaved" and pp_ == 1:
+            continue
+        dp = 16 // (tp * pp_)
+        cfg = ParallelConfig(dp=dp, tp=tp, pp=pp_, microbatches=2 * pp_, schedule=sched,
+                             chunks=2 if sched == "interleaved" else 1, zero_stage=z, recompute=rc, dtype="bf16")
+        try:
+            est = estimate_step(g, cl, cfg)
+        except ValueError:
+            continue
+        bound = step_lower_bound(g, cl, cfg)
+        assert bound.lower_bound <= est.step_time * (1 + 1e-12)
+        assert bound.memory == est.memory
+        n += 1
+    assert n > 100
+
+
+def test_memory_objective_is_least_memory_within_ten_percent(tiny_gpt):
+    """objective='memory' against brute force: every plan of the same enumeration priced in full."""
+    import polyparallel.planner as planner
+
+    m, a, k = tiny_gpt
+    fast = search(m, a, "local-cpu:4", example_kwargs=k, batch_size=16)
+    lean = search(m, a, "local-cpu:4", example_kwargs=k, batch_size=16, objective="memory")
+    assert lean.estimate.step_time_s <= 1.1 * fast.estimate.step_time_s * (1 + 1e-9)
+    assert lean.estimate.memory_bytes_max <= fast.estimate.memory_bytes_max
+    # brute force over the wide enumeration the memory objective uses
+    mdl = _Model(m, a, k)
+    cl = Cluster.preset("local-cpu:4")
+    wide = planner._search_sync(mdl, cl, 16, planner.Constraints(), list(range(4)), False, "memory", lambda _: None)
+    everything = [(max(r.total for r in e.memory), e.step_time) for e in
+                  (estimate_step(c.graph, cl, c.bound.config) for c in wide.fitting)]
+    limit = 1.1 * min(t for _, t in everything)
+    assert lean.estimate.memory_bytes_max == pytest.approx(min(mem for mem, t in everything if t <= limit), rel=1e-12)
