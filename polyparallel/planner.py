@@ -29,7 +29,9 @@ where ``T`` is the step time of :func:`polyparallel.cost_models.estimate_step` (
 + exposed communication + pipeline bubbles, per stage, the slowest stage) and ``M_d``
 the per-device memory of the same model (weights, gradients, optimizer state by ZeRO
 stage, activations in flight under the schedule). The objective ``throughput`` is
-``B / T``; ``memory`` minimises ``max_d M_d`` among plans within 10% of the fastest.
+``B / T``; ``memory`` minimises ``max_d M_d`` among plans within 10% of the fastest (its
+enumeration tries every micro-batch size and memory rung of each mesh shape, and reuses the
+exact memory and step-time bounds of that one enumeration instead of pricing plans twice).
 
 How it is solved
 ----------------
@@ -46,6 +48,28 @@ without recomputation move the same gradient volume but shard the optimizer step
 differently) is priced; past them, the first rung that fits is kept (later rungs only add
 communication or recomputation). ``exhaustive=True`` drops every pruning
 rule and prices every combination: it is the yardstick the planner is tested against.
+
+**Branch and bound.** Enumerating a plan prices its memory exactly and its step time from
+below, without simulating the pipeline:
+
+.. math::  T \ge \max_s \Big[\sum_{s'<s} \big(\tfrac{F_{s'} + B_{s'}}{v} + 2 c_{s'}\big) + m (F_s + B_s)\Big]
+           + \max_s (E_s + T_{opt,s}) = \underline{T}
+
+(stage ``s`` cannot start before micro-batch 0 reaches it nor end before its last backward
+has gone back to stage 0; ``E_s`` and ``T_opt`` are the exposed data-parallel and optimizer
+times, computed exactly). The enumeration's own control flow (which rungs and micro-batch
+sizes to try) depends only on whether plans fit, so it visits the same plans as pricing each
+in full would. The fitting plans are then priced in full in increasing order of
+``\underline{T}``, stopping at the first bound above the best step time: no skipped plan can be
+faster, so the optimum is the same (checked against ``exhaustive=True``, which prices all).
+Stage sums, device groups and collective prices are memoised across plans, so a plan's bound
+costs microseconds to milliseconds.
+
+**Capture once per anchor.** A module is captured at the batch sizes ``ANCHORS = (2, 4)``
+only; every other micro-batch size is derived from them by :func:`_rebatch_graph` (every
+integer of the IR that differs between the two is affine in the batch). A strategy whose
+micro-batch is 1 is re-captured at 1 before it is written, because a capture at batch 1
+names extent-1 dims differently (same prices, different fingerprint).
 
 Across centers (a cluster with several centers): a synchronous plan whose dp/tp/sp
 groups would cross a WAN link is refused unless ``constraints.allow_wan`` is set; a
