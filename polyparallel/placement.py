@@ -528,6 +528,16 @@ def solve_stage(graph: Graph, mesh: Any, cluster: Cluster, *, dtype: str = "fp32
     state and chained (module docstring); the rest by variable elimination; the MILP when
     a table would exceed ``max_table``. The plan's ``solver`` says which ran, ``blocks``
     the repeated blocks used.
+
+    Args:
+        mesh: the stage's :class:`polyparallel.poly.DeviceMesh` (axes outermost first).
+        cluster: prices the collectives (:func:`polyparallel.cost_models.comm.collective_time`).
+        devices: the stage's global device ids in the mesh's row-major order (default
+            ``0..n-1``); a mesh axis's collective group is the devices that differ from the
+            first device only along that axis.
+        ops: the stage's ops (default the whole graph); edges from ops outside are not priced.
+        k: candidates per op (its ``k`` cheapest placements by compute + own collectives);
+            ``None`` keeps every legal placement.
     """
     from polyparallel.transforms import find_repeated_blocks
 
