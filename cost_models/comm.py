@@ -28,8 +28,11 @@ nodes): for all-reduce,
 where level ``l`` runs ``Π_{j<l} k_j`` concurrent flows that share the level's endpoint
 bandwidth (a node's ports, a center's WAN uplink), so each flow sees ``B_l / Π_{j<l} k_j``
 and the β term of level ``l`` equals that of one flow carrying ``n`` over the whole
-endpoint. Reduce-scatter and all-gather walk the levels once; broadcast runs the outer level
-first. An irregular group, and all-to-all (every pair talks), is priced as a flat ring on
+endpoint. Reduce-scatter and all-gather walk the levels once for their bandwidth, but NCCL
+runs them as rings over all ``p`` ranks (one per NIC rail), so their latency term is
+``(p − 1)·max_l α_l`` rather than ``Σ_l (k_l − 1)·α_l`` — at 1536 ranks that is ~8 ms per
+collective, which ZeRO-3 pays once per layer. Broadcast runs the outer level first. An
+irregular group, and all-to-all (every pair talks), is priced as a flat ring on
 its slowest link, with that link's bandwidth shared by the flows crossing it. The result
 is the cheaper of the hierarchical and the flat schedule.
 
@@ -256,6 +259,13 @@ def collective_time(cluster: Cluster, kind: str, nbytes: float, group: Sequence[
             t, algo = _best("broadcast", nbytes, k, bw, lat)
             parts.append((f"broadcast({algo})@{name}", t))
     hier = sum(t for _, t in parts)
+    if kind in ("all_gather", "reduce_scatter"):
+        # NCCL runs these as rings over all p ranks (one ring per NIC rail, so the bandwidth is
+        # the levels' above): p − 1 steps, each as slow as its slowest hop, not Σ (k_l − 1) steps
+        lat_levels = sum((k - 1) * lat for _, k, _, lat in levels)
+        ring_lat = (p - 1) * max(lat for _, _, _, lat in levels)
+        parts.append(("ring latency over all ranks", ring_lat - lat_levels))
+        hier += ring_lat - lat_levels
     if hier < best.seconds:
         return CollectiveCost(kind, nbytes, p, hier, "hierarchical", levels[-1][0], tuple(parts))
     return best

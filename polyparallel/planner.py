@@ -43,7 +43,7 @@ sizes giving ``m = pp, 2pp, 4pp`` micro-batches. Schedules: 1F1B, GPipe (same bu
 but its p2p and activation timing differ in the simulation) and interleaved with 2 or
 4 chunks where the layers divide. Memory knobs
 are tried cheapest-first along the ladder ``(z, r) = (0, none), (1, none), (2, none),
-(1, selective), (3, none), (1, full), (3, full)``: every *free* rung that fits (ZeRO 0-2
+(1, selective), (3, none), (3, selective), (1, full), (3, full)``: every *free* rung that fits (ZeRO 0-2
 without recomputation move the same gradient volume but shard the optimizer step
 differently) is priced; past them, the first rung that fits is kept (later rungs only add
 communication or recomputation). ``exhaustive=True`` drops every pruning
@@ -116,8 +116,8 @@ from polyparallel.strategy import (
 
 __all__ = ["Constraints", "DoesNotFit", "evaluate", "search"]
 
-MEMORY_LADDER = (("0", "none"), ("1", "none"), ("2", "none"), ("1", "selective"), ("3", "none"), ("1", "full"),
-                 ("3", "full"))
+MEMORY_LADDER = (("0", "none"), ("1", "none"), ("2", "none"), ("1", "selective"), ("3", "none"), ("3", "selective"),
+                 ("1", "full"), ("3", "full"))
 
 
 MAX_MICRO = 8
