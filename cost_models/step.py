@@ -47,7 +47,8 @@ gloo's threads compete with the compute for the same cores):
 * ZeRO-1: reduce-scatter of ``G`` + all-gather of the updated weights once per step (the same
   volume as the all-reduce), exposed the same way.
 * ZeRO-2: the gradients are sharded, so each micro-batch's are reduce-scattered as its
-  backward produces them: ``max(0, m·RS(G) + AG(W) − ω·m·B_s / v)``.
+  backward produces them, each under its own micro-batch's backward (all chunks):
+  ``max(0, m·RS(G) + AG(W) − ω·m·B_s)``.
 * ZeRO-3 / FSDP: weights are sharded too. For every micro-batch, layer ``i`` of the stage
   (``i = 0..n−1`` in execution order, ``W_i`` its weight bytes, ``c_i`` its forward compute)
   is all-gathered before its forward; the gather of layer ``i`` is prefetched during the
@@ -661,7 +662,10 @@ def _data_parallel(cluster: Cluster, ccache: dict, terms: _StageTerms, s: int, c
         events = (("reduce_scatter", params * gb), ("all_gather", params * gb))
         t_dp = max(n_rs * _price(cluster, ccache, events[:1], grp, gid) + _price(cluster, ccache, events[1:], grp, gid)
                    for grp, gid in groups)
-        return events, t_dp, max(0.0, t_dp - omega * n_rs * terms.bwd[s] / v), 0.0, 0.0
+        # ZeRO-1 overlaps the last micro-batch's backward (of its last chunk, interleaved); ZeRO-2
+        # each micro-batch's reduce-scatter with that micro-batch's whole backward
+        hide = omega * (m * terms.bwd[s] if z == 2 else terms.bwd[s] / v)
+        return events, t_dp, max(0.0, t_dp - hide), 0.0, 0.0
     # ZeRO-3: per micro-batch, each layer's weights are gathered before its forward (the next
     # layer's gather runs during this layer's compute), gathered again for its backward, and its
     # gradients reduce-scattered; the backward's two share the link against the backward compute
