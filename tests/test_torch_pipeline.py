@@ -172,6 +172,11 @@ def test_refuses_stages_it_cannot_cut() -> None:
     # layers that disagree with where the ops sit in this model
     with pytest.raises(Unsupported, match=r"stage 1 .* holds layers \[1\] .* lists \[0\]"):
         plan_for(with_stage1(s.stages[1].ops, layers=[0]), model, batch)
+    # a last stage that only reshapes the logits for the loss: no parameters to optimise
+    st0 = s.stages[0].model_copy(update={"layers": [0, 1]})
+    st1 = s.stages[1].model_copy(update={"ops": ["flatten", "cross_entropy_loss"], "layers": []})
+    with pytest.raises(Unsupported, match=r"stage 1 holds no parameters"):
+        plan_for(s.model_copy(update={"stages": [st0, st1]}), model, batch)
     with pytest.raises(Unsupported, match=r"schedule 'zero-bubble'"):
         plan_for(s.model_copy(update={"schedule": "zero-bubble"}), model, batch)
     with pytest.raises(Unsupported, match=r"not divisible by dp\*microbatches=3"):

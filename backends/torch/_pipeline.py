@@ -285,6 +285,13 @@ def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, to
         if st.layers and have != set(st.layers):
             raise _unsupported(f"stage {st.index} (ops {', '.join(st.ops)}) holds layers {sorted(have)} of this model "
                                f"but the strategy lists {sorted(st.layers)}: the strategy was made for another model")
+    for st in range(s.pp):
+        if not any(split.params[k] for k in range(st, len(chunks), s.pp)):
+            # torch's optimisers and DCP's state dicts refuse an empty parameter set; such a stage only
+            # forwards activations (e.g. the loss alone), which the plan could give to its neighbour
+            raise _unsupported(f"pipeline stage {st} holds no parameters (ops "
+                               f"{', '.join(by for c in range(st, len(chunks), s.pp) for by in chunks[c])}); "
+                               "a parameter-free stage is not executed: search with fewer stages")
     holders: dict[str, list[int]] = {}
     for k, names in enumerate(split.params):
         for p in names:
