@@ -420,12 +420,15 @@ def _propagate(graph: Graph, cfg: ParallelConfig) -> list[_OpPlan]:
         if tp > 1:
             if kind in (OpKind.CONTRACTION, OpKind.CONV) and has_param:
                 pl.split = pl.param_split = tp
-                if any_split:  # row-parallel: partial sums reduced in the forward pass
+                # the contracted input comes first; inputs after it belong to pointwise epilogues fused
+                # into the op (LLaMA's silu(gate(h)) * up(h) reads up's column-split output): they follow
+                # the output's layout and do not make the contraction row-parallel
+                if acts and split_state.get(acts[0], False):  # row-parallel: partial sums reduced forward
                     for t in op.outputs:
                         pl.tp_fwd += [(c, _tensor_bytes(graph, t, cfg.dtype)) for c in ar]
                 else:  # column-parallel: the input gradient is reduced in the backward pass
                     out_split = True
-                    for t in acts:  # graph inputs need no gradient
+                    for t in acts[:1]:  # graph inputs need no gradient
                         if t not in grad_ar_done and graph.tensors[t].kind is not TensorKind.INPUT:
                             grad_ar_done.add(t)
                             pl.tp_bwd += [(c, _tensor_bytes(graph, t, cfg.dtype)) for c in ar]

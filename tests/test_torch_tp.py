@@ -22,7 +22,6 @@ from polyparallel.backends.torch._tensor_parallel import (
     strategy_graph,
 )
 from polyparallel.cli import main
-from polyparallel.strategy import OpPlacement
 
 EX = "polyparallel.backends.torch._examples"
 STEPS, LR, SEED = 3, 0.1, 0
@@ -179,30 +178,28 @@ def _llama_strategy(**degrees: int) -> pp.Strategy:
                        **degrees)
 
 
-def test_llama_sp_and_the_planners_mlp_split_are_refused_with_the_reason() -> None:
-    """cos/sin are tables read by position, so a sequence shard would rotate by the wrong angles; and
-    the planner's tp rule, seeing ``silu(gate(h)) * up(h)`` fused into ``gate``, makes ``gate``
-    row-parallel on an unsplit input. Both are refused before launch."""
+def test_llama_sp_is_refused_and_the_planners_mlp_split_is_megatrons() -> None:
+    """cos/sin are tables read by position, so a sequence shard would rotate by the wrong angles:
+    refused before launch. The planner sees ``silu(gate(h)) * up(h)`` fused into ``gate``; the
+    fused epilogue's second input (up's column-split output) must not make ``gate`` row-parallel."""
     x, y = ex.gpt_data(0)
     g = capture_for_strategy(tiny_llama, (x, y))
     with pytest.raises(Unsupported, match=r"sp=2 .*reads buffer 'b_sin' by sequence position"):
         plan_for(_llama_strategy(sp=2), tiny_llama(), graph=g)
     s = _llama_strategy(tp=2)
-    assert {p.placement for p in s.placements if "layers.0.gate" in p.modules} == {"k:tp"}
-    with pytest.raises(Unsupported, match=r"row-parallel Linear 'layers.0.gate' reads an input"):
-        plan_for(s, tiny_llama(), graph=g)
+    by_module = {m: p.placement for p in s.placements for m in p.modules}
+    assert [by_module[f"layers.0.{m}"] for m in ("gate", "up", "down")] == ["n:tp", "n:tp", "k:tp"]
+    assert by_module["lm_head"] == "n:tp"
+    kinds = dict(plan_for(s, tiny_llama(), graph=g).tp_plan)
+    assert [kinds[f"layers.0.{m}"] for m in ("gate", "up", "down")] == ["col", "col", "row"]
 
 
 @pytest.mark.timeout(60)
 def test_llama_head_parallel_through_rotary_and_gqa_matches_single_process() -> None:
     """Heads traced from the attention back through the rotary ops to q, k, v (4 query heads, 2
     key/value heads: one group per rank); MLP placements written by hand as Megatron's (gate, up
-    column, down row), since the planner's fused-epilogue rule gets them wrong (test above)."""
+    column, down row) as the planner writes them."""
     s = _llama_strategy(tp=2)
-    fix = {"layers.0.gate": "n:tp", "layers.0.down": "k:tp", "lm_head": "n:tp"}
-    s = s.model_copy(update={"placements": [
-        OpPlacement(ops=[op], placement=fix.get(mod, p.placement), modules=[mod])
-        for p in s.placements for op, mod in zip(p.ops, p.modules)]})
     x, y = ex.gpt_data(0)
     plan = plan_for(s, tiny_llama(), graph=capture_for_strategy(tiny_llama, (x, y)))
     kinds = dict(plan.tp_plan)
