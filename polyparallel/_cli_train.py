@@ -28,12 +28,16 @@ def train(
         "--fingerprint-check/--no-fingerprint-check",
         help="refuse a model whose captured graph is not the strategy's (--no-fingerprint-check: run a "
              "stand-in model, matched to the placements by module path)")] = True,
+    node_rank: Annotated[int | None, typer.Option(help="for a strategy spanning several nodes: which node this "
+                                                       "is (without it, the per-node commands are printed)")] = None,
+    master_addr: Annotated[str, typer.Option(help="address of node 0 (multi-node rendezvous)")] = "127.0.0.1",
+    master_port: Annotated[int, typer.Option(help="port of the rendezvous on node 0")] = 29500,
 ) -> None:
     """Train MODEL on DATA exactly as the strategy says (refused, exit 2, if it cannot be executed)."""
     import os
     import sys
 
-    from polyparallel.backends.torch import TrainError
+    from polyparallel.backends.torch import MultiNode, TrainError, launch_commands
 
     if os.getcwd() not in sys.path:  # like `python -m`: the user's own modules in this folder import
         sys.path.insert(0, os.getcwd())
@@ -42,7 +46,13 @@ def train(
     try:
         log = run(strategy, model, data, steps=steps, optimizer=optimizer, lr=lr, seed=seed, log_dir=log_dir,
                   checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                  check_fingerprint=fingerprint_check)
+                  check_fingerprint=fingerprint_check, node_rank=node_rank, master_addr=master_addr,
+                  master_port=master_port)
+    except MultiNode:
+        typer.echo("this strategy spans several nodes; run on each node, node 0 first:")
+        for cmd in launch_commands(strategy, model, data, steps=steps, master_port=master_port):
+            typer.echo(cmd)
+        return
     except TrainError as e:
         raise UserError(str(e)) from e
     for rec in log:

@@ -18,7 +18,7 @@ from polyparallel.backends.torch._tensor_parallel import strategy_graph
 from polyparallel.backends.torch._worker import resolve
 from polyparallel.strategy import Strategy
 
-__all__ = ["TrainError", "train"]
+__all__ = ["MultiNode", "TrainError", "launch_commands", "node_layout", "train"]
 
 
 class TrainError(RuntimeError):
@@ -29,10 +29,55 @@ class TrainError(RuntimeError):
         self.rank, self.step, self.error = rank, step, error
 
 
+class MultiNode(ValueError):
+    """The strategy spans several nodes: run :func:`train` once per node with ``node_rank``; the
+    message lists the per-node ``polyparallel train`` commands (also :func:`launch_commands`)."""
+
+
+def node_layout(strategy: Strategy) -> list[tuple[str, list[int]]]:
+    """``(node name, mesh ranks it runs)`` per node, in rank order, from the strategy's cluster echo.
+
+    torch.distributed.run numbers ranks node by node (``node_rank * nproc_per_node + local_rank``),
+    so mesh rank ``r`` (device ``mesh.devices[r]``) can only run where it lands: every node must
+    hold one contiguous block of mesh ranks, all blocks of one size. A strategy without a node map
+    (or on one node) runs on this machine.
+    """
+    where = {d: n.get("name", f"node{i}") for c in strategy.cluster.get("centers", [])
+             for i, n in enumerate(c.get("nodes", [])) for d in n.get("devices", [])}
+    ranks: list[tuple[str, list[int]]] = []
+    for r, dev in enumerate(strategy.mesh.devices):
+        name = where.get(dev, "")
+        if ranks and ranks[-1][0] == name:
+            ranks[-1][1].append(r)
+        elif any(n == name for n, _ in ranks):
+            raise ValueError(f"mesh rank {r} (device {dev}) is on node {name!r}, whose other ranks are not next to "
+                             "it in mesh order; torch.distributed.run numbers ranks node by node, so each node "
+                             "must hold one contiguous block of the mesh")
+        else:
+            ranks.append((name, [r]))
+    if len({len(rs) for _, rs in ranks}) > 1:
+        raise ValueError("nodes run different numbers of mesh ranks ("
+                         + ", ".join(f"{n}: {len(rs)}" for n, rs in ranks)
+                         + "); torch.distributed.run starts the same number of processes on every node")
+    return ranks
+
+
+def launch_commands(strategy: Strategy | str | Path, model_fn: str, data_fn: str, *, steps: int,
+                    master_addr: str = "NODE0_ADDRESS", master_port: int = 29500) -> list[str]:
+    """One ``polyparallel train`` command per node of a multi-node strategy (node 0 hosts the
+    rendezvous at ``master_addr:master_port``)."""
+    path = str(strategy) if not isinstance(strategy, Strategy) else "strategy.json"
+    s = strategy if isinstance(strategy, Strategy) else Strategy.from_json(strategy)
+    return [f"# on {name} (mesh ranks {rs[0]}..{rs[-1]})\npolyparallel train {path} --model {model_fn} "
+            f"--data {data_fn} --steps {steps} --node-rank {i} --master-addr {master_addr} "
+            f"--master-port {master_port}" for i, (name, rs) in enumerate(node_layout(s))]
+
+
 def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps: int, optimizer: str = "sgd",
           lr: float = 0.1, seed: int = 0, log_dir: str | Path | None = None,
           checkpoint_dir: str | Path | None = None, checkpoint_every: int = 1,
-          timeout_s: float = 600.0, check_fingerprint: bool = True) -> list[dict[str, float]]:
+          timeout_s: float = 600.0, check_fingerprint: bool = True, node_rank: int | None = None,
+          master_addr: str = "127.0.0.1", master_port: int = 29500) -> list[dict[str, float]]:
     """Train ``model_fn()`` as ``strategy`` says on ``dp * sp * tp * pp`` local processes; return the step log.
 
     ``model_fn`` and ``data_fn`` are ``"package.module:function"`` strings or picklable callables
@@ -57,6 +102,11 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
     plan cannot be executed exactly, :class:`~polyparallel.backends.torch.FingerprintMismatch` (a
     ValueError) for another model than the strategy's, and :class:`TrainError` naming the rank when a
     worker fails.
+
+    A strategy whose mesh spans several nodes of its cluster (:func:`node_layout`) runs as one
+    ``train`` call per node with ``node_rank`` (0 hosts the rendezvous at ``master_addr:master_port``);
+    without ``node_rank`` it raises :class:`MultiNode` listing the per-node commands. Only node 0's
+    call returns the log (rank 0 writes it).
     """
     import torch
 
@@ -74,6 +124,18 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
     plan = plan_for(strategy, resolve(model_fn)(), batch if strategy.pp > 1 else None,
                     graph=graph)  # refuse before any process starts
     nproc = plan.dp * plan.sp * plan.tp * plan.pp
+    nodes = node_layout(strategy)
+    if len(nodes) > 1:
+        if node_rank is None:
+            cmds = launch_commands(strategy, model_fn if isinstance(model_fn, str) else "MODULE:FUNCTION",
+                                   data_fn if isinstance(data_fn, str) else "MODULE:FUNCTION", steps=steps)
+            raise MultiNode(f"the strategy runs on {len(nodes)} nodes; start one train per node with node_rank "
+                            "(--node-rank), node 0 first:\n" + "\n".join(cmds))
+        if not 0 <= node_rank < len(nodes):
+            raise ValueError(f"node_rank={node_rank}: the strategy has nodes 0..{len(nodes) - 1}")
+        nproc //= len(nodes)
+    elif node_rank not in (None, 0):
+        raise ValueError(f"node_rank={node_rank}, but the strategy runs on one node")
     if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
         raise ValueError(f"the strategy needs {nproc} GPUs on this machine; {torch.cuda.device_count()} are visible")
     if checkpoint_every < 1:
@@ -103,7 +165,10 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
     # the workers must import whatever the caller could (e.g. a test module's functions)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    where = ["--standalone"] if len(nodes) <= 1 else [
+        f"--nnodes={len(nodes)}", f"--node-rank={node_rank}", f"--master-addr={master_addr}",
+        f"--master-port={master_port}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={nproc}",
            "--max-restarts=0", "-m", "polyparallel.backends.torch._entry", str(run_dir)]
     try:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
