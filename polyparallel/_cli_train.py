@@ -32,6 +32,8 @@ def train(
                                                        "is (without it, the per-node commands are printed)")] = None,
     master_addr: Annotated[str, typer.Option(help="address of node 0 (multi-node rendezvous)")] = "127.0.0.1",
     master_port: Annotated[int, typer.Option(help="port of the rendezvous on node 0")] = 29500,
+    profile_comm: Annotated[bool, typer.Option(help="log per step the time torch's profiler records inside "
+                                                    "collectives (comm_s, comm_ops); slows small steps")] = False,
 ) -> None:
     """Train MODEL on DATA exactly as the strategy says (refused, exit 2, if it cannot be executed)."""
     import os
@@ -47,7 +49,7 @@ def train(
         log = run(strategy, model, data, steps=steps, optimizer=optimizer, lr=lr, seed=seed, log_dir=log_dir,
                   checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                   check_fingerprint=fingerprint_check, node_rank=node_rank, master_addr=master_addr,
-                  master_port=master_port)
+                  master_port=master_port, profile_comm=profile_comm)
     except MultiNode:
         typer.echo("this strategy spans several nodes; run on each node, node 0 first:")
         for cmd in launch_commands(strategy, model, data, steps=steps, master_port=master_port):
@@ -56,4 +58,5 @@ def train(
     except TrainError as e:
         raise UserError(str(e)) from e
     for rec in log:
-        typer.echo(f"step {rec['step']:>4}  loss {rec['loss']:.6f}  {rec['step_time_s'] * 1e3:.1f} ms")
+        comm = f"  comm {rec['comm_s'] * 1e3:.1f} ms" if "comm_s" in rec else ""
+        typer.echo(f"step {rec['step']:>4}  loss {rec['loss']:.6f}  {rec['step_time_s'] * 1e3:.1f} ms{comm}")

@@ -53,12 +53,15 @@ def _max_rel(log: list[dict[str, float]], ref: list[float]) -> float:
 def test_data_parallel_gpt_matches_single_process(tmp_path: Path) -> None:
     s = _strategy(ex.tiny_gpt(), ex.gpt_data, dp=2, tp=1, zero_stage=0)
     assert (s.dp, s.tp, s.zero_stage) == (2, 1, 0)
-    log = train(s, f"{EX}:tiny_gpt", f"{EX}:gpt_data", steps=STEPS, lr=LR, seed=SEED, log_dir=tmp_path)
+    log = train(s, f"{EX}:tiny_gpt", f"{EX}:gpt_data", steps=STEPS, lr=LR, seed=SEED, log_dir=tmp_path,
+                profile_comm=True)
     err = _max_rel(log, _single(ex.tiny_gpt, ex.gpt_data))
-    print(f"max relative loss difference {err:.2e}")
+    print(f"max relative loss difference {err:.2e}; comm per step {[r['comm_s'] for r in log]}")
     assert err <= 1e-4
     assert (tmp_path / "train.jsonl").read_text().count("\n") == STEPS
     assert all(r["step_time_s"] > 0 for r in log)
+    # DDP's gradient bucket all-reduces, timed by torch's profiler
+    assert all(r["comm_s"] > 0 and r["comm_ops"].get("gloo:all_reduce", 0) >= 1 for r in log)
 
 
 @pytest.mark.timeout(60)

@@ -77,7 +77,8 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
           lr: float = 0.1, seed: int = 0, log_dir: str | Path | None = None,
           checkpoint_dir: str | Path | None = None, checkpoint_every: int = 1,
           timeout_s: float = 600.0, check_fingerprint: bool = True, node_rank: int | None = None,
-          master_addr: str = "127.0.0.1", master_port: int = 29500) -> list[dict[str, float]]:
+          master_addr: str = "127.0.0.1", master_port: int = 29500,
+          profile_comm: bool = False) -> list[dict[str, float]]:
     """Train ``model_fn()`` as ``strategy`` says on ``dp * sp * tp * pp`` local processes; return the step log.
 
     ``model_fn`` and ``data_fn`` are ``"package.module:function"`` strings or picklable callables
@@ -107,6 +108,11 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
     ``train`` call per node with ``node_rank`` (0 hosts the rendezvous at ``master_addr:master_port``);
     without ``node_rank`` it raises :class:`MultiNode` listing the per-node commands. Only node 0's
     call returns the log (rank 0 writes it).
+
+    ``profile_comm=True`` runs every step under ``torch.profiler`` and adds to each log line
+    ``comm_s``, rank 0's seconds inside collectives as torch records them (``gloo:*`` / ``nccl:*``
+    events, from issue to completion; they may overlap compute, so this is not the exposed part),
+    and ``comm_ops`` (collective -> count). The profiler slows small steps down; off by default.
     """
     import torch
 
@@ -154,7 +160,7 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
     for old in stale:
         old.unlink(missing_ok=True)
     job = {"plan": plan, "model_fn": model_fn, "data_fn": data_fn, "steps": steps, "optimizer": optimizer,
-           "lr": lr, "seed": seed, "checkpoint_every": checkpoint_every,
+           "lr": lr, "seed": seed, "checkpoint_every": checkpoint_every, "profile_comm": profile_comm,
            "checkpoint_dir": str(Path(checkpoint_dir).resolve()) if checkpoint_dir is not None else None}
     try:
         (run_dir / "job.pkl").write_bytes(pickle.dumps(job))

@@ -331,7 +331,7 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-    from polyparallel.backends.torch._worker import _resume, _save, resolve
+    from polyparallel.backends.torch._worker import _resume, _save, comm_profile, resolve
 
     plan, pipe = job["plan"], job["plan"].pipeline
     pp, dp, K = pipe.stages, plan.dp, pipe.stages * pipe.virtual
@@ -407,19 +407,21 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
         x, y = x[sl].to(device), y[sl].to(device)
         if cuda:
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        losses: list[torch.Tensor] = []
-        args = (x,) if first else ()
-        schedule.step(*args, target=y if last else None, losses=losses if last else None, return_outputs=False)
-        for name, g in tie_groups:
-            grad = named[name].grad
-            if grad is not None:
-                dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=g)
-        opt.step()
-        if cuda:
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
+        with comm_profile(bool(job.get("profile_comm"))) as comm:
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            losses: list[torch.Tensor] = []
+            args = (x,) if first else ()
+            schedule.step(*args, target=y if last else None, losses=losses if last else None,
+                          return_outputs=False)
+            for name, g in tie_groups:
+                grad = named[name].grad
+                if grad is not None:
+                    dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=g)
+            opt.step()
+            if cuda:
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
         # the last stage holds the micro-batch losses; a sum over the pp group brings their mean to
         # every stage (the others add 0), then the dp replicas' means are averaged
         val = (torch.stack([v.detach().float() for v in losses]).mean() if last else torch.zeros(())).reshape(1)
@@ -427,7 +429,7 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
         dist.all_reduce(val, group=pp_group)
         dist.all_reduce(val, group=mesh["dp"].get_group())
         if rank == 0:
-            rec = {"step": step, "loss": float(val.item()) / dp, "step_time_s": dt}
+            rec = {"step": step, "loss": float(val.item()) / dp, "step_time_s": dt, **comm}
             with log.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
         if ckpt is not None and ((step + 1) % job["checkpoint_every"] == 0 or step + 1 == job["steps"]):

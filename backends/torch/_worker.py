@@ -8,11 +8,13 @@ traceback) before exiting non-zero, so the launcher can say which rank failed an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,23 @@ def _apply(model: torch.nn.Module, job: dict[str, Any], device: torch.device) ->
 
         fully_shard(model, mesh=replica_mesh(mesh, plan))
     return model, mesh
+
+
+@contextlib.contextmanager
+def comm_profile(enabled: bool) -> Iterator[dict[str, Any]]:
+    """Collect what torch's profiler records of collectives in the block into the yielded dict
+    (``comm_s``: summed durations of ``gloo:*``/``nccl:*`` events; ``comm_ops``: their counts)."""
+    rec: dict[str, Any] = {}
+    if not enabled:
+        yield rec
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        yield rec
+    events = [e for e in prof.key_averages() if e.key.startswith(("gloo:", "nccl:"))]
+    rec["comm_s"] = sum(e.cpu_time_total for e in events) * 1e-6
+    rec["comm_ops"] = {e.key: e.count for e in events}
 
 
 def _save(ckpt: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int,
@@ -144,22 +163,23 @@ def run_worker(run_dir: Path) -> None:
             x, y = (sequence_shard(t[sl], plan, mesh).to(device) for t in (inputs, labels))
             if cuda:
                 torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            with step_context(plan, mesh):
-                loss = model(x, y)
-                loss.backward()
-            opt.step()
-            if cuda:
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
+            with comm_profile(bool(job.get("profile_comm"))) as comm:
+                t0 = time.perf_counter()
+                opt.zero_grad(set_to_none=True)
+                with step_context(plan, mesh):
+                    loss = model(x, y)
+                    loss.backward()
+                opt.step()
+                if cuda:
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
             val = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
             val = val.detach().clone().reshape(1)
             # each dp (and sp) rank's loss is the mean over its equal share: the global mean is their mean
             dist.all_reduce(val, group=replicas.get_group())
             if rank == 0:
                 rec = {"step": step, "loss": float(val.item()) / replicas.size(), "step_time_s": dt,
-                       "rank0_input_shape": list(x.shape)}  # what a rank trains on: its dp and sp share
+                       "rank0_input_shape": list(x.shape), **comm}  # what a rank trains on: its dp and sp share
                 with log.open("a") as f:
                     f.write(json.dumps(rec) + "\n")
             if ckpt is not None and ((step + 1) % job["checkpoint_every"] == 0 or step + 1 == job["steps"]):
