@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -141,25 +141,36 @@ class TorchTrainer(CenterData):
             model = self._model
             load_torch_state(model, dict(global_params))
             model.train()
-            anchors = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else []
             opt = torch.optim.SGD(model.parameters(), lr=self.lr_at(round_idx), momentum=self.momentum)
             xb_all = torch.from_numpy(np.ascontiguousarray(self.x))
             yb_all = torch.from_numpy(np.ascontiguousarray(self.y)).long()
-            losses = []
-            for idx in batch_indices(len(self.x), self.batch_size, steps, self.seed, self.center_index, round_idx):
-                t = torch.from_numpy(idx)
-                loss = torch.nn.functional.cross_entropy(model(xb_all[t]), yb_all[t])
-                losses.append(float(loss.detach()))
-                if anchors:
-                    loss = loss + 0.5 * proximal_mu * sum(
-                        ((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchors))
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
+            batches = batch_indices(len(self.x), self.batch_size, steps, self.seed, self.center_index, round_idx)
+            losses = local_sgd(model, model, opt, xb_all, yb_all, batches, proximal_mu)
             return torch_state(model), {"train_loss": float(np.mean(losses))}
 
     def evaluate(self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         return evaluate_torch(self.model_spec, params, x, y, threads=self.threads)
+
+
+def local_sgd(model: Any, net: Any, opt: Any, x: Any, y: Any, batches: Iterable[np.ndarray],
+              proximal_mu: float) -> list[float]:
+    """A center's local steps: cross-entropy of ``net`` (the model, or its DDP wrapper) on each
+    index batch, plus FedProx's ``mu/2 * ||w - w_round_start||^2`` on ``model``'s parameters when
+    ``proximal_mu > 0``; returns the data losses (without the proximal term)."""
+    import torch
+
+    anchors = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else []
+    losses = []
+    for idx in batches:
+        t = torch.from_numpy(idx)
+        loss = torch.nn.functional.cross_entropy(net(x[t]), y[t])
+        losses.append(float(loss.detach()))
+        if anchors:
+            loss = loss + 0.5 * proximal_mu * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchors))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return losses
 
 
 def evaluate_torch(spec: ModelSpec, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray,

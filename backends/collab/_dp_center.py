@@ -128,7 +128,7 @@ def _worker(rank: int, world: int, init_method: str, conn: Any, spec_json: str, 
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from ._center import batch_indices
+    from ._center import batch_indices, local_sgd
     from ._models import build_torch_model, load_torch_state, torch_state
 
     try:
@@ -160,20 +160,10 @@ def _worker(rank: int, world: int, init_method: str, conn: Any, spec_json: str, 
             _, params, steps, round_idx, proximal_mu, lr = msg
             load_torch_state(model, params)
             model.train()
-            anchors = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else []
             opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=float(center["momentum"]))
-            losses = []
-            for idx in batch_indices(len(x), int(center["batch_size"]), steps, int(center["seed"]),
-                                     int(center["center_index"]), round_idx):
-                t = torch.from_numpy(idx[rank * share:(rank + 1) * share])
-                loss = torch.nn.functional.cross_entropy(ddp(xt[t]), yt[t])
-                losses.append(float(loss.detach()))
-                if anchors:
-                    loss = loss + 0.5 * proximal_mu * sum(
-                        ((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchors))
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
+            batches = (idx[rank * share:(rank + 1) * share] for idx in batch_indices(
+                len(x), int(center["batch_size"]), steps, int(center["seed"]), int(center["center_index"]), round_idx))
+            losses = local_sgd(model, ddp, opt, xt, yt, batches, proximal_mu)
             # DDP keeps the replicas identical: rank 0 alone sends the model back
             conn.send(("done", torch_state(model) if rank == 0 else None, losses))
         except BaseException as e:
