@@ -40,6 +40,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
+from typing import Any
 
 import islpy as isl
 import numpy as np
@@ -972,6 +973,18 @@ class EdgeCosts:
         return len(self.producer_placements) * len(self.consumer_placements)
 
 
+
+def _distinct(placements: Sequence[Any], dist_of: Callable[[Any], Any]) -> tuple[np.ndarray, list[Any]]:
+    """The distinct distributions ``dist_of(p)`` over ``placements`` (by :func:`_dedupe_key`), in
+    first-seen order, and for each placement the index of its distribution among them."""
+    index: dict = {}
+    of = np.zeros(len(placements), dtype=np.int64)
+    for i, p in enumerate(placements):
+        d = dist_of(p)
+        of[i] = index.setdefault(_dedupe_key(d), (len(index), d))[0]
+    return of, [d for _, d in index.values()]
+
+
 def edge_costs(graph: Graph, tensor: str, consumer: Op, operand: str, mesh: DeviceMesh,
                producer_placements: Sequence[Placement] | None = None,
                consumer_placements: Sequence[Placement] | None = None) -> EdgeCosts:
@@ -993,33 +1006,16 @@ def edge_costs(graph: Graph, tensor: str, consumer: Op, operand: str, mesh: Devi
 
     def make() -> EdgeCosts:
         nbytes = DTYPE_BYTES.get(graph.tensors[tensor].dtype, 4)
-        haves: dict = {}
-        have_of = np.zeros(len(pp_), dtype=np.int64)
-        for i, p in enumerate(pp_):
-            d = (output_layout(graph, prod, p, mesh, out_idx) if prod is not None else
-                 layout_distribution(TensorLayout.replicated(graph.shape(tensor)), mesh))
-            have_of[i] = haves.setdefault(_dedupe_key(d), (len(haves), d))[0]
-        needs: dict = {}
-        need_of = np.zeros(len(cp_), dtype=np.int64)
-        for j, p in enumerate(cp_):
-            d = operand_need(graph, consumer, p, mesh, operand)
-            need_of[j] = needs.setdefault(_dedupe_key(d), (len(needs), d))[0]
-        rows = tuple(tuple(reshard(h, n, mesh, dtype_bytes=nbytes) for _, n in needs.values())
-                     for _, h in haves.values())
+        have_of, haves = _distinct(pp_, lambda p: output_layout(graph, prod, p, mesh, out_idx) if prod is not None
+                                   else layout_distribution(TensorLayout.replicated(graph.shape(tensor)), mesh))
+        need_of, needs = _distinct(cp_, lambda p: operand_need(graph, consumer, p, mesh, operand))
+        rows = tuple(tuple(reshard(h, n, mesh, dtype_bytes=nbytes) for n in needs) for h in haves)
 
         def backward() -> tuple[np.ndarray, np.ndarray, tuple[tuple[Reshard, ...], ...]]:
-            gneeds: dict = {}
-            grad_need_of = np.zeros(len(pp_), dtype=np.int64)
-            for i, p in enumerate(pp_):
-                d = grad_needed(graph, prod, p, mesh, out_idx, reader=(consumer, operand))
-                grad_need_of[i] = gneeds.setdefault(_dedupe_key(d), (len(gneeds), d))[0]
-            ghaves: dict = {}
-            grad_have_of = np.zeros(len(cp_), dtype=np.int64)
-            for j, p in enumerate(cp_):
-                d = grad_held(graph, consumer, p, mesh, operand)
-                grad_have_of[j] = ghaves.setdefault(_dedupe_key(d), (len(ghaves), d))[0]
-            table = tuple(tuple(reshard(h, n, mesh, dtype_bytes=nbytes) for _, n in gneeds.values())
-                          for _, h in ghaves.values())
+            grad_need_of, gneeds = _distinct(
+                pp_, lambda p: grad_needed(graph, prod, p, mesh, out_idx, reader=(consumer, operand)))
+            grad_have_of, ghaves = _distinct(cp_, lambda p: grad_held(graph, consumer, p, mesh, operand))
+            table = tuple(tuple(reshard(h, n, mesh, dtype_bytes=nbytes) for n in gneeds) for h in ghaves)
             return grad_have_of, grad_need_of, table
 
         return EdgeCosts(pp_, cp_, have_of, need_of, rows, backward if prod is not None else None)
