@@ -9,7 +9,6 @@ equal a plain single-process loop on the same seed and global batch (SGD, fp32, 
 from __future__ import annotations
 
 import pytest
-import torch
 
 import polyparallel as pp
 from polyparallel.backends.torch import FingerprintMismatch, Unsupported, _launch, plan_for, train
@@ -22,9 +21,8 @@ from polyparallel.backends.torch._tensor_parallel import (
     strategy_graph,
 )
 from polyparallel.cli import main
+from tests.test_torch_backend import EX, LR, SEED, STEPS, _single
 
-EX = "polyparallel.backends.torch._examples"
-STEPS, LR, SEED = 3, 0.1, 0
 pytestmark = pytest.mark.slow
 
 
@@ -36,27 +34,12 @@ def _strategy(devices: int, **degrees: int) -> pp.Strategy:
                        batch_size=ex.BATCH, recompute="none", microbatches=1, **degrees)
 
 
-def _single() -> list[float]:
-    torch.manual_seed(SEED)
-    m = ex.tiny_gpt()
-    opt = torch.optim.SGD(m.parameters(), lr=LR)
-    out = []
-    for step in range(STEPS):
-        x, y = ex.gpt_data(step)
-        opt.zero_grad()
-        loss = m(x, y)
-        loss.backward()
-        opt.step()
-        out.append(loss.item())
-    return out
-
-
 REF: list[float] = []
 
 
 def _max_rel(log: list[dict[str, float]]) -> float:
     if not REF:
-        REF.extend(_single())
+        REF.extend(_single(ex.tiny_gpt, ex.gpt_data))
     assert [r["step"] for r in log] == list(range(STEPS))
     return max(abs(r["loss"] - want) / abs(want) for r, want in zip(log, REF))
 
@@ -197,8 +180,8 @@ def test_llama_sp_is_refused_and_the_planners_mlp_split_is_megatrons() -> None:
 @pytest.mark.timeout(60)
 def test_llama_head_parallel_through_rotary_and_gqa_matches_single_process() -> None:
     """Heads traced from the attention back through the rotary ops to q, k, v (4 query heads, 2
-    key/value heads: one group per rank); MLP placements written by hand as Megatron's (gate, up
-    column, down row) as the planner writes them."""
+    key/value heads: one group per rank); the MLP as the planner places it, Megatron's gate and up
+    column-parallel, down row-parallel."""
     s = _llama_strategy(tp=2)
     x, y = ex.gpt_data(0)
     plan = plan_for(s, tiny_llama(), graph=capture_for_strategy(tiny_llama, (x, y)))
@@ -206,16 +189,7 @@ def test_llama_head_parallel_through_rotary_and_gqa_matches_single_process() -> 
     assert [kinds[f"layers.0.{m}"] for m in ("q", "k", "v", "o", "gate", "up", "down")] == \
         ["col", "col", "col", "row", "col", "col", "row"] and plan.fused == ()
     log = train(s, tiny_llama, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED)
-    torch.manual_seed(SEED)
-    m = tiny_llama()
-    opt = torch.optim.SGD(m.parameters(), lr=LR)
-    ref = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        loss = m(*ex.gpt_data(step))
-        loss.backward()
-        opt.step()
-        ref.append(loss.item())
+    ref = _single(tiny_llama, ex.gpt_data)
     err = max(abs(r["loss"] - want) / abs(want) for r, want in zip(log, ref))
     print(f"TP=2 LLaMA (GQA, rotary): max relative loss difference {err:.2e}")
     assert err <= 1e-4
