@@ -14,7 +14,12 @@ bandwidth a streaming kernel reaches. Matrix ops (contraction, conv, attention) 
 dtype's matrix-unit peak; everything else runs on the vector units, priced at the fp32 peak.
 A device with a measured ``matmul_curve`` (a calibrated CPU) prices matrix ops by the
 throughput measured at the nearest size (interpolated in log–log), which already includes
-their memory traffic, so no bandwidth term is added for them.
+their memory traffic, so no bandwidth term is added for them. A calibrated GPU
+(``polyparallel calibrate --device cuda``) has one curve per dtype: ``η_c·P`` becomes the
+measured rate at the kernel's FLOP count, the bandwidth term stays (a skinny GEMM's HBM traffic
+is not in a square product's time), ``η_m`` is the measured fraction of data-sheet bandwidth,
+and a fused attention op is priced by the measured flash-attention rows, forward and backward
+separately (``t_bwd = F / R_bwd(F)`` instead of ``κ·t_fwd``).
 
 The backward pass of an op costs ``κ(kind)`` times its forward (``κ = 2``: a contraction
 computes the input gradient and the weight gradient, each a GEMM as large as the forward;
@@ -171,12 +176,20 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
     if fused is None:
         fused = kind is not OpKind.ATTENTION
     kb = BACKWARD_FACTOR.get(kind, DEFAULT_BACKWARD_FACTOR)
+    curve = device.curve(dtype)
+    # a calibrated GPU's measured flash-attention rows price a fused attention op, backward too
+    att = device.attention_curve(dtype) if kind is OpKind.ATTENTION and fused else ()
+    eta_m = device.memory_efficiency or MEMORY_EFFICIENCY
     t = t_b = flops_tot = bytes_tot = 0.0
     bound, worst = "launch", -1.0
     for f, b, matrix in _kernels(graph, op, dtype, fused):
         f, b = f * flops_scale / split, b / split
-        if matrix and device.matmul_curve:
-            rate = _curve_rate(device.matmul_curve, f)
+        t_cb = None
+        if att:
+            rate = _curve_rate(tuple((x, fw) for x, fw, _ in att), f)
+            t_cb = f / _curve_rate(tuple((x, bw) for x, _, bw in att), f) if f else 0.0
+        elif matrix and curve:
+            rate = _curve_rate(curve, f)
         elif matrix:
             eff = COMPUTE_EFFICIENCY.get(kind, DEFAULT_COMPUTE_EFFICIENCY) if fused else \
                 COMPUTE_EFFICIENCY[OpKind.CONTRACTION]
@@ -184,12 +197,14 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
         else:
             rate = device.peak_flops("fp32") * DEFAULT_COMPUTE_EFFICIENCY
         t_c = f / rate if f else 0.0
-        # a measured matmul time already contains its memory traffic at that size (in cache or not)
-        t_m = 0.0 if matrix and device.matmul_curve else b / (device.memory_bandwidth * MEMORY_EFFICIENCY)
+        # a matmul measured on a CPU already contains its memory traffic at that size (in cache or
+        # not); a GPU's HBM traffic of a skinny GEMM is not in a square curve, so it stays a bound
+        t_m = 0.0 if matrix and curve and device.kind == "cpu" else b / (device.memory_bandwidth * eta_m)
         k = max(t_c, t_m, device.launch_overhead)
         dispatch = device.sharded_op_overhead if sharded else 0.0
         t += k + dispatch
-        t_b += max(t_c * kb, t_m * kb, device.launch_overhead) + kb * dispatch if kb > 0 else 0.0
+        if kb > 0:
+            t_b += max(t_c * kb if t_cb is None else t_cb, t_m * kb, device.launch_overhead) + kb * dispatch
         flops_tot += f
         bytes_tot += b
         if k > worst:

@@ -100,10 +100,28 @@ def calibrate_cmd(
                                              "(default: $POLYPARALLEL_CALIBRATION or ~/.cache/polyparallel/)")] = None,
     group_sizes: Annotated[str, typer.Option("--group-sizes", help="gloo group sizes, comma separated")] = "2,3,4",
     timeout: Annotated[float, typer.Option("--timeout", help="seconds before the gloo workers are killed")] = 300.0,
+    device: Annotated[str, typer.Option("--device", help="cpu: this machine's processes for local-cpu:<P>; cuda: "
+                                        "the GPU(s) torch sees (matmul/attention by dtype, HBM, NCCL)")] = "cpu",
 ) -> None:
     """Measure this machine for `local-cpu:<P>`: matmul throughput, memory bandwidth, kernel and DTensor
-    floors with 1..P processes at once (one thread each, as the torch backend runs them), gloo all-reduce."""
+    floors with 1..P processes at once (one thread each, as the torch backend runs them), gloo all-reduce.
+    With --device cuda: the GPU, for a cluster spec's `device_types: {NAME: {calibration: FILE}}`."""
     from polyparallel.cost_models.calibrate import calibrate
+
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"--device {device!r}: choose cpu or cuda")
+    if device == "cuda":
+        from polyparallel.cost_models.calibrate_gpu import calibrate_gpu
+
+        if out is None:
+            raise UserError("--device cuda needs --out FILE (a GPU calibration is referenced from a cluster spec)")
+        console = Console(stderr=True)
+        try:
+            calibrate_gpu(out, timeout=timeout, progress=lambda s: console.print(f"  {s}"))
+        except RuntimeError as e:
+            raise UserError(str(e)) from None
+        typer.echo(f"wrote {out}")
+        return
 
     try:
         sizes = tuple(int(x) for x in group_sizes.split(",") if x.strip())

@@ -36,7 +36,7 @@ import math
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
@@ -58,6 +58,7 @@ __all__ = [
     "default_calibration_path",
     "format_bandwidth",
     "format_duration",
+    "gpu_calibrated_type",
     "parse_quantity",
 ]
 
@@ -169,6 +170,11 @@ class DeviceType:
         matmul_curve: measured ``(flops, seconds)`` of matmuls by size (calibrated devices).
         sharded_op_overhead: seconds a sharded-tensor (DTensor) op adds on the host over a plain
             one (calibrated CPU processes); 0 where the host runs ahead of the device.
+        matmul_curves: measured ``(flops, seconds)`` curves per dtype (calibrated GPUs, ``polyparallel
+            calibrate --device cuda``), as ``(dtype, curve)`` pairs; preferred over ``matmul_curve``.
+        attention_curves: measured fused-attention ``(flops, forward_s, backward_s)`` per dtype.
+        memory_efficiency: measured fraction of ``memory_bandwidth`` a streaming kernel reaches
+            (``None``: the compute model's modelled default).
     """
 
     name: str
@@ -181,6 +187,18 @@ class DeviceType:
     source: str = ""
     matmul_curve: tuple[tuple[float, float], ...] = ()
     sharded_op_overhead: float = 0.0
+    matmul_curves: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
+    attention_curves: tuple[tuple[str, tuple[tuple[float, float, float], ...]], ...] = ()
+    memory_efficiency: float | None = None
+
+    def curve(self, dtype: str) -> tuple[tuple[float, float], ...]:
+        """The measured matmul curve for ``dtype`` (GPU calibrations), else the dtype-less one (CPU)."""
+        short = _TORCH_TO_SHORT.get(dtype, dtype)
+        return dict(self.matmul_curves).get(short, self.matmul_curve)
+
+    def attention_curve(self, dtype: str) -> tuple[tuple[float, float, float], ...]:
+        """Measured fused-attention ``(flops, forward_s, backward_s)`` rows for ``dtype`` (may be empty)."""
+        return dict(self.attention_curves).get(_TORCH_TO_SHORT.get(dtype, dtype), ())
 
     def peak_flops(self, dtype: str = "fp32") -> float:
         """Peak FLOP/s for a dtype (``fp32``/``bf16``.. or torch names), with documented fallbacks."""
@@ -668,8 +686,31 @@ def _device_type(name: str, s: _DeviceTypeSpec, base: Path | None) -> DeviceType
         if base is not None and not p.is_absolute():
             p = base / p
         cal = _read_calibration(p)
-        dt = _calibrated_type(name, cal, procs=1, base=dt)
+        dt = gpu_calibrated_type(dt, cal) if cal.get("kind") == "cuda" else _calibrated_type(name, cal, 1, base=dt)
     return dt
+
+
+def gpu_calibrated_type(base: DeviceType, cal: Mapping[str, Any]) -> DeviceType:
+    """``base`` (data-sheet figures) with a GPU calibration's measurements
+    (:mod:`polyparallel.cost_models.calibrate_gpu`) laid over it.
+
+    Kept from the data sheet: peaks (for dtypes not measured and for vector ops) and the
+    bandwidth figure; the copy bandwidth measured becomes ``memory_efficiency`` = measured /
+    data sheet, so a streaming kernel is priced at what this GPU reaches. Measured matmul curves
+    per dtype, fused-attention rows, the tiny-op floor and the memory capacity replace the
+    modelled values.
+    """
+    curves = tuple(sorted((dt, tuple(sorted((float(r["flops"]), float(r["seconds"])) for r in rows)))
+                          for dt, rows in cal["matmul"].items() if rows))
+    att = tuple(sorted((dt, tuple(sorted((float(r["flops"]), float(r["forward_s"]), float(r["backward_s"]))
+                                         for r in rows)))
+                       for dt, rows in cal.get("attention", {}).items() if rows))
+    eff = min(1.0, float(cal["memory_bandwidth"]) / base.memory_bandwidth)
+    return replace(base, memory=float(cal.get("memory_bytes", base.memory)),
+                   launch_overhead=float(cal["launch_overhead"]), matmul_curves=curves, attention_curves=att,
+                   memory_efficiency=eff,
+                   source=f"{base.source}; calibrated {cal.get('device_name', '?')} ({cal.get('host', '?')}, "
+                          f"{cal.get('date', '?')}, torch {cal.get('torch', '?')})")
 
 
 def _build(spec: _ClusterSpec, source: str) -> Cluster:
@@ -755,7 +796,9 @@ def _read_calibration(p: Path) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise ClusterSpecError(f"calibration file {p} is not valid JSON ({e}): run `polyparallel calibrate` "
                                "again") from None
-    for key in ("cores", "matmul", "memory_bandwidth"):
+    need = ("matmul", "memory_bandwidth", "launch_overhead") if cal.get("kind") == "cuda" else \
+        ("cores", "matmul", "memory_bandwidth")
+    for key in need:
         if key not in cal:
             raise ClusterSpecError(f"calibration file {p} lacks {key!r}: run `polyparallel calibrate` again")
     return cal

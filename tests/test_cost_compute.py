@@ -95,3 +95,70 @@ def test_constrained_point_counts_match_brute_force():
         assert _domain_points(dims, tuple(cons)) == brute
     s = AffineExpr((("s", 1), ("t", -1)), 0)
     assert _domain_points((("s", 8192), ("t", 8192)), (s,)) == 8192 * 8193 // 2  # a causal mask, instantly
+
+
+def _gpu_calibration(bf16_rate: float = 600e12) -> dict:
+    """A synthetic `calibrate --device cuda` result: constant matmul rates, attention 400/160 TFLOP/s."""
+    mm = {dt: [{"n": n, "flops": 2.0 * n**3, "seconds": 2.0 * n**3 / r} for n in (1024, 8192)]
+          for dt, r in (("bf16", bf16_rate), ("fp32", 50e12))}
+    att = [{"shape": [1], "flops": f, "forward_s": f / 400e12, "backward_s": f / 160e12} for f in (1e9, 1e12)]
+    return {"kind": "cuda", "device_name": "synthetic", "memory_bytes": 100e9, "matmul": mm,
+            "attention": {"bf16": att}, "memory_bandwidth": 1631.2e9, "launch_overhead": 7e-6}
+
+
+def test_gpu_calibration_prices_by_the_measured_rates():
+    from polyparallel.cluster import gpu_calibrated_type
+
+    gpu = gpu_calibrated_type(A100, _gpu_calibration())
+    assert gpu.memory_efficiency == pytest.approx(1631.2e9 / 2039e9) and gpu.memory == 100e9
+    assert gpu.peak_flops("bf16") == 312e12  # the data sheet stays for what is not measured
+    g = mlp_graph(batch=8192, widths=(8192, 8192), bias=False)
+    f = 2 * 8192**3
+    assert op_cost(g, g.ops[0], gpu, "bf16").forward == pytest.approx(f / 600e12)  # measured, above 80% of sheet
+    assert op_cost(g, g.ops[0], gpu, "fp32").forward == pytest.approx(f / 50e12)  # its own dtype's curve
+    # a skinny GEMM keeps the HBM bound (unlike a CPU curve): 16 x 8192 x 8192 moves the weight
+    sk = mlp_graph(batch=16, widths=(8192, 8192), bias=False)
+    c = op_cost(sk, sk.ops[0], gpu, "bf16")
+    assert c.bound == "memory" and c.forward == pytest.approx(c.bytes / 1631.2e9)
+    tiny = mlp_graph(batch=2, widths=(4, 4))
+    assert op_cost(tiny, tiny.ops[0], gpu, "bf16").forward == 7e-6
+
+
+def test_gpu_calibration_prices_fused_attention_forward_and_backward():
+    from polyparallel import ops
+    from polyparallel.cluster import gpu_calibrated_type
+    from polyparallel.ir import Graph, Op, TensorKind, TensorSpec
+
+    gpu = gpu_calibrated_type(A100, _gpu_calibration())
+    b, h, s, d = 4, 16, 2048, 64
+    g = Graph("att")
+    for n in ("q", "k", "v"):
+        g.add_tensor(TensorSpec(n, (b, h, s, d), "float32", TensorKind.INPUT))
+    g.add_tensor(TensorSpec("o", (b, h, s, d)))
+    op = g.add_op(Op("att", OpKind.ATTENTION, "sdpa", ("q", "k", "v"), ("o",),
+                     ops.attention((b, h, s, d), (b, h, s, d), (b, h, s, d))))
+    c = op_cost(g, op, gpu, "bf16", fused=True)
+    assert c.forward == pytest.approx(op.flops / 400e12)
+    assert c.backward == pytest.approx(op.flops / 160e12)  # measured backward, not kappa x forward
+    unfused = op_cost(g, op, gpu, "bf16")  # unfused: its GEMM statements at the bf16 matmul curve
+    assert unfused.forward > c.forward
+
+
+def test_cluster_spec_references_a_gpu_calibration(tmp_path):
+    import json
+
+    (tmp_path / "cal.json").write_text(json.dumps(_gpu_calibration(700e12)))
+    (tmp_path / "c.yaml").write_text(
+        "name: one\ndevice_types:\n  a100-here:\n    peak: {fp32: 19.5 TFLOP/s, bf16: 312 TFLOP/s}\n"
+        "    memory: 80 GB\n    memory_bandwidth: 2039 GB/s\n    calibration: cal.json\n"
+        "centers:\n- name: c\n  nodes:\n  - {name: n, count: 1, devices_per_node: 1, device: a100-here}\n")
+    dt = Cluster.load(tmp_path / "c.yaml").device(0).type
+    assert dict(dt.matmul_curves)["bf16"][0][1] == pytest.approx(2 * 1024**3 / 700e12)
+    assert "calibrated synthetic" in dt.source
+    bad = _gpu_calibration()
+    del bad["launch_overhead"]
+    (tmp_path / "cal.json").write_text(json.dumps(bad))
+    from polyparallel.cluster import ClusterSpecError
+
+    with pytest.raises(ClusterSpecError, match="lacks 'launch_overhead'"):
+        Cluster.load(tmp_path / "c.yaml")

@@ -1,0 +1,234 @@
+"""The compute model on a real GPU: predicted vs measured training steps, GEMM shapes, NCCL path.
+
+Run on a machine with a CUDA GPU (one is enough)::
+
+    python benchmarks/gpu_validation.py                      # calibrates first (~1 min), then ~2 min
+    python benchmarks/gpu_validation.py --calibration FILE   # reuse a `polyparallel calibrate --device cuda`
+
+What it does:
+
+1. **Calibrate** the GPU (:mod:`polyparallel.cost_models.calibrate_gpu`) unless a file is given.
+2. **GEMM shapes**: the matmuls of a GPT layer (tokens × hidden × {3h, h, 4h}, 4h × h, the vocabulary
+   head) timed in bf16, against (a) the measured square-matmul curve at the same FLOP count and
+   (b) the data-sheet roofline at the modelled 80% efficiency: how well a FLOP-keyed curve transfers to
+   the skinny shapes of real layers.
+3. **Training steps**: GPT models (``polyparallel.models.GPT``, bf16 weights, Adam, causal SDPA)
+   trained on the GPU, median step time after warm-up, against ``estimate_step`` on the captured graph
+   for a one-GPU cluster, priced twice: with the data-sheet device type and with the calibrated one.
+   Flash attention (``fused_attention=True``) and, for one model, the unfused math kernel.
+4. **NCCL path**: ``polyparallel.backends.torch.train`` of the tiny GPT strategy on the GPU (the worker
+   picks CUDA + NCCL) equals the single-process CPU loop step by step.
+
+Prints tables and writes ``benchmarks/results/gpu_validation.json`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from polyparallel.cluster import Cluster
+from polyparallel.cost_models import ParallelConfig, estimate_step
+from polyparallel.cost_models.calibrate_gpu import calibrate_gpu, cuda_time
+from polyparallel.cost_models.compute import COMPUTE_EFFICIENCY, _curve_rate
+from polyparallel.ir import OpKind
+from polyparallel.models import GPT, GPTConfig
+
+OUT = Path(__file__).parent / "results" / "gpu_validation.json"
+
+# name, config, micro-batch; GPT-1.7B is the Megatron-LM SC'21 row that issue 4's published check misses
+MODELS: list[tuple[str, GPTConfig, int]] = [
+    ("gpt-tiny", GPTConfig(vocab=512, seq=128, layers=2, hidden=128, heads=4), 8),
+    ("gpt2-small", GPTConfig(), 8),
+    ("gpt2-medium", GPTConfig(layers=24, hidden=1024, heads=16), 8),
+    ("gpt-1.7b", GPTConfig(vocab=51200, seq=2048, layers=24, hidden=2304, heads=24), 4),
+]
+
+
+def catalog_type(name: str) -> str:
+    """The data-sheet device type for a CUDA device name."""
+    for key, t in (("H200", "h200-sxm"), ("H100", "h100-sxm"), ("A100", "a100-80gb-sxm"), ("V100", "v100-sxm2-32gb")):
+        if key in name:
+            return t
+    raise SystemExit(f"no data-sheet device type for {name!r} in polyparallel/presets/devices.yaml")
+
+
+def one_gpu_cluster(type_name: str, calibration: str | None) -> Cluster:
+    """A cluster of one GPU: the catalog type, or a type with its data-sheet figures and ``calibration``."""
+    device = type_name
+    spec: dict[str, Any] = {"name": f"1x{type_name}" + ("-calibrated" if calibration else "")}
+    if calibration:
+        base = one_gpu_cluster(type_name, None).device_types[type_name]
+        device = f"{type_name}-calibrated"
+        spec["device_types"] = {device: {
+            "kind": base.kind, "vendor": base.vendor, "peak": dict(base.peak), "memory": base.memory,
+            "memory_bandwidth": base.memory_bandwidth, "launch_overhead": base.launch_overhead,
+            "source": base.source, "calibration": str(Path(calibration).resolve())}}
+    spec["centers"] = [{"name": "here", "framework": "torch", "nodes": [
+        {"name": "gpu", "count": 1, "devices_per_node": 1, "device": device}]}]
+    return Cluster.from_dict(spec, source=spec["name"])
+
+
+def gemm_shapes(cal: dict[str, Any], tokens: int, hidden: int, vocab: int, peak_bf16: float) -> list[dict[str, Any]]:
+    curve = tuple(sorted((float(r["flops"]), float(r["seconds"])) for r in cal["matmul"]["bf16"]))
+    rows = []
+    for label, (m, k, n) in {"qkv": (tokens, hidden, 3 * hidden), "proj": (tokens, hidden, hidden),
+                             "fc": (tokens, hidden, 4 * hidden), "fc_out": (tokens, 4 * hidden, hidden),
+                             "head": (tokens, hidden, vocab)}.items():
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        s = cuda_time(lambda a=a, b=b: a @ b)
+        f = 2.0 * m * k * n
+        rows.append({"gemm": label, "mkn": [m, k, n], "measured_tflops": f / s / 1e12,
+                     "curve_tflops": _curve_rate(curve, f) / 1e12,
+                     "datasheet_tflops": peak_bf16 * COMPUTE_EFFICIENCY[OpKind.CONTRACTION] / 1e12})
+        del a, b
+    return rows
+
+
+def measure_step(cfg: GPTConfig, batch: int, fused: bool, steps: int = 10, warmup: int = 3) -> dict[str, float]:
+    """Median seconds of one bf16 training step (forward, backward, Adam) on the GPU."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    model = GPT(cfg).to("cuda", torch.bfloat16)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, cfg.vocab, (batch, cfg.seq), device="cuda")
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION] if fused else [SDPBackend.MATH]
+    times = []
+    with sdpa_kernel(backends):
+        for i in range(warmup + steps):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            model(ids, ids).backward()
+            opt.step()
+            torch.cuda.synchronize()
+            if i >= warmup:
+                times.append(time.perf_counter() - t)
+    peak = torch.cuda.max_memory_allocated()
+    del model, opt
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return {"step_s": statistics.median(times), "min_s": min(times), "peak_memory_bytes": peak}
+
+
+def predict(cfg: GPTConfig, batch: int, fused: bool, clusters: dict[str, Cluster]) -> dict[str, Any]:
+    import polyparallel as pp
+    from polyparallel.transforms import canonicalize, fuse_elementwise
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    ids = torch.zeros(batch, cfg.seq, dtype=torch.long, device="meta")
+    g = fuse_elementwise(canonicalize(pp.capture(model, (ids,), {"labels": ids})))
+    out: dict[str, Any] = {"model_flops": None}
+    for key, cl in clusters.items():
+        est = estimate_step(g, cl, ParallelConfig(dtype="bf16", fused_attention=fused, optimizer="adam"))
+        out[key] = est.step_time
+        out[f"{key}_breakdown"] = {k: round(v, 6) for k, v in est.breakdown().items()}
+        out["model_flops"] = est.model_flops_per_step
+    return out
+
+
+def nccl_equivalence(steps: int = 3, lr: float = 0.1, seed: int = 0) -> dict[str, Any]:
+    """``train`` of the tiny GPT on the GPU (CUDA + NCCL world of 1) vs the CPU single-process loop."""
+    import polyparallel as pp
+    from polyparallel.backends.torch import _examples as ex
+    from polyparallel.backends.torch import train
+
+    x, y = ex.gpt_data(0)
+    s = pp.search(ex.tiny_gpt(), (x,), "local-cpu:1", example_kwargs={"labels": y}, batch_size=ex.BATCH,
+                  constraints={"pp": 1, "microbatches": 1, "recompute": "none", "dp": 1, "tp": 1})
+    m = "polyparallel.backends.torch._examples"
+    log = train(s, f"{m}:tiny_gpt", f"{m}:gpt_data", steps=steps, lr=lr, seed=seed, profile_comm=True)
+    torch.manual_seed(seed)
+    ref_model = ex.tiny_gpt()
+    opt = torch.optim.SGD(ref_model.parameters(), lr=lr)
+    ref = []
+    for step in range(steps):
+        xs, ys = ex.gpt_data(step)
+        opt.zero_grad()
+        loss = ref_model(xs, ys)
+        loss.backward()
+        opt.step()
+        ref.append(loss.item())
+    err = max(abs(r["loss"] - w) / abs(w) for r, w in zip(log, ref))
+    return {"gpu_losses": [r["loss"] for r in log], "cpu_losses": ref, "max_rel_diff": err,
+            "comm_ops": [r.get("comm_ops") for r in log], "step_time_s": [r["step_time_s"] for r in log]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calibration", help="a `polyparallel calibrate --device cuda` JSON (default: calibrate now)")
+    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--models", default=",".join(m[0] for m in MODELS))
+    ap.add_argument("--skip-nccl", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_validation.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    out_path = Path(args.out)
+    name = torch.cuda.get_device_name(0)
+    cal_path = args.calibration or str(out_path.with_name("calibration_" + catalog_type(name) + ".json"))
+    if not args.calibration:
+        calibrate_gpu(cal_path, progress=lambda s: print("  " + s, flush=True))
+    cal = json.loads(Path(cal_path).read_text())
+    tname = catalog_type(name)
+    clusters = {"datasheet": one_gpu_cluster(tname, None), "calibrated": one_gpu_cluster(tname, cal_path)}
+    peak = clusters["datasheet"].devices[0].type.peak_flops("bf16")
+    result: dict[str, Any] = {"device": name, "host": platform.node(), "torch": torch.__version__,
+                              "calibration": cal_path, "catalog_type": tname}
+
+    print(f"\nGEMMs of GPT-1.7B (tokens 8192, hidden 2304) in bf16 on {name}: TFLOP/s")
+    rows = gemm_shapes(cal, 8192, 2304, 51200, peak)
+    print(f"  {'gemm':<7} {'m x k x n':<20} {'measured':>9} {'sq. curve':>10} {'80% sheet':>10}")
+    for r in rows:
+        print(f"  {r['gemm']:<7} {'x'.join(map(str, r['mkn'])):<20} {r['measured_tflops']:9.1f} "
+              f"{r['curve_tflops']:10.1f} {r['datasheet_tflops']:10.1f}")
+    result["gemms"] = rows
+
+    print("\ntraining step (bf16, Adam, one GPU): measured vs predicted")
+    print(f"  {'model':<12} {'batch':>5} {'attention':<7} {'measured':>9} {'sheet':>9} {'err':>7} "
+          f"{'calib.':>9} {'err':>7}")
+    steps = []
+    wanted = set(args.models.split(","))
+    for mname, cfg, batch in MODELS:
+        if mname not in wanted:
+            continue
+        for fused in (True, False) if mname == "gpt-1.7b" else (True,):
+            meas = measure_step(cfg, batch, fused)
+            pred = predict(cfg, batch, fused, clusters)
+            row = {"model": mname, "batch": batch, "seq": cfg.seq, "fused_attention": fused, **meas, **pred,
+                   "error_datasheet": pred["datasheet"] / meas["step_s"] - 1,
+                   "error_calibrated": pred["calibrated"] / meas["step_s"] - 1,
+                   "measured_tflops": pred["model_flops"] / meas["step_s"] / 1e12}
+            steps.append(row)
+            print(f"  {mname:<12} {batch:>5} {'flash' if fused else 'math':<7} {meas['step_s'] * 1e3:8.1f}ms "
+                  f"{pred['datasheet'] * 1e3:8.1f}ms {100 * row['error_datasheet']:+6.1f}% "
+                  f"{pred['calibrated'] * 1e3:8.1f}ms {100 * row['error_calibrated']:+6.1f}%", flush=True)
+    result["steps"] = steps
+
+    if not args.skip_nccl:
+        print("\nNCCL path: train() of the tiny GPT on the GPU vs the CPU single-process loop")
+        try:
+            r = nccl_equivalence()
+            print(f"  max relative loss difference {r['max_rel_diff']:.2e}; GPU losses {r['gpu_losses']}")
+        except Exception as e:
+            r = {"error": f"{type(e).__name__}: {e}"}
+            print(f"  FAILED {r['error']}")
+        result["nccl"] = r
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=1, default=str))
+    print(f"\nwrote {out_path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""Calibrate a CUDA device with torch: what its kernels and collectives really reach.
+
+``polyparallel calibrate --device cuda`` measures, on the GPU this process sees:
+
+* **matmul throughput by size and dtype**: square ``n×n·n×n`` products for ``n`` = 256…8192 in
+  fp32 (TF32 off), tf32, bf16 and fp16, timed with CUDA events (median of windows, after warm-up).
+  The compute model prices a matrix kernel of ``F`` FLOPs at the rate measured at the nearest
+  FLOP count (log–log interpolation, :func:`polyparallel.cost_models.compute._curve_rate`);
+* **fused attention** (``scaled_dot_product_attention``, causal, head dim 64/128) forward and
+  backward by size, in bf16/fp16: the rate a flash-attention kernel reaches, which the compute
+  model uses for attention ops priced as fused;
+* **HBM bandwidth**: a device-to-device copy of 1 GiB (bytes read + written per second), stored as
+  the fraction ``η_m`` of the data sheet's figure that the cluster's device type declares;
+* **the kernel floor**: the time per op of back-to-back tiny eager ops (host dispatch included:
+  the rate at which PyTorch feeds a GPU with kernels that do no work);
+* **NCCL all-reduce** by message size for every group size 2…G the machine's GPUs allow, fitted
+  with the ring α–β model (:func:`polyparallel.cost_models.calibrate.fit_alpha_beta`). With one
+  GPU only the 1-rank world is run (it proves the NCCL path works; it prices nothing).
+
+The JSON written has ``"kind": "cuda"``. A cluster spec uses it through its device type::
+
+    device_types:
+      h200-here: {kind: gpu, peak: {...data sheet...}, memory: 141 GB, memory_bandwidth: 4800 GB/s,
+                  calibration: calibration_h200.json}
+
+Then :func:`polyparallel.cluster.gpu_calibrated_type` keeps the data-sheet peaks (for anything
+not measured) and adds the measured curves, bandwidth fraction and floor.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["attention_flops", "calibrate_gpu", "cuda_time"]
+
+_TORCH_DTYPES = {"fp32": "float32", "tf32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def cuda_time(fn: Callable[[], Any], *, min_window: float = 0.02, windows: int = 5, warmup: int = 3) -> float:
+    """Median seconds per call of ``fn`` on the current CUDA stream, timed with CUDA events.
+
+    Each window runs ``fn`` ``k`` times between two events, ``k`` grown until a window lasts
+    ``min_window`` seconds, so launch gaps between calls count as they do in a training loop.
+    """
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    k = 1
+    while True:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(k):
+            fn()
+        b.record()
+        b.synchronize()
+        s = a.elapsed_time(b) / 1e3
+        if s >= min_window or k >= 1 << 16:
+            break
+        k = max(k * 2, int(k * min_window / max(s, 1e-7)) + 1)
+    out = [s / k]
+    for _ in range(windows - 1):
+        a.record()
+        for _ in range(k):
+            fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / 1e3 / k)
+    return statistics.median(out)
+
+
+def attention_flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool = True) -> float:
+    """FLOPs of ``softmax(QKᵀ)V`` as the IR counts them: ``2·2·B·H·d`` per (query, key) pair kept.
+
+    A causal mask keeps ``S(S+1)/2`` pairs (the IR's closed-form point count), else ``S²``.
+    """
+    pairs = seq * (seq + 1) / 2 if causal else seq * seq
+    return 4.0 * batch * heads * head_dim * pairs
+
+
+def _matmul_rows(dtypes: Sequence[str], sizes: Sequence[int], say: Callable[[str], None]) -> dict[str, list]:
+    import torch
+
+    out: dict[str, list[dict[str, float]]] = {}
+    prev = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for dt in dtypes:
+            torch.backends.cuda.matmul.allow_tf32 = dt == "tf32"
+            rows = []
+            for n in sizes:
+                a = torch.randn(n, n, device="cuda", dtype=getattr(torch, _TORCH_DTYPES[dt]))
+                b = torch.randn(n, n, device="cuda", dtype=a.dtype)
+                s = cuda_time(lambda a=a, b=b: torch.mm(a, b))
+                rows.append({"n": n, "flops": 2.0 * n**3, "seconds": s})
+                say(f"matmul {dt} {n}x{n}: {2 * n**3 / s / 1e12:.1f} TFLOP/s")
+                del a, b
+            out[dt] = rows
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    return out
+
+
+def _attention_rows(dtypes: Sequence[str], say: Callable[[str], None]) -> dict[str, list]:
+    import torch
+    import torch.nn.functional as F
+
+    shapes = [(4, 16, 512, 64), (4, 16, 1024, 64), (4, 16, 2048, 64), (4, 16, 4096, 128), (2, 32, 8192, 128)]
+    out: dict[str, list[dict[str, float]]] = {}
+    for dt in dtypes:
+        rows = []
+        for b, h, s, d in shapes:
+            q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=getattr(torch, _TORCH_DTYPES[dt]),
+                                   requires_grad=True) for _ in range(3))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            g = torch.randn_like(y)
+            fwd = cuda_time(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+            def both(q=q, k=k, v=v, g=g) -> None:
+                F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)
+
+            total = cuda_time(both)
+            f = attention_flops(b, h, s, d)
+            rows.append({"shape": [b, h, s, d], "flops": f, "forward_s": fwd, "backward_s": max(total - fwd, 0.0)})
+            say(f"attention {dt} B{b} H{h} S{s} d{d}: forward {f / fwd / 1e12:.1f} TFLOP/s, "
+                f"backward/forward {max(total - fwd, 0.0) / fwd:.2f}")
+            del q, k, v, y, g
+        out[dt] = rows
+    return out
+
+
+def _nccl_worker(rank: int, world: int, port: int, sizes: Sequence[int], iters: int, q: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    try:
+        rows = []
+        for n in sizes:
+            t = torch.ones(max(n // 4, 1), device="cuda")
+            for _ in range(3):
+                dist.all_reduce(t)
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(iters):
+                dist.barrier()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                dist.all_reduce(t)
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) / 1e3)
+            rows.append((n, statistics.median(times)))
+        if rank == 0:
+            q.put(rows)
+    finally:
+        dist.destroy_process_group()
+
+
+def _nccl_allreduce(world: int, sizes: Sequence[int], iters: int, timeout: float) -> list[tuple[int, float]]:
+    import torch.multiprocessing as mp
+
+    from polyparallel.cost_models.calibrate import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_nccl_worker, args=(r, world, port, sizes, iters, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        rows = q.get(timeout=timeout)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    bad = [p.exitcode for p in procs if p.exitcode not in (0, None)]
+    if bad:
+        raise RuntimeError(f"NCCL workers exited with {bad}")
+    return rows
+
+
+def calibrate_gpu(out: str | os.PathLike[str] | None = None, *, dtypes: Sequence[str] = ("fp32", "tf32", "bf16",
+                  "fp16"), matmul_sizes: Sequence[int] = (256, 512, 1024, 2048, 4096, 8192),
+                  nccl_sizes: Sequence[int] = (1 << 12, 1 << 16, 1 << 20, 1 << 24, 1 << 27), iters: int = 10,
+                  timeout: float = 300.0, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Measure the visible CUDA GPU(s) and write the calibration JSON to ``out`` (if given); return it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("calibrate --device cuda: torch sees no CUDA device here (torch.cuda.is_available() "
+                           "is False); run it on the GPU machine, or calibrate this CPU without --device")
+    for dt in dtypes:
+        if dt not in _TORCH_DTYPES:
+            raise ValueError(f"unknown dtype {dt!r}: choose from {', '.join(_TORCH_DTYPES)}")
+    say = progress or (lambda s: None)
+    prop = torch.cuda.get_device_properties(0)
+    res: dict[str, Any] = {
+        "kind": "cuda", "host": platform.node(), "device_name": prop.name,
+        "multiprocessors": prop.multi_processor_count, "memory_bytes": prop.total_memory,
+        "gpus": torch.cuda.device_count(), "torch": torch.__version__,
+        "cuda": torch.version.cuda, "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+    }
+    say(f"{prop.name}: {prop.multi_processor_count} SMs, {prop.total_memory / 2**30:.0f} GiB, "
+        f"{res['gpus']} GPU(s) visible")
+    res["matmul"] = _matmul_rows(dtypes, matmul_sizes, say)
+    res["attention"] = _attention_rows([d for d in dtypes if d in ("bf16", "fp16")], say)
+    src = torch.empty(1 << 28, device="cuda")  # 1 GiB of fp32
+    dst = torch.empty_like(src)
+    s = cuda_time(lambda src=src, dst=dst: dst.copy_(src), min_window=0.05)
+    res["memory_bandwidth"] = 2 * src.numel() * 4 / s
+    say(f"copy bandwidth: {res['memory_bandwidth'] / 1e9:.0f} GB/s (read + write)")
+    del src, dst
+    one = torch.ones(1, device="cuda")
+    res["launch_overhead"] = cuda_time(lambda: torch.add(one, one), min_window=0.01)
+    say(f"tiny eager op: {res['launch_overhead'] * 1e6:.1f} us")
+    from polyparallel.cost_models.calibrate import fit_alpha_beta
+
+    coll: dict[str, Any] = {"op": "all_reduce", "backend": "nccl", "points": []}
+    points = []
+    for p in range(1, res["gpus"] + 1):
+        if p > 1 and p & (p - 1):
+            continue  # group sizes 1, 2, 4, 8
+        try:
+            rows = _nccl_allreduce(p, nccl_sizes, iters, timeout)
+        except (RuntimeError, OSError, ValueError) as e:
+            coll["points"].append({"p": p, "error": str(e).splitlines()[0]})
+            say(f"NCCL all_reduce on {p} GPU(s): FAILED {e}")
+            continue
+        for n, t in rows:
+            coll["points"].append({"p": p, "bytes": n, "seconds": t})
+            say(f"NCCL all_reduce p={p} {n} B: {t * 1e6:.1f} us")
+            if p > 1:
+                points.append((p, n, t))
+    if len(points) >= 2:
+        coll["fit"] = fit_alpha_beta(points)
+    else:
+        coll["note"] = "fewer than 2 GPUs: the 1-rank NCCL world was run to check the path; no α–β fit"
+    res["collectives"] = coll
+    if out is not None:
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res, indent=1))
+    return res
