@@ -12,10 +12,11 @@ What it does:
    head) timed in bf16, against (a) the measured square-matmul curve at the same FLOP count and
    (b) the data-sheet roofline at the modelled 80% efficiency: how well a FLOP-keyed curve transfers to
    the skinny shapes of real layers.
-3. **Training steps**: GPT models (``polyparallel.models.GPT``, bf16 weights, Adam, causal SDPA)
+3. **Training steps**: GPT models (``polyparallel.models.GPT``, bf16 autocast, Adam, causal SDPA)
    trained on the GPU, median step time after warm-up, against ``estimate_step`` on the captured graph
-   for a one-GPU cluster, priced twice: with the data-sheet device type and with the calibrated one.
-   Flash attention (``fused_attention=True``) and, for one model, the unfused math kernel.
+   for a one-GPU cluster (bf16 compute, fp32 master weights), priced twice: with the data-sheet device
+   type and with the calibrated one. Flash attention (``fused_attention=True``); for GPT-1.7B also the
+   unfused math kernel and full recomputation; measured peak memory against the memory model.
 4. **NCCL path**: ``polyparallel.backends.torch.train`` of the tiny GPT strategy on the GPU (the worker
    picks CUDA + NCCL) equals the single-process CPU loop step by step.
 
@@ -94,12 +95,22 @@ def gemm_shapes(cal: dict[str, Any], tokens: int, hidden: int, vocab: int, peak_
     return rows
 
 
-def measure_step(cfg: GPTConfig, batch: int, fused: bool, steps: int = 10, warmup: int = 3) -> dict[str, float]:
-    """Median seconds of one bf16 training step (forward, backward, Adam) on the GPU."""
+def measure_step(cfg: GPTConfig, batch: int, fused: bool, recompute: bool = False, steps: int = 10,
+                 warmup: int = 3) -> dict[str, float]:
+    """Median seconds of one mixed-precision training step on the GPU: fp32 weights, gradients and Adam
+    states, forward and backward under bf16 autocast (16 bytes per parameter, as the memory model's
+    bf16 weights + bf16 gradients + fp32 master/m/v). ``recompute``: every block under
+    ``torch.utils.checkpoint`` (full recomputation)."""
+    import functools
+
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(0)
-    model = GPT(cfg).to("cuda", torch.bfloat16)
+    model = GPT(cfg).to("cuda")
+    if recompute:
+        for blk in model.h:
+            blk.forward = functools.partial(checkpoint, blk.forward, use_reentrant=False)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     ids = torch.randint(0, cfg.vocab, (batch, cfg.seq), device="cuda")
     backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION] if fused else [SDPBackend.MATH]
@@ -109,7 +120,9 @@ def measure_step(cfg: GPTConfig, batch: int, fused: bool, steps: int = 10, warmu
             torch.cuda.synchronize()
             t = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            model(ids, ids).backward()
+            with torch.autocast("cuda", torch.bfloat16):
+                loss = model(ids, ids)
+            loss.backward()
             opt.step()
             torch.cuda.synchronize()
             if i >= warmup:
@@ -121,7 +134,8 @@ def measure_step(cfg: GPTConfig, batch: int, fused: bool, steps: int = 10, warmu
     return {"step_s": statistics.median(times), "min_s": min(times), "peak_memory_bytes": peak}
 
 
-def predict(cfg: GPTConfig, batch: int, fused: bool, clusters: dict[str, Cluster]) -> dict[str, Any]:
+def predict(cfg: GPTConfig, batch: int, fused: bool, clusters: dict[str, Cluster], recompute: bool = False
+            ) -> dict[str, Any]:
     import polyparallel as pp
     from polyparallel.transforms import canonicalize, fuse_elementwise
 
@@ -131,8 +145,11 @@ def predict(cfg: GPTConfig, batch: int, fused: bool, clusters: dict[str, Cluster
     g = fuse_elementwise(canonicalize(pp.capture(model, (ids,), {"labels": ids})))
     out: dict[str, Any] = {"model_flops": None}
     for key, cl in clusters.items():
-        est = estimate_step(g, cl, ParallelConfig(dtype="bf16", fused_attention=fused, optimizer="adam"))
+        est = estimate_step(g, cl, ParallelConfig(dtype="bf16", fused_attention=fused, optimizer="adam",
+                                                  recompute="full" if recompute else "none"))
         out[key] = est.step_time
+        out["predicted_memory_bytes"] = est.memory[0].total
+        out["predicted_memory_terms"] = dict(est.memory[0].terms)
         out[f"{key}_breakdown"] = {k: round(v, 6) for k, v in est.breakdown().items()}
         out["model_flops"] = est.model_flops_per_step
     return out
@@ -196,24 +213,28 @@ def main() -> None:
     result["gemms"] = rows
 
     print("\ntraining step (bf16, Adam, one GPU): measured vs predicted")
-    print(f"  {'model':<12} {'batch':>5} {'attention':<7} {'measured':>9} {'sheet':>9} {'err':>7} "
+    print(f"  {'model':<12} {'batch':>5} {'attention':<9} {'measured':>9} {'sheet':>9} {'err':>7} "
           f"{'calib.':>9} {'err':>7}")
     steps = []
     wanted = set(args.models.split(","))
     for mname, cfg, batch in MODELS:
         if mname not in wanted:
             continue
-        for fused in (True, False) if mname == "gpt-1.7b" else (True,):
-            meas = measure_step(cfg, batch, fused)
-            pred = predict(cfg, batch, fused, clusters)
-            row = {"model": mname, "batch": batch, "seq": cfg.seq, "fused_attention": fused, **meas, **pred,
+        variants = [(True, False), (False, False), (True, True)] if mname == "gpt-1.7b" else [(True, False)]
+        for fused, rec in variants:
+            meas = measure_step(cfg, batch, fused, rec)
+            pred = predict(cfg, batch, fused, clusters, rec)
+            row = {"model": mname, "batch": batch, "seq": cfg.seq, "fused_attention": fused, "recompute": rec,
+                   **meas, **pred,
                    "error_datasheet": pred["datasheet"] / meas["step_s"] - 1,
                    "error_calibrated": pred["calibrated"] / meas["step_s"] - 1,
                    "measured_tflops": pred["model_flops"] / meas["step_s"] / 1e12}
             steps.append(row)
-            print(f"  {mname:<12} {batch:>5} {'flash' if fused else 'math':<7} {meas['step_s'] * 1e3:8.1f}ms "
-                  f"{pred['datasheet'] * 1e3:8.1f}ms {100 * row['error_datasheet']:+6.1f}% "
-                  f"{pred['calibrated'] * 1e3:8.1f}ms {100 * row['error_calibrated']:+6.1f}%", flush=True)
+            print(f"  {mname:<12} {batch:>5} {('flash' if fused else 'math') + ('+rc' if rec else ''):<9} "
+                  f"{meas['step_s'] * 1e3:8.1f}ms {pred['datasheet'] * 1e3:8.1f}ms "
+                  f"{100 * row['error_datasheet']:+6.1f}% {pred['calibrated'] * 1e3:8.1f}ms "
+                  f"{100 * row['error_calibrated']:+6.1f}%   memory {meas['peak_memory_bytes'] / 2**30:6.2f} GiB "
+                  f"measured, {pred['predicted_memory_bytes'] / 2**30:6.2f} predicted", flush=True)
     result["steps"] = steps
 
     if not args.skip_nccl:

@@ -136,6 +136,34 @@ def _attention_rows(dtypes: Sequence[str], say: Callable[[str], None]) -> dict[s
     return out
 
 
+def _training_op_floor(chain: int = 64) -> dict[str, float]:
+    """Seconds per tiny op of a training step: a chain of ``chain`` ops run forward and backward
+    through autograd (host dispatch of both passes included), divided by ``chain``.
+
+    Eager training of a small model is bound by this, not by the GPU's kernel time.
+    """
+    import torch
+
+    x0 = torch.ones(8, 8, device="cuda", requires_grad=True)
+    lin = [torch.nn.Linear(8, 8).cuda() for _ in range(chain)]
+
+    def elementwise() -> None:
+        y = x0
+        for _ in range(chain):
+            y = y * 1.0001
+        y.sum().backward()
+
+    def linear() -> None:
+        y = x0
+        for m in lin:
+            y = m(y)
+        y.sum().backward()
+
+    base = cuda_time(lambda: x0.sum().backward(), min_window=0.02)  # the reduction + backward call alone
+    return {"elementwise": max(cuda_time(elementwise) - base, 0.0) / chain,
+            "linear": max(cuda_time(linear) - base, 0.0) / chain}
+
+
 def _nccl_worker(rank: int, world: int, port: int, sizes: Sequence[int], iters: int, q: Any) -> None:
     import torch
     import torch.distributed as dist
@@ -224,6 +252,9 @@ def calibrate_gpu(out: str | os.PathLike[str] | None = None, *, dtypes: Sequence
     one = torch.ones(1, device="cuda")
     res["launch_overhead"] = cuda_time(lambda: torch.add(one, one), min_window=0.01)
     say(f"tiny eager op: {res['launch_overhead'] * 1e6:.1f} us")
+    res["training_ops"] = _training_op_floor()
+    say("tiny ops through autograd, forward + backward per op: " +
+        ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in res["training_ops"].items()))
     from polyparallel.cost_models.calibrate import fit_alpha_beta
 
     coll: dict[str, Any] = {"op": "all_reduce", "backend": "nccl", "points": []}
