@@ -16,7 +16,8 @@ then takes milliseconds; a training process on one thread never sees that.)
   interleaved rounds (the ranks ``>= P`` wait blocked in a barrier), median over rounds, so all
   process counts see the same mix of other work on a shared machine. Measured: matmul times by
   size (square fp32, ``n``), copy bandwidth, the floor of a 1-element op, and (``P >= 2``) ``dtensor_overhead``, what a
-  DTensor op adds to it (tensor-parallel modules and FSDP2's sharded parameters pay it per op).
+  DTensor op adds to it (tensor-parallel modules and FSDP2's sharded parameters pay it per op),
+  and the training-op floor ``training_op_overhead`` (below).
   This is what each process of a ``P``-process run gets while its siblings compute too (``P``
   above the core count time-shares); ``local-cpu:<P>`` uses these rates as they are;
 * ``matmul``: ``{threads: [{n, flops, seconds}]}`` of this process alone with 1 thread and with
@@ -29,6 +30,22 @@ then takes milliseconds; a training process on one thread never sees that.)
 
   by weighted least squares (:func:`fit_alpha_beta`) over all points (``fit``) and per group
   size (``fit_by_group_size``: ``local-cpu:<P>`` uses the fit measured with ``P`` processes).
+
+**Training-op floor.** A training step runs every op of the model through the framework:
+module call, dispatch, an autograd node forward, its backward through the autograd engine,
+gradient accumulation into parameters. On a CPU process this host work is paid in series with
+the kernels; a raw 1-element kernel (``launch_overhead`` ``τ``) is only part of it. For each
+class ``c`` of tiny op (scale, bias add, GELU, softmax, ``nn.Linear``, ``nn.LayerNorm`` on a
+``2 × 8`` tensor) a chain of ``K`` such ops is run forward and backward, less the same chain of
+identities (the loss and engine start), divided by ``K``: ``T_c``, seconds per op forward and
+backward (:func:`training_op_floor`). The compute model prices a tiny op of class ``c`` at
+``τ + ω`` forward and ``τ + κ_c·ω`` backward (``κ_c`` backward kernels,
+:data:`polyparallel.cost_models.compute.BACKWARD_FACTOR`), so ``ω`` is the least-squares
+solution of ``T_c − 2τ = (1 + κ_c)·ω`` over the classes (:func:`fit_training_op_overhead`):
+
+    ω = max(0, Σ_c (1 + κ_c)(T_c − 2τ) / Σ_c (1 + κ_c)²).
+
+It is measured in the same rounds, with the same ``P`` processes at once, as the kernels.
 
 **Statistic.** Each kernel rate is the *median* over several windows of back-to-back calls
 about a training step long, all ``P`` processes busy during the same windows (a barrier starts
@@ -50,15 +67,20 @@ import socket
 import statistics
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["THREADS_PER_PROCESS", "calibrate", "fit_alpha_beta", "free_port", "kernel_rates", "run_gloo",
-           "slowest_rank"]
+__all__ = ["THREADS_PER_PROCESS", "TRAINING_OP_CLASSES", "calibrate", "fit_alpha_beta", "fit_training_op_overhead",
+           "free_port", "kernel_rates", "run_gloo", "slowest_rank", "training_op_floor"]
 
 # intra-op threads of one training process: what pp.train gives its workers (OMP_NUM_THREADS=1)
 THREADS_PER_PROCESS = 1
+
+# the tiny ops whose forward + backward make the training-op floor, and the op kind the compute
+# model prices each as (its backward kernel count κ comes from that kind)
+TRAINING_OP_CLASSES: dict[str, str] = {"scale": "elementwise", "bias_add": "elementwise", "gelu": "elementwise",
+                                       "softmax": "softmax", "linear": "contraction", "layer_norm": "norm"}
 
 
 def free_port() -> int:
@@ -192,7 +214,71 @@ def kernel_rates(matmul_sizes: Sequence[int], sync: Callable[[], Any] = lambda: 
     one = torch.ones(1)
     sync()
     floor = _time(lambda: torch.add(one, one), window=0.01)
-    return {"matmul": rows, "memory_bandwidth": bw, "launch_overhead": floor, "threads": torch.get_num_threads()}
+    sync()
+    per_op = training_op_floor()
+    return {"matmul": rows, "memory_bandwidth": bw, "launch_overhead": floor, "threads": torch.get_num_threads(),
+            "training_ops": per_op, "training_op_overhead": fit_training_op_overhead(per_op, floor)}
+
+
+def training_op_floor(ops: int = 16, window: float = 0.01) -> dict[str, float]:
+    """Seconds per op of forward + autograd backward of tiny ops, per class of :data:`TRAINING_OP_CLASSES`.
+
+    For each class a chain of ``ops`` ops on a ``2 × 8`` tensor that requires grad is run
+    forward, summed and run backward; the same chain of identities (the sum and the engine's
+    start) is subtracted and the rest divided by ``ops``. Modules (``nn.Linear``,
+    ``nn.LayerNorm``) are called as modules, as a model calls them, and their parameters
+    receive gradients.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    width = 8
+    x0 = torch.ones(2, width, requires_grad=True)
+    lin = [torch.nn.Linear(width, width) for _ in range(ops)]
+    ln = [torch.nn.LayerNorm(width) for _ in range(ops)]
+    bias = [torch.zeros(width, requires_grad=True) for _ in range(ops)]
+    steps: dict[str, Callable[[int, Any], Any]] = {
+        "scale": lambda i, y: y * 0.5, "bias_add": lambda i, y: y + bias[i], "gelu": lambda i, y: F.gelu(y),
+        "softmax": lambda i, y: F.softmax(y, dim=-1), "linear": lambda i, y: lin[i](y),
+        "layer_norm": lambda i, y: ln[i](y)}
+    assert set(steps) == set(TRAINING_OP_CLASSES)
+
+    def chain(step: Callable[[int, Any], Any] | None) -> Callable[[], None]:
+        def run() -> None:
+            y = x0
+            for i in range(ops if step is not None else 0):
+                y = step(i, y)  # type: ignore[misc]
+            y.sum().backward()
+        return run
+
+    base = _time(chain(None), window=window)
+    return {c: max(0.0, (_time(chain(f), window=window) - base) / ops) for c, f in steps.items()}
+
+
+def fit_training_op_overhead(per_op: Mapping[str, float], floor: float) -> float:
+    r"""The per-op host cost ``ω`` that makes the compute model's price of a tiny op match :func:`training_op_floor`.
+
+    A tiny op of class ``c`` is priced ``τ + ω`` forward and ``τ + κ_c·ω`` backward (``τ`` =
+    ``floor``, the raw kernel floor; ``κ_c`` the backward factor of the class's op kind), so
+
+    .. math:: ω = \max\Big(0, \frac{\sum_c (1+κ_c)(T_c − 2τ)}{\sum_c (1+κ_c)^2}\Big)
+
+    (least squares over the measured classes; unknown class names are an error).
+    """
+    from polyparallel.cost_models.compute import BACKWARD_FACTOR, DEFAULT_BACKWARD_FACTOR
+    from polyparallel.ir import OpKind
+
+    if not per_op:
+        raise ValueError("fitting the training-op floor needs at least one measured op class")
+    unknown = sorted(set(per_op) - set(TRAINING_OP_CLASSES))
+    if unknown:
+        raise ValueError(f"unknown training-op classes {unknown}; known: {sorted(TRAINING_OP_CLASSES)}")
+    num = den = 0.0
+    for c, t in per_op.items():
+        kb = BACKWARD_FACTOR.get(OpKind(TRAINING_OP_CLASSES[c]), DEFAULT_BACKWARD_FACTOR)
+        num += (1 + kb) * (t - 2 * floor)
+        den += (1 + kb) ** 2
+    return max(0.0, num / den)
 
 
 def _dtensor_overhead(procs: int) -> float:
@@ -255,6 +341,9 @@ def _median_rounds(per_round: Sequence[dict[str, Any]]) -> dict[str, Any]:
     med = statistics.median
     out = {**per_round[0], "memory_bandwidth": med(k["memory_bandwidth"] for k in per_round),
            "launch_overhead": med(k["launch_overhead"] for k in per_round)}
+    if all("training_op_overhead" in k for k in per_round):
+        out["training_op_overhead"] = med(k["training_op_overhead"] for k in per_round)
+        out["training_ops"] = {c: med(k["training_ops"][c] for k in per_round) for c in per_round[0]["training_ops"]}
     out["matmul"] = [{**r, "seconds": med(k["matmul"][i]["seconds"] for k in per_round)}
                      for i, r in enumerate(per_round[0]["matmul"])]
     return out
@@ -268,7 +357,10 @@ def slowest_rank(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "launch_overhead": max(k["launch_overhead"] for k in per_rank),
             "threads": max(k.get("threads", THREADS_PER_PROCESS) for k in per_rank),
             **({"dtensor_overhead": max(k["dtensor_overhead"] for k in per_rank)}
-               if all("dtensor_overhead" in k for k in per_rank) else {})}
+               if all("dtensor_overhead" in k for k in per_rank) else {}),
+            **({"training_op_overhead": max(k["training_op_overhead"] for k in per_rank),
+                "training_ops": {c: max(k["training_ops"][c] for k in per_rank) for c in per_rank[0]["training_ops"]}}
+               if all("training_op_overhead" in k for k in per_rank) else {})}
 
 
 def fit_alpha_beta(points: Sequence[tuple[int, float, float]]) -> dict[str, float]:
@@ -390,8 +482,10 @@ def calibrate(out: str | os.PathLike[str] | None = None, *, group_sizes: Sequenc
 def _say_rates(say: Callable[[str], None], p: int, k: dict[str, Any]) -> None:
     best = max(r["flops"] / r["seconds"] for r in k["matmul"])
     dt = f", DTensor op +{k['dtensor_overhead'] * 1e6:.0f} us" if "dtensor_overhead" in k else ""
+    tr = f", training op +{k['training_op_overhead'] * 1e6:.1f} us" if "training_op_overhead" in k else ""
     say(f"{p} process(es) at once, {THREADS_PER_PROCESS} thread each: best matmul {best / 1e9:.1f} GFLOP/s per "
-        f"process, copy {k['memory_bandwidth'] / 1e9:.1f} GB/s, 1-element op {k['launch_overhead'] * 1e6:.1f} us{dt}")
+        f"process, copy {k['memory_bandwidth'] / 1e9:.1f} GB/s, 1-element op {k['launch_overhead'] * 1e6:.1f} us"
+        f"{dt}{tr}")
 
 
 def _load_average() -> float | None:

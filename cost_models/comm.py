@@ -16,7 +16,10 @@ p2p                   n/B + α
 ====================  ================================  ==============================
 
 NCCL picks the algorithm whose predicted time is smallest for the message size and the
-topology; :func:`collective_time` does the same over the candidates that apply.
+topology; :func:`collective_time` does the same over the candidates that apply: those every
+link of the group runs (``Link.algorithms``). gloo runs rings only (its α–β is fitted with the
+ring formula by ``polyparallel calibrate``), so a group on a gloo link is priced as a ring at
+every size and group size.
 
 **Levels.** A group whose devices span several link levels (devices of one node, nodes of
 one center, centers) is priced with the hierarchical decomposition NCCL and HCCL use, when
@@ -122,12 +125,24 @@ def tree_time(kind: str, n: float, p: int, bandwidth: float, alpha: float) -> fl
     return None
 
 
-def _best(kind: str, n: float, p: int, bw: float, alpha: float) -> tuple[float, str]:
+def _best(kind: str, n: float, p: int, bw: float, alpha: float, tree: bool = True) -> tuple[float, str]:
     r = ring_time(kind, n, p, bw, alpha)
-    t = tree_time(kind, n, p, bw, alpha)
+    t = tree_time(kind, n, p, bw, alpha) if tree else None
     if t is not None and t < r:
         return t, "tree"
     return r, "ring"
+
+
+def _tree_allowed(cluster: Cluster, group: Sequence[int]) -> bool:
+    """Whether every link the group's collective may cross runs tree algorithms (gloo: ring only)."""
+    node_ids = {cluster.device(d).node for d in group}
+    links = [cluster.nodes[n].intra for n in node_ids]
+    if len(node_ids) > 1:
+        links += [cluster.nodes[n].nic for n in node_ids]
+    centers = {cluster.nodes[n].center for n in node_ids}
+    if len(centers) > 1:
+        links += [cluster.centers[c].wan for c in centers] + [cluster.backbone]
+    return all("tree" in lk.algorithms for lk in links if lk is not None)
 
 
 def p2p_time(cluster: Cluster, src: int, dst: int, nbytes: float) -> float:
@@ -171,7 +186,8 @@ def _levels(cluster: Cluster, group: Sequence[int], concurrent: int = 1) -> list
     return levels
 
 
-def _flat(cluster: Cluster, kind: str, n: float, group: Sequence[int], concurrent: int = 1) -> tuple[float, str, str]:
+def _flat(cluster: Cluster, kind: str, n: float, group: Sequence[int], concurrent: int = 1,
+          tree: bool = True) -> tuple[float, str, str]:
     """Flat ring/tree on the slowest link of the ring, bandwidth shared by the flows crossing it
     (those of ``concurrent`` identical groups too)."""
     p = len(group)
@@ -206,7 +222,7 @@ def _flat(cluster: Cluster, kind: str, n: float, group: Sequence[int], concurren
         worst_bw, worst_lat = min(worst_bw, bw), max(worst_lat, lat)
         if order.index(lvl) > order.index(worst_level):
             worst_level = lvl
-    t, algo = _best(kind, n, p, worst_bw, worst_lat)
+    t, algo = _best(kind, n, p, worst_bw, worst_lat, tree)
     return t, algo, worst_level
 
 
@@ -233,7 +249,8 @@ def collective_time(cluster: Cluster, kind: str, nbytes: float, group: Sequence[
             raise ValueError(f"p2p is between two devices, got a group of {p}")
         return CollectiveCost(kind, nbytes, 2, p2p_time(cluster, group[0], group[1], nbytes), "direct",
                               cluster.level(group[0], group[1]))
-    flat_t, flat_algo, flat_level = _flat(cluster, kind, nbytes, group, concurrent)
+    tree = _tree_allowed(cluster, group)
+    flat_t, flat_algo, flat_level = _flat(cluster, kind, nbytes, group, concurrent, tree)
     best = CollectiveCost(kind, nbytes, p, flat_t, flat_algo, flat_level)
     levels = _levels(cluster, group, concurrent)
     if levels is None or len(levels) < 2 or kind == "all_to_all":
@@ -246,7 +263,7 @@ def collective_time(cluster: Cluster, kind: str, nbytes: float, group: Sequence[
         for i, (name, k, bw, lat) in enumerate(levels):
             n_i, bw_i = nbytes / flows, bw / flows
             if kind == "all_reduce" and i == len(levels) - 1:
-                t, algo = _best("all_reduce", n_i, k, bw_i, lat)
+                t, algo = _best("all_reduce", n_i, k, bw_i, lat, tree)
                 parts.append((f"all_reduce({algo})@{name}", t))
             elif kind == "all_reduce":
                 t = ring_time("reduce_scatter", n_i, k, bw_i, lat)
@@ -256,7 +273,7 @@ def collective_time(cluster: Cluster, kind: str, nbytes: float, group: Sequence[
             flows *= k
     elif kind == "broadcast":
         for name, k, bw, lat in reversed(levels):
-            t, algo = _best("broadcast", nbytes, k, bw, lat)
+            t, algo = _best("broadcast", nbytes, k, bw, lat, tree)
             parts.append((f"broadcast({algo})@{name}", t))
     hier = sum(t for _, t in parts)
     if kind in ("all_gather", "reduce_scatter"):

@@ -35,6 +35,16 @@ and ``κ`` times backward:
 
     t_fwd += δ,    t_bwd += κ · δ.
 
+On a CPU process every op of a training step also pays the eager framework's host work in
+series with its kernels: the module call, dispatch and autograd node forward, the autograd
+engine and gradient accumulation backward. ``ω`` (``training_op_overhead``, measured by
+``polyparallel calibrate`` from chains of tiny ops run forward and backward; 0 on accelerators,
+whose host runs ahead of the device) is charged per torch op the captured op stands for — the
+op itself and each elementwise op fused into it (``attrs["fused"]``: fusion is a planning
+abstraction, eager torch runs them one by one), each with its own backward factor:
+
+    t_fwd += (1 + a) · ω,    t_bwd += (κ + 2a) · ω,    a = number of fused elementwise ops.
+
 Examples:
     >>> from polyparallel.cluster import Cluster
     >>> from polyparallel.cost_models.synthetic import mlp_graph
@@ -209,4 +219,9 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
         bytes_tot += b
         if k > worst:
             worst, bound = k, "compute" if k == t_c else "memory" if k == t_m else "launch"
+    if device.training_op_overhead:
+        absorbed = len(op.attr.get("fused", ()))
+        t += (1 + absorbed) * device.training_op_overhead
+        t_b += (kb + absorbed * BACKWARD_FACTOR.get(OpKind.ELEMENTWISE, DEFAULT_BACKWARD_FACTOR)) \
+            * device.training_op_overhead
     return OpCost(op.name, str(kind), flops_tot, bytes_tot, t, t_b, bound)

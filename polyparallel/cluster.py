@@ -175,6 +175,10 @@ class DeviceType:
         attention_curves: measured fused-attention ``(flops, forward_s, backward_s)`` per dtype.
         memory_efficiency: measured fraction of ``memory_bandwidth`` a streaming kernel reaches
             (``None``: the compute model's modelled default).
+        training_op_overhead: seconds of host work an eager training op pays per kernel forward
+            and per backward kernel beyond ``launch_overhead`` (module call, autograd node and
+            engine, gradient accumulation; calibrated CPU processes); 0 where the host runs ahead
+            of the device.
     """
 
     name: str
@@ -190,6 +194,7 @@ class DeviceType:
     matmul_curves: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
     attention_curves: tuple[tuple[str, tuple[tuple[float, float, float], ...]], ...] = ()
     memory_efficiency: float | None = None
+    training_op_overhead: float = 0.0
 
     def curve(self, dtype: str) -> tuple[tuple[float, float], ...]:
         """The measured matmul curve for ``dtype`` (GPU calibrations), else the dtype-less one (CPU)."""
@@ -218,7 +223,9 @@ class Link:
     """A link class: bandwidth per direction (bytes/s), latency (s), ports, efficiency.
 
     ``bandwidth`` is the usable rate of one direction over all ports: ``min(up, down) * ports
-    * efficiency / oversubscription``.
+    * efficiency / oversubscription``. ``algorithms``: the collective algorithms the link's
+    communication library runs over it (NCCL/HCCL: ring and tree; gloo: ring only, and its
+    α–β is fitted with the ring formula).
     """
 
     kind: str
@@ -229,6 +236,7 @@ class Link:
     efficiency: float = 1.0
     oversubscription: float = 1.0
     source: str = ""
+    algorithms: tuple[str, ...] = ("ring", "tree")
 
     @property
     def bandwidth(self) -> float:
@@ -821,27 +829,31 @@ def _calibrated_type(name: str, cal: Mapping[str, Any], procs: int, base: Device
         curve = tuple(sorted((float(p["flops"]), float(p["seconds"])) for p in measured["matmul"]))
         mem_bw = float(measured["memory_bandwidth"])
         floor = float(measured["launch_overhead"])
+        training = float(measured.get("training_op_overhead", 0.0))  # older calibrations: not measured
     else:
         share = min(1.0, cores / procs)
         alone = per.get("1")
         if alone:
             rows, mem_bw, floor = alone["matmul"], float(alone["memory_bandwidth"]), float(alone["launch_overhead"])
+            training = float(alone.get("training_op_overhead", 0.0))
         else:
             by_threads = {int(k): v for k, v in cal["matmul"].items()}
             rows = by_threads[1] if 1 in by_threads else by_threads[min(by_threads)]
             # an all-core copy bandwidth: one process gets its share of the cores
             mem_bw = float(cal["memory_bandwidth"]) / cores
             floor = float(cal.get("launch_overhead", 5e-6))
+            training = 0.0
         curve = tuple(sorted((float(p["flops"]), float(p["seconds"]) / share) for p in rows))
         mem_bw *= share
         floor /= share
+        training /= share
     peak = max(f / s for f, s in curve)
     # DTensor's dispatch cost, measured with >= 2 processes: the nearest measured process count
     dts = {int(k): float(v["dtensor_overhead"]) for k, v in per.items() if "dtensor_overhead" in v}
     sharded = dts[min(dts, key=lambda k: (abs(k - procs), -k))] if dts else 0.0
     return DeviceType(name=name, kind="cpu", peak=(("fp32", peak),), vendor="this machine",
                       memory=float(cal.get("memory_bytes", 8 * 2**30)) / procs, memory_bandwidth=mem_bw,
-                      launch_overhead=floor, sharded_op_overhead=sharded,
+                      launch_overhead=floor, sharded_op_overhead=sharded, training_op_overhead=training,
                       source=f"calibration {cal.get('path', '')} ({cal.get('host', '?')}, {cal.get('date', '?')}, "
                              f"{threads} thread(s)/process, {procs} processes on {cores} cores)",
                       matmul_curve=curve)
@@ -873,7 +885,7 @@ def _local_cpu(procs: int) -> Cluster:
                         launch_overhead=5e-6 / share,
                         source=f"nominal (no calibration at {path}: run `polyparallel calibrate`)")
         lat, bw, src = 50e-6, 1e9, "nominal gloo loopback (uncalibrated)"
-    shm = Link("gloo-loopback", bw, bw, lat, source=src)
+    shm = Link("gloo-loopback", bw, bw, lat, source=src, algorithms=("ring",))
     node = Node("local/host", 0, 0, dt, tuple(range(procs)), shm, None)
     center = Center("local", 0, "", "torch", True, True, (0,), None)
     devs = tuple(Device(i, f"local/host/cpu{i}", dt, 0, 0, i) for i in range(procs))

@@ -11,13 +11,17 @@ from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, estimate_step
 from polyparallel.cost_models.calibrate import (
     THREADS_PER_PROCESS,
+    TRAINING_OP_CLASSES,
     calibrate,
     fit_alpha_beta,
+    fit_training_op_overhead,
     slowest_rank,
 )
-from polyparallel.cost_models.comm import collective_time, ring_time
+from polyparallel.cost_models.comm import collective_time, ring_time, tree_time
 from polyparallel.cost_models.compute import op_cost
 from polyparallel.cost_models.synthetic import mlp_graph
+from polyparallel.ir import OpKind
+from polyparallel.transforms import fuse_elementwise
 
 SIZES = (4096, 65536, 1 << 20, 8 << 20)
 
@@ -161,6 +165,10 @@ def test_calibrate_measures_this_machine_with_the_training_thread_count(tmp_path
     # every process measured on the thread count a torch-backend worker trains with
     assert [k["threads"] for k in res["per_processes"].values()] == [THREADS_PER_PROCESS] * 2
     assert res["per_processes"]["2"]["dtensor_overhead"] >= 0 and "dtensor_overhead" not in res["per_processes"]["1"]
+    # the training-op floor of every P, from the same rounds, and the fit of it that the device type carries
+    for k in res["per_processes"].values():
+        assert set(k["training_ops"]) == set(TRAINING_OP_CLASSES) and min(k["training_ops"].values()) >= 0
+        assert k["training_op_overhead"] >= 0
     assert all(r["seconds"] > 0 for k in res["per_processes"].values() for r in k["matmul"])
     assert [(q["p"], q["bytes"]) for q in res["collectives"]["points"]] == [(2, 4096), (2, 1 << 16)]
     assert res["collectives"]["fit_by_group_size"]["2"]["alpha"] >= 0
@@ -168,6 +176,7 @@ def test_calibrate_measures_this_machine_with_the_training_thread_count(tmp_path
     dt = Cluster.preset("local-cpu:2").device(0).type
     measured = res["per_processes"]["2"]["matmul"][-1]
     assert dt.peak_flops("fp32") >= measured["flops"] / measured["seconds"] * (1 - 1e-9)
+    assert dt.training_op_overhead == res["per_processes"]["2"]["training_op_overhead"]
 
 
 def test_sharded_ops_pay_the_measured_dtensor_dispatch(tmp_path, monkeypatch):
@@ -213,3 +222,110 @@ def test_cpu_optimizer_costs_kernels_per_parameter_tensor(tmp_path, monkeypatch)
     # accelerators run multi-tensor optimizer kernels: no per-tensor floor there
     gpu = estimate_step(g, Cluster.preset("dgx-a100"), ParallelConfig(dp=2, optimizer="adam"))
     assert gpu.breakdown()["optimizer"] < adam * 6 * 5e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# the training-op floor: measured per op class, fitted, carried, priced per op forward/backward
+# ---------------------------------------------------------------------------------------------
+
+
+def test_training_op_fit_recovers_the_per_op_cost_of_exact_measurements():
+    tau, omega = 1.5e-6, 4e-6
+    # κ = 2 for every measured class: a tiny op costs 2τ + 3ω forward and backward
+    exact = {c: 2 * tau + 3 * omega for c in TRAINING_OP_CLASSES}
+    assert fit_training_op_overhead(exact, tau) == pytest.approx(omega, rel=1e-12)
+    # unequal classes: the least-squares ω of T_c − 2τ = 3ω is the mean of (T_c − 2τ)/3, by hand
+    per_op = {"scale": 8.6e-6, "linear": 29e-6, "softmax": 5.4e-6}
+    want = sum((t - 2 * tau) / 3 for t in per_op.values()) / 3
+    assert fit_training_op_overhead(per_op, tau) == pytest.approx(want, rel=1e-12)
+    # ops no slower than two raw kernels: no negative host cost
+    assert fit_training_op_overhead({"scale": tau}, tau) == 0.0
+    with pytest.raises(ValueError, match="unknown training-op classes"):
+        fit_training_op_overhead({"conv": 1e-5}, tau)
+    with pytest.raises(ValueError, match="at least one"):
+        fit_training_op_overhead({}, tau)
+
+
+def test_slowest_rank_takes_the_slowest_training_op_floor():
+    a = {"matmul": _matmul_rows({64: 20e9}), "memory_bandwidth": 8e9, "launch_overhead": 2e-6,
+         "training_ops": {"scale": 8e-6, "linear": 30e-6}, "training_op_overhead": 5e-6}
+    b = {**a, "training_ops": {"scale": 9e-6, "linear": 25e-6}, "training_op_overhead": 6e-6}
+    m = slowest_rank([a, b])
+    assert m["training_op_overhead"] == 6e-6 and m["training_ops"] == {"scale": 9e-6, "linear": 30e-6}
+
+
+def test_local_cpu_carries_the_training_op_floor_of_its_process_count(tmp_path, monkeypatch):
+    cal = _calibration(cores=2)
+    for p, k in cal["per_processes"].items():
+        k["training_op_overhead"] = 3e-6 * int(p)
+    del cal["per_processes"]["4"]
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(cal))
+    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(path))
+    assert Cluster.preset("local-cpu:1").device(0).type.training_op_overhead == pytest.approx(3e-6)
+    assert Cluster.preset("local-cpu:2").device(0).type.training_op_overhead == pytest.approx(6e-6)
+    # not measured with 4 processes: one process's floor, time-shared 2 cores between 4 processes
+    assert Cluster.preset("local-cpu:4").device(0).type.training_op_overhead == pytest.approx(2 * 3e-6)
+    for k in cal["per_processes"].values():
+        del k["training_op_overhead"]
+    path.write_text(json.dumps(cal))
+    # a calibration from before the floor was measured prices none, as it did
+    assert Cluster.preset("local-cpu:2").device(0).type.training_op_overhead == 0.0
+    assert Cluster.preset("dgx-a100").device(0).type.training_op_overhead == 0.0
+
+
+def test_training_op_floor_is_charged_per_torch_op_forward_and_per_backward_kernel(tmp_path, monkeypatch):
+    import dataclasses
+
+    def graph():
+        return fuse_elementwise(mlp_graph(batch=4, widths=(8, 8, 8), bias=True))
+
+    g = graph()
+    base = Cluster.preset("dgx-a100").device(0).type
+    omega = 7e-6
+    dt = dataclasses.replace(base, training_op_overhead=omega)
+    fused = [op for op in g.ops if op.attr.get("fused")]
+    assert fused, "the linear + relu of a hidden layer fuse into one op"
+    seen = set()
+    for op in g.ops:
+        a = len(op.attr.get("fused", ()))
+        kb = 1.0 if OpKind(op.kind) in (OpKind.EMBEDDING, OpKind.GATHER) else 2.0
+        plain, priced = op_cost(g, op, base), op_cost(g, op, dt)
+        # the op and each fused elementwise op: ω forward; κ of the op and 2 per fused op backward
+        assert priced.forward - plain.forward == pytest.approx((1 + a) * omega, rel=1e-9)
+        assert priced.backward - plain.backward == pytest.approx((kb + 2 * a) * omega, rel=1e-9)
+        seen.add(a)
+    assert seen == {0, 1}
+    # a whole one-process step on a calibrated CPU: Σ over ops of (1 + a + κ + 2a)·ω more compute
+    want = sum((3 + 3 * len(op.attr.get("fused", ()))) * omega for op in g.ops)
+    cal = _calibration()
+    path = tmp_path / "cal.json"
+    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(path))
+    compute = []
+    for w in (0.0, omega):
+        cal["per_processes"]["1"]["training_op_overhead"] = w
+        path.write_text(json.dumps(cal))
+        est = estimate_step(graph(), Cluster.preset("local-cpu:1"), ParallelConfig(optimizer="sgd"))
+        compute.append(est.breakdown()["compute"])
+    assert compute[1] - compute[0] == pytest.approx(want, rel=1e-9)
+
+
+def test_gloo_collectives_are_priced_as_rings_at_every_size(tmp_path, monkeypatch):
+    cal = _calibration()
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(cal))
+    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(path))
+    four = Cluster.preset("local-cpu:4")
+    bw, alpha = four.link(0, 1)
+    n = 4096.0  # small: a tree (2⌈log₂4⌉α = 4α) would beat the ring's 2(p−1)α = 6α
+    assert tree_time("all_reduce", n, 4, bw, alpha) < ring_time("all_reduce", n, 4, bw, alpha)
+    c = collective_time(four, "all_reduce", n, range(4))
+    # gloo runs a ring, and its α–β was fitted with the ring formula: 2(p−1)α + 2(p−1)/p · n/B
+    assert c.algorithm == "ring" and c.seconds == pytest.approx(6 * alpha + 1.5 * n / bw, rel=1e-12)
+    b = collective_time(four, "broadcast", n, range(4))
+    assert b.algorithm == "ring" and b.seconds == pytest.approx(n / bw + 3 * alpha, rel=1e-12)
+    # the same link run by a library with trees (NCCL) picks the tree: the ring is the link's property
+    nccl = Cluster.from_dict({"name": "n", "centers": [{"name": "c", "nodes": [
+        {"device": "h100-sxm", "devices_per_node": 4, "intra": {"bandwidth": bw, "latency": alpha}}]}]})
+    t = collective_time(nccl, "all_reduce", n, range(4))
+    assert t.algorithm == "tree" and t.seconds == pytest.approx(4 * alpha + 2 * n / bw, rel=1e-12)
