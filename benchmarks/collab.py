@@ -16,18 +16,27 @@ through a plain loopback TCP socket (measured here): what the framework adds bey
 moving bytes. ``comm%`` is ``(round − max compute − fusion) / round``, the share the seeds' 20%
 budget refers to.
 
-Modes: ``cold`` = Flower defaults (a new ClientApp process per message, SuperNode idle poll 3 s);
-``warm`` = long-lived ClientApp executors (``--isolation process``), executors and ServerApp polling
-every 0.05 s; ``warm-lazy`` = the same polling every 0.25 s (less CPU burnt on polling, which matters
-on a small shared machine); ``warm+poll`` = warm-lazy and the SuperNode idle poll capped at 0.5 s
-(:mod:`polyparallel.backends.collab._supernode`).
+Modes (what each changes is in ``MODES``; see :mod:`polyparallel.backends.collab._flwr_timing` for
+why the waits dominate):
 
-Run: ``nice python benchmarks/collab.py`` (``--quick``: only 3 centers × 1M params, all modes).
+- ``cold`` = Flower defaults: a new ClientApp process per message, SuperNode idle poll 3 s and reply
+  checks every 0.5 s, object-pull retries after 1 s doubling to 10 s, SuperLink state in SQLite;
+- ``warm`` = long-lived ClientApp executors (``--isolation process``), executors and ServerApp polling
+  every 0.05 s; ``warm-lazy`` = the same polling every 0.25 s;
+- ``warm+poll`` = warm-lazy and the SuperNode's idle poll and reply checks capped at 0.5 s (the best
+  setting before the object-pull back-off and the SQLite store were found: the "before");
+- ``tuned-sqlite`` = SuperNode idle poll 0.25 s, reply checks 0.02 s, object-pull retries from 0.02 s
+  (cap 0.2 s) in every process, executors and ServerApp polling every 0.1 s;
+- ``tuned`` = tuned-sqlite with the SuperLink's state and objects in memory: ``run_flower``'s defaults.
+
+Run: ``nice python benchmarks/collab.py`` (3 centers × 1M in every mode, then 5 × 1M, 3 × 25M and 5 × 25M
+in ``warm+poll`` and ``tuned``; ``--quick``: only 3 × 1M; ``--modes a,b``: only those modes).
 Writes ``benchmarks/results/collab.json``.
 
-``--steps-sweep 5,100,400`` instead runs 3 centers × 1M params with long-lived centers (``warm+poll``)
-at each number of local steps per round ``H`` and writes ``benchmarks/results/collab_steps.json``:
-the per-round cost of Flower is a constant, so its share of the round falls as ``1 / (1 + H·t_step / c)``.
+``--steps-sweep 5,100,400`` instead runs ``--sweep-centers`` (3) centers × 1M params in ``warm+poll``
+and ``tuned`` (or ``--modes``) at each number of local steps per round ``H`` and writes
+``benchmarks/results/collab_steps.json``: the per-round cost of Flower is a constant ``c``, so its
+share of the round falls as ``1 / (1 + H·t_step / c)``.
 """
 
 from __future__ import annotations
@@ -48,11 +57,16 @@ from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, ru
 from polyparallel.backends.collab._flower import run_flower
 
 SIZES = {"1M": ModelSpec("mlp", (1000,), 10, hidden=1000), "25M": ModelSpec("mlp", (5000,), 10, hidden=5000)}
+_STOCK = dict(supernode_poll_s=None, supernode_wait_s=None, pull_backoff_s=None, superlink_database="superlink.db")
 MODES = {
-    "cold": dict(warm=False),
-    "warm": dict(warm=True, poll_s=0.05),
-    "warm-lazy": dict(warm=True, poll_s=0.25),
-    "warm+poll": dict(warm=True, poll_s=0.25, supernode_poll_s=0.5),
+    "cold": dict(warm=False, **_STOCK),
+    "warm": dict(warm=True, poll_s=0.05, **_STOCK),
+    "warm-lazy": dict(warm=True, poll_s=0.25, **_STOCK),
+    "warm+poll": dict(warm=True, poll_s=0.25, **{**_STOCK, "supernode_poll_s": 0.5, "supernode_wait_s": 0.5}),
+    "tuned-sqlite": dict(warm=True, poll_s=0.1, supernode_poll_s=0.25, supernode_wait_s=0.02, pull_backoff_s=0.02,
+                         superlink_database="superlink.db"),
+    "tuned": dict(warm=True, poll_s=0.1, supernode_poll_s=0.25, supernode_wait_s=0.02, pull_backoff_s=0.02,
+                  superlink_database=None),
 }
 
 
@@ -140,15 +154,21 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/collab.json"))
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/ppcollab-bench"))
     ap.add_argument("--steps-sweep", default="", help="comma-separated H values: the local-steps sweep only")
+    ap.add_argument("--sweep-centers", type=int, default=3)
+    ap.add_argument("--modes", default="", help=f"comma-separated subset of {', '.join(MODES)}")
     args = ap.parse_args()
+    modes = [m for m in args.modes.split(",") if m] or list(MODES)
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        ap.error(f"--modes: unknown {sorted(unknown)}; choose from {', '.join(MODES)}")
+    compared = [m for m in ("warm+poll", "tuned") if m in modes] if not args.modes else modes
     bps = loopback_bytes_per_s()
     print(f"loopback TCP: {bps / 1e9:.2f} GB/s; {os.cpu_count()} CPUs; load {os.getloadavg()}", flush=True)
-    plan = [(3, "1M", m, args.steps) for m in MODES]
+    plan = [(3, "1M", m, args.steps) for m in modes]
     if not args.quick:
-        plan += [(5, "1M", "warm-lazy", args.steps), (3, "25M", "warm-lazy", args.steps),
-                 (5, "25M", "warm-lazy", args.steps)]
+        plan += [(n, size, m, args.steps) for n, size in ((5, "1M"), (3, "25M"), (5, "25M")) for m in compared]
     if args.steps_sweep:
-        plan = [(3, "1M", "warm+poll", int(h)) for h in args.steps_sweep.split(",")]
+        plan = [(args.sweep_centers, "1M", m, int(h)) for m in compared for h in args.steps_sweep.split(",")]
         if args.out == Path("benchmarks/results/collab.json"):
             args.out = Path("benchmarks/results/collab_steps.json")
     rows = [bench(n, s, m, args.rounds, h, bps, args.workdir) for n, s, m, h in plan]

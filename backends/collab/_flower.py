@@ -86,8 +86,16 @@ class LoopbackFederation:
         warm: long-lived ClientApp executors (``process`` isolation) instead of a process per message.
         executor_poll_s: how often an idle executor asks its SuperNode for a task.
         autostart: ``with`` starts the SuperLink and every center (else only cleanup is managed).
-        supernode_poll_s: run the SuperNodes through :mod:`._supernode`, which caps Flower's fixed
-            3 s idle poll at this many seconds (None: stock ``flower-supernode``).
+        supernode_poll_s: cap on the SuperNodes' fixed 3 s idle poll of the SuperLink (None: 3 s).
+        supernode_wait_s: cap on the SuperNodes' fixed 0.5 s checks for the ClientApp's reply (None: 0.5 s).
+        pull_backoff_s: first retry of a message object that is not yet where it is pulled from, in
+            the SuperNodes, executors and ServerApp (None: Flower's 1 s, doubling to 10 s). Any of
+            these three set runs the SuperNodes through :mod:`._supernode`; see :mod:`._flwr_timing`
+            for why they dominate a loopback round.
+        superlink_database: the SuperLink's state and object store: None keeps them in memory; a file
+            name in ``workdir`` makes them survive a SuperLink restart (registered keys included) but
+            stores every message object in SQLite, ~2 s more per round on loopback (3 centers, 1M
+            parameters). The federation's own checkpoint does not need it.
         credentials: TLS on the SuperLink's HTTP APIs and SuperNode authentication (only the
             public keys registered with :meth:`register_center` may join); None: plain HTTP, no auth.
     """
@@ -98,7 +106,10 @@ class LoopbackFederation:
     executor_poll_s: float = 0.05
     startup_timeout_s: float = 60.0
     autostart: bool = True
-    supernode_poll_s: float | None = None
+    supernode_poll_s: float | None = 0.25
+    supernode_wait_s: float | None = 0.02
+    pull_backoff_s: float | None = 0.02
+    superlink_database: str | None = None
     credentials: Credentials | None = None
     procs: list[_Proc] = field(default_factory=list)
     superlink_port: int = 0
@@ -150,9 +161,10 @@ class LoopbackFederation:
             f'address = "127.0.0.1:{self.superlink_port}"\n{transport}')
         tls = (["--ssl-certfile", str(cr.server_cert), "--ssl-keyfile", str(cr.server_key),
                 "--ssl-ca-certfile", str(cr.ca), "--enable-supernode-auth"] if cr else ["--insecure"])
+        db = ["--database", str(self.workdir / self.superlink_database)] if self.superlink_database else []
         link = self._spawn("superlink", [
-            "flower-superlink", *tls, "--host", host, "--port", str(self.superlink_port),
-            "--database", str(self.workdir / "superlink.db"), "--disable-runtime-dependency-installation"])
+            "flower-superlink", *tls, "--host", host, "--port", str(self.superlink_port), *db,
+            "--disable-runtime-dependency-installation"])
         _wait_port(self.superlink_port, self.startup_timeout_s, link.popen, link.log)
         if cr:
             for name, _, pub in cr.node_keys:
@@ -189,17 +201,21 @@ class LoopbackFederation:
                 "--host", "127.0.0.1", "--port", str(port)]
         if self.warm:
             argv += ["--isolation", "process"]
-        if self.supernode_poll_s is not None:
-            argv = [sys.executable, "-m", "polyparallel.backends.collab._supernode",
-                    "--poll-s", str(self.supernode_poll_s), "--", *argv[1:]]
+        if (self.supernode_poll_s, self.supernode_wait_s, self.pull_backoff_s) != (None, None, None):
+            patch = ["--poll-s", str(3.0 if self.supernode_poll_s is None else self.supernode_poll_s),
+                     "--wait-s", str(0.5 if self.supernode_wait_s is None else self.supernode_wait_s)]
+            if self.pull_backoff_s is not None:
+                patch += ["--pull-backoff-s", str(self.pull_backoff_s)]
+            argv = [sys.executable, "-m", "polyparallel.backends.collab._supernode", *patch, "--", *argv[1:]]
         node = self._spawn(f"supernode-{name}", argv)
         if not wait:
             return
         _wait_port(port, self.startup_timeout_s, node.popen, node.log)
         if self.warm:
+            backoff = [] if self.pull_backoff_s is None else ["--pull-backoff-s", str(self.pull_backoff_s)]
             self._spawn(f"executor-{name}", [sys.executable, "-m", "polyparallel.backends.collab._warm_center",
                                              "--runtime-api-address", f"127.0.0.1:{port}",
-                                             "--poll-s", str(self.executor_poll_s)])
+                                             "--poll-s", str(self.executor_poll_s), *backoff])
 
     def kill_center(self, name: str) -> None:
         """SIGKILL a center's SuperNode and executor (a crash, not a shutdown)."""
@@ -286,7 +302,8 @@ class LoopbackFederation:
             "# plain assignments: `flwr run` finds the components by reading this file, not importing it\n"
             "server_app = _flower_app.server_app\nclient_app = _flower_app.client_app\n")
         run_config = {"collab-config": config.to_json(), "out-dir": str(out_dir),
-                      "eval-data": str(eval_data or ""), "poll-s": poll_s, "max-rounds": max_rounds}
+                      "eval-data": str(eval_data or ""), "poll-s": poll_s, "max-rounds": max_rounds,
+                      "pull-backoff-s": self.pull_backoff_s or 0.0}
         import tomli_w
 
         (app / "pyproject.toml").write_text(tomli_w.dumps({
@@ -359,7 +376,9 @@ def write_center_data(workdir: Path, data: Mapping[str, tuple[np.ndarray, np.nda
 def run_flower(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.ndarray]], *,
                workdir: str | Path | None = None, eval_data: tuple[np.ndarray, np.ndarray] | None = None,
                warm: bool = True, timeout_s: float = 600.0, poll_s: float = 0.05,
-               supernode_poll_s: float | None = None, credentials: Credentials | None = None) -> CollabResult:
+               supernode_poll_s: float | None = 0.25, supernode_wait_s: float | None = 0.02,
+               pull_backoff_s: float | None = 0.02, superlink_database: str | None = None,
+               credentials: Credentials | None = None) -> CollabResult:
     """Run the federation with Flower on 127.0.0.1 and return what the ServerApp fused.
 
     Args:
@@ -370,7 +389,8 @@ def run_flower(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.nda
         warm: long-lived ClientApp executors (see the module docstring).
         timeout_s: limit for the whole run; every process is stopped when it passes.
         poll_s: the ServerApp's and executors' polling interval.
-        supernode_poll_s: cap on the SuperNodes' idle poll (see :mod:`._supernode`); None: Flower's 3 s.
+        supernode_poll_s, supernode_wait_s, pull_backoff_s, superlink_database: Flower's fixed waits and
+            the SuperLink's store, see :class:`LoopbackFederation` (None: Flower's own).
         credentials: run with TLS and SuperNode authentication (see :func:`~._security.make_credentials`).
     """
     names = {c.name for c in config.centers}
@@ -386,8 +406,10 @@ def run_flower(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.nda
             ev = wd / "data" / "_eval.npz"
             np.savez(ev, x=eval_data[0], y=eval_data[1])
         out = wd / "out"
-        fed = stack.enter_context(LoopbackFederation(wd, paths, warm=warm, executor_poll_s=poll_s,
-                                                     supernode_poll_s=supernode_poll_s, credentials=credentials))
+        fed = stack.enter_context(LoopbackFederation(
+            wd, paths, warm=warm, executor_poll_s=poll_s, supernode_poll_s=supernode_poll_s,
+            supernode_wait_s=supernode_wait_s, pull_backoff_s=pull_backoff_s, superlink_database=superlink_database,
+            credentials=credentials))
         fed.submit(config, out, eval_data=ev, poll_s=poll_s)
         try:
             fed.wait(out, timeout_s)

@@ -14,7 +14,8 @@ Messages (all a center ever sends is in :func:`reply_content`):
   ``metrics`` (MetricRecord: numbers only), ``center`` (ConfigRecord: ``name``).
 
 Run config keys: ``collab-config`` (the :class:`~._config.CollabConfig` JSON), ``out-dir``,
-``eval-data`` (optional ``.npz`` with ``x``, ``y``), ``poll-s``, ``max-rounds`` (exit after that many
+``eval-data`` (optional ``.npz`` with ``x``, ``y``), ``poll-s``, ``pull-backoff-s`` (first retry of
+a reply object not yet at the SuperLink; 0: Flower's 1 s), ``max-rounds`` (exit after that many
 rounds, as a server taken down between rounds; 0: run to the end). Node config keys: ``center``, ``data``
 (``.npz`` with the center's ``x``, ``y``).
 """
@@ -35,6 +36,7 @@ from flwr.serverapp import Grid, ServerApp
 from ._center import LocalTrainer, center_round, evaluate_torch, make_trainer
 from ._config import CollabConfig
 from ._engine import initial_params
+from ._flwr_timing import set_object_pull_backoff
 from ._server import CenterReply, FederationServer, TimingLog
 
 __all__ = ["client_app", "reply_content", "server_app"]
@@ -127,6 +129,8 @@ def _serve(grid: Grid, context: Context) -> None:
     out = Path(str(rc["out-dir"]))
     out.mkdir(parents=True, exist_ok=True)
     poll_s = float(rc.get("poll-s", 0.05))
+    if float(rc.get("pull-backoff-s", 0)) > 0:  # see _flwr_timing: Flower's 1 s first retry of a reply object
+        set_object_pull_backoff(float(rc["pull-backoff-s"]))
     evaluate = None
     if rc.get("eval-data"):
         with np.load(str(rc["eval-data"])) as z:

@@ -69,8 +69,12 @@ def _run_task(address: str, token: str, apps: dict[str, Any]) -> None:
             client.close()
 
 
-def serve(address: str, poll_s: float = 0.05) -> None:
-    """Take ClientApp tasks from the SuperNode at ``address`` forever."""
+def serve(address: str, poll_s: float = 0.05, pull_backoff_s: float | None = None) -> None:
+    """Take ClientApp tasks from the SuperNode at ``address`` forever.
+
+    ``pull_backoff_s``: first retry of a message object the SuperNode has not finished pulling from
+    the SuperLink (it hands out the task before that; Flower waits 1 s, see :mod:`._flwr_timing`).
+    """
     # import the heavy parts now, before round 1, not inside it
     import torch  # noqa: F401
     from flwr.proto.runtime_pb2 import AcquireTaskRequest
@@ -80,6 +84,11 @@ def serve(address: str, poll_s: float = 0.05) -> None:
     from flwr.supercore.runtime import RuntimeHttpClient
 
     import polyparallel.backends.collab._flower_app  # noqa: F401
+
+    if pull_backoff_s:
+        from polyparallel.backends.collab._flwr_timing import set_object_pull_backoff
+
+        set_object_pull_backoff(pull_backoff_s)
 
     acquirer = RuntimeHttpClient.from_server_address(
         server_address=address, insecure=True, root_certificates=None,
@@ -101,9 +110,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runtime-api-address", required=True)
     p.add_argument("--poll-s", type=float, default=0.05)
+    p.add_argument("--pull-backoff-s", type=float, default=None)
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO)
-    serve(a.runtime_api_address, a.poll_s)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a log line per request, dozens per round
+    serve(a.runtime_api_address, a.poll_s, a.pull_backoff_s)
 
 
 if __name__ == "__main__":
