@@ -134,6 +134,49 @@ def measure_step(cfg: GPTConfig, batch: int, fused: bool, recompute: bool = Fals
     return {"step_s": statistics.median(times), "min_s": min(times), "peak_memory_bytes": peak}
 
 
+KERNEL_CLASSES = (("attention", ("flash", "fmha", "attention")),
+                  ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma")),
+                  ("optimizer", ("multi_tensor", "adam", "foreach")),
+                  ("other", ("",)))
+
+
+def profile_step(cfg: GPTConfig, batch: int) -> dict[str, Any]:
+    """GPU kernel time of one step by class (matmul, attention, optimizer, other) vs the step's wall time:
+    where the compute model's time goes and how long the GPU waits for the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = GPT(cfg).to("cuda")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, cfg.vocab, (batch, cfg.seq), device="cuda")
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = model(ids, ids)
+        loss.backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    by: dict[str, float] = {}
+    kernels = 0
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        name = e.name.lower()
+        cls = next(c for c, keys in KERNEL_CLASSES if any(k in name for k in keys))
+        by[cls] = by.get(cls, 0.0) + e.device_time / 1e6  # device_time is in microseconds
+        kernels += 1
+    return {"wall_s": wall, "kernel_s": by, "kernels": kernels, "gpu_busy_s": sum(by.values())}
+
+
 def predict(cfg: GPTConfig, batch: int, fused: bool, clusters: dict[str, Cluster], recompute: bool = False
             ) -> dict[str, Any]:
     import polyparallel as pp
@@ -179,6 +222,7 @@ def nccl_equivalence(steps: int = 3, lr: float = 0.1, seed: int = 0) -> dict[str
         ref.append(loss.item())
     err = max(abs(r["loss"] - w) / abs(w) for r, w in zip(log, ref))
     return {"gpu_losses": [r["loss"] for r in log], "cpu_losses": ref, "max_rel_diff": err,
+            "device": [r.get("device") for r in log], "backend": [r.get("backend") for r in log],
             "comm_ops": [r.get("comm_ops") for r in log], "step_time_s": [r["step_time_s"] for r in log]}
 
 
@@ -188,6 +232,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--models", default=",".join(m[0] for m in MODELS))
     ap.add_argument("--skip-nccl", action="store_true")
+    ap.add_argument("--profile", default="gpt-tiny,gpt-1.7b", help="models whose kernels are profiled by class")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_validation.py needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -236,6 +281,15 @@ def main() -> None:
                   f"{100 * row['error_calibrated']:+6.1f}%   memory {meas['peak_memory_bytes'] / 2**30:6.2f} GiB "
                   f"measured, {pred['predicted_memory_bytes'] / 2**30:6.2f} predicted", flush=True)
     result["steps"] = steps
+
+    prof = {}
+    for mname, cfg, batch in MODELS:
+        if mname in set(args.profile.split(",")) - {""}:
+            r = prof[mname] = profile_step(cfg, batch)
+            torch.cuda.empty_cache()
+            print(f"\nprofile {mname}: wall {r['wall_s'] * 1e3:.1f} ms, GPU busy {r['gpu_busy_s'] * 1e3:.1f} ms in "
+                  f"{r['kernels']} kernels: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["kernel_s"].items()))
+    result["profile"] = prof
 
     if not args.skip_nccl:
         print("\nNCCL path: train() of the tiny GPT on the GPU vs the CPU single-process loop")

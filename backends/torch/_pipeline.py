@@ -429,7 +429,8 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
         dist.all_reduce(val, group=pp_group)
         dist.all_reduce(val, group=mesh["dp"].get_group())
         if rank == 0:
-            rec = {"step": step, "loss": float(val.item()) / dp, "step_time_s": dt, **comm}
+            rec = {"step": step, "loss": float(val.item()) / dp, "step_time_s": dt, "device": device.type,
+                   "backend": dist.get_backend(), **comm}
             with log.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
         if ckpt is not None and ((step + 1) % job["checkpoint_every"] == 0 or step + 1 == job["steps"]):

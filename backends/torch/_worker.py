@@ -179,7 +179,8 @@ def run_worker(run_dir: Path) -> None:
             dist.all_reduce(val, group=replicas.get_group())
             if rank == 0:
                 rec = {"step": step, "loss": float(val.item()) / replicas.size(), "step_time_s": dt,
-                       "rank0_input_shape": list(x.shape), **comm}  # what a rank trains on: its dp and sp share
+                       "rank0_input_shape": list(x.shape), "device": device.type,
+                       "backend": dist.get_backend(), **comm}  # what a rank trains on: its dp and sp share
                 with log.open("a") as f:
                     f.write(json.dumps(rec) + "\n")
             if ckpt is not None and ((step + 1) % job["checkpoint_every"] == 0 or step + 1 == job["steps"]):
