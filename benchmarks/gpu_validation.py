@@ -285,7 +285,12 @@ def main() -> None:
     prof = {}
     for mname, cfg, batch in MODELS:
         if mname in set(args.profile.split(",")) - {""}:
-            r = prof[mname] = profile_step(cfg, batch)
+            try:
+                r = prof[mname] = profile_step(cfg, batch)
+            except (RuntimeError, AttributeError, StopIteration) as e:
+                prof[mname] = {"error": f"{type(e).__name__}: {e}"}
+                print(f"profile {mname}: FAILED {e}")
+                continue
             torch.cuda.empty_cache()
             print(f"\nprofile {mname}: wall {r['wall_s'] * 1e3:.1f} ms, GPU busy {r['gpu_busy_s'] * 1e3:.1f} ms in "
                   f"{r['kernels']} kernels: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["kernel_s"].items()))
