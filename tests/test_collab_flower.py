@@ -85,23 +85,28 @@ def test_only_parameters_and_metrics_leave_a_center(tmp_path):
     from flwr.supercore.task_identity import TaskIdentity
 
     from polyparallel.backends.collab._flower_app import client_app
+    from polyparallel.backends.collab._wire import pack_arrays, unpack_arrays
 
     cfg = _cfg(("a", "b"), compression="fp16")
     data = _data(("a", "b"))
     paths = write_center_data(tmp_path, data)
     x0 = initial_params(cfg)
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    msg = Message(RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in x0.items()}),
+    buffers, layout = pack_arrays(x0)
+    msg = Message(RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in buffers.items()}),
+                              "layout": ConfigRecord(layout),
                               "config": ConfigRecord({"round": 1, "proximal_mu": 0.0})}),
                   dst_node_id=7, message_type="train")
     ctx = Context(run_id=1, node_id=7, node_config={"center": "b", "data": str(paths["b"])}, state=RecordDict(),
                   run_config={"collab-config": cfg.to_json(), "out-dir": str(tmp_path)})
     reply = client_app(message=msg, context=ctx)
     content = reply.content
-    assert set(content.keys()) == {"update", "metrics", "center"}
-    assert set(content["update"].keys()) == {f"q/{k}" for k in x0}
-    for k, arr in content["update"].items():
-        a = arr.numpy()
+    assert set(content.keys()) == {"update", "layout", "metrics", "center"}
+    assert set(dict(content["layout"])) == {"names", "dtypes", "ranks", "shapes"}  # strings and ints only
+    assert set(content["update"].keys()) == {np.dtype(np.float16).str}  # one fp16 buffer
+    update = unpack_arrays({k: v.numpy() for k, v in content["update"].items()}, dict(content["layout"]))
+    assert set(update) == {f"q/{k}" for k in x0}
+    for k, a in update.items():
         assert a.shape == x0[k[2:]].shape and a.dtype == np.float16
     assert dict(content["center"]) == {"name": "b"}
     metrics = dict(content["metrics"])

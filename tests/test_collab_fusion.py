@@ -183,3 +183,31 @@ def test_malformed_payloads_are_named():
     assert check_payload(missing, ref, "int8") == ["missing tensor 's/b'"]
     extra = {**encode_update(ref, "fp16"), "q/secret": np.zeros(1, np.float16)}
     assert check_payload(extra, ref, "fp16") == ["unexpected tensor 'q/secret'"]
+
+
+def test_packed_arrays_come_back_bit_for_bit_and_a_bad_layout_is_named():
+    """pack/unpack (the Flower messages' layout): every array equal in dtype, shape and bytes, order kept."""
+    from polyparallel.backends.collab._wire import pack_arrays, unpack_arrays
+
+    arrays = {"q/w": RNG.integers(-127, 128, size=(5, 3)).astype(np.int8), "s/w": RNG.random(5).astype(np.float32),
+              "q/b": RNG.integers(-127, 128, size=(3,)).astype(np.int8), "steps": np.array(7, np.int64),
+              "empty": np.zeros((0, 4), np.float32), "bn.mean": RNG.normal(size=(2, 1, 3)).astype(np.float32)}
+    buffers, layout = pack_arrays(arrays)
+    assert sorted(buffers) == sorted({"|i1", "<f4", "<i8"})
+    assert buffers["|i1"].size == 18 and buffers["<f4"].size == 5 + 0 + 6
+    back = unpack_arrays(buffers, layout)
+    assert list(back) == list(arrays)
+    for k, a in arrays.items():
+        assert back[k].dtype == a.dtype and back[k].shape == a.shape and back[k].tobytes() == a.tobytes()
+    with pytest.raises(ValueError, match="the <f4 buffer has 12 elements, the layout uses 11"):
+        unpack_arrays({**buffers, "<f4": np.zeros(12, np.float32)}, layout)
+    with pytest.raises(ValueError, match="runs past the end"):
+        unpack_arrays({**buffers, "<f4": np.zeros(4, np.float32)}, layout)
+    with pytest.raises(ValueError, match="layout dtypes"):
+        unpack_arrays({k: v for k, v in buffers.items() if k != "<i8"}, layout)
+    with pytest.raises(ValueError, match="ranks"):
+        unpack_arrays(buffers, {**layout, "shapes": layout["shapes"][:-1]})
+    with pytest.raises(ValueError, match="lacks 'names'"):
+        unpack_arrays(buffers, {k: v for k, v in layout.items() if k != "names"})
+    with pytest.raises(ValueError, match="only numeric"):
+        pack_arrays({"x": np.array(["a"])})

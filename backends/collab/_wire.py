@@ -17,6 +17,12 @@ not counted here; the benchmark measures the transport separately).
 :func:`check_payload` is the gate in front of fusion: a payload with a missing or extra tensor, a
 wrong shape, a wrong dtype for the declared compression, or a non-finite value is rejected with the
 list of problems — it is never decoded nor fused.
+
+:func:`pack_arrays` lays a payload (or a model) out as one flat buffer per dtype plus a layout
+(names, dtypes, shapes) for the Flower messages: Flower moves every array as its own content-addressed
+object with one HTTP request each way per hop, and on loopback those requests, not the bytes, were
+most of a round. :func:`unpack_arrays` gives back the same arrays bit for bit, and refuses a layout
+that does not match its buffers.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-__all__ = ["COMPRESSIONS", "Payload", "check_payload", "decode_update", "encode_update", "payload_nbytes"]
+__all__ = ["COMPRESSIONS", "Payload", "check_payload", "decode_update", "encode_update", "pack_arrays",
+           "payload_nbytes", "unpack_arrays"]
 
 Payload = dict[str, np.ndarray]
 COMPRESSIONS = ("none", "fp16", "int8")
@@ -107,3 +114,64 @@ def check_payload(payload: Mapping[str, np.ndarray], reference: Mapping[str, np.
         elif a.dtype.kind == "f" and not np.all(np.isfinite(a)):
             problems.append(f"{key!r} holds {int(np.size(a) - np.isfinite(a).sum())} non-finite values")
     return problems
+
+
+_PACKABLE_KINDS = "biuf"  # numbers only: no objects, strings or void records ever cross
+
+
+def pack_arrays(arrays: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, list]]:
+    """Concatenate ``arrays`` into one 1-D buffer per dtype, in order; return ``(buffers, layout)``.
+
+    ``buffers`` maps ``np.dtype.str`` (e.g. ``<f4``) to the buffer; ``layout`` holds ``names``,
+    ``dtypes`` (``np.dtype.str`` per array), ``ranks`` and ``shapes`` (all dimensions, concatenated):
+    lists of str and int, so it fits a Flower ``ConfigRecord``.
+    """
+    layout: dict[str, list] = {"names": [], "dtypes": [], "ranks": [], "shapes": []}
+    parts: dict[str, list[np.ndarray]] = {}
+    for name, a in arrays.items():
+        a = np.asarray(a)
+        if a.dtype.kind not in _PACKABLE_KINDS:
+            raise ValueError(f"array {name!r} has dtype {a.dtype}; only numeric arrays can be packed")
+        layout["names"].append(str(name))
+        layout["dtypes"].append(a.dtype.str)
+        layout["ranks"].append(a.ndim)
+        layout["shapes"].extend(int(d) for d in a.shape)
+        parts.setdefault(a.dtype.str, []).append(a.reshape(-1))
+    return {k: np.concatenate(v) for k, v in parts.items()}, layout
+
+
+def unpack_arrays(buffers: Mapping[str, np.ndarray], layout: Mapping[str, list]) -> dict[str, np.ndarray]:
+    """Invert :func:`pack_arrays`; ``ValueError`` naming the inconsistency for a layout that does not fit."""
+    try:
+        names, dtypes = [str(x) for x in layout["names"]], [str(x) for x in layout["dtypes"]]
+        ranks, shapes = [int(x) for x in layout["ranks"]], [int(x) for x in layout["shapes"]]
+    except KeyError as e:
+        raise ValueError(f"packed arrays: layout lacks {e}") from None
+    if not len(names) == len(dtypes) == len(ranks) or len(set(names)) != len(names):
+        raise ValueError(f"packed arrays: {len(names)} names ({len(set(names))} distinct), {len(dtypes)} dtypes, "
+                         f"{len(ranks)} ranks")
+    if min(ranks, default=0) < 0 or sum(ranks) != len(shapes) or min(shapes, default=0) < 0:
+        raise ValueError(f"packed arrays: ranks {ranks} do not fit {len(shapes)} dimensions {shapes[:8]}...")
+    if set(dtypes) != set(buffers):
+        raise ValueError(f"packed arrays: layout dtypes {sorted(set(dtypes))}, buffers {sorted(buffers)}")
+    for key, buf in buffers.items():
+        if (not isinstance(buf, np.ndarray) or buf.ndim != 1 or buf.dtype.str != key
+                or buf.dtype.kind not in _PACKABLE_KINDS):
+            raise ValueError(f"packed arrays: buffer {key!r} is not a 1-D numeric array of that dtype")
+    out: dict[str, np.ndarray] = {}
+    offset = dict.fromkeys(buffers, 0)
+    dim = 0
+    for name, dt, rank in zip(names, dtypes, ranks):
+        shape = tuple(shapes[dim:dim + rank])
+        dim += rank
+        n = int(np.prod(shape, dtype=np.int64))
+        start = offset[dt]
+        if start + n > buffers[dt].size:
+            raise ValueError(f"packed arrays: {name!r} {shape} runs past the end of the {dt} buffer "
+                             f"({buffers[dt].size} elements)")
+        out[name] = buffers[dt][start:start + n].reshape(shape)
+        offset[dt] = start + n
+    for dt, used in offset.items():
+        if used != buffers[dt].size:
+            raise ValueError(f"packed arrays: the {dt} buffer has {buffers[dt].size} elements, the layout uses {used}")
+    return out
