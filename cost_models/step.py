@@ -87,7 +87,7 @@ from .compute import op_cost
 from .memory import MemoryReport, device_memory
 from .pipeline import SCHEDULES, PipelineResult, makespan_bound, peak_in_flight, simulate
 
-__all__ = ["ParallelConfig", "StageBreakdown", "StepBound", "StepEstimate", "chunk_of_ops", "estimate_step",
+__all__ = ["OpPlan", "ParallelConfig", "StageBreakdown", "StepBound", "StepEstimate", "chunk_of_ops", "estimate_step",
            "layer_segments", "step_lower_bound"]
 
 RECOMPUTE = ("none", "selective", "full")
@@ -95,6 +95,25 @@ RECOMPUTE = ("none", "selective", "full")
 # Adam: step += 1, lerp_, mul_ + addcmul_, sqrt / c + eps, addcdiv_
 _OPT_KERNELS = {"adam": 9, "adamw": 10, "lamb": 12, "lion": 5, "sgd": 1, "sgd_momentum": 3}
 _SHORT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class OpPlan:
+    """One op's share of the work and its tensor/sequence-parallel collectives, as a placement gives them.
+
+    ``split``: the op's FLOPs and bytes are divided by it; ``tp_fwd`` / ``tp_bwd``: ``(collective
+    kind, bytes)`` over the op's tensor-parallel group in the forward / backward pass (its own
+    collectives and the reshards of its inputs and their gradients); ``sp_fwd`` / ``sp_bwd`` over
+    the sequence-parallel group; ``param_split``: ways its parameters are sharded (memory, and
+    DTensor dispatch when > 1).
+    """
+
+    split: float = 1.0
+    tp_fwd: tuple[tuple[str, float], ...] = ()
+    tp_bwd: tuple[tuple[str, float], ...] = ()
+    sp_fwd: tuple[tuple[str, float], ...] = ()
+    sp_bwd: tuple[tuple[str, float], ...] = ()
+    param_split: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -116,6 +135,8 @@ class ParallelConfig:
         devices: device ids in rank order (default: the cluster's first ``world`` devices).
         partition: how layers are cut into pipeline chunks: ``flops`` (balance forward FLOPs) or
             ``layers`` (equal layer counts, embedding/head on the end stages: Megatron/DeepSpeed).
+        op_plans: one :class:`OpPlan` per graph op, from per-op placements (a placement solver);
+            ``None`` prices the Megatron rule of the module docstring.
     """
 
     dp: int = 1
@@ -134,6 +155,7 @@ class ParallelConfig:
     fused_attention: bool = False
     devices: tuple[int, ...] | None = None
     partition: str = "flops"
+    op_plans: tuple[OpPlan, ...] | None = field(default=None, repr=False)
 
     @property
     def world(self) -> int:
@@ -179,6 +201,8 @@ class ParallelConfig:
             extra.append(f"rc={self.recompute}")
         if self.sequence_parallel:
             extra.append("seqpar")
+        if self.op_plans is not None:
+            extra.append("placed")
         return f"dp{self.dp} tp{self.tp} pp{self.pp} sp{self.sp} " + " ".join(extra)
 
 
@@ -397,11 +421,19 @@ def _tensor_bytes(graph: Graph, name: str, dtype: str) -> float:
 
 def _plan_ops(graph: Graph, cfg: ParallelConfig) -> list[_OpPlan]:
     """Per op: its work split and its tensor/sequence-parallel collectives (read-only, memoised)."""
-    key = ("plans", cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.dtype)
+    key = ("plans", cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.dtype, cfg.op_plans)
     cache = _cache(graph)
     plans = cache.get(key)
     if plans is None:
-        plans = cache[key] = _propagate(graph, cfg)
+        if cfg.op_plans is None:
+            plans = _propagate(graph, cfg)
+        elif len(cfg.op_plans) != len(graph.ops):
+            raise ValueError(f"ParallelConfig.op_plans has {len(cfg.op_plans)} entries but graph {graph.name!r} has "
+                             f"{len(graph.ops)} ops; give one OpPlan per op, in op order")
+        else:
+            plans = [_OpPlan(p.split, list(p.tp_fwd), list(p.tp_bwd), list(p.sp_fwd), list(p.sp_bwd), p.param_split)
+                     for p in cfg.op_plans]
+        cache[key] = plans
     return plans
 
 
@@ -731,7 +763,7 @@ def _stage_terms(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int) ->
     """
     devs = cfg.devices if cfg.devices is not None else tuple(range(cfg.world))
     key = ("stages", id(cluster), devs, cfg.dp, cfg.tp, cfg.pp, cfg.sp, v, cfg.partition, cfg.sequence_parallel,
-           cfg.dtype, cfg.fused_attention)
+           cfg.dtype, cfg.fused_attention, cfg.op_plans)
     cache = _cache(graph)
     hit = cache.get((*key, cfg.recompute))
     if hit is not None and hit[0] is cluster:  # the cluster is held, so its id is not reused
@@ -818,7 +850,7 @@ def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, 
 def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
                 plans: list[_OpPlan]) -> tuple[list[float], list[float], list[float]]:
     """Forward, backward and attention-forward seconds of every op on one device type."""
-    key = ("opvec", dt.name, cfg.dtype, cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.fused_attention)
+    key = ("opvec", dt.name, cfg.dtype, cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.fused_attention, cfg.op_plans)
     op_costs = _cache(graph)
     hit = op_costs.get(key)
     if hit is not None:
@@ -843,7 +875,7 @@ def _per_plan(graph: Graph, cfg: ParallelConfig, plans: list[_OpPlan]) -> tuple[
                                                                                  list[tuple[int, str, float, int]]]:
     """Ops with tensor/sequence-parallel collectives, and parameter uses ``(op, tensor, local numel,
     numel)``, in op order."""
-    key = ("per_plan", cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.dtype)
+    key = ("per_plan", cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.dtype, cfg.op_plans)
     cache = _cache(graph)
     hit = cache.get(key)
     if hit is not None:
@@ -866,7 +898,8 @@ def _per_plan(graph: Graph, cfg: ParallelConfig, plans: list[_OpPlan]) -> tuple[
 
 def _segment_activations(graph: Graph, cfg: ParallelConfig, plans: list[_OpPlan]) -> list[float]:
     selective = cfg.recompute == "selective"
-    key = ("seg_act", cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.dtype, cfg.fused_attention, selective)
+    key = ("seg_act", cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.dtype, cfg.fused_attention, selective,
+           cfg.op_plans)
     cache = _cache(graph)
     if key not in cache:
         op_key = ("op_act", cfg.dtype, cfg.fused_attention, selective)

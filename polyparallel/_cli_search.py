@@ -116,14 +116,20 @@ def explain_cmd(
     console.print(t)
     if s.stages:
         t = Table(title="pipeline stages")
-        for col in ("stage", "ops (first .. last)", "layers", "devices", "device type", "compute"):
+        for col in ("stage", "ops (first .. last)", "layers", "devices", "device type", "compute", "placed by",
+                    "objective / rule (per micro-batch)"):
             t.add_column(col)
         for st in s.stages:
             pairs = [f"{a} .. {b}" for a, b in zip(st.ops[::2], st.ops[1::2])]
             layers = f"{st.layers[0]}..{st.layers[-1]}" if st.layers else ""
             devs = f"{st.devices[0]}..{st.devices[-1]}" if len(st.devices) > 1 else str(st.devices[0])
-            t.add_row(str(st.index), "; ".join(pairs), layers, devs, st.device_type, _ms(st.compute_s))
+            obj = f"{_ms(st.objective_s)} / {_ms(st.rule_objective_s)}" if st.rule_objective_s else ""
+            t.add_row(str(st.index), "; ".join(pairs), layers, devs, st.device_type, _ms(st.compute_s),
+                      st.placed_by or "rule", obj)
         console.print(t)
+        for st in s.stages:
+            if st.placement_note:
+                console.print(f"stage {st.index} placements: {st.placed_by or 'rule'} ({st.placement_note})")
     if s.placements:
         t = Table(title="placements (loop dim : mesh axis)")
         t.add_column("placement")

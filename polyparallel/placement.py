@@ -27,8 +27,21 @@ x dtype bytes) as the message; a halo is a point-to-point message of the exact h
 neighbour; an irregular exchange is an all-to-all whose per-rank receive ``(p-1)/p * n``
 equals poly's exact count.
 
-**Solvers** (all exact on the candidate set; candidates per op are its ``K`` cheapest
-placements by ``c_{o,p}``, all of them with ``k=None``):
+**Candidates.** An op's candidates are its legal placements that pass ``expressible(op, p)``
+(default: all; a backend that runs only some layouts passes its own predicate), cut to the ``K``
+cheapest by ``c_{o,p}`` (all of them with ``k=None``), plus ``include(op)`` when given (e.g. a
+rule's placement: then the optimum is never worse than the rule under the same prices).
+``edge_rule(graph, u, p_u, v, p_v, pos)`` (``v`` reads ``u``'s output as its input ``pos``)
+says how the target runs an edge: ``"free"`` moves nothing although the block layouts differ
+(the torch backend regroups a fused ``qkv`` projection's rows so each rank's column shard holds
+whole heads), ``"forbid"`` cannot be run, ``"local"`` passes local shards only (allowed where
+the reshard moves nothing), ``None`` is priced as above. A forbidden pair costs ``FORBIDDEN``
+seconds, so the optimum avoids it whenever any assignment does. Bytes
+on the wire use the training ``dtype`` for floating-point tensors. An op on sharded parameters
+pays the device's DTensor dispatch (``sharded`` in :func:`~polyparallel.cost_models.compute.op_cost`),
+as the step model prices it.
+
+**Solvers** (all exact on the candidate set):
 
 * *variable elimination* (min-sum dynamic programming over the graph): eliminating op
   ``o`` replaces the terms that mention it by
@@ -68,9 +81,16 @@ from typing import Any
 import numpy as np
 
 from polyparallel.cluster import Cluster
+from polyparallel.ir import ANY as _ANY
 from polyparallel.ir import Graph, Op, TensorKind
 
-__all__ = ["PlacementPlan", "PlacementTables", "price_placements", "solve_placements", "solve_stage"]
+__all__ = ["FORBIDDEN", "PlacementPlan", "PlacementTables", "param_split", "price_placements", "solve_placements",
+           "solve_stage"]
+
+Expressible = Callable[[Op, Any], bool]  # (op, Placement) -> whether the target runs it
+Include = Callable[[Op], Any]  # op -> a Placement that must be a candidate, or None
+EdgeRule = Callable[[Graph, Op, Any, Op, Any, int], "str | None"]  # "free" / "forbid" / "local" / None
+FORBIDDEN = 1e6  # seconds: an edge layout pair the target cannot run
 
 _KIND = {"all-reduce": "all_reduce", "reduce-scatter": "reduce_scatter", "all-gather": "all_gather",
          "all-to-all": "all_to_all"}
@@ -115,7 +135,11 @@ class _Pricer:
     devices: list[int]
     dtype: str
     k: int | None
+    expressible: Expressible | None = None
+    include: Include | None = None
+    edge_rule: EdgeRule | None = None
     _coll: dict = field(default_factory=dict)
+    _cands: dict = field(default_factory=dict)
     _groups: dict = field(default_factory=dict)
     _ops: dict = field(default_factory=dict)
     _edges: dict = field(default_factory=dict)
@@ -157,35 +181,68 @@ class _Pricer:
             self._coll[key] = t
         return t
 
-    def reshard_s(self, rs: Any) -> float:
+    def reshard_s(self, rs: Any, width: float) -> float:
+        """Seconds of a poly reshard whose elements are ``width`` bytes each."""
         if rs is None:
             return 0.0
-        return sum(self.collective(st.kind, st.axes, st.payload * rs.dtype_bytes, st.elements * rs.dtype_bytes)
-                   for st in rs.steps)
+        return sum(self.collective(st.kind, st.axes, st.payload * width, st.elements * width) for st in rs.steps)
+
+    def width(self, tensor: str) -> float:
+        """Bytes per element on the wire: the training dtype for floating-point tensors."""
+        return _wire_bytes(self.graph, tensor, self.dtype)
+
+    def legal(self, op: Op) -> tuple:
+        """The op's legal placements the target can run, plus the included one."""
+        hit = self._cands.get(op.name)
+        if hit is None:
+            from polyparallel.poly import legal_placements
+
+            pls = legal_placements(self.graph, op, self.mesh)
+            if self.expressible is not None:
+                pls = [p for p in pls if self.expressible(op, p)]
+            forced = self.include(op) if self.include is not None else None
+            if forced is not None and forced not in pls:
+                if forced not in legal_placements(self.graph, op, self.mesh):
+                    raise ValueError(f"include: placement {forced} is not legal for op {op.name!r} on {self.mesh}")
+                pls.append(forced)
+            if not pls:
+                raise ValueError(f"op {op.name!r}: no legal placement passes the expressible predicate on {self.mesh}; "
+                                 "the predicate must keep at least the replicated placement")
+            hit = self._cands[op.name] = (tuple(pls), forced)
+        return hit
+
+    def key(self, op: Op) -> tuple:
+        """What an op's prices depend on: its signature and its candidate set."""
+        from polyparallel.poly._cache import signature_of
+
+        return (signature_of(self.graph, op), self.legal(op))
 
     def op(self, op: Op) -> tuple[list, list[float], list[float], list[float]]:
         """(candidates, total own seconds, compute seconds, own-collective seconds), K cheapest."""
         from polyparallel.cost_models.compute import op_cost
-        from polyparallel.poly import comm_of_op, legal_placements
-        from polyparallel.poly._cache import signature_of
+        from polyparallel.poly import comm_of_op
 
-        key = signature_of(self.graph, op)
+        key = self.key(op)
         hit = self._ops.get(key)
         if hit is not None:
             return hit
         dt = self.cluster.device(self.devices[0]).type
-        pls = legal_placements(self.graph, op, self.mesh)
+        pls, forced = self.legal(op)
+        w = _SHORT_BYTES.get(self.dtype, 4)  # collectives inside an op move partial sums / gradients
         costs, computes, comms = [], [], []
         for p in pls:
             oc = comm_of_op(self.graph, op, p, self.mesh)
             split = op.flops / oc.flops if oc.flops else 1.0
-            c = op_cost(self.graph, op, dt, self.dtype, split=max(split, 1.0))
-            comm = sum(self.collective(col.kind, col.axes, col.payload * col.dtype_bytes, col.bytes)
+            c = op_cost(self.graph, op, dt, self.dtype, split=max(split, 1.0),
+                        sharded=param_split(self.graph, op, p, self.mesh) > 1)
+            comm = sum(self.collective(col.kind, col.axes, col.payload * w, col.elements * w)
                        for col in (*oc.forward, *oc.backward, *oc.grad))
             computes.append(c.forward + c.backward)
             comms.append(comm)
             costs.append(c.forward + c.backward + comm)
         order = sorted(range(len(pls)), key=lambda i: costs[i])[: (len(pls) if self.k is None else max(1, self.k))]
+        if forced is not None and pls.index(forced) not in order:
+            order.append(pls.index(forced))
         hit = ([pls[i] for i in order], [costs[i] for i in order], [computes[i] for i in order],
                [comms[i] for i in order])
         self._ops[key] = hit
@@ -194,22 +251,53 @@ class _Pricer:
     def edge(self, tensor: str, u: Op, v: Op, pos: int) -> tuple[np.ndarray, np.ndarray]:
         """(forward seconds, backward seconds) matrices over (candidates of u, candidates of v)."""
         from polyparallel.poly import edge_costs
-        from polyparallel.poly._cache import signature_of
 
-        key = (signature_of(self.graph, u), u.outputs.index(tensor), signature_of(self.graph, v), pos)
+        key = (self.key(u), u.outputs.index(tensor), self.key(v), pos)
         hit = self._edges.get(key)
         if hit is not None:
             return hit
         cu, cv = self.op(u)[0], self.op(v)[0]
         ec = edge_costs(self.graph, tensor, v, f"in{pos}", self.mesh, cu, cv)
+        w = self.width(tensor)
         fwd = np.zeros((len(cu), len(cv)))
         bwd = np.zeros((len(cu), len(cv)))
         for i in range(len(cu)):
             for j in range(len(cv)):
-                fwd[i, j] = self.reshard_s(ec.cost(i, j))
-                bwd[i, j] = self.reshard_s(ec.backward_cost(i, j))
+                how = self.edge_rule(self.graph, u, cu[i], v, cv[j], pos) if self.edge_rule is not None else None
+                if how == "free":
+                    continue
+                rs = ec.cost(i, j)
+                if how == "forbid" or (how == "local" and rs is not None and rs.steps):
+                    fwd[i, j] = FORBIDDEN
+                    continue
+                fwd[i, j] = self.reshard_s(rs, w)
+                bwd[i, j] = self.reshard_s(ec.backward_cost(i, j), w)
         self._edges[key] = (fwd, bwd)
         return fwd, bwd
+
+
+_SHORT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+_FLOAT = ("float32", "float16", "bfloat16", "float64")
+
+
+def _wire_bytes(graph: Graph, tensor: str, dtype: str) -> float:
+    from polyparallel.ir import DTYPE_BYTES
+
+    t = graph.tensors[tensor].dtype
+    return _SHORT_BYTES.get(dtype, 4) if t in _FLOAT else DTYPE_BYTES.get(t, 4)
+
+
+def param_split(graph: Graph, op: Op, placement: Any, mesh: Any) -> int:
+    """Ways ``placement`` shards the op's parameters: the product of the mesh axes splitting a
+    dim that indexes a parameter operand (1 when every parameter is replicated)."""
+    if op.nest is None or not placement.splits:
+        return 1
+    params = {f"in{i}" for i, t in enumerate(op.inputs) if graph.tensors[t].kind is TensorKind.PARAM}
+    if not params:
+        return 1
+    dims = {d for st in op.nest.statements for a in st.reads if a.operand in params
+            for e in a.index if e is not _ANY for d in e.dims}
+    return math.prod(mesh.group_size(axes) for d, axes in placement.splits if d in dims)
 
 
 def _in_edges(graph: Graph, v: Op) -> list[tuple[str, Op, int]]:
@@ -241,18 +329,21 @@ class PlacementTables:
 
 
 def _pricer(graph: Graph, mesh: Any, cluster: Cluster, dtype: str, devices: list[int] | None,
-            k: int | None) -> _Pricer:
+            k: int | None, expressible: Expressible | None = None, include: Include | None = None,
+            edge_rule: EdgeRule | None = None) -> _Pricer:
     devices = list(devices or range(mesh.size))
     if len(devices) != mesh.size:
         raise ValueError(f"the stage mesh {mesh} has {mesh.size} devices but {len(devices)} device ids were given")
-    return _Pricer(graph, mesh, cluster, devices, dtype, k)
+    return _Pricer(graph, mesh, cluster, devices, dtype, k, expressible, include, edge_rule)
 
 
 def price_placements(graph: Graph, mesh: Any, cluster: Cluster, *, dtype: str = "fp32",
                      devices: list[int] | None = None, ops: list[Op] | None = None,
-                     k: int | None = 6) -> PlacementTables:
-    """Price every op's candidate placements and every edge's candidate pairs."""
-    pr = _pricer(graph, mesh, cluster, dtype, devices, k)
+                     k: int | None = 6, expressible: Expressible | None = None,
+                     include: Include | None = None, edge_rule: EdgeRule | None = None) -> PlacementTables:
+    """Price every op's candidate placements and every edge's candidate pairs (candidates as
+    :func:`solve_stage` takes them)."""
+    pr = _pricer(graph, mesh, cluster, dtype, devices, k, expressible, include, edge_rule)
     return _tables(pr, list(ops if ops is not None else graph.ops))
 
 
@@ -427,7 +518,9 @@ def _plan(tab: PlacementTables, pr: _Pricer, choice: dict[str, int], t0: float, 
 
 def solve_placements(graph: Graph, mesh: Any, cluster: Cluster, *, dtype: str = "fp32",
                      devices: list[int] | None = None, ops: list[Op] | None = None, k: int | None = 6,
-                     time_limit: float = 30.0, solver: str = "auto", max_table: int = 1 << 20) -> PlacementPlan:
+                     time_limit: float = 30.0, solver: str = "auto", max_table: int = 1 << 20,
+                     expressible: Expressible | None = None, include: Include | None = None,
+                     edge_rule: EdgeRule | None = None) -> PlacementPlan:
     """Choose a placement per op over the whole op list (see the module docstring).
 
     ``solver``: ``"elimination"`` (exact DP; raises when a table exceeds ``max_table``),
@@ -436,7 +529,7 @@ def solve_placements(graph: Graph, mesh: Any, cluster: Cluster, *, dtype: str = 
     if solver not in ("auto", "elimination", "milp"):
         raise ValueError(f"solver must be 'auto', 'elimination' or 'milp', not {solver!r}")
     t0 = time.perf_counter()
-    pr = _pricer(graph, mesh, cluster, dtype, devices, k)
+    pr = _pricer(graph, mesh, cluster, dtype, devices, k, expressible, include, edge_rule)
     tab = _tables(pr, list(ops if ops is not None else graph.ops))
     if solver != "milp":
         try:
@@ -459,7 +552,6 @@ def _block_factor(pr: _Pricer, inst: list[Op], prev: list[Op] | None, in_set: se
     Roles: ``b{i}`` op ``i`` of this instance, ``p{i}`` op ``i`` of the previous instance,
     ``x:NAME`` any other op feeding the instance.
     """
-    from polyparallel.poly._cache import signature_of
 
     g = pr.graph
     pos = {op.name: i for i, op in enumerate(inst)}
@@ -492,8 +584,9 @@ def _block_factor(pr: _Pricer, inst: list[Op], prev: list[Op] | None, in_set: se
             factors.append(((ru, r), fwd + bwd))
             pattern.append((ru, r, p, u.outputs.index(t)))
     keep = {role(op.name) for op in inst if op.name in later}
-    key = (tuple(signature_of(g, op) for op in inst), tuple(pattern), tuple(sorted(keep)), pr.mesh,
-           id(pr.cluster), tuple(pr.devices), pr.dtype, pr.k, max_table)
+    key = (tuple(pr.key(op) for op in inst), tuple(pattern), tuple(sorted(keep)), pr.mesh,
+           id(pr.cluster), tuple(pr.devices), pr.dtype, pr.k, max_table, pr.edge_rule,
+           tuple(pr.key(u) for op in inst for _t, u, _p in _in_edges(g, op) if u.name not in pos and u.name in in_set))
     hit = _BLOCK_CACHE.get(key)
     if hit is None:
         interior = {role(op.name) for op in inst} - keep
@@ -521,7 +614,8 @@ def _read_later(g: Graph, inst: list[Op]) -> set[str]:
 
 def solve_stage(graph: Graph, mesh: Any, cluster: Cluster, *, dtype: str = "fp32",
                 devices: list[int] | None = None, ops: list[Op] | None = None, k: int | None = 6,
-                max_table: int = 1 << 20, time_limit: float = 30.0) -> PlacementPlan:
+                max_table: int = 1 << 20, time_limit: float = 30.0, expressible: Expressible | None = None,
+                include: Include | None = None, edge_rule: EdgeRule | None = None) -> PlacementPlan:
     """Per-op placements of one stage (``ops``, default the whole graph) on ``mesh``.
 
     Repeated blocks are solved once per (block signature, mesh) with their boundary as DP
@@ -538,12 +632,18 @@ def solve_stage(graph: Graph, mesh: Any, cluster: Cluster, *, dtype: str = "fp32
         ops: the stage's ops (default the whole graph); edges from ops outside are not priced.
         k: candidates per op (its ``k`` cheapest placements by compute + own collectives);
             ``None`` keeps every legal placement.
+        expressible: ``(op, placement) -> bool``: only placements it accepts are candidates
+            (a backend's executable layouts); it must accept the replicated placement.
+        include: ``op -> placement or None``: a placement that is always a candidate.
+        edge_rule: ``(graph, u, p_u, v, p_v, pos) -> "free" | "forbid" | "local" | None``: how the
+            target runs an edge (module docstring); pass a module-level function (it keys the
+            block cache).
     """
     from polyparallel.transforms import find_repeated_blocks
 
     t0 = time.perf_counter()
     ops = list(ops if ops is not None else graph.ops)
-    pr = _pricer(graph, mesh, cluster, dtype, devices, k)
+    pr = _pricer(graph, mesh, cluster, dtype, devices, k, expressible, include, edge_rule)
     index = {op.name: i for i, op in enumerate(graph.ops)}
     idx = sorted(index[op.name] for op in ops)
     lo, hi = (idx[0], idx[-1] + 1) if idx else (0, 0)
@@ -557,7 +657,8 @@ def solve_stage(graph: Graph, mesh: Any, cluster: Cluster, *, dtype: str = "fp32
                 runs.append((b.key, inside))
     if not runs:
         plan = solve_placements(graph, mesh, cluster, dtype=dtype, devices=devices, ops=ops, k=k,
-                                time_limit=time_limit, max_table=max_table)
+                                time_limit=time_limit, max_table=max_table, expressible=expressible, include=include,
+                                edge_rule=edge_rule)
         return plan
     try:
         return _solve_chain(pr, ops, runs, t0, max_table)

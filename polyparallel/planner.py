@@ -71,6 +71,14 @@ integer of the IR that differs between the two is affine in the batch). A strate
 micro-batch is 1 is re-captured at 1 before it is written, because a capture at batch 1
 names extent-1 dims differently (same prices, different fingerprint).
 
+**Per-op placements.** Plans are ranked with the step model's Megatron rule (cheap, one
+propagation per tensor-parallel degree). The chosen plan's ops are then placed stage by stage
+by the exact per-stage solver (:func:`polyparallel.placement.solve_stage`: dynamic programming
+along the chain of repeated blocks, MILP for branchy graphs), restricted by default to what the
+torch backend executes and always offered the rule's placement, and the plan is re-priced with
+the placements it lists; the rule's placements stay where the solver's are not executable,
+do not fit or are not faster (:mod:`polyparallel._placing`; ``constraints.placements``).
+
 Across centers (a cluster with several centers): a synchronous plan whose dp/tp/sp
 groups would cross a WAN link is refused unless ``constraints.allow_wan`` is set; a
 pipeline across centers is allowed where the centers let activations leave. The
@@ -96,6 +104,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from polyparallel._placing import MODES, place
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, StepEstimate, estimate_step
 from polyparallel.cost_models.step import StepBound, step_lower_bound
@@ -142,6 +151,9 @@ class Constraints:
         mode: force ``synchronous`` or ``collaborative``.
         comm_fraction: target communication share of a collaborative round.
         cross_node_tp: allow tensor parallelism across nodes.
+        placements: per-op placements of the chosen plan: ``torch`` (the exact per-stage solver,
+            restricted to what the torch backend executes), ``any`` (the solver over every legal
+            placement; the torch backend may refuse the strategy) or ``rule`` (Megatron's rule).
     """
 
     dp: int | None = None
@@ -160,6 +172,7 @@ class Constraints:
     mode: str | None = None
     comm_fraction: float = 0.2
     cross_node_tp: bool = False
+    placements: str = "torch"
 
     @classmethod
     def of(cls, value: Constraints | dict[str, Any] | None) -> Constraints:
@@ -174,7 +187,10 @@ class Constraints:
         v = dict(value)
         if v.get("centers") is not None:
             v["centers"] = tuple(v["centers"])
-        return cls(**v)
+        out = cls(**v)
+        if out.placements not in MODES:
+            raise ValueError(f"constraints.placements must be one of {', '.join(MODES)}, not {out.placements!r}")
+        return out
 
 
 # ----------------------------------------------------------------------------------------
@@ -591,7 +607,11 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
         return collab[0].model_copy(update={"search": record})
     if not sync_ok:
         raise DoesNotFit(_does_not_fit_message(mdl, cl, best))
-    return _to_strategy(mdl, cl, best.est, best.b, B, devs, record)
+    t1 = time.perf_counter()
+    strat = _to_strategy(mdl, cl, best.est, best.b, B, devs, record, c.placements, c.memory_cap)
+    # placing the chosen plan's ops is part of the search (its capture, if any, was counted above)
+    return strat.model_copy(update={"search": strat.search.model_copy(update={
+        "search_s": round(search_s + time.perf_counter() - t1, 3)})})
 
 
 def _search_sync(mdl: _Model, cl: Cluster, B: int, c: Constraints, devs: list[int], exhaustive: bool,
@@ -791,11 +811,15 @@ def _does_not_fit_message(mdl: _Model, cl: Cluster, best: _Best | None) -> str:
 
 
 def _to_strategy(mdl: _Model, cl: Cluster, est: StepEstimate, b: int, B: int, devs: list[int],
-                 record: SearchRecord) -> Strategy:
+                 record: SearchRecord, placements: str = "torch", cap: float | None = None) -> Strategy:
     was = mdl.graph(b)
     g = mdl.exact(b)
     if g is not was:  # captured just now: price the plan on the graph the strategy names (same price)
         est = estimate_step(g, cl, est.config)
+    chunks = _stage_chunks(g, est.config)
+    stage_ops = [[g.ops[i] for a, z in chunks[s] for i in range(a, z + 1)] for s in range(est.config.pp)]
+    placed = place(g, cl, est, stage_ops, placements, cap)
+    est = placed.est
     cfg = est.config
     axes = []
     for name, size in (("pp", cfg.pp), ("dp", cfg.dp), ("sp", cfg.sp), ("tp", cfg.tp)):
@@ -804,13 +828,14 @@ def _to_strategy(mdl: _Model, cl: Cluster, est: StepEstimate, b: int, B: int, de
     order = [devs[cfg.rank(s, d, q, t)] for s in range(cfg.pp) for d in range(cfg.dp) for q in range(cfg.sp)
              for t in range(cfg.tp)]
     stages = []
-    chunks = _stage_chunks(g, cfg)
     for s, st in enumerate(est.stages):
         names = [name for a, z in chunks[s] for name in (g.ops[a].name, g.ops[z].name)]
         layer_ids = sorted({i for a, z in chunks[s] for i in _layer_ids(g, a, z)})
         stage_devs = [devs[cfg.rank(s, d, q, t)] for d in range(cfg.dp) for q in range(cfg.sp) for t in range(cfg.tp)]
+        sp_ = placed.stages[s]
         stages.append(Stage(index=s, ops=names, layers=layer_ids, devices=stage_devs, device_type=est.memory[s].device,
-                            compute_s=round(st.part("compute"), 9)))
+                            compute_s=round(st.part("compute"), 9), placed_by=sp_.source, placement_note=sp_.note,
+                            objective_s=sp_.objective_s, rule_objective_s=sp_.rule_objective_s))
     mem_max = max(r.total for r in est.memory)
     bd = est.breakdown()
     comm = sum(v for k, v in bd.items() if k in ("tensor_parallel", "sequence_parallel", "p2p", "data_parallel"))
@@ -823,8 +848,18 @@ def _to_strategy(mdl: _Model, cl: Cluster, est: StepEstimate, b: int, B: int, de
                     mode="synchronous", global_batch=B, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, sp=cfg.sp,
                     microbatches=cfg.microbatches, schedule=cfg.schedule if cfg.chunks == 1 else
                     f"interleaved:{cfg.chunks}", zero_stage=cfg.zero_stage, recompute=cfg.recompute, dtype=cfg.dtype,
-                    mesh=Mesh(axes=axes, devices=order), stages=stages, placements=_placements(g, cfg),
-                    estimate=estimate, search=record)
+                    mesh=Mesh(axes=axes, devices=order), stages=stages, placements=_group(g, placed.placements),
+                    estimate=estimate, search=record.model_copy(update={"solver": record.solver + _placement_solver(
+                        placed.stages)}))
+
+
+def _placement_solver(stages: list[Any]) -> str:
+    """What placed the ops, for ``search.solver``: ``+placements:solver(blocks)`` or ``+placements:rule``."""
+    used = sorted({st.solver for st in stages if st.source == "solver"})
+    if not used:
+        return "+placements:rule"
+    rule = sum(st.source == "rule" for st in stages)
+    return f"+placements:solver({','.join(used)})" + (f",rule({rule} stages)" if rule else "")
 
 
 def _stage_chunks(g: Graph, cfg: ParallelConfig) -> list[list[tuple[int, int]]]:
@@ -871,52 +906,14 @@ def _axis_level(cl: Cluster, cfg: ParallelConfig, axis: str, devs: list[int]) ->
     return "intra_node"
 
 
-def _placements(g: Graph, cfg: ParallelConfig) -> list[OpPlacement]:
-    """Per-op placements implied by the plan: batch dims on dp, Megatron splits on tp."""
-    from polyparallel.cost_models.step import _plan_ops
-    from polyparallel.ir import Hint, TensorKind
-
-    plans = _plan_ops(g, cfg)
+def _group(g: Graph, per_op: list[str]) -> list[OpPlacement]:
+    """One OpPlacement per distinct placement string, listing its ops (and their modules) in op order."""
     groups: dict[str, list[str]] = {}
     modules: dict[str, list[str]] = {}
-    for op, plan in zip(g.ops, plans):
-        if op.nest is None:
-            groups.setdefault("", []).append(op.name)
-            modules.setdefault("", []).append(op.module)
-            continue
-        parts = []
-        batch = next((d.name for d in op.nest.dims if d.hint is Hint.BATCH and d.extent % max(1, cfg.dp) == 0), None)
-        if cfg.dp > 1 and batch:
-            parts.append(f"{batch}:dp")
-        if cfg.tp > 1 and plan.split % cfg.tp == 0:
-            has_param = any(g.tensors[t].kind is TensorKind.PARAM for t in op.inputs)
-            dim = _tp_dim(op, has_param, plan)
-            if dim:
-                parts.append(f"{dim}:tp")
-        groups.setdefault(",".join(parts), []).append(op.name)
-        modules.setdefault(",".join(parts), []).append(op.module)
+    for op, pl in zip(g.ops, per_op):
+        groups.setdefault(pl, []).append(op.name)
+        modules.setdefault(pl, []).append(op.module)
     return [OpPlacement(ops=names, placement=pl, modules=modules[pl]) for pl, names in groups.items()]
-
-
-def _tp_dim(op: Any, has_param: bool, plan: Any) -> str | None:
-    """The loop dim the Megatron rule splits over tp. Canonicalisation may have split a dim
-    into factors (``k`` -> ``k_0, k_1``); the outermost factor (e.g. the heads) is taken."""
-    names = [d.name for d in op.nest.dims]
-
-    def first(prefix: str) -> str | None:
-        return next((n for n in names if n == prefix or (n.startswith(prefix + "_") and n[len(prefix) + 1:].isdigit())),
-                    None)
-
-    if has_param and plan.tp_fwd and first("k"):
-        return first("k")  # row-parallel: partial sums reduced in the forward pass
-    if has_param and first("n") and not plan.tp_fwd:
-        return first("n")  # column-parallel
-    if has_param and first("v"):
-        return first("v")  # vocabulary-parallel embedding
-    for pref in ("h", "o", "c", "n", "e"):
-        if first(pref):
-            return first(pref)
-    return None
 
 
 # ----------------------------------------------------------------------------------------
@@ -927,8 +924,12 @@ def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Pa
              example_kwargs: dict[str, Any] | None = None, dp: int | None = None, tp: int = 1, pp: int = 1,
              sp: int = 1, microbatches: int | None = None, schedule: str | None = None,
              zero_stage: int | None = None, recompute: str | None = None, batch_size: int | None = None,
-             dtype: str | None = None) -> Strategy:
+             dtype: str | None = None, placements: str = "rule") -> Strategy:
     """Price a hand-made recipe with the same cost model; what is not given is chosen as the search would.
+
+    A recipe's tensor parallelism is Megatron's (``placements="rule"``, what the usual recipes
+    mean by ``tp``); ``placements="torch"`` or ``"any"`` places its ops with the per-stage solver
+    as the search does (:class:`Constraints`).
 
     Returns a Strategy whose ``estimate`` holds the price (even when the recipe does not fit:
     then ``estimate.memory_bytes_max`` exceeds the capacity and ``search.notes`` says why).
@@ -949,6 +950,8 @@ def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Pa
         raise ValueError(f"the global batch {B} is not divisible by dp={dp}")
     c = Constraints(dp=dp, tp=tp, pp=pp, sp=sp, microbatches=microbatches, schedule=schedule, zero_stage=zero_stage,
                     recompute=recompute, dtype=dtype, allow_wan=True, cross_node_tp=True, devices=world)
+    if placements not in MODES:
+        raise ValueError(f"placements must be one of {', '.join(MODES)}, not {placements!r}")
     t0 = time.perf_counter()
     best = _search_sync(mdl, cl, B, c, devs, False, "throughput", lambda _: None)
     record = SearchRecord(capture_s=round(mdl.capture_s, 3), search_s=round(time.perf_counter() - t0, 3),
@@ -958,10 +961,10 @@ def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Pa
             raise ValueError(f"the recipe dp={dp} tp={tp} pp={pp} sp={sp} cannot be priced on {cl.name}: "
                              + "; ".join(best.notes[:3]))
         est = best.closest
-        s = _to_strategy(mdl, cl, est, _batch_of(mdl, est), B, devs, record)
+        s = _to_strategy(mdl, cl, est, _batch_of(mdl, est), B, devs, record, placements)
         return s.model_copy(update={"search": record.model_copy(update={"notes": [
             r.why() for r in est.memory if not r.fits]})})
-    return _to_strategy(mdl, cl, best.est, best.b, B, devs, record)
+    return _to_strategy(mdl, cl, best.est, best.b, B, devs, record, placements)
 
 
 def _batch_of(mdl: _Model, est: StepEstimate) -> int:

@@ -69,9 +69,11 @@ def test_bad_strategy_files_get_clear_errors(tmp_path, tiny_gpt):
 
 def test_every_placement_of_a_found_strategy_is_legal(tiny_gpt):
     m, a, k = tiny_gpt
-    s = search(m, a, "local-cpu:4", example_kwargs=k, batch_size=16, constraints={"tp": 2, "dp": 2})
-    graph = _Model(m, a, k).graph(s.global_batch // (s.dp * s.microbatches))
-    s.validate_against(Cluster.preset("local-cpu:4"), graph)  # raises on an illegal placement
+    for mode in ("torch", "rule"):  # the solver's placements (replicated over tp for this tiny model), Megatron's
+        s = search(m, a, "local-cpu:4", example_kwargs=k, batch_size=16,
+                   constraints={"tp": 2, "dp": 2, "placements": mode})
+        graph = _Model(m, a, k).graph(s.global_batch // (s.dp * s.microbatches))
+        s.validate_against(Cluster.preset("local-cpu:4"), graph)  # raises on an illegal placement
     assert any(":tp" in p.placement for p in s.placements)
     bad = s.model_copy(update={"placements": [s.placements[0].model_copy(update={"placement": "k:dp,k:tp"})]})
     with pytest.raises(StrategyError, match="not legal"):

@@ -1,0 +1,368 @@
+r"""Per-op placements of a chosen plan: the exact per-stage solver, or Megatron's rule.
+
+The outer search (:mod:`polyparallel.planner`) prices plans with the step model's Megatron rule
+(:func:`polyparallel.cost_models.step._propagate`): it is cheap and exact enough to rank mesh
+shapes. Once a plan is chosen, each pipeline stage's ops are placed by
+:func:`polyparallel.placement.solve_stage` on the stage's tensor-parallel mesh (``tp`` devices;
+data parallelism is the batch split of every op, as in the step model, whose graph is one
+replica's micro-batch):
+
+.. math::  \min_x \sum_o c_{o,x_o} + \sum_{e=(u\to v)} r_{e,x_u,x_v},\qquad
+           x_o \in \mathcal{C}_o = \{p \text{ legal},\ \text{expressible}(o, p)\}_{K} \cup \{\text{rule}(o)\}
+
+(:mod:`polyparallel.placement`). The rule's placement is always a candidate, so the solver's
+objective is never above the rule's under the same prices. The plan is then re-priced by the step
+model with the solver's per-op work splits and collectives
+(:class:`~polyparallel.cost_models.step.OpPlan`), so the strategy's estimate is the price of the
+placements it lists; the solver's placements are kept when that price is not above the rule's
+and they fit in memory (the solver has no memory term), else the rule's are.
+
+**Targets** (``Constraints.placements``):
+
+* ``"torch"`` (default): candidates are what the torch backend executes. A ``Linear`` (a
+  contraction with a parameter) is column-parallel (``n``), row-parallel (``k`` or a factor
+  ``k_i``) or replicated; an embedding vocabulary-parallel (``v``) or replicated; attention split
+  over its heads (``h...``) or replicated; cross entropy class-parallel (``c``) or replicated;
+  pointwise ops (elementwise, views, concat, split) may stay split along a non-batch dim; every
+  other op is replicated over ``tp``. After solving, the layouts must chain as the backend runs
+  them (:func:`torch_problems`: a row-parallel Linear, a head-split attention, a split pointwise
+  op or a class-parallel loss reads shards left by a split producer without any reshard; a split
+  op's consumers are all split, or all replicated after a column-parallel Linear, which the backend
+  gathers); a stage that breaks this keeps the rule's placements, and the strategy says why.
+* ``"any"``: every legal placement (planning only: the torch backend may refuse the strategy).
+* ``"rule"``: Megatron's rule, as before the solver was wired.
+
+Sequence-parallel plans (``sp > 1``) keep the rule: the torch backend runs Ulysses for every op
+whatever the placements say, and the step model prices it so.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+
+from polyparallel.cluster import Cluster
+from polyparallel.cost_models import ParallelConfig, StepEstimate, estimate_step
+from polyparallel.cost_models.step import OpPlan
+from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind
+
+__all__ = ["MODES", "Placed", "StagePlacement", "place", "rule_placements", "torch_edge_rule", "torch_expressible",
+           "torch_problems"]
+
+MODES = ("torch", "any", "rule")
+_POINTWISE = (OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.CONCAT, OpKind.SPLIT)
+_KIND = {"all-reduce": "all_reduce", "reduce-scatter": "reduce_scatter", "all-gather": "all_gather",
+         "all-to-all": "all_to_all"}
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """Where one stage's placements came from and their objective (seconds per micro-batch:
+    forward + backward compute and tensor-parallel communication, under the placement cost)."""
+
+    source: str  # "solver" or "rule"
+    note: str = ""
+    objective_s: float = 0.0  # the solver's optimum (kept or not)
+    rule_objective_s: float = 0.0  # the rule's, same prices
+    solver: str = ""  # which solver ran (blocks / elimination / milp)
+    solve_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Placed:
+    est: StepEstimate
+    placements: list[str]  # per graph op, dp part included
+    stages: list[StagePlacement]
+
+
+def _has_param(g: Graph, op: Op) -> bool:
+    return any(g.tensors[t].kind is TensorKind.PARAM for t in op.inputs)
+
+
+def _batch_dim(op: Op, dp: int) -> str | None:
+    if op.nest is None:
+        return None
+    return next((d.name for d in op.nest.dims if d.hint is Hint.BATCH and d.extent % max(1, dp) == 0), None)
+
+
+def rule_placements(g: Graph, cfg: ParallelConfig) -> list[str]:
+    """Per op, the placement Megatron's rule implies: batch dims on dp, the rule's split on tp."""
+    from polyparallel.cost_models.step import _plan_ops
+
+    plans = _plan_ops(g, replace(cfg, op_plans=None))
+    out = []
+    for op, plan in zip(g.ops, plans):
+        if op.nest is None:
+            out.append("")
+            continue
+        parts = []
+        batch = _batch_dim(op, cfg.dp)
+        if cfg.dp > 1 and batch:
+            parts.append(f"{batch}:dp")
+        if cfg.tp > 1 and plan.split % cfg.tp == 0:
+            dim = _tp_dim(op, _has_param(g, op), plan)
+            if dim:
+                parts.append(f"{dim}:tp")
+        out.append(",".join(parts))
+    return out
+
+
+def _tp_dim(op: Any, has_param: bool, plan: Any) -> str | None:
+    """The loop dim the Megatron rule splits over tp. Canonicalisation may have split a dim
+    into factors (``k`` -> ``k_0, k_1``); the outermost factor (e.g. the heads) is taken."""
+    names = [d.name for d in op.nest.dims]
+
+    def first(prefix: str) -> str | None:
+        return next((n for n in names if n == prefix or (n.startswith(prefix + "_") and n[len(prefix) + 1:].isdigit())),
+                    None)
+
+    if has_param and plan.tp_fwd and first("k"):
+        return first("k")  # row-parallel: partial sums reduced in the forward pass
+    if has_param and first("n") and not plan.tp_fwd:
+        return first("n")  # column-parallel
+    if has_param and first("v"):
+        return first("v")  # vocabulary-parallel embedding
+    for pref in ("h", "o", "c", "n", "e"):
+        if first(pref):
+            return first(pref)
+    return None
+
+
+def _role(g: Graph, op: Op) -> str:
+    kind = OpKind(op.kind)
+    if op.name.startswith("cross_entropy"):
+        return "loss"
+    if kind is OpKind.CONTRACTION and _has_param(g, op) and op.name.startswith("linear"):
+        return "linear"
+    if kind is OpKind.EMBEDDING and _has_param(g, op):
+        return "embedding"
+    if kind is OpKind.ATTENTION:
+        return "attention"
+    if kind in _POINTWISE and not _has_param(g, op):
+        return "pointwise"
+    return "other"
+
+
+def torch_expressible(g: Graph, tp: int) -> Any:
+    """The ``expressible`` predicate of the torch backend on a ``tp``-device mesh (module docstring)."""
+
+    def ok(op: Op, p: Any) -> bool:
+        if not p.splits:
+            return True
+        if len(p.splits) > 1:
+            return False
+        d = p.splits[0][0]
+        if op.nest.extents[d] % tp:
+            return False  # the backend shards evenly (DTensor, whole heads)
+        role = _role(g, op)
+        if role == "loss":
+            return d == "c"
+        if role == "linear":
+            return d == "n" or re.fullmatch(r"k(_\d+)?", d) is not None
+        if role == "embedding":
+            return re.fullmatch(r"v(_0)?", d) is not None
+        if role == "attention":
+            return d == "h" or re.fullmatch(r"h_\d+", d) is not None
+        if role == "pointwise":
+            hint = next(x.hint for x in op.nest.dims if x.name == d)
+            return hint not in (Hint.BATCH, Hint.SEQUENCE)
+        return False
+
+    return ok
+
+
+def _split(p: Any) -> bool:
+    return bool(p.splits)
+
+
+def _first_act(g: Graph, op: Op) -> int:
+    return next((i for i, t in enumerate(op.inputs) if g.tensors[t].kind is not TensorKind.PARAM), 0)
+
+
+def torch_edge_rule(g: Graph, u: Op, pu: Any, v: Op, pv: Any, pos: int) -> str | None:
+    """How the torch backend runs the edge ``u -> v`` (``v``'s input ``pos``), for
+    :func:`polyparallel.placement.solve_stage`'s ``edge_rule``.
+
+    * ``"free"``: a column-parallel Linear feeding a head-split attention; the backend regroups the
+      projection's rows so each rank's shard holds whole heads of ``q``, ``k``, ``v``
+      (``_tensor_parallel.head_split``): nothing moves although the block layouts differ.
+    * ``"local"``: ``v`` computes on the local shards it is handed (a split pointwise op or
+      attention, the contracted input of a row-parallel Linear, the logits of a class-parallel
+      loss, the epilogue inputs of a column-parallel Linear): ``u`` must leave exactly those.
+    * ``"forbid"``: such an input left whole, or shards of a split op other than a
+      column-parallel Linear (which the backend gathers) read by a replicated op.
+    """
+    su, sv = _split(pu), _split(pv)
+    ru, rv = _role(g, u), _role(g, v)
+    if su and sv and ru == "linear" and pu.splits[0][0] == "n" and rv == "attention":
+        return "free"
+    if sv:
+        first = pos == _first_act(g, v)
+        if rv in ("pointwise", "attention") or (rv == "linear" and (pv.splits[0][0] != "n") == first) or (
+                rv == "loss" and first):
+            return "local" if su else "forbid"
+    if su and not sv and ru in ("pointwise", "attention"):
+        return "forbid"
+    return None
+
+
+def torch_problems(g: Graph, placed: dict[str, Any], mesh: Any) -> list[str]:
+    """Why the stage's placements (``op name -> Placement`` over ``tp``) do not chain as the torch
+    backend runs them (module docstring); empty when they do. The solver avoids every pair
+    :func:`torch_edge_rule` forbids; this also checks that a column-parallel Linear's consumers
+    are all split or all replicated (it is gathered or not, for all of them)."""
+    from polyparallel.placement import _in_edges
+    from polyparallel.poly import edge_costs
+
+    why: list[str] = []
+    for name, p in placed.items():
+        op = g.op(name)
+        for t, u, pos in _in_edges(g, op):
+            pu = placed.get(u.name)
+            if pu is None:
+                continue
+            how = torch_edge_rule(g, u, pu, op, p, pos)
+            if how == "forbid":
+                why.append(f"{op.name} ({p}) cannot read {t} from {u.name} ({pu})")
+            elif how == "local":
+                rs = edge_costs(g, t, op, f"in{pos}", mesh, [pu], [p]).cost(0, 0)
+                if rs is not None and rs.steps:
+                    why.append(f"{op.name} ({p}) needs {t} resharded from {u.name} ({pu}); the backend passes local "
+                               "shards")
+        if _split(p) and _role(g, op) == "linear" and p.splits[0][0] == "n":
+            cons = [c for t in op.outputs for c in g.consumers(t) if c.name in placed]
+            split_cons = [c for c in cons if _split(placed[c.name])]
+            if split_cons and len(split_cons) < len(cons):
+                why.append(f"{name} ({p}) feeds both split and replicated ops")
+    return why
+
+
+def _events(rs: Any, width: float, p: int) -> list[tuple[str, float]]:
+    """A poly reshard as the step model's ``(kind, bytes)`` events over the tp group (priced as
+    :class:`polyparallel.placement._Pricer` prices them)."""
+    out = []
+    for st in rs.steps if rs is not None else ():
+        out.append(_event(st.kind, st.payload * width, st.elements * width, p))
+    return [e for e in out if e[1] > 0]
+
+
+def _event(kind: str, payload: float, received: float, p: int) -> tuple[str, float]:
+    if kind in _KIND:
+        return (_KIND[kind], payload)
+    if kind == "halo" and p == 2:
+        return ("p2p", received)
+    if kind in ("p2p", "halo"):
+        # an irregular exchange: an all-to-all whose per-rank receive (p-1)/p·n is the exact count;
+        # a halo on more than two devices is priced the same way (the step model prices a whole group)
+        return ("all_to_all", received * p / max(1, p - 1))
+    raise ValueError(f"unknown collective kind {kind!r} from the polyhedral model")
+
+
+def _op_plans(g: Graph, placed: dict[str, Any], mesh: Any, dtype: str, edge_rule: Any) -> dict[str, OpPlan]:
+    """Each placed op's work split and tensor-parallel events (forward, backward)."""
+    from polyparallel.placement import _SHORT_BYTES, _in_edges, _wire_bytes, param_split
+    from polyparallel.poly import comm_of_op, edge_costs
+
+    w = _SHORT_BYTES.get(dtype, 4)
+    p = mesh.size
+    out = {}
+    for name, pl in placed.items():
+        op = g.op(name)
+        oc = comm_of_op(g, op, pl, mesh)
+        split = max(1.0, op.flops / oc.flops) if oc.flops else 1.0
+        fwd = [_event(c.kind, c.payload * w, c.elements * w, p) for c in oc.forward]
+        bwd = [_event(c.kind, c.payload * w, c.elements * w, p) for c in (*oc.backward, *oc.grad)]
+        for t, u, pos in _in_edges(g, op):
+            if u.name not in placed or (edge_rule is not None and
+                                        edge_rule(g, u, placed[u.name], op, pl, pos) == "free"):
+                continue
+            ec = edge_costs(g, t, op, f"in{pos}", mesh, [placed[u.name]], [pl])
+            wt = _wire_bytes(g, t, dtype)
+            fwd += _events(ec.cost(0, 0), wt, p)
+            bwd += _events(ec.backward_cost(0, 0), wt, p)
+        out[name] = OpPlan(split=split, tp_fwd=tuple(e for e in fwd if e[1] > 0),
+                           tp_bwd=tuple(e for e in bwd if e[1] > 0), param_split=param_split(g, op, pl, mesh))
+    return out
+
+
+def _fits(est: StepEstimate, cap: float | None) -> bool:
+    return est.fits and (cap is None or all(r.total <= cap for r in est.memory))
+
+
+def place(g: Graph, cl: Cluster, est: StepEstimate, stage_ops: list[list[Op]], mode: str = "torch",
+          cap: float | None = None, k: int = 6) -> Placed:
+    """The per-op placements of the plan ``est`` and its estimate re-priced with them.
+
+    ``stage_ops``: each pipeline stage's ops (as the step model cuts them). See the module
+    docstring for ``mode``; ``cap`` is a per-device memory cap the plan must respect.
+    """
+    from polyparallel.placement import price_placements, solve_stage
+    from polyparallel.poly import DeviceMesh, Placement, legal_placements
+
+    if mode not in MODES:
+        raise ValueError(f"placements must be one of {', '.join(MODES)}, not {mode!r}")
+    cfg = est.config
+    rule = rule_placements(g, cfg)
+    if mode == "rule" or cfg.tp == 1 or cfg.sp > 1:
+        why = ("asked for" if mode == "rule" else "no tensor-parallel axis to place" if cfg.tp == 1 else
+               "sp > 1: Ulysses is run for every op, as the step model prices it")
+        return Placed(est, rule, [StagePlacement("rule", why) for _ in stage_ops])
+    mesh = DeviceMesh.of(tp=cfg.tp)
+    devs = cfg.devices if cfg.devices is not None else tuple(range(cfg.world))
+    index = {op.name: i for i, op in enumerate(g.ops)}
+
+    def tp_part(op: Op) -> Any:
+        pl = Placement.parse(rule[index[op.name]])
+        pl = Placement(tuple((d, tuple(a for a in axes if a == "tp")) for d, axes in pl.splits))
+        return pl if pl in legal_placements(g, op, mesh) else None
+
+    expressible = torch_expressible(g, cfg.tp) if mode == "torch" else None
+    rule_of_edge = torch_edge_rule if mode == "torch" else None
+    chosen: dict[str, Any] = {}
+    stages = []
+    for s, ops in enumerate(stage_ops):
+        group = [devs[cfg.rank(s, 0, 0, t)] for t in range(cfg.tp)]
+        plan = solve_stage(g, mesh, cl, dtype=cfg.dtype, devices=group, ops=ops, k=k, expressible=expressible,
+                           include=tp_part, edge_rule=rule_of_edge)
+        tab = price_placements(g, mesh, cl, dtype=cfg.dtype, devices=group, ops=ops, k=k, expressible=expressible,
+                               include=tp_part, edge_rule=rule_of_edge)
+        rule_choice = {o.name: tab.candidates[o.name].index(tp_part(o) or Placement()) for o in ops}
+        rule_obj = tab.objective(rule_choice)
+        placed = {name: Placement.parse(pl) for name, pl in plan.placements.items()}
+        why = torch_problems(g, placed, mesh) if mode == "torch" else []
+        if why:
+            chosen.update({o.name: tp_part(o) or Placement() for o in ops})
+            stages.append(StagePlacement("rule", "solver placements not executable by the torch backend: " + why[0],
+                                         plan.objective_s, rule_obj, plan.solver, plan.solve_s))
+        else:
+            chosen.update(placed)
+            stages.append(StagePlacement("solver", "", plan.objective_s, rule_obj, plan.solver, plan.solve_s))
+    if all(st.source == "rule" for st in stages):
+        return Placed(est, rule, stages)
+    from polyparallel.cost_models.step import _plan_ops
+
+    solver_stage = {o.name for st, ops in zip(stages, stage_ops) if st.source == "solver" for o in ops}
+    solved = _op_plans(g, {n: p for n, p in chosen.items() if n in solver_stage}, mesh, cfg.dtype, rule_of_edge)
+    rule_plans = _plan_ops(g, replace(cfg, op_plans=None))
+    op_plans = tuple(solved.get(op.name) or OpPlan(r.split, tuple(r.tp_fwd), tuple(r.tp_bwd), tuple(r.sp_fwd),
+                                                   tuple(r.sp_bwd), r.param_split)
+                     for op, r in zip(g.ops, rule_plans))
+    est2 = estimate_step(g, cl, replace(cfg, op_plans=op_plans))
+    if not _fits(est2, cap) or est2.step_time > est.step_time * (1 + 1e-12):
+        why = ("the solver's placements do not fit in memory" if not _fits(est2, cap) else
+               f"the step model prices the solver's placements slower ({est2.step_time:.6g} s vs "
+               f"{est.step_time:.6g} s per step)")
+        return Placed(est, rule, [StagePlacement("rule", why, st.objective_s, st.rule_objective_s, st.solver,
+                                                 st.solve_s) for st in stages])
+    out = []
+    for op, r in zip(g.ops, rule):
+        if op.name not in solver_stage:
+            out.append(r)
+            continue
+        splits = dict(chosen[op.name].splits)
+        batch = _batch_dim(op, cfg.dp)
+        if cfg.dp > 1 and batch:
+            splits[batch] = ("dp", *splits.get(batch, ()))
+        out.append(str(Placement(tuple(splits.items()))) if splits else "")
+    return Placed(est2, out, stages)

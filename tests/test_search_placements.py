@@ -1,0 +1,156 @@
+"""The per-stage placement solver wired into the search: the stage objective equals brute force
+over the same candidates, never exceeds Megatron's rule under the same prices, and the strategy's
+estimate is the price of the placements it lists."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import polyparallel as pp
+from polyparallel._placing import _op_plans, torch_edge_rule, torch_expressible
+from polyparallel.cluster import Cluster
+from polyparallel.cost_models import ParallelConfig, estimate_step
+from polyparallel.models import GPT, MLP, GPTConfig
+from polyparallel.placement import price_placements
+from polyparallel.planner import _Model
+from polyparallel.poly import DeviceMesh, Placement
+
+
+def _mlp():
+    m = MLP((1024, 8192, 8192, 1024))
+    x = torch.zeros(2, 1024)
+    return m, (x,), {"labels": torch.zeros(2, dtype=torch.long)}
+
+
+def _gpt():
+    m = GPT(GPTConfig(vocab=128, seq=32, layers=1, hidden=64, heads=4))
+    ids = torch.zeros(4, 32, dtype=torch.long)
+    return m, (ids,), {"labels": ids}
+
+
+def _graph(model, args, kwargs, b):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _Model(model, args, kwargs).exact(b)
+
+
+def _brute_force(tab) -> float:
+    """min over every assignment, by broadcasting all factors into one array (no elimination)."""
+    ops = tab.ops
+    size = [len(tab.candidates[o]) for o in ops]
+    total = np.zeros(size)
+    for i, o in enumerate(ops):
+        shape = [1] * len(ops)
+        shape[i] = size[i]
+        total = total + np.asarray(tab.own[o]).reshape(shape)
+    for u, v, m in tab.edges:
+        iu, iv = ops.index(u), ops.index(v)
+        shape = [1] * len(ops)
+        shape[iu], shape[iv] = size[iu], size[iv]
+        total = total + (m if iu < iv else m.T).reshape(shape)
+    return float(total.min())
+
+
+@pytest.mark.parametrize(("make", "cluster", "tp", "mode"), [(_mlp, "dgx-a100x1", 8, "torch"),
+                                                             (_mlp, "dgx-a100x1", 4, "any"),
+                                                             (_gpt, "dgx-a100x1", 2, "torch")])
+def test_stage_objective_equals_brute_force_and_is_never_above_the_rule(make, cluster, tp, mode):
+    model, args, kwargs = make()
+    b = args[0].shape[0]
+    s = pp.search(model, args, cluster, example_kwargs=kwargs, batch_size=b,
+                  constraints={"tp": tp, "dp": 1, "pp": 1, "sp": 1, "devices": tp, "placements": mode})
+    assert s.tp == tp and len(s.stages) == 1
+    st = s.stages[0]
+    g = _graph(model, args, kwargs, b)
+    cl = Cluster.resolve(cluster)
+    mesh = DeviceMesh.of(tp=tp)
+    tab = price_placements(g, mesh, cl, dtype=s.dtype, devices=s.stages[0].devices[:tp], k=6,
+                           expressible=torch_expressible(g, tp) if mode == "torch" else None,
+                           include=lambda op: _rule_of(s, g, op, mesh),
+                           edge_rule=torch_edge_rule if mode == "torch" else None)
+    assert len(tab.ops) <= 16 and np.prod([len(c) for c in tab.candidates.values()]) <= 2_000_000
+    best = _brute_force(tab)
+    assert st.objective_s == pytest.approx(best, rel=1e-9)
+    assert st.objective_s <= st.rule_objective_s * (1 + 1e-12)
+
+
+def _rule_of(s, g, op, mesh):
+    """The Megatron rule's tp placement of ``op`` for the strategy's degrees (as the planner includes it)."""
+    from polyparallel._placing import rule_placements
+    from polyparallel.poly import legal_placements
+
+    cfg = ParallelConfig(dp=s.dp, tp=s.tp, dtype=s.dtype)
+    text = rule_placements(g, cfg)[[o.name for o in g.ops].index(op.name)]
+    pl = Placement(tuple((d, tuple(a for a in ax if a == "tp")) for d, ax in Placement.parse(text).splits))
+    return pl if pl in legal_placements(g, op, mesh) else None
+
+
+def test_the_estimate_prices_the_listed_placements():
+    """Where the solver's placements are kept, the strategy's estimate equals the step model
+    re-priced from the placements in its JSON, and its per-micro-batch compute + tensor-parallel
+    time equals the solver's objective (two code paths: the placement tables and the step model)."""
+    model, args, kwargs = _gpt()
+    s = pp.search(model, args, "dgx-a100x1", example_kwargs=kwargs, batch_size=4,
+                  constraints={"tp": 2, "dp": 1, "pp": 1, "sp": 1, "devices": 2})
+    st = s.stages[0]
+    assert st.placed_by == "solver", st.placement_note
+    assert st.objective_s < st.rule_objective_s  # Megatron's all-reduces cost more than they save here
+    s2 = pp.Strategy.from_json(s.to_json())
+    g = _graph(model, args, kwargs, 4)
+    cl = Cluster.resolve("dgx-a100x1")
+    placed = {o: Placement.parse(p.placement) for p in s2.placements for o in p.ops}
+    plans = _op_plans(g, placed, DeviceMesh.of(tp=2), s2.dtype, torch_edge_rule)
+    cfg = ParallelConfig(dp=1, tp=2, dtype=s2.dtype, recompute=s2.recompute, zero_stage=s2.zero_stage,
+                         devices=tuple(s2.mesh.devices), op_plans=tuple(plans[op.name] for op in g.ops))
+    est = estimate_step(g, cl, cfg)
+    assert s2.estimate.step_time_s == pytest.approx(est.step_time, rel=1e-12)
+    per_mb = (s2.estimate.breakdown["compute"] + s2.estimate.breakdown["tensor_parallel"]) / s2.microbatches
+    assert per_mb == pytest.approx(st.objective_s, rel=1e-9)
+    rule = pp.evaluate(model, args, "dgx-a100x1", example_kwargs=kwargs, batch_size=4, tp=2, dp=1)
+    assert s.estimate.step_time_s < rule.estimate.step_time_s
+
+
+@pytest.mark.parametrize("make", [_gpt, lambda: (pp.models.Llama(pp.models.LlamaConfig(
+    vocab=64, seq=16, layers=1, hidden=32, heads=4, kv_heads=2, ffn=64)), (torch.zeros(4, 16, dtype=torch.long),),
+    {"labels": torch.zeros(4, 16, dtype=torch.long)})])
+@pytest.mark.parametrize("cluster", ["local-cpu:2", "dgx-a100x1"])
+def test_solver_is_never_worse_than_the_rule_and_the_backend_accepts_it(make, cluster):
+    from polyparallel.backends.torch import plan_for
+
+    model, args, kwargs = make()
+    kw = dict(example_kwargs=kwargs, batch_size=4, tp=2, dp=1, recompute="none", microbatches=1)
+    solver = pp.evaluate(model, args, cluster, placements="torch", **kw)
+    rule = pp.evaluate(model, args, cluster, **kw)
+    assert solver.estimate.step_time_s <= rule.estimate.step_time_s * (1 + 1e-12)
+    for st in solver.stages:
+        assert st.placed_by in ("solver", "rule") and st.objective_s <= st.rule_objective_s * (1 + 1e-12)
+    assert "placements:" in solver.search.solver
+    g = _graph(model, args, kwargs, 4)
+    if solver.dtype == "fp32":
+        plan_for(solver, model, graph=g)  # executable by the torch backend (raises Unsupported otherwise)
+
+
+def test_explain_says_where_the_placements_came_from(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    model, args, kwargs = _gpt()
+    s = pp.search(model, args, "dgx-a100x1", example_kwargs=kwargs, batch_size=4,
+                  constraints={"tp": 2, "dp": 1, "pp": 1, "sp": 1, "devices": 2})
+    path = tmp_path / "s.json"
+    s.to_json(path)
+    r = subprocess.run([sys.executable, "-m", "polyparallel", "explain", str(path)], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "COLUMNS": "250"})
+    assert r.returncode == 0, r.stderr
+    assert "placed by" in r.stdout and "solver" in r.stdout
+
+
+def test_unknown_placement_mode_is_refused():
+    model, args, kwargs = _mlp()
+    with pytest.raises(ValueError, match="placements must be one of"):
+        pp.search(model, args, "dgx-a100x1", example_kwargs=kwargs, constraints={"placements": "magic"})
