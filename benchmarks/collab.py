@@ -25,9 +25,10 @@ why the waits dominate):
   every 0.05 s; ``warm-lazy`` = the same polling every 0.25 s;
 - ``warm+poll`` = warm-lazy and the SuperNode's idle poll and reply checks capped at 0.5 s (the best
   setting before the object-pull back-off and the SQLite store were found: the "before");
-- ``tuned-sqlite`` = SuperNode idle poll 0.25 s, reply checks 0.02 s, object-pull retries from 0.02 s
+- ``tuned-waits`` = SuperNode idle poll 0.25 s, reply checks 0.02 s, object-pull retries from 0.02 s
   (cap 0.2 s) in every process, executors and ServerApp polling every 0.1 s;
-- ``tuned`` = tuned-sqlite with the SuperLink's state and objects in memory: ``run_flower``'s defaults.
+- ``tuned-memory`` = tuned-waits with the SuperLink's state and objects in memory, not SQLite;
+- ``tuned`` = tuned-memory with the arrays packed into one buffer per dtype: ``run_flower``'s defaults.
 
 Run: ``nice python benchmarks/collab.py`` (3 centers × 1M in every mode, then 5 × 1M, 3 × 25M and 5 × 25M
 in ``warm+poll`` and ``tuned``; ``--quick``: only 3 × 1M; ``--modes a,b``: only those modes).
@@ -57,16 +58,17 @@ from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, ru
 from polyparallel.backends.collab._flower import run_flower
 
 SIZES = {"1M": ModelSpec("mlp", (1000,), 10, hidden=1000), "25M": ModelSpec("mlp", (5000,), 10, hidden=5000)}
-_STOCK = dict(supernode_poll_s=None, supernode_wait_s=None, pull_backoff_s=None, superlink_database="superlink.db")
+_STOCK = dict(supernode_poll_s=None, supernode_wait_s=None, pull_backoff_s=None, superlink_database="superlink.db",
+              pack_arrays=False)
+_WAITS = dict(warm=True, poll_s=0.1, supernode_poll_s=0.25, supernode_wait_s=0.02, pull_backoff_s=0.02)
 MODES = {
     "cold": dict(warm=False, **_STOCK),
     "warm": dict(warm=True, poll_s=0.05, **_STOCK),
     "warm-lazy": dict(warm=True, poll_s=0.25, **_STOCK),
     "warm+poll": dict(warm=True, poll_s=0.25, **{**_STOCK, "supernode_poll_s": 0.5, "supernode_wait_s": 0.5}),
-    "tuned-sqlite": dict(warm=True, poll_s=0.1, supernode_poll_s=0.25, supernode_wait_s=0.02, pull_backoff_s=0.02,
-                         superlink_database="superlink.db"),
-    "tuned": dict(warm=True, poll_s=0.1, supernode_poll_s=0.25, supernode_wait_s=0.02, pull_backoff_s=0.02,
-                  superlink_database=None),
+    "tuned-waits": dict(**_WAITS, superlink_database="superlink.db", pack_arrays=False),
+    "tuned-memory": dict(**_WAITS, superlink_database=None, pack_arrays=False),
+    "tuned": dict(**_WAITS, superlink_database=None, pack_arrays=True),
 }
 
 

@@ -192,3 +192,37 @@ def test_a_two_device_center_trains_data_parallel_inside_flower(tmp_path):
         np.testing.assert_allclose(res.params[k], v, rtol=1e-5, atol=1e-6)
     assert not np.array_equal(res.params["fc1.weight"], initial_params(cfg)["fc1.weight"])
     assert _no_stray_processes(tmp_path) == []
+
+
+def test_shortened_object_pull_backoff_is_what_flower_uses():
+    """Flower retries a missing object after 1 s, then 2 s; after the patch after 0.02 s, then 0.04 s."""
+    from flwr.supercore.inflatable import inflatable_utils as u
+    from flwr.supercore.inflatable.inflatable_utils import ObjectUnavailableError
+
+    from polyparallel.backends.collab._flwr_timing import capped_time, set_object_pull_backoff
+
+    saved = {fn: dict(fn.__kwdefaults__) for fn in (u.pull_objects, u.pull_and_inflate_object_from_tree)}
+    tries: list[float] = []
+
+    def pull(object_id: str) -> bytes:
+        tries.append(time.monotonic())
+        if len(tries) < 3:
+            raise ObjectUnavailableError(object_id)
+        return b"ok"
+
+    try:
+        set_object_pull_backoff(0.02)
+        assert u.pull_objects(["x"], pull, max_concurrent_pulls=1) == {"x": b"ok"}
+        assert u.pull_and_inflate_object_from_tree.__kwdefaults__["initial_backoff"] == 0.02
+    finally:
+        for fn, kw in saved.items():
+            fn.__kwdefaults__ = kw
+    gaps = np.diff(tries)
+    assert len(tries) == 3 and 0.015 < gaps[0] < 0.5 and 0.03 < gaps[1] < 0.5  # ±20% jitter, doubling
+    with pytest.raises(ValueError, match="0 < initial_s <= cap_s"):
+        set_object_pull_backoff(0.5, 0.1)
+    fast = capped_time(0.05, 0.01)
+    t0 = time.monotonic()
+    fast.sleep(3)  # the SuperNode's idle poll
+    fast.sleep(0.5)  # its reply check
+    assert time.monotonic() - t0 < 0.5 and fast.time is time.time

@@ -15,6 +15,12 @@ Two ways to run the centers' ClientApps:
   :mod:`._warm_center` process per center that takes tasks from the SuperNode's Runtime API and runs
   the ClientApp in-process, keeping imports, model and data between rounds.
 
+What a round costs beyond computing (``benchmarks/collab.py``; 3 centers, 1M parameters, loopback):
+Flower's fixed waits, not bytes. The defaults here shorten them (:mod:`._flwr_timing`): object-pull
+retries from 0.02 s instead of 1 s doubling to 10 s, SuperNode reply checks every 0.02 s instead of
+0.5 s and idle polls every 0.25 s instead of 3 s, the SuperLink's store in memory instead of SQLite,
+and the arrays packed into one buffer per dtype so that a message is a handful of Flower objects.
+
 The app handed to ``flwr run`` is a two-file Flower App written into the work directory: a
 ``pyproject.toml`` naming :data:`._flower_app.server_app` / ``client_app`` and carrying the run config,
 and a one-line module importing them.
@@ -96,6 +102,8 @@ class LoopbackFederation:
             name in ``workdir`` makes them survive a SuperLink restart (registered keys included) but
             stores every message object in SQLite, ~2 s more per round on loopback (3 centers, 1M
             parameters). The federation's own checkpoint does not need it.
+        pack_arrays: send the model and the updates as one buffer per dtype (see :mod:`._flower_app`);
+            False: tensor by tensor, as before packing (kept for the benchmark's before/after).
         credentials: TLS on the SuperLink's HTTP APIs and SuperNode authentication (only the
             public keys registered with :meth:`register_center` may join); None: plain HTTP, no auth.
     """
@@ -110,6 +118,7 @@ class LoopbackFederation:
     supernode_wait_s: float | None = 0.02
     pull_backoff_s: float | None = 0.02
     superlink_database: str | None = None
+    pack_arrays: bool = True
     credentials: Credentials | None = None
     procs: list[_Proc] = field(default_factory=list)
     superlink_port: int = 0
@@ -303,7 +312,7 @@ class LoopbackFederation:
             "server_app = _flower_app.server_app\nclient_app = _flower_app.client_app\n")
         run_config = {"collab-config": config.to_json(), "out-dir": str(out_dir),
                       "eval-data": str(eval_data or ""), "poll-s": poll_s, "max-rounds": max_rounds,
-                      "pull-backoff-s": self.pull_backoff_s or 0.0}
+                      "pull-backoff-s": self.pull_backoff_s or 0.0, "pack-arrays": self.pack_arrays}
         import tomli_w
 
         (app / "pyproject.toml").write_text(tomli_w.dumps({
@@ -378,7 +387,7 @@ def run_flower(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.nda
                warm: bool = True, timeout_s: float = 600.0, poll_s: float = 0.05,
                supernode_poll_s: float | None = 0.25, supernode_wait_s: float | None = 0.02,
                pull_backoff_s: float | None = 0.02, superlink_database: str | None = None,
-               credentials: Credentials | None = None) -> CollabResult:
+               pack_arrays: bool = True, credentials: Credentials | None = None) -> CollabResult:
     """Run the federation with Flower on 127.0.0.1 and return what the ServerApp fused.
 
     Args:
@@ -389,8 +398,8 @@ def run_flower(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.nda
         warm: long-lived ClientApp executors (see the module docstring).
         timeout_s: limit for the whole run; every process is stopped when it passes.
         poll_s: the ServerApp's and executors' polling interval.
-        supernode_poll_s, supernode_wait_s, pull_backoff_s, superlink_database: Flower's fixed waits and
-            the SuperLink's store, see :class:`LoopbackFederation` (None: Flower's own).
+        supernode_poll_s, supernode_wait_s, pull_backoff_s, superlink_database, pack_arrays: Flower's
+            fixed waits, the SuperLink's store and the message layout, see :class:`LoopbackFederation`.
         credentials: run with TLS and SuperNode authentication (see :func:`~._security.make_credentials`).
     """
     names = {c.name for c in config.centers}
@@ -409,7 +418,7 @@ def run_flower(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.nda
         fed = stack.enter_context(LoopbackFederation(
             wd, paths, warm=warm, executor_poll_s=poll_s, supernode_poll_s=supernode_poll_s,
             supernode_wait_s=supernode_wait_s, pull_backoff_s=pull_backoff_s, superlink_database=superlink_database,
-            credentials=credentials))
+            pack_arrays=pack_arrays, credentials=credentials))
         fed.submit(config, out, eval_data=ev, poll_s=poll_s)
         try:
             fed.wait(out, timeout_s)

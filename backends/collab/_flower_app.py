@@ -14,15 +14,16 @@ Messages (all a center ever sends is in :func:`reply_content`):
 - center → server: ``update`` + ``layout`` (the encoded update, see :mod:`._wire`, packed the same
   way), ``metrics`` (MetricRecord: numbers only), ``center`` (ConfigRecord: ``name``).
 
-Packing matters for speed only: Flower moves each array as its own object with an HTTP request per
-hop (server → SuperLink → SuperNode → ClientApp and back), ~30 objects a message for a 4-layer MLP
-sent tensor by tensor, 6 packed.
+Packing matters for speed only: Flower moves each array (and each 5 MB chunk of it) as its own
+object with an HTTP request per hop (server → SuperLink → SuperNode → ClientApp and back); packed, a
+message is 7 objects (plus a chunk per 5 MB) whatever the number of tensors.
 
 Run config keys: ``collab-config`` (the :class:`~._config.CollabConfig` JSON), ``out-dir``,
 ``eval-data`` (optional ``.npz`` with ``x``, ``y``), ``poll-s``, ``pull-backoff-s`` (first retry of
 a reply object not yet at the SuperLink; 0: Flower's 1 s), ``max-rounds`` (exit after that many
 rounds, as a server taken down between rounds; 0: run to the end). Node config keys: ``center``, ``data``
-(``.npz`` with the center's ``x``, ``y``).
+(``.npz`` with the center's ``x``, ``y``). ``pack-arrays`` (default true) false sends the arrays
+tensor by tensor with no ``layout`` (a center answers in the format it received; for the benchmark).
 """
 
 from __future__ import annotations
@@ -53,14 +54,18 @@ server_app = ServerApp()
 client_app = ClientApp()
 
 
-def _to_records(arrays: dict[str, np.ndarray]) -> tuple[ArrayRecord, ConfigRecord]:
-    # one buffer per dtype, not one Flower object per tensor: each object costs HTTP requests on every hop
+def _to_records(arrays: dict[str, np.ndarray], pack: bool = True) -> dict[str, ArrayRecord | ConfigRecord]:
+    """``{"arrays": ..., "layout": ...}`` packed (one buffer per dtype), or ``{"arrays": ...}`` tensor by tensor."""
+    if not pack:
+        return {"arrays": ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})}
     buffers, layout = pack_arrays(arrays)
-    return ArrayRecord({k: Array(v) for k, v in buffers.items()}), ConfigRecord(layout)
+    return {"arrays": ArrayRecord({k: Array(v) for k, v in buffers.items()}), "layout": ConfigRecord(layout)}
 
 
-def _from_records(rec: ArrayRecord, layout: ConfigRecord) -> dict[str, np.ndarray]:
-    return unpack_arrays({k: v.numpy() for k, v in rec.items()}, dict(layout))
+def _from_records(content: RecordDict, key: str = "arrays") -> dict[str, np.ndarray]:
+    """The arrays under ``key``, unpacked when the message carries a ``layout``."""
+    arrays = {k: v.numpy() for k, v in content[key].items()}
+    return unpack_arrays(arrays, dict(content["layout"])) if "layout" in content else arrays
 
 
 # --------------------------------------------------------------------------------------------- center
@@ -72,11 +77,12 @@ def _trainer(config_json: str, center: str, data_path: str) -> LocalTrainer:
     return make_trainer(CollabConfig.from_json(config_json), center, x, y)
 
 
-def reply_content(payload: dict[str, np.ndarray], metrics: dict[str, float], center: str) -> RecordDict:
+def reply_content(payload: dict[str, np.ndarray], metrics: dict[str, float], center: str,
+                  pack: bool = True) -> RecordDict:
     """The whole of what a center sends back: the encoded update, numbers, and its name."""
-    update, layout = _to_records(payload)
-    return RecordDict({"update": update, "layout": layout, "metrics": MetricRecord(dict(metrics)),
-                       "center": ConfigRecord({"name": center})})
+    rec = _to_records(payload, pack)
+    return RecordDict({"update": rec["arrays"], **({"layout": rec["layout"]} if pack else {}),
+                       "metrics": MetricRecord(dict(metrics)), "center": ConfigRecord({"name": center})})
 
 
 @client_app.train()
@@ -86,11 +92,11 @@ def _center_train(msg: Message, context: Context) -> Message:
     config = CollabConfig.from_json(config_json)
     center = str(context.node_config["center"])
     trainer = _trainer(config_json, center, str(context.node_config["data"]))
-    global_params = _from_records(msg.content["arrays"], msg.content["layout"])
+    global_params = _from_records(msg.content)
     cfg = msg.content["config"]
     payload, metrics = center_round(trainer, global_params, round_idx=int(cfg["round"]), config=config,
                                     proximal_mu=float(cfg["proximal_mu"]), t_received=t_received)
-    return Message(reply_content(payload, metrics, center), reply_to=msg)
+    return Message(reply_content(payload, metrics, center, pack="layout" in msg.content), reply_to=msg)
 
 
 # --------------------------------------------------------------------------------------------- server
@@ -138,6 +144,7 @@ def _serve(grid: Grid, context: Context) -> None:
     out = Path(str(rc["out-dir"]))
     out.mkdir(parents=True, exist_ok=True)
     poll_s = float(rc.get("poll-s", 0.05))
+    pack = bool(rc.get("pack-arrays", True))
     if float(rc.get("pull-backoff-s", 0)) > 0:  # see _flwr_timing: Flower's 1 s first retry of a reply object
         set_object_pull_backoff(float(rc["pull-backoff-s"]))
     evaluate = None
@@ -159,8 +166,7 @@ def _serve(grid: Grid, context: Context) -> None:
                                 config.round_timeout_s, poll_s)
         first = False
         r, params = server.begin_round()
-        arrays, layout = _to_records(params)
-        content = {"arrays": arrays, "layout": layout,
+        content = {**_to_records(params, pack),
                    "config": ConfigRecord({"round": r, "proximal_mu": server.fusion.proximal_mu})}
         msgs = [grid.create_message(RecordDict(dict(content)), "train", n, group_id=str(r)) for n in nodes]
         replies: list[CenterReply] = []
@@ -170,7 +176,7 @@ def _serve(grid: Grid, context: Context) -> None:
                 continue
             try:
                 c = m.content
-                replies.append(CenterReply(str(c["center"]["name"]), _from_records(c["update"], c["layout"]),
+                replies.append(CenterReply(str(c["center"]["name"]), _from_records(c, "update"),
                                            dict(c["metrics"])))
                 server.timing.record(r, "server", replies[-1].center, "update_received", t=t_arrived)
             except (KeyError, TypeError, ValueError) as e:
