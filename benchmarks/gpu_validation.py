@@ -95,12 +95,13 @@ def gemm_shapes(cal: dict[str, Any], tokens: int, hidden: int, vocab: int, peak_
     return rows
 
 
-def measure_step(cfg: GPTConfig, batch: int, fused: bool, recompute: bool = False, steps: int = 10,
-                 warmup: int = 3) -> dict[str, float]:
+def measure_step(cfg: GPTConfig, batch: int, fused: bool, recompute: bool = False, fused_opt: bool = False,
+                 steps: int = 10, warmup: int = 3) -> dict[str, float]:
     """Median seconds of one mixed-precision training step on the GPU: fp32 weights, gradients and Adam
     states, forward and backward under bf16 autocast (16 bytes per parameter, as the memory model's
     bf16 weights + bf16 gradients + fp32 master/m/v). ``recompute``: every block under
-    ``torch.utils.checkpoint`` (full recomputation)."""
+    ``torch.utils.checkpoint`` (full recomputation). ``fused_opt``: ``Adam(fused=True)``, else torch's
+    default multi-tensor (foreach) Adam."""
     import functools
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -111,7 +112,7 @@ def measure_step(cfg: GPTConfig, batch: int, fused: bool, recompute: bool = Fals
     if recompute:
         for blk in model.h:
             blk.forward = functools.partial(checkpoint, blk.forward, use_reentrant=False)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True if fused_opt else None)
     ids = torch.randint(0, cfg.vocab, (batch, cfg.seq), device="cuda")
     backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION] if fused else [SDPBackend.MATH]
     times = []
@@ -177,8 +178,8 @@ def profile_step(cfg: GPTConfig, batch: int) -> dict[str, Any]:
     return {"wall_s": wall, "kernel_s": by, "kernels": kernels, "gpu_busy_s": sum(by.values())}
 
 
-def predict(cfg: GPTConfig, batch: int, fused: bool, clusters: dict[str, Cluster], recompute: bool = False
-            ) -> dict[str, Any]:
+def predict(cfg: GPTConfig, batch: int, fused: bool, clusters: dict[str, Cluster], recompute: bool = False,
+            fused_opt: bool = False) -> dict[str, Any]:
     import polyparallel as pp
     from polyparallel.transforms import canonicalize, fuse_elementwise
 
@@ -189,7 +190,7 @@ def predict(cfg: GPTConfig, batch: int, fused: bool, clusters: dict[str, Cluster
     out: dict[str, Any] = {"model_flops": None}
     for key, cl in clusters.items():
         est = estimate_step(g, cl, ParallelConfig(dtype="bf16", fused_attention=fused, optimizer="adam",
-                                                  recompute="full" if recompute else "none"))
+                                                  recompute="full" if recompute else "none", fused_optimizer=fused_opt))
         out[key] = est.step_time
         out["predicted_memory_bytes"] = est.memory[0].total
         out["predicted_memory_terms"] = dict(est.memory[0].terms)
@@ -226,6 +227,44 @@ def nccl_equivalence(steps: int = 3, lr: float = 0.1, seed: int = 0) -> dict[str
             "comm_ops": [r.get("comm_ops") for r in log], "step_time_s": [r["step_time_s"] for r in log]}
 
 
+def print_header() -> None:
+    print("\ntraining step (bf16 autocast, Adam, one GPU): measured vs predicted")
+    print(f"  {'model':<12} {'batch':>5} {'variant':<15} {'measured':>9} {'sheet':>9} {'err':>7} "
+          f"{'calib.':>9} {'err':>7}")
+
+
+def price_row(row: dict[str, Any], clusters: dict[str, Cluster]) -> dict[str, Any]:
+    """``row`` (a measured step) with the current model's predictions and errors; printed."""
+    cfg = next(c for m, c, _ in MODELS if m == row["model"])
+    fopt = row.get("fused_optimizer", False)
+    pred = predict(cfg, row["batch"], row["fused_attention"], clusters, row["recompute"], fopt)
+    row = {**row, **pred, "error_datasheet": pred["datasheet"] / row["step_s"] - 1,
+           "error_calibrated": pred["calibrated"] / row["step_s"] - 1,
+           "measured_tflops": pred["model_flops"] / row["step_s"] / 1e12}
+    variant = ("flash" if row["fused_attention"] else "math") + ("+rc" if row["recompute"] else "") + \
+        (" fusedAdam" if fopt else "")
+    print(f"  {row['model']:<12} {row['batch']:>5} {variant:<15} {row['step_s'] * 1e3:8.1f}ms "
+          f"{pred['datasheet'] * 1e3:8.1f}ms {100 * row['error_datasheet']:+6.1f}% {pred['calibrated'] * 1e3:8.1f}ms "
+          f"{100 * row['error_calibrated']:+6.1f}%   memory {row['peak_memory_bytes'] / 2**30:6.2f} GiB "
+          f"measured, {pred['predicted_memory_bytes'] / 2**30:6.2f} predicted", flush=True)
+    return row
+
+
+def reprice(path: str, calibration: str, out: str) -> None:
+    """Price the measured steps of an earlier run again with the current cost model (no GPU needed)."""
+    old = json.loads(Path(path).read_text())
+    tname = old["catalog_type"]
+    clusters = {"datasheet": one_gpu_cluster(tname, None), "calibrated": one_gpu_cluster(tname, calibration)}
+    print(f"re-priced measurements of {path} ({old['device']}, torch {old['torch']}), calibration {calibration}")
+    print_header()
+    keep = ("model", "batch", "seq", "fused_attention", "recompute", "fused_optimizer", "step_s", "min_s",
+            "peak_memory_bytes")
+    old["steps"] = [price_row({k: r[k] for k in keep if k in r}, clusters) for r in old["steps"]]
+    old["repriced"] = {"from": path, "calibration": calibration}
+    Path(out).write_text(json.dumps(old, indent=1, default=str))
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calibration", help="a `polyparallel calibrate --device cuda` JSON (default: calibrate now)")
@@ -233,7 +272,13 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(m[0] for m in MODELS))
     ap.add_argument("--skip-nccl", action="store_true")
     ap.add_argument("--profile", default="gpt-tiny,gpt-1.7b", help="models whose kernels are profiled by class")
+    ap.add_argument("--reprice", metavar="RESULT_JSON", help="no GPU: price an earlier run's measured steps again "
+                    "with the current cost model (give its --calibration)")
     args = ap.parse_args()
+    if args.reprice:
+        if not args.calibration:
+            raise SystemExit("--reprice needs --calibration FILE (the run's GPU calibration)")
+        return reprice(args.reprice, args.calibration, args.out)
     if not torch.cuda.is_available():
         raise SystemExit("gpu_validation.py needs a CUDA GPU (torch.cuda.is_available() is False)")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -257,29 +302,19 @@ def main() -> None:
               f"{r['curve_tflops']:10.1f} {r['datasheet_tflops']:10.1f}")
     result["gemms"] = rows
 
-    print("\ntraining step (bf16, Adam, one GPU): measured vs predicted")
-    print(f"  {'model':<12} {'batch':>5} {'attention':<9} {'measured':>9} {'sheet':>9} {'err':>7} "
-          f"{'calib.':>9} {'err':>7}")
     steps = []
     wanted = set(args.models.split(","))
+    print_header()
     for mname, cfg, batch in MODELS:
         if mname not in wanted:
             continue
-        variants = [(True, False), (False, False), (True, True)] if mname == "gpt-1.7b" else [(True, False)]
-        for fused, rec in variants:
-            meas = measure_step(cfg, batch, fused, rec)
-            pred = predict(cfg, batch, fused, clusters, rec)
+        variants = [(True, False, False), (False, False, False), (True, True, False), (True, False, True)] \
+            if mname == "gpt-1.7b" else [(True, False, False), (True, False, True)]
+        for fused, rec, fopt in variants:
+            meas = measure_step(cfg, batch, fused, rec, fopt)
             row = {"model": mname, "batch": batch, "seq": cfg.seq, "fused_attention": fused, "recompute": rec,
-                   **meas, **pred,
-                   "error_datasheet": pred["datasheet"] / meas["step_s"] - 1,
-                   "error_calibrated": pred["calibrated"] / meas["step_s"] - 1,
-                   "measured_tflops": pred["model_flops"] / meas["step_s"] / 1e12}
-            steps.append(row)
-            print(f"  {mname:<12} {batch:>5} {('flash' if fused else 'math') + ('+rc' if rec else ''):<9} "
-                  f"{meas['step_s'] * 1e3:8.1f}ms {pred['datasheet'] * 1e3:8.1f}ms "
-                  f"{100 * row['error_datasheet']:+6.1f}% {pred['calibrated'] * 1e3:8.1f}ms "
-                  f"{100 * row['error_calibrated']:+6.1f}%   memory {meas['peak_memory_bytes'] / 2**30:6.2f} GiB "
-                  f"measured, {pred['predicted_memory_bytes'] / 2**30:6.2f} predicted", flush=True)
+                   "fused_optimizer": fopt, **meas}
+            steps.append(price_row(row, clusters))
     result["steps"] = steps
 
     prof = {}

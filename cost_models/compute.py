@@ -19,7 +19,9 @@ their memory traffic, so no bandwidth term is added for them. A calibrated GPU
 measured rate at the kernel's FLOP count, the bandwidth term stays (a skinny GEMM's HBM traffic
 is not in a square product's time), ``η_m`` is the measured fraction of data-sheet bandwidth,
 and a fused attention op is priced by the measured flash-attention rows, forward and backward
-separately (``t_bwd = F / R_bwd(F)`` instead of ``κ·t_fwd``).
+separately (``t_bwd = F / R_bwd(F)`` instead of ``κ·t_fwd``). A calibrated CPU process has
+such rows too (torch's fused CPU attention kernel, measured with one thread under ``P``
+processes), and its attention ops are priced fused by them unless told otherwise.
 
 The backward pass of an op costs ``κ(kind)`` times its forward (``κ = 2``: a contraction
 computes the input gradient and the weight gradient, each a GEMM as large as the forward;
@@ -143,7 +145,8 @@ def _kernels(graph: Graph, op: Op, dtype: str, fused: bool) -> list[tuple[float,
     """``(flops, bytes, on_matrix_units)`` per kernel: one for a fused op, one per statement otherwise.
 
     An unfused op materialises its temporaries (attention scores): each statement is a kernel
-    that reads and writes whole operands, temporaries included.
+    that reads and writes whole operands, temporaries included, and does the work of its whole
+    iteration box (a causal mask is applied to the full score matrix, not skipped).
     """
     kind = OpKind(op.kind)
     if fused or op.nest is None or len(op.nest.statements) == 1:
@@ -162,7 +165,10 @@ def _kernels(graph: Graph, op: Op, dtype: str, fused: bool) -> list[tuple[float,
                 nbytes += math.prod(ext[d] for d in acc.dims) * width
         reads = {a.operand for a in st.reads}
         matrix = len(reads) >= 2 and bool(st.reduction_dims()) and st.flops_per_point >= 2
-        out.append((op.nest.points(st) * st.flops_per_point, nbytes, matrix))
+        # an unfused kernel computes its whole box and masks afterwards (a causal mask halves the
+        # useful points, not the work); only a fused kernel skips masked blocks
+        box = math.prod(ext[d] for d in st.dims)
+        out.append((box * st.flops_per_point, nbytes, matrix))
     return out
 
 
@@ -184,7 +190,8 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
     if kind in (OpKind.VIEW, OpKind.CREATE) and op.flops == 0:
         return OpCost(op.name, str(kind), 0.0, 0.0, 0.0, 0.0, "free")
     if fused is None:
-        fused = kind is not OpKind.ATTENTION
+        # eager torch runs CPU attention as one fused kernel: priced by its rows where measured
+        fused = kind is not OpKind.ATTENTION or (device.kind == "cpu" and bool(device.attention_curve(dtype)))
     kb = BACKWARD_FACTOR.get(kind, DEFAULT_BACKWARD_FACTOR)
     curve = device.curve(dtype)
     # a calibrated GPU's measured flash-attention rows price a fused attention op, backward too

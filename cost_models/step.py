@@ -94,6 +94,11 @@ RECOMPUTE = ("none", "selective", "full")
 # kernels per parameter tensor of torch's single-tensor optimizer step (torch/optim/adam.py etc.):
 # Adam: step += 1, lerp_, mul_ + addcmul_, sqrt / c + eps, addcdiv_
 _OPT_KERNELS = {"adam": 9, "adamw": 10, "lamb": 12, "lion": 5, "sgd": 1, "sgd_momentum": 3}
+# fp32 accesses per parameter of torch's multi-tensor (foreach) step, kernel by kernel
+# (torch/optim/adam.py _multi_tensor_adam, not capturable): lerp_(m, g) 3, mul_(v) 2,
+# addcmul_(v, g, g) 3, sqrt(v) 2, div_ 2, add_(eps) 2, addcdiv_(p, m, .) 4 = 18; AdamW's
+# decoupled decay mul_(p) adds 2; SGD add_(p, g) 3, with momentum mul_/add_(buf) + add_(p) 8
+_FOREACH_ACCESSES = {"adam": 18, "adamw": 20, "lamb": 24, "lion": 10, "sgd": 3, "sgd_momentum": 8}
 _SHORT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
@@ -132,6 +137,10 @@ class ParallelConfig:
         optimizer: ``adam``, ``adamw``, ``sgd``, ``sgd_momentum``, ``lion``, ``lamb``.
         grad_overlap: ω of the module docstring; ``None`` picks 1 on accelerators, 0 on CPUs.
         fused_attention: attention keeps only softmax statistics (flash attention).
+        fused_optimizer: on accelerators the optimizer step is one fused kernel that reads and
+            writes every state once (apex/Megatron FusedAdam, ``torch.optim.Adam(fused=True)``, which
+            the torch backend uses on CUDA); ``False``: torch's default multi-tensor (foreach) step,
+            priced by its passes over fp32 memory (18 accesses per parameter for Adam).
         devices: device ids in rank order (default: the cluster's first ``world`` devices).
         partition: how layers are cut into pipeline chunks: ``flops`` (balance forward FLOPs) or
             ``layers`` (equal layer counts, embedding/head on the end stages: Megatron/DeepSpeed).
@@ -153,6 +162,7 @@ class ParallelConfig:
     optimizer: str = "adam"
     grad_overlap: float | None = None
     fused_attention: bool = False
+    fused_optimizer: bool = True
     devices: tuple[int, ...] | None = None
     partition: str = "flops"
     op_plans: tuple[OpPlan, ...] | None = field(default=None, repr=False)
@@ -658,7 +668,10 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
         opt_state = 8 if cfg.optimizer in ("adam", "adamw", "lamb") else 4 if cfg.optimizer in (
             "sgd_momentum", "lion") else 0
         opt_bytes = params / shard * (gb * 3 + 2 * (master + opt_state))
-        t_opt = max(opt_bytes / (dt.memory_bandwidth * 0.8), dt.launch_overhead) if params else 0.0
+        if not cfg.fused_optimizer and dt.kind != "cpu":
+            opt_bytes = params / shard * 4 * _FOREACH_ACCESSES.get(cfg.optimizer, 18)
+        t_opt = max(opt_bytes / (dt.memory_bandwidth * (dt.memory_efficiency or 0.8)), dt.launch_overhead) \
+            if params else 0.0
         if dt.kind == "cpu" and terms.param_tensors:
             # torch's CPU optimizers update tensor by tensor (no multi-tensor kernels there): each
             # parameter tensor costs ~k kernels, each at least the kernel floor, plus DTensor's

@@ -162,3 +162,24 @@ def test_cluster_spec_references_a_gpu_calibration(tmp_path):
 
     with pytest.raises(ClusterSpecError, match="lacks 'launch_overhead'"):
         Cluster.load(tmp_path / "c.yaml")
+
+
+def test_causal_mask_halves_fused_attention_work_but_not_unfused():
+    from polyparallel import ops
+    from polyparallel.ir import Graph, Op, TensorKind, TensorSpec
+
+    b, h, s, d = 2, 8, 1024, 64
+    cost = {}
+    for causal in (False, True):
+        g = Graph("att")
+        for n in ("q", "k", "v"):
+            g.add_tensor(TensorSpec(n, (b, h, s, d), "float32", TensorKind.INPUT))
+        g.add_tensor(TensorSpec("o", (b, h, s, d)))
+        op = g.add_op(Op("att", OpKind.ATTENTION, "sdpa", ("q", "k", "v"), ("o",),
+                         ops.attention((b, h, s, d), (b, h, s, d), (b, h, s, d), causal=causal)))
+        cost[causal] = (op_cost(g, op, A100, "bf16"), op_cost(g, op, A100, "bf16", fused=True), op.flops)
+    # the IR counts the causal points exactly: s(s+1)/2 of s^2 (query, key) pairs
+    assert cost[True][2] < 0.51 * cost[False][2]
+    assert cost[True][0].flops == cost[False][0].flops  # unfused: the full score matrix is computed, then masked
+    assert cost[True][0].forward == pytest.approx(cost[False][0].forward)
+    assert cost[True][1].flops == cost[True][2] < cost[False][1].flops  # flash skips the masked blocks

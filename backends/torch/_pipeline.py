@@ -386,8 +386,9 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
                 tie_groups.append((name, g))
     owner = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
     named = {n.removeprefix("module."): p for mod in modules for n, p in mod.named_parameters()}
-    opt_cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[job["optimizer"]]
-    opt = opt_cls(owner.parameters(), lr=job["lr"])
+    from polyparallel.backends.torch._worker import make_optimizer
+
+    opt = make_optimizer(job["optimizer"], owner.parameters(), job["lr"], device)
     ckpt = Path(job["checkpoint_dir"]) if job.get("checkpoint_dir") else None
     log = run_dir / "train.jsonl"
     # parameters keep their model paths, but each stage's optimiser has its own param_groups: one

@@ -45,6 +45,18 @@ def resolve(fn: Any) -> Any:
     return obj
 
 
+def make_optimizer(name: str, params: Any, lr: float, device: torch.device) -> torch.optim.Optimizer:
+    """torch's ``sgd``/``adam``/``adamw``; on CUDA its fused kernel (one pass over every state, as the
+    cost model prices a GPU's optimizer step) unless a parameter is sharded (DTensor: foreach)."""
+    from torch.distributed.tensor import DTensor
+
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
+    params = list(params)
+    if device.type == "cuda" and not any(isinstance(p, DTensor) for p in params):
+        return cls(params, lr=lr, fused=True)
+    return cls(params, lr=lr)
+
+
 def _apply(model: torch.nn.Module, job: dict[str, Any], device: torch.device) -> tuple[torch.nn.Module, Any]:
     from polyparallel.backends.torch._tensor_parallel import build_mesh, parallelize, replica_mesh
 
@@ -144,8 +156,7 @@ def run_worker(run_dir: Path) -> None:
         model = resolve(job["model_fn"])().to(device)
         model, mesh = _apply(model, job, device)
         data_fn = resolve(job["data_fn"])
-        opt_cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[job["optimizer"]]
-        opt = opt_cls(model.parameters(), lr=job["lr"])
+        opt = make_optimizer(job["optimizer"], model.parameters(), job["lr"], device)
         dp_rank = mesh["dp"].get_local_rank()
         local = plan.global_batch // plan.dp
         from polyparallel.backends.torch._tensor_parallel import replica_mesh, sequence_shard, step_context
