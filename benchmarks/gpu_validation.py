@@ -271,6 +271,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--models", default=",".join(m[0] for m in MODELS))
     ap.add_argument("--skip-nccl", action="store_true")
+    ap.add_argument("--no-math", action="store_true", help="skip the unfused (math) attention variant")
     ap.add_argument("--profile", default="gpt-tiny,gpt-1.7b", help="models whose kernels are profiled by class")
     ap.add_argument("--reprice", metavar="RESULT_JSON", help="no GPU: price an earlier run's measured steps again "
                     "with the current cost model (give its --calibration)")
@@ -291,6 +292,7 @@ def main() -> None:
     tname = catalog_type(name)
     clusters = {"datasheet": one_gpu_cluster(tname, None), "calibrated": one_gpu_cluster(tname, cal_path)}
     peak = clusters["datasheet"].devices[0].type.peak_flops("bf16")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"device": name, "host": platform.node(), "torch": torch.__version__,
                               "calibration": cal_path, "catalog_type": tname}
 
@@ -301,6 +303,8 @@ def main() -> None:
         print(f"  {r['gemm']:<7} {'x'.join(map(str, r['mkn'])):<20} {r['measured_tflops']:9.1f} "
               f"{r['curve_tflops']:10.1f} {r['datasheet_tflops']:10.1f}")
     result["gemms"] = rows
+    save = lambda: out_path.write_text(json.dumps(result, indent=1, default=str))  # noqa: E731 - partial results
+    save()
 
     steps = []
     wanted = set(args.models.split(","))
@@ -308,14 +312,17 @@ def main() -> None:
     for mname, cfg, batch in MODELS:
         if mname not in wanted:
             continue
-        variants = [(True, False, False), (False, False, False), (True, True, False), (True, False, True)] \
-            if mname == "gpt-1.7b" else [(True, False, False), (True, False, True)]
+        variants = [(True, False, False), (False, False, False), (True, True, False), (True, False, True),
+                    (True, True, True)] if mname == "gpt-1.7b" else [(True, False, False), (True, False, True)]
+        if args.no_math:
+            variants = [v for v in variants if v[0]]
         for fused, rec, fopt in variants:
             meas = measure_step(cfg, batch, fused, rec, fopt)
             row = {"model": mname, "batch": batch, "seq": cfg.seq, "fused_attention": fused, "recompute": rec,
                    "fused_optimizer": fopt, **meas}
             steps.append(price_row(row, clusters))
-    result["steps"] = steps
+            result["steps"] = steps
+            save()
 
     prof = {}
     for mname, cfg, batch in MODELS:
@@ -330,6 +337,7 @@ def main() -> None:
             print(f"\nprofile {mname}: wall {r['wall_s'] * 1e3:.1f} ms, GPU busy {r['gpu_busy_s'] * 1e3:.1f} ms in "
                   f"{r['kernels']} kernels: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["kernel_s"].items()))
     result["profile"] = prof
+    save()
 
     if not args.skip_nccl:
         print("\nNCCL path: train() of the tiny GPT on the GPU vs the CPU single-process loop")
@@ -340,8 +348,7 @@ def main() -> None:
             r = {"error": f"{type(e).__name__}: {e}"}
             print(f"  FAILED {r['error']}")
         result["nccl"] = r
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=1, default=str))
+    save()
     print(f"\nwrote {out_path}")
 
 
