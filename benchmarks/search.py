@@ -1,7 +1,7 @@
 """Search time and plan quality.
 
     .venv/bin/python benchmarks/search.py            # all parts (slow on 2 cores)
-    .venv/bin/python benchmarks/search.py --part big|quality|baselines
+    .venv/bin/python benchmarks/search.py --part big|quality|baselines|placements
 
 Part ``big``: capture and search time and the plan found for the issue's cases.
 Part ``quality``: on small problems (<= 8 devices, <= 6 layers, mixed model kinds) the
@@ -37,7 +37,8 @@ def _row(name, cluster, B, s, wall):
             "recompute": s.recompute, "step_time_s": e.step_time_s, "samples_per_s": e.samples_per_s,
             "mfu_tflops_per_device": e.model_flops_per_s_per_device / 1e12, "memory_gb": e.memory_bytes_max / 1e9,
             "capture_s": s.search.capture_s, "search_s": s.search.search_s, "candidates": s.search.candidates,
-            "wall_s": round(wall, 2)}
+            "wall_s": round(wall, 2), "solver": s.search.solver,
+            "stages_placed_by": [st.placed_by for st in s.stages]}
 
 
 def big() -> list[dict]:
@@ -130,9 +131,43 @@ def _baseline_row(name, cluster, B, m, a, k) -> dict:
     return row
 
 
+# (model, cluster, global batch, tp, dp): recipes with a tensor-parallel axis, placed three ways
+PLACEMENT_CASES = [("gpt2-small", "dgx-a100x1", 64, 2, 4), ("gpt2-small", "dgx-a100x1", 64, 8, 1),
+                   ("llama-8b", "dgx-a100x8", 512, 8, 8), ("gpt3-175b", "dgx-a100x192", 1536, 8, 192)]
+
+
+def placements() -> list[dict]:
+    """Per recipe: the stage objective (per micro-batch, placement cost) of Megatron's rule and of the
+    solver (torch-expressible and unrestricted), the step time the strategy keeps, and the time the
+    placing takes (evaluate's search time with the solver minus with the rule)."""
+    rows = []
+    for name, cluster, B, tp, dp in PLACEMENT_CASES:
+        m, a, k = EXAMPLES[name].build(1, None)
+        g = _Model(m, a, k).exact(1)  # one capture (micro-batch 1) priced three ways
+        row = {"model": name, "cluster": cluster, "global_batch": B, "tp": tp, "dp": dp}
+        for mode in ("rule", "torch", "any"):
+            t, c = time.perf_counter(), time.process_time()
+            s = evaluate(g, None, cluster, batch_size=B, tp=tp, dp=dp, sp=1, placements=mode)
+            st = s.stages
+            row[mode] = {"step_time_s": s.estimate.step_time_s, "placed_by": [x.placed_by for x in st],
+                         "solver_objective_s": sum(x.objective_s for x in st),
+                         "rule_objective_s": sum(x.rule_objective_s for x in st),
+                         "notes": sorted({x.placement_note for x in st if x.placement_note}),
+                         "wall_s": round(time.perf_counter() - t, 2), "cpu_s": round(time.process_time() - c, 2)}
+        for mode in ("torch", "any"):
+            r = row[mode]
+            print(f"{name:11s} {cluster:13s} tp={tp} dp={dp} {mode:5s}: objective rule "
+                  f"{1e3 * r['rule_objective_s']:.3f} ms solver {1e3 * r['solver_objective_s']:.3f} ms; "
+                  f"kept {','.join(r['placed_by'])}; step "
+                  f"{row['rule']['step_time_s']:.4f} s (rule) -> {r['step_time_s']:.4f} s; cpu {r['cpu_s']:.1f} s "
+                  f"(rule {row['rule']['cpu_s']:.1f} s) {'; '.join(r['notes'])[:120]}")
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", choices=["big", "quality", "baselines", "all"], default="all")
+    ap.add_argument("--part", choices=["big", "quality", "baselines", "placements", "all"], default="all")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     res = json.loads(OUT.read_text()) if OUT.exists() else {}
@@ -142,6 +177,8 @@ def main() -> None:
         res["big"] = big()
     if args.part in ("baselines", "all"):
         res["baselines"] = baselines()
+    if args.part in ("placements", "all"):
+        res["placements"] = placements()
     OUT.parent.mkdir(exist_ok=True)
     OUT.write_text(json.dumps(res, indent=1))
     print(f"wrote {OUT}")
