@@ -17,7 +17,10 @@ then takes milliseconds; a training process on one thread never sees that.)
   process counts see the same mix of other work on a shared machine. Measured: matmul times by
   size (square fp32, ``n``), copy bandwidth, the floor of a 1-element op, and (``P >= 2``) ``dtensor_overhead``, what a
   DTensor op adds to it (tensor-parallel modules and FSDP2's sharded parameters pay it per op),
-  and the training-op floor ``training_op_overhead`` (below).
+  the training-op floor ``training_op_overhead`` (below), and ``attention``: causal
+  ``scaled_dot_product_attention`` forward and backward seconds by shape (torch's fused CPU
+  kernel, far slower per FLOP than a matmul at these sizes; the compute model prices CPU
+  attention ops by these rows, as it does with a GPU's flash-attention rows).
   This is what each process of a ``P``-process run gets while its siblings compute too (``P``
   above the core count time-shares); ``local-cpu:<P>`` uses these rates as they are;
 * ``matmul``: ``{threads: [{n, flops, seconds}]}`` of this process alone with 1 thread and with
@@ -71,11 +74,15 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["THREADS_PER_PROCESS", "TRAINING_OP_CLASSES", "calibrate", "fit_alpha_beta", "fit_training_op_overhead",
-           "free_port", "kernel_rates", "run_gloo", "slowest_rank", "training_op_floor"]
+__all__ = ["ATTENTION_SHAPES", "THREADS_PER_PROCESS", "TRAINING_OP_CLASSES", "attention_rows", "calibrate",
+           "fit_alpha_beta", "fit_training_op_overhead", "free_port", "kernel_rates", "run_gloo", "slowest_rank",
+           "training_op_floor"]
 
 # intra-op threads of one training process: what pp.train gives its workers (OMP_NUM_THREADS=1)
 THREADS_PER_PROCESS = 1
+
+# causal attention (batch, heads, sequence, head dim) measured by `calibrate`: small-model training sizes
+ATTENTION_SHAPES = ((2, 4, 64, 32), (4, 4, 128, 32), (4, 8, 256, 64))
 
 # the tiny ops whose forward + backward make the training-op floor, and the op kind the compute
 # model prices each as (its backward kernel count κ comes from that kind)
@@ -194,8 +201,10 @@ def _allreduce_sizes(sizes: Sequence[int], iters: int, group: Any = None) -> lis
     return out
 
 
-def kernel_rates(matmul_sizes: Sequence[int], sync: Callable[[], Any] = lambda: None) -> dict[str, Any]:
-    """Matmul times by size, copy bandwidth and the 1-element op floor, in this process.
+def kernel_rates(matmul_sizes: Sequence[int], sync: Callable[[], Any] = lambda: None,
+                 attention_shapes: Sequence[tuple[int, int, int, int]] = ()) -> dict[str, Any]:
+    """Matmul times by size, copy bandwidth, the 1-element op floor, the training-op floor and
+    fused-attention times by shape (:func:`attention_rows`), in this process.
 
     ``sync`` (a barrier when several processes measure together) starts every quantity at the
     same moment on all of them, so each window is timed while all siblings are busy.
@@ -216,8 +225,35 @@ def kernel_rates(matmul_sizes: Sequence[int], sync: Callable[[], Any] = lambda: 
     floor = _time(lambda: torch.add(one, one), window=0.01)
     sync()
     per_op = training_op_floor()
+    sync()
+    att = attention_rows(attention_shapes)
     return {"matmul": rows, "memory_bandwidth": bw, "launch_overhead": floor, "threads": torch.get_num_threads(),
-            "training_ops": per_op, "training_op_overhead": fit_training_op_overhead(per_op, floor)}
+            "training_ops": per_op, "training_op_overhead": fit_training_op_overhead(per_op, floor), "attention": att}
+
+
+def attention_rows(shapes: Sequence[tuple[int, int, int, int]] = ATTENTION_SHAPES) -> list[dict[str, Any]]:
+    """Causal ``scaled_dot_product_attention`` forward and backward seconds by ``(B, H, S, d)`` in this process.
+
+    torch runs it on a CPU as one fused (flash) kernel each way whatever the model's size; its
+    rate is far below a matmul's at training sizes (blocked softmax, per-block exponentials),
+    so the compute model prices CPU attention ops by these rows. FLOPs as the IR counts them
+    (:func:`polyparallel.cost_models.calibrate_gpu.attention_flops`).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from polyparallel.cost_models.calibrate_gpu import attention_flops
+
+    rows = []
+    for b, h, s, d in shapes:
+        q, k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
+        g = torch.randn(b, h, s, d)
+        fwd = _time(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True), window=0.02)
+        both = _time(lambda q=q, k=k, v=v, g=g: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g),
+                     window=0.02)
+        rows.append({"shape": [b, h, s, d], "flops": attention_flops(b, h, s, d), "forward_s": fwd,
+                     "backward_s": max(both - fwd, 0.0)})
+    return rows
 
 
 def training_op_floor(ops: int = 16, window: float = 0.01) -> dict[str, float]:
@@ -304,7 +340,8 @@ def _dtensor_overhead(procs: int) -> float:
 
 
 def _interleaved_measure(rank: int, world: int, counts: Sequence[int], sizes: Sequence[int], iters: int,
-                         matmul_sizes: Sequence[int], rounds: int) -> dict[str, Any]:
+                         matmul_sizes: Sequence[int], rounds: int,
+                         attention_shapes: Sequence[tuple[int, int, int, int]] = ()) -> dict[str, Any]:
     """Every process count measured by the same ``world`` workers, in interleaved rounds.
 
     Round ``r`` measures ``P = counts[0], counts[1], ...`` in turn: ranks ``< P`` compute at once
@@ -321,7 +358,7 @@ def _interleaved_measure(rank: int, world: int, counts: Sequence[int], sizes: Se
             dist.barrier()
             if rank < p:
                 sync = (lambda g=groups[p]: dist.barrier(group=g)) if p > 1 else (lambda: None)
-                kernels[p].append(kernel_rates(matmul_sizes, sync=sync))
+                kernels[p].append(kernel_rates(matmul_sizes, sync=sync, attention_shapes=attention_shapes))
     dtensor: dict[int, float] = {}
     allreduce: dict[int, list[tuple[int, float]]] = {}
     for p in counts:
@@ -341,6 +378,10 @@ def _median_rounds(per_round: Sequence[dict[str, Any]]) -> dict[str, Any]:
     med = statistics.median
     out = {**per_round[0], "memory_bandwidth": med(k["memory_bandwidth"] for k in per_round),
            "launch_overhead": med(k["launch_overhead"] for k in per_round)}
+    if all(k.get("attention") for k in per_round):
+        out["attention"] = [{**r, "forward_s": med(k["attention"][i]["forward_s"] for k in per_round),
+                             "backward_s": med(k["attention"][i]["backward_s"] for k in per_round)}
+                            for i, r in enumerate(per_round[0]["attention"])]
     if all("training_op_overhead" in k for k in per_round):
         out["training_op_overhead"] = med(k["training_op_overhead"] for k in per_round)
         out["training_ops"] = {c: med(k["training_ops"][c] for k in per_round) for c in per_round[0]["training_ops"]}
@@ -360,7 +401,11 @@ def slowest_rank(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
                if all("dtensor_overhead" in k for k in per_rank) else {}),
             **({"training_op_overhead": max(k["training_op_overhead"] for k in per_rank),
                 "training_ops": {c: max(k["training_ops"][c] for k in per_rank) for c in per_rank[0]["training_ops"]}}
-               if all("training_op_overhead" in k for k in per_rank) else {})}
+               if all("training_op_overhead" in k for k in per_rank) else {}),
+            **({"attention": [{**r, "forward_s": max(k["attention"][i]["forward_s"] for k in per_rank),
+                               "backward_s": max(k["attention"][i]["backward_s"] for k in per_rank)}
+                              for i, r in enumerate(per_rank[0]["attention"])]}
+               if all(k.get("attention") for k in per_rank) else {})}
 
 
 def fit_alpha_beta(points: Sequence[tuple[int, float, float]]) -> dict[str, float]:
@@ -395,6 +440,7 @@ def fit_alpha_beta(points: Sequence[tuple[int, float, float]]) -> dict[str, floa
 def calibrate(out: str | os.PathLike[str] | None = None, *, group_sizes: Sequence[int] = (2, 3, 4),
               sizes: Sequence[int] = (4096, 65536, 1 << 20, 8 << 20), matmul_sizes: Sequence[int] = (
                   32, 64, 128, 256, 512, 1024), iters: int = 7, rounds: int = 2, timeout: float = 300.0,
+              attention_shapes: Sequence[tuple[int, int, int, int]] = ATTENTION_SHAPES,
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure this machine and write the calibration JSON to ``out`` (if given); returns it.
 
@@ -446,7 +492,8 @@ def calibrate(out: str | os.PathLike[str] | None = None, *, group_sizes: Sequenc
     runs = []
     try:
         res = run_gloo(_interleaved_measure, max(counts), (tuple(counts), tuple(sizes), iters, tuple(matmul_sizes),
-                                                           rounds), timeout=timeout, threads=THREADS_PER_PROCESS)
+                                                           rounds, tuple(attention_shapes)),
+                       timeout=timeout, threads=THREADS_PER_PROCESS)
     except (TimeoutError, RuntimeError) as e:
         res = []
         runs.append({"p": max(counts), "error": str(e).splitlines()[0]})

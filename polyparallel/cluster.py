@@ -816,8 +816,9 @@ def _calibrated_type(name: str, cal: Mapping[str, Any], procs: int, base: Device
     """A CPU process's device type from a calibration; ``procs`` processes share the cores.
 
     Each process computes on ``threads_per_process`` intra-op threads (1: what the torch
-    backend's workers run). Rates measured with ``procs`` processes at once (``per_processes``)
-    are used as they are; otherwise the rates of one process alone (``per_processes["1"]``, or
+    backend's workers run). Rates measured with ``procs`` processes at once (``per_processes``:
+    matmul curve, copy bandwidth, kernel floor, training-op floor, fused-attention rows) are
+    used as they are; otherwise the rates of one process alone (``per_processes["1"]``, or
     the 1-thread ``matmul`` curve of an older calibration) are scaled by the core share
     ``min(1, cores / procs)`` (processes beyond the core count time-share).
     """
@@ -830,19 +831,23 @@ def _calibrated_type(name: str, cal: Mapping[str, Any], procs: int, base: Device
         mem_bw = float(measured["memory_bandwidth"])
         floor = float(measured["launch_overhead"])
         training = float(measured.get("training_op_overhead", 0.0))  # older calibrations: not measured
+        att = measured.get("attention", [])
     else:
         share = min(1.0, cores / procs)
         alone = per.get("1")
         if alone:
             rows, mem_bw, floor = alone["matmul"], float(alone["memory_bandwidth"]), float(alone["launch_overhead"])
             training = float(alone.get("training_op_overhead", 0.0))
+            att = alone.get("attention", [])
         else:
             by_threads = {int(k): v for k, v in cal["matmul"].items()}
             rows = by_threads[1] if 1 in by_threads else by_threads[min(by_threads)]
             # an all-core copy bandwidth: one process gets its share of the cores
             mem_bw = float(cal["memory_bandwidth"]) / cores
             floor = float(cal.get("launch_overhead", 5e-6))
-            training = 0.0
+            training, att = 0.0, []
+        att = [{**r, "forward_s": float(r["forward_s"]) / share, "backward_s": float(r["backward_s"]) / share}
+               for r in att]
         curve = tuple(sorted((float(p["flops"]), float(p["seconds"]) / share) for p in rows))
         mem_bw *= share
         floor /= share
@@ -854,6 +859,9 @@ def _calibrated_type(name: str, cal: Mapping[str, Any], procs: int, base: Device
     return DeviceType(name=name, kind="cpu", peak=(("fp32", peak),), vendor="this machine",
                       memory=float(cal.get("memory_bytes", 8 * 2**30)) / procs, memory_bandwidth=mem_bw,
                       launch_overhead=floor, sharded_op_overhead=sharded, training_op_overhead=training,
+                      attention_curves=(("fp32", tuple(sorted((float(r["flops"]), float(r["forward_s"]),
+                                                               float(r["backward_s"])) for r in att))),)
+                      if att else (),
                       source=f"calibration {cal.get('path', '')} ({cal.get('host', '?')}, {cal.get('date', '?')}, "
                              f"{threads} thread(s)/process, {procs} processes on {cores} cores)",
                       matmul_curve=curve)

@@ -159,7 +159,8 @@ def test_single_process_step_is_priced_from_the_single_process_rates(tmp_path, m
 def test_calibrate_measures_this_machine_with_the_training_thread_count(tmp_path, monkeypatch):
     # a real (small) run: one process alone and a 2-process gloo group, both written to the file
     out = tmp_path / "cal.json"
-    res = calibrate(out, group_sizes=(2,), sizes=(4096, 1 << 16), matmul_sizes=(32, 64), iters=3)
+    res = calibrate(out, group_sizes=(2,), sizes=(4096, 1 << 16), matmul_sizes=(32, 64), iters=3,
+                    attention_shapes=((1, 2, 16, 8),))
     assert json.loads(out.read_text())["cores"] == res["cores"] and res["threads_per_process"] == 1
     assert set(res["per_processes"]) == {"1", "2"}
     # every process measured on the thread count a torch-backend worker trains with
@@ -177,6 +178,9 @@ def test_calibrate_measures_this_machine_with_the_training_thread_count(tmp_path
     measured = res["per_processes"]["2"]["matmul"][-1]
     assert dt.peak_flops("fp32") >= measured["flops"] / measured["seconds"] * (1 - 1e-9)
     assert dt.training_op_overhead == res["per_processes"]["2"]["training_op_overhead"]
+    row = res["per_processes"]["2"]["attention"][0]
+    assert row["shape"] == [1, 2, 16, 8] and row["forward_s"] > 0 and row["backward_s"] >= 0
+    assert dt.attention_curve("fp32") == ((row["flops"], row["forward_s"], row["backward_s"]),)
 
 
 def test_sharded_ops_pay_the_measured_dtensor_dispatch(tmp_path, monkeypatch):
@@ -329,3 +333,42 @@ def test_gloo_collectives_are_priced_as_rings_at_every_size(tmp_path, monkeypatc
         {"device": "h100-sxm", "devices_per_node": 4, "intra": {"bandwidth": bw, "latency": alpha}}]}]})
     t = collective_time(nccl, "all_reduce", n, range(4))
     assert t.algorithm == "tree" and t.seconds == pytest.approx(4 * alpha + 2 * n / bw, rel=1e-12)
+
+
+def test_cpu_attention_is_priced_by_the_measured_fused_kernel_rows(tmp_path, monkeypatch):
+    from polyparallel.cost_models.calibrate_gpu import attention_flops
+    from polyparallel.cost_models.synthetic import gpt_graph
+
+    fwd_rate, bwd_rate = 6e9, 2e9  # torch's CPU flash kernel: far below the 30-50 GFLOP/s matmuls
+    cal = _calibration()
+    for k in cal["per_processes"].values():
+        k["attention"] = [{"shape": [b, 4, s, 32], "flops": attention_flops(b, 4, s, 32),
+                           "forward_s": attention_flops(b, 4, s, 32) / fwd_rate,
+                           "backward_s": attention_flops(b, 4, s, 32) / bwd_rate} for b, s in ((1, 32), (4, 256))]
+    k2 = cal["per_processes"]["2"]
+    fast, slow = dict(k2, attention=k2["attention"]), dict(k2, attention=[dict(r) for r in k2["attention"]])
+    for r in slow["attention"]:
+        r["forward_s"] *= 3
+    # the slowest rank's rows
+    merged = slowest_rank([fast, slow])["attention"][0]
+    assert merged["forward_s"] == pytest.approx(3 * fast["attention"][0]["forward_s"])
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(cal))
+    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(path))
+    g = gpt_graph(layers=1, hidden=128, heads=4, seq=64, vocab=256, batch=4, causal=True)
+    att = next(op for op in g.ops if op.kind is OpKind.ATTENTION)
+    # the rows count FLOPs as the IR does (the IR adds the softmax's 3 per kept pair)
+    assert att.flops == pytest.approx(attention_flops(4, 4, 64, 32) + 3 * 4 * 4 * 64 * 65 / 2)
+    dt = Cluster.preset("local-cpu:2").device(0).type
+    c = op_cost(g, att, dt)
+    assert c.forward == pytest.approx(att.flops / fwd_rate) and c.backward == pytest.approx(att.flops / bwd_rate)
+    # split over 2 devices (sequence parallel): half the FLOPs at the measured rate
+    assert op_cost(g, att, dt, split=2).forward == pytest.approx(att.flops / 2 / fwd_rate)
+    # asked for unfused (explicit), or no rows measured: per-statement kernels at matmul rates, as before
+    assert op_cost(g, att, dt, fused=False).forward != pytest.approx(c.forward, rel=0.05)
+    for k in cal["per_processes"].values():
+        del k["attention"]
+    path.write_text(json.dumps(cal))
+    old = Cluster.preset("local-cpu:2").device(0).type
+    assert old.attention_curves == () and op_cost(g, att, old).forward == pytest.approx(
+        op_cost(g, att, dt, fused=False).forward)
