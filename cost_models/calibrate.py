@@ -20,7 +20,10 @@ then takes milliseconds; a training process on one thread never sees that.)
   the training-op floor ``training_op_overhead`` (below), and ``attention``: causal
   ``scaled_dot_product_attention`` forward and backward seconds by shape (torch's fused CPU
   kernel, far slower per FLOP than a matmul at these sizes; the compute model prices CPU
-  attention ops by these rows, as it does with a GPU's flash-attention rows).
+  attention ops by these rows, as it does with a GPU's flash-attention rows), and
+  ``optimizer_tensor_overhead``: seconds per parameter tensor of torch's CPU optimizer step
+  (SGD, Adam, AdamW: a Python loop over tensors and ~k small kernels each), which the step model
+  charges per parameter tensor instead of ``k`` kernel floors.
   This is what each process of a ``P``-process run gets while its siblings compute too (``P``
   above the core count time-shares); ``local-cpu:<P>`` uses these rates as they are;
 * ``matmul``: ``{threads: [{n, flops, seconds}]}`` of this process alone with 1 thread and with
@@ -75,8 +78,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["ATTENTION_SHAPES", "THREADS_PER_PROCESS", "TRAINING_OP_CLASSES", "attention_rows", "calibrate",
-           "fit_alpha_beta", "fit_training_op_overhead", "free_port", "kernel_rates", "run_gloo", "slowest_rank",
-           "training_op_floor"]
+           "fit_alpha_beta", "fit_training_op_overhead", "free_port", "kernel_rates", "optimizer_tensor_floor",
+           "run_gloo", "slowest_rank", "training_op_floor"]
 
 # intra-op threads of one training process: what pp.train gives its workers (OMP_NUM_THREADS=1)
 THREADS_PER_PROCESS = 1
@@ -227,8 +230,36 @@ def kernel_rates(matmul_sizes: Sequence[int], sync: Callable[[], Any] = lambda: 
     per_op = training_op_floor()
     sync()
     att = attention_rows(attention_shapes)
+    sync()
+    opt = optimizer_tensor_floor()
     return {"matmul": rows, "memory_bandwidth": bw, "launch_overhead": floor, "threads": torch.get_num_threads(),
-            "training_ops": per_op, "training_op_overhead": fit_training_op_overhead(per_op, floor), "attention": att}
+            "training_ops": per_op, "training_op_overhead": fit_training_op_overhead(per_op, floor), "attention": att,
+            "optimizer_tensor_overhead": opt}
+
+
+def optimizer_tensor_floor(optimizers: Sequence[str] = ("sgd", "adam", "adamw"), counts: tuple[int, int] = (8, 32),
+                           window: float = 0.01) -> dict[str, float]:
+    """Seconds per parameter tensor of a torch CPU optimizer step, on tiny tensors, per optimizer.
+
+    torch's CPU optimizers update tensor by tensor (no multi-tensor kernels on a CPU): a Python
+    loop and ~k small kernels per tensor. The per-tensor cost is the slope between steps over
+    ``n₁ < n₂`` 8-element tensors, ``(t(n₂) − t(n₁)) / (n₂ − n₁)`` (the step's fixed cost cancels).
+    The optimizers are built as the torch backend builds them on a CPU (defaults, ``lr``).
+    """
+    import torch
+
+    classes = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+    out = {}
+    for name in optimizers:
+        per = []
+        for n in counts:
+            params = [torch.zeros(8, requires_grad=True) for _ in range(n)]
+            for q in params:
+                q.grad = torch.ones(8)
+            opt = classes[name](params, lr=1e-3)
+            per.append(_time(opt.step, window=window))
+        out[name] = max(0.0, (per[1] - per[0]) / (counts[1] - counts[0]))
+    return out
 
 
 def attention_rows(shapes: Sequence[tuple[int, int, int, int]] = ATTENTION_SHAPES) -> list[dict[str, Any]]:
@@ -382,6 +413,9 @@ def _median_rounds(per_round: Sequence[dict[str, Any]]) -> dict[str, Any]:
         out["attention"] = [{**r, "forward_s": med(k["attention"][i]["forward_s"] for k in per_round),
                              "backward_s": med(k["attention"][i]["backward_s"] for k in per_round)}
                             for i, r in enumerate(per_round[0]["attention"])]
+    if all("optimizer_tensor_overhead" in k for k in per_round):
+        out["optimizer_tensor_overhead"] = {o: med(k["optimizer_tensor_overhead"][o] for k in per_round)
+                                            for o in per_round[0]["optimizer_tensor_overhead"]}
     if all("training_op_overhead" in k for k in per_round):
         out["training_op_overhead"] = med(k["training_op_overhead"] for k in per_round)
         out["training_ops"] = {c: med(k["training_ops"][c] for k in per_round) for c in per_round[0]["training_ops"]}
@@ -405,7 +439,10 @@ def slowest_rank(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
             **({"attention": [{**r, "forward_s": max(k["attention"][i]["forward_s"] for k in per_rank),
                                "backward_s": max(k["attention"][i]["backward_s"] for k in per_rank)}
                               for i, r in enumerate(per_rank[0]["attention"])]}
-               if all(k.get("attention") for k in per_rank) else {})}
+               if all(k.get("attention") for k in per_rank) else {}),
+            **({"optimizer_tensor_overhead": {o: max(k["optimizer_tensor_overhead"][o] for k in per_rank)
+                                              for o in per_rank[0]["optimizer_tensor_overhead"]}}
+               if all("optimizer_tensor_overhead" in k for k in per_rank) else {})}
 
 
 def fit_alpha_beta(points: Sequence[tuple[int, float, float]]) -> dict[str, float]:

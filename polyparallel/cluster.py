@@ -179,6 +179,9 @@ class DeviceType:
             and per backward kernel beyond ``launch_overhead`` (module call, autograd node and
             engine, gradient accumulation; calibrated CPU processes); 0 where the host runs ahead
             of the device.
+        optimizer_tensor_overhead: measured seconds per parameter tensor of the framework's
+            optimizer step, as ``(optimizer, seconds)`` pairs (calibrated CPU processes: torch
+            updates tensor by tensor there); empty: priced from ``launch_overhead``.
     """
 
     name: str
@@ -195,6 +198,7 @@ class DeviceType:
     attention_curves: tuple[tuple[str, tuple[tuple[float, float, float], ...]], ...] = ()
     memory_efficiency: float | None = None
     training_op_overhead: float = 0.0
+    optimizer_tensor_overhead: tuple[tuple[str, float], ...] = ()
 
     def curve(self, dtype: str) -> tuple[tuple[float, float], ...]:
         """The measured matmul curve for ``dtype`` (GPU calibrations), else the dtype-less one (CPU)."""
@@ -832,6 +836,7 @@ def _calibrated_type(name: str, cal: Mapping[str, Any], procs: int, base: Device
         floor = float(measured["launch_overhead"])
         training = float(measured.get("training_op_overhead", 0.0))  # older calibrations: not measured
         att = measured.get("attention", [])
+        opt = dict(measured.get("optimizer_tensor_overhead", {}))
     else:
         share = min(1.0, cores / procs)
         alone = per.get("1")
@@ -839,19 +844,21 @@ def _calibrated_type(name: str, cal: Mapping[str, Any], procs: int, base: Device
             rows, mem_bw, floor = alone["matmul"], float(alone["memory_bandwidth"]), float(alone["launch_overhead"])
             training = float(alone.get("training_op_overhead", 0.0))
             att = alone.get("attention", [])
+            opt = dict(alone.get("optimizer_tensor_overhead", {}))
         else:
             by_threads = {int(k): v for k, v in cal["matmul"].items()}
             rows = by_threads[1] if 1 in by_threads else by_threads[min(by_threads)]
             # an all-core copy bandwidth: one process gets its share of the cores
             mem_bw = float(cal["memory_bandwidth"]) / cores
             floor = float(cal.get("launch_overhead", 5e-6))
-            training, att = 0.0, []
+            training, att, opt = 0.0, [], {}
         att = [{**r, "forward_s": float(r["forward_s"]) / share, "backward_s": float(r["backward_s"]) / share}
                for r in att]
         curve = tuple(sorted((float(p["flops"]), float(p["seconds"]) / share) for p in rows))
         mem_bw *= share
         floor /= share
         training /= share
+        opt = {o: float(v) / share for o, v in opt.items()}
     peak = max(f / s for f, s in curve)
     # DTensor's dispatch cost, measured with >= 2 processes: the nearest measured process count
     dts = {int(k): float(v["dtensor_overhead"]) for k, v in per.items() if "dtensor_overhead" in v}
@@ -862,6 +869,7 @@ def _calibrated_type(name: str, cal: Mapping[str, Any], procs: int, base: Device
                       attention_curves=(("fp32", tuple(sorted((float(r["flops"]), float(r["forward_s"]),
                                                                float(r["backward_s"])) for r in att))),)
                       if att else (),
+                      optimizer_tensor_overhead=tuple(sorted((o, float(v)) for o, v in opt.items())),
                       source=f"calibration {cal.get('path', '')} ({cal.get('host', '?')}, {cal.get('date', '?')}, "
                              f"{threads} thread(s)/process, {procs} processes on {cores} cores)",
                       matmul_curve=curve)

@@ -178,6 +178,8 @@ def test_calibrate_measures_this_machine_with_the_training_thread_count(tmp_path
     measured = res["per_processes"]["2"]["matmul"][-1]
     assert dt.peak_flops("fp32") >= measured["flops"] / measured["seconds"] * (1 - 1e-9)
     assert dt.training_op_overhead == res["per_processes"]["2"]["training_op_overhead"]
+    assert set(res["per_processes"]["2"]["optimizer_tensor_overhead"]) == {"sgd", "adam", "adamw"}
+    assert dict(dt.optimizer_tensor_overhead) == res["per_processes"]["2"]["optimizer_tensor_overhead"]
     row = res["per_processes"]["2"]["attention"][0]
     assert row["shape"] == [1, 2, 16, 8] and row["forward_s"] > 0 and row["backward_s"] >= 0
     assert dt.attention_curve("fp32") == ((row["flops"], row["forward_s"], row["backward_s"]),)
@@ -372,3 +374,27 @@ def test_cpu_attention_is_priced_by_the_measured_fused_kernel_rows(tmp_path, mon
     old = Cluster.preset("local-cpu:2").device(0).type
     assert old.attention_curves == () and op_cost(g, att, old).forward == pytest.approx(
         op_cost(g, att, dt, fused=False).forward)
+
+
+def test_cpu_optimizer_pays_the_measured_cost_per_parameter_tensor(tmp_path, monkeypatch):
+    cal = _calibration()
+    for k in cal["per_processes"].values():
+        k["memory_bandwidth"] = 1e18  # no streaming term: only the per-tensor costs remain
+        k["launch_overhead"], k["dtensor_overhead"] = 3e-6, 50e-6
+        k["optimizer_tensor_overhead"] = {"adam": 60e-6, "sgd": 15e-6}
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(cal))
+    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(path))
+    g = mlp_graph(batch=64, widths=(128, 128, 128), bias=True)  # 6 parameter tensors
+    two = Cluster.preset("local-cpu:2")
+    assert dict(two.device(0).type.optimizer_tensor_overhead) == {"adam": 60e-6, "sgd": 15e-6}
+    ddp = estimate_step(g, two, ParallelConfig(dp=2, optimizer="adam")).breakdown()["optimizer"]
+    assert ddp == pytest.approx(6 * 60e-6)
+    assert estimate_step(g, two, ParallelConfig(dp=2, optimizer="sgd")).breakdown()["optimizer"] == pytest.approx(
+        6 * 15e-6)
+    # FSDP2: every one of Adam's 9 kernels per tensor also pays DTensor's dispatch
+    fsdp = estimate_step(g, two, ParallelConfig(dp=2, zero_stage=3, optimizer="adam")).breakdown()["optimizer"]
+    assert fsdp == pytest.approx(6 * 60e-6 + 9 * 6 * 50e-6)
+    # an optimizer not measured keeps the kernel-floor price: AdamW's 10 kernels per tensor
+    adamw = estimate_step(g, two, ParallelConfig(dp=2, optimizer="adamw")).breakdown()["optimizer"]
+    assert adamw == pytest.approx(10 * 6 * 3e-6)
