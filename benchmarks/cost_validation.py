@@ -66,32 +66,43 @@ BLOOM_CLUSTER = {
                 "source": "BLOOM paper §3.4.1: 4 x 100 Gbps Omni-Path links per node"}}]}],
 }
 
-PUBLISHED: list[dict[str, Any]] = [
-    {
-        "name": "GPT 1T (Megatron-LM)",
-        "citation": "Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using "
-                    "Megatron-LM, SC'21, Table 1 (1008B row): 3072 A100, t=8 p=64, batch 3072, 163 TFLOP/s/GPU",
-        "cluster": "dgx-a100x384",
-        "model": {"layers": 128, "hidden": 25600, "heads": 160, "seq": 2048, "vocab": 51200, "batch": 1,
+# Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
+# SC'21, Table 1 (weak scaling, GPT, vocabulary 51200, sequence 2048, mixed precision, Selene DGX A100
+# 80GB nodes): params (B), heads, hidden, layers, t, p, GPUs, global batch, TFLOP/s per GPU. Every row
+# is priced, whatever the result. Not in the table, so assumed the same way for every row: micro-batch
+# 4 when p = 1 (gradient accumulation) and 1 when p > 1; the interleaved schedule with 2 chunks where
+# the layers divide into 2p chunks, else 1F1B; full activation recomputation; equal layers per stage.
+MEGATRON_TABLE1 = (
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+)
+
+
+def _megatron_row(params: float, heads: int, hidden: int, layers: int, t: int, p: int, gpus: int, batch: int,
+                  tflops: float) -> dict[str, Any]:
+    d = gpus // (t * p)
+    micro = 4 if p == 1 else 1
+    interleaved = p > 1 and layers % (2 * p) == 0
+    sched = {"schedule": "interleaved", "chunks": 2} if interleaved else {"schedule": "1f1b"}
+    return {
+        "name": f"GPT {params:g}B (Megatron-LM)",
+        "citation": f"Narayanan et al., SC'21, Table 1 ({params:g}B row): {gpus} A100, t={t} p={p} (d={d}), "
+                    f"batch {batch}, {tflops:g} TFLOP/s/GPU",
+        "cluster": f"dgx-a100x{gpus // 8}",
+        "model": {"layers": layers, "hidden": hidden, "heads": heads, "seq": 2048, "vocab": 51200, "batch": micro,
                   "dropout": True},
-        "config": {"dp": 6, "tp": 8, "pp": 64, "microbatches": 512, "schedule": "interleaved", "chunks": 2,
-                   "dtype": "fp16", "recompute": "full", "partition": "layers"},
-        "global_batch": 3072, "published_tflops": 163.0,
-        "flops": "megatron",
-        "assumptions": "micro-batch 1; interleaved with 2 chunks per stage; equal layers per stage",
-    },
-    {
-        "name": "GPT 1.7B (Megatron-LM)",
-        "citation": "Narayanan et al., SC'21, Table 1 (1.7B row): 32 A100, t=1 p=1 (d=32), batch 512, "
-                    "137 TFLOP/s/GPU",
-        "cluster": "dgx-a100x4",
-        "model": {"layers": 24, "hidden": 2304, "heads": 24, "seq": 2048, "vocab": 51200, "batch": 4,
-                  "dropout": True},
-        "config": {"dp": 32, "tp": 1, "pp": 1, "microbatches": 4, "schedule": "1f1b", "dtype": "fp16",
-                   "recompute": "full"},
-        "global_batch": 512, "published_tflops": 137.0,
-        "flops": "megatron", "assumptions": "micro-batch 4 (4 accumulation steps per DP rank)",
-    },
+        "config": {"dp": d, "tp": t, "pp": p, "microbatches": batch // (d * micro), **sched, "dtype": "fp16",
+                   "recompute": "full", **({"partition": "layers"} if p > 1 else {})},
+        "global_batch": batch, "published_tflops": float(tflops), "flops": "megatron",
+        "assumptions": f"micro-batch {micro}; {'interleaved, 2 chunks per stage' if interleaved else '1F1B'}; "
+                       "full recompute; equal layers per stage",
+    }
+
+
+PUBLISHED: list[dict[str, Any]] = [*(_megatron_row(*r) for r in MEGATRON_TABLE1),
     {
         "name": "BLOOM 176B",
         "citation": "BigScience, BLOOM (Le Scao et al., arXiv:2211.05100, §3.4) and its model card: 384 A100 80GB, "
