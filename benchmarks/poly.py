@@ -88,7 +88,7 @@ def measure(g: Graph, name: str, mesh: poly.DeviceMesh, edge_budget: float = flo
             ec = poly.edge_costs(g, t, op, f"in{i}", mesh)
             edges += 1
             pairs += ec.pairs
-            distinct += len(ec.reshards) * len(ec.reshards[0]) if ec.reshards else 0
+            distinct += ec.table.elements.size  # distinct (have, need) pairs, each priced exactly
         if k in repeated:
             t_repeat += time.perf_counter() - ta
     total, cpu = time.perf_counter() - t0, time.process_time() - c0

@@ -21,7 +21,8 @@ API:
     ``reshard(have, need, mesh) -> Reshard`` (steps: kind, mesh axes, exact elements)
     ``reshard_edge(graph, tensor, producer_placement, consumer, consumer_placement, mesh)``
     ``edge_costs(graph, tensor, consumer, "in0", mesh) -> EdgeCosts`` (every placement pair,
-    forward ``cost(i, j)`` and backward ``backward_cost(i, j)``)
+    forward ``cost(i, j)`` and backward ``backward_cost(i, j)``; ``table``: a
+    ``ReshardTable`` with every distinct pair's elements as arrays, see ``reshard_table``)
     ``backward_reshard_edge(...)``: the activation gradient's way back along an edge (a
     column-parallel linear's input gradient is Partial over tp: one all-reduce, the dual of
     the row-parallel forward all-reduce); ``grad_held`` / ``grad_needed`` / ``grad_partial_axes``.
@@ -72,6 +73,7 @@ from ._comm import (
     EdgeCosts,
     OpComm,
     Reshard,
+    ReshardTable,
     Step,
     TensorLayout,
     backward_reshard_edge,
@@ -85,6 +87,7 @@ from ._comm import (
     output_layout,
     reshard,
     reshard_edge,
+    reshard_table,
 )
 from ._isl import ISL_TIME, access_map, count, domain_set, footprint_set
 from ._mesh import DeviceMesh, MeshAxis
@@ -105,6 +108,7 @@ __all__ = [
     "Placement",
     "PolyCache",
     "Reshard",
+    "ReshardTable",
     "Step",
     "SymbolicVolume",
     "TensorLayout",
@@ -129,6 +133,7 @@ __all__ = [
     "padding_of",
     "reshard",
     "reshard_edge",
+    "reshard_table",
     "symbolic_receive",
     "symbolic_volume",
 ]

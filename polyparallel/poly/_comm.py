@@ -49,7 +49,17 @@ from polyparallel.ir import ANY, DTYPE_BYTES, Graph, LoopNest, Op, Shape, Tensor
 
 from ._cache import CACHE
 from ._cache import signature_of as _signature
-from ._footprint import _AXIS_MEMO, Prog, Region, axis_key, dim_bounds, layout_region, operand_region
+from ._footprint import (
+    _AXIS_MEMO,
+    Grid,
+    Prog,
+    Region,
+    _axis_common_memo,
+    axis_key,
+    dim_bounds,
+    layout_region,
+    operand_region,
+)
 from ._isl import count, footprint_set, tensor_box
 from ._mesh import DeviceMesh
 from ._placement import Placement, check_placement, dim_split_kind, padding_of
@@ -60,6 +70,7 @@ __all__ = [
     "EdgeCosts",
     "OpComm",
     "Reshard",
+    "ReshardTable",
     "Step",
     "TensorLayout",
     "backward_reshard_edge",
@@ -73,6 +84,7 @@ __all__ = [
     "output_layout",
     "reshard",
     "reshard_edge",
+    "reshard_table",
 ]
 
 
@@ -277,44 +289,121 @@ def _operand_shape(graph: Graph, op: Op, operand: str) -> Shape:
 
 def _op_distribution(graph: Graph, op: Op, placement: Placement, mesh: DeviceMesh, operand: str,
                      writes: bool) -> Distribution:
-    key = ("op", _signature(graph, op), placement, mesh, operand, writes)
+    return _op_distributions(graph, op, (placement,), mesh, operand, writes)[0]
 
-    def make() -> Distribution:
-        shape = _operand_shape(graph, op, operand)
-        nest = op.nest
-        if nest is None:
+
+def _op_distributions(graph: Graph, op: Op, placements: Sequence[Placement], mesh: DeviceMesh, operand: str,
+                      writes: bool) -> list[Distribution]:
+    """The distributions of ``operand`` under each placement, the uncached ones built in one batch.
+
+    Every footprint computation of :mod:`._footprint` is elementwise over devices, so ``k``
+    placements on a mesh of ``n`` devices are one computation over ``k n`` virtual devices
+    (their bounds side by side), sliced afterwards: one pass of numpy calls instead of ``k``.
+    The slices equal what a placement alone gives (pieces deduplicated per placement in the
+    same order); the one decision :func:`index_prog` takes over all devices at once (a
+    :class:`Grid` when any device's set is gridded) is re-checked per placement, and the
+    placements whose own devices are not gridded are built again without the others.
+    """
+    sig = _signature(graph, op)
+    keys = [("op", sig, p, mesh, operand, writes) for p in placements]
+    table = CACHE.tables.get("distribution")
+    todo = list(dict.fromkeys(p for p, k in zip(placements, keys) if table is None or k not in table))
+    built = _build_distributions(graph, op, todo, mesh, operand, writes) if todo else {}
+    # built entries are returned as built (a batch larger than the table would evict its own first entries)
+    return [CACHE.get("distribution", k, lambda p=p: built[p] if p in built else
+                      _build_distributions(graph, op, (p,), mesh, operand, writes)[p])
+            for p, k in zip(placements, keys)]
+
+
+def _build_distributions(graph: Graph, op: Op, placements: Sequence[Placement], mesh: DeviceMesh, operand: str,
+                         writes: bool) -> dict[Placement, Distribution]:
+    sig = _signature(graph, op)
+    shape = _operand_shape(graph, op, operand)
+    nest = op.nest
+    out: dict[Placement, Distribution] = {}
+    if nest is None:
+        for p in placements:
+            check_placement(nest, p, mesh, op=op.name)
             region = layout_region(shape, tuple(() for _ in shape), mesh)
-            return Distribution(shape, mesh, region, tuple(() for _ in shape), tuple(True for _ in shape), (),
-                                key, lambda p: tensor_box("T", shape))
-        check_placement(nest, placement, mesh, op=op.name)
-        bounds = dim_bounds(nest, placement, mesh)
-        region = operand_region(nest, operand, shape, bounds, writes=writes, ndev=mesh.size)
-        deps: list[list[str]] = [[] for _ in shape]
-        for _st, acc, is_write in nest.accesses(operand):
-            if is_write != writes:
-                continue
-            for j, e in enumerate(acc.index):
-                if e is ANY:
-                    continue
-                for d, _c in sorted(e.terms, key=lambda t: -abs(t[1])):
-                    for a in placement.axes_of(d):
-                        if a not in deps[j]:
-                            deps[j].append(a)
+            out[p] = Distribution(shape, mesh, region, tuple(() for _ in shape), tuple(True for _ in shape), (),
+                                  ("op", sig, p, mesh, operand, writes), lambda q: tensor_box("T", shape))
+        return out
+    for p in placements:
+        check_placement(nest, p, mesh, op=op.name)
+    ndev, k = mesh.size, len(placements)
+    per = [dim_bounds(nest, p, mesh) for p in placements]
+    if k == 1:
+        cat = per[0]
+    else:
+        cat = {d: (np.concatenate([b[d][0] for b in per]), np.concatenate([b[d][1] for b in per])) for d in per[0]}
+    region = operand_region(nest, operand, shape, cat, writes=writes, ndev=k * ndev)
+    stacked = [np.stack(b) for b in cat.values()]
+    gridded = [j for j in range(len(shape)) if any(isinstance(pc[j], Grid) for pc in region.pieces)]
+    alone: list[Placement] = []
+    for i, p in enumerate(placements):
+        lo_i, hi_i = i * ndev, (i + 1) * ndev
+        pieces: list = []
+        for pc in region.pieces:
+            sl = tuple(_slice_axis(a, lo_i, hi_i) for a in pc)
+            if not any(all(a.same(b) for a, b in zip(sl, q)) for q in pieces):
+                pieces.append(sl)
+        if k > 1 and any(isinstance(pc[j], Grid) and not bool((pc[j].H > 1).any()) for pc in pieces for j in gridded):
+            alone.append(p)  # alone, index_prog would have given this placement a progression
+            continue
+        fallback = region.fallback[lo_i:hi_i]
+        bounds = per[i]
+        deps = _deps(nest, p, operand, writes, len(shape))
         block = []
         for j, n in enumerate(shape):
-            expect = Prog.interval(*mesh.bounds(n, tuple(deps[j])))
-            block.append(bool(region.pieces) and all(pc[j].same(expect) for pc in region.pieces))
-        partial = _partial_axes(nest, placement, operand) if writes else ()
+            lo, hi = mesh.bounds(n, deps[j])
+            block.append(bool(pieces) and all(_is_interval(pc[j], lo, hi) for pc in pieces))
+        partial = _partial_axes(nest, p, operand) if writes else ()
+        out[p] = Distribution(tuple(shape), mesh, Region(tuple(shape), pieces, fallback), deps, tuple(block),
+                              partial, ("op", sig, p, mesh, operand, writes),
+                              _isl_of(nest, operand, shape, bounds, writes), tuple(b[:, lo_i:hi_i] for b in stacked))
+    # the re-checked ones as a batch of their own (one by one when that makes no progress)
+    for batch in ([alone] if len(alone) < k else [[p] for p in alone]) if alone else []:
+        out.update(_build_distributions(graph, op, batch, mesh, operand, writes))
+    return out
 
-        def isl_of(p: int) -> isl.Set:
-            b = {d: (int(lo[p]), int(hi[p])) for d, (lo, hi) in bounds.items()}
-            return footprint_set(nest, operand, shape, b, writes=writes).set_tuple_name("T")
 
-        boxes = [np.stack(b) for b in bounds.values()]
-        return Distribution(tuple(shape), mesh, region, tuple(tuple(d) for d in deps), tuple(block), partial,
-                            key, isl_of, tuple(boxes))
+def _slice_axis(a: Prog | Grid, lo: int, hi: int) -> Prog | Grid:
+    if isinstance(a, Grid):
+        return Grid(a.start[lo:hi], a.n[lo:hi], a.c[lo:hi], a.H[lo:hi])
+    return Prog(a.start[lo:hi], a.step[lo:hi], a.n[lo:hi], a.unit)
 
-    return CACHE.get("distribution", key, make)
+
+def _is_interval(a: Prog | Grid, lo: np.ndarray, hi: np.ndarray) -> bool:
+    """``a.same(Prog.interval(lo, hi))`` without building the interval."""
+    if isinstance(a, Grid):
+        return False
+    b = a.normal()
+    return bool(np.array_equal(b.n, np.maximum(hi - lo, 0)) and np.array_equal(b.start, lo)
+                and (b.unit or bool((b.step == 1).all())))
+
+
+def _deps(nest: LoopNest, placement: Placement, operand: str, writes: bool, rank: int) -> tuple[tuple[str, ...], ...]:
+    """Mesh axes the footprint along each tensor axis depends on, outermost first."""
+    deps: list[list[str]] = [[] for _ in range(rank)]
+    for _st, acc, is_write in nest.accesses(operand):
+        if is_write != writes:
+            continue
+        for j, e in enumerate(acc.index):
+            if e is ANY:
+                continue
+            for d, _c in sorted(e.terms, key=lambda t: -abs(t[1])):
+                for a in placement.axes_of(d):
+                    if a not in deps[j]:
+                        deps[j].append(a)
+    return tuple(tuple(d) for d in deps)
+
+
+def _isl_of(nest: LoopNest, operand: str, shape: Shape, bounds, writes: bool) -> Callable[[int], isl.Set]:
+    def isl_of(p: int) -> isl.Set:
+        b = {d: (int(lo[p]), int(hi[p])) for d, (lo, hi) in bounds.items()}
+        return footprint_set(nest, operand, shape, b, writes=writes).set_tuple_name("T")
+
+    return isl_of
 
 
 def _partial_axes(nest: LoopNest, placement: Placement, operand: str) -> tuple[str, ...]:
@@ -669,65 +758,119 @@ class OpComm:
 
 
 def comm_of_op(graph: Graph, op: Op, placement: Placement, mesh: DeviceMesh) -> OpComm:
-    """Collectives ``op`` needs under ``placement`` (raises IllegalPlacement when it is not legal)."""
-    key = (_signature(graph, op), placement, mesh)
-    return CACHE.get("op_comm", key, lambda: _comm_of_op(graph, op, placement, mesh))
+    """Collectives ``op`` needs under ``placement`` (raises IllegalPlacement when it is not legal).
+
+    The first miss of a legal placement prices every legal placement of the op not yet
+    cached in one batch (:func:`_comm_of_ops`): callers price them all anyway.
+    """
+    sig = _signature(graph, op)
+    key = (sig, placement, mesh)
+
+    def make() -> OpComm:
+        from ._placement import legal_placements
+
+        check_placement(op.nest, placement, mesh, op=op.name)
+        legal = legal_placements(graph, op, mesh)
+        table = CACHE.tables.get("op_comm", {})
+        batch = [placement]
+        if placement in legal:
+            batch += [p for p in legal if p != placement and (sig, p, mesh) not in table]
+        got = _comm_of_ops(graph, op, batch, mesh)
+        for p in batch[1:]:
+            CACHE.get("op_comm", (sig, p, mesh), lambda p=p: got[p])
+        return got[placement]
+
+    return CACHE.get("op_comm", key, make)
 
 
-def _comm_of_op(graph: Graph, op: Op, placement: Placement, mesh: DeviceMesh) -> OpComm:
+def _comm_of_ops(graph: Graph, op: Op, placements: Sequence[Placement], mesh: DeviceMesh) -> dict[Placement, OpComm]:
+    """:class:`OpComm` of each placement; the per-device counts of all of them in one pass over
+    ``k n`` virtual devices (each placement's bounds side by side, as :func:`_op_distributions`)."""
     nest = op.nest
-    check_placement(nest, placement, mesh, op=op.name)
+    for p in placements:
+        check_placement(nest, p, mesh, op=op.name)
     if nest is None:
-        return OpComm(placement, (), (), (), (), (), float(op.flops))
+        return {p: OpComm(p, (), (), (), (), (), float(op.flops)) for p in placements}
     out_dtype = graph.tensors[op.outputs[0]].dtype if op.outputs else "float32"
     obytes = DTYPE_BYTES.get(out_dtype, 4)
-    bounds = dim_bounds(nest, placement, mesh)
-    ndev = mesh.size
-    forward: list[Collective] = []
-    partial: list[tuple[str, tuple[str, ...]]] = []
-    flops = np.zeros(ndev)
+    ndev, k = mesh.size, len(placements)
+    per = [dim_bounds(nest, p, mesh) for p in placements]
+
+    def side_by_side(rows: Sequence[int]):
+        if len(rows) == 1:
+            return per[rows[0]]
+        return {d: (np.concatenate([per[i][d][0] for i in rows]), np.concatenate([per[i][d][1] for i in rows]))
+                for d in per[0]}
+
+    everything = side_by_side(range(k))
+    flops = np.zeros(k * ndev)
     for st in nest.statements:
-        flops += _points(nest, st, bounds, ndev) * st.flops_per_point
+        flops += _points(nest, st, everything, k * ndev) * st.flops_per_point
+    flops_max = flops.reshape(k, ndev).max(axis=1, initial=0)
+    # partial temporaries: the block of each device, for the placements that split a dim they reduce
+    blocks: dict[tuple[str, int], np.ndarray] = {}
+    tmp_axes: dict[str, list[tuple[str, ...]]] = {}
     for tmp in nest.operands():
         if tmp.startswith(("in", "out")) and tmp[3 if tmp.startswith("out") else 2:].isdigit():
             continue
-        axes = _partial_axes(nest, placement, tmp)
-        if axes:
-            shape = _temporary_shape(nest, tmp)
-            region = operand_region(nest, tmp, shape, bounds, writes=True, ndev=ndev)
-            block, bad = region.counts()
-            if bad.any():
-                block, bad = _temporary_block(nest, tmp, bounds, block, bad, ndev)
-            if bad.any():
-                for p in np.nonzero(bad)[0]:
-                    b = {d: (int(lo[p]), int(hi[p])) for d, (lo, hi) in bounds.items()}
-                    block[p] = count(footprint_set(nest, tmp, shape, b, writes=True))
-            for a in axes:
-                s = _all_reduce(block, a, mesh, tmp)
+        tmp_axes[tmp] = [_partial_axes(nest, p, tmp) for p in placements]
+        rows = [i for i, ax in enumerate(tmp_axes[tmp]) if ax]
+        if not rows:
+            continue
+        bounds = side_by_side(rows)
+        nv = len(rows) * ndev
+        shape = _temporary_shape(nest, tmp)
+        region = operand_region(nest, tmp, shape, bounds, writes=True, ndev=nv)
+        block, bad = region.counts()
+        if bad.any():
+            block, bad = _temporary_block(nest, tmp, bounds, block, bad, nv)
+        if bad.any():
+            for v in np.nonzero(bad)[0]:
+                b = {d: (int(lo[v]), int(hi[v])) for d, (lo, hi) in bounds.items()}
+                block[v] = count(footprint_set(nest, tmp, shape, b, writes=True))
+        for pos, i in enumerate(rows):
+            blocks[(tmp, i)] = block[pos * ndev:(pos + 1) * ndev]
+    # parameter gradients: each device's block of the parameter, all-reduced over the partial axes
+    grad_axes: dict[int, list[tuple[str, ...]]] = {}
+    needs: dict[tuple[int, int], Distribution] = {}
+    for j, t in enumerate(op.inputs):
+        if graph.tensors[t].kind is not TensorKind.PARAM:
+            continue
+        grad_axes[j] = [grad_partial_axes(nest, p, f"in{j}", mesh) for p in placements]
+        rows = [i for i, ax in enumerate(grad_axes[j]) if ax]
+        if rows:
+            for i, d in zip(rows, _op_distributions(graph, op, [placements[i] for i in rows], mesh, f"in{j}", False)):
+                needs[(j, i)] = d
+    out: dict[Placement, OpComm] = {}
+    for i, placement in enumerate(placements):
+        forward: list[Collective] = []
+        for tmp, axes_per in tmp_axes.items():
+            for a in axes_per[i]:
+                s = _all_reduce(blocks[(tmp, i)], a, mesh, tmp)
                 forward.append(Collective("all-reduce", (a,), tmp, s.payload, s.elements, obytes))
-    for i in range(len(op.outputs)):
-        axes = _partial_axes(nest, placement, f"out{i}")
-        if axes:
-            partial.append((f"out{i}", axes))
-    grad: list[Collective] = []
-    for i, t in enumerate(op.inputs):
-        spec = graph.tensors[t]
-        if spec.kind is not TensorKind.PARAM:
-            continue
-        operand = f"in{i}"
-        axes_l = grad_partial_axes(nest, placement, operand, mesh)
-        if not axes_l:
-            continue
-        need = operand_need(graph, op, placement, mesh, operand)
-        block = need.counts()
-        g = mesh.group_size(axes_l)
-        recv = 2 * (g - 1) * (-(-block // g))
-        grad.append(Collective("all-reduce", tuple(axes_l), operand, int(block.max(initial=0)),
-                               int(recv.max(initial=0)), DTYPE_BYTES.get(spec.dtype, 4)))
-    kinds = tuple((d, dim_split_kind(nest, d)) for d in placement.dims)
-    pad = tuple(sorted(padding_of(nest, placement, mesh).items()))
-    return OpComm(placement, tuple(forward), tuple(partial), tuple(grad), kinds, pad, float(flops.max(initial=0)),
-                  tuple(forward))
+        partial = [(f"out{o}", ax) for o in range(len(op.outputs)) if (ax := _partial_axes(nest, placement, f"out{o}"))]
+        grad: list[Collective] = []
+        for j, axes_per in grad_axes.items():
+            axes_l = axes_per[i]
+            if not axes_l:
+                continue
+            block = needs[(j, i)].counts()
+            g = mesh.group_size(axes_l)
+            recv = 2 * (g - 1) * (-(-block // g))
+            grad.append(Collective("all-reduce", tuple(axes_l), f"in{j}", int(block.max(initial=0)),
+                                   int(recv.max(initial=0)), DTYPE_BYTES.get(graph.tensors[op.inputs[j]].dtype, 4)))
+        kinds = tuple((d, dim_split_kind(nest, d)) for d in placement.dims)
+        pad = tuple(sorted(padding_of(nest, placement, mesh).items()))
+        # backward: a partial temporary's gradient is itself partial only where the statements that read the
+        # temporary iterate the split dim (softmax / norm: d stats sums over the normalised dim); a sum read
+        # pointwise over the other dims (a row-parallel linear's product before its fused bias / residual
+        # epilogue) gets the whole gradient on every device, as Megatron's backward of a row-parallel layer
+        backward = tuple(c for c in forward if any(placement.dim_of(a) in st.dims for a in c.axes
+                                                   for st in nest.statements
+                                                   if any(r.operand == c.operand for r in st.reads)))
+        out[placement] = OpComm(placement, tuple(forward), tuple(partial), tuple(grad), kinds, pad,
+                                float(flops_max[i]), backward)
+    return out
 
 
 def grad_partial_axes(nest: LoopNest, placement: Placement, operand: str, mesh: DeviceMesh) -> tuple[str, ...]:
@@ -923,66 +1066,353 @@ def _sum_clip(lo: np.ndarray, hi: np.ndarray, top: np.ndarray) -> np.ndarray:
 
 # -- pricing every producer x consumer placement pair of an edge --------------------------------
 @dataclass(frozen=True, eq=False)
+class ReshardTable:
+    """Every ``reshard(haves[i], needs[j])`` of two lists of distributions, priced as arrays.
+
+    ``elements[i, j]`` is the route's elements per device (:attr:`Reshard.elements`),
+    ``direct[i, j]`` its exact lower bound; :meth:`cell` gives the :class:`Reshard` itself,
+    assembled on first use from the memoised route and these counts (equal to what
+    :func:`reshard` returns for the pair; ``tests/test_poly_table.py`` compares them).
+
+    How (:func:`reshard_table`): the route's collectives (steps 1-4 of the module
+    docstring) depend only on the have's layout and the need's mesh axes per tensor axis,
+    so they are computed once per (have, need axes), not per pair. What is left per pair
+    is ``max_p`` and ``sum_p`` of ``|N(p) \\ L(p)|`` for ``L`` the have (the direct bound)
+    and the route's final layout (the last exchange). For single-product sets that is
+    ``|N(p)| - prod_k |N_k(p) ∩ L_k(p)|`` over tensor axes ``k``; the one-dimensional
+    counts take a few distinct values per axis (memoised), and devices whose counts agree
+    in every one of them are one class (the mesh symmetry: blocks of an even axis are
+    translates, so their overlaps are equal) — the products are taken over classes, for
+    all pairs at once in numpy, the sums weighted by class sizes. Pairs with a
+    union-of-products or isl-counted set take the per-pair path.
+    """
+
+    haves: tuple[Distribution, ...]
+    needs: tuple[Distribution, ...]
+    mesh: DeviceMesh
+    dtype_bytes: int
+    elements: np.ndarray
+    direct: np.ndarray
+    most: np.ndarray  # the last exchange (halo / p2p): max elements per device, 0 when there is none
+    total: np.ndarray  # ... and summed over devices
+    payload: np.ndarray  # per need: max_p |N(p)|
+    route_of: np.ndarray  # per pair: index into routes (-1: an irregular have)
+    routes: tuple[tuple[tuple[Step, ...], Shards], ...]
+    prefix: tuple[tuple[Step, ...], ...]  # per irregular have: its in-place all-reduces
+    cells: dict[tuple[int, int], Reshard] = field(default_factory=dict, repr=False)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return len(self.haves), len(self.needs)
+
+    def cell(self, i: int, j: int) -> Reshard:
+        r = self.cells.get((i, j))
+        if r is None:
+            r = self.cells[(i, j)] = self._assemble(i, j)
+        return r
+
+    def rows(self) -> tuple[tuple[Reshard, ...], ...]:
+        return tuple(tuple(self.cell(i, j) for j in range(len(self.needs))) for i in range(len(self.haves)))
+
+    def _assemble(self, i: int, j: int) -> Reshard:
+        h, n = self.haves[i], self.needs[j]
+        most, direct = int(self.most[i, j]), int(self.direct[i, j])
+        r = int(self.route_of[i, j])
+        if r < 0:
+            steps = self.prefix[i]
+            if direct:
+                axes = tuple(sorted({x for d in n.deps for x in d} | {x for d in h.deps for x in d}))
+                steps = (*steps, Step("p2p", axes, None, direct, int(self.total[i, j]), int(self.payload[j]), 0))
+            return Reshard(str(h), str(n), steps, direct, self.dtype_bytes)
+        steps, cur = self.routes[r]
+        if most:
+            steps = (*steps, _last_exchange(n, cur, self.mesh, most, int(self.total[i, j]), int(self.payload[j])))
+        return Reshard(str(h), str(n), steps, direct, self.dtype_bytes)
+
+
+def _last_exchange(n: Distribution, cur: Shards, mesh: DeviceMesh, most: int, total: int, payload: int) -> Step:
+    """Step 5: what ``n`` still lacks after the route, a halo when it extends the block along the
+    same mesh axes, else point-to-point."""
+    irregular = [i for i, b in enumerate(n.block) if not b]
+    halo = bool(irregular) and all(n.deps[i] and set(n.deps[i]) == set(cur[i]) for i in irregular)
+    axes = tuple(a for i in irregular for a in n.deps[i]) if halo else tuple(mesh.names)
+    return Step("halo" if halo else "p2p", axes, irregular[0] if len(irregular) == 1 else None,
+                most, total, payload, 2 if halo else mesh.size)
+
+
+def reshard_table(haves: Sequence[Distribution], needs: Sequence[Distribution], mesh: DeviceMesh, *,
+                  dtype_bytes: int = 4) -> ReshardTable:
+    """Price every (have, need) pair at once (see :class:`ReshardTable`); cached by the lists."""
+    haves, needs = tuple(haves), tuple(needs)
+    for n in needs:
+        if n.partial:
+            raise ValueError(f"a consumer cannot need partial sums ({n})")
+    for h in haves:
+        if needs and h.shape != needs[0].shape:
+            raise ValueError(f"reshard between shapes {list(h.shape)} and {list(needs[0].shape)}")
+    key = (tuple(h.rid for h in haves), tuple(n.rid for n in needs), dtype_bytes)
+    return CACHE.get("table", key, lambda: _reshard_table(haves, needs, mesh, dtype_bytes))
+
+
+def _reshard_table(haves: tuple[Distribution, ...], needs: tuple[Distribution, ...], mesh: DeviceMesh,
+                   dtype_bytes: int) -> ReshardTable:
+    H, N = len(haves), len(needs)
+    shape = needs[0].shape if needs else (haves[0].shape if haves else ())
+    # the routes: one per (layout have, need mesh axes per tensor axis)
+    dep_index: dict[tuple, int] = {}
+    dep_of = np.array([dep_index.setdefault(n.deps, len(dep_index)) for n in needs], dtype=np.int64)
+    deps = list(dep_index)
+    others: dict[tuple, int] = {}  # the sets needs are compared with: layouts by shards, irregular haves by row
+    other_list: list[Distribution] = []
+
+    def other(key: tuple, make: Callable[[], Distribution]) -> int:
+        k = others.get(key)
+        if k is None:
+            k = others[key] = len(other_list)
+            other_list.append(make())
+        return k
+
+    routes: list[tuple[tuple[Step, ...], Shards]] = []
+    route_idx = np.full((H, max(len(deps), 1)), -1, dtype=np.int64)
+    route_other = []  # per route: the other index of its final layout
+    route_elems = []
+    have_other = np.zeros(H, dtype=np.int64)
+    prefix: list[tuple[Step, ...]] = []
+    prefix_elems = np.zeros(H, dtype=np.int64)
+    for i, h in enumerate(haves):
+        lay = h.layout
+        if lay is None:
+            have_other[i] = other(("have", i), lambda h=h: h)
+            ar = tuple(_all_reduce(h.counts(), a, mesh, None) for a in h.partial)
+            prefix.append(ar)
+            prefix_elems[i] = sum(s.elements for s in ar)
+            continue
+        prefix.append(())
+        have_other[i] = other(("layout", lay.shards),
+                              lambda lay=lay: layout_distribution(TensorLayout(shape, lay.shards), mesh))
+        for d, dk in enumerate(deps):
+            steps, cur = _route(shape, lay.shards, lay.partial, dk, mesh)
+            route_idx[i, d] = len(routes)
+            routes.append((steps, cur))
+            route_elems.append(sum(s.elements for s in steps))
+            route_other.append(other(("layout", cur),
+                                     lambda cur=cur: layout_distribution(TensorLayout(shape, cur), mesh)))
+    route_of = route_idx[:, dep_of] if N else np.zeros((H, 0), dtype=np.int64)
+    layout_row = route_of >= 0
+    # the (need, other) pairs to count: the have itself (direct bound) and the route's end
+    jj = np.broadcast_to(np.arange(N), (H, N))
+    o_direct = np.broadcast_to(have_other[:, None], (H, N))
+    o_end = np.where(layout_row, np.asarray(route_other, dtype=np.int64)[np.maximum(route_of, 0)]
+                     if routes else 0, o_direct)
+    nother = max(len(other_list), 1)
+    codes = np.concatenate([(jj * nother + o_direct).ravel(), (jj * nother + o_end).ravel()])
+    uniq, inv = np.unique(codes, return_inverse=True)
+    mx, sm = _missing_pairs(needs, other_list, uniq // nother, uniq % nother, mesh)
+    inv = inv.reshape(2, H, N)
+    payload = np.array([int(n.counts().max(initial=0)) for n in needs], dtype=np.int64)
+    direct = mx[inv[0]]
+    most, total = mx[inv[1]], sm[inv[1]]
+    elems = np.where(layout_row, np.asarray([*route_elems, 0], dtype=np.int64)[route_of], prefix_elems[:, None]) + most
+    return ReshardTable(haves, needs, mesh, dtype_bytes, elems, direct, most, total, payload, route_of,
+                        tuple(routes), tuple(prefix))
+
+
+_MIX = np.random.default_rng(0x5EED).integers(1, 1 << 62, size=4096, dtype=np.int64) | 1
+
+
+def _column_classes(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Classes of equal columns of ``rows``: (a representative column per class, class of each column).
+
+    Columns are grouped by a random linear hash (one matrix-vector product, wrapping int64),
+    then every column is compared with its class representative; a collision, however
+    unlikely, falls back to an exact lexicographic grouping, so the classes are always exact.
+    """
+    k = rows.shape[0]
+    mix = _MIX[:k] if k <= len(_MIX) else np.random.default_rng(k).integers(1, 1 << 62, size=k, dtype=np.int64) | 1
+    with np.errstate(over="ignore"):
+        h = mix @ rows
+    _u, rep, cls = np.unique(h, return_index=True, return_inverse=True)
+    cls = cls.reshape(-1)
+    if not np.array_equal(rows[:, rep][:, cls], rows):
+        _u, rep, cls = np.unique(rows, axis=1, return_index=True, return_inverse=True)
+        cls = cls.reshape(-1)
+    return rep, cls
+
+
+def _support(rows: np.ndarray, mesh: DeviceMesh) -> np.ndarray:
+    """Bit ``a`` of entry ``r``: row ``r`` (a value per device) is not constant along mesh axis ``a``."""
+    out = np.zeros(len(rows), dtype=np.int64)
+    grid = rows.reshape(len(rows), *mesh.shape)
+    for a in range(len(mesh.shape)):
+        if mesh.shape[a] > 1:
+            varies = (grid != np.take(grid, [0], axis=a + 1)).reshape(len(rows), -1).any(axis=1)
+            out |= varies.astype(np.int64) << a
+    return out
+
+
+def _missing_pairs(needs: Sequence[Distribution], others: Sequence[Distribution], pn: np.ndarray, po: np.ndarray,
+                   mesh: DeviceMesh) -> tuple[np.ndarray, np.ndarray]:
+    """``max_p`` and ``sum_p`` of ``|needs[pn[k]](p) \\ others[po[k]](p)|`` for each pair ``k`` (exact).
+
+    Single products with no isl-counted device: ``|N(p)| - prod_k c_k(p)`` with ``c_k`` the
+    memoised one-dimensional overlaps, over classes of devices equal in every ``c_k`` and
+    ``|N(p)|`` (see :class:`ReshardTable`). Any other pair: :meth:`Distribution.missing`.
+    """
+    npairs = len(pn)
+    mx = np.zeros(npairs, dtype=np.int64)
+    sm = np.zeros(npairs, dtype=np.int64)
+    if not npairs:
+        return mx, sm
+
+    def simple(d: Distribution) -> bool:
+        return len(d.region.pieces) == 1 and not d.region.fallback.any()
+
+    rank = len(needs[0].shape)
+    fast = np.array([simple(needs[a]) for a in range(len(needs))])[pn] & \
+        np.array([simple(o) for o in others])[po] & (rank > 0)
+    combos: list[np.ndarray] = []  # per tensor axis: the combo of each fast pair
+    tables: list[list[np.ndarray]] = []
+    for k in range(rank):
+        nkeys = {}
+        n_id = np.array([nkeys.setdefault(axis_key(n.region.pieces[0][k]), len(nkeys)) if simple(n) else -1
+                         for n in needs], dtype=np.int64)
+        okeys = {}
+        o_id = np.array([okeys.setdefault(axis_key(o.region.pieces[0][k]), len(okeys)) if simple(o) else -1
+                         for o in others], dtype=np.int64)
+        code = np.where(fast, n_id[pn] * max(len(okeys), 1) + o_id[po], -1)
+        uc, first, ci = np.unique(code, return_index=True, return_inverse=True)
+        arrays = []
+        for c, a in zip(uc, first):
+            if c < 0:
+                arrays.append(np.zeros(mesh.size, dtype=np.int64))
+                continue
+            cnt, bad = _axis_common_memo(needs[pn[a]].region.pieces[0][k], others[po[a]].region.pieces[0][k])
+            if bad is not None:
+                fast &= code != c  # not closed-form on some device: the per-pair path counts it with isl
+            arrays.append(cnt)
+        combos.append(ci.reshape(-1))
+        tables.append(arrays)
+    idx = np.nonzero(fast)[0]
+    if len(idx):
+        ncount = np.zeros((len(needs), mesh.size), dtype=np.int64)
+        for a in np.unique(pn[idx]):
+            ncount[a] = needs[a].counts()
+        mats = [np.stack(t) for t in tables]
+        # the mesh axes each count varies along; a pair's counts are constant along every other axis
+        sup_m = [_support(t, mesh) for t in mats]
+        sup_n = _support(ncount, mesh)
+        support = sup_n[pn[idx]]
+        for k in range(rank):
+            support = support | sup_m[k][combos[k][idx]]
+        for s_mask in np.unique(support):
+            group = idx[support == s_mask]
+            # one slice of the mesh: coordinate 0 on the axes the group's counts do not vary along
+            off = [a for a in range(len(mesh.shape)) if not (int(s_mask) >> a) & 1]
+            devs = np.nonzero((mesh.coords[:, off] == 0).all(axis=1))[0] if off else np.arange(mesh.size)
+            times = math.prod(mesh.shape[a] for a in off)
+            sub = [m[:, devs] for m in mats]
+            nsub = ncount[:, devs]
+            # within the slice, devices equal in every count are one class (translated blocks)
+            rep, cls = _column_classes(np.concatenate([*sub, nsub], axis=0))
+            weight = np.bincount(cls, minlength=len(rep)).astype(np.int64) * times
+            sub = [m[:, rep] for m in sub]
+            nsub = nsub[:, rep]
+            step = max(1, (1 << 21) // max(len(rep), 1))
+            for s0 in range(0, len(group), step):
+                sel = group[s0:s0 + step]
+                common = sub[0][combos[0][sel]]
+                for k in range(1, rank):
+                    common = common * sub[k][combos[k][sel]]
+                miss = nsub[pn[sel]] - common
+                mx[sel] = miss.max(axis=1, initial=0)
+                sm[sel] = miss @ weight
+    for k in np.nonzero(~fast)[0]:
+        miss = needs[pn[k]].missing(others[po[k]])
+        mx[k], sm[k] = int(miss.max(initial=0)), int(miss.sum())
+    return mx, sm
+
+
+@dataclass(frozen=True, eq=False)
 class EdgeCosts:
     """Reshard costs of one graph edge for every (producer placement, consumer placement) pair.
 
-    Placements that leave (or need) the same distribution share a row (column):
-    ``cost(i, j) = reshards[have_of[i]][need_of[j]]``. ``bytes`` is the matrix of bytes
-    received per device along the route, indexed like ``reshards``.
+    Placements that leave (or need) the same distribution share a row (column) of
+    ``table`` (a :class:`ReshardTable`, every pair priced as arrays):
+    ``cost(i, j) = table.cell(have_of[i], need_of[j])``; ``elements`` / ``bytes`` are its
+    matrices of elements / bytes received per device along the route; ``reshards`` lists
+    the :class:`Reshard` of every cell.
 
     The backward pass moves the gradient the other way (:func:`backward_reshard_edge`):
-    ``backward_cost(i, j) = backward[grad_have_of[j]][grad_need_of[i]]``, priced on first
-    use (forward-only callers pay nothing for it). A graph input needs no gradient.
+    ``backward_cost(i, j) = backward_table.cell(grad_have_of[j], grad_need_of[i])``, priced on
+    first use (forward-only callers pay nothing for it). A graph input needs no gradient.
     """
 
     producer_placements: tuple[Placement, ...]
     consumer_placements: tuple[Placement, ...]
     have_of: np.ndarray
     need_of: np.ndarray
-    reshards: tuple[tuple[Reshard, ...], ...]
-    _backward: Callable[[], tuple[np.ndarray, np.ndarray, tuple[tuple[Reshard, ...], ...]]] | None = \
-        field(default=None, repr=False)
+    table: ReshardTable
+    _backward: Callable[[], tuple[np.ndarray, np.ndarray, ReshardTable]] | None = field(default=None, repr=False)
 
     @cached_property
-    def _backward_tables(self) -> tuple[np.ndarray, np.ndarray, tuple[tuple[Reshard, ...], ...]]:
+    def _backward_tables(self) -> tuple[np.ndarray, np.ndarray, ReshardTable | None]:
         if self._backward is None:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), ()
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), None
         return self._backward()
+
+    @property
+    def reshards(self) -> tuple[tuple[Reshard, ...], ...]:
+        """Distinct forward reshards: rows by producer distribution, columns by consumer need."""
+        return self.table.rows()
+
+    @property
+    def backward_table(self) -> ReshardTable | None:
+        return self._backward_tables[2]
 
     @property
     def backward(self) -> tuple[tuple[Reshard, ...], ...]:
         """Distinct backward reshards: rows by consumer gradient class, columns by producer need class."""
-        return self._backward_tables[2]
+        t = self._backward_tables[2]
+        return t.rows() if t is not None else ()
 
     def backward_cost(self, i: int, j: int) -> Reshard | None:
         """Gradient reshard for producer placement ``i`` and consumer placement ``j`` (None: no gradient)."""
         grad_have_of, grad_need_of, table = self._backward_tables
-        if not table:
+        if table is None:
             return None
-        return table[int(grad_have_of[j])][int(grad_need_of[i])]
+        return table.cell(int(grad_have_of[j]), int(grad_need_of[i]))
+
+    @property
+    def elements(self) -> np.ndarray:
+        return self.table.elements
 
     @property
     def bytes(self) -> np.ndarray:
-        return np.array([[r.volume_bytes_per_device for r in row] for row in self.reshards], dtype=np.int64)
+        return self.table.elements * self.table.dtype_bytes
 
     def cost(self, i: int, j: int) -> Reshard:
-        return self.reshards[int(self.have_of[i])][int(self.need_of[j])]
+        return self.table.cell(int(self.have_of[i]), int(self.need_of[j]))
 
     @property
     def pairs(self) -> int:
         return len(self.producer_placements) * len(self.consumer_placements)
 
 
-
-def _distinct(placements: Sequence[Any], dist_of: Callable[[Any], Any]) -> tuple[np.ndarray, list[Any]]:
-    """The distinct distributions ``dist_of(p)`` over ``placements`` (by :func:`_dedupe_key`), in
-    first-seen order, and for each placement the index of its distribution among them."""
+def _distinct(placements: Sequence[Any], dist_of: Callable[[Any], Distribution]) -> tuple[np.ndarray,
+                                                                                       list[Distribution]]:
+    """The distinct distributions ``dist_of(p)`` over ``placements`` (by :func:`_dedupe_key`),
+    ordered by that key (edges with the same sets then share one :func:`reshard_table`), and
+    for each placement the index of its distribution among them."""
     index: dict = {}
     of = np.zeros(len(placements), dtype=np.int64)
     for i, p in enumerate(placements):
         d = dist_of(p)
         of[i] = index.setdefault(_dedupe_key(d), (len(index), d))[0]
-    return of, [d for _, d in index.values()]
+    keys = list(index)
+    order = np.argsort(np.asarray(keys, dtype=np.int64), kind="stable")
+    pos = np.empty(len(keys), dtype=np.int64)
+    pos[order] = np.arange(len(keys))
+    return pos[of], [index[keys[k]][1] for k in order]
 
 
 def edge_costs(graph: Graph, tensor: str, consumer: Op, operand: str, mesh: DeviceMesh,
@@ -1006,19 +1436,22 @@ def edge_costs(graph: Graph, tensor: str, consumer: Op, operand: str, mesh: Devi
 
     def make() -> EdgeCosts:
         nbytes = DTYPE_BYTES.get(graph.tensors[tensor].dtype, 4)
-        have_of, haves = _distinct(pp_, lambda p: output_layout(graph, prod, p, mesh, out_idx) if prod is not None
+        # every placement's distribution in one batch, then grouped by what it holds / needs
+        outs = dict(zip(pp_, _op_distributions(graph, prod, pp_, mesh, f"out{out_idx}", True))) if prod is not None \
+            else {}
+        ins = dict(zip(cp_, _op_distributions(graph, consumer, cp_, mesh, operand, False)))
+        have_of, haves = _distinct(pp_, lambda p: outs[p] if prod is not None
                                    else layout_distribution(TensorLayout.replicated(graph.shape(tensor)), mesh))
-        need_of, needs = _distinct(cp_, lambda p: operand_need(graph, consumer, p, mesh, operand))
-        rows = tuple(tuple(reshard(h, n, mesh, dtype_bytes=nbytes) for n in needs) for h in haves)
+        need_of, needs = _distinct(cp_, ins.__getitem__)
+        table = reshard_table(haves, needs, mesh, dtype_bytes=nbytes)
 
-        def backward() -> tuple[np.ndarray, np.ndarray, tuple[tuple[Reshard, ...], ...]]:
+        def backward() -> tuple[np.ndarray, np.ndarray, ReshardTable]:
             grad_need_of, gneeds = _distinct(
                 pp_, lambda p: grad_needed(graph, prod, p, mesh, out_idx, reader=(consumer, operand)))
             grad_have_of, ghaves = _distinct(cp_, lambda p: grad_held(graph, consumer, p, mesh, operand))
-            table = tuple(tuple(reshard(h, n, mesh, dtype_bytes=nbytes) for n in gneeds) for h in ghaves)
-            return grad_have_of, grad_need_of, table
+            return grad_have_of, grad_need_of, reshard_table(ghaves, gneeds, mesh, dtype_bytes=nbytes)
 
-        return EdgeCosts(pp_, cp_, have_of, need_of, rows, backward if prod is not None else None)
+        return EdgeCosts(pp_, cp_, have_of, need_of, table, backward if prod is not None else None)
 
     return CACHE.get("edge", key, make)
 
