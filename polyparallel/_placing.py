@@ -192,6 +192,11 @@ def torch_edge_rule(g: Graph, u: Op, pu: Any, v: Op, pv: Any, pos: int) -> str |
       loss, the epilogue inputs of a column-parallel Linear): ``u`` must leave exactly those.
     * ``"forbid"``: such an input left whole, or shards of a split op other than a
       column-parallel Linear (which the backend gathers) read by a replicated op.
+    * ``"forward"``: an input of the epilogue fused into a row-parallel Linear or a
+      vocabulary-parallel embedding (GPT's residual add, the position embedding added to the token
+      embedding): the backend adds it to the all-reduced, whole output, so its gradient is whole on
+      every rank and moves nothing backward (the polyhedral model, which sees the epilogue inside
+      the split op, would all-reduce it).
     """
     su, sv = _split(pu), _split(pv)
     ru, rv = _role(g, u), _role(g, v)
@@ -199,7 +204,10 @@ def torch_edge_rule(g: Graph, u: Op, pu: Any, v: Op, pv: Any, pos: int) -> str |
         return "free"
     if sv:
         first = pos == _first_act(g, v)
-        if rv in ("pointwise", "attention") or (rv == "linear" and (pv.splits[0][0] != "n") == first) or (
+        d = pv.splits[0][0]
+        if not first and ((rv == "linear" and d != "n") or rv == "embedding"):
+            return "forward"
+        if rv in ("pointwise", "attention") or (rv == "linear" and (d != "n") == first) or (
                 rv == "loss" and first):
             return "local" if su else "forbid"
     if su and not sv and ru in ("pointwise", "attention"):
@@ -260,17 +268,31 @@ def _event(kind: str, payload: float, received: float, p: int) -> tuple[str, flo
 
 
 def _op_plans(g: Graph, placed: dict[str, Any], mesh: Any, dtype: str, edge_rule: Any) -> dict[str, OpPlan]:
-    """Each placed op's work split and tensor-parallel events (forward, backward)."""
-    from polyparallel.placement import _SHORT_BYTES, _in_edges, _wire_bytes, param_split
+    """Each placed op's work split and tensor-parallel events (forward, backward).
+
+    A tensor read by several ops moves once per distinct move: a Partial output that two readers need
+    whole is all-reduced once (forward), and the gradients that several column-parallel readers leave
+    Partial are summed locally and all-reduced once (backward), as Megatron and the torch backend run
+    them (the placement objective, pairwise over edges, charges each reader)."""
+    from polyparallel.placement import _FLOAT, _SHORT_BYTES, _in_edges, _wire_bytes, param_split, work_split
     from polyparallel.poly import comm_of_op, edge_costs
 
     w = _SHORT_BYTES.get(dtype, 4)
     p = mesh.size
     out = {}
+    seen: set[tuple] = set()
+
+    def once(t: str, way: str, events: list[tuple[str, float]]) -> list[tuple[str, float]]:
+        key = (t, way, tuple(events))
+        if not events or key in seen:
+            return []
+        seen.add(key)
+        return events
+
     for name, pl in placed.items():
         op = g.op(name)
         oc = comm_of_op(g, op, pl, mesh)
-        split = max(1.0, op.flops / oc.flops) if oc.flops else 1.0
+        split = work_split(op, oc, pl, mesh)
         fwd = [_event(c.kind, c.payload * w, c.elements * w, p) for c in oc.forward]
         bwd = [_event(c.kind, c.payload * w, c.elements * w, p) for c in (*oc.backward, *oc.grad)]
         for t, u, pos in _in_edges(g, op):
@@ -279,8 +301,10 @@ def _op_plans(g: Graph, placed: dict[str, Any], mesh: Any, dtype: str, edge_rule
                 continue
             ec = edge_costs(g, t, op, f"in{pos}", mesh, [placed[u.name]], [pl])
             wt = _wire_bytes(g, t, dtype)
-            fwd += _events(ec.cost(0, 0), wt, p)
-            bwd += _events(ec.backward_cost(0, 0), wt, p)
+            fwd += once(t, "forward", _events(ec.cost(0, 0), wt, p))
+            if g.tensors[t].dtype in _FLOAT and (edge_rule is None or
+                                                 edge_rule(g, u, placed[u.name], op, pl, pos) != "forward"):
+                bwd += once(t, "backward", _events(ec.backward_cost(0, 0), wt, p))
         out[name] = OpPlan(split=split, tp_fwd=tuple(e for e in fwd if e[1] > 0),
                            tp_bwd=tuple(e for e in bwd if e[1] > 0), param_split=param_split(g, op, pl, mesh))
     return out

@@ -35,7 +35,9 @@ rule's placement: then the optimum is never worse than the rule under the same p
 says how the target runs an edge: ``"free"`` moves nothing although the block layouts differ
 (the torch backend regroups a fused ``qkv`` projection's rows so each rank's column shard holds
 whole heads), ``"forbid"`` cannot be run, ``"local"`` passes local shards only (allowed where
-the reshard moves nothing), ``None`` is priced as above. A forbidden pair costs ``FORBIDDEN``
+the reshard moves nothing), ``"forward"`` prices the forward reshard only (the target's gradient
+needs no communication back, e.g. a residual added after a row-parallel all-reduce), ``None`` is
+priced as above. A forbidden pair costs ``FORBIDDEN``
 seconds, so the optimum avoids it whenever any assignment does. Bytes
 on the wire use the training ``dtype`` for floating-point tensors. An op on sharded parameters
 pays the device's DTensor dispatch (``sharded`` in :func:`~polyparallel.cost_models.compute.op_cost`),
@@ -85,11 +87,11 @@ from polyparallel.ir import ANY as _ANY
 from polyparallel.ir import Graph, Op, TensorKind
 
 __all__ = ["FORBIDDEN", "PlacementPlan", "PlacementTables", "param_split", "price_placements", "solve_placements",
-           "solve_stage"]
+           "solve_stage", "work_split"]
 
 Expressible = Callable[[Op, Any], bool]  # (op, Placement) -> whether the target runs it
 Include = Callable[[Op], Any]  # op -> a Placement that must be a candidate, or None
-EdgeRule = Callable[[Graph, Op, Any, Op, Any, int], "str | None"]  # "free" / "forbid" / "local" / None
+EdgeRule = Callable[[Graph, Op, Any, Op, Any, int], "str | None"]  # "free"/"forbid"/"local"/"forward"/None
 FORBIDDEN = 1e6  # seconds: an edge layout pair the target cannot run
 
 _KIND = {"all-reduce": "all_reduce", "reduce-scatter": "reduce_scatter", "all-gather": "all_gather",
@@ -232,7 +234,7 @@ class _Pricer:
         costs, computes, comms = [], [], []
         for p in pls:
             oc = comm_of_op(self.graph, op, p, self.mesh)
-            split = op.flops / oc.flops if oc.flops else 1.0
+            split = work_split(op, oc, p, self.mesh)
             c = op_cost(self.graph, op, dt, self.dtype, split=max(split, 1.0),
                         sharded=param_split(self.graph, op, p, self.mesh) > 1)
             comm = sum(self.collective(col.kind, col.axes, col.payload * w, col.elements * w)
@@ -271,7 +273,8 @@ class _Pricer:
                     fwd[i, j] = FORBIDDEN
                     continue
                 fwd[i, j] = self.reshard_s(rs, w)
-                bwd[i, j] = self.reshard_s(ec.backward_cost(i, j), w)
+                if how != "forward" and self.graph.tensors[tensor].dtype in _FLOAT:  # no gradient into indices
+                    bwd[i, j] = self.reshard_s(ec.backward_cost(i, j), w)
         self._edges[key] = (fwd, bwd)
         return fwd, bwd
 
@@ -285,6 +288,19 @@ def _wire_bytes(graph: Graph, tensor: str, dtype: str) -> float:
 
     t = graph.tensors[tensor].dtype
     return _SHORT_BYTES.get(dtype, 4) if t in _FLOAT else DTYPE_BYTES.get(t, 4)
+
+
+def work_split(op: Op, oc: Any, placement: Any, mesh: Any) -> float:
+    """Ways the op's work is divided, read off its largest statement (most domain points): its
+    FLOPs over the busiest device's when that statement computes (exact for uneven blocks), else
+    (a lookup or copy, priced by the bytes it moves) the number of blocks its split dims cut it in."""
+    if op.nest is None or not placement.splits:
+        return 1.0
+    ext = op.nest.extents
+    big = max(op.nest.statements, key=lambda st: math.prod(ext[d] for d in st.dims))
+    if big.flops_per_point and op.flops and oc.flops:
+        return max(1.0, op.flops / oc.flops)
+    return float(math.prod(mesh.group_size(axes) for d, axes in placement.splits if d in big.dims))
 
 
 def param_split(graph: Graph, op: Op, placement: Any, mesh: Any) -> int:
@@ -635,7 +651,7 @@ def solve_stage(graph: Graph, mesh: Any, cluster: Cluster, *, dtype: str = "fp32
         expressible: ``(op, placement) -> bool``: only placements it accepts are candidates
             (a backend's executable layouts); it must accept the replicated placement.
         include: ``op -> placement or None``: a placement that is always a candidate.
-        edge_rule: ``(graph, u, p_u, v, p_v, pos) -> "free" | "forbid" | "local" | None``: how the
+        edge_rule: ``(graph, u, p_u, v, p_v, pos) -> "free" | "forbid" | "local" | "forward" | None``: how the
             target runs an edge (module docstring); pass a module-level function (it keys the
             block cache).
     """
