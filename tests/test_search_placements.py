@@ -154,3 +154,38 @@ def test_unknown_placement_mode_is_refused():
     model, args, kwargs = _mlp()
     with pytest.raises(ValueError, match="placements must be one of"):
         pp.search(model, args, "dgx-a100x1", example_kwargs=kwargs, constraints={"placements": "magic"})
+
+
+def small_gpt() -> GPT:
+    return GPT(GPTConfig(vocab=256, seq=64, layers=2, hidden=256, heads=4))
+
+
+def small_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, 256, (8, 65), generator=torch.Generator().manual_seed(3000 + step))
+    return ids[:, :-1], ids[:, 1:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_torch_backend_trains_the_solvers_mixed_placements():
+    """Priced for two A100s, the solver keeps Megatron's blocks but replicates the embeddings, the
+    tied output head and the loss (their all-reduces cost more than the split saves at this size);
+    the torch backend runs exactly that on two CPU processes and matches one process."""
+    from polyparallel.backends.torch import plan_for, train
+    from polyparallel.backends.torch._tensor_parallel import capture_for_strategy
+    from tests.test_torch_backend import LR, SEED, STEPS, _single
+
+    x, y = small_data(0)
+    kw = dict(example_kwargs={"labels": y}, batch_size=8, tp=2, dp=1, sp=1, recompute="none", microbatches=1,
+              dtype="fp32")
+    s = pp.evaluate(small_gpt(), (x,), "dgx-a100x1", placements="torch", **kw)
+    rule = pp.evaluate(small_gpt(), (x,), "dgx-a100x1", **kw)
+    assert s.stages[0].placed_by == "solver" and s.estimate.step_time_s < rule.estimate.step_time_s
+    by_module = {m: p.placement for p in s.placements for m in p.modules}
+    assert by_module["h.0.fc"] == "n:tp" and by_module["h.0.fc_out"] == "k:tp" and by_module["wte"] == ""
+    kinds = dict(plan_for(s, small_gpt(), graph=capture_for_strategy(small_gpt, (x, y))).tp_plan)
+    assert kinds["h.0.qkv"] == "col" and kinds["h.1.fc_out"] == "row" and "lm_head" not in kinds
+    log = train(s, small_gpt, small_data, steps=STEPS, lr=LR, seed=SEED)
+    ref = _single(small_gpt, small_data)
+    err = max(abs(r["loss"] - want) / abs(want) for r, want in zip(log, ref))
+    assert err <= 1e-4, err
