@@ -228,3 +228,16 @@ def test_local_cpu_prefers_rates_measured_with_p_processes(tmp_path, monkeypatch
     assert four_procs.peak_flops() == pytest.approx(30e9) and four_procs.memory_bandwidth == 3e9
     # no measurement with 3 processes: single-process rates scaled by the core share 2/3
     assert Cluster.preset("local-cpu:3").device(0).type.peak_flops() == pytest.approx(100e9 * 2 / 3)
+
+
+def test_example_cluster_lays_the_h200_calibration_over_the_data_sheet():
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    cal = json.loads((root / "benchmarks/results/calibration_h200-sxm.json").read_text())
+    dt = Cluster.load(root / "examples/clusters/dgx-h200-calibrated.yaml").device(0).type
+    best = max(r["flops"] / r["seconds"] for r in cal["matmul"]["bf16"])
+    assert max(f / s for f, s in dict(dt.matmul_curves)["bf16"]) == pytest.approx(best)
+    assert dt.memory_efficiency == pytest.approx(cal["memory_bandwidth"] / 4800e9)
+    assert dt.peak_flops("bf16") == 989.5e12  # the data sheet stays for what was not measured
