@@ -342,7 +342,15 @@ def _calibration_summary(path: Path) -> dict[str, Any]:
             "gloo_by_group_size": {p: {"alpha_s": f["alpha"], "bandwidth_Bps": f["bandwidth"]}
                                    for p, f in fits.items()},
             "matmul_peak_flops_by_procs": {p: max(r["flops"] / r["seconds"] for r in k["matmul"])
-                                           for p, k in cal.get("per_processes", {}).items()}}
+                                           for p, k in cal.get("per_processes", {}).items()},
+            # the framework terms priced on CPU processes (absent from calibrations older than them)
+            "training_op_overhead_s_by_procs": {p: k.get("training_op_overhead")
+                                                for p, k in cal.get("per_processes", {}).items()},
+            "optimizer_tensor_overhead_s_by_procs": {p: k.get("optimizer_tensor_overhead")
+                                                     for p, k in cal.get("per_processes", {}).items()},
+            "attention_forward_backward_flops_by_procs": {
+                p: [[r["shape"], r["flops"] / r["forward_s"], r["flops"] / r["backward_s"] if r["backward_s"] else None]
+                    for r in k.get("attention", [])] for p, k in cal.get("per_processes", {}).items()}}
 
 
 def main() -> None:
