@@ -567,6 +567,13 @@ def _say_rates(say: Callable[[str], None], p: int, k: dict[str, Any]) -> None:
     best = max(r["flops"] / r["seconds"] for r in k["matmul"])
     dt = f", DTensor op +{k['dtensor_overhead'] * 1e6:.0f} us" if "dtensor_overhead" in k else ""
     tr = f", training op +{k['training_op_overhead'] * 1e6:.1f} us" if "training_op_overhead" in k else ""
+    if k.get("optimizer_tensor_overhead"):
+        tr += ", optimizer per tensor " + ", ".join(f"{o} {v * 1e6:.0f} us"
+                                                    for o, v in k["optimizer_tensor_overhead"].items())
+    if k.get("attention"):
+        r = k["attention"][-1]
+        tr += (f", attention {r['flops'] / r['forward_s'] / 1e9:.1f}/"
+               f"{r['flops'] / max(r['backward_s'], 1e-12) / 1e9:.1f} GFLOP/s fwd/bwd")
     say(f"{p} process(es) at once, {THREADS_PER_PROCESS} thread each: best matmul {best / 1e9:.1f} GFLOP/s per "
         f"process, copy {k['memory_bandwidth'] / 1e9:.1f} GB/s, 1-element op {k['launch_overhead'] * 1e6:.1f} us"
         f"{dt}{tr}")
