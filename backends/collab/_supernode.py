@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from ._flwr_timing import capped_time, set_object_pull_backoff
 
@@ -37,6 +38,9 @@ def main() -> None:
     import flwr.supernode.start_client_internal as sci
     from flwr.supernode.cli import flower_supernode
 
+    if getattr(sci, "time", None) is not time:
+        raise RuntimeError("flwr.supernode.start_client_internal no longer uses the time module; this patch "
+                           "is written for flwr 1.42")
     sci.time = capped_time(a.poll_s, a.poll_s if a.wait_s is None else a.wait_s)
     if a.pull_backoff_s:
         set_object_pull_backoff(a.pull_backoff_s)
