@@ -15,6 +15,8 @@ from polyparallel._cli_graph import MODEL_HELP
 from polyparallel.cli import app
 from polyparallel.strategy import Strategy
 
+PLACEMENTS_HELP = ("per-op placements: torch (the exact per-stage solver, restricted to what the torch backend "
+                   "runs), any (every legal placement) or rule (Megatron's)")
 CLUSTER_HELP = "cluster preset (dgx-a100x8, aisynergy-5, local-cpu:4, ...) or a YAML/JSON spec"
 
 
@@ -72,6 +74,7 @@ def search_cmd(
     tp: Annotated[int | None, typer.Option(help="pin the tensor-parallel degree")] = None,
     pp: Annotated[int | None, typer.Option(help="pin the number of pipeline stages")] = None,
     mode: Annotated[str | None, typer.Option(help="synchronous or collaborative")] = None,
+    placements: Annotated[str, typer.Option(help=PLACEMENTS_HELP)] = "torch",
     as_json: Annotated[bool, typer.Option("--json", help="print the strategy JSON")] = False,
 ) -> None:
     """Find the fastest parallel plan of MODEL that fits CLUSTER."""
@@ -80,6 +83,7 @@ def search_cmd(
     console = _console()
     m, args, kwargs = _load(model)
     constraints = {k: v for k, v in {"tp": tp, "pp": pp, "mode": mode}.items() if v is not None}
+    constraints["placements"] = placements
     with console.status(f"searching {model} on {cluster} ...") as status:
         s = search(m, args, cluster, example_kwargs=kwargs, batch_size=batch_size, objective=objective,
                    constraints=constraints, exhaustive=exhaustive,
@@ -200,6 +204,7 @@ def evaluate_cmd(
     zero: Annotated[int | None, typer.Option(help="ZeRO stage 0-3")] = None,
     recompute: Annotated[str | None, typer.Option(help="none, selective or full")] = None,
     batch_size: Annotated[int | None, typer.Option("--batch-size", "-b", help="global batch per step")] = None,
+    placements: Annotated[str, typer.Option(help=PLACEMENTS_HELP + "; a recipe's default is rule")] = "rule",
     as_json: Annotated[bool, typer.Option("--json", help="print the estimate as JSON")] = False,
 ) -> None:
     """Price a hand-made recipe with the search's cost model; unset choices are made as the search would."""
@@ -207,7 +212,7 @@ def evaluate_cmd(
 
     m, args, kwargs = _load(model)
     s = evaluate(m, args, cluster, example_kwargs=kwargs, dp=dp, tp=tp, pp=pp, sp=sp, microbatches=microbatches,
-                 schedule=schedule, zero_stage=zero, recompute=recompute, batch_size=batch_size)
+                 schedule=schedule, zero_stage=zero, recompute=recompute, batch_size=batch_size, placements=placements)
     if as_json:
         d = s.estimate.model_dump() if s.estimate else {}
         d.update({"dp": s.dp, "tp": s.tp, "pp": s.pp, "sp": s.sp, "microbatches": s.microbatches,
