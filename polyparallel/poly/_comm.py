@@ -55,6 +55,8 @@ from ._footprint import (
     Prog,
     Region,
     _axis_common_memo,
+    _intersect_products,
+    _product_count,
     axis_key,
     dim_bounds,
     layout_region,
@@ -1250,82 +1252,130 @@ def _support(rows: np.ndarray, mesh: DeviceMesh) -> np.ndarray:
     return out
 
 
+def _terms(region: Region) -> list[tuple[int, tuple]] | None:
+    """A union of products as signed products, ``|U P_i ∩ L| = sum_t s_t |T_t ∩ L|`` for every
+    product ``L`` (inclusion-exclusion; disjoint pieces add up). None when some device is
+    counted by isl or an intersection of pieces is not closed-form there."""
+    pieces = region.pieces
+    if not pieces or region.fallback.any():
+        return None
+    if len(pieces) == 1 or region.disjoint:
+        return [(1, pc) for pc in pieces]
+    if len(pieces) > 4:
+        return None
+    out: list[tuple[int, tuple]] = []
+    ndev = len(region.fallback)
+    for r in range(1, len(pieces) + 1):
+        for subset in itertools.combinations(pieces, r):
+            prod = subset[0]
+            for q in subset[1:]:
+                prod, bad = _intersect_products(prod, q)
+                if bad.any():
+                    return None
+            if r > 1 and not _product_count(prod, ndev).any():
+                continue  # empty on every device
+            out.append((1 if r % 2 else -1, prod))
+    return out
+
+
 def _missing_pairs(needs: Sequence[Distribution], others: Sequence[Distribution], pn: np.ndarray, po: np.ndarray,
                    mesh: DeviceMesh) -> tuple[np.ndarray, np.ndarray]:
     """``max_p`` and ``sum_p`` of ``|needs[pn[k]](p) \\ others[po[k]](p)|`` for each pair ``k`` (exact).
 
-    Single products with no isl-counted device: ``|N(p)| - prod_k c_k(p)`` with ``c_k`` the
-    memoised one-dimensional overlaps, over classes of devices equal in every ``c_k`` and
-    ``|N(p)|`` (see :class:`ReshardTable`). Any other pair: :meth:`Distribution.missing`.
+    Each set is a signed sum of products (:func:`_terms`), so
+    ``|N(p) ∩ O(p)| = sum_{t,u} s_t s_u prod_k c_k(p)`` with ``c_k`` the memoised
+    one-dimensional overlaps of the terms' axes; that is evaluated for all pairs at once,
+    per group of pairs whose counts vary along the same mesh axes (on one slice of the
+    mesh, weighted by the devices it stands for), over classes of devices equal in every
+    count (see :class:`ReshardTable`). Other pairs: :meth:`Distribution.missing`.
     """
     npairs = len(pn)
     mx = np.zeros(npairs, dtype=np.int64)
     sm = np.zeros(npairs, dtype=np.int64)
     if not npairs:
         return mx, sm
-
-    def simple(d: Distribution) -> bool:
-        return len(d.region.pieces) == 1 and not d.region.fallback.any()
-
     rank = len(needs[0].shape)
-    fast = np.array([simple(needs[a]) for a in range(len(needs))])[pn] & \
-        np.array([simple(o) for o in others])[po] & (rank > 0)
-    combos: list[np.ndarray] = []  # per tensor axis: the combo of each fast pair
-    tables: list[list[np.ndarray]] = []
+    n_terms = [_terms(n.region) if rank else None for n in needs]
+    o_terms = [_terms(o.region) if rank else None for o in others]
+    fast = np.array([t is not None for t in n_terms])[pn] & np.array([t is not None for t in o_terms])[po]
+
+    def flat(terms: list) -> tuple[np.ndarray, np.ndarray, list, np.ndarray]:
+        length = np.array([len(t) if t is not None else 0 for t in terms], dtype=np.int64)
+        offset = np.concatenate([[0], np.cumsum(length)[:-1]]).astype(np.int64)
+        prods = [pc for t in terms if t is not None for _, pc in t]
+        sign = np.array([sg for t in terms if t is not None for sg, _ in t] or [0], dtype=np.int64)
+        return length, offset, prods, sign
+
+    n_len, n_off, n_prods, n_sign = flat(n_terms)
+    o_len, o_off, o_prods, o_sign = flat(o_terms)
+    # rows: every (term of the need, term of the other) of every fast pair, pair after pair
+    fidx = np.nonzero(fast)[0]
+    cnt = n_len[pn[fidx]] * o_len[po[fidx]]
+    row_pair = np.repeat(fidx, cnt)
+    within = np.arange(len(row_pair)) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+    row_n = n_off[pn[row_pair]] + within // np.maximum(o_len[po[row_pair]], 1)
+    row_o = o_off[po[row_pair]] + within % np.maximum(o_len[po[row_pair]], 1)
+    combos: list[np.ndarray] = []
+    tables: list[np.ndarray] = []
     for k in range(rank):
-        nkeys = {}
-        n_id = np.array([nkeys.setdefault(axis_key(n.region.pieces[0][k]), len(nkeys)) if simple(n) else -1
-                         for n in needs], dtype=np.int64)
-        okeys = {}
-        o_id = np.array([okeys.setdefault(axis_key(o.region.pieces[0][k]), len(okeys)) if simple(o) else -1
-                         for o in others], dtype=np.int64)
-        code = np.where(fast, n_id[pn] * max(len(okeys), 1) + o_id[po], -1)
+        ids: dict[bytes, int] = {}
+        n_id = np.array([ids.setdefault(axis_key(pc[k]), len(ids)) for pc in n_prods] or [0], dtype=np.int64)
+        ids_o: dict[bytes, int] = {}
+        o_id = np.array([ids_o.setdefault(axis_key(pc[k]), len(ids_o)) for pc in o_prods] or [0], dtype=np.int64)
+        code = n_id[row_n] * max(len(ids_o), 1) + o_id[row_o]
         uc, first, ci = np.unique(code, return_index=True, return_inverse=True)
         arrays = []
-        for c, a in zip(uc, first):
-            if c < 0:
-                arrays.append(np.zeros(mesh.size, dtype=np.int64))
-                continue
-            cnt, bad = _axis_common_memo(needs[pn[a]].region.pieces[0][k], others[po[a]].region.pieces[0][k])
+        for c, r in zip(uc, first):
+            cnt_k, bad = _axis_common_memo(n_prods[row_n[r]][k], o_prods[row_o[r]][k])
             if bad is not None:
-                fast &= code != c  # not closed-form on some device: the per-pair path counts it with isl
-            arrays.append(cnt)
+                fast[row_pair[code == c]] = False  # not closed-form on some device: the per-pair path uses isl
+            arrays.append(cnt_k)
         combos.append(ci.reshape(-1))
-        tables.append(arrays)
+        tables.append(np.stack(arrays) if arrays else np.zeros((0, mesh.size), dtype=np.int64))
+    keep = fast[row_pair]
+    row_pair, row_n, row_o = row_pair[keep], row_n[keep], row_o[keep]
+    combos = [c[keep] for c in combos]
+    row_sign = n_sign[row_n] * o_sign[row_o]
     idx = np.nonzero(fast)[0]
     if len(idx):
         ncount = np.zeros((len(needs), mesh.size), dtype=np.int64)
         for a in np.unique(pn[idx]):
             ncount[a] = needs[a].counts()
-        mats = [np.stack(t) for t in tables]
+        # rows of pair idx[q]: [start[q], start[q] + count[q])
+        per_pair = np.bincount(np.searchsorted(idx, row_pair), minlength=len(idx))
+        start = np.concatenate([[0], np.cumsum(per_pair)[:-1]]).astype(np.int64)
         # the mesh axes each count varies along; a pair's counts are constant along every other axis
-        sup_m = [_support(t, mesh) for t in mats]
-        sup_n = _support(ncount, mesh)
-        support = sup_n[pn[idx]]
+        support = _support(ncount, mesh)[pn[idx]]
+        row_support = np.zeros(len(row_pair), dtype=np.int64)
         for k in range(rank):
-            support = support | sup_m[k][combos[k][idx]]
+            row_support |= _support(tables[k], mesh)[combos[k]]
+        if len(row_pair):
+            support |= np.bitwise_or.reduceat(row_support, start)
         for s_mask in np.unique(support):
-            group = idx[support == s_mask]
+            group = np.nonzero(support == s_mask)[0]  # positions in idx
             # one slice of the mesh: coordinate 0 on the axes the group's counts do not vary along
             off = [a for a in range(len(mesh.shape)) if not (int(s_mask) >> a) & 1]
             devs = np.nonzero((mesh.coords[:, off] == 0).all(axis=1))[0] if off else np.arange(mesh.size)
             times = math.prod(mesh.shape[a] for a in off)
-            sub = [m[:, devs] for m in mats]
+            sub = [t[:, devs] for t in tables]
             nsub = ncount[:, devs]
             # within the slice, devices equal in every count are one class (translated blocks)
             rep, cls = _column_classes(np.concatenate([*sub, nsub], axis=0))
             weight = np.bincount(cls, minlength=len(rep)).astype(np.int64) * times
-            sub = [m[:, rep] for m in sub]
+            sub = [t[:, rep] for t in sub]
             nsub = nsub[:, rep]
-            step = max(1, (1 << 21) // max(len(rep), 1))
+            step = max(1, (1 << 21) // max(len(rep) * int(per_pair[group].max(initial=1)), 1))
             for s0 in range(0, len(group), step):
-                sel = group[s0:s0 + step]
-                common = sub[0][combos[0][sel]]
+                q = group[s0:s0 + step]
+                c = per_pair[q]
+                rows = np.repeat(start[q], c) + (np.arange(int(c.sum())) - np.repeat(np.cumsum(c) - c, c))
+                prod = sub[0][combos[0][rows]] if rank else np.ones((len(rows), len(rep)), dtype=np.int64)
                 for k in range(1, rank):
-                    common = common * sub[k][combos[k][sel]]
-                miss = nsub[pn[sel]] - common
-                mx[sel] = miss.max(axis=1, initial=0)
-                sm[sel] = miss @ weight
+                    prod = prod * sub[k][combos[k][rows]]
+                common = np.add.reduceat(prod * row_sign[rows][:, None], np.cumsum(c) - c, axis=0)
+                miss = nsub[pn[idx[q]]] - common
+                mx[idx[q]] = miss.max(axis=1, initial=0)
+                sm[idx[q]] = miss @ weight
     for k in np.nonzero(~fast)[0]:
         miss = needs[pn[k]].missing(others[po[k]])
         mx[k], sm[k] = int(miss.max(initial=0)), int(miss.sum())
