@@ -255,6 +255,9 @@ def run_recipes(workload: Workload, recipes: Sequence[Recipe], *, steps: int, wa
                 continue
             except Exception as e:  # a failed run is reported with its reason, the others go on
                 row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                # a worker killed by a signal leaves only the launcher's output (with the faulthandler
+                # stack of the dying rank): keep its tail to find the cause of rare crashes
+                row["failure_output"] = str(e)[-4000:]
                 say(f"  {row['recipe']:<28} {row['status']}")
                 continue
             times[i] += ts[warmup:]
