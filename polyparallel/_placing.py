@@ -10,8 +10,10 @@ replica's micro-batch):
 .. math::  \min_x \sum_o c_{o,x_o} + \sum_{e=(u\to v)} r_{e,x_u,x_v},\qquad
            x_o \in \mathcal{C}_o = \{p \text{ legal},\ \text{expressible}(o, p)\}_{K} \cup \{\text{rule}(o)\}
 
-(:mod:`polyparallel.placement`). The rule's placement is always a candidate, so the solver's
-objective is never above the rule's under the same prices. The plan is then re-priced by the step
+(:mod:`polyparallel.placement`; ``c`` also holds the optimizer step over the op's local parameter
+shard per micro-batch, :func:`param_cost_of`, so replicating a weight is not free). The rule's
+placement is always a candidate, so the solver's objective is never above the rule's under the
+same prices. The plan is then re-priced by the step
 model with the solver's per-op work splits and collectives
 (:class:`~polyparallel.cost_models.step.OpPlan`), so the strategy's estimate is the price of the
 placements it lists; the solver's placements are kept when that price is not above the rule's
@@ -47,8 +49,8 @@ from polyparallel.cost_models import ParallelConfig, StepEstimate, estimate_step
 from polyparallel.cost_models.step import OpPlan
 from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind
 
-__all__ = ["MODES", "Placed", "StagePlacement", "place", "rule_placements", "torch_edge_rule", "torch_expressible",
-           "torch_problems"]
+__all__ = ["MODES", "Placed", "StagePlacement", "param_cost_of", "place", "rule_placements", "torch_edge_rule",
+           "torch_expressible", "torch_problems"]
 
 MODES = ("torch", "any", "rule")
 _POINTWISE = (OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.CONCAT, OpKind.SPLIT)
@@ -310,6 +312,41 @@ def _op_plans(g: Graph, placed: dict[str, Any], mesh: Any, dtype: str, edge_rule
     return out
 
 
+def param_cost_of(g: Graph, cfg: ParallelConfig, device: Any, mesh: Any) -> Any:
+    r"""The solver's ``param_cost``: the optimizer step over the op's local parameter shard, per micro-batch,
+
+    .. math::  \frac{N_o / s_o}{z} \cdot \frac{3 w + 2 (w_m + w_s)}{0.8\, B_{mem}} \Big/ m
+
+    (the step model's optimizer term without its per-stage kernel floor: ``N_o`` the elements of the
+    parameters the op is the first to use, ``s_o`` how many ways the placement shards them, ``z`` the
+    ZeRO shard (the ``dp·sp`` group from ZeRO-1 on), ``w`` / ``w_m`` / ``w_s`` bytes per element of the
+    weights, the fp32 master copy and the optimizer state, ``m`` micro-batches per step). Replicating
+    a weight over ``tp`` is then not free for the solver either."""
+    from polyparallel.cost_models.step import _SHORT_BYTES
+    from polyparallel.placement import param_split
+
+    gb = _SHORT_BYTES[cfg.dtype]
+    master = 4 if gb < 4 else 0
+    state = 8 if cfg.optimizer in ("adam", "adamw", "lamb") else 4 if cfg.optimizer in ("sgd_momentum", "lion") else 0
+    shard = cfg.dp * cfg.sp if cfg.zero_stage >= 1 else 1
+    per_elem = (3 * gb + 2 * (master + state)) / shard / (0.8 * device.memory_bandwidth) / cfg.microbatches
+    owned: dict[str, float] = {}
+    seen: set[str] = set()
+    for op in g.ops:
+        n = 0.0
+        for t in op.inputs:
+            if g.tensors[t].kind is TensorKind.PARAM and t not in seen:
+                seen.add(t)
+                n += g.tensors[t].numel
+        owned[op.name] = n
+
+    def cost(op: Op, p: Any) -> float:
+        n = owned.get(op.name, 0.0)
+        return n / param_split(g, op, p, mesh) * per_elem if n else 0.0
+
+    return cost
+
+
 def _fits(est: StepEstimate, cap: float | None) -> bool:
     return est.fits and (cap is None or all(r.total <= cap for r in est.memory))
 
@@ -347,10 +384,11 @@ def place(g: Graph, cl: Cluster, est: StepEstimate, stage_ops: list[list[Op]], m
     stages = []
     for s, ops in enumerate(stage_ops):
         group = [devs[cfg.rank(s, 0, 0, t)] for t in range(cfg.tp)]
+        pc = param_cost_of(g, cfg, cl.device(group[0]).type, mesh)
         plan = solve_stage(g, mesh, cl, dtype=cfg.dtype, devices=group, ops=ops, k=k, expressible=expressible,
-                           include=tp_part, edge_rule=rule_of_edge)
+                           include=tp_part, edge_rule=rule_of_edge, param_cost=pc)
         tab = price_placements(g, mesh, cl, dtype=cfg.dtype, devices=group, ops=ops, k=k, expressible=expressible,
-                               include=tp_part, edge_rule=rule_of_edge)
+                               include=tp_part, edge_rule=rule_of_edge, param_cost=pc)
         rule_choice = {o.name: tab.candidates[o.name].index(tp_part(o) or Placement()) for o in ops}
         rule_obj = tab.objective(rule_choice)
         placed = {name: Placement.parse(pl) for name, pl in plan.placements.items()}

@@ -38,7 +38,9 @@ whole heads), ``"forbid"`` cannot be run, ``"local"`` passes local shards only (
 the reshard moves nothing), ``"forward"`` prices the forward reshard only (the target's gradient
 needs no communication back, e.g. a residual added after a row-parallel all-reduce), ``None`` is
 priced as above. A forbidden pair costs ``FORBIDDEN``
-seconds, so the optimum avoids it whenever any assignment does. Bytes
+seconds, so the optimum avoids it whenever any assignment does. ``param_cost(op, p)`` adds
+seconds per micro-batch that depend on how ``p`` shards the op's parameters (the optimizer step
+over the local shard, amortised over the micro-batches), reported as ``param_s``. Bytes
 on the wire use the training ``dtype`` for floating-point tensors. An op on sharded parameters
 pays the device's DTensor dispatch (``sharded`` in :func:`~polyparallel.cost_models.compute.op_cost`),
 as the step model prices it.
@@ -91,6 +93,7 @@ __all__ = ["FORBIDDEN", "PlacementPlan", "PlacementTables", "param_split", "pric
 
 Expressible = Callable[[Op, Any], bool]  # (op, Placement) -> whether the target runs it
 Include = Callable[[Op], Any]  # op -> a Placement that must be a candidate, or None
+ParamCost = Callable[[Op, Any], float]  # (op, Placement) -> seconds per micro-batch
 EdgeRule = Callable[[Graph, Op, Any, Op, Any, int], "str | None"]  # "free"/"forbid"/"local"/"forward"/None
 FORBIDDEN = 1e6  # seconds: an edge layout pair the target cannot run
 
@@ -104,7 +107,8 @@ class PlacementPlan:
 
     ``compute_s``: forward + backward compute; ``own_comm_s``: collectives inside ops
     (statistics, parameter gradients); ``forward_reshard_s`` / ``backward_reshard_s``: the
-    edges, activations forward and their gradients backward; ``comm_s`` their sum.
+    edges, activations forward and their gradients backward; ``comm_s`` their sum; ``param_s``:
+    the ``param_cost`` terms.
     """
 
     placements: dict[str, str]
@@ -120,10 +124,12 @@ class PlacementPlan:
     forward_reshard_s: float = 0.0
     backward_reshard_s: float = 0.0
     blocks: tuple[str, ...] = ()
+    param_s: float = 0.0
 
     def breakdown(self) -> dict[str, float]:
         return {"compute_s": self.compute_s, "own_comm_s": self.own_comm_s,
-                "forward_reshard_s": self.forward_reshard_s, "backward_reshard_s": self.backward_reshard_s}
+                "forward_reshard_s": self.forward_reshard_s, "backward_reshard_s": self.backward_reshard_s,
+                "param_s": self.param_s}
 
 
 # -- pricing --------------------------------------------------------------------------------------
@@ -140,8 +146,10 @@ class _Pricer:
     expressible: Expressible | None = None
     include: Include | None = None
     edge_rule: EdgeRule | None = None
+    param_cost: ParamCost | None = None
     _coll: dict = field(default_factory=dict)
     _cands: dict = field(default_factory=dict)
+    _param: dict = field(default_factory=dict)
     _groups: dict = field(default_factory=dict)
     _ops: dict = field(default_factory=dict)
     _edges: dict = field(default_factory=dict)
@@ -217,7 +225,9 @@ class _Pricer:
         """What an op's prices depend on: its signature and its candidate set."""
         from polyparallel.poly._cache import signature_of
 
-        return (signature_of(self.graph, op), self.legal(op))
+        pls, forced = self.legal(op)
+        extra = tuple(self.param_cost(op, p) for p in pls) if self.param_cost is not None else None
+        return (signature_of(self.graph, op), pls, forced, extra)
 
     def op(self, op: Op) -> tuple[list, list[float], list[float], list[float]]:
         """(candidates, total own seconds, compute seconds, own-collective seconds), K cheapest."""
@@ -230,6 +240,7 @@ class _Pricer:
             return hit
         dt = self.cluster.device(self.devices[0]).type
         pls, forced = self.legal(op)
+        extra = key[3] or (0.0,) * len(pls)
         w = _SHORT_BYTES.get(self.dtype, 4)  # collectives inside an op move partial sums / gradients
         costs, computes, comms = [], [], []
         for p in pls:
@@ -241,14 +252,20 @@ class _Pricer:
                        for col in (*oc.forward, *oc.backward, *oc.grad))
             computes.append(c.forward + c.backward)
             comms.append(comm)
-            costs.append(c.forward + c.backward + comm)
+            costs.append(c.forward + c.backward + comm + extra[len(costs)])
         order = sorted(range(len(pls)), key=lambda i: costs[i])[: (len(pls) if self.k is None else max(1, self.k))]
         if forced is not None and pls.index(forced) not in order:
             order.append(pls.index(forced))
         hit = ([pls[i] for i in order], [costs[i] for i in order], [computes[i] for i in order],
                [comms[i] for i in order])
         self._ops[key] = hit
+        self._param[key] = [extra[i] for i in order]
         return hit
+
+    def params(self, op: Op) -> list[float]:
+        """``param_cost`` of the op's candidates (as :meth:`op` orders them)."""
+        self.op(op)
+        return self._param[self.key(op)]
 
     def edge(self, tensor: str, u: Op, v: Op, pos: int) -> tuple[np.ndarray, np.ndarray]:
         """(forward seconds, backward seconds) matrices over (candidates of u, candidates of v)."""
@@ -337,6 +354,7 @@ class PlacementTables:
     edges: list[tuple[str, str, np.ndarray]]  # (producer, consumer, forward + backward seconds[i_u, j_v])
     pairs: int
     edge_parts: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # (forward, backward)
+    param: dict[str, list[float]] = field(default_factory=dict)  # the param_cost part of ``own``
 
     def objective(self, choice: dict[str, int]) -> float:
         """The objective of one assignment (candidate index per op), computed directly."""
@@ -346,28 +364,29 @@ class PlacementTables:
 
 def _pricer(graph: Graph, mesh: Any, cluster: Cluster, dtype: str, devices: list[int] | None,
             k: int | None, expressible: Expressible | None = None, include: Include | None = None,
-            edge_rule: EdgeRule | None = None) -> _Pricer:
+            edge_rule: EdgeRule | None = None, param_cost: ParamCost | None = None) -> _Pricer:
     devices = list(devices or range(mesh.size))
     if len(devices) != mesh.size:
         raise ValueError(f"the stage mesh {mesh} has {mesh.size} devices but {len(devices)} device ids were given")
-    return _Pricer(graph, mesh, cluster, devices, dtype, k, expressible, include, edge_rule)
+    return _Pricer(graph, mesh, cluster, devices, dtype, k, expressible, include, edge_rule, param_cost)
 
 
 def price_placements(graph: Graph, mesh: Any, cluster: Cluster, *, dtype: str = "fp32",
                      devices: list[int] | None = None, ops: list[Op] | None = None,
                      k: int | None = 6, expressible: Expressible | None = None,
-                     include: Include | None = None, edge_rule: EdgeRule | None = None) -> PlacementTables:
+                     include: Include | None = None, edge_rule: EdgeRule | None = None,
+                     param_cost: ParamCost | None = None) -> PlacementTables:
     """Price every op's candidate placements and every edge's candidate pairs (candidates as
     :func:`solve_stage` takes them)."""
-    pr = _pricer(graph, mesh, cluster, dtype, devices, k, expressible, include, edge_rule)
+    pr = _pricer(graph, mesh, cluster, dtype, devices, k, expressible, include, edge_rule, param_cost)
     return _tables(pr, list(ops if ops is not None else graph.ops))
 
 
 def _tables(pr: _Pricer, ops: list[Op]) -> PlacementTables:
-    cand, own, own_comm = {}, {}, {}
+    cand, own, own_comm, param = {}, {}, {}, {}
     for op in ops:
         c, total, _compute, comm = pr.op(op)
-        cand[op.name], own[op.name], own_comm[op.name] = c, total, comm
+        cand[op.name], own[op.name], own_comm[op.name], param[op.name] = c, total, comm, pr.params(op)
     in_set = {op.name for op in ops}
     edges, parts, pairs = [], [], 0
     for v in ops:
@@ -378,7 +397,7 @@ def _tables(pr: _Pricer, ops: list[Op]) -> PlacementTables:
             edges.append((u.name, v.name, fwd + bwd))
             parts.append((fwd, bwd))
             pairs += fwd.size
-    return PlacementTables([op.name for op in ops], cand, own, own_comm, edges, pairs, parts)
+    return PlacementTables([op.name for op in ops], cand, own, own_comm, edges, pairs, parts, param)
 
 
 # -- variable elimination ------------------------------------------------------------------------
@@ -519,24 +538,26 @@ def _solve_milp(tab: PlacementTables, time_limit: float) -> tuple[dict[str, int]
 
 def _plan(tab: PlacementTables, pr: _Pricer, choice: dict[str, int], t0: float, status: str, solver: str,
           blocks: tuple[str, ...] = ()) -> PlacementPlan:
-    compute = own_comm = 0.0
+    compute = own_comm = params = 0.0
     for o in tab.ops:
         own_comm += tab.own_comm[o][choice[o]]
-        compute += tab.own[o][choice[o]] - tab.own_comm[o][choice[o]]
+        p = tab.param[o][choice[o]] if o in tab.param else 0.0
+        params += p
+        compute += tab.own[o][choice[o]] - tab.own_comm[o][choice[o]] - p
     fwd = sum(float(f[choice[u], choice[v]]) for (u, v, _), (f, _b) in zip(tab.edges, tab.edge_parts))
     bwd = sum(float(b[choice[u], choice[v]]) for (u, v, _), (_f, b) in zip(tab.edges, tab.edge_parts))
     return PlacementPlan(placements={o: str(tab.candidates[o][choice[o]]) for o in tab.ops},
                          objective_s=tab.objective(choice), compute_s=compute, comm_s=own_comm + fwd + bwd,
                          candidates=sum(len(c) for c in tab.candidates.values()), pairs=tab.pairs,
                          solve_s=time.perf_counter() - t0, status=status, solver=solver, own_comm_s=own_comm,
-                         forward_reshard_s=fwd, backward_reshard_s=bwd, blocks=blocks)
+                         forward_reshard_s=fwd, backward_reshard_s=bwd, blocks=blocks, param_s=params)
 
 
 def solve_placements(graph: Graph, mesh: Any, cluster: Cluster, *, dtype: str = "fp32",
                      devices: list[int] | None = None, ops: list[Op] | None = None, k: int | None = 6,
                      time_limit: float = 30.0, solver: str = "auto", max_table: int = 1 << 20,
                      expressible: Expressible | None = None, include: Include | None = None,
-                     edge_rule: EdgeRule | None = None) -> PlacementPlan:
+                     edge_rule: EdgeRule | None = None, param_cost: ParamCost | None = None) -> PlacementPlan:
     """Choose a placement per op over the whole op list (see the module docstring).
 
     ``solver``: ``"elimination"`` (exact DP; raises when a table exceeds ``max_table``),
@@ -545,7 +566,7 @@ def solve_placements(graph: Graph, mesh: Any, cluster: Cluster, *, dtype: str = 
     if solver not in ("auto", "elimination", "milp"):
         raise ValueError(f"solver must be 'auto', 'elimination' or 'milp', not {solver!r}")
     t0 = time.perf_counter()
-    pr = _pricer(graph, mesh, cluster, dtype, devices, k, expressible, include, edge_rule)
+    pr = _pricer(graph, mesh, cluster, dtype, devices, k, expressible, include, edge_rule, param_cost)
     tab = _tables(pr, list(ops if ops is not None else graph.ops))
     if solver != "milp":
         try:
@@ -631,7 +652,8 @@ def _read_later(g: Graph, inst: list[Op]) -> set[str]:
 def solve_stage(graph: Graph, mesh: Any, cluster: Cluster, *, dtype: str = "fp32",
                 devices: list[int] | None = None, ops: list[Op] | None = None, k: int | None = 6,
                 max_table: int = 1 << 20, time_limit: float = 30.0, expressible: Expressible | None = None,
-                include: Include | None = None, edge_rule: EdgeRule | None = None) -> PlacementPlan:
+                include: Include | None = None, edge_rule: EdgeRule | None = None,
+                param_cost: ParamCost | None = None) -> PlacementPlan:
     """Per-op placements of one stage (``ops``, default the whole graph) on ``mesh``.
 
     Repeated blocks are solved once per (block signature, mesh) with their boundary as DP
@@ -654,12 +676,14 @@ def solve_stage(graph: Graph, mesh: Any, cluster: Cluster, *, dtype: str = "fp32
         edge_rule: ``(graph, u, p_u, v, p_v, pos) -> "free" | "forbid" | "local" | "forward" | None``: how the
             target runs an edge (module docstring); pass a module-level function (it keys the
             block cache).
+        param_cost: ``(op, placement) -> seconds per micro-batch`` added to the op's cost (module
+            docstring).
     """
     from polyparallel.transforms import find_repeated_blocks
 
     t0 = time.perf_counter()
     ops = list(ops if ops is not None else graph.ops)
-    pr = _pricer(graph, mesh, cluster, dtype, devices, k, expressible, include, edge_rule)
+    pr = _pricer(graph, mesh, cluster, dtype, devices, k, expressible, include, edge_rule, param_cost)
     index = {op.name: i for i, op in enumerate(graph.ops)}
     idx = sorted(index[op.name] for op in ops)
     lo, hi = (idx[0], idx[-1] + 1) if idx else (0, 0)
@@ -674,7 +698,7 @@ def solve_stage(graph: Graph, mesh: Any, cluster: Cluster, *, dtype: str = "fp32
     if not runs:
         plan = solve_placements(graph, mesh, cluster, dtype=dtype, devices=devices, ops=ops, k=k,
                                 time_limit=time_limit, max_table=max_table, expressible=expressible, include=include,
-                                edge_rule=edge_rule)
+                                edge_rule=edge_rule, param_cost=param_cost)
         return plan
     try:
         return _solve_chain(pr, ops, runs, t0, max_table)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import polyparallel as pp
-from polyparallel._placing import _op_plans, torch_edge_rule, torch_expressible
+from polyparallel._placing import _op_plans, param_cost_of, torch_edge_rule, torch_expressible
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, estimate_step
 from polyparallel.models import GPT, MLP, GPTConfig
@@ -71,11 +71,17 @@ def test_stage_objective_equals_brute_force_and_is_never_above_the_rule(make, cl
     tab = price_placements(g, mesh, cl, dtype=s.dtype, devices=s.stages[0].devices[:tp], k=6,
                            expressible=torch_expressible(g, tp) if mode == "torch" else None,
                            include=lambda op: _rule_of(s, g, op, mesh),
-                           edge_rule=torch_edge_rule if mode == "torch" else None)
+                           edge_rule=torch_edge_rule if mode == "torch" else None,
+                           param_cost=param_cost_of(g, _cfg(s), cl.device(0).type, mesh))
     assert len(tab.ops) <= 16 and np.prod([len(c) for c in tab.candidates.values()]) <= 2_000_000
     best = _brute_force(tab)
     assert st.objective_s == pytest.approx(best, rel=1e-9)
     assert st.objective_s <= st.rule_objective_s * (1 + 1e-12)
+
+
+def _cfg(s, **kw) -> ParallelConfig:
+    return ParallelConfig(dp=s.dp, tp=s.tp, sp=s.sp, dtype=s.dtype, microbatches=s.microbatches,
+                          zero_stage=s.zero_stage, recompute=s.recompute, devices=tuple(s.mesh.devices), **kw)
 
 
 def _rule_of(s, g, op, mesh):
@@ -103,13 +109,15 @@ def test_the_estimate_prices_the_listed_placements():
     g = _graph(model, args, kwargs, 4)
     cl = Cluster.resolve("dgx-a100x1")
     placed = {o: Placement.parse(p.placement) for p in s2.placements for o in p.ops}
-    plans = _op_plans(g, placed, DeviceMesh.of(tp=2), s2.dtype, torch_edge_rule)
-    cfg = ParallelConfig(dp=1, tp=2, dtype=s2.dtype, recompute=s2.recompute, zero_stage=s2.zero_stage,
-                         devices=tuple(s2.mesh.devices), op_plans=tuple(plans[op.name] for op in g.ops))
-    est = estimate_step(g, cl, cfg)
+    mesh = DeviceMesh.of(tp=2)
+    plans = _op_plans(g, placed, mesh, s2.dtype, torch_edge_rule)
+    est = estimate_step(g, cl, _cfg(s2, op_plans=tuple(plans[op.name] for op in g.ops)))
     assert s2.estimate.step_time_s == pytest.approx(est.step_time, rel=1e-12)
+    # the objective also holds each op's optimizer step over its local parameters (no kernel floor)
+    pc = param_cost_of(g, _cfg(s2), cl.device(0).type, mesh)
+    params = sum(pc(op, placed[op.name]) for op in g.ops)
     per_mb = (s2.estimate.breakdown["compute"] + s2.estimate.breakdown["tensor_parallel"]) / s2.microbatches
-    assert per_mb == pytest.approx(st.objective_s, rel=1e-9)
+    assert params > 0 and per_mb + params == pytest.approx(st.objective_s, rel=1e-9)
     rule = pp.evaluate(model, args, "dgx-a100x1", example_kwargs=kwargs, batch_size=4, tp=2, dp=1)
     assert s.estimate.step_time_s < rule.estimate.step_time_s
 
