@@ -20,17 +20,20 @@ Target: GPT-3 175B on the 3-axis 1024-device mesh <= 5 s with the cache.
 (the whole model as one stage, K candidates per op; cluster dgx-a100 with the mesh's
 device count) and reports its time and the chosen solver.
 
-Run: ``.venv/bin/python benchmarks/poly.py [--models gpt2-small llama-8b gpt3-175b]
-[--meshes dp=2,tp=4 ...] [--edge-budget SECONDS] [--solve K]``. Writes ``benchmarks/results/poly.json``
-(and ``poly_solve.json`` with ``--solve``);
-with a budget, edge pricing stops after that many seconds and the row says how many
-edges were priced (``complete: false``).
+Run: ``nice -n 10 .venv/bin/python benchmarks/poly.py [--models gpt2-small llama-8b gpt3-175b]
+[--meshes dp=2,tp=4 ...] [--edge-budget SECONDS] [--solve K]`` (about a minute of CPU for the
+default 3 models x 3 meshes; time it on a quiet machine: each row records the load average
+before and after it, ``load``). Writes ``benchmarks/results/poly.json`` (and ``poly_solve.json``
+with ``--solve``); with a budget, edge pricing stops after that many seconds and the row says
+how many edges were priced (``complete: false``). ``distinct_pairs`` counts the distinct
+(have, need) pairs of the edges, every one priced exactly (``EdgeCosts.table``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 import warnings
 from pathlib import Path
@@ -59,6 +62,7 @@ def build(name: str) -> tuple[Graph, float]:
 
 def measure(g: Graph, name: str, mesh: poly.DeviceMesh, edge_budget: float = float("inf")) -> dict[str, Any]:
     poly.clear_cache()
+    load0 = os.getloadavg()[0]
     isl0 = poly.ISL_TIME["seconds"]
     blocks = find_repeated_blocks(g)
     # ops of the third and later instance of a block: by then every signature has been seen
@@ -97,7 +101,7 @@ def measure(g: Graph, name: str, mesh: poly.DeviceMesh, edge_budget: float = flo
     return {
         "model": name, "mesh": str(mesh), "devices": mesh.size, "ops": len(g.ops), "signatures": sigs,
         "placements": placements, "edges": edges, "edges_total": todo, "complete": complete,
-        "pairs": pairs, "reshards": distinct,
+        "pairs": pairs, "distinct_pairs": distinct,
         "t_ops_s": t_ops, "t_edges_s": total - t_ops, "t_total_s": total, "cpu_total_s": cpu,
         "ms_per_signature_ops": 1e3 * t_ops / sigs, "ms_per_signature": 1e3 * total / sigs,
         "cpu_ms_per_signature": 1e3 * cpu / sigs,
@@ -105,6 +109,7 @@ def measure(g: Graph, name: str, mesh: poly.DeviceMesh, edge_budget: float = flo
         "ms_per_repeated_layer": 1e3 * t_repeat / layers_repeated if layers_repeated else None,
         "hit_rate": stats["all"]["hit_rate"], "isl_share": (poly.ISL_TIME["seconds"] - isl0) / total,
         "cache": {k: v for k, v in stats.items() if k != "all"},
+        "load": [round(load0, 2), round(os.getloadavg()[0], 2)],
     }
 
 
@@ -149,7 +154,8 @@ def main() -> None:
                   f"pairs {r['pairs']:>9}  edges {r['t_edges_s']:7.2f} s  total {r['t_total_s']:7.2f} s "
                   f"(cpu {r['cpu_total_s']:6.2f} s, {r['cpu_ms_per_signature']:6.1f} ms/sig)  "
                   f"layer>2 {r['ms_per_repeated_layer'] or 0:6.2f} ms  "
-                  f"hit {r['hit_rate']:.2f}  isl {100 * r['isl_share']:4.1f}%{done}", flush=True)
+                  f"hit {r['hit_rate']:.2f}  isl {100 * r['isl_share']:4.1f}%  load {r['load'][0]:.1f}{done}",
+                  flush=True)
             if a.solve:
                 s_ = solve(g, name, poly.DeviceMesh.parse(m), a.solve)
                 solves.append(s_)

@@ -168,6 +168,22 @@ def _non_injective_dims(nest: LoopNest) -> frozenset[str]:
     return frozenset(bad)
 
 
+_INJECTIVE_MEMO: dict[int, tuple[LoopNest, frozenset[str]]] = {}
+
+
+def _non_injective_of(nest: LoopNest) -> frozenset[str]:
+    """:func:`_non_injective_dims` memoised by the nest object: hashing a whole nest (the
+    lru key) cost tens of microseconds, paid on every legality check of every placement."""
+    hit = _INJECTIVE_MEMO.get(id(nest))
+    if hit is not None and hit[0] is nest:
+        return hit[1]
+    if len(_INJECTIVE_MEMO) > 100_000:
+        _INJECTIVE_MEMO.clear()
+    out = _non_injective_dims(nest)
+    _INJECTIVE_MEMO[id(nest)] = (nest, out)  # holding the nest keeps its id from being reused
+    return out
+
+
 def check_placement(nest: LoopNest | None, placement: Placement, mesh: DeviceMesh, *, op: str = "op",
                     uneven: str = "pad") -> None:
     """Raise :class:`IllegalPlacement` with the reason when ``placement`` is not legal."""
@@ -182,7 +198,7 @@ def check_placement(nest: LoopNest | None, placement: Placement, mesh: DeviceMes
             raise IllegalPlacement(f"{op} is opaque (no affine loop nest), so it can only be replicated; "
                                    f"placement {placement} splits {list(placement.dims)}")
         return
-    bad_write = _non_injective_dims(nest)
+    bad_write = _non_injective_of(nest)
     for d, axes in placement.splits:
         if d not in nest.extents:
             raise IllegalPlacement(f"{op}: placement {placement} splits {d!r}, but the op's dims are "
