@@ -158,7 +158,7 @@ class Distribution:
     partial: tuple[str, ...]
     key: tuple
     isl_of: Callable[[int], isl.Set] = field(repr=False)
-    boxes: tuple[np.ndarray, ...] = field(repr=False, default=())  # (2, ndev) bounds the sets depend on
+    boxes: tuple = field(repr=False, default=())  # (lo, hi) per-device bounds the sets depend on
 
     @cached_property
     def box_of(self) -> np.ndarray:
@@ -245,7 +245,7 @@ def _box_ids(boxes: list[np.ndarray], ndev: int) -> np.ndarray:
     """An id per device, equal for devices whose (lo, hi) bounds are all equal."""
     if not boxes:
         return np.zeros(ndev, dtype=np.int64)
-    rows = np.concatenate([b.reshape(2, ndev) for b in boxes], axis=0).T
+    rows = np.concatenate([np.asarray(b).reshape(2, ndev) for b in boxes], axis=0).T
     return np.unique(rows, axis=0, return_inverse=True)[1].reshape(-1).astype(np.int64)
 
 
@@ -332,56 +332,102 @@ def _build_distributions(graph: Graph, op: Op, placements: Sequence[Placement], 
         return out
     for p in placements:
         check_placement(nest, p, mesh, op=op.name)
-    ndev, k = mesh.size, len(placements)
+    k = len(placements)
     per = [dim_bounds(nest, p, mesh) for p in placements]
-    if k == 1:
-        cat = per[0]
-    else:
-        cat = {d: (np.concatenate([b[d][0] for b in per]), np.concatenate([b[d][1] for b in per])) for d in per[0]}
-    region = operand_region(nest, operand, shape, cat, writes=writes, ndev=k * ndev)
-    stacked = [np.stack(b) for b in cat.values()]
+    cat, take, nv, reps = _side_by_side(per, placements, mesh)
+    region = operand_region(nest, operand, shape, cat, writes=writes, ndev=nv)
+    deps_all = [_deps(nest, p, operand, writes, len(shape)) for p in placements]
+    # block[i][j]: every piece is, along tensor axis j, the block distribution over the mesh axes
+    # it depends on (Prog.same as an interval, all placements at once on the virtual devices)
+    starts = np.array([t.start if isinstance(t, slice) else int(t[0]) for t in take], dtype=np.int64)
+    block_all = np.zeros((k, len(shape)), dtype=bool)
+    for j, n in enumerate(shape):
+        if not region.pieces or any(isinstance(pc[j], Grid) for pc in region.pieces):
+            continue
+        ex = [mesh.bounds(n, d[j]) for d in deps_all]
+        lo = np.concatenate([b[0] if r is None else b[0][r] for b, r in zip(ex, reps)])
+        hi = np.concatenate([b[1] if r is None else b[1][r] for b, r in zip(ex, reps)])
+        eq = np.ones(nv, dtype=bool)
+        for pc in region.pieces:
+            a = pc[j]
+            eq &= (a.n == np.maximum(hi - lo, 0)) & (a.start == lo) & (a.step == 1)
+        block_all[:, j] = np.logical_and.reduceat(eq, starts)
     gridded = [j for j in range(len(shape)) if any(isinstance(pc[j], Grid) for pc in region.pieces)]
     alone: list[Placement] = []
     for i, p in enumerate(placements):
-        lo_i, hi_i = i * ndev, (i + 1) * ndev
         pieces: list = []
         for pc in region.pieces:
-            sl = tuple(_slice_axis(a, lo_i, hi_i) for a in pc)
+            sl = tuple(_take_axis(a, take[i]) for a in pc)
             if not any(all(a.same(b) for a, b in zip(sl, q)) for q in pieces):
                 pieces.append(sl)
         if k > 1 and any(isinstance(pc[j], Grid) and not bool((pc[j].H > 1).any()) for pc in pieces for j in gridded):
             alone.append(p)  # alone, index_prog would have given this placement a progression
             continue
-        fallback = region.fallback[lo_i:hi_i]
+        fallback = region.fallback[take[i]]
         bounds = per[i]
-        deps = _deps(nest, p, operand, writes, len(shape))
-        block = []
-        for j, n in enumerate(shape):
-            lo, hi = mesh.bounds(n, deps[j])
-            block.append(bool(pieces) and all(_is_interval(pc[j], lo, hi) for pc in pieces))
+        deps = deps_all[i]
+        block = [bool(x) for x in block_all[i]]
         partial = _partial_axes(nest, p, operand) if writes else ()
         out[p] = Distribution(tuple(shape), mesh, Region(tuple(shape), pieces, fallback), deps, tuple(block),
                               partial, ("op", sig, p, mesh, operand, writes),
-                              _isl_of(nest, operand, shape, bounds, writes), tuple(b[:, lo_i:hi_i] for b in stacked))
+                              _isl_of(nest, operand, shape, bounds, writes), tuple(bounds.values()))
     # the re-checked ones as a batch of their own (one by one when that makes no progress)
     for batch in ([alone] if len(alone) < k else [[p] for p in alone]) if alone else []:
         out.update(_build_distributions(graph, op, batch, mesh, operand, writes))
     return out
 
 
-def _slice_axis(a: Prog | Grid, lo: int, hi: int) -> Prog | Grid:
-    if isinstance(a, Grid):
-        return Grid(a.start[lo:hi], a.n[lo:hi], a.c[lo:hi], a.H[lo:hi])
-    return Prog(a.start[lo:hi], a.step[lo:hi], a.n[lo:hi], a.unit)
+def _side_by_side(per: Sequence[dict], placements: Sequence[Placement],
+                  mesh: DeviceMesh) -> tuple[dict, list[np.ndarray | slice], int, list[np.ndarray | None]]:
+    """The bounds of several placements as one computation over virtual devices.
+
+    A device's bounds depend only on its coordinates along the mesh axes the placement
+    uses: devices that differ only along the others have the same share (replicated
+    work), so each placement contributes one device per coordinate of its axes (the mesh
+    slice at coordinate 0 elsewhere). Returns the bounds side by side, for each placement
+    the index of each real device's virtual one, the number of virtual devices and each
+    placement's representative devices (None: all). One
+    placement alone is computed over the real devices, as before batching.
+    """
+    if len(placements) == 1:
+        return per[0], [slice(0, mesh.size)], mesh.size, [None]
+    takes: list[np.ndarray | slice] = []
+    reps, offset = [], 0
+    for p in placements:
+        rep, local = _mesh_slice(mesh, p.mesh_axes)
+        if rep is None:  # every device differs: a contiguous run, taken as a view
+            takes.append(slice(offset, offset + mesh.size))
+            offset += mesh.size
+        else:
+            takes.append(local + offset)
+            offset += len(rep)
+        reps.append(rep)
+    cat = {d: (np.concatenate([b[d][0] if r is None else b[d][0][r] for b, r in zip(per, reps)]),
+               np.concatenate([b[d][1] if r is None else b[d][1][r] for b, r in zip(per, reps)])) for d in per[0]}
+    return cat, takes, offset, reps
 
 
-def _is_interval(a: Prog | Grid, lo: np.ndarray, hi: np.ndarray) -> bool:
-    """``a.same(Prog.interval(lo, hi))`` without building the interval."""
+@lru_cache(maxsize=1024)
+def _mesh_slice(mesh: DeviceMesh, axes: tuple[str, ...]) -> tuple[np.ndarray | None, np.ndarray]:
+    """The devices at coordinate 0 on every mesh axis not in ``axes`` (row-major; None: all of
+    them), and for every device the position among them of the one with its coordinates along
+    ``axes``."""
+    used = sorted({mesh.index(a) for a in axes})
+    others = [i for i in range(len(mesh.shape)) if i not in used and mesh.shape[i] > 1]
+    if not others:
+        return None, np.arange(mesh.size)
+    coords = mesh.coords
+    rep = np.nonzero((coords[:, others] == 0).all(axis=1))[0] if others else np.arange(mesh.size)
+    local = np.zeros(mesh.size, dtype=np.int64)
+    for i in used:  # row-major over the used axes, as the representatives are ordered
+        local = local * mesh.shape[i] + coords[:, i]
+    return rep, local
+
+
+def _take_axis(a: Prog | Grid, idx: np.ndarray | slice) -> Prog | Grid:
     if isinstance(a, Grid):
-        return False
-    b = a.normal()
-    return bool(np.array_equal(b.n, np.maximum(hi - lo, 0)) and np.array_equal(b.start, lo)
-                and (b.unit or bool((b.step == 1).all())))
+        return Grid(a.start[idx], a.n[idx], a.c[idx], a.H[idx])
+    return Prog(a.start[idx], a.step[idx], a.n[idx], a.unit)
 
 
 def _deps(nest: LoopNest, placement: Placement, operand: str, writes: bool, rank: int) -> tuple[tuple[str, ...], ...]:
@@ -795,20 +841,12 @@ def _comm_of_ops(graph: Graph, op: Op, placements: Sequence[Placement], mesh: De
         return {p: OpComm(p, (), (), (), (), (), float(op.flops)) for p in placements}
     out_dtype = graph.tensors[op.outputs[0]].dtype if op.outputs else "float32"
     obytes = DTYPE_BYTES.get(out_dtype, 4)
-    ndev, k = mesh.size, len(placements)
     per = [dim_bounds(nest, p, mesh) for p in placements]
-
-    def side_by_side(rows: Sequence[int]):
-        if len(rows) == 1:
-            return per[rows[0]]
-        return {d: (np.concatenate([per[i][d][0] for i in rows]), np.concatenate([per[i][d][1] for i in rows]))
-                for d in per[0]}
-
-    everything = side_by_side(range(k))
-    flops = np.zeros(k * ndev)
+    everything, take, nv, _reps = _side_by_side(per, placements, mesh)
+    flops = np.zeros(nv)
     for st in nest.statements:
-        flops += _points(nest, st, everything, k * ndev) * st.flops_per_point
-    flops_max = flops.reshape(k, ndev).max(axis=1, initial=0)
+        flops += _points(nest, st, everything, nv) * st.flops_per_point
+    flops_max = [float(flops[t].max(initial=0)) for t in take]
     # partial temporaries: the block of each device, for the placements that split a dim they reduce
     blocks: dict[tuple[str, int], np.ndarray] = {}
     tmp_axes: dict[str, list[tuple[str, ...]]] = {}
@@ -819,19 +857,18 @@ def _comm_of_ops(graph: Graph, op: Op, placements: Sequence[Placement], mesh: De
         rows = [i for i, ax in enumerate(tmp_axes[tmp]) if ax]
         if not rows:
             continue
-        bounds = side_by_side(rows)
-        nv = len(rows) * ndev
+        bounds, sub_take, sub_nv, _reps = _side_by_side([per[i] for i in rows], [placements[i] for i in rows], mesh)
         shape = _temporary_shape(nest, tmp)
-        region = operand_region(nest, tmp, shape, bounds, writes=True, ndev=nv)
+        region = operand_region(nest, tmp, shape, bounds, writes=True, ndev=sub_nv)
         block, bad = region.counts()
         if bad.any():
-            block, bad = _temporary_block(nest, tmp, bounds, block, bad, nv)
+            block, bad = _temporary_block(nest, tmp, bounds, block, bad, sub_nv)
         if bad.any():
             for v in np.nonzero(bad)[0]:
                 b = {d: (int(lo[v]), int(hi[v])) for d, (lo, hi) in bounds.items()}
                 block[v] = count(footprint_set(nest, tmp, shape, b, writes=True))
         for pos, i in enumerate(rows):
-            blocks[(tmp, i)] = block[pos * ndev:(pos + 1) * ndev]
+            blocks[(tmp, i)] = block[sub_take[pos]]
     # parameter gradients: each device's block of the parameter, all-reduced over the partial axes
     grad_axes: dict[int, list[tuple[str, ...]]] = {}
     needs: dict[tuple[int, int], Distribution] = {}
@@ -871,7 +908,7 @@ def _comm_of_ops(graph: Graph, op: Op, placements: Sequence[Placement], mesh: De
                                                    for st in nest.statements
                                                    if any(r.operand == c.operand for r in st.reads)))
         out[placement] = OpComm(placement, tuple(forward), tuple(partial), tuple(grad), kinds, pad,
-                                float(flops_max[i]), backward)
+                                flops_max[i], backward)
     return out
 
 
