@@ -1409,7 +1409,13 @@ def _missing_pairs(needs: Sequence[Distribution], others: Sequence[Distribution]
                 prod = sub[0][combos[0][rows]] if rank else np.ones((len(rows), len(rep)), dtype=np.int64)
                 for k in range(1, rank):
                     prod = prod * sub[k][combos[k][rows]]
-                common = np.add.reduceat(prod * row_sign[rows][:, None], np.cumsum(c) - c, axis=0)
+                if bool((c == 1).all()):
+                    common = prod * row_sign[rows][:, None]  # one term each: no sum to take
+                else:  # each pair's rows are consecutive: differences of running sums
+                    run = np.cumsum(prod * row_sign[rows][:, None], axis=0)
+                    ends = np.cumsum(c) - 1
+                    common = run[ends]
+                    common[1:] -= run[ends[:-1]]
                 miss = nsub[pn[idx[q]]] - common
                 mx[idx[q]] = miss.max(axis=1, initial=0)
                 sm[idx[q]] = miss @ weight
