@@ -144,8 +144,10 @@ def test_table_of_layouts_against_numpy_enumeration(data):
     CACHE.clear()
     hd = [layout_distribution(x, mesh) for x in haves]
     nd = [layout_distribution(x, mesh) for x in needs]
-    table = reshard_table(hd, nd, mesh)
+    table = _comm._reshard_table(tuple(hd), tuple(nd), mesh, 4)  # the array path, however small
     _same_table(table, mesh)
+    small = reshard_table(hd, nd, mesh)  # <= 16 pairs: priced pair by pair
+    assert np.array_equal(small.elements, table.elements) and np.array_equal(small.direct, table.direct)
     for i, h in enumerate(haves):
         for j, n in enumerate(needs):
             lacks = []

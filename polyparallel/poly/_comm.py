@@ -1111,7 +1111,8 @@ class ReshardTable:
     ``elements[i, j]`` is the route's elements per device (:attr:`Reshard.elements`),
     ``direct[i, j]`` its exact lower bound; :meth:`cell` gives the :class:`Reshard` itself,
     assembled on first use from the memoised route and these counts (equal to what
-    :func:`reshard` returns for the pair; ``tests/test_poly_table.py`` compares them).
+    :func:`reshard` returns for the pair; ``tests/test_poly_fast.py`` compares them). A
+    table of at most ``_SMALL_TABLE`` pairs is priced pair by pair (its cells given).
 
     How (:func:`reshard_table`): the route's collectives (steps 1-4 of the module
     docstring) depend only on the have's layout and the need's mesh axes per tensor axis,
@@ -1189,8 +1190,29 @@ def reshard_table(haves: Sequence[Distribution], needs: Sequence[Distribution], 
     for h in haves:
         if needs and h.shape != needs[0].shape:
             raise ValueError(f"reshard between shapes {list(h.shape)} and {list(needs[0].shape)}")
+    if len(haves) * len(needs) <= _SMALL_TABLE:
+        return _table_of_cells(haves, needs, mesh, dtype_bytes)
     key = (tuple(h.rid for h in haves), tuple(n.rid for n in needs), dtype_bytes)
     return CACHE.get("table", key, lambda: _reshard_table(haves, needs, mesh, dtype_bytes))
+
+
+_SMALL_TABLE = 16  # pairs; fewer are priced one by one (the per-pair cache serves solvers' single pairs)
+
+
+def _table_of_cells(haves: tuple[Distribution, ...], needs: tuple[Distribution, ...], mesh: DeviceMesh,
+                    dtype_bytes: int) -> ReshardTable:
+    """A small table from per-pair :func:`reshard` calls (each cached), cells filled in."""
+    cells = {(i, j): reshard(h, n, mesh, dtype_bytes=dtype_bytes) for i, h in enumerate(haves)
+             for j, n in enumerate(needs)}
+    shape = (len(haves), len(needs))
+    elements = np.zeros(shape, dtype=np.int64)
+    direct = np.zeros(shape, dtype=np.int64)
+    for (i, j), r in cells.items():
+        elements[i, j], direct[i, j] = r.elements, r.direct_elements
+    zero = np.zeros(shape, dtype=np.int64)
+    return ReshardTable(haves, needs, mesh, dtype_bytes, elements, direct, zero, zero,
+                        np.zeros(len(needs), dtype=np.int64), np.full(shape, -1, dtype=np.int64), (),
+                        tuple(() for _ in haves), cells)
 
 
 def _reshard_table(haves: tuple[Distribution, ...], needs: tuple[Distribution, ...], mesh: DeviceMesh,
