@@ -24,6 +24,7 @@ before launching anything), never dropped. :func:`run_recipes` is shared with
 
     .venv/bin/python benchmarks/executor.py                   # calibration + 2 x 14 runs + search
     .venv/bin/python benchmarks/executor.py --no-recalibrate  # reuse the calibration file
+    .venv/bin/python benchmarks/executor.py --components      # one process, parts of a step (~1 min)
 
 On 2 idle cores a launch takes ~5 s, so the whole benchmark takes about 4-5 minutes; with other
 work on the cores (load 15) each launch took 30-40 s and the benchmark 20 minutes, and the step
@@ -49,12 +50,13 @@ from typing import Any
 import torch
 
 OUT = Path(__file__).parent / "results" / "executor.json"
+COMPONENTS_OUT = Path(__file__).parent / "results" / "executor_components.json"
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # the workers import this module by name to build the model
     sys.path.insert(0, str(HERE))
 
-__all__ = ["GPT", "MLP", "Recipe", "Workload", "calibrate_now", "gpt_data", "gpt_model", "mlp_data", "mlp_model",
-           "print_table", "run_recipes", "search_check", "spearman"]
+__all__ = ["FRAMEWORK_TERMS", "GPT", "MLP", "Recipe", "Workload", "calibrate_now", "component_check", "gpt_data",
+           "gpt_model", "mlp_data", "mlp_model", "print_table", "run_recipes", "search_check", "spearman"]
 
 # --------------------------------------------------------------------------------------------
 # workloads: model and data functions the workers import as "executor:<name>"
@@ -326,6 +328,90 @@ def search_check(workload: Workload, rows: list[dict[str, Any]], batch: int, pro
             "fastest_measured_s": best["measured_s"], "choice_over_fastest": ratio, "within_10pct": ratio <= 1.10}
 
 
+def _measure_parts(batch: int, steps: int) -> list[float]:
+    """Median forward, backward and optimizer seconds of single-process GPT steps in this process."""
+    model = gpt_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # as the backend builds it on a CPU
+    parts = []
+    for i in range(steps):
+        x, y = gpt_data(i, batch)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = model(x, y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        parts.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+    return [statistics.median(c) for c in zip(*parts[3:], strict=True)]
+
+
+def _price_parts(rates: dict[str, Any], batch: int) -> list[float]:
+    """Priced forward, backward and optimizer seconds of a single-process GPT step under one process's ``rates``."""
+    import tempfile
+
+    from polyparallel.cluster import Cluster
+    from polyparallel.cost_models import ParallelConfig, estimate_step
+    from polyparallel.cost_models.compute import op_cost
+    from polyparallel.planner import _Model
+
+    cal = {"cores": os.cpu_count() or 1, "threads_per_process": 1, "matmul": {"1": rates["matmul"]},
+           "memory_bandwidth": rates["memory_bandwidth"], "per_processes": {"1": rates}}
+    prev = os.environ.get("POLYPARALLEL_CALIBRATION")
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "cal.json").write_text(json.dumps(cal))
+        os.environ["POLYPARALLEL_CALIBRATION"] = str(Path(d) / "cal.json")
+        try:
+            cl = Cluster.preset("local-cpu:1")
+            g = _Model(gpt_model(), _example(GPT), None).graph(batch)
+            costs = [op_cost(g, op, cl.device(0).type) for op in g.ops]
+            opt = estimate_step(g, cl, ParallelConfig(optimizer="adam")).breakdown()["optimizer"]
+        finally:
+            if prev is None:
+                os.environ.pop("POLYPARALLEL_CALIBRATION", None)
+            else:
+                os.environ["POLYPARALLEL_CALIBRATION"] = prev
+    return [sum(c.forward for c in costs), sum(c.backward for c in costs), opt]
+
+
+# the CPU framework terms of the calibration; "without" prices as before they were measured
+FRAMEWORK_TERMS = ("training_op_overhead", "attention", "optimizer_tensor_overhead")
+
+
+def component_check(batches: Sequence[int] = (4, 8), rounds: int = 3, steps: int = 12,
+                    say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Forward, backward and optimizer time of a one-process GPT step: priced vs measured, no launch.
+
+    In this process, on one thread (as a worker), each round measures the calibration's
+    per-process rates (:func:`polyparallel.cost_models.calibrate.kernel_rates`, attention rows
+    included) and right after them the step's parts; medians over rounds. Each step is priced
+    with all the measured terms and without the CPU framework terms (:data:`FRAMEWORK_TERMS`), so
+    the table shows what they account for, part by part, on the same measurements. Nothing is
+    launched, so a shared machine disturbs this less than the multi-process runs.
+    """
+    from polyparallel.cost_models.calibrate import ATTENTION_SHAPES, kernel_rates
+
+    torch.set_num_threads(1)
+    got: dict[int, list[tuple[list[float], list[float], list[float]]]] = {b: [] for b in batches}
+    for _ in range(rounds):
+        rates = kernel_rates((32, 64, 128, 256, 512), attention_shapes=ATTENTION_SHAPES)
+        without = {k: v for k, v in rates.items() if k not in FRAMEWORK_TERMS}
+        for b in batches:
+            got[b].append((_measure_parts(b, steps), _price_parts(rates, b), _price_parts(without, b)))
+    out = []
+    say(f"  {'batch':>5} {'part':<10} {'measured':>9} {'priced':>9} {'error':>7} {'without':>9} {'error':>7}")
+    for b, rs in got.items():
+        for i, part in enumerate(("forward", "backward", "optimizer", "total")):
+            def med(j: int, i: int = i, rs: list = rs) -> float:
+                return statistics.median(sum(r[j]) if i == 3 else r[j][i] for r in rs)
+            m, new, old = med(0), med(1), med(2)
+            out.append({"batch": b, "part": part, "measured_s": m, "predicted_s": new, "error": new / m - 1,
+                        "predicted_without_framework_terms_s": old, "error_without": old / m - 1})
+            say(f"  {b:>5} {part:<10} {1e3 * m:7.2f}ms {1e3 * new:7.2f}ms {100 * (new / m - 1):+6.1f}% "
+                f"{1e3 * old:7.2f}ms {100 * (old / m - 1):+6.1f}%")
+    return {"rows": out, "rounds": rounds, "steps": steps, "load_average": os.getloadavg()[0]}
+
+
 def print_table(rows: Sequence[dict[str, Any]], say: Callable[[str], None] = print) -> None:
     say(f"  {'recipe':<28} {'P':>2} {'predicted':>10} {'measured':>10} {'error':>8}")
     for r in rows:
@@ -362,7 +448,17 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5, help="first steps of every run left out")
     ap.add_argument("--repeats", type=int, default=2, help="runs of every recipe (interleaved)")
     ap.add_argument("--no-recalibrate", action="store_true", help="use the existing calibration file")
+    ap.add_argument("--components", action="store_true",
+                    help="only the one-process check: forward/backward/optimizer priced vs measured (~1 min)")
     args = ap.parse_args()
+    if args.components:
+        print(f"{GPT.description}; one process, one thread: parts of a step, priced vs measured "
+              f"(without: as priced before the CPU framework terms {', '.join(FRAMEWORK_TERMS)}):")
+        res = {"workload": GPT.description, "command": "python benchmarks/executor.py --components",
+               **component_check()}
+        COMPONENTS_OUT.write_text(json.dumps(res, indent=1))
+        print(f"wrote {COMPONENTS_OUT}")
+        return
     from polyparallel.cluster import default_calibration_path
 
     t0 = time.perf_counter()

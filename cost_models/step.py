@@ -674,13 +674,19 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
             if params else 0.0
         if dt.kind == "cpu" and terms.param_tensors:
             # torch's CPU optimizers update tensor by tensor (no multi-tensor kernels there): each
-            # parameter tensor costs what calibration measured per tensor for this optimizer, else
-            # ~k kernels at the kernel floor, plus DTensor's dispatch per kernel for sharded ones
-            # (FSDP2 shards all of them, tensor parallelism its own)
+            # parameter tensor costs ~k kernels at least at the kernel floor, plus DTensor's dispatch
+            # per kernel for sharded ones (FSDP2 shards all of them, tensor parallelism its own).
+            # Where calibration measured the step per tensor (on tensors too small for their kernels
+            # to take time: the host's loop and dispatch), that host work runs in series with the
+            # streaming on the one thread, so it adds to it
             k = _OPT_KERNELS.get(cfg.optimizer, 9)
-            per_tensor = dict(dt.optimizer_tensor_overhead).get(cfg.optimizer, k * dt.launch_overhead)
+            per_tensor = dict(dt.optimizer_tensor_overhead).get(cfg.optimizer)
             dtensors = terms.param_tensors[s] if cfg.zero_stage >= 1 and dgrp_size > 1 else terms.tp_param_tensors[s]
-            t_opt = max(t_opt, terms.param_tensors[s] * per_tensor + k * dtensors * dt.sharded_op_overhead)
+            n_t, dispatch = terms.param_tensors[s], k * dtensors * dt.sharded_op_overhead
+            if per_tensor is None:
+                t_opt = max(t_opt, k * n_t * dt.launch_overhead + dispatch)
+            else:
+                t_opt += n_t * per_tensor + dispatch
         dps.append(_DataParallel(exposed, t_opt, t_dp, events, ef + eb))
         ws = terms.seg_act_max[s]
         if cfg.zero_stage == 3:

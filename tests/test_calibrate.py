@@ -388,13 +388,23 @@ def test_cpu_optimizer_pays_the_measured_cost_per_parameter_tensor(tmp_path, mon
     g = mlp_graph(batch=64, widths=(128, 128, 128), bias=True)  # 6 parameter tensors
     two = Cluster.preset("local-cpu:2")
     assert dict(two.device(0).type.optimizer_tensor_overhead) == {"adam": 60e-6, "sgd": 15e-6}
+    # the measured host work per tensor runs after the streaming (here just its floor, τ)
     ddp = estimate_step(g, two, ParallelConfig(dp=2, optimizer="adam")).breakdown()["optimizer"]
-    assert ddp == pytest.approx(6 * 60e-6)
+    assert ddp == pytest.approx(3e-6 + 6 * 60e-6)
     assert estimate_step(g, two, ParallelConfig(dp=2, optimizer="sgd")).breakdown()["optimizer"] == pytest.approx(
-        6 * 15e-6)
+        3e-6 + 6 * 15e-6)
     # FSDP2: every one of Adam's 9 kernels per tensor also pays DTensor's dispatch
     fsdp = estimate_step(g, two, ParallelConfig(dp=2, zero_stage=3, optimizer="adam")).breakdown()["optimizer"]
-    assert fsdp == pytest.approx(6 * 60e-6 + 9 * 6 * 50e-6)
+    assert fsdp == pytest.approx(3e-6 + 6 * 60e-6 + 9 * 6 * 50e-6)
+    # with a finite bandwidth the streaming of Adam's state adds: per parameter, p, g read and p
+    # written (3 x 4 B), both moments read and written (2 x 8 B): the per-tensor loop keeps a
+    # tensor's states in cache between its kernels
+    for k in cal["per_processes"].values():
+        k["memory_bandwidth"] = 1e9
+    path.write_text(json.dumps(cal))
+    params = sum(t.numel for t in g.tensors.values() if t.kind.value == "param")
+    stream = estimate_step(g, Cluster.preset("local-cpu:2"), ParallelConfig(dp=2, optimizer="adam"))
+    assert stream.breakdown()["optimizer"] == pytest.approx((3 * 4 + 2 * 8) * params / (1e9 * 0.8) + 6 * 60e-6)
     # an optimizer not measured keeps the kernel-floor price: AdamW's 10 kernels per tensor
     adamw = estimate_step(g, two, ParallelConfig(dp=2, optimizer="adamw")).breakdown()["optimizer"]
     assert adamw == pytest.approx(10 * 6 * 3e-6)
