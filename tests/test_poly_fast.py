@@ -164,6 +164,68 @@ def test_table_of_layouts_against_numpy_enumeration(data):
             assert table.direct[i, j] == max(lacks)
 
 
+def _random_layout(data, mesh: DeviceMesh, shape: tuple[int, ...], partial_ok: bool) -> TensorLayout:
+    """Each mesh axis splits a random tensor axis (inserted at a random place in its list), none,
+    or (``partial_ok``) holds partial sums."""
+    shards: list[list[str]] = [[] for _ in shape]
+    partial = []
+    for a in mesh.names:
+        j = data.draw(st.integers(-2 if partial_ok else -1, len(shape) - 1))
+        if j >= 0:
+            shards[j].insert(data.draw(st.integers(0, len(shards[j]))), a)
+        elif j == -2:
+            partial.append(a)
+    return TensorLayout(shape, tuple(tuple(s) for s in shards), tuple(partial))
+
+
+ROUTE_MESHES = ["a=2,b=2,c=2", "a=4,b=2", "a=2,b=3,c=2", "a=2[3:1],b=2", "a=2,b=2,c=2[1:3]"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_vectorised_routes_equal_the_scalar_route(data):
+    """``_routes`` (every (layout, need axes) route in numpy, closed forms where blocks are even)
+    against ``_route`` pair by pair: the same summed elements and the same final layout, on
+    even meshes (closed forms, divisible or not) and 3:1 meshes (every step exact per device)."""
+    mesh = DeviceMesh.parse(data.draw(st.sampled_from(ROUTE_MESHES)))
+    shape = tuple(data.draw(st.sampled_from([2, 4, 5, 8, 12])) for _ in range(data.draw(st.integers(1, 3))))
+    lays = list({x: None for x in (_random_layout(data, mesh, shape, True) for _ in range(6))})
+    deps = list({x.shards: None for x in (_random_layout(data, mesh, shape, False) for _ in range(6))})
+    CACHE.clear()
+    elements, end, ends = _comm._routes(shape, lays, deps, mesh)
+    for x, lay in enumerate(lays):
+        for d, dk in enumerate(deps):
+            steps, cur = _comm._route(shape, lay.shards, lay.partial, dk, mesh)
+            assert ends[end[x, d]] == cur, (str(lay), dk)
+            assert elements[x, d] == sum(s.elements for s in steps), (str(lay), dk, [str(s) for s in steps])
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_gain_against_numpy_enumeration(data):
+    """``_gain`` (closed form for nested even blocks, per-device interval products otherwise) is
+    what a numpy enumeration of each device's blocks says it gains."""
+    mesh = DeviceMesh.parse(data.draw(st.sampled_from(ROUTE_MESHES)))
+    shape = tuple(data.draw(st.sampled_from([2, 4, 5, 8])) for _ in range(data.draw(st.integers(1, 3))))
+    nxt = _random_layout(data, mesh, shape, False).shards
+    cur = _random_layout(data, mesh, shape, False).shards
+    CACHE.clear()
+    gained, size = [], []
+    for p in range(mesh.size):
+        blocks = []
+        for shards in (nxt, cur):
+            arr = np.zeros(shape, dtype=bool)
+            idx = []
+            for ext, s in zip(shape, shards):
+                lo, hi = mesh.bounds(ext, s)
+                idx.append(slice(int(lo[p]), int(hi[p])))
+            arr[tuple(idx)] = True
+            blocks.append(arr)
+        gained.append(int((blocks[0] & ~blocks[1]).sum()))
+        size.append(int(blocks[0].sum()))
+    assert _comm._gain(shape, nxt, cur, mesh) == (max(gained), sum(gained), max(size))
+
+
 def test_column_classes_are_exact_even_when_the_hash_collides(monkeypatch):
     rows = np.array([[1, 2, 1, 3, 2], [0, 5, 0, 5, 5]], dtype=np.int64)
     rep, cls = _comm._column_classes(rows)

@@ -647,6 +647,184 @@ def _route(shape: Shape, plain: Shards, partial: tuple[str, ...], deps: Shards,
     return tuple(steps), cur
 
 
+def _routes(shape: Shape, lays: Sequence[TensorLayout], deps: Sequence[Shards],
+            mesh: DeviceMesh) -> tuple[np.ndarray, np.ndarray, list[Shards]]:
+    """Steps 1-4 of every (layout, need mesh axes) route at once: what :func:`_route` gives, in numpy.
+
+    Returns ``(elements, end, ends)``: ``elements[x, d]`` the route's sum of per-step elements
+    (:attr:`Reshard.elements` before the last exchange) from ``lays[x]`` to the need axes
+    ``deps[d]``, and ``ends[end[x, d]]`` the layout it ends in. The state of every pair is,
+    per mesh axis ``a``, the tensor axis ``t[a]`` it splits (-1: none) and a rank ``r[a]``
+    ordering the mesh axes of one tensor axis (outermost first); each step of the module
+    docstring updates these columns for all pairs at once. A step is priced in closed form
+    where the layouts it moves between have equal blocks on every device (even mesh, each
+    extent divisible by its group): a reduce-scatter over ``g`` devices receives ``(g-1)|B'|``,
+    an all-reduce ``2(g-1)ceil(|B|/g)``, a gather or all-to-all ``|B'| - prod_k min(b'_k, b_k)``
+    when along every tensor axis one list of mesh axes is a prefix of the other (the finer
+    block lies inside the coarser one of the same device; :func:`_gain`). Every other step is
+    priced by the memoised scalar functions :func:`_route` uses, once per distinct (layouts,
+    mesh axis) among the pairs: the result is exactly :func:`_route`'s, without its Python
+    work per pair (``tests/test_poly_fast.py`` compares them on random layouts).
+    """
+    H, D, m, rank = len(lays), len(deps), len(mesh.names), len(shape)
+    pos = {a: i for i, a in enumerate(mesh.names)}
+    size = np.array(mesh.shape, dtype=np.int64)
+    th = np.full((H, m), -1, dtype=np.int64)
+    rh = np.zeros((H, m), dtype=np.int64)
+    order = np.full((H, m), -1, dtype=np.int64)  # partial axes, in the layout's order
+    for i, lay in enumerate(lays):
+        for k, s in enumerate(lay.shards):
+            for q, a in enumerate(s):
+                th[i, pos[a]], rh[i, pos[a]] = k, q
+        for q, a in enumerate(lay.partial):
+            order[i, q] = pos[a]
+    tn = np.full((D, m), -1, dtype=np.int64)
+    rn = np.zeros((D, m), dtype=np.int64)
+    for d, dk in enumerate(deps):
+        for k, s in enumerate(dk):
+            for q, a in enumerate(s):
+                tn[d, pos[a]], rn[d, pos[a]] = k, q
+    P = H * D
+    t = np.repeat(th, D, axis=0)
+    r = np.repeat(rh, D, axis=0)
+    po = np.repeat(order, D, axis=0)
+    need = np.tile(tn, (H, 1))
+    need_r = np.tile(rn, (H, 1))
+    even_mesh = bool(mesh.even)
+    elems = np.zeros(P, dtype=np.int64)
+    ext = np.asarray(shape, dtype=np.int64)
+    base = m + 1
+    rows = np.arange(P)
+    inner = m  # ranks of appended axes: larger than any rank so far (innermost)
+
+    def blocks(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        group = np.ones((P, rank), dtype=np.int64)
+        for a in range(m):
+            on = t[:, a][:, None] == np.arange(rank)[None, :]
+            group = np.where(on, group * size[a], group)
+        return ext // group, (ext % group == 0).all(axis=1) & even_mesh
+
+    def seqs(t: np.ndarray, r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per tensor axis: the ordered list of its mesh axes as a base-(m+1) code (first axis most
+        significant, digit = mesh axis + 1) and its length."""
+        # position of mesh axis a in its tensor axis' list: the axes of that list ranked before it
+        place = np.zeros((P, m), dtype=np.int64)
+        for a in range(m):
+            for b in range(m):
+                if a != b:
+                    place[:, a] += (t[:, b] == t[:, a]) & (r[:, b] < r[:, a])
+        digit = (np.arange(m, dtype=np.int64) + 1) * base ** (m - 1 - place)
+        code = np.zeros((P, rank), dtype=np.int64)
+        length = np.zeros((P, rank), dtype=np.int64)
+        for a in range(m):
+            on = t[:, a][:, None] == np.arange(rank)[None, :]
+            code += np.where(on, digit[:, a][:, None], 0)
+            length += on
+        return code, length
+
+    def decode(row: np.ndarray) -> Shards:
+        shards = []
+        for c in row.tolist():
+            axes: list[str] = []
+            for _ in range(m):
+                c, dgt = divmod(c, base)
+                if dgt:
+                    axes.append(mesh.names[dgt - 1])
+            shards.append(tuple(reversed(axes)))
+        return tuple(shards)
+
+    def exact(mask: np.ndarray, cols: np.ndarray, fn: Callable[[np.ndarray], int]) -> np.ndarray:
+        """``fn`` of each distinct row of ``cols`` among the pairs in ``mask`` (the scalar, memoised
+        prices), as an array over all pairs (0 outside ``mask``)."""
+        out = np.zeros(P, dtype=np.int64)
+        idx = np.nonzero(mask)[0]
+        if len(idx):
+            uniq, inv = np.unique(cols[idx], axis=0, return_inverse=True)
+            out[idx] = np.array([fn(u) for u in uniq], dtype=np.int64)[inv.reshape(-1)]
+        return out
+
+    b_cur, e_cur = blocks(t)
+    s_cur = seqs(t, r)
+
+    def gain(t2: np.ndarray, r2: np.ndarray, moved: np.ndarray) -> None:
+        """Price the move to (t2, r2) of the pairs in ``moved`` and make it the current layout."""
+        nonlocal b_cur, e_cur, s_cur, t, r
+        b_nxt, e_nxt = blocks(t2)
+        s_nxt = seqs(t2, r2)
+        (c1, l1), (c2, l2) = s_nxt, s_cur
+        cut = base ** (m - np.minimum(l1, l2))
+        prefix = (c1 // cut == c2 // cut).all(axis=1)
+        closed = e_nxt & e_cur & prefix
+        g = b_nxt.prod(axis=1) - np.minimum(b_nxt, b_cur).prod(axis=1)
+        elems[moved & closed] += g[moved & closed]
+        elems[:] += exact(moved & ~closed, np.concatenate([c1, c2], axis=1),
+                          lambda u: _gain(shape, decode(u[:rank]), decode(u[rank:]), mesh)[0])
+        sel = moved[:, None]
+        t, r = np.where(sel, t2, t), np.where(sel, r2, r)
+        b_cur, e_cur = np.where(sel, b_nxt, b_cur), np.where(moved, e_nxt, e_cur)
+        s_cur = (np.where(sel, s_nxt[0], s_cur[0]), np.where(sel, s_nxt[1], s_cur[1]))
+
+    # 1. partial sums, in the layout's order
+    for q in range(m):
+        a = po[:, q]
+        has = a >= 0
+        if not has.any():
+            continue
+        ai = np.maximum(a, 0)
+        j = need[rows, ai]
+        g = size[ai]
+        rs = has & (j >= 0)
+        ar = has & (j < 0)
+        blk = b_cur.prod(axis=1)
+        elems[ar & e_cur] += (2 * (g - 1) * (-(-blk // g)))[ar & e_cur]
+        elems[:] += exact(ar & ~e_cur, np.concatenate([s_cur[0], ai[:, None]], axis=1),
+                          lambda u: _all_reduce_of(shape, decode(u[:rank]), mesh.names[u[rank]], mesh).elements)
+        if rs.any():
+            t2, r2 = t.copy(), r.copy()
+            t2[rows[rs], ai[rs]] = j[rs]
+            r2[rows[rs], ai[rs]] = inner
+            inner += 1
+            b_nxt, e_nxt = blocks(t2)
+            elems[rs & e_nxt] += ((g - 1) * b_nxt.prod(axis=1))[rs & e_nxt]
+            elems[:] += exact(rs & ~e_nxt, np.concatenate([seqs(t2, r2)[0], ai[:, None]], axis=1),
+                              lambda u: (size[u[rank]] - 1) * _block_stats(shape, decode(u[:rank]), mesh)[0])
+            sel = rs[:, None]
+            t, r, b_cur = np.where(sel, t2, t), np.where(sel, r2, r), np.where(sel, b_nxt, b_cur)
+            e_cur = np.where(rs, e_nxt, e_cur)
+            s_cur = seqs(t, r)
+    # 2. free local slices, innermost
+    for a in range(m):
+        sl = (t[:, a] < 0) & (need[:, a] >= 0)
+        if sl.any():
+            t, r = t.copy(), r.copy()
+            t[sl, a], r[sl, a] = need[sl, a], inner
+            inner += 1
+    b_cur, e_cur = blocks(t)
+    s_cur = seqs(t, r)
+    # 3. all-to-all: the axis moves to the need's tensor axis, whose list is reordered as the need's
+    for a in range(m):
+        mv = (t[:, a] >= 0) & (need[:, a] >= 0) & (t[:, a] != need[:, a])
+        if not mv.any():
+            continue
+        j = need[:, a]
+        t2 = t.copy()
+        t2[mv, a] = j[mv]
+        on_j = (t2 == j[:, None]) & mv[:, None]
+        # _ordered: the need's axes first in its order, then the others as they were
+        in_need = need == j[:, None]
+        r2 = np.where(on_j, np.where(in_need, need_r, r + (1 << 20)), r)
+        gain(t2, r2, mv)
+    # 4. all-gather of the axes the need does not split along, per tensor axis in increasing order
+    for k in range(rank):
+        ga = (t == k) & (need < 0)
+        mv = ga.any(axis=1)
+        if mv.any():
+            gain(np.where(ga, -1, t), np.where(ga, 0, r), mv)
+    # the final layouts
+    uniq, inv = np.unique(seqs(t, r)[0], axis=0, return_inverse=True)
+    return elems.reshape(H, D), inv.reshape(H, D), [decode(u) for u in uniq]
+
+
 Shards = tuple[tuple[str, ...], ...]
 
 
@@ -708,9 +886,16 @@ def _gain(shape: Shape, nxt: Shards, cur: Shards, mesh: DeviceMesh) -> tuple[int
         size = math.prod(bn)
         g = size - math.prod(min(x, y) for x, y in zip(bn, bc))
         return g, g * mesh.size, size
-    nd, cd = layout_distribution(TensorLayout(shape, nxt), mesh), layout_distribution(TensorLayout(shape, cur), mesh)
-    gained = nd.missing(cd)
-    return int(gained.max(initial=0)), int(gained.sum()), int(nd.counts().max(initial=0))
+    # blocks are products of per-axis intervals, and so are their intersections
+    size = np.ones(mesh.size, dtype=np.int64)
+    over = np.ones(mesh.size, dtype=np.int64)
+    for n, a, b in zip(shape, nxt, cur):
+        lo, hi = mesh.bounds(n, a)
+        lo2, hi2 = mesh.bounds(n, b)
+        size *= hi - lo
+        over *= np.maximum(np.minimum(hi, hi2) - np.maximum(lo, lo2), 0)
+    gained = size - over
+    return int(gained.max(initial=0)), int(gained.sum()), int(size.max(initial=0))
 
 
 CACHE.on_clear(_AXIS_MEMO.clear, _RIDS.clear, _route.cache_clear, _even_blocks.cache_clear, _block_stats.cache_clear,
@@ -1136,8 +1321,8 @@ class ReshardTable:
     most: np.ndarray  # the last exchange (halo / p2p): max elements per device, 0 when there is none
     total: np.ndarray  # ... and summed over devices
     payload: np.ndarray  # per need: max_p |N(p)|
-    route_of: np.ndarray  # per pair: index into routes (-1: an irregular have)
-    routes: tuple[tuple[tuple[Step, ...], Shards], ...]
+    route_of: np.ndarray  # per pair: route x * len(deps) + d (-1: an irregular have)
+    routes: tuple[tuple[TensorLayout, ...], tuple[Shards, ...]]  # (layouts x, need mesh axes d)
     prefix: tuple[tuple[Step, ...], ...]  # per irregular have: its in-place all-reduces
     cells: dict[tuple[int, int], Reshard] = field(default_factory=dict, repr=False)
 
@@ -1164,7 +1349,9 @@ class ReshardTable:
                 axes = tuple(sorted({x for d in n.deps for x in d} | {x for d in h.deps for x in d}))
                 steps = (*steps, Step("p2p", axes, None, direct, int(self.total[i, j]), int(self.payload[j]), 0))
             return Reshard(str(h), str(n), steps, direct, self.dtype_bytes)
-        steps, cur = self.routes[r]
+        lays, deps = self.routes
+        x, d = divmod(r, max(len(deps), 1))
+        steps, cur = _route(h.shape, lays[x].shards, lays[x].partial, deps[d], self.mesh)
         if most:
             steps = (*steps, _last_exchange(n, cur, self.mesh, most, int(self.total[i, j]), int(self.payload[j])))
         return Reshard(str(h), str(n), steps, direct, self.dtype_bytes)
@@ -1211,7 +1398,7 @@ def _table_of_cells(haves: tuple[Distribution, ...], needs: tuple[Distribution, 
         elements[i, j], direct[i, j] = r.elements, r.direct_elements
     zero = np.zeros(shape, dtype=np.int64)
     return ReshardTable(haves, needs, mesh, dtype_bytes, elements, direct, zero, zero,
-                        np.zeros(len(needs), dtype=np.int64), np.full(shape, -1, dtype=np.int64), (),
+                        np.zeros(len(needs), dtype=np.int64), np.full(shape, -1, dtype=np.int64), ((), ()),
                         tuple(() for _ in haves), cells)
 
 
@@ -1233,13 +1420,16 @@ def _reshard_table(haves: tuple[Distribution, ...], needs: tuple[Distribution, .
             other_list.append(make())
         return k
 
-    routes: list[tuple[tuple[Step, ...], Shards]] = []
-    route_idx = np.full((H, max(len(deps), 1)), -1, dtype=np.int64)
-    route_other = []  # per route: the other index of its final layout
-    route_elems = []
+    def layout_other(shards: Shards) -> int:
+        return other(("layout", shards), lambda: layout_distribution(TensorLayout(shape, shards), mesh))
+
+    # route r = x * len(deps) + d: layout haves[lay_rows[x]] to the need axes deps[d]
+    D = max(len(deps), 1)
+    route_idx = np.full((H, D), -1, dtype=np.int64)
     have_other = np.zeros(H, dtype=np.int64)
     prefix: list[tuple[Step, ...]] = []
     prefix_elems = np.zeros(H, dtype=np.int64)
+    lay_rows: list[int] = []
     for i, h in enumerate(haves):
         lay = h.layout
         if lay is None:
@@ -1249,22 +1439,22 @@ def _reshard_table(haves: tuple[Distribution, ...], needs: tuple[Distribution, .
             prefix_elems[i] = sum(s.elements for s in ar)
             continue
         prefix.append(())
-        have_other[i] = other(("layout", lay.shards),
-                              lambda lay=lay: layout_distribution(TensorLayout(shape, lay.shards), mesh))
-        for d, dk in enumerate(deps):
-            steps, cur = _route(shape, lay.shards, lay.partial, dk, mesh)
-            route_idx[i, d] = len(routes)
-            routes.append((steps, cur))
-            route_elems.append(sum(s.elements for s in steps))
-            route_other.append(other(("layout", cur),
-                                     lambda cur=cur: layout_distribution(TensorLayout(shape, cur), mesh)))
+        have_other[i] = layout_other(lay.shards)
+        route_idx[i] = len(lay_rows) * D + np.arange(D)
+        lay_rows.append(i)
+    lays = tuple(haves[i].layout for i in lay_rows)
+    route_elems = np.zeros(len(lays) * D + 1, dtype=np.int64)  # the last entry: no route
+    route_other = np.zeros(len(lays) * D + 1, dtype=np.int64)
+    if lays and deps:
+        el, end, ends = _routes(shape, lays, deps, mesh)
+        end_other = np.array([layout_other(cur) for cur in ends], dtype=np.int64)
+        route_elems[:-1], route_other[:-1] = el.ravel(), end_other[end.ravel()]
     route_of = route_idx[:, dep_of] if N else np.zeros((H, 0), dtype=np.int64)
     layout_row = route_of >= 0
     # the (need, other) pairs to count: the have itself (direct bound) and the route's end
     jj = np.broadcast_to(np.arange(N), (H, N))
     o_direct = np.broadcast_to(have_other[:, None], (H, N))
-    o_end = np.where(layout_row, np.asarray(route_other, dtype=np.int64)[np.maximum(route_of, 0)]
-                     if routes else 0, o_direct)
+    o_end = np.where(layout_row, route_other[route_of], o_direct)
     nother = max(len(other_list), 1)
     codes = np.concatenate([(jj * nother + o_direct).ravel(), (jj * nother + o_end).ravel()])
     uniq, inv = np.unique(codes, return_inverse=True)
@@ -1273,9 +1463,9 @@ def _reshard_table(haves: tuple[Distribution, ...], needs: tuple[Distribution, .
     payload = np.array([int(n.counts().max(initial=0)) for n in needs], dtype=np.int64)
     direct = mx[inv[0]]
     most, total = mx[inv[1]], sm[inv[1]]
-    elems = np.where(layout_row, np.asarray([*route_elems, 0], dtype=np.int64)[route_of], prefix_elems[:, None]) + most
+    elems = np.where(layout_row, route_elems[route_of], prefix_elems[:, None]) + most
     return ReshardTable(haves, needs, mesh, dtype_bytes, elems, direct, most, total, payload, route_of,
-                        tuple(routes), tuple(prefix))
+                        (lays, tuple(deps)), tuple(prefix))
 
 
 _MIX = np.random.default_rng(0x5EED).integers(1, 1 << 62, size=4096, dtype=np.int64) | 1
