@@ -871,7 +871,7 @@ def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, 
 def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
                 plans: list[_OpPlan]) -> tuple[list[float], list[float], list[float]]:
     """Forward, backward and attention-forward seconds of every op on one device type."""
-    key = ("opvec", dt.name, cfg.dtype, cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.fused_attention, cfg.op_plans)
+    key = ("opvec", dt.cache_key, cfg.dtype, cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.fused_attention, cfg.op_plans)
     op_costs = _cache(graph)
     hit = op_costs.get(key)
     if hit is not None:
@@ -880,7 +880,7 @@ def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
     for i, op in enumerate(graph.ops):
         # tensor-parallel parameters are DTensors: their ops pay the host's dispatch (compute.py)
         sharded = plans[i].param_split > 1
-        k = (i, dt.name, cfg.dtype, plans[i].split, cfg.fused_attention, sharded)
+        k = (i, dt.cache_key, cfg.dtype, plans[i].split, cfg.fused_attention, sharded)
         c = op_costs.get(k)
         if c is None:
             c = op_costs[k] = op_cost(graph, op, dt, cfg.dtype, split=plans[i].split,

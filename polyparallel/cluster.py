@@ -200,6 +200,12 @@ class DeviceType:
     training_op_overhead: float = 0.0
     optimizer_tensor_overhead: tuple[tuple[str, float], ...] = ()
 
+    @cached_property
+    def cache_key(self) -> tuple[str, int]:
+        """``(name, hash of every figure)``, computed once: prices cached per graph stay apart for
+        two types that share a name (``local-cpu:1`` and ``local-cpu:4`` are both ``cpu-process``)."""
+        return (self.name, hash(self))
+
     def curve(self, dtype: str) -> tuple[tuple[float, float], ...]:
         """The measured matmul curve for ``dtype`` (GPU calibrations), else the dtype-less one (CPU)."""
         short = _TORCH_TO_SHORT.get(dtype, dtype)

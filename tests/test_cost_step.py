@@ -161,3 +161,17 @@ def test_optimizer_step_fused_vs_torch_foreach_by_hand():
     foreach = estimate_step(g, node(1), ParallelConfig(dtype="bf16", optimizer="adam", fused_optimizer=False))
     assert fused.stages[0].part("optimizer") == pytest.approx(n * 30 / bw)
     assert foreach.stages[0].part("optimizer") == pytest.approx(n * 72 / bw)
+
+
+def test_prices_cached_on_a_graph_keep_same_named_device_types_apart():
+    from dataclasses import replace
+
+    g = mlp_graph(batch=64, widths=(1024, 1024, 1024))
+    fast = node(1)
+    slow_type = replace(fast.device(0).type, peak=(("fp32", 1e12),))  # same name, 67x slower
+    slow = Cluster.from_dict({"name": "n", "device_types": {}, "centers": [{"name": "c", "nodes": [
+        {"device": "h100-sxm", "devices_per_node": 1}]}]})
+    object.__setattr__(slow.devices[0], "type", slow_type)
+    a = estimate_step(g, fast, ParallelConfig()).stages[0].part("compute")
+    b = estimate_step(g, slow, ParallelConfig()).stages[0].part("compute")  # same Graph object, cache warm
+    assert b > 10 * a
