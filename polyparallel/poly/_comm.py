@@ -733,14 +733,23 @@ def _routes(shape: Shape, lays: Sequence[TensorLayout], deps: Sequence[Shards],
             shards.append(tuple(reversed(axes)))
         return tuple(shards)
 
+    def unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        radix = base ** m  # every column is a code below it (or a mesh axis)
+        if radix ** rows.shape[1] < 1 << 62:  # rows packed into one int: a 1-D unique
+            key = rows @ (radix ** np.arange(rows.shape[1], dtype=np.int64))
+            _u, first, inv = np.unique(key, return_index=True, return_inverse=True)
+            return rows[first], inv.reshape(-1)
+        uniq, inv = np.unique(rows, axis=0, return_inverse=True)
+        return uniq, inv.reshape(-1)
+
     def exact(mask: np.ndarray, cols: np.ndarray, fn: Callable[[np.ndarray], int]) -> np.ndarray:
         """``fn`` of each distinct row of ``cols`` among the pairs in ``mask`` (the scalar, memoised
         prices), as an array over all pairs (0 outside ``mask``)."""
         out = np.zeros(P, dtype=np.int64)
         idx = np.nonzero(mask)[0]
         if len(idx):
-            uniq, inv = np.unique(cols[idx], axis=0, return_inverse=True)
-            out[idx] = np.array([fn(u) for u in uniq], dtype=np.int64)[inv.reshape(-1)]
+            uniq, inv = unique_rows(cols[idx])
+            out[idx] = np.array([fn(u) for u in uniq], dtype=np.int64)[inv]
         return out
 
     b_cur, e_cur = blocks(t)
@@ -821,7 +830,7 @@ def _routes(shape: Shape, lays: Sequence[TensorLayout], deps: Sequence[Shards],
         if mv.any():
             gain(np.where(ga, -1, t), np.where(ga, 0, r), mv)
     # the final layouts
-    uniq, inv = np.unique(seqs(t, r)[0], axis=0, return_inverse=True)
+    uniq, inv = unique_rows(seqs(t, r)[0])
     return elems.reshape(H, D), inv.reshape(H, D), [decode(u) for u in uniq]
 
 
