@@ -661,10 +661,12 @@ def _routes(shape: Shape, lays: Sequence[TensorLayout], deps: Sequence[Shards],
     extent divisible by its group): a reduce-scatter over ``g`` devices receives ``(g-1)|B'|``,
     an all-reduce ``2(g-1)ceil(|B|/g)``, a gather or all-to-all ``|B'| - prod_k min(b'_k, b_k)``
     when along every tensor axis one list of mesh axes is a prefix of the other (the finer
-    block lies inside the coarser one of the same device; :func:`_gain`). Every other step is
-    priced by the memoised scalar functions :func:`_route` uses, once per distinct (layouts,
-    mesh axis) among the pairs: the result is exactly :func:`_route`'s, without its Python
-    work per pair (``tests/test_poly_fast.py`` compares them on random layouts).
+    block lies inside the coarser one of the same device; :func:`_gain`). Other gathers and
+    all-to-alls are counted per device as :func:`_gain` does (blocks are products of per-axis
+    intervals, so is their intersection), for all distinct (B', B) at once; other reductions
+    by the memoised scalar functions :func:`_route` uses, once per distinct (layout, mesh
+    axis). The result is exactly :func:`_route`'s, without its Python work per pair
+    (``tests/test_poly_fast.py`` compares them on random layouts).
     """
     H, D, m, rank = len(lays), len(deps), len(mesh.names), len(shape)
     pos = {a: i for i, a in enumerate(mesh.names)}
@@ -722,16 +724,37 @@ def _routes(shape: Shape, lays: Sequence[TensorLayout], deps: Sequence[Shards],
             length += on
         return code, length
 
+    def decode_axes(c: int) -> tuple[str, ...]:
+        axes: list[str] = []
+        for _ in range(m):
+            c, dgt = divmod(c, base)
+            if dgt:
+                axes.append(mesh.names[dgt - 1])
+        return tuple(reversed(axes))
+
     def decode(row: np.ndarray) -> Shards:
-        shards = []
-        for c in row.tolist():
-            axes: list[str] = []
-            for _ in range(m):
-                c, dgt = divmod(c, base)
-                if dgt:
-                    axes.append(mesh.names[dgt - 1])
-            shards.append(tuple(reversed(axes)))
-        return tuple(shards)
+        return tuple(decode_axes(c) for c in row.tolist())
+
+    def exact_gains(rows: np.ndarray) -> np.ndarray:
+        """``max_p |B'(p) \\ B(p)|`` for each row (codes of ``B'`` then of ``B``): :func:`_gain`'s
+        per-device interval products, for all rows at once (intervals tabled per distinct list)."""
+        U, ndev = len(rows), mesh.size
+        out = np.zeros(U, dtype=np.int64)
+        chunk = max(1, (1 << 20) // ndev)
+        for s0 in range(0, U, chunk):
+            sub = rows[s0:s0 + chunk]
+            u = len(sub)
+            size = np.ones((u, ndev), dtype=np.int64)
+            over = np.ones((u, ndev), dtype=np.int64)
+            for k in range(rank):
+                codes, inv = np.unique(np.concatenate([sub[:, k], sub[:, rank + k]]), return_inverse=True)
+                bounds = [mesh.bounds(int(shape[k]), decode_axes(int(c))) for c in codes]
+                lo_t, hi_t = np.stack([b[0] for b in bounds]), np.stack([b[1] for b in bounds])
+                lo, hi, lo2, hi2 = lo_t[inv[:u]], hi_t[inv[:u]], lo_t[inv[u:]], hi_t[inv[u:]]
+                size *= hi - lo
+                over *= np.maximum(np.minimum(hi, hi2) - np.maximum(lo, lo2), 0)
+            out[s0:s0 + u] = (size - over).max(axis=1, initial=0)
+        return out
 
     def unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         radix = base ** m  # every column is a code below it (or a mesh axis)
@@ -766,8 +789,10 @@ def _routes(shape: Shape, lays: Sequence[TensorLayout], deps: Sequence[Shards],
         closed = e_nxt & e_cur & prefix
         g = b_nxt.prod(axis=1) - np.minimum(b_nxt, b_cur).prod(axis=1)
         elems[moved & closed] += g[moved & closed]
-        elems[:] += exact(moved & ~closed, np.concatenate([c1, c2], axis=1),
-                          lambda u: _gain(shape, decode(u[:rank]), decode(u[rank:]), mesh)[0])
+        idx = np.nonzero(moved & ~closed)[0]
+        if len(idx):
+            uniq, inv = unique_rows(np.concatenate([c1, c2], axis=1)[idx])
+            elems[idx] += exact_gains(uniq)[inv]
         sel = moved[:, None]
         t, r = np.where(sel, t2, t), np.where(sel, r2, r)
         b_cur, e_cur = np.where(sel, b_nxt, b_cur), np.where(moved, e_nxt, e_cur)
