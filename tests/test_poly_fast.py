@@ -234,3 +234,34 @@ def test_column_classes_are_exact_even_when_the_hash_collides(monkeypatch):
     monkeypatch.setattr(_comm, "_MIX", np.zeros(4096, dtype=np.int64))
     rep, cls = _comm._column_classes(rows)
     assert np.array_equal(rows[:, rep][:, cls], rows) and len(rep) == 3
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_one_term_index_prog_equals_the_term_loop(data):
+    """``index_prog`` of ``c ± x`` (the interval fast path) gives the very arrays of the general
+    term loop, on uneven / empty / one-point per-device bounds, and the footprints built from
+    it (clipped, empty devices zeroed) equal a numpy enumeration of the access."""
+    from polyparallel.ir import AffineExpr
+    from polyparallel.poly import _footprint as fp
+
+    ndev = data.draw(st.integers(1, 6))
+    lo = np.array(data.draw(st.lists(st.integers(-3, 9), min_size=ndev, max_size=ndev)), dtype=np.int64)
+    ln = np.array(data.draw(st.lists(st.integers(-2, 6), min_size=ndev, max_size=ndev)), dtype=np.int64)
+    b = {"x": (lo, lo + ln)}
+    a, c, size = data.draw(st.sampled_from([1, -1])), data.draw(st.integers(-4, 8)), data.draw(st.integers(0, 9))
+    e = AffineExpr(((("x", a),)), c)
+    got, bad = fp.index_prog(e, b, ndev)
+    ref, rbad = fp._index_prog_terms(e, b, ndev)
+    assert got.unit and not bad.any() and not rbad.any()
+    ref = ref.normal()
+    assert np.array_equal(got.start, ref.start) and np.array_equal(got.step, ref.step)
+    assert np.array_equal(got.n, ref.n)
+    # the clipped footprint of a nonempty device is {c + a x : lo <= x < hi} ∩ [0, size)
+    clipped = got.clip(size)
+    for p in range(ndev):
+        if ln[p] <= 0:
+            continue
+        pts = {c + a * x for x in range(int(lo[p]), int(lo[p] + ln[p]))} & set(range(size))
+        n = int(clipped.n[p])
+        assert set(range(int(clipped.start[p]), int(clipped.start[p]) + n)) == pts

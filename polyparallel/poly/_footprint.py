@@ -420,6 +420,19 @@ def index_prog(e: AffineExpr, b: Mapping[str, tuple[np.ndarray, np.ndarray]],
     """The values of ``e`` over the box ``b`` per device: a progression, or a :class:`Grid`
     when the last growing term jumps past a contiguous run (``d + 64 h`` with ``d`` split);
     the mask marks devices where it is neither."""
+    if len(e.terms) == 1 and abs(e.terms[0][1]) == 1:
+        # ``c ± x`` (most accesses): an interval, the loop below specialised to one unit term
+        # (same arrays; a dim of length <= 1 keeps one point, emptiness is the caller's mask)
+        (d, a), = e.terms
+        lo, hi = b[d]
+        start = e.const + lo if a > 0 else e.const - (hi - 1)
+        return Prog(start, np.ones(ndev, dtype=np.int64), np.maximum(hi - lo, 1), True), np.zeros(ndev, dtype=bool)
+    return _index_prog_terms(e, b, ndev)
+
+
+def _index_prog_terms(e: AffineExpr, b: Mapping[str, tuple[np.ndarray, np.ndarray]],
+                      ndev: int) -> tuple[Prog | Grid, np.ndarray]:
+    """:func:`index_prog` term by term (the general case; the reference of its one-term fast path)."""
     start = np.full(ndev, e.const, dtype=np.int64)
     step = np.ones(ndev, dtype=np.int64)
     n = np.ones(ndev, dtype=np.int64)
@@ -470,9 +483,10 @@ def operand_region(nest: LoopNest, operand: str, shape: Sequence[int], bounds: B
             if touching:
                 fallback |= inexact
         axes = []
+        any_empty = bool(empty.any())
         for e, size in zip(acc.index, shape):
             if e is ANY:
-                p = Prog.interval(np.zeros(ndev, dtype=np.int64), np.full(ndev, size, dtype=np.int64))
+                p = Prog.interval(np.zeros(ndev, dtype=np.int64), np.full(ndev, max(size, 0), dtype=np.int64))
             else:
                 p, bad = index_prog(e, b, ndev)
                 fallback |= bad
@@ -482,6 +496,13 @@ def operand_region(nest: LoopNest, operand: str, shape: Sequence[int], bounds: B
                     axes.append(Grid(p.start, np.where(empty, 0, p.n), p.c, p.H))
                     continue
                 p = p.clip(size)
+            if p.unit:
+                # an interval with start 0 wherever it is empty (clip and the ANY axis give that):
+                # what ``normal()`` would return, without its passes over the devices
+                if any_empty:
+                    p = Prog(np.where(empty, 0, p.start), p.step, np.where(empty, 0, p.n), True)
+                axes.append(p)
+                continue
             axes.append(Prog(p.start, p.step, np.where(empty, 0, p.n)).normal())
         piece = tuple(axes)
         if not any(all(a.same(b) for a, b in zip(piece, q)) for q in pieces):
