@@ -265,3 +265,22 @@ def test_one_term_index_prog_equals_the_term_loop(data):
         pts = {c + a * x for x in range(int(lo[p]), int(lo[p] + ln[p]))} & set(range(size))
         n = int(clipped.n[p])
         assert set(range(int(clipped.start[p]), int(clipped.start[p]) + n)) == pts
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_clip_of_intervals_equals_the_intersection(data):
+    """``Prog.clip`` returns an interval inside ``[0, size)`` unchanged; the arrays equal those
+    of the general intersection with ``[0, size)`` whether or not that shortcut applies."""
+    from polyparallel.poly import _footprint as fp
+
+    ndev = data.draw(st.integers(1, 6))
+    lo = np.array(data.draw(st.lists(st.integers(-3, 9), min_size=ndev, max_size=ndev)), dtype=np.int64)
+    ln = np.array(data.draw(st.lists(st.integers(0, 6), min_size=ndev, max_size=ndev)), dtype=np.int64)
+    size = data.draw(st.integers(0, 12))
+    p = fp.Prog.interval(lo, lo + ln)
+    got = p.clip(size)
+    ref = p.intersect(fp.Prog.interval(np.zeros(ndev, dtype=np.int64), np.full(ndev, size, dtype=np.int64)))[0]
+    for f in ("start", "step", "n"):
+        assert np.array_equal(getattr(got, f), getattr(ref, f)), f
+    assert got.unit and ref.unit

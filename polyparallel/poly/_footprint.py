@@ -66,6 +66,9 @@ class Prog:
         return Prog(start, step, np.maximum(self.n, 0), bool((step == 1).all()))
 
     def clip(self, size: int) -> Prog:
+        if self.unit and len(self.n) and int(self.n.min()) > 0 and int(self.start.min()) >= 0 and \
+                int((self.start + self.n).max()) <= size:
+            return self  # nonempty intervals inside [0, size): the intersection below is these arrays
         return self.intersect(Prog.interval(np.zeros_like(self.start), np.full_like(self.start, size)))[0]
 
     def same(self, other: Prog | Grid) -> bool:
@@ -372,7 +375,8 @@ def statement_bounds(st: Statement, bounds: Bounds,
     empty, ``inexact[p]`` when propagation is not known to be exact there (not a
     difference constraint), and the groups of dims linked by constraints.
     """
-    b = {d: (bounds[d][0].copy(), bounds[d][1].copy()) for d in st.dims}
+    # tightening replaces arrays, never writes into them: the callers' arrays are shared, not copied
+    b = {d: bounds[d] for d in st.dims}
     if ndev is None:
         ndev = len(next(iter(bounds.values()))[0]) if bounds else 1
     inexact = np.zeros(ndev, dtype=bool)
@@ -469,12 +473,15 @@ def operand_region(nest: LoopNest, operand: str, shape: Sequence[int], bounds: B
         ndev = len(next(iter(bounds.values()))[0]) if bounds else 1
     pieces: list[Product] = []
     fallback = np.zeros(ndev, dtype=bool)
+    tight: dict[int, tuple] = {}  # statement_bounds once per statement, not once per access
     for st, acc, is_write in nest.accesses(operand):
         if writes is not None and is_write != writes:
             continue
         if len(acc.index) != len(shape):
             raise ValueError(f"access {acc} has {len(acc.index)} indices but the tensor has shape {list(shape)}")
-        b, empty, inexact, linked = statement_bounds(st, bounds, ndev)
+        if id(st) not in tight:
+            tight[id(st)] = statement_bounds(st, bounds, ndev)
+        b, empty, inexact, linked = tight[id(st)]
         used = [set(e.dims) for e in acc.index if e is not ANY]
         for g in linked:
             touching = [u for u in used if u & g]
