@@ -430,9 +430,26 @@ def _take_axis(a: Prog | Grid, idx: np.ndarray | slice) -> Prog | Grid:
     return Prog(a.start[idx], a.step[idx], a.n[idx], a.unit)
 
 
-def _deps(nest: LoopNest, placement: Placement, operand: str, writes: bool, rank: int) -> tuple[tuple[str, ...], ...]:
-    """Mesh axes the footprint along each tensor axis depends on, outermost first."""
-    deps: list[list[str]] = [[] for _ in range(rank)]
+_NEST_MEMO: dict[tuple, tuple[LoopNest, Any]] = {}
+
+
+def _of_nest(nest: LoopNest, key: tuple, make: Callable[[], Any]) -> Any:
+    """``make()`` memoised by the nest object and ``key`` (hashing a whole nest costs more than
+    the walks memoised here; holding the nest keeps its id from being reused)."""
+    k = (id(nest), *key)
+    hit = _NEST_MEMO.get(k)
+    if hit is not None and hit[0] is nest:
+        return hit[1]
+    if len(_NEST_MEMO) > 100_000:
+        _NEST_MEMO.clear()
+    out = make()
+    _NEST_MEMO[k] = (nest, out)
+    return out
+
+
+def _dims_per_axis(nest: LoopNest, operand: str, writes: bool, rank: int) -> tuple[tuple[str, ...], ...]:
+    """For each tensor axis, the dims its accesses use, largest coefficient first, first occurrence kept."""
+    dims: list[dict[str, None]] = [{} for _ in range(rank)]
     for _st, acc, is_write in nest.accesses(operand):
         if is_write != writes:
             continue
@@ -440,10 +457,22 @@ def _deps(nest: LoopNest, placement: Placement, operand: str, writes: bool, rank
             if e is ANY:
                 continue
             for d, _c in sorted(e.terms, key=lambda t: -abs(t[1])):
-                for a in placement.axes_of(d):
-                    if a not in deps[j]:
-                        deps[j].append(a)
-    return tuple(tuple(d) for d in deps)
+                dims[j].setdefault(d)
+    return tuple(tuple(x) for x in dims)
+
+
+def _deps(nest: LoopNest, placement: Placement, operand: str, writes: bool, rank: int) -> tuple[tuple[str, ...], ...]:
+    """Mesh axes the footprint along each tensor axis depends on, outermost first."""
+    per_axis = _of_nest(nest, ("deps", operand, writes, rank),
+                        lambda: _dims_per_axis(nest, operand, writes, rank))
+    deps: list[tuple[str, ...]] = []
+    for dims in per_axis:
+        axes: dict[str, None] = {}
+        for d in dims:
+            for a in placement.axes_of(d):
+                axes.setdefault(a)
+        deps.append(tuple(axes))
+    return tuple(deps)
 
 
 def _isl_of(nest: LoopNest, operand: str, shape: Shape, bounds, writes: bool) -> Callable[[int], isl.Set]:
@@ -454,13 +483,21 @@ def _isl_of(nest: LoopNest, operand: str, shape: Shape, bounds, writes: bool) ->
     return isl_of
 
 
-def _partial_axes(nest: LoopNest, placement: Placement, operand: str) -> tuple[str, ...]:
-    axes: list[str] = []
+def _reduced_dims(nest: LoopNest, operand: str) -> tuple[str, ...]:
+    """The reduction dims of the statements writing ``operand``, in order, first occurrence kept."""
+    dims: dict[str, None] = {}
     for st in nest.statements:
-        if not any(w.operand == operand for w in st.writes):
-            continue
-        for d in st.reduction_dims():
-            axes += [a for a in placement.axes_of(d) if a not in axes]
+        if any(w.operand == operand for w in st.writes):
+            for d in st.reduction_dims():
+                dims.setdefault(d)
+    return tuple(dims)
+
+
+def _partial_axes(nest: LoopNest, placement: Placement, operand: str) -> tuple[str, ...]:
+    axes: dict[str, None] = {}
+    for d in _of_nest(nest, ("reduced", operand), lambda: _reduced_dims(nest, operand)):
+        for a in placement.axes_of(d):
+            axes.setdefault(a)
     return tuple(axes)
 
 
@@ -740,20 +777,31 @@ def _routes(shape: Shape, lays: Sequence[TensorLayout], deps: Sequence[Shards],
         per-device interval products, for all rows at once (intervals tabled per distinct list)."""
         U, ndev = len(rows), mesh.size
         out = np.zeros(U, dtype=np.int64)
-        chunk = max(1, (1 << 20) // ndev)
+        if not rank:
+            return out
+        tabs = []  # per tensor axis: the distinct lists' interval tables, each row's two entries
+        for k in range(rank):
+            codes, inv = np.unique(np.concatenate([rows[:, k], rows[:, rank + k]]), return_inverse=True)
+            bounds = [mesh.bounds(int(shape[k]), decode_axes(int(c))) for c in codes]
+            lo_t, hi_t = np.stack([b[0] for b in bounds]), np.stack([b[1] for b in bounds])
+            inv = inv.reshape(-1)
+            tabs.append((lo_t, hi_t, hi_t - lo_t, inv[:U], inv[U:]))
+        chunk = max(1, (1 << 17) // ndev)  # ~1 MiB per (rows x devices) array: it stays in cache
         for s0 in range(0, U, chunk):
-            sub = rows[s0:s0 + chunk]
-            u = len(sub)
-            size = np.ones((u, ndev), dtype=np.int64)
-            over = np.ones((u, ndev), dtype=np.int64)
-            for k in range(rank):
-                codes, inv = np.unique(np.concatenate([sub[:, k], sub[:, rank + k]]), return_inverse=True)
-                bounds = [mesh.bounds(int(shape[k]), decode_axes(int(c))) for c in codes]
-                lo_t, hi_t = np.stack([b[0] for b in bounds]), np.stack([b[1] for b in bounds])
-                lo, hi, lo2, hi2 = lo_t[inv[:u]], hi_t[inv[:u]], lo_t[inv[u:]], hi_t[inv[u:]]
-                size *= hi - lo
-                over *= np.maximum(np.minimum(hi, hi2) - np.maximum(lo, lo2), 0)
-            out[s0:s0 + u] = (size - over).max(axis=1, initial=0)
+            s1 = min(U, s0 + chunk)
+            size = over = None
+            for lo_t, hi_t, w_t, i1, i2 in tabs:
+                a, b = i1[s0:s1], i2[s0:s1]
+                ov = np.minimum(hi_t[a], hi_t[b])
+                ov -= np.maximum(lo_t[a], lo_t[b])
+                np.maximum(ov, 0, out=ov)
+                if size is None:
+                    size, over = w_t[a], ov
+                else:
+                    size *= w_t[a]
+                    over *= ov
+            size -= over
+            out[s0:s1] = size.max(axis=1, initial=0)
         return out
 
     def unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

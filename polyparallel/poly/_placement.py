@@ -189,6 +189,20 @@ def check_placement(nest: LoopNest | None, placement: Placement, mesh: DeviceMes
     """Raise :class:`IllegalPlacement` with the reason when ``placement`` is not legal."""
     if uneven not in ("pad", "refuse"):
         raise ValueError(f"uneven must be 'pad' or 'refuse', not {uneven!r}")
+    key = (id(nest), placement, mesh, uneven)
+    if nest is not None and _LEGAL_MEMO.get(key) is nest:
+        return  # checked legal before (every batch re-checks its placements, once per operand)
+    _check_placement(nest, placement, mesh, op, uneven)
+    if nest is not None:
+        if len(_LEGAL_MEMO) > 200_000:
+            _LEGAL_MEMO.clear()
+        _LEGAL_MEMO[key] = nest  # holding the nest keeps its id from being reused
+
+
+_LEGAL_MEMO: dict[tuple, LoopNest] = {}  # legal (id(nest), placement, mesh, uneven) -> the nest
+
+
+def _check_placement(nest: LoopNest | None, placement: Placement, mesh: DeviceMesh, op: str, uneven: str) -> None:
     for a in placement.mesh_axes:
         if a not in mesh.names:
             raise IllegalPlacement(f"{op}: placement {placement} uses mesh axis {a!r}, but the mesh {mesh} "
