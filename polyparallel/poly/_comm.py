@@ -64,7 +64,7 @@ from ._footprint import (
 )
 from ._isl import count, footprint_set, tensor_box
 from ._mesh import DeviceMesh
-from ._placement import Placement, check_placement, dim_split_kind, padding_of
+from ._placement import _LEGAL_MEMO, Placement, check_placement, dim_split_kind, padding_of
 
 __all__ = [
     "Collective",
@@ -334,7 +334,7 @@ def _build_distributions(graph: Graph, op: Op, placements: Sequence[Placement], 
         check_placement(nest, p, mesh, op=op.name)
     k = len(placements)
     per = [dim_bounds(nest, p, mesh) for p in placements]
-    cat, take, nv, reps = _side_by_side(per, placements, mesh)
+    cat, take, nv, reps = _side_by_side(per, placements, mesh, nest)
     region = operand_region(nest, operand, shape, cat, writes=writes, ndev=nv)
     deps_all = [_deps(nest, p, operand, writes, len(shape)) for p in placements]
     # block[i][j]: every piece is, along tensor axis j, the block distribution over the mesh axes
@@ -377,8 +377,8 @@ def _build_distributions(graph: Graph, op: Op, placements: Sequence[Placement], 
     return out
 
 
-def _side_by_side(per: Sequence[dict], placements: Sequence[Placement],
-                  mesh: DeviceMesh) -> tuple[dict, list[np.ndarray | slice], int, list[np.ndarray | None]]:
+def _side_by_side(per: Sequence[dict], placements: Sequence[Placement], mesh: DeviceMesh,
+                  nest: LoopNest | None = None) -> tuple[dict, list[np.ndarray | slice], int, list[np.ndarray | None]]:
     """The bounds of several placements as one computation over virtual devices.
 
     A device's bounds depend only on its coordinates along the mesh axes the placement
@@ -391,6 +391,29 @@ def _side_by_side(per: Sequence[dict], placements: Sequence[Placement],
     """
     if len(placements) == 1:
         return per[0], [slice(0, mesh.size)], mesh.size, [None]
+    if nest is None:
+        return _side_by_side_build(per, placements, mesh)
+    # ``per`` is dim_bounds of the nest's dims (a function of their extents, the placements and the
+    # mesh); the operands of an op and its collectives batch the same placements: built once, shared
+    key = (tuple((d.name, d.extent) for d in nest.dims), tuple(placements), mesh)
+    hit = _SIDE_MEMO.get(key)
+    if hit is not None:
+        return hit
+    out = _side_by_side_build(per, placements, mesh)
+    for lo, hi in out[0].values():
+        lo.setflags(write=False)
+        hi.setflags(write=False)
+    if len(_SIDE_MEMO) >= 4:  # a few batches of 1e5 virtual devices: tens of MiB at most
+        _SIDE_MEMO.pop(next(iter(_SIDE_MEMO)))
+    _SIDE_MEMO[key] = out
+    return out
+
+
+_SIDE_MEMO: dict[tuple, tuple] = {}
+
+
+def _side_by_side_build(per: Sequence[dict], placements: Sequence[Placement],
+                        mesh: DeviceMesh) -> tuple[dict, list[np.ndarray | slice], int, list[np.ndarray | None]]:
     takes: list[np.ndarray | slice] = []
     reps, offset = [], 0
     for p in placements:
@@ -981,7 +1004,7 @@ def _gain(shape: Shape, nxt: Shards, cur: Shards, mesh: DeviceMesh) -> tuple[int
 
 
 CACHE.on_clear(_AXIS_MEMO.clear, _RIDS.clear, _route.cache_clear, _even_blocks.cache_clear, _block_stats.cache_clear,
-               _all_reduce_of.cache_clear, _gain.cache_clear)
+               _all_reduce_of.cache_clear, _gain.cache_clear, _SIDE_MEMO.clear, _NEST_MEMO.clear, _LEGAL_MEMO.clear)
 
 
 def _ordered(axes: list[str], reference: Sequence[str]) -> list[str]:
@@ -1109,7 +1132,7 @@ def _comm_of_ops(graph: Graph, op: Op, placements: Sequence[Placement], mesh: De
     out_dtype = graph.tensors[op.outputs[0]].dtype if op.outputs else "float32"
     obytes = DTYPE_BYTES.get(out_dtype, 4)
     per = [dim_bounds(nest, p, mesh) for p in placements]
-    everything, take, nv, _reps = _side_by_side(per, placements, mesh)
+    everything, take, nv, _reps = _side_by_side(per, placements, mesh, nest)
     flops = np.zeros(nv)
     for st in nest.statements:
         flops += _points(nest, st, everything, nv) * st.flops_per_point
@@ -1124,7 +1147,8 @@ def _comm_of_ops(graph: Graph, op: Op, placements: Sequence[Placement], mesh: De
         rows = [i for i, ax in enumerate(tmp_axes[tmp]) if ax]
         if not rows:
             continue
-        bounds, sub_take, sub_nv, _reps = _side_by_side([per[i] for i in rows], [placements[i] for i in rows], mesh)
+        bounds, sub_take, sub_nv, _reps = _side_by_side([per[i] for i in rows], [placements[i] for i in rows],
+                                                        mesh, nest)
         shape = _temporary_shape(nest, tmp)
         region = operand_region(nest, tmp, shape, bounds, writes=True, ndev=sub_nv)
         block, bad = region.counts()
