@@ -284,3 +284,16 @@ def test_clip_of_intervals_equals_the_intersection(data):
     for f in ("start", "step", "n"):
         assert np.array_equal(getattr(got, f), getattr(ref, f)), f
     assert got.unit and ref.unit
+
+
+def test_column_classes_of_row_blocks_equal_those_of_the_stacked_rows(monkeypatch):
+    rng = np.random.default_rng(3)
+    blocks = [rng.integers(0, 3, (n, 4))[:, rng.integers(0, 4, 40)] for n in (2, 5, 1)]
+    stacked = np.concatenate(blocks, axis=0)
+    for _ in range(2):  # the hash, then a hash that collides everywhere (the exact grouping)
+        rep, cls = _comm._column_classes(blocks)
+        rep2, cls2 = _comm._column_classes(stacked)
+        assert np.array_equal(rep, rep2) and np.array_equal(cls, cls2)
+        assert np.array_equal(stacked[:, rep][:, cls], stacked)
+        assert len(rep) == len({tuple(c) for c in stacked.T})
+        monkeypatch.setattr(_comm, "_MIX", np.zeros(4096, dtype=np.int64))

@@ -1577,21 +1577,29 @@ def _reshard_table(haves: tuple[Distribution, ...], needs: tuple[Distribution, .
 _MIX = np.random.default_rng(0x5EED).integers(1, 1 << 62, size=4096, dtype=np.int64) | 1
 
 
-def _column_classes(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Classes of equal columns of ``rows``: (a representative column per class, class of each column).
+def _column_classes(rows: np.ndarray | Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Classes of equal columns of ``rows`` (or of the row blocks stacked): (a representative
+    column per class, class of each column).
 
-    Columns are grouped by a random linear hash (one matrix-vector product, wrapping int64),
-    then every column is compared with its class representative; a collision, however
-    unlikely, falls back to an exact lexicographic grouping, so the classes are always exact.
+    Columns are grouped by a random linear hash (matrix-vector products, wrapping int64, block
+    by block: the stacked matrix is never built), then every column is compared with its class
+    representative; a collision, however unlikely, falls back to an exact lexicographic
+    grouping, so the classes are always exact.
     """
-    k = rows.shape[0]
+    mats = [rows] if isinstance(rows, np.ndarray) else list(rows)
+    k = sum(t.shape[0] for t in mats)
     mix = _MIX[:k] if k <= len(_MIX) else np.random.default_rng(k).integers(1, 1 << 62, size=k, dtype=np.int64) | 1
+    h = np.zeros(mats[0].shape[1], dtype=np.int64)
+    off = 0
     with np.errstate(over="ignore"):
-        h = mix @ rows
+        for t in mats:  # sum_i mix_i row_i, in the same wrapping arithmetic as one product
+            h += mix[off:off + t.shape[0]] @ t
+            off += t.shape[0]
     _u, rep, cls = np.unique(h, return_index=True, return_inverse=True)
     cls = cls.reshape(-1)
-    if not np.array_equal(rows[:, rep][:, cls], rows):
-        _u, rep, cls = np.unique(rows, axis=1, return_index=True, return_inverse=True)
+    col = rep[cls]
+    if not all(np.array_equal(t[:, col], t) for t in mats):
+        _u, rep, cls = np.unique(np.concatenate(mats, axis=0), axis=1, return_index=True, return_inverse=True)
         cls = cls.reshape(-1)
     return rep, cls
 
@@ -1715,7 +1723,7 @@ def _missing_pairs(needs: Sequence[Distribution], others: Sequence[Distribution]
             sub = [t[:, devs] for t in tables]
             nsub = ncount[:, devs]
             # within the slice, devices equal in every count are one class (translated blocks)
-            rep, cls = _column_classes(np.concatenate([*sub, nsub], axis=0))
+            rep, cls = _column_classes([*sub, nsub])
             weight = np.bincount(cls, minlength=len(rep)).astype(np.int64) * times
             sub = [t[:, rep] for t in sub]
             nsub = nsub[:, rep]
