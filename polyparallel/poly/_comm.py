@@ -770,19 +770,21 @@ def _routes(shape: Shape, lays: Sequence[TensorLayout], deps: Sequence[Shards],
         """Per tensor axis: the ordered list of its mesh axes as a base-(m+1) code (first axis most
         significant, digit = mesh axis + 1) and its length."""
         # position of mesh axis a in its tensor axis' list: the axes of that list ranked before it
-        place = np.zeros((P, m), dtype=np.int64)
+        # one contiguous row per mesh axis and per tensor axis (columns of (P, m) arrays are strided)
+        tt, rr = np.ascontiguousarray(t.T), np.ascontiguousarray(r.T)
+        code = np.zeros((rank, P), dtype=np.int64)
+        length = np.zeros((rank, P), dtype=np.int64)
         for a in range(m):
+            place = np.zeros(P, dtype=np.int64)
             for b in range(m):
                 if a != b:
-                    place[:, a] += (t[:, b] == t[:, a]) & (r[:, b] < r[:, a])
-        digit = (np.arange(m, dtype=np.int64) + 1) * base ** (m - 1 - place)
-        code = np.zeros((P, rank), dtype=np.int64)
-        length = np.zeros((P, rank), dtype=np.int64)
-        for a in range(m):
-            on = t[:, a][:, None] == np.arange(rank)[None, :]
-            code += np.where(on, digit[:, a][:, None], 0)
-            length += on
-        return code, length
+                    place += (tt[b] == tt[a]) & (rr[b] < rr[a])
+            digit = (a + 1) * base ** (m - 1 - place)
+            for k in range(rank):
+                on = tt[a] == k
+                code[k] += np.where(on, digit, 0)
+                length[k] += on
+        return code.T, length.T
 
     def decode_axes(c: int) -> tuple[str, ...]:
         axes: list[str] = []
