@@ -760,10 +760,13 @@ def _routes(shape: Shape, lays: Sequence[TensorLayout], deps: Sequence[Shards],
     inner = m  # ranks of appended axes: larger than any rank so far (innermost)
 
     def blocks(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        group = np.ones((P, rank), dtype=np.int64)
+        # group[k]: the product of the sizes of the mesh axes splitting tensor axis k (contiguous rows)
+        tt = np.ascontiguousarray(t.T)
+        group = np.ones((rank, P), dtype=np.int64)
         for a in range(m):
-            on = t[:, a][:, None] == np.arange(rank)[None, :]
-            group = np.where(on, group * size[a], group)
+            for k in range(rank):
+                group[k] = np.where(tt[a] == k, group[k] * size[a], group[k])
+        group = group.T
         return ext // group, (ext % group == 0).all(axis=1) & even_mesh
 
     def seqs(t: np.ndarray, r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
