@@ -403,7 +403,7 @@ def _side_by_side(per: Sequence[dict], placements: Sequence[Placement], mesh: De
     for lo, hi in out[0].values():
         lo.setflags(write=False)
         hi.setflags(write=False)
-    if len(_SIDE_MEMO) >= 4:  # a few batches of 1e5 virtual devices: tens of MiB at most
+    if len(_SIDE_MEMO) >= 2:  # an op and one producer; batches of 1e5 virtual devices are MiBs each
         _SIDE_MEMO.pop(next(iter(_SIDE_MEMO)))
     _SIDE_MEMO[key] = out
     return out
@@ -450,7 +450,17 @@ def _mesh_slice(mesh: DeviceMesh, axes: tuple[str, ...]) -> tuple[np.ndarray | N
 def _take_axis(a: Prog | Grid, idx: np.ndarray | slice) -> Prog | Grid:
     if isinstance(a, Grid):
         return Grid(a.start[idx], a.n[idx], a.c[idx], a.H[idx])
-    return Prog(a.start[idx], a.step[idx], a.n[idx], a.unit)
+    start = a.start[idx]
+    if a.unit:  # every step is 1: one shared read-only array instead of a copy per distribution
+        return Prog(start, _ones(len(start)), a.n[idx], True)
+    return Prog(start, a.step[idx], a.n[idx], a.unit)
+
+
+@lru_cache(maxsize=64)
+def _ones(n: int) -> np.ndarray:
+    out = np.ones(n, dtype=np.int64)
+    out.setflags(write=False)
+    return out
 
 
 _NEST_MEMO: dict[tuple, tuple[LoopNest, Any]] = {}
