@@ -25,13 +25,15 @@ Run: ``nice -n 10 .venv/bin/python benchmarks/poly.py [--models gpt2-small llama
 default 3 models x 3 meshes; time it on a quiet machine: each row records the load average
 before and after it, ``load``). Writes ``benchmarks/results/poly.json`` (and ``poly_solve.json``
 with ``--solve``); with a budget, edge pricing stops after that many seconds and the row says
-how many edges were priced (``complete: false``). ``distinct_pairs`` counts the distinct
+how many edges were priced (``complete: false``). Each row starts after ``gc.collect()``
+(untimed), so its time does not depend on which rows ran before it. ``distinct_pairs`` counts the distinct
 (have, need) pairs of the edges, every one priced exactly (``EdgeCosts.table``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -62,6 +64,10 @@ def build(name: str) -> tuple[Graph, float]:
 
 def measure(g: Graph, name: str, mesh: poly.DeviceMesh, edge_budget: float = float("inf")) -> dict[str, Any]:
     poly.clear_cache()
+    # every row starts from the same collector state, outside the timing: otherwise which row pays
+    # a full collection of what earlier rows left (one pass over a process holding the captured
+    # models is ~0.2 s) depends on the order of the rows
+    gc.collect()
     load0 = os.getloadavg()[0]
     isl0 = poly.ISL_TIME["seconds"]
     blocks = find_repeated_blocks(g)
