@@ -297,3 +297,26 @@ def test_column_classes_of_row_blocks_equal_those_of_the_stacked_rows(monkeypatc
         assert np.array_equal(stacked[:, rep][:, cls], stacked)
         assert len(rep) == len({tuple(c) for c in stacked.T})
         monkeypatch.setattr(_comm, "_MIX", np.zeros(4096, dtype=np.int64))
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_axis_keys_are_equal_exactly_when_the_sets_are(data):
+    """``axis_key`` digests short fields as they are and long constant ones as their value: two
+    progressions get one key exactly when their arrays are equal, on both sides of that length."""
+    from polyparallel.poly import _footprint as fp
+
+    n = data.draw(st.sampled_from([1, 5, fp._SHORT, fp._SHORT + 1, 300]))
+    vals = st.sampled_from(["zero", "one", "random"])
+
+    def field(kind: str) -> np.ndarray:
+        if kind == "random":
+            return np.array(data.draw(st.lists(st.integers(0, 2), min_size=n, max_size=n)), dtype=np.int64)
+        return np.full(n, 0 if kind == "zero" else 1, dtype=np.int64)
+
+    a = fp.Prog(*(field(data.draw(vals)) for _ in range(3)))
+    b = fp.Prog(*(field(data.draw(vals)) for _ in range(3)))
+    same = all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ("start", "step", "n"))
+    assert (fp.axis_key(a) == fp.axis_key(b)) == same
+    copy = fp.Prog(a.start.copy(), a.step[::-1][::-1], np.asarray(a.n, dtype=np.int32))  # strided, other dtype
+    assert fp.axis_key(copy) == fp.axis_key(a)

@@ -207,10 +207,12 @@ def axis_key(a: Axis) -> bytes:
         fields = (a.start, a.n, a.c, a.H) if isinstance(a, Grid) else (a.start, a.step, a.n)
         h.update(b"G%d" % len(a.start) if isinstance(a, Grid) else b"P%d" % len(a.start))
         for f in fields:
-            f = np.ascontiguousarray(f, dtype=np.int64)
-            # a field equal on every device (steps, often counts) is hashed as its one value:
+            if f.dtype != np.int64 or not f.flags.c_contiguous:
+                f = np.ascontiguousarray(f, dtype=np.int64)
+            # a long field equal on every device (steps, often counts) is hashed as its one value:
             # tagged, so the encoding stays injective and a few KiB of hashing become 9 bytes
-            if len(f) and f[0] == f[-1] and (f == f[0]).all():
+            # (short fields are hashed as they are: cheaper than looking)
+            if len(f) > _SHORT and f[0] == f[-1] and (f == f[0]).all():
                 h.update(b"c" + f[:1].tobytes())
             else:
                 h.update(b"a")
@@ -218,6 +220,9 @@ def axis_key(a: Axis) -> bytes:
         k = h.digest()
         object.__setattr__(a, "_key", k)
     return k
+
+
+_SHORT = 128  # devices: fields up to this long are hashed without the equal-values check
 
 
 def _axis_common_memo(a: Axis, b: Axis) -> tuple[np.ndarray, np.ndarray | None]:
