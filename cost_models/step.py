@@ -140,7 +140,8 @@ class ParallelConfig:
         fused_optimizer: on accelerators the optimizer step is one fused kernel that reads and
             writes every state once (apex/Megatron FusedAdam, ``torch.optim.Adam(fused=True)``, which
             the torch backend uses on CUDA); ``False``: torch's default multi-tensor (foreach) step,
-            priced by its passes over fp32 memory (18 accesses per parameter for Adam).
+            priced by its passes over fp32 memory (18 accesses per parameter for Adam). CPUs always
+            run the unfused step (tensor by tensor, the same kernels).
         devices: device ids in rank order (default: the cluster's first ``world`` devices).
         partition: how layers are cut into pipeline chunks: ``flops`` (balance forward FLOPs) or
             ``layers`` (equal layer counts, embedding/head on the end stages: Megatron/DeepSpeed).
@@ -668,7 +669,9 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
         opt_state = 8 if cfg.optimizer in ("adam", "adamw", "lamb") else 4 if cfg.optimizer in (
             "sgd_momentum", "lion") else 0
         opt_bytes = params / shard * (gb * 3 + 2 * (master + opt_state))
-        if not cfg.fused_optimizer and dt.kind != "cpu":
+        if not cfg.fused_optimizer or dt.kind == "cpu":
+            # torch's unfused step: the same kernels foreach runs (one tensor at a time on a CPU,
+            # where the torch backend never asks for the fused kernel), each a pass over fp32 state
             opt_bytes = params / shard * 4 * _FOREACH_ACCESSES.get(cfg.optimizer, 18)
         t_opt = max(opt_bytes / (dt.memory_bandwidth * (dt.memory_efficiency or 0.8)), dt.launch_overhead) \
             if params else 0.0
