@@ -12,6 +12,20 @@ from polyparallel.ir import OpKind
 A100 = Cluster.preset("dgx-a100").device(0).type
 
 
+def _attention_graph(b: int, h: int, s: int, d: int, causal: bool = False):
+    """One scaled-dot-product attention op over fp32 ``(b, h, s, d)`` q, k, v: ``(graph, op)``."""
+    from polyparallel import ops
+    from polyparallel.ir import Graph, Op, TensorKind, TensorSpec
+
+    g = Graph("att")
+    for n in ("q", "k", "v"):
+        g.add_tensor(TensorSpec(n, (b, h, s, d), "float32", TensorKind.INPUT))
+    g.add_tensor(TensorSpec("o", (b, h, s, d)))
+    op = g.add_op(Op("att", OpKind.ATTENTION, "sdpa", ("q", "k", "v"), ("o",),
+                     ops.attention((b, h, s, d), (b, h, s, d), (b, h, s, d), causal=causal)))
+    return g, op
+
+
 def test_large_linear_is_compute_bound():
     g = mlp_graph(batch=8192, widths=(8192, 8192), bias=False)
     lin = g.ops[0]
@@ -48,16 +62,8 @@ def test_calibrated_curve_reproduces_measurements():
 
 
 def test_unfused_attention_is_priced_per_statement():
-    from polyparallel import ops
-    from polyparallel.ir import Graph, Op, TensorKind, TensorSpec
-
     b, h, s, d = 8, 16, 2048, 64
-    g = Graph("att")
-    for n in ("q", "k", "v"):
-        g.add_tensor(TensorSpec(n, (b, h, s, d), "float32", TensorKind.INPUT))
-    g.add_tensor(TensorSpec("o", (b, h, s, d)))
-    op = g.add_op(Op("att", OpKind.ATTENTION, "sdpa", ("q", "k", "v"), ("o",),
-                     ops.attention((b, h, s, d), (b, h, s, d), (b, h, s, d))))
+    g, op = _attention_graph(b, h, s, d)
     S, R, T = b * h * s * s, b * h * s, b * h * s * d  # scores, softmax rows, one of q/k/v/o
     bw, mm, vec = 2039e9 * 0.8, 312e12 * 0.8, 19.5e12 * 0.5
 
@@ -125,18 +131,10 @@ def test_gpu_calibration_prices_by_the_measured_rates():
 
 
 def test_gpu_calibration_prices_fused_attention_forward_and_backward():
-    from polyparallel import ops
     from polyparallel.cluster import gpu_calibrated_type
-    from polyparallel.ir import Graph, Op, TensorKind, TensorSpec
 
     gpu = gpu_calibrated_type(A100, _gpu_calibration())
-    b, h, s, d = 4, 16, 2048, 64
-    g = Graph("att")
-    for n in ("q", "k", "v"):
-        g.add_tensor(TensorSpec(n, (b, h, s, d), "float32", TensorKind.INPUT))
-    g.add_tensor(TensorSpec("o", (b, h, s, d)))
-    op = g.add_op(Op("att", OpKind.ATTENTION, "sdpa", ("q", "k", "v"), ("o",),
-                     ops.attention((b, h, s, d), (b, h, s, d), (b, h, s, d))))
+    g, op = _attention_graph(4, 16, 2048, 64)
     c = op_cost(g, op, gpu, "bf16", fused=True)
     assert c.forward == pytest.approx(op.flops / 400e12)
     assert c.backward == pytest.approx(op.flops / 160e12)  # measured backward, not kappa x forward
@@ -165,18 +163,9 @@ def test_cluster_spec_references_a_gpu_calibration(tmp_path):
 
 
 def test_causal_mask_halves_fused_attention_work_but_not_unfused():
-    from polyparallel import ops
-    from polyparallel.ir import Graph, Op, TensorKind, TensorSpec
-
-    b, h, s, d = 2, 8, 1024, 64
     cost = {}
     for causal in (False, True):
-        g = Graph("att")
-        for n in ("q", "k", "v"):
-            g.add_tensor(TensorSpec(n, (b, h, s, d), "float32", TensorKind.INPUT))
-        g.add_tensor(TensorSpec("o", (b, h, s, d)))
-        op = g.add_op(Op("att", OpKind.ATTENTION, "sdpa", ("q", "k", "v"), ("o",),
-                         ops.attention((b, h, s, d), (b, h, s, d), (b, h, s, d), causal=causal)))
+        g, op = _attention_graph(2, 8, 1024, 64, causal=causal)
         cost[causal] = (op_cost(g, op, A100, "bf16"), op_cost(g, op, A100, "bf16", fused=True), op.flops)
     # the IR counts the causal points exactly: s(s+1)/2 of s^2 (query, key) pairs
     assert cost[True][2] < 0.51 * cost[False][2]
