@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,6 +25,8 @@ from polyparallel.poly import (
     reshard,
     reshard_edge,
 )
+
+from .layouts import draw_layout, most_lacked
 
 B, S, H, F = 2, 8, 16, 64  # batch, sequence, hidden, ffn
 
@@ -253,18 +254,7 @@ def test_closed_form_layout_reshards_equal_per_device_counts(data):
                                       DeviceMesh.of(a=4, b=2)]))
     shape = tuple(data.draw(st.sampled_from([2, 3, 4, 6, 8])) for _ in range(data.draw(st.integers(1, 3))))
 
-    def layout(partial_ok: bool) -> TensorLayout:
-        shards: list[list[str]] = [[] for _ in shape]
-        partial = []
-        for a in mesh.names:
-            j = data.draw(st.integers(-2 if partial_ok else -1, len(shape) - 1))
-            if j >= 0:
-                shards[j].append(a)
-            elif j == -2:
-                partial.append(a)
-        return TensorLayout(shape, tuple(tuple(s) for s in shards), tuple(partial))
-
-    have, need = layout(True), layout(False)
+    have, need = draw_layout(data, mesh, shape, True), draw_layout(data, mesh, shape, False)
     CACHE.clear()
     fast = reshard(have, need, mesh)
     CACHE.clear()
@@ -277,18 +267,7 @@ def test_closed_form_layout_reshards_equal_per_device_counts(data):
         CACHE.clear()
     assert fast.steps == slow.steps and fast.direct_elements == slow.direct_elements
     assert fast.elements >= fast.direct_elements  # a route never beats the exact lower bound
-    lacks = []
-    for p in range(mesh.size):
-        held = np.zeros(shape, dtype=bool)
-        wanted = np.zeros(shape, dtype=bool)
-        for lay, arr in ((have, held), (need, wanted)):
-            idx = []
-            for n, s in zip(shape, lay.shards):
-                lo, hi = mesh.bounds(n, s)
-                idx.append(slice(int(lo[p]), int(hi[p])))
-            arr[tuple(idx)] = True
-        lacks.append(int((wanted & ~held).sum()))
-    assert fast.direct_elements == max(lacks)
+    assert fast.direct_elements == most_lacked(have, need, mesh)
 
 
 def test_reordered_mesh_axes_are_a_permutation_not_a_free_slice():

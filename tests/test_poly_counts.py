@@ -22,6 +22,8 @@ from polyparallel.poly import DeviceMesh, Placement, TensorLayout, count, footpr
 from polyparallel.poly._comm import Distribution, layout_distribution
 from polyparallel.poly._footprint import dim_bounds, operand_region
 
+from .layouts import layout_touched
+
 SETTINGS = settings(max_examples=int(os.environ.get("POLY_EXAMPLES", "20")), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
@@ -66,16 +68,6 @@ def device_boxes(nest: LoopNest, placement: Placement, mesh: DeviceMesh) -> list
             box[d.name] = (int(lo[p]), int(hi[p]))
         out.append(box)
     return out
-
-
-def layout_touched(layout: TensorLayout, mesh: DeviceMesh, p: int) -> np.ndarray:
-    t = np.zeros(layout.shape, dtype=bool)
-    sl = []
-    for n, s in zip(layout.shape, layout.shards):
-        lo, hi = mesh.bounds(n, s)
-        sl.append(slice(int(lo[p]), int(hi[p])))
-    t[tuple(sl)] = True
-    return t
 
 
 _NEED_KEYS = itertools.count()

@@ -22,8 +22,10 @@ from hypothesis import strategies as st
 import polyparallel as pp
 from polyparallel import poly
 from polyparallel.models import load_model
-from polyparallel.poly import CACHE, DeviceMesh, TensorLayout, _comm, layout_distribution, reshard_table
+from polyparallel.poly import CACHE, DeviceMesh, _comm, layout_distribution, reshard_table
 from polyparallel.transforms import canonicalize, fuse_elementwise
+
+from .layouts import draw_layout, most_lacked
 
 SETTINGS = settings(max_examples=int(os.environ.get("POLY_EXAMPLES", "8")), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -128,19 +130,8 @@ def test_table_of_layouts_against_numpy_enumeration(data):
     mesh = DeviceMesh.parse(data.draw(st.sampled_from(["a=2", "a=2[3:1],b=2", "a=3,b=2", "a=2,b=2,c=2[1:3]"])))
     shape = tuple(data.draw(st.sampled_from([2, 3, 5, 6, 8])) for _ in range(data.draw(st.integers(1, 3))))
 
-    def layout(partial_ok: bool) -> TensorLayout:
-        shards: list[list[str]] = [[] for _ in shape]
-        partial = []
-        for a in mesh.names:
-            j = data.draw(st.integers(-2 if partial_ok else -1, len(shape) - 1))
-            if j >= 0:
-                shards[j].append(a)
-            elif j == -2:
-                partial.append(a)
-        return TensorLayout(shape, tuple(tuple(s) for s in shards), tuple(partial))
-
-    haves = list({str(x): x for x in (layout(True) for _ in range(4))}.values())
-    needs = list({str(x): x for x in (layout(False) for _ in range(4))}.values())
+    haves = list({str(x): x for x in (draw_layout(data, mesh, shape, True) for _ in range(4))}.values())
+    needs = list({str(x): x for x in (draw_layout(data, mesh, shape, False) for _ in range(4))}.values())
     CACHE.clear()
     hd = [layout_distribution(x, mesh) for x in haves]
     nd = [layout_distribution(x, mesh) for x in needs]
@@ -150,32 +141,7 @@ def test_table_of_layouts_against_numpy_enumeration(data):
     assert np.array_equal(small.elements, table.elements) and np.array_equal(small.direct, table.direct)
     for i, h in enumerate(haves):
         for j, n in enumerate(needs):
-            lacks = []
-            for p in range(mesh.size):
-                held = np.zeros(shape, dtype=bool)
-                wanted = np.zeros(shape, dtype=bool)
-                for lay, arr in ((h, held), (n, wanted)):
-                    idx = []
-                    for ext, s in zip(shape, lay.shards):
-                        lo, hi = mesh.bounds(ext, s)
-                        idx.append(slice(int(lo[p]), int(hi[p])))
-                    arr[tuple(idx)] = True
-                lacks.append(int((wanted & ~held).sum()))
-            assert table.direct[i, j] == max(lacks)
-
-
-def _random_layout(data, mesh: DeviceMesh, shape: tuple[int, ...], partial_ok: bool) -> TensorLayout:
-    """Each mesh axis splits a random tensor axis (inserted at a random place in its list), none,
-    or (``partial_ok``) holds partial sums."""
-    shards: list[list[str]] = [[] for _ in shape]
-    partial = []
-    for a in mesh.names:
-        j = data.draw(st.integers(-2 if partial_ok else -1, len(shape) - 1))
-        if j >= 0:
-            shards[j].insert(data.draw(st.integers(0, len(shards[j]))), a)
-        elif j == -2:
-            partial.append(a)
-    return TensorLayout(shape, tuple(tuple(s) for s in shards), tuple(partial))
+            assert table.direct[i, j] == most_lacked(h, n, mesh)
 
 
 ROUTE_MESHES = ["a=2,b=2,c=2", "a=4,b=2", "a=2,b=3,c=2", "a=2[3:1],b=2", "a=2,b=2,c=2[1:3]"]
@@ -189,8 +155,8 @@ def test_vectorised_routes_equal_the_scalar_route(data):
     even meshes (closed forms, divisible or not) and 3:1 meshes (every step exact per device)."""
     mesh = DeviceMesh.parse(data.draw(st.sampled_from(ROUTE_MESHES)))
     shape = tuple(data.draw(st.sampled_from([2, 4, 5, 8, 12])) for _ in range(data.draw(st.integers(1, 3))))
-    lays = list({x: None for x in (_random_layout(data, mesh, shape, True) for _ in range(6))})
-    deps = list({x.shards: None for x in (_random_layout(data, mesh, shape, False) for _ in range(6))})
+    lays = list({x: None for x in (draw_layout(data, mesh, shape, True, any_order=True) for _ in range(6))})
+    deps = list({x.shards: None for x in (draw_layout(data, mesh, shape, False, any_order=True) for _ in range(6))})
     CACHE.clear()
     elements, end, ends = _comm._routes(shape, lays, deps, mesh)
     for x, lay in enumerate(lays):
@@ -207,8 +173,8 @@ def test_gain_against_numpy_enumeration(data):
     what a numpy enumeration of each device's blocks says it gains."""
     mesh = DeviceMesh.parse(data.draw(st.sampled_from(ROUTE_MESHES)))
     shape = tuple(data.draw(st.sampled_from([2, 4, 5, 8])) for _ in range(data.draw(st.integers(1, 3))))
-    nxt = _random_layout(data, mesh, shape, False).shards
-    cur = _random_layout(data, mesh, shape, False).shards
+    nxt = draw_layout(data, mesh, shape, False, any_order=True).shards
+    cur = draw_layout(data, mesh, shape, False, any_order=True).shards
     CACHE.clear()
     gained, size = [], []
     for p in range(mesh.size):
