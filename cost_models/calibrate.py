@@ -79,7 +79,7 @@ from typing import Any
 
 __all__ = ["ATTENTION_SHAPES", "THREADS_PER_PROCESS", "TRAINING_OP_CLASSES", "attention_rows", "calibrate",
            "fit_alpha_beta", "fit_training_op_overhead", "free_port", "kernel_rates", "optimizer_tensor_floor",
-           "run_gloo", "slowest_rank", "training_op_floor"]
+           "run_group", "slowest_rank", "training_op_floor"]
 
 # intra-op threads of one training process: what pp.train gives its workers (OMP_NUM_THREADS=1)
 THREADS_PER_PROCESS = 1
@@ -99,7 +99,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, threads: int, q: Any) -> None:
+def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, threads: int, q: Any,
+            backend: str = "gloo") -> None:
     import datetime
 
     import torch
@@ -107,8 +108,12 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
 
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=120))
+        device = None
+        if backend == "nccl":  # one GPU per rank
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120), device_id=device)
         out = fn(rank, world, *args)
         dist.barrier()
         dist.destroy_process_group()
@@ -117,11 +122,12 @@ def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tupl
         q.put((rank, "error", traceback.format_exc()))
 
 
-def run_gloo(fn: Callable[..., Any], world: int, args: tuple = (), timeout: float = 120.0,
-             threads: int = THREADS_PER_PROCESS) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes joined by a gloo group.
+def run_group(fn: Callable[..., Any], world: int, args: tuple = (), timeout: float = 120.0,
+              threads: int = THREADS_PER_PROCESS, backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes joined by a process group.
 
-    Each process computes on ``threads`` intra-op threads (default: as a torch-backend worker).
+    Each process computes on ``threads`` intra-op threads (default: as a torch-backend worker);
+    with ``backend="nccl"`` rank ``r`` drives GPU ``r``.
 
     ``fn`` must be importable (a module-level function). Returns the per-rank results; raises
     ``RuntimeError`` with the failing rank's traceback, or ``TimeoutError`` after ``timeout``
@@ -132,7 +138,7 @@ def run_gloo(fn: Callable[..., Any], world: int, args: tuple = (), timeout: floa
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, threads, q), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, threads, q, backend), daemon=True)
              for r in range(world)]
     for pr in procs:
         pr.start()
@@ -142,13 +148,13 @@ def run_gloo(fn: Callable[..., Any], world: int, args: tuple = (), timeout: floa
         while len(results) < world:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"gloo group of {world} processes did not finish in {timeout:.0f} s")
+                raise TimeoutError(f"{backend} group of {world} processes did not finish in {timeout:.0f} s")
             try:
                 rank, status, out = q.get(timeout=min(left, 1.0))
             except queue.Empty:
                 dead = [pr for pr in procs if pr.exitcode not in (None, 0)]
                 if dead:
-                    raise RuntimeError(f"a gloo worker exited with code {dead[0].exitcode}") from None
+                    raise RuntimeError(f"a {backend} worker exited with code {dead[0].exitcode}") from None
                 continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{out}")
@@ -182,23 +188,29 @@ def _time(fn: Callable[[], Any], window: float = 0.03, windows: int = 5, max_cal
     return statistics.median(per_call)
 
 
-def _allreduce_sizes(sizes: Sequence[int], iters: int, group: Any = None) -> list[tuple[int, float]]:
+def allreduce_sizes(sizes: Sequence[int], iters: int, group: Any = None, device: str = "cpu"
+                    ) -> list[tuple[int, float]]:
+    """Seconds of an all-reduce of ``n`` bytes (fp32) per size, in a running process group: per
+    repetition the slowest rank, then the median. On a GPU each call is timed to completion."""
     import torch
     import torch.distributed as dist
 
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
     out = []
     for n in sizes:
-        x = torch.ones(max(1, n // 4))
+        x = torch.ones(max(1, n // 4), device=device)
         for _ in range(2):
             dist.all_reduce(x, group=group)
         ts = []
         for _ in range(iters):
             dist.barrier(group=group)
+            sync()
             t0 = time.perf_counter()
             dist.all_reduce(x, group=group)
+            sync()
             ts.append(time.perf_counter() - t0)
         # a collective ends when its slowest rank does: per repetition the max over ranks, then the median
-        t = torch.tensor(ts, dtype=torch.float64)
+        t = torch.tensor(ts, dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         out.append((n, float(t.median())))
     return out
@@ -399,7 +411,7 @@ def _interleaved_measure(rank: int, world: int, counts: Sequence[int], sizes: Se
         dtensor[p] = _dtensor_overhead(p)
         dist.barrier()
         if rank < p:
-            allreduce[p] = _allreduce_sizes(sizes, iters, group=groups[p])
+            allreduce[p] = allreduce_sizes(sizes, iters, group=groups[p])
     dist.barrier()
     return {"kernels": kernels, "dtensor": dtensor, "allreduce": allreduce}
 
@@ -528,7 +540,7 @@ def calibrate(out: str | os.PathLike[str] | None = None, *, group_sizes: Sequenc
     points = []
     runs = []
     try:
-        res = run_gloo(_interleaved_measure, max(counts), (tuple(counts), tuple(sizes), iters, tuple(matmul_sizes),
+        res = run_group(_interleaved_measure, max(counts), (tuple(counts), tuple(sizes), iters, tuple(matmul_sizes),
                                                            rounds, tuple(attention_shapes)),
                        timeout=timeout, threads=THREADS_PER_PROCESS)
     except (TimeoutError, RuntimeError) as e:

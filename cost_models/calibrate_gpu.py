@@ -164,58 +164,10 @@ def _training_op_floor(chain: int = 64) -> dict[str, float]:
             "linear": max(cuda_time(linear) - base, 0.0) / chain}
 
 
-def _nccl_worker(rank: int, world: int, port: int, sizes: Sequence[int], iters: int, q: Any) -> None:
-    import torch
-    import torch.distributed as dist
+def _nccl_allreduce(rank: int, world: int, sizes: Sequence[int], iters: int) -> list[tuple[int, float]]:
+    from polyparallel.cost_models.calibrate import allreduce_sizes
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-    try:
-        rows = []
-        for n in sizes:
-            t = torch.ones(max(n // 4, 1), device="cuda")
-            for _ in range(3):
-                dist.all_reduce(t)
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(iters):
-                dist.barrier()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                dist.all_reduce(t)
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) / 1e3)
-            rows.append((n, statistics.median(times)))
-        if rank == 0:
-            q.put(rows)
-    finally:
-        dist.destroy_process_group()
-
-
-def _nccl_allreduce(world: int, sizes: Sequence[int], iters: int, timeout: float) -> list[tuple[int, float]]:
-    import torch.multiprocessing as mp
-
-    from polyparallel.cost_models.calibrate import free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_nccl_worker, args=(r, world, port, sizes, iters, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        rows = q.get(timeout=timeout)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    bad = [p.exitcode for p in procs if p.exitcode not in (0, None)]
-    if bad:
-        raise RuntimeError(f"NCCL workers exited with {bad}")
-    return rows
+    return allreduce_sizes(sizes, iters, device="cuda")
 
 
 def calibrate_gpu(out: str | os.PathLike[str] | None = None, *, dtypes: Sequence[str] = ("fp32", "tf32", "bf16",
@@ -255,7 +207,7 @@ def calibrate_gpu(out: str | os.PathLike[str] | None = None, *, dtypes: Sequence
     res["training_ops"] = _training_op_floor()
     say("tiny ops through autograd, forward + backward per op: " +
         ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in res["training_ops"].items()))
-    from polyparallel.cost_models.calibrate import fit_alpha_beta
+    from polyparallel.cost_models.calibrate import fit_alpha_beta, run_group
 
     coll: dict[str, Any] = {"op": "all_reduce", "backend": "nccl", "points": []}
     points = []
@@ -263,8 +215,8 @@ def calibrate_gpu(out: str | os.PathLike[str] | None = None, *, dtypes: Sequence
         if p > 1 and p & (p - 1):
             continue  # group sizes 1, 2, 4, 8
         try:
-            rows = _nccl_allreduce(p, nccl_sizes, iters, timeout)
-        except (RuntimeError, OSError, ValueError) as e:
+            rows = run_group(_nccl_allreduce, p, (tuple(nccl_sizes), iters), timeout=timeout, backend="nccl")[0]
+        except (RuntimeError, TimeoutError, OSError, ValueError) as e:
             coll["points"].append({"p": p, "error": str(e).splitlines()[0]})
             say(f"NCCL all_reduce on {p} GPU(s): FAILED {e}")
             continue
