@@ -95,16 +95,14 @@ def gemm_shapes(cal: dict[str, Any], tokens: int, hidden: int, vocab: int, peak_
     return rows
 
 
-def measure_step(cfg: GPTConfig, batch: int, fused: bool, recompute: bool = False, fused_opt: bool = False,
-                 steps: int = 10, warmup: int = 3) -> dict[str, float]:
-    """Median seconds of one mixed-precision training step on the GPU: fp32 weights, gradients and Adam
+def training_step(cfg: GPTConfig, batch: int, recompute: bool = False, fused_opt: bool = False) -> Any:
+    """A mixed-precision training step on the GPU, as a function: fp32 weights, gradients and Adam
     states, forward and backward under bf16 autocast (16 bytes per parameter, as the memory model's
     bf16 weights + bf16 gradients + fp32 master/m/v). ``recompute``: every block under
     ``torch.utils.checkpoint`` (full recomputation). ``fused_opt``: ``Adam(fused=True)``, else torch's
     default multi-tensor (foreach) Adam."""
     import functools
 
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(0)
@@ -114,22 +112,36 @@ def measure_step(cfg: GPTConfig, batch: int, fused: bool, recompute: bool = Fals
             blk.forward = functools.partial(checkpoint, blk.forward, use_reentrant=False)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True if fused_opt else None)
     ids = torch.randint(0, cfg.vocab, (batch, cfg.seq), device="cuda")
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = model(ids, ids)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def measure_step(cfg: GPTConfig, batch: int, fused: bool, recompute: bool = False, fused_opt: bool = False,
+                 steps: int = 10, warmup: int = 3) -> dict[str, float]:
+    """Median seconds of one :func:`training_step` and the peak memory; ``fused``: flash attention,
+    else torch's math kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    step = training_step(cfg, batch, recompute, fused_opt)
     backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION] if fused else [SDPBackend.MATH]
     times = []
     with sdpa_kernel(backends):
         for i in range(warmup + steps):
             torch.cuda.synchronize()
             t = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast("cuda", torch.bfloat16):
-                loss = model(ids, ids)
-            loss.backward()
-            opt.step()
+            step()
             torch.cuda.synchronize()
             if i >= warmup:
                 times.append(time.perf_counter() - t)
     peak = torch.cuda.max_memory_allocated()
-    del model, opt
+    del step  # the model and optimizer it holds
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     return {"step_s": statistics.median(times), "min_s": min(times), "peak_memory_bytes": peak}
@@ -146,18 +158,7 @@ def profile_step(cfg: GPTConfig, batch: int) -> dict[str, Any]:
     where the compute model's time goes and how long the GPU waits for the host."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.manual_seed(0)
-    model = GPT(cfg).to("cuda")
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, cfg.vocab, (batch, cfg.seq), device="cuda")
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", torch.bfloat16):
-            loss = model(ids, ids)
-        loss.backward()
-        opt.step()
-
+    step = training_step(cfg, batch)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
