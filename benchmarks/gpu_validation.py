@@ -211,17 +211,7 @@ def nccl_equivalence(steps: int = 3, lr: float = 0.1, seed: int = 0) -> dict[str
                   constraints={"pp": 1, "microbatches": 1, "recompute": "none", "dp": 1, "tp": 1})
     m = "polyparallel.backends.torch._examples"
     log = train(s, f"{m}:tiny_gpt", f"{m}:gpt_data", steps=steps, lr=lr, seed=seed, profile_comm=True)
-    torch.manual_seed(seed)
-    ref_model = ex.tiny_gpt()
-    opt = torch.optim.SGD(ref_model.parameters(), lr=lr)
-    ref = []
-    for step in range(steps):
-        xs, ys = ex.gpt_data(step)
-        opt.zero_grad()
-        loss = ref_model(xs, ys)
-        loss.backward()
-        opt.step()
-        ref.append(loss.item())
+    ref = ex.single_process_losses(ex.tiny_gpt, ex.gpt_data, steps=steps, lr=lr, seed=seed)
     err = max(abs(r["loss"] - w) / abs(w) for r, w in zip(log, ref))
     return {"gpu_losses": [r["loss"] for r in log], "cpu_losses": ref, "max_rel_diff": err,
             "device": [r.get("device") for r in log], "backend": [r.get("backend") for r in log],

@@ -30,18 +30,7 @@ def _strategy(model: torch.nn.Module, data, **constraints) -> pp.Strategy:
 
 def _single(model_fn, data_fn) -> list[float]:
     """The reference: one process, whole global batch, same seed and optimiser."""
-    torch.manual_seed(SEED)
-    m = model_fn()
-    opt = torch.optim.SGD(m.parameters(), lr=LR)
-    out = []
-    for step in range(STEPS):
-        x, y = data_fn(step)
-        opt.zero_grad()
-        loss = m(x, y)
-        loss.backward()
-        opt.step()
-        out.append(loss.item())
-    return out
+    return ex.single_process_losses(model_fn, data_fn, steps=STEPS, lr=LR, seed=SEED)
 
 
 def _max_rel(log: list[dict[str, float]], ref: list[float]) -> float:

@@ -6,7 +6,7 @@ import torch
 
 from polyparallel.models import GPT, MLP, GPTConfig
 
-__all__ = ["gpt_data", "gpt_example", "mlp_data", "tiny_gpt", "tiny_mlp"]
+__all__ = ["gpt_data", "gpt_example", "mlp_data", "single_process_losses", "tiny_gpt", "tiny_mlp"]
 
 BATCH = 8
 
@@ -35,3 +35,20 @@ def gpt_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(2000 + step)
     ids = torch.randint(0, 64, (BATCH, 17), generator=g)
     return ids[:, :-1], ids[:, 1:]
+
+
+def single_process_losses(model_fn, data_fn, *, steps: int, lr: float, seed: int) -> list[float]:
+    """The reference a distributed run is compared with: one process trains ``model_fn()`` on the
+    whole global batch ``data_fn(step)`` with SGD, from the same seed; the loss of every step."""
+    torch.manual_seed(seed)
+    m = model_fn()
+    opt = torch.optim.SGD(m.parameters(), lr=lr)
+    out = []
+    for step in range(steps):
+        x, y = data_fn(step)
+        opt.zero_grad()
+        loss = m(x, y)
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
