@@ -75,6 +75,7 @@ __all__ = [
     "OpCost",
     "op_bytes",
     "op_cost",
+    "streaming_bandwidth",
 ]
 
 MATRIX_KINDS = frozenset({OpKind.CONTRACTION, OpKind.CONV, OpKind.ATTENTION})
@@ -113,6 +114,11 @@ class OpCost:
     @property
     def total(self) -> float:
         return self.forward + self.backward
+
+
+def streaming_bandwidth(device: DeviceType) -> float:
+    """Bytes/s a streaming kernel reaches: ``η_m · W``, with a calibrated device's measured ``η_m``."""
+    return device.memory_bandwidth * (device.memory_efficiency or MEMORY_EFFICIENCY)
 
 
 def op_bytes(graph: Graph, op: Op, dtype: str) -> float:
@@ -196,7 +202,7 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
     curve = device.curve(dtype)
     # a calibrated GPU's measured flash-attention rows price a fused attention op, backward too
     att = device.attention_curve(dtype) if kind is OpKind.ATTENTION and fused else ()
-    eta_m = device.memory_efficiency or MEMORY_EFFICIENCY
+    stream = streaming_bandwidth(device)
     t = t_b = flops_tot = bytes_tot = 0.0
     bound, worst = "launch", -1.0
     for f, b, matrix in _kernels(graph, op, dtype, fused):
@@ -216,7 +222,7 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
         t_c = f / rate if f else 0.0
         # a matmul measured on a CPU already contains its memory traffic at that size (in cache or
         # not); a GPU's HBM traffic of a skinny GEMM is not in a square curve, so it stays a bound
-        t_m = 0.0 if matrix and curve and device.kind == "cpu" else b / (device.memory_bandwidth * eta_m)
+        t_m = 0.0 if matrix and curve and device.kind == "cpu" else b / stream
         k = max(t_c, t_m, device.launch_overhead)
         dispatch = device.sharded_op_overhead if sharded else 0.0
         t += k + dispatch

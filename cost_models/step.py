@@ -83,7 +83,7 @@ from polyparallel.cluster import Cluster, DeviceType
 from polyparallel.ir import DTYPE_BYTES, Graph, Op, OpKind, TensorKind
 
 from .comm import collective_time, p2p_time
-from .compute import op_cost
+from .compute import op_cost, streaming_bandwidth
 from .memory import MemoryReport, device_memory
 from .pipeline import SCHEDULES, PipelineResult, makespan_bound, peak_in_flight, simulate
 
@@ -673,8 +673,7 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
             # torch's unfused step: the same kernels foreach runs (one tensor at a time on a CPU,
             # where the torch backend never asks for the fused kernel), each a pass over fp32 state
             opt_bytes = params / shard * 4 * _FOREACH_ACCESSES.get(cfg.optimizer, 18)
-        t_opt = max(opt_bytes / (dt.memory_bandwidth * (dt.memory_efficiency or 0.8)), dt.launch_overhead) \
-            if params else 0.0
+        t_opt = max(opt_bytes / streaming_bandwidth(dt), dt.launch_overhead) if params else 0.0
         if dt.kind == "cpu" and terms.param_tensors:
             # torch's CPU optimizers update tensor by tensor (no multi-tensor kernels there): each
             # parameter tensor costs ~k kernels at least at the kernel floor, plus DTensor's dispatch
