@@ -7,6 +7,7 @@ import pytest
 from polyparallel.poly import (
     DeviceMesh,
     Placement,
+    TensorLayout,
     backward_reshard_edge,
     clear_cache,
     comm_of_op,
@@ -14,6 +15,7 @@ from polyparallel.poly import (
     grad_partial_axes,
     reshard_edge,
 )
+from tests.layouts import layout_touched
 from tests.test_poly_comm import B, H, S, mlp_block
 
 EDGES = [("xn", "fc1"), ("h", "gelu"), ("a", "fc2"), ("y", "res"), ("x", "res"), ("x", "ln")]
@@ -154,15 +156,11 @@ def test_gradient_needed_through_a_head_interleaved_read_matches_brute_force(pla
     read = np.zeros((b, s, n), dtype=bool)
     for h in range(heads):
         read[:, :, h * dh + dh // 2:(h + 1) * dh] = True
-    dims = {"b": b, "s": s, "n": n}
+    # device p's block of the linear's output y[b, s, n] under the placement
+    out = TensorLayout((b, s, n), tuple(tuple(pl.axes_of(dname)) for dname in ("b", "s", "n")), ())
+    blocks = [layout_touched(out, mesh, p) for p in range(mesh.size)]
     for p in range(mesh.size):
-        block = np.zeros((b, s, n), dtype=bool)
-        idx = []
-        for dname in ("b", "s", "n"):
-            lo, hi = mesh.bounds(dims[dname], pl.axes_of(dname))
-            idx.append(slice(int(lo[p]), int(hi[p])))
-        block[tuple(idx)] = True
-        assert got[p] == int((block & read).sum()), p
+        assert got[p] == int((blocks[p] & read).sum()), p
     # the gradient's way back from a head-split reader: exact per-device lack, no isl needed
     from polyparallel.poly import backward_reshard_edge
 
@@ -170,15 +168,9 @@ def test_gradient_needed_through_a_head_interleaved_read_matches_brute_force(pla
     r = backward_reshard_edge(g, "y", pl, rd, rp, mesh)[0]
     lacks = []
     for p in range(mesh.size):
-        block = np.zeros((b, s, n), dtype=bool)
-        idx = []
-        for dname in ("b", "s", "n"):
-            lo, hi = mesh.bounds(dims[dname], pl.axes_of(dname))
-            idx.append(slice(int(lo[p]), int(hi[p])))
-        block[tuple(idx)] = True
         held = np.zeros((b, s, n), dtype=bool)
         lo, hi = mesh.bounds(heads, ("tp",))
         for h in range(int(lo[p]), int(hi[p])):
             held[:, :, h * dh + dh // 2:(h + 1) * dh] = True
-        lacks.append(int((block & read & ~held).sum()))
+        lacks.append(int((blocks[p] & read & ~held).sum()))
     assert r.direct_elements == max(lacks)
