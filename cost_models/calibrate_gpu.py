@@ -9,6 +9,9 @@
 * **fused attention** (``scaled_dot_product_attention``, causal, head dim 64/128) forward and
   backward by size, in bf16/fp16: the rate a flash-attention kernel reaches, which the compute
   model uses for attention ops priced as fused;
+* **convolutions** (``conv2d``, NCHW, 3×3 and 1×1, batch 32, channels 16…1024) forward and backward
+  by FLOP count, per dtype: cuDNN's rate differs from a GEMM's of the same FLOPs (small channel
+  counts, im2col/implicit-GEMM tiles), so conv ops are priced by their own curve, per kernel class;
 * **HBM bandwidth**: a device-to-device copy of 1 GiB (bytes read + written per second), stored as
   the fraction ``η_m`` of the data sheet's figure that the cluster's device type declares;
 * **the kernel floor**: the time per op of back-to-back tiny eager ops (host dispatch included:
@@ -38,7 +41,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["attention_flops", "calibrate_gpu", "cuda_time"]
+__all__ = ["CONV_SHAPES", "attention_flops", "calibrate_gpu", "conv_flops", "conv_rows", "cuda_time"]
 
 _TORCH_DTYPES = {"fp32": "float32", "tf32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -136,6 +139,65 @@ def _attention_rows(dtypes: Sequence[str], say: Callable[[str], None]) -> dict[s
     return out
 
 
+# (in channels = out channels, spatial size) swept at batch 32 for a 3x3 (padding 1) and a 1x1
+# convolution: FLOP counts from ~5e7 to ~5e11, the range of a ResNet's layers
+CONV_SHAPES: tuple[tuple[int, int], ...] = ((16, 56), (32, 56), (64, 56), (128, 28), (256, 28), (512, 14),
+                                            (1024, 14))
+
+
+def conv_flops(batch: int, cin: int, cout: int, kernel: int, out_hw: int) -> float:
+    """FLOPs of a 2-D convolution as the IR counts them: ``2·B·O·H'·W'·C·k²`` (one multiply-add = 2)."""
+    return 2.0 * batch * cout * out_hw * out_hw * cin * kernel * kernel
+
+
+def conv_rows(dtypes: Sequence[str], say: Callable[[str], None] = lambda s: None, *, batch: int = 32,
+              shapes: Sequence[tuple[int, int]] = CONV_SHAPES, kernels: Sequence[int] = (3, 1),
+              timer: Callable[[Callable[[], Any]], float] | None = None,
+              device: str = "cuda") -> dict[str, list[dict[str, Any]]]:
+    """Forward and backward seconds of ``conv2d`` by FLOP count, per dtype and kernel class.
+
+    Returns ``{"bf16/3x3": rows, "bf16/1x1": rows, ...}``; a row is ``{"shape": [B, C, O, k, H],
+    "flops", "forward_s", "backward_s"}`` with ``backward_s`` = (forward + backward of input and
+    weight gradients) − forward. Stride 1, ``padding = k // 2``, NCHW (the memory format of a model
+    that does not ask for another), cuDNN's autotuner off (torch's default). ``fp32`` runs with
+    TF32 off, ``tf32`` with it on. ``timer``/``device`` default to CUDA events on the GPU; tests pass
+    a CPU timer.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    timer = timer or cuda_time
+    out: dict[str, list[dict[str, Any]]] = {}
+    prev = torch.backends.cudnn.allow_tf32
+    try:
+        for dt in dtypes:
+            torch.backends.cudnn.allow_tf32 = dt == "tf32"
+            dtype = getattr(torch, _TORCH_DTYPES[dt])
+            for k in kernels:
+                rows = []
+                for c, hw in shapes:
+                    x = torch.randn(batch, c, hw, hw, device=device, dtype=dtype, requires_grad=True)
+                    w = torch.randn(c, c, k, k, device=device, dtype=dtype, requires_grad=True)
+                    y = F.conv2d(x, w, padding=k // 2)
+                    g = torch.randn_like(y)
+                    fwd = timer(lambda x=x, w=w, p=k // 2: F.conv2d(x, w, padding=p))
+
+                    def both(x=x, w=w, g=g, p=k // 2) -> None:
+                        torch.autograd.grad(F.conv2d(x, w, padding=p), (x, w), g)
+
+                    total = timer(both)
+                    f = conv_flops(batch, c, c, k, hw)
+                    rows.append({"shape": [batch, c, c, k, hw], "flops": f, "forward_s": fwd,
+                                 "backward_s": max(total - fwd, 0.0)})
+                    say(f"conv {dt} {k}x{k} B{batch} C{c} {hw}x{hw}: forward {f / fwd / 1e12:.2f} TFLOP/s, "
+                        f"backward/forward {max(total - fwd, 0.0) / fwd:.2f}")
+                    del x, w, y, g
+                out[f"{dt}/{k}x{k}"] = rows
+    finally:
+        torch.backends.cudnn.allow_tf32 = prev
+    return out
+
+
 def _training_op_floor(chain: int = 64) -> dict[str, float]:
     """Seconds per tiny op of a training step: a chain of ``chain`` ops run forward and backward
     through autograd (host dispatch of both passes included), divided by ``chain``.
@@ -195,6 +257,7 @@ def calibrate_gpu(out: str | os.PathLike[str] | None = None, *, dtypes: Sequence
         f"{res['gpus']} GPU(s) visible")
     res["matmul"] = _matmul_rows(dtypes, matmul_sizes, say)
     res["attention"] = _attention_rows([d for d in dtypes if d in ("bf16", "fp16")], say)
+    res["conv"] = conv_rows(dtypes, say)
     src = torch.empty(1 << 28, device="cuda")  # 1 GiB of fp32
     dst = torch.empty_like(src)
     s = cuda_time(lambda src=src, dst=dst: dst.copy_(src), min_window=0.05)

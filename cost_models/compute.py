@@ -19,7 +19,8 @@ their memory traffic, so no bandwidth term is added for them. A calibrated GPU
 measured rate at the kernel's FLOP count, the bandwidth term stays (a skinny GEMM's HBM traffic
 is not in a square product's time), ``η_m`` is the measured fraction of data-sheet bandwidth,
 and a fused attention op is priced by the measured flash-attention rows, forward and backward
-separately (``t_bwd = F / R_bwd(F)`` instead of ``κ·t_fwd``). A calibrated CPU process has
+separately (``t_bwd = F / R_bwd(F)`` instead of ``κ·t_fwd``); a convolution likewise by the measured
+conv rows of its dtype and kernel class (1×1 or larger), when the calibration has them. A calibrated CPU process has
 such rows too (torch's fused CPU attention kernel, measured with one thread under ``P``
 processes), and its attention ops are priced fused by them unless told otherwise.
 
@@ -65,7 +66,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from polyparallel.cluster import DeviceType
-from polyparallel.ir import DTYPE_BYTES, Graph, Op, OpKind
+from polyparallel.ir import DTYPE_BYTES, Graph, Hint, Op, OpKind
 
 __all__ = [
     "BACKWARD_FACTOR",
@@ -178,6 +179,11 @@ def _kernels(graph: Graph, op: Op, dtype: str, fused: bool) -> list[tuple[float,
     return out
 
 
+def _pointwise(op: Op) -> bool:
+    """A convolution whose kernel covers one point (1x1): cuDNN runs it as a plain GEMM."""
+    return op.nest is None or math.prod(d.extent for d in op.nest.dims if d.hint is Hint.KERNEL) == 1
+
+
 def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split: float = 1.0,
             flops_scale: float = 1.0, fused: bool | None = None, sharded: bool = False) -> OpCost:
     """Roofline time of ``op`` on ``device`` at compute precision ``dtype``.
@@ -200,8 +206,10 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
         fused = kind is not OpKind.ATTENTION or (device.kind == "cpu" and bool(device.attention_curve(dtype)))
     kb = BACKWARD_FACTOR.get(kind, DEFAULT_BACKWARD_FACTOR)
     curve = device.curve(dtype)
-    # a calibrated GPU's measured flash-attention rows price a fused attention op, backward too
-    att = device.attention_curve(dtype) if kind is OpKind.ATTENTION and fused else ()
+    # a calibrated GPU's measured flash-attention rows price a fused attention op, its conv rows (per
+    # kernel class) a convolution: forward and backward each by its own measured rate
+    att = device.attention_curve(dtype) if kind is OpKind.ATTENTION and fused else \
+        device.conv_curve(dtype, _pointwise(op)) if kind is OpKind.CONV and device.conv_curves else ()
     stream = streaming_bandwidth(device)
     t = t_b = flops_tot = bytes_tot = 0.0
     bound, worst = "launch", -1.0

@@ -173,6 +173,8 @@ class DeviceType:
         matmul_curves: measured ``(flops, seconds)`` curves per dtype (calibrated GPUs, ``polyparallel
             calibrate --device cuda``), as ``(dtype, curve)`` pairs; preferred over ``matmul_curve``.
         attention_curves: measured fused-attention ``(flops, forward_s, backward_s)`` per dtype.
+        conv_curves: measured convolution ``(flops, forward_s, backward_s)`` rows per ``dtype/class``
+            key, class ``1x1`` (pointwise) or ``kxk`` (a larger kernel) (calibrated GPUs).
         memory_efficiency: measured fraction of ``memory_bandwidth`` a streaming kernel reaches
             (``None``: the compute model's modelled default).
         training_op_overhead: seconds of host work an eager training op pays per kernel forward
@@ -197,6 +199,7 @@ class DeviceType:
     matmul_curves: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
     attention_curves: tuple[tuple[str, tuple[tuple[float, float, float], ...]], ...] = ()
     memory_efficiency: float | None = None
+    conv_curves: tuple[tuple[str, tuple[tuple[float, float, float], ...]], ...] = ()
     training_op_overhead: float = 0.0
     optimizer_tensor_overhead: tuple[tuple[str, float], ...] = ()
 
@@ -214,6 +217,12 @@ class DeviceType:
     def attention_curve(self, dtype: str) -> tuple[tuple[float, float, float], ...]:
         """Measured fused-attention ``(flops, forward_s, backward_s)`` rows for ``dtype`` (may be empty)."""
         return dict(self.attention_curves).get(_TORCH_TO_SHORT.get(dtype, dtype), ())
+
+    def conv_curve(self, dtype: str, pointwise: bool) -> tuple[tuple[float, float, float], ...]:
+        """Measured convolution ``(flops, forward_s, backward_s)`` rows for ``dtype`` and kernel class
+        (``pointwise``: a 1x1 kernel); empty when not calibrated."""
+        key = f"{_TORCH_TO_SHORT.get(dtype, dtype)}/{'1x1' if pointwise else 'kxk'}"
+        return dict(self.conv_curves).get(key, ())
 
     def peak_flops(self, dtype: str = "fp32") -> float:
         """Peak FLOP/s for a dtype (``fp32``/``bf16``.. or torch names), with documented fallbacks."""
@@ -715,18 +724,25 @@ def gpu_calibrated_type(base: DeviceType, cal: Mapping[str, Any]) -> DeviceType:
     Kept from the data sheet: peaks (for dtypes not measured and for vector ops) and the
     bandwidth figure; the copy bandwidth measured becomes ``memory_efficiency`` = measured /
     data sheet, so a streaming kernel is priced at what this GPU reaches. Measured matmul curves
-    per dtype, fused-attention rows, the tiny-op floor and the memory capacity replace the
-    modelled values.
+    per dtype, fused-attention rows, convolution rows per dtype and kernel class, the tiny-op floor
+    and the memory capacity replace the modelled values.
     """
     curves = tuple(sorted((dt, tuple(sorted((float(r["flops"]), float(r["seconds"])) for r in rows)))
                           for dt, rows in cal["matmul"].items() if rows))
     att = tuple(sorted((dt, tuple(sorted((float(r["flops"]), float(r["forward_s"]), float(r["backward_s"]))
                                          for r in rows)))
                        for dt, rows in cal.get("attention", {}).items() if rows))
+    conv: dict[str, list] = {}
+    for key, rows in cal.get("conv", {}).items():  # "bf16/3x3", "bf16/1x1": one class per kernel size > 1 or = 1
+        dt, _, k = key.partition("/")
+        conv.setdefault(f"{dt}/{'1x1' if k == '1x1' else 'kxk'}", []).extend(rows)
+    convs = tuple(sorted((key, tuple(sorted((float(r["flops"]), float(r["forward_s"]), float(r["backward_s"]))
+                                            for r in rows)))
+                         for key, rows in conv.items() if rows))
     eff = min(1.0, float(cal["memory_bandwidth"]) / base.memory_bandwidth)
     return replace(base, memory=float(cal.get("memory_bytes", base.memory)),
                    launch_overhead=float(cal["launch_overhead"]), matmul_curves=curves, attention_curves=att,
-                   memory_efficiency=eff,
+                   conv_curves=convs, memory_efficiency=eff,
                    source=f"{base.source}; calibrated {cal.get('device_name', '?')} ({cal.get('host', '?')}, "
                           f"{cal.get('date', '?')}, torch {cal.get('torch', '?')})")
 
