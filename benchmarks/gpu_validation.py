@@ -41,9 +41,10 @@ from polyparallel.cost_models import ParallelConfig, estimate_step
 from polyparallel.cost_models.calibrate_gpu import calibrate_gpu, cuda_time
 from polyparallel.cost_models.compute import COMPUTE_EFFICIENCY, _curve_rate
 from polyparallel.ir import OpKind
-from polyparallel.models import GPT, GPTConfig
+from polyparallel.models import GPT, GPTConfig, ResNet, SmallCNN
 
 OUT = Path(__file__).parent / "results" / "gpu_validation.json"
+DEVICE = "cuda"  # where workloads run; a smoke test of this script's CPU-side logic sets "cpu"
 
 # name, config, micro-batch; GPT-1.7B is the Megatron-LM SC'21 row that issue 4's published check misses
 MODELS: list[tuple[str, GPTConfig, int]] = [
@@ -52,6 +53,31 @@ MODELS: list[tuple[str, GPTConfig, int]] = [
     ("gpt2-medium", GPTConfig(layers=24, hidden=1024, heads=16), 8),
     ("gpt-1.7b", GPTConfig(vocab=51200, seq=2048, layers=24, hidden=2304, heads=24), 4),
 ]
+# convolutional workloads (SGD with momentum, as vision models train): name -> batches measured
+CNNS: dict[str, tuple[int, ...]] = {"resnet50": (16, 64, 128), "smallcnn": (256,)}
+
+
+def build(name: str, batch: int, device: str) -> tuple[torch.nn.Module, tuple, dict]:
+    """``(model, args, kwargs)`` of a workload on ``device`` (``meta`` for capture)."""
+    if name in CNNS:
+        with torch.device(device):
+            model = ResNet() if name == "resnet50" else SmallCNN()
+        shape = (3, 224, 224) if name == "resnet50" else (1, 28, 28)
+        x = torch.randn(batch, *shape, device=device) if device != "meta" else torch.zeros(batch, *shape,
+                                                                                             device="meta")
+        y = torch.randint(0, 10, (batch,), device=device) if device != "meta" else \
+            torch.zeros(batch, dtype=torch.long, device="meta")
+        return model, (x,), {"labels": y}
+    cfg = next(c for m, c, _ in MODELS if m == name)
+    with torch.device(device):
+        model = GPT(cfg)
+    ids = torch.randint(0, cfg.vocab, (batch, cfg.seq), device=device) if device != "meta" else \
+        torch.zeros(batch, cfg.seq, dtype=torch.long, device="meta")
+    return model, (ids,), {"labels": ids}
+
+
+def optimizer_of(name: str) -> str:
+    return "sgd_momentum" if name in CNNS else "adam"
 
 
 def catalog_type(name: str) -> str:
@@ -95,70 +121,120 @@ def gemm_shapes(cal: dict[str, Any], tokens: int, hidden: int, vocab: int, peak_
     return rows
 
 
-def training_step(cfg: GPTConfig, batch: int, recompute: bool = False, fused_opt: bool = False) -> Any:
-    """A mixed-precision training step on the GPU, as a function: fp32 weights, gradients and Adam
-    states, forward and backward under bf16 autocast (16 bytes per parameter, as the memory model's
-    bf16 weights + bf16 gradients + fp32 master/m/v). ``recompute``: every block under
-    ``torch.utils.checkpoint`` (full recomputation). ``fused_opt``: ``Adam(fused=True)``, else torch's
-    default multi-tensor (foreach) Adam."""
+def training_step(name: str, batch: int, recompute: bool = False, fused_opt: bool = False) -> Any:
+    """A mixed-precision training step on the GPU, as a function: fp32 weights, gradients and optimizer
+    states, forward and backward under bf16 autocast (for Adam 16 bytes per parameter, as the memory
+    model's bf16 weights + bf16 gradients + fp32 master/m/v). GPTs train with Adam, CNNs with SGD and
+    momentum. ``recompute``: every GPT block under ``torch.utils.checkpoint`` (full recomputation).
+    ``fused_opt``: the optimizer's fused kernel, else torch's default multi-tensor (foreach) one."""
     import functools
 
     from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(0)
-    model = GPT(cfg).to("cuda")
+    model, args, kwargs = build(name, batch, DEVICE)
     if recompute:
         for blk in model.h:
             blk.forward = functools.partial(checkpoint, blk.forward, use_reentrant=False)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True if fused_opt else None)
-    ids = torch.randint(0, cfg.vocab, (batch, cfg.seq), device="cuda")
+    fused = True if fused_opt else None
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused=fused) if name in CNNS else \
+        torch.optim.Adam(model.parameters(), lr=1e-4, fused=fused)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", torch.bfloat16):
-            loss = model(ids, ids)
+        with torch.autocast(DEVICE, torch.bfloat16):
+            loss = model(*args, **kwargs)
         loss.backward()
         opt.step()
 
     return step
 
 
-def measure_step(cfg: GPTConfig, batch: int, fused: bool, recompute: bool = False, fused_opt: bool = False,
+def measure_step(name: str, batch: int, fused: bool, recompute: bool = False, fused_opt: bool = False,
                  steps: int = 10, warmup: int = 3) -> dict[str, float]:
     """Median seconds of one :func:`training_step` and the peak memory; ``fused``: flash attention,
     else torch's math kernel."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    step = training_step(cfg, batch, recompute, fused_opt)
+    step = training_step(name, batch, recompute, fused_opt)
     backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION] if fused else [SDPBackend.MATH]
-    times = []
+    times, host = [], []
     with sdpa_kernel(backends):
         for i in range(warmup + steps):
             torch.cuda.synchronize()
             t = time.perf_counter()
             step()
+            h = time.perf_counter()  # the host has enqueued the whole step (nothing in it synchronises)
             torch.cuda.synchronize()
             if i >= warmup:
                 times.append(time.perf_counter() - t)
+                host.append(h - t)
     peak = torch.cuda.max_memory_allocated()
     del step  # the model and optimizer it holds
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    return {"step_s": statistics.median(times), "min_s": min(times), "peak_memory_bytes": peak}
+    # host_s close to step_s: the GPU waits for the host (eager dispatch bounds the step)
+    return {"step_s": statistics.median(times), "min_s": min(times), "host_s": statistics.median(host),
+            "peak_memory_bytes": peak}
+
+
+def conv_shapes(cal: dict[str, Any], batch: int) -> list[dict[str, Any]]:
+    """Every distinct convolution of ResNet-50 at ``batch`` in bf16: measured forward and backward
+    against the calibrated conv rows (by FLOPs, per kernel class): how a FLOP-keyed curve from a
+    channel sweep transfers to a real network's layers."""
+    import torch.nn.functional as F
+
+    from polyparallel.cost_models.calibrate_gpu import conv_flops
+
+    model = ResNet().to(DEVICE)
+    x = torch.zeros(batch, 3, 224, 224, device=DEVICE)
+    seen: dict[tuple, tuple[int, int]] = {}
+
+    def hook(mod: torch.nn.Conv2d, inp: tuple, out: torch.Tensor) -> None:
+        key = (mod.in_channels, mod.out_channels, mod.kernel_size[0], mod.stride[0], mod.padding[0], inp[0].shape[-1])
+        seen.setdefault(key, (out.shape[-1], 0))
+        seen[key] = (out.shape[-1], seen[key][1] + 1)
+
+    hs = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    with torch.no_grad():
+        model(x)
+    for h in hs:
+        h.remove()
+    del model, x
+    rows = []
+    for (c, o, k, st, pad, hw), (ohw, count) in seen.items():
+        a = torch.randn(batch, c, hw, hw, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(o, c, k, k, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+        g = torch.randn(batch, o, ohw, ohw, device=DEVICE, dtype=torch.bfloat16)
+        fwd = cuda_time(lambda a=a, w=w, st=st, pad=pad: F.conv2d(a, w, stride=st, padding=pad))
+        tot = cuda_time(lambda a=a, w=w, g=g, st=st, pad=pad: torch.autograd.grad(
+            F.conv2d(a, w, stride=st, padding=pad), (a, w), g))
+        f = conv_flops(batch, c, o, k, ohw)
+        key = "bf16/1x1" if k == 1 else "bf16/3x3"
+        curve = tuple(sorted((float(r["flops"]), float(r["forward_s"])) for r in cal.get("conv", {}).get(key, [])))
+        bcurve = tuple(sorted((float(r["flops"]), float(r["backward_s"])) for r in cal.get("conv", {}).get(key, [])))
+        rows.append({"conv": f"{k}x{k}/s{st}", "shape": [batch, c, o, hw], "count": count, "flops": f,
+                     "forward_s": fwd, "backward_s": max(tot - fwd, 0.0),
+                     "curve_forward_s": f / _curve_rate(curve, f) if curve else None,
+                     "curve_backward_s": f / _curve_rate(bcurve, f) if bcurve else None})
+        del a, w, g
+    return rows
 
 
 KERNEL_CLASSES = (("attention", ("flash", "fmha", "attention")),
+                  ("conv", ("conv", "fprop", "dgrad", "wgrad", "implicit", "cudnn")),
+                  ("norm", ("batch_norm", "batchnorm", "bn_", "layer_norm", "welford")),
                   ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma")),
                   ("optimizer", ("multi_tensor", "adam", "foreach")),
                   ("other", ("",)))
 
 
-def profile_step(cfg: GPTConfig, batch: int) -> dict[str, Any]:
-    """GPU kernel time of one step by class (matmul, attention, optimizer, other) vs the step's wall time:
-    where the compute model's time goes and how long the GPU waits for the host."""
+def profile_step(name: str, batch: int) -> dict[str, Any]:
+    """GPU kernel time of one step by class (matmul, conv, attention, norm, optimizer, other) vs the
+    step's wall time: where the compute model's time goes and how long the GPU waits for the host."""
     from torch.profiler import ProfilerActivity, profile
 
-    step = training_step(cfg, batch)
+    step = training_step(name, batch)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -179,18 +255,16 @@ def profile_step(cfg: GPTConfig, batch: int) -> dict[str, Any]:
     return {"wall_s": wall, "kernel_s": by, "kernels": kernels, "gpu_busy_s": sum(by.values())}
 
 
-def predict(cfg: GPTConfig, batch: int, fused: bool, clusters: dict[str, Cluster], recompute: bool = False,
+def predict(name: str, batch: int, fused: bool, clusters: dict[str, Cluster], recompute: bool = False,
             fused_opt: bool = False) -> dict[str, Any]:
     import polyparallel as pp
     from polyparallel.transforms import canonicalize, fuse_elementwise
 
-    with torch.device("meta"):
-        model = GPT(cfg)
-    ids = torch.zeros(batch, cfg.seq, dtype=torch.long, device="meta")
-    g = fuse_elementwise(canonicalize(pp.capture(model, (ids,), {"labels": ids})))
+    model, args, kwargs = build(name, batch, "meta")
+    g = fuse_elementwise(canonicalize(pp.capture(model, args, kwargs)))
     out: dict[str, Any] = {"model_flops": None}
     for key, cl in clusters.items():
-        est = estimate_step(g, cl, ParallelConfig(dtype="bf16", fused_attention=fused, optimizer="adam",
+        est = estimate_step(g, cl, ParallelConfig(dtype="bf16", fused_attention=fused, optimizer=optimizer_of(name),
                                                   recompute="full" if recompute else "none", fused_optimizer=fused_opt))
         out[key] = est.step_time
         out["predicted_memory_bytes"] = est.memory[0].total
@@ -219,21 +293,20 @@ def nccl_equivalence(steps: int = 3, lr: float = 0.1, seed: int = 0) -> dict[str
 
 
 def print_header() -> None:
-    print("\ntraining step (bf16 autocast, Adam, one GPU): measured vs predicted")
+    print("\ntraining step (bf16 autocast, Adam for GPTs, SGD+momentum for CNNs, one GPU): measured vs predicted")
     print(f"  {'model':<12} {'batch':>5} {'variant':<15} {'measured':>9} {'sheet':>9} {'err':>7} "
           f"{'calib.':>9} {'err':>7}")
 
 
 def price_row(row: dict[str, Any], clusters: dict[str, Cluster]) -> dict[str, Any]:
     """``row`` (a measured step) with the current model's predictions and errors; printed."""
-    cfg = next(c for m, c, _ in MODELS if m == row["model"])
     fopt = row.get("fused_optimizer", False)
-    pred = predict(cfg, row["batch"], row["fused_attention"], clusters, row["recompute"], fopt)
+    pred = predict(row["model"], row["batch"], row["fused_attention"], clusters, row["recompute"], fopt)
     row = {**row, **pred, "error_datasheet": pred["datasheet"] / row["step_s"] - 1,
            "error_calibrated": pred["calibrated"] / row["step_s"] - 1,
            "measured_tflops": pred["model_flops"] / row["step_s"] / 1e12}
-    variant = ("flash" if row["fused_attention"] else "math") + ("+rc" if row["recompute"] else "") + \
-        (" fusedAdam" if fopt else "")
+    variant = ("sgd-m" if row["model"] in CNNS else ("flash" if row["fused_attention"] else "math")) + \
+        ("+rc" if row["recompute"] else "") + (" fused opt." if fopt else "")
     print(f"  {row['model']:<12} {row['batch']:>5} {variant:<15} {row['step_s'] * 1e3:8.1f}ms "
           f"{pred['datasheet'] * 1e3:8.1f}ms {100 * row['error_datasheet']:+6.1f}% {pred['calibrated'] * 1e3:8.1f}ms "
           f"{100 * row['error_calibrated']:+6.1f}%   memory {row['peak_memory_bytes'] / 2**30:6.2f} GiB "
@@ -248,7 +321,7 @@ def reprice(path: str, calibration: str, out: str) -> None:
     clusters = {"datasheet": one_gpu_cluster(tname, None), "calibrated": one_gpu_cluster(tname, calibration)}
     print(f"re-priced measurements of {path} ({old['device']}, torch {old['torch']}), calibration {calibration}")
     print_header()
-    keep = ("model", "batch", "seq", "fused_attention", "recompute", "fused_optimizer", "step_s", "min_s",
+    keep = ("model", "batch", "seq", "fused_attention", "recompute", "fused_optimizer", "step_s", "min_s", "host_s",
             "peak_memory_bytes")
     old["steps"] = [price_row({k: r[k] for k in keep if k in r}, clusters) for r in old["steps"]]
     old["repriced"] = {"from": path, "calibration": calibration}
@@ -260,10 +333,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calibration", help="a `polyparallel calibrate --device cuda` JSON (default: calibrate now)")
     ap.add_argument("--out", default=str(OUT))
-    ap.add_argument("--models", default=",".join(m[0] for m in MODELS))
+    ap.add_argument("--models", default=",".join([m[0] for m in MODELS] + list(CNNS)))
     ap.add_argument("--skip-nccl", action="store_true")
     ap.add_argument("--no-math", action="store_true", help="skip the unfused (math) attention variant")
-    ap.add_argument("--profile", default="gpt-tiny,gpt-1.7b", help="models whose kernels are profiled by class")
+    ap.add_argument("--profile", default="gpt-tiny,gpt-1.7b,resnet50",
+                    help="models whose kernels are profiled by class (CNNs at batch 64)")
     ap.add_argument("--reprice", metavar="RESULT_JSON", help="no GPU: price an earlier run's measured steps again "
                     "with the current cost model (give its --calibration)")
     args = ap.parse_args()
@@ -308,18 +382,41 @@ def main() -> None:
         if args.no_math:
             variants = [v for v in variants if v[0]]
         for fused, rec, fopt in variants:
-            meas = measure_step(cfg, batch, fused, rec, fopt)
+            meas = measure_step(mname, batch, fused, rec, fopt)
             row = {"model": mname, "batch": batch, "seq": cfg.seq, "fused_attention": fused, "recompute": rec,
                    "fused_optimizer": fopt, **meas}
             steps.append(price_row(row, clusters))
             result["steps"] = steps
             save()
+    for mname, batches in CNNS.items():
+        if mname not in wanted:
+            continue
+        for batch in batches:
+            for fopt in (False, True):
+                meas = measure_step(mname, batch, True, False, fopt)
+                row = {"model": mname, "batch": batch, "seq": None, "fused_attention": True, "recompute": False,
+                       "fused_optimizer": fopt, **meas}
+                steps.append(price_row(row, clusters))
+                result["steps"] = steps
+                save()
+
+    if "resnet50" in wanted and cal.get("conv"):
+        print("\nconvolutions of ResNet-50 (batch 64, bf16): measured vs the calibrated conv rows, ms")
+        print(f"  {'conv':<8} {'B,C,O,H':<18} {'n':>2} {'fwd':>8} {'curve':>8} {'bwd':>8} {'curve':>8}")
+        rows = conv_shapes(cal, 64)
+        for r in rows:
+            print(f"  {r['conv']:<8} {','.join(map(str, r['shape'])):<18} {r['count']:>2} {r['forward_s'] * 1e3:8.3f} "
+                  f"{(r['curve_forward_s'] or 0) * 1e3:8.3f} {r['backward_s'] * 1e3:8.3f} "
+                  f"{(r['curve_backward_s'] or 0) * 1e3:8.3f}")
+        result["convs"] = rows
+        save()
+        torch.cuda.empty_cache()
 
     prof = {}
-    for mname, cfg, batch in MODELS:
+    for mname, batch in [(m, b) for m, _, b in MODELS] + [(m, 64) for m in CNNS]:
         if mname in set(args.profile.split(",")) - {""}:
             try:
-                r = prof[mname] = profile_step(cfg, batch)
+                r = prof[mname] = profile_step(mname, batch)
             except (RuntimeError, AttributeError, StopIteration) as e:
                 prof[mname] = {"error": f"{type(e).__name__}: {e}"}
                 print(f"profile {mname}: FAILED {e}")

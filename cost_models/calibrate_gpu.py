@@ -279,8 +279,8 @@ def calibrate_gpu(out: str | os.PathLike[str] | None = None, *, dtypes: Sequence
             continue  # group sizes 1, 2, 4, 8
         try:
             rows = run_group(_nccl_allreduce, p, (tuple(nccl_sizes), iters), timeout=timeout, backend="nccl")[0]
-        except (RuntimeError, TimeoutError, OSError, ValueError) as e:
-            coll["points"].append({"p": p, "error": str(e).splitlines()[0]})
+        except Exception as e:  # a failed collective must not discard the kernels measured above
+            coll["points"].append({"p": p, "error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"})
             say(f"NCCL all_reduce on {p} GPU(s): FAILED {e}")
             continue
         for n, t in rows:
