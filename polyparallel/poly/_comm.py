@@ -64,7 +64,7 @@ from ._footprint import (
 )
 from ._isl import count, footprint_set, tensor_box
 from ._mesh import DeviceMesh
-from ._placement import _LEGAL_MEMO, Placement, check_placement, dim_split_kind, padding_of
+from ._placement import _KIND_MEMO, _LEGAL_MEMO, _PAD_MEMO, Placement, check_placement, dim_split_kind, padding_of
 
 __all__ = [
     "Collective",
@@ -1019,7 +1019,8 @@ def _gain(shape: Shape, nxt: Shards, cur: Shards, mesh: DeviceMesh) -> tuple[int
 
 
 CACHE.on_clear(_AXIS_MEMO.clear, _RIDS.clear, _route.cache_clear, _even_blocks.cache_clear, _block_stats.cache_clear,
-               _all_reduce_of.cache_clear, _gain.cache_clear, _SIDE_MEMO.clear, _NEST_MEMO.clear, _LEGAL_MEMO.clear)
+               _all_reduce_of.cache_clear, _gain.cache_clear, _SIDE_MEMO.clear, _NEST_MEMO.clear, _LEGAL_MEMO.clear,
+               _KIND_MEMO.clear, _PAD_MEMO.clear)
 
 
 def _ordered(axes: list[str], reference: Sequence[str]) -> list[str]:
@@ -1227,13 +1228,22 @@ def grad_partial_axes(nest: LoopNest, placement: Placement, operand: str, mesh: 
     ``dx[b, s, k] = sum_n dy[b, s, n] w[n, k]`` with ``n`` split over tp).
     """
     axes: list[str] = []
+    for d in _of_nest(nest, ("grad-dims", operand), lambda: _grad_dims(nest, operand)):
+        axes += [a for a in placement.axes_of(d) if a not in axes and mesh.axis(a).size > 1]
+    return tuple(axes)
+
+
+def _grad_dims(nest: LoopNest, operand: str) -> tuple[str, ...]:
+    """The dims some read of ``operand`` iterates without indexing by, in access order, first
+    occurrence kept (a dim's mesh axes are the same wherever it recurs, so the axes keep their order)."""
+    dims: dict[str, None] = {}
     for st, acc, is_write in nest.accesses(operand):
         if is_write:
             continue
         for d in st.dims:
             if d not in acc.dims:
-                axes += [a for a in placement.axes_of(d) if a not in axes and mesh.axis(a).size > 1]
-    return tuple(axes)
+                dims.setdefault(d)
+    return tuple(dims)
 
 
 def grad_held(graph: Graph, op: Op, placement: Placement, mesh: DeviceMesh, operand: str) -> Distribution:
@@ -1866,14 +1876,18 @@ def edge_costs(graph: Graph, tensor: str, consumer: Op, operand: str, mesh: Devi
     from ._placement import legal_placements
 
     prod = graph.producer(tensor)
-    pp_ = tuple(producer_placements if producer_placements is not None else
-                (legal_placements(graph, prod, mesh) if prod is not None else [Placement()]))
-    cp_ = tuple(consumer_placements if consumer_placements is not None else legal_placements(graph, consumer, mesh))
     psig = _signature(graph, prod) if prod is not None else ("input", graph.shape(tensor))
     out_idx = prod.outputs.index(tensor) if prod is not None else 0
-    key = (psig, out_idx, _signature(graph, consumer), operand, mesh, pp_, cp_, graph.tensors[tensor].dtype)
+    # the default placements (all legal ones) are a function of the signatures and the mesh: keyed as
+    # None, so a repeated layer's lookup hashes no list of placements
+    pkey = None if producer_placements is None else tuple(producer_placements)
+    ckey = None if consumer_placements is None else tuple(consumer_placements)
+    key = (psig, out_idx, _signature(graph, consumer), operand, mesh, pkey, ckey, graph.tensors[tensor].dtype)
 
     def make() -> EdgeCosts:
+        pp_ = pkey if pkey is not None else \
+            tuple(legal_placements(graph, prod, mesh) if prod is not None else [Placement()])
+        cp_ = ckey if ckey is not None else tuple(legal_placements(graph, consumer, mesh))
         nbytes = DTYPE_BYTES.get(graph.tensors[tensor].dtype, 4)
         # every placement's distribution in one batch, then grouped by what it holds / needs
         outs = dict(zip(pp_, _op_distributions(graph, prod, pp_, mesh, f"out{out_idx}", True))) if prod is not None \

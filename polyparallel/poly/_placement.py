@@ -133,6 +133,21 @@ class Placement:
 
 def dim_split_kind(nest: LoopNest, dim: str) -> str:
     """``"parallel"``, ``"normalised"`` or ``"reduction"`` (see the module docstring)."""
+    key = (id(nest), dim)
+    hit = _KIND_MEMO.get(key)
+    if hit is not None and hit[0] is nest:
+        return hit[1]
+    if len(_KIND_MEMO) > 100_000:
+        _KIND_MEMO.clear()
+    kind = _dim_split_kind(nest, dim)
+    _KIND_MEMO[key] = (nest, kind)  # holding the nest keeps its id from being reused
+    return kind
+
+
+_KIND_MEMO: dict[tuple[int, str], tuple[LoopNest, str]] = {}
+
+
+def _dim_split_kind(nest: LoopNest, dim: str) -> str:
     reduces_out = reduces_tmp = False
     for st in nest.statements:
         if dim in st.dims and dim in st.reduction_dims():
@@ -233,9 +248,23 @@ def _check_placement(nest: LoopNest | None, placement: Placement, mesh: DeviceMe
 
 def padding_of(nest: LoopNest | None, placement: Placement, mesh: DeviceMesh) -> dict[str, int]:
     """Padded elements along each unevenly split dim: ``k * max_block - N`` (even axes only)."""
-    out: dict[str, int] = {}
     if nest is None:
-        return out
+        return {}
+    # a function of the split dims' extents, the placement and the mesh: memoised per (nest, placement, mesh)
+    key = (id(nest), placement, mesh)
+    hit = _PAD_MEMO.get(key)
+    if hit is None or hit[0] is not nest:
+        if len(_PAD_MEMO) > 200_000:
+            _PAD_MEMO.clear()
+        hit = _PAD_MEMO[key] = (nest, _padding_of(nest, placement, mesh))  # the nest keeps its id unique
+    return dict(hit[1])
+
+
+_PAD_MEMO: dict[tuple, tuple[LoopNest, dict[str, int]]] = {}
+
+
+def _padding_of(nest: LoopNest, placement: Placement, mesh: DeviceMesh) -> dict[str, int]:
+    out: dict[str, int] = {}
     for d, axes in placement.splits:
         if not all(mesh.axis(a).even for a in axes):
             continue
