@@ -95,10 +95,11 @@ def split(y: np.ndarray, centers: int, alpha: float | None, seed: int) -> list[n
 
 # Each fusion's own hyper-parameters, from the paper that introduced it (never tuned on this experiment):
 # FedProx mu from Li et al. 2020's grid; FedAdam eta=10^-2, tau=10^-3 from Reddi et al. 2021;
-# DiLoCo outer lr 0.7 with Nesterov momentum 0.9 from Douillard et al. 2023.
+# DiLoCo outer lr 0.7 with Nesterov momentum 0.9 from Douillard et al. 2023; SCAFFOLD global step
+# eta_g = 1 from Karimireddy et al. 2020.
 FUSION_OPTIONS: dict[str, dict[str, float]] = {
     "fedavg": {}, "fedprox": {"mu": 0.01}, "fedadam": {"lr": 0.01, "tau": 1e-3}, "fedyogi": {"lr": 0.01, "tau": 1e-3},
-    "diloco": {"lr": 0.7, "momentum": 0.9},
+    "diloco": {"lr": 0.7, "momentum": 0.9}, "scaffold": {"lr": 1.0},
 }
 
 

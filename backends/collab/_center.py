@@ -8,6 +8,15 @@ that crashed can rejoin any later round.
 With FedProx the local objective is ``f_i(w) + mu/2 ||w − x||²`` over the trainable parameters
 (``x`` the global model of the round).
 
+SCAFFOLD is the one exception to statelessness: a center keeps its control variate ``c_i`` from round
+to round (:func:`center_round`'s ``center_state``, a dict the caller holds for the center: the
+in-process engine keeps one per center, the Flower ClientApp keeps it in the SuperNode's per-run
+``Context.state``, which the SuperNode hands to the ClientApp with each message and stores back after
+it, in the warm executor and the process-per-message isolation alike; it never goes to the server).
+Each local gradient is corrected by ``c − c_i`` (``c`` the server's, sent with the model) and the
+center sends its new ``c_i⁺`` with the update (see :class:`~._fusion.Scaffold`). A center that lost
+its ``c_i`` starts again from zero, which only costs that round's correction.
+
 Only parameters and metrics leave a center: :func:`center_round` returns the encoded update and a
 flat dict of numbers (sample count, loss, the three time stamps) — never data.
 """
@@ -16,7 +25,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -25,7 +34,7 @@ import numpy as np
 
 from ._config import CollabConfig
 from ._models import ModelSpec, build_torch_model, load_torch_state, torch_state
-from ._wire import Payload, encode_update
+from ._wire import Payload, decode_controls, encode_controls, encode_update
 
 __all__ = ["LR_SCHEDULES", "CenterData", "LocalTrainer", "TorchTrainer", "batch_indices", "center_round",
            "make_trainer", "round_lr"]
@@ -69,7 +78,11 @@ class LocalTrainer(Protocol):
 
     def train(self, global_params: Mapping[str, np.ndarray], *, steps: int, round_idx: int,
               proximal_mu: float) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-        """Train from ``global_params`` (torch names) and return the local model and metrics."""
+        """Train from ``global_params`` (torch names) and return the local model and metrics.
+
+        A trainer that supports SCAFFOLD (:class:`TorchTrainer`) also takes ``correction`` (added to
+        every local gradient) and ``grad_mean`` (a dict it fills with the mean raw mini-batch gradient).
+        """
         ...
 
     def evaluate(self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> dict[str, float]:
@@ -134,7 +147,9 @@ class TorchTrainer(CenterData):
         self._model = build_torch_model(self.model_spec, self.seed)
 
     def train(self, global_params: Mapping[str, np.ndarray], *, steps: int, round_idx: int,
-              proximal_mu: float = 0.0) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+              proximal_mu: float = 0.0, correction: Mapping[str, np.ndarray] | None = None,
+              grad_mean: dict[str, np.ndarray] | None = None) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """Local SGD from ``global_params``; see :func:`local_sgd` for ``correction`` and ``grad_mean``."""
         import torch
 
         with torch_threads(self.threads):
@@ -145,7 +160,7 @@ class TorchTrainer(CenterData):
             xb_all = torch.from_numpy(np.ascontiguousarray(self.x))
             yb_all = torch.from_numpy(np.ascontiguousarray(self.y)).long()
             batches = batch_indices(len(self.x), self.batch_size, steps, self.seed, self.center_index, round_idx)
-            losses = local_sgd(model, model, opt, xb_all, yb_all, batches, proximal_mu)
+            losses = local_sgd(model, model, opt, xb_all, yb_all, batches, proximal_mu, correction, grad_mean)
             return torch_state(model), {"train_loss": float(np.mean(losses))}
 
     def evaluate(self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> dict[str, float]:
@@ -153,12 +168,27 @@ class TorchTrainer(CenterData):
 
 
 def local_sgd(model: Any, net: Any, opt: Any, x: Any, y: Any, batches: Iterable[np.ndarray],
-              proximal_mu: float) -> list[float]:
+              proximal_mu: float, correction: Mapping[str, np.ndarray] | None = None,
+              grad_mean: dict[str, np.ndarray] | None = None) -> list[float]:
     """A center's local steps: cross-entropy of ``net`` (the model, or its DDP wrapper) on each
     index batch, plus FedProx's ``mu/2 * ||w - w_round_start||^2`` on ``model``'s parameters when
-    ``proximal_mu > 0``; returns the data losses (without the proximal term)."""
+    ``proximal_mu > 0``; returns the data losses (without the proximal term).
+
+    SCAFFOLD: ``correction`` (parameter name -> ``c − c_i``) is added to every parameter's gradient
+    before the optimiser step; ``grad_mean``, when given, is filled with the mean over the steps of the
+    gradients *before* that correction, ``(1/K) Σ_k ∇ loss_k`` (the center's next ``c_i``).
+    """
     import torch
 
+    named = list(model.named_parameters())
+    corr: dict[str, Any] = {}
+    if correction is not None:
+        have = {n for n, _ in named}
+        if set(correction) != have:
+            raise ValueError(f"control-variate correction for {sorted(correction)} does not match the model's "
+                             f"parameters {sorted(have)}")
+        corr = {n: torch.from_numpy(np.ascontiguousarray(correction[n], dtype=np.float32)) for n in correction}
+    sums = {n: torch.zeros_like(p) for n, p in named} if grad_mean is not None else {}
     anchors = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else []
     losses = []
     for idx in batches:
@@ -169,7 +199,14 @@ def local_sgd(model: Any, net: Any, opt: Any, x: Any, y: Any, batches: Iterable[
             loss = loss + 0.5 * proximal_mu * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchors))
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        for n, p in named:
+            if n in sums:
+                sums[n] += p.grad
+            if n in corr:
+                p.grad += corr[n]
         opt.step()
+    if grad_mean is not None:
+        grad_mean.update({n: (g / max(1, len(losses))).numpy().astype(np.float32) for n, g in sums.items()})
     return losses
 
 
@@ -217,15 +254,36 @@ def make_trainer(config: CollabConfig, center: str, x: np.ndarray, y: np.ndarray
 
 
 def center_round(trainer: LocalTrainer, global_params: Mapping[str, np.ndarray], *, round_idx: int,
-                 config: CollabConfig, proximal_mu: float = 0.0,
-                 t_received: float | None = None) -> tuple[Payload, dict[str, float]]:
-    """Run one round at a center: returns the encoded update ``x_i − x`` and the metrics to send."""
+                 config: CollabConfig, proximal_mu: float = 0.0, t_received: float | None = None,
+                 control: Mapping[str, np.ndarray] | None = None,
+                 center_state: MutableMapping[str, np.ndarray] | None = None) -> tuple[Payload, dict[str, float]]:
+    """Run one round at a center: returns the encoded update ``x_i − x`` and the metrics to send.
+
+    With ``control`` (the server's ``c``, SCAFFOLD) the center corrects its gradients by ``c − c_i``,
+    ``c_i`` read from ``center_state`` (zero when absent), stores its new ``c_i⁺`` there (as the server
+    will decode it, so both sides hold the same numbers) and appends it to the payload.
+    """
     t_received = time.time() if t_received is None else t_received
+    extra: dict[str, Any] = {}
+    if control is not None:
+        if center_state is None:
+            raise ValueError("a fusion with control variates needs center_state: the dict that keeps the "
+                             "center's c_i between rounds")
+        ci = {k: np.asarray(center_state[k], dtype=np.float32) if k in center_state else np.zeros_like(v)
+              for k, v in control.items()}
+        extra = {"correction": {k: np.asarray(control[k], dtype=np.float32) - ci[k] for k in control},
+                 "grad_mean": {}}
     local, metrics = trainer.train(global_params, steps=config.local_steps, round_idx=round_idx,
-                                   proximal_mu=proximal_mu)
+                                   proximal_mu=proximal_mu, **extra)
     t_trained = time.time()
     delta = {k: local[k].astype(np.float32) - np.asarray(global_params[k], dtype=np.float32) for k in global_params}
     payload = encode_update(delta, config.compression)
+    if control is not None:
+        assert center_state is not None
+        controls = encode_controls(extra["grad_mean"], config.compression)
+        payload.update(controls)
+        center_state.clear()
+        center_state.update(decode_controls(controls, config.compression))
     out = {"num_samples": float(trainer.num_samples), **{k: float(v) for k, v in metrics.items()},
            "t_received": t_received, "t_trained": t_trained, "t_sent": time.time()}
     return payload, out

@@ -92,7 +92,12 @@ class CollabConfig:
             raise ValueError(f"min_centers must be in [0, {len(self.centers)}] (0 means all)")
         if self.lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"unknown lr_schedule {self.lr_schedule!r}; choose 'constant' or 'cosine'")
-        self.make_fusion()  # options checked now, not in round 1
+        if self.make_fusion().uses_controls:  # options checked now, not in round 1
+            other = [c.name for c in self.centers if c.framework != "torch" or c.devices > 1]
+            if other:
+                raise ValueError(f"fusion {self.fusion!r} corrects every local gradient with control variates, "
+                                 f"which is implemented for single-process torch centers; centers {other} run "
+                                 "MindSpore or several devices: use framework='torch', devices=1 or another fusion")
 
     @property
     def required_centers(self) -> int:

@@ -54,7 +54,8 @@ def run_inprocess(config: CollabConfig, data: Data, *, eval_data: tuple[np.ndarr
                   timing_path: str | Path | None = None, checkpoint_dir: str | Path | None = None,
                   resume: bool = False, max_rounds: int | None = None,
                   trainers: Mapping[str, LocalTrainer] | None = None,
-                  absent: Mapping[int, tuple[str, ...]] | None = None) -> CollabResult:
+                  absent: Mapping[int, tuple[str, ...]] | None = None,
+                  center_states: dict[str, dict[str, np.ndarray]] | None = None) -> CollabResult:
     """Run the federation in this process.
 
     Args:
@@ -67,6 +68,9 @@ def run_inprocess(config: CollabConfig, data: Data, *, eval_data: tuple[np.ndarr
         max_rounds: stop after this many rounds in this call (the rest can be resumed).
         trainers: replace the trainer of some centers (e.g. a misbehaving one in tests).
         absent: round -> centers that do not answer that round (a crashed or slow center).
+        center_states: what each center keeps between rounds (SCAFFOLD's ``c_i``), updated in place;
+            pass the same dict to a resumed run to model centers that stayed up while the server
+            restarted (default: a fresh, empty memory per center for this call).
     """
     _check_data(config, data)
     timing = TimingLog(timing_path)
@@ -81,7 +85,10 @@ def run_inprocess(config: CollabConfig, data: Data, *, eval_data: tuple[np.ndarr
         def evaluate(p: Params) -> dict[str, float]:
             return evaluate_torch(config.model, p, *eval_data)
     try:
-        _run_rounds(config, server, pool, evaluate, max_rounds, absent)
+        states = {} if center_states is None else center_states
+        for c in config.centers:
+            states.setdefault(c.name, {})
+        _run_rounds(config, server, pool, evaluate, max_rounds, absent, states)
     finally:  # a data-parallel center's worker processes end with the run
         for name, t in pool.items():
             if not trainers or name not in trainers:
@@ -90,10 +97,13 @@ def run_inprocess(config: CollabConfig, data: Data, *, eval_data: tuple[np.ndarr
 
 
 def _run_rounds(config: CollabConfig, server: FederationServer, pool: Mapping[str, LocalTrainer],
-                evaluate: Any, max_rounds: int | None, absent: Mapping[int, tuple[str, ...]] | None) -> None:
+                evaluate: Any, max_rounds: int | None, absent: Mapping[int, tuple[str, ...]] | None,
+                center_states: Mapping[str, dict[str, np.ndarray]]) -> None:
+    # center_states: each center's memory across rounds (SCAFFOLD's c_i); the server never reads it
     done = 0
     while not server.done and (max_rounds is None or done < max_rounds):
         r, global_params = server.begin_round()
+        control = server.control()
         replies = []
         for c in config.centers:
             if c.name in (absent or {}).get(r, ()):
@@ -101,7 +111,7 @@ def _run_rounds(config: CollabConfig, server: FederationServer, pool: Mapping[st
             t_recv = time.time()
             payload, metrics = center_round(pool[c.name], {k: v.copy() for k, v in global_params.items()},
                                             round_idx=r, config=config, proximal_mu=server.fusion.proximal_mu,
-                                            t_received=t_recv)
+                                            t_received=t_recv, control=control, center_state=center_states[c.name])
             replies.append(CenterReply(c.name, payload, metrics))
             server.timing.record(r, "server", c.name, "update_received")
         server.finish_round(r, replies, evaluate=evaluate)

@@ -10,9 +10,18 @@ Messages (all a center ever sends is in :func:`reply_content`):
 
 - server → center: ``arrays`` + ``layout`` (the global model under torch names, packed by
   :func:`~._wire.pack_arrays`: an ArrayRecord with one flat buffer per dtype and a ConfigRecord of
-  names, dtypes and shapes), ``config`` (ConfigRecord: ``round``, ``proximal_mu``);
+  names, dtypes and shapes), ``config`` (ConfigRecord: ``round``, ``proximal_mu``), and for SCAFFOLD
+  ``control`` + ``control-layout`` (the server's control variate ``c``, packed the same way);
 - center → server: ``update`` + ``layout`` (the encoded update, see :mod:`._wire`, packed the same
-  way), ``metrics`` (MetricRecord: numbers only), ``center`` (ConfigRecord: ``name``).
+  way; for SCAFFOLD it also holds the center's ``c_i⁺`` under ``c/`` keys), ``metrics`` (MetricRecord:
+  numbers only), ``center`` (ConfigRecord: ``name``).
+
+SCAFFOLD's per-center ``c_i`` stays at the center: the ClientApp keeps it in ``context.state``
+(ArrayRecord ``scaffold-ci``), which the SuperNode holds per run and hands to the ClientApp with every
+message, storing the changed state back after the reply — so it survives from round to round both in
+the long-lived warm executor and with a fresh ClientApp process per message, and it never travels to
+the SuperLink. A new run (a restarted server submits one) starts with an empty state: each center then
+corrects with ``c_i = 0`` for one round (see :class:`~._fusion.Scaffold`).
 
 Packing matters for speed only: Flower moves each array (and each 5 MB chunk of it) as its own
 object with an HTTP request per hop (server → SuperLink → SuperNode → ClientApp and back); packed, a
@@ -62,10 +71,13 @@ def _to_records(arrays: dict[str, np.ndarray], pack: bool = True) -> dict[str, A
     return {"arrays": ArrayRecord({k: Array(v) for k, v in buffers.items()}), "layout": ConfigRecord(layout)}
 
 
-def _from_records(content: RecordDict, key: str = "arrays") -> dict[str, np.ndarray]:
+def _from_records(content: RecordDict, key: str = "arrays", layout: str = "layout") -> dict[str, np.ndarray]:
     """The arrays under ``key``, unpacked when the message carries a ``layout``."""
     arrays = {k: v.numpy() for k, v in content[key].items()}
-    return unpack_arrays(arrays, dict(content["layout"])) if "layout" in content else arrays
+    return unpack_arrays(arrays, dict(content[layout])) if layout in content else arrays
+
+
+_CI_KEY = "scaffold-ci"  # the center's SCAFFOLD control variate in context.state
 
 
 # --------------------------------------------------------------------------------------------- center
@@ -94,8 +106,15 @@ def _center_train(msg: Message, context: Context) -> Message:
     trainer = _trainer(config_json, center, str(context.node_config["data"]))
     global_params = _from_records(msg.content)
     cfg = msg.content["config"]
+    control, ci = None, None
+    if "control" in msg.content:
+        control = _from_records(msg.content, "control", "control-layout")
+        ci = {k: v.numpy() for k, v in context.state[_CI_KEY].items()} if _CI_KEY in context.state else {}
     payload, metrics = center_round(trainer, global_params, round_idx=int(cfg["round"]), config=config,
-                                    proximal_mu=float(cfg["proximal_mu"]), t_received=t_received)
+                                    proximal_mu=float(cfg["proximal_mu"]), t_received=t_received,
+                                    control=control, center_state=ci)
+    if ci is not None:
+        context.state[_CI_KEY] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in ci.items()})
     return Message(reply_content(payload, metrics, center, pack="layout" in msg.content), reply_to=msg)
 
 
@@ -168,6 +187,10 @@ def _serve(grid: Grid, context: Context) -> None:
         r, params = server.begin_round()
         content = {**_to_records(params, pack),
                    "config": ConfigRecord({"round": r, "proximal_mu": server.fusion.proximal_mu})}
+        control = server.control()
+        if control is not None:
+            rec = _to_records(control, pack)
+            content.update({"control": rec["arrays"], **({"control-layout": rec["layout"]} if pack else {})})
         msgs = [grid.create_message(RecordDict(dict(content)), "train", n, group_id=str(r)) for n in nodes]
         replies: list[CenterReply] = []
         for m, t_arrived in _exchange(grid, msgs, {c.name for c in config.centers}, config.round_timeout_s, poll_s):

@@ -13,6 +13,8 @@ averaged update ``Δ = sum_i p_i (x_i - x)``. Every strategy below is one small 
 - :class:`FedYogi`     as FedAdam with ``v = v - (1-b2) Δ² sign(v - Δ²)``
 - :class:`DiLoCo`      outer gradient ``g = -Δ``, ``u = μ u + g``, ``x' = x - η (g + μ u)``
                        (Nesterov momentum, Douillard et al. 2023)
+- :class:`Scaffold`    ``x' = x + η_g Δ``; centers correct every local gradient by ``c − c_i``
+                       (control variates, Karimireddy et al. 2020; see the class)
 - :class:`TrimmedMean` per coordinate: sort the ``K`` values, drop ``⌊βK⌋`` at each end, average the rest
 - :class:`Median`      per coordinate median of the ``K`` values
 
@@ -46,6 +48,7 @@ __all__ = [
     "FusionStrategy",
     "Median",
     "Params",
+    "Scaffold",
     "TrimmedMean",
     "is_statistic",
     "make_fusion",
@@ -64,12 +67,19 @@ Params = dict[str, np.ndarray]
 
 @dataclass(frozen=True)
 class CenterUpdate:
-    """One center's contribution to a round: its local model after local training."""
+    """One center's contribution to a round: its local model after local training (and, for a fusion
+    with control variates, the center's new control variate ``c_i⁺`` over the trained parameters)."""
 
     center: str
     params: Mapping[str, np.ndarray]
     num_samples: int
     metrics: Mapping[str, float] = field(default_factory=dict)
+    controls: Mapping[str, np.ndarray] | None = None
+
+
+def trained_names(params: Mapping[str, np.ndarray]) -> list[str]:
+    """The exchanged tensors that gradient steps train (everything but running statistics)."""
+    return [k for k in params if not is_statistic(k)]
 
 
 def _weights(updates: Sequence[CenterUpdate]) -> np.ndarray:
@@ -97,6 +107,14 @@ class FusionStrategy(ABC):
     name: ClassVar[str] = ""
     #: proximal coefficient the centers add to their loss (only FedProx sets it)
     proximal_mu: float = 0.0
+    #: whether the server sends a control variate ``c`` with the model and every center answers with
+    #: its own ``c_i⁺`` (only SCAFFOLD)
+    uses_controls: ClassVar[bool] = False
+
+    def control(self, global_params: Mapping[str, np.ndarray]) -> Params:
+        """The server control variate ``c`` sent with the model of the next round (fusions with
+        :attr:`uses_controls`; the others send none)."""
+        raise TypeError(f"{type(self).__name__} uses no control variates")
 
     @abstractmethod
     def fuse(self, global_params: Mapping[str, np.ndarray], updates: Sequence[CenterUpdate]) -> Params:
@@ -241,6 +259,89 @@ class DiLoCo(_ServerOptimizer):
         return _cast_like(out, global_params)
 
 
+class Scaffold(FusionStrategy):
+    """SCAFFOLD (Karimireddy et al. 2020, "option II"), sample-weighted, with a server-side mirror of each ``c_i``.
+
+    Centers correct client drift. Center ``i`` keeps a control variate ``c_i`` (an estimate of its own
+    gradient ``∇f_i``; zero before its first round) and receives the server's ``c`` (an estimate of the
+    global gradient ``∇f = Σ p_i ∇f_i``) with the model. Each local step uses the corrected gradient
+    ``g_i(y) − c_i + c`` (in the local optimiser, momentum included), so a center whose data pull its
+    model away from the global optimum is pulled back by the difference of the two estimates. After
+    the ``K`` local steps the center sets ``c_i⁺ = (1/K) Σ_k g_i(y_k)``, the mean of its *raw*
+    mini-batch gradients along the local trajectory: with plain SGD at rate ``η`` this is the paper's
+    option II, ``c_i⁺ = c_i − c + (x − y_K)/(K η)``, since ``x − y_K = η Σ_k (g_i(y_k) − c_i + c)``; the
+    mean of raw gradients stays the gradient estimate under momentum and a changing rate, where the
+    ``(x − y_K)/(K η)`` form would not (momentum ``β`` inflates it by up to ``1/(1 − β)``).
+
+    Server, for the accepted centers ``S``: ``x' = x + η_g Σ_{i∈S} p_i (x_i − x)`` (``p_i`` sample
+    weights over ``S``; ``η_g = 1`` is FedAvg's step; running statistics take the plain average) and
+    ``c = Σ_j n_j c_j / Σ_j n_j`` over every center ``j`` that has reported so far. The paper's server
+    keeps only ``c`` and adds ``(1/N) Σ_{i∈S} Δc_i``; the weighted form needs the per-center terms, so
+    the server keeps a mirror of each reported ``c_j`` (what the centers sent, nothing more; it is part
+    of :meth:`state` and so of the checkpoint) and each center sends its new ``c_i⁺`` itself, not the
+    difference. A center that lost its ``c_i`` (a restarted process) then corrects with a zero ``c_i``
+    for one round and reports a fresh ``c_i⁺``, and ``c`` is right again from the next round.
+    """
+
+    name = "scaffold"
+    uses_controls = True
+
+    def __init__(self, lr: float = 1.0) -> None:
+        if lr <= 0:
+            raise ValueError(f"SCAFFOLD server lr must be > 0, got {lr}")
+        self.lr = float(lr)
+        self._mirror: dict[str, Params] = {}  # center -> its last reported c_i (float64)
+        self._n: dict[str, float] = {}  # center -> its sample count when it reported it
+
+    def options(self) -> dict[str, float]:
+        return {"lr": self.lr}
+
+    def control(self, global_params: Mapping[str, np.ndarray]) -> Params:
+        names = trained_names(global_params)
+        total = sum(self._n.values())
+        out: Params = {}
+        for k in names:
+            acc = np.zeros(global_params[k].shape, dtype=np.float64)
+            for center, ci in self._mirror.items():
+                acc += (self._n[center] / total) * ci[k]
+            out[k] = acc.astype(np.float32)
+        return out
+
+    def fuse(self, global_params: Mapping[str, np.ndarray], updates: Sequence[CenterUpdate]) -> Params:
+        names = trained_names(global_params)
+        for u in updates:
+            if u.controls is None or set(u.controls) != set(names):
+                have = None if u.controls is None else sorted(u.controls)
+                raise ValueError(f"SCAFFOLD: center {u.center!r} sent control variates for {have}, "
+                                 f"expected one per trained tensor {sorted(names)}")
+        delta = _weighted_delta(global_params, updates)
+        out = {k: x + (delta[k] if is_statistic(k) else self.lr * delta[k]) for k, x in global_params.items()}
+        for u in updates:
+            self._mirror[u.center] = {k: np.asarray(u.controls[k], dtype=np.float64).copy() for k in names}
+            self._n[u.center] = float(u.num_samples)
+        return _cast_like(out, global_params)
+
+    def state(self) -> Params:
+        out: Params = {f"n/{c}": np.array(n, dtype=np.float64) for c, n in self._n.items()}
+        out.update({f"c/{c}/{k}": v for c, ci in self._mirror.items() for k, v in ci.items()})
+        return out
+
+    def load_state(self, state: Mapping[str, np.ndarray]) -> None:
+        self._mirror, self._n = {}, {}
+        for key, v in state.items():
+            kind, _, rest = key.partition("/")
+            if kind == "n":
+                self._n[rest] = float(v)
+            elif kind == "c":
+                center, _, name = rest.partition("/")
+                self._mirror.setdefault(center, {})[name] = np.asarray(v, dtype=np.float64)
+            else:
+                raise ValueError(f"Scaffold: unknown state entry {key!r} in checkpoint")
+        if set(self._mirror) != set(self._n):
+            raise ValueError(f"Scaffold checkpoint: control variates for {sorted(self._mirror)} but sample "
+                             f"counts for {sorted(self._n)}")
+
+
 class TrimmedMean(FusionStrategy):
     """Coordinate-wise β-trimmed mean of the local models (unweighted)."""
 
@@ -278,13 +379,13 @@ class Median(FusionStrategy):
 
 
 FUSIONS: dict[str, type[FusionStrategy]] = {
-    cls.name: cls for cls in (FedAvg, FedProx, FedAdam, FedYogi, DiLoCo, TrimmedMean, Median)
+    cls.name: cls for cls in (FedAvg, FedProx, FedAdam, FedYogi, DiLoCo, Scaffold, TrimmedMean, Median)
 }
 
 
 def make_fusion(name: str, **options: Any) -> FusionStrategy:
     """Build a fusion strategy by name (``fedavg``, ``fedprox``, ``fedadam``, ``fedyogi``, ``diloco``,
-    ``trimmed_mean``, ``median``) with its keyword options."""
+    ``scaffold``, ``trimmed_mean``, ``median``) with its keyword options."""
     try:
         cls = FUSIONS[name.lower()]
     except KeyError:

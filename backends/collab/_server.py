@@ -3,7 +3,9 @@
 Per round ``t``: the server hands out the global model ``x_t``; for every reply it checks the payload
 (:func:`~._wire.check_payload`) and the metrics, decodes accepted updates ``δ̂_i`` into local models
 ``x_t + δ̂_i`` (float64, so ``x_i − x_t`` is ``δ̂_i`` again), and, when at least ``min_centers`` are
-valid, fuses them into ``x_{t+1}``. Otherwise the round is recorded as skipped and ``x_t`` stays.
+valid, fuses them into ``x_{t+1}``. A fusion with control variates (SCAFFOLD) also hands out ``c``
+(:meth:`FederationServer.control`), and every reply must carry the center's ``c_i⁺`` for each trained
+tensor, checked and decoded the same way. Otherwise the round is recorded as skipped and ``x_t`` stays.
 After every round the global model, the fusion's optimiser state and the round number are written
 atomically to ``checkpoint_dir``; :meth:`FederationServer.resume` continues from the last one.
 
@@ -28,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from ._config import CollabConfig
-from ._fusion import CenterUpdate, Params
-from ._wire import check_payload, decode_update, payload_nbytes
+from ._fusion import CenterUpdate, Params, trained_names
+from ._wire import check_payload, decode_controls, decode_update, payload_nbytes
 
 __all__ = ["CenterReply", "FederationServer", "RoundRecord", "TimingLog"]
 
@@ -152,6 +154,10 @@ class FederationServer:
         self.timing.record(r, "server", "server", "round_start")
         return r, self.params
 
+    def control(self) -> Params | None:
+        """The control variate ``c`` to send with the model (SCAFFOLD), None for other fusions."""
+        return self.fusion.control(self.params) if self.fusion.uses_controls else None
+
     def finish_round(self, round_idx: int, replies: Sequence[CenterReply], *, sent_to: int | None = None,
                      evaluate: Any = None) -> RoundRecord:
         """Check, decode and fuse the replies of round ``round_idx``; checkpoint; return the record.
@@ -164,6 +170,7 @@ class FederationServer:
         rejected: dict[str, tuple[str, ...]] = {}
         bytes_up: dict[str, int] = {}
         metrics: dict[str, dict[str, float]] = {}
+        control_names = trained_names(self.params) if self.fusion.uses_controls else []
         for rep in replies:
             m = dict(rep.metrics)
             for ev, key in (("received_model", "t_received"), ("finished_training", "t_trained"),
@@ -171,7 +178,7 @@ class FederationServer:
                 if isinstance(m.get(key), int | float):
                     self.timing.record(round_idx, "center", rep.center, ev, t=float(m[key]))
             payload = dict(rep.payload)
-            problems = check_payload(payload, self.params, cfg.compression) + _check_metrics(m)
+            problems = check_payload(payload, self.params, cfg.compression, control_names) + _check_metrics(m)
             if rep.center not in {c.name for c in cfg.centers}:
                 problems.append(f"{rep.center!r} is not a center of this federation")
             elif rep.center in bytes_up:
@@ -184,7 +191,8 @@ class FederationServer:
             metrics[rep.center] = {k: float(v) for k, v in m.items() if isinstance(v, int | float)}
             delta = decode_update(payload, cfg.compression)
             local = {k: self.params[k].astype(np.float64) + delta[k].astype(np.float64) for k in self.params}
-            updates.append(CenterUpdate(rep.center, local, int(m["num_samples"]), metrics[rep.center]))
+            controls = decode_controls(payload, cfg.compression) if control_names else None
+            updates.append(CenterUpdate(rep.center, local, int(m["num_samples"]), metrics[rep.center], controls))
         answered = {r.center for r in replies}
         missing = tuple(c.name for c in cfg.centers if c.name not in answered)
         fused = len(updates) >= cfg.required_centers and len(updates) > 0
@@ -201,7 +209,9 @@ class FederationServer:
         fusion_s = time.time() - t0
         self.round = round_idx
         ev = dict(evaluate(self.params)) if evaluate is not None else {}
-        down = payload_nbytes(self.params) * (len(cfg.centers) if sent_to is None else sent_to)
+        # the model, and c (float32, one per trained tensor) for SCAFFOLD
+        sent = payload_nbytes(self.params) + sum(self.params[k].nbytes for k in control_names)
+        down = sent * (len(cfg.centers) if sent_to is None else sent_to)
         rec = RoundRecord(round_idx, tuple(u.center for u in updates), rejected, missing, fused, bytes_up,
                           down, fusion_s, metrics, ev)
         self.history.append(rec)

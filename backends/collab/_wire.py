@@ -11,6 +11,10 @@ The payload is a flat ``dict[str, ndarray]`` (one Flower ``ArrayRecord``, or one
   clipped to ``[-127, 127]`` as int8 in ``q/<name>``, the float32 scales in ``s/<name>``. Decoding is
   ``δ̂ = q · s_r``, so ``|δ − δ̂| <= s_r / 2`` element-wise.
 
+A center of a fusion with control variates (SCAFFOLD) adds its new control variate ``c_i⁺`` over the
+trained tensors under the same code, each key prefixed ``c/`` (``c/q/<name>``, and ``c/s/<name>`` for
+int8): :func:`encode_controls` / :func:`decode_controls`.
+
 Bytes on the wire are the sum of the payload arrays' ``nbytes`` (framing added by the transport is
 not counted here; the benchmark measures the transport separately).
 
@@ -27,15 +31,16 @@ that does not match its buffers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["COMPRESSIONS", "Payload", "check_payload", "decode_update", "encode_update", "pack_arrays",
-           "payload_nbytes", "unpack_arrays"]
+__all__ = ["COMPRESSIONS", "CONTROL_PREFIX", "Payload", "check_payload", "decode_controls", "decode_update",
+           "encode_controls", "encode_update", "pack_arrays", "payload_nbytes", "unpack_arrays"]
 
 Payload = dict[str, np.ndarray]
 COMPRESSIONS = ("none", "fp16", "int8")
+CONTROL_PREFIX = "c/"
 _QDTYPE = {"none": np.dtype(np.float32), "fp16": np.dtype(np.float16), "int8": np.dtype(np.int8)}
 
 
@@ -82,20 +87,38 @@ def decode_update(payload: Mapping[str, np.ndarray], method: str = "none") -> di
     return out
 
 
+def encode_controls(controls: Mapping[str, np.ndarray], method: str = "none") -> Payload:
+    """A center's control variate ``c_i⁺`` under ``method``, keys prefixed :data:`CONTROL_PREFIX`."""
+    return {CONTROL_PREFIX + k: v for k, v in encode_update(controls, method).items()}
+
+
+def decode_controls(payload: Mapping[str, np.ndarray], method: str = "none") -> dict[str, np.ndarray]:
+    """The control variate inside a payload (empty when it carries none)."""
+    n = len(CONTROL_PREFIX)
+    return decode_update({k[n:]: v for k, v in payload.items() if k.startswith(CONTROL_PREFIX)}, method)
+
+
 def payload_nbytes(payload: Mapping[str, np.ndarray]) -> int:
     """Bytes of array data in a payload (what the compression saves)."""
     return int(sum(np.asarray(a).nbytes for a in payload.values()))
 
 
-def check_payload(payload: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], method: str) -> list[str]:
-    """Problems with a received payload against the global model ``reference``; empty when it is sound."""
+def check_payload(payload: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], method: str,
+                  controls: Sequence[str] = ()) -> list[str]:
+    """Problems with a received payload against the global model ``reference``; empty when it is sound.
+
+    ``controls``: the tensors the payload must also carry a control variate for (SCAFFOLD).
+    """
     _check_method(method)
     problems: list[str] = []
     expected: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
-    for name, ref in reference.items():
-        expected[f"q/{name}"] = (tuple(ref.shape), _QDTYPE[method])
-        if method == "int8":
-            expected[f"s/{name}"] = ((_rows(np.empty(ref.shape, dtype=np.int8)).shape[0],), np.dtype(np.float32))
+    for prefix, names in (("", list(reference)), (CONTROL_PREFIX, list(controls))):
+        for name in names:
+            ref = reference[name]
+            expected[f"{prefix}q/{name}"] = (tuple(ref.shape), _QDTYPE[method])
+            if method == "int8":
+                expected[f"{prefix}s/{name}"] = ((_rows(np.empty(ref.shape, dtype=np.int8)).shape[0],),
+                                                 np.dtype(np.float32))
     for key in sorted(set(expected) - set(payload)):
         problems.append(f"missing tensor {key!r}")
     for key in sorted(set(payload) - set(expected)):
