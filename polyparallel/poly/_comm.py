@@ -51,6 +51,7 @@ from ._cache import CACHE
 from ._cache import signature_of as _signature
 from ._footprint import (
     _AXIS_MEMO,
+    _BLOCK_AXES,
     Grid,
     Prog,
     Region,
@@ -58,6 +59,7 @@ from ._footprint import (
     _intersect_products,
     _product_count,
     axis_key,
+    block_axis,
     dim_bounds,
     layout_region,
     operand_region,
@@ -356,8 +358,11 @@ def _build_distributions(graph: Graph, op: Op, placements: Sequence[Placement], 
     alone: list[Placement] = []
     for i, p in enumerate(placements):
         pieces: list = []
+        # an axis equal to the block over its mesh axes (checked on every device above) is that block's
+        # shared object: the same arrays, no slice, its digest and overlaps computed once per block
+        canon = [block_axis(mesh, n, deps_all[i][j]) if block_all[i, j] else None for j, n in enumerate(shape)]
         for pc in region.pieces:
-            sl = tuple(_take_axis(a, take[i]) for a in pc)
+            sl = tuple(_take_axis(a, take[i]) if c is None else c for a, c in zip(pc, canon))
             if not any(all(a.same(b) for a, b in zip(sl, q)) for q in pieces):
                 pieces.append(sl)
         if k > 1 and any(isinstance(pc[j], Grid) and not bool((pc[j].H > 1).any()) for pc in pieces for j in gridded):
@@ -1020,7 +1025,7 @@ def _gain(shape: Shape, nxt: Shards, cur: Shards, mesh: DeviceMesh) -> tuple[int
 
 CACHE.on_clear(_AXIS_MEMO.clear, _RIDS.clear, _route.cache_clear, _even_blocks.cache_clear, _block_stats.cache_clear,
                _all_reduce_of.cache_clear, _gain.cache_clear, _SIDE_MEMO.clear, _NEST_MEMO.clear, _LEGAL_MEMO.clear,
-               _KIND_MEMO.clear, _PAD_MEMO.clear)
+               _KIND_MEMO.clear, _PAD_MEMO.clear, _BLOCK_AXES.clear)
 
 
 def _ordered(axes: list[str], reference: Sequence[str]) -> list[str]:

@@ -39,7 +39,7 @@ from polyparallel.ir import ANY, AffineExpr, LoopNest, Statement
 from ._mesh import DeviceMesh
 from ._placement import Placement
 
-__all__ = ["Grid", "Prog", "Region", "dim_bounds", "grid_cut", "operand_region", "statement_bounds"]
+__all__ = ["Grid", "Prog", "Region", "block_axis", "dim_bounds", "grid_cut", "operand_region", "statement_bounds"]
 
 Bounds = dict[str, tuple[np.ndarray, np.ndarray]]
 
@@ -522,7 +522,29 @@ def operand_region(nest: LoopNest, operand: str, shape: Sequence[int], bounds: B
     return Region(tuple(shape), pieces, fallback)
 
 
+def block_axis(mesh: DeviceMesh, extent: int, axes: Sequence[str]) -> Prog:
+    """The block of every device of ``[0, extent)`` split over ``axes``, as an interval: one shared,
+    read-only object per (mesh, extent, axes), so every layout and every footprint equal to that
+    block (``Distribution.block``) carries the same object, its digest taken and its overlaps
+    with other sets memoised once."""
+    key = (mesh, extent, tuple(axes))
+    hit = _BLOCK_AXES.get(key)
+    if hit is None:
+        lo, hi = mesh.bounds(extent, key[2])
+        n = np.maximum(hi - lo, 0)
+        step = np.ones(len(lo), dtype=np.int64)
+        for arr in (n, step):
+            arr.setflags(write=False)
+        if len(_BLOCK_AXES) > 1 << 16:
+            _BLOCK_AXES.clear()
+        hit = _BLOCK_AXES[key] = Prog(lo, step, n, True)
+    return hit
+
+
+_BLOCK_AXES: dict[tuple, Prog] = {}
+
+
 def layout_region(shape: Sequence[int], shards: Sequence[Sequence[str]], mesh: DeviceMesh) -> Region:
     """The block of every device under a block layout (tensor axis ``i`` split over ``shards[i]``)."""
-    axes = tuple(Prog.interval(*mesh.bounds(n, tuple(s))) for n, s in zip(shape, shards))
+    axes = tuple(block_axis(mesh, n, s) for n, s in zip(shape, shards))
     return Region(tuple(shape), [axes], np.zeros(mesh.size, dtype=bool))
