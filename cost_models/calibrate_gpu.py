@@ -14,6 +14,12 @@
   counts, im2col/implicit-GEMM tiles), so conv ops are priced by their own curve, per kernel class;
 * **HBM bandwidth**: a device-to-device copy of 1 GiB (bytes read + written per second), stored as
   the fraction ``η_m`` of the data sheet's figure that the cluster's device type declares;
+* **streaming kernels**: batch norm (training, NCHW) and layer norm forward and backward by size,
+  and ReLU / GELU / add by size: what normalisation and elementwise kernels reach, which a copy's
+  bandwidth overstates;
+* **the host's cost per eager op** by class (elementwise, linear, conv, batch/layer norm, view,
+  attention, cross entropy, embedding), forward and backward through autograd on tiny tensors: what
+  bounds a step when its kernels are shorter than their dispatch;
 * **the kernel floor**: the time per op of back-to-back tiny eager ops (host dispatch included:
   the rate at which PyTorch feeds a GPU with kernels that do no work);
 * **NCCL all-reduce** by message size for every group size 2…G the machine's GPUs allow, fitted
@@ -41,7 +47,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CONV_SHAPES", "attention_flops", "calibrate_gpu", "conv_flops", "conv_rows", "cuda_time"]
+__all__ = ["CONV_SHAPES", "HOST_OP_CLASSES", "attention_flops", "calibrate_gpu", "conv_flops", "conv_rows",
+           "cuda_time", "host_op_seconds", "norm_rows"]
 
 _TORCH_DTYPES = {"fp32": "float32", "tf32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -198,32 +205,125 @@ def conv_rows(dtypes: Sequence[str], say: Callable[[str], None] = lambda s: None
     return out
 
 
-def _training_op_floor(chain: int = 64) -> dict[str, float]:
-    """Seconds per tiny op of a training step: a chain of ``chain`` ops run forward and backward
-    through autograd (host dispatch of both passes included), divided by ``chain``.
+# host classes of eager ops timed by :func:`host_op_seconds` (the compute model maps op kinds onto them)
+HOST_OP_CLASSES = ("elementwise", "linear", "conv", "batch_norm", "layer_norm", "view", "attention",
+                   "cross_entropy", "embedding")
 
-    Eager training of a small model is bound by this, not by the GPU's kernel time.
+
+def host_op_seconds(chain: int = 32, device: str = "cuda",
+                    timer: Callable[[Callable[[], Any]], float] | None = None) -> dict[str, float]:
+    """Seconds per eager op of each class, forward and backward through autograd, on tiny tensors.
+
+    A chain of ``chain`` ops of one class (each the input of the next, so autograd records them
+    all) runs forward and backward; the time of the chain's input reduction and backward alone is
+    subtracted and the rest divided by ``chain``. On a GPU the kernels do no work, so this is the
+    host's dispatch, autograd and launch cost of one op, both passes: when a step's kernels are
+    shorter than this, the GPU waits for the host (eager training of a small model is bound by it).
     """
     import torch
+    import torch.nn.functional as F
 
-    x0 = torch.ones(8, 8, device="cuda", requires_grad=True)
-    lin = [torch.nn.Linear(8, 8).cuda() for _ in range(chain)]
+    timer = timer or (lambda fn: cuda_time(fn, min_window=0.02))
+    dev = torch.device(device)
+    x0 = torch.ones(8, 8, device=dev, requires_grad=True)
+    img = torch.ones(2, 4, 6, 6, device=dev, requires_grad=True)
+    seq = torch.ones(1, 2, 8, 8, device=dev, requires_grad=True)  # (batch, heads, seq, head dim)
+    lin = [torch.nn.Linear(8, 8, device=dev) for _ in range(chain)]
+    convs = [torch.nn.Conv2d(4, 4, 3, padding=1, device=dev) for _ in range(chain)]
+    bns = [torch.nn.BatchNorm2d(4, device=dev) for _ in range(chain)]
+    lns = [torch.nn.LayerNorm(8, device=dev) for _ in range(chain)]
+    emb = [torch.nn.Embedding(8, 8, device=dev) for _ in range(chain)]
+    ids = torch.zeros(8, dtype=torch.long, device=dev)
+    tgt = torch.zeros(8, dtype=torch.long, device=dev)
 
-    def elementwise() -> None:
-        y = x0
-        for _ in range(chain):
-            y = y * 1.0001
-        y.sum().backward()
+    def run(x: torch.Tensor, step: Callable[[int, torch.Tensor], torch.Tensor]) -> Callable[[], None]:
+        def chain_fn() -> None:
+            y = x
+            for i in range(chain):
+                y = step(i, y)
+            y.sum().backward()
+        return chain_fn
 
-    def linear() -> None:
-        y = x0
-        for m in lin:
-            y = m(y)
-        y.sum().backward()
+    def embed(i: int, y: torch.Tensor) -> torch.Tensor:
+        return emb[i](ids) + y  # the add keeps the chain connected (its cost is the elementwise class's)
 
-    base = cuda_time(lambda: x0.sum().backward(), min_window=0.02)  # the reduction + backward call alone
-    return {"elementwise": max(cuda_time(elementwise) - base, 0.0) / chain,
-            "linear": max(cuda_time(linear) - base, 0.0) / chain}
+    chains = {
+        "elementwise": (x0, lambda i, y: y * 1.0001),
+        "linear": (x0, lambda i, y: lin[i](y)),
+        "conv": (img, lambda i, y: convs[i](y)),
+        "batch_norm": (img, lambda i, y: bns[i](y)),
+        "layer_norm": (x0, lambda i, y: lns[i](y)),
+        "view": (x0, lambda i, y: y.t()),
+        "attention": (seq, lambda i, y: F.scaled_dot_product_attention(y, y, y, is_causal=True)),
+        "cross_entropy": (x0, lambda i, y: y + F.cross_entropy(y, tgt)),  # + elementwise (its class)
+        "embedding": (x0, embed),
+    }
+    out: dict[str, float] = {}
+    for name, (x, step) in chains.items():
+        base = timer(lambda x=x: x.sum().backward())  # the reduction + backward call alone
+        out[name] = max(timer(run(x, step)) - base, 0.0) / chain
+    for name in ("cross_entropy", "embedding"):  # each link also ran one elementwise add
+        out[name] = max(out[name] - out["elementwise"], 0.0)
+    return out
+
+
+def norm_rows(dtypes: Sequence[str], say: Callable[[str], None] = lambda s: None, *,
+              timer: Callable[[Callable[[], Any]], float] | None = None,
+              device: str = "cuda") -> dict[str, list[dict[str, Any]]]:
+    """Forward and backward seconds of batch norm (training mode, NCHW) and layer norm by size, and
+    of elementwise kernels (ReLU, GELU, add) by size, per dtype.
+
+    Rows are keyed by the input's element count: ``{"numel", "forward_s", "backward_s"}``;
+    ``"{dtype}/batch_norm"``, ``"{dtype}/layer_norm"``, ``"{dtype}/elementwise"`` (the mean of ReLU,
+    GELU and a two-input add, forward only in ``forward_s``; ``backward_s`` the same ops' backward).
+    Streaming kernels reach different fractions of a copy's bandwidth (a batch norm in NCHW reads
+    its input twice, for the statistics and to normalise, and reduces across the batch and the image).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    timer = timer or (lambda fn: cuda_time(fn, min_window=0.01))
+    dev = torch.device(device)
+    out: dict[str, list[dict[str, Any]]] = {}
+    for dt in dtypes:
+        dtype = getattr(torch, _TORCH_DTYPES[dt])
+        bn_rows, ln_rows, ew_rows = [], [], []
+        for b, c, hw in ((32, 64, 56), (32, 256, 56), (32, 512, 28), (32, 1024, 14), (64, 2048, 7)):
+            x = torch.randn(b, c, hw, hw, device=dev, dtype=dtype, requires_grad=True)
+            bn = torch.nn.BatchNorm2d(c, device=dev)  # fp32 parameters, as under autocast
+            g = torch.randn_like(x)
+            fwd = timer(lambda x=x, bn=bn: bn(x))
+            tot = timer(lambda x=x, bn=bn, g=g: torch.autograd.grad(bn(x), (x, bn.weight), g))
+            bn_rows.append({"shape": [b, c, hw, hw], "numel": x.numel(), "forward_s": fwd,
+                            "backward_s": max(tot - fwd, 0.0)})
+            say(f"batch norm {dt} {b}x{c}x{hw}x{hw}: forward {x.numel() * x.element_size() / fwd / 1e9:.0f} GB/s "
+                f"of input, backward/forward {max(tot - fwd, 0.0) / fwd:.2f}")
+            del x, g
+        for t, h in ((8192, 768), (8192, 2304), (16384, 4096), (4096, 12288)):
+            x = torch.randn(t, h, device=dev, dtype=dtype, requires_grad=True)
+            ln = torch.nn.LayerNorm(h, device=dev, dtype=dtype)
+            g = torch.randn_like(x)
+            fwd = timer(lambda x=x, ln=ln: ln(x))
+            tot = timer(lambda x=x, ln=ln, g=g: torch.autograd.grad(ln(x), (x, ln.weight), g))
+            ln_rows.append({"shape": [t, h], "numel": x.numel(), "forward_s": fwd, "backward_s": max(tot - fwd, 0.0)})
+            say(f"layer norm {dt} {t}x{h}: forward {x.numel() * x.element_size() / fwd / 1e9:.0f} GB/s of input")
+            del x, g
+        for n in (1 << 16, 1 << 20, 1 << 23, 1 << 25, 1 << 27):
+            x = torch.randn(n, device=dev, dtype=dtype, requires_grad=True)
+            y = torch.randn(n, device=dev, dtype=dtype, requires_grad=True)
+            g = torch.randn_like(x)
+            fw = [timer(lambda x=x: F.relu(x)), timer(lambda x=x: F.gelu(x)), timer(lambda x=x, y=y: x + y)]
+            tot = [timer(lambda x=x, g=g: torch.autograd.grad(F.relu(x), x, g)),
+                   timer(lambda x=x, g=g: torch.autograd.grad(F.gelu(x), x, g)),
+                   timer(lambda x=x, y=y, g=g: torch.autograd.grad(x + y, (x, y), g))]
+            f = statistics.mean(fw)
+            ew_rows.append({"numel": n, "forward_s": f, "backward_s": max(statistics.mean(tot) - f, 0.0),
+                            "relu_gelu_add_s": fw})
+            say(f"elementwise {dt} {n}: relu {2 * n * x.element_size() / fw[0] / 1e9:.0f} GB/s, "
+                f"add {3 * n * x.element_size() / fw[2] / 1e9:.0f} GB/s")
+            del x, y, g
+        out[f"{dt}/batch_norm"], out[f"{dt}/layer_norm"], out[f"{dt}/elementwise"] = bn_rows, ln_rows, ew_rows
+    return out
 
 
 def _nccl_allreduce(rank: int, world: int, sizes: Sequence[int], iters: int) -> list[tuple[int, float]]:
@@ -267,9 +367,10 @@ def calibrate_gpu(out: str | os.PathLike[str] | None = None, *, dtypes: Sequence
     one = torch.ones(1, device="cuda")
     res["launch_overhead"] = cuda_time(lambda: torch.add(one, one), min_window=0.01)
     say(f"tiny eager op: {res['launch_overhead'] * 1e6:.1f} us")
-    res["training_ops"] = _training_op_floor()
+    res["training_ops"] = host_op_seconds()
     say("tiny ops through autograd, forward + backward per op: " +
         ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in res["training_ops"].items()))
+    res["streaming"] = norm_rows([d for d in dtypes if d in ("bf16", "fp32")], say)
     from polyparallel.cost_models.calibrate import fit_alpha_beta, run_group
 
     coll: dict[str, Any] = {"op": "all_reduce", "backend": "nccl", "points": []}
