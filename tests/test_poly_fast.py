@@ -122,6 +122,52 @@ def test_batched_distributions_and_op_collectives_equal_one_placement_at_a_time(
             assert d.reshard_key[:1] == one.reshard_key[:1] and d.reshard_key[1:] == one.reshard_key[1:]
 
 
+def _batch_mismatches(g, op, mesh) -> tuple[int, int]:
+    """(operand distributions of all legal placements built as one batch that differ from the
+    same placement built alone, distributions compared)."""
+    legal = poly.legal_placements(g, op, mesh)
+    operands = [(f"in{j}", False) for j in range(len(op.inputs))] + [(f"out{j}", True) for j in range(len(op.outputs))]
+    bad = n = 0
+    for operand, writes in operands:
+        CACHE.clear()
+        many = _comm._build_distributions(g, op, legal, mesh, operand, writes)
+        for p in legal:
+            one = _comm._build_distributions(g, op, [p], mesh, operand, writes)[p]
+            d = many[p]
+            n += 1
+            bad += not (np.array_equal(d.counts(), one.counts()) and d.block == one.block and
+                        np.array_equal(d.region.fallback, one.region.fallback) and
+                        len(d.region.pieces) == len(one.region.pieces) and
+                        all(a.same(b) for pa, pb in zip(d.region.pieces, one.region.pieces) for a, b in zip(pa, pb)))
+    return bad, n
+
+
+def test_batched_footprints_keep_every_mesh_axis_the_footprint_feels(gpt, monkeypatch):
+    """A batch gives each placement one virtual device per coordinate of the mesh axes its
+    operand's footprint can depend on (``_footprint_axes``): the dims the accesses index, the
+    dims a constraint links (causal attention: a query row's keys), and dims with an empty
+    block (a 1:10 axis over an extent of 2). Exact on such meshes; a rule that forgets the
+    constraints or the empty blocks gives wrong footprints, and this comparison sees it."""
+    ops = {op.name: op for op in gpt.ops}
+    cases = [(ops["scaled_dot_product_attention"], DeviceMesh.parse("a=2,b=3")),
+             (ops["linear_2"], DeviceMesh.parse("a=2[1:10],b=2"))]
+    for op, mesh in cases:
+        bad, n = _batch_mismatches(gpt, op, mesh)
+        assert bad == 0 and n > 20
+    # a virtual device kept on the slice at coordinate 0 of every other axis: e.g. the empty
+    # batch block on the 1:10 axis would stand for the nonempty one
+    from polyparallel.ir import ANY
+
+    def indexed_only(nest, placement, mesh, operand, writes):
+        dims = {d for _st, acc, w in nest.accesses(operand) if w == writes for e in acc.index if e is not ANY
+                for d in e.dims}
+        return tuple(a for d, ax in placement.splits if d in dims for a in ax)
+
+    monkeypatch.setattr(_comm, "_footprint_axes", indexed_only)
+    for op, mesh in cases:
+        assert _batch_mismatches(gpt, op, mesh)[0] > 0, op.name
+
+
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_table_of_layouts_against_numpy_enumeration(data):

@@ -336,7 +336,10 @@ def _build_distributions(graph: Graph, op: Op, placements: Sequence[Placement], 
         check_placement(nest, p, mesh, op=op.name)
     k = len(placements)
     per = [dim_bounds(nest, p, mesh) for p in placements]
-    cat, take, nv, reps = _side_by_side(per, placements, mesh, nest)
+    # the operand's footprint depends only on the mesh axes of the dims it can feel: one virtual device
+    # per coordinate of those axes (a weight's footprint is the same on every data-parallel rank)
+    keep = [_footprint_axes(nest, p, mesh, operand, writes) for p in placements]
+    cat, take, nv, reps = _side_by_side(per, placements, mesh, nest, keep)
     region = operand_region(nest, operand, shape, cat, writes=writes, ndev=nv)
     deps_all = [_deps(nest, p, operand, writes, len(shape)) for p in placements]
     # block[i][j]: every piece is, along tensor axis j, the block distribution over the mesh axes
@@ -383,28 +386,32 @@ def _build_distributions(graph: Graph, op: Op, placements: Sequence[Placement], 
 
 
 def _side_by_side(per: Sequence[dict], placements: Sequence[Placement], mesh: DeviceMesh,
-                  nest: LoopNest | None = None) -> tuple[dict, list[np.ndarray | slice], int, list[np.ndarray | None]]:
+                  nest: LoopNest | None = None, keep: Sequence[tuple[str, ...]] | None = None
+                  ) -> tuple[dict, list[np.ndarray | slice], int, list[np.ndarray | None]]:
     """The bounds of several placements as one computation over virtual devices.
 
     A device's bounds depend only on its coordinates along the mesh axes the placement
     uses: devices that differ only along the others have the same share (replicated
     work), so each placement contributes one device per coordinate of its axes (the mesh
-    slice at coordinate 0 elsewhere). Returns the bounds side by side, for each placement
+    slice at coordinate 0 elsewhere). ``keep[i]``: only these of placement ``i``'s axes
+    (the caller's result does not depend on the bounds of the dims the others split, see
+    :func:`_footprint_axes`). Returns the bounds side by side, for each placement
     the index of each real device's virtual one, the number of virtual devices and each
     placement's representative devices (None: all). One
     placement alone is computed over the real devices, as before batching.
     """
     if len(placements) == 1:
         return per[0], [slice(0, mesh.size)], mesh.size, [None]
+    axes = [p.mesh_axes for p in placements] if keep is None else [tuple(k) for k in keep]
     if nest is None:
-        return _side_by_side_build(per, placements, mesh)
+        return _side_by_side_build(per, axes, mesh)
     # ``per`` is dim_bounds of the nest's dims (a function of their extents, the placements and the
     # mesh); the operands of an op and its collectives batch the same placements: built once, shared
-    key = (tuple((d.name, d.extent) for d in nest.dims), tuple(placements), mesh)
+    key = (tuple((d.name, d.extent) for d in nest.dims), tuple(placements), mesh, tuple(axes))
     hit = _SIDE_MEMO.get(key)
     if hit is not None:
         return hit
-    out = _side_by_side_build(per, placements, mesh)
+    out = _side_by_side_build(per, axes, mesh)
     for lo, hi in out[0].values():
         lo.setflags(write=False)
         hi.setflags(write=False)
@@ -417,12 +424,12 @@ def _side_by_side(per: Sequence[dict], placements: Sequence[Placement], mesh: De
 _SIDE_MEMO: dict[tuple, tuple] = {}
 
 
-def _side_by_side_build(per: Sequence[dict], placements: Sequence[Placement],
+def _side_by_side_build(per: Sequence[dict], axes: Sequence[tuple[str, ...]],
                         mesh: DeviceMesh) -> tuple[dict, list[np.ndarray | slice], int, list[np.ndarray | None]]:
     takes: list[np.ndarray | slice] = []
     reps, offset = [], 0
-    for p in placements:
-        rep, local = _mesh_slice(mesh, p.mesh_axes)
+    for kept in axes:
+        rep, local = _mesh_slice(mesh, kept)
         if rep is None:  # every device differs: a contiguous run, taken as a view
             takes.append(slice(offset, offset + mesh.size))
             offset += mesh.size
@@ -433,6 +440,48 @@ def _side_by_side_build(per: Sequence[dict], placements: Sequence[Placement],
     cat = {d: (np.concatenate([b[d][0] if r is None else b[d][0][r] for b, r in zip(per, reps)]),
                np.concatenate([b[d][1] if r is None else b[d][1][r] for b, r in zip(per, reps)])) for d in per[0]}
     return cat, takes, offset, reps
+
+
+def _footprint_axes(nest: LoopNest, placement: Placement, mesh: DeviceMesh, operand: str,
+                    writes: bool | None) -> tuple[str, ...]:
+    """The mesh axes of ``placement`` the footprint of ``operand`` can depend on.
+
+    In a statement that accesses the operand, the image of a device's box depends on the
+    bounds of the dims the access indexes by, of the dims constraints tighten (a causal
+    mask links ``t`` to ``s``), and on whether the box is empty at all. A dim outside those
+    whose blocks are all nonempty (always, on even axes: legal splits give every device
+    work; a weighted axis can leave a block empty) changes nothing: devices that differ only
+    in the coordinates of its mesh axes have the same footprint.
+    """
+    felt, other = _of_nest(nest, ("felt", operand, writes), lambda: _felt_dims(nest, operand, writes))
+    axes: list[str] = []
+    for d, ax in placement.splits:
+        if d in felt or (d in other and _has_empty_block(mesh, nest.extents[d], ax)):
+            axes.extend(ax)
+    return tuple(axes)
+
+
+def _felt_dims(nest: LoopNest, operand: str, writes: bool | None) -> tuple[frozenset[str], frozenset[str]]:
+    """(dims indexing an access of ``operand`` or in a constraint of a statement accessing it,
+    the other dims of those statements)."""
+    felt: set[str] = set()
+    dims: set[str] = set()
+    for st, acc, is_write in nest.accesses(operand):
+        if writes is not None and is_write != writes:
+            continue
+        dims.update(st.dims)
+        for e in acc.index:
+            if e is not ANY:
+                felt.update(e.dims)
+        for c in st.constraints:
+            felt.update(c.dims)
+    return frozenset(felt), frozenset(dims - felt)
+
+
+@lru_cache(maxsize=1 << 14)
+def _has_empty_block(mesh: DeviceMesh, extent: int, axes: tuple[str, ...]) -> bool:
+    lo, hi = mesh.bounds(extent, axes)
+    return bool((hi <= lo).any())
 
 
 @lru_cache(maxsize=1024)
@@ -1025,7 +1074,8 @@ def _gain(shape: Shape, nxt: Shards, cur: Shards, mesh: DeviceMesh) -> tuple[int
 
 CACHE.on_clear(_AXIS_MEMO.clear, _RIDS.clear, _route.cache_clear, _even_blocks.cache_clear, _block_stats.cache_clear,
                _all_reduce_of.cache_clear, _gain.cache_clear, _SIDE_MEMO.clear, _NEST_MEMO.clear, _LEGAL_MEMO.clear,
-               _KIND_MEMO.clear, _PAD_MEMO.clear, _BLOCK_AXES.clear)
+               _KIND_MEMO.clear, _PAD_MEMO.clear, _BLOCK_AXES.clear,
+               _has_empty_block.cache_clear)
 
 
 def _ordered(axes: list[str], reference: Sequence[str]) -> list[str]:
