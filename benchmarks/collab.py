@@ -34,6 +34,14 @@ Run: ``nice python benchmarks/collab.py`` (3 centers × 1M in every mode, then 5
 in ``warm+poll`` and ``tuned``; ``--quick``: only 3 × 1M; ``--modes a,b``: only those modes).
 Writes ``benchmarks/results/collab.json``.
 
+``--experiment`` measures the Fashion-MNIST experiment's own setting over Flower (``tuned`` mode):
+five centers, its CNN (``examples/collab_fashion_mnist.py``: width 8, 28×28 inputs, batch 32), the
+fusion of ``--fusion`` (default ``scaffold``: it also sends ``c`` down and ``c_i`` up), at each ``H`` of
+``--steps-sweep`` (default ``9,19,100,400,1000``; the experiment runs ``H = 9`` or ``19``); inputs are
+random arrays of the images' shape (timing does not depend on the pixels). Writes
+``benchmarks/results/collab_experiment.json``. On one machine the five centers share its cores, so
+``compute`` here is what a center takes while the others train too.
+
 ``--steps-sweep 5,100,400`` instead runs ``--sweep-centers`` (3) centers × 1M params in ``warm+poll``
 and ``tuned`` (or ``--modes``) at each number of local steps per round ``H`` and writes
 ``benchmarks/results/collab_steps.json``: the per-round cost of Flower is a constant ``c``, so its
@@ -57,7 +65,8 @@ import numpy as np
 from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, run_inprocess
 from polyparallel.backends.collab._flower import run_flower
 
-SIZES = {"1M": ModelSpec("mlp", (1000,), 10, hidden=1000), "25M": ModelSpec("mlp", (5000,), 10, hidden=5000)}
+SIZES = {"1M": ModelSpec("mlp", (1000,), 10, hidden=1000), "25M": ModelSpec("mlp", (5000,), 10, hidden=5000),
+         "fmnist-cnn": ModelSpec("cnn", (1, 28, 28), 10, hidden=8)}  # the Fashion-MNIST experiment's model
 _STOCK = dict(supernode_poll_s=None, supernode_wait_s=None, pull_backoff_s=None, superlink_database="superlink.db",
               pack_arrays=False)
 _WAITS = dict(warm=True, poll_s=0.1, supernode_poll_s=0.25, supernode_wait_s=0.02, pull_backoff_s=0.02)
@@ -121,14 +130,16 @@ def split_rounds(res, centers: list[str], bps: float) -> dict:
     return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
 
 
-def bench(n_centers: int, size: str, mode: str, rounds: int, steps: int, bps: float, workroot: Path) -> dict:
+def bench(n_centers: int, size: str, mode: str, rounds: int, steps: int, bps: float, workroot: Path,
+          fusion: str = "fedavg") -> dict:
     spec = SIZES[size]
     names = [f"c{i}" for i in range(n_centers)]
+    batch = 32 if size == "fmnist-cnn" else 16
     cfg = CollabConfig(centers=tuple(CenterSpec(n) for n in names), model=spec, rounds=rounds, local_steps=steps,
-                       batch_size=16, lr=0.01, round_timeout_s=600)
+                       batch_size=batch, lr=0.01, round_timeout_s=600, fusion=fusion)
     rng = np.random.default_rng(0)
     data = {n: (rng.normal(size=(64, *spec.in_shape)).astype(np.float32), rng.integers(0, 10, 64)) for n in names}
-    workdir = workroot / f"{n_centers}-{size}-{mode}-H{steps}"
+    workdir = workroot / f"{n_centers}-{size}-{mode}-{fusion}-H{steps}"
     # a stale work directory holds a finished server checkpoint, which the ServerApp would resume from
     shutil.rmtree(workdir, ignore_errors=True)
     t0 = time.time()
@@ -139,9 +150,10 @@ def bench(n_centers: int, size: str, mode: str, rounds: int, steps: int, bps: fl
     inproc = (time.time() - t1) / rounds
     same = all(np.array_equal(ref.params[k], res.params[k]) for k in ref.params)
     out = {"centers": n_centers, "size": size, "params": int(sum(v.size for v in ref.params.values())),
-           "mode": mode, "rounds": rounds, "local_steps": steps, "total_wall_s": wall,
+           "mode": mode, "fusion": fusion, "batch": batch, "rounds": rounds, "local_steps": steps, "total_wall_s": wall,
            "inprocess_round_s": inproc, "matches_inprocess": same, **split_rounds(res, names, bps)}
-    print(f"{n_centers:>2} {size:>4} {mode:>10} H={steps:<4d} | round {out['round']:7.2f} s | down {out['down']:6.2f} "
+    print(f"{n_centers:>2} {size:>4} {mode:>10} {fusion} H={steps:<4d} | round {out['round']:7.2f} s "
+          f"| down {out['down']:6.2f} "
           f"compute {out['compute']:6.2f} up {out['up']:6.2f} wait {out['wait']:6.2f} fusion {out['fusion']:5.2f} "
           f"| raw {out['raw']:5.2f} overhead {out['overhead']:6.2f} comm {100 * out['comm_frac']:5.1f}% "
           f"| in-process {inproc:6.2f} s/round | exact {same}", flush=True)
@@ -158,6 +170,9 @@ def main() -> None:
     ap.add_argument("--steps-sweep", default="", help="comma-separated H values: the local-steps sweep only")
     ap.add_argument("--sweep-centers", type=int, default=3)
     ap.add_argument("--modes", default="", help=f"comma-separated subset of {', '.join(MODES)}")
+    ap.add_argument("--experiment", action="store_true",
+                    help="the Fashion-MNIST experiment's setting (5 centers, its CNN) at each H of --steps-sweep")
+    ap.add_argument("--fusion", default="scaffold", help="fusion of the --experiment rows")
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m] or list(MODES)
     unknown = set(modes) - set(MODES)
@@ -173,7 +188,14 @@ def main() -> None:
         plan = [(args.sweep_centers, "1M", m, int(h)) for m in compared for h in args.steps_sweep.split(",")]
         if args.out == Path("benchmarks/results/collab.json"):
             args.out = Path("benchmarks/results/collab_steps.json")
-    rows = [bench(n, s, m, args.rounds, h, bps, args.workdir) for n, s, m, h in plan]
+    fusion = "fedavg"
+    if args.experiment:
+        fusion = args.fusion
+        sweep = args.steps_sweep or "9,19,100,400,1000"
+        plan = [(5, "fmnist-cnn", m, int(h)) for m in (modes if args.modes else ["tuned"]) for h in sweep.split(",")]
+        if args.out == Path("benchmarks/results/collab.json"):
+            args.out = Path("benchmarks/results/collab_experiment.json")
+    rows = [bench(n, s, m, args.rounds, h, bps, args.workdir, fusion) for n, s, m, h in plan]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                                 "loadavg_at_start": os.getloadavg()},

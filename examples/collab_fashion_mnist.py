@@ -6,7 +6,7 @@ split, the same total number of epochs for every arm:
 
 - ``local``   each center trains only on its own data (mean test accuracy of the five models);
 - ``fedavg``, ``diloco``, ``fedprox``, ``fedadam`` ... (``--fusions``)   collaborative training, ``R``
-  rounds of ``H`` local steps, each fusion with its paper's hyper-parameters (:data:`FUSION_OPTIONS`);
+  rounds of ``H`` local steps, each fusion with its paper's hyper-parameters (:data:`ARMS`);
 - ``pooled``  one model trained on the union of the centers' data;
 - ``fedavg-ms`` (``--mindspore``)  FedAvg with two of the five centers training in MindSpore.
 
@@ -96,10 +96,14 @@ def split(y: np.ndarray, centers: int, alpha: float | None, seed: int) -> list[n
 # Each fusion's own hyper-parameters, from the paper that introduced it (never tuned on this experiment):
 # FedProx mu from Li et al. 2020's grid; FedAdam eta=10^-2, tau=10^-3 from Reddi et al. 2021;
 # DiLoCo outer lr 0.7 with Nesterov momentum 0.9 from Douillard et al. 2023; SCAFFOLD global step
-# eta_g = 1 from Karimireddy et al. 2020.
-FUSION_OPTIONS: dict[str, dict[str, float]] = {
-    "fedavg": {}, "fedprox": {"mu": 0.01}, "fedadam": {"lr": 0.01, "tau": 1e-3}, "fedyogi": {"lr": 0.01, "tau": 1e-3},
-    "diloco": {"lr": 0.7, "momentum": 0.9}, "scaffold": {"lr": 1.0},
+# eta_g = 1 from Karimireddy et al. 2020; "scaffold-nesterov" is SCAFFOLD's control variates with
+# DiLoCo's outer step (its lr 0.7 and momentum 0.9, not tuned here).
+# arm name -> (fusion, options)
+ARMS: dict[str, tuple[str, dict[str, float]]] = {
+    "fedavg": ("fedavg", {}), "fedprox": ("fedprox", {"mu": 0.01}),
+    "fedadam": ("fedadam", {"lr": 0.01, "tau": 1e-3}), "fedyogi": ("fedyogi", {"lr": 0.01, "tau": 1e-3}),
+    "diloco": ("diloco", {"lr": 0.7, "momentum": 0.9}), "scaffold": ("scaffold", {"lr": 1.0}),
+    "scaffold-nesterov": ("scaffold", {"lr": 0.7, "momentum": 0.9}),
 }
 
 
@@ -148,13 +152,13 @@ def run_split(name: str, alpha: float | None, xtr, ytr, xte, yte, args, seed: in
         accs.append(evaluate_torch(spec, p, xte, yte)["accuracy"])
     record("pooled", accs, t0)
 
-    for fusion in args.fusions.split(","):
-        opts = FUSION_OPTIONS[fusion]
+    for arm in args.fusions.split(","):
+        fusion, opts = ARMS[arm]
         t0 = time.time()
         cfg = CollabConfig(centers=tuple(CenterSpec(n) for n in names), fusion=fusion, fusion_options=opts, **base)
         res = run_inprocess(cfg, data, eval_data=(xte, yte))
-        record(fusion, [r.eval["accuracy"] for r in res.rounds], t0,
-               {"fusion_options": opts, "bytes_up_per_round": sum(res.rounds[0].bytes_up.values()),
+        record(arm, [r.eval["accuracy"] for r in res.rounds], t0,
+               {"fusion": fusion, "fusion_options": opts, "bytes_up_per_round": sum(res.rounds[0].bytes_up.values()),
                 "bytes_down_per_round": res.rounds[0].bytes_down})
     if args.mindspore and name.split("(")[0].lower() in args.mindspore_splits.lower() and seed == args.seeds[0]:
         t0 = time.time()
@@ -251,7 +255,7 @@ def main() -> None:
     ap.add_argument("--train", type=int, default=0, help="use this many training images (0: all 60k)")
     ap.add_argument("--test", type=int, default=0, help="use this many test images (0: all 10k)")
     ap.add_argument("--seeds", default="0", help="comma-separated seeds (data split, initial model, data order)")
-    ap.add_argument("--fusions", default="fedavg,diloco", help=f"comma-separated, from {sorted(FUSION_OPTIONS)}")
+    ap.add_argument("--fusions", default="fedavg,diloco", help=f"comma-separated arms, from {sorted(ARMS)}")
     ap.add_argument("--mindspore", action="store_true", help="also run FedAvg with two MindSpore centers")
     ap.add_argument("--mindspore-splits", default="IID", help="splits (IID, Dirichlet) that get the MindSpore run")
     ap.add_argument("--splits", default="iid,dirichlet")
@@ -260,9 +264,9 @@ def main() -> None:
                     help="only rebuild the table and plot from the JSON files of --splits (runs started apart)")
     args = ap.parse_args()
     args.seeds = [int(x) for x in args.seeds.split(",")]
-    unknown = set(args.fusions.split(",")) - set(FUSION_OPTIONS)
+    unknown = set(args.fusions.split(",")) - set(ARMS)
     if unknown:
-        raise SystemExit(f"--fusions: unknown {sorted(unknown)}; choose from {sorted(FUSION_OPTIONS)}")
+        raise SystemExit(f"--fusions: unknown {sorted(unknown)}; choose from {sorted(ARMS)}")
     import torch
 
     torch.set_num_threads(1)

@@ -142,6 +142,28 @@ def test_server_control_is_the_sample_weighted_mean_of_the_last_reported_variate
         f.fuse(x, [CenterUpdate("a", x, 10)])
 
 
+def test_scaffold_with_outer_momentum_steps_the_model_as_diloco_does():
+    from polyparallel.backends.collab import DiLoCo
+
+    rng = np.random.default_rng(4)
+    x = {"w": rng.normal(size=(3, 2)).astype(np.float32), "bn.running_var": np.ones(2, np.float32)}
+    s, d = Scaffold(lr=0.7, momentum=0.9), DiLoCo(lr=0.7, momentum=0.9)
+    xs = xd = x
+    for r in range(3):
+        ups = [CenterUpdate(c, {k: v + rng.normal(size=v.shape) for k, v in x.items()}, n,
+                            controls={"w": rng.normal(size=(3, 2))}) for c, n in (("a", 5), ("b", 15))]
+        xs = s.fuse(xs, [CenterUpdate(u.center, {k: u.params[k] - x[k] + xs[k] for k in x}, u.num_samples,
+                                      controls=u.controls) for u in ups])
+        xd = d.fuse(xd, [CenterUpdate(u.center, {k: u.params[k] - x[k] + xd[k] for k in x}, u.num_samples)
+                         for u in ups])
+        for k in x:
+            np.testing.assert_allclose(xs[k], xd[k], rtol=1e-6)
+        if r == 1:  # the outer momentum is checkpointed with the variates
+            t = Scaffold(lr=0.7, momentum=0.9)
+            t.load_state(s.state())
+            s = t
+
+
 def test_the_server_rejects_a_reply_without_control_variates():
     cfg = _cfg(("a", "b"), rounds=1, min_centers=1)
     data = _data(("a", "b"))

@@ -274,7 +274,10 @@ class Scaffold(FusionStrategy):
     ``(x − y_K)/(K η)`` form would not (momentum ``β`` inflates it by up to ``1/(1 − β)``).
 
     Server, for the accepted centers ``S``: ``x' = x + η_g Σ_{i∈S} p_i (x_i − x)`` (``p_i`` sample
-    weights over ``S``; ``η_g = 1`` is FedAvg's step; running statistics take the plain average) and
+    weights over ``S``; ``η_g = 1`` is FedAvg's step; running statistics take the plain average) — or,
+    with ``momentum = μ > 0``, DiLoCo's outer Nesterov step on that average (``g = −Δ``, ``u = μ u + g``,
+    ``x' = x − η_g (g + μ u)``): the control variates remove the drift between centers, the outer
+    momentum makes up for the fewer sequential steps that ``K`` parallel centers take per round — and
     ``c = Σ_j n_j c_j / Σ_j n_j`` over every center ``j`` that has reported so far. The paper's server
     keeps only ``c`` and adds ``(1/N) Σ_{i∈S} Δc_i``; the weighted form needs the per-center terms, so
     the server keeps a mirror of each reported ``c_j`` (what the centers sent, nothing more; it is part
@@ -286,15 +289,16 @@ class Scaffold(FusionStrategy):
     name = "scaffold"
     uses_controls = True
 
-    def __init__(self, lr: float = 1.0) -> None:
-        if lr <= 0:
-            raise ValueError(f"SCAFFOLD server lr must be > 0, got {lr}")
-        self.lr = float(lr)
+    def __init__(self, lr: float = 1.0, momentum: float = 0.0) -> None:
+        if lr <= 0 or not 0 <= momentum < 1:
+            raise ValueError(f"SCAFFOLD needs server lr > 0 and 0 <= momentum < 1, got lr={lr}, momentum={momentum}")
+        self.lr, self.momentum = float(lr), float(momentum)
         self._mirror: dict[str, Params] = {}  # center -> its last reported c_i (float64)
         self._n: dict[str, float] = {}  # center -> its sample count when it reported it
+        self._u: Params = {}  # outer momentum buffers (momentum > 0)
 
     def options(self) -> dict[str, float]:
-        return {"lr": self.lr}
+        return {"lr": self.lr, "momentum": self.momentum}
 
     def control(self, global_params: Mapping[str, np.ndarray]) -> Params:
         names = trained_names(global_params)
@@ -315,7 +319,16 @@ class Scaffold(FusionStrategy):
                 raise ValueError(f"SCAFFOLD: center {u.center!r} sent control variates for {have}, "
                                  f"expected one per trained tensor {sorted(names)}")
         delta = _weighted_delta(global_params, updates)
-        out = {k: x + (delta[k] if is_statistic(k) else self.lr * delta[k]) for k, x in global_params.items()}
+        out: Params = {}
+        for k, x in global_params.items():
+            if is_statistic(k):
+                out[k] = x + delta[k]
+            elif self.momentum == 0:
+                out[k] = x + self.lr * delta[k]
+            else:  # DiLoCo's outer Nesterov step on g = -delta
+                u = self._u.setdefault(k, np.zeros(x.shape, dtype=np.float64))
+                u[...] = self.momentum * u - delta[k]
+                out[k] = x - self.lr * (-delta[k] + self.momentum * u)
         for u in updates:
             self._mirror[u.center] = {k: np.asarray(u.controls[k], dtype=np.float64).copy() for k in names}
             self._n[u.center] = float(u.num_samples)
@@ -324,13 +337,16 @@ class Scaffold(FusionStrategy):
     def state(self) -> Params:
         out: Params = {f"n/{c}": np.array(n, dtype=np.float64) for c, n in self._n.items()}
         out.update({f"c/{c}/{k}": v for c, ci in self._mirror.items() for k, v in ci.items()})
+        out.update({f"u/{k}": v for k, v in self._u.items()})
         return out
 
     def load_state(self, state: Mapping[str, np.ndarray]) -> None:
-        self._mirror, self._n = {}, {}
+        self._mirror, self._n, self._u = {}, {}, {}
         for key, v in state.items():
             kind, _, rest = key.partition("/")
-            if kind == "n":
+            if kind == "u":
+                self._u[rest] = np.asarray(v, dtype=np.float64).copy()
+            elif kind == "n":
                 self._n[rest] = float(v)
             elif kind == "c":
                 center, _, name = rest.partition("/")
