@@ -225,7 +225,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=2, help="runs of every configuration (interleaved)")
     ap.add_argument("--recalibrate", action="store_true", help="measure this machine again first")
+    ap.add_argument("--calibration", metavar="FILE",
+                    help="the calibration file to price with (and to write with --recalibrate); default "
+                         "$POLYPARALLEL_CALIBRATION, else ~/.cache/polyparallel/calibration.json")
     args = ap.parse_args()
+    if args.calibration:  # the pricing and every worker read it from the environment
+        os.environ["POLYPARALLEL_CALIBRATION"] = str(Path(args.calibration).resolve())
     result: dict[str, Any] = json.loads(OUT.read_text()) if OUT.is_file() else {}
     result["host"] = {"machine": platform.machine(), "cores": os.cpu_count(), "python": sys.version.split()[0]}
     if args.part in ("published", "both"):

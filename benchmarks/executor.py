@@ -454,7 +454,12 @@ def main() -> None:
     ap.add_argument("--no-recalibrate", action="store_true", help="use the existing calibration file")
     ap.add_argument("--components", action="store_true",
                     help="only the one-process check: forward/backward/optimizer priced vs measured (~1 min)")
+    ap.add_argument("--calibration", metavar="FILE",
+                    help="the calibration file to write (unless --no-recalibrate) and price with; default "
+                         "$POLYPARALLEL_CALIBRATION, else ~/.cache/polyparallel/calibration.json")
     args = ap.parse_args()
+    if args.calibration:  # the pricing and every worker read it from the environment
+        os.environ["POLYPARALLEL_CALIBRATION"] = str(Path(args.calibration).resolve())
     if args.components:
         print(f"{GPT.description}; one process, one thread: parts of a step, priced vs measured "
               f"(without: as priced before the CPU framework terms {', '.join(FRAMEWORK_TERMS)}):")

@@ -23,7 +23,14 @@ then takes milliseconds; a training process on one thread never sees that.)
   attention ops by these rows, as it does with a GPU's flash-attention rows), and
   ``optimizer_tensor_overhead``: seconds per parameter tensor of torch's CPU optimizer step
   (SGD, Adam, AdamW: a Python loop over tensors and ~k small kernels each), which the step model
-  charges per parameter tensor instead of ``k`` kernel floors.
+  charges per parameter tensor instead of ``k`` kernel floors;
+  ``optimizer_element``: seconds per parameter *element* of the same steps on large tensors, at
+  two working-set sizes (in cache and in memory; :func:`optimizer_element_rates`), which prices the
+  step's arithmetic and traffic instead of a streaming-bandwidth guess; ``gemm``: matmul
+  seconds of *skinny* shapes (:func:`gemm_rows`: one dimension ``s`` small, the other two ``L``;
+  a Linear layer on a micro-batch of ``s`` tokens runs such GEMMs, far below the rate of a square
+  GEMM of the same FLOPs); ``grad_accumulation``: seconds per gradient element that autograd
+  adds into an existing ``.grad`` (every micro-batch after the first; :func:`grad_accumulation_rate`).
   This is what each process of a ``P``-process run gets while its siblings compute too (``P``
   above the core count time-shares); ``local-cpu:<P>`` uses these rates as they are;
 * ``matmul``: ``{threads: [{n, flops, seconds}]}`` of this process alone with 1 thread and with
@@ -77,15 +84,24 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ATTENTION_SHAPES", "THREADS_PER_PROCESS", "TRAINING_OP_CLASSES", "attention_rows", "calibrate",
-           "fit_alpha_beta", "fit_training_op_overhead", "free_port", "kernel_rates", "optimizer_tensor_floor",
-           "run_group", "slowest_rank", "training_op_floor"]
+__all__ = ["ATTENTION_SHAPES", "GEMM_LARGE", "GEMM_SMALL", "OPTIMIZER_WORKING_SETS", "THREADS_PER_PROCESS",
+           "TRAINING_OP_CLASSES", "attention_rows", "calibrate", "fit_alpha_beta", "fit_training_op_overhead",
+           "free_port", "gemm_rows", "grad_accumulation_rate", "kernel_rates", "optimizer_element_rates",
+           "optimizer_tensor_floor", "run_group", "slowest_rank", "training_op_floor"]
 
 # intra-op threads of one training process: what pp.train gives its workers (OMP_NUM_THREADS=1)
 THREADS_PER_PROCESS = 1
 
 # causal attention (batch, heads, sequence, head dim) measured by `calibrate`: small-model training sizes
 ATTENTION_SHAPES = ((2, 4, 64, 32), (4, 4, 128, 32), (4, 8, 256, 64))
+
+# skinny GEMMs measured by `calibrate`: the small dimension s (tokens of a micro-batch) and the two
+# large ones L x L (a layer's width), in both roles a Linear layer's training runs
+GEMM_SMALL = (1, 2, 4, 8, 16, 32, 64, 128)
+GEMM_LARGE = (256, 1024)
+
+# the optimizer step per element is measured over (tensors, elements each): in cache and in memory
+OPTIMIZER_WORKING_SETS = ((4, 1 << 14), (4, 1 << 20))
 
 # the tiny ops whose forward + backward make the training-op floor, and the op kind the compute
 # model prices each as (its backward kernel count κ comes from that kind)
@@ -217,9 +233,13 @@ def allreduce_sizes(sizes: Sequence[int], iters: int, group: Any = None, device:
 
 
 def kernel_rates(matmul_sizes: Sequence[int], sync: Callable[[], Any] = lambda: None,
-                 attention_shapes: Sequence[tuple[int, int, int, int]] = ()) -> dict[str, Any]:
-    """Matmul times by size, copy bandwidth, the 1-element op floor, the training-op floor and
-    fused-attention times by shape (:func:`attention_rows`), in this process.
+                 attention_shapes: Sequence[tuple[int, int, int, int]] = (),
+                 gemm: tuple[Sequence[int], Sequence[int]] = (GEMM_SMALL, GEMM_LARGE),
+                 optimizer_sets: Sequence[tuple[int, int]] = OPTIMIZER_WORKING_SETS) -> dict[str, Any]:
+    """Matmul times by size, copy bandwidth, the 1-element op floor, the training-op floor,
+    fused-attention times by shape (:func:`attention_rows`), the optimizer step per tensor and
+    per element (at ``optimizer_sets``), skinny GEMMs (``gemm = (small sizes, large sizes)``) and
+    gradient accumulation, in this process.
 
     ``sync`` (a barrier when several processes measure together) starts every quantity at the
     same moment on all of them, so each window is timed while all siblings are busy.
@@ -244,9 +264,109 @@ def kernel_rates(matmul_sizes: Sequence[int], sync: Callable[[], Any] = lambda: 
     att = attention_rows(attention_shapes)
     sync()
     opt = optimizer_tensor_floor()
+    sync()
+    opt_elem = optimizer_element_rates(working_sets=optimizer_sets)
+    sync()
+    skinny = gemm_rows(*gemm)
+    sync()
+    acc = grad_accumulation_rate()
     return {"matmul": rows, "memory_bandwidth": bw, "launch_overhead": floor, "threads": torch.get_num_threads(),
             "training_ops": per_op, "training_op_overhead": fit_training_op_overhead(per_op, floor), "attention": att,
-            "optimizer_tensor_overhead": opt}
+            "optimizer_tensor_overhead": opt, "optimizer_element": opt_elem, "gemm": skinny, "grad_accumulation": acc}
+
+
+def gemm_rows(smalls: Sequence[int] = GEMM_SMALL, larges: Sequence[int] = GEMM_LARGE,
+              window: float = 0.01) -> list[dict[str, Any]]:
+    """Seconds of skinny fp32 GEMMs in this process: one dimension ``s`` small, the other two ``L``.
+
+    A Linear layer ``y = x·Wᵀ`` on ``s`` tokens of width ``L`` runs, per micro-batch, the forward
+    ``(s×L)·(L×L)`` and the input gradient ``(s×L)·(L×L)`` — role ``"out"``: the small dimension
+    is a dimension of the output — and the weight gradient ``gᵀ·x = (L×s)·(s×L)`` — role
+    ``"reduce"``: the small dimension is the one summed over, and the output is the whole
+    ``L×L`` matrix. With few tokens both run far below a square GEMM of the same FLOPs (packing
+    the weight dominates, and BLAS picks other kernels), which a FLOP-indexed square curve
+    cannot see. Each row: ``{"role", "small", "large", "flops" = 2·s·L², "seconds"}``; the
+    compute model prices a contraction's three GEMMs by these rows
+    (:func:`polyparallel.cost_models.compute.gemm_rate`).
+    """
+    import torch
+
+    rows = []
+    for big in larges:
+        w = torch.randn(big, big)
+        for small in smalls:
+            x, g = torch.randn(small, big), torch.randn(small, big)
+            fwd = _time(lambda x=x, w=w: torch.mm(x, w.t()), window=window)
+            wgrad = _time(lambda x=x, g=g: torch.mm(g.t(), x), window=window)
+            flops = 2.0 * small * big * big
+            rows += [{"role": "out", "small": small, "large": big, "flops": flops, "seconds": fwd},
+                     {"role": "reduce", "small": small, "large": big, "flops": flops, "seconds": wgrad}]
+    return rows
+
+
+def grad_accumulation_rate(width: int = 1024, tokens: int = 8, pairs: int = 50) -> float:
+    """Seconds per gradient element that autograd accumulates into an existing ``.grad``.
+
+    With gradient accumulation (micro-batches, pipeline schedules) every micro-batch after the
+    first adds its weight gradient into the parameter's ``.grad`` instead of storing it. The
+    cost is the difference of one ``nn.Linear(width, width)`` forward + backward on ``tokens``
+    rows with the gradient present and with it cleared, per weight element. The two are timed
+    in alternating pairs and the median of the pairwise differences taken, so that a change of
+    the machine's load between them cancels:
+
+        a = median_i (t_accumulate,i − t_fresh,i) / width².
+    """
+    import torch
+
+    lin = torch.nn.Linear(width, width, bias=False)
+    x = torch.randn(tokens, width)
+    diffs = []
+    for i in range(pairs + 2):
+        lin.weight.grad = None
+        t0 = time.perf_counter()
+        lin(x).sum().backward()  # fresh: the gradient is stored
+        t1 = time.perf_counter()
+        lin(x).sum().backward()  # accumulated into the gradient just stored
+        t2 = time.perf_counter()
+        if i >= 2:  # warm-up pairs left out
+            diffs.append((t2 - t1) - (t1 - t0))
+    return max(0.0, statistics.median(diffs) / width**2)
+
+
+def optimizer_element_rates(optimizers: Sequence[str] = ("sgd", "adam", "adamw"),
+                            working_sets: Sequence[tuple[int, int]] = OPTIMIZER_WORKING_SETS,
+                            window: float = 0.02) -> dict[str, list[list[float]]]:
+    """Seconds per parameter element of torch's CPU optimizer step, at each working-set size.
+
+    For ``(n, e)`` in ``working_sets``: a step over ``n`` tensors of ``e`` elements less a step
+    over ``n`` tensors of 8 elements (the per-tensor host work cancels, see
+    :func:`optimizer_tensor_floor`), divided by ``n·(e − 8)``:
+
+        r(n·e) = (t(n × e) − t(n × 8)) / (n·(e − 8)).
+
+    torch's single-tensor Adam runs ~7 kernels per tensor with ``sqrt`` and divisions at one
+    thread: its time per element is not a bandwidth figure, and it depends on whether the
+    parameters and their state stay in cache. Returns ``{optimizer: [[elements, seconds per
+    element], ...]}`` by total elements ``n·e``.
+    """
+    import torch
+
+    classes = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+    def step_time(name: str, n: int, e: int) -> float:
+        params = [torch.zeros(e, requires_grad=True) for _ in range(n)]
+        for q in params:
+            q.grad = torch.full((e,), 1e-3)
+        opt = classes[name](params, lr=1e-3)
+        return _time(opt.step, window=window, windows=5)
+
+    out: dict[str, list[list[float]]] = {}
+    for name in optimizers:
+        out[name] = []
+        for n, e in working_sets:
+            rate = (step_time(name, n, e) - step_time(name, n, 8)) / (n * (e - 8))
+            out[name].append([float(n * e), max(rate, 0.0)])
+    return out
 
 
 def optimizer_tensor_floor(optimizers: Sequence[str] = ("sgd", "adam", "adamw"), counts: tuple[int, int] = (8, 32),
@@ -384,7 +504,9 @@ def _dtensor_overhead(procs: int) -> float:
 
 def _interleaved_measure(rank: int, world: int, counts: Sequence[int], sizes: Sequence[int], iters: int,
                          matmul_sizes: Sequence[int], rounds: int,
-                         attention_shapes: Sequence[tuple[int, int, int, int]] = ()) -> dict[str, Any]:
+                         attention_shapes: Sequence[tuple[int, int, int, int]] = (),
+                         gemm: tuple[Sequence[int], Sequence[int]] = (GEMM_SMALL, GEMM_LARGE),
+                         optimizer_sets: Sequence[tuple[int, int]] = OPTIMIZER_WORKING_SETS) -> dict[str, Any]:
     """Every process count measured by the same ``world`` workers, in interleaved rounds.
 
     Round ``r`` measures ``P = counts[0], counts[1], ...`` in turn: ranks ``< P`` compute at once
@@ -401,7 +523,8 @@ def _interleaved_measure(rank: int, world: int, counts: Sequence[int], sizes: Se
             dist.barrier()
             if rank < p:
                 sync = (lambda g=groups[p]: dist.barrier(group=g)) if p > 1 else (lambda: None)
-                kernels[p].append(kernel_rates(matmul_sizes, sync=sync, attention_shapes=attention_shapes))
+                kernels[p].append(kernel_rates(matmul_sizes, sync=sync, attention_shapes=attention_shapes, gemm=gemm,
+                                               optimizer_sets=optimizer_sets))
     dtensor: dict[int, float] = {}
     allreduce: dict[int, list[tuple[int, float]]] = {}
     for p in counts:
@@ -428,6 +551,15 @@ def _median_rounds(per_round: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if all("optimizer_tensor_overhead" in k for k in per_round):
         out["optimizer_tensor_overhead"] = {o: med(k["optimizer_tensor_overhead"][o] for k in per_round)
                                             for o in per_round[0]["optimizer_tensor_overhead"]}
+    if all("optimizer_element" in k for k in per_round):
+        out["optimizer_element"] = {o: [[e, med(k["optimizer_element"][o][i][1] for k in per_round)]
+                                        for i, (e, _) in enumerate(rows)]
+                                    for o, rows in per_round[0]["optimizer_element"].items()}
+    if all("gemm" in k for k in per_round):
+        out["gemm"] = [{**r, "seconds": med(k["gemm"][i]["seconds"] for k in per_round)}
+                       for i, r in enumerate(per_round[0]["gemm"])]
+    if all("grad_accumulation" in k for k in per_round):
+        out["grad_accumulation"] = med(k["grad_accumulation"] for k in per_round)
     if all("training_op_overhead" in k for k in per_round):
         out["training_op_overhead"] = med(k["training_op_overhead"] for k in per_round)
         out["training_ops"] = {c: med(k["training_ops"][c] for k in per_round) for c in per_round[0]["training_ops"]}
@@ -454,7 +586,16 @@ def slowest_rank(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
                if all(k.get("attention") for k in per_rank) else {}),
             **({"optimizer_tensor_overhead": {o: max(k["optimizer_tensor_overhead"][o] for k in per_rank)
                                               for o in per_rank[0]["optimizer_tensor_overhead"]}}
-               if all("optimizer_tensor_overhead" in k for k in per_rank) else {})}
+               if all("optimizer_tensor_overhead" in k for k in per_rank) else {}),
+            **({"optimizer_element": {o: [[e, max(k["optimizer_element"][o][i][1] for k in per_rank)]
+                                          for i, (e, _) in enumerate(rows)]
+                                      for o, rows in per_rank[0]["optimizer_element"].items()}}
+               if all("optimizer_element" in k for k in per_rank) else {}),
+            **({"gemm": [{**r, "seconds": max(k["gemm"][i]["seconds"] for k in per_rank)}
+                         for i, r in enumerate(per_rank[0]["gemm"])]}
+               if all("gemm" in k for k in per_rank) else {}),
+            **({"grad_accumulation": max(k["grad_accumulation"] for k in per_rank)}
+               if all("grad_accumulation" in k for k in per_rank) else {})}
 
 
 def fit_alpha_beta(points: Sequence[tuple[int, float, float]]) -> dict[str, float]:
@@ -490,10 +631,14 @@ def calibrate(out: str | os.PathLike[str] | None = None, *, group_sizes: Sequenc
               sizes: Sequence[int] = (4096, 65536, 1 << 20, 8 << 20), matmul_sizes: Sequence[int] = (
                   32, 64, 128, 256, 512, 1024), iters: int = 7, rounds: int = 2, timeout: float = 300.0,
               attention_shapes: Sequence[tuple[int, int, int, int]] = ATTENTION_SHAPES,
+              gemm: tuple[Sequence[int], Sequence[int]] = (GEMM_SMALL, GEMM_LARGE),
+              optimizer_sets: Sequence[tuple[int, int]] = OPTIMIZER_WORKING_SETS,
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure this machine and write the calibration JSON to ``out`` (if given); returns it.
 
-    ``rounds``: how many times every process count's kernels are measured, interleaved (median).
+    ``rounds``: how many times every process count's kernels are measured, interleaved (median);
+    ``gemm``: the (small, large) sizes of the skinny GEMMs; ``optimizer_sets``: the (tensors,
+    elements) working sets of the optimizer step per element.
     """
     import torch
 
@@ -541,7 +686,8 @@ def calibrate(out: str | os.PathLike[str] | None = None, *, group_sizes: Sequenc
     runs = []
     try:
         res = run_group(_interleaved_measure, max(counts), (tuple(counts), tuple(sizes), iters, tuple(matmul_sizes),
-                                                           rounds, tuple(attention_shapes)),
+                                                           rounds, tuple(attention_shapes),
+                                                           (tuple(gemm[0]), tuple(gemm[1])), tuple(optimizer_sets)),
                        timeout=timeout, threads=THREADS_PER_PROCESS)
     except (TimeoutError, RuntimeError) as e:
         res = []
@@ -582,6 +728,13 @@ def _say_rates(say: Callable[[str], None], p: int, k: dict[str, Any]) -> None:
     if k.get("optimizer_tensor_overhead"):
         tr += ", optimizer per tensor " + ", ".join(f"{o} {v * 1e6:.0f} us"
                                                     for o, v in k["optimizer_tensor_overhead"].items())
+    if k.get("optimizer_element", {}).get("adam"):
+        tr += ", adam per element " + "/".join(f"{r * 1e9:.2f}" for _, r in k["optimizer_element"]["adam"]) + " ns"
+    if k.get("gemm"):
+        r = min((r for r in k["gemm"] if r["role"] == "reduce"), key=lambda r: (r["small"], -r["large"]))
+        tr += f", weight-gradient GEMM at {r['small']} token(s) {r['flops'] / r['seconds'] / 1e9:.1f} GFLOP/s"
+    if "grad_accumulation" in k:
+        tr += f", gradient accumulation {k['grad_accumulation'] * 1e9:.2f} ns/element"
     if k.get("attention"):
         r = k["attention"][-1]
         tr += (f", attention {r['flops'] / r['forward_s'] / 1e9:.1f}/"

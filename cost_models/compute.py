@@ -38,6 +38,23 @@ and ``κ`` times backward:
 
     t_fwd += δ,    t_bwd += κ · δ.
 
+**Skinny GEMMs on a CPU.** A Linear layer on a micro-batch of few tokens multiplies a thin
+matrix by its weight; at one thread such GEMMs run far below the rate of a square GEMM of the
+same FLOPs (a FLOP-indexed curve would price ``(2×1024)·(1024×1024)`` like a ``128³`` product,
+in cache, 3–20× too fast). A calibrated CPU process carries measured skinny-GEMM rows
+(``gemm_rates``: role, small dimension ``s``, large dimension ``L``, seconds; see
+:func:`polyparallel.cost_models.calibrate.gemm_rows`). A contraction's main statement gives
+its GEMM ``(m, k, n)`` (:func:`gemm_shape`: output rows ``m``, summed ``k``, output columns ``n``;
+batch dims left out, a ``split`` divides the largest dimension) and it is priced at
+
+    rate(m, k, n) = min( R_square(F),  R_skinny(role, s, L) ),    s = min(m, k, n),
+
+with role ``reduce`` when ``s = k`` is the summed dimension (a weight gradient), ``out``
+otherwise, and ``L`` the geometric mean of the other two dimensions (:func:`gemm_rate`:
+log–log interpolation in ``s`` and in ``L``, clamped; no penalty for ``s`` above the largest
+measured). The backward pass runs its own two GEMMs, the input gradient ``(m, n, k)`` and the
+weight gradient ``(k, m, n)``, each at its own rate: ``t_bwd = κ/2 · (F/rate(m,n,k) + F/rate(k,m,n))``.
+
 On a CPU process every op of a training step also pays the eager framework's host work in
 series with its kernels: the module call, dispatch and autograd node forward, the autograd
 engine and gradient accumulation backward. ``ω`` (``training_op_overhead``, measured by
@@ -60,13 +77,14 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from polyparallel.cluster import DeviceType
-from polyparallel.ir import DTYPE_BYTES, Graph, Hint, Op, OpKind
+from polyparallel.ir import DTYPE_BYTES, Graph, Hint, Op, OpKind, TensorKind
 
 __all__ = [
     "BACKWARD_FACTOR",
@@ -74,6 +92,8 @@ __all__ = [
     "MATRIX_KINDS",
     "MEMORY_EFFICIENCY",
     "OpCost",
+    "gemm_rate",
+    "gemm_shape",
     "op_bytes",
     "op_cost",
     "streaming_bandwidth",
@@ -179,13 +199,88 @@ def _kernels(graph: Graph, op: Op, dtype: str, fused: bool) -> list[tuple[float,
     return out
 
 
+def gemm_shape(op: Op, split: float = 1.0) -> tuple[float, float, float] | None:
+    """``(m, k, n)`` of a contraction's main GEMM: output rows, summed dimension, output columns.
+
+    From the first statement reading two operands with a reduction: with ``A``, ``B`` the dims of
+    its two reads and ``O`` of its write, ``m = Π(A∩O∖B)``, ``n = Π(B∩O∖A)``, ``k = Π(reduction
+    dims)`` (dims in ``A∩B∩O`` are batch dims: each batch is a GEMM of this shape). A ``split``
+    (tensor / sequence parallel) divides the largest of the three. ``None`` when the op has no
+    such statement.
+    """
+    if op.nest is None:
+        return None
+    ext = op.nest.extents
+    for st in op.nest.statements:
+        reads = list(dict((a.operand, a.dims) for a in st.reads).values())
+        red = st.reduction_dims()
+        if len(reads) < 2 or not red or not st.writes:
+            continue
+        a, b = reads[0], reads[1]
+        o = frozenset().union(*(w.dims for w in st.writes))
+        dims = [float(math.prod(ext[d] for d in (a & o) - b)), float(math.prod(ext[d] for d in red)),
+                float(math.prod(ext[d] for d in (b & o) - a))]
+        big = max(range(3), key=lambda i: dims[i])
+        dims[big] /= split
+        return dims[0], dims[1], dims[2]
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _skinny_tables(rows: tuple[tuple[str, int, int, float], ...]) -> dict[str, dict[float, list[tuple[float, float]]]]:
+    """``{role: {L: [(log s, log rate), ...] sorted}}`` from a device's ``gemm_rates``."""
+    out: dict[str, dict[float, list[tuple[float, float]]]] = {}
+    for role, small, large, sec in rows:
+        rate = 2.0 * small * large * large / sec
+        out.setdefault(role, {}).setdefault(float(large), []).append((math.log(small), math.log(rate)))
+    for by_l in out.values():
+        for pts in by_l.values():
+            pts.sort()
+    return out
+
+
+def _interp(pts: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear interpolation through sorted ``(x, y)`` points, clamped at both ends."""
+    if x <= pts[0][0]:
+        return pts[0][1]
+    if x >= pts[-1][0]:
+        return pts[-1][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(pts):
+        if x0 <= x <= x1:
+            return y0 + (x - x0) / (x1 - x0) * (y1 - y0) if x1 > x0 else y0
+    return pts[-1][1]  # pragma: no cover - the loop covers the range
+
+
+def gemm_rate(device: DeviceType, m: float, k: float, n: float) -> float:
+    """Measured FLOP/s of an ``(m×k)·(k×n)`` GEMM from the device's skinny-GEMM rows; ``inf`` if unmeasured.
+
+    ``s = min(m, k, n)``; role ``reduce`` when ``k`` is strictly the smallest, else ``out``;
+    ``L = sqrt`` of the product of the other two. The role's rows at each measured ``L`` are
+    interpolated log–log in ``s`` (clamped below the smallest measured ``s``); the results are
+    interpolated log–log in ``L`` (clamped). A shape whose small side is above every measured
+    ``s`` is not skinny: ``inf`` (the square curve prices it alone).
+    """
+    tables = _skinny_tables(device.gemm_rates)
+    s = min(m, k, n)
+    role = "reduce" if k == s and k < min(m, n) else "out"
+    by_l = tables.get(role)
+    if not by_l or s <= 0:
+        return math.inf
+    if s > max(math.exp(x) for pts in by_l.values() for x, _ in pts) * (1 + 1e-9):
+        return math.inf
+    large = math.sqrt(m * k * n / s)
+    per_l = sorted((math.log(big), _interp(pts, math.log(s))) for big, pts in by_l.items())
+    return math.exp(_interp(per_l, math.log(large)))
+
+
 def _pointwise(op: Op) -> bool:
     """A convolution whose kernel covers one point (1x1): cuDNN runs it as a plain GEMM."""
     return op.nest is None or math.prod(d.extent for d in op.nest.dims if d.hint is Hint.KERNEL) == 1
 
 
 def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split: float = 1.0,
-            flops_scale: float = 1.0, fused: bool | None = None, sharded: bool = False) -> OpCost:
+            flops_scale: float = 1.0, fused: bool | None = None, sharded: bool = False,
+            eager: bool = False) -> OpCost:
     """Roofline time of ``op`` on ``device`` at compute precision ``dtype``.
 
     Args:
@@ -195,6 +290,9 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
             attention (unfused attention writes its score matrix to memory and reads it back).
         sharded: the op runs on sharded parameters (DTensor): each kernel pays the device's
             ``sharded_op_overhead`` forward and ``κ`` times backward.
+        eager: elementwise ops absorbed by ``fuse_elementwise`` (``attrs["fused"]``) run as their
+            own kernels, as eager PyTorch runs them: each streams its operands (temporaries
+            included) through memory; default: they run inside their producer's kernel.
     """
     if split <= 0:
         raise ValueError(f"split must be > 0, got {split}")
@@ -213,21 +311,46 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
     stream = streaming_bandwidth(device)
     t = t_b = flops_tot = bytes_tot = 0.0
     bound, worst = "launch", -1.0
-    for f, b, matrix in _kernels(graph, op, dtype, fused):
+    kernels = _kernels(graph, op, dtype, fused)
+    absorbed = len(op.attr.get("fused", ())) if op.nest is not None else 0
+    if eager and absorbed and len(op.nest.statements) > absorbed:
+        # eager: the absorbed statements (appended last by fuse_elementwise) are kernels of their own;
+        # the base kernel already streams the op's operands, each absorbed one its own reads and write
+        kernels = kernels + [(0.0, b, False) for _, b, _ in _kernels(graph, op, dtype, False)[-absorbed:]]
+    # a calibrated GPU's measured normalisation rows price a batch / layer norm by its input's size
+    nrows = device.streaming_curve(dtype, "batch_norm" if "batch_norm" in op.target else "layer_norm") \
+        if kind is OpKind.NORM and device.streaming_rows else ()
+    norm_numel = graph.tensors[op.inputs[0]].numel / split if nrows else 0.0
+    # a calibrated CPU's skinny-GEMM rows price a one-kernel contraction by its shape, backward by its two GEMMs
+    shape = gemm_shape(op, split) if (device.gemm_rates and kind is OpKind.CONTRACTION and len(kernels) == 1
+                                      and device.kind == "cpu") else None
+    for j, (f, b, matrix) in enumerate(kernels):
         f, b = f * flops_scale / split, b / split
-        t_cb = None
-        if att:
+        t_cb = t_c = None
+        if nrows and j == 0:
+            # the measured kernel (its memory traffic included) replaces the roofline
+            t_c = norm_numel / _curve_rate(tuple((x, fw) for x, fw, _ in nrows), norm_numel)
+            t_cb = norm_numel / _curve_rate(tuple((x, bw) for x, _, bw in nrows), norm_numel)
+            b = 0.0
+        elif att and j == 0:
             rate = _curve_rate(tuple((x, fw) for x, fw, _ in att), f)
             t_cb = f / _curve_rate(tuple((x, bw) for x, _, bw in att), f) if f else 0.0
         elif matrix and curve:
             rate = _curve_rate(curve, f)
+            if shape is not None and f:
+                gm, gk, gn = shape
+                square = rate
+                rate = min(square, gemm_rate(device, gm, gk, gn))
+                t_cb = kb / 2 * (f / min(square, gemm_rate(device, gm, gn, gk))
+                                 + f / min(square, gemm_rate(device, gk, gm, gn)))
         elif matrix:
             eff = COMPUTE_EFFICIENCY.get(kind, DEFAULT_COMPUTE_EFFICIENCY) if fused else \
                 COMPUTE_EFFICIENCY[OpKind.CONTRACTION]
             rate = device.peak_flops(dtype) * eff
         else:
             rate = device.peak_flops("fp32") * DEFAULT_COMPUTE_EFFICIENCY
-        t_c = f / rate if f else 0.0
+        if t_c is None:
+            t_c = f / rate if f else 0.0
         # a matmul measured on a CPU already contains its memory traffic at that size (in cache or
         # not); a GPU's HBM traffic of a skinny GEMM is not in a square curve, so it stays a bound
         t_m = 0.0 if matrix and curve and device.kind == "cpu" else b / stream
@@ -241,8 +364,55 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
         if k > worst:
             worst, bound = k, "compute" if k == t_c else "memory" if k == t_m else "launch"
     if device.training_op_overhead:
-        absorbed = len(op.attr.get("fused", ()))
         t += (1 + absorbed) * device.training_op_overhead
         t_b += (kb + absorbed * BACKWARD_FACTOR.get(OpKind.ELEMENTWISE, DEFAULT_BACKWARD_FACTOR)) \
             * device.training_op_overhead
     return OpCost(op.name, str(kind), flops_tot, bytes_tot, t, t_b, bound)
+
+
+def host_class(op: Op) -> str:
+    """The class of eager op whose measured host cost (``DeviceType.host_op_seconds``) prices ``op``."""
+    kind = OpKind(op.kind)
+    if kind is OpKind.NORM:
+        return "batch_norm" if "batch_norm" in op.target else "layer_norm"
+    return _HOST_CLASS.get(kind, "elementwise")
+
+
+_HOST_CLASS = {OpKind.CONTRACTION: "linear", OpKind.CONV: "conv", OpKind.VIEW: "view", OpKind.ATTENTION: "attention",
+               OpKind.LOSS: "cross_entropy", OpKind.EMBEDDING: "embedding"}
+
+
+def host_seconds(graph: Graph, device: DeviceType, eager: bool = False) -> list[tuple[float, float]]:
+    r"""Host seconds ``(forward, backward)`` per op of one training step on an accelerator.
+
+    Eager PyTorch dispatches every op from the host: forward, autograd and launch. The GPU runs
+    ahead of the device only while the host enqueues faster than the kernels run; a step whose
+    kernels are shorter than their dispatch waits for the host. ``T_c`` (``host_op_seconds``,
+    measured by ``polyparallel calibrate --device cuda`` per class: linear, conv, batch/layer norm,
+    view, attention, cross entropy, embedding, elementwise) is one op's forward + backward host
+    time; it splits as ``T_c/(1+κ)`` forward and ``κ·T_c/(1+κ)`` backward (``κ`` the op kind's
+    backward factor). An op off the gradient path (it reads no parameter and no activation that
+    needs a gradient: a batch norm's running-statistics update) pays its forward share only.
+    ``eager``: each elementwise op absorbed by fusion is one more eager op of the elementwise class.
+    Empty calibration: zeros (the host is assumed to keep ahead).
+    """
+    table = dict(device.host_op_seconds)
+    if not table:
+        return [(0.0, 0.0)] * len(graph.ops)
+    grad: set[str] = {t for t, spec in graph.tensors.items() if spec.kind is TensorKind.PARAM}
+    out = []
+    for op in graph.ops:
+        on_path = any(t in grad for t in op.inputs)
+        if on_path:
+            grad.update(op.outputs)
+        kind = OpKind(op.kind)
+        kb = BACKWARD_FACTOR.get(kind, DEFAULT_BACKWARD_FACTOR)
+        t = table.get(host_class(op), table.get("elementwise", 0.0))
+        fwd, bwd = t / (1 + kb), (t * kb / (1 + kb) if on_path else 0.0)
+        if eager and op.attr.get("fused"):
+            te = table.get("elementwise", 0.0)
+            ke = BACKWARD_FACTOR.get(OpKind.ELEMENTWISE, DEFAULT_BACKWARD_FACTOR)
+            fwd += len(op.attr["fused"]) * te / (1 + ke)
+            bwd += len(op.attr["fused"]) * te * ke / (1 + ke) if on_path else 0.0
+        out.append((fwd, bwd))
+    return out

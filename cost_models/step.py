@@ -66,7 +66,12 @@ gloo's threads compete with the compute for the same cores):
   FSDP look nearly free for GPT-3-sized models.
 
 **Step**: ``T_s = makespan + T_dp,exposed + T_opt`` per stage (``T_opt`` streams the
-optimizer state once); ``T = max_s T_s``; every stage's breakdown (compute, tensor-parallel,
+optimizer state once; on a calibrated CPU it is ``N·r(N) + n_t·c_t`` for ``N`` local parameter
+elements in ``n_t`` tensors: the measured seconds per element ``r`` at that working set and per
+tensor ``c_t``). With ``m > 1`` micro-batches every micro-batch after the first adds its weight
+gradients into ``.grad``: each micro-batch's backward carries ``(m−1)/m · N · a`` (``a``:
+``grad_accumulation``, measured per element on calibrated CPUs; priced as compute).
+``T = max_s T_s``; every stage's breakdown (compute, tensor-parallel,
 sequence-parallel, p2p, bubble, data-parallel, optimizer, idle) sums to ``T``.
 """
 
@@ -83,12 +88,12 @@ from polyparallel.cluster import Cluster, DeviceType
 from polyparallel.ir import DTYPE_BYTES, Graph, Op, OpKind, TensorKind
 
 from .comm import collective_time, p2p_time
-from .compute import op_cost, streaming_bandwidth
+from .compute import host_seconds, op_cost, streaming_bandwidth
 from .memory import MemoryReport, device_memory
 from .pipeline import SCHEDULES, PipelineResult, makespan_bound, peak_in_flight, simulate
 
 __all__ = ["OpPlan", "ParallelConfig", "StageBreakdown", "StepBound", "StepEstimate", "chunk_of_ops", "estimate_step",
-           "layer_segments", "step_lower_bound"]
+           "layer_segments", "optimizer_element_time", "step_lower_bound"]
 
 RECOMPUTE = ("none", "selective", "full")
 # kernels per parameter tensor of torch's single-tensor optimizer step (torch/optim/adam.py etc.):
@@ -142,6 +147,9 @@ class ParallelConfig:
             the torch backend uses on CUDA); ``False``: torch's default multi-tensor (foreach) step,
             priced by its passes over fp32 memory (18 accesses per parameter for Adam). CPUs always
             run the unfused step (tensor by tensor, the same kernels).
+        fused_elementwise: elementwise ops absorbed by ``fuse_elementwise`` run inside their
+            producer's kernel (a compiler, or hand-fused kernels as in Megatron); ``False``: eager
+            PyTorch, each is its own kernel streaming its operands and its own host dispatch.
         devices: device ids in rank order (default: the cluster's first ``world`` devices).
         partition: how layers are cut into pipeline chunks: ``flops`` (balance forward FLOPs) or
             ``layers`` (equal layer counts, embedding/head on the end stages: Megatron/DeepSpeed).
@@ -164,6 +172,7 @@ class ParallelConfig:
     grad_overlap: float | None = None
     fused_attention: bool = False
     fused_optimizer: bool = True
+    fused_elementwise: bool = True
     devices: tuple[int, ...] | None = None
     partition: str = "flops"
     op_plans: tuple[OpPlan, ...] | None = field(default=None, repr=False)
@@ -545,7 +554,7 @@ def estimate_step(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> StepEs
     step = max(totals)
     out = []
     for s, (x, tot) in enumerate(zip(pre.dp, totals)):
-        busy_compute = terms.comp[s] * m
+        busy_compute = (terms.comp[s] + pre.accumulation[s]) * m
         tpc, spc = terms.tp_t[s] * m, terms.sp_t[s] * m
         waiting = max(0.0, sim.makespan - sim.busy[s])
         p2p_total = 2 * m * terms.p2p_sum[s]
@@ -646,6 +655,7 @@ class _Prepared:
     bwd: tuple[float, ...]
     dp: tuple[_DataParallel, ...]
     memory: tuple[MemoryReport, ...]
+    accumulation: tuple[float, ...] = ()  # per stage and micro-batch, inside the backward
 
 
 def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
@@ -654,7 +664,7 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
     ccache: dict = cluster.__dict__.setdefault("_collective_cache", {})
     in_flight = peak_in_flight(cfg.schedule, p, m, v)
     gb = _SHORT_BYTES[cfg.dtype]
-    dps, mems = [], []
+    dps, mems, accum = [], [], []
     fwd, bwd = list(terms.fwd), list(terms.bwd)
     for s in range(p):
         dt = terms.types[s]
@@ -674,6 +684,10 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
             # where the torch backend never asks for the fused kernel), each a pass over fp32 state
             opt_bytes = params / shard * 4 * _FOREACH_ACCESSES.get(cfg.optimizer, 18)
         t_opt = max(opt_bytes / streaming_bandwidth(dt), dt.launch_overhead) if params else 0.0
+        rates = dict(dt.optimizer_element_rates).get(cfg.optimizer)
+        if rates and params:
+            # measured per element at the stage's own working set (in cache or in memory), not streamed
+            t_opt = params / shard * optimizer_element_time(rates, params / shard)
         if dt.kind == "cpu" and terms.param_tensors:
             # torch's CPU optimizers update tensor by tensor (no multi-tensor kernels there): each
             # parameter tensor costs ~k kernels at least at the kernel floor, plus DTensor's dispatch
@@ -689,6 +703,11 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
                 t_opt = max(t_opt, k * n_t * dt.launch_overhead + dispatch)
             else:
                 t_opt += n_t * per_tensor + dispatch
+        # autograd adds every micro-batch's weight gradient after the first into .grad: on average
+        # (m-1)/m of the stage's local gradient elements per micro-batch (calibrated CPUs measure it)
+        acc = dt.grad_accumulation * (m - 1) / m * params / (shard if cfg.zero_stage >= 2 else 1)
+        bwd[s] += acc
+        accum.append(acc)
         dps.append(_DataParallel(exposed, t_opt, t_dp, events, ef + eb))
         ws = terms.seg_act_max[s]
         if cfg.zero_stage == 3:
@@ -698,7 +717,20 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
             capacity=dt.memory, params=params, dp=dgrp_size, zero_stage=cfg.zero_stage,
             param_dtype=cfg.dtype, optimizer=cfg.optimizer, activations=terms.act[s], in_flight=in_flight[s] / v,
             workspace=ws))
-    return _Prepared(terms, v, tuple(fwd), tuple(bwd), tuple(dps), tuple(mems))
+    return _Prepared(terms, v, tuple(fwd), tuple(bwd), tuple(dps), tuple(mems), tuple(accum))
+
+
+def optimizer_element_time(rates: Sequence[tuple[float, float]], elements: float) -> float:
+    """Seconds per parameter element of an optimizer step over ``elements`` elements.
+
+    ``rates``: measured ``(elements, seconds per element)`` rows (``polyparallel calibrate``, by
+    working-set size: in cache, in memory), interpolated linearly in ``log elements`` and
+    clamped at both ends.
+    """
+    import numpy as np
+
+    pts = sorted((math.log(e), r) for e, r in rates)
+    return float(np.interp(math.log(max(elements, 1.0)), [x for x, _ in pts], [r for _, r in pts]))
 
 
 def _data_parallel(cluster: Cluster, ccache: dict, terms: _StageTerms, s: int, cfg: ParallelConfig, gb: int,
@@ -873,7 +905,8 @@ def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, 
 def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
                 plans: list[_OpPlan]) -> tuple[list[float], list[float], list[float]]:
     """Forward, backward and attention-forward seconds of every op on one device type."""
-    key = ("opvec", dt.cache_key, cfg.dtype, cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.fused_attention, cfg.op_plans)
+    key = ("opvec", dt.cache_key, cfg.dtype, cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.fused_attention, cfg.op_plans,
+           cfg.fused_elementwise)
     op_costs = _cache(graph)
     hit = op_costs.get(key)
     if hit is not None:
@@ -882,16 +915,26 @@ def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
     for i, op in enumerate(graph.ops):
         # tensor-parallel parameters are DTensors: their ops pay the host's dispatch (compute.py)
         sharded = plans[i].param_split > 1
-        k = (i, dt.cache_key, cfg.dtype, plans[i].split, cfg.fused_attention, sharded)
+        k = (i, dt.cache_key, cfg.dtype, plans[i].split, cfg.fused_attention, sharded, cfg.fused_elementwise)
         c = op_costs.get(k)
         if c is None:
             c = op_costs[k] = op_cost(graph, op, dt, cfg.dtype, split=plans[i].split,
-                                      fused=True if cfg.fused_attention else None, sharded=sharded)
+                                      fused=True if cfg.fused_attention else None, sharded=sharded,
+                                      eager=not cfg.fused_elementwise)
         fw.append(c.forward)
         bw.append(c.backward)
         att.append(c.forward if OpKind(op.kind) is OpKind.ATTENTION else 0.0)
     op_costs[key] = (fw, bw, att)
     return fw, bw, att
+
+
+def _host_vector(graph: Graph, dt: DeviceType, cfg: ParallelConfig) -> list[tuple[float, float]]:
+    """Host seconds (forward, backward) of every op on an accelerator with measured dispatch costs."""
+    key = ("host", dt.cache_key, cfg.fused_elementwise)
+    cache = _cache(graph)
+    if key not in cache:
+        cache[key] = host_seconds(graph, dt, eager=not cfg.fused_elementwise)
+    return cache[key]
 
 
 def _per_plan(graph: Graph, cfg: ParallelConfig, plans: list[_OpPlan]) -> tuple[list[int], list[tuple], list[int],
@@ -1005,6 +1048,13 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
                 f = sum(fw[a:z], f)
                 b = sum(bw[a:z], b)
                 a_f = sum(att[a:z], a_f)
+            if dt.host_op_seconds:
+                # an accelerator's host enqueues the micro-batch's kernels; when that takes longer
+                # than the kernels run, the device waits: forward + backward last the host's time
+                host = _host_vector(graph, dt, cfg)
+                h = sum(x + y for a, z in rng for x, y in host[a:z])
+                if h > f + b > 0:
+                    f, b = f * h / (f + b), b * h / (f + b)
             by_type.append((dt, f, b, a_f, tuple(sum(fw[i] for i in segs[j]) for j in stage_segs)))
         # every group of the stage runs the same collectives; the slowest one sets the pace
         stage_ev = [e for a, z in rng for e in ev[bisect_left(ev_idx, a): bisect_left(ev_idx, z)]]

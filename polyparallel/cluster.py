@@ -175,6 +175,11 @@ class DeviceType:
         attention_curves: measured fused-attention ``(flops, forward_s, backward_s)`` per dtype.
         conv_curves: measured convolution ``(flops, forward_s, backward_s)`` rows per ``dtype/class``
             key, class ``1x1`` (pointwise) or ``kxk`` (a larger kernel) (calibrated GPUs).
+        streaming_rows: measured ``(numel, forward_s, backward_s)`` rows of streaming kernels per
+            ``dtype/kind`` key (``batch_norm``, ``layer_norm``, ``elementwise``; calibrated GPUs).
+        host_op_seconds: measured host seconds of one eager op, forward + backward, by class
+            (``linear``, ``conv``, ``batch_norm`` ...; calibrated GPUs): what a step waits for when
+            its kernels are shorter than their dispatch.
         memory_efficiency: measured fraction of ``memory_bandwidth`` a streaming kernel reaches
             (``None``: the compute model's modelled default).
         training_op_overhead: seconds of host work an eager training op pays per kernel forward
@@ -184,6 +189,14 @@ class DeviceType:
         optimizer_tensor_overhead: measured seconds per parameter tensor of the framework's
             optimizer step, as ``(optimizer, seconds)`` pairs (calibrated CPU processes: torch
             updates tensor by tensor there); empty: priced from ``launch_overhead``.
+        optimizer_element_rates: measured seconds per parameter element of that step by total
+            elements, as ``(optimizer, ((elements, seconds), ...))`` pairs (calibrated CPU
+            processes); empty: priced by streaming the optimizer state at the memory bandwidth.
+        gemm_rates: measured skinny-GEMM seconds as ``(role, small, large, seconds)`` rows (role
+            ``out`` or ``reduce``; calibrated CPU processes; see
+            :func:`polyparallel.cost_models.compute.gemm_rate`); empty: the square curve alone.
+        grad_accumulation: seconds per gradient element autograd adds into an existing gradient
+            (every micro-batch after the first; calibrated CPU processes); 0: not priced.
     """
 
     name: str
@@ -200,8 +213,13 @@ class DeviceType:
     attention_curves: tuple[tuple[str, tuple[tuple[float, float, float], ...]], ...] = ()
     memory_efficiency: float | None = None
     conv_curves: tuple[tuple[str, tuple[tuple[float, float, float], ...]], ...] = ()
+    streaming_rows: tuple[tuple[str, tuple[tuple[float, float, float], ...]], ...] = ()
+    host_op_seconds: tuple[tuple[str, float], ...] = ()
     training_op_overhead: float = 0.0
     optimizer_tensor_overhead: tuple[tuple[str, float], ...] = ()
+    optimizer_element_rates: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
+    gemm_rates: tuple[tuple[str, int, int, float], ...] = ()
+    grad_accumulation: float = 0.0
 
     @cached_property
     def cache_key(self) -> tuple[str, int]:
@@ -223,6 +241,11 @@ class DeviceType:
         (``pointwise``: a 1x1 kernel); empty when not calibrated."""
         key = f"{_TORCH_TO_SHORT.get(dtype, dtype)}/{'1x1' if pointwise else 'kxk'}"
         return dict(self.conv_curves).get(key, ())
+
+    def streaming_curve(self, dtype: str, kind: str) -> tuple[tuple[float, float, float], ...]:
+        """Measured ``(numel, forward_s, backward_s)`` rows of a streaming kernel (``batch_norm``,
+        ``layer_norm``, ``elementwise``) for ``dtype``; empty when not calibrated."""
+        return dict(self.streaming_rows).get(f"{_TORCH_TO_SHORT.get(dtype, dtype)}/{kind}", ())
 
     def peak_flops(self, dtype: str = "fp32") -> float:
         """Peak FLOP/s for a dtype (``fp32``/``bf16``.. or torch names), with documented fallbacks."""
@@ -739,10 +762,14 @@ def gpu_calibrated_type(base: DeviceType, cal: Mapping[str, Any]) -> DeviceType:
     convs = tuple(sorted((key, tuple(sorted((float(r["flops"]), float(r["forward_s"]), float(r["backward_s"]))
                                             for r in rows)))
                          for key, rows in conv.items() if rows))
+    streams = tuple(sorted((key, tuple(sorted((float(r["numel"]), float(r["forward_s"]), float(r["backward_s"]))
+                                              for r in rows)))
+                           for key, rows in cal.get("streaming", {}).items() if rows))
+    host = tuple(sorted((k, float(v)) for k, v in cal.get("training_ops", {}).items()))
     eff = min(1.0, float(cal["memory_bandwidth"]) / base.memory_bandwidth)
     return replace(base, memory=float(cal.get("memory_bytes", base.memory)),
                    launch_overhead=float(cal["launch_overhead"]), matmul_curves=curves, attention_curves=att,
-                   conv_curves=convs, memory_efficiency=eff,
+                   conv_curves=convs, streaming_rows=streams, host_op_seconds=host, memory_efficiency=eff,
                    source=f"{base.source}; calibrated {cal.get('device_name', '?')} ({cal.get('host', '?')}, "
                           f"{cal.get('date', '?')}, torch {cal.get('torch', '?')})")
 
@@ -859,6 +886,7 @@ def _calibrated_type(name: str, cal: Mapping[str, Any], procs: int, base: Device
         training = float(measured.get("training_op_overhead", 0.0))  # older calibrations: not measured
         att = measured.get("attention", [])
         opt = dict(measured.get("optimizer_tensor_overhead", {}))
+        framework, share = measured, 1.0
     else:
         share = min(1.0, cores / procs)
         alone = per.get("1")
@@ -867,13 +895,14 @@ def _calibrated_type(name: str, cal: Mapping[str, Any], procs: int, base: Device
             training = float(alone.get("training_op_overhead", 0.0))
             att = alone.get("attention", [])
             opt = dict(alone.get("optimizer_tensor_overhead", {}))
+            framework = alone
         else:
             by_threads = {int(k): v for k, v in cal["matmul"].items()}
             rows = by_threads[1] if 1 in by_threads else by_threads[min(by_threads)]
             # an all-core copy bandwidth: one process gets its share of the cores
             mem_bw = float(cal["memory_bandwidth"]) / cores
             floor = float(cal.get("launch_overhead", 5e-6))
-            training, att, opt = 0.0, [], {}
+            training, att, opt, framework = 0.0, [], {}, {}
         att = [{**r, "forward_s": float(r["forward_s"]) / share, "backward_s": float(r["backward_s"]) / share}
                for r in att]
         curve = tuple(sorted((float(p["flops"]), float(p["seconds"]) / share) for p in rows))
@@ -881,6 +910,7 @@ def _calibrated_type(name: str, cal: Mapping[str, Any], procs: int, base: Device
         floor /= share
         training /= share
         opt = {o: float(v) / share for o, v in opt.items()}
+    elem, gemm, acc = _framework_rates(cal, procs, framework, share)
     peak = max(f / s for f, s in curve)
     # DTensor's dispatch cost, measured with >= 2 processes: the nearest measured process count
     dts = {int(k): float(v["dtensor_overhead"]) for k, v in per.items() if "dtensor_overhead" in v}
@@ -892,9 +922,39 @@ def _calibrated_type(name: str, cal: Mapping[str, Any], procs: int, base: Device
                                                                float(r["backward_s"])) for r in att))),)
                       if att else (),
                       optimizer_tensor_overhead=tuple(sorted((o, float(v)) for o, v in opt.items())),
+                      optimizer_element_rates=elem, gemm_rates=gemm, grad_accumulation=acc,
                       source=f"calibration {cal.get('path', '')} ({cal.get('host', '?')}, {cal.get('date', '?')}, "
                              f"{threads} thread(s)/process, {procs} processes on {cores} cores)",
                       matmul_curve=curve)
+
+
+def _framework_rates(cal: Mapping[str, Any], procs: int, k: Mapping[str, Any], share: float) -> tuple[
+        tuple[tuple[str, tuple[tuple[float, float], ...]], ...], tuple[tuple[str, int, int, float], ...], float]:
+    """The optimizer-per-element, skinny-GEMM and gradient-accumulation rates of one ``per_processes``
+    entry ``k`` (times scaled by ``1 / share`` when measured with fewer processes), checked: a bad
+    entry is a :class:`ClusterSpecError` naming the file, the key and the fix."""
+    where = f"calibration file {cal.get('path', '?')}, per_processes[{procs}]"
+    fix = "run `polyparallel calibrate` again"
+    try:
+        elem = tuple(sorted((str(o), tuple(sorted((float(e), float(r) / share) for e, r in rows)))
+                            for o, rows in k.get("optimizer_element", {}).items()))
+        gemm = tuple(sorted((str(r["role"]), int(r["small"]), int(r["large"]), float(r["seconds"]) / share)
+                            for r in k.get("gemm", [])))
+        acc = float(k.get("grad_accumulation", 0.0)) / share
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise ClusterSpecError(f"{where}: malformed optimizer_element / gemm / grad_accumulation entry "
+                               f"({type(e).__name__}: {e}); {fix}") from None
+    for o, rows in elem:
+        if not rows or any(e <= 0 or r < 0 for e, r in rows):
+            raise ClusterSpecError(f"{where}.optimizer_element[{o!r}]: needs [elements > 0, seconds >= 0] rows, "
+                                   f"got {list(rows)}; {fix}")
+    for role, small, large, sec in gemm:
+        if role not in ("out", "reduce") or small < 1 or large < 1 or sec <= 0:
+            raise ClusterSpecError(f"{where}.gemm: row (role {role!r}, small {small}, large {large}, seconds {sec}) "
+                                   f"needs role 'out' or 'reduce', sizes >= 1 and seconds > 0; {fix}")
+    if acc < 0:
+        raise ClusterSpecError(f"{where}.grad_accumulation: {acc} s per element is negative; {fix}")
+    return elem, gemm, acc
 
 
 def _local_cpu(procs: int) -> Cluster:

@@ -160,7 +160,7 @@ def test_calibrate_measures_this_machine_with_the_training_thread_count(tmp_path
     # a real (small) run: one process alone and a 2-process gloo group, both written to the file
     out = tmp_path / "cal.json"
     res = calibrate(out, group_sizes=(2,), sizes=(4096, 1 << 16), matmul_sizes=(32, 64), iters=3,
-                    attention_shapes=((1, 2, 16, 8),))
+                    attention_shapes=((1, 2, 16, 8),), gemm=((1, 4), (64,)), optimizer_sets=((2, 256), (2, 4096)))
     assert json.loads(out.read_text())["cores"] == res["cores"] and res["threads_per_process"] == 1
     assert set(res["per_processes"]) == {"1", "2"}
     # every process measured on the thread count a torch-backend worker trains with
@@ -180,6 +180,15 @@ def test_calibrate_measures_this_machine_with_the_training_thread_count(tmp_path
     assert dt.training_op_overhead == res["per_processes"]["2"]["training_op_overhead"]
     assert set(res["per_processes"]["2"]["optimizer_tensor_overhead"]) == {"sgd", "adam", "adamw"}
     assert dict(dt.optimizer_tensor_overhead) == res["per_processes"]["2"]["optimizer_tensor_overhead"]
+    # the framework terms: skinny GEMMs, optimizer per element, gradient accumulation, carried as measured
+    two = res["per_processes"]["2"]
+    assert [(r["role"], r["small"], r["large"]) for r in two["gemm"]] == [
+        ("out", 1, 64), ("reduce", 1, 64), ("out", 4, 64), ("reduce", 4, 64)]
+    assert dt.gemm_rates == tuple(sorted((r["role"], r["small"], r["large"], r["seconds"]) for r in two["gemm"]))
+    assert {o: [e for e, _ in rows] for o, rows in two["optimizer_element"].items()} == {
+        o: [512.0, 8192.0] for o in ("sgd", "adam", "adamw")}
+    assert dict(dt.optimizer_element_rates)["adam"] == tuple(tuple(r) for r in two["optimizer_element"]["adam"])
+    assert two["grad_accumulation"] >= 0 and dt.grad_accumulation == two["grad_accumulation"]
     row = res["per_processes"]["2"]["attention"][0]
     assert row["shape"] == [1, 2, 16, 8] and row["forward_s"] > 0 and row["backward_s"] >= 0
     assert dt.attention_curve("fp32") == ((row["flops"], row["forward_s"], row["backward_s"]),)
