@@ -386,7 +386,7 @@ def _build_distributions(graph: Graph, op: Op, placements: Sequence[Placement], 
 
 
 def _side_by_side(per: Sequence[dict], placements: Sequence[Placement], mesh: DeviceMesh,
-                  nest: LoopNest | None = None, keep: Sequence[tuple[str, ...]] | None = None
+                  nest: LoopNest, keep: Sequence[tuple[str, ...]] | None = None
                   ) -> tuple[dict, list[np.ndarray | slice], int, list[np.ndarray | None]]:
     """The bounds of several placements as one computation over virtual devices.
 
@@ -403,19 +403,18 @@ def _side_by_side(per: Sequence[dict], placements: Sequence[Placement], mesh: De
     if len(placements) == 1:
         return per[0], [slice(0, mesh.size)], mesh.size, [None]
     axes = [p.mesh_axes for p in placements] if keep is None else [tuple(k) for k in keep]
-    if nest is None:
-        return _side_by_side_build(per, axes, mesh)
-    # ``per`` is dim_bounds of the nest's dims (a function of their extents, the placements and the
-    # mesh); the operands of an op and its collectives batch the same placements: built once, shared
-    key = (tuple((d.name, d.extent) for d in nest.dims), tuple(placements), mesh, tuple(axes))
+    dims = tuple((d.name, d.extent) for d in nest.dims)
+    # a function of the dims' extents, the placements, the kept axes and the mesh; the operands of an
+    # op and its collectives batch the same placements: built once, shared
+    key = (dims, tuple(placements), mesh, tuple(axes))
     hit = _SIDE_MEMO.get(key)
     if hit is not None:
         return hit
-    out = _side_by_side_build(per, axes, mesh)
+    out = _side_by_side_build(dims, placements, axes, mesh)
     for lo, hi in out[0].values():
         lo.setflags(write=False)
         hi.setflags(write=False)
-    if len(_SIDE_MEMO) >= 2:  # an op and one producer; batches of 1e5 virtual devices are MiBs each
+    if len(_SIDE_MEMO) >= 4:  # an op's operands and one producer; batches of 1e5 virtual devices are MiBs each
         _SIDE_MEMO.pop(next(iter(_SIDE_MEMO)))
     _SIDE_MEMO[key] = out
     return out
@@ -424,22 +423,60 @@ def _side_by_side(per: Sequence[dict], placements: Sequence[Placement], mesh: De
 _SIDE_MEMO: dict[tuple, tuple] = {}
 
 
-def _side_by_side_build(per: Sequence[dict], axes: Sequence[tuple[str, ...]],
+def _side_by_side_build(dims: Sequence[tuple[str, int]], placements: Sequence[Placement],
+                        axes: Sequence[tuple[str, ...]],
                         mesh: DeviceMesh) -> tuple[dict, list[np.ndarray | slice], int, list[np.ndarray | None]]:
+    """Virtual device ``v`` of placement ``i`` is real device ``dev[v]`` (a representative);
+    its bound on dim ``d`` is that of ``dev[v]`` under the dim's mesh axes in placement ``i``.
+    A dim takes a few distinct axis lists over a batch: their bounds are stacked in a table,
+    read for all virtual devices by one (list, device) index."""
     takes: list[np.ndarray | slice] = []
-    reps, offset = [], 0
-    for kept in axes:
-        rep, local = _mesh_slice(mesh, kept)
-        if rep is None:  # every device differs: a contiguous run, taken as a view
-            takes.append(slice(offset, offset + mesh.size))
-            offset += mesh.size
-        else:
-            takes.append(local + offset)
-            offset += len(rep)
+    reps: list[np.ndarray | None] = []
+    devs: list[np.ndarray] = []
+    sizes: list[int] = []
+    slices: dict[tuple[str, ...], tuple[np.ndarray | None, np.ndarray]] = {}
+    codes: list[dict[tuple[str, ...], int]] = [{} for _ in dims]
+    rows: list[list[int]] = [[] for _ in dims]
+    offset = 0
+    for p, kept in zip(placements, axes):
+        hit = slices.get(kept)
+        if hit is None:
+            hit = slices[kept] = _mesh_slice(mesh, kept)
+        rep, local = hit
+        n = mesh.size if rep is None else len(rep)
+        takes.append(slice(offset, offset + n) if rep is None else local + offset)
+        devs.append(_arange(mesh.size) if rep is None else rep)
+        sizes.append(n)
         reps.append(rep)
-    cat = {d: (np.concatenate([b[d][0] if r is None else b[d][0][r] for b, r in zip(per, reps)]),
-               np.concatenate([b[d][1] if r is None else b[d][1][r] for b, r in zip(per, reps)])) for d in per[0]}
+        offset += n
+        split = dict(p.splits)
+        for j, (d, _n) in enumerate(dims):
+            a = split.get(d, ())
+            c = codes[j].get(a)
+            if c is None:
+                c = codes[j][a] = len(codes[j])
+            rows[j].append(c)
+    dev = np.concatenate(devs)
+    counts = np.array(sizes, dtype=np.int64)
+    cat = {}
+    for j, (d, extent) in enumerate(dims):
+        lists = list(codes[j])
+        if len(lists) == 1:
+            lo, hi = mesh.bounds(extent, lists[0])
+            cat[d] = (lo.take(dev), hi.take(dev))
+            continue
+        flat = np.repeat(np.array(rows[j], dtype=np.int64) * mesh.size, counts)
+        flat += dev
+        tab = [mesh.bounds(extent, a) for a in lists]
+        cat[d] = (np.concatenate([t[0] for t in tab]).take(flat), np.concatenate([t[1] for t in tab]).take(flat))
     return cat, takes, offset, reps
+
+
+@lru_cache(maxsize=64)
+def _arange(n: int) -> np.ndarray:
+    out = np.arange(n)
+    out.setflags(write=False)
+    return out
 
 
 def _footprint_axes(nest: LoopNest, placement: Placement, mesh: DeviceMesh, operand: str,
@@ -1218,8 +1255,9 @@ def _comm_of_ops(graph: Graph, op: Op, placements: Sequence[Placement], mesh: De
         rows = [i for i, ax in enumerate(tmp_axes[tmp]) if ax]
         if not rows:
             continue
+        keep = [_footprint_axes(nest, placements[i], mesh, tmp, True) for i in rows]
         bounds, sub_take, sub_nv, _reps = _side_by_side([per[i] for i in rows], [placements[i] for i in rows],
-                                                        mesh, nest)
+                                                        mesh, nest, keep)
         shape = _temporary_shape(nest, tmp)
         region = operand_region(nest, tmp, shape, bounds, writes=True, ndev=sub_nv)
         block, bad = region.counts()
