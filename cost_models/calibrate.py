@@ -16,7 +16,9 @@ then takes milliseconds; a training process on one thread never sees that.)
   interleaved rounds (the ranks ``>= P`` wait blocked in a barrier), median over rounds, so all
   process counts see the same mix of other work on a shared machine. Measured: matmul times by
   size (square fp32, ``n``), copy bandwidth, the floor of a 1-element op, and (``P >= 2``) ``dtensor_overhead``, what a
-  DTensor op adds to it (tensor-parallel modules and FSDP2's sharded parameters pay it per op),
+  DTensor op adds to it, ``tp_op_overhead``, what a tensor-parallel Linear's kernels add, and
+  ``optimizer_dtensor_overhead``, the optimizer step per sharded parameter tensor (FSDP2 and
+  tensor parallelism hold DTensor parameters; see ``_dtensor_overhead``),
   the training-op floor ``training_op_overhead`` (below), and ``attention``: causal
   ``scaled_dot_product_attention`` forward and backward seconds by shape (torch's fused CPU
   kernel, far slower per FLOP than a matmul at these sizes; the compute model prices CPU
@@ -87,7 +89,7 @@ from typing import Any
 __all__ = ["ATTENTION_SHAPES", "GEMM_LARGE", "GEMM_SMALL", "OPTIMIZER_WORKING_SETS", "THREADS_PER_PROCESS",
            "TRAINING_OP_CLASSES", "attention_rows", "calibrate", "fit_alpha_beta", "fit_training_op_overhead",
            "free_port", "gemm_rows", "grad_accumulation_rate", "kernel_rates", "optimizer_element_rates",
-           "optimizer_tensor_floor", "run_group", "slowest_rank", "training_op_floor"]
+           "optimizer_tensor_floor", "run_group", "slowest_rank", "tp_kernel_overhead", "training_op_floor"]
 
 # intra-op threads of one training process: what pp.train gives its workers (OMP_NUM_THREADS=1)
 THREADS_PER_PROCESS = 1
@@ -480,26 +482,96 @@ def fit_training_op_overhead(per_op: Mapping[str, float], floor: float) -> float
     return max(0.0, num / den)
 
 
-def _dtensor_overhead(procs: int) -> float:
-    """Seconds a sharded-tensor (DTensor) op costs over a plain one, measured on a tiny tensor.
+def _dtensor_overhead(procs: int) -> dict[str, Any]:
+    """What sharded-tensor (DTensor) ops cost over plain ones on the host, measured with ``procs`` ranks.
 
     Tensor-parallel modules and FSDP2's sharded parameters run every op on them (forward,
     backward, each optimizer update) through DTensor's dispatch: sharding propagation and
-    wrapping on the host, before the local kernel. A 1-element-per-rank in-place add is the
-    floor of such an op; the plain add's floor is subtracted.
+    wrapping on the host, before the local kernel. Three figures:
+
+    * ``dtensor_overhead``: a 1-element-per-rank in-place add, less the plain add's floor;
+    * ``tp_op_overhead``: per kernel of a tensor-parallel op: a ``ColwiseParallel`` +
+      ``RowwiseParallel`` pair of tiny ``nn.Linear`` (``8·procs`` wide, 2 rows whose input
+      requires grad) run forward and backward, less the same plain pair and less its two
+      all-reduces (the row output forward, the column input gradient backward; timed here on
+      the same tensor, and priced by the collective model), per Linear and per kernel
+      (``1 + κ = 3``: the compute model charges ``δ`` per kernel forward and ``κ·δ`` backward):
+
+          δ_tp = (t_pair,tp − t_pair,plain − 2·t_allreduce) / (2 · 3);
+
+    * ``optimizer_dtensor_overhead``: seconds per *sharded* parameter tensor of torch's CPU
+      optimizer step (SGD, Adam, AdamW), the slope over 8 and 32 tiny DTensor parameters, as
+      :func:`optimizer_tensor_floor` measures plain ones.
+
+    Ranks ``>= procs`` return zeros.
     """
     import torch
+    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = DeviceMesh("cpu", list(range(procs)))  # ranks 0..procs-1 (every rank creates it)
-    if int(torch.distributed.get_rank()) >= procs:
-        return 0.0
+    if int(dist.get_rank()) >= procs:
+        return {"dtensor_overhead": 0.0, "tp_op_overhead": 0.0, "optimizer_dtensor_overhead": {}}
     a, b = (distribute_tensor(torch.ones(procs), mesh, [Shard(0)]) for _ in range(2))
     x, y = torch.ones(1), torch.ones(1)
     sharded = _time(lambda: a.add_(b, alpha=0.5), window=0.02)
     plain = _time(lambda: x.add_(y, alpha=0.5), window=0.02)
-    return max(0.0, sharded - plain)
+    width = 8 * procs
+
+    def pair() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, width))
+
+    tp, ref = pair(), pair()
+    parallelize_module(tp, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    inp = torch.ones(2, width, requires_grad=True)
+
+    def step(m: torch.nn.Module) -> Callable[[], None]:
+        return lambda: m(inp).sum().backward()
+
+    buf = torch.ones(2, width)
+    group = mesh.get_group()
+
+    def collective_time(fn: Callable[[], Any], calls: int = 10, windows: int = 5) -> float:
+        # a fixed number of calls on every rank: each call runs collectives, which a window of
+        # "as many calls as fit" would leave unmatched across ranks
+        fn()
+        per = []
+        for _ in range(windows):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            per.append((time.perf_counter() - t0) / calls)
+        return statistics.median(per)
+
+    t_tp, t_ref = collective_time(step(tp)), _time(step(ref), window=0.02)
+    t_ar = collective_time(lambda: dist.all_reduce(buf, group=group))
+    opt = {}
+    for name in ("sgd", "adam", "adamw"):
+        per = []
+        for n in (8, 32):
+            params = [torch.nn.Parameter(distribute_tensor(torch.zeros(8 * procs), mesh, [Shard(0)])) for _ in range(n)]
+            for q in params:
+                q.grad = distribute_tensor(torch.ones(8 * procs), mesh, [Shard(0)])
+            cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
+            per.append(_time(cls(params, lr=1e-3).step, window=0.01))
+        opt[name] = max(0.0, (per[1] - per[0]) / 24)
+    return {"dtensor_overhead": max(0.0, sharded - plain), "tp_op_overhead": tp_kernel_overhead(t_tp, t_ref, t_ar),
+            "optimizer_dtensor_overhead": opt}
+
+
+def tp_kernel_overhead(t_pair_tp: float, t_pair_plain: float, t_allreduce: float,
+                       backward_factor: float = 2.0) -> float:
+    """Host seconds per kernel of a tensor-parallel Linear, from a timed column + row pair.
+
+    The pair runs two Linears forward and backward (``1 + κ`` kernels each) and two all-reduces
+    that the collective model prices on its own:
+
+        δ_tp = max(0, (t_pair,tp − t_pair,plain − 2·t_allreduce) / (2·(1 + κ))).
+    """
+    return max(0.0, (t_pair_tp - t_pair_plain - 2 * t_allreduce) / (2 * (1 + backward_factor)))
 
 
 def _interleaved_measure(rank: int, world: int, counts: Sequence[int], sizes: Sequence[int], iters: int,
@@ -525,7 +597,7 @@ def _interleaved_measure(rank: int, world: int, counts: Sequence[int], sizes: Se
                 sync = (lambda g=groups[p]: dist.barrier(group=g)) if p > 1 else (lambda: None)
                 kernels[p].append(kernel_rates(matmul_sizes, sync=sync, attention_shapes=attention_shapes, gemm=gemm,
                                                optimizer_sets=optimizer_sets))
-    dtensor: dict[int, float] = {}
+    dtensor: dict[int, dict[str, Any]] = {}
     allreduce: dict[int, list[tuple[int, float]]] = {}
     for p in counts:
         if p == 1:
@@ -698,7 +770,12 @@ def calibrate(out: str | os.PathLike[str] | None = None, *, group_sizes: Sequenc
         per_round = [slowest_rank([res[r]["kernels"][p][i] for r in range(p)]) for i in range(rounds)]
         per_procs[str(p)] = _median_rounds(per_round)
         if p > 1:
-            per_procs[str(p)]["dtensor_overhead"] = max(res[r]["dtensor"][p] for r in range(p))
+            d = [res[r]["dtensor"][p] for r in range(p)]  # the slowest rank per figure
+            per_procs[str(p)].update(
+                dtensor_overhead=max(x["dtensor_overhead"] for x in d),
+                tp_op_overhead=max(x["tp_op_overhead"] for x in d),
+                optimizer_dtensor_overhead={o: max(x["optimizer_dtensor_overhead"][o] for x in d)
+                                            for o in d[0]["optimizer_dtensor_overhead"]})
         _say_rates(say, p, per_procs[str(p)])
         for n, t in res[0]["allreduce"].get(p, []):
             points.append((p, n, t))
@@ -724,6 +801,9 @@ def calibrate(out: str | os.PathLike[str] | None = None, *, group_sizes: Sequenc
 def _say_rates(say: Callable[[str], None], p: int, k: dict[str, Any]) -> None:
     best = max(r["flops"] / r["seconds"] for r in k["matmul"])
     dt = f", DTensor op +{k['dtensor_overhead'] * 1e6:.0f} us" if "dtensor_overhead" in k else ""
+    if "tp_op_overhead" in k:
+        dt += (f", tensor-parallel kernel +{k['tp_op_overhead'] * 1e6:.0f} us, Adam per DTensor "
+               f"{k['optimizer_dtensor_overhead'].get('adam', 0) * 1e6:.0f} us")
     tr = f", training op +{k['training_op_overhead'] * 1e6:.1f} us" if "training_op_overhead" in k else ""
     if k.get("optimizer_tensor_overhead"):
         tr += ", optimizer per tensor " + ", ".join(f"{o} {v * 1e6:.0f} us"

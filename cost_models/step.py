@@ -699,8 +699,12 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
             per_tensor = dict(dt.optimizer_tensor_overhead).get(cfg.optimizer)
             dtensors = terms.param_tensors[s] if cfg.zero_stage >= 1 and dgrp_size > 1 else terms.tp_param_tensors[s]
             n_t, dispatch = terms.param_tensors[s], k * dtensors * dt.sharded_op_overhead
+            per_dtensor = dict(dt.optimizer_dtensor_overhead).get(cfg.optimizer)
             if per_tensor is None:
                 t_opt = max(t_opt, k * n_t * dt.launch_overhead + dispatch)
+            elif per_dtensor is not None:
+                # measured per sharded tensor too: the whole host cost of a DTensor's update
+                t_opt += (n_t - dtensors) * per_tensor + dtensors * per_dtensor
             else:
                 t_opt += n_t * per_tensor + dispatch
         # autograd adds every micro-batch's weight gradient after the first into .grad: on average

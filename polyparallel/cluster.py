@@ -199,6 +199,9 @@ class DeviceType:
             (every micro-batch after the first; calibrated CPU processes); 0: not priced.
     """
 
+        optimizer_dtensor_overhead: measured seconds per *sharded* (DTensor) parameter tensor of
+            the optimizer step, as ``(optimizer, seconds)`` pairs (calibrated CPU processes, FSDP2 and
+            tensor parallelism); empty: the plain per-tensor cost plus ``k`` DTensor dispatches.
     name: str
     kind: str
     peak: tuple[tuple[str, float], ...]
@@ -223,6 +226,7 @@ class DeviceType:
 
     @cached_property
     def cache_key(self) -> tuple[str, int]:
+    optimizer_dtensor_overhead: tuple[tuple[str, float], ...] = ()
         """``(name, hash of every figure)``, computed once: prices cached per graph stay apart for
         two types that share a name (``local-cpu:1`` and ``local-cpu:4`` are both ``cpu-process``)."""
         return (self.name, hash(self))
@@ -923,6 +927,21 @@ def _calibrated_type(name: str, cal: Mapping[str, Any], procs: int, base: Device
                       if att else (),
                       optimizer_tensor_overhead=tuple(sorted((o, float(v)) for o, v in opt.items())),
                       optimizer_element_rates=elem, gemm_rates=gemm, grad_accumulation=acc,
+    # a tensor-parallel Linear's kernels, and the optimizer per sharded tensor, where measured (nearest P)
+    tps = {int(k): v for k, v in per.items() if "tp_op_overhead" in v}
+    near = tps[min(tps, key=lambda k: (abs(k - procs), -k))] if tps else {}
+    try:
+        if near:
+            sharded = float(near["tp_op_overhead"])
+        opt_dt = tuple(sorted((str(o), float(v)) for o, v in near.get("optimizer_dtensor_overhead", {}).items()))
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ClusterSpecError(f"calibration file {cal.get('path', '?')}: malformed tp_op_overhead / "
+                               f"optimizer_dtensor_overhead ({type(e).__name__}: {e}); run `polyparallel calibrate` "
+                               "again") from None
+    if sharded < 0 or any(v < 0 for _, v in opt_dt):
+        raise ClusterSpecError(f"calibration file {cal.get('path', '?')}: negative DTensor overhead "
+                               f"(tp_op_overhead {sharded}, optimizer_dtensor_overhead {dict(opt_dt)}); run "
+                               "`polyparallel calibrate` again")
                       source=f"calibration {cal.get('path', '')} ({cal.get('host', '?')}, {cal.get('date', '?')}, "
                              f"{threads} thread(s)/process, {procs} processes on {cores} cores)",
                       matmul_curve=curve)
@@ -931,6 +950,7 @@ def _calibrated_type(name: str, cal: Mapping[str, Any], procs: int, base: Device
 def _framework_rates(cal: Mapping[str, Any], procs: int, k: Mapping[str, Any], share: float) -> tuple[
         tuple[tuple[str, tuple[tuple[float, float], ...]], ...], tuple[tuple[str, int, int, float], ...], float]:
     """The optimizer-per-element, skinny-GEMM and gradient-accumulation rates of one ``per_processes``
+                      optimizer_dtensor_overhead=opt_dt,
     entry ``k`` (times scaled by ``1 / share`` when measured with fewer processes), checked: a bad
     entry is a :class:`ClusterSpecError` naming the file, the key and the fix."""
     where = f"calibration file {cal.get('path', '?')}, per_processes[{procs}]"

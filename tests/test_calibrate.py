@@ -189,6 +189,9 @@ def test_calibrate_measures_this_machine_with_the_training_thread_count(tmp_path
         o: [512.0, 8192.0] for o in ("sgd", "adam", "adamw")}
     assert dict(dt.optimizer_element_rates)["adam"] == tuple(tuple(r) for r in two["optimizer_element"]["adam"])
     assert two["grad_accumulation"] >= 0 and dt.grad_accumulation == two["grad_accumulation"]
+    assert two["tp_op_overhead"] >= 0 and dt.sharded_op_overhead == two["tp_op_overhead"]
+    assert dict(dt.optimizer_dtensor_overhead) == two["optimizer_dtensor_overhead"] and set(
+        two["optimizer_dtensor_overhead"]) == {"sgd", "adam", "adamw"}
     row = res["per_processes"]["2"]["attention"][0]
     assert row["shape"] == [1, 2, 16, 8] and row["forward_s"] > 0 and row["backward_s"] >= 0
     assert dt.attention_curve("fp32") == ((row["flops"], row["forward_s"], row["backward_s"]),)

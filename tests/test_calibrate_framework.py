@@ -227,3 +227,56 @@ def test_a_bad_framework_entry_in_the_calibration_file_is_a_clear_error(tmp_path
         _cpu(tmp_path, monkeypatch, edit, procs=2)
     msg = str(e.value)
     assert says in msg and "cal.json" in msg and "per_processes[2]" in msg and "polyparallel calibrate" in msg
+
+
+# -- DTensor: tensor-parallel kernels and the optimizer per sharded tensor ---------------------------
+
+
+def test_tp_kernel_overhead_recovers_the_per_kernel_cost_of_a_timed_pair():
+    delta, plain, ar = 30e-6, 400e-6, 250e-6
+    tp = plain + 2 * ar + 2 * 3 * delta  # two Linears, 1 forward + 2 backward kernels each, two all-reduces
+    assert cal_mod.tp_kernel_overhead(tp, plain, ar) == pytest.approx(delta, rel=1e-12)
+    assert cal_mod.tp_kernel_overhead(plain, plain, ar) == 0.0  # never negative
+
+
+def _dtensor_edit(cal):
+    for p in ("2", "4"):
+        k = cal["per_processes"][p]
+        k["dtensor_overhead"], k["tp_op_overhead"] = 5e-6, 30e-6 * int(p)
+        k["optimizer_tensor_overhead"] = {"adam": 20e-6}
+        k["optimizer_dtensor_overhead"] = {"adam": 300e-6}
+
+
+def test_tensor_parallel_ops_pay_the_measured_tp_kernel_overhead(tmp_path, monkeypatch):
+    cl = _cpu(tmp_path, monkeypatch, _dtensor_edit, procs=2)
+    dt = cl.device(0).type
+    assert dt.sharded_op_overhead == 60e-6  # the tensor-parallel figure, preferred over the 1-element add
+    assert dict(dt.optimizer_dtensor_overhead) == {"adam": 300e-6}
+    assert Cluster.preset("local-cpu:3").device(0).type.sharded_op_overhead == 120e-6  # nearest P, larger on a tie
+    g = mlp_graph(batch=8, widths=(64, 64), bias=False)
+    plain, sharded = op_cost(g, g.ops[0], dt, split=2), op_cost(g, g.ops[0], dt, split=2, sharded=True)
+    assert sharded.forward - plain.forward == pytest.approx(60e-6) and \
+        sharded.backward - plain.backward == pytest.approx(2 * 60e-6)
+
+
+def test_optimizer_pays_the_measured_cost_per_sharded_tensor(tmp_path, monkeypatch):
+    cl = _cpu(tmp_path, monkeypatch, _dtensor_edit, procs=2)
+    g = mlp_graph(batch=8, widths=(256, 256, 256), bias=True)  # 6 parameter tensors, all split by tp
+    n = sum(t.numel for t in g.tensors.values() if t.kind is TensorKind.PARAM)
+    stream = 4 * 18 * n / (1e18 * 0.8)  # Adam's accesses at an unbounded bandwidth
+    # plain DDP: every tensor plain; FSDP2: every tensor a DTensor (and half the elements)
+    ddp = estimate_step(g, cl, ParallelConfig(dp=2)).breakdown()["optimizer"]
+    assert ddp == pytest.approx(stream + 6 * 20e-6, rel=1e-9)
+    fsdp = estimate_step(g, cl, ParallelConfig(dp=2, zero_stage=3)).breakdown()["optimizer"]
+    assert fsdp == pytest.approx(stream / 2 + 6 * 300e-6, rel=1e-9)
+    # tensor parallel: the split tensors are DTensors, the others plain (the step model splits all six here)
+    tp = estimate_step(g, cl, ParallelConfig(tp=2)).breakdown()["optimizer"]
+    assert tp == pytest.approx(stream / 2 + 6 * 300e-6, rel=1e-9)
+    # without the per-sharded-tensor figure: the plain cost plus Adam's 9 kernels' DTensor dispatch each
+    def no_dt(cal):
+        _dtensor_edit(cal)
+        for k in cal["per_processes"].values():
+            k.pop("optimizer_dtensor_overhead", None)
+
+    old = estimate_step(g, _cpu(tmp_path, monkeypatch, no_dt, procs=2), ParallelConfig(dp=2, zero_stage=3))
+    assert old.breakdown()["optimizer"] == pytest.approx(stream / 2 + 6 * 20e-6 + 9 * 6 * 60e-6, rel=1e-9)
