@@ -112,7 +112,7 @@ def run_split(name: str, alpha: float | None, xtr, ytr, xte, yte, args, seed: in
     names = [f"c{i}" for i in range(args.centers)]
     data = {n: (xtr[p], ytr[p]) for n, p in zip(names, parts)}
     sizes = [len(p) for p in parts]
-    spec = ModelSpec("cnn", (1, 28, 28), 10, hidden=args.width)
+    spec = ModelSpec("cnn", (1, 28, 28), 10, hidden=args.width, norm=args.norm)
     steps = max(1, round(args.epochs * np.mean(sizes) / (args.batch * args.rounds)))
     base = dict(model=spec, rounds=args.rounds, local_steps=steps, batch_size=args.batch, lr=args.lr, seed=seed,
                 lr_schedule=args.lr_schedule, momentum=args.momentum)
@@ -169,7 +169,7 @@ def run_split(name: str, alpha: float | None, xtr, ytr, xte, yte, args, seed: in
                {"mindspore_centers": [c.name for c in centers if c.framework == "mindspore"]})
     return {"split": name, "seed": seed, "alpha": alpha, "center_sizes": sizes, "local_steps": steps,
             "rounds": args.rounds, "epochs": args.epochs, "batch": args.batch, "lr": args.lr, "momentum": args.momentum,
-            "lr_schedule": args.lr_schedule, "width": args.width, "train_images": len(ytr),
+            "lr_schedule": args.lr_schedule, "width": args.width, "norm": args.norm, "train_images": len(ytr),
             "test_images": len(yte), "arms": arms}
 
 
@@ -252,6 +252,8 @@ def main() -> None:
     ap.add_argument("--local-eval-every", type=int, default=1,
                     help="evaluate the five local-only models every this many rounds (and after the last)")
     ap.add_argument("--width", type=int, default=8, help="channels of the first conv")
+    ap.add_argument("--norm", default="batch", choices=("batch", "group"),
+                    help="the CNN's normalisation (every arm): BatchNorm or GroupNorm")
     ap.add_argument("--train", type=int, default=0, help="use this many training images (0: all 60k)")
     ap.add_argument("--test", type=int, default=0, help="use this many test images (0: all 10k)")
     ap.add_argument("--seeds", default="0", help="comma-separated seeds (data split, initial model, data order)")

@@ -229,3 +229,25 @@ def test_cosine_round_schedule_closed_form_and_bad_names():
         round_lr(0.1, "step", 1, 4)
     with pytest.raises(ValueError, match="unknown lr_schedule"):
         CollabConfig(centers=(CenterSpec("a"),), model=ModelSpec("mlp", (4,), 2), lr_schedule="linear")
+
+
+def test_group_norm_cnn_exchanges_no_running_statistics_and_errors_are_clear():
+    import torch
+
+    from polyparallel.backends.collab import build_torch_model, torch_state
+
+    spec = ModelSpec("cnn", (1, 8, 8), 3, hidden=8, norm="group")
+    model = build_torch_model(spec)
+    assert isinstance(model.bn1, torch.nn.GroupNorm) and (model.bn1.num_groups, model.bn2.num_groups) == (2, 4)
+    assert not any(k.endswith(("running_mean", "running_var")) for k in torch_state(model))
+    x = torch.randn(5, 1, 8, 8)
+    one = model(x[:1])  # no batch statistics: an example's output does not depend on its batch
+    torch.testing.assert_close(model(x)[:1], one)
+    with pytest.raises(ValueError, match="norm 'group'"):
+        ModelSpec("mlp", (4,), 2, norm="group")
+    with pytest.raises(ValueError, match="norm 'layer'"):
+        ModelSpec("cnn", (1, 8, 8), 2, norm="layer")
+    from polyparallel.backends.collab._mindspore import build_mindspore_model
+
+    with pytest.raises(ValueError, match="BatchNorm only"):
+        build_mindspore_model(spec)

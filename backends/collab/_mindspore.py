@@ -114,6 +114,9 @@ def _ms() -> Any:
 
 def build_mindspore_model(spec: ModelSpec) -> Any:
     """The ``mindspore.nn.Cell`` with the same architecture and attribute names as the torch model."""
+    if spec.norm != "batch":
+        raise ValueError(f"MindSpore centers build the {spec.kind} with BatchNorm only (norm={spec.norm!r} has no "
+                         "name-and-layout map); use norm='batch' or torch centers")
     ms = _ms()
     from mindspore import nn, ops
 

@@ -8,7 +8,10 @@ Kinds:
 
 - ``mlp``:    flatten → ``fc1`` Linear → ``norm`` LayerNorm → ReLU → ``fc2`` Linear
 - ``cnn``:    ``conv1`` 3×3 → ``bn1`` → ReLU → maxpool 2 → ``conv2`` 3×3 → ``bn2`` → ReLU → maxpool 2
-              → flatten → ``fc`` Linear  (the Fashion-MNIST model)
+              → flatten → ``fc`` Linear  (the Fashion-MNIST model); with ``norm="group"`` the two
+              normalisations are GroupNorm over groups of 4 channels (same names; no running
+              statistics, so nothing depends on how skewed one center's batches are — the remedy
+              for BatchNorm under label skew in Hsieh et al. 2020; torch centers only)
 - ``embbag``: ``emb`` Embedding → mean over the sequence → ``norm`` LayerNorm → ``fc`` Linear
 """
 
@@ -36,6 +39,7 @@ class ModelSpec:
         num_classes: output size.
         hidden: hidden width (``mlp``), channels of the first conv (``cnn``), embedding size (``embbag``).
         vocab: vocabulary size (``embbag`` only).
+        norm: ``batch`` (BatchNorm) or ``group`` (GroupNorm, 4 channels per group) in ``cnn``.
     """
 
     kind: str
@@ -43,6 +47,7 @@ class ModelSpec:
     num_classes: int
     hidden: int = 32
     vocab: int = 0
+    norm: str = "batch"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "in_shape", tuple(int(d) for d in self.in_shape))
@@ -52,6 +57,8 @@ class ModelSpec:
             raise ValueError(f"cnn needs in_shape (C, H, W) with H, W divisible by 4, got {self.in_shape}")
         if self.kind == "embbag" and (len(self.in_shape) != 1 or self.vocab <= 0):
             raise ValueError("embbag needs in_shape (seq_len,) and vocab > 0")
+        if self.norm not in ("batch", "group") or (self.norm == "group" and (self.kind != "cnn" or self.hidden % 4)):
+            raise ValueError(f"norm {self.norm!r}: use 'batch', or 'group' for a cnn whose hidden is a multiple of 4")
         if self.num_classes <= 0 or self.hidden <= 0:
             raise ValueError("num_classes and hidden must be positive")
 
@@ -93,9 +100,9 @@ def build_torch_model(spec: ModelSpec, seed: int = 0) -> Any:
             def __init__(self) -> None:
                 super().__init__()
                 self.conv1 = nn.Conv2d(c, ch, 3, padding=1)
-                self.bn1 = nn.BatchNorm2d(ch)
+                self.bn1 = nn.BatchNorm2d(ch) if spec.norm == "batch" else nn.GroupNorm(ch // 4, ch)
                 self.conv2 = nn.Conv2d(ch, 2 * ch, 3, padding=1)
-                self.bn2 = nn.BatchNorm2d(2 * ch)
+                self.bn2 = nn.BatchNorm2d(2 * ch) if spec.norm == "batch" else nn.GroupNorm(ch // 2, 2 * ch)
                 self.fc = nn.Linear(2 * ch * (h // 4) * (w // 4), spec.num_classes)
 
             def forward(self, x: torch.Tensor) -> torch.Tensor:
