@@ -332,3 +332,60 @@ def test_axis_keys_are_equal_exactly_when_the_sets_are(data):
     assert (fp.axis_key(a) == fp.axis_key(b)) == same
     copy = fp.Prog(a.start.copy(), a.step[::-1][::-1], np.asarray(a.n, dtype=np.int32))  # strided, other dtype
     assert fp.axis_key(copy) == fp.axis_key(a)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_interval_overlap_fast_path_equals_the_intersection_and_enumeration(data):
+    """``_axis_common`` of two intervals (the shortcut that skips building the intersection)
+    equals ``Prog.intersect``'s count and a set enumeration, empty intervals included."""
+    from polyparallel.poly import _footprint as fp
+
+    ndev = data.draw(st.integers(1, 6))
+
+    def interval() -> fp.Prog:
+        lo = np.array(data.draw(st.lists(st.integers(-3, 9), min_size=ndev, max_size=ndev)), dtype=np.int64)
+        ln = np.array(data.draw(st.lists(st.integers(-2, 6), min_size=ndev, max_size=ndev)), dtype=np.int64)
+        return fp.Prog.interval(lo, lo + ln)
+
+    a, b = interval(), interval()
+    got, bad = fp._axis_common(a, b)
+    assert not bad.any()
+    assert np.array_equal(got, a.intersect(b)[0].n)
+    for p in range(ndev):
+        sa = set(range(int(a.start[p]), int(a.start[p] + a.n[p])))
+        sb = set(range(int(b.start[p]), int(b.start[p] + b.n[p])))
+        assert got[p] == len(sa & sb)
+
+
+def test_legal_placements_equal_every_assignment_checked_whole(gpt):
+    """``legal_placements`` checks each (dim, mesh axes) split once; the same list as checking every
+    assignment of mesh axes to dims as a whole placement, padded or refused, on even, 3:1 and
+    non-dividing meshes (a 1:10 axis leaves a block empty but is legal: n >= k)."""
+    import itertools
+
+    from polyparallel.poly import IllegalPlacement, Placement
+    from polyparallel.poly._placement import _check_placement  # unmemoised: _legal records what it finds legal
+
+    for text in ["dp=2,tp=2", "a=3,b=2", "a=2[3:1],b=4", "a=2[1:10],b=3,c=2"]:
+        mesh = DeviceMesh.parse(text)
+        for op in gpt.ops:
+            if op.nest is None:
+                continue
+            for uneven in ("pad", "refuse"):
+                CACHE.clear()
+                got = poly.legal_placements(gpt, op, mesh, uneven=uneven)
+                choices = [None, *[d.name for d in op.nest.dims if d.extent > 1]]
+                ref = []
+                for assign in itertools.product(choices, repeat=len(mesh.axes)):
+                    splits: dict[str, list[str]] = {}
+                    for ax, d in zip(mesh.names, assign):
+                        if d is not None and mesh.axis(ax).size > 1:
+                            splits.setdefault(d, []).append(ax)
+                    p = Placement(tuple((d, tuple(a)) for d, a in splits.items()))
+                    try:
+                        _check_placement(op.nest, p, mesh, op.name, uneven)
+                    except IllegalPlacement:
+                        continue
+                    ref.append(p)
+                assert got == list(dict.fromkeys(ref)), (text, op.name, uneven)

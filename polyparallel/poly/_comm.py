@@ -275,7 +275,7 @@ def layout_distribution(layout: TensorLayout, mesh: DeviceMesh) -> Distribution:
                 cons.append(f"{int(lo[p])} <= i{j} < {int(hi[p])}")
             return isl.Set(f"{{ T[{', '.join(idx)}] : {' and '.join(cons) or 'true'} }}")
 
-        boxes = [np.stack(mesh.bounds(n, s)) for n, s in zip(layout.shape, layout.shards)]
+        boxes = [mesh.bounds(n, s) for n, s in zip(layout.shape, layout.shards)]  # (lo, hi), as ops give them
         return Distribution(tuple(layout.shape), mesh, region, layout.shards,
                             tuple(True for _ in layout.shape), layout.partial,
                             ("layout", layout, mesh), isl_of, tuple(boxes))
@@ -589,14 +589,8 @@ def _deps(nest: LoopNest, placement: Placement, operand: str, writes: bool, rank
     """Mesh axes the footprint along each tensor axis depends on, outermost first."""
     per_axis = _of_nest(nest, ("deps", operand, writes, rank),
                         lambda: _dims_per_axis(nest, operand, writes, rank))
-    deps: list[tuple[str, ...]] = []
-    for dims in per_axis:
-        axes: dict[str, None] = {}
-        for d in dims:
-            for a in placement.axes_of(d):
-                axes.setdefault(a)
-        deps.append(tuple(axes))
-    return tuple(deps)
+    split = dict(placement.splits)
+    return tuple(tuple(dict.fromkeys(a for d in dims if d in split for a in split[d])) for dims in per_axis)
 
 
 def _isl_of(nest: LoopNest, operand: str, shape: Shape, bounds, writes: bool) -> Callable[[int], isl.Set]:

@@ -298,6 +298,9 @@ def legal_placements(graph: Graph | None, op: Op | LoopNest | None, mesh: Device
 def _legal(nest: LoopNest, mesh: DeviceMesh, uneven: str, max_split_dims: int | None) -> tuple[Placement, ...]:
     choices = [None, *[d.name for d in nest.dims if d.extent > 1]]
     out: list[Placement] = []
+    # every rule of the module docstring is a condition on one (dim, mesh axes) split (a mesh axis is used
+    # once by construction): a placement is legal when each of its splits is, checked once per split
+    split_ok: dict[tuple[str, tuple[str, ...]], bool] = {}
     for assign in itertools.product(choices, repeat=len(mesh.axes)):
         splits: dict[str, list[str]] = {}
         for ax, d in zip(mesh.names, assign):
@@ -305,11 +308,26 @@ def _legal(nest: LoopNest, mesh: DeviceMesh, uneven: str, max_split_dims: int | 
                 splits.setdefault(d, []).append(ax)
         if max_split_dims is not None and len(splits) > max_split_dims:
             continue
-        p = Placement(tuple((d, tuple(a)) for d, a in splits.items()))
-        try:
-            check_placement(nest, p, mesh, uneven=uneven)
-        except IllegalPlacement:
+        items = tuple((d, tuple(a)) for d, a in splits.items())
+        ok = True
+        for item in items:
+            good = split_ok.get(item)
+            if good is None:
+                try:
+                    _check_placement(nest, Placement((item,)), mesh, "op", uneven)
+                    good = True
+                except IllegalPlacement:
+                    good = False
+                split_ok[item] = good
+            if not good:
+                ok = False
+                break
+        if not ok:
             continue
+        p = Placement(items)
+        if len(_LEGAL_MEMO) > 200_000:
+            _LEGAL_MEMO.clear()
+        _LEGAL_MEMO[(id(nest), p, mesh, uneven)] = nest  # what check_placement records for a legal one
         out.append(p)
     return tuple(dict.fromkeys(out))
 
