@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from polyparallel.ir import Graph, Op
 
-__all__ = ["CACHE", "PolyCache", "cache_stats", "clear_cache", "signature_of"]
+__all__ = ["CACHE", "MISSING", "PolyCache", "cache_stats", "clear_cache", "signature_of"]
 
 
 _MISSING = object()
+MISSING = _MISSING  #: what :meth:`PolyCache.hit` returns for a key not cached
 
 
 @dataclass
@@ -65,6 +66,14 @@ class PolyCache:
         t[key] = value
         if len(t) > (self.big if table in self.small_values else self.maxsize):
             t.popitem(last=False)
+        return value
+
+    def hit(self, table: str, key: Hashable) -> Any:
+        """The cached value (a hit is counted), or :data:`MISSING` (nothing counted: ``get`` follows)."""
+        t = self.tables.get(table)
+        value = _MISSING if t is None else t.get(key, _MISSING)
+        if value is not _MISSING:
+            self.hits[table] = self.hits.get(table, 0) + 1
         return value
 
     def stats(self) -> dict[str, dict[str, float]]:

@@ -47,7 +47,7 @@ import numpy as np
 
 from polyparallel.ir import ANY, DTYPE_BYTES, Graph, LoopNest, Op, Shape, TensorKind
 
-from ._cache import CACHE
+from ._cache import CACHE, MISSING
 from ._cache import signature_of as _signature
 from ._footprint import (
     _AXIS_MEMO,
@@ -1205,6 +1205,9 @@ def comm_of_op(graph: Graph, op: Op, placement: Placement, mesh: DeviceMesh) -> 
     """
     sig = _signature(graph, op)
     key = (sig, placement, mesh)
+    hit = CACHE.hit("op_comm", key)  # every placement of every repeated layer: no closure built for a hit
+    if hit is not MISSING:
+        return hit
 
     def make() -> OpComm:
         from ._placement import legal_placements
@@ -1970,6 +1973,9 @@ def edge_costs(graph: Graph, tensor: str, consumer: Op, operand: str, mesh: Devi
     pkey = None if producer_placements is None else tuple(producer_placements)
     ckey = None if consumer_placements is None else tuple(consumer_placements)
     key = (psig, out_idx, _signature(graph, consumer), operand, mesh, pkey, ckey, graph.tensors[tensor].dtype)
+    hit = CACHE.hit("edge", key)
+    if hit is not MISSING:
+        return hit
 
     def make() -> EdgeCosts:
         pp_ = pkey if pkey is not None else \

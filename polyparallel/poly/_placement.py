@@ -288,10 +288,13 @@ def legal_placements(graph: Graph | None, op: Op | LoopNest | None, mesh: Device
     nest = op.nest if isinstance(op, Op) else op
     if nest is None:
         return [Placement()]
-    from ._cache import CACHE, signature_of
+    from ._cache import CACHE, MISSING, signature_of
 
     sig = signature_of(graph, op) if graph is not None and isinstance(op, Op) else nest
     key = (sig, mesh, uneven, max_split_dims)
+    hit = CACHE.hit("legal", key)
+    if hit is not MISSING:
+        return list(hit)
     return list(CACHE.get("legal", key, lambda: _legal(nest, mesh, uneven, max_split_dims)))
 
 
