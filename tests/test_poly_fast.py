@@ -389,3 +389,22 @@ def test_legal_placements_equal_every_assignment_checked_whole(gpt):
                         continue
                     ref.append(p)
                 assert got == list(dict.fromkeys(ref)), (text, op.name, uneven)
+
+
+def test_repeated_comm_of_op_lookups_are_the_cached_prices(gpt):
+    """The per-op fast path of ``comm_of_op`` returns the batch's prices, counts hits, follows a
+    new (equal) mesh object and forgets everything on ``clear_cache``."""
+    op = next(o for o in gpt.ops if o.name == "linear_2")
+    mesh = DeviceMesh.parse("a=2,b=3")
+    CACHE.clear()
+    legal = poly.legal_placements(gpt, op, mesh)
+    ref = _comm._comm_of_ops(gpt, op, legal, mesh)
+    first = [poly.comm_of_op(gpt, op, p, mesh) for p in legal]
+    hits = CACHE.stats()["op_comm"]["hits"]
+    again = [poly.comm_of_op(gpt, op, p, mesh) for p in legal]
+    assert all(a is b for a, b in zip(first, again)) and first == [ref[p] for p in legal]
+    assert CACHE.stats()["op_comm"]["hits"] == hits + len(legal)
+    other = DeviceMesh.parse("a=2,b=3")
+    assert [poly.comm_of_op(gpt, op, p, other) for p in legal] == first
+    CACHE.clear()
+    assert not _comm._OP_COMM and poly.comm_of_op(gpt, op, legal[-1], mesh) == ref[legal[-1]]
