@@ -12,11 +12,14 @@ What it does:
    head) timed in bf16, against (a) the measured square-matmul curve at the same FLOP count and
    (b) the data-sheet roofline at the modelled 80% efficiency: how well a FLOP-keyed curve transfers to
    the skinny shapes of real layers.
-3. **Training steps**: GPT models (``polyparallel.models.GPT``, bf16 autocast, Adam, causal SDPA)
-   trained on the GPU, median step time after warm-up, against ``estimate_step`` on the captured graph
-   for a one-GPU cluster (bf16 compute, fp32 master weights), priced twice: with the data-sheet device
-   type and with the calibrated one. Flash attention (``fused_attention=True``); for GPT-1.7B also the
+3. **Training steps**: GPT models (``polyparallel.models.GPT``, bf16 autocast, Adam, causal SDPA) and
+   CNNs (ResNet-50 at batch 16/64/128, the small CNN; SGD with momentum) trained eagerly on the GPU,
+   median step time after warm-up (and the host's enqueue time: is the GPU waiting for dispatch?),
+   against ``estimate_step`` on the captured graph for a one-GPU cluster (bf16 compute, fp32 master
+   weights, ``fused_elementwise=False``: eager PyTorch runs every op as its own kernel), priced twice:
+   with the data-sheet device type and with the calibrated one. Flash attention (``fused_attention=True``); for GPT-1.7B also the
    unfused math kernel and full recomputation; measured peak memory against the memory model.
+   Every distinct convolution of ResNet-50 is timed against the calibrated conv rows.
 4. **NCCL path**: ``polyparallel.backends.torch.train`` of the tiny GPT strategy on the GPU (the worker
    picks CUDA + NCCL) equals the single-process CPU loop step by step.
 
@@ -50,6 +53,7 @@ DEVICE = "cuda"  # where workloads run; a smoke test of this script's CPU-side l
 MODELS: list[tuple[str, GPTConfig, int]] = [
     ("gpt-tiny", GPTConfig(vocab=512, seq=128, layers=2, hidden=128, heads=4), 8),
     ("gpt2-small", GPTConfig(), 8),
+    ("gpt2-small-v50304", GPTConfig(vocab=50304), 8),  # the vocabulary padded to a multiple of 64
     ("gpt2-medium", GPTConfig(layers=24, hidden=1024, heads=16), 8),
     ("gpt-1.7b", GPTConfig(vocab=51200, seq=2048, layers=24, hidden=2304, heads=24), 4),
 ]
@@ -265,7 +269,8 @@ def predict(name: str, batch: int, fused: bool, clusters: dict[str, Cluster], re
     out: dict[str, Any] = {"model_flops": None}
     for key, cl in clusters.items():
         est = estimate_step(g, cl, ParallelConfig(dtype="bf16", fused_attention=fused, optimizer=optimizer_of(name),
-                                                  recompute="full" if recompute else "none", fused_optimizer=fused_opt))
+                                                  recompute="full" if recompute else "none", fused_optimizer=fused_opt,
+                                                  fused_elementwise=False))  # eager PyTorch: one kernel per op
         out[key] = est.step_time
         out["predicted_memory_bytes"] = est.memory[0].total
         out["predicted_memory_terms"] = dict(est.memory[0].terms)

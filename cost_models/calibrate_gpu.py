@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["CONV_SHAPES", "HOST_OP_CLASSES", "attention_flops", "calibrate_gpu", "conv_flops", "conv_rows",
-           "cuda_time", "host_op_seconds", "norm_rows"]
+           "cuda_time", "gemm_rows_gpu", "host_op_seconds", "misaligned_rows", "norm_rows", "optimizer_host"]
 
 _TORCH_DTYPES = {"fp32": "float32", "tf32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -207,11 +207,12 @@ def conv_rows(dtypes: Sequence[str], say: Callable[[str], None] = lambda s: None
 
 # host classes of eager ops timed by :func:`host_op_seconds` (the compute model maps op kinds onto them)
 HOST_OP_CLASSES = ("elementwise", "linear", "conv", "batch_norm", "layer_norm", "view", "attention",
-                   "cross_entropy", "embedding")
+                   "cross_entropy", "embedding", "backward_call")
 
 
 def host_op_seconds(chain: int = 32, device: str = "cuda",
-                    timer: Callable[[Callable[[], Any]], float] | None = None) -> dict[str, float]:
+                    timer: Callable[[Callable[[], Any]], float] | None = None,
+                    autocast: str | None = None) -> dict[str, float]:
     """Seconds per eager op of each class, forward and backward through autograd, on tiny tensors.
 
     A chain of ``chain`` ops of one class (each the input of the next, so autograd records them
@@ -219,11 +220,21 @@ def host_op_seconds(chain: int = 32, device: str = "cuda",
     subtracted and the rest divided by ``chain``. On a GPU the kernels do no work, so this is the
     host's dispatch, autograd and launch cost of one op, both passes: when a step's kernels are
     shorter than this, the GPU waits for the host (eager training of a small model is bound by it).
+    ``autocast`` (``bf16``/``fp16``): the chains run under ``torch.autocast``, as mixed-precision
+    training runs them (matrix ops then also cast their fp32 weights, one more op each).
     """
     import torch
     import torch.nn.functional as F
 
-    timer = timer or (lambda fn: cuda_time(fn, min_window=0.02))
+    base_timer = timer or (lambda fn: cuda_time(fn, min_window=0.02))
+    if autocast:
+        def timer(fn: Callable[[], Any]) -> float:
+            def under() -> None:
+                with torch.autocast(device, getattr(torch, _TORCH_DTYPES[autocast])):
+                    fn()
+            return base_timer(under)
+    else:
+        timer = base_timer
     dev = torch.device(device)
     x0 = torch.ones(8, 8, device=dev, requires_grad=True)
     img = torch.ones(2, 4, 6, 6, device=dev, requires_grad=True)
@@ -259,12 +270,116 @@ def host_op_seconds(chain: int = 32, device: str = "cuda",
         "embedding": (x0, embed),
     }
     out: dict[str, float] = {}
+    base = 0.0
     for name, (x, step) in chains.items():
         base = timer(lambda x=x: x.sum().backward())  # the reduction + backward call alone
         out[name] = max(timer(run(x, step)) - base, 0.0) / chain
+    # what every step pays once: a loss reduction and the backward call (the autograd engine's start)
+    out["backward_call"] = base
     for name in ("cross_entropy", "embedding"):  # each link also ran one elementwise add
         out[name] = max(out[name] - out["elementwise"], 0.0)
     return out
+
+
+def optimizer_host(counts: tuple[int, int] = (8, 64), device: str = "cuda",
+                   timer: Callable[[Callable[[], Any]], float] | None = None) -> dict[str, dict[str, float]]:
+    """Host seconds of one ``optimizer.step()`` on tiny parameters: a fixed part and a part per tensor.
+
+    For SGD with momentum and Adam, each with torch's default multi-tensor (``foreach``) kernels and
+    with ``fused=True``: the step over ``n₁`` and ``n₂`` parameter tensors of 8 elements (the kernels
+    do no work, the host's Python and dispatch is what is timed), fitted as ``fixed + n·per_tensor``.
+    A step over a model's parameters lasts at least this on the host.
+    """
+    import torch
+
+    timer = timer or (lambda fn: cuda_time(fn, min_window=0.02))
+    out: dict[str, dict[str, float]] = {}
+    for name in ("sgd_momentum", "adam"):
+        for mode in ("foreach", "fused"):
+            times = []
+            for n in counts:
+                ps = [torch.zeros(8, device=device, requires_grad=True) for _ in range(n)]
+                for p in ps:
+                    p.grad = torch.ones_like(p)
+                kw = {"fused": True} if mode == "fused" else {"foreach": True}
+                opt = torch.optim.SGD(ps, lr=1e-3, momentum=0.9, **kw) if name == "sgd_momentum" else \
+                    torch.optim.Adam(ps, lr=1e-3, **kw)
+                times.append(timer(opt.step))
+            per = max((times[1] - times[0]) / (counts[1] - counts[0]), 0.0)
+            out[f"{name}/{mode}"] = {"fixed": max(times[0] - per * counts[0], 0.0), "per_tensor": per}
+    return out
+
+
+GEMM_GPU_SMALL = (128, 256, 512, 768, 1024, 2048, 4096)
+GEMM_GPU_LARGE = (2048, 4096, 8192, 16384)
+
+
+def gemm_rows_gpu(dtype: str = "bf16", smalls: Sequence[int] = GEMM_GPU_SMALL,
+                  larges: Sequence[int] = GEMM_GPU_LARGE, say: Callable[[str], None] = lambda s: None,
+                  timer: Callable[[Callable[[], Any]], float] | None = None,
+                  device: str = "cuda") -> list[dict[str, Any]]:
+    """Seconds of GEMMs with one dimension ``s`` smaller than the other two (``L``), in ``dtype``.
+
+    The rows of :func:`polyparallel.cost_models.calibrate.gemm_rows` (role ``out``: ``(s×L)·(L×L)``,
+    the small dimension in the output, as a Linear's forward and input gradient on ``s`` tokens or
+    to ``s`` features; role ``reduce``: ``(L×s)·(s×L)``, the small dimension summed, as a weight
+    gradient or a Linear with ``s`` input features), at GPU sizes: a layer of hidden size 768
+    runs its GEMMs well below a square product of the same FLOPs.
+    """
+    import torch
+
+    timer = timer or (lambda fn: cuda_time(fn, min_window=0.01))
+    dt = getattr(torch, _TORCH_DTYPES[dtype])
+    rows = []
+    for big in larges:
+        w = torch.randn(big, big, device=device, dtype=dt)
+        for small in smalls:
+            if small >= big:
+                continue
+            x, g = torch.randn(small, big, device=device, dtype=dt), torch.randn(small, big, device=device, dtype=dt)
+            fwd = timer(lambda x=x, w=w: torch.mm(x, w.t()))
+            wgrad = timer(lambda x=x, g=g: torch.mm(g.t(), x))
+            flops = 2.0 * small * big * big
+            rows += [{"role": "out", "small": small, "large": big, "flops": flops, "seconds": fwd},
+                     {"role": "reduce", "small": small, "large": big, "flops": flops, "seconds": wgrad}]
+            say(f"gemm {dtype} s={small} L={big}: out {flops / fwd / 1e12:.0f}, reduce {flops / wgrad / 1e12:.0f} "
+                "TFLOP/s")
+            del x, g
+        del w
+    return rows
+
+
+# (m, k, n) GEMMs whose n is not a multiple of 8, each timed against n rounded up to one: a
+# language model's head over a 50257-token vocabulary (GPT-2), and its two backward GEMMs
+MISALIGNED_SHAPES = ((8192, 768, 50257), (8192, 50257, 768), (768, 8192, 50257), (8192, 1024, 50257),
+                     (4096, 4096, 4099), (8192, 2048, 1001))
+
+
+def misaligned_rows(dtype: str = "bf16", shapes: Sequence[tuple[int, int, int]] = MISALIGNED_SHAPES,
+                    say: Callable[[str], None] = lambda s: None,
+                    timer: Callable[[Callable[[], Any]], float] | None = None,
+                    device: str = "cuda") -> list[dict[str, Any]]:
+    """Seconds of GEMMs with a dimension that is not a multiple of 8, and of the same GEMM padded.
+
+    16-bit tensor-core GEMMs want every dimension a multiple of 8 (16 bytes); otherwise cuBLAS falls
+    back to kernels that can run several times slower (the reason GPT-2's vocabulary is padded to
+    50304 in fast implementations). Each row: ``{"mkn", "padded", "seconds", "padded_seconds"}``.
+    """
+    import torch
+
+    timer = timer or (lambda fn: cuda_time(fn, min_window=0.01))
+    dt = getattr(torch, _TORCH_DTYPES[dtype])
+    rows = []
+    for m, k, n in shapes:
+        pad = tuple(-(-d // 8) * 8 for d in (m, k, n))
+        ts = []
+        for a, b, c in ((m, k, n), pad):
+            x, w = torch.randn(a, b, device=device, dtype=dt), torch.randn(b, c, device=device, dtype=dt)
+            ts.append(timer(lambda x=x, w=w: torch.mm(x, w)))
+            del x, w
+        rows.append({"mkn": [m, k, n], "padded": list(pad), "seconds": ts[0], "padded_seconds": ts[1]})
+        say(f"gemm {dtype} {m}x{k}x{n}: {ts[0] / ts[1]:.2f}x the time of {'x'.join(map(str, pad))}")
+    return rows
 
 
 def norm_rows(dtypes: Sequence[str], say: Callable[[str], None] = lambda s: None, *,
@@ -370,7 +485,17 @@ def calibrate_gpu(out: str | os.PathLike[str] | None = None, *, dtypes: Sequence
     res["training_ops"] = host_op_seconds()
     say("tiny ops through autograd, forward + backward per op: " +
         ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in res["training_ops"].items()))
+    for dt in ("bf16", "fp16"):
+        if dt in dtypes:
+            res[f"training_ops_{dt}"] = host_op_seconds(autocast=dt)
+            say(f"the same under {dt} autocast: " +
+                ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in res[f"training_ops_{dt}"].items()))
+    res["optimizer_host"] = optimizer_host()
+    say("optimizer step on the host: " + ", ".join(f"{k} {v['fixed'] * 1e6:.0f} us + {v['per_tensor'] * 1e6:.1f} "
+                                                     "us/tensor" for k, v in res["optimizer_host"].items()))
     res["streaming"] = norm_rows([d for d in dtypes if d in ("bf16", "fp32")], say)
+    res["gemm"] = {dt: gemm_rows_gpu(dt, say=say) for dt in dtypes if dt in ("bf16",)}
+    res["misaligned"] = {dt: misaligned_rows(dt, say=say) for dt in dtypes if dt in ("bf16",)}
     from polyparallel.cost_models.calibrate import fit_alpha_beta, run_group
 
     coll: dict[str, Any] = {"op": "all_reduce", "backend": "nccl", "points": []}

@@ -94,6 +94,9 @@ __all__ = [
     "OpCost",
     "gemm_rate",
     "gemm_shape",
+    "host_class",
+    "host_seconds",
+    "host_step_fixed",
     "op_bytes",
     "op_cost",
     "streaming_bandwidth",
@@ -273,6 +276,12 @@ def gemm_rate(device: DeviceType, m: float, k: float, n: float) -> float:
     return math.exp(_interp(per_l, math.log(large)))
 
 
+def _misaligned(op: Op) -> bool:
+    """A contraction whose GEMM has a dimension that is not a multiple of 8 (whole op, before any split)."""
+    shape = gemm_shape(op)
+    return shape is not None and any(round(d) % 8 for d in shape)
+
+
 def _pointwise(op: Op) -> bool:
     """A convolution whose kernel covers one point (1x1): cuDNN runs it as a plain GEMM."""
     return op.nest is None or math.prod(d.extent for d in op.nest.dims if d.hint is Hint.KERNEL) == 1
@@ -324,6 +333,10 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
     # a calibrated CPU's skinny-GEMM rows price a one-kernel contraction by its shape, backward by its two GEMMs
     shape = gemm_shape(op, split) if (device.gemm_rates and kind is OpKind.CONTRACTION and len(kernels) == 1
                                       and device.kind == "cpu") else None
+    # a 16-bit GEMM with a dimension that is not a multiple of 8 leaves the tensor-core kernels: the
+    # calibration measured how much slower (a 50257-token vocabulary head: ~5x)
+    slow = device.misaligned_factor if (device.misaligned_factor > 1 and kind is OpKind.CONTRACTION
+                                        and _SHORT_BYTES.get(dtype, 4) == 2 and _misaligned(op)) else 1.0
     for j, (f, b, matrix) in enumerate(kernels):
         f, b = f * flops_scale / split, b / split
         t_cb = t_c = None
@@ -350,7 +363,8 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
         else:
             rate = device.peak_flops("fp32") * DEFAULT_COMPUTE_EFFICIENCY
         if t_c is None:
-            t_c = f / rate if f else 0.0
+            t_c = f / rate * (slow if matrix else 1.0) if f else 0.0
+            t_cb = t_cb * slow if t_cb is not None and matrix else t_cb
         # a matmul measured on a CPU already contains its memory traffic at that size (in cache or
         # not); a GPU's HBM traffic of a skinny GEMM is not in a square curve, so it stays a bound
         t_m = 0.0 if matrix and curve and device.kind == "cpu" else b / stream
@@ -370,6 +384,14 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
     return OpCost(op.name, str(kind), flops_tot, bytes_tot, t, t_b, bound)
 
 
+def host_step_fixed(device: DeviceType, dtype: str = "fp32") -> float:
+    """Host seconds a training step (per micro-batch) pays once: the loss reduction and the backward
+    call that starts the autograd engine (``backward_call``, measured with the per-op classes)."""
+    short = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+    table = dict(device.host_op_seconds)
+    return table.get(f"{short}/backward_call", table.get("backward_call", 0.0))
+
+
 def host_class(op: Op) -> str:
     """The class of eager op whose measured host cost (``DeviceType.host_op_seconds``) prices ``op``."""
     kind = OpKind(op.kind)
@@ -382,7 +404,8 @@ _HOST_CLASS = {OpKind.CONTRACTION: "linear", OpKind.CONV: "conv", OpKind.VIEW: "
                OpKind.LOSS: "cross_entropy", OpKind.EMBEDDING: "embedding"}
 
 
-def host_seconds(graph: Graph, device: DeviceType, eager: bool = False) -> list[tuple[float, float]]:
+def host_seconds(graph: Graph, device: DeviceType, dtype: str = "fp32",
+                 eager: bool = False) -> list[tuple[float, float]]:
     r"""Host seconds ``(forward, backward)`` per op of one training step on an accelerator.
 
     Eager PyTorch dispatches every op from the host: forward, autograd and launch. The GPU runs
@@ -394,9 +417,13 @@ def host_seconds(graph: Graph, device: DeviceType, eager: bool = False) -> list[
     backward factor). An op off the gradient path (it reads no parameter and no activation that
     needs a gradient: a batch norm's running-statistics update) pays its forward share only.
     ``eager``: each elementwise op absorbed by fusion is one more eager op of the elementwise class.
+    A ``bf16``/``fp16`` step runs under autocast, which casts the weights of matrix ops every step:
+    classes measured under autocast (``"bf16/linear"`` ...) are used for it where present.
     Empty calibration: zeros (the host is assumed to keep ahead).
     """
-    table = dict(device.host_op_seconds)
+    short = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+    plain = {k: v for k, v in device.host_op_seconds if "/" not in k}
+    table = {**plain, **{k.split("/", 1)[1]: v for k, v in device.host_op_seconds if k.startswith(short + "/")}}
     if not table:
         return [(0.0, 0.0)] * len(graph.ops)
     grad: set[str] = {t for t, spec in graph.tensors.items() if spec.kind is TensorKind.PARAM}

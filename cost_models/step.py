@@ -88,7 +88,7 @@ from polyparallel.cluster import Cluster, DeviceType
 from polyparallel.ir import DTYPE_BYTES, Graph, Op, OpKind, TensorKind
 
 from .comm import collective_time, p2p_time
-from .compute import host_seconds, op_cost, streaming_bandwidth
+from .compute import host_seconds, host_step_fixed, op_cost, streaming_bandwidth
 from .memory import MemoryReport, device_memory
 from .pipeline import SCHEDULES, PipelineResult, makespan_bound, peak_in_flight, simulate
 
@@ -707,6 +707,12 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
                 t_opt += (n_t - dtensors) * per_tensor + dtensors * per_dtensor
             else:
                 t_opt += n_t * per_tensor + dispatch
+        host = dict((k, (a, b)) for k, a, b in dt.optimizer_host).get(
+            f"{cfg.optimizer}/{'fused' if cfg.fused_optimizer else 'foreach'}")
+        if host and terms.param_tensors and dt.kind != "cpu":
+            # an accelerator's optimizer step is dispatched by the host (measured: a fixed part and a
+            # part per tensor); the device cannot finish it sooner than the host enqueues it
+            t_opt = max(t_opt, host[0] + host[1] * terms.param_tensors[s])
         # autograd adds every micro-batch's weight gradient after the first into .grad: on average
         # (m-1)/m of the stage's local gradient elements per micro-batch (calibrated CPUs measure it)
         acc = dt.grad_accumulation * (m - 1) / m * params / (shard if cfg.zero_stage >= 2 else 1)
@@ -934,10 +940,10 @@ def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
 
 def _host_vector(graph: Graph, dt: DeviceType, cfg: ParallelConfig) -> list[tuple[float, float]]:
     """Host seconds (forward, backward) of every op on an accelerator with measured dispatch costs."""
-    key = ("host", dt.cache_key, cfg.fused_elementwise)
+    key = ("host", dt.cache_key, cfg.dtype, cfg.fused_elementwise)
     cache = _cache(graph)
     if key not in cache:
-        cache[key] = host_seconds(graph, dt, eager=not cfg.fused_elementwise)
+        cache[key] = host_seconds(graph, dt, cfg.dtype, eager=not cfg.fused_elementwise)
     return cache[key]
 
 
@@ -1056,7 +1062,7 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
                 # an accelerator's host enqueues the micro-batch's kernels; when that takes longer
                 # than the kernels run, the device waits: forward + backward last the host's time
                 host = _host_vector(graph, dt, cfg)
-                h = sum(x + y for a, z in rng for x, y in host[a:z])
+                h = sum(x + y for a, z in rng for x, y in host[a:z]) + host_step_fixed(dt, cfg.dtype)
                 if h > f + b > 0:
                     f, b = f * h / (f + b), b * h / (f + b)
             by_type.append((dt, f, b, a_f, tuple(sum(fw[i] for i in segs[j]) for j in stage_segs)))

@@ -179,7 +179,11 @@ class DeviceType:
             ``dtype/kind`` key (``batch_norm``, ``layer_norm``, ``elementwise``; calibrated GPUs).
         host_op_seconds: measured host seconds of one eager op, forward + backward, by class
             (``linear``, ``conv``, ``batch_norm`` ...; calibrated GPUs): what a step waits for when
-            its kernels are shorter than their dispatch.
+            its kernels are shorter than their dispatch; ``dtype/class`` keys: measured under autocast.
+        optimizer_host: measured host seconds of an optimizer step as ``(optimizer/mode, fixed,
+            per tensor)`` (mode ``foreach`` or ``fused``; calibrated GPUs).
+        misaligned_factor: measured slowdown of a 16-bit GEMM with a dimension that is not a
+            multiple of 8 against the same GEMM padded (median over the calibrated shapes; 1: none).
         memory_efficiency: measured fraction of ``memory_bandwidth`` a streaming kernel reaches
             (``None``: the compute model's modelled default).
         training_op_overhead: seconds of host work an eager training op pays per kernel forward
@@ -218,15 +222,17 @@ class DeviceType:
     conv_curves: tuple[tuple[str, tuple[tuple[float, float, float], ...]], ...] = ()
     streaming_rows: tuple[tuple[str, tuple[tuple[float, float, float], ...]], ...] = ()
     host_op_seconds: tuple[tuple[str, float], ...] = ()
+    optimizer_host: tuple[tuple[str, float, float], ...] = ()
+    misaligned_factor: float = 1.0
     training_op_overhead: float = 0.0
     optimizer_tensor_overhead: tuple[tuple[str, float], ...] = ()
     optimizer_element_rates: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
     gemm_rates: tuple[tuple[str, int, int, float], ...] = ()
     grad_accumulation: float = 0.0
+    optimizer_dtensor_overhead: tuple[tuple[str, float], ...] = ()
 
     @cached_property
     def cache_key(self) -> tuple[str, int]:
-    optimizer_dtensor_overhead: tuple[tuple[str, float], ...] = ()
         """``(name, hash of every figure)``, computed once: prices cached per graph stay apart for
         two types that share a name (``local-cpu:1`` and ``local-cpu:4`` are both ``cpu-process``)."""
         return (self.name, hash(self))
@@ -769,11 +775,19 @@ def gpu_calibrated_type(base: DeviceType, cal: Mapping[str, Any]) -> DeviceType:
     streams = tuple(sorted((key, tuple(sorted((float(r["numel"]), float(r["forward_s"]), float(r["backward_s"]))
                                               for r in rows)))
                            for key, rows in cal.get("streaming", {}).items() if rows))
-    host = tuple(sorted((k, float(v)) for k, v in cal.get("training_ops", {}).items()))
+    host = tuple(sorted([(k, float(v)) for k, v in cal.get("training_ops", {}).items()] +
+                        [(f"{dt}/{k}", float(v)) for dt in ("bf16", "fp16")
+                         for k, v in cal.get(f"training_ops_{dt}", {}).items()]))
+    opt_host = tuple(sorted((k, float(v["fixed"]), float(v["per_tensor"]))
+                            for k, v in cal.get("optimizer_host", {}).items()))
+    ratios = sorted(float(r["seconds"]) / float(r["padded_seconds"])
+                    for rows in cal.get("misaligned", {}).values() for r in rows if float(r["padded_seconds"]) > 0)
+    misaligned = ratios[len(ratios) // 2] if ratios else 1.0
     eff = min(1.0, float(cal["memory_bandwidth"]) / base.memory_bandwidth)
-    return replace(base, memory=float(cal.get("memory_bytes", base.memory)),
+    return replace(base, misaligned_factor=max(1.0, misaligned), memory=float(cal.get("memory_bytes", base.memory)),
                    launch_overhead=float(cal["launch_overhead"]), matmul_curves=curves, attention_curves=att,
-                   conv_curves=convs, streaming_rows=streams, host_op_seconds=host, memory_efficiency=eff,
+                   conv_curves=convs, streaming_rows=streams, host_op_seconds=host, optimizer_host=opt_host,
+                   memory_efficiency=eff,
                    source=f"{base.source}; calibrated {cal.get('device_name', '?')} ({cal.get('host', '?')}, "
                           f"{cal.get('date', '?')}, torch {cal.get('torch', '?')})")
 
