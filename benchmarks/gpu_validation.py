@@ -160,6 +160,8 @@ def measure_step(name: str, batch: int, fused: bool, recompute: bool = False, fu
     else torch's math kernel."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()  # the peak of what ran before (a calibration) is not this step's
     step = training_step(name, batch, recompute, fused_opt)
     backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION] if fused else [SDPBackend.MATH]
     times, host = [], []

@@ -719,7 +719,7 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
         bwd[s] += acc
         accum.append(acc)
         dps.append(_DataParallel(exposed, t_opt, t_dp, events, ef + eb))
-        ws = terms.seg_act_max[s]
+        ws = terms.seg_act_max[s] + _loss_transient(graph, cfg, v).get(s, 0.0)
         if cfg.zero_stage == 3:
             ws += 2 * _max_segment_params(graph) * gb / cfg.tp
         mems.append(device_memory(
@@ -728,6 +728,38 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
             param_dtype=cfg.dtype, optimizer=cfg.optimizer, activations=terms.act[s], in_flight=in_flight[s] / v,
             workspace=ws))
     return _Prepared(terms, v, tuple(fwd), tuple(bwd), tuple(dps), tuple(mems), tuple(accum))
+
+
+def _loss_transient(graph: Graph, cfg: ParallelConfig, v: int) -> dict[int, float]:
+    """Bytes an eager cross-entropy adds at the start of the backward pass, per pipeline stage.
+
+    Eager PyTorch computes the loss in fp32 (autocast upcasts it): ``log_softmax`` of the ``N``
+    logits is saved for the backward (``4N`` bytes), whose start allocates the gradient of the
+    log-probabilities and of the logits (``4N`` each) while they are still held, a peak of ``12N``
+    bytes where the activations count the logits once at the compute precision. A fused loss
+    kernel (``fused_elementwise``: Megatron's vocabulary-parallel cross entropy) keeps none of it.
+    ``N`` is the op's local share of its input (a vocabulary-parallel split divides it).
+    """
+    if cfg.fused_elementwise:
+        return {}
+    key = ("loss_ws", cfg.pp, v, cfg.partition, cfg.dtype, cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.op_plans)
+    cache = _cache(graph)
+    if key not in cache:
+        chunk_of_op = _chunks(graph, cfg.pp * v, cfg.partition)
+        plans = _plan_ops(graph, cfg)
+        out: dict[int, float] = {}
+        for i, op in enumerate(graph.ops):
+            if OpKind(op.kind) is not OpKind.LOSS or not op.inputs:
+                continue
+            spec = graph.tensors[op.inputs[0]]
+            if spec.dtype not in ("float32", "float16", "bfloat16"):
+                continue
+            n = spec.numel / plans[i].split
+            extra = 12 * n - _tensor_bytes(graph, op.inputs[0], cfg.dtype) / plans[i].split
+            stage = chunk_of_op[i] % cfg.pp
+            out[stage] = out.get(stage, 0.0) + max(extra, 0.0)
+        cache[key] = out
+    return cache[key]
 
 
 def optimizer_element_time(rates: Sequence[tuple[float, float]], elements: float) -> float:

@@ -212,3 +212,23 @@ def test_step_waits_for_the_host_and_the_optimizer_dispatch(tmp_path):
     nohost = _calibration() | {k: v for k, v in _full_calibration().items() if k in ("streaming", "misaligned")}
     ref = estimate_step(g, _one_gpu(tmp_path, nohost), cfg).breakdown()["compute"]
     assert estimate_step(g, fast, cfg).breakdown()["compute"] == pytest.approx(ref)
+
+
+def test_eager_cross_entropy_peak_in_the_memory_model():
+    from polyparallel.cost_models import ParallelConfig, estimate_step
+    from polyparallel.cost_models.synthetic import gpt_graph
+
+    batch, seq, vocab = 2, 128, 1000
+    g = gpt_graph(layers=2, hidden=64, heads=4, seq=seq, vocab=vocab, batch=batch)
+    cluster = Cluster.preset("dgx-a100")
+    n = batch * seq * vocab  # logits
+    for dtype, width in (("bf16", 2), ("fp32", 4)):
+        fused = dict(estimate_step(g, cluster, ParallelConfig(dtype=dtype)).memory[0].terms)
+        eager = dict(estimate_step(g, cluster, ParallelConfig(dtype=dtype, fused_elementwise=False)).memory[0].terms)
+        # fp32 log-probabilities kept + their gradient + the logits' gradient, less the logits counted once
+        assert eager["workspace"] - fused["workspace"] == pytest.approx(12 * n - width * n)
+        assert eager["activations"] == fused["activations"]
+    # vocabulary-parallel: each of the tp ranks holds its share of the logits
+    tp = dict(estimate_step(g, cluster, ParallelConfig(dtype="bf16", tp=2, fused_elementwise=False)).memory[0].terms)
+    tp0 = dict(estimate_step(g, cluster, ParallelConfig(dtype="bf16", tp=2)).memory[0].terms)
+    assert tp["workspace"] - tp0["workspace"] == pytest.approx((12 * n - 2 * n) / 2)
