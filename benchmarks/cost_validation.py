@@ -19,8 +19,14 @@ step times. Parameters a source does not state (micro-batch size, interleaving d
 marked as assumptions in the table.
 
     .venv/bin/python benchmarks/cost_validation.py              # both parts
-    .venv/bin/python benchmarks/cost_validation.py --part local --recalibrate  # about 4 min on 2 cores
     .venv/bin/python benchmarks/cost_validation.py --part published
+    # measure this machine into FILE, then run and price every recipe with it (about 7 min on 2 idle cores)
+    .venv/bin/python benchmarks/cost_validation.py --part local --recalibrate --calibration /tmp/cal.json
+
+Without ``--calibration`` the file is ``$POLYPARALLEL_CALIBRATION``, else
+``~/.cache/polyparallel/calibration.json``; the result records which file priced it. The
+calibration and the runs should see the same machine: on a machine shared with other work,
+recalibrate right before (``--recalibrate``) and read the load averages recorded in the result.
 """
 
 from __future__ import annotations

@@ -22,9 +22,13 @@ A recipe the backend cannot execute is listed as ``refused: <reason>`` (the back
 before launching anything), never dropped. :func:`run_recipes` is shared with
 ``benchmarks/cost_validation.py --part local`` (an MLP through the same backend).
 
-    .venv/bin/python benchmarks/executor.py                   # calibration + 2 x 14 runs + search
+    .venv/bin/python benchmarks/executor.py --calibration /tmp/cal.json  # calibration + 2 x 14 runs + search
     .venv/bin/python benchmarks/executor.py --no-recalibrate  # reuse the calibration file
-    .venv/bin/python benchmarks/executor.py --components      # one process, parts of a step (~1 min)
+    .venv/bin/python benchmarks/executor.py --components      # one process, parts of a step (~2 min)
+
+``--components`` also checks the validation MLP of ``benchmarks/cost_validation.py`` in one
+process: compute (skinny GEMMs of 8 and 2 rows, gradient accumulation over 4 micro-batches) and
+Adam's step, priced from rates measured seconds before, with and without those terms.
 
 On 2 idle cores a launch takes ~5 s, so the whole benchmark takes about 4-5 minutes; with other
 work on the cores (load 15) each launch took 30-40 s and the benchmark 20 minutes, and the step
@@ -55,8 +59,9 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # the workers import this module by name to build the model
     sys.path.insert(0, str(HERE))
 
-__all__ = ["FRAMEWORK_TERMS", "GPT", "MLP", "Recipe", "Workload", "calibrate_now", "component_check", "gpt_data",
-           "gpt_model", "mlp_data", "mlp_model", "print_table", "run_recipes", "search_check", "spearman"]
+__all__ = ["FRAMEWORK_TERMS", "GPT", "MLP", "MLP_TERMS", "Recipe", "Workload", "calibrate_now", "component_check",
+           "gpt_data", "gpt_model", "mlp_component_check", "mlp_data", "mlp_model", "print_table", "run_recipes",
+           "search_check", "spearman"]
 
 # --------------------------------------------------------------------------------------------
 # workloads: model and data functions the workers import as "executor:<name>"
@@ -416,6 +421,89 @@ def component_check(batches: Sequence[int] = (4, 8), rounds: int = 3, steps: int
     return {"rows": out, "rounds": rounds, "steps": steps, "load_average": os.getloadavg()[0]}
 
 
+def _measure_mlp(batch: int, microbatches: int, steps: int) -> list[float]:
+    """Median seconds of the forward + backward of all micro-batches, and of the optimizer step, of
+    one-process MLP steps in this process (the gradient accumulates over the micro-batches)."""
+    model = mlp_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # as the backend builds it on a CPU
+    mb = batch // microbatches
+    parts = []
+    for i in range(steps):
+        x, y = mlp_data(i, batch)
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        for j in range(microbatches):
+            model(x[j * mb:(j + 1) * mb], y[j * mb:(j + 1) * mb]).backward()
+        t1 = time.perf_counter()
+        opt.step()
+        parts.append((t1 - t0, time.perf_counter() - t1))
+    return [statistics.median(c) for c in zip(*parts[3:], strict=True)]
+
+
+def _price_mlp(rates: dict[str, Any], batch: int, microbatches: int) -> list[float]:
+    """Priced compute (forward + backward of every micro-batch) and optimizer seconds of a one-process
+    MLP step under one process's ``rates``."""
+    import tempfile
+
+    from polyparallel.cluster import Cluster
+    from polyparallel.cost_models import ParallelConfig, estimate_step
+    from polyparallel.planner import _Model
+
+    cal = {"cores": os.cpu_count() or 1, "threads_per_process": 1, "matmul": {"1": rates["matmul"]},
+           "memory_bandwidth": rates["memory_bandwidth"], "per_processes": {"1": rates}}
+    prev = os.environ.get("POLYPARALLEL_CALIBRATION")
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "cal.json").write_text(json.dumps(cal))
+        os.environ["POLYPARALLEL_CALIBRATION"] = str(Path(d) / "cal.json")
+        try:
+            g = _Model(mlp_model(), _example(MLP), None).graph(batch // microbatches)
+            b = estimate_step(g, Cluster.preset("local-cpu:1"),
+                              ParallelConfig(optimizer="adam", microbatches=microbatches)).breakdown()
+        finally:
+            if prev is None:
+                os.environ.pop("POLYPARALLEL_CALIBRATION", None)
+            else:
+                os.environ["POLYPARALLEL_CALIBRATION"] = prev
+    return [b["compute"], b["optimizer"]]
+
+
+# the CPU terms of this session's calibration: skinny GEMMs, optimizer per element, gradient accumulation
+MLP_TERMS = ("gemm", "optimizer_element", "grad_accumulation")
+
+
+def mlp_component_check(cases: Sequence[tuple[int, int]] = ((8, 1), (8, 4)), rounds: int = 3, steps: int = 10,
+                        say: Callable[[str], None] = print) -> dict[str, Any]:
+    """The validation MLP's one-process step, compute and optimizer: priced vs measured, no launch.
+
+    As :func:`component_check`: each round measures the calibration's per-process rates
+    (:func:`polyparallel.cost_models.calibrate.kernel_rates`) and right after them the step's parts
+    for each ``(global batch, micro-batches)`` case; medians over rounds. Priced with all the
+    measured terms and without :data:`MLP_TERMS` (as before they were measured), on the same rates.
+    """
+    from polyparallel.cost_models.calibrate import kernel_rates
+
+    torch.set_num_threads(1)
+    got: dict[tuple[int, int], list[tuple[list[float], list[float], list[float]]]] = {c: [] for c in cases}
+    for _ in range(rounds):
+        rates = kernel_rates((32, 64, 128, 256, 512))
+        without = {k: v for k, v in rates.items() if k not in MLP_TERMS}
+        measured = {c: _measure_mlp(*c, steps) for c in cases}
+        for c in cases:
+            got[c].append((measured[c], _price_mlp(rates, *c), _price_mlp(without, *c)))
+    out = []
+    say(f"  {'batch':>5} {'m':>2} {'part':<10} {'measured':>9} {'priced':>9} {'error':>7} {'without':>9} {'error':>7}")
+    for (b, m), rs in got.items():
+        for i, part in enumerate(("compute", "optimizer", "total")):
+            def med(j: int, i: int = i, rs: list = rs) -> float:
+                return statistics.median(sum(r[j]) if i == 2 else r[j][i] for r in rs)
+            ms, new, old = med(0), med(1), med(2)
+            out.append({"batch": b, "microbatches": m, "part": part, "measured_s": ms, "predicted_s": new,
+                        "error": new / ms - 1, "predicted_without_new_terms_s": old, "error_without": old / ms - 1})
+            say(f"  {b:>5} {m:>2} {part:<10} {1e3 * ms:7.2f}ms {1e3 * new:7.2f}ms {100 * (new / ms - 1):+6.1f}% "
+                f"{1e3 * old:7.2f}ms {100 * (old / ms - 1):+6.1f}%")
+    return {"rows": out, "rounds": rounds, "steps": steps, "load_average": os.getloadavg()[0]}
+
+
 def print_table(rows: Sequence[dict[str, Any]], say: Callable[[str], None] = print) -> None:
     say(f"  {'recipe':<28} {'P':>2} {'predicted':>10} {'measured':>10} {'error':>8}")
     for r in rows:
@@ -464,7 +552,10 @@ def main() -> None:
         print(f"{GPT.description}; one process, one thread: parts of a step, priced vs measured "
               f"(without: as priced before the CPU framework terms {', '.join(FRAMEWORK_TERMS)}):")
         res = {"workload": GPT.description, "command": "python benchmarks/executor.py --components",
-               **component_check()}
+               "load_average_start": os.getloadavg()[0], **component_check()}
+        print(f"{MLP.description}; one process, one thread, micro-batches accumulating (without: as priced "
+              f"before {', '.join(MLP_TERMS)}):")
+        res["mlp"] = {"workload": MLP.description, **mlp_component_check()}
         COMPONENTS_OUT.write_text(json.dumps(res, indent=1))
         print(f"wrote {COMPONENTS_OUT}")
         return

@@ -278,7 +278,7 @@ def kernel_rates(matmul_sizes: Sequence[int], sync: Callable[[], Any] = lambda: 
 
 
 def gemm_rows(smalls: Sequence[int] = GEMM_SMALL, larges: Sequence[int] = GEMM_LARGE,
-              window: float = 0.01) -> list[dict[str, Any]]:
+              window: float = 0.02) -> list[dict[str, Any]]:
     """Seconds of skinny fp32 GEMMs in this process: one dimension ``s`` small, the other two ``L``.
 
     A Linear layer ``y = x·Wᵀ`` on ``s`` tokens of width ``L`` runs, per micro-batch, the forward
