@@ -68,7 +68,7 @@ gloo's threads compete with the compute for the same cores):
 **Step**: ``T_s = makespan + T_dp,exposed + T_opt`` per stage (``T_opt`` streams the
 optimizer state once; on a calibrated CPU it is ``N·r(N) + n_t·c_t`` for ``N`` local parameter
 elements in ``n_t`` tensors: the measured seconds per element ``r`` at that working set and per
-tensor ``c_t``). With ``m > 1`` micro-batches every micro-batch after the first adds its weight
+tensor ``c_t``, a sharded (DTensor: FSDP2, tensor-parallel) tensor at its own measured ``c_dt``). With ``m > 1`` micro-batches every micro-batch after the first adds its weight
 gradients into ``.grad``: each micro-batch's backward carries ``(m−1)/m · N · a`` (``a``:
 ``grad_accumulation``, measured per element on calibrated CPUs; priced as compute).
 ``T = max_s T_s``; every stage's breakdown (compute, tensor-parallel,

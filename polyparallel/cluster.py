@@ -201,11 +201,11 @@ class DeviceType:
             :func:`polyparallel.cost_models.compute.gemm_rate`); empty: the square curve alone.
         grad_accumulation: seconds per gradient element autograd adds into an existing gradient
             (every micro-batch after the first; calibrated CPU processes); 0: not priced.
-    """
-
         optimizer_dtensor_overhead: measured seconds per *sharded* (DTensor) parameter tensor of
             the optimizer step, as ``(optimizer, seconds)`` pairs (calibrated CPU processes, FSDP2 and
             tensor parallelism); empty: the plain per-tensor cost plus ``k`` DTensor dispatches.
+    """
+
     name: str
     kind: str
     peak: tuple[tuple[str, float], ...]
@@ -933,14 +933,6 @@ def _calibrated_type(name: str, cal: Mapping[str, Any], procs: int, base: Device
     # DTensor's dispatch cost, measured with >= 2 processes: the nearest measured process count
     dts = {int(k): float(v["dtensor_overhead"]) for k, v in per.items() if "dtensor_overhead" in v}
     sharded = dts[min(dts, key=lambda k: (abs(k - procs), -k))] if dts else 0.0
-    return DeviceType(name=name, kind="cpu", peak=(("fp32", peak),), vendor="this machine",
-                      memory=float(cal.get("memory_bytes", 8 * 2**30)) / procs, memory_bandwidth=mem_bw,
-                      launch_overhead=floor, sharded_op_overhead=sharded, training_op_overhead=training,
-                      attention_curves=(("fp32", tuple(sorted((float(r["flops"]), float(r["forward_s"]),
-                                                               float(r["backward_s"])) for r in att))),)
-                      if att else (),
-                      optimizer_tensor_overhead=tuple(sorted((o, float(v)) for o, v in opt.items())),
-                      optimizer_element_rates=elem, gemm_rates=gemm, grad_accumulation=acc,
     # a tensor-parallel Linear's kernels, and the optimizer per sharded tensor, where measured (nearest P)
     tps = {int(k): v for k, v in per.items() if "tp_op_overhead" in v}
     near = tps[min(tps, key=lambda k: (abs(k - procs), -k))] if tps else {}
@@ -956,6 +948,15 @@ def _calibrated_type(name: str, cal: Mapping[str, Any], procs: int, base: Device
         raise ClusterSpecError(f"calibration file {cal.get('path', '?')}: negative DTensor overhead "
                                f"(tp_op_overhead {sharded}, optimizer_dtensor_overhead {dict(opt_dt)}); run "
                                "`polyparallel calibrate` again")
+    return DeviceType(name=name, kind="cpu", peak=(("fp32", peak),), vendor="this machine",
+                      memory=float(cal.get("memory_bytes", 8 * 2**30)) / procs, memory_bandwidth=mem_bw,
+                      launch_overhead=floor, sharded_op_overhead=sharded, training_op_overhead=training,
+                      attention_curves=(("fp32", tuple(sorted((float(r["flops"]), float(r["forward_s"]),
+                                                               float(r["backward_s"])) for r in att))),)
+                      if att else (),
+                      optimizer_tensor_overhead=tuple(sorted((o, float(v)) for o, v in opt.items())),
+                      optimizer_element_rates=elem, gemm_rates=gemm, grad_accumulation=acc,
+                      optimizer_dtensor_overhead=opt_dt,
                       source=f"calibration {cal.get('path', '')} ({cal.get('host', '?')}, {cal.get('date', '?')}, "
                              f"{threads} thread(s)/process, {procs} processes on {cores} cores)",
                       matmul_curve=curve)
@@ -964,7 +965,6 @@ def _calibrated_type(name: str, cal: Mapping[str, Any], procs: int, base: Device
 def _framework_rates(cal: Mapping[str, Any], procs: int, k: Mapping[str, Any], share: float) -> tuple[
         tuple[tuple[str, tuple[tuple[float, float], ...]], ...], tuple[tuple[str, int, int, float], ...], float]:
     """The optimizer-per-element, skinny-GEMM and gradient-accumulation rates of one ``per_processes``
-                      optimizer_dtensor_overhead=opt_dt,
     entry ``k`` (times scaled by ``1 / share`` when measured with fewer processes), checked: a bad
     entry is a :class:`ClusterSpecError` naming the file, the key and the fix."""
     where = f"calibration file {cal.get('path', '?')}, per_processes[{procs}]"
