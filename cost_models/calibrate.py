@@ -16,7 +16,7 @@ then takes milliseconds; a training process on one thread never sees that.)
   interleaved rounds (the ranks ``>= P`` wait blocked in a barrier), median over rounds, so all
   process counts see the same mix of other work on a shared machine. Measured: matmul times by
   size (square fp32, ``n``), copy bandwidth, the floor of a 1-element op, and (``P >= 2``) ``dtensor_overhead``, what a
-  DTensor op adds to it, ``tp_op_overhead``, what a tensor-parallel Linear's kernels add, and
+  DTensor op adds to it, ``tp_op_overhead``, what a tensor-parallel Linear adds per kernel, and
   ``optimizer_dtensor_overhead``, the optimizer step per sharded parameter tensor (FSDP2 and
   tensor parallelism hold DTensor parameters; see ``_dtensor_overhead``),
   the training-op floor ``training_op_overhead`` (below), and ``attention``: causal
@@ -490,14 +490,13 @@ def _dtensor_overhead(procs: int) -> dict[str, Any]:
     wrapping on the host, before the local kernel. Three figures:
 
     * ``dtensor_overhead``: a 1-element-per-rank in-place add, less the plain add's floor;
-    * ``tp_op_overhead``: per kernel of a tensor-parallel op: a ``ColwiseParallel`` +
-      ``RowwiseParallel`` pair of tiny ``nn.Linear`` (``8·procs`` wide, 2 rows whose input
-      requires grad) run forward and backward, less the same plain pair and less its two
-      all-reduces (the row output forward, the column input gradient backward; timed here on
-      the same tensor, and priced by the collective model), per Linear and per kernel
-      (``1 + κ = 3``: the compute model charges ``δ`` per kernel forward and ``κ·δ`` backward):
+    * ``tp_op_overhead``: per kernel of a tensor-parallel op: a ``ColwiseParallel`` tiny
+      ``nn.Linear`` (``8·procs`` wide, 2 rows) run forward and backward, less the same plain
+      Linear, per kernel. Its input needs no gradient, so the backward is the weight gradient
+      alone and no collective runs (the sharded output stays local): the difference is the
+      host's DTensor work on the forward and the weight-gradient kernel,
 
-          δ_tp = (t_pair,tp − t_pair,plain − 2·t_allreduce) / (2 · 3);
+          δ_tp = max(0, t_column − t_plain) / 2;
 
     * ``optimizer_dtensor_overhead``: seconds per *sharded* parameter tensor of torch's CPU
       optimizer step (SGD, Adam, AdamW), the slope over 8 and 32 tiny DTensor parameters, as
@@ -509,7 +508,7 @@ def _dtensor_overhead(procs: int) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     mesh = DeviceMesh("cpu", list(range(procs)))  # ranks 0..procs-1 (every rank creates it)
     if int(dist.get_rank()) >= procs:
@@ -519,35 +518,11 @@ def _dtensor_overhead(procs: int) -> dict[str, Any]:
     sharded = _time(lambda: a.add_(b, alpha=0.5), window=0.02)
     plain = _time(lambda: x.add_(y, alpha=0.5), window=0.02)
     width = 8 * procs
-
-    def pair() -> torch.nn.Module:
-        return torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, width))
-
-    tp, ref = pair(), pair()
-    parallelize_module(tp, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
-    inp = torch.ones(2, width, requires_grad=True)
-
-    def step(m: torch.nn.Module) -> Callable[[], None]:
-        return lambda: m(inp).sum().backward()
-
-    buf = torch.ones(2, width)
-    group = mesh.get_group()
-
-    def collective_time(fn: Callable[[], Any], calls: int = 10, windows: int = 5) -> float:
-        # a fixed number of calls on every rank: each call runs collectives, which a window of
-        # "as many calls as fit" would leave unmatched across ranks
-        fn()
-        per = []
-        for _ in range(windows):
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            per.append((time.perf_counter() - t0) / calls)
-        return statistics.median(per)
-
-    t_tp, t_ref = collective_time(step(tp)), _time(step(ref), window=0.02)
-    t_ar = collective_time(lambda: dist.all_reduce(buf, group=group))
+    tp, ref = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+    parallelize_module(tp, mesh, ColwiseParallel())
+    inp = torch.ones(2, width)  # no gradient wanted: the backward runs no collective
+    t_tp = _time(lambda: tp(inp).sum().backward(), window=0.02)
+    t_ref = _time(lambda: ref(inp).sum().backward(), window=0.02)
     opt = {}
     for name in ("sgd", "adam", "adamw"):
         per = []
@@ -558,20 +533,17 @@ def _dtensor_overhead(procs: int) -> dict[str, Any]:
             cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
             per.append(_time(cls(params, lr=1e-3).step, window=0.01))
         opt[name] = max(0.0, (per[1] - per[0]) / 24)
-    return {"dtensor_overhead": max(0.0, sharded - plain), "tp_op_overhead": tp_kernel_overhead(t_tp, t_ref, t_ar),
+    return {"dtensor_overhead": max(0.0, sharded - plain), "tp_op_overhead": tp_kernel_overhead(t_tp, t_ref),
             "optimizer_dtensor_overhead": opt}
 
 
-def tp_kernel_overhead(t_pair_tp: float, t_pair_plain: float, t_allreduce: float,
-                       backward_factor: float = 2.0) -> float:
-    """Host seconds per kernel of a tensor-parallel Linear, from a timed column + row pair.
+def tp_kernel_overhead(t_column: float, t_plain: float, kernels: int = 2) -> float:
+    """Host seconds per kernel of a tensor-parallel Linear: ``max(0, t_column − t_plain) / kernels``.
 
-    The pair runs two Linears forward and backward (``1 + κ`` kernels each) and two all-reduces
-    that the collective model prices on its own:
-
-        δ_tp = max(0, (t_pair,tp − t_pair,plain − 2·t_allreduce) / (2·(1 + κ))).
+    ``t_column``: a column-parallel Linear forward + backward whose input needs no gradient (one
+    forward and one weight-gradient kernel, no collective); ``t_plain``: the same plain Linear.
     """
-    return max(0.0, (t_pair_tp - t_pair_plain - 2 * t_allreduce) / (2 * (1 + backward_factor)))
+    return max(0.0, t_column - t_plain) / kernels
 
 
 def _interleaved_measure(rank: int, world: int, counts: Sequence[int], sizes: Sequence[int], iters: int,

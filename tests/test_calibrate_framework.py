@@ -232,11 +232,11 @@ def test_a_bad_framework_entry_in_the_calibration_file_is_a_clear_error(tmp_path
 # -- DTensor: tensor-parallel kernels and the optimizer per sharded tensor ---------------------------
 
 
-def test_tp_kernel_overhead_recovers_the_per_kernel_cost_of_a_timed_pair():
-    delta, plain, ar = 30e-6, 400e-6, 250e-6
-    tp = plain + 2 * ar + 2 * 3 * delta  # two Linears, 1 forward + 2 backward kernels each, two all-reduces
-    assert cal_mod.tp_kernel_overhead(tp, plain, ar) == pytest.approx(delta, rel=1e-12)
-    assert cal_mod.tp_kernel_overhead(plain, plain, ar) == 0.0  # never negative
+def test_tp_kernel_overhead_recovers_the_per_kernel_cost_of_a_timed_column_linear():
+    delta, plain = 30e-6, 400e-6
+    column = plain + 2 * delta  # one forward and one weight-gradient kernel, no collective
+    assert cal_mod.tp_kernel_overhead(column, plain) == pytest.approx(delta, rel=1e-12)
+    assert cal_mod.tp_kernel_overhead(plain - 1e-6, plain) == 0.0  # never negative
 
 
 def _dtensor_edit(cal):
