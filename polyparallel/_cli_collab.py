@@ -101,7 +101,8 @@ def collab_cmd(
     classes: Annotated[int, typer.Option("--classes")] = 4,
     hidden: Annotated[int, typer.Option("--hidden", help="width / first conv channels / embedding size")] = 32,
     vocab: Annotated[int, typer.Option("--vocab", help="embbag vocabulary")] = 0,
-    fusion: Annotated[str, typer.Option("--fusion", help="fedavg fedprox fedadam fedyogi diloco trimmed_mean median")]
+    fusion: Annotated[str, typer.Option("--fusion", help="fedavg fedprox fedadam fedyogi diloco "
+                                        "scaffold trimmed_mean median")]
     = "fedavg",
     fusion_opt: Annotated[list[str] | None, typer.Option("--fusion-opt", help="NAME=NUMBER, repeatable")] = None,
     rounds: Annotated[int, typer.Option("--rounds")] = 3,
