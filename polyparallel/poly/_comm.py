@@ -1685,7 +1685,9 @@ def _reshard_table(haves: tuple[Distribution, ...], needs: tuple[Distribution, .
     route_elems = np.zeros(len(lays) * D + 1, dtype=np.int64)  # the last entry: no route
     route_other = np.zeros(len(lays) * D + 1, dtype=np.int64)
     if lays and deps:
-        el, end, ends = _routes(shape, lays, deps, mesh)
+        # the routes depend on the have layouts and the needs' mesh axes only: the query, key and value
+        # reads of a fused qkv (three tables) share them
+        el, end, ends = CACHE.get("routes", (shape, lays, tuple(deps), mesh), lambda: _routes(shape, lays, deps, mesh))
         end_other = np.array([layout_other(cur) for cur in ends], dtype=np.int64)
         route_elems[:-1], route_other[:-1] = el.ravel(), end_other[end.ravel()]
     route_of = route_idx[:, dep_of] if N else np.zeros((H, 0), dtype=np.int64)
