@@ -143,10 +143,11 @@ def _batch_mismatches(g, op, mesh) -> tuple[int, int]:
 
 
 def test_batched_footprints_keep_every_mesh_axis_the_footprint_feels(gpt, monkeypatch):
-    """A batch gives each placement one virtual device per coordinate of the mesh axes its
-    operand's footprint can depend on (``_footprint_axes``): the dims the accesses index, the
-    dims a constraint links (causal attention: a query row's keys), and dims with an empty
-    block (a 1:10 axis over an extent of 2). Exact on such meshes; a rule that forgets the
+    """A batch computes one placement per way of splitting the dims its operand's footprint can
+    feel (``_felt_splits``: the dims the accesses index, the dims a constraint links (causal
+    attention: a query row's keys), dims with an empty block (a 1:10 axis over an extent of
+    2)), over one virtual device per coordinate of their mesh axes, and shares the sets with the
+    placements that differ only elsewhere. Exact on such meshes; a rule that forgets the
     constraints or the empty blocks gives wrong footprints, and this comparison sees it."""
     ops = {op.name: op for op in gpt.ops}
     cases = [(ops["scaled_dot_product_attention"], DeviceMesh.parse("a=2,b=3")),
@@ -161,9 +162,9 @@ def test_batched_footprints_keep_every_mesh_axis_the_footprint_feels(gpt, monkey
     def indexed_only(nest, placement, mesh, operand, writes):
         dims = {d for _st, acc, w in nest.accesses(operand) if w == writes for e in acc.index if e is not ANY
                 for d in e.dims}
-        return tuple(a for d, ax in placement.splits if d in dims for a in ax)
+        return tuple((d, ax) for d, ax in placement.splits if d in dims)
 
-    monkeypatch.setattr(_comm, "_footprint_axes", indexed_only)
+    monkeypatch.setattr(_comm, "_felt_splits", indexed_only)
     for op, mesh in cases:
         assert _batch_mismatches(gpt, op, mesh)[0] > 0, op.name
 

@@ -334,11 +334,30 @@ def _build_distributions(graph: Graph, op: Op, placements: Sequence[Placement], 
         return out
     for p in placements:
         check_placement(nest, p, mesh, op=op.name)
+    # placements that split the dims the footprint feels alike (differing only in dims it does not feel,
+    # see _footprint_axes) have the same footprint on every device: the first of each is computed, the
+    # others share its sets (their partial axes, keys and isl fallbacks stay their own)
+    felt = [_felt_splits(nest, p, mesh, operand, writes) for p in placements]
+    first: dict[tuple, int] = {}
+    rep_of = [first.setdefault(f, i) for i, f in enumerate(felt)]
+    if len(first) < len(placements):
+        sub = _build_distributions(graph, op, [placements[i] for i in first.values()], mesh, operand, writes)
+        for i, p in enumerate(placements):
+            r = sub[placements[rep_of[i]]]
+            if rep_of[i] == i:
+                out[p] = r
+                continue
+            bounds = dim_bounds(nest, p, mesh)
+            out[p] = Distribution(tuple(shape), mesh, r.region, r.deps, r.block,
+                                  _partial_axes(nest, p, operand) if writes else (),
+                                  ("op", sig, p, mesh, operand, writes), _isl_of(nest, operand, shape, bounds, writes),
+                                  tuple(bounds.values()))
+        return out
     k = len(placements)
     per = [dim_bounds(nest, p, mesh) for p in placements]
     # the operand's footprint depends only on the mesh axes of the dims it can feel: one virtual device
     # per coordinate of those axes (a weight's footprint is the same on every data-parallel rank)
-    keep = [_footprint_axes(nest, p, mesh, operand, writes) for p in placements]
+    keep = [tuple(a for _d, ax in f for a in ax) for f in felt]
     cat, take, nv, reps = _side_by_side(per, placements, mesh, nest, keep)
     region = operand_region(nest, operand, shape, cat, writes=writes, ndev=nv)
     deps_all = [_deps(nest, p, operand, writes, len(shape)) for p in placements]
@@ -490,12 +509,15 @@ def _footprint_axes(nest: LoopNest, placement: Placement, mesh: DeviceMesh, oper
     work; a weighted axis can leave a block empty) changes nothing: devices that differ only
     in the coordinates of its mesh axes have the same footprint.
     """
+    return tuple(a for _d, ax in _felt_splits(nest, placement, mesh, operand, writes) for a in ax)
+
+
+def _felt_splits(nest: LoopNest, placement: Placement, mesh: DeviceMesh, operand: str,
+                 writes: bool | None) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The splits of ``placement`` whose mesh axes :func:`_footprint_axes` keeps."""
     felt, other = _of_nest(nest, ("felt", operand, writes), lambda: _felt_dims(nest, operand, writes))
-    axes: list[str] = []
-    for d, ax in placement.splits:
-        if d in felt or (d in other and _has_empty_block(mesh, nest.extents[d], ax)):
-            axes.extend(ax)
-    return tuple(axes)
+    return tuple((d, ax) for d, ax in placement.splits
+                 if d in felt or (d in other and _has_empty_block(mesh, nest.extents[d], ax)))
 
 
 def _felt_dims(nest: LoopNest, operand: str, writes: bool | None) -> tuple[frozenset[str], frozenset[str]]:
