@@ -5,8 +5,10 @@ laptop CPU trains in minutes): a small CNN, five centers, an IID split and a Dir
 split, the same total number of epochs for every arm:
 
 - ``local``   each center trains only on its own data (mean test accuracy of the five models);
-- ``fedavg``, ``diloco``, ``fedprox``, ``fedadam`` ... (``--fusions``)   collaborative training, ``R``
-  rounds of ``H`` local steps, each fusion with its paper's hyper-parameters (:data:`ARMS`);
+- ``fedavg``, ``diloco``, ``fedprox``, ``fedadam``, ``scaffold``, ``scaffold-nesterov`` ... (``--fusions``)
+  collaborative training, ``R`` rounds of ``H`` local steps, each fusion with its paper's
+  hyper-parameters (:data:`ARMS`; ``scaffold-nesterov`` = SCAFFOLD's control variates with DiLoCo's
+  outer step);
 - ``pooled``  one model trained on the union of the centers' data;
 - ``fedavg-ms`` (``--mindspore``)  FedAvg with two of the five centers training in MindSpore.
 
@@ -14,8 +16,9 @@ Protocol, identical for every arm: ``E`` epochs of the union of the data in tota
 ``H = E·n̄/(B·R)`` local steps of batch ``B`` (n̄ the mean center size; 20 rounds of 5 epochs fuse every
 quarter epoch), the pooled model takes ``5·H`` steps per round (same samples per round), and local-only
 centers ``H`` steps per round on their own data. Every arm uses the same local SGD (``--lr``,
-``--momentum``, a fresh optimiser per round) and the same per-round learning-rate schedule
-(``--lr-schedule``, cosine by default). Nothing is tuned per arm. Accuracy is on the official 10k test
+``--momentum``, a fresh optimiser per round; SCAFFOLD centers also keep their control variate) and
+the same per-round learning-rate schedule (``--lr-schedule``, cosine by default) on the same CNN
+(``--norm``: BatchNorm, or GroupNorm for every arm). Nothing is tuned per arm. Accuracy is on the official 10k test
 images (or ``--test`` of them); ``--seeds`` repeats everything (data split, initial model, data order)
 and the table gives mean ± std over seeds, differences taken per seed.
 
@@ -29,6 +32,15 @@ Data: Debian's ``dataset-fashion-mnist`` package (``apt-get install -y dataset-f
 Run (the full experiment; about 25 CPU-minutes per split and seed):
 ``nice python examples/collab_fashion_mnist.py --out benchmarks/results --lr 0.02 --momentum 0.9
 --local-eval-every 4``
+
+The tagged runs in ``benchmarks/results`` (12k training / 2k test images, 15 epochs, 120 rounds × 9
+local steps, seeds 0 and 1; ``C`` = ``nice -n 10 python examples/collab_fashion_mnist.py --out
+benchmarks/results --test 2000 --epochs 15 --rounds 120 --lr 0.02 --momentum 0.9 --local-eval-every 8
+--seeds 0,1 --fusions fedavg,diloco,scaffold,scaffold-nesterov``):
+``C --train 12000 --splits dirichlet --tag e15dir_scaffold``,
+``C --train 12000 --splits dirichlet --norm group --tag e15dir_gn``,
+``C --train 12000 --splits iid --tag e15iid_scaffold`` and the IID training-set sweep
+``C --train N --splits iid --tag e15iid_nN`` for N = 3000, 6000.
 """
 
 from __future__ import annotations
