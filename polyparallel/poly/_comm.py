@@ -347,14 +347,14 @@ def _build_distributions(graph: Graph, op: Op, placements: Sequence[Placement], 
             if rep_of[i] == i:
                 out[p] = r
                 continue
-            bounds = dim_bounds(nest, p, mesh)
+            bounds = _dim_bounds(nest, p, mesh)
             out[p] = Distribution(tuple(shape), mesh, r.region, r.deps, r.block,
                                   _partial_axes(nest, p, operand) if writes else (),
                                   ("op", sig, p, mesh, operand, writes), _isl_of(nest, operand, shape, bounds, writes),
                                   tuple(bounds.values()))
         return out
     k = len(placements)
-    per = [dim_bounds(nest, p, mesh) for p in placements]
+    per = [_dim_bounds(nest, p, mesh) for p in placements]
     # the operand's footprint depends only on the mesh axes of the dims it can feel: one virtual device
     # per coordinate of those axes (a weight's footprint is the same on every data-parallel rank)
     keep = [tuple(a for _d, ax in f for a in ax) for f in felt]
@@ -577,6 +577,23 @@ def _ones(n: int) -> np.ndarray:
 
 
 _NEST_MEMO: dict[tuple, tuple[LoopNest, Any]] = {}
+
+
+def _dim_bounds(nest: LoopNest, placement: Placement, mesh: DeviceMesh) -> dict:
+    """:func:`dim_bounds`, memoised per (nest object, placement, mesh object): an op's operands and
+    collectives each ask for the bounds of the same placements (the dict is shared: never written)."""
+    key = (id(nest), placement)
+    hit = _BOUNDS_MEMO.get(key)
+    if hit is not None and hit[0] is nest and hit[1] is mesh:
+        return hit[2]
+    if len(_BOUNDS_MEMO) > 100_000:
+        _BOUNDS_MEMO.clear()
+    out = dim_bounds(nest, placement, mesh)
+    _BOUNDS_MEMO[key] = (nest, mesh, out)  # holding the nest keeps its id from being reused
+    return out
+
+
+_BOUNDS_MEMO: dict[tuple, tuple[LoopNest, DeviceMesh, dict]] = {}
 
 
 def _of_nest(nest: LoopNest, key: tuple, make: Callable[[], Any]) -> Any:
@@ -1128,7 +1145,7 @@ def _gain(shape: Shape, nxt: Shards, cur: Shards, mesh: DeviceMesh) -> tuple[int
 CACHE.on_clear(_AXIS_MEMO.clear, _RIDS.clear, _route.cache_clear, _even_blocks.cache_clear, _block_stats.cache_clear,
                _all_reduce_of.cache_clear, _gain.cache_clear, _SIDE_MEMO.clear, _NEST_MEMO.clear, _LEGAL_MEMO.clear,
                _KIND_MEMO.clear, _PAD_MEMO.clear, _BLOCK_AXES.clear,
-               _has_empty_block.cache_clear)
+               _has_empty_block.cache_clear, _BOUNDS_MEMO.clear)
 
 
 def _ordered(axes: list[str], reference: Sequence[str]) -> list[str]:
@@ -1276,7 +1293,7 @@ def _comm_of_ops(graph: Graph, op: Op, placements: Sequence[Placement], mesh: De
         return {p: OpComm(p, (), (), (), (), (), float(op.flops)) for p in placements}
     out_dtype = graph.tensors[op.outputs[0]].dtype if op.outputs else "float32"
     obytes = DTYPE_BYTES.get(out_dtype, 4)
-    per = [dim_bounds(nest, p, mesh) for p in placements]
+    per = [_dim_bounds(nest, p, mesh) for p in placements]
     everything, take, nv, _reps = _side_by_side(per, placements, mesh, nest)
     flops = np.zeros(nv)
     for st in nest.statements:

@@ -124,6 +124,10 @@ class Placement:
     def mesh_axes(self) -> tuple[str, ...]:
         return tuple(a for _, axes in self.splits for a in axes)
 
+    def __hash__(self) -> int:
+        # equal placements have equal splits (``__eq__`` compares them): their hash, without the field tuple
+        return hash(self.splits)
+
     def __str__(self) -> str:
         return ",".join(f"{d}:{'+'.join(a)}" for d, a in self.splits) or "R"
 
