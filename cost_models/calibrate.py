@@ -99,11 +99,12 @@ ATTENTION_SHAPES = ((2, 4, 64, 32), (4, 4, 128, 32), (4, 8, 256, 64))
 
 # skinny GEMMs measured by `calibrate`: the small dimension s (tokens of a micro-batch) and the two
 # large ones L x L (a layer's width), in both roles a Linear layer's training runs
-GEMM_SMALL = (1, 2, 4, 8, 16, 32, 64, 128)
+GEMM_SMALL = (1, 2, 4, 8, 16, 32, 64)  # above 64 rows: the square rate (measured at 64-256: 89-101 vs 97 GFLOP/s)
 GEMM_LARGE = (256, 1024)
 
-# the optimizer step per element is measured over (tensors, elements each): in cache and in memory
-OPTIMIZER_WORKING_SETS = ((4, 1 << 14), (4, 1 << 20))
+# the optimizer step per element is measured over (tensors, elements each): Adam's state (16 bytes per
+# element) in a core's L2 (1 MB), in a shared L3 (16 MB) and in memory (64 MB)
+OPTIMIZER_WORKING_SETS = ((4, 1 << 14), (4, 1 << 18), (4, 1 << 20))
 
 # the tiny ops whose forward + backward make the training-op floor, and the op kind the compute
 # model prices each as (its backward kernel count κ comes from that kind)
@@ -338,7 +339,7 @@ def grad_accumulation_rate(width: int = 1024, tokens: int = 8, pairs: int = 50) 
 def optimizer_element_rates(optimizers: Sequence[str] = ("sgd", "adam", "adamw"),
                             working_sets: Sequence[tuple[int, int]] = OPTIMIZER_WORKING_SETS,
                             window: float = 0.02) -> dict[str, list[list[float]]]:
-    """Seconds per parameter element of torch's CPU optimizer step, at each working-set size.
+    """Seconds per parameter element of torch's CPU optimizer step, at each working-set size (in caches, in memory).
 
     For ``(n, e)`` in ``working_sets``: a step over ``n`` tensors of ``e`` elements less a step
     over ``n`` tensors of 8 elements (the per-tensor host work cancels, see
