@@ -409,3 +409,27 @@ def test_repeated_comm_of_op_lookups_are_the_cached_prices(gpt):
     assert [poly.comm_of_op(gpt, op, p, other) for p in legal] == first
     CACHE.clear()
     assert not _comm._OP_COMM and poly.comm_of_op(gpt, op, legal[-1], mesh) == ref[legal[-1]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_grid_count_in_an_interval_equals_enumeration(data):
+    """``Grid.count_in`` (both ends of the interval in one pass) equals ``below(b) - below(a)`` and a
+    set enumeration of the grid's rows, empty rows, intervals and partial rows included."""
+    from polyparallel.poly import _footprint as fp
+
+    ndev = data.draw(st.integers(1, 5))
+
+    def ints(lo: int, hi: int) -> np.ndarray:
+        return np.array(data.draw(st.lists(st.integers(lo, hi), min_size=ndev, max_size=ndev)), dtype=np.int64)
+
+    n = ints(0, 4)
+    g = fp.Grid(ints(-3, 10), n, n + ints(1, 4), ints(0, 4))
+    a = ints(-4, 30)
+    iv = fp.Prog.interval(a, a + ints(-2, 25))
+    got = g.count_in(iv)
+    ref = np.where(iv.n > 0, g.below(iv.start + iv.n) - g.below(iv.start), 0)
+    assert np.array_equal(got, ref)
+    for p in range(ndev):
+        pts = {int(g.start[p] + g.c[p] * h + i) for h in range(int(g.H[p])) for i in range(int(g.n[p]))}
+        assert got[p] == len(pts & set(range(int(iv.start[p]), int(iv.start[p] + iv.n[p]))))
