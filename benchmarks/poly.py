@@ -157,7 +157,8 @@ def main() -> None:
             done = "" if r["complete"] else f" (stopped at {r['edges']}/{r['edges_total']} edges)"
             print(f"  {r['mesh']:>16} {r['devices']:>5} dev  sigs {r['signatures']:>3}  placements "
                   f"{r['placements']:>6}  ops {r['t_ops_s']:6.2f} s ({r['ms_per_signature_ops']:6.1f} ms/sig)  "
-                  f"pairs {r['pairs']:>9}  edges {r['t_edges_s']:7.2f} s  total {r['t_total_s']:7.2f} s "
+                  f"pairs {r['pairs']:>9} (distinct {r['distinct_pairs']:>8})  edges {r['t_edges_s']:7.2f} s  "
+                  f"total {r['t_total_s']:7.2f} s "
                   f"(cpu {r['cpu_total_s']:6.2f} s, {r['cpu_ms_per_signature']:6.1f} ms/sig)  "
                   f"layer>2 {r['ms_per_repeated_layer'] or 0:6.2f} ms  "
                   f"hit {r['hit_rate']:.2f}  isl {100 * r['isl_share']:4.1f}%  load {r['load'][0]:.1f}{done}",
