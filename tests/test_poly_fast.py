@@ -433,3 +433,26 @@ def test_grid_count_in_an_interval_equals_enumeration(data):
     for p in range(ndev):
         pts = {int(g.start[p] + g.c[p] * h + i) for h in range(int(g.H[p])) for i in range(int(g.n[p]))}
         assert got[p] == len(pts & set(range(int(iv.start[p]), int(iv.start[p] + iv.n[p]))))
+
+
+def test_batched_flops_equal_every_device_counted(gpt, monkeypatch):
+    """An op's flops per placement (the most any device computes) from one virtual device per
+    coordinate of the constrained dims' axes, other dims at their longest block, equal those
+    counted on every device (a placement alone), on 1:3 and 1:10 meshes and causal attention;
+    taking a block other than the longest (the first) is caught."""
+    meshes = [DeviceMesh.parse("a=2[1:3],b=3"), DeviceMesh.parse("a=2[1:10],b=2")]
+    ops = [o for o in gpt.ops if o.name in ("scaled_dot_product_attention", "linear_2", "layer_norm", "linear_1")]
+
+    def mismatches() -> int:
+        bad = 0
+        for mesh in meshes:
+            for op in ops:
+                legal = poly.legal_placements(gpt, op, mesh)
+                CACHE.clear()
+                batch = _comm._comm_of_ops(gpt, op, legal, mesh)
+                bad += sum(batch[p].flops != _comm._comm_of_ops(gpt, op, [p], mesh)[p].flops for p in legal)
+        return bad
+
+    assert mismatches() == 0
+    monkeypatch.setattr(_comm, "_longest_block", lambda mesh, n, axes: tuple(int(x[0]) for x in mesh.bounds(n, axes)))
+    assert mismatches() > 0

@@ -1294,7 +1294,7 @@ def _comm_of_ops(graph: Graph, op: Op, placements: Sequence[Placement], mesh: De
     out_dtype = graph.tensors[op.outputs[0]].dtype if op.outputs else "float32"
     obytes = DTYPE_BYTES.get(out_dtype, 4)
     per = [_dim_bounds(nest, p, mesh) for p in placements]
-    everything, take, nv, _reps = _side_by_side(per, placements, mesh, nest)
+    everything, take, nv = _flop_bounds(nest, per, placements, mesh)
     flops = np.zeros(nv)
     for st in nest.statements:
         flops += _points(nest, st, everything, nv) * st.flops_per_point
@@ -1364,6 +1364,44 @@ def _comm_of_ops(graph: Graph, op: Op, placements: Sequence[Placement], mesh: De
         out[placement] = OpComm(placement, tuple(forward), tuple(partial), tuple(grad), kinds, pad,
                                 flops_max[i], backward)
     return out
+
+
+def _flop_bounds(nest: LoopNest, per: Sequence[dict], placements: Sequence[Placement],
+                 mesh: DeviceMesh) -> tuple[dict, list[np.ndarray | slice], int]:
+    """Virtual devices whose statement points have the same maximum as every device's.
+
+    A statement's points on a device are the points of its constrained dims times the
+    block lengths of the others (the domain is a product over them), so they grow with
+    each unconstrained dim's block length; each mesh axis splits one dim, so a device
+    with the longest block of every unconstrained dim at once exists, whatever its
+    coordinates along the constrained dims' axes. A placement thus needs one virtual device
+    per coordinate of its constrained dims' axes, every other dim at its longest block:
+    the maximum over them of the summed flops is the maximum over all devices (exact).
+    One placement alone is computed over every device (the reference of the batch)."""
+    if len(placements) == 1:
+        return per[0], [slice(0, mesh.size)], mesh.size
+    linked = _of_nest(nest, ("linked",), lambda: frozenset(d for st in nest.statements for c in st.constraints
+                                                           for d in c.dims))
+    keep = [tuple(a for d, ax in p.splits if d in linked for a in ax) for p in placements]
+    cat, take, nv, reps = _side_by_side(per, placements, mesh, nest, keep)
+    sizes = np.array([mesh.size if r is None else len(r) for r in reps], dtype=np.int64)
+    out = dict(cat)
+    for d in nest.dims:
+        if d.name in linked:
+            continue
+        ends = np.array([_longest_block(mesh, d.extent, p.axes_of(d.name)) for p in placements], dtype=np.int64)
+        out[d.name] = (np.repeat(ends[:, 0], sizes), np.repeat(ends[:, 1], sizes))
+    return out, take, nv
+
+
+@lru_cache(maxsize=1 << 14)
+def _longest_block(mesh: DeviceMesh, extent: int, axes: tuple[str, ...]) -> tuple[int, int]:
+    lo, hi = mesh.bounds(extent, axes)
+    j = int(np.argmax(hi - lo))
+    return int(lo[j]), int(hi[j])
+
+
+CACHE.on_clear(_longest_block.cache_clear)
 
 
 def grad_partial_axes(nest: LoopNest, placement: Placement, operand: str, mesh: DeviceMesh) -> tuple[str, ...]:
