@@ -354,6 +354,15 @@ def _build_distributions(graph: Graph, op: Op, placements: Sequence[Placement], 
                                   tuple(bounds.values()))
         return out
     k = len(placements)
+    if k > 1:
+        # a flattened index (``d + 64 h``) is a two-level grid where a placement splits an inner term: batched
+        # with placements that do not, the batch's grids would be rebuilt for those (below); two batches
+        prone = _of_nest(nest, ("grid-prone", operand, writes), lambda: _grid_prone_dims(nest, operand, writes))
+        inner = [any(d in prone for d in p.dims) for p in placements]
+        if any(inner) and not all(inner):
+            for part in ([p for p, x in zip(placements, inner) if x], [p for p, x in zip(placements, inner) if not x]):
+                out.update(_build_distributions(graph, op, part, mesh, operand, writes))
+            return out
     per = [_dim_bounds(nest, p, mesh) for p in placements]
     # the operand's footprint depends only on the mesh axes of the dims it can feel: one virtual device
     # per coordinate of those axes (a weight's footprint is the same on every data-parallel rank)
@@ -518,6 +527,19 @@ def _felt_splits(nest: LoopNest, placement: Placement, mesh: DeviceMesh, operand
     felt, other = _of_nest(nest, ("felt", operand, writes), lambda: _felt_dims(nest, operand, writes))
     return tuple((d, ax) for d, ax in placement.splits
                  if d in felt or (d in other and _has_empty_block(mesh, nest.extents[d], ax)))
+
+
+def _grid_prone_dims(nest: LoopNest, operand: str, writes: bool) -> frozenset[str]:
+    """Dims of an index of several terms other than its largest-coefficient one: splitting them can make
+    the footprint a :class:`Grid` (:func:`index_prog`), a batch-wide choice."""
+    out: set[str] = set()
+    for _st, acc, is_write in nest.accesses(operand):
+        if is_write != writes:
+            continue
+        for e in acc.index:
+            if e is not ANY and len(e.terms) > 1:
+                out.update(d for d, _a in sorted(e.terms, key=lambda t: abs(t[1]))[:-1])
+    return frozenset(out)
 
 
 def _felt_dims(nest: LoopNest, operand: str, writes: bool | None) -> tuple[frozenset[str], frozenset[str]]:
