@@ -970,7 +970,7 @@ def _routes(shape: Shape, lays: Sequence[TensorLayout], deps: Sequence[Shards],
             lo_t, hi_t = np.stack([b[0] for b in bounds]), np.stack([b[1] for b in bounds])
             inv = inv.reshape(-1)
             tabs.append((lo_t, hi_t, hi_t - lo_t, inv[:U], inv[U:]))
-        chunk = max(1, (1 << 17) // ndev)  # ~1 MiB per (rows x devices) array: it stays in cache
+        chunk = max(1, (1 << 14) // ndev)  # ~128 KiB per (rows x devices) array: in cache, and from the heap
         for s0 in range(0, U, chunk):
             s1 = min(U, s0 + chunk)
             size = over = None
@@ -1962,7 +1962,7 @@ def _missing_pairs(needs: Sequence[Distribution], others: Sequence[Distribution]
             sub = [t[:, rep] for t in sub]
             nsub = nsub[:, rep]
             # chunks of ~1 MiB of rows x classes: the products stay in cache (3x faster than 16 MiB chunks)
-            step = max(1, (1 << 17) // max(len(rep) * int(per_pair[group].max(initial=1)), 1))
+            step = max(1, (1 << 14) // max(len(rep) * int(per_pair[group].max(initial=1)), 1))
             for s0 in range(0, len(group), step):
                 q = group[s0:s0 + step]
                 c = per_pair[q]
