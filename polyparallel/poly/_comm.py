@@ -348,10 +348,14 @@ def _build_distributions(graph: Graph, op: Op, placements: Sequence[Placement], 
                 out[p] = r
                 continue
             bounds = _dim_bounds(nest, p, mesh)
-            out[p] = Distribution(tuple(shape), mesh, r.region, r.deps, r.block,
-                                  _partial_axes(nest, p, operand) if writes else (),
-                                  ("op", sig, p, mesh, operand, writes), _isl_of(nest, operand, shape, bounds, writes),
-                                  tuple(bounds.values()))
+            partial = _partial_axes(nest, p, operand) if writes else ()
+            d = out[p] = Distribution(tuple(shape), mesh, r.region, r.deps, r.block, partial,
+                                      ("op", sig, p, mesh, operand, writes),
+                                      _isl_of(nest, operand, shape, bounds, writes), tuple(bounds.values()))
+            if partial == r.partial and r.reshard_key[0] in ("layout", "sets"):
+                # the same sets, deps, block and partial axes: the same layout and reshard key (only a key that
+                # falls back to the op's own, with isl-counted devices, differs between placements)
+                d.__dict__.update(layout=r.layout, reshard_key=r.reshard_key, rid=r.rid)
         return out
     k = len(placements)
     if k > 1:
