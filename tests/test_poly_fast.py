@@ -393,8 +393,8 @@ def test_legal_placements_equal_every_assignment_checked_whole(gpt):
 
 
 def test_repeated_comm_of_op_lookups_are_the_cached_prices(gpt):
-    """The per-op fast path of ``comm_of_op`` returns the batch's prices, counts hits, follows a
-    new (equal) mesh object and forgets everything on ``clear_cache``."""
+    """The per-signature fast path of ``comm_of_op`` returns the batch's prices (to the ops of every
+    layer), counts hits, follows a new (equal) mesh object and forgets everything on ``clear_cache``."""
     op = next(o for o in gpt.ops if o.name == "linear_2")
     mesh = DeviceMesh.parse("a=2,b=3")
     CACHE.clear()
@@ -407,6 +407,11 @@ def test_repeated_comm_of_op_lookups_are_the_cached_prices(gpt):
     assert CACHE.stats()["op_comm"]["hits"] == hits + len(legal)
     other = DeviceMesh.parse("a=2,b=3")
     assert [poly.comm_of_op(gpt, op, p, other) for p in legal] == first
+    twin = next(o for o in gpt.ops if o.name == "linear_6")  # the same signature in the next layer
+    assert gpt.signature(twin) == gpt.signature(op)
+    hits = CACHE.stats()["op_comm"]["hits"]
+    assert [poly.comm_of_op(gpt, twin, p, other) for p in legal] == first
+    assert CACHE.stats()["op_comm"]["hits"] == hits + len(legal)
     CACHE.clear()
     assert not _comm._OP_COMM and poly.comm_of_op(gpt, op, legal[-1], mesh) == ref[legal[-1]]
 

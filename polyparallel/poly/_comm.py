@@ -1268,23 +1268,23 @@ def comm_of_op(graph: Graph, op: Op, placement: Placement, mesh: DeviceMesh) -> 
     The first miss of a legal placement prices every legal placement of the op not yet
     cached in one batch (:func:`_comm_of_ops`): callers price them all anyway.
     """
-    # every placement of every op of every repeated layer comes here: the op's own results first (no
-    # signature, no key tuple, no mesh hash), then the cache by signature, then the batch
-    mine = _OP_COMM.get(id(op))
-    if mine is not None and mine[0] is op and mine[1] is graph and mine[2] is mesh:
-        got = mine[3].get(placement)
+    # every placement of every op of every repeated layer comes here: the signature's own results first
+    # (no key tuple, no mesh hash), then the cache, then the batch
+    sig = _signature(graph, op)
+    mine = _OP_COMM.get(sig)
+    if mine is not None and mine[0] is mesh:
+        got = mine[1].get(placement)
         if got is not None:
             CACHE.hits["op_comm"] = CACHE.hits.get("op_comm", 0) + 1
             return got
     else:
         if len(_OP_COMM) > 100_000:
             _OP_COMM.clear()
-        mine = _OP_COMM[id(op)] = (op, graph, mesh, {})  # holding the op keeps its id from being reused
-    sig = _signature(graph, op)
+        mine = _OP_COMM[sig] = (mesh, {})
     key = (sig, placement, mesh)
     hit = CACHE.hit("op_comm", key)
     if hit is not MISSING:
-        mine[3][placement] = hit
+        mine[1][placement] = hit
         return hit
 
     def make() -> OpComm:
@@ -1301,11 +1301,11 @@ def comm_of_op(graph: Graph, op: Op, placement: Placement, mesh: DeviceMesh) -> 
             CACHE.get("op_comm", (sig, p, mesh), lambda p=p: got[p])
         return got[placement]
 
-    out = mine[3][placement] = CACHE.get("op_comm", key, make)
+    out = mine[1][placement] = CACHE.get("op_comm", key, make)
     return out
 
 
-_OP_COMM: dict[int, tuple[Op, Graph, DeviceMesh, dict[Placement, OpComm]]] = {}  # id(op) -> its results
+_OP_COMM: dict[str, tuple[DeviceMesh, dict[Placement, OpComm]]] = {}  # signature -> (mesh object, its results)
 CACHE.on_clear(_OP_COMM.clear)
 
 
