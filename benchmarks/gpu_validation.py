@@ -17,8 +17,9 @@ What it does:
    median step time after warm-up (and the host's enqueue time: is the GPU waiting for dispatch?),
    against ``estimate_step`` on the captured graph for a one-GPU cluster (bf16 compute, fp32 master
    weights, ``fused_elementwise=False``: eager PyTorch runs every op as its own kernel), priced twice:
-   with the data-sheet device type and with the calibrated one. Flash attention (``fused_attention=True``); for GPT-1.7B also the
-   unfused math kernel and full recomputation; measured peak memory against the memory model.
+   with the data-sheet device type and with the calibrated one. Flash attention
+   (``fused_attention=True``); for GPT-1.7B also the unfused math kernel and full recomputation;
+   measured peak memory against the memory model.
    Every distinct convolution of ResNet-50 is timed against the calibrated conv rows.
 4. **NCCL path**: ``polyparallel.backends.torch.train`` of the tiny GPT strategy on the GPU (the worker
    picks CUDA + NCCL) equals the single-process CPU loop step by step.

@@ -68,9 +68,19 @@ gloo's threads compete with the compute for the same cores):
 **Step**: ``T_s = makespan + T_dp,exposed + T_opt`` per stage (``T_opt`` streams the
 optimizer state once; on a calibrated CPU it is ``N·r(N) + n_t·c_t`` for ``N`` local parameter
 elements in ``n_t`` tensors: the measured seconds per element ``r`` at that working set and per
-tensor ``c_t``, a sharded (DTensor: FSDP2, tensor-parallel) tensor at its own measured ``c_dt``). With ``m > 1`` micro-batches every micro-batch after the first adds its weight
+tensor ``c_t``, a sharded (DTensor: FSDP2, tensor-parallel) tensor at its own measured
+``c_dt``). With ``m > 1`` micro-batches every micro-batch after the first adds its weight
 gradients into ``.grad``: each micro-batch's backward carries ``(m−1)/m · N · a`` (``a``:
 ``grad_accumulation``, measured per element on calibrated CPUs; priced as compute).
+
+**Host-bound accelerators.** Eager PyTorch dispatches every kernel from the host; the device
+runs ahead only while the host enqueues faster than the kernels run. On an accelerator with
+measured dispatch costs (``polyparallel calibrate --device cuda``: ``host_op_seconds`` per op
+class, ``optimizer_host``), a stage's forward + backward of one micro-batch lasts at least the
+host's time for its ops, ``H = Σ_ops h_op + h_backward_call``
+(:func:`polyparallel.cost_models.compute.host_seconds`), so ``F + B`` becomes
+``max(F + B, H)`` (scaled in proportion), and ``T_opt ≥ h_0 + n_t·h_t``. On the H200 this
+decides ResNet-50 at batch 16 and every small model.
 ``T = max_s T_s``; every stage's breakdown (compute, tensor-parallel,
 sequence-parallel, p2p, bubble, data-parallel, optimizer, idle) sums to ``T``.
 """
