@@ -203,6 +203,7 @@ def run_local(steps: int, warmup: int, recalibrate: bool, repeats: int) -> dict[
     benchmark of the torch backend (``benchmarks/executor.py``).
     """
     cal_path = default_calibration_path()
+    load0 = os.getloadavg()[0]
     if recalibrate or not cal_path.is_file():
         calibrate_now(lambda s: print("  " + s, flush=True))
     rows = run_recipes(MLP, MLP_RECIPES, steps=steps, warmup=warmup, repeats=repeats,
@@ -215,6 +216,8 @@ def run_local(steps: int, warmup: int, recalibrate: bool, repeats: int) -> dict[
         "model": MLP.description, "calibration": {"path": str(cal_path), "cores": cal["cores"],
                                                   "date": cal.get("date"), "load_average": cal.get("load_average"),
                                                   "threads_per_process": cal.get("threads_per_process")},
+        "command": "python benchmarks/cost_validation.py " + " ".join(sys.argv[1:]),
+        "load_average_start": load0, "load_average_end": os.getloadavg()[0],
         "steps": steps, "warmup": warmup, "repeats": repeats,
         "measured": "median over runs of rank 0's logged step times after warm-up (benchmarks/executor.py)",
         "rows": rows, "spearman_multi_process": spearman(multi), "spearman_all": spearman(ok),
