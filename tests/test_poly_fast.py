@@ -243,6 +243,9 @@ def test_column_classes_are_exact_even_when_the_hash_collides(monkeypatch):
     rows = np.array([[1, 2, 1, 3, 2], [0, 5, 0, 5, 5]], dtype=np.int64)
     rep, cls = _comm._column_classes(rows)
     assert np.array_equal(rows[:, rep][:, cls], rows) and len(rep) == 3
+    distinct = np.array([[1, 2, 1, 3], [0, 5, 5, 5]], dtype=np.int64)  # every column differs: singletons
+    rep, cls = _comm._column_classes(distinct)
+    assert np.array_equal(distinct[:, rep][:, cls], distinct) and sorted(rep.tolist()) == [0, 1, 2, 3]
     # a hash that maps every column to one value: the exact grouping takes over
     monkeypatch.setattr(_comm, "_MIX", np.zeros(4096, dtype=np.int64))
     rep, cls = _comm._column_classes(rows)

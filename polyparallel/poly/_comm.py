@@ -1835,6 +1835,8 @@ def _column_classes(rows: np.ndarray | Sequence[np.ndarray]) -> tuple[np.ndarray
             off += t.shape[0]
     _u, rep, cls = np.unique(h, return_index=True, return_inverse=True)
     cls = cls.reshape(-1)
+    if len(rep) == len(h):
+        return rep, cls  # every hash distinct: equal columns hash alike, so every column is its own class
     col = rep[cls]
     if not all(np.array_equal(t[:, col], t) for t in mats):
         _u, rep, cls = np.unique(np.concatenate(mats, axis=0), axis=1, return_index=True, return_inverse=True)
@@ -1962,9 +1964,12 @@ def _missing_pairs(needs: Sequence[Distribution], others: Sequence[Distribution]
             nsub = ncount[:, devs]
             # within the slice, devices equal in every count are one class (translated blocks)
             rep, cls = _column_classes([*sub, nsub])
-            weight = np.bincount(cls, minlength=len(rep)).astype(np.int64) * times
-            sub = [t[:, rep] for t in sub]
-            nsub = nsub[:, rep]
+            if len(rep) == len(devs):  # every device its own class: the columns as they are (max and sum
+                weight = np.full(len(devs), times, dtype=np.int64)  # do not depend on their order)
+            else:
+                weight = np.bincount(cls, minlength=len(rep)).astype(np.int64) * times
+                sub = [t[:, rep] for t in sub]
+                nsub = nsub[:, rep]
             # chunks of ~1 MiB of rows x classes: the products stay in cache (3x faster than 16 MiB chunks)
             step = max(1, (1 << 14) // max(len(rep) * int(per_pair[group].max(initial=1)), 1))
             for s0 in range(0, len(group), step):
