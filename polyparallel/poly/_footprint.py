@@ -148,14 +148,17 @@ class Grid:
         A -= self.start
         w = np.maximum(self.n, 0)
         c = np.maximum(self.c, np.maximum(w, 1))
-        full = (A - w) // c + 1
+        # one division: x lies in row q = (A - 1) // c at offset r = A - c q in [1, c]; with w <= c the
+        # rows ending at or below x number q + [r >= w] (``below``'s (A - w) // c + 1 where w > 0; w = 0
+        # counts nothing either way), and row q is cut (a partial row) where r < w
+        q = (A - 1) // c
+        r = A - c * q
+        whole = r >= w
+        full = q + whole
         np.maximum(full, 0, out=full)
         np.minimum(full, self.H, out=full)
-        hp = (A - 1) // c
-        rest = A - c * hp
-        ok = (hp >= 0) & (hp < self.H) & (rest > 0) & (rest < w)
         full *= w
-        full += np.where(ok, rest, 0)
+        full += np.where((q >= 0) & (q < self.H) & ~whole, r, 0)
         return np.where(iv.n > 0, full[0] - full[1], 0)
 
     def intersect(self, other: object) -> tuple[Prog, np.ndarray]:
