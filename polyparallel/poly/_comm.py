@@ -1749,9 +1749,11 @@ def _reshard_table(haves: tuple[Distribution, ...], needs: tuple[Distribution, .
     H, N = len(haves), len(needs)
     shape = needs[0].shape if needs else (haves[0].shape if haves else ())
     # the routes: one per (layout have, need mesh axes per tensor axis)
-    dep_index: dict[tuple, int] = {}
-    dep_of = np.array([dep_index.setdefault(n.deps, len(dep_index)) for n in needs], dtype=np.int64)
-    deps = list(dep_index)
+    # the needs' mesh axes per tensor axis, in a canonical order: tables whose needs list them in another
+    # order (the key read of a fused qkv after the query read) share one memoised set of routes
+    deps = sorted({n.deps for n in needs})
+    dep_index = {d: i for i, d in enumerate(deps)}
+    dep_of = np.array([dep_index[n.deps] for n in needs], dtype=np.int64)
     others: dict[tuple, int] = {}  # the sets needs are compared with: layouts by shards, irregular haves by row
     other_list: list[Distribution] = []
 
