@@ -674,14 +674,15 @@ def fit_alpha_beta(points: Sequence[tuple[int, float, float]]) -> dict[str, floa
 
 def calibrate(out: str | os.PathLike[str] | None = None, *, group_sizes: Sequence[int] = (2, 3, 4),
               sizes: Sequence[int] = (4096, 65536, 1 << 20, 8 << 20), matmul_sizes: Sequence[int] = (
-                  32, 64, 128, 256, 512, 1024), iters: int = 7, rounds: int = 2, timeout: float = 300.0,
+                  32, 64, 128, 256, 512, 1024), iters: int = 7, rounds: int = 3, timeout: float = 600.0,
               attention_shapes: Sequence[tuple[int, int, int, int]] = ATTENTION_SHAPES,
               gemm: tuple[Sequence[int], Sequence[int]] = (GEMM_SMALL, GEMM_LARGE),
               optimizer_sets: Sequence[tuple[int, int]] = OPTIMIZER_WORKING_SETS,
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure this machine and write the calibration JSON to ``out`` (if given); returns it.
 
-    ``rounds``: how many times every process count's kernels are measured, interleaved (median);
+    ``rounds``: how many times every process count's kernels are measured, interleaved (median; 3 by
+    default, so that one round hit by a burst of other work is outvoted — the median of 2 is their mean);
     ``gemm``: the (small, large) sizes of the skinny GEMMs; ``optimizer_sets``: the (tensors,
     elements) working sets of the optimizer step per element.
     """

@@ -160,7 +160,8 @@ def test_calibrate_measures_this_machine_with_the_training_thread_count(tmp_path
     # a real (small) run: one process alone and a 2-process gloo group, both written to the file
     out = tmp_path / "cal.json"
     res = calibrate(out, group_sizes=(2,), sizes=(4096, 1 << 16), matmul_sizes=(32, 64), iters=3,
-                    attention_shapes=((1, 2, 16, 8),), gemm=((1, 4), (64,)), optimizer_sets=((2, 256), (2, 4096)))
+                    attention_shapes=((1, 2, 16, 8),), gemm=((1, 4), (64,)), optimizer_sets=((2, 256), (2, 4096)),
+                    rounds=2)
     assert json.loads(out.read_text())["cores"] == res["cores"] and res["threads_per_process"] == 1
     assert set(res["per_processes"]) == {"1", "2"}
     # every process measured on the thread count a torch-backend worker trains with
