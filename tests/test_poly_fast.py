@@ -25,7 +25,7 @@ from polyparallel.models import load_model
 from polyparallel.poly import CACHE, DeviceMesh, _comm, layout_distribution, reshard_table
 from polyparallel.transforms import canonicalize, fuse_elementwise
 
-from .layouts import draw_layout, most_lacked
+from .layouts import draw_layout, layout_touched, most_lacked
 
 SETTINGS = settings(max_examples=int(os.environ.get("POLY_EXAMPLES", "8")), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -464,3 +464,48 @@ def test_batched_flops_equal_every_device_counted(gpt, monkeypatch):
     assert mismatches() == 0
     monkeypatch.setattr(_comm, "_longest_block", lambda mesh, n, axes: tuple(int(x[0]) for x in mesh.bounds(n, axes)))
     assert mismatches() > 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_missing_counts_of_unions_of_products_against_enumeration(data):
+    """Needs that are unions of overlapping boxes (several signed inclusion-exclusion terms, so
+    several rows per pair in ``_missing_pairs``) against block layouts: the max and the sum over
+    devices of what each lacks equal a numpy enumeration of the sets."""
+    from polyparallel.poly import _footprint as fp
+
+    mesh = DeviceMesh.parse(data.draw(st.sampled_from(["a=2,b=3", "a=2[3:1],b=2", "a=4"])))
+    shape = (5, 6)
+    n_dev = mesh.size
+
+    def box() -> tuple:
+        axes = []
+        for ext in shape:
+            lo = np.array(data.draw(st.lists(st.integers(0, ext - 1), min_size=n_dev, max_size=n_dev)), dtype=np.int64)
+            ln = np.array(data.draw(st.lists(st.integers(1, ext), min_size=n_dev, max_size=n_dev)), dtype=np.int64)
+            axes.append(fp.Prog.interval(lo, np.minimum(lo + ln, ext)))
+        return tuple(axes)
+
+    def mask(pieces: list, p: int) -> np.ndarray:
+        m = np.zeros(shape, dtype=bool)
+        for pc in pieces:
+            m[tuple(slice(int(a.start[p]), int(a.start[p] + a.n[p])) for a in pc)] = True
+        return m
+
+    needs, sets = [], []
+    for j in range(3):
+        pieces = [box() for _ in range(data.draw(st.integers(1, 3)))]
+        region = fp.Region(shape, pieces, np.zeros(n_dev, dtype=bool))
+        needs.append(_comm.Distribution(shape, mesh, region, ((), ()), (False, False), (), ("test", j),
+                                        lambda p: None))
+        sets.append(pieces)
+    lays = list({str(x): x for x in (draw_layout(data, mesh, shape, False) for _ in range(3))}.values())
+    others = [layout_distribution(x, mesh) for x in lays]
+    pn = np.repeat(np.arange(len(needs)), len(others))
+    po = np.tile(np.arange(len(others)), len(needs))
+    CACHE.clear()
+    mx, sm = _comm._missing_pairs(needs, others, pn, po, mesh)
+    for k in range(len(pn)):
+        lay = lays[po[k]]
+        lacked = [int((mask(sets[pn[k]], p) & ~layout_touched(lay, mesh, p)).sum()) for p in range(n_dev)]
+        assert (mx[k], sm[k]) == (max(lacked), sum(lacked)), (k, str(lay))
