@@ -331,7 +331,9 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
         if kind is OpKind.NORM and device.streaming_rows else ()
     norm_numel = graph.tensors[op.inputs[0]].numel / split if nrows else 0.0
     # a calibrated CPU's skinny-GEMM rows price a one-kernel contraction by its shape, backward by its two GEMMs
-    shape = gemm_shape(op, split) if (device.gemm_rates and kind is OpKind.CONTRACTION and len(kernels) == 1
+    # (eager mode's extra kernels for absorbed elementwise ops carry no FLOPs and are left to the roofline)
+    one_kernel = fused or op.nest is None or len(op.nest.statements) == 1
+    shape = gemm_shape(op, split) if (device.gemm_rates and kind is OpKind.CONTRACTION and one_kernel
                                       and device.kind == "cpu") else None
     # a 16-bit GEMM with a dimension that is not a multiple of 8 leaves the tensor-core kernels: the
     # calibration measured how much slower (a 50257-token vocabulary head: ~5x)

@@ -280,3 +280,19 @@ def test_optimizer_pays_the_measured_cost_per_sharded_tensor(tmp_path, monkeypat
 
     old = estimate_step(g, _cpu(tmp_path, monkeypatch, no_dt, procs=2), ParallelConfig(dp=2, zero_stage=3))
     assert old.breakdown()["optimizer"] == pytest.approx(stream / 2 + 6 * 20e-6 + 9 * 6 * 60e-6, rel=1e-9)
+
+
+def test_a_fused_linear_relu_keeps_its_gemm_price_in_eager_mode(tmp_path, monkeypatch):
+    from polyparallel.transforms import fuse_elementwise
+
+    cl = _cpu(tmp_path, monkeypatch)
+    dt = cl.device(0).type
+    g = fuse_elementwise(mlp_graph(batch=4, widths=(512, 512, 512), bias=False))
+    lin = next(op for op in g.ops if op.attr.get("fused"))  # the hidden Linear with its ReLU absorbed
+    f = float(lin.flops)  # the GEMM's and the absorbed ReLU's, one kernel
+    sq = _square_rate(cl, f)
+    want = f / min(sq, _power_rate("out", 4, 512))
+    # eager runs the ReLU as its own kernel (free here: unbounded bandwidth, no floor): the GEMM's price stays
+    for eager in (False, True):
+        c = op_cost(g, lin, dt, eager=eager)
+        assert c.forward == pytest.approx(want, rel=1e-6)
