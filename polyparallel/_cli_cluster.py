@@ -99,7 +99,8 @@ def calibrate_cmd(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="calibration JSON to write "
                                              "(default: $POLYPARALLEL_CALIBRATION or ~/.cache/polyparallel/)")] = None,
     group_sizes: Annotated[str, typer.Option("--group-sizes", help="gloo group sizes, comma separated")] = "2,3,4",
-    timeout: Annotated[float, typer.Option("--timeout", help="seconds before the gloo workers are killed")] = 300.0,
+    timeout: Annotated[float, typer.Option("--timeout", help="seconds before a group of measuring workers is "
+                                           "killed (3 rounds on a loaded machine take minutes)")] = 600.0,
     device: Annotated[str, typer.Option("--device", help="cpu: this machine's processes for local-cpu:<P>; cuda: "
                                         "the GPU(s) torch sees (matmul/attention by dtype, HBM, NCCL)")] = "cpu",
 ) -> None:
