@@ -184,16 +184,17 @@ def main() -> None:
     plan = [(3, "1M", m, args.steps) for m in modes]
     if not args.quick:
         plan += [(n, size, m, args.steps) for n, size in ((5, "1M"), (3, "25M"), (5, "25M")) for m in compared]
-    if args.steps_sweep:
+    default_out = args.out == Path("benchmarks/results/collab.json")
+    if args.steps_sweep and not args.experiment:
         plan = [(args.sweep_centers, "1M", m, int(h)) for m in compared for h in args.steps_sweep.split(",")]
-        if args.out == Path("benchmarks/results/collab.json"):
+        if default_out:
             args.out = Path("benchmarks/results/collab_steps.json")
     fusion = "fedavg"
     if args.experiment:
         fusion = args.fusion
         sweep = args.steps_sweep or "9,19,100,400,1000"
         plan = [(5, "fmnist-cnn", m, int(h)) for m in (modes if args.modes else ["tuned"]) for h in sweep.split(",")]
-        if args.out == Path("benchmarks/results/collab.json"):
+        if default_out:
             args.out = Path("benchmarks/results/collab_experiment.json")
     rows = [bench(n, s, m, args.rounds, h, bps, args.workdir, fusion) for n, s, m, h in plan]
     args.out.parent.mkdir(parents=True, exist_ok=True)
