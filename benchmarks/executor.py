@@ -38,6 +38,7 @@ times moved by up to 2x between repeats: read such a run's table as indicative o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
 import json
@@ -46,7 +47,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -351,14 +352,13 @@ def _measure_parts(batch: int, steps: int) -> list[float]:
     return [statistics.median(c) for c in zip(*parts[3:], strict=True)]
 
 
-def _price_parts(rates: dict[str, Any], batch: int) -> list[float]:
-    """Priced forward, backward and optimizer seconds of a single-process GPT step under one process's ``rates``."""
+@contextlib.contextmanager
+def _one_process_cluster(rates: dict[str, Any]) -> Iterator[Any]:
+    """``local-cpu:1`` priced from one process's measured ``rates`` (a temporary calibration file in
+    ``POLYPARALLEL_CALIBRATION``, restored afterwards)."""
     import tempfile
 
     from polyparallel.cluster import Cluster
-    from polyparallel.cost_models import ParallelConfig, estimate_step
-    from polyparallel.cost_models.compute import op_cost
-    from polyparallel.planner import _Model
 
     cal = {"cores": os.cpu_count() or 1, "threads_per_process": 1, "matmul": {"1": rates["matmul"]},
            "memory_bandwidth": rates["memory_bandwidth"], "per_processes": {"1": rates}}
@@ -367,15 +367,24 @@ def _price_parts(rates: dict[str, Any], batch: int) -> list[float]:
         (Path(d) / "cal.json").write_text(json.dumps(cal))
         os.environ["POLYPARALLEL_CALIBRATION"] = str(Path(d) / "cal.json")
         try:
-            cl = Cluster.preset("local-cpu:1")
-            g = _Model(gpt_model(), _example(GPT), None).graph(batch)
-            costs = [op_cost(g, op, cl.device(0).type) for op in g.ops]
-            opt = estimate_step(g, cl, ParallelConfig(optimizer="adam")).breakdown()["optimizer"]
+            yield Cluster.preset("local-cpu:1")
         finally:
             if prev is None:
                 os.environ.pop("POLYPARALLEL_CALIBRATION", None)
             else:
                 os.environ["POLYPARALLEL_CALIBRATION"] = prev
+
+
+def _price_parts(rates: dict[str, Any], batch: int) -> list[float]:
+    """Priced forward, backward and optimizer seconds of a single-process GPT step under one process's ``rates``."""
+    from polyparallel.cost_models import ParallelConfig, estimate_step
+    from polyparallel.cost_models.compute import op_cost
+    from polyparallel.planner import _Model
+
+    with _one_process_cluster(rates) as cl:
+        g = _Model(gpt_model(), _example(GPT), None).graph(batch)
+        costs = [op_cost(g, op, cl.device(0).type) for op in g.ops]
+        opt = estimate_step(g, cl, ParallelConfig(optimizer="adam")).breakdown()["optimizer"]
     return [sum(c.forward for c in costs), sum(c.backward for c in costs), opt]
 
 
@@ -443,27 +452,12 @@ def _measure_mlp(batch: int, microbatches: int, steps: int) -> list[float]:
 def _price_mlp(rates: dict[str, Any], batch: int, microbatches: int) -> list[float]:
     """Priced compute (forward + backward of every micro-batch) and optimizer seconds of a one-process
     MLP step under one process's ``rates``."""
-    import tempfile
-
-    from polyparallel.cluster import Cluster
     from polyparallel.cost_models import ParallelConfig, estimate_step
     from polyparallel.planner import _Model
 
-    cal = {"cores": os.cpu_count() or 1, "threads_per_process": 1, "matmul": {"1": rates["matmul"]},
-           "memory_bandwidth": rates["memory_bandwidth"], "per_processes": {"1": rates}}
-    prev = os.environ.get("POLYPARALLEL_CALIBRATION")
-    with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "cal.json").write_text(json.dumps(cal))
-        os.environ["POLYPARALLEL_CALIBRATION"] = str(Path(d) / "cal.json")
-        try:
-            g = _Model(mlp_model(), _example(MLP), None).graph(batch // microbatches)
-            b = estimate_step(g, Cluster.preset("local-cpu:1"),
-                              ParallelConfig(optimizer="adam", microbatches=microbatches)).breakdown()
-        finally:
-            if prev is None:
-                os.environ.pop("POLYPARALLEL_CALIBRATION", None)
-            else:
-                os.environ["POLYPARALLEL_CALIBRATION"] = prev
+    with _one_process_cluster(rates) as cl:
+        g = _Model(mlp_model(), _example(MLP), None).graph(batch // microbatches)
+        b = estimate_step(g, cl, ParallelConfig(optimizer="adam", microbatches=microbatches)).breakdown()
     return [b["compute"], b["optimizer"]]
 
 
