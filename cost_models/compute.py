@@ -389,9 +389,7 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
 def host_step_fixed(device: DeviceType, dtype: str = "fp32") -> float:
     """Host seconds a training step (per micro-batch) pays once: the loss reduction and the backward
     call that starts the autograd engine (``backward_call``, measured with the per-op classes)."""
-    short = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
-    table = dict(device.host_op_seconds)
-    return table.get(f"{short}/backward_call", table.get("backward_call", 0.0))
+    return device.host_table(dtype).get("backward_call", 0.0)
 
 
 def host_class(op: Op) -> str:
@@ -423,9 +421,7 @@ def host_seconds(graph: Graph, device: DeviceType, dtype: str = "fp32",
     classes measured under autocast (``"bf16/linear"`` ...) are used for it where present.
     Empty calibration: zeros (the host is assumed to keep ahead).
     """
-    short = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
-    plain = {k: v for k, v in device.host_op_seconds if "/" not in k}
-    table = {**plain, **{k.split("/", 1)[1]: v for k, v in device.host_op_seconds if k.startswith(short + "/")}}
+    table = device.host_table(dtype)
     if not table:
         return [(0.0, 0.0)] * len(graph.ops)
     grad: set[str] = {t for t, spec in graph.tensors.items() if spec.kind is TensorKind.PARAM}

@@ -252,6 +252,13 @@ class DeviceType:
         key = f"{_TORCH_TO_SHORT.get(dtype, dtype)}/{'1x1' if pointwise else 'kxk'}"
         return dict(self.conv_curves).get(key, ())
 
+    def host_table(self, dtype: str) -> dict[str, float]:
+        """Measured host seconds of one eager op by class for a step at ``dtype``: a class measured
+        under that dtype's autocast (``bf16/linear``) where present, else the plain one."""
+        prefix = f"{_TORCH_TO_SHORT.get(dtype, dtype)}/"
+        return {**{k: v for k, v in self.host_op_seconds if "/" not in k},
+                **{k.removeprefix(prefix): v for k, v in self.host_op_seconds if k.startswith(prefix)}}
+
     def streaming_curve(self, dtype: str, kind: str) -> tuple[tuple[float, float, float], ...]:
         """Measured ``(numel, forward_s, backward_s)`` rows of a streaming kernel (``batch_norm``,
         ``layer_norm``, ``elementwise``) for ``dtype``; empty when not calibrated."""
