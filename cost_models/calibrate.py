@@ -279,8 +279,9 @@ def kernel_rates(matmul_sizes: Sequence[int], sync: Callable[[], Any] = lambda: 
 
 
 def gemm_rows(smalls: Sequence[int] = GEMM_SMALL, larges: Sequence[int] = GEMM_LARGE,
-              window: float = 0.02) -> list[dict[str, Any]]:
-    """Seconds of skinny fp32 GEMMs in this process: one dimension ``s`` small, the other two ``L``.
+              window: float = 0.02, *, timer: Callable[[Callable[[], Any]], float] | None = None,
+              device: str = "cpu", dtype: Any = None) -> list[dict[str, Any]]:
+    """Seconds of skinny GEMMs in this process: one dimension ``s`` small, the other two ``L``.
 
     A Linear layer ``y = x·Wᵀ`` on ``s`` tokens of width ``L`` runs, per micro-batch, the forward
     ``(s×L)·(L×L)`` and the input gradient ``(s×L)·(L×L)`` — role ``"out"``: the small dimension
@@ -290,17 +291,23 @@ def gemm_rows(smalls: Sequence[int] = GEMM_SMALL, larges: Sequence[int] = GEMM_L
     the weight dominates, and BLAS picks other kernels), which a FLOP-indexed square curve
     cannot see. Each row: ``{"role", "small", "large", "flops" = 2·s·L², "seconds"}``; the
     compute model prices a contraction's three GEMMs by these rows
-    (:func:`polyparallel.cost_models.compute.gemm_rate`).
+    (:func:`polyparallel.cost_models.compute.gemm_rate`). Pairs with ``s ≥ L`` are skipped.
+    Defaults: fp32 on this CPU timed by :func:`_time`; the GPU calibration passes CUDA events, its
+    device and a 16-bit ``dtype`` (a torch dtype).
     """
     import torch
 
+    timer = timer or (lambda fn: _time(fn, window=window))
+    dt = dtype or torch.float32
     rows = []
     for big in larges:
-        w = torch.randn(big, big)
+        w = torch.randn(big, big, device=device, dtype=dt)
         for small in smalls:
-            x, g = torch.randn(small, big), torch.randn(small, big)
-            fwd = _time(lambda x=x, w=w: torch.mm(x, w.t()), window=window)
-            wgrad = _time(lambda x=x, g=g: torch.mm(g.t(), x), window=window)
+            if small >= big:
+                continue
+            x, g = torch.randn(small, big, device=device, dtype=dt), torch.randn(small, big, device=device, dtype=dt)
+            fwd = timer(lambda x=x, w=w: torch.mm(x, w.t()))
+            wgrad = timer(lambda x=x, g=g: torch.mm(g.t(), x))
             flops = 2.0 * small * big * big
             rows += [{"role": "out", "small": small, "large": big, "flops": flops, "seconds": fwd},
                      {"role": "reduce", "small": small, "large": big, "flops": flops, "seconds": wgrad}]

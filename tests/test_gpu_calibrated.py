@@ -232,3 +232,17 @@ def test_eager_cross_entropy_peak_in_the_memory_model():
     tp = dict(estimate_step(g, cluster, ParallelConfig(dtype="bf16", tp=2, fused_elementwise=False)).memory[0].terms)
     tp0 = dict(estimate_step(g, cluster, ParallelConfig(dtype="bf16", tp=2)).memory[0].terms)
     assert tp["workspace"] - tp0["workspace"] == pytest.approx((12 * n - 2 * n) / 2)
+
+
+def test_gpu_gemm_rows_are_the_skinny_rows_at_gpu_sizes():
+    from polyparallel.cost_models.calibrate import _time
+    from polyparallel.cost_models.calibrate_gpu import gemm_rows_gpu
+
+    said: list[str] = []
+    rows = gemm_rows_gpu("fp32", smalls=(8, 16, 64), larges=(32, 64), say=said.append, device="cpu",
+                         timer=lambda fn: _time(fn, window=0.002, windows=1))
+    pairs = [(s, big) for big in (32, 64) for s in (8, 16, 64) if s < big]  # s >= L is not skinny: skipped
+    assert [(r["small"], r["large"]) for r in rows] == [p for p in pairs for _ in (0, 1)]
+    assert [r["role"] for r in rows] == ["out", "reduce"] * len(pairs)
+    assert all(r["flops"] == 2.0 * r["small"] * r["large"] ** 2 and r["seconds"] > 0 for r in rows)
+    assert len(said) == len(pairs)
