@@ -15,26 +15,22 @@ import pytest
 
 flwr = pytest.importorskip("flwr", reason="the Flower engine needs flwr==1.42.0")
 
-from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, initial_params, run_inprocess  # noqa: E402
+from polyparallel.backends.collab import CenterSpec, CollabConfig, initial_params, run_inprocess  # noqa: E402
 from polyparallel.backends.collab._flower import (  # noqa: E402
     LoopbackFederation,
     read_outputs,
     run_flower,
     write_center_data,
 )
-
-SPEC = ModelSpec("mlp", (6,), 3, hidden=8)
+from tests.collab_fixtures import SPEC, mlp_config, random_data  # noqa: E402
 
 
 def _data(names, n=48):
-    rng = np.random.default_rng(3)
-    return {c: (rng.normal(size=(n + 4 * i, 6)).astype(np.float32), rng.integers(0, 3, n + 4 * i))
-            for i, c in enumerate(names)}
+    return random_data(names, n, seed=3, grow=4)
 
 
 def _cfg(names, **kw):
-    return CollabConfig(centers=tuple(CenterSpec(n) for n in names), model=SPEC,
-                        **{"rounds": 2, "local_steps": 3, "batch_size": 16, "lr": 0.1, "round_timeout_s": 90, **kw})
+    return mlp_config(names, **kw)
 
 
 def _no_stray_processes(workdir):

@@ -19,7 +19,6 @@ from polyparallel.backends.collab import (
     CenterSpec,
     CenterUpdate,
     CollabConfig,
-    ModelSpec,
     Scaffold,
     TorchTrainer,
     batch_indices,
@@ -29,20 +28,15 @@ from polyparallel.backends.collab import (
     load_torch_state,
     run_inprocess,
 )
-
-SPEC = ModelSpec("mlp", (6,), 3, hidden=8)
+from tests.collab_fixtures import SPEC, mlp_config, random_data
 
 
 def _data(names, n=48):
-    rng = np.random.default_rng(5)
-    return {c: (rng.normal(size=(n + 16 * i, 6)).astype(np.float32), rng.integers(0, 3, n + 16 * i))
-            for i, c in enumerate(names)}
+    return random_data(names, n, seed=5, grow=16)
 
 
 def _cfg(names, **kw):
-    return CollabConfig(centers=tuple(CenterSpec(n) for n in names), model=SPEC,
-                        **{"rounds": 2, "local_steps": 3, "batch_size": 16, "lr": 0.1, "fusion": "scaffold",
-                           "round_timeout_s": 90, **kw})
+    return mlp_config(names, **{"fusion": "scaffold", **kw})
 
 
 def test_corrected_local_sgd_is_the_hand_loop_and_reports_option_two():
