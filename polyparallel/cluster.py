@@ -757,6 +757,15 @@ def _device_type(name: str, s: _DeviceTypeSpec, base: Path | None) -> DeviceType
     return dt
 
 
+def _fwd_bwd_rows(table: Mapping[str, Sequence[Mapping[str, Any]]],
+                  size: str = "flops") -> tuple[tuple[str, tuple[tuple[float, float, float], ...]], ...]:
+    """Measured ``{key: [{size, "forward_s", "backward_s"}, ...]}`` rows as sorted ``(key, ((size,
+    forward, backward), ...))`` pairs, keys without rows left out (attention, conv, streaming kernels)."""
+    return tuple(sorted((key, tuple(sorted((float(r[size]), float(r["forward_s"]), float(r["backward_s"]))
+                                           for r in rows)))
+                        for key, rows in table.items() if rows))
+
+
 def gpu_calibrated_type(base: DeviceType, cal: Mapping[str, Any]) -> DeviceType:
     """``base`` (data-sheet figures) with a GPU calibration's measurements
     (:mod:`polyparallel.cost_models.calibrate_gpu`) laid over it.
@@ -769,19 +778,12 @@ def gpu_calibrated_type(base: DeviceType, cal: Mapping[str, Any]) -> DeviceType:
     """
     curves = tuple(sorted((dt, tuple(sorted((float(r["flops"]), float(r["seconds"])) for r in rows)))
                           for dt, rows in cal["matmul"].items() if rows))
-    att = tuple(sorted((dt, tuple(sorted((float(r["flops"]), float(r["forward_s"]), float(r["backward_s"]))
-                                         for r in rows)))
-                       for dt, rows in cal.get("attention", {}).items() if rows))
     conv: dict[str, list] = {}
     for key, rows in cal.get("conv", {}).items():  # "bf16/3x3", "bf16/1x1": one class per kernel size > 1 or = 1
         dt, _, k = key.partition("/")
         conv.setdefault(f"{dt}/{'1x1' if k == '1x1' else 'kxk'}", []).extend(rows)
-    convs = tuple(sorted((key, tuple(sorted((float(r["flops"]), float(r["forward_s"]), float(r["backward_s"]))
-                                            for r in rows)))
-                         for key, rows in conv.items() if rows))
-    streams = tuple(sorted((key, tuple(sorted((float(r["numel"]), float(r["forward_s"]), float(r["backward_s"]))
-                                              for r in rows)))
-                           for key, rows in cal.get("streaming", {}).items() if rows))
+    att, convs = _fwd_bwd_rows(cal.get("attention", {})), _fwd_bwd_rows(conv)
+    streams = _fwd_bwd_rows(cal.get("streaming", {}), size="numel")
     host = tuple(sorted([(k, float(v)) for k, v in cal.get("training_ops", {}).items()] +
                         [(f"{dt}/{k}", float(v)) for dt in ("bf16", "fp16")
                          for k, v in cal.get(f"training_ops_{dt}", {}).items()]))
@@ -958,9 +960,7 @@ def _calibrated_type(name: str, cal: Mapping[str, Any], procs: int, base: Device
     return DeviceType(name=name, kind="cpu", peak=(("fp32", peak),), vendor="this machine",
                       memory=float(cal.get("memory_bytes", 8 * 2**30)) / procs, memory_bandwidth=mem_bw,
                       launch_overhead=floor, sharded_op_overhead=sharded, training_op_overhead=training,
-                      attention_curves=(("fp32", tuple(sorted((float(r["flops"]), float(r["forward_s"]),
-                                                               float(r["backward_s"])) for r in att))),)
-                      if att else (),
+                      attention_curves=_fwd_bwd_rows({"fp32": att}),
                       optimizer_tensor_overhead=tuple(sorted((o, float(v)) for o, v in opt.items())),
                       optimizer_element_rates=elem, gemm_rates=gemm, grad_accumulation=acc,
                       optimizer_dtensor_overhead=opt_dt,
