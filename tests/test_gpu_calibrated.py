@@ -246,3 +246,15 @@ def test_gpu_gemm_rows_are_the_skinny_rows_at_gpu_sizes():
     assert [r["role"] for r in rows] == ["out", "reduce"] * len(pairs)
     assert all(r["flops"] == 2.0 * r["small"] * r["large"] ** 2 and r["seconds"] > 0 for r in rows)
     assert len(said) == len(pairs)
+
+
+def test_host_classes_measured_are_the_classes_the_model_prices():
+    from polyparallel.cost_models.calibrate import _time
+    from polyparallel.cost_models.calibrate_gpu import HOST_OP_CLASSES, host_op_seconds
+    from polyparallel.cost_models.compute import host_class
+    from polyparallel.cost_models.synthetic import gpt_graph
+
+    measured = host_op_seconds(chain=2, device="cpu", timer=lambda fn: _time(fn, window=0.001, windows=1))
+    assert set(measured) == set(HOST_OP_CLASSES) and min(measured.values()) >= 0
+    for g in (_small_cnn(), gpt_graph(layers=1, hidden=32, heads=2, seq=16, vocab=64)):
+        assert {host_class(op) for op in g.ops} <= set(HOST_OP_CLASSES) - {"backward_call"}
