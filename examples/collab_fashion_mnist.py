@@ -127,9 +127,9 @@ def run_split(name: str, alpha: float | None, xtr, ytr, xte, yte, args, seed: in
     spec = ModelSpec("cnn", (1, 28, 28), 10, hidden=args.width, norm=args.norm)
     steps = max(1, round(args.epochs * np.mean(sizes) / (args.batch * args.rounds)))
     base = dict(model=spec, rounds=args.rounds, local_steps=steps, batch_size=args.batch, lr=args.lr, seed=seed,
-                lr_schedule=args.lr_schedule, momentum=args.momentum)
+                lr_schedule=args.lr_schedule, momentum=args.momentum, logit_adjust=args.logit_adjust)
     sched = dict(batch_size=args.batch, lr=args.lr, seed=seed, lr_schedule=args.lr_schedule, rounds=args.rounds,
-                 momentum=args.momentum)
+                 momentum=args.momentum, logit_adjust=args.logit_adjust)
     arms: dict[str, dict] = {}
     print(f"[{name} seed {seed}] center sizes {sizes}; {args.rounds} rounds x {steps} local steps", flush=True)
 
@@ -181,7 +181,8 @@ def run_split(name: str, alpha: float | None, xtr, ytr, xte, yte, args, seed: in
                {"mindspore_centers": [c.name for c in centers if c.framework == "mindspore"]})
     return {"split": name, "seed": seed, "alpha": alpha, "center_sizes": sizes, "local_steps": steps,
             "rounds": args.rounds, "epochs": args.epochs, "batch": args.batch, "lr": args.lr, "momentum": args.momentum,
-            "lr_schedule": args.lr_schedule, "width": args.width, "norm": args.norm, "train_images": len(ytr),
+            "lr_schedule": args.lr_schedule, "logit_adjust": args.logit_adjust, "width": args.width, "norm": args.norm,
+            "train_images": len(ytr),
             "test_images": len(yte), "arms": arms}
 
 
@@ -263,6 +264,9 @@ def main() -> None:
                     help="per-round learning-rate schedule, the same for every arm")
     ap.add_argument("--local-eval-every", type=int, default=1,
                     help="evaluate the five local-only models every this many rounds (and after the last)")
+    ap.add_argument("--logit-adjust", type=float, default=0.0, metavar="TAU",
+                    help="every arm trains on the logit-adjusted loss softmax(z + TAU log prior) with its own data's "
+                         "label prior (0: plain cross-entropy; 1: the theory's value)")
     ap.add_argument("--width", type=int, default=8, help="channels of the first conv")
     ap.add_argument("--norm", default="batch", choices=("batch", "group"),
                     help="the CNN's normalisation (every arm): BatchNorm or GroupNorm")

@@ -109,6 +109,12 @@ def collab_cmd(
     local_steps: Annotated[int, typer.Option("--local-steps", "-H", help="local steps per round")] = 10,
     batch_size: Annotated[int, typer.Option("--batch-size")] = 32,
     lr: Annotated[float, typer.Option("--lr")] = 0.05,
+    momentum: Annotated[float, typer.Option("--momentum", help="local SGD momentum (fresh each round)")] = 0.0,
+    lr_schedule: Annotated[str, typer.Option("--lr-schedule", help="constant, or cosine decay per round")]
+    = "constant",
+    logit_adjust: Annotated[float, typer.Option(
+        "--logit-adjust", help="tau of the logit-adjusted local loss against label skew (0: plain; 1: theory)")]
+    = 0.0,
     compression: Annotated[str, typer.Option("--compression", help="none, fp16 or int8")] = "none",
     min_centers: Annotated[int, typer.Option("--min-centers", help="0: all")] = 0,
     seed: Annotated[int, typer.Option("--seed")] = 0,
@@ -132,8 +138,8 @@ def collab_cmd(
         elif strategy is not None:
             cfg = config_from_strategy(
                 strategy, ModelSpec(model, _parse_shape(in_shape), classes, hidden=hidden, vocab=vocab),
-                fusion_options=_parse_options(fusion_opt or []), batch_size=batch_size, lr=lr,
-                min_centers=min_centers, seed=seed)
+                fusion_options=_parse_options(fusion_opt or []), batch_size=batch_size, lr=lr, momentum=momentum,
+                lr_schedule=lr_schedule, logit_adjust=logit_adjust, min_centers=min_centers, seed=seed)
         else:
             names = [n.strip() for n in centers.split(",") if n.strip()]
             fws = [f.strip() for f in frameworks.split(",")] if frameworks else ["torch"] * len(names)
@@ -146,8 +152,8 @@ def collab_cmd(
                 centers=tuple(CenterSpec(n, framework=f, devices=d) for n, f, d in zip(names, fws, devs)),
                 model=ModelSpec(model, _parse_shape(in_shape), classes, hidden=hidden, vocab=vocab),
                 fusion=fusion, fusion_options=_parse_options(fusion_opt or []), rounds=rounds,
-                local_steps=local_steps, batch_size=batch_size, lr=lr, compression=compression,
-                min_centers=min_centers, seed=seed)
+                local_steps=local_steps, batch_size=batch_size, lr=lr, momentum=momentum, lr_schedule=lr_schedule,
+                logit_adjust=logit_adjust, compression=compression, min_centers=min_centers, seed=seed)
     except (ValueError, KeyError, json.JSONDecodeError) as e:
         raise UserError(str(e)) from None
     if save_config is not None:

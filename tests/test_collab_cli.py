@@ -50,11 +50,12 @@ def test_collab_command_runs_and_writes_what_the_api_computes(tmp_path, capsys):
 def test_job_file_round_trip(tmp_path, capsys):
     job = tmp_path / "job.json"
     code, out, _ = _run(["collab", "--centers", "p,q", "--frameworks", "torch,mindspore", "--model", "cnn",
-                         "--in-shape", "1,8,8", "--fusion", "fedprox", "--fusion-opt", "mu=0.1",
-                         "--save-config", str(job)], capsys)
+                         "--in-shape", "1,8,8", "--fusion", "fedprox", "--fusion-opt", "mu=0.1", "--momentum", "0.9",
+                         "--lr-schedule", "cosine", "--logit-adjust", "1", "--save-config", str(job)], capsys)
     assert code == 0 and "wrote" in out
     cfg = CollabConfig.from_json(job.read_text())
     assert cfg.centers[1] == CenterSpec("q", framework="mindspore") and cfg.make_fusion().proximal_mu == 0.1
+    assert (cfg.momentum, cfg.lr_schedule, cfg.logit_adjust) == (0.9, "cosine", 1.0)
 
 
 def test_devices_per_center_reach_the_job(tmp_path, capsys):
@@ -73,6 +74,8 @@ def test_devices_per_center_reach_the_job(tmp_path, capsys):
     (["collab", "--fusion-opt", "mu"], "--fusion-opt 'mu'"),
     (["collab", "--centers", "a", "--data", "/nonexistent"], "no data for center 'a'"),
     (["collab", "--engine", "ray"], "--engine 'ray'"),
+    (["collab", "--logit-adjust", "-1"], "logit_adjust must be a finite number >= 0"),
+    (["collab", "--lr-schedule", "step"], "unknown lr_schedule 'step'"),
 ])
 def test_bad_input_is_one_line(argv, msg, capsys):
     code, _, err = _run(argv, capsys)

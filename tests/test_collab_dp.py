@@ -37,9 +37,11 @@ def test_two_process_center_equals_one_process_cnn_with_batchnorm_fedprox_and_mo
     """Two rounds on the same long-lived workers; BatchNorm statistics come from the global batch."""
     spec = ModelSpec("cnn", (1, 8, 8), 3, hidden=4)
     rng = np.random.default_rng(0)
-    x, y = rng.normal(size=(64, 1, 8, 8)).astype(np.float32), rng.integers(0, 3, 64)
+    x, y = rng.normal(size=(64, 1, 8, 8)).astype(np.float32), rng.choice(3, 64, p=[0.6, 0.3, 0.1])
     p0 = initial_params(CollabConfig(centers=(CenterSpec("a"),), model=spec))
-    kw = dict(batch_size=16, lr=0.1, momentum=0.9, seed=0, center_index=1, lr_schedule="cosine", rounds=4)
+    # label-skewed data with the logit-adjusted loss: each rank must use the whole center's label prior
+    kw = dict(batch_size=16, lr=0.1, momentum=0.9, seed=0, center_index=1, lr_schedule="cosine", rounds=4,
+              logit_adjust=1.0)
     one = TorchTrainer(spec, x, y, **kw)
     with DataParallelTrainer(spec, x, y, devices=2, **kw) as dp:
         ref, got = p0, p0

@@ -89,14 +89,16 @@ def test_same_forward_output(kind):
     np.testing.assert_allclose(cell(ms.Tensor(x)).asnumpy(), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("tau", [0.0, 1.0])
 @pytest.mark.parametrize("kind", sorted(SPECS))
-def test_local_training_agrees_across_frameworks(kind):
-    """Two SGD steps (train-mode BatchNorm, FedProx term) in each framework from the same start."""
+def test_local_training_agrees_across_frameworks(kind, tau):
+    """Two SGD steps (train-mode BatchNorm, FedProx term; with tau > 0 the logit-adjusted loss of skewed
+    labels with a class missing) in each framework from the same start."""
     spec = SPECS[kind]
     sd = _perturbed_state(spec)
     x = _inputs(spec, n=8)
-    y = np.random.default_rng(2).integers(0, spec.num_classes, 8)
-    kw = dict(batch_size=4, lr=0.1, momentum=0.5)
+    y = np.random.default_rng(2).integers(0, spec.num_classes - (tau > 0), 8)
+    kw = dict(batch_size=4, lr=0.1, momentum=0.5, logit_adjust=tau)
     p_ms, m_ms = MindSporeTrainer(spec, x, y, **kw).train(sd, steps=2, round_idx=1, proximal_mu=0.1)
     p_t, m_t = TorchTrainer(spec, x, y, **kw).train(sd, steps=2, round_idx=1, proximal_mu=0.1)
     assert abs(m_ms["train_loss"] - m_t["train_loss"]) < 1e-5

@@ -24,7 +24,15 @@ from typing import Any
 
 import numpy as np
 
-from ._center import LocalTrainer, TorchTrainer, batch_indices, center_round, evaluate_torch, make_trainer
+from ._center import (
+    LocalTrainer,
+    TorchTrainer,
+    batch_indices,
+    center_round,
+    evaluate_torch,
+    label_log_prior,
+    make_trainer,
+)
 from ._config import FRAMEWORKS, CenterSpec, CollabConfig, config_from_strategy
 from ._engine import CollabResult, initial_params, run_inprocess
 from ._fusion import (
@@ -82,6 +90,7 @@ __all__ = [
     "evaluate_torch",
     "initial_params",
     "is_statistic",
+    "label_log_prior",
     "load_torch_state",
     "make_fusion",
     "make_trainer",

@@ -37,7 +37,7 @@ from ._models import ModelSpec, build_torch_model, load_torch_state, torch_state
 from ._wire import Payload, decode_controls, encode_controls, encode_update
 
 __all__ = ["LR_SCHEDULES", "CenterData", "LocalTrainer", "TorchTrainer", "batch_indices", "center_round",
-           "make_trainer", "round_lr"]
+           "label_log_prior", "make_trainer", "round_lr"]
 
 
 def batch_indices(n: int, batch_size: int, steps: int, seed: int, center_index: int, round_idx: int) -> np.ndarray:
@@ -69,6 +69,25 @@ def round_lr(lr: float, schedule: str, round_idx: int, rounds: int) -> float:
         return float(lr)
     t = min(max(round_idx, 1), rounds)
     return float(lr) * 0.5 * (1.0 + math.cos(math.pi * (t - 1) / rounds))
+
+
+def label_log_prior(y: np.ndarray, num_classes: int, tau: float = 1.0) -> np.ndarray:
+    """``τ · log π_k`` for the label frequencies ``π_k`` of ``y`` (float32, one entry per class).
+
+    The logit-adjusted loss (Menon et al. 2021; "balanced softmax", Ren et al. 2020; used across label-skewed
+    centers by FedLC, Zhang et al. 2022) trains on ``softmax(z + τ log π)`` and predicts with ``z``: a center
+    whose data under-represents a class no longer learns to push that class's logit down, which is what
+    biases local models under label skew. A class the center never saw gets ``log`` of a floor far below
+    any observed frequency (``1e-6``), so it drops out of the local softmax instead of being pushed down.
+    ``τ = 1`` is the value the theory gives (the Bayes-optimal correction for a balanced test set).
+    """
+    y = np.asarray(y).reshape(-1)
+    if len(y) == 0:
+        raise ValueError("label_log_prior needs at least one label")
+    if y.min() < 0 or y.max() >= num_classes:
+        raise ValueError(f"labels must lie in [0, {num_classes}), got [{y.min()}, {y.max()}]")
+    freq = np.bincount(y.astype(np.int64), minlength=num_classes) / len(y)
+    return (tau * np.log(np.maximum(freq, 1e-6))).astype(np.float32)
 
 
 class LocalTrainer(Protocol):
@@ -108,11 +127,20 @@ class CenterData:
     seed: int = 0
     lr_schedule: str = "constant"
     rounds: int = 1
+    logit_adjust: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.x) != len(self.y) or len(self.x) == 0:
             raise ValueError(f"center data: {len(self.x)} inputs vs {len(self.y)} labels (need equal, > 0)")
         round_lr(self.lr, self.lr_schedule, 1, self.rounds)  # the schedule is checked now, not in round 1
+        if not (math.isfinite(self.logit_adjust) and self.logit_adjust >= 0):
+            raise ValueError(f"logit_adjust must be a finite number >= 0, got {self.logit_adjust}")
+
+    def logit_bias(self) -> np.ndarray | None:
+        """What the local loss adds to the logits: ``τ · log π`` (see :func:`label_log_prior`), or None (τ = 0)."""
+        if not self.logit_adjust:
+            return None
+        return label_log_prior(self.y, self.model_spec.num_classes, self.logit_adjust)
 
     def lr_at(self, round_idx: int) -> float:
         """The local learning rate of round ``round_idx`` (see :func:`round_lr`)."""
@@ -160,7 +188,8 @@ class TorchTrainer(CenterData):
             xb_all = torch.from_numpy(np.ascontiguousarray(self.x))
             yb_all = torch.from_numpy(np.ascontiguousarray(self.y)).long()
             batches = batch_indices(len(self.x), self.batch_size, steps, self.seed, self.center_index, round_idx)
-            losses = local_sgd(model, model, opt, xb_all, yb_all, batches, proximal_mu, correction, grad_mean)
+            losses = local_sgd(model, model, opt, xb_all, yb_all, batches, proximal_mu, correction, grad_mean,
+                               logit_bias=self.logit_bias())
             return torch_state(model), {"train_loss": float(np.mean(losses))}
 
     def evaluate(self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> dict[str, float]:
@@ -169,10 +198,13 @@ class TorchTrainer(CenterData):
 
 def local_sgd(model: Any, net: Any, opt: Any, x: Any, y: Any, batches: Iterable[np.ndarray],
               proximal_mu: float, correction: Mapping[str, np.ndarray] | None = None,
-              grad_mean: dict[str, np.ndarray] | None = None) -> list[float]:
+              grad_mean: dict[str, np.ndarray] | None = None, logit_bias: np.ndarray | None = None) -> list[float]:
     """A center's local steps: cross-entropy of ``net`` (the model, or its DDP wrapper) on each
     index batch, plus FedProx's ``mu/2 * ||w - w_round_start||^2`` on ``model``'s parameters when
     ``proximal_mu > 0``; returns the data losses (without the proximal term).
+
+    ``logit_bias`` (one value per class, :func:`label_log_prior`) is added to the logits inside the
+    loss only (the logit-adjusted loss); the reported losses include it.
 
     SCAFFOLD: ``correction`` (parameter name -> ``c − c_i``) is added to every parameter's gradient
     before the optimiser step; ``grad_mean``, when given, is filled with the mean over the steps of the
@@ -190,10 +222,12 @@ def local_sgd(model: Any, net: Any, opt: Any, x: Any, y: Any, batches: Iterable[
         corr = {n: torch.from_numpy(np.ascontiguousarray(correction[n], dtype=np.float32)) for n in correction}
     sums = {n: torch.zeros_like(p) for n, p in named} if grad_mean is not None else {}
     anchors = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else []
+    bias = None if logit_bias is None else torch.from_numpy(np.ascontiguousarray(logit_bias, dtype=np.float32))
     losses = []
     for idx in batches:
         t = torch.from_numpy(idx)
-        loss = torch.nn.functional.cross_entropy(net(x[t]), y[t])
+        out = net(x[t])
+        loss = torch.nn.functional.cross_entropy(out if bias is None else out + bias, y[t])
         losses.append(float(loss.detach()))
         if anchors:
             loss = loss + 0.5 * proximal_mu * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchors))
@@ -237,7 +271,8 @@ def make_trainer(config: CollabConfig, center: str, x: np.ndarray, y: np.ndarray
     """
     spec = config.center(center)
     kw = dict(center_index=config.center_index(center), batch_size=config.batch_size, lr=config.lr,
-              momentum=config.momentum, seed=config.seed, lr_schedule=config.lr_schedule, rounds=config.rounds)
+              momentum=config.momentum, seed=config.seed, lr_schedule=config.lr_schedule, rounds=config.rounds,
+              logit_adjust=config.logit_adjust)
     if spec.framework == "mindspore":
         if spec.devices > 1:
             raise ValueError(f"center {center!r}: MindSpore centers train in one process; data parallelism inside "

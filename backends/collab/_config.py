@@ -9,6 +9,7 @@ JSON string, which is how it travels to Flower's ServerApp and ClientApps in the
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -52,6 +53,9 @@ class CollabConfig:
         batch_size, lr, momentum: the centers' local SGD (a fresh optimiser every round, so a
             center keeps no state between rounds and can be restarted at any time).
         lr_schedule: ``constant`` or ``cosine`` (decay per round over ``rounds``, see ``_center.round_lr``).
+        logit_adjust: ``τ`` of the logit-adjusted local loss (0: plain cross-entropy): every center trains
+            on ``softmax(z + τ log π_i)`` with ``π_i`` its own label frequencies (computed where the data
+            is; they never leave the center), which counters label skew (``_center.label_log_prior``).
         compression: update code on the uplink: ``none``, ``fp16`` or ``int8``.
         min_centers: rounds with fewer valid updates keep the previous global model (default: all).
         seed: initial model and data-order seed.
@@ -68,6 +72,7 @@ class CollabConfig:
     lr: float = 0.05
     momentum: float = 0.0
     lr_schedule: str = "constant"
+    logit_adjust: float = 0.0
     compression: str = "none"
     min_centers: int = 0
     seed: int = 0
@@ -90,6 +95,8 @@ class CollabConfig:
             raise ValueError("rounds, local_steps and batch_size must be >= 1")
         if not 0 <= self.min_centers <= len(self.centers):
             raise ValueError(f"min_centers must be in [0, {len(self.centers)}] (0 means all)")
+        if not (math.isfinite(self.logit_adjust) and self.logit_adjust >= 0):
+            raise ValueError(f"logit_adjust must be a finite number >= 0, got {self.logit_adjust}")
         if self.lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"unknown lr_schedule {self.lr_schedule!r}; choose 'constant' or 'cosine'")
         if self.make_fusion().uses_controls:  # options checked now, not in round 1

@@ -163,7 +163,7 @@ def _worker(rank: int, world: int, init_method: str, conn: Any, spec_json: str, 
             opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=float(center["momentum"]))
             batches = (idx[rank * share:(rank + 1) * share] for idx in batch_indices(
                 len(x), int(center["batch_size"]), steps, int(center["seed"]), int(center["center_index"]), round_idx))
-            losses = local_sgd(model, ddp, opt, xt, yt, batches, proximal_mu)
+            losses = local_sgd(model, ddp, opt, xt, yt, batches, proximal_mu, logit_bias=center["logit_bias"])
             # DDP keeps the replicas identical: rank 0 alone sends the model back
             conn.send(("done", torch_state(model) if rank == 0 else None, losses))
         except BaseException as e:
@@ -215,7 +215,8 @@ class DataParallelTrainer(CenterData):
         ctx = mp.get_context("spawn")  # fork after torch threads exist is unsafe; spawn is clean
         init = f"tcp://127.0.0.1:{_free_port()}"
         center = {"seed": self.seed, "center_index": self.center_index, "batch_size": self.batch_size,
-                  "momentum": self.momentum, "threads": self.threads, "timeout_s": self.timeout_s}
+                  "momentum": self.momentum, "threads": self.threads, "timeout_s": self.timeout_s,
+                  "logit_bias": self.logit_bias()}  # from the whole center's labels, as one process would
         for rank in range(self.devices):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker, name=f"collab-dp{self.center_index}-r{rank}", daemon=True,

@@ -207,9 +207,12 @@ class MindSporeTrainer(CenterData):
         anchors = [ms.Tensor(p.asnumpy()) for p in trainable] if proximal_mu > 0 else []
         opt = nn.SGD(trainable, learning_rate=self.lr_at(round_idx), momentum=self.momentum)
         loss_fn = nn.SoftmaxCrossEntropyWithLogits(sparse=True, reduction="mean")
+        prior = self.logit_bias()
+        bias = None if prior is None else ms.Tensor(prior)
 
         def forward(xb: Any, yb: Any) -> Any:
-            ce = loss_fn(model(xb), yb)
+            out = model(xb)
+            ce = loss_fn(out if bias is None else out + bias, yb)
             loss = ce
             if anchors:
                 loss = loss + 0.5 * proximal_mu * sum(((p - a) ** 2).sum() for p, a in zip(trainable, anchors))
