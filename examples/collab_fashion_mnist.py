@@ -133,8 +133,8 @@ def run_split(name: str, alpha: float | None, xtr, ytr, xte, yte, args, seed: in
     steps = max(1, round(args.epochs * np.mean(sizes) / (args.batch * args.rounds)))
     base = dict(model=spec, rounds=args.rounds, local_steps=steps, batch_size=args.batch, lr=args.lr, seed=seed,
                 lr_schedule=args.lr_schedule, momentum=args.momentum, logit_adjust=args.logit_adjust)
-    sched = dict(batch_size=args.batch, lr=args.lr, seed=seed, lr_schedule=args.lr_schedule, rounds=args.rounds,
-                 momentum=args.momentum, logit_adjust=args.logit_adjust)
+    # the local-only and pooled trainers: the same SGD settings, without the federation's model and H
+    sched = {k: v for k, v in base.items() if k not in ("model", "local_steps")}
     arms: dict[str, dict] = {}
     print(f"[{name} seed {seed}] center sizes {sizes}; {args.rounds} rounds x {steps} local steps", flush=True)
 

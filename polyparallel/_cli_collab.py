@@ -132,14 +132,16 @@ def collab_cmd(
     """Run a whole federation on this machine: every center trains on its own data, the server fuses."""
     from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, collaborate, config_from_strategy
 
+    # what the options set beside the centers, fusion, H, rounds and compression (a Strategy fixes those)
+    training = dict(batch_size=batch_size, lr=lr, momentum=momentum, lr_schedule=lr_schedule,
+                    logit_adjust=logit_adjust, min_centers=min_centers, seed=seed)
     try:
         if config is not None:
             cfg = CollabConfig.from_json(config.read_text())
         elif strategy is not None:
             cfg = config_from_strategy(
                 strategy, ModelSpec(model, _parse_shape(in_shape), classes, hidden=hidden, vocab=vocab),
-                fusion_options=_parse_options(fusion_opt or []), batch_size=batch_size, lr=lr, momentum=momentum,
-                lr_schedule=lr_schedule, logit_adjust=logit_adjust, min_centers=min_centers, seed=seed)
+                fusion_options=_parse_options(fusion_opt or []), **training)
         else:
             names = [n.strip() for n in centers.split(",") if n.strip()]
             fws = [f.strip() for f in frameworks.split(",")] if frameworks else ["torch"] * len(names)
@@ -152,8 +154,7 @@ def collab_cmd(
                 centers=tuple(CenterSpec(n, framework=f, devices=d) for n, f, d in zip(names, fws, devs)),
                 model=ModelSpec(model, _parse_shape(in_shape), classes, hidden=hidden, vocab=vocab),
                 fusion=fusion, fusion_options=_parse_options(fusion_opt or []), rounds=rounds,
-                local_steps=local_steps, batch_size=batch_size, lr=lr, momentum=momentum, lr_schedule=lr_schedule,
-                logit_adjust=logit_adjust, compression=compression, min_centers=min_centers, seed=seed)
+                local_steps=local_steps, compression=compression, **training)
     except (ValueError, KeyError, json.JSONDecodeError) as e:
         raise UserError(str(e)) from None
     if save_config is not None:

@@ -8,6 +8,8 @@ must equal the plain run started from ``bias + b``, minus ``b`` at the end.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -74,7 +76,7 @@ def test_the_option_reaches_every_center_and_bad_values_are_refused():
     assert make_trainer(cfg, "b", *data["b"]).logit_adjust == 1.0
     assert CollabConfig.from_json(cfg.to_json()) == cfg
     adjusted = run_inprocess(cfg, data).params
-    plain = run_inprocess(CollabConfig(**{**cfg.__dict__, "logit_adjust": 0.0}), data).params
+    plain = run_inprocess(replace(cfg, logit_adjust=0.0), data).params
     assert max(float(np.abs(adjusted[k] - plain[k]).max()) for k in plain) > 1e-3
     with pytest.raises(ValueError, match="logit_adjust must be a finite number >= 0"):
         CollabConfig(centers=(CenterSpec("a"),), model=spec, logit_adjust=-1.0)

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ._config import CollabConfig
+from ._config import CollabConfig, check_logit_adjust
 from ._models import ModelSpec, build_torch_model, load_torch_state, torch_state
 from ._wire import Payload, decode_controls, encode_controls, encode_update
 
@@ -133,8 +133,7 @@ class CenterData:
         if len(self.x) != len(self.y) or len(self.x) == 0:
             raise ValueError(f"center data: {len(self.x)} inputs vs {len(self.y)} labels (need equal, > 0)")
         round_lr(self.lr, self.lr_schedule, 1, self.rounds)  # the schedule is checked now, not in round 1
-        if not (math.isfinite(self.logit_adjust) and self.logit_adjust >= 0):
-            raise ValueError(f"logit_adjust must be a finite number >= 0, got {self.logit_adjust}")
+        check_logit_adjust(self.logit_adjust)
 
     def logit_bias(self) -> np.ndarray | None:
         """What the local loss adds to the logits: ``τ · log π`` (see :func:`label_log_prior`), or None (τ = 0)."""

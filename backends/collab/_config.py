@@ -18,9 +18,15 @@ from ._fusion import FUSIONS, FusionStrategy, make_fusion
 from ._models import ModelSpec
 from ._wire import COMPRESSIONS
 
-__all__ = ["FRAMEWORKS", "CenterSpec", "CollabConfig", "config_from_strategy"]
+__all__ = ["FRAMEWORKS", "CenterSpec", "CollabConfig", "check_logit_adjust", "config_from_strategy"]
 
 FRAMEWORKS = ("torch", "mindspore")
+
+
+def check_logit_adjust(tau: float) -> None:
+    """``τ`` of the logit-adjusted local loss must be a finite number >= 0 (0: plain cross-entropy)."""
+    if not (math.isfinite(tau) and tau >= 0):
+        raise ValueError(f"logit_adjust must be a finite number >= 0, got {tau}")
 
 
 @dataclass(frozen=True)
@@ -95,8 +101,7 @@ class CollabConfig:
             raise ValueError("rounds, local_steps and batch_size must be >= 1")
         if not 0 <= self.min_centers <= len(self.centers):
             raise ValueError(f"min_centers must be in [0, {len(self.centers)}] (0 means all)")
-        if not (math.isfinite(self.logit_adjust) and self.logit_adjust >= 0):
-            raise ValueError(f"logit_adjust must be a finite number >= 0, got {self.logit_adjust}")
+        check_logit_adjust(self.logit_adjust)
         if self.lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"unknown lr_schedule {self.lr_schedule!r}; choose 'constant' or 'cosine'")
         if self.make_fusion().uses_controls:  # options checked now, not in round 1
