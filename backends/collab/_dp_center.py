@@ -13,12 +13,10 @@ contiguous share ``I_s[r·B/P : (r+1)·B/P]``. DDP all-reduces gradients with a 
 shares the step direction is ``(1/P) Σ_r ∇ (1/(B/P)) Σ_{i∈share_r} ℓ_i = ∇ (1/B) Σ_{i∈I_s} ℓ_i``, the
 single-process gradient. FedProx's ``mu/2 ||w − x||²`` is added on every rank and averages to itself.
 BatchNorm must normalise with the statistics of the *global* batch for the same to hold, so every
-``BatchNorm2d`` is replaced by ``CrossRankBatchNorm2d`` (:func:`cross_rank_batchnorm_class`): mean
-``μ = Σ_r Σ x / N`` and biased variance ``σ² = Σ_r Σ (x − μ)² / N`` over all ranks (``N`` the
-elements per channel of the global batch), with a differentiable all-reduce so the backward pass
-carries the cross-rank terms; the running statistics get ``μ`` and the unbiased ``σ² N / (N − 1)``,
-as torch's BatchNorm does. (torch's own ``SyncBatchNorm`` refuses CPU tensors.) The result equals
-single-process training up to floating-point summation order.
+BatchNorm takes its batch statistics over all ranks, as the torch backend's data parallelism does
+(:func:`polyparallel.backends.torch._batchnorm.use_cross_rank_batchnorm`: mean and biased variance
+of the global batch through a differentiable all-reduce, running statistics updated identically on
+every rank). The result equals single-process training up to floating-point summation order.
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -39,7 +36,7 @@ import numpy as np
 from ._center import CenterData, evaluate_torch
 from ._models import ModelSpec
 
-__all__ = ["DataParallelTrainer", "cross_rank_batchnorm_class"]
+__all__ = ["DataParallelTrainer"]
 
 
 def _free_port() -> int:
@@ -48,85 +45,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@lru_cache(maxsize=1)
-def _sum_function() -> Any:
-    import torch
-    import torch.distributed as dist
-
-    class _Sum(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-            ctx.group = group
-            out = x.clone()
-            dist.all_reduce(out, group=group)
-            return out
-
-        @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-            g = g.clone()
-            dist.all_reduce(g, group=ctx.group)
-            return g, None
-
-    return _Sum
-
-
-def _sum_across_ranks(t: Any, group: Any) -> Any:
-    """``Σ_r t_r`` on every rank, differentiable: the gradient of a sum is the sum of the gradients."""
-    return _sum_function().apply(t, group)
-
-
-@lru_cache(maxsize=1)
-def cross_rank_batchnorm_class() -> type:
-    """The ``CrossRankBatchNorm2d`` class (built on first use, so importing collab does not import torch)."""
-    import torch
-    from torch import nn
-
-    class CrossRankBatchNorm2d(nn.BatchNorm2d):
-        """BatchNorm2d whose training statistics are those of the batch summed over a process group."""
-
-        group: Any = None
-        world: int = 1
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if not self.training:
-                return super().forward(x)
-            dims = (0, 2, 3)
-            n = x.numel() // x.shape[1] * self.world  # equal shares on every rank (checked at start)
-            mean = _sum_across_ranks(x.sum(dims), self.group) / n
-            xc = x - mean.view(1, -1, 1, 1)
-            var = _sum_across_ranks((xc * xc).sum(dims), self.group) / n
-            out = xc * torch.rsqrt(var + self.eps).view(1, -1, 1, 1)
-            out = out * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
-            with torch.no_grad():
-                self.num_batches_tracked.add_(1)
-                m = self.momentum
-                self.running_mean.mul_(1 - m).add_(m * mean.detach())
-                self.running_var.mul_(1 - m).add_(m * var.detach() * n / (n - 1))
-            return out
-
-    return CrossRankBatchNorm2d
-
-
-def _use_cross_rank_bn(model: Any, group: Any, world: int) -> None:
-    """Swap every BatchNorm2d of ``model`` for a ``CrossRankBatchNorm2d`` with the same values."""
-    from torch import nn
-
-    cls = cross_rank_batchnorm_class()
-    for mod in list(model.modules()):
-        for cname, child in list(mod.named_children()):
-            if type(child) is nn.BatchNorm2d:
-                new = cls(child.num_features, eps=child.eps, momentum=child.momentum)
-                new.load_state_dict(child.state_dict())
-                new.group, new.world = group, world
-                setattr(mod, cname, new)
-
-
 def _worker(rank: int, world: int, init_method: str, conn: Any, spec_json: str, x: np.ndarray, y: np.ndarray,
             center: Mapping[str, Any]) -> None:
     """One device of the center: join the group, wrap the model in DDP, serve rounds until told to stop."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
+
+    from polyparallel.backends.torch._batchnorm import use_cross_rank_batchnorm
 
     from ._center import batch_indices, local_sgd
     from ._models import build_torch_model, load_torch_state, torch_state
@@ -138,7 +64,7 @@ def _worker(rank: int, world: int, init_method: str, conn: Any, spec_json: str, 
         stats_group = dist.new_group(backend="gloo")  # BatchNorm's collectives apart from DDP's buckets
         spec = ModelSpec.from_json(spec_json)
         model = build_torch_model(spec, int(center["seed"]))
-        _use_cross_rank_bn(model, stats_group, world)
+        use_cross_rank_batchnorm(model, stats_group, world)
         # buffers (BatchNorm statistics) are equal on every rank by construction: no per-step broadcast
         ddp = DistributedDataParallel(model, forward_sync_buffers=False)
         xt = torch.from_numpy(np.ascontiguousarray(x))
