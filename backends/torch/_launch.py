@@ -78,7 +78,7 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
           checkpoint_dir: str | Path | None = None, checkpoint_every: int = 1,
           timeout_s: float = 600.0, check_fingerprint: bool = True, node_rank: int | None = None,
           master_addr: str = "127.0.0.1", master_port: int = 29500,
-          profile_comm: bool = False) -> list[dict[str, float]]:
+          profile_comm: bool = False, batchnorm: str = "cross_rank") -> list[dict[str, float]]:
     """Train ``model_fn()`` as ``strategy`` says on ``dp * sp * tp * pp`` local processes; return the step log.
 
     ``model_fn`` and ``data_fn`` are ``"package.module:function"`` strings or picklable callables
@@ -113,6 +113,13 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
     ``comm_s``, rank 0's seconds inside collectives as torch records them (``gloo:*`` / ``nccl:*``
     events, from issue to completion; they may overlap compute, so this is not the exposed part),
     and ``comm_ops`` (collective -> count). The profiler slows small steps down; off by default.
+
+    Data-parallel replicas train as single-process training on the global batch does: BatchNorm
+    normalises with the statistics of the whole global batch (``batchnorm="cross_rank"``;
+    ``"per_replica"`` normalises each replica's share alone, which is cheaper and *not* equal to
+    single-process training), and a mean cross entropy with ignored targets is weighted by the
+    targets each replica and micro-batch saw (each log line's ``loss_weighting`` says
+    ``"tokens"``, or ``"mean_of_means"`` for a loss it cannot count; see ``_worker.py``).
     """
     import torch
 
@@ -120,6 +127,8 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
         strategy = Strategy.from_json(strategy)
     if steps < 1:
         raise ValueError(f"steps={steps}: need at least one step")
+    if batchnorm not in ("cross_rank", "per_replica"):
+        raise ValueError(f"batchnorm={batchnorm!r}: choose 'cross_rank' or 'per_replica'")
     if optimizer not in ("sgd", "adam", "adamw"):
         raise ValueError(f"optimizer {optimizer!r}: choose sgd, adam or adamw")
     torch.manual_seed(seed)
@@ -161,6 +170,7 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
         old.unlink(missing_ok=True)
     job = {"plan": plan, "model_fn": model_fn, "data_fn": data_fn, "steps": steps, "optimizer": optimizer,
            "lr": lr, "seed": seed, "checkpoint_every": checkpoint_every, "profile_comm": profile_comm,
+           "batchnorm": batchnorm,
            "checkpoint_dir": str(Path(checkpoint_dir).resolve()) if checkpoint_dir is not None else None}
     try:
         (run_dir / "job.pkl").write_bytes(pickle.dumps(job))

@@ -13,11 +13,18 @@ unsplit model does.
 
 **Loss.** ``model(inputs, labels)`` returns the mean loss. The ops that depend on ``labels`` (the
 loss) form the *loss tail*, run by the schedule's ``loss_fn`` on the last stage with the labels as
-the target. Micro-batch ``j`` of ``M`` gives ``L_j = mean over its samples``; the schedule scales the
-gradients by ``1/M``, so with equal micro-batches the step's gradient is ``∇(1/M Σ_j L_j) = ∇L`` of the
-whole batch, and the logged loss is ``1/M Σ_j L_j``, averaged over the ``dp`` replicas. (A loss whose
-mean is over a data-dependent count, e.g. cross entropy with ``ignore_index`` tokens, would weight
-micro-batches unequally; as with data parallelism, equal counts per micro-batch are assumed.)
+the target. The schedule scales the gradients by ``1/M`` for ``M`` micro-batches, and the ``dp``
+replicas average theirs. When the tail is one mean-reduced cross entropy / NLL (ATen's
+``cross_entropy_loss``, as export writes ``F.cross_entropy``), micro-batch ``j`` of replica ``r``
+counts the targets its loss divided by, ``c_rj`` (not ignored, times the class weight; see
+``_loss_weighting``), and ``loss_fn`` returns ``L_rj · c_rj``; after the schedule one all-reduce
+over all ranks gives ``T = Σ c_rj`` (the non-last stages add 0), and every stage multiplies its
+gradients by ``M·dp / T`` before the optimiser step, so the step's gradient is
+``∇ Σ L_rj c_rj / T``, the gradient of the global batch's mean over its valid targets, which is the
+logged loss (``loss_weighting: "tokens"``). Any other loss keeps ``L_rj`` unweighted: the gradient
+``∇ 1/(M·dp) Σ L_rj`` and the logged mean of the means are the global batch's for equal micro-batches
+of a loss whose mean is over a fixed count (``"mean_of_means"``). BatchNorm would normalise per
+micro-batch, which single-process training does not; models with BatchNorm are refused.
 
 **Tied weights** (GPT's ``lm_head.weight = wte.weight``): each stage that uses the parameter holds a
 copy; after the schedule's backward their gradients are summed over the stages holding it (the
@@ -36,9 +43,9 @@ Refused before launch, with the reason: a model ``torch.export`` cannot capture,
 naming an op the model does not have (a strategy for another model), cuts out of order, stage layer
 lists that disagree with where the layers sit in the model, a non-tensor value crossing a cut (e.g.
 between a ``split`` and its ``getitem``), the model input used after the first stage, parameters in
-the loss tail, tensors mutated in forward (BatchNorm running statistics), schedules other than GPipe /
-1F1B / interleaved 1F1B, ``global_batch`` not divisible by ``dp * microbatches``, and (in this slice)
-``tp > 1`` together with ``pp > 1``.
+the loss tail, tensors mutated in forward, BatchNorm (each micro-batch would be normalised alone),
+schedules other than GPipe / 1F1B / interleaved 1F1B, ``global_batch`` not divisible by
+``dp * microbatches``, and (in this slice) ``tp > 1`` together with ``pp > 1``.
 """
 
 from __future__ import annotations
@@ -277,6 +284,12 @@ def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, to
     if s.global_batch % n:
         raise _unsupported(f"global_batch={s.global_batch} is not divisible by dp*microbatches={n}: pipeline "
                            "micro-batches must be equal for the mean loss to equal the full-batch loss")
+    from polyparallel.backends.torch._batchnorm import has_batch_statistics
+
+    if has_batch_statistics(model):  # even without running statistics (no buffer write to refuse)
+        raise _unsupported("the model has BatchNorm: pipeline micro-batches would each be normalised with their own "
+                           "statistics, unlike single-process training on the whole batch; search with "
+                           "constraints={'pp': 1}")
     inputs, labels = batch
     mb = s.global_batch // n
     split = split_model(model, inputs[:mb], labels[:mb], [first for first, _ in chunks[1:]])
@@ -331,6 +344,7 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+    from polyparallel.backends.torch._loss_weighting import TargetCount, weigh_microbatches
     from polyparallel.backends.torch._worker import _resume, _save, comm_profile, resolve
 
     plan, pipe = job["plan"], job["plan"].pipeline
@@ -365,8 +379,15 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
         modules.append(mod)
     tail = split.tail.to(device)
 
+    target_counts: list[float | None] = []  # per micro-batch of the step: the targets its loss counted
+
     def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
-        return tail(*(out if isinstance(out, tuple) else (out,)), target)
+        counter = TargetCount()
+        with counter:
+            loss = tail(*(out if isinstance(out, tuple) else (out,)), target)
+        target_counts.append(counter.count_for(loss))
+        return loss if target_counts[-1] is None else loss * target_counts[-1]
+
 
     pp_group = mesh["pp"].get_group()
     stages = [PipelineStage(mod, k, K, device, group=pp_group) for mod, k in zip(modules, mine)]
@@ -412,9 +433,18 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             losses: list[torch.Tensor] = []
+            target_counts.clear()
             args = (x,) if first else ()
             schedule.step(*args, target=y if last else None, losses=losses if last else None,
                           return_outputs=False)
+            # the schedule's first step also calls loss_fn once for its shape inference, before the
+            # micro-batches: their counts are the last ones
+            factor, global_loss, weighting = weigh_microbatches(
+                losses, target_counts[len(target_counts) - len(losses):], pipe.microbatches, dp, device)
+            if factor != 1.0:
+                for p in owner.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(factor)
             for name, g in tie_groups:
                 grad = named[name].grad
                 if grad is not None:
@@ -423,14 +453,9 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
             if cuda:
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
-        # the last stage holds the micro-batch losses; a sum over the pp group brings their mean to
-        # every stage (the others add 0), then the dp replicas' means are averaged
-        val = (torch.stack([v.detach().float() for v in losses]).mean() if last else torch.zeros(())).reshape(1)
-        val = val.to(device)
-        dist.all_reduce(val, group=pp_group)
-        dist.all_reduce(val, group=mesh["dp"].get_group())
         if rank == 0:
-            rec = {"step": step, "loss": float(val.item()) / dp, "step_time_s": dt, "device": device.type,
+            rec = {"step": step, "loss": global_loss, "loss_weighting": weighting, "step_time_s": dt,
+                   "device": device.type,
                    "backend": dist.get_backend(), **comm}
             with log.open("a") as f:
                 f.write(json.dumps(rec) + "\n")

@@ -4,6 +4,24 @@
 model and data functions, optimiser settings), trains, and has rank 0 append one JSON line per step
 to ``RUN_DIR/train.jsonl``. A failing rank writes ``RUN_DIR/failure-rank{R}.json`` (step, error,
 traceback) before exiting non-zero, so the launcher can say which rank failed and why.
+
+**Semantics: single-process training on the global batch.** Each of the ``R`` replicas (``dp``,
+times ``sp``) trains on a contiguous share; DDP and FSDP average the replicas' gradients.
+
+*BatchNorm* takes its batch statistics over the replicas (``_batchnorm``: mean and variance of the
+global batch through a differentiable all-reduce, equal running statistics on every replica) unless
+the job says ``batchnorm="per_replica"``, where each share is normalised alone (torch's BatchNorm
+under DDP, rank 0's running statistics broadcast), which is not single-process training.
+
+*Loss.* ``model(x, y)`` returns the mean loss of the rank's share. Its forward runs under
+``_loss_weighting.TargetCount``: when that loss is one mean-reduced cross entropy / NLL, the rank
+knows the count ``c_r`` it divided by (targets not ignored, times the class weight), one all-reduce
+gives ``T = Σ_r c_r``, and the rank backpropagates ``L_r · c_r · R / T``; after the replicas'
+average the gradient is ``∇ Σ_r L_r c_r / T``, that of the global batch's mean over its valid
+targets, which is the logged loss (``loss_weighting: "tokens"``). For any other loss (an MSE, a
+custom or composite loss) every rank backpropagates ``L_r`` and the log has the mean of the means
+(``"mean_of_means"``), the global mean when the shares are equal and the loss's mean is over a
+fixed count.
 """
 
 from __future__ import annotations
@@ -63,16 +81,39 @@ def _apply(model: torch.nn.Module, job: dict[str, Any], device: torch.device) ->
     plan = job["plan"]
     mesh = build_mesh(device.type, plan)
     parallelize(model, plan, mesh)
+    cross_rank_bn = job.get("batchnorm", "cross_rank") == "cross_rank" and _cross_rank_batchnorm(model, mesh, plan)
     if plan.data_parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
+        # cross-rank BatchNorm keeps the running statistics equal on every replica: nothing to broadcast
         model = DistributedDataParallel(model, process_group=replica_mesh(mesh, plan).get_group(),
-                                        device_ids=[device.index] if device.type == "cuda" else None)
+                                        device_ids=[device.index] if device.type == "cuda" else None,
+                                        broadcast_buffers=not cross_rank_bn)
     elif plan.data_parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(model, mesh=replica_mesh(mesh, plan))
     return model, mesh
+
+
+def _cross_rank_batchnorm(model: torch.nn.Module, mesh: Any, plan: Any) -> int:
+    """Give ``model``'s BatchNorms the statistics of the batch summed over the replicas (dp, times
+    sp); return how many there are.
+
+    Their collectives run on groups of their own (the same ranks as the replica group): DDP's and
+    FSDP's gradient reductions are issued from backward hooks on theirs, and BatchNorm's backward
+    all-reduces interleaved with them on one group could be ordered differently on two ranks.
+    """
+    from polyparallel.backends.torch._batchnorm import has_batch_statistics, use_cross_rank_batchnorm
+
+    grid = mesh.mesh  # global ranks, shape (dp, sp, tp)
+    if not has_batch_statistics(model) or plan.dp * plan.sp == 1:
+        return 0
+    # the replica groups: every rank with the same tp coordinate (and sp, unless sp shards the batch's tokens)
+    groups = ([grid[:, :, t].flatten().tolist() for t in range(plan.tp)] if plan.sp > 1 else
+              [grid[:, s, t].tolist() for s in range(plan.sp) for t in range(plan.tp)])
+    mine, _ = dist.new_subgroups_by_enumeration(groups)
+    return use_cross_rank_batchnorm(model, mine, len(groups[0]))
 
 
 @contextlib.contextmanager
@@ -159,6 +200,7 @@ def run_worker(run_dir: Path) -> None:
         opt = make_optimizer(job["optimizer"], model.parameters(), job["lr"], device)
         dp_rank = mesh["dp"].get_local_rank()
         local = plan.global_batch // plan.dp
+        from polyparallel.backends.torch._loss_weighting import TargetCount, weigh_replicas
         from polyparallel.backends.torch._tensor_parallel import replica_mesh, sequence_shard, step_context
 
         replicas = replica_mesh(mesh, plan)  # dp, times sp: each holds an equal share of the tokens
@@ -178,18 +220,18 @@ def run_worker(run_dir: Path) -> None:
                 t0 = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
                 with step_context(plan, mesh):
-                    loss = model(x, y)
-                    loss.backward()
+                    counter = TargetCount()
+                    with counter:
+                        loss = model(x, y)
+                    scale, global_loss, weighting = weigh_replicas(
+                        loss, counter.count_for(loss), replicas.get_group(), replicas.size(), device)
+                    (loss if scale == 1.0 else loss * scale).backward()
                 opt.step()
                 if cuda:
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
-            val = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
-            val = val.detach().clone().reshape(1)
-            # each dp (and sp) rank's loss is the mean over its equal share: the global mean is their mean
-            dist.all_reduce(val, group=replicas.get_group())
             if rank == 0:
-                rec = {"step": step, "loss": float(val.item()) / replicas.size(), "step_time_s": dt,
+                rec = {"step": step, "loss": global_loss, "loss_weighting": weighting, "step_time_s": dt,
                        "rank0_input_shape": list(x.shape), "device": device.type,
                        "backend": dist.get_backend(), **comm}  # what a rank trains on: its dp and sp share
                 with log.open("a") as f:
