@@ -20,10 +20,19 @@ def train(
     optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw")] = "sgd",
     lr: Annotated[float, typer.Option(help="learning rate")] = 0.1,
     seed: Annotated[int, typer.Option(help="torch seed set on every rank before building the model")] = 0,
-    log_dir: Annotated[Path | None, typer.Option(help="folder for train.jsonl (loss and step time per step)")] = None,
-    checkpoint_dir: Annotated[Path | None, typer.Option(help="save here with torch.distributed.checkpoint; a "
-                                                             "rerun with the same folder resumes")] = None,
-    checkpoint_every: Annotated[int, typer.Option(help="steps between checkpoints")] = 1,
+    run_dir: Annotated[Path | None, typer.Option(help="folder for job.pkl, launcher.log, train.jsonl, failure "
+                                                      "reports and checkpoints/ (default: "
+                                                      "runs/<YYYYmmdd-HHMMSS>)")] = None,
+    log_dir: Annotated[Path | None, typer.Option(help="older name of --run-dir")] = None,
+    checkpoint_dir: Annotated[Path | None, typer.Option(help="save here with torch.distributed.checkpoint instead of "
+                                                             "RUN_DIR/checkpoints; a rerun with the same folder "
+                                                             "resumes")] = None,
+    checkpoint_every: Annotated[int | None, typer.Option(help="steps between checkpoints (saved in "
+                                                              "RUN_DIR/checkpoints without --checkpoint-dir; a rerun "
+                                                              "with the same --run-dir resumes); default 1 with "
+                                                              "--checkpoint-dir, else no checkpoints")] = None,
+    keep_checkpoints: Annotated[int, typer.Option(help="newest checkpoints kept (0: all)")] = 2,
+    timeout: Annotated[float, typer.Option(help="seconds before the run is stopped (every process killed)")] = 600.0,
     fingerprint_check: Annotated[bool, typer.Option(
         "--fingerprint-check/--no-fingerprint-check",
         help="refuse a model whose captured graph is not the strategy's (--no-fingerprint-check: run a "
@@ -44,12 +53,17 @@ def train(
     if os.getcwd() not in sys.path:  # like `python -m`: the user's own modules in this folder import
         sys.path.insert(0, os.getcwd())
     from polyparallel.backends.torch import train as run
+    from polyparallel.backends.torch._launch import new_run_dir
 
+    if run_dir is not None and log_dir is not None and run_dir != log_dir:
+        raise UserError("--log-dir is the older name of --run-dir: give one")
+    where = run_dir or log_dir or checkpoint_dir or new_run_dir(create=False)
     try:
-        log = run(strategy, model, data, steps=steps, optimizer=optimizer, lr=lr, seed=seed, log_dir=log_dir,
-                  checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                  check_fingerprint=fingerprint_check, node_rank=node_rank, master_addr=master_addr,
-                  master_port=master_port, profile_comm=profile_comm)
+        run(strategy, model, data, steps=steps, optimizer=optimizer, lr=lr, seed=seed, run_dir=where,
+            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+            keep_checkpoints=keep_checkpoints or None, timeout_s=timeout, progress=_print_step,
+            check_fingerprint=fingerprint_check, node_rank=node_rank, master_addr=master_addr,
+            master_port=master_port, profile_comm=profile_comm)
     except MultiNode:
         typer.echo("this strategy spans several nodes; run on each node, node 0 first:")
         for cmd in launch_commands(strategy, model, data, steps=steps, master_port=master_port):
@@ -57,6 +71,13 @@ def train(
         return
     except TrainError as e:
         raise UserError(str(e)) from e
-    for rec in log:
-        comm = f"  comm {rec['comm_s'] * 1e3:.1f} ms" if "comm_s" in rec else ""
-        typer.echo(f"step {rec['step']:>4}  loss {rec['loss']:.6f}  {rec['step_time_s'] * 1e3:.1f} ms{comm}")
+    typer.echo(f"run directory: {where}")
+
+
+def _print_step(rec: dict) -> None:
+    """One line per step as rank 0 logs it: loss, step time, throughput (and collective time)."""
+    dt = rec["step_time_s"]
+    rate = f"  {rec['samples'] / dt:.1f} samples/s" if "samples" in rec and dt > 0 else ""
+    rate += f"  {rec['tokens'] / dt:.0f} tokens/s" if "tokens" in rec and dt > 0 else ""
+    comm = f"  comm {rec['comm_s'] * 1e3:.1f} ms" if "comm_s" in rec else ""
+    typer.echo(f"step {rec['step']:>4}  loss {rec['loss']:.6f}  {dt * 1e3:.1f} ms{rate}{comm}")

@@ -1,20 +1,30 @@
 """``python -m polyparallel.backends.torch._entry RUN_DIR``: what torch.distributed.run starts per rank.
 
 Kept apart from :mod:`._worker` so that the package import does not pre-load the module run as main.
+Before importing torch, the rank asks to be killed with its agent and records its PID in
+``RUN_DIR/pids/`` (:mod:`._procs`), so that no exit path of ``train()`` leaves it running.
 """
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import sys
 from pathlib import Path
 
-from polyparallel.backends.torch._worker import run_worker
+from polyparallel.backends.torch._procs import AGENT_PID_ENV, die_with_parent, record_pid
 
 if __name__ == "__main__":
+    agent = os.environ.get(AGENT_PID_ENV)
+    die_with_parent(int(agent) if agent else None)
+    run_dir = Path(sys.argv[1])
+    record_pid(run_dir, f"rank{os.environ.get('RANK', os.getpid())}")
+
+    import faulthandler
+
+    from polyparallel.backends.torch._worker import run_worker
+
     faulthandler.enable()  # a native abort still leaves a Python stack in the launcher output
-    run_worker(Path(sys.argv[1]))
+    run_worker(run_dir)
     # Done: the log and checkpoints are on disk, the process group is destroyed. Leave without the
     # interpreter's and C++'s exit-time teardown, where a native thread torch/gloo left joinable
     # intermittently aborts a finished rank ("terminate called without an active exception", no

@@ -37,12 +37,15 @@ def gpt_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids[:, :-1], ids[:, 1:]
 
 
-def single_process_losses(model_fn, data_fn, *, steps: int, lr: float, seed: int) -> list[float]:
+def single_process_losses(model_fn, data_fn, *, steps: int, lr: float, seed: int,
+                          optimizer: str = "sgd") -> list[float]:
     """The reference a distributed run is compared with: one process trains ``model_fn()`` on the
-    whole global batch ``data_fn(step)`` with SGD, from the same seed; the loss of every step."""
+    whole global batch ``data_fn(step)`` with ``optimizer`` (sgd, adam, adamw: torch's, as the
+    workers make them), from the same seed; the loss of every step."""
     torch.manual_seed(seed)
     m = model_fn()
-    opt = torch.optim.SGD(m.parameters(), lr=lr)
+    opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[optimizer](
+        m.parameters(), lr=lr)
     out = []
     for step in range(steps):
         x, y = data_fn(step)

@@ -6,19 +6,21 @@ import json
 import os
 import pickle
 import re
-import signal
 import subprocess
 import sys
-import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from polyparallel.backends.torch._checkpoint import check_resume, trim_log
 from polyparallel.backends.torch._plan import plan_for
+from polyparallel.backends.torch._procs import LAUNCHER_PID_ENV, kill_tree, recorded_pids
 from polyparallel.backends.torch._tensor_parallel import strategy_graph
 from polyparallel.backends.torch._worker import resolve
 from polyparallel.strategy import Strategy
 
-__all__ = ["MultiNode", "TrainError", "launch_commands", "node_layout", "train"]
+__all__ = ["MultiNode", "TrainError", "check_batch", "launch_commands", "new_run_dir", "node_layout", "train"]
 
 
 class TrainError(RuntimeError):
@@ -73,36 +75,132 @@ def launch_commands(strategy: Strategy | str | Path, model_fn: str, data_fn: str
             f"--master-port {master_port}" for i, (name, rs) in enumerate(node_layout(s))]
 
 
+def check_batch(strategy: Strategy, batch: Any) -> None:
+    """Refuse, before launch, a first batch ``data_fn(0)`` the workers could not split as the plan
+    says: ValueError with one line naming what is wrong and what to change."""
+    import torch
+
+    B = strategy.global_batch
+    if not isinstance(batch, tuple | list) or len(batch) != 2:
+        what = f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, tuple | list) \
+            else f"a {type(batch).__name__}"
+        raise ValueError(f"data_fn(0) returned {what}; return (inputs, labels): two tensors whose first dim is the "
+                         f"strategy's global batch ({B})")
+    for name, t in zip(("inputs", "labels"), batch):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"data_fn(0)'s {name} is a {type(t).__name__}; return torch tensors (inputs, labels)")
+        if t.dim() == 0 or t.shape[0] != B:
+            rows = "a scalar" if t.dim() == 0 else f"{t.shape[0]} rows (shape {tuple(t.shape)})"
+            raise ValueError(f"data_fn(0)'s {name} has {rows}, but the strategy's global batch is {B}: return {B} "
+                             f"rows per step, or search again with that batch size (--batch-size)")
+    labels = batch[1]
+    if labels.dtype == torch.bool or labels.is_complex():
+        raise ValueError(f"data_fn(0)'s labels are {labels.dtype}; return integer class ids (torch.long) or float "
+                         "targets")
+    shares = strategy.dp * strategy.microbatches
+    if B % shares:
+        raise ValueError(f"the global batch {B} does not split into dp={strategy.dp} x microbatches="
+                         f"{strategy.microbatches} = {shares} equal shares; search again with a batch size divisible "
+                         f"by {shares}")
+
+
+def new_run_dir(root: str | Path = "runs", *, create: bool = True) -> Path:
+    """``root/<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``, ... when taken); created unless ``create=False``
+    (then only a name not taken yet)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for i in range(1, 1000):
+        path = Path(root) / (stamp if i == 1 else f"{stamp}-{i}")
+        if not create:
+            if not path.exists():
+                return path
+            continue
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{root}/{stamp}-*: 999 run directories of this second exist")
+
+
+class _Tail:
+    """Follows ``train.jsonl`` as rank 0 appends to it; hands each new step record to ``callback``."""
+
+    def __init__(self, log: Path, first_step: int, callback: Callable[[dict[str, Any]], None] | None) -> None:
+        self.log, self.next, self.callback = log, first_step, callback
+        self.offset = log.stat().st_size if log.exists() else 0
+
+    def poll(self) -> None:
+        if self.callback is None:
+            return
+        try:
+            size = self.log.stat().st_size
+        except FileNotFoundError:
+            return
+        if size < self.offset:  # rewritten (a resuming rank 0 trims it): read again, skip what was reported
+            self.offset = 0
+        with self.log.open("rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        end = chunk.rfind(b"\n") + 1  # a line being written is read on the next poll
+        self.offset += end
+        for line in chunk[:end].splitlines():
+            rec = json.loads(line) if line.strip() else None
+            if rec is not None and rec["step"] >= self.next:
+                self.next = rec["step"] + 1
+                self.callback(rec)
+
+
 def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps: int, optimizer: str = "sgd",
-          lr: float = 0.1, seed: int = 0, log_dir: str | Path | None = None,
-          checkpoint_dir: str | Path | None = None, checkpoint_every: int = 1,
-          timeout_s: float = 600.0, check_fingerprint: bool = True, node_rank: int | None = None,
-          master_addr: str = "127.0.0.1", master_port: int = 29500,
-          profile_comm: bool = False, batchnorm: str = "cross_rank") -> list[dict[str, float]]:
+          lr: float = 0.1, seed: int = 0, run_dir: str | Path | None = None, log_dir: str | Path | None = None,
+          checkpoint_dir: str | Path | None = None, checkpoint_every: int | None = None,
+          keep_checkpoints: int | None = 2, timeout_s: float = 600.0,
+          progress: Callable[[dict[str, Any]], None] | None = None, check_fingerprint: bool = True,
+          node_rank: int | None = None, master_addr: str = "127.0.0.1", master_port: int = 29500,
+          profile_comm: bool = False, batchnorm: str = "cross_rank") -> list[dict[str, Any]]:
     """Train ``model_fn()`` as ``strategy`` says on ``dp * sp * tp * pp`` local processes; return the step log.
 
     ``model_fn`` and ``data_fn`` are ``"package.module:function"`` strings or picklable callables
     (module-level functions). ``model_fn()`` builds the model, whose ``forward(inputs, labels)``
     returns the mean loss; ``data_fn(step)`` returns the global batch ``(inputs, labels)``, which is
-    split into equal contiguous shares over the ``dp`` ranks. Every rank seeds torch with ``seed``
-    before building the model. Rank 0 writes ``{"step", "loss", "step_time_s", "rank0_input_shape"}``
-    JSON lines (the last, without pipeline stages: rank 0's share of the inputs after the dp and sp splits) to
-    ``log_dir/train.jsonl`` (a temporary folder when ``log_dir`` is None); the list is returned.
+    split into equal contiguous shares over the ``dp`` ranks; ``data_fn(0)`` is checked before
+    launch (:func:`check_batch`). Every rank seeds torch with ``seed`` before building the model.
 
-    With ``checkpoint_dir``, model and optimiser are saved with torch.distributed.checkpoint every
-    ``checkpoint_every`` steps (and after the last); a later call with the same ``checkpoint_dir``
-    resumes after the latest complete checkpoint (so a run killed mid-way loses no saved step), and
-    the log is ``checkpoint_dir/train.jsonl`` unless ``log_dir`` says otherwise.
+    **Run directory.** ``run_dir`` (``log_dir`` is its older name; default: a new
+    ``runs/<YYYYmmdd-HHMMSS>`` under the current folder, or ``checkpoint_dir`` when only that is
+    given) holds ``job.pkl`` (what the workers run), ``launcher.log`` (torch.distributed.run's and
+    the workers' output, written as they print it; appended to on a rerun), ``train.jsonl`` (rank
+    0's ``{"step", "loss", "step_time_s", "samples", "tokens", "rank0_input_shape", ...}`` line per
+    step: ``samples`` is the global batch's rows, ``tokens`` its numel for integer inputs of >= 2
+    dims, ``rank0_input_shape`` rank 0's share after the dp and sp splits, absent with pipeline
+    stages), ``failure-rank{R}.json`` for a rank that failed, ``pids/`` and ``checkpoints/``. It is
+    created only after every check passed. The log is returned; ``progress(record)``, if given, is
+    called with each record while the workers run, as rank 0 writes it.
+
+    **Checkpoints.** With ``checkpoint_dir``, or ``checkpoint_every`` (then in
+    ``run_dir/checkpoints``, which also resumes a rerun on the same ``run_dir``), model and
+    optimiser are saved with torch.distributed.checkpoint every ``checkpoint_every`` steps (1 by
+    default) and after the last; ``keep_checkpoints`` newest ``step-N`` folders are kept (None:
+    all). A later call with the same folder resumes after the latest complete checkpoint (a run
+    killed mid-way loses no saved step). Each checkpoint holds the strategy that wrote it: resuming
+    under a strategy for another model is refused before launch; under another layout without
+    pipeline stages (dp/tp/sp/zero_stage) the checkpoint is resharded on load; with pipeline stages
+    on either side only the same layout resumes (refused before launch otherwise).
 
     Before launching, ``model_fn()`` is captured (on the meta device) at the strategy's micro-batch
     size ``global_batch / (dp·microbatches)``, the size the planner fingerprinted, and must have the
     strategy's ``model.fingerprint``; ``check_fingerprint=False`` runs a stand-in model instead (e.g.
     a smaller model with the same module paths), matched to the placements by module path only.
 
+    **Processes.** torch.distributed.run's agent and every worker are killed with the process that
+    called ``train`` (Linux: ``PR_SET_PDEATHSIG``), and on every way out of ``train`` (``timeout_s``
+    passed, a worker failed, an exception such as KeyboardInterrupt) the whole tree is SIGKILLed
+    before it returns or raises (:mod:`._procs`).
+
     Raises :class:`~polyparallel.backends.torch.Unsupported` (a ValueError) before launching when the
     plan cannot be executed exactly, :class:`~polyparallel.backends.torch.FingerprintMismatch` (a
-    ValueError) for another model than the strategy's, and :class:`TrainError` naming the rank when a
-    worker fails.
+    ValueError) for another model than the strategy's, ValueError for a first batch or a checkpoint
+    that does not fit the strategy, and :class:`TrainError` naming the rank when a worker fails (or
+    the timeout when it passed).
 
     A strategy whose mesh spans several nodes of its cluster (:func:`node_layout`) runs as one
     ``train`` call per node with ``node_rank`` (0 hosts the rendezvous at ``master_addr:master_port``);
@@ -131,13 +229,28 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
         raise ValueError(f"batchnorm={batchnorm!r}: choose 'cross_rank' or 'per_replica'")
     if optimizer not in ("sgd", "adam", "adamw"):
         raise ValueError(f"optimizer {optimizer!r}: choose sgd, adam or adamw")
+    if checkpoint_every is not None and checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every={checkpoint_every}: must be >= 1")
+    if keep_checkpoints is not None and keep_checkpoints < 1:
+        raise ValueError(f"keep_checkpoints={keep_checkpoints}: keep at least 1 (None keeps all)")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s={timeout_s}: must be > 0 seconds")
+    if run_dir is not None and log_dir is not None and Path(run_dir) != Path(log_dir):
+        raise ValueError(f"run_dir={run_dir} and log_dir={log_dir}: log_dir is run_dir's older name, give one")
+    run_dir = run_dir if run_dir is not None else log_dir if log_dir is not None else checkpoint_dir
     torch.manual_seed(seed)
     batch = resolve(data_fn)(0)  # pipeline stages are cut, and the model captured, on (a micro-batch of) it
+    if strategy.mode == "synchronous":
+        check_batch(strategy, batch)
     graph = strategy_graph(strategy, resolve(model_fn), batch, check_fingerprint) if strategy.mode == "synchronous" \
         else None  # plan_for says where a collaborative strategy runs
     torch.manual_seed(seed)
-    plan = plan_for(strategy, resolve(model_fn)(), batch if strategy.pp > 1 else None,
-                    graph=graph)  # refuse before any process starts
+    model = resolve(model_fn)()
+    plan = plan_for(strategy, model, batch if strategy.pp > 1 else None, graph=graph)  # refuse before any launch
+    for name, t in zip(("inputs", "labels"), batch) if plan.sp > 1 else ():
+        if t.dim() < 2 or t.shape[1] % plan.sp:
+            raise ValueError(f"data_fn(0)'s {name} has shape {tuple(t.shape)}; sequence parallelism over "
+                             f"sp={plan.sp} needs (batch, seq, ...) with seq divisible by {plan.sp}")
     nproc = plan.dp * plan.sp * plan.tp * plan.pp
     nodes = node_layout(strategy)
     if len(nodes) > 1:
@@ -153,25 +266,30 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
         raise ValueError(f"node_rank={node_rank}, but the strategy runs on one node")
     if torch.cuda.is_available() and torch.cuda.device_count() < nproc:
         raise ValueError(f"the strategy needs {nproc} GPUs on this machine; {torch.cuda.device_count()} are visible")
-    if checkpoint_every < 1:
-        raise ValueError(f"checkpoint_every={checkpoint_every}: must be >= 1")
-    if checkpoint_dir is not None:
-        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
-        log_dir = checkpoint_dir if log_dir is None else log_dir
-    resuming = checkpoint_dir is not None and (Path(checkpoint_dir) / "LATEST").exists()
-    tmp = None
-    if log_dir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="pp-train-")
-        log_dir = tmp.name
-    run_dir = Path(log_dir)
+    ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    if ckpt is None and run_dir is not None and (checkpoint_every is not None
+                                                 or (Path(run_dir) / "checkpoints").is_dir()):
+        ckpt = Path(run_dir) / "checkpoints"
+    done = check_resume(ckpt, strategy, model) if ckpt is not None else None  # refused here, not after launch
+
+    # every check passed: from here on, files are written
+    run_dir = Path(run_dir) if run_dir is not None else new_run_dir()
+    if ckpt is None and checkpoint_every is not None:
+        ckpt = run_dir / "checkpoints"
     run_dir.mkdir(parents=True, exist_ok=True)
-    stale = [*run_dir.glob("failure-rank*.json")] + ([] if resuming else [run_dir / "train.jsonl"])
-    for old in stale:
+    if ckpt is not None:
+        ckpt.mkdir(parents=True, exist_ok=True)
+    log = run_dir / "train.jsonl"
+    for old in [*run_dir.glob("failure-rank*.json"), *(run_dir / "pids").glob("*.pid")]:
         old.unlink(missing_ok=True)
+    if done is None:
+        log.unlink(missing_ok=True)
+    else:
+        trim_log(log, done)  # steps after the checkpoint run again
     job = {"plan": plan, "model_fn": model_fn, "data_fn": data_fn, "steps": steps, "optimizer": optimizer,
-           "lr": lr, "seed": seed, "checkpoint_every": checkpoint_every, "profile_comm": profile_comm,
-           "batchnorm": batchnorm,
-           "checkpoint_dir": str(Path(checkpoint_dir).resolve()) if checkpoint_dir is not None else None}
+           "lr": lr, "seed": seed, "checkpoint_every": checkpoint_every or 1, "profile_comm": profile_comm,
+           "checkpoint_dir": str(ckpt.resolve()) if ckpt is not None else None,
+           "keep_checkpoints": keep_checkpoints, "strategy_json": strategy.to_json(), "batchnorm": batchnorm}
     try:
         (run_dir / "job.pkl").write_bytes(pickle.dumps(job))
     except (pickle.PicklingError, AttributeError, TypeError) as e:
@@ -181,42 +299,73 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
     # the workers must import whatever the caller could (e.g. a test module's functions)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     env.setdefault("OMP_NUM_THREADS", "1")
+    env[LAUNCHER_PID_ENV] = str(os.getpid())
     where = ["--standalone"] if len(nodes) <= 1 else [
         f"--nnodes={len(nodes)}", f"--node-rank={node_rank}", f"--master-addr={master_addr}",
         f"--master-port={master_port}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={nproc}",
-           "--max-restarts=0", "-m", "polyparallel.backends.torch._entry", str(run_dir)]
+    cmd = [sys.executable, "-m", "polyparallel.backends.torch._agent", *where, f"--nproc-per-node={nproc}",
+           "--max-restarts=0", "-m", "polyparallel.backends.torch._entry", str(run_dir.resolve())]
+    _launch(cmd, env, run_dir, timeout_s, _Tail(log, 0 if done is None else done + 1, progress))
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
+
+
+def _launch(cmd: list[str], env: dict[str, str], run_dir: Path, timeout_s: float, tail: _Tail) -> None:
+    """Run the agent, stream its output to ``launcher.log``, follow the step log; kill the whole
+    tree on any way out; raise :class:`TrainError` for a timeout or a failed worker."""
+    out_path = run_dir / "launcher.log"
+    with out_path.open("ab") as out:
+        out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
+        out.flush()
+        # its own session: a Ctrl-C in the terminal reaches train(), which then kills the tree
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    failed_at: float | None = None
+    timed_out = False
     try:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        try:
-            out, _ = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise TrainError(f"training did not finish within {timeout_s:.0f} s; all workers were killed") from None
-        except BaseException:
-            # interrupted (Ctrl-C, a test timeout): never leave the launcher and its workers behind
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise
-        if proc.returncode != 0:
-            failures = sorted((json.loads(p.read_text()) for p in run_dir.glob("failure-rank*.json")),
-                              key=lambda f: f["time"])
-            # the first rank to fail is the cause; the others typically died of its absence
-            if failures:
-                f = failures[0]
-                raise TrainError(f"rank {f['rank']} failed at step {f['step']}: {f['error']}\n{f['traceback']}",
-                                 rank=f["rank"], step=f["step"], error=f["error"])
-            # no failure file: the rank died outside Python (a signal, an abort); the elastic agent's
-            # summary names the root-cause rank
-            m = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)[^\n]*", out, re.S)
-            if m:
-                raise TrainError(f"rank {m.group(1)} failed (exit code {m.group(2)}); launcher output:\n"
-                                 f"{out[-4000:]}", rank=int(m.group(1)), error=f"exit code {m.group(2)}")
-            raise TrainError(f"torch.distributed.run exited with status {proc.returncode}:\n{out[-4000:]}")
-        log = run_dir / "train.jsonl"
-        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+        while True:
+            try:
+                proc.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            tail.poll()
+            now = time.monotonic()
+            if now > deadline:
+                timed_out = True
+                break
+            if failed_at is None and any(run_dir.glob("failure-rank*.json")):
+                failed_at = now
+            elif failed_at is not None and now - failed_at > 10:
+                break  # a rank failed but the agent still waits on the others: stop them all below
+        tail.poll()
     finally:
-        if tmp is not None:
-            tmp.cleanup()
+        # every way out, including an exception here (Ctrl-C, a test timeout, a raising progress
+        # callback): nothing may be left running. Once the agent is reaped its PID may be reused, so
+        # then only the recorded workers and their sessions are looked for.
+        left = kill_tree(proc.pid if proc.returncode is None else None, recorded_pids(run_dir).items())
+        proc.wait()
+    if timed_out:
+        raise TrainError(f"training did not finish within {timeout_s:g} s; the launcher and its workers were "
+                         f"killed{_not_gone(left)}. Output: {out_path}")
+    if proc.returncode == 0 and failed_at is None:
+        return
+    failures = sorted((json.loads(p.read_text()) for p in run_dir.glob("failure-rank*.json")), key=lambda f: f["time"])
+    where = f"\n(output: {out_path}; failure reports: {run_dir}/failure-rank*.json){_not_gone(left)}"
+    # the first rank to fail is the cause; the others typically died of its absence
+    if failures:
+        f = failures[0]
+        raise TrainError(f"rank {f['rank']} failed at step {f['step']}: {f['error']}\n{f['traceback']}{where}",
+                         rank=f["rank"], step=f["step"], error=f["error"])
+    text = out_path.read_text(errors="replace")
+    text = text[text.rfind("\n=== "):]  # this launch's part
+    # no failure file: the rank died outside Python (a signal, an abort); the elastic agent's
+    # summary names the root-cause rank
+    m = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)[^\n]*", text, re.S)
+    if m:
+        raise TrainError(f"rank {m.group(1)} failed (exit code {m.group(2)}); launcher output:\n{text[-4000:]}{where}",
+                         rank=int(m.group(1)), error=f"exit code {m.group(2)}")
+    raise TrainError(f"torch.distributed.run exited with status {proc.returncode}:\n{text[-4000:]}{where}")
+
+
+def _not_gone(pids: list[int]) -> str:
+    return f" (still running after SIGKILL: PIDs {pids})" if pids else ""

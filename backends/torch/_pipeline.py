@@ -344,8 +344,9 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+    from polyparallel.backends.torch._checkpoint import resume, save_checkpoint
     from polyparallel.backends.torch._loss_weighting import TargetCount, weigh_microbatches
-    from polyparallel.backends.torch._worker import _resume, _save, comm_profile, resolve
+    from polyparallel.backends.torch._worker import batch_counts, comm_profile, resolve
 
     plan, pipe = job["plan"], job["plan"].pipeline
     pp, dp, K = pipe.stages, plan.dp, pipe.stages * pipe.virtual
@@ -415,7 +416,7 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
     # parameters keep their model paths, but each stage's optimiser has its own param_groups: one
     # optimiser entry per stage, or the stages would overwrite each other's
     optim_key = f"optim.stage{stage}"
-    start = _resume(ckpt, owner, opt, log if rank == 0 else None, optim_key)
+    start = resume(ckpt, owner, opt, log if rank == 0 else None, optim_key)
     first, last = 0 in mine, (K - 1) in mine
     local = plan.global_batch // dp
     cuda = device.type == "cuda"
@@ -426,6 +427,7 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
             raise ValueError(f"data_fn({step}) returned a batch of {x.shape[0]}; the strategy's global_batch is "
                              f"{plan.global_batch}")
         sl = slice(dp_rank * local, (dp_rank + 1) * local)
+        counts = batch_counts(x)  # of the global batch, for throughput
         x, y = x[sl].to(device), y[sl].to(device)
         if cuda:
             torch.cuda.synchronize()
@@ -456,8 +458,8 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
         if rank == 0:
             rec = {"step": step, "loss": global_loss, "loss_weighting": weighting, "step_time_s": dt,
                    "device": device.type,
-                   "backend": dist.get_backend(), **comm}
+                   "backend": dist.get_backend(), **counts, **comm}
             with log.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
         if ckpt is not None and ((step + 1) % job["checkpoint_every"] == 0 or step + 1 == job["steps"]):
-            _save(ckpt, step, owner, opt, rank, optim_key)
+            save_checkpoint(ckpt, step, owner, opt, rank, optim_key, job=job)

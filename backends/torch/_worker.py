@@ -39,6 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from polyparallel.backends.torch._checkpoint import resume, save_checkpoint
+
 __all__ = ["resolve", "run_worker"]
 
 
@@ -133,45 +135,13 @@ def comm_profile(enabled: bool) -> Iterator[dict[str, Any]]:
     rec["comm_ops"] = {e.key: e.count for e in events}
 
 
-def _save(ckpt: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int,
-          optim_key: str = "optim") -> None:
-    """Save model and optimiser (sharded as they are) with torch.distributed.checkpoint after ``step``.
-
-    ``LATEST`` is rewritten (atomically, by rank 0) only after every rank finished writing, so a
-    kill mid-save leaves the previous checkpoint as the one to resume from.
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, optim_key: osd}, checkpoint_id=str(ckpt / f"step-{step}"))
-    dist.barrier()
-    if rank == 0:
-        tmp = ckpt / ".LATEST.tmp"
-        tmp.write_text(str(step))
-        os.replace(tmp, ckpt / "LATEST")
-
-
-def _resume(ckpt: Path | None, model: torch.nn.Module, opt: torch.optim.Optimizer, log: Path | None,
-            optim_key: str = "optim") -> int:
-    """Load the latest checkpoint if there is one; return the first step still to run.
-
-    Rank 0 also drops log lines of steps after the checkpoint (they are run again).
-    """
-    if ckpt is None or not (ckpt / "LATEST").exists():
-        return 0
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    done = int((ckpt / "LATEST").read_text())
-    msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, optim_key: osd}
-    dcp.load(state, checkpoint_id=str(ckpt / f"step-{done}"))
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state[optim_key])
-    if log is not None and log.exists():
-        kept = [line for line in log.read_text().splitlines() if json.loads(line)["step"] <= done]
-        log.write_text("".join(line + "\n" for line in kept))
-    return done + 1
+def batch_counts(inputs: torch.Tensor) -> dict[str, int]:
+    """What one step of the global batch ``inputs`` trains on, for throughput: ``samples`` (its
+    rows) and, for token ids (integer inputs with a sequence dim), ``tokens``."""
+    counts = {"samples": int(inputs.shape[0])}
+    if inputs.dim() >= 2 and not inputs.is_floating_point() and not inputs.is_complex():
+        counts["tokens"] = inputs.numel()
+    return counts
 
 
 def run_worker(run_dir: Path) -> None:
@@ -206,7 +176,7 @@ def run_worker(run_dir: Path) -> None:
         replicas = replica_mesh(mesh, plan)  # dp, times sp: each holds an equal share of the tokens
         log = run_dir / "train.jsonl"
         ckpt = Path(job["checkpoint_dir"]) if job.get("checkpoint_dir") else None
-        start = _resume(ckpt, model, opt, log if rank == 0 else None)
+        start = resume(ckpt, model, opt, log if rank == 0 else None)
         for step in range(start, job["steps"]):
             inputs, labels = data_fn(step)
             if inputs.shape[0] != plan.global_batch:
@@ -232,12 +202,12 @@ def run_worker(run_dir: Path) -> None:
                 dt = time.perf_counter() - t0
             if rank == 0:
                 rec = {"step": step, "loss": global_loss, "loss_weighting": weighting, "step_time_s": dt,
-                       "rank0_input_shape": list(x.shape), "device": device.type,
-                       "backend": dist.get_backend(), **comm}  # what a rank trains on: its dp and sp share
+                       "rank0_input_shape": list(x.shape),  # what a rank trains on: its dp and sp share
+                       "device": device.type, "backend": dist.get_backend(), **batch_counts(inputs), **comm}
                 with log.open("a") as f:
                     f.write(json.dumps(rec) + "\n")
             if ckpt is not None and ((step + 1) % job["checkpoint_every"] == 0 or step + 1 == job["steps"]):
-                _save(ckpt, step, model, opt, rank)
+                save_checkpoint(ckpt, step, model, opt, rank, job=job)
         # every rank leaves together: a rank tearing gloo down while its peer still has work in
         # flight aborts the peer ("terminate called without an active exception")
         dist.barrier()
