@@ -46,7 +46,7 @@ class GraphBuilder:
 
     def op(self, name: str, kind: OpKind, target: str, inputs: Sequence[str], outputs: Sequence[str],
            nest_fn: Callable[[], LoopNest] | None, *, attrs: dict[str, Any] | None = None,
-           module: str = "", reason: str | None = None) -> Op:
+           module: str = "", reason: str | None = None, source_node: str = "") -> Op:
         """Add an op; ``nest_fn`` builds its loop nest, or raises Unsupported -> opaque."""
         nest, why = None, reason
         if nest_fn is not None:
@@ -61,7 +61,8 @@ class GraphBuilder:
         out_elems = sum(math.prod(self.graph.tensors[t].shape) for t in outputs)
         op = Op(name=self.unique(name), kind=kind, target=target, inputs=tuple(inputs), outputs=tuple(outputs),
                 nest=nest, attrs=tuple(sorted((attrs or {}).items())), module=module,
-                opaque_reason=why if nest is None else None, flops_estimate=out_elems if nest is None else 0)
+                opaque_reason=why if nest is None else None, flops_estimate=out_elems if nest is None else 0,
+                source_node=source_node)
         return self.graph.add_op(op)
 
     def finish(self) -> Graph:

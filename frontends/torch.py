@@ -622,7 +622,7 @@ class _Walker:
             kind, nest_fn = OpKind.OPAQUE, None
         ins = [t for t in ins if t is not None]
         self.gb.op(name, kind, target_str, ins, outputs, nest_fn,
-                   attrs=_attrs(args), module=module)
+                   attrs=_attrs(args), module=module, source_node=node.name)
 
 
 class _ShapeView(dict):

@@ -40,20 +40,21 @@ whatever the placements say, and the step model prices it so.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 from typing import Any
 
+from polyparallel.backends.torch.capabilities import chain_problems, edge_rule, expressible
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, StepEstimate, estimate_step
 from polyparallel.cost_models.step import OpPlan
-from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind
+from polyparallel.ir import Graph, Hint, Op, TensorKind
 
 __all__ = ["MODES", "Placed", "StagePlacement", "param_cost_of", "place", "rule_placements", "torch_edge_rule",
            "torch_expressible", "torch_problems"]
 
 MODES = ("torch", "any", "rule")
-_POINTWISE = (OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.CONCAT, OpKind.SPLIT)
+# the torch backend's op-level capabilities, under the names the solver's callers use
+torch_expressible, torch_edge_rule, torch_problems = expressible, edge_rule, chain_problems
 _KIND = {"all-reduce": "all_reduce", "reduce-scatter": "reduce_scatter", "all-gather": "all_gather",
          "all-to-all": "all_to_all"}
 
@@ -129,123 +130,6 @@ def _tp_dim(op: Any, has_param: bool, plan: Any) -> str | None:
         if first(pref):
             return first(pref)
     return None
-
-
-def _role(g: Graph, op: Op) -> str:
-    kind = OpKind(op.kind)
-    if op.name.startswith("cross_entropy"):
-        return "loss"
-    if kind is OpKind.CONTRACTION and _has_param(g, op) and op.name.startswith("linear"):
-        return "linear"
-    if kind is OpKind.EMBEDDING and _has_param(g, op):
-        return "embedding"
-    if kind is OpKind.ATTENTION:
-        return "attention"
-    if kind in _POINTWISE and not _has_param(g, op):
-        return "pointwise"
-    return "other"
-
-
-def torch_expressible(g: Graph, tp: int) -> Any:
-    """The ``expressible`` predicate of the torch backend on a ``tp``-device mesh (module docstring)."""
-
-    def ok(op: Op, p: Any) -> bool:
-        if not p.splits:
-            return True
-        if len(p.splits) > 1:
-            return False
-        d = p.splits[0][0]
-        if op.nest.extents[d] % tp:
-            return False  # the backend shards evenly (DTensor, whole heads)
-        role = _role(g, op)
-        if role == "loss":
-            return d == "c"
-        if role == "linear":
-            return d == "n" or re.fullmatch(r"k(_\d+)?", d) is not None
-        if role == "embedding":
-            return re.fullmatch(r"v(_0)?", d) is not None
-        if role == "attention":
-            return d == "h" or re.fullmatch(r"h_\d+", d) is not None
-        if role == "pointwise":
-            hint = next(x.hint for x in op.nest.dims if x.name == d)
-            return hint not in (Hint.BATCH, Hint.SEQUENCE)
-        return False
-
-    return ok
-
-
-def _split(p: Any) -> bool:
-    return bool(p.splits)
-
-
-def _first_act(g: Graph, op: Op) -> int:
-    return next((i for i, t in enumerate(op.inputs) if g.tensors[t].kind is not TensorKind.PARAM), 0)
-
-
-def torch_edge_rule(g: Graph, u: Op, pu: Any, v: Op, pv: Any, pos: int) -> str | None:
-    """How the torch backend runs the edge ``u -> v`` (``v``'s input ``pos``), for
-    :func:`polyparallel.placement.solve_stage`'s ``edge_rule``.
-
-    * ``"free"``: a column-parallel Linear feeding a head-split attention; the backend regroups the
-      projection's rows so each rank's shard holds whole heads of ``q``, ``k``, ``v``
-      (``_tensor_parallel.head_split``): nothing moves although the block layouts differ.
-    * ``"local"``: ``v`` computes on the local shards it is handed (a split pointwise op or
-      attention, the contracted input of a row-parallel Linear, the logits of a class-parallel
-      loss, the epilogue inputs of a column-parallel Linear): ``u`` must leave exactly those.
-    * ``"forbid"``: such an input left whole, or shards of a split op other than a
-      column-parallel Linear (which the backend gathers) read by a replicated op.
-    * ``"forward"``: an input of the epilogue fused into a row-parallel Linear or a
-      vocabulary-parallel embedding (GPT's residual add, the position embedding added to the token
-      embedding): the backend adds it to the all-reduced, whole output, so its gradient is whole on
-      every rank and moves nothing backward (the polyhedral model, which sees the epilogue inside
-      the split op, would all-reduce it).
-    """
-    su, sv = _split(pu), _split(pv)
-    ru, rv = _role(g, u), _role(g, v)
-    if su and sv and ru == "linear" and pu.splits[0][0] == "n" and rv == "attention":
-        return "free"
-    if sv:
-        first = pos == _first_act(g, v)
-        d = pv.splits[0][0]
-        if not first and ((rv == "linear" and d != "n") or rv == "embedding"):
-            return "forward"
-        if rv in ("pointwise", "attention") or (rv == "linear" and (d != "n") == first) or (
-                rv == "loss" and first):
-            return "local" if su else "forbid"
-    if su and not sv and ru in ("pointwise", "attention"):
-        return "forbid"
-    return None
-
-
-def torch_problems(g: Graph, placed: dict[str, Any], mesh: Any) -> list[str]:
-    """Why the stage's placements (``op name -> Placement`` over ``tp``) do not chain as the torch
-    backend runs them (module docstring); empty when they do. The solver avoids every pair
-    :func:`torch_edge_rule` forbids; this also checks that a column-parallel Linear's consumers
-    are all split or all replicated (it is gathered or not, for all of them)."""
-    from polyparallel.placement import _in_edges
-    from polyparallel.poly import edge_costs
-
-    why: list[str] = []
-    for name, p in placed.items():
-        op = g.op(name)
-        for t, u, pos in _in_edges(g, op):
-            pu = placed.get(u.name)
-            if pu is None:
-                continue
-            how = torch_edge_rule(g, u, pu, op, p, pos)
-            if how == "forbid":
-                why.append(f"{op.name} ({p}) cannot read {t} from {u.name} ({pu})")
-            elif how == "local":
-                rs = edge_costs(g, t, op, f"in{pos}", mesh, [pu], [p]).cost(0, 0)
-                if rs is not None and rs.steps:
-                    why.append(f"{op.name} ({p}) needs {t} resharded from {u.name} ({pu}); the backend passes local "
-                               "shards")
-        if _split(p) and _role(g, op) == "linear" and p.splits[0][0] == "n":
-            cons = [c for t in op.outputs for c in g.consumers(t) if c.name in placed]
-            split_cons = [c for c in cons if _split(placed[c.name])]
-            if split_cons and len(split_cons) < len(cons):
-                why.append(f"{name} ({p}) feeds both split and replicated ops")
-    return why
 
 
 def _events(rs: Any, width: float, p: int) -> list[tuple[str, float]]:
@@ -381,6 +265,12 @@ def place(g: Graph, cl: Cluster, est: StepEstimate, stage_ops: list[list[Op]], m
     expressible = torch_expressible(g, cfg.tp) if mode == "torch" else None
     rule_of_edge = torch_edge_rule if mode == "torch" else None
     chosen: dict[str, Any] = {}
+    def rule_runs(ops: list[Op]) -> list[str]:
+        """Why the backend cannot run the rule's placements of these ops (empty: it can)."""
+        placed = {o.name: tp_part(o) or Placement() for o in ops}
+        bad = [f"{o.name} ({placed[o.name]})" for o in ops if not expressible(o, placed[o.name])]
+        return [f"the rule's placement of {bad[0]} is not executed"] if bad else torch_problems(g, placed, mesh)
+
     stages = []
     for s, ops in enumerate(stage_ops):
         group = [devs[cfg.rank(s, 0, 0, t)] for t in range(cfg.tp)]
@@ -393,7 +283,15 @@ def place(g: Graph, cl: Cluster, est: StepEstimate, stage_ops: list[list[Op]], m
         rule_obj = tab.objective(rule_choice)
         placed = {name: Placement.parse(pl) for name, pl in plan.placements.items()}
         why = torch_problems(g, placed, mesh) if mode == "torch" else []
-        if why:
+        rule_why = rule_runs(ops) if why else []
+        if why and rule_why:
+            # neither runs: every op of the stage replicated over tp (the stage computes redundantly,
+            # and is priced so below)
+            chosen.update({o.name: Placement() for o in ops})
+            stages.append(StagePlacement("replicated", f"solver placements not executable by the torch backend "
+                                         f"({why[0]}) and {rule_why[0]}: the stage's ops are replicated over tp",
+                                         plan.objective_s, rule_obj, plan.solver, plan.solve_s))
+        elif why:
             chosen.update({o.name: tp_part(o) or Placement() for o in ops})
             stages.append(StagePlacement("rule", "solver placements not executable by the torch backend: " + why[0],
                                          plan.objective_s, rule_obj, plan.solver, plan.solve_s))
@@ -404,14 +302,15 @@ def place(g: Graph, cl: Cluster, est: StepEstimate, stage_ops: list[list[Op]], m
         return Placed(est, rule, stages)
     from polyparallel.cost_models.step import _plan_ops
 
-    solver_stage = {o.name for st, ops in zip(stages, stage_ops) if st.source == "solver" for o in ops}
+    solver_stage = {o.name for st, ops in zip(stages, stage_ops) if st.source != "rule" for o in ops}
     solved = _op_plans(g, {n: p for n, p in chosen.items() if n in solver_stage}, mesh, cfg.dtype, rule_of_edge)
     rule_plans = _plan_ops(g, replace(cfg, op_plans=None))
     op_plans = tuple(solved.get(op.name) or OpPlan(r.split, tuple(r.tp_fwd), tuple(r.tp_bwd), tuple(r.sp_fwd),
                                                    tuple(r.sp_bwd), r.param_split)
                      for op, r in zip(g.ops, rule_plans))
     est2 = estimate_step(g, cl, replace(cfg, op_plans=op_plans))
-    if not _fits(est2, cap) or est2.step_time > est.step_time * (1 + 1e-12):
+    rule_ok = mode != "torch" or not any(st.source == "replicated" for st in stages)
+    if rule_ok and (not _fits(est2, cap) or est2.step_time > est.step_time * (1 + 1e-12)):
         why = ("the solver's placements do not fit in memory" if not _fits(est2, cap) else
                f"the step model prices the solver's placements slower ({est2.step_time:.6g} s vs "
                f"{est.step_time:.6g} s per step)")

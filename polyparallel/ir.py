@@ -482,6 +482,9 @@ class Op:
         module: module path the op came from (``transformer.h.3.attn``), if known.
         opaque_reason: why the op has no loop nest (opaque ops only).
         flops_estimate: FLOP estimate of an opaque op (one per output element).
+        source_node: the node of the source graph the op came from (the ``torch.export`` / fx node
+            name, the ONNX node name): how an executor finds the op in its own capture of the model,
+            whose node names need not be the op names. Not part of the signature.
     """
 
     name: str
@@ -494,6 +497,7 @@ class Op:
     module: str = ""
     opaque_reason: str | None = None
     flops_estimate: int = 0
+    source_node: str = ""
 
     @property
     def is_opaque(self) -> bool:

@@ -105,6 +105,7 @@ from pathlib import Path
 from typing import Any
 
 from polyparallel._placing import MODES, place
+from polyparallel.backends.torch.capabilities import EXECUTED_DTYPES, EXECUTED_RECOMPUTE, plan_problems
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, StepEstimate, estimate_step
 from polyparallel.cost_models.step import StepBound, step_lower_bound
@@ -297,12 +298,15 @@ class _Model:
             self.rebatch_failed = f"{type(e).__name__}: {e}"
             return None
 
-    def micro_sizes(self, per_replica: int, exhaustive: bool) -> list[int]:
+    def micro_sizes(self, per_replica: int, exhaustive: bool, whole: bool = False) -> list[int]:
+        """Micro-batch sizes to try for ``per_replica`` samples per replica; ``whole`` adds
+        ``per_replica`` itself (one micro-batch: no gradient accumulation)."""
         if not self.resizable:
             return [self.b0] if per_replica % self.b0 == 0 else []
         # powers of two up to MAX_MICRO: larger micro-batches gain little efficiency and each
         # size costs a capture; `exhaustive` tries every divisor
-        return [d for d in _divisors(per_replica) if exhaustive or (d & (d - 1) == 0 and d <= MAX_MICRO)]
+        sizes = [d for d in _divisors(per_replica) if exhaustive or (d & (d - 1) == 0 and d <= MAX_MICRO)]
+        return sorted({*sizes, per_replica}) if whole else sizes
 
 
 def _rebatch(v: Any, b0: int, b: int) -> Any:
@@ -426,6 +430,11 @@ class _Best:
     closest: StepEstimate | None = None  # the plan that misses memory by the least
     notes: list[str] = field(default_factory=list)
     fitting: list[_Candidate] = field(default_factory=list)
+    # why the executor would refuse a plan (empty: it runs it); a refused plan that fits stays out
+    # of ``fitting`` but counts as fitting for the enumeration's control flow
+    refuse: Callable[[Graph, ParallelConfig], list[str]] | None = None
+    refused: dict[str, int] = field(default_factory=dict)  # reason -> plans it kept out
+    chosen: _Candidate | None = None  # the candidate behind ``est``
     _closest: _Candidate | None = None
     _full: dict[int, StepEstimate] = field(default_factory=dict)
 
@@ -439,6 +448,11 @@ class _Best:
             if self._closest is None or _shortfall(bound, self.cap) < _shortfall(self._closest.bound, self.cap):
                 self._closest = cand
             return False
+        why = self.refuse(graph, cfg) if self.refuse is not None else []
+        if why:
+            for w in why:
+                self.refused[w] = self.refused.get(w, 0) + 1
+            return True
         self.fitting.append(cand)
         return True
 
@@ -462,6 +476,7 @@ class _Best:
                 and cand.index < best.index
             if faster or tie:
                 self.est, self.b, best = est, cand.b, cand
+        self.chosen = best
         if self._closest is not None:
             self.closest = self.full(self._closest)
 
@@ -534,8 +549,10 @@ def _mesh_shapes(n: int, c: Constraints, node: int, layers: int, exhaustive: boo
     return out
 
 
-def _plans(base: ParallelConfig, c: Constraints, layers: int) -> Iterable[list[ParallelConfig]]:
-    """Per schedule, the memory-knob ladder for one mesh shape and micro-batching, cheapest first."""
+def _plans(base: ParallelConfig, c: Constraints, layers: int, executed_only: bool = False
+           ) -> Iterable[list[ParallelConfig]]:
+    """Per schedule, the memory-knob ladder for one mesh shape and micro-batching, cheapest first
+    (``executed_only``: only the rungs the torch backend executes)."""
     scheds: list[tuple[str, int]] = [("1f1b", 1)]
     if base.pp > 1:
         scheds.append(("gpipe", 1))
@@ -553,6 +570,8 @@ def _plans(base: ParallelConfig, c: Constraints, layers: int) -> Iterable[list[P
         ladder = [(c.zero_stage, r) for r in ("none", "selective", "full")]
     if c.recompute is not None:
         ladder = list(dict.fromkeys((z, c.recompute) for z, _ in ladder))
+    elif executed_only:
+        ladder = list(dict.fromkeys((z, r) for z, r in ladder if r in EXECUTED_RECOMPUTE)) or ladder
     for s, v in scheds:
         yield [replace(base, schedule=s, chunks=v, zero_stage=z, recompute=r) for z, r in ladder]
 
@@ -609,14 +628,24 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
         raise DoesNotFit(_does_not_fit_message(mdl, cl, best))
     t1 = time.perf_counter()
     strat = _to_strategy(mdl, cl, best.est, best.b, B, devs, record, c.placements, c.memory_cap)
+    if best.refuse is not None:
+        strat = _executable(strat, mdl, cl, best, B, devs, record, c, say)
     # placing the chosen plan's ops is part of the search (its capture, if any, was counted above)
     return strat.model_copy(update={"search": strat.search.model_copy(update={
         "search_s": round(search_s + time.perf_counter() - t1, 3)})})
 
 
 def _search_sync(mdl: _Model, cl: Cluster, B: int, c: Constraints, devs: list[int], exhaustive: bool,
-                 objective: str, say: Callable[[str], None]) -> _Best:
-    best = _Best(cl=cl, cap=c.memory_cap)
+                 objective: str, say: Callable[[str], None], executable: bool = True) -> _Best:
+    """Branch and bound over the plans (module docstring). With ``placements="torch"`` and
+    ``executable``, only plans the torch backend executes are candidates (:mod:`polyparallel.backends.torch.
+    capabilities`); when none of those fits, the search runs again over every plan and says so."""
+    dtype = c.dtype or _default_dtype(cl, devs)
+    enforce = executable and c.placements == "torch" and dtype in EXECUTED_DTYPES
+    best = _Best(cl=cl, cap=c.memory_cap, refuse=plan_problems if enforce else None)
+    if executable and c.placements == "torch" and not enforce:
+        best.notes.append(f"the torch backend trains in {', '.join(EXECUTED_DTYPES)} only: this {dtype} strategy is "
+                          f"for planning only (polyparallel train refuses it)")
     # the memory objective looks for the least memory near the fastest plan, so it enumerates
     # every micro-batch size and ladder rung instead of stopping at the first that fits
     wide = exhaustive or objective == "memory"
@@ -624,7 +653,6 @@ def _search_sync(mdl: _Model, cl: Cluster, B: int, c: Constraints, devs: list[in
     g = mdl.graph(mdl.b0)
     layers = len(_layer_count(g))
     node = _node_size(cl, devs)
-    dtype = c.dtype or _default_dtype(cl, devs)
     shapes = _mesh_shapes(n, c, node, layers, exhaustive)
     say(f"{len(shapes)} mesh shapes over {n} devices")
     for i, (dp, tp, pp, sp) in enumerate(shapes):
@@ -637,13 +665,14 @@ def _search_sync(mdl: _Model, cl: Cluster, B: int, c: Constraints, devs: list[in
             continue
         if wan_pipe and not all(ce.activations_may_leave for ce in cl.centers):
             continue
-        order = _micro_order(mdl.micro_sizes(per_replica, exhaustive), per_replica, pp, c, wide)
+        order = _micro_order(mdl.micro_sizes(per_replica, exhaustive, whole=enforce), per_replica, pp, c, wide)
         if not order:
             continue
         if not exhaustive:
             # the most memory-frugal plan of this shape (smallest micro-batch, last ladder rung):
             # if even that does not fit, no plan of this shape does
-            frugal = next(iter(_plans(replace(base, microbatches=per_replica // min(order)), c, layers)))[-1]
+            frugal = next(iter(_plans(replace(base, microbatches=per_replica // min(order)), c, layers,
+                                      enforce and not wide)))[-1]
             try:
                 if not best.offer(mdl.graph(min(order)), frugal, min(order)):
                     continue
@@ -654,7 +683,8 @@ def _search_sync(mdl: _Model, cl: Cluster, B: int, c: Constraints, devs: list[in
             cfg0 = replace(base, microbatches=per_replica // b)
             graph = mdl.graph(b)
             free_fit = False
-            for ladder in _plans(cfg0, c, layers):
+            # the exhaustive yardstick walks every rung; unexecuted ones are refused by `offer`
+            for ladder in _plans(cfg0, c, layers, enforce and not wide):
                 sched_free_fit = False
                 for cfg in ladder:
                     try:
@@ -678,9 +708,69 @@ def _search_sync(mdl: _Model, cl: Cluster, B: int, c: Constraints, devs: list[in
             say(f"enumerated {best.candidates} plans ({i + 1}/{len(shapes)} mesh shapes)")
     best.solve(prune=not exhaustive)
     say(f"{best.candidates} plans, {best.priced} priced in full (the others bounded out)")
+    if best.refused:
+        reasons = sorted(best.refused.items(), key=lambda kv: -kv[1])
+        left = "; ".join(f"{why} ({n} plan{'s' * (n > 1)})" for why, n in reasons[:4])
+        if best.est is None:
+            say("no plan the torch backend executes fits; searching every plan")
+            again = _search_sync(mdl, cl, B, c, devs, exhaustive, objective, say, executable=False)
+            again.notes.insert(0, "no plan the torch backend executes exactly fits: this strategy is for planning "
+                               f"only (polyparallel train refuses it). Left out: {left}")
+            return again
+        best.notes.append(f"left out {sum(best.refused.values())} plan(s) the torch backend does not execute "
+                          f"exactly: {left}")
     if objective == "memory" and best.est is not None:
         _least_memory(best)
     return best
+
+
+def _executable(strat: Strategy, mdl: _Model, cl: Cluster, best: _Best, B: int, devs: list[int],
+                record: SearchRecord, c: Constraints, say: Callable[[str], None], tries: int = 8) -> Strategy:
+    """The fastest plan the torch backend's own pre-launch check (:func:`~polyparallel.backends.torch.plan_for`)
+    accepts on the user's module: what the plan-level predicates cannot see without the model
+    (where the pipeline cuts fall in torch.export's graph, module types behind tensor-parallel ops)
+    is checked here, and a refused plan is replaced by the next fastest. Plans of a model that does
+    not follow ``train``'s ``forward(inputs, labels)`` form are not checked."""
+    from polyparallel.backends.torch import Unsupported, plan_for
+
+    batch = _train_batch(mdl, B)
+    if batch is None:
+        return strat
+    refused: list[str] = []
+    for _ in range(tries):
+        try:
+            plan_for(strat, mdl.model, batch if strat.pp > 1 else None, graph=mdl.exact(best.b))
+            break
+        except Unsupported as e:
+            assert best.chosen is not None
+            refused.append(f"{best.chosen.bound.config}: {e}")
+            say(f"the torch backend refuses {best.chosen.bound.config}; trying the next plan")
+            best.fitting.remove(best.chosen)
+            best.est, best.b, best.chosen = None, 0, None
+            best.solve()
+            if best.est is None:
+                raise DoesNotFit("no plan the torch backend executes fits: " + "; ".join(refused[-3:])) from e
+            strat = _to_strategy(mdl, cl, best.est, best.b, B, devs, record, c.placements, c.memory_cap)
+    if refused:
+        notes = [*strat.search.notes, f"left out {len(refused)} faster plan(s) the torch backend refuses for this "
+                 "model: " + " | ".join(r[:300] for r in refused)]
+        strat = strat.model_copy(update={"search": strat.search.model_copy(update={"notes": notes})})
+    return strat
+
+
+def _train_batch(mdl: _Model, B: int) -> tuple[Any, Any] | None:
+    """One global batch ``(inputs, labels)`` of zeros shaped like the example, for ``train``'s
+    ``forward(inputs, labels)`` form, on the model's device; None for another form."""
+    import torch
+
+    if not isinstance(mdl.model, torch.nn.Module):
+        return None
+    pair = (*mdl.args, mdl.kwargs["labels"]) if set(mdl.kwargs) == {"labels"} else (
+        mdl.args if not mdl.kwargs else ())
+    if len(pair) != 2 or not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in pair):
+        return None
+    device = next((p.device for p in mdl.model.parameters()), pair[0].device)
+    return tuple(_rebatch(t, mdl.b0, B).to(device) for t in pair)  # type: ignore[return-value]
 
 
 def _micro_order(sizes: list[int], per_replica: int, pp: int, c: Constraints, exhaustive: bool) -> list[int]:

@@ -101,9 +101,10 @@ class Stage(_Model):
     devices: list[int]
     device_type: str = ""
     compute_s: float = 0.0
-    placed_by: Literal["", "solver", "rule"] = Field(
-        "", description="what chose the stage's per-op placements: the exact per-stage solver or Megatron's rule")
-    placement_note: str = Field("", description="why the rule's placements were kept, where they were")
+    placed_by: Literal["", "solver", "rule", "replicated"] = Field(
+        "", description="what chose the stage's per-op placements: the exact per-stage solver, Megatron's rule, or "
+                        "neither (every op replicated over tp: neither placement is executed by the torch backend)")
+    placement_note: str = Field("", description="why the solver's placements were not kept, where they were not")
     objective_s: float = Field(0.0, description="per micro-batch: forward + backward compute and tensor-parallel "
                                                 "communication of the solver's placements, under the placement cost "
                                                 "(kept where placed_by is 'solver')")

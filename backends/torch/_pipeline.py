@@ -62,7 +62,6 @@ from torch import fx, nn
 
 __all__ = ["PipelinePlan", "pipeline_plan", "split_model", "train_pipeline"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 @dataclass(frozen=True)
@@ -113,12 +112,17 @@ class _Split:
     layers: list[set[int]]
 
 
-def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cuts: Sequence[str]) -> _Split:
+def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cuts: Sequence[str],
+                counted: set[str] | None = None) -> _Split:
     """Cut ``model`` (exported on ``(inputs, labels)``, one micro-batch) before each op named in ``cuts``.
 
     Returns ``len(cuts) + 1`` chunk modules (``chunk_k(*live_in) -> tuple(live_out)``; chunk 0 takes
     ``inputs``) and the loss tail ``tail(*live_out_of_last_chunk, labels) -> loss``. Raises
     :class:`~polyparallel.backends.torch.Unsupported` when the cuts cannot be executed.
+
+    ``counted``: the exported nodes the planner's graph has an op for; only they count when the
+    layers of a chunk are listed (casts and checks the frontend drops, such as the ``to`` that opens
+    an HF RMSNorm, may sit before the cut op of the next layer).
     """
     from polyparallel.cost_models.step import _LAYER  # the planner's own layer pattern
 
@@ -209,7 +213,7 @@ def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cu
         for n in ops:
             if chunk_of.get(n) == c:
                 env[n] = g.node_copy(n, arg)
-                m = _LAYER.match(_module_path(n))
+                m = _LAYER.match(_module_path(n)) if counted is None or n.name in counted else None
                 if m:
                     lyr.add(int(m.group(1).rsplit(".", 1)[1]))
         # p2p sends and receives whole contiguous buffers (an expanded mask or a transposed view is not)
@@ -256,15 +260,17 @@ def _chunks_of(strategy: Any) -> list[tuple[str, str]]:
     return [tuple(by_stage[k % pp].ops[2 * (k // pp): 2 * (k // pp) + 2]) for k in range(pp * v)]  # type: ignore[misc]
 
 
-def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> PipelinePlan:
+def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
+                  graph: Any = None) -> PipelinePlan:
     """Check that ``strategy``'s stages can be cut out of ``model`` exactly; return the worker plan.
 
     ``batch`` is one global batch (``data_fn(0)``); the model is exported on one micro-batch of it.
+    ``graph`` is the model's captured graph: a stage boundary names one of its ops, whose
+    ``source_node`` is the node of torch.export's graph to cut at (the frontend numbers ops its own
+    way); without it the op names are looked up among the exported nodes' names.
     """
     s = strategy
     sched, _, v_txt = s.schedule.partition(":")
-    if sched not in SCHEDULES:
-        raise _unsupported(f"pipeline schedule {s.schedule!r}: the torch backend runs {', '.join(SCHEDULES)}")
     chunks = _chunks_of(s)
     v = len(chunks) // s.pp
     if sched == "interleaved":
@@ -277,9 +283,6 @@ def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, to
     elif v != 1:
         raise _unsupported(f"schedule {s.schedule!r} with {v} chunks per stage: several chunks per stage need "
                            "schedule 'interleaved'")
-    if s.tp > 1:
-        raise _unsupported(f"pp={s.pp} with tp={s.tp}: tensor parallelism inside pipeline stages is not executed "
-                           "in this slice; search with constraints={'tp': 1} or {'pp': 1}")
     n = s.dp * s.microbatches
     if s.global_batch % n:
         raise _unsupported(f"global_batch={s.global_batch} is not divisible by dp*microbatches={n}: pipeline "
@@ -292,7 +295,9 @@ def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, to
                            "constraints={'pp': 1}")
     inputs, labels = batch
     mb = s.global_batch // n
-    split = split_model(model, inputs[:mb], labels[:mb], [first for first, _ in chunks[1:]])
+    nodes = {op.name: op.source_node for op in graph.ops if op.source_node} if graph is not None else {}
+    cuts = tuple(nodes.get(first, first) for first, _ in chunks[1:])
+    split = split_model(model, inputs[:mb], labels[:mb], cuts, set(nodes.values()) if nodes else None)
     for st in s.stages:
         have = set().union(*(split.layers[k] for k in range(st.index, len(chunks), s.pp)))
         if st.layers and have != set(st.layers):
@@ -315,7 +320,7 @@ def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, to
         if len(set(stages)) != len(stages):
             raise _unsupported(f"parameter {p!r} is used by chunks {list(ks)}, two of them on one stage; not executed")
     return PipelinePlan(stages=s.pp, virtual=v, schedule=sched, microbatches=s.microbatches,
-                        cuts=tuple(first for first, _ in chunks[1:]), chunk_params=tuple(split.params), tied=tied,
+                        cuts=cuts, chunk_params=tuple(split.params), tied=tied,
                         pp_major=_pp_major(s))
 
 

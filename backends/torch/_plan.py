@@ -54,9 +54,9 @@ from polyparallel.backends.torch._tensor_parallel import (
     position_embeddings,
     reads_head_shards,
     sharded_consumer,
-    sp_problems,
     tied_shards,
 )
+from polyparallel.backends.torch.capabilities import dp_split_ok, op_role, plan_problems
 from polyparallel.ir import Graph, OpKind
 from polyparallel.strategy import Strategy
 
@@ -119,27 +119,16 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
     s = strategy
     if s.mode != "synchronous":
         raise Unsupported(f"a {s.mode} strategy is run by `polyparallel collab`, not the torch backend")
-    if s.sp > 1:
-        why = (["sequence parallelism inside pipeline stages is not executed"] if s.pp > 1 else
-               ["the model could not be captured to check it"] if graph is None else
-               sp_problems(graph, s.sp, s.tp * s.sp))
-        if why:
-            raise Unsupported(f"sp={s.sp} (Ulysses sequence parallelism) cannot be executed exactly: "
-                              + "; ".join(why[:4]) + ". Search with constraints={'sp': 1}")
     for ax in s.mesh.axes:
         if ax.name not in ("dp", "tp", "pp", "sp") and ax.size > 1:
             raise Unsupported(f"mesh axis {ax.name!r} of size {ax.size}: only 'dp', 'tp', 'sp' and 'pp' axes are "
                               "executed")
-    if s.recompute != "none":
-        raise Unsupported(f"recompute={s.recompute!r}: activation recomputation is not executed in this slice; "
-                          "search with constraints={'recompute': 'none'}")
-    if s.dtype != "fp32":
-        raise Unsupported(f"dtype {s.dtype!r}: only fp32 training is executed in this slice")
+    why = plan_problems(graph, s)  # the predicates the search enumerates with
+    if why:
+        raise Unsupported("the torch backend cannot execute this strategy exactly: " + "; ".join(why)
+                          + ". Search again (polyparallel search leaves such plans out) or pin other constraints")
     if s.global_batch % s.dp:
         raise Unsupported(f"global_batch={s.global_batch} is not divisible by dp={s.dp}")
-    if s.microbatches != 1 and s.pp == 1:
-        raise Unsupported(f"microbatches={s.microbatches} without pipeline parallelism (gradient accumulation) "
-                          "is not executed in this slice")
     modules = dict(model.named_modules())
     linears: list[tuple[int, str, str]] = []  # (capture index, module path, "col"/"row")
     attention: list[tuple[str, str]] = []  # (op, dim) split over tp
@@ -157,10 +146,12 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
                 if bad:
                     problems.append(f"{where}: placement {pl.placement!r} uses mesh axis {bad[0]!r}")
                     continue
-                # the loss sees logits flattened to (batch*seq, classes): its row dim 'n' (or the
-                # leading factor 'n_0' canonicalisation split off) carries the batch
-                batch_dims = ("b", "n", "n_0") if op.startswith("cross_entropy") else ("b",)
-                if "dp" in axes and (dim not in batch_dims or len(axes) > 1):
+                gop = graph_ops.get(op)
+                # without the graph, by the frontend's dim names: the batch 'b'; a loss sees logits
+                # flattened to (batch*seq, classes), whose row dim 'n' (or its factor 'n_0') is the batch
+                batch_dim = dp_split_ok(gop, dim) if gop is not None else dim in (
+                    ("b", "n", "n_0") if op.startswith("cross_entropy") else ("b",))
+                if "dp" in axes and (not batch_dim or len(axes) > 1):
                     problems.append(f"{where}: placement {pl.placement!r} splits {dim!r} over dp; only the "
                                       "batch dim alone is data-parallel in this backend")
             tp_dims = [d for d, axes in dims.items() if "tp" in axes]
@@ -170,7 +161,8 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
                 problems.append(f"{where}: placement {pl.placement!r} splits several dims over tp")
                 continue
             d = tp_dims[0]
-            if op.startswith("cross_entropy"):
+            gop = graph_ops.get(op)
+            if op_role(graph, gop) == "loss" if gop is not None else op.startswith("cross_entropy"):
                 if d != "c":
                     problems.append(f"{where}: cross entropy split over {d!r}; only the class dim 'c' is "
                                       "executed (loss_parallel)")
@@ -178,7 +170,6 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
                 loss_parallel = True
                 continue
             mod = modules.get(path) if path else None
-            gop = graph_ops.get(op)
             if OpKind(gop.kind) is OpKind.ATTENTION if gop is not None else "attention" in op:
                 attention.append((op, d))  # checked against the graph below
                 continue
@@ -259,9 +250,6 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
     if loss_parallel and not any(k == "col_to_loss" for k in seen.values()):
         raise Unsupported("cross entropy is class-parallel over tp but no column-parallel Linear produces its "
                           "logits")
-    if s.dp * s.sp > 1 and s.tp > 1 and s.zero_stage == 0:
-        raise Unsupported(f"dp·sp={s.dp * s.sp} with tp>1 and zero_stage=0: DDP over DTensor parameters is not "
-                          "executed; 2-D plans run with FSDP2 (zero_stage>=1)")
     dp_kind = "none" if s.dp * s.sp == 1 else ("fsdp" if s.zero_stage >= 1 else "ddp")
     pipe = None
     if s.pp > 1:
@@ -269,7 +257,7 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
             raise ValueError(f"pp={s.pp}: plan_for needs one global batch (data_fn(0)) to cut the model into stages")
         from polyparallel.backends.torch._pipeline import pipeline_plan
 
-        pipe = pipeline_plan(s, model, batch)
+        pipe = pipeline_plan(s, model, batch, graph)
     return ExecPlan(dp=s.dp, tp=s.tp, data_parallel=dp_kind, tp_plan=tuple(sorted(seen.items())),
                     loss_parallel=loss_parallel, global_batch=s.global_batch, pp=s.pp, pipeline=pipe, sp=s.sp,
                     fused=tuple(sorted((p, seg) for p, seg in heads.items() if len(seg) > 1)),

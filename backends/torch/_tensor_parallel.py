@@ -65,7 +65,7 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -500,13 +500,12 @@ class UlyssesAttention(TorchFunctionMode):
 # the model fingerprint
 
 
-def capture_for_strategy(model_fn: Callable[[], nn.Module], example: tuple[Any, ...]) -> Graph:
-    """The graph the planner would price for ``model_fn()`` on ``example`` (one micro-batch):
-    captured (on the meta device when the model builds there), canonicalised, fused."""
+def _captures(model_fn: Callable[[], nn.Module], example: tuple[Any, ...]) -> Iterator[Graph | str]:
+    """The graph the planner would price for ``model_fn()`` on ``example`` (captured, canonicalised,
+    fused), built on the meta device and then on the CPU; a capture that fails yields its error."""
     import polyparallel as pp
     from polyparallel.transforms import canonicalize, fuse_elementwise
 
-    errors = []
     for device in ("meta", None):
         try:
             if device is None:
@@ -516,9 +515,19 @@ def capture_for_strategy(model_fn: Callable[[], nn.Module], example: tuple[Any, 
                     model = model_fn()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                return fuse_elementwise(canonicalize(pp.capture(model, example)))
+                yield fuse_elementwise(canonicalize(pp.capture(model, example)))
         except Exception as e:  # the meta attempt fails for models that build real tensors: try the CPU
-            errors.append(f"{device or 'cpu'}: {type(e).__name__}: {e}")
+            yield f"{device or 'cpu'}: {type(e).__name__}: {e}"
+
+
+def capture_for_strategy(model_fn: Callable[[], nn.Module], example: tuple[Any, ...]) -> Graph:
+    """The graph the planner would price for ``model_fn()`` on ``example`` (one micro-batch):
+    captured (on the meta device when the model builds there), canonicalised, fused."""
+    errors = []
+    for g in _captures(model_fn, example):
+        if isinstance(g, Graph):
+            return g
+        errors.append(g)
     raise ValueError("cannot capture the model to compare it with the strategy's: " + "; ".join(errors))
 
 
@@ -527,21 +536,34 @@ def strategy_graph(strategy: Any, model_fn: Callable[[], nn.Module], batch: tupl
     """Capture ``model_fn()`` on one micro-batch of ``batch`` (``B / (dp·m)`` rows, the size the
     planner fingerprinted) and, with ``check``, refuse it unless it is the strategy's model.
 
+    A model whose code branches on the device its tensors live on (HF Mixtral's expert counts, T5's
+    label shift) captures differently on the meta device and on the CPU; the planner captured it
+    where the user built it. So the meta capture (no weights allocated) is tried first and the CPU
+    capture when the meta one does not match.
+
     Returns None when the capture fails and ``check`` is off (plans that need the graph are then
     refused by :func:`~polyparallel.backends.torch.plan_for`).
     """
+    from polyparallel.strategy import fingerprint
+
     b = strategy.global_batch // (strategy.dp * strategy.microbatches)
     example = tuple(t[:b] if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in batch)
-    try:
-        graph = capture_for_strategy(model_fn, example)
-    except ValueError as e:
-        if check:
-            raise FingerprintMismatch(f"{e}. Pass check_fingerprint=False (CLI: --no-fingerprint-check) to run "
-                                      "without comparing the model with the strategy's") from e
-        return None
+    graphs: list[Graph] = []
+    errors: list[str] = []
+    for g in _captures(model_fn, example):
+        if isinstance(g, str):
+            errors.append(g)
+            continue
+        if not check or fingerprint(g) == strategy.model.fingerprint:
+            return g
+        graphs.append(g)
+    if graphs:
+        check_fingerprint(strategy, graphs[0])  # raises, naming the first capture's fingerprint
+    e = ValueError("cannot capture the model to compare it with the strategy's: " + "; ".join(errors))
     if check:
-        check_fingerprint(strategy, graph)
-    return graph
+        raise FingerprintMismatch(f"{e}. Pass check_fingerprint=False (CLI: --no-fingerprint-check) to run "
+                                  "without comparing the model with the strategy's") from e
+    return None
 
 
 def check_fingerprint(strategy: Any, graph: Graph) -> None:

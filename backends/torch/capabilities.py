@@ -1,0 +1,254 @@
+r"""What the torch backend executes exactly: one set of predicates for the search and the executor.
+
+The search (``constraints.placements="torch"``, the default) enumerates only plans these predicates
+accept, and :func:`~polyparallel.backends.torch.plan_for` refuses, before any process starts, the
+plans they reject, with the same sentences. Ops are classified by their :class:`~polyparallel.ir.OpKind`
+and ATen target, never by their names.
+
+**Plan level** (:func:`plan_problems`): the mesh degrees, micro-batching, memory knobs and precision
+of a plan, against the model's captured graph:
+
+* fp32 training only, no activation recomputation (``recompute="none"``);
+* micro-batches only with pipeline stages (no gradient accumulation without ``pp``);
+* no tensor or sequence parallelism inside pipeline stages;
+* sequence parallelism (Ulysses) only where it is exact (:func:`._tensor_parallel.sp_problems`:
+  attention over one sequence length through ``scaled_dot_product_attention``, no position tables);
+* data or sequence parallelism together with tensor parallelism only with FSDP2 (``zero_stage >= 1``):
+  DDP over DTensor parameters is not executed;
+* a model normalising with batch statistics (BatchNorm in training mode) neither in pipeline stages
+  nor with micro-batches: each micro-batch would be normalised with its own statistics, which
+  single-process training of the whole batch does not do (data parallelism is exact: the
+  statistics are reduced across the replicas).
+
+**Op level** (:func:`expressible`, :func:`edge_rule`, :func:`chain_problems`): which per-op
+placements over the ``tp`` axis run, and how neighbouring placements chain. A ``Linear``
+(``aten.linear`` with a parameter) is column-parallel (``n``), row-parallel (``k`` or its leading
+factor ``k_i``) or replicated; an embedding vocabulary-parallel (``v``) or replicated; attention
+split over its heads (``h...``) or replicated; cross entropy class-parallel (``c``) or replicated;
+pointwise ops (elementwise, views, concat, split) may stay split along a non-batch, non-sequence
+dim; every other op (convolutions, ``addmm`` of HF's ``Conv1D``, norms, ...) is replicated over
+``tp``. Over ``dp`` only an op's batch dim is split (:func:`dp_split_ok`).
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Any
+
+from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind
+
+__all__ = ["EXECUTED_DTYPES", "EXECUTED_RECOMPUTE", "EXECUTED_SCHEDULES", "batch_statistics",
+           "chain_problems", "dp_split_ok", "edge_rule", "expressible", "op_role", "plan_problems"]
+
+EXECUTED_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+EXECUTED_RECOMPUTE = ("none",)  # activation recomputation the executor runs
+EXECUTED_DTYPES = ("fp32",)  # training precisions it runs
+_POINTWISE = (OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.CONCAT, OpKind.SPLIT)
+
+
+def batch_statistics(graph: Graph) -> list[str]:
+    """The ops that normalise with statistics of the batch they see (BatchNorm in training mode)."""
+    return [op.name for op in graph.ops if OpKind(op.kind) is OpKind.NORM and "batch_norm" in op.target
+            and op.attr.get("training", True)]
+
+
+def plan_problems(graph: Graph | None, s: Any) -> list[str]:
+    """Why the torch backend cannot execute the plan ``s`` (a :class:`~polyparallel.strategy.Strategy`
+    or a cost-model ``ParallelConfig``: both have ``dp, tp, pp, sp, microbatches, zero_stage,
+    recompute, dtype, schedule``) on the model captured as ``graph`` exactly; empty when it can.
+
+    ``graph`` None (the model could not be captured) judges the plan alone and refuses what needs
+    the graph (sequence parallelism)."""
+    schedule = str(s.schedule).partition(":")[0]  # a Strategy writes "interleaved:2"
+    why: list[str] = []
+    if s.dtype not in EXECUTED_DTYPES:
+        why.append(f"dtype {s.dtype!r}: the torch backend trains in fp32 only; search with constraints={{'dtype': "
+                   "'fp32'}}")
+    if s.recompute not in EXECUTED_RECOMPUTE:
+        why.append(f"recompute={s.recompute!r}: activation recomputation is not executed; search with "
+                   "constraints={'recompute': 'none'}")
+    if s.microbatches > 1 and s.pp == 1:
+        why.append(f"microbatches={s.microbatches} without pipeline stages (gradient accumulation) is not executed")
+    if s.pp > 1 and s.tp > 1:
+        why.append(f"pp={s.pp} with tp={s.tp}: tensor parallelism inside pipeline stages is not executed")
+    if s.pp > 1 and s.sp > 1:
+        why.append(f"pp={s.pp} with sp={s.sp}: sequence parallelism inside pipeline stages is not executed")
+    if s.pp > 1 and schedule not in EXECUTED_SCHEDULES:
+        why.append(f"pipeline schedule {schedule!r}: the torch backend runs {', '.join(EXECUTED_SCHEDULES)}")
+    if s.dp * s.sp > 1 and s.tp > 1 and s.zero_stage == 0:
+        why.append(f"dp·sp={s.dp * s.sp} with tp={s.tp} and zero_stage=0: DDP over DTensor parameters is not "
+                   "executed; 2-D plans run with FSDP2 (zero_stage>=1)")
+    if s.sp > 1 and s.pp == 1:
+        sp_why = ["the model could not be captured to check it"] if graph is None else \
+            list(_sp_problems(graph, s.sp, s.tp * s.sp))
+        if sp_why:
+            why.append(f"sp={s.sp} (Ulysses sequence parallelism) is not exact for this model: "
+                       + "; ".join(sp_why[:3]))
+    if graph is not None and (s.pp > 1 or s.microbatches > 1):
+        bn = batch_statistics(graph)
+        if bn:
+            why.append(f"{len(bn)} op(s) normalise with batch statistics ({bn[0]}, BatchNorm in training mode): "
+                       f"with {s.microbatches} micro-batches{' in pipeline stages' if s.pp > 1 else ''} each "
+                       "micro-batch would be normalised alone, unlike single-process training of the batch")
+    return why
+
+
+def _sp_problems(graph: Graph, sp: int, heads_parts: int) -> list[str]:
+    from polyparallel.backends.torch._tensor_parallel import sp_problems
+
+    return sp_problems(graph, sp, heads_parts)
+
+
+# ---------------------------------------------------------------------------------------------
+# op level
+
+
+def _has_param(g: Graph, op: Op) -> bool:
+    return any(g.tensors[t].kind is TensorKind.PARAM for t in op.inputs)
+
+
+def op_role(g: Graph, op: Op) -> str:
+    """How the backend can split ``op`` over ``tp``: ``loss`` (class-parallel cross entropy),
+    ``linear`` (an ``nn.Linear``: column/row-parallel), ``embedding`` (vocabulary-parallel),
+    ``attention`` (head-parallel), ``pointwise`` (follows its input's split) or ``other``
+    (replicated)."""
+    kind = OpKind(op.kind)
+    if kind is OpKind.LOSS and "cross_entropy" in op.target:
+        return "loss"
+    if kind is OpKind.CONTRACTION and _has_param(g, op) and _target_is(op, "linear"):
+        return "linear"
+    if kind is OpKind.EMBEDDING and _has_param(g, op):
+        return "embedding"
+    if kind is OpKind.ATTENTION:
+        return "attention"
+    if kind in _POINTWISE and not _has_param(g, op):
+        return "pointwise"
+    return "other"
+
+
+@lru_cache(maxsize=256)
+def _target_base(target: str) -> str:
+    """``aten.linear.default`` -> ``linear``; ONNX targets (``Gemm``) are returned lower-cased."""
+    parts = target.split(".")
+    return (parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[-1 if len(parts) == 1 else 0]).lower()
+
+
+def _target_is(op: Op, base: str) -> bool:
+    return _target_base(op.target) == base
+
+
+def dp_split_ok(op: Op, dim: str) -> bool:
+    """Whether splitting ``op``'s loop dim ``dim`` over ``dp`` is what data parallelism does: the
+    op's batch dim (for a loss over flattened ``(batch·seq, classes)`` logits, its row dim)."""
+    if op.nest is None:
+        return False
+    d = next((x for x in op.nest.dims if x.name == dim), None)
+    if d is None:
+        return False
+    if d.hint is Hint.BATCH:
+        return True
+    return OpKind(op.kind) is OpKind.LOSS and re.fullmatch(r"n(_0)?", dim) is not None
+
+
+def expressible(g: Graph, tp: int) -> Any:
+    """``expressible(op, placement)`` over a ``tp``-device mesh, for the per-stage solver (module
+    docstring, op level)."""
+
+    def ok(op: Op, p: Any) -> bool:
+        if not p.splits:
+            return True
+        if len(p.splits) > 1:
+            return False
+        d = p.splits[0][0]
+        if op.nest.extents[d] % tp:
+            return False  # the backend shards evenly (DTensor, whole heads)
+        role = op_role(g, op)
+        if role == "loss":
+            return d == "c"
+        if role == "linear":
+            return d == "n" or re.fullmatch(r"k(_\d+)?", d) is not None
+        if role == "embedding":
+            return re.fullmatch(r"v(_0)?", d) is not None
+        if role == "attention":
+            return d == "h" or re.fullmatch(r"h_\d+", d) is not None
+        if role == "pointwise":
+            hint = next(x.hint for x in op.nest.dims if x.name == d)
+            return hint not in (Hint.BATCH, Hint.SEQUENCE)
+        return False
+
+    return ok
+
+
+def _split(p: Any) -> bool:
+    return bool(p.splits)
+
+
+def _first_act(g: Graph, op: Op) -> int:
+    return next((i for i, t in enumerate(op.inputs) if g.tensors[t].kind is not TensorKind.PARAM), 0)
+
+
+def edge_rule(g: Graph, u: Op, pu: Any, v: Op, pv: Any, pos: int) -> str | None:
+    """How the torch backend runs the edge ``u -> v`` (``v``'s input ``pos``), for
+    :func:`polyparallel.placement.solve_stage`'s ``edge_rule``.
+
+    * ``"free"``: a column-parallel Linear feeding a head-split attention; the backend regroups the
+      projection's rows so each rank's shard holds whole heads of ``q``, ``k``, ``v``
+      (``_tensor_parallel.head_split``): nothing moves although the block layouts differ.
+    * ``"local"``: ``v`` computes on the local shards it is handed (a split pointwise op or
+      attention, the contracted input of a row-parallel Linear, the logits of a class-parallel
+      loss, the epilogue inputs of a column-parallel Linear): ``u`` must leave exactly those.
+    * ``"forbid"``: such an input left whole, or shards of a split op other than a
+      column-parallel Linear (which the backend gathers) read by a replicated op.
+    * ``"forward"``: an input of the epilogue fused into a row-parallel Linear or a
+      vocabulary-parallel embedding (GPT's residual add, the position embedding added to the token
+      embedding): the backend adds it to the all-reduced, whole output, so its gradient is whole on
+      every rank and moves nothing backward (the polyhedral model, which sees the epilogue inside
+      the split op, would all-reduce it).
+    """
+    su, sv = _split(pu), _split(pv)
+    ru, rv = op_role(g, u), op_role(g, v)
+    if su and sv and ru == "linear" and pu.splits[0][0] == "n" and rv == "attention":
+        return "free"
+    if sv:
+        first = pos == _first_act(g, v)
+        d = pv.splits[0][0]
+        if not first and ((rv == "linear" and d != "n") or rv == "embedding"):
+            return "forward"
+        if rv in ("pointwise", "attention") or (rv == "linear" and (d != "n") == first) or (
+                rv == "loss" and first):
+            return "local" if su else "forbid"
+    if su and not sv and ru in ("pointwise", "attention"):
+        return "forbid"
+    return None
+
+
+def chain_problems(g: Graph, placed: dict[str, Any], mesh: Any) -> list[str]:
+    """Why a stage's placements (``op name -> Placement`` over ``tp``) do not chain as the torch
+    backend runs them; empty when they do. The solver avoids every pair :func:`edge_rule` forbids;
+    this also checks that a column-parallel Linear's consumers are all split or all replicated (it
+    is gathered or not, for all of them)."""
+    from polyparallel.placement import _in_edges
+    from polyparallel.poly import edge_costs
+
+    why: list[str] = []
+    for name, p in placed.items():
+        op = g.op(name)
+        for t, u, pos in _in_edges(g, op):
+            pu = placed.get(u.name)
+            if pu is None:
+                continue
+            how = edge_rule(g, u, pu, op, p, pos)
+            if how == "forbid":
+                why.append(f"{op.name} ({p}) cannot read {t} from {u.name} ({pu})")
+            elif how == "local":
+                rs = edge_costs(g, t, op, f"in{pos}", mesh, [pu], [p]).cost(0, 0)
+                if rs is not None and rs.steps:
+                    why.append(f"{op.name} ({p}) needs {t} resharded from {u.name} ({pu}); the backend passes local "
+                               "shards")
+        if _split(p) and op_role(g, op) == "linear" and p.splits[0][0] == "n":
+            cons = [c for t in op.outputs for c in g.consumers(t) if c.name in placed]
+            split_cons = [c for c in cons if _split(placed[c.name])]
+            if split_cons and len(split_cons) < len(cons):
+                why.append(f"{name} ({p}) feeds both split and replicated ops")
+    return why
