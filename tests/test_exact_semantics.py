@@ -392,3 +392,21 @@ def test_a_pipeline_refuses_batchnorm_even_without_running_statistics() -> None:
     model.ln_f = nn.BatchNorm1d(model.ln_f.normalized_shape[0], track_running_stats=False)
     with pytest.raises(Unsupported, match=r"the model has BatchNorm: pipeline micro-batches"):
         pipeline_plan(s, model, (x, y))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("degrees", [{"sp": 2}, {"tp": 2}], ids=["sp2", "tp2"])
+def test_padded_labels_under_sequence_and_tensor_parallelism_match_single_process(degrees: dict[str, int]) -> None:
+    """Sequence shards count different targets (the padding sits at the end of the sequences);
+    tensor-parallel peers see the same labels and must not count them twice."""
+    x, y = padded_gpt_data(0)
+    s = pp.evaluate(ex.tiny_gpt(), (x, y), "local-cpu:2", batch_size=BATCH, recompute="none", microbatches=1,
+                    **degrees)
+    assert (s.sp, s.tp) == (degrees.get("sp", 1), degrees.get("tp", 1))
+    log = train(s, ex.tiny_gpt, padded_gpt_data, steps=STEPS, lr=LR, seed=SEED)
+    ref, _ = _single(ex.tiny_gpt, padded_gpt_data)
+    err = _rel(log, ref)
+    print(f"{degrees}: max relative loss difference {err:.2e}")
+    assert {r["loss_weighting"] for r in log} == {"tokens"}
+    assert err <= TOL
