@@ -21,18 +21,13 @@ and they fit in memory (the solver has no memory term), else the rule's are.
 
 **Targets** (``Constraints.placements``):
 
-* ``"torch"`` (default): candidates are what the torch backend executes. A ``Linear`` (a
-  contraction with a parameter) is column-parallel (``n``), row-parallel (``k`` or a factor
-  ``k_i``) or replicated; an embedding vocabulary-parallel (``v``) or replicated; attention split
-  over its heads (``h...``) or replicated; cross entropy class-parallel (``c``) or replicated;
-  pointwise ops (elementwise, views, concat, split) may stay split along a non-batch dim; every
-  other op is replicated over ``tp``. After solving, the layouts must chain as the backend runs
-  them (:func:`torch_problems`: a row-parallel Linear, a head-split attention, a split pointwise
-  op or a class-parallel loss reads shards left by a split producer without any reshard; a split
-  op's consumers are all split, or all replicated after a column-parallel Linear, which the backend
-  gathers); a stage that breaks this keeps the rule's placements, and the strategy says why.
+* ``"torch"`` (default): candidates are what the torch backend executes
+  (:mod:`polyparallel.backends.torch.capabilities`, op level: which op splits over ``tp`` how, and
+  how neighbouring layouts chain). A stage whose solved placements do not chain keeps the rule's
+  placements where the backend runs those, and is replicated over ``tp`` otherwise (a convolution
+  the rule would split, say); the strategy says why (``Stage.placed_by``, ``placement_note``).
 * ``"any"``: every legal placement (planning only: the torch backend may refuse the strategy).
-* ``"rule"``: Megatron's rule, as before the solver was wired.
+* ``"rule"``: Megatron's rule.
 
 Sequence-parallel plans (``sp > 1``) keep the rule: the torch backend runs Ulysses for every op
 whatever the placements say, and the step model prices it so.

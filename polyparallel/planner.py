@@ -710,7 +710,7 @@ def _search_sync(mdl: _Model, cl: Cluster, B: int, c: Constraints, devs: list[in
     say(f"{best.candidates} plans, {best.priced} priced in full (the others bounded out)")
     if best.refused:
         reasons = sorted(best.refused.items(), key=lambda kv: -kv[1])
-        left = "; ".join(f"{why} ({n} plan{'s' * (n > 1)})" for why, n in reasons[:4])
+        left = "; ".join(f"{why} ({n} plan{'s' * (n > 1)})" for why, n in reasons[:8])
         if best.est is None:
             say("no plan the torch backend executes fits; searching every plan")
             again = _search_sync(mdl, cl, B, c, devs, exhaustive, objective, say, executable=False)

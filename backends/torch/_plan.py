@@ -1,6 +1,8 @@
 """Translate a Strategy into what torch.distributed can execute, or refuse it with the reason.
 
-The backend runs a plan exactly or not at all. Supported in this slice:
+The backend runs a plan exactly or not at all. Which plans and placements it runs is written once,
+in :mod:`.capabilities`, which the search enumerates with; this module maps an accepted plan onto
+torch's parallel styles:
 
 * data parallelism over the ``dp`` mesh axis: DDP when ``zero_stage == 0``, FSDP2 ``fully_shard``
   over the ``dp`` sub-mesh when ``zero_stage >= 1``;
@@ -35,10 +37,10 @@ The backend runs a plan exactly or not at all. Supported in this slice:
 * before launch the model is captured on one micro-batch and its fingerprint compared with the
   strategy's (``check_fingerprint=False`` skips that for a stand-in model).
 
-Everything else (tensor or sequence parallelism inside pipeline stages, a tp placement on a module
-that is not a Linear, Embedding or head-split attention, Megatron-style sequence parallelism, which
-the planner never emits) is refused: ``parallelize_module`` would either fail or compute something
-else than the plan priced.
+Everything else (what :func:`.capabilities.plan_problems` lists, a tp placement on a module that is
+not a Linear, Embedding or head-split attention, Megatron-style sequence parallelism, which the
+planner never emits) is refused: ``parallelize_module`` would either fail or compute something else
+than the plan priced.
 """
 
 from __future__ import annotations

@@ -1,0 +1,88 @@
+"""Search ⇒ train on models nobody here wrote (tests/zoo.py): every plan the search writes is a plan
+the torch backend accepts, and trains with the losses single-process training gives.
+
+The search runs on the user's module (real weights) and its strategy is handed to ``train`` with
+the model as ``tests.zoo:FUNCTION``, as a user does; the reference is the same model trained in one
+process on the whole global batch. ``benchmarks/zoo.py`` runs the same check for every model on
+both clusters and prints the table.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import polyparallel as pp
+from polyparallel.backends.torch import plan_for
+from polyparallel.backends.torch._tensor_parallel import strategy_graph
+from tests.zoo import BATCH, ZOO
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+pytestmark = pytest.mark.slow
+
+
+@functools.cache
+def _search(name: str, n: int) -> pp.Strategy:
+    model_fn, data_fn = ZOO[name]
+    x, y = data_fn(0)
+    torch.manual_seed(0)
+    return pp.search(model_fn(), (x,), f"local-cpu:{n}", example_kwargs={"labels": y}, batch_size=BATCH)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("name", list(ZOO))
+def test_every_searched_plan_passes_the_executors_check(name: str, n: int) -> None:
+    """The backend's own pre-launch check (fingerprint against a fresh capture, plan_for with the
+    pipeline cut on torch.export's graph) accepts the searched strategy."""
+    s = _search(name, n)
+    model_fn, data_fn = ZOO[name]
+    batch = data_fn(0)
+    graph = strategy_graph(s, model_fn, batch, True)  # raises FingerprintMismatch for "another model"
+    plan = plan_for(s, model_fn(), batch if s.pp > 1 else None, graph=graph)
+    assert plan.dp * plan.tp * plan.pp * plan.sp == n
+
+
+def test_the_search_says_why_it_left_plans_out() -> None:
+    """A UNet with BatchNorm and no attention: no pipeline (micro-batches would see their own
+    statistics) and no Ulysses split (no attention); the strategy's notes say so."""
+    s = _search("unet", 4)
+    assert s.pp == 1 and s.sp == 1 and s.microbatches == 1
+    notes = " ".join(s.search.notes)
+    assert "batch statistics" in notes and "Ulysses" in notes
+
+
+# the trained subset: every model on 2 processes, and on 4 one of each plan family the search picks
+TRAINED = [(name, 2) for name in ZOO] + [("gpt2", 4), ("unet", 4), ("t5", 4)]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(("name", "n"), TRAINED)
+def test_searched_plan_trains_like_one_process(name: str, n: int, tmp_path: Path) -> None:
+    from zoo import run_one  # benchmarks/zoo.py
+
+    rec = run_one(name, n, run_dir=tmp_path)
+    print(rec.get("plan"), rec["status"], rec.get("max_rel"), rec.get("error", ""))
+    assert rec["status"] == "exact", rec.get("error") or rec
+
+
+def test_pinned_tensor_parallelism_on_a_cnn_splits_only_what_the_backend_runs() -> None:
+    """tp=2 pinned on the UNet: the rule would split convolutions over tp, which the backend does
+    not execute; with placements="torch" no conv is split and the backend's check accepts the plan."""
+    model_fn, data_fn = ZOO["unet"]
+    x, y = data_fn(0)
+    s = pp.search(model_fn(), (x,), "local-cpu:2", example_kwargs={"labels": y}, batch_size=BATCH,
+                  constraints={"tp": 2})
+    graph = strategy_graph(s, model_fn, (x, y), True)
+    kinds = {op.name: str(op.kind) for op in graph.ops}
+    split_convs = [op for p in s.placements if ":tp" in p.placement for op in p.ops if kinds.get(op) == "conv"]
+    assert not split_convs
+    assert {st.placed_by for st in s.stages} <= {"solver", "rule", "replicated"}
+    plan_for(s, model_fn(), graph=graph)
+    rule = pp.search(model_fn(), (x,), "local-cpu:2", example_kwargs={"labels": y}, batch_size=BATCH,
+                     constraints={"tp": 2, "placements": "rule"})
+    assert any(kinds.get(op) == "conv" for p in rule.placements if ":tp" in p.placement for op in p.ops)
