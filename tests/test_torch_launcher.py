@@ -54,6 +54,13 @@ def slow_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ex.mlp_data(step)
 
 
+def killed_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank 1 dies of SIGKILL at step 1: no Python runs to write its failure report."""
+    if step == 1 and os.environ.get("RANK") == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return ex.mlp_data(step)
+
+
 def _gone_within(pids: list[int], seconds: float) -> list[int]:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and any(alive(p) for p in pids):
@@ -112,6 +119,17 @@ def test_an_exception_in_train_kills_every_worker(tmp_path: Path, mlp_dp2: pp.St
     pids = list(recorded_pids(tmp_path / "run"))
     assert len(pids) == 2 and len(list(tmp_path.glob("rank*-step1"))) == 2
     assert _gone_within(pids, 5) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_by_a_signal_is_named(tmp_path: Path, mlp_dp2: pp.Strategy) -> None:
+    """Its peer reports only the lost connection; the launcher names the rank that wrote no report."""
+    with pytest.raises(TrainError, match=r"rank 1 died without a failure report .*rank 0 then lost its connection "
+                                         r"at step 1") as e:
+        train(mlp_dp2, ex.tiny_mlp, killed_data, steps=3, run_dir=tmp_path, timeout_s=100)
+    assert (e.value.rank, e.value.step) == (1, 1) and str(tmp_path / "launcher.log") in str(e.value)
+    assert [p.name for p in tmp_path.glob("failure-rank*.json")] == ["failure-rank0.json"]
+    assert _gone_within(list(recorded_pids(tmp_path)), 5) == []
 
 
 @pytest.mark.timeout(150)

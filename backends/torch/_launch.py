@@ -299,6 +299,7 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
     # the workers must import whatever the caller could (e.g. a test module's functions)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"  # launcher.log gets every line as it is printed
     env[LAUNCHER_PID_ENV] = str(os.getpid())
     where = ["--standalone"] if len(nodes) <= 1 else [
         f"--nnodes={len(nodes)}", f"--node-rank={node_rank}", f"--master-addr={master_addr}",
@@ -351,7 +352,17 @@ def _launch(cmd: list[str], env: dict[str, str], run_dir: Path, timeout_s: float
         return
     failures = sorted((json.loads(p.read_text()) for p in run_dir.glob("failure-rank*.json")), key=lambda f: f["time"])
     where = f"\n(output: {out_path}; failure reports: {run_dir}/failure-rank*.json){_not_gone(left)}"
-    # the first rank to fail is the cause; the others typically died of its absence
+    # a rank that died outside Python (a signal such as the out-of-memory killer's, a native abort)
+    # wrote no report; its peers then report only the lost connection: the silent rank is the cause
+    silent = sorted({int(p.stem[4:]) for p in (run_dir / "pids").glob("rank*.pid") if p.stem[4:].isdigit()}
+                    - {f["rank"] for f in failures})
+    if failures and silent and all(any(m in f["error"] for m in _PEER_LOST) for f in failures):
+        f = failures[0]
+        raise TrainError(f"rank {silent[0]} died without a failure report (a signal, e.g. the out-of-memory "
+                         f"killer's, or a native abort: look for its last lines in {out_path}); rank {f['rank']} then "
+                         f"lost its connection at step {f['step']}: {f['error']}{where}",
+                         rank=silent[0], step=f["step"], error="died without a failure report")
+    # otherwise the first rank to fail is the cause; the others typically died of its absence
     if failures:
         f = failures[0]
         raise TrainError(f"rank {f['rank']} failed at step {f['step']}: {f['error']}\n{f['traceback']}{where}",
@@ -365,6 +376,9 @@ def _launch(cmd: list[str], env: dict[str, str], run_dir: Path, timeout_s: float
         raise TrainError(f"rank {m.group(1)} failed (exit code {m.group(2)}); launcher output:\n{text[-4000:]}{where}",
                          rank=int(m.group(1)), error=f"exit code {m.group(2)}")
     raise TrainError(f"torch.distributed.run exited with status {proc.returncode}:\n{text[-4000:]}{where}")
+
+
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")  # gloo's words for it
 
 
 def _not_gone(pids: list[int]) -> str:
