@@ -379,10 +379,10 @@ def _price_parts(rates: dict[str, Any], batch: int) -> list[float]:
     """Priced forward, backward and optimizer seconds of a single-process GPT step under one process's ``rates``."""
     from polyparallel.cost_models import ParallelConfig, estimate_step
     from polyparallel.cost_models.compute import op_cost
-    from polyparallel.planner import _Model
+    from polyparallel.planning.model_graphs import ModelGraphs
 
     with _one_process_cluster(rates) as cl:
-        g = _Model(gpt_model(), _example(GPT), None).graph(batch)
+        g = ModelGraphs(gpt_model(), _example(GPT), None).graph(batch)
         costs = [op_cost(g, op, cl.device(0).type) for op in g.ops]
         opt = estimate_step(g, cl, ParallelConfig(optimizer="adam")).breakdown()["optimizer"]
     return [sum(c.forward for c in costs), sum(c.backward for c in costs), opt]
@@ -453,10 +453,10 @@ def _price_mlp(rates: dict[str, Any], batch: int, microbatches: int) -> list[flo
     """Priced compute (forward + backward of every micro-batch) and optimizer seconds of a one-process
     MLP step under one process's ``rates``."""
     from polyparallel.cost_models import ParallelConfig, estimate_step
-    from polyparallel.planner import _Model
+    from polyparallel.planning.model_graphs import ModelGraphs
 
     with _one_process_cluster(rates) as cl:
-        g = _Model(mlp_model(), _example(MLP), None).graph(batch // microbatches)
+        g = ModelGraphs(mlp_model(), _example(MLP), None).graph(batch // microbatches)
         b = estimate_step(g, cl, ParallelConfig(optimizer="adam", microbatches=microbatches)).breakdown()
     return [b["compute"], b["optimizer"]]
 

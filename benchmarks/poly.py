@@ -16,7 +16,7 @@ the model's cost does not grow with its depth), the cache hit rate, the share of
 inside isl, and the number of placements and pairs priced.
 Target: GPT-3 175B on the 3-axis 1024-device mesh <= 5 s with the cache.
 
-``--solve K`` also runs :func:`polyparallel.placement.solve_stage` on each (model, mesh)
+``--solve K`` also runs :func:`polyparallel.planning.stage_solver.solve_stage` on each (model, mesh)
 (the whole model as one stage, K candidates per op; cluster dgx-a100 with the mesh's
 device count) and reports its time and the chosen solver.
 
@@ -125,7 +125,7 @@ CLUSTER_OF = {8: "dgx-a100x1", 64: "dgx-a100x8", 1024: "dgx-a100x128"}
 def solve(g: Graph, name: str, mesh: poly.DeviceMesh, k: int) -> dict[str, Any]:
     """Per-op placements of the whole model as one stage (``placement.solve_stage``), empty caches."""
     from polyparallel.cluster import Cluster
-    from polyparallel.placement import solve_stage
+    from polyparallel.planning.stage_solver import solve_stage
 
     poly.clear_cache()
     cluster = Cluster.preset(CLUSTER_OF.get(mesh.size, f"dgx-a100x{max(1, mesh.size // 8)}"))

@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 
 from polyparallel.models import EXAMPLES, GPT, MLP, GPTConfig, Llama, LlamaConfig, ResNet, SmallCNN
-from polyparallel.placement import FORBIDDEN
-from polyparallel.planner import DoesNotFit, _Model, evaluate, search
+from polyparallel.planning import DoesNotFit, evaluate, search
+from polyparallel.planning.model_graphs import ModelGraphs
+from polyparallel.planning.stage_solver import FORBIDDEN
 
 OUT = Path(__file__).parent / "results" / "search.json"
 BIG = [("gpt2-small", "dgx-a100x1", 64), ("llama-8b", "dgx-a100x8", 512), ("gpt3-175b", "dgx-a100x192", 1536),
@@ -75,7 +76,7 @@ def quality() -> list[dict]:
     rows = []
     clusters = [("local-cpu:2", 8), ("local-cpu:4", 16), ("dgx-a100x1", 64)]
     for name, m, a, k in _small_models():
-        g = _Model(m, a, k).graph(a[0].shape[0])  # a fixed micro-batch: the two solvers see the same space
+        g = ModelGraphs(m, a, k).graph(a[0].shape[0])  # a fixed micro-batch: the two solvers see the same space
         for cl, B in clusters:
             try:
                 fast = search(g, cluster=cl, batch_size=B)
@@ -95,18 +96,18 @@ def quality() -> list[dict]:
 
 
 def baselines() -> list[dict]:
-    import polyparallel.planner as planner_mod
+    import polyparallel.planning.plan_search as planner_mod
 
     rows = []
     for name, cluster, B in BIG[:3]:
         m, a, k = EXAMPLES[name].build(1, None)
         # one capture serves the planner and the recipes (prices only; timings are part big's)
-        shared = _Model(m, a, k)
-        planner_mod._Model = lambda *_, **__: shared  # noqa: B023
+        shared = ModelGraphs(m, a, k)
+        planner_mod.ModelGraphs = lambda *_, **__: shared  # noqa: B023
         try:
             row = _baseline_row(name, cluster, B, m, a, k)
         finally:
-            planner_mod._Model = _Model
+            planner_mod.ModelGraphs = ModelGraphs
         rows.append(row)
         print(json.dumps(row))
     return rows
@@ -144,7 +145,7 @@ def placements() -> list[dict]:
     rows = []
     for name, cluster, B, tp, dp in PLACEMENT_CASES:
         m, a, k = EXAMPLES[name].build(1, None)
-        g = _Model(m, a, k).exact(1)  # one capture (micro-batch 1) priced three ways
+        g = ModelGraphs(m, a, k).exact(1)  # one capture (micro-batch 1) priced three ways
         row = {"model": name, "cluster": cluster, "global_batch": B, "tp": tp, "dp": dp}
         for mode in ("rule", "torch", "any"):
             t, c = time.perf_counter(), time.process_time()

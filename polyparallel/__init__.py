@@ -23,15 +23,15 @@ __all__ = ["Cluster", "Graph", "Op", "OpKind", "Strategy", "TensorSpec", "__vers
 
 
 def search(model: Any, example_inputs: Any = None, cluster: Any = "local-cpu:2", **kwargs: Any) -> Strategy:
-    """Find the fastest parallel plan that fits; see :func:`polyparallel.planner.search`."""
-    from .planner import search as _search
+    """Find the fastest parallel plan that fits; see :func:`polyparallel.planning.plan_search.search`."""
+    from .planning import search as _search
 
     return _search(model, example_inputs, cluster, **kwargs)
 
 
 def evaluate(model: Any, example_inputs: Any = None, cluster: Any = "local-cpu:2", **kwargs: Any) -> Strategy:
-    """Price a hand-made recipe; see :func:`polyparallel.planner.evaluate`."""
-    from .planner import evaluate as _evaluate
+    """Price a hand-made recipe; see :func:`polyparallel.planning.plan_search.evaluate`."""
+    from .planning import evaluate as _evaluate
 
     return _evaluate(model, example_inputs, cluster, **kwargs)
 

@@ -78,7 +78,7 @@ def search_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="print the strategy JSON")] = False,
 ) -> None:
     """Find the fastest parallel plan of MODEL that fits CLUSTER."""
-    from polyparallel.planner import search
+    from polyparallel.planning.plan_search import search
 
     console = _console()
     m, args, kwargs = _load(model)
@@ -208,7 +208,7 @@ def evaluate_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="print the estimate as JSON")] = False,
 ) -> None:
     """Price a hand-made recipe with the search's cost model; unset choices are made as the search would."""
-    from polyparallel.planner import evaluate
+    from polyparallel.planning.plan_search import evaluate
 
     m, args, kwargs = _load(model)
     s = evaluate(m, args, cluster, example_kwargs=kwargs, dp=dp, tp=tp, pp=pp, sp=sp, microbatches=microbatches,

@@ -9,7 +9,7 @@ import pytest
 from polyparallel import ops
 from polyparallel.cluster import Cluster
 from polyparallel.ir import Graph, Op, OpKind, TensorKind, TensorSpec
-from polyparallel.placement import price_placements, solve_placements
+from polyparallel.planning.stage_solver import price_placements, solve_placements
 from polyparallel.poly import DeviceMesh
 
 
@@ -78,7 +78,7 @@ def residual_mlp(layers: int, b: int, s: int, h: int, f: int) -> Graph:
 @pytest.mark.parametrize(("mesh", "dims", "k"), [(DeviceMesh.of(tp=2), (2, 8, 64, 256), 2),
                                                  (DeviceMesh.of(dp=2, tp=2), (4, 16, 256, 1024), 2)])
 def test_block_dp_equals_elimination_milp_and_brute_force(mesh, dims, k):
-    from polyparallel.placement import solve_stage
+    from polyparallel.planning.stage_solver import solve_stage
 
     g = residual_mlp(3, *dims)
     cl = Cluster.preset("dgx-a100x1")
@@ -97,7 +97,7 @@ def test_block_dp_equals_elimination_milp_and_brute_force(mesh, dims, k):
 
 
 def test_block_dp_matches_milp_with_more_candidates():
-    from polyparallel.placement import solve_stage
+    from polyparallel.planning.stage_solver import solve_stage
 
     g = residual_mlp(4, 2, 8, 128, 512)
     mesh, cl = DeviceMesh.of(dp=2, tp=2), Cluster.preset("dgx-a100x1")
@@ -108,8 +108,8 @@ def test_block_dp_matches_milp_with_more_candidates():
 
 
 def test_megatron_column_row_emerges_in_every_layer_and_blocks_are_solved_once():
-    from polyparallel import placement
-    from polyparallel.placement import solve_stage
+    from polyparallel.planning import stage_solver as placement
+    from polyparallel.planning.stage_solver import solve_stage
 
     cl = Cluster.preset("dgx-a100x1")
     mesh = DeviceMesh.of(tp=8)
@@ -129,7 +129,7 @@ def test_megatron_column_row_emerges_in_every_layer_and_blocks_are_solved_once()
 
 def test_collectives_are_priced_by_the_cost_model():
     from polyparallel.cost_models.comm import collective_time
-    from polyparallel.placement import solve_stage
+    from polyparallel.planning.stage_solver import solve_stage
 
     b, s, h, f = 1, 8, 4096, 16384
     cl = Cluster.preset("dgx-a100x1")
@@ -148,7 +148,7 @@ def test_collectives_are_priced_by_the_cost_model():
 
 
 def test_a_stage_that_cuts_a_run_of_layers_uses_its_whole_instances():
-    from polyparallel.placement import solve_stage
+    from polyparallel.planning.stage_solver import solve_stage
 
     g = residual_mlp(4, 2, 8, 128, 512)
     mesh, cl = DeviceMesh.of(dp=2, tp=2), Cluster.preset("dgx-a100x1")

@@ -14,7 +14,8 @@ import polyparallel as pp
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, estimate_step
 from polyparallel.models import GPT, MLP, GPTConfig
-from polyparallel.planner import DoesNotFit, _Model, evaluate, search
+from polyparallel.planning import DoesNotFit, evaluate, search
+from polyparallel.planning.model_graphs import ModelGraphs
 from polyparallel.strategy import SCHEMA_FILE, Strategy, StrategyError, json_schema
 
 
@@ -72,7 +73,7 @@ def test_every_placement_of_a_found_strategy_is_legal(tiny_gpt):
     for mode in ("torch", "rule"):  # the solver's placements (replicated over tp for this tiny model), Megatron's
         s = search(m, a, "local-cpu:4", example_kwargs=k, batch_size=16,
                    constraints={"tp": 2, "dp": 2, "placements": mode})
-        graph = _Model(m, a, k).graph(s.global_batch // (s.dp * s.microbatches))
+        graph = ModelGraphs(m, a, k).graph(s.global_batch // (s.dp * s.microbatches))
         s.validate_against(Cluster.preset("local-cpu:4"), graph)  # raises on an illegal placement
     assert any(":tp" in p.placement for p in s.placements)
     bad = s.model_copy(update={"placements": [s.placements[0].model_copy(update={"placement": "k:dp,k:tp"})]})
@@ -166,15 +167,15 @@ def test_model_flops_per_step_is_three_forward_passes_of_the_global_batch(tiny_g
 def test_rebatched_graphs_equal_direct_captures(tiny_gpt):
     """Sizes other than the two captured anchors are re-batched; a direct capture gives the same graph
     (b >= 2), and at batch 1 the same prices, with the exact capture taken for the strategy."""
-    from polyparallel.planner import ANCHORS, _NotAffine, _rebatch, _rebatch_graph
+    from polyparallel.planning.model_graphs import ANCHORS, NotAffine, rebatch, rebatch_graph
     from polyparallel.transforms import canonicalize, fuse_elementwise
 
     m, a, k = tiny_gpt
-    mdl = _Model(m, a, k)
+    mdl = ModelGraphs(m, a, k)
 
     def direct(b):
-        args = tuple(_rebatch(x, 4, b) for x in a)
-        kw = {n: _rebatch(v, 4, b) for n, v in k.items()}
+        args = tuple(rebatch(x, 4, b) for x in a)
+        kw = {n: rebatch(v, 4, b) for n, v in k.items()}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return fuse_elementwise(canonicalize(pp.capture(m, args, kw)))
@@ -191,8 +192,8 @@ def test_rebatched_graphs_equal_direct_captures(tiny_gpt):
     assert exact.flops() == one.flops() and exact.param_count() == one.param_count()
     # different models, or batch-dependent integers that are not affine, are refused (then captured)
     other = pp.capture(GPT(GPTConfig(vocab=128, seq=32, layers=3, hidden=64, heads=4)), a, k)
-    with pytest.raises(_NotAffine):
-        _rebatch_graph(mdl.graphs[2], other, 2, 4, 8)
+    with pytest.raises(NotAffine):
+        rebatch_graph(mdl.graphs[2], other, 2, 4, 8)
 
 
 def test_step_lower_bound_never_exceeds_the_estimate(tiny_graph):
@@ -226,7 +227,7 @@ def test_step_lower_bound_never_exceeds_the_estimate(tiny_graph):
 
 def test_memory_objective_is_least_memory_within_ten_percent(tiny_gpt):
     """objective='memory' against brute force: every plan of the same enumeration priced in full."""
-    import polyparallel.planner as planner
+    import polyparallel.planning.plan_search as planner
 
     m, a, k = tiny_gpt
     fast = search(m, a, "local-cpu:4", example_kwargs=k, batch_size=16)
@@ -234,7 +235,7 @@ def test_memory_objective_is_least_memory_within_ten_percent(tiny_gpt):
     assert lean.estimate.step_time_s <= 1.1 * fast.estimate.step_time_s * (1 + 1e-9)
     assert lean.estimate.memory_bytes_max <= fast.estimate.memory_bytes_max
     # brute force over the wide enumeration the memory objective uses
-    mdl = _Model(m, a, k)
+    mdl = ModelGraphs(m, a, k)
     cl = Cluster.preset("local-cpu:4")
     wide = planner._search_sync(mdl, cl, 16, planner.Constraints(), list(range(4)), False, "memory", lambda _: None)
     everything = [(max(r.total for r in e.memory), e.step_time) for e in

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import polyparallel as pp
-from polyparallel._placing import _op_plans, param_cost_of, torch_edge_rule, torch_expressible
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, estimate_step
 from polyparallel.models import GPT, MLP, GPTConfig
-from polyparallel.placement import price_placements
-from polyparallel.planner import _Model
+from polyparallel.planning.model_graphs import ModelGraphs
+from polyparallel.planning.place_plan import _op_plans, param_cost_of, torch_edge_rule, torch_expressible
+from polyparallel.planning.stage_solver import price_placements
 from polyparallel.poly import DeviceMesh, Placement
 
 
@@ -35,7 +35,7 @@ def _gpt():
 def _graph(model, args, kwargs, b):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return _Model(model, args, kwargs).exact(b)
+        return ModelGraphs(model, args, kwargs).exact(b)
 
 
 def _brute_force(tab) -> float:
@@ -86,7 +86,7 @@ def _cfg(s, **kw) -> ParallelConfig:
 
 def _rule_of(s, g, op, mesh):
     """The Megatron rule's tp placement of ``op`` for the strategy's degrees (as the planner includes it)."""
-    from polyparallel._placing import rule_placements
+    from polyparallel.planning.place_plan import rule_placements
     from polyparallel.poly import legal_placements
 
     cfg = ParallelConfig(dp=s.dp, tp=s.tp, dtype=s.dtype)

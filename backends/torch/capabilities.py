@@ -8,7 +8,9 @@ and ATen target, never by their names.
 **Plan level** (:func:`plan_problems`): the mesh degrees, micro-batching, memory knobs and precision
 of a plan, against the model's captured graph:
 
-* fp32 training only, no activation recomputation (``recompute="none"``);
+* fp32 training only;
+* activation recomputation (:mod:`._recompute`) outside pipeline stages only; ``full`` needs the
+  model's numbered layers (``layers.<i>``, ``h.<i>``, ``blocks.<i>``), the blocks it checkpoints;
 * micro-batches only with pipeline stages (no gradient accumulation without ``pp``);
 * no tensor or sequence parallelism inside pipeline stages;
 * sequence parallelism (Ulysses) only where it is exact (:func:`._tensor_parallel.sp_problems`:
@@ -42,8 +44,8 @@ __all__ = ["EXECUTED_DTYPES", "EXECUTED_RECOMPUTE", "EXECUTED_SCHEDULES", "batch
            "chain_problems", "dp_split_ok", "edge_rule", "expressible", "op_role", "plan_problems"]
 
 EXECUTED_SCHEDULES = ("gpipe", "1f1b", "interleaved")
-EXECUTED_RECOMPUTE = ("none",)  # activation recomputation the executor runs
-EXECUTED_DTYPES = ("fp32",)  # training precisions it runs
+EXECUTED_RECOMPUTE = ("none", "selective", "full")  # activation recomputation the executor runs (._recompute)
+EXECUTED_DTYPES = ("fp32", "bf16", "fp16")  # training precisions it runs (._precision)
 _POINTWISE = (OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.CONCAT, OpKind.SPLIT)
 
 
@@ -63,13 +65,16 @@ def plan_problems(graph: Graph | None, s: Any) -> list[str]:
     schedule = str(s.schedule).partition(":")[0]  # a Strategy writes "interleaved:2"
     why: list[str] = []
     if s.dtype not in EXECUTED_DTYPES:
-        why.append(f"dtype {s.dtype!r}: the torch backend trains in fp32 only; search with constraints={{'dtype': "
-                   "'fp32'}}")
+        why.append(f"dtype {s.dtype!r}: the torch backend trains in {', '.join(EXECUTED_DTYPES)}; search with "
+                   "constraints={'dtype': 'bf16'} (or 'fp32', 'fp16')")
     if s.recompute not in EXECUTED_RECOMPUTE:
-        why.append(f"recompute={s.recompute!r}: activation recomputation is not executed; search with "
-                   "constraints={'recompute': 'none'}")
-    if s.microbatches > 1 and s.pp == 1:
-        why.append(f"microbatches={s.microbatches} without pipeline stages (gradient accumulation) is not executed")
+        why.append(f"recompute={s.recompute!r}: the torch backend recomputes {', '.join(EXECUTED_RECOMPUTE)}; search "
+                   "with constraints={'recompute': 'none'}")
+    elif s.recompute != "none" and s.pp > 1:
+        why.append(f"recompute={s.recompute!r} with pp={s.pp}: activation recomputation inside pipeline stages is not "
+                   "executed; search with constraints={'recompute': 'none'} or pp=1")
+    elif s.recompute != "none":
+        why.extend(_recompute_problems(graph, s.recompute))
     if s.pp > 1 and s.tp > 1:
         why.append(f"pp={s.pp} with tp={s.tp}: tensor parallelism inside pipeline stages is not executed")
     if s.pp > 1 and s.sp > 1:
@@ -92,6 +97,12 @@ def plan_problems(graph: Graph | None, s: Any) -> list[str]:
                        f"with {s.microbatches} micro-batches{' in pipeline stages' if s.pp > 1 else ''} each "
                        "micro-batch would be normalised alone, unlike single-process training of the batch")
     return why
+
+
+def _recompute_problems(graph: Graph | None, recompute: str) -> list[str]:
+    from polyparallel.backends.torch._recompute import recompute_problems
+
+    return recompute_problems(graph, recompute)
 
 
 def _sp_problems(graph: Graph, sp: int, heads_parts: int) -> list[str]:
@@ -190,7 +201,7 @@ def _first_act(g: Graph, op: Op) -> int:
 
 def edge_rule(g: Graph, u: Op, pu: Any, v: Op, pv: Any, pos: int) -> str | None:
     """How the torch backend runs the edge ``u -> v`` (``v``'s input ``pos``), for
-    :func:`polyparallel.placement.solve_stage`'s ``edge_rule``.
+    :func:`polyparallel.planning.stage_solver.solve_stage`'s ``edge_rule``.
 
     * ``"free"``: a column-parallel Linear feeding a head-split attention; the backend regroups the
       projection's rows so each rank's shard holds whole heads of ``q``, ``k``, ``v``
@@ -228,13 +239,13 @@ def chain_problems(g: Graph, placed: dict[str, Any], mesh: Any) -> list[str]:
     backend runs them; empty when they do. The solver avoids every pair :func:`edge_rule` forbids;
     this also checks that a column-parallel Linear's consumers are all split or all replicated (it
     is gathered or not, for all of them)."""
-    from polyparallel.placement import _in_edges
+    from polyparallel.planning.stage_solver import in_edges
     from polyparallel.poly import edge_costs
 
     why: list[str] = []
     for name, p in placed.items():
         op = g.op(name)
-        for t, u, pos in _in_edges(g, op):
+        for t, u, pos in in_edges(g, op):
             pu = placed.get(u.name)
             if pu is None:
                 continue

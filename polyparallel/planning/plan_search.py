@@ -66,18 +66,18 @@ Stage sums, device groups and collective prices are memoised across plans, so a 
 costs microseconds to milliseconds.
 
 **Capture once per anchor.** A module is captured at the batch sizes ``ANCHORS = (2, 4)``
-only; every other micro-batch size is derived from them by :func:`_rebatch_graph` (every
+only; every other micro-batch size is derived from them by :func:`rebatch_graph` (every
 integer of the IR that differs between the two is affine in the batch). A strategy whose
 micro-batch is 1 is re-captured at 1 before it is written, because a capture at batch 1
 names extent-1 dims differently (same prices, different fingerprint).
 
 **Per-op placements.** Plans are ranked with the step model's Megatron rule (cheap, one
 propagation per tensor-parallel degree). The chosen plan's ops are then placed stage by stage
-by the exact per-stage solver (:func:`polyparallel.placement.solve_stage`: dynamic programming
+by the exact per-stage solver (:func:`polyparallel.planning.stage_solver.solve_stage`: dynamic programming
 along the chain of repeated blocks, MILP for branchy graphs), restricted by default to what the
 torch backend executes and always offered the rule's placement, and the plan is re-priced with
 the placements it lists; the rule's placements stay where the solver's are not executable,
-do not fit or are not faster (:mod:`polyparallel._placing`; ``constraints.placements``).
+do not fit or are not faster (:mod:`polyparallel.planning.place_plan`; ``constraints.placements``).
 
 Across centers (a cluster with several centers): a synchronous plan whose dp/tp/sp
 groups would cross a WAN link is refused unless ``constraints.allow_wan`` is set; a
@@ -97,31 +97,27 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, fields, is_dataclass, replace
-from enum import Enum
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from polyparallel._placing import MODES, place
 from polyparallel.backends.torch.capabilities import EXECUTED_DTYPES, EXECUTED_RECOMPUTE, plan_problems
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, StepEstimate, estimate_step
 from polyparallel.cost_models.step import StepBound, step_lower_bound
-from polyparallel.ir import Graph, _Any
+from polyparallel.ir import Graph
+from polyparallel.planning.assemble import model_info, strategy_of
+from polyparallel.planning.model_graphs import ModelGraphs, divisors, rebatch
+from polyparallel.planning.place_plan import MODES
 from polyparallel.strategy import (
     CenterPlan,
     Collaborative,
     Estimate,
     Mesh,
     MeshAxis,
-    ModelInfo,
-    OpPlacement,
     SearchRecord,
-    Stage,
     Strategy,
-    fingerprint,
 )
 
 __all__ = ["Constraints", "DoesNotFit", "evaluate", "search"]
@@ -130,8 +126,6 @@ MEMORY_LADDER = (("0", "none"), ("1", "none"), ("2", "none"), ("1", "selective")
                  ("1", "full"), ("3", "full"))
 
 
-MAX_MICRO = 8
-ANCHORS = (2, 4)  # batch sizes a module is captured at; the others are re-batched from these
 
 
 class DoesNotFit(ValueError):
@@ -192,205 +186,6 @@ class Constraints:
         if out.placements not in MODES:
             raise ValueError(f"constraints.placements must be one of {', '.join(MODES)}, not {out.placements!r}")
         return out
-
-
-# ----------------------------------------------------------------------------------------
-# model handling: one graph per micro-batch size
-
-
-class _Model:
-    """Captures the model at a given micro-batch size, on demand, with a cache."""
-
-    def __init__(self, model: Any, example_inputs: Any, example_kwargs: dict[str, Any] | None) -> None:
-        self.model, self.args, self.kwargs = model, example_inputs, example_kwargs or {}
-        self.graphs: dict[int, Graph] = {}
-        self.priced: dict[int, Graph] = {}
-        self.capture_s = 0.0
-        self.rebatch_failed = ""  # why re-batching was given up, if it was
-        self.derived: set[int] = set()  # sizes whose graph was re-batched, not captured
-        if isinstance(model, Graph):
-            self.b0 = _graph_batch(model)
-            self.graphs[self.b0] = model
-            self.name = model.name
-            self.resizable = False
-            return
-        import torch
-
-        if isinstance(model, torch.nn.Module):
-            args = example_inputs if isinstance(example_inputs, tuple) else (
-                tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,))
-            self.args = args
-            tensors = [t for t in [*args, *self.kwargs.values()] if isinstance(t, torch.Tensor) and t.dim() > 0]
-            if not tensors:
-                raise ValueError("example inputs need at least one tensor with a batch dimension")
-            self.b0 = int(tensors[0].shape[0])
-            self.name = type(model).__name__
-            self.resizable = True
-        else:  # ONNX path or ModelProto: fixed shapes
-            self.resizable = False
-            g = self._capture_raw(None)
-            self.b0 = _graph_batch(g)
-            self.graphs[self.b0] = g
-            self.name = g.name
-
-    def _capture_raw(self, b: int | None) -> Graph:
-        import polyparallel as pp
-
-        t = time.perf_counter()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            if b is None:
-                g = pp.capture(self.model)
-            else:
-                args = tuple(_rebatch(a, self.b0, b) for a in self.args)
-                kwargs = {k: _rebatch(v, self.b0, b) for k, v in self.kwargs.items()}
-                g = pp.capture(self.model, args, kwargs)
-        self.capture_s += time.perf_counter() - t
-        return g
-
-    def graph(self, b: int) -> Graph:
-        """The graph priced for micro-batch ``b``: captured, canonicalised, elementwise ops fused.
-
-        Canonicalisation folds views into accesses and fusion merges elementwise chains, so
-        the cost model prices one memory pass per fused op (FLOPs and parameters unchanged).
-        A module is captured (and transformed) at the two ``ANCHORS`` batch sizes only; every
-        other size is re-batched from them (:func:`_rebatch_graph`), which on a big model
-        replaces a capture of seconds by milliseconds. Should the two captures not differ by
-        batch-affine integers alone, each size is captured instead.
-        """
-        if b not in self.priced:
-            derived = self._derive(b)
-            if derived is None:
-                derived = self._captured(b)
-            else:
-                self.derived.add(b)
-            self.priced[b] = derived
-        return self.priced[b]
-
-    def exact(self, b: int) -> Graph:
-        """The graph of micro-batch ``b`` exactly as a capture at ``b`` gives it.
-
-        Re-batched graphs equal direct captures for ``b ≥ 2``; at batch 1 a capture names
-        extent-1 dims differently (views drop them), with the same prices. A strategy is
-        fingerprinted and placed on this graph, which the torch backend re-captures to check.
-        """
-        if b in self.derived and b < min(ANCHORS):
-            self.priced[b] = self._captured(b)
-            self.derived.discard(b)
-        return self.graph(b)
-
-    def _captured(self, b: int) -> Graph:
-        if b not in self.graphs:
-            if not self.resizable:
-                raise ValueError(f"the model has a fixed batch of {self.b0}; micro-batch {b} is not available")
-            self.graphs[b] = self._capture_raw(b)
-        from polyparallel.transforms import canonicalize, fuse_elementwise
-
-        return fuse_elementwise(canonicalize(self.graphs[b]))
-
-    def _derive(self, b: int) -> Graph | None:
-        lo, hi = ANCHORS
-        if not self.resizable or self.rebatch_failed or b in (lo, hi):
-            return None
-        try:
-            return _rebatch_graph(self.graph(lo), self.graph(hi), lo, hi, b)
-        except (_NotAffine, ValueError, RuntimeError, TypeError) as e:  # capture each size instead
-            self.rebatch_failed = f"{type(e).__name__}: {e}"
-            return None
-
-    def micro_sizes(self, per_replica: int, exhaustive: bool, whole: bool = False) -> list[int]:
-        """Micro-batch sizes to try for ``per_replica`` samples per replica; ``whole`` adds
-        ``per_replica`` itself (one micro-batch: no gradient accumulation)."""
-        if not self.resizable:
-            return [self.b0] if per_replica % self.b0 == 0 else []
-        # powers of two up to MAX_MICRO: larger micro-batches gain little efficiency and each
-        # size costs a capture; `exhaustive` tries every divisor
-        sizes = [d for d in _divisors(per_replica) if exhaustive or (d & (d - 1) == 0 and d <= MAX_MICRO)]
-        return sorted({*sizes, per_replica}) if whole else sizes
-
-
-def _rebatch(v: Any, b0: int, b: int) -> Any:
-    import torch
-
-    if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == b0:
-        return torch.zeros((b, *v.shape[1:]), dtype=v.dtype, device=v.device)
-    return v
-
-
-# ----------------------------------------------------------------------------------------
-# re-batching a captured graph
-
-
-class _NotAffine(ValueError):
-    """Two captures of a model differ in more than batch-affine integers."""
-
-
-def _rebatch_graph(lo: Graph, hi: Graph, b_lo: int, b_hi: int, b: int) -> Graph:
-    r"""The graph of micro-batch ``b`` from the graphs of the same model captured at ``b_lo < b_hi``.
-
-    Both captures must have the same structure (ops, tensors, dims, statements and accesses in
-    the same order, the same names and kinds); every integer ``x`` that differs between them
-    (an extent, a shape entry, an access coefficient or offset) is taken to be affine in the
-    batch, ``x(b) = x_lo + (x_hi − x_lo)(b − b_lo)/(b_hi − b_lo)``, which must be an exact
-    integer. This holds for the models a frontend produces: batch sizes enter shapes as
-    ``b`` or ``b·k`` and strides of dims outside the batch. (A capture at batch 1 may
-    index an extent-1 batch dim as the constant 0 where the re-batched graph keeps ``b``:
-    the same points, the same prices.)
-
-    Raises:
-        _NotAffine: naming the first difference that is not batch-affine (then capture instead).
-    """
-    for name, t in lo.tensors.items():
-        if t.is_param and hi.tensors.get(name) != t:
-            raise _NotAffine(f"parameter {name} differs between the batch {b_lo} and {b_hi} captures")
-    g = Graph(name=lo.name, tensors=_affine(lo.tensors, hi.tensors, b_lo, b_hi, b, "tensors"),
-              ops=_affine(lo.ops, hi.ops, b_lo, b_hi, b, "ops"), inputs=list(lo.inputs), outputs=list(lo.outputs),
-              source=lo.source, warnings=list(lo.warnings))
-    g.__dict__["_transform_history"] = lo.__dict__.get("_transform_history", ())
-    return g
-
-
-def _affine(x: Any, y: Any, b_lo: int, b_hi: int, b: int, where: str) -> Any:
-    if type(x) is not type(y):
-        raise _NotAffine(f"{where}: {type(x).__name__} vs {type(y).__name__}")
-    if isinstance(x, bool) or x is None or isinstance(x, str | float | Enum | _Any):
-        if x != y:
-            raise _NotAffine(f"{where}: {x!r} vs {y!r}")
-        return x
-    if isinstance(x, int):
-        if x == y:
-            return x
-        slope, rem = divmod(y - x, b_hi - b_lo)
-        if rem:
-            raise _NotAffine(f"{where}: {x} at batch {b_lo}, {y} at batch {b_hi} is not affine in the batch")
-        return x + slope * (b - b_lo)
-    if isinstance(x, tuple | list):
-        if len(x) != len(y):
-            raise _NotAffine(f"{where}: {len(x)} vs {len(y)} entries")
-        out = [_affine(u, v, b_lo, b_hi, b, f"{where}[{i}]") for i, (u, v) in enumerate(zip(x, y))]
-        return tuple(out) if isinstance(x, tuple) else out
-    if isinstance(x, dict):
-        if list(x) != list(y):
-            raise _NotAffine(f"{where}: different keys")
-        return {k: _affine(x[k], y[k], b_lo, b_hi, b, f"{where}.{k}") for k in x}
-    if is_dataclass(x):
-        return type(x)(**{f.name: _affine(getattr(x, f.name), getattr(y, f.name), b_lo, b_hi, b,
-                                          f"{where}.{f.name}") for f in fields(x)})
-    if x == y:  # an attribute value of another type (a dtype, a device...)
-        return x
-    raise _NotAffine(f"{where}: {x!r} vs {y!r}")
-
-
-def _graph_batch(g: Graph) -> int:
-    for name in g.inputs:
-        shape = g.tensors[name].shape
-        if shape:
-            return int(shape[0])
-    return 1
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 # ----------------------------------------------------------------------------------------
@@ -527,17 +322,17 @@ def _crosses_wan(cluster: Cluster, cfg: ParallelConfig, devs: list[int]) -> tupl
 
 def _mesh_shapes(n: int, c: Constraints, node: int, layers: int, exhaustive: bool) -> list[tuple[int, int, int, int]]:
     out = []
-    for tp in _divisors(n):
+    for tp in divisors(n):
         if c.tp is not None and tp != c.tp:
             continue
-        for sp in _divisors(n // tp):
+        for sp in divisors(n // tp):
             if c.sp is not None and sp != c.sp:
                 continue
             if c.sp is None and sp > 1 and not exhaustive and sp > 8:
                 continue
             if tp * sp > node and not (c.cross_node_tp or exhaustive or c.tp or c.sp):
                 continue
-            for pp in _divisors(n // (tp * sp)):
+            for pp in divisors(n // (tp * sp)):
                 if c.pp is not None and pp != c.pp:
                     continue
                 if pp > max(1, layers):
@@ -602,7 +397,7 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
         raise ValueError(f"objective must be 'throughput' or 'memory', not {objective!r}")
     cl = cluster if isinstance(cluster, Cluster) else Cluster.resolve(str(cluster))
     c = Constraints.of(constraints)
-    mdl = _Model(model, example_inputs, example_kwargs)
+    mdl = ModelGraphs(model, example_inputs, example_kwargs)
     devs = _pool(cl, c)
     B = batch_size or mdl.b0 * len(devs)
     say = progress or (lambda _: None)
@@ -627,7 +422,7 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
     if not sync_ok:
         raise DoesNotFit(_does_not_fit_message(mdl, cl, best))
     t1 = time.perf_counter()
-    strat = _to_strategy(mdl, cl, best.est, best.b, B, devs, record, c.placements, c.memory_cap)
+    strat = strategy_of(mdl, cl, best.est, best.b, B, devs, record, c.placements, c.memory_cap)
     if best.refuse is not None:
         strat = _executable(strat, mdl, cl, best, B, devs, record, c, say)
     # placing the chosen plan's ops is part of the search (its capture, if any, was counted above)
@@ -635,7 +430,7 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
         "search_s": round(search_s + time.perf_counter() - t1, 3)})})
 
 
-def _search_sync(mdl: _Model, cl: Cluster, B: int, c: Constraints, devs: list[int], exhaustive: bool,
+def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: list[int], exhaustive: bool,
                  objective: str, say: Callable[[str], None], executable: bool = True) -> _Best:
     """Branch and bound over the plans (module docstring). With ``placements="torch"`` and
     ``executable``, only plans the torch backend executes are candidates (:mod:`polyparallel.backends.torch.
@@ -724,7 +519,7 @@ def _search_sync(mdl: _Model, cl: Cluster, B: int, c: Constraints, devs: list[in
     return best
 
 
-def _executable(strat: Strategy, mdl: _Model, cl: Cluster, best: _Best, B: int, devs: list[int],
+def _executable(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B: int, devs: list[int],
                 record: SearchRecord, c: Constraints, say: Callable[[str], None], tries: int = 8) -> Strategy:
     """The fastest plan the torch backend's own pre-launch check (:func:`~polyparallel.backends.torch.plan_for`)
     accepts on the user's module: what the plan-level predicates cannot see without the model
@@ -750,7 +545,7 @@ def _executable(strat: Strategy, mdl: _Model, cl: Cluster, best: _Best, B: int, 
             best.solve()
             if best.est is None:
                 raise DoesNotFit("no plan the torch backend executes fits: " + "; ".join(refused[-3:])) from e
-            strat = _to_strategy(mdl, cl, best.est, best.b, B, devs, record, c.placements, c.memory_cap)
+            strat = strategy_of(mdl, cl, best.est, best.b, B, devs, record, c.placements, c.memory_cap)
     if refused:
         notes = [*strat.search.notes, f"left out {len(refused)} faster plan(s) the torch backend refuses for this "
                  "model: " + " | ".join(r[:300] for r in refused)]
@@ -758,7 +553,7 @@ def _executable(strat: Strategy, mdl: _Model, cl: Cluster, best: _Best, B: int, 
     return strat
 
 
-def _train_batch(mdl: _Model, B: int) -> tuple[Any, Any] | None:
+def _train_batch(mdl: ModelGraphs, B: int) -> tuple[Any, Any] | None:
     """One global batch ``(inputs, labels)`` of zeros shaped like the example, for ``train``'s
     ``forward(inputs, labels)`` form, on the model's device; None for another form."""
     import torch
@@ -770,7 +565,7 @@ def _train_batch(mdl: _Model, B: int) -> tuple[Any, Any] | None:
     if len(pair) != 2 or not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in pair):
         return None
     device = next((p.device for p in mdl.model.parameters()), pair[0].device)
-    return tuple(_rebatch(t, mdl.b0, B).to(device) for t in pair)  # type: ignore[return-value]
+    return tuple(rebatch(t, mdl.b0, B).to(device) for t in pair)  # type: ignore[return-value]
 
 
 def _micro_order(sizes: list[int], per_replica: int, pp: int, c: Constraints, exhaustive: bool) -> list[int]:
@@ -820,7 +615,7 @@ def _layer_count(g: Graph) -> list[list[int]]:
     return layer_segments(g)
 
 
-def _search_collab(mdl: _Model, cl: Cluster, B: int, c: Constraints, exhaustive: bool,
+def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaustive: bool,
                    say: Callable[[str], None]) -> tuple[Strategy, int] | None:
     """Each center trains locally with its own best plan; fuse every H steps over the WAN."""
     say("pricing the collaborative mode: one synchronous plan per center")
@@ -876,7 +671,7 @@ def _search_collab(mdl: _Model, cl: Cluster, B: int, c: Constraints, exhaustive:
     collab = Collaborative(centers=centers, fusion="fedavg", local_steps=H, rounds=1, compression="none",
                            round_time_s=round_time, comm_fraction=fusion / round_time)
     g = mdl.graph(mdl.b0)
-    strat = Strategy(model=_model_info(mdl, g, mdl.b0, B), cluster=cl.to_dict() if hasattr(cl, "to_dict") else {},
+    strat = Strategy(model=model_info(mdl, g, mdl.b0, B), cluster=cl.to_dict() if hasattr(cl, "to_dict") else {},
                      mode="collaborative", global_batch=B, dp=1, tp=1, pp=1, sp=1,
                      mesh=Mesh(axes=[MeshAxis(name="center", size=len(all_devs), level="inter_center")],
                                devices=all_devs),
@@ -884,13 +679,7 @@ def _search_collab(mdl: _Model, cl: Cluster, B: int, c: Constraints, exhaustive:
     return strat, cands
 
 
-def _model_info(mdl: _Model, g: Graph, b: int, B: int) -> ModelInfo:
-    """``g`` is the graph of one micro-batch of ``b`` samples; a step trains ``B`` samples."""
-    return ModelInfo(name=mdl.name, fingerprint=fingerprint(g), params=g.param_count(),
-                     flops_per_step=3.0 * g.flops() / b * B, source=g.source)
-
-
-def _does_not_fit_message(mdl: _Model, cl: Cluster, best: _Best | None) -> str:
+def _does_not_fit_message(mdl: ModelGraphs, cl: Cluster, best: _Best | None) -> str:
     if best is None or best.closest is None:
         return (f"no parallel plan of {mdl.name} is possible on {cl.name} under the constraints given "
                 "(check the pinned degrees against the device count)")
@@ -898,112 +687,6 @@ def _does_not_fit_message(mdl: _Model, cl: Cluster, best: _Best | None) -> str:
     return (f"{mdl.name} does not fit on {cl.name}: the closest plan ({best.closest.config}) needs "
             f"{worst.total / 1e9:.2f} GB on {worst.label} but {worst.device} has {worst.capacity / 1e9:.2f} GB "
             f"(short by {(worst.total - worst.capacity) / 1e9:.2f} GB). {worst.why()}")
-
-
-def _to_strategy(mdl: _Model, cl: Cluster, est: StepEstimate, b: int, B: int, devs: list[int],
-                 record: SearchRecord, placements: str = "torch", cap: float | None = None) -> Strategy:
-    was = mdl.graph(b)
-    g = mdl.exact(b)
-    if g is not was:  # captured just now: price the plan on the graph the strategy names (same price)
-        est = estimate_step(g, cl, est.config)
-    chunks = _stage_chunks(g, est.config)
-    stage_ops = [[g.ops[i] for a, z in chunks[s] for i in range(a, z + 1)] for s in range(est.config.pp)]
-    placed = place(g, cl, est, stage_ops, placements, cap)
-    est = placed.est
-    cfg = est.config
-    axes = []
-    for name, size in (("pp", cfg.pp), ("dp", cfg.dp), ("sp", cfg.sp), ("tp", cfg.tp)):
-        if size > 1 or name == "dp":
-            axes.append(MeshAxis(name=name, size=size, level=_axis_level(cl, cfg, name, devs)))
-    order = [devs[cfg.rank(s, d, q, t)] for s in range(cfg.pp) for d in range(cfg.dp) for q in range(cfg.sp)
-             for t in range(cfg.tp)]
-    stages = []
-    for s, st in enumerate(est.stages):
-        names = [name for a, z in chunks[s] for name in (g.ops[a].name, g.ops[z].name)]
-        layer_ids = sorted({i for a, z in chunks[s] for i in _layer_ids(g, a, z)})
-        stage_devs = [devs[cfg.rank(s, d, q, t)] for d in range(cfg.dp) for q in range(cfg.sp) for t in range(cfg.tp)]
-        sp_ = placed.stages[s]
-        stages.append(Stage(index=s, ops=names, layers=layer_ids, devices=stage_devs, device_type=est.memory[s].device,
-                            compute_s=round(st.part("compute"), 9), placed_by=sp_.source, placement_note=sp_.note,
-                            objective_s=sp_.objective_s, rule_objective_s=sp_.rule_objective_s))
-    mem_max = max(r.total for r in est.memory)
-    bd = est.breakdown()
-    comm = sum(v for k, v in bd.items() if k in ("tensor_parallel", "sequence_parallel", "p2p", "data_parallel"))
-    estimate = Estimate(step_time_s=est.step_time, samples_per_s=B / est.step_time,
-                        model_flops_per_s_per_device=est.model_flops_per_device,
-                        memory_bytes_max=mem_max, comm_fraction=comm / est.step_time if est.step_time else 0.0,
-                        breakdown={k: float(v) for k, v in bd.items()},
-                        memory_by_device={r.label: float(r.total) for r in est.memory})
-    return Strategy(model=_model_info(mdl, g, b, B), cluster=cl.to_dict() if hasattr(cl, "to_dict") else {},
-                    mode="synchronous", global_batch=B, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, sp=cfg.sp,
-                    microbatches=cfg.microbatches, schedule=cfg.schedule if cfg.chunks == 1 else
-                    f"interleaved:{cfg.chunks}", zero_stage=cfg.zero_stage, recompute=cfg.recompute, dtype=cfg.dtype,
-                    mesh=Mesh(axes=axes, devices=order), stages=stages, placements=_group(g, placed.placements),
-                    estimate=estimate, search=record.model_copy(update={"solver": record.solver + _placement_solver(
-                        placed.stages)}))
-
-
-def _placement_solver(stages: list[Any]) -> str:
-    """What placed the ops, for ``search.solver``: ``+placements:solver(blocks)`` or ``+placements:rule``."""
-    used = sorted({st.solver for st in stages if st.source == "solver"})
-    if not used:
-        return "+placements:rule"
-    rule = sum(st.source == "rule" for st in stages)
-    return f"+placements:solver({','.join(used)})" + (f",rule({rule} stages)" if rule else "")
-
-
-def _stage_chunks(g: Graph, cfg: ParallelConfig) -> list[list[tuple[int, int]]]:
-    """(first, last) op index of each chunk of each stage, as the cost model cuts them."""
-    from polyparallel.cost_models.step import chunk_of_ops
-
-    chunk = chunk_of_ops(g, cfg)
-    out: list[list[tuple[int, int]]] = [[] for _ in range(cfg.pp)]
-    for k in range(max(chunk) + 1 if chunk else 0):
-        idx = [i for i, c in enumerate(chunk) if c == k]
-        if idx:
-            out[k % cfg.pp].append((idx[0], idx[-1]))
-    return out
-
-
-def _layer_ids(g: Graph, a: int, z: int) -> set[int]:
-    """Indices of the numbered layers (``h.3``, ``layers.7``) among ops ``a..z``, matched by the
-    cost model's own layer pattern so the stages list the layers it cut at."""
-    from polyparallel.cost_models.step import _LAYER
-
-    ids = set()
-    for op in g.ops[a: z + 1]:
-        m = _LAYER.match(op.module or "")
-        if m:
-            ids.add(int(m.group(1).rsplit(".", 1)[1]))
-    return ids
-
-
-def _axis_level(cl: Cluster, cfg: ParallelConfig, axis: str, devs: list[int]) -> str:
-    def members(t: int, q: int, d: int, s: int) -> int:
-        return devs[cfg.rank(s, d, q, t)]
-
-    size = {"tp": cfg.tp, "sp": cfg.sp, "dp": cfg.dp, "pp": cfg.pp}[axis]
-    if size == 1:
-        return "intra_node"
-    group = []
-    for x in range(size):
-        idx = {"tp": (x, 0, 0, 0), "sp": (0, x, 0, 0), "dp": (0, 0, x, 0), "pp": (0, 0, 0, x)}[axis]
-        group.append(members(*idx))
-    levels = {cl.level(group[0], d) for d in group[1:]}
-    for lvl in ("inter_center", "inter_node", "intra_node"):
-        if lvl in levels:
-            return lvl
-    return "intra_node"
-
-
-def _group(g: Graph, per_op: list[str]) -> list[OpPlacement]:
-    """One OpPlacement per distinct placement string, listing its ops (and their modules) in op order."""
-    groups: dict[str, list[str]] = {}
-    modules: dict[str, list[str]] = {}
-    for op, pl in zip(g.ops, per_op):
-        groups.setdefault(pl, []).append(op.name)
-        modules.setdefault(pl, []).append(op.module)
-    return [OpPlacement(ops=names, placement=pl, modules=modules[pl]) for pl, names in groups.items()]
 
 
 # ----------------------------------------------------------------------------------------
@@ -1025,7 +708,7 @@ def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Pa
     then ``estimate.memory_bytes_max`` exceeds the capacity and ``search.notes`` says why).
     """
     cl = cluster if isinstance(cluster, Cluster) else Cluster.resolve(str(cluster))
-    mdl = _Model(model, example_inputs, example_kwargs)
+    mdl = ModelGraphs(model, example_inputs, example_kwargs)
     devs = list(range(cl.num_devices))
     if dp is None:
         dp = len(devs) // (tp * pp * sp)
@@ -1051,13 +734,13 @@ def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Pa
             raise ValueError(f"the recipe dp={dp} tp={tp} pp={pp} sp={sp} cannot be priced on {cl.name}: "
                              + "; ".join(best.notes[:3]))
         est = best.closest
-        s = _to_strategy(mdl, cl, est, _batch_of(mdl, est), B, devs, record, placements)
+        s = strategy_of(mdl, cl, est, _batch_of(mdl, est), B, devs, record, placements)
         return s.model_copy(update={"search": record.model_copy(update={"notes": [
             r.why() for r in est.memory if not r.fits]})})
-    return _to_strategy(mdl, cl, best.est, best.b, B, devs, record, placements)
+    return strategy_of(mdl, cl, best.est, best.b, B, devs, record, placements)
 
 
-def _batch_of(mdl: _Model, est: StepEstimate) -> int:
+def _batch_of(mdl: ModelGraphs, est: StepEstimate) -> int:
     for b in mdl.priced:
         if est.samples_per_step == b * est.config.dp * est.config.microbatches:
             return b

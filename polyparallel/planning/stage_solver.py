@@ -333,7 +333,7 @@ def param_split(graph: Graph, op: Op, placement: Any, mesh: Any) -> int:
     return math.prod(mesh.group_size(axes) for d, axes in placement.splits if d in dims)
 
 
-def _in_edges(graph: Graph, v: Op) -> list[tuple[str, Op, int]]:
+def in_edges(graph: Graph, v: Op) -> list[tuple[str, Op, int]]:
     out = []
     for pos, t in enumerate(v.inputs):
         u = graph.producer(t)
@@ -390,7 +390,7 @@ def _tables(pr: _Pricer, ops: list[Op]) -> PlacementTables:
     in_set = {op.name for op in ops}
     edges, parts, pairs = [], [], 0
     for v in ops:
-        for t, u, pos in _in_edges(pr.graph, v):
+        for t, u, pos in in_edges(pr.graph, v):
             if u.name not in in_set:
                 continue
             fwd, bwd = pr.edge(t, u, v, pos)
@@ -611,7 +611,7 @@ def _block_factor(pr: _Pricer, inst: list[Op], prev: list[Op] | None, in_set: se
         r = role(op.name)
         size[r] = len(c)
         factors.append(((r,), np.asarray(total, dtype=float)))
-        for t, u, p in _in_edges(g, op):
+        for t, u, p in in_edges(g, op):
             if u.name not in in_set:
                 continue  # produced in an earlier stage: not this stage's choice
             ru = role(u.name)
@@ -623,7 +623,7 @@ def _block_factor(pr: _Pricer, inst: list[Op], prev: list[Op] | None, in_set: se
     keep = {role(op.name) for op in inst if op.name in later}
     key = (tuple(pr.key(op) for op in inst), tuple(pattern), tuple(sorted(keep)), pr.mesh,
            id(pr.cluster), tuple(pr.devices), pr.dtype, pr.k, max_table, pr.edge_rule,
-           tuple(pr.key(u) for op in inst for _t, u, _p in _in_edges(g, op) if u.name not in pos and u.name in in_set))
+           tuple(pr.key(u) for op in inst for _t, u, _p in in_edges(g, op) if u.name not in pos and u.name in in_set))
     hit = _BLOCK_CACHE.get(key)
     if hit is None:
         interior = {role(op.name) for op in inst} - keep
@@ -729,7 +729,7 @@ def _solve_chain(pr: _Pricer, ops: list[Op], runs: list[tuple[str, list[range]]]
         c, total, _, _ = pr.op(op)
         size[op.name] = len(c)
         factors.append(((op.name,), np.asarray(total, dtype=float)))
-        for t, u, p in _in_edges(g, op):
+        for t, u, p in in_edges(g, op):
             if u.name not in in_set:
                 continue
             size[u.name] = len(pr.op(u)[0])

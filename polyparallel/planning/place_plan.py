@@ -1,16 +1,16 @@
 r"""Per-op placements of a chosen plan: the exact per-stage solver, or Megatron's rule.
 
-The outer search (:mod:`polyparallel.planner`) prices plans with the step model's Megatron rule
+The outer search (:mod:`polyparallel.planning.plan_search`) prices plans with the step model's Megatron rule
 (:func:`polyparallel.cost_models.step._propagate`): it is cheap and exact enough to rank mesh
 shapes. Once a plan is chosen, each pipeline stage's ops are placed by
-:func:`polyparallel.placement.solve_stage` on the stage's tensor-parallel mesh (``tp`` devices;
+:func:`polyparallel.planning.stage_solver.solve_stage` on the stage's tensor-parallel mesh (``tp`` devices;
 data parallelism is the batch split of every op, as in the step model, whose graph is one
 replica's micro-batch):
 
 .. math::  \min_x \sum_o c_{o,x_o} + \sum_{e=(u\to v)} r_{e,x_u,x_v},\qquad
            x_o \in \mathcal{C}_o = \{p \text{ legal},\ \text{expressible}(o, p)\}_{K} \cup \{\text{rule}(o)\}
 
-(:mod:`polyparallel.placement`; ``c`` also holds the optimizer step over the op's local parameter
+(:mod:`polyparallel.planning.stage_solver`; ``c`` also holds the optimizer step over the op's local parameter
 shard per micro-batch, :func:`param_cost_of`, so replicating a weight is not free). The rule's
 placement is always a candidate, so the solver's objective is never above the rule's under the
 same prices. The plan is then re-priced by the step
@@ -129,7 +129,7 @@ def _tp_dim(op: Any, has_param: bool, plan: Any) -> str | None:
 
 def _events(rs: Any, width: float, p: int) -> list[tuple[str, float]]:
     """A poly reshard as the step model's ``(kind, bytes)`` events over the tp group (priced as
-    :class:`polyparallel.placement._Pricer` prices them)."""
+    :class:`polyparallel.planning.stage_solver._Pricer` prices them)."""
     out = []
     for st in rs.steps if rs is not None else ():
         out.append(_event(st.kind, st.payload * width, st.elements * width, p))
@@ -155,7 +155,7 @@ def _op_plans(g: Graph, placed: dict[str, Any], mesh: Any, dtype: str, edge_rule
     whole is all-reduced once (forward), and the gradients that several column-parallel readers leave
     Partial are summed locally and all-reduced once (backward), as Megatron and the torch backend run
     them (the placement objective, pairwise over edges, charges each reader)."""
-    from polyparallel.placement import _FLOAT, _SHORT_BYTES, _in_edges, _wire_bytes, param_split, work_split
+    from polyparallel.planning.stage_solver import _FLOAT, _SHORT_BYTES, _wire_bytes, in_edges, param_split, work_split
     from polyparallel.poly import comm_of_op, edge_costs
 
     w = _SHORT_BYTES.get(dtype, 4)
@@ -176,7 +176,7 @@ def _op_plans(g: Graph, placed: dict[str, Any], mesh: Any, dtype: str, edge_rule
         split = work_split(op, oc, pl, mesh)
         fwd = [_event(c.kind, c.payload * w, c.elements * w, p) for c in oc.forward]
         bwd = [_event(c.kind, c.payload * w, c.elements * w, p) for c in (*oc.backward, *oc.grad)]
-        for t, u, pos in _in_edges(g, op):
+        for t, u, pos in in_edges(g, op):
             if u.name not in placed or (edge_rule is not None and
                                         edge_rule(g, u, placed[u.name], op, pl, pos) == "free"):
                 continue
@@ -202,7 +202,7 @@ def param_cost_of(g: Graph, cfg: ParallelConfig, device: Any, mesh: Any) -> Any:
     weights, the fp32 master copy and the optimizer state, ``m`` micro-batches per step). Replicating
     a weight over ``tp`` is then not free for the solver either."""
     from polyparallel.cost_models.step import _SHORT_BYTES
-    from polyparallel.placement import param_split
+    from polyparallel.planning.stage_solver import param_split
 
     gb = _SHORT_BYTES[cfg.dtype]
     master = 4 if gb < 4 else 0
@@ -237,7 +237,7 @@ def place(g: Graph, cl: Cluster, est: StepEstimate, stage_ops: list[list[Op]], m
     ``stage_ops``: each pipeline stage's ops (as the step model cuts them). See the module
     docstring for ``mode``; ``cap`` is a per-device memory cap the plan must respect.
     """
-    from polyparallel.placement import price_placements, solve_stage
+    from polyparallel.planning.stage_solver import price_placements, solve_stage
     from polyparallel.poly import DeviceMesh, Placement, legal_placements
 
     if mode not in MODES:

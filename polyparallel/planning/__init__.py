@@ -1,0 +1,22 @@
+"""Planning: from a captured model and a cluster to a :class:`~polyparallel.strategy.Strategy`.
+
+The modules, in the order the data flows through them:
+
+* :mod:`.model_graphs`: the graph of the model at every micro-batch size the search tries
+  (captured at two anchor sizes, the others derived).
+* :mod:`.plan_search`: the search over mesh degrees, micro-batching, schedules and memory knobs
+  (branch and bound on the cost model, restricted to plans the torch backend executes), and
+  ``evaluate`` for a hand-made recipe; also the collaborative (multi-center) mode.
+* :mod:`.stage_solver`: the exact per-stage solver of per-op placements on the polyhedral model.
+* :mod:`.place_plan`: applies the stage solver to the chosen plan (or Megatron's rule) and re-prices it.
+* :mod:`.assemble`: writes the chosen plan as a Strategy.
+
+Examples:
+    >>> from polyparallel.planning import Constraints, DoesNotFit, evaluate, search
+    >>> Constraints(tp=2).tp
+    2
+"""
+
+from polyparallel.planning.plan_search import Constraints, DoesNotFit, evaluate, search
+
+__all__ = ["Constraints", "DoesNotFit", "evaluate", "search"]

@@ -1,0 +1,215 @@
+"""The graphs a search prices: one captured graph per micro-batch size, derived where it can be.
+
+A search needs the model's graph at every micro-batch size ``b`` it tries. :class:`ModelGraphs`
+captures a module at the two ``ANCHORS`` batch sizes only (captured, canonicalised, elementwise ops
+fused) and derives every other size from them (:func:`rebatch_graph`): two captures of one model
+differ only in integers affine in the batch (extents, shapes, attribute values), so the graph at
+``b`` is the anchors' graph with those integers evaluated at ``b``. Should the captures differ in
+anything else, each size is captured instead. ONNX models and graphs have one fixed batch.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import fields, is_dataclass
+from enum import Enum
+from typing import Any
+
+from polyparallel.ir import Graph, _Any
+
+__all__ = ["ANCHORS", "MAX_MICRO", "ModelGraphs", "NotAffine", "divisors", "graph_batch", "rebatch", "rebatch_graph"]
+
+MAX_MICRO = 8
+ANCHORS = (2, 4)  # batch sizes a module is captured at; the others are re-batched from these
+
+
+class ModelGraphs:
+    """Captures the model at a given micro-batch size, on demand, with a cache."""
+
+    def __init__(self, model: Any, example_inputs: Any, example_kwargs: dict[str, Any] | None) -> None:
+        self.model, self.args, self.kwargs = model, example_inputs, example_kwargs or {}
+        self.graphs: dict[int, Graph] = {}
+        self.priced: dict[int, Graph] = {}
+        self.capture_s = 0.0
+        self.rebatch_failed = ""  # why re-batching was given up, if it was
+        self.derived: set[int] = set()  # sizes whose graph was re-batched, not captured
+        if isinstance(model, Graph):
+            self.b0 = graph_batch(model)
+            self.graphs[self.b0] = model
+            self.name = model.name
+            self.resizable = False
+            return
+        import torch
+
+        if isinstance(model, torch.nn.Module):
+            args = example_inputs if isinstance(example_inputs, tuple) else (
+                tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,))
+            self.args = args
+            tensors = [t for t in [*args, *self.kwargs.values()] if isinstance(t, torch.Tensor) and t.dim() > 0]
+            if not tensors:
+                raise ValueError("example inputs need at least one tensor with a batch dimension")
+            self.b0 = int(tensors[0].shape[0])
+            self.name = type(model).__name__
+            self.resizable = True
+        else:  # ONNX path or ModelProto: fixed shapes
+            self.resizable = False
+            g = self._capture_raw(None)
+            self.b0 = graph_batch(g)
+            self.graphs[self.b0] = g
+            self.name = g.name
+
+    def _capture_raw(self, b: int | None) -> Graph:
+        import polyparallel as pp
+
+        t = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if b is None:
+                g = pp.capture(self.model)
+            else:
+                args = tuple(rebatch(a, self.b0, b) for a in self.args)
+                kwargs = {k: rebatch(v, self.b0, b) for k, v in self.kwargs.items()}
+                g = pp.capture(self.model, args, kwargs)
+        self.capture_s += time.perf_counter() - t
+        return g
+
+    def graph(self, b: int) -> Graph:
+        """The graph priced for micro-batch ``b``: captured, canonicalised, elementwise ops fused.
+
+        Canonicalisation folds views into accesses and fusion merges elementwise chains, so
+        the cost model prices one memory pass per fused op (FLOPs and parameters unchanged).
+        A module is captured (and transformed) at the two ``ANCHORS`` batch sizes only; every
+        other size is re-batched from them (:func:`rebatch_graph`), which on a big model
+        replaces a capture of seconds by milliseconds. Should the two captures not differ by
+        batch-affine integers alone, each size is captured instead.
+        """
+        if b not in self.priced:
+            derived = self._derive(b)
+            if derived is None:
+                derived = self._captured(b)
+            else:
+                self.derived.add(b)
+            self.priced[b] = derived
+        return self.priced[b]
+
+    def exact(self, b: int) -> Graph:
+        """The graph of micro-batch ``b`` exactly as a capture at ``b`` gives it.
+
+        Re-batched graphs equal direct captures for ``b ≥ 2``; at batch 1 a capture names
+        extent-1 dims differently (views drop them), with the same prices. A strategy is
+        fingerprinted and placed on this graph, which the torch backend re-captures to check.
+        """
+        if b in self.derived and b < min(ANCHORS):
+            self.priced[b] = self._captured(b)
+            self.derived.discard(b)
+        return self.graph(b)
+
+    def _captured(self, b: int) -> Graph:
+        if b not in self.graphs:
+            if not self.resizable:
+                raise ValueError(f"the model has a fixed batch of {self.b0}; micro-batch {b} is not available")
+            self.graphs[b] = self._capture_raw(b)
+        from polyparallel.transforms import canonicalize, fuse_elementwise
+
+        return fuse_elementwise(canonicalize(self.graphs[b]))
+
+    def _derive(self, b: int) -> Graph | None:
+        lo, hi = ANCHORS
+        if not self.resizable or self.rebatch_failed or b in (lo, hi):
+            return None
+        try:
+            return rebatch_graph(self.graph(lo), self.graph(hi), lo, hi, b)
+        except (NotAffine, ValueError, RuntimeError, TypeError) as e:  # capture each size instead
+            self.rebatch_failed = f"{type(e).__name__}: {e}"
+            return None
+
+    def micro_sizes(self, per_replica: int, exhaustive: bool, whole: bool = False) -> list[int]:
+        """Micro-batch sizes to try for ``per_replica`` samples per replica; ``whole`` adds
+        ``per_replica`` itself (one micro-batch: no gradient accumulation)."""
+        if not self.resizable:
+            return [self.b0] if per_replica % self.b0 == 0 else []
+        # powers of two up to MAX_MICRO: larger micro-batches gain little efficiency and each
+        # size costs a capture; `exhaustive` tries every divisor
+        sizes = [d for d in divisors(per_replica) if exhaustive or (d & (d - 1) == 0 and d <= MAX_MICRO)]
+        return sorted({*sizes, per_replica}) if whole else sizes
+
+
+def rebatch(v: Any, b0: int, b: int) -> Any:
+    import torch
+
+    if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == b0:
+        return torch.zeros((b, *v.shape[1:]), dtype=v.dtype, device=v.device)
+    return v
+
+
+class NotAffine(ValueError):
+    """Two captures of a model differ in more than batch-affine integers."""
+
+
+def rebatch_graph(lo: Graph, hi: Graph, b_lo: int, b_hi: int, b: int) -> Graph:
+    r"""The graph of micro-batch ``b`` from the graphs of the same model captured at ``b_lo < b_hi``.
+
+    Both captures must have the same structure (ops, tensors, dims, statements and accesses in
+    the same order, the same names and kinds); every integer ``x`` that differs between them
+    (an extent, a shape entry, an access coefficient or offset) is taken to be affine in the
+    batch, ``x(b) = x_lo + (x_hi − x_lo)(b − b_lo)/(b_hi − b_lo)``, which must be an exact
+    integer. This holds for the models a frontend produces: batch sizes enter shapes as
+    ``b`` or ``b·k`` and strides of dims outside the batch. (A capture at batch 1 may
+    index an extent-1 batch dim as the constant 0 where the re-batched graph keeps ``b``:
+    the same points, the same prices.)
+
+    Raises:
+        NotAffine: naming the first difference that is not batch-affine (then capture instead).
+    """
+    for name, t in lo.tensors.items():
+        if t.is_param and hi.tensors.get(name) != t:
+            raise NotAffine(f"parameter {name} differs between the batch {b_lo} and {b_hi} captures")
+    g = Graph(name=lo.name, tensors=_affine(lo.tensors, hi.tensors, b_lo, b_hi, b, "tensors"),
+              ops=_affine(lo.ops, hi.ops, b_lo, b_hi, b, "ops"), inputs=list(lo.inputs), outputs=list(lo.outputs),
+              source=lo.source, warnings=list(lo.warnings))
+    g.__dict__["_transform_history"] = lo.__dict__.get("_transform_history", ())
+    return g
+
+
+def _affine(x: Any, y: Any, b_lo: int, b_hi: int, b: int, where: str) -> Any:
+    if type(x) is not type(y):
+        raise NotAffine(f"{where}: {type(x).__name__} vs {type(y).__name__}")
+    if isinstance(x, bool) or x is None or isinstance(x, str | float | Enum | _Any):
+        if x != y:
+            raise NotAffine(f"{where}: {x!r} vs {y!r}")
+        return x
+    if isinstance(x, int):
+        if x == y:
+            return x
+        slope, rem = divmod(y - x, b_hi - b_lo)
+        if rem:
+            raise NotAffine(f"{where}: {x} at batch {b_lo}, {y} at batch {b_hi} is not affine in the batch")
+        return x + slope * (b - b_lo)
+    if isinstance(x, tuple | list):
+        if len(x) != len(y):
+            raise NotAffine(f"{where}: {len(x)} vs {len(y)} entries")
+        out = [_affine(u, v, b_lo, b_hi, b, f"{where}[{i}]") for i, (u, v) in enumerate(zip(x, y))]
+        return tuple(out) if isinstance(x, tuple) else out
+    if isinstance(x, dict):
+        if list(x) != list(y):
+            raise NotAffine(f"{where}: different keys")
+        return {k: _affine(x[k], y[k], b_lo, b_hi, b, f"{where}.{k}") for k in x}
+    if is_dataclass(x):
+        return type(x)(**{f.name: _affine(getattr(x, f.name), getattr(y, f.name), b_lo, b_hi, b,
+                                          f"{where}.{f.name}") for f in fields(x)})
+    if x == y:  # an attribute value of another type (a dtype, a device...)
+        return x
+    raise NotAffine(f"{where}: {x!r} vs {y!r}")
+
+
+def graph_batch(g: Graph) -> int:
+    for name in g.inputs:
+        shape = g.tensors[name].shape
+        if shape:
+            return int(shape[0])
+    return 1
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
