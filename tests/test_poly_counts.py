@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from polyparallel import ops
 from polyparallel.ir import ANY, LoopNest
 from polyparallel.poly import DeviceMesh, Placement, TensorLayout, count, footprint_set, legal_placements
-from polyparallel.poly._comm import Distribution, layout_distribution
+from polyparallel.poly._distribution import Distribution, layout_distribution
 from polyparallel.poly._footprint import dim_bounds, operand_region
 
 from .layouts import layout_touched
@@ -254,7 +254,7 @@ def test_progression_intersection_matches_sets(a, b):
 @given(data=st.data(), mesh=meshes)
 def test_per_device_points_of_constrained_statements(data, mesh):
     """Causal attention and prefix scans: the closed form of the per-device FLOPs against enumeration."""
-    from polyparallel.poly._comm import _points
+    from polyparallel.poly._distribution import _points
 
     if data.draw(st.booleans()):
         s = data.draw(st.integers(2, 7))

@@ -67,7 +67,7 @@ Examples:
 from __future__ import annotations
 
 from ._cache import CACHE, PolyCache, cache_stats, clear_cache
-from ._comm import (
+from ._distribution import (
     Collective,
     Distribution,
     EdgeCosts,
