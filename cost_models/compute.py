@@ -84,7 +84,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from polyparallel.cluster import DeviceType
-from polyparallel.ir import DTYPE_BYTES, Graph, Hint, Op, OpKind, TensorKind
+from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Hint, Op, OpKind, TensorKind, element_bytes
 
 __all__ = [
     "BACKWARD_FACTOR",
@@ -119,8 +119,6 @@ BACKWARD_FACTOR: Mapping[OpKind, float] = {
 }
 DEFAULT_BACKWARD_FACTOR = 2.0
 
-_FLOAT_DTYPES = {"float32", "float16", "bfloat16", "float64"}
-_SHORT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 
 
 @dataclass(frozen=True)
@@ -147,13 +145,8 @@ def streaming_bandwidth(device: DeviceType) -> float:
 
 def op_bytes(graph: Graph, op: Op, dtype: str) -> float:
     """Bytes an op moves: distinct operands once; floating tensors at the compute precision."""
-    width = _SHORT_BYTES.get(dtype, DTYPE_BYTES.get(dtype, 4))
-    total = 0.0
-    for t in dict.fromkeys(op.inputs + op.outputs):
-        spec = graph.tensors[t]
-        b = width if spec.dtype in _FLOAT_DTYPES else DTYPE_BYTES.get(spec.dtype, 4)
-        total += spec.numel * b
-    return total
+    return sum(graph.tensors[t].numel * element_bytes(graph.tensors[t].dtype, dtype)
+               for t in dict.fromkeys(op.inputs + op.outputs))
 
 
 def _curve_rate(curve: tuple[tuple[float, float], ...], flops: float) -> float:
@@ -181,7 +174,7 @@ def _kernels(graph: Graph, op: Op, dtype: str, fused: bool) -> list[tuple[float,
     kind = OpKind(op.kind)
     if fused or op.nest is None or len(op.nest.statements) == 1:
         return [(float(op.flops), op_bytes(graph, op, dtype), kind in MATRIX_KINDS)]
-    width = _SHORT_BYTES.get(dtype, DTYPE_BYTES.get(dtype, 4))
+    width = TRAINING_DTYPE_BYTES.get(dtype, 4)  # temporaries are floating point
     ext = op.nest.extents
     out = []
     for st in op.nest.statements:
@@ -190,7 +183,7 @@ def _kernels(graph: Graph, op: Op, dtype: str, fused: bool) -> list[tuple[float,
             name = op.operand_name(acc.operand)
             if name is not None:
                 spec = graph.tensors[name]
-                nbytes += spec.numel * (width if spec.dtype in _FLOAT_DTYPES else DTYPE_BYTES.get(spec.dtype, 4))
+                nbytes += spec.numel * element_bytes(spec.dtype, dtype)
             else:
                 nbytes += math.prod(ext[d] for d in acc.dims) * width
         reads = {a.operand for a in st.reads}
@@ -338,7 +331,7 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
     # a 16-bit GEMM with a dimension that is not a multiple of 8 leaves the tensor-core kernels: the
     # calibration measured how much slower (a 50257-token vocabulary head: ~5x)
     slow = device.misaligned_factor if (device.misaligned_factor > 1 and kind is OpKind.CONTRACTION
-                                        and _SHORT_BYTES.get(dtype, 4) == 2 and _misaligned(op)) else 1.0
+                                        and TRAINING_DTYPE_BYTES.get(dtype, 4) == 2 and _misaligned(op)) else 1.0
     for j, (f, b, matrix) in enumerate(kernels):
         f, b = f * flops_scale / split, b / split
         t_cb = t_c = None

@@ -95,7 +95,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polyparallel.cluster import Cluster, DeviceType
-from polyparallel.ir import DTYPE_BYTES, Graph, Op, OpKind, TensorKind
+from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Op, OpKind, TensorKind, element_bytes
 
 from .comm import collective_time, p2p_time
 from .compute import host_seconds, host_step_fixed, op_cost, streaming_bandwidth
@@ -114,7 +114,6 @@ _OPT_KERNELS = {"adam": 9, "adamw": 10, "lamb": 12, "lion": 5, "sgd": 1, "sgd_mo
 # addcmul_(v, g, g) 3, sqrt(v) 2, div_ 2, add_(eps) 2, addcdiv_(p, m, .) 4 = 18; AdamW's
 # decoupled decay mul_(p) adds 2; SGD add_(p, g) 3, with momentum mul_/add_(buf) + add_(p) 8
 _FOREACH_ACCESSES = {"adam": 18, "adamw": 20, "lamb": 24, "lion": 10, "sgd": 3, "sgd_momentum": 8}
-_SHORT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
 @dataclass(frozen=True)
@@ -206,8 +205,8 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.recompute {self.recompute!r}: use one of {', '.join(RECOMPUTE)}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("ParallelConfig.sequence_parallel needs tp > 1")
-        if self.dtype not in _SHORT_BYTES:
-            raise ValueError(f"ParallelConfig.dtype {self.dtype!r}: use one of {', '.join(_SHORT_BYTES)}")
+        if self.dtype not in TRAINING_DTYPE_BYTES:
+            raise ValueError(f"ParallelConfig.dtype {self.dtype!r}: use one of {', '.join(TRAINING_DTYPE_BYTES)}")
         if self.partition not in ("flops", "layers"):
             raise ValueError(f"ParallelConfig.partition {self.partition!r}: use 'flops' or 'layers'")
         if self.grad_overlap is not None and not 0 <= self.grad_overlap <= 1:
@@ -445,7 +444,7 @@ class _OpPlan:
 
 def _tensor_bytes(graph: Graph, name: str, dtype: str) -> float:
     t = graph.tensors[name]
-    w = _SHORT_BYTES[dtype] if t.dtype in ("float32", "float16", "bfloat16", "float64") else DTYPE_BYTES.get(t.dtype, 4)
+    w = element_bytes(t.dtype, dtype)
     return t.numel * w
 
 
@@ -546,7 +545,7 @@ def _activation_bytes(graph: Graph, op: Op, dtype: str, fused_attention: bool, s
             for w in st.writes:
                 if w.operand == "scores":
                     n = math.prod(ext[d] for e in w.index for d in e.dims)
-                    total += 2 * n * _SHORT_BYTES[dtype]  # scores and probabilities
+                    total += 2 * n * TRAINING_DTYPE_BYTES[dtype]  # scores and probabilities
     return total
 
 
@@ -673,7 +672,7 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
     terms = _stage_terms(graph, cluster, cfg, v)
     ccache: dict = cluster.__dict__.setdefault("_collective_cache", {})
     in_flight = peak_in_flight(cfg.schedule, p, m, v)
-    gb = _SHORT_BYTES[cfg.dtype]
+    gb = TRAINING_DTYPE_BYTES[cfg.dtype]
     dps, mems, accum = [], [], []
     fwd, bwd = list(terms.fwd), list(terms.bwd)
     for s in range(p):

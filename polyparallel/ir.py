@@ -50,6 +50,8 @@ from typing import Any
 __all__ = [
     "ANY",
     "DTYPE_BYTES",
+    "FLOAT_DTYPES",
+    "TRAINING_DTYPE_BYTES",
     "Access",
     "AffineExpr",
     "Dim",
@@ -64,6 +66,7 @@ __all__ = [
     "Statement",
     "TensorKind",
     "TensorSpec",
+    "element_bytes",
 ]
 
 Shape = tuple[int, ...]
@@ -84,6 +87,19 @@ DTYPE_BYTES: dict[str, int] = {
     "complex64": 8,
     "complex128": 16,
 }
+
+# training precisions by their short name (a Strategy's ``dtype``): bytes per element of the floating-point
+# tensors trained in them; integer tensors (token ids, masks) keep their own width
+TRAINING_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def element_bytes(tensor_dtype: str, precision: str) -> int:
+    """Bytes per element of a tensor of ``tensor_dtype`` (``float32``, ``int64``) when the model
+    trains in ``precision`` (``bf16``): floats take the precision's width, other tensors their own."""
+    if tensor_dtype in FLOAT_DTYPES:
+        return TRAINING_DTYPE_BYTES.get(precision, 4)
+    return DTYPE_BYTES.get(tensor_dtype, 4)
 
 
 class TensorKind(enum.StrEnum):

@@ -155,10 +155,11 @@ def _op_plans(g: Graph, placed: dict[str, Any], mesh: Any, dtype: str, edge_rule
     whole is all-reduced once (forward), and the gradients that several column-parallel readers leave
     Partial are summed locally and all-reduced once (backward), as Megatron and the torch backend run
     them (the placement objective, pairwise over edges, charges each reader)."""
-    from polyparallel.planning.stage_solver import _FLOAT, _SHORT_BYTES, _wire_bytes, in_edges, param_split, work_split
+    from polyparallel.ir import FLOAT_DTYPES, TRAINING_DTYPE_BYTES
+    from polyparallel.planning.stage_solver import _wire_bytes, in_edges, param_split, work_split
     from polyparallel.poly import comm_of_op, edge_costs
 
-    w = _SHORT_BYTES.get(dtype, 4)
+    w = TRAINING_DTYPE_BYTES.get(dtype, 4)
     p = mesh.size
     out = {}
     seen: set[tuple] = set()
@@ -183,7 +184,7 @@ def _op_plans(g: Graph, placed: dict[str, Any], mesh: Any, dtype: str, edge_rule
             ec = edge_costs(g, t, op, f"in{pos}", mesh, [placed[u.name]], [pl])
             wt = _wire_bytes(g, t, dtype)
             fwd += once(t, "forward", _events(ec.cost(0, 0), wt, p))
-            if g.tensors[t].dtype in _FLOAT and (edge_rule is None or
+            if g.tensors[t].dtype in FLOAT_DTYPES and (edge_rule is None or
                                                  edge_rule(g, u, placed[u.name], op, pl, pos) != "forward"):
                 bwd += once(t, "backward", _events(ec.backward_cost(0, 0), wt, p))
         out[name] = OpPlan(split=split, tp_fwd=tuple(e for e in fwd if e[1] > 0),
@@ -201,10 +202,10 @@ def param_cost_of(g: Graph, cfg: ParallelConfig, device: Any, mesh: Any) -> Any:
     ZeRO shard (the ``dp·sp`` group from ZeRO-1 on), ``w`` / ``w_m`` / ``w_s`` bytes per element of the
     weights, the fp32 master copy and the optimizer state, ``m`` micro-batches per step). Replicating
     a weight over ``tp`` is then not free for the solver either."""
-    from polyparallel.cost_models.step import _SHORT_BYTES
+    from polyparallel.ir import TRAINING_DTYPE_BYTES
     from polyparallel.planning.stage_solver import param_split
 
-    gb = _SHORT_BYTES[cfg.dtype]
+    gb = TRAINING_DTYPE_BYTES[cfg.dtype]
     master = 4 if gb < 4 else 0
     state = 8 if cfg.optimizer in ("adam", "adamw", "lamb") else 4 if cfg.optimizer in ("sgd_momentum", "lion") else 0
     shard = cfg.dp * cfg.sp if cfg.zero_stage >= 1 else 1

@@ -86,7 +86,7 @@ import numpy as np
 
 from polyparallel.cluster import Cluster
 from polyparallel.ir import ANY as _ANY
-from polyparallel.ir import Graph, Op, TensorKind
+from polyparallel.ir import FLOAT_DTYPES, TRAINING_DTYPE_BYTES, Graph, Op, TensorKind, element_bytes
 
 __all__ = ["FORBIDDEN", "PlacementPlan", "PlacementTables", "param_split", "price_placements", "solve_placements",
            "solve_stage", "work_split"]
@@ -241,7 +241,7 @@ class _Pricer:
         dt = self.cluster.device(self.devices[0]).type
         pls, forced = self.legal(op)
         extra = key[3] or (0.0,) * len(pls)
-        w = _SHORT_BYTES.get(self.dtype, 4)  # collectives inside an op move partial sums / gradients
+        w = TRAINING_DTYPE_BYTES.get(self.dtype, 4)  # collectives inside an op move partial sums / gradients
         costs, computes, comms = [], [], []
         for p in pls:
             oc = comm_of_op(self.graph, op, p, self.mesh)
@@ -290,21 +290,18 @@ class _Pricer:
                     fwd[i, j] = FORBIDDEN
                     continue
                 fwd[i, j] = self.reshard_s(rs, w)
-                if how != "forward" and self.graph.tensors[tensor].dtype in _FLOAT:  # no gradient into indices
+                if how != "forward" and self.graph.tensors[tensor].dtype in FLOAT_DTYPES:  # no gradient into indices
                     bwd[i, j] = self.reshard_s(ec.backward_cost(i, j), w)
         self._edges[key] = (fwd, bwd)
         return fwd, bwd
 
 
-_SHORT_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-_FLOAT = ("float32", "float16", "bfloat16", "float64")
 
 
 def _wire_bytes(graph: Graph, tensor: str, dtype: str) -> float:
-    from polyparallel.ir import DTYPE_BYTES
 
     t = graph.tensors[tensor].dtype
-    return _SHORT_BYTES.get(dtype, 4) if t in _FLOAT else DTYPE_BYTES.get(t, 4)
+    return element_bytes(t, dtype)
 
 
 def work_split(op: Op, oc: Any, placement: Any, mesh: Any) -> float:
