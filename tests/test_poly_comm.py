@@ -248,7 +248,7 @@ def test_strings_round_trip():
 def test_closed_form_layout_reshards_equal_per_device_counts(data):
     """The closed form for equal blocks against the exact per-device path, and the direct volume
     against a numpy enumeration of which elements each device lacks."""
-    from polyparallel.poly import _distribution
+    from polyparallel.poly import _reshard
 
     mesh = data.draw(st.sampled_from([DeviceMesh.of(a=2), DeviceMesh.of(a=2, b=2), DeviceMesh.of(a=2, b=3),
                                       DeviceMesh.of(a=4, b=2)]))
@@ -258,12 +258,12 @@ def test_closed_form_layout_reshards_equal_per_device_counts(data):
     CACHE.clear()
     fast = reshard(have, need, mesh)
     CACHE.clear()
-    original = _distribution._even_blocks
-    _distribution._even_blocks = lambda shape, shards, mesh: None
+    original = _reshard._even_blocks
+    _reshard._even_blocks = lambda shape, shards, mesh: None
     try:
         slow = reshard(have, need, mesh)
     finally:
-        _distribution._even_blocks = original
+        _reshard._even_blocks = original
         CACHE.clear()
     assert fast.steps == slow.steps and fast.direct_elements == slow.direct_elements
     assert fast.elements >= fast.direct_elements  # a route never beats the exact lower bound

@@ -254,7 +254,7 @@ def test_progression_intersection_matches_sets(a, b):
 @given(data=st.data(), mesh=meshes)
 def test_per_device_points_of_constrained_statements(data, mesh):
     """Causal attention and prefix scans: the closed form of the per-device FLOPs against enumeration."""
-    from polyparallel.poly._distribution import _points
+    from polyparallel.poly._op_comm import _points
 
     if data.draw(st.booleans()):
         s = data.draw(st.integers(2, 7))

@@ -1,7 +1,7 @@
 """The batched paths of the polyhedral model equal the per-pair / per-placement paths they replace.
 
 * :func:`reshard_table` (every (have, need) pair of an edge as arrays, routes shared, device
-  classes by mesh symmetry) against :func:`_distribution._reshard`, the per-pair route and count;
+  classes by mesh symmetry) against :func:`_reshard._reshard`, the per-pair route and count;
 * distributions and op collectives of many placements computed side by side on virtual
   devices against one placement at a time (a batch of one is the per-placement code);
 * the table's exact lower bound against a numpy enumeration of what each device lacks.
@@ -22,7 +22,16 @@ from hypothesis import strategies as st
 import polyparallel as pp
 from polyparallel import poly
 from polyparallel.models import load_model
-from polyparallel.poly import CACHE, DeviceMesh, _distribution, layout_distribution, reshard_table
+from polyparallel.poly import (
+    CACHE,
+    DeviceMesh,
+    _distribution,
+    _op_comm,
+    _reshard,
+    _reshard_table,
+    layout_distribution,
+    reshard_table,
+)
 from polyparallel.transforms import canonicalize, fuse_elementwise
 
 from .layouts import draw_layout, layout_touched, most_lacked
@@ -58,7 +67,7 @@ def _same_table(table, mesh) -> int:
     n = 0
     for i, h in enumerate(table.haves):
         for j, need in enumerate(table.needs):
-            ref = _distribution._reshard(h, need, mesh, table.dtype_bytes)
+            ref = _reshard._reshard(h, need, mesh, table.dtype_bytes)
             got = table.cell(i, j)
             assert got == ref, (i, j, str(got), str(ref))
             assert table.elements[i, j] == ref.elements and table.direct[i, j] == ref.direct_elements
@@ -84,7 +93,7 @@ def test_edge_tables_equal_the_per_pair_reshard(gpt, data):
             h = _distribution.output_layout(gpt, gpt.producer(t), ec.producer_placements[a], mesh,
                                     gpt.producer(t).outputs.index(t))
             need = _distribution.operand_need(gpt, op, ec.consumer_placements[b], mesh, f"in{i}")
-            assert ec.cost(a, b) == _distribution._reshard(h, need, mesh, ec.table.dtype_bytes)
+            assert ec.cost(a, b) == _reshard._reshard(h, need, mesh, ec.table.dtype_bytes)
 
 
 def test_attention_reads_of_the_fused_qkv_on_a_three_axis_mesh(gpt):
@@ -105,9 +114,9 @@ def test_batched_distributions_and_op_collectives_equal_one_placement_at_a_time(
     op = gpt.ops[data.draw(st.integers(0, len(gpt.ops) - 1))]
     legal = poly.legal_placements(gpt, op, mesh)
     CACHE.clear()
-    batch = _distribution._comm_of_ops(gpt, op, legal, mesh)
+    batch = _op_comm._comm_of_ops(gpt, op, legal, mesh)
     for p in legal:
-        assert batch[p] == _distribution._comm_of_ops(gpt, op, [p], mesh)[p]
+        assert batch[p] == _op_comm._comm_of_ops(gpt, op, [p], mesh)[p]
     operands = [(f"in{j}", False) for j in range(len(op.inputs))] + [(f"out{j}", True) for j in range(len(op.outputs))]
     for operand, writes in operands:
         many = _distribution._build_distributions(gpt, op, legal, mesh, operand, writes)
@@ -182,7 +191,7 @@ def test_table_of_layouts_against_numpy_enumeration(data):
     CACHE.clear()
     hd = [layout_distribution(x, mesh) for x in haves]
     nd = [layout_distribution(x, mesh) for x in needs]
-    table = _distribution._reshard_table(tuple(hd), tuple(nd), mesh, 4)  # the array path, however small
+    table = _reshard_table._reshard_table(tuple(hd), tuple(nd), mesh, 4)  # the array path, however small
     _same_table(table, mesh)
     small = reshard_table(hd, nd, mesh)  # <= 16 pairs: priced pair by pair
     assert np.array_equal(small.elements, table.elements) and np.array_equal(small.direct, table.direct)
@@ -205,10 +214,10 @@ def test_vectorised_routes_equal_the_scalar_route(data):
     lays = list({x: None for x in (draw_layout(data, mesh, shape, True, any_order=True) for _ in range(6))})
     deps = list({x.shards: None for x in (draw_layout(data, mesh, shape, False, any_order=True) for _ in range(6))})
     CACHE.clear()
-    elements, end, ends = _distribution._routes(shape, lays, deps, mesh)
+    elements, end, ends = _reshard._routes(shape, lays, deps, mesh)
     for x, lay in enumerate(lays):
         for d, dk in enumerate(deps):
-            steps, cur = _distribution._route(shape, lay.shards, lay.partial, dk, mesh)
+            steps, cur = _reshard._route(shape, lay.shards, lay.partial, dk, mesh)
             assert ends[end[x, d]] == cur, (str(lay), dk)
             assert elements[x, d] == sum(s.elements for s in steps), (str(lay), dk, [str(s) for s in steps])
 
@@ -236,19 +245,19 @@ def test_gain_against_numpy_enumeration(data):
             blocks.append(arr)
         gained.append(int((blocks[0] & ~blocks[1]).sum()))
         size.append(int(blocks[0].sum()))
-    assert _distribution._gain(shape, nxt, cur, mesh) == (max(gained), sum(gained), max(size))
+    assert _reshard._gain(shape, nxt, cur, mesh) == (max(gained), sum(gained), max(size))
 
 
 def test_column_classes_are_exact_even_when_the_hash_collides(monkeypatch):
     rows = np.array([[1, 2, 1, 3, 2], [0, 5, 0, 5, 5]], dtype=np.int64)
-    rep, cls = _distribution._column_classes(rows)
+    rep, cls = _reshard_table._column_classes(rows)
     assert np.array_equal(rows[:, rep][:, cls], rows) and len(rep) == 3
     distinct = np.array([[1, 2, 1, 3], [0, 5, 5, 5]], dtype=np.int64)  # every column differs: singletons
-    rep, cls = _distribution._column_classes(distinct)
+    rep, cls = _reshard_table._column_classes(distinct)
     assert np.array_equal(distinct[:, rep][:, cls], distinct) and sorted(rep.tolist()) == [0, 1, 2, 3]
     # a hash that maps every column to one value: the exact grouping takes over
-    monkeypatch.setattr(_distribution, "_MIX", np.zeros(4096, dtype=np.int64))
-    rep, cls = _distribution._column_classes(rows)
+    monkeypatch.setattr(_reshard_table, "_MIX", np.zeros(4096, dtype=np.int64))
+    rep, cls = _reshard_table._column_classes(rows)
     assert np.array_equal(rows[:, rep][:, cls], rows) and len(rep) == 3
 
 
@@ -307,12 +316,12 @@ def test_column_classes_of_row_blocks_equal_those_of_the_stacked_rows(monkeypatc
     blocks = [rng.integers(0, 3, (n, 4))[:, rng.integers(0, 4, 40)] for n in (2, 5, 1)]
     stacked = np.concatenate(blocks, axis=0)
     for _ in range(2):  # the hash, then a hash that collides everywhere (the exact grouping)
-        rep, cls = _distribution._column_classes(blocks)
-        rep2, cls2 = _distribution._column_classes(stacked)
+        rep, cls = _reshard_table._column_classes(blocks)
+        rep2, cls2 = _reshard_table._column_classes(stacked)
         assert np.array_equal(rep, rep2) and np.array_equal(cls, cls2)
         assert np.array_equal(stacked[:, rep][:, cls], stacked)
         assert len(rep) == len({tuple(c) for c in stacked.T})
-        monkeypatch.setattr(_distribution, "_MIX", np.zeros(4096, dtype=np.int64))
+        monkeypatch.setattr(_reshard_table, "_MIX", np.zeros(4096, dtype=np.int64))
 
 
 @settings(max_examples=30, deadline=None)
@@ -402,7 +411,7 @@ def test_repeated_comm_of_op_lookups_are_the_cached_prices(gpt):
     mesh = DeviceMesh.parse("a=2,b=3")
     CACHE.clear()
     legal = poly.legal_placements(gpt, op, mesh)
-    ref = _distribution._comm_of_ops(gpt, op, legal, mesh)
+    ref = _op_comm._comm_of_ops(gpt, op, legal, mesh)
     first = [poly.comm_of_op(gpt, op, p, mesh) for p in legal]
     hits = CACHE.stats()["op_comm"]["hits"]
     again = [poly.comm_of_op(gpt, op, p, mesh) for p in legal]
@@ -416,7 +425,7 @@ def test_repeated_comm_of_op_lookups_are_the_cached_prices(gpt):
     assert [poly.comm_of_op(gpt, twin, p, other) for p in legal] == first
     assert CACHE.stats()["op_comm"]["hits"] == hits + len(legal)
     CACHE.clear()
-    assert not _distribution._OP_COMM and poly.comm_of_op(gpt, op, legal[-1], mesh) == ref[legal[-1]]
+    assert not _op_comm._OP_COMM and poly.comm_of_op(gpt, op, legal[-1], mesh) == ref[legal[-1]]
 
 
 @settings(max_examples=60, deadline=None)
@@ -457,12 +466,12 @@ def test_batched_flops_equal_every_device_counted(gpt, monkeypatch):
             for op in ops:
                 legal = poly.legal_placements(gpt, op, mesh)
                 CACHE.clear()
-                batch = _distribution._comm_of_ops(gpt, op, legal, mesh)
-                bad += sum(batch[p].flops != _distribution._comm_of_ops(gpt, op, [p], mesh)[p].flops for p in legal)
+                batch = _op_comm._comm_of_ops(gpt, op, legal, mesh)
+                bad += sum(batch[p].flops != _op_comm._comm_of_ops(gpt, op, [p], mesh)[p].flops for p in legal)
         return bad
 
     assert mismatches() == 0
-    monkeypatch.setattr(_distribution, "_longest_block",
+    monkeypatch.setattr(_op_comm, "_longest_block",
                         lambda mesh, n, axes: tuple(int(x[0]) for x in mesh.bounds(n, axes)))
     assert mismatches() > 0
 
@@ -505,7 +514,7 @@ def test_missing_counts_of_unions_of_products_against_enumeration(data):
     pn = np.repeat(np.arange(len(needs)), len(others))
     po = np.tile(np.arange(len(others)), len(needs))
     CACHE.clear()
-    mx, sm = _distribution._missing_pairs(needs, others, pn, po, mesh)
+    mx, sm = _reshard_table._missing_pairs(needs, others, pn, po, mesh)
     for k in range(len(pn)):
         lay = lays[po[k]]
         lacked = [int((mask(sets[pn[k]], p) & ~layout_touched(lay, mesh, p)).sum()) for p in range(n_dev)]

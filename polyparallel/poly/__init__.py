@@ -12,6 +12,12 @@ boxes and progressions counted in closed form, isl for the rest; see :mod:`._isl
 box-shaped footprints also have exact formulas in symbolic shape parameters (products of
 piecewise quasi-affine extents; :mod:`._symbolic`).
 
+Communication is computed in four modules, each importing only those before it:
+:mod:`._distribution` (what each device holds or needs of a tensor), :mod:`._reshard` (the
+route and exact cost between two distributions), :mod:`._op_comm` (an op's own collectives
+and the gradients' distributions) and :mod:`._reshard_table` (every placement pair of an
+edge priced at once, as arrays).
+
 API:
     ``legal_placements(graph, op, mesh) -> list[Placement]``
     ``comm_of_op(graph, op, placement, mesh) -> OpComm`` (partial-sum reductions inside
@@ -67,31 +73,13 @@ Examples:
 from __future__ import annotations
 
 from ._cache import CACHE, PolyCache, cache_stats, clear_cache
-from ._distribution import (
-    Collective,
-    Distribution,
-    EdgeCosts,
-    OpComm,
-    Reshard,
-    ReshardTable,
-    Step,
-    TensorLayout,
-    backward_reshard_edge,
-    comm_of_op,
-    edge_costs,
-    grad_held,
-    grad_needed,
-    grad_partial_axes,
-    layout_distribution,
-    operand_need,
-    output_layout,
-    reshard,
-    reshard_edge,
-    reshard_table,
-)
+from ._distribution import Distribution, TensorLayout, layout_distribution, operand_need, output_layout
 from ._isl import ISL_TIME, access_map, count, domain_set, footprint_set
 from ._mesh import DeviceMesh, MeshAxis
+from ._op_comm import Collective, OpComm, backward_reshard_edge, comm_of_op, grad_held, grad_needed, grad_partial_axes
 from ._placement import IllegalPlacement, Placement, check_placement, dim_split_kind, legal_placements, padding_of
+from ._reshard import Reshard, Step, reshard, reshard_edge
+from ._reshard_table import EdgeCosts, ReshardTable, edge_costs, reshard_table
 from ._symbolic import NotSymbolic, SymbolicVolume, symbolic_receive, symbolic_volume
 
 __all__ = [

@@ -21,7 +21,7 @@ the footprint is their product, so counting is a product of one-dimensional coun
   intersections (interval with progression in closed form, two progressions of equal
   step by congruence), and ``|U_i P_i|`` is inclusion-exclusion over the few pieces.
 
-Devices where some piece is not representable are flagged; :mod:`._comm` counts those
+Devices where some piece is not representable are flagged; :mod:`._distribution` counts those
 devices with isl (:mod:`._isl`), exactly.
 """
 

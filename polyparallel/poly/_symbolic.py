@@ -1,6 +1,6 @@
 """Footprint and receive volumes as formulas in symbolic shape parameters (plain islpy).
 
-The concrete model (:mod:`._comm`) counts elements for one shape. Here the extents of
+The concrete model (:mod:`._distribution`) counts elements for one shape. Here the extents of
 chosen loop dims are isl *parameters* (``B``, ``S``, ``H``...) and the same questions are
 answered once for every shape:
 
