@@ -18,22 +18,8 @@ from .strategy import Strategy
 
 __version__ = "0.1.0"
 
-__all__ = ["Cluster", "Graph", "Op", "OpKind", "Strategy", "TensorSpec", "__version__", "capture", "collaborate",
-           "evaluate", "search", "train"]
-
-
-def search(model: Any, example_inputs: Any = None, cluster: Any = "local-cpu:2", **kwargs: Any) -> Strategy:
-    """Find the fastest parallel plan that fits; see :func:`polyparallel.planning.plan_search.search`."""
-    from .planning import search as _search
-
-    return _search(model, example_inputs, cluster, **kwargs)
-
-
-def evaluate(model: Any, example_inputs: Any = None, cluster: Any = "local-cpu:2", **kwargs: Any) -> Strategy:
-    """Price a hand-made recipe; see :func:`polyparallel.planning.plan_search.evaluate`."""
-    from .planning import evaluate as _evaluate
-
-    return _evaluate(model, example_inputs, cluster, **kwargs)
+__all__ = ["Cluster", "Constraints", "DoesNotFit", "Graph", "Op", "OpKind", "Strategy", "TensorSpec", "__version__",
+           "capture", "collaborate", "evaluate", "search", "train"]
 
 
 def capture(model: Any, example_inputs: Any = None, example_kwargs: dict[str, Any] | None = None,
@@ -66,15 +52,29 @@ def capture(model: Any, example_inputs: Any = None, example_kwargs: dict[str, An
                     "or an onnx.ModelProto")
 
 
-def collaborate(*args: Any, **kwargs: Any) -> Any:
-    """Train across centers with periodic fusion; see :func:`polyparallel.backends.collab.collaborate`."""
-    from .backends.collab import collaborate as _collaborate
+# The executors and the search import torch and the solvers; they load on first use, and
+# ``pp.train`` / ``pp.collaborate`` / ``pp.search`` are then the functions themselves (real
+# signatures and docstrings in ``help``).
+_LAZY = {
+    "search": ("polyparallel.planning", "search"),
+    "evaluate": ("polyparallel.planning", "evaluate"),
+    "Constraints": ("polyparallel.planning", "Constraints"),
+    "DoesNotFit": ("polyparallel.planning", "DoesNotFit"),
+    "train": ("polyparallel.backends.torch", "train"),
+    "collaborate": ("polyparallel.backends.collab", "collaborate"),
+}
 
-    return _collaborate(*args, **kwargs)
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        mod, attr = _LAZY[name]
+        value = getattr(importlib.import_module(mod), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'polyparallel' has no attribute {name!r}")
 
 
-def train(*args: Any, **kwargs: Any) -> Any:
-    """Execute a Strategy with torch.distributed; see :func:`polyparallel.backends.torch.train`."""
-    from .backends.torch import train as _train
-
-    return _train(*args, **kwargs)
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
