@@ -933,15 +933,19 @@ def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, 
         out["param_tensors"].append(st.param_tensors)
         out["tp_param_tensors"].append(st.tp_param_tensors)
         full_act = seg_max = 0.0
+        rec = _recomputed_segments(graph) if full else ()
         for j in st.segs:
             full_act += seg_act[j]
-            seg_max = max(seg_max, seg_act[j])
+            if full and rec[j]:
+                seg_max = max(seg_max, seg_act[j])
         if full:
-            # keep each layer's input (its first op's activation inputs), recompute the rest
+            # keep each layer's input (its first op's activation inputs), recompute the rest; ops
+            # outside the numbered layers (embeddings, final norm, head, loss) keep theirs, as
+            # Megatron-LM and torch's checkpointing of the blocks do
             kept = 0.0
             seg_in = _segment_inputs(graph, cfg.dtype)
             for j in st.segs:
-                kept += seg_in[j] / (cfg.tp if cfg.sequence_parallel else 1) / cfg.sp
+                kept += seg_in[j] / (cfg.tp if cfg.sequence_parallel else 1) / cfg.sp if rec[j] else seg_act[j]
             out["act"].append(kept)
             out["seg_act_max"].append(seg_max)
         else:
@@ -1026,6 +1030,17 @@ def _segment_activations(graph: Graph, cfg: ParallelConfig, plans: list[_OpPlan]
         act = cache[op_key]
         cache[key] = [sum(act[i] / plans[i].split for i in sg) for sg in _segments(graph)]
     return cache[key]
+
+
+def _recomputed_segments(graph: Graph) -> list[bool]:
+    """Which layer segments full recomputation checkpoints: the numbered layers, or every run of
+    ``√n`` ops in a graph without numbered layers."""
+    cache = _cache(graph)
+    if ("recomputed",) not in cache:
+        segs = _segments(graph)
+        layer = [bool(_LAYER.match(graph.ops[sg[0]].module or "")) for sg in segs]
+        cache[("recomputed",)] = layer if any(layer) else [True] * len(segs)
+    return cache[("recomputed",)]
 
 
 def _segment_inputs(graph: Graph, dtype: str) -> list[float]:

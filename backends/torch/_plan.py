@@ -51,6 +51,7 @@ from typing import Any
 
 from torch import nn
 
+from polyparallel.backends.torch._recompute import recompute_blocks
 from polyparallel.backends.torch._tensor_parallel import (
     head_split,
     position_embeddings,
@@ -89,6 +90,8 @@ class ExecPlan:
     fused: tuple[tuple[str, tuple[int, ...]], ...] = ()
     tied: tuple[tuple[str, ...], ...] = ()
     positions: tuple[str, ...] = ()
+    recompute: str = "none"  # activation recomputation (._recompute)
+    recompute_blocks: tuple[str, ...] = ()  # the layers recompute="full" checkpoints
 
 
 def _parse(placement: str) -> dict[str, tuple[str, ...]]:
@@ -252,6 +255,11 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
     if loss_parallel and not any(k == "col_to_loss" for k in seen.values()):
         raise Unsupported("cross entropy is class-parallel over tp but no column-parallel Linear produces its "
                           "logits")
+    if s.recompute == "full" and graph is not None:
+        absent = [b for b in recompute_blocks(graph) if b not in modules]
+        if absent:
+            raise Unsupported(f"recompute='full' checkpoints the layer module {absent[0]!r} of the model's graph, "
+                              "which the model has no module for; build the model the strategy was searched for")
     dp_kind = "none" if s.dp * s.sp == 1 else ("fsdp" if s.zero_stage >= 1 else "ddp")
     pipe = None
     if s.pp > 1:
@@ -263,4 +271,6 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
     return ExecPlan(dp=s.dp, tp=s.tp, data_parallel=dp_kind, tp_plan=tuple(sorted(seen.items())),
                     loss_parallel=loss_parallel, global_batch=s.global_batch, pp=s.pp, pipeline=pipe, sp=s.sp,
                     fused=tuple(sorted((p, seg) for p, seg in heads.items() if len(seg) > 1)),
-                    tied=tuple(tied), positions=tuple(position_embeddings(graph)) if s.sp > 1 and graph else ())
+                    tied=tuple(tied), positions=tuple(position_embeddings(graph)) if s.sp > 1 and graph else (),
+                    recompute=s.recompute,
+                    recompute_blocks=tuple(recompute_blocks(graph)) if s.recompute == "full" and graph else ())

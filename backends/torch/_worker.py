@@ -84,6 +84,9 @@ def _apply(model: torch.nn.Module, job: dict[str, Any], device: torch.device) ->
     mesh = build_mesh(device.type, plan)
     parallelize(model, plan, mesh)
     cross_rank_bn = job.get("batchnorm", "cross_rank") == "cross_rank" and _cross_rank_batchnorm(model, mesh, plan)
+    from polyparallel.backends.torch._recompute import apply_recompute
+
+    apply_recompute(model, plan.recompute, plan.recompute_blocks)  # after TP, before DDP / FSDP2 wrap the model
     if plan.data_parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
