@@ -14,13 +14,14 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from polyparallel.cluster import FRAMEWORKS
+
 from ._fusion import FUSIONS, FusionStrategy, make_fusion
 from ._models import ModelSpec
 from ._wire import COMPRESSIONS
 
 __all__ = ["FRAMEWORKS", "CenterSpec", "CollabConfig", "check_logit_adjust", "config_from_strategy"]
 
-FRAMEWORKS = ("torch", "mindspore")
 
 
 def check_logit_adjust(tau: float) -> None:
