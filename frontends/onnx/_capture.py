@@ -53,7 +53,7 @@ from onnx import AttributeProto, TensorProto, helper, numpy_helper
 from polyparallel import ops
 from polyparallel.ir import ANY, Access, AffineExpr, Dim, E, Graph, LoopNest, OpKind, Role, Statement, TensorKind
 
-from ._builder import CaptureError, GraphBuilder
+from .._builder import CaptureError, GraphBuilder
 
 __all__ = ["capture_onnx"]
 
