@@ -48,17 +48,20 @@ def train(
     import os
     import sys
 
-    from polyparallel.backends.torch import MultiNode, TrainError, launch_commands
-
     if os.getcwd() not in sys.path:  # like `python -m`: the user's own modules in this folder import
         sys.path.insert(0, os.getcwd())
-    from polyparallel.backends.torch import train as run
-    from polyparallel.backends.torch._launch import new_run_dir
-
     if run_dir is not None and log_dir is not None and run_dir != log_dir:
         raise UserError("--log-dir is the older name of --run-dir: give one")
-    where = run_dir or log_dir or checkpoint_dir or new_run_dir(create=False)
+    from polyparallel.backends.torch import _agent
+
+    _agent.prestart()  # the launcher's agent imports torch while this process does (and checks the run)
+    from polyparallel.backends.torch import MultiNode, TrainError, launch_commands
+
     try:
+        from polyparallel.backends.torch import train as run
+        from polyparallel.backends.torch._launch import new_run_dir
+
+        where = run_dir or log_dir or checkpoint_dir or new_run_dir(create=False)
         run(strategy, model, data, steps=steps, optimizer=optimizer, lr=lr, seed=seed, run_dir=where,
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
             keep_checkpoints=keep_checkpoints or None, timeout_s=timeout, progress=_print_step,
@@ -71,6 +74,8 @@ def train(
         return
     except TrainError as e:
         raise UserError(str(e)) from e
+    finally:
+        _agent.discard()  # not taken if the run was refused before train() started one
     typer.echo(f"run directory: {where}")
 
 

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from polyparallel.backends.torch._agent import go, worker_env
+from polyparallel.backends.torch._agent import start as start_agent
+from polyparallel.backends.torch._agent import take as take_agent
 from polyparallel.backends.torch._checkpoint import check_resume, trim_log
 from polyparallel.backends.torch._plan import plan_for
-from polyparallel.backends.torch._procs import LAUNCHER_PID_ENV, kill_tree, recorded_pids
+from polyparallel.backends.torch._procs import kill_tree, recorded_pids
 from polyparallel.backends.torch._tensor_parallel import strategy_graph
 from polyparallel.backends.torch._worker import resolve
 from polyparallel.strategy import Strategy
@@ -219,8 +220,6 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
     targets each replica and micro-batch saw (each log line's ``loss_weighting`` says
     ``"tokens"``, or ``"mean_of_means"`` for a loss it cannot count; see ``_worker.py``).
     """
-    import torch
-
     if not isinstance(strategy, Strategy):
         strategy = Strategy.from_json(strategy)
     if steps < 1:
@@ -238,6 +237,31 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
     if run_dir is not None and log_dir is not None and Path(run_dir) != Path(log_dir):
         raise ValueError(f"run_dir={run_dir} and log_dir={log_dir}: log_dir is run_dir's older name, give one")
     run_dir = run_dir if run_dir is not None else log_dir if log_dir is not None else checkpoint_dir
+    env = worker_env()
+    agent = take_agent(env)  # it imports what the ranks need while the checks below run
+    try:
+        return _checked_run(strategy, model_fn, data_fn, agent, env, steps=steps, optimizer=optimizer, lr=lr,
+                            seed=seed, run_dir=run_dir, checkpoint_dir=checkpoint_dir,
+                            checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
+                            timeout_s=timeout_s, progress=progress, check_fingerprint=check_fingerprint,
+                            node_rank=node_rank, master_addr=master_addr, master_port=master_port,
+                            profile_comm=profile_comm, batchnorm=batchnorm)
+    finally:
+        if agent.returncode is None:  # refused before launch (or interrupted): it has started nothing
+            agent.kill()
+            agent.wait()
+
+
+def _checked_run(strategy: Strategy, model_fn: Any, data_fn: Any, agent: subprocess.Popen[bytes],
+                 env: dict[str, str], *, steps: int, optimizer: str, lr: float, seed: int,
+                 run_dir: str | Path | None, checkpoint_dir: str | Path | None, checkpoint_every: int | None,
+                 keep_checkpoints: int | None, timeout_s: float, progress: Callable[[dict[str, Any]], None] | None,
+                 check_fingerprint: bool, node_rank: int | None, master_addr: str, master_port: int,
+                 profile_comm: bool, batchnorm: str) -> list[dict[str, Any]]:
+    """:func:`train` after its argument checks: the checks of batch, model, plan and checkpoint,
+    then the run directory and the launch by ``agent``."""
+    import torch
+
     torch.manual_seed(seed)
     batch = resolve(data_fn)(0)  # pipeline stages are cut, and the model captured, on (a micro-batch of) it
     if strategy.mode == "synchronous":
@@ -295,30 +319,37 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
     except (pickle.PicklingError, AttributeError, TypeError) as e:
         raise ValueError(f"model_fn/data_fn must be 'package.module:function' strings or module-level "
                          f"functions (they are sent to the worker processes): {e}") from e
-    env = dict(os.environ)
-    # the workers must import whatever the caller could (e.g. a test module's functions)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONUNBUFFERED"] = "1"  # launcher.log gets every line as it is printed
-    env[LAUNCHER_PID_ENV] = str(os.getpid())
+    if worker_env() != env:  # sys.path changed while loading model_fn/data_fn: the agent must see it too
+        agent.kill()
+        agent.wait()
+        agent = start_agent(worker_env())
     where = ["--standalone"] if len(nodes) <= 1 else [
         f"--nnodes={len(nodes)}", f"--node-rank={node_rank}", f"--master-addr={master_addr}",
         f"--master-port={master_port}"]
-    cmd = [sys.executable, "-m", "polyparallel.backends.torch._agent", *where, f"--nproc-per-node={nproc}",
-           "--max-restarts=0", "-m", "polyparallel.backends.torch._entry", str(run_dir.resolve())]
-    _launch(cmd, env, run_dir, timeout_s, _Tail(log, 0 if done is None else done + 1, progress))
+    argv = [*where, f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", "polyparallel.backends.torch._entry",
+            str(run_dir.resolve())]
+    try:
+        _launch(agent, argv, run_dir, timeout_s, _Tail(log, 0 if done is None else done + 1, progress))
+    finally:
+        if agent.returncode is None:
+            agent.kill()
+            agent.wait()
     return [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
 
 
-def _launch(cmd: list[str], env: dict[str, str], run_dir: Path, timeout_s: float, tail: _Tail) -> None:
-    """Run the agent, stream its output to ``launcher.log``, follow the step log; kill the whole
-    tree on any way out; raise :class:`TrainError` for a timeout or a failed worker."""
+def _launch(proc: subprocess.Popen[bytes], argv: list[str], run_dir: Path, timeout_s: float, tail: _Tail) -> None:
+    """Have the agent ``proc`` run torch.distributed.run ``argv`` with its output streamed to
+    ``launcher.log``, follow the step log; kill the whole tree on any way out; raise
+    :class:`TrainError` for a timeout or a failed worker."""
     out_path = run_dir / "launcher.log"
     with out_path.open("ab") as out:
-        out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
-        out.flush()
-        # its own session: a Ctrl-C in the terminal reaches train(), which then kills the tree
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} torch.distributed.run {' '.join(argv)}\n".encode())
+    try:
+        go(proc, argv, out_path)
+    except OSError:  # the agent died before it was needed (e.g. an import failed): its output says why
+        proc.wait()
+        raise TrainError(f"the launcher exited with status {proc.returncode} before the launch:\n"
+                         f"{proc.stdout.read().decode(errors='replace')[-4000:] if proc.stdout else ''}") from None
     deadline = time.monotonic() + timeout_s
     failed_at: float | None = None
     timed_out = False
