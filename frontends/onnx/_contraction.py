@@ -1,0 +1,170 @@
+"""Handlers of contractions and sliding windows: MatMul, Gemm, Einsum, Attention, Conv, pooling.
+
+Each builds the same :mod:`polyparallel.ops` nest as the torch frontend (``nn.Linear``
+exported as ``Gemm`` with ``transB=1`` is ``ops.linear``); convolution and pooling resolve
+``auto_pad`` (SAME: ``out = ceil(in / stride)``) into low and high padding per spatial dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from polyparallel import ops
+from polyparallel.ir import Access, LoopNest, OpKind, Statement
+
+from ._registry import Shape, Spec, _extra_writes, _handles, _Node, _write_of
+
+
+@_handles("MatMul", "MatMulInteger")
+def _matmul(n: _Node) -> Spec:
+    a, b, c = n.shape(0), n.shape(1), (n.shape(2) if n.attr("bias_add") else None)  # c: a fused Add
+    return OpKind.CONTRACTION, lambda: ops.matmul(a, b, bias=c)
+
+
+@_handles("Gemm")
+def _gemm(n: _Node) -> Spec:
+    a, b, c = n.shape(0), n.shape(1), n.shape(2)
+    ta, tb = bool(n.attr("transA", 0)), bool(n.attr("transB", 0))
+    unit = n.attr("alpha", 1.0) == 1.0 and n.attr("beta", 1.0) == 1.0
+    if tb and not ta and unit and len(b) == 2 and (c is None or tuple(c) == (b[0],)):
+        # nn.Linear as exported: the same loop nest as the torch frontend's linear
+        return OpKind.CONTRACTION, lambda: ops.linear(a, b, c)
+    return OpKind.CONTRACTION, lambda: ops.matmul(a, b, bias=c, trans_a=ta, trans_b=tb)
+
+
+@_handles("Einsum")
+def _einsum(n: _Node) -> Spec:
+    shapes = n.data_shapes
+    eq = _expand_ellipsis(str(n.attr("equation")).replace(" ", ""), shapes)
+    return OpKind.CONTRACTION, lambda: ops.einsum(eq, shapes)
+
+
+def _expand_ellipsis(eq: str, shapes: Sequence[Shape]) -> str:
+    """Spell ``...`` out with unused letters (numpy rules: right-aligned, broadcast)."""
+    if "..." not in eq:
+        return eq
+    lhs, arrow, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    free = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq]
+    ranks = [len(s) - (len(t) - 3) for t, s in zip(terms, shapes) if "..." in t]
+    width = max(ranks, default=0)
+    ell = "".join(free[:width])
+    terms = [t.replace("...", ell[width - (len(s) - (len(t) - 3)):]) if "..." in t else t
+             for t, s in zip(terms, shapes)]
+    if arrow:
+        rhs = rhs.replace("...", ell)
+    else:  # implicit output: the ellipsis dims first, then the letters used once, sorted
+        counts: dict[str, int] = {}
+        for t in terms:
+            for c in t:
+                counts[c] = counts.get(c, 0) + 1
+        rhs = ell + "".join(sorted(c for c, k in counts.items() if k == 1 and c not in ell))
+    return ",".join(terms) + "->" + rhs
+
+
+@_handles("Attention")
+def _attention(n: _Node) -> Spec:
+    q, k, v, m = n.shape(0), n.shape(1), n.shape(2), n.shape(3)
+    if any(n.has(i) for i in (4, 5)) or len(n.outs) > 1:
+        raise ops.Unsupported("Attention with a KV cache or extra outputs is not modelled")
+    causal = bool(n.attr("is_causal", 0))
+    if m is not None and len(m) > 4:
+        raise ops.Unsupported(f"Attention mask of shape {list(m)}")
+    if len(q) == 4:
+        return OpKind.ATTENTION, lambda: ops.attention(q, k, v, m, causal=causal)
+    hq, hk = n.attr("q_num_heads"), n.attr("kv_num_heads")
+    if len(q) != 3 or not hq or not hk:
+        raise ops.Unsupported(f"Attention with q{list(q)} and no head counts")
+    hq, hk = int(hq), int(hk)
+
+    def nest() -> LoopNest:
+        # 3-D inputs [B, S, H*D]: the 4-D nest with [b, h, s, d] read as [b, s, h*D + d]
+        q4, k4 = (q[0], hq, q[1], q[2] // hq), (k[0], hk, k[1], k[2] // hk)
+        v4 = (v[0], hk, v[1], v[2] // hk)
+        nt = ops.attention(q4, k4, v4, m, causal=causal)
+        width = {"in0": q4[3], "in1": k4[3], "in2": v4[3], "out0": v4[3]}
+
+        def fold(a: Access) -> Access:
+            if a.operand not in width or len(a.index) != 4:
+                return a
+            b, h, t, d = a.index
+            return Access(a.operand, (b, t, h * width[a.operand] + d))
+
+        return LoopNest(nt.dims, tuple(
+            Statement(st.name, st.dims, tuple(map(fold, st.reads)), tuple(map(fold, st.writes)),
+                      st.flops_per_point, st.constraints) for st in nt.statements))
+
+    return OpKind.ATTENTION, nest
+
+
+def _spatial_pads(n: _Node, x: Shape, kernel: Sequence[int], strides: Sequence[int],
+                  dil: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Low and high padding per spatial dim, resolving ``auto_pad`` (SAME: out = ceil(in / stride))."""
+    k = len(kernel)
+    auto = str(n.attr("auto_pad", "NOTSET"))
+    if auto in ("SAME_UPPER", "SAME_LOWER"):
+        lo, hi = [], []
+        for i in range(k):
+            size = x[2 + i]
+            total = max(0, (-(-size // strides[i]) - 1) * strides[i] + (kernel[i] - 1) * dil[i] + 1 - size)
+            small = total // 2
+            lo.append(small if auto == "SAME_UPPER" else total - small)
+            hi.append(total - lo[-1])
+        return lo, hi
+    if auto == "VALID":
+        return [0] * k, [0] * k
+    pads = list(n.attr("pads", ())) or [0] * (2 * k)
+    return [int(p) for p in pads[:k]], [int(p) for p in pads[k:]]
+
+
+@_handles("Conv", "ConvInteger")
+def _conv(n: _Node) -> Spec:
+    x, w = n.shape(0), n.shape(1)
+    b = n.shape(2) if n.op_type == "Conv" else None
+    k = len(x) - 2
+    kernel = list(n.attr("kernel_shape", ())) or list(w[2:])
+    strides = list(n.attr("strides", ())) or [1] * k
+    dil = list(n.attr("dilations", ())) or [1] * k
+    lo, hi = _spatial_pads(n, x, kernel, strides, dil)
+    groups = int(n.attr("group", 1))
+    return OpKind.CONV, lambda: ops.conv(x, w, b, stride=strides, padding=lo, dilation=dil, groups=groups,
+                                         pads_hi=hi)
+
+
+@_handles("MaxPool", "AveragePool", "LpPool")
+def _pool(n: _Node) -> Spec:
+    x = n.shape(0)
+    kernel = [int(v) for v in n.attr("kernel_shape", ())]
+    k = len(kernel)
+    strides = list(n.attr("strides", ())) or [1] * k
+    dil = list(n.attr("dilations", ())) or [1] * k
+
+    def nest() -> LoopNest:
+        lo, hi = _spatial_pads(n, x, kernel, strides, dil)
+        if n.attr("ceil_mode", 0):
+            # ceil mode drops a last window that would start in the padding; the inferred
+            # output extent has that rule, so take it and pad the high side just enough
+            out = n.out[len(x) - k:]
+            for i in range(k):
+                size = x[len(x) - k + i]
+                ext = ops.out_extent(size, kernel[i], strides[i], lo[i], hi[i], dil[i], ceil=True)
+                if (ext - 1) * strides[i] >= size + lo[i]:
+                    ext -= 1  # the last window would start in the high padding: dropped
+                if ext != out[i]:
+                    raise ops.Unsupported(f"ceil-mode pooling: ONNX shape inference gives extent {out[i]} "
+                                          f"but windows starting in the padding are dropped, giving {ext}")
+            hi = [(out[i] - 1) * strides[i] + dil[i] * (kernel[i] - 1) + 1 - x[len(x) - k + i] - lo[i]
+                  for i in range(k)]
+        nt = ops.pool(x, kernel, stride=strides, padding=lo, dilation=dil, pads_hi=hi)
+        if len(n.outs) == 2:  # MaxPool's Indices
+            nt = _extra_writes(nt, "pool", [Access("out1", _write_of(nt).index)])
+        return nt
+
+    return OpKind.POOL, nest
+
+
+@_handles("GlobalAveragePool", "GlobalMaxPool", "GlobalLpPool")
+def _global_pool(n: _Node) -> Spec:
+    x = n.shape(0)
+    # the same nest as the torch frontend's adaptive pooling to 1 x 1
+    return OpKind.POOL, lambda: ops.adaptive_pool(x, [1] * (len(x) - 2))
