@@ -1,0 +1,205 @@
+"""Activation recomputation in the torch backend (``backends/torch/_recompute.py``).
+
+* It recomputes: a checkpointed layer's forward (``full``) or attention (``selective``) runs again
+  in the backward, and the gradients equal those of training without recomputation, bit for bit.
+* It keeps what the memory model counts: the bytes one forward leaves alive for the backward
+  (``retained_activation_bytes``) against the ``activations`` term the search prices for the same
+  graph and micro-batch (``benchmarks/recompute_memory.py`` prints the whole table).
+* The search writes recompute plans (``constraints={"recompute": ...}``) that ``train`` runs on 2
+  processes with the losses of single-process training (fp32, 3 SGD steps, rel <= 1e-5).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import polyparallel as pp
+from polyparallel.backends.torch import _examples as ex
+from polyparallel.backends.torch import plan_for, train
+from polyparallel.backends.torch._recompute import apply_recompute, recompute_blocks, retained_activation_bytes
+from polyparallel.backends.torch._tensor_parallel import capture_for_strategy
+from polyparallel.backends.torch.capabilities import plan_problems
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.recompute_memory import measured, predicted
+
+STEPS, LR, SEED = 3, 0.1, 0
+
+
+class _CountAttention(TorchDispatchMode):
+    """Counts the attention kernels run (forward and recomputed forward; not their backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        self.n += "scaled_dot_product" in name and "backward" not in name
+        return func(*args, **(kwargs or {}))
+
+
+def _step(mode: str) -> tuple[float, torch.Tensor, int, int]:
+    """Loss, gradients, attention kernels run and calls of layer h.0 in one step under ``mode``."""
+    torch.manual_seed(0)
+    m = ex.tiny_gpt()
+    x, y = ex.gpt_data(0)
+    calls = [0]
+    m.h[0].register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    m.h[0].fc.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 100))
+    apply_recompute(m, mode, recompute_blocks(pp.capture(ex.tiny_gpt(), (x, y))))
+    with _CountAttention() as count:
+        loss = m(x, y)
+        loss.backward()
+    return loss.item(), torch.cat([p.grad.flatten() for p in m.parameters()]), count.n, calls[0]
+
+
+def test_recomputation_reruns_forwards_and_keeps_the_gradients() -> None:
+    ref_loss, ref, n_att, calls = _step("none")
+    assert (n_att, calls) == (2, 101)  # two layers' attention once; h.0 and its fc once
+    loss, g, n_att, calls = _step("selective")
+    assert (n_att, calls) == (4, 101)  # the attention again in the backward, nothing else
+    assert loss == ref_loss and torch.equal(g, ref)
+    loss, g, n_att, calls = _step("full")
+    assert (n_att, calls) == (4, 201)  # the whole layer again, inside its checkpoint (fc's hook)
+    assert loss == ref_loss and torch.equal(g, ref)
+
+
+def test_full_recomputation_checkpoints_the_planners_layers() -> None:
+    x, y = ex.gpt_data(0)
+    assert recompute_blocks(pp.capture(ex.tiny_gpt(), (x, y))) == ["h.0", "h.1"]
+    with pytest.raises(ValueError, match=r"no module 'h\.7'"):
+        apply_recompute(ex.tiny_gpt(), "full", ["h.7"])
+
+
+class _Flat(torch.nn.Module):
+    """No numbered layers: the cost model's full recomputation cuts it into runs of √n ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.down(torch.relu(self.up(x))), labels)
+
+
+def _plan(**kw: object) -> SimpleNamespace:
+    base = dict(dp=2, tp=1, pp=1, sp=1, microbatches=1, zero_stage=0, recompute="none", dtype="fp32", schedule="1f1b")
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_what_recomputation_the_backend_refuses() -> None:
+    x, y = ex.gpt_data(0)
+    gpt = pp.capture(ex.tiny_gpt(), (x, y))
+    mx, my = ex.mlp_data(0)
+    mlp = pp.capture(_Flat(), (mx, my))
+    assert plan_problems(gpt, _plan(recompute="full")) == []
+    assert plan_problems(gpt, _plan(recompute="selective")) == []
+    assert plan_problems(mlp, _plan(recompute="selective")) == []
+    why = plan_problems(mlp, _plan(recompute="full"))
+    assert len(why) == 1 and "no numbered layers" in why[0]
+    why = plan_problems(gpt, _plan(recompute="full", dp=1, pp=2, microbatches=2))
+    assert any("inside pipeline stages" in w for w in why)
+    assert any("could not be captured" in w for w in plan_problems(None, _plan(recompute="full")))
+
+
+# --------------------------------------------------------------------------------------------
+# memory: what is kept is what the memory model counts
+
+
+def _table(model_fn, data_fn) -> dict[str, tuple[int, float]]:
+    x, y = data_fn(0)
+    return {mode: (measured(model_fn, x, y, mode), predicted(model_fn(), x, y, mode))
+            for mode in ("none", "selective", "full")}
+
+
+@pytest.fixture(scope="module")
+def gpt_table() -> dict[str, tuple[int, float]]:
+    return _table(ex.tiny_gpt, ex.gpt_data)
+
+
+def test_measured_bytes_follow_the_recomputation(gpt_table) -> None:
+    none, sel, full = (gpt_table[m][0] for m in ("none", "selective", "full"))
+    # selective drops each attention's softmax statistics (B·heads·S fp32 logsumexp, 2 layers);
+    # full keeps the layers' inputs and what lies outside them
+    assert none - sel == 2 * 8 * 4 * 16 * 4
+    assert full < 0.2 * none
+    torch.manual_seed(0)
+    x, y = ex.gpt_data(0)
+    assert retained_activation_bytes(ex.tiny_gpt(), x, y) == none  # no wrapper: the bytes of "none"
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_memory_model_matches_kept_bytes_gpt(gpt_table, mode: str) -> None:
+    meas, pred = gpt_table[mode]
+    print(f"tiny GPT {mode}: measured {meas} B, predicted {pred:.0f} B ({pred / meas - 1:+.1%})")
+    assert abs(pred / meas - 1) <= 0.10
+
+
+@pytest.mark.xfail(strict=True, reason="the search prices attention unfused (fused_attention=False): it counts "
+                   "score matrices that torch's SDPA kernels never store, and selective recomputation drops them; "
+                   "measured selective is 23% above the prediction (benchmarks/recompute_memory.py)")
+def test_memory_model_matches_kept_bytes_gpt_selective(gpt_table) -> None:
+    meas, pred = gpt_table["selective"]
+    assert abs(pred / meas - 1) <= 0.10
+
+
+# --------------------------------------------------------------------------------------------
+# search => train, exactly
+
+
+def _single(model_fn, data_fn) -> list[float]:
+    return ex.single_process_losses(model_fn, data_fn, steps=STEPS, lr=LR, seed=SEED)
+
+
+def _max_rel(log: list[dict[str, float]], ref: list[float]) -> float:
+    assert [r["step"] for r in log] == list(range(STEPS))
+    return max(abs(r["loss"] - want) / abs(want) for r, want in zip(log, ref))
+
+
+def _search(model_fn, data_fn, batch: int, **constraints: object) -> pp.Strategy:
+    x, y = data_fn(0)
+    return pp.search(model_fn(), (x,), "local-cpu:2", example_kwargs={"labels": y}, batch_size=batch,
+                     constraints={"pp": 1, "microbatches": 1, **constraints})
+
+
+def _trains_exactly(s: pp.Strategy, model_fn, data_fn, label: str) -> None:
+    err = _max_rel(train(s, model_fn, data_fn, steps=STEPS, lr=LR, seed=SEED), _single(model_fn, data_fn))
+    print(f"{label}: max relative loss difference {err:.2e}")
+    assert err <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_full_recompute_dp2_gpt_trains_exactly() -> None:
+    s = _search(ex.tiny_gpt, ex.gpt_data, ex.BATCH, recompute="full", dp=2, zero_stage=0)
+    assert (s.dp, s.recompute) == (2, "full")
+    plan = plan_for(s, ex.tiny_gpt(), graph=capture_for_strategy(ex.tiny_gpt, ex.gpt_data(0)))
+    assert (plan.recompute, plan.recompute_blocks) == ("full", ("h.0", "h.1"))  # what each worker checkpoints
+    _trains_exactly(s, ex.tiny_gpt, ex.gpt_data, "full recompute DP2 GPT")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_selective_recompute_tp2_gpt_trains_exactly() -> None:
+    s = _search(ex.tiny_gpt, ex.gpt_data, ex.BATCH, recompute="selective", tp=2, placements="rule")
+    assert (s.tp, s.recompute) == (2, "selective")
+    assert {"h:tp", "k_0:tp"} <= {p.placement for p in s.placements}  # attention really is head-parallel
+    _trains_exactly(s, ex.tiny_gpt, ex.gpt_data, "selective recompute TP2 GPT")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_full_recompute_fsdp2_hf_llama_trains_exactly() -> None:
+    from tests.zoo import BATCH, ZOO
+
+    model_fn, data_fn = ZOO["llama"]
+    s = _search(model_fn, data_fn, BATCH, recompute="full", dp=2, zero_stage=3)
+    assert (s.dp, s.zero_stage, s.recompute) == (2, 3, "full")
+    _trains_exactly(s, model_fn, data_fn, "full recompute FSDP2 DP2 HF LLaMA")
