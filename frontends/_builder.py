@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from polyparallel.ir import Graph, LoopNest, Op, OpKind, TensorKind, TensorSpec
-from polyparallel.ops import Unsupported
+from polyparallel.ops import NotModelled
 
 
 class CaptureError(RuntimeError):
@@ -47,12 +47,12 @@ class GraphBuilder:
     def op(self, name: str, kind: OpKind, target: str, inputs: Sequence[str], outputs: Sequence[str],
            nest_fn: Callable[[], LoopNest] | None, *, attrs: dict[str, Any] | None = None,
            module: str = "", reason: str | None = None, source_node: str = "") -> Op:
-        """Add an op; ``nest_fn`` builds its loop nest, or raises Unsupported -> opaque."""
+        """Add an op; ``nest_fn`` builds its loop nest, or raises NotModelled -> opaque."""
         nest, why = None, reason
         if nest_fn is not None:
             try:
                 nest = nest_fn()
-            except Unsupported as e:
+            except NotModelled as e:
                 why = str(e)
         if nest is None:
             why = why or f"no loop-nest model for {target}"

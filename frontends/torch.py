@@ -136,13 +136,13 @@ def _conv(c: Call) -> Spec:
 
     def nest() -> LoopNest:
         if c.get("transposed", default=False):
-            raise ops.Unsupported("transposed convolution is not modelled")
+            raise ops.NotModelled("transposed convolution is not modelled")
         pad = c.get("padding", default=0)
         if isinstance(pad, str):
             if pad == "valid":
                 pad = 0
             else:
-                raise ops.Unsupported(f"padding={pad!r} convolution")
+                raise ops.NotModelled(f"padding={pad!r} convolution")
         return ops.conv(c.shape(x), c.shape(w), c.shape(b), stride=_ints(c.get("stride"), [1]),
                         padding=_ints(pad, [0]), dilation=_ints(c.get("dilation"), [1]),
                         groups=int(c.get("groups", default=1)))
@@ -247,7 +247,7 @@ def _index(c: Call) -> Spec:
             axis, t = real[0]
             return ops.gather(c.shape(x), c.shape(t), axis)
         if [i for i, _ in real] != list(range(len(real))):
-            raise ops.Unsupported("advanced indexing on non-leading or non-consecutive axes")
+            raise ops.NotModelled("advanced indexing on non-leading or non-consecutive axes")
         return ops.advanced_index(c.shape(x), [c.shape(t) for _, t in real])
 
     return OpKind.GATHER, [x] + [t for _, t in real if isinstance(t, TRef)], nest
@@ -338,7 +338,7 @@ def _pad(c: Call) -> Spec:
 
     def nest() -> LoopNest:
         if c.get("mode", default="constant") != "constant":
-            raise ops.Unsupported(f"{c.get('mode')} padding")
+            raise ops.NotModelled(f"{c.get('mode')} padding")
         p = _ints(c.get("pad"))
         shape = c.shape(x)
         pairs = [(0, 0)] * len(shape)
@@ -421,7 +421,7 @@ def _pointwise(c: Call) -> Spec:
     def nest() -> LoopNest:
         if len(set(out_shapes)) > 1:
             # e.g. native_dropout returns (out, mask) of one shape; anything else is unusual
-            raise ops.Unsupported(f"elementwise op with outputs of shapes {out_shapes}")
+            raise ops.NotModelled(f"elementwise op with outputs of shapes {out_shapes}")
         return ops.elementwise(out_shapes[0], [c.shape(t) for t in tensors], flops=flops, n_outputs=n_out)
 
     return OpKind.ELEMENTWISE, tensors, nest
@@ -457,7 +457,7 @@ def _upsample(c: Call) -> Spec:
     def nest() -> LoopNest:
         src, dst = c.shape(x), c.out_shape()
         if len(src) != len(dst) or any(d % s for s, d in zip(src, dst)):
-            raise ops.Unsupported(f"nearest upsampling {list(src)} -> {list(dst)} by a non-integer factor")
+            raise ops.NotModelled(f"nearest upsampling {list(src)} -> {list(dst)} by a non-integer factor")
         return ops.upsample_nearest(src, [d // s for s, d in zip(src, dst)])
 
     return OpKind.VIEW, [x], nest

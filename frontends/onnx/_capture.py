@@ -504,7 +504,7 @@ class _Capture:
             reason = None
             try:
                 kind, fn = handler(view)
-            except ops.Unsupported as e:
+            except ops.NotModelled as e:
                 kind, fn, reason = OpKind.OPAQUE, None, str(e)
         checked = _checked(fn, view.outs, target) if fn is not None else None
         attrs = {a.name: _attr_value(a) for a in n.attribute}

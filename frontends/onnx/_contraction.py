@@ -66,15 +66,15 @@ def _expand_ellipsis(eq: str, shapes: Sequence[Shape]) -> str:
 def _attention(n: _Node) -> Spec:
     q, k, v, m = n.shape(0), n.shape(1), n.shape(2), n.shape(3)
     if any(n.has(i) for i in (4, 5)) or len(n.outs) > 1:
-        raise ops.Unsupported("Attention with a KV cache or extra outputs is not modelled")
+        raise ops.NotModelled("Attention with a KV cache or extra outputs is not modelled")
     causal = bool(n.attr("is_causal", 0))
     if m is not None and len(m) > 4:
-        raise ops.Unsupported(f"Attention mask of shape {list(m)}")
+        raise ops.NotModelled(f"Attention mask of shape {list(m)}")
     if len(q) == 4:
         return OpKind.ATTENTION, lambda: ops.attention(q, k, v, m, causal=causal)
     hq, hk = n.attr("q_num_heads"), n.attr("kv_num_heads")
     if len(q) != 3 or not hq or not hk:
-        raise ops.Unsupported(f"Attention with q{list(q)} and no head counts")
+        raise ops.NotModelled(f"Attention with q{list(q)} and no head counts")
     hq, hk = int(hq), int(hk)
 
     def nest() -> LoopNest:
@@ -151,7 +151,7 @@ def _pool(n: _Node) -> Spec:
                 if (ext - 1) * strides[i] >= size + lo[i]:
                     ext -= 1  # the last window would start in the high padding: dropped
                 if ext != out[i]:
-                    raise ops.Unsupported(f"ceil-mode pooling: ONNX shape inference gives extent {out[i]} "
+                    raise ops.NotModelled(f"ceil-mode pooling: ONNX shape inference gives extent {out[i]} "
                                           f"but windows starting in the padding are dropped, giving {ext}")
             hi = [(out[i] - 1) * strides[i] + dil[i] * (kernel[i] - 1) + 1 - x[len(x) - k + i] - lo[i]
                   for i in range(k)]

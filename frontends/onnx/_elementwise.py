@@ -70,7 +70,7 @@ def _quant(n: _Node) -> Spec:
     x = n.shape(0)
     scalars = all(s == () or math.prod(s) == 1 for s in n.data_shapes[1:])
     if not scalars or n.op_type == "DynamicQuantizeLinear":
-        raise ops.Unsupported(f"{n.op_type} with per-axis or dynamic scales")
+        raise ops.NotModelled(f"{n.op_type} with per-axis or dynamic scales")
     return OpKind.ELEMENTWISE, lambda: ops.elementwise(n.out, [x, *[()] * len(n.data_shapes[1:])], flops=2)
 
 

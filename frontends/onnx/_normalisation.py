@@ -20,7 +20,7 @@ def _batch_norm(n: _Node) -> Spec:
     x = n.shape(0)
     training = bool(n.attr("training_mode", 0))
     if len(n.outs) > 1:
-        raise ops.Unsupported("BatchNormalization with running-statistics outputs is not modelled")
+        raise ops.NotModelled("BatchNormalization with running-statistics outputs is not modelled")
     return OpKind.NORM, lambda: ops.batch_norm(x, affine=True, training=training)
 
 
@@ -35,7 +35,7 @@ def _group_norm(n: _Node) -> Spec:
     x, s = n.shape(0), n.shape(1)
     groups = int(n.attr("num_groups"))
     if s is not None and tuple(s) != (x[1],):
-        raise ops.Unsupported(f"GroupNormalization with per-group scale {list(s)} (opset 18 form)")
+        raise ops.NotModelled(f"GroupNormalization with per-group scale {list(s)} (opset 18 form)")
     return OpKind.NORM, lambda: ops.group_norm(x, groups, affine=True)
 
 
@@ -48,7 +48,7 @@ def _layer_norm(n: _Node) -> Spec:
     scale, bias = n.shape(1), (n.shape(2) if not rms else None)
     for what, s in (("scale", scale), ("bias", bias)):
         if s is not None and tuple(s) != normalized:
-            raise ops.Unsupported(f"{n.op_type} with a broadcast {what} {list(s)} over {list(normalized)}")
+            raise ops.NotModelled(f"{n.op_type} with a broadcast {what} {list(s)} over {list(normalized)}")
 
     def nest() -> LoopNest:
         nt = ops.layer_norm(x, normalized, weight=scale is not None, bias=bias is not None, rms=rms)

@@ -44,7 +44,7 @@ def _axes_from_shapes(x: Shape, out: Shape, keep: bool) -> list[int]:
     for axes in itertools.combinations(range(len(x)), len(x) - len(out)):
         if tuple(e for i, e in enumerate(x) if i not in axes) == tuple(out):
             return list(axes)
-    raise ops.Unsupported(f"cannot tell the reduced axes of {list(x)} -> {list(out)}")
+    raise ops.NotModelled(f"cannot tell the reduced axes of {list(x)} -> {list(out)}")
 
 
 @_handles("CumSum", "CumProd")
@@ -93,7 +93,7 @@ def _sce(n: _Node) -> Spec:
     x, t = n.shape(0), n.shape(1)
     red = str(n.attr("reduction", "mean"))
     if len(n.outs) > 1:
-        raise ops.Unsupported("SoftmaxCrossEntropyLoss with the log_prob output is not modelled")
+        raise ops.NotModelled("SoftmaxCrossEntropyLoss with the log_prob output is not modelled")
     return OpKind.LOSS, lambda: ops.cross_entropy(x, t, reduction=red)
 
 

@@ -52,7 +52,7 @@ class _Node:
     def ints(self, i: int, what: str) -> list[int]:
         v = self.const(i)
         if v is None:
-            raise ops.Unsupported(f"{self.op_type} with a run-time {what} (input {i}) is not modelled")
+            raise ops.NotModelled(f"{self.op_type} with a run-time {what} (input {i}) is not modelled")
         return [int(x) for x in np.asarray(v).reshape(-1)]
 
     @property
@@ -90,10 +90,10 @@ def _checked(fn: NestFn, out_shapes: Sequence[Shape], target: str) -> NestFn:
     def build() -> LoopNest:
         try:
             nest = fn()
-        except ops.Unsupported:
+        except ops.NotModelled:
             raise
         except (ValueError, IndexError, KeyError, TypeError, ZeroDivisionError) as e:
-            raise ops.Unsupported(f"{target}: {type(e).__name__}: {e}") from e
+            raise ops.NotModelled(f"{target}: {type(e).__name__}: {e}") from e
         ext = nest.extents
         # per output and axis, the [lo, hi] index range over all writes must be the inferred extent
         span: dict[int, list[tuple[int, int] | None]] = {}
@@ -103,7 +103,7 @@ def _checked(fn: NestFn, out_shapes: Sequence[Shape], target: str) -> NestFn:
                     continue
                 k = int(w.operand[3:])
                 if k >= len(out_shapes) or len(w.index) != len(out_shapes[k]):
-                    raise ops.Unsupported(f"{target}: loop nest writes {w} but the node's outputs have shapes "
+                    raise ops.NotModelled(f"{target}: loop nest writes {w} but the node's outputs have shapes "
                                           f"{[list(s) for s in out_shapes]}")
                 cur = span.setdefault(k, [None] * len(w.index))
                 for axis, e in enumerate(w.index):
@@ -116,12 +116,12 @@ def _checked(fn: NestFn, out_shapes: Sequence[Shape], target: str) -> NestFn:
             for axis, r in enumerate(axes):
                 want = (0, max(out_shapes[k][axis], 1) - 1)
                 if r is not None and r != want:
-                    raise ops.Unsupported(f"{target}: loop nest writes out{k} axis {axis} over {list(r)}, "
+                    raise ops.NotModelled(f"{target}: loop nest writes out{k} axis {axis} over {list(r)}, "
                                           f"but the inferred output shape is {list(out_shapes[k])}")
         written = set(span)
         missing = set(range(len(out_shapes))) - written
         if missing:
-            raise ops.Unsupported(f"{target}: loop nest does not write output(s) {sorted(missing)}")
+            raise ops.NotModelled(f"{target}: loop nest does not write output(s) {sorted(missing)}")
         return nest
 
     return build
@@ -138,7 +138,7 @@ def _write_of(nest: LoopNest, operand: str = "out0") -> Access:
         for w in s.writes:
             if w.operand == operand:
                 return w
-    raise ops.Unsupported(f"loop nest has no write of {operand}")
+    raise ops.NotModelled(f"loop nest has no write of {operand}")
 
 
 def _identity(x: Shape, n_outputs: int = 1) -> LoopNest:

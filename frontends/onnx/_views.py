@@ -42,7 +42,7 @@ def _concat(n: _Node) -> Spec:
     axis = int(n.attr("axis", 0))
     nonempty = [s for s in shapes if math.prod(s) > 0]
     if len(nonempty) != len(shapes):
-        raise ops.Unsupported("Concat with empty inputs is not modelled")
+        raise ops.NotModelled("Concat with empty inputs is not modelled")
     return OpKind.CONCAT, lambda: ops.concat(shapes, axis)
 
 
@@ -85,7 +85,7 @@ def _slice_axes(x: Shape, specs: Sequence[tuple[int, int, int, int]]) -> LoopNes
     for a, lo, hi, step in specs:
         out[a] = len(range(lo, hi, step))
     if min(out, default=1) < 1:
-        raise ops.Unsupported("empty slice")
+        raise ops.NotModelled("empty slice")
     dims = [Dim(f"d{i}", e) for i, e in enumerate(out)]
     idx = tuple(E(d.name) * start[i][1] + start[i][0] if i in start else E(d.name) for i, d in enumerate(dims))
     st = Statement("copy", tuple(d.name for d in dims), reads=(Access("in0", idx),),
@@ -98,7 +98,7 @@ def _pad(n: _Node) -> Spec:
     x = n.shape(0)
     mode = str(n.attr("mode", "constant"))
     if mode != "constant":
-        raise ops.Unsupported(f"Pad mode {mode!r} reads mirrored or wrapped indices (not affine)")
+        raise ops.NotModelled(f"Pad mode {mode!r} reads mirrored or wrapped indices (not affine)")
     pads = list(n.attr("pads", ())) if n.opset < 11 else n.ints(1, "pads")
     axes = n.ints(3, "axes") if n.has(3) else list(range(len(x)))
     k = len(axes)
@@ -136,7 +136,7 @@ def _depth_space(n: _Node) -> Spec:
     def nest() -> LoopNest:
         # depth d = (i*bs + j)*C + c (DCR) or c*bs*bs + i*bs + j (CRD) <-> space (h*bs + i, w*bs + j)
         if len(x) != 4:
-            raise ops.Unsupported(f"{n.op_type} of a rank-{len(x)} input")
+            raise ops.NotModelled(f"{n.op_type} of a rank-{len(x)} input")
         to_space = n.op_type == "DepthToSpace"
         B, C, H, W = (x[0], out[1], x[2], x[3]) if to_space else (x[0], x[1], out[2], out[3])
         dims = (Dim("b", B), Dim("c", C), Dim("h", H), Dim("i", bs), Dim("w", W), Dim("j", bs))
@@ -158,7 +158,7 @@ def _resize(n: _Node) -> Spec:
     coord = str(n.attr("coordinate_transformation_mode", "asymmetric" if old else "half_pixel"))
     rounding = str(n.attr("nearest_mode", "floor" if old else "round_prefer_floor"))
     if mode != "nearest" or len(out) != len(x) or any(o % i for o, i in zip(out, x)):
-        raise ops.Unsupported(f"Resize mode={mode!r} from {list(x)} to {list(out)} (only nearest by integer "
+        raise ops.NotModelled(f"Resize mode={mode!r} from {list(x)} to {list(out)} (only nearest by integer "
                               "factors is affine)")
     scales = [o // i for o, i in zip(out, x)]
     # with an integer factor s, output y reads floor(y / s) under these coordinate rules:
@@ -167,7 +167,7 @@ def _resize(n: _Node) -> Spec:
     exact = (coord == "asymmetric" and rounding == "floor") or (
         coord in ("half_pixel", "pytorch_half_pixel") and rounding in ("round_prefer_floor", "round_prefer_ceil"))
     if not exact and any(s > 1 for s in scales):
-        raise ops.Unsupported(f"Resize nearest with coordinate mode {coord!r} and rounding {rounding!r}")
+        raise ops.NotModelled(f"Resize nearest with coordinate mode {coord!r} and rounding {rounding!r}")
     lead = next((i for i, s in enumerate(scales) if s > 1), len(x))
     return OpKind.VIEW, lambda: ops.upsample_nearest(x, scales[lead:])
 

@@ -2,12 +2,12 @@
 
 Each builder takes operand shapes and attributes and returns a
 :class:`~polyparallel.ir.LoopNest` whose operands are ``in0..`` in the argument order
-documented on the builder, or raises :class:`Unsupported` when the op with these
+documented on the builder, or raises :class:`NotModelled` when the op with these
 shapes has no affine description (the frontend then keeps it as an opaque op).
 """
 
 from ._attention import attention
-from ._common import Unsupported, broadcast_shapes
+from ._common import NotModelled, broadcast_shapes
 from ._contraction import einsum, linear, matmul
 from ._conv import adaptive_pool, conv, out_extent, pool
 from ._gather import advanced_index, cross_entropy, embedding, gather, nll_loss, take_along_axis
@@ -17,7 +17,7 @@ from ._view import concat, expand, pad, permute, reshape, select, slice_, split,
 
 __all__ = [
     "FLOPS_PER_ELEMENT",
-    "Unsupported",
+    "NotModelled",
     "adaptive_pool",
     "advanced_index",
     "attention",

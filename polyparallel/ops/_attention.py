@@ -11,14 +11,14 @@ from collections.abc import Sequence
 
 from polyparallel.ir import Access, Dim, E, Hint, LoopNest, Role, Statement
 
-from ._common import Unsupported, broadcast_index
+from ._common import NotModelled, broadcast_index
 
 
 def attention(q: Sequence[int], k: Sequence[int], v: Sequence[int], mask: Sequence[int] | None = None, *,
               causal: bool = False) -> LoopNest:
     """Operands (q, k, v[, mask]); ranks 3 (no head dim) or 4."""
     if not (len(q) == len(k) == len(v)) or len(q) not in (3, 4):
-        raise Unsupported(f"attention with q{list(q)} k{list(k)} v{list(v)}")
+        raise NotModelled(f"attention with q{list(q)} k{list(k)} v{list(v)}")
     if len(q) == 3:
         q, k, v = (q[0], 1, *q[1:]), (k[0], 1, *k[1:]), (v[0], 1, *v[1:])
         squeeze = True
@@ -28,7 +28,7 @@ def attention(q: Sequence[int], k: Sequence[int], v: Sequence[int], mask: Sequen
     Hk, T = k[1], k[2]
     Ev = v[3]
     if k[3] != D or v[2] != T or v[1] != Hk or H % Hk or k[0] not in (B, 1):
-        raise Unsupported(f"attention with q{list(q)} k{list(k)} v{list(v)}")
+        raise NotModelled(f"attention with q{list(q)} k{list(k)} v{list(v)}")
     G = H // Hk
     dims = [Dim("b", B, Role.PARALLEL, Hint.BATCH), Dim("h", Hk, Role.PARALLEL, Hint.HEAD)]
     if G > 1:

@@ -10,7 +10,7 @@ LEAD_NAMES = ("b", "s", "s1", "s2", "s3", "s4", "s5", "s6")
 LEAD_HINTS = (Hint.BATCH, Hint.SEQUENCE)
 
 
-class Unsupported(ValueError):
+class NotModelled(ValueError):
     """The op (with these shapes/attributes) has no affine loop nest; keep it opaque."""
 
 
@@ -36,7 +36,7 @@ def broadcast_shapes(*shapes: Sequence[int]) -> Shape:
             e = s[j]
             if e != 1:
                 if ext not in (1, e):
-                    raise Unsupported(f"shapes {[list(x) for x in shapes]} do not broadcast")
+                    raise NotModelled(f"shapes {[list(x) for x in shapes]} do not broadcast")
                 ext = e
         out.append(ext)
     return tuple(out)
@@ -54,7 +54,7 @@ def broadcast_index(shape: Sequence[int], out_dims: Sequence[Dim]) -> tuple[Affi
 
 def norm_axis(axis: int, rank: int) -> int:
     if not -max(rank, 1) <= axis < max(rank, 1):
-        raise Unsupported(f"axis {axis} out of range for rank {rank}")
+        raise NotModelled(f"axis {axis} out of range for rank {rank}")
     return axis % max(rank, 1)
 
 

@@ -6,13 +6,13 @@ from collections.abc import Sequence
 
 from polyparallel.ir import Access, Dim, E, Hint, LoopNest, Role, Statement
 
-from ._common import Unsupported, broadcast_shapes, lead_dims
+from ._common import NotModelled, broadcast_shapes, lead_dims
 
 
 def linear(x: Sequence[int], w: Sequence[int], bias: Sequence[int] | None = None) -> LoopNest:
     """``y[*, n] = sum_k x[*, k] * w[n, k] (+ b[n])`` with operands (x, w, bias)."""
     if len(w) != 2 or len(x) < 1 or x[-1] != w[1]:
-        raise Unsupported(f"linear with x{list(x)} and weight{list(w)}")
+        raise NotModelled(f"linear with x{list(x)} and weight{list(w)}")
     lead = lead_dims(x[:-1])
     n, k = Dim("n", w[0], Role.PARALLEL, Hint.FEATURE), Dim("k", w[1], Role.REDUCTION, Hint.FEATURE)
     li = tuple(E(d.name) for d in lead)
@@ -41,7 +41,7 @@ def matmul(a: Sequence[int], b: Sequence[int], *, bias: Sequence[int] | None = N
     a2 = [1, *a] if a_vec else a
     b2 = [*b, 1] if b_vec else b
     if a2[-1] != b2[-2]:
-        raise Unsupported(f"matmul of {a} and {b}: inner extents differ")
+        raise NotModelled(f"matmul of {a} and {b}: inner extents differ")
     batch = broadcast_shapes(a2[:-2], b2[:-2])
     bdims = [Dim(f"b{i}" if len(batch) > 1 else "b", e, Role.PARALLEL, Hint.BATCH if i == 0 else None)
              for i, e in enumerate(batch)]
@@ -92,11 +92,11 @@ def einsum(equation: str, shapes: Sequence[Sequence[int]]) -> LoopNest:
     """``torch.einsum`` / ONNX ``Einsum`` with explicit or implicit output, no ellipsis."""
     eq = equation.replace(" ", "")
     if "..." in eq:
-        raise Unsupported("einsum with '...' is not modelled")
+        raise NotModelled("einsum with '...' is not modelled")
     lhs, _, rhs = eq.partition("->")
     terms = lhs.split(",")
     if len(terms) != len(shapes):
-        raise Unsupported(f"einsum {equation!r} has {len(terms)} operands, got {len(shapes)}")
+        raise NotModelled(f"einsum {equation!r} has {len(terms)} operands, got {len(shapes)}")
     if not _:
         counts: dict[str, int] = {}
         for t in terms:
@@ -106,10 +106,10 @@ def einsum(equation: str, shapes: Sequence[Sequence[int]]) -> LoopNest:
     extents: dict[str, int] = {}
     for t, s in zip(terms, shapes):
         if len(t) != len(s):
-            raise Unsupported(f"einsum term {t!r} does not match shape {list(s)}")
+            raise NotModelled(f"einsum term {t!r} does not match shape {list(s)}")
         for c, e in zip(t, s):
             if extents.get(c, e) != e and 1 not in (e, extents[c]):
-                raise Unsupported(f"einsum index {c!r} has extents {extents[c]} and {e}")
+                raise NotModelled(f"einsum index {c!r} has extents {extents[c]} and {e}")
             extents[c] = max(extents.get(c, 1), e)
     letters = list(dict.fromkeys(rhs + "".join(terms)))
     dims = tuple(Dim(c, extents[c], Role.PARALLEL if c in rhs else Role.REDUCTION) for c in letters)

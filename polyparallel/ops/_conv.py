@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from polyparallel.ir import Access, Dim, E, Hint, LoopNest, Role, Statement
 
-from ._common import Unsupported
+from ._common import NotModelled
 
 _SPATIAL = {1: ("l",), 2: ("h", "w"), 3: ("t", "h", "w")}
 _KERNEL = {1: ("kl",), 2: ("r", "q"), 3: ("kt", "r", "q")}
@@ -19,7 +19,7 @@ def _tuple(v: int | Sequence[int], n: int, what: str) -> tuple[int, ...]:
     if len(v) == 1:
         return v * n
     if len(v) != n:
-        raise Unsupported(f"{what} {list(v)} does not match {n} spatial dims")
+        raise NotModelled(f"{what} {list(v)} does not match {n} spatial dims")
     return v
 
 
@@ -41,15 +41,15 @@ def conv(x: Sequence[int], w: Sequence[int], bias: Sequence[int] | None = None, 
     """
     n = len(x) - 2
     if n not in _SPATIAL or len(w) != len(x):
-        raise Unsupported(f"conv with input{list(x)} and weight{list(w)}")
+        raise NotModelled(f"conv with input{list(x)} and weight{list(w)}")
     st, pad, dil = _tuple(stride, n, "stride"), _tuple(padding, n, "padding"), _tuple(dilation, n, "dilation")
     phi = tuple(pads_hi) if pads_hi is not None else pad
     B, C, O = x[0], x[1], w[0]
     if C % groups or O % groups or w[1] != C // groups:
-        raise Unsupported(f"conv groups={groups} with {C} in and {O} out channels, weight{list(w)}")
+        raise NotModelled(f"conv groups={groups} with {C} in and {O} out channels, weight{list(w)}")
     outs = [out_extent(x[2 + i], w[2 + i], st[i], pad[i], phi[i], dil[i]) for i in range(n)]
     if min(outs) < 1:
-        raise Unsupported(f"conv output would be empty: {outs}")
+        raise NotModelled(f"conv output would be empty: {outs}")
     sp, kn = _SPATIAL[n], _KERNEL[n]
     dims = [Dim("b", B, Role.PARALLEL, Hint.BATCH)]
     if groups > 1:
@@ -83,14 +83,14 @@ def pool(x: Sequence[int], kernel: int | Sequence[int], *, stride: int | Sequenc
     n = len(kernel) if not isinstance(kernel, int) else len(x) - 2
     lead = len(x) - n
     if n not in _SPATIAL or lead < 1:
-        raise Unsupported(f"pooling over input{list(x)} with kernel {kernel}")
+        raise NotModelled(f"pooling over input{list(x)} with kernel {kernel}")
     k = _tuple(kernel, n, "kernel")
     st = _tuple(stride if stride not in (None, [], ()) else k, n, "stride")
     pad, dil = _tuple(padding, n, "padding"), _tuple(dilation, n, "dilation")
     phi = tuple(pads_hi) if pads_hi is not None else pad
     outs = [out_extent(x[lead + i], k[i], st[i], pad[i], phi[i], dil[i], ceil_mode) for i in range(n)]
     if min(outs) < 1:
-        raise Unsupported(f"pooling output would be empty: {outs}")
+        raise NotModelled(f"pooling output would be empty: {outs}")
     sp, kn = _SPATIAL[n], _KERNEL[n]
     lead_names = ("b", "c")[-lead:] if lead <= 2 else tuple(f"a{i}" for i in range(lead))
     dims = [Dim(nm, e, Role.PARALLEL, Hint.BATCH if nm == "b" else Hint.CHANNEL)
@@ -112,7 +112,7 @@ def adaptive_pool(x: Sequence[int], out_size: Sequence[int]) -> LoopNest:
     for i, o in enumerate(out_size):
         s = x[lead + i]
         if o <= 0 or s % o:
-            raise Unsupported(f"adaptive pooling {s}->{o} has uneven windows (not affine)")
+            raise NotModelled(f"adaptive pooling {s}->{o} has uneven windows (not affine)")
         ks.append(s // o)
     return pool(x, ks, stride=ks)
 

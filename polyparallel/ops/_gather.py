@@ -12,13 +12,13 @@ from collections.abc import Sequence
 
 from polyparallel.ir import ANY, Access, Dim, E, Hint, LoopNest, Role, Statement
 
-from ._common import Unsupported, generic_dims, lead_dims, norm_axis
+from ._common import NotModelled, generic_dims, lead_dims, norm_axis
 
 
 def embedding(weight: Sequence[int], ids: Sequence[int]) -> LoopNest:
     """Operands (weight [V, E], ids [*])."""
     if len(weight) != 2:
-        raise Unsupported(f"embedding table of shape {list(weight)}")
+        raise NotModelled(f"embedding table of shape {list(weight)}")
     lead = lead_dims(ids)
     li = tuple(E(d.name) for d in lead)
     dims = (*lead, Dim("v", weight[0], Role.REDUCTION, Hint.VOCAB), Dim("e", weight[1], Role.PARALLEL, Hint.FEATURE))
@@ -52,13 +52,13 @@ def cross_entropy(logits: Sequence[int], target: Sequence[int], *, reduction: st
     reduced), and the reduction over rows.
     """
     if len(logits) < 1:
-        raise Unsupported("cross entropy of a scalar")
+        raise NotModelled("cross entropy of a scalar")
     if len(logits) == 1:
         logits = (1, *logits)
         target = (1,)
     N, C, extra = logits[0], logits[1], tuple(logits[2:])
     if not soft_target and tuple(target) not in ((N, *extra), (N,), ()):
-        raise Unsupported(f"cross entropy with logits{list(logits)} and target{list(target)}")
+        raise NotModelled(f"cross entropy with logits{list(logits)} and target{list(target)}")
     xs = [Dim(f"x{i}", e, Role.PARALLEL, Hint.SEQUENCE) for i, e in enumerate(extra)]
     red = Role.REDUCTION if reduction in ("mean", "sum") else Role.PARALLEL
     dims = (Dim("n", N, red, Hint.BATCH), Dim("c", C, Role.REDUCTION, Hint.VOCAB), *xs)
@@ -98,7 +98,7 @@ def take_along_axis(data: Sequence[int], index: Sequence[int], axis: int) -> Loo
     """``torch.gather`` / ONNX ``GatherElements``: ``y[i..] = x[i.. with index[i..] on axis]``."""
     axis = norm_axis(axis, len(data))
     if len(index) != len(data) or any(i > d for k, (i, d) in enumerate(zip(index, data)) if k != axis):
-        raise Unsupported(f"gather of index{list(index)} from data{list(data)} along {axis}")
+        raise NotModelled(f"gather of index{list(index)} from data{list(data)} along {axis}")
     dims = generic_dims(index)
     names = [d.name for d in dims]
     di = tuple(ANY if k == axis else E(n) for k, n in enumerate(names))
@@ -117,7 +117,7 @@ def advanced_index(data: Sequence[int], indices: Sequence[Sequence[int] | None])
 
     k = len(indices)
     if any(s is None for s in indices) or k > len(data) or k == 0:
-        raise Unsupported("advanced indexing on non-leading or non-consecutive axes")
+        raise NotModelled("advanced indexing on non-leading or non-consecutive axes")
     bshape = broadcast_shapes(*indices)
     rest = tuple(data[k:])
     dims = generic_dims((*bshape, *rest))

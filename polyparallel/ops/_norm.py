@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from polyparallel.ir import Access, Dim, E, Hint, LoopNest, Role, Statement
 
-from ._common import Unsupported, lead_dims
+from ._common import NotModelled, lead_dims
 
 
 def layer_norm(x: Sequence[int], normalized: Sequence[int], *, weight: bool = True, bias: bool = True,
@@ -18,7 +18,7 @@ def layer_norm(x: Sequence[int], normalized: Sequence[int], *, weight: bool = Tr
     """Layer norm (or RMS norm) over the last ``len(normalized)`` axes; operands (x, w, b)."""
     k = len(normalized)
     if k == 0 or tuple(x[-k:]) != tuple(normalized):
-        raise Unsupported(f"norm over {list(normalized)} of input{list(x)}")
+        raise NotModelled(f"norm over {list(normalized)} of input{list(x)}")
     lead = lead_dims(x[:-k])
     nd = [Dim(f"f{i}" if k > 1 else "f", e, Role.REDUCTION, Hint.FEATURE) for i, e in enumerate(normalized)]
     li, ni = [E(d.name) for d in lead], [E(d.name) for d in nd]
@@ -45,7 +45,7 @@ def batch_norm(x: Sequence[int], *, affine: bool = True, training: bool = True) 
     batch needs them all-reduced: sync-BN); in eval the running statistics are read.
     """
     if len(x) < 2:
-        raise Unsupported(f"batch norm of input{list(x)}")
+        raise NotModelled(f"batch norm of input{list(x)}")
     sp = ("l",) if len(x) == 3 else ("h", "w") if len(x) == 4 else tuple(f"x{i}" for i in range(len(x) - 2))
     dims = [Dim("b", x[0], Role.REDUCTION if training else Role.PARALLEL, Hint.BATCH),
             Dim("c", x[1], Role.PARALLEL, Hint.CHANNEL)]
@@ -67,7 +67,7 @@ def batch_norm(x: Sequence[int], *, affine: bool = True, training: bool = True) 
 def group_norm(x: Sequence[int], groups: int, *, affine: bool = True) -> LoopNest:
     """Group norm: statistics per (batch, group) over the group's channels and spatial dims."""
     if len(x) < 2 or x[1] % groups:
-        raise Unsupported(f"group norm with {groups} groups of input{list(x)}")
+        raise NotModelled(f"group norm with {groups} groups of input{list(x)}")
     cg = x[1] // groups
     sp = tuple(f"x{i}" for i in range(len(x) - 2))
     dims = [Dim("b", x[0], Role.PARALLEL, Hint.BATCH), Dim("g", groups, Role.PARALLEL, Hint.CHANNEL),
@@ -90,7 +90,7 @@ def softmax(x: Sequence[int], axis: int, *, log: bool = False) -> LoopNest:
     """(Log-)softmax along ``axis``: max/sum statistics, then the normalisation."""
     r = len(x)
     if r == 0:
-        raise Unsupported("softmax of a scalar")
+        raise NotModelled("softmax of a scalar")
     axis %= r
     dims = [Dim(f"d{i}", e, Role.REDUCTION if i == axis else Role.PARALLEL,
                 Hint.BATCH if i == 0 and axis != 0 else None) for i, e in enumerate(x)]

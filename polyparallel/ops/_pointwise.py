@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from polyparallel.ir import Access, Dim, E, Hint, LoopNest, Role, Statement
 
-from ._common import Unsupported, broadcast_index, broadcast_shapes, generic_dims, norm_axis
+from ._common import NotModelled, broadcast_index, broadcast_shapes, generic_dims, norm_axis
 
 # FLOPs per output element, by operator name (lower case, torch or ONNX spelling).
 # Transcendentals count as a handful of FLOPs, as is customary in roofline tables.
@@ -65,7 +65,7 @@ def scan(x: Sequence[int], axis: int, *, flops: float = 1.0) -> LoopNest:
     """Inclusive prefix scan (``cumsum``): ``y[.., s, ..] += x[.., t, ..]`` for ``t <= s``."""
     r = len(x)
     if r == 0:
-        raise Unsupported("scan of a scalar")
+        raise NotModelled("scan of a scalar")
     axis = norm_axis(axis, r)
     dims = generic_dims(x)
     dims.append(Dim("t", x[axis], Role.REDUCTION))

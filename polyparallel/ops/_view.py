@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from polyparallel.ir import Access, AffineExpr, Dim, E, LoopNest, Statement
 
-from ._common import Unsupported, broadcast_index, generic_dims, norm_axis
+from ._common import NotModelled, broadcast_index, generic_dims, norm_axis
 
 
 def _remap(out: Sequence[int], in_index: Sequence, *, dims: list[Dim] | None = None,
@@ -31,7 +31,7 @@ def permute(x: Sequence[int], perm: Sequence[int]) -> LoopNest:
     r = len(x)
     perm = [norm_axis(p, r) for p in perm]
     if sorted(perm) != list(range(r)):
-        raise Unsupported(f"permutation {perm} of rank {r}")
+        raise NotModelled(f"permutation {perm} of rank {r}")
     out = [x[p] for p in perm]
     dims = generic_dims(out)
     idx: list = [None] * r
@@ -50,7 +50,7 @@ def transpose(x: Sequence[int], a: int, b: int) -> LoopNest:
 
 def reshape(x: Sequence[int], out: Sequence[int]) -> LoopNest:
     if math.prod(x) != math.prod(out):
-        raise Unsupported(f"reshape {list(x)} -> {list(out)} changes the element count")
+        raise NotModelled(f"reshape {list(x)} -> {list(out)} changes the element count")
 
     def suffix_products(shape: Sequence[int]) -> list[int]:
         acc, res = 1, []
@@ -62,7 +62,7 @@ def reshape(x: Sequence[int], out: Sequence[int]) -> LoopNest:
     cuts = sorted(set(suffix_products(x)) | set(suffix_products(out)) | {1})
     for lo, hi in itertools.pairwise(cuts):
         if hi % lo:
-            raise Unsupported(f"reshape {list(x)} -> {list(out)} is not a split/merge of axes (not affine)")
+            raise NotModelled(f"reshape {list(x)} -> {list(out)} is not a split/merge of axes (not affine)")
     # refinement axes, outermost first: axis j spans suffix products cuts[j]..cuts[j+1]
     ref = [(cuts[j], cuts[j + 1] // cuts[j]) for j in range(len(cuts) - 1)][::-1]
     dims = [Dim(f"v{i}", e) for i, (_, e) in enumerate(ref)]
@@ -93,7 +93,7 @@ def slice_(x: Sequence[int], axis: int, start: int, end: int | None, step: int =
     s, e, _ = slice(start, end, step).indices(n)
     length = max(0, len(range(s, e, step)))
     if length == 0:
-        raise Unsupported("empty slice")
+        raise NotModelled("empty slice")
     out = list(x)
     out[axis] = length
     dims = generic_dims(out)
@@ -116,10 +116,10 @@ def select(x: Sequence[int], axis: int, index: int) -> LoopNest:
 def pad(x: Sequence[int], pads: Sequence[tuple[int, int]]) -> LoopNest:
     """Constant padding; ``pads[i] = (before, after)`` for axis i. Reads outside are zeros."""
     if len(pads) != len(x):
-        raise Unsupported(f"pad widths {list(pads)} for rank {len(x)}")
+        raise NotModelled(f"pad widths {list(pads)} for rank {len(x)}")
     out = [e + a + b for e, (a, b) in zip(x, pads)]
     if min(out) < 1:
-        raise Unsupported("padding leaves an empty tensor")
+        raise NotModelled("padding leaves an empty tensor")
     dims = generic_dims(out)
     return _remap(out, [E(d.name) - a for d, (a, _) in zip(dims, pads)], dims=dims)
 
@@ -132,7 +132,7 @@ def upsample_nearest(x: Sequence[int], scales: Sequence[int]) -> LoopNest:
     """
     lead = len(x) - len(scales)
     if lead < 0 or any(int(s) < 1 for s in scales):
-        raise Unsupported(f"nearest upsampling of input{list(x)} by {list(scales)}")
+        raise NotModelled(f"nearest upsampling of input{list(x)} by {list(scales)}")
     dims = generic_dims(x[:lead])
     xi = [E(d.name) for d in dims]
     yi = list(xi)
@@ -170,7 +170,7 @@ def split(x: Sequence[int], sizes: Sequence[int], axis: int) -> LoopNest:
     r = len(x)
     axis = norm_axis(axis, r)
     if sum(sizes) != x[axis]:
-        raise Unsupported(f"split sizes {list(sizes)} do not add up to {x[axis]}")
+        raise NotModelled(f"split sizes {list(sizes)} do not add up to {x[axis]}")
     base = generic_dims(x)
     dims = [d for i, d in enumerate(base) if i != axis]
     sts, off = [], 0
