@@ -103,7 +103,7 @@ class LoopbackFederation:
             stores every message object in SQLite, ~2 s more per round on loopback (3 centers, 1M
             parameters). The federation's own checkpoint does not need it.
         pack_arrays: send the model and the updates as one buffer per dtype (see :mod:`._flower_app`);
-            False: tensor by tensor, as before packing (kept for the benchmark's before/after).
+            False: one message object per tensor (the benchmark compares the two).
         credentials: TLS on the SuperLink's HTTP APIs and SuperNode authentication (only the
             public keys registered with :meth:`register_center` may join); None: plain HTTP, no auth.
     """

@@ -389,8 +389,8 @@ def _side_by_side(per: Sequence[dict], placements: Sequence[Placement], mesh: De
     (the caller's result does not depend on the bounds of the dims the others split, see
     :func:`_footprint_axes`). Returns the bounds side by side, for each placement
     the index of each real device's virtual one, the number of virtual devices and each
-    placement's representative devices (None: all). One
-    placement alone is computed over the real devices, as before batching.
+    placement's representative devices (None: all). A single placement is computed over
+    the real devices directly.
     """
     if len(placements) == 1:
         return per[0], [slice(0, mesh.size)], mesh.size, [None]
