@@ -242,6 +242,12 @@ def test_wrong_first_batch_is_refused_before_launch(tmp_path: Path, mlp_dp2: pp.
     assert not (tmp_path / "run").exists()
 
 
+def test_a_function_the_workers_cannot_load_is_refused_before_launch(tmp_path: Path, mlp_dp2: pp.Strategy) -> None:
+    with pytest.raises(ValueError, match=r"model_fn/data_fn must be 'package.module:function' strings"):
+        train(mlp_dp2, ex.tiny_mlp, lambda step: ex.mlp_data(step), steps=1, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
 def test_cli_refuses_a_wrong_batch_in_one_line(tmp_path: Path, mlp_dp2: pp.Strategy,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "s.json"

@@ -295,6 +295,11 @@ def _checked_run(strategy: Strategy, model_fn: Any, data_fn: Any, agent: subproc
                                                  or (Path(run_dir) / "checkpoints").is_dir()):
         ckpt = Path(run_dir) / "checkpoints"
     done = check_resume(ckpt, strategy, model) if ckpt is not None else None  # refused here, not after launch
+    try:
+        pickle.dumps((model_fn, data_fn))
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise ValueError(f"model_fn/data_fn must be 'package.module:function' strings or module-level "
+                         f"functions (they are sent to the worker processes): {e}") from e
 
     # every check passed: from here on, files are written
     run_dir = Path(run_dir) if run_dir is not None else new_run_dir()
@@ -314,11 +319,7 @@ def _checked_run(strategy: Strategy, model_fn: Any, data_fn: Any, agent: subproc
            "lr": lr, "seed": seed, "checkpoint_every": checkpoint_every or 1, "profile_comm": profile_comm,
            "checkpoint_dir": str(ckpt.resolve()) if ckpt is not None else None,
            "keep_checkpoints": keep_checkpoints, "strategy_json": strategy.to_json(), "batchnorm": batchnorm}
-    try:
-        (run_dir / "job.pkl").write_bytes(pickle.dumps(job))
-    except (pickle.PicklingError, AttributeError, TypeError) as e:
-        raise ValueError(f"model_fn/data_fn must be 'package.module:function' strings or module-level "
-                         f"functions (they are sent to the worker processes): {e}") from e
+    (run_dir / "job.pkl").write_bytes(pickle.dumps(job))
     if worker_env() != env:  # sys.path changed while loading model_fn/data_fn: the agent must see it too
         agent.kill()
         agent.wait()
