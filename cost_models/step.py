@@ -945,7 +945,7 @@ def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, 
             kept = 0.0
             seg_in = _segment_inputs(graph, cfg.dtype)
             for j in st.segs:
-                kept += seg_in[j] / (cfg.tp if cfg.sequence_parallel else 1) / cfg.sp if rec[j] else seg_act[j]
+                kept += seg_in[j] / (cfg.tp if cfg.sequence_parallel else 1) / cfg.sp + (0.0 if rec[j] else seg_act[j])
             out["act"].append(kept)
             out["seg_act_max"].append(seg_max)
         else:
@@ -1044,15 +1044,23 @@ def _recomputed_segments(graph: Graph) -> list[bool]:
 
 
 def _segment_inputs(graph: Graph, dtype: str) -> list[float]:
-    """Bytes of each layer's inputs (what full recomputation keeps)."""
+    """Bytes full recomputation keeps per layer segment besides the activations it does not recompute.
+
+    A recomputed segment keeps its inputs (each layer's input); a segment it does not recompute
+    also keeps the inputs it reads from recomputed ones (the head's input after the last layer),
+    which its own ops save for their backward. Tensors written by ops that are not recomputed are
+    counted with those ops' activations, once."""
     key = ("seg_in", dtype)
     cache = _cache(graph)
     if key not in cache:
+        segs, rec = _segments(graph), _recomputed_segments(graph)
+        by_rec = {t: rec[j] for j, sg in enumerate(segs) for i in sg for t in graph.ops[i].outputs}
         out = []
-        for sg in _segments(graph):
+        for j, sg in enumerate(segs):
             produced = {t for i in sg for t in graph.ops[i].outputs}
             ins = {t for i in sg for t in graph.ops[i].inputs
-                   if graph.tensors[t].kind is not TensorKind.PARAM and t not in produced}
+                   if graph.tensors[t].kind is not TensorKind.PARAM and t not in produced
+                   and by_rec.get(t, rec[j])}
             out.append(sum(_tensor_bytes(graph, t, dtype) for t in ins))
         cache[key] = out
     return cache[key]
