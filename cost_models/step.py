@@ -2,32 +2,21 @@
 
 Input: a :class:`~polyparallel.ir.Graph` holding the forward pass of **one micro-batch of one
 data-parallel replica**, a :class:`~polyparallel.cluster.Cluster`, and a
-:class:`ParallelConfig` (degrees ``dp·tp·pp·sp`` = world size, ``m`` micro-batches, schedule,
+:class:`~.parallel_config.ParallelConfig` (degrees ``dp·tp·pp·sp`` = world size, ``m`` micro-batches, schedule,
 ZeRO stage, recomputation). One optimizer step processes ``dp · m`` micro-batches.
 
 **Placement.** Ranks are laid out tensor-parallel fastest, then sequence, data, pipeline
 (Megatron's order): rank ``((s_pp·dp + i_dp)·sp + i_sp)·tp + i_tp`` runs on device
 ``devices[rank]`` (the first ``world`` devices of the cluster unless given). The op list is
-cut into ``pp·v`` contiguous chunks at layer boundaries (ops grouped by their module
-``layers.<i>``), balancing forward FLOPs (bisection on the bottleneck), or with equal layer
-counts (``partition="layers"``, what Megatron-LM and DeepSpeed do); chunk ``g`` runs on
+cut into ``pp·v`` contiguous chunks at layer boundaries (:mod:`.layers`); chunk ``g`` runs on
 stage ``g mod pp``.
 
-**Tensor parallelism** (Megatron-LM, Shoeybi et al. 2019), propagated over the IR without a
-per-op placement model: each tensor is *full* or *split* over the ``tp`` group. A
-contraction/conv with a parameter reading a full input is column-parallel (output split,
-backward all-reduce of its input gradient, once per input tensor); reading a split input it
-is row-parallel (output full, forward all-reduce of the output). A parameterised embedding is
-vocabulary-parallel (forward all-reduce). Any other op on a split input stays split (heads,
-activation functions); a loss on split logits needs three per-row scalars all-reduced. Split
-ops do ``1/tp`` of the work. With Megatron sequence parallelism (``sequence_parallel``),
-each all-reduce becomes reduce-scatter + all-gather (same volume) and the remaining ops run
-on ``1/tp`` of the sequence. (The polyhedral placements of ``polyparallel.poly`` will
-replace this propagation with exact per-op communication.)
-
-**Sequence parallelism** ``sp`` (DeepSpeed-Ulysses): every op does ``1/sp`` of the work;
-each attention op all-to-alls its three inputs and its output, forward and backward, over the
-``sp`` group; parameters are replicated over ``sp`` and their gradients reduced with ``dp``.
+**Tensor and sequence parallelism**: each op's share of the work and its collectives come from
+the config's per-op placements (``op_plans``, which the planner derives from the polyhedral
+model), or, without them, from Megatron's rule (:mod:`.megatron_rule`). Under DeepSpeed-Ulysses
+``sp`` every op does ``1/sp`` of the work; each attention op all-to-alls its three inputs and its
+output, forward and backward, over the ``sp`` group; parameters are replicated over ``sp`` and
+their gradients reduced with ``dp``.
 
 **Per micro-batch and stage**: ``F_s = Σ_{ops} t_fwd + Σ t_tp,fwd + Σ t_sp,fwd`` and
 ``B_s = Σ t_bwd + Σ t_tp,bwd + Σ t_sp,bwd + R_s`` where ``R_s`` is the recomputed forward
@@ -61,9 +50,9 @@ gloo's threads compete with the compute for the same cores):
       E_bwd = max(0, Σ_i [AG(W_i) + RS(W_i)] − ω·B_s).
 
   ``E_fwd`` and ``E_bwd`` lengthen every micro-batch's forward and backward inside the
-  pipeline (they repeat ``m`` times), and nothing is left for after the pipeline. Earlier
-  versions hid all of ZeRO-3's traffic under the backward of all micro-batches, which made
-  FSDP look nearly free for GPT-3-sized models.
+  pipeline (they repeat ``m`` times), and nothing is left for after the pipeline (hiding all
+  of ZeRO-3's traffic under the backward of all micro-batches would make FSDP look nearly free
+  for GPT-3-sized models).
 
 **Step**: ``T_s = makespan + T_dp,exposed + T_opt`` per stage (``T_opt`` streams the
 optimizer state once; on a calibrated CPU it is ``N·r(N) + n_t·c_t`` for ``N`` local parameter
@@ -88,24 +77,25 @@ sequence-parallel, p2p, bubble, data-parallel, optimizer, idle) sums to ``T``.
 from __future__ import annotations
 
 import math
-import re
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from polyparallel.cluster import Cluster, DeviceType
-from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Op, OpKind, TensorKind, element_bytes
+from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Op, OpKind, TensorKind
 
 from .comm import collective_time, p2p_time
 from .compute import host_seconds, host_step_fixed, op_cost, streaming_bandwidth
+from .layers import LAYER, chunk_of_ops, chunk_ranges, chunks, layer_segments, segments
+from .megatron_rule import op_plans, tensor_bytes
+from .memo import PRICES
 from .memory import MemoryReport, device_memory
-from .pipeline import SCHEDULES, PipelineResult, makespan_bound, peak_in_flight, simulate
+from .parallel_config import OpPlan, ParallelConfig, StageBreakdown, StepEstimate
+from .pipeline import makespan_bound, peak_in_flight, simulate
 
 __all__ = ["OpPlan", "ParallelConfig", "StageBreakdown", "StepBound", "StepEstimate", "chunk_of_ops", "estimate_step",
            "layer_segments", "optimizer_element_time", "step_lower_bound"]
 
-RECOMPUTE = ("none", "selective", "full")
 # kernels per parameter tensor of torch's single-tensor optimizer step (torch/optim/adam.py etc.):
 # Adam: step += 1, lerp_, mul_ + addcmul_, sqrt / c + eps, addcdiv_
 _OPT_KERNELS = {"adam": 9, "adamw": 10, "lamb": 12, "lion": 5, "sgd": 1, "sgd_momentum": 3}
@@ -116,429 +106,11 @@ _OPT_KERNELS = {"adam": 9, "adamw": 10, "lamb": 12, "lion": 5, "sgd": 1, "sgd_mo
 _FOREACH_ACCESSES = {"adam": 18, "adamw": 20, "lamb": 24, "lion": 10, "sgd": 3, "sgd_momentum": 8}
 
 
-@dataclass(frozen=True)
-class OpPlan:
-    """One op's share of the work and its tensor/sequence-parallel collectives, as a placement gives them.
-
-    ``split``: the op's FLOPs and bytes are divided by it; ``tp_fwd`` / ``tp_bwd``: ``(collective
-    kind, bytes)`` over the op's tensor-parallel group in the forward / backward pass (its own
-    collectives and the reshards of its inputs and their gradients); ``sp_fwd`` / ``sp_bwd`` over
-    the sequence-parallel group; ``param_split``: ways its parameters are sharded (memory, and
-    DTensor dispatch when > 1).
-    """
-
-    split: float = 1.0
-    tp_fwd: tuple[tuple[str, float], ...] = ()
-    tp_bwd: tuple[tuple[str, float], ...] = ()
-    sp_fwd: tuple[tuple[str, float], ...] = ()
-    sp_bwd: tuple[tuple[str, float], ...] = ()
-    param_split: float = 1.0
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """Parallel degrees and training options priced by :func:`estimate_step`.
-
-    Args:
-        dp / tp / pp / sp: data, tensor, pipeline and sequence (Ulysses) parallel degrees.
-        microbatches: micro-batches per step per pipeline (gradient accumulation without pp).
-        schedule: ``gpipe``, ``1f1b`` or ``interleaved``; ``chunks``: model chunks per stage
-            (interleaved only).
-        zero_stage: 0 (plain DP), 1 (optimizer), 2 (+gradients), 3 (+weights, FSDP).
-        recompute: ``none``, ``selective`` (attention scores) or ``full`` (per layer).
-        sequence_parallel: Megatron sequence parallelism alongside ``tp``.
-        dtype: compute precision (``fp32``, ``bf16``, ``fp16``); weights and gradients use it.
-        optimizer: ``adam``, ``adamw``, ``sgd``, ``sgd_momentum``, ``lion``, ``lamb``.
-        grad_overlap: ω of the module docstring; ``None`` picks 1 on accelerators, 0 on CPUs.
-        fused_attention: attention keeps only softmax statistics (flash attention).
-        fused_optimizer: on accelerators the optimizer step is one fused kernel that reads and
-            writes every state once (apex/Megatron FusedAdam, ``torch.optim.Adam(fused=True)``, which
-            the torch backend uses on CUDA); ``False``: torch's default multi-tensor (foreach) step,
-            priced by its passes over fp32 memory (18 accesses per parameter for Adam). CPUs always
-            run the unfused step (tensor by tensor, the same kernels).
-        fused_elementwise: elementwise ops absorbed by ``fuse_elementwise`` run inside their
-            producer's kernel (a compiler, or hand-fused kernels as in Megatron); ``False``: eager
-            PyTorch, each is its own kernel streaming its operands and its own host dispatch.
-        devices: device ids in rank order (default: the cluster's first ``world`` devices).
-        partition: how layers are cut into pipeline chunks: ``flops`` (balance forward FLOPs) or
-            ``layers`` (equal layer counts, embedding/head on the end stages: Megatron/DeepSpeed).
-        op_plans: one :class:`OpPlan` per graph op, from per-op placements (a placement solver);
-            ``None`` prices the Megatron rule of the module docstring.
-    """
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    sp: int = 1
-    microbatches: int = 1
-    schedule: str = "1f1b"
-    chunks: int = 1
-    zero_stage: int = 0
-    recompute: str = "none"
-    sequence_parallel: bool = False
-    dtype: str = "fp32"
-    optimizer: str = "adam"
-    grad_overlap: float | None = None
-    fused_attention: bool = False
-    fused_optimizer: bool = True
-    fused_elementwise: bool = True
-    devices: tuple[int, ...] | None = None
-    partition: str = "flops"
-    op_plans: tuple[OpPlan, ...] | None = field(default=None, repr=False)
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp * self.sp
-
-    def validate(self, cluster: Cluster | None = None) -> None:
-        """Raise ``ValueError`` naming the bad field and the fix."""
-        for name in ("dp", "tp", "pp", "sp", "microbatches", "chunks"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"ParallelConfig.{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"ParallelConfig.schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
-        if self.chunks > 1 and self.schedule != "interleaved":
-            raise ValueError("ParallelConfig.chunks > 1 needs schedule='interleaved'")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"ParallelConfig.zero_stage must be 0..3, got {self.zero_stage}")
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"ParallelConfig.recompute {self.recompute!r}: use one of {', '.join(RECOMPUTE)}")
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError("ParallelConfig.sequence_parallel needs tp > 1")
-        if self.dtype not in TRAINING_DTYPE_BYTES:
-            raise ValueError(f"ParallelConfig.dtype {self.dtype!r}: use one of {', '.join(TRAINING_DTYPE_BYTES)}")
-        if self.partition not in ("flops", "layers"):
-            raise ValueError(f"ParallelConfig.partition {self.partition!r}: use 'flops' or 'layers'")
-        if self.grad_overlap is not None and not 0 <= self.grad_overlap <= 1:
-            raise ValueError(f"ParallelConfig.grad_overlap must be in [0, 1], got {self.grad_overlap}")
-        if cluster is not None:
-            devs = self.devices if self.devices is not None else tuple(range(self.world))
-            if len(devs) != self.world:
-                raise ValueError(f"ParallelConfig.devices lists {len(devs)} devices for a world of {self.world}")
-            if self.world > cluster.num_devices or min(devs) < 0 or max(devs) >= cluster.num_devices:
-                raise ValueError(f"the configuration needs {self.world} devices (dp {self.dp} x tp {self.tp} x pp "
-                                 f"{self.pp} x sp {self.sp}); cluster {cluster.name!r} has {cluster.num_devices}")
-
-    def rank(self, pp: int, dp: int, sp: int, tp: int) -> int:
-        return ((pp * self.dp + dp) * self.sp + sp) * self.tp + tp
-
-    def __str__(self) -> str:
-        extra = [f"m={self.microbatches}", self.schedule + (f"x{self.chunks}" if self.chunks > 1 else "")]
-        if self.zero_stage:
-            extra.append(f"zero{self.zero_stage}")
-        if self.recompute != "none":
-            extra.append(f"rc={self.recompute}")
-        if self.sequence_parallel:
-            extra.append("seqpar")
-        if self.op_plans is not None:
-            extra.append("placed")
-        return f"dp{self.dp} tp{self.tp} pp{self.pp} sp{self.sp} " + " ".join(extra)
-
-
-@dataclass(frozen=True)
-class StageBreakdown:
-    """Seconds of one pipeline stage per step; ``parts`` sum to the step time."""
-
-    stage: int
-    devices: tuple[int, ...]
-    device_type: str
-    parts: tuple[tuple[str, float], ...]
-    collectives: tuple[tuple[str, float], ...]  # per collective kind and purpose, seconds per step
-
-    def part(self, name: str) -> float:
-        return dict(self.parts)[name]
-
-    @property
-    def total(self) -> float:
-        return sum(v for _, v in self.parts)
-
-
-@dataclass(frozen=True)
-class StepEstimate:
-    """A priced configuration: step time, per-stage breakdown, memory per stage, throughput."""
-
-    config: ParallelConfig
-    step_time: float
-    stages: tuple[StageBreakdown, ...]
-    memory: tuple[MemoryReport, ...]
-    pipeline: PipelineResult
-    samples_per_step: int
-    model_flops_per_step: float
-    warnings: tuple[str, ...] = field(default=())
-
-    @property
-    def fits(self) -> bool:
-        return all(r.fits for r in self.memory)
-
-    @property
-    def throughput(self) -> float:
-        """Samples (graph batch units) per second."""
-        return self.samples_per_step / self.step_time
-
-    @property
-    def model_flops_per_device(self) -> float:
-        """Achieved model FLOP/s per device (3x forward FLOPs, recomputation not counted)."""
-        return self.model_flops_per_step / self.step_time / self.config.world
-
-    def breakdown(self) -> dict[str, float]:
-        """The critical stage's parts (the stage with the least idle time)."""
-        crit = min(self.stages, key=lambda s: s.part("idle"))
-        return dict(crit.parts)
-
-    def why_not_fit(self) -> list[str]:
-        return [r.why() for r in self.memory if not r.fits]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "config": str(self.config), "step_time_s": self.step_time, "throughput": self.throughput,
-            "model_flops_per_device": self.model_flops_per_device, "fits": self.fits,
-            "breakdown": self.breakdown(),
-            "stages": [{"stage": s.stage, "device_type": s.device_type, "parts": dict(s.parts),
-                        "collectives": dict(s.collectives)} for s in self.stages],
-            "memory": [{"label": r.label, "total": r.total, "capacity": r.capacity, "terms": dict(r.terms),
-                        "fits": r.fits} for r in self.memory],
-            "warnings": list(self.warnings),
-        }
-
-
-# --------------------------------------------------------------------------------------------
-# layers and chunks
-# --------------------------------------------------------------------------------------------
-
-_LAYER = re.compile(r"^(.*?\b(?:layers?|h|blocks?|layer)\.\d+)(?:\.|$)")
-
-
-def _cache(graph: Graph) -> dict:
-    """Per-graph memo of the prices and layouts that depend only on the graph (and the keys).
-
-    It is the graph's ``_op_cost_cache``, which :meth:`Graph.add_op` drops when the graph
-    changes; keys here are tuples starting with a tag string (op prices are keyed by index).
-    """
-    return graph.__dict__.setdefault("_op_cost_cache", {})
-
-
-def _segments(graph: Graph) -> list[list[int]]:
-    cache = _cache(graph)
-    segs = cache.get(("segments",))
-    if segs is None:
-        segs = cache[("segments",)] = _layer_segments(graph)
-    return segs
-
-
-def layer_segments(graph: Graph) -> list[list[int]]:
-    """Consecutive op indices grouped into layers by module path (``...layers.<i>...``).
-
-    Ops outside any numbered layer join the neighbouring run of such ops; a graph without
-    numbered modules falls back to ``⌈√n⌉`` equal runs (Chen et al.'s √n checkpointing).
-    """
-    return [list(sg) for sg in _segments(graph)]
-
-
-def _layer_segments(graph: Graph) -> list[list[int]]:
-    keys = []
-    for op in graph.ops:
-        m = _LAYER.match(op.module or "")
-        keys.append(m.group(1) if m else (op.module.split(".")[0] if op.module else ""))
-    if not any(_LAYER.match(op.module or "") for op in graph.ops):
-        n = len(graph.ops)
-        size = max(1, math.ceil(math.sqrt(n)))
-        return [list(range(i, min(n, i + size))) for i in range(0, n, size)]
-    segs: list[list[int]] = []
-    for i, k in enumerate(keys):
-        if segs and keys[segs[-1][0]] == k:
-            segs[-1].append(i)
-        else:
-            segs.append([i])
-    return segs
-
-
-def chunk_of_ops(graph: Graph, cfg: ParallelConfig) -> list[int]:
-    """The pipeline chunk (``0 .. pp·v − 1``; chunk ``g`` runs on stage ``g mod pp``) of every op,
-    cut at layer boundaries as ``cfg.partition`` says — the one place that decides it."""
-    v = cfg.chunks if cfg.schedule == "interleaved" else 1
-    return list(_chunks(graph, cfg.pp * v, cfg.partition))
-
-
-def _chunks(graph: Graph, k: int, partition: str) -> list[int]:
-    cache = _cache(graph)
-    key = ("chunks", k, partition)
-    out = cache.get(key)
-    if out is not None:
-        return out
-    segs = _segments(graph)
-    if partition == "layers":
-        starts = _uniform_layers(graph, segs, k)
-    else:
-        sf = cache.get(("seg_flops",))
-        if sf is None:
-            sf = cache[("seg_flops",)] = [float(sum(graph.ops[i].flops for i in s)) + 1.0 for s in segs]
-        starts = _partition(sf, k)
-    out = [0] * len(graph.ops)
-    for g, (a, b) in enumerate(zip(starts, [*starts[1:], len(segs)])):
-        for sg in segs[a:b]:
-            for i in sg:
-                out[i] = g
-    cache[key] = out
-    return out
-
-
-def _partition(weights: Sequence[float], k: int) -> list[int]:
-    """Cut a sequence into ``k`` contiguous non-empty parts minimising the largest sum; returns starts."""
-    n = len(weights)
-    if k > n:
-        raise ValueError(f"cannot cut {n} layers into {k} pipeline chunks: use fewer stages/chunks")
-
-    def cuts(limit: float) -> list[int] | None:
-        starts, acc = [0], 0.0
-        for i, w in enumerate(weights):
-            if acc + w > limit and acc > 0:
-                starts.append(i)
-                acc = 0.0
-            acc += w
-        return starts if len(starts) <= k else None
-
-    lo, hi = max(weights), sum(weights)
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if cuts(mid) is None:
-            lo = mid
-        else:
-            hi = mid
-    starts = cuts(hi) or [0]
-    # every chunk must be non-empty: split the largest parts until there are k
-    while len(starts) < k:
-        bounds = [*starts, n]
-        sizes = [(bounds[j + 1] - bounds[j], j) for j in range(len(starts))]
-        size, j = max(sizes)
-        starts.insert(j + 1, bounds[j] + size // 2)
-    return starts
-
-
-def _uniform_layers(graph: Graph, segs: list[list[int]], k: int) -> list[int]:
-    """Megatron / DeepSpeed ``uniform`` partition: equal numbers of numbered layers per chunk (the
-    first ``L mod k`` chunks take one more); embedding and head stay on the first and last chunk."""
-    layer_idx = [j for j, sg in enumerate(segs) if _LAYER.match(graph.ops[sg[0]].module or "")]
-    n = len(layer_idx)
-    if k > n:
-        raise ValueError(f"cannot cut {n} layers into {k} pipeline chunks: use fewer stages/chunks")
-    starts, pos = [0], 0
-    for g in range(k - 1):
-        pos += n // k + (1 if g < n % k else 0)
-        starts.append(layer_idx[pos])
-    return starts
-
-
-# --------------------------------------------------------------------------------------------
-# tensor / sequence parallel propagation
-# --------------------------------------------------------------------------------------------
-
-@dataclass
-class _OpPlan:
-    split: float = 1.0
-    tp_fwd: list[tuple[str, float]] = field(default_factory=list)  # (collective, bytes)
-    tp_bwd: list[tuple[str, float]] = field(default_factory=list)
-    sp_fwd: list[tuple[str, float]] = field(default_factory=list)
-    sp_bwd: list[tuple[str, float]] = field(default_factory=list)
-    param_split: float = 1.0
-
-
-def _tensor_bytes(graph: Graph, name: str, dtype: str) -> float:
-    t = graph.tensors[name]
-    w = element_bytes(t.dtype, dtype)
-    return t.numel * w
-
-
-def _plan_ops(graph: Graph, cfg: ParallelConfig) -> list[_OpPlan]:
-    """Per op: its work split and its tensor/sequence-parallel collectives (read-only, memoised)."""
-    key = ("plans", cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.dtype, cfg.op_plans)
-    cache = _cache(graph)
-    plans = cache.get(key)
-    if plans is None:
-        if cfg.op_plans is None:
-            plans = _propagate(graph, cfg)
-        elif len(cfg.op_plans) != len(graph.ops):
-            raise ValueError(f"ParallelConfig.op_plans has {len(cfg.op_plans)} entries but graph {graph.name!r} has "
-                             f"{len(graph.ops)} ops; give one OpPlan per op, in op order")
-        else:
-            plans = [_OpPlan(p.split, list(p.tp_fwd), list(p.tp_bwd), list(p.sp_fwd), list(p.sp_bwd), p.param_split)
-                     for p in cfg.op_plans]
-        cache[key] = plans
-    return plans
-
-
-def _propagate(graph: Graph, cfg: ParallelConfig) -> list[_OpPlan]:
-    tp, sp = cfg.tp, cfg.sp
-    if tp == 1 and sp == 1:
-        return [_OpPlan() for _ in graph.ops]
-    split_state: dict[str, bool] = {}
-    grad_ar_done: set[str] = set()
-    plans: list[_OpPlan] = []
-    ar = ("reduce_scatter", "all_gather") if cfg.sequence_parallel else ("all_reduce",)
-    for op, (kind, acts, has_param) in zip(graph.ops, _op_roles(graph)):
-        pl = _OpPlan()
-        any_split = any(split_state.get(t, False) for t in acts)
-        out_split = False
-        if tp > 1:
-            if kind in (OpKind.CONTRACTION, OpKind.CONV) and has_param:
-                pl.split = pl.param_split = tp
-                # the contracted input comes first; inputs after it belong to pointwise epilogues fused
-                # into the op (LLaMA's silu(gate(h)) * up(h) reads up's column-split output): they follow
-                # the output's layout and do not make the contraction row-parallel
-                if acts and split_state.get(acts[0], False):  # row-parallel: partial sums reduced forward
-                    for t in op.outputs:
-                        pl.tp_fwd += [(c, _tensor_bytes(graph, t, cfg.dtype)) for c in ar]
-                else:  # column-parallel: the input gradient is reduced in the backward pass
-                    out_split = True
-                    for t in acts[:1]:  # graph inputs need no gradient
-                        if t not in grad_ar_done and graph.tensors[t].kind is not TensorKind.INPUT:
-                            grad_ar_done.add(t)
-                            pl.tp_bwd += [(c, _tensor_bytes(graph, t, cfg.dtype)) for c in ar]
-            elif kind is OpKind.EMBEDDING and has_param:
-                pl.split = pl.param_split = tp
-                for t in op.outputs:
-                    pl.tp_fwd += [(c, _tensor_bytes(graph, t, cfg.dtype)) for c in ar]
-            elif any_split and kind is OpKind.LOSS:
-                pl.split = tp
-                rows = graph.tensors[acts[0]].numel / max(1, graph.tensors[acts[0]].shape[-1])
-                pl.tp_fwd.append(("all_reduce", 3 * rows * 4))
-            elif any_split and kind is not OpKind.OPAQUE:
-                pl.split = tp
-                out_split = True
-            elif any_split:  # an op we cannot split: gather its inputs
-                for t in acts:
-                    if split_state.get(t, False):
-                        pl.tp_fwd.append(("all_gather", _tensor_bytes(graph, t, cfg.dtype)))
-            elif cfg.sequence_parallel:
-                pl.split = tp  # norms, dropout, residuals on 1/tp of the sequence
-        for t in op.outputs:
-            split_state[t] = out_split
-        if sp > 1:
-            pl.split *= sp
-            if kind is OpKind.ATTENTION:
-                for t in list(acts) + list(op.outputs):
-                    b = _tensor_bytes(graph, t, cfg.dtype) / (sp * (tp if any_split else 1))
-                    pl.sp_fwd.append(("all_to_all", b))
-                    pl.sp_bwd.append(("all_to_all", b))
-        plans.append(pl)
-    return plans
-
-
-def _op_roles(graph: Graph) -> list[tuple[OpKind, tuple[str, ...], bool]]:
-    """Per op: its kind, its non-parameter inputs, whether it reads a parameter."""
-    cache = _cache(graph)
-    roles = cache.get(("roles",))
-    if roles is None:
-        roles = cache[("roles",)] = [
-            (OpKind(op.kind), tuple(t for t in op.inputs if graph.tensors[t].kind is not TensorKind.PARAM),
-             any(graph.tensors[t].kind is TensorKind.PARAM for t in op.inputs)) for op in graph.ops]
-    return roles
-
-
 def _activation_bytes(graph: Graph, op: Op, dtype: str, fused_attention: bool, selective: bool) -> float:
     """Bytes an op stores for its backward: its outputs, plus attention score matrices."""
     if OpKind(op.kind) in (OpKind.VIEW, OpKind.CREATE):
         return 0.0
-    total = sum(_tensor_bytes(graph, t, dtype) for t in op.outputs)
+    total = sum(tensor_bytes(graph, t, dtype) for t in op.outputs)
     if OpKind(op.kind) is OpKind.ATTENTION and op.nest is not None and not fused_attention and not selective:
         ext = op.nest.extents
         for st in op.nest.statements:
@@ -576,7 +148,7 @@ def estimate_step(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> StepEs
         coll = [("tensor_parallel", tpc), ("sequence_parallel", spc), ("p2p", p2p_total),
                 (f"data_parallel {dp_kinds} (before overlap)", x.t_dp)]
         out.append(StageBreakdown(s, terms.devices[s], terms.types[s].name, parts, tuple(coll)))
-    cache = _cache(graph)
+    cache = PRICES.of(graph)
     totals_key = ("totals",)
     if totals_key not in cache:
         n_opaque = len(graph.opaque_ops())
@@ -670,7 +242,7 @@ class _Prepared:
 def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
     p, v, m = cfg.pp, cfg.chunks if cfg.schedule == "interleaved" else 1, cfg.microbatches
     terms = _stage_terms(graph, cluster, cfg, v)
-    ccache: dict = cluster.__dict__.setdefault("_collective_cache", {})
+    ccache: dict = PRICES.of(cluster).setdefault("collectives", {})
     in_flight = peak_in_flight(cfg.schedule, p, m, v)
     gb = TRAINING_DTYPE_BYTES[cfg.dtype]
     dps, mems, accum = [], [], []
@@ -752,10 +324,10 @@ def _loss_transient(graph: Graph, cfg: ParallelConfig, v: int) -> dict[int, floa
     if cfg.fused_elementwise:
         return {}
     key = ("loss_ws", cfg.pp, v, cfg.partition, cfg.dtype, cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.op_plans)
-    cache = _cache(graph)
+    cache = PRICES.of(graph)
     if key not in cache:
-        chunk_of_op = _chunks(graph, cfg.pp * v, cfg.partition)
-        plans = _plan_ops(graph, cfg)
+        chunk_of_op = chunks(graph, cfg.pp * v, cfg.partition)
+        plans = op_plans(graph, cfg)
         out: dict[int, float] = {}
         for i, op in enumerate(graph.ops):
             if OpKind(op.kind) is not OpKind.LOSS or not op.inputs:
@@ -764,7 +336,7 @@ def _loss_transient(graph: Graph, cfg: ParallelConfig, v: int) -> dict[int, floa
             if spec.dtype not in ("float32", "float16", "bfloat16"):
                 continue
             n = spec.numel / plans[i].split
-            extra = 12 * n - _tensor_bytes(graph, op.inputs[0], cfg.dtype) / plans[i].split
+            extra = 12 * n - tensor_bytes(graph, op.inputs[0], cfg.dtype) / plans[i].split
             stage = chunk_of_op[i] % cfg.pp
             out[stage] = out.get(stage, 0.0) + max(extra, 0.0)
         cache[key] = out
@@ -845,7 +417,7 @@ def _price(cluster: Cluster, ccache: dict, events: Sequence[tuple[str, float]], 
         key = (kind, nbytes, gid)
         t = ccache.get(key)
         if t is None:
-            conc = cluster.__dict__["_group_concurrency"][gid]
+            conc = PRICES.of(cluster)["group_concurrency"][gid]
             t = ccache[key] = collective_time(cluster, kind, nbytes, grp, concurrent=conc).seconds
         tot += t
     return tot
@@ -853,11 +425,11 @@ def _price(cluster: Cluster, ccache: dict, events: Sequence[tuple[str, float]], 
 
 def _max_segment_params(graph: Graph) -> int:
     """Parameters of the largest layer (ZeRO-3 gathers one layer at a time)."""
-    cache = _cache(graph)
+    cache = PRICES.of(graph)
     if ("max_seg_params",) not in cache:
         cache[("max_seg_params",)] = max((sum(graph.tensors[t].numel for i in sg for t in graph.ops[i].inputs
                                               if graph.tensors[t].kind is TensorKind.PARAM)
-                                          for sg in _segments(graph)), default=0)
+                                          for sg in segments(graph)), default=0)
     return cache[("max_seg_params",)]
 
 
@@ -870,7 +442,7 @@ def _stage_terms(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int) ->
     devs = cfg.devices if cfg.devices is not None else tuple(range(cfg.world))
     key = ("stages", id(cluster), devs, cfg.dp, cfg.tp, cfg.pp, cfg.sp, v, cfg.partition, cfg.sequence_parallel,
            cfg.dtype, cfg.fused_attention, cfg.op_plans)
-    cache = _cache(graph)
+    cache = PRICES.of(graph)
     hit = cache.get((*key, cfg.recompute))
     if hit is not None and hit[0] is cluster:  # the cluster is held, so its id is not reused
         return hit[1]
@@ -903,7 +475,7 @@ class _StageBase:
 
 
 def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, ...]) -> _StageTerms:
-    plans = _plan_ops(graph, cfg)
+    plans = op_plans(graph, cfg)
     seg_act = _segment_activations(graph, cfg, plans)
     full = cfg.recompute == "full"
     out: dict[str, list] = {k: [] for k in _StageTerms.__dataclass_fields__ if k != "memo"}
@@ -958,11 +530,11 @@ def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, 
 
 
 def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
-                plans: list[_OpPlan]) -> tuple[list[float], list[float], list[float]]:
+                plans: list[OpPlan]) -> tuple[list[float], list[float], list[float]]:
     """Forward, backward and attention-forward seconds of every op on one device type."""
     key = ("opvec", dt.cache_key, cfg.dtype, cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.fused_attention, cfg.op_plans,
            cfg.fused_elementwise)
-    op_costs = _cache(graph)
+    op_costs = PRICES.of(graph)
     hit = op_costs.get(key)
     if hit is not None:
         return hit
@@ -986,18 +558,18 @@ def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
 def _host_vector(graph: Graph, dt: DeviceType, cfg: ParallelConfig) -> list[tuple[float, float]]:
     """Host seconds (forward, backward) of every op on an accelerator with measured dispatch costs."""
     key = ("host", dt.cache_key, cfg.dtype, cfg.fused_elementwise)
-    cache = _cache(graph)
+    cache = PRICES.of(graph)
     if key not in cache:
         cache[key] = host_seconds(graph, dt, cfg.dtype, eager=not cfg.fused_elementwise)
     return cache[key]
 
 
-def _per_plan(graph: Graph, cfg: ParallelConfig, plans: list[_OpPlan]) -> tuple[list[int], list[tuple], list[int],
+def _per_plan(graph: Graph, cfg: ParallelConfig, plans: list[OpPlan]) -> tuple[list[int], list[tuple], list[int],
                                                                                  list[tuple[int, str, float, int]]]:
     """Ops with tensor/sequence-parallel collectives, and parameter uses ``(op, tensor, local numel,
     numel)``, in op order."""
     key = ("per_plan", cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.dtype, cfg.op_plans)
-    cache = _cache(graph)
+    cache = PRICES.of(graph)
     hit = cache.get(key)
     if hit is not None:
         return hit
@@ -1017,28 +589,28 @@ def _per_plan(graph: Graph, cfg: ParallelConfig, plans: list[_OpPlan]) -> tuple[
     return out
 
 
-def _segment_activations(graph: Graph, cfg: ParallelConfig, plans: list[_OpPlan]) -> list[float]:
+def _segment_activations(graph: Graph, cfg: ParallelConfig, plans: list[OpPlan]) -> list[float]:
     selective = cfg.recompute == "selective"
     key = ("seg_act", cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.dtype, cfg.fused_attention, selective,
            cfg.op_plans)
-    cache = _cache(graph)
+    cache = PRICES.of(graph)
     if key not in cache:
         op_key = ("op_act", cfg.dtype, cfg.fused_attention, selective)
         if op_key not in cache:
             cache[op_key] = [_activation_bytes(graph, op, cfg.dtype, cfg.fused_attention, selective)
                              for op in graph.ops]
         act = cache[op_key]
-        cache[key] = [sum(act[i] / plans[i].split for i in sg) for sg in _segments(graph)]
+        cache[key] = [sum(act[i] / plans[i].split for i in sg) for sg in segments(graph)]
     return cache[key]
 
 
 def _recomputed_segments(graph: Graph) -> list[bool]:
     """Which layer segments full recomputation checkpoints: the numbered layers, or every run of
     ``√n`` ops in a graph without numbered layers."""
-    cache = _cache(graph)
+    cache = PRICES.of(graph)
     if ("recomputed",) not in cache:
-        segs = _segments(graph)
-        layer = [bool(_LAYER.match(graph.ops[sg[0]].module or "")) for sg in segs]
+        segs = segments(graph)
+        layer = [bool(LAYER.match(graph.ops[sg[0]].module or "")) for sg in segs]
         cache[("recomputed",)] = layer if any(layer) else [True] * len(segs)
     return cache[("recomputed",)]
 
@@ -1051,9 +623,9 @@ def _segment_inputs(graph: Graph, dtype: str) -> list[float]:
     which its own ops save for their backward. Tensors written by ops that are not recomputed are
     counted with those ops' activations, once."""
     key = ("seg_in", dtype)
-    cache = _cache(graph)
+    cache = PRICES.of(graph)
     if key not in cache:
-        segs, rec = _segments(graph), _recomputed_segments(graph)
+        segs, rec = segments(graph), _recomputed_segments(graph)
         by_rec = {t: rec[j] for j, sg in enumerate(segs) for i in sg for t in graph.ops[i].outputs}
         out = []
         for j, sg in enumerate(segs):
@@ -1061,7 +633,7 @@ def _segment_inputs(graph: Graph, dtype: str) -> list[float]:
             ins = {t for i in sg for t in graph.ops[i].inputs
                    if graph.tensors[t].kind is not TensorKind.PARAM and t not in produced
                    and by_rec.get(t, rec[j])}
-            out.append(sum(_tensor_bytes(graph, t, dtype) for t in ins))
+            out.append(sum(tensor_bytes(graph, t, dtype) for t in ins))
         cache[key] = out
     return cache[key]
 
@@ -1069,13 +641,13 @@ def _segment_inputs(graph: Graph, dtype: str) -> list[float]:
 def _crossing(graph: Graph, dtype: str) -> list[tuple[int, int, float]]:
     """(producer op, last consumer op, bytes) of every tensor read after the op that writes it, in op order."""
     key = ("crossing", dtype)
-    cache = _cache(graph)
+    cache = PRICES.of(graph)
     if key not in cache:
         last: dict[str, int] = {}
         for i, op in enumerate(graph.ops):
             for t in op.inputs:
                 last[t] = i
-        cache[key] = [(i, last[t], _tensor_bytes(graph, t, dtype)) for i, op in enumerate(graph.ops)
+        cache[key] = [(i, last[t], tensor_bytes(graph, t, dtype)) for i, op in enumerate(graph.ops)
                       for t in op.outputs if last.get(t, -1) > i]
     return cache[key]
 
@@ -1083,13 +655,13 @@ def _crossing(graph: Graph, dtype: str) -> list[tuple[int, int, float]]:
 def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
                 devs: tuple[int, ...]) -> tuple[_StageBase, ...]:
     p = cfg.pp
-    segs = _segments(graph)
-    chunk_of_op = _chunks(graph, p * v, cfg.partition)
-    plans = _plan_ops(graph, cfg)
+    segs = segments(graph)
+    chunk_of_op = chunks(graph, p * v, cfg.partition)
+    plans = op_plans(graph, cfg)
     ev_idx, ev, use_idx, uses = _per_plan(graph, cfg, plans)
-    ccache: dict = cluster.__dict__.setdefault("_collective_cache", {})
+    ccache: dict = PRICES.of(cluster).setdefault("collectives", {})
     n = len(graph.ops)
-    ranges = _chunk_ranges(graph, p * v, cfg.partition)
+    ranges = chunk_ranges(graph, p * v, cfg.partition)
     layout = _layout(cluster, cfg, devs)
     stage_of_seg = [chunk_of_op[sg[0]] % p for sg in segs]
     seg_of_op = [0] * n
@@ -1192,11 +764,11 @@ def _layout(cluster: Cluster, cfg: ParallelConfig, devs: tuple[int, ...]) -> tup
     import numpy as np
 
     key = (devs, cfg.dp, cfg.tp, cfg.pp, cfg.sp)
-    cache = cluster.__dict__.setdefault("_layout_cache", {})
+    cache = PRICES.of(cluster).setdefault("layouts", {})
     if key in cache:
         return cache[key]
-    ids: dict[tuple[tuple[int, ...], int], int] = cluster.__dict__.setdefault("_group_ids", {})
-    conc_of: dict[int, int] = cluster.__dict__.setdefault("_group_concurrency", {})
+    ids: dict[tuple[tuple[int, ...], int], int] = PRICES.of(cluster).setdefault("group_ids", {})
+    conc_of: dict[int, int] = PRICES.of(cluster).setdefault("group_concurrency", {})
     D = np.asarray(devs, dtype=np.int64).reshape(cfg.pp, cfg.dp, cfg.sp, cfg.tp)
     N = np.asarray([d.node for d in cluster.devices], dtype=np.int64)[D]
 
@@ -1239,19 +811,6 @@ def _layout(cluster: Cluster, cfg: ParallelConfig, devs: tuple[int, ...]) -> tup
             dp_groups=distinct(ds.transpose(2, 0, 1).reshape(cfg.tp, -1), ns.transpose(2, 0, 1).reshape(cfg.tp, -1)),
             p2p_pairs=tuple(pairs.values())))
     cache[key] = tuple(out)
-    return cache[key]
-
-
-def _chunk_ranges(graph: Graph, k: int, partition: str) -> list[tuple[int, int]]:
-    """Op index range ``[a, z)`` of every chunk (chunks are contiguous and in op order; empty: ``(0, 0)``)."""
-    key = ("chunk_ranges", k, partition)
-    cache = _cache(graph)
-    if key not in cache:
-        n = len(graph.ops)
-        ranges = [(n, n)] * k
-        for i, g in enumerate(_chunks(graph, k, partition)):
-            ranges[g] = (min(ranges[g][0], i), i + 1)
-        cache[key] = [(a, z) if a < z else (0, 0) for a, z in ranges]
     return cache[key]
 
 

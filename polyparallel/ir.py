@@ -549,6 +549,9 @@ class Graph:
     outputs: list[str] = field(default_factory=list)
     source: str = ""  # "torch.export", "torch.fx", "onnx"
     warnings: list[str] = field(default_factory=list)
+    # bumped by every change of the op list, so memos of derived values (the cost models') can
+    # tell a graph built further from the one they priced
+    version: int = field(default=0, compare=False, repr=False)
 
     # -- construction -------------------------------------------------------------------
     def add_tensor(self, spec: TensorSpec) -> TensorSpec:
@@ -562,8 +565,9 @@ class Graph:
             if t not in self.tensors:
                 raise ValueError(f"op {op.name!r} refers to unknown tensor {t!r}")
         self.ops.append(op)
-        for cached in ("_producer", "_consumers", "_op_cost_cache"):
+        for cached in ("_producer", "_consumers"):
             self.__dict__.pop(cached, None)
+        self.version += 1
         return op
 
     # -- queries ------------------------------------------------------------------------

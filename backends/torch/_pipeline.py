@@ -124,7 +124,7 @@ def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cu
     layers of a chunk are listed (casts and checks the frontend drops, such as the ``to`` that opens
     an HF RMSNorm, may sit before the cut op of the next layer).
     """
-    from polyparallel.cost_models.step import _LAYER  # the planner's own layer pattern
+    from polyparallel.cost_models.layers import LAYER  # the planner's own layer pattern
 
     gm = _export(model, inputs, labels)
     nodes = list(gm.graph.nodes)
@@ -213,7 +213,7 @@ def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cu
         for n in ops:
             if chunk_of.get(n) == c:
                 env[n] = g.node_copy(n, arg)
-                m = _LAYER.match(_module_path(n)) if counted is None or n.name in counted else None
+                m = LAYER.match(_module_path(n)) if counted is None or n.name in counted else None
                 if m:
                     lyr.add(int(m.group(1).rsplit(".", 1)[1]))
         # p2p sends and receives whole contiguous buffers (an expanded mask or a transposed view is not)

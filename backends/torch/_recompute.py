@@ -26,7 +26,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-from polyparallel.cost_models.step import _LAYER  # the numbered layer whose segments the cost model recomputes
+from polyparallel.cost_models.layers import layer_of
 from polyparallel.ir import Graph
 
 __all__ = ["apply_recompute", "recompute_blocks", "recompute_problems", "retained_activation_bytes"]
@@ -36,9 +36,9 @@ def recompute_blocks(graph: Graph) -> list[str]:
     """Module paths of the numbered layers of ``graph``, in execution order (what ``full`` checkpoints)."""
     out: dict[str, None] = {}
     for op in graph.ops:
-        m = _LAYER.match(op.module or "")
-        if m:
-            out.setdefault(m.group(1))
+        layer = layer_of(op.module)
+        if layer:
+            out.setdefault(layer)
     return list(out)
 
 

@@ -91,7 +91,7 @@ def placement_solver(stages: list[Any]) -> str:
 
 def stage_chunks(g: Graph, cfg: ParallelConfig) -> list[list[tuple[int, int]]]:
     """(first, last) op index of each chunk of each stage, as the cost model cuts them."""
-    from polyparallel.cost_models.step import chunk_of_ops
+    from polyparallel.cost_models.layers import chunk_of_ops
 
     chunk = chunk_of_ops(g, cfg)
     out: list[list[tuple[int, int]]] = [[] for _ in range(cfg.pp)]
@@ -105,11 +105,11 @@ def stage_chunks(g: Graph, cfg: ParallelConfig) -> list[list[tuple[int, int]]]:
 def layer_ids(g: Graph, a: int, z: int) -> set[int]:
     """Indices of the numbered layers (``h.3``, ``layers.7``) among ops ``a..z``, matched by the
     cost model's own layer pattern so the stages list the layers it cut at."""
-    from polyparallel.cost_models.step import _LAYER
+    from polyparallel.cost_models.layers import LAYER
 
     ids = set()
     for op in g.ops[a: z + 1]:
-        m = _LAYER.match(op.module or "")
+        m = LAYER.match(op.module or "")
         if m:
             ids.add(int(m.group(1).rsplit(".", 1)[1]))
     return ids

@@ -41,7 +41,8 @@ from typing import Any
 from polyparallel.backends.torch.capabilities import chain_problems, edge_rule, expressible
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, StepEstimate, estimate_step
-from polyparallel.cost_models.step import OpPlan
+from polyparallel.cost_models.megatron_rule import op_plans as rule_op_plans
+from polyparallel.cost_models.parallel_config import OpPlan
 from polyparallel.ir import Graph, Hint, Op, TensorKind
 
 __all__ = ["MODES", "Placed", "StagePlacement", "param_cost_of", "place", "rule_placements", "torch_edge_rule",
@@ -86,9 +87,8 @@ def _batch_dim(op: Op, dp: int) -> str | None:
 
 def rule_placements(g: Graph, cfg: ParallelConfig) -> list[str]:
     """Per op, the placement Megatron's rule implies: batch dims on dp, the rule's split on tp."""
-    from polyparallel.cost_models.step import _plan_ops
 
-    plans = _plan_ops(g, replace(cfg, op_plans=None))
+    plans = rule_op_plans(g, replace(cfg, op_plans=None))
     out = []
     for op, plan in zip(g.ops, plans):
         if op.nest is None:
@@ -296,14 +296,11 @@ def place(g: Graph, cl: Cluster, est: StepEstimate, stage_ops: list[list[Op]], m
             stages.append(StagePlacement("solver", "", plan.objective_s, rule_obj, plan.solver, plan.solve_s))
     if all(st.source == "rule" for st in stages):
         return Placed(est, rule, stages)
-    from polyparallel.cost_models.step import _plan_ops
 
     solver_stage = {o.name for st, ops in zip(stages, stage_ops) if st.source != "rule" for o in ops}
     solved = _op_plans(g, {n: p for n, p in chosen.items() if n in solver_stage}, mesh, cfg.dtype, rule_of_edge)
-    rule_plans = _plan_ops(g, replace(cfg, op_plans=None))
-    op_plans = tuple(solved.get(op.name) or OpPlan(r.split, tuple(r.tp_fwd), tuple(r.tp_bwd), tuple(r.sp_fwd),
-                                                   tuple(r.sp_bwd), r.param_split)
-                     for op, r in zip(g.ops, rule_plans))
+    rule_plans = rule_op_plans(g, replace(cfg, op_plans=None))
+    op_plans = tuple(solved.get(op.name) or r for op, r in zip(g.ops, rule_plans))
     est2 = estimate_step(g, cl, replace(cfg, op_plans=op_plans))
     rule_ok = mode != "torch" or not any(st.source == "replicated" for st in stages)
     if rule_ok and (not _fits(est2, cap) or est2.step_time > est.step_time * (1 + 1e-12)):

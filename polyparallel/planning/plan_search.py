@@ -610,7 +610,7 @@ def _least_memory(best: _Best) -> None:
 
 
 def _layer_count(g: Graph) -> list[list[int]]:
-    from polyparallel.cost_models.step import layer_segments
+    from polyparallel.cost_models.layers import layer_segments
 
     return layer_segments(g)
 

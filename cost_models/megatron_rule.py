@@ -1,0 +1,118 @@
+"""Megatron-LM's tensor parallelism (and DeepSpeed-Ulysses' sequence parallelism), propagated over the
+IR without per-op placements: the price of a plan whose ops the per-stage solver has not placed,
+and the placement the solver always has as a candidate.
+
+Each tensor is *full* or *split* over the ``tp`` group. A contraction/conv with a parameter reading a
+full input is column-parallel (output split, backward all-reduce of its input gradient, once per
+input tensor); reading a split input it is row-parallel (output full, forward all-reduce of the
+output). A parameterised embedding is vocabulary-parallel (forward all-reduce). Any other op on a
+split input stays split (heads, activation functions); a loss on split logits needs three per-row
+scalars all-reduced. Split ops do ``1/tp`` of the work. With Megatron sequence parallelism each
+all-reduce becomes reduce-scatter + all-gather (same volume) and the remaining ops run on ``1/tp``
+of the sequence. Under Ulysses ``sp`` every op does ``1/sp`` of the work and each attention op
+all-to-alls its inputs and output, forward and backward.
+"""
+
+from __future__ import annotations
+
+from polyparallel.ir import Graph, OpKind, TensorKind, element_bytes
+
+from .memo import PRICES
+from .parallel_config import OpPlan, ParallelConfig
+
+__all__ = ["op_plans", "op_roles", "tensor_bytes"]
+
+
+def tensor_bytes(graph: Graph, name: str, dtype: str) -> float:
+    t = graph.tensors[name]
+    w = element_bytes(t.dtype, dtype)
+    return t.numel * w
+
+
+def op_plans(graph: Graph, cfg: ParallelConfig) -> list[OpPlan]:
+    """Per op: its work split and its tensor/sequence-parallel collectives (read-only, memoised)."""
+    key = ("plans", cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.dtype, cfg.op_plans)
+    cache = PRICES.of(graph)
+    plans = cache.get(key)
+    if plans is None:
+        if cfg.op_plans is None:
+            plans = _propagate(graph, cfg)
+        elif len(cfg.op_plans) != len(graph.ops):
+            raise ValueError(f"ParallelConfig.op_plans has {len(cfg.op_plans)} entries but graph {graph.name!r} has "
+                             f"{len(graph.ops)} ops; give one OpPlan per op, in op order")
+        else:
+            plans = list(cfg.op_plans)
+        cache[key] = plans
+    return plans
+
+
+def _propagate(graph: Graph, cfg: ParallelConfig) -> list[OpPlan]:
+    tp, sp = cfg.tp, cfg.sp
+    if tp == 1 and sp == 1:
+        return [OpPlan() for _ in graph.ops]
+    split_state: dict[str, bool] = {}
+    grad_ar_done: set[str] = set()
+    plans: list[OpPlan] = []
+    ar = ("reduce_scatter", "all_gather") if cfg.sequence_parallel else ("all_reduce",)
+    for op, (kind, acts, has_param) in zip(graph.ops, op_roles(graph)):
+        split, param_split = 1.0, 1.0
+        tp_fwd: list[tuple[str, float]] = []
+        tp_bwd: list[tuple[str, float]] = []
+        sp_fwd: list[tuple[str, float]] = []
+        sp_bwd: list[tuple[str, float]] = []
+        any_split = any(split_state.get(t, False) for t in acts)
+        out_split = False
+        if tp > 1:
+            if kind in (OpKind.CONTRACTION, OpKind.CONV) and has_param:
+                split = param_split = tp
+                # the contracted input comes first; inputs after it belong to pointwise epilogues fused
+                # into the op (LLaMA's silu(gate(h)) * up(h) reads up's column-split output): they follow
+                # the output's layout and do not make the contraction row-parallel
+                if acts and split_state.get(acts[0], False):  # row-parallel: partial sums reduced forward
+                    for t in op.outputs:
+                        tp_fwd += [(c, tensor_bytes(graph, t, cfg.dtype)) for c in ar]
+                else:  # column-parallel: the input gradient is reduced in the backward pass
+                    out_split = True
+                    for t in acts[:1]:  # graph inputs need no gradient
+                        if t not in grad_ar_done and graph.tensors[t].kind is not TensorKind.INPUT:
+                            grad_ar_done.add(t)
+                            tp_bwd += [(c, tensor_bytes(graph, t, cfg.dtype)) for c in ar]
+            elif kind is OpKind.EMBEDDING and has_param:
+                split = param_split = tp
+                for t in op.outputs:
+                    tp_fwd += [(c, tensor_bytes(graph, t, cfg.dtype)) for c in ar]
+            elif any_split and kind is OpKind.LOSS:
+                split = tp
+                rows = graph.tensors[acts[0]].numel / max(1, graph.tensors[acts[0]].shape[-1])
+                tp_fwd.append(("all_reduce", 3 * rows * 4))
+            elif any_split and kind is not OpKind.OPAQUE:
+                split = tp
+                out_split = True
+            elif any_split:  # an op we cannot split: gather its inputs
+                for t in acts:
+                    if split_state.get(t, False):
+                        tp_fwd.append(("all_gather", tensor_bytes(graph, t, cfg.dtype)))
+            elif cfg.sequence_parallel:
+                split = tp  # norms, dropout, residuals on 1/tp of the sequence
+        for t in op.outputs:
+            split_state[t] = out_split
+        if sp > 1:
+            split *= sp
+            if kind is OpKind.ATTENTION:
+                for t in list(acts) + list(op.outputs):
+                    b = tensor_bytes(graph, t, cfg.dtype) / (sp * (tp if any_split else 1))
+                    sp_fwd.append(("all_to_all", b))
+                    sp_bwd.append(("all_to_all", b))
+        plans.append(OpPlan(split, tuple(tp_fwd), tuple(tp_bwd), tuple(sp_fwd), tuple(sp_bwd), param_split))
+    return plans
+
+
+def op_roles(graph: Graph) -> list[tuple[OpKind, tuple[str, ...], bool]]:
+    """Per op: its kind, its non-parameter inputs, whether it reads a parameter."""
+    cache = PRICES.of(graph)
+    roles = cache.get(("roles",))
+    if roles is None:
+        roles = cache[("roles",)] = [
+            (OpKind(op.kind), tuple(t for t in op.inputs if graph.tensors[t].kind is not TensorKind.PARAM),
+             any(graph.tensors[t].kind is TensorKind.PARAM for t in op.inputs)) for op in graph.ops]
+    return roles

@@ -1,0 +1,203 @@
+"""What the step model prices and what it returns: :class:`ParallelConfig` (degrees, micro-batching,
+schedule, memory knobs, precision, optional per-op placements as :class:`OpPlan` s) and
+:class:`StepEstimate` (step time, per-stage breakdown, memory)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from polyparallel.cluster import Cluster
+from polyparallel.ir import TRAINING_DTYPE_BYTES
+
+from .memory import MemoryReport
+from .pipeline import SCHEDULES, PipelineResult
+
+__all__ = ["RECOMPUTE", "OpPlan", "ParallelConfig", "StageBreakdown", "StepEstimate"]
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class OpPlan:
+    """One op's share of the work and its tensor/sequence-parallel collectives, as a placement gives them.
+
+    ``split``: the op's FLOPs and bytes are divided by it; ``tp_fwd`` / ``tp_bwd``: ``(collective
+    kind, bytes)`` over the op's tensor-parallel group in the forward / backward pass (its own
+    collectives and the reshards of its inputs and their gradients); ``sp_fwd`` / ``sp_bwd`` over
+    the sequence-parallel group; ``param_split``: ways its parameters are sharded (memory, and
+    DTensor dispatch when > 1).
+    """
+
+    split: float = 1.0
+    tp_fwd: tuple[tuple[str, float], ...] = ()
+    tp_bwd: tuple[tuple[str, float], ...] = ()
+    sp_fwd: tuple[tuple[str, float], ...] = ()
+    sp_bwd: tuple[tuple[str, float], ...] = ()
+    param_split: float = 1.0
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Parallel degrees and training options priced by :func:`estimate_step`.
+
+    Args:
+        dp / tp / pp / sp: data, tensor, pipeline and sequence (Ulysses) parallel degrees.
+        microbatches: micro-batches per step per pipeline (gradient accumulation without pp).
+        schedule: ``gpipe``, ``1f1b`` or ``interleaved``; ``chunks``: model chunks per stage
+            (interleaved only).
+        zero_stage: 0 (plain DP), 1 (optimizer), 2 (+gradients), 3 (+weights, FSDP).
+        recompute: ``none``, ``selective`` (attention scores) or ``full`` (per layer).
+        sequence_parallel: Megatron sequence parallelism alongside ``tp``.
+        dtype: compute precision (``fp32``, ``bf16``, ``fp16``); weights and gradients use it.
+        optimizer: ``adam``, ``adamw``, ``sgd``, ``sgd_momentum``, ``lion``, ``lamb``.
+        grad_overlap: ω of the module docstring; ``None`` picks 1 on accelerators, 0 on CPUs.
+        fused_attention: attention keeps only softmax statistics (flash attention).
+        fused_optimizer: on accelerators the optimizer step is one fused kernel that reads and
+            writes every state once (apex/Megatron FusedAdam, ``torch.optim.Adam(fused=True)``, which
+            the torch backend uses on CUDA); ``False``: torch's default multi-tensor (foreach) step,
+            priced by its passes over fp32 memory (18 accesses per parameter for Adam). CPUs always
+            run the unfused step (tensor by tensor, the same kernels).
+        fused_elementwise: elementwise ops absorbed by ``fuse_elementwise`` run inside their
+            producer's kernel (a compiler, or hand-fused kernels as in Megatron); ``False``: eager
+            PyTorch, each is its own kernel streaming its operands and its own host dispatch.
+        devices: device ids in rank order (default: the cluster's first ``world`` devices).
+        partition: how layers are cut into pipeline chunks: ``flops`` (balance forward FLOPs) or
+            ``layers`` (equal layer counts, embedding/head on the end stages: Megatron/DeepSpeed).
+        op_plans: one :class:`OpPlan` per graph op, from per-op placements (a placement solver);
+            ``None`` prices the Megatron rule of the module docstring.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sp: int = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    chunks: int = 1
+    zero_stage: int = 0
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    dtype: str = "fp32"
+    optimizer: str = "adam"
+    grad_overlap: float | None = None
+    fused_attention: bool = False
+    fused_optimizer: bool = True
+    fused_elementwise: bool = True
+    devices: tuple[int, ...] | None = None
+    partition: str = "flops"
+    op_plans: tuple[OpPlan, ...] | None = field(default=None, repr=False)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.sp
+
+    def validate(self, cluster: Cluster | None = None) -> None:
+        """Raise ``ValueError`` naming the bad field and the fix."""
+        for name in ("dp", "tp", "pp", "sp", "microbatches", "chunks"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"ParallelConfig.{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"ParallelConfig.schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
+        if self.chunks > 1 and self.schedule != "interleaved":
+            raise ValueError("ParallelConfig.chunks > 1 needs schedule='interleaved'")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"ParallelConfig.zero_stage must be 0..3, got {self.zero_stage}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"ParallelConfig.recompute {self.recompute!r}: use one of {', '.join(RECOMPUTE)}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("ParallelConfig.sequence_parallel needs tp > 1")
+        if self.dtype not in TRAINING_DTYPE_BYTES:
+            raise ValueError(f"ParallelConfig.dtype {self.dtype!r}: use one of {', '.join(TRAINING_DTYPE_BYTES)}")
+        if self.partition not in ("flops", "layers"):
+            raise ValueError(f"ParallelConfig.partition {self.partition!r}: use 'flops' or 'layers'")
+        if self.grad_overlap is not None and not 0 <= self.grad_overlap <= 1:
+            raise ValueError(f"ParallelConfig.grad_overlap must be in [0, 1], got {self.grad_overlap}")
+        if cluster is not None:
+            devs = self.devices if self.devices is not None else tuple(range(self.world))
+            if len(devs) != self.world:
+                raise ValueError(f"ParallelConfig.devices lists {len(devs)} devices for a world of {self.world}")
+            if self.world > cluster.num_devices or min(devs) < 0 or max(devs) >= cluster.num_devices:
+                raise ValueError(f"the configuration needs {self.world} devices (dp {self.dp} x tp {self.tp} x pp "
+                                 f"{self.pp} x sp {self.sp}); cluster {cluster.name!r} has {cluster.num_devices}")
+
+    def rank(self, pp: int, dp: int, sp: int, tp: int) -> int:
+        return ((pp * self.dp + dp) * self.sp + sp) * self.tp + tp
+
+    def __str__(self) -> str:
+        extra = [f"m={self.microbatches}", self.schedule + (f"x{self.chunks}" if self.chunks > 1 else "")]
+        if self.zero_stage:
+            extra.append(f"zero{self.zero_stage}")
+        if self.recompute != "none":
+            extra.append(f"rc={self.recompute}")
+        if self.sequence_parallel:
+            extra.append("seqpar")
+        if self.op_plans is not None:
+            extra.append("placed")
+        return f"dp{self.dp} tp{self.tp} pp{self.pp} sp{self.sp} " + " ".join(extra)
+
+
+@dataclass(frozen=True)
+class StageBreakdown:
+    """Seconds of one pipeline stage per step; ``parts`` sum to the step time."""
+
+    stage: int
+    devices: tuple[int, ...]
+    device_type: str
+    parts: tuple[tuple[str, float], ...]
+    collectives: tuple[tuple[str, float], ...]  # per collective kind and purpose, seconds per step
+
+    def part(self, name: str) -> float:
+        return dict(self.parts)[name]
+
+    @property
+    def total(self) -> float:
+        return sum(v for _, v in self.parts)
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """A priced configuration: step time, per-stage breakdown, memory per stage, throughput."""
+
+    config: ParallelConfig
+    step_time: float
+    stages: tuple[StageBreakdown, ...]
+    memory: tuple[MemoryReport, ...]
+    pipeline: PipelineResult
+    samples_per_step: int
+    model_flops_per_step: float
+    warnings: tuple[str, ...] = field(default=())
+
+    @property
+    def fits(self) -> bool:
+        return all(r.fits for r in self.memory)
+
+    @property
+    def throughput(self) -> float:
+        """Samples (graph batch units) per second."""
+        return self.samples_per_step / self.step_time
+
+    @property
+    def model_flops_per_device(self) -> float:
+        """Achieved model FLOP/s per device (3x forward FLOPs, recomputation not counted)."""
+        return self.model_flops_per_step / self.step_time / self.config.world
+
+    def breakdown(self) -> dict[str, float]:
+        """The critical stage's parts (the stage with the least idle time)."""
+        crit = min(self.stages, key=lambda s: s.part("idle"))
+        return dict(crit.parts)
+
+    def why_not_fit(self) -> list[str]:
+        return [r.why() for r in self.memory if not r.fits]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": str(self.config), "step_time_s": self.step_time, "throughput": self.throughput,
+            "model_flops_per_device": self.model_flops_per_device, "fits": self.fits,
+            "breakdown": self.breakdown(),
+            "stages": [{"stage": s.stage, "device_type": s.device_type, "parts": dict(s.parts),
+                        "collectives": dict(s.collectives)} for s in self.stages],
+            "memory": [{"label": r.label, "total": r.total, "capacity": r.capacity, "terms": dict(r.terms),
+                        "fits": r.fits} for r in self.memory],
+            "warnings": list(self.warnings),
+        }
