@@ -86,10 +86,30 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ATTENTION_SHAPES", "GEMM_LARGE", "GEMM_SMALL", "OPTIMIZER_WORKING_SETS", "THREADS_PER_PROCESS",
-           "TRAINING_OP_CLASSES", "attention_rows", "calibrate", "fit_alpha_beta", "fit_training_op_overhead",
-           "free_port", "gemm_rows", "grad_accumulation_rate", "kernel_rates", "optimizer_element_rates",
-           "optimizer_tensor_floor", "run_group", "slowest_rank", "tp_kernel_overhead", "training_op_floor"]
+__all__ = [
+    "ATTENTION_SHAPES",
+    "GEMM_LARGE",
+    "GEMM_SMALL",
+    "OPTIMIZER_WORKING_SETS",
+    "THREADS_PER_PROCESS",
+    "TRAINING_OP_CLASSES",
+    "allreduce_sizes",
+    "attention_flops",
+    "attention_rows",
+    "calibrate",
+    "fit_alpha_beta",
+    "fit_training_op_overhead",
+    "free_port",
+    "gemm_rows",
+    "grad_accumulation_rate",
+    "kernel_rates",
+    "optimizer_element_rates",
+    "optimizer_tensor_floor",
+    "run_group",
+    "slowest_rank",
+    "tp_kernel_overhead",
+    "training_op_floor",
+]
 
 # intra-op threads of one training process: what pp.train gives its workers (OMP_NUM_THREADS=1)
 THREADS_PER_PROCESS = 1
@@ -110,6 +130,15 @@ OPTIMIZER_WORKING_SETS = ((4, 1 << 14), (4, 1 << 18), (4, 1 << 20))
 # model prices each as (its backward kernel count κ comes from that kind)
 TRAINING_OP_CLASSES: dict[str, str] = {"scale": "elementwise", "bias_add": "elementwise", "gelu": "elementwise",
                                        "softmax": "softmax", "linear": "contraction", "layer_norm": "norm"}
+
+
+def attention_flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool = True) -> float:
+    """FLOPs of ``softmax(QKᵀ)V`` as the IR counts them: ``2·2·B·H·d`` per (query, key) pair kept.
+
+    A causal mask keeps ``S(S+1)/2`` pairs (the IR's closed-form point count), else ``S²``.
+    """
+    pairs = seq * (seq + 1) / 2 if causal else seq * seq
+    return 4.0 * batch * heads * head_dim * pairs
 
 
 def free_port() -> int:
@@ -410,12 +439,11 @@ def attention_rows(shapes: Sequence[tuple[int, int, int, int]] = ATTENTION_SHAPE
     torch runs it on a CPU as one fused (flash) kernel each way whatever the model's size; its
     rate is far below a matmul's at training sizes (blocked softmax, per-block exponentials),
     so the compute model prices CPU attention ops by these rows. FLOPs as the IR counts them
-    (:func:`polyparallel.cost_models.calibrate_gpu.attention_flops`).
+    (:func:`attention_flops`).
     """
     import torch
     import torch.nn.functional as F
 
-    from polyparallel.cost_models.calibrate_gpu import attention_flops
 
     rows = []
     for b, h, s, d in shapes:

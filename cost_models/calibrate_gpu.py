@@ -47,6 +47,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from polyparallel.cost_models.calibrate import allreduce_sizes, attention_flops, fit_alpha_beta, gemm_rows, run_group
+
 __all__ = ["CONV_SHAPES", "HOST_OP_CLASSES", "attention_flops", "calibrate_gpu", "conv_flops", "conv_rows",
            "cuda_time", "gemm_rows_gpu", "host_op_seconds", "misaligned_rows", "norm_rows", "optimizer_host"]
 
@@ -85,15 +87,6 @@ def cuda_time(fn: Callable[[], Any], *, min_window: float = 0.02, windows: int =
         b.synchronize()
         out.append(a.elapsed_time(b) / 1e3 / k)
     return statistics.median(out)
-
-
-def attention_flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool = True) -> float:
-    """FLOPs of ``softmax(QKᵀ)V`` as the IR counts them: ``2·2·B·H·d`` per (query, key) pair kept.
-
-    A causal mask keeps ``S(S+1)/2`` pairs (the IR's closed-form point count), else ``S²``.
-    """
-    pairs = seq * (seq + 1) / 2 if causal else seq * seq
-    return 4.0 * batch * heads * head_dim * pairs
 
 
 def _matmul_rows(dtypes: Sequence[str], sizes: Sequence[int], say: Callable[[str], None]) -> dict[str, list]:
@@ -328,7 +321,6 @@ def gemm_rows_gpu(dtype: str = "bf16", smalls: Sequence[int] = GEMM_GPU_SMALL,
     """
     import torch
 
-    from polyparallel.cost_models.calibrate import gemm_rows
 
     rows = gemm_rows(smalls, larges, timer=timer or (lambda fn: cuda_time(fn, min_window=0.01)), device=device,
                      dtype=getattr(torch, _TORCH_DTYPES[dtype]))
@@ -431,7 +423,6 @@ def norm_rows(dtypes: Sequence[str], say: Callable[[str], None] = lambda s: None
 
 
 def _nccl_allreduce(rank: int, world: int, sizes: Sequence[int], iters: int) -> list[tuple[int, float]]:
-    from polyparallel.cost_models.calibrate import allreduce_sizes
 
     return allreduce_sizes(sizes, iters, device="cuda")
 
@@ -485,7 +476,6 @@ def calibrate_gpu(out: str | os.PathLike[str] | None = None, *, dtypes: Sequence
     res["streaming"] = norm_rows([d for d in dtypes if d in ("bf16", "fp32")], say)
     res["gemm"] = {dt: gemm_rows_gpu(dt, say=say) for dt in dtypes if dt in ("bf16",)}
     res["misaligned"] = {dt: misaligned_rows(dt, say=say) for dt in dtypes if dt in ("bf16",)}
-    from polyparallel.cost_models.calibrate import fit_alpha_beta, run_group
 
     coll: dict[str, Any] = {"op": "all_reduce", "backend": "nccl", "points": []}
     points = []

@@ -351,7 +351,7 @@ def test_gloo_collectives_are_priced_as_rings_at_every_size(tmp_path, monkeypatc
 
 
 def test_cpu_attention_is_priced_by_the_measured_fused_kernel_rows(tmp_path, monkeypatch):
-    from polyparallel.cost_models.calibrate_gpu import attention_flops
+    from polyparallel.cost_models.calibrate import attention_flops
     from polyparallel.cost_models.synthetic import gpt_graph
 
     fwd_rate, bwd_rate = 6e9, 2e9  # torch's CPU flash kernel: far below the 30-50 GFLOP/s matmuls
