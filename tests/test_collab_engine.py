@@ -193,8 +193,10 @@ def test_config_errors_are_actionable():
         _cfg(compression="zip")
     with pytest.raises(ValueError, match="framework 'jax'"):
         CenterSpec("a", framework="jax")
-    with pytest.raises(ValueError, match="data given for centers"):
+    with pytest.raises(ValueError, match=r"no data for centers \['b'\]"):
         run_inprocess(_cfg(("a", "b")), _data(["a"]))
+    with pytest.raises(ValueError, match="data given for centers"):
+        run_inprocess(_cfg(("a",)), _data(["a", "b"]))
     cfg = _cfg(fusion="trimmed_mean", fusion_options={"beta": 0.1})
     assert CollabConfig.from_json(cfg.to_json()) == cfg
 

@@ -28,10 +28,13 @@ from ._center import (
     LocalTrainer,
     TorchTrainer,
     batch_indices,
+    center_evaluate,
     center_round,
     evaluate_torch,
     label_log_prior,
+    load_center_data,
     make_trainer,
+    split_holdout,
 )
 from ._config import FRAMEWORKS, CenterSpec, CollabConfig, config_from_strategy
 from ._engine import CollabResult, initial_params, run_inprocess
@@ -50,14 +53,26 @@ from ._fusion import (
     is_statistic,
     make_fusion,
 )
-from ._models import MODEL_KINDS, ModelSpec, build_torch_model, load_torch_state, torch_state
-from ._server import CenterReply, FederationServer, RoundRecord, TimingLog
+from ._models import (
+    LOSSES,
+    MODEL_BUILDERS,
+    MODEL_KINDS,
+    ModelSpec,
+    build_model,
+    build_torch_model,
+    load_torch_state,
+    torch_state,
+)
+from ._objective import TorchObjective
+from ._server import CenterReply, FederationServer, RoundRecord, TimingLog, aggregate_evaluations
 from ._wire import COMPRESSIONS, check_payload, decode_update, encode_update, payload_nbytes
 
 __all__ = [
     "COMPRESSIONS",
     "FRAMEWORKS",
     "FUSIONS",
+    "LOSSES",
+    "MODEL_BUILDERS",
     "MODEL_KINDS",
     "CenterReply",
     "CenterSpec",
@@ -77,10 +92,14 @@ __all__ = [
     "RoundRecord",
     "Scaffold",
     "TimingLog",
+    "TorchObjective",
     "TorchTrainer",
     "TrimmedMean",
+    "aggregate_evaluations",
     "batch_indices",
+    "build_model",
     "build_torch_model",
+    "center_evaluate",
     "center_round",
     "check_payload",
     "collaborate",
@@ -91,22 +110,25 @@ __all__ = [
     "initial_params",
     "is_statistic",
     "label_log_prior",
+    "load_center_data",
     "load_torch_state",
     "make_fusion",
     "make_trainer",
     "payload_nbytes",
     "run_inprocess",
+    "split_holdout",
     "torch_state",
 ]
 
 
-def collaborate(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.ndarray]], *,
+def collaborate(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None, *,
                 engine: str = "inprocess", **options: Any) -> CollabResult:
     """Train ``config.model`` collaboratively over ``config.centers``.
 
     Args:
-        config: the job (centers, fusion, rounds, local steps, compression).
-        data: center name -> ``(x, y)``; each center only ever sees its own pair.
+        config: the job (centers, model and loss, fusion, rounds, local steps, compression, holdout).
+        data: center name -> ``(x, y)``; each center only ever sees its own pair. A center with a data
+            source (``CenterSpec(data="package.module:function")``) loads its own and is left out here.
         engine: ``inprocess`` (no networking) or ``flower`` (SuperLink and one SuperNode process per
             center on 127.0.0.1).
         options: passed to :func:`run_inprocess` or :func:`~._flower.run_flower`.

@@ -19,6 +19,11 @@ its ``c_i`` starts again from zero, which only costs that round's correction.
 
 Only parameters and metrics leave a center: :func:`center_round` returns the encoded update and a
 flat dict of numbers (sample count, loss, the three time stamps) — never data.
+
+A center's data is its ``(x, y)`` arrays, given to it or loaded by it from a data source
+(:func:`load_center_data`: ``"package.module:function"`` called with the center's name). With
+``CollabConfig.holdout > 0`` it keeps a seeded share of its rows apart (:func:`split_holdout`) and
+evaluates the fused model on them when the server asks (:func:`center_evaluate`): numbers again.
 """
 
 from __future__ import annotations
@@ -33,11 +38,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from ._config import CollabConfig, check_logit_adjust
-from ._models import ModelSpec, build_torch_model, load_torch_state, torch_state
+from ._models import ModelSpec, build_torch_model, load_torch_state, resolve_reference, torch_state
+from ._objective import TorchObjective, label_tensor
 from ._wire import Payload, decode_controls, encode_controls, encode_update
 
-__all__ = ["LR_SCHEDULES", "CenterData", "LocalTrainer", "TorchTrainer", "batch_indices", "center_round",
-           "label_log_prior", "make_trainer", "round_lr"]
+__all__ = ["LR_SCHEDULES", "TRAINERS", "CenterData", "LocalTrainer", "TorchTrainer", "batch_indices",
+           "center_evaluate", "center_round", "label_log_prior", "load_center_data", "make_trainer", "round_lr",
+           "split_holdout"]
 
 
 def batch_indices(n: int, batch_size: int, steps: int, seed: int, center_index: int, round_idx: int) -> np.ndarray:
@@ -172,6 +179,7 @@ class TorchTrainer(CenterData):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._model = build_torch_model(self.model_spec, self.seed)
+        self._objective = TorchObjective(self._model, self.model_spec.loss)
 
     def train(self, global_params: Mapping[str, np.ndarray], *, steps: int, round_idx: int,
               proximal_mu: float = 0.0, correction: Mapping[str, np.ndarray] | None = None,
@@ -185,22 +193,27 @@ class TorchTrainer(CenterData):
             model.train()
             opt = torch.optim.SGD(model.parameters(), lr=self.lr_at(round_idx), momentum=self.momentum)
             xb_all = torch.from_numpy(np.ascontiguousarray(self.x))
-            yb_all = torch.from_numpy(np.ascontiguousarray(self.y)).long()
+            yb_all = label_tensor(self.y, self.model_spec.loss)
             batches = batch_indices(len(self.x), self.batch_size, steps, self.seed, self.center_index, round_idx)
             losses = local_sgd(model, model, opt, xb_all, yb_all, batches, proximal_mu, correction, grad_mean,
-                               logit_bias=self.logit_bias())
+                               logit_bias=self.logit_bias(), objective=self._objective)
             return torch_state(model), {"train_loss": float(np.mean(losses))}
 
     def evaluate(self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> dict[str, float]:
-        return evaluate_torch(self.model_spec, params, x, y, threads=self.threads)
+        return evaluate_torch(self.model_spec, params, x, y, threads=self.threads, model=self._model)
 
 
 def local_sgd(model: Any, net: Any, opt: Any, x: Any, y: Any, batches: Iterable[np.ndarray],
               proximal_mu: float, correction: Mapping[str, np.ndarray] | None = None,
-              grad_mean: dict[str, np.ndarray] | None = None, logit_bias: np.ndarray | None = None) -> list[float]:
-    """A center's local steps: cross-entropy of ``net`` (the model, or its DDP wrapper) on each
-    index batch, plus FedProx's ``mu/2 * ||w - w_round_start||^2`` on ``model``'s parameters when
+              grad_mean: dict[str, np.ndarray] | None = None, logit_bias: np.ndarray | None = None,
+              objective: TorchObjective | None = None) -> list[float]:
+    """A center's local steps: the loss of ``net`` (the model, or its DDP wrapper) on each index
+    batch, plus FedProx's ``mu/2 * ||w - w_round_start||^2`` on ``model``'s parameters when
     ``proximal_mu > 0``; returns the data losses (without the proximal term).
+
+    ``objective`` is the loss (:class:`~._objective.TorchObjective`, built from ``model`` and the
+    spec's ``loss``); None: ``TorchObjective(model, "auto")`` (the model's own loss if it takes labels,
+    else cross-entropy).
 
     ``logit_bias`` (one value per class, :func:`label_log_prior`) is added to the logits inside the
     loss only (the logit-adjusted loss); the reported losses include it.
@@ -222,11 +235,11 @@ def local_sgd(model: Any, net: Any, opt: Any, x: Any, y: Any, batches: Iterable[
     sums = {n: torch.zeros_like(p) for n, p in named} if grad_mean is not None else {}
     anchors = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else []
     bias = None if logit_bias is None else torch.from_numpy(np.ascontiguousarray(logit_bias, dtype=np.float32))
+    objective = objective or TorchObjective(model, "auto")
     losses = []
     for idx in batches:
         t = torch.from_numpy(idx)
-        out = net(x[t])
-        loss = torch.nn.functional.cross_entropy(out if bias is None else out + bias, y[t])
+        loss = objective(net, x[t], y[t], bias)
         losses.append(float(loss.detach()))
         if anchors:
             loss = loss + 0.5 * proximal_mu * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchors))
@@ -244,47 +257,112 @@ def local_sgd(model: Any, net: Any, opt: Any, x: Any, y: Any, batches: Iterable[
 
 
 def evaluate_torch(spec: ModelSpec, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray,
-                   threads: int = 1, batch: int = 2048) -> dict[str, float]:
-    """Mean cross-entropy and accuracy of the torch model with ``params`` on ``(x, y)``."""
-    import torch
+                   threads: int = 1, batch: int = 2048, model: Any = None) -> dict[str, float]:
+    """The metrics of the torch model with ``params`` on ``(x, y)``: ``loss`` (the spec's loss, mean
+    over targets), ``count`` (targets), ``accuracy`` for classifiers, ``perplexity`` for per-token
+    labels (see :func:`~._objective.evaluate`). ``model``: a built model of ``spec`` to reuse."""
+    from ._objective import evaluate
 
-    model = build_torch_model(spec)
+    model = build_torch_model(spec) if model is None else model
     load_torch_state(model, dict(params))
     model.eval()
-    loss, correct = 0.0, 0
-    with torch_threads(threads), torch.no_grad():
-        for s in range(0, len(x), batch):
-            out = model(torch.from_numpy(np.ascontiguousarray(x[s:s + batch])))
-            yt = torch.from_numpy(np.ascontiguousarray(y[s:s + batch])).long()
-            loss += float(torch.nn.functional.cross_entropy(out, yt, reduction="sum"))
-            correct += int((out.argmax(1) == yt).sum())
-    return {"loss": loss / len(x), "accuracy": correct / len(x)}
+    try:
+        with torch_threads(threads):
+            return evaluate(model, TorchObjective(model, spec.loss), x, y, batch)
+    finally:
+        model.train()
 
 
-def make_trainer(config: CollabConfig, center: str, x: np.ndarray, y: np.ndarray) -> LocalTrainer:
-    """The trainer for ``center`` in its declared framework.
+def load_center_data(source: str, center: str) -> tuple[np.ndarray, np.ndarray]:
+    """A center's ``(x, y)`` from its data source, loaded where the center runs.
 
-    A torch center with ``devices > 1`` trains with DDP over that many long-lived worker processes
-    (:class:`~._dp_center.DataParallelTrainer`, same updates as one process up to rounding); close it
-    with ``trainer.close()`` when done (the engines do).
+    ``source``: an ``.npz`` path holding ``x`` and ``y``, or ``"package.module:function"`` called as
+    ``function(center)`` and returning ``(x, y)`` arrays with one row per example (a classifier's
+    inputs and labels, or a language model's token blocks ``(N, S)`` and their next-token labels
+    ``(N, S)`` with ``-100`` where nothing is predicted).
     """
-    spec = config.center(center)
-    kw = dict(center_index=config.center_index(center), batch_size=config.batch_size, lr=config.lr,
-              momentum=config.momentum, seed=config.seed, lr_schedule=config.lr_schedule, rounds=config.rounds,
-              logit_adjust=config.logit_adjust)
-    if spec.framework == "mindspore":
-        if spec.devices > 1:
-            raise ValueError(f"center {center!r}: MindSpore centers train in one process; data parallelism inside "
-                             f"a center ({spec.devices} devices) is implemented for torch centers — set devices=1 "
-                             "or framework='torch'")
-        from ._mindspore import MindSporeTrainer
+    if source.endswith(".npz") or "/" in source:
+        with np.load(source) as z:
+            if "x" not in z.files or "y" not in z.files:
+                raise ValueError(f"{source}: needs arrays named x and y, found {z.files}")
+            return z["x"], z["y"]
+    out = resolve_reference(source, "data source")(center)
+    if not isinstance(out, tuple | list) or len(out) != 2:
+        raise ValueError(f"data source {source!r} returned a {type(out).__name__} for center {center!r}; it must "
+                         "return (x, y) arrays")
+    x, y = (np.asarray(a) for a in out)
+    if x.dtype == np.float64:
+        x = x.astype(np.float32)
+    return x, y
 
-        return MindSporeTrainer(config.model, x, y, **kw)
+
+def split_holdout(x: np.ndarray, y: np.ndarray, fraction: float, seed: int, center_index: int
+                  ) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray] | None]:
+    """``(train, held_out)``: a seeded ``fraction`` of the rows (at least one) held out, None when 0."""
+    if fraction <= 0:
+        return (x, y), None
+    n = len(x)
+    k = max(1, round(fraction * n))
+    if k >= n:
+        raise ValueError(f"center {center_index}: holdout {fraction} of {n} rows leaves nothing to train on")
+    order = np.random.default_rng([seed, center_index, 0x401D]).permutation(n)
+    tr, ho = np.sort(order[k:]), np.sort(order[:k])
+    return (x[tr], y[tr]), (x[ho], y[ho])
+
+
+def center_evaluate(trainer: LocalTrainer, params: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """The fused model's metrics on the center's held-out rows (numbers only; ``count`` weighs them)."""
+    held = getattr(trainer, "holdout", None)
+    if held is None:
+        raise ValueError("this center holds no rows out: set CollabConfig.holdout > 0")
+    m = dict(trainer.evaluate(params, *held))
+    m.setdefault("count", float(len(held[1])))
+    return {k: float(v) for k, v in m.items()}
+
+
+def _torch_trainer(config: CollabConfig, center: str, x: np.ndarray, y: np.ndarray, kw: dict[str, Any]) -> Any:
+    spec = config.center(center)
     if spec.devices > 1:
         from ._dp_center import DataParallelTrainer
 
         return DataParallelTrainer(config.model, x, y, devices=spec.devices, timeout_s=config.round_timeout_s, **kw)
     return TorchTrainer(config.model, x, y, **kw)
+
+
+def _mindspore_trainer(config: CollabConfig, center: str, x: np.ndarray, y: np.ndarray, kw: dict[str, Any]) -> Any:
+    spec = config.center(center)
+    if spec.devices > 1:
+        raise ValueError(f"center {center!r}: MindSpore centers train in one process; data parallelism inside "
+                         f"a center ({spec.devices} devices) is implemented for torch centers — set devices=1 "
+                         "or framework='torch'")
+    from ._mindspore import MindSporeTrainer
+
+    return MindSporeTrainer(config.model, x, y, **kw)
+
+
+#: framework -> its trainer factory ``(config, center, x, y, common options) -> LocalTrainer``
+TRAINERS: dict[str, Any] = {"torch": _torch_trainer, "mindspore": _mindspore_trainer}
+
+
+def make_trainer(config: CollabConfig, center: str, x: np.ndarray, y: np.ndarray) -> LocalTrainer:
+    """The trainer for ``center`` in its declared framework (:data:`TRAINERS`), on its training rows.
+
+    With ``config.holdout > 0`` the center's held-out rows (:func:`split_holdout`) go to
+    ``trainer.holdout`` and are never trained on. A torch center with ``devices > 1`` trains with DDP
+    over that many long-lived worker processes (:class:`~._dp_center.DataParallelTrainer`, same updates
+    as one process up to rounding); close it with ``trainer.close()`` when done (the engines do).
+    """
+    spec = config.center(center)
+    index = config.center_index(center)
+    (x, y), held = split_holdout(x, y, config.holdout, config.seed, index)
+    kw = dict(center_index=index, batch_size=config.batch_size, lr=config.lr,
+              momentum=config.momentum, seed=config.seed, lr_schedule=config.lr_schedule, rounds=config.rounds,
+              logit_adjust=config.logit_adjust)
+    if spec.framework not in TRAINERS:
+        raise ValueError(f"center {center!r}: no trainer for framework {spec.framework!r}; known: {sorted(TRAINERS)}")
+    trainer = TRAINERS[spec.framework](config, center, x, y, kw)
+    trainer.holdout = held
+    return trainer
 
 
 def center_round(trainer: LocalTrainer, global_params: Mapping[str, np.ndarray], *, round_idx: int,

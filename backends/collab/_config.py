@@ -17,7 +17,7 @@ from typing import Any
 from polyparallel.cluster import FRAMEWORKS
 
 from ._fusion import FUSIONS, FusionStrategy, make_fusion
-from ._models import ModelSpec
+from ._models import ModelSpec, is_reference
 from ._wire import COMPRESSIONS
 
 __all__ = ["FRAMEWORKS", "CenterSpec", "CollabConfig", "check_logit_adjust", "config_from_strategy"]
@@ -32,11 +32,17 @@ def check_logit_adjust(tau: float) -> None:
 
 @dataclass(frozen=True)
 class CenterSpec:
-    """One compute center: its name, the framework it trains with, and how many local devices."""
+    """One compute center: its name, the framework it trains with, and how many local devices.
+
+    ``data``: where the center loads its ``(x, y)`` itself — ``"package.module:function"`` called with
+    the center's name at the center (see ``_center.load_center_data``); only the reference travels in
+    the job, never the data. Empty: the data is handed to the engine (``collaborate(config, data)``).
+    """
 
     name: str
     framework: str = "torch"
     devices: int = 1
+    data: str = ""
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
@@ -45,6 +51,8 @@ class CenterSpec:
             raise ValueError(f"center {self.name!r}: framework {self.framework!r} is not one of {FRAMEWORKS}")
         if self.devices < 1:
             raise ValueError(f"center {self.name!r}: devices must be >= 1")
+        if self.data and not is_reference(self.data):
+            raise ValueError(f"center {self.name!r}: data source {self.data!r} must be 'package.module:function'")
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,9 @@ class CollabConfig:
         min_centers: rounds with fewer valid updates keep the previous global model (default: all).
         seed: initial model and data-order seed.
         round_timeout_s: how long the server waits for updates in a deployed round.
+        holdout: fraction of every center's rows it keeps out of training; without server-side
+            evaluation data, the centers evaluate each fused model on them and the server records the
+            count-weighted mean (0: no held-out rows).
     """
 
     centers: tuple[CenterSpec, ...]
@@ -84,6 +95,7 @@ class CollabConfig:
     min_centers: int = 0
     seed: int = 0
     round_timeout_s: float = 600.0
+    holdout: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "centers", tuple(self.centers))
@@ -105,6 +117,19 @@ class CollabConfig:
         check_logit_adjust(self.logit_adjust)
         if self.lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"unknown lr_schedule {self.lr_schedule!r}; choose 'constant' or 'cosine'")
+        if not (0.0 <= self.holdout < 1.0):
+            raise ValueError(f"holdout must be a fraction in [0, 1), got {self.holdout}")
+        if not self.round_timeout_s > 0:
+            raise ValueError(f"round_timeout_s must be > 0, got {self.round_timeout_s}")
+        if self.model.user:
+            other = [c.name for c in self.centers if c.framework != "torch"]
+            if other:
+                raise ValueError(f"centers {other} train in another framework than torch, but model "
+                                 f"{self.model.kind!r} is a torch model (MindSpore centers build the built-in "
+                                 "kinds only): use framework='torch' for them")
+            if self.logit_adjust:
+                raise ValueError("logit_adjust needs the class count of a built-in classifier; for a user model "
+                                 "set logit_adjust=0")
         if self.make_fusion().uses_controls:  # options checked now, not in round 1
             other = [c.name for c in self.centers if c.framework != "torch" or c.devices > 1]
             if other:

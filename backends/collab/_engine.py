@@ -9,20 +9,20 @@ the Flower engine is checked against.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ._center import LocalTrainer, center_round, evaluate_torch, make_trainer
+from ._center import LocalTrainer, center_evaluate, center_round, evaluate_torch, load_center_data, make_trainer
 from ._config import CollabConfig
 from ._fusion import Params
 from ._models import build_torch_model, torch_state
-from ._server import CenterReply, FederationServer, RoundRecord, TimingLog
+from ._server import CenterReply, FederationServer, RoundRecord, TimingLog, aggregate_evaluations
 
-__all__ = ["CollabResult", "initial_params", "run_inprocess"]
+__all__ = ["CollabResult", "check_data", "initial_params", "run_inprocess"]
 
 Data = Mapping[str, tuple[np.ndarray, np.ndarray]]
 
@@ -44,24 +44,40 @@ def initial_params(config: CollabConfig) -> Params:
     return torch_state(build_torch_model(config.model, config.seed))
 
 
-def _check_data(config: CollabConfig, data: Data) -> None:
+def check_data(config: CollabConfig, data: Data | None) -> None:
+    """Every center has its data from exactly one place: ``data`` here, or its own source (``CenterSpec.data``)."""
+    data = data or {}
     names = {c.name for c in config.centers}
-    if set(data) != names:
-        raise ValueError(f"data given for centers {sorted(data)}, but the federation has {sorted(names)}")
+    extra = sorted(set(data) - names)
+    if extra:
+        raise ValueError(f"data given for centers {extra}, but the federation has {sorted(names)}")
+    both = [c.name for c in config.centers if c.data and c.name in data]
+    none = [c.name for c in config.centers if not c.data and c.name not in data]
+    if both:
+        raise ValueError(f"centers {both} have a data source ({config.center(both[0]).data!r}) and data given here: "
+                         "drop one of the two")
+    if none:
+        raise ValueError(f"no data for centers {none}: give their (x, y) or a data source "
+                         "CenterSpec(data='package.module:function')")
 
 
-def run_inprocess(config: CollabConfig, data: Data, *, eval_data: tuple[np.ndarray, np.ndarray] | None = None,
+def run_inprocess(config: CollabConfig, data: Data | None = None, *,
+                  eval_data: tuple[np.ndarray, np.ndarray] | None = None,
                   timing_path: str | Path | None = None, checkpoint_dir: str | Path | None = None,
                   resume: bool = False, max_rounds: int | None = None,
                   trainers: Mapping[str, LocalTrainer] | None = None,
                   absent: Mapping[int, tuple[str, ...]] | None = None,
-                  center_states: dict[str, dict[str, np.ndarray]] | None = None) -> CollabResult:
+                  center_states: dict[str, dict[str, np.ndarray]] | None = None,
+                  on_round: Callable[[RoundRecord], None] | None = None) -> CollabResult:
     """Run the federation in this process.
 
     Args:
         config: the job.
-        data: center name -> ``(x, y)`` numpy arrays (they never leave their trainer).
-        eval_data: held-out ``(x, y)`` on which the server evaluates every fused model.
+        data: center name -> ``(x, y)`` numpy arrays (they never leave their trainer), for the centers
+            without a data source of their own (``CenterSpec.data``, loaded by the center).
+        eval_data: held-out ``(x, y)`` on which the server evaluates every fused model. Without it and
+            with ``config.holdout > 0`` the centers evaluate it on their held-out rows and the round
+            records the count-weighted mean (:func:`~._server.aggregate_evaluations`).
         timing_path: JSON-lines file for the round events.
         checkpoint_dir: where the server checkpoints after each round.
         resume: continue from the checkpoint in ``checkpoint_dir`` if there is one.
@@ -71,24 +87,31 @@ def run_inprocess(config: CollabConfig, data: Data, *, eval_data: tuple[np.ndarr
         center_states: what each center keeps between rounds (SCAFFOLD's ``c_i``), updated in place;
             pass the same dict to a resumed run to model centers that stayed up while the server
             restarted (default: a fresh, empty memory per center for this call).
+        on_round: called with each round's record as soon as the round ends (progress).
     """
-    _check_data(config, data)
+    check_data(config, data)
+    data = data or {}
     timing = TimingLog(timing_path)
     server = FederationServer(config, initial_params(config), timing, checkpoint_dir)
     if resume:
         server.resume()
-    pool: dict[str, LocalTrainer] = {c.name: make_trainer(config, c.name, *data[c.name]) for c in config.centers
-                                     if not trainers or c.name not in trainers}
+    pool: dict[str, LocalTrainer] = {
+        c.name: make_trainer(config, c.name, *(data[c.name] if c.name in data else load_center_data(c.data, c.name)))
+        for c in config.centers if not trainers or c.name not in trainers}
     pool.update(trainers or {})
-    evaluate = None
+    evaluate: Callable[[Params, int], dict[str, float]] | None = None
     if eval_data is not None:
-        def evaluate(p: Params) -> dict[str, float]:
+        def evaluate(p: Params, r: int) -> dict[str, float]:
             return evaluate_torch(config.model, p, *eval_data)
+    elif config.holdout > 0:
+        def evaluate(p: Params, r: int) -> dict[str, float]:
+            return aggregate_evaluations({c.name: center_evaluate(pool[c.name], p) for c in config.centers
+                                          if c.name not in (absent or {}).get(r, ())})
     try:
         states = {} if center_states is None else center_states
         for c in config.centers:
             states.setdefault(c.name, {})
-        _run_rounds(config, server, pool, evaluate, max_rounds, absent, states)
+        _run_rounds(config, server, pool, evaluate, max_rounds, absent, states, on_round)
     finally:  # a data-parallel center's worker processes end with the run
         for name, t in pool.items():
             if not trainers or name not in trainers:
@@ -98,7 +121,8 @@ def run_inprocess(config: CollabConfig, data: Data, *, eval_data: tuple[np.ndarr
 
 def _run_rounds(config: CollabConfig, server: FederationServer, pool: Mapping[str, LocalTrainer],
                 evaluate: Any, max_rounds: int | None, absent: Mapping[int, tuple[str, ...]] | None,
-                center_states: Mapping[str, dict[str, np.ndarray]]) -> None:
+                center_states: Mapping[str, dict[str, np.ndarray]],
+                on_round: Callable[[RoundRecord], None] | None = None) -> None:
     # center_states: each center's memory across rounds (SCAFFOLD's c_i); the server never reads it
     done = 0
     while not server.done and (max_rounds is None or done < max_rounds):
@@ -114,5 +138,7 @@ def _run_rounds(config: CollabConfig, server: FederationServer, pool: Mapping[st
                                             t_received=t_recv, control=control, center_state=center_states[c.name])
             replies.append(CenterReply(c.name, payload, metrics))
             server.timing.record(r, "server", c.name, "update_received")
-        server.finish_round(r, replies, evaluate=evaluate)
+        rec = server.finish_round(r, replies, evaluate=None if evaluate is None else lambda p, r=r: evaluate(p, r))
+        if on_round is not None:
+            on_round(rec)
         done += 1

@@ -363,12 +363,7 @@ def read_outputs(out_dir: Path) -> CollabResult:
     """The result the ServerApp left in ``out_dir``."""
     with np.load(out_dir / "final.npz") as z:
         params = {k: z[k] for k in z.files}
-    rounds = []
-    for line in (out_dir / "rounds.jsonl").read_text().splitlines():
-        d: dict[str, Any] = json.loads(line)
-        rounds.append(RoundRecord(d["round"], tuple(d["accepted"]), {k: tuple(v) for k, v in d["rejected"].items()},
-                                  tuple(d["missing"]), d["fused"], d["bytes_up"], d["bytes_down"], d["fusion_s"],
-                                  d["metrics"], d["eval"]))
+    rounds = [RoundRecord.from_dict(json.loads(line)) for line in (out_dir / "rounds.jsonl").read_text().splitlines()]
     timing = [json.loads(x) for x in (out_dir / "timing.jsonl").read_text().splitlines()]
     return CollabResult(params, tuple(rounds), tuple(timing))
 

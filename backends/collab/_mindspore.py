@@ -31,12 +31,13 @@ from typing import Any
 import numpy as np
 
 from ._center import CenterData, batch_indices
-from ._models import ModelSpec, build_torch_model
+from ._models import MODEL_KINDS, ModelSpec, build_torch_model
 
 __all__ = [
     "MindSporeTrainer",
     "ParamMapping",
     "build_mindspore_model",
+    "build_mindspore_seeded",
     "mindspore_state",
     "mindspore_to_torch",
     "parameter_map",
@@ -112,8 +113,18 @@ def _ms() -> Any:
     return ms
 
 
+def build_mindspore_seeded(spec: ModelSpec, seed: int = 0) -> Any:
+    """:func:`build_mindspore_model` after ``mindspore.set_seed(seed)`` (the builder in ``MODEL_BUILDERS``)."""
+    _ms().set_seed(seed)
+    return build_mindspore_model(spec)
+
+
 def build_mindspore_model(spec: ModelSpec) -> Any:
     """The ``mindspore.nn.Cell`` with the same architecture and attribute names as the torch model."""
+    if spec.user:
+        raise ValueError(f"model {spec.kind!r} is a torch model: MindSpore centers build the built-in kinds "
+                         f"{MODEL_KINDS} only (a user model needs a MindSpore builder and a parameter map, not "
+                         "implemented yet); train it on torch centers")
     if spec.norm != "batch":
         raise ValueError(f"MindSpore centers build the {spec.kind} with BatchNorm only (norm={spec.norm!r} has no "
                          "name-and-layout map); use norm='batch' or torch centers")

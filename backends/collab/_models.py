@@ -1,10 +1,22 @@
-"""Small models every center can build in its own framework from one frozen :class:`ModelSpec`.
+"""The shared model as one frozen :class:`ModelSpec` that every center builds itself.
 
-The spec travels in the run configuration instead of pickled code, so a torch center and a
-MindSpore center build the *same architecture* and exchange parameters through the explicit name
-map in :mod:`._mindspore`. Attribute names are identical in both frameworks on purpose.
+The spec travels in the run configuration (JSON) instead of pickled code. It names either a
+built-in kind or the user's own model as a ``"package.module:function"`` reference, the form
+``polyparallel search`` and ``train`` take: the function returns an ``nn.Module`` (or
+``(model, args, kwargs)``, whose first element is used), and is called right after
+``torch.manual_seed(seed)``, so the server's initial model and every center's copy are the same.
+Every process that trains or evaluates — the in-process engine, a Flower SuperNode's executor, a
+data-parallel center's workers, the Flower ServerApp — imports the module itself, so it must be
+importable there (the Flower engine passes ``PYTHONPATH`` down). The exchanged tensors are the
+module's ``state_dict`` entries (floating parameters and buffers) under their own names.
 
-Kinds:
+Builders are looked up per framework (:data:`MODEL_BUILDERS`, :func:`build_model`): a torch center
+builds with :func:`build_torch_model`, a MindSpore center with ``_mindspore.build_mindspore_model``
+(built-in kinds only; user models train on torch centers). Another framework is one more entry.
+
+Built-in kinds — a torch center and a MindSpore center build the *same architecture* and exchange
+parameters through the explicit name map in :mod:`._mindspore` (attribute names are identical in
+both frameworks on purpose):
 
 - ``mlp``:    flatten → ``fc1`` Linear → ``norm`` LayerNorm → ReLU → ``fc2`` Linear
 - ``cnn``:    ``conv1`` 3×3 → ``bn1`` → ReLU → maxpool 2 → ``conv2`` 3×3 → ``bn2`` → ReLU → maxpool 2
@@ -17,42 +29,97 @@ Kinds:
 
 from __future__ import annotations
 
+import importlib
 import json
+import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["MODEL_KINDS", "ModelSpec", "build_torch_model", "load_torch_state", "torch_state"]
+__all__ = ["LOSSES", "MODEL_BUILDERS", "MODEL_KINDS", "ModelSpec", "build_model", "build_torch_model",
+           "is_reference", "load_torch_state", "resolve_reference", "torch_state"]
 
 MODEL_KINDS = ("mlp", "cnn", "embbag")
+
+#: ``auto``: the model's own loss when its forward takes labels (see :mod:`._objective`), else
+#: ``cross_entropy``; ``model``: the model's own loss, required; ``cross_entropy`` over the last
+#: dimension of the output (``-100`` targets ignored); ``mse``.
+LOSSES = ("auto", "model", "cross_entropy", "mse")
+
+_REF = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+
+
+def is_reference(text: str) -> bool:
+    """Whether ``text`` has the form ``package.module:function``."""
+    return bool(_REF.match(text))
+
+
+def resolve_reference(ref: str, what: str = "model") -> Callable[..., Any]:
+    """The callable named by ``"package.module:function"``, imported in this process."""
+    if not is_reference(ref):
+        raise ValueError(f"{what} {ref!r}: expected 'package.module:function'")
+    mod, _, name = ref.partition(":")
+    try:
+        obj: Any = importlib.import_module(mod)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        import sys
+
+        raise ValueError(f"{what} {ref!r} cannot be loaded here ({type(e).__name__}: {e}): the module must be "
+                         f"importable in every process that builds it (centers, server); put its directory on "
+                         f"PYTHONPATH (sys.path here: {sys.path[:4]}...)") from e
+    if not callable(obj):
+        raise ValueError(f"{what} {ref!r} is a {type(obj).__name__}, not a function")
+    return obj
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Architecture of the shared model.
+    """The shared model and its training loss.
 
     Args:
-        kind: ``mlp``, ``cnn`` or ``embbag``.
+        kind: ``mlp``, ``cnn`` or ``embbag``, or the user's model as ``"package.module:function"``
+            (see the module docstring; the remaining shape fields are then unused).
         in_shape: one example's shape: ``(features,)`` or ``(C, H, W)`` for ``mlp``, ``(C, H, W)``
             (H, W divisible by 4) for ``cnn``, ``(seq_len,)`` for ``embbag``.
         num_classes: output size.
         hidden: hidden width (``mlp``), channels of the first conv (``cnn``), embedding size (``embbag``).
         vocab: vocabulary size (``embbag`` only).
         norm: ``batch`` (BatchNorm) or ``group`` (GroupNorm, 4 channels per group) in ``cnn``.
+        loss: one of :data:`LOSSES` (the built-in kinds are classifiers: ``auto`` or ``cross_entropy``).
     """
 
     kind: str
-    in_shape: tuple[int, ...]
-    num_classes: int
+    in_shape: tuple[int, ...] = ()
+    num_classes: int = 0
     hidden: int = 32
     vocab: int = 0
     norm: str = "batch"
+    loss: str = "auto"
+
+    @property
+    def user(self) -> bool:
+        """Whether this is the user's own model (a reference) rather than a built-in kind."""
+        return self.kind not in MODEL_KINDS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "in_shape", tuple(int(d) for d in self.in_shape))
-        if self.kind not in MODEL_KINDS:
-            raise ValueError(f"unknown model kind {self.kind!r}; choose one of {MODEL_KINDS}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"unknown loss {self.loss!r}; choose one of {LOSSES}")
+        if self.user:
+            if not is_reference(self.kind):
+                raise ValueError(f"model {self.kind!r}: give one of {MODEL_KINDS} or the user's model as "
+                                 "'package.module:function' (a function returning an nn.Module)")
+            if self.norm != "batch":
+                raise ValueError(f"norm {self.norm!r} applies to the built-in cnn; a user model "
+                                 f"({self.kind!r}) chooses its own normalisation")
+            return
+        if self.loss not in ("auto", "cross_entropy"):
+            raise ValueError(f"the built-in {self.kind!r} is a classifier: loss 'auto' or 'cross_entropy' "
+                             f"(loss {self.loss!r} needs a user model, 'package.module:function')")
         if self.kind == "cnn" and (len(self.in_shape) != 3 or self.in_shape[1] % 4 or self.in_shape[2] % 4):
             raise ValueError(f"cnn needs in_shape (C, H, W) with H, W divisible by 4, got {self.in_shape}")
         if self.kind == "embbag" and (len(self.in_shape) != 1 or self.vocab <= 0):
@@ -71,12 +138,38 @@ class ModelSpec:
         return cls(**{**d, "in_shape": tuple(d["in_shape"])})
 
 
+#: framework -> ``"module:function"`` of its builder ``(spec, seed) -> model`` (imported on first use,
+#: so a torch-only process never imports MindSpore)
+MODEL_BUILDERS: dict[str, str] = {
+    "torch": "polyparallel.backends.collab._models:build_torch_model",
+    "mindspore": "polyparallel.backends.collab._mindspore:build_mindspore_seeded",
+}
+
+
+def build_model(spec: ModelSpec, framework: str = "torch", seed: int = 0) -> Any:
+    """The model of ``spec`` in ``framework``, initialised from ``seed`` (see :data:`MODEL_BUILDERS`)."""
+    if framework not in MODEL_BUILDERS:
+        raise ValueError(f"no model builder for framework {framework!r}; known: {sorted(MODEL_BUILDERS)}")
+    return resolve_reference(MODEL_BUILDERS[framework], f"{framework} builder")(spec, seed)
+
+
 def build_torch_model(spec: ModelSpec, seed: int = 0) -> Any:
-    """The torch ``nn.Module`` for ``spec``, initialised from ``seed``."""
+    """The torch ``nn.Module`` for ``spec``, initialised from ``seed``.
+
+    A user model is the return value of its function called after ``torch.manual_seed(seed)`` (the
+    first element when it returns ``(model, args, kwargs)``), in training mode.
+    """
     import torch
     from torch import nn
 
     torch.manual_seed(seed)
+    if spec.user:
+        out = resolve_reference(spec.kind)()
+        model = out[0] if isinstance(out, tuple | list) and out else out
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model {spec.kind!r} returned a {type(model).__name__}; it must return a "
+                            "torch.nn.Module or (module, args, kwargs)")
+        return model.train()
 
     if spec.kind == "mlp":
         in_f = int(np.prod(spec.in_shape))

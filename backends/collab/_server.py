@@ -33,7 +33,7 @@ from ._config import CollabConfig
 from ._fusion import CenterUpdate, Params, trained_names
 from ._wire import check_payload, decode_controls, decode_update, payload_nbytes
 
-__all__ = ["CenterReply", "FederationServer", "RoundRecord", "TimingLog"]
+__all__ = ["CenterReply", "FederationServer", "RoundRecord", "TimingLog", "aggregate_evaluations"]
 
 log = logging.getLogger("polyparallel.collab")
 
@@ -79,13 +79,49 @@ class RoundRecord:
     fusion_s: float
     metrics: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     eval: Mapping[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {"round": self.round, "accepted": list(self.accepted),
                 "rejected": {k: list(v) for k, v in self.rejected.items()}, "missing": list(self.missing),
                 "fused": self.fused, "bytes_up": dict(self.bytes_up), "bytes_down": self.bytes_down,
                 "fusion_s": self.fusion_s, "metrics": {k: dict(v) for k, v in self.metrics.items()},
-                "eval": dict(self.eval)}
+                "eval": dict(self.eval), "seconds": self.seconds}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RoundRecord:
+        return cls(d["round"], tuple(d["accepted"]), {k: tuple(v) for k, v in d["rejected"].items()},
+                   tuple(d["missing"]), d["fused"], d["bytes_up"], d["bytes_down"], d["fusion_s"], d["metrics"],
+                   d["eval"], float(d.get("seconds", 0.0)))
+
+    @property
+    def train_loss(self) -> float | None:
+        """The accepted centers' local training loss, weighted by their sample counts."""
+        m = [v for v in self.metrics.values() if "train_loss" in v and "num_samples" in v]
+        if not m:
+            return None
+        return sum(v["train_loss"] * v["num_samples"] for v in m) / sum(v["num_samples"] for v in m)
+
+
+def aggregate_evaluations(per_center: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """The federation's metrics from each center's metrics on its held-out rows.
+
+    Every metric is the mean weighted by the centers' ``count`` (targets evaluated), so ``loss`` and
+    ``accuracy`` are those of the union of the held-out rows; ``perplexity`` is ``exp`` of that loss.
+    Adds ``count`` (the total) and ``centers`` (how many reported).
+    """
+    valid = {c: m for c, m in per_center.items() if m.get("count", 0) > 0 and np.isfinite(m.get("loss", np.nan))}
+    if not valid:
+        return {}
+    total = sum(float(m["count"]) for m in valid.values())
+    out: dict[str, float] = {}
+    for key in ("loss", "accuracy"):
+        if all(key in m for m in valid.values()):
+            out[key] = sum(float(m[key]) * float(m["count"]) for m in valid.values()) / total
+    if all("perplexity" in m for m in valid.values()):
+        out["perplexity"] = float(np.exp(min(out["loss"], 700.0)))
+    out["count"], out["centers"] = total, float(len(valid))
+    return out
 
 
 def _check_metrics(metrics: Mapping[str, Any]) -> list[str]:
@@ -107,6 +143,7 @@ class FederationServer:
         self.timing = timing or TimingLog()
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.history: list[RoundRecord] = []
+        self._t_round = 0.0  # when the current round began (its record's seconds)
 
     # ----------------------------------------------------------------- checkpoints
     def _ckpt_path(self) -> Path:
@@ -151,7 +188,8 @@ class FederationServer:
     def begin_round(self) -> tuple[int, Params]:
         """Index of the next round (1-based) and the model to send."""
         r = self.round + 1
-        self.timing.record(r, "server", "server", "round_start")
+        self._t_round = time.time()
+        self.timing.record(r, "server", "server", "round_start", t=self._t_round)
         return r, self.params
 
     def control(self) -> Params | None:
@@ -213,7 +251,7 @@ class FederationServer:
         sent = payload_nbytes(self.params) + sum(self.params[k].nbytes for k in control_names)
         down = sent * (len(cfg.centers) if sent_to is None else sent_to)
         rec = RoundRecord(round_idx, tuple(u.center for u in updates), rejected, missing, fused, bytes_up,
-                          down, fusion_s, metrics, ev)
+                          down, fusion_s, metrics, ev, time.time() - (self._t_round or t0))
         self.history.append(rec)
         self.save_checkpoint()
         self.timing.record(round_idx, "server", "server", "round_end")
