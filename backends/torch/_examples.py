@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from polyparallel.models import GPT, MLP, GPTConfig
@@ -38,10 +40,11 @@ def gpt_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def single_process_losses(model_fn, data_fn, *, steps: int, lr: float, seed: int,
-                          optimizer: str = "sgd") -> list[float]:
+                          optimizer: str = "sgd", skip_steps: Collection[int] = ()) -> list[float]:
     """The reference a distributed run is compared with: one process trains ``model_fn()`` on the
     whole global batch ``data_fn(step)`` with ``optimizer`` (sgd, adam, adamw: torch's, as the
-    workers make them), from the same seed; the loss of every step."""
+    workers make them), from the same seed; the loss of every step. No optimizer step is taken at
+    ``skip_steps`` (those an fp16 run skipped because its scaled gradients overflowed)."""
     torch.manual_seed(seed)
     m = model_fn()
     opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[optimizer](
@@ -52,6 +55,7 @@ def single_process_losses(model_fn, data_fn, *, steps: int, lr: float, seed: int
         opt.zero_grad()
         loss = m(x, y)
         loss.backward()
-        opt.step()
+        if step not in skip_steps:
+            opt.step()
         out.append(loss.item())
     return out

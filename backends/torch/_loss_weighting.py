@@ -141,7 +141,7 @@ def weigh_replicas(loss: Any, count: float | None, group: Any, replicas: int,
 
 
 def weigh_microbatches(losses: list[Any], counts: list[float | None], microbatches: int, replicas: int,
-                       device: torch.device) -> tuple[float, float, str]:
+                       device: torch.device, unit: float = 1.0) -> tuple[float, float, str]:
     """Combine the micro-batch losses of one pipeline step (one all-reduce over the whole world).
 
     On a last-stage rank ``losses`` are what the loss function returned per micro-batch (``L_j c_j``
@@ -153,6 +153,11 @@ def weigh_microbatches(losses: list[Any], counts: list[float | None], microbatch
     loss, which is the returned ``loss``: ``n / T`` and ``Σ L_j c_j / T`` with ``T = Σ c_j`` over
     the ``n = microbatches · replicas`` micro-batches when every one was counted (``"tokens"``),
     ``1`` and ``Σ L_j / n`` when none was (``"mean_of_means"``).
+
+    A loss function may return ``L_j c_j / unit`` instead, ``unit`` a count typical of a micro-batch
+    (its number of labels, the same on every rank): the backpropagated values then stay near the
+    mean loss's scale rather than ``c_j`` times it, which fp16 gradients need to stay finite; the
+    losses and the factor account for it.
     """
     counted = [c for c in counts if c is not None]
     stats = torch.tensor([sum(counted), len(counted), sum(float(v.detach()) for v in losses)],
@@ -161,7 +166,7 @@ def weigh_microbatches(losses: list[Any], counts: list[float | None], microbatch
     total, n_counted, loss_sum = stats.tolist()
     n = microbatches * replicas
     if n_counted == n:
-        return (n / total, loss_sum / total, "tokens") if total else (0.0, float("nan"), "tokens")
+        return (n * unit / total, loss_sum * unit / total, "tokens") if total else (0.0, float("nan"), "tokens")
     if n_counted == 0:
         return 1.0, loss_sum / n, "mean_of_means"
     raise RuntimeError(f"{int(n_counted)} of {n} micro-batch losses were counted: the loss function computed "

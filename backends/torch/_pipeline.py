@@ -351,6 +351,7 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
 
     from polyparallel.backends.torch._checkpoint import resume, save_checkpoint
     from polyparallel.backends.torch._loss_weighting import TargetCount, weigh_microbatches
+    from polyparallel.backends.torch._precision import Precision
     from polyparallel.backends.torch._worker import batch_counts, comm_profile, resolve
 
     plan, pipe = job["plan"], job["plan"].pipeline
@@ -366,6 +367,7 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
     torch.manual_seed(job["seed"])  # every rank builds the same initial weights, then keeps its chunks
     model = resolve(job["model_fn"])()
     split = split_model(model, inputs[:mb], labels[:mb], pipe.cuts)
+    prec = Precision(plan.dtype, device)
     mine = list(range(stage, K, pp))
     modules: list[nn.Module] = []
     for k in mine:
@@ -381,18 +383,20 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
         elif plan.data_parallel == "fsdp" and has_params:
             from torch.distributed.fsdp import fully_shard
 
-            fully_shard(mod, mesh=mesh["dp"])
-        modules.append(mod)
+            fully_shard(mod, mesh=mesh["dp"], **prec.fsdp_kwargs())
+        # autocast inside the stage's forward: the schedule runs backwards between forwards
+        modules.append(prec.autocast_forward(mod))
     tail = split.tail.to(device)
 
     target_counts: list[float | None] = []  # per micro-batch of the step: the targets its loss counted
 
     def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
         counter = TargetCount()
-        with counter:
+        with counter, prec.autocast():
             loss = tail(*(out if isinstance(out, tuple) else (out,)), target)
         target_counts.append(counter.count_for(loss))
-        return loss if target_counts[-1] is None else loss * target_counts[-1]
+        # L·c/unit (weigh_microbatches): L·c alone is c times the mean loss, which overflows fp16 gradients
+        return prec.scale(loss if target_counts[-1] is None else loss * (target_counts[-1] / target.numel()))
 
 
     pp_group = mesh["pp"].get_group()
@@ -446,8 +450,11 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
                           return_outputs=False)
             # the schedule's first step also calls loss_fn once for its shape inference, before the
             # micro-batches: their counts are the last ones
+            loss_scale = prec.loss_scale  # the schedule's losses are what loss_fn returned: scaled with fp16
             factor, global_loss, weighting = weigh_microbatches(
-                losses, target_counts[len(target_counts) - len(losses):], pipe.microbatches, dp, device)
+                [v / loss_scale for v in losses] if loss_scale != 1.0 else losses,
+                target_counts[len(target_counts) - len(losses):], pipe.microbatches, dp, device,
+                unit=y[:mb].numel())
             if factor != 1.0:
                 for p in owner.parameters():
                     if p.grad is not None:
@@ -456,14 +463,14 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
                 grad = named[name].grad
                 if grad is not None:
                     dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=g)
-            opt.step()
+            amp = prec.step(opt)
             if cuda:
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
         if rank == 0:
             rec = {"step": step, "loss": global_loss, "loss_weighting": weighting, "step_time_s": dt,
                    "device": device.type,
-                   "backend": dist.get_backend(), **counts, **comm}
+                   "backend": dist.get_backend(), **counts, **comm, **amp}
             with log.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
         if ckpt is not None and ((step + 1) % job["checkpoint_every"] == 0 or step + 1 == job["steps"]):

@@ -90,6 +90,8 @@ class ExecPlan:
     fused: tuple[tuple[str, tuple[int, ...]], ...] = ()
     tied: tuple[tuple[str, ...], ...] = ()
     positions: tuple[str, ...] = ()
+    dtype: str = "fp32"  # compute precision (._precision)
+    microbatches: int = 1  # with pp == 1: gradient accumulation over this many micro-batches
     recompute: str = "none"  # activation recomputation (._recompute)
     recompute_blocks: tuple[str, ...] = ()  # the layers recompute="full" checkpoints
 
@@ -134,6 +136,9 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
                           + ". Search again (polyparallel search leaves such plans out) or pin other constraints")
     if s.global_batch % s.dp:
         raise Unsupported(f"global_batch={s.global_batch} is not divisible by dp={s.dp}")
+    if s.pp == 1 and s.global_batch % (s.dp * s.microbatches):
+        raise Unsupported(f"global_batch={s.global_batch} is not divisible by dp*microbatches={s.dp * s.microbatches}: "
+                          "accumulated micro-batches must be equal for their mean loss to equal the full batch's")
     modules = dict(model.named_modules())
     linears: list[tuple[int, str, str]] = []  # (capture index, module path, "col"/"row")
     attention: list[tuple[str, str]] = []  # (op, dim) split over tp
@@ -272,5 +277,5 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
                     loss_parallel=loss_parallel, global_batch=s.global_batch, pp=s.pp, pipeline=pipe, sp=s.sp,
                     fused=tuple(sorted((p, seg) for p, seg in heads.items() if len(seg) > 1)),
                     tied=tuple(tied), positions=tuple(position_embeddings(graph)) if s.sp > 1 and graph else (),
-                    recompute=s.recompute,
+                    dtype=s.dtype, microbatches=s.microbatches, recompute=s.recompute,
                     recompute_blocks=tuple(recompute_blocks(graph)) if s.recompute == "full" and graph else ())

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from polyparallel.backends.torch._checkpoint import resume, save_checkpoint
+from polyparallel.backends.torch._precision import Precision
 
 __all__ = ["resolve", "run_worker"]
 
@@ -77,7 +78,8 @@ def make_optimizer(name: str, params: Any, lr: float, device: torch.device) -> t
     return cls(params, lr=lr)
 
 
-def _apply(model: torch.nn.Module, job: dict[str, Any], device: torch.device) -> tuple[torch.nn.Module, Any]:
+def _apply(model: torch.nn.Module, job: dict[str, Any], device: torch.device,
+           fsdp_kwargs: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
     from polyparallel.backends.torch._tensor_parallel import build_mesh, parallelize, replica_mesh
 
     plan = job["plan"]
@@ -97,7 +99,7 @@ def _apply(model: torch.nn.Module, job: dict[str, Any], device: torch.device) ->
     elif plan.data_parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(model, mesh=replica_mesh(mesh, plan))
+        fully_shard(model, mesh=replica_mesh(mesh, plan), **fsdp_kwargs)
     return model, mesh
 
 
@@ -119,6 +121,59 @@ def _cross_rank_batchnorm(model: torch.nn.Module, mesh: Any, plan: Any) -> int:
               [grid[:, s, t].tolist() for s in range(plan.sp) for t in range(plan.tp)])
     mine, _ = dist.new_subgroups_by_enumeration(groups)
     return use_cross_rank_batchnorm(model, mine, len(groups[0]))
+
+
+@contextlib.contextmanager
+def _gradient_sync(model: torch.nn.Module, plan: Any, sync: bool) -> Iterator[None]:
+    """Reduce the replicas' gradients in this block's backward only when ``sync``: accumulated
+    micro-batches add into unreduced gradients and the last one's backward reduces the sum.
+    Tensor parallelism alone needs nothing (its gradients are reduced inside the backward)."""
+    if plan.data_parallel == "ddp" and not sync:
+        with model.no_sync():  # type: ignore[operator]
+            yield
+        return
+    if plan.data_parallel == "fsdp":
+        model.set_requires_gradient_sync(sync)  # type: ignore[operator]
+    yield
+
+
+def _accumulate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, plan: Any, mesh: Any, prec: Precision,
+                replicas: int, device: torch.device) -> tuple[float, str]:
+    """Gradient accumulation (``microbatches > 1`` without pipeline stages): the rank's share is cut
+    into equal micro-batches, each backpropagated in turn, the gradients reduced over the replicas in
+    the last one's backward only; returns the step's loss and weighting (``_loss_weighting``).
+
+    As in a pipeline, micro-batch ``j`` backpropagates ``L_j c_j / (u m)`` when its loss counted
+    ``c_j`` targets (``u``: its number of labels), ``L_j / m`` otherwise, and once every micro-batch
+    has run one all-reduce gives the count over all micro-batches and replicas, by which the
+    gradients are then scaled (:func:`.weigh_microbatches`): the step's gradient is that of the
+    global batch's mean over its valid targets, whatever the micro-batches' padding."""
+    from polyparallel.backends.torch._loss_weighting import TargetCount, _local, weigh_microbatches
+    from polyparallel.backends.torch._tensor_parallel import step_context
+
+    m = plan.microbatches
+    if x.shape[0] % m:
+        raise ValueError(f"a rank's share of {x.shape[0]} samples does not split into {m} equal micro-batches")
+    counts_once = mesh["tp"].get_local_rank() == 0  # tensor-parallel peers compute copies of one loss
+    losses: list[torch.Tensor] = []
+    counts: list[float | None] = []
+    for j, (xj, yj) in enumerate(zip(x.chunk(m), y.chunk(m), strict=True)):
+        with _gradient_sync(model, plan, j == m - 1), step_context(plan, mesh):
+            counter = TargetCount()
+            with counter, prec.autocast():
+                loss = model(xj, yj)
+            count = counter.count_for(loss)
+            part = loss if count is None else loss * (count / yj.numel())
+            prec.scale(part / m).backward()
+        if counts_once:
+            losses.append(_local(part).detach())
+            counts.append(count)
+    factor, global_loss, weighting = weigh_microbatches(losses, counts, m, replicas, device, unit=y.numel() // m)
+    if factor != 1.0:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+    return global_loss, weighting
 
 
 @contextlib.contextmanager
@@ -168,7 +223,8 @@ def run_worker(run_dir: Path) -> None:
         plan = job["plan"]
         torch.manual_seed(job["seed"])  # every rank builds the same initial weights
         model = resolve(job["model_fn"])().to(device)
-        model, mesh = _apply(model, job, device)
+        prec = Precision(plan.dtype, device)
+        model, mesh = _apply(model, job, device, prec.fsdp_kwargs())
         data_fn = resolve(job["data_fn"])
         opt = make_optimizer(job["optimizer"], model.parameters(), job["lr"], device)
         dp_rank = mesh["dp"].get_local_rank()
@@ -192,21 +248,26 @@ def run_worker(run_dir: Path) -> None:
             with comm_profile(bool(job.get("profile_comm"))) as comm:
                 t0 = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
-                with step_context(plan, mesh):
-                    counter = TargetCount()
-                    with counter:
-                        loss = model(x, y)
-                    scale, global_loss, weighting = weigh_replicas(
-                        loss, counter.count_for(loss), replicas.get_group(), replicas.size(), device)
-                    (loss if scale == 1.0 else loss * scale).backward()
-                opt.step()
+                if plan.microbatches > 1:
+                    global_loss, weighting = _accumulate(model, x, y, plan, mesh, prec, replicas.size(), device)
+                else:
+                    with step_context(plan, mesh):
+                        counter = TargetCount()
+                        with counter, prec.autocast():
+                            loss = model(x, y)
+                        scale, global_loss, weighting = weigh_replicas(
+                            loss, counter.count_for(loss), replicas.get_group(), replicas.size(), device)
+                        prec.scale(loss if scale == 1.0 else loss * scale).backward()
+                amp = prec.step(opt)
                 if cuda:
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
             if rank == 0:
                 rec = {"step": step, "loss": global_loss, "loss_weighting": weighting, "step_time_s": dt,
                        "rank0_input_shape": list(x.shape),  # what a rank trains on: its dp and sp share
-                       "device": device.type, "backend": dist.get_backend(), **batch_counts(inputs), **comm}
+                       "device": device.type, "backend": dist.get_backend(), **batch_counts(inputs), **comm, **amp}
+                if plan.microbatches > 1:
+                    rec["microbatches"] = plan.microbatches
                 with log.open("a") as f:
                     f.write(json.dumps(rec) + "\n")
             if ckpt is not None and ((step + 1) % job["checkpoint_every"] == 0 or step + 1 == job["steps"]):

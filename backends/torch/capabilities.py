@@ -8,10 +8,11 @@ and ATen target, never by their names.
 **Plan level** (:func:`plan_problems`): the mesh degrees, micro-batching, memory knobs and precision
 of a plan, against the model's captured graph:
 
-* fp32 training only;
+* training in fp32, bf16 or fp16 (:mod:`._precision`: autocast or FSDP2 mixed precision, fp32
+  master weights, a gradient scaler for fp16);
 * activation recomputation (:mod:`._recompute`) outside pipeline stages only; ``full`` needs the
   model's numbered layers (``layers.<i>``, ``h.<i>``, ``blocks.<i>``), the blocks it checkpoints;
-* micro-batches only with pipeline stages (no gradient accumulation without ``pp``);
+* micro-batches with pipeline stages, or without them as gradient accumulation (``_worker``);
 * no tensor or sequence parallelism inside pipeline stages;
 * sequence parallelism (Ulysses) only where it is exact (:func:`._tensor_parallel.sp_problems`:
   attention over one sequence length through ``scaled_dot_product_attention``, no position tables);
