@@ -17,14 +17,20 @@ the target. The schedule scales the gradients by ``1/M`` for ``M`` micro-batches
 replicas average theirs. When the tail is one mean-reduced cross entropy / NLL (ATen's
 ``cross_entropy_loss``, as export writes ``F.cross_entropy``), micro-batch ``j`` of replica ``r``
 counts the targets its loss divided by, ``c_rj`` (not ignored, times the class weight; see
-``_loss_weighting``), and ``loss_fn`` returns ``L_rj · c_rj``; after the schedule one all-reduce
-over all ranks gives ``T = Σ c_rj`` (the non-last stages add 0), and every stage multiplies its
-gradients by ``M·dp / T`` before the optimiser step, so the step's gradient is
+``_loss_weighting``), and ``loss_fn`` returns ``L_rj · c_rj / u`` (``u`` the micro-batch's number
+of labels, which keeps the backpropagated values at the mean loss's scale); after the schedule one
+all-reduce over all ranks gives ``T = Σ c_rj`` (the non-last stages add 0), and every stage multiplies its
+gradients by ``M·dp·u / T`` before the optimiser step, so the step's gradient is
 ``∇ Σ L_rj c_rj / T``, the gradient of the global batch's mean over its valid targets, which is the
 logged loss (``loss_weighting: "tokens"``). Any other loss keeps ``L_rj`` unweighted: the gradient
 ``∇ 1/(M·dp) Σ L_rj`` and the logged mean of the means are the global batch's for equal micro-batches
 of a loss whose mean is over a fixed count (``"mean_of_means"``). BatchNorm would normalise per
 micro-batch, which single-process training does not; models with BatchNorm are refused.
+
+**Precision** (``_precision``): the strategy's bf16/fp16 runs under autocast inside each chunk's
+forward and the loss tail, with FSDP2's mixed precision where a stage's parameters are sharded;
+fp16's loss scale is applied in ``loss_fn``, taken out of the logged losses, and its overflow check
+spans every stage.
 
 **Tied weights** (GPT's ``lm_head.weight = wte.weight``): each stage that uses the parameter holds a
 copy; after the schedule's backward their gradients are summed over the stages holding it (the

@@ -22,6 +22,12 @@ targets, which is the logged loss (``loss_weighting: "tokens"``). For any other 
 custom or composite loss) every rank backpropagates ``L_r`` and the log has the mean of the means
 (``"mean_of_means"``), the global mean when the shares are equal and the loss's mean is over a
 fixed count.
+
+*Gradient accumulation* (``microbatches > 1`` without pipeline stages, :func:`_accumulate`): the
+rank's share is cut into equal micro-batches, backpropagated one by one with the replicas'
+gradient reduction only in the last backward, and weighted like pipeline micro-batches (the count
+summed over all micro-batches and replicas). *Precision*: the strategy's ``dtype``
+(``_precision``: autocast, FSDP2 mixed precision, fp16 gradient scaling).
 """
 
 from __future__ import annotations
