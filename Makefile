@@ -6,7 +6,7 @@ PIP     := $(BIN)/python -m pip
 STAMP   := $(VENV)/.installed
 TSTAMP  := $(VENV)/.installed-test
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test lint venv clean architecture
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -43,6 +43,10 @@ test: $(TSTAMP)
 lint: $(TSTAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# docs/architecture.md is generated from the import graph (tests/test_architecture.py checks it)
+architecture: $(STAMP)
+	$(BIN)/python docs/architecture.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
