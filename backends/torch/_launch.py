@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import re
 import subprocess
@@ -105,9 +106,11 @@ def check_batch(strategy: Strategy, batch: Any) -> None:
                          f"by {shares}")
 
 
-def new_run_dir(root: str | Path = "runs", *, create: bool = True) -> Path:
+def new_run_dir(root: str | Path | None = None, *, create: bool = True) -> Path:
     """``root/<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``, ... when taken); created unless ``create=False``
-    (then only a name not taken yet)."""
+    (then only a name not taken yet). ``root`` defaults to ``$POLYPARALLEL_RUNS``, else ``runs``
+    under the current folder."""
+    root = root if root is not None else os.environ.get("POLYPARALLEL_RUNS", "runs")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for i in range(1, 1000):
         path = Path(root) / (stamp if i == 1 else f"{stamp}-{i}")
