@@ -323,9 +323,10 @@ def center_evaluate(trainer: LocalTrainer, params: Mapping[str, np.ndarray]) -> 
 def _torch_trainer(config: CollabConfig, center: str, x: np.ndarray, y: np.ndarray, kw: dict[str, Any]) -> Any:
     spec = config.center(center)
     if spec.devices > 1:
-        from ._dp_center import DataParallelTrainer
+        from ._dp_center import PlannedTrainer
 
-        return DataParallelTrainer(config.model, x, y, devices=spec.devices, timeout_s=config.round_timeout_s, **kw)
+        return PlannedTrainer(config.model, x, y, devices=spec.devices, plan=dict(spec.plan),
+                              timeout_s=config.round_timeout_s, **kw)
     return TorchTrainer(config.model, x, y, **kw)
 
 
@@ -348,9 +349,10 @@ def make_trainer(config: CollabConfig, center: str, x: np.ndarray, y: np.ndarray
     """The trainer for ``center`` in its declared framework (:data:`TRAINERS`), on its training rows.
 
     With ``config.holdout > 0`` the center's held-out rows (:func:`split_holdout`) go to
-    ``trainer.holdout`` and are never trained on. A torch center with ``devices > 1`` trains with DDP
-    over that many long-lived worker processes (:class:`~._dp_center.DataParallelTrainer`, same updates
-    as one process up to rounding); close it with ``trainer.close()`` when done (the engines do).
+    ``trainer.holdout`` and are never trained on. A torch center with ``devices > 1`` runs its plan
+    (``CenterSpec.plan``: DDP, FSDP2 or tensor parallelism; DDP when none is given) over that many
+    long-lived worker processes (:class:`~._dp_center.PlannedTrainer`, same updates as one process up
+    to rounding); close it with ``trainer.close()`` when done (the engines do).
     """
     spec = config.center(center)
     index = config.center_index(center)

@@ -37,12 +37,17 @@ class CenterSpec:
     ``data``: where the center loads its ``(x, y)`` itself — ``"package.module:function"`` called with
     the center's name at the center (see ``_center.load_center_data``); only the reference travels in
     the job, never the data. Empty: the data is handed to the engine (``collaborate(config, data)``).
+
+    ``plan``: the synchronous plan the center runs over its devices (``{"dp": 1, "tp": 2}``,
+    ``{"dp": 2, "zero_stage": 3}``; keys ``_center_plan.PLAN_KEYS``), kept as sorted ``(key, value)``
+    pairs; empty: data parallelism over every device. See ``_dp_center``.
     """
 
     name: str
     framework: str = "torch"
     devices: int = 1
     data: str = ""
+    plan: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
@@ -53,6 +58,12 @@ class CenterSpec:
             raise ValueError(f"center {self.name!r}: devices must be >= 1")
         if self.data and not is_reference(self.data):
             raise ValueError(f"center {self.name!r}: data source {self.data!r} must be 'package.module:function'")
+        plan = dict(self.plan.items() if isinstance(self.plan, Mapping) else (tuple(kv) for kv in self.plan))
+        if plan:
+            from ._center_plan import normalize_plan
+
+            normalize_plan(plan, self.devices, self.name)  # plans no center runs are refused with the job
+        object.__setattr__(self, "plan", tuple(sorted(plan.items())))
 
 
 @dataclass(frozen=True)
@@ -170,8 +181,9 @@ class CollabConfig:
 def config_from_strategy(strategy: Any, model: ModelSpec, **training: Any) -> CollabConfig:
     """The job described by a collaborative :class:`polyparallel.strategy.Strategy` (object or JSON path).
 
-    Read from the Strategy: the centers (name, framework, number of devices), fusion, local steps per
-    round, rounds, compression. The Strategy fingerprints the model but does not carry it, so the
+    Read from the Strategy: the centers (name, framework, number of devices, and the synchronous plan
+    the planner chose for each: its ``local_strategy`` degrees become ``CenterSpec.plan``), fusion,
+    local steps per round, rounds, compression. The Strategy fingerprints the model but does not carry it, so the
     shared architecture comes as ``model``; ``training`` sets the remaining :class:`CollabConfig`
     fields (``batch_size``, ``lr``, ``min_centers``, ``fusion_options``, ...).
     """
@@ -182,9 +194,12 @@ def config_from_strategy(strategy: Any, model: ModelSpec, **training: Any) -> Co
     if strategy.mode != "collaborative" or strategy.collaborative is None:
         raise ValueError(f"strategy for {strategy.model.name!r} is in {strategy.mode!r} mode; "
                          "collaborative training needs mode 'collaborative' with a 'collaborative' section")
+    from ._center_plan import plan_from_local_strategy
+
     c = strategy.collaborative
     return CollabConfig(
-        centers=tuple(CenterSpec(cp.name, framework=cp.framework, devices=max(1, len(cp.devices)))
+        centers=tuple(CenterSpec(cp.name, framework=cp.framework, devices=max(1, len(cp.devices)),
+                                 plan=plan_from_local_strategy(cp.local_strategy or {}))
                       for cp in c.centers),
         model=model, fusion=c.fusion, rounds=c.rounds, local_steps=c.local_steps, compression=c.compression,
         **training)

@@ -1,22 +1,35 @@
-"""Data parallelism inside a center: its local steps run as torch DDP over the center's devices.
+"""A center with several devices runs its own synchronous plan: DDP, FSDP2 or tensor parallelism.
 
-A center with ``devices = P > 1`` keeps ``P`` long-lived worker processes (one per device; gloo on
-CPU) that form a ``torch.distributed`` group and wrap the shared model in
-``DistributedDataParallel`` — the execution the torch backend gives a strategy's ``dp`` axis with
-ZeRO stage 0. The workers start once, with the center's data, and then serve one request per round:
-load the global parameters, take ``H`` SGD steps, send the local model back. Process start-up, the
-torch import and the process-group rendezvous are paid once per center, not once per round.
+A torch center with ``devices = P > 1`` executes a plan over its devices: the degrees ``dp``, ``tp``
+(and ``zero_stage``, ``placements``) it is given — by the collaborative Strategy's per-center
+``local_strategy`` (``config_from_strategy``) or explicitly (``CenterSpec(devices=2, plan={"tp": 2})``);
+without one, ``dp = P``. :func:`center_exec_plan` prices that recipe for the center's model with the
+planner (:func:`polyparallel.evaluate` on ``local-cpu:P``, Megatron placements by default) and
+turns the Strategy into the torch backend's :class:`~polyparallel.backends.torch.ExecPlan` with its
+own ``plan_for``, so a plan the backend cannot execute exactly is refused here, before round 1, with
+the backend's reason. The ``P`` long-lived worker processes (one per device; gloo on CPU) apply it as
+the backend's workers do (``_worker._apply``: tensor parallelism on the ``("dp", "sp", "tp")`` mesh,
+cross-rank BatchNorm, then DDP or FSDP2 over the ``dp`` axis) and then serve one request per round:
+load the global parameters (full tensors, distributed to the plan's DTensor shards by
+``set_model_state_dict``), take ``H`` SGD steps, send the full local model back (gathered by
+``get_model_state_dict``). Process start-up, the torch import, the rendezvous and the planning are
+paid once per center, not once per round.
 
 Equivalence with the single-process :class:`~._center.TorchTrainer`. Round ``t`` draws the same
-global batches ``I_1..I_H`` (:func:`~._center.batch_indices`, ``|I_s| = B``); rank ``r`` takes the
-contiguous share ``I_s[r·B/P : (r+1)·B/P]``. DDP all-reduces gradients with a mean, so with equal
-shares the step direction is ``(1/P) Σ_r ∇ (1/(B/P)) Σ_{i∈share_r} ℓ_i = ∇ (1/B) Σ_{i∈I_s} ℓ_i``, the
-single-process gradient. FedProx's ``mu/2 ||w − x||²`` is added on every rank and averages to itself.
-BatchNorm must normalise with the statistics of the *global* batch for the same to hold, so every
-BatchNorm takes its batch statistics over all ranks, as the torch backend's data parallelism does
-(:func:`polyparallel.backends.torch._batchnorm.use_cross_rank_batchnorm`: mean and biased variance
-of the global batch through a differentiable all-reduce, running statistics updated identically on
-every rank). The result equals single-process training up to floating-point summation order.
+global batches ``I_1..I_H`` (:func:`~._center.batch_indices`, ``|I_s| = B``); the ranks with
+data-parallel coordinate ``r`` take the contiguous share ``I_s[r·B/dp : (r+1)·B/dp]`` (tensor-parallel
+peers take the same share). DDP and FSDP2 average gradients over ``dp``, so with equal shares the
+step direction is ``(1/dp) Σ_r ∇ (1/(B/dp)) Σ_{i∈share_r} ℓ_i = ∇ (1/B) Σ_{i∈I_s} ℓ_i``, the
+single-process gradient; tensor parallelism computes the same function on sharded weights. FedProx's
+``mu/2 ||w − x||²`` enters as its gradient ``mu (w − x)``, added to every (reduced) gradient before the
+step: the autograd form would mix sharded DTensor parameters into a plain loss. BatchNorm normalises
+with the statistics of the *global* batch (:mod:`polyparallel.backends.torch._batchnorm`, as the
+backend's data parallelism does). The result equals single-process training up to floating-point
+summation order.
+
+Not executed inside a center (refused with the reason): pipeline stages and sequence parallelism
+(their step loops are the backend's own, not a center's local SGD), gradient accumulation
+(``microbatches > 1``), a precision other than fp32, and what ``plan_for`` refuses for the model.
 """
 
 from __future__ import annotations
@@ -34,9 +47,63 @@ from typing import Any
 import numpy as np
 
 from ._center import CenterData, evaluate_torch
+from ._center_plan import normalize_plan
 from ._models import ModelSpec
 
-__all__ = ["DataParallelTrainer"]
+__all__ = ["DataParallelTrainer", "PlannedTrainer", "center_exec_plan"]
+
+def _capture_args(objective: Any, x: Any, y: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """How a local step calls the model (``_objective.TorchObjective``), so the plan prices that call."""
+    if objective.own == "labels":
+        return (x,), {"labels": y}
+    if objective.own == "positional":
+        return (x, y), {}
+    return (x,), {}
+
+
+def center_exec_plan(spec: ModelSpec, plan: Mapping[str, Any], x: np.ndarray, y: np.ndarray, batch_size: int,
+                     seed: int = 0) -> tuple[Any, Any]:
+    """``(Strategy, ExecPlan)`` of a center running ``plan`` (:func:`normalize_plan`'s output) on its
+    model, the global batch ``min(batch_size, len(x))``: priced by the planner, checked by the torch
+    backend's ``plan_for`` against the model's captured graph.
+
+    With ``placements="rule"`` (the default) tensor parallelism is Megatron's; when the backend cannot
+    execute the rule's placements on this model (a norm between two Linears, say) the planner's own
+    per-op placements over what the backend executes (``"torch"``) are used instead. Raises
+    ``Unsupported`` (a ValueError) with the backend's reason for a plan it cannot run.
+    """
+    import torch
+
+    import polyparallel as pp
+    from polyparallel.backends.torch._plan import Unsupported, plan_for
+    from polyparallel.backends.torch._tensor_parallel import check_fingerprint
+    from polyparallel.transforms import canonicalize, fuse_elementwise
+
+    from ._models import build_torch_model
+    from ._objective import TorchObjective, label_tensor
+
+    b = min(batch_size, len(x))
+    devices = plan["dp"] * plan["tp"]
+    if b % plan["dp"]:
+        raise ValueError(f"global batch {b} does not split evenly over {plan['dp']} devices (the plan's dp); choose "
+                         f"batch_size a multiple of {plan['dp']}")
+    model = build_torch_model(spec, seed)
+    share = b // plan["dp"]  # the planner captures one replica's batch
+    args, kwargs = _capture_args(TorchObjective(model, spec.loss), torch.from_numpy(np.ascontiguousarray(x[:share])),
+                                 label_tensor(np.asarray(y[:share]), spec.loss))
+    graph = fuse_elementwise(canonicalize(pp.capture(model, args, kwargs)))
+    modes = [plan["placements"]] + (["torch"] if plan["placements"] == "rule" and plan["tp"] > 1 else [])
+    refused = []
+    for mode in modes:
+        s = pp.evaluate(model, args, f"local-cpu:{devices}", example_kwargs=kwargs, dp=plan["dp"], tp=plan["tp"],
+                        microbatches=1, zero_stage=plan["zero_stage"], recompute=plan["recompute"], dtype="fp32",
+                        batch_size=b, placements=mode)
+        check_fingerprint(s, graph)  # the graph plan_for reads is the one the planner priced
+        try:
+            return s, plan_for(s, model, graph=graph)
+        except Unsupported as e:
+            refused.append(f"placements={mode!r}: {e}")
+    raise Unsupported(" | ".join(refused))
 
 
 def _free_port() -> int:
@@ -45,36 +112,91 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(rank: int, world: int, init_method: str, conn: Any, spec_json: str, x: np.ndarray, y: np.ndarray,
-            center: Mapping[str, Any]) -> None:
-    """One device of the center: join the group, wrap the model in DDP, serve rounds until told to stop."""
+class _ProximalOptimizer:
+    """The round's optimiser with FedProx's gradient ``mu (w − x)`` added to every gradient before
+    each step (``x``: the parameters when the round began); DTensor parameters and gradients share
+    their placements, so this is shard-local."""
+
+    def __init__(self, opt: Any, params: list[Any], mu: float) -> None:
+        self.opt, self.params, self.mu = opt, params, mu
+        self.anchors = [p.detach().clone() for p in params] if mu > 0 else []
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            for p, a in zip(self.params, self.anchors):
+                if p.grad is not None:
+                    p.grad.add_(p.detach() - a, alpha=self.mu)
+        self.opt.step()
+
+
+def _full_state(model: Any, params: Mapping[str, np.ndarray], fused: Mapping[str, list[int]]) -> dict[str, Any]:
+    """The full state dict to load: the exchanged floating tensors, the local integer buffers
+    (BatchNorm's step counts, never exchanged); fused head-parallel projections' rows regrouped as
+    their DTensor's global view holds them (``_tensor_parallel.qkv_rows``)."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for k, v in model.state_dict().items():
+        if not v.is_floating_point():
+            out[k] = v
+        elif k not in params:
+            raise KeyError(f"parameters missing for the torch model: {k!r}")
+        else:
+            t = torch.from_numpy(np.ascontiguousarray(params[k], dtype=np.float32))
+            rows = fused.get(k.rpartition(".")[0])
+            out[k] = t[rows] if rows is not None else t
+    return out
+
+
+def _exchanged(state: Mapping[str, Any], fused: Mapping[str, list[int]]) -> dict[str, np.ndarray]:
+    """The gathered full state as the exchanged float32 arrays, fused projections' rows put back."""
+    out = {}
+    for k, v in state.items():
+        if not v.is_floating_point():
+            continue
+        a = v.detach().cpu().numpy().astype(np.float32, copy=True)
+        rows = fused.get(k.rpartition(".")[0])
+        out[k] = a[np.argsort(rows)] if rows is not None else a
+    return out
+
+
+def _worker(rank: int, world: int, init_method: str, conn: Any, spec_json: str, plan: Any, x: np.ndarray,
+            y: np.ndarray, center: Mapping[str, Any]) -> None:
+    """One device of the center: join the group, apply the plan, serve rounds until told to stop."""
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-    from polyparallel.backends.torch._batchnorm import use_cross_rank_batchnorm
+    from polyparallel.backends.torch._tensor_parallel import qkv_rows, step_context
+    from polyparallel.backends.torch._worker import _apply
 
     from ._center import batch_indices, local_sgd
-    from ._models import build_torch_model, load_torch_state, torch_state
+    from ._models import build_torch_model
+    from ._objective import TorchObjective, label_tensor
 
     try:
         torch.set_num_threads(int(center["threads"]))
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=float(center["timeout_s"])))
-        stats_group = dist.new_group(backend="gloo")  # BatchNorm's collectives apart from DDP's buckets
         spec = ModelSpec.from_json(spec_json)
         model = build_torch_model(spec, int(center["seed"]))
-        use_cross_rank_batchnorm(model, stats_group, world)
-        # buffers (BatchNorm statistics) are equal on every rank by construction: no per-step broadcast
-        ddp = DistributedDataParallel(model, forward_sync_buffers=False)
+        objective = TorchObjective(model, spec.loss)  # read off the unwrapped module's forward
+        net, mesh = _apply(model, {"plan": plan, "batchnorm": "cross_rank"}, torch.device("cpu"), {})
+        fused = {path: qkv_rows(seg, plan.tp) for path, seg in plan.fused}
+        full = StateDictOptions(full_state_dict=True)
         xt = torch.from_numpy(np.ascontiguousarray(x))
-        yt = torch.from_numpy(np.ascontiguousarray(y)).long()
+        yt = label_tensor(y, spec.loss)
         conn.send(("ready", rank))
     except BaseException as e:  # the parent reports it; the peers time out of the rendezvous
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
-    b = min(int(center["batch_size"]), len(x))
-    share = b // world
+    share = min(int(center["batch_size"]), len(x)) // plan.dp
+    dp_rank = mesh["dp"].get_local_rank()
     while True:
         try:
             msg = conn.recv()
@@ -84,14 +206,17 @@ def _worker(rank: int, world: int, init_method: str, conn: Any, spec_json: str, 
             break
         try:
             _, params, steps, round_idx, proximal_mu, lr = msg
-            load_torch_state(model, params)
+            set_model_state_dict(model, _full_state(model, params, fused), options=full)
             model.train()
-            opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=float(center["momentum"]))
-            batches = (idx[rank * share:(rank + 1) * share] for idx in batch_indices(
+            ps = list(net.parameters())
+            opt = _ProximalOptimizer(torch.optim.SGD(ps, lr=lr, momentum=float(center["momentum"])), ps, proximal_mu)
+            batches = (idx[dp_rank * share:(dp_rank + 1) * share] for idx in batch_indices(
                 len(x), int(center["batch_size"]), steps, int(center["seed"]), int(center["center_index"]), round_idx))
-            losses = local_sgd(model, ddp, opt, xt, yt, batches, proximal_mu, logit_bias=center["logit_bias"])
-            # DDP keeps the replicas identical: rank 0 alone sends the model back
-            conn.send(("done", torch_state(model) if rank == 0 else None, losses))
+            with step_context(plan, mesh):  # class-parallel loss: forward and backward under loss_parallel
+                losses = local_sgd(model, net, opt, xt, yt, batches, 0.0, logit_bias=center["logit_bias"],
+                                   objective=objective)
+            state = get_model_state_dict(model, options=full)  # a collective: every rank gathers
+            conn.send(("done", _exchanged(state, fused) if rank == 0 else None, losses))
         except BaseException as e:
             conn.send(("error", f"rank {rank}: {type(e).__name__}: {e}"))
             break
@@ -113,28 +238,36 @@ def _stop(procs: list[Any], conns: list[Any]) -> None:
 
 
 @dataclass
-class DataParallelTrainer(CenterData):
-    """Local SGD of one center as DDP over ``devices`` long-lived worker processes (see module docstring).
+class PlannedTrainer(CenterData):
+    """Local SGD of one center running ``plan`` over ``devices`` long-lived worker processes (see the
+    module docstring); ``plan`` None is data parallelism over every device (DDP).
 
-    The global batch ``batch_size`` (or the whole center's data when it is smaller) must divide evenly
-    over the devices. Call :meth:`close` (or use it as a context manager) to stop the workers; they
-    also leave when this process exits.
+    The plan is checked and priced when the trainer is made, before any worker starts; ``strategy``
+    and ``exec_plan`` hold what the workers run. The global batch ``batch_size`` (or the whole
+    center's data when it is smaller) must divide evenly over ``dp``. Call :meth:`close` (or use it as
+    a context manager) to stop the workers; they also leave when this process exits.
     """
 
     devices: int = 2
+    plan: Mapping[str, Any] | None = None
     threads: int = 1
     timeout_s: float = 300.0
+    strategy: Any = field(default=None, init=False, repr=False)
+    exec_plan: Any = field(default=None, init=False, repr=False)
     _procs: list[Any] = field(default_factory=list, init=False, repr=False)
     _conns: list[Any] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.devices < 2:
-            raise ValueError(f"DataParallelTrainer needs devices >= 2, got {self.devices} (use TorchTrainer)")
-        b = min(self.batch_size, len(self.x))
-        if b % self.devices:
-            raise ValueError(f"center {self.center_index}: global batch {b} does not split evenly over "
-                             f"{self.devices} devices; choose batch_size a multiple of {self.devices}")
+            raise ValueError(f"a planned center needs devices >= 2, got {self.devices} (use TorchTrainer)")
+        where = f"center {self.center_index}"
+        plan = normalize_plan(self.plan, self.devices, str(self.center_index))
+        try:
+            self.strategy, self.exec_plan = center_exec_plan(self.model_spec, plan, self.x, self.y, self.batch_size,
+                                                             self.seed)
+        except ValueError as e:
+            raise type(e)(f"{where} cannot run its plan {plan}: {e}") from e
         self._start()
 
     def _start(self) -> None:
@@ -145,8 +278,9 @@ class DataParallelTrainer(CenterData):
                   "logit_bias": self.logit_bias()}  # from the whole center's labels, as one process would
         for rank in range(self.devices):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, name=f"collab-dp{self.center_index}-r{rank}", daemon=True,
-                            args=(rank, self.devices, init, child, self.model_spec.to_json(), self.x, self.y, center))
+            p = ctx.Process(target=_worker, name=f"collab-c{self.center_index}-r{rank}", daemon=True,
+                            args=(rank, self.devices, init, child, self.model_spec.to_json(), self.exec_plan, self.x,
+                                  self.y, center))
             p.start()
             child.close()
             self._procs.append(p)
@@ -161,28 +295,29 @@ class DataParallelTrainer(CenterData):
         while not conn.poll(0.1):
             if not proc.is_alive():
                 self.close()
-                raise RuntimeError(f"data-parallel worker rank {rank} of center {self.center_index} died "
+                raise RuntimeError(f"worker rank {rank} of center {self.center_index} died "
                                    f"(exit code {proc.exitcode}) during {what}")
             if time.time() > end:
                 self.close()
-                raise RuntimeError(f"data-parallel worker rank {rank} of center {self.center_index} did not "
+                raise RuntimeError(f"worker rank {rank} of center {self.center_index} did not "
                                    f"answer within {self.timeout_s:.0f} s during {what}")
         msg = conn.recv()
         if msg[0] == "error":
             self.close()
-            raise RuntimeError(f"data-parallel worker of center {self.center_index} failed during {what}: {msg[1]}")
+            raise RuntimeError(f"worker of center {self.center_index} failed during {what}: {msg[1]}")
         return msg
 
     def train(self, global_params: Mapping[str, np.ndarray], *, steps: int, round_idx: int,
               proximal_mu: float = 0.0) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         if not self._procs:
-            raise RuntimeError("this DataParallelTrainer was closed")
+            raise RuntimeError("this center's trainer was closed")
         params = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in global_params.items()}
         for conn in self._conns:
             conn.send(("round", params, steps, round_idx, float(proximal_mu), self.lr_at(round_idx)))
         replies = [self._recv(r, f"round {round_idx}") for r in range(self.devices)]
         local = replies[0][1]
-        # each rank's loss is the mean over its equal share: the global-batch loss is their mean
+        # each rank's loss is the mean over its equal share (tensor-parallel peers: the same share):
+        # the global-batch loss is their mean
         loss = float(np.mean([np.mean(r[2]) for r in replies]))
         return local, {"train_loss": loss}
 
@@ -195,9 +330,12 @@ class DataParallelTrainer(CenterData):
             self._finalizer()
             self._procs, self._conns = [], []
 
-    def __enter__(self) -> DataParallelTrainer:
+    def __enter__(self) -> PlannedTrainer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+#: data parallelism over every device is the plan a center runs when none is given
+DataParallelTrainer = PlannedTrainer

@@ -660,6 +660,8 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
     centers = [CenterPlan(name=ce.name, framework=ce.framework, devices=devs, share=round(r / total_rate, 6),
                           local_strategy={"dp": b.est.config.dp, "tp": b.est.config.tp, "pp": b.est.config.pp,
                                           "sp": b.est.config.sp, "microbatches": b.est.config.microbatches,
+                                          "zero_stage": b.est.config.zero_stage, "recompute": b.est.config.recompute,
+                                          "dtype": b.est.config.dtype,
                                           "step_time_s": b.est.step_time, "samples_per_s": b.est.throughput})
                for (ce, b, devs), r in zip(per_center, rates)]
     all_devs = [d for _, _, ds in per_center for d in ds]

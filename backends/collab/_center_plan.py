@@ -1,0 +1,59 @@
+"""A center's synchronous plan as data: which degrees it sets, and the plans no center runs.
+
+Kept apart from the trainer (:mod:`._dp_center`) so that the job's configuration (``CenterSpec``)
+checks a plan when it is written, without importing torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["PLAN_KEYS", "normalize_plan", "plan_from_local_strategy"]
+
+#: what a center's plan may set: the mesh degrees, ZeRO stage, recomputation, precision, and the
+#: placement mode the planner prices tensor parallelism with (``rule``: Megatron; ``torch``: its solver)
+PLAN_KEYS = ("dp", "tp", "pp", "sp", "microbatches", "zero_stage", "recompute", "dtype", "placements")
+
+
+def normalize_plan(plan: Mapping[str, Any] | None, devices: int, center: str = "") -> dict[str, Any]:
+    """Check a center's plan against its device count and what a center executes; the full plan.
+
+    ``dp`` defaults to ``devices / (tp·pp·sp)``; ``zero_stage`` to 0, or 3 (FSDP2) when ``dp`` and
+    ``tp`` are both > 1, the one data-parallel form the backend runs over tensor-parallel parameters.
+    Raises ValueError naming the fix for plans no center runs, whatever its model.
+    """
+    who = f"center {center!r}" if center else "center"
+    plan = dict(plan or {})
+    unknown = sorted(set(plan) - set(PLAN_KEYS))
+    if unknown:
+        raise ValueError(f"{who}: unknown plan keys {unknown}; a center's plan sets {', '.join(PLAN_KEYS)}")
+    tp, pp, sp = (int(plan.get(k, 1)) for k in ("tp", "pp", "sp"))
+    if min(tp, pp, sp) < 1 or devices % (tp * pp * sp):
+        raise ValueError(f"{who}: tp={tp}, pp={pp}, sp={sp} do not divide its {devices} devices")
+    dp = int(plan.get("dp", devices // (tp * pp * sp)))
+    if dp * tp * pp * sp != devices:
+        raise ValueError(f"{who}: plan dp={dp} tp={tp} pp={pp} sp={sp} uses {dp * tp * pp * sp} devices but the center "
+                         f"has {devices}; make dp·tp·pp·sp equal its devices")
+    why = []
+    if pp > 1:
+        why.append(f"pp={pp}: pipeline stages inside a collaborative center are not executed (a center's round is "
+                   "local SGD on its whole model); use pp=1 with dp/tp/zero_stage over its devices")
+    if sp > 1:
+        why.append(f"sp={sp}: sequence parallelism inside a collaborative center is not executed; use sp=1")
+    if int(plan.get("microbatches", 1)) != 1:
+        why.append(f"microbatches={plan['microbatches']}: gradient accumulation inside a collaborative center is not "
+                   "executed (each local step is one forward of the global batch); use microbatches=1")
+    if plan.get("dtype", "fp32") != "fp32":
+        why.append(f"dtype={plan['dtype']!r}: a collaborative center trains in fp32 (the exchanged model is fp32); "
+                   "use dtype='fp32'")
+    if why:
+        raise ValueError(f"{who} cannot run its plan: " + "; ".join(why))
+    zero = int(plan.get("zero_stage", 3 if dp > 1 and tp > 1 else 0))
+    return {"dp": dp, "tp": tp, "pp": 1, "sp": 1, "microbatches": 1, "zero_stage": zero,
+            "recompute": plan.get("recompute", "none"), "dtype": "fp32", "placements": plan.get("placements", "rule")}
+
+
+def plan_from_local_strategy(local: Mapping[str, Any]) -> dict[str, Any]:
+    """The plan keys of a collaborative Strategy's per-center ``local_strategy`` (its estimates dropped)."""
+    return {k: local[k] for k in PLAN_KEYS if k in local}
