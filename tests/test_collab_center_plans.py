@@ -119,5 +119,29 @@ def test_the_plan_travels_in_the_job_and_from_a_collaborative_strategy():
     c = config_from_strategy(strategy(local), SPEC)
     assert dict(c.center("u").plan) == {"dp": 1, "tp": 2, "pp": 1, "sp": 1, "microbatches": 1, "zero_stage": 0}
     assert c.center("v").plan == ()
-    with pytest.raises(ValueError, match="center 'u' cannot run its plan: pp=2: pipeline stages"):
+    with pytest.raises(ValueError, match=r"center 'u' cannot run its plan: pp=2: pipeline stages.*search the "
+                                         r"collaborative strategy again"):
         config_from_strategy(strategy({**local, "tp": 1, "pp": 2}), SPEC)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_tp2_center_inside_flower_fuses_what_the_inprocess_engine_fuses(tmp_path):
+    """Center a runs TP2 in its long-lived Flower executor: Flower fuses bit for bit what the in-process
+    engine fuses with the same plan, which equals the all-one-process federation to float32 rounding."""
+    pytest.importorskip("flwr", reason="the Flower engine needs flwr==1.42.0")
+    from polyparallel.backends.collab._flower import LoopbackFederation, run_flower
+
+    names = ("a", "b")
+    data = {"a": _data(48, 1), "b": _data(40, 2)}
+    cfg = CollabConfig(centers=(CenterSpec("a", devices=2, plan={"tp": 2}), CenterSpec("b")), model=SPEC, rounds=2,
+                       local_steps=3, batch_size=16, lr=0.1, round_timeout_s=120)
+    res = run_flower(cfg, data, workdir=tmp_path, supernode_poll_s=0.2, timeout_s=240)
+    assert [r.accepted for r in res.rounds] == [names, names]
+    ref = run_inprocess(cfg, data)
+    for k, v in ref.params.items():
+        np.testing.assert_array_equal(res.params[k], v)
+    one = run_inprocess(CollabConfig(**{**cfg.__dict__, "centers": (CenterSpec("a"), CenterSpec("b"))}), data)
+    assert _rel(res.params, one.params) <= 1e-5
+    assert _update_size(one.params, initial_params(cfg)) > 1e3 * max(_rel(res.params, one.params), 1e-8)
+    assert LoopbackFederation(tmp_path, {}).stray_pids() == []  # the center's TP workers left with it

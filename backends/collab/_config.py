@@ -197,9 +197,14 @@ def config_from_strategy(strategy: Any, model: ModelSpec, **training: Any) -> Co
     from ._center_plan import plan_from_local_strategy
 
     c = strategy.collaborative
+    try:
+        centers = tuple(CenterSpec(cp.name, framework=cp.framework, devices=max(1, len(cp.devices)),
+                                   plan=plan_from_local_strategy(cp.local_strategy or {})) for cp in c.centers)
+    except ValueError as e:
+        raise ValueError(f"{e}. The plan is the Strategy's local_strategy for that center: search the collaborative "
+                         "strategy again with constraints={'pp': 1, 'sp': 1, 'microbatches': 1, 'dtype': 'fp32'}, "
+                         "which every center's plan then respects") from e
     return CollabConfig(
-        centers=tuple(CenterSpec(cp.name, framework=cp.framework, devices=max(1, len(cp.devices)),
-                                 plan=plan_from_local_strategy(cp.local_strategy or {}))
-                      for cp in c.centers),
+        centers=centers,
         model=model, fusion=c.fusion, rounds=c.rounds, local_steps=c.local_steps, compression=c.compression,
         **training)
