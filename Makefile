@@ -25,6 +25,7 @@ $(TSTAMP): $(STAMP) requirements-flwr.txt
 	$(PIP) install -q -c constraints.txt mindspore==2.10.0
 	$(PIP) install -q --no-deps flwr==1.42.0
 	$(PIP) install -q -c constraints.txt -r requirements-flwr.txt
+	$(PIP) install -q -c constraints.txt scikit-learn
 	touch $@
 
 venv: $(STAMP)

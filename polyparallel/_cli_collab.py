@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -45,22 +47,35 @@ def _parse_options(items: list[str]) -> dict[str, float]:
     return out
 
 
+def _arrays(z: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``x`` and ``y`` of an .npz as training takes them: float64 inputs as float32, integer labels as int64
+    (class indices, token ids and -100), integer inputs (token ids) kept."""
+    x, y = z["x"], z["y"]
+    return (x.astype(np.float32) if x.dtype == np.float64 else x,
+            y.astype(np.int64) if np.issubdtype(y.dtype, np.integer) else y.astype(np.float32))
+
+
+def _load_npz(p: Path, what: str) -> tuple[np.ndarray, np.ndarray]:
+    if not p.exists():
+        raise UserError(f"{what}: expected {p} holding arrays x and y")
+    with np.load(p) as z:
+        if "x" not in z.files or "y" not in z.files:
+            raise UserError(f"{p}: needs arrays named x and y, found {z.files}")
+        return _arrays(z)
+
+
 def _load_data(config: Any, data_dir: Path | None, synthetic: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    names = [c.name for c in config.centers]
+    names = [c.name for c in config.centers if not c.data]  # a center with a data source loads its own
+    if not names:
+        return {}
     if data_dir is not None:
-        out = {}
-        for n in names:
-            p = data_dir / f"{n}.npz"
-            if not p.exists():
-                raise UserError(f"no data for center {n!r}: expected {p} holding arrays x and y")
-            with np.load(p) as z:
-                if "x" not in z.files or "y" not in z.files:
-                    raise UserError(f"{p}: needs arrays named x and y, found {z.files}")
-                out[n] = (z["x"].astype(np.float32), z["y"].astype(np.int64))
-        return out
+        return {n: _load_npz(data_dir / f"{n}.npz", f"no data for center {n!r}") for n in names}
+    spec = config.model
+    if spec.user:
+        raise UserError(f"model {spec.kind!r} needs real data: give --data DIR (CENTER.npz with x, y) or "
+                        "--data MODULE:FUNCTION (called with each center's name, returns x, y)")
     # synthetic: a random linear teacher, shifted inputs per center (a mild non-IID), for demos
     rng = np.random.default_rng(config.seed)
-    spec = config.model
     teacher = rng.normal(size=(int(np.prod(spec.in_shape)), spec.num_classes))
     out = {}
     for i, n in enumerate(names):
@@ -79,15 +94,42 @@ def _exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
+def _eval_text(ev: Any) -> str:
+    parts = [f"{k} {ev[k]:.4f}" for k in ("loss", "accuracy", "perplexity") if k in ev]
+    return " ".join(p.replace("accuracy", "acc").replace("perplexity", "ppl") for p in parts) or "-"
+
+
+def _progress(rounds: int) -> Any:
+    """Print one line per round as it ends (round, accepted centers, losses, seconds)."""
+    def show(r: Any) -> None:
+        train = f"train loss {r.train_loss:.4f}" if r.train_loss is not None else "no update"
+        missing = ",".join([*r.rejected, *r.missing])
+        typer.echo(f"round {r.round}/{rounds}  accepted {','.join(r.accepted) or '-'}"
+                   f"{f'  rejected/missing {missing}' if missing else ''}  {train}  eval {_eval_text(r.eval)}  "
+                   f"{r.seconds:.2f} s")
+    return show
+
+
 def _round_table(result: Any) -> Table:
     t = Table(title="rounds")
-    for col in ("round", "fused", "accepted", "rejected/missing", "bytes up", "bytes down", "eval acc"):
+    for col in ("round", "fused", "accepted", "rejected/missing", "bytes up", "bytes down", "eval", "s"):
         t.add_column(col)
     for r in result.rounds:
         t.add_row(str(r.round), "yes" if r.fused else "no", ",".join(r.accepted),
                   ",".join([*r.rejected, *r.missing]) or "-", str(sum(r.bytes_up.values())), str(r.bytes_down),
-                  f"{r.eval['accuracy']:.4f}" if "accuracy" in r.eval else "-")
+                  _eval_text(r.eval), f"{r.seconds:.2f}")
     return t
+
+
+def _data_option(data: str | None) -> tuple[Path | None, str]:
+    """``--data``: a directory of CENTER.npz, or a MODULE:FUNCTION data source."""
+    from polyparallel.backends.collab._models import is_reference
+
+    if data is None:
+        return None, ""
+    if is_reference(data) and not Path(data).exists():
+        return None, data
+    return Path(data), ""
 
 
 @app.command("collab")
@@ -96,7 +138,13 @@ def collab_cmd(
     frameworks: Annotated[str, typer.Option("--frameworks", help=_FW_HELP)] = "",
     devices: Annotated[str, typer.Option(
         "--devices", help="devices per center, comma separated (torch centers with > 1 train data parallel)")] = "",
-    model: Annotated[str, typer.Option("--model", help="mlp, cnn or embbag")] = "mlp",
+    model: Annotated[str, typer.Option(
+        "--model", help="mlp, cnn, embbag, or your model as MODULE:FUNCTION (returns an nn.Module)")] = "mlp",
+    loss: Annotated[str, typer.Option(
+        "--loss", help="auto (the model's own loss if its forward takes labels, else cross_entropy), model, "
+        "cross_entropy (over the last dim, -100 ignored) or mse")] = "auto",
+    norm: Annotated[str, typer.Option("--norm", help="the built-in cnn's normalisation: batch or group")]
+    = "batch",
     in_shape: Annotated[str, typer.Option("--in-shape", help="one example's shape, e.g. 1,28,28")] = "16",
     classes: Annotated[int, typer.Option("--classes")] = 4,
     hidden: Annotated[int, typer.Option("--hidden", help="width / first conv channels / embedding size")] = 32,
@@ -117,6 +165,11 @@ def collab_cmd(
     = 0.0,
     compression: Annotated[str, typer.Option("--compression", help="none, fp16 or int8")] = "none",
     min_centers: Annotated[int, typer.Option("--min-centers", help="0: all")] = 0,
+    round_timeout: Annotated[float, typer.Option(
+        "--round-timeout", help="seconds the server waits for a round's updates (Flower)")] = 600.0,
+    holdout: Annotated[float, typer.Option(
+        "--holdout", help="fraction of each center's rows kept out of training; the centers evaluate every "
+        "fused model on them (used when --eval-data is not given)")] = 0.0,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     config: Annotated[Path | None, typer.Option("--config", help="job JSON (overrides the options above)")] = None,
     strategy: Annotated[Path | None, typer.Option(
@@ -124,24 +177,34 @@ def collab_cmd(
     save_config: Annotated[Path | None, typer.Option("--save-config", help="write the job JSON and exit")] = None,
     engine: Annotated[str, typer.Option("--engine", help="inprocess or flower (processes on 127.0.0.1)")]
     = "inprocess",
-    data: Annotated[Path | None, typer.Option("--data", help="directory with CENTER.npz (x, y) per center")] = None,
+    data: Annotated[str | None, typer.Option(
+        "--data", help="directory with CENTER.npz (x, y) per center, or MODULE:FUNCTION called at each center "
+        "with its name, returning its (x, y)")] = None,
+    eval_data: Annotated[Path | None, typer.Option(
+        "--eval-data", help=".npz (x, y) the server evaluates every fused model on")] = None,
     synthetic: Annotated[int, typer.Option("--synthetic", help="samples per center when --data is not given")] = 256,
     out: Annotated[Path | None, typer.Option("--out", help="write result.json, final.npz, timing.jsonl here")]
     = None,
 ) -> None:
     """Run a whole federation on this machine: every center trains on its own data, the server fuses."""
+    from dataclasses import replace
+
     from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, collaborate, config_from_strategy
 
+    if os.getcwd() not in sys.path:  # MODULE:FUNCTION references resolve from here, as `python -m` would
+        sys.path.insert(0, os.getcwd())
+    data_dir, source = _data_option(data)
     # what the options set beside the centers, fusion, H, rounds and compression (a Strategy fixes those)
     training = dict(batch_size=batch_size, lr=lr, momentum=momentum, lr_schedule=lr_schedule,
-                    logit_adjust=logit_adjust, min_centers=min_centers, seed=seed)
+                    logit_adjust=logit_adjust, min_centers=min_centers, seed=seed, round_timeout_s=round_timeout,
+                    holdout=holdout)
     try:
+        spec = (ModelSpec(model, loss=loss) if ":" in model else
+                ModelSpec(model, _parse_shape(in_shape), classes, hidden=hidden, vocab=vocab, norm=norm, loss=loss))
         if config is not None:
             cfg = CollabConfig.from_json(config.read_text())
         elif strategy is not None:
-            cfg = config_from_strategy(
-                strategy, ModelSpec(model, _parse_shape(in_shape), classes, hidden=hidden, vocab=vocab),
-                fusion_options=_parse_options(fusion_opt or []), **training)
+            cfg = config_from_strategy(strategy, spec, fusion_options=_parse_options(fusion_opt or []), **training)
         else:
             names = [n.strip() for n in centers.split(",") if n.strip()]
             fws = [f.strip() for f in frameworks.split(",")] if frameworks else ["torch"] * len(names)
@@ -152,9 +215,10 @@ def collab_cmd(
                 raise UserError(f"--devices has {len(devs)} entries for {len(names)} centers")
             cfg = CollabConfig(
                 centers=tuple(CenterSpec(n, framework=f, devices=d) for n, f, d in zip(names, fws, devs)),
-                model=ModelSpec(model, _parse_shape(in_shape), classes, hidden=hidden, vocab=vocab),
-                fusion=fusion, fusion_options=_parse_options(fusion_opt or []), rounds=rounds,
+                model=spec, fusion=fusion, fusion_options=_parse_options(fusion_opt or []), rounds=rounds,
                 local_steps=local_steps, compression=compression, **training)
+        if source:  # every center calls the source itself; only the reference goes in the job
+            cfg = replace(cfg, centers=tuple(replace(c, data=source) for c in cfg.centers))
     except (ValueError, KeyError, json.JSONDecodeError) as e:
         raise UserError(str(e)) from None
     if save_config is not None:
@@ -163,15 +227,34 @@ def collab_cmd(
         return
     if engine not in ("inprocess", "flower"):
         raise UserError(f"--engine {engine!r}: use inprocess or flower")
-    d = _load_data(cfg, data, synthetic)
+    ev = _load_npz(eval_data, "--eval-data") if eval_data is not None else None
     kw: dict[str, Any] = {}
+    try:
+        # the centers import these themselves; check them here first, for a one-line error
+        from polyparallel.backends.collab._models import build_torch_model, resolve_reference
+
+        if cfg.model.user:
+            build_torch_model(cfg.model)
+        for c in cfg.centers:
+            if c.data:
+                resolve_reference(c.data, "data source")
+        d = _load_data(cfg, data_dir, synthetic)
+    except (ValueError, TypeError) as e:
+        raise UserError(str(e)) from None
+    if ev is None and not cfg.holdout:
+        typer.echo("no evaluation: give --eval-data FILE.npz, or --holdout FRACTION for the centers' held-out rows")
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         if engine == "inprocess":
             kw["timing_path"] = out / "timing.jsonl"
         else:
             kw["workdir"] = out / "flower"
-    result = collaborate(cfg, d, engine=engine, eval_data=next(iter(d.values())), **kw)
+    t0 = time.time()
+    try:
+        result = collaborate(cfg, d, engine=engine, eval_data=ev, on_round=_progress(cfg.rounds), **kw)
+    except ValueError as e:  # e.g. a data source returning the wrong thing, found at the center
+        raise UserError(str(e)) from None
+    typer.echo(f"{cfg.rounds} rounds in {time.time() - t0:.1f} s")
     Console().print(_round_table(result))
     if out is not None:
         (out / "result.json").write_text(json.dumps(result.to_dict(), indent=1))
@@ -223,7 +306,8 @@ def serve_cmd(
 def center_cmd(
     name: Annotated[str, typer.Option("--name", help="this center's name in the job")],
     superlink: Annotated[str, typer.Option("--superlink", help="the server's HOST:PORT")],
-    data: Annotated[Path, typer.Option("--data", help=".npz with this center's x and y (never leaves it)")],
+    data: Annotated[str, typer.Option(
+        "--data", help=".npz with this center's x and y, or MODULE:FUNCTION called with --name (never leaves it)")],
     workdir: Annotated[Path | None, typer.Option("--workdir", help="FLWR_HOME and logs (default: a temp dir)")]
     = None,
     ca: Annotated[Path | None, typer.Option("--ca", help="CA certificate of the server (enables TLS)")] = None,
@@ -234,8 +318,9 @@ def center_cmd(
     from polyparallel.backends.collab._flower import LoopbackFederation
     from polyparallel.backends.collab._security import Credentials
 
-    if not data.exists():
-        raise UserError(f"--data {data}: no such file (an .npz with arrays x and y)")
+    d_path, source = _data_option(data)
+    if d_path is not None and not d_path.exists():
+        raise UserError(f"--data {data}: no such file (an .npz with arrays x and y) and not a MODULE:FUNCTION")
     if (ca is None) != (key is None):
         raise UserError("--ca and --key go together (TLS and node authentication)")
     creds = None
@@ -246,7 +331,10 @@ def center_cmd(
         creds = Credentials(ca.parent, ca.resolve(), ca, ca, ((name, key.resolve(), key),))
     _exit_on_sigterm()
     wd = workdir or Path(tempfile.mkdtemp(prefix=f"ppcollab-{name}-"))
-    with LoopbackFederation(wd.resolve(), {name: data.resolve()}, autostart=False, credentials=creds) as fed:
+    if os.getcwd() not in sys.path:  # the SuperNode gets this import path (a data source's module)
+        sys.path.insert(0, os.getcwd())
+    where = source or (d_path.resolve() if d_path is not None else "")
+    with LoopbackFederation(wd.resolve(), {name: where}, autostart=False, credentials=creds) as fed:
         fed.start_center(name, superlink=superlink)
         typer.echo(f"center {name} connected to {superlink}; logs in {wd / 'logs'} (Ctrl-C to stop)")
         with contextlib.suppress(KeyboardInterrupt):

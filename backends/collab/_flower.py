@@ -38,7 +38,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +46,8 @@ from typing import Any
 import numpy as np
 
 from ._config import CollabConfig
-from ._engine import CollabResult
+from ._engine import CollabResult, check_data
+from ._models import resolve_reference
 from ._security import Credentials
 from ._server import RoundRecord
 
@@ -55,6 +56,23 @@ __all__ = ["FlowerError", "LoopbackFederation", "run_flower"]
 
 class FlowerError(RuntimeError):
     """A Flower process failed or the run did not finish in time (the message names the log to read)."""
+
+
+def import_path() -> str:
+    """This process's import path minus the interpreter's own directories, as ``PYTHONPATH``.
+
+    Flower's processes (SuperNodes, their ClientApps, the ServerApp) import the user's model and data
+    modules themselves and run in another working directory: they get the directories this process
+    imports from (the current directory first, as for ``python -m``), so a module importable here is
+    importable there.
+    """
+    own = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    out: list[str] = []
+    for p in [os.getcwd(), *sys.path, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]:
+        rp = os.path.realpath(p or os.getcwd())
+        if os.path.isdir(rp) and not any(rp == o or rp.startswith(o + os.sep) for o in own) and rp not in out:
+            out.append(rp)
+    return os.pathsep.join(out)
 
 
 def free_port() -> int:
@@ -88,7 +106,8 @@ class LoopbackFederation:
 
     Args:
         workdir: directory for FLWR_HOME, logs, data files and outputs.
-        centers: center name -> path of its ``.npz`` (``x``, ``y``).
+        centers: center name -> its data: an ``.npz`` path (``x``, ``y``), a ``package.module:function``
+            data source, or ``""`` for the job's ``CenterSpec.data``.
         warm: long-lived ClientApp executors (``process`` isolation) instead of a process per message.
         executor_poll_s: how often an idle executor asks its SuperNode for a task.
         autostart: ``with`` starts the SuperLink and every center (else only cleanup is managed).
@@ -109,7 +128,7 @@ class LoopbackFederation:
     """
 
     workdir: Path
-    centers: Mapping[str, Path]
+    centers: Mapping[str, Path | str]
     warm: bool = True
     executor_poll_s: float = 0.05
     startup_timeout_s: float = 60.0
@@ -136,6 +155,7 @@ class LoopbackFederation:
             "FLWR_DISABLE_UPDATE_CHECK": "1",
             "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": str(self.executor_poll_s),
             "PATH": bindir + os.pathsep + env.get("PATH", ""),
+            "PYTHONPATH": import_path(),  # the user's model and data modules import there as here
             "PYTHONUNBUFFERED": "1",
             "OMP_NUM_THREADS": "1",
         })
@@ -346,17 +366,36 @@ class LoopbackFederation:
         if res.returncode != 0:
             raise FlowerError(f"`flwr stop {run_id}` failed: {res.stdout[-1500:]} {res.stderr[-1500:]}")
 
-    def wait(self, out_dir: Path, timeout_s: float) -> None:
-        """Block until the ServerApp wrote ``done.json`` in ``out_dir``."""
+    def wait(self, out_dir: Path, timeout_s: float, on_round: Callable[[RoundRecord], None] | None = None) -> None:
+        """Block until the ServerApp wrote ``done.json`` in ``out_dir``; ``on_round`` gets each round's
+        record as it appears."""
         end = time.time() + timeout_s
         link = next(p for p in self.procs if p.name == "superlink")
+        seen = 0
+
+        def report() -> None:
+            nonlocal seen
+            p = out_dir / "rounds.jsonl"
+            if on_round is None or not p.exists():
+                return
+            lines = p.read_text().splitlines()
+            complete = lines if p.read_text().endswith("\n") else lines[:-1]  # a line being written waits
+            for line in complete[seen:]:
+                on_round(RoundRecord.from_dict(json.loads(line)))
+            seen = max(seen, len(complete))
+
         while not (out_dir / "done.json").exists():
+            report()
+            if (out_dir / "failed.json").exists():
+                err = json.loads((out_dir / "failed.json").read_text())
+                raise FlowerError(f"the federation's ServerApp failed: {err['error']}")
             if link.popen.poll() is not None:
                 raise FlowerError(f"the SuperLink exited with {link.popen.returncode}; see {link.log}")
             if time.time() > end:
                 raise FlowerError(f"the federation did not finish in {timeout_s:.0f} s; logs under "
                                   f"{self.workdir / 'logs'} and {self.workdir / 'flwr-home'}")
             time.sleep(0.1)
+        report()
 
 
 def read_outputs(out_dir: Path) -> CollabResult:
@@ -368,8 +407,8 @@ def read_outputs(out_dir: Path) -> CollabResult:
     return CollabResult(params, tuple(rounds), tuple(timing))
 
 
-def write_center_data(workdir: Path, data: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, Path]:
-    paths = {}
+def write_center_data(workdir: Path, data: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> dict[str, Path | str]:
+    paths: dict[str, Path | str] = {}
     (workdir / "data").mkdir(parents=True, exist_ok=True)
     for name, (x, y) in data.items():
         paths[name] = workdir / "data" / f"{name}.npz"
@@ -377,17 +416,19 @@ def write_center_data(workdir: Path, data: Mapping[str, tuple[np.ndarray, np.nda
     return paths
 
 
-def run_flower(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.ndarray]], *,
+def run_flower(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None, *,
                workdir: str | Path | None = None, eval_data: tuple[np.ndarray, np.ndarray] | None = None,
                warm: bool = True, timeout_s: float = 600.0, poll_s: float = 0.05,
                supernode_poll_s: float | None = 0.25, supernode_wait_s: float | None = 0.02,
                pull_backoff_s: float | None = 0.02, superlink_database: str | None = None,
-               pack_arrays: bool = True, credentials: Credentials | None = None) -> CollabResult:
+               pack_arrays: bool = True, credentials: Credentials | None = None,
+               on_round: Callable[[RoundRecord], None] | None = None) -> CollabResult:
     """Run the federation with Flower on 127.0.0.1 and return what the ServerApp fused.
 
     Args:
         config: the job; data: center name -> ``(x, y)`` (written to one file per center, read only
-            by that center's SuperNode).
+            by that center's SuperNode) for the centers without a data source of their own
+            (``CenterSpec.data``: the SuperNode loads it, nothing is written).
         workdir: where FLWR_HOME, logs and outputs go (a temporary directory, removed after, if None).
         eval_data: held-out ``(x, y)`` evaluated by the server after each round.
         warm: long-lived ClientApp executors (see the module docstring).
@@ -396,15 +437,21 @@ def run_flower(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.nda
         supernode_poll_s, supernode_wait_s, pull_backoff_s, superlink_database, pack_arrays: Flower's
             fixed waits, the SuperLink's store and the message layout, see :class:`LoopbackFederation`.
         credentials: run with TLS and SuperNode authentication (see :func:`~._security.make_credentials`).
+        on_round: called with each round's record as the ServerApp writes it (progress).
     """
-    names = {c.name for c in config.centers}
-    if set(data) != names:
-        raise ValueError(f"data given for centers {sorted(data)}, but the federation has {sorted(names)}")
+    check_data(config, data)
+    # the Flower processes import these with this process's import path: fail here, before starting them
+    if config.model.user:
+        resolve_reference(config.model.kind)
+    for c in config.centers:
+        if c.data:
+            resolve_reference(c.data, "data source")
     with contextlib.ExitStack() as stack:
         if workdir is None:
             workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="ppcollab-"))
         wd = Path(workdir).resolve()
-        paths = write_center_data(wd, data)
+        paths = write_center_data(wd, data or {})
+        paths.update({c.name: "" for c in config.centers if c.data})  # the center loads its own
         ev = None
         if eval_data is not None:
             ev = wd / "data" / "_eval.npz"
@@ -416,7 +463,7 @@ def run_flower(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.nda
             pack_arrays=pack_arrays, credentials=credentials))
         fed.submit(config, out, eval_data=ev, poll_s=poll_s)
         try:
-            fed.wait(out, timeout_s)
+            fed.wait(out, timeout_s, on_round)
         except FlowerError as e:
             raise FlowerError(f"{e}\n{fed.logs()}") from None
         return read_outputs(out)

@@ -27,12 +27,25 @@ Packing matters for speed only: Flower moves each array (and each 5 MB chunk of 
 object with an HTTP request per hop (server → SuperLink → SuperNode → ClientApp and back); packed, a
 message is 7 objects (plus a chunk per 5 MB) whatever the number of tensors.
 
+Evaluation: with ``eval-data`` the ServerApp evaluates each fused model itself. Without it and with
+``holdout > 0`` in the job, it sends the fused model to every center as an ``evaluate`` message
+(``arrays`` + ``layout``); a center answers with numbers only — ``metrics`` (its loss, accuracy or
+perplexity and ``count`` on its held-out rows) and ``center`` — and the server records the
+count-weighted mean (:func:`~._server.aggregate_evaluations`).
+
+The user's model and data sources travel as ``"package.module:function"`` references inside the job;
+each SuperNode's ClientApp and the ServerApp import them, so their modules must be importable there
+(:class:`~._flower.LoopbackFederation` passes this process's import path down as ``PYTHONPATH``). When
+the ServerApp fails (say it cannot import the model), it writes ``failed.json`` (the error) to
+``out-dir``; when every center fails round 1 (say none can import it), it stops with their errors.
+
 Run config keys: ``collab-config`` (the :class:`~._config.CollabConfig` JSON), ``out-dir``,
 ``eval-data`` (optional ``.npz`` with ``x``, ``y``), ``poll-s``, ``pull-backoff-s`` (first retry of
 a reply object not yet at the SuperLink; 0: Flower's 1 s), ``max-rounds`` (exit after that many
 rounds, as a server taken down between rounds; 0: run to the end). Node config keys: ``center``, ``data``
-(``.npz`` with the center's ``x``, ``y``). ``pack-arrays`` (default true) false sends the arrays
-tensor by tensor with no ``layout`` (a center answers in the format it received; for the benchmark).
+(``.npz`` with the center's ``x``, ``y``, or a ``package.module:function`` data source called with the
+center's name; empty: the job's ``CenterSpec.data``). ``pack-arrays`` (default true) false sends the
+arrays tensor by tensor with no ``layout`` (a center answers in the format it received; for the benchmark).
 """
 
 from __future__ import annotations
@@ -40,6 +53,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import traceback
 from functools import lru_cache
 from pathlib import Path
 
@@ -48,11 +62,11 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from ._center import LocalTrainer, center_round, evaluate_torch, make_trainer
+from ._center import LocalTrainer, center_evaluate, center_round, evaluate_torch, load_center_data, make_trainer
 from ._config import CollabConfig
 from ._engine import initial_params
 from ._flwr_timing import set_object_pull_backoff
-from ._server import CenterReply, FederationServer, TimingLog
+from ._server import CenterReply, FederationServer, TimingLog, aggregate_evaluations
 from ._wire import pack_arrays, unpack_arrays
 
 __all__ = ["client_app", "reply_content", "server_app"]
@@ -82,11 +96,21 @@ _CI_KEY = "scaffold-ci"  # the center's SCAFFOLD control variate in context.stat
 
 # --------------------------------------------------------------------------------------------- center
 @lru_cache(maxsize=8)
-def _trainer(config_json: str, center: str, data_path: str) -> LocalTrainer:
+def _trainer(config_json: str, center: str, data: str) -> LocalTrainer:
     # cached: a long-lived client process builds its model and loads its data once, not every round
-    with np.load(data_path) as z:
-        x, y = z["x"], z["y"]
-    return make_trainer(CollabConfig.from_json(config_json), center, x, y)
+    config = CollabConfig.from_json(config_json)
+    source = data or config.center(center).data
+    if not source:
+        raise ValueError(f"center {center!r} has no data: give the SuperNode node-config data=FILE.npz or "
+                         "package.module:function, or the job's CenterSpec(data=...)")
+    return make_trainer(config, center, *load_center_data(source, center))
+
+
+def _node_trainer(context: Context) -> tuple[CollabConfig, str, LocalTrainer]:
+    config_json = str(context.run_config["collab-config"])
+    center = str(context.node_config["center"])
+    return CollabConfig.from_json(config_json), center, _trainer(config_json, center,
+                                                                 str(context.node_config.get("data", "")))
 
 
 def reply_content(payload: dict[str, np.ndarray], metrics: dict[str, float], center: str,
@@ -100,10 +124,7 @@ def reply_content(payload: dict[str, np.ndarray], metrics: dict[str, float], cen
 @client_app.train()
 def _center_train(msg: Message, context: Context) -> Message:
     t_received = time.time()
-    config_json = str(context.run_config["collab-config"])
-    config = CollabConfig.from_json(config_json)
-    center = str(context.node_config["center"])
-    trainer = _trainer(config_json, center, str(context.node_config["data"]))
+    config, center, trainer = _node_trainer(context)
     global_params = _from_records(msg.content)
     cfg = msg.content["config"]
     control, ci = None, None
@@ -116,6 +137,15 @@ def _center_train(msg: Message, context: Context) -> Message:
     if ci is not None:
         context.state[_CI_KEY] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in ci.items()})
     return Message(reply_content(payload, metrics, center, pack="layout" in msg.content), reply_to=msg)
+
+
+@client_app.evaluate()
+def _center_evaluate(msg: Message, context: Context) -> Message:
+    # the fused model on this center's held-out rows: numbers and the center's name go back, nothing else
+    _, center, trainer = _node_trainer(context)
+    metrics = center_evaluate(trainer, _from_records(msg.content))
+    return Message(RecordDict({"metrics": MetricRecord(metrics), "center": ConfigRecord({"name": center})}),
+                   reply_to=msg)
 
 
 # --------------------------------------------------------------------------------------------- server
@@ -156,12 +186,38 @@ def _exchange(grid: Grid, messages: list[Message], centers: set[str], timeout_s:
     return got
 
 
+def _federated_evaluate(grid: Grid, nodes: list[int], config: CollabConfig, params: dict[str, np.ndarray],
+                        round_idx: int, pack: bool, poll_s: float) -> dict[str, float]:
+    """Send ``params`` to the centers as ``evaluate`` messages; the count-weighted mean of their answers."""
+    msgs = [grid.create_message(RecordDict(dict(_to_records(params, pack))), "evaluate", n,
+                                group_id=f"{round_idx}-eval") for n in nodes]
+    per: dict[str, dict[str, float]] = {}
+    for m, _ in _exchange(grid, msgs, {c.name for c in config.centers}, config.round_timeout_s, poll_s):
+        if m.has_error():
+            log.warning("round %d: evaluation failed at node %d: %s", round_idx, m.metadata.src_node_id, m.error)
+            continue
+        try:
+            per[str(m.content["center"]["name"])] = {k: float(v) for k, v in dict(m.content["metrics"]).items()}
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning("round %d: malformed evaluation from node %d dropped: %r", round_idx, m.metadata.src_node_id, e)
+    return aggregate_evaluations(per)
+
+
 @server_app.main()
 def _serve(grid: Grid, context: Context) -> None:
+    out = Path(str(context.run_config["out-dir"]))
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        _serve_rounds(grid, context, out)
+    except BaseException as e:  # the submitter waits on out-dir: tell it why instead of letting it time out
+        (out / "failed.json").write_text(json.dumps({"error": f"{type(e).__name__}: {e}",
+                                                     "traceback": traceback.format_exc()}))
+        raise
+
+
+def _serve_rounds(grid: Grid, context: Context, out: Path) -> None:
     rc = context.run_config
     config = CollabConfig.from_json(str(rc["collab-config"]))
-    out = Path(str(rc["out-dir"]))
-    out.mkdir(parents=True, exist_ok=True)
     poll_s = float(rc.get("poll-s", 0.05))
     pack = bool(rc.get("pack-arrays", True))
     if float(rc.get("pull-backoff-s", 0)) > 0:  # see _flwr_timing: Flower's 1 s first retry of a reply object
@@ -193,9 +249,11 @@ def _serve(grid: Grid, context: Context) -> None:
             content.update({"control": rec["arrays"], **({"control-layout": rec["layout"]} if pack else {})})
         msgs = [grid.create_message(RecordDict(dict(content)), "train", n, group_id=str(r)) for n in nodes]
         replies: list[CenterReply] = []
+        errors: list[str] = []
         for m, t_arrived in _exchange(grid, msgs, {c.name for c in config.centers}, config.round_timeout_s, poll_s):
             if m.has_error():
                 log.warning("round %d: node %d answered with an error: %s", r, m.metadata.src_node_id, m.error)
+                errors.append(f"node {m.metadata.src_node_id}: {m.error.reason}")
                 continue
             try:
                 c = m.content
@@ -204,7 +262,13 @@ def _serve(grid: Grid, context: Context) -> None:
                 server.timing.record(r, "server", replies[-1].center, "update_received", t=t_arrived)
             except (KeyError, TypeError, ValueError) as e:
                 log.warning("round %d: malformed reply from node %d dropped: %r", r, m.metadata.src_node_id, e)
-        rec = server.finish_round(r, replies, sent_to=len(nodes), evaluate=evaluate)
+        if errors and not replies and server.round == 0:  # nobody can train: a setup error, not a bad round
+            raise RuntimeError("every center failed round 1: " + " | ".join(errors))
+        round_eval = evaluate
+        if round_eval is None and config.holdout > 0:
+            def round_eval(p: dict[str, np.ndarray], nodes: list[int] = nodes, r: int = r) -> dict[str, float]:
+                return _federated_evaluate(grid, nodes, config, p, r, pack, poll_s)
+        rec = server.finish_round(r, replies, sent_to=len(nodes), evaluate=round_eval)
         with (out / "rounds.jsonl").open("a") as f:
             f.write(json.dumps(rec.to_dict()) + "\n")
     if not server.done:  # leaves like a server taken down between rounds; a new one resumes

@@ -110,7 +110,9 @@ def aggregate_evaluations(per_center: Mapping[str, Mapping[str, float]]) -> dict
     ``accuracy`` are those of the union of the held-out rows; ``perplexity`` is ``exp`` of that loss.
     Adds ``count`` (the total) and ``centers`` (how many reported).
     """
-    valid = {c: m for c, m in per_center.items() if m.get("count", 0) > 0 and np.isfinite(m.get("loss", np.nan))}
+    # in center-name order: the sums, and so the numbers, do not depend on the order replies arrived in
+    valid = {c: per_center[c] for c in sorted(per_center)
+             if per_center[c].get("count", 0) > 0 and np.isfinite(per_center[c].get("loss", np.nan))}
     if not valid:
         return {}
     total = sum(float(m["count"]) for m in valid.values())
