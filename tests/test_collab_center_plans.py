@@ -60,21 +60,28 @@ def test_planned_center_equals_one_process(plan, executed):
     assert _update_size(ref, p0) > 1e3 * max(_rel(got, ref), 1e-8)
 
 
+def _federation(a: CenterSpec) -> CollabConfig:
+    """Two centers over 2 rounds; center ``a`` as given, ``b`` one process."""
+    return CollabConfig(centers=(a, CenterSpec("b")), model=SPEC, rounds=2, local_steps=3, batch_size=16, lr=0.1,
+                        round_timeout_s=120)
+
+
+FED_DATA = {"a": _data(48, 1), "b": _data(40, 2)}
+TP2 = CenterSpec("a", devices=2, plan={"dp": 1, "tp": 2})
+
+
+def _check_against_one_process(params: dict) -> None:
+    one = run_inprocess(_federation(CenterSpec("a")), FED_DATA).params
+    assert _rel(params, one) <= 1e-5
+    assert _update_size(one, initial_params(_federation(CenterSpec("a")))) > 1e3 * max(_rel(params, one), 1e-8)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_federation_with_a_tp2_center_matches_the_one_process_federation():
-    data = {"a": _data(48, 1), "b": _data(40, 2)}
-
-    def cfg(a: CenterSpec) -> CollabConfig:
-        return CollabConfig(centers=(a, CenterSpec("b")), model=SPEC, rounds=2, local_steps=3, batch_size=16,
-                            lr=0.1, fusion="fedavg")
-
-    ref = run_inprocess(cfg(CenterSpec("a")), data)
-    got = run_inprocess(cfg(CenterSpec("a", devices=2, plan={"dp": 1, "tp": 2})), data)
+    got = run_inprocess(_federation(TP2), FED_DATA)
     assert [r.accepted for r in got.rounds] == [("a", "b"), ("a", "b")]
-    assert _rel(got.params, ref.params) <= 1e-5
-    assert _update_size(ref.params, initial_params(cfg(CenterSpec("a")))) > 1e3 * max(_rel(got.params, ref.params),
-                                                                                      1e-8)
+    _check_against_one_process(got.params)
 
 
 @pytest.mark.parametrize("plan, devices, msg", [
@@ -132,16 +139,8 @@ def test_a_tp2_center_inside_flower_fuses_what_the_inprocess_engine_fuses(tmp_pa
     pytest.importorskip("flwr", reason="the Flower engine needs flwr==1.42.0")
     from polyparallel.backends.collab._flower import LoopbackFederation, run_flower
 
-    names = ("a", "b")
-    data = {"a": _data(48, 1), "b": _data(40, 2)}
-    cfg = CollabConfig(centers=(CenterSpec("a", devices=2, plan={"tp": 2}), CenterSpec("b")), model=SPEC, rounds=2,
-                       local_steps=3, batch_size=16, lr=0.1, round_timeout_s=120)
-    res = run_flower(cfg, data, workdir=tmp_path, supernode_poll_s=0.2, timeout_s=240)
-    assert [r.accepted for r in res.rounds] == [names, names]
-    ref = run_inprocess(cfg, data)
-    for k, v in ref.params.items():
-        np.testing.assert_array_equal(res.params[k], v)
-    one = run_inprocess(CollabConfig(**{**cfg.__dict__, "centers": (CenterSpec("a"), CenterSpec("b"))}), data)
-    assert _rel(res.params, one.params) <= 1e-5
-    assert _update_size(one.params, initial_params(cfg)) > 1e3 * max(_rel(res.params, one.params), 1e-8)
+    res = run_flower(_federation(TP2), FED_DATA, workdir=tmp_path, supernode_poll_s=0.2, timeout_s=240)
+    assert [r.accepted for r in res.rounds] == [("a", "b"), ("a", "b")]
+    assert _rel(res.params, run_inprocess(_federation(TP2), FED_DATA).params) == 0.0  # bit for bit
+    _check_against_one_process(res.params)
     assert LoopbackFederation(tmp_path, {}).stray_pids() == []  # the center's TP workers left with it
