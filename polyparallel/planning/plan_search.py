@@ -102,6 +102,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from polyparallel.backends.collab._center_plan import CENTER_LIMITS
 from polyparallel.backends.torch.capabilities import EXECUTED_DTYPES, EXECUTED_RECOMPUTE, plan_problems
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, StepEstimate, estimate_step
@@ -625,7 +626,8 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
         devs = cl.devices_of(center=ce.index)
         if not devs:
             continue
-        cc = replace(c, centers=(ce.name,), devices=None, mode="synchronous")
+        # a center's round runs only the plans a collaborative center executes
+        cc = replace(c, centers=(ce.name,), devices=None, mode="synchronous", **CENTER_LIMITS)
         # the center's local batch: its device share of B, in whole example batches
         share = max(mdl.b0, round(B * len(devs) / cl.num_devices / mdl.b0) * mdl.b0)
         best = _Best()
