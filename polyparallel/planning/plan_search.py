@@ -103,7 +103,7 @@ from pathlib import Path
 from typing import Any
 
 from polyparallel.backends.collab._center_plan import CENTER_LIMITS
-from polyparallel.backends.torch.capabilities import EXECUTED_DTYPES, EXECUTED_RECOMPUTE, plan_problems
+from polyparallel.backends.torch.capabilities import EXECUTED_DTYPES, plan_problems
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, StepEstimate, estimate_step
 from polyparallel.cost_models.step import StepBound, step_lower_bound
@@ -345,10 +345,11 @@ def _mesh_shapes(n: int, c: Constraints, node: int, layers: int, exhaustive: boo
     return out
 
 
-def _plans(base: ParallelConfig, c: Constraints, layers: int, executed_only: bool = False
-           ) -> Iterable[list[ParallelConfig]]:
-    """Per schedule, the memory-knob ladder for one mesh shape and micro-batching, cheapest first
-    (``executed_only``: only the rungs the torch backend executes)."""
+def _plans(base: ParallelConfig, c: Constraints, layers: int,
+           runs: Callable[[ParallelConfig], bool] | None = None) -> Iterable[list[ParallelConfig]]:
+    """Per schedule, the memory-knob ladder for one mesh shape and micro-batching, cheapest first;
+    with ``runs``, only the rungs it accepts (the plans the torch backend executes), so a refused
+    rung (recomputation inside pipeline stages, say) does not end the walk before the next one."""
     scheds: list[tuple[str, int]] = [("1f1b", 1)]
     if base.pp > 1:
         scheds.append(("gpipe", 1))
@@ -366,10 +367,11 @@ def _plans(base: ParallelConfig, c: Constraints, layers: int, executed_only: boo
         ladder = [(c.zero_stage, r) for r in ("none", "selective", "full")]
     if c.recompute is not None:
         ladder = list(dict.fromkeys((z, c.recompute) for z, _ in ladder))
-    elif executed_only:
-        ladder = list(dict.fromkeys((z, r) for z, r in ladder if r in EXECUTED_RECOMPUTE)) or ladder
     for s, v in scheds:
-        yield [replace(base, schedule=s, chunks=v, zero_stage=z, recompute=r) for z, r in ladder]
+        rungs = [replace(base, schedule=s, chunks=v, zero_stage=z, recompute=r) for z, r in ladder]
+        rungs = [cfg for cfg in rungs if runs is None or runs(cfg)]
+        if rungs:
+            yield rungs
 
 
 def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path = "local-cpu:2", *,
@@ -450,6 +452,16 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
     layers = len(_layer_count(g))
     node = _node_size(cl, devs)
     shapes = _mesh_shapes(n, c, node, layers, exhaustive)
+    # the exhaustive yardstick walks every rung (`offer` refuses the unexecuted ones); otherwise
+    # the ladders hold only executed rungs, judged on the example graph (what plan_problems reads
+    # of a graph, batch statistics, layers and attention, does not depend on the batch size)
+    def executed(cfg: ParallelConfig) -> bool:
+        why = plan_problems(g, cfg)
+        for w in why:
+            best.refused[w] = best.refused.get(w, 0) + 1
+        return not why
+
+    runs = executed if enforce and not wide else None
     say(f"{len(shapes)} mesh shapes over {n} devices")
     for i, (dp, tp, pp, sp) in enumerate(shapes):
         if B % dp:
@@ -464,11 +476,13 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
         order = _micro_order(mdl.micro_sizes(per_replica, exhaustive, whole=enforce), per_replica, pp, c, wide)
         if not order:
             continue
-        if not exhaustive:
-            # the most memory-frugal plan of this shape (smallest micro-batch, last ladder rung):
-            # if even that does not fit, no plan of this shape does
-            frugal = next(iter(_plans(replace(base, microbatches=per_replica // min(order)), c, layers,
-                                      enforce and not wide)))[-1]
+        # the most memory-frugal plan of this shape (smallest micro-batch, last ladder rung): if even
+        # that does not fit, no plan of this shape does (when the backend runs no rung of it, say
+        # BatchNorm with micro-batches, the shape's other micro-batch sizes are walked unpruned)
+        ladders = [] if exhaustive else list(_plans(replace(base, microbatches=per_replica // min(order)), c,
+                                                    layers, runs))
+        if ladders:
+            frugal = ladders[0][-1]
             try:
                 if not best.offer(mdl.graph(min(order)), frugal, min(order)):
                     continue
@@ -479,8 +493,7 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
             cfg0 = replace(base, microbatches=per_replica // b)
             graph = mdl.graph(b)
             free_fit = False
-            # the exhaustive yardstick walks every rung; unexecuted ones are refused by `offer`
-            for ladder in _plans(cfg0, c, layers, enforce and not wide):
+            for ladder in _plans(cfg0, c, layers, runs):
                 sched_free_fit = False
                 for cfg in ladder:
                     try:
