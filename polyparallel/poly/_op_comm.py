@@ -99,10 +99,6 @@ class OpComm:
         return sum(c.bytes for c in self.forward)
 
     @property
-    def grad_bytes(self) -> int:
-        return sum(c.bytes for c in self.grad)
-
-    @property
     def backward_bytes(self) -> int:
         return sum(c.bytes for c in self.backward)
 

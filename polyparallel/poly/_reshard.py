@@ -81,10 +81,6 @@ class Reshard:
         """Elements received per device along the route (sum over steps of the per-step maximum)."""
         return sum(s.elements for s in self.steps)
 
-    @property
-    def volume_bytes_per_device(self) -> int:
-        return self.elements * self.dtype_bytes
-
     def __str__(self) -> str:
         route = "; ".join(map(str, self.steps)) or "nothing to move"
         return f"{self.have} -> {self.need}: {route}"
