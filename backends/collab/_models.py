@@ -29,14 +29,14 @@ both frameworks on purpose):
 
 from __future__ import annotations
 
-import importlib
 import json
-import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+
+from polyparallel.references import is_reference, resolve
 
 __all__ = ["LOSSES", "MODEL_BUILDERS", "MODEL_KINDS", "ModelSpec", "build_model", "build_torch_model",
            "is_reference", "load_torch_state", "resolve_reference", "torch_state"]
@@ -48,32 +48,13 @@ MODEL_KINDS = ("mlp", "cnn", "embbag")
 #: dimension of the output (``-100`` targets ignored); ``mse``.
 LOSSES = ("auto", "model", "cross_entropy", "mse")
 
-_REF = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
-
-
-def is_reference(text: str) -> bool:
-    """Whether ``text`` has the form ``package.module:function``."""
-    return bool(_REF.match(text))
 
 
 def resolve_reference(ref: str, what: str = "model") -> Callable[..., Any]:
-    """The callable named by ``"package.module:function"``, imported in this process."""
+    """The callable named by ``"package.module:function"`` (a string: it travels in the job), imported here."""
     if not is_reference(ref):
         raise ValueError(f"{what} {ref!r}: expected 'package.module:function'")
-    mod, _, name = ref.partition(":")
-    try:
-        obj: Any = importlib.import_module(mod)
-        for part in name.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        import sys
-
-        raise ValueError(f"{what} {ref!r} cannot be loaded here ({type(e).__name__}: {e}): the module must be "
-                         f"importable in every process that builds it (centers, server); put its directory on "
-                         f"PYTHONPATH (sys.path here: {sys.path[:4]}...)") from e
-    if not callable(obj):
-        raise ValueError(f"{what} {ref!r} is a {type(obj).__name__}, not a function")
-    return obj
+    return resolve(ref, what)
 
 
 @dataclass(frozen=True)

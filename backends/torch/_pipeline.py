@@ -56,7 +56,6 @@ schedules other than GPipe / 1F1B / interleaved 1F1B, ``global_batch`` not divis
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -358,7 +357,7 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
     from polyparallel.backends.torch._checkpoint import resume, save_checkpoint
     from polyparallel.backends.torch._loss_weighting import TargetCount, weigh_microbatches
     from polyparallel.backends.torch._precision import Precision
-    from polyparallel.backends.torch._worker import batch_counts, comm_profile, resolve
+    from polyparallel.backends.torch._worker import batch_counts, comm_profile, finish_step, log_step, resolve
 
     plan, pipe = job["plan"], job["plan"].pipeline
     pp, dp, K = pipe.stages, plan.dp, pipe.stages * pipe.virtual
@@ -469,15 +468,8 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
                 grad = named[name].grad
                 if grad is not None:
                     dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=g)
-            amp = prec.step(opt)
-            if cuda:
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
+            amp, dt = finish_step(prec, opt, device, t0)
         if rank == 0:
-            rec = {"step": step, "loss": global_loss, "loss_weighting": weighting, "step_time_s": dt,
-                   "device": device.type,
-                   "backend": dist.get_backend(), **counts, **comm, **amp}
-            with log.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
+            log_step(log, step, global_loss, weighting, dt, device, **counts, **comm, **amp)
         if ckpt is not None and ((step + 1) % job["checkpoint_every"] == 0 or step + 1 == job["steps"]):
             save_checkpoint(ckpt, step, owner, opt, rank, optim_key, job=job)

@@ -47,29 +47,27 @@ import torch.distributed as dist
 
 from polyparallel.backends.torch._checkpoint import resume, save_checkpoint
 from polyparallel.backends.torch._precision import Precision
+from polyparallel.references import resolve
 
 __all__ = ["resolve", "run_worker"]
 
 
-def resolve(fn: Any) -> Any:
-    """``"package.module:function"`` -> the function; a callable is returned as is."""
-    if callable(fn):
-        return fn
-    import importlib
+def finish_step(prec: Any, opt: torch.optim.Optimizer, device: torch.device, t0: float) -> tuple[dict[str, Any], float]:
+    """The optimizer step (through the precision's gradient scaler) and the step's seconds since
+    ``t0``, the device synchronised; returns the scaler's log fields and the seconds."""
+    amp = prec.step(opt)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return amp, time.perf_counter() - t0
 
-    mod, sep, name = str(fn).partition(":")
-    if not sep or not mod or not name:
-        raise ValueError(f"{fn!r}: expected 'package.module:function'")
-    try:
-        obj: Any = importlib.import_module(mod)
-        for part in name.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{fn!r}: cannot load it ({type(e).__name__}: {e}); give an importable "
-                         "'package.module:function' (the current directory is on the path for the CLI)") from e
-    if not callable(obj):
-        raise ValueError(f"{fn!r} is a {type(obj).__name__}, not a function")
-    return obj
+
+def log_step(log: Path, step: int, loss: float, weighting: str, seconds: float, device: torch.device,
+             **fields: Any) -> None:
+    """Append rank 0's record of one step to ``train.jsonl`` (the launcher streams it as progress)."""
+    rec = {"step": step, "loss": loss, "loss_weighting": weighting, "step_time_s": seconds, "device": device.type,
+           "backend": dist.get_backend(), **fields}
+    with log.open("a") as f:
+        f.write(json.dumps(rec) + "\n")
 
 
 def make_optimizer(name: str, params: Any, lr: float, device: torch.device) -> torch.optim.Optimizer:
@@ -264,18 +262,12 @@ def run_worker(run_dir: Path) -> None:
                         scale, global_loss, weighting = weigh_replicas(
                             loss, counter.count_for(loss), replicas.get_group(), replicas.size(), device)
                         prec.scale(loss if scale == 1.0 else loss * scale).backward()
-                amp = prec.step(opt)
-                if cuda:
-                    torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
+                amp, dt = finish_step(prec, opt, device, t0)
             if rank == 0:
-                rec = {"step": step, "loss": global_loss, "loss_weighting": weighting, "step_time_s": dt,
-                       "rank0_input_shape": list(x.shape),  # what a rank trains on: its dp and sp share
-                       "device": device.type, "backend": dist.get_backend(), **batch_counts(inputs), **comm, **amp}
-                if plan.microbatches > 1:
-                    rec["microbatches"] = plan.microbatches
-                with log.open("a") as f:
-                    f.write(json.dumps(rec) + "\n")
+                extra = {"microbatches": plan.microbatches} if plan.microbatches > 1 else {}
+                # rank0_input_shape: what a rank trains on, its dp and sp share
+                log_step(log, step, global_loss, weighting, dt, device, rank0_input_shape=list(x.shape),
+                         **batch_counts(inputs), **comm, **amp, **extra)
             if ckpt is not None and ((step + 1) % job["checkpoint_every"] == 0 or step + 1 == job["steps"]):
                 save_checkpoint(ckpt, step, model, opt, rank, job=job)
         # every rank leaves together: a rank tearing gloo down while its peer still has work in
