@@ -180,6 +180,18 @@ class _ServerOptimizer(FusionStrategy):
             buf[name] = np.zeros(like.shape, dtype=np.float64)
         return buf[name]
 
+    def fuse(self, global_params: Mapping[str, np.ndarray], updates: Sequence[CenterUpdate]) -> Params:
+        """The averaged update through :meth:`_step` per parameter; running statistics (BatchNorm)
+        take the plain average, an optimizer step would be meaningless for them."""
+        delta = _weighted_delta(global_params, updates)
+        out: Params = {k: x + delta[k] if is_statistic(k) else self._step(k, x, delta[k])
+                       for k, x in global_params.items()}
+        return _cast_like(out, global_params)
+
+    def _step(self, name: str, x: np.ndarray, delta: np.ndarray) -> np.ndarray:
+        """The new global value of parameter ``name`` from its value ``x`` and the averaged update."""
+        raise NotImplementedError
+
     def state(self) -> Params:
         return {f"{b}/{k}": v for b in self._buffers for k, v in self._state[b].items()}
 
@@ -208,19 +220,12 @@ class FedAdam(_ServerOptimizer):
     def _second_moment(self, v: np.ndarray, d2: np.ndarray) -> np.ndarray:
         return self.beta2 * v + (1.0 - self.beta2) * d2
 
-    def fuse(self, global_params: Mapping[str, np.ndarray], updates: Sequence[CenterUpdate]) -> Params:
-        delta = _weighted_delta(global_params, updates)
-        out: Params = {}
-        for k, x in global_params.items():
-            if is_statistic(k):
-                out[k] = x + delta[k]
-                continue
-            m = self._buf("m", k, x)
-            v = self._buf("v", k, x)
-            m[...] = self.beta1 * m + (1.0 - self.beta1) * delta[k]
-            v[...] = self._second_moment(v, delta[k] ** 2)
-            out[k] = x + self.lr * m / (np.sqrt(v) + self.tau)
-        return _cast_like(out, global_params)
+    def _step(self, name: str, x: np.ndarray, delta: np.ndarray) -> np.ndarray:
+        m = self._buf("m", name, x)
+        v = self._buf("v", name, x)
+        m[...] = self.beta1 * m + (1.0 - self.beta1) * delta
+        v[...] = self._second_moment(v, delta**2)
+        return x + self.lr * m / (np.sqrt(v) + self.tau)
 
 
 class FedYogi(FedAdam):
@@ -245,18 +250,11 @@ class DiLoCo(_ServerOptimizer):
     def options(self) -> dict[str, float]:
         return {"lr": self.lr, "momentum": self.momentum}
 
-    def fuse(self, global_params: Mapping[str, np.ndarray], updates: Sequence[CenterUpdate]) -> Params:
-        delta = _weighted_delta(global_params, updates)
-        out: Params = {}
-        for k, x in global_params.items():
-            if is_statistic(k):
-                out[k] = x + delta[k]
-                continue
-            g = -delta[k]
-            u = self._buf("u", k, x)
-            u[...] = self.momentum * u + g
-            out[k] = x - self.lr * (g + self.momentum * u)
-        return _cast_like(out, global_params)
+    def _step(self, name: str, x: np.ndarray, delta: np.ndarray) -> np.ndarray:
+        g = -delta
+        u = self._buf("u", name, x)
+        u[...] = self.momentum * u + g
+        return x - self.lr * (g + self.momentum * u)
 
 
 class Scaffold(FusionStrategy):

@@ -289,6 +289,17 @@ def tie_groups(model: nn.Module) -> list[list[str]]:
     return [paths for paths in owners.values() if len(paths) > 1]
 
 
+def _each_once(frontier: list[str]) -> Iterator[str]:
+    """Tensors popped off ``frontier`` (which the caller extends while walking) until it is empty,
+    each tensor once."""
+    seen: set[str] = set()
+    while frontier:
+        t = frontier.pop()
+        if t not in seen:
+            seen.add(t)
+            yield t
+
+
 def sharded_consumer(graph: Graph, src: str, dst: str | None, columns: frozenset[str] = frozenset()) -> str | None:
     """Check that every use of the output of the Linear at module ``src`` reaches the row-parallel
     Linear at module ``dst`` (or, with ``dst=None``, the loss) through pointwise ops only, so its
@@ -300,12 +311,7 @@ def sharded_consumer(graph: Graph, src: str, dst: str | None, columns: frozenset
                 for t in op.outputs]
     if not frontier:
         return f"(no Linear op of module {src!r} in the captured graph)"
-    seen: set[str] = set()
-    while frontier:
-        t = frontier.pop()
-        if t in seen:
-            continue
-        seen.add(t)
+    for t in _each_once(frontier):
         users = graph.consumers(t)
         if not users and t in graph.outputs:
             return "(the graph's output)"
@@ -327,12 +333,7 @@ def reads_head_shards(graph: Graph, module: str, attention: frozenset[str]) -> b
     """Whether the Linear at ``module`` reads (through pointwise ops) the output of one of the
     head-parallel ``attention`` ops, i.e. an input already split by heads over ``tp``."""
     frontier = [op.inputs[0] for op in graph.ops if op.module == module and OpKind(op.kind) is OpKind.CONTRACTION]
-    seen: set[str] = set()
-    while frontier:
-        t = frontier.pop()
-        if t in seen:
-            continue
-        seen.add(t)
+    for t in _each_once(frontier):
         prod = graph.producer(t)
         if prod is None:
             continue
