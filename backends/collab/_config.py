@@ -134,10 +134,11 @@ class CollabConfig:
             raise ValueError(f"round_timeout_s must be > 0, got {self.round_timeout_s}")
         if self.model.user:
             other = [c.name for c in self.centers if c.framework != "torch"]
-            if other:
-                raise ValueError(f"centers {other} train in another framework than torch, but model "
-                                 f"{self.model.kind!r} is a torch model (MindSpore centers build the built-in "
-                                 "kinds only): use framework='torch' for them")
+            if other and not self.model.mindspore:
+                raise ValueError(f"centers {other} train in MindSpore, but model {self.model.kind!r} is a torch "
+                                 "model: give the same architecture as a MindSpore Cell builder, "
+                                 "ModelSpec(mindspore='package.module:function') (--mindspore-model), or use "
+                                 "framework='torch' for them")
             if self.logit_adjust:
                 raise ValueError("logit_adjust needs the class count of a built-in classifier; for a user model "
                                  "set logit_adjust=0")

@@ -12,10 +12,10 @@ module's ``state_dict`` entries (floating parameters and buffers) under their ow
 
 Builders are looked up per framework (:data:`MODEL_BUILDERS`, :func:`build_model`): a torch center
 builds with :func:`build_torch_model`, a MindSpore center with ``_mindspore.build_mindspore_model``
-(built-in kinds only; user models train on torch centers). Another framework is one more entry.
+(a user model's cell comes from ``ModelSpec.mindspore``). Another framework is one more entry.
 
 Built-in kinds — a torch center and a MindSpore center build the *same architecture* and exchange
-parameters through the explicit name map in :mod:`._mindspore` (attribute names are identical in
+parameters through the map inferred in :mod:`._mindspore` (attribute names are identical in
 both frameworks on purpose):
 
 - ``mlp``:    flatten → ``fc1`` Linear → ``norm`` LayerNorm → ReLU → ``fc2`` Linear
@@ -71,6 +71,9 @@ class ModelSpec:
         vocab: vocabulary size (``embbag`` only).
         norm: ``batch`` (BatchNorm) or ``group`` (GroupNorm, 4 channels per group) in ``cnn``.
         loss: one of :data:`LOSSES` (the built-in kinds are classifiers: ``auto`` or ``cross_entropy``).
+        mindspore: for a user model, the same architecture as a ``mindspore.nn.Cell``:
+            ``"package.module:function"`` returning the cell, which MindSpore centers build and map to
+            the torch tensors (``_mindspore``); empty: the model trains on torch centers only.
     """
 
     kind: str
@@ -80,6 +83,7 @@ class ModelSpec:
     vocab: int = 0
     norm: str = "batch"
     loss: str = "auto"
+    mindspore: str = ""
 
     @property
     def user(self) -> bool:
@@ -97,7 +101,13 @@ class ModelSpec:
             if self.norm != "batch":
                 raise ValueError(f"norm {self.norm!r} applies to the built-in cnn; a user model "
                                  f"({self.kind!r}) chooses its own normalisation")
+            if self.mindspore and not is_reference(self.mindspore):
+                raise ValueError(f"MindSpore model {self.mindspore!r}: expected 'package.module:function' (a function "
+                                 "returning a mindspore.nn.Cell)")
             return
+        if self.mindspore:
+            raise ValueError(f"the built-in {self.kind!r} has its MindSpore model already; mindspore="
+                             f"{self.mindspore!r} is for a user model ('package.module:function')")
         if self.loss not in ("auto", "cross_entropy"):
             raise ValueError(f"the built-in {self.kind!r} is a classifier: loss 'auto' or 'cross_entropy' "
                              f"(loss {self.loss!r} needs a user model, 'package.module:function')")
