@@ -140,6 +140,9 @@ def collab_cmd(
         "--devices", help="devices per center, comma separated (torch centers with > 1 train data parallel)")] = "",
     model: Annotated[str, typer.Option(
         "--model", help="mlp, cnn, embbag, or your model as MODULE:FUNCTION (returns an nn.Module)")] = "mlp",
+    mindspore_model: Annotated[str, typer.Option(
+        "--mindspore-model", help="for a MODULE:FUNCTION --model on MindSpore centers: MODULE:FUNCTION returning the "
+        "same architecture as a mindspore.nn.Cell (the parameter map is inferred and checked before round 1)")] = "",
     loss: Annotated[str, typer.Option(
         "--loss", help="auto (the model's own loss if its forward takes labels, else cross_entropy), model, "
         "cross_entropy (over the last dim, -100 ignored) or mse")] = "auto",
@@ -199,7 +202,7 @@ def collab_cmd(
                     logit_adjust=logit_adjust, min_centers=min_centers, seed=seed, round_timeout_s=round_timeout,
                     holdout=holdout)
     try:
-        spec = (ModelSpec(model, loss=loss) if ":" in model else
+        spec = (ModelSpec(model, loss=loss, mindspore=mindspore_model) if ":" in model else
                 ModelSpec(model, _parse_shape(in_shape), classes, hidden=hidden, vocab=vocab, norm=norm, loss=loss))
         if config is not None:
             cfg = CollabConfig.from_json(config.read_text())
@@ -235,6 +238,8 @@ def collab_cmd(
 
         if cfg.model.user:
             build_torch_model(cfg.model)
+        if cfg.model.mindspore and any(c.framework == "mindspore" for c in cfg.centers):
+            resolve_reference(cfg.model.mindspore, "MindSpore model")
         for c in cfg.centers:
             if c.data:
                 resolve_reference(c.data, "data source")

@@ -254,3 +254,29 @@ def test_mixed_federation_with_the_user_model_matches_all_torch():
     for ra, rb in zip(a.rounds, b.rounds):
         assert ra.eval["count"] == rb.eval["count"] == 16
         assert abs(ra.eval["loss"] - rb.eval["loss"]) < 1e-4 and ra.eval["accuracy"] == rb.eval["accuracy"]
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def center_data(center: str) -> tuple[np.ndarray, np.ndarray]:
+    """Each center's rows, loaded at the center (``--data MODULE:FUNCTION``)."""
+    return _data(32, seed={"t": 5, "m": 6}[center])
+
+
+def test_cli_trains_the_user_model_on_a_mindspore_center_as_the_api_does(tmp_path, capsys):
+    from tests.test_collab_cli import _run as _cli
+
+    argv = ["collab", "--centers", "t,m", "--frameworks", "torch,mindspore", "--model", f"{HERE}:torch_cnn",
+            "--data", f"{HERE}:center_data", "--holdout", "0.25", "--rounds", "2", "-H", "3", "--batch-size", "8",
+            "--lr", "0.05"]
+    code, _, err = _cli([*argv, "--mindspore-model", f"{HERE}:ms_cnn", "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    ref = run_inprocess(CollabConfig(centers=(CenterSpec("t", data=f"{HERE}:center_data"),
+                                              CenterSpec("m", framework="mindspore", data=f"{HERE}:center_data")),
+                                     model=SPEC, rounds=2, local_steps=3, batch_size=8, lr=0.05, holdout=0.25))
+    with np.load(tmp_path / "final.npz") as z:
+        for k, v in ref.params.items():
+            np.testing.assert_array_equal(z[k], v)
+    code, _, err = _cli([*argv, "--mindspore-model", f"{HERE}:ms_wrong_kernel"], capsys)
+    assert code == 2 and "torch 'body.3.weight' (8, 8, 3, 3)" in err and "Traceback" not in err
+    code, _, err = _cli(argv, capsys)
+    assert code == 2 and "--mindspore-model" in err
