@@ -280,3 +280,19 @@ def test_cli_trains_the_user_model_on_a_mindspore_center_as_the_api_does(tmp_pat
     assert code == 2 and "torch 'body.3.weight' (8, 8, 3, 3)" in err and "Traceback" not in err
     code, _, err = _cli(argv, capsys)
     assert code == 2 and "--mindspore-model" in err
+
+
+def test_flower_with_a_mindspore_center_fuses_what_the_inprocess_engine_fuses(tmp_path):
+    """Every SuperNode imports both builders from the job's references and infers and checks the map itself."""
+    pytest.importorskip("flwr")
+    from polyparallel.backends.collab._flower import run_flower
+
+    cfg = CollabConfig(centers=(CenterSpec("t", data=f"{HERE}:center_data"),
+                                CenterSpec("m", framework="mindspore", data=f"{HERE}:center_data")),
+                       model=SPEC, rounds=2, local_steps=3, batch_size=8, lr=0.05, holdout=0.25)
+    res = run_flower(cfg, workdir=tmp_path, timeout_s=200)
+    ref = run_inprocess(cfg)
+    assert [r.accepted for r in res.rounds] == [("t", "m")] * 2
+    for k, v in ref.params.items():
+        np.testing.assert_array_equal(res.params[k], v, err_msg=k)
+    assert [r.eval for r in res.rounds] == [r.eval for r in ref.rounds]
