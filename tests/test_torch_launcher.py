@@ -23,7 +23,7 @@ import polyparallel as pp
 from polyparallel.backends.torch import TrainError, train
 from polyparallel.backends.torch import _examples as ex
 from polyparallel.backends.torch._procs import alive, recorded_pids
-from polyparallel.backends.torch._worker import batch_counts
+from polyparallel.backends.torch._steps import batch_counts
 from polyparallel.cli import main
 from tests.test_torch_backend import EX, LR, SEED, _strategy
 

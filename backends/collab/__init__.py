@@ -33,7 +33,6 @@ from ._center import (
     evaluate_torch,
     label_log_prior,
     load_center_data,
-    make_trainer,
     split_holdout,
 )
 from ._config import FRAMEWORKS, CenterSpec, CollabConfig, config_from_strategy
@@ -65,6 +64,7 @@ from ._models import (
 )
 from ._objective import TorchObjective
 from ._server import CenterReply, FederationServer, RoundRecord, TimingLog, aggregate_evaluations
+from ._trainers import TRAINERS, make_trainer
 from ._wire import COMPRESSIONS, check_payload, decode_update, encode_update, payload_nbytes
 
 __all__ = [
@@ -74,6 +74,7 @@ __all__ = [
     "LOSSES",
     "MODEL_BUILDERS",
     "MODEL_KINDS",
+    "TRAINERS",
     "CenterReply",
     "CenterSpec",
     "CenterUpdate",

@@ -42,8 +42,8 @@ from ._models import ModelSpec, build_torch_model, load_torch_state, resolve_ref
 from ._objective import TorchObjective, label_tensor
 from ._wire import Payload, decode_controls, encode_controls, encode_update
 
-__all__ = ["LR_SCHEDULES", "TRAINERS", "CenterData", "LocalTrainer", "TorchTrainer", "batch_indices",
-           "center_evaluate", "center_round", "label_log_prior", "load_center_data", "make_trainer", "round_lr",
+__all__ = ["LR_SCHEDULES", "CenterData", "LocalTrainer", "TorchTrainer", "batch_indices",
+           "center_evaluate", "center_round", "label_log_prior", "load_center_data", "round_lr",
            "split_holdout"]
 
 
@@ -318,53 +318,6 @@ def center_evaluate(trainer: LocalTrainer, params: Mapping[str, np.ndarray]) -> 
     m = dict(trainer.evaluate(params, *held))
     m.setdefault("count", float(len(held[1])))
     return {k: float(v) for k, v in m.items()}
-
-
-def _torch_trainer(config: CollabConfig, center: str, x: np.ndarray, y: np.ndarray, kw: dict[str, Any]) -> Any:
-    spec = config.center(center)
-    if spec.devices > 1:
-        from ._dp_center import PlannedTrainer
-
-        return PlannedTrainer(config.model, x, y, devices=spec.devices, plan=dict(spec.plan),
-                              timeout_s=config.round_timeout_s, **kw)
-    return TorchTrainer(config.model, x, y, **kw)
-
-
-def _mindspore_trainer(config: CollabConfig, center: str, x: np.ndarray, y: np.ndarray, kw: dict[str, Any]) -> Any:
-    spec = config.center(center)
-    if spec.devices > 1:
-        raise ValueError(f"center {center!r}: MindSpore centers train in one process; data parallelism inside "
-                         f"a center ({spec.devices} devices) is implemented for torch centers — set devices=1 "
-                         "or framework='torch'")
-    from ._mindspore import MindSporeTrainer
-
-    return MindSporeTrainer(config.model, x, y, **kw)
-
-
-#: framework -> its trainer factory ``(config, center, x, y, common options) -> LocalTrainer``
-TRAINERS: dict[str, Any] = {"torch": _torch_trainer, "mindspore": _mindspore_trainer}
-
-
-def make_trainer(config: CollabConfig, center: str, x: np.ndarray, y: np.ndarray) -> LocalTrainer:
-    """The trainer for ``center`` in its declared framework (:data:`TRAINERS`), on its training rows.
-
-    With ``config.holdout > 0`` the center's held-out rows (:func:`split_holdout`) go to
-    ``trainer.holdout`` and are never trained on. A torch center with ``devices > 1`` runs its plan
-    (``CenterSpec.plan``: DDP, FSDP2 or tensor parallelism; DDP when none is given) over that many
-    long-lived worker processes (:class:`~._dp_center.PlannedTrainer`, same updates as one process up
-    to rounding); close it with ``trainer.close()`` when done (the engines do).
-    """
-    spec = config.center(center)
-    index = config.center_index(center)
-    (x, y), held = split_holdout(x, y, config.holdout, config.seed, index)
-    kw = dict(center_index=index, batch_size=config.batch_size, lr=config.lr,
-              momentum=config.momentum, seed=config.seed, lr_schedule=config.lr_schedule, rounds=config.rounds,
-              logit_adjust=config.logit_adjust)
-    if spec.framework not in TRAINERS:
-        raise ValueError(f"center {center!r}: no trainer for framework {spec.framework!r}; known: {sorted(TRAINERS)}")
-    trainer = TRAINERS[spec.framework](config, center, x, y, kw)
-    trainer.holdout = held
-    return trainer
 
 
 def center_round(trainer: LocalTrainer, global_params: Mapping[str, np.ndarray], *, round_idx: int,

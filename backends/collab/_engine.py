@@ -16,11 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from ._center import LocalTrainer, center_evaluate, center_round, evaluate_torch, load_center_data, make_trainer
+from ._center import LocalTrainer, center_evaluate, center_round, evaluate_torch, load_center_data
 from ._config import CollabConfig
 from ._fusion import Params
 from ._models import build_torch_model, torch_state
 from ._server import CenterReply, FederationServer, RoundRecord, TimingLog, aggregate_evaluations
+from ._trainers import make_trainer
 
 __all__ = ["CollabResult", "check_data", "initial_params", "run_inprocess"]
 

@@ -62,11 +62,12 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from ._center import LocalTrainer, center_evaluate, center_round, evaluate_torch, load_center_data, make_trainer
+from ._center import LocalTrainer, center_evaluate, center_round, evaluate_torch, load_center_data
 from ._config import CollabConfig
 from ._engine import initial_params
 from ._flwr_timing import set_object_pull_backoff
 from ._server import CenterReply, FederationServer, TimingLog, aggregate_evaluations
+from ._trainers import make_trainer
 from ._wire import pack_arrays, unpack_arrays
 
 __all__ = ["client_app", "reply_content", "server_app"]

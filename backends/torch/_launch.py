@@ -19,7 +19,7 @@ from polyparallel.backends.torch._checkpoint import check_resume, trim_log
 from polyparallel.backends.torch._plan import plan_for
 from polyparallel.backends.torch._procs import kill_tree, recorded_pids
 from polyparallel.backends.torch._tensor_parallel import strategy_graph
-from polyparallel.backends.torch._worker import resolve
+from polyparallel.references import resolve
 from polyparallel.strategy import Strategy
 
 __all__ = ["MultiNode", "TrainError", "check_batch", "launch_commands", "new_run_dir", "node_layout", "train"]

@@ -65,6 +65,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from polyparallel.backends.torch.capabilities import Unsupported
+
 __all__ = ["PipelinePlan", "pipeline_plan", "split_model", "train_pipeline"]
 
 
@@ -89,17 +91,11 @@ class PipelinePlan:
     pp_major: bool = True
 
 
-def _unsupported(msg: str) -> Exception:
-    from polyparallel.backends.torch._plan import Unsupported
-
-    return Unsupported(msg)
-
-
 def _export(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> fx.GraphModule:
     try:
         ep = torch.export.export(model, (inputs, labels), strict=False)
     except Exception as e:  # any export failure means the model cannot be cut this way
-        raise _unsupported(f"pipeline parallelism needs the model captured by torch.export to cut it into stages, "
+        raise Unsupported(f"pipeline parallelism needs the model captured by torch.export to cut it into stages, "
                            f"and export failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     return ep.module()
 
@@ -135,21 +131,21 @@ def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cu
     nodes = list(gm.graph.nodes)
     user_inputs = [n for n in nodes if n.op == "placeholder"]
     if len(user_inputs) != 2:
-        raise _unsupported(f"the exported model takes {len(user_inputs)} inputs; pipeline stages need "
+        raise Unsupported(f"the exported model takes {len(user_inputs)} inputs; pipeline stages need "
                            "forward(inputs, labels)")
     x_in, y_in = user_inputs
     ops = [n for n in nodes if n.op == "call_function"]
     mutated: list[tuple[fx.Node, fx.Node]] = []  # (in-place op, the tensor it writes)
     for n in nodes:
         if n.op == "call_module" and n.target != "_guards_fn":  # export's input-shape guard: not computation
-            raise _unsupported(f"exported graph calls module {n.target!r}; cannot split it into stages")
+            raise Unsupported(f"exported graph calls module {n.target!r}; cannot split it into stages")
         schema = getattr(n.target, "_schema", None) if n.op == "call_function" else None
         for i, a in enumerate(schema.arguments if schema is not None and schema.is_mutable else ()):
             written = a.alias_info is not None and a.alias_info.is_write
             t = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
             if written and isinstance(t, fx.Node):
                 if t.op in ("get_attr", "placeholder"):
-                    raise _unsupported(f"op {n.name!r} ({n.target}) writes to {t.target!r} in forward (e.g. BatchNorm "
+                    raise Unsupported(f"op {n.name!r} ({n.target}) writes to {t.target!r} in forward (e.g. BatchNorm "
                                        "running statistics): each micro-batch would update it; not executed")
                 mutated.append((n, t))
     pos = {n.name: i for i, n in enumerate(ops)}
@@ -162,11 +158,11 @@ def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cu
     k, starts = 0, [0]
     for name in cuts:
         if name not in pos:
-            raise _unsupported(f"a pipeline stage starts at op {name!r}, which the model's exported graph does not "
+            raise Unsupported(f"a pipeline stage starts at op {name!r}, which the model's exported graph does not "
                                "have: the strategy's stage boundaries cannot be mapped onto this model (was it "
                                "searched for another model or frontend?)")
         if pos[name] <= starts[-1]:
-            raise _unsupported(f"pipeline chunk starting at op {name!r} does not come after the previous chunk's "
+            raise Unsupported(f"pipeline chunk starting at op {name!r} does not come after the previous chunk's "
                                "start; stage op ranges must be contiguous and in model order")
         starts.append(pos[name])
     for i, n in enumerate(ops):
@@ -176,12 +172,12 @@ def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cu
             chunk_of[n] = k
         elif any(a.op == "get_attr" and getattr(_attr(gm, str(a.target)), "requires_grad", False)
                  for a in n.all_input_nodes):
-            raise _unsupported(f"op {n.name!r} uses the labels and parameters: the loss must be parameter-free to run "
+            raise Unsupported(f"op {n.name!r} uses the labels and parameters: the loss must be parameter-free to run "
                                "as the pipeline's loss function")
     last = len(starts) - 1  # (the graph is in topological order, so no op is used before its chunk)
     for n, t in mutated:  # an in-place write must stay with its tensor, or it would hit a stage's copy
         if (chunk_of.get(n), n in tail) != (chunk_of.get(t), t in tail):
-            raise _unsupported(f"op {n.name!r} writes in place to {t.name!r}, which another pipeline stage made; "
+            raise Unsupported(f"op {n.name!r} writes in place to {t.name!r}, which another pipeline stage made; "
                                "cut at another op")
     # values crossing cut c (c = 1..last) and into the tail (c = last + 1)
     live: list[list[fx.Node]] = [[] for _ in range(last + 2)]
@@ -193,11 +189,11 @@ def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cu
         far = max(dsts, default=src)
         if far > src:
             if not isinstance(n.meta.get("val"), torch.Tensor):
-                raise _unsupported(f"value {n.name!r} ({type(n.meta.get('val')).__name__}) made in pipeline chunk "
+                raise Unsupported(f"value {n.name!r} ({type(n.meta.get('val')).__name__}) made in pipeline chunk "
                                    f"{src} is used in chunk {far}: only tensors can cross stage boundaries; cut "
                                    "at another op")
             if n is x_in and far <= last:
-                raise _unsupported(f"the model input {n.name!r} is used after the first stage (chunk {far}); "
+                raise Unsupported(f"the model input {n.name!r} is used after the first stage (chunk {far}); "
                                    "only activations cross stage boundaries in this backend")
             for c in range(src + 1, far + 1):
                 live[c].append(n)
@@ -237,7 +233,7 @@ def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cu
     out = next(n for n in nodes if n.op == "output").args[0]
     loss = out[0] if isinstance(out, list | tuple) else out
     if loss not in tail:
-        raise _unsupported("the model's output does not depend on the labels: forward(inputs, labels) must return "
+        raise Unsupported("the model's output does not depend on the labels: forward(inputs, labels) must return "
                            "the loss")
     tg.output(tenv[loss])
     return _Split(chunks, fx.GraphModule(gm, tg, "PipelineLoss"), params, layers)
@@ -255,11 +251,11 @@ def _chunks_of(strategy: Any) -> list[tuple[str, str]]:
     pp = strategy.pp
     by_stage = {st.index: st for st in strategy.stages}
     if sorted(by_stage) != list(range(pp)):
-        raise _unsupported(f"pp={pp}: pipeline parallelism needs one Stage entry per stage 0..{pp - 1}, but the "
+        raise Unsupported(f"pp={pp}: pipeline parallelism needs one Stage entry per stage 0..{pp - 1}, but the "
                            f"strategy lists stages {sorted(by_stage)}")
     counts = {len(st.ops) for st in strategy.stages}
     if len(counts) != 1 or next(iter(counts)) % 2 or not next(iter(counts)):
-        raise _unsupported("every stage must list the (first, last) op of each of its chunks, the same number "
+        raise Unsupported("every stage must list the (first, last) op of each of its chunks, the same number "
                            f"of chunks per stage; got {[len(st.ops) for st in strategy.stages]} op names")
     v = next(iter(counts)) // 2
     return [tuple(by_stage[k % pp].ops[2 * (k // pp): 2 * (k // pp) + 2]) for k in range(pp * v)]  # type: ignore[misc]
@@ -280,22 +276,22 @@ def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, to
     v = len(chunks) // s.pp
     if sched == "interleaved":
         if v_txt and (not v_txt.isdigit() or int(v_txt) != v):
-            raise _unsupported(f"schedule {s.schedule!r} but the stages list {v} chunks each")
+            raise Unsupported(f"schedule {s.schedule!r} but the stages list {v} chunks each")
         if v < 2:
-            raise _unsupported("an interleaved schedule needs at least 2 chunks per stage")
+            raise Unsupported("an interleaved schedule needs at least 2 chunks per stage")
         if s.microbatches % s.pp:
-            raise _unsupported(f"interleaved 1F1B needs microbatches ({s.microbatches}) divisible by pp ({s.pp})")
+            raise Unsupported(f"interleaved 1F1B needs microbatches ({s.microbatches}) divisible by pp ({s.pp})")
     elif v != 1:
-        raise _unsupported(f"schedule {s.schedule!r} with {v} chunks per stage: several chunks per stage need "
+        raise Unsupported(f"schedule {s.schedule!r} with {v} chunks per stage: several chunks per stage need "
                            "schedule 'interleaved'")
     n = s.dp * s.microbatches
     if s.global_batch % n:
-        raise _unsupported(f"global_batch={s.global_batch} is not divisible by dp*microbatches={n}: pipeline "
+        raise Unsupported(f"global_batch={s.global_batch} is not divisible by dp*microbatches={n}: pipeline "
                            "micro-batches must be equal for the mean loss to equal the full-batch loss")
     from polyparallel.backends.torch._batchnorm import has_batch_statistics
 
     if has_batch_statistics(model):  # even without running statistics (no buffer write to refuse)
-        raise _unsupported("the model has BatchNorm: pipeline micro-batches would each be normalised with their own "
+        raise Unsupported("the model has BatchNorm: pipeline micro-batches would each be normalised with their own "
                            "statistics, unlike single-process training on the whole batch; search with "
                            "constraints={'pp': 1}")
     inputs, labels = batch
@@ -306,13 +302,13 @@ def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, to
     for st in s.stages:
         have = set().union(*(split.layers[k] for k in range(st.index, len(chunks), s.pp)))
         if st.layers and have != set(st.layers):
-            raise _unsupported(f"stage {st.index} (ops {', '.join(st.ops)}) holds layers {sorted(have)} of this model "
+            raise Unsupported(f"stage {st.index} (ops {', '.join(st.ops)}) holds layers {sorted(have)} of this model "
                                f"but the strategy lists {sorted(st.layers)}: the strategy was made for another model")
     for st in range(s.pp):
         if not any(split.params[k] for k in range(st, len(chunks), s.pp)):
             # torch's optimisers and DCP's state dicts refuse an empty parameter set; such a stage only
             # forwards activations (e.g. the loss alone), which the plan could give to its neighbour
-            raise _unsupported(f"pipeline stage {st} holds no parameters (ops "
+            raise Unsupported(f"pipeline stage {st} holds no parameters (ops "
                                f"{', '.join(by for c in range(st, len(chunks), s.pp) for by in chunks[c])}); "
                                "a parameter-free stage is not executed: search with fewer stages")
     holders: dict[str, list[int]] = {}
@@ -323,7 +319,7 @@ def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, to
     for p, ks in tied:
         stages = [k % s.pp for k in ks]
         if len(set(stages)) != len(stages):
-            raise _unsupported(f"parameter {p!r} is used by chunks {list(ks)}, two of them on one stage; not executed")
+            raise Unsupported(f"parameter {p!r} is used by chunks {list(ks)}, two of them on one stage; not executed")
     return PipelinePlan(stages=s.pp, virtual=v, schedule=sched, microbatches=s.microbatches,
                         cuts=cuts, chunk_params=tuple(split.params), tied=tied,
                         pp_major=_pp_major(s))
@@ -334,13 +330,13 @@ def _pp_major(s: Any) -> bool:
     device lists, since the workers place stage ``k``'s chunks on the ranks the mesh gives it."""
     sizes = {a.name: a.size for a in s.mesh.axes if a.size > 1}
     if sizes.get("pp") != s.pp or sizes.get("dp", 1) != s.dp:
-        raise _unsupported(f"the mesh axes {sizes} do not match pp={s.pp}, dp={s.dp}")
+        raise Unsupported(f"the mesh axes {sizes} do not match pp={s.pp}, dp={s.dp}")
     order = [a for a in sizes if a in ("pp", "dp")]
     pp_major = order[0] == "pp"
     for st in s.stages:
         ranks = [st.index * s.dp + d if pp_major else d * s.pp + st.index for d in range(s.dp)]
         if st.devices and sorted(st.devices) != sorted(s.mesh.devices[r] for r in ranks):
-            raise _unsupported(f"stage {st.index} lists devices {st.devices} but the mesh {order} puts it on "
+            raise Unsupported(f"stage {st.index} lists devices {st.devices} but the mesh {order} puts it on "
                                f"{[s.mesh.devices[r] for r in ranks]}")
     return pp_major
 
@@ -357,7 +353,8 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
     from polyparallel.backends.torch._checkpoint import resume, save_checkpoint
     from polyparallel.backends.torch._loss_weighting import TargetCount, weigh_microbatches
     from polyparallel.backends.torch._precision import Precision
-    from polyparallel.backends.torch._worker import batch_counts, comm_profile, finish_step, log_step, resolve
+    from polyparallel.backends.torch._steps import batch_counts, comm_profile, finish_step, log_step
+    from polyparallel.references import resolve
 
     plan, pipe = job["plan"], job["plan"].pipeline
     pp, dp, K = pipe.stages, plan.dp, pipe.stages * pipe.virtual
@@ -422,7 +419,7 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
                 tie_groups.append((name, g))
     owner = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
     named = {n.removeprefix("module."): p for mod in modules for n, p in mod.named_parameters()}
-    from polyparallel.backends.torch._worker import make_optimizer
+    from polyparallel.backends.torch._steps import make_optimizer
 
     opt = make_optimizer(job["optimizer"], owner.parameters(), job["lr"], device)
     ckpt = Path(job["checkpoint_dir"]) if job.get("checkpoint_dir") else None

@@ -59,15 +59,13 @@ from polyparallel.backends.torch._tensor_parallel import (
     sharded_consumer,
     tied_shards,
 )
-from polyparallel.backends.torch.capabilities import dp_split_ok, op_role, plan_problems
+from polyparallel.backends.torch.capabilities import Unsupported, dp_split_ok, op_role, plan_problems
 from polyparallel.ir import Graph, OpKind
 from polyparallel.strategy import Strategy
 
 __all__ = ["ExecPlan", "Unsupported", "plan_for"]
 
 
-class Unsupported(ValueError):
-    """The strategy asks for something this backend cannot execute exactly; the message says what."""
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,25 @@ from typing import Any
 
 from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind
 
-__all__ = ["EXECUTED_DTYPES", "EXECUTED_RECOMPUTE", "EXECUTED_SCHEDULES", "batch_statistics",
-           "chain_problems", "dp_split_ok", "edge_rule", "expressible", "op_role", "plan_problems"]
+__all__ = [
+    "EXECUTED_DTYPES",
+    "EXECUTED_RECOMPUTE",
+    "EXECUTED_SCHEDULES",
+    "Unsupported",
+    "batch_statistics",
+    "chain_problems",
+    "dp_split_ok",
+    "edge_rule",
+    "expressible",
+    "op_role",
+    "plan_problems",
+]
+
+
+
+class Unsupported(ValueError):
+    """The strategy asks for something this backend cannot execute exactly; the message says what."""
+
 
 EXECUTED_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 EXECUTED_RECOMPUTE = ("none", "selective", "full")  # activation recomputation the executor runs (._recompute)

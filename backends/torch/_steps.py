@@ -1,0 +1,73 @@
+"""One training step's bookkeeping, shared by the plain worker loop and the pipeline loop: the optimiser,
+finishing a step (scaler, device sync, seconds), what rank 0 logs per step, and the collectives'
+time as torch's profiler records it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["batch_counts", "comm_profile", "finish_step", "log_step", "make_optimizer"]
+
+
+def finish_step(prec: Any, opt: torch.optim.Optimizer, device: torch.device, t0: float) -> tuple[dict[str, Any], float]:
+    """The optimizer step (through the precision's gradient scaler) and the step's seconds since
+    ``t0``, the device synchronised; returns the scaler's log fields and the seconds."""
+    amp = prec.step(opt)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return amp, time.perf_counter() - t0
+
+
+def log_step(log: Path, step: int, loss: float, weighting: str, seconds: float, device: torch.device,
+             **fields: Any) -> None:
+    """Append rank 0's record of one step to ``train.jsonl`` (the launcher streams it as progress)."""
+    rec = {"step": step, "loss": loss, "loss_weighting": weighting, "step_time_s": seconds, "device": device.type,
+           "backend": dist.get_backend(), **fields}
+    with log.open("a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def make_optimizer(name: str, params: Any, lr: float, device: torch.device) -> torch.optim.Optimizer:
+    """torch's ``sgd``/``adam``/``adamw``; on CUDA its fused kernel (one pass over every state, as the
+    cost model prices a GPU's optimizer step) unless a parameter is sharded (DTensor: foreach)."""
+    from torch.distributed.tensor import DTensor
+
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
+    params = list(params)
+    if device.type == "cuda" and not any(isinstance(p, DTensor) for p in params):
+        return cls(params, lr=lr, fused=True)
+    return cls(params, lr=lr)
+
+
+@contextlib.contextmanager
+def comm_profile(enabled: bool) -> Iterator[dict[str, Any]]:
+    """Collect what torch's profiler records of collectives in the block into the yielded dict
+    (``comm_s``: summed durations of ``gloo:*``/``nccl:*`` events; ``comm_ops``: their counts)."""
+    rec: dict[str, Any] = {}
+    if not enabled:
+        yield rec
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        yield rec
+    events = [e for e in prof.key_averages() if e.key.startswith(("gloo:", "nccl:"))]
+    rec["comm_s"] = sum(e.cpu_time_total for e in events) * 1e-6
+    rec["comm_ops"] = {e.key: e.count for e in events}
+
+
+def batch_counts(inputs: torch.Tensor) -> dict[str, int]:
+    """What one step of the global batch ``inputs`` trains on, for throughput: ``samples`` (its
+    rows) and, for token ids (integer inputs with a sequence dim), ``tokens``."""
+    counts = {"samples": int(inputs.shape[0])}
+    if inputs.dim() >= 2 and not inputs.is_floating_point() and not inputs.is_complex():
+        counts["tokens"] = inputs.numel()
+    return counts
