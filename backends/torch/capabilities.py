@@ -56,7 +56,6 @@ __all__ = [
 ]
 
 
-
 class Unsupported(ValueError):
     """The strategy asks for something this backend cannot execute exactly; the message says what."""
 
