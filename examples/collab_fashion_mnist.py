@@ -129,7 +129,7 @@ def run_split(name: str, alpha: float | None, xtr, ytr, xte, yte, args, seed: in
     names = [f"c{i}" for i in range(args.centers)]
     data = {n: (xtr[p], ytr[p]) for n, p in zip(names, parts)}
     sizes = [len(p) for p in parts]
-    spec = ModelSpec("cnn", (1, 28, 28), 10, hidden=args.width, norm=args.norm)
+    spec = ModelSpec(args.model) if args.model else ModelSpec("cnn", (1, 28, 28), 10, hidden=args.width, norm=args.norm)
     steps = max(1, round(args.epochs * np.mean(sizes) / (args.batch * args.rounds)))
     base = dict(model=spec, rounds=args.rounds, local_steps=steps, batch_size=args.batch, lr=args.lr, seed=seed,
                 lr_schedule=args.lr_schedule, momentum=args.momentum, logit_adjust=args.logit_adjust)
@@ -176,7 +176,7 @@ def run_split(name: str, alpha: float | None, xtr, ytr, xte, yte, args, seed: in
         res = run_inprocess(cfg, data, eval_data=(xte, yte))
         record(arm, [r.eval["accuracy"] for r in res.rounds], t0,
                {"fusion": fusion, "fusion_options": opts, "bytes_up_per_round": sum(res.rounds[0].bytes_up.values()),
-                "bytes_down_per_round": res.rounds[0].bytes_down})
+                "bytes_down_per_round": res.rounds[0].bytes_down, **round_timing(res)})
     if args.mindspore and name.split("(")[0].lower() in args.mindspore_splits.lower() and seed == args.seeds[0]:
         t0 = time.time()
         centers = tuple(CenterSpec(n, framework="mindspore" if i >= len(names) - 2 else "torch")
@@ -187,8 +187,54 @@ def run_split(name: str, alpha: float | None, xtr, ytr, xte, yte, args, seed: in
     return {"split": name, "seed": seed, "alpha": alpha, "center_sizes": sizes, "local_steps": steps,
             "rounds": args.rounds, "epochs": args.epochs, "batch": args.batch, "lr": args.lr, "momentum": args.momentum,
             "lr_schedule": args.lr_schedule, "logit_adjust": args.logit_adjust, "width": args.width, "norm": args.norm,
+            "model": args.model or "cnn",
             "train_images": len(ytr),
             "test_images": len(yte), "arms": arms}
+
+
+def round_timing(res) -> dict:
+    """Median wall time of a round and the communication share, from the in-process engine's timing events.
+
+    Per round (rounds 2.., round 1 carries one-off start-up when there are more): ``round`` = server
+    ``round_start`` → ``round_end``; ``compute`` = Σ over centers of ``received_model`` → ``finished_training``
+    (the in-process engine runs the centers one after another); ``fusion`` = ``fusion_start`` →
+    ``fusion_end``; ``comm`` = Σ over centers of ``round_start``/previous reply → ``received_model`` and
+    ``sent_update`` → ``update_received`` (serialising, copying and decoding the tensors: no network here).
+    The rest of a round is the server's evaluation of the fused model.
+    """
+    ev = {(e["round"], e["who"], e["event"]): e["t"] for e in res.timing}
+    rows = []
+    for rec in res.rounds[1:] if len(res.rounds) > 1 else res.rounds:
+        r = rec.round
+        centers = sorted({w for (rr, w, e) in ev if rr == r and e == "finished_training"},
+                         key=lambda c: ev[(r, c, "received_model")])
+        t_round = ev[(r, "server", "round_end")] - ev[(r, "server", "round_start")]
+        compute = sum(ev[(r, c, "finished_training")] - ev[(r, c, "received_model")] for c in centers)
+        comm = sum(ev[(r, c, "update_received")] - ev[(r, c, "sent_update")] for c in centers)
+        prev = ev[(r, "server", "round_start")]
+        for c in centers:
+            comm += max(0.0, ev[(r, c, "received_model")] - prev)
+            prev = ev[(r, c, "update_received")]
+        fusion = ev[(r, "server", "fusion_end")] - ev[(r, "server", "fusion_start")]
+        rows.append((t_round, compute, comm, fusion))
+    a = np.array(rows)
+    return {"timing_source": "in-process engine timing events (CollabResult.timing)",
+            "round_s_median": float(np.median(a[:, 0])), "compute_s_median": float(np.median(a[:, 1])),
+            "comm_s_median": float(np.median(a[:, 2])), "fusion_s_median": float(np.median(a[:, 3])),
+            "comm_share": float(a[:, 2].sum() / a[:, 0].sum())}
+
+
+def timing_table(results: dict[str, list[dict]]) -> str:
+    """Median round wall time and communication share of every collaborative arm (see :func:`round_timing`)."""
+    lines = ["| split | arm | round s (median) | compute s | comm s | fusion s | comm share (%) |",
+             "|---|---|---|---|---|---|---|"]
+    for runs in results.values():
+        for arm, d in runs[0]["arms"].items():
+            if "round_s_median" in d:
+                lines.append(f"| {runs[0]['split']} | {arm} | {d['round_s_median']:.3f} | "
+                             f"{d['compute_s_median']:.3f} | {d['comm_s_median']:.4f} | {d['fusion_s_median']:.4f} | "
+                             f"{100 * d['comm_share']:.2f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def svg_plot(results: list[dict], path: Path) -> None:
@@ -272,6 +318,10 @@ def main() -> None:
     ap.add_argument("--logit-adjust", type=float, default=0.0, metavar="TAU",
                     help="every arm trains on the logit-adjusted loss softmax(z + TAU log prior) with its own data's "
                          "label prior (0: plain cross-entropy; 1: the theory's value)")
+    ap.add_argument("--model", default="", metavar="MODULE:FUNCTION",
+                    help="the user's model instead of the built-in CNN: a function returning an nn.Module taking "
+                         "(N, 1, 28, 28) images to 10 logits, e.g. models.resnet_small:resnet (examples/ is on the "
+                         "import path when this script runs)")
     ap.add_argument("--width", type=int, default=8, help="channels of the first conv")
     ap.add_argument("--norm", default="batch", choices=("batch", "group"),
                     help="the CNN's normalisation (every arm): BatchNorm or GroupNorm")
@@ -314,6 +364,9 @@ def main() -> None:
             results.setdefault(s, []).append(run_split(label, alpha, xtr, ytr, xte, yte, args, seed))
             (args.out / f"{stem}_{s}.json").write_text(json.dumps(results[s], indent=1))
     md = table(results)
+    timings = timing_table(results)
+    if timings:
+        md += "\n\nCollaborative rounds, first seed (in-process engine timing events):\n\n" + timings
     (args.out / f"{stem}.md").write_text(md + "\n")
     svg_plot([aggregate(runs) for runs in results.values()], args.out / f"{stem}.svg")
     print(md)
