@@ -26,6 +26,9 @@ Writes ``<out>/collab_fashion_mnist[_TAG]_<split>.json`` (a list, one entry per 
 ``<out>/collab_fashion_mnist[_TAG].md`` and an SVG plot of mean accuracy per round per arm. Runs started
 apart (e.g. one process per split) are merged by ``--table-only``.
 
+``--model MODULE:FUNCTION`` trains the user's own model instead (the collaborative backend's user-model
+path), e.g. ``--model models.resnet_small:resnet`` (``examples/models/resnet_small.py``; see docs/collab.md).
+
 Data: Debian's ``dataset-fashion-mnist`` package (``apt-get install -y dataset-fashion-mnist``), files in
 ``/usr/share/datasets/fashion-mnist``.
 
