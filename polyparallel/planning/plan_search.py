@@ -127,8 +127,6 @@ MEMORY_LADDER = (("0", "none"), ("1", "none"), ("2", "none"), ("1", "selective")
                  ("1", "full"), ("3", "full"))
 
 
-
-
 class DoesNotFit(ValueError):
     """No plan fits the cluster's memory; the message names the smallest shortfall."""
 
@@ -228,8 +226,8 @@ class _Best:
     fitting: list[_Candidate] = field(default_factory=list)
     # why the executor would refuse a plan (empty: it runs it); a refused plan that fits stays out
     # of ``fitting`` but counts as fitting for the enumeration's control flow
-    refuse: Callable[[Graph, ParallelConfig], list[str]] | None = None
-    refused: dict[str, int] = field(default_factory=dict)  # reason -> plans it kept out
+    refuse: Callable[[ParallelConfig], list[str]] | None = None
+    refused: dict[str, int] = field(default_factory=dict)  # reason -> distinct plans it kept out
     chosen: _Candidate | None = None  # the candidate behind ``est``
     _closest: _Candidate | None = None
     _full: dict[int, StepEstimate] = field(default_factory=dict)
@@ -244,12 +242,8 @@ class _Best:
             if self._closest is None or _shortfall(bound, self.cap) < _shortfall(self._closest.bound, self.cap):
                 self._closest = cand
             return False
-        why = self.refuse(graph, cfg) if self.refuse is not None else []
-        if why:
-            for w in why:
-                self.refused[w] = self.refused.get(w, 0) + 1
-            return True
-        self.fitting.append(cand)
+        if self.refuse is None or not self.refuse(cfg):
+            self.fitting.append(cand)
         return True
 
     def full(self, cand: _Candidate) -> StepEstimate:
@@ -440,7 +434,20 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
     capabilities`); when none of those fits, the search runs again over every plan and says so."""
     dtype = c.dtype or _default_dtype(cl, devs)
     enforce = executable and c.placements == "torch" and dtype in EXECUTED_DTYPES
-    best = _Best(cl=cl, cap=c.memory_cap, refuse=plan_problems if enforce else None)
+    best = _Best(cl=cl, cap=c.memory_cap)
+    g = mdl.graph(mdl.b0)
+    # each distinct plan judged once, on the example graph (what plan_problems reads of a graph,
+    # batch statistics, layers and attention, does not depend on the batch size)
+    verdicts: dict[ParallelConfig, list[str]] = {}
+
+    def problems(cfg: ParallelConfig) -> list[str]:
+        if cfg not in verdicts:
+            verdicts[cfg] = plan_problems(g, cfg)
+            for w in verdicts[cfg]:
+                best.refused[w] = best.refused.get(w, 0) + 1
+        return verdicts[cfg]
+
+    best.refuse = problems if enforce else None
     if executable and c.placements == "torch" and not enforce:
         best.notes.append(f"the torch backend trains in {', '.join(EXECUTED_DTYPES)} only: this {dtype} strategy is "
                           f"for planning only (polyparallel train refuses it)")
@@ -448,20 +455,12 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
     # every micro-batch size and ladder rung instead of stopping at the first that fits
     wide = exhaustive or objective == "memory"
     n = len(devs)
-    g = mdl.graph(mdl.b0)
     layers = len(_layer_count(g))
     node = _node_size(cl, devs)
     shapes = _mesh_shapes(n, c, node, layers, exhaustive)
     # the exhaustive yardstick walks every rung (`offer` refuses the unexecuted ones); otherwise
-    # the ladders hold only executed rungs, judged on the example graph (what plan_problems reads
-    # of a graph, batch statistics, layers and attention, does not depend on the batch size)
-    def executed(cfg: ParallelConfig) -> bool:
-        why = plan_problems(g, cfg)
-        for w in why:
-            best.refused[w] = best.refused.get(w, 0) + 1
-        return not why
-
-    runs = executed if enforce and not wide else None
+    # the ladders hold only executed rungs
+    runs = (lambda cfg: not problems(cfg)) if enforce and not wide else None
     say(f"{len(shapes)} mesh shapes over {n} devices")
     for i, (dp, tp, pp, sp) in enumerate(shapes):
         if B % dp:
@@ -534,19 +533,20 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
 
 
 def _executable(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B: int, devs: list[int],
-                record: SearchRecord, c: Constraints, say: Callable[[str], None], tries: int = 8) -> Strategy:
+                record: SearchRecord, c: Constraints, say: Callable[[str], None]) -> Strategy:
     """The fastest plan the torch backend's own pre-launch check (:func:`~polyparallel.backends.torch.plan_for`)
     accepts on the user's module: what the plan-level predicates cannot see without the model
     (where the pipeline cuts fall in torch.export's graph, module types behind tensor-parallel ops)
-    is checked here, and a refused plan is replaced by the next fastest. Plans of a model that does
-    not follow ``train``'s ``forward(inputs, labels)`` form are not checked."""
+    is checked here, and a refused plan is replaced by the next fastest until one is accepted (every
+    refusal removes a candidate, so the walk ends; :class:`DoesNotFit` when none is left). Plans of a
+    model that does not follow ``train``'s ``forward(inputs, labels)`` form are not checked."""
     from polyparallel.backends.torch import Unsupported, plan_for
 
     batch = _train_batch(mdl, B)
     if batch is None:
         return strat
     refused: list[str] = []
-    for _ in range(tries):
+    while True:
         try:
             plan_for(strat, mdl.model, batch if strat.pp > 1 else None, graph=mdl.exact(best.b))
             break
