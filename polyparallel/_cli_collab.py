@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import sys
 import tempfile
@@ -194,8 +193,6 @@ def collab_cmd(
 
     from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, collaborate, config_from_strategy
 
-    if os.getcwd() not in sys.path:  # MODULE:FUNCTION references resolve from here, as `python -m` would
-        sys.path.insert(0, os.getcwd())
     data_dir, source = _data_option(data)
     # what the options set beside the centers, fusion, H, rounds and compression (a Strategy fixes those)
     training = dict(batch_size=batch_size, lr=lr, momentum=momentum, lr_schedule=lr_schedule,
@@ -336,8 +333,6 @@ def center_cmd(
         creds = Credentials(ca.parent, ca.resolve(), ca, ca, ((name, key.resolve(), key),))
     _exit_on_sigterm()
     wd = workdir or Path(tempfile.mkdtemp(prefix=f"ppcollab-{name}-"))
-    if os.getcwd() not in sys.path:  # the SuperNode gets this import path (a data source's module)
-        sys.path.insert(0, os.getcwd())
     where = source or (d_path.resolve() if d_path is not None else "")
     with LoopbackFederation(wd.resolve(), {name: where}, autostart=False, credentials=creds) as fed:
         fed.start_center(name, superlink=superlink)

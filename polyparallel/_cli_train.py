@@ -45,11 +45,6 @@ def train(
                                                     "collectives (comm_s, comm_ops); slows small steps")] = False,
 ) -> None:
     """Train MODEL on DATA exactly as the strategy says (refused, exit 2, if it cannot be executed)."""
-    import os
-    import sys
-
-    if os.getcwd() not in sys.path:  # like `python -m`: the user's own modules in this folder import
-        sys.path.insert(0, os.getcwd())
     if run_dir is not None and log_dir is not None and run_dir != log_dir:
         raise UserError("--log-dir is the older name of --run-dir: give one")
     from polyparallel.backends.torch import _agent

@@ -7,6 +7,7 @@ this module only assembles them and turns user errors into one readable line.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import typer
@@ -38,6 +39,10 @@ def _load_commands() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # MODULE:FUNCTION arguments (models, data, sources) resolve from the current folder, as with
+    # `python -m`; the processes a command starts inherit this path
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     _load_commands()
     from polyparallel.frontends import CaptureError
 

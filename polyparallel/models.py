@@ -16,7 +16,6 @@ grouped-query attention and rotary embeddings) so the package needs no model zoo
 
 from __future__ import annotations
 
-import importlib
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -361,12 +360,9 @@ def load_model(spec: str, *, batch_size: int | None = None, seq_len: int | None 
             raise FileNotFoundError(f"ONNX file {spec!r} does not exist")
         return p
     if ":" in spec:
-        mod_name, _, fn_name = spec.partition(":")
-        try:
-            fn = getattr(importlib.import_module(mod_name), fn_name)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"cannot load {spec!r}: {e}") from e
-        out = fn()
+        from polyparallel.references import resolve
+
+        out = resolve(spec, "model")()
         if not isinstance(out, tuple) or len(out) not in (2, 3):
             raise ValueError(f"{spec} must return (model, args) or (model, args, kwargs), got {type(out).__name__}")
         model, args = out[0], out[1]
