@@ -16,9 +16,10 @@ grouped-query attention and rotary embeddings) so the package needs no model zoo
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -273,13 +274,15 @@ class Example:
     default_seq: int | None = None
 
 
-def _lm(model_fn: Callable[[], nn.Module], vocab: int, seq: int, meta: bool) -> Callable[[int, int | None], Built]:
-    def build(batch: int, s: int | None) -> Built:
-        s = s or seq
+def _lm(model_cls: Callable[[Any], nn.Module], config: Any, meta: bool) -> Callable[..., Built]:
+    """A built-in LM at sequence length ``s`` (default: the config's) and ``layers`` blocks."""
+
+    def build(batch: int, s: int | None, layers: int | None = None) -> Built:
+        cfg = replace(config, seq=s or config.seq, layers=layers or config.layers)
         dev = torch.device("meta") if meta else torch.device("cpu")
         with dev:
-            model = model_fn()
-        ids = torch.zeros(batch, s, dtype=torch.long, device=dev)
+            model = model_cls(cfg)
+        ids = torch.zeros(batch, cfg.seq, dtype=torch.long, device=dev)
         return model, (ids,), {"labels": ids}
 
     return build
@@ -330,15 +333,15 @@ EXAMPLES: dict[str, Example] = {
         Example("cnn", "small CNN for 28x28 images (2 conv + BN)", _vision(SmallCNN, (1, 28, 28), 10, False), 64),
         Example("resnet50", "ResNet-50, 224x224 images, 25.6M params (meta)",
                 _vision(ResNet, (3, 224, 224), 1000, True), 32),
-        Example("gpt-tiny", "2-layer GPT, hidden 64, seq 64", _lm(lambda: GPT(_GPT_TINY), 512, 64, False), 8, 64),
+        Example("gpt-tiny", "2-layer GPT, hidden 64, seq 64", _lm(GPT, _GPT_TINY, False), 8, 64),
         Example("gpt2-small", "GPT-2 small, 124M params, seq 1024 (meta)",
-                _lm(lambda: GPT(_GPT2_SMALL), 50257, 1024, True), 8, 1024),
+                _lm(GPT, _GPT2_SMALL, True), 8, 1024),
         Example("llama-1b", "LLaMA-style 1.2B, 16 layers, GQA (meta)",
-                _lm(lambda: Llama(_LLAMA_1B), 32000, 2048, True), 4, 2048),
+                _lm(Llama, _LLAMA_1B, True), 4, 2048),
         Example("llama-8b", "LLaMA-3-8B shape, 32 layers, GQA (meta)",
-                _lm(lambda: Llama(_LLAMA_8B), 128256, 8192, True), 1, 8192),
+                _lm(Llama, _LLAMA_8B, True), 1, 8192),
         Example("gpt3-175b", "GPT-3 175B, 96 layers, hidden 12288, seq 2048 (meta)",
-                _lm(lambda: GPT(_GPT3), 50257, 2048, True), 1, 2048),
+                _lm(GPT, _GPT3, True), 1, 2048),
         Example("hf-gpt2", "transformers GPT-2 (124M) from a config", _hf("gpt2"), 2, 128),
         Example("hf-llama", "transformers LLaMA (4 layers, hidden 512) from a config", _hf("llama"), 2, 128),
         Example("hf-bert", "transformers BERT-base MLM from a config", _hf("bert"), 2, 128),
@@ -346,14 +349,29 @@ EXAMPLES: dict[str, Example] = {
 }
 
 
-def load_model(spec: str, *, batch_size: int | None = None, seq_len: int | None = None) -> Any:
+def load_model(spec: str, *, batch_size: int | None = None, seq_len: int | None = None,
+               layers: int | None = None) -> Any:
     """Resolve a MODEL argument into something :func:`polyparallel.capture` takes.
 
-    Returns either an ``.onnx`` path or a ``(module, args, kwargs)`` triple.
+    ``batch_size`` (the example batch), ``seq_len`` and ``layers`` size a built-in example; a
+    user's model is sized by its own function. Returns either an ``.onnx`` path or a
+    ``(module, args, kwargs)`` triple.
     """
+    for name, v in (("batch size", batch_size), ("sequence length", seq_len), ("layers", layers)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name} {v!r}: give a whole number >= 1")
     if spec in EXAMPLES:
         ex = EXAMPLES[spec]
+        if seq_len is not None and ex.default_seq is None:
+            raise ValueError(f"example {spec!r} has no sequence; drop --seq")
+        if layers is not None:
+            if "layers" not in inspect.signature(ex.build).parameters:
+                raise ValueError(f"example {spec!r} has a fixed depth; drop --layers")
+            return ex.build(batch_size or ex.default_batch, seq_len or ex.default_seq, layers)
         return ex.build(batch_size or ex.default_batch, seq_len or ex.default_seq)
+    if seq_len is not None or layers is not None:
+        raise ValueError(f"--seq and --layers size the built-in examples; {spec!r} is sized by its own function "
+                         "(change the example inputs it returns)")
     if spec.endswith(".onnx"):
         p = Path(spec)
         if not p.exists():

@@ -108,7 +108,8 @@ class Stage(_Model):
     objective_s: float = Field(0.0, description="per micro-batch: forward + backward compute and tensor-parallel "
                                                 "communication of the solver's placements, under the placement cost "
                                                 "(kept where placed_by is 'solver')")
-    rule_objective_s: float = Field(0.0, description="the same for Megatron's rule's placements")
+    rule_objective_s: float = Field(0.0, description="the same for Megatron's rule's placements (0: not priced, "
+                                                     "the rule holds a layout pair the solver's edge model forbids)")
 
 
 class OpPlacement(_Model):
@@ -213,6 +214,10 @@ class Strategy(_Model):
                 text = Path(source).read_text()
             except OSError as e:
                 raise StrategyError(f"cannot read strategy file {where}: {e.strerror}") from e
+            except UnicodeDecodeError as e:
+                hint = (f"; to plan this model run `polyparallel search {where} -o strategy.json` first"
+                        if where.endswith(".onnx") else "")
+                raise StrategyError(f"{where} is a binary file, not a strategy JSON{hint}") from e
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as e:

@@ -23,16 +23,28 @@ from polyparallel.cluster.calibration import (
 from polyparallel.cluster.devices import DTYPE_FALLBACK, FRAMEWORKS, Center, Device, DeviceType, Link, Node
 from polyparallel.cluster.units import UNIT_KINDS, ClusterSpecError, parse_quantity
 
+# a bare number is read in SI base units; outside these ranges it is surely a number whose unit
+# was left out (``bandwidth: 450`` meaning 450 GB/s, not 450 B/s)
+_BARE_RANGE = {"bandwidth": (1e5, 1e15, "450 GB/s"), "bytes": (1e6, 1e16, "80 GB"),
+               "flops": (1e6, 1e19, "312 TFLOP/s"), "time": (0.0, 60.0, "5 us")}
+
 
 def _qty(kind: str, positive: bool = True):
     def check(v: Any) -> float:
         x = parse_quantity(v, kind)
+        lo, hi, example = _BARE_RANGE[kind]
+        if isinstance(v, int | float) and not isinstance(v, bool) and x and not lo <= x <= hi:
+            raise ValueError(f"{v!r} has no unit, so it reads as {v} {_SI[kind]}, which no cluster has; write the "
+                             f"unit, e.g. '{example}'")
         if positive and not x > 0:
             raise ValueError(f"must be > 0, got {v!r}: write a positive {UNIT_KINDS[kind]}")
         if not positive and x < 0:
             raise ValueError(f"must be >= 0, got {v!r}")
         return x
     return check
+
+
+_SI = {"bandwidth": "B/s", "bytes": "B", "flops": "FLOP/s", "time": "s"}
 
 
 class _Strict(BaseModel):

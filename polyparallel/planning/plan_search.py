@@ -106,10 +106,13 @@ from polyparallel.backends.collab._center_plan import CENTER_LIMITS
 from polyparallel.backends.torch.capabilities import EXECUTED_DTYPES, plan_problems
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, StepEstimate, estimate_step
+from polyparallel.cost_models.parallel_config import RECOMPUTE
+from polyparallel.cost_models.pipeline import SCHEDULES
 from polyparallel.cost_models.step import StepBound, step_lower_bound
-from polyparallel.ir import Graph
+from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph
 from polyparallel.planning.assemble import model_info, strategy_of
 from polyparallel.planning.model_graphs import ModelGraphs, divisors, rebatch
+from polyparallel.planning.model_inputs import model_and_inputs
 from polyparallel.planning.place_plan import MODES
 from polyparallel.strategy import (
     CenterPlan,
@@ -167,6 +170,32 @@ class Constraints:
     comm_fraction: float = 0.2
     cross_node_tp: bool = False
     placements: str = "torch"
+
+    def __post_init__(self) -> None:
+        bad = self.problems()
+        if bad:
+            raise ValueError("bad constraint: " + "; ".join(bad))
+
+    def problems(self) -> list[str]:
+        """Each pinned value that no plan can have, with the values it can take."""
+        why = []
+        for name in ("dp", "tp", "pp", "sp", "microbatches", "devices"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                why.append(f"{name}={v!r}: give a whole number >= 1 (or leave it unset to let the search choose)")
+        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
+            why.append(f"zero_stage={self.zero_stage!r}: give 0, 1, 2 or 3")
+        choices = (("schedule", SCHEDULES), ("recompute", RECOMPUTE), ("dtype", tuple(TRAINING_DTYPE_BYTES)),
+                   ("mode", ("synchronous", "collaborative")))
+        for name, allowed in choices:
+            v = getattr(self, name)
+            if v is not None and str(v).partition(":")[0] not in allowed:
+                why.append(f"{name}={v!r}: give one of {', '.join(allowed)}")
+        if self.memory_cap is not None and not self.memory_cap > 0:
+            why.append(f"memory_cap={self.memory_cap!r}: give bytes per device > 0")
+        if not 0 < self.comm_fraction < 1:
+            why.append(f"comm_fraction={self.comm_fraction!r}: give a share of the round between 0 and 1")
+        return why
 
     @classmethod
     def of(cls, value: Constraints | dict[str, Any] | None) -> Constraints:
@@ -375,9 +404,14 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
     """Find the fastest plan that fits (see the module docstring for the problem solved).
 
     Args:
-        model: an ``nn.Module`` (meta device allowed), an ONNX path/ModelProto, or a Graph.
+        model: an ``nn.Module`` (meta device allowed), a built-in example's name (``"gpt-tiny"``),
+            a ``"package.module:function"`` returning ``(model, args[, kwargs])``, an ONNX
+            path/ModelProto, or a Graph.
         example_inputs / example_kwargs: fix the per-sample shapes; their leading dim is the
-            example batch (the search re-captures at other micro-batch sizes).
+            example batch (the search re-captures at other micro-batch sizes). A dict as
+            ``example_inputs`` is taken as keyword inputs. Left out for a module, they are
+            inferred where the model says what it takes (a ``transformers`` model, a first
+            ``nn.Linear``; :mod:`polyparallel.planning.model_inputs`) and the notes say so.
         cluster: a :class:`Cluster`, a spec path or a preset name.
         objective: ``throughput`` or ``memory``.
         constraints: pinned choices (:class:`Constraints` or a dict of its fields).
@@ -392,15 +426,18 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
     t0 = time.perf_counter()
     if objective not in ("throughput", "memory"):
         raise ValueError(f"objective must be 'throughput' or 'memory', not {objective!r}")
+    _check_cluster(cluster)
     cl = cluster if isinstance(cluster, Cluster) else Cluster.resolve(str(cluster))
     c = Constraints.of(constraints)
+    _check_batch(batch_size)
+    model, example_inputs, example_kwargs, inferred = model_and_inputs(model, example_inputs, example_kwargs)
     mdl = ModelGraphs(model, example_inputs, example_kwargs)
     devs = _pool(cl, c)
     B = batch_size or mdl.b0 * len(devs)
     say = progress or (lambda _: None)
 
     best, collab = None, None
-    notes: list[str] = []
+    notes: list[str] = [inferred] if inferred else []
     if c.mode != "collaborative":
         best = _search_sync(mdl, cl, B, c, devs, exhaustive, objective, say)
         notes += best.notes
@@ -710,6 +747,18 @@ def _does_not_fit_message(mdl: ModelGraphs, cl: Cluster, best: _Best | None) -> 
 # evaluate a hand-made recipe
 
 
+def _check_cluster(cluster: Any) -> None:
+    if not isinstance(cluster, Cluster | str | Path):
+        raise ValueError(f"cluster (the third argument) must be a preset name, a spec path or a Cluster, not a "
+                         f"{type(cluster).__name__}; keyword inputs of the model go in example_kwargs={{...}}")
+
+
+def _check_batch(batch_size: Any) -> None:
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size={batch_size!r}: give the global batch as a whole number >= 1 (samples per "
+                         "optimizer step), or leave it unset for the example batch times the devices")
+
+
 def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path = "local-cpu:2", *,
              example_kwargs: dict[str, Any] | None = None, dp: int | None = None, tp: int = 1, pp: int = 1,
              sp: int = 1, microbatches: int | None = None, schedule: str | None = None,
@@ -724,6 +773,10 @@ def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Pa
     Returns a Strategy whose ``estimate`` holds the price (even when the recipe does not fit:
     then ``estimate.memory_bytes_max`` exceeds the capacity and ``search.notes`` says why).
     """
+    Constraints(dp=dp, tp=tp, pp=pp, sp=sp)  # raises on degrees no plan has
+    _check_batch(batch_size)
+    _check_cluster(cluster)
+    model, example_inputs, example_kwargs, _ = model_and_inputs(model, example_inputs, example_kwargs)
     cl = cluster if isinstance(cluster, Cluster) else Cluster.resolve(str(cluster))
     mdl = ModelGraphs(model, example_inputs, example_kwargs)
     devs = list(range(cl.num_devices))

@@ -1,0 +1,133 @@
+"""Bad input, as a new user types it: every case exits 2 (CLI) or raises ``ValueError`` (API) with
+one line that names the fix, before anything is written.
+
+Each row is ``(arguments, words the message must contain)``; the words are the fix (the option to
+change, the values it takes, the unit to write), not just the symptom.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import polyparallel as pp
+from polyparallel.cli import main
+
+BAD_YAML = """\
+name: t
+centers:
+  - name: a
+    framework: torch
+    nodes:
+      - device: a100-80gb-sxm
+        devices_per_node: 2
+        intra: {bandwidth: 450, latency: "2 us"}
+"""
+
+CLI_CASES = [
+    (["search", "gpt-tiny", "--batch-size", "0"], ["batch_size=0", "whole number >= 1"]),
+    (["search", "gpt-tiny", "--batch-size", "-3"], ["batch_size=-3", "whole number >= 1"]),
+    (["search", "gpt-tiny", "--tp", "0"], ["tp=0", ">= 1"]),
+    (["search", "gpt-tiny", "--pp", "-1"], ["pp=-1", ">= 1"]),
+    (["search", "gpt-tiny", "--sp", "0"], ["sp=0", ">= 1"]),
+    (["search", "gpt-tiny", "--microbatches", "0"], ["microbatches=0", ">= 1"]),
+    (["search", "gpt-tiny", "--devices", "0"], ["devices=0", ">= 1"]),
+    (["search", "gpt-tiny", "--dtype", "int4"], ["dtype='int4'", "bf16"]),
+    (["search", "gpt-tiny", "--schedule", "zb"], ["schedule='zb'", "1f1b"]),
+    (["search", "gpt-tiny", "--zero", "5"], ["zero_stage=5", "0, 1, 2 or 3"]),
+    (["search", "gpt-tiny", "--recompute", "some"], ["recompute='some'", "selective"]),
+    (["search", "gpt-tiny", "--mode", "async"], ["mode='async'", "collaborative"]),
+    (["search", "gpt-tiny", "--memory-cap", "-1"], ["memory_cap", "> 0"]),
+    (["search", "gpt-tiny", "--objective", "fastest"], ["objective", "throughput"]),
+    (["search", "gpt-tiny", "--placements", "best"], ["placements", "torch"]),
+    (["search", "mlp", "--seq", "3"], ["no sequence", "drop --seq"]),
+    (["search", "mlp", "--layers", "2"], ["fixed depth", "drop --layers"]),
+    (["search", "gpt-tiny", "--seq", "0"], ["sequence length 0", ">= 1"]),
+    (["search", "no-such-model"], ["unknown model", "gpt-tiny"]),
+    (["search", "missing.onnx"], ["missing.onnx", "does not exist"]),
+    (["search", "gpt-tiny", "-c", "no-such-cluster"], ["no-such-cluster", "local-cpu:<P>"]),
+    (["search", "gpt-tiny", "-c", "bad.yaml"], ["no unit", "450 GB/s"]),
+    (["search", "no_such_module_xyz:build"], ["no_such_module_xyz"]),
+    (["search", "gpt-tiny", "-c", "local-cpu:0"], ["local-cpu"]),
+    (["evaluate", "gpt-tiny", "--tp", "0"], ["tp=0", ">= 1"]),
+    (["evaluate", "gpt-tiny", "--batch-size", "0"], ["batch_size=0", ">= 1"]),
+    (["evaluate", "gpt-tiny", "--tp", "4"], ["exceeds", "devices"]),
+    (["evaluate", "gpt-tiny", "--dtype", "fp64"], ["dtype='fp64'", "bf16"]),
+    (["evaluate", "gpt-tiny", "--schedule", "zb"], ["schedule='zb'", "gpipe"]),
+    (["explain", "model.onnx"], ["binary file", "polyparallel search model.onnx"]),
+    (["explain", "missing.json"], ["missing.json", "No such file"]),
+    (["explain", "notjson.json"], ["not JSON", "line 1"]),
+    (["explain", "other.json"], ["schema_version", "re-run `polyparallel search`"]),
+    (["cluster", "show", "no-such-cluster"], ["no-such-cluster", "presets are"]),
+    (["cluster", "show", "bad.yaml"], ["no unit", "450 GB/s"]),
+    (["graph", "no-such-model"], ["unknown model", ".onnx path"]),
+    (["graph", "gpt-tiny", "--seq", "0"], ["sequence length 0", ">= 1"]),
+    (["train", "missing.json", "--model", "m:f", "--data", "m:g"], ["missing.json"]),
+]
+
+
+@pytest.fixture
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.yaml").write_text(BAD_YAML)
+    (tmp_path / "model.onnx").write_bytes(bytes(range(256)) * 4)  # binary, not a strategy
+    (tmp_path / "notjson.json").write_text("dp=2 tp=2\n")
+    (tmp_path / "other.json").write_text('{"name": "not a strategy"}\n')
+    (tmp_path / "keep.json").write_text("precious\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize(("argv", "words"), CLI_CASES, ids=[" ".join(a) for a, _ in CLI_CASES])
+def test_cli_bad_input_exits_2_with_one_line_naming_the_fix(argv: list[str], words: list[str], workdir: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    before = {p.name: p.read_bytes() for p in workdir.iterdir()}
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "-o", "keep.json"] if argv[0] == "search" else argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert "Traceback" not in err and lines[0].startswith("error:"), err
+    # one line; a spec error adds one indented line per bad field
+    assert len(lines) == 1 or all(ln.startswith("  ") for ln in lines[1:]), err
+    for w in words:
+        assert w in err, (w, err)
+    after = {p.name: p.read_bytes() for p in workdir.iterdir()}
+    assert after == before, "a refused command changed files"  # nothing written, nothing lost
+
+
+def _mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+X = (torch.zeros(4, 8),)
+
+API_CASES = [
+    (lambda: pp.search(_mlp(), X, {"labels": 1}), ["third argument", "example_kwargs"]),
+    (lambda: pp.search(_mlp(), X, batch_size=0), ["batch_size=0", ">= 1"]),
+    (lambda: pp.search(_mlp(), X, batch_size=2.5), ["batch_size=2.5", "whole number"]),
+    (lambda: pp.search(_mlp(), X, constraints={"tp": 0}), ["tp=0", ">= 1"]),
+    (lambda: pp.search(_mlp(), X, constraints={"bogus": 1}), ["unknown constraint", "tp"]),
+    (lambda: pp.search(_mlp(), X, constraints={"dtype": "int8"}), ["dtype='int8'", "bf16"]),
+    (lambda: pp.search(_mlp(), X, objective="fast"), ["objective", "throughput"]),
+    (lambda: pp.search(torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3))), ["example_inputs=", "Conv2d"]),
+    (lambda: pp.search("gpt-tiny", X), ["brings its own example inputs"]),
+    (lambda: pp.search("no-such-model"), ["no-such-model"]),
+    (lambda: pp.evaluate(_mlp(), X, tp=0), ["tp=0", ">= 1"]),
+    (lambda: pp.Constraints(zero_stage=4), ["zero_stage=4", "0, 1, 2 or 3"]),
+    (lambda: pp.Constraints(comm_fraction=2.0), ["comm_fraction", "between 0 and 1"]),
+]
+
+
+@pytest.mark.parametrize(("call", "words"), API_CASES, ids=[f"api{i}" for i in range(len(API_CASES))])
+def test_api_bad_input_raises_a_message_naming_the_fix(call, words: list[str], workdir: Path) -> None:
+    with pytest.raises((ValueError, FileNotFoundError)) as exc:
+        call()
+    msg = str(exc.value)
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+def test_the_table_is_large_enough() -> None:
+    assert len(CLI_CASES) + len(API_CASES) >= 40
