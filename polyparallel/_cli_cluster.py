@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.table import Table
 from rich.tree import Tree
 
 from polyparallel.cli import UserError, app
@@ -79,6 +81,26 @@ def cluster_tree(c: Cluster) -> Tree:
     if c.pair_latency:
         root.add("pair latencies: " + ", ".join(f"{a}-{b} {format_duration(s)}" for (a, b), s in c.pair_latency))
     return root
+
+
+_PRESET_EXAMPLES = {"dgx-a100x<N>": "dgx-a100x8", "dgx-h100x<N>": "dgx-h100x8", "dgx-h200x<N>": "dgx-h200x8",
+                    "local-cpu:<P>": "local-cpu:4"}
+
+
+@cluster_app.command("list")
+def list_cmd() -> None:
+    """List the cluster presets (N nodes, P processes) with what one of each holds."""
+    t = Table(title="cluster presets (or give a YAML/JSON spec: polyparallel cluster show FILE)")
+    for col in ("preset", "example", "centers", "devices", "device", "peak bf16 / fp32 per device"):
+        t.add_column(col)
+    for name in PRESET_NAMES:
+        example = _PRESET_EXAMPLES.get(name, name)
+        c = Cluster.resolve(example)
+        kinds = sorted({d.type.name for d in c.devices})
+        d = c.devices[0].type
+        t.add_row(name, example, str(len(c.centers)), str(c.num_devices), ", ".join(kinds),
+                  f"{_flops(d.peak_flops('bf16'))} / {_flops(d.peak_flops('fp32'))}")
+    Console(width=None if sys.stdout.isatty() else 140).print(t)
 
 
 @cluster_app.command("show")

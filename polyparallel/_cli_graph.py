@@ -62,7 +62,7 @@ def _dims(op: Any) -> str:
 def graph_cmd(
     model: Annotated[str, typer.Argument(help=MODEL_HELP)],
     batch_size: Annotated[int | None, typer.Option("--batch-size", "-b", help="batch of the example inputs")] = None,
-    seq_len: Annotated[int | None, typer.Option("--seq-len", help="sequence length of language examples")] = None,
+    seq_len: Annotated[int | None, typer.Option("--seq", "--seq-len", help="sequence length of LM examples")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the whole graph as JSON")] = False,
     summary: Annotated[bool, typer.Option("--summary", help="only the totals and the op kinds")] = False,
     limit: Annotated[int, typer.Option("--limit", help="show at most this many ops (0: all)")] = 0,

@@ -24,10 +24,14 @@ def _console() -> Console:
     return Console(width=None if sys.stdout.isatty() else 140)
 
 
-def _load(model: str) -> tuple[Any, Any, dict[str, Any]]:
+SEQ_HELP = "sequence length of a built-in LM example (default: its own)"
+LAYERS_HELP = "number of blocks of a built-in LM example (default: its own)"
+
+
+def _load(model: str, seq: int | None = None, layers: int | None = None) -> tuple[Any, Any, dict[str, Any]]:
     from polyparallel.models import load_model
 
-    loaded = load_model(model, batch_size=None)
+    loaded = load_model(model, batch_size=None, seq_len=seq, layers=layers)
     if isinstance(loaded, Path):
         return loaded, None, {}
     return loaded
@@ -56,7 +60,8 @@ def _summary(s: Strategy) -> list[str]:
     if e:
         lines.append(f"  step {_ms(e.step_time_s)}, {e.samples_per_s:,.1f} samples/s, "
                      f"{e.model_flops_per_s_per_device / 1e12:.2f} model TFLOP/s per device, "
-                     f"peak memory {_gb(e.memory_bytes_max)}, communication {100 * e.comm_fraction:.1f}%")
+                     f"peak memory {_gb(e.memory_bytes_max)}, "
+                     f"exposed communication {100 * e.comm_fraction:.1f}% of the step")
     r = s.search
     lines.append(f"  searched {r.candidates} candidates in {r.search_s:.2f} s (+{r.capture_s:.2f} s capture), "
                  f"solver {r.solver}")
@@ -71,19 +76,35 @@ def search_cmd(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="write the strategy JSON here")] = None,
     objective: Annotated[str, typer.Option(help="throughput or memory")] = "throughput",
     exhaustive: Annotated[bool, typer.Option(help="price every candidate (small problems)")] = False,
+    dp: Annotated[int | None, typer.Option(help="pin the data-parallel degree")] = None,
     tp: Annotated[int | None, typer.Option(help="pin the tensor-parallel degree")] = None,
     pp: Annotated[int | None, typer.Option(help="pin the number of pipeline stages")] = None,
+    sp: Annotated[int | None, typer.Option(help="pin the sequence-parallel (Ulysses) degree")] = None,
+    microbatches: Annotated[int | None, typer.Option(help="pin the micro-batches per step")] = None,
+    schedule: Annotated[str | None, typer.Option(help="pin the pipeline schedule: gpipe, 1f1b or interleaved")] = None,
+    zero: Annotated[int | None, typer.Option(help="pin the ZeRO stage 0-3")] = None,
+    recompute: Annotated[str | None, typer.Option(help="pin recomputation: none, selective or full")] = None,
+    dtype: Annotated[str | None, typer.Option(help="training precision: fp32, bf16 or fp16 (default: bf16 on "
+                                                   "accelerators, fp32 on CPUs)")] = None,
+    devices: Annotated[int | None, typer.Option(help="use only the first N devices of the cluster")] = None,
+    memory_cap: Annotated[float | None, typer.Option(help="GB per device the plan may use")] = None,
     mode: Annotated[str | None, typer.Option(help="synchronous or collaborative")] = None,
     placements: Annotated[str, typer.Option(help=PLACEMENTS_HELP)] = "torch",
+    seq: Annotated[int | None, typer.Option(help=SEQ_HELP)] = None,
+    layers: Annotated[int | None, typer.Option(help=LAYERS_HELP)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the strategy JSON")] = False,
 ) -> None:
     """Find the fastest parallel plan of MODEL that fits CLUSTER."""
-    from polyparallel.planning.plan_search import search
+    from polyparallel.planning.plan_search import Constraints, search
 
     console = _console()
-    m, args, kwargs = _load(model)
-    constraints = {k: v for k, v in {"tp": tp, "pp": pp, "mode": mode}.items() if v is not None}
+    pinned = {"dp": dp, "tp": tp, "pp": pp, "sp": sp, "microbatches": microbatches, "schedule": schedule,
+              "zero_stage": zero, "recompute": recompute, "dtype": dtype, "devices": devices, "mode": mode,
+              "memory_cap": None if memory_cap is None else memory_cap * 1e9}
+    constraints = {k: v for k, v in pinned.items() if v is not None}
     constraints["placements"] = placements
+    Constraints.of(constraints)  # a bad pin fails before the capture
+    m, args, kwargs = _load(model, seq, layers)
     with console.status(f"searching {model} on {cluster} ...") as status:
         s = search(m, args, cluster, example_kwargs=kwargs, batch_size=batch_size, objective=objective,
                    constraints=constraints, exhaustive=exhaustive,
@@ -127,7 +148,8 @@ def explain_cmd(
             pairs = [f"{a} .. {b}" for a, b in zip(st.ops[::2], st.ops[1::2])]
             layers = f"{st.layers[0]}..{st.layers[-1]}" if st.layers else ""
             devs = f"{st.devices[0]}..{st.devices[-1]}" if len(st.devices) > 1 else str(st.devices[0])
-            obj = f"{_ms(st.objective_s)} / {_ms(st.rule_objective_s)}" if st.rule_objective_s else ""
+            rule = _ms(st.rule_objective_s) if st.rule_objective_s else "n/a"
+            obj = f"{_ms(st.objective_s)} / {rule}" if st.objective_s else ""
             t.add_row(str(st.index), "; ".join(pairs), layers, devs, st.device_type, _ms(st.compute_s),
                       st.placed_by or "rule", obj)
         console.print(t)
@@ -135,12 +157,14 @@ def explain_cmd(
             if st.placement_note:
                 console.print(f"stage {st.index} placements: {st.placed_by or 'rule'} ({st.placement_note})")
     if s.placements:
+        # an op with no tp split: batch-split over dp (and sp) like every op, or whole on one device
+        whole = "replicated over tp" if s.tp > 1 else "batch split over dp" if s.dp * s.sp > 1 else "whole"
         t = Table(title="placements (loop dim : mesh axis)")
         t.add_column("placement")
         t.add_column("ops")
         t.add_column("examples")
         for p in s.placements:
-            t.add_row(p.placement or "replicated", str(len(p.ops)), ", ".join(p.ops[:4]) + (" ..." if len(p.ops) > 4
+            t.add_row(p.placement or whole, str(len(p.ops)), ", ".join(p.ops[:4]) + (" ..." if len(p.ops) > 4
                                                                                           else ""))
         console.print(t)
     if s.collaborative:
@@ -203,6 +227,9 @@ def evaluate_cmd(
     schedule: Annotated[str | None, typer.Option(help="gpipe, 1f1b or interleaved")] = None,
     zero: Annotated[int | None, typer.Option(help="ZeRO stage 0-3")] = None,
     recompute: Annotated[str | None, typer.Option(help="none, selective or full")] = None,
+    dtype: Annotated[str | None, typer.Option(help="training precision: fp32, bf16 or fp16")] = None,
+    seq: Annotated[int | None, typer.Option(help=SEQ_HELP)] = None,
+    layers: Annotated[int | None, typer.Option(help=LAYERS_HELP)] = None,
     batch_size: Annotated[int | None, typer.Option("--batch-size", "-b", help="global batch per step")] = None,
     placements: Annotated[str, typer.Option(help=PLACEMENTS_HELP + "; a recipe's default is rule")] = "rule",
     as_json: Annotated[bool, typer.Option("--json", help="print the estimate as JSON")] = False,
@@ -210,9 +237,10 @@ def evaluate_cmd(
     """Price a hand-made recipe with the search's cost model; unset choices are made as the search would."""
     from polyparallel.planning.plan_search import evaluate
 
-    m, args, kwargs = _load(model)
+    m, args, kwargs = _load(model, seq, layers)
     s = evaluate(m, args, cluster, example_kwargs=kwargs, dp=dp, tp=tp, pp=pp, sp=sp, microbatches=microbatches,
-                 schedule=schedule, zero_stage=zero, recompute=recompute, batch_size=batch_size, placements=placements)
+                 schedule=schedule, zero_stage=zero, recompute=recompute, batch_size=batch_size, dtype=dtype,
+                 placements=placements)
     if as_json:
         d = s.estimate.model_dump() if s.estimate else {}
         d.update({"dp": s.dp, "tp": s.tp, "pp": s.pp, "sp": s.sp, "microbatches": s.microbatches,

@@ -25,6 +25,20 @@ _COMMAND_MODULES = ("polyparallel._cli_graph", "polyparallel._cli_cluster", "pol
                     "polyparallel._cli_collab", "polyparallel._cli_train")
 
 
+def _version(value: bool) -> None:
+    if value:
+        from polyparallel import __version__
+
+        typer.echo(f"polyparallel {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                          help="print the version and exit")) -> None:
+    """Find how to parallelise deep-learning training, and run it."""
+
+
 class UserError(Exception):
     """A problem with the user's input: printed as one line, exit status 2."""
 
@@ -43,6 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     # `python -m`; the processes a command starts inherit this path
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    if not sys.stdout.isatty() and "COLUMNS" not in os.environ:
+        os.environ["COLUMNS"] = "160"  # piped help: rich would wrap at 80 and cut option names
     _load_commands()
     from polyparallel.frontends import CaptureError
 

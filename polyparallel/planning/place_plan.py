@@ -238,7 +238,7 @@ def place(g: Graph, cl: Cluster, est: StepEstimate, stage_ops: list[list[Op]], m
     ``stage_ops``: each pipeline stage's ops (as the step model cuts them). See the module
     docstring for ``mode``; ``cap`` is a per-device memory cap the plan must respect.
     """
-    from polyparallel.planning.stage_solver import price_placements, solve_stage
+    from polyparallel.planning.stage_solver import FORBIDDEN, price_placements, solve_stage
     from polyparallel.poly import DeviceMesh, Placement, legal_placements
 
     if mode not in MODES:
@@ -277,6 +277,8 @@ def place(g: Graph, cl: Cluster, est: StepEstimate, stage_ops: list[list[Op]], m
                                include=tp_part, edge_rule=rule_of_edge, param_cost=pc)
         rule_choice = {o.name: tab.candidates[o.name].index(tp_part(o) or Placement()) for o in ops}
         rule_obj = tab.objective(rule_choice)
+        if rule_obj >= FORBIDDEN:  # a pair the edge model forbids: not a price (the step estimate prices the plan)
+            rule_obj = 0.0
         placed = {name: Placement.parse(pl) for name, pl in plan.placements.items()}
         why = torch_problems(g, placed, mesh) if mode == "torch" else []
         rule_why = rule_runs(ops) if why else []
