@@ -65,6 +65,10 @@ def _summary(s: Strategy) -> list[str]:
     r = s.search
     lines.append(f"  searched {r.candidates} candidates in {r.search_s:.2f} s (+{r.capture_s:.2f} s capture), "
                  f"solver {r.solver}")
+    # which figures priced the plan: data sheets, nominal CPU figures or a calibration (file, host, date)
+    for name, dt in (s.cluster.get("device_types") or {}).items():
+        if isinstance(dt, dict) and dt.get("source"):
+            lines.append(f"  {name} priced from: {dt['source']}")
     return lines
 
 
