@@ -40,7 +40,7 @@ def _cfg(names=("a", "b", "c"), **kw):
 
 def test_fedavg_round_equals_hand_computed_local_sgd():
     """One round by the engine == each center's SGD run here by hand, averaged by sample count."""
-    cfg = _cfg(rounds=1)
+    cfg = _cfg(rounds=1, fusion="fedavg")
     data = _data(["a", "b", "c"])
     res = run_inprocess(cfg, data)
     x0 = initial_params(cfg)
@@ -120,12 +120,18 @@ def test_median_neutralises_a_byzantine_center_in_a_federation():
     names = ("a", "b", "c", "d", "e")
     data = _data(names)
     honest = run_inprocess(_cfg(names[:4], fusion="median", rounds=2), {k: data[k] for k in names[:4]})
-    attacked = run_inprocess(_cfg(names, fusion="median", rounds=2), data, trainers={"e": _Byzantine()})
-    fedavg = run_inprocess(_cfg(names, rounds=2), data, trainers={"e": _Byzantine()})
+    # norm_bound=step_bound=0: the fusions alone, without the server's checks (which refuse e, see below)
+    attacked = run_inprocess(_cfg(names, fusion="median", rounds=2, norm_bound=0), data,
+                             trainers={"e": _Byzantine()})
+    fedavg = run_inprocess(_cfg(names, fusion="fedavg", rounds=2, norm_bound=0, step_bound=0), data,
+                           trainers={"e": _Byzantine()})
     for k, v in attacked.params.items():
         assert np.abs(v).max() < 10, k  # the median never moves towards 50
         assert np.abs(v - honest.params[k]).max() < 1.0
     assert np.abs(fedavg.params["fc1.weight"]).max() > 10  # FedAvg is captured by the attacker
+    guarded = run_inprocess(_cfg(names, rounds=2, min_centers=4, fusion="fedavg"), data,
+                            trainers={"e": _Byzantine()})
+    assert all(r.fused and "e" in r.rejected and "update norm" in r.rejected["e"][0] for r in guarded.rounds)
 
 
 def test_malformed_updates_are_rejected_logged_and_never_fused(caplog):

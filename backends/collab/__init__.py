@@ -39,6 +39,7 @@ from ._config import FRAMEWORKS, CenterSpec, CollabConfig, config_from_strategy
 from ._engine import CollabResult, initial_params, run_inprocess
 from ._fusion import (
     FUSIONS,
+    CenteredClip,
     CenterUpdate,
     DiLoCo,
     FedAdam,
@@ -47,6 +48,7 @@ from ._fusion import (
     FedYogi,
     FusionStrategy,
     Median,
+    MultiKrum,
     Scaffold,
     TrimmedMean,
     is_statistic,
@@ -78,6 +80,7 @@ __all__ = [
     "CenterReply",
     "CenterSpec",
     "CenterUpdate",
+    "CenteredClip",
     "CollabConfig",
     "CollabResult",
     "DiLoCo",
@@ -90,6 +93,7 @@ __all__ = [
     "LocalTrainer",
     "Median",
     "ModelSpec",
+    "MultiKrum",
     "RoundRecord",
     "Scaffold",
     "TimingLog",

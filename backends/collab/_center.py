@@ -40,6 +40,7 @@ import numpy as np
 from ._config import CollabConfig, check_logit_adjust
 from ._models import ModelSpec, build_torch_model, load_torch_state, resolve_reference, torch_state
 from ._objective import TorchObjective, label_tensor
+from ._validation import model_digest
 from ._wire import Payload, decode_controls, encode_controls, encode_update
 
 __all__ = ["LR_SCHEDULES", "CenterData", "LocalTrainer", "TorchTrainer", "batch_indices",
@@ -351,6 +352,8 @@ def center_round(trainer: LocalTrainer, global_params: Mapping[str, np.ndarray],
         payload.update(controls)
         center_state.clear()
         center_state.update(decode_controls(controls, config.compression))
+    # round and model digest bind the reply to this round: the server refuses an old reply re-sent
     out = {"num_samples": float(trainer.num_samples), **{k: float(v) for k, v in metrics.items()},
+           "round": float(round_idx), "model_digest": float(model_digest(global_params)),
            "t_received": t_received, "t_trained": t_trained, "t_sent": time.time()}
     return payload, out

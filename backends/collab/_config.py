@@ -41,6 +41,10 @@ class CenterSpec:
     ``plan``: the synchronous plan the center runs over its devices (``{"dp": 1, "tp": 2}``,
     ``{"dp": 2, "zero_stage": 3}``; keys ``_center_plan.PLAN_KEYS``), kept as sorted ``(key, value)``
     pairs; empty: data parallelism over every device. See ``_dp_center``.
+
+    ``samples``: the center's training sample count declared at enrolment. The server weights the
+    center with it and refuses a reply that claims another count; 0: the count the center reports
+    first is pinned (capped relative to the other centers, see ``_validation``).
     """
 
     name: str
@@ -48,6 +52,7 @@ class CenterSpec:
     devices: int = 1
     data: str = ""
     plan: tuple[tuple[str, Any], ...] = ()
+    samples: int = 0
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
@@ -56,6 +61,8 @@ class CenterSpec:
             raise ValueError(f"center {self.name!r}: framework {self.framework!r} is not one of {FRAMEWORKS}")
         if self.devices < 1:
             raise ValueError(f"center {self.name!r}: devices must be >= 1")
+        if self.samples < 0:
+            raise ValueError(f"center {self.name!r}: samples must be >= 0 (0: pinned at its first report)")
         if self.data and not is_reference(self.data):
             raise ValueError(f"center {self.name!r}: data source {self.data!r} must be 'package.module:function'")
         plan = dict(self.plan.items() if isinstance(self.plan, Mapping) else (tuple(kv) for kv in self.plan))
@@ -74,6 +81,8 @@ class CollabConfig:
         centers: the participating centers (order fixes each center's index and data seed).
         model: the shared architecture.
         fusion: fusion strategy name (see :data:`FUSIONS`); ``fusion_options`` its keyword options.
+            Default ``centered_clip``: FedAvg where the updates agree, a bounded pull from any that
+            does not (see ``_fusion`` for why, and ``benchmarks/collab_attacks.py`` for the numbers).
         rounds: number of fusion rounds.
         local_steps: ``H``, optimiser steps each center takes per round.
         batch_size, lr, momentum: the centers' local SGD (a fresh optimiser every round, so a
@@ -89,11 +98,17 @@ class CollabConfig:
         holdout: fraction of every center's rows it keeps out of training; without server-side
             evaluation data, the centers evaluate each fused model on them and the server records the
             count-weighted mean (0: no held-out rows).
+        max_abs_update: largest ``|δ|`` of any coordinate of an update (int8: checked on the scales
+            before decoding); larger is refused.
+        norm_bound: ``k``: an update whose norm exceeds ``k`` × the robust reference of the round's
+            and recent rounds' norms is refused (0: no norm bound). See ``_validation``.
+        step_bound: a fused model whose step exceeds this × the median recent step is not taken
+            (0: only finiteness is checked).
     """
 
     centers: tuple[CenterSpec, ...]
     model: ModelSpec
-    fusion: str = "fedavg"
+    fusion: str = "centered_clip"
     fusion_options: tuple[tuple[str, float], ...] = ()
     rounds: int = 3
     local_steps: int = 10
@@ -107,6 +122,9 @@ class CollabConfig:
     seed: int = 0
     round_timeout_s: float = 600.0
     holdout: float = 0.0
+    max_abs_update: float = 1e4
+    norm_bound: float = 4.0
+    step_bound: float = 10.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "centers", tuple(self.centers))
@@ -130,6 +148,12 @@ class CollabConfig:
             raise ValueError(f"unknown lr_schedule {self.lr_schedule!r}; choose 'constant' or 'cosine'")
         if not (0.0 <= self.holdout < 1.0):
             raise ValueError(f"holdout must be a fraction in [0, 1), got {self.holdout}")
+        if not (0 < self.max_abs_update < math.inf):
+            raise ValueError(f"max_abs_update must be a finite number > 0, got {self.max_abs_update}")
+        for knob in ("norm_bound", "step_bound"):
+            v = getattr(self, knob)
+            if not (v == 0 or (1 < v < math.inf)):
+                raise ValueError(f"{knob} must be 0 (off) or a finite number > 1, got {v}")
         if not self.round_timeout_s > 0:
             raise ValueError(f"round_timeout_s must be > 0, got {self.round_timeout_s}")
         if self.model.user:

@@ -26,18 +26,42 @@ from ._trainers import make_trainer
 __all__ = ["CollabResult", "check_data", "initial_params", "run_inprocess"]
 
 Data = Mapping[str, tuple[np.ndarray, np.ndarray]]
+#: rewrites one center's reply: (round, payload, metrics) -> (payload, metrics)
+Tamper = Callable[[int, dict[str, np.ndarray], dict[str, float]], tuple[dict[str, np.ndarray], dict[str, float]]]
 
 
 @dataclass(frozen=True)
 class CollabResult:
-    """The fused model after the last round, the per-round records and the timing events."""
+    """The fused model after the last round, the per-round records and the timing events.
+
+    ``ok`` is False when no round of the run fused: the model is then the initial one, and a run
+    reporting it must not say it succeeded (``problem`` says why).
+    """
 
     params: Params
     rounds: tuple[RoundRecord, ...]
     timing: tuple[Mapping[str, Any], ...]
 
+    @property
+    def fused_rounds(self) -> int:
+        return sum(1 for r in self.rounds if r.fused)
+
+    @property
+    def ok(self) -> bool:
+        return not self.rounds or self.fused_rounds > 0
+
+    @property
+    def problem(self) -> str:
+        """Why the run did not succeed ('' when it did)."""
+        if self.ok:
+            return ""
+        reasons = sorted({f"{c}: {why[0]}" for r in self.rounds for c, why in r.rejected.items()})
+        return (f"no round fused in {len(self.rounds)} rounds; the model is the initial one"
+                + (" (rejected: " + " | ".join(reasons[:4]) + ")" if reasons else ""))
+
     def to_dict(self) -> dict[str, Any]:
-        return {"rounds": [r.to_dict() for r in self.rounds], "timing": [dict(t) for t in self.timing]}
+        return {"rounds": [r.to_dict() for r in self.rounds], "timing": [dict(t) for t in self.timing],
+                "fused_rounds": self.fused_rounds, "ok": self.ok}
 
 
 def initial_params(config: CollabConfig) -> Params:
@@ -69,7 +93,8 @@ def run_inprocess(config: CollabConfig, data: Data | None = None, *,
                   trainers: Mapping[str, LocalTrainer] | None = None,
                   absent: Mapping[int, tuple[str, ...]] | None = None,
                   center_states: dict[str, dict[str, np.ndarray]] | None = None,
-                  on_round: Callable[[RoundRecord], None] | None = None) -> CollabResult:
+                  on_round: Callable[[RoundRecord], None] | None = None,
+                  tamper: Mapping[str, Tamper] | None = None) -> CollabResult:
     """Run the federation in this process.
 
     Args:
@@ -89,6 +114,8 @@ def run_inprocess(config: CollabConfig, data: Data | None = None, *,
             pass the same dict to a resumed run to model centers that stayed up while the server
             restarted (default: a fresh, empty memory per center for this call).
         on_round: called with each round's record as soon as the round ends (progress).
+        tamper: center -> ``f(round, payload, metrics) -> (payload, metrics)`` applied to that center's
+            reply before the server sees it (a malicious center, for the adversarial tests).
     """
     check_data(config, data)
     data = data or {}
@@ -112,7 +139,7 @@ def run_inprocess(config: CollabConfig, data: Data | None = None, *,
         states = {} if center_states is None else center_states
         for c in config.centers:
             states.setdefault(c.name, {})
-        _run_rounds(config, server, pool, evaluate, max_rounds, absent, states, on_round)
+        _run_rounds(config, server, pool, evaluate, max_rounds, absent, states, on_round, tamper or {})
     finally:  # a data-parallel center's worker processes end with the run
         for name, t in pool.items():
             if not trainers or name not in trainers:
@@ -123,7 +150,8 @@ def run_inprocess(config: CollabConfig, data: Data | None = None, *,
 def _run_rounds(config: CollabConfig, server: FederationServer, pool: Mapping[str, LocalTrainer],
                 evaluate: Any, max_rounds: int | None, absent: Mapping[int, tuple[str, ...]] | None,
                 center_states: Mapping[str, dict[str, np.ndarray]],
-                on_round: Callable[[RoundRecord], None] | None = None) -> None:
+                on_round: Callable[[RoundRecord], None] | None = None,
+                tamper: Mapping[str, Tamper] | None = None) -> None:
     # center_states: each center's memory across rounds (SCAFFOLD's c_i); the server never reads it
     done = 0
     while not server.done and (max_rounds is None or done < max_rounds):
@@ -137,6 +165,8 @@ def _run_rounds(config: CollabConfig, server: FederationServer, pool: Mapping[st
             payload, metrics = center_round(pool[c.name], {k: v.copy() for k, v in global_params.items()},
                                             round_idx=r, config=config, proximal_mu=server.fusion.proximal_mu,
                                             t_received=t_recv, control=control, center_state=center_states[c.name])
+            if tamper and c.name in tamper:
+                payload, metrics = tamper[c.name](r, payload, metrics)
             replies.append(CenterReply(c.name, payload, metrics))
             server.timing.record(r, "server", c.name, "update_received")
         rec = server.finish_round(r, replies, evaluate=None if evaluate is None else lambda p, r=r: evaluate(p, r))

@@ -17,6 +17,24 @@ averaged update ``Δ = sum_i p_i (x_i - x)``. Every strategy below is one small 
                        (control variates, Karimireddy et al. 2020; see the class)
 - :class:`TrimmedMean` per coordinate: sort the ``K`` values, drop ``⌊βK⌋`` at each end, average the rest
 - :class:`Median`      per coordinate median of the ``K`` values
+- :class:`MultiKrum`   score each update by the squared distances to its ``K − f − 2`` nearest others,
+                       average (sample-weighted) the ``m = K − f`` best (Blanchard et al. 2017; ``m = 1``
+                       is Krum)
+- :class:`CenteredClip` start at the coordinate-wise median ``v`` of the updates, then
+                       ``v ← v + Σ p_i clip_τ(δ_i − v)`` a few times, ``clip_τ(z) = z·min(1, τ/‖z‖)``,
+                       ``τ`` = ``tau`` × the median distance ``‖δ_i − v‖`` (Karimireddy, He & Jaggi 2021)
+
+Choosing a robust fusion. The server (:mod:`._validation`) already refuses updates that are
+non-finite, too large per coordinate or in norm, lie about their sample count, or replay an old round;
+what passes is an update of ordinary size that may still point the wrong way (sign flipping, a
+center trained on wrong labels). The coordinate-wise median and trimmed mean (Yin et al. 2018) resist
+that but throw away the sample weights and, with few non-IID centers, much of the honest signal.
+Multi-Krum keeps the updates that agree with most others and averages them (with weights), so with
+honest centers it is close to FedAvg; it needs ``K >= 2f + 3`` to be sure (``f = 1``: 5 centers), and
+with 3 centers it keeps the 2 closest. Centered clipping is the aggregator Karimireddy et al. prove
+robust with few assumptions: an update far from the robust centre moves the result by at most ``τ``,
+honest updates within ``τ`` are averaged as FedAvg does. See ``docs/collab.md`` for the measured
+table (``benchmarks/collab_attacks.py``).
 
 The server-side optimisers (FedAdam, FedYogi, DiLoCo) step only the trained parameters. Running
 statistics (BatchNorm's ``running_mean`` / ``running_var``, see :func:`is_statistic`) are estimates, not
@@ -40,6 +58,7 @@ import numpy as np
 __all__ = [
     "FUSIONS",
     "CenterUpdate",
+    "CenteredClip",
     "DiLoCo",
     "FedAdam",
     "FedAvg",
@@ -47,6 +66,7 @@ __all__ = [
     "FedYogi",
     "FusionStrategy",
     "Median",
+    "MultiKrum",
     "Params",
     "Scaffold",
     "TrimmedMean",
@@ -392,14 +412,97 @@ class Median(FusionStrategy):
         return _cast_like(out, global_params)
 
 
+def _deltas(global_params: Mapping[str, np.ndarray], updates: Sequence[CenterUpdate]) -> np.ndarray:
+    """The updates ``x_i − x`` flattened, one row per center (float64)."""
+    return np.stack([np.concatenate([(np.asarray(u.params[k], dtype=np.float64) - x).ravel()
+                                     for k, x in global_params.items()]) for u in updates])
+
+
+def _unflatten(global_params: Mapping[str, np.ndarray], flat: np.ndarray) -> Params:
+    out: Params = {}
+    i = 0
+    for k, x in global_params.items():
+        out[k] = np.asarray(x, dtype=np.float64) + flat[i:i + x.size].reshape(x.shape)
+        i += x.size
+    return _cast_like(out, global_params)
+
+
+class MultiKrum(FusionStrategy):
+    """Multi-Krum (Blanchard et al. 2017): the sample-weighted mean of the ``m`` updates closest to the rest.
+
+    ``f``: centers assumed Byzantine; each update's score is the sum of its squared distances to its
+    ``max(1, K − f − 2)`` nearest other updates; the ``m`` lowest scores are averaged (``m = 0``: ``K − f``,
+    at least 1). With ``K <= f`` nothing is dropped.
+    """
+
+    name = "krum"
+
+    def __init__(self, f: float = 1, m: float = 0) -> None:
+        if f < 0 or m < 0 or f != int(f) or m != int(m):
+            raise ValueError(f"krum needs integers f >= 0 and m >= 0, got f={f}, m={m}")
+        self.f, self.m = int(f), int(m)
+
+    def options(self) -> dict[str, float]:
+        return {"f": self.f, "m": self.m}
+
+    def select(self, global_params: Mapping[str, np.ndarray], updates: Sequence[CenterUpdate]) -> list[int]:
+        """Indices of the updates multi-Krum keeps, best first."""
+        k = len(updates)
+        if k <= 2 or k <= self.f:
+            return list(range(k))
+        d = _deltas(global_params, updates)
+        sq = np.square(d).sum(axis=1)
+        dist = np.maximum(sq[:, None] + sq[None, :] - 2.0 * d @ d.T, 0.0)
+        near = max(1, k - self.f - 2)
+        scores = [float(np.sort(np.delete(dist[i], i))[:near].sum()) for i in range(k)]
+        m = self.m or max(1, k - self.f)
+        return sorted(range(k), key=lambda i: (scores[i], i))[:min(m, k)]
+
+    def fuse(self, global_params: Mapping[str, np.ndarray], updates: Sequence[CenterUpdate]) -> Params:
+        keep = [updates[i] for i in sorted(self.select(global_params, updates))]
+        return FedAvg().fuse(global_params, keep)
+
+
+class CenteredClip(FusionStrategy):
+    """Centered clipping (Karimireddy, He & Jaggi 2021) around the coordinate-wise median, sample-weighted.
+
+    ``v₀`` = coordinate-wise median of the updates; ``iters`` times ``v ← v + Σ p_i clip_τ(δ_i − v)``;
+    ``τ = tau × median_i ‖δ_i − v₀‖``. An update farther than ``τ`` from the centre counts only with
+    length ``τ``; with every update within ``τ`` one iteration is exactly FedAvg's ``Σ p_i δ_i``.
+    """
+
+    name = "centered_clip"
+
+    def __init__(self, tau: float = 1.0, iters: float = 3) -> None:
+        if not tau > 0 or iters < 1 or iters != int(iters):
+            raise ValueError(f"centered_clip needs tau > 0 and an integer iters >= 1, got tau={tau}, iters={iters}")
+        self.tau, self.iters = float(tau), int(iters)
+
+    def options(self) -> dict[str, float]:
+        return {"tau": self.tau, "iters": self.iters}
+
+    def fuse(self, global_params: Mapping[str, np.ndarray], updates: Sequence[CenterUpdate]) -> Params:
+        d = _deltas(global_params, updates)
+        p = _weights(updates)
+        v = np.median(d, axis=0)
+        radius = self.tau * float(np.median(np.linalg.norm(d - v, axis=1)))
+        for _ in range(self.iters):
+            z = d - v
+            n = np.linalg.norm(z, axis=1)
+            scale = np.where(n > radius, radius / np.maximum(n, 1e-300), 1.0)
+            v = v + (p * scale) @ z
+        return _unflatten(global_params, v)
+
+
 FUSIONS: dict[str, type[FusionStrategy]] = {
-    cls.name: cls for cls in (FedAvg, FedProx, FedAdam, FedYogi, DiLoCo, Scaffold, TrimmedMean, Median)
+    cls.name: cls for cls in (FedAvg, FedProx, FedAdam, FedYogi, DiLoCo, Scaffold, TrimmedMean, Median, MultiKrum,
+                              CenteredClip)
 }
 
 
 def make_fusion(name: str, **options: Any) -> FusionStrategy:
     """Build a fusion strategy by name (``fedavg``, ``fedprox``, ``fedadam``, ``fedyogi``, ``diloco``,
-    ``scaffold``, ``trimmed_mean``, ``median``) with its keyword options."""
+    ``scaffold``, ``trimmed_mean``, ``median``, ``krum``, ``centered_clip``) with its keyword options."""
     try:
         cls = FUSIONS[name.lower()]
     except KeyError:

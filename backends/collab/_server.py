@@ -31,6 +31,7 @@ import numpy as np
 
 from ._config import CollabConfig
 from ._fusion import CenterUpdate, Params, trained_names
+from ._validation import UpdateGuard, check_binding, check_values, model_digest, params_norm
 from ._wire import check_payload, decode_controls, decode_update, payload_nbytes
 
 __all__ = ["CenterReply", "FederationServer", "RoundRecord", "TimingLog", "aggregate_evaluations"]
@@ -146,6 +147,8 @@ class FederationServer:
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.history: list[RoundRecord] = []
         self._t_round = 0.0  # when the current round began (its record's seconds)
+        self.guard = UpdateGuard(config.norm_bound, config.step_bound, {c.name: c.samples for c in config.centers})
+        self._digest: tuple[int, int] | None = None  # (round, digest of the model sent in it)
 
     # ----------------------------------------------------------------- checkpoints
     def _ckpt_path(self) -> Path:
@@ -158,6 +161,7 @@ class FederationServer:
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         arrays = {f"param/{k}": v for k, v in self.params.items()}
         arrays.update({f"fusion/{k}": v for k, v in self.fusion.state().items()})
+        arrays.update({f"guard/{k}": v for k, v in self.guard.state().items()})
         arrays["meta/round"] = np.array(self.round, dtype=np.int64)
         arrays["meta/config"] = np.frombuffer(self.config.to_json().encode(), dtype=np.uint8)
         tmp = self._ckpt_path().with_suffix(".tmp.npz")
@@ -178,6 +182,7 @@ class FederationServer:
                 raise ValueError(f"checkpoint {self._ckpt_path()} holds other tensors than the model")
             self.params = params
             self.fusion.load_state({k[7:]: z[k] for k in z.files if k.startswith("fusion/")})
+            self.guard.load_state({k[6:]: z[k] for k in z.files if k.startswith("guard/")})
             self.round = int(z["meta/round"])
         log.info("resumed from %s after round %d", self._ckpt_path(), self.round)
         return True
@@ -192,7 +197,21 @@ class FederationServer:
         r = self.round + 1
         self._t_round = time.time()
         self.timing.record(r, "server", "server", "round_start", t=self._t_round)
+        self._digest = (r, model_digest(self.params))
         return r, self.params
+
+    def model_digest(self, round_idx: int) -> int:
+        """The digest of the global model sent in ``round_idx`` (what a reply of that round must name)."""
+        if self._digest is None or self._digest[0] != round_idx:
+            self._digest = (round_idx, model_digest(self.params))
+        return self._digest[1]
+
+    def _reject(self, round_idx: int, center: str, problems: Sequence[str],
+                rejected: dict[str, tuple[str, ...]]) -> None:
+        """The audit trail of a refused update: a server log line and a timing record, with the reasons."""
+        log.warning("round %d: rejected the update of %s: %s", round_idx, center, "; ".join(problems))
+        self.timing.record(round_idx, "server", center, "rejected", reason="; ".join(problems))
+        rejected[center] = tuple(problems)
 
     def control(self) -> Params | None:
         """The control variate ``c`` to send with the model (SCAFFOLD), None for other fusions."""
@@ -211,6 +230,8 @@ class FederationServer:
         bytes_up: dict[str, int] = {}
         metrics: dict[str, dict[str, float]] = {}
         control_names = trained_names(self.params) if self.fusion.uses_controls else []
+        digest = self.model_digest(round_idx)
+        candidates: list[tuple[CenterReply, dict[str, Any], dict[str, np.ndarray]]] = []
         for rep in replies:
             m = dict(rep.metrics)
             for ev, key in (("received_model", "t_received"), ("finished_training", "t_trained"),
@@ -223,16 +244,30 @@ class FederationServer:
                 problems.append(f"{rep.center!r} is not a center of this federation")
             elif rep.center in bytes_up:
                 problems.append("a second reply in the same round")
+            if not problems:  # magnitudes before decoding, and the round the reply was trained for
+                problems = check_values(payload, cfg.compression, cfg.max_abs_update) + check_binding(
+                    m, round_idx, digest)
             if problems:
-                log.warning("round %d: rejected the update of %s: %s", round_idx, rep.center, "; ".join(problems))
-                rejected[rep.center] = tuple(problems)
+                self._reject(round_idx, rep.center, problems, rejected)
                 continue
             bytes_up[rep.center] = payload_nbytes(payload)
+            candidates.append((rep, m, payload))
+        counts, liars = self.guard.samples({rep.center: float(m["num_samples"]) for rep, m, _ in candidates})
+        deltas = {rep.center: decode_update(payload, cfg.compression) for rep, _, payload in candidates
+                  if rep.center not in liars}
+        norms = {c: params_norm(d) for c, d in deltas.items()}
+        outliers = {**liars, **self.guard.screen(norms, params_norm(self.params))}
+        for rep, m, payload in candidates:
+            if rep.center in outliers:
+                self._reject(round_idx, rep.center, [outliers[rep.center]], rejected)
+                continue
             metrics[rep.center] = {k: float(v) for k, v in m.items() if isinstance(v, int | float)}
-            delta = decode_update(payload, cfg.compression)
+            metrics[rep.center]["num_samples"] = float(counts[rep.center])  # the server's count, not the claim
+            metrics[rep.center]["update_norm"] = norms[rep.center]
+            delta = deltas[rep.center]
             local = {k: self.params[k].astype(np.float64) + delta[k].astype(np.float64) for k in self.params}
             controls = decode_controls(payload, cfg.compression) if control_names else None
-            updates.append(CenterUpdate(rep.center, local, int(m["num_samples"]), metrics[rep.center], controls))
+            updates.append(CenterUpdate(rep.center, local, counts[rep.center], metrics[rep.center], controls))
         answered = {r.center for r in replies}
         missing = tuple(c.name for c in cfg.centers if c.name not in answered)
         fused = len(updates) >= cfg.required_centers and len(updates) > 0
@@ -241,7 +276,17 @@ class FederationServer:
             self.timing.record(round_idx, "server", "server", "fusion_start", t=t0)
             # order by center so the fused numbers do not depend on arrival order
             updates.sort(key=lambda u: cfg.center_index(u.center))
-            self.params = self.fusion.fuse(self.params, updates)
+            saved = {k: np.array(v, copy=True) for k, v in self.fusion.state().items()}
+            new = self.fusion.fuse(self.params, updates)
+            why = self.guard.check_step(self.params, new)
+            if why is None:
+                self.guard.record([norms[u.center] for u in updates], self.params, new)
+                self.params = new
+            else:  # the old model and the optimiser state stay; later rounds are judged against them
+                self.fusion.load_state(saved)
+                fused = False
+                log.warning("round %d: the fused model was refused: %s; global model kept", round_idx, why)
+                self.timing.record(round_idx, "server", "server", "fusion_refused", reason=why)
             self.timing.record(round_idx, "server", "server", "fusion_end")
         else:
             log.warning("round %d: %d valid updates < %d required; global model kept", round_idx, len(updates),

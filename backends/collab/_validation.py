@@ -1,0 +1,198 @@
+"""Update validation beyond finiteness: what the server checks before an update may be fused.
+
+:func:`~._wire.check_payload` only asks whether a payload is well formed (tensors, shapes, dtypes,
+finite numbers). A *finite* poisoned update passes it, so the server (:mod:`._server`) runs the checks
+below as well, on by default (``CollabConfig.max_abs_update``, ``norm_bound``, ``step_bound``):
+
+- **Values before decoding** (:func:`check_values`): every coordinate of an update must satisfy
+  ``|δ| <= max_abs_update`` (default ``1e4``). For int8 this is checked on the scales, ``127·s_r``,
+  before ``q · s_r`` is ever computed, so a payload with scale ``3e38`` is refused instead of decoding to
+  inf; a scale must also be finite and ``> 0``. Control variates (SCAFFOLD) only need scales that decode
+  to finite float32 numbers.
+- **Binding to the round** (:func:`check_binding`): a center's reply carries the round index and the
+  digest (:func:`model_digest`) of the global model it trained from; a reply naming another round or
+  model (an old payload re-sent) is refused. A reply without them is accepted (older centers), and
+  then an old update can only be as large as the norm check lets any update be.
+- **Norm of the update** (:class:`UpdateGuard`): ``‖δ_i‖₂`` (all tensors, float64) must not exceed
+  ``norm_bound · ref`` (default ``k = 4``), where ``ref`` is the *upper* median of the round's norms,
+  lowered to the median of the accepted norms of the last :data:`HISTORY` rounds when that is smaller.
+  The upper median: with two centers an attacker who sends a tiny update cannot make the honest one
+  look large; the history: with two centers (or an attacker majority) one inflated norm does not set
+  the round's median, the earlier rounds do. In the first round, with no history, an update may also
+  not exceed ``norm_bound`` times the norm of the global model itself. Outliers are **rejected, not
+  clipped**: an update 4× larger than its peers is not a noisy honest update, and keeping a clipped
+  copy of it still lets its direction in; robust fusions (:mod:`._fusion`) deal with updates of
+  ordinary size pointing the wrong way.
+- **Sample counts pinned by the server**: a center's count is its enrolment value
+  (``CenterSpec.samples``; a reply claiming another count is refused), or, when none was declared, the
+  count it reported first, capped at :data:`SAMPLE_CAP` × the median of that round's claims. Later
+  claims never change the pinned count.
+- **The fused model** (:meth:`UpdateGuard.check_step`): finite, and its step ``‖x' − x‖`` at most
+  ``step_bound`` (default 10) × the median step of the recent fused rounds (first round: at most
+  ``step_bound`` × the model norm). Otherwise the round is not fused, the old model and the fusion's
+  optimiser state stay, and later rounds are judged against that old, sound model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["HISTORY", "SAMPLE_CAP", "UpdateGuard", "check_binding", "check_values", "model_digest", "params_norm"]
+
+#: how many past rounds' accepted norms and fused steps the bounds look back on
+HISTORY = 5
+#: an undeclared sample count is capped at this multiple of the median claim of its first round
+SAMPLE_CAP = 2.0
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def model_digest(params: Mapping[str, np.ndarray]) -> int:
+    """A 48-bit digest of a model (names, shapes and float32 bytes, in name order).
+
+    48 bits so it travels exactly as a float metric (Flower's MetricRecord, float64).
+    """
+    h = hashlib.blake2b(digest_size=6)
+    for name in sorted(params):
+        a = np.ascontiguousarray(np.asarray(params[name], dtype=np.float32))
+        h.update(name.encode() + b"\0" + repr(a.shape).encode())
+        h.update(a.tobytes())
+    return int.from_bytes(h.digest(), "big")
+
+
+def params_norm(params: Mapping[str, np.ndarray]) -> float:
+    """``‖x‖₂`` over all tensors, in float64."""
+    return float(np.sqrt(sum(float(np.sum(np.square(np.asarray(v, dtype=np.float64)))) for v in params.values())))
+
+
+def check_values(payload: Mapping[str, np.ndarray], method: str, max_abs: float) -> list[str]:
+    """Problems with the magnitudes in a well-formed payload, found *before* decoding it."""
+    problems: list[str] = []
+    for key, a in payload.items():
+        control = key.startswith("c/")
+        kind = key[2 if control else 0:].partition("/")[0]
+        bound = _F32_MAX / 128.0 if control else max_abs
+        if kind == "s":  # int8 row scales: the decoded magnitude is at most 127·s
+            s = np.asarray(a, dtype=np.float64)
+            if np.any(~(s > 0)):
+                problems.append(f"{key!r} holds {int(np.sum(~(s > 0)))} scales that are not > 0")
+            elif s.size and float(s.max()) * 127.0 > bound:
+                problems.append(f"{key!r} has scale {float(s.max()):.3g}: decodes to |δ| up to "
+                                f"{float(s.max()) * 127.0:.3g} > {bound:.3g}")
+        elif kind == "q" and method != "int8" and not control and a.size:
+            m = float(np.max(np.abs(np.asarray(a, dtype=np.float64))))
+            if m > bound:
+                problems.append(f"{key!r} has |δ| up to {m:.3g} > {bound:.3g} (max_abs_update)")
+    return problems
+
+
+def check_binding(metrics: Mapping[str, Any], round_idx: int, digest: int) -> list[str]:
+    """A reply trained for another round, or from another global model, is a replay or a stale reply."""
+    problems = []
+    r = metrics.get("round")
+    if r is not None and r != round_idx:
+        problems.append(f"the reply is for round {r!r}, this is round {round_idx} (replayed or stale)")
+    d = metrics.get("model_digest")
+    if d is not None and d != digest:
+        problems.append("the reply was trained from another global model than this round's (replayed or stale)")
+    return problems
+
+
+def _upper_median(values: Sequence[float]) -> float:
+    s = sorted(values)
+    return float(s[len(s) // 2])
+
+
+class UpdateGuard:
+    """The server's memory for validation: recent accepted norms and fused steps, pinned sample counts."""
+
+    def __init__(self, norm_bound: float, step_bound: float, declared: Mapping[str, int]) -> None:
+        self.norm_bound, self.step_bound = float(norm_bound), float(step_bound)
+        self.declared = {c: int(n) for c, n in declared.items() if n}
+        self.pinned: dict[str, int] = {}
+        self.norms: list[list[float]] = []  # per fused round, the accepted norms
+        self.steps: list[float] = []  # per fused round, ‖x' − x‖
+
+    # ----------------------------------------------------------------- sample counts
+    def samples(self, claims: Mapping[str, float]) -> tuple[dict[str, int], dict[str, str]]:
+        """The count each center is weighted with, and the centers refused for lying about it."""
+        out: dict[str, int] = {}
+        refused: dict[str, str] = {}
+        new = {c: n for c, n in claims.items() if c not in self.declared and c not in self.pinned}
+        cap = SAMPLE_CAP * _upper_median(list(claims.values())) if claims else 0.0
+        for c, n in claims.items():
+            if c in self.declared:
+                if int(n) != self.declared[c]:
+                    refused[c] = f"claims {int(n)} samples, enrolled with {self.declared[c]}"
+                    continue
+                out[c] = self.declared[c]
+            elif c in new:
+                out[c] = self.pinned[c] = max(1, int(min(n, cap)))
+            else:
+                out[c] = self.pinned[c]
+        return out, refused
+
+    # ----------------------------------------------------------------- norms
+    def reference(self, norms: Mapping[str, float]) -> float | None:
+        """``ref`` of the norm bound for this round's norms (None when there is nothing to compare to)."""
+        ref = _upper_median(list(norms.values())) if norms else None
+        hist = [n for r in self.norms[-HISTORY:] for n in r]
+        if hist:
+            h = float(np.median(hist))
+            ref = h if ref is None else min(ref, h)
+        return ref
+
+    def screen(self, norms: Mapping[str, float], model_norm: float) -> dict[str, str]:
+        """Centers whose update norm is out of bounds, with the reason."""
+        if self.norm_bound <= 0:
+            return {}
+        ref = self.reference(norms)
+        out: dict[str, str] = {}
+        for c, n in norms.items():
+            if not np.isfinite(n):
+                out[c] = f"update norm {n} is not finite"
+            elif ref is not None and n > self.norm_bound * ref and n > 0:
+                out[c] = (f"update norm {n:.4g} > {self.norm_bound:g} × {ref:.4g} (the robust reference of this "
+                          "round's and recent rounds' norms)")
+            elif not self.norms and model_norm > 0 and n > self.norm_bound * model_norm:
+                out[c] = f"update norm {n:.4g} > {self.norm_bound:g} × the global model's norm {model_norm:.4g}"
+        return out
+
+    def check_step(self, old: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray]) -> str | None:
+        """Why the fused model ``new`` must not replace ``old`` (None: it may)."""
+        for k, v in new.items():
+            if not np.all(np.isfinite(v)):
+                return f"the fused model holds non-finite values in {k!r}"
+        if self.step_bound <= 0:
+            return None
+        step = params_norm({k: np.asarray(new[k], np.float64) - np.asarray(old[k], np.float64) for k in old})
+        recent = self.steps[-HISTORY:]
+        ref, what = (float(np.median(recent)), "the median recent step") if recent else (params_norm(old),
+                                                                                         "the model's norm")
+        if ref > 0 and step > self.step_bound * ref:
+            return f"the fused step {step:.4g} > {self.step_bound:g} × {ref:.4g} ({what})"
+        return None
+
+    def record(self, accepted_norms: Sequence[float], old: Mapping[str, np.ndarray],
+               new: Mapping[str, np.ndarray]) -> None:
+        """Remember a fused round."""
+        self.norms = [*self.norms[-(HISTORY - 1):], [float(n) for n in accepted_norms]]
+        step = params_norm({k: np.asarray(new[k], np.float64) - np.asarray(old[k], np.float64) for k in old})
+        self.steps = [*self.steps[-(HISTORY - 1):], step]
+
+    # ----------------------------------------------------------------- checkpoint
+    def state(self) -> dict[str, np.ndarray]:
+        out = {f"pinned/{c}": np.array(n, dtype=np.int64) for c, n in self.pinned.items()}
+        out["steps"] = np.array(self.steps, dtype=np.float64)
+        for i, r in enumerate(self.norms):
+            out[f"norms/{i}"] = np.array(r, dtype=np.float64)
+        return out
+
+    def load_state(self, state: Mapping[str, np.ndarray]) -> None:
+        self.pinned = {k[7:]: int(v) for k, v in state.items() if k.startswith("pinned/")}
+        self.steps = [float(x) for x in state.get("steps", np.zeros(0))]
+        keys = sorted((k for k in state if k.startswith("norms/")), key=lambda k: int(k[6:]))
+        self.norms = [[float(x) for x in state[k]] for k in keys]
