@@ -151,9 +151,9 @@ def collab_cmd(
     classes: Annotated[int, typer.Option("--classes")] = 4,
     hidden: Annotated[int, typer.Option("--hidden", help="width / first conv channels / embedding size")] = 32,
     vocab: Annotated[int, typer.Option("--vocab", help="embbag vocabulary")] = 0,
-    fusion: Annotated[str, typer.Option("--fusion", help="fedavg fedprox fedadam fedyogi diloco "
-                                        "scaffold trimmed_mean median")]
-    = "fedavg",
+    fusion: Annotated[str, typer.Option("--fusion", help="centered_clip (robust FedAvg) fedavg fedprox fedadam "
+                                        "fedyogi diloco scaffold trimmed_mean median krum")]
+    = "centered_clip",
     fusion_opt: Annotated[list[str] | None, typer.Option("--fusion-opt", help="NAME=NUMBER, repeatable")] = None,
     rounds: Annotated[int, typer.Option("--rounds")] = 3,
     local_steps: Annotated[int, typer.Option("--local-steps", "-H", help="local steps per round")] = 10,
@@ -167,6 +167,16 @@ def collab_cmd(
     = 0.0,
     compression: Annotated[str, typer.Option("--compression", help="none, fp16 or int8")] = "none",
     min_centers: Annotated[int, typer.Option("--min-centers", help="0: all")] = 0,
+    norm_bound: Annotated[float, typer.Option(
+        "--norm-bound", help="refuse an update whose norm exceeds K x the median norm of the round's and recent "
+        "rounds' updates")] = 4.0,
+    no_norm_bound: Annotated[bool, typer.Option("--no-norm-bound", help="no norm bound (--norm-bound 0)")] = False,
+    max_abs_update: Annotated[float, typer.Option(
+        "--max-abs-update", help="refuse an update with a coordinate larger than this (int8: checked on the "
+        "scales, before decoding)")] = 1e4,
+    step_bound: Annotated[float, typer.Option(
+        "--step-bound", help="keep the old model when the fused step exceeds this x the median recent step "
+        "(0: only finiteness)")] = 10.0,
     round_timeout: Annotated[float, typer.Option(
         "--round-timeout", help="seconds the server waits for a round's updates (Flower)")] = 600.0,
     holdout: Annotated[float, typer.Option(
@@ -197,7 +207,8 @@ def collab_cmd(
     # what the options set beside the centers, fusion, H, rounds and compression (a Strategy fixes those)
     training = dict(batch_size=batch_size, lr=lr, momentum=momentum, lr_schedule=lr_schedule,
                     logit_adjust=logit_adjust, min_centers=min_centers, seed=seed, round_timeout_s=round_timeout,
-                    holdout=holdout)
+                    holdout=holdout, norm_bound=0.0 if no_norm_bound else norm_bound, max_abs_update=max_abs_update,
+                    step_bound=step_bound)
     try:
         spec = (ModelSpec(model, loss=loss, mindspore=mindspore_model) if ":" in model else
                 ModelSpec(model, _parse_shape(in_shape), classes, hidden=hidden, vocab=vocab, norm=norm, loss=loss))
@@ -262,6 +273,8 @@ def collab_cmd(
         (out / "result.json").write_text(json.dumps(result.to_dict(), indent=1))
         np.savez(out / "final.npz", **result.params)
         typer.echo(f"wrote {out / 'result.json'} and {out / 'final.npz'}")
+    if not result.ok:  # the model is the initial one: not a success, whatever else went right
+        raise UserError(result.problem)
 
 
 @app.command("serve")
