@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -13,9 +14,11 @@ from polyparallel.cli import UserError, app
 @app.command()
 def train(
     strategy: Annotated[Path, typer.Argument(help="strategy JSON written by `polyparallel search`")],
-    model: Annotated[str, typer.Option(help="package.module:function building the model")],
-    data: Annotated[str, typer.Option(help="package.module:function; data(step) -> (inputs, labels), the "
-                                           "global batch")],
+    model: Annotated[str, typer.Option(help="package.module:function building the model, or a trainable "
+                                            "built-in example (mlp, cnn, gpt-tiny) the strategy was searched for")],
+    data: Annotated[str | None, typer.Option(help="package.module:function; data(step) -> (inputs, labels), the "
+                                                  "global batch (default for a built-in example: synthetic "
+                                                  "batches of its shape)")] = None,
     steps: Annotated[int, typer.Option(help="optimizer steps")] = 10,
     optimizer: Annotated[str, typer.Option(help="sgd, adam or adamw")] = "sgd",
     lr: Annotated[float, typer.Option(help="learning rate")] = 0.1,
@@ -52,12 +55,13 @@ def train(
     _agent.prestart()  # the launcher's agent imports torch while this process does (and checks the run)
     from polyparallel.backends.torch import MultiNode, TrainError, launch_commands
 
+    model_fn, data_fn = _model_and_data(model, data, strategy)
     try:
         from polyparallel.backends.torch import train as run
         from polyparallel.backends.torch._launch import new_run_dir
 
         where = run_dir or log_dir or checkpoint_dir or new_run_dir(create=False)
-        run(strategy, model, data, steps=steps, optimizer=optimizer, lr=lr, seed=seed, run_dir=where,
+        run(strategy, model_fn, data_fn, steps=steps, optimizer=optimizer, lr=lr, seed=seed, run_dir=where,
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
             keep_checkpoints=keep_checkpoints or None, timeout_s=timeout, progress=_print_step,
             check_fingerprint=fingerprint_check, node_rank=node_rank, master_addr=master_addr,
@@ -72,6 +76,25 @@ def train(
     finally:
         _agent.discard()  # not taken if the run was refused before train() started one
     typer.echo(f"run directory: {where}")
+
+
+def _model_and_data(model: str, data: str | None, strategy: Path) -> tuple[Any, Any]:
+    """``--model``/``--data`` as train takes them: references, or a built-in example's module and its
+    synthetic batches at the strategy's global batch (picklable partials every rank rebuilds)."""
+    from polyparallel.models import EXAMPLES, example_batch, example_module
+
+    if model not in EXAMPLES:
+        if data is None:
+            raise UserError("--data is needed for your own model: package.module:function returning the global "
+                            "batch (inputs, labels) of each step")
+        return model, data
+    example_module(model)  # refuses planning-only examples with the list of trainable ones
+    if data is not None:
+        return functools.partial(example_module, model), data
+    from polyparallel.strategy import Strategy
+
+    batch = Strategy.from_json(strategy).global_batch
+    return functools.partial(example_module, model), functools.partial(example_batch, model, batch)
 
 
 def _print_step(rec: dict) -> None:

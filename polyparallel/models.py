@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["EXAMPLES", "GPT", "GPTConfig", "Llama", "LlamaConfig", "ResNet", "load_model"]
+__all__ = ["EXAMPLES", "GPT", "GPTConfig", "Llama", "LlamaConfig", "ResNet", "example_batch", "example_module",
+           "load_model", "trainable_examples"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -265,6 +266,9 @@ class ResNet(nn.Module):
 Built = tuple[nn.Module, tuple, dict]
 
 
+Sample = Callable[[int, int | None, torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+
+
 @dataclass(frozen=True)
 class Example:
     name: str
@@ -272,6 +276,8 @@ class Example:
     build: Callable[[int, int | None], Built]  # (batch, seq) -> (model, args, kwargs)
     default_batch: int
     default_seq: int | None = None
+    sample: Sample | None = None  # (batch, seq, generator) -> a synthetic (inputs, labels) batch
+    meta: bool = False  # built on the meta device: for planning only
 
 
 def _lm(model_cls: Callable[[Any], nn.Module], config: Any, meta: bool) -> Callable[..., Built]:
@@ -288,6 +294,16 @@ def _lm(model_cls: Callable[[Any], nn.Module], config: Any, meta: bool) -> Calla
     return build
 
 
+def _tokens(vocab: int, seq: int) -> Sample:
+    """Random token ids and the next token of each as its label."""
+
+    def sample(batch: int, s: int | None, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.randint(0, vocab, (batch, (s or seq) + 1), generator=g)
+        return ids[:, :-1], ids[:, 1:]
+
+    return sample
+
+
 def _vision(model_fn: Callable[[], nn.Module], shape: tuple[int, ...], classes: int, meta: bool):
     def build(batch: int, _: int | None) -> Built:
         dev = torch.device("meta") if meta else torch.device("cpu")
@@ -298,6 +314,15 @@ def _vision(model_fn: Callable[[], nn.Module], shape: tuple[int, ...], classes: 
         return model, (x,), {"labels": y}
 
     return build
+
+
+def _images(shape: tuple[int, ...], classes: int) -> Sample:
+    """Gaussian images (or feature rows) and uniformly drawn classes."""
+
+    def sample(batch: int, _: int | None, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(batch, *shape, generator=g), torch.randint(0, classes, (batch,), generator=g)
+
+    return sample
 
 
 def _hf(kind: str) -> Callable[[int, int | None], Built]:
@@ -329,19 +354,21 @@ _LLAMA_8B = LlamaConfig(vocab=128256, seq=8192, layers=32, hidden=4096, heads=32
 EXAMPLES: dict[str, Example] = {
     e.name: e
     for e in [
-        Example("mlp", "MLP 784-512-512-10", _vision(MLP, (784,), 10, False), 64),
-        Example("cnn", "small CNN for 28x28 images (2 conv + BN)", _vision(SmallCNN, (1, 28, 28), 10, False), 64),
+        Example("mlp", "MLP 784-512-512-10", _vision(MLP, (784,), 10, False), 64, sample=_images((784,), 10)),
+        Example("cnn", "small CNN for 28x28 images (2 conv + BN)", _vision(SmallCNN, (1, 28, 28), 10, False), 64,
+                sample=_images((1, 28, 28), 10)),
         Example("resnet50", "ResNet-50, 224x224 images, 25.6M params (meta)",
-                _vision(ResNet, (3, 224, 224), 1000, True), 32),
-        Example("gpt-tiny", "2-layer GPT, hidden 64, seq 64", _lm(GPT, _GPT_TINY, False), 8, 64),
+                _vision(ResNet, (3, 224, 224), 1000, True), 32, meta=True),
+        Example("gpt-tiny", "2-layer GPT, hidden 64, seq 64", _lm(GPT, _GPT_TINY, False), 8, 64,
+                sample=_tokens(_GPT_TINY.vocab, _GPT_TINY.seq)),
         Example("gpt2-small", "GPT-2 small, 124M params, seq 1024 (meta)",
-                _lm(GPT, _GPT2_SMALL, True), 8, 1024),
+                _lm(GPT, _GPT2_SMALL, True), 8, 1024, meta=True),
         Example("llama-1b", "LLaMA-style 1.2B, 16 layers, GQA (meta)",
-                _lm(Llama, _LLAMA_1B, True), 4, 2048),
+                _lm(Llama, _LLAMA_1B, True), 4, 2048, meta=True),
         Example("llama-8b", "LLaMA-3-8B shape, 32 layers, GQA (meta)",
-                _lm(Llama, _LLAMA_8B, True), 1, 8192),
+                _lm(Llama, _LLAMA_8B, True), 1, 8192, meta=True),
         Example("gpt3-175b", "GPT-3 175B, 96 layers, hidden 12288, seq 2048 (meta)",
-                _lm(GPT, _GPT3, True), 1, 2048),
+                _lm(GPT, _GPT3, True), 1, 2048, meta=True),
         Example("hf-gpt2", "transformers GPT-2 (124M) from a config", _hf("gpt2"), 2, 128),
         Example("hf-llama", "transformers LLaMA (4 layers, hidden 512) from a config", _hf("llama"), 2, 128),
         Example("hf-bert", "transformers BERT-base MLM from a config", _hf("bert"), 2, 128),
@@ -388,6 +415,31 @@ def load_model(spec: str, *, batch_size: int | None = None, seq_len: int | None 
         return model, args if isinstance(args, tuple) else (args,), kwargs
     names = ", ".join(EXAMPLES)
     raise ValueError(f"unknown model {spec!r}: give an .onnx path, package.module:function, or one of: {names}")
+
+
+def example_module(name: str) -> nn.Module:
+    """The built-in example ``name``'s module with real weights, as ``polyparallel train --model NAME``
+    builds it on every rank (the torch seed decides the weights)."""
+    ex = EXAMPLES.get(name)
+    if ex is None:
+        raise ValueError(f"unknown example {name!r}; trainable examples: {', '.join(trainable_examples())}")
+    if ex.meta:
+        raise ValueError(f"example {name!r} is built on the meta device, for planning only; train one of "
+                         f"{', '.join(trainable_examples())} or your own model (--model package.module:function)")
+    return ex.build(1, None)[0]
+
+
+def example_batch(name: str, batch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic global batch ``step`` of the example ``name`` (the same on every rank): what
+    ``polyparallel train --model NAME`` trains on when no ``--data`` is given."""
+    ex = EXAMPLES[name]
+    if ex.sample is None:
+        raise ValueError(f"example {name!r} has no synthetic data; give --data package.module:function")
+    return ex.sample(batch, None, torch.Generator().manual_seed(1000 + step))
+
+
+def trainable_examples() -> list[str]:
+    return [n for n, e in EXAMPLES.items() if not e.meta and e.sample is not None]
 
 
 def param_count(model: nn.Module) -> int:
