@@ -51,13 +51,23 @@ lists that disagree with where the layers sit in the model, a non-tensor value c
 between a ``split`` and its ``getitem``), the model input used after the first stage, parameters in
 the loss tail, tensors mutated in forward, BatchNorm (each micro-batch would be normalised alone),
 schedules other than GPipe / 1F1B / interleaved 1F1B, ``global_batch`` not divisible by
-``dp * microbatches``, and (in this slice) ``tp > 1`` together with ``pp > 1``.
+``dp * microbatches``, and a tensor-parallel placement the stage rewrite cannot run (below).
+
+**Tensor parallelism inside a stage** (``tp > 1``, a ``("pp", "dp", "tp")`` mesh in the Strategy's
+order): before the exported graph is cut, :mod:`._stage_tp` rewrites it Megatron-style on local
+shards (column/row-parallel Linears with their ``f``/``g`` all-reduces, head-parallel attention over
+the regrouped fused ``qkv``, vocabulary-parallel embeddings), and the split parameters become
+``DTensor`` parameters on the stage's ``tp`` mesh (FSDP2 over ``dp`` composes with them as in the
+unpipelined DP x TP). Class-parallel logits enter the loss tail as ``DTensor`` and the step runs
+under ``loss_parallel``; only tensor-parallel rank 0 of the last stage reports the micro-batch
+losses. p2p goes between the ranks of equal ``(dp, tp)`` index; a tied weight's gradients are
+summed over the stages holding it per ``(dp, tp)`` index.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,7 +88,10 @@ class PipelinePlan:
     ``cuts[k]`` is the exported op that starts chunk ``k + 1``; ``chunk_params[k]`` the parameter
     paths chunk ``k`` holds; ``tied`` lists parameters held by several chunks with those chunks;
     ``pp_major`` says whether ranks are numbered stage-major (the Strategy's mesh lists ``pp`` before
-    ``dp``, as the planner writes it) or dp-major.
+    ``dp``, as the planner writes it) or dp-major; ``axes`` is the order of the ``pp``, ``dp`` and
+    ``tp`` mesh dims (ranks numbered row-major over them). With ``tp > 1`` each stage runs
+    tensor-parallel over its ``tp`` ranks (:mod:`._stage_tp`); ``split`` names the values of the
+    exported graph that stay split over ``tp`` (checked before launch).
     """
 
     stages: int
@@ -89,6 +102,8 @@ class PipelinePlan:
     chunk_params: tuple[tuple[str, ...], ...]
     tied: tuple[tuple[str, tuple[int, ...]], ...]
     pp_major: bool = True
+    axes: tuple[str, ...] = ("pp", "dp", "tp")
+    tp: int = 1
 
 
 def _export(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> fx.GraphModule:
@@ -111,10 +126,11 @@ class _Split:
     tail: fx.GraphModule
     params: list[tuple[str, ...]]
     layers: list[set[int]]
+    rewritten: Any = None  # what ``rewrite`` returned
 
 
 def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cuts: Sequence[str],
-                counted: set[str] | None = None) -> _Split:
+                counted: set[str] | None = None, rewrite: Callable[[fx.GraphModule], Any] | None = None) -> _Split:
     """Cut ``model`` (exported on ``(inputs, labels)``, one micro-batch) before each op named in ``cuts``.
 
     Returns ``len(cuts) + 1`` chunk modules (``chunk_k(*live_in) -> tuple(live_out)``; chunk 0 takes
@@ -124,10 +140,14 @@ def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cu
     ``counted``: the exported nodes the planner's graph has an op for; only they count when the
     layers of a chunk are listed (casts and checks the frontend drops, such as the ``to`` that opens
     an HF RMSNorm, may sit before the cut op of the next layer).
+
+    ``rewrite`` transforms the exported graph before it is cut (tensor parallelism inside the stages,
+    :mod:`._stage_tp`); nodes it inserts for an op (``meta["attached_to"]``) go with that op's chunk.
     """
     from polyparallel.cost_models.layers import LAYER  # the planner's own layer pattern
 
     gm = _export(model, inputs, labels)
+    rewritten = rewrite(gm) if rewrite is not None else None
     nodes = list(gm.graph.nodes)
     user_inputs = [n for n in nodes if n.op == "placeholder"]
     if len(user_inputs) != 2:
@@ -161,10 +181,13 @@ def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cu
             raise Unsupported(f"a pipeline stage starts at op {name!r}, which the model's exported graph does not "
                                "have: the strategy's stage boundaries cannot be mapped onto this model (was it "
                                "searched for another model or frontend?)")
-        if pos[name] <= starts[-1]:
+        start = pos[name]
+        while start > 0 and ops[start - 1].meta.get("attached_to") == name:
+            start -= 1  # inserted for the cut op (e.g. its tensor-parallel input copy): cut before it
+        if start <= starts[-1]:
             raise Unsupported(f"pipeline chunk starting at op {name!r} does not come after the previous chunk's "
                                "start; stage op ranges must be contiguous and in model order")
-        starts.append(pos[name])
+        starts.append(start)
     for i, n in enumerate(ops):
         while k + 1 < len(starts) and i >= starts[k + 1]:
             k += 1
@@ -236,7 +259,7 @@ def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cu
         raise Unsupported("the model's output does not depend on the labels: forward(inputs, labels) must return "
                            "the loss")
     tg.output(tenv[loss])
-    return _Split(chunks, fx.GraphModule(gm, tg, "PipelineLoss"), params, layers)
+    return _Split(chunks, fx.GraphModule(gm, tg, "PipelineLoss"), params, layers, rewritten)
 
 
 def _attr(root: nn.Module, target: str) -> Any:
@@ -262,13 +285,18 @@ def _chunks_of(strategy: Any) -> list[tuple[str, str]]:
 
 
 def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
-                  graph: Any = None) -> PipelinePlan:
+                  graph: Any = None, tp_kinds: dict[str, str] | None = None,
+                  fused: dict[str, tuple[int, ...]] | None = None) -> PipelinePlan:
     """Check that ``strategy``'s stages can be cut out of ``model`` exactly; return the worker plan.
 
     ``batch`` is one global batch (``data_fn(0)``); the model is exported on one micro-batch of it.
     ``graph`` is the model's captured graph: a stage boundary names one of its ops, whose
     ``source_node`` is the node of torch.export's graph to cut at (the frontend numbers ops its own
     way); without it the op names are looked up among the exported nodes' names.
+
+    With ``tp > 1``, ``tp_kinds`` and ``fused`` are the plan's tensor-parallel modules (``ExecPlan.tp_plan``,
+    ``ExecPlan.fused``): the exported graph is rewritten for them (:mod:`._stage_tp`) as the workers
+    will, which refuses a placement the rewrite cannot execute.
     """
     s = strategy
     sched, _, v_txt = s.schedule.partition(":")
@@ -298,7 +326,8 @@ def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, to
     mb = s.global_batch // n
     nodes = {op.name: op.source_node for op in graph.ops if op.source_node} if graph is not None else {}
     cuts = tuple(nodes.get(first, first) for first, _ in chunks[1:])
-    split = split_model(model, inputs[:mb], labels[:mb], cuts, set(nodes.values()) if nodes else None)
+    split = split_model(model, inputs[:mb], labels[:mb], cuts, set(nodes.values()) if nodes else None,
+                        rewrite=_tp_rewrite(tp_kinds or {}, fused or {}, s.tp) if s.tp > 1 else None)
     for st in s.stages:
         have = set().union(*(split.layers[k] for k in range(st.index, len(chunks), s.pp)))
         if st.layers and have != set(st.layers):
@@ -311,6 +340,7 @@ def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, to
             raise Unsupported(f"pipeline stage {st} holds no parameters (ops "
                                f"{', '.join(by for c in range(st, len(chunks), s.pp) for by in chunks[c])}); "
                                "a parameter-free stage is not executed: search with fewer stages")
+    pp_major, axes = _layout(s)
     holders: dict[str, list[int]] = {}
     for k, names in enumerate(split.params):
         for p in names:
@@ -322,23 +352,49 @@ def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, to
             raise Unsupported(f"parameter {p!r} is used by chunks {list(ks)}, two of them on one stage; not executed")
     return PipelinePlan(stages=s.pp, virtual=v, schedule=sched, microbatches=s.microbatches,
                         cuts=cuts, chunk_params=tuple(split.params), tied=tied,
-                        pp_major=_pp_major(s))
+                        pp_major=pp_major, axes=axes, tp=s.tp)
 
 
-def _pp_major(s: Any) -> bool:
-    """Whether the mesh numbers ranks stage-major; checks the mesh against the degrees and the stages'
-    device lists, since the workers place stage ``k``'s chunks on the ranks the mesh gives it."""
+def _tp_rewrite(kinds: dict[str, str], fused: dict[str, tuple[int, ...]], tp: int, rank: int = 0,
+                mesh: Any = None) -> Callable[[fx.GraphModule], dict[str, int]]:
+    """The tensor-parallel rewrite of the exported graph (:mod:`._stage_tp`); with ``mesh`` (the
+    workers' 1-D ``tp`` mesh) the split parameters become DTensors too. Returns the split values."""
+
+    def rewrite(gm: fx.GraphModule) -> dict[str, int]:
+        from polyparallel.backends.torch._stage_tp import shard_graph, shard_parameters
+
+        split, params = shard_graph(gm, kinds, fused, tp, rank)
+        if mesh is not None:
+            shard_parameters(gm, params, mesh)
+        return split
+
+    return rewrite
+
+
+def _layout(s: Any) -> tuple[bool, tuple[str, ...]]:
+    """Whether the mesh numbers ranks stage-major, and the order of its ``pp``, ``dp``, ``tp`` dims;
+    checks the mesh against the degrees and the stages' device lists, since the workers place stage
+    ``k``'s chunks on the ranks the mesh gives it."""
     sizes = {a.name: a.size for a in s.mesh.axes if a.size > 1}
-    if sizes.get("pp") != s.pp or sizes.get("dp", 1) != s.dp:
-        raise Unsupported(f"the mesh axes {sizes} do not match pp={s.pp}, dp={s.dp}")
-    order = [a for a in sizes if a in ("pp", "dp")]
-    pp_major = order[0] == "pp"
+    if sizes.get("pp") != s.pp or sizes.get("dp", 1) != s.dp or sizes.get("tp", 1) != s.tp:
+        raise Unsupported(f"the mesh axes {sizes} do not match pp={s.pp}, dp={s.dp}, tp={s.tp}")
+    named = [a.name for a in s.mesh.axes if a.name in ("pp", "dp", "tp")]
+    axes = (*named, *(a for a in ("pp", "dp", "tp") if a not in named))
+    order = [a for a in sizes if a in ("pp", "dp", "tp")]
+    grid = _grid(axes, s.pp, s.dp, s.tp)
     for st in s.stages:
-        ranks = [st.index * s.dp + d if pp_major else d * s.pp + st.index for d in range(s.dp)]
+        ranks = grid[st.index].flatten().tolist()
         if st.devices and sorted(st.devices) != sorted(s.mesh.devices[r] for r in ranks):
             raise Unsupported(f"stage {st.index} lists devices {st.devices} but the mesh {order} puts it on "
                                f"{[s.mesh.devices[r] for r in ranks]}")
-    return pp_major
+    return axes.index("pp") < axes.index("dp"), axes
+
+
+def _grid(axes: tuple[str, ...], pp: int, dp: int, tp: int, ranks: torch.Tensor | None = None) -> torch.Tensor:
+    """``grid[stage][dp index][tp index]``: the rank, for ranks numbered row-major over ``axes``."""
+    deg = {"pp": pp, "dp": dp, "tp": tp}
+    r = torch.arange(pp * dp * tp).reshape([deg[a] for a in axes]) if ranks is None else ranks
+    return r.permute([axes.index(a) for a in ("pp", "dp", "tp")])
 
 
 def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.device) -> Iterator[int]:
@@ -357,18 +413,24 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
     from polyparallel.references import resolve
 
     plan, pipe = job["plan"], job["plan"].pipeline
-    pp, dp, K = pipe.stages, plan.dp, pipe.stages * pipe.virtual
-    # ranks follow the Strategy's mesh order: stage-major (pp, dp) or dp-major (dp, pp)
-    names = ("pp", "dp") if pipe.pp_major else ("dp", "pp")
-    mesh = init_device_mesh(device.type, (pp, dp) if pipe.pp_major else (dp, pp), mesh_dim_names=names)
-    grid = mesh.mesh if pipe.pp_major else mesh.mesh.T  # grid[stage][dp index] = global rank
-    stage, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    pp, dp, tp, K = pipe.stages, plan.dp, pipe.tp, pipe.stages * pipe.virtual
+    # ranks follow the Strategy's mesh order: stage-major (pp, dp, tp) as the planner writes it, or another
+    deg = {"pp": pp, "dp": dp, "tp": tp}
+    mesh = init_device_mesh(device.type, tuple(deg[a] for a in pipe.axes), mesh_dim_names=pipe.axes)
+    grid = _grid(pipe.axes, pp, dp, tp, mesh.mesh)  # grid[stage][dp index][tp index] = global rank
+    stage, dp_rank, tp_rank = (mesh[a].get_local_rank() for a in ("pp", "dp", "tp"))
     data_fn = resolve(job["data_fn"])
     inputs, labels = data_fn(0)
     mb = plan.global_batch // (dp * pipe.microbatches)
     torch.manual_seed(job["seed"])  # every rank builds the same initial weights, then keeps its chunks
     model = resolve(job["model_fn"])()
-    split = split_model(model, inputs[:mb], labels[:mb], pipe.cuts)
+    rewrite = None
+    if tp > 1:  # Megatron inside each stage, on local shards (._stage_tp)
+        from polyparallel.backends.torch._stage_tp import register_group
+
+        register_group("tp", mesh["tp"].get_group())
+        rewrite = _tp_rewrite(dict(plan.tp_plan), dict(plan.fused), tp, tp_rank, mesh["tp"])
+    split = split_model(model, inputs[:mb], labels[:mb], pipe.cuts, rewrite=rewrite)
     prec = Precision(plan.dtype, device)
     mine = list(range(stage, K, pp))
     modules: list[nn.Module] = []
@@ -389,14 +451,25 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
         # autocast inside the stage's forward: the schedule runs backwards between forwards
         modules.append(prec.autocast_forward(mod))
     tail = split.tail.to(device)
+    # tail inputs split over tp (class-parallel logits) enter the loss as DTensors, under loss_parallel
+    tail_split = [(split.rewritten or {}).get(p.name) for p in tail.graph.nodes if p.op == "placeholder"][:-1]
+    parallel_loss = any(d is not None for d in tail_split)
 
     target_counts: list[float | None] = []  # per micro-batch of the step: the targets its loss counted
 
     def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
         counter = TargetCount()
+        outs = out if isinstance(out, tuple) else (out,)
+        if parallel_loss:
+            from torch.distributed.tensor import DTensor, Shard
+
+            outs = tuple(o if d is None else DTensor.from_local(o, mesh["tp"], [Shard(d)], run_check=False)
+                         for o, d in zip(outs, tail_split))
         with counter, prec.autocast():
-            loss = tail(*(out if isinstance(out, tuple) else (out,)), target)
+            loss = tail(*outs, target)
         target_counts.append(counter.count_for(loss))
+        if parallel_loss:
+            loss = loss.to_local()  # replicated
         # L·c/unit (weigh_microbatches): L·c alone is c times the mean loss, which overflows fp16 gradients
         return prec.scale(loss if target_counts[-1] is None else loss * (target_counts[-1] / target.numel()))
 
@@ -408,15 +481,16 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
     else:
         cls = ScheduleGPipe if pipe.schedule == "gpipe" else Schedule1F1B
         schedule = cls(stages[0], n_microbatches=pipe.microbatches, loss_fn=loss_fn)
-    # tied parameters: one group per (set of stages holding it, dp index); every rank creates every
-    # group in the same order, as new_group requires
+    # tied parameters: one group per (set of stages holding it, dp index, tp index); every rank
+    # creates every group in the same order, as new_group requires
     tie_groups: list[tuple[str, Any]] = []
     for name, ks in pipe.tied:
         holders = sorted({k % pp for k in ks})
         for d in range(dp):
-            g = dist.new_group([int(grid[s][d]) for s in holders])
-            if stage in holders and d == dp_rank:
-                tie_groups.append((name, g))
+            for t in range(tp):
+                g = dist.new_group([int(grid[s][d][t]) for s in holders])
+                if stage in holders and (d, t) == (dp_rank, tp_rank):
+                    tie_groups.append((name, g))
     owner = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
     named = {n.removeprefix("module."): p for mod in modules for n, p in mod.named_parameters()}
     from polyparallel.backends.torch._steps import make_optimizer
@@ -448,8 +522,11 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
             losses: list[torch.Tensor] = []
             target_counts.clear()
             args = (x,) if first else ()
-            schedule.step(*args, target=y if last else None, losses=losses if last else None,
-                          return_outputs=False)
+            with _loss_parallel(last and parallel_loss):  # the tail's backward runs inside the step too
+                schedule.step(*args, target=y if last else None, losses=losses if last else None,
+                              return_outputs=False)
+            if tp_rank:  # tensor-parallel peers computed copies of tp rank 0's losses
+                losses = []
             # the schedule's first step also calls loss_fn once for its shape inference, before the
             # micro-batches: their counts are the last ones
             loss_scale = prec.loss_scale  # the schedule's losses are what loss_fn returned: scaled with fp16
@@ -470,3 +547,11 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
             log_step(log, step, global_loss, weighting, dt, device, **counts, **comm, **amp)
         if ckpt is not None and ((step + 1) % job["checkpoint_every"] == 0 or step + 1 == job["steps"]):
             save_checkpoint(ckpt, step, owner, opt, rank, optim_key, job=job)
+
+
+def _loss_parallel(on: bool) -> Any:
+    from contextlib import nullcontext
+
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel() if on else nullcontext()

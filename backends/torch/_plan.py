@@ -18,8 +18,10 @@ torch's parallel styles:
 * pipeline parallelism over the ``pp`` axis (:mod:`._pipeline`): the model exported with
   ``torch.export`` is cut before the first op of each stage's op range, each stage runs with
   ``torch.distributed.pipelining`` (GPipe, 1F1B or interleaved 1F1B, ``microbatches`` micro-batches,
-  the loss on the last stage), alone or with DDP / FSDP2 over ``dp`` on a 2-D ``("pp", "dp")`` mesh;
-  tied weights used by several stages have their gradients summed over those stages.
+  the loss on the last stage), alone or with DDP / FSDP2 over ``dp`` on a 2-D ``("pp", "dp")`` mesh,
+  and with tensor parallelism inside the stages on a ``("pp", "dp", "tp")`` mesh (:mod:`._stage_tp`,
+  Megatron on the exported graph's local shards); tied weights used by several stages have their
+  gradients summed over those stages.
 
 * head-parallel attention (:mod:`._tensor_parallel`): an attention op split over its heads
   (``h:tp``) runs locally on each rank's heads; the Linear(s) producing its ``q, k, v`` are
@@ -270,7 +272,8 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
             raise ValueError(f"pp={s.pp}: plan_for needs one global batch (data_fn(0)) to cut the model into stages")
         from polyparallel.backends.torch._pipeline import pipeline_plan
 
-        pipe = pipeline_plan(s, model, batch, graph)
+        pipe = pipeline_plan(s, model, batch, graph, tp_kinds=dict(seen),
+                             fused={p: seg for p, seg in heads.items() if len(seg) > 1})
     return ExecPlan(dp=s.dp, tp=s.tp, data_parallel=dp_kind, tp_plan=tuple(sorted(seen.items())),
                     loss_parallel=loss_parallel, global_batch=s.global_batch, pp=s.pp, pipeline=pipe, sp=s.sp,
                     fused=tuple(sorted((p, seg) for p, seg in heads.items() if len(seg) > 1)),

@@ -13,7 +13,8 @@ of a plan, against the model's captured graph:
 * activation recomputation (:mod:`._recompute`) outside pipeline stages only; ``full`` needs the
   model's numbered layers (``layers.<i>``, ``h.<i>``, ``blocks.<i>``), the blocks it checkpoints;
 * micro-batches with pipeline stages, or without them as gradient accumulation (``_worker``);
-* no tensor or sequence parallelism inside pipeline stages;
+* tensor parallelism inside pipeline stages (:mod:`._stage_tp`, checked by ``plan_for`` on the exported
+  graph), but no sequence parallelism there;
 * sequence parallelism (Ulysses) only where it is exact (:func:`._tensor_parallel.sp_problems`:
   attention over one sequence length through ``scaled_dot_product_attention``, no position tables);
 * data or sequence parallelism together with tensor parallelism only with FSDP2 (``zero_stage >= 1``):
@@ -92,8 +93,6 @@ def plan_problems(graph: Graph | None, s: Any) -> list[str]:
                    "executed; search with constraints={'recompute': 'none'} or pp=1")
     elif s.recompute != "none":
         why.extend(_recompute_problems(graph, s.recompute))
-    if s.pp > 1 and s.tp > 1:
-        why.append(f"pp={s.pp} with tp={s.tp}: tensor parallelism inside pipeline stages is not executed")
     if s.pp > 1 and s.sp > 1:
         why.append(f"pp={s.pp} with sp={s.sp}: sequence parallelism inside pipeline stages is not executed")
     if s.pp > 1 and schedule not in EXECUTED_SCHEDULES:
