@@ -1,0 +1,33 @@
+"""``polyparallel report``: a strategy (and a run) as one self-contained HTML page."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from polyparallel.cli import UserError, app
+from polyparallel.strategy import Strategy, StrategyError
+
+
+@app.command("report")
+def report_cmd(
+    strategy: Annotated[Path, typer.Argument(help="a strategy JSON file (polyparallel search ... -o FILE)")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="the HTML file to write")] = Path("report.html"),
+    run: Annotated[Path | None, typer.Option(
+        "--run", help="a run folder to draw measured curves from: the --run-dir of `polyparallel train` or the "
+                      "--out of `polyparallel collab`")] = None,
+) -> None:
+    """Write one HTML page (no network needed): cluster diagram, memory and time per device, the pipeline or
+    round timeline, and with --run the measured loss, accuracy and phase times."""
+    from polyparallel.report import read_run, render
+
+    try:
+        s = Strategy.from_json(strategy)
+    except StrategyError as e:
+        first = str(e).splitlines()[0]
+        raise UserError(f"{first}; give a strategy written by `polyparallel search MODEL -o {strategy}`") from None
+    records = read_run(run) if run is not None else None
+    out.write_text(render(s, records))
+    typer.echo(f"wrote {out}  (open it in a browser)")

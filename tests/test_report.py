@@ -1,0 +1,177 @@
+"""``polyparallel report``: real strategies (the search on built-in models) and a real collaborative
+run become one self-contained page with the expected elements and numbers, which headless Chromium
+renders without console errors (the screenshots are kept under pytest's tmp dir; their paths are
+printed)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import polyparallel as pp
+from polyparallel.cli import main
+from polyparallel.report import pipeline_tasks, read_run, render
+
+
+@pytest.fixture(scope="module")
+def sync_strategy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("sync") / "s.json"
+    pp.search("gpt-tiny", cluster="local-cpu:4", constraints={"pp": 2}).to_json(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def collab_strategy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("collab") / "c.json"
+    pp.search("mlp", cluster="aisynergy-5", constraints={"mode": "collaborative"}).to_json(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def collab_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real in-process federation, written as `polyparallel collab --out` writes it."""
+    from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, collaborate
+
+    out = tmp_path_factory.mktemp("collab-run")
+    cfg = CollabConfig(centers=(CenterSpec("a"), CenterSpec("b")), model=ModelSpec("mlp", (8,), 3, hidden=8),
+                       rounds=3, local_steps=5, holdout=0.2)
+    rng = np.random.default_rng(0)
+    data = {n: (rng.normal(size=(64, 8)).astype("float32"), rng.integers(0, 3, 64)) for n in "ab"}
+    result = collaborate(cfg, data, timing_path=out / "timing.jsonl")
+    (out / "result.json").write_text(json.dumps(result.to_dict()))
+    return out
+
+
+def _cli(args: list[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 0
+
+
+def _chromium(html: Path, shot: Path) -> str:
+    """Screenshot ``html``; returns Chromium's log (console messages land there)."""
+    exe = shutil.which("chromium")
+    if exe is None:
+        pytest.skip("chromium is not installed (Debian: apt-get install -y chromium; .ci/run installs it)")
+    proc = subprocess.run([exe, "--headless", "--disable-gpu", "--no-sandbox", "--enable-logging=stderr", "--v=0",
+                           f"--screenshot={shot}", "--window-size=1400,2000", html.as_uri()],
+                          capture_output=True, text=True, timeout=120)
+    assert shot.is_file() and shot.stat().st_size > 10_000, proc.stderr[-2000:]
+    print(f"screenshot: {shot}")
+    return proc.stderr
+
+
+def _no_console_errors(log: str) -> None:
+    bad = [line for line in log.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+    assert not bad, bad
+
+
+def _self_contained(page: str) -> None:
+    assert page.startswith("<!DOCTYPE html>")
+    assert not re.search(r"(src|href)=\"(https?:)?//", page), "the page loads something from the network"
+    assert "<script" not in page
+
+
+def test_synchronous_report(sync_strategy: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report.html"
+    _cli(["report", str(sync_strategy), "--out", str(out)])
+    page = out.read_text()
+    _self_contained(page)
+    s = pp.Strategy.from_json(sync_strategy)
+    for ident in ("cluster", "memory", "breakdown", "stage-compute", "pipeline"):
+        assert f'id="{ident}"' in page, ident
+    assert page.count('class="device"') == 4
+    # every device carries its stage's color and its mesh coordinates
+    for st in s.stages:
+        for d in st.devices:
+            assert f'data-device="{d}"' in page
+    assert "pp0 dp0" in page and "pp1 dp1" in page
+    # the simulated timeline: every forward and backward of every micro-batch, and the simulator's makespan
+    tasks, sim = pipeline_tasks(s)
+    chunks = sim.chunks
+    assert len(tasks) == 2 * s.pp * s.microbatches * chunks
+    assert page.count('class="task"') == len(tasks)
+    assert max(z for _, _, z, _, _ in tasks) == pytest.approx(sim.makespan)
+    assert [sum(z - a for r, a, z, _, _ in tasks if r == st) for st in range(s.pp)] == pytest.approx(list(sim.busy))
+    # the strategy's numbers
+    assert f"dp={s.dp} tp={s.tp} pp={s.pp}" in page
+    assert f"{s.estimate.step_time_s * 1e3:.2f} ms" in page
+    for st in s.stages:
+        assert f"{st.compute_s * 1e3:.2f} ms" in page
+    for label in s.estimate.memory_by_device:
+        assert label in page
+    _no_console_errors(_chromium(out, tmp_path / "report-sync.png"))
+
+
+def test_collaborative_report_with_run(collab_strategy: Path, collab_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report.html"
+    _cli(["report", str(collab_strategy), "--run", str(collab_run), "--out", str(out)])
+    page = out.read_text()
+    _self_contained(page)
+    s = pp.Strategy.from_json(collab_strategy)
+    for ident in ("cluster", "breakdown", "center-steps", "round-plan", "run-center-loss", "run-eval", "run-phases"):
+        assert f'id="{ident}"' in page, ident
+    assert page.count('class="device"') == len(s.mesh.devices)
+    for c in s.collaborative.centers:
+        assert c.name in page
+    assert f"H={s.collaborative.local_steps}" in page
+    assert f"{s.collaborative.round_time_s * 1e3:.2f} ms" in page
+    # one upload and one download per center with a WAN link; the slowest ends the round
+    assert page.count('data-kind="upload"') == len(s.collaborative.centers)
+    rounds = read_run(collab_run).rounds
+    assert 'data-series="a"' in page and 'data-series="eval accuracy"' in page
+    assert f"{rounds[-1]['eval']['accuracy']:.4g}" in page
+    _no_console_errors(_chromium(out, tmp_path / "report-collab.png"))
+
+
+def test_torch_run_records(sync_strategy: Path, tmp_path: Path) -> None:
+    """train.jsonl as the torch backend's ``log_step`` writes it (loss and step time per step)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    losses = [2.5, 2.1, 1.7, 1.6]
+    (run / "train.jsonl").write_text("".join(json.dumps({"step": i, "loss": v, "loss_weighting": "tokens",
+                                                         "step_time_s": 0.02 + 0.001 * i, "device": "cpu",
+                                                         "backend": "gloo"}) + "\n" for i, v in enumerate(losses)))
+    page = render(pp.Strategy.from_json(sync_strategy), read_run(run))
+    assert 'id="run-loss"' in page and 'id="run-step-time"' in page
+    assert "4 step records" in page and "1.6" in page
+
+
+@pytest.mark.parametrize("case, words", [
+    ("not-json", ["not JSON", "polyparallel search"]),
+    ("not-strategy", ["schema_version", "polyparallel search"]),
+    ("empty-run", ["no run records", "--run-dir"]),
+    ("missing-run", ["does not exist", "--out of `polyparallel collab`"]),
+    ("no-steps", ["no step records", "train"]),
+])
+def test_bad_input_exits_2(case: str, words: list[str], sync_strategy: Path, tmp_path: Path,
+                           capsys: pytest.CaptureFixture[str]) -> None:
+    strategy, run = sync_strategy, None
+    if case == "not-json":
+        strategy = tmp_path / "x.json"
+        strategy.write_text("hello")
+    elif case == "not-strategy":
+        strategy = tmp_path / "x.json"
+        strategy.write_text('{"name": "gpt"}')
+    elif case == "empty-run":
+        run = tmp_path
+    elif case == "missing-run":
+        run = tmp_path / "nowhere"
+    else:
+        run = tmp_path
+        (run / "train.jsonl").write_text("")
+    args = ["report", str(strategy), "--out", str(tmp_path / "r.html")] + (["--run", str(run)] if run else [])
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for w in words:
+        assert w in err, err
+    assert not (tmp_path / "r.html").exists()
