@@ -120,6 +120,8 @@ def search_cmd(
         return
     for line in _summary(s):
         console.print(line)
+    for n in s.search.notes:
+        console.print(f"[yellow]note[/yellow] {n}", highlight=False)
     if out is not None:
         console.print(f"wrote {out}  (inspect with: polyparallel explain {out})")
 

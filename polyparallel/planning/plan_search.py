@@ -446,6 +446,7 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
     sync_ok = best is not None and best.est is not None
     if sync_ok:
         mdl.exact(best.b)  # the strategy names a captured graph: count its capture as capture time
+    notes += _opaque_note(next(iter(mdl.priced.values()), None) or next(iter(mdl.graphs.values()), None))
     search_s = time.perf_counter() - t0 - mdl.capture_s
     cands = (best.candidates if best else 0) + (collab[1] if collab else 0)
     record = SearchRecord(capture_s=round(mdl.capture_s, 3), search_s=round(search_s, 3), candidates=cands,
@@ -745,6 +746,16 @@ def _does_not_fit_message(mdl: ModelGraphs, cl: Cluster, best: _Best | None) -> 
 
 # ----------------------------------------------------------------------------------------
 # evaluate a hand-made recipe
+
+
+def _opaque_note(graph: Graph | None) -> list[str]:
+    """Ops the model has no loop nest for: priced at one FLOP per output element and never split."""
+    ops = graph.opaque_ops() if graph is not None else []
+    if not ops:
+        return []
+    shown = "; ".join(f"{o.name} ({o.opaque_reason or 'no affine form'})" for o in ops[:3])
+    return [f"{len(ops)} op(s) have no loop nest (opaque): priced at one FLOP per output element and replicated, "
+            f"so their cost and splits are not modelled: {shown}{' ...' if len(ops) > 3 else ''}"]
 
 
 def _check_cluster(cluster: Any) -> None:
