@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 import subprocess
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -141,6 +142,29 @@ def test_torch_run_records(sync_strategy: Path, tmp_path: Path) -> None:
     page = render(pp.Strategy.from_json(sync_strategy), read_run(run))
     assert 'id="run-loss"' in page and 'id="run-step-time"' in page
     assert "4 step records" in page and "1.6" in page
+
+
+@pytest.mark.parametrize("schedule, microbatches", [("gpipe", 4), ("1f1b", 3), ("1f1b", 8), ("interleaved:2", 4),
+                                                     ("interleaved:3", 6)])
+def test_timeline_matches_the_cost_models_simulation(sync_strategy: Path, schedule: str, microbatches: int) -> None:
+    s = pp.Strategy.from_json(sync_strategy).model_copy(update={"schedule": schedule, "microbatches": microbatches})
+    tasks, sim = pipeline_tasks(s)
+    assert len(tasks) == 2 * s.pp * microbatches * sim.chunks
+    assert max(z for _, _, z, _, _ in tasks) == pytest.approx(sim.makespan)
+    for r in range(s.pp):  # a stage runs one task at a time
+        spans = sorted((a, z) for q, a, z, _, _ in tasks if q == r)
+        assert all(z <= a2 + 1e-12 for (_, z), (a2, _) in pairwise(spans))
+
+
+def test_collab_run_as_serve_writes_it(collab_strategy: Path, collab_run: Path, tmp_path: Path) -> None:
+    """`serve --out` / the Flower engine write rounds.jsonl and timing.jsonl instead of result.json."""
+    result = json.loads((collab_run / "result.json").read_text())
+    (tmp_path / "rounds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in result["rounds"]))
+    (tmp_path / "timing.jsonl").write_text((collab_run / "timing.jsonl").read_text())
+    run = read_run(tmp_path)
+    assert run.kind == "collab" and len(run.rounds) == 3 and run.timing
+    page = render(pp.Strategy.from_json(collab_strategy), run)
+    assert 'id="run-phases"' in page and page.count("<tr><td>") >= 3
 
 
 @pytest.mark.parametrize("case, words", [
