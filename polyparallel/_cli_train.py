@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -56,6 +57,7 @@ def train(
     from polyparallel.backends.torch import MultiNode, TrainError, launch_commands
 
     model_fn, data_fn = _model_and_data(model, data, strategy)
+    typer.echo(f"checking {strategy} against the model, then starting its processes ...")
     try:
         from polyparallel.backends.torch import train as run
         from polyparallel.backends.torch._launch import new_run_dir
@@ -63,7 +65,7 @@ def train(
         where = run_dir or log_dir or checkpoint_dir or new_run_dir(create=False)
         run(strategy, model_fn, data_fn, steps=steps, optimizer=optimizer, lr=lr, seed=seed, run_dir=where,
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-            keep_checkpoints=keep_checkpoints or None, timeout_s=timeout, progress=_print_step,
+            keep_checkpoints=keep_checkpoints or None, timeout_s=timeout, progress=_StepPrinter(steps),
             check_fingerprint=fingerprint_check, node_rank=node_rank, master_addr=master_addr,
             master_port=master_port, profile_comm=profile_comm)
     except MultiNode:
@@ -97,10 +99,19 @@ def _model_and_data(model: str, data: str | None, strategy: Path) -> tuple[Any, 
     return functools.partial(example_module, model), functools.partial(example_batch, model, batch)
 
 
-def _print_step(rec: dict) -> None:
-    """One line per step as rank 0 logs it: loss, step time, throughput (and collective time)."""
-    dt = rec["step_time_s"]
-    rate = f"  {rec['samples'] / dt:.1f} samples/s" if "samples" in rec and dt > 0 else ""
-    rate += f"  {rec['tokens'] / dt:.0f} tokens/s" if "tokens" in rec and dt > 0 else ""
-    comm = f"  comm {rec['comm_s'] * 1e3:.1f} ms" if "comm_s" in rec else ""
-    typer.echo(f"step {rec['step']:>4}  loss {rec['loss']:.6f}  {dt * 1e3:.1f} ms{rate}{comm}")
+class _StepPrinter:
+    """One line per step as rank 0 logs it: loss, step time, throughput (and collective time), with
+    the estimated time left from the mean wall time per step so far."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.t0, self.seen = steps, time.monotonic(), 0
+
+    def __call__(self, rec: dict) -> None:
+        self.seen += 1
+        dt = rec["step_time_s"]
+        rate = f"  {rec['samples'] / dt:.1f} samples/s" if "samples" in rec and dt > 0 else ""
+        rate += f"  {rec['tokens'] / dt:.0f} tokens/s" if "tokens" in rec and dt > 0 else ""
+        comm = f"  comm {rec['comm_s'] * 1e3:.1f} ms" if "comm_s" in rec else ""
+        left = self.steps - rec["step"] - 1
+        eta = f"  eta {(time.monotonic() - self.t0) / self.seen * left:.1f} s" if left > 0 else ""
+        typer.echo(f"step {rec['step']:>4}/{self.steps}  loss {rec['loss']:.6f}  {dt * 1e3:.1f} ms{rate}{comm}{eta}")
