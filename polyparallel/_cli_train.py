@@ -101,17 +101,20 @@ def _model_and_data(model: str, data: str | None, strategy: Path) -> tuple[Any, 
 
 class _StepPrinter:
     """One line per step as rank 0 logs it: loss, step time, throughput (and collective time), with
-    the estimated time left from the mean wall time per step so far."""
+    the time left estimated from the wall time between step records (startup excluded)."""
 
     def __init__(self, steps: int) -> None:
-        self.steps, self.t0, self.seen = steps, time.monotonic(), 0
+        self.steps, self.t0, self.seen = steps, 0.0, 0
 
     def __call__(self, rec: dict) -> None:
+        if not self.seen:
+            self.t0 = time.monotonic()  # the rate is measured from the first step's record on
         self.seen += 1
         dt = rec["step_time_s"]
         rate = f"  {rec['samples'] / dt:.1f} samples/s" if "samples" in rec and dt > 0 else ""
         rate += f"  {rec['tokens'] / dt:.0f} tokens/s" if "tokens" in rec and dt > 0 else ""
         comm = f"  comm {rec['comm_s'] * 1e3:.1f} ms" if "comm_s" in rec else ""
         left = self.steps - rec["step"] - 1
-        eta = f"  eta {(time.monotonic() - self.t0) / self.seen * left:.1f} s" if left > 0 else ""
+        per_step = (time.monotonic() - self.t0) / (self.seen - 1) if self.seen > 1 else 0.0
+        eta = f"  eta {per_step * left:.1f} s" if left > 0 and per_step else ""
         typer.echo(f"step {rec['step']:>4}/{self.steps}  loss {rec['loss']:.6f}  {dt * 1e3:.1f} ms{rate}{comm}{eta}")
