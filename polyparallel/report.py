@@ -164,8 +164,8 @@ def bars_svg(id_: str, items: list[tuple[str, float, str]], color: str = COLORS[
     for i, (label, v, txt) in enumerate(items):
         y = 4 + i * 24
         body.append(_text(0, y + 13, label))
-        body.append(_rect(260, y, 700 * v / top, 18, color, f"{label}: {txt}", ' class="bar"'))
-        body.append(_text(266 + 700 * v / top, y + 13, txt))
+        body.append(_rect(260, y, 560 * v / top, 18, color, f"{label}: {txt}", ' class="bar"'))
+        body.append(_text(266 + 560 * v / top, y + 13, txt))
     return _svg(id_, 1200, 8 + 24 * len(items), body)
 
 
@@ -232,13 +232,16 @@ def line_svg(id_: str, series: dict[str, list[tuple[float, float]]], xlabel: str
         return f"{left + w * (x - x0) / (x1 - x0):.1f},{top + h * (1 - (y - y0) / (y1 - y0)):.1f}"
 
     body = [f'<rect x="{left}" y="{top}" width="{w}" height="{h}" fill="#fafafa" stroke="#ccc"/>']
+    whole = all(float(p[0]).is_integer() for p in pts)  # steps, rounds: integer ticks
+    xticks = sorted({round(x0 + (x1 - x0) * i / 4) for i in range(5)}) if whole else [
+        x0 + (x1 - x0) * i / 4 for i in range(5)]
     for i in range(5):
         y = y0 + (y1 - y0) * i / 4
         yy = top + h * (1 - i / 4)
         body.append(f'<line x1="{left}" y1="{yy:.1f}" x2="{left + w}" y2="{yy:.1f}" stroke="#eee"/>')
         body.append(_text(left - 4, yy + 4, _num(y), 10, "end"))
-        x = x0 + (x1 - x0) * i / 4
-        body.append(_text(left + w * i / 4, top + h + 14, _num(x), 10, "middle"))
+    for x in xticks:
+        body.append(_text(left + w * (x - x0) / (x1 - x0), top + h + 14, _num(x), 10, "middle"))
     body.append(_text(left + w / 2, top + h + 30, xlabel, 11, "middle"))
     body.append(_text(14, top + h / 2, ylabel, 11, "middle", extra=f' transform="rotate(-90 14 {top + h / 2})"'))
     legend = []
