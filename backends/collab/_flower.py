@@ -21,6 +21,15 @@ retries from 0.02 s instead of 1 s doubling to 10 s, SuperNode reply checks ever
 0.5 s and idle polls every 0.25 s instead of 3 s, the SuperLink's store in memory instead of SQLite,
 and the arrays packed into one buffer per dtype so that a message is a handful of Flower objects.
 
+Faults and identity (see ``docs/collab.md``): every process we start dies with the process that
+started it (``PR_SET_PDEATHSIG``, so a SIGKILLed ``polyparallel center`` or ``serve`` takes its
+SuperNode, executor or SuperLink along); SuperNodes heartbeat every ``heartbeat_s`` and retry
+activation while a crashed predecessor is still "online" (:mod:`._supernode`, :mod:`._superlink`), so a
+restarted center is back within seconds; :meth:`LoopbackFederation.supervise` restarts a center whose
+SuperNode exited (the server went away) until it reconnects; with credentials, registering a key
+returns its node id, and the ServerApp gets ``node id -> center name`` in the run config and refuses a
+reply whose claimed name is not the one registered for the node that sent it.
+
 The app handed to ``flwr run`` is a two-file Flower App written into the work directory: a
 ``pyproject.toml`` naming :data:`._flower_app.server_app` / ``client_app`` and carrying the run config,
 and a one-line module importing them.
@@ -98,6 +107,15 @@ class _Proc:
     name: str
     popen: subprocess.Popen
     log: Path
+    log_start: int = 0  # the log's size when this process started (a restart appends to the same file)
+
+    def log_text(self) -> str:
+        with self.log.open("rb") as f:
+            f.seek(self.log_start)
+            return f.read().decode(errors="replace")
+
+
+_NODE_ID = "SuperNode ID: "  # what flwr 1.42's SuperNode logs once the SuperLink activated it
 
 
 @dataclass
@@ -125,6 +143,12 @@ class LoopbackFederation:
             False: one message object per tensor (the benchmark compares the two).
         credentials: TLS on the SuperLink's HTTP APIs and SuperNode authentication (only the
             public keys registered with :meth:`register_center` may join); None: plain HTTP, no auth.
+        heartbeat_s: the SuperNodes' heartbeat interval (Flower: 30 s, at least 10 s): a SuperNode that
+            died is "online" for 2 intervals after its last heartbeat, and its key cannot rejoin before
+            (None: Flower's limits and interval).
+        activate_wait_s: how long a starting SuperNode retries while its node is still online.
+        connect_wait_s: how long a SuperNode retries an unreachable SuperLink before it exits (None:
+            Flower's default, forever with back-off up to 20 s); :meth:`supervise` then restarts it.
     """
 
     workdir: Path
@@ -139,7 +163,11 @@ class LoopbackFederation:
     superlink_database: str | None = None
     pack_arrays: bool = True
     credentials: Credentials | None = None
+    heartbeat_s: float | None = 2.0
+    activate_wait_s: float = 30.0
+    connect_wait_s: float | None = None
     procs: list[_Proc] = field(default_factory=list)
+    node_names: dict[int, str] = field(default_factory=dict)  # node id -> center, from key registration
     superlink_port: int = 0
     node_ports: dict[str, int] = field(default_factory=dict)
     _old_term: Any = field(default=None, repr=False)
@@ -162,12 +190,18 @@ class LoopbackFederation:
         return env
 
     def _spawn(self, name: str, argv: list[str]) -> _Proc:
+        from polyparallel.backends.torch._procs import die_with_parent
+
         log = self.workdir / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
+        parent = os.getpid()
         with log.open("ab") as fh:
+            start = fh.tell()
+            # killed with us, even by SIGKILL (no __exit__ then): nothing trains on after its center is gone
             p = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env=self.env, cwd=self.workdir, start_new_session=True)
-        proc = _Proc(name, p, log)
+                                 env=self.env, cwd=self.workdir, start_new_session=True,
+                                 preexec_fn=lambda: die_with_parent(parent))
+        proc = _Proc(name, p, log, start)
         self.procs.append(proc)
         return proc
 
@@ -191,9 +225,12 @@ class LoopbackFederation:
         tls = (["--ssl-certfile", str(cr.server_cert), "--ssl-keyfile", str(cr.server_key),
                 "--ssl-ca-certfile", str(cr.ca), "--enable-supernode-auth"] if cr else ["--insecure"])
         db = ["--database", str(self.workdir / self.superlink_database)] if self.superlink_database else []
-        link = self._spawn("superlink", [
-            "flower-superlink", *tls, "--host", host, "--port", str(self.superlink_port), *db,
-            "--disable-runtime-dependency-installation"])
+        argv = ["flower-superlink", *tls, "--host", host, "--port", str(self.superlink_port), *db,
+                "--disable-runtime-dependency-installation"]
+        if self.heartbeat_s is not None:
+            argv = [sys.executable, "-m", "polyparallel.backends.collab._superlink",
+                    "--min-heartbeat-s", str(min(self.heartbeat_s, 10.0)), "--", *argv[1:]]
+        link = self._spawn("superlink", argv)
         _wait_port(self.superlink_port, self.startup_timeout_s, link.popen, link.log)
         if cr:
             for name, _, pub in cr.node_keys:
@@ -201,12 +238,23 @@ class LoopbackFederation:
                     self.register_center(name, pub)
 
     def register_center(self, name: str, public_key: Path) -> None:
-        """Allow the SuperNode holding the private half of ``public_key`` to join (``flwr supernode register``)."""
-        res = subprocess.run(["flwr", "supernode", "register", str(public_key), "loopback", "--name", name],
+        """Allow the SuperNode holding the private half of ``public_key`` to join (``flwr supernode register``).
+
+        The SuperLink answers with the node id that key will have: it goes into :attr:`node_names`,
+        which :meth:`submit` hands to the ServerApp (a reply is counted only under its node's name).
+        """
+        res = subprocess.run(["flwr", "supernode", "register", str(public_key), "loopback", "--name", name,
+                              "--format", "json"],
                              env=self.env, cwd=self.workdir, capture_output=True, text=True,
                              timeout=self.startup_timeout_s)
-        if res.returncode != 0:
+        try:
+            reply = json.loads(res.stdout[res.stdout.index("{"):])
+            node_id = int(reply["node-id"]) if res.returncode == 0 and reply.get("success") else None
+        except (ValueError, KeyError, TypeError):
+            node_id = None
+        if node_id is None:
             raise FlowerError(f"registering {name}'s key failed: {res.stdout[-1500:]} {res.stderr[-1500:]}")
+        self.node_names[node_id] = name
 
     def start_center(self, name: str, superlink: str | None = None, private_key: Path | None = None,
                      wait: bool = True) -> None:
@@ -230,11 +278,15 @@ class LoopbackFederation:
                 "--host", "127.0.0.1", "--port", str(port)]
         if self.warm:
             argv += ["--isolation", "process"]
-        if (self.supernode_poll_s, self.supernode_wait_s, self.pull_backoff_s) != (None, None, None):
+        if self.connect_wait_s is not None:
+            argv += ["--max-wait-time", str(self.connect_wait_s)]
+        if (self.supernode_poll_s, self.supernode_wait_s, self.pull_backoff_s, self.heartbeat_s) != (None,) * 4:
             patch = ["--poll-s", str(3.0 if self.supernode_poll_s is None else self.supernode_poll_s),
                      "--wait-s", str(0.5 if self.supernode_wait_s is None else self.supernode_wait_s)]
             if self.pull_backoff_s is not None:
                 patch += ["--pull-backoff-s", str(self.pull_backoff_s)]
+            if self.heartbeat_s is not None:
+                patch += ["--heartbeat-s", str(self.heartbeat_s), "--activate-wait-s", str(self.activate_wait_s)]
             argv = [sys.executable, "-m", "polyparallel.backends.collab._supernode", *patch, "--", *argv[1:]]
         node = self._spawn(f"supernode-{name}", argv)
         if not wait:
@@ -246,6 +298,10 @@ class LoopbackFederation:
                                              "--runtime-api-address", f"127.0.0.1:{port}",
                                              "--poll-s", str(self.executor_poll_s), *backoff])
 
+    def _superlink_pid(self) -> int:
+        link = self.latest("superlink")
+        return link.popen.pid if link is not None and link.popen.poll() is None else 0
+
     def kill_center(self, name: str) -> None:
         """SIGKILL a center's SuperNode and executor (a crash, not a shutdown)."""
         for p in self.procs:
@@ -253,6 +309,69 @@ class LoopbackFederation:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.popen.pid, signal.SIGKILL)
                 p.popen.wait(timeout=10)
+
+    def latest(self, name: str) -> _Proc | None:
+        """The last process started under ``name`` (``superlink``, ``supernode-C``, ``executor-C``)."""
+        return next((p for p in reversed(self.procs) if p.name == name), None)
+
+    def node_id(self, name: str) -> int | None:
+        """The node id center ``name``'s current SuperNode was activated as, None while it is not (yet)."""
+        node = self.latest(f"supernode-{name}")
+        text = node.log_text() if node else ""
+        if _NODE_ID not in text:
+            return None
+        return int(text[text.rindex(_NODE_ID) + len(_NODE_ID):].split()[0])
+
+    def wait_connected(self, name: str, timeout_s: float) -> int:
+        """Block until center ``name``'s SuperNode is activated at the SuperLink; its node id.
+
+        Raises :class:`FlowerError` with the SuperNode's last log line when it exits first (a wrong
+        certificate, an unknown key, no SuperLink) or ``timeout_s`` passes.
+        """
+        end = time.time() + timeout_s
+        node = self.latest(f"supernode-{name}")
+        if node is None:
+            raise FlowerError(f"center {name} was not started")
+        while (nid := self.node_id(name)) is None:
+            if node.popen.poll() is not None or time.time() > end:
+                lines = [ln for ln in node.log_text().splitlines() if ln.strip()]
+                why = lines[-1].strip() if lines else "no output"
+                state = (f"its SuperNode exited with {node.popen.returncode}" if node.popen.poll() is not None
+                         else f"not connected after {timeout_s:.0f} s")
+                raise FlowerError(f"center {name}: {state}: {why} (log: {node.log})")
+            time.sleep(0.1)
+        return nid
+
+    def supervise(self, name: str, superlink: str | None = None, reconnect_s: float = 600.0,
+                  on_event: Callable[[str], None] | None = None) -> None:
+        """Keep center ``name`` connected: block while it runs; when its SuperNode or executor exits (the
+        SuperLink went away and the SuperNode gave up, or a crash), stop the other and start both again,
+        every second, until it is activated again. Raise :class:`FlowerError` once it has been
+        disconnected for ``reconnect_s`` seconds."""
+        say = on_event or (lambda _: None)
+        lost: float | None = None
+        while True:
+            procs = [p for p in (self.latest(f"supernode-{name}"), self.latest(f"executor-{name}")) if p]
+            if lost is None and any(p.popen.poll() is not None for p in procs):
+                dead = next(p for p in procs if p.popen.poll() is not None)
+                lost = time.time()
+                say(f"center {name}: {dead.name} exited with {dead.popen.returncode}; reconnecting "
+                    f"(for up to {reconnect_s:.0f} s)")
+            if lost is not None:
+                if time.time() - lost > reconnect_s:
+                    raise FlowerError(f"center {name}: not reconnected within {reconnect_s:.0f} s; see "
+                                      f"{self.workdir / 'logs'}")
+                if any(p.popen.poll() is not None for p in procs):
+                    self.kill_center(name)
+                    time.sleep(1.0)
+                    try:
+                        self.start_center(name, superlink=superlink)
+                    except FlowerError:
+                        continue
+                if self.node_id(name) is not None:
+                    say(f"center {name}: reconnected as node {self.node_id(name)} after {time.time() - lost:.1f} s")
+                    lost = None
+            time.sleep(0.2)
 
     def stop(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -264,9 +383,13 @@ class LoopbackFederation:
             for p in alive:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     p.popen.wait(timeout=max(0.1, end - time.time()))
-        # Flower's own launches may leave our groups (detached ServerApp, parent-pid monitors that
-        # take a second): find them by this federation's unique FLWR_HOME in their environment.
-        end = time.time() + 10
+        self.kill_strays()
+
+    def kill_strays(self, timeout_s: float = 10.0) -> None:
+        """SIGKILL every process carrying this federation's FLWR_HOME: Flower's own launches may leave our
+        groups (detached ServerApp and SuperExec, parent-pid monitors that take seconds), and a server
+        restarted in the same workdir after a SIGKILL finds its predecessor's still there."""
+        end = time.time() + timeout_s
         while (stray := self.stray_pids()) and time.time() < end:
             for pid in stray:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -318,10 +441,12 @@ class LoopbackFederation:
 
     # ------------------------------------------------------------------ runs
     def submit(self, config: CollabConfig, out_dir: Path, *, eval_data: Path | None = None,
-               poll_s: float = 0.05, max_rounds: int = 0) -> int:
+               poll_s: float = 0.05, max_rounds: int = 0, center_wait_s: float = 600.0) -> int:
         """Write the Flower App for ``config``, start it with ``flwr run`` and return the run id.
 
         Submitting again with the same ``out_dir`` resumes from the server's last checkpoint.
+        ``center_wait_s``: how long the ServerApp waits for ``config.required_centers`` centers to be
+        connected before a round (it fails after that instead of recording rounds nobody trained).
         """
         app = self.workdir / "app"
         app.mkdir(parents=True, exist_ok=True)
@@ -332,7 +457,9 @@ class LoopbackFederation:
             "server_app = _flower_app.server_app\nclient_app = _flower_app.client_app\n")
         run_config = {"collab-config": config.to_json(), "out-dir": str(out_dir),
                       "eval-data": str(eval_data or ""), "poll-s": poll_s, "max-rounds": max_rounds,
-                      "pull-backoff-s": self.pull_backoff_s or 0.0, "pack-arrays": self.pack_arrays}
+                      "pull-backoff-s": self.pull_backoff_s or 0.0, "pack-arrays": self.pack_arrays,
+                      "node-names": json.dumps({str(k): v for k, v in self.node_names.items()}),
+                      "center-wait-s": center_wait_s, "superlink-pid": self._superlink_pid()}
         import tomli_w
 
         (app / "pyproject.toml").write_text(tomli_w.dumps({
@@ -344,6 +471,8 @@ class LoopbackFederation:
                                                      "clientapp": "ppcollab_app:client_app"},
                                       "config": run_config}}},
         }))
+        with contextlib.suppress(FileNotFoundError):  # left by a server that was killed: this one resumes
+            (out_dir / "failed.json").unlink()
         res = subprocess.run(["flwr", "run", str(app), "loopback", "--format", "json"], env=self.env,
                              cwd=self.workdir, capture_output=True, text=True, timeout=self.startup_timeout_s)
         try:
@@ -366,15 +495,27 @@ class LoopbackFederation:
         if res.returncode != 0:
             raise FlowerError(f"`flwr stop {run_id}` failed: {res.stdout[-1500:]} {res.stderr[-1500:]}")
 
-    def wait(self, out_dir: Path, timeout_s: float, on_round: Callable[[RoundRecord], None] | None = None) -> None:
+    def wait(self, out_dir: Path, timeout_s: float, on_round: Callable[[RoundRecord], None] | None = None,
+             on_log: Callable[[str], None] | None = None) -> None:
         """Block until the ServerApp wrote ``done.json`` in ``out_dir``; ``on_round`` gets each round's
-        record as it appears."""
+        record as it appears, ``on_log`` each line of the ServerApp's log (``server.log``: rejections,
+        refused identities, resumption)."""
         end = time.time() + timeout_s
-        link = next(p for p in self.procs if p.name == "superlink")
+        link = next(p for p in reversed(self.procs) if p.name == "superlink")
         seen = 0
+        log_at = 0
 
         def report() -> None:
-            nonlocal seen
+            nonlocal seen, log_at
+            slog = out_dir / "server.log"
+            if on_log is not None and slog.exists():
+                with slog.open("rb") as f:
+                    f.seek(log_at)
+                    chunk = f.read()
+                done = chunk[: chunk.rfind(b"\n") + 1]
+                log_at += len(done)
+                for line in done.decode(errors="replace").splitlines():
+                    on_log(line)
             p = out_dir / "rounds.jsonl"
             if on_round is None or not p.exists():
                 return
