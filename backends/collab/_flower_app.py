@@ -39,10 +39,22 @@ each SuperNode's ClientApp and the ServerApp import them, so their modules must 
 the ServerApp fails (say it cannot import the model), it writes ``failed.json`` (the error) to
 ``out-dir``; when every center fails round 1 (say none can import it), it stops with their errors.
 
+Identity: with node authentication, the submitter passes ``node-names`` (JSON ``{node id: center}``,
+what the SuperLink answered when each center's key was registered). A reply is then counted only
+under the name registered for the node that sent it (``Message.metadata.src_node_id``, which the
+SuperLink sets from the authenticated key): a node claiming another center's name is refused, logged
+and recorded under ``rejected`` as ``"NAME@node ID"``; the real center is unaffected.
+
+Log: the ServerApp's log (``polyparallel.collab``: rejections, refused identities, resumption, rounds
+that did not fuse) is written to ``out-dir/server.log``, which ``polyparallel serve`` prints.
+
 Run config keys: ``collab-config`` (the :class:`~._config.CollabConfig` JSON), ``out-dir``,
 ``eval-data`` (optional ``.npz`` with ``x``, ``y``), ``poll-s``, ``pull-backoff-s`` (first retry of
 a reply object not yet at the SuperLink; 0: Flower's 1 s), ``max-rounds`` (exit after that many
-rounds, as a server taken down between rounds; 0: run to the end). Node config keys: ``center``, ``data``
+rounds, as a server taken down between rounds; 0: run to the end), ``node-names`` (above),
+``superlink-pid`` (the ServerApp exits when that process is gone), ``center-wait-s`` (how long to wait
+for ``required_centers`` connected centers before a round; the
+ServerApp fails after that rather than record rounds nobody could train). Node config keys: ``center``, ``data``
 (``.npz`` with the center's ``x``, ``y``, or a ``package.module:function`` data source called with the
 center's name; empty: the job's ``CenterSpec.data``). ``pack-arrays`` (default true) false sends the
 arrays tensor by tensor with no ``layout`` (a center answers in the format it received; for the benchmark).
@@ -50,8 +62,11 @@ arrays tensor by tensor with no ``layout`` (a center answers in the format it re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
+import threading
 import time
 import traceback
 from functools import lru_cache
@@ -150,13 +165,32 @@ def _center_evaluate(msg: Message, context: Context) -> Message:
 
 
 # --------------------------------------------------------------------------------------------- server
-def _wait_for_nodes(grid: Grid, want: int, timeout_s: float, poll_s: float) -> list[int]:
-    end = time.time() + timeout_s
+def _wait_for_nodes(grid: Grid, want: int, timeout_s: float, poll_s: float, need: int = 0,
+                    need_s: float = 0.0) -> list[int]:
+    """The connected nodes once ``want`` are, or after ``timeout_s``; but not before ``need`` are
+    (waiting up to ``need_s`` for them, then raising: a round nobody can fuse would be a round lost)."""
+    t0 = time.time()
     while True:
         nodes = sorted(grid.get_node_ids())
-        if len(nodes) >= want or time.time() > end:
+        waited = time.time() - t0
+        if len(nodes) >= want or (waited > timeout_s and len(nodes) >= need):
             return nodes
+        if waited > max(timeout_s, need_s):
+            raise RuntimeError(f"{len(nodes)} centers connected after {waited:.0f} s, {need} needed for a round")
         time.sleep(poll_s)
+
+
+def _identity_problem(m: Message, node_names: dict[int, str]) -> str | None:
+    """Why a reply cannot be counted under the center name it carries (None: it can, or no registry)."""
+    if not node_names or m.has_error():
+        return None
+    claimed, node = _center_of(m), m.metadata.src_node_id
+    registered = node_names.get(node)
+    if registered is None:
+        return f"node {node} claims to be {claimed!r} but no key was registered for it"
+    if claimed != registered:
+        return f"node {node} holds the key registered for {registered!r} but claims to be {claimed!r}"
+    return None
 
 
 def _center_of(m: Message) -> str | None:
@@ -167,7 +201,7 @@ def _center_of(m: Message) -> str | None:
 
 
 def _exchange(grid: Grid, messages: list[Message], centers: set[str], timeout_s: float,
-              poll_s: float) -> list[tuple[Message, float]]:
+              poll_s: float, node_names: dict[int, str] | None = None) -> list[tuple[Message, float]]:
     """Push ``messages`` and pull replies until every message or every center answered, or the timeout.
 
     Stopping once every center answered matters after a crash: the dead SuperNode stays registered
@@ -180,7 +214,7 @@ def _exchange(grid: Grid, messages: list[Message], centers: set[str], timeout_s:
         for m in grid.pull_messages(ids):
             ids.discard(m.metadata.reply_to_message_id)
             got.append((m, time.time()))
-        if centers <= {_center_of(m) for m, _ in got}:
+        if centers <= {_center_of(m) for m, _ in got if _identity_problem(m, node_names or {}) is None}:
             break
         if ids:
             time.sleep(poll_s)
@@ -188,12 +222,16 @@ def _exchange(grid: Grid, messages: list[Message], centers: set[str], timeout_s:
 
 
 def _federated_evaluate(grid: Grid, nodes: list[int], config: CollabConfig, params: dict[str, np.ndarray],
-                        round_idx: int, pack: bool, poll_s: float) -> dict[str, float]:
+                        round_idx: int, pack: bool, poll_s: float,
+                        node_names: dict[int, str] | None = None) -> dict[str, float]:
     """Send ``params`` to the centers as ``evaluate`` messages; the count-weighted mean of their answers."""
     msgs = [grid.create_message(RecordDict(dict(_to_records(params, pack))), "evaluate", n,
                                 group_id=f"{round_idx}-eval") for n in nodes]
     per: dict[str, dict[str, float]] = {}
-    for m, _ in _exchange(grid, msgs, {c.name for c in config.centers}, config.round_timeout_s, poll_s):
+    for m, _ in _exchange(grid, msgs, {c.name for c in config.centers}, config.round_timeout_s, poll_s, node_names):
+        if (why := _identity_problem(m, node_names or {})) is not None:
+            log.warning("round %d: refused an evaluation: %s", round_idx, why)
+            continue
         if m.has_error():
             log.warning("round %d: evaluation failed at node %d: %s", round_idx, m.metadata.src_node_id, m.error)
             continue
@@ -204,16 +242,41 @@ def _federated_evaluate(grid: Grid, nodes: list[int], config: CollabConfig, para
     return aggregate_evaluations(per)
 
 
+def _exit_with(pid: int, every_s: float = 0.5) -> None:
+    """Leave (quietly: no ``failed.json``) once process ``pid``, the SuperLink, is gone.
+
+    Flower starts the ServerApp detached from the SuperLink; when the SuperLink is killed the ServerApp
+    would retry for ~10 s and then fail, possibly writing ``failed.json`` into the out-dir that a
+    restarted server is already resuming from."""
+    from polyparallel.backends.torch._procs import alive
+
+    while alive(pid):
+        time.sleep(every_s)
+    os._exit(3)
+
+
 @server_app.main()
 def _serve(grid: Grid, context: Context) -> None:
+    if int(context.run_config.get("superlink-pid", 0)):
+        threading.Thread(target=_exit_with, args=(int(context.run_config["superlink-pid"]),), daemon=True).start()
     out = Path(str(context.run_config["out-dir"]))
     out.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(out / "server.log")  # the submitter (``serve``) shows it to the user
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+    root = logging.getLogger("polyparallel.collab")
+    root.addHandler(handler)
+    if root.getEffectiveLevel() > logging.INFO:
+        root.setLevel(logging.INFO)
     try:
         _serve_rounds(grid, context, out)
     except BaseException as e:  # the submitter waits on out-dir: tell it why instead of letting it time out
+        log.error("the ServerApp failed: %s: %s", type(e).__name__, e)
         (out / "failed.json").write_text(json.dumps({"error": f"{type(e).__name__}: {e}",
                                                      "traceback": traceback.format_exc()}))
         raise
+    finally:
+        root.removeHandler(handler)
+        handler.close()
 
 
 def _serve_rounds(grid: Grid, context: Context, out: Path) -> None:
@@ -231,15 +294,19 @@ def _serve_rounds(grid: Grid, context: Context, out: Path) -> None:
         def evaluate(p: dict[str, np.ndarray]) -> dict[str, float]:
             return evaluate_torch(config.model, p, ex, ey)
 
+    node_names = {int(k): str(v) for k, v in json.loads(str(rc.get("node-names", "") or "{}")).items()}
+    center_wait_s = float(rc.get("center-wait-s", 600.0))
     server = FederationServer(config, initial_params(config), TimingLog(out / "timing.jsonl"), out / "checkpoint")
     server.resume()
+    log.info("serving rounds %d..%d of %d centers%s", server.round + 1, config.rounds, len(config.centers),
+             f" (identities bound to {len(node_names)} registered keys)" if node_names else "")
     first = True
     stop_after = int(rc.get("max-rounds", 0)) or None  # rounds this ServerApp runs before exiting (0: all)
     ran = 0
     while not server.done and (stop_after is None or ran < stop_after):
         ran += 1
         nodes = _wait_for_nodes(grid, len(config.centers) if first else config.required_centers,
-                                config.round_timeout_s, poll_s)
+                                config.round_timeout_s, poll_s, need=config.required_centers, need_s=center_wait_s)
         first = False
         r, params = server.begin_round()
         content = {**_to_records(params, pack),
@@ -251,7 +318,15 @@ def _serve_rounds(grid: Grid, context: Context, out: Path) -> None:
         msgs = [grid.create_message(RecordDict(dict(content)), "train", n, group_id=str(r)) for n in nodes]
         replies: list[CenterReply] = []
         errors: list[str] = []
-        for m, t_arrived in _exchange(grid, msgs, {c.name for c in config.centers}, config.round_timeout_s, poll_s):
+        refused: dict[str, tuple[str, ...]] = {}
+        for m, t_arrived in _exchange(grid, msgs, {c.name for c in config.centers}, config.round_timeout_s, poll_s,
+                                      node_names):
+            if (why := _identity_problem(m, node_names)) is not None:
+                log.warning("round %d: refused a reply: %s", r, why)
+                who = f"{_center_of(m)}@node{m.metadata.src_node_id}"
+                refused[who] = (why,)
+                server.timing.record(r, "server", who, "rejected", reason=why)
+                continue
             if m.has_error():
                 log.warning("round %d: node %d answered with an error: %s", r, m.metadata.src_node_id, m.error)
                 errors.append(f"node {m.metadata.src_node_id}: {m.error.reason}")
@@ -268,8 +343,10 @@ def _serve_rounds(grid: Grid, context: Context, out: Path) -> None:
         round_eval = evaluate
         if round_eval is None and config.holdout > 0:
             def round_eval(p: dict[str, np.ndarray], nodes: list[int] = nodes, r: int = r) -> dict[str, float]:
-                return _federated_evaluate(grid, nodes, config, p, r, pack, poll_s)
+                return _federated_evaluate(grid, nodes, config, p, r, pack, poll_s, node_names)
         rec = server.finish_round(r, replies, sent_to=len(nodes), evaluate=round_eval)
+        if refused:
+            rec = dataclasses.replace(rec, rejected={**rec.rejected, **refused})
         with (out / "rounds.jsonl").open("a") as f:
             f.write(json.dumps(rec.to_dict()) + "\n")
     if not server.done:  # leaves like a server taken down between rounds; a new one resumes
