@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Credentials", "load_credentials", "make_credentials", "make_node_key"]
+__all__ = ["Credentials", "check_node_credentials", "load_credentials", "make_credentials", "make_node_key"]
 
 
 @dataclass(frozen=True)
@@ -103,12 +103,52 @@ def make_credentials(directory: str | Path, centers: Iterable[str],
 
 
 def load_credentials(directory: str | Path, centers: Iterable[str]) -> Credentials:
-    """The :class:`Credentials` in a directory written by :func:`make_credentials` (files checked)."""
-    d = Path(directory)
+    """The :class:`Credentials` in a directory written by :func:`make_credentials` (files checked).
+
+    Paths are made absolute: the SuperLink runs in another working directory.
+    """
+    d = Path(directory).resolve()
     nodes = tuple((c, d / f"{c}.key", d / f"{c}.pub") for c in centers)
     need = [d / "ca.pem", d / "server.pem", d / "server.key", *(pub for _, _, pub in nodes)]
     missing = [str(p) for p in need if not p.exists()]
     if missing:
         raise FileNotFoundError(f"credentials incomplete in {d}: missing {missing} "
                                 "(create them with `polyparallel collab-certs`)")
+    unreadable = [str(p) for p in need if not _readable(p)]
+    if unreadable:
+        raise PermissionError(f"credentials in {d}: cannot read {unreadable}")
     return Credentials(d, d / "ca.pem", d / "server.pem", d / "server.key", nodes)
+
+
+def _readable(p: Path) -> bool:
+    try:
+        with p.open("rb"):
+            return True
+    except OSError:
+        return False
+
+
+def check_node_credentials(ca: Path, key: Path) -> None:
+    """Raise ValueError (one line) unless ``ca`` is a readable PEM certificate and ``key`` a readable
+    OpenSSH EC private key — what ``flower-supernode`` needs; checked before starting it, because the
+    SuperNode itself would retry a failing TLS handshake instead of saying why."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key
+
+    for path, what in ((ca, "CA certificate (--ca)"), (key, "node private key (--key)")):
+        if not path.is_file():
+            raise ValueError(f"{what} {path}: no such file")
+        if not _readable(path):
+            raise ValueError(f"{what} {path}: not readable")
+    try:
+        x509.load_pem_x509_certificates(ca.read_bytes())
+    except ValueError:
+        raise ValueError(f"CA certificate (--ca) {ca}: not a PEM certificate") from None
+    try:
+        priv = load_ssh_private_key(key.read_bytes(), None)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        raise ValueError(f"node private key (--key) {key}: not an unencrypted OpenSSH private key ({e})") from None
+    if not isinstance(priv, ec.EllipticCurvePrivateKey):
+        raise ValueError(f"node private key (--key) {key}: Flower needs an EC key (e.g. P-384), "
+                         f"got {type(priv).__name__}")
