@@ -289,32 +289,54 @@ def serve_cmd(
     timeout: Annotated[float, typer.Option("--timeout", help="seconds before giving up")] = 24 * 3600,
     credentials: Annotated[Path | None, typer.Option(
         "--credentials", help="directory from `collab-certs`: TLS, and only the centers' keys may join")] = None,
+    round_timeout: Annotated[float | None, typer.Option(
+        "--round-timeout", help="seconds to wait for a round's updates (default: the job file's)")] = None,
+    center_wait: Annotated[float, typer.Option(
+        "--center-wait", help="seconds to wait for enough centers to connect before a round, then fail")] = 600.0,
 ) -> None:
     """Start the server side of a deployment: a SuperLink, then the federation's ServerApp; wait for it.
 
     Centers join with `polyparallel center --name NAME --superlink THIS_HOST:PORT --data FILE.npz`.
-    A restarted server with the same --out resumes from its last checkpoint.
+    A restarted server with the same --out resumes from its last checkpoint (no round lost or repeated).
+    The ServerApp's log (rejected updates, refused identities) is printed here and kept in OUT/server.log.
     """
+    from dataclasses import replace
+
     from polyparallel.backends.collab import CollabConfig
-    from polyparallel.backends.collab._flower import LoopbackFederation, read_outputs
+    from polyparallel.backends.collab._flower import FlowerError, LoopbackFederation, read_outputs
     from polyparallel.backends.collab._security import load_credentials
 
     try:
         cfg = CollabConfig.from_json(config.read_text())
+        if round_timeout is not None:
+            cfg = replace(cfg, round_timeout_s=round_timeout)
     except (ValueError, KeyError, json.JSONDecodeError) as e:
         raise UserError(f"{config}: not a collab job file: {e}") from None
-    creds = load_credentials(credentials, [c.name for c in cfg.centers]) if credentials else None
+    try:
+        creds = load_credentials(credentials, [c.name for c in cfg.centers]) if credentials else None
+    except OSError as e:
+        raise UserError(str(e)) from None
     _exit_on_sigterm()
-    wd = workdir or Path(tempfile.mkdtemp(prefix="ppcollab-serve-"))
-    with LoopbackFederation(wd.resolve(), {}, autostart=False, credentials=creds) as fed:
-        fed.start_superlink(host=host, port=port)
-        for name, _, pub in creds.node_keys if creds else ():
-            fed.register_center(name, pub)
-        fed.submit(cfg, out.resolve())
-        typer.echo(f"SuperLink on {host}:{port}; waiting for {len(cfg.centers)} centers "
-                   f"({', '.join(c.name for c in cfg.centers)}); logs in {wd / 'logs'}")
-        fed.wait(out.resolve(), timeout)
-    Console().print(_round_table(read_outputs(out.resolve())))
+    wd = (workdir or Path(tempfile.mkdtemp(prefix="ppcollab-serve-"))).resolve()
+    res = out.resolve()
+    try:
+        with LoopbackFederation(wd, {}, autostart=False, credentials=creds) as fed:
+            fed.kill_strays()  # a killed predecessor's ServerApp or SuperExec (same workdir) still going
+            fed.start_superlink(host=host, port=port)
+            for name, _, pub in creds.node_keys if creds else ():
+                fed.register_center(name, pub)
+            fed.submit(cfg, res, center_wait_s=center_wait)
+            typer.echo(f"SuperLink on {host}:{port}; waiting for {len(cfg.centers)} centers "
+                       f"({', '.join(c.name for c in cfg.centers)}); logs in {wd / 'logs'}")
+            fed.wait(res, timeout, on_round=_progress(cfg.rounds), on_log=lambda line: typer.echo(f"server: {line}"))
+    except FlowerError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    result = read_outputs(res)
+    Console().print(_round_table(result))
+    if not result.ok:  # a run in which no round fused is not a success
+        typer.echo(f"error: {result.problem}", err=True)
+        raise typer.Exit(1)
 
 
 @app.command("center")
@@ -328,10 +350,19 @@ def center_cmd(
     ca: Annotated[Path | None, typer.Option("--ca", help="CA certificate of the server (enables TLS)")] = None,
     key: Annotated[Path | None, typer.Option("--key", help="this center's private key (node authentication)")]
     = None,
+    connect_timeout: Annotated[float, typer.Option(
+        "--connect-timeout", help="seconds to wait for the first connection before giving up with the reason")]
+    = 60.0,
+    reconnect: Annotated[float, typer.Option(
+        "--reconnect", help="seconds to keep reconnecting after the server went away (e.g. restarted)")] = 600.0,
 ) -> None:
-    """Start one center of a deployment: a SuperNode and a long-lived trainer; runs until stopped."""
-    from polyparallel.backends.collab._flower import LoopbackFederation
-    from polyparallel.backends.collab._security import Credentials
+    """Start one center of a deployment: a SuperNode and a long-lived trainer; runs until stopped.
+
+    Killing this command (Ctrl-C, SIGTERM, even SIGKILL) stops its SuperNode and trainer; a center
+    restarted after a crash rejoins within seconds; when the server goes away it reconnects for --reconnect s.
+    """
+    from polyparallel.backends.collab._flower import FlowerError, LoopbackFederation
+    from polyparallel.backends.collab._security import Credentials, check_node_credentials
 
     d_path, source = _data_option(data)
     if d_path is not None and not d_path.exists():
@@ -340,18 +371,29 @@ def center_cmd(
         raise UserError("--ca and --key go together (TLS and node authentication)")
     creds = None
     if ca is not None and key is not None:
-        for p in (ca, key):
-            if not p.exists():
-                raise UserError(f"{p}: no such file")
+        try:
+            check_node_credentials(ca, key)
+        except ValueError as e:
+            raise UserError(str(e)) from None
         creds = Credentials(ca.parent, ca.resolve(), ca, ca, ((name, key.resolve(), key),))
     _exit_on_sigterm()
     wd = workdir or Path(tempfile.mkdtemp(prefix=f"ppcollab-{name}-"))
     where = source or (d_path.resolve() if d_path is not None else "")
-    with LoopbackFederation(wd.resolve(), {name: where}, autostart=False, credentials=creds) as fed:
-        fed.start_center(name, superlink=superlink)
-        typer.echo(f"center {name} connected to {superlink}; logs in {wd / 'logs'} (Ctrl-C to stop)")
+    # a SuperNode gives up on an unreachable SuperLink after 10 s; supervise() then starts a new one
+    with LoopbackFederation(wd.resolve(), {name: where}, autostart=False, credentials=creds,
+                            connect_wait_s=10.0) as fed:
+        try:
+            fed.start_center(name, superlink=superlink)
+            node = fed.wait_connected(name, connect_timeout)
+        except FlowerError as e:
+            raise UserError(f"center {name} could not join {superlink}: {e}") from None
+        typer.echo(f"center {name} connected to {superlink} as node {node}; logs in {wd / 'logs'} (Ctrl-C to stop)")
         with contextlib.suppress(KeyboardInterrupt):
-            fed.watch()
+            try:
+                fed.supervise(name, superlink=superlink, reconnect_s=reconnect, on_event=typer.echo)
+            except FlowerError as e:
+                typer.echo(f"error: {e}", err=True)
+                raise typer.Exit(1) from None
 
 
 @app.command("collab-certs")
