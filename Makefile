@@ -44,7 +44,7 @@ demo: $(STAMP)
 
 test: $(TSTAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 lint: $(TSTAMP)
 	$(BIN)/ruff check .
