@@ -294,7 +294,9 @@ def cluster_svg(s: Strategy) -> str:
                                             "nodes": [{"name": "devices", "devices": s.mesh.devices}]}]
     coords = {} if s.collaborative else _coords(s)
     group, legend = _groups(s)
-    per_row, dw, dh = 14, 74, 34
+    longest = max((len(c) for c in coords.values()), default=0)
+    dw, dh = max(74, 6 * longest + 6), 34  # 9 px text: ~5.5 px a character
+    per_row = max(1, 1010 // (dw + 4))
     body, y = [], 4
     for ce in centers:
         wan = ce.get("wan") or {}
@@ -325,7 +327,9 @@ def cluster_svg(s: Strategy) -> str:
                 if label:
                     body.append(_text(x + dw / 2, yy + 27, label, 9, "middle", ink))
         y += 8
-    return _svg("cluster", 1200, y, body, "diagram") + _legend(legend)
+    axes = _table(["mesh axis (row-major)", "size", "a group spans"],
+                  [[a.name, str(a.size), a.level.replace("_", " ")] for a in s.mesh.axes], "mesh-axes")
+    return _svg("cluster", 1200, y, body, "diagram") + _legend(legend) + axes
 
 
 # -- estimate sections ------------------------------------------------------------------------------
@@ -345,7 +349,8 @@ def memory_section(s: Strategy) -> str:
     for label, v in s.estimate.memory_by_device.items():
         m = re.search(r"devices? (\d+)", label)
         cap = _capacity(s, int(m.group(1))) if m else 0.0
-        items.append((label, v, f"{_b(v)}" + (f" of {_b(cap)} ({100 * v / cap:.1f}%)" if cap else "")))
+        share = f"{100 * v / cap:.1f}%" if not cap or v / cap >= 1e-3 else "<0.1%"
+        items.append((label, v, f"{_b(v)}" + (f" of {_b(cap)} ({share})" if cap else "")))
     return bars_svg("memory", items, COLORS[2])
 
 

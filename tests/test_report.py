@@ -85,7 +85,7 @@ def test_synchronous_report(sync_strategy: Path, tmp_path: Path) -> None:
     page = out.read_text()
     _self_contained(page)
     s = pp.Strategy.from_json(sync_strategy)
-    for ident in ("cluster", "memory", "breakdown", "stage-compute", "pipeline"):
+    for ident in ("cluster", "mesh-axes", "memory", "breakdown", "stage-compute", "pipeline"):
         assert f'id="{ident}"' in page, ident
     assert page.count('class="device"') == 4
     # every device carries its stage's color and its mesh coordinates
