@@ -4,8 +4,10 @@ name, a ``package.module:function`` reference, an ONNX file or a captured graph 
 
 A module given without example inputs gets them inferred where the model says what it takes:
 a ``transformers`` model's ``dummy_inputs`` stretched to :data:`INFERRED_SEQ` tokens (with the
-input ids as labels for language-model heads), or a network whose first layer is an
-``nn.Linear`` (``INFERRED_BATCH`` rows of its ``in_features``). Anything else raises an error that
+input ids as labels for language-model heads), a network whose first layer is an ``nn.Embedding``
+(token ids, as labels too when ``forward`` takes ``labels``; the sequence as long as its config
+allows, at most :data:`INFERRED_SEQ`), or one whose first layer is an ``nn.Linear``
+(``INFERRED_BATCH`` rows of its ``in_features``). Anything else raises an error that
 names the argument to pass.
 """
 
@@ -51,14 +53,22 @@ def _infer(model: Any) -> tuple[Any, Any, dict[str, Any], str]:
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     dummy = getattr(model, "dummy_inputs", None)
     config = getattr(model, "config", None)
+    fields = vars(config) if config is not None and hasattr(config, "__dict__") else {}
+    # the longest sequence the model's config allows (positions table), capped at INFERRED_SEQ
+    seq = min([INFERRED_SEQ] + [int(v) for k, v in fields.items()
+                                if k in ("max_position_embeddings", "n_positions", "max_seq_len", "seq")
+                                and isinstance(v, int) and v > 0])
+    params = inspect.signature(model.forward).parameters
+    first = next((m for m in model.modules() if not list(m.children())), None)
+    if isinstance(first, torch.nn.Embedding) and not isinstance(dummy, dict):
+        ids = torch.zeros(INFERRED_BATCH, seq, dtype=torch.long, device=dev)
+        labelled = "labels" in params
+        return model, (ids,), {"labels": ids} if labelled else {}, (
+            f"example inputs inferred from the first layer (Embedding): {INFERRED_BATCH} sequences of {seq} token ids"
+            f"{' with themselves as labels' if labelled else ''}; pass example_inputs to plan for other shapes")
     if isinstance(dummy, dict) and isinstance(dummy.get("input_ids"), torch.Tensor):
-        longest = max((int(v) for k, v in vars(config).items()
-                       if k in ("max_position_embeddings", "n_positions", "max_seq_len") and isinstance(v, int)),
-                      default=INFERRED_SEQ) if config is not None else INFERRED_SEQ
-        seq = min(INFERRED_SEQ, longest)
         ids = torch.zeros(INFERRED_BATCH, seq, dtype=torch.long, device=dev)
         kwargs: dict[str, Any] = {"input_ids": ids}
-        params = inspect.signature(model.forward).parameters
         if "labels" in params and type(model).__name__.endswith(_LM_HEADS):
             kwargs["labels"] = ids
         if "decoder_input_ids" in params and "labels" not in kwargs:
@@ -68,7 +78,6 @@ def _infer(model: Any) -> tuple[Any, Any, dict[str, Any], str]:
         return model, (), kwargs, (f"example inputs inferred: {INFERRED_BATCH} sequences of {seq} token ids"
                                    f"{' with themselves as labels' if 'labels' in kwargs else ''}; pass "
                                    "example_inputs to plan for other shapes")
-    first = next((m for m in model.modules() if not list(m.children())), None)
     if isinstance(first, torch.nn.Linear):
         x = torch.zeros(INFERRED_BATCH, first.in_features, device=dev)
         return model, (x,), {}, (f"example inputs inferred from the first layer ({type(first).__name__}): "
