@@ -73,6 +73,15 @@ def _no_console_errors(log: str) -> None:
     assert not bad, bad
 
 
+def test_the_console_check_sees_errors(tmp_path: Path) -> None:
+    """The browser check is not hollow: a page whose script fails is caught."""
+    bad = tmp_path / "bad.html"
+    bad.write_text('<!DOCTYPE html><html><body><p>x</p><script>console.error("boom"); no_such_fn();</script>'
+                   + "<p>" + "padding " * 3000 + "</p></body></html>")
+    with pytest.raises(AssertionError, match="boom"):
+        _no_console_errors(_chromium(bad, tmp_path / "bad.png"))
+
+
 def _self_contained(page: str) -> None:
     assert page.startswith("<!DOCTYPE html>")
     assert not re.search(r"(src|href)=\"(https?:)?//", page), "the page loads something from the network"
