@@ -81,6 +81,7 @@ def test_only_parameters_and_metrics_leave_a_center(tmp_path):
     from flwr.supercore.task_identity import TaskIdentity
 
     from polyparallel.backends.collab._flower_app import client_app
+    from polyparallel.backends.collab._validation import model_digest
     from polyparallel.backends.collab._wire import pack_arrays, unpack_arrays
 
     cfg = _cfg(("a", "b"), compression="fp16")
@@ -106,8 +107,10 @@ def test_only_parameters_and_metrics_leave_a_center(tmp_path):
         assert a.shape == x0[k[2:]].shape and a.dtype == np.float16
     assert dict(content["center"]) == {"name": "b"}
     metrics = dict(content["metrics"])
-    assert set(metrics) == {"num_samples", "train_loss", "t_received", "t_trained", "t_sent"}
+    # round and model_digest (of the global model received) bind the reply to its round against replays
+    assert set(metrics) == {"num_samples", "train_loss", "t_received", "t_trained", "t_sent", "round", "model_digest"}
     assert metrics["num_samples"] == len(data["b"][0])
+    assert metrics["round"] == 1 and metrics["model_digest"] == model_digest(x0)
     x, y = data["b"]
     raw = b"".join(arr.numpy().tobytes() for arr in content["update"].values())
     assert x[:1].tobytes()[:16] not in raw and y.tobytes()[:16] not in raw  # no rows of data inside
