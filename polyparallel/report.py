@@ -84,7 +84,7 @@ def read_run(path: str | Path) -> Run:
     fix = ("give the --run-dir of `polyparallel train` (train.jsonl) or the --out of `polyparallel collab` "
            "(result.json or rounds.jsonl)")
     if not p.is_dir():
-        raise ValueError(f"run folder {p} does not exist; {fix}")
+        raise ValueError(f"run folder {p} {'is a file' if p.exists() else 'does not exist'}; {fix}")
     if (p / "train.jsonl").is_file():
         steps = [r for r in _jsonl(p / "train.jsonl") if "step" in r]
         if not steps:
