@@ -1,0 +1,382 @@
+"""Efficiency simulator of collaborative training: five phases per center per round.
+
+A round ``r`` of a collaborative job (``Strategy.collaborative``) runs, for every center ``i``:
+
+1. **distribute** ``D_i = λ_i + M / down_i`` — the global model (``M`` bytes, float32) down the center's link;
+2. **compute** ``C_i = H · s_i`` — ``H`` local steps of the center's own plan, ``s_i`` the step time the
+   cost model priced for its devices (``local_strategy["step_time_s"]`` written by the planner's
+   collaborative search; this module has no step-time model of its own);
+3. **upload** ``U_i = λ_i + Q / up_i`` — the update after compression (``Q`` bytes: float32 ``4P``,
+   fp16 ``2P``, int8 ``P`` plus one float32 scale per row, as :mod:`polyparallel.backends.collab._wire` codes it);
+4. **wait** ``W_i = max_j (D_j + C_j + U_j) − (D_i + C_i + U_i)`` — idle until the slowest center's update is in;
+5. **fuse** ``F = φ · P · n`` — the server fuses the ``n`` updates it received (``φ`` seconds per parameter
+   and center).
+
+plus the framework's fixed cost per round ``K`` (serialisation, polling and messaging that does not
+scale with the bytes: Flower on loopback, :data:`FIXED_ROUND_S`), placed at the start of the round.
+So a round lasts ``T = K + max_i (D_i + C_i + U_i) + F`` and the phases of every center add up to ``T``.
+With ``concurrent=False`` the centers run one after another (the in-process engine): center ``i``
+starts when center ``i−1`` has uploaded, and ``T = K + Σ_i (D_i + C_i + U_i) + F``.
+
+Variability (seeded): ``compute_jitter`` and ``link_jitter`` multiply ``C_i`` and the transfer times of
+``D_i``/``U_i`` by a log-normal factor of mean 1 and that standard deviation of its log; a center
+drops out of a round with probability ``dropout`` (it receives nothing, sends nothing and idles the
+round; the server does not wait for it and fuses the others).
+
+Statistics (:class:`SimResult`): time to ``N`` rounds, per-center utilisation (compute / wall time),
+the shares of wall time of each phase (summed over centers and rounds, they add up to 1), and the
+communication (distribute + upload + framework), idle (wait) and fusion shares. Outputs: a text table,
+a Chrome-trace / Perfetto JSON (one track per center and phase) and a PNG timeline (matplotlib).
+
+Everything is an ``(rounds, centers)`` numpy array: 100 centers × 1000 rounds take milliseconds
+(``benchmarks/collab_simulator.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["FIXED_ROUND_S", "FUSE_S_PER_PARAM", "PHASES", "SimInputs", "SimResult", "inputs_from_strategy",
+           "measured_phases", "simulate_rounds", "update_bytes"]
+
+PHASES = ("framework", "distribute", "compute", "upload", "wait", "fuse")
+
+#: Flower's fixed cost of one round on loopback (s) by framework: ``run_flower``'s defaults (``tuned``),
+#: 1M-parameter MLP, 3 centers, H = 100 and 400, ``overhead = round − max compute − fusion − raw TCP time``:
+#: 0.94 s and 0.83 s at load 3.3–3.8 (benchmarks/results/collab_flower_rounds.md, second table; the
+#: issue's "0.8–1.0 s quiet"); 1.0–3.1 s at load 6–9 (its first table). The in-process engine has none.
+FIXED_ROUND_S = {"flower": 0.9, "inprocess": 0.0}
+
+#: Fusion seconds per parameter and fused center (FedAvg in float64 on one CPU core): 1.47 s for 3 × 25M
+#: and 1.73 s for 5 × 25M, 0.05 s for 3 × 1M (benchmarks/results/collab.json, ``fusion`` column,
+#: 2 shared cores under load) — 1.4–2.0e-8; we take 2e-8.
+FUSE_S_PER_PARAM = 2e-8
+
+
+def update_bytes(params: int, compression: str = "none", rows: int = 0) -> int:
+    """Bytes of one center's update on the wire (:mod:`~polyparallel.backends.collab._wire`): float32
+    ``4P``, fp16 ``2P``, int8 ``P`` plus a float32 scale for each of the model's ``rows`` (first axis of
+    every tensor; 0 when unknown, which undercounts by ``4·rows`` bytes)."""
+    per = {"none": 4, "fp16": 2, "int8": 1}
+    if compression not in per:
+        raise ValueError(f"unknown compression {compression!r}; choose one of {tuple(per)}")
+    return int(params) * per[compression] + (4 * int(rows) if compression == "int8" else 0)
+
+
+@dataclass(frozen=True)
+class SimInputs:
+    """What the simulator needs, one entry per center where a sequence.
+
+    ``down_Bps``/``up_Bps`` may be ``inf`` (loopback: only latency and the fixed cost remain).
+    """
+
+    names: tuple[str, ...]
+    step_s: np.ndarray
+    local_steps: int
+    params: int
+    down_Bps: np.ndarray
+    up_Bps: np.ndarray
+    latency_s: np.ndarray
+    model_bytes: float = 0.0
+    upload_bytes: float = 0.0
+    fixed_s: float = FIXED_ROUND_S["flower"]
+    fuse_s_per_param: float = FUSE_S_PER_PARAM
+    compression: str = "none"
+
+    @classmethod
+    def make(cls, names: Sequence[str], step_s: Sequence[float] | float, local_steps: int, params: int, *,
+             down_Bps: Sequence[float] | float = math.inf, up_Bps: Sequence[float] | float = math.inf,
+             latency_s: Sequence[float] | float = 0.0, compression: str = "none", model_bytes: float | None = None,
+             upload_bytes: float | None = None, fixed_s: float = FIXED_ROUND_S["flower"],
+             fuse_s_per_param: float = FUSE_S_PER_PARAM) -> SimInputs:
+        n = len(names)
+
+        def vec(v: Sequence[float] | float, what: str) -> np.ndarray:
+            a = np.broadcast_to(np.asarray(v, dtype=float), (n,)).copy()
+            if not np.all(np.isfinite(a) | (a == math.inf)) or np.any(a < 0):
+                raise ValueError(f"{what} must be >= 0 for every center, got {a.tolist()}")
+            return a
+
+        if n < 1:
+            raise ValueError("the simulation needs at least one center")
+        if int(local_steps) < 1:
+            raise ValueError(f"local_steps (H) must be >= 1, got {local_steps}")
+        down, up = vec(down_Bps, "down bandwidth"), vec(up_Bps, "up bandwidth")
+        if np.any(down <= 0) or np.any(up <= 0):
+            raise ValueError("link bandwidths must be > 0 (inf for loopback)")
+        if fixed_s < 0 or fuse_s_per_param < 0:
+            raise ValueError("the fixed round cost and the fusion cost per parameter must be >= 0")
+        return cls(tuple(names), vec(step_s, "step time"), int(local_steps), int(params), down, up,
+                   vec(latency_s, "latency"), float(4 * params if model_bytes is None else model_bytes),
+                   float(update_bytes(params, compression) if upload_bytes is None else upload_bytes),
+                   float(fixed_s), float(fuse_s_per_param), compression)
+
+    @property
+    def n(self) -> int:
+        return len(self.names)
+
+
+def inputs_from_strategy(strategy: Any, *, framework: str = "flower", fixed_s: float | None = None,
+                         fuse_s_per_param: float = FUSE_S_PER_PARAM, local_steps: int | None = None,
+                         compression: str | None = None) -> SimInputs:
+    """The simulator's inputs from a collaborative :class:`~polyparallel.strategy.Strategy`: each center's
+    step time as the planner priced it (``local_strategy["step_time_s"]``), its WAN link from the
+    strategy's cluster echo (none: loopback), ``H`` and the compression of the plan (or the overrides)."""
+    collab = getattr(strategy, "collaborative", None)
+    if collab is None:
+        raise ValueError("the strategy has no 'collaborative' section: simulate a strategy from "
+                         "`polyparallel search MODEL -c CLUSTER --mode collaborative`")
+    if fixed_s is None:
+        if framework not in FIXED_ROUND_S:
+            raise ValueError(f"unknown framework {framework!r}; choose one of {tuple(FIXED_ROUND_S)} or give fixed_s")
+        fixed_s = FIXED_ROUND_S[framework]
+    wans = {c.get("name"): c.get("wan") for c in (strategy.cluster or {}).get("centers", [])}
+    steps, down, up, lat = [], [], [], []
+    for c in collab.centers:
+        s = c.local_strategy.get("step_time_s")
+        if not isinstance(s, int | float) or not s > 0:
+            raise ValueError(f"center {c.name!r} has no step_time_s in its local_strategy: re-run "
+                             "`polyparallel search ... --mode collaborative` to price every center's plan")
+        steps.append(float(s))
+        w = wans.get(c.name)
+        if w:
+            eff = w.get("ports", 1) * w.get("efficiency", 1.0) / w.get("oversubscription", 1.0)
+            down.append(w["down_Bps"] * eff)
+            up.append(w["up_Bps"] * eff)
+            lat.append(w.get("latency_s", 0.0))
+        else:
+            down.append(math.inf)
+            up.append(math.inf)
+            lat.append(0.0)
+    params = int(strategy.model.params)
+    if params <= 0:
+        raise ValueError("the strategy's model has no parameter count (model.params): re-run the search")
+    return SimInputs.make([c.name for c in collab.centers], steps, local_steps or collab.local_steps, params,
+                          down_Bps=down, up_Bps=up, latency_s=lat, compression=compression or collab.compression,
+                          fixed_s=fixed_s, fuse_s_per_param=fuse_s_per_param)
+
+
+@dataclass
+class SimResult:
+    """Per round and center: when each phase starts (``start``) and how long it lasts (``dur``)."""
+
+    inputs: SimInputs
+    round_start: np.ndarray  # (R,)
+    round_s: np.ndarray  # (R,)
+    dur: dict[str, np.ndarray]  # phase -> (R, N)
+    start: dict[str, np.ndarray]  # phase -> (R, N)
+    present: np.ndarray  # (R, N) bool
+    concurrent: bool = True
+    lead: np.ndarray | None = None  # (R, N) idle time before a center starts (centers one after another)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.round_s)
+
+    @property
+    def total_s(self) -> float:
+        """Time to ``N`` rounds."""
+        return float(self.round_s.sum())
+
+    def shares(self) -> dict[str, float]:
+        """Share of the centers' wall time in each phase (adds up to 1), and the grouped shares."""
+        total = self.total_s * self.inputs.n
+        out = {p: float(self.dur[p].sum() / total) if total > 0 else 0.0 for p in PHASES}
+        out["communication"] = out["framework"] + out["distribute"] + out["upload"]
+        out["idle"] = out["wait"]
+        out["fusion"] = out["fuse"]
+        return out
+
+    def utilisation(self) -> np.ndarray:
+        """Per center: compute time / wall time."""
+        return self.dur["compute"].sum(axis=0) / self.total_s if self.total_s > 0 else np.zeros(self.inputs.n)
+
+    def critical_comm_share(self) -> float:
+        """``1 − (max_i C_i + F) / T`` summed over rounds: the share `benchmarks/collab.py` calls ``comm%``
+        (everything of a round that is neither the slowest center's compute nor the fusion)."""
+        busy = self.dur["compute"].max(axis=1) + self.dur["fuse"][:, 0]
+        return float(1 - busy.sum() / self.total_s) if self.total_s > 0 else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        u = self.utilisation()
+        per = {name: {p: float(self.dur[p][:, i].mean()) for p in PHASES} | {"utilisation": float(u[i])}
+               for i, name in enumerate(self.inputs.names)}
+        return {"rounds": self.rounds, "centers": self.inputs.n, "local_steps": self.inputs.local_steps,
+                "concurrent": self.concurrent, "time_to_rounds_s": self.total_s,
+                "mean_round_s": float(self.round_s.mean()), "utilisation": float(u.mean()),
+                "shares": self.shares(), "comm_share_critical": self.critical_comm_share(),
+                "fixed_s": self.inputs.fixed_s, "per_center_mean_s": per, **self.extra}
+
+    # ------------------------------------------------------------------ outputs
+    def table(self, max_centers: int = 20) -> str:
+        s = self.summary()
+        lines = [f"{self.rounds} rounds of H = {self.inputs.local_steps} local steps, {self.inputs.n} centers "
+                 f"({'concurrent' if self.concurrent else 'one after another'}): {s['time_to_rounds_s']:.3f} s, "
+                 f"mean round {s['mean_round_s']:.4f} s (framework fixed cost {self.inputs.fixed_s:g} s/round)",
+                 "per center, mean seconds per round:",
+                 f"  {'center':<14}" + "".join(f"{p:>11}" for p in PHASES) + f"{'util %':>9}"]
+        for name, row in list(s["per_center_mean_s"].items())[:max_centers]:
+            lines.append(f"  {name[:14]:<14}" + "".join(f"{row[p]:>11.4g}" for p in PHASES)
+                         + f"{100 * row['utilisation']:>9.1f}")
+        if self.inputs.n > max_centers:
+            lines.append(f"  ... {self.inputs.n - max_centers} more centers")
+        sh = s["shares"]
+        lines.append("shares of wall time: " + ", ".join(f"{p} {100 * sh[p]:.1f}%" for p in PHASES))
+        lines.append(f"communication {100 * sh['communication']:.1f}% (distribute + upload + framework), idle "
+                     f"{100 * sh['idle']:.1f}%, fusion {100 * sh['fusion']:.1f}%, utilisation "
+                     f"{100 * s['utilisation']:.1f}%; critical-path comm share "
+                     f"{100 * s['comm_share_critical']:.1f}%")
+        return "\n".join(lines)
+
+    def blocks(self, phase: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The intervals of ``phase``: (round index, center index, start s, duration s), non-empty ones."""
+        st, du = self.start[phase], self.dur[phase]
+        parts = []
+        if phase == "wait" and self.lead is not None:  # the part of the wait before the center's turn
+            du = du - self.lead
+            lead_st = np.broadcast_to((self.round_start + self.inputs.fixed_s)[:, None], du.shape)
+            r, c = np.nonzero(self.lead > 0)
+            parts.append((r, c, lead_st[r, c], self.lead[r, c]))
+        r, c = np.nonzero(du > 0)
+        parts.append((r, c, st[r, c], du[r, c]))
+        return tuple(np.concatenate(x) for x in zip(*parts))  # type: ignore[return-value]
+
+    def trace(self) -> dict[str, Any]:
+        """Chrome-trace / Perfetto JSON: one process per center, one thread (track) per phase, ``X`` events in µs."""
+        ev: list[dict[str, Any]] = []
+        for i, name in enumerate(self.inputs.names):
+            ev.append({"ph": "M", "name": "process_name", "pid": i, "tid": 0, "args": {"name": name}})
+            for k, p in enumerate(PHASES):
+                ev.append({"ph": "M", "name": "thread_name", "pid": i, "tid": k, "args": {"name": p}})
+        for k, p in enumerate(PHASES):
+            r, c, st, du = self.blocks(p)
+            ev.extend({"ph": "X", "name": p, "cat": "collab", "pid": int(ci), "tid": k, "ts": float(t * 1e6),
+                       "dur": float(d * 1e6), "args": {"round": int(ri) + 1}}
+                      for ri, ci, t, d in zip(r.tolist(), c.tolist(), st.tolist(), du.tolist()))
+        return {"traceEvents": ev, "displayTimeUnit": "ms", "otherData": {"summary": self.summary()}}
+
+    def write_trace(self, path: str | Path) -> Path:
+        p = Path(path)
+        p.write_text(json.dumps(self.trace()))
+        return p
+
+    def plot(self, path: str | Path, max_rounds: int = 20, max_centers: int = 20) -> Path | None:
+        """A PNG timeline of the first rounds (one row per center); None when matplotlib is missing."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return None
+        colors = dict(zip(PHASES, ("#999999", "#4c72b0", "#55a868", "#dd8452", "#eeeeee", "#c44e52")))
+        R, N = min(self.rounds, max_rounds), min(self.inputs.n, max_centers)
+        fig, ax = plt.subplots(figsize=(10, 0.4 * N + 1.5))
+        for p in PHASES:
+            r, c, st, du = self.blocks(p)
+            for i in range(N):
+                keep = (c == i) & (r < R)
+                ax.broken_barh(list(zip(st[keep], du[keep])), (i - 0.4, 0.8), facecolors=colors[p],
+                               edgecolor="none", label=p if i == 0 else None)
+        ax.set_yticks(range(N), list(self.inputs.names[:N]))
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds")
+        ax.set_title(f"{R} of {self.rounds} rounds, H = {self.inputs.local_steps}")
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=len(PHASES), frameon=False)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return Path(path)
+
+
+def _factor(rng: np.random.Generator, sigma: float, shape: tuple[int, ...]) -> np.ndarray | float:
+    """Log-normal factors of mean 1 (log-sd ``sigma``), or 1.0 when ``sigma`` is 0."""
+    if sigma <= 0:
+        return 1.0
+    return np.exp(rng.normal(-sigma * sigma / 2, sigma, shape))
+
+
+def simulate_rounds(inputs: SimInputs, rounds: int, *, compute_jitter: float = 0.0, link_jitter: float = 0.0,
+                    dropout: float = 0.0, seed: int | None = 0, concurrent: bool = True,
+                    step_s: np.ndarray | None = None) -> SimResult:
+    """Simulate ``rounds`` rounds (module docstring). ``step_s``: an ``(rounds, centers)`` array of
+    per-step times replacing ``inputs.step_s`` (e.g. measured ones)."""
+    if int(rounds) < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if not 0 <= dropout < 1:
+        raise ValueError(f"dropout is a probability in [0, 1), got {dropout}")
+    if compute_jitter < 0 or link_jitter < 0:
+        raise ValueError("jitter must be >= 0 (the log-sd of a factor of mean 1)")
+    R, N, x = int(rounds), inputs.n, inputs
+    rng = np.random.default_rng(seed)
+    present = rng.random((R, N)) >= dropout if dropout > 0 else np.ones((R, N), dtype=bool)
+    steps = np.broadcast_to(x.step_s if step_s is None else np.asarray(step_s, dtype=float), (R, N))
+    link_f = _factor(rng, link_jitter, (2, R, N))
+    d_tx, u_tx = x.model_bytes / x.down_Bps, x.upload_bytes / x.up_Bps
+    dist = np.where(present, x.latency_s + d_tx * (link_f[0] if link_jitter > 0 else 1.0), 0.0)
+    comp = np.where(present, x.local_steps * steps * _factor(rng, compute_jitter, (R, N)), 0.0)
+    up = np.where(present, x.latency_s + u_tx * (link_f[1] if link_jitter > 0 else 1.0), 0.0)
+    busy = dist + comp + up
+    if concurrent:
+        offset = np.zeros((R, N))
+        ready = busy
+    else:  # one after another: a center starts when the one before it has uploaded
+        ready = np.cumsum(busy, axis=1)
+        offset = ready - busy
+    slowest = ready.max(axis=1)  # (R,)
+    fuse = x.fuse_s_per_param * x.params * present.sum(axis=1)  # (R,)
+    round_s = x.fixed_s + slowest + fuse
+    round_start = np.concatenate([[0.0], np.cumsum(round_s)[:-1]])
+    t0 = round_start[:, None] + x.fixed_s + offset
+    dur = {"framework": np.full((R, N), x.fixed_s), "distribute": dist, "compute": comp, "upload": up,
+           "wait": slowest[:, None] - busy,  # = lead + (slowest − ready)
+           "fuse": np.broadcast_to(fuse[:, None], (R, N)).copy()}
+    # a center's wait is after its upload; one after another, also before it starts (``lead``)
+    start = {"framework": np.broadcast_to(round_start[:, None], (R, N)).copy(), "distribute": t0,
+             "compute": t0 + dist, "upload": t0 + dist + comp, "wait": t0 + busy,
+             "fuse": np.broadcast_to((round_start + x.fixed_s + slowest)[:, None], (R, N)).copy()}
+    return SimResult(x, round_start, round_s, dur, start, present, concurrent, lead=offset)
+
+
+def measured_phases(timing: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Per round, from a run's timing events (``TimingLog``, ``rounds.jsonl``'s sibling): the round's wall
+    time, the fusion time, and per center ``distribute`` (round start or the previous center's upload →
+    received), ``compute`` (received → trained) and ``upload`` (trained → update received)."""
+    by: dict[int, dict[str, Any]] = {}
+    for e in timing:
+        r = by.setdefault(int(e["round"]), {"center": {}, "server": {}})
+        if e["role"] == "server" and e["who"] == "server":
+            r["server"][e["event"]] = float(e["t"])
+        elif e["role"] == "server" and e["event"] == "update_received":
+            r["center"].setdefault(e["who"], {})["update_received"] = float(e["t"])
+        elif e["role"] == "center":
+            r["center"].setdefault(e["who"], {})[e["event"]] = float(e["t"])
+    out: dict[int, dict[str, Any]] = {}
+    for rnd, r in sorted(by.items()):
+        s = r["server"]
+        if not {"round_start", "round_end"} <= set(s):
+            continue
+        full = {c: v for c, v in r["center"].items()
+                if {"received_model", "finished_training", "update_received"} <= set(v)}
+        centers = {}
+        for c, v in full.items():
+            # the model is handed out at round start, or (centers one after another) once the center
+            # before has been served
+            before = [w["update_received"] for w in full.values()
+                      if w["update_received"] <= v["received_model"]]
+            t_out = max([s["round_start"], *before])
+            centers[c] = {"distribute": v["received_model"] - t_out,
+                          "compute": v["finished_training"] - v["received_model"],
+                          "upload": v["update_received"] - v["finished_training"]}
+        out[rnd] = {"round_s": s["round_end"] - s["round_start"],
+                    "fuse_s": s.get("fusion_end", s["round_start"]) - s.get("fusion_start", s["round_start"]),
+                    "centers": centers}
+    return out
