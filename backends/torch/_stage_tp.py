@@ -288,12 +288,19 @@ class StageTP:
             nd = len(_shape(a0) or ())
             perm = [p % nd for p in n.args[1]]
             return _Split(perm.index(s0.dim), s0.segments)
+        if t in (aten.slice.Tensor, aten.select.int) and n.args[0] is a0:
+            nd = len(_shape(a0) or ())
+            dim = (n.args[1] if len(n.args) > 1 else 0) % nd
+            if dim == s0.dim:
+                raise Unsupported(f"op {n.name!r} ({t}) indexes {a0.name!r} along its dim split over tp")
+            return _Split(s0.dim - (t is aten.select.int and dim < s0.dim), s0.segments)
         if t in _VIEWS or t in _SIZED:
             return self._view(n, a0, s0, out)
         if t in _SPLITS:
             return self._split(n, a0, s0)
         if t is aten.cat.default:
-            tensors = n.args[0]
+            # (an empty 1-D tensor, e.g. an HF cache's initial state, is skipped by cat)
+            tensors = [x for x in n.args[0] if _shape(x) != (0,)]
             nd = len(out or ())
             dim = (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)) % nd
             states = {st.get(x) for x in tensors}

@@ -16,9 +16,10 @@ is enumerated and must be the contiguous range ``[c_j + r w_j, c_j + (r+1) w_j)`
 ``q`` or ``k`` reach the attention through pointwise ops (LLaMA's rotary embedding: negate, concat,
 multiply by cos/sin), the footprint is carried back through each op's write and read accesses
 (:func:`_back`; per coordinate a set of indices, an over-approximation that can only refuse more)
-until a projection is reached; grouped-query attention's ``q = g + G h`` index is handled the same
-way. Separate projections (one block each) are plain ``ColwiseParallel``. The
-projection's weight rows (and bias) are then regrouped rank-major,
+until a projection is reached (an operand every heads block reads whole and that no projection
+produces, as HF LLaMA's rotary ``cos``/``sin`` built from positions, is replicated: not traced);
+grouped-query attention's ``q = g + G h`` index is handled the same way. Separate projections (one
+block each) are plain ``ColwiseParallel``. The projection's weight rows (and bias) are then regrouped rank-major,
 
 .. math::  \pi = \big[\, c_j + r w_j + i \;\big|\; r < t,\ j \text{ by offset},\ i < w_j \,\big],
 
@@ -176,6 +177,18 @@ def _reads_under(graph: Graph, op: Op, cons: dict[str, frozenset[int]], found: d
                                               if any(w.operand in temps for w in st.writes)])
 
 
+def _from_projection(graph: Graph, tensor: str) -> bool:
+    """Whether any projection (a contraction with a parameter) is among ``tensor``'s producers."""
+    frontier = [tensor]
+    for t in _each_once(frontier):
+        prod = graph.producer(t)
+        if _is_projection(graph, prod):
+            return True
+        if prod is not None:
+            frontier.extend(i for i in prod.inputs if graph.tensors[i].kind is TensorKind.ACTIVATION)
+    return False
+
+
 def _back(graph: Graph, tensor: str, region: Region, found: dict[str, list[Region]]) -> None:
     """Follow ``region`` of ``tensor`` back through pointwise ops (elementwise, concat, views) to the
     projections producing it; record the region of each projection output reached in ``found``."""
@@ -183,6 +196,8 @@ def _back(graph: Graph, tensor: str, region: Region, found: dict[str, list[Regio
     if _is_projection(graph, prod):
         found.setdefault(tensor, []).append(region)
         return
+    if all(r is None for r in region) and not _from_projection(graph, tensor):
+        return  # read whole by every heads block and computed without parameters (rotary tables): replicated
     if prod is None or prod.nest is None or OpKind(prod.kind) not in (OpKind.ELEMENTWISE, OpKind.CONCAT,
                                                                         OpKind.VIEW):
         what = f"op {prod.name!r} ({prod.kind})" if prod is not None else "no op"
