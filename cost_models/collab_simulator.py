@@ -37,14 +37,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["FIXED_ROUND_S", "FUSE_S_PER_PARAM", "PHASES", "SimInputs", "SimResult", "inputs_from_strategy",
-           "measured_phases", "simulate_rounds", "update_bytes"]
+__all__ = ["FIXED_ROUND_S", "FUSE_S_PER_PARAM", "PHASES", "SimInputs", "SimResult", "choose_local_steps",
+           "inputs_from_strategy", "measured_phases", "simulate_rounds", "update_bytes"]
 
 PHASES = ("framework", "distribute", "compute", "upload", "wait", "fuse")
 
@@ -380,3 +380,31 @@ def measured_phases(timing: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, 
                     "fuse_s": s.get("fusion_end", s["round_start"]) - s.get("fusion_start", s["round_start"]),
                     "centers": centers}
     return out
+
+
+def choose_local_steps(inputs: SimInputs, target_comm: float, max_local_steps: int | None = None,
+                       limit: int = 1 << 24) -> tuple[int, SimResult]:
+    """The smallest ``H`` whose simulated round has a critical-path communication share
+    (:meth:`SimResult.critical_comm_share`) of at most ``target_comm``, capped at ``max_local_steps``
+    (label skew wants frequent fusion); with the simulated round at that ``H``.
+
+    The share falls with ``H`` (numerator ``K + max_i(D_i + U_i − H(s_max − s_i))`` falls, the round
+    grows), so a bisection over ``H`` finds it.
+    """
+    if not 0 < target_comm < 1:
+        raise ValueError(f"the target communication share must be in (0, 1), got {target_comm}")
+    cap = limit if max_local_steps is None else max(1, int(max_local_steps))
+
+    def at(h: int) -> SimResult:
+        return simulate_rounds(replace(inputs, local_steps=h), 1)
+
+    lo, hi = 1, 1
+    while hi < cap and at(hi).critical_comm_share() > target_comm:
+        lo, hi = hi + 1, min(cap, 2 * hi)
+    while lo < hi:  # at(hi) meets the target (or hi == cap); the first H that does lies in [lo, hi]
+        mid = (lo + hi) // 2
+        if at(mid).critical_comm_share() <= target_comm:
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi, at(hi)

@@ -14,6 +14,7 @@ from polyparallel.cost_models.collab_simulator import (
     FUSE_S_PER_PARAM,
     PHASES,
     SimInputs,
+    choose_local_steps,
     inputs_from_strategy,
     measured_phases,
     simulate_rounds,
@@ -157,3 +158,18 @@ def test_simulated_rounds_against_measured_inprocess_rounds(capsys):
     # and the rounds are mostly compute, so not by much
     assert np.all(sim.round_s <= measured * 1.02)
     assert np.median(np.abs(err)) < 0.5
+
+
+def test_choose_local_steps_meets_the_target_with_the_smallest_h():
+    x = SimInputs.make(["a", "b", "c"], [0.01, 0.012, 0.02], 1, P, down_Bps=BW, up_Bps=BW, latency_s=LAT,
+                       fixed_s=FIXED)
+    H, res = choose_local_steps(x, 0.2)
+    assert res.critical_comm_share() <= 0.2
+    from dataclasses import replace
+
+    assert simulate_rounds(replace(x, local_steps=H - 1), 1).critical_comm_share() > 0.2
+    # closed form with the slowest center on the critical path: comm = (K + D + U) / (K + D + H s + U + F)
+    d_u, f = 2 * (LAT + 4 * P / BW), FUSE_S_PER_PARAM * P * 3
+    assert int(np.ceil(((FIXED + d_u) / 0.2 - FIXED - d_u - f) / 0.02 - 1e-9)) == H
+    capped, res_c = choose_local_steps(x, 0.2, max_local_steps=10)
+    assert capped == 10 and res_c.critical_comm_share() > 0.2
