@@ -26,10 +26,12 @@ the slowest device type of the stage. The pipeline schedule is simulated
 
 **Data-parallel gradients**: over the ``dp·sp`` group (the groups of all ``tp`` ranks run at
 once and share their nodes' network ports: ``concurrent`` in :mod:`.comm`; likewise for the
-tensor- and sequence-parallel groups), with ``G`` the stage's gradient bytes,
-``B_s`` its backward seconds per micro-batch and ``ω ∈ [0, 1]`` = ``grad_overlap`` (1 on
-accelerators, whose collectives run on their own engines/streams; 0 on CPU processes, where
-gloo's threads compete with the compute for the same cores):
+tensor- and sequence-parallel groups), with ``G`` the stage's gradient bytes (4 per element
+with bf16/fp16 too: the torch backend reduces the fp32 gradients of its fp32 master weights; ``W``,
+the weights FSDP all-gathers, move at the compute precision), ``B_s`` its backward seconds per
+micro-batch and ``ω ∈ [0, 1]`` = ``grad_overlap`` (1 on accelerators, whose collectives run on
+their own engines/streams; 0 on CPU processes, where gloo's threads compete with the compute for
+the same cores):
 
 * ZeRO-0: one all-reduce of ``G`` per step, reduced in buckets while the backward of the last
   micro-batch runs: ``T_dp,exposed = max(0, AR(G) − ω · B_s / v)``.
@@ -106,12 +108,158 @@ _OPT_KERNELS = {"adam": 9, "adamw": 10, "lamb": 12, "lion": 5, "sgd": 1, "sgd_mo
 _FOREACH_ACCESSES = {"adam": 18, "adamw": 20, "lamb": 24, "lion": 10, "sgd": 3, "sgd_momentum": 8}
 
 
+# what an absorbed elementwise op's backward keeps (torch's derivatives.yaml): nothing, its output,
+# or (the default: gelu, silu, mul, div, pow, sin, ...) its input
+_SAVES_NOTHING = frozenset({"add", "sub", "rsub", "neg", "to", "_to_copy", "clone", "contiguous", "alias", "type_as",
+                            "mul.Scalar", "div.Scalar", "add.Scalar", "sub.Scalar"})
+_SAVES_OUTPUT = frozenset({"relu", "sigmoid", "tanh", "exp", "rsqrt", "sqrt", "reciprocal"})
+
+
+def _saves(target: str) -> str:
+    """``nothing``, ``output`` or ``input``: what the backward of the elementwise op ``target`` keeps."""
+    parts = target.split(".")
+    base = parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[0]
+    overload = f"{base}.{parts[2]}" if parts[0] == "aten" and len(parts) > 2 else base
+    if base in _SAVES_NOTHING or overload in _SAVES_NOTHING:
+        return "nothing"
+    return "output" if base in _SAVES_OUTPUT else "input"
+
+
+def _fused_temporaries(op: Op) -> int:
+    """Intermediate values of a fused elementwise chain (``attrs["fused"]``: the producer's output
+    ``v_0``, then each absorbed op's) that eager torch keeps for the backward: ``v_{i-1}`` when the
+    ``i``-th absorbed op saves its input, ``v_i`` when it saves its output (the last, the op's
+    output, is counted with the outputs). GPT's ``gelu(fc(x))`` keeps the pre-activation; LLaMA's
+    ``silu(gate(x)) * up`` the gate's output and the silu's."""
+    kept: set[int] = set()
+    chain = op.attr.get("fused", ())
+    for i, target in enumerate(chain, start=1):
+        how = "nothing" if _base(target) in _NO_GRAD else _saves(target)
+        if how == "input":
+            kept.add(i - 1)
+        elif how == "output" and i < len(chain):
+            kept.add(i)
+    return len(kept)
+
+
+_NO_GRAD = frozenset({"eq", "ne", "le", "lt", "ge", "gt", "__and__", "__or__", "__xor__", "logical_and", "logical_or",
+                      "logical_not", "bitwise_and", "bitwise_or", "bitwise_not", "isnan", "isinf", "sign"})
+_FLOATS = ("float32", "float16", "bfloat16", "float64")
+_BINARY_SAVERS = frozenset({"mul", "div", "where", "maximum", "minimum", "pow", "atan2"})
+
+
+def _base(target: str) -> str:
+    parts = target.split(".")
+    return parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[0]
+
+
+def _kept_tensors(graph: Graph) -> tuple[frozenset[str], dict[str, int]]:
+    """The activations eager torch keeps alive for the backward: autograd's saved tensors.
+
+    A tensor is kept when an op recorded by autograd (one with an input that requires grad) saves
+    it: contractions, convolutions, norms and attention save their activation inputs (a Linear its
+    input, a matmul both operands); an elementwise op its input (gelu, silu, pow, ...; ``mul`` each
+    operand when the other requires grad), its output (relu, exp, rsqrt, ...) or nothing (add, sub,
+    casts, comparisons); softmax its output; the loss its logits (its log-softmax, the same size);
+    reductions (mean, sum), concatenations, splits and index gathers none of their float inputs.
+    A kept view keeps the tensor it views. An op's fused elementwise chain saves what its ops save
+    (:func:`_fused_temporaries`); its extra inputs are kept when the chain multiplies by them.
+    Returns the kept tensors and, per op recorded by autograd, its kept fused temporaries."""
+    cache = PRICES.of(graph)
+    if ("kept",) in cache:
+        return cache[("kept",)]
+    grad = {n for n, t in graph.tensors.items() if t.kind is TensorKind.PARAM}
+    temps: dict[str, int] = {}
+    producer = {t: op for op in graph.ops for t in op.outputs}
+    kept: set[str] = set()
+
+    def keep(t: str) -> None:
+        while True:
+            p = producer.get(t)
+            if p is not None and OpKind(p.kind) is OpKind.VIEW and p.inputs:
+                t = p.inputs[0]  # a view's storage is its input's
+                continue
+            kept.add(t)
+            return
+
+    for op in graph.ops:
+        acts = [t for t in op.inputs if graph.tensors[t].kind is not TensorKind.PARAM]
+        floats = [t for t in acts if graph.tensors[t].dtype in _FLOATS]
+        if not any(t in grad for t in op.inputs):
+            continue  # autograd records nothing
+        kind, base = OpKind(op.kind), _base(op.target)
+        chain = op.attr.get("fused", ())
+        if base not in _NO_GRAD:
+            grad.update(t for t in op.outputs if graph.tensors[t].dtype in _FLOATS)
+        main = acts
+        temps[op.name] = _fused_temporaries(op)
+        if chain and kind in (OpKind.CONTRACTION, OpKind.CONV, OpKind.ELEMENTWISE):
+            # the fused op's own inputs come first, those of the absorbed ops after them
+            if kind is OpKind.ELEMENTWISE:
+                n_main = 2 if base in _BINARY_SAVERS or base in ("add", "sub", "rsub") else 1
+            else:
+                n_main = 1 if any(graph.tensors[t].kind is TensorKind.PARAM for t in op.inputs) else 2
+            main = [t for t in acts if t in floats[:n_main] or t not in floats]
+            if any(_base(c) in _BINARY_SAVERS for c in chain):
+                for t in floats[n_main:]:
+                    keep(t)
+        if kind is OpKind.ATTENTION:
+            for t in floats:
+                keep(t)  # q, k, v (a boolean mask is not kept: torch's kernels take it as is)
+        elif kind in (OpKind.CONTRACTION, OpKind.CONV, OpKind.NORM, OpKind.LOSS, OpKind.OPAQUE):
+            for t in main:
+                keep(t)
+        elif kind is OpKind.EMBEDDING or kind is OpKind.GATHER:
+            for t in acts:
+                if t not in floats:
+                    keep(t)  # the indices
+        elif kind is OpKind.POOL and "max" in base:
+            for t in main:
+                keep(t)
+        elif kind is OpKind.ELEMENTWISE and base not in _NO_GRAD:
+            how = _saves(op.target)
+            if how == "input":
+                for t in main:
+                    if t in floats and (base not in _BINARY_SAVERS or any(o in grad for o in main if o != t)):
+                        keep(t)
+            elif how == "output" and not chain:
+                kept.update(op.outputs)
+        elif kind is OpKind.SOFTMAX or (kind is OpKind.REDUCE and "softmax" in base):
+            kept.update(op.outputs)
+        elif kind is OpKind.REDUCE and base in ("amax", "max", "min", "amin", "prod", "var", "std", "norm"):
+            for t in main:
+                keep(t)
+        if chain and _saves(chain[-1]) == "output":
+            kept.update(op.outputs)
+    cache[("kept",)] = (frozenset(kept), temps)
+    return cache[("kept",)]
+
+
+def _is_sdpa(op: Op) -> bool:
+    return OpKind(op.kind) is OpKind.ATTENTION and "scaled_dot_product" in op.target
+
+
 def _activation_bytes(graph: Graph, op: Op, dtype: str, fused_attention: bool, selective: bool) -> float:
-    """Bytes an op stores for its backward: its outputs, plus attention score matrices."""
+    """Bytes an op stores for its backward: its outputs, the temporaries of its fused elementwise
+    chain that eager torch keeps, and for attention what its kernel keeps.
+
+    ``scaled_dot_product_attention`` runs as torch's fused kernels (flash / memory-efficient, on
+    CPU the flash kernel), which keep the output and the softmax's log-sum-exp (``B·H·S`` fp32), never
+    the ``S×S`` scores (its inputs q, k, v are their producers' outputs, counted there); under
+    selective recomputation the checkpoint drops the log-sum-exp too. Any other attention op keeps
+    its scores and probabilities unless ``fused_attention`` says it runs as a fused kernel, and
+    selective recomputation drops them (Korthikanti et al., 2022)."""
     if OpKind(op.kind) in (OpKind.VIEW, OpKind.CREATE):
         return 0.0
-    total = sum(tensor_bytes(graph, t, dtype) for t in op.outputs)
-    if OpKind(op.kind) is OpKind.ATTENTION and op.nest is not None and not fused_attention and not selective:
+    kept, temps = _kept_tensors(graph)
+    total = sum(tensor_bytes(graph, t, dtype) for t in op.outputs if t in kept)
+    if op.outputs:
+        total += temps.get(op.name, 0) * tensor_bytes(graph, op.outputs[0], dtype)
+    if _is_sdpa(op):
+        if not selective and op.outputs:
+            out = graph.tensors[op.outputs[0]]
+            total += out.numel / max(out.shape[-1], 1) * 4 if out.shape else 0.0
+    elif OpKind(op.kind) is OpKind.ATTENTION and op.nest is not None and not fused_attention and not selective:
         ext = op.nest.extents
         for st in op.nest.statements:
             for w in st.writes:
@@ -359,20 +507,26 @@ def optimizer_element_time(rates: Sequence[tuple[float, float]], elements: float
 def _data_parallel(cluster: Cluster, ccache: dict, terms: _StageTerms, s: int, cfg: ParallelConfig, gb: int,
                    omega: float, v: int) -> tuple[tuple[tuple[str, float], ...], float, float, float, float]:
     """Stage ``s``'s data-parallel traffic (module docstring): ``(events, seconds before overlap,
-    exposed seconds per step, exposed seconds per micro-batch forward, and backward)``."""
+    exposed seconds per step, exposed seconds per micro-batch forward, and backward)``.
+
+    Weights move at ``gb`` bytes per element (the compute precision: FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=...)`` all-gathers them in it), gradients are reduced at
+    ``rb = max(gb, 4)``: with bf16/fp16 the torch backend keeps fp32 master weights, so DDP
+    all-reduces their fp32 gradients and FSDP2 reduce-scatters with ``reduce_dtype=float32``."""
+    rb = max(gb, 4)
     groups = terms.dp_groups[s]
     if len(groups[0][0]) == 1:
         return (), 0.0, 0.0, 0.0, 0.0
     m, z = cfg.microbatches, cfg.zero_stage
     params = terms.params[s]
     if z == 0:
-        events: tuple[tuple[str, float], ...] = (("all_reduce", params * gb),)
+        events: tuple[tuple[str, float], ...] = (("all_reduce", params * rb),)
         t_dp = max(_price(cluster, ccache, events, grp, gid) for grp, gid in groups)
         return events, t_dp, max(0.0, t_dp - omega * terms.bwd[s] / v), 0.0, 0.0
     if z in (1, 2):
         # ZeRO-2 shards the gradients, so every micro-batch's are reduce-scattered as they come
         n_rs = m if z == 2 else 1
-        events = (("reduce_scatter", params * gb), ("all_gather", params * gb))
+        events = (("reduce_scatter", params * rb), ("all_gather", params * gb))
         t_dp = max(n_rs * _price(cluster, ccache, events[:1], grp, gid) + _price(cluster, ccache, events[1:], grp, gid)
                    for grp, gid in groups)
         # ZeRO-1 overlaps the last micro-batch's backward (of its last chunk, interleaved); ZeRO-2
@@ -392,7 +546,7 @@ def _data_parallel(cluster: Cluster, ccache: dict, terms: _StageTerms, s: int, c
             for x in terms.seg_params[s]:
                 if x not in price:
                     price[x] = (_price(cluster, ccache, (("all_gather", x * gb),), grp, gid),
-                                _price(cluster, ccache, (("reduce_scatter", x * gb),), grp, gid))
+                                _price(cluster, ccache, (("reduce_scatter", x * rb),), grp, gid))
             ag = [price[x][0] for x in terms.seg_params[s]]
             rs = [price[x][1] for x in terms.seg_params[s]]
             f = (ag[0] if ag else 0.0) + sum(max(0.0, ag[i] - omega * seg_fwd[i - 1]) for i in range(1, len(ag)))
@@ -401,7 +555,7 @@ def _data_parallel(cluster: Cluster, ccache: dict, terms: _StageTerms, s: int, c
             ef, eb = max(ef, f), max(eb, b)
         hit = terms.memo[key] = (per_mb, ef, eb)
     per_mb, ef, eb = hit
-    return (("all_gather", params * gb), ("reduce_scatter", params * gb)), m * per_mb, 0.0, ef, eb
+    return (("all_gather", params * gb), ("reduce_scatter", params * rb)), m * per_mb, 0.0, ef, eb
 
 
 def _price(cluster: Cluster, ccache: dict, events: Sequence[tuple[str, float]], grp: Sequence[int],
@@ -441,7 +595,7 @@ def _stage_terms(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int) ->
     """
     devs = cfg.devices if cfg.devices is not None else tuple(range(cfg.world))
     key = ("stages", id(cluster), devs, cfg.dp, cfg.tp, cfg.pp, cfg.sp, v, cfg.partition, cfg.sequence_parallel,
-           cfg.dtype, cfg.fused_attention, cfg.op_plans)
+           cfg.dtype, cfg.fused_attention, cfg.op_plans, cfg.zero_stage >= 1)
     cache = PRICES.of(graph)
     hit = cache.get((*key, cfg.recompute))
     if hit is not None and hit[0] is cluster:  # the cluster is held, so its id is not reused
@@ -472,6 +626,10 @@ class _StageBase:
     seg_params: tuple[float, ...]  # parameters first used in each of them
     p2p: float
     p2p_sum: float
+    # boundary activations the stage holds per micro-batch beyond its ops' own: (without full
+    # recomputation: what it received; with it: what its checkpointed layers sent, and what it
+    # received from ops that keep theirs; the rest is counted as the inputs of its layers)
+    held: tuple[float, float] = (0.0, 0.0)
 
 
 def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, ...]) -> _StageTerms:
@@ -518,10 +676,10 @@ def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, 
             seg_in = _segment_inputs(graph, cfg.dtype)
             for j in st.segs:
                 kept += seg_in[j] / (cfg.tp if cfg.sequence_parallel else 1) / cfg.sp + (0.0 if rec[j] else seg_act[j])
-            out["act"].append(kept)
+            out["act"].append(kept + st.held[1])
             out["seg_act_max"].append(seg_max)
         else:
-            out["act"].append(full_act)
+            out["act"].append(full_act + st.held[0])
             out["seg_act_max"].append(0.0)
         out["dp_groups"].append(st.layout.dp_groups)
         out["p2p"].append(st.p2p)
@@ -638,16 +796,69 @@ def _segment_inputs(graph: Graph, dtype: str) -> list[float]:
     return cache[key]
 
 
-def _crossing(graph: Graph, dtype: str) -> list[tuple[int, int, float]]:
-    """(producer op, last consumer op, bytes) of every tensor read after the op that writes it, in op order."""
-    key = ("crossing", dtype)
+def _sent_widths(graph: Graph, dtype: str, low_params: bool) -> dict[str, float]:
+    """Bytes per element of every tensor as the torch backend holds it in training at ``dtype``.
+
+    fp32: every float tensor 4. bf16/fp16 run under autocast with fp32 parameters (or, where
+    FSDP2 shards them with ``MixedPrecisionPolicy``, ``low_params``, parameters cast to ``dtype``):
+    contractions and attention compute in ``dtype`` (autocast's lower-precision list), the loss in
+    fp32, a cast to its dtype, and every other op promotes its float inputs as torch does. So a
+    residual stream that adds a bf16 projection to fp32 embeddings stays fp32 (what a pipeline
+    stage sends), unless FSDP2 made the embeddings bf16."""
+    from polyparallel.ir import DTYPE_BYTES, element_bytes
+
+    key = ("widths", dtype, low_params)
+    cache = PRICES.of(graph)
+    if key in cache:
+        return cache[key]
+    low = float(TRAINING_DTYPE_BYTES.get(dtype, 4))
+    width: dict[str, float] = {}
+    floats = ("float32", "float16", "bfloat16", "float64")
+    for name, t in graph.tensors.items():
+        if t.dtype not in floats:
+            width[name] = float(DTYPE_BYTES.get(t.dtype, 4))
+        elif low < 4 and t.kind is TensorKind.PARAM and low_params:
+            width[name] = low
+        elif t.kind is not TensorKind.ACTIVATION:
+            width[name] = 4.0 if low < 4 else float(element_bytes(t.dtype, dtype))
+    for op in graph.ops:
+        ins = [width.get(t, 4.0) for t in op.inputs if graph.tensors[t].dtype in floats]
+        kind = OpKind(op.kind)
+        cast = op.attr.get("dtype")
+        if low >= 4:
+            w = low
+        elif kind in (OpKind.CONTRACTION, OpKind.ATTENTION):
+            others = [width.get(t, 4.0) for t in op.inputs[2:] if graph.tensors[t].dtype in floats
+                      and graph.tensors[t].kind is not TensorKind.PARAM]
+            # a fused epilogue (the residual add) promotes to its other inputs' width
+            w = max([low, *others]) if op.attr.get("fused") else low
+        elif kind is OpKind.LOSS:
+            w = 4.0
+        elif isinstance(cast, str) and cast.startswith("torch."):
+            w = {"torch.float32": 4.0, "torch.bfloat16": 2.0, "torch.float16": 2.0}.get(cast, max(ins, default=4.0))
+        else:
+            w = max(ins, default=4.0)
+        for t in op.outputs:
+            if graph.tensors[t].dtype in floats:
+                width[t] = w
+            else:
+                width.setdefault(t, float(DTYPE_BYTES.get(graph.tensors[t].dtype, 4)))
+    cache[key] = width
+    return width
+
+
+def _crossing(graph: Graph, dtype: str, low_params: bool = False) -> list[tuple[int, int, float]]:
+    """(producer op, last consumer op, bytes) of every tensor read after the op that writes it, in op
+    order; the bytes as the executor holds and sends it (:func:`_sent_widths`)."""
+    key = ("crossing", dtype, low_params)
     cache = PRICES.of(graph)
     if key not in cache:
         last: dict[str, int] = {}
         for i, op in enumerate(graph.ops):
             for t in op.inputs:
                 last[t] = i
-        cache[key] = [(i, last[t], tensor_bytes(graph, t, dtype)) for i, op in enumerate(graph.ops)
+        width = _sent_widths(graph, dtype, low_params)
+        cache[key] = [(i, last[t], graph.tensors[t].numel * width[t]) for i, op in enumerate(graph.ops)
                       for t in op.outputs if last.get(t, -1) > i]
     return cache[key]
 
@@ -668,9 +879,13 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
     for j, sg in enumerate(segs):
         for i in sg:
             seg_of_op[i] = j
-    # p2p between consecutive chunks: tensors produced at or before chunk g, read after it
+    # p2p between consecutive chunks: tensors produced at or before chunk g, read after it, in the
+    # dtype the executor sends (fp32 residual streams under autocast, the compute precision where
+    # FSDP2 casts the parameters); of those, the bytes made by layers full recomputation checkpoints
     boundary = [0.0] * (p * v)
-    cross = _crossing(graph, cfg.dtype)
+    from_rec = [0.0] * (p * v)
+    rec = _recomputed_segments(graph)
+    cross = _crossing(graph, cfg.dtype, cfg.zero_stage >= 1 and cfg.dp * cfg.sp > 1)
     active: list[tuple[int, int, float]] = []
     k = 0
     for g in range(p * v - 1):
@@ -679,8 +894,9 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
             active.append(cross[k])
             k += 1
         active = [x for x in active if x[1] >= cut]
-        for _, _, nb in active:
+        for i, _, nb in active:
             boundary[g] += nb / (cfg.tp * cfg.sp)
+            from_rec[g] += nb / (cfg.tp * cfg.sp) if rec[seg_of_op[i]] else 0.0
     out = []
     for s in range(p):
         lay = layout[s]
@@ -731,11 +947,16 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
                     seg_params[seg_of_op[i]] += numel
         times = [max(_p2p(cluster, ccache, a, b, boundary[g]) for a, b in lay.p2p_pairs)
                  for g in range(s, p * v - 1, p)]
+        # a stage holds, until their gradients pass, what it received (its own buffers) and what it sent
+        recv = [g - 1 for g in range(s, p * v, p) if g > 0]
+        sent = [g for g in range(s, p * v - 1, p)]
+        held = (sum(boundary[g] for g in recv),
+                sum(from_rec[g] for g in sent) + sum(boundary[g] - from_rec[g] for g in recv))
         out.append(_StageBase(
             layout=lay, by_type=tuple(by_type), tf=slowest(0, lay.tp_groups), tb=slowest(1, lay.tp_groups),
             qf=slowest(2, lay.sp_groups), qb=slowest(3, lay.sp_groups), params=params, param_tensors=len(seen),
             tp_param_tensors=split_tensors, segs=stage_segs, seg_params=tuple(seg_params.values()),
-            p2p=max(times) if times else 0.0, p2p_sum=sum(times)))
+            p2p=max(times) if times else 0.0, p2p_sum=sum(times), held=held))
     return tuple(out)
 
 

@@ -40,22 +40,25 @@ def test_known_config_by_hand():
     # fp32 Adam: weights 4, grads 4, two moments 8 sharded over dp=2 (no master copy in fp32)
     assert m.term("weights") == 4 * PARAMS and m.term("gradients") == 4 * PARAMS
     assert m.term("optimizer") == 8 * PARAMS / 2
-    # stored outputs: linear 128, relu 128, linear 128, relu 128, linear 10 per row, and the scalar loss
-    assert m.term("activations") == 4 * (B * (128 * 4 + 10) + 1)
-    # GPipe over 2 stages with 4 micro-batches keeps all 4 alive on both stages
+    # what autograd saves, per row: each relu's output (which the next linear saves as its input;
+    # relu's backward needs only its output, so the pre-activations are freed) and the logits the
+    # loss keeps (its log-softmax); the returned loss is the caller's
+    assert m.term("activations") == 4 * B * (128 * 2 + 10)
+    # GPipe over 2 stages with 4 micro-batches keeps all 4 alive on both stages; stage 1 also holds
+    # the activation it received (relu_2's output, B x 128) until its gradient is sent back
     e2 = estimate_step(g, node(2), ParallelConfig(pp=2, microbatches=4, schedule="gpipe"))
     assert [r.in_flight for r in e2.memory] == [4, 4]
     total_act = sum(r.term("activations") for r in e2.memory) / 4
-    assert total_act == pytest.approx(4 * (B * (128 * 4 + 10) + 1))
+    assert total_act == pytest.approx(4 * B * (128 * 2 + 10) + 4 * B * 128)
 
 
 def test_full_recompute_keeps_layer_inputs():
     e = estimate_step(graph(), node(1), ParallelConfig(recompute="full"))
     m = e.memory[0]
-    # layer inputs: x, relu0, relu1 (fp32); the loss is outside the layers, so it keeps its output
-    # (the scalar) and the logits it reads from the last, recomputed layer (the labels are the caller's)
-    assert m.term("activations") == 4 * (B * 64 + B * 128 + B * 128 + B * 10) + 4
-    assert m.term("workspace") == 4 * B * 128 * 2  # one hidden layer's linear + relu outputs
+    # layer inputs: x, relu0, relu1 (fp32); the loss is outside the layers, so it keeps the logits
+    # it reads from the last, recomputed layer (the labels and the returned loss are the caller's)
+    assert m.term("activations") == 4 * (B * 64 + B * 128 + B * 128 + B * 10)
+    assert m.term("workspace") == 4 * B * 128  # what one hidden layer saves when recomputed: its relu's output
 
 
 def test_why_names_the_overflowing_term_and_device():
