@@ -12,7 +12,10 @@ deployment runs):
   declared every center's count at enrolment; ``samples``: nothing declared, the server pins the first
   claim, capped);
 - ``sign_flip``: ``−δ``, the honest update negated;
-- ``replay``: the center's round-1 reply re-sent every round;
+- ``replay``: the center's round-1 reply re-sent every round (refused: it names round 1 and the
+  round-1 model);
+- ``replay_forged``: the round-1 update re-sent with this round's metrics (round index and model
+  digest forged): accepted, and harmless — an old update of ordinary size;
 - ``label_flip``: the center trains honestly on permuted labels (``y → (y + 1) mod 10``).
 
 ``none`` is the run with every center honest; ``absent`` the run without the malicious center at all.
@@ -43,7 +46,7 @@ from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, ru
 from polyparallel.backends.collab._wire import decode_update, encode_update  # noqa: E402
 
 ATTACKS = ("none", "absent", "huge", "scaled", "int8_scale", "samples", "samples_declared", "sign_flip", "replay",
-           "label_flip")
+           "replay_forged", "label_flip")
 FUSIONS = ("fedavg", "median", "trimmed_mean", "krum", "centered_clip")
 SPEC = ModelSpec("mlp", (64,), 10, hidden=32)
 BAD = "c0"  # the malicious center
@@ -88,12 +91,12 @@ def tampers(attack: str, method: str) -> dict[str, Callable]:
                                        for k, v in p.items()}, m)}
     if attack in ("samples", "samples_declared"):
         return {BAD: lambda r, p, m: (p, {**m, "num_samples": 1e9})}
-    if attack == "replay":
+    if attack in ("replay", "replay_forged"):
         first: dict[str, Any] = {}
 
         def replay(r: int, p: dict, m: dict) -> tuple[dict, dict]:
-            first.setdefault("reply", (p, m))
-            return first["reply"]
+            old_p, old_m = first.setdefault("reply", (p, m))
+            return (old_p, m) if attack == "replay_forged" else (old_p, old_m)
         return {BAD: replay}
     return {}
 

@@ -41,6 +41,7 @@ EXPECTED = {
     "int8_scale": (range(1, ROUNDS + 1), "has scale 3e+38"),
     "samples_declared": (range(1, ROUNDS + 1), "claims 1000000000 samples, enrolled with"),
     "replay": (range(2, ROUNDS + 1), "replayed"),
+    "replay_forged": None,  # round and digest forged: an old update of ordinary size, harmless
     "samples": None,
     "sign_flip": None,
     "label_flip": None,
@@ -146,11 +147,25 @@ def test_sample_counts_are_pinned_by_the_server():
     r, x = server.begin_round()
     rec = server.finish_round(r, _replies(server, r, {c: _honest(x, i) for i, c in enumerate(NAMES)},
                                           samples={"a": 40, "b": 60, "c": 1e9}))
-    assert rec.metrics["c"]["num_samples"] == 120  # capped at 2 × the median claim
+    assert rec.metrics["c"]["num_samples"] == 120  # capped at 2 × the median claim, and said so
+    assert [e["who"] for e in server.timing.events if e["event"] == "samples_capped"] == ["c"]
     r, x = server.begin_round()
     rec = server.finish_round(r, _replies(server, r, {c: _honest(x, 5 + i) for i, c in enumerate(NAMES)},
                                           samples={"a": 1e9, "b": 60, "c": 1e9}))
     assert [rec.metrics[c]["num_samples"] for c in NAMES] == [40, 60, 120]  # later claims change nothing
+
+
+def test_pinned_counts_and_norm_history_survive_a_server_restart(tmp_path):
+    cfg = mlp_config(NAMES, fusion="fedavg", rounds=3)
+    first = FederationServer(cfg, _initial(cfg), checkpoint_dir=tmp_path)
+    for _ in range(2):
+        r, x = first.begin_round()
+        first.finish_round(r, _replies(first, r, {c: _honest(x, r + i) for i, c in enumerate(NAMES)},
+                                       samples={"c": 1e9}))
+    again = FederationServer(cfg, _initial(cfg), checkpoint_dir=tmp_path)
+    assert again.resume() and again.round == 2
+    assert again.guard.pinned == first.guard.pinned == {"a": 40, "b": 40, "c": 80}
+    assert again.guard.norms == first.guard.norms and again.guard.steps == first.guard.steps
 
 
 def test_a_reply_for_another_round_or_model_is_refused():

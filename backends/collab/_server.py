@@ -1,7 +1,9 @@
 """The server side of a round, shared by the in-process engine and the Flower ServerApp.
 
 Per round ``t``: the server hands out the global model ``x_t``; for every reply it checks the payload
-(:func:`~._wire.check_payload`) and the metrics, decodes accepted updates ``δ̂_i`` into local models
+(:func:`~._wire.check_payload`), the metrics and, before decoding, the magnitudes and the round the
+reply was trained for; then the update norms and sample counts (:mod:`._validation`, which also checks
+the fused model before it replaces ``x_t``). It decodes accepted updates ``δ̂_i`` into local models
 ``x_t + δ̂_i`` (float64, so ``x_i − x_t`` is ``δ̂_i`` again), and, when at least ``min_centers`` are
 valid, fuses them into ``x_{t+1}``. A fusion with control variates (SCAFFOLD) also hands out ``c``
 (:meth:`FederationServer.control`), and every reply must carry the center's ``c_i⁺`` for each trained
@@ -12,8 +14,10 @@ atomically to ``checkpoint_dir``; :meth:`FederationServer.resume` continues from
 Time stamps (seconds since the epoch) go to a JSON-lines file, one object per event:
 ``{"round", "role": "center"|"server", "who", "event", "t"}`` with center events ``received_model``,
 ``finished_training``, ``sent_update`` and server events ``round_start``, ``update_received`` (one per
-center, ``who`` = the center), ``fusion_start``, ``fusion_end``, ``round_end``. All on one clock on a
-single machine; across machines the center stamps carry that machine's clock offset.
+center, ``who`` = the center), ``rejected`` (one per refused reply, ``who`` = the center, with its
+``reason``; also a ``log.warning`` line), ``samples_capped`` (likewise), ``fusion_start``,
+``fusion_refused`` (with ``reason``: the fused model was not taken), ``fusion_end``, ``round_end``. All
+on one clock on a single machine; across machines the center stamps carry that machine's clock offset.
 """
 
 from __future__ import annotations
@@ -252,7 +256,10 @@ class FederationServer:
                 continue
             bytes_up[rep.center] = payload_nbytes(payload)
             candidates.append((rep, m, payload))
-        counts, liars = self.guard.samples({rep.center: float(m["num_samples"]) for rep, m, _ in candidates})
+        counts, liars, capped = self.guard.samples({rep.center: float(m["num_samples"]) for rep, m, _ in candidates})
+        for c, why in capped.items():
+            log.warning("round %d: %s %s", round_idx, c, why)
+            self.timing.record(round_idx, "server", c, "samples_capped", reason=why)
         deltas = {rep.center: decode_update(payload, cfg.compression) for rep, _, payload in candidates
                   if rep.center not in liars}
         norms = {c: params_norm(d) for c, d in deltas.items()}

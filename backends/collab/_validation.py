@@ -117,10 +117,12 @@ class UpdateGuard:
         self.steps: list[float] = []  # per fused round, ‖x' − x‖
 
     # ----------------------------------------------------------------- sample counts
-    def samples(self, claims: Mapping[str, float]) -> tuple[dict[str, int], dict[str, str]]:
-        """The count each center is weighted with, and the centers refused for lying about it."""
+    def samples(self, claims: Mapping[str, float]) -> tuple[dict[str, int], dict[str, str], dict[str, str]]:
+        """The count each center is weighted with, the centers refused for lying about it, and the
+        centers whose first claim was capped (with what to do about it)."""
         out: dict[str, int] = {}
         refused: dict[str, str] = {}
+        capped: dict[str, str] = {}
         new = {c: n for c, n in claims.items() if c not in self.declared and c not in self.pinned}
         cap = SAMPLE_CAP * _upper_median(list(claims.values())) if claims else 0.0
         for c, n in claims.items():
@@ -131,9 +133,12 @@ class UpdateGuard:
                 out[c] = self.declared[c]
             elif c in new:
                 out[c] = self.pinned[c] = max(1, int(min(n, cap)))
+                if out[c] < n:
+                    capped[c] = (f"claims {int(n)} samples, weighted as {out[c]} ({SAMPLE_CAP:g} × the median claim); "
+                                 "declare its count at enrolment (CenterSpec.samples) to weight it fully")
             else:
                 out[c] = self.pinned[c]
-        return out, refused
+        return out, refused, capped
 
     # ----------------------------------------------------------------- norms
     def reference(self, norms: Mapping[str, float]) -> float | None:
