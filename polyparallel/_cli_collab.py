@@ -177,6 +177,9 @@ def collab_cmd(
     step_bound: Annotated[float, typer.Option(
         "--step-bound", help="keep the old model when the fused step exceeds this x the median recent step "
         "(0: only finiteness)")] = 10.0,
+    samples: Annotated[str | None, typer.Option(
+        "--samples", help="each center's training sample count, comma separated, declared at enrolment: the server "
+        "weights with it and refuses a reply claiming another (default: the first claim, capped)")] = None,
     round_timeout: Annotated[float, typer.Option(
         "--round-timeout", help="seconds the server waits for a round's updates (Flower)")] = 600.0,
     holdout: Annotated[float, typer.Option(
@@ -230,6 +233,11 @@ def collab_cmd(
                 local_steps=local_steps, compression=compression, **training)
         if source:  # every center calls the source itself; only the reference goes in the job
             cfg = replace(cfg, centers=tuple(replace(c, data=source) for c in cfg.centers))
+        if samples:  # enrolment: the server weights each center with its declared count
+            counts = [int(n) for n in samples.split(",")]
+            if len(counts) != len(cfg.centers):
+                raise UserError(f"--samples has {len(counts)} entries for {len(cfg.centers)} centers")
+            cfg = replace(cfg, centers=tuple(replace(c, samples=n) for c, n in zip(cfg.centers, counts)))
     except (ValueError, KeyError, json.JSONDecodeError) as e:
         raise UserError(str(e)) from None
     if save_config is not None:

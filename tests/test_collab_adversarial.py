@@ -188,6 +188,28 @@ def test_a_run_in_which_no_round_fused_does_not_report_success():
     assert json.loads(json.dumps(res.to_dict()))["ok"] is False
 
 
+def test_cli_validation_options_reach_the_job_and_a_run_with_no_fused_round_fails(tmp_path, capsys, caplog):
+    from polyparallel.cli import main
+
+    def run(argv):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        cap = capsys.readouterr()
+        return e.value.code or 0, cap.out + cap.err
+
+    job = tmp_path / "job.json"
+    base = ["collab", "--centers", "a,b", "--rounds", "1", "--local-steps", "1", "--synthetic", "32"]
+    code, _ = run([*base, "--no-norm-bound", "--step-bound", "20", "--max-abs-update", "100", "--samples", "32,32",
+                   "--save-config", str(job)])
+    d = json.loads(job.read_text())
+    assert code == 0 and (d["norm_bound"], d["step_bound"], d["max_abs_update"]) == (0, 20, 100)
+    assert d["fusion"] == "centered_clip" and [c["samples"] for c in d["centers"]] == [32, 32]
+    with caplog.at_level(logging.WARNING, "polyparallel.collab"):
+        code, out = run([*base, "--max-abs-update", "1e-9"])  # every update refused
+    assert code != 0 and "no round fused" in out and "max_abs_update" in out
+    assert "round 1: rejected the update of a" in caplog.text  # the log line the user sees on stderr
+
+
 def test_robust_fusions_against_an_outlier():
     g = {"w": np.zeros(4, np.float32)}
     honest = [np.array([1.0, 1.0, 0.0, 0.0]) + 0.1 * i for i in range(4)]
