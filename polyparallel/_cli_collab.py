@@ -331,8 +331,8 @@ def serve_cmd(
         with LoopbackFederation(wd, {}, autostart=False, credentials=creds) as fed:
             fed.kill_strays()  # a killed predecessor's ServerApp or SuperExec (same workdir) still going
             fed.start_superlink(host=host, port=port)
-            for name, _, pub in creds.node_keys if creds else ():
-                fed.register_center(name, pub)
+            if creds:
+                fed.register_centers((name, pub) for name, _, pub in creds.node_keys)
             fed.submit(cfg, res, center_wait_s=center_wait)
             typer.echo(f"SuperLink on {host}:{port}; waiting for {len(cfg.centers)} centers "
                        f"({', '.join(c.name for c in cfg.centers)}); logs in {wd / 'logs'}")
@@ -394,7 +394,8 @@ def center_cmd(
             fed.start_center(name, superlink=superlink)
             node = fed.wait_connected(name, connect_timeout)
         except FlowerError as e:
-            raise UserError(f"center {name} could not join {superlink}: {e}") from None
+            hint = "" if creds else " (no --ca/--key given: does the server use TLS and node keys?)"
+            raise UserError(f"center {name} could not join {superlink}: {e}{hint}") from None
         typer.echo(f"center {name} connected to {superlink} as node {node}; logs in {wd / 'logs'} (Ctrl-C to stop)")
         with contextlib.suppress(KeyboardInterrupt):
             try:

@@ -47,7 +47,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,6 +114,19 @@ class _Proc:
             f.seek(self.log_start)
             return f.read().decode(errors="replace")
 
+
+# `flwr supernode register KEY loopback --name NAME` for several keys: flwr 1.42's own helpers, one process
+_REGISTER = """
+import json, sys
+from pathlib import Path
+from flwr.cli.supernode.register import (RegisterNodeRequest, init_http_client_from_connection,
+                                         read_superlink_connection, try_load_public_key)
+client = init_http_client_from_connection(read_superlink_connection("loopback"))
+ids = {name: client.RegisterNode(request=RegisterNodeRequest(public_key=try_load_public_key(Path(key)),
+                                                             name=name)).node_id
+       for name, key in json.loads(sys.argv[1])}
+print(json.dumps(ids))
+"""
 
 _NODE_ID = "SuperNode ID: "  # what flwr 1.42's SuperNode logs once the SuperLink activated it
 
@@ -207,8 +220,10 @@ class LoopbackFederation:
 
     def start(self) -> LoopbackFederation:
         self.start_superlink()
+        for name in self.centers:  # the SuperNodes start side by side (seconds each on a busy machine)
+            self.start_center(name, wait=False)
         for name in self.centers:
-            self.start_center(name)
+            self.start_executor(name)
         return self
 
     def start_superlink(self, host: str = "127.0.0.1", port: int = 0) -> None:
@@ -233,28 +248,32 @@ class LoopbackFederation:
         link = self._spawn("superlink", argv)
         _wait_port(self.superlink_port, self.startup_timeout_s, link.popen, link.log)
         if cr:
-            for name, _, pub in cr.node_keys:
-                if name in self.centers:
-                    self.register_center(name, pub)
+            self.register_centers((name, pub) for name, _, pub in cr.node_keys if name in self.centers)
 
     def register_center(self, name: str, public_key: Path) -> None:
-        """Allow the SuperNode holding the private half of ``public_key`` to join (``flwr supernode register``).
+        """Allow the SuperNode holding the private half of ``public_key`` to join (``flwr supernode register``)."""
+        self.register_centers([(name, public_key)])
 
-        The SuperLink answers with the node id that key will have: it goes into :attr:`node_names`,
+    def register_centers(self, keys: Iterable[tuple[str, Path]]) -> None:
+        """Register each ``(center, public key)`` with the SuperLink (what ``flwr supernode register`` does,
+        for all keys in one process: a Flower CLI start is seconds on a busy machine).
+
+        The SuperLink answers with the node id each key will have: it goes into :attr:`node_names`,
         which :meth:`submit` hands to the ServerApp (a reply is counted only under its node's name).
         """
-        res = subprocess.run(["flwr", "supernode", "register", str(public_key), "loopback", "--name", name,
-                              "--format", "json"],
-                             env=self.env, cwd=self.workdir, capture_output=True, text=True,
-                             timeout=self.startup_timeout_s)
+        keys = [(n, str(k)) for n, k in keys]
+        if not keys:
+            return
+        res = subprocess.run([sys.executable, "-c", _REGISTER, json.dumps(keys)], env=self.env, cwd=self.workdir,
+                             capture_output=True, text=True, timeout=self.startup_timeout_s)
         try:
-            reply = json.loads(res.stdout[res.stdout.index("{"):])
-            node_id = int(reply["node-id"]) if res.returncode == 0 and reply.get("success") else None
-        except (ValueError, KeyError, TypeError):
-            node_id = None
-        if node_id is None:
-            raise FlowerError(f"registering {name}'s key failed: {res.stdout[-1500:]} {res.stderr[-1500:]}")
-        self.node_names[node_id] = name
+            ids = json.loads(res.stdout.strip().splitlines()[-1]) if res.returncode == 0 else None
+        except (ValueError, IndexError):
+            ids = None
+        if not isinstance(ids, dict) or set(ids) != {n for n, _ in keys} or not all(ids.values()):
+            raise FlowerError(f"registering the keys of {[n for n, _ in keys]} failed: {res.stdout[-1500:]} "
+                              f"{res.stderr[-1500:]}")
+        self.node_names.update({int(nid): name for name, nid in ids.items()})
 
     def start_center(self, name: str, superlink: str | None = None, private_key: Path | None = None,
                      wait: bool = True) -> None:
@@ -262,7 +281,7 @@ class LoopbackFederation:
 
         ``superlink`` is the SuperLink's ``host:port`` (default: the one this object started);
         ``private_key`` overrides the center's key from :attr:`credentials`; ``wait=False`` returns
-        once the processes are spawned.
+        once the SuperNode is spawned (then :meth:`start_executor` starts the executor).
         """
         self.workdir.mkdir(parents=True, exist_ok=True)
         port = free_port()  # a fresh port: the killed node's may linger in TIME_WAIT
@@ -287,10 +306,18 @@ class LoopbackFederation:
                 patch += ["--pull-backoff-s", str(self.pull_backoff_s)]
             if self.heartbeat_s is not None:
                 patch += ["--heartbeat-s", str(self.heartbeat_s), "--activate-wait-s", str(self.activate_wait_s)]
-            argv = [sys.executable, "-m", "polyparallel.backends.collab._supernode", *patch, "--", *argv[1:]]
-        node = self._spawn(f"supernode-{name}", argv)
-        if not wait:
-            return
+            # run as a file, not as a module of the package: importing polyparallel would add a third to the
+            # SuperNode's start, which is most of a crashed center's time to rejoin
+            argv = [sys.executable, str(Path(__file__).with_name("_supernode.py")), *patch, "--", *argv[1:]]
+        self._spawn(f"supernode-{name}", argv)
+        if wait:
+            self.start_executor(name)
+
+    def start_executor(self, name: str) -> None:
+        """Once center ``name``'s SuperNode listens, start its warm executor (nothing when not warm)."""
+        node = self.latest(f"supernode-{name}")
+        assert node is not None, f"center {name}'s SuperNode was not started"
+        port = self.node_ports[name]
         _wait_port(port, self.startup_timeout_s, node.popen, node.log)
         if self.warm:
             backoff = [] if self.pull_backoff_s is None else ["--pull-backoff-s", str(self.pull_backoff_s)]
@@ -441,12 +468,15 @@ class LoopbackFederation:
 
     # ------------------------------------------------------------------ runs
     def submit(self, config: CollabConfig, out_dir: Path, *, eval_data: Path | None = None,
-               poll_s: float = 0.05, max_rounds: int = 0, center_wait_s: float = 600.0) -> int:
+               poll_s: float = 0.05, max_rounds: int = 0, center_wait_s: float = 600.0,
+               rejoin_wait_s: float = 0.0) -> int:
         """Write the Flower App for ``config``, start it with ``flwr run`` and return the run id.
 
         Submitting again with the same ``out_dir`` resumes from the server's last checkpoint.
         ``center_wait_s``: how long the ServerApp waits for ``config.required_centers`` centers to be
-        connected before a round (it fails after that instead of recording rounds nobody trained).
+        connected before a round (it fails after that instead of recording rounds nobody trained);
+        ``rejoin_wait_s``: how long it waits, before each later round, for every center to be connected
+        (a grace for a center that is restarting; 0: a round starts with ``required_centers``).
         """
         app = self.workdir / "app"
         app.mkdir(parents=True, exist_ok=True)
@@ -459,7 +489,8 @@ class LoopbackFederation:
                       "eval-data": str(eval_data or ""), "poll-s": poll_s, "max-rounds": max_rounds,
                       "pull-backoff-s": self.pull_backoff_s or 0.0, "pack-arrays": self.pack_arrays,
                       "node-names": json.dumps({str(k): v for k, v in self.node_names.items()}),
-                      "center-wait-s": center_wait_s, "superlink-pid": self._superlink_pid()}
+                      "center-wait-s": center_wait_s, "rejoin-wait-s": rejoin_wait_s,
+                      "superlink-pid": self._superlink_pid()}
         import tomli_w
 
         (app / "pyproject.toml").write_text(tomli_w.dumps({

@@ -52,6 +52,8 @@ Run config keys: ``collab-config`` (the :class:`~._config.CollabConfig` JSON), `
 ``eval-data`` (optional ``.npz`` with ``x``, ``y``), ``poll-s``, ``pull-backoff-s`` (first retry of
 a reply object not yet at the SuperLink; 0: Flower's 1 s), ``max-rounds`` (exit after that many
 rounds, as a server taken down between rounds; 0: run to the end), ``node-names`` (above),
+``rejoin-wait-s`` (before each round after the first, wait up to so long for every center to be connected:
+a grace for a center that is restarting; 0: start with ``required_centers``),
 ``superlink-pid`` (the ServerApp exits when that process is gone), ``center-wait-s`` (how long to wait
 for ``required_centers`` connected centers before a round; the
 ServerApp fails after that rather than record rounds nobody could train). Node config keys: ``center``, ``data``
@@ -296,6 +298,7 @@ def _serve_rounds(grid: Grid, context: Context, out: Path) -> None:
 
     node_names = {int(k): str(v) for k, v in json.loads(str(rc.get("node-names", "") or "{}")).items()}
     center_wait_s = float(rc.get("center-wait-s", 600.0))
+    rejoin_wait_s = float(rc.get("rejoin-wait-s", 0.0))
     server = FederationServer(config, initial_params(config), TimingLog(out / "timing.jsonl"), out / "checkpoint")
     server.resume()
     log.info("serving rounds %d..%d of %d centers%s", server.round + 1, config.rounds, len(config.centers),
@@ -305,8 +308,9 @@ def _serve_rounds(grid: Grid, context: Context, out: Path) -> None:
     ran = 0
     while not server.done and (stop_after is None or ran < stop_after):
         ran += 1
-        nodes = _wait_for_nodes(grid, len(config.centers) if first else config.required_centers,
-                                config.round_timeout_s, poll_s, need=config.required_centers, need_s=center_wait_s)
+        nodes = _wait_for_nodes(grid, len(config.centers) if first or rejoin_wait_s else config.required_centers,
+                                config.round_timeout_s if first else rejoin_wait_s, poll_s,
+                                need=config.required_centers, need_s=center_wait_s)
         first = False
         r, params = server.begin_round()
         content = {**_to_records(params, pack),

@@ -17,8 +17,9 @@ the interval this SuperNode announces and keeps (the SuperLink must accept it: s
 and ``--activate-wait-s`` retries that refusal (and only that one) for so many seconds instead of
 exiting: a center restarted after a crash is back ``2 × heartbeat-s`` after its last heartbeat at most.
 
-Usage: ``python -m polyparallel.backends.collab._supernode --poll-s 0.25 [--wait-s 0.02]
-[--pull-backoff-s 0.02] [--heartbeat-s 2 --activate-wait-s 30] -- <flower-supernode args>``
+Usage: ``python -m polyparallel.backends.collab._supernode`` (or ``python PATH/_supernode.py``)
+``--poll-s 0.25 [--wait-s 0.02] [--pull-backoff-s 0.02] [--heartbeat-s 2 --activate-wait-s 30] --
+<flower-supernode args>``
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ import sys
 import time
 from typing import Any
 
-from ._flwr_timing import capped_time, set_object_pull_backoff
+try:
+    from ._flwr_timing import capped_time, set_object_pull_backoff
+except ImportError:  # run as a file (what LoopbackFederation does: a faster start without the package)
+    from _flwr_timing import capped_time, set_object_pull_backoff  # type: ignore[no-redef]
 
 __all__ = ["main", "retry_activation", "set_node_heartbeat"]
 
