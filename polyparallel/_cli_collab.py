@@ -301,6 +301,8 @@ def serve_cmd(
         "--round-timeout", help="seconds to wait for a round's updates (default: the job file's)")] = None,
     center_wait: Annotated[float, typer.Option(
         "--center-wait", help="seconds to wait for enough centers to connect before a round, then fail")] = 600.0,
+    rejoin_wait: Annotated[float, typer.Option(
+        "--rejoin-wait", help="before each later round, seconds to wait for every center (one restarting)")] = 0.0,
 ) -> None:
     """Start the server side of a deployment: a SuperLink, then the federation's ServerApp; wait for it.
 
@@ -333,7 +335,7 @@ def serve_cmd(
             fed.start_superlink(host=host, port=port)
             if creds:
                 fed.register_centers((name, pub) for name, _, pub in creds.node_keys)
-            fed.submit(cfg, res, center_wait_s=center_wait)
+            fed.submit(cfg, res, center_wait_s=center_wait, rejoin_wait_s=rejoin_wait)
             typer.echo(f"SuperLink on {host}:{port}; waiting for {len(cfg.centers)} centers "
                        f"({', '.join(c.name for c in cfg.centers)}); logs in {wd / 'logs'}")
             fed.wait(res, timeout, on_round=_progress(cfg.rounds), on_log=lambda line: typer.echo(f"server: {line}"))
