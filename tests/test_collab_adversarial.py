@@ -126,6 +126,22 @@ def test_a_ruined_fusion_is_not_taken_and_the_honest_are_not_refused_after_it(ca
     assert rec.fused and rec.accepted == NAMES and not rec.rejected
 
 
+def test_a_huge_scaffold_control_variate_is_refused():
+    """One huge c_i would enter the server's c and so every center's gradient correction."""
+    from polyparallel.backends.collab._wire import encode_controls
+
+    cfg = mlp_config(NAMES, fusion="scaffold", min_centers=2, rounds=1, compression="int8")
+    server = FederationServer(cfg, _initial(cfg))
+    r, x = server.begin_round()
+    reps = []
+    for i, c in enumerate(NAMES):
+        grad = {k: np.full_like(v, 1e6 if c == "c" else 0.1) for k, v in server.control().items()}
+        reps.append(CenterReply(c, {**encode_update(_honest(x, i), "int8"), **encode_controls(grad, "int8")},
+                                {"num_samples": 40.0, "round": r}))
+    rec = server.finish_round(r, reps)
+    assert rec.fused and rec.accepted == ("a", "b") and "'c/s/" in rec.rejected["c"][0]
+
+
 def test_two_centers_the_history_bounds_an_inflated_norm():
     """Of two centers, the upper median of a round is the attacker's own norm: the accepted norms of
     earlier rounds bound it instead (a majority of one does not set the reference)."""

@@ -7,8 +7,9 @@ below as well, on by default (``CollabConfig.max_abs_update``, ``norm_bound``, `
 - **Values before decoding** (:func:`check_values`): every coordinate of an update must satisfy
   ``|δ| <= max_abs_update`` (default ``1e4``). For int8 this is checked on the scales, ``127·s_r``,
   before ``q · s_r`` is ever computed, so a payload with scale ``3e38`` is refused instead of decoding to
-  inf; a scale must also be finite and ``> 0``. Control variates (SCAFFOLD) only need scales that decode
-  to finite float32 numbers.
+  inf; a scale must also be finite and ``> 0``. Control variates (SCAFFOLD, gradient estimates) are held
+  to the same bound: one huge ``c_i`` would otherwise enter the server's ``c`` and every center's
+  correction.
 - **Binding to the round** (:func:`check_binding`): a center's reply carries the round index and the
   digest (:func:`model_digest`) of the global model it trained from; a reply naming another round or
   model (an old payload re-sent) is refused. A reply without them is accepted (older centers), and
@@ -47,7 +48,6 @@ __all__ = ["HISTORY", "SAMPLE_CAP", "UpdateGuard", "check_binding", "check_value
 HISTORY = 5
 #: an undeclared sample count is capped at this multiple of the median claim of its first round
 SAMPLE_CAP = 2.0
-_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def model_digest(params: Mapping[str, np.ndarray]) -> int:
@@ -72,20 +72,18 @@ def check_values(payload: Mapping[str, np.ndarray], method: str, max_abs: float)
     """Problems with the magnitudes in a well-formed payload, found *before* decoding it."""
     problems: list[str] = []
     for key, a in payload.items():
-        control = key.startswith("c/")
-        kind = key[2 if control else 0:].partition("/")[0]
-        bound = _F32_MAX / 128.0 if control else max_abs
+        kind = key.removeprefix("c/").partition("/")[0]  # c/: a control variate, same code and bound
         if kind == "s":  # int8 row scales: the decoded magnitude is at most 127·s
             s = np.asarray(a, dtype=np.float64)
             if np.any(~(s > 0)):
                 problems.append(f"{key!r} holds {int(np.sum(~(s > 0)))} scales that are not > 0")
-            elif s.size and float(s.max()) * 127.0 > bound:
+            elif s.size and float(s.max()) * 127.0 > max_abs:
                 problems.append(f"{key!r} has scale {float(s.max()):.3g}: decodes to |δ| up to "
-                                f"{float(s.max()) * 127.0:.3g} > {bound:.3g}")
-        elif kind == "q" and method != "int8" and not control and a.size:
+                                f"{float(s.max()) * 127.0:.3g} > {max_abs:.3g} (max_abs_update)")
+        elif kind == "q" and method != "int8" and a.size:
             m = float(np.max(np.abs(np.asarray(a, dtype=np.float64))))
-            if m > bound:
-                problems.append(f"{key!r} has |δ| up to {m:.3g} > {bound:.3g} (max_abs_update)")
+            if m > max_abs:
+                problems.append(f"{key!r} has |δ| up to {m:.3g} > {max_abs:.3g} (max_abs_update)")
     return problems
 
 
