@@ -90,8 +90,8 @@ class PipelinePlan:
     ``pp_major`` says whether ranks are numbered stage-major (the Strategy's mesh lists ``pp`` before
     ``dp``, as the planner writes it) or dp-major; ``axes`` is the order of the ``pp``, ``dp`` and
     ``tp`` mesh dims (ranks numbered row-major over them). With ``tp > 1`` each stage runs
-    tensor-parallel over its ``tp`` ranks (:mod:`._stage_tp`); ``split`` names the values of the
-    exported graph that stay split over ``tp`` (checked before launch).
+    tensor-parallel over its ``tp`` ranks (:mod:`._stage_tp`; the rewrite is checked before launch
+    and redone on every worker from ``ExecPlan.tp_plan`` and ``ExecPlan.fused``).
     """
 
     stages: int
