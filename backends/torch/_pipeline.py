@@ -409,6 +409,7 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
     from polyparallel.backends.torch._checkpoint import resume, save_checkpoint
     from polyparallel.backends.torch._loss_weighting import TargetCount, weigh_microbatches
     from polyparallel.backends.torch._precision import Precision
+    from polyparallel.backends.torch._recompute import recompute_chunk
     from polyparallel.backends.torch._steps import batch_counts, comm_profile, finish_step, log_step
     from polyparallel.references import resolve
 
@@ -435,7 +436,7 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
     mine = list(range(stage, K, pp))
     modules: list[nn.Module] = []
     for k in mine:
-        mod = split.chunks[k].to(device)
+        mod = recompute_chunk(split.chunks[k], plan.recompute, plan.recompute_blocks).to(device)
         has_params = any(p.requires_grad for p in mod.parameters())
         if plan.data_parallel == "ddp" and has_params:
             # ZeRO-0 (replicated parameters, all-reduced gradients) with the FSDP2-based `replicate`,

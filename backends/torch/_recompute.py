@@ -9,6 +9,14 @@ r"""Activation recomputation, exactly as the cost model prices it (``cost_models
   attention, whose score matrices the memory model drops; Korthikanti et al., 2022) runs under the
   checkpoint and is recomputed in its backward; every other op saves what autograd saves.
 
+Inside pipeline stages (:func:`recompute_chunk`) the stage is an ``fx.GraphModule`` cut out of
+``torch.export``'s graph (``_pipeline.split_model``), whose nodes name their module
+(``meta["nn_module_stack"]``). ``full`` outlines each contiguous run of a numbered layer's nodes
+into a parameter-free sub-``GraphModule`` (the layer's parameters, buffers and activations are its
+arguments) called under the same non-reentrant checkpoint; ``selective`` runs every
+``aten.scaled_dot_product_attention`` node under it. The chunk keeps its parameters at their model
+paths, so the stage's state dict, FSDP2 and the tied-weight groups see the same chunk.
+
 Both leave the module tree as it is: the layer's ``forward`` (an instance attribute) is replaced, so
 parameter names, state dicts, the tensor-parallel plan's module paths and FSDP2's ``fully_shard``
 (applied after, around the module's ``__call__``) see the same model. Dropout draws the same numbers
@@ -19,17 +27,19 @@ without recomputation.
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from polyparallel.cost_models.layers import layer_of
 from polyparallel.ir import Graph
 
-__all__ = ["apply_recompute", "recompute_blocks", "recompute_problems", "retained_activation_bytes"]
+__all__ = ["apply_recompute", "recompute_blocks", "recompute_chunk", "recompute_problems", "retained_activation_bytes",
+           "retained_stage_bytes"]
 
 
 def recompute_blocks(graph: Graph) -> list[str]:
@@ -107,6 +117,106 @@ def apply_recompute(model: nn.Module, recompute: str, blocks: tuple[str, ...] | 
     return model
 
 
+class _Checkpointed(nn.Module):
+    """Runs ``inner`` (a parameter-free GraphModule: what it reads comes in as arguments) under a
+    non-reentrant checkpoint while gradients are recorded."""
+
+    def __init__(self, inner: fx.GraphModule) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any) -> Any:
+        return _checkpointed(self.inner, *args)
+
+
+def _sdpa_recomputed(*args: Any, **kwargs: Any) -> Any:
+    """``aten.scaled_dot_product_attention`` under a non-reentrant checkpoint (a pipeline chunk's
+    attention node under ``selective``)."""
+    return _checkpointed(torch.ops.aten.scaled_dot_product_attention.default, *args, **kwargs)
+
+
+def _layer_runs(gm: fx.GraphModule, blocks: set[str]) -> list[list[fx.Node]]:
+    """Maximal runs of consecutive ``call_function`` nodes of one layer in ``blocks``. A node without
+    a module path takes the previous node's layer; ``get_attr`` nodes (parameters, read by the run)
+    neither join nor break a run; any other node ends it."""
+    runs: list[list[fx.Node]] = []
+    cur: list[fx.Node] = []
+    cur_layer: str | None = None
+    prev: str | None = None
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            continue
+        if n.op != "call_function":
+            cur, cur_layer, prev = [], None, None
+            continue
+        stack = n.meta.get("nn_module_stack")
+        layer = layer_of(str(list(stack.values())[-1][0])) if stack else prev
+        prev = layer
+        if layer in blocks:
+            if layer != cur_layer:
+                cur, cur_layer = [], layer
+                runs.append(cur)
+            cur.append(n)
+        else:
+            cur, cur_layer = [], None
+    return runs
+
+
+def _outline(gm: fx.GraphModule, run: list[fx.Node], name: str) -> None:
+    """Replace ``run`` by one call of a checkpointed sub-GraphModule computing it."""
+    g = gm.graph
+    inside = set(run)
+    ins: dict[fx.Node, None] = {}
+    for n in run:
+        for a in n.all_input_nodes:
+            if a not in inside:
+                ins.setdefault(a)
+    outs = [n for n in run if any(u not in inside for u in n.users)]
+    sub = fx.Graph()
+    env = {a: sub.placeholder(a.name) for a in ins}
+    for n in run:
+        env[n] = sub.node_copy(n, lambda a: env[a])
+    sub.output(tuple(env[n] for n in outs))
+    gm.add_submodule(name, _Checkpointed(fx.GraphModule({}, sub, f"Recomputed_{name}")))
+    with g.inserting_after(run[-1]):
+        call = g.call_module(name, tuple(ins))
+    last = call
+    for i, n in enumerate(outs):
+        with g.inserting_after(last):
+            last = g.call_function(operator.getitem, (call, i))
+        last.meta = dict(n.meta)
+        n.replace_all_uses_with(last, delete_user_cb=lambda u: u not in inside)
+    for n in reversed(run):
+        g.erase_node(n)
+
+
+def recompute_chunk(gm: fx.GraphModule, recompute: str, blocks: tuple[str, ...] | list[str] = ()) -> fx.GraphModule:
+    """Make a pipeline chunk (``_pipeline.split_model``) recompute as ``recompute`` says, in place.
+
+    ``full``: every run of nodes of a layer in ``blocks`` (:func:`recompute_blocks` of the model's
+    graph: the layers the memory model counts as recomputed) becomes one checkpointed call, which
+    keeps the run's inputs and recomputes the rest in the backward; nodes outside those layers
+    (embeddings, final norm, head) keep their activations. ``selective``: every
+    ``aten.scaled_dot_product_attention`` node runs under the checkpoint. Returns ``gm``.
+    """
+    if recompute == "none":
+        return gm
+    if recompute == "selective":
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and n.target is torch.ops.aten.scaled_dot_product_attention.default:
+                n.target = _sdpa_recomputed
+    elif recompute == "full":
+        if not blocks:
+            raise ValueError("recompute='full' needs the module paths of the model's layers (recompute_blocks(graph))")
+        for i, run in enumerate(_layer_runs(gm, set(blocks))):
+            _outline(gm, run, f"recompute_{i}")
+    else:
+        raise ValueError(f"recompute={recompute!r}: use 'none', 'selective' or 'full'")
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
 def retained_activation_bytes(model: nn.Module, *args: Any, **kwargs: Any) -> int:
     """Bytes one forward of ``model(*args, **kwargs)`` leaves alive for its backward, on this process.
 
@@ -116,6 +226,47 @@ def retained_activation_bytes(model: nn.Module, *args: Any, **kwargs: Any) -> in
     backward. It counts storages, so views and tensors saved twice count once. The backward is run
     afterwards so no graph is left behind. ``model`` must return a scalar loss.
     """
+    from torch.utils._pytree import tree_flatten
+
+    given = [*model.parameters(), *model.buffers(), *tree_flatten((args, kwargs))[0]]
+    total, loss = _alive_after(lambda: model(*args, **kwargs), given)
+    loss.backward()
+    return total
+
+
+def retained_stage_bytes(chunk: nn.Module, *inputs: torch.Tensor, tail: nn.Module | None = None,
+                         labels: torch.Tensor | None = None) -> int:
+    """Bytes a pipeline stage holds for its backward after one micro-batch's forward of ``chunk``
+    (``_pipeline.split_model``), on this process: what :func:`retained_activation_bytes` counts, plus
+    the chunk's outputs, which the stage keeps until their gradients come back, and the received
+    ``inputs`` (the stage's own buffers of another stage's outputs, held until their gradients are
+    sent back; made here with ``requires_grad``).
+    ``tail``: the loss tail, run on the last chunk's outputs with ``labels`` as the schedule's loss
+    function does. The backward is run afterwards (ones for the outputs' gradients)."""
+    outs: list[Any] = []
+
+    def forward() -> Any:
+        out = chunk(*inputs)
+        out = out if isinstance(out, tuple) else (out,)
+        if tail is not None:
+            return tail(*out, labels)
+        outs.extend(out)
+        return None
+
+    given = [*chunk.parameters(), *chunk.buffers(), *inputs, *([labels] if labels is not None else [])]
+    total, loss = _alive_after(forward, given)
+    total += sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in inputs}.values())
+    if loss is not None:
+        loss.backward()
+    else:
+        diff = [o for o in outs if o.requires_grad]
+        torch.autograd.backward(diff, [torch.ones_like(o) for o in diff])
+    return total
+
+
+def _alive_after(fn: Any, given: list[Any]) -> tuple[int, Any]:
+    """Run ``fn()``; the bytes of the storages its ATen ops wrote that are still alive after it
+    (``given`` and the returned tensor aside), and what it returned."""
     import gc
 
     from torch.multiprocessing.reductions import StorageWeakRef
@@ -137,13 +288,9 @@ def retained_activation_bytes(model: nn.Module, *args: Any, **kwargs: Any) -> in
                         self.refs[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
             return out
 
-    given = [t for t in (*model.parameters(), *model.buffers(), *tree_flatten((args, kwargs))[0])
-             if isinstance(t, torch.Tensor)]
     track = Track()
     with track:
-        loss = model(*args, **kwargs)
+        result = fn()
     gc.collect()
-    skip = {t.untyped_storage().data_ptr() for t in (*given, loss)}
-    total = sum(n for ptr, (ref, n) in track.refs.items() if ptr not in skip and not ref.expired())
-    loss.backward()
-    return total
+    skip = {t.untyped_storage().data_ptr() for t in (*given, result) if isinstance(t, torch.Tensor)}
+    return sum(n for ptr, (ref, n) in track.refs.items() if ptr not in skip and not ref.expired()), result

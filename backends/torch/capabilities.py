@@ -10,7 +10,7 @@ of a plan, against the model's captured graph:
 
 * training in fp32, bf16 or fp16 (:mod:`._precision`: autocast or FSDP2 mixed precision, fp32
   master weights, a gradient scaler for fp16);
-* activation recomputation (:mod:`._recompute`) outside pipeline stages only; ``full`` needs the
+* activation recomputation (:mod:`._recompute`), also inside pipeline stages; ``full`` needs the
   model's numbered layers (``layers.<i>``, ``h.<i>``, ``blocks.<i>``), the blocks it checkpoints;
 * micro-batches with pipeline stages, or without them as gradient accumulation (``_worker``);
 * tensor parallelism inside pipeline stages (:mod:`._stage_tp`, checked by ``plan_for`` on the exported
@@ -88,10 +88,7 @@ def plan_problems(graph: Graph | None, s: Any) -> list[str]:
     if s.recompute not in EXECUTED_RECOMPUTE:
         why.append(f"recompute={s.recompute!r}: the torch backend recomputes {', '.join(EXECUTED_RECOMPUTE)}; search "
                    "with constraints={'recompute': 'none'}")
-    elif s.recompute != "none" and s.pp > 1:
-        why.append(f"recompute={s.recompute!r} with pp={s.pp}: activation recomputation inside pipeline stages is not "
-                   "executed; search with constraints={'recompute': 'none'} or pp=1")
-    elif s.recompute != "none":
+    elif s.recompute != "none":  # with or without pipeline stages (._recompute.recompute_chunk)
         why.extend(_recompute_problems(graph, s.recompute))
     if s.pp > 1 and s.sp > 1:
         why.append(f"pp={s.pp} with sp={s.sp}: sequence parallelism inside pipeline stages is not executed")
