@@ -13,7 +13,8 @@ A round ``r`` of a collaborative job (``Strategy.collaborative``) runs, for ever
    and center).
 
 plus the framework's fixed cost per round ``K`` (serialisation, polling and messaging that does not
-scale with the bytes: Flower on loopback, :data:`FIXED_ROUND_S`), placed at the start of the round.
+scale with the bytes: Flower on loopback, :data:`FIXED_ROUND_S`), and optionally ``k`` per center taking
+part (one server handles every center's messages), placed at the start of the round: ``K + k·n``.
 So a round lasts ``T = K + max_i (D_i + C_i + U_i) + F`` and the phases of every center add up to ``T``.
 With ``concurrent=False`` the centers run one after another (the in-process engine): center ``i``
 starts when center ``i−1`` has uploaded, and ``T = K + Σ_i (D_i + C_i + U_i) + F``.
@@ -89,13 +90,14 @@ class SimInputs:
     fixed_s: float = FIXED_ROUND_S["flower"]
     fuse_s_per_param: float = FUSE_S_PER_PARAM
     compression: str = "none"
+    fixed_per_center_s: float = 0.0
 
     @classmethod
     def make(cls, names: Sequence[str], step_s: Sequence[float] | float, local_steps: int, params: int, *,
              down_Bps: Sequence[float] | float = math.inf, up_Bps: Sequence[float] | float = math.inf,
              latency_s: Sequence[float] | float = 0.0, compression: str = "none", model_bytes: float | None = None,
              upload_bytes: float | None = None, fixed_s: float = FIXED_ROUND_S["flower"],
-             fuse_s_per_param: float = FUSE_S_PER_PARAM) -> SimInputs:
+             fuse_s_per_param: float = FUSE_S_PER_PARAM, fixed_per_center_s: float = 0.0) -> SimInputs:
         n = len(names)
 
         def vec(v: Sequence[float] | float, what: str) -> np.ndarray:
@@ -111,12 +113,12 @@ class SimInputs:
         down, up = vec(down_Bps, "down bandwidth"), vec(up_Bps, "up bandwidth")
         if np.any(down <= 0) or np.any(up <= 0):
             raise ValueError("link bandwidths must be > 0 (inf for loopback)")
-        if fixed_s < 0 or fuse_s_per_param < 0:
+        if fixed_s < 0 or fuse_s_per_param < 0 or fixed_per_center_s < 0:
             raise ValueError("the fixed round cost and the fusion cost per parameter must be >= 0")
         return cls(tuple(names), vec(step_s, "step time"), int(local_steps), int(params), down, up,
                    vec(latency_s, "latency"), float(4 * params if model_bytes is None else model_bytes),
                    float(update_bytes(params, compression) if upload_bytes is None else upload_bytes),
-                   float(fixed_s), float(fuse_s_per_param), compression)
+                   float(fixed_s), float(fuse_s_per_param), compression, float(fixed_per_center_s))
 
     @property
     def n(self) -> int:
@@ -242,7 +244,7 @@ class SimResult:
         parts = []
         if phase == "wait" and self.lead is not None:  # the part of the wait before the center's turn
             du = du - self.lead
-            lead_st = np.broadcast_to((self.round_start + self.inputs.fixed_s)[:, None], du.shape)
+            lead_st = np.broadcast_to((self.round_start + self.dur["framework"][:, 0])[:, None], du.shape)
             r, c = np.nonzero(self.lead > 0)
             parts.append((r, c, lead_st[r, c], self.lead[r, c]))
         r, c = np.nonzero(du > 0)
@@ -333,16 +335,17 @@ def simulate_rounds(inputs: SimInputs, rounds: int, *, compute_jitter: float = 0
         offset = ready - busy
     slowest = ready.max(axis=1)  # (R,)
     fuse = x.fuse_s_per_param * x.params * present.sum(axis=1)  # (R,)
-    round_s = x.fixed_s + slowest + fuse
+    fw = x.fixed_s + x.fixed_per_center_s * present.sum(axis=1)  # (R,)
+    round_s = fw + slowest + fuse
     round_start = np.concatenate([[0.0], np.cumsum(round_s)[:-1]])
-    t0 = round_start[:, None] + x.fixed_s + offset
-    dur = {"framework": np.full((R, N), x.fixed_s), "distribute": dist, "compute": comp, "upload": up,
+    t0 = round_start[:, None] + fw[:, None] + offset
+    dur = {"framework": np.broadcast_to(fw[:, None], (R, N)).copy(), "distribute": dist, "compute": comp, "upload": up,
            "wait": slowest[:, None] - busy,  # = lead + (slowest − ready)
            "fuse": np.broadcast_to(fuse[:, None], (R, N)).copy()}
     # a center's wait is after its upload; one after another, also before it starts (``lead``)
     start = {"framework": np.broadcast_to(round_start[:, None], (R, N)).copy(), "distribute": t0,
              "compute": t0 + dist, "upload": t0 + dist + comp, "wait": t0 + busy,
-             "fuse": np.broadcast_to((round_start + x.fixed_s + slowest)[:, None], (R, N)).copy()}
+             "fuse": np.broadcast_to((round_start + fw + slowest)[:, None], (R, N)).copy()}
     return SimResult(x, round_start, round_s, dur, start, present, concurrent, lead=offset)
 
 

@@ -42,6 +42,8 @@ def test_identical_centers_closed_form():
     assert res.total_s == pytest.approx(5 * expect)
     np.testing.assert_allclose(res.round_start, np.arange(5) * expect)
     np.testing.assert_allclose(res.utilisation(), H * STEP / expect)
+    # a framework cost per center taking part: K + k·n
+    np.testing.assert_allclose(simulate_rounds(_two(fixed_per_center_s=0.1), 2).round_s, expect + 0.2)
 
 
 def test_slow_center_sets_the_pace_and_the_others_wait_the_difference():
