@@ -301,6 +301,10 @@ def _serve_rounds(grid: Grid, context: Context, out: Path) -> None:
     rejoin_wait_s = float(rc.get("rejoin-wait-s", 0.0))
     server = FederationServer(config, initial_params(config), TimingLog(out / "timing.jsonl"), out / "checkpoint")
     server.resume()
+    recorded = (out / "rounds.jsonl").read_text().count("\n") if (out / "rounds.jsonl").exists() else 0
+    if recorded < server.round:  # killed between the checkpoint and the record: the model has the round
+        log.warning("rounds.jsonl records %d rounds, the checkpoint %d: the record of round %d was lost with the "
+                    "server that fused it", recorded, server.round, server.round)
     log.info("serving rounds %d..%d of %d centers%s", server.round + 1, config.rounds, len(config.centers),
              f" (identities bound to {len(node_names)} registered keys)" if node_names else "")
     first = True
