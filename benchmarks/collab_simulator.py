@@ -134,7 +134,34 @@ def predict(run: dict, K: float, k: float, B: float, phi: float) -> dict:
             "comm_error_points": 100 * (sim_comm - meas_comm), "loadavg": run["loadavg"]}
 
 
-def validate(rounds: int, raw_path: Path) -> dict:
+def planner_check(raw: dict, fit: tuple[float, float, float, float], raw_path: Path, rounds: int,
+                  target: float = 0.5) -> dict:
+    """The H that :func:`choose_local_steps` picks for 3 × 1M at a target communication share (step time
+    from the 3 × 1M, H = 100 run, Flower's cost as calibrated), run on Flower: measured share vs target."""
+    from polyparallel.cost_models.collab_simulator import choose_local_steps
+
+    K, k, B, phi = fit
+    ref = raw["3-1M-H100"]
+    names = sorted(ref["rounds"][0]["compute_s"])
+    step = [float(np.mean([p["compute_s"][c] for p in ref["rounds"]])) / 100 for c in names]
+    x = SimInputs.make(names, step, 1, ref["params"], down_Bps=B / 3, up_Bps=B / 3, fixed_s=max(K, 0.0),
+                       fixed_per_center_s=k, fuse_s_per_param=phi)
+    H, sim = choose_local_steps(x, target)
+    key = f"planner-3-1M-H{H}"
+    if key not in raw:
+        with tempfile.TemporaryDirectory(prefix="ppsim-") as tmp:
+            raw[key] = flower_run(3, "1M", H, rounds, Path(tmp))
+        raw_path.write_text(json.dumps(raw, indent=1))
+    run = raw[key]
+    busy = sum(max(p["compute_s"].values()) + p["fuse_s"] for p in run["rounds"])
+    measured = 1 - busy / sum(p["round_s"] for p in run["rounds"])
+    print(f"planner check: target comm {100 * target:.0f}% -> H = {H} (simulated {100 * sim.critical_comm_share():.1f}%"
+          f"), measured on Flower {100 * measured:.1f}% (load {run['loadavg'][0]:.0f})")
+    return {"target_pct": 100 * target, "local_steps": H, "simulated_pct": 100 * sim.critical_comm_share(),
+            "measured_pct": 100 * measured, "loadavg": run["loadavg"]}
+
+
+def validate(rounds: int, raw_path: Path, check_planner: bool = False) -> dict:
     raw = json.loads(raw_path.read_text()) if raw_path.exists() else {}
     with tempfile.TemporaryDirectory(prefix="ppsim-") as tmp:
         for n, size, H in CALIBRATE + REPORT:
@@ -153,14 +180,18 @@ def validate(rounds: int, raw_path: Path) -> dict:
         print(f"| {r['centers']} | {r['size']} | {r['local_steps']} | {r['measured_round_s']:.3f} | "
               f"{r['simulated_round_s']:.3f} | {r['round_error_pct']:+.1f} | {r['measured_comm_pct']:.1f} | "
               f"{r['simulated_comm_pct']:.1f} | {r['comm_error_points']:+.1f} | {r['loadavg'][0]:.0f} |")
-    return {"calibration": {"configs": CALIBRATE, "fixed_s": K, "fixed_per_center_s": k, "shared_Bps": B,
-                            "fuse_s_per_param": phi},
-            "rows": rows}
+    out = {"calibration": {"configs": CALIBRATE, "fixed_s": K, "fixed_per_center_s": k, "shared_Bps": B,
+                           "fuse_s_per_param": phi}, "rows": rows}
+    if check_planner:
+        out["planner"] = planner_check(raw, (K, k, B, phi), raw_path, rounds)
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--validate", action="store_true", help="also run the Flower validation (minutes)")
+    ap.add_argument("--planner", action="store_true", help="with --validate: run the H the simulator picks for "
+                                                           "a 50%% communication share on Flower (minutes)")
     ap.add_argument("--rounds", type=int, default=5, help="Flower rounds per configuration (round 1 dropped)")
     ap.add_argument("--raw", type=Path, default=OUT.with_name("collab_simulator_flower_raw.json"),
                     help="measured Flower rounds, kept between calls (a configuration present is not rerun)")
@@ -168,7 +199,7 @@ def main() -> None:
     out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg": os.getloadavg()},
            "speed": speed()}
     if args.validate:
-        out["validation"] = validate(args.rounds, args.raw)
+        out["validation"] = validate(args.rounds, args.raw, args.planner)
     elif OUT.exists():  # keep the last validation when only the speed is rerun
         out["validation"] = json.loads(OUT.read_text()).get("validation")
     OUT.write_text(json.dumps(out, indent=1))
