@@ -54,7 +54,7 @@ def speed(sizes=((10, 100), (100, 100), (100, 1000), (1000, 1000))) -> list[dict
             best, best_stats = min(best, t1 - t0), min(best_stats, t2 - t0)
         t0 = time.perf_counter()
         events = len(res.trace()["traceEvents"]) if n * rounds <= 100_000 else 0
-        trace_s = time.perf_counter() - t0 if events else float("nan")
+        trace_s = time.perf_counter() - t0 if events else None
         rows.append({"centers": n, "rounds": rounds, "simulate_s": best, "simulate_and_stats_s": best_stats,
                      "trace_events": events, "trace_s": trace_s})
         print(f"{n:>5} centers × {rounds:>5} rounds: simulate {1e3 * best:8.2f} ms, + statistics "
