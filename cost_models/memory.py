@@ -14,13 +14,15 @@ plain SGD 0). Mixed-precision Adam without ZeRO is the classic 2 + 2 + 4 + 8 = 1
 parameter (Rajbhandari et al., ZeRO, 2020). ZeRO-3/FSDP adds a workspace for gathering
 the largest layer's full weights (twice: one in use, one prefetched).
 
-Activations: ``A`` bytes per micro-batch for the device's stage (the stored outputs of its
-ops at their split size, plus attention score matrices unless attention is fused) times the
-peak number of micro-batches alive under the pipeline schedule (``m`` for GPipe, ``p − s``
-for 1F1B stage ``s``, ``p(1 + (p−1)/(p·v))`` for interleaved stage 0, from the simulation).
-Full recomputation keeps only each layer's input and needs one layer's activations as a
-workspace during its backward; selective recomputation (Korthikanti et al., 2022) drops the
-attention score matrices.
+Activations: ``A`` bytes per micro-batch for the device's stage (the tensors autograd saves for
+its ops, at their split size: ``step._kept_tensors``; ``scaled_dot_product_attention`` keeps its
+output and log-sum-exp, other attention ops their score matrices unless fused; a pipeline stage
+also holds the activations it received) times the peak number of micro-batches alive under the
+pipeline schedule (``m`` for GPipe, ``p − s`` for 1F1B stage ``s``, ``p(1 + (p−1)/(p·v))`` for
+interleaved stage 0, from the simulation). Full recomputation keeps only each layer's input and
+needs one layer's activations as a workspace during its backward; selective recomputation
+(Korthikanti et al., 2022) drops what attention keeps beyond its inputs and output (score
+matrices, or SDPA's log-sum-exp).
 
 :class:`MemoryReport` says whether the device fits and, if not, *why*: which term is
 largest on which device, by how much the total is over, and what would shrink that term.

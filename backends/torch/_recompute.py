@@ -6,8 +6,9 @@ r"""Activation recomputation, exactly as the cost model prices it (``cost_models
   its backward runs the layer's forward again. Ops outside the layers (embeddings, final norm, the
   head and the loss) keep their activations, as the memory model counts them.
 * ``selective``: every ``scaled_dot_product_attention`` call (the ops the capture classifies as
-  attention, whose score matrices the memory model drops; Korthikanti et al., 2022) runs under the
-  checkpoint and is recomputed in its backward; every other op saves what autograd saves.
+  attention; Korthikanti et al., 2022) runs under the checkpoint and is recomputed in its
+  backward; every other op saves what autograd saves. SDPA's kernels never store the scores, so
+  this drops only its log-sum-exp, as the memory model counts it.
 
 Inside pipeline stages (:func:`recompute_chunk`) the stage is an ``fx.GraphModule`` cut out of
 ``torch.export``'s graph (``_pipeline.split_model``), whose nodes name their module
