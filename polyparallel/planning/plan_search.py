@@ -697,19 +697,20 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
         return None
     rates = [b.est.throughput for _, b, _ in per_center]
     total_rate = sum(rates)
-    param_bytes = mdl.graph(mdl.b0).param_bytes()
-    fusion = 0.0
-    for ce, _, _ in per_center:
-        wan = ce.wan
-        if wan is None:
-            continue
-        fusion = max(fusion, param_bytes / wan.up_bandwidth + param_bytes / wan.down_bandwidth + 2 * wan.latency)
-    # every center runs H local steps of its share of the batch; the slowest sets the pace
-    # shares are proportional to speed, so every center finishes its share of B at the same time
-    step = B / total_rate
-    phi = c.comm_fraction
-    H = max(1, math.ceil(fusion * (1 - phi) / (phi * step))) if fusion > 0 else 1
-    round_time = H * step + fusion
+    # H from the round simulator (cost_models/collab_simulator.py): every center's own step time and WAN
+    # link, the server's fusion and Flower's fixed cost per round; the slowest center sets the pace
+    from polyparallel.cost_models.collab_simulator import SimInputs, choose_local_steps
+
+    links = [ce.wan for ce, _, _ in per_center]
+    H, sim = choose_local_steps(SimInputs.make(
+        [ce.name for ce, _, _ in per_center], [b.est.step_time for _, b, _ in per_center], 1,
+        mdl.graph(mdl.b0).param_count(), down_Bps=[w.down_bandwidth if w else math.inf for w in links],
+        up_Bps=[w.up_bandwidth if w else math.inf for w in links], latency_s=[w.latency if w else 0.0 for w in links]),
+        c.comm_fraction)
+    round_time, comm = float(sim.round_s[0]), sim.critical_comm_share()
+    fixed, fuse = float(sim.dur["framework"][0, 0]), float(sim.dur["fuse"][0, 0])
+    fusion = float((sim.dur["distribute"][0] + sim.dur["upload"][0]).max())  # the slowest link's transfers
+    local = round_time - fixed - fuse - fusion
     centers = [CenterPlan(name=ce.name, framework=ce.framework, devices=devs, share=round(r / total_rate, 6),
                           local_strategy={"dp": b.est.config.dp, "tp": b.est.config.tp, "pp": b.est.config.pp,
                                           "sp": b.est.config.sp, "microbatches": b.est.config.microbatches,
@@ -722,9 +723,10 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
                    model_flops_per_s_per_device=3 * mdl.graph(mdl.b0).flops() / mdl.b0 * B * H / round_time
                    / len(all_devs), memory_bytes_max=max(max(r.total for r in b.est.memory)
                                                          for _, b, _ in per_center),
-                   comm_fraction=fusion / round_time, breakdown={"local_compute": H * step, "fusion": fusion})
+                   comm_fraction=comm, breakdown={"local_compute": local, "fusion": fusion, "framework": fixed,
+                                                  "server_fusion": fuse})
     collab = Collaborative(centers=centers, fusion="fedavg", local_steps=H, rounds=1, compression="none",
-                           round_time_s=round_time, comm_fraction=fusion / round_time)
+                           round_time_s=round_time, comm_fraction=comm)
     g = mdl.graph(mdl.b0)
     strat = Strategy(model=model_info(mdl, g, mdl.b0, B), cluster=cl.to_dict() if hasattr(cl, "to_dict") else {},
                      mode="collaborative", global_batch=B, dp=1, tp=1, pp=1, sp=1,
