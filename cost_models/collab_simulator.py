@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["FIXED_ROUND_S", "FUSE_S_PER_PARAM", "PHASES", "SimInputs", "SimResult", "choose_local_steps",
-           "inputs_from_strategy", "measured_phases", "simulate_rounds", "update_bytes"]
+           "inputs_from_strategy", "measured_phases", "simulate", "simulate_rounds", "update_bytes"]
 
 PHASES = ("framework", "distribute", "compute", "upload", "wait", "fuse")
 
@@ -304,6 +304,18 @@ def _factor(rng: np.random.Generator, sigma: float, shape: tuple[int, ...]) -> n
     if sigma <= 0:
         return 1.0
     return np.exp(rng.normal(-sigma * sigma / 2, sigma, shape))
+
+
+def simulate(strategy: Any, rounds: int = 100, *, framework: str = "flower", compute_jitter: float = 0.0,
+             link_jitter: float = 0.0, dropout: float = 0.0, seed: int | None = 0) -> SimResult:
+    """``rounds`` rounds of a collaborative strategy (a :class:`~polyparallel.strategy.Strategy` or its
+    JSON path) as planned: :func:`inputs_from_strategy` then :func:`simulate_rounds`."""
+    if isinstance(strategy, str | Path):
+        from polyparallel.strategy import Strategy
+
+        strategy = Strategy.from_json(strategy)
+    return simulate_rounds(inputs_from_strategy(strategy, framework=framework), rounds,
+                           compute_jitter=compute_jitter, link_jitter=link_jitter, dropout=dropout, seed=seed)
 
 
 def simulate_rounds(inputs: SimInputs, rounds: int, *, compute_jitter: float = 0.0, link_jitter: float = 0.0,

@@ -19,7 +19,7 @@ from .strategy import Strategy
 __version__ = "0.1.0"
 
 __all__ = ["Cluster", "Constraints", "DoesNotFit", "Graph", "Op", "OpKind", "Strategy", "TensorSpec", "__version__",
-           "capture", "collaborate", "evaluate", "search", "train"]
+           "capture", "collaborate", "evaluate", "search", "simulate", "train"]
 
 
 def capture(model: Any, example_inputs: Any = None, example_kwargs: dict[str, Any] | None = None,
@@ -62,6 +62,7 @@ _LAZY = {
     "DoesNotFit": ("polyparallel.planning", "DoesNotFit"),
     "train": ("polyparallel.backends.torch", "train"),
     "collaborate": ("polyparallel.backends.collab", "collaborate"),
+    "simulate": ("polyparallel.cost_models.collab_simulator", "simulate"),
 }
 
 

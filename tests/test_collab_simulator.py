@@ -175,3 +175,14 @@ def test_choose_local_steps_meets_the_target_with_the_smallest_h():
     assert int(np.ceil(((FIXED + d_u) / 0.2 - FIXED - d_u - f) / 0.02 - 1e-9)) == H
     capped, res_c = choose_local_steps(x, 0.2, max_local_steps=10)
     assert capped == 10 and res_c.critical_comm_share() > 0.2
+
+
+def test_top_level_simulate_is_the_strategy_as_planned(tmp_path):
+    import polyparallel as pp
+
+    s = _strategy()
+    path = tmp_path / "s.json"
+    s.to_json(path)
+    want = simulate_rounds(inputs_from_strategy(s), 3).round_s
+    np.testing.assert_array_equal(pp.simulate(s, rounds=3).round_s, want)
+    np.testing.assert_array_equal(pp.simulate(path, rounds=3).round_s, want)
