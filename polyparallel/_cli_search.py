@@ -93,6 +93,10 @@ def search_cmd(
     devices: Annotated[int | None, typer.Option(help="use only the first N devices of the cluster")] = None,
     memory_cap: Annotated[float | None, typer.Option(help="GB per device the plan may use")] = None,
     mode: Annotated[str | None, typer.Option(help="synchronous or collaborative")] = None,
+    comm_fraction: Annotated[float | None, typer.Option(help="collaborative: target communication share of a "
+                                                              "round (default 0.2)")] = None,
+    max_local_steps: Annotated[int | None, typer.Option(help="collaborative: fuse at least every N local steps "
+                                                              "(label-skewed data wants frequent fusion)")] = None,
     placements: Annotated[str, typer.Option(help=PLACEMENTS_HELP)] = "torch",
     seq: Annotated[int | None, typer.Option(help=SEQ_HELP)] = None,
     layers: Annotated[int | None, typer.Option(help=LAYERS_HELP)] = None,
@@ -104,7 +108,8 @@ def search_cmd(
     console = _console()
     pinned = {"dp": dp, "tp": tp, "pp": pp, "sp": sp, "microbatches": microbatches, "schedule": schedule,
               "zero_stage": zero, "recompute": recompute, "dtype": dtype, "devices": devices, "mode": mode,
-              "memory_cap": None if memory_cap is None else memory_cap * 1e9}
+              "memory_cap": None if memory_cap is None else memory_cap * 1e9, "comm_fraction": comm_fraction,
+              "max_local_steps": max_local_steps}
     constraints = {k: v for k, v in pinned.items() if v is not None}
     constraints["placements"] = placements
     Constraints.of(constraints)  # a bad pin fails before the capture

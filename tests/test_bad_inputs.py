@@ -40,6 +40,8 @@ CLI_CASES = [
     (["search", "gpt-tiny", "--recompute", "some"], ["recompute='some'", "selective"]),
     (["search", "gpt-tiny", "--mode", "async"], ["mode='async'", "collaborative"]),
     (["search", "gpt-tiny", "--memory-cap", "-1"], ["memory_cap", "> 0"]),
+    (["search", "mlp", "--mode", "collaborative", "--max-local-steps", "0"], ["max_local_steps=0", ">= 1"]),
+    (["search", "mlp", "--comm-fraction", "1.5"], ["comm_fraction", "between 0 and 1"]),
     (["search", "gpt-tiny", "--objective", "fastest"], ["objective", "throughput"]),
     (["search", "gpt-tiny", "--placements", "best"], ["placements", "torch"]),
     (["search", "mlp", "--seq", "3"], ["no sequence", "drop --seq"]),

@@ -186,3 +186,14 @@ def test_top_level_simulate_is_the_strategy_as_planned(tmp_path):
     want = simulate_rounds(inputs_from_strategy(s), 3).round_s
     np.testing.assert_array_equal(pp.simulate(s, rounds=3).round_s, want)
     np.testing.assert_array_equal(pp.simulate(path, rounds=3).round_s, want)
+
+
+def test_search_caps_h_at_max_local_steps():
+    import polyparallel as pp
+
+    free = pp.search("mlp", cluster="aisynergy-5", constraints={"mode": "collaborative"})
+    cap = free.collaborative.local_steps // 4
+    capped = pp.search("mlp", cluster="aisynergy-5", constraints={"mode": "collaborative", "max_local_steps": cap})
+    assert capped.collaborative.local_steps == cap
+    # fusing more often than the target allows: the communication share rises above it
+    assert capped.collaborative.comm_fraction > free.collaborative.comm_fraction

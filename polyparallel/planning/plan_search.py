@@ -147,6 +147,8 @@ class Constraints:
         allow_wan: allow data/tensor-parallel collectives across centers.
         mode: force ``synchronous`` or ``collaborative``.
         comm_fraction: target communication share of a collaborative round.
+        max_local_steps: fuse at least every this many local steps (label-skewed centers drift
+            apart between fusions), even when the communication share then exceeds the target.
         cross_node_tp: allow tensor parallelism across nodes.
         placements: per-op placements of the chosen plan: ``torch`` (the exact per-stage solver,
             restricted to what the torch backend executes), ``any`` (the solver over every legal
@@ -168,6 +170,7 @@ class Constraints:
     allow_wan: bool = False
     mode: str | None = None
     comm_fraction: float = 0.2
+    max_local_steps: int | None = None
     cross_node_tp: bool = False
     placements: str = "torch"
 
@@ -179,7 +182,7 @@ class Constraints:
     def problems(self) -> list[str]:
         """Each pinned value that no plan can have, with the values it can take."""
         why = []
-        for name in ("dp", "tp", "pp", "sp", "microbatches", "devices"):
+        for name in ("dp", "tp", "pp", "sp", "microbatches", "devices", "max_local_steps"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 why.append(f"{name}={v!r}: give a whole number >= 1 (or leave it unset to let the search choose)")
@@ -706,7 +709,7 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
         [ce.name for ce, _, _ in per_center], [b.est.step_time for _, b, _ in per_center], 1,
         mdl.graph(mdl.b0).param_count(), down_Bps=[w.down_bandwidth if w else math.inf for w in links],
         up_Bps=[w.up_bandwidth if w else math.inf for w in links], latency_s=[w.latency if w else 0.0 for w in links]),
-        c.comm_fraction)
+        c.comm_fraction, c.max_local_steps)
     round_time, comm = float(sim.round_s[0]), sim.critical_comm_share()
     fixed, fuse = float(sim.dur["framework"][0, 0]), float(sim.dur["fuse"][0, 0])
     fusion = float((sim.dur["distribute"][0] + sim.dur["upload"][0]).max())  # the slowest link's transfers
