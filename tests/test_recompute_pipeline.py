@@ -9,7 +9,7 @@
   search prices per micro-batch (``benchmarks/recompute_memory.stage_rows``).
 * Searched pp2 (GPipe, 1F1B) and dp2 x pp2 plans with ``full`` and ``selective`` recomputation
   train as single-process training does (fp32, 3 SGD steps, relative loss difference <= 1e-5), on
-  a small GPT and an HF LLaMA built from its config.
+  a small GPT and an HF LLaMA built from its config; so does tp2 x pp2 with ``full``.
 """
 
 from __future__ import annotations
@@ -181,3 +181,19 @@ def test_pp2_recompute_trains_exactly(model: str, recompute: str, schedule: str)
 def test_dp2_x_pp2_recompute_trains_exactly(model: str, recompute: str, schedule: str, zero_stage: int) -> None:
     """Replicated parameters (FSDP2's replicate) or FSDP2 (ZeRO-3) over dp=2 in each stage."""
     _trains_exactly(model, 4, recompute, dp=2, microbatches=2, schedule=schedule, zero_stage=zero_stage)
+
+
+@pytest.mark.timeout(150)
+def test_tp2_x_pp2_full_recompute_trains_exactly() -> None:
+    """With Megatron inside the stages (the stage TP rewrite runs first), the checkpointed layers
+    hold its collectives, which the recomputation runs again on every tp rank."""
+    x, y = ex.gpt_data(0)
+    b = ex.BATCH // 2
+    s = pp.evaluate(ex.tiny_gpt(), (x[:b], y[:b]), "local-cpu:4", batch_size=ex.BATCH, recompute="full",
+                    microbatches=2, tp=2, pp=2, dp=1, schedule="1f1b")
+    assert (s.tp, s.pp, s.recompute) == (2, 2, "full")
+    log = train(s, ex.tiny_gpt, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED)
+    ref = ex.single_process_losses(ex.tiny_gpt, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED)
+    err = max(abs(r["loss"] - want) / abs(want) for r, want in zip(log, ref))
+    print(f"gpt tp2 x pp2 1f1b full: max relative loss difference {err:.2e}")
+    assert err <= 1e-5
