@@ -135,7 +135,9 @@ def test_solver_is_never_worse_than_the_rule_and_the_backend_accepts_it(make, cl
     rule = pp.evaluate(model, args, cluster, **kw)
     assert solver.estimate.step_time_s <= rule.estimate.step_time_s * (1 + 1e-12)
     for st in solver.stages:
-        assert st.placed_by in ("solver", "rule") and st.objective_s <= st.rule_objective_s * (1 + 1e-12)
+        assert st.placed_by in ("solver", "rule")
+        # rule_objective_s 0: the rule's placements hold a pair the solver's edge model forbids (not priced)
+        assert st.rule_objective_s == 0 or st.objective_s <= st.rule_objective_s * (1 + 1e-12)
     assert "placements:" in solver.search.solver
     g = _graph(model, args, kwargs, 4)
     if solver.dtype == "fp32":
