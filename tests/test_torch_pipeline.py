@@ -204,3 +204,22 @@ def test_rank_layout_follows_the_mesh() -> None:
         plan_for(s.model_copy(update={"mesh": flipped}), model, batch)
     stages = [st.model_copy(update={"devices": [st.index, st.index + 2]}) for st in s.stages]
     assert not plan_for(s.model_copy(update={"mesh": flipped, "stages": stages}), model, batch).pipeline.pp_major
+
+
+def test_exported_stages_run_with_bf16_parameters() -> None:
+    """FSDP2 with bf16 parameters (and autocast) feeds the stages bf16 where the fp32 capture had
+    fp32: export's dtype checks of a cast's input (HF LLaMA's RMSNorm upcast) must not be in the
+    stages — the search writes LLaMA bf16 dp2 x pp2 ZeRO-3 plans, which crashed in train."""
+    from polyparallel.backends.torch._pipeline import _export
+    from tests.zoo import _lm_data, hf_llama
+
+    x, y = _lm_data(0)
+    torch.manual_seed(0)
+    m = hf_llama()
+    want = m(x, y)
+    gm = _export(m, x, y)
+    for p in gm.parameters():  # as FSDP2's MixedPrecisionPolicy hands them to the stage; buffers stay fp32
+        p.data = p.data.to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = gm(x, y)
+    assert torch.isfinite(got) and abs(got.item() - want.item()) < 0.05 * abs(want.item())
