@@ -112,7 +112,14 @@ def _export(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> fx.
     except Exception as e:  # any export failure means the model cannot be cut this way
         raise Unsupported(f"pipeline parallelism needs the model captured by torch.export to cut it into stages, "
                            f"and export failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
-    return ep.module()
+    gm = ep.module()
+    # export's checks of a cast's input (dtype, device) hold for the fp32 capture only: under FSDP2's
+    # bf16 parameters or autocast the same cast sees bf16 inputs. They compute nothing.
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default and not n.users:
+            gm.graph.erase_node(n)
+    gm.recompile()
+    return gm
 
 
 def _module_path(node: fx.Node) -> str:
