@@ -89,17 +89,17 @@ def test_pinned_tensor_parallelism_on_a_cnn_splits_only_what_the_backend_runs() 
 
 
 def test_pinned_plan_the_backend_cannot_run_is_written_for_planning_only() -> None:
-    """sp=2 and pp=2 pinned together (sequence parallelism inside pipeline stages, not executed): the
-    search still prices the plan, says first that it is for planning only, and train's pre-launch
-    check refuses it with the same reason."""
+    """sp=2, tp=2 and pp=2 pinned together (sequence and tensor parallelism together inside pipeline
+    stages, not executed): the search still prices the plan, says first that it is for planning only,
+    and train's pre-launch check refuses it with the same reason."""
     from polyparallel.backends.torch import Unsupported
     from polyparallel.backends.torch import _examples as ex
 
     x, y = ex.gpt_data(0)
-    s = pp.search(ex.tiny_gpt(), (x,), "local-cpu:4", example_kwargs={"labels": y}, batch_size=ex.BATCH,
-                  constraints={"sp": 2, "pp": 2})
-    assert (s.sp, s.pp) == (2, 2)
+    s = pp.search(ex.tiny_gpt(), (x,), "local-cpu:8", example_kwargs={"labels": y}, batch_size=ex.BATCH,
+                  constraints={"sp": 2, "pp": 2, "tp": 2})
+    assert (s.sp, s.pp, s.tp) == (2, 2, 2)
     assert s.search.notes[0].startswith("no plan the torch backend executes exactly fits")
-    assert "sequence parallelism inside pipeline stages" in s.search.notes[0]
-    with pytest.raises(Unsupported, match="sequence parallelism inside pipeline stages"):
+    assert "sequence and tensor parallelism together inside pipeline stages" in s.search.notes[0]
+    with pytest.raises(Unsupported, match="sequence and tensor parallelism together inside pipeline stages"):
         plan_for(s, ex.tiny_gpt(), (x, y))

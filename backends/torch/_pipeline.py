@@ -62,6 +62,16 @@ unpipelined DP x TP). Class-parallel logits enter the loss tail as ``DTensor`` a
 under ``loss_parallel``; only tensor-parallel rank 0 of the last stage reports the micro-batch
 losses. p2p goes between the ranks of equal ``(dp, tp)`` index; a tied weight's gradients are
 summed over the stages holding it per ``(dp, tp)`` index.
+
+**Sequence parallelism inside a stage** (``sp > 1``, DeepSpeed-Ulysses, a ``("pp", "dp", "sp")``
+mesh in the Strategy's order): the model is exported at the local sequence length ``S/sp`` and
+:mod:`._stage_sp` rewrites the graph before it is cut (each attention wrapped in the all-to-alls of
+:class:`._tensor_parallel.UlyssesAttention`, positions offset by the shard's first one, a causal mask
+built from positions folded into ``is_causal``, an HF label shift fed the next shard's first label).
+The first stage reads its sequence shard of the micro-batch, the loss tail its shard of the labels;
+every ``(dp, sp)`` replica's micro-batch losses are token-weighted as for ``dp`` alone, and the
+gradients are averaged over the ``dp·sp`` ranks of a stage (FSDP2 over the flattened mesh). p2p goes
+between the ranks of equal ``(dp, sp)`` index. Not executed together with ``tp > 1``.
 """
 
 from __future__ import annotations
@@ -104,6 +114,8 @@ class PipelinePlan:
     pp_major: bool = True
     axes: tuple[str, ...] = ("pp", "dp", "tp")
     tp: int = 1
+    sp: int = 1  # Ulysses inside the stages (._stage_sp): the model exported at the local sequence length
+    halo: tuple[int, float] | None = None  # the labels' right halo the loss tail's pad needs (._stage_sp)
 
 
 def _export(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> fx.GraphModule:
@@ -333,8 +345,17 @@ def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, to
     mb = s.global_batch // n
     nodes = {op.name: op.source_node for op in graph.ops if op.source_node} if graph is not None else {}
     cuts = tuple(nodes.get(first, first) for first, _ in chunks[1:])
-    split = split_model(model, inputs[:mb], labels[:mb], cuts, set(nodes.values()) if nodes else None,
-                        rewrite=_tp_rewrite(tp_kinds or {}, fused or {}, s.tp) if s.tp > 1 else None)
+    rewrite = _tp_rewrite(tp_kinds or {}, fused or {}, s.tp) if s.tp > 1 else None
+    n = inputs.shape[1] // s.sp if s.sp > 1 else None
+    if s.sp > 1:
+        if s.tp > 1:
+            raise Unsupported(f"sp={s.sp} with tp={s.tp} inside pipeline stages is not executed")
+        if inputs.dim() < 2 or labels.dim() < 2 or inputs.shape[1] % s.sp or labels.shape[1] != inputs.shape[1]:
+            raise Unsupported(f"sp={s.sp} inside pipeline stages needs inputs and labels of shape (batch, seq, ...) "
+                              f"with seq divisible by sp; got {tuple(inputs.shape)} and {tuple(labels.shape)}")
+        rewrite = _sp_rewrite(s.sp, 0, n)
+    x0, y0 = (inputs[:mb], labels[:mb]) if n is None else (inputs[:mb, :n], labels[:mb, :n])
+    split = split_model(model, x0, y0, cuts, set(nodes.values()) if nodes else None, rewrite=rewrite)
     for st in s.stages:
         have = set().union(*(split.layers[k] for k in range(st.index, len(chunks), s.pp)))
         if st.layers and have != set(st.layers):
@@ -359,7 +380,19 @@ def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, to
             raise Unsupported(f"parameter {p!r} is used by chunks {list(ks)}, two of them on one stage; not executed")
     return PipelinePlan(stages=s.pp, virtual=v, schedule=sched, microbatches=s.microbatches,
                         cuts=cuts, chunk_params=tuple(split.params), tied=tied,
-                        pp_major=pp_major, axes=axes, tp=s.tp)
+                        pp_major=pp_major, axes=axes, tp=s.tp, sp=s.sp,
+                        halo=split.rewritten.halo if s.sp > 1 else None)
+
+
+def _sp_rewrite(sp: int, rank: int, n: int) -> Callable[[fx.GraphModule], Any]:
+    """Ulysses inside the stages (:mod:`._stage_sp`) for ``sp`` rank ``rank``, sequence shards of ``n``."""
+
+    def rewrite(gm: fx.GraphModule) -> Any:
+        from polyparallel.backends.torch._stage_sp import rewrite as sp_rewrite
+
+        return sp_rewrite(gm, sp, rank, n)
+
+    return rewrite
 
 
 def _tp_rewrite(kinds: dict[str, str], fused: dict[str, tuple[int, ...]], tp: int, rank: int = 0,
@@ -383,12 +416,15 @@ def _layout(s: Any) -> tuple[bool, tuple[str, ...]]:
     checks the mesh against the degrees and the stages' device lists, since the workers place stage
     ``k``'s chunks on the ranks the mesh gives it."""
     sizes = {a.name: a.size for a in s.mesh.axes if a.size > 1}
-    if sizes.get("pp") != s.pp or sizes.get("dp", 1) != s.dp or sizes.get("tp", 1) != s.tp:
-        raise Unsupported(f"the mesh axes {sizes} do not match pp={s.pp}, dp={s.dp}, tp={s.tp}")
-    named = [a.name for a in s.mesh.axes if a.name in ("pp", "dp", "tp")]
-    axes = (*named, *(a for a in ("pp", "dp", "tp") if a not in named))
-    order = [a for a in sizes if a in ("pp", "dp", "tp")]
-    grid = _grid(axes, s.pp, s.dp, s.tp)
+    sp = getattr(s, "sp", 1)
+    if sizes.get("pp") != s.pp or sizes.get("dp", 1) != s.dp or sizes.get("tp", 1) != s.tp or \
+            sizes.get("sp", 1) != sp:
+        raise Unsupported(f"the mesh axes {sizes} do not match pp={s.pp}, dp={s.dp}, sp={sp}, tp={s.tp}")
+    names = ("pp", "dp", "sp", "tp") if sp > 1 else ("pp", "dp", "tp")
+    named = [a.name for a in s.mesh.axes if a.name in names]
+    axes = (*named, *(a for a in names if a not in named))
+    order = [a for a in sizes if a in names]
+    grid = _grid(axes, s.pp, s.dp, s.tp, sp=sp)
     for st in s.stages:
         ranks = grid[st.index].flatten().tolist()
         if st.devices and sorted(st.devices) != sorted(s.mesh.devices[r] for r in ranks):
@@ -397,11 +433,13 @@ def _layout(s: Any) -> tuple[bool, tuple[str, ...]]:
     return axes.index("pp") < axes.index("dp"), axes
 
 
-def _grid(axes: tuple[str, ...], pp: int, dp: int, tp: int, ranks: torch.Tensor | None = None) -> torch.Tensor:
-    """``grid[stage][dp index][tp index]``: the rank, for ranks numbered row-major over ``axes``."""
-    deg = {"pp": pp, "dp": dp, "tp": tp}
-    r = torch.arange(pp * dp * tp).reshape([deg[a] for a in axes]) if ranks is None else ranks
-    return r.permute([axes.index(a) for a in ("pp", "dp", "tp")])
+def _grid(axes: tuple[str, ...], pp: int, dp: int, tp: int, ranks: torch.Tensor | None = None,
+          sp: int = 1) -> torch.Tensor:
+    """``grid[stage][dp index][tp index]``: the rank, for ranks numbered row-major over ``axes``; with
+    an ``sp`` axis the last index is ``sp index · tp + tp index``."""
+    deg = {"pp": pp, "dp": dp, "sp": sp, "tp": tp}
+    r = torch.arange(pp * dp * sp * tp).reshape([deg[a] for a in axes]) if ranks is None else ranks
+    return r.permute([axes.index(a) for a in ("pp", "dp", "sp", "tp") if a in axes]).reshape(pp, dp, sp * tp)
 
 
 def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.device) -> Iterator[int]:
@@ -423,10 +461,14 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
     plan, pipe = job["plan"], job["plan"].pipeline
     pp, dp, tp, K = pipe.stages, plan.dp, pipe.tp, pipe.stages * pipe.virtual
     # ranks follow the Strategy's mesh order: stage-major (pp, dp, tp) as the planner writes it, or another
-    deg = {"pp": pp, "dp": dp, "tp": tp}
+    sp = pipe.sp
+    deg = {"pp": pp, "dp": dp, "sp": sp, "tp": tp}
     mesh = init_device_mesh(device.type, tuple(deg[a] for a in pipe.axes), mesh_dim_names=pipe.axes)
-    grid = _grid(pipe.axes, pp, dp, tp, mesh.mesh)  # grid[stage][dp index][tp index] = global rank
+    grid = _grid(pipe.axes, pp, dp, tp, mesh.mesh, sp)  # grid[stage][dp index][sp·tp index] = global rank
     stage, dp_rank, tp_rank = (mesh[a].get_local_rank() for a in ("pp", "dp", "tp"))
+    sp_rank = mesh["sp"].get_local_rank() if sp > 1 else 0
+    # the ranks holding replicas of a stage's parameters: dp, times sp (sequence shards see other tokens)
+    replicas = mesh["dp", "sp"]._flatten("dp_sp") if sp > 1 else mesh["dp"]
     data_fn = resolve(job["data_fn"])
     inputs, labels = data_fn(0)
     mb = plan.global_batch // (dp * pipe.microbatches)
@@ -438,7 +480,15 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
 
         register_group("tp", mesh["tp"].get_group())
         rewrite = _tp_rewrite(dict(plan.tp_plan), dict(plan.fused), tp, tp_rank, mesh["tp"])
-    split = split_model(model, inputs[:mb], labels[:mb], pipe.cuts, rewrite=rewrite)
+    x0, y0 = inputs[:mb], labels[:mb]
+    if sp > 1:  # Ulysses inside each stage (._stage_sp): exported at the local sequence length
+        from polyparallel.backends.torch._stage_sp import label_shard, register_mesh, shard_sequence
+
+        register_mesh("sp", mesh["sp"])
+        n = inputs.shape[1] // sp
+        rewrite = _sp_rewrite(sp, sp_rank, n)
+        x0, y0 = inputs[:mb, :n], labels[:mb, :n]
+    split = split_model(model, x0, y0, pipe.cuts, rewrite=rewrite)
     prec = Precision(plan.dtype, device)
     mine = list(range(stage, K, pp))
     modules: list[nn.Module] = []
@@ -451,16 +501,17 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
             # after a step of several micro-batch backwards (reducer.cpp, "rebuilt parameter indices")
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
-            replicate(mod, mesh=mesh["dp"])
+            replicate(mod, mesh=replicas)
         elif plan.data_parallel == "fsdp" and has_params:
             from torch.distributed.fsdp import fully_shard
 
-            fully_shard(mod, mesh=mesh["dp"], **prec.fsdp_kwargs())
+            fully_shard(mod, mesh=replicas, **prec.fsdp_kwargs())
         # autocast inside the stage's forward: the schedule runs backwards between forwards
         modules.append(prec.autocast_forward(mod))
     tail = split.tail.to(device)
     # tail inputs split over tp (class-parallel logits) enter the loss as DTensors, under loss_parallel
-    tail_split = [(split.rewritten or {}).get(p.name) for p in tail.graph.nodes if p.op == "placeholder"][:-1]
+    tp_split = split.rewritten if tp > 1 else {}
+    tail_split = [tp_split.get(p.name) for p in tail.graph.nodes if p.op == "placeholder"][:-1]
     parallel_loss = any(d is not None for d in tail_split)
 
     target_counts: list[float | None] = []  # per micro-batch of the step: the targets its loss counted
@@ -495,9 +546,9 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
     for name, ks in pipe.tied:
         holders = sorted({k % pp for k in ks})
         for d in range(dp):
-            for t in range(tp):
+            for t in range(sp * tp):
                 g = dist.new_group([int(grid[s][d][t]) for s in holders])
-                if stage in holders and (d, t) == (dp_rank, tp_rank):
+                if stage in holders and (d, t) == (dp_rank, sp_rank * tp + tp_rank):
                     tie_groups.append((name, g))
     owner = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
     named = {n.removeprefix("module."): p for mod in modules for n, p in mod.named_parameters()}
@@ -522,6 +573,8 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
         sl = slice(dp_rank * local, (dp_rank + 1) * local)
         counts = batch_counts(x)  # of the global batch, for throughput
         x, y = x[sl].to(device), y[sl].to(device)
+        if sp > 1:
+            x, y = shard_sequence(x, sp, sp_rank), label_shard(y, sp, sp_rank, pipe.halo)
         if cuda:
             torch.cuda.synchronize()
         with comm_profile(bool(job.get("profile_comm"))) as comm:
@@ -540,7 +593,7 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
             loss_scale = prec.loss_scale  # the schedule's losses are what loss_fn returned: scaled with fp16
             factor, global_loss, weighting = weigh_microbatches(
                 [v / loss_scale for v in losses] if loss_scale != 1.0 else losses,
-                target_counts[len(target_counts) - len(losses):], pipe.microbatches, dp, device,
+                target_counts[len(target_counts) - len(losses):], pipe.microbatches, dp * sp, device,
                 unit=y[:mb].numel())
             if factor != 1.0:
                 for p in owner.parameters():

@@ -14,7 +14,9 @@ of a plan, against the model's captured graph:
   model's numbered layers (``layers.<i>``, ``h.<i>``, ``blocks.<i>``), the blocks it checkpoints;
 * micro-batches with pipeline stages, or without them as gradient accumulation (``_worker``);
 * tensor parallelism inside pipeline stages (:mod:`._stage_tp`, checked by ``plan_for`` on the exported
-  graph), but no sequence parallelism there;
+  graph), and sequence parallelism (Ulysses) there (:mod:`._stage_sp`: the plan-level checks of
+  ``sp_problems`` except the tensors built from positions, which the pass offsets or folds, the rest
+  checked by ``plan_for`` on the exported graph), but not both together;
 * sequence parallelism (Ulysses) only where it is exact (:func:`._tensor_parallel.sp_problems`:
   attention over one sequence length through ``scaled_dot_product_attention``, no position tables);
 * data or sequence parallelism together with tensor parallelism only with FSDP2 (``zero_stage >= 1``):
@@ -90,8 +92,15 @@ def plan_problems(graph: Graph | None, s: Any) -> list[str]:
                    "with constraints={'recompute': 'none'}")
     elif s.recompute != "none":  # with or without pipeline stages (._recompute.recompute_chunk)
         why.extend(_recompute_problems(graph, s.recompute))
-    if s.pp > 1 and s.sp > 1:
-        why.append(f"pp={s.pp} with sp={s.sp}: sequence parallelism inside pipeline stages is not executed")
+    if s.pp > 1 and s.sp > 1 and s.tp > 1:
+        why.append(f"pp={s.pp} with sp={s.sp} and tp={s.tp}: sequence and tensor parallelism together inside "
+                   "pipeline stages are not executed")
+    elif s.pp > 1 and s.sp > 1:  # Ulysses as a pass over the stages' exported graph (._stage_sp)
+        sp_why = ["the model could not be captured to check it"] if graph is None else \
+            _stage_sp_problems(graph, s.sp)
+        if sp_why:
+            why.append(f"sp={s.sp} inside pipeline stages (Ulysses) is not exact for this model: "
+                       + "; ".join(sp_why[:3]))
     if s.pp > 1 and schedule not in EXECUTED_SCHEDULES:
         why.append(f"pipeline schedule {schedule!r}: the torch backend runs {', '.join(EXECUTED_SCHEDULES)}")
     if s.dp * s.sp > 1 and s.tp > 1 and s.zero_stage == 0:
@@ -116,6 +125,13 @@ def _recompute_problems(graph: Graph | None, recompute: str) -> list[str]:
     from polyparallel.backends.torch._recompute import recompute_problems
 
     return recompute_problems(graph, recompute)
+
+
+def _stage_sp_problems(graph: Graph, sp: int) -> list[str]:
+    """:func:`._tensor_parallel.sp_problems` less what the pipeline's pass executes: tensors built from
+    the sequence length (position indices and rotary tables from an ``arange``, causal masks) are
+    offset or folded by :mod:`._stage_sp`, which refuses the rest when the stages are cut."""
+    return [p for p in _sp_problems(graph, sp, sp) if "builds a tensor from the sequence length" not in p]
 
 
 def _sp_problems(graph: Graph, sp: int, heads_parts: int) -> list[str]:
