@@ -496,7 +496,7 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
     # every micro-batch size and ladder rung instead of stopping at the first that fits
     wide = exhaustive or objective == "memory"
     n = len(devs)
-    layers = len(_layer_count(g))
+    layers = _layer_count(g)
     node = _node_size(cl, devs)
     shapes = _mesh_shapes(n, c, node, layers, exhaustive)
     # the exhaustive yardstick walks every rung (`offer` refuses the unexecuted ones); otherwise
@@ -664,10 +664,15 @@ def _least_memory(best: _Best) -> None:
             return
 
 
-def _layer_count(g: Graph) -> list[list[int]]:
-    from polyparallel.cost_models.layers import layer_segments
+def _layer_count(g: Graph) -> int:
+    """The repeated blocks a pipeline spreads over its stages (numbered modules, ``h.3``,
+    ``layers.7``), which bounds ``pp`` (a 2-layer GPT is not cut into 4 stages, one of them the
+    embedding alone) and decides which interleavings divide. A model without numbered modules
+    counts its ``⌈√n⌉`` runs of ops."""
+    from polyparallel.cost_models.layers import LAYER, layer_segments
 
-    return layer_segments(g)
+    numbered = {m.group(1) for op in g.ops if (m := LAYER.match(op.module or ""))}
+    return len(numbered) or len(layer_segments(g))
 
 
 def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaustive: bool,
