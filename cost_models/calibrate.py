@@ -800,6 +800,7 @@ def calibrate(out: str | os.PathLike[str] | None = None, *, group_sizes: Sequenc
         say(f"fit: alpha {coll['fit']['alpha'] * 1e6:.1f} us, bandwidth {coll['fit']['bandwidth'] / 1e9:.2f} GB/s")
     result["collectives"] = coll
     result["load_average_after"] = _load_average()
+    result["warnings"] = calibration_warnings(result)  # the CLI prints them; a search's device source names them
     if out is not None:
         path = Path(out)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -831,6 +832,28 @@ def _say_rates(say: Callable[[str], None], p: int, k: dict[str, Any]) -> None:
     say(f"{p} process(es) at once, {THREADS_PER_PROCESS} thread each: best matmul {best / 1e9:.1f} GFLOP/s per "
         f"process, copy {k['memory_bandwidth'] / 1e9:.1f} GB/s, 1-element op {k['launch_overhead'] * 1e6:.1f} us"
         f"{dt}{tr}")
+
+
+LOADED = 0.5  # load average per core above which measurements are slowed by other work
+
+
+def calibration_warnings(cal: dict[str, Any]) -> list[str]:
+    """What makes a calibration untrustworthy: other work running while it measured (the load
+    average before or after above ``LOADED`` per core), or a matmul rate far below the machine's own
+    best (a measurement hit by a burst)."""
+    out = []
+    cores = int(cal.get("cores") or 1)
+    loads = [x for x in (cal.get("load_average"), cal.get("load_average_after")) if x is not None]
+    if loads and max(loads) > LOADED * cores:
+        out.append(f"the machine was busy while measuring (load average {max(loads):.1f} on {cores} cores): the "
+                   "figures are slower than this machine; run `polyparallel calibrate` again when it is quiet")
+    rows = [r for rs in (cal.get("matmul") or {}).values() for r in rs if r.get("seconds")]
+    rates = sorted(r["flops"] / r["seconds"] for r in rows)
+    if rates and rates[0] < 0.01 * rates[-1] and rows:
+        worst = min(rows, key=lambda r: r["flops"] / r["seconds"])
+        out.append(f"matmul {worst['n']}x{worst['n']} ran at {worst['flops'] / worst['seconds'] / 1e9:.3f} GFLOP/s, "
+                   f"under 1% of the best {rates[-1] / 1e9:.1f} GFLOP/s: a measurement disturbed by other work")
+    return out
 
 
 def _load_average() -> float | None:

@@ -164,3 +164,5 @@ def calibrate_cmd(
     if fit:
         msg += f" (gloo alpha {fit['alpha'] * 1e6:.0f} us, bandwidth {fit['bandwidth'] / 1e9:.2f} GB/s)"
     typer.echo(msg)
+    for w in res.get("warnings", ()):
+        typer.secho(f"warning: {w}", fg=typer.colors.YELLOW, err=True)

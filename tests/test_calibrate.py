@@ -421,3 +421,21 @@ def test_cpu_optimizer_pays_the_measured_cost_per_parameter_tensor(tmp_path, mon
     # an optimizer not measured keeps the kernel-floor price: AdamW's 10 kernels per tensor
     adamw = estimate_step(g, two, ParallelConfig(dp=2, optimizer="adamw")).breakdown()["optimizer"]
     assert adamw == pytest.approx(10 * 6 * 3e-6)
+
+
+def test_a_calibration_measured_under_load_says_so_where_it_prices(tmp_path, monkeypatch):
+    from polyparallel.cost_models.calibrate import calibration_warnings
+
+    quiet = {**_calibration(cores=2), "load_average": 0.3, "load_average_after": 0.6}
+    assert calibration_warnings(quiet) == []
+    busy = {**quiet, "load_average_after": 5.2}
+    [w] = calibration_warnings(busy)
+    assert "load average 5.2 on 2 cores" in w and "calibrate" in w
+    burst = {**quiet, "matmul": {"1": _matmul_rows({64: 1e6, 256: 40e9, 1024: 50e9})}}
+    [w] = calibration_warnings(burst)
+    assert "matmul 64x64" in w and "under 1%" in w
+    # a search priced from it names the warning with the calibration it used
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({**busy, "warnings": calibration_warnings(busy)}))
+    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(path))
+    assert "WARNING: the machine was busy" in Cluster.preset("local-cpu:2").device(0).type.source

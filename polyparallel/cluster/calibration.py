@@ -155,7 +155,8 @@ def calibrated_cpu_type(name: str, cal: Mapping[str, Any], procs: int, base: Dev
                       optimizer_element_rates=elem, gemm_rates=gemm, grad_accumulation=acc,
                       optimizer_dtensor_overhead=opt_dt,
                       source=f"calibration {cal.get('path', '')} ({cal.get('host', '?')}, {cal.get('date', '?')}, "
-                             f"{threads} thread(s)/process, {procs} processes on {cores} cores)",
+                             f"{threads} thread(s)/process, {procs} processes on {cores} cores)"
+                             + "".join(f"; WARNING: {w}" for w in cal.get("warnings", ())),
                       matmul_curve=curve)
 
 
