@@ -20,6 +20,8 @@ from polyparallel.backends.torch import Unsupported, plan_for, train
 from polyparallel.backends.torch import _examples as ex
 from polyparallel.backends.torch._pipeline import _sp_rewrite, split_model
 from polyparallel.backends.torch._stage_sp import label_shard, ulysses_attention
+from polyparallel.backends.torch._tensor_parallel import sp_problems, strategy_graph
+from polyparallel.backends.torch.capabilities import plan_problems
 from tests import zoo
 from tests.test_torch_backend import LR, SEED, STEPS, _max_rel, _single
 
@@ -98,6 +100,10 @@ def test_hf_llama_sp2_pp2_gpipe_matches_single_process() -> None:
     s = pp.evaluate(zoo.hf_llama(), (x[:4], y[:4]), "local-cpu:4", batch_size=zoo.BATCH, recompute="none",
                     microbatches=2, sp=2, pp=2, schedule="gpipe")
     assert [a.name for a in s.mesh.axes if a.size > 1] == ["pp", "sp"]
+    # without stages the rotary positions and the mask's aranges are refused; the stage pass runs them
+    g = strategy_graph(s, zoo.hf_llama, zoo.lm_data(0), True)
+    assert any("builds a tensor from the sequence length" in p for p in sp_problems(g, 2, 2))
+    assert plan_problems(g, s) == []
     log = train(s, zoo.hf_llama, zoo.lm_data, steps=STEPS, lr=LR, seed=SEED)
     ref = ex.single_process_losses(zoo.hf_llama, zoo.lm_data, steps=STEPS, lr=LR, seed=SEED)
     err = _max_rel(log, ref)

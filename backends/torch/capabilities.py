@@ -128,10 +128,17 @@ def _recompute_problems(graph: Graph | None, recompute: str) -> list[str]:
 
 
 def _stage_sp_problems(graph: Graph, sp: int) -> list[str]:
-    """:func:`._tensor_parallel.sp_problems` less what the pipeline's pass executes: tensors built from
-    the sequence length (position indices and rotary tables from an ``arange``, causal masks) are
-    offset or folded by :mod:`._stage_sp`, which refuses the rest when the stages are cut."""
-    return [p for p in _sp_problems(graph, sp, sp) if "builds a tensor from the sequence length" not in p]
+    """:func:`._tensor_parallel.sp_problems` less what the pipeline's pass executes: an ``arange`` over
+    the sequence length (position indices, rotary tables' positions, a causal mask's indices) or one
+    the graph does not use (a mask's batch index) is offset or folded by :mod:`._stage_sp`, which
+    checks the exported graph again when the stages are cut (e.g. that a mask is the causal one)."""
+    lengths = {d.extent for op in graph.ops if OpKind(op.kind) is OpKind.ATTENTION and op.nest is not None
+               for d in op.nest.dims if d.hint is Hint.SEQUENCE}
+    handled = {op.name for op in graph.ops if OpKind(op.kind) is OpKind.CREATE and "arange" in op.target
+               and op.outputs and (not graph.consumers(op.outputs[0])
+                                   or tuple(graph.tensors[op.outputs[0]].shape) in {(n,) for n in lengths})}
+    return [p for p in _sp_problems(graph, sp, sp)
+            if not (p.startswith("op '") and p.split("'")[1] in handled and "builds a tensor from the sequence" in p)]
 
 
 def _sp_problems(graph: Graph, sp: int, heads_parts: int) -> list[str]:
