@@ -36,6 +36,7 @@ torch's parallel styles:
   ``scaled_dot_product_attention`` is wrapped in all-to-alls to whole sequences of ``1/sp`` of the
   heads, position indices are offset, and gradients are averaged over ``dp·sp``. The planner's
   placements do not name the sequence dim; ``sp`` on a placement is accepted and executed this way;
+  inside pipeline stages the same exchanges are a pass over the exported graph (:mod:`._stage_sp`);
 * before launch the model is captured on one micro-batch and its fingerprint compared with the
   strategy's (``check_fingerprint=False`` skips that for a stand-in model).
 
