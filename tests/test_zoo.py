@@ -56,8 +56,10 @@ def test_the_search_says_why_it_left_plans_out() -> None:
     assert "batch statistics" in notes and "Ulysses" in notes
 
 
-# the trained subset: every model on 2 processes, and on 4 one of each plan family the search picks
-TRAINED = [(name, 2) for name in ZOO] + [("gpt2", 4), ("unet", 4), ("t5", 4)]
+# the trained subset: every model on 2 processes, and on 4 the BatchNorm model (statistics over 4
+# replicas); the other 4-process plans (dp2 x pp2, dp4) are the 2-process families doubled, trained by
+# benchmarks/zoo.py and by the pipeline and data-parallel tests (CI time)
+TRAINED = [(name, 2) for name in ZOO] + [("unet", 4)]
 
 
 @pytest.mark.timeout(400)
