@@ -272,9 +272,6 @@ class StageTP:
                 return None
             self._whole(n, "in the loss, only cross entropy over split classes (dim 1) is executed")
         (a0, s0) = split_ins[0]
-        if t is aten._assert_tensor_metadata.default:  # export's check of a cast's input: not of the local sizes
-            n.kwargs = {k: v for k, v in n.kwargs.items() if k not in ("size", "stride")}
-            return None
         if t in _SAME or (t is aten.dropout.default and not n.args[1]):  # (dropout with p = 0: the identity)
             return s0 if n.args[0] is a0 else self._whole(n, "an argument")
         if t is aten.t.default:
