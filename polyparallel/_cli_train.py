@@ -83,14 +83,14 @@ def train(
 def _model_and_data(model: str, data: str | None, strategy: Path) -> tuple[Any, Any]:
     """``--model``/``--data`` as train takes them: references, or a built-in example's module and its
     synthetic batches at the strategy's global batch (picklable partials every rank rebuilds)."""
-    from polyparallel.models import EXAMPLES, example_batch, example_module
+    from polyparallel.models import EXAMPLES, example_batch, example_module, trainable_example
 
     if model not in EXAMPLES:
         if data is None:
             raise UserError("--data is needed for your own model: package.module:function returning the global "
                             "batch (inputs, labels) of each step")
         return model, data
-    example_module(model)  # refuses planning-only examples with the list of trainable ones
+    trainable_example(model, synthetic=data is None)  # refused here, before anything is built or started
     if data is not None:
         return functools.partial(example_module, model), data
     from polyparallel.strategy import Strategy

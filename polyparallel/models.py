@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["EXAMPLES", "GPT", "GPTConfig", "Llama", "LlamaConfig", "ResNet", "example_batch", "example_module",
-           "load_model", "trainable_examples"]
+           "load_model", "trainable_example", "trainable_examples"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -417,25 +417,32 @@ def load_model(spec: str, *, batch_size: int | None = None, seq_len: int | None 
     raise ValueError(f"unknown model {spec!r}: give an .onnx path, package.module:function, or one of: {names}")
 
 
-def example_module(name: str) -> nn.Module:
-    """The built-in example ``name``'s module with real weights, as ``polyparallel train --model NAME``
-    builds it on every rank (the torch seed decides the weights)."""
+def trainable_example(name: str, synthetic: bool = False) -> Example:
+    """The built-in example ``name`` if ``polyparallel train --model NAME`` can train it (on its
+    synthetic batches too, with ``synthetic``); otherwise ValueError naming what can be trained."""
     ex = EXAMPLES.get(name)
     if ex is None:
         raise ValueError(f"unknown example {name!r}; trainable examples: {', '.join(trainable_examples())}")
     if ex.meta:
         raise ValueError(f"example {name!r} is built on the meta device, for planning only; train one of "
                          f"{', '.join(trainable_examples())} or your own model (--model package.module:function)")
-    return ex.build(1, None)[0]
+    if synthetic and ex.sample is None:
+        raise ValueError(f"example {name!r} has no synthetic data; give --data package.module:function")
+    return ex
+
+
+def example_module(name: str) -> nn.Module:
+    """The built-in example ``name``'s module with real weights, as ``polyparallel train --model NAME``
+    builds it on every rank (the torch seed decides the weights)."""
+    return trainable_example(name).build(1, None)[0]
 
 
 def example_batch(name: str, batch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Synthetic global batch ``step`` of the example ``name`` (the same on every rank): what
     ``polyparallel train --model NAME`` trains on when no ``--data`` is given."""
-    ex = EXAMPLES[name]
-    if ex.sample is None:
-        raise ValueError(f"example {name!r} has no synthetic data; give --data package.module:function")
-    return ex.sample(batch, None, torch.Generator().manual_seed(1000 + step))
+    sample = trainable_example(name, synthetic=True).sample
+    assert sample is not None  # trainable_example checked it
+    return sample(batch, None, torch.Generator().manual_seed(1000 + step))
 
 
 def trainable_examples() -> list[str]:
