@@ -463,6 +463,8 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
     strat = strategy_of(mdl, cl, best.est, best.b, B, devs, record, c.placements, c.memory_cap)
     if best.refuse is not None:
         strat = _executable(strat, mdl, cl, best, B, devs, record, c, say)
+    elif c.placements != "torch":
+        strat = _checked_as_placed(strat, mdl, best, B, c.placements)
     # placing the chosen plan's ops is part of the search (its capture, if any, was counted above)
     return strat.model_copy(update={"search": strat.search.model_copy(update={
         "search_s": round(search_s + time.perf_counter() - t1, 3)})})
@@ -606,6 +608,23 @@ def _executable(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B: 
                  "model: " + " | ".join(r[:300] for r in refused)]
         strat = strat.model_copy(update={"search": strat.search.model_copy(update={"notes": notes})})
     return strat
+
+
+def _checked_as_placed(strat: Strategy, mdl: ModelGraphs, best: _Best, B: int, placements: str) -> Strategy:
+    """Placements the user chose (``rule``, ``any``) are kept even where the torch backend refuses
+    them; the backend's pre-launch check then says so first in the notes (train refuses it the same way)."""
+    from polyparallel.backends.torch import Unsupported, plan_for
+
+    batch = _train_batch(mdl, B)
+    if batch is None:
+        return strat
+    try:
+        plan_for(strat, mdl.model, batch if strat.pp > 1 else None, graph=mdl.exact(best.b))
+        return strat
+    except Unsupported as e:
+        note = (f"planning only: the torch backend refuses this plan with placements={placements!r} ({e}); search "
+                "with placements='torch' for a plan polyparallel train runs")
+    return strat.model_copy(update={"search": strat.search.model_copy(update={"notes": [note, *strat.search.notes]})})
 
 
 def _train_batch(mdl: ModelGraphs, B: int) -> tuple[Any, Any] | None:
