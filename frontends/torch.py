@@ -118,6 +118,15 @@ def _addmm(c: Call) -> Spec:
                                                                 bias_first=True)
 
 
+@handles("grouped_mm", "_grouped_mm", "grouped_mm_fallback")
+def _grouped_mm(c: Call) -> Spec:
+    # torch._grouped_mm(mat_a, mat_b, offs) and HF's fallback (input, weight, offs): routed rows x
+    # (T, K) sorted by expert, weights (E, K, N); a 2-D mat_b (a grouped weight gradient) stays opaque
+    x, w, offs = c.tensor("mat_a", "input", "self"), c.tensor("mat_b", "weight"), c.tensor("offs")
+    ins = [x, w] + ([offs] if offs else [])
+    return OpKind.CONTRACTION, ins, lambda: ops.grouped_mm(c.shape(x), c.shape(w), c.shape(offs))
+
+
 @handles("einsum")
 def _einsum(c: Call) -> Spec:
     ts = [t for t in c.get("tensors", "operands", default=[]) if isinstance(t, TRef)]

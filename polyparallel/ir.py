@@ -124,6 +124,7 @@ class Hint(enum.StrEnum):
     FEATURE = "feature"
     VOCAB = "vocab"
     KERNEL = "kernel"
+    EXPERT = "expert"  # the expert index of a mixture-of-experts layer (expert parallelism splits it)
 
 
 class OpKind(enum.StrEnum):

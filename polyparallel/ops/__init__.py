@@ -11,6 +11,7 @@ from ._common import NotModelled, broadcast_shapes
 from ._contraction import einsum, linear, matmul
 from ._conv import adaptive_pool, conv, out_extent, pool
 from ._gather import advanced_index, cross_entropy, embedding, gather, nll_loss, take_along_axis
+from ._moe import grouped_mm
 from ._norm import batch_norm, group_norm, layer_norm, softmax
 from ._pointwise import FLOPS_PER_ELEMENT, create, elementwise, flops_per_element, reduce, scan
 from ._view import concat, expand, pad, permute, reshape, select, slice_, split, transpose, upsample_nearest
@@ -34,6 +35,7 @@ __all__ = [
     "flops_per_element",
     "gather",
     "group_norm",
+    "grouped_mm",
     "layer_norm",
     "linear",
     "matmul",
