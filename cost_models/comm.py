@@ -13,7 +13,17 @@ all-gather            (p−1)/p · n/B + (p−1)·α           —
 all-to-all            (p−1)/p · n/B + (p−1)·α           (pairwise exchange)
 broadcast             n/B + (p−1)·α (pipelined chain)   ⌈log₂p⌉·(n/B + α)
 p2p                   n/B + α
+halo                  α + n/B_eff (neighbour exchange, below)
 ====================  ================================  ==============================
+
+A **halo** (neighbour exchange: convolution rows split over a mesh axis) is priced with ``n``
+the bytes one device *receives*: each device of the ordered group gets its missing rows from its
+neighbours (``min(2, p−1)`` of them, ``n`` split evenly between them), all devices at once. A
+device's time is the slowest of its incoming flows, ``α + n_flow/B_flow``; intra-node flows
+share the device's own link (``B/k`` for ``k`` such flows), a flow from another node shares that
+node's ports with the other boundary flows leaving it (and the ``concurrent`` groups). The step
+is the slowest device. It is independent of ``p`` beyond the boundaries it crosses (not an
+all-to-all over the group).
 
 NCCL picks the algorithm whose predicted time is smallest for the message size and the
 topology; :func:`collective_time` does the same over the candidates that apply: those every
@@ -71,7 +81,7 @@ __all__ = [
     "tree_time",
 ]
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p", "halo")
 
 
 @dataclass(frozen=True)
@@ -249,6 +259,9 @@ def collective_time(cluster: Cluster, kind: str, nbytes: float, group: Sequence[
             raise ValueError(f"p2p is between two devices, got a group of {p}")
         return CollectiveCost(kind, nbytes, 2, p2p_time(cluster, group[0], group[1], nbytes), "direct",
                               cluster.level(group[0], group[1]))
+    if kind == "halo":
+        t, level = _halo_time(cluster, nbytes, group, concurrent)
+        return CollectiveCost(kind, nbytes, p, t, "neighbour", level)
     tree = _tree_allowed(cluster, group)
     flat_t, flat_algo, flat_level = _flat(cluster, kind, nbytes, group, concurrent, tree)
     best = CollectiveCost(kind, nbytes, p, flat_t, flat_algo, flat_level)
@@ -286,4 +299,34 @@ def collective_time(cluster: Cluster, kind: str, nbytes: float, group: Sequence[
     if hier < best.seconds:
         return CollectiveCost(kind, nbytes, p, hier, "hierarchical", levels[-1][0], tuple(parts))
     return best
+
+
+def _halo_time(cluster: Cluster, received: float, group: Sequence[int], concurrent: int = 1) -> tuple[float, str]:
+    """Neighbour exchange over the ordered ``group``: every device receives ``received`` bytes from
+    its neighbours at once (module docstring); (seconds of the slowest device, slowest level)."""
+    p = len(group)
+    per_flow = received / min(2, p - 1)
+    dev = [cluster.device(d) for d in group]
+    # flows leaving each node: one per ordered pair of neighbours on different nodes
+    out_node: dict[int, int] = {}
+    for i in range(p - 1):
+        a, b = dev[i], dev[i + 1]
+        if a.node != b.node:
+            out_node[a.node] = out_node.get(a.node, 0) + concurrent
+            out_node[b.node] = out_node.get(b.node, 0) + concurrent
+    worst, worst_level = 0.0, "intra_node"
+    for i in range(p):
+        peers = [j for j in (i - 1, i + 1) if 0 <= j < p and group[j] != group[i]]
+        local = [j for j in peers if dev[j].node == dev[i].node]
+        for j in peers:
+            bw, lat = cluster.link(group[j], group[i])
+            level = cluster.level(group[j], group[i])
+            if level == "intra_node":
+                bw = bw / len(local)
+            else:
+                bw = min(bw, cluster.node_bandwidth(dev[j].node) / out_node[dev[j].node])
+            t = lat + per_flow / bw
+            if t > worst:
+                worst, worst_level = t, level
+    return worst, worst_level
 

@@ -139,11 +139,10 @@ def _events(rs: Any, width: float, p: int) -> list[tuple[str, float]]:
 def _event(kind: str, payload: float, received: float, p: int) -> tuple[str, float]:
     if kind in _KIND:
         return (_KIND[kind], payload)
-    if kind == "halo" and p == 2:
-        return ("p2p", received)
-    if kind in ("p2p", "halo"):
-        # an irregular exchange: an all-to-all whose per-rank receive (p-1)/p·n is the exact count;
-        # a halo on more than two devices is priced the same way (the step model prices a whole group)
+    if kind == "halo":
+        return ("halo", received)  # a neighbour exchange of the exact bytes a device receives
+    if kind == "p2p":
+        # an irregular exchange: an all-to-all whose per-rank receive (p-1)/p·n is the exact count
         return ("all_to_all", received * p / max(1, p - 1))
     raise ValueError(f"unknown collective kind {kind!r} from the polyhedral model")
 
@@ -236,8 +235,43 @@ def place(g: Graph, cl: Cluster, est: StepEstimate, stage_ops: list[list[Op]], m
     """The per-op placements of the plan ``est`` and its estimate re-priced with them.
 
     ``stage_ops``: each pipeline stage's ops (as the step model cuts them). See the module
-    docstring for ``mode``; ``cap`` is a per-device memory cap the plan must respect.
+    docstring for ``mode``; ``cap`` is a per-device memory cap the plan must respect. A plan the
+    search ranked with the solver's whole-graph placements (:mod:`.derived`) is re-solved stage by
+    stage against Megatron's price as any plan is, and keeps its ranked placements where those
+    price faster than what that gives.
     """
+    from polyparallel.planning.derived import PlacedPlans, rule_plans
+
+    ranked = est.config.op_plans
+    if not (isinstance(ranked, PlacedPlans) and ranked.source == "derived"):
+        return _place_stages(g, cl, est, stage_ops, mode, cap, k)
+    rule_est = estimate_step(g, cl, replace(est.config, op_plans=rule_plans(g, est.config)))
+    out = _place_stages(g, cl, rule_est, stage_ops, mode, cap, k)
+    if out.est.step_time <= est.step_time * (1 + 1e-12) or not _fits(est, cap):
+        return out
+    note = ("the exact solver's placements over the whole graph, with which the plan was ranked: "
+            f"{est.step_time:.6g} s per step vs {out.est.step_time:.6g} s solved stage by stage "
+            f"({out.stages[0].source}{': ' + out.stages[0].note if out.stages[0].note else ''})")
+    return Placed(est, _with_dp(g, ranked.placements, est.config.dp),
+                  [StagePlacement("solver", note, 0.0, st.rule_objective_s, "whole-graph", 0.0) for st in out.stages])
+
+
+def _with_dp(g: Graph, tp_placements: Any, dp: int) -> list[str]:
+    """Per op, its tensor-parallel placement with its batch dim on ``dp``."""
+    from polyparallel.poly import Placement
+
+    out = []
+    for op, s in zip(g.ops, tp_placements):
+        splits = dict(Placement.parse(s).splits)
+        batch = _batch_dim(op, dp)
+        if dp > 1 and batch:
+            splits[batch] = ("dp", *splits.get(batch, ()))
+        out.append(str(Placement(tuple(splits.items()))) if splits else "")
+    return out
+
+
+def _place_stages(g: Graph, cl: Cluster, est: StepEstimate, stage_ops: list[list[Op]], mode: str,
+                  cap: float | None, k: int) -> Placed:
     from polyparallel.planning.stage_solver import FORBIDDEN, price_placements, solve_stage
     from polyparallel.poly import DeviceMesh, Placement, legal_placements
 

@@ -23,9 +23,9 @@ tree / hierarchical by the cluster's links, as the step model does) on the devic
 the mesh axes span (the group through the stage's first device): poly's kinds
 ``all-reduce`` / ``reduce-scatter`` / ``all-gather`` / ``all-to-all`` map to the cost
 model's ``all_reduce`` ..., with the full per-device buffer (poly's ``payload``, elements
-x dtype bytes) as the message; a halo is a point-to-point message of the exact halo to a
-neighbour; an irregular exchange is an all-to-all whose per-rank receive ``(p-1)/p * n``
-equals poly's exact count.
+x dtype bytes) as the message; a halo is a neighbour exchange of the exact halo a device
+receives (``comm``'s ``halo``: from its two neighbours, all devices at once); an irregular
+exchange is an all-to-all whose per-rank receive ``(p-1)/p * n`` equals poly's exact count.
 
 **Candidates.** An op's candidates are its legal placements that pass ``expressible(op, p)``
 (default: all; a backend that runs only some layouts passes its own predicate), cut to the ``K``
@@ -183,7 +183,7 @@ class _Pricer:
             elif kind in _KIND:
                 t = collective_time(self.cluster, _KIND[kind], float(payload_bytes), group).seconds
             elif kind == "halo":
-                t = collective_time(self.cluster, "p2p", float(received_bytes), group[:2]).seconds
+                t = collective_time(self.cluster, "halo", float(received_bytes), group).seconds
             elif kind == "p2p":
                 t = collective_time(self.cluster, "all_to_all", float(received_bytes) * p / (p - 1), group).seconds
             else:

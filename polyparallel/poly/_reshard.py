@@ -8,9 +8,11 @@
 2. ``h(a) = -``, ``n(a) = j``: local slice (free: ``a`` splits the held block innermost);
 3. ``h(a) = i``, ``n(a) = j != i``: all-to-all over ``a``;
 4. ``h(a) = i``, ``n(a) = -``: all-gather over ``a``;
-5. what ``N(p)`` still lacks after that is a **halo** when ``N`` extends ``p``'s block
-   along the same mesh axes (convolution windows), else **p2p** (irregular needs, or the
-   same mesh axes in another order: a device permutation).
+5. what ``N(p)`` still lacks after that (after a route that moves nothing: what it lacks of
+   ``H(p)`` itself) is a **halo** when ``N`` extends ``p``'s block along the same mesh axes
+   (convolution and pooling windows; axes held whole may be strided or clipped), priced as a
+   neighbour exchange over the devices along those axes, else **p2p** (irregular needs, or
+   the same mesh axes in another order: a device permutation).
 
 Each step is priced exactly as the elements ``p`` gains: ``|B'(p) \\ B(p)|`` for
 gathers, all-to-all and halos, ``(n-1)|B'(p)|`` for a reduce-scatter over ``n`` devices
@@ -130,19 +132,38 @@ def _reshard(h: Distribution, n: Distribution, mesh: DeviceMesh, dtype_bytes: in
     need_lay = n.layout
     steps_14, cur = _route(shape, lay.shards, lay.partial, n.deps, mesh)
     steps = list(steps_14)
+    # a route that moves nothing (local slices only) leaves every device all it held: the last
+    # exchange is what the need lacks of the have itself (a replicated input of a conv split over
+    # its rows already holds the halo)
+    last = cur if any(s.elements for s in steps_14) else lay.shards
     if need_lay is not None:
         direct = _gain(shape, need_lay.shards, lay.shards, mesh)[0]
-        most, total, payload = _gain(shape, need_lay.shards, cur, mesh)
+        most, total, payload = _gain(shape, need_lay.shards, last, mesh)
     else:
         direct = _missing_stats(n, lay.shards)[0]
-        most, total, payload = _missing_stats(n, cur)
+        most, total, payload = _missing_stats(n, last)
     if most:
-        irregular = [i for i, b in enumerate(n.block) if not b]
-        halo = bool(irregular) and all(n.deps[i] and set(n.deps[i]) == set(cur[i]) for i in irregular)
-        axes = tuple(a for i in irregular for a in n.deps[i]) if halo else tuple(mesh.names)
-        steps.append(Step("halo" if halo else "p2p", axes, irregular[0] if len(irregular) == 1 else None,
-                          most, total, payload, 2 if halo else mesh.size))
+        steps.append(_last_exchange(n, last, mesh, most, total, payload))
     return Reshard(str(h), str(n), tuple(steps), direct, dtype_bytes)
+
+
+def _last_exchange(n: Distribution, cur: Shards, mesh: DeviceMesh, most: int, total: int, payload: int) -> Step:
+    """Step 5: what ``n`` still lacks after the route (``cur``), a **halo** when it only extends the
+    held blocks: every tensor axis where the need is not a block is either split over the same mesh
+    axes as the held block (a window reaching into the neighbours' rows) or not split at all and held
+    whole (a strided or clipped window: nothing can be missing along it). A halo is a neighbour
+    exchange along its mesh axes (``group``: the devices along them); anything else is an irregular
+    point-to-point exchange over the whole mesh."""
+    irregular = [i for i, b in enumerate(n.block) if not b]
+    split = [i for i in irregular if n.deps[i]]
+    halo = bool(split) and all(set(n.deps[i]) == set(cur[i]) for i in split) and \
+        all(not cur[i] for i in irregular if not n.deps[i])
+    if halo:
+        axes = tuple(a for i in split for a in n.deps[i])
+        return Step("halo", axes, split[0] if len(split) == 1 else None, most, total, payload,
+                    mesh.group_size(axes))
+    return Step("p2p", tuple(mesh.names), irregular[0] if len(irregular) == 1 else None, most, total, payload,
+                mesh.size)
 
 
 def _missing_stats(n: Distribution, held: Shards) -> tuple[int, int, int]:

@@ -29,7 +29,7 @@ from ._footprint import Region, _axis_common_memo, _intersect_products, _product
 from ._mesh import DeviceMesh
 from ._op_comm import grad_held, grad_needed
 from ._placement import Placement
-from ._reshard import Reshard, Shards, Step, _all_reduce, _route, _routes, reshard
+from ._reshard import Reshard, Shards, Step, _all_reduce, _last_exchange, _route, _routes, reshard
 
 __all__ = ["EdgeCosts", "ReshardTable", "edge_costs", "reshard_table"]
 
@@ -97,19 +97,11 @@ class ReshardTable:
         lays, deps = self.routes
         x, d = divmod(r, max(len(deps), 1))
         steps, cur = _route(h.shape, lays[x].shards, lays[x].partial, deps[d], self.mesh)
+        if not any(s.elements for s in steps):
+            cur = lays[x].shards  # a route that moves nothing: the last exchange is from the have (_reshard)
         if most:
             steps = (*steps, _last_exchange(n, cur, self.mesh, most, int(self.total[i, j]), int(self.payload[j])))
         return Reshard(str(h), str(n), steps, direct, self.dtype_bytes)
-
-
-def _last_exchange(n: Distribution, cur: Shards, mesh: DeviceMesh, most: int, total: int, payload: int) -> Step:
-    """Step 5: what ``n`` still lacks after the route, a halo when it extends the block along the
-    same mesh axes, else point-to-point."""
-    irregular = [i for i, b in enumerate(n.block) if not b]
-    halo = bool(irregular) and all(n.deps[i] and set(n.deps[i]) == set(cur[i]) for i in irregular)
-    axes = tuple(a for i in irregular for a in n.deps[i]) if halo else tuple(mesh.names)
-    return Step("halo" if halo else "p2p", axes, irregular[0] if len(irregular) == 1 else None,
-                most, total, payload, 2 if halo else mesh.size)
 
 
 def reshard_table(haves: Sequence[Distribution], needs: Sequence[Distribution], mesh: DeviceMesh, *,
@@ -203,7 +195,8 @@ def _reshard_table(haves: tuple[Distribution, ...], needs: tuple[Distribution, .
     # the (need, other) pairs to count: the have itself (direct bound) and the route's end
     jj = np.broadcast_to(np.arange(N), (H, N))
     o_direct = np.broadcast_to(have_other[:, None], (H, N))
-    o_end = np.where(layout_row, route_other[route_of], o_direct)
+    # a route that moves nothing leaves the have in place: its last exchange is counted against the have
+    o_end = np.where(layout_row & (route_elems[route_of] > 0), route_other[route_of], o_direct)
     nother = max(len(other_list), 1)
     codes = np.concatenate([(jj * nother + o_direct).ravel(), (jj * nother + o_end).ravel()])
     uniq, inv = np.unique(codes, return_inverse=True)

@@ -1,0 +1,127 @@
+"""Exactness of the polyhedral model against brute-force enumeration: halos of convolutions and
+pooling split over their rows, masked (causal, sliding-window) attention footprints, pooling
+output extents against torch, and the route and price each one gets."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from polyparallel import ops
+from polyparallel.cluster import Cluster
+from polyparallel.cost_models.comm import collective_time
+from polyparallel.ir import ANY, Graph, LoopNest, Op, OpKind, TensorKind, TensorSpec
+from polyparallel.poly import DeviceMesh, Placement, TensorLayout, layout_distribution, operand_need, reshard
+
+
+def _graph(*tensors: tuple[str, tuple[int, ...], str]) -> Graph:
+    g = Graph("t")
+    for name, shape, kind in tensors:
+        g.add_tensor(TensorSpec(name, shape, kind=TensorKind(kind)))
+    return g
+
+
+def brute_need(nest: LoopNest, operand: str, shape: tuple[int, ...], placement: Placement,
+               mesh: DeviceMesh) -> list[set[tuple[int, ...]]]:
+    """Per device: the elements of ``operand`` its share of the domain reads (every point walked)."""
+    out = []
+    for p in range(mesh.size):
+        box = {}
+        for d in nest.dims:
+            lo, hi = mesh.bounds(d.extent, placement.axes_of(d.name))
+            box[d.name] = range(int(lo[p]), int(hi[p]))
+        got: set[tuple[int, ...]] = set()
+        for st in nest.statements:
+            reads = [a for a in st.reads if a.operand == operand]
+            if not reads:
+                continue
+            for pt in itertools.product(*(box[d] for d in st.dims)):
+                env = dict(zip(st.dims, pt))
+                if any(c.eval(env) < 0 for c in st.constraints):
+                    continue
+                for a in reads:
+                    idx = tuple(e.eval(env) if e is not ANY else None for e in a.index)
+                    if all(i is None or 0 <= i < n for i, n in zip(idx, shape)):
+                        assert None not in idx
+                        got.add(idx)
+        out.append(got)
+    return out
+
+
+def brute_block(shape: tuple[int, ...], layout: TensorLayout, mesh: DeviceMesh) -> list[set[tuple[int, ...]]]:
+    out = []
+    for p in range(mesh.size):
+        ranges = []
+        for n, axes in zip(shape, layout.shards):
+            lo, hi = mesh.bounds(n, axes)
+            ranges.append(range(int(lo[p]), int(hi[p])))
+        out.append(set(itertools.product(*ranges)))
+    return out
+
+
+# -- 1. halos: convolution and pooling windows split over rows ----------------------------------------
+HALO_CASES = [  # (op, kernel, stride, padding, dilation, H, W)
+    ("conv", 3, 1, 1, 1, 12, 5),
+    ("conv", 3, 2, 1, 1, 13, 5),
+    ("conv", 3, 2, 0, 1, 12, 8),   # a clipped, strided window along the unsplit W axis
+    ("conv", 5, 1, 2, 1, 12, 4),
+    ("conv", 3, 1, 2, 2, 12, 4),   # dilated
+    ("conv", 1, 2, 0, 1, 12, 6),   # ResNet's strided 1x1 downsample: no halo
+    ("pool", 3, 2, 1, 1, 12, 5),
+    ("pool", 2, 2, 0, 1, 11, 7),   # odd extents: the last row / column is never read
+]
+
+
+@pytest.mark.parametrize("mesh_axes", [{"sp": 3}, {"sp": 4}, {"dp": 2, "sp": 3}])
+@pytest.mark.parametrize("case", HALO_CASES)
+def test_halo_volume_and_route_against_brute_force(case, mesh_axes):
+    kind, k, s, pad, dil, H, W = case
+    B, C = 2, 2
+    mesh = DeviceMesh.of(**mesh_axes)
+    x = (B, C, H, W)
+    if kind == "conv":
+        nest = ops.conv(x, (3, C, k, k), stride=s, padding=pad, dilation=dil)
+        g = _graph(("x", x, "activation"), ("w", (3, C, k, k), "param"), ("y", (B, 3, 1, 1), "activation"))
+        op = Op("op", OpKind.CONV, "conv2d", ("x", "w"), ("y",), nest)
+    else:
+        nest = ops.pool(x, k, stride=s, padding=pad, dilation=dil)
+        g = _graph(("x", x, "activation"), ("y", (B, C, 1, 1), "activation"))
+        op = Op("op", OpKind.POOL, "max_pool2d", ("x",), ("y",), nest)
+    g.add_op(op)
+    split = Placement.parse("b:dp,h:sp" if "dp" in mesh_axes else "h:sp")
+    held = TensorLayout(x, (("dp",) if "dp" in mesh_axes else (), (), ("sp",), ()))
+    need = operand_need(g, op, split, mesh, "in0")
+    want_need = brute_need(nest, "in0", x, split, mesh)
+    assert need.counts().tolist() == [len(n) for n in want_need]
+    missing = [len(n - h) for n, h in zip(want_need, brute_block(x, held, mesh))]
+    assert need.missing(layout_distribution(held, mesh)).tolist() == missing
+    r = reshard(held, need, mesh)
+    if max(missing) == 0:
+        assert r.kind == "none"
+    else:
+        # a neighbour exchange along sp, of exactly the rows the neediest device lacks
+        assert r.kind == "halo", str(r)
+        step = r.steps[0]
+        assert step.axes == ("sp",) and step.group == mesh.axis("sp").size
+        assert step.elements == max(missing) == r.direct_elements and step.total == sum(missing)
+    # a replicated producer already holds every window: nothing moves
+    assert reshard(TensorLayout.replicated(x), need, mesh).kind == "none"
+
+
+def test_halo_is_priced_as_a_neighbour_exchange_not_an_all_to_all():
+    c = Cluster.preset("dgx-a100x8")  # 8 nodes of 8 A100s
+    n = 4 << 20
+    two = collective_time(c, "halo", n, [0, 1]).seconds
+    node = collective_time(c, "halo", n, list(range(8))).seconds
+    cluster = collective_time(c, "halo", n, list(range(48))).seconds
+    bw, lat = c.link(0, 1)
+    # two devices: one message of the whole halo; inside a node each device receives its halo
+    # from two neighbours over its own link: the same bytes, the same time
+    assert two == pytest.approx(lat + n / bw)
+    assert node == pytest.approx(two)
+    # across nodes the boundary flows take the network, each half of the halo
+    nbw, nlat = c.link(7, 8)
+    assert cluster == pytest.approx(max(lat + n / bw, nlat + n / 2 / min(nbw, c.node_bandwidth(0) / 2)))
+    # an all-to-all over the 48 devices moving the same bytes per device costs more
+    assert collective_time(c, "all_to_all", n * 48 / 47, list(range(48))).seconds > cluster
