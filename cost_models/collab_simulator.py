@@ -44,8 +44,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FIXED_ROUND_S", "FUSE_S_PER_PARAM", "PHASES", "SimInputs", "SimResult", "choose_local_steps",
-           "inputs_from_strategy", "measured_phases", "simulate", "simulate_rounds", "update_bytes"]
+__all__ = ["FIXED_ROUND_S", "FUSE_S_PER_PARAM", "PHASES", "SimInputs", "SimResult", "center_links",
+           "choose_local_steps", "inputs_from_strategy", "measured_phases", "simulate", "simulate_rounds",
+           "update_bytes"]
 
 PHASES = ("framework", "distribute", "compute", "upload", "wait", "fuse")
 
@@ -125,6 +126,20 @@ class SimInputs:
         return len(self.names)
 
 
+def center_links(strategy: Any) -> dict[str, tuple[float, float, float]]:
+    """Each center's WAN link from a Strategy's cluster echo: ``(down B/s, up B/s, latency s)``, the
+    bandwidths as the cluster's ``Link`` counts them (× ports × efficiency / oversubscription); centers
+    without a ``wan`` are left out (loopback). The simulator prices transfers with these figures and the
+    collaborative backend emulates them (``config_from_strategy(..., emulate_links=True)``)."""
+    out = {}
+    for c in (getattr(strategy, "cluster", None) or {}).get("centers", []):
+        w = c.get("wan")
+        if w:
+            eff = w.get("ports", 1) * w.get("efficiency", 1.0) / w.get("oversubscription", 1.0)
+            out[c.get("name")] = (w["down_Bps"] * eff, w["up_Bps"] * eff, float(w.get("latency_s", 0.0)))
+    return out
+
+
 def inputs_from_strategy(strategy: Any, *, framework: str = "flower", fixed_s: float | None = None,
                          fuse_s_per_param: float = FUSE_S_PER_PARAM, local_steps: int | None = None,
                          compression: str | None = None) -> SimInputs:
@@ -139,7 +154,7 @@ def inputs_from_strategy(strategy: Any, *, framework: str = "flower", fixed_s: f
         if framework not in FIXED_ROUND_S:
             raise ValueError(f"unknown framework {framework!r}; choose one of {tuple(FIXED_ROUND_S)} or give fixed_s")
         fixed_s = FIXED_ROUND_S[framework]
-    wans = {c.get("name"): c.get("wan") for c in (strategy.cluster or {}).get("centers", [])}
+    links = center_links(strategy)
     steps, down, up, lat = [], [], [], []
     for c in collab.centers:
         s = c.local_strategy.get("step_time_s")
@@ -147,16 +162,10 @@ def inputs_from_strategy(strategy: Any, *, framework: str = "flower", fixed_s: f
             raise ValueError(f"center {c.name!r} has no step_time_s in its local_strategy: re-run "
                              "`polyparallel search ... --mode collaborative` to price every center's plan")
         steps.append(float(s))
-        w = wans.get(c.name)
-        if w:
-            eff = w.get("ports", 1) * w.get("efficiency", 1.0) / w.get("oversubscription", 1.0)
-            down.append(w["down_Bps"] * eff)
-            up.append(w["up_Bps"] * eff)
-            lat.append(w.get("latency_s", 0.0))
-        else:
-            down.append(math.inf)
-            up.append(math.inf)
-            lat.append(0.0)
+        d, u, la = links.get(c.name, (math.inf, math.inf, 0.0))
+        down.append(d)
+        up.append(u)
+        lat.append(la)
     params = int(strategy.model.params)
     if params <= 0:
         raise ValueError("the strategy's model has no parameter count (model.params): re-run the search")

@@ -46,6 +46,32 @@ def _parse_options(items: list[str]) -> dict[str, float]:
     return out
 
 
+def _parse_links(items: list[str], names: list[str]) -> dict[str, tuple[float, float, float]]:
+    """``--link [NAME=]DOWN[,UP[,LATENCY]]`` → center → (down B/s, up B/s, latency s); no NAME: every center."""
+    from polyparallel.cluster.units import parse_quantity
+
+    out: dict[str, tuple[float, float, float]] = {}
+    for it in items:
+        who, sep, spec = it.rpartition("=") if "=" in it.split(",")[0] else ("", "", it)
+        if sep and who not in names:
+            raise UserError(f"--link {it!r}: no center {who!r} in {names}")
+        parts = [p.strip() for p in spec.split(",")]
+        try:
+            if not 1 <= len(parts) <= 3:
+                raise ValueError
+            down = parse_quantity(parts[0], "bandwidth")
+            up = parse_quantity(parts[1], "bandwidth") if len(parts) > 1 else down
+            lat = parse_quantity(parts[2], "time") if len(parts) > 2 else 0.0
+            if not (down > 0 and up > 0 and lat >= 0):
+                raise ValueError
+        except ValueError:
+            raise UserError(f"--link {it!r}: use [CENTER=]DOWN[,UP[,LATENCY]] with units, e.g. "
+                            "'a=5 MB/s,2 MB/s,20 ms' (no CENTER: every center)") from None
+        for n in [who] if sep else names:
+            out[n] = (down, up, lat)
+    return out
+
+
 def _arrays(z: Any) -> tuple[np.ndarray, np.ndarray]:
     """``x`` and ``y`` of an .npz as training takes them: float64 inputs as float32, integer labels as int64
     (class indices, token ids and -100), integer inputs (token ids) kept."""
@@ -200,6 +226,13 @@ def collab_cmd(
     synthetic: Annotated[int, typer.Option("--synthetic", help="samples per center when --data is not given")] = 256,
     out: Annotated[Path | None, typer.Option("--out", help="write result.json, final.npz, timing.jsonl here")]
     = None,
+    link: Annotated[list[str] | None, typer.Option(
+        "--link", help="emulate a WAN link: [CENTER=]DOWN[,UP[,LATENCY]], e.g. 'a=5 MB/s,2 MB/s,20 ms' (no CENTER: "
+                       "every center); the center holds its download and upload to it (loopback is otherwise "
+                       "~GB/s). Repeatable")] = None,
+    emulate_wan: Annotated[bool, typer.Option(
+        "--emulate-wan", help="with --strategy: every center emulates its WAN link of the strategy's cluster "
+                              "(the figures `polyparallel simulate` prices)")] = False,
 ) -> None:
     """Run a whole federation on this machine: every center trains on its own data, the server fuses."""
     from dataclasses import replace
@@ -218,7 +251,8 @@ def collab_cmd(
         if config is not None:
             cfg = CollabConfig.from_json(config.read_text())
         elif strategy is not None:
-            cfg = config_from_strategy(strategy, spec, fusion_options=_parse_options(fusion_opt or []), **training)
+            cfg = config_from_strategy(strategy, spec, emulate_links=emulate_wan,
+                                       fusion_options=_parse_options(fusion_opt or []), **training)
         else:
             names = [n.strip() for n in centers.split(",") if n.strip()]
             fws = [f.strip() for f in frameworks.split(",")] if frameworks else ["torch"] * len(names)
@@ -233,6 +267,12 @@ def collab_cmd(
                 local_steps=local_steps, compression=compression, **training)
         if source:  # every center calls the source itself; only the reference goes in the job
             cfg = replace(cfg, centers=tuple(replace(c, data=source) for c in cfg.centers))
+        if emulate_wan and strategy is None:
+            raise UserError("--emulate-wan reads the links from --strategy's cluster: give --strategy, or --link")
+        if link:
+            links = _parse_links(link, [c.name for c in cfg.centers])
+            cfg = replace(cfg, centers=tuple(replace(c, **dict(zip(("down_Bps", "up_Bps", "latency_s"), links[c.name])))
+                                             if c.name in links else c for c in cfg.centers))
         if samples:  # enrolment: the server weights each center with its declared count
             counts = [int(n) for n in samples.split(",")]
             if len(counts) != len(cfg.centers):

@@ -197,3 +197,86 @@ def test_search_caps_h_at_max_local_steps():
     assert capped.collaborative.local_steps == cap
     # fusing more often than the target allows: the communication share rises above it
     assert capped.collaborative.comm_fraction > free.collaborative.comm_fraction
+
+
+def test_link_throttle_holds_each_transfer_to_latency_plus_bytes_over_bandwidth():
+    from polyparallel.backends.collab._link import LinkThrottle
+
+    now = [100.0]
+    slept: list[float] = []
+
+    def sleep(s):
+        slept.append(s)
+        now[0] += s
+
+    link = LinkThrottle(down_Bps=1e6, up_Bps=5e5, latency_s=0.01, sleep=sleep, clock=lambda: now[0])
+    assert link.upload(1_000_000) == pytest.approx(0.01 + 2.0) and now[0] == pytest.approx(102.01)
+    # sent 0.5 s ago: the transit already spent counts, the center waits the rest
+    assert link.download(1_000_000, sent_at=now[0] - 0.5) == pytest.approx(0.51)
+    # two transfers put on the link at once: the second waits for the first
+    t = now[0]
+    assert link.done_at("down", 1_000_000, t) == pytest.approx(t + 1.01)
+    assert link.done_at("down", 1_000_000, t) == pytest.approx(t + 2.02)
+    assert LinkThrottle().download(10**9) == 0.0 and not LinkThrottle().limited
+    with pytest.raises(ValueError, match="finite number"):
+        LinkThrottle(up_Bps=-1.0)
+
+
+def test_inprocess_link_limit_sets_the_measured_transfer_phases():
+    """Two centers at 2 MB/s in the in-process engine: every measured distribute and upload phase
+    (rounds.jsonl's events) lasts at least bytes / bandwidth, and the simulator with the same link
+    figures and the measured compute predicts the rounds."""
+    from dataclasses import replace
+
+    from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, run_inprocess
+
+    bw, lat, names, steps = 2e6, 0.02, ("a", "b"), 2
+    rng = np.random.default_rng(0)
+    data = {c: (rng.normal(size=(64, 32)).astype(np.float32), rng.integers(0, 10, 64)) for c in names}
+    cfg = CollabConfig(centers=tuple(CenterSpec(n, down_Bps=bw, up_Bps=bw, latency_s=lat) for n in names),
+                       model=ModelSpec("mlp", (32,), 10, hidden=2048), rounds=2, local_steps=steps, batch_size=16,
+                       fusion="fedavg")
+    res = run_inprocess(cfg, data)
+    m = measured_phases(res.timing)
+    params = sum(int(v.size) for v in res.params.values())
+    down_s = res.rounds[0].bytes_down / len(names) / bw + lat
+    for rec in res.rounds:
+        for c in names:
+            ph = m[rec.round]["centers"][c]
+            assert ph["upload"] >= rec.bytes_up[c] / bw + lat - 1e-3
+            assert ph["distribute"] >= down_s - 1e-3
+    assert down_s > 0.1  # ~4·P bytes: the throttle, not the machine, sets these phases
+    step_s = np.array([[m[r]["centers"][c]["compute"] / steps for c in names] for r in sorted(m)])
+    x = SimInputs.make(names, step_s[0], steps, params, down_Bps=bw, up_Bps=bw, latency_s=lat, fixed_s=0.0)
+    sim = simulate_rounds(x, len(step_s), step_s=step_s, concurrent=False)
+    measured = np.array([m[r]["round_s"] for r in sorted(m)])
+    assert np.all(sim.round_s <= measured * 1.02) and np.all(sim.round_s >= measured * 0.8)
+    # the same job without limits: the transfers take no time worth the name
+    free = run_inprocess(replace(cfg, centers=tuple(CenterSpec(n) for n in names), rounds=1), data)
+    fm = measured_phases(free.timing)[1]["centers"]
+    assert max(v["upload"] for v in fm.values()) < 0.5 * down_s
+
+
+def test_emulated_links_are_the_simulated_ones_and_the_cli_sets_them(tmp_path):
+    from polyparallel.backends.collab import ModelSpec, config_from_strategy
+    from polyparallel.backends.collab._link import nbytes_of
+
+    s = _strategy()
+    x = inputs_from_strategy(s)
+    cfg = config_from_strategy(s, ModelSpec("mlp", (8,), 2), emulate_links=True)
+    assert [(c.down_Bps, c.up_Bps, c.latency_s) for c in cfg.centers] == list(zip(x.down_Bps, x.up_Bps, x.latency_s))
+    assert all(c.down_Bps == c.up_Bps == c.latency_s == 0 for c in config_from_strategy(s, ModelSpec("mlp", (8,), 2))
+               .centers)  # a real deployment's links are the real ones
+    from flwr.app import Array
+
+    assert nbytes_of({"a": np.zeros((3, 5), np.float32), "b": Array(np.zeros(4, np.float32))}) >= 60 + 16
+    job = tmp_path / "job.json"
+    cmd = [sys.executable, "-m", "polyparallel", "collab", "--centers", "a,b", "--link", "2 MB/s", "--link",
+           "b=3 MB/s,1 MB/s,20 ms", "--save-config", str(job)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = {c["name"]: (c["down_Bps"], c["up_Bps"], c["latency_s"]) for c in json.loads(job.read_text())["centers"]}
+    assert got == {"a": (2e6, 2e6, 0.0), "b": (3e6, 1e6, 0.02)}
+    bad = subprocess.run([*cmd[:6], "--link", "c=1 MB/s", "--save-config", str(job)], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "no center 'c'" in bad.stderr

@@ -45,6 +45,10 @@ class CenterSpec:
     ``samples``: the center's training sample count declared at enrolment. The server weights the
     center with it and refuses a reply that claims another count; 0: the count the center reports
     first is pinned (capped relative to the other centers, see ``_validation``).
+
+    ``down_Bps``, ``up_Bps``, ``latency_s``: the center's emulated WAN link (0: unlimited). The center holds
+    its download of the model and upload of its update to them (``_link``), so a federation on one
+    machine, where transfers otherwise run at memory speed, reproduces WAN-like rounds.
     """
 
     name: str
@@ -53,6 +57,9 @@ class CenterSpec:
     data: str = ""
     plan: tuple[tuple[str, Any], ...] = ()
     samples: int = 0
+    down_Bps: float = 0.0
+    up_Bps: float = 0.0
+    latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
@@ -63,6 +70,10 @@ class CenterSpec:
             raise ValueError(f"center {self.name!r}: devices must be >= 1")
         if self.samples < 0:
             raise ValueError(f"center {self.name!r}: samples must be >= 0 (0: pinned at its first report)")
+        for what in ("down_Bps", "up_Bps", "latency_s"):
+            v = getattr(self, what)
+            if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"center {self.name!r}: {what} must be a finite number >= 0 (0: unlimited), got {v!r}")
         if self.data and not is_reference(self.data):
             raise ValueError(f"center {self.name!r}: data source {self.data!r} must be 'package.module:function'")
         plan = dict(self.plan.items() if isinstance(self.plan, Mapping) else (tuple(kv) for kv in self.plan))
@@ -203,7 +214,8 @@ class CollabConfig:
         return cls(**d)
 
 
-def config_from_strategy(strategy: Any, model: ModelSpec, **training: Any) -> CollabConfig:
+def config_from_strategy(strategy: Any, model: ModelSpec, *, emulate_links: bool = False,
+                         **training: Any) -> CollabConfig:
     """The job described by a collaborative :class:`polyparallel.strategy.Strategy` (object or JSON path).
 
     Read from the Strategy: the centers (name, framework, number of devices, and the synchronous plan
@@ -211,6 +223,10 @@ def config_from_strategy(strategy: Any, model: ModelSpec, **training: Any) -> Co
     local steps per round, rounds, compression. The Strategy fingerprints the model but does not carry it, so the
     shared architecture comes as ``model``; ``training`` sets the remaining :class:`CollabConfig`
     fields (``batch_size``, ``lr``, ``min_centers``, ``fusion_options``, ...).
+
+    ``emulate_links``: every center holds its transfers to its WAN link in the Strategy's cluster
+    (``CenterSpec.down_Bps`` ...; the figures the round simulator prices), for a federation on one
+    machine. Off for a real deployment, whose links are the real ones.
     """
     from polyparallel.strategy import Strategy
 
@@ -222,9 +238,16 @@ def config_from_strategy(strategy: Any, model: ModelSpec, **training: Any) -> Co
     from ._center_plan import plan_from_local_strategy
 
     c = strategy.collaborative
+    links: dict[str, tuple[float, float, float]] = {}
+    if emulate_links:
+        from polyparallel.cost_models.collab_simulator import center_links
+
+        links = center_links(strategy)
     try:
         centers = tuple(CenterSpec(cp.name, framework=cp.framework, devices=max(1, len(cp.devices)),
-                                   plan=plan_from_local_strategy(cp.local_strategy or {})) for cp in c.centers)
+                                   plan=plan_from_local_strategy(cp.local_strategy or {}),
+                                   **dict(zip(("down_Bps", "up_Bps", "latency_s"), links.get(cp.name, ()))))
+                        for cp in c.centers)
     except ValueError as e:
         raise ValueError(f"{e}. The plan is the Strategy's local_strategy for that center: search the collaborative "
                          "strategy again with constraints={'pp': 1, 'sp': 1, 'microbatches': 1, 'dtype': 'fp32'}, "

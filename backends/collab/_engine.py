@@ -19,6 +19,7 @@ import numpy as np
 from ._center import LocalTrainer, center_evaluate, center_round, evaluate_torch, load_center_data
 from ._config import CollabConfig
 from ._fusion import Params
+from ._link import LinkThrottle, nbytes_of
 from ._models import build_torch_model, torch_state
 from ._server import CenterReply, FederationServer, RoundRecord, TimingLog, aggregate_evaluations
 from ._trainers import make_trainer
@@ -154,6 +155,7 @@ def _run_rounds(config: CollabConfig, server: FederationServer, pool: Mapping[st
                 tamper: Mapping[str, Tamper] | None = None) -> None:
     # center_states: each center's memory across rounds (SCAFFOLD's c_i); the server never reads it
     done = 0
+    links = {c.name: LinkThrottle.of(c) for c in config.centers}
     while not server.done and (max_rounds is None or done < max_rounds):
         r, global_params = server.begin_round()
         control = server.control()
@@ -161,10 +163,13 @@ def _run_rounds(config: CollabConfig, server: FederationServer, pool: Mapping[st
         for c in config.centers:
             if c.name in (absent or {}).get(r, ()):
                 continue
+            # the center's emulated WAN link (if any) holds the model's bytes, then the update's
+            links[c.name].download(nbytes_of(global_params) + (nbytes_of(control) if control else 0))
             t_recv = time.time()
             payload, metrics = center_round(pool[c.name], {k: v.copy() for k, v in global_params.items()},
                                             round_idx=r, config=config, proximal_mu=server.fusion.proximal_mu,
                                             t_received=t_recv, control=control, center_state=center_states[c.name])
+            links[c.name].upload(nbytes_of(payload))
             if tamper and c.name in tamper:
                 payload, metrics = tamper[c.name](r, payload, metrics)
             replies.append(CenterReply(c.name, payload, metrics))

@@ -83,6 +83,7 @@ from ._center import LocalTrainer, center_evaluate, center_round, evaluate_torch
 from ._config import CollabConfig
 from ._engine import initial_params
 from ._flwr_timing import set_object_pull_backoff
+from ._link import LinkThrottle, nbytes_of
 from ._server import CenterReply, FederationServer, TimingLog, aggregate_evaluations
 from ._trainers import make_trainer
 from ._wire import pack_arrays, unpack_arrays
@@ -139,8 +140,17 @@ def reply_content(payload: dict[str, np.ndarray], metrics: dict[str, float], cen
                        "metrics": MetricRecord(dict(metrics)), "center": ConfigRecord({"name": center})})
 
 
+@lru_cache(maxsize=8)
+def _link(config_json: str, center: str) -> LinkThrottle:
+    # one per center process, kept between rounds: the link's transfers queue behind each other
+    return LinkThrottle.of(CollabConfig.from_json(config_json).center(center))
+
+
 @client_app.train()
 def _center_train(msg: Message, context: Context) -> Message:
+    link = _link(str(context.run_config["collab-config"]), str(context.node_config["center"]))
+    # an emulated WAN link: the model's bytes arrive latency + bytes / bandwidth after the server sent them
+    link.download(sum(nbytes_of(v) for v in msg.content.array_records.values()), sent_at=msg.metadata.created_at)
     t_received = time.time()
     config, center, trainer = _node_trainer(context)
     global_params = _from_records(msg.content)
@@ -154,7 +164,9 @@ def _center_train(msg: Message, context: Context) -> Message:
                                     control=control, center_state=ci)
     if ci is not None:
         context.state[_CI_KEY] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in ci.items()})
-    return Message(reply_content(payload, metrics, center, pack="layout" in msg.content), reply_to=msg)
+    reply = reply_content(payload, metrics, center, pack="layout" in msg.content)
+    link.upload(sum(nbytes_of(v) for v in reply.array_records.values()))
+    return Message(reply, reply_to=msg)
 
 
 @client_app.evaluate()
