@@ -7,6 +7,9 @@ degree ``d`` and ZeRO stage ``z``:
     gradients  = Ψ · b_g                 / (d if z ≥ 2 else 1)
     optimizer  = Ψ · (b_master + s_opt)  / (d if z ≥ 1 else 1)
 
+Under expert parallelism the ``Ψ_e`` expert weights a device holds (``1/ep`` of its stage's) are
+counted apart: ZeRO shards their states over the ``d_e = d/ep`` ranks holding the same experts.
+
 with ``b_w``, ``b_g`` the bytes of a weight and a gradient (2 for bf16/fp16, 4 for fp32),
 ``b_master = 4`` when training in 16 bits keeps fp32 master weights, and ``s_opt`` the
 optimizer's state per parameter (Adam: two fp32 moments = 8 bytes; SGD with momentum 4;
@@ -93,7 +96,7 @@ class MemoryReport:
 def device_memory(*, label: str, device: str, capacity: float, params: float, dp: int, zero_stage: int,
                   param_dtype: str, optimizer: str, activations: float, in_flight: float = 1.0,
                   grad_dtype: str | None = None, master_weights: bool | None = None,
-                  workspace: float = 0.0) -> MemoryReport:
+                  workspace: float = 0.0, expert_params: float = 0.0, expert_dp: int = 1) -> MemoryReport:
     """Memory of one device; see the module docstring for the formulas.
 
     Args:
@@ -101,6 +104,8 @@ def device_memory(*, label: str, device: str, capacity: float, params: float, dp
         activations: bytes stored per micro-batch (already reduced by recomputation).
         in_flight: peak micro-batches whose activations are alive.
         master_weights: fp32 master copy; default: when ``param_dtype`` is 16-bit.
+        expert_params / expert_dp: expert weights held besides ``params`` (after the ``ep`` split)
+            and the ranks ZeRO shards them over.
     """
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise ValueError(f"unknown optimizer {optimizer!r}; one of {', '.join(OPTIMIZER_STATE_BYTES)}")
@@ -110,10 +115,15 @@ def device_memory(*, label: str, device: str, capacity: float, params: float, dp
     bg = _WIDTH[grad_dtype or param_dtype]
     master = (bw < 4) if master_weights is None else master_weights
     opt = (4 if master else 0) + OPTIMIZER_STATE_BYTES[optimizer]
+
+    def states(width: float, from_stage: int) -> float:
+        return (params * width / (dp if zero_stage >= from_stage else 1)
+                + expert_params * width / (expert_dp if zero_stage >= from_stage else 1))
+
     terms = (
-        ("weights", params * bw / (dp if zero_stage >= 3 else 1)),
-        ("gradients", params * bg / (dp if zero_stage >= 2 else 1)),
-        ("optimizer", params * opt / (dp if zero_stage >= 1 else 1)),
+        ("weights", states(bw, 3)),
+        ("gradients", states(bg, 2)),
+        ("optimizer", states(opt, 1)),
         ("activations", activations * in_flight),
         ("workspace", workspace),
     )

@@ -43,6 +43,10 @@ class ParallelConfig:
 
     Args:
         dp / tp / pp / sp: data, tensor, pipeline and sequence (Ulysses) parallel degrees.
+        ep: expert parallelism, carved from the ``dp·sp`` ranks (it adds no devices): each group of
+            ``ep`` consecutive members of a data-parallel group holds ``1/ep`` of every MoE layer's
+            experts, all-to-alls the routed tokens to them and back, and reduces the experts'
+            gradients only over the ``dp·sp/ep`` ranks holding the same experts.
         microbatches: micro-batches per step per pipeline (gradient accumulation without pp).
         schedule: ``gpipe``, ``1f1b`` or ``interleaved``; ``chunks``: model chunks per stage
             (interleaved only).
@@ -72,6 +76,7 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     sp: int = 1
+    ep: int = 1
     microbatches: int = 1
     schedule: str = "1f1b"
     chunks: int = 1
@@ -94,9 +99,15 @@ class ParallelConfig:
 
     def validate(self, cluster: Cluster | None = None) -> None:
         """Raise ``ValueError`` naming the bad field and the fix."""
-        for name in ("dp", "tp", "pp", "sp", "microbatches", "chunks"):
+        for name in ("dp", "tp", "pp", "sp", "ep", "microbatches", "chunks"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"ParallelConfig.{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if (self.dp * self.sp) % self.ep:
+            raise ValueError(f"ParallelConfig.ep {self.ep} must divide dp x sp = {self.dp * self.sp}: expert "
+                             f"parallelism splits the experts over data/sequence-parallel ranks")
+        if self.ep > 1 and self.zero_stage == 3:
+            raise ValueError("ParallelConfig.ep > 1 with zero_stage 3 is not modelled: use ZeRO 0-2 with expert "
+                             "parallelism (the experts are already sharded over ep)")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"ParallelConfig.schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
         if self.chunks > 1 and self.schedule != "interleaved":
@@ -134,6 +145,8 @@ class ParallelConfig:
             extra.append("seqpar")
         if self.op_plans is not None:
             extra.append("placed")
+        if self.ep > 1:
+            extra.insert(0, f"ep{self.ep}")
         return f"dp{self.dp} tp{self.tp} pp{self.pp} sp{self.sp} " + " ".join(extra)
 
 

@@ -81,10 +81,10 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from polyparallel.cluster import Cluster, DeviceType
-from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Op, OpKind, TensorKind
+from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Hint, Op, OpKind, TensorKind, element_bytes
 
 from .comm import collective_time, p2p_time
 from .compute import host_seconds, host_step_fixed, op_cost, streaming_bandwidth
@@ -292,8 +292,11 @@ def estimate_step(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> StepEs
                  ("p2p", p2p_part), ("bubble", waiting - p2p_part),
                  ("data_parallel", x.exposed + m * x.per_microbatch),
                  ("optimizer", x.t_opt), ("idle", step - tot))
+        if pre.expert:
+            parts = (*parts[:3], ("expert_parallel", 2 * m * pre.expert[s]), *parts[3:])
         dp_kinds = "+".join(dict.fromkeys(k for k, _ in x.events)) or "none"
         coll = [("tensor_parallel", tpc), ("sequence_parallel", spc), ("p2p", p2p_total),
+                *([("expert_parallel all_to_all", 2 * m * pre.expert[s])] if pre.expert else []),
                 (f"data_parallel {dp_kinds} (before overlap)", x.t_dp)]
         out.append(StageBreakdown(s, terms.devices[s], terms.types[s].name, parts, tuple(coll)))
     cache = PRICES.of(graph)
@@ -385,6 +388,7 @@ class _Prepared:
     dp: tuple[_DataParallel, ...]
     memory: tuple[MemoryReport, ...]
     accumulation: tuple[float, ...] = ()  # per stage and micro-batch, inside the backward
+    expert: tuple[float, ...] = ()  # per stage and micro-batch, expert-parallel all-to-alls (forward = backward)
 
 
 def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
@@ -395,28 +399,43 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
     gb = TRAINING_DTYPE_BYTES[cfg.dtype]
     dps, mems, accum = [], [], []
     fwd, bwd = list(terms.fwd), list(terms.bwd)
+    moe = _expert_parallel(graph, cluster, cfg, terms, ccache, gb) if cfg.ep > 1 else None
+    # the data-parallel group reduces the stage's other weights; the experts' own reduction is added
+    dterms = terms if moe is None else replace(
+        terms, params=tuple(x - e for x, e in zip(terms.params, moe.expert_params)), memo={})
     for s in range(p):
         dt = terms.types[s]
         dgrp_size = len(terms.dp_groups[s][0][0])
         params = terms.params[s]
         omega = cfg.grad_overlap if cfg.grad_overlap is not None else (0.0 if dt.kind == "cpu" else 1.0)
-        events, t_dp, exposed, ef, eb = _data_parallel(cluster, ccache, terms, s, cfg, gb, omega, v)
+        events, t_dp, exposed, ef, eb = _data_parallel(cluster, ccache, dterms, s, cfg, gb, omega, v)
         fwd[s] += ef
         bwd[s] += eb
         shard = dgrp_size if cfg.zero_stage >= 1 else 1
+        # parameter elements this rank updates: with expert parallelism it holds 1/ep of the
+        # experts, whose ZeRO shards span the dp·sp/ep ranks holding the same experts
+        experts = moe.expert_params[s] if moe is not None else 0.0
+        local = (params - experts) / shard + experts / cfg.ep / max(1, shard // cfg.ep)
+        if moe is not None:
+            fwd[s] += moe.a2a[s]
+            bwd[s] += moe.a2a[s]
+            if moe.grad_t[s]:
+                hide = omega * (m * terms.bwd[s] if cfg.zero_stage == 2 else terms.bwd[s] / v)
+                events, t_dp = events + moe.grad_events[s], t_dp + moe.grad_t[s]
+                exposed = max(0.0, t_dp - hide)
         master = 4 if gb < 4 else 0
         opt_state = 8 if cfg.optimizer in ("adam", "adamw", "lamb") else 4 if cfg.optimizer in (
             "sgd_momentum", "lion") else 0
-        opt_bytes = params / shard * (gb * 3 + 2 * (master + opt_state))
+        opt_bytes = local * (gb * 3 + 2 * (master + opt_state))
         if not cfg.fused_optimizer or dt.kind == "cpu":
             # torch's unfused step: the same kernels foreach runs (one tensor at a time on a CPU,
             # where the torch backend never asks for the fused kernel), each a pass over fp32 state
-            opt_bytes = params / shard * 4 * _FOREACH_ACCESSES.get(cfg.optimizer, 18)
+            opt_bytes = local * 4 * _FOREACH_ACCESSES.get(cfg.optimizer, 18)
         t_opt = max(opt_bytes / streaming_bandwidth(dt), dt.launch_overhead) if params else 0.0
         rates = dict(dt.optimizer_element_rates).get(cfg.optimizer)
         if rates and params:
             # measured per element at the stage's own working set (in cache or in memory), not streamed
-            t_opt = params / shard * optimizer_element_time(rates, params / shard)
+            t_opt = local * optimizer_element_time(rates, local)
         if dt.kind == "cpu" and terms.param_tensors:
             # torch's CPU optimizers update tensor by tensor (no multi-tensor kernels there): each
             # parameter tensor costs ~k kernels at least at the kernel floor, plus DTensor's dispatch
@@ -444,7 +463,8 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
             t_opt = max(t_opt, host[0] + host[1] * terms.param_tensors[s])
         # autograd adds every micro-batch's weight gradient after the first into .grad: on average
         # (m-1)/m of the stage's local gradient elements per micro-batch (calibrated CPUs measure it)
-        acc = dt.grad_accumulation * (m - 1) / m * params / (shard if cfg.zero_stage >= 2 else 1)
+        held = params - experts * (1 - 1 / cfg.ep)
+        acc = dt.grad_accumulation * (m - 1) / m * (local if cfg.zero_stage >= 2 else held)
         bwd[s] += acc
         accum.append(acc)
         dps.append(_DataParallel(exposed, t_opt, t_dp, events, ef + eb))
@@ -453,10 +473,11 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
             ws += 2 * _max_segment_params(graph) * gb / cfg.tp
         mems.append(device_memory(
             label=f"stage {s} (devices {terms.spans[s]})", device=f"{dt.name} {dt.memory / 1e9:.0f} GB",
-            capacity=dt.memory, params=params, dp=dgrp_size, zero_stage=cfg.zero_stage,
+            capacity=dt.memory, params=params - experts, dp=dgrp_size, zero_stage=cfg.zero_stage,
             param_dtype=cfg.dtype, optimizer=cfg.optimizer, activations=terms.act[s], in_flight=in_flight[s] / v,
-            workspace=ws))
-    return _Prepared(terms, v, tuple(fwd), tuple(bwd), tuple(dps), tuple(mems), tuple(accum))
+            workspace=ws, expert_params=experts / cfg.ep, expert_dp=max(1, dgrp_size // cfg.ep)))
+    return _Prepared(terms, v, tuple(fwd), tuple(bwd), tuple(dps), tuple(mems), tuple(accum),
+                     moe.a2a if moe is not None else ())
 
 
 def _loss_transient(graph: Graph, cfg: ParallelConfig, v: int) -> dict[int, float]:
@@ -958,6 +979,155 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
             tp_param_tensors=split_tensors, segs=stage_segs, seg_params=tuple(seg_params.values()),
             p2p=max(times) if times else 0.0, p2p_sum=sum(times), held=held))
     return tuple(out)
+
+
+# -- expert parallelism ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _ExpertParallel:
+    """Per stage: the expert weights it holds before the ``ep`` split, the seconds of its MoE
+    layers' all-to-alls per micro-batch (forward and backward alike), and the experts' gradient
+    reduction over the ranks holding the same experts (events, seconds per step)."""
+
+    expert_params: tuple[float, ...]
+    a2a: tuple[float, ...]
+    grad_events: tuple[tuple[tuple[str, float], ...], ...]
+    grad_t: tuple[float, ...]
+
+
+def _moe_layers(graph: Graph) -> tuple[list[tuple[int, int]], dict[str, int]]:
+    """The MoE layers as ``(first, last)`` expert-matmul op indices (one layer per module: the
+    first's input is dispatched, the last's output combined), and the expert weight tensors
+    (parameters reaching an expert matmul's weight operand through views and casts)."""
+    cache = PRICES.of(graph)
+    hit = cache.get(("moe",))
+    if hit is not None:
+        return hit
+    by_module: dict[str, list[int]] = {}
+    weights: dict[str, int] = {}
+    for i, op in enumerate(graph.ops):
+        if op.nest is None or not any(d.hint is Hint.EXPERT for d in op.nest.dims) or len(op.inputs) < 2:
+            continue
+        by_module.setdefault(op.module or op.name, []).append(i)
+        t = op.inputs[1]
+        while graph.tensors[t].kind is not TensorKind.PARAM:
+            prod = graph.producer(t)
+            if prod is None or OpKind(prod.kind) not in (OpKind.VIEW, OpKind.ELEMENTWISE) or not prod.inputs:
+                break
+            t = prod.inputs[0]
+        if graph.tensors[t].kind is TensorKind.PARAM:
+            weights[t] = i
+    out = ([(ix[0], ix[-1]) for ix in by_module.values()], weights)
+    cache[("moe",)] = out
+    return out
+
+
+def expert_all_to_all_elements(rows: int, hidden_in: int, hidden_out: int, experts: int, ep: int) -> tuple[int, int]:
+    """Elements one device receives in a MoE layer's dispatch and in its combine over ``ep`` ranks
+    holding ``rows`` routed rows each, from the polyhedral model: the expert matmul of the
+    ``ep`` ranks' rows side by side (:func:`polyparallel.ops.grouped_mm` with ``sources = ep``)
+    placed ``e:ep``; the dispatch is the footprint of its input minus the rank's own rows, the
+    combine its output block back to the rows' ranks. Rows that do not divide over the experts
+    are padded up (a bound)."""
+    from polyparallel import ops
+    from polyparallel.ir import Graph as _Graph
+    from polyparallel.ir import Op as _Op
+    from polyparallel.ir import TensorSpec
+    from polyparallel.poly import DeviceMesh, Placement, TensorLayout, operand_need, output_layout, reshard
+
+    rows = -(-rows // experts) * experts
+    n = ep * rows
+    g = _Graph("moe_layer")
+    for name, shape, kind in (("x", (n, hidden_in), TensorKind.ACTIVATION),
+                              ("w", (experts, hidden_in, hidden_out), TensorKind.PARAM),
+                              ("y", (n, hidden_out), TensorKind.ACTIVATION)):
+        g.add_tensor(TensorSpec(name, shape, kind=kind))
+    op = g.add_op(_Op("experts", OpKind.CONTRACTION, "grouped_mm", ("x", "w"), ("y",),
+                      ops.grouped_mm((n, hidden_in), (experts, hidden_in, hidden_out), sources=ep)))
+    mesh, placed = DeviceMesh.of(ep=ep), Placement.parse("e:ep")
+    dispatch = reshard(TensorLayout.sharded((n, hidden_in), ep=0), operand_need(g, op, placed, mesh, "in0"), mesh)
+    combine = reshard(output_layout(g, op, placed, mesh), TensorLayout.sharded((n, hidden_out), ep=0), mesh)
+    return dispatch.elements, combine.elements
+
+
+def _expert_parallel(graph: Graph, cluster: Cluster, cfg: ParallelConfig, terms: _StageTerms, ccache: dict,
+                     gb: int) -> _ExpertParallel:
+    """Expert parallelism's terms per stage (``cfg.ep`` ranks of each data-parallel group, consecutive).
+
+    Forward, per micro-batch and MoE layer: the dispatch of the routed rows to the experts'
+    ranks and the combine of the experts' outputs back, each an all-to-all over the ``ep``
+    group of the bytes :func:`expert_all_to_all_elements` counts (a rank's rows: its
+    ``T = tokens·top_k`` rows divided over ``sp``, and over ``tp`` under Megatron sequence
+    parallelism); the backward moves the gradients of both the same way. The balanced routing of
+    the loop nest makes every expert's work ``1/E`` of the rows, so the compute per rank is
+    unchanged. Gradients of the expert weights (``1/ep`` of the stage's per rank) are reduced
+    over the ``dp·sp/ep`` ranks holding the same experts (every ``ep``-th member of the data-parallel
+    group): all-reduce under ZeRO-0, reduce-scatter + all-gather under ZeRO-1/2.
+    """
+    p, ep, v = cfg.pp, cfg.ep, cfg.chunks if cfg.schedule == "interleaved" else 1
+    layers, weights = _moe_layers(graph)
+    chunk_of_op = chunks(graph, p * v, cfg.partition)
+    plans = op_plans(graph, cfg)
+    expert = [0.0] * p
+    counted: set[tuple[int, str]] = set()
+    for i, t, numel, _ in _per_plan(graph, cfg, plans)[3]:
+        s = chunk_of_op[i] % p
+        if t in weights and (s, t) not in counted:
+            counted.add((s, t))
+            expert[s] += numel
+    rows_div = cfg.sp * (cfg.tp if cfg.sequence_parallel else 1)
+    conc_of = PRICES.of(cluster)["group_concurrency"]
+    nodes = [d.node for d in cluster.devices]
+
+    def subgroups_time(grp: tuple[int, ...], gid: int, subs: list[tuple[int, ...]],
+                       events: Sequence[tuple[str, float]]) -> float:
+        # the subgroups of every data-parallel group run at once: those with a member on a node
+        # share its ports with each other and with the other tensor-parallel ranks' groups
+        on_node: dict[int, int] = {}
+        for sub in subs:
+            for nd in {nodes[d] for d in sub}:
+                on_node[nd] = on_node.get(nd, 0) + 1
+        worst = 0.0
+        for sub in subs:
+            conc = conc_of[gid] * max(on_node[nodes[d]] for d in sub)
+            tot = 0.0
+            for kind, nbytes in events:
+                key = ("ep", kind, nbytes, tuple(sorted(nodes[d] for d in sub)), conc)
+                if key not in ccache:
+                    ccache[key] = collective_time(cluster, kind, nbytes, sub, concurrent=conc).seconds
+                tot += ccache[key]
+            worst = max(worst, tot)
+        return worst
+
+    a2a, grad_events, grad_t = [0.0] * p, [], []
+    for s in range(p):
+        events = []
+        for first, last in layers:
+            if chunk_of_op[first] % p != s:
+                continue
+            x, w = (graph.tensors[t] for t in graph.ops[first].inputs[:2])
+            y = graph.tensors[graph.ops[last].outputs[0]]
+            key = ("moe_a2a", ep, x.shape, w.shape, y.shape, rows_div)
+            if key not in PRICES.of(graph):
+                PRICES.of(graph)[key] = expert_all_to_all_elements(
+                    max(1, x.shape[0] // rows_div), x.shape[1], y.shape[1], w.shape[0], ep)
+            d_el, c_el = PRICES.of(graph)[key]
+            for el, spec in ((d_el, x), (c_el, y)):
+                events.append(("all_to_all", el * element_bytes(spec.dtype, cfg.dtype) * ep / (ep - 1)))
+        groups = terms.dp_groups[s]
+        a2a[s] = max(subgroups_time(grp, gid, [grp[i:i + ep] for i in range(0, len(grp), ep)], events)
+                     for grp, gid in groups) if events else 0.0
+        held = expert[s] / ep
+        ev: tuple[tuple[str, float], ...] = ()
+        if len(groups[0][0]) > ep and held:
+            rb = max(gb, 4)
+            ev = ((("all_reduce", held * rb),) if cfg.zero_stage == 0 else
+                  (("reduce_scatter", held * rb),) * (cfg.microbatches if cfg.zero_stage == 2 else 1)
+                  + (("all_gather", held * gb),))
+        grad_events.append(ev)
+        grad_t.append(max(subgroups_time(grp, gid, [grp[j::ep] for j in range(ep)], ev) for grp, gid in groups)
+                      if ev else 0.0)
+    return _ExpertParallel(tuple(expert), tuple(a2a), tuple(grad_events), tuple(grad_t))
 
 
 # (device ids, price class: the id of their sorted node ids and the groups running alongside on a node)
