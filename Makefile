@@ -42,9 +42,13 @@ demo: $(STAMP)
 	$(BIN)/polyparallel train .demo/strategy.json --model gpt-tiny --steps 5 --run-dir .demo/run
 	$(BIN)/polyparallel search gpt2-small --cluster dgx-a100x1 --batch-size 64 --out .demo/gpt2-small.json
 
+# The suite runs on min(cores, 4) pytest-xdist workers (TEST_WORKERS=0: all in this process); the
+# tests that start Flower federations run one after another on one of them (tests/conftest.py).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
+
 test: $(TSTAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 lint: $(TSTAMP)
 	$(BIN)/ruff check .
