@@ -51,7 +51,8 @@ def _summary(s: Strategy) -> list[str]:
              f"global batch {s.global_batch}"]
     if s.mode == "synchronous":
         sched = s.schedule
-        lines.append(f"  dp={s.dp} tp={s.tp} pp={s.pp} sp={s.sp}, {s.microbatches} micro-batches ({sched}), "
+        ep = f" ep={s.ep}" if s.ep > 1 else ""
+        lines.append(f"  dp={s.dp} tp={s.tp} pp={s.pp} sp={s.sp}{ep}, {s.microbatches} micro-batches ({sched}), "
                      f"ZeRO-{s.zero_stage}, recompute {s.recompute}, {s.dtype}")
     elif s.collaborative:
         c = s.collaborative
@@ -84,6 +85,7 @@ def search_cmd(
     tp: Annotated[int | None, typer.Option(help="pin the tensor-parallel degree")] = None,
     pp: Annotated[int | None, typer.Option(help="pin the number of pipeline stages")] = None,
     sp: Annotated[int | None, typer.Option(help="pin the sequence-parallel (Ulysses) degree")] = None,
+    ep: Annotated[int | None, typer.Option(help="pin the expert-parallel degree (MoE models; divides dp*sp)")] = None,
     microbatches: Annotated[int | None, typer.Option(help="pin the micro-batches per step")] = None,
     schedule: Annotated[str | None, typer.Option(help="pin the pipeline schedule: gpipe, 1f1b or interleaved")] = None,
     zero: Annotated[int | None, typer.Option(help="pin the ZeRO stage 0-3")] = None,
@@ -106,7 +108,7 @@ def search_cmd(
     from polyparallel.planning.plan_search import Constraints, search
 
     console = _console()
-    pinned = {"dp": dp, "tp": tp, "pp": pp, "sp": sp, "microbatches": microbatches, "schedule": schedule,
+    pinned = {"dp": dp, "tp": tp, "pp": pp, "sp": sp, "ep": ep, "microbatches": microbatches, "schedule": schedule,
               "zero_stage": zero, "recompute": recompute, "dtype": dtype, "devices": devices, "mode": mode,
               "memory_cap": None if memory_cap is None else memory_cap * 1e9, "comm_fraction": comm_fraction,
               "max_local_steps": max_local_steps}
@@ -150,6 +152,11 @@ def explain_cmd(
     for a in s.mesh.axes:
         t.add_row(a.name, str(a.size), a.level)
     console.print(t)
+    if s.ep > 1:
+        console.print(f"expert parallelism: ep={s.ep} — each group of {s.ep} data/sequence-parallel ranks splits "
+                      f"every MoE layer's experts ({s.ep} shards), dispatches the routed tokens to them and "
+                      f"combines the outputs by all-to-all; the experts' gradients are reduced over the "
+                      f"{s.dp * s.sp // s.ep} rank(s) holding the same experts")
     if s.stages:
         t = Table(title="pipeline stages")
         for col in ("stage", "ops (first .. last)", "layers", "devices", "device type", "compute", "placed by",
@@ -213,8 +220,8 @@ def _diff(console: Console, a: Strategy, b: Strategy, pa: Path, pb: Path) -> Non
     t.add_column("field")
     t.add_column(pa.name)
     t.add_column(pb.name)
-    fields = ["mode", "global_batch", "dp", "tp", "pp", "sp", "microbatches", "schedule", "zero_stage", "recompute",
-              "dtype"]
+    fields = ["mode", "global_batch", "dp", "tp", "pp", "sp", "ep", "microbatches", "schedule", "zero_stage",
+              "recompute", "dtype"]
     for f in fields:
         va, vb = getattr(a, f), getattr(b, f)
         style = "" if va == vb else "bold"
@@ -234,6 +241,7 @@ def evaluate_cmd(
     tp: Annotated[int, typer.Option(help="tensor-parallel degree")] = 1,
     pp: Annotated[int, typer.Option(help="pipeline stages")] = 1,
     sp: Annotated[int, typer.Option(help="sequence-parallel degree")] = 1,
+    ep: Annotated[int, typer.Option(help="expert-parallel degree (MoE models; divides dp*sp)")] = 1,
     microbatches: Annotated[int | None, typer.Option(help="micro-batches per step")] = None,
     schedule: Annotated[str | None, typer.Option(help="gpipe, 1f1b or interleaved")] = None,
     zero: Annotated[int | None, typer.Option(help="ZeRO stage 0-3")] = None,
@@ -249,12 +257,12 @@ def evaluate_cmd(
     from polyparallel.planning.plan_search import evaluate
 
     m, args, kwargs = _load(model, seq, layers)
-    s = evaluate(m, args, cluster, example_kwargs=kwargs, dp=dp, tp=tp, pp=pp, sp=sp, microbatches=microbatches,
+    s = evaluate(m, args, cluster, example_kwargs=kwargs, dp=dp, tp=tp, pp=pp, sp=sp, ep=ep, microbatches=microbatches,
                  schedule=schedule, zero_stage=zero, recompute=recompute, batch_size=batch_size, dtype=dtype,
                  placements=placements)
     if as_json:
         d = s.estimate.model_dump() if s.estimate else {}
-        d.update({"dp": s.dp, "tp": s.tp, "pp": s.pp, "sp": s.sp, "microbatches": s.microbatches,
+        d.update({"dp": s.dp, "tp": s.tp, "pp": s.pp, "sp": s.sp, "ep": s.ep, "microbatches": s.microbatches,
                   "schedule": s.schedule, "fits": not s.search.notes, "notes": s.search.notes})
         typer.echo(json.dumps(d, indent=1))
         return

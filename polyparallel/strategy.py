@@ -170,6 +170,8 @@ class Strategy(_Model):
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
     sp: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1, description="expert-parallel degree: each group of ep data/sequence-parallel ranks "
+                    "splits every MoE layer's experts (1: experts replicated like the other weights)")
     microbatches: int = Field(1, ge=1)
     schedule: str = "1f1b"
     zero_stage: int = Field(0, ge=0, le=3)
@@ -190,6 +192,9 @@ class Strategy(_Model):
             world = self.dp * self.tp * self.pp * self.sp
             if world != len(self.mesh.devices):
                 raise ValueError(f"dp*tp*pp*sp = {world} but the mesh has {len(self.mesh.devices)} devices")
+            if (self.dp * self.sp) % self.ep:
+                raise ValueError(f"ep = {self.ep} must divide dp*sp = {self.dp * self.sp}: expert parallelism "
+                                 f"splits the experts over data/sequence-parallel ranks")
         return self
 
     # -- I/O ------------------------------------------------------------------------------

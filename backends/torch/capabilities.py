@@ -21,6 +21,8 @@ of a plan, against the model's captured graph:
   attention over one sequence length through ``scaled_dot_product_attention``, no position tables);
 * data or sequence parallelism together with tensor parallelism only with FSDP2 (``zero_stage >= 1``):
   DDP over DTensor parameters is not executed;
+* no expert parallelism (``ep > 1``): the executor replicates every MoE layer's experts over the
+  data-parallel ranks; an ``ep`` plan is for planning only (search it with ``placements="any"``);
 * a model normalising with batch statistics (BatchNorm in training mode) neither in pipeline stages
   nor with micro-batches: each micro-batch would be normalised with its own statistics, which
   single-process training of the whole batch does not do (data parallelism is exact: the
@@ -112,6 +114,11 @@ def plan_problems(graph: Graph | None, s: Any) -> list[str]:
         if sp_why:
             why.append(f"sp={s.sp} (Ulysses sequence parallelism) is not exact for this model: "
                        + "; ".join(sp_why[:3]))
+    ep = getattr(s, "ep", 1)
+    if ep > 1:
+        why.append(f"ep={ep}: expert parallelism (each MoE layer's experts split over {ep} data-parallel ranks, "
+                   "tokens dispatched and combined by all-to-all) is not executed by the torch backend; train "
+                   "with ep=1 (experts replicated), or keep this strategy for planning only")
     if graph is not None and (s.pp > 1 or s.microbatches > 1):
         bn = batch_statistics(graph)
         if bn:

@@ -71,7 +71,7 @@ def strategy_of(mdl: ModelGraphs, cl: Cluster, est: StepEstimate, b: int, B: int
                         breakdown={k: float(v) for k, v in bd.items()},
                         memory_by_device={r.label: float(r.total) for r in est.memory})
     return Strategy(model=model_info(mdl, g, b, B), cluster=cl.to_dict() if hasattr(cl, "to_dict") else {},
-                    mode="synchronous", global_batch=B, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, sp=cfg.sp,
+                    mode="synchronous", global_batch=B, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, sp=cfg.sp, ep=cfg.ep,
                     microbatches=cfg.microbatches, schedule=cfg.schedule if cfg.chunks == 1 else
                     f"interleaved:{cfg.chunks}", zero_stage=cfg.zero_stage, recompute=cfg.recompute, dtype=cfg.dtype,
                     mesh=Mesh(axes=axes, devices=order), stages=stages,

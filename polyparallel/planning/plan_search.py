@@ -109,7 +109,7 @@ from polyparallel.cost_models import ParallelConfig, StepEstimate, estimate_step
 from polyparallel.cost_models.parallel_config import RECOMPUTE
 from polyparallel.cost_models.pipeline import SCHEDULES
 from polyparallel.cost_models.step import StepBound, step_lower_bound
-from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph
+from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Hint
 from polyparallel.planning.assemble import model_info, strategy_of
 from polyparallel.planning.model_graphs import ModelGraphs, divisors, rebatch
 from polyparallel.planning.model_inputs import model_and_inputs
@@ -140,6 +140,8 @@ class Constraints:
 
     Args:
         dp / tp / pp / sp / microbatches / schedule / zero_stage / recompute: fixed values.
+        ep: the expert-parallel degree (MoE models; carved from ``dp·sp``). Unset, the search
+            tries 1 and every divisor of ``dp·sp`` that divides the experts of each MoE layer.
         devices: use only this many devices (the first ones in the cluster's order).
         centers: use only these centers (by name).
         memory_cap: bytes per device the plan may use (below the device capacity).
@@ -159,6 +161,7 @@ class Constraints:
     tp: int | None = None
     pp: int | None = None
     sp: int | None = None
+    ep: int | None = None
     microbatches: int | None = None
     schedule: str | None = None
     zero_stage: int | None = None
@@ -182,7 +185,7 @@ class Constraints:
     def problems(self) -> list[str]:
         """Each pinned value that no plan can have, with the values it can take."""
         why = []
-        for name in ("dp", "tp", "pp", "sp", "microbatches", "devices", "max_local_steps"):
+        for name in ("dp", "tp", "pp", "sp", "ep", "microbatches", "devices", "max_local_steps"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 why.append(f"{name}={v!r}: give a whole number >= 1 (or leave it unset to let the search choose)")
@@ -385,7 +388,7 @@ def _plans(base: ParallelConfig, c: Constraints, layers: int,
     if c.schedule is not None:
         scheds = [(s, v) for s, v in scheds if s == c.schedule] or [(c.schedule, 1 if c.schedule != "interleaved"
                                                                       else 2)]
-    ladder = [(int(z), r) for z, r in MEMORY_LADDER]
+    ladder = [(int(z), r) for z, r in MEMORY_LADDER if base.ep == 1 or int(z) < 3]  # ZeRO-3 + ep: not modelled
     if base.dp * base.sp == 1:
         ladder = [(z, r) for z, r in ladder if z == 0] + [(0, "selective"), (0, "full")]
         ladder = list(dict.fromkeys(ladder))
@@ -500,16 +503,16 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
     n = len(devs)
     layers = _layer_count(g)
     node = _node_size(cl, devs)
-    shapes = _mesh_shapes(n, c, node, layers, exhaustive)
+    shapes = [(*sh, ep) for sh in _mesh_shapes(n, c, node, layers, exhaustive) for ep in _ep_degrees(g, sh, c)]
     # the exhaustive yardstick walks every rung (`offer` refuses the unexecuted ones); otherwise
     # the ladders hold only executed rungs
     runs = (lambda cfg: not problems(cfg)) if enforce and not wide else None
     say(f"{len(shapes)} mesh shapes over {n} devices")
-    for i, (dp, tp, pp, sp) in enumerate(shapes):
+    for i, (dp, tp, pp, sp, ep) in enumerate(shapes):
         if B % dp:
             continue
         per_replica = B // dp
-        base = ParallelConfig(dp=dp, tp=tp, pp=pp, sp=sp, microbatches=1, dtype=dtype, devices=tuple(devs))
+        base = ParallelConfig(dp=dp, tp=tp, pp=pp, sp=sp, ep=ep, microbatches=1, dtype=dtype, devices=tuple(devs))
         wan_group, wan_pipe = _crosses_wan(cl, base, devs)
         if wan_group and not c.allow_wan:
             continue
@@ -640,6 +643,17 @@ def _train_batch(mdl: ModelGraphs, B: int) -> tuple[Any, Any] | None:
         return None
     device = next((p.device for p in mdl.model.parameters()), pair[0].device)
     return tuple(rebatch(t, mdl.b0, B).to(device) for t in pair)  # type: ignore[return-value]
+
+
+def _ep_degrees(g: Graph, shape: tuple[int, int, int, int], c: Constraints) -> list[int]:
+    """Expert-parallel degrees of one mesh shape ``(dp, tp, pp, sp)``: 1, and each divisor of
+    ``dp·sp`` that divides every MoE layer's expert count (``c.ep`` when pinned)."""
+    ranks = shape[0] * shape[3]
+    experts = {d.extent for op in g.ops if op.nest is not None for d in op.nest.dims if d.hint is Hint.EXPERT}
+    if c.ep is not None and c.ep > 1 and not experts:
+        raise ValueError(f"ep={c.ep}: the model has no mixture-of-experts layer (no expert matmul was captured)")
+    out = [e for e in divisors(ranks) if all(x % e == 0 for x in experts)] if experts else [1]
+    return [e for e in out if e == c.ep] if c.ep is not None else out
 
 
 def _micro_order(sizes: list[int], per_replica: int, pp: int, c: Constraints, exhaustive: bool) -> list[int]:
@@ -803,7 +817,7 @@ def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Pa
              example_kwargs: dict[str, Any] | None = None, dp: int | None = None, tp: int = 1, pp: int = 1,
              sp: int = 1, microbatches: int | None = None, schedule: str | None = None,
              zero_stage: int | None = None, recompute: str | None = None, batch_size: int | None = None,
-             dtype: str | None = None, placements: str = "rule") -> Strategy:
+             dtype: str | None = None, placements: str = "rule", ep: int = 1) -> Strategy:
     """Price a hand-made recipe with the same cost model; what is not given is chosen as the search would.
 
     A recipe's tensor parallelism is Megatron's (``placements="rule"``, what the usual recipes
@@ -813,7 +827,7 @@ def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Pa
     Returns a Strategy whose ``estimate`` holds the price (even when the recipe does not fit:
     then ``estimate.memory_bytes_max`` exceeds the capacity and ``search.notes`` says why).
     """
-    Constraints(dp=dp, tp=tp, pp=pp, sp=sp)  # raises on degrees no plan has
+    Constraints(dp=dp, tp=tp, pp=pp, sp=sp, ep=ep)  # raises on degrees no plan has
     _check_batch(batch_size)
     _check_cluster(cluster)
     model, example_inputs, example_kwargs, _ = model_and_inputs(model, example_inputs, example_kwargs)
@@ -831,8 +845,12 @@ def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Pa
     B = batch_size or mdl.b0 * dp
     if B % dp:
         raise ValueError(f"the global batch {B} is not divisible by dp={dp}")
-    c = Constraints(dp=dp, tp=tp, pp=pp, sp=sp, microbatches=microbatches, schedule=schedule, zero_stage=zero_stage,
-                    recompute=recompute, dtype=dtype, allow_wan=True, cross_node_tp=True, devices=world)
+    if (dp * sp) % ep:
+        raise ValueError(f"ep={ep} must divide dp*sp = {dp * sp}: expert parallelism splits the experts over "
+                         "data/sequence-parallel ranks")
+    c = Constraints(dp=dp, tp=tp, pp=pp, sp=sp, ep=ep, microbatches=microbatches, schedule=schedule,
+                    zero_stage=zero_stage, recompute=recompute, dtype=dtype, allow_wan=True, cross_node_tp=True,
+                    devices=world)
     if placements not in MODES:
         raise ValueError(f"placements must be one of {', '.join(MODES)}, not {placements!r}")
     t0 = time.perf_counter()
