@@ -125,3 +125,37 @@ def test_halo_is_priced_as_a_neighbour_exchange_not_an_all_to_all():
     assert cluster == pytest.approx(max(lat + n / bw, nlat + n / 2 / min(nbw, c.node_bandwidth(0) / 2)))
     # an all-to-all over the 48 devices moving the same bytes per device costs more
     assert collective_time(c, "all_to_all", n * 48 / 47, list(range(48))).seconds > cluster
+
+
+# -- 2. masked footprints: keys and values under a causal or sliding-window mask ----------------------
+@pytest.mark.parametrize("window", [None, 3, 6])
+@pytest.mark.parametrize("mesh_axes", [{"sp": 4}, {"sp": 3}, {"dp": 2, "sp": 2}])
+def test_masked_kv_footprint_against_brute_force(window, mesh_axes):
+    B, H, Hk, S, D = 2, 4, 2, 12, 3
+    mesh = DeviceMesh.of(**mesh_axes)
+    q, kv = (B, H, S, D), (B, Hk, S, D)
+    nest = ops.attention(q, kv, kv, causal=True, window=window)
+    g = _graph(("q", q, "activation"), ("k", kv, "activation"), ("v", kv, "activation"), ("o", q, "activation"))
+    op = g.add_op(Op("attn", OpKind.ATTENTION, "sdpa", ("q", "k", "v"), ("o",), nest))
+    split = Placement.parse("b:dp,s:sp" if "dp" in mesh_axes else "s:sp")
+    held = TensorLayout(kv, (("dp",) if "dp" in mesh_axes else (), (), ("sp",), ()))
+    for operand in ("in1", "in2"):
+        need = operand_need(g, op, split, mesh, operand)
+        want = brute_need(nest, operand, kv, split, mesh)
+        assert need.counts().tolist() == [len(n) for n in want]
+        missing = [len(n - h) for n, h in zip(want, brute_block(kv, held, mesh))]
+        r = reshard(held, need, mesh)
+        # priced at the exact volume the neediest device lacks, never a full all-gather of K / V
+        assert r.elements == max(missing) == r.direct_elements
+        assert sum(s.total for s in r.steps) == sum(missing)
+        assert "all-gather" not in r.kind
+        sp = mesh.axis("sp").size
+        block = S // sp
+        if window is not None and window - 1 <= block:
+            assert r.kind == "halo" and r.steps[0].group == sp  # the window reaches the previous block only
+        elif max(missing):
+            # the prefix of earlier blocks: an exchange among the sp devices, not the whole mesh
+            assert r.kind in ("p2p", "halo") and r.steps[0].axes == ("sp",) and r.steps[0].group == sp
+    # FLOPs: the masked domain counted exactly (scores, softmax, p.v per visible pair)
+    visible = sum(1 for s in range(S) for t in range(S) if t <= s and (window is None or t > s - window))
+    assert nest.flops() == B * H * visible * (2 * D + 3 + 2 * D)

@@ -2,7 +2,8 @@
 
 ``q[b, h, s, d]``, ``k[b, hk, t, d]``, ``v[b, hk, t, e]``; grouped-query attention
 (``h = hk * g``) splits the head dim into (kv-head, group) so every access stays affine.
-A causal mask is the constraint ``s - t >= 0``, so its FLOPs are counted exactly.
+A causal mask is the constraint ``s - t >= 0`` (a sliding window adds ``t > s - window``), so its
+FLOPs, and the keys and values each block of queries reads, are counted exactly.
 """
 
 from __future__ import annotations
@@ -15,8 +16,14 @@ from ._common import NotModelled, broadcast_index
 
 
 def attention(q: Sequence[int], k: Sequence[int], v: Sequence[int], mask: Sequence[int] | None = None, *,
-              causal: bool = False) -> LoopNest:
-    """Operands (q, k, v[, mask]); ranks 3 (no head dim) or 4."""
+              causal: bool = False, window: int | None = None) -> LoopNest:
+    """Operands (q, k, v[, mask]); ranks 3 (no head dim) or 4.
+
+    ``window``: a sliding-window mask (Mistral, Longformer's local attention): query ``s`` sees the
+    keys ``s - window < t <= s`` (causal implied), the constraint ``window - 1 - s + t >= 0``.
+    """
+    if window is not None and window < 1:
+        raise NotModelled(f"attention window {window} must be >= 1")
     if not (len(q) == len(k) == len(v)) or len(q) not in (3, 4):
         raise NotModelled(f"attention with q{list(q)} k{list(k)} v{list(v)}")
     if len(q) == 3:
@@ -50,7 +57,9 @@ def attention(q: Sequence[int], k: Sequence[int], v: Sequence[int], mask: Sequen
     oi = (*bq, *head_idx(True), E("s"), E("e"))
     sc = (E("b"), *[E(h) for h in heads], E("s"), E("t"))
     stat = (E("b"), *[E(h) for h in heads], E("s"))
-    cons = (E("s") - E("t"),) if causal else ()
+    cons = (E("s") - E("t"),) if causal or window is not None else ()
+    if window is not None:
+        cons += (E("t") - E("s") + (window - 1),)
     base = ("b", *heads, "s", "t")
     sts = [Statement("scores", (*base, "d"), reads=(Access("in0", qi), Access("in1", ki)),
                      writes=(Access("scores", sc),), flops_per_point=2, constraints=cons)]

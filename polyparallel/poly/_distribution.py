@@ -597,9 +597,12 @@ def _of_nest(nest: LoopNest, key: tuple, make: Callable[[], Any]) -> Any:
 
 
 def _dims_per_axis(nest: LoopNest, operand: str, writes: bool, rank: int) -> tuple[tuple[str, ...], ...]:
-    """For each tensor axis, the dims its accesses use, largest coefficient first, first occurrence kept."""
+    """For each tensor axis, the dims its accesses use, largest coefficient first, first occurrence kept,
+    then the dims the statement's constraints link to them: under a causal or sliding-window mask
+    ``s - t >= 0`` the keys ``k[t]`` a device reads depend on its block of queries ``s`` (a prefix,
+    or a window reaching into the previous block), not on ``t``'s split alone."""
     dims: list[dict[str, None]] = [{} for _ in range(rank)]
-    for _st, acc, is_write in nest.accesses(operand):
+    for st, acc, is_write in nest.accesses(operand):
         if is_write != writes:
             continue
         for j, e in enumerate(acc.index):
@@ -607,6 +610,16 @@ def _dims_per_axis(nest: LoopNest, operand: str, writes: bool, rank: int) -> tup
                 continue
             for d, _c in sorted(e.terms, key=lambda t: -abs(t[1])):
                 dims[j].setdefault(d)
+            linked = set(e.dims)
+            for _ in range(len(st.constraints)):
+                grow = {d for c in st.constraints if set(c.dims) & linked for d in c.dims} - linked
+                if not grow:
+                    break
+                linked |= grow
+            for c in st.constraints:
+                for d in c.dims:
+                    if d in linked:
+                        dims[j].setdefault(d)
     return tuple(tuple(x) for x in dims)
 
 

@@ -11,8 +11,10 @@
 5. what ``N(p)`` still lacks after that (after a route that moves nothing: what it lacks of
    ``H(p)`` itself) is a **halo** when ``N`` extends ``p``'s block along the same mesh axes
    (convolution and pooling windows; axes held whole may be strided or clipped), priced as a
-   neighbour exchange over the devices along those axes, else **p2p** (irregular needs, or
-   the same mesh axes in another order: a device permutation).
+   neighbour exchange over the devices along those axes when every device's need stays within
+   its neighbours' blocks; else **p2p**: over the devices along those axes when the need only
+   reaches further along them (the keys a causal mask reads: every earlier block), over the
+   whole mesh for irregular needs (or the same mesh axes in another order: a permutation).
 
 Each step is priced exactly as the elements ``p`` gains: ``|B'(p) \\ B(p)|`` for
 gathers, all-to-all and halos, ``(n-1)|B'(p)|`` for a reduce-scatter over ``n`` devices
@@ -36,6 +38,7 @@ from polyparallel.ir import DTYPE_BYTES, Graph, Op, Shape
 
 from ._cache import CACHE
 from ._distribution import Distribution, TensorLayout, layout_distribution, operand_need, output_layout
+from ._footprint import Prog
 from ._mesh import DeviceMesh
 from ._placement import Placement
 
@@ -156,14 +159,46 @@ def _last_exchange(n: Distribution, cur: Shards, mesh: DeviceMesh, most: int, to
     point-to-point exchange over the whole mesh."""
     irregular = [i for i, b in enumerate(n.block) if not b]
     split = [i for i in irregular if n.deps[i]]
-    halo = bool(split) and all(set(n.deps[i]) == set(cur[i]) for i in split) and \
+    along = bool(split) and all(set(n.deps[i]) == set(cur[i]) for i in split) and \
         all(not cur[i] for i in irregular if not n.deps[i])
-    if halo:
+    axis = split[0] if len(split) == 1 else None
+    if along:
         axes = tuple(a for i in split for a in n.deps[i])
-        return Step("halo", axes, split[0] if len(split) == 1 else None, most, total, payload,
-                    mesh.group_size(axes))
+        # within reach of the neighbours' blocks: a halo; further (the prefix of keys a causal
+        # mask reads): an exchange among the devices along those axes
+        near = CACHE.get("neighbours", (n.rid, cur), lambda: _within_neighbours(n, cur, split))
+        return Step("halo" if near else "p2p", axes, axis, most, total, payload, mesh.group_size(axes))
     return Step("p2p", tuple(mesh.names), irregular[0] if len(irregular) == 1 else None, most, total, payload,
                 mesh.size)
+
+
+def _within_neighbours(n: Distribution, cur: Shards, split: Sequence[int]) -> bool:
+    """Whether every device's need along each tensor axis in ``split`` lies inside its own block of
+    ``cur`` and the blocks just before and after it (the blocks along an axis are consecutive
+    intervals; a neighbour is the next one, whatever mesh coordinates hold it)."""
+    if n.region.fallback.any() or not n.region.pieces:
+        return False
+    for i in split:
+        lo, hi = n.mesh.bounds(n.shape[i], cur[i])
+        blocks = sorted({(a, b) for a, b in zip(lo.tolist(), hi.tolist()) if b > a})
+        pos = {blk: k for k, blk in enumerate(blocks)}
+        reach_lo, reach_hi = lo.copy(), hi.copy()
+        for p, (a, b) in enumerate(zip(lo.tolist(), hi.tolist())):
+            k = pos.get((a, b))
+            if k is None:
+                continue
+            reach_lo[p] = blocks[k - 1][0] if k > 0 else a
+            reach_hi[p] = blocks[k + 1][1] if k + 1 < len(blocks) else b
+        for piece in n.region.pieces:
+            ax = piece[i]
+            if not isinstance(ax, Prog):
+                return False
+            ax = ax.normal()
+            has = ax.n > 0
+            first, last = ax.start, ax.start + (ax.n - 1) * ax.step
+            if bool((has & ((first < reach_lo) | (last >= reach_hi))).any()):
+                return False
+    return True
 
 
 def _missing_stats(n: Distribution, held: Shards) -> tuple[int, int, int]:
