@@ -177,6 +177,7 @@ def _kernels(graph: Graph, op: Op, dtype: str, fused: bool) -> list[tuple[float,
     width = TRAINING_DTYPE_BYTES.get(dtype, 4)  # temporaries are floating point
     ext = op.nest.extents
     out = []
+    probs = 0
     for st in op.nest.statements:
         nbytes = 0.0
         for acc in dict((a.operand, a) for a in st.reads + st.writes).values():
@@ -188,10 +189,21 @@ def _kernels(graph: Graph, op: Op, dtype: str, fused: bool) -> list[tuple[float,
                 nbytes += math.prod(ext[d] for d in acc.dims) * width
         reads = {a.operand for a in st.reads}
         matrix = len(reads) >= 2 and bool(st.reduction_dims()) and st.flops_per_point >= 2
+        temp_read = max((math.prod(ext[d] for d in a.dims) for a in st.reads
+                         if op.operand_name(a.operand) is None), default=0)
+        if not matrix and temp_read > sum(math.prod(ext[d] for d in a.dims) for a in st.writes):
+            # a normalising statement (softmax) that the loop nest reduces to row statistics writes,
+            # run eagerly, the normalised matrix the size of its input (torch.softmax returns it)
+            nbytes += temp_read * width
+            probs = temp_read
         # an unfused kernel computes its whole box and masks afterwards (a causal mask halves the
         # useful points, not the work); only a fused kernel skips masked blocks
         box = math.prod(ext[d] for d in st.dims)
         out.append((box * st.flops_per_point, nbytes, matrix))
+    if probs and op.attr.get("dropout"):
+        # dropout on the attention probabilities (GPT-2/3, Megatron's attention_dropout): one more
+        # kernel reads them and writes them back with a one-byte mask (torch's native dropout)
+        out.append((float(probs), probs * (2 * width + 1), False))
     return out
 
 

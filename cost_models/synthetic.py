@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 from polyparallel import ops
 from polyparallel.ir import Graph, LoopNest, Op, OpKind, TensorKind, TensorSpec
@@ -39,11 +40,11 @@ class _GraphMaker:
         return self.tensor(name, shape, TensorKind.PARAM)
 
     def op(self, kind: OpKind, target: str, nest: LoopNest, inputs: Sequence[str], out_shape: Sequence[int],
-           module: str, dtype: str | None = None) -> str:
+           module: str, dtype: str | None = None, attrs: tuple[tuple[str, Any], ...] = ()) -> str:
         self.n += 1
         name = f"{target}_{self.n}"
         out = self.tensor(f"t{self.n}", out_shape, dtype=dtype)
-        self.g.add_op(Op(name, kind, target, tuple(inputs), (out,), nest, module=module))
+        self.g.add_op(Op(name, kind, target, tuple(inputs), (out,), nest, module=module, attrs=attrs))
         return out
 
     def linear(self, x: str, w: str, b: str | None, module: str) -> str:
@@ -107,7 +108,8 @@ def gpt_graph(layers: int, hidden: int, heads: int, seq: int, vocab: int, batch:
     ``causal=True`` counts only the unmasked half of attention (flash-style kernels skip it);
     ``False`` prices the full score matrix, as kernels that mask after computing do.
     ``dropout=True`` adds the hidden-state dropouts of GPT-2/3 training (after the embedding,
-    the attention projection and the MLP), each an elementwise op.
+    the attention projection and the MLP), each an elementwise op, and the dropout of the attention
+    probabilities (``attr["dropout"]`` on the attention op; priced when attention runs unfused).
     """
     if hidden % heads:
         raise ValueError(f"hidden {hidden} is not a multiple of heads {heads}")
@@ -143,7 +145,9 @@ def gpt_graph(layers: int, hidden: int, heads: int, seq: int, vocab: int, batch:
         v4 = m.view(m.view(v, (batch, seq, kvh, d), mod), (), mod, perm=(0, 2, 1, 3))
         att = m.op(OpKind.ATTENTION, "attention",
                    ops.attention(m.g.shape(q4), m.g.shape(k4), m.g.shape(v4), causal=causal),
-                   [q4, k4, v4], (batch, heads, seq, d), mod)
+                   [q4, k4, v4], (batch, heads, seq, d), mod,
+                   # dropout on the attention probabilities: a kernel of its own when attention runs unfused
+                   attrs=(("dropout", True),) if dropout else ())
         att = m.view(m.view(att, (), mod, perm=(0, 2, 1, 3)), (batch, seq, hidden), mod)
         o = proj(att, "o", hidden, hidden)
         if dropout:

@@ -12,7 +12,7 @@ from polyparallel.ir import OpKind
 A100 = Cluster.preset("dgx-a100").device(0).type
 
 
-def _attention_graph(b: int, h: int, s: int, d: int, causal: bool = False):
+def _attention_graph(b: int, h: int, s: int, d: int, causal: bool = False, dropout: bool = False):
     """One scaled-dot-product attention op over fp32 ``(b, h, s, d)`` q, k, v: ``(graph, op)``."""
     from polyparallel import ops
     from polyparallel.ir import Graph, Op, TensorKind, TensorSpec
@@ -22,7 +22,8 @@ def _attention_graph(b: int, h: int, s: int, d: int, causal: bool = False):
         g.add_tensor(TensorSpec(n, (b, h, s, d), "float32", TensorKind.INPUT))
     g.add_tensor(TensorSpec("o", (b, h, s, d)))
     op = g.add_op(Op("att", OpKind.ATTENTION, "sdpa", ("q", "k", "v"), ("o",),
-                     ops.attention((b, h, s, d), (b, h, s, d), (b, h, s, d), causal=causal)))
+                     ops.attention((b, h, s, d), (b, h, s, d), (b, h, s, d), causal=causal),
+                     attrs=(("dropout", True),) if dropout else ()))
     return g, op
 
 
@@ -71,9 +72,14 @@ def test_unfused_attention_is_priced_per_statement():
         return max(flops / rate, nbytes / bw, 5e-6)
 
     want = (k(2 * S * d, 2 * (2 * T + S), mm)  # scores = q k^T, written out
-            + k(3 * S, 2 * (S + R), vec)  # softmax statistics, scores read back
+            + k(3 * S, 2 * (S + R + S), vec)  # softmax: scores read back, probabilities written
             + k(2 * S * d, 2 * (S + R + 2 * T), mm))  # probabilities x v
     assert op_cost(g, op, A100, "bf16").forward == pytest.approx(want)
+    # dropout on the probabilities: one more kernel reads them, writes them and a one-byte mask
+    gd, opd = _attention_graph(b, h, s, d, dropout=True)
+    assert op_cost(gd, opd, A100, "bf16").forward == pytest.approx(want + k(S, (2 + 2 + 1) * S, vec))
+    assert op_cost(gd, opd, A100, "bf16", fused=True).forward == pytest.approx(
+        op_cost(g, op, A100, "bf16", fused=True).forward)  # a fused kernel drops inside
     fused = op_cost(g, op, A100, "bf16", fused=True)
     assert fused.forward == pytest.approx(max(op.flops / (312e12 * 0.5), 2 * 4 * T / bw))
     assert fused.forward < want
