@@ -159,3 +159,28 @@ def test_masked_kv_footprint_against_brute_force(window, mesh_axes):
     # FLOPs: the masked domain counted exactly (scores, softmax, p.v per visible pair)
     visible = sum(1 for s in range(S) for t in range(S) if t <= s and (window is None or t > s - window))
     assert nest.flops() == B * H * visible * (2 * D + 3 + 2 * D)
+
+
+# -- 3. pooling output extents against torch ---------------------------------------------------------
+def test_pool_output_extents_match_torch_over_a_grid():
+    import torch
+    import torch.nn.functional as F
+
+    checked = 0
+    for size, k, s, pad, dil, ceil in itertools.product((5, 6, 7, 8, 11), (1, 2, 3), (1, 2, 3), (0, 1), (1, 2),
+                                                        (False, True)):
+        if pad > k // 2:
+            continue  # torch: padding at most half the kernel
+        x = torch.zeros(1, 1, size, size + 1)
+        try:
+            want = F.max_pool2d(x, k, s, pad, dil, ceil_mode=ceil).shape
+        except RuntimeError:
+            continue  # torch refuses it (empty output)
+        try:
+            nest = ops.pool((1, 1, size, size + 1), k, stride=s, padding=pad, dilation=dil, ceil_mode=ceil)
+        except ops.NotModelled:
+            pytest.fail(f"torch pools size={size} k={k} s={s} p={pad} d={dil} ceil={ceil} but the model refuses")
+        got = tuple(nest.dim(d).extent for d in ("h", "w"))
+        assert got == tuple(want[2:]), (size, k, s, pad, dil, ceil)
+        checked += 1
+    assert checked > 200

@@ -148,8 +148,6 @@ def _pool(n: _Node) -> Spec:
             for i in range(k):
                 size = x[len(x) - k + i]
                 ext = ops.out_extent(size, kernel[i], strides[i], lo[i], hi[i], dil[i], ceil=True)
-                if (ext - 1) * strides[i] >= size + lo[i]:
-                    ext -= 1  # the last window would start in the high padding: dropped
                 if ext != out[i]:
                     raise ops.NotModelled(f"ceil-mode pooling: ONNX shape inference gives extent {out[i]} "
                                           f"but windows starting in the padding are dropped, giving {ext}")

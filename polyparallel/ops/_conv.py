@@ -24,10 +24,16 @@ def _tuple(v: int | Sequence[int], n: int, what: str) -> tuple[int, ...]:
 
 
 def out_extent(size: int, k: int, stride: int, pad_lo: int, pad_hi: int, dil: int, ceil: bool = False) -> int:
+    """Output extent of a window ``k`` (dilation ``dil``) sliding by ``stride`` over ``size`` padded
+    ``pad_lo`` / ``pad_hi``. ``ceil`` (pooling's ``ceil_mode``) keeps a last partial window, except
+    one that would start in the high padding (torch's and ONNX's rule)."""
     span = size + pad_lo + pad_hi - dil * (k - 1) - 1
-    if ceil:
-        return -(-span // stride) + 1
-    return span // stride + 1
+    if not ceil:
+        return span // stride + 1
+    out = -(-span // stride) + 1
+    if (out - 1) * stride >= size + pad_lo:
+        out -= 1
+    return out
 
 
 def conv(x: Sequence[int], w: Sequence[int], bias: Sequence[int] | None = None, *,
