@@ -184,3 +184,58 @@ def test_pool_output_extents_match_torch_over_a_grid():
         assert got == tuple(want[2:]), (size, k, s, pad, dil, ceil)
         checked += 1
     assert checked > 200
+
+
+# -- 4. Megatron's grouped-query attention: two loop dims on one tp axis, factorised ------------------
+def test_megatron_gqa_on_tp4_is_a_placement_of_the_factorised_mesh():
+    from polyparallel.poly import comm_of_op, legal_placements
+
+    B, Hq, Hk, S, D = 1, 8, 2, 4, 2  # 8 query heads, 2 KV heads, tp = 4
+    q, kv = (B, Hq, S, D), (B, Hk, S, D)
+    nest = ops.attention(q, kv, kv, causal=True)
+    g = _graph(("q", q, "activation"), ("k", kv, "activation"), ("v", kv, "activation"), ("o", q, "activation"))
+    op = g.add_op(Op("attn", OpKind.ATTENTION, "sdpa", ("q", "k", "v"), ("o",), nest))
+
+    def heads(sets: list[set[tuple[int, ...]]]) -> list[set[int]]:
+        return [{i[1] for i in s} for s in sets]
+
+    # Megatron: device c holds query heads 2c, 2c+1 and the one KV head they read, c // 2
+    megatron_q = [{2 * c, 2 * c + 1} for c in range(4)]
+    megatron_kv = [{c // 2} for c in range(4)]
+    # on the plain tp = 4 axis no legal placement gives that layout (one mesh axis, one loop dim)
+    flat = DeviceMesh.of(tp=4)
+    for pl in legal_placements(g, op, flat):
+        got_q = heads(brute_need(nest, "in0", q, pl, flat))
+        got_kv = heads(brute_need(nest, "in1", kv, pl, flat))
+        assert (got_q, got_kv) != (megatron_q, megatron_kv), str(pl)
+    # the same devices with tp factorised 2 x 2: KV heads over the outer factor, a group's query heads
+    # over the inner one
+    mesh = flat.factor("tp", tp_kv=2, tp_q=2)
+    assert mesh.device_ids == flat.device_ids
+    pl = Placement.parse("h:tp_kv,g:tp_q")
+    assert pl in legal_placements(g, op, mesh)
+    assert heads(brute_need(nest, "in0", q, pl, mesh)) == megatron_q
+    assert heads(brute_need(nest, "in1", kv, pl, mesh)) == megatron_kv
+    # the column-parallel projections' outputs on the coarse axis, refined: query heads split over tp
+    # (2 per device) and the KV projection's 2 heads x D columns split over tp (half a head per device)
+    col = Placement.parse("n:tp").refine("tp", ("tp_kv", "tp_q"))
+    assert str(col) == "n:tp_kv+tp_q"
+    q_held = TensorLayout(q, ((), ("tp_kv", "tp_q"), (), ()))
+    kv_held = TensorLayout(kv, ((), ("tp_kv",), (), ("tp_q",)))
+    assert brute_block(q, q_held, mesh) == brute_block(q, TensorLayout(q, ((), ("tp",), (), ())), flat)
+    for operand, shape, held in (("in0", q, q_held), ("in1", kv, kv_held), ("in2", kv, kv_held)):
+        need = operand_need(g, op, pl, mesh, operand)
+        want = brute_need(nest, operand, shape, pl, mesh)
+        assert need.counts().tolist() == [len(n) for n in want]
+        missing = [len(n - h) for n, h in zip(want, brute_block(shape, held, mesh))]
+        r = reshard(held, need, mesh)
+        assert r.elements == max(missing)
+        if operand == "in0":
+            assert r.kind == "none"  # the query heads are where the projection left them
+        else:
+            # each device gathers the other half of its KV head from its tp_q partner: an all-gather
+            # over the inner factor of exactly S x D / 2 elements
+            assert r.kind == "all-gather" and r.steps[0].axes == ("tp_q",) and max(missing) == B * S * D // 2
+    c = comm_of_op(g, op, pl, mesh)
+    assert not c.forward and not c.partial_outputs
+    assert c.flops * 4 == nest.flops()  # a quarter of the (masked) work on every device

@@ -122,6 +122,28 @@ class DeviceMesh:
             object.__setattr__(self, "_hash", h)
         return h
 
+    def factor(self, axis: str, **factors: int) -> DeviceMesh:
+        """The same devices with ``axis`` factorised into ``factors`` (outermost first, sizes
+        multiplying to its size): coordinate ``c`` of ``axis`` becomes the row-major coordinates of
+        ``c`` over the factors, so the device order is unchanged and a dim split over all the factors
+        (``Placement.refine``) gets the same blocks as over ``axis`` where the extent divides evenly.
+        Two loop dims can then share one axis of the coarse mesh, as Megatron's grouped-query
+        attention does on ``tp = 4`` with 2 KV heads: KV heads over the outer factor, the query heads
+        of a group over the inner one (``h:tp_kv,g:tp_q``), 2 query heads and 1 KV head per device.
+
+        Examples:
+            >>> str(DeviceMesh.of(dp=2, tp=4).factor("tp", tp_kv=2, tp_q=2))
+            'dp=2,tp_kv=2,tp_q=2'
+        """
+        ax = self.axis(axis)
+        if not ax.even:
+            raise ValueError(f"mesh axis {ax} is weighted; only even axes can be factorised")
+        if math.prod(factors.values()) != ax.size or not factors:
+            raise ValueError(f"factors {factors} of mesh axis {axis!r} must multiply to its size {ax.size}")
+        i = self.index(axis)
+        new = (*self.axes[:i], *(MeshAxis(k, int(v)) for k, v in factors.items()), *self.axes[i + 1:])
+        return DeviceMesh(new, self.device_ids)
+
     # -- queries ----------------------------------------------------------------------------
     @cached_property
     def names(self) -> tuple[str, ...]:

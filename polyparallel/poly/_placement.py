@@ -100,6 +100,18 @@ class Placement:
             out.append((dim.strip(), tuple(a.strip() for a in axes.split("+"))))
         return cls(tuple(out))
 
+    def refine(self, axis: str, factors: Iterable[str]) -> Placement:
+        """This placement on a mesh whose ``axis`` is factorised (``DeviceMesh.factor``): the dim
+        split over ``axis`` is split over all its factors, outermost first (the same blocks).
+
+        Examples:
+            >>> str(Placement.parse("b:dp,n:tp").refine("tp", ("tp_kv", "tp_q")))
+            'b:dp,n:tp_kv+tp_q'
+        """
+        fs = tuple(factors)
+        return Placement(tuple((d, tuple(x for a in axes for x in (fs if a == axis else (a,))))
+                               for d, axes in self.splits))
+
     @property
     def mapping(self) -> dict[str, tuple[str, ...]]:
         return dict(self.splits)
