@@ -21,6 +21,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from polyparallel._cli_progress import LineProgress
 from polyparallel.cli import UserError, app
 
 _FW_HELP = "framework per center, comma separated (torch, mindspore); default all torch"
@@ -124,14 +125,14 @@ def _eval_text(ev: Any) -> str:
     return " ".join(p.replace("accuracy", "acc").replace("perplexity", "ppl") for p in parts) or "-"
 
 
-def _progress(rounds: int) -> Any:
-    """Print one line per round as it ends (round, accepted centers, losses, seconds)."""
+def _progress(progress: LineProgress) -> Any:
+    """One line per round as it ends (round, accepted centers, losses, seconds) with the time left."""
     def show(r: Any) -> None:
         train = f"train loss {r.train_loss:.4f}" if r.train_loss is not None else "no update"
         missing = ",".join([*r.rejected, *r.missing])
-        typer.echo(f"round {r.round}/{rounds}  accepted {','.join(r.accepted) or '-'}"
-                   f"{f'  rejected/missing {missing}' if missing else ''}  {train}  eval {_eval_text(r.eval)}  "
-                   f"{r.seconds:.2f} s")
+        progress.line(f"round {r.round}/{progress.total}  accepted {','.join(r.accepted) or '-'}"
+                      f"{f'  rejected/missing {missing}' if missing else ''}  {train}  eval {_eval_text(r.eval)}  "
+                      f"{r.seconds:.2f} s", done=r.round)
     return show
 
 
@@ -312,7 +313,8 @@ def collab_cmd(
             kw["workdir"] = out / "flower"
     t0 = time.time()
     try:
-        result = collaborate(cfg, d, engine=engine, eval_data=ev, on_round=_progress(cfg.rounds), **kw)
+        with LineProgress(cfg.rounds, "rounds") as progress:
+            result = collaborate(cfg, d, engine=engine, eval_data=ev, on_round=_progress(progress), **kw)
     except ValueError as e:  # e.g. a data source returning the wrong thing, found at the center
         raise UserError(str(e)) from None
     typer.echo(f"{cfg.rounds} rounds in {time.time() - t0:.1f} s")
@@ -378,7 +380,10 @@ def serve_cmd(
             fed.submit(cfg, res, center_wait_s=center_wait, rejoin_wait_s=rejoin_wait)
             typer.echo(f"SuperLink on {host}:{port}; waiting for {len(cfg.centers)} centers "
                        f"({', '.join(c.name for c in cfg.centers)}); logs in {wd / 'logs'}")
-            fed.wait(res, timeout, on_round=_progress(cfg.rounds), on_log=lambda line: typer.echo(f"server: {line}"))
+            with LineProgress(cfg.rounds, "rounds") as progress:
+                fed.wait(res, timeout, on_round=_progress(progress),
+                         on_log=lambda line: progress.console.print(f"server: {line}", markup=False, highlight=False,
+                                                                   soft_wrap=True))
     except FlowerError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None

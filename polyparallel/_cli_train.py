@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import functools
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from polyparallel._cli_progress import LineProgress
 from polyparallel.cli import UserError, app
 
 
@@ -63,11 +63,12 @@ def train(
         from polyparallel.backends.torch._launch import new_run_dir
 
         where = run_dir or log_dir or checkpoint_dir or new_run_dir(create=False)
-        run(strategy, model_fn, data_fn, steps=steps, optimizer=optimizer, lr=lr, seed=seed, run_dir=where,
-            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-            keep_checkpoints=keep_checkpoints or None, timeout_s=timeout, progress=_StepPrinter(steps),
-            check_fingerprint=fingerprint_check, node_rank=node_rank, master_addr=master_addr,
-            master_port=master_port, profile_comm=profile_comm)
+        with LineProgress(steps, "steps") as progress:
+            run(strategy, model_fn, data_fn, steps=steps, optimizer=optimizer, lr=lr, seed=seed, run_dir=where,
+                checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                keep_checkpoints=keep_checkpoints or None, timeout_s=timeout, progress=_StepPrinter(progress),
+                check_fingerprint=fingerprint_check, node_rank=node_rank, master_addr=master_addr,
+                master_port=master_port, profile_comm=profile_comm)
     except MultiNode:
         typer.echo("this strategy spans several nodes; run on each node, node 0 first:")
         for cmd in launch_commands(strategy, model, data, steps=steps, master_port=master_port):
@@ -101,20 +102,15 @@ def _model_and_data(model: str, data: str | None, strategy: Path) -> tuple[Any, 
 
 class _StepPrinter:
     """One line per step as rank 0 logs it: loss, step time, throughput (and collective time), with
-    the time left estimated from the wall time between step records (startup excluded)."""
+    the time left (:class:`~polyparallel._cli_progress.LineProgress`: a live bar on a terminal)."""
 
-    def __init__(self, steps: int) -> None:
-        self.steps, self.t0, self.seen = steps, 0.0, 0
+    def __init__(self, progress: LineProgress) -> None:
+        self.progress = progress
 
     def __call__(self, rec: dict) -> None:
-        if not self.seen:
-            self.t0 = time.monotonic()  # the rate is measured from the first step's record on
-        self.seen += 1
         dt = rec["step_time_s"]
         rate = f"  {rec['samples'] / dt:.1f} samples/s" if "samples" in rec and dt > 0 else ""
         rate += f"  {rec['tokens'] / dt:.0f} tokens/s" if "tokens" in rec and dt > 0 else ""
         comm = f"  comm {rec['comm_s'] * 1e3:.1f} ms" if "comm_s" in rec else ""
-        left = self.steps - rec["step"] - 1
-        per_step = (time.monotonic() - self.t0) / (self.seen - 1) if self.seen > 1 else 0.0
-        eta = f"  eta {per_step * left:.1f} s" if left > 0 and per_step else ""
-        typer.echo(f"step {rec['step']:>4}/{self.steps}  loss {rec['loss']:.6f}  {dt * 1e3:.1f} ms{rate}{comm}{eta}")
+        self.progress.line(f"step {rec['step']:>4}/{self.progress.total}  loss {rec['loss']:.6f}  {dt * 1e3:.1f} ms"
+                           f"{rate}{comm}", done=rec["step"] + 1)

@@ -24,8 +24,14 @@ def test_builtin_example_searched_by_name_trains_by_name(tmp_path: Path, capsys:
                   str(tmp_path / "r")]):
         with pytest.raises(SystemExit) as exc:  # typer ends every command with SystemExit
             main(argv)
-        assert exc.value.code in (0, None), capsys.readouterr().err
+        out = capsys.readouterr()
+        assert exc.value.code in (0, None), out.err
     got = [json.loads(line)["loss"] for line in (tmp_path / "r" / "train.jsonl").read_text().splitlines()]
+    # one line per step as it ends, the loss as logged, the time left while steps remain (a log: no bar)
+    steps = [line for line in out.out.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in steps] == ["0/3", "1/3", "2/3"]
+    assert [float(line.split()[3]) for line in steps] == pytest.approx(got, abs=1e-6)
+    assert "eta" in steps[1] and "eta" not in steps[2] and "\x1b[" not in out.out
     ref = single_process_losses(functools.partial(example_module, "gpt-tiny"),
                                 functools.partial(example_batch, "gpt-tiny", 16), steps=3, lr=0.05, seed=0)
     assert got == pytest.approx(ref, rel=1e-5)

@@ -1,0 +1,61 @@
+"""Progress lines of long CLI work: the time left against a closed form, plain lines in a log, a live
+bar on a terminal (the ``train`` command's lines: tests/test_train_examples.py)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from rich.console import Console
+
+from polyparallel import _cli_progress
+from polyparallel._cli_progress import LineProgress
+
+
+def _clock(monkeypatch: pytest.MonkeyPatch, times: list[float]) -> None:
+    it = iter(times)
+    monkeypatch.setattr(_cli_progress.time, "monotonic", lambda: next(it))
+
+
+def test_plain_lines_carry_the_time_left_from_the_pace_after_the_first_unit(monkeypatch):
+    # units end at t = 100 (start-up included), 101, 103: 1.5 s per unit since the first, 2 units left
+    _clock(monkeypatch, [100.0, 101.0, 103.0, 104.0])
+    out = io.StringIO()
+    with LineProgress(5, "steps", console=Console(file=out, force_terminal=False, width=80)) as p:
+        for i in range(4):
+            p.line(f"unit {i}")
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "unit 0" and lines[1] == "unit 1  eta 3.0 s"  # 1 s/unit x 3 left
+    assert lines[2] == "unit 2  eta 3.0 s"  # (103 - 100) / 2 x 2 left
+    assert lines[3] == "unit 3  eta 1.3 s"  # 4 s / 3 x 1 left
+    assert "\x1b[" not in out.getvalue()  # a log gets no control codes
+
+
+def test_a_resumed_run_estimates_from_the_units_this_process_saw(monkeypatch):
+    _clock(monkeypatch, [0.0, 2.0])
+    out = io.StringIO()
+    with LineProgress(100, "steps", console=Console(file=out, force_terminal=False)) as p:
+        p.line("step 60", done=61)
+        p.line("step 61", done=62)
+    assert out.getvalue().splitlines()[1].endswith("eta 76.0 s")  # 2 s per step x 38 left, not 2/61
+
+
+def test_the_last_unit_has_no_time_left():
+    out = io.StringIO()
+    with LineProgress(2, "rounds", console=Console(file=out, force_terminal=False)) as p:
+        p.line("round 1/2")
+        p.line("round 2/2")
+    assert "eta" not in out.getvalue()
+
+
+def test_a_terminal_gets_the_lines_and_a_live_bar():
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=100)
+    with LineProgress(3, "rounds", console=console) as p:
+        assert p.live
+        for r in range(1, 4):
+            p.line(f"round {r}/3  accepted a,b", done=r)
+    text = out.getvalue()
+    for r in range(1, 4):
+        assert f"round {r}/3  accepted a,b" in text
+    assert "\x1b[" in text and "rounds" in text  # the bar was drawn (and cleared: transient)
