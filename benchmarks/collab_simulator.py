@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -66,124 +67,181 @@ def speed(sizes=((10, 100), (100, 100), (100, 1000), (1000, 1000))) -> list[dict
 # ------------------------------------------------------------------------------- validation
 
 SIZES = {"1M": (1000, 1000), "4M": (2000, 2000)}  # MLP (input features, hidden): ~1.0M and ~4.0M parameters
-CALIBRATE = [(3, "1M", 5), (3, "4M", 5), (5, "4M", 5)]
-REPORT = [(3, "1M", 100), (5, "1M", 100), (3, "4M", 40), (5, "4M", 40), (5, "1M", 5)]
+#: the centers' emulated links: center i gets BASE_BPS[size] × LINK_FACTORS[i] both ways and LATENCY_S
+BASE_BPS = {"1M": 2e6, "4M": 6e6}
+LINK_FACTORS = (1.0, 0.8, 0.65, 0.9, 0.75)
+LATENCY_S = 0.02
+#: (centers, size, H, link scale): calibration at other H and 1.5 × the reported bandwidths
+CALIBRATE = [(3, "1M", 60, 1.5), (5, "1M", 60, 1.5), (3, "4M", 20, 1.5), (5, "4M", 20, 1.5)]
+REPORT = [(3, "1M", 200, 1.0), (5, "1M", 100, 1.0), (3, "4M", 50, 1.0), (5, "4M", 30, 1.0)]
 
 
-def flower_run(n: int, size: str, H: int, rounds: int, workroot: Path) -> dict:
+def job(n: int, size: str, H: int, scale: float, rounds: int):
+    """The federation of one configuration: ``n`` MLP centers, their emulated links (``CenterSpec``)."""
     from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec
-    from polyparallel.backends.collab._flower import run_flower
 
     feats, hidden = SIZES[size]
-    spec = ModelSpec("mlp", (feats,), 10, hidden=hidden)
-    names = [f"c{i}" for i in range(n)]
-    cfg = CollabConfig(centers=tuple(CenterSpec(c) for c in names), model=spec, rounds=rounds, local_steps=H,
-                       batch_size=16, lr=0.01, round_timeout_s=600)
+    bw = [BASE_BPS[size] * scale * f for f in LINK_FACTORS[:n]]
+    centers = tuple(CenterSpec(f"c{i}", down_Bps=b, up_Bps=b, latency_s=LATENCY_S) for i, b in enumerate(bw))
+    return CollabConfig(centers=centers, model=ModelSpec("mlp", (feats,), 10, hidden=hidden), rounds=rounds,
+                        local_steps=H, batch_size=16, lr=0.01, fusion="fedavg", round_timeout_s=600)
+
+
+def key_of(n: int, size: str, H: int, scale: float) -> str:
+    return f"{n}-{size}-H{H}-x{scale:g}"
+
+
+def flower_run(n: int, size: str, H: int, scale: float, rounds: int, workroot: Path) -> dict:
+    from polyparallel.backends.collab._flower import run_flower
+
+    cfg = job(n, size, H, scale, rounds)
+    feats = SIZES[size][0]
     rng = np.random.default_rng(0)
-    data = {c: (rng.normal(size=(64, feats)).astype(np.float32), rng.integers(0, 10, 64)) for c in names}
-    wd = workroot / f"{n}-{size}-H{H}"
+    data = {c.name: (rng.normal(size=(64, feats)).astype(np.float32), rng.integers(0, 10, 64)) for c in cfg.centers}
+    wd = workroot / key_of(n, size, H, scale)
     shutil.rmtree(wd, ignore_errors=True)
-    t0 = time.time()
+    t0, load0 = time.time(), os.getloadavg()
     res = run_flower(cfg, data, workdir=wd, timeout_s=1200)
     m = measured_phases(res.timing)
     recs = {r.round: r for r in res.rounds}
     per = []
     for r in sorted(m)[1:]:  # round 1 carries the start-up
-        comp = {c: m[r]["centers"][c]["compute"] for c in names}
-        per.append({"round": r, "round_s": m[r]["round_s"], "fuse_s": m[r]["fuse_s"], "compute_s": comp,
+        ph = m[r]["centers"]
+        per.append({"round": r, "round_s": m[r]["round_s"], "fuse_s": m[r]["fuse_s"],
+                    **{k: {c: ph[c][k] for c in ph} for k in ("distribute", "compute", "upload")},
                     "bytes_down": recs[r].bytes_down, "bytes_up": sum(recs[r].bytes_up.values())})
     out = {"centers": n, "size": size, "params": int(sum(v.size for v in res.params.values())), "local_steps": H,
-           "wall_s": time.time() - t0, "loadavg": os.getloadavg(), "rounds": per}
-    print(f"flower {n} × {size} H={H}: rounds {[round(p['round_s'], 2) for p in per]}", flush=True)
+           "link_scale": scale, "wall_s": time.time() - t0, "loadavg_before": load0, "loadavg": os.getloadavg(),
+           "rounds": per}
+    print(f"flower {key_of(n, size, H, scale)}: rounds {[round(p['round_s'], 2) for p in per]} "
+          f"(load {os.getloadavg()[0]:.1f})", flush=True)
     return out
 
 
-def fit_framework(calib: list[dict]) -> tuple[float, float, float, float]:
-    """``round − fusion − max compute = K + k·N + bytes / B`` over the calibration rounds (least squares),
-    and the fusion seconds per parameter and center ``φ`` (their mean)."""
+def sim_inputs(run: dict, step_s: np.ndarray, cal: dict, H: int | None = None) -> SimInputs:
+    """The simulator's inputs for a run: the links its centers emulated (the job's ``CenterSpec``s, one
+    definition), the per-step compute ``step_s`` and the framework and fusion costs ``cal``."""
+    cfg = job(run["centers"], run["size"], H or run["local_steps"], run["link_scale"], 1)
+    return SimInputs.make([c.name for c in cfg.centers], step_s, H or run["local_steps"], run["params"],
+                          down_Bps=[c.down_Bps for c in cfg.centers], up_Bps=[c.up_Bps for c in cfg.centers],
+                          latency_s=[c.latency_s for c in cfg.centers], fixed_s=cal["fixed_s"],
+                          fixed_per_center_s=cal["fixed_per_center_s"], framework_Bps=cal["framework_Bps"],
+                          fuse_s_per_param=cal["fuse_s_per_param"])
+
+
+def step_of(run: dict) -> np.ndarray:
+    """Each center's mean seconds per local step in a run."""
+    names = sorted(run["rounds"][0]["compute"])
+    return np.array([np.mean([p["compute"][c] for p in run["rounds"]]) / run["local_steps"] for c in names])
+
+
+def fit_framework(calib: list[dict]) -> dict:
+    """The framework's cost per round beside the emulated links, over the calibration rounds (least
+    squares): ``round − fusion − max_i (D_i + C_i + U_i) = K + N·k + bytes / B_fw``, with ``D_i``, ``U_i``
+    the links' ``latency + bytes / bandwidth`` and ``C_i`` the measured compute; and the fusion seconds
+    per parameter and center ``φ`` (their mean)."""
     a, b, phi = [], [], []
     for run in calib:
+        x = sim_inputs(run, step_of(run), {"fixed_s": 0.0, "fixed_per_center_s": 0.0, "framework_Bps": math.inf,
+                                           "fuse_s_per_param": 0.0})
+        names = list(x.names)
         for p in run["rounds"]:
-            a.append([1.0, run["centers"], p["bytes_down"] + p["bytes_up"]])
-            b.append(p["round_s"] - p["fuse_s"] - max(p["compute_s"].values()))
+            busy = max(2 * x.latency_s[i] + x.model_bytes / x.down_Bps[i] + p["compute"][c]
+                       + x.upload_bytes / x.up_Bps[i] for i, c in enumerate(names))
+            a.append([1.0, run["centers"], run["centers"] * (x.model_bytes + x.upload_bytes)])
+            b.append(p["round_s"] - p["fuse_s"] - busy)
             phi.append(p["fuse_s"] / (run["params"] * run["centers"]))
     A, y = np.array(a), np.array(b)
-    (K, k, inv_B), *_ = np.linalg.lstsq(A, y, rcond=None)
-    if k < 0:  # noise, not a cost: fit without the per-center term
-        (K, inv_B), *_ = np.linalg.lstsq(A[:, [0, 2]], y, rcond=None)
-        k = 0.0
-    return float(K), float(k), float(1 / inv_B) if inv_B > 0 else float("inf"), float(np.mean(phi))
+    cols = [0, 1, 2]
+    while True:  # a negative coefficient is noise, not a cost: drop it and refit
+        coef, *_ = np.linalg.lstsq(A[:, cols], y, rcond=None)
+        full = dict(zip(cols, coef))
+        neg = [c for c in cols[1:] if full[c] < 0]
+        if not neg:
+            break
+        cols.remove(neg[0])
+    K, k, inv_B = (max(full.get(i, 0.0), 0.0) for i in range(3))
+    rms = float(np.sqrt(np.mean((A[:, cols] @ coef - y) ** 2)))
+    return {"fixed_s": float(K), "fixed_per_center_s": float(k), "framework_Bps": 1 / inv_B if inv_B else math.inf,
+            "fuse_s_per_param": float(np.mean(phi)), "residual_rms_s": rms}
 
 
-def predict(run: dict, K: float, k: float, B: float, phi: float) -> dict:
-    """Simulate a measured run from its per-step compute and the calibrated K, k, B, φ; compare."""
-    names = sorted(run["rounds"][0]["compute_s"])
-    n, H, P = run["centers"], run["local_steps"], run["params"]
-    step = np.array([[p["compute_s"][c] / H for c in names] for p in run["rounds"]])
-    # on one machine every center's bytes share the SuperLink: each link gets B / N
-    x = SimInputs.make(names, step[0], H, P, down_Bps=B / n, up_Bps=B / n, fixed_s=max(K, 0.0),
-                      fixed_per_center_s=k, fuse_s_per_param=phi)
-    sim = simulate_rounds(x, len(step), step_s=step)
-    meas_round = np.array([p["round_s"] for p in run["rounds"]])
-    busy = np.array([max(p["compute_s"].values()) + p["fuse_s"] for p in run["rounds"]])
-    meas_comm = float(1 - busy.sum() / meas_round.sum())
+def measured_comm(run: dict) -> float:
+    """``1 − (max compute + fusion) / round`` summed over the rounds (``benchmarks/collab.py``'s comm %)."""
+    busy = sum(max(p["compute"].values()) + p["fuse_s"] for p in run["rounds"])
+    return 1 - busy / sum(p["round_s"] for p in run["rounds"])
+
+
+def predict(run: dict, step_s: np.ndarray, cal: dict) -> dict:
+    """Simulate a measured run from the calibrated compute and framework costs; compare."""
+    sim = simulate_rounds(sim_inputs(run, step_s, cal), len(run["rounds"]))
+    meas_round = float(np.mean([p["round_s"] for p in run["rounds"]]))
+    meas_comm = measured_comm(run)
     sim_round, sim_comm = float(sim.round_s.mean()), sim.critical_comm_share()
-    return {"centers": n, "size": run["size"], "local_steps": H, "measured_round_s": float(meas_round.mean()),
-            "simulated_round_s": sim_round, "round_error_pct": 100 * (sim_round / meas_round.mean() - 1),
+    mean = {k: float(np.mean([max(p[k].values()) for p in run["rounds"]])) for k in ("distribute", "compute", "upload")}
+    return {"centers": run["centers"], "size": run["size"], "local_steps": run["local_steps"],
+            "slowest_link_MBps": min(sim.inputs.up_Bps) / 1e6, "measured_round_s": meas_round,
+            "simulated_round_s": sim_round, "round_error_pct": 100 * (sim_round / meas_round - 1),
             "measured_comm_pct": 100 * meas_comm, "simulated_comm_pct": 100 * sim_comm,
-            "comm_error_points": 100 * (sim_comm - meas_comm), "loadavg": run["loadavg"]}
+            "comm_error_points": 100 * (sim_comm - meas_comm), "measured_max_phase_s": mean,
+            "simulated_max_phase_s": {k: float(sim.dur[k].max(axis=1).mean()) for k in ("distribute", "compute",
+                                                                                          "upload")},
+            "loadavg": run["loadavg"]}
 
 
-def planner_check(raw: dict, fit: tuple[float, float, float, float], raw_path: Path, rounds: int,
-                  target: float = 0.5) -> dict:
-    """The H that :func:`choose_local_steps` picks for 3 × 1M at a target communication share (step time
-    from the 3 × 1M, H = 100 run, Flower's cost as calibrated), run on Flower: measured share vs target."""
+def planner_check(raw: dict, cal: dict, steps: dict, raw_path: Path, rounds: int, target: float) -> dict:
+    """The H that :func:`choose_local_steps` picks for 5 × 1M on the reported links at a target
+    communication share (compute and framework as calibrated), run on Flower: measured share vs target."""
     from polyparallel.cost_models.collab_simulator import choose_local_steps
 
-    K, k, B, phi = fit
-    ref = raw["3-1M-H100"]
-    names = sorted(ref["rounds"][0]["compute_s"])
-    step = [float(np.mean([p["compute_s"][c] for p in ref["rounds"]])) / 100 for c in names]
-    x = SimInputs.make(names, step, 1, ref["params"], down_Bps=B / 3, up_Bps=B / 3, fixed_s=max(K, 0.0),
-                       fixed_per_center_s=k, fuse_s_per_param=phi)
-    H, sim = choose_local_steps(x, target)
-    key = f"planner-3-1M-H{H}"
+    ref = {"centers": 5, "size": "1M", "local_steps": 1, "link_scale": 1.0,
+           "params": raw[key_of(*CALIBRATE[1])]["params"]}
+    H, sim = choose_local_steps(sim_inputs(ref, steps[(5, "1M")], cal, H=1), target)
+    key = "planner-" + key_of(5, "1M", H, 1.0)
     if key not in raw:
         with tempfile.TemporaryDirectory(prefix="ppsim-") as tmp:
-            raw[key] = flower_run(3, "1M", H, rounds, Path(tmp))
+            raw[key] = flower_run(5, "1M", H, 1.0, rounds, Path(tmp))
         raw_path.write_text(json.dumps(raw, indent=1))
     run = raw[key]
-    busy = sum(max(p["compute_s"].values()) + p["fuse_s"] for p in run["rounds"])
-    measured = 1 - busy / sum(p["round_s"] for p in run["rounds"])
+    measured = measured_comm(run)
     print(f"planner check: target comm {100 * target:.0f}% -> H = {H} (simulated {100 * sim.critical_comm_share():.1f}%"
-          f"), measured on Flower {100 * measured:.1f}% (load {run['loadavg'][0]:.0f})")
+          f"), measured on Flower {100 * measured:.1f}% (load {run['loadavg'][0]:.1f})")
     return {"target_pct": 100 * target, "local_steps": H, "simulated_pct": 100 * sim.critical_comm_share(),
-            "measured_pct": 100 * measured, "loadavg": run["loadavg"]}
+            "measured_pct": 100 * measured, "error_points": 100 * (measured - target),
+            "measured_round_s": float(np.mean([p["round_s"] for p in run["rounds"]])),
+            "simulated_round_s": float(sim.round_s[0]), "loadavg": run["loadavg"]}
 
 
-def validate(rounds: int, raw_path: Path, check_planner: bool = False) -> dict:
+def validate(rounds: int, raw_path: Path, check_planner: bool = False, targets: tuple[float, ...] = (0.5,)) -> dict:
     raw = json.loads(raw_path.read_text()) if raw_path.exists() else {}
     with tempfile.TemporaryDirectory(prefix="ppsim-") as tmp:
-        for n, size, H in CALIBRATE + REPORT:
-            key = f"{n}-{size}-H{H}"
-            if key not in raw:
-                raw[key] = flower_run(n, size, H, rounds, Path(tmp))
+        for cfg in CALIBRATE + REPORT:
+            if key_of(*cfg) not in raw:
+                raw[key_of(*cfg)] = flower_run(*cfg, rounds, Path(tmp))
                 raw_path.write_text(json.dumps(raw, indent=1))
-    K, k, B, phi = fit_framework([raw[f"{n}-{s}-H{h}"] for n, s, h in CALIBRATE])
-    print(f"calibrated on {CALIBRATE}: fixed cost K = {K:.3f} s/round + k = {k:.3f} s per center, shared pipe "
-          f"B = {B / 1e6:.1f} MB/s, fusion {phi:.3g} s per parameter and center")
-    rows = [predict(raw[f"{n}-{s}-H{h}"], K, k, B, phi) for n, s, h in REPORT]
-    print("| centers | params | H | measured round s | simulated round s | error % | measured comm % | "
-          "simulated comm % | Δ points | load (1 min) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    calib = [raw[key_of(*c)] for c in CALIBRATE]
+    cal = fit_framework(calib)
+    # compute: each center's step time in the calibration run with the same centers and model (the
+    # same number of processes sharing the CPU), not in the reported run
+    steps = {(r["centers"], r["size"]): step_of(r) for r in calib}
+    print(f"calibrated on {[key_of(*c) for c in CALIBRATE]}: fixed cost K = {cal['fixed_s']:.3f} s/round + "
+          f"k = {cal['fixed_per_center_s']:.3f} s per center, framework bytes {cal['framework_Bps'] / 1e6:.0f} "
+          f"MB/s, fusion {cal['fuse_s_per_param']:.3g} s per parameter and center (residual rms "
+          f"{cal['residual_rms_s']:.3f} s)")
+    rows = [predict(raw[key_of(*c)], steps[(c[0], c[1])], cal) for c in REPORT]
+    print("| centers | params | H | slowest link MB/s | measured round s | simulated round s | error % | "
+          "measured comm % | simulated comm % | Δ points | load (1 min) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['centers']} | {r['size']} | {r['local_steps']} | {r['measured_round_s']:.3f} | "
-              f"{r['simulated_round_s']:.3f} | {r['round_error_pct']:+.1f} | {r['measured_comm_pct']:.1f} | "
-              f"{r['simulated_comm_pct']:.1f} | {r['comm_error_points']:+.1f} | {r['loadavg'][0]:.0f} |")
-    out = {"calibration": {"configs": CALIBRATE, "fixed_s": K, "fixed_per_center_s": k, "shared_Bps": B,
-                           "fuse_s_per_param": phi}, "rows": rows}
+        print(f"| {r['centers']} | {r['size']} | {r['local_steps']} | {r['slowest_link_MBps']:.2f} | "
+              f"{r['measured_round_s']:.3f} | {r['simulated_round_s']:.3f} | {r['round_error_pct']:+.1f} | "
+              f"{r['measured_comm_pct']:.1f} | {r['simulated_comm_pct']:.1f} | {r['comm_error_points']:+.1f} | "
+              f"{r['loadavg'][0]:.1f} |")
+    out = {"calibration": {"configs": [key_of(*c) for c in CALIBRATE], **cal,
+                           "step_s": {f"{n}-{s}": v.tolist() for (n, s), v in steps.items()}},
+           "links": {"base_Bps": BASE_BPS, "factors": LINK_FACTORS, "latency_s": LATENCY_S}, "rows": rows}
     if check_planner:
-        out["planner"] = planner_check(raw, (K, k, B, phi), raw_path, rounds)
+        out["planner"] = [planner_check(raw, cal, steps, raw_path, rounds, t) for t in targets]
     return out
 
 
@@ -193,13 +251,15 @@ def main() -> None:
     ap.add_argument("--planner", action="store_true", help="with --validate: run the H the simulator picks for "
                                                            "a 50%% communication share on Flower (minutes)")
     ap.add_argument("--rounds", type=int, default=5, help="Flower rounds per configuration (round 1 dropped)")
-    ap.add_argument("--raw", type=Path, default=OUT.with_name("collab_simulator_flower_raw.json"),
+    ap.add_argument("--targets", default="0.5", help="with --planner: communication share targets, comma separated")
+    ap.add_argument("--raw", type=Path, default=OUT.with_name("collab_simulator_flower_links_raw.json"),
                     help="measured Flower rounds, kept between calls (a configuration present is not rerun)")
     args = ap.parse_args()
     out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg": os.getloadavg()},
            "speed": speed()}
     if args.validate:
-        out["validation"] = validate(args.rounds, args.raw, args.planner)
+        out["validation"] = validate(args.rounds, args.raw, args.planner,
+                                     tuple(float(t) for t in args.targets.split(",")))
     elif OUT.exists():  # keep the last validation when only the speed is rerun
         out["validation"] = json.loads(OUT.read_text()).get("validation")
     OUT.write_text(json.dumps(out, indent=1))

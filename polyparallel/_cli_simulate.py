@@ -1,11 +1,13 @@
 """``polyparallel simulate``: the rounds of a collaborative strategy, phase by phase (distribute, compute,
-upload, wait, fuse, and the framework's fixed cost), with statistics, a Perfetto trace and a PNG timeline."""
+upload, wait, fuse, and the framework's fixed cost), with statistics, a Perfetto trace and a PNG timeline;
+for a synchronous strategy with pipeline stages, one step's timeline per stage with its bubbles (the
+task-by-task simulation the HTML report draws, :func:`polyparallel.report.pipeline_tasks`)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -35,7 +37,8 @@ def simulate_cmd(
                                                                   "engine), not concurrently")] = False,
 ) -> None:
     """Simulate N rounds of a collaborative strategy: time to N rounds, utilisation per center, and the
-    communication, idle and fusion shares of wall time."""
+    communication, idle and fusion shares of wall time. A synchronous strategy with pipeline stages: one
+    step per stage, with its bubbles."""
     from polyparallel.cost_models.collab_simulator import inputs_from_strategy, simulate_rounds
 
     try:
@@ -44,6 +47,19 @@ def simulate_cmd(
         first = str(e).splitlines()[0]
         raise UserError(f"{first}; give a strategy written by `polyparallel search MODEL -c CLUSTER --mode "
                         f"collaborative -o {strategy}`") from None
+    if s.collaborative is None:
+        if not s.stages or not any(st.compute_s for st in s.stages):
+            raise UserError(f"{strategy}: a synchronous strategy without pipeline stage times has nothing to "
+                            "simulate; give a collaborative strategy (`polyparallel search MODEL -c CLUSTER --mode "
+                            "collaborative`) or one with pp > 1")
+        summary, trace_doc = pipeline_timeline(s)
+        typer.echo(json.dumps(summary, indent=1) if as_json else pipeline_table(summary))
+        if trace is not None:
+            trace.write_text(json.dumps(trace_doc))
+            typer.echo(f"wrote {trace}  (open it in https://ui.perfetto.dev or chrome://tracing)", err=as_json)
+        if plot is not None:
+            typer.echo(f"no PNG for a pipeline step: `polyparallel report {strategy}` draws it", err=True)
+        return
     if rounds < 1:
         raise UserError(f"--rounds {rounds}: give at least 1 round")
     if local_steps is not None and local_steps < 1:
@@ -69,3 +85,50 @@ def simulate_cmd(
             typer.echo(f"no PNG written to {plot}: matplotlib is not installed (pip install matplotlib)", err=True)
         else:
             typer.echo(f"wrote {plot}", err=as_json)
+
+
+def pipeline_timeline(s: Strategy) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One pipeline step of a synchronous strategy: per stage its busy and idle (bubble) time, and a
+    Chrome-trace with one track per stage. The tasks are the report's (:func:`~polyparallel.report.
+    pipeline_tasks`, the schedule order of :mod:`polyparallel.cost_models.pipeline`; forward 1/3 and
+    backward 2/3 of a stage's compute per micro-batch), its makespan the cost model's."""
+    from polyparallel.report import pipeline_tasks
+
+    tasks, sim = pipeline_tasks(s)
+    span = sim.makespan
+    stages = []
+    for st in s.stages:
+        mine = [(a, z, k) for r, a, z, k, _ in tasks if r == st.index]
+        busy = sum(z - a for a, z, _ in mine)
+        first, last = min(a for a, _, _ in mine), max(z for _, z, _ in mine)
+        stages.append({"stage": st.index, "devices": list(st.devices), "forward_s": sum(z - a for a, z, k in mine
+                                                                                       if k == "F"),
+                       "backward_s": sum(z - a for a, z, k in mine if k == "B"), "busy_s": busy,
+                       "bubble_s": span - busy, "bubble_share": (span - busy) / span if span else 0.0,
+                       "warmup_s": first, "cooldown_s": span - last})
+    summary = {"schedule": s.schedule, "stages": len(s.stages), "microbatches": s.microbatches,
+               "chunks": sim.chunks, "makespan_s": span, "bubble_fraction": sim.bubble_fraction,
+               "estimated_step_s": s.estimate.step_time_s if s.estimate else None, "per_stage": stages}
+    ev: list[dict[str, Any]] = [{"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "pipeline"}}]
+    ev += [{"ph": "M", "name": "thread_name", "pid": 0, "tid": st.index, "args": {"name": f"stage {st.index}"}}
+           for st in s.stages]
+    ev += [{"ph": "X", "name": label, "cat": "forward" if k == "F" else "backward", "pid": 0, "tid": r,
+            "ts": a * 1e6, "dur": (z - a) * 1e6} for r, a, z, k, label in tasks]
+    return summary, {"traceEvents": ev, "displayTimeUnit": "ms", "otherData": {"summary": summary}}
+
+
+def pipeline_table(summary: dict[str, Any]) -> str:
+    lines = [f"one step of {summary['schedule']}: {summary['stages']} stages × {summary['microbatches']} micro-batches"
+             + (f" ({summary['chunks']} chunks per stage)" if summary["chunks"] > 1 else "")
+             + f", makespan {1e3 * summary['makespan_s']:.3f} ms, bubble {100 * summary['bubble_fraction']:.1f}% "
+             "(cost_models.pipeline; forward 1/3, backward 2/3 of each stage's compute; no point-to-point time)",
+             f"  {'stage':>5} {'forward ms':>11} {'backward ms':>12} {'busy ms':>9} {'bubble ms':>10} {'bubble %':>9} "
+             f"{'warm-up ms':>11} {'cool-down ms':>13}"]
+    for r in summary["per_stage"]:
+        lines.append(f"  {r['stage']:>5} {1e3 * r['forward_s']:>11.3f} {1e3 * r['backward_s']:>12.3f} "
+                     f"{1e3 * r['busy_s']:>9.3f} {1e3 * r['bubble_s']:>10.3f} {100 * r['bubble_share']:>9.1f} "
+                     f"{1e3 * r['warmup_s']:>11.3f} {1e3 * r['cooldown_s']:>13.3f}")
+    if summary["estimated_step_s"]:
+        lines.append(f"the strategy's estimated step ({1e3 * summary['estimated_step_s']:.3f} ms) adds "
+                     "point-to-point, data-parallel and optimizer time")
+    return "\n".join(lines)

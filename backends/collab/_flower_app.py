@@ -164,9 +164,8 @@ def _center_train(msg: Message, context: Context) -> Message:
                                     control=control, center_state=ci)
     if ci is not None:
         context.state[_CI_KEY] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in ci.items()})
-    reply = reply_content(payload, metrics, center, pack="layout" in msg.content)
-    link.upload(sum(nbytes_of(v) for v in reply.array_records.values()))
-    return Message(reply, reply_to=msg)
+    # the upload's emulated link is held at the server (ServerApp), from this message's created_at
+    return Message(reply_content(payload, metrics, center, pack="layout" in msg.content), reply_to=msg)
 
 
 @client_app.evaluate()
@@ -320,6 +319,7 @@ def _serve_rounds(grid: Grid, context: Context, out: Path) -> None:
     log.info("serving rounds %d..%d of %d centers%s", server.round + 1, config.rounds, len(config.centers),
              f" (identities bound to {len(node_names)} registered keys)" if node_names else "")
     first = True
+    links = {c.name: LinkThrottle.of(c) for c in config.centers if LinkThrottle.of(c).limited}
     stop_after = int(rc.get("max-rounds", 0)) or None  # rounds this ServerApp runs before exiting (0: all)
     ran = 0
     while not server.done and (stop_after is None or ran < stop_after):
@@ -339,6 +339,7 @@ def _serve_rounds(grid: Grid, context: Context, out: Path) -> None:
         replies: list[CenterReply] = []
         errors: list[str] = []
         refused: dict[str, tuple[str, ...]] = {}
+        delivered: list[float] = []
         for m, t_arrived in _exchange(grid, msgs, {c.name for c in config.centers}, config.round_timeout_s, poll_s,
                                       node_names):
             if (why := _identity_problem(m, node_names)) is not None:
@@ -355,11 +356,17 @@ def _serve_rounds(grid: Grid, context: Context, out: Path) -> None:
                 c = m.content
                 replies.append(CenterReply(str(c["center"]["name"]), _from_records(c, "update"),
                                            dict(c["metrics"])))
+                if replies[-1].center in links:  # an emulated uplink: received when the link would deliver it
+                    t_arrived = links[replies[-1].center].delivered(
+                        "up", sum(nbytes_of(v) for v in c.array_records.values()), m.metadata.created_at, t_arrived)
+                    delivered.append(t_arrived)
                 server.timing.record(r, "server", replies[-1].center, "update_received", t=t_arrived)
             except (KeyError, TypeError, ValueError) as e:
                 log.warning("round %d: malformed reply from node %d dropped: %r", r, m.metadata.src_node_id, e)
         if errors and not replies and server.round == 0:  # nobody can train: a setup error, not a bad round
             raise RuntimeError("every center failed round 1: " + " | ".join(errors))
+        if delivered and max(delivered) > time.time():
+            time.sleep(max(delivered) - time.time())
         round_eval = evaluate
         if round_eval is None and config.holdout > 0:
             def round_eval(p: dict[str, np.ndarray], nodes: list[int] = nodes, r: int = r) -> dict[str, float]:

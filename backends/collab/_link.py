@@ -4,7 +4,7 @@ On one machine (loopback) a center receives the global model and sends its updat
 (GB/s: only the framework's serialisation costs anything), so a federation on loopback says nothing
 about a WAN. A center given a link (:class:`~._config.CenterSpec` ``down_Bps``, ``up_Bps``,
 ``latency_s``; 0 means unlimited) holds every transfer to it, in the center's own process where it
-receives and sends, on the real serialized bytes (the arrays of the message):
+receives (and, for its uploads, at the server), on the real serialized bytes (the arrays of the message):
 
 * a transfer of ``n`` bytes that the sender put on the link at ``t0`` is done at
   ``start + latency + n / bandwidth`` with ``start = max(t0, when the link's previous transfer was
@@ -13,8 +13,13 @@ receives and sends, on the real serialized bytes (the arrays of the message):
 * download: ``t0`` is when the server created the message (Flower's ``created_at``; on one machine the
   same clock), so the framework's own transit time is part of the emulated time, not added to it;
   in the in-process engine, when the engine hands the center the model.
-* upload: ``t0`` is when the center has its reply ready; the framework's transit of the reply to the
-  server comes on top (it is part of the framework's cost per round that the simulator calibrates).
+* upload: the same at the receiving end, the server, from when the center created its reply (the
+  reply's ``created_at``; the bandwidth is the job's, not the center's word): the server counts an
+  update as received, and fuses, no earlier than the link would have delivered it. Held at the
+  receiver, the framework's own transit is part of the emulated time rather than added to it: on a
+  loaded machine Flower's transit of a 4 MB reply alone took 2–3 s (load 20 on 2 cores), which a
+  sleep in the sender would have put on top of the link. In the in-process engine (no transit) the
+  center sleeps before handing its update over.
 
 The simulator (:mod:`polyparallel.cost_models.collab_simulator`) prices the same transfers as
 ``latency + bytes / bandwidth`` from the same figures (a Strategy's cluster, ``center_links``).
@@ -87,6 +92,11 @@ class LinkThrottle:
         if wait > 0:
             self.sleep(wait)
         return max(wait, 0.0)
+
+    def delivered(self, direction: str, nbytes: int, sent_at: float, arrived: float) -> float:
+        """When a transfer that the framework delivered at ``arrived`` would have been delivered by the
+        link (never before it arrived): for a receiver that holds it until then without sleeping now."""
+        return max(arrived, self.done_at(direction, int(nbytes), min(sent_at, arrived))) if self.limited else arrived
 
     def download(self, nbytes: int, sent_at: float | None = None) -> float:
         return self.transfer("down", nbytes, sent_at)
