@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -116,6 +119,19 @@ def show_cmd(
     Console().print(cluster_tree(c))
 
 
+@contextlib.contextmanager
+def _steps(what: str) -> Iterator[Callable[[str], None]]:
+    """Each measurement's line on stderr as it ends; on a terminal, under a spinner saying what runs
+    and for how long (a calibration takes minutes, its phases have no common unit to count)."""
+    console = Console(stderr=True)
+    t0 = time.monotonic()
+    with console.status(what) as status:
+        def say(line: str) -> None:
+            console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
+            status.update(f"{what} ({time.monotonic() - t0:.0f} s): {line}")
+        yield say
+
+
 @app.command("calibrate")
 def calibrate_cmd(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="calibration JSON to write "
@@ -138,9 +154,9 @@ def calibrate_cmd(
 
         if out is None:
             raise UserError("--device cuda needs --out FILE (a GPU calibration is referenced from a cluster spec)")
-        console = Console(stderr=True)
         try:
-            calibrate_gpu(out, timeout=timeout, progress=lambda s: console.print(f"  {s}"))
+            with _steps("calibrating the GPU") as say:
+                calibrate_gpu(out, timeout=timeout, progress=say)
         except RuntimeError as e:
             raise UserError(str(e)) from None
         typer.echo(f"wrote {out}")
@@ -157,8 +173,8 @@ def calibrate_cmd(
     path = out or default_calibration_path()
     if path.exists() and path.is_dir():
         raise UserError(f"--out {path} is a directory: give a file name such as {path / 'calibration.json'}")
-    console = Console(stderr=True)
-    res = calibrate(path, group_sizes=sizes, timeout=timeout, progress=lambda s: console.print(f"  {s}"))
+    with _steps(f"calibrating local-cpu with {', '.join(map(str, sizes))} processes") as say:
+        res = calibrate(path, group_sizes=sizes, timeout=timeout, progress=say)
     fit = res["collectives"].get("fit")
     msg = f"wrote {path}"
     if fit:
