@@ -8,11 +8,13 @@ layers as the cost model cut them, the per-op placements grouped by placement, a
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, StepEstimate, estimate_step
 from polyparallel.ir import Graph
+from polyparallel.planning.derived import replaced_plans
 from polyparallel.planning.model_graphs import ModelGraphs
 from polyparallel.planning.place_plan import place
 from polyparallel.strategy import (
@@ -41,7 +43,7 @@ def strategy_of(mdl: ModelGraphs, cl: Cluster, est: StepEstimate, b: int, B: int
     was = mdl.graph(b)
     g = mdl.exact(b)
     if g is not was:  # captured just now: price the plan on the graph the strategy names (same price)
-        est = estimate_step(g, cl, est.config)
+        est = estimate_step(g, cl, replace(est.config, op_plans=replaced_plans(g, cl, est.config, placements)))
     chunks = stage_chunks(g, est.config)
     stage_ops = [[g.ops[i] for a, z in chunks[s] for i in range(a, z + 1)] for s in range(est.config.pp)]
     placed = place(g, cl, est, stage_ops, placements, cap)

@@ -71,8 +71,12 @@ integer of the IR that differs between the two is affine in the batch). A strate
 micro-batch is 1 is re-captured at 1 before it is written, because a capture at batch 1
 names extent-1 dims differently (same prices, different fingerprint).
 
-**Per-op placements.** Plans are ranked with the step model's Megatron rule (cheap, one
-propagation per tensor-parallel degree). The chosen plan's ops are then placed stage by stage
+**Per-op placements.** Every plan with a tensor-parallel axis is offered once per placement
+candidate (:mod:`polyparallel.planning.derived`): the exact solver's placements, derived from the
+polyhedral model over the whole graph (solved once per ``tp`` degree and target, each repeated block
+once), and Megatron's layout as one more candidate; the branch and bound keeps the faster. Plans
+with ``sp > 1`` are ranked with Megatron + Ulysses, which the torch backend runs whatever the
+placements. The chosen plan's ops are then placed stage by stage
 by the exact per-stage solver (:func:`polyparallel.planning.stage_solver.solve_stage`: dynamic programming
 along the chain of repeated blocks, MILP for branchy graphs), restricted by default to what the
 torch backend executes and always offered the rule's placement, and the plan is re-priced with
@@ -111,6 +115,7 @@ from polyparallel.cost_models.pipeline import SCHEDULES
 from polyparallel.cost_models.step import StepBound, step_lower_bound
 from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Hint
 from polyparallel.planning.assemble import model_info, strategy_of
+from polyparallel.planning.derived import variants
 from polyparallel.planning.model_graphs import ModelGraphs, divisors, rebatch
 from polyparallel.planning.model_inputs import model_and_inputs
 from polyparallel.planning.place_plan import MODES
@@ -474,11 +479,15 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
 
 
 def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: list[int], exhaustive: bool,
-                 objective: str, say: Callable[[str], None], executable: bool = True) -> _Best:
+                 objective: str, say: Callable[[str], None], executable: bool = True,
+                 rank_by: str | None = None) -> _Best:
     """Branch and bound over the plans (module docstring). With ``placements="torch"`` and
     ``executable``, only plans the torch backend executes are candidates (:mod:`polyparallel.backends.torch.
-    capabilities`); when none of those fits, the search runs again over every plan and says so."""
+    capabilities`); when none of those fits, the search runs again over every plan and says so.
+    Each plan is offered with each of its placement candidates (:func:`.derived.variants`, for the
+    target ``rank_by``, default ``c.placements``); it fits when one of them does."""
     dtype = c.dtype or _default_dtype(cl, devs)
+    rank_by = rank_by or c.placements
     enforce = executable and c.placements == "torch" and dtype in EXECUTED_DTYPES
     best = _Best(cl=cl, cap=c.memory_cap)
     g = mdl.graph(mdl.b0)
@@ -487,6 +496,7 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
     verdicts: dict[ParallelConfig, list[str]] = {}
 
     def problems(cfg: ParallelConfig) -> list[str]:
+        cfg = replace(cfg, op_plans=None)  # a plan's placement candidates count as one plan
         if cfg not in verdicts:
             verdicts[cfg] = plan_problems(g, cfg)
             for w in verdicts[cfg]:
@@ -503,6 +513,12 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
     n = len(devs)
     layers = _layer_count(g)
     node = _node_size(cl, devs)
+
+    def offer(graph: Graph, cfg: ParallelConfig, b: int) -> bool:
+        """Offer every placement candidate of one plan (all of them: no short cut on the first fit)."""
+        fits = [best.offer(graph, replace(cfg, op_plans=v), b) for v in variants(graph, g, cl, cfg, rank_by)]
+        return any(fits)
+
     shapes = [(*sh, ep) for sh in _mesh_shapes(n, c, node, layers, exhaustive) for ep in _ep_degrees(g, sh, c)]
     # the exhaustive yardstick walks every rung (`offer` refuses the unexecuted ones); otherwise
     # the ladders hold only executed rungs
@@ -529,7 +545,7 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
         if ladders:
             frugal = ladders[0][-1]
             try:
-                if not best.offer(mdl.graph(min(order)), frugal, min(order)):
+                if not offer(mdl.graph(min(order)), frugal, min(order)):
                     continue
             except ValueError as e:
                 best.notes.append(f"{frugal}: {e}")
@@ -542,7 +558,7 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
                 sched_free_fit = False
                 for cfg in ladder:
                     try:
-                        fits = best.offer(graph, cfg, b)
+                        fits = offer(graph, cfg, b)
                     except ValueError as e:  # a combination the cost model refuses (e.g. sp > heads)
                         best.notes.append(f"{cfg}: {e}")
                         break
@@ -567,7 +583,7 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
         left = "; ".join(f"{why} ({n} plan{'s' * (n > 1)})" for why, n in reasons[:8])
         if best.est is None:
             say("no plan the torch backend executes fits; searching every plan")
-            again = _search_sync(mdl, cl, B, c, devs, exhaustive, objective, say, executable=False)
+            again = _search_sync(mdl, cl, B, c, devs, exhaustive, objective, say, executable=False, rank_by=rank_by)
             again.notes.insert(0, "no plan the torch backend executes exactly fits: this strategy is for planning "
                                f"only (polyparallel train refuses it). Left out: {left}")
             return again
@@ -854,7 +870,7 @@ def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Pa
     if placements not in MODES:
         raise ValueError(f"placements must be one of {', '.join(MODES)}, not {placements!r}")
     t0 = time.perf_counter()
-    best = _search_sync(mdl, cl, B, c, devs, False, "throughput", lambda _: None)
+    best = _search_sync(mdl, cl, B, c, devs, False, "throughput", lambda _: None, rank_by=placements)
     record = SearchRecord(capture_s=round(mdl.capture_s, 3), search_s=round(time.perf_counter() - t0, 3),
                           candidates=best.candidates, solver="evaluate")
     if best.est is None:
