@@ -3,20 +3,26 @@
 ``speed``: wall time of :func:`~polyparallel.cost_models.collab_simulator.simulate_rounds` (with jitter
 and dropouts, plus the statistics) for centers × rounds up to 100 × 1000 and beyond (best of 3).
 
-``--validate``: Flower federations on loopback (``run_flower``'s defaults, the ``tuned`` mode of
-``benchmarks/collab.py``), MLPs of two sizes, 3 and 5 centers; round 1 (start-up) dropped. Flower's
-per-round cost has a fixed part and a part that grows with the bytes (serialisation and the object
-store, far slower than the raw socket), and on one machine every center's messages go through the same
-SuperLink, so the links are one shared pipe. They are fitted on *calibration* runs (H = 5: compute is
-small; ``round − fusion − max compute = K + k·N + bytes_per_round / B``, least squares over 3 × 1M,
-3 × 4M and 5 × 4M) and the simulator — ``fixed_s = K``, ``fixed_per_center_s = k``, every center's link
-``B / N`` both ways, each center's per-step compute as measured in that run, the fusion cost per
-parameter and center of the calibration runs — then predicts the *reported* runs (other ``H`` and
-center counts): round time and the communication share ``1 − (max compute + fusion) / round`` (as
-``benchmarks/collab.py`` defines it), simulated vs measured.
+``--validate``: Flower federations on loopback (``run_flower``'s defaults), MLPs of two sizes (1M and 4M
+parameters), 3 and 5 centers, every center on an emulated WAN link (``CenterSpec.down_Bps``/``up_Bps``/
+``latency_s``, held at the receiving end of each transfer, ``backends/collab/_link.py``): center ``i`` at
+``BASE_BPS[size] × LINK_FACTORS[i]`` (0.8 and 3 MB/s × 0.65–1: slow WAN links, so that the emulated
+transfers, not Flower's loopback transit, set the communication time: at load 12 on 2 cores, 5 centers'
+4 MB updates took 3–4 s to reach the ServerApp), 20 ms latency; round 1 (start-up) dropped.
+*Calibration* runs (other ``H``, links 1.5× faster) give the framework's cost beside the links (``round −
+fusion − max_i (D_i + C_i + U_i) = K + N·k + bytes / B_fw``, least squares), the fusion cost per parameter
+and center, and every center's step time (in the calibration run with the same centers and model: the same
+number of processes sharing the CPU). The simulator — the reported runs' own links (the same ``CenterSpec``
+figures), those step times and costs — then predicts the *reported* runs: round time, and the communication
+share ``1 − (max compute + fusion) / round`` (as ``benchmarks/collab.py`` defines it), simulated vs measured.
+``--planner``: the ``H`` :func:`choose_local_steps` picks for 5 × 1M on the reported links at each
+``--targets`` share, run on Flower: measured share vs target.
 
-Run: ``nice .venv/bin/python benchmarks/collab_simulator.py`` (speed only) or with ``--validate``
-(~10 min on 2 loaded cores). Writes ``benchmarks/results/collab_simulator.json``.
+Always (simulation only): ``speed``, and unequal centers at one ``H`` vs per-center ``H`` (``balance``).
+
+Run: ``nice .venv/bin/python benchmarks/collab_simulator.py`` (simulation only) or with ``--validate
+--planner`` (~15 min on 2 loaded cores; measured runs are kept in ``--raw`` and not rerun). Writes
+``benchmarks/results/collab_simulator.json``.
 """
 
 from __future__ import annotations
@@ -68,12 +74,12 @@ def speed(sizes=((10, 100), (100, 100), (100, 1000), (1000, 1000))) -> list[dict
 
 SIZES = {"1M": (1000, 1000), "4M": (2000, 2000)}  # MLP (input features, hidden): ~1.0M and ~4.0M parameters
 #: the centers' emulated links: center i gets BASE_BPS[size] × LINK_FACTORS[i] both ways and LATENCY_S
-BASE_BPS = {"1M": 2e6, "4M": 6e6}
+BASE_BPS = {"1M": 0.8e6, "4M": 3e6}
 LINK_FACTORS = (1.0, 0.8, 0.65, 0.9, 0.75)
 LATENCY_S = 0.02
 #: (centers, size, H, link scale): calibration at other H and 1.5 × the reported bandwidths
-CALIBRATE = [(3, "1M", 60, 1.5), (5, "1M", 60, 1.5), (3, "4M", 20, 1.5), (5, "4M", 20, 1.5)]
-REPORT = [(3, "1M", 200, 1.0), (5, "1M", 100, 1.0), (3, "4M", 50, 1.0), (5, "4M", 30, 1.0)]
+CALIBRATE = [(3, "1M", 200, 1.5), (5, "1M", 200, 1.5), (3, "4M", 40, 1.5), (5, "4M", 40, 1.5)]
+REPORT = [(3, "1M", 600, 1.0), (5, "1M", 300, 1.0), (3, "4M", 100, 1.0), (5, "4M", 60, 1.0)]
 
 
 def job(n: int, size: str, H: int, scale: float, rounds: int):
@@ -245,6 +251,36 @@ def validate(rounds: int, raw_path: Path, check_planner: bool = False, targets: 
     return out
 
 
+def balance(H: int = 50) -> list[dict]:
+    """Unequal centers, simulated: the idle share at one ``H`` for all, and with per-center ``H_i``
+    (:func:`~polyparallel.cost_models.collab_simulator.balanced_local_steps`: faster centers fill their
+    wait with steps), which the collaborative backend does not run (one ``H`` for every center)."""
+    from polyparallel.cost_models.collab_simulator import balanced_local_steps
+
+    rows = []
+    for speeds in ((1, 1, 1), (1, 1.5, 3), (1, 2, 4, 8, 8)):
+        n = len(speeds)
+        x = SimInputs.make([f"c{i}" for i in range(n)], [0.02 * v for v in speeds], H, 10**7,
+                           down_Bps=[50e6 * LINK_FACTORS[i] for i in range(n)],
+                           up_Bps=[50e6 * LINK_FACTORS[i] for i in range(n)], latency_s=LATENCY_S)
+        h = balanced_local_steps(x)
+        eq, bal = simulate_rounds(x, 10), simulate_rounds(x, 10, step_s=x.step_s * h / H)
+        rows.append({"step_ratio": list(speeds), "local_steps": h.tolist(), "round_s": float(eq.round_s.mean()),
+                     "idle_pct_equal_H": 100 * eq.shares()["idle"], "idle_pct_balanced": 100 * bal.shares()["idle"],
+                     "steps_per_s_equal_H": n * H / float(eq.round_s.mean()),
+                     "steps_per_s_balanced": float(h.sum()) / float(bal.round_s.mean())})
+    print(f"\nunequal centers (10M parameters, links 50 MB/s × {LINK_FACTORS}, 20 ms step of the fastest, H = {H}; "
+          "simulated):")
+    print("| step time ratio | H per center (balanced) | round s | idle % (one H) | idle % (balanced) | "
+          "local steps/s (one H) | local steps/s (balanced) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {':'.join(f'{v:g}' for v in r['step_ratio'])} | {r['local_steps']} | {r['round_s']:.2f} | "
+              f"{r['idle_pct_equal_H']:.1f} | {r['idle_pct_balanced']:.1f} | {r['steps_per_s_equal_H']:.1f} | "
+              f"{r['steps_per_s_balanced']:.1f} |")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--validate", action="store_true", help="also run the Flower validation (minutes)")
@@ -256,7 +292,7 @@ def main() -> None:
                     help="measured Flower rounds, kept between calls (a configuration present is not rerun)")
     args = ap.parse_args()
     out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "loadavg": os.getloadavg()},
-           "speed": speed()}
+           "speed": speed(), "balance": balance()}
     if args.validate:
         out["validation"] = validate(args.rounds, args.raw, args.planner,
                                      tuple(float(t) for t in args.targets.split(",")))

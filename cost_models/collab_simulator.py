@@ -46,9 +46,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FIXED_ROUND_S", "FUSE_S_PER_PARAM", "PHASES", "SimInputs", "SimResult", "center_links",
-           "choose_local_steps", "inputs_from_strategy", "measured_phases", "simulate", "simulate_rounds",
-           "update_bytes"]
+__all__ = ["FIXED_ROUND_S", "FUSE_S_PER_PARAM", "PHASES", "SimInputs", "SimResult", "balanced_local_steps",
+           "center_links", "choose_local_steps", "inputs_from_strategy", "measured_phases", "simulate",
+           "simulate_rounds", "update_bytes"]
 
 PHASES = ("framework", "distribute", "compute", "upload", "wait", "fuse")
 
@@ -439,3 +439,17 @@ def choose_local_steps(inputs: SimInputs, target_comm: float, max_local_steps: i
         else:
             lo = mid + 1
     return hi, at(hi)
+
+
+def balanced_local_steps(inputs: SimInputs) -> np.ndarray:
+    """Per center, the local steps that fill its wait: ``H_i = ⌊(T − D_i − U_i) / s_i⌋`` with
+    ``T = max_j (D_j + H·s_j + U_j)`` the slowest center's busy time at the job's ``H`` (so that center
+    keeps ``H`` and the round does not grow). What per-center ``H`` would buy on unequal centers: the
+    collaborative backend runs one ``H`` for every center (FedAvg of updates from unequal step counts
+    also needs normalising, as FedNova does), so this is for the simulator and the planner's estimate only.
+    Simulate it with ``simulate_rounds(inputs, R, step_s=inputs.step_s * H_i / H)``."""
+    x = inputs
+    d = x.latency_s + x.model_bytes / x.down_Bps
+    u = x.latency_s + x.upload_bytes / x.up_Bps
+    busy = d + x.local_steps * x.step_s + u
+    return np.maximum(1, np.floor((busy.max() - d - u) / x.step_s + 1e-9)).astype(int)

@@ -308,3 +308,16 @@ def test_simulate_a_pipeline_step_per_stage_with_its_bubbles(tmp_path, schedule,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["makespan_s"] == pytest.approx(span)
+
+
+def test_balanced_local_steps_fill_the_wait_without_lengthening_the_round():
+    from polyparallel.cost_models.collab_simulator import balanced_local_steps
+
+    x = SimInputs.make(["a", "b", "c"], [0.01, 0.02, 0.04], H, P, down_Bps=BW, up_Bps=BW, latency_s=LAT,
+                       fixed_s=FIXED)
+    h = balanced_local_steps(x)
+    assert h.tolist() == [4 * H, 2 * H, H]  # closed form: equal links, so H_i s_i = H s_max
+    equal = simulate_rounds(x, 3)
+    balanced = simulate_rounds(x, 3, step_s=x.step_s * h / H)
+    np.testing.assert_allclose(balanced.round_s, equal.round_s)
+    assert equal.shares()["idle"] > 0.1 and balanced.shares()["idle"] == pytest.approx(0.0, abs=1e-12)
