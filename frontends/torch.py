@@ -138,14 +138,18 @@ def _einsum(c: Call) -> Spec:
 # convolution and pooling
 
 
-@handles("conv1d", "conv2d", "conv3d", "convolution", "_convolution")
+@handles("conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d", "conv_transpose2d",
+         "conv_transpose3d")
 def _conv(c: Call) -> Spec:
     x, w, b = c.tensor("input"), c.tensor("weight"), c.tensor("bias")
     ins = [x, w] + ([b] if b else [])
 
     def nest() -> LoopNest:
-        if c.get("transposed", default=False):
-            raise ops.NotModelled("transposed convolution is not modelled")
+        if c.get("transposed", default=False) or c.name.startswith("conv_transpose"):
+            return ops.conv_transpose(c.shape(x), c.shape(w), c.shape(b), stride=_ints(c.get("stride"), [1]),
+                                      padding=_ints(c.get("padding"), [0]),
+                                      output_padding=_ints(c.get("output_padding"), [0]),
+                                      dilation=_ints(c.get("dilation"), [1]), groups=int(c.get("groups", default=1)))
         pad = c.get("padding", default=0)
         if isinstance(pad, str):
             if pad == "valid":
@@ -732,6 +736,10 @@ def _leaf_args(mod: torch.nn.Module, x: Any) -> tuple[str, dict[str, Any]] | Non
     nn = torch.nn
     if isinstance(mod, nn.Linear):
         return "linear", {"input": x, "weight": mod.weight, "bias": mod.bias}
+    if isinstance(mod, nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d):
+        return "conv_transpose2d", {"input": x, "weight": mod.weight, "bias": mod.bias, "stride": mod.stride,
+                                    "padding": mod.padding, "output_padding": mod.output_padding,
+                                    "dilation": mod.dilation, "groups": mod.groups}
     if isinstance(mod, nn.Conv1d | nn.Conv2d | nn.Conv3d):
         return "conv2d", {"input": x, "weight": mod.weight, "bias": mod.bias, "stride": mod.stride,
                           "padding": mod.padding, "dilation": mod.dilation, "groups": mod.groups}

@@ -4,7 +4,7 @@ It walks every point of a statement's domain and applies the statement through i
 accesses with numpy, so a builder's accesses are checked against numpy's own result.
 Semantics: ``copy`` statements assign ``out[w] = in[r]``; ``mac``/``pool``/``reduce`` statements
 accumulate ``out[w] += prod(in_i[r_i])``; ``map`` statements assign ``out[w] = f(in_i[r_i]...)``.
-Reads outside a tensor are zero padding.
+Reads outside a tensor are zero padding; writes outside it are cropped.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ def run(nest: LoopNest, operands: dict[str, np.ndarray], outputs: dict[str, tupl
             vals = [_read(env_arrays[a.operand], tuple(e.eval(env) for e in a.index)) for a in st.reads]
             for w in st.writes:
                 idx = tuple(e.eval(env) for e in w.index)
+                if any(i < 0 or i >= n for i, n in zip(idx, env_arrays[w.operand].shape)):
+                    continue  # cropped (a transposed convolution's padding)
                 if st.name in ("mac", "pool", "reduce"):
                     env_arrays[w.operand][idx] += float(np.prod(vals))
                 elif st.name == "map" and fn is not None:

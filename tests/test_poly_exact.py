@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 
 from polyparallel import ops
@@ -239,3 +240,71 @@ def test_megatron_gqa_on_tp4_is_a_placement_of_the_factorised_mesh():
     c = comm_of_op(g, op, pl, mesh)
     assert not c.forward and not c.partial_outputs
     assert c.flops * 4 == nest.flops()  # a quarter of the (masked) work on every device
+
+
+# -- 5. transposed convolution: FLOPs, output shape and values against torch --------------------------
+@pytest.mark.parametrize("stride,padding,output_padding,dilation,groups,k", [
+    (2, 0, 0, 1, 1, 2),   # UNet's 2x2 stride-2 upsampling
+    (2, 1, 1, 1, 1, 3),
+    (1, 0, 0, 2, 1, 3),
+    (3, 2, 1, 1, 2, 4),
+])
+def test_conv_transpose_against_torch(stride, padding, output_padding, dilation, groups, k):
+    import torch
+    import torch.nn.functional as F
+
+    from .nest_eval import run
+
+    torch.manual_seed(0)
+    B, C, O, H, W = 2, 4, 6, 3, 4
+    x = torch.randn(B, C, H, W, dtype=torch.float64)
+    w = torch.randn(C, O // groups, k, k, dtype=torch.float64)
+    bias = torch.randn(O, dtype=torch.float64)
+    want = F.conv_transpose2d(x, w, bias, stride=stride, padding=padding, output_padding=output_padding,
+                              groups=groups, dilation=dilation)
+    nest = ops.conv_transpose(x.shape, w.shape, bias.shape, stride=stride, padding=padding,
+                              output_padding=output_padding, dilation=dilation, groups=groups)
+    # FLOPs: one multiply-add per (input pixel, input channel, output channel of its group, kernel tap)
+    # whose output is not cropped, and the bias once per output element
+    def taps(n_in: int, n_out: int) -> int:
+        return sum(1 for i in range(n_in) for r in range(k) if 0 <= i * stride + r * dilation - padding < n_out)
+
+    pairs = taps(H, want.shape[2]) * taps(W, want.shape[3])
+    assert nest.flops() == 2 * B * C * (O // groups) * pairs + want.numel()
+    if padding == 0 and output_padding == 0:
+        assert pairs == H * W * k * k  # the closed form: nothing cropped
+    # values: the multiply-add statement walked point by point (the bias statement is a plain add)
+    plain = ops.conv_transpose(x.shape, w.shape, None, stride=stride, padding=padding, output_padding=output_padding,
+                               dilation=dilation, groups=groups)
+    got = run(plain, {"in0": x.numpy(), "in1": w.numpy()}, {"out0": tuple(want.shape)})["out0"]
+    np.testing.assert_allclose(got + bias.numpy()[None, :, None, None], want.numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_conv_transpose_captured_from_torch_and_onnx():
+    import onnx
+    import torch
+    from onnx import TensorProto, helper, numpy_helper
+
+    import polyparallel as pp
+    from polyparallel.frontends.onnx import capture_onnx
+    from polyparallel.poly import legal_placements
+
+    up = torch.nn.Sequential(torch.nn.ConvTranspose2d(4, 2, 2, stride=2))
+    x = torch.randn(1, 4, 8, 8)
+    flops = 2 * 1 * 4 * 2 * 8 * 8 * 2 * 2 + 1 * 2 * 16 * 16
+    g = pp.capture(up, (x,))
+    (op,) = [o for o in g.ops if o.kind == OpKind.CONV]
+    assert op.nest is not None and op.flops == flops and g.shape(op.outputs[0]) == tuple(up(x).shape)
+    # splitting the input rows of a 2x2 stride-2 upsampling moves nothing: each device writes its own rows
+    assert Placement.parse("h:sp") in legal_placements(g, op, DeviceMesh.of(sp=4))
+    # ONNX, with the output shape given instead of the padding (the crop split as the spec says)
+    w = numpy_helper.from_array(np.zeros((4, 2, 3, 3), dtype=np.float32), "w")
+    node = helper.make_node("ConvTranspose", ["x", "w"], ["y"], strides=[2, 2], output_shape=[15, 15])
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [w])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    want = torch.nn.functional.conv_transpose2d(x, torch.zeros(4, 2, 3, 3), stride=2, padding=1)
+    (op,) = [o for o in capture_onnx(onnx.shape_inference.infer_shapes(m)).ops if o.kind == OpKind.CONV]
+    assert tuple(want.shape[2:]) == (15, 15)
+    taps = sum(1 for i in range(8) for r in range(3) if 0 <= 2 * i + r - 1 < 15)
+    assert op.nest is not None and op.flops == 2 * 4 * 2 * taps * taps

@@ -131,6 +131,33 @@ def _conv(n: _Node) -> Spec:
                                          pads_hi=hi)
 
 
+@_handles("ConvTranspose")
+def _conv_transpose(n: _Node) -> Spec:
+    x, w = n.shape(0), n.shape(1)
+    b = n.shape(2)
+    k = len(x) - 2
+    strides = list(n.attr("strides", ())) or [1] * k
+    dil = list(n.attr("dilations", ())) or [1] * k
+    groups = int(n.attr("group", 1))
+
+    def nest() -> LoopNest:
+        # the inferred output (output_shape and auto_pad resolved by shape inference) fixes the crop;
+        # the low padding is the pads attribute, or, where the output shape decides, the spec's split
+        # of the total padding (SAME_UPPER: the smaller half low; otherwise the larger half low)
+        out = n.out[2:]
+        pads = list(n.attr("pads", ()))
+        lo = [int(p) for p in pads[:k]] if pads else []
+        if not lo:
+            kernel = list(n.attr("kernel_shape", ())) or list(w[2:])
+            opad = list(n.attr("output_padding", ())) or [0] * k
+            total = [strides[i] * (x[2 + i] - 1) + opad[i] + (kernel[i] - 1) * dil[i] + 1 - out[i] for i in range(k)]
+            upper = str(n.attr("auto_pad", "NOTSET")) == "SAME_UPPER"
+            lo = [t // 2 if upper else t - t // 2 for t in total]
+        return ops.conv_transpose(x, w, b, stride=strides, padding=lo, dilation=dil, groups=groups, out=out)
+
+    return OpKind.CONV, nest
+
+
 @_handles("MaxPool", "AveragePool", "LpPool")
 def _pool(n: _Node) -> Spec:
     x = n.shape(0)

@@ -110,6 +110,9 @@ def _checked(fn: NestFn, out_shapes: Sequence[Shape], target: str) -> NestFn:
                     if isinstance(e, AffineExpr):
                         hi = e.const + sum(c * (ext[d] - 1) for d, c in e.terms if c > 0)
                         lo = e.const + sum(c * (ext[d] - 1) for d, c in e.terms if c < 0)
+                        if st.constraints:  # the box's range; constraints (a transposed conv's crop) cut it
+                            n_out = max(out_shapes[k][axis], 1)
+                            lo, hi = min(max(lo, 0), n_out - 1), max(min(hi, n_out - 1), 0)
                         old = cur[axis]
                         cur[axis] = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
         for k, axes in span.items():

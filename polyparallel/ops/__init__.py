@@ -9,7 +9,7 @@ shapes has no affine description (the frontend then keeps it as an opaque op).
 from ._attention import attention
 from ._common import NotModelled, broadcast_shapes
 from ._contraction import einsum, linear, matmul
-from ._conv import adaptive_pool, conv, out_extent, pool
+from ._conv import adaptive_pool, conv, conv_transpose, out_extent, pool
 from ._gather import advanced_index, cross_entropy, embedding, gather, nll_loss, take_along_axis
 from ._moe import grouped_mm
 from ._norm import batch_norm, group_norm, layer_norm, softmax
@@ -26,6 +26,7 @@ __all__ = [
     "broadcast_shapes",
     "concat",
     "conv",
+    "conv_transpose",
     "create",
     "cross_entropy",
     "einsum",

@@ -1,4 +1,4 @@
-"""Convolutions (1-3 spatial dims, stride, padding, dilation, groups) and pooling."""
+"""Convolutions (1-3 spatial dims, stride, padding, dilation, groups), transposed convolutions and pooling."""
 
 from __future__ import annotations
 
@@ -36,6 +36,19 @@ def out_extent(size: int, k: int, stride: int, pad_lo: int, pad_hi: int, dil: in
     return out
 
 
+def _conv_dims(B: int, groups: int, O: int, C: int, spatial: Sequence[int], kernel: Sequence[int]) -> list[Dim]:
+    """``b, [g,] o, <spatial>, c, <kernel>``: the dims of a (transposed) convolution's multiply-add."""
+    n = len(spatial)
+    dims = [Dim("b", B, Role.PARALLEL, Hint.BATCH)]
+    if groups > 1:
+        dims.append(Dim("g", groups, Role.PARALLEL, Hint.CHANNEL))
+    dims.append(Dim("o", O // groups, Role.PARALLEL, Hint.CHANNEL))
+    dims += [Dim(s, e, Role.PARALLEL, Hint.SPATIAL) for s, e in zip(_SPATIAL[n], spatial)]
+    dims.append(Dim("c", C // groups, Role.REDUCTION, Hint.CHANNEL))
+    dims += [Dim(k, e, Role.REDUCTION, Hint.KERNEL) for k, e in zip(_KERNEL[n], kernel)]
+    return dims
+
+
 def conv(x: Sequence[int], w: Sequence[int], bias: Sequence[int] | None = None, *,
          stride: int | Sequence[int] = 1, padding: int | Sequence[int] = 0,
          dilation: int | Sequence[int] = 1, groups: int = 1,
@@ -57,13 +70,7 @@ def conv(x: Sequence[int], w: Sequence[int], bias: Sequence[int] | None = None, 
     if min(outs) < 1:
         raise NotModelled(f"conv output would be empty: {outs}")
     sp, kn = _SPATIAL[n], _KERNEL[n]
-    dims = [Dim("b", B, Role.PARALLEL, Hint.BATCH)]
-    if groups > 1:
-        dims.append(Dim("g", groups, Role.PARALLEL, Hint.CHANNEL))
-    dims.append(Dim("o", O // groups, Role.PARALLEL, Hint.CHANNEL))
-    dims += [Dim(s, e, Role.PARALLEL, Hint.SPATIAL) for s, e in zip(sp, outs)]
-    dims.append(Dim("c", C // groups, Role.REDUCTION, Hint.CHANNEL))
-    dims += [Dim(k, w[2 + i], Role.REDUCTION, Hint.KERNEL) for i, k in enumerate(kn)]
+    dims = _conv_dims(B, groups, O, C, outs, w[2:])
     gch = (lambda per, d: E("g") * per + E(d)) if groups > 1 else (lambda per, d: E(d))
     xi = (E("b"), gch(C // groups, "c"),
           *[E(sp[i]) * st[i] + E(kn[i]) * dil[i] - pad[i] for i in range(n)])
@@ -76,6 +83,64 @@ def conv(x: Sequence[int], w: Sequence[int], bias: Sequence[int] | None = None, 
         pd = tuple(d.name for d in dims if d.role is Role.PARALLEL)
         sts.append(Statement("bias", pd, reads=(Access("in2", (gch(O // groups, "o"),)),),
                              writes=(Access("out0", yi),), flops_per_point=1))
+    return LoopNest(tuple(dims), tuple(sts))
+
+
+def conv_transpose(x: Sequence[int], w: Sequence[int], bias: Sequence[int] | None = None, *,
+                   stride: int | Sequence[int] = 1, padding: int | Sequence[int] = 0,
+                   output_padding: int | Sequence[int] = 0, dilation: int | Sequence[int] = 1, groups: int = 1,
+                   out: Sequence[int] | None = None) -> LoopNest:
+    """Transposed convolution as the scatter of every input pixel through the kernel (operands x, w, bias):
+    ``y[b, o, h*st + r*dil - pad, ...] += x[b, c, h, ...] * k[c, o, r, ...]``, ``k`` of shape
+    ``[C, O / groups, kernel...]`` (torch and ONNX), ``h`` running over the *input* rows.
+
+    Its points are exactly the multiply-adds a transposed convolution does, ``2 B C (O/g) prod(in)
+    prod(kernel)`` FLOPs without padding; taps that would land in the cropped border (``padding``,
+    an ``output_shape`` smaller than the full one) are cut by constraints. Where the
+    kernel is no wider than the stride (UNet's 2x2 stride-2 upsampling) the write is injective and the
+    input rows split like any parallel dim (each device writes its own output rows); wider kernels
+    overlap neighbouring rows' outputs, so the placement rules refuse splitting them. ``out``: the
+    output's spatial extents when given (ONNX ``output_shape``), else
+    ``(in - 1) st - 2 pad + dil (k - 1) + output_padding + 1``.
+    """
+    n = len(x) - 2
+    if n not in _SPATIAL or len(w) != len(x):
+        raise NotModelled(f"conv_transpose with input{list(x)} and weight{list(w)}")
+    st, pad, dil = _tuple(stride, n, "stride"), _tuple(padding, n, "padding"), _tuple(dilation, n, "dilation")
+    opad = _tuple(output_padding, n, "output_padding")
+    B, C = x[0], x[1]
+    if w[0] != C or C % groups:
+        raise NotModelled(f"conv_transpose groups={groups} with {C} in channels, weight{list(w)}")
+    O = w[1] * groups
+    outs = list(out) if out is not None else \
+        [(x[2 + i] - 1) * st[i] - 2 * pad[i] + dil[i] * (w[2 + i] - 1) + opad[i] + 1 for i in range(n)]
+    if len(outs) != n or min(outs) < 1:
+        raise NotModelled(f"conv_transpose output would be {outs}")
+    sp, kn = _SPATIAL[n], _KERNEL[n]
+    dims = _conv_dims(B, groups, O, C, x[2:], w[2:])  # the spatial dims run over the input pixels
+    gch = (lambda per, d: E("g") * per + E(d)) if groups > 1 else (lambda per, d: E(d))
+    xi = (E("b"), gch(C // groups, "c"), *[E(s) for s in sp])
+    wi = (gch(C // groups, "c"), E("o"), *[E(k) for k in kn])
+    rows = [E(sp[i]) * st[i] + E(kn[i]) * dil[i] - pad[i] for i in range(n)]
+    yi = (E("b"), gch(O // groups, "o"), *rows)
+    # taps landing in the cropped border are not computed (cuDNN runs the convolution's data gradient,
+    # which produces only the kept outputs): constraints keep the writes inside the output
+    crop = []
+    for i in range(n):
+        if pad[i] > 0:
+            crop.append(rows[i])
+        if (x[2 + i] - 1) * st[i] + (w[2 + i] - 1) * dil[i] - pad[i] > outs[i] - 1:
+            crop.append(rows[i] * -1 + (outs[i] - 1))
+    sts = [Statement("mac", tuple(d.name for d in dims), reads=(Access("in0", xi), Access("in1", wi)),
+                     writes=(Access("out0", yi),), flops_per_point=2, constraints=tuple(crop))]
+    if bias is not None:
+        # the bias runs over the output pixels: dims of their own
+        on = tuple(f"y{s}" for s in sp)
+        dims += [Dim(nm, e, Role.PARALLEL, Hint.SPATIAL) for nm, e in zip(on, outs)]
+        lead = ("b", "g", "o") if groups > 1 else ("b", "o")
+        sts.append(Statement("bias", (*lead, *on), reads=(Access("in2", (gch(O // groups, "o"),)),),
+                             writes=(Access("out0", (E("b"), gch(O // groups, "o"), *[E(d) for d in on])),),
+                             flops_per_point=1))
     return LoopNest(tuple(dims), tuple(sts))
 
 
