@@ -46,9 +46,10 @@ class CenterSpec:
     center with it and refuses a reply that claims another count; 0: the count the center reports
     first is pinned (capped relative to the other centers, see ``_validation``).
 
-    ``down_Bps``, ``up_Bps``, ``latency_s``: the center's emulated WAN link (0: unlimited). The center holds
-    its download of the model and upload of its update to them (``_link``), so a federation on one
-    machine, where transfers otherwise run at memory speed, reproduces WAN-like rounds.
+    ``down_Bps``, ``up_Bps``, ``latency_s``: the center's emulated WAN link (0: unlimited). The receiving
+    end of each transfer holds it to ``latency + bytes / bandwidth`` (``_link``): the center its download
+    of the model, the server the center's update; so a federation on one machine, where transfers
+    otherwise run at memory speed, reproduces WAN-like rounds.
     """
 
     name: str

@@ -2,13 +2,14 @@
 
 On one machine (loopback) a center receives the global model and sends its update at memory speed
 (GB/s: only the framework's serialisation costs anything), so a federation on loopback says nothing
-about a WAN. A center given a link (:class:`~._config.CenterSpec` ``down_Bps``, ``up_Bps``,
-``latency_s``; 0 means unlimited) holds every transfer to it, in the center's own process where it
-receives (and, for its uploads, at the server), on the real serialized bytes (the arrays of the message):
+about a WAN. Every transfer over a center's link (:class:`~._config.CenterSpec` ``down_Bps``, ``up_Bps``,
+``latency_s``; 0 means unlimited) is held to it at its receiving end — the center's own process for the
+model it downloads, the server for the update it uploads — on the real serialized bytes (the arrays of
+the message):
 
 * a transfer of ``n`` bytes that the sender put on the link at ``t0`` is done at
   ``start + latency + n / bandwidth`` with ``start = max(t0, when the link's previous transfer was
-  done)``; the center sleeps until then. This is a token bucket of rate ``bandwidth`` with no burst
+  done)``; the receiver takes it no earlier. This is a token bucket of rate ``bandwidth`` with no burst
   (tokens accrue from ``t0``, and a transfer waits for all of its bytes' tokens), per direction.
 * download: ``t0`` is when the server created the message (Flower's ``created_at``; on one machine the
   same clock), so the framework's own transit time is part of the emulated time, not added to it;
