@@ -137,12 +137,15 @@ def center_links(strategy: Any) -> dict[str, tuple[float, float, float]]:
     bandwidths as the cluster's ``Link`` counts them (× ports × efficiency / oversubscription); centers
     without a ``wan`` are left out (loopback). The simulator prices transfers with these figures and the
     collaborative backend emulates them (``config_from_strategy(..., emulate_links=True)``)."""
+    from polyparallel.cluster.devices import Link
+
     out = {}
     for c in (getattr(strategy, "cluster", None) or {}).get("centers", []):
         w = c.get("wan")
-        if w:
-            eff = w.get("ports", 1) * w.get("efficiency", 1.0) / w.get("oversubscription", 1.0)
-            out[c.get("name")] = (w["down_Bps"] * eff, w["up_Bps"] * eff, float(w.get("latency_s", 0.0)))
+        if w:  # the echo of ClusterTopology.to_dict back into the Link it came from
+            lk = Link(w.get("kind", "wan"), w["up_Bps"], w["down_Bps"], float(w.get("latency_s", 0.0)),
+                      w.get("ports", 1), w.get("efficiency", 1.0), w.get("oversubscription", 1.0))
+            out[c.get("name")] = (lk.down_bandwidth, lk.up_bandwidth, lk.latency)
     return out
 
 
