@@ -513,9 +513,15 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
     n = len(devs)
     layers = _layer_count(g)
     node = _node_size(cl, devs)
+    hollow: set[tuple[int, int, int]] = set()  # (pp, chunks, stage) of pipelines with a stage holding no parameter
 
     def offer(graph: Graph, cfg: ParallelConfig, b: int) -> bool:
-        """Offer every placement candidate of one plan (all of them: no short cut on the first fit)."""
+        """Offer every placement candidate of one plan (all of them: no short cut on the first fit);
+        a pipeline with a stage that holds no parameter is not a plan (guard rail, issue 19)."""
+        empty = _paramless_stage(graph, cfg)
+        if empty is not None:
+            hollow.add((cfg.pp, cfg.chunks, empty))
+            return False
         fits = [best.offer(graph, replace(cfg, op_plans=v), b) for v in variants(graph, g, cl, cfg, rank_by)]
         return any(fits)
 
@@ -578,6 +584,10 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
             say(f"enumerated {best.candidates} plans ({i + 1}/{len(shapes)} mesh shapes)")
     best.solve(prune=not exhaustive)
     say(f"{best.candidates} plans, {best.priced} priced in full (the others bounded out)")
+    if hollow:
+        best.notes.append("left out pipelines with a stage that would hold no parameter (its ops as the layer "
+                          "partition cuts them): " + ", ".join(f"pp={p}" + (f" interleaved:{v}" if v > 1 else "") +
+                                                           f" (stage {s})" for p, v, s in sorted(hollow)))
     if best.refused:
         reasons = sorted(best.refused.items(), key=lambda kv: -kv[1])
         left = "; ".join(f"{why} ({n} plan{'s' * (n > 1)})" for why, n in reasons[:8])
@@ -724,6 +734,25 @@ def _layer_count(g: Graph) -> int:
     return len(numbered) or len(layer_segments(g))
 
 
+def _paramless_stage(g: Graph, cfg: ParallelConfig) -> int | None:
+    """The first pipeline stage whose ops (as the cost model cuts them) read no parameter, or None."""
+    if cfg.pp == 1:
+        return None
+    from polyparallel.cost_models.layers import chunk_of_ops
+    from polyparallel.cost_models.megatron_rule import op_roles
+    from polyparallel.cost_models.memo import PRICES
+
+    v = cfg.chunks if cfg.schedule == "interleaved" else 1
+    key = ("paramless_stage", cfg.pp, v, cfg.partition)
+    memo = PRICES.of(g)
+    if key not in memo:
+        held = [False] * cfg.pp
+        for chunk, (_, _, has_param) in zip(chunk_of_ops(g, cfg), op_roles(g)):
+            held[chunk % cfg.pp] |= has_param
+        memo[key] = next((s for s, h in enumerate(held) if not h), None)
+    return memo[key]
+
+
 def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaustive: bool,
                    say: Callable[[str], None]) -> tuple[Strategy, int] | None:
     """Each center trains locally with its own best plan; fuse every H steps over the WAN."""
@@ -795,8 +824,9 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
 
 def _does_not_fit_message(mdl: ModelGraphs, cl: Cluster, best: _Best | None) -> str:
     if best is None or best.closest is None:
+        hollow = [n for n in (best.notes if best else []) if "no parameter" in n]
         return (f"no parallel plan of {mdl.name} is possible on {cl.name} under the constraints given "
-                "(check the pinned degrees against the device count)")
+                "(check the pinned degrees against the device count)" + "".join(f"; {n}" for n in hollow))
     worst = max(best.closest.memory, key=lambda r: r.total - r.capacity)
     return (f"{mdl.name} does not fit on {cl.name}: the closest plan ({best.closest.config}) needs "
             f"{worst.total / 1e9:.2f} GB on {worst.label} but {worst.device} has {worst.capacity / 1e9:.2f} GB "

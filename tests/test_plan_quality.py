@@ -1,0 +1,50 @@
+"""The search's plan equals a brute force over the same plan space and placement candidates.
+
+The brute force (``benchmarks/plan_quality.brute_force``) prices every mesh shape, micro-batch size,
+schedule, memory rung and placement candidate in full, without the search's pruning or bound; the
+search must find a plan of the same step time on small cases.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import polyparallel.planning.plan_search as ps
+from benchmarks.plan_quality import brute_force
+from polyparallel.cluster import Cluster
+from polyparallel.models import GPT, MLP, GPTConfig, Llama, LlamaConfig
+from polyparallel.planning import search
+from polyparallel.planning.model_graphs import ModelGraphs
+
+
+def _gpt():
+    ids = torch.zeros(2, 32, dtype=torch.long)
+    return GPT(GPTConfig(vocab=256, seq=32, layers=2, hidden=64, heads=4)), (ids,), {"labels": ids}
+
+
+def _llama():
+    ids = torch.zeros(2, 32, dtype=torch.long)
+    return Llama(LlamaConfig(vocab=256, seq=32, layers=2, hidden=64, heads=4, kv_heads=2, ffn=128)), (ids,), \
+        {"labels": ids}
+
+
+def _mlp():
+    return MLP((64, 256, 256, 10)), (torch.zeros(2, 64),), {}
+
+
+@pytest.mark.parametrize("build,cluster,B", [(_gpt, "dgx-a100x1", 32), (_llama, "dgx-a100x1", 16),
+                                             (_mlp, "local-cpu:4", 16)])
+def test_search_finds_the_brute_force_optimum(build, cluster, B, monkeypatch):
+    warnings.simplefilter("ignore")
+    m, a, k = build()
+    shared = ModelGraphs(m, a, k)
+    monkeypatch.setattr(ps, "ModelGraphs", lambda *_, **__: shared)
+    cl = Cluster.resolve(cluster)
+    s = search(m, a, cl, example_kwargs=k, batch_size=B, constraints={"mode": "synchronous"})
+    best, priced = brute_force(shared, cl, B)
+    assert best is not None and priced > 20
+    assert s.estimate.step_time_s == pytest.approx(best.step_time, rel=1e-9), (
+        f"search {s.dp}/{s.tp}/{s.pp}/{s.sp} m{s.microbatches} vs brute force {best.config}")

@@ -1,0 +1,65 @@
+"""Guard rails of the search: no pipeline stage without parameters (issue 19).
+
+A GPT whose vocabulary projection outweighs its blocks is cut by the FLOP-balanced layer partition
+with the loss alone on the last stage at pp=2; such a pipeline must not be a plan.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import polyparallel.planning.plan_search as ps
+from polyparallel.cost_models import ParallelConfig
+from polyparallel.ir import TensorKind
+from polyparallel.models import GPT, GPTConfig
+from polyparallel.planning import DoesNotFit, search
+from polyparallel.planning.assemble import stage_chunks
+from polyparallel.planning.model_graphs import ModelGraphs
+
+
+def _wide_vocab():
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    return GPT(GPTConfig(vocab=50000, seq=16, layers=4, hidden=16, heads=4)), (ids,), {"labels": ids}
+
+
+def _stage_params(g, cfg) -> list[int]:
+    """Parameter elements read by each stage's ops (independently of the search's check)."""
+    out = []
+    for ranges in stage_chunks(g, cfg):
+        names = {t for a, z in ranges for op in g.ops[a:z + 1] for t in op.inputs
+                 if g.tensors[t].kind is TensorKind.PARAM}
+        out.append(sum(g.tensors[t].numel for t in names))
+    return out
+
+
+def test_paramless_stage_matches_the_stage_cut():
+    warnings.simplefilter("ignore")
+    m, a, k = _wide_vocab()
+    g = ModelGraphs(m, a, k).graph(2)
+    seen_hollow = False
+    for pp in (2, 3, 4):
+        for sched, v in (("1f1b", 1), ("interleaved", 2)):
+            cfg = ParallelConfig(pp=pp, schedule=sched, chunks=v)
+            try:
+                params = _stage_params(g, cfg)
+            except ValueError:  # more chunks than layers
+                continue
+            empty = [s for s, n in enumerate(params) if n == 0]
+            assert ps._paramless_stage(g, cfg) == (empty[0] if empty else None)
+            seen_hollow |= bool(empty)
+    assert seen_hollow  # the case exists: the guard is not vacuous here
+
+
+def test_search_never_returns_a_stage_without_parameters():
+    warnings.simplefilter("ignore")
+    m, a, k = _wide_vocab()
+    with pytest.raises(DoesNotFit, match="no parameter"):
+        search(m, a, "local-cpu:4", example_kwargs=k, batch_size=8, constraints={"pp": 2, "tp": 1, "dp": 2})
+    s = search(m, a, "local-cpu:4", example_kwargs=k, batch_size=8)
+    g = ModelGraphs(m, a, k).exact(s.global_batch // (s.dp * s.microbatches))
+    cfg = ParallelConfig(dp=s.dp, tp=s.tp, pp=s.pp, sp=s.sp, microbatches=s.microbatches,
+                         schedule=s.schedule.partition(":")[0], chunks=int(s.schedule.partition(":")[2] or 1))
+    assert all(n > 0 for n in _stage_params(g, cfg))
