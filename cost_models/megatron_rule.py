@@ -10,7 +10,8 @@ split input stays split (heads, activation functions); a loss on split logits ne
 scalars all-reduced. Split ops do ``1/tp`` of the work. With Megatron sequence parallelism each
 all-reduce becomes reduce-scatter + all-gather (same volume) and the remaining ops run on ``1/tp``
 of the sequence. Under Ulysses ``sp`` every op does ``1/sp`` of the work and each attention op
-all-to-alls its inputs and output, forward and backward.
+all-to-alls its inputs and output, forward and backward; on images ``sp`` splits rows instead
+(:mod:`.spatial`: halos, gathers and statistics from the polyhedral model).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from polyparallel.ir import Graph, OpKind, TensorKind, element_bytes
 
 from .memo import PRICES
 from .parallel_config import OpPlan, ParallelConfig
+from .spatial import spatial_plan
 
 __all__ = ["op_plans", "op_roles", "tensor_bytes"]
 
@@ -96,7 +98,11 @@ def _propagate(graph: Graph, cfg: ParallelConfig) -> list[OpPlan]:
                 split = tp  # norms, dropout, residuals on 1/tp of the sequence
         for t in op.outputs:
             split_state[t] = out_split
-        if sp > 1:
+        image = spatial_plan(graph, op, sp, cfg.dtype) if sp > 1 else None
+        if image is not None:  # sp splits image rows: halos and gathers from the polyhedral model
+            split *= image[0]
+            sp_fwd, sp_bwd = list(image[1]), list(image[2])
+        elif sp > 1:
             split *= sp
             if kind is OpKind.ATTENTION:
                 for t in list(acts) + list(op.outputs):

@@ -308,3 +308,41 @@ def test_conv_transpose_captured_from_torch_and_onnx():
     assert tuple(want.shape[2:]) == (15, 15)
     taps = sum(1 for i in range(8) for r in range(3) if 0 <= 2 * i + r - 1 < 15)
     assert op.nest is not None and op.flops == 2 * 4 * 2 * taps * taps
+
+
+# -- 6. spatial parallelism of image models in the step model ----------------------------------------
+def test_spatial_sp_prices_conv_halos_and_the_backend_refuses_by_name():
+    import torch
+
+    import polyparallel as pp
+    from polyparallel.backends.torch.capabilities import plan_problems
+    from polyparallel.cost_models import estimate_step
+    from polyparallel.cost_models.parallel_config import ParallelConfig
+    from polyparallel.cost_models.spatial import spatial_plan
+
+    from .zoo import UNet
+
+    H = W = 32
+    g = pp.capture(UNet(width=8), (torch.randn(1, 3, H, W), torch.randint(0, 4, (1, H, W))))
+    sp = 4
+    convs = [op for op in g.ops if op.kind == OpKind.CONV and op.nest is not None and
+             any(d.name == "r" and d.extent == 3 for d in op.nest.dims)]
+    assert convs
+    for op in convs:
+        split, fwd, bwd = spatial_plan(g, op, sp, "bf16")
+        _b, c, _h, w = g.shape(op.inputs[0])
+        # a 3x3 pad-1 conv: an inner device lacks one row above and one below its block, c x w each, in bf16
+        assert split == sp and fwd == (("halo", 2 * c * w * 2),)
+        # the gradient rows sent back to their owners (none for the graph's input)
+        assert bwd == ((("halo", 2 * c * w * 2),) if g.producer(op.inputs[0]) is not None else ())
+    for op in g.ops:
+        if op.kind == OpKind.POOL:
+            assert spatial_plan(g, op, sp, "bf16") == (sp, (), ())  # 2x2 windows inside each block
+    # BatchNorm over rows split: its statistics are all-reduced (2 numbers per channel)
+    bn = [op for op in g.ops if "batch_norm" in op.target]
+    assert bn and all(any(k == "all_reduce" for k, _ in spatial_plan(g, op, sp, "bf16")[1]) for op in bn)
+    c = Cluster.preset("dgx-a100x8")
+    est = estimate_step(g, c, ParallelConfig(dp=1, sp=sp, dtype="bf16", devices=tuple(range(sp))))
+    assert est.breakdown()["sequence_parallel"] > 0  # no longer free for a net without attention
+    (why,) = plan_problems(g, ParallelConfig(dp=1, sp=2))
+    assert "image rows" in why and "sp=1" in why

@@ -21,8 +21,9 @@ of a plan, against the model's captured graph:
   attention over one sequence length through ``scaled_dot_product_attention``, no position tables);
 * data or sequence parallelism together with tensor parallelism only with FSDP2 (``zero_stage >= 1``):
   DDP over DTensor parameters is not executed;
-* no expert parallelism (``ep > 1``): the executor replicates every MoE layer's experts over the
-  data-parallel ranks; an ``ep`` plan is for planning only (search it with ``placements="any"``);
+* expert parallelism (``ep > 1``, :mod:`._expert_parallel`) over all the data-parallel ranks
+  (``ep = dp``) with DDP (``zero_stage = 0``), no tensor, sequence or pipeline parallelism, on a model
+  whose expert matmuls were captured (HF ``*Experts`` modules); other ``ep`` plans are for planning only;
 * a model normalising with batch statistics (BatchNorm in training mode) neither in pipeline stages
   nor with micro-batches: each micro-batch would be normalised with its own statistics, which
   single-process training of the whole batch does not do (data parallelism is exact: the
@@ -111,14 +112,25 @@ def plan_problems(graph: Graph | None, s: Any) -> list[str]:
     if s.sp > 1 and s.pp == 1:
         sp_why = ["the model could not be captured to check it"] if graph is None else \
             list(_sp_problems(graph, s.sp, s.tp * s.sp))
-        if sp_why:
+        images = graph is not None and any(len(graph.shape(t)) >= 4 and OpKind(op.kind) in (OpKind.CONV, OpKind.POOL)
+                                           for op in graph.ops for t in op.inputs[:1])
+        if images:  # the search prices sp on images as image rows split (cost_models.spatial)
+            why.append(f"sp={s.sp} splits image rows (spatial parallelism, halo exchanges): the search prices it, "
+                       "the torch backend does not execute it; pin sp=1 (--sp 1, constraints={'sp': 1}) or "
+                       "search with --placements torch")
+        elif sp_why:
             why.append(f"sp={s.sp} (Ulysses sequence parallelism) is not exact for this model: "
                        + "; ".join(sp_why[:3]))
     ep = getattr(s, "ep", 1)
-    if ep > 1:
-        why.append(f"ep={ep}: expert parallelism (each MoE layer's experts split over {ep} data-parallel ranks, "
-                   "tokens dispatched and combined by all-to-all) is not executed by the torch backend; train "
-                   "with ep=1 (experts replicated), or keep this strategy for planning only")
+    if ep > 1 and (ep != s.dp or s.tp > 1 or s.sp > 1 or s.pp > 1 or s.zero_stage != 0):
+        why.append(f"ep={ep} with dp={s.dp} tp={s.tp} sp={s.sp} pp={s.pp} zero_stage={s.zero_stage}: expert "
+                   "parallelism is executed only over all the data-parallel ranks (ep = dp) with DDP (zero_stage 0) "
+                   "and no tensor, sequence or pipeline parallelism; pin ep=1 or ep=dp, or keep this strategy "
+                   "for planning only")
+    elif ep > 1 and (graph is None or not any(d.hint is Hint.EXPERT for op in graph.ops if op.nest is not None
+                                              for d in op.nest.dims)):
+        why.append(f"ep={ep}: the model's graph has no expert matmul (grouped_mm of an HF experts module) to "
+                   "split over the experts")
     if graph is not None and (s.pp > 1 or s.microbatches > 1):
         bn = batch_statistics(graph)
         if bn:
