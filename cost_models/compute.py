@@ -12,6 +12,9 @@ times add up. ``η_c`` is the fraction of peak a kernel of that class reaches (l
 cores, convolutions less, unfused attention less still); ``η_m`` the fraction of data-sheet
 bandwidth a streaming kernel reaches. Matrix ops (contraction, conv, attention) run at the
 dtype's matrix-unit peak; everything else runs on the vector units, priced at the fp32 peak.
+On a GPU without a calibration a 16-bit contraction's ``η_c`` depends on its GEMM's shape
+(:func:`gemm_efficiency`: measured by shape on an H200, ``polyparallel.cluster.devices``), its
+backward pricing the input- and weight-gradient GEMMs each at its own shape, as below for CPUs.
 A device with a measured ``matmul_curve`` (a calibrated CPU) prices matrix ops by the
 throughput measured at the nearest size (interpolated in log–log), which already includes
 their memory traffic, so no bandwidth term is added for them. A calibrated GPU
@@ -84,6 +87,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from polyparallel.cluster import DeviceType
+from polyparallel.cluster.devices import HOPPER_GEMM_DEVICES, HOPPER_GEMM_EFFICIENCY, HOPPER_SQUARE_GEMM_EFFICIENCY
 from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Hint, Op, OpKind, TensorKind, element_bytes
 
 __all__ = [
@@ -92,6 +96,7 @@ __all__ = [
     "MATRIX_KINDS",
     "MEMORY_EFFICIENCY",
     "OpCost",
+    "gemm_efficiency",
     "gemm_rate",
     "gemm_shape",
     "host_class",
@@ -281,6 +286,28 @@ def gemm_rate(device: DeviceType, m: float, k: float, n: float) -> float:
     return math.exp(_interp(per_l, math.log(large)))
 
 
+_HOPPER_REF = DeviceType("hopper-gemm-efficiency", "gpu", (("bf16", 1.0),), 0.0, 0.0, gemm_rates=tuple(
+    (role, small, large, 2.0 * small * large * large / eff) for role, small, large, eff in HOPPER_GEMM_EFFICIENCY))
+
+
+def gemm_efficiency(device: DeviceType, dtype: str, m: float, k: float, n: float) -> float | None:
+    """Fraction of the matrix peak a 16-bit ``(m×k)·(k×n)`` GEMM reaches on a GPU without a calibration.
+
+    From the GEMMs measured by shape on an H200 (``HOPPER_GEMM_EFFICIENCY``, read by :func:`gemm_rate`:
+    a side ``s`` below about 512, or a weight gradient summing over few rows, runs well below a
+    square GEMM), capped by the square GEMMs' ``HOPPER_SQUARE_GEMM_EFFICIENCY``. An H100 or H200
+    (the measured chip) takes the figures as they are; another GPU the measured shape dependence
+    relative to the square GEMM, times the modelled large-GEMM ``COMPUTE_EFFICIENCY`` (no
+    measurement of its own). ``None`` for other dtypes and devices: the flat per-class figure.
+    """
+    if device.kind != "gpu" or TRAINING_DTYPE_BYTES.get(dtype, 4) != 2 or min(m, k, n) <= 0:
+        return None
+    eff = min(HOPPER_SQUARE_GEMM_EFFICIENCY, gemm_rate(_HOPPER_REF, m, k, n))
+    if device.name in HOPPER_GEMM_DEVICES:
+        return eff
+    return eff / HOPPER_SQUARE_GEMM_EFFICIENCY * COMPUTE_EFFICIENCY[OpKind.CONTRACTION]
+
+
 def _misaligned(op: Op) -> bool:
     """A contraction whose GEMM has a dimension that is not a multiple of 8 (whole op, before any split)."""
     shape = gemm_shape(op)
@@ -367,6 +394,15 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
             eff = COMPUTE_EFFICIENCY.get(kind, DEFAULT_COMPUTE_EFFICIENCY) if fused else \
                 COMPUTE_EFFICIENCY[OpKind.CONTRACTION]
             rate = device.peak_flops(dtype) * eff
+            gs = gemm_shape(op, split) if kind is OpKind.CONTRACTION and one_kernel and f else None
+            if gs is not None and (e := gemm_efficiency(device, dtype, *gs)) is not None:
+                # an uncalibrated GPU's GEMM by its shape; backward: the input gradient (m, n, k) and
+                # the weight gradient (k, m, n), each at its own shape's efficiency
+                gm, gk, gn = gs
+                peak = device.peak_flops(dtype)
+                rate = peak * e
+                t_cb = kb / 2 * (f / (peak * gemm_efficiency(device, dtype, gm, gn, gk))
+                                 + f / (peak * gemm_efficiency(device, dtype, gk, gm, gn)))
         else:
             rate = device.peak_flops("fp32") * DEFAULT_COMPUTE_EFFICIENCY
         if t_c is None:

@@ -42,7 +42,10 @@ their own engines/streams; 0 on CPU processes, where gloo's threads compete with
 the same cores):
 
 * ZeRO-0: one all-reduce of ``G`` per step, reduced in buckets while the backward of the last
-  micro-batch runs: ``T_dp,exposed = max(0, AR(G) − ω · B_s / v)``.
+  micro-batch runs: ``T_dp,exposed = max(0, AR(G) − ω · B_s / v)``. On accelerators without a
+  given ``grad_overlap`` the overlap is torch DDP's, bucket by bucket (a 1 MiB first bucket, then
+  25 MiB ones, each reduced once the backward has produced it and the previous one is done): the
+  last bucket is always exposed, and a link slower than the backward exposes the remainder.
 * ZeRO-1: reduce-scatter of ``G`` + all-gather of the updated weights once per step (the same
   volume as the all-reduce), exposed the same way.
 * ZeRO-2: the gradients are sharded, so each micro-batch's are reduce-scattered as its
@@ -75,7 +78,8 @@ gradients into ``.grad``: each micro-batch's backward carries ``(m−1)/m · N �
 **Host-bound accelerators.** Eager PyTorch dispatches every kernel from the host; the device
 runs ahead only while the host enqueues faster than the kernels run. On an accelerator with
 measured dispatch costs (``polyparallel calibrate --device cuda``: ``host_op_seconds`` per op
-class, ``optimizer_host``), a stage's forward + backward of one micro-batch lasts at least the
+class, ``optimizer_host``; a GPU without them takes the host costs measured on the H200 machine,
+``EAGER_HOST_OP_SECONDS``), a stage's forward + backward of one micro-batch lasts at least the
 host's time for its ops, ``H = Σ_ops h_op + h_backward_call``
 (:func:`polyparallel.cost_models.compute.host_seconds`), so ``F + B`` becomes
 ``max(F + B, H)`` (scaled in proportion), and ``T_opt ≥ h_0 + n_t·h_t``. On the H200 this
@@ -120,6 +124,11 @@ _FOREACH_ACCESSES = {"adam": 18, "adamw": 20, "lamb": 24, "lion": 10, "sgd": 3, 
 # or (the default: gelu, silu, mul, div, pow, sin, ...) its input
 _SAVES_NOTHING = frozenset({"add", "sub", "rsub", "neg", "to", "_to_copy", "clone", "contiguous", "alias", "type_as",
                             "mul.Scalar", "div.Scalar", "add.Scalar", "sub.Scalar"})
+# torch DDP's gradient buckets (torch.nn.parallel.DistributedDataParallel: bucket_cap_mb=25, and
+# dist._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB for the first bucket, so that communication starts early)
+DDP_BUCKET_BYTES = 25 * 2**20
+DDP_FIRST_BUCKET_BYTES = 2**20
+
 _SAVES_OUTPUT = frozenset({"relu", "sigmoid", "tanh", "exp", "rsqrt", "sqrt", "reciprocal"})
 
 
@@ -416,7 +425,9 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
         dgrp_size = len(terms.dp_groups[s][0][0])
         params = terms.params[s]
         omega = cfg.grad_overlap if cfg.grad_overlap is not None else (0.0 if dt.kind == "cpu" else 1.0)
-        events, t_dp, exposed, ef, eb = _data_parallel(cluster, ccache, dterms, s, cfg, gb, omega, v)
+        # an accelerator's DDP all-reduce is priced by its buckets unless an overlap is given
+        buckets = cfg.grad_overlap is None and dt.kind != "cpu"
+        events, t_dp, exposed, ef, eb = _data_parallel(cluster, ccache, dterms, s, cfg, gb, omega, v, buckets)
         fwd[s] += ef
         bwd[s] += eb
         shard = dgrp_size if cfg.zero_stage >= 1 else 1
@@ -533,10 +544,40 @@ def optimizer_element_time(rates: Sequence[tuple[float, float]], elements: float
     return float(np.interp(math.log(max(elements, 1.0)), [x for x, _ in pts], [r for _, r in pts]))
 
 
+def _ddp_exposed(cluster: Cluster, ccache: dict, groups: Sequence, grad_bytes: float, window: float) -> float:
+    """Seconds torch DDP's bucketed all-reduce runs past the backward ``window`` that produces the gradients.
+
+    DDP reduces ``grad_bytes`` in buckets, in the order the backward produces them: a first bucket of
+    ``DDP_FIRST_BUCKET_BYTES``, then ``DDP_BUCKET_BYTES`` each (torch's defaults). A bucket is ready once
+    the backward has produced its last gradient (gradients come out at an even rate over ``window``) and
+    its all-reduce starts when it is ready and the previous one has finished (one communication
+    stream): ``f_i = max(r_i, f_{i-1}) + AR(b_i)``. Exposed: ``max(0, f_last − window)`` — the last
+    bucket never overlaps, and nothing is reduced before the first bucket fills.
+    """
+    sizes = [min(DDP_FIRST_BUCKET_BYTES, grad_bytes)]
+    rest = grad_bytes - sizes[0]
+    full, tail = divmod(rest, DDP_BUCKET_BYTES)
+    sizes += [DDP_BUCKET_BYTES] * int(full) + ([tail] if tail > 0 else [])
+    worst = 0.0
+    for grp, gid in groups:
+        price: dict[float, float] = {}
+        done = produced = 0.0
+        for b in sizes:
+            if b not in price:
+                price[b] = _price(cluster, ccache, (("all_reduce", b),), grp, gid)
+            produced += b
+            done = max(window * produced / grad_bytes, done) + price[b]
+        worst = max(worst, done - window)
+    return max(0.0, worst)
+
+
 def _data_parallel(cluster: Cluster, ccache: dict, terms: _StageTerms, s: int, cfg: ParallelConfig, gb: int,
-                   omega: float, v: int) -> tuple[tuple[tuple[str, float], ...], float, float, float, float]:
+                   omega: float, v: int, buckets: bool = False,
+                   ) -> tuple[tuple[tuple[str, float], ...], float, float, float, float]:
     """Stage ``s``'s data-parallel traffic (module docstring): ``(events, seconds before overlap,
     exposed seconds per step, exposed seconds per micro-batch forward, and backward)``.
+    ``buckets``: ZeRO-0's all-reduce is exposed as torch DDP's buckets leave it (:func:`_ddp_exposed`)
+    instead of by ``ω``.
 
     Weights move at ``gb`` bytes per element (the compute precision: FSDP2's
     ``MixedPrecisionPolicy(param_dtype=...)`` all-gathers them in it), gradients are reduced at
@@ -551,6 +592,8 @@ def _data_parallel(cluster: Cluster, ccache: dict, terms: _StageTerms, s: int, c
     if z == 0:
         events: tuple[tuple[str, float], ...] = (("all_reduce", params * rb),)
         t_dp = max(_price(cluster, ccache, events, grp, gid) for grp, gid in groups)
+        if buckets and params:
+            return events, t_dp, _ddp_exposed(cluster, ccache, groups, params * rb, terms.bwd[s] / v), 0.0, 0.0
         return events, t_dp, max(0.0, t_dp - omega * terms.bwd[s] / v), 0.0, 0.0
     if z in (1, 2):
         # ZeRO-2 shards the gradients, so every micro-batch's are reduce-scattered as they come
@@ -939,7 +982,7 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
                 f = sum(fw[a:z], f)
                 b = sum(bw[a:z], b)
                 a_f = sum(att[a:z], a_f)
-            if dt.host_op_seconds:
+            if dt.host_table(cfg.dtype):
                 # an accelerator's host enqueues the micro-batch's kernels; when that takes longer
                 # than the kernels run, the device waits: forward + backward last the host's time
                 host = _host_vector(graph, dt, cfg)

@@ -36,7 +36,29 @@ def test_large_linear_is_compute_bound():
     assert c.forward == pytest.approx(flops / (312e12 * COMPUTE_EFFICIENCY[OpKind.CONTRACTION]))
     assert c.backward == pytest.approx(2 * c.forward)
     half = op_cost(g, lin, A100, "bf16", split=2)
-    assert half.forward == pytest.approx(c.forward / 2)
+    # half the work, as a (4096, 8192, 8192) GEMM: measured on the H200 at 0.685 of peak against
+    # 0.697 for the square one, a ratio the A100 takes over
+    assert half.forward == pytest.approx(c.forward / 2 * 0.697 / 0.685)
+    fp32 = op_cost(g, lin, A100, "fp32", split=2)  # no shape table for fp32: the flat figure
+    assert fp32.forward == pytest.approx(flops / 2 / (19.5e12 * COMPUTE_EFFICIENCY[OpKind.CONTRACTION]))
+
+
+def test_uncalibrated_gpu_prices_gemms_by_measured_shape():
+    """A skinny bf16 GEMM (256 tokens through a 16384 x 16384 weight): forward and input gradient are
+    'out' GEMMs with s = 256 (0.641 of peak, measured on the H200 at L = 16384), the weight gradient
+    sums over the 256 tokens ('reduce', 0.451); an H100 takes the measured figures, an A100 their
+    ratio to the measured square GEMM (0.697) times its modelled 0.80."""
+    g = mlp_graph(batch=256, widths=(16384, 16384), bias=False)
+    lin = g.ops[0]
+    f = 2 * 256 * 16384**2
+    h100 = Cluster.preset("dgx-h100").device(0).type
+    for dev, peak, scale in ((h100, 989.5e12, 1.0), (A100, 312e12, 0.80 / 0.697)):
+        c = op_cost(g, lin, dev, "bf16")
+        assert c.bound == "compute"
+        assert c.forward == pytest.approx(f / (peak * 0.641 * scale))
+        assert c.backward == pytest.approx(f / (peak * 0.641 * scale) + f / (peak * 0.451 * scale))
+    big = mlp_graph(batch=8192, widths=(8192, 8192), bias=False)
+    assert op_cost(big, big.ops[0], h100, "bf16").forward == pytest.approx(2 * 8192**3 / (989.5e12 * 0.697))
 
 
 def test_elementwise_is_memory_bound_and_tiny_ops_hit_the_floor():

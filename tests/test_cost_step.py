@@ -121,13 +121,18 @@ def test_equal_layer_partition_puts_embedding_and_head_on_end_stages():
 def test_zero3_exposed_gathers_by_hand():
     """FSDP/ZeRO-3: first gather exposed, the others only beyond the previous layer's compute; the
     backward's re-gathers and reduce-scatters summed against the backward (module docstring)."""
+    from dataclasses import replace
+
     from polyparallel.cost_models import op_cost
     from polyparallel.cost_models.step import layer_segments
 
     # layer 0 is big (its compute hides layer 1's gather); layer 1 is tiny (layer 2's gather shows)
     g = mlp_graph(batch=256, widths=(1024, 4096, 64, 4096), classes=64)
     cl = node(2)
-    dt = cl.devices[0].type
+    # a host that keeps ahead of the device (dispatch measured as free): this prices the kernels alone
+    dt = replace(cl.devices[0].type, host_op_seconds=(("elementwise", 0.0),))
+    for d in cl.devices:
+        object.__setattr__(d, "type", dt)
     m = 3
     e = estimate_step(g, cl, ParallelConfig(dp=2, zero_stage=3, microbatches=m, grad_overlap=1.0))
 
@@ -166,7 +171,7 @@ def test_optimizer_step_fused_vs_torch_foreach_by_hand():
 def test_prices_cached_on_a_graph_keep_same_named_device_types_apart():
     from dataclasses import replace
 
-    g = mlp_graph(batch=64, widths=(1024, 1024, 1024))
+    g = mlp_graph(batch=1024, widths=(4096, 4096, 4096))  # kernels well above the host's dispatch
     fast = node(1)
     slow_type = replace(fast.device(0).type, peak=(("fp32", 1e12),))  # same name, 67x slower
     slow = Cluster.from_dict({"name": "n", "device_types": {}, "centers": [{"name": "c", "nodes": [
@@ -175,3 +180,37 @@ def test_prices_cached_on_a_graph_keep_same_named_device_types_apart():
     a = estimate_step(g, fast, ParallelConfig()).stages[0].part("compute")
     b = estimate_step(g, slow, ParallelConfig()).stages[0].part("compute")  # same Graph object, cache warm
     assert b > 10 * a
+
+
+def test_ddp_buckets_expose_the_last_bucket_or_the_slow_link(monkeypatch):
+    """torch DDP's buckets (1 MiB first, 25 MiB after): with a fast link only the last bucket's
+    all-reduce runs past the backward; with a slow one everything after the first bucket fills."""
+    from polyparallel.cost_models import step
+
+    alpha, mib = 1e-4, 2**20
+    grads = 60.5 * mib  # buckets 1, 25, 25, 9.5 MiB
+    sizes = [1 * mib, 25 * mib, 25 * mib, 9.5 * mib]
+    for beta in (1e12, 1e8):  # bytes/s: fast, slow against a 10 ms backward
+        monkeypatch.setattr(step, "_price", lambda cl, cc, ev, grp, gid, beta=beta: alpha + ev[0][1] / beta)
+        got = step._ddp_exposed(None, {}, [((0, 1), 0)], grads, 0.01)
+        if beta == 1e12:
+            want = alpha + 9.5 * mib / beta  # every earlier bucket finishes before the next is ready
+        else:
+            want = 0.01 * mib / grads + sum(alpha + b / beta for b in sizes) - 0.01
+        assert got == pytest.approx(want)
+    monkeypatch.setattr(step, "_price", lambda *a: 1.0)
+    assert step._ddp_exposed(None, {}, [((0, 1), 0)], 0.5 * mib, 0.01) == pytest.approx(1.0)  # one bucket
+
+
+def test_uncalibrated_gpu_small_model_is_host_bound():
+    """A GPU without a calibration of its own takes the eager host costs measured on the H200 machine:
+    a tiny MLP's step lasts the host's time for its ops (forward + backward each) and the backward call."""
+    from polyparallel.cluster.devices import EAGER_HOST_OP_SECONDS
+
+    g = mlp_graph(batch=8, widths=(64, 64, 64))
+    host = dict(EAGER_HOST_OP_SECONDS)
+    per_op = {"linear": "linear", "relu": "elementwise", "cross_entropy": "cross_entropy"}
+    want = sum(host[per_op[op.target]] for op in g.ops) + host["backward_call"]
+    est = estimate_step(g, Cluster.preset("dgx-a100"), ParallelConfig(dtype="fp32", fused_elementwise=True))
+    assert est.breakdown()["compute"] == pytest.approx(want)
+    assert Cluster.preset("local-cpu:1").device(0).type.host_table("fp32") == {}  # CPUs: none

@@ -23,6 +23,50 @@ TORCH_TO_SHORT = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float
                    "int8": "int8", "uint8": "int8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
                    "float64": "fp32", "tf32": "tf32"}
 
+# GEMM efficiency by shape, for GPUs without a calibration of their own: the fraction of the
+# data-sheet bf16 tensor-core peak that cuBLAS reached on an H200 SXM (GH100, 132 SMs, 989.5 TFLOP/s
+# dense bf16: the H100 SXM's compute), measured by `polyparallel calibrate --device cuda` on
+# 2026-11-30 (torch 2.11.0+cu130; benchmarks/results/calibration_h200-sxm.json, "gemm" and "matmul").
+# Rows (role, s, L, efficiency): a GEMM whose smallest side is s and whose other two have geometric
+# mean L (role "out": s is an output side; "reduce": s is the summed side). Only L = 8192 and 16384:
+# the smaller-L rows ran at the timing floor (~14 us, launch and synchronisation), which the
+# roofline's launch term prices. Independent of the published validation rows.
+HOPPER_GEMM_EFFICIENCY: tuple[tuple[str, int, int, float], ...] = (
+    ("out", 128, 8192, 0.42), ("reduce", 128, 8192, 0.31), ("out", 256, 8192, 0.576),
+    ("reduce", 256, 8192, 0.413), ("out", 512, 8192, 0.689), ("reduce", 512, 8192, 0.523),
+    ("out", 768, 8192, 0.683), ("reduce", 768, 8192, 0.582), ("out", 1024, 8192, 0.688),
+    ("reduce", 1024, 8192, 0.627), ("out", 2048, 8192, 0.679), ("reduce", 2048, 8192, 0.631),
+    ("out", 4096, 8192, 0.685), ("reduce", 4096, 8192, 0.655), ("out", 128, 16384, 0.46),
+    ("reduce", 128, 16384, 0.317), ("out", 256, 16384, 0.641), ("reduce", 256, 16384, 0.451),
+    ("out", 512, 16384, 0.699), ("reduce", 512, 16384, 0.55), ("out", 768, 16384, 0.662),
+    ("reduce", 768, 16384, 0.551), ("out", 1024, 16384, 0.686), ("reduce", 1024, 16384, 0.618),
+    ("out", 2048, 16384, 0.686), ("reduce", 2048, 16384, 0.651), ("out", 4096, 16384, 0.715),
+    ("reduce", 4096, 16384, 0.657),
+)
+# square n^3 bf16 GEMMs on the same H200: 0.685 (n = 2048), 0.695 (4096), 0.697 (8192)
+HOPPER_SQUARE_GEMM_EFFICIENCY = 0.697
+# device types whose compute is the measured chip's (the H200 is an H100 with more and faster memory)
+HOPPER_GEMM_DEVICES = frozenset({"h100-sxm", "h200-sxm"})
+
+# Host seconds of one eager PyTorch training op (forward + backward: module call, dispatch, autograd,
+# kernel launches), by class, for GPUs without a calibration of their own (the device waits for them
+# when its kernels are shorter): measured by `polyparallel calibrate --device cuda` (chains of tiny
+# ops, forward and backward) on the H200 machine's host, 2026-11-30, torch 2.11.0+cu130
+# (benchmarks/results/calibration_h200-sxm.json "training_ops", "training_ops_bf16", "training_ops_fp16";
+# "bf16/..." keys: under autocast, which casts a matrix op's weights every step). A figure of the
+# host CPU and the framework, not of the GPU. Independent of the published validation rows.
+EAGER_HOST_OP_SECONDS: tuple[tuple[str, float], ...] = (
+    ("elementwise", 34.1e-6), ("linear", 132.1e-6), ("conv", 130.8e-6), ("batch_norm", 106.1e-6),
+    ("layer_norm", 88.5e-6), ("view", 12.5e-6), ("attention", 122.3e-6), ("cross_entropy", 76.9e-6),
+    ("embedding", 53.9e-6), ("backward_call", 111.9e-6),
+    ("bf16/elementwise", 33.1e-6), ("bf16/linear", 234.9e-6), ("bf16/conv", 221.1e-6), ("bf16/batch_norm", 119.5e-6),
+    ("bf16/layer_norm", 84.8e-6), ("bf16/view", 7.2e-6), ("bf16/attention", 128.0e-6),
+    ("bf16/cross_entropy", 76.0e-6), ("bf16/embedding", 63.8e-6), ("bf16/backward_call", 129.5e-6),
+    ("fp16/elementwise", 30.7e-6), ("fp16/linear", 215.1e-6), ("fp16/conv", 166.0e-6), ("fp16/batch_norm", 118.1e-6),
+    ("fp16/layer_norm", 59.1e-6), ("fp16/view", 10.9e-6), ("fp16/attention", 115.6e-6),
+    ("fp16/cross_entropy", 90.4e-6), ("fp16/embedding", 55.3e-6), ("fp16/backward_call", 142.7e-6),
+)
+
 
 @dataclass(frozen=True)
 class DeviceType:
@@ -123,10 +167,14 @@ class DeviceType:
 
     def host_table(self, dtype: str) -> dict[str, float]:
         """Measured host seconds of one eager op by class for a step at ``dtype``: a class measured
-        under that dtype's autocast (``bf16/linear``) where present, else the plain one."""
+        under that dtype's autocast (``bf16/linear``) where present, else the plain one. A GPU
+        without any calibration takes ``EAGER_HOST_OP_SECONDS``; a calibration without host rows
+        (the host kept ahead where it was measured), and other devices, none."""
+        uncalibrated_gpu = self.kind == "gpu" and not self.matmul_curves
+        rows = self.host_op_seconds or (EAGER_HOST_OP_SECONDS if uncalibrated_gpu else ())
         prefix = f"{TORCH_TO_SHORT.get(dtype, dtype)}/"
-        return {**{k: v for k, v in self.host_op_seconds if "/" not in k},
-                **{k.removeprefix(prefix): v for k, v in self.host_op_seconds if k.startswith(prefix)}}
+        return {**{k: v for k, v in rows if "/" not in k},
+                **{k.removeprefix(prefix): v for k, v in rows if k.startswith(prefix)}}
 
     def streaming_curve(self, dtype: str, kind: str) -> tuple[tuple[float, float, float], ...]:
         """Measured ``(numel, forward_s, backward_s)`` rows of a streaming kernel (``batch_norm``,
