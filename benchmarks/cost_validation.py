@@ -13,10 +13,15 @@ listed with the reason. Reported: the error per recipe and the Spearman rank cor
 
 Part 2 (``--part published``): published training throughputs of large models on GPU
 clusters, re-priced with the same cost model on the matching cluster preset and parallel
-configuration (target: within ±25% of the published per-GPU throughput). The FLOPs per
-step are counted with the formula each source used, so the comparison is a comparison of
-step times. Parameters a source does not state (micro-batch size, interleaving depth) are
-marked as assumptions in the table.
+configuration (target: within ±25% of the published per-GPU throughput, 80% of the rows within
+±15%). The FLOPs per step are counted with the formula each source used, so the comparison is a
+comparison of step times. Parameters a source does not state (micro-batch size, interleaving
+depth) are marked as assumptions in the table. What the training framework of the source did is
+part of the recipe: Megatron-LM (2021) and DeepSpeed's pipeline engine reduced the gradients
+after the last backward (``grad_overlap`` 0), torch DDP overlaps them bucket by bucket (the
+default on accelerators). No figure of the cost model is fitted to these rows: the GEMM
+efficiencies by shape and the host costs come from the H200 measurement
+(``polyparallel/cluster/devices.py`` says where each comes from).
 
     .venv/bin/python benchmarks/cost_validation.py              # both parts
     .venv/bin/python benchmarks/cost_validation.py --part published
@@ -100,15 +105,46 @@ def _megatron_row(params: float, heads: int, hidden: int, layers: int, t: int, p
         "cluster": f"dgx-a100x{gpus // 8}",
         "model": {"layers": layers, "hidden": hidden, "heads": heads, "seq": 2048, "vocab": 51200, "batch": micro,
                   "dropout": True},
+        # grad_overlap 0: Megatron-LM's local DDP of the time all-reduced the gradients after the last
+        # micro-batch's backward (megatron/training.py train_step: forward_backward_func, then
+        # allreduce_gradients); overlapping them came later (--overlap-grad-reduce, 2023)
         "config": {"dp": d, "tp": t, "pp": p, "microbatches": batch // (d * micro), **sched, "dtype": "fp16",
-                   "recompute": "full", **({"partition": "layers"} if p > 1 else {})},
+                   "recompute": "full", "grad_overlap": 0.0, **({"partition": "layers"} if p > 1 else {})},
         "global_batch": batch, "published_tflops": float(tflops), "flops": "megatron",
         "assumptions": f"micro-batch {micro}; {'interleaved, 2 chunks per stage' if interleaved else '1F1B'}; "
                        "full recompute; equal layers per stage",
     }
 
 
-PUBLISHED: list[dict[str, Any]] = [*(_megatron_row(*r) for r in MEGATRON_TABLE1),
+# Smith et al., "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B" (arXiv:2201.11990),
+# §3 and its throughput table: 105 layers, hidden 20480, 128 heads, sequence 2048, global batch 1920,
+# tensor 8 x pipeline 35 on DGX A100 80GB nodes (Selene), per-GPU TFLOP/s by the Megatron formula:
+# (nodes, seconds per iteration, TFLOP/s per GPU).
+MTNLG_TABLE = ((280, 60.1, 126), (350, 50.2, 121), (420, 44.4, 113))
+
+
+def _mtnlg_row(nodes: int, seconds: float, tflops: float) -> dict[str, Any]:
+    d = nodes * 8 // (8 * 35)
+    return {
+        "name": f"MT-NLG 530B ({nodes} nodes)",
+        "citation": f"Smith et al., arXiv:2201.11990, system throughput table: {nodes * 8} A100, t=8 p=35 (d={d}), "
+                    f"batch 1920, {seconds:g} s/iteration, {tflops:g} TFLOP/s/GPU",
+        "cluster": f"dgx-a100x{nodes}",
+        "model": {"layers": 105, "hidden": 20480, "heads": 128, "seq": 2048, "vocab": 51200, "batch": 1,
+                  "dropout": True},
+        # DeepSpeed's pipeline engine: 1F1B, gradients reduced after the last backward (grad_overlap 0)
+        "config": {"dp": d, "tp": 8, "pp": 35, "microbatches": 1920 // d, "schedule": "1f1b", "dtype": "bf16",
+                   "recompute": "full", "zero_stage": 1, "partition": "layers", "grad_overlap": 0.0},
+        "global_batch": 1920, "published_tflops": float(tflops), "flops": "megatron",
+        "assumptions": "micro-batch 1; ZeRO-1 (Megatron-DeepSpeed's usual data-parallel optimizer); Megatron's "
+                       "default dropouts (0.1, attention included); vocabulary 51200 (GPT-2 BPE, padded); "
+                       "3 layers per stage",
+    }
+
+
+PUBLISHED: list[dict[str, Any]] = [
+    *(_megatron_row(*r) for r in MEGATRON_TABLE1),
+    *(_mtnlg_row(*r) for r in MTNLG_TABLE),
     {
         "name": "BLOOM 176B",
         "citation": "BigScience, BLOOM (Le Scao et al., arXiv:2211.05100, §3.4) and its model card: 384 A100 80GB, "
@@ -116,8 +152,10 @@ PUBLISHED: list[dict[str, Any]] = [*(_megatron_row(*r) for r in MEGATRON_TABLE1)
         "cluster": BLOOM_CLUSTER,
         "model": {"layers": 70, "hidden": 14336, "heads": 112, "seq": 2048, "vocab": 250880, "batch": 2,
                   "positions": False},
+        # grad_overlap 0: DeepSpeed's pipeline engine reduces the gradients after the schedule's last
+        # backward (deepspeed/runtime/pipe/schedule.py TrainSchedule: ReduceTiedGrads, ReduceGrads, OptimizerStep)
         "config": {"dp": 8, "tp": 4, "pp": 12, "microbatches": 128, "schedule": "1f1b", "dtype": "bf16",
-                   "recompute": "full", "zero_stage": 1, "partition": "layers"},
+                   "recompute": "full", "zero_stage": 1, "partition": "layers", "grad_overlap": 0.0},
         "global_batch": 2048, "published_tflops": 150.0,
         "flops": "megatron",
         "assumptions": "micro-batch 2 (Megatron-DeepSpeed BLOOM config); full recompute; DeepSpeed uniform layer "
@@ -165,6 +203,7 @@ def run_published() -> list[dict[str, Any]]:
             "cluster": cluster.name, "gpus": n, "config": str(cfg), "params": g.param_count(),
             "published_tflops_per_gpu": pub, "predicted_tflops_per_gpu": round(pred, 1),
             "error": round(pred / pub - 1, 4), "within_25pct": abs(pred / pub - 1) <= 0.25,
+            "within_15pct": abs(pred / pub - 1) <= 0.15,
             "predicted_step_s": round(est.step_time, 3), "published_step_s": round(flops / (pub * 1e12 * n), 3),
             "breakdown_s": {k: round(v, 4) for k, v in est.breakdown().items()},
             "fits": est.fits, "memory": [r.why() for r in est.memory[:1]] + est.why_not_fit()[:1],
@@ -246,9 +285,10 @@ def main() -> None:
         print("published large-model runs (per-GPU TFLOP/s, source's FLOP formula):")
         rows = run_published()
         result["published"] = {"rows": rows, "within_25pct": sum(r["within_25pct"] for r in rows),
-                               "cases": len(rows),
+                               "within_15pct": sum(r["within_15pct"] for r in rows), "cases": len(rows),
                                "median_abs_error": statistics.median(abs(r["error"]) for r in rows)}
-        print(f"  within ±25%: {result['published']['within_25pct']} of {len(rows)}")
+        print(f"  within ±25%: {result['published']['within_25pct']} of {len(rows)}; within ±15%: "
+              f"{result['published']['within_15pct']}")
     if args.part in ("local", "both"):
         print(f"this machine ({os.cpu_count()} cores), pp.train on gloo processes, {args.repeats} x {args.steps} steps "
               f"per recipe, first {args.warmup} left out:")
