@@ -476,6 +476,21 @@ def _upsample(c: Call) -> Spec:
     return OpKind.VIEW, [x], nest
 
 
+@handles("upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d")
+def _upsample_linear(c: Call) -> Spec:
+    x = c.tensor("input", "self")
+
+    def nest() -> LoopNest:
+        src, dst = c.shape(x), c.out_shape()
+        if c.get("align_corners", default=False):
+            raise ops.NotModelled("linear upsampling with align_corners=True (source positions not affine)")
+        if len(src) != len(dst) or any(d % s for s, d in zip(src, dst)):
+            raise ops.NotModelled(f"linear upsampling {list(src)} -> {list(dst)} by a non-integer factor")
+        return ops.upsample_linear(src, [d // s for s, d in zip(src[2:], dst[2:])])
+
+    return OpKind.ELEMENTWISE, [x], nest
+
+
 @handles("cumsum", "cumprod", "cummax", "logcumsumexp")
 def _scan(c: Call) -> Spec:
     x = c.tensor("self", "input")

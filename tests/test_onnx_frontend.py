@@ -372,9 +372,14 @@ def test_resize_nearest_nest_reproduces_onnxruntime(attrs, scales):
     np.testing.assert_allclose(_execute(g.ops[0].nest, [x], ref.shape), ref, rtol=1e-6)
 
 
-def test_resize_linear_is_opaque():
+def test_resize_linear_is_modelled_by_integer_factors_with_half_pixel_centres_only():
     sc = numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")
     node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="linear")
+    m = _model([node], [_vi("x", [1, 2, 3, 4])], [_vi("y", None)], [sc])
+    g = capture_onnx(m)
+    assert not g.ops[0].is_opaque and g.shape("y") == (1, 2, 6, 8)
+    node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="linear",
+                            coordinate_transformation_mode="align_corners")
     m = _model([node], [_vi("x", [1, 2, 3, 4])], [_vi("y", None)], [sc])
     with pytest.warns(OpaqueOpWarning, match="Resize"):
         g = capture_onnx(m)

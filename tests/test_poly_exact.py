@@ -346,3 +346,54 @@ def test_spatial_sp_prices_conv_halos_and_the_backend_refuses_by_name():
     assert est.breakdown()["sequence_parallel"] > 0  # no longer free for a net without attention
     (why,) = plan_problems(g, ParallelConfig(dp=1, sp=2))
     assert "image rows" in why and "sp=1" in why
+
+
+@pytest.mark.parametrize("shape,scale", [((1, 2, 5), 2), ((1, 2, 4), 3), ((1, 1, 3, 4), 2), ((1, 1, 3, 3), 4)])
+def test_linear_upsampling_reads_the_taps_torch_weights(shape, scale):
+    import torch
+    import torch.nn.functional as F
+
+    mode = {3: "linear", 4: "bilinear"}[len(shape)]
+    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    y = F.interpolate(x, scale_factor=scale, mode=mode, align_corners=False)
+    nest = ops.upsample_linear(shape, [scale] * (len(shape) - 2))
+    spatial = len(shape) - 2
+    # two taps per upsampled axis per output element, two FLOPs each
+    assert nest.flops() == y.numel() * 2 ** spatial * 2
+    taps: dict[tuple[int, ...], set[tuple[int, ...]]] = {}
+    for st in nest.statements:
+        (w,), (r,) = st.writes, st.reads
+        for env in (dict(zip(st.dims, p)) for p in itertools.product(*(range(nest.dim(d).extent) for d in st.dims))):
+            out = tuple(e.eval(env) for e in w.index)
+            src = tuple(min(max(e.eval(env), 0), n - 1) for e, n in zip(r.index, shape))  # the clamped edge
+            taps.setdefault(out, set()).add(src)
+    assert sorted(taps) == sorted(itertools.product(*(range(n) for n in y.shape)))  # every output written
+    for idx in taps:
+        (g,) = torch.autograd.grad(y[idx], x, retain_graph=True)
+        support = {tuple(i) for i in torch.nonzero(g).tolist()}
+        assert support <= taps[idx], idx  # every input torch weights is read
+
+
+def test_linear_upsampling_captured_from_torch_and_onnx():
+    import onnx
+    import torch
+    import torch.nn.functional as F
+    from onnx import TensorProto, helper
+
+    import polyparallel as pp
+    from polyparallel.frontends.onnx import capture_onnx
+
+    class Up(torch.nn.Module):
+        def forward(self, x):
+            return F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False)
+
+    g = pp.capture(Up(), (torch.randn(1, 2, 4, 4),))
+    (op,) = g.ops
+    assert op.nest is not None and op.flops == 2 * 8 * 8 * 4 * 2
+    scales = helper.make_tensor("scales", TensorProto.FLOAT, [4], [1, 1, 2, 2])
+    node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="linear")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 4, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [scales])
+    m = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    (op,) = capture_onnx(m).ops
+    assert op.nest is not None and op.flops == 2 * 8 * 8 * 4 * 2

@@ -157,6 +157,11 @@ def _resize(n: _Node) -> Spec:
     old = n.op_type == "Upsample" or n.opset < 11  # before opset 11: asymmetric coordinates, floor
     coord = str(n.attr("coordinate_transformation_mode", "asymmetric" if old else "half_pixel"))
     rounding = str(n.attr("nearest_mode", "floor" if old else "round_prefer_floor"))
+    if mode == "linear" and len(out) == len(x) and not any(o % i for o, i in zip(out, x)) and \
+            coord in ("half_pixel", "pytorch_half_pixel") and all(o > 1 for o in out[2:]):
+        factors = [o // i for o, i in zip(out, x)]
+        if factors[:2] == [1, 1]:  # half-pixel centres: (bi/tri)linear by integer factors is affine
+            return OpKind.ELEMENTWISE, lambda: ops.upsample_linear(x, factors[2:])
     if mode != "nearest" or len(out) != len(x) or any(o % i for o, i in zip(out, x)):
         raise ops.NotModelled(f"Resize mode={mode!r} from {list(x)} to {list(out)} (only nearest by integer "
                               "factors is affine)")

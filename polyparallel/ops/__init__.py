@@ -14,7 +14,19 @@ from ._gather import advanced_index, cross_entropy, embedding, gather, nll_loss,
 from ._moe import grouped_mm
 from ._norm import batch_norm, group_norm, layer_norm, softmax
 from ._pointwise import FLOPS_PER_ELEMENT, create, elementwise, flops_per_element, reduce, scan
-from ._view import concat, expand, pad, permute, reshape, select, slice_, split, transpose, upsample_nearest
+from ._view import (
+    concat,
+    expand,
+    pad,
+    permute,
+    reshape,
+    select,
+    slice_,
+    split,
+    transpose,
+    upsample_linear,
+    upsample_nearest,
+)
 
 __all__ = [
     "FLOPS_PER_ELEMENT",
@@ -54,5 +66,6 @@ __all__ = [
     "split",
     "take_along_axis",
     "transpose",
+    "upsample_linear",
     "upsample_nearest",
 ]

@@ -1,4 +1,4 @@
-"""Views and data movement: reshape, permute, expand, slice, select, pad, cat, split.
+"""Views and data movement: reshape, permute, expand, slice, select, pad, cat, split, upsampling.
 
 A view moves no data and costs no FLOPs; its loop nest is an index remap from the
 output to the input, which canonicalisation can fold into the consumer's accesses.
@@ -13,7 +13,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from polyparallel.ir import Access, AffineExpr, Dim, E, LoopNest, Statement
+from polyparallel.ir import Access, AffineExpr, Dim, E, LoopNest, Role, Statement
 
 from ._common import NotModelled, broadcast_index, generic_dims, norm_axis
 
@@ -144,6 +144,42 @@ def upsample_nearest(x: Sequence[int], scales: Sequence[int]) -> LoopNest:
     st = Statement("copy", tuple(d.name for d in dims), reads=(Access("in0", tuple(xi)),),
                    writes=(Access("out0", tuple(yi)),), flops_per_point=0)
     return LoopNest(tuple(dims), (st,))
+
+
+def upsample_linear(x: Sequence[int], scales: Sequence[int]) -> LoopNest:
+    """(Bi/tri)linear upsampling by integer factors of the trailing axes, half-pixel centres (torch's
+    ``align_corners=False``, ONNX ``half_pixel``): output ``h*s + r`` samples ``h + (r + 1/2)/s - 1/2``,
+    between ``h - 1`` and ``h`` for the phases ``r < (s - 1)/2`` and between ``h`` and ``h + 1`` for the
+    others. Each axis is iterated as (source ``h``, phase ``r`` of one half, tap ``t < 2``): a statement
+    per combination of halves reads ``x[.., h + t - 1 (or + t), ..]`` and sums the taps (the ``t`` dims
+    are reductions), 2 FLOPs per tap, so a device splitting ``h`` reads one row of each neighbour.
+    Reads past the border are the clamped edge (no data beyond the tensor)."""
+    lead = len(x) - len(scales)
+    if lead < 0 or any(int(s) < 1 for s in scales):
+        raise NotModelled(f"linear upsampling of input{list(x)} by {list(scales)}")
+    base = generic_dims(x[:lead])
+    halves = [((0, -(-(int(s) - 1) // 2), -1), (-(-(int(s) - 1) // 2), int(s), 0)) for s in scales]
+    dims = list(base)
+    for i, e in enumerate(x[lead:]):
+        dims += [Dim(f"h{i}", e), Dim(f"t{i}", 2, Role.REDUCTION)]
+    sts = []
+    for combo in itertools.product(*halves):
+        names = [d.name for d in base]
+        xi = [E(d.name) for d in base]
+        yi = list(xi)
+        for i, ((lo, hi, shift), s) in enumerate(zip(combo, scales)):
+            if hi <= lo:
+                break
+            r = f"r{i}{'a' if shift else 'b'}"
+            if all(d.name != r for d in dims):
+                dims.append(Dim(r, hi - lo))
+            names += [f"h{i}", r, f"t{i}"]
+            xi.append(E(f"h{i}") + E(f"t{i}") + shift)
+            yi.append(E(f"h{i}") * int(s) + E(r) + lo)
+        else:
+            sts.append(Statement(f"lerp{len(sts)}", tuple(names), reads=(Access("in0", tuple(xi)),),
+                                 writes=(Access("out0", tuple(yi)),), flops_per_point=2))
+    return LoopNest(tuple(dims), tuple(sts))
 
 
 def concat(shapes: Sequence[Sequence[int]], axis: int) -> LoopNest:
