@@ -95,6 +95,7 @@ class ExecPlan:
     microbatches: int = 1  # with pp == 1: gradient accumulation over this many micro-batches
     recompute: str = "none"  # activation recomputation (._recompute)
     recompute_blocks: tuple[str, ...] = ()  # the layers recompute="full" checkpoints
+    ep: int = 1  # expert parallelism over the dp ranks (._expert_parallel)
 
 
 def _parse(placement: str) -> dict[str, tuple[str, ...]]:
@@ -266,6 +267,13 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
         if absent:
             raise Unsupported(f"recompute='full' checkpoints the layer module {absent[0]!r} of the model's graph, "
                               "which the model has no module for; build the model the strategy was searched for")
+    if s.ep > 1:
+        from polyparallel.backends.torch._expert_parallel import expert_modules
+
+        bad = [p for p, m in expert_modules(model) if m.gate_up_proj.shape[0] % s.ep]
+        if not expert_modules(model) or bad:
+            raise Unsupported(f"ep={s.ep}: " + (f"experts module {bad[0]!r} has experts not divisible by ep" if bad
+                              else "the model has no HF experts module (3-D gate_up_proj / down_proj) to split"))
     dp_kind = "none" if s.dp * s.sp == 1 else ("fsdp" if s.zero_stage >= 1 else "ddp")
     pipe = None
     if s.pp > 1:
@@ -279,5 +287,5 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
                     loss_parallel=loss_parallel, global_batch=s.global_batch, pp=s.pp, pipeline=pipe, sp=s.sp,
                     fused=tuple(sorted((p, seg) for p, seg in heads.items() if len(seg) > 1)),
                     tied=tuple(tied), positions=tuple(position_embeddings(graph)) if s.sp > 1 and graph else (),
-                    dtype=s.dtype, microbatches=s.microbatches, recompute=s.recompute,
+                    dtype=s.dtype, microbatches=s.microbatches, recompute=s.recompute, ep=s.ep,
                     recompute_blocks=tuple(recompute_blocks(graph)) if s.recompute == "full" and graph else ())

@@ -64,6 +64,15 @@ def _apply(model: torch.nn.Module, job: dict[str, Any], device: torch.device,
     from polyparallel.backends.torch._recompute import apply_recompute
 
     apply_recompute(model, plan.recompute, plan.recompute_blocks)  # after TP, before DDP / FSDP2 wrap the model
+    if getattr(plan, "ep", 1) > 1:  # before DDP, which must not average (or broadcast) the expert shards
+        from torch.nn.parallel import DistributedDataParallel
+
+        from polyparallel.backends.torch._expert_parallel import apply_expert_parallel
+
+        replicas = replica_mesh(mesh, plan)
+        ignored = apply_expert_parallel(model, plan.ep, replicas.size(), dist.get_process_group_ranks(
+            replicas.get_group()))
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     if plan.data_parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
