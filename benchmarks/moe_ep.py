@@ -37,6 +37,18 @@ def mixtral_8x7b(layers: int) -> torch.nn.Module:
         return _HFLoss(MixtralForCausalLM(cfg), "input_ids")
 
 
+def mixtral_8x7b_example() -> tuple[torch.nn.Module, tuple]:
+    """``polyparallel search benchmarks.moe_ep:mixtral_8x7b_example``: the 32-layer model, one sequence of 4096."""
+    ids = torch.zeros(1, 4096, dtype=torch.long, device="meta")
+    return mixtral_8x7b(32), (ids, ids)
+
+
+def mixtral_tiny_example() -> tuple[torch.nn.Module, tuple]:
+    """``polyparallel search benchmarks.moe_ep:mixtral_tiny_example``: the zoo's tiny Mixtral, one sequence."""
+    ids, labels = lm_data(0)
+    return hf_mixtral(), (ids[:1], labels[:1])
+
+
 def row(name: str, model: torch.nn.Module, example: tuple, cluster: str, batch: int, ep: int | None) -> dict:
     t0 = time.perf_counter()
     with warnings.catch_warnings():

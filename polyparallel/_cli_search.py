@@ -155,8 +155,10 @@ def explain_cmd(
     if s.ep > 1:
         console.print(f"expert parallelism: ep={s.ep} — each group of {s.ep} data/sequence-parallel ranks splits "
                       f"every MoE layer's experts ({s.ep} shards), dispatches the routed tokens to them and "
-                      f"combines the outputs by all-to-all; the experts' gradients are reduced over the "
-                      f"{s.dp * s.sp // s.ep} rank(s) holding the same experts")
+                      "combines the outputs by all-to-all; "
+                      + (f"the experts' gradients are reduced over the {s.dp * s.sp // s.ep} ranks holding the same "
+                         "experts" if s.dp * s.sp > s.ep else "no other rank holds the same experts, so their "
+                         "gradients need no reduction"))
     if s.stages:
         t = Table(title="pipeline stages")
         for col in ("stage", "ops (first .. last)", "layers", "devices", "device type", "compute", "placed by",
