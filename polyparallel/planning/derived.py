@@ -34,6 +34,7 @@ Ulysses for every op whatever the placements say (:mod:`polyparallel.planning.pl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -41,6 +42,7 @@ from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig
 from polyparallel.cost_models.megatron_rule import op_plans as rule_op_plans
 from polyparallel.cost_models.memo import PRICES
+from polyparallel.cost_models.parallel_config import OpPlan
 from polyparallel.ir import Graph
 
 __all__ = ["PlacedPlans", "variants"]
@@ -174,15 +176,50 @@ def derived_plans(g: Graph, anchor: Graph, cl: Cluster, cfg: ParallelConfig, mod
     return out
 
 
-def variants(g: Graph, anchor: Graph, cl: Cluster, cfg: ParallelConfig, mode: str) -> list[PlacedPlans | None]:
+def _affine(lo: PlacedPlans, hi: PlacedPlans, t: float) -> PlacedPlans | None:
+    """``lo + t (hi - lo)`` event by event (None where the two differ in anything but bytes)."""
+    out = []
+    for a, c in zip(lo, hi):
+        if a.split != c.split or a.param_split != c.param_split:
+            return None
+        evs = []
+        for xa, xc in ((a.tp_fwd, c.tp_fwd), (a.tp_bwd, c.tp_bwd), (a.sp_fwd, c.sp_fwd), (a.sp_bwd, c.sp_bwd)):
+            if len(xa) != len(xc) or any(ka != kc for (ka, _), (kc, _) in zip(xa, xc)):
+                return None
+            evs.append(tuple((k, ba + t * (bc - ba)) for (k, ba), (_, bc) in zip(xa, xc)))
+        out.append(OpPlan(a.split, *evs, param_split=a.param_split))
+    return PlacedPlans(out, lo.placements, lo.source)
+
+
+def variants(g: Graph, anchor: Graph, cl: Cluster, cfg: ParallelConfig, mode: str,
+             affine: Callable[[Graph], tuple[Graph, Graph, float] | None] | None = None) -> list[PlacedPlans | None]:
     """The placement candidates a plan is ranked with (module docstring); ``[None]`` where nothing is
-    split (``tp = sp = 1``: every op whole, as the step model prices a config without placements)."""
+    split (``tp = sp = 1``: every op whole, as the step model prices a config without placements).
+
+    ``affine(g)``: for a graph re-batched from two anchor captures, ``(lo, hi, t)`` with ``g`` the
+    anchors' graph at ``lo + t (hi - lo)``; its derived OpPlans are then the anchors' interpolated
+    (collective bytes are affine in the batch as the graph's integers are), instead of priced op
+    by op again. A pair whose events differ in more than bytes is priced on ``g`` itself."""
     if cfg.tp == 1 and cfg.sp == 1:
         return [None]
     rule = rule_plans(g, cfg)
     if mode == "rule" or cfg.tp == 1 or cfg.sp > 1:
         return [rule]
-    solved = derived_plans(g, anchor, cl, cfg, mode)
+    solved = None
+    ab = affine(g) if affine is not None else None
+    if ab is not None:
+        memo = PRICES.of(g)
+        key = ("derived:affine", mode, cfg.tp, cfg.dtype, tuple((cfg.devices or range(cfg.world))[: cfg.tp]), id(cl))
+        if key not in memo:
+            lo, hi = (derived_plans(x, anchor, cl, cfg, mode) for x in ab[:2])
+            if lo is None and hi is None:
+                memo[key] = (cl, None)  # the solver's placements equal Megatron's, or are not executed
+            else:  # False: price on g itself
+                memo[key] = (cl, (lo is not None and hi is not None and lo.placements == hi.placements and
+                             len(lo) == len(g.ops) and _affine(lo, hi, ab[2])) or False)
+        solved = memo[key][1]
+    if solved is False or ab is None:
+        solved = derived_plans(g, anchor, cl, cfg, mode)
     return [rule] if solved is None else [solved, rule]
 
 

@@ -105,6 +105,15 @@ class ModelGraphs:
             self.derived.discard(b)
         return self.graph(b)
 
+    def affine_of(self, g: Graph) -> tuple[Graph, Graph, float] | None:
+        """For a graph this re-batched from the anchors: ``(anchor lo, anchor hi, t)`` with ``g`` the
+        anchors' graph at batch ``lo + t (hi - lo)``; None for a captured graph."""
+        b = graph_batch(g)
+        if b not in self.derived or self.priced.get(b) is not g:
+            return None
+        lo, hi = ANCHORS
+        return self.graph(lo), self.graph(hi), (b - lo) / (hi - lo)
+
     def _captured(self, b: int) -> Graph:
         if b not in self.graphs:
             if not self.resizable:

@@ -513,6 +513,7 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
     n = len(devs)
     layers = _layer_count(g)
     node = _node_size(cl, devs)
+    affine = mdl.affine_of if mdl.resizable else None
     hollow: set[tuple[int, int, int]] = set()  # (pp, chunks, stage) of pipelines with a stage holding no parameter
 
     def offer(graph: Graph, cfg: ParallelConfig, b: int) -> bool:
@@ -522,7 +523,7 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
         if empty is not None:
             hollow.add((cfg.pp, cfg.chunks, empty))
             return False
-        fits = [best.offer(graph, replace(cfg, op_plans=v), b) for v in variants(graph, g, cl, cfg, rank_by)]
+        fits = [best.offer(graph, replace(cfg, op_plans=v), b) for v in variants(graph, g, cl, cfg, rank_by, affine)]
         return any(fits)
 
     shapes = [(*sh, ep) for sh in _mesh_shapes(n, c, node, layers, exhaustive) for ep in _ep_degrees(g, sh, c)]
