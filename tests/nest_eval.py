@@ -37,6 +37,8 @@ def run(nest: LoopNest, operands: dict[str, np.ndarray], outputs: dict[str, tupl
     for name, shape in outputs.items():
         env_arrays[name] = np.zeros(shape)
     for st in nest.statements:
+        if not st.reads:
+            continue  # a zero fill: outputs start at zero
         for env in points(nest, st):
             vals = [_read(env_arrays[a.operand], tuple(e.eval(env) for e in a.index)) for a in st.reads]
             for w in st.writes:

@@ -245,6 +245,7 @@ def test_megatron_gqa_on_tp4_is_a_placement_of_the_factorised_mesh():
 # -- 5. transposed convolution: FLOPs, output shape and values against torch --------------------------
 @pytest.mark.parametrize("stride,padding,output_padding,dilation,groups,k", [
     (2, 0, 0, 1, 1, 2),   # UNet's 2x2 stride-2 upsampling
+    (2, 0, 1, 1, 1, 2),   # output_padding past the last tap: a zero-filled row
     (2, 1, 1, 1, 1, 3),
     (1, 0, 0, 2, 1, 3),
     (3, 2, 1, 1, 2, 4),

@@ -133,14 +133,17 @@ def conv_transpose(x: Sequence[int], w: Sequence[int], bias: Sequence[int] | Non
             crop.append(rows[i] * -1 + (outs[i] - 1))
     sts = [Statement("mac", tuple(d.name for d in dims), reads=(Access("in0", xi), Access("in1", wi)),
                      writes=(Access("out0", yi),), flops_per_point=2, constraints=tuple(crop))]
-    if bias is not None:
-        # the bias runs over the output pixels: dims of their own
+    # the bias runs over the output pixels (dims of their own); without one, output rows no tap reaches
+    # (output_padding) are still written, as zeros
+    short = any((x[2 + i] - 1) * st[i] + (w[2 + i] - 1) * dil[i] - pad[i] < outs[i] - 1 for i in range(n))
+    if bias is not None or short:
         on = tuple(f"y{s}" for s in sp)
         dims += [Dim(nm, e, Role.PARALLEL, Hint.SPATIAL) for nm, e in zip(on, outs)]
         lead = ("b", "g", "o") if groups > 1 else ("b", "o")
-        sts.append(Statement("bias", (*lead, *on), reads=(Access("in2", (gch(O // groups, "o"),)),),
+        reads = (Access("in2", (gch(O // groups, "o"),)),) if bias is not None else ()
+        sts.append(Statement("bias" if bias is not None else "fill", (*lead, *on), reads=reads,
                              writes=(Access("out0", (E("b"), gch(O // groups, "o"), *[E(d) for d in on])),),
-                             flops_per_point=1))
+                             flops_per_point=1 if bias is not None else 0))
     return LoopNest(tuple(dims), tuple(sts))
 
 
