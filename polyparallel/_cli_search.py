@@ -152,6 +152,10 @@ def explain_cmd(
     for a in s.mesh.axes:
         t.add_row(a.name, str(a.size), a.level)
     console.print(t)
+    # the search's "why <axis>=<n>: ..." notes: what each axis splits and what the plan without it costs
+    why = [n for n in s.search.notes if n.startswith("why ")]
+    for n in why:
+        console.print(n, highlight=False)
     if s.ep > 1:
         console.print(f"expert parallelism: ep={s.ep} — each group of {s.ep} data/sequence-parallel ranks splits "
                       f"every MoE layer's experts ({s.ep} shards), dispatches the routed tokens to them and "
@@ -213,7 +217,7 @@ def explain_cmd(
             for k, v in s.estimate.memory_by_device.items():
                 t.add_row(k, _gb(v))
             console.print(t)
-    for n in s.search.notes[:5]:
+    for n in [n for n in s.search.notes if not n.startswith("why ")][:5]:
         console.print(f"[yellow]note[/yellow] {n}")
 
 

@@ -63,3 +63,32 @@ def test_search_never_returns_a_stage_without_parameters():
     cfg = ParallelConfig(dp=s.dp, tp=s.tp, pp=s.pp, sp=s.sp, microbatches=s.microbatches,
                          schedule=s.schedule.partition(":")[0], chunks=int(s.schedule.partition(":")[2] or 1))
     assert all(n > 0 for n in _stage_params(g, cfg))
+
+
+def test_why_each_axis_prices_the_fastest_plan_without_it():
+    """The search says per mesh axis what the fastest plan without it costs; that price must be the
+    optimum of a search with the axis pinned to 1 (an exhaustive one: every plan priced in full)."""
+    import re
+
+    from polyparallel.models import Llama, LlamaConfig
+
+    warnings.simplefilter("ignore")
+    ids = torch.zeros(2, 32, dtype=torch.long)
+    m = Llama(LlamaConfig(vocab=256, seq=32, layers=2, hidden=64, heads=4, kv_heads=2, ffn=128))
+    shared = ModelGraphs(m, (ids,), {"labels": ids})
+    ps_graphs = ps.ModelGraphs
+    ps.ModelGraphs = lambda *_, **__: shared
+    try:
+        s = search(m, (ids,), "dgx-a100x1", example_kwargs={"labels": ids}, batch_size=16)
+        why = {n.split("=")[0][4:]: n for n in s.search.notes if n.startswith("why ")}
+        axes = [a for a in ("dp", "tp", "pp", "sp") if getattr(s, a) > 1]
+        assert axes and sorted(why) == sorted(axes)
+        for axis in axes:
+            alt, chosen = map(float, re.search(r"\(([0-9.e-]+) s vs ([0-9.e-]+) s per step", why[axis]).groups())
+            assert chosen == pytest.approx(s.estimate.step_time_s, rel=1e-3)
+            pinned = search(m, (ids,), "dgx-a100x1", example_kwargs={"labels": ids}, batch_size=16,
+                            constraints={axis: 1}, exhaustive=True)
+            assert alt == pytest.approx(pinned.estimate.step_time_s, rel=1e-3)  # the note prints 4 digits
+            assert alt >= chosen * (1 - 1e-3)
+    finally:
+        ps.ModelGraphs = ps_graphs

@@ -131,6 +131,7 @@ from polyparallel.strategy import (
 
 __all__ = ["Constraints", "DoesNotFit", "evaluate", "search"]
 
+AXES = ("dp", "tp", "pp", "sp")
 MEMORY_LADDER = (("0", "none"), ("1", "none"), ("2", "none"), ("1", "selective"), ("3", "none"), ("3", "selective"),
                  ("1", "full"), ("3", "full"))
 
@@ -271,6 +272,7 @@ class _Best:
     chosen: _Candidate | None = None  # the candidate behind ``est``
     _closest: _Candidate | None = None
     _full: dict[int, StepEstimate] = field(default_factory=dict)
+    short_without: dict[str, _Candidate] = field(default_factory=dict)  # axis -> closest misfit with it at 1
 
     def offer(self, graph: Graph, cfg: ParallelConfig, b: int) -> bool:
         """Enumerate one plan: ``True`` when it fits (``ValueError`` when the cost model refuses it)."""
@@ -281,6 +283,11 @@ class _Best:
         if not _fits(bound, self.cap):
             if self._closest is None or _shortfall(bound, self.cap) < _shortfall(self._closest.bound, self.cap):
                 self._closest = cand
+            for axis in AXES:  # per axis: the plan without it that misses memory by the least (explain)
+                held = self.short_without.get(axis)
+                if getattr(cfg, axis) == 1 and (held is None or _shortfall(bound, self.cap) <
+                                                _shortfall(held.bound, self.cap)):
+                    self.short_without[axis] = cand
             return False
         if self.refuse is None or not self.refuse(cfg):
             self.fitting.append(cand)
@@ -602,7 +609,64 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
                           f"exactly: {left}")
     if objective == "memory" and best.est is not None:
         _least_memory(best)
+    if best.est is not None:
+        best.notes += _why_axes(best, c)
     return best
+
+
+_SPLITS = {"dp": "splits the batch: each replica trains on its share and the gradients are reduced",
+           "tp": "splits each op's loop dims over devices inside a node (placements: {placed})",
+           "pp": "splits the layers into stages that pass activations point to point",
+           "sp": "splits the sequence (Ulysses: all-to-all around attention)"}
+
+
+def _why_axes(best: _Best, c: Constraints) -> list[str]:
+    """Per mesh axis of the chosen plan: what it splits and what the fastest plan without it costs
+    (priced in full, in bound order as :meth:`_Best.solve`), or why no plan without it fits.
+    Lines start with ``why <axis>=``; ``explain`` shows them as a table."""
+    from polyparallel.planning.derived import plan_note
+
+    assert best.est is not None
+    chosen = best.est
+    out = []
+    for axis in AXES:
+        size = getattr(chosen.config, axis)
+        if size == 1:
+            continue
+        head = f"why {axis}={size}: " + _SPLITS[axis].format(placed=plan_note(chosen.config.op_plans)) + "; "
+        if getattr(c, axis) is not None:
+            out.append(head + "pinned by the constraints")
+            continue
+        alt: StepEstimate | None = None
+        for cand in sorted((x for x in best.fitting if getattr(x.bound.config, axis) == 1),
+                           key=lambda x: (x.bound.lower_bound, x.index)):
+            if alt is not None and cand.bound.lower_bound > alt.step_time * (1 + 1e-9):
+                break
+            est = best.full(cand)
+            if alt is None or est.step_time < alt.step_time:
+                alt = est
+        short = best.short_without.get(axis)
+        if alt is not None:
+            a, b = alt.breakdown(), chosen.breakdown()
+            part = max(a, key=lambda k: a[k] - b.get(k, 0.0))
+            ratio = alt.step_time / chosen.step_time
+            out.append(head + f"the fastest plan without {axis} ({_brief(alt.config)}) is {ratio:.2f}× slower "
+                       f"({alt.step_time:.4g} s vs {chosen.step_time:.4g} s per step; most of the difference in "
+                       f"{part}: {a[part]:.4g} s vs {b.get(part, 0.0):.4g} s)")
+        elif short is not None:
+            worst = max(short.bound.memory, key=lambda r: r.total - min(r.capacity, best.cap or math.inf))
+            out.append(head + f"no plan without {axis} fits: the closest ({_brief(short.bound.config)}) needs "
+                       f"{worst.total / 1e9:.1f} GB > {min(worst.capacity, best.cap or math.inf) / 1e9:.1f} GB "
+                       f"on {worst.label}")
+        else:
+            out.append(head + f"no plan without {axis} was a candidate (the backend or the cluster rules them out)")
+    return out
+
+
+def _brief(cfg: ParallelConfig) -> str:
+    sched = cfg.schedule + (f":{cfg.chunks}" if cfg.chunks > 1 else "")
+    return (f"dp={cfg.dp} tp={cfg.tp} pp={cfg.pp} sp={cfg.sp} m={cfg.microbatches} {sched} ZeRO-{cfg.zero_stage} "
+            f"recompute {cfg.recompute}")
 
 
 def _executable(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B: int, devs: list[int],
