@@ -297,6 +297,9 @@ def _checked_run(strategy: Strategy, model_fn: Any, data_fn: Any, agent: subproc
     if ckpt is None and run_dir is not None and (checkpoint_every is not None
                                                  or (Path(run_dir) / "checkpoints").is_dir()):
         ckpt = Path(run_dir) / "checkpoints"
+    if ckpt is not None and plan.ep > 1:  # each rank would save only its own 1/ep of the experts
+        raise ValueError(f"checkpoints of an expert-parallel run (ep={plan.ep}) are not written: each rank holds "
+                         f"1/{plan.ep} of the experts; train without checkpoint_dir/checkpoint_every, or with ep=1")
     done = check_resume(ckpt, strategy, model) if ckpt is not None else None  # refused here, not after launch
     try:
         pickle.dumps((model_fn, data_fn))
