@@ -12,10 +12,12 @@ cut into ``pp·v`` contiguous chunks at layer boundaries (:mod:`.layers`); chunk
 stage ``g mod pp``.
 
 **Tensor and sequence parallelism**: each op's share of the work and its collectives come from
-the config's per-op placements (``op_plans``, which the planner derives from the polyhedral
-model), or, without them, from Megatron's rule (:mod:`.megatron_rule`). Under DeepSpeed-Ulysses
-``sp`` every op does ``1/sp`` of the work; each attention op all-to-alls its three inputs and its
-output, forward and backward, over the ``sp`` group; parameters are replicated over ``sp`` and
+the config's per-op placements (``op_plans``). The planner always gives them: it ranks each plan
+with the placements derived from the polyhedral model and with Megatron's layout as one more
+candidate (:mod:`polyparallel.planning.derived`). A config without them (a recipe priced by hand)
+is priced with Megatron's rule (:mod:`.megatron_rule`), the layout such recipes mean by ``tp``.
+Under DeepSpeed-Ulysses ``sp`` every op does ``1/sp`` of the work; each attention op all-to-alls its
+three inputs and its output, forward and backward, over the ``sp`` group; parameters are replicated over ``sp`` and
 their gradients reduced with ``dp``.
 
 **Expert parallelism** (``ep``, carved from the ``dp·sp`` ranks): each group of ``ep`` consecutive
