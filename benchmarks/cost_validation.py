@@ -112,7 +112,8 @@ def _megatron_row(params: float, heads: int, hidden: int, layers: int, t: int, p
                    "recompute": "full", "grad_overlap": 0.0, **({"partition": "layers"} if p > 1 else {})},
         "global_batch": batch, "published_tflops": float(tflops), "flops": "megatron",
         "assumptions": f"micro-batch {micro}; {'interleaved, 2 chunks per stage' if interleaved else '1F1B'}; "
-                       "full recompute; equal layers per stage",
+                       "full recompute; equal layers per stage; Megatron's default dropouts (0.1, on the hidden "
+                       "states and the attention probabilities)",
     }
 
 
