@@ -66,7 +66,8 @@ def strategy_of(mdl: ModelGraphs, cl: Cluster, est: StepEstimate, b: int, B: int
                             objective_s=sp_.objective_s, rule_objective_s=sp_.rule_objective_s))
     mem_max = max(r.total for r in est.memory)
     bd = est.breakdown()
-    comm = sum(v for k, v in bd.items() if k in ("tensor_parallel", "sequence_parallel", "p2p", "data_parallel"))
+    comm = sum(v for k, v in bd.items() if k in ("tensor_parallel", "sequence_parallel", "expert_parallel", "p2p",
+                                                        "data_parallel"))
     estimate = Estimate(step_time_s=est.step_time, samples_per_s=B / est.step_time,
                         model_flops_per_s_per_device=est.model_flops_per_device,
                         memory_bytes_max=mem_max, comm_fraction=comm / est.step_time if est.step_time else 0.0,
