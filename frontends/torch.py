@@ -16,10 +16,11 @@ from :mod:`polyparallel.ops`; unknown ops become opaque ops (see
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -903,6 +904,22 @@ class _FakeVal:
         self.shape, self.dtype = tuple(tm.shape), tm.dtype
 
 
+@contextlib.contextmanager
+def _grouped_experts(model: torch.nn.Module) -> Iterator[None]:
+    """HF MoE models set to the per-expert loop (``experts_implementation="eager"``), whose Python loop over
+    the experts hit is data-dependent control flow that export cannot trace, are captured through their
+    ``grouped_mm`` implementation (the same function, one grouped matmul per projection), then restored."""
+    switched = [m for m in model.modules() if getattr(getattr(m, "config", None), "_experts_implementation", None)
+                == "eager" and hasattr(m, "set_experts_implementation")]
+    for m in switched:
+        m.set_experts_implementation("grouped_mm")
+    try:
+        yield
+    finally:
+        for m in switched:
+            m.set_experts_implementation("eager")
+
+
 def capture_torch(model: torch.nn.Module, example_inputs: Any = None, example_kwargs: dict[str, Any] | None = None,
                   *, method: str = "auto", name: str | None = None) -> Graph:
     """Capture an ``nn.Module`` into the Graph IR.
@@ -931,7 +948,8 @@ def capture_torch(model: torch.nn.Module, example_inputs: Any = None, example_kw
     errors: list[str] = []
     if method in ("auto", "export"):
         try:
-            return _export(model, example_inputs, kwargs, name)
+            with _grouped_experts(model):
+                return _export(model, example_inputs, kwargs, name)
         except Exception as e:  # torch raises many exception types from export
             errors.append(f"torch.export.export(strict=False) failed: {_first_lines(e)}")
             if method == "export":

@@ -51,6 +51,25 @@ def test_mixtral_expert_matmuls_are_loop_nests_with_the_closed_form_flops(mixtra
     assert [op.flops for op in routers] == [2 * tokens * d * n_exp] * cfg.num_hidden_layers
 
 
+def test_per_expert_loop_mixtral_is_captured_through_its_grouped_mm_implementation():
+    """experts_implementation="eager" (a Python loop over the experts hit: data-dependent control flow
+    export cannot trace) is captured as grouped_mm, the same function, and the model is left as it was."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from tests.zoo import VOCAB, _HFLoss
+
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=SEQ, experts_implementation="eager")
+    model = _HFLoss(MixtralForCausalLM(cfg), "input_ids")
+    ids, labels = lm_data(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = capture_torch(model, (ids[:1], labels[:1]))
+    assert sum(op.flops for op in _expert_ops(graph)) == SEQ * 2 * 3 * 2 * 32 * 32
+    assert model.model.config._experts_implementation == "eager"
+
+
 def test_grouped_mm_nest_refuses_rows_that_do_not_split_over_the_experts():
     nest = ops.grouped_mm((12, 5), (4, 5, 7), (4,))
     assert nest.flops() == 2 * 12 * 5 * 7
