@@ -1,7 +1,8 @@
 """Spatial parallelism of image models: the ``sp`` axis splitting image rows, priced from the polyhedral model.
 
-Under ``sp`` a token model splits its sequence (Ulysses: :mod:`.megatron_rule`); an op on images
-(its first activation input has rank >= 4, ``[B, C, H, W, ...]``) splits its rows instead. Every
+Under ``sp`` a token model splits its sequence (Ulysses: :mod:`.megatron_rule`); in a convolution
+net without attention (:func:`splits_image_rows`) an op on images (its first activation input has
+rank >= 4, ``[B, C, H, W, ...]``) splits its rows instead. Every
 such tensor is held **row-split** (``S(2)@sp``), every smaller one (pooled features, a loss)
 whole. For an op, the loop dim that indexes row axis 2 of that input is split over ``sp``
 (:func:`polyparallel.poly.legal_placements`; none: the op runs whole on every device), and its
@@ -23,9 +24,11 @@ An op's work is split ``sp`` ways when its placement splits a dim, else not at a
 
 from __future__ import annotations
 
-from polyparallel.ir import ANY, Graph, Op, TensorKind, element_bytes
+from polyparallel.ir import ANY, Graph, Op, OpKind, TensorKind, element_bytes
 
-__all__ = ["spatial_plan"]
+from .memo import PRICES
+
+__all__ = ["spatial_plan", "splits_image_rows"]
 
 Events = tuple[tuple[str, float], ...]
 
@@ -34,7 +37,7 @@ def spatial_plan(graph: Graph, op: Op, sp: int, dtype: str) -> tuple[float, Even
     """``(work split, forward events, backward events)`` of ``op`` with image rows split over ``sp``
     devices, or None when the op is not on images (the caller keeps the sequence rule)."""
     acts = [t for t in op.inputs if graph.tensors[t].kind is not TensorKind.PARAM]
-    if not acts or len(graph.tensors[acts[0]].shape) < 4:
+    if not acts or len(graph.tensors[acts[0]].shape) < 4 or not splits_image_rows(graph):
         return None
     from polyparallel.poly import (
         DeviceMesh,
@@ -82,6 +85,18 @@ def spatial_plan(graph: Graph, op: Op, sp: int, dtype: str) -> tuple[float, Even
         fwd += events(reshard(output_layout(graph, op, pl, mesh, k), held(t), mesh), t)
     split = float(sp) if pl.dims else 1.0
     return split, tuple(e for e in fwd if e[1] > 0), tuple(e for e in bwd if e[1] > 0)
+
+
+def splits_image_rows(graph: Graph) -> bool:
+    """Whether ``sp`` splits image rows in ``graph``: a convolution net (convolutions or pooling) without
+    attention. A model with attention keeps Ulysses' sequence split (a ViT's rank-4 tensors after its
+    patch embedding are ``[B, heads, S, D]``, their axis 2 a sequence)."""
+    memo = PRICES.of(graph)
+    hit = memo.get(("image_rows",))
+    if hit is None:
+        kinds = {OpKind(op.kind) for op in graph.ops}
+        hit = memo[("image_rows",)] = bool(kinds & {OpKind.CONV, OpKind.POOL}) and OpKind.ATTENTION not in kinds
+    return hit
 
 
 def _row_dim(op: Op, index: int) -> str | None:

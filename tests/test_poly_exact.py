@@ -347,6 +347,14 @@ def test_spatial_sp_prices_conv_halos_and_the_backend_refuses_by_name():
     assert est.breakdown()["sequence_parallel"] > 0  # no longer free for a net without attention
     (why,) = plan_problems(g, ParallelConfig(dp=1, sp=2))
     assert "image rows" in why and "sp=1" in why
+    # a model with attention (a ViT: rank-4 [B, heads, S, D] after a patch convolution) keeps Ulysses
+    q = (1, 2, 8, 4)
+    vit = _graph(("q", q, "activation"), ("k", q, "activation"), ("v", q, "activation"), ("o", q, "activation"),
+                 ("img", (1, 3, 8, 8), "input"), ("pw", (4, 3, 2, 2), "param"), ("p", (1, 4, 4, 4), "activation"))
+    patch = ops.conv((1, 3, 8, 8), (4, 3, 2, 2), stride=2)
+    vit.add_op(Op("patch", OpKind.CONV, "conv2d", ("img", "pw"), ("p",), patch))
+    attn = vit.add_op(Op("attn", OpKind.ATTENTION, "sdpa", ("q", "k", "v"), ("o",), ops.attention(q, q, q)))
+    assert spatial_plan(vit, attn, sp, "bf16") is None
 
 
 @pytest.mark.parametrize("shape,scale", [((1, 2, 5), 2), ((1, 2, 4), 3), ((1, 1, 3, 4), 2), ((1, 1, 3, 3), 4)])

@@ -112,9 +112,9 @@ def plan_problems(graph: Graph | None, s: Any) -> list[str]:
     if s.sp > 1 and s.pp == 1:
         sp_why = ["the model could not be captured to check it"] if graph is None else \
             list(_sp_problems(graph, s.sp, s.tp * s.sp))
-        images = graph is not None and any(len(graph.shape(t)) >= 4 and OpKind(op.kind) in (OpKind.CONV, OpKind.POOL)
-                                           for op in graph.ops for t in op.inputs[:1])
-        if images:  # the search prices sp on images as image rows split (cost_models.spatial)
+        from polyparallel.cost_models.spatial import splits_image_rows
+
+        if graph is not None and splits_image_rows(graph):  # the search prices sp there as image rows split
             why.append(f"sp={s.sp} splits image rows (spatial parallelism, halo exchanges): the search prices it, "
                        "the torch backend does not execute it; pin sp=1 (--sp 1, constraints={'sp': 1}) or "
                        "search with --placements torch")
