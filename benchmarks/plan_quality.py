@@ -9,8 +9,9 @@ recipes priced by ``evaluate`` (pure data parallel, FSDP = ZeRO-3, Megatron: tp 
 the planner's pp, dp over the rest, Megatron's placements).
 
 The brute force does not run the search: it walks every mesh shape the search admits (tp·sp inside
-a node, sp <= 8, pp <= the numbered blocks, no dp/tp/sp group on a WAN link, a pipeline across
-centers only where activations may leave), every micro-batch size the search captures for it
+a node, sp <= 8, pp <= the numbered blocks, a pipeline across centers only where activations may
+leave; on aisynergy-5 dp/tp/sp groups may cross centers: ``allow_wan``, as no synchronous plan
+over its 88 devices exists otherwise), every micro-batch size the search captures for it
 (powers of two and the whole replica batch), every schedule, every ZeRO x recomputation rung and
 every placement candidate of the plan (the solver's derived placements and Megatron's,
 ``polyparallel.planning.derived.variants``), keeps those the torch backend executes
@@ -126,9 +127,15 @@ FAMILIES = {"gpt": gpt, "llama-gqa": llama_gqa, "t5": t5, "vit": vit, "mixtral":
             "unet-512": unet, "mlp": mlp}
 
 
+def _constraints(cl: Cluster) -> dict:
+    """Synchronous plans; on a multi-center cluster, with dp/tp/sp groups allowed across centers (no
+    synchronous plan uses all of aisynergy-5's devices otherwise: its centers' sizes are uneven)."""
+    return {"mode": "synchronous", **({"allow_wan": True} if len(cl.centers) > 1 else {})}
+
+
 def brute_force(mdl: ModelGraphs, cl: Cluster, B: int, placements: str = "torch") -> tuple[object, int]:
     """The fastest fitting, executed plan of the search's space, every plan priced in full."""
-    c = ps.Constraints(mode="synchronous")
+    c = ps.Constraints(**_constraints(cl))
     devs = list(range(cl.num_devices))
     dtype = ps._default_dtype(cl, devs)
     enforce = placements == "torch" and dtype in EXECUTED_DTYPES
@@ -141,7 +148,7 @@ def brute_force(mdl: ModelGraphs, cl: Cluster, B: int, placements: str = "torch"
             continue
         base = ParallelConfig(dp=dp, tp=tp, pp=pp, sp=sp, microbatches=1, dtype=dtype, devices=tuple(devs))
         wan_group, wan_pipe = ps._crosses_wan(cl, base, devs)
-        if wan_group or (wan_pipe and not all(ce.activations_may_leave for ce in cl.centers)):
+        if (wan_group and not c.allow_wan) or (wan_pipe and not all(ce.activations_may_leave for ce in cl.centers)):
             continue
         for b in mdl.micro_sizes(B // dp, False, whole=enforce):
             graph = mdl.graph(b)
@@ -177,7 +184,7 @@ def one(family: str, cluster: str) -> dict:
         row: dict = {"family": family, "cluster": cluster, "global_batch": B}
         t0 = time.process_time()
         try:
-            s = search(m, a, cl, example_kwargs=k, batch_size=B, constraints={"mode": "synchronous"})
+            s = search(m, a, cl, example_kwargs=k, batch_size=B, constraints=_constraints(cl))
         except DoesNotFit as e:
             row["error"] = str(e)[:200]
             return row
