@@ -633,10 +633,9 @@ def _why_axes(best: _Best, c: Constraints) -> list[str]:
         size = getattr(chosen.config, axis)
         if size == 1:
             continue
-        head = f"why {axis}={size}: " + _SPLITS[axis].format(placed=plan_note(chosen.config.op_plans)) + "; "
         if getattr(c, axis) is not None:
-            out.append(head + "pinned by the constraints")
-            continue
+            continue  # pinned: the user's choice, not the search's
+        head = f"why {axis}={size}: " + _SPLITS[axis].format(placed=plan_note(chosen.config.op_plans)) + "; "
         alt: StepEstimate | None = None
         for cand in sorted((x for x in best.fitting if getattr(x.bound.config, axis) == 1),
                            key=lambda x: (x.bound.lower_bound, x.index)):
