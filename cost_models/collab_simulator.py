@@ -14,9 +14,7 @@ A round ``r`` of a collaborative job (``Strategy.collaborative``) runs, for ever
 
 plus the framework's fixed cost per round ``K`` (serialisation, polling and messaging that does not
 scale with the bytes: Flower on loopback, :data:`FIXED_ROUND_S`), and optionally ``k`` per center taking
-part (one server handles every center's messages), and its own handling of every byte sent
-(``framework_Bps``: serialisation and the message store, beside the link; on one machine the
-centers' messages share it), placed at the start of the round: ``K + n·(k + (M + Q) / framework_Bps)``.
+part (one server handles every center's messages), placed at the start of the round: ``K + k·n``.
 So a round lasts ``T = K + max_i (D_i + C_i + U_i) + F`` and the phases of every center add up to ``T``.
 With ``concurrent=False`` the centers run one after another (the in-process engine): center ``i``
 starts when center ``i−1`` has uploaded, and ``T = K + Σ_i (D_i + C_i + U_i) + F``.
@@ -94,15 +92,13 @@ class SimInputs:
     fuse_s_per_param: float = FUSE_S_PER_PARAM
     compression: str = "none"
     fixed_per_center_s: float = 0.0
-    framework_Bps: float = math.inf
 
     @classmethod
     def make(cls, names: Sequence[str], step_s: Sequence[float] | float, local_steps: int, params: int, *,
              down_Bps: Sequence[float] | float = math.inf, up_Bps: Sequence[float] | float = math.inf,
              latency_s: Sequence[float] | float = 0.0, compression: str = "none", model_bytes: float | None = None,
              upload_bytes: float | None = None, fixed_s: float = FIXED_ROUND_S["flower"],
-             fuse_s_per_param: float = FUSE_S_PER_PARAM, fixed_per_center_s: float = 0.0,
-             framework_Bps: float = math.inf) -> SimInputs:
+             fuse_s_per_param: float = FUSE_S_PER_PARAM, fixed_per_center_s: float = 0.0) -> SimInputs:
         n = len(names)
 
         def vec(v: Sequence[float] | float, what: str) -> np.ndarray:
@@ -118,14 +114,12 @@ class SimInputs:
         down, up = vec(down_Bps, "down bandwidth"), vec(up_Bps, "up bandwidth")
         if np.any(down <= 0) or np.any(up <= 0):
             raise ValueError("link bandwidths must be > 0 (inf for loopback)")
-        if fixed_s < 0 or fuse_s_per_param < 0 or fixed_per_center_s < 0 or not framework_Bps > 0:
-            raise ValueError("the fixed round cost and the fusion cost per parameter must be >= 0, the "
-                             "framework's bytes/s > 0")
+        if fixed_s < 0 or fuse_s_per_param < 0 or fixed_per_center_s < 0:
+            raise ValueError("the fixed round cost and the fusion cost per parameter must be >= 0")
         return cls(tuple(names), vec(step_s, "step time"), int(local_steps), int(params), down, up,
                    vec(latency_s, "latency"), float(4 * params if model_bytes is None else model_bytes),
                    float(update_bytes(params, compression) if upload_bytes is None else upload_bytes),
-                   float(fixed_s), float(fuse_s_per_param), compression, float(fixed_per_center_s),
-                   float(framework_Bps))
+                   float(fixed_s), float(fuse_s_per_param), compression, float(fixed_per_center_s))
 
     @property
     def n(self) -> int:
@@ -365,8 +359,7 @@ def simulate_rounds(inputs: SimInputs, rounds: int, *, compute_jitter: float = 0
         offset = ready - busy
     slowest = ready.max(axis=1)  # (R,)
     fuse = x.fuse_s_per_param * x.params * present.sum(axis=1)  # (R,)
-    per_center = x.fixed_per_center_s + (x.model_bytes + x.upload_bytes) / x.framework_Bps
-    fw = x.fixed_s + per_center * present.sum(axis=1)  # (R,)
+    fw = x.fixed_s + x.fixed_per_center_s * present.sum(axis=1)  # (R,)
     round_s = fw + slowest + fuse
     round_start = np.concatenate([[0.0], np.cumsum(round_s)[:-1]])
     t0 = round_start[:, None] + fw[:, None] + offset
