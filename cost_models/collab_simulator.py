@@ -53,7 +53,9 @@ PHASES = ("framework", "distribute", "compute", "upload", "wait", "fuse")
 #: Flower's fixed cost of one round on loopback (s) by framework: ``run_flower``'s defaults (``tuned``),
 #: 1M-parameter MLP, 3 centers, H = 100 and 400, ``overhead = round − max compute − fusion − raw TCP time``:
 #: 0.94 s and 0.83 s at load 3.3–3.8 (benchmarks/results/collab_flower_rounds.md, second table; the
-#: issue's "0.8–1.0 s quiet"); 1.0–3.1 s at load 6–9 (its first table). The in-process engine has none.
+#: issue's "0.8–1.0 s quiet"); 1.0–3.1 s at load 6–9 (its first table); 0.93 s, the median of 16 rounds
+#: with emulated WAN links at load 12–24 (``benchmarks/collab_simulator.py --validate``, calibration
+#: runs). The in-process engine has none.
 FIXED_ROUND_S = {"flower": 0.9, "inprocess": 0.0}
 
 #: Fusion seconds per parameter and fused center (FedAvg in float64 on one CPU core): 1.47 s for 3 × 25M
