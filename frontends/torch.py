@@ -909,10 +909,15 @@ def _grouped_experts(model: torch.nn.Module) -> Iterator[None]:
     """HF MoE models set to the per-expert loop (``experts_implementation="eager"``), whose Python loop over
     the experts hit is data-dependent control flow that export cannot trace, are captured through their
     ``grouped_mm`` implementation (the same function, one grouped matmul per projection), then restored."""
-    switched = [m for m in model.modules() if getattr(getattr(m, "config", None), "_experts_implementation", None)
-                == "eager" and hasattr(m, "set_experts_implementation")]
-    for m in switched:
-        m.set_experts_implementation("grouped_mm")
+    switched = []
+    for m in model.modules():
+        if getattr(getattr(m, "config", None), "_experts_implementation", None) == "eager" and \
+                hasattr(m, "set_experts_implementation"):
+            try:
+                m.set_experts_implementation("grouped_mm")
+            except ValueError:  # a model without experts (T5, ViT: transformers refuses the setting)
+                continue
+            switched.append(m)
     try:
         yield
     finally:
