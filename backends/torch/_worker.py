@@ -81,10 +81,36 @@ def _apply(model: torch.nn.Module, job: dict[str, Any], device: torch.device,
                                         device_ids=[device.index] if device.type == "cuda" else None,
                                         broadcast_buffers=not cross_rank_bn)
     elif plan.data_parallel == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        fully_shard(model, mesh=replica_mesh(mesh, plan), **fsdp_kwargs)
+        _fully_shard(model, replica_mesh(mesh, plan), plan.zero_stage, fsdp_kwargs)
     return model, mesh
+
+
+def _fully_shard(model: torch.nn.Module, mesh: Any, zero_stage: int, fsdp_kwargs: dict[str, Any]) -> list[str]:
+    """FSDP2 as ``cost_models.step`` prices ZeRO ``zero_stage``: one ``fully_shard`` unit per numbered
+    layer (the blocks ``recompute='full'`` checkpoints and the cost model's layer segments), then the
+    root, which holds the rest (embeddings, final norm, head). Returns the blocks' module paths.
+
+    Per-block units let FSDP2 gather block ``i+1`` while block ``i`` computes and reduce-scatter a
+    block's gradients as soon as the backward has produced them; one root unit would gather every
+    weight before the forward and reduce every gradient after the backward, with nothing to hide
+    them behind. ZeRO-3 reshards each block after its forward (gathered again for its backward);
+    ZeRO-1/2 keep the gathered weights from the forward to the backward (``reshard_after_forward=
+    False``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from polyparallel.cost_models.layers import layer_of
+
+    blocks: list[str] = []
+    for name, _ in model.named_modules():
+        # outermost numbered layers only: a unit inside another would split its gather
+        if name and layer_of(name) == name and not any(name.startswith(b + ".") for b in blocks):
+            blocks.append(name)
+    for name in blocks:
+        fully_shard(model.get_submodule(name), mesh=mesh, reshard_after_forward=zero_stage >= 3, **fsdp_kwargs)
+    # the root's weights (the head is the last used by the forward, the first by the backward) stay
+    # gathered from its forward to its backward
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, **fsdp_kwargs)
+    return blocks
 
 
 def _cross_rank_batchnorm(model: torch.nn.Module, mesh: Any, plan: Any) -> int:
@@ -117,7 +143,12 @@ def _gradient_sync(model: torch.nn.Module, plan: Any, sync: bool) -> Iterator[No
             yield
         return
     if plan.data_parallel == "fsdp":
-        model.set_requires_gradient_sync(sync)  # type: ignore[operator]
+        # ZeRO-2/3 keep sharded gradients: every micro-batch's are reduce-scattered as its backward
+        # produces them. ZeRO-1 accumulates full gradients and reduce-scatters once, in the last
+        # backward, and keeps the weights gathered between its micro-batches (one gather per step)
+        model.set_requires_gradient_sync(sync or plan.zero_stage >= 2)  # type: ignore[operator]
+        if plan.zero_stage <= 2:
+            model.set_reshard_after_backward(sync)  # type: ignore[operator]
     yield
 
 
