@@ -3,7 +3,7 @@
 For a device holding ``Ψ`` parameters (after tensor and pipeline splitting), data-parallel
 degree ``d`` and ZeRO stage ``z``:
 
-    weights    = Ψ · b_w                 / (d if z ≥ 3 else 1)
+    weights    = Ψ · b_w                 / (d if z ≥ 3 else 1)  (+ Ψ · b_w / d, z = 1, 2, no master)
     gradients  = Ψ · b_g                 / (d if z ≥ 2 else 1)
     optimizer  = Ψ · (b_master + s_opt)  / (d if z ≥ 1 else 1)
 
@@ -14,8 +14,11 @@ with ``b_w``, ``b_g`` the bytes of a weight and a gradient (2 for bf16/fp16, 4 f
 ``b_master = 4`` when training in 16 bits keeps fp32 master weights, and ``s_opt`` the
 optimizer's state per parameter (Adam: two fp32 moments = 8 bytes; SGD with momentum 4;
 plain SGD 0). Mixed-precision Adam without ZeRO is the classic 2 + 2 + 4 + 8 = 16 bytes per
-parameter (Rajbhandari et al., ZeRO, 2020). ZeRO-3/FSDP adds a workspace for gathering
-the largest layer's full weights (twice: one in use, one prefetched).
+parameter (Rajbhandari et al., ZeRO, 2020). ZeRO stages run as FSDP2 (the torch backend): under
+ZeRO-1/2 the weights are gathered for the whole step while the sharded parameters stay allocated
+(the master weights in 16 bits, a second ``1/d`` copy otherwise); ZeRO-3/FSDP adds a workspace
+(given by the caller, ``step``) for the gathered weights: the root unit's (embeddings, head), held
+through every micro-batch, and the largest layer's twice (one in use, one prefetched).
 
 Activations: ``A`` bytes per micro-batch for the device's stage (the tensors autograd saves for
 its ops, at their split size: ``step._kept_tensors``; ``scaled_dot_product_attention`` keeps its
@@ -120,8 +123,11 @@ def device_memory(*, label: str, device: str, capacity: float, params: float, dp
         return (params * width / (dp if zero_stage >= from_stage else 1)
                 + expert_params * width / (expert_dp if zero_stage >= from_stage else 1))
 
+    # ZeRO-1/2 as FSDP2 runs them compute with gathered weights while the sharded parameters stay
+    # allocated: in 16 bits those are the fp32 master weights, otherwise a second copy of 1/d
+    shard_copy = states(bw, 1) if zero_stage in (1, 2) and not master else 0.0
     terms = (
-        ("weights", states(bw, 3)),
+        ("weights", states(bw, 3) + shard_copy),
         ("gradients", states(bg, 2)),
         ("optimizer", states(opt, 1)),
         ("activations", activations * in_flight),

@@ -48,26 +48,28 @@ the same cores):
   given ``grad_overlap`` the overlap is torch DDP's, bucket by bucket (a 1 MiB first bucket, then
   25 MiB ones, each reduced once the backward has produced it and the previous one is done): the
   last bucket is always exposed, and a link slower than the backward exposes the remainder.
-* ZeRO-1: reduce-scatter of ``G`` + all-gather of the updated weights once per step (the same
-  volume as the all-reduce), exposed the same way.
-* ZeRO-2: the gradients are sharded, so each micro-batch's are reduce-scattered as its
-  backward produces them, each under its own micro-batch's backward (all chunks):
-  ``max(0, m·RS(G) + AG(W) − ω·m·B_s)``.
-* ZeRO-3 / FSDP: weights are sharded too. For every micro-batch, layer ``i`` of the stage
-  (``i = 0..n−1`` in execution order, ``W_i`` its weight bytes, ``c_i`` its forward compute)
-  is all-gathered before its forward; the gather of layer ``i`` is prefetched during the
-  compute of layer ``i − 1``, so the first gather is fully exposed and the others only by what
-  the previous layer's compute cannot cover. The backward gathers every layer again and
-  reduce-scatters its gradients; the two share the link and are summed against the whole
-  backward:
+* ZeRO-1/2/3 run as FSDP2 (the torch backend, ``_worker._fully_shard``) with one unit per
+  numbered layer and a root unit holding the rest (embeddings, final norm, head): every unit's
+  weights ``W_u`` are all-gathered as one collective and its gradients reduce-scattered as one
+  (:func:`fsdp_collectives` lists them per step). Forward: the root's gather has nothing to hide
+  behind; layer ``k``'s is prefetched during the compute since the previous unit began (``c_k``).
+  Backward: the layers' reduce-scatters (and ZeRO-3's second gathers) share the link against the
+  backward; the root's reduce-scatter comes after it:
 
-      E_fwd = AG(W_0) + Σ_{i≥1} max(0, AG(W_i) − ω·c_{i−1}),
-      E_bwd = max(0, Σ_i [AG(W_i) + RS(W_i)] − ω·B_s).
+      E_fwd = AG(W_root) + Σ_k max(0, AG(W_k) − ω·c_k),
+      E_bwd = max(0, Σ_k [RS(W_k) (+ AG(W_k) under ZeRO-3)] − ω·B_s) + RS(W_root).
 
-  ``E_fwd`` and ``E_bwd`` lengthen every micro-batch's forward and backward inside the
-  pipeline (they repeat ``m`` times), and nothing is left for after the pipeline (hiding all
-  of ZeRO-3's traffic under the backward of all micro-batches would make FSDP look nearly free
-  for GPT-3-sized models).
+  ZeRO-1 keeps the weights gathered through all micro-batches and reduces the accumulated
+  gradients in the last backward: ``E_fwd + E_bwd`` once per step. ZeRO-2 gathers once per step
+  (``E_fwd``) and reduce-scatters every micro-batch's gradients (``E_bwd`` in each backward).
+  ZeRO-3 reshards every layer after its forward: ``E_fwd`` and ``E_bwd`` lengthen every
+  micro-batch's forward and backward inside the pipeline (hiding all of ZeRO-3's traffic under
+  the backward of all micro-batches would make FSDP look nearly free for GPT-3-sized models).
+* With pipeline stages (FSDP2 wraps each stage's chunk as one unit there) the older per-step
+  formulas remain: ZeRO-1 one reduce-scatter of ``G`` + all-gather of ``W`` exposed like ZeRO-0;
+  ZeRO-2 ``max(0, m·RS(G) + AG(W) − ω·m·B_s)``; ZeRO-3 per layer ``i``:
+  ``E_fwd = AG(W_0) + Σ_{i≥1} max(0, AG(W_i) − ω·c_{i−1})``, ``E_bwd = max(0, Σ_i [AG(W_i) +
+  RS(W_i)] − ω·B_s)`` in every micro-batch.
 
 **Step**: ``T_s = makespan + T_dp,exposed + T_opt`` per stage (``T_opt`` streams the
 optimizer state once; on a calibrated CPU it is ``N·r(N) + n_t·c_t`` for ``N`` local parameter
@@ -429,7 +431,8 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
         omega = cfg.grad_overlap if cfg.grad_overlap is not None else (0.0 if dt.kind == "cpu" else 1.0)
         # an accelerator's DDP all-reduce is priced by its buckets unless an overlap is given
         buckets = cfg.grad_overlap is None and dt.kind != "cpu"
-        events, t_dp, exposed, ef, eb = _data_parallel(cluster, ccache, dterms, s, cfg, gb, omega, v, buckets)
+        units = _fsdp_units(graph, cfg, dterms, s) if cfg.zero_stage >= 1 and cfg.pp == 1 and moe is None else ()
+        events, t_dp, exposed, ef, eb = _data_parallel(cluster, ccache, dterms, s, cfg, gb, omega, v, buckets, units)
         fwd[s] += ef
         bwd[s] += eb
         shard = dgrp_size if cfg.zero_stage >= 1 else 1
@@ -490,7 +493,11 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
         accum.append(acc)
         dps.append(_DataParallel(exposed, t_opt, t_dp, events, ef + eb))
         ws = terms.seg_act_max[s] + _loss_transient(graph, cfg, v).get(s, 0.0)
-        if cfg.zero_stage == 3:
+        if cfg.zero_stage == 3 and units:
+            # FSDP2 keeps the root's weights gathered through each micro-batch, a layer's while it
+            # runs and the next one's, prefetched
+            ws += (units[0][0] + 2 * max((w for w, _ in units[1:]), default=0.0)) * gb
+        elif cfg.zero_stage == 3:
             ws += 2 * _max_segment_params(graph) * gb / cfg.tp
         mems.append(device_memory(
             label=f"stage {s} (devices {terms.spans[s]})", device=f"{dt.name} {dt.memory / 1e9:.0f} GB",
@@ -574,12 +581,13 @@ def _ddp_exposed(cluster: Cluster, ccache: dict, groups: Sequence, grad_bytes: f
 
 
 def _data_parallel(cluster: Cluster, ccache: dict, terms: _StageTerms, s: int, cfg: ParallelConfig, gb: int,
-                   omega: float, v: int, buckets: bool = False,
+                   omega: float, v: int, buckets: bool = False, units: Sequence[tuple[float, float]] = (),
                    ) -> tuple[tuple[tuple[str, float], ...], float, float, float, float]:
     """Stage ``s``'s data-parallel traffic (module docstring): ``(events, seconds before overlap,
     exposed seconds per step, exposed seconds per micro-batch forward, and backward)``.
     ``buckets``: ZeRO-0's all-reduce is exposed as torch DDP's buckets leave it (:func:`_ddp_exposed`)
-    instead of by ``ω``.
+    instead of by ``ω``. ``units``: the FSDP2 units of a stage without pipeline parallelism
+    (:func:`_fsdp_units`), which ZeRO-1/2/3 are priced by (:func:`_fsdp_exposed`).
 
     Weights move at ``gb`` bytes per element (the compute precision: FSDP2's
     ``MixedPrecisionPolicy(param_dtype=...)`` all-gathers them in it), gradients are reduced at
@@ -597,6 +605,8 @@ def _data_parallel(cluster: Cluster, ccache: dict, terms: _StageTerms, s: int, c
         if buckets and params:
             return events, t_dp, _ddp_exposed(cluster, ccache, groups, params * rb, terms.bwd[s] / v), 0.0, 0.0
         return events, t_dp, max(0.0, t_dp - omega * terms.bwd[s] / v), 0.0, 0.0
+    if cfg.pp == 1 and units:
+        return _fsdp_exposed(cluster, ccache, groups, units, cfg, gb, rb, omega, terms.bwd[s])
     if z in (1, 2):
         # ZeRO-2 shards the gradients, so every micro-batch's are reduce-scattered as they come
         n_rs = m if z == 2 else 1
@@ -630,6 +640,71 @@ def _data_parallel(cluster: Cluster, ccache: dict, terms: _StageTerms, s: int, c
         hit = terms.memo[key] = (per_mb, ef, eb)
     per_mb, ef, eb = hit
     return (("all_gather", params * gb), ("reduce_scatter", params * rb)), m * per_mb, 0.0, ef, eb
+
+
+def _fsdp_units(graph: Graph, cfg: ParallelConfig, terms: _StageTerms, s: int) -> tuple[tuple[float, float], ...]:
+    """Stage ``s``'s FSDP2 units as the torch backend wraps them (``_worker._fully_shard``): the root,
+    holding every parameter outside the numbered layers, then one unit per numbered layer, in
+    execution order; each as ``(parameter elements, forward seconds from the previous unit's start
+    to its own)``, the compute its gather can hide behind (none for the root, gathered first)."""
+    segs = segments(graph)
+    chunk_of_op = chunks(graph, cfg.pp * (cfg.chunks if cfg.schedule == "interleaved" else 1), cfg.partition)
+    layer = [bool(LAYER.match(graph.ops[sg[0]].module or "")) for sg in segs if chunk_of_op[sg[0]] % cfg.pp == s]
+    units = [(sum(w for w, is_layer in zip(terms.seg_params[s], layer) if not is_layer), 0.0)]
+    since = 0.0
+    for w, f, is_layer in zip(terms.seg_params[s], terms.seg_fwd[s], layer):
+        if is_layer:
+            units.append((w, since))
+            since = 0.0
+        since += f
+    return tuple(units)
+
+
+def fsdp_collectives(units: Sequence[tuple[float, float]], zero_stage: int, microbatches: int, gb: int
+                     ) -> list[tuple[str, float]]:
+    """The collectives one optimizer step of FSDP2 issues per rank, as :func:`_fsdp_exposed` prices
+    them: ``(kind, bytes)`` over the units (:func:`_fsdp_units`), root first. ZeRO-1/2 gather every
+    unit once per step (its weights stay gathered through all the micro-batches); ZeRO-3 gathers the
+    root once per micro-batch (FSDP2 does not reshard it after the forward) and every layer twice
+    (forward, and again for its backward). ZeRO-1 reduce-scatters each unit's gradients once per
+    step (accumulated unsharded), ZeRO-2/3 once per micro-batch."""
+    rb = max(gb, 4)
+    ag = [("all_gather", w * gb) for w, _ in units if w]  # a unit without parameters issues nothing
+    rs = [("reduce_scatter", w * rb) for w, _ in units if w]
+    if zero_stage == 3:
+        return (ag + [("all_gather", w * gb) for w, _ in units[1:] if w] + rs) * microbatches
+    return ag + rs * (microbatches if zero_stage == 2 else 1)
+
+
+def _fsdp_exposed(cluster: Cluster, ccache: dict, groups: Sequence[_Group], units: Sequence[tuple[float, float]],
+                  cfg: ParallelConfig, gb: int, rb: int, omega: float, bwd: float,
+                  ) -> tuple[tuple[tuple[str, float], ...], float, float, float, float]:
+    """FSDP2 with a unit per numbered layer (:func:`_fsdp_units`), as :func:`_data_parallel` returns it.
+
+    Forward: the root's gather has nothing to hide behind; layer ``k``'s is prefetched during the
+    compute since the previous unit started (``c_k``): ``E_fwd = AG(W_root) + Σ_k max(0, AG(W_k) −
+    ω·c_k)``. Backward: the layers' reduce-scatters (and, under ZeRO-3, their second gathers) share
+    the link against the backward; the root's reduce-scatter runs after it, exposed: ``E_bwd =
+    max(0, Σ_k [RS(W_k) (+ AG(W_k))] − ω·B) + RS(W_root)``. ZeRO-3 pays both in every micro-batch;
+    ZeRO-1/2 gather once per step (``E_fwd`` after the pipeline, with the step), ZeRO-2 reduces in
+    every micro-batch's backward, ZeRO-1 in the last one's only."""
+    z, m = cfg.zero_stage, cfg.microbatches
+    ef = eb = t_dp = 0.0
+    for grp, gid in groups:
+        ag = [_price(cluster, ccache, (("all_gather", w * gb),), grp, gid) if w else 0.0 for w, _ in units]
+        rs = [_price(cluster, ccache, (("reduce_scatter", w * rb),), grp, gid) if w else 0.0 for w, _ in units]
+        f = ag[0] + sum(max(0.0, a - omega * c) for a, (_, c) in zip(ag[1:], units[1:]))
+        b = max(0.0, sum(rs[1:]) + (sum(ag[1:]) if z == 3 else 0.0) - omega * bwd) + rs[0]
+        ef, eb = max(ef, f), max(eb, b)
+        t_dp = max(t_dp, sum(_price(cluster, ccache, (e,), grp, gid)
+                             for e in fsdp_collectives(units, z, m, gb)))
+    params = sum(w for w, _ in units)
+    events = (("all_gather", params * gb), ("reduce_scatter", params * rb))
+    if z == 3:
+        return events, t_dp, 0.0, ef, eb
+    if z == 2:
+        return events, t_dp, ef, 0.0, eb
+    return events, t_dp, ef + eb, 0.0, 0.0
 
 
 def _price(cluster: Cluster, ccache: dict, events: Sequence[tuple[str, float]], grp: Sequence[int],
