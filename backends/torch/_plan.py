@@ -5,7 +5,12 @@ in :mod:`.capabilities`, which the search enumerates with; this module maps an a
 torch's parallel styles:
 
 * data parallelism over the ``dp`` mesh axis: DDP when ``zero_stage == 0``, FSDP2 ``fully_shard``
-  over the ``dp`` sub-mesh when ``zero_stage >= 1``;
+  over the ``dp`` sub-mesh when ``zero_stage >= 1``: one unit per numbered layer (``layers.<i>``,
+  ``h.<i>``, ...), then the root, as the cost model prices ZeRO (``_worker._fully_shard``). ZeRO-3
+  reshards each layer after its forward; ZeRO-1/2 keep the weights gathered from the forward to the
+  backward and through all micro-batches of a step; ZeRO-2/3 reduce-scatter every micro-batch's
+  gradients, ZeRO-1 the accumulated ones in the last backward. Pipeline stages wrap each chunk as
+  one unit;
 * tensor parallelism over the ``tp`` axis on ``nn.Linear`` modules: a placement splitting the output
   dim ``n`` is ``ColwiseParallel``, one splitting the reduction dim ``k`` (or a factor ``k_0`` of it)
   is ``RowwiseParallel``; a column-parallel linear not followed by a row-parallel one feeds the loss,
