@@ -101,6 +101,7 @@ class ExecPlan:
     recompute: str = "none"  # activation recomputation (._recompute)
     recompute_blocks: tuple[str, ...] = ()  # the layers recompute="full" checkpoints
     ep: int = 1  # expert parallelism over the dp ranks (._expert_parallel)
+    zero_stage: int = 3  # with data_parallel == "fsdp": how FSDP2 reshards and reduces (._worker._fully_shard)
 
 
 def _parse(placement: str) -> dict[str, tuple[str, ...]]:
@@ -292,5 +293,5 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
                     loss_parallel=loss_parallel, global_batch=s.global_batch, pp=s.pp, pipeline=pipe, sp=s.sp,
                     fused=tuple(sorted((p, seg) for p, seg in heads.items() if len(seg) > 1)),
                     tied=tuple(tied), positions=tuple(position_embeddings(graph)) if s.sp > 1 and graph else (),
-                    dtype=s.dtype, microbatches=s.microbatches, recompute=s.recompute, ep=s.ep,
+                    dtype=s.dtype, microbatches=s.microbatches, recompute=s.recompute, ep=s.ep, zero_stage=s.zero_stage,
                     recompute_blocks=tuple(recompute_blocks(graph)) if s.recompute == "full" and graph else ())
