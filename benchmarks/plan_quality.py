@@ -16,7 +16,9 @@ over its 88 devices exists otherwise), every micro-batch size the search capture
 every placement candidate of the plan (the solver's derived placements and Megatron's,
 ``polyparallel.planning.derived.variants``), keeps those the torch backend executes
 (``plan_problems``) and that fit in memory, and prices **each** in full with ``estimate_step``
-(pipeline simulated; no bound, no pruning). The search instead walks micro-batch sizes largest first
+(pipeline simulated; no bound, no pruning); its optimum is the fastest of those that the backend's
+pre-launch check (``plan_for``) accepts on the module, as the search's last step requires.
+The search instead walks micro-batch sizes largest first
 and stops at the first that fits without a pipeline, tries ``m = pp, 2pp, 4pp`` with one, keeps the
 first fitting rung past the free ones, and prices in full only the plans whose lower bound is below
 the best found. ``gap`` = search / brute force - 1 (target: 0 on small cases, <= 2% on big ones).
@@ -143,7 +145,7 @@ def brute_force(mdl: ModelGraphs, cl: Cluster, B: int, placements: str = "torch"
     g0 = mdl.graph(mdl.b0)
     layers = ps._layer_count(g0)
     node = ps._node_size(cl, devs)
-    best, priced = None, 0
+    fitting, priced = [], 0
     for dp, tp, pp, sp in ps._mesh_shapes(len(devs), c, node, layers, False):
         if B % dp:
             continue
@@ -163,9 +165,24 @@ def brute_force(mdl: ModelGraphs, cl: Cluster, B: int, placements: str = "torch"
                         except ValueError:
                             continue
                         priced += 1
-                        if ps._fits(est, None) and (best is None or est.step_time < best.step_time):
-                            best = est
-    return best, priced
+                        if ps._fits(est, None):
+                            fitting.append((est.step_time, priced, est, b))
+    # the fastest that the torch backend's own pre-launch check accepts on the module (as the search's
+    # last step does: plan_for sees what plan_problems cannot, e.g. 12 heads over tp=8)
+    from polyparallel.backends.torch import Unsupported, plan_for
+    from polyparallel.strategy import SearchRecord
+
+    batch = ps._train_batch(mdl, B) if placements == "torch" else None
+    for _, _, est, b in sorted(fitting, key=lambda x: x[:2]):
+        if batch is None:
+            return est, priced
+        strat = ps.strategy_of(mdl, cl, est, b, B, devs, SearchRecord(), placements)
+        try:
+            plan_for(strat, mdl.model, batch if strat.pp > 1 else None, graph=mdl.exact(b))
+            return est, priced
+        except Unsupported:
+            continue
+    return None, priced
 
 
 def _cfg_text(x) -> str:
