@@ -22,11 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import polyparallel as pp
-from polyparallel._cli_cluster import load_cluster
 from polyparallel.backends.torch import _examples as ex
-from polyparallel.cost_models import ParallelConfig
-from polyparallel.cost_models import step as cost_step
 
 
 def _port() -> int:
@@ -94,6 +90,12 @@ def executed() -> dict[tuple[int, int], list[tuple[str, int]]]:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(("zero", "m"), CASES)
 def test_fsdp_step_issues_the_priced_collectives(executed, zero: int, m: int) -> None:
+    # imported here, not by the spawned ranks, which import this module
+    import polyparallel as pp
+    from polyparallel._cli_cluster import load_cluster
+    from polyparallel.cost_models import ParallelConfig
+    from polyparallel.cost_models import step as cost_step
+
     x, y = ex.gpt_data(0)
     graph = pp.capture(ex.tiny_gpt(), (x[: ex.BATCH // 2 // m], y[: ex.BATCH // 2 // m]))
     cluster = load_cluster("local-cpu:2")
