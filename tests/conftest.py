@@ -27,7 +27,7 @@ if os.environ.get("CI"):
 #: free a moment before it is bound, and the heartbeat and round-timeout tests keep the machine
 #: share they were written for; every other test is scheduled on its own.
 FEDERATION_FILES = frozenset({
-    "test_collab_adversarial.py", "test_collab_center_plans.py", "test_collab_faults.py",
+    "test_collab_adversarial.py", "test_collab_center_plans.py", "test_collab_faults.py", "test_docs_examples.py",
     "test_collab_flower.py", "test_collab_fusion.py", "test_collab_mindspore_user_model.py",
     "test_collab_scaffold.py", "test_collab_security.py", "test_collab_user_model.py", "test_report.py",
 })
