@@ -25,7 +25,8 @@ fixed count.
 
 *Gradient accumulation* (``microbatches > 1`` without pipeline stages, :func:`_accumulate`): the
 rank's share is cut into equal micro-batches, backpropagated one by one with the replicas'
-gradient reduction only in the last backward, and weighted like pipeline micro-batches (the count
+gradient reduction only in the last backward (DDP, ZeRO-1; ZeRO-2/3 keep sharded gradients and
+reduce-scatter every micro-batch's), and weighted like pipeline micro-batches (the count
 summed over all micro-batches and replicas). *Precision*: the strategy's ``dtype``
 (``_precision``: autocast, FSDP2 mixed precision, fp16 gradient scaling).
 """
@@ -155,8 +156,8 @@ def _gradient_sync(model: torch.nn.Module, plan: Any, sync: bool) -> Iterator[No
 def _accumulate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, plan: Any, mesh: Any, prec: Precision,
                 replicas: int, device: torch.device) -> tuple[float, str]:
     """Gradient accumulation (``microbatches > 1`` without pipeline stages): the rank's share is cut
-    into equal micro-batches, each backpropagated in turn, the gradients reduced over the replicas in
-    the last one's backward only; returns the step's loss and weighting (``_loss_weighting``).
+    into equal micro-batches, each backpropagated in turn, the gradients reduced over the replicas as
+    :func:`_gradient_sync` says; returns the step's loss and weighting (``_loss_weighting``).
 
     As in a pipeline, micro-batch ``j`` backpropagates ``L_j c_j / (u m)`` when its loss counted
     ``c_j`` targets (``u``: its number of labels), ``L_j / m`` otherwise, and once every micro-batch
