@@ -42,9 +42,11 @@ dim; every other op (convolutions, ``addmm`` of HF's ``Conv1D``, norms, ...) is 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
+from polyparallel.cost_models.memo import PRICES
 from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind
 
 __all__ = [
@@ -74,8 +76,20 @@ _POINTWISE = (OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.CONCAT, OpKind.SPLIT)
 
 def batch_statistics(graph: Graph) -> list[str]:
     """The ops that normalise with statistics of the batch they see (BatchNorm in training mode)."""
-    return [op.name for op in graph.ops if OpKind(op.kind) is OpKind.NORM and "batch_norm" in op.target
-            and op.attr.get("training", True)]
+    return list(_per_graph(graph, ("batch_statistics",), lambda: tuple(
+        op.name for op in graph.ops if OpKind(op.kind) is OpKind.NORM and "batch_norm" in op.target
+        and op.attr.get("training", True))))
+
+
+def _per_graph(graph: Graph, key: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
+    """``compute()``, once per graph (and graph version) and ``key``: the search asks
+    :func:`plan_problems` of thousands of plans of one graph, and the model-level verdicts (which
+    ops Ulysses cannot split, BatchNorm, image rows) depend only on the graph and a degree or two."""
+    memo = PRICES.of(graph)
+    tag = ("capabilities", *key)
+    if tag not in memo:
+        memo[tag] = compute()
+    return memo[tag]
 
 
 def plan_problems(graph: Graph | None, s: Any) -> list[str]:
@@ -114,7 +128,8 @@ def plan_problems(graph: Graph | None, s: Any) -> list[str]:
             list(_sp_problems(graph, s.sp, s.tp * s.sp))
         from polyparallel.cost_models.spatial import splits_image_rows
 
-        if graph is not None and splits_image_rows(graph):  # the search prices sp there as image rows split
+        # the search prices sp there as image rows split
+        if graph is not None and _per_graph(graph, ("image_rows",), lambda: splits_image_rows(graph)):
             why.append(f"sp={s.sp} splits image rows (spatial parallelism, halo exchanges): the search prices it, "
                        "the torch backend does not execute it; pin sp=1 (--sp 1, constraints={'sp': 1}) or "
                        "search with --placements torch")
@@ -147,6 +162,10 @@ def _recompute_problems(graph: Graph | None, recompute: str) -> list[str]:
 
 
 def _stage_sp_problems(graph: Graph, sp: int) -> list[str]:
+    return list(_per_graph(graph, ("stage_sp", sp), lambda: tuple(_stage_sp_problems_of(graph, sp))))
+
+
+def _stage_sp_problems_of(graph: Graph, sp: int) -> list[str]:
     """:func:`._tensor_parallel.sp_problems` less what the pipeline's pass executes: an ``arange`` over
     the sequence length (position indices, rotary tables' positions, a causal mask's indices) or one
     the graph does not use (a mask's batch index) is offset or folded by :mod:`._stage_sp`, which
@@ -163,7 +182,7 @@ def _stage_sp_problems(graph: Graph, sp: int) -> list[str]:
 def _sp_problems(graph: Graph, sp: int, heads_parts: int) -> list[str]:
     from polyparallel.backends.torch._tensor_parallel import sp_problems
 
-    return sp_problems(graph, sp, heads_parts)
+    return list(_per_graph(graph, ("sp", sp, heads_parts), lambda: tuple(sp_problems(graph, sp, heads_parts))))
 
 
 # ---------------------------------------------------------------------------------------------
