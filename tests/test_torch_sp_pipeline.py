@@ -79,7 +79,8 @@ def test_searched_sp2_pp2_gpt_matches_single_process(tmp_path: Path) -> None:
     x, y = ex.gpt_data(0)
     s = pp.search(ex.tiny_gpt(), (x,), "local-cpu:4", example_kwargs={"labels": y}, batch_size=ex.BATCH,
                   constraints={"sp": 2, "pp": 2, "schedule": "1f1b", "recompute": "none"})
-    assert (s.sp, s.pp, s.dp, s.tp) == (2, 2, 1, 1) and not s.search.notes
+    # a plan train runs (1F1B at one micro-batch is left out, and said so)
+    assert (s.sp, s.pp, s.dp, s.tp) == (2, 2, 1, 1) and not any("planning only" in n for n in s.search.notes)
     s.to_json(tmp_path / "strategy.json")
     s = pp.Strategy.from_json(tmp_path / "strategy.json")
     log = train(s, ex.tiny_gpt, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED, profile_comm=True)

@@ -120,6 +120,10 @@ def plan_problems(graph: Graph | None, s: Any) -> list[str]:
                        + "; ".join(sp_why[:3]))
     if s.pp > 1 and schedule not in EXECUTED_SCHEDULES:
         why.append(f"pipeline schedule {schedule!r}: the torch backend runs {', '.join(EXECUTED_SCHEDULES)}")
+    elif s.pp > 1 and schedule == "1f1b" and s.microbatches < s.pp:  # torch's Schedule1F1B refuses it
+        why.append(f"1f1b with {s.microbatches} micro-batch(es) for {s.pp} stages: torch's 1F1B schedule needs at "
+                   "least as many micro-batches as stages; use schedule 'gpipe' (the same order when every stage "
+                   f"holds one micro-batch) or microbatches >= {s.pp}")
     if s.dp * s.sp > 1 and s.tp > 1 and s.zero_stage == 0:
         why.append(f"dp·sp={s.dp * s.sp} with tp={s.tp} and zero_stage=0: DDP over DTensor parameters is not "
                    "executed; 2-D plans run with FSDP2 (zero_stage>=1)")
