@@ -128,8 +128,11 @@ def test_resume_after_a_dead_worker_loses_no_step(tmp_path: Path) -> None:
 def test_refuses_what_it_cannot_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     gpt = _strategy(ex.tiny_gpt(), ex.gpt_data, dp=1, tp=2)  # executed: tests/test_torch_tp.py
     mlp = _strategy(ex.tiny_mlp(), ex.mlp_data, dp=2, tp=1)
+    with pytest.raises(Unsupported, match=r"1F1B schedule needs at least as many micro-batches as stages"):
+        train(mlp.model_copy(update={"pp": 2, "microbatches": 1, "schedule": "1f1b"}), ex.tiny_mlp, ex.mlp_data,
+              steps=1)
     with pytest.raises(Unsupported, match=r"pp=2: pipeline parallelism"):
-        train(mlp.model_copy(update={"pp": 2}), ex.tiny_mlp, ex.mlp_data, steps=1)
+        train(mlp.model_copy(update={"pp": 2, "schedule": "gpipe"}), ex.tiny_mlp, ex.mlp_data, steps=1)
     with pytest.raises(Unsupported, match=r"sp=2"):
         train(mlp.model_copy(update={"sp": 2}), ex.tiny_mlp, ex.mlp_data, steps=1)
     path = tmp_path / "s.json"
