@@ -135,6 +135,28 @@ def _einsum(c: Call) -> Spec:
     return OpKind.CONTRACTION, ts, lambda: ops.einsum(eq, [c.shape(t) for t in ts])
 
 
+@handles("lstm", "gru", "rnn_tanh", "rnn_relu")
+def _recurrent(c: Call) -> Spec:
+    # aten.lstm(input, hx: [h0, c0], params, ...) and gru/rnn_*(input, hx, params, ...); the
+    # packed-sequence overloads (batch_sizes for an input) are left opaque by the builder's checks
+    x = c.tensor("input", "data")
+    hx = c.get("hx")
+    hx = [v if isinstance(v, TRef) else None for v in (hx if isinstance(hx, list | tuple) else [hx])]
+    params = [t for t in c.get("params", default=[]) if isinstance(t, TRef)]
+    ins = [x, *[h for h in hx if h is not None], *params]
+
+    def nest() -> LoopNest:
+        if c.tensor("batch_sizes") is not None or None in hx:
+            raise ops.NotModelled(f"{c.name} over a packed sequence (batch_sizes) or without an initial state")
+        return ops.torch_recurrent(c.name, c.shape(x), [c.shape(h) for h in hx], [c.shape(p) for p in params],
+                                   has_biases=bool(c.get("has_biases", default=True)),
+                                   num_layers=int(c.get("num_layers", default=1)),
+                                   bidirectional=bool(c.get("bidirectional", default=False)),
+                                   batch_first=bool(c.get("batch_first", default=False)))
+
+    return OpKind.RECURRENT, ins, nest
+
+
 # ----------------------------------------------------------------------------------------
 # convolution and pooling
 

@@ -143,6 +143,7 @@ class OpKind(enum.StrEnum):
     SPLIT = "split"
     GATHER = "gather"
     CREATE = "create"  # arange, zeros, full: produce a tensor from nothing
+    RECURRENT = "recurrent"  # LSTM / GRU / RNN layers: a recurrence over the time steps
     OPAQUE = "opaque"
 
 

@@ -14,6 +14,7 @@ from ._gather import advanced_index, cross_entropy, embedding, gather, nll_loss,
 from ._moe import grouped_mm
 from ._norm import batch_norm, group_norm, layer_norm, softmax
 from ._pointwise import FLOPS_PER_ELEMENT, create, elementwise, flops_per_element, reduce, scan
+from ._rnn import onnx_recurrent, torch_recurrent
 from ._view import (
     concat,
     expand,
@@ -53,6 +54,7 @@ __all__ = [
     "linear",
     "matmul",
     "nll_loss",
+    "onnx_recurrent",
     "out_extent",
     "pad",
     "permute",
@@ -65,6 +67,7 @@ __all__ = [
     "softmax",
     "split",
     "take_along_axis",
+    "torch_recurrent",
     "transpose",
     "upsample_linear",
     "upsample_nearest",

@@ -27,7 +27,11 @@ Legality rule (explicit):
    (speed-proportional) axes are uneven by design and never count as padding;
 4. a split dim whose write accesses are not injective (different iterations write the
    same element, e.g. a scatter through a data-dependent index) is refused;
-5. an opaque op (no loop nest) is replicate-only: nothing is known of its indexing.
+5. an opaque op (no loop nest) is replicate-only: nothing is known of its indexing;
+6. a dim that indexes a temporary of the op differently where one statement writes it and
+   another reads it (a recurrence ``h[t] <- h[t - 1]``, hidden units a recurrent matmul reads
+   whole) is refused: a device would read, inside the op, what another device computes, and
+   only the tensors between ops are resharded.
 """
 
 from __future__ import annotations
@@ -199,6 +203,33 @@ def _non_injective_dims(nest: LoopNest) -> frozenset[str]:
     return frozenset(bad)
 
 
+def _carried_dims(nest: LoopNest) -> frozenset[str]:
+    """Dims of rule 6: those in an index of a temporary that differs between a write and a read
+    (attention scores, norm statistics are written and read at the same index: none). Memoised by
+    the nest object, as :func:`_non_injective_of`."""
+    hit = _CARRIED_MEMO.get(id(nest))
+    if hit is not None and hit[0] is nest:
+        return hit[1]
+    if len(_CARRIED_MEMO) > 100_000:
+        _CARRIED_MEMO.clear()
+    out: set[str] = set()
+    for tmp in nest.operands():
+        if (tmp[:2] == "in" and tmp[2:].isdigit()) or _is_output(tmp):
+            continue
+        acc = list(nest.accesses(tmp))
+        for _, w, w_is in acc:
+            for _, r, r_is in acc:
+                if w_is and not r_is:
+                    for a, b in zip(w.index, r.index):
+                        if a != b or a is ANY:
+                            out.update(a.dims, b.dims)
+    _CARRIED_MEMO[id(nest)] = (nest, frozenset(out))
+    return frozenset(out)
+
+
+_CARRIED_MEMO: dict[int, tuple[LoopNest, frozenset[str]]] = {}
+
+
 _INJECTIVE_MEMO: dict[int, tuple[LoopNest, frozenset[str]]] = {}
 
 
@@ -244,6 +275,7 @@ def _check_placement(nest: LoopNest | None, placement: Placement, mesh: DeviceMe
                                    f"placement {placement} splits {list(placement.dims)}")
         return
     bad_write = _non_injective_of(nest)
+    carried = _carried_dims(nest)
     for d, axes in placement.splits:
         if d not in nest.extents:
             raise IllegalPlacement(f"{op}: placement {placement} splits {d!r}, but the op's dims are "
@@ -257,6 +289,10 @@ def _check_placement(nest: LoopNest | None, placement: Placement, mesh: DeviceMe
         if d in bad_write:
             raise IllegalPlacement(f"{op}: dim {d!r} indexes a write that is not injective along it, so "
                                    "devices would write the same elements; keep it unsplit")
+        if d in carried:
+            raise IllegalPlacement(f"{op}: dim {d!r} indexes a temporary differently where it is written and "
+                                   "where it is read (a recurrence over it, or a whole hidden state read): "
+                                   "devices would read inside the op what others compute; keep it unsplit")
         if uneven == "refuse" and n % k and all(mesh.axis(a).even for a in axes):
             raise IllegalPlacement(f"{op}: dim {d!r} of extent {n} is not divisible by {k} "
                                    f"(uneven='refuse'); use uneven='pad' to accept padding")
