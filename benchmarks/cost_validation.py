@@ -135,7 +135,8 @@ def _mtnlg_row(nodes: int, seconds: float, tflops: float) -> dict[str, Any]:
                   "dropout": True},
         # DeepSpeed's pipeline engine: 1F1B, gradients reduced after the last backward (grad_overlap 0)
         "config": {"dp": d, "tp": 8, "pp": 35, "microbatches": 1920 // d, "schedule": "1f1b", "dtype": "bf16",
-                   "recompute": "full", "zero_stage": 1, "partition": "layers", "grad_overlap": 0.0},
+                   "recompute": "full", "zero_stage": 1, "partition": "layers", "grad_overlap": 0.0,
+                   "pipeline_p2p": "deepspeed"},
         "global_batch": 1920, "published_tflops": float(tflops), "flops": "megatron",
         "assumptions": "micro-batch 1; ZeRO-1 (Megatron-DeepSpeed's usual data-parallel optimizer); Megatron's "
                        "default dropouts (0.1, attention included); vocabulary 51200 (GPT-2 BPE, padded); "
@@ -156,7 +157,8 @@ PUBLISHED: list[dict[str, Any]] = [
         # grad_overlap 0: DeepSpeed's pipeline engine reduces the gradients after the schedule's last
         # backward (deepspeed/runtime/pipe/schedule.py TrainSchedule: ReduceTiedGrads, ReduceGrads, OptimizerStep)
         "config": {"dp": 8, "tp": 4, "pp": 12, "microbatches": 128, "schedule": "1f1b", "dtype": "bf16",
-                   "recompute": "full", "zero_stage": 1, "partition": "layers", "grad_overlap": 0.0},
+                   "recompute": "full", "zero_stage": 1, "partition": "layers", "grad_overlap": 0.0,
+                   "pipeline_p2p": "deepspeed"},
         "global_batch": 2048, "published_tflops": 150.0,
         "flops": "megatron",
         "assumptions": "micro-batch 2 (Megatron-DeepSpeed BLOOM config); full recompute; DeepSpeed uniform layer "

@@ -13,9 +13,10 @@ from polyparallel.ir import TRAINING_DTYPE_BYTES
 from .memory import MemoryReport
 from .pipeline import SCHEDULES, PipelineResult
 
-__all__ = ["RECOMPUTE", "OpPlan", "ParallelConfig", "StageBreakdown", "StepEstimate"]
+__all__ = ["PIPELINE_P2P", "RECOMPUTE", "OpPlan", "ParallelConfig", "StageBreakdown", "StepEstimate"]
 
 RECOMPUTE = ("none", "selective", "full")
+PIPELINE_P2P = ("megatron", "deepspeed")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,14 @@ class ParallelConfig:
         devices: device ids in rank order (default: the cluster's first ``world`` devices).
         partition: how layers are cut into pipeline chunks: ``flops`` (balance forward FLOPs) or
             ``layers`` (equal layer counts, embedding/head on the end stages: Megatron/DeepSpeed).
+        pipeline_p2p: how stages exchange boundary activations and their gradients. ``megatron``:
+            each tensor-parallel rank sends ``1/tp`` of the tensor and the receivers all-gather it
+            over the node's fast links (Megatron-LM's scatter/gather), asynchronously: a transfer
+            delays its receiver only. ``deepspeed``: DeepSpeed's pipeline engine
+            (``deepspeed/runtime/pipe``): every tensor-parallel rank sends the whole tensor it holds,
+            with synchronous ``p2p.send``/``p2p.recv`` (``async_op`` is refused) issued between the
+            compute instructions, so each transfer occupies both its sender's and its receiver's
+            stream: per micro-batch a stage receives and sends the activation and the gradient.
         op_plans: one :class:`OpPlan` per graph op, from per-op placements (a placement solver);
             ``None`` prices the Megatron rule of the module docstring.
     """
@@ -91,6 +100,7 @@ class ParallelConfig:
     fused_elementwise: bool = True
     devices: tuple[int, ...] | None = None
     partition: str = "flops"
+    pipeline_p2p: str = "megatron"
     op_plans: tuple[OpPlan, ...] | None = field(default=None, repr=False)
 
     @property
@@ -122,6 +132,8 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.dtype {self.dtype!r}: use one of {', '.join(TRAINING_DTYPE_BYTES)}")
         if self.partition not in ("flops", "layers"):
             raise ValueError(f"ParallelConfig.partition {self.partition!r}: use 'flops' or 'layers'")
+        if self.pipeline_p2p not in PIPELINE_P2P:
+            raise ValueError(f"ParallelConfig.pipeline_p2p {self.pipeline_p2p!r}: use one of {', '.join(PIPELINE_P2P)}")
         if self.grad_overlap is not None and not 0 <= self.grad_overlap <= 1:
             raise ValueError(f"ParallelConfig.grad_overlap must be in [0, 1], got {self.grad_overlap}")
         if cluster is not None:
@@ -145,6 +157,8 @@ class ParallelConfig:
             extra.append("seqpar")
         if self.op_plans is not None:
             extra.append("placed")
+        if self.pipeline_p2p != "megatron" and self.pp > 1:
+            extra.append(f"p2p={self.pipeline_p2p}")
         if self.ep > 1:
             extra.insert(0, f"ep{self.ep}")
         return f"dp{self.dp} tp{self.tp} pp{self.pp} sp{self.sp} " + " ".join(extra)

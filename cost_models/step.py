@@ -32,7 +32,10 @@ per rank and their gradients are reduced over the ``dp·sp/ep`` ranks holding th
 ``B_s = Σ t_bwd + Σ t_tp,bwd + Σ t_sp,bwd + R_s`` where ``R_s`` is the recomputed forward
 (all of ``F_s``'s compute for full recomputation, the attention ops for selective), each on
 the slowest device type of the stage. The pipeline schedule is simulated
-(:mod:`.pipeline`) with the boundary p2p times (activations scattered over ``tp``).
+(:mod:`.pipeline`) with the boundary p2p times (activations scattered over ``tp``, sent
+asynchronously: a hop delays the receiver). Under ``pipeline_p2p="deepspeed"`` (DeepSpeed's
+pipeline engine) every tensor-parallel rank sends the whole boundary tensor with a synchronous
+send/recv, so the transfers into and out of a stage lengthen its ``F_s`` and ``B_s`` instead.
 
 **Data-parallel gradients**: over the ``dp·sp`` group (the groups of all ``tp`` ranks run at
 once and share their nodes' network ports: ``concurrent`` in :mod:`.comm`; likewise for the
@@ -307,10 +310,12 @@ def estimate_step(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> StepEs
         busy_compute = (terms.comp[s] + pre.accumulation[s]) * m
         tpc, spc = terms.tp_t[s] * m, terms.sp_t[s] * m
         waiting = max(0.0, sim.makespan - sim.busy[s])
-        p2p_total = 2 * m * terms.p2p_sum[s]
-        p2p_part = min(p2p_total, waiting)
+        # asynchronous transfers show as the waiting they cause; synchronous ones are busy time
+        blocking = 2 * m * terms.p2p_block[s]
+        p2p_total = 2 * m * terms.p2p_sum[s] + blocking
+        p2p_part = min(p2p_total - blocking, waiting)
         parts = (("compute", busy_compute), ("tensor_parallel", tpc), ("sequence_parallel", spc),
-                 ("p2p", p2p_part), ("bubble", waiting - p2p_part),
+                 ("p2p", blocking + p2p_part), ("bubble", waiting - p2p_part),
                  ("data_parallel", x.exposed + m * x.per_microbatch),
                  ("optimizer", x.t_opt), ("idle", step - tot))
         if pre.expert:
@@ -389,6 +394,7 @@ class _StageTerms:
     memo: dict = field(default_factory=dict, compare=False, repr=False)  # per-plan parts that repeat
     param_tensors: tuple[int, ...] = ()  # distinct parameter tensors of each stage
     tp_param_tensors: tuple[int, ...] = ()  # of those, the ones split over tp (DTensors in torch)
+    p2p_block: tuple[float, ...] = ()  # per micro-batch, in each of forward and backward: synchronous p2p
 
 
 @dataclass(frozen=True)
@@ -744,7 +750,7 @@ def _stage_terms(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int) ->
     """
     devs = cfg.devices if cfg.devices is not None else tuple(range(cfg.world))
     key = ("stages", id(cluster), devs, cfg.dp, cfg.tp, cfg.pp, cfg.sp, v, cfg.partition, cfg.sequence_parallel,
-           cfg.dtype, cfg.fused_attention, cfg.op_plans, cfg.zero_stage >= 1)
+           cfg.dtype, cfg.fused_attention, cfg.op_plans, cfg.zero_stage >= 1, cfg.pipeline_p2p)
     cache = PRICES.of(graph)
     hit = cache.get((*key, cfg.recompute))
     if hit is not None and hit[0] is cluster:  # the cluster is held, so its id is not reused
@@ -775,6 +781,7 @@ class _StageBase:
     seg_params: tuple[float, ...]  # parameters first used in each of them
     p2p: float
     p2p_sum: float
+    p2p_block: float  # synchronous transfers (DeepSpeed's engine) per micro-batch, forward and backward alike
     # boundary activations the stage holds per micro-batch beyond its ops' own: (without full
     # recomputation: what it received; with it: what its checkpointed layers sent, and what it
     # received from ops that keep theirs; the rest is counted as the inputs of its layers)
@@ -801,8 +808,8 @@ def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, 
         out["devices"].append(st.layout.devices)
         out["spans"].append(st.layout.span)
         out["types"].append(dt)
-        out["fwd"].append(f + tf + qf)
-        out["bwd"].append(b + rc + tb + qb + rc_comm)
+        out["fwd"].append(f + tf + qf + st.p2p_block)
+        out["bwd"].append(b + rc + tb + qb + rc_comm + st.p2p_block)
         out["comp"].append(f + b + rc)
         out["tp_t"].append(tf + tb + (tf if full else 0.0))
         out["sp_t"].append(qf + qb + (qf if full else 0.0))
@@ -833,6 +840,7 @@ def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, 
         out["dp_groups"].append(st.layout.dp_groups)
         out["p2p"].append(st.p2p)
         out["p2p_sum"].append(st.p2p_sum)
+        out["p2p_block"].append(st.p2p_block)
     return _StageTerms(**{k: tuple(x) for k, x in out.items()})
 
 
@@ -1046,6 +1054,10 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
         for i, _, nb in active:
             boundary[g] += nb / (cfg.tp * cfg.sp)
             from_rec[g] += nb / (cfg.tp * cfg.sp) if rec[seg_of_op[i]] else 0.0
+    # DeepSpeed's engine: every tensor-parallel rank sends the whole tensor it holds (tp·boundary),
+    # blocking the stream on both ends
+    sync_hop = [max(_p2p(cluster, ccache, a, b, boundary[g] * cfg.tp) for a, b in layout[g % p].p2p_pairs)
+                for g in range(p * v - 1)] if cfg.pipeline_p2p == "deepspeed" else []
     out = []
     for s in range(p):
         lay = layout[s]
@@ -1096,6 +1108,13 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
                     seg_params[seg_of_op[i]] += numel
         times = [max(_p2p(cluster, ccache, a, b, boundary[g]) for a, b in lay.p2p_pairs)
                  for g in range(s, p * v - 1, p)]
+        block = 0.0
+        if sync_hop:
+            # per micro-batch the stage receives (boundary g − 1) and sends (boundary g), in the
+            # forward and again, as gradients, in the backward
+            block = sum(sync_hop[g - 1] for g in range(s, p * v, p) if g > 0) + sum(
+                sync_hop[g] for g in range(s, p * v - 1, p))
+            times = []
         # a stage holds, until their gradients pass, what it received (its own buffers) and what it sent
         recv = [g - 1 for g in range(s, p * v, p) if g > 0]
         sent = [g for g in range(s, p * v - 1, p)]
@@ -1105,7 +1124,7 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
             layout=lay, by_type=tuple(by_type), tf=slowest(0, lay.tp_groups), tb=slowest(1, lay.tp_groups),
             qf=slowest(2, lay.sp_groups), qb=slowest(3, lay.sp_groups), params=params, param_tensors=len(seen),
             tp_param_tensors=split_tensors, segs=stage_segs, seg_params=tuple(seg_params.values()),
-            p2p=max(times) if times else 0.0, p2p_sum=sum(times), held=held))
+            p2p=max(times) if times else 0.0, p2p_sum=sum(times), p2p_block=block, held=held))
     return tuple(out)
 
 

@@ -67,6 +67,32 @@ def test_breakdown_sums_to_step_and_throughput():
     assert e.pipeline.chunks == 2 and len(e.memory) == 2
 
 
+def test_deepspeed_p2p_sends_whole_tensors_synchronously_by_hand():
+    # two nodes of two GPUs (one NIC port each), tp 2 inside a node, pp 2 across the nodes
+    nic = 25e9
+    cl = Cluster.from_dict({"name": "two", "centers": [{"name": "c", "nodes": [
+        {"count": 2, "device": "a100-80gb-sxm", "devices_per_node": 2, "intra": {"bandwidth": BW, "latency": ALPHA},
+         "nic": {"bandwidth": nic, "ports": 2, "latency": ALPHA}}]}]})
+    b, s, h, m = 2, 64, 128, 6
+    g = gpt_graph(layers=4, hidden=h, heads=4, seq=s, vocab=256, batch=b)
+    boundary = b * s * h * 4  # the fp32 residual stream, the one tensor crossing the cut
+    link = nic  # each GPU has its own port
+    base = ParallelConfig(tp=2, pp=2, microbatches=m, partition="layers")
+    mega = estimate_step(g, cl, base)
+    ds = estimate_step(g, cl, ParallelConfig(**{**base.__dict__, "pipeline_p2p": "deepspeed"}))
+    # Megatron: each tp rank sends half the tensor, asynchronously (the hop delays the receiver)
+    assert dict(mega.stages[0].collectives)["p2p"] == pytest.approx(2 * m * (ALPHA + boundary / 2 / link))
+    # DeepSpeed: each tp rank sends the whole tensor, and the stream of both ends waits for it: per
+    # micro-batch stage 0 sends the activation and receives its gradient, stage 1 the reverse
+    whole = ALPHA + boundary / link
+    for st in ds.stages:
+        assert st.part("p2p") == pytest.approx(2 * m * whole)
+        assert st.total == pytest.approx(ds.step_time)
+    # the transfers lengthen every micro-batch's forward and backward on both stages
+    assert ds.step_time - mega.step_time >= 2 * m * whole - 2 * (ALPHA + boundary / 2 / link)
+    assert "p2p=deepspeed" in str(ds.config) and "p2p" not in str(mega.config)
+
+
 def test_heterogeneous_stages_run_at_their_device_speed():
     c = Cluster.from_dict({"name": "h", "centers": [{"name": "c", "nodes": [
         {"device": "h100-sxm", "devices_per_node": 1, "nic": {"bandwidth": "100 Gb/s", "latency": "5 us"}},
@@ -94,6 +120,7 @@ def test_ulysses_sequence_parallel_adds_all_to_all():
     (ParallelConfig(sequence_parallel=True), "tp > 1"),
     (ParallelConfig(zero_stage=4), "zero_stage"),
     (ParallelConfig(recompute="most"), "recompute"),
+    (ParallelConfig(pipeline_p2p="nccl"), "pipeline_p2p"),
     (ParallelConfig(dp=0), "dp must be"),
     (ParallelConfig(pp=2, devices=(0,)), "lists 1 devices"),
 ])
