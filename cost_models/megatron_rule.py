@@ -16,7 +16,7 @@ all-to-alls its inputs and output, forward and backward; on images ``sp`` splits
 
 from __future__ import annotations
 
-from polyparallel.ir import Graph, OpKind, TensorKind, element_bytes
+from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind, element_bytes
 
 from .memo import PRICES
 from .parallel_config import OpPlan, ParallelConfig
@@ -87,7 +87,7 @@ def _propagate(graph: Graph, cfg: ParallelConfig) -> list[OpPlan]:
                 split = tp
                 rows = graph.tensors[acts[0]].numel / max(1, graph.tensors[acts[0]].shape[-1])
                 tp_fwd.append(("all_reduce", 3 * rows * 4))
-            elif any_split and kind is not OpKind.OPAQUE:
+            elif any_split and kind not in (OpKind.OPAQUE, OpKind.RECURRENT):
                 split = tp
                 out_split = True
             elif any_split:  # an op we cannot split: gather its inputs
@@ -103,6 +103,7 @@ def _propagate(graph: Graph, cfg: ParallelConfig) -> list[OpPlan]:
             split *= image[0]
             sp_fwd, sp_bwd = list(image[1]), list(image[2])
         elif sp > 1:
+            _sequence_splits(op, sp)
             split *= sp
             if kind is OpKind.ATTENTION:
                 for t in list(acts) + list(op.outputs):
@@ -111,6 +112,19 @@ def _propagate(graph: Graph, cfg: ParallelConfig) -> list[OpPlan]:
                     sp_bwd.append(("all_to_all", b))
         plans.append(OpPlan(split, tuple(tp_fwd), tuple(tp_bwd), tuple(sp_fwd), tuple(sp_bwd), param_split))
     return plans
+
+
+def _sequence_splits(op: Op, sp: int) -> None:
+    """Raise when ``op`` cannot run on ``1/sp`` of the sequence: every sequence dim of its nest carries a
+    recurrence (:func:`polyparallel.poly.carried_dims`: an LSTM's time steps run one after another)."""
+    if op.nest is None:
+        return
+    from polyparallel.poly import carried_dims
+
+    seq = {d.name for d in op.nest.dims if d.hint is Hint.SEQUENCE}
+    if seq and seq <= carried_dims(op.nest):
+        raise ValueError(f"sp={sp}: op {op.name!r} ({op.target}) carries a recurrence over its sequence dim(s) "
+                         f"{sorted(seq)}, so its steps cannot be split over devices; pin sp=1")
 
 
 def op_roles(graph: Graph) -> list[tuple[OpKind, tuple[str, ...], bool]]:

@@ -77,7 +77,15 @@ from ._distribution import Distribution, TensorLayout, layout_distribution, oper
 from ._isl import ISL_TIME, access_map, count, domain_set, footprint_set
 from ._mesh import DeviceMesh, MeshAxis
 from ._op_comm import Collective, OpComm, backward_reshard_edge, comm_of_op, grad_held, grad_needed, grad_partial_axes
-from ._placement import IllegalPlacement, Placement, check_placement, dim_split_kind, legal_placements, padding_of
+from ._placement import (
+    IllegalPlacement,
+    Placement,
+    carried_dims,
+    check_placement,
+    dim_split_kind,
+    legal_placements,
+    padding_of,
+)
 from ._reshard import Reshard, Step, reshard, reshard_edge
 from ._reshard_table import EdgeCosts, ReshardTable, edge_costs, reshard_table
 from ._symbolic import NotSymbolic, SymbolicVolume, symbolic_receive, symbolic_volume
@@ -103,6 +111,7 @@ __all__ = [
     "access_map",
     "backward_reshard_edge",
     "cache_stats",
+    "carried_dims",
     "check_placement",
     "clear_cache",
     "comm_of_op",

@@ -49,6 +49,7 @@ from ._mesh import DeviceMesh
 __all__ = [
     "IllegalPlacement",
     "Placement",
+    "carried_dims",
     "check_placement",
     "dim_split_kind",
     "legal_placements",
@@ -203,7 +204,7 @@ def _non_injective_dims(nest: LoopNest) -> frozenset[str]:
     return frozenset(bad)
 
 
-def _carried_dims(nest: LoopNest) -> frozenset[str]:
+def carried_dims(nest: LoopNest) -> frozenset[str]:
     """Dims of rule 6: those in an index of a temporary that differs between a write and a read
     (attention scores, norm statistics are written and read at the same index: none). Memoised by
     the nest object, as :func:`_non_injective_of`."""
@@ -275,7 +276,7 @@ def _check_placement(nest: LoopNest | None, placement: Placement, mesh: DeviceMe
                                    f"placement {placement} splits {list(placement.dims)}")
         return
     bad_write = _non_injective_of(nest)
-    carried = _carried_dims(nest)
+    carried = carried_dims(nest)
     for d, axes in placement.splits:
         if d not in nest.extents:
             raise IllegalPlacement(f"{op}: placement {placement} splits {d!r}, but the op's dims are "
