@@ -206,3 +206,26 @@ def test_search_never_splits_the_time_steps() -> None:
     with pytest.raises(ValueError, match="recurrence over its sequence"):
         op_plans(g, ParallelConfig(dp=1, sp=2))
     assert op_plans(g, ParallelConfig(dp=1, tp=2))  # tp is priced: the LSTM replicated, not split
+
+
+def _onnx_lstm(T: int, B: int, I: int, H: int, peepholes: bool) -> onnx.ModelProto:
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [numpy_helper.from_array(np.zeros(s, np.float32), n)
+             for n, s in (("W", (1, 4 * H, I)), ("R", (1, 4 * H, H)), ("B", (1, 8 * H)), ("P", (1, 3 * H)))]
+    node = helper.make_node("LSTM", ["X", "W", "R", "B", "", "", "", "P" if peepholes else ""], ["Y"], hidden_size=H)
+    g = helper.make_graph([node], "lstm", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [T, B, I])],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [T, 1, B, H])],
+                          inits if peepholes else inits[:3])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
+
+
+def test_onnx_peepholes_add_six_flops_per_unit_and_step() -> None:
+    T, B, I, H = 3, 2, 4, 5
+    plain, peep = (capture_onnx(_onnx_lstm(T, B, I, H, p)).ops[0] for p in (False, True))
+    assert plain.kind is peep.kind is OpKind.RECURRENT
+    g, gates = 4 * H, T * B * 4 * H
+    cell = 4 + 3 * flops_per_element("sigmoid") + 2 * flops_per_element("tanh") + 4  # gate sums, c and h updates
+    assert plain.flops == T * (2 * B * g * I + 2 * B * g * H) + 2 * gates + T * B * H * cell
+    assert peep.flops - plain.flops == 6 * T * B * H

@@ -197,7 +197,7 @@ def _global_pool(n: _Node) -> Spec:
 
 @_handles("LSTM", "GRU", "RNN")
 def _recurrent(n: _Node) -> Spec:
-    # inputs X, W, R, B, sequence_lens, initial_h, initial_c (LSTM), P (LSTM peepholes); outputs Y, Y_h, Y_c
+    # inputs X, W, R, B, sequence_lens, initial_h, initial_c, P (LSTM's peepholes); outputs Y, Y_h, Y_c
     cell = {"LSTM": "lstm", "GRU": "gru"}.get(n.op_type)
     acts = [(a.decode() if isinstance(a, bytes) else str(a)).lower() for a in (n.attr("activations") or [])]
     if cell is None:
@@ -205,15 +205,17 @@ def _recurrent(n: _Node) -> Spec:
     default = {"lstm": ["sigmoid", "tanh", "tanh"], "gru": ["sigmoid", "tanh"]}.get(cell, [(acts or ["tanh"])[0]])
     if cell is None or (acts and acts != default * (len(acts) // len(default))):
         raise ops.NotModelled(f"{n.op_type} with activations {acts}")
-    if n.attr("clip") is not None or n.attr("input_forget", 0) or n.has(7):
-        raise ops.NotModelled(f"{n.op_type} with clip, input_forget or peepholes")
+    if n.attr("clip") is not None or n.attr("input_forget", 0):
+        raise ops.NotModelled(f"{n.op_type} with clip or input_forget")
     T = n.shape(0)[1 if n.attr("layout", 0) else 0]
     lens = n.const(4)
-    if n.has(4) and (lens is None or (lens != T).any()):
-        raise ops.NotModelled(f"{n.op_type} with sequence_lens shorter than the {T} steps (or known only at run time)")
+    if n.has(4) and lens is None:
+        raise ops.NotModelled(f"{n.op_type} with sequence_lens known only at run time (the steps each sequence runs)")
+    if lens is not None and (lens != T).any():
+        raise ops.NotModelled(f"{n.op_type} with sequence_lens {lens.tolist()} shorter than the {T} steps")
     present = [i for i in range(len(n.ins)) if n.has(i)]
     operand = {name: (f"in{present.index(i)}" if n.has(i) else None)
-               for i, name in enumerate(("x", "W", "R", "B", "lens", "initial_h", "initial_c"))}
+               for i, name in enumerate(("x", "W", "R", "B", "lens", "initial_h", "initial_c", "P"))}
     outs = [o for o in n.proto.output]
     operand.update({name: (f"out{[o for o in outs if o].index(outs[i])}" if i < len(outs) and outs[i] else None)
                     for i, name in enumerate(("Y", "Y_h", "Y_c"))})

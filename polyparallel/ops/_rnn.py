@@ -31,7 +31,8 @@ splits (data parallelism) and the layer-0 input features ``k`` split with ``gi``
 a zero initial state), ``2·B·G·H`` bias adds when the layer has biases, and ``B·H·e`` for the cell's
 pointwise math with the table's costs of the activations (:data:`FLOPS_PER_ELEMENT`):
 
-* LSTM ``e = 4 + 3·σ + 2·tanh + 4`` (``gi + gh`` per gate; ``c = f·c + i·g``; ``h = o·tanh(c)``);
+* LSTM ``e = 4 + 3·σ + 2·tanh + 4`` (``gi + gh`` per gate; ``c = f·c + i·g``; ``h = o·tanh(c)``), 6 more
+  with ONNX's peepholes (``p ⊙ c`` added to the input, forget and output gates);
 * GRU ``e = 2 + 2·σ + 2 + tanh + 4`` (``r, z``; ``n = tanh(gi_n + r·gh_n)``; ``h = (1 − z)·n + z·h``;
   ONNX's ``linear_before_reset = 0`` multiplies ``r·h`` before the matmul instead: the same count);
 * RNN ``e = 1 + act`` (``tanh`` or ``relu``).
@@ -133,7 +134,8 @@ def onnx_recurrent(cell: str, X: Sequence[int], W: Sequence[int], R: Sequence[in
                      h0=operands.get("initial_h"), c0=operands.get("initial_c"),
                      y=None if y is None else
                      (lambda t, d, b, n: (y, (b, t, d, n) if layout else (t, d, b, n))),
-                     h_n=operands.get("Y_h"), c_n=operands.get("Y_c"), state_batch_major=bool(layout))
+                     h_n=operands.get("Y_h"), c_n=operands.get("Y_c"), state_batch_major=bool(layout),
+                     peepholes=operands.get("P") if cell == "lstm" else None)
 
 
 def recurrent(cell: str, T: int, B: int, I: int, H: int, *, num_layers: int, directions: int, weights: Weights,
@@ -141,10 +143,11 @@ def recurrent(cell: str, T: int, B: int, I: int, H: int, *, num_layers: int, dir
               h0: str | None, c0: str | None,
               y: Callable[[AffineExpr, AffineExpr, AffineExpr, AffineExpr], tuple[str, tuple]] | None,
               h_n: str | None, c_n: str | None, reverse_only: bool = False,
-              state_batch_major: bool = False) -> LoopNest:
+              state_batch_major: bool = False, peepholes: str | None = None) -> LoopNest:
     """The loop nest of the module docstring. ``x(t, b, k)`` and ``y(t, d, b, n)`` give the operand
     and index of the input and output; ``h0``/``c0``/``h_n``/``c_n`` are ``[L·D, B, H]`` operands
-    (``state_batch_major``: ``[B, L·D, H]``, ONNX ``layout=1``)."""
+    (``state_batch_major``: ``[B, L·D, H]``, ONNX ``layout=1``); ``peepholes`` an ONNX LSTM's ``P
+    [D, 3·H]`` (``p_i ⊙ c``, ``p_f ⊙ c``, ``p_o ⊙ c`` added to the gates: 6 more FLOPs per unit)."""
     L, D, G = num_layers, directions, GATES[cell]
     dims = [Dim("s", T, Role.PARALLEL, Hint.SEQUENCE), Dim("l", L), Dim("dir", D),
             Dim("b", B, Role.PARALLEL, Hint.BATCH), Dim("q", G), Dim("n", H, Role.PARALLEL, Hint.FEATURE),
@@ -197,7 +200,8 @@ def recurrent(cell: str, T: int, B: int, I: int, H: int, *, num_layers: int, dir
     ld = (E("l"), E("dir"))
     ldi = E("l") * D + E("dir")
     lstm = cell == "lstm"
-    e = cell_flops(cell)
+    e = cell_flops(cell) + (6 if peepholes else 0)
+    peep = tuple(Access(peepholes, (E("dir"), E("n") + g * H)) for g in range(3)) if peepholes else ()
     # the state the cell carries besides the gates: c (LSTM), h (GRU's z·h); at step 0 the initial one
     carried = {"lstm": ("c", c0), "gru": ("h", h0)}.get(cell)
     for name, step, prev in (("cell0", zero, None), ("cell", u + 1, u)):
@@ -212,7 +216,7 @@ def recurrent(cell: str, T: int, B: int, I: int, H: int, *, num_layers: int, dir
         gates = tuple(Access(t, (*ld, step, b, zero + g, n)) for t in ("gi", "gh") for g in range(G))
         writes = (Access("h", (*ld, step, b, n)),) + ((Access("c", (*ld, step, b, n)),) if lstm else ())
         st_dims = ("l", "dir", *(() if prev is None else ("u",)), "b", "n")
-        sts.append(Statement(name, st_dims, reads=gates + reads_prev, writes=writes, flops_per_point=e))
+        sts.append(Statement(name, st_dims, reads=gates + reads_prev + peep, writes=writes, flops_per_point=e))
     if y is not None:
         for d in range(D):
             yo, yi = y(time(s, d), zero + d, b, n)
