@@ -157,6 +157,23 @@ def _recurrent(c: Call) -> Spec:
     return OpKind.RECURRENT, ins, nest
 
 
+@handles("lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell")
+def _recurrent_cell(c: Call) -> Spec:
+    # one step of nn.LSTMCell / GRUCell / RNNCell: (input, hx ([h, c] for an LSTM), w_ih, w_hh, b_ih, b_hh)
+    x, hx = c.tensor("input"), c.get("hx")
+    hx = [v for v in (hx if isinstance(hx, list | tuple) else [hx]) if isinstance(v, TRef)]
+    ws = [c.tensor(n) for n in ("w_ih", "w_hh", "b_ih", "b_hh")]
+    ins = [x, *hx, *[w for w in ws if w is not None]]
+
+    def nest() -> LoopNest:
+        if None in ws[:2] or (ws[2] is None) != (ws[3] is None):
+            raise ops.NotModelled(f"{c.name} with a missing weight or a single bias")
+        return ops.torch_recurrent_cell(c.name, c.shape(x), c.shape(ws[0]), c.shape(ws[1]), n_states=len(hx),
+                                        has_biases=ws[2] is not None)
+
+    return OpKind.RECURRENT, ins, nest
+
+
 # ----------------------------------------------------------------------------------------
 # convolution and pooling
 

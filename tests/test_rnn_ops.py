@@ -117,12 +117,9 @@ def _points(op: Op, st) -> collections.abc.Iterator[dict[str, int]]:
         yield dict(zip(st.dims, vals))
 
 
-@pytest.mark.parametrize("cell", ["lstm", "gru"])
-def test_index_maps_by_enumeration(cell: str) -> None:
-    """Every output element is written exactly once, every temporary element read was written, and
-    step s of each direction reads the input at the time its output is written."""
-    m = _module(cell, 2, True, True, True, i=3, h=2)
-    g, op = _capture(m, torch.randn(2, 3, 3))
+def _check_coverage(g: Graph, op: Op) -> dict[tuple[str, int], dict[int, int]]:
+    """Every output element written exactly once, every temporary element read written first; the
+    time each direction's step ``s`` reads its input at (``ih0_d``) and writes its output at (``yd``)."""
     written: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     read: dict[str, set] = collections.defaultdict(set)
     step_time: dict[tuple[str, int], dict[int, int]] = {}
@@ -141,8 +138,18 @@ def test_index_maps_by_enumeration(cell: str) -> None:
         shape = g.tensors[t].shape
         assert set(written[f"out{i}"]) == set(itertools.product(*map(range, shape))), t
         assert set(written[f"out{i}"].values()) == {1}
-    for tmp in ("h", "gi", "gh") + (("c",) if cell == "lstm" else ()):
+    for tmp in ("h", "c", "gi", "gh"):
         assert read[tmp] <= set(written[tmp]), tmp
+    return step_time
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_index_maps_by_enumeration(cell: str) -> None:
+    """Every output element is written exactly once, every temporary element read was written, and
+    step s of each direction reads the input at the time its output is written."""
+    m = _module(cell, 2, True, True, True, i=3, h=2)
+    g, op = _capture(m, torch.randn(2, 3, 3))
+    step_time = _check_coverage(g, op)
     T = 3
     assert step_time[("ih", 0)] == step_time[("y0", 0)] == {s: s for s in range(T)}
     assert step_time[("ih", 1)] == step_time[("y1", 1)] == {s: T - 1 - s for s in range(T)}
@@ -229,3 +236,36 @@ def test_onnx_peepholes_add_six_flops_per_unit_and_step() -> None:
     cell = 4 + 3 * flops_per_element("sigmoid") + 2 * flops_per_element("tanh") + 4  # gate sums, c and h updates
     assert plain.flops == T * (2 * B * g * I + 2 * B * g * H) + 2 * gates + T * B * H * cell
     assert peep.flops - plain.flops == 6 * T * B * H
+
+
+class _CellLoop(torch.nn.Module):
+    """A recurrent layer written as a Python loop of one cell: one cell op per step in the graph."""
+
+    def __init__(self, cell: str, i: int, h: int) -> None:
+        super().__init__()
+        cls = {"lstm": torch.nn.LSTMCell, "gru": torch.nn.GRUCell, "rnn_tanh": torch.nn.RNNCell}[cell]
+        self.cell, self.lstm = cls(i, h), cell == "lstm"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = None
+        for t in range(x.shape[0]):
+            state = self.cell(x[t], state)
+        return state[0] if self.lstm else state
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru", "rnn_tanh"])
+def test_cell_ops_count_the_layer_step_by_step(cell: str) -> None:
+    m, x = _CellLoop(cell, 5, 6), torch.randn(4, 3, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = capture_torch(m, (x,))
+    steps = [op for op in g.ops if op.kind is OpKind.RECURRENT]
+    assert len(steps) == 4 and not g.opaque_ops()
+    layer = _module(cell, 1, False, False, True)  # the same equations, fused: its unrolled run counts them
+    layer.load_state_dict({f"{k}_l0": v for k, v in m.cell.state_dict().items()})
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        _, h_n, pointwise = _unrolled(layer, cell, x)
+    assert sum(op.flops for op in steps) == fc.get_total_flops() + pointwise
+    torch.testing.assert_close(h_n[0], m(x))
+    assert g.param_count() == sum(p.numel() for p in m.parameters())
+    _check_coverage(g, steps[0])

@@ -14,7 +14,7 @@ from ._gather import advanced_index, cross_entropy, embedding, gather, nll_loss,
 from ._moe import grouped_mm
 from ._norm import batch_norm, group_norm, layer_norm, softmax
 from ._pointwise import FLOPS_PER_ELEMENT, create, elementwise, flops_per_element, reduce, scan
-from ._rnn import onnx_recurrent, torch_recurrent
+from ._rnn import onnx_recurrent, torch_recurrent, torch_recurrent_cell
 from ._view import (
     concat,
     expand,
@@ -68,6 +68,7 @@ __all__ = [
     "split",
     "take_along_axis",
     "torch_recurrent",
+    "torch_recurrent_cell",
     "transpose",
     "upsample_linear",
     "upsample_nearest",

@@ -47,7 +47,7 @@ from polyparallel.ir import Access, AffineExpr, Dim, E, Hint, LoopNest, Role, St
 from ._common import NotModelled
 from ._pointwise import flops_per_element
 
-__all__ = ["GATES", "cell_flops", "onnx_recurrent", "torch_recurrent"]
+__all__ = ["GATES", "cell_flops", "onnx_recurrent", "torch_recurrent", "torch_recurrent_cell"]
 
 GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
 
@@ -106,6 +106,27 @@ def torch_recurrent(cell: str, x: Sequence[int], hx: Sequence[Sequence[int] | No
                      h_n="out1", c_n="out2" if cell == "lstm" else None)
 
 
+def torch_recurrent_cell(cell: str, x: Sequence[int], w_ih: Sequence[int], w_hh: Sequence[int], *,
+                         n_states: int, has_biases: bool) -> LoopNest:
+    """One step: ``aten.lstm_cell/gru_cell/rnn_tanh_cell/rnn_relu_cell`` with operands ``(input, h[, c],
+    w_ih, w_hh[, b_ih, b_hh])``, ``input [B, I]``, states ``[B, H]``; outputs ``h'[, c']``."""
+    base = cell.removesuffix("_cell")
+    if base not in GATES or len(x) != 2 or len(w_ih) != 2 or len(w_hh) != 2:
+        raise NotModelled(f"{cell} with input {list(x)} (a batched [B, I] input is modelled)")
+    H, G = w_hh[1], GATES[base]
+    if tuple(w_ih) != (G * H, x[1]) or tuple(w_hh) != (G * H, H) or n_states != (2 if base == "lstm" else 1):
+        raise NotModelled(f"{cell} with input {list(x)}, weights {list(w_ih)}, {list(w_hh)}")
+    first = 1 + n_states
+
+    def weights(_l: int, _d: int, which: str) -> WeightRef | None:
+        i = ("w_ih", "w_hh", "b_ih", "b_hh").index(which)
+        return None if i >= (4 if has_biases else 2) else (f"in{first + i}", (), 0)
+
+    return recurrent(base, 1, x[0], x[1], H, num_layers=1, directions=1, weights=weights,
+                     x=lambda _t, b, k: ("in0", (b, k)), h0="in1", c0="in2" if base == "lstm" else None,
+                     y=None, h_n="out0", c_n="out1" if base == "lstm" else None, state_batch_major=None)
+
+
 def onnx_recurrent(cell: str, X: Sequence[int], W: Sequence[int], R: Sequence[int], *, has_bias: bool,
                    operands: dict[str, str | None], direction: str = "forward", layout: int = 0) -> LoopNest:
     """ONNX ``LSTM`` / ``GRU`` / ``RNN`` (one layer): ``X [T, B, I]`` (``layout=1``: ``[B, T, I]``),
@@ -143,11 +164,12 @@ def recurrent(cell: str, T: int, B: int, I: int, H: int, *, num_layers: int, dir
               h0: str | None, c0: str | None,
               y: Callable[[AffineExpr, AffineExpr, AffineExpr, AffineExpr], tuple[str, tuple]] | None,
               h_n: str | None, c_n: str | None, reverse_only: bool = False,
-              state_batch_major: bool = False, peepholes: str | None = None) -> LoopNest:
+              state_batch_major: bool | None = False, peepholes: str | None = None) -> LoopNest:
     """The loop nest of the module docstring. ``x(t, b, k)`` and ``y(t, d, b, n)`` give the operand
     and index of the input and output; ``h0``/``c0``/``h_n``/``c_n`` are ``[L·D, B, H]`` operands
-    (``state_batch_major``: ``[B, L·D, H]``, ONNX ``layout=1``); ``peepholes`` an ONNX LSTM's ``P
-    [D, 3·H]`` (``p_i ⊙ c``, ``p_f ⊙ c``, ``p_o ⊙ c`` added to the gates: 6 more FLOPs per unit)."""
+    (``state_batch_major``: ``[B, L·D, H]``, ONNX ``layout=1``; None: ``[B, H]``, a cell's);
+    ``peepholes`` an ONNX LSTM's ``P [D, 3·H]`` (``p_i ⊙ c``, ``p_f ⊙ c``, ``p_o ⊙ c`` added to the
+    gates: 6 more FLOPs per unit)."""
     L, D, G = num_layers, directions, GATES[cell]
     dims = [Dim("s", T, Role.PARALLEL, Hint.SEQUENCE), Dim("l", L), Dim("dir", D),
             Dim("b", B, Role.PARALLEL, Hint.BATCH), Dim("q", G), Dim("n", H, Role.PARALLEL, Hint.FEATURE),
@@ -161,6 +183,8 @@ def recurrent(cell: str, T: int, B: int, I: int, H: int, *, num_layers: int, dir
         return step if (d == 0) != reverse_only else (T - 1) - step
 
     def state(operand: str, ld: AffineExpr, idx: AffineExpr) -> Access:
+        if state_batch_major is None:  # a cell's [B, H] state: one layer and direction
+            return Access(operand, (b, idx))
         return Access(operand, (b, ld, idx) if state_batch_major else (ld, b, idx))
 
     def weight(l: int, d: int, which: str, *tail: AffineExpr) -> Access | None:
