@@ -1,7 +1,9 @@
-"""Handlers of contractions and sliding windows: MatMul, Gemm, Einsum, Attention, Conv, pooling.
+"""Handlers of contractions and sliding windows: MatMul, Gemm, Einsum, Attention, Conv, pooling,
+and the recurrent layers LSTM, GRU, RNN.
 
 Each builds the same :mod:`polyparallel.ops` nest as the torch frontend (``nn.Linear``
-exported as ``Gemm`` with ``transB=1`` is ``ops.linear``); convolution and pooling resolve
+exported as ``Gemm`` with ``transB=1`` is ``ops.linear``; an exported ``nn.LSTM`` is one ``LSTM``
+node per layer, together the FLOPs and parameters of the torch op); convolution and pooling resolve
 ``auto_pad`` (SAME: ``out = ceil(in / stride)``) into low and high padding per spatial dim.
 """
 
