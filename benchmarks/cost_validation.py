@@ -19,9 +19,12 @@ comparison of step times. Parameters a source does not state (micro-batch size, 
 depth) are marked as assumptions in the table. What the training framework of the source did is
 part of the recipe: Megatron-LM (2021) and DeepSpeed's pipeline engine reduced the gradients
 after the last backward (``grad_overlap`` 0), torch DDP overlaps them bucket by bucket (the
-default on accelerators). No figure of the cost model is fitted to these rows: the GEMM
-efficiencies by shape and the host costs come from the H200 measurement
-(``polyparallel/cluster/devices.py`` says where each comes from).
+default on accelerators); Megatron-LM scatters a boundary activation over the tensor-parallel
+ranks and sends it asynchronously, DeepSpeed's engine sends the whole tensor from every rank
+with a synchronous send/recv (``pipeline_p2p="deepspeed"``, the MT-NLG and BLOOM rows). No
+figure of the cost model is fitted to these rows: the GEMM efficiencies by shape and the host
+costs come from the H200 measurement (``polyparallel/cluster/devices.py`` says where each comes
+from).
 
     .venv/bin/python benchmarks/cost_validation.py              # both parts
     .venv/bin/python benchmarks/cost_validation.py --part published
@@ -64,6 +67,12 @@ def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int, r
     """Narayanan et al. (2021), eq. in §5.1: FLOPs per iteration, with full recomputation (factor 4)."""
     passes = 4 if recompute else 3
     return passes * 24 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
+def palm_flops(batch: int, seq: int, params: int, layers: int, hidden: int) -> float:
+    """Chowdhery et al. (PaLM, 2022), Appendix B, the model FLOPs of MFU: ``6N + 12·L·H·Q·T`` per token
+    (``H·Q`` = the hidden size; attention counted over the whole sequence, causal or not)."""
+    return batch * seq * (6 * params + 12 * layers * hidden * seq)
 
 
 BLOOM_CLUSTER = {
@@ -140,7 +149,44 @@ def _mtnlg_row(nodes: int, seconds: float, tflops: float) -> dict[str, Any]:
         "global_batch": 1920, "published_tflops": float(tflops), "flops": "megatron",
         "assumptions": "micro-batch 1; ZeRO-1 (Megatron-DeepSpeed's usual data-parallel optimizer); Megatron's "
                        "default dropouts (0.1, attention included); vocabulary 51200 (GPT-2 BPE, padded); "
-                       "3 layers per stage",
+                       "3 layers per stage; DeepSpeed's pipeline engine p2p (whole tensor from every tensor-"
+                       "parallel rank, synchronous send/recv: deepspeed/runtime/pipe/p2p.py, engine.py)",
+    }
+
+
+# Llama Team, "The Llama 3 Herd of Models" (arXiv:2407.21783), Table 4, the two 8K-sequence rows of the
+# 405B pre-training: (GPUs, DP, sequences per DP group, TFLOP/s per GPU). §3.3.2 gives the recipe:
+# interleaved schedule with V stages per pipeline rank, "we reduce one Transformer layer each from the
+# first and the last stages ... the first model chunk on the first stage has only the embedding, and the
+# last model chunk on the last stage has only output projection and loss calculation" (so a chunk holds
+# one layer: 126 layers + 2 = 128 chunks = 16 ranks x V = 8), "we could pre-train Llama 3 on sequences of
+# 8K tokens without activation checkpointing", FSDP sharding optimizer states and gradients, FP32
+# gradient accumulation over the micro-batches and FP32 reduce-scatter; MFU as Chowdhery et al. (PaLM).
+LLAMA3_TABLE4 = ((8192, 64, 32, 430), (16384, 128, 16, 400))
+
+
+def _llama3_row(gpus: int, dp: int, per_dp: int, tflops: float) -> dict[str, Any]:
+    return {
+        "name": f"Llama 3 405B ({gpus // 1024}K GPUs)",
+        "citation": f"Llama Team, The Llama 3 Herd of Models (arXiv:2407.21783), Table 4: {gpus} H100, TP8 CP1 "
+                    f"PP16 DP{dp}, seq 8192, batch {per_dp} per DP group (16M tokens), {tflops:g} TFLOP/s/GPU; "
+                    "recipe from §3.3.2",
+        "cluster": f"dgx-h100x{gpus // 8}",
+        "model": {"layers": 126, "hidden": 16384, "heads": 128, "kv_heads": 8, "ffn": 53248, "seq": 8192,
+                  "vocab": 128256, "batch": 1, "norm": "rms", "mlp": "swiglu", "bias": False, "tied": False,
+                  "positions": False, "causal": True},
+        # zero_stage 1: the gradients are accumulated in fp32 over the micro-batches and reduce-scattered
+        # once per step (a reduce-scatter of the stage's 12.7 GB of fp32 gradients in every micro-batch
+        # would take longer than the micro-batch's compute); the weights stay gathered (not resharded)
+        "config": {"dp": dp, "tp": 8, "pp": 16, "microbatches": per_dp, "schedule": "interleaved", "chunks": 8,
+                   "dtype": "bf16", "recompute": "none", "zero_stage": 1, "sequence_parallel": True,
+                   "fused_attention": True, "partition": "flops"},
+        "global_batch": dp * per_dp, "published_tflops": float(tflops), "flops": "palm",
+        "assumptions": "micro-batch 1 (M = batch per DP group); V = 8 chunks of one layer each, the embedding "
+                       "and the output layer as chunks of their own (the FLOP-balanced cut gives exactly that); "
+                       "no recomputation (the source's; our memory model finds it over 80 GB, the source's "
+                       "tensor deallocation is not modelled); gradients reduce-scattered once per step; "
+                       "FLOPs per token 6N + 12·L·H·Q·T (PaLM's MFU formula, attention counted in full)",
     }
 
 
@@ -162,24 +208,10 @@ PUBLISHED: list[dict[str, Any]] = [
         "global_batch": 2048, "published_tflops": 150.0,
         "flops": "megatron",
         "assumptions": "micro-batch 2 (Megatron-DeepSpeed BLOOM config); full recompute; DeepSpeed uniform layer "
-                       "partition (70 layers: 6 x 10 stages, 5 x 2)",
+                       "partition (70 layers: 6 x 10 stages, 5 x 2); DeepSpeed's pipeline engine p2p (whole "
+                       "tensor from every tensor-parallel rank, synchronous send/recv)",
     },
-    {
-        "name": "Llama 3 405B",
-        "citation": "Llama Team, The Llama 3 Herd of Models (arXiv:2407.21783), Table 4 row 1: 8192 H100, "
-                    "TP8 CP1 PP16 DP64, seq 8192, 16M tokens/batch, 430 TFLOP/s/GPU (43% BF16 MFU)",
-        "cluster": "dgx-h100x1024",
-        "model": {"layers": 126, "hidden": 16384, "heads": 128, "kv_heads": 8, "ffn": 53248, "seq": 8192,
-                  "vocab": 128256, "batch": 1, "norm": "rms", "mlp": "swiglu", "bias": False, "tied": False,
-                  "positions": False, "causal": True},
-        "config": {"dp": 64, "tp": 8, "pp": 16, "microbatches": 32, "schedule": "interleaved", "chunks": 2,
-                   "dtype": "bf16", "recompute": "full", "zero_stage": 2, "sequence_parallel": True,
-                   "fused_attention": True},
-        "global_batch": 2048, "published_tflops": 430.0,
-        "flops": "model", "assumptions": "micro-batch 1; interleaved with 2 chunks; full recompute (without it "
-                                         "our memory model finds 117 GB of activations on stage 0); FLOP-balanced "
-                                         "stages (the source moves layers off the end stages)",
-    },
+    *(_llama3_row(*r) for r in LLAMA3_TABLE4),
 ]
 
 
@@ -197,6 +229,8 @@ def run_published() -> list[dict[str, Any]]:
         if case["flops"] == "megatron":
             flops = megatron_flops(case["global_batch"], mk["seq"], mk["layers"], mk["hidden"], mk["vocab"],
                                    recompute=cfg.recompute == "full")
+        elif case["flops"] == "palm":
+            flops = palm_flops(case["global_batch"], mk["seq"], g.param_count(), mk["layers"], mk["hidden"])
         else:
             flops = est.model_flops_per_step
         pred = flops / est.step_time / n / 1e12

@@ -80,7 +80,9 @@ elements in ``n_t`` tensors: the measured seconds per element ``r`` at that work
 tensor ``c_t``, a sharded (DTensor: FSDP2, tensor-parallel) tensor at its own measured
 ``c_dt``). With ``m > 1`` micro-batches every micro-batch after the first adds its weight
 gradients into ``.grad``: each micro-batch's backward carries ``(m−1)/m · N · a`` (``a``:
-``grad_accumulation``, measured per element on calibrated CPUs; priced as compute).
+``grad_accumulation``, measured per element on calibrated CPUs; on accelerators without it a
+streaming pass of ``g + 2·max(g, 4)`` bytes per element, the new gradient at the compute precision
+``g`` into an accumulator at the reduction precision; priced as compute).
 
 **Host-bound accelerators.** Eager PyTorch dispatches every kernel from the host; the device
 runs ahead only while the host enqueues faster than the kernels run. On an accelerator with
@@ -494,7 +496,14 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
         # autograd adds every micro-batch's weight gradient after the first into .grad: on average
         # (m-1)/m of the stage's local gradient elements per micro-batch (calibrated CPUs measure it)
         held = params - experts * (1 - 1 / cfg.ep)
-        acc = dt.grad_accumulation * (m - 1) / m * (local if cfg.zero_stage >= 2 else held)
+        rate = dt.grad_accumulation
+        if not rate and dt.kind != "cpu":
+            # uncalibrated accelerators: one streaming pass reading the new gradient at the compute
+            # precision and reading and writing the accumulator at the reduction precision (torch's
+            # AccumulateGrad on fp32 .grad; Megatron-LM's main_grad hook, megatron/model/distributed.py;
+            # DeepSpeed's fp32 gradients of bf16 weights; Llama 3's "FP32 gradient accumulation")
+            rate = (gb + 2 * max(gb, 4)) / streaming_bandwidth(dt)
+        acc = rate * (m - 1) / m * (local if cfg.zero_stage >= 2 else held)
         bwd[s] += acc
         accum.append(acc)
         dps.append(_DataParallel(exposed, t_opt, t_dp, events, ef + eb))

@@ -152,6 +152,7 @@ def test_zero3_exposed_gathers_by_hand():
     from dataclasses import replace
 
     from polyparallel.cost_models import op_cost
+    from polyparallel.cost_models.compute import streaming_bandwidth
     from polyparallel.cost_models.step import layer_segments
 
     # layer 0 is big (its compute hides layer 1's gather); layer 1 is tiny (layer 2's gather shows)
@@ -178,8 +179,11 @@ def test_zero3_exposed_gathers_by_hand():
     exposed_bwd = max(0.0, sum(gather) + sum(scatter) - back)
     assert gather[1] < c[0] and gather[2] > c[1]  # the configuration exercises both branches
     assert e.stages[0].part("data_parallel") == pytest.approx(m * (exposed_fwd + exposed_bwd), rel=1e-9)
+    # every micro-batch after the first adds its gradient shard into the fp32 accumulator: a pass of
+    # 4 + 2 x 4 bytes per local element
+    accumulate = (m - 1) * 12 * g.param_count() / 2 / streaming_bandwidth(dt)
     # nothing else is exposed: the step is m micro-batches of compute plus those gathers, and the optimizer
-    assert e.step_time == pytest.approx(m * (sum(c) + back + exposed_fwd + exposed_bwd)
+    assert e.step_time == pytest.approx(m * (sum(c) + back + exposed_fwd + exposed_bwd) + accumulate
                                         + e.stages[0].part("optimizer"), rel=1e-9)
 
 
@@ -242,3 +246,16 @@ def test_uncalibrated_gpu_small_model_is_host_bound():
     est = estimate_step(g, Cluster.preset("dgx-a100"), ParallelConfig(dtype="fp32", fused_elementwise=True))
     assert est.breakdown()["compute"] == pytest.approx(want)
     assert Cluster.preset("local-cpu:1").device(0).type.host_table("fp32") == {}  # CPUs: none
+
+
+def test_gradient_accumulation_on_accelerators_by_hand():
+    # an uncalibrated GPU adds every micro-batch's gradients after the first into the fp32 accumulator:
+    # one pass reading the bf16 gradient and reading and writing fp32, 2 + 4 + 4 bytes per element
+    from polyparallel.cost_models.compute import streaming_bandwidth
+
+    g = mlp_graph(batch=64, widths=(512, 1024, 512), classes=16)
+    cl = node(1)
+    one = estimate_step(g, cl, ParallelConfig(dtype="bf16", microbatches=1))
+    four = estimate_step(g, cl, ParallelConfig(dtype="bf16", microbatches=4))
+    per_mb = four.stages[0].part("compute") / 4 - one.stages[0].part("compute")
+    assert per_mb == pytest.approx(3 / 4 * 10 * g.param_count() / streaming_bandwidth(cl.devices[0].type), rel=1e-9)
