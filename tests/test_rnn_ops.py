@@ -194,13 +194,25 @@ def test_onnx_export_has_the_torch_numbers(cell: str) -> None:
 
 
 class _Tagger(torch.nn.Module):
+    """Embedding, LSTM, per-token classifier; the mean cross entropy when labels are given."""
+
     def __init__(self) -> None:
         super().__init__()
         self.emb, self.rnn, self.head = torch.nn.Embedding(50, 16), torch.nn.LSTM(16, 32, batch_first=True), \
             torch.nn.Linear(32, 5)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.rnn(self.emb(ids))[0])
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.head(self.rnn(self.emb(ids))[0])
+        return y if labels is None else torch.nn.functional.cross_entropy(y.flatten(0, 1), labels.flatten())
+
+
+def tagger() -> torch.nn.Module:
+    return _Tagger()
+
+
+def tagger_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)  # the same batch on every rank
+    return torch.randint(0, 50, (8, 12), generator=g), torch.randint(0, 5, (8, 12), generator=g)
 
 
 def test_search_never_splits_the_time_steps() -> None:
@@ -269,3 +281,25 @@ def test_cell_ops_count_the_layer_step_by_step(cell: str) -> None:
     torch.testing.assert_close(h_n[0], m(x))
     assert g.param_count() == sum(p.numel() for p in m.parameters())
     _check_coverage(g, steps[0])
+
+
+@pytest.mark.slow  # two processes, as the torch backend's tests
+@pytest.mark.timeout(90)
+def test_tensor_parallel_plan_trains_like_one_process() -> None:
+    """tp=2 runs the LSTM replicated (the backend splits no recurrent op): the plan the search writes
+    is accepted before launch and trains to the single-process losses."""
+    from polyparallel.backends.torch import _examples as ex
+    from polyparallel.backends.torch import train
+    from polyparallel.backends.torch.capabilities import plan_problems
+
+    x, y = tagger_data(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s = polyparallel.search(tagger(), (x,), "local-cpu:2", example_kwargs={"labels": y}, batch_size=8,
+                                constraints={"dp": 1, "tp": 2, "pp": 1, "microbatches": 1, "recompute": "none"})
+        g = capture_torch(tagger(), (x,), {"labels": y})
+    assert (s.dp, s.tp) == (1, 2) and plan_problems(g, s) == []
+    assert all(p.placement == "" for p in s.placements if any("lstm" in o for o in p.ops))
+    log = train(s, tagger, tagger_data, steps=2, lr=0.1, seed=0)
+    ref = ex.single_process_losses(tagger, tagger_data, steps=2, lr=0.1, seed=0)
+    assert max(abs(r["loss"] - want) / want for r, want in zip(log, ref)) <= 1e-5
