@@ -31,6 +31,7 @@ from polyparallel import ops
 from polyparallel.ir import Graph, LoopNest, OpKind, TensorKind
 
 from ._builder import CaptureError, GraphBuilder
+from ._fold import export_folded
 
 __all__ = ["capture_torch"]
 
@@ -743,22 +744,51 @@ def _to_meta_if_needed(model: torch.nn.Module, value: Any) -> Any:
         lambda t: t.to("meta") if isinstance(t, torch.Tensor) and t.device.type != "meta" else t, value)
 
 
+@contextlib.contextmanager
+def _no_stack_traces() -> Iterator[None]:
+    """Tracing without recording each node's Python stack: a quarter of export's time, and the
+    frontend never reads ``node.meta["stack_trace"]``."""
+    import torch.fx.config as fx_config
+
+    before = fx_config.do_not_emit_stack_traces
+    fx_config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        fx_config.do_not_emit_stack_traces = before
+
+
+def _export_program(model: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+    with _no_stack_traces():
+        return torch.export.export(model, args, kwargs=kwargs, strict=False)
+
+
 def _export(model: torch.nn.Module, args: tuple, kwargs: dict, name: str) -> Graph:
-    ep = torch.export.export(model, args, kwargs=kwargs, strict=False)
+    folded = export_folded(model, lambda m: _export_program(m, args, kwargs))
+    if folded is not None:
+        return _walk_export(model, folded.graph.nodes, folded.inputs, folded.graph_module, name)
+    ep = _export_program(model, args, kwargs)
+    inputs = {s.arg.name: (s.kind.name, s.target) for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
+    return _walk_export(model, ep.graph.nodes, inputs, ep.graph_module, name)
+
+
+def _walk_export(model: torch.nn.Module, nodes: Any, inputs: dict[str, tuple[str, str | None]],
+                 graph_module: torch.fx.GraphModule, name: str) -> Graph:
+    """The Graph IR of an exported node sequence; ``inputs`` gives each placeholder's input kind
+    (``PARAMETER``, ``BUFFER``, ``USER_INPUT``...) and target (a parameter's path)."""
     gb = GraphBuilder(name, "torch.export")
     w = _Walker(gb)
-    specs = {s.arg.name: s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
     kind_map = {"PARAMETER": TensorKind.PARAM, "BUFFER": TensorKind.BUFFER, "CONSTANT_TENSOR": TensorKind.CONST,
                 "USER_INPUT": TensorKind.INPUT, "CUSTOM_OBJ": TensorKind.CONST, "TOKEN": TensorKind.CONST}
     graph = gb.graph
     state = {**dict(model.named_parameters(remove_duplicate=False)),
              **dict(model.named_buffers(remove_duplicate=False))}
     by_identity: dict[int, TRef] = {}  # tied weights (lm_head = wte) are one tensor
-    for node in ep.graph.nodes:
+    for node in nodes:
         if node.op == "placeholder":
-            spec = specs.get(node.name)
-            kind = kind_map.get(spec.kind.name, TensorKind.INPUT) if spec else TensorKind.INPUT
-            origin = spec.target if spec is not None and spec.target else None
+            spec = inputs.get(node.name)
+            kind = kind_map.get(spec[0], TensorKind.INPUT) if spec else TensorKind.INPUT
+            origin = spec[1] if spec is not None and spec[1] else None
             obj = state.get(origin) if origin else None
             if obj is not None and id(obj) in by_identity:
                 w.env[node] = by_identity[id(obj)]
@@ -780,7 +810,7 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, name: str) -> Gra
                 if isinstance(v, TRef):
                     graph.outputs.append(v)
         elif node.op == "get_attr":
-            w.env[node] = w.tensor_for(node, getattr(ep.graph_module, node.target, None), TensorKind.CONST,
+            w.env[node] = w.tensor_for(node, getattr(graph_module, node.target, None), TensorKind.CONST,
                                        str(node.target))
     # parameters the export lifted but no op uses still count (they are trained)
     return gb.finish()
