@@ -224,6 +224,9 @@ def test_search_never_splits_the_time_steps() -> None:
     assert s.sp == 1, s
     with pytest.raises(ValueError, match="recurrence over its sequence"):
         op_plans(g, ParallelConfig(dp=1, sp=2))
+    with pytest.raises(polyparallel.DoesNotFit, match=r"'lstm' .* carries a recurrence"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        polyparallel.search(_Tagger(), (ids,), cluster="local-cpu:2", constraints={"placements": "any", "sp": 2})
     assert op_plans(g, ParallelConfig(dp=1, tp=2))  # tp is priced: the LSTM replicated, not split
 
 

@@ -886,9 +886,13 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
 
 def _does_not_fit_message(mdl: ModelGraphs, cl: Cluster, best: _Best | None) -> str:
     if best is None or best.closest is None:
-        hollow = [n for n in (best.notes if best else []) if "no parameter" in n]
+        notes = best.notes if best else []
+        hollow = [n for n in notes if "no parameter" in n]
+        # the cost model's refusals ("dp1 tp1 pp1 sp2 ...: why"), each reason once
+        refused = dict.fromkeys(n.split(": ", 1)[1] for n in notes if n.startswith("dp") and ": " in n)
         return (f"no parallel plan of {mdl.name} is possible on {cl.name} under the constraints given "
-                "(check the pinned degrees against the device count)" + "".join(f"; {n}" for n in hollow))
+                "(check the pinned degrees against the device count)"
+                + "".join(f"; {n}" for n in [*hollow, *list(refused)[:2]]))
     worst = max(best.closest.memory, key=lambda r: r.total - r.capacity)
     return (f"{mdl.name} does not fit on {cl.name}: the closest plan ({best.closest.config}) needs "
             f"{worst.total / 1e9:.2f} GB on {worst.label} but {worst.device} has {worst.capacity / 1e9:.2f} GB "
