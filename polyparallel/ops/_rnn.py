@@ -24,7 +24,10 @@ copies iterate ``l, dir``.
 ``q``, ``l`` or ``dir`` would make one device read what another computes inside the op, step after
 step, which the polyhedral model's placement rule refuses (a dim that indexes a temporary
 differently where it is written and where it is read: :mod:`polyparallel.poly`). The batch ``b``
-splits (data parallelism) and the layer-0 input features ``k`` split with ``gi`` all-reduced.
+splits (data parallelism) and the layer-0 input features ``k`` split with ``gi`` all-reduced (the
+model all-reduces the whole temporary, every layer's: exact for one layer, an over-count above).
+Megatron-style splits of the hidden units would need ``h`` all-gathered at every step, a
+communication inside the op the polyhedral model does not price, so they are not offered.
 
 **FLOPs**, per layer, direction and step: ``2·B·G·H·H_in`` (input matmul, ``H_in = I`` or ``D·H``),
 ``2·B·G·H·H`` (recurrent matmul, counted at every step as the kernels compute it, also against
