@@ -20,11 +20,11 @@ depth) are marked as assumptions in the table. What the training framework of th
 part of the recipe: Megatron-LM (2021) and DeepSpeed's pipeline engine reduced the gradients
 after the last backward (``grad_overlap`` 0), torch DDP overlaps them bucket by bucket (the
 default on accelerators); Megatron-LM scatters a boundary activation over the tensor-parallel
-ranks and sends it asynchronously, DeepSpeed's engine sends the whole tensor from every rank
-with a synchronous send/recv (``pipeline_p2p="deepspeed"``, the MT-NLG and BLOOM rows). No
-figure of the cost model is fitted to these rows: the GEMM efficiencies by shape and the host
-costs come from the H200 measurement (``polyparallel/cluster/devices.py`` says where each comes
-from).
+ranks and sends it asynchronously, DeepSpeed's engine sends the same slices with a synchronous
+send/recv and all-gathers them on the receiver (``pipeline_p2p="deepspeed"``, the MT-NLG and
+BLOOM rows). No figure of the cost model is fitted to these rows: the GEMM efficiencies by
+shape and the host costs come from the H200 measurement (``polyparallel/cluster/devices.py`` says
+where each comes from).
 
     .venv/bin/python benchmarks/cost_validation.py              # both parts
     .venv/bin/python benchmarks/cost_validation.py --part published
@@ -149,8 +149,8 @@ def _mtnlg_row(nodes: int, seconds: float, tflops: float) -> dict[str, Any]:
         "global_batch": 1920, "published_tflops": float(tflops), "flops": "megatron",
         "assumptions": "micro-batch 1; ZeRO-1 (Megatron-DeepSpeed's usual data-parallel optimizer); Megatron's "
                        "default dropouts (0.1, attention included); vocabulary 51200 (GPT-2 BPE, padded); "
-                       "3 layers per stage; DeepSpeed's pipeline engine p2p (whole tensor from every tensor-"
-                       "parallel rank, synchronous send/recv: deepspeed/runtime/pipe/p2p.py, engine.py)",
+                       "3 layers per stage; DeepSpeed's pipeline engine p2p (1/tp slices by synchronous send/recv, "
+                       "all-gathered by the receiver: deepspeed/runtime/pipe/p2p.py, engine.py, schedule.py)",
     }
 
 
@@ -208,8 +208,8 @@ PUBLISHED: list[dict[str, Any]] = [
         "global_batch": 2048, "published_tflops": 150.0,
         "flops": "megatron",
         "assumptions": "micro-batch 2 (Megatron-DeepSpeed BLOOM config); full recompute; DeepSpeed uniform layer "
-                       "partition (70 layers: 6 x 10 stages, 5 x 2); DeepSpeed's pipeline engine p2p (whole "
-                       "tensor from every tensor-parallel rank, synchronous send/recv)",
+                       "partition (70 layers: 6 x 10 stages, 5 x 2); DeepSpeed's pipeline engine p2p (1/tp "
+                       "slices by synchronous send/recv, all-gathered by the receiver)",
     },
     *(_llama3_row(*r) for r in LLAMA3_TABLE4),
 ]

@@ -73,10 +73,12 @@ class ParallelConfig:
             each tensor-parallel rank sends ``1/tp`` of the tensor and the receivers all-gather it
             over the node's fast links (Megatron-LM's scatter/gather), asynchronously: a transfer
             delays its receiver only. ``deepspeed``: DeepSpeed's pipeline engine
-            (``deepspeed/runtime/pipe``): every tensor-parallel rank sends the whole tensor it holds,
-            with synchronous ``p2p.send``/``p2p.recv`` (``async_op`` is refused) issued between the
-            compute instructions, so each transfer occupies both its sender's and its receiver's
-            stream: per micro-batch a stage receives and sends the activation and the gradient.
+            (``deepspeed/runtime/pipe``): the same slices (``pipe_partitioned``/``grad_partitioned``),
+            but sent with synchronous ``p2p.send``/``p2p.recv`` (``async_op`` is refused) issued
+            between the compute instructions, "blocking and must be paired" (``schedule.py``), and
+            rebuilt by an all-gather on the receiver (``PartitionedTensor.full``): each transfer
+            occupies both its sender's and its receiver's stream; per micro-batch a stage receives
+            and sends the activation and the gradient.
         op_plans: one :class:`OpPlan` per graph op, from per-op placements (a placement solver);
             ``None`` prices the Megatron rule of the module docstring.
     """

@@ -67,7 +67,7 @@ def test_breakdown_sums_to_step_and_throughput():
     assert e.pipeline.chunks == 2 and len(e.memory) == 2
 
 
-def test_deepspeed_p2p_sends_whole_tensors_synchronously_by_hand():
+def test_deepspeed_p2p_blocks_both_stages_by_hand():
     # two nodes of two GPUs (one NIC port each), tp 2 inside a node, pp 2 across the nodes
     nic = 25e9
     cl = Cluster.from_dict({"name": "two", "centers": [{"name": "c", "nodes": [
@@ -76,20 +76,21 @@ def test_deepspeed_p2p_sends_whole_tensors_synchronously_by_hand():
     b, s, h, m = 2, 64, 128, 6
     g = gpt_graph(layers=4, hidden=h, heads=4, seq=s, vocab=256, batch=b)
     boundary = b * s * h * 4  # the fp32 residual stream, the one tensor crossing the cut
-    link = nic  # each GPU has its own port
     base = ParallelConfig(tp=2, pp=2, microbatches=m, partition="layers")
     mega = estimate_step(g, cl, base)
     ds = estimate_step(g, cl, ParallelConfig(**{**base.__dict__, "pipeline_p2p": "deepspeed"}))
-    # Megatron: each tp rank sends half the tensor, asynchronously (the hop delays the receiver)
-    assert dict(mega.stages[0].collectives)["p2p"] == pytest.approx(2 * m * (ALPHA + boundary / 2 / link))
-    # DeepSpeed: each tp rank sends the whole tensor, and the stream of both ends waits for it: per
-    # micro-batch stage 0 sends the activation and receives its gradient, stage 1 the reverse
-    whole = ALPHA + boundary / link
+    # both: each tp rank sends half the tensor over its own port
+    half = ALPHA + boundary / 2 / nic
+    assert dict(mega.stages[0].collectives)["p2p"] == pytest.approx(2 * m * half)
+    # DeepSpeed: the stream of both ends waits for the transfer, and the receiver all-gathers the
+    # halves over its tp pair (ring over 2: half the bytes, one step): per micro-batch stage 0 sends
+    # the activation and receives and gathers its gradient, stage 1 the reverse
+    gather = boundary / 2 / BW + ALPHA
     for st in ds.stages:
-        assert st.part("p2p") == pytest.approx(2 * m * whole)
+        assert st.part("p2p") == pytest.approx(m * (2 * half + gather))
         assert st.total == pytest.approx(ds.step_time)
-    # the transfers lengthen every micro-batch's forward and backward on both stages
-    assert ds.step_time - mega.step_time >= 2 * m * whole - 2 * (ALPHA + boundary / 2 / link)
+    # Megatron's asynchronous transfers only delay the fill; DeepSpeed's lengthen every micro-batch
+    assert ds.step_time - mega.step_time >= m * (2 * half + gather) - 2 * half
     assert "p2p=deepspeed" in str(ds.config) and "p2p" not in str(mega.config)
 
 
