@@ -34,8 +34,8 @@ per rank and their gradients are reduced over the ``dp·sp/ep`` ranks holding th
 the slowest device type of the stage. The pipeline schedule is simulated
 (:mod:`.pipeline`) with the boundary p2p times (activations scattered over ``tp``, sent
 asynchronously: a hop delays the receiver). Under ``pipeline_p2p="deepspeed"`` (DeepSpeed's
-pipeline engine) every tensor-parallel rank sends the whole boundary tensor with a synchronous
-send/recv, so the transfers into and out of a stage lengthen its ``F_s`` and ``B_s`` instead.
+pipeline engine) the slices go by synchronous send/recv and the receiver all-gathers them over its
+tensor-parallel group, so the transfers into and out of a stage lengthen its ``F_s`` and ``B_s``.
 
 **Data-parallel gradients**: over the ``dp·sp`` group (the groups of all ``tp`` ranks run at
 once and share their nodes' network ports: ``concurrent`` in :mod:`.comm`; likewise for the
@@ -1063,9 +1063,12 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
         for i, _, nb in active:
             boundary[g] += nb / (cfg.tp * cfg.sp)
             from_rec[g] += nb / (cfg.tp * cfg.sp) if rec[seg_of_op[i]] else 0.0
-    # DeepSpeed's engine: every tensor-parallel rank sends the whole tensor it holds (tp·boundary),
-    # blocking the stream on both ends
-    sync_hop = [max(_p2p(cluster, ccache, a, b, boundary[g] * cfg.tp) for a, b in layout[g % p].p2p_pairs)
+    # DeepSpeed's engine (pipe_partitioned / grad_partitioned, its defaults under tensor parallelism):
+    # each tensor-parallel rank sends its 1/tp slice, blocking the stream on both ends, and the
+    # receiver rebuilds the tensor with an all-gather over its tensor-parallel group (PartitionedTensor.full)
+    sync_hop = [(max(_p2p(cluster, ccache, a, b, boundary[g]) for a, b in layout[g % p].p2p_pairs),
+                 max(_price(cluster, ccache, [("all_gather", boundary[g] * cfg.tp)], grp, gid)
+                     for grp, gid in layout[(g + 1) % p].tp_groups) if cfg.tp > 1 else 0.0)
                 for g in range(p * v - 1)] if cfg.pipeline_p2p == "deepspeed" else []
     out = []
     for s in range(p):
@@ -1119,10 +1122,11 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
                  for g in range(s, p * v - 1, p)]
         block = 0.0
         if sync_hop:
-            # per micro-batch the stage receives (boundary g − 1) and sends (boundary g), in the
-            # forward and again, as gradients, in the backward
-            block = sum(sync_hop[g - 1] for g in range(s, p * v, p) if g > 0) + sum(
-                sync_hop[g] for g in range(s, p * v - 1, p))
+            # per micro-batch the forward receives and gathers boundary g − 1 and sends boundary g; the
+            # backward receives and gathers g's gradient and sends g − 1's: half the gathers in each
+            ends = [sync_hop[g - 1] for g in range(s, p * v, p) if g > 0] + [
+                sync_hop[g] for g in range(s, p * v - 1, p)]
+            block = sum(x + ag / 2 for x, ag in ends)
             times = []
         # a stage holds, until their gradients pass, what it received (its own buffers) and what it sent
         recv = [g - 1 for g in range(s, p * v, p) if g > 0]
