@@ -692,8 +692,9 @@ def _executable(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B: 
             if best.est is None:
                 raise DoesNotFit("no plan the torch backend executes fits: " + "; ".join(refused[-3:])) from e
             strat = strategy_of(mdl, cl, best.est, best.b, B, devs, record, c.placements, c.memory_cap)
-    if refused:
-        notes = [*strat.search.notes, f"left out {len(refused)} faster plan(s) the torch backend refuses for this "
+    if refused:  # the axes' reasons were the refused plan's: give the chosen one's
+        notes = [*(n for n in strat.search.notes if not n.startswith("why ")), *_why_axes(best, c),
+                 f"left out {len(refused)} faster plan(s) the torch backend refuses for this "
                  "model: " + " | ".join(r[:300] for r in refused)]
         strat = strat.model_copy(update={"search": strat.search.model_copy(update={"notes": notes})})
     return strat
