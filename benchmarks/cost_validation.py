@@ -207,9 +207,12 @@ PUBLISHED: list[dict[str, Any]] = [
                    "pipeline_p2p": "deepspeed"},
         "global_batch": 2048, "published_tflops": 150.0,
         "flops": "megatron",
-        "assumptions": "micro-batch 2 (Megatron-DeepSpeed BLOOM config); full recompute; DeepSpeed uniform layer "
-                       "partition (70 layers: 6 x 10 stages, 5 x 2); DeepSpeed's pipeline engine p2p (1/tp "
-                       "slices by synchronous send/recv, all-gathered by the receiver)",
+        "assumptions": "from bigscience train/tr11-176B-ml (slurm script, README): micro-batch 2, bf16 with "
+                       "DeepSpeed's BF16_Optimizer (its own ZeRO-1, fp32 gradients), --checkpoint-activations, "
+                       "partition [embed|5], 6 x 10, [5|embed]; ours cuts [embed|6], 6 x 9, 5, [5|head]: the same "
+                       "slowest stage (the last); DeepSpeed's pipeline engine p2p (1/tp slices by synchronous "
+                       "send/recv, all-gathered by the receiver); its CUDA_LAUNCH_BLOCKING=1 not modelled (the "
+                       "host's dispatch, ~1% of these kernels' time, would add to the device time)",
     },
     *(_llama3_row(*r) for r in LLAMA3_TABLE4),
 ]
