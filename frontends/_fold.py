@@ -25,10 +25,14 @@ model is exported whole, as before):
   before the stack or from block 0), and nothing
   after the stack reads a block other than the last;
 - replaying fx's namer over the three-block export gives back its own node names.
+
+What no trace of three blocks can see is control flow in the parent's loop on a block index it
+never reaches (``if i == 7: x = x * 0.5``); ``POLYPARALLEL_FOLD=0`` traces every block.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,6 +71,8 @@ def export_folded(model: nn.Module, export: Callable[[nn.Module], Any]) -> Folde
     """Export ``model`` (``export(model)`` returns an ``ExportedProgram``) with its deepest
     stack of alike blocks traced three blocks deep; None when the model has no such stack or
     a check fails (the caller then exports it whole)."""
+    if os.environ.get("POLYPARALLEL_FOLD", "1") == "0":
+        return None
     found = _stack(model)
     if found is None:
         return None
@@ -190,13 +196,18 @@ def _unfold(ep: Any, path: str, n: int, keep: int) -> FoldedProgram | None:
             return int(head) if head.isdigit() else None
         return None
 
+    # block k's segment: its nodes and the parent's nodes up to block k+1 (the loop's own work
+    # between blocks, ``act(layer(x))``); the last block's segment is as long as its predecessor's
     where = [_block_of(x, prefix) for x in body]
-    idx = [i for i, b in enumerate(where) if b is not None]
-    if not idx or any(b is None for b in where[idx[0]:idx[-1] + 1]) or where[idx[0]:idx[-1] + 1] != sorted(
-            where[idx[0]:idx[-1] + 1]) or set(where[idx[0]:idx[-1] + 1]) != set(range(keep)):
+    first = [next((i for i, b in enumerate(where) if b == k), None) for k in range(keep)]
+    if None in first or first != sorted(first) or any(b is not None and b >= keep for b in where):
         return None
-    pre, post = body[:idx[0]], body[idx[-1] + 1:]
-    blk = [[x for x, b in zip(body, where, strict=True) if b == k] for k in range(keep)]
+    ends = [*first[1:], first[c] + first[c] - first[p]]
+    blk = [body[first[k]:ends[k]] for k in range(keep)]
+    pre, post = body[:first[0]], body[ends[c]:]
+    if ends[c] > len(body) or any(where[i] not in (k, None) for k in range(keep) for i in range(first[k], ends[k])) \
+            or any(where[i] is not None for i in range(ends[c], len(body))):
+        return None
     pos = [{x: i for i, x in enumerate(b)} for b in blk]
     # a placeholder a block owns, by its path inside the block; constants export lifts out of the
     # blocks (a KV cache's empty tensors) carry a counter over the whole model, ``lifted_tensor_7``,
@@ -247,8 +258,11 @@ def _unfold(ep: Any, path: str, n: int, keep: int) -> FoldedProgram | None:
         if a.op != b.op or a.target != b.target or not same(a.args, b.args) or not same(a.kwargs, b.kwargs) \
                 or _shapes(va) != _shapes(vb):
             return None
+    # after the stack, only the last block's values (and parameters: ``layers[-1]``) are what they
+    # are in the full model; before it, a reference to the three-block list's last block would be
     late = {x for k in range(c) for x in [*blk[k], *own[k]]}
-    if any(u in late for x in post for u in x.all_input_nodes):
+    if any(u in late for x in post for u in x.all_input_nodes) or \
+            any(u in own[c] for x in pre for u in x.all_input_nodes):
         return None
 
     g = torch.fx.Graph()
@@ -323,6 +337,8 @@ def _unfold(ep: Any, path: str, n: int, keep: int) -> FoldedProgram | None:
     last = prev
 
     def tail(a: torch.fx.Node) -> torch.fx.Node:
+        if a in own[c]:
+            return copies[-1][a] if copies else new[a]
         return last[a] if a in pos[c] else new[a]
 
     for x in post:

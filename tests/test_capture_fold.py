@@ -75,6 +75,24 @@ class _Stack(nn.Module):
         return x.sum()
 
 
+class _LastTied(_Stack):
+    """The head reads the last block's weight (``blocks[-1]``): block N-1's in the full model."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x).tanh()
+        return (x @ self.blocks[-1].weight.t()).sum()
+
+
+def test_a_head_reading_the_last_block_reads_the_last_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    full, folded, did = _both(_LastTied([nn.Linear(8, 8) for _ in range(LAYERS)]), (torch.randn(2, 8),), monkeypatch)
+    assert did
+    _assert_same(full, folded)
+    last = [o for o in full.ops if o.target.startswith("aten.t")][-1]
+    assert full.tensors[last.inputs[0]].origin == f"blocks.{LAYERS - 1}.weight"
+
+
 def _both(model: nn.Module, inputs: tuple, monkeypatch: pytest.MonkeyPatch):
     """(full capture, folded capture, whether folding happened)."""
     seen = []
@@ -142,3 +160,9 @@ def test_blocks_that_differ_are_not_folded(case: str, monkeypatch: pytest.Monkey
     _assert_same(full, folded)
     if case == "index attribute":  # the one odd block is in the graph
         assert sum(o.target.startswith("aten.relu") for o in full.ops) == 1
+
+
+def test_folding_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POLYPARALLEL_FOLD", "0")
+    m = Llama(LlamaConfig(vocab=VOCAB, seq=SEQ, hidden=32, heads=4, kv_heads=2, layers=LAYERS))
+    assert _fold.export_folded(m, lambda _: pytest.fail("no export expected")) is None
