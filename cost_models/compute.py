@@ -90,6 +90,8 @@ from polyparallel.cluster import DeviceType
 from polyparallel.cluster.devices import HOPPER_GEMM_DEVICES, HOPPER_GEMM_EFFICIENCY, HOPPER_SQUARE_GEMM_EFFICIENCY
 from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Hint, Op, OpKind, TensorKind, element_bytes
 
+from .memo import PRICES
+
 __all__ = [
     "BACKWARD_FACTOR",
     "COMPUTE_EFFICIENCY",
@@ -103,6 +105,7 @@ __all__ = [
     "host_seconds",
     "host_step_fixed",
     "op_bytes",
+    "op_classes",
     "op_cost",
     "streaming_bandwidth",
 ]
@@ -317,6 +320,35 @@ def _misaligned(op: Op) -> bool:
 def _pointwise(op: Op) -> bool:
     """A convolution whose kernel covers one point (1x1): cuDNN runs it as a plain GEMM."""
     return op.nest is None or math.prod(d.extent for d in op.nest.dims if d.hint is Hint.KERNEL) == 1
+
+
+def op_classes(graph: Graph) -> list[int]:
+    """Per op of ``graph``, a class number: ops of one class get equal :func:`op_cost` (and equal
+    :func:`op_bytes`), whatever their names, so the repeated layers of a model are priced once.
+
+    The class is everything ``op_cost`` reads: the op's kind, target, loop nest, attributes and
+    FLOP estimate, its operands' shapes and dtypes, and which operands name the same tensor.
+    Memoised per graph.
+    """
+    memo = PRICES.of(graph)
+    hit = memo.get(("op_classes",))
+    if hit is not None:
+        return hit
+    ids: dict = {}
+    out = []
+    tensors = graph.tensors
+    for i, op in enumerate(graph.ops):
+        names = op.inputs + op.outputs
+        first: dict[str, int] = {}
+        key = (op.kind, op.target, op.nest, op.attrs, op.flops_estimate,
+               tuple((tensors[t].shape, tensors[t].dtype) for t in names),
+               tuple(first.setdefault(t, j) for j, t in enumerate(names)))
+        try:
+            out.append(ids.setdefault(key, len(ids)))
+        except TypeError:  # an unhashable attribute value: a class of its own
+            out.append(ids.setdefault(("op", i), len(ids)))
+    memo[("op_classes",)] = out
+    return out
 
 
 def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split: float = 1.0,

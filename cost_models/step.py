@@ -108,7 +108,7 @@ from polyparallel.cluster import Cluster, DeviceType
 from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Hint, Op, OpKind, TensorKind, element_bytes
 
 from .comm import collective_time, p2p_time
-from .compute import host_seconds, host_step_fixed, op_cost, streaming_bandwidth
+from .compute import host_seconds, host_step_fixed, op_classes, op_cost, streaming_bandwidth
 from .layers import LAYER, chunk_of_ops, chunk_ranges, chunks, layer_segments, segments
 from .megatron_rule import op_plans, tensor_bytes
 from .memo import PRICES
@@ -578,21 +578,32 @@ def _ddp_exposed(cluster: Cluster, ccache: dict, groups: Sequence, grad_bytes: f
     stream): ``f_i = max(r_i, f_{i-1}) + AR(b_i)``. Exposed: ``max(0, f_last − window)`` — the last
     bucket never overlaps, and nothing is reduced before the first bucket fills.
     """
-    sizes = [min(DDP_FIRST_BUCKET_BYTES, grad_bytes)]
-    rest = grad_bytes - sizes[0]
-    full, tail = divmod(rest, DDP_BUCKET_BYTES)
-    sizes += [DDP_BUCKET_BYTES] * int(full) + ([tail] if tail > 0 else [])
+    key = ("ddp_exposed", tuple(gid for _, gid in groups), grad_bytes, window)
+    hit = ccache.get(key)  # plans differing in m, the schedule or memory knobs share it
+    if hit is not None:
+        return hit
+    first = min(DDP_FIRST_BUCKET_BYTES, grad_bytes)
+    full, tail = divmod(grad_bytes - first, DDP_BUCKET_BYTES)
+    # the buckets: `first`, `full` of DDP_BUCKET_BYTES, then `tail` (a big model has ~10^4 of them;
+    # the loop below is the recurrence above, operation for operation, with its prices hoisted)
+    runs = [(first, 1), (DDP_BUCKET_BYTES, int(full))] + ([(tail, 1)] if tail > 0 else [])
     worst = 0.0
     for grp, gid in groups:
         price: dict[float, float] = {}
         done = produced = 0.0
-        for b in sizes:
+        for b, count in runs:
+            if not count:
+                continue
             if b not in price:
                 price[b] = _price(cluster, ccache, (("all_reduce", b),), grp, gid)
-            produced += b
-            done = max(window * produced / grad_bytes, done) + price[b]
+            p_b = price[b]
+            for _ in range(count):
+                produced += b
+                ready = window * produced / grad_bytes
+                done = (done if done > ready else ready) + p_b
         worst = max(worst, done - window)
-    return max(0.0, worst)
+    ccache[key] = out = max(0.0, worst)
+    return out
 
 
 def _data_parallel(cluster: Cluster, ccache: dict, terms: _StageTerms, s: int, cfg: ParallelConfig, gb: int,
@@ -863,10 +874,12 @@ def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
     if hit is not None:
         return hit
     fw, bw, att = [], [], []
+    classes = op_classes(graph)
     for i, op in enumerate(graph.ops):
         # tensor-parallel parameters are DTensors: their ops pay the host's dispatch (compute.py)
         sharded = plans[i].param_split > 1
-        k = (i, dt.cache_key, cfg.dtype, plans[i].split, cfg.fused_attention, sharded, cfg.fused_elementwise)
+        k = ("op_cost", classes[i], dt.cache_key, cfg.dtype, plans[i].split, cfg.fused_attention, sharded,
+             cfg.fused_elementwise)
         c = op_costs.get(k)
         if c is None:
             c = op_costs[k] = op_cost(graph, op, dt, cfg.dtype, split=plans[i].split,
@@ -1036,6 +1049,7 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
     chunk_of_op = chunks(graph, p * v, cfg.partition)
     plans = op_plans(graph, cfg)
     ev_idx, ev, use_idx, uses = _per_plan(graph, cfg, plans)
+    gmemo = PRICES.of(graph)
     ccache: dict = PRICES.of(cluster).setdefault("collectives", {})
     n = len(graph.ops)
     ranges = chunk_ranges(graph, p * v, cfg.partition)
@@ -1092,19 +1106,33 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
                     f, b = f * h / (f + b), b * h / (f + b)
             by_type.append((dt, f, b, a_f, tuple(sum(fw[i] for i in segs[j]) for j in stage_segs)))
         # every group of the stage runs the same collectives; the slowest one sets the pace
-        stage_ev = [e for a, z in rng for e in ev[bisect_left(ev_idx, a): bisect_left(ev_idx, z)]]
+        # (the events and their prices depend on the plans and the stage's op ranges, not on dp, m or
+        # the memory knobs: memoised per graph for the plans sharing them)
+        stage_key = ("stage_ev", cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.dtype, cfg.op_plans, tuple(rng))
+        stage_memo = gmemo.get(stage_key)
+        if stage_memo is None:
+            stage_memo = gmemo[stage_key] = ([], {})
+            stage_ev = [e for a, z in rng for e in ev[bisect_left(ev_idx, a): bisect_left(ev_idx, z)]]
+            for which in range(4):
+                agg: dict[tuple[str, float], int] = {}
+                for e in stage_ev:
+                    for x in e[which]:
+                        agg[x] = agg.get(x, 0) + 1
+                stage_memo[0].append(agg)
 
-        def slowest(which: int, groups: tuple[_Group, ...], stage_ev: list[tuple] = stage_ev) -> float:
+        def slowest(which: int, groups: tuple[_Group, ...], stage_memo: tuple = stage_memo) -> float:
             # identical (kind, bytes) events repeat in every layer: price each distinct one once
             # per group, and each distinct group (by the nodes its members sit on) once
-            agg: dict[tuple[str, float], int] = {}
-            for e in stage_ev:
-                for x in e[which]:
-                    agg[x] = agg.get(x, 0) + 1
+            agg = stage_memo[0][which]
             if not agg:
                 return 0.0
-            return max(sum(k * _price(cluster, ccache, [x], grp, gid) for x, k in agg.items())
-                       for grp, gid in groups)
+            key = (which, id(cluster), tuple(gid for _, gid in groups))
+            hit = stage_memo[1].get(key)
+            if hit is not None and hit[0] is cluster:  # the cluster is held, so its id is not reused
+                return hit[1]
+            t = max(sum(k * _price(cluster, ccache, [x], grp, gid) for x, k in agg.items()) for grp, gid in groups)
+            stage_memo[1][key] = (cluster, t)
+            return t
 
         # memory inputs
         seen: set[str] = set()

@@ -162,7 +162,9 @@ def plan_problems(graph: Graph | None, s: Any) -> list[str]:
 def _recompute_problems(graph: Graph | None, recompute: str) -> list[str]:
     from polyparallel.backends.torch._recompute import recompute_problems
 
-    return recompute_problems(graph, recompute)
+    if graph is None:
+        return recompute_problems(graph, recompute)
+    return list(_per_graph(graph, ("recompute", recompute), lambda: tuple(recompute_problems(graph, recompute))))
 
 
 def _stage_sp_problems(graph: Graph, sp: int) -> list[str]:

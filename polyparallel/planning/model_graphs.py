@@ -18,7 +18,8 @@ from typing import Any
 
 from polyparallel.ir import Graph, _Any
 
-__all__ = ["ANCHORS", "MAX_MICRO", "ModelGraphs", "NotAffine", "divisors", "graph_batch", "rebatch", "rebatch_graph"]
+__all__ = ["ANCHORS", "MAX_MICRO", "ModelGraphs", "NotAffine", "Rebatcher", "divisors", "graph_batch", "rebatch",
+           "rebatch_graph"]
 
 MAX_MICRO = 8
 ANCHORS = (2, 4)  # batch sizes a module is captured at; the others are re-batched from these
@@ -34,6 +35,7 @@ class ModelGraphs:
         self.capture_s = 0.0
         self.rebatch_failed = ""  # why re-batching was given up, if it was
         self.derived: set[int] = set()  # sizes whose graph was re-batched, not captured
+        self._rebatcher: Rebatcher | None = None
         if isinstance(model, Graph):
             self.b0 = graph_batch(model)
             self.graphs[self.b0] = model
@@ -128,7 +130,9 @@ class ModelGraphs:
         if not self.resizable or self.rebatch_failed or b in (lo, hi):
             return None
         try:
-            return rebatch_graph(self.graph(lo), self.graph(hi), lo, hi, b)
+            if self._rebatcher is None:
+                self._rebatcher = Rebatcher(self.graph(lo), self.graph(hi), lo, hi)
+            return self._rebatcher.at(b)
         except (NotAffine, ValueError, RuntimeError, TypeError) as e:  # capture each size instead
             self.rebatch_failed = f"{type(e).__name__}: {e}"
             return None
@@ -171,44 +175,101 @@ def rebatch_graph(lo: Graph, hi: Graph, b_lo: int, b_hi: int, b: int) -> Graph:
     Raises:
         NotAffine: naming the first difference that is not batch-affine (then capture instead).
     """
-    for name, t in lo.tensors.items():
-        if t.is_param and hi.tensors.get(name) != t:
-            raise NotAffine(f"parameter {name} differs between the batch {b_lo} and {b_hi} captures")
-    g = Graph(name=lo.name, tensors=_affine(lo.tensors, hi.tensors, b_lo, b_hi, b, "tensors"),
-              ops=_affine(lo.ops, hi.ops, b_lo, b_hi, b, "ops"), inputs=list(lo.inputs), outputs=list(lo.outputs),
-              source=lo.source, warnings=list(lo.warnings))
-    g.__dict__["_transform_history"] = lo.__dict__.get("_transform_history", ())
-    return g
+    return Rebatcher(lo, hi, b_lo, b_hi).at(b)
 
 
-def _affine(x: Any, y: Any, b_lo: int, b_hi: int, b: int, where: str) -> Any:
+class Rebatcher:
+    """:func:`rebatch_graph` for many batch sizes: the two anchors are compared once.
+
+    The comparison yields, for each part of the graph, either "the same in both captures" (the
+    re-batched graph shares the anchor's immutable value) or a builder that re-evaluates the
+    integers that differ, so a size costs one pass over the batch-dependent parts only.
+    """
+
+    def __init__(self, lo: Graph, hi: Graph, b_lo: int, b_hi: int) -> None:
+        for name, t in lo.tensors.items():
+            if t.is_param and hi.tensors.get(name) != t:
+                raise NotAffine(f"parameter {name} differs between the batch {b_lo} and {b_hi} captures")
+        self.lo, self.b_lo, self.b_hi = lo, b_lo, b_hi
+        self._tensors = _diff(lo.tensors, hi.tensors, self, "tensors") or _copy
+        # ops are rebuilt at every size even where unchanged: each graph owns its Op objects
+        self._ops = _diff(lo.ops, hi.ops, self, "ops", rebuild=True) or _copy
+
+    def at(self, b: int) -> Graph:
+        lo = self.lo
+        g = Graph(name=lo.name, tensors=self._tensors(lo.tensors, b), ops=self._ops(lo.ops, b), inputs=list(lo.inputs),
+                  outputs=list(lo.outputs), source=lo.source, warnings=list(lo.warnings))
+        g.__dict__["_transform_history"] = lo.__dict__.get("_transform_history", ())
+        return g
+
+
+Builder = Any  # (anchor value at b_lo, b) -> value at b
+
+
+def _copy(x: Any, b: int) -> Any:
+    return type(x)(x)
+
+
+def _diff(x: Any, y: Any, rb: Rebatcher, where: str, rebuild: bool = False) -> Builder | None:
+    """None where ``x`` and ``y`` are the same value (reused as is), else a builder of the value at ``b``."""
     if type(x) is not type(y):
         raise NotAffine(f"{where}: {type(x).__name__} vs {type(y).__name__}")
     if isinstance(x, bool) or x is None or isinstance(x, str | float | Enum | _Any):
         if x != y:
             raise NotAffine(f"{where}: {x!r} vs {y!r}")
-        return x
+        return None
     if isinstance(x, int):
         if x == y:
-            return x
-        slope, rem = divmod(y - x, b_hi - b_lo)
+            return None
+        slope, rem = divmod(y - x, rb.b_hi - rb.b_lo)
         if rem:
-            raise NotAffine(f"{where}: {x} at batch {b_lo}, {y} at batch {b_hi} is not affine in the batch")
-        return x + slope * (b - b_lo)
+            raise NotAffine(f"{where}: {x} at batch {rb.b_lo}, {y} at batch {rb.b_hi} is not affine in the batch")
+        b_lo = rb.b_lo
+        return lambda v, b: v + slope * (b - b_lo)
     if isinstance(x, tuple | list):
         if len(x) != len(y):
             raise NotAffine(f"{where}: {len(x)} vs {len(y)} entries")
-        out = [_affine(u, v, b_lo, b_hi, b, f"{where}[{i}]") for i, (u, v) in enumerate(zip(x, y))]
-        return tuple(out) if isinstance(x, tuple) else out
+        subs = [(i, f) for i, (u, v) in enumerate(zip(x, y))
+                if (f := _diff(u, v, rb, f"{where}[{i}]", rebuild)) is not None]
+        if not subs:
+            return None
+        kind = type(x)
+
+        def seq(v: Any, b: int) -> Any:
+            out = list(v)
+            for i, f in subs:
+                out[i] = f(v[i], b)
+            return out if kind is list else kind(out)
+        return seq
     if isinstance(x, dict):
         if list(x) != list(y):
             raise NotAffine(f"{where}: different keys")
-        return {k: _affine(x[k], y[k], b_lo, b_hi, b, f"{where}.{k}") for k in x}
+        items = [(k, f) for k in x if (f := _diff(x[k], y[k], rb, f"{where}.{k}")) is not None]
+        if not items:
+            return None
+
+        def dct(v: Any, b: int) -> Any:
+            out = dict(v)
+            for k, f in items:
+                out[k] = f(v[k], b)
+            return out
+        return dct
     if is_dataclass(x):
-        return type(x)(**{f.name: _affine(getattr(x, f.name), getattr(y, f.name), b_lo, b_hi, b,
-                                          f"{where}.{f.name}") for f in fields(x)})
+        names = [f.name for f in fields(x)]
+        subs = [(n, f) for n in names
+                if (f := _diff(getattr(x, n), getattr(y, n), rb, f"{where}.{n}")) is not None]
+        if not subs and not rebuild:
+            return None
+        cls = type(x)
+
+        def obj(v: Any, b: int) -> Any:
+            kw = {n: getattr(v, n) for n in names}
+            for n, f in subs:
+                kw[n] = f(kw[n], b)
+            return cls(**kw)
+        return obj
     if x == y:  # an attribute value of another type (a dtype, a device...)
-        return x
+        return None
     raise NotAffine(f"{where}: {x!r} vs {y!r}")
 
 
