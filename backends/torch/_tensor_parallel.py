@@ -129,8 +129,13 @@ def _values(e: Any, ext: dict[str, int], cons: dict[str, frozenset[int]]) -> fro
     ranges = [sorted(cons[d]) if d in cons else range(ext[d]) for d in dims]
     if math.prod(len(r) for r in ranges) > _MAX_POINTS:
         raise _NotHeadLocal(f"index {e} spans too many points to enumerate")
-    coefs = [c for _, c in e.terms]
-    return frozenset(e.const + sum(c * x for c, x in zip(coefs, pt)) for pt in itertools.product(*ranges))
+    import numpy as np
+
+    # the sums over the product of the ranges, one axis at a time (an attention's heads block is ~10^4 points)
+    vals = np.array([e.const], dtype=np.int64)
+    for (_, c), r in zip(e.terms, ranges):
+        vals = (vals[:, None] + c * np.asarray(r, dtype=np.int64)[None, :]).ravel()
+    return frozenset(np.unique(vals).tolist())
 
 
 def _constraints(write: Any, region: Region, ext: dict[str, int]) -> dict[str, frozenset[int]] | None:
