@@ -99,6 +99,8 @@ center's share of the data is proportional to its throughput.
 
 from __future__ import annotations
 
+import functools
+import gc
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -415,6 +417,27 @@ def _plans(base: ParallelConfig, c: Constraints, layers: int,
             yield rungs
 
 
+def _collector_paused(fn: Callable[..., Strategy]) -> Callable[..., Strategy]:
+    """Run ``fn`` with Python's cyclic garbage collector paused. A search builds millions of
+    short-lived objects next to a big heap that lives through it (the captured graphs, the model's
+    fake tensors), and the collector rescanned that heap every few thousand allocations: ~20% of
+    llama-8b's search CPU. The objects go by reference count; the few cycles wait until the
+    search returns (gpt3-175b: 900 MB peak instead of 770 MB)."""
+
+    @functools.wraps(fn)
+    def paused(*args: Any, **kwargs: Any) -> Strategy:
+        if not gc.isenabled():
+            return fn(*args, **kwargs)
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.enable()
+
+    return paused
+
+
+@_collector_paused
 def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path = "local-cpu:2", *,
            example_kwargs: dict[str, Any] | None = None, objective: str = "throughput",
            constraints: Constraints | dict[str, Any] | None = None, exhaustive: bool = False,
