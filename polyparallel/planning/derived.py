@@ -80,11 +80,15 @@ def _tp_rule(g: Graph, cfg: ParallelConfig) -> list[str]:
     from polyparallel.planning.place_plan import rule_placements
     from polyparallel.poly import Placement
 
+    tp_part: dict[str, str] = {}  # the ops of a model share a handful of placements
     out = []
     for s in rule_placements(g, replace(cfg, dp=1)):
-        pl = Placement.parse(s)
-        out.append(str(Placement(tuple((d, tuple(a for a in axes if a == "tp")) for d, axes in pl.splits
-                                       if "tp" in axes))))
+        t = tp_part.get(s)
+        if t is None:
+            pl = Placement.parse(s)
+            t = tp_part[s] = str(Placement(tuple((d, tuple(a for a in axes if a == "tp")) for d, axes in pl.splits
+                                                 if "tp" in axes)))
+        out.append(t)
     return out
 
 
