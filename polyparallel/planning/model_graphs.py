@@ -33,6 +33,7 @@ class ModelGraphs:
         self.graphs: dict[int, Graph] = {}
         self.priced: dict[int, Graph] = {}
         self.capture_s = 0.0
+        self.capture_cpu_s = 0.0  # the same, in this process's CPU time (independent of the machine's load)
         self.rebatch_failed = ""  # why re-batching was given up, if it was
         self.derived: set[int] = set()  # sizes whose graph was re-batched, not captured
         self._rebatcher: Rebatcher | None = None
@@ -64,7 +65,7 @@ class ModelGraphs:
     def _capture_raw(self, b: int | None) -> Graph:
         import polyparallel as pp
 
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             if b is None:
@@ -74,6 +75,7 @@ class ModelGraphs:
                 kwargs = {k: rebatch(v, self.b0, b) for k, v in self.kwargs.items()}
                 g = pp.capture(self.model, args, kwargs)
         self.capture_s += time.perf_counter() - t
+        self.capture_cpu_s += time.process_time() - c
         return g
 
     def graph(self, b: int) -> Graph:
