@@ -625,24 +625,17 @@ def _data_parallel(cluster: Cluster, ccache: dict, terms: _StageTerms, s: int, c
         return (), 0.0, 0.0, 0.0, 0.0
     m, z = cfg.microbatches, cfg.zero_stage
     params = terms.params[s]
-    if z == 0:
-        events: tuple[tuple[str, float], ...] = (("all_reduce", params * rb),)
-        t_dp = max(_price(cluster, ccache, events, grp, gid) for grp, gid in groups)
-        if buckets and params:
-            return events, t_dp, _ddp_exposed(cluster, ccache, groups, params * rb, terms.bwd[s] / v), 0.0, 0.0
-        return events, t_dp, max(0.0, t_dp - omega * terms.bwd[s] / v), 0.0, 0.0
+    if z == 0 or (z in (1, 2) and not (cfg.pp == 1 and units)):
+        # a function of the group's price classes and a few numbers: the stages and plans sharing them
+        # (the repeated layers' stages, plans differing in the schedule or, below ZeRO-2, in m) share it
+        key = ("data_parallel", z, m if z == 2 else 0, tuple(gid for _, gid in groups), params, terms.bwd[s], gb,
+               omega, v, buckets)
+        hit = ccache.get(key)
+        if hit is None:
+            hit = ccache[key] = _dp_flat(cluster, ccache, groups, params, terms.bwd[s], z, m, gb, omega, v, buckets)
+        return hit
     if cfg.pp == 1 and units:
         return _fsdp_exposed(cluster, ccache, groups, units, cfg, gb, rb, omega, terms.bwd[s])
-    if z in (1, 2):
-        # ZeRO-2 shards the gradients, so every micro-batch's are reduce-scattered as they come
-        n_rs = m if z == 2 else 1
-        events = (("reduce_scatter", params * rb), ("all_gather", params * gb))
-        t_dp = max(n_rs * _price(cluster, ccache, events[:1], grp, gid) + _price(cluster, ccache, events[1:], grp, gid)
-                   for grp, gid in groups)
-        # ZeRO-1 overlaps the last micro-batch's backward (of its last chunk, interleaved); ZeRO-2
-        # each micro-batch's reduce-scatter with that micro-batch's whole backward
-        hide = omega * (m * terms.bwd[s] if z == 2 else terms.bwd[s] / v)
-        return events, t_dp, max(0.0, t_dp - hide), 0.0, 0.0
     # ZeRO-3: per micro-batch, each layer's weights are gathered before its forward (the next
     # layer's gather runs during this layer's compute), gathered again for its backward, and its
     # gradients reduce-scattered; the backward's two share the link against the backward compute
@@ -666,6 +659,28 @@ def _data_parallel(cluster: Cluster, ccache: dict, terms: _StageTerms, s: int, c
         hit = terms.memo[key] = (per_mb, ef, eb)
     per_mb, ef, eb = hit
     return (("all_gather", params * gb), ("reduce_scatter", params * rb)), m * per_mb, 0.0, ef, eb
+
+
+def _dp_flat(cluster: Cluster, ccache: dict, groups: Sequence[_Group], params: float, bwd: float, z: int, m: int,
+             gb: int, omega: float, v: int, buckets: bool) -> tuple[tuple[tuple[str, float], ...], float, float, float,
+                                                                   float]:
+    """:func:`_data_parallel` without FSDP2 units: ZeRO-0 (DDP), or ZeRO-1/2 inside pipeline stages."""
+    rb = max(gb, 4)
+    if z == 0:
+        events: tuple[tuple[str, float], ...] = (("all_reduce", params * rb),)
+        t_dp = max(_price(cluster, ccache, events, grp, gid) for grp, gid in groups)
+        if buckets and params:
+            return events, t_dp, _ddp_exposed(cluster, ccache, groups, params * rb, bwd / v), 0.0, 0.0
+        return events, t_dp, max(0.0, t_dp - omega * bwd / v), 0.0, 0.0
+    # ZeRO-2 shards the gradients, so every micro-batch's are reduce-scattered as they come
+    n_rs = m if z == 2 else 1
+    events = (("reduce_scatter", params * rb), ("all_gather", params * gb))
+    t_dp = max(n_rs * _price(cluster, ccache, events[:1], grp, gid) + _price(cluster, ccache, events[1:], grp, gid)
+               for grp, gid in groups)
+    # ZeRO-1 overlaps the last micro-batch's backward (of its last chunk, interleaved); ZeRO-2
+    # each micro-batch's reduce-scatter with that micro-batch's whole backward
+    hide = omega * (m * bwd if z == 2 else bwd / v)
+    return events, t_dp, max(0.0, t_dp - hide), 0.0, 0.0
 
 
 def _fsdp_units(graph: Graph, cfg: ParallelConfig, terms: _StageTerms, s: int) -> tuple[tuple[float, float], ...]:
@@ -1055,28 +1070,37 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
     ranges = chunk_ranges(graph, p * v, cfg.partition)
     layout = _layout(cluster, cfg, devs)
     stage_of_seg = [chunk_of_op[sg[0]] % p for sg in segs]
-    seg_of_op = [0] * n
-    for j, sg in enumerate(segs):
-        for i in sg:
-            seg_of_op[i] = j
+    seg_of_op = gmemo.get(("seg_of_op",))
+    if seg_of_op is None:
+        seg_of_op = gmemo[("seg_of_op",)] = [0] * n
+        for j, sg in enumerate(segs):
+            for i in sg:
+                seg_of_op[i] = j
     # p2p between consecutive chunks: tensors produced at or before chunk g, read after it, in the
     # dtype the executor sends (fp32 residual streams under autocast, the compute precision where
     # FSDP2 casts the parameters); of those, the bytes made by layers full recomputation checkpoints
-    boundary = [0.0] * (p * v)
-    from_rec = [0.0] * (p * v)
-    rec = _recomputed_segments(graph)
-    cross = _crossing(graph, cfg.dtype, cfg.zero_stage >= 1 and cfg.dp * cfg.sp > 1)
-    active: list[tuple[int, int, float]] = []
-    k = 0
-    for g in range(p * v - 1):
-        cut = next((ranges[h][0] for h in range(g + 1, p * v) if ranges[h][1] > ranges[h][0]), n)
-        while k < len(cross) and cross[k][0] < cut:
-            active.append(cross[k])
-            k += 1
-        active = [x for x in active if x[1] >= cut]
-        for i, _, nb in active:
-            boundary[g] += nb / (cfg.tp * cfg.sp)
-            from_rec[g] += nb / (cfg.tp * cfg.sp) if rec[seg_of_op[i]] else 0.0
+    # (the same for every plan of one cut, dtype and tp·sp: memoised per graph)
+    low_params = cfg.zero_stage >= 1 and cfg.dp * cfg.sp > 1
+    bkey = ("boundary", p * v, cfg.partition, cfg.dtype, low_params, cfg.tp * cfg.sp)
+    hit = gmemo.get(bkey)
+    if hit is None:
+        boundary = [0.0] * (p * v)
+        from_rec = [0.0] * (p * v)
+        rec = _recomputed_segments(graph)
+        cross = _crossing(graph, cfg.dtype, low_params)
+        active: list[tuple[int, int, float]] = []
+        k = 0
+        for g in range(p * v - 1):
+            cut = next((ranges[h][0] for h in range(g + 1, p * v) if ranges[h][1] > ranges[h][0]), n)
+            while k < len(cross) and cross[k][0] < cut:
+                active.append(cross[k])
+                k += 1
+            active = [x for x in active if x[1] >= cut]
+            for i, _, nb in active:
+                boundary[g] += nb / (cfg.tp * cfg.sp)
+                from_rec[g] += nb / (cfg.tp * cfg.sp) if rec[seg_of_op[i]] else 0.0
+        hit = gmemo[bkey] = (tuple(boundary), tuple(from_rec))
+    boundary, from_rec = hit
     # DeepSpeed's engine (pipe_partitioned / grad_partitioned, its defaults under tensor parallelism):
     # each tensor-parallel rank sends its 1/tp slice, blocking the stream on both ends, and the
     # receiver rebuilds the tensor with an all-gather over its tensor-parallel group (PartitionedTensor.full)
