@@ -181,170 +181,194 @@ def _retarget(v: Any, old: str, new: str) -> Any:
 
 
 def _unfold(ep: Any, path: str, n: int, keep: int) -> FoldedProgram | None:
-    q, p, c = keep - 3, keep - 2, keep - 1  # block c repeats block p, which repeats block q
-    prefix = path + "."
-    specs = {s.arg.name: s for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
-    inputs = {k: (s.kind.name, s.target) for k, s in specs.items()}
-    nodes = list(ep.graph.nodes)
-    holders = [x for x in nodes if x.op == "placeholder"]
-    body = [x for x in nodes if x.op != "placeholder"]
+    u = _Unfolder(ep, path, n, keep)
+    return u.build() if u.segments() and u.number_lifted() and u.repeats() else None
 
-    def owner(x: torch.fx.Node) -> int | None:  # block of a parameter / buffer placeholder
-        tgt = inputs.get(x.name, ("", None))[1] or ""
-        if tgt.startswith(prefix):
-            head = tgt[len(prefix):].split(".", 1)[0]
+
+class _Unfolder:
+    """The three-block export (``keep`` blocks traced) checked and unfolded to ``n`` blocks.
+
+    Block ``c`` (the last traced) repeats block ``p``, which repeats block ``q``; blocks ``c+1..n-1``
+    are written as copies of block ``c``."""
+
+    def __init__(self, ep: Any, path: str, n: int, keep: int) -> None:
+        self.ep, self.path, self.n, self.keep = ep, path, n, keep
+        self.q, self.p, self.c = keep - 3, keep - 2, keep - 1
+        self.prefix = path + "."
+        self.inputs = {s.arg.name: (s.kind.name, s.target) for s in ep.graph_signature.input_specs
+                       if hasattr(s.arg, "name")}
+        nodes = list(ep.graph.nodes)
+        self.holders = [x for x in nodes if x.op == "placeholder"]
+        self.body = [x for x in nodes if x.op != "placeholder"]
+
+    def owner(self, x: torch.fx.Node) -> int | None:
+        """The block owning a parameter / buffer / constant placeholder."""
+        tgt = self.inputs.get(x.name, ("", None))[1] or ""
+        if tgt.startswith(self.prefix):
+            head = tgt[len(self.prefix):].split(".", 1)[0]
             return int(head) if head.isdigit() else None
         return None
 
-    # block k's segment: its nodes and the parent's nodes up to block k+1 (the loop's own work
-    # between blocks, ``act(layer(x))``); the last block's segment is as long as its predecessor's
-    where = [_block_of(x, prefix) for x in body]
-    first = [next((i for i, b in enumerate(where) if b == k), None) for k in range(keep)]
-    if None in first or first != sorted(first) or any(b is not None and b >= keep for b in where):
-        return None
-    ends = [*first[1:], first[c] + first[c] - first[p]]
-    blk = [body[first[k]:ends[k]] for k in range(keep)]
-    pre, post = body[:first[0]], body[ends[c]:]
-    if ends[c] > len(body) or any(where[i] not in (k, None) for k in range(keep) for i in range(first[k], ends[k])) \
-            or any(where[i] is not None for i in range(ends[c], len(body))):
-        return None
-    pos = [{x: i for i, x in enumerate(b)} for b in blk]
-    # a placeholder a block owns, by its path inside the block; constants export lifts out of the
-    # blocks (a KV cache's empty tensors) carry a counter over the whole model, ``lifted_tensor_7``,
-    # so they are told apart by their order in the block instead
-    own = [{x: inputs[x.name][1][len(f"{prefix}{k}."):] for x in holders if owner(x) == k} for k in range(keep)]
-    for k in range(keep):
-        lifted = [x for x in own[k] if _LIFTED.search(own[k][x])]
-        for i, x in enumerate(lifted):
-            own[k][x] = (_LIFTED.sub("lifted_tensor", own[k][x]), i)
-    counters = [[int(_LIFTED.search(inputs[x.name][1]).group(1)) for x in own[k] if isinstance(own[k][x], tuple)]
-                for k in range(keep)]
-    per_block = len(counters[c])
-    if per_block and any(counters[k] != list(range(counters[q][0] + (k - q) * per_block,
-                                                   counters[q][0] + (k - q + 1) * per_block)) for k in (q, p, c)):
-        return None  # not numbered block after block: the copies' numbers cannot be predicted
-    shift = (n - keep) * per_block  # lifted constants after the stack are numbered past the copies'
-    top = counters[c][-1] if per_block else None
+    def segments(self) -> bool:
+        """Block k's segment: its nodes and the parent's nodes up to block k+1 (the loop's own work
+        between blocks, ``act(layer(x))``); the last block's is as long as its predecessor's."""
+        body, keep, p, c = self.body, self.keep, self.p, self.c
+        where = [_block_of(x, self.prefix) for x in body]
+        first = [next((i for i, b in enumerate(where) if b == k), None) for k in range(keep)]
+        if None in first or first != sorted(first) or any(b is not None and b >= keep for b in where):
+            return False
+        ends = [*first[1:], first[c] + first[c] - first[p]]
+        strays = any(where[i] not in (k, None) for k in range(keep) for i in range(first[k], ends[k]))
+        if ends[c] > len(body) or strays or any(where[i] is not None for i in range(ends[c], len(body))):
+            return False
+        self.blk = [body[first[k]:ends[k]] for k in range(keep)]
+        self.pre, self.post = body[:first[0]], body[ends[c]:]
+        self.pos = [{x: i for i, x in enumerate(b)} for b in self.blk]
+        # a placeholder a block owns, by its path inside the block
+        self.own = [{x: self.inputs[x.name][1][len(f"{self.prefix}{k}."):] for x in self.holders
+                     if self.owner(x) == k} for k in range(keep)]
+        return True
 
-    def renumber(text: str, by: int) -> str:
-        m = _LIFTED.search(text)
-        return text if m is None or not by else text[:m.start(1)] + str(int(m.group(1)) + by) + text[m.end(1):]
+    def number_lifted(self) -> bool:
+        """Constants export lifts out of the blocks (a KV cache's empty tensors) carry a counter over
+        the whole model, ``lifted_tensor_7``: they are told apart by their order in the block, and
+        must be numbered block after block for the copies' numbers to be predictable."""
+        own, q, c = self.own, self.q, self.c
+        for k in range(self.keep):
+            for i, x in enumerate([x for x in own[k] if _LIFTED.search(own[k][x])]):
+                own[k][x] = (_LIFTED.sub("lifted_tensor", own[k][x]), i)
+        counters = [[int(_LIFTED.search(self.inputs[x.name][1]).group(1)) for x in own[k]
+                     if isinstance(own[k][x], tuple)] for k in range(self.keep)]
+        self.per_block = per = len(counters[c])
+        self.top = counters[c][-1] if per else None
+        return not per or all(counters[k] == list(range(counters[q][0] + (k - q) * per,
+                                                        counters[q][0] + (k - q + 1) * per)) for k in (q, self.p, c))
 
-    # block c must repeat block p, one block later
-    if len(blk[p]) != len(blk[c]):
-        return None
-
-    def same(a: Any, b: Any) -> bool:  # an argument of block 2's node against block 1's
+    def _same(self, a: Any, b: Any) -> bool:
+        """An argument of block c's node against block p's at the same position."""
+        pos, own, p = self.pos, self.own, self.p
         if isinstance(a, torch.fx.Node) or isinstance(b, torch.fx.Node):
             if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)):
                 return False
-            for k in (p, c):
+            for k in (p, self.c):
                 if a in pos[k]:
                     return b in pos[k - 1] and pos[k - 1][b] == pos[k][a]
                 if a in own[k]:
                     return b in own[k - 1] and own[k - 1][b] == own[k][a]
             # the same value: shared (rotary tables, masks) or made once by an earlier block (T5's
             # position bias, made by block 0 alone)
-            made_by = _block_of(a, prefix)
-            return a is b and owner(a) is None and (made_by is None or made_by < p)
+            made_by = _block_of(a, self.prefix)
+            return a is b and self.owner(a) is None and (made_by is None or made_by < p)
         if isinstance(a, list | tuple):
-            return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+            return type(a) is type(b) and len(a) == len(b) and all(self._same(x, y) for x, y in zip(a, b, strict=True))
         if isinstance(a, dict):
-            return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+            return isinstance(b, dict) and a.keys() == b.keys() and all(self._same(a[k], b[k]) for k in a)
         return type(a) is type(b) and a == b
 
-    for a, b in zip(blk[c], blk[p], strict=True):
-        va, vb = a.meta.get("val"), b.meta.get("val")
-        if a.op != b.op or a.target != b.target or not same(a.args, b.args) or not same(a.kwargs, b.kwargs) \
-                or _shapes(va) != _shapes(vb):
-            return None
-    # after the stack, only the last block's values (and parameters: ``layers[-1]``) are what they
-    # are in the full model; before it, a reference to the three-block list's last block would be
-    late = {x for k in range(c) for x in [*blk[k], *own[k]]}
-    if any(u in late for x in post for u in x.all_input_nodes) or \
-            any(u in own[c] for x in pre for u in x.all_input_nodes):
-        return None
+    def repeats(self) -> bool:
+        """Block c repeats block p one block later, and the values before and after the stack read
+        only what they read in the full model."""
+        blk, own, c = self.blk, self.own, self.c
+        if len(blk[self.p]) != len(blk[c]):
+            return False
+        for a, b in zip(blk[c], blk[self.p], strict=True):
+            if a.op != b.op or a.target != b.target or not self._same(a.args, b.args) \
+                    or not self._same(a.kwargs, b.kwargs) or _shapes(a.meta.get("val")) != _shapes(b.meta.get("val")):
+                return False
+        # after the stack, only the last block's values (and parameters: ``layers[-1]``) are what they
+        # are in the full model; before it, a reference to the three-block list's last block would be
+        late = {x for k in range(c) for x in [*blk[k], *own[k]]}
+        return not (any(u in late for x in self.post for u in x.all_input_nodes)
+                    or any(u in own[c] for x in self.pre for u in x.all_input_nodes))
 
-    g = torch.fx.Graph()
-    new: dict[torch.fx.Node, torch.fx.Node] = {}
-    out_inputs: dict[str, tuple[str, str | None]] = {}
-    lp_s = path.replace(".", "_")
-    copies: list[dict[torch.fx.Node, torch.fx.Node]] = [{} for _ in range(keep, n)]  # block c's node -> copy
+    def _renumber(self, text: str, by: int) -> str:
+        m = _LIFTED.search(text)
+        return text if m is None or not by else text[:m.start(1)] + str(int(m.group(1)) + by) + text[m.end(1):]
 
-    def emit(x: torch.fx.Node, name: str, args: Any, kwargs: Any, meta: dict) -> torch.fx.Node:
-        y = g.create_node(x.op, x.target if x.op != "placeholder" else name, args, kwargs, name=name)
+    def _emit(self, x: torch.fx.Node, name: str, args: Any, kwargs: Any, meta: dict) -> torch.fx.Node:
+        y = self.g.create_node(x.op, x.target if x.op != "placeholder" else name, args, kwargs, name=name)
         y.meta = meta
         return y
 
-    # placeholders come grouped by kind (parameters, buffers, constants, inputs), each group in
-    # the model's order: blocks 3..N-1 go right after block 2's last placeholder of each kind
-    kinds = [inputs.get(x.name, ("USER_INPUT", None))[0] for x in holders]
-    last_of = {kd: max(i for i, x in enumerate(holders) if owner(x) == c and kinds[i] == kd)
-               for kd in {kinds[i] for i, x in enumerate(holders) if owner(x) == c}}
-    for i, x in enumerate(holders):
-        kind, target = inputs.get(x.name, ("USER_INPUT", None))
-        name = x.name
-        if top is not None and owner(x) is None and target and (m := _LIFTED.search(target)) \
-                and int(m.group(1)) > top:
-            name, target = renumber(name, shift), renumber(target, shift)
-        new[x] = emit(x, name, (), {}, dict(x.meta))
-        out_inputs[name] = (kind, target)
-        if last_of.get(kind) != i:
-            continue
-        for j, m in zip(range(keep, n), copies, strict=True):
-            for h, kd in zip(holders, kinds, strict=True):
-                if owner(h) != c or kd != kind:
-                    continue
-                old_s, new_s = f"{lp_s}_{c}_", f"{lp_s}_{j}_"
-                if h.name.count(old_s) != 1:
-                    raise _NotFoldable
-                by = (j - c) * per_block if isinstance(own[c][h], tuple) else 0
-                nm = renumber(h.name.replace(old_s, new_s), by)
-                tgt = inputs[h.name][1]
-                m[h] = emit(h, nm, (), {}, dict(h.meta))
-                out_inputs[nm] = (kd, renumber(f"{prefix}{j}." + tgt[len(f"{prefix}{c}."):], by))
+    def _placeholders(self) -> None:
+        """Placeholders come grouped by kind (parameters, buffers, constants, inputs), each group in
+        the model's order: blocks c+1..n-1 go right after block c's last placeholder of each kind;
+        lifted constants after the stack are numbered past the copies'."""
+        holders, c, prefix = self.holders, self.c, self.prefix
+        shift = (self.n - self.keep) * self.per_block
+        kinds = [self.inputs.get(x.name, ("USER_INPUT", None))[0] for x in holders]
+        last_of = {kd: max(i for i, x in enumerate(holders) if self.owner(x) == c and kinds[i] == kd)
+                   for kd in {kinds[i] for i, x in enumerate(holders) if self.owner(x) == c}}
+        lp_s = self.path.replace(".", "_")
+        for i, x in enumerate(holders):
+            kind, target = self.inputs.get(x.name, ("USER_INPUT", None))
+            name = x.name
+            if self.top is not None and self.owner(x) is None and target and (m := _LIFTED.search(target)) \
+                    and int(m.group(1)) > self.top:
+                name, target = self._renumber(name, shift), self._renumber(target, shift)
+            self.new[x] = self._emit(x, name, (), {}, dict(x.meta))
+            self.out_inputs[name] = (kind, target)
+            if last_of.get(kind) != i:
+                continue
+            for j, copy in zip(range(self.keep, self.n), self.copies, strict=True):
+                for h, kd in zip(holders, kinds, strict=True):
+                    if self.owner(h) != c or kd != kind:
+                        continue
+                    old_s, new_s = f"{lp_s}_{c}_", f"{lp_s}_{j}_"
+                    if h.name.count(old_s) != 1:
+                        raise _NotFoldable
+                    by = (j - c) * self.per_block if isinstance(self.own[c][h], tuple) else 0
+                    nm = self._renumber(h.name.replace(old_s, new_s), by)
+                    copy[h] = self._emit(h, nm, (), {}, dict(h.meta))
+                    tgt = self.inputs[h.name][1]
+                    self.out_inputs[nm] = (kd, self._renumber(f"{prefix}{j}." + tgt[len(f"{prefix}{c}."):], by))
 
-    def remap(v: Any, table: Callable[[torch.fx.Node], torch.fx.Node]) -> Any:
-        return torch.fx.node.map_arg(v, table)
+    def build(self) -> FoldedProgram:
+        """The full model's node sequence: the traced nodes (their names replayed by fx's namer),
+        blocks c+1..n-1 copied from block c, then what follows the stack."""
+        blk, pos, p, c, remap = self.blk, self.pos, self.p, self.c, torch.fx.node.map_arg
+        self.g = torch.fx.Graph()
+        self.new: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.out_inputs: dict[str, tuple[str, str | None]] = {}
+        self.copies: list[dict[torch.fx.Node, torch.fx.Node]] = [{} for _ in range(self.keep, self.n)]
+        self._placeholders()
+        new = self.new
+        for x in [*self.pre, *(x for b in blk for x in b)]:
+            y = self._emit(x, _base(x.name), remap(x.args, new.__getitem__), remap(x.kwargs, new.__getitem__),
+                           dict(x.meta))
+            if y.name != x.name:  # fx's namer does not replay this export's names: trust nothing
+                raise _NotFoldable
+            new[x] = y
+        prev = {x: new[x] for x in blk[c]}  # block j-1's nodes, by block c's node
+        old = f"{self.prefix}{c}"
+        for j, params in zip(range(self.keep, self.n), self.copies, strict=True):
+            cur: dict[torch.fx.Node, torch.fx.Node] = {}
 
-    for x in [*pre, *(x for b in blk for x in b)]:
-        y = emit(x, _base(x.name), remap(x.args, new.__getitem__), remap(x.kwargs, new.__getitem__), dict(x.meta))
-        if y.name != x.name:  # fx's namer does not replay this export's names: trust nothing
-            raise _NotFoldable
-        new[x] = y
-    prev = {x: new[x] for x in blk[c]}  # block j-1's nodes, by block c's node
-    old, cur_path = f"{prefix}{c}", None
-    for j, params in zip(range(keep, n), copies, strict=True):
-        cur_path = f"{prefix}{j}"
-        cur: dict[torch.fx.Node, torch.fx.Node] = {}
+            def table(a: torch.fx.Node, cur=cur, prev=prev, params=params) -> torch.fx.Node:
+                if a in pos[c]:
+                    return cur[a]
+                if a in pos[p]:  # block c read block p: the copy reads its predecessor
+                    return prev[blk[c][pos[p][a]]]
+                return params[a] if a in params else new[a]
 
-        def table(a: torch.fx.Node, cur=cur, prev=prev, params=params, p=p, c=c) -> torch.fx.Node:
-            if a in pos[c]:
-                return cur[a]
-            if a in pos[p]:  # block c read block p: the copy reads its predecessor
-                return prev[blk[c][pos[p][a]]]
-            if a in params:
-                return params[a]
-            return new[a]
+            for x in blk[c]:
+                meta = dict(x.meta)
+                if "nn_module_stack" in meta:
+                    meta["nn_module_stack"] = {k: (_retarget(mp, old, f"{self.prefix}{j}"), t)
+                                               for k, (mp, t) in meta["nn_module_stack"].items()}
+                cur[x] = self._emit(x, _base(x.name), remap(x.args, table), remap(x.kwargs, table), meta)
+            prev = cur
+        last = prev
 
-        for x in blk[c]:
-            meta = dict(x.meta)
-            if "nn_module_stack" in meta:
-                meta["nn_module_stack"] = {k: (_retarget(p, old, cur_path), t)
-                                           for k, (p, t) in meta["nn_module_stack"].items()}
-            cur[x] = emit(x, _base(x.name), remap(x.args, table), remap(x.kwargs, table), meta)
-        prev = cur
-    last = prev
+        def tail(a: torch.fx.Node) -> torch.fx.Node:
+            if a in self.own[c]:
+                return self.copies[-1][a] if self.copies else new[a]
+            return last[a] if a in pos[c] else new[a]
 
-    def tail(a: torch.fx.Node) -> torch.fx.Node:
-        if a in own[c]:
-            return copies[-1][a] if copies else new[a]
-        return last[a] if a in pos[c] else new[a]
-
-    for x in post:
-        new[x] = emit(x, _base(x.name) if x.op != "output" else "output", remap(x.args, tail),
-                      remap(x.kwargs, tail), dict(x.meta))
-    return FoldedProgram(g, out_inputs, ep.graph_module, path, n)
+        for x in self.post:
+            new[x] = self._emit(x, _base(x.name) if x.op != "output" else "output", remap(x.args, tail),
+                                remap(x.kwargs, tail), dict(x.meta))
+        return FoldedProgram(self.g, self.out_inputs, self.ep.graph_module, self.path, self.n)
 
 
 class _NotFoldable(Exception):
