@@ -42,7 +42,7 @@ import torch
 import torch.fx
 from torch import nn
 
-__all__ = ["MIN_BLOCKS", "FoldedProgram", "export_folded"]
+__all__ = ["MIN_BLOCKS", "FoldedProgram", "export_folded", "input_kinds"]
 
 MIN_BLOCKS = 6  # below this, one full export is about as cheap as the three-block one
 _SUFFIX = re.compile(r"^(.*)_(\d+)$")
@@ -63,8 +63,12 @@ class FoldedProgram:
     graph: torch.fx.Graph
     inputs: dict[str, tuple[str, str | None]]
     graph_module: torch.fx.GraphModule
-    stack: str  # path of the folded ModuleList
-    blocks: int
+
+
+def input_kinds(ep: Any) -> dict[str, tuple[str, str | None]]:
+    """Each placeholder of an ``ExportedProgram``: its input kind (``PARAMETER``, ``BUFFER``,
+    ``CONSTANT_TENSOR``, ``USER_INPUT``...) and target (a parameter's path in the model)."""
+    return {s.arg.name: (s.kind.name, s.target) for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
 
 
 def export_folded(model: nn.Module, export: Callable[[nn.Module], Any]) -> FoldedProgram | None:
@@ -100,12 +104,12 @@ def _stack(model: nn.Module) -> tuple[str, nn.ModuleList, int] | None:
     """The biggest stack of alike blocks, and how many of its blocks to trace: three, or four
     when block 0 differs (it is traced, never copied)."""
     lists = [(p, m) for p, m in model.named_modules() if p and isinstance(m, nn.ModuleList) and len(m) >= MIN_BLOCKS]
-    lists.sort(key=lambda pm: -sum(p.numel() for p in pm[1].parameters()))
-    for path, blocks in lists[:1]:  # nested or second stacks are traced as they are
-        keep = _alike(model, blocks)
-        if keep:
-            return path, blocks, keep
-    return None
+    if not lists:
+        return None
+    # the list holding the most parameters; nested or second stacks are traced as they are
+    path, blocks = max(lists, key=lambda pm: sum(p.numel() for p in pm[1].parameters()))
+    keep = _alike(model, blocks)
+    return (path, blocks, keep) if keep else None
 
 
 def _plain(m: nn.Module) -> dict[str, Any]:
@@ -195,8 +199,7 @@ class _Unfolder:
         self.ep, self.path, self.n, self.keep = ep, path, n, keep
         self.q, self.p, self.c = keep - 3, keep - 2, keep - 1
         self.prefix = path + "."
-        self.inputs = {s.arg.name: (s.kind.name, s.target) for s in ep.graph_signature.input_specs
-                       if hasattr(s.arg, "name")}
+        self.inputs = input_kinds(ep)
         nodes = list(ep.graph.nodes)
         self.holders = [x for x in nodes if x.op == "placeholder"]
         self.body = [x for x in nodes if x.op != "placeholder"]
@@ -368,7 +371,7 @@ class _Unfolder:
         for x in self.post:
             new[x] = self._emit(x, _base(x.name) if x.op != "output" else "output", remap(x.args, tail),
                                 remap(x.kwargs, tail), dict(x.meta))
-        return FoldedProgram(self.g, self.out_inputs, self.ep.graph_module, self.path, self.n)
+        return FoldedProgram(self.g, self.out_inputs, self.ep.graph_module)
 
 
 class _NotFoldable(Exception):

@@ -31,7 +31,7 @@ from polyparallel import ops
 from polyparallel.ir import Graph, LoopNest, OpKind, TensorKind
 
 from ._builder import CaptureError, GraphBuilder
-from ._fold import export_folded
+from ._fold import export_folded, input_kinds
 
 __all__ = ["capture_torch"]
 
@@ -768,14 +768,12 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, name: str) -> Gra
     if folded is not None:
         return _walk_export(model, folded.graph.nodes, folded.inputs, folded.graph_module, name)
     ep = _export_program(model, args, kwargs)
-    inputs = {s.arg.name: (s.kind.name, s.target) for s in ep.graph_signature.input_specs if hasattr(s.arg, "name")}
-    return _walk_export(model, ep.graph.nodes, inputs, ep.graph_module, name)
+    return _walk_export(model, ep.graph.nodes, input_kinds(ep), ep.graph_module, name)
 
 
 def _walk_export(model: torch.nn.Module, nodes: Any, inputs: dict[str, tuple[str, str | None]],
                  graph_module: torch.fx.GraphModule, name: str) -> Graph:
-    """The Graph IR of an exported node sequence; ``inputs`` gives each placeholder's input kind
-    (``PARAMETER``, ``BUFFER``, ``USER_INPUT``...) and target (a parameter's path)."""
+    """The Graph IR of an exported node sequence; ``inputs`` as :func:`._fold.input_kinds` gives them."""
     gb = GraphBuilder(name, "torch.export")
     w = _Walker(gb)
     kind_map = {"PARAMETER": TensorKind.PARAM, "BUFFER": TensorKind.BUFFER, "CONSTANT_TENSOR": TensorKind.CONST,
