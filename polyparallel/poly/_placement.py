@@ -37,7 +37,7 @@ Legality rule (explicit):
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -206,13 +206,11 @@ def _non_injective_dims(nest: LoopNest) -> frozenset[str]:
 
 def carried_dims(nest: LoopNest) -> frozenset[str]:
     """Dims of rule 6: those in an index of a temporary that differs between a write and a read
-    (attention scores, norm statistics are written and read at the same index: none). Memoised by
-    the nest object, as :func:`_non_injective_of`."""
-    hit = _CARRIED_MEMO.get(id(nest))
-    if hit is not None and hit[0] is nest:
-        return hit[1]
-    if len(_CARRIED_MEMO) > 100_000:
-        _CARRIED_MEMO.clear()
+    (attention scores, norm statistics are written and read at the same index: none)."""
+    return _by_nest(_CARRIED_MEMO, nest, _carried_dims)
+
+
+def _carried_dims(nest: LoopNest) -> frozenset[str]:
     out: set[str] = set()
     for tmp in nest.operands():
         if (tmp[:2] == "in" and tmp[2:].isdigit()) or _is_output(tmp):
@@ -224,26 +222,28 @@ def carried_dims(nest: LoopNest) -> frozenset[str]:
                     for a, b in zip(w.index, r.index):
                         if a != b or a is ANY:
                             out.update(a.dims, b.dims)
-    _CARRIED_MEMO[id(nest)] = (nest, frozenset(out))
     return frozenset(out)
 
 
+def _non_injective_of(nest: LoopNest) -> frozenset[str]:
+    return _by_nest(_INJECTIVE_MEMO, nest, _non_injective_dims)
+
+
 _CARRIED_MEMO: dict[int, tuple[LoopNest, frozenset[str]]] = {}
-
-
 _INJECTIVE_MEMO: dict[int, tuple[LoopNest, frozenset[str]]] = {}
 
 
-def _non_injective_of(nest: LoopNest) -> frozenset[str]:
-    """:func:`_non_injective_dims` memoised by the nest object: hashing a whole nest (the
-    lru key) cost tens of microseconds, paid on every legality check of every placement."""
-    hit = _INJECTIVE_MEMO.get(id(nest))
+def _by_nest(memo: dict[int, tuple[LoopNest, frozenset[str]]], nest: LoopNest,
+             fn: Callable[[LoopNest], frozenset[str]]) -> frozenset[str]:
+    """``fn(nest)`` memoised by the nest object: hashing a whole nest (an lru key) cost tens of
+    microseconds, paid on every legality check of every placement."""
+    hit = memo.get(id(nest))
     if hit is not None and hit[0] is nest:
         return hit[1]
-    if len(_INJECTIVE_MEMO) > 100_000:
-        _INJECTIVE_MEMO.clear()
-    out = _non_injective_dims(nest)
-    _INJECTIVE_MEMO[id(nest)] = (nest, out)  # holding the nest keeps its id from being reused
+    if len(memo) > 100_000:
+        memo.clear()
+    out = fn(nest)
+    memo[id(nest)] = (nest, out)  # holding the nest keeps its id from being reused
     return out
 
 
