@@ -58,11 +58,15 @@ def train(
 
     model_fn, data_fn = _model_and_data(model, data, strategy)
     typer.echo(f"checking {strategy} against the model, then starting its processes ...")
+    made = None
     try:
         from polyparallel.backends.torch import train as run
         from polyparallel.backends.torch._launch import new_run_dir
 
-        where = run_dir or log_dir or checkpoint_dir or new_run_dir(create=False)
+        # a new run directory is created at once: a name only chosen here could be taken by another
+        # run of the same second (a test's train() in POLYPARALLEL_RUNS) before train() creates it
+        made = None if run_dir or log_dir or checkpoint_dir else new_run_dir()
+        where = run_dir or log_dir or checkpoint_dir or made
         with LineProgress(steps, "steps") as progress:
             run(strategy, model_fn, data_fn, steps=steps, optimizer=optimizer, lr=lr, seed=seed, run_dir=where,
                 checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
@@ -78,6 +82,8 @@ def train(
         raise UserError(str(e)) from e
     finally:
         _agent.discard()  # not taken if the run was refused before train() started one
+        if made is not None and not any(made.iterdir()):  # refused before launch: no empty run directory
+            made.rmdir()
     typer.echo(f"run directory: {where}")
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import re
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,8 @@ from polyparallel.backends.torch._tensor_parallel import strategy_graph
 from polyparallel.references import resolve
 from polyparallel.strategy import Strategy
 
-__all__ = ["MultiNode", "TrainError", "check_batch", "launch_commands", "new_run_dir", "node_layout", "train"]
+__all__ = ["MultiNode", "RunDirInUse", "TrainError", "check_batch", "launch_commands", "new_run_dir", "node_layout",
+           "train"]
 
 
 class TrainError(RuntimeError):
@@ -106,24 +108,48 @@ def check_batch(strategy: Strategy, batch: Any) -> None:
                          f"by {shares}")
 
 
-def new_run_dir(root: str | Path | None = None, *, create: bool = True) -> Path:
-    """``root/<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``, ... when taken); created unless ``create=False``
-    (then only a name not taken yet). ``root`` defaults to ``$POLYPARALLEL_RUNS``, else ``runs``
-    under the current folder."""
+def new_run_dir(root: str | Path | None = None) -> Path:
+    """A new, empty ``root/<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``, ... when taken), created here: a
+    name chosen without creating it could be taken by another run of the same second before it is
+    used. ``root`` defaults to ``$POLYPARALLEL_RUNS``, else ``runs`` under the current folder."""
     root = root if root is not None else os.environ.get("POLYPARALLEL_RUNS", "runs")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for i in range(1, 1000):
         path = Path(root) / (stamp if i == 1 else f"{stamp}-{i}")
-        if not create:
-            if not path.exists():
-                return path
-            continue
         try:
             path.mkdir(parents=True)
             return path
         except FileExistsError:
             continue
     raise FileExistsError(f"{root}/{stamp}-*: 999 run directories of this second exist")
+
+
+class RunDirInUse(ValueError):
+    """Another :func:`train` is running in the run directory (:func:`_claim`)."""
+
+
+@contextlib.contextmanager
+def _claim(run_dir: Path) -> Iterator[None]:
+    """Hold ``run_dir`` for this run: an exclusive ``flock`` on the directory, released on leaving
+    (or when this process dies). Two runs in one directory overwrite each other's ``job.pkl``, so
+    both run whichever was written last, and append to one ``train.jsonl``: the second is refused
+    instead (:class:`RunDirInUse`). Unguarded where there is no ``fcntl`` (Windows)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    fd = os.open(run_dir, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunDirInUse(f"run directory {run_dir} is in use by another train() (or another node's: each node "
+                              "of a multi-node run needs its own); give this run another run_dir (--run-dir), or "
+                              "wait for that run to end to resume it") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 class _Tail:
@@ -177,8 +203,10 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
     step: ``samples`` is the global batch's rows, ``tokens`` its numel for integer inputs of >= 2
     dims, ``rank0_input_shape`` rank 0's share after the dp and sp splits, absent with pipeline
     stages), ``failure-rank{R}.json`` for a rank that failed, ``pids/`` and ``checkpoints/``. It is
-    created only after every check passed. The log is returned; ``progress(record)``, if given, is
-    called with each record while the workers run, as rank 0 writes it.
+    created only after every check passed, and held by one run at a time: a second ``train`` in it
+    while the first runs is refused (:class:`RunDirInUse`, a ValueError) before it writes anything.
+    The log is returned; ``progress(record)``, if given, is called with each record while the
+    workers run, as rank 0 writes it.
 
     **Checkpoints.** With ``checkpoint_dir``, or ``checkpoint_every`` (then in
     ``run_dir/checkpoints``, which also resumes a rerun on the same ``run_dir``), model and
@@ -312,36 +340,37 @@ def _checked_run(strategy: Strategy, model_fn: Any, data_fn: Any, agent: subproc
     if ckpt is None and checkpoint_every is not None:
         ckpt = run_dir / "checkpoints"
     run_dir.mkdir(parents=True, exist_ok=True)
-    if ckpt is not None:
-        ckpt.mkdir(parents=True, exist_ok=True)
-    log = run_dir / "train.jsonl"
-    for old in [*run_dir.glob("failure-rank*.json"), *(run_dir / "pids").glob("*.pid")]:
-        old.unlink(missing_ok=True)
-    if done is None:
-        log.unlink(missing_ok=True)
-    else:
-        trim_log(log, done)  # steps after the checkpoint run again
-    job = {"plan": plan, "model_fn": model_fn, "data_fn": data_fn, "steps": steps, "optimizer": optimizer,
-           "lr": lr, "seed": seed, "checkpoint_every": checkpoint_every or 1, "profile_comm": profile_comm,
-           "checkpoint_dir": str(ckpt.resolve()) if ckpt is not None else None,
-           "keep_checkpoints": keep_checkpoints, "strategy_json": strategy.to_json(), "batchnorm": batchnorm}
-    (run_dir / "job.pkl").write_bytes(pickle.dumps(job))
-    if worker_env() != env:  # sys.path changed while loading model_fn/data_fn: the agent must see it too
-        agent.kill()
-        agent.wait()
-        agent = start_agent(worker_env())
-    where = ["--standalone"] if len(nodes) <= 1 else [
-        f"--nnodes={len(nodes)}", f"--node-rank={node_rank}", f"--master-addr={master_addr}",
-        f"--master-port={master_port}"]
-    argv = [*where, f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", "polyparallel.backends.torch._entry",
-            str(run_dir.resolve())]
-    try:
-        _launch(agent, argv, run_dir, timeout_s, _Tail(log, 0 if done is None else done + 1, progress))
-    finally:
-        if agent.returncode is None:
+    with _claim(run_dir):  # before anything in it is removed or written
+        if ckpt is not None:
+            ckpt.mkdir(parents=True, exist_ok=True)
+        log = run_dir / "train.jsonl"
+        for old in [*run_dir.glob("failure-rank*.json"), *(run_dir / "pids").glob("*.pid")]:
+            old.unlink(missing_ok=True)
+        if done is None:
+            log.unlink(missing_ok=True)
+        else:
+            trim_log(log, done)  # steps after the checkpoint run again
+        job = {"plan": plan, "model_fn": model_fn, "data_fn": data_fn, "steps": steps, "optimizer": optimizer,
+               "lr": lr, "seed": seed, "checkpoint_every": checkpoint_every or 1, "profile_comm": profile_comm,
+               "checkpoint_dir": str(ckpt.resolve()) if ckpt is not None else None,
+               "keep_checkpoints": keep_checkpoints, "strategy_json": strategy.to_json(), "batchnorm": batchnorm}
+        (run_dir / "job.pkl").write_bytes(pickle.dumps(job))
+        if worker_env() != env:  # sys.path changed while loading model_fn/data_fn: the agent must see it too
             agent.kill()
             agent.wait()
-    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
+            agent = start_agent(worker_env())
+        where = ["--standalone"] if len(nodes) <= 1 else [
+            f"--nnodes={len(nodes)}", f"--node-rank={node_rank}", f"--master-addr={master_addr}",
+            f"--master-port={master_port}"]
+        argv = [*where, f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", "polyparallel.backends.torch._entry",
+                str(run_dir.resolve())]
+        try:
+            _launch(agent, argv, run_dir, timeout_s, _Tail(log, 0 if done is None else done + 1, progress))
+        finally:
+            if agent.returncode is None:
+                agent.kill()
+                agent.wait()
+        return [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
 
 
 def _launch(proc: subprocess.Popen[bytes], argv: list[str], run_dir: Path, timeout_s: float, tail: _Tail) -> None:
