@@ -13,10 +13,11 @@ from polyparallel.ir import TRAINING_DTYPE_BYTES
 from .memory import MemoryReport
 from .pipeline import SCHEDULES, PipelineResult
 
-__all__ = ["PIPELINE_P2P", "RECOMPUTE", "OpPlan", "ParallelConfig", "StageBreakdown", "StepEstimate"]
+__all__ = ["GRAD_REDUCE", "PIPELINE_P2P", "RECOMPUTE", "OpPlan", "ParallelConfig", "StageBreakdown", "StepEstimate"]
 
 RECOMPUTE = ("none", "selective", "full")
 PIPELINE_P2P = ("megatron", "deepspeed")
+GRAD_REDUCE = ("reduce_scatter", "all_reduce")
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,13 @@ class ParallelConfig:
             rebuilt by an all-gather on the receiver (``PartitionedTensor.full``): each transfer
             occupies both its sender's and its receiver's stream; per micro-batch a stage receives
             and sends the activation and the gradient.
+        grad_reduce: how ZeRO-1 reduces the gradients before each rank updates its shard.
+            ``reduce_scatter``: each rank receives only its shard's sum (FSDP2, Megatron's distributed
+            optimizer). ``all_reduce``: every rank receives the whole sum, then updates its shard and
+            all-gathers the weights: DeepSpeed's ``BF16_Optimizer``, the optimizer its pipeline engine
+            runs bf16 ZeRO-1 with (``deepspeed/runtime/pipe/engine.py``: ``_exec_reduce_grads`` ->
+            ``_bf16_reduce_grads`` -> ``buffered_allreduce_fallback`` over the optimizer's fp32
+            gradients, ``get_grads_for_reduction``), twice a reduce-scatter's traffic. ZeRO-1 only.
         op_plans: one :class:`OpPlan` per graph op, from per-op placements (a placement solver);
             ``None`` prices the Megatron rule of the module docstring.
     """
@@ -103,6 +111,7 @@ class ParallelConfig:
     devices: tuple[int, ...] | None = None
     partition: str = "flops"
     pipeline_p2p: str = "megatron"
+    grad_reduce: str = "reduce_scatter"
     op_plans: tuple[OpPlan, ...] | None = field(default=None, repr=False)
 
     @property
@@ -136,6 +145,11 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.partition {self.partition!r}: use 'flops' or 'layers'")
         if self.pipeline_p2p not in PIPELINE_P2P:
             raise ValueError(f"ParallelConfig.pipeline_p2p {self.pipeline_p2p!r}: use one of {', '.join(PIPELINE_P2P)}")
+        if self.grad_reduce not in GRAD_REDUCE:
+            raise ValueError(f"ParallelConfig.grad_reduce {self.grad_reduce!r}: use one of {', '.join(GRAD_REDUCE)}")
+        if self.grad_reduce == "all_reduce" and self.zero_stage != 1:
+            raise ValueError("ParallelConfig.grad_reduce='all_reduce' is ZeRO-1's variant: set zero_stage=1 (ZeRO-0 "
+                             "all-reduces anyway; ZeRO-2/3 keep only their gradient shard)")
         if self.grad_overlap is not None and not 0 <= self.grad_overlap <= 1:
             raise ValueError(f"ParallelConfig.grad_overlap must be in [0, 1], got {self.grad_overlap}")
         if cluster is not None:
@@ -161,6 +175,8 @@ class ParallelConfig:
             extra.append("placed")
         if self.pipeline_p2p != "megatron" and self.pp > 1:
             extra.append(f"p2p={self.pipeline_p2p}")
+        if self.grad_reduce != "reduce_scatter":
+            extra.append(f"grads={self.grad_reduce}")
         if self.ep > 1:
             extra.insert(0, f"ep{self.ep}")
         return f"dp{self.dp} tp{self.tp} pp{self.pp} sp{self.sp} " + " ".join(extra)

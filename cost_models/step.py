@@ -69,7 +69,8 @@ the same cores):
   micro-batch's forward and backward inside the pipeline (hiding all of ZeRO-3's traffic under
   the backward of all micro-batches would make FSDP look nearly free for GPT-3-sized models).
 * With pipeline stages (FSDP2 wraps each stage's chunk as one unit there) the older per-step
-  formulas remain: ZeRO-1 one reduce-scatter of ``G`` + all-gather of ``W`` exposed like ZeRO-0;
+  formulas remain: ZeRO-1 one reduce-scatter of ``G`` (an all-reduce under ``grad_reduce="all_reduce"``,
+  DeepSpeed's BF16_Optimizer, which is priced so without pipeline stages too) + all-gather of ``W`` exposed like ZeRO-0;
   ZeRO-2 ``max(0, m·RS(G) + AG(W) − ω·m·B_s)``; ZeRO-3 per layer ``i``:
   ``E_fwd = AG(W_0) + Σ_{i≥1} max(0, AG(W_i) − ω·c_{i−1})``, ``E_bwd = max(0, Σ_i [AG(W_i) +
   RS(W_i)] − ω·B_s)`` in every micro-batch.
@@ -439,7 +440,8 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
         omega = cfg.grad_overlap if cfg.grad_overlap is not None else (0.0 if dt.kind == "cpu" else 1.0)
         # an accelerator's DDP all-reduce is priced by its buckets unless an overlap is given
         buckets = cfg.grad_overlap is None and dt.kind != "cpu"
-        units = _fsdp_units(graph, cfg, dterms, s) if cfg.zero_stage >= 1 and cfg.pp == 1 and moe is None else ()
+        units = _fsdp_units(graph, cfg, dterms, s) if (cfg.zero_stage >= 1 and cfg.pp == 1 and moe is None
+                                                       and cfg.grad_reduce == "reduce_scatter") else ()
         events, t_dp, exposed, ef, eb = _data_parallel(cluster, ccache, dterms, s, cfg, gb, omega, v, buckets, units)
         fwd[s] += ef
         bwd[s] += eb
@@ -629,10 +631,11 @@ def _data_parallel(cluster: Cluster, ccache: dict, terms: _StageTerms, s: int, c
         # a function of the group's price classes and a few numbers: the stages and plans sharing them
         # (the repeated layers' stages, plans differing in the schedule or, below ZeRO-2, in m) share it
         key = ("data_parallel", z, m if z == 2 else 0, tuple(gid for _, gid in groups), params, terms.bwd[s], gb,
-               omega, v, buckets)
+               omega, v, buckets, cfg.grad_reduce)
         hit = ccache.get(key)
         if hit is None:
-            hit = ccache[key] = _dp_flat(cluster, ccache, groups, params, terms.bwd[s], z, m, gb, omega, v, buckets)
+            hit = ccache[key] = _dp_flat(cluster, ccache, groups, params, terms.bwd[s], z, m, gb, omega, v, buckets,
+                                         cfg.grad_reduce)
         return hit
     if cfg.pp == 1 and units:
         return _fsdp_exposed(cluster, ccache, groups, units, cfg, gb, rb, omega, terms.bwd[s])
@@ -662,9 +665,10 @@ def _data_parallel(cluster: Cluster, ccache: dict, terms: _StageTerms, s: int, c
 
 
 def _dp_flat(cluster: Cluster, ccache: dict, groups: Sequence[_Group], params: float, bwd: float, z: int, m: int,
-             gb: int, omega: float, v: int, buckets: bool) -> tuple[tuple[tuple[str, float], ...], float, float, float,
-                                                                   float]:
-    """:func:`_data_parallel` without FSDP2 units: ZeRO-0 (DDP), or ZeRO-1/2 inside pipeline stages."""
+             gb: int, omega: float, v: int, buckets: bool, grad_reduce: str = "reduce_scatter",
+             ) -> tuple[tuple[tuple[str, float], ...], float, float, float, float]:
+    """:func:`_data_parallel` without FSDP2 units: ZeRO-0 (DDP), or ZeRO-1/2 inside pipeline stages
+    (and ZeRO-1 whose gradients are all-reduced, ``grad_reduce="all_reduce"``)."""
     rb = max(gb, 4)
     if z == 0:
         events: tuple[tuple[str, float], ...] = (("all_reduce", params * rb),)
@@ -674,7 +678,7 @@ def _dp_flat(cluster: Cluster, ccache: dict, groups: Sequence[_Group], params: f
         return events, t_dp, max(0.0, t_dp - omega * bwd / v), 0.0, 0.0
     # ZeRO-2 shards the gradients, so every micro-batch's are reduce-scattered as they come
     n_rs = m if z == 2 else 1
-    events = (("reduce_scatter", params * rb), ("all_gather", params * gb))
+    events = ((grad_reduce, params * rb), ("all_gather", params * gb))
     t_dp = max(n_rs * _price(cluster, ccache, events[:1], grp, gid) + _price(cluster, ccache, events[1:], grp, gid)
                for grp, gid in groups)
     # ZeRO-1 overlaps the last micro-batch's backward (of its last chunk, interleaved); ZeRO-2
