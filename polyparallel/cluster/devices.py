@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 from polyparallel.cluster.units import format_bandwidth, format_duration
 
@@ -47,6 +48,32 @@ HOPPER_GEMM_EFFICIENCY: tuple[tuple[str, int, int, float], ...] = (
 HOPPER_SQUARE_GEMM_EFFICIENCY = 0.697
 # device types whose compute is the measured chip's (the H200 is an H100 with more and faster memory)
 HOPPER_GEMM_DEVICES = frozenset({"h100-sxm", "h200-sxm"})
+
+# Fused causal attention (torch scaled_dot_product_attention, is_causal=True) for GPUs without a
+# calibration of their own: (FLOPs of the unmasked half, forward s, backward s) measured on the same
+# H200 SXM by `polyparallel calibrate --device cuda` on 2026-11-30 (torch 2.11.0+cu130;
+# benchmarks/results/calibration_h200-sxm.json "attention"; shapes B,H,S,d = 4,16,512..2048,64, then
+# 4,16,4096,128 and 2,32,8192,128; the backward is the forward + backward's time less the forward's).
+# At S = 8192 the bf16 forward runs at 0.58 of the peak and the backward takes 3.1x the forward's time
+# (it recomputes the scores and does ~2.5x the forward's matrix FLOPs), where the flat figures assumed
+# 0.5 and twice the forward. Taken by the HOPPER_GEMM_DEVICES, like the GEMM rows. Independent of the
+# published validation rows.
+HOPPER_ATTENTION_ROWS: tuple[tuple[str, tuple[tuple[float, float, float], ...]], ...] = (
+    ("bf16", (
+        (2.1517e+09, 2.22e-05, 0.0001967),
+        (8.5983e+09, 3.498e-05, 0.0001562),
+        (3.4377e+10, 9.97e-05, 0.0003399),
+        (2.7495e+11, 0.0005258, 0.001493),
+        (1.0996e+12, 0.001922, 0.005904),
+    )),
+    ("fp16", (
+        (2.1517e+09, 3.484e-05, 0.00016),
+        (8.5983e+09, 3.506e-05, 0.0001623),
+        (3.4377e+10, 0.0001019, 0.0003385),
+        (2.7495e+11, 0.0005467, 0.001701),
+        (1.0996e+12, 0.001788, 0.006219),
+    )),
+)
 
 # Host seconds of one eager PyTorch training op (forward + backward: module call, dispatch, autograd,
 # kernel launches), by class, for GPUs without a calibration of their own (the device waits for them
@@ -117,6 +144,9 @@ class DeviceType:
         optimizer_dtensor_overhead: measured seconds per *sharded* (DTensor) parameter tensor of
             the optimizer step, as ``(optimizer, seconds)`` pairs (calibrated CPU processes, FSDP2 and
             tensor parallelism); empty: the plain per-tensor cost plus ``k`` DTensor dispatches.
+        op_profile: the measured op prices of one model on this machine
+            (:class:`polyparallel.cost_models.op_profile.OpProfile`, ``search(..., profile=True)``);
+            they replace the roofline for that model's ops.
     """
 
     name: str
@@ -143,6 +173,7 @@ class DeviceType:
     gemm_rates: tuple[tuple[str, int, int, float], ...] = ()
     grad_accumulation: float = 0.0
     optimizer_dtensor_overhead: tuple[tuple[str, float], ...] = ()
+    op_profile: Any = None
 
     @cached_property
     def cache_key(self) -> tuple[str, int]:
@@ -156,8 +187,13 @@ class DeviceType:
         return dict(self.matmul_curves).get(short, self.matmul_curve)
 
     def attention_curve(self, dtype: str) -> tuple[tuple[float, float, float], ...]:
-        """Measured fused-attention ``(flops, forward_s, backward_s)`` rows for ``dtype`` (may be empty)."""
-        return dict(self.attention_curves).get(TORCH_TO_SHORT.get(dtype, dtype), ())
+        """Measured fused-attention ``(flops, forward_s, backward_s)`` rows for ``dtype`` (may be empty):
+        the device's own calibration, else, on an H100/H200, the H200's (``HOPPER_ATTENTION_ROWS``)."""
+        short = TORCH_TO_SHORT.get(dtype, dtype)
+        own = dict(self.attention_curves).get(short, ())
+        if own or self.kind != "gpu" or self.name not in HOPPER_GEMM_DEVICES:
+            return own
+        return dict(HOPPER_ATTENTION_ROWS).get(short, ())
 
     def conv_curve(self, dtype: str, pointwise: bool) -> tuple[tuple[float, float, float], ...]:
         """Measured convolution ``(flops, forward_s, backward_s)`` rows for ``dtype`` and kernel class
