@@ -22,9 +22,12 @@ after the last backward (``grad_overlap`` 0), torch DDP overlaps them bucket by 
 default on accelerators); Megatron-LM scatters a boundary activation over the tensor-parallel
 ranks and sends it asynchronously, DeepSpeed's engine sends the same slices with a synchronous
 send/recv and all-gathers them on the receiver (``pipeline_p2p="deepspeed"``, the MT-NLG and
-BLOOM rows). No figure of the cost model is fitted to these rows: the GEMM efficiencies by
-shape and the host costs come from the H200 measurement (``polyparallel/cluster/devices.py`` says
-where each comes from).
+BLOOM rows), and its bf16 ZeRO-1 all-reduces the fp32 gradients where FSDP2 and Megatron
+reduce-scatter them (``grad_reduce="all_reduce"``). The rows: Megatron-LM SC'21 Table 1 (10),
+MT-NLG 530B (3), BLOOM 176B, Llama 3 405B (2), and Korthikanti et al. 2022's four models with full
+recomputation and with sequence parallelism + selective recomputation (8). No figure of the cost
+model is fitted to these rows: the GEMM and attention efficiencies of the H100 and the host costs
+come from the H200 measurement (``polyparallel/cluster/devices.py`` says where each comes from).
 
     .venv/bin/python benchmarks/cost_validation.py              # both parts
     .venv/bin/python benchmarks/cost_validation.py --part published
