@@ -114,6 +114,7 @@ from .layers import LAYER, chunk_of_ops, chunk_ranges, chunks, layer_segments, s
 from .megatron_rule import op_plans, tensor_bytes
 from .memo import PRICES
 from .memory import MemoryReport, device_memory
+from .op_profile import profiled_op
 from .parallel_config import OpPlan, ParallelConfig, StageBreakdown, StepEstimate
 from .pipeline import makespan_bound, peak_in_flight, simulate
 
@@ -489,6 +490,10 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
                 t_opt += (n_t - dtensors) * per_tensor + dtensors * per_dtensor
             else:
                 t_opt += n_t * per_tensor + dispatch
+        ratio = dt.op_profile.optimizer_ratio(cfg.world, cfg.optimizer) if (
+            dt.op_profile is not None and dt.op_profile.matches(graph)) else None
+        if ratio is not None:  # the model's step measured against this price (op_profile.py)
+            t_opt *= ratio
         host = dict((k, (a, b)) for k, a, b in dt.optimizer_host).get(
             f"{cfg.optimizer}/{'fused' if cfg.fused_optimizer else 'foreach'}")
         if host and terms.param_tensors and dt.kind != "cpu":
@@ -886,8 +891,10 @@ def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, 
 def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
                 plans: list[OpPlan]) -> tuple[list[float], list[float], list[float]]:
     """Forward, backward and attention-forward seconds of every op on one device type."""
+    # a profiled device (op_profile.py) prices the model's ops as measured with `world` processes
+    world = cfg.world if dt.op_profile is not None else 0
     key = ("opvec", dt.cache_key, cfg.dtype, cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.fused_attention, cfg.op_plans,
-           cfg.fused_elementwise)
+           cfg.fused_elementwise, world)
     op_costs = PRICES.of(graph)
     hit = op_costs.get(key)
     if hit is not None:
@@ -897,16 +904,19 @@ def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
     for i, op in enumerate(graph.ops):
         # tensor-parallel parameters are DTensors: their ops pay the host's dispatch (compute.py)
         sharded = plans[i].param_split > 1
-        k = ("op_cost", classes[i], dt.cache_key, cfg.dtype, plans[i].split, cfg.fused_attention, sharded,
-             cfg.fused_elementwise)
-        c = op_costs.get(k)
-        if c is None:
-            c = op_costs[k] = op_cost(graph, op, dt, cfg.dtype, split=plans[i].split,
-                                      fused=True if cfg.fused_attention else None, sharded=sharded,
-                                      eager=not cfg.fused_elementwise)
-        fw.append(c.forward)
-        bw.append(c.backward)
-        att.append(c.forward if OpKind(op.kind) is OpKind.ATTENTION else 0.0)
+        measured = profiled_op(graph, op, dt, world, plans[i].split, sharded, cfg.dtype) if world else None
+        if measured is None:
+            k = ("op_cost", classes[i], dt.cache_key, cfg.dtype, plans[i].split, cfg.fused_attention, sharded,
+                 cfg.fused_elementwise)
+            c = op_costs.get(k)
+            if c is None:
+                c = op_costs[k] = op_cost(graph, op, dt, cfg.dtype, split=plans[i].split,
+                                          fused=True if cfg.fused_attention else None, sharded=sharded,
+                                          eager=not cfg.fused_elementwise)
+            measured = (c.forward, c.backward)
+        fw.append(measured[0])
+        bw.append(measured[1])
+        att.append(measured[0] if OpKind(op.kind) is OpKind.ATTENTION else 0.0)
     op_costs[key] = (fw, bw, att)
     return fw, bw, att
 

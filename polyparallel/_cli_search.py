@@ -81,6 +81,8 @@ def search_cmd(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="write the strategy JSON here")] = None,
     objective: Annotated[str, typer.Option(help="throughput or memory")] = "throughput",
     exhaustive: Annotated[bool, typer.Option(help="price every candidate (small problems)")] = False,
+    profile: Annotated[bool, typer.Option(help="measure the model's ops on this machine first (a calibrated "
+                                               "local-cpu:<P> cluster; seconds for a small model)")] = False,
     dp: Annotated[int | None, typer.Option(help="pin the data-parallel degree")] = None,
     tp: Annotated[int | None, typer.Option(help="pin the tensor-parallel degree")] = None,
     pp: Annotated[int | None, typer.Option(help="pin the number of pipeline stages")] = None,
@@ -118,7 +120,7 @@ def search_cmd(
     m, args, kwargs = _load(model, seq, layers)
     with console.status(f"searching {model} on {cluster} ...") as status:
         s = search(m, args, cluster, example_kwargs=kwargs, batch_size=batch_size, objective=objective,
-                   constraints=constraints, exhaustive=exhaustive,
+                   constraints=constraints, exhaustive=exhaustive, profile=profile,
                    progress=None if as_json else (lambda msg: status.update(f"{model} on {cluster}: {msg}")))
     if out is not None:
         s.to_json(out)

@@ -112,6 +112,7 @@ from polyparallel.backends.collab._center_plan import CENTER_LIMITS
 from polyparallel.backends.torch.capabilities import EXECUTED_DTYPES, plan_problems
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, StepEstimate, estimate_step
+from polyparallel.cost_models.op_profile import profiled_cluster
 from polyparallel.cost_models.parallel_config import RECOMPUTE
 from polyparallel.cost_models.pipeline import SCHEDULES
 from polyparallel.cost_models.step import StepBound, step_lower_bound
@@ -441,7 +442,8 @@ def _collector_paused(fn: Callable[..., Strategy]) -> Callable[..., Strategy]:
 def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path = "local-cpu:2", *,
            example_kwargs: dict[str, Any] | None = None, objective: str = "throughput",
            constraints: Constraints | dict[str, Any] | None = None, exhaustive: bool = False,
-           batch_size: int | None = None, progress: Callable[[str], None] | None = None) -> Strategy:
+           batch_size: int | None = None, progress: Callable[[str], None] | None = None,
+           profile: bool = False) -> Strategy:
     """Find the fastest plan that fits (see the module docstring for the problem solved).
 
     Args:
@@ -460,6 +462,11 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
         batch_size: the global batch (samples per optimizer step); default: the example
             batch times the number of devices.
         progress: called with short status lines.
+        profile: measure the module's ops on this machine before pricing (a calibrated
+            ``local-cpu:<P>`` only; a few seconds for a small model): its eager training steps at
+            two micro-batch sizes and the slowdown of sharing the machine with ``P`` processes
+            (:mod:`polyparallel.cost_models.op_profile`). Without it a CPU plan is priced from the
+            calibration's kernel rates, which a training step does not reach.
 
     Raises:
         DoesNotFit: no plan fits; the message names the smallest shortfall.
@@ -476,6 +483,8 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
     devs = _pool(cl, c)
     B = batch_size or mdl.b0 * len(devs)
     say = progress or (lambda _: None)
+    if profile:
+        cl = profiled_cluster(cl, mdl, say)
 
     best, collab = None, None
     notes: list[str] = [inferred] if inferred else []
@@ -953,12 +962,14 @@ def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Pa
              example_kwargs: dict[str, Any] | None = None, dp: int | None = None, tp: int = 1, pp: int = 1,
              sp: int = 1, microbatches: int | None = None, schedule: str | None = None,
              zero_stage: int | None = None, recompute: str | None = None, batch_size: int | None = None,
-             dtype: str | None = None, placements: str = "rule", ep: int = 1) -> Strategy:
+             dtype: str | None = None, placements: str = "rule", ep: int = 1, profile: bool = False) -> Strategy:
     """Price a hand-made recipe with the same cost model; what is not given is chosen as the search would.
 
     A recipe's tensor parallelism is Megatron's (``placements="rule"``, what the usual recipes
     mean by ``tp``); ``placements="torch"`` or ``"any"`` places its ops with the per-stage solver
     as the search does (:class:`Constraints`).
+
+    ``profile``: as :func:`search`'s.
 
     Returns a Strategy whose ``estimate`` holds the price (even when the recipe does not fit:
     then ``estimate.memory_bytes_max`` exceeds the capacity and ``search.notes`` says why).
@@ -969,6 +980,8 @@ def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Pa
     model, example_inputs, example_kwargs, _ = model_and_inputs(model, example_inputs, example_kwargs)
     cl = cluster if isinstance(cluster, Cluster) else Cluster.resolve(str(cluster))
     mdl = ModelGraphs(model, example_inputs, example_kwargs)
+    if profile:
+        cl = profiled_cluster(cl, mdl)
     devs = list(range(cl.num_devices))
     if dp is None:
         dp = len(devs) // (tp * pp * sp)

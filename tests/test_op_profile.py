@@ -1,0 +1,138 @@
+"""The profiled CPU prices (cost_models/op_profile.py): the fit, the attribution of measured nodes
+to priced ops, the prices a profile gives against their closed form, and a real measurement."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from polyparallel.cluster import Cluster
+from polyparallel.cost_models import ParallelConfig, estimate_step
+from polyparallel.cost_models.compute import op_cost
+from polyparallel.cost_models.op_profile import (
+    OpProfile,
+    _attribute,
+    _fit,
+    fingerprint,
+    measure_nodes,
+    profiled_cluster,
+    with_profile,
+)
+from polyparallel.models import MLP
+from polyparallel.planning.model_graphs import ModelGraphs
+from tests.test_calibrate import _calibration
+
+
+def _mlp(widths=(32, 64, 64, 10)):
+    torch.manual_seed(0)
+    return MLP(widths), (torch.randn(4, widths[0]), torch.randint(0, widths[-1], (4,)))
+
+
+def test_fit_is_the_line_through_two_points_and_a_ratio_where_a_line_is_not_physical():
+    # t = 3e-5 + 2.5 r through r = 1e-4 and 4e-4
+    a, c = _fit(3e-5 + 2.5e-4, 1e-4, 3e-5 + 1e-3, 4e-4)
+    assert (a, c) == (pytest.approx(3e-5), pytest.approx(2.5))
+    # slower at the smaller size (noise): no negative slope, the pooled ratio instead
+    assert _fit(5e-4, 1e-4, 4e-4, 4e-4) == (0.0, pytest.approx(9e-4 / 5e-4))
+    # a roofline that does not grow (a batch-independent op): the ratio
+    assert _fit(2e-5, 1e-5, 2.2e-5, 1e-5) == (0.0, pytest.approx(4.2e-5 / 2e-5))
+    # an op the roofline prices at nothing (a view) costs what was measured
+    assert _fit(4e-6, 0.0, 6e-6, 0.0) == (pytest.approx(5e-6), 0.0)
+
+
+def test_unpriced_nodes_are_charged_to_the_op_before_them():
+    m, (x, y) = _mlp()
+    g = ModelGraphs(m, (x, y), None).graph(4)
+    ops = [op.source_node or op.name for op in g.ops]
+    rows = [("prelude", 1.0, 10.0)] + [(n, 2.0, 20.0) for n in ops[:2]] + [("view_x", 0.5, 5.0)] + \
+        [(n, 2.0, 20.0) for n in ops[2:]]
+    got = _attribute(rows, g)
+    # the node before any op goes to the first op; view_x to the op it follows
+    assert got[g.ops[0].name] == (3.0, 30.0)
+    assert got[g.ops[1].name] == (2.5, 25.0)
+    assert sum(f for f, _ in got.values()) == pytest.approx(sum(r[1] for r in rows))
+    assert sum(b for _, b in got.values()) == pytest.approx(sum(r[2] for r in rows))
+
+
+def _profile_of(g, lines_by_world, opt=()):
+    names = [op.name for op in g.ops]
+    return OpProfile(fingerprint(g), tuple((w, tuple((n, *line) for n in names)) for w, line in lines_by_world),
+                     tuple(opt), (2, 4), "test profile")
+
+
+def test_a_profile_prices_each_op_on_its_line_through_the_roofline(tmp_path, monkeypatch):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(_calibration()))
+    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(path))
+    m, (x, y) = _mlp()
+    mg = ModelGraphs(m, (x, y), None)
+    cl = Cluster.preset("local-cpu:2")
+    dt = cl.device(0).type
+    one, two = (1e-5, 2.0, 3e-5, 4.0), (2e-5, 3.0, 5e-5, 7.0)
+    prof = _profile_of(mg.graph(4), [(1, one), (2, two)], opt=[(1, (("sgd", 1.5),)), (2, (("sgd", 2.5),))])
+    pcl = with_profile(cl, prof)
+    assert "test profile" in pcl.device(0).type.source
+
+    def closed_form(g, line):
+        a_f, c_f, a_b, c_b = line
+        roof = [op_cost(g, op, dt, eager=True) for op in g.ops]
+        return sum(a_f + c_f * r.forward + a_b + c_b * r.backward for r in roof)
+
+    g8 = mg.graph(8)  # another batch of the same model: the same profile
+    plain = estimate_step(g8, cl, ParallelConfig(optimizer="sgd")).breakdown()
+    est = estimate_step(g8, pcl, ParallelConfig(optimizer="sgd")).breakdown()
+    assert est["compute"] == pytest.approx(closed_form(g8, one), rel=1e-9)
+    assert est["optimizer"] == pytest.approx(1.5 * plain["optimizer"], rel=1e-9)
+    # two data-parallel ranks: each prices its half batch on the line measured with two processes
+    est2 = estimate_step(mg.graph(4), pcl, ParallelConfig(dp=2, optimizer="sgd")).breakdown()
+    plain2 = estimate_step(mg.graph(4), cl, ParallelConfig(dp=2, optimizer="sgd")).breakdown()
+    assert est2["compute"] == pytest.approx(closed_form(mg.graph(4), two), rel=1e-9)
+    assert est2["optimizer"] == pytest.approx(2.5 * plain2["optimizer"], rel=1e-9)
+    # another model is priced from the calibration alone
+    om, (ox, oy) = _mlp((32, 48, 10))
+    other = ModelGraphs(om, (ox, oy), None).graph(4)
+    assert estimate_step(other, pcl, ParallelConfig(optimizer="sgd")).step_time == pytest.approx(
+        estimate_step(other, cl, ParallelConfig(optimizer="sgd")).step_time)
+
+
+def test_measured_nodes_are_the_exported_graphs_and_add_up_to_the_step():
+    m, (x, y) = _mlp()
+    rows, plain = measure_nodes(m, (x, y), {}, steps=3, warmup=1)
+    g = ModelGraphs(m, (x, y), None).graph(4)
+    names = [r[0] for r in rows]
+    # every priced op was timed, in execution order
+    ops = [op.source_node for op in g.ops]
+    assert [n for n in names if n in ops] == ops
+    by = {n: (f, b) for n, f, b in rows}
+    linears = [op.source_node for op in g.ops if op.kind.value == "contraction"]
+    assert all(by[n][0] > 0 and by[n][1] > 0 for n in linears)
+    assert plain["forward"] > 0 and plain["backward"] > 0
+    # the model was not trained by being measured
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), _mlp()[0].parameters(), strict=True))
+
+
+def test_profiling_refuses_what_it_cannot_measure(tmp_path, monkeypatch):
+    m, (x, y) = _mlp()
+    mg = ModelGraphs(m, (x, y), None)
+    with pytest.raises(ValueError, match="local-cpu"):
+        profiled_cluster(Cluster.preset("dgx-a100"), mg)
+    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(tmp_path / "none.json"))
+    with pytest.raises(ValueError, match="polyparallel calibrate"):
+        profiled_cluster(Cluster.preset("local-cpu:2"), mg)
+
+
+def test_a_profiled_search_measures_the_model_and_says_so(tmp_path, monkeypatch):
+    import polyparallel as pp
+
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(_calibration()))
+    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(path))
+    m, (x, y) = _mlp()
+    said = []
+    s = pp.search(m, (x, y), "local-cpu:2", batch_size=8, profile=True, progress=said.append)
+    assert any("profiling" in line for line in said)
+    src = s.cluster["device_types"]["cpu-process"]["source"]
+    assert "ops profiled on this machine" in src and "2 procs x" in src
+    assert s.estimate.step_time_s > 0
