@@ -45,6 +45,7 @@ def single_process_losses(model_fn, data_fn, *, steps: int, lr: float, seed: int
     whole global batch ``data_fn(step)`` with ``optimizer`` (sgd, adam, adamw: torch's, as the
     workers make them), from the same seed; the loss of every step. No optimizer step is taken at
     ``skip_steps`` (those an fp16 run skipped because its scaled gradients overflowed)."""
+    torch.set_flush_denormal(True)  # as the ranks run (_entry.py)
     torch.manual_seed(seed)
     m = model_fn()
     opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[optimizer](
