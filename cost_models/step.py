@@ -471,6 +471,7 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
         if rates and params:
             # measured per element at the stage's own working set (in cache or in memory), not streamed
             t_opt = local * optimizer_element_time(rates, local)
+        sharded_extra = 0.0
         if dt.kind == "cpu" and terms.param_tensors:
             # torch's CPU optimizers update tensor by tensor (no multi-tensor kernels there): each
             # parameter tensor costs ~k kernels at least at the kernel floor, plus DTensor's dispatch
@@ -488,12 +489,16 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
             elif per_dtensor is not None:
                 # measured per sharded tensor too: the whole host cost of a DTensor's update
                 t_opt += (n_t - dtensors) * per_tensor + dtensors * per_dtensor
+                sharded_extra = dtensors * (per_dtensor - per_tensor)
             else:
                 t_opt += n_t * per_tensor + dispatch
+                sharded_extra = dispatch
         ratio = dt.op_profile.optimizer_ratio(cfg.world, cfg.optimizer) if (
             dt.op_profile is not None and dt.op_profile.matches(graph)) else None
-        if ratio is not None:  # the model's step measured against this price (op_profile.py)
-            t_opt *= ratio
+        if ratio is not None:
+            # the model's plain step as measured against its price (op_profile.py); what DTensors
+            # add on top stays as the calibration measured it
+            t_opt = ratio * (t_opt - sharded_extra) + sharded_extra
         host = dict((k, (a, b)) for k, a, b in dt.optimizer_host).get(
             f"{cfg.optimizer}/{'fused' if cfg.fused_optimizer else 'foreach'}")
         if host and terms.param_tensors and dt.kind != "cpu":
