@@ -133,7 +133,8 @@ def _claim(run_dir: Path) -> Iterator[None]:
     """Hold ``run_dir`` for this run: an exclusive ``flock`` on the directory, released on leaving
     (or when this process dies). Two runs in one directory overwrite each other's ``job.pkl``, so
     both run whichever was written last, and append to one ``train.jsonl``: the second is refused
-    instead (:class:`RunDirInUse`). Unguarded where there is no ``fcntl`` (Windows)."""
+    instead (:class:`RunDirInUse`). Unguarded where there is no ``fcntl`` (Windows) or the
+    filesystem has no ``flock``."""
     try:
         import fcntl
     except ImportError:
@@ -144,9 +145,11 @@ def _claim(run_dir: Path) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RunDirInUse(f"run directory {run_dir} is in use by another train() (or another node's: each node "
-                              "of a multi-node run needs its own); give this run another run_dir (--run-dir), or "
-                              "wait for that run to end to resume it") from None
+            raise RunDirInUse(f"run directory {run_dir} is in use by another train(); give this run one of its own "
+                              "(run_dir, --run-dir; each node of a multi-node run needs its own), or wait for that "
+                              "run to end to resume it") from None
+        except OSError:  # a filesystem without flock (some network or FUSE mounts): unguarded there
+            pass
         yield
     finally:
         os.close(fd)
