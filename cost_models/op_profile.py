@@ -40,8 +40,8 @@ from typing import Any
 
 from polyparallel.ir import Graph, TensorKind
 
-__all__ = ["OpProfile", "contention", "fingerprint", "measure_nodes", "measure_optimizer", "profile_model",
-           "profiled_cluster", "profiled_op", "with_profile"]
+__all__ = ["OpProfile", "contention", "fingerprint", "measure_fsdp", "measure_nodes", "measure_optimizer",
+           "profile_model", "profiled_cluster", "profiled_op", "with_profile"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,8 @@ class OpProfile:
         optimizer: ``(world, ((optimizer, measured / priced), ...))`` of the whole step.
         batches: the micro-batch sizes measured.
         source: how and when it was measured.
+        wrappers: ``(world, ((key, forward, backward, optimizer), ...))``: seconds a data-parallel
+            wrapper adds to a step whatever it communicates (:func:`measure_fsdp`'s keys).
     """
 
     fingerprint: str
@@ -61,6 +63,7 @@ class OpProfile:
     optimizer: tuple[tuple[int, tuple[tuple[str, float], ...]], ...]
     batches: tuple[int, ...]
     source: str = ""
+    wrappers: tuple[tuple[int, tuple[tuple[str, float, float, float], ...]], ...] = ()
 
     def matches(self, graph: Graph) -> bool:
         """Whether ``graph`` is (a re-batching of) the graph this profile measured."""
@@ -75,6 +78,11 @@ class OpProfile:
         w = self._world(world)
         table = _tables(self).get(w, {})
         return table.get(op)
+
+    def wrapper(self, world: int, key: str) -> tuple[float, float, float] | None:
+        """``(forward, backward, optimizer)`` seconds the wrapper ``key`` adds, at the world size nearest ``world``."""
+        hit = dict((k, rest) for k, *rest in dict(self.wrappers).get(self._world(world), ())).get(key)
+        return tuple(hit) if hit is not None else None  # type: ignore[return-value]
 
     def optimizer_ratio(self, world: int, optimizer: str) -> float | None:
         w = self._world(world)
@@ -220,6 +228,61 @@ def measure_optimizer(model: Any, optimizers: Sequence[str], *, steps: int = 6,
     return out
 
 
+def _plain_step(model: Any, args: tuple, kwargs: dict[str, Any], optimizer: str, steps: int,
+                warmup: int = 2) -> tuple[float, float, float]:
+    """Median seconds of forward, backward and optimizer step of eager training steps of ``model``."""
+    import torch
+
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[optimizer]
+    opt = cls(model.parameters(), lr=1e-6)
+    ts = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = _scalar_loss(model(*args, **kwargs))
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        if i >= warmup:
+            ts.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+    return tuple(statistics.median(c) for c in zip(*ts, strict=True))  # type: ignore[return-value]
+
+
+def measure_fsdp(model: Any, args: tuple, kwargs: dict[str, Any], optimizers: Sequence[str], *,
+                 steps: int = 6) -> dict[str, tuple[float, float, float]]:
+    """What FSDP2, wrapped as the torch backend wraps it, adds to one process's step, without any
+    communication: ``{"zero<k>/<optimizer>": (forward, backward, optimizer) seconds}``, for ZeRO 2
+    (weights kept gathered from forward to backward) and 3 (gathered again for the backward).
+
+    A one-rank gloo group runs the wrapper's hooks, copies and DTensor optimizer step; empty when
+    this process already has a process group (it is not ours to replace)."""
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from polyparallel.backends.torch._worker import _fully_shard
+
+    if dist.is_initialized():
+        return {}
+    out: dict[str, tuple[float, float, float]] = {}
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
+        try:
+            mesh = init_device_mesh("cpu", (1,))
+            for o in optimizers:
+                plain = _plain_step(copy.deepcopy(model), args, kwargs, o, steps)
+                for stage in (2, 3):
+                    m = copy.deepcopy(model)
+                    _fully_shard(m, mesh, stage, {})
+                    wrapped = _plain_step(m, args, kwargs, o, steps)
+                    out[f"zero{stage}/{o}"] = tuple(max(0.0, w - p) for w, p in zip(wrapped, plain, strict=True))
+        finally:
+            dist.destroy_process_group()
+    return out
+
+
 def _background(model: Any, args: tuple, kwargs: dict[str, Any], stop: Any) -> None:
     """A competing process: the same eager training steps until ``stop`` is set."""
     import torch
@@ -350,8 +413,9 @@ def profile_model(model: Any, args: tuple, kwargs: dict[str, Any], graphs: Calla
                 roof[b][op.name] = (c.forward, c.backward)
         say("measuring the optimizer step and the cost of sharing the machine")
         opt_measured = measure_optimizer(model, optimizers)
-        kappa = contention(model, tuple(rebatch(x, batches[0]) for x in args),
-                           {k: rebatch(v, batches[0]) for k, v in kwargs.items()}, worlds)
+        a0, k0 = tuple(rebatch(x, batches[0]) for x in args), {k: rebatch(v, batches[0]) for k, v in kwargs.items()}
+        kappa = contention(model, a0, k0, worlds)
+        wrappers = measure_fsdp(model, a0, k0, optimizers) if max(worlds) > 1 else {}
     finally:
         torch.set_num_threads(threads)
         torch.set_flush_denormal(False)
@@ -362,14 +426,15 @@ def profile_model(model: Any, args: tuple, kwargs: dict[str, Any], graphs: Calla
         r1, r2 = roof[b1][name], roof[b2].get(name, roof[b1][name])
         base.append((name, *_fit(t1[0], r1[0], t2[0], r2[0]), *_fit(t1[1], r1[1], t2[1], r2[1])))
     opt_priced = _priced_optimizer(graphs(b1), cluster, optimizers)
-    lines, opt = [], []
+    lines, opt, wraps = [], [], []
     for w, k in sorted(kappa.items()):
         lines.append((w, tuple((n, af * k, cf * k, ab * k, cb * k) for n, af, cf, ab, cb in base)))
         opt.append((w, tuple((o, k * t / opt_priced[o]) for o, t in opt_measured.items() if opt_priced.get(o))))
+        wraps.append((w, tuple((key, *(k * x for x in v)) for key, v in sorted(wrappers.items()))))
     shared = ", ".join(f"{w} procs x{k:.2f}" for w, k in sorted(kappa.items()))
     src = (f"ops profiled on this machine ({time.strftime('%Y-%m-%d %H:%M')}, micro-batches "
            f"{', '.join(map(str, batches))}; sharing it: {shared})")
-    return OpProfile(fingerprint(graphs(b1)), tuple(lines), tuple(opt), tuple(batches), src)
+    return OpProfile(fingerprint(graphs(b1)), tuple(lines), tuple(opt), tuple(batches), src, tuple(wraps))
 
 
 def _priced_optimizer(graph: Graph, cluster: Any, optimizers: Sequence[str]) -> dict[str, float]:

@@ -446,6 +446,12 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
         events, t_dp, exposed, ef, eb = _data_parallel(cluster, ccache, dterms, s, cfg, gb, omega, v, buckets, units)
         fwd[s] += ef
         bwd[s] += eb
+        # a profiled CPU measured what FSDP2 itself (hooks, copies, the DTensor optimizer) adds to a step
+        fsdp = dt.op_profile.wrapper(cfg.world, f"zero{min(3, max(2, cfg.zero_stage))}/{cfg.optimizer}") if (
+            units and dgrp_size > 1 and dt.op_profile is not None and dt.op_profile.matches(graph)) else None
+        if fsdp is not None:
+            fwd[s] += fsdp[0]
+            bwd[s] += fsdp[1]
         shard = dgrp_size if cfg.zero_stage >= 1 else 1
         # parameter elements this rank updates: with expert parallelism it holds 1/ep of the
         # experts, whose ZeRO shards span the dp·sp/ep ranks holding the same experts
@@ -498,7 +504,7 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
         if ratio is not None:
             # the model's plain step as measured against its price (op_profile.py); what DTensors
             # add on top stays as the calibration measured it
-            t_opt = ratio * (t_opt - sharded_extra) + sharded_extra
+            t_opt = ratio * (t_opt - sharded_extra) + (fsdp[2] if fsdp is not None else sharded_extra)
         host = dict((k, (a, b)) for k, a, b in dt.optimizer_host).get(
             f"{cfg.optimizer}/{'fused' if cfg.fused_optimizer else 'foreach'}")
         if host and terms.param_tensors and dt.kind != "cpu":

@@ -56,10 +56,10 @@ def test_unpriced_nodes_are_charged_to_the_op_before_them():
     assert sum(b for _, b in got.values()) == pytest.approx(sum(r[2] for r in rows))
 
 
-def _profile_of(g, lines_by_world, opt=()):
+def _profile_of(g, lines_by_world, opt=(), wrappers=()):
     names = [op.name for op in g.ops]
     return OpProfile(fingerprint(g), tuple((w, tuple((n, *line) for n in names)) for w, line in lines_by_world),
-                     tuple(opt), (2, 4), "test profile")
+                     tuple(opt), (2, 4), "test profile", tuple(wrappers))
 
 
 def test_a_profile_prices_each_op_on_its_line_through_the_roofline(tmp_path, monkeypatch):
@@ -136,3 +136,39 @@ def test_a_profiled_search_measures_the_model_and_says_so(tmp_path, monkeypatch)
     src = s.cluster["device_types"]["cpu-process"]["source"]
     assert "ops profiled on this machine" in src and "2 procs x" in src
     assert s.estimate.step_time_s > 0
+
+
+def test_fsdp_is_priced_with_what_the_wrapper_was_measured_to_add(tmp_path, monkeypatch):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(_calibration()))
+    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(path))
+    m, (x, y) = _mlp()
+    g = ModelGraphs(m, (x, y), None).graph(4)
+    cl = Cluster.preset("local-cpu:2")
+    line, opt = (1e-5, 2.0, 3e-5, 4.0), [(2, (("sgd", 1.0),))]
+    bare = with_profile(cl, _profile_of(g, [(2, line)], opt=opt))
+    over = (4e-4, 7e-4, 2e-3)
+    wrapped = with_profile(cl, _profile_of(g, [(2, line)], opt=opt, wrappers=[(2, (("zero3/sgd", *over),))]))
+    cfg = ParallelConfig(dp=2, zero_stage=3, optimizer="sgd")
+    a, b = estimate_step(g, bare, cfg), estimate_step(g, wrapped, cfg)
+    # the measured forward and backward overheads add to the step; the optimizer's DTensor part is the measured one
+    ba, bb = a.breakdown(), b.breakdown()
+    assert bb["optimizer"] == pytest.approx(ba["optimizer"] - _sharded_extra(g, cl, cfg) + over[2], rel=1e-6)
+    assert b.step_time - bb["optimizer"] == pytest.approx(a.step_time - ba["optimizer"] + over[0] + over[1], rel=1e-6)
+    # DDP (ZeRO 0) does not take FSDP's overheads
+    ddp = ParallelConfig(dp=2, optimizer="sgd")
+    assert estimate_step(g, wrapped, ddp).step_time == pytest.approx(estimate_step(g, bare, ddp).step_time)
+
+
+def _sharded_extra(g, cl, cfg):
+    """What the calibration adds to FSDP's optimizer step for its DTensors: the step priced with and
+    without them (ZeRO-3 with every parameter sharded against the same elements unsharded)."""
+    dt = cl.device(0).type
+    from polyparallel.cost_models.step import _OPT_KERNELS
+
+    n = sum(1 for t in g.tensors.values() if t.kind.value == "param")
+    per_t = dict(dt.optimizer_tensor_overhead).get("sgd")
+    per_d = dict(dt.optimizer_dtensor_overhead).get("sgd")
+    if per_t is not None and per_d is not None:
+        return n * (per_d - per_t)
+    return _OPT_KERNELS.get("sgd", 9) * n * dt.sharded_op_overhead
