@@ -136,6 +136,10 @@ def test_a_profiled_search_measures_the_model_and_says_so(tmp_path, monkeypatch)
     src = s.cluster["device_types"]["cpu-process"]["source"]
     assert "ops profiled on this machine" in src and "2 procs x" in src
     assert s.estimate.step_time_s > 0
+    assert not any("--profile" in n for n in s.search.notes)
+    # without it, the notes say what the prices rest on and how to measure instead
+    plain = pp.search(m, (x, y), "local-cpu:2", batch_size=8)
+    assert any("--profile" in n for n in plain.search.notes)
 
 
 def test_fsdp_is_priced_with_what_the_wrapper_was_measured_to_add(tmp_path, monkeypatch):
