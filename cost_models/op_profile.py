@@ -130,7 +130,7 @@ def _scalar_loss(out: Any) -> Any:
     return leaves[0].float().sum()
 
 
-def measure_nodes(model: Any, args: tuple, kwargs: dict[str, Any], *, steps: int = 6,
+def measure_nodes(model: Any, args: tuple, kwargs: dict[str, Any], *, steps: int = 12,
                   warmup: int = 2) -> tuple[list[tuple[str, float, float]], dict[str, float]]:
     """Median seconds ``[(node, forward, backward), ...]`` of each call of the model's exported
     graph, in execution order, over ``steps`` eager forward + backward passes on this thread;
@@ -203,7 +203,7 @@ def measure_nodes(model: Any, args: tuple, kwargs: dict[str, Any], *, steps: int
     return rows, {"forward": statistics.median(plain_f), "backward": statistics.median(plain_b)}
 
 
-def measure_optimizer(model: Any, optimizers: Sequence[str], *, steps: int = 6,
+def measure_optimizer(model: Any, optimizers: Sequence[str], *, steps: int = 12,
                       warmup: int = 2) -> dict[str, float]:
     """Median seconds of one optimizer step over the model's parameters (gradients set), per name."""
     import torch
@@ -250,7 +250,7 @@ def _plain_step(model: Any, args: tuple, kwargs: dict[str, Any], optimizer: str,
 
 
 def measure_fsdp(model: Any, args: tuple, kwargs: dict[str, Any], optimizers: Sequence[str], *,
-                 steps: int = 6) -> dict[str, tuple[float, float, float]]:
+                 steps: int = 10) -> dict[str, tuple[float, float, float]]:
     """What FSDP2, wrapped as the torch backend wraps it, adds to one process's step, without any
     communication: ``{"zero<k>/<optimizer>": (forward, backward, optimizer) seconds}``, for ZeRO 2
     (weights kept gathered from forward to backward) and 3 (gathered again for the backward).
@@ -319,7 +319,7 @@ def _with_load(others: int, model: Any, args: tuple, kwargs: dict[str, Any], fn:
 
 
 def contention(model: Any, args: tuple, kwargs: dict[str, Any], worlds: Sequence[int], *,
-               steps: int = 6) -> dict[int, float]:
+               steps: int = 12) -> dict[int, float]:
     """How much slower the model's plain training step runs in this process while ``W - 1``
     other processes run it too, for each ``W`` in ``worlds`` (1.0 for ``W = 1``): the ranks of a
     ``W``-process job on this machine share its cores, caches and memory bus."""
@@ -339,9 +339,17 @@ def contention(model: Any, args: tuple, kwargs: dict[str, Any], worlds: Sequence
                 ts.append(time.perf_counter() - t0)
         return statistics.median(ts)
 
-    alone = step_time()
-    return {w: 1.0 if w <= 1 else max(1.0, _with_load(w - 1, model, args, kwargs, step_time) / alone)
-            for w in sorted(set(worlds))}
+    out = {}
+    before = step_time()
+    for w in sorted(set(worlds)):
+        if w <= 1:
+            out[w] = 1.0
+            continue
+        loaded = _with_load(w - 1, model, args, kwargs, step_time)
+        after = step_time()  # against the machine alone just before and after: other work drifts
+        out[w] = max(1.0, loaded / ((before + after) / 2))
+        before = after
+    return out
 
 
 def _attribute(rows: list[tuple[str, float, float]], graph: Graph) -> dict[str, tuple[float, float]]:
