@@ -8,8 +8,10 @@ Profiling-based planners (Alpa, Galvatron, nnScaler) measure the model's own lay
 this module does that for a module searched on ``local-cpu:<P>``.
 
 :func:`measure_nodes` runs eager training steps of the model's exported graph (the same aten
-ops the user's module dispatches) through an fx interpreter that times each node's forward,
-and hooks each node's autograd function to time its backward. :func:`profile_model` does so at
+ops the user's module dispatches) through an fx interpreter that times each node's forward and
+marks, by a pre-hook on its autograd function, when the engine starts its backward: on a CPU
+the engine runs one autograd function at a time, so a node's backward lasts until the next
+node's starts. :func:`profile_model` does so at
 two micro-batch sizes, with ``W - 1`` other processes running the same steps for each world
 size ``W`` of the cluster (they share the cores, caches and memory bus as a ``W``-rank job's
 ranks do), and fits every op of the priced graph as ``t = a + c·r``: ``r`` is the op's roofline
@@ -36,6 +38,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from polyparallel.ir import Graph, TensorKind
@@ -73,30 +76,24 @@ class OpProfile:
         have = [w for w, _ in self.lines]
         return min(have, key=lambda w: (abs(w - world), -w))
 
-    def line(self, world: int, op: str) -> tuple[float, float, float, float] | None:
-        """``(a_fwd, c_fwd, a_bwd, c_bwd)`` of ``op`` at the measured world size nearest ``world``."""
-        w = self._world(world)
-        table = _tables(self).get(w, {})
-        return table.get(op)
+    @cached_property
+    def _tables(self) -> dict[str, dict[int, dict[str, tuple[float, ...]]]]:
+        """The tuples as lookups: ``{"lines"|"wrappers": {world: {name: values}}}``, built once."""
+        return {"lines": {w: {n: tuple(v) for n, *v in rows} for w, rows in self.lines},
+                "wrappers": {w: {k: tuple(v) for k, *v in rows} for w, rows in self.wrappers}}
 
-    def wrapper(self, world: int, key: str) -> tuple[float, float, float] | None:
-        """``(forward, backward, optimizer)`` seconds the wrapper ``key`` adds, at the world size nearest ``world``."""
-        hit = dict((k, rest) for k, *rest in dict(self.wrappers).get(self._world(world), ())).get(key)
-        return tuple(hit) if hit is not None else None  # type: ignore[return-value]
+    def line(self, world: int, op: str) -> tuple[float, ...] | None:
+        """``(a_fwd, c_fwd, a_bwd, c_bwd)`` of ``op`` at the measured world size nearest ``world``."""
+        return self._tables["lines"].get(self._world(world), {}).get(op)
+
+    def wrapper(self, world: int, key: str) -> tuple[float, ...] | None:
+        """``(forward, backward, optimizer)`` seconds the wrapper ``key`` adds, at the measured world
+        size nearest ``world``."""
+        return self._tables["wrappers"].get(self._world(world), {}).get(key)
 
     def optimizer_ratio(self, world: int, optimizer: str) -> float | None:
-        w = self._world(world)
-        return dict(dict(self.optimizer).get(w, ())).get(optimizer)
-
-
-_TABLES: dict[int, dict[int, dict[str, tuple[float, float, float, float]]]] = {}
-
-
-def _tables(p: OpProfile) -> dict[int, dict[str, tuple[float, float, float, float]]]:
-    key = id(p)
-    if key not in _TABLES:
-        _TABLES[key] = {w: {name: rest for name, *rest in ops} for w, ops in p.lines}  # type: ignore[misc]
-    return _TABLES[key]
+        """Measured over priced seconds of the model's ``optimizer`` step at the world size nearest ``world``."""
+        return dict(dict(self.optimizer).get(self._world(world), ())).get(optimizer)
 
 
 def fingerprint(graph: Graph) -> str:
