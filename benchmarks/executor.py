@@ -215,8 +215,8 @@ _PROFILED: dict[tuple[str, int], Any] = {}
 
 def _cluster(workload: Workload, model: torch.nn.Module, world: int, profile: bool) -> Any:
     """``local-cpu:<world>``, with the workload's ops measured on it when ``profile`` (once per world)."""
+    from polyparallel.backends.torch.op_timing import profiled_cluster
     from polyparallel.cluster import Cluster
-    from polyparallel.cost_models.op_profile import profiled_cluster
     from polyparallel.planning.model_graphs import ModelGraphs
 
     cl = Cluster.preset(f"local-cpu:{world}")

@@ -1,5 +1,6 @@
-"""The profiled CPU prices (cost_models/op_profile.py): the fit, the attribution of measured nodes
-to priced ops, the prices a profile gives against their closed form, and a real measurement."""
+"""The profiled CPU prices (cost_models/op_profile.py, backends/torch/op_timing.py): the fit, the
+attribution of measured nodes to priced ops, the prices a profile gives against their closed form,
+and a real measurement."""
 
 from __future__ import annotations
 
@@ -8,18 +9,11 @@ import json
 import pytest
 import torch
 
+from polyparallel.backends.torch.op_timing import measure_nodes, profiled_cluster
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, estimate_step
 from polyparallel.cost_models.compute import op_cost
-from polyparallel.cost_models.op_profile import (
-    OpProfile,
-    _attribute,
-    _fit,
-    fingerprint,
-    measure_nodes,
-    profiled_cluster,
-    with_profile,
-)
+from polyparallel.cost_models.op_profile import OpProfile, _attribute, _fit, fingerprint, with_profile
 from polyparallel.models import MLP
 from polyparallel.planning.model_graphs import ModelGraphs
 from tests.test_calibrate import _calibration

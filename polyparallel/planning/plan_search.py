@@ -110,9 +110,9 @@ from typing import Any
 
 from polyparallel.backends.collab._center_plan import CENTER_LIMITS
 from polyparallel.backends.torch.capabilities import EXECUTED_DTYPES, plan_problems
+from polyparallel.backends.torch.op_timing import profiled_cluster
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, StepEstimate, estimate_step
-from polyparallel.cost_models.op_profile import profiled_cluster
 from polyparallel.cost_models.parallel_config import RECOMPUTE
 from polyparallel.cost_models.pipeline import SCHEDULES
 from polyparallel.cost_models.step import StepBound, step_lower_bound
