@@ -49,8 +49,8 @@ class OpProfile:
         optimizer: ``(world, ((optimizer, measured / priced), ...))`` of the whole step.
         batches: the micro-batch sizes measured.
         source: how and when it was measured.
-        wrappers: ``(world, ((key, forward, backward, optimizer), ...))``: seconds a data-parallel
-            wrapper adds to a step whatever it communicates (:func:`measure_fsdp`'s keys).
+        wrappers: ``(world, ((key, forward, backward, optimizer), ...))``: seconds a parallel wrapper
+            adds whatever it communicates (keys of ``backends/torch/op_timing.measure_wrappers``).
     """
 
     fingerprint: str
@@ -203,9 +203,13 @@ def profiled_op(graph: Graph, op: Any, device: Any, world: int, split: float, sh
     a_f, c_f, a_b, c_b = line
     r = op_cost(graph, op, device, dtype, split=split, eager=True)
     fwd, bwd = a_f + c_f * r.forward, a_b + c_b * r.backward
-    if sharded:  # a DTensor's dispatch is the host's, not the kernel's: added as the calibration measured it
-        s = op_cost(graph, op, device, dtype, split=split, eager=True, sharded=True)
-        fwd, bwd = fwd + s.forward - r.forward, bwd + s.backward - r.backward
+    if sharded:  # a DTensor's dispatch is the host's, not the kernel's: added as measured
+        tp = prof.wrapper(world, "tp/op")
+        if tp is not None:
+            fwd, bwd = fwd + tp[0], bwd + tp[1]
+        else:
+            s = op_cost(graph, op, device, dtype, split=split, eager=True, sharded=True)
+            fwd, bwd = fwd + s.forward - r.forward, bwd + s.backward - r.backward
     return fwd, bwd
 
 

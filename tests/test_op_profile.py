@@ -170,3 +170,25 @@ def _sharded_extra(g, cl, cfg):
     if per_t is not None and per_d is not None:
         return n * (per_d - per_t)
     return _OPT_KERNELS.get("sgd", 9) * n * dt.sharded_op_overhead
+
+
+def test_a_sharded_op_pays_the_measured_dtensor_dispatch(tmp_path, monkeypatch):
+    from polyparallel.cost_models.op_profile import profiled_op
+
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(_calibration()))
+    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(path))
+    m, (x, y) = _mlp()
+    g = ModelGraphs(m, (x, y), None).graph(4)
+    cl = Cluster.preset("local-cpu:2")
+    line = (1e-5, 2.0, 3e-5, 4.0)
+    pcl = with_profile(cl, _profile_of(g, [(2, line)], wrappers=[(2, (("tp/op", 1e-3, 2e-3, 0.0),))]))
+    dt, op = pcl.device(0).type, g.ops[0]
+    plain = profiled_op(g, op, dt, 2, 2.0, False, "fp32")
+    r = op_cost(g, op, cl.device(0).type, split=2.0, eager=True)
+    # the shard's own roofline on the line, and the measured dispatch on top when its weights are DTensors
+    assert plain == (pytest.approx(1e-5 + 2.0 * r.forward), pytest.approx(3e-5 + 4.0 * r.backward))
+    sharded = profiled_op(g, op, dt, 2, 2.0, True, "fp32")
+    assert sharded == (pytest.approx(plain[0] + 1e-3), pytest.approx(plain[1] + 2e-3))
+    # bf16 is not what was measured: no profiled price
+    assert profiled_op(g, op, dt, 2, 2.0, False, "bf16") is None

@@ -3,7 +3,7 @@
 The measurements :func:`polyparallel.cost_models.op_profile.build_profile` fits (its docstring
 says how): each node's forward and backward in eager training steps at two micro-batch sizes
 (:func:`measure_nodes`), the optimizer step (:func:`measure_optimizer`), what the backend's FSDP2
-wrapping adds on one rank (:func:`measure_fsdp`), and how much slower a step runs while other
+wrapping and DTensor's dispatch add on one rank (:func:`measure_wrappers`), and how much slower a step runs while other
 processes share the machine (:func:`contention`). Every measurement runs as a rank does: one
 thread, subnormals flushed (``_entry.py``), on a copy of the model (the user's stays untouched).
 """
@@ -20,7 +20,7 @@ from typing import Any
 from polyparallel.cost_models.op_profile import OpProfile, build_profile, with_profile
 from polyparallel.ir import Graph
 
-__all__ = ["contention", "measure_fsdp", "measure_nodes", "measure_optimizer", "profile_model", "profiled_cluster"]
+__all__ = ["contention", "measure_nodes", "measure_optimizer", "measure_wrappers", "profile_model", "profiled_cluster"]
 
 
 def _scalar_loss(out: Any) -> Any:
@@ -158,18 +158,26 @@ def _plain_step(model: Any, args: tuple, kwargs: dict[str, Any], optimizer: str,
     return tuple(statistics.median(c) for c in zip(*ts, strict=True))  # type: ignore[return-value]
 
 
-def measure_fsdp(model: Any, args: tuple, kwargs: dict[str, Any], optimizers: Sequence[str], *,
-                 steps: int = 10) -> dict[str, tuple[float, float, float]]:
-    """What FSDP2, wrapped as the torch backend wraps it, adds to one process's step, without any
-    communication: ``{"zero<k>/<optimizer>": (forward, backward, optimizer) seconds}``, for ZeRO 2
-    (weights kept gathered from forward to backward) and 3 (gathered again for the backward).
+def measure_wrappers(model: Any, args: tuple, kwargs: dict[str, Any], optimizers: Sequence[str], *,
+                     steps: int = 10) -> dict[str, tuple[float, float, float]]:
+    """What the backend's parallel wrappers add to one process's work, without any communication:
+    ``(forward, backward, optimizer)`` seconds by key.
 
-    A one-rank gloo group runs the wrapper's hooks, copies and DTensor optimizer step; empty when
-    this process already has a process group (it is not ours to replace)."""
+    - ``zero<k>/<optimizer>``: FSDP2 wrapped as the torch backend wraps the model (its hooks,
+      copies and DTensor optimizer step), ZeRO 2 (weights kept gathered from forward to backward)
+      and 3 (gathered again for the backward), against the same steps unwrapped;
+    - ``tp/op``: one linear layer with DTensor weights (a column-parallel and a row-parallel pair,
+      as Megatron pairs them, halved) against plain ones: DTensor's dispatch per sharded op, which
+      a small layer's kernels do not hide.
+
+    A one-rank gloo group runs them; empty when this process already has a process group (it is
+    not ours to replace)."""
     import tempfile
 
+    import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from polyparallel.backends.torch._worker import _fully_shard
 
@@ -187,6 +195,15 @@ def measure_fsdp(model: Any, args: tuple, kwargs: dict[str, Any], optimizers: Se
                     _fully_shard(m, mesh, stage, {})
                     wrapped = _plain_step(m, args, kwargs, o, steps)
                     out[f"zero{stage}/{o}"] = tuple(max(0.0, w - p) for w, p in zip(wrapped, plain, strict=True))
+            x = torch.randn(8, 64)
+
+            def pair() -> torch.nn.Module:
+                return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+
+            tp = parallelize_module(pair(), mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+            f0, b0, _ = _plain_step(pair(), (x,), {}, "sgd", 4 * steps)
+            f1, b1, _ = _plain_step(tp, (x,), {}, "sgd", 4 * steps)
+            out["tp/op"] = (max(0.0, f1 - f0) / 2, max(0.0, b1 - b0) / 2, 0.0)
         finally:
             dist.destroy_process_group()
     return out
@@ -289,7 +306,7 @@ def profile_model(model: Any, args: tuple, kwargs: dict[str, Any], graphs: Calla
         opt_measured = measure_optimizer(model, optimizers)
         a0, k0 = tuple(rebatch(x, batches[0]) for x in args), {k: rebatch(v, batches[0]) for k, v in kwargs.items()}
         kappa = contention(model, a0, k0, worlds)
-        wrappers = measure_fsdp(model, a0, k0, optimizers) if max(worlds) > 1 else {}
+        wrappers = measure_wrappers(model, a0, k0, optimizers) if max(worlds) > 1 else {}
     finally:
         torch.set_num_threads(threads)
         torch.set_flush_denormal(False)
