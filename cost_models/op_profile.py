@@ -8,17 +8,19 @@ Profiling-based planners (Alpa, Galvatron, nnScaler) measure the model's own lay
 a search on ``local-cpu:<P>`` with ``profile=True`` does that
 (:mod:`polyparallel.backends.torch.op_timing` measures, :func:`build_profile` fits).
 
-Every op of the priced graph gets a line ``t = a + c·r`` per direction through its two measured
-micro-batch sizes: ``r`` is the op's roofline price (:func:`polyparallel.cost_models.compute.
-op_cost`, eager), ``a`` what the op costs whatever its size (dispatch, autograd), ``c`` how much
-slower than the roofline its work runs in a real step. A tensor- or sequence-parallel shard, or
-another micro-batch, is priced from its own roofline through the same line (:func:`profiled_op`;
-a DTensor's dispatch on top, as calibrated). The nodes a priced op absorbed (views, elementwise
-ops fused into their producer) are charged to it; the step's time outside any node (autograd's
-gradient accumulation, the loss's backward call) is spread over the ops in proportion, so the
-profiled step adds up to the measured one. Lines, the optimizer's measured-over-priced ratio and
-what FSDP2 adds are scaled per world size ``W`` by the measured slowdown of ``W`` processes
-sharing the machine.
+Every op of the priced graph gets a curve per direction: its measured seconds against its roofline
+price ``r`` (:func:`polyparallel.cost_models.compute.op_cost`, eager) at each measured micro-batch
+size (1, 2, 4, 8 by default). Between two measured points an op costs ``t = a + c·r`` on the line
+through them (:func:`on_curve`): ``a`` what the op costs whatever its size (dispatch, autograd),
+``c`` how much slower than the roofline its work runs in a real step (a step whose working set
+leaves the cache gets slower per sample, so one line through two small batches would price a
+large one too fast). A tensor- or sequence-parallel shard, or another micro-batch, is priced from
+its own roofline on the same curve (:func:`profiled_op`), a sharded op with DTensor's measured
+dispatch on top. The nodes a priced op absorbed (views, elementwise ops fused into their producer)
+are charged to it; the step's time outside any node (autograd's gradient accumulation, the
+loss's backward call) is spread over the ops in proportion, so the profiled step adds up to the
+measured one. Curves, the optimizer's measured-over-priced ratio and what the parallel wrappers
+add are scaled per world size ``W`` by the measured slowdown of ``W`` processes sharing the machine.
 
 The profile belongs to one model (:func:`fingerprint` of the priced graph) and one machine; the
 device type carries it (``DeviceType.op_profile``), so a graph it was not measured on is priced
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -36,7 +39,10 @@ from typing import Any
 
 from polyparallel.ir import Graph, TensorKind
 
-__all__ = ["OpProfile", "build_profile", "fingerprint", "profiled_op", "with_profile"]
+__all__ = ["OpProfile", "build_profile", "fingerprint", "on_curve", "profiled_op", "with_profile"]
+
+
+_Points = tuple[tuple[float, float], ...]
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,8 @@ class OpProfile:
 
     Attributes:
         fingerprint: of the graph the ops were measured on (:func:`fingerprint`).
-        lines: ``(world, ((op name, a_fwd, c_fwd, a_bwd, c_bwd), ...))``: ``t = a + c·roofline``.
+        curves: ``(world, ((op name, forward points, backward points), ...))``, each point
+            ``(roofline seconds, measured seconds)`` at one measured micro-batch, by roofline.
         optimizer: ``(world, ((optimizer, measured / priced), ...))`` of the whole step.
         batches: the micro-batch sizes measured.
         source: how and when it was measured.
@@ -54,7 +61,7 @@ class OpProfile:
     """
 
     fingerprint: str
-    lines: tuple[tuple[int, tuple[tuple[str, float, float, float, float], ...]], ...]
+    curves: tuple[tuple[int, tuple[tuple[str, _Points, _Points], ...]], ...]
     optimizer: tuple[tuple[int, tuple[tuple[str, float], ...]], ...]
     batches: tuple[int, ...]
     source: str = ""
@@ -65,18 +72,18 @@ class OpProfile:
         return _fingerprint_of(graph) == self.fingerprint
 
     def _world(self, world: int) -> int:
-        have = [w for w, _ in self.lines]
+        have = [w for w, _ in self.curves]
         return min(have, key=lambda w: (abs(w - world), -w))
 
     @cached_property
     def _tables(self) -> dict[str, dict[int, dict[str, tuple[float, ...]]]]:
-        """The tuples as lookups: ``{"lines"|"wrappers": {world: {name: values}}}``, built once."""
-        return {"lines": {w: {n: tuple(v) for n, *v in rows} for w, rows in self.lines},
+        """The tuples as lookups: ``{"curves"|"wrappers": {world: {name: values}}}``, built once."""
+        return {"curves": {w: {n: tuple(v) for n, *v in rows} for w, rows in self.curves},
                 "wrappers": {w: {k: tuple(v) for k, *v in rows} for w, rows in self.wrappers}}
 
-    def line(self, world: int, op: str) -> tuple[float, ...] | None:
-        """``(a_fwd, c_fwd, a_bwd, c_bwd)`` of ``op`` at the measured world size nearest ``world``."""
-        return self._tables["lines"].get(self._world(world), {}).get(op)
+    def curve(self, world: int, op: str) -> tuple[tuple[tuple[float, float], ...], ...] | None:
+        """``(forward points, backward points)`` of ``op`` at the measured world size nearest ``world``."""
+        return self._tables["curves"].get(self._world(world), {}).get(op)
 
     def wrapper(self, world: int, key: str) -> tuple[float, ...] | None:
         """``(forward, backward, optimizer)`` seconds the wrapper ``key`` adds, at the measured world
@@ -114,17 +121,22 @@ def _attribute(rows: list[tuple[str, float, float]], graph: Graph) -> dict[str, 
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
-def _fit(t1: float, r1: float, t2: float, r2: float) -> tuple[float, float]:
-    """``(a, c)`` of ``t = a + c·r`` through two measurements; ``a, c ≥ 0``. Where the roofline does not
-    grow between them (a batch-independent op) or the line would need a negative part, the ratio."""
-    if r1 <= 0 and r2 <= 0:
-        return (t1 + t2) / 2, 0.0
-    if r2 > 1.05 * r1 > 0:
-        c = (t2 - t1) / (r2 - r1)
-        a = t1 - c * r1
-        if c > 0 and a >= 0:
-            return a, c
-    return 0.0, (t1 + t2) / (r1 + r2)
+def on_curve(points: Sequence[tuple[float, float]], r: float) -> float:
+    """Measured seconds at roofline seconds ``r``: on the line through the two measured points around
+    ``r`` (the nearest two at either end). Below the first point the line is not followed under
+    proportional scaling of that point; where the points are not a rising line (noise, or an op
+    whose roofline does not grow with the batch) the pooled ratio scales ``r``."""
+    if not points:
+        return 0.0
+    if len(points) == 1:
+        r0, t0 = points[0]
+        return t0 * r / r0 if r0 > 0 else t0
+    i = min(max(bisect_left([p[0] for p in points], r), 1), len(points) - 1)
+    (r1, t1), (r2, t2) = points[i - 1], points[i]
+    if r2 <= r1 * 1.01 or t2 < t1:
+        return (t1 + t2) / (r1 + r2) * r if r1 + r2 > 0 else (t1 + t2) / 2
+    t = t1 + (t2 - t1) / (r2 - r1) * (r - r1)
+    return max(t, t1 * r / r1) if r < r1 and r1 > 0 else t
 
 
 def build_profile(graphs: Callable[[int], Graph], cluster: Any,
@@ -132,8 +144,8 @@ def build_profile(graphs: Callable[[int], Graph], cluster: Any,
                   optimizer_s: dict[str, float], kappa: dict[int, float],
                   wrappers: dict[str, tuple[float, float, float]]) -> OpProfile:
     """The profile of measurements (module docstring): ``nodes[b]`` the per-node times and plain step
-    of micro-batch ``b`` (two sizes), ``optimizer_s`` the optimizer step per optimizer, ``kappa`` the
-    slowdown per world size, ``wrappers`` what a data-parallel wrapper adds; lines fitted to the
+    of micro-batch ``b``, ``optimizer_s`` the optimizer step per optimizer, ``kappa`` the
+    slowdown per world size, ``wrappers`` what a parallel wrapper adds; curves against the
     roofline of ``cluster``'s device (a calibrated ``local-cpu``), ``graphs(b)`` the priced graph."""
     from polyparallel.cost_models.compute import op_cost
 
@@ -151,22 +163,24 @@ def build_profile(graphs: Callable[[int], Graph], cluster: Any,
         sb = plain["backward"] / max(sum(b_ for _, b_ in per_op.values()), 1e-12)
         measured[b] = {k: (f * sf, bw * sb) for k, (f, bw) in per_op.items()}
         roof[b] = {op.name: (c.forward, c.backward) for op in g.ops for c in [op_cost(g, op, device, eager=True)]}
-    b1, b2 = batches[0], batches[-1]
-    base = []
-    for name in roof[b1]:
-        t1, t2 = measured[b1].get(name, (0.0, 0.0)), measured[b2].get(name, (0.0, 0.0))
-        r1, r2 = roof[b1][name], roof[b2].get(name, roof[b1][name])
-        base.append((name, *_fit(t1[0], r1[0], t2[0], r2[0]), *_fit(t1[1], r1[1], t2[1], r2[1])))
+    b1 = batches[0]
+
+    def points(name: str, d: int) -> _Points:
+        return tuple(sorted({(roof[b][name][d], measured[b].get(name, (0.0, 0.0))[d])
+                             for b in batches if name in roof[b]}))
+
+    base = [(name, points(name, 0), points(name, 1)) for name in roof[b1]]
     opt_priced = _priced_optimizer(graphs(b1), cluster, list(optimizer_s))
-    lines, opt, wraps = [], [], []
+    curves, opt, wraps = [], [], []
     for w, k in sorted(kappa.items()):
-        lines.append((w, tuple((n, af * k, cf * k, ab * k, cb * k) for n, af, cf, ab, cb in base)))
+        curves.append((w, tuple((n, tuple((r, k * t) for r, t in f), tuple((r, k * t) for r, t in b))
+                                for n, f, b in base)))
         opt.append((w, tuple((o, k * t / opt_priced[o]) for o, t in optimizer_s.items() if opt_priced.get(o))))
         wraps.append((w, tuple((key, *(k * x for x in v)) for key, v in sorted(wrappers.items()))))
     shared = ", ".join(f"{w} procs x{k:.2f}" for w, k in sorted(kappa.items()))
     src = (f"ops profiled on this machine ({time.strftime('%Y-%m-%d %H:%M')}, micro-batches "
            f"{', '.join(map(str, batches))}; sharing it: {shared})")
-    return OpProfile(fingerprint(graphs(b1)), tuple(lines), tuple(opt), tuple(batches), src, tuple(wraps))
+    return OpProfile(fingerprint(graphs(b1)), tuple(curves), tuple(opt), tuple(batches), src, tuple(wraps))
 
 
 def _priced_optimizer(graph: Graph, cluster: Any, optimizers: Sequence[str]) -> dict[str, float]:
@@ -197,12 +211,11 @@ def profiled_op(graph: Graph, op: Any, device: Any, world: int, split: float, sh
     prof: OpProfile | None = device.op_profile
     if prof is None or dtype != "fp32" or not prof.matches(graph):
         return None
-    line = prof.line(world, op.name)
-    if line is None:
+    curve = prof.curve(world, op.name)
+    if curve is None:
         return None
-    a_f, c_f, a_b, c_b = line
     r = op_cost(graph, op, device, dtype, split=split, eager=True)
-    fwd, bwd = a_f + c_f * r.forward, a_b + c_b * r.backward
+    fwd, bwd = on_curve(curve[0], r.forward), on_curve(curve[1], r.backward)
     if sharded:  # a DTensor's dispatch is the host's, not the kernel's: added as measured
         tp = prof.wrapper(world, "tp/op")
         if tp is not None:

@@ -13,7 +13,7 @@ from polyparallel.backends.torch.op_timing import measure_nodes, profiled_cluste
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, estimate_step
 from polyparallel.cost_models.compute import op_cost
-from polyparallel.cost_models.op_profile import OpProfile, _attribute, _fit, fingerprint, with_profile
+from polyparallel.cost_models.op_profile import OpProfile, _attribute, fingerprint, with_profile
 from polyparallel.models import MLP
 from polyparallel.planning.model_graphs import ModelGraphs
 from tests.test_calibrate import _calibration
@@ -24,16 +24,28 @@ def _mlp(widths=(32, 64, 64, 10)):
     return MLP(widths), (torch.randn(4, widths[0]), torch.randint(0, widths[-1], (4,)))
 
 
-def test_fit_is_the_line_through_two_points_and_a_ratio_where_a_line_is_not_physical():
-    # t = 3e-5 + 2.5 r through r = 1e-4 and 4e-4
-    a, c = _fit(3e-5 + 2.5e-4, 1e-4, 3e-5 + 1e-3, 4e-4)
-    assert (a, c) == (pytest.approx(3e-5), pytest.approx(2.5))
-    # slower at the smaller size (noise): no negative slope, the pooled ratio instead
-    assert _fit(5e-4, 1e-4, 4e-4, 4e-4) == (0.0, pytest.approx(9e-4 / 5e-4))
-    # a roofline that does not grow (a batch-independent op): the ratio
-    assert _fit(2e-5, 1e-5, 2.2e-5, 1e-5) == (0.0, pytest.approx(4.2e-5 / 2e-5))
+def test_a_curve_is_the_line_through_the_measured_points_around_the_price():
+    from polyparallel.cost_models.op_profile import on_curve
+
+    pts = ((1e-4, 3e-4), (2e-4, 5e-4), (4e-4, 1.3e-3))  # steeper between the last two (out of cache)
+    assert on_curve(pts, 1.5e-4) == pytest.approx(4e-4)  # halfway between the first two
+    assert on_curve(pts, 3e-4) == pytest.approx(9e-4)
+    assert on_curve(pts, 8e-4) == pytest.approx(1.3e-3 + 4 * 8e-4 - 4 * 4e-4)  # the last segment, extended
+    assert on_curve(pts, 5e-5) == pytest.approx(2e-4)  # the first, extended down
+    assert on_curve(((2e-4, 6e-4),), 1e-4) == pytest.approx(3e-4)  # one point: in proportion
+
+
+def test_a_curve_falls_back_to_the_pooled_ratio_where_its_points_are_not_a_rising_line():
+    from polyparallel.cost_models.op_profile import on_curve
+
+    # slower at the smaller size (noise): no falling line, the pooled ratio instead
+    assert on_curve(((1e-4, 5e-4), (4e-4, 4e-4)), 2e-4) == pytest.approx(9e-4 / 5e-4 * 2e-4)
+    # a roofline that does not grow with the batch (a batch-independent op): the ratio
+    assert on_curve(((1e-5, 2e-5), (1e-5, 2.2e-5)), 2e-5) == pytest.approx(4.2e-5 / 2e-5 * 2e-5)
     # an op the roofline prices at nothing (a view) costs what was measured
-    assert _fit(4e-6, 0.0, 6e-6, 0.0) == (pytest.approx(5e-6), 0.0)
+    assert on_curve(((0.0, 4e-6), (0.0, 6e-6)), 0.0) == pytest.approx(5e-6)
+    # below the first point a steep line would go under proportional scaling: not below it
+    assert on_curve(((1e-4, 1e-4), (2e-4, 5e-4)), 2e-5) == pytest.approx(2e-5)
 
 
 def test_unpriced_nodes_are_charged_to_the_op_before_them():
@@ -51,8 +63,15 @@ def test_unpriced_nodes_are_charged_to_the_op_before_them():
 
 
 def _profile_of(g, lines_by_world, opt=(), wrappers=()):
+    """A profile whose every op lies on the line ``(a_f, c_f, a_b, c_b)`` of its world: two points
+    spanning any roofline price these models have."""
     names = [op.name for op in g.ops]
-    return OpProfile(fingerprint(g), tuple((w, tuple((n, *line) for n in names)) for w, line in lines_by_world),
+
+    def curve(a, c):
+        return tuple((r, a + c * r) for r in (0.0, 10.0))
+
+    return OpProfile(fingerprint(g), tuple((w, tuple((n, curve(a_f, c_f), curve(a_b, c_b)) for n in names))
+                                           for w, (a_f, c_f, a_b, c_b) in lines_by_world),
                      tuple(opt), (2, 4), "test profile", tuple(wrappers))
 
 

@@ -1,7 +1,7 @@
 """Timing the user's model on this machine as the torch backend runs it: what a profiled search prices.
 
 The measurements :func:`polyparallel.cost_models.op_profile.build_profile` fits (its docstring
-says how): each node's forward and backward in eager training steps at two micro-batch sizes
+says how): each node's forward and backward in eager training steps at several micro-batch sizes
 (:func:`measure_nodes`), the optimizer step (:func:`measure_optimizer`), what the backend's FSDP2
 wrapping and DTensor's dispatch add on one rank (:func:`measure_wrappers`), and how much slower a step runs while other
 processes share the machine (:func:`contention`). Every measurement runs as a rank does: one
@@ -20,7 +20,8 @@ from typing import Any
 from polyparallel.cost_models.op_profile import OpProfile, build_profile, with_profile
 from polyparallel.ir import Graph
 
-__all__ = ["contention", "measure_nodes", "measure_optimizer", "measure_wrappers", "profile_model", "profiled_cluster"]
+__all__ = ["NodeTimer", "contention", "measure_nodes", "measure_optimizer", "measure_wrappers", "profile_model",
+           "profiled_cluster"]
 
 
 def _scalar_loss(out: Any) -> Any:
@@ -39,77 +40,80 @@ def _scalar_loss(out: Any) -> Any:
     return leaves[0].float().sum()
 
 
+class NodeTimer:
+    """Times the nodes of ``model``'s exported graph in eager training steps (exported once).
+
+    :meth:`run` gives the median seconds ``[(node, forward, backward), ...]`` of each call of the
+    graph, in execution order, over ``steps`` forward + backward passes on this thread, and the
+    plain step's medians ``{"forward", "backward", "adam"}``: the module itself, no instrumentation,
+    stepping Adam between passes as training does (which the node times are later scaled to)."""
+
+    def __init__(self, model: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        from polyparallel.frontends.torch import _export_program
+
+        self.model = copy.deepcopy(model)
+        self.model.train()
+        self.args, self.kwargs = args, kwargs
+        self.gm = _export_program(self.model, args, kwargs).module()
+
+    def run(self, steps: int = 12, warmup: int = 2) -> tuple[list[tuple[str, float, float]], dict[str, float]]:
+        import torch
+
+        fwd: dict[str, list[float]] = {}
+        bwd: dict[str, list[float]] = {}
+        order: list[str] = []
+        marks: list[tuple[float, str]] = []  # when each node's backward began, in the engine's order
+
+        def mark(name: str) -> Callable[[Any], None]:
+            def pre(grad_outputs: Any) -> None:
+                marks.append((time.perf_counter(), name))
+            return pre
+
+        class Timed(torch.fx.Interpreter):
+            def run_node(self, n: Any) -> Any:
+                if n.op != "call_function":
+                    return super().run_node(n)
+                a, kw = self.fetch_args_kwargs_from_env(n)
+                t0 = time.perf_counter()
+                out = n.target(*a, **kw)
+                fwd.setdefault(n.name, []).append(time.perf_counter() - t0)
+                if len(fwd[n.name]) == 1:
+                    order.append(n.name)
+                # a composite op (linear: view, addmm, view) has several autograd nodes; its output's
+                # is the last created, so the engine starts the op's backward there and runs the rest
+                # of it (and the gradient accumulation of its parameters) before any earlier op's
+                first = next((t for t in torch.utils._pytree.tree_leaves(out)
+                              if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
+                if first is not None:
+                    first.grad_fn.register_prehook(mark(n.name))
+                return out
+
+        flat = torch.utils._pytree.tree_leaves((self.args, self.kwargs))
+        for i in range(warmup + steps):
+            self.gm.zero_grad(set_to_none=True)
+            marks.clear()
+            out = Timed(self.gm).run(*flat)
+            _scalar_loss(out).backward()
+            end = time.perf_counter()
+            if i < warmup:
+                fwd.clear()
+                order.clear()
+                continue
+            # a node's backward lasts from its start to the next node's (the engine runs one at a time)
+            got: dict[str, float] = {}
+            for (t, name), nxt in zip(marks, [*marks[1:], (end, "")], strict=True):
+                got[name] = got.get(name, 0.0) + nxt[0] - t
+            for name, t in got.items():
+                bwd.setdefault(name, []).append(t)
+        f, b, o = _plain_step(self.model, self.args, self.kwargs, "adam", steps, warmup)
+        rows = [(n, statistics.median(fwd[n]), statistics.median(bwd[n]) if n in bwd else 0.0) for n in order]
+        return rows, {"forward": f, "backward": b, "adam": o}
+
+
 def measure_nodes(model: Any, args: tuple, kwargs: dict[str, Any], *, steps: int = 12,
                   warmup: int = 2) -> tuple[list[tuple[str, float, float]], dict[str, float]]:
-    """Median seconds ``[(node, forward, backward), ...]`` of each call of the model's exported
-    graph, in execution order, over ``steps`` eager forward + backward passes on this thread;
-    and the plain step's medians ``{"forward", "backward"}`` (the module itself, no
-    instrumentation), which the node times are later scaled to."""
-    import torch
-
-    from polyparallel.frontends.torch import _export_program
-
-    model = copy.deepcopy(model)
-    model.train()
-    gm = _export_program(model, args, kwargs).module()
-    fwd: dict[str, list[float]] = {}
-    bwd: dict[str, list[float]] = {}
-    order: list[str] = []
-    marks: list[tuple[float, str]] = []  # when each node's backward began, in the engine's order
-
-    def mark(name: str) -> Callable[[Any], None]:
-        def pre(grad_outputs: Any) -> None:
-            marks.append((time.perf_counter(), name))
-        return pre
-
-    class Timed(torch.fx.Interpreter):
-        def run_node(self, n: Any) -> Any:
-            if n.op != "call_function":
-                return super().run_node(n)
-            a, kw = self.fetch_args_kwargs_from_env(n)
-            t0 = time.perf_counter()
-            out = n.target(*a, **kw)
-            fwd.setdefault(n.name, []).append(time.perf_counter() - t0)
-            if len(fwd[n.name]) == 1:
-                order.append(n.name)
-            # a composite op (linear: view, addmm, view) has several autograd nodes; its output's is
-            # the last created, so the engine starts the op's backward there and runs the rest of it
-            # (and the gradient accumulation of its parameters) before any earlier op's
-            first = next((t for t in torch.utils._pytree.tree_leaves(out)
-                          if isinstance(t, torch.Tensor) and t.grad_fn is not None), None)
-            if first is not None:
-                first.grad_fn.register_prehook(mark(n.name))
-            return out
-
-    flat = torch.utils._pytree.tree_leaves((args, kwargs))
-    for i in range(warmup + steps):
-        gm.zero_grad(set_to_none=True)
-        marks.clear()
-        out = Timed(gm).run(*flat)
-        _scalar_loss(out).backward()
-        end = time.perf_counter()
-        if i < warmup:
-            fwd.clear()
-            order.clear()
-            continue
-        # each node's backward: from its start to the next node's start (the engine runs one node at a time)
-        got: dict[str, float] = {}
-        for (t, name), nxt in zip(marks, [*marks[1:], (end, "")], strict=True):
-            got[name] = got.get(name, 0.0) + nxt[0] - t
-        for name, t in got.items():
-            bwd.setdefault(name, []).append(t)
-    plain_f, plain_b = [], []
-    for i in range(warmup + steps):
-        model.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
-        loss = _scalar_loss(model(*args, **kwargs))
-        t1 = time.perf_counter()
-        loss.backward()
-        if i >= warmup:
-            plain_f.append(t1 - t0)
-            plain_b.append(time.perf_counter() - t1)
-    rows = [(n, statistics.median(fwd[n]), statistics.median(bwd[n]) if n in bwd else 0.0) for n in order]
-    return rows, {"forward": statistics.median(plain_f), "backward": statistics.median(plain_b)}
+    """:meth:`NodeTimer.run` of a fresh timer: per-node and plain-step seconds of ``model``."""
+    return NodeTimer(model, args, kwargs).run(steps, warmup)
 
 
 def measure_optimizer(model: Any, optimizers: Sequence[str], *, steps: int = 12,
@@ -280,8 +284,8 @@ def contention(model: Any, args: tuple, kwargs: dict[str, Any], worlds: Sequence
 
 def profile_model(model: Any, args: tuple, kwargs: dict[str, Any], graphs: Callable[[int], Graph],
                   rebatch: Callable[[Any, int], Any], cluster: Any, worlds: Sequence[int],
-                  optimizers: Sequence[str] = ("sgd", "adam", "adamw"), batches: Sequence[int] = (2, 4),
-                  say: Callable[[str], None] = lambda _: None) -> OpProfile:
+                  optimizers: Sequence[str] = ("sgd", "adam", "adamw"), batches: Sequence[int] = (1, 2, 4, 8),
+                  rounds: int = 3, say: Callable[[str], None] = lambda _: None) -> OpProfile:
     """Measure ``model`` on this machine (module docstring) and fit its ops' lines.
 
     Args:
@@ -296,21 +300,38 @@ def profile_model(model: Any, args: tuple, kwargs: dict[str, Any], graphs: Calla
     torch.set_num_threads(1)  # as a rank runs
     torch.set_flush_denormal(True)  # as a rank runs (backends/torch/_entry.py)
     try:
-        nodes: dict[int, tuple[list[tuple[str, float, float]], dict[str, float]]] = {}
-        for b in batches:
-            say(f"profiling the model's ops at micro-batch {b}")
-            a_b = tuple(rebatch(x, b) for x in args)
-            k_b = {k: rebatch(v, b) for k, v in kwargs.items()}
-            nodes[b] = measure_nodes(model, a_b, k_b)
-        say("measuring the optimizer step and the cost of sharing the machine")
-        opt_measured = measure_optimizer(model, optimizers)
-        a0, k0 = tuple(rebatch(x, batches[0]) for x in args), {k: rebatch(v, batches[0]) for k, v in kwargs.items()}
-        kappa = contention(model, a0, k0, worlds)
-        wrappers = measure_wrappers(model, a0, k0, optimizers) if max(worlds) > 1 else {}
+        inputs = {b: (tuple(rebatch(x, b) for x in args), {k: rebatch(v, b) for k, v in kwargs.items()})
+                  for b in batches}
+        timers = {b: NodeTimer(model, *inputs[b]) for b in batches}
+        runs: dict[int, list[tuple[list[tuple[str, float, float]], dict[str, float]]]] = {b: [] for b in batches}
+        kappas: list[dict[int, float]] = []
+        # a shared machine's speed drifts by 10-20% over tens of seconds: every measurement is taken in
+        # `rounds` rounds, spread over the profile's whole duration, and the median of the rounds kept
+        for r in range(rounds):
+            say(f"profiling the model's ops: round {r + 1}/{rounds}")
+            for b in batches:
+                runs[b].append(timers[b].run())
+            kappas.append(contention(model, *inputs[batches[0]], worlds))
+        nodes = {b: _median_run(rs) for b, rs in runs.items()}
+        kappa = {w: statistics.median(k[w] for k in kappas) for w in kappas[0]}
+        say("measuring the optimizer step and what the parallel wrappers add")
+        tight = measure_optimizer(model, [*optimizers, "adam"])
+        # the optimizer as it runs between training passes (caches holding activations, not its state)
+        in_loop = statistics.median(p["adam"] for rs in runs.values() for _, p in rs) / tight["adam"]
+        opt_measured = {o: tight[o] * in_loop for o in optimizers}
+        wrappers = measure_wrappers(model, *inputs[batches[0]], optimizers) if max(worlds) > 1 else {}
     finally:
         torch.set_num_threads(threads)
         torch.set_flush_denormal(False)
     return build_profile(graphs, cluster, nodes, opt_measured, kappa, wrappers)
+
+
+def _median_run(runs: list[tuple[list[tuple[str, float, float]], dict[str, float]]]
+                ) -> tuple[list[tuple[str, float, float]], dict[str, float]]:
+    """Per node and per plain-step part, the median over rounds of :meth:`NodeTimer.run` results."""
+    rows = [(name, statistics.median(r[0][i][1] for r in runs), statistics.median(r[0][i][2] for r in runs))
+            for i, (name, _, _) in enumerate(runs[0][0])]
+    return rows, {k: statistics.median(r[1][k] for r in runs) for k in runs[0][1]}
 
 
 def profiled_cluster(cluster: Any, graphs: Any, say: Callable[[str], None] = lambda _: None) -> Any:

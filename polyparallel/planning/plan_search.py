@@ -464,7 +464,7 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
         progress: called with short status lines.
         profile: measure the module's ops on this machine before pricing (a calibrated
             ``local-cpu:<P>`` only; a few seconds for a small model): its eager training steps at
-            two micro-batch sizes and the slowdown of sharing the machine with ``P`` processes
+            micro-batch sizes 1, 2, 4 and 8, and the slowdown of sharing the machine with ``P`` processes
             (:mod:`polyparallel.cost_models.op_profile`). Without it a CPU plan is priced from the
             calibration's kernel rates, which a training step does not reach.
 
