@@ -190,13 +190,23 @@ def _priced_optimizer(graph: Graph, cluster: Any, optimizers: Sequence[str]) -> 
     return {o: estimate_step(graph, cluster, ParallelConfig(optimizer=o)).breakdown()["optimizer"] for o in optimizers}
 
 
-def with_profile(cluster: Any, prof: OpProfile) -> Any:
-    """``cluster`` with its (first) device type carrying ``prof``, its source saying so."""
+def with_profile(cluster: Any, prof: OpProfile, link: tuple[float, float] | None = None) -> Any:
+    """``cluster`` with its (first) device type carrying ``prof``, its source saying so; with ``link``
+    ``(α seconds, bytes/s)``, its nodes' links carry collectives at that measured α and bandwidth."""
     from dataclasses import replace
 
     dt = cluster.device(0).type
     new = replace(dt, op_profile=prof, source=f"{dt.source}; {prof.source}")
-    nodes = tuple(replace(n, device_type=new) if n.device_type is dt else n for n in cluster.nodes)
+
+    def intra(lk: Any) -> Any:
+        if link is None:
+            return lk
+        return replace(lk, latency=link[0], up=link[1], down=link[1],
+                       source=f"gloo all-reduce between training passes, measured by the profile: alpha "
+                              f"{1e6 * link[0]:.0f} us, {link[1] / 1e9:.2f} GB/s")
+
+    nodes = tuple(replace(n, device_type=new, intra=intra(n.intra)) if n.device_type is dt else n
+                  for n in cluster.nodes)
     return replace(cluster, nodes=nodes,
                    devices=tuple(replace(d, type=new) if d.type is dt else d for d in cluster.devices),
                    device_types={**cluster.device_types, dt.name: new})

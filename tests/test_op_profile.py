@@ -211,3 +211,19 @@ def test_a_sharded_op_pays_the_measured_dtensor_dispatch(tmp_path, monkeypatch):
     assert sharded == (pytest.approx(plain[0] + 1e-3), pytest.approx(plain[1] + 2e-3))
     # bf16 is not what was measured: no profiled price
     assert profiled_op(g, op, dt, 2, 2.0, False, "bf16") is None
+
+
+def test_collectives_are_priced_at_the_link_the_profile_measured(tmp_path, monkeypatch):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(_calibration()))
+    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(path))
+    m, (x, y) = _mlp()
+    g = ModelGraphs(m, (x, y), None).graph(4)
+    cl = Cluster.preset("local-cpu:2")
+    alpha, bw = 1e-3, 2e8
+    pcl = with_profile(cl, _profile_of(g, [(2, (0.0, 1.0, 0.0, 2.0))]), link=(alpha, bw))
+    assert (pcl.nodes[0].intra.latency, pcl.nodes[0].intra.bandwidth) == (alpha, bw)
+    dp = estimate_step(g, pcl, ParallelConfig(dp=2, optimizer="sgd")).breakdown()["data_parallel"]
+    grads = 4 * sum(t.numel for t in g.tensors.values() if t.kind.value == "param")
+    # one ring all-reduce of the fp32 gradients over 2 processes: 2(p-1)α + 2(p-1)/p · n/B
+    assert dp == pytest.approx(2 * alpha + grads / bw, rel=1e-6)

@@ -20,8 +20,8 @@ from typing import Any
 from polyparallel.cost_models.op_profile import OpProfile, build_profile, with_profile
 from polyparallel.ir import Graph
 
-__all__ = ["NodeTimer", "contention", "measure_nodes", "measure_optimizer", "measure_wrappers", "profile_model",
-           "profiled_cluster"]
+__all__ = ["NodeTimer", "contention", "measure_collectives", "measure_nodes", "measure_optimizer", "measure_wrappers",
+           "profile_model", "profiled_cluster"]
 
 
 def _scalar_loss(out: Any) -> Any:
@@ -326,6 +326,66 @@ def profile_model(model: Any, args: tuple, kwargs: dict[str, Any], graphs: Calla
     return build_profile(graphs, cluster, nodes, opt_measured, kappa, wrappers)
 
 
+def _collective_rank(rank: int, world: int, store: str, model: Any, args: tuple, kwargs: dict[str, Any],
+                     sizes: Sequence[int], steps: int, out: Any) -> None:
+    """One rank of :func:`measure_collectives`: a training pass, then an all-reduce, repeatedly."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        m = copy.deepcopy(model)
+        got = {}
+        for n in sizes:
+            buf = torch.zeros(max(1, n // 4))
+            ts = []
+            for i in range(steps + 2):
+                m.zero_grad(set_to_none=True)
+                _scalar_loss(m(*args, **kwargs)).backward()
+                t0 = time.perf_counter()
+                dist.all_reduce(buf)
+                if i >= 2:
+                    ts.append(time.perf_counter() - t0)
+            got[n] = statistics.median(ts)
+        if rank == 0:
+            out.put(got)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_collectives(model: Any, args: tuple, kwargs: dict[str, Any], world: int, *,
+                        sizes: Sequence[int] = (4096, 1 << 18, 1 << 21), steps: int = 8) -> dict[str, float]:
+    """Gloo's all-reduce as a training step meets it: ``world`` forked processes each run a forward
+    and backward of the model, then all-reduce, repeatedly; the ring ``α``/bandwidth fitted to rank 0's
+    median times (:func:`polyparallel.cost_models.calibrate.fit_alpha_beta`).
+
+    Back-to-back collectives of idle processes (what ``calibrate`` times) find gloo's threads awake
+    and the peers in step: ~0.16 ms per small all-reduce here, where one issued after a training
+    pass took ~0.8 ms (waking the threads, the peers' drift apart)."""
+    import tempfile
+
+    from polyparallel.cost_models.calibrate import fit_alpha_beta
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        procs = [ctx.Process(target=_collective_rank, daemon=True,
+                             args=(r, world, f"{d}/store", model, args, kwargs, sizes, steps, q)) for r in range(world)]
+        for p in procs:
+            p.start()
+        try:
+            got = q.get(timeout=120)
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    return fit_alpha_beta([(world, n, t) for n, t in got.items()])
+
+
 def _median_run(runs: list[tuple[list[tuple[str, float, float]], dict[str, float]]]
                 ) -> tuple[list[tuple[str, float, float]], dict[str, float]]:
     """Per node and per plain-step part, the median over rounds of :meth:`NodeTimer.run` results."""
@@ -349,6 +409,12 @@ def profiled_cluster(cluster: Any, graphs: Any, say: Callable[[str], None] = lam
     b0 = graphs.b0
     prof = profile_model(graphs.model, graphs.args, graphs.kwargs, graphs.graph, lambda v, b: rebatch(v, b0, b),
                          cluster, range(1, cluster.num_devices + 1), say=say)
-    return with_profile(cluster, prof)
+    link = None
+    if cluster.num_devices > 1:
+        say("measuring gloo's all-reduce between training passes")
+        fit = measure_collectives(graphs.model, tuple(rebatch(x, b0, 2) for x in graphs.args),
+                                  {k: rebatch(v, b0, 2) for k, v in graphs.kwargs.items()}, cluster.num_devices)
+        link = (fit["alpha"], fit["bandwidth"])
+    return with_profile(cluster, prof, link)
 
 
