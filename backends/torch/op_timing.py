@@ -311,7 +311,9 @@ def profile_model(model: Any, args: tuple, kwargs: dict[str, Any], graphs: Calla
             say(f"profiling the model's ops: round {r + 1}/{rounds}")
             for b in batches:
                 runs[b].append(timers[b].run())
-            kappas.append(contention(model, *inputs[batches[0]], worlds))
+            # at a middle batch: the slowdown grows with the working set (~1.0 at batch 2, ~1.25 at
+            # batch 4 for two processes of the executor benchmark's GPT)
+            kappas.append(contention(model, *inputs[batches[len(batches) // 2]], worlds))
         nodes = {b: _median_run(rs) for b, rs in runs.items()}
         kappa = {w: statistics.median(k[w] for k in kappas) for w in kappas[0]}
         say("measuring the optimizer step and what the parallel wrappers add")
