@@ -7,13 +7,17 @@ combinations, at global batches 8 and 16, on 1–4 CPU processes — this benchm
 1. measures this machine with :func:`polyparallel.cost_models.calibrate.calibrate` (what
    ``polyparallel calibrate`` runs), unless ``--no-recalibrate``: the load of a shared machine
    changes within minutes, so the prices are calibrated right before the runs they predict;
-2. prices every recipe with ``pp.evaluate(model, cluster="local-cpu:<P>", ...)``;
+2. prices every recipe with ``pp.evaluate(model, cluster, ...)`` on ``local-cpu:<P>`` with the
+   workload's ops profiled on this machine first (``profile=True``: measured once per ``P``,
+   :mod:`polyparallel.backends.torch.op_timing`), unless ``--no-profile``; each row also keeps the
+   calibration-only price;
 3. executes it with ``pp.train`` (torch.distributed.run, gloo, one thread per process as the
    backend sets it) for ``--steps`` steps, ``--repeats`` times, recipes interleaved so that a
    slow phase of the machine hits all of them alike; the measured step time is the median of
    rank 0's logged step times after ``--warmup`` warm-up steps of every run;
 4. reports per recipe predicted vs measured and the relative error, the Spearman rank
-   correlation of predicted vs measured over the executed recipes (target >= 0.8), and
+   correlation of predicted vs measured over the executed recipes (target >= 0.9, median |error|
+   <= 20%: issue 21), and
    whether ``pp.search``'s choice for the main workload (global batch 8, the fastest
    predicted over ``local-cpu:1/2/4``) runs within 10% of the fastest measured recipe of
    that workload.

@@ -490,8 +490,8 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
     notes: list[str] = [inferred] if inferred else []
     if not profile and mdl.resizable and cl.name.startswith("local-cpu:") and cl.calibration is not None:
         notes.append("priced from this machine's calibrated kernel rates, which a CPU training step does not reach "
-                     "(benchmarks/executor.py: 2-5x too fast); profile=True (--profile) measures this model's own "
-                     "ops first")
+                     "(benchmarks/executor.py: a median 40% too fast); profile=True (--profile) measures this model's "
+                     "own ops first")
     if c.mode != "collaborative":
         best = _search_sync(mdl, cl, B, c, devs, exhaustive, objective, say)
         notes += best.notes
