@@ -98,6 +98,7 @@ __all__ = [
     "MATRIX_KINDS",
     "MEMORY_EFFICIENCY",
     "OpCost",
+    "batch_statistics_ops",
     "gemm_efficiency",
     "gemm_rate",
     "gemm_shape",
@@ -457,6 +458,14 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
         t_b += (kb + absorbed * BACKWARD_FACTOR.get(OpKind.ELEMENTWISE, DEFAULT_BACKWARD_FACTOR)) \
             * device.training_op_overhead
     return OpCost(op.name, str(kind), flops_tot, bytes_tot, t, t_b, bound)
+
+
+def batch_statistics_ops(graph: Graph) -> list[Op]:
+    """The ops that normalise with statistics of the batch they see (BatchNorm in training mode):
+    under data parallelism the torch backend computes them over every replica's share, with
+    collectives of their own."""
+    return [op for op in graph.ops if OpKind(op.kind) is OpKind.NORM and "batch_norm" in op.target
+            and op.attr.get("training", True)]
 
 
 def host_step_fixed(device: DeviceType, dtype: str = "fp32") -> float:

@@ -109,7 +109,7 @@ from polyparallel.cluster import Cluster, DeviceType
 from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Hint, Op, OpKind, TensorKind, element_bytes
 
 from .comm import collective_time, p2p_time
-from .compute import host_seconds, host_step_fixed, op_classes, op_cost, streaming_bandwidth
+from .compute import batch_statistics_ops, host_seconds, host_step_fixed, op_classes, op_cost, streaming_bandwidth
 from .layers import LAYER, chunk_of_ops, chunk_ranges, chunks, layer_segments, segments
 from .megatron_rule import op_plans, tensor_bytes
 from .memo import PRICES
@@ -444,6 +444,9 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
         units = _fsdp_units(graph, cfg, dterms, s) if (cfg.zero_stage >= 1 and cfg.pp == 1 and moe is None
                                                        and cfg.grad_reduce == "reduce_scatter") else ()
         events, t_dp, exposed, ef, eb = _data_parallel(cluster, ccache, dterms, s, cfg, gb, omega, v, buckets, units)
+        if dgrp_size > 1 and cfg.pp == 1:
+            nf, nb = _cross_rank_norms(graph, cluster, ccache, terms.dp_groups[s][0], dt, cfg)
+            ef, eb = ef + nf, eb + nb
         fwd[s] += ef
         bwd[s] += eb
         # a profiled CPU measured what FSDP2 itself (hooks, copies, the DTensor optimizer) adds to a step
@@ -622,6 +625,29 @@ def _ddp_exposed(cluster: Cluster, ccache: dict, groups: Sequence, grad_bytes: f
         worst = max(worst, done - window)
     ccache[key] = out = max(0.0, worst)
     return out
+
+
+def _cross_rank_norms(graph: Graph, cluster: Cluster, ccache: dict, group: tuple[Sequence[int], int],
+                      dt: DeviceType, cfg: ParallelConfig) -> tuple[float, float]:
+    """Forward and backward seconds per micro-batch that BatchNorm over the replicas adds
+    (``backends/torch/_batchnorm.py``): per op, in the forward an all-reduce of the per-channel sums
+    and the count (``8(C+1)`` bytes, float64), then of the squared deviations (``8C``), each
+    waited for before the next op; the backward all-reduces both gradients alike. A profiled
+    device adds what computing the statistics op by op costs over the fused kernel (measured)."""
+    ops = batch_statistics_ops(graph)
+    if not ops:
+        return 0.0, 0.0
+    grp, gid = group
+    t = 0.0
+    for op in ops:
+        c = graph.tensors[op.inputs[0]].shape[1]
+        t += _price(cluster, ccache, (("all_reduce", 8.0 * (c + 1)), ("all_reduce", 8.0 * c)), grp, gid)
+    f, b = t, t
+    extra = dt.op_profile.wrapper(cfg.world, "cross_rank_norm/op") if (
+        dt.op_profile is not None and dt.op_profile.matches(graph)) else None
+    if extra is not None:
+        f, b = f + len(ops) * extra[0], b + len(ops) * extra[1]
+    return f, b
 
 
 def _data_parallel(cluster: Cluster, ccache: dict, terms: _StageTerms, s: int, cfg: ParallelConfig, gb: int,

@@ -227,3 +227,38 @@ def test_collectives_are_priced_at_the_link_the_profile_measured(tmp_path, monke
     grads = 4 * sum(t.numel for t in g.tensors.values() if t.kind.value == "param")
     # one ring all-reduce of the fp32 gradients over 2 processes: 2(p-1)α + 2(p-1)/p · n/B
     assert dp == pytest.approx(2 * alpha + grads / bw, rel=1e-6)
+
+
+class _BNNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                        torch.nn.Conv2d(8, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
+                                        torch.nn.Linear(4 * 4 * 4, 5))
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.body(x), y)
+
+
+def test_cross_rank_batchnorm_collectives_are_priced(tmp_path, monkeypatch):
+    # the torch backend computes training-mode BatchNorm over the replicas: per op two all-reduces in
+    # the forward (sums and count, 8(C+1) bytes; squared deviations, 8C) and two in the backward
+    from polyparallel.cost_models.comm import collective_time
+
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(_calibration()))
+    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(path))
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
+    cl = Cluster.preset("local-cpu:2")
+    train, frozen = _BNNet(), _BNNet()
+    frozen.eval()  # running statistics: nothing crosses ranks
+    cfg = ParallelConfig(dp=2, optimizer="sgd")
+    dp_train = estimate_step(ModelGraphs(train, (x, y), None).graph(4), cl, cfg).breakdown()["data_parallel"]
+    dp_eval = estimate_step(ModelGraphs(frozen, (x, y), None).graph(4), cl, cfg).breakdown()["data_parallel"]
+
+    def ar(n):
+        return collective_time(cl, "all_reduce", n, [0, 1]).seconds
+
+    expected = sum(2 * (ar(8 * (c + 1)) + ar(8 * c)) for c in (8, 4))
+    assert dp_train - dp_eval == pytest.approx(expected, rel=1e-6)

@@ -76,9 +76,9 @@ _POINTWISE = (OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.CONCAT, OpKind.SPLIT)
 
 def batch_statistics(graph: Graph) -> list[str]:
     """The ops that normalise with statistics of the batch they see (BatchNorm in training mode)."""
-    return list(_per_graph(graph, ("batch_statistics",), lambda: tuple(
-        op.name for op in graph.ops if OpKind(op.kind) is OpKind.NORM and "batch_norm" in op.target
-        and op.attr.get("training", True))))
+    from polyparallel.cost_models.compute import batch_statistics_ops
+
+    return list(_per_graph(graph, ("batch_statistics",), lambda: tuple(op.name for op in batch_statistics_ops(graph))))
 
 
 def _per_graph(graph: Graph, key: tuple[Any, ...], compute: Callable[[], Any]) -> Any:

@@ -170,6 +170,8 @@ def measure_wrappers(model: Any, args: tuple, kwargs: dict[str, Any], optimizers
     - ``zero<k>/<optimizer>``: FSDP2 wrapped as the torch backend wraps the model (its hooks,
       copies and DTensor optimizer step), ZeRO 2 (weights kept gathered from forward to backward)
       and 3 (gathered again for the backward), against the same steps unwrapped;
+    - ``cross_rank_norm/op``: per BatchNorm in training mode, what computing its statistics op by op
+      over the replicas (``_batchnorm.py``, its collectives on one rank) adds over the fused kernel;
     - ``tp/op``: one linear layer with DTensor weights (a column-parallel and a row-parallel pair,
       as Megatron pairs them, halved) against plain ones: DTensor's dispatch per sharded op, which
       a small layer's kernels do not hide.
@@ -183,6 +185,7 @@ def measure_wrappers(model: Any, args: tuple, kwargs: dict[str, Any], optimizers
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+    from polyparallel.backends.torch._batchnorm import has_batch_statistics, use_cross_rank_batchnorm
     from polyparallel.backends.torch._worker import _fully_shard
 
     if dist.is_initialized():
@@ -204,6 +207,15 @@ def measure_wrappers(model: Any, args: tuple, kwargs: dict[str, Any], optimizers
             def pair() -> torch.nn.Module:
                 return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
 
+            m = copy.deepcopy(model)
+            try:  # as for 2 ranks (a world of 1 leaves BatchNorm alone), over this 1-rank group
+                n = use_cross_rank_batchnorm(m, dist.group.WORLD, 2) if has_batch_statistics(model) else 0
+            except ValueError:  # a BatchNorm of its own the backend refuses to make cross-rank
+                n = 0
+            if n:
+                f1, b1, _ = _plain_step(m, args, kwargs, "sgd", steps)
+                f0, b0, _ = _plain_step(copy.deepcopy(model), args, kwargs, "sgd", steps)
+                out["cross_rank_norm/op"] = (max(0.0, f1 - f0) / n, max(0.0, b1 - b0) / n, 0.0)
             tp = parallelize_module(pair(), mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
             f0, b0, _ = _plain_step(pair(), (x,), {}, "sgd", 4 * steps)
             f1, b1, _ = _plain_step(tp, (x,), {}, "sgd", 4 * steps)
