@@ -298,12 +298,12 @@ def profile_model(model: Any, args: tuple, kwargs: dict[str, Any], graphs: Calla
                   rebatch: Callable[[Any, int], Any], cluster: Any, worlds: Sequence[int],
                   optimizers: Sequence[str] = ("sgd", "adam", "adamw"), batches: Sequence[int] = (1, 2, 4, 8),
                   rounds: int = 3, say: Callable[[str], None] = lambda _: None) -> OpProfile:
-    """Measure ``model`` on this machine (module docstring) and fit its ops' lines.
+    """Measure ``model`` on this machine (module docstring) and build its ops' curves.
 
     Args:
         graphs: the priced graph at a micro-batch size (``ModelGraphs.graph``).
         rebatch: ``rebatch(value, b)``: an example input at micro-batch ``b``.
-        cluster: the calibrated ``local-cpu`` cluster whose device roofline the lines are fitted to.
+        cluster: the calibrated ``local-cpu`` cluster whose device roofline the curves are drawn against.
         worlds: the process counts a plan may use (contention is measured for each).
     """
     import torch
