@@ -467,6 +467,11 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
                 hide = omega * (m * terms.bwd[s] if cfg.zero_stage == 2 else terms.bwd[s] / v)
                 events, t_dp = events + moe.grad_events[s], t_dp + moe.grad_t[s]
                 exposed = max(0.0, t_dp - hide)
+        if dgrp_size > 1:
+            # the step's loss and its target count are all-reduced over the replicas between the
+            # forward and the backward, on every rank's critical path (the torch backend's
+            # weigh_replicas; Megatron-LM all-reduces the loss every step for its log)
+            exposed += _price(cluster, ccache, (("all_reduce", 32.0),), *terms.dp_groups[s][0])
         master = 4 if gb < 4 else 0
         opt_state = 8 if cfg.optimizer in ("adam", "adamw", "lamb") else 4 if cfg.optimizer in (
             "sgd_momentum", "lion") else 0

@@ -20,6 +20,9 @@ def ar2(n: float) -> float:  # all-reduce over 2 ranks (ring = tree here)
     return n / BW + 2 * ALPHA
 
 
+LOSS = ar2(32)  # every step all-reduces its loss and target count over the replicas (4 float64)
+
+
 def test_megatron_tp_collectives_by_hand():
     b = 32
     g = mlp_graph(batch=b, widths=(64, 128, 128), classes=10)
@@ -43,7 +46,7 @@ def test_data_parallel_gradient_overlap():
     g = mlp_graph(batch=32, widths=(64, 128, 128), classes=10)
     grads = 4 * g.param_count()
     none = estimate_step(g, node(2), ParallelConfig(dp=2, grad_overlap=0.0))
-    assert none.stages[0].part("data_parallel") == pytest.approx(ar2(grads))
+    assert none.stages[0].part("data_parallel") == pytest.approx(ar2(grads) + LOSS)
     full = estimate_step(g, node(2), ParallelConfig(dp=2, grad_overlap=1.0))
     assert full.stages[0].part("data_parallel") <= none.stages[0].part("data_parallel")
     assert full.step_time <= none.step_time
@@ -51,7 +54,7 @@ def test_data_parallel_gradient_overlap():
     # reduce-scatter of gradients + all-gather of weights move what one all-reduce moves, but FSDP2
     # issues them per unit (one per numbered layer: 3 here), each paying the link's latency
     rs = (grads / 2) / BW + ALPHA
-    assert z1.stages[0].part("data_parallel") == pytest.approx(2 * rs + 2 * 2 * ALPHA)
+    assert z1.stages[0].part("data_parallel") == pytest.approx(2 * rs + 2 * 2 * ALPHA + LOSS)
 
 
 def test_breakdown_sums_to_step_and_throughput():
@@ -179,12 +182,12 @@ def test_zero3_exposed_gathers_by_hand():
     exposed_fwd = gather[0] + sum(max(0.0, gather[i] - c[i - 1]) for i in range(1, len(w)))
     exposed_bwd = max(0.0, sum(gather) + sum(scatter) - back)
     assert gather[1] < c[0] and gather[2] > c[1]  # the configuration exercises both branches
-    assert e.stages[0].part("data_parallel") == pytest.approx(m * (exposed_fwd + exposed_bwd), rel=1e-9)
+    assert e.stages[0].part("data_parallel") == pytest.approx(m * (exposed_fwd + exposed_bwd) + LOSS, rel=1e-9)
     # every micro-batch after the first adds its gradient shard into the fp32 accumulator: a pass of
     # 4 + 2 x 4 bytes per local element
     accumulate = (m - 1) * 12 * g.param_count() / 2 / streaming_bandwidth(dt)
     # nothing else is exposed: the step is m micro-batches of compute plus those gathers, and the optimizer
-    assert e.step_time == pytest.approx(m * (sum(c) + back + exposed_fwd + exposed_bwd) + accumulate
+    assert e.step_time == pytest.approx(m * (sum(c) + back + exposed_fwd + exposed_bwd) + accumulate + LOSS
                                         + e.stages[0].part("optimizer"), rel=1e-9)
 
 

@@ -225,8 +225,9 @@ def test_collectives_are_priced_at_the_link_the_profile_measured(tmp_path, monke
     assert (pcl.nodes[0].intra.latency, pcl.nodes[0].intra.bandwidth) == (alpha, bw)
     dp = estimate_step(g, pcl, ParallelConfig(dp=2, optimizer="sgd")).breakdown()["data_parallel"]
     grads = 4 * sum(t.numel for t in g.tensors.values() if t.kind.value == "param")
-    # one ring all-reduce of the fp32 gradients over 2 processes: 2(p-1)α + 2(p-1)/p · n/B
-    assert dp == pytest.approx(2 * alpha + grads / bw, rel=1e-6)
+    # ring all-reduces over 2 processes, 2(p-1)α + 2(p-1)/p · n/B: the fp32 gradients, and the step's
+    # loss and target count (4 float64)
+    assert dp == pytest.approx(2 * alpha + grads / bw + 2 * alpha + 32 / bw, rel=1e-6)
 
 
 class _BNNet(torch.nn.Module):
