@@ -463,9 +463,12 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
 def batch_statistics_ops(graph: Graph) -> list[Op]:
     """The ops that normalise with statistics of the batch they see (BatchNorm in training mode):
     under data parallelism the torch backend computes them over every replica's share, with
-    collectives of their own."""
-    return [op for op in graph.ops if OpKind(op.kind) is OpKind.NORM and "batch_norm" in op.target
-            and op.attr.get("training", True)]
+    collectives of their own. Once per graph: the search asks it of every data-parallel plan."""
+    memo = PRICES.of(graph)
+    if "batch_statistics" not in memo:
+        memo["batch_statistics"] = [op for op in graph.ops if OpKind(op.kind) is OpKind.NORM
+                                    and "batch_norm" in op.target and op.attr.get("training", True)]
+    return memo["batch_statistics"]
 
 
 def host_step_fixed(device: DeviceType, dtype: str = "fp32") -> float:

@@ -39,7 +39,7 @@ from typing import Any
 
 from polyparallel.ir import Graph, TensorKind
 
-__all__ = ["OpProfile", "build_profile", "fingerprint", "on_curve", "profiled_op", "with_profile"]
+__all__ = ["OpProfile", "build_profile", "fingerprint", "on_curve", "profile_for", "profiled_op", "with_profile"]
 
 
 _Points = tuple[tuple[float, float], ...]
@@ -212,14 +212,20 @@ def with_profile(cluster: Any, prof: OpProfile, link: tuple[float, float] | None
                    device_types={**cluster.device_types, dt.name: new})
 
 
+def profile_for(device: Any, graph: Graph) -> OpProfile | None:
+    """The device's profile if it was measured on ``graph`` (or a re-batching of it), else ``None``."""
+    prof: OpProfile | None = device.op_profile
+    return prof if prof is not None and prof.matches(graph) else None
+
+
 def profiled_op(graph: Graph, op: Any, device: Any, world: int, split: float, sharded: bool,
                 dtype: str) -> tuple[float, float] | None:
     """Forward and backward seconds of ``op`` from the device's profile, ``None`` where it has none
     for this graph (another model) or this op."""
     from polyparallel.cost_models.compute import op_cost
 
-    prof: OpProfile | None = device.op_profile
-    if prof is None or dtype != "fp32" or not prof.matches(graph):
+    prof = profile_for(device, graph) if dtype == "fp32" else None
+    if prof is None:
         return None
     curve = prof.curve(world, op.name)
     if curve is None:

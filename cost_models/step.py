@@ -114,7 +114,7 @@ from .layers import LAYER, chunk_of_ops, chunk_ranges, chunks, layer_segments, s
 from .megatron_rule import op_plans, tensor_bytes
 from .memo import PRICES
 from .memory import MemoryReport, device_memory
-from .op_profile import profiled_op
+from .op_profile import profile_for, profiled_op
 from .parallel_config import OpPlan, ParallelConfig, StageBreakdown, StepEstimate
 from .pipeline import makespan_bound, peak_in_flight, simulate
 
@@ -450,8 +450,9 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
         fwd[s] += ef
         bwd[s] += eb
         # a profiled CPU measured what FSDP2 itself (hooks, copies, the DTensor optimizer) adds to a step
-        fsdp = dt.op_profile.wrapper(cfg.world, f"zero{min(3, max(2, cfg.zero_stage))}/{cfg.optimizer}") if (
-            units and dgrp_size > 1 and dt.op_profile is not None and dt.op_profile.matches(graph)) else None
+        prof = profile_for(dt, graph)
+        fsdp = prof.wrapper(cfg.world, f"zero{min(3, max(2, cfg.zero_stage))}/{cfg.optimizer}") if (
+            units and dgrp_size > 1 and prof is not None) else None
         if fsdp is not None:
             fwd[s] += fsdp[0]
             bwd[s] += fsdp[1]
@@ -507,8 +508,7 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
             else:
                 t_opt += n_t * per_tensor + dispatch
                 sharded_extra = dispatch
-        ratio = dt.op_profile.optimizer_ratio(cfg.world, cfg.optimizer) if (
-            dt.op_profile is not None and dt.op_profile.matches(graph)) else None
+        ratio = prof.optimizer_ratio(cfg.world, cfg.optimizer) if prof is not None else None
         if ratio is not None:
             # the model's plain step as measured against its price (op_profile.py); what DTensors
             # add on top stays as the calibration measured it
@@ -648,8 +648,8 @@ def _cross_rank_norms(graph: Graph, cluster: Cluster, ccache: dict, group: tuple
         c = graph.tensors[op.inputs[0]].shape[1]
         t += _price(cluster, ccache, (("all_reduce", 8.0 * (c + 1)), ("all_reduce", 8.0 * c)), grp, gid)
     f, b = t, t
-    extra = dt.op_profile.wrapper(cfg.world, "cross_rank_norm/op") if (
-        dt.op_profile is not None and dt.op_profile.matches(graph)) else None
+    prof = profile_for(dt, graph)
+    extra = prof.wrapper(cfg.world, "cross_rank_norm/op") if prof is not None else None
     if extra is not None:
         f, b = f + len(ops) * extra[0], b + len(ops) * extra[1]
     return f, b

@@ -78,7 +78,7 @@ def batch_statistics(graph: Graph) -> list[str]:
     """The ops that normalise with statistics of the batch they see (BatchNorm in training mode)."""
     from polyparallel.cost_models.compute import batch_statistics_ops
 
-    return list(_per_graph(graph, ("batch_statistics",), lambda: tuple(op.name for op in batch_statistics_ops(graph))))
+    return [op.name for op in batch_statistics_ops(graph)]
 
 
 def _per_graph(graph: Graph, key: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
