@@ -24,6 +24,17 @@ __all__ = ["NodeTimer", "contention", "measure_collectives", "measure_nodes", "m
            "profile_model", "profiled_cluster"]
 
 
+def _optimizer(name: str, params: Any) -> Any:
+    """The backend's optimizer ``name`` for a CPU process (``_steps.make_optimizer``), at a learning
+    rate too small to change what is measured. Imported here: this module loads with the planner,
+    which must not load torch.distributed at import."""
+    import torch
+
+    from polyparallel.backends.torch._steps import make_optimizer
+
+    return make_optimizer(name, params, 1e-6, torch.device("cpu"))
+
+
 def _scalar_loss(out: Any) -> Any:
     """The training loss of a model's output: the tensor itself, a ``loss`` field, or the sum of
     the first floating-point tensor (what a backward from the output needs)."""
@@ -127,10 +138,10 @@ def measure_optimizer(model: Any, optimizers: Sequence[str], *, steps: int = 12,
             p.grad = torch.randn_like(p) * 1e-3
     out = {}
     for name in optimizers:
-        cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}.get(name)
-        if cls is None:
+        try:
+            opt = _optimizer(name, [p for p in model.parameters() if p.requires_grad])
+        except KeyError:  # not one the backend makes
             continue
-        opt = cls([p for p in model.parameters() if p.requires_grad], lr=1e-6)
         ts = []
         for i in range(warmup + steps):
             t0 = time.perf_counter()
@@ -144,10 +155,7 @@ def measure_optimizer(model: Any, optimizers: Sequence[str], *, steps: int = 12,
 def _plain_step(model: Any, args: tuple, kwargs: dict[str, Any], optimizer: str, steps: int,
                 warmup: int = 2) -> tuple[float, float, float]:
     """Median seconds of forward, backward and optimizer step of eager training steps of ``model``."""
-    import torch
-
-    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[optimizer]
-    opt = cls(model.parameters(), lr=1e-6)
+    opt = _optimizer(optimizer, model.parameters())
     ts = []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
@@ -232,7 +240,7 @@ def _background(model: Any, args: tuple, kwargs: dict[str, Any], stop: Any) -> N
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     model = copy.deepcopy(model)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-6)
+    opt = _optimizer("adam", model.parameters())
     while not stop.is_set():
         opt.zero_grad(set_to_none=True)
         _scalar_loss(model(*args, **kwargs)).backward()
@@ -265,21 +273,10 @@ def contention(model: Any, args: tuple, kwargs: dict[str, Any], worlds: Sequence
     """How much slower the model's plain training step runs in this process while ``W - 1``
     other processes run it too, for each ``W`` in ``worlds`` (1.0 for ``W = 1``): the ranks of a
     ``W``-process job on this machine share its cores, caches and memory bus."""
-    import torch
-
     m = copy.deepcopy(model)
-    opt = torch.optim.Adam(m.parameters(), lr=1e-6)
 
     def step_time() -> float:
-        ts = []
-        for i in range(steps + 2):
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            _scalar_loss(m(*args, **kwargs)).backward()
-            opt.step()
-            if i >= 2:
-                ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
+        return sum(_plain_step(m, args, kwargs, "adam", steps))
 
     out = {}
     before = step_time()
