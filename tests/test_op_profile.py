@@ -19,6 +19,14 @@ from polyparallel.planning.model_graphs import ModelGraphs
 from tests.test_calibrate import _calibration
 
 
+@pytest.fixture
+def calibrated(tmp_path, monkeypatch):
+    """local-cpu clusters priced from a synthetic calibration of known rates (test_calibrate's)."""
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(_calibration()))
+    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(path))
+
+
 def _mlp(widths=(32, 64, 64, 10)):
     torch.manual_seed(0)
     return MLP(widths), (torch.randn(4, widths[0]), torch.randint(0, widths[-1], (4,)))
@@ -75,10 +83,7 @@ def _profile_of(g, lines_by_world, opt=(), wrappers=()):
                      tuple(opt), (2, 4), "test profile", tuple(wrappers))
 
 
-def test_a_profile_prices_each_op_on_its_line_through_the_roofline(tmp_path, monkeypatch):
-    path = tmp_path / "cal.json"
-    path.write_text(json.dumps(_calibration()))
-    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(path))
+def test_a_profile_prices_each_op_on_its_line_through_the_roofline(calibrated):
     m, (x, y) = _mlp()
     mg = ModelGraphs(m, (x, y), None)
     cl = Cluster.preset("local-cpu:2")
@@ -136,12 +141,9 @@ def test_profiling_refuses_what_it_cannot_measure(tmp_path, monkeypatch):
         profiled_cluster(Cluster.preset("local-cpu:2"), mg)
 
 
-def test_a_profiled_search_measures_the_model_and_says_so(tmp_path, monkeypatch):
+def test_a_profiled_search_measures_the_model_and_says_so(calibrated):
     import polyparallel as pp
 
-    path = tmp_path / "cal.json"
-    path.write_text(json.dumps(_calibration()))
-    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(path))
     m, (x, y) = _mlp()
     said = []
     s = pp.search(m, (x, y), "local-cpu:2", batch_size=8, profile=True, progress=said.append)
@@ -155,10 +157,7 @@ def test_a_profiled_search_measures_the_model_and_says_so(tmp_path, monkeypatch)
     assert any("--profile" in n for n in plain.search.notes)
 
 
-def test_fsdp_is_priced_with_what_the_wrapper_was_measured_to_add(tmp_path, monkeypatch):
-    path = tmp_path / "cal.json"
-    path.write_text(json.dumps(_calibration()))
-    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(path))
+def test_fsdp_is_priced_with_what_the_wrapper_was_measured_to_add(calibrated):
     m, (x, y) = _mlp()
     g = ModelGraphs(m, (x, y), None).graph(4)
     cl = Cluster.preset("local-cpu:2")
@@ -191,12 +190,9 @@ def _sharded_extra(g, cl, cfg):
     return _OPT_KERNELS.get("sgd", 9) * n * dt.sharded_op_overhead
 
 
-def test_a_sharded_op_pays_the_measured_dtensor_dispatch(tmp_path, monkeypatch):
+def test_a_sharded_op_pays_the_measured_dtensor_dispatch(calibrated):
     from polyparallel.cost_models.op_profile import profiled_op
 
-    path = tmp_path / "cal.json"
-    path.write_text(json.dumps(_calibration()))
-    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(path))
     m, (x, y) = _mlp()
     g = ModelGraphs(m, (x, y), None).graph(4)
     cl = Cluster.preset("local-cpu:2")
@@ -213,10 +209,7 @@ def test_a_sharded_op_pays_the_measured_dtensor_dispatch(tmp_path, monkeypatch):
     assert profiled_op(g, op, dt, 2, 2.0, False, "bf16") is None
 
 
-def test_collectives_are_priced_at_the_link_the_profile_measured(tmp_path, monkeypatch):
-    path = tmp_path / "cal.json"
-    path.write_text(json.dumps(_calibration()))
-    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(path))
+def test_collectives_are_priced_at_the_link_the_profile_measured(calibrated):
     m, (x, y) = _mlp()
     g = ModelGraphs(m, (x, y), None).graph(4)
     cl = Cluster.preset("local-cpu:2")
@@ -241,14 +234,11 @@ class _BNNet(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.body(x), y)
 
 
-def test_cross_rank_batchnorm_collectives_are_priced(tmp_path, monkeypatch):
+def test_cross_rank_batchnorm_collectives_are_priced(calibrated):
     # the torch backend computes training-mode BatchNorm over the replicas: per op two all-reduces in
     # the forward (sums and count, 8(C+1) bytes; squared deviations, 8C) and two in the backward
     from polyparallel.cost_models.comm import collective_time
 
-    path = tmp_path / "cal.json"
-    path.write_text(json.dumps(_calibration()))
-    monkeypatch.setenv("POLYPARALLEL_CALIBRATION", str(path))
     torch.manual_seed(0)
     x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
     cl = Cluster.preset("local-cpu:2")
