@@ -35,7 +35,11 @@ the slowest device type of the stage. The pipeline schedule is simulated
 (:mod:`.pipeline`) with the boundary p2p times (activations scattered over ``tp``, sent
 asynchronously: a hop delays the receiver). Under ``pipeline_p2p="deepspeed"`` (DeepSpeed's
 pipeline engine) the slices go by synchronous send/recv and the receiver all-gathers them over its
-tensor-parallel group, so the transfers into and out of a stage lengthen its ``F_s`` and ``B_s``.
+tensor-parallel group, so the transfers into and out of a stage lengthen its ``F_s`` and ``B_s``;
+CPU stages (gloo) do too, the transfer being host work on the cores the stages compute on (no
+all-gather). After the flush every stage all-reduces the micro-batch losses over the world and a
+weight several stages use (a tied embedding and output head) has its gradient all-reduced over
+them, both exposed.
 
 **Data-parallel gradients**: over the ``dp·sp`` group (the groups of all ``tp`` ranks run at
 once and share their nodes' network ports: ``concurrent`` in :mod:`.comm`; likewise for the
@@ -399,6 +403,7 @@ class _StageTerms:
     param_tensors: tuple[int, ...] = ()  # distinct parameter tensors of each stage
     tp_param_tensors: tuple[int, ...] = ()  # of those, the ones split over tp (DTensors in torch)
     p2p_block: tuple[float, ...] = ()  # per micro-batch, in each of forward and backward: synchronous p2p
+    tied: tuple[tuple[tuple[tuple[int, ...], float], ...], ...] = ()  # per stage: _StageBase.tied
 
 
 @dataclass(frozen=True)
@@ -468,11 +473,24 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
                 hide = omega * (m * terms.bwd[s] if cfg.zero_stage == 2 else terms.bwd[s] / v)
                 events, t_dp = events + moe.grad_events[s], t_dp + moe.grad_t[s]
                 exposed = max(0.0, t_dp - hide)
-        if dgrp_size > 1:
+        if cfg.pp > 1:
+            # a pipeline combines its micro-batches' losses and target counts with one all-reduce over
+            # the whole world after the flush (the torch backend's weigh_microbatches)
+            exposed += _reduce_over(cluster, ccache, tuple(d for ds in terms.devices for d in ds), 32.0)
+        elif dgrp_size > 1:
             # the step's loss and its target count are all-reduced over the replicas between the
             # forward and the backward, on every rank's critical path (the torch backend's
             # weigh_replicas; Megatron-LM all-reduces the loss every step for its log)
             exposed += _price(cluster, ccache, (("all_reduce", 32.0),), *terms.dp_groups[s][0])
+        for holders, numel in terms.tied[s] if terms.tied else ():
+            # a weight several stages use (a tied embedding and output head) gets its gradient
+            # summed over them after the flush, before the optimizer: Megatron-LM's
+            # _allreduce_word_embedding_grads, DeepSpeed's _exec_reduce_tied_grads, the torch
+            # backend's tie groups; every replica's group at once, those on one node sharing its ports
+            first = terms.devices[s][0]
+            on_node = sum(cluster.device(d).node == cluster.device(first).node for d in terms.devices[s])
+            exposed += _reduce_over(cluster, ccache, tuple(terms.devices[h][0] for h in holders),
+                                    numel * max(gb, 4), on_node)
         master = 4 if gb < 4 else 0
         opt_state = 8 if cfg.optimizer in ("adam", "adamw", "lamb") else 4 if cfg.optimizer in (
             "sgd_momentum", "lion") else 0
@@ -818,6 +836,16 @@ def _price(cluster: Cluster, ccache: dict, events: Sequence[tuple[str, float]], 
     return tot
 
 
+def _reduce_over(cluster: Cluster, ccache: dict, group: tuple[int, ...], nbytes: float, concurrent: int = 1) -> float:
+    """Seconds of one all-reduce of ``nbytes`` over the devices ``group`` (a group the layout does
+    not name: the whole world, the stages sharing a weight), ``concurrent`` such groups sharing a node."""
+    key = ("all_reduce over", group, nbytes, concurrent)
+    t = ccache.get(key)
+    if t is None:
+        t = ccache[key] = collective_time(cluster, "all_reduce", nbytes, group, concurrent=concurrent).seconds
+    return t
+
+
 def _max_segment_params(graph: Graph) -> int:
     """Parameters of the largest layer (ZeRO-3 gathers one layer at a time)."""
     cache = PRICES.of(graph)
@@ -872,6 +900,9 @@ class _StageBase:
     # recomputation: what it received; with it: what its checkpointed layers sent, and what it
     # received from ops that keep theirs; the rest is counted as the inputs of its layers)
     held: tuple[float, float] = (0.0, 0.0)
+    # parameters this stage shares with other stages (a tied embedding and output head): per set of
+    # stages holding them, their local elements, whose gradients are all-reduced over those stages
+    tied: tuple[tuple[tuple[int, ...], float], ...] = ()
 
 
 def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, ...]) -> _StageTerms:
@@ -927,6 +958,7 @@ def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, 
         out["p2p"].append(st.p2p)
         out["p2p_sum"].append(st.p2p_sum)
         out["p2p_block"].append(st.p2p_block)
+        out["tied"].append(st.tied)
     return _StageTerms(**{k: tuple(x) for k, x in out.items()})
 
 
@@ -1159,12 +1191,19 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
     boundary, from_rec = hit
     # DeepSpeed's engine (pipe_partitioned / grad_partitioned, its defaults under tensor parallelism):
     # each tensor-parallel rank sends its 1/tp slice, blocking the stream on both ends, and the
-    # receiver rebuilds the tensor with an all-gather over its tensor-parallel group (PartitionedTensor.full)
+    # receiver rebuilds the tensor with an all-gather over its tensor-parallel group (PartitionedTensor.full).
+    # CPU stages (gloo) block both ends too: a transfer is host work on the threads and cores the
+    # stages compute on. Measured for the executor benchmark's GPT on 2 ranks (torch's pipelining
+    # schedules): per micro-batch and stage ~1 ms of posting, waiting and unpacking around each
+    # 65 KB transfer, while the receiver's wait ended 0.02-0.3 ms after the sender posted
+    deepspeed = cfg.pipeline_p2p == "deepspeed"
+    host_p2p = all(t.kind == "cpu" for lay in layout for t in lay.types)
     sync_hop = [(max(_p2p(cluster, ccache, a, b, boundary[g]) for a, b in layout[g % p].p2p_pairs),
                  max(_price(cluster, ccache, [("all_gather", boundary[g] * cfg.tp)], grp, gid)
-                     for grp, gid in layout[(g + 1) % p].tp_groups) if cfg.tp > 1 else 0.0)
-                for g in range(p * v - 1)] if cfg.pipeline_p2p == "deepspeed" else []
+                     for grp, gid in layout[(g + 1) % p].tp_groups) if cfg.tp > 1 and deepspeed else 0.0)
+                for g in range(p * v - 1)] if deepspeed or host_p2p else []
     out = []
+    held_params: list[dict[str, float]] = []
     for s in range(p):
         lay = layout[s]
         rng = [ranges[g] for g in range(s, p * v, p)]
@@ -1215,14 +1254,14 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
             return t
 
         # memory inputs
-        seen: set[str] = set()
+        seen: dict[str, float] = {}
         params = 0.0
         split_tensors = 0
         seg_params = dict.fromkeys(stage_segs, 0.0)
         for a, z in rng:
             for i, t, numel, whole in uses[bisect_left(use_idx, a): bisect_left(use_idx, z)]:
                 if t not in seen:
-                    seen.add(t)
+                    seen[t] = numel
                     params += numel
                     split_tensors += numel < whole
                     seg_params[seg_of_op[i]] += numel
@@ -1246,7 +1285,19 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
             qf=slowest(2, lay.sp_groups), qb=slowest(3, lay.sp_groups), params=params, param_tensors=len(seen),
             tp_param_tensors=split_tensors, segs=stage_segs, seg_params=tuple(seg_params.values()),
             p2p=max(times) if times else 0.0, p2p_sum=sum(times), p2p_block=block, held=held))
-    return tuple(out)
+        held_params.append(seen)
+    return tuple(replace(b, tied=_tied(held_params, s)) for s, b in enumerate(out)) if p > 1 else tuple(out)
+
+
+def _tied(held: list[dict[str, float]], s: int) -> tuple[tuple[tuple[int, ...], float], ...]:
+    """The parameters stage ``s`` shares with other stages, as ``(stages holding them, local
+    elements)`` per set of holders."""
+    by: dict[tuple[int, ...], float] = {}
+    for t, numel in held[s].items():
+        holders = tuple(o for o, h in enumerate(held) if t in h)
+        if len(holders) > 1:
+            by[holders] = by.get(holders, 0.0) + numel
+    return tuple(sorted(by.items()))
 
 
 # -- expert parallelism ---------------------------------------------------------------------------
