@@ -212,10 +212,12 @@ def with_profile(cluster: Any, prof: OpProfile, link: tuple[float, float] | None
                    device_types={**cluster.device_types, dt.name: new})
 
 
-def profile_for(device: Any, graph: Graph) -> OpProfile | None:
-    """The device's profile if it was measured on ``graph`` (or a re-batching of it), else ``None``."""
+def profile_for(device: Any, graph: Graph, dtype: str) -> OpProfile | None:
+    """The device's profile if it was measured on ``graph`` (or a re-batching of it) and prices a
+    ``dtype`` plan, else ``None``: it measured fp32 training, so a bf16/fp16 plan (autocast's casts,
+    other kernels, fp32 master weights) is priced from the calibration alone, all its parts alike."""
     prof: OpProfile | None = device.op_profile
-    return prof if prof is not None and prof.matches(graph) else None
+    return prof if prof is not None and dtype == "fp32" and prof.matches(graph) else None
 
 
 def profiled_op(graph: Graph, op: Any, device: Any, world: int, split: float, sharded: bool,
@@ -224,7 +226,7 @@ def profiled_op(graph: Graph, op: Any, device: Any, world: int, split: float, sh
     for this graph (another model) or this op."""
     from polyparallel.cost_models.compute import op_cost
 
-    prof = profile_for(device, graph) if dtype == "fp32" else None
+    prof = profile_for(device, graph, dtype)
     if prof is None:
         return None
     curve = prof.curve(world, op.name)

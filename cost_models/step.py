@@ -455,7 +455,7 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
         fwd[s] += ef
         bwd[s] += eb
         # a profiled CPU measured what FSDP2 itself (hooks, copies, the DTensor optimizer) adds to a step
-        prof = profile_for(dt, graph)
+        prof = profile_for(dt, graph, cfg.dtype)
         fsdp = prof.wrapper(cfg.world, f"zero{min(3, max(2, cfg.zero_stage))}/{cfg.optimizer}") if (
             units and dgrp_size > 1 and prof is not None) else None
         if fsdp is not None:
@@ -666,7 +666,7 @@ def _cross_rank_norms(graph: Graph, cluster: Cluster, ccache: dict, group: tuple
         c = graph.tensors[op.inputs[0]].shape[1]
         t += _price(cluster, ccache, (("all_reduce", 8.0 * (c + 1)), ("all_reduce", 8.0 * c)), grp, gid)
     f, b = t, t
-    prof = profile_for(dt, graph)
+    prof = profile_for(dt, graph, cfg.dtype)
     extra = prof.wrapper(cfg.world, "cross_rank_norm/op") if prof is not None else None
     if extra is not None:
         f, b = f + len(ops) * extra[0], b + len(ops) * extra[1]

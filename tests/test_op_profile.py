@@ -5,6 +5,7 @@ and a real measurement."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -174,6 +175,22 @@ def test_fsdp_is_priced_with_what_the_wrapper_was_measured_to_add(calibrated):
     # DDP (ZeRO 0) does not take FSDP's overheads
     ddp = ParallelConfig(dp=2, optimizer="sgd")
     assert estimate_step(g, wrapped, ddp).step_time == pytest.approx(estimate_step(g, bare, ddp).step_time)
+
+
+def test_a_bf16_plan_is_priced_from_the_calibration_alone(calibrated):
+    # the profile measured fp32 training: none of its parts (ops, optimizer ratio, FSDP's overheads)
+    # prices a bf16 plan, while the fp32 plan takes all of them
+    m, (x, y) = _mlp()
+    g = ModelGraphs(m, (x, y), None).graph(4)
+    cl = Cluster.preset("local-cpu:2")
+    prof = _profile_of(g, [(2, (1e-5, 2.0, 3e-5, 4.0))], opt=[(2, (("sgd", 3.0),))],
+                       wrappers=[(2, (("zero3/sgd", 4e-4, 7e-4, 2e-3),))])
+    pcl = with_profile(cl, prof)
+    for zero in (0, 3):
+        bf16 = ParallelConfig(dp=2, zero_stage=zero, optimizer="sgd", dtype="bf16")
+        assert estimate_step(g, pcl, bf16).step_time == pytest.approx(estimate_step(g, cl, bf16).step_time)
+        fp32 = replace(bf16, dtype="fp32")
+        assert estimate_step(g, pcl, fp32).step_time != pytest.approx(estimate_step(g, cl, fp32).step_time)
 
 
 def _sharded_extra(g, cl, cfg):
