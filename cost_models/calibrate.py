@@ -678,7 +678,7 @@ def slowest_rank(per_rank: Sequence[dict[str, Any]]) -> dict[str, Any]:
                if all("grad_accumulation" in k for k in per_rank) else {})}
 
 
-def fit_alpha_beta(points: Sequence[tuple[int, float, float]]) -> dict[str, float]:
+def fit_alpha_beta(points: Sequence[tuple[int, float, float]], bandwidth: float | None = None) -> dict[str, float]:
     r"""Fit ``t = 2(p−1)α + 2(p−1)/p · n/B`` to ``(p, n, t)`` points.
 
     The model is linear in ``x = (α, 1/B)``: row ``a_i = (2(p_i−1), 2(p_i−1)/p_i · n_i)``.
@@ -688,19 +688,26 @@ def fit_alpha_beta(points: Sequence[tuple[int, float, float]]) -> dict[str, floa
     .. math:: \min_{x \ge 0} \sum_i \big((a_i·x − t_i)/t_i\big)^2
 
     Exact points (``t_i = a_i·x*``) give back ``x*``; ``median_rel_error`` says how well the
-    formula describes the measurements.
+    formula describes the measurements. With ``bandwidth`` given, ``B`` is that and ``α ≥ 0``
+    alone is fitted, by the same weighted least squares.
     """
     import numpy as np
     from scipy.optimize import nnls
 
-    if len(points) < 2:
+    if len(points) < 2 and bandwidth is None:
         raise ValueError(f"fitting alpha and bandwidth needs at least 2 (p, bytes, seconds) points, got {len(points)}")
-    if any(p < 2 or t <= 0 for p, _, t in points):
+    if not points or any(p < 2 or t <= 0 for p, _, t in points):
         raise ValueError("every point needs a group size p >= 2 and a positive time")
     a = np.array([[2 * (p - 1), 2 * (p - 1) / p * n] for p, n, _ in points], dtype=float)
     y = np.array([t for _, _, t in points], dtype=float)
     w = 1.0 / y
-    sol, _ = nnls(a * w[:, None], y * w)
+    if bandwidth is not None:
+        inv_b = 1.0 / bandwidth
+        r = (y - a[:, 1] * inv_b) * w
+        col = a[:, 0] * w
+        sol = np.array([max(0.0, float(col @ r / (col @ col))), inv_b])
+    else:
+        sol, _ = nnls(a * w[:, None], y * w)
     alpha, inv_b = float(sol[0]), float(sol[1])
     pred = a @ sol
     rel = float(np.median(np.abs(pred - y) / y))
@@ -732,6 +739,7 @@ def calibrate(out: str | os.PathLike[str] | None = None, *, group_sizes: Sequenc
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "memory_bytes": _total_memory(), "load_average": _load_average(),
     }
+    clock = cpu_clock()
     per_procs: dict[str, Any] = {}
     try:
         mm: dict[str, list[dict[str, float]]] = {}
@@ -799,7 +807,8 @@ def calibrate(out: str | os.PathLike[str] | None = None, *, group_sizes: Sequenc
                                      for p in sorted({x[0] for x in points}) if sum(x[0] == p for x in points) >= 2}
         say(f"fit: alpha {coll['fit']['alpha'] * 1e6:.1f} us, bandwidth {coll['fit']['bandwidth'] / 1e9:.2f} GB/s")
     result["collectives"] = coll
-    result["load_average_after"] = _load_average()
+    # not the load average after: the calibration's own 2-4 processes raise it; what other work took
+    result["other_work"] = other_work(clock, cpu_clock(), cores)
     result["warnings"] = calibration_warnings(result)  # the CLI prints them; a search's device source names them
     if out is not None:
         path = Path(out)
@@ -835,18 +844,58 @@ def _say_rates(say: Callable[[str], None], p: int, k: dict[str, Any]) -> None:
 
 
 LOADED = 0.5  # load average per core above which measurements are slowed by other work
+STOLEN = 0.05  # share of a virtual machine's CPU time its hypervisor gave to other machines
+
+
+def cpu_clock() -> dict[str, Any]:
+    """The machine's CPU time counters (``/proc/stat``: user nice system idle iowait irq softirq
+    steal, in seconds) and this process's own CPU seconds with its waited-for children's, now;
+    empty counters where ``/proc/stat`` is not there."""
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    try:
+        tick = os.sysconf("SC_CLK_TCK")
+        machine = [int(x) / tick for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:9]]
+    except (OSError, ValueError, IndexError):
+        machine = []
+    return {"machine": machine, "own": me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime}
+
+
+def other_work(start: dict[str, Any], end: dict[str, Any], cores: int) -> dict[str, float]:
+    """Between two :func:`cpu_clock` readings: ``others``, the cores other processes kept busy on
+    average (the machine's busy time less this process tree's), and ``steal``, the share of the CPU
+    time a hypervisor gave to other virtual machines; empty without the machine's counters."""
+    a, b = start["machine"], end["machine"]
+    if len(a) != 8 or len(b) != 8:
+        return {}
+    d = [y - x for x, y in zip(a, b, strict=True)]
+    total = sum(d)
+    if total <= 0:
+        return {}
+    busy = d[0] + d[1] + d[2] + d[5] + d[6]
+    wall = total / max(cores, 1)
+    return {"others": round(max(0.0, busy - (end["own"] - start["own"])) / wall, 3), "steal": round(d[7] / total, 4)}
 
 
 def calibration_warnings(cal: dict[str, Any]) -> list[str]:
     """What makes a calibration untrustworthy: other work running while it measured (the load
-    average before or after above ``LOADED`` per core), or a matmul rate far below the machine's own
-    best (a measurement hit by a burst)."""
+    average before it, or the cores other processes kept busy during it, above ``LOADED`` per core;
+    a hypervisor taking more than ``STOLEN`` of the CPU time), or a matmul rate far below the
+    machine's own best (a measurement hit by a burst)."""
     out = []
     cores = int(cal.get("cores") or 1)
-    loads = [x for x in (cal.get("load_average"), cal.get("load_average_after")) if x is not None]
-    if loads and max(loads) > LOADED * cores:
-        out.append(f"the machine was busy while measuring (load average {max(loads):.1f} on {cores} cores): the "
-                   "figures are slower than this machine; run `polyparallel calibrate` again when it is quiet")
+    during = cal.get("other_work") or {}
+    busy = [x for x in (cal.get("load_average"), during.get("others")) if x is not None]
+    again = "run `polyparallel calibrate` again when it is quiet"
+    if busy and max(busy) > LOADED * cores:
+        what = (f"load average {cal['load_average']:.1f}" if cal.get("load_average") == max(busy) else
+                f"other processes kept {during['others']:.1f} cores busy")
+        out.append(f"the machine was busy while measuring ({what} on {cores} cores): the figures are slower than "
+                   f"this machine; {again}")
+    if during.get("steal", 0.0) > STOLEN:
+        out.append(f"the virtual machine lost {100 * during['steal']:.0f}% of its CPU time to its hypervisor while "
+                   f"measuring (other machines on the host): the figures are slower and noisier; {again}")
     rows = [r for rs in (cal.get("matmul") or {}).values() for r in rs if r.get("seconds")]
     rates = sorted(r["flops"] / r["seconds"] for r in rows)
     if rates and rates[0] < 0.01 * rates[-1] and rows:

@@ -91,6 +91,19 @@ def test_fit_weights_relative_errors_and_stays_non_negative():
         fit_alpha_beta([(1, 1e3, 1e-4), (1, 1e6, 1e-3)])
 
 
+def test_fit_with_a_given_bandwidth_fits_the_latency_alone():
+    alpha, bw = 150e-6, 2e9
+    pts = [(p, n, _ring(p, n, alpha, bw)) for p in (2, 4) for n in SIZES]
+    fit = fit_alpha_beta(pts, bandwidth=bw)
+    assert fit["alpha"] == pytest.approx(alpha, rel=1e-9) and fit["bandwidth"] == pytest.approx(bw)
+    # flat times (four processes on two cores, every size as slow): the free fit finds no slope, the
+    # bounded one keeps the bandwidth and puts the time into the latency; one point is enough for it
+    flat = [(4, n, 4e-3) for n in SIZES]
+    assert fit_alpha_beta(flat)["bandwidth"] == float("inf")
+    one = fit_alpha_beta(flat[:1], bandwidth=bw)
+    assert one["alpha"] == pytest.approx((4e-3 - 1.5 * SIZES[0] / bw) / 6, rel=1e-9)
+
+
 def test_slowest_rank_takes_the_slowest_of_every_quantity():
     a = {"matmul": _matmul_rows({64: 20e9, 256: 40e9}), "memory_bandwidth": 8e9, "launch_overhead": 2e-6}
     b = {"matmul": _matmul_rows({64: 25e9, 256: 30e9}), "memory_bandwidth": 6e9, "launch_overhead": 3e-6}
@@ -423,14 +436,31 @@ def test_cpu_optimizer_pays_the_measured_cost_per_parameter_tensor(tmp_path, mon
     assert adamw == pytest.approx(10 * 6 * 3e-6)
 
 
+def test_other_work_is_the_machines_busy_time_less_the_calibrations_own():
+    from polyparallel.cost_models.calibrate import other_work
+
+    # 10 s on 2 cores (20 CPU-seconds): 12 busy (user, system), 6 idle, 2 stolen; the calibration's
+    # own processes used 9 of the 12, so other work kept (12 - 9) / 10 = 0.3 cores busy
+    start = {"machine": [100.0, 0.0, 50.0, 400.0, 0.0, 0.0, 0.0, 10.0], "own": 5.0}
+    end = {"machine": [110.0, 0.0, 52.0, 406.0, 0.0, 0.0, 0.0, 12.0], "own": 14.0}
+    assert other_work(start, end, 2) == {"others": pytest.approx(0.3), "steal": pytest.approx(0.1)}
+    # the calibration's own load (the load average it leaves behind) is not other work
+    assert other_work(start, {**end, "own": 17.0}, 2)["others"] == 0.0
+    assert other_work({"machine": [], "own": 0.0}, end, 2) == {}
+
+
 def test_a_calibration_measured_under_load_says_so_where_it_prices(tmp_path, monkeypatch):
     from polyparallel.cost_models.calibrate import calibration_warnings
 
-    quiet = {**_calibration(cores=2), "load_average": 0.3, "load_average_after": 0.6}
+    quiet = {**_calibration(cores=2), "load_average": 0.3, "other_work": {"others": 0.1, "steal": 0.01}}
     assert calibration_warnings(quiet) == []
-    busy = {**quiet, "load_average_after": 5.2}
+    busy = {**quiet, "load_average": 5.2}
     [w] = calibration_warnings(busy)
     assert "load average 5.2 on 2 cores" in w and "calibrate" in w
+    [w] = calibration_warnings({**quiet, "other_work": {"others": 1.4, "steal": 0.0}})
+    assert "other processes kept 1.4 cores busy on 2 cores" in w
+    [w] = calibration_warnings({**quiet, "other_work": {"others": 0.0, "steal": 0.12}})
+    assert "lost 12% of its CPU time to its hypervisor" in w
     burst = {**quiet, "matmul": {"1": _matmul_rows({64: 1e6, 256: 40e9, 1024: 50e9})}}
     [w] = calibration_warnings(burst)
     assert "matmul 64x64" in w and "under 1%" in w
