@@ -367,14 +367,20 @@ def _collective_rank(rank: int, world: int, store: str, model: Any, args: tuple,
 
 
 def measure_collectives(model: Any, args: tuple, kwargs: dict[str, Any], world: int, *,
-                        sizes: Sequence[int] = (4096, 1 << 18, 1 << 21), steps: int = 8) -> dict[str, float]:
+                        sizes: Sequence[int] = (4096, 1 << 18, 1 << 21), steps: int = 8,
+                        max_bandwidth: float | None = None) -> dict[str, float]:
     """Gloo's all-reduce as a training step meets it: ``world`` forked processes each run a forward
     and backward of the model, then all-reduce, repeatedly; the ring ``α``/bandwidth fitted to rank 0's
     median times (:func:`polyparallel.cost_models.calibrate.fit_alpha_beta`).
 
     Back-to-back collectives of idle processes (what ``calibrate`` times) find gloo's threads awake
     and the peers in step: ~0.16 ms per small all-reduce here, where one issued after a training
-    pass took ~0.8 ms (waking the threads, the peers' drift apart)."""
+    pass took ~0.8 ms (waking the threads, the peers' drift apart).
+
+    ``max_bandwidth``: the link's bandwidth between idle processes (the calibration's), which a
+    collective between training passes does not exceed; where the fit says more (more processes
+    than cores: every size took about as long, so the fit found no slope), the bandwidth is that and
+    ``α`` alone is fitted."""
     import tempfile
 
     from polyparallel.cost_models.calibrate import fit_alpha_beta
@@ -394,7 +400,11 @@ def measure_collectives(model: Any, args: tuple, kwargs: dict[str, Any], world: 
                 if p.is_alive():
                     p.kill()
                     p.join()
-    return fit_alpha_beta([(world, n, t) for n, t in got.items()])
+    points = [(world, n, t) for n, t in got.items()]
+    fit = fit_alpha_beta(points)
+    if max_bandwidth is not None and fit["bandwidth"] > max_bandwidth:
+        fit = fit_alpha_beta(points, bandwidth=max_bandwidth)
+    return fit
 
 
 def _median_run(runs: list[tuple[list[tuple[str, float, float]], dict[str, float]]]
@@ -424,7 +434,8 @@ def profiled_cluster(cluster: Any, graphs: Any, say: Callable[[str], None] = lam
     if cluster.num_devices > 1:
         say("measuring gloo's all-reduce between training passes")
         fit = measure_collectives(graphs.model, tuple(rebatch(x, b0, 2) for x in graphs.args),
-                                  {k: rebatch(v, b0, 2) for k, v in graphs.kwargs.items()}, cluster.num_devices)
+                                  {k: rebatch(v, b0, 2) for k, v in graphs.kwargs.items()}, cluster.num_devices,
+                                  max_bandwidth=cluster.nodes[0].intra.up if cluster.nodes[0].intra else None)
         link = (fit["alpha"], fit["bandwidth"])
     return with_profile(cluster, prof, link)
 
