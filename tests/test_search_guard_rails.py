@@ -92,3 +92,19 @@ def test_why_each_axis_prices_the_fastest_plan_without_it():
             assert alt >= chosen * (1 - 1e-3)
     finally:
         ps.ModelGraphs = ps_graphs
+
+
+def test_a_tensor_parallel_plan_that_splits_no_op_says_so():
+    # a link so slow that every plan dividing the work (batch, layers, ops) loses to running the
+    # whole model on each rank: the chosen tp=2 replicates every op, and its note must not claim a split
+    from polyparallel.cluster import Cluster
+    from polyparallel.models import MLP
+
+    cl = Cluster.from_dict({"name": "slow", "centers": [{"name": "c", "nodes": [
+        {"device": "h100-sxm", "devices_per_node": 2, "intra": {"bandwidth": 1e6, "latency": 0.5}}]}]})
+    torch.manual_seed(0)
+    s = search(MLP((32, 64, 64, 10)), (torch.randn(8, 32), torch.randint(0, 10, (8,))), cl, batch_size=8)
+    assert s.tp == 2 and [p.placement for p in s.placements] == [""]
+    [why] = [n for n in s.search.notes if n.startswith("why tp=")]
+    assert "splits no op" in why and "fewer devices give the same step" in why
+    assert "splits each op's loop dims" not in why

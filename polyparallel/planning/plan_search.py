@@ -668,6 +668,11 @@ def _why_axes(best: _Best, c: Constraints) -> list[str]:
         if getattr(c, axis) is not None:
             continue  # pinned: the user's choice, not the search's
         head = f"why {axis}={size}: " + _SPLITS[axis].format(placed=plan_note(chosen.config.op_plans)) + "; "
+        plans = chosen.config.op_plans
+        if axis == "tp" and plans and not any(p.split > 1 or p.param_split > 1 for p in plans):
+            head = (f"why tp={size}: it splits no op: every op is replicated over tp, so each of the {size} tp ranks "
+                    f"computes what one process would; every plan that divides the work over these devices priced "
+                    f"slower (the model may be too small to gain from them): fewer devices give the same step; ")
         alt: StepEstimate | None = None
         for cand in sorted((x for x in best.fitting if getattr(x.bound.config, axis) == 1),
                            key=lambda x: (x.bound.lower_bound, x.index)):
