@@ -376,6 +376,8 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
     if fused is None:
         # eager torch runs CPU attention as one fused kernel: priced by its rows where measured
         fused = kind is not OpKind.ATTENTION or (device.kind == "cpu" and bool(device.attention_curve(dtype)))
+    if not fused and is_sdpa(op) and TRAINING_DTYPE_BYTES.get(dtype, 4) == 2 and device.kind != "cpu":
+        return _math_sdpa(graph, op, device, dtype, split, flops_scale, sharded, eager)
     kb = BACKWARD_FACTOR.get(kind, DEFAULT_BACKWARD_FACTOR)
     curve = device.curve(dtype)
     # a calibrated GPU's measured flash-attention rows price a fused attention op, its conv rows (per
@@ -458,6 +460,27 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
         t_b += (kb + absorbed * BACKWARD_FACTOR.get(OpKind.ELEMENTWISE, DEFAULT_BACKWARD_FACTOR)) \
             * device.training_op_overhead
     return OpCost(op.name, str(kind), flops_tot, bytes_tot, t, t_b, bound)
+
+
+def is_sdpa(op: Op) -> bool:
+    """Whether ``op`` is ``torch.nn.functional.scaled_dot_product_attention``."""
+    return OpKind(op.kind) is OpKind.ATTENTION and "scaled_dot_product" in op.target
+
+
+def _math_sdpa(graph: Graph, op: Op, device: DeviceType, dtype: str, split: float, flops_scale: float,
+               sharded: bool, eager: bool) -> OpCost:
+    """``scaled_dot_product_attention`` on an accelerator without a fused kernel: torch's math kernel,
+    which upcasts 16-bit queries, keys and values to fp32 and computes in fp32 (torch >= 2.5, unless
+    ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)``): the unfused op at fp32 (its
+    GEMMs at the fp32 rate, its score matrix 4 bytes wide), plus the casts in and out, each a kernel
+    reading 2 and writing 4 bytes per element or the reverse, once forward and once backward."""
+    base = op_cost(graph, op, device, "fp32", split, flops_scale, False, sharded, eager)
+    floats = [graph.tensors[t].numel / split for t in (*op.inputs[:3], *op.outputs[:1])
+              if graph.tensors[t].dtype in ("float32", "float16", "bfloat16")]
+    stream = streaming_bandwidth(device)
+    cast = sum(max(6 * n / stream, device.launch_overhead) for n in floats)
+    return OpCost(op.name, str(OpKind(op.kind)), base.flops, base.bytes + 6 * sum(floats), base.forward + cast,
+                  base.backward + cast, base.bound)
 
 
 def batch_statistics_ops(graph: Graph) -> list[Op]:

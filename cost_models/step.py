@@ -113,7 +113,15 @@ from polyparallel.cluster import Cluster, DeviceType
 from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Hint, Op, OpKind, TensorKind, element_bytes
 
 from .comm import collective_time, p2p_time
-from .compute import batch_statistics_ops, host_seconds, host_step_fixed, op_classes, op_cost, streaming_bandwidth
+from .compute import (
+    batch_statistics_ops,
+    host_seconds,
+    host_step_fixed,
+    is_sdpa,
+    op_classes,
+    op_cost,
+    streaming_bandwidth,
+)
 from .layers import LAYER, chunk_of_ops, chunk_ranges, chunks, layer_segments, segments
 from .megatron_rule import op_plans, tensor_bytes
 from .memo import PRICES
@@ -267,10 +275,6 @@ def _kept_tensors(graph: Graph) -> tuple[frozenset[str], dict[str, int]]:
     return cache[("kept",)]
 
 
-def _is_sdpa(op: Op) -> bool:
-    return OpKind(op.kind) is OpKind.ATTENTION and "scaled_dot_product" in op.target
-
-
 def _activation_bytes(graph: Graph, op: Op, dtype: str, fused_attention: bool, selective: bool) -> float:
     """Bytes an op stores for its backward: its outputs, the temporaries of its fused elementwise
     chain that eager torch keeps, and for attention what its kernel keeps.
@@ -287,7 +291,7 @@ def _activation_bytes(graph: Graph, op: Op, dtype: str, fused_attention: bool, s
     total = sum(tensor_bytes(graph, t, dtype) for t in op.outputs if t in kept)
     if op.outputs:
         total += temps.get(op.name, 0) * tensor_bytes(graph, op.outputs[0], dtype)
-    if _is_sdpa(op):
+    if is_sdpa(op):
         if not selective and op.outputs:
             out = graph.tensors[op.outputs[0]]
             total += out.numel / max(out.shape[-1], 1) * 4 if out.shape else 0.0

@@ -12,7 +12,8 @@ from polyparallel.ir import OpKind
 A100 = Cluster.preset("dgx-a100").device(0).type
 
 
-def _attention_graph(b: int, h: int, s: int, d: int, causal: bool = False, dropout: bool = False):
+def _attention_graph(b: int, h: int, s: int, d: int, causal: bool = False, dropout: bool = False,
+                     target: str = "sdpa"):
     """One scaled-dot-product attention op over fp32 ``(b, h, s, d)`` q, k, v: ``(graph, op)``."""
     from polyparallel import ops
     from polyparallel.ir import Graph, Op, TensorKind, TensorSpec
@@ -21,7 +22,7 @@ def _attention_graph(b: int, h: int, s: int, d: int, causal: bool = False, dropo
     for n in ("q", "k", "v"):
         g.add_tensor(TensorSpec(n, (b, h, s, d), "float32", TensorKind.INPUT))
     g.add_tensor(TensorSpec("o", (b, h, s, d)))
-    op = g.add_op(Op("att", OpKind.ATTENTION, "sdpa", ("q", "k", "v"), ("o",),
+    op = g.add_op(Op("att", OpKind.ATTENTION, target, ("q", "k", "v"), ("o",),
                      ops.attention((b, h, s, d), (b, h, s, d), (b, h, s, d), causal=causal),
                      attrs=(("dropout", True),) if dropout else ()))
     return g, op
@@ -105,6 +106,28 @@ def test_unfused_attention_is_priced_per_statement():
     fused = op_cost(g, op, A100, "bf16", fused=True)
     assert fused.forward == pytest.approx(max(op.flops / (312e12 * 0.5), 2 * 4 * T / bw))
     assert fused.forward < want
+
+
+def test_torch_math_sdpa_upcasts_16_bit_attention_to_fp32():
+    # torch's math kernel (SDPA without a fused kernel) computes bf16 attention in fp32: the three
+    # statements at fp32 width and the fp32 matrix rate, plus four casts (q, k, v in, the output out)
+    b, h, s, d = 4, 8, 1024, 64
+    g, op = _attention_graph(b, h, s, d, target="aten.scaled_dot_product_attention.default")
+    S, R, T = b * h * s * s, b * h * s, b * h * s * d
+    bw, mm32, vec = 2039e9 * 0.8, 19.5e12 * 0.8, 19.5e12 * 0.5
+
+    def k(flops, nbytes, rate):
+        return max(flops / rate, nbytes / bw, 5e-6)
+
+    fp32 = (k(2 * S * d, 4 * (2 * T + S), mm32) + k(3 * S, 4 * (S + R + S), vec)
+            + k(2 * S * d, 4 * (S + R + 2 * T), mm32))
+    casts = 4 * k(0, 6 * T, vec)
+    assert op_cost(g, op, A100, "bf16", fused=False).forward == pytest.approx(fp32 + casts)
+    # a fused kernel, another attention op, or fp32 itself: no upcast
+    assert op_cost(g, op, A100, "bf16", fused=True).forward < fp32
+    other, oop = _attention_graph(b, h, s, d)
+    assert op_cost(other, oop, A100, "bf16").forward < fp32 / 2
+    assert op_cost(g, op, A100, "fp32", fused=False).forward == pytest.approx(fp32)
 
 
 def test_constrained_point_counts_match_brute_force():
