@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import multiprocessing as mp
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -427,7 +428,12 @@ def profiled_cluster(cluster: Any, graphs: Any, say: Callable[[str], None] = lam
     if cluster.calibration is None:
         raise ValueError("profiling fits the model's ops to this machine's calibration: run `polyparallel "
                          "calibrate` first")
+    from dataclasses import replace
+
+    from polyparallel.cost_models.calibrate import STOLEN, cpu_clock, other_work
+
     b0 = graphs.b0
+    clock = cpu_clock()
     prof = profile_model(graphs.model, graphs.args, graphs.kwargs, graphs.graph, lambda v, b: rebatch(v, b0, b),
                          cluster, range(1, cluster.num_devices + 1), say=say)
     link = None
@@ -437,6 +443,10 @@ def profiled_cluster(cluster: Any, graphs: Any, say: Callable[[str], None] = lam
                                   {k: rebatch(v, b0, 2) for k, v in graphs.kwargs.items()}, cluster.num_devices,
                                   max_bandwidth=cluster.nodes[0].intra.up if cluster.nodes[0].intra else None)
         link = (fit["alpha"], fit["bandwidth"])
+    steal = other_work(clock, cpu_clock(), os.cpu_count() or 1).get("steal", 0.0)
+    if steal > STOLEN:  # the prices are slower and noisier than this machine: say so where they are shown
+        prof = replace(prof, source=f"{prof.source}; WARNING: the hypervisor took {100 * steal:.0f}% of the CPU "
+                                    "time while profiling (other virtual machines): profile again when it is quiet")
     return with_profile(cluster, prof, link)
 
 
