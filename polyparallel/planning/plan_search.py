@@ -463,7 +463,7 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
             batch times the number of devices.
         progress: called with short status lines.
         profile: measure the module's ops on this machine before pricing (a calibrated
-            ``local-cpu:<P>`` only; a few seconds for a small model): its eager training steps at
+            ``local-cpu:<P>`` only; 10-20 s for a small model): its eager training steps at
             micro-batch sizes 1, 2, 4 and 8, and the slowdown of sharing the machine with ``P`` processes
             (:mod:`polyparallel.cost_models.op_profile`). Without it a CPU plan is priced from the
             calibration's kernel rates, which a training step does not reach.
@@ -490,8 +490,8 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
     notes: list[str] = [inferred] if inferred else []
     if not profile and mdl.resizable and cl.name.startswith("local-cpu:") and cl.calibration is not None:
         notes.append("priced from this machine's calibrated kernel rates, which a CPU training step does not reach "
-                     "(benchmarks/executor.py: a median 40% too fast); profile=True (--profile) measures this model's "
-                     "own ops first")
+                     "(benchmarks/executor.py: a median 49-57% too fast); profile=True (--profile) measures this "
+                     "model's own ops first")
     if c.mode != "collaborative":
         best = _search_sync(mdl, cl, B, c, devs, exhaustive, objective, say)
         notes += best.notes
