@@ -879,18 +879,21 @@ def other_work(start: dict[str, Any], end: dict[str, Any], cores: int) -> dict[s
 
 
 def calibration_warnings(cal: dict[str, Any]) -> list[str]:
-    """What makes a calibration untrustworthy: other work running while it measured (the load
-    average before it, or the cores other processes kept busy during it, above ``LOADED`` per core;
+    """What makes a calibration untrustworthy: other work running while it measured (the cores
+    other processes kept busy during it, or without those counters the load average before it,
+    above ``LOADED`` per core;
     a hypervisor taking more than ``STOLEN`` of the CPU time), or a matmul rate far below the
     machine's own best (a measurement hit by a burst)."""
     out = []
     cores = int(cal.get("cores") or 1)
     during = cal.get("other_work") or {}
-    busy = [x for x in (cal.get("load_average"), during.get("others")) if x is not None]
+    # the CPU time other processes took while it measured; the load average before it (it also
+    # counts work that had just ended) only where the machine's counters were not there
+    busy = during.get("others", cal.get("load_average"))
     again = "run `polyparallel calibrate` again when it is quiet"
-    if busy and max(busy) > LOADED * cores:
-        what = (f"load average {cal['load_average']:.1f}" if cal.get("load_average") == max(busy) else
-                f"other processes kept {during['others']:.1f} cores busy")
+    if busy is not None and busy > LOADED * cores:
+        what = (f"other processes kept {busy:.1f} cores busy" if "others" in during else
+                f"load average {busy:.1f}")
         out.append(f"the machine was busy while measuring ({what} on {cores} cores): the figures are slower than "
                    f"this machine; {again}")
     if during.get("steal", 0.0) > STOLEN:
