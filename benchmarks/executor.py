@@ -227,7 +227,15 @@ def _cluster(workload: Workload, model: torch.nn.Module, world: int, profile: bo
     if not profile:
         return cl
     if (workload.name, world) not in _PROFILED:
-        _PROFILED[workload.name, world] = profiled_cluster(cl, ModelGraphs(model, _example(workload), None))
+        from polyparallel.cost_models.calibrate import STOLEN, cpu_clock, other_work
+
+        for attempt in range(3):  # as a run: a profile the hypervisor took CPU time from is taken again
+            clock = cpu_clock()
+            _PROFILED[workload.name, world] = profiled_cluster(cl, ModelGraphs(model, _example(workload), None))
+            steal = other_work(clock, cpu_clock(), os.cpu_count() or 1).get("steal", 0.0)
+            if steal <= STOLEN or attempt == 2:
+                break
+            print(f"  profiling for {world} process(es): the hypervisor took {100 * steal:.0f}% of the CPU time: again")
     return _PROFILED[workload.name, world]
 
 
