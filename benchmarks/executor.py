@@ -227,16 +227,27 @@ def _cluster(workload: Workload, model: torch.nn.Module, world: int, profile: bo
     if not profile:
         return cl
     if (workload.name, world) not in _PROFILED:
-        from polyparallel.cost_models.calibrate import STOLEN, cpu_clock, other_work
-
-        for attempt in range(3):  # as a run: a profile the hypervisor took CPU time from is taken again
-            clock = cpu_clock()
-            _PROFILED[workload.name, world] = profiled_cluster(cl, ModelGraphs(model, _example(workload), None))
-            steal = other_work(clock, cpu_clock(), os.cpu_count() or 1).get("steal", 0.0)
-            if steal <= STOLEN or attempt == 2:
-                break
-            print(f"  profiling for {world} process(es): the hypervisor took {100 * steal:.0f}% of the CPU time: again")
+        _PROFILED[workload.name, world], _ = _retaken_while_stolen(
+            lambda: profiled_cluster(cl, ModelGraphs(model, _example(workload), None)), 2,
+            lambda steal: print(f"  profiling for {world} process(es): the hypervisor took {100 * steal:.0f}% of "
+                                "the CPU time: again"))
     return _PROFILED[workload.name, world]
+
+
+def _retaken_while_stolen(fn: Callable[[], Any], retries: int, again: Callable[[float], None]) -> tuple[Any, float]:
+    """``fn()``, called again (up to ``retries`` times, ``again(share)`` said before each) while the
+    hypervisor took more than ``STOLEN`` of the CPU time during it (a virtual machine's neighbours:
+    the same run took 2-3x as long); the last result and the share stolen during it."""
+    from polyparallel.cost_models.calibrate import STOLEN, cpu_clock, stolen_since
+
+    for attempt in range(retries + 1):
+        clock = cpu_clock()
+        out = fn()
+        steal = stolen_since(clock)
+        if steal <= STOLEN or attempt == retries:
+            break
+        again(steal)
+    return out, steal
 
 
 def _price(workload: Workload, recipe: Recipe, model: torch.nn.Module, profile: bool = False) -> Any:
@@ -263,11 +274,9 @@ def run_recipes(workload: Workload, recipes: Sequence[Recipe], *, steps: int, wa
 
     ``profile``: price from the workload's ops measured on this machine (``evaluate(...,
     profile=True)``); each row also keeps the calibration-only price (``calibration_only_s``).
-    A run during which the hypervisor took more than ``STOLEN`` of the CPU time (a virtual machine's
-    neighbours: the same run took 2-3x as long) is run again, up to ``retry_stolen`` times; each
-    row keeps the stolen share of the runs it kept (``steal``)."""
+    A run the hypervisor took CPU time from is run again, up to ``retry_stolen`` times
+    (:func:`_retaken_while_stolen`); each row keeps the stolen share of the runs it kept (``steal``)."""
     from polyparallel.backends.torch import Unsupported
-    from polyparallel.cost_models.calibrate import STOLEN, cpu_clock, other_work
 
     model = workload.model_fn()()
     rows: list[dict[str, Any]] = []
@@ -294,14 +303,11 @@ def run_recipes(workload: Workload, recipes: Sequence[Recipe], *, steps: int, wa
                 continue
             t0 = time.perf_counter()
             try:
-                for attempt in range(retry_stolen + 1):
-                    clock = cpu_clock()
-                    ts = _train(workload, s, recipes[i].batch, steps)
-                    steal = other_work(clock, cpu_clock(), os.cpu_count() or 1).get("steal", 0.0)
-                    if steal <= STOLEN or attempt == retry_stolen:
-                        break
-                    say(f"  run {rep + 1}/{repeats} {row['recipe']:<28} the hypervisor took {100 * steal:.0f}% of "
-                        "the CPU time (other virtual machines): run again")
+                head = f"  run {rep + 1}/{repeats} {row['recipe']:<28}"
+                ts, steal = _retaken_while_stolen(
+                    lambda s=s, b=recipes[i].batch: _train(workload, s, b, steps), retry_stolen,
+                    lambda steal, head=head: say(f"{head} the hypervisor took {100 * steal:.0f}% of the CPU time "
+                                                 "(other virtual machines): run again"))
                 row.setdefault("steal", []).append(round(steal, 4))
             except Unsupported as e:
                 row["status"] = f"refused: {e}"

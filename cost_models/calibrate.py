@@ -878,12 +878,17 @@ def other_work(start: dict[str, Any], end: dict[str, Any], cores: int) -> dict[s
     return {"others": round(max(0.0, busy - (end["own"] - start["own"])) / wall, 3), "steal": round(d[7] / total, 4)}
 
 
+def stolen_since(start: dict[str, Any]) -> float:
+    """The share of the CPU time the hypervisor took since the :func:`cpu_clock` reading ``start``
+    (0 without the machine's counters)."""
+    return other_work(start, cpu_clock(), 1).get("steal", 0.0)
+
+
 def calibration_warnings(cal: dict[str, Any]) -> list[str]:
     """What makes a calibration untrustworthy: other work running while it measured (the cores
     other processes kept busy during it, or without those counters the load average before it,
-    above ``LOADED`` per core;
-    a hypervisor taking more than ``STOLEN`` of the CPU time), or a matmul rate far below the
-    machine's own best (a measurement hit by a burst)."""
+    above ``LOADED`` per core; a hypervisor taking more than ``STOLEN`` of the CPU time), or a
+    matmul rate far below the machine's own best (a measurement hit by a burst)."""
     out = []
     cores = int(cal.get("cores") or 1)
     during = cal.get("other_work") or {}

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import multiprocessing as mp
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -430,7 +429,7 @@ def profiled_cluster(cluster: Any, graphs: Any, say: Callable[[str], None] = lam
                          "calibrate` first")
     from dataclasses import replace
 
-    from polyparallel.cost_models.calibrate import STOLEN, cpu_clock, other_work
+    from polyparallel.cost_models.calibrate import STOLEN, cpu_clock, stolen_since
 
     b0 = graphs.b0
     clock = cpu_clock()
@@ -443,7 +442,7 @@ def profiled_cluster(cluster: Any, graphs: Any, say: Callable[[str], None] = lam
                                   {k: rebatch(v, b0, 2) for k, v in graphs.kwargs.items()}, cluster.num_devices,
                                   max_bandwidth=cluster.nodes[0].intra.up if cluster.nodes[0].intra else None)
         link = (fit["alpha"], fit["bandwidth"])
-    steal = other_work(clock, cpu_clock(), os.cpu_count() or 1).get("steal", 0.0)
+    steal = stolen_since(clock)
     if steal > STOLEN:  # the prices are slower and noisier than this machine: say so where they are shown
         prof = replace(prof, source=f"{prof.source}; WARNING: the hypervisor took {100 * steal:.0f}% of the CPU "
                                     "time while profiling (other virtual machines): profile again when it is quiet")
