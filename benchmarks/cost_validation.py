@@ -197,7 +197,8 @@ def _mtnlg_row(nodes: int, seconds: float, tflops: float) -> dict[str, Any]:
         # DeepSpeed's pipeline engine: 1F1B, gradients reduced after the last backward (grad_overlap 0)
         "config": {"dp": d, "tp": 8, "pp": 35, "microbatches": 1920 // d, "schedule": "1f1b", "dtype": "bf16",
                    "recompute": "full", "zero_stage": 1, "partition": "layers", "grad_overlap": 0.0,
-                   "pipeline_p2p": "deepspeed", "grad_reduce": "all_reduce"},
+                   "pipeline_p2p": "deepspeed", "grad_reduce": "all_reduce",
+                   "grad_accumulation": "cast_add"},
         "global_batch": 1920, "published_tflops": float(tflops), "flops": "megatron",
         "assumptions": "micro-batch 1; ZeRO-1 (Megatron-DeepSpeed's usual data-parallel optimizer); Megatron's "
                        "default dropouts (0.1, attention included); vocabulary 51200 (GPT-2 BPE, padded); "
@@ -260,7 +261,8 @@ PUBLISHED: list[dict[str, Any]] = [
         # updates its shard and the bf16 weights are all-gathered (pipe/engine.py _bf16_reduce_grads)
         "config": {"dp": 8, "tp": 4, "pp": 12, "microbatches": 128, "schedule": "1f1b", "dtype": "bf16",
                    "recompute": "full", "zero_stage": 1, "partition": "layers", "grad_overlap": 0.0,
-                   "pipeline_p2p": "deepspeed", "grad_reduce": "all_reduce"},
+                   "pipeline_p2p": "deepspeed", "grad_reduce": "all_reduce",
+                   "grad_accumulation": "cast_add"},
         "global_batch": 2048, "published_tflops": 150.0,
         "flops": "megatron",
         "assumptions": "from bigscience train/tr11-176B-ml (slurm script, README): micro-batch 2, bf16 with "

@@ -13,11 +13,13 @@ from polyparallel.ir import TRAINING_DTYPE_BYTES
 from .memory import MemoryReport
 from .pipeline import SCHEDULES, PipelineResult
 
-__all__ = ["GRAD_REDUCE", "PIPELINE_P2P", "RECOMPUTE", "OpPlan", "ParallelConfig", "StageBreakdown", "StepEstimate"]
+__all__ = ["GRAD_ACCUMULATION", "GRAD_REDUCE", "PIPELINE_P2P", "RECOMPUTE", "OpPlan", "ParallelConfig",
+           "StageBreakdown", "StepEstimate"]
 
 RECOMPUTE = ("none", "selective", "full")
 PIPELINE_P2P = ("megatron", "deepspeed")
 GRAD_REDUCE = ("reduce_scatter", "all_reduce")
+GRAD_ACCUMULATION = ("in_place", "cast_add")
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,15 @@ class ParallelConfig:
             runs bf16 ZeRO-1 with (``deepspeed/runtime/pipe/engine.py``: ``_exec_reduce_grads`` ->
             ``_bf16_reduce_grads`` -> ``buffered_allreduce_fallback`` over the optimizer's fp32
             gradients, ``get_grads_for_reduction``), twice a reduce-scatter's traffic. ZeRO-1 only.
+        grad_accumulation: how each micro-batch's weight gradients reach the accumulator the
+            reduction reads. ``in_place``: added where they are produced, one streaming pass, the
+            first micro-batch's taken as it is (torch's ``AccumulateGrad``, Megatron-LM's
+            ``main_grad`` hook). ``cast_add``: a 16-bit gradient, fresh every micro-batch, then cast
+            into a temporary fp32 tensor and added to a separate fp32 gradient buffer, in every
+            micro-batch: DeepSpeed's ``BF16_Optimizer.update_hp_grads``
+            (``hp_grad.add_(lp.grad.to(hp_grad.dtype))``), which its pipeline engine calls after each
+            backward pass (``_exec_backward_pass``) and which ``grad_reduce="all_reduce"`` reduces.
+            16-bit dtypes only.
         op_plans: one :class:`OpPlan` per graph op, from per-op placements (a placement solver);
             ``None`` prices the Megatron rule of the module docstring.
     """
@@ -112,6 +123,7 @@ class ParallelConfig:
     partition: str = "flops"
     pipeline_p2p: str = "megatron"
     grad_reduce: str = "reduce_scatter"
+    grad_accumulation: str = "in_place"
     op_plans: tuple[OpPlan, ...] | None = field(default=None, repr=False)
 
     @property
@@ -150,6 +162,12 @@ class ParallelConfig:
         if self.grad_reduce == "all_reduce" and self.zero_stage != 1:
             raise ValueError("ParallelConfig.grad_reduce='all_reduce' is ZeRO-1's variant: set zero_stage=1 (ZeRO-0 "
                              "all-reduces anyway; ZeRO-2/3 keep only their gradient shard)")
+        if self.grad_accumulation not in GRAD_ACCUMULATION:
+            raise ValueError(f"ParallelConfig.grad_accumulation {self.grad_accumulation!r}: use one of "
+                             f"{', '.join(GRAD_ACCUMULATION)}")
+        if self.grad_accumulation == "cast_add" and TRAINING_DTYPE_BYTES[self.dtype] >= 4:
+            raise ValueError("ParallelConfig.grad_accumulation='cast_add' casts 16-bit gradients into fp32: set "
+                             "dtype='bf16' or 'fp16', or use 'in_place'")
         if self.grad_overlap is not None and not 0 <= self.grad_overlap <= 1:
             raise ValueError(f"ParallelConfig.grad_overlap must be in [0, 1], got {self.grad_overlap}")
         if cluster is not None:
@@ -177,6 +195,8 @@ class ParallelConfig:
             extra.append(f"p2p={self.pipeline_p2p}")
         if self.grad_reduce != "reduce_scatter":
             extra.append(f"grads={self.grad_reduce}")
+        if self.grad_accumulation != "in_place":
+            extra.append(f"accum={self.grad_accumulation}")
         if self.ep > 1:
             extra.insert(0, f"ep{self.ep}")
         return f"dp{self.dp} tp{self.tp} pp{self.pp} sp{self.sp} " + " ".join(extra)

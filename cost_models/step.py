@@ -87,7 +87,10 @@ tensor ``c_t``, a sharded (DTensor: FSDP2, tensor-parallel) tensor at its own me
 gradients into ``.grad``: each micro-batch's backward carries ``(m−1)/m · N · a`` (``a``:
 ``grad_accumulation``, measured per element on calibrated CPUs; on accelerators without it a
 streaming pass of ``g + 2·max(g, 4)`` bytes per element, the new gradient at the compute precision
-``g`` into an accumulator at the reduction precision; priced as compute).
+``g`` into an accumulator at the reduction precision; priced as compute). Under
+``grad_accumulation="cast_add"`` (DeepSpeed's ``BF16_Optimizer``) every micro-batch, the first
+included, casts its 16-bit gradient into a temporary and adds it to an fp32 buffer: ``N · (g + 16)``
+bytes streamed per micro-batch.
 
 **Host-bound accelerators.** Eager PyTorch dispatches every kernel from the host; the device
 runs ahead only while the host enqueues faster than the kernels run. On an accelerator with
@@ -544,14 +547,20 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
         # autograd adds every micro-batch's weight gradient after the first into .grad: on average
         # (m-1)/m of the stage's local gradient elements per micro-batch (calibrated CPUs measure it)
         held = params - experts * (1 - 1 / cfg.ep)
-        rate = dt.grad_accumulation
-        if not rate and dt.kind != "cpu":
-            # uncalibrated accelerators: one streaming pass reading the new gradient at the compute
-            # precision and reading and writing the accumulator at the reduction precision (torch's
-            # AccumulateGrad on fp32 .grad; Megatron-LM's main_grad hook, megatron/model/distributed.py;
-            # DeepSpeed's fp32 gradients of bf16 weights; Llama 3's "FP32 gradient accumulation")
-            rate = (gb + 2 * max(gb, 4)) / streaming_bandwidth(dt)
-        acc = rate * (m - 1) / m * (local if cfg.zero_stage >= 2 else held)
+        if cfg.grad_accumulation == "cast_add":
+            # DeepSpeed's BF16_Optimizer, after every micro-batch's backward: the fresh 16-bit
+            # gradient read and cast into a temporary fp32 tensor (gb + 4 bytes), which is added to
+            # the fp32 buffer (both read, the buffer written: 3 x 4), the first micro-batch's included
+            acc = (gb + 16) / streaming_bandwidth(dt) * (local if cfg.zero_stage >= 2 else held)
+        else:
+            rate = dt.grad_accumulation
+            if not rate and dt.kind != "cpu":
+                # uncalibrated accelerators: one streaming pass reading the new gradient at the compute
+                # precision and reading and writing the accumulator at the reduction precision (torch's
+                # AccumulateGrad on fp32 .grad; Megatron-LM's main_grad hook, megatron/model/distributed.py;
+                # Llama 3's "FP32 gradient accumulation")
+                rate = (gb + 2 * max(gb, 4)) / streaming_bandwidth(dt)
+            acc = rate * (m - 1) / m * (local if cfg.zero_stage >= 2 else held)
         bwd[s] += acc
         accum.append(acc)
         dps.append(_DataParallel(exposed, t_opt, t_dp, events, ef + eb))

@@ -125,6 +125,8 @@ def test_ulysses_sequence_parallel_adds_all_to_all():
     (ParallelConfig(zero_stage=4), "zero_stage"),
     (ParallelConfig(recompute="most"), "recompute"),
     (ParallelConfig(pipeline_p2p="nccl"), "pipeline_p2p"),
+    (ParallelConfig(grad_accumulation="fused"), "grad_accumulation"),
+    (ParallelConfig(grad_accumulation="cast_add"), "16-bit gradients"),
     (ParallelConfig(dp=0), "dp must be"),
     (ParallelConfig(pp=2, devices=(0,)), "lists 1 devices"),
 ])
@@ -263,3 +265,20 @@ def test_gradient_accumulation_on_accelerators_by_hand():
     four = estimate_step(g, cl, ParallelConfig(dtype="bf16", microbatches=4))
     per_mb = four.stages[0].part("compute") / 4 - one.stages[0].part("compute")
     assert per_mb == pytest.approx(3 / 4 * 10 * g.param_count() / streaming_bandwidth(cl.devices[0].type), rel=1e-9)
+
+
+def test_deepspeed_bf16_optimizer_accumulation_by_hand():
+    # DeepSpeed's BF16_Optimizer casts every micro-batch's bf16 gradient, the first's included, into a
+    # temporary fp32 tensor and adds it to its fp32 buffer: read 2 + write 4, then read 4 + 4, write 4
+    from polyparallel.cost_models.compute import streaming_bandwidth
+
+    g = mlp_graph(batch=64, widths=(512, 1024, 512), classes=16)
+    cl = node(1)
+    bw = streaming_bandwidth(cl.devices[0].type)
+    for m in (1, 4):
+        torch_like = estimate_step(g, cl, ParallelConfig(dtype="bf16", microbatches=m))
+        ds = estimate_step(g, cl, ParallelConfig(dtype="bf16", microbatches=m, grad_accumulation="cast_add"))
+        extra = ds.stages[0].part("compute") - torch_like.stages[0].part("compute")
+        want = m * g.param_count() * (18 - 10 * (m - 1) / m) / bw
+        assert extra == pytest.approx(want, rel=1e-9)
+    assert "accum=cast_add" in str(ParallelConfig(dtype="bf16", grad_accumulation="cast_add"))
