@@ -105,6 +105,8 @@ __all__ = [
     "host_class",
     "host_seconds",
     "host_step_fixed",
+    "math_sdpa_saved_bytes",
+    "math_sdpa_upcasts",
     "op_bytes",
     "op_classes",
     "op_cost",
@@ -376,7 +378,7 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
     if fused is None:
         # eager torch runs CPU attention as one fused kernel: priced by its rows where measured
         fused = kind is not OpKind.ATTENTION or (device.kind == "cpu" and bool(device.attention_curve(dtype)))
-    if not fused and is_sdpa(op) and TRAINING_DTYPE_BYTES.get(dtype, 4) == 2 and device.kind != "cpu":
+    if not fused and is_sdpa(op) and math_sdpa_upcasts(device, dtype):
         return _math_sdpa(graph, op, device, dtype, split, flops_scale, sharded, eager)
     kb = BACKWARD_FACTOR.get(kind, DEFAULT_BACKWARD_FACTOR)
     curve = device.curve(dtype)
@@ -467,20 +469,71 @@ def is_sdpa(op: Op) -> bool:
     return OpKind(op.kind) is OpKind.ATTENTION and "scaled_dot_product" in op.target
 
 
+def math_sdpa_upcasts(device: DeviceType, dtype: str) -> bool:
+    """Whether an unfused ``scaled_dot_product_attention`` runs as torch's math kernel with its 16-bit
+    operands upcast to fp32: an accelerator computing in a 16-bit dtype (torch >= 2.5 unless
+    ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)``; CPUs run a fused kernel)."""
+    return TRAINING_DTYPE_BYTES.get(dtype, 4) == 2 and device.kind != "cpu"
+
+
+def math_sdpa_sizes(op: Op, split: float = 1.0) -> tuple[float, float, float, float, float]:
+    """Elements of the math kernel's score matrix, queries, keys, values and output: ``(n, q, k, v, o)``."""
+    ext = op.nest.extents
+    heads = ext["h"] * ext.get("g", 1)
+    rows = ext["b"] * heads * ext["s"] / split
+    kv = ext["b"] * ext["h"] * ext["t"] / split
+    return rows * ext["t"], rows * ext["d"], kv * ext["d"], kv * ext["e"], rows * ext["e"]
+
+
+def math_sdpa_saved_bytes(op: Op) -> float:
+    """Bytes the upcast math kernel keeps for its backward: the fp32 probabilities, the scaled fp32
+    queries and keys, and the fp32 copy of the values (the two matmuls' saved operands)."""
+    n, q, k, v, _ = math_sdpa_sizes(op)
+    return 4 * (n + q + k + v)
+
+
 def _math_sdpa(graph: Graph, op: Op, device: DeviceType, dtype: str, split: float, flops_scale: float,
                sharded: bool, eager: bool) -> OpCost:
-    """``scaled_dot_product_attention`` on an accelerator without a fused kernel: torch's math kernel,
-    which upcasts 16-bit queries, keys and values to fp32 and computes in fp32 (torch >= 2.5, unless
-    ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)``): the unfused op at fp32 (its
-    GEMMs at the fp32 rate, its score matrix 4 bytes wide), plus the casts in and out, each a kernel
-    reading 2 and writing 4 bytes per element or the reverse, once forward and once backward."""
-    base = op_cost(graph, op, device, "fp32", split, flops_scale, False, sharded, eager)
-    floats = [graph.tensors[t].numel / split for t in (*op.inputs[:3], *op.outputs[:1])
-              if graph.tensors[t].dtype in ("float32", "float16", "bfloat16")]
+    """``scaled_dot_product_attention`` on an accelerator without a fused kernel, 16-bit: torch's math
+    kernel (``_scaled_dot_product_attention_math`` in ``aten/src/ATen/native/transformers/attention.cpp``),
+    kernel by kernel as a dispatch trace of torch 2.13 shows them. Forward: q, k, v cast to fp32; q and
+    kᵀ each scaled by √scale; the fp32 ``bmm`` of the scores; a causal or given mask added
+    out of place; ``_safe_softmax`` (one kernel on CUDA); the probabilities cast back to 16 bits
+    (returned as the kernel's second output, which SDPA discards); dropout if any; the fp32 ``bmm`` with
+    v; the output cast. Backward: the output gradient cast to fp32, the four ``bmm`` s, the softmax
+    backward (two fp32 reads, one write), the two scalings and the three casts back. Each kernel is the
+    slower of its FLOPs at the fp32 GEMM rate and its bytes at the streaming bandwidth."""
+    n, q, k, v, o = math_sdpa_sizes(op, split)
+    d, e = op.nest.extents["d"], op.nest.extents["e"]
+    c = TRAINING_DTYPE_BYTES.get(dtype, 2) + 4  # a cast reads one width and writes the other
+    masked = bool(op.nest.statements[0].constraints) or len(op.inputs) > 3
+    drop = float(op.attr.get("dropout_p", 0.0) or 0.0) > 0 or bool(op.attr.get("dropout"))
+    qk, pv = 2 * n * d * flops_scale, 2 * n * e * flops_scale
+    fwd = [(0.0, c * q), (0.0, c * k), (0.0, c * v), (0.0, 8 * q), (0.0, 8 * k), (qk, 4 * (q + k + n)),
+           *([(0.0, 8 * n)] if masked else []), (0.0, 8 * n), (0.0, c * n),
+           *([(0.0, 9 * n)] if drop else []), (pv, 4 * (n + v + o)), (0.0, c * o)]
+    bwd = [(0.0, c * o), (pv, 4 * (o + v + n)), (pv, 4 * (n + o + v)), *([(0.0, 9 * n)] if drop else []),
+           (0.0, 12 * n), (qk, 4 * (n + k + q)), (qk, 4 * (n + q + k)), (0.0, 8 * q), (0.0, 8 * k),
+           (0.0, c * q), (0.0, c * k), (0.0, c * v)]
+    curve = device.curve("fp32")
     stream = streaming_bandwidth(device)
-    cast = sum(max(6 * n / stream, device.launch_overhead) for n in floats)
-    return OpCost(op.name, str(OpKind(op.kind)), base.flops, base.bytes + 6 * sum(floats), base.forward + cast,
-                  base.backward + cast, base.bound)
+    dispatch = device.sharded_op_overhead if sharded else 0.0
+
+    def run(kernels: list[tuple[float, float]]) -> tuple[float, float]:
+        """Seconds of the kernels, and of those bound by their FLOPs."""
+        t = t_c = 0.0
+        for f, b in kernels:
+            rate = (_curve_rate(curve, f) if curve else device.peak_flops("fp32")
+                    * COMPUTE_EFFICIENCY[OpKind.CONTRACTION]) if f else 0.0
+            k = max(f / rate if f else 0.0, b / stream, device.launch_overhead)
+            t += k + dispatch
+            t_c += k if f and k == f / rate else 0.0
+        return t, t_c
+
+    kb = BACKWARD_FACTOR.get(OpKind.ATTENTION, DEFAULT_BACKWARD_FACTOR)
+    (t_f, c_f), (t_b, _) = run(fwd), run(bwd)
+    return OpCost(op.name, str(OpKind(op.kind)), qk + pv, sum(b for _, b in fwd), t_f + device.training_op_overhead,
+                  t_b + kb * device.training_op_overhead, "compute" if 2 * c_f > t_f else "memory")
 
 
 def batch_statistics_ops(graph: Graph) -> list[Op]:

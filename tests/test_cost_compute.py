@@ -108,26 +108,63 @@ def test_unfused_attention_is_priced_per_statement():
     assert fused.forward < want
 
 
-def test_torch_math_sdpa_upcasts_16_bit_attention_to_fp32():
-    # torch's math kernel (SDPA without a fused kernel) computes bf16 attention in fp32: the three
-    # statements at fp32 width and the fp32 matrix rate, plus four casts (q, k, v in, the output out)
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_math_sdpa_upcasts_16_bit_attention_to_fp32(causal):
+    # torch's math kernel (SDPA without a fused kernel) computes bf16 attention in fp32, kernel by
+    # kernel as torch 2.13's dispatch trace lists them: forward 3 casts in, 2 scalings, bmm, the mask
+    # added (causal), softmax, the probabilities cast back, bmm, the output cast; backward the
+    # output-gradient cast, 2 bmm, softmax backward, 2 bmm, 2 scalings, 3 casts back
     b, h, s, d = 4, 8, 1024, 64
-    g, op = _attention_graph(b, h, s, d, target="aten.scaled_dot_product_attention.default")
-    S, R, T = b * h * s * s, b * h * s, b * h * s * d
-    bw, mm32, vec = 2039e9 * 0.8, 19.5e12 * 0.8, 19.5e12 * 0.5
+    g, op = _attention_graph(b, h, s, d, causal=causal, target="aten.scaled_dot_product_attention.default")
+    S, T = b * h * s * s, b * h * s * d
+    bw, mm32 = 2039e9 * 0.8, 19.5e12 * 0.8
 
-    def k(flops, nbytes, rate):
-        return max(flops / rate, nbytes / bw, 5e-6)
+    def k(flops, nbytes):
+        return max(flops / mm32, nbytes / bw, 5e-6)
 
-    fp32 = (k(2 * S * d, 4 * (2 * T + S), mm32) + k(3 * S, 4 * (S + R + S), vec)
-            + k(2 * S * d, 4 * (S + R + 2 * T), mm32))
-    casts = 4 * k(0, 6 * T, vec)
-    assert op_cost(g, op, A100, "bf16", fused=False).forward == pytest.approx(fp32 + casts)
+    gemm = k(2 * S * d, 4 * (2 * T + S))
+    fwd = (3 * k(0, 6 * T) + 2 * k(0, 8 * T) + gemm + (k(0, 8 * S) if causal else 0.0) + k(0, 8 * S)
+           + k(0, 6 * S) + gemm + k(0, 6 * T))
+    bwd = k(0, 6 * T) + 4 * gemm + k(0, 12 * S) + 2 * k(0, 8 * T) + 3 * k(0, 6 * T)
+    cost = op_cost(g, op, A100, "bf16", fused=False)
+    assert (cost.forward, cost.backward) == pytest.approx((fwd, bwd))
     # a fused kernel, another attention op, or fp32 itself: no upcast
-    assert op_cost(g, op, A100, "bf16", fused=True).forward < fp32
+    assert op_cost(g, op, A100, "bf16", fused=True).forward < fwd / 4
     other, oop = _attention_graph(b, h, s, d)
-    assert op_cost(other, oop, A100, "bf16").forward < fp32 / 2
-    assert op_cost(g, op, A100, "fp32", fused=False).forward == pytest.approx(fp32)
+    assert op_cost(other, oop, A100, "bf16").forward < fwd / 2
+    assert op_cost(g, op, A100, "fp32", fused=False).forward != pytest.approx(fwd)
+
+
+def test_math_sdpa_keeps_fp32_probabilities_and_operands():
+    # the upcast math kernel's backward keeps its fp32 probabilities (b·h·s·s), the scaled fp32
+    # queries and keys and the fp32 values; flash attention keeps an fp32 log-sum-exp per row
+    import torch
+    from torch import nn
+
+    import polyparallel as pp
+    from polyparallel.cost_models import ParallelConfig, estimate_step
+
+    b, h, s, hd = 2, 4, 128, 16
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(h * hd, 3 * h * hd)
+
+        def forward(self, x, labels=None):
+            q, k, v = self.qkv(x).view(b, s, 3, h, hd).permute(2, 0, 3, 1, 4)
+            return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).float().pow(2).mean()
+
+    g = pp.capture(Attn(), (torch.zeros(b, s, h * hd),))
+    gpu = Cluster.preset("dgx-a100")
+    acts = {fused: estimate_step(g, gpu, ParallelConfig(dtype="bf16", fused_attention=fused)).memory[0].term(
+        "activations") for fused in (True, False)}
+    want = 4 * (b * h * s * s + 3 * b * h * s * hd) - 4 * b * h * s
+    assert acts[False] - acts[True] == pytest.approx(want)
+    # a CPU runs a fused kernel either way
+    cpu = Cluster.preset("local-cpu:1")
+    assert len({estimate_step(g, cpu, ParallelConfig(dtype="bf16", fused_attention=f)).memory[0].term(
+        "activations") for f in (True, False)}) == 1
 
 
 def test_constrained_point_counts_match_brute_force():
