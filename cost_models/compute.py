@@ -498,7 +498,7 @@ def _math_sdpa(graph: Graph, op: Op, device: DeviceType, dtype: str, split: floa
     kernel (``_scaled_dot_product_attention_math`` in ``aten/src/ATen/native/transformers/attention.cpp``),
     kernel by kernel as a dispatch trace of torch 2.13 shows them. Forward: q, k, v cast to fp32; q and
     kᵀ each scaled by √scale; the fp32 ``bmm`` of the scores; a causal or given mask added
-    out of place; ``_safe_softmax`` (one kernel on CUDA); the probabilities cast back to 16 bits
+    out of place; ``_safe_softmax`` (four kernels); the probabilities cast back to 16 bits
     (returned as the kernel's second output, which SDPA discards); dropout if any; the fp32 ``bmm`` with
     v; the output cast. Backward: the output gradient cast to fp32, the four ``bmm`` s, the softmax
     backward (two fp32 reads, one write), the two scalings and the three casts back. Each kernel is the
@@ -509,8 +509,11 @@ def _math_sdpa(graph: Graph, op: Op, device: DeviceType, dtype: str, split: floa
     masked = bool(op.nest.statements[0].constraints) or len(op.inputs) > 3
     drop = float(op.attr.get("dropout_p", 0.0) or 0.0) > 0 or bool(op.attr.get("dropout"))
     qk, pv = 2 * n * d * flops_scale, 2 * n * e * flops_scale
+    # _safe_softmax is CompositeExplicitAutograd (native_functions.yaml): softmax, then eq(-inf) (one byte
+    # out), all() over the rows, and where(fully masked row, 0, softmax), each its own kernel
+    safe_softmax = [(0.0, 8 * n), (0.0, 5 * n), (0.0, n), (0.0, 8 * n)]
     fwd = [(0.0, c * q), (0.0, c * k), (0.0, c * v), (0.0, 8 * q), (0.0, 8 * k), (qk, 4 * (q + k + n)),
-           *([(0.0, 8 * n)] if masked else []), (0.0, 8 * n), (0.0, c * n),
+           *([(0.0, 8 * n)] if masked else []), *safe_softmax, (0.0, c * n),
            *([(0.0, 9 * n)] if drop else []), (pv, 4 * (n + v + o)), (0.0, c * o)]
     bwd = [(0.0, c * o), (pv, 4 * (o + v + n)), (pv, 4 * (n + o + v)), *([(0.0, 9 * n)] if drop else []),
            (0.0, 12 * n), (qk, 4 * (n + k + q)), (qk, 4 * (n + q + k)), (0.0, 8 * q), (0.0, 8 * k),

@@ -112,8 +112,8 @@ def test_unfused_attention_is_priced_per_statement():
 def test_torch_math_sdpa_upcasts_16_bit_attention_to_fp32(causal):
     # torch's math kernel (SDPA without a fused kernel) computes bf16 attention in fp32, kernel by
     # kernel as torch 2.13's dispatch trace lists them: forward 3 casts in, 2 scalings, bmm, the mask
-    # added (causal), softmax, the probabilities cast back, bmm, the output cast; backward the
-    # output-gradient cast, 2 bmm, softmax backward, 2 bmm, 2 scalings, 3 casts back
+    # added (causal), _safe_softmax (softmax, eq, all, where), the probabilities cast back, bmm, the
+    # output cast; backward the output-gradient cast, 2 bmm, softmax backward, 2 bmm, 2 scalings, 3 casts
     b, h, s, d = 4, 8, 1024, 64
     g, op = _attention_graph(b, h, s, d, causal=causal, target="aten.scaled_dot_product_attention.default")
     S, T = b * h * s * s, b * h * s * d
@@ -123,7 +123,8 @@ def test_torch_math_sdpa_upcasts_16_bit_attention_to_fp32(causal):
         return max(flops / mm32, nbytes / bw, 5e-6)
 
     gemm = k(2 * S * d, 4 * (2 * T + S))
-    fwd = (3 * k(0, 6 * T) + 2 * k(0, 8 * T) + gemm + (k(0, 8 * S) if causal else 0.0) + k(0, 8 * S)
+    safe_softmax = k(0, 8 * S) + k(0, 5 * S) + k(0, S) + k(0, 8 * S)  # softmax, eq, all, where
+    fwd = (3 * k(0, 6 * T) + 2 * k(0, 8 * T) + gemm + (k(0, 8 * S) if causal else 0.0) + safe_softmax
            + k(0, 6 * S) + gemm + k(0, 6 * T))
     bwd = k(0, 6 * T) + 4 * gemm + k(0, 12 * S) + 2 * k(0, 8 * T) + 3 * k(0, 6 * T)
     cost = op_cost(g, op, A100, "bf16", fused=False)
