@@ -93,11 +93,13 @@ from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Hint, Op, OpKind, Tenso
 from .memo import PRICES
 
 __all__ = [
+    "AUTOCAST_LOW",
     "BACKWARD_FACTOR",
     "COMPUTE_EFFICIENCY",
     "MATRIX_KINDS",
     "MEMORY_EFFICIENCY",
     "OpCost",
+    "autocast_seconds",
     "batch_statistics_ops",
     "gemm_efficiency",
     "gemm_rate",
@@ -467,6 +469,65 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
 def is_sdpa(op: Op) -> bool:
     """Whether ``op`` is ``torch.nn.functional.scaled_dot_product_attention``."""
     return OpKind(op.kind) is OpKind.ATTENTION and "scaled_dot_product" in op.target
+
+
+#: ops autocast runs in the compute dtype (its lower-precision list: matmuls, convolutions, attention)
+AUTOCAST_LOW = frozenset({OpKind.CONTRACTION, OpKind.CONV, OpKind.ATTENTION})
+
+
+def autocast_seconds(graph: Graph, op: Op, device: DeviceType, dtype: str, widths: Mapping[str, float],
+                     split: float = 1.0) -> tuple[float, float]:
+    """Device seconds ``(forward, backward)`` that eager ``torch.autocast`` adds to ``op`` over pricing
+    every tensor at the 16-bit ``dtype``; ``widths``: bytes per element of each tensor as the step
+    holds it (fp32 parameters, fp32 where torch promotes: ``step._sent_widths``).
+
+    * An op of autocast's lower-precision list casts each wider operand it multiplies (the first
+      two inputs: activations, and fp32 parameters unless FSDP2 holds them in 16 bits) to ``dtype``:
+      a kernel reading the wide and writing the narrow copy, and in the backward one casting its
+      gradient back; a fused epilogue's other operands (a residual add, eager: its own kernel) are
+      read, and its output written, at their widths.
+    * The loss runs in fp32 (autocast's fp32 list): narrower inputs are cast up, and it streams its
+      operands at 4 bytes.
+    * Any other op streams its activations at their widths (a residual stream that stays fp32, a norm
+      of it); its backward the gradients of the same widths, ``κ`` times the forward's extra bytes.
+    """
+    low = float(TRAINING_DTYPE_BYTES.get(dtype, 4))
+    kind = OpKind(op.kind)
+    if low >= 4 or kind in (OpKind.VIEW, OpKind.CREATE):
+        return 0.0, 0.0
+    floats = ("float32", "float16", "bfloat16", "float64")
+
+    def numel(t: str) -> float:
+        return graph.tensors[t].numel / split
+
+    stream = streaming_bandwidth(device)
+    casts: list[float] = []  # elements cast, each once forward and once backward
+    wide = 0.0  # bytes the op's own kernels move beyond the 16-bit price
+    if kind in AUTOCAST_LOW:
+        for j, t in enumerate(dict.fromkeys(op.inputs)):
+            spec = graph.tensors[t]
+            w = widths.get(t, 4.0)
+            if spec.dtype not in floats or w <= low:
+                continue
+            if j < 2 or spec.kind is TensorKind.PARAM:
+                casts.append(numel(t) * (w + low))
+            else:
+                wide += numel(t) * (w - low)
+        wide += sum(numel(t) * (widths.get(t, low) - low) for t in op.outputs
+                    if graph.tensors[t].dtype in floats and widths.get(t, low) > low)
+    elif kind is OpKind.LOSS:
+        for t in dict.fromkeys(op.inputs + op.outputs):
+            if graph.tensors[t].dtype in floats:
+                if widths.get(t, 4.0) < 4:
+                    casts.append(numel(t) * (widths.get(t, low) + 4))
+                wide += numel(t) * (4 - low)
+    else:
+        wide = sum(numel(t) * (widths.get(t, 4.0) - low) for t in dict.fromkeys(op.inputs + op.outputs)
+                   if graph.tensors[t].dtype in floats and widths.get(t, 4.0) > low
+                   and graph.tensors[t].kind in (TensorKind.ACTIVATION, TensorKind.INPUT))
+    kb = BACKWARD_FACTOR.get(kind, DEFAULT_BACKWARD_FACTOR)
+    cast_s = sum(max(b / stream, device.launch_overhead) for b in casts)
+    return cast_s + wide / stream, cast_s + kb * wide / stream
 
 
 def math_sdpa_upcasts(device: DeviceType, dtype: str) -> bool:

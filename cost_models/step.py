@@ -92,6 +92,11 @@ streaming pass of ``g + 2·max(g, 4)`` bytes per element, the new gradient at th
 included, casts its 16-bit gradient into a temporary and adds it to an fp32 buffer: ``N · (g + 16)``
 bytes streamed per micro-batch.
 
+**Eager mixed precision.** An eager (``fused_elementwise=False``) 16-bit step on an accelerator runs
+under ``torch.autocast``: each op also pays :func:`~polyparallel.cost_models.compute.autocast_seconds`,
+its cast kernels and the operands torch holds in fp32 (parameters, a residual stream that adds a 16-bit
+projection to fp32 embeddings, layer norms, the loss), at the widths :func:`_sent_widths` gives.
+
 **Host-bound accelerators.** Eager PyTorch dispatches every kernel from the host; the device
 runs ahead only while the host enqueues faster than the kernels run. On an accelerator with
 measured dispatch costs (``polyparallel calibrate --device cuda``: ``host_op_seconds`` per op
@@ -117,6 +122,8 @@ from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Hint, Op, OpKind, Tenso
 
 from .comm import collective_time, p2p_time
 from .compute import (
+    AUTOCAST_LOW,
+    autocast_seconds,
     batch_statistics_ops,
     host_seconds,
     host_step_fixed,
@@ -886,7 +893,7 @@ def _stage_terms(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int) ->
     """
     devs = cfg.devices if cfg.devices is not None else tuple(range(cfg.world))
     key = ("stages", id(cluster), devs, cfg.dp, cfg.tp, cfg.pp, cfg.sp, v, cfg.partition, cfg.sequence_parallel,
-           cfg.dtype, cfg.fused_attention, cfg.op_plans, cfg.zero_stage >= 1, cfg.pipeline_p2p)
+           cfg.dtype, cfg.fused_attention, cfg.op_plans, cfg.zero_stage >= 1, cfg.pipeline_p2p, cfg.fused_elementwise)
     cache = PRICES.of(graph)
     hit = cache.get((*key, cfg.recompute))
     if hit is not None and hit[0] is cluster:  # the cluster is held, so its id is not reused
@@ -989,8 +996,12 @@ def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
     """Forward, backward and attention-forward seconds of every op on one device type."""
     # a profiled device (op_profile.py) prices the model's ops as measured with `world` processes
     world = cfg.world if dt.op_profile is not None else 0
+    # eager PyTorch trains 16-bit plans under torch.autocast, with fp32 parameters unless FSDP2 casts them
+    low_params = cfg.zero_stage >= 1 and cfg.dp * cfg.sp > 1
+    autocast = not cfg.fused_elementwise and TRAINING_DTYPE_BYTES.get(cfg.dtype, 4) < 4 and dt.kind != "cpu"
+    widths = _sent_widths(graph, cfg.dtype, low_params) if autocast else {}
     key = ("opvec", dt.cache_key, cfg.dtype, cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.fused_attention, cfg.op_plans,
-           cfg.fused_elementwise, world)
+           cfg.fused_elementwise, world, autocast and low_params)
     op_costs = PRICES.of(graph)
     hit = op_costs.get(key)
     if hit is not None:
@@ -1010,6 +1021,12 @@ def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
                                           fused=True if cfg.fused_attention else None, sharded=sharded,
                                           eager=not cfg.fused_elementwise)
             measured = (c.forward, c.backward)
+            if autocast:
+                ka = ("autocast", classes[i], dt.cache_key, cfg.dtype, plans[i].split, low_params)
+                extra = op_costs.get(ka)
+                if extra is None:
+                    extra = op_costs[ka] = autocast_seconds(graph, op, dt, cfg.dtype, widths, plans[i].split)
+                measured = (measured[0] + extra[0], measured[1] + extra[1])
         fw.append(measured[0])
         bw.append(measured[1])
         att.append(measured[0] if OpKind(op.kind) is OpKind.ATTENTION else 0.0)
@@ -1106,8 +1123,10 @@ def _sent_widths(graph: Graph, dtype: str, low_params: bool) -> dict[str, float]
 
     fp32: every float tensor 4. bf16/fp16 run under autocast with fp32 parameters (or, where
     FSDP2 shards them with ``MixedPrecisionPolicy``, ``low_params``, parameters cast to ``dtype``):
-    contractions and attention compute in ``dtype`` (autocast's lower-precision list), the loss in
-    fp32, a cast to its dtype, and every other op promotes its float inputs as torch does. So a
+    contractions, convolutions and attention compute in ``dtype`` (autocast's lower-precision list,
+    :data:`~polyparallel.cost_models.compute.AUTOCAST_LOW`), the loss and
+    layer/group norms in fp32 (its fp32 list), batch norm in its input's dtype (cuDNN's), a cast to
+    its dtype, and every other op promotes its float inputs as torch does. So a
     residual stream that adds a bf16 projection to fp32 embeddings stays fp32 (what a pipeline
     stage sends), unless FSDP2 made the embeddings bf16."""
     from polyparallel.ir import DTYPE_BYTES, element_bytes
@@ -1132,13 +1151,19 @@ def _sent_widths(graph: Graph, dtype: str, low_params: bool) -> dict[str, float]
         cast = op.attr.get("dtype")
         if low >= 4:
             w = low
-        elif kind in (OpKind.CONTRACTION, OpKind.ATTENTION):
+        elif kind in AUTOCAST_LOW:
             others = [width.get(t, 4.0) for t in op.inputs[2:] if graph.tensors[t].dtype in floats
                       and graph.tensors[t].kind is not TensorKind.PARAM]
             # a fused epilogue (the residual add) promotes to its other inputs' width
             w = max([low, *others]) if op.attr.get("fused") else low
         elif kind is OpKind.LOSS:
             w = 4.0
+        elif kind is OpKind.NORM and "batch_norm" in op.target:
+            # cuDNN's batch norm returns its input's dtype whatever its fp32 affine parameters and statistics
+            w = max([width.get(t, 4.0) for t in op.inputs if graph.tensors[t].dtype in floats
+                     and graph.tensors[t].kind in (TensorKind.ACTIVATION, TensorKind.INPUT)], default=4.0)
+        elif kind is OpKind.NORM and ("layer_norm" in op.target or "group_norm" in op.target):
+            w = 4.0  # autocast's fp32 list
         elif isinstance(cast, str) and cast.startswith("torch."):
             w = {"torch.float32": 4.0, "torch.bfloat16": 2.0, "torch.float16": 2.0}.get(cast, max(ins, default=4.0))
         else:
