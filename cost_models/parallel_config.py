@@ -60,15 +60,23 @@ class ParallelConfig:
         dtype: compute precision (``fp32``, ``bf16``, ``fp16``); weights and gradients use it.
         optimizer: ``adam``, ``adamw``, ``sgd``, ``sgd_momentum``, ``lion``, ``lamb``.
         grad_overlap: ω of the module docstring; ``None`` picks 1 on accelerators, 0 on CPUs.
-        fused_attention: attention keeps only softmax statistics (flash attention).
+        fused_attention: which attention kernels run. ``None`` (default): as eager torch chooses:
+            ``scaled_dot_product_attention`` runs a fused kernel (flash / memory-efficient on
+            accelerators, torch's flash kernel on CPUs), keeping only softmax statistics; any other
+            attention op runs unfused. ``True``: every attention op is fused (flash attention
+            throughout). ``False``: nothing is fused; ``scaled_dot_product_attention`` runs torch's
+            math kernel (on accelerators, 16-bit attention computed in fp32).
         fused_optimizer: on accelerators the optimizer step is one fused kernel that reads and
             writes every state once (apex/Megatron FusedAdam, ``torch.optim.Adam(fused=True)``, which
             the torch backend uses on CUDA); ``False``: torch's default multi-tensor (foreach) step,
             priced by its passes over fp32 memory (18 accesses per parameter for Adam). CPUs always
             run the unfused step (tensor by tensor, the same kernels).
-        fused_elementwise: elementwise ops absorbed by ``fuse_elementwise`` run inside their
-            producer's kernel (a compiler, or hand-fused kernels as in Megatron); ``False``: eager
-            PyTorch, each is its own kernel streaming its operands and its own host dispatch.
+        fused_elementwise: ``True``: elementwise ops absorbed by ``fuse_elementwise`` run inside their
+            producer's kernel and 16-bit plans compute in 16 bits throughout (a compiler, or hand-fused
+            kernels and 16-bit weights as in Megatron); ``False``: eager PyTorch, each is its own kernel
+            streaming its operands and its own host dispatch, and a 16-bit plan runs under
+            ``torch.autocast``; ``None`` (default): what the torch backend runs, eager on accelerators,
+            and on CPUs the prices their calibration and profiles measured (of eager steps).
         devices: device ids in rank order (default: the cluster's first ``world`` devices).
         partition: how layers are cut into pipeline chunks: ``flops`` (balance forward FLOPs) or
             ``layers`` (equal layer counts, embedding/head on the end stages: Megatron/DeepSpeed).
@@ -116,9 +124,9 @@ class ParallelConfig:
     dtype: str = "fp32"
     optimizer: str = "adam"
     grad_overlap: float | None = None
-    fused_attention: bool = False
+    fused_attention: bool | None = None
     fused_optimizer: bool = True
-    fused_elementwise: bool = True
+    fused_elementwise: bool | None = None
     devices: tuple[int, ...] | None = None
     partition: str = "flops"
     pipeline_p2p: str = "megatron"
@@ -168,6 +176,9 @@ class ParallelConfig:
         if self.grad_accumulation == "cast_add" and TRAINING_DTYPE_BYTES[self.dtype] >= 4:
             raise ValueError("ParallelConfig.grad_accumulation='cast_add' casts 16-bit gradients into fp32: set "
                              "dtype='bf16' or 'fp16', or use 'in_place'")
+        if self.fused_attention not in (None, True, False):
+            raise ValueError(f"ParallelConfig.fused_attention must be None, True or False, got "
+                             f"{self.fused_attention!r}")
         if self.grad_overlap is not None and not 0 <= self.grad_overlap <= 1:
             raise ValueError(f"ParallelConfig.grad_overlap must be in [0, 1], got {self.grad_overlap}")
         if cluster is not None:

@@ -92,10 +92,11 @@ streaming pass of ``g + 2·max(g, 4)`` bytes per element, the new gradient at th
 included, casts its 16-bit gradient into a temporary and adds it to an fp32 buffer: ``N · (g + 16)``
 bytes streamed per micro-batch.
 
-**Eager mixed precision.** An eager (``fused_elementwise=False``) 16-bit step on an accelerator runs
-under ``torch.autocast``: each op also pays :func:`~polyparallel.cost_models.compute.autocast_seconds`,
-its cast kernels and the operands torch holds in fp32 (parameters, a residual stream that adds a 16-bit
-projection to fp32 embeddings, layer norms, the loss), at the widths :func:`_sent_widths` gives.
+**Eager mixed precision.** An eager 16-bit step on an accelerator (``fused_elementwise`` ``False``, or
+``None``: the torch backend) runs under ``torch.autocast``: each op also pays
+:func:`~polyparallel.cost_models.compute.autocast_seconds`, its cast kernels and the operands torch
+holds in fp32 (parameters, a residual stream that adds a 16-bit projection to fp32 embeddings, layer
+norms, the loss), at the widths :func:`_sent_widths` gives.
 
 **Host-bound accelerators.** Eager PyTorch dispatches every kernel from the host; the device
 runs ahead only while the host enqueues faster than the kernels run. On an accelerator with
@@ -143,7 +144,7 @@ from .parallel_config import OpPlan, ParallelConfig, StageBreakdown, StepEstimat
 from .pipeline import makespan_bound, peak_in_flight, simulate
 
 __all__ = ["OpPlan", "ParallelConfig", "StageBreakdown", "StepBound", "StepEstimate", "chunk_of_ops", "estimate_step",
-           "layer_segments", "optimizer_element_time", "step_lower_bound"]
+           "layer_segments", "op_seconds", "optimizer_element_time", "step_lower_bound"]
 
 # kernels per parameter tensor of torch's single-tensor optimizer step (torch/optim/adam.py etc.):
 # Adam: step += 1, lerp_, mul_ + addcmul_, sqrt / c + eps, addcdiv_
@@ -287,7 +288,7 @@ def _kept_tensors(graph: Graph) -> tuple[frozenset[str], dict[str, int]]:
     return cache[("kept",)]
 
 
-def _activation_bytes(graph: Graph, op: Op, dtype: str, fused_attention: bool, selective: bool,
+def _activation_bytes(graph: Graph, op: Op, dtype: str, fused_attention: bool | None, selective: bool,
                       math_sdpa: bool = False) -> float:
     """Bytes an op stores for its backward: its outputs, the temporaries of its fused elementwise
     chain that eager torch keeps, and for attention what its kernel keeps.
@@ -580,7 +581,7 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
         bwd[s] += acc
         accum.append(acc)
         dps.append(_DataParallel(exposed, t_opt, t_dp, events, ef + eb))
-        ws = terms.seg_act_max[s] + _loss_transient(graph, cfg, v).get(s, 0.0)
+        ws = terms.seg_act_max[s] + _loss_transient(graph, cfg, v, _eager(cfg, dt)).get(s, 0.0)
         if cfg.zero_stage == 3 and units:
             # FSDP2 keeps the root's weights gathered through each micro-batch, a layer's while it
             # runs and the next one's, prefetched
@@ -596,7 +597,12 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
                      moe.a2a if moe is not None else ())
 
 
-def _loss_transient(graph: Graph, cfg: ParallelConfig, v: int) -> dict[int, float]:
+def _eager(cfg: ParallelConfig, device: DeviceType) -> bool:
+    """Whether ``cfg`` runs as eager PyTorch on ``device`` (``ParallelConfig.fused_elementwise``)."""
+    return cfg.fused_elementwise is False or (cfg.fused_elementwise is None and device.kind != "cpu")
+
+
+def _loss_transient(graph: Graph, cfg: ParallelConfig, v: int, eager: bool) -> dict[int, float]:
     """Bytes an eager cross-entropy adds at the start of the backward pass, per pipeline stage.
 
     Eager PyTorch computes the loss in fp32 (autocast upcasts it): ``log_softmax`` of the ``N``
@@ -606,7 +612,7 @@ def _loss_transient(graph: Graph, cfg: ParallelConfig, v: int) -> dict[int, floa
     kernel (``fused_elementwise``: Megatron's vocabulary-parallel cross entropy) keeps none of it.
     ``N`` is the op's local share of its input (a vocabulary-parallel split divides it).
     """
-    if cfg.fused_elementwise:
+    if not eager:
         return {}
     key = ("loss_ws", cfg.pp, v, cfg.partition, cfg.dtype, cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.op_plans)
     cache = PRICES.of(graph)
@@ -991,17 +997,43 @@ def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, 
     return _StageTerms(**{k: tuple(x) for k, x in out.items()})
 
 
+def op_seconds(graph: Graph, op: Op, dt: DeviceType, cfg: ParallelConfig, split: float = 1.0,
+               sharded: bool = False, op_class: int | None = None) -> tuple[float, float]:
+    """Device seconds ``(forward, backward)`` of one op on ``dt`` as ``cfg`` runs it, before any
+    measured profile: the kernels :func:`~polyparallel.cost_models.compute.op_cost` prices (SDPA as
+    a fused kernel on accelerators unless ``fused_attention`` is ``False``, every elementwise op its
+    own kernel when eager) plus, for an eager 16-bit step on an accelerator, what ``torch.autocast``
+    adds. The step model and the placement solver both price ops with it. ``op_class``
+    (:func:`~polyparallel.cost_models.compute.op_classes`) memoises the result per graph."""
+    eager = _eager(cfg, dt)
+    low_params = cfg.zero_stage >= 1 and cfg.dp * cfg.sp > 1  # FSDP2 all-gathers 16-bit parameters
+    autocast = eager and TRAINING_DTYPE_BYTES.get(cfg.dtype, 4) < 4 and dt.kind != "cpu"
+    memo = PRICES.of(graph)
+    key = ("op_seconds", op_class if op_class is not None else op.name, dt.cache_key, cfg.dtype, split,
+           cfg.fused_attention, sharded, eager, autocast and low_params)
+    hit = memo.get(key)
+    if hit is not None:
+        return hit
+    # fused_attention None: torch runs SDPA as a fused kernel on accelerators (CPUs: by their
+    # measured attention rows, op_cost's own choice)
+    fused = True if cfg.fused_attention or (cfg.fused_attention is None and is_sdpa(op) and dt.kind != "cpu") \
+        else None
+    c = op_cost(graph, op, dt, cfg.dtype, split=split, fused=fused, sharded=sharded, eager=eager)
+    out = (c.forward, c.backward)
+    if autocast:
+        extra = autocast_seconds(graph, op, dt, cfg.dtype, _sent_widths(graph, cfg.dtype, low_params), split)
+        out = (out[0] + extra[0], out[1] + extra[1])
+    memo[key] = out
+    return out
+
+
 def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
                 plans: list[OpPlan]) -> tuple[list[float], list[float], list[float]]:
     """Forward, backward and attention-forward seconds of every op on one device type."""
     # a profiled device (op_profile.py) prices the model's ops as measured with `world` processes
     world = cfg.world if dt.op_profile is not None else 0
-    # eager PyTorch trains 16-bit plans under torch.autocast, with fp32 parameters unless FSDP2 casts them
-    low_params = cfg.zero_stage >= 1 and cfg.dp * cfg.sp > 1
-    autocast = not cfg.fused_elementwise and TRAINING_DTYPE_BYTES.get(cfg.dtype, 4) < 4 and dt.kind != "cpu"
-    widths = _sent_widths(graph, cfg.dtype, low_params) if autocast else {}
     key = ("opvec", dt.cache_key, cfg.dtype, cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.fused_attention, cfg.op_plans,
-           cfg.fused_elementwise, world, autocast and low_params)
+           _eager(cfg, dt), world, cfg.zero_stage >= 1 and cfg.dp * cfg.sp > 1)
     op_costs = PRICES.of(graph)
     hit = op_costs.get(key)
     if hit is not None:
@@ -1013,20 +1045,7 @@ def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
         sharded = plans[i].param_split > 1
         measured = profiled_op(graph, op, dt, world, plans[i].split, sharded, cfg.dtype) if world else None
         if measured is None:
-            k = ("op_cost", classes[i], dt.cache_key, cfg.dtype, plans[i].split, cfg.fused_attention, sharded,
-                 cfg.fused_elementwise)
-            c = op_costs.get(k)
-            if c is None:
-                c = op_costs[k] = op_cost(graph, op, dt, cfg.dtype, split=plans[i].split,
-                                          fused=True if cfg.fused_attention else None, sharded=sharded,
-                                          eager=not cfg.fused_elementwise)
-            measured = (c.forward, c.backward)
-            if autocast:
-                ka = ("autocast", classes[i], dt.cache_key, cfg.dtype, plans[i].split, low_params)
-                extra = op_costs.get(ka)
-                if extra is None:
-                    extra = op_costs[ka] = autocast_seconds(graph, op, dt, cfg.dtype, widths, plans[i].split)
-                measured = (measured[0] + extra[0], measured[1] + extra[1])
+            measured = op_seconds(graph, op, dt, cfg, plans[i].split, sharded, classes[i])
         fw.append(measured[0])
         bw.append(measured[1])
         att.append(measured[0] if OpKind(op.kind) is OpKind.ATTENTION else 0.0)
@@ -1039,7 +1058,7 @@ def _host_vector(graph: Graph, dt: DeviceType, cfg: ParallelConfig) -> list[tupl
     key = ("host", dt.cache_key, cfg.dtype, cfg.fused_elementwise)
     cache = PRICES.of(graph)
     if key not in cache:
-        cache[key] = host_seconds(graph, dt, cfg.dtype, eager=not cfg.fused_elementwise)
+        cache[key] = host_seconds(graph, dt, cfg.dtype, eager=_eager(cfg, dt))
     return cache[key]
 
 
@@ -1070,7 +1089,7 @@ def _per_plan(graph: Graph, cfg: ParallelConfig, plans: list[OpPlan]) -> tuple[l
 
 def _segment_activations(graph: Graph, cfg: ParallelConfig, plans: list[OpPlan], device: DeviceType) -> list[float]:
     selective = cfg.recompute == "selective"
-    math_sdpa = not cfg.fused_attention and math_sdpa_upcasts(device, cfg.dtype)
+    math_sdpa = cfg.fused_attention is False and math_sdpa_upcasts(device, cfg.dtype)
     key = ("seg_act", cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.dtype, cfg.fused_attention, selective,
            cfg.op_plans, math_sdpa)
     cache = PRICES.of(graph)

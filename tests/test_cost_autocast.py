@@ -101,3 +101,24 @@ def test_only_eager_16_bit_accelerator_steps_pay_autocast():
     assert eager - fused == pytest.approx(want, rel=1e-9)
     # the same eager step at fp32 has no casts; a CPU step is calibrated or priced as it is
     assert compute(cpu, dtype="bf16", fused_elementwise=False) == compute(cpu, dtype="bf16", fused_elementwise=True)
+
+
+def test_defaults_price_what_the_torch_backend_runs():
+    """ParallelConfig's defaults are the torch backend's execution: on an accelerator eager kernels under
+    autocast, scaled_dot_product_attention as torch's fused kernel (its math kernel only when asked);
+    on a CPU the calibrated prices, which measured eager steps already."""
+    from polyparallel.models import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab=512, seq=2048, layers=2, hidden=1024, heads=8))  # device-bound, not host-bound
+        ids = torch.zeros(8, 2048, dtype=torch.long)
+        g = pp.capture(model, (ids,), {"labels": ids})
+    gpu, cpu = Cluster.preset("dgx-a100"), Cluster.preset("local-cpu:1")
+
+    def step(cl, **kw):
+        return estimate_step(g, cl, ParallelConfig(dtype="bf16", **kw)).step_time
+
+    assert step(gpu) == step(gpu, fused_elementwise=False, fused_attention=True)  # every attention op is SDPA
+    assert step(gpu, fused_attention=False) > 1.2 * step(gpu)  # the math kernel, in fp32
+    assert step(gpu, fused_elementwise=True) < step(gpu)  # no casts, no elementwise kernels of their own
+    assert step(cpu) == step(cpu, fused_elementwise=True)

@@ -54,7 +54,7 @@ def test_known_config_by_hand():
 
 
 def test_full_recompute_keeps_layer_inputs():
-    e = estimate_step(graph(), node(1), ParallelConfig(recompute="full"))
+    e = estimate_step(graph(), node(1), ParallelConfig(recompute="full", fused_elementwise=True))
     m = e.memory[0]
     # layer inputs: x, relu0, relu1 (fp32); the loss is outside the layers, so it keeps the logits
     # it reads from the last, recomputed layer (the labels and the returned loss are the caller's)

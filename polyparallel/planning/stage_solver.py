@@ -231,7 +231,8 @@ class _Pricer:
 
     def op(self, op: Op) -> tuple[list, list[float], list[float], list[float]]:
         """(candidates, total own seconds, compute seconds, own-collective seconds), K cheapest."""
-        from polyparallel.cost_models.compute import op_cost
+        from polyparallel.cost_models import ParallelConfig
+        from polyparallel.cost_models.step import op_seconds
         from polyparallel.poly import comm_of_op
 
         key = self.key(op)
@@ -246,13 +247,14 @@ class _Pricer:
         for p in pls:
             oc = comm_of_op(self.graph, op, p, self.mesh)
             split = work_split(op, oc, p, self.mesh)
-            c = op_cost(self.graph, op, dt, self.dtype, split=max(split, 1.0),
-                        sharded=param_split(self.graph, op, p, self.mesh) > 1)
+            # the step model's price of the op as the torch backend runs it (eager on accelerators)
+            fw, bw = op_seconds(self.graph, op, dt, ParallelConfig(dtype=self.dtype), max(split, 1.0),
+                                param_split(self.graph, op, p, self.mesh) > 1)
             comm = sum(self.collective(col.kind, col.axes, col.payload * w, col.elements * w)
                        for col in (*oc.forward, *oc.backward, *oc.grad))
-            computes.append(c.forward + c.backward)
+            computes.append(fw + bw)
             comms.append(comm)
-            costs.append(c.forward + c.backward + comm + extra[len(costs)])
+            costs.append(fw + bw + comm + extra[len(costs)])
         order = sorted(range(len(pls)), key=lambda i: costs[i])[: (len(pls) if self.k is None else max(1, self.k))]
         if forced is not None and pls.index(forced) not in order:
             order.append(pls.index(forced))
