@@ -88,7 +88,7 @@ from dataclasses import dataclass
 
 from polyparallel.cluster import DeviceType
 from polyparallel.cluster.devices import HOPPER_GEMM_DEVICES, HOPPER_GEMM_EFFICIENCY, HOPPER_SQUARE_GEMM_EFFICIENCY
-from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Hint, Op, OpKind, TensorKind, element_bytes
+from polyparallel.ir import FLOAT_DTYPES, TRAINING_DTYPE_BYTES, Graph, Hint, Op, OpKind, TensorKind, element_bytes
 
 from .memo import PRICES
 
@@ -380,7 +380,7 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
     if fused is None:
         # eager torch runs CPU attention as one fused kernel: priced by its rows where measured
         fused = kind is not OpKind.ATTENTION or (device.kind == "cpu" and bool(device.attention_curve(dtype)))
-    if not fused and is_sdpa(op) and math_sdpa_upcasts(device, dtype):
+    if not fused and is_sdpa(op) and op.nest is not None and math_sdpa_upcasts(device, dtype):
         return _math_sdpa(graph, op, device, dtype, split, flops_scale, sharded, eager)
     kb = BACKWARD_FACTOR.get(kind, DEFAULT_BACKWARD_FACTOR)
     curve = device.curve(dtype)
@@ -495,7 +495,7 @@ def autocast_seconds(graph: Graph, op: Op, device: DeviceType, dtype: str, width
     kind = OpKind(op.kind)
     if low >= 4 or kind in (OpKind.VIEW, OpKind.CREATE):
         return 0.0, 0.0
-    floats = ("float32", "float16", "bfloat16", "float64")
+    floats = FLOAT_DTYPES
 
     def numel(t: str) -> float:
         return graph.tensors[t].numel / split

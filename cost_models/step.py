@@ -1148,7 +1148,7 @@ def _sent_widths(graph: Graph, dtype: str, low_params: bool) -> dict[str, float]
     its dtype, and every other op promotes its float inputs as torch does. So a
     residual stream that adds a bf16 projection to fp32 embeddings stays fp32 (what a pipeline
     stage sends), unless FSDP2 made the embeddings bf16."""
-    from polyparallel.ir import DTYPE_BYTES, element_bytes
+    from polyparallel.ir import DTYPE_BYTES, FLOAT_DTYPES, element_bytes
 
     key = ("widths", dtype, low_params)
     cache = PRICES.of(graph)
@@ -1156,7 +1156,7 @@ def _sent_widths(graph: Graph, dtype: str, low_params: bool) -> dict[str, float]
         return cache[key]
     low = float(TRAINING_DTYPE_BYTES.get(dtype, 4))
     width: dict[str, float] = {}
-    floats = ("float32", "float16", "bfloat16", "float64")
+    floats = FLOAT_DTYPES
     for name, t in graph.tensors.items():
         if t.dtype not in floats:
             width[name] = float(DTYPE_BYTES.get(t.dtype, 4))
