@@ -122,3 +122,14 @@ def test_defaults_price_what_the_torch_backend_runs():
     assert step(gpu, fused_attention=False) > 1.2 * step(gpu)  # the math kernel, in fp32
     assert step(gpu, fused_elementwise=True) < step(gpu)  # no casts, no elementwise kernels of their own
     assert step(cpu) == step(cpu, fused_elementwise=True)
+
+
+def test_the_search_says_how_it_priced_an_accelerator_step():
+    from polyparallel.backends.torch import _examples as ex
+
+    x, y = ex.gpt_data(0)
+    notes = {cl: " ".join(pp.search(ex.tiny_gpt(), (x,), cl, example_kwargs={"labels": y}, batch_size=ex.BATCH,
+                                    constraints={"dp": 1, "tp": 1, "pp": 1, "sp": 1, "devices": 1}).search.notes)
+             for cl in ("dgx-a100x1", "local-cpu:1")}
+    assert "torch.autocast" in notes["dgx-a100x1"] and "fused kernel" in notes["dgx-a100x1"]
+    assert "torch.autocast" not in notes["local-cpu:1"]

@@ -492,6 +492,10 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
         notes.append("priced from this machine's calibrated kernel rates, which a CPU training step does not reach "
                      "(benchmarks/executor.py: a median 49-57% too fast); profile=True (--profile) measures this "
                      "model's own ops first")
+    if c.placements == "torch" and any(cl.device(d).type.kind != "cpu" for d in devs):
+        notes.append("priced as the torch backend runs a step on accelerators: eager PyTorch (each elementwise op "
+                     "its own kernel), 16-bit plans under torch.autocast with fp32 weights, "
+                     "scaled_dot_product_attention as torch's fused kernel")
     if c.mode != "collaborative":
         best = _search_sync(mdl, cl, B, c, devs, exhaustive, objective, say)
         notes += best.notes
