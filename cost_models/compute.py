@@ -381,7 +381,7 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
         # eager torch runs CPU attention as one fused kernel: priced by its rows where measured
         fused = kind is not OpKind.ATTENTION or (device.kind == "cpu" and bool(device.attention_curve(dtype)))
     if not fused and is_sdpa(op) and op.nest is not None and math_sdpa_upcasts(device, dtype):
-        return _math_sdpa(graph, op, device, dtype, split, flops_scale, sharded, eager)
+        return _math_sdpa(graph, op, device, dtype, split, flops_scale, sharded)
     kb = BACKWARD_FACTOR.get(kind, DEFAULT_BACKWARD_FACTOR)
     curve = device.curve(dtype)
     # a calibrated GPU's measured flash-attention rows price a fused attention op, its conv rows (per
@@ -554,7 +554,7 @@ def math_sdpa_saved_bytes(op: Op) -> float:
 
 
 def _math_sdpa(graph: Graph, op: Op, device: DeviceType, dtype: str, split: float, flops_scale: float,
-               sharded: bool, eager: bool) -> OpCost:
+               sharded: bool) -> OpCost:
     """``scaled_dot_product_attention`` on an accelerator without a fused kernel, 16-bit: torch's math
     kernel (``_scaled_dot_product_attention_math`` in ``aten/src/ATen/native/transformers/attention.cpp``),
     kernel by kernel as a dispatch trace of torch 2.13 shows them. Forward: q, k, v cast to fp32; q and

@@ -602,6 +602,12 @@ def _eager(cfg: ParallelConfig, device: DeviceType) -> bool:
     return cfg.fused_elementwise is False or (cfg.fused_elementwise is None and device.kind != "cpu")
 
 
+def _low_params(cfg: ParallelConfig) -> bool:
+    """Whether FSDP2 holds the parameters in the compute dtype (its ``MixedPrecisionPolicy``): ZeRO over
+    more than one data/sequence-parallel rank; otherwise a 16-bit step keeps fp32 parameters."""
+    return cfg.zero_stage >= 1 and cfg.dp * cfg.sp > 1
+
+
 def _loss_transient(graph: Graph, cfg: ParallelConfig, v: int, eager: bool) -> dict[int, float]:
     """Bytes an eager cross-entropy adds at the start of the backward pass, per pipeline stage.
 
@@ -1006,7 +1012,7 @@ def op_seconds(graph: Graph, op: Op, dt: DeviceType, cfg: ParallelConfig, split:
     adds. The step model and the placement solver both price ops with it. ``op_class``
     (:func:`~polyparallel.cost_models.compute.op_classes`) memoises the result per graph."""
     eager = _eager(cfg, dt)
-    low_params = cfg.zero_stage >= 1 and cfg.dp * cfg.sp > 1  # FSDP2 all-gathers 16-bit parameters
+    low_params = _low_params(cfg)
     autocast = eager and TRAINING_DTYPE_BYTES.get(cfg.dtype, 4) < 4 and dt.kind != "cpu"
     memo = PRICES.of(graph)
     key = ("op_seconds", op_class if op_class is not None else op.name, dt.cache_key, cfg.dtype, split,
@@ -1033,7 +1039,7 @@ def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
     # a profiled device (op_profile.py) prices the model's ops as measured with `world` processes
     world = cfg.world if dt.op_profile is not None else 0
     key = ("opvec", dt.cache_key, cfg.dtype, cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.fused_attention, cfg.op_plans,
-           _eager(cfg, dt), world, cfg.zero_stage >= 1 and cfg.dp * cfg.sp > 1)
+           _eager(cfg, dt), world, _low_params(cfg))
     op_costs = PRICES.of(graph)
     hit = op_costs.get(key)
     if hit is not None:
@@ -1235,7 +1241,7 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
     # dtype the executor sends (fp32 residual streams under autocast, the compute precision where
     # FSDP2 casts the parameters); of those, the bytes made by layers full recomputation checkpoints
     # (the same for every plan of one cut, dtype and tp·sp: memoised per graph)
-    low_params = cfg.zero_stage >= 1 and cfg.dp * cfg.sp > 1
+    low_params = _low_params(cfg)
     bkey = ("boundary", p * v, cfg.partition, cfg.dtype, low_params, cfg.tp * cfg.sp)
     hit = gmemo.get(bkey)
     if hit is None:

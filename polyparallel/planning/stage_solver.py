@@ -244,12 +244,12 @@ class _Pricer:
         extra = key[3] or (0.0,) * len(pls)
         w = TRAINING_DTYPE_BYTES.get(self.dtype, 4)  # collectives inside an op move partial sums / gradients
         costs, computes, comms = [], [], []
+        # the step model's price of each candidate as the torch backend runs it (eager on accelerators)
+        run = ParallelConfig(dtype=self.dtype)
         for p in pls:
             oc = comm_of_op(self.graph, op, p, self.mesh)
             split = work_split(op, oc, p, self.mesh)
-            # the step model's price of the op as the torch backend runs it (eager on accelerators)
-            fw, bw = op_seconds(self.graph, op, dt, ParallelConfig(dtype=self.dtype), max(split, 1.0),
-                                param_split(self.graph, op, p, self.mesh) > 1)
+            fw, bw = op_seconds(self.graph, op, dt, run, max(split, 1.0), param_split(self.graph, op, p, self.mesh) > 1)
             comm = sum(self.collective(col.kind, col.axes, col.payload * w, col.elements * w)
                        for col in (*oc.forward, *oc.backward, *oc.grad))
             computes.append(fw + bw)
