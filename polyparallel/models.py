@@ -43,12 +43,29 @@ class GPTConfig:
     hidden: int = 768
     heads: int = 12
     mlp_ratio: int = 4
+    # training-time dropout on the hidden states (after the embeddings, the attention projection and
+    # the MLP) and on the attention probabilities, as GPT-2/3 and Megatron-LM train (0.1 there)
+    dropout: float = 0.0
+    # "sdpa": torch's scaled_dot_product_attention (a fused kernel where the device has one);
+    # "explicit": scores, causal mask, softmax, dropout and the weighted sum as separate ops, as
+    # GPT-2's reference code and Megatron-LM before flash attention computed them
+    attention: str = "sdpa"
+    # learned absolute positions (GPT-2/3); False for models that encode positions in attention (ALiBi)
+    positions: bool = True
+
+    def __post_init__(self) -> None:
+        if self.attention not in ("sdpa", "explicit"):
+            raise ValueError(f"GPTConfig.attention={self.attention!r}: use 'sdpa' or 'explicit'")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"GPTConfig.dropout={self.dropout!r}: give a probability in [0, 1)")
 
 
 class GPTBlock(nn.Module):
     def __init__(self, c: GPTConfig) -> None:
         super().__init__()
         self.heads = c.heads
+        self.dropout = c.dropout
+        self.explicit = c.attention == "explicit"
         self.ln_1 = nn.LayerNorm(c.hidden)
         self.qkv = nn.Linear(c.hidden, 3 * c.hidden)
         self.proj = nn.Linear(c.hidden, c.hidden)
@@ -63,9 +80,19 @@ class GPTBlock(nn.Module):
         qkv = self.qkv(self.ln_1(x))
         q, k, v = qkv.split(qkv.shape[-1] // 3, dim=-1)
         q, k, v = (t.view(B, S, -1, H // self.heads).transpose(1, 2) for t in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(B, S, -1))
-        return x + self.fc_out(F.gelu(self.fc(self.ln_2(x))))
+        p = self.dropout if self.training else 0.0
+        if self.explicit:
+            scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+            causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
+            probs = F.dropout(scores.masked_fill(~causal, float("-inf")).softmax(-1), p, self.training)
+            a = probs @ v
+        else:
+            a = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        x = x + self._drop(self.proj(a.transpose(1, 2).reshape(B, S, -1)))
+        return x + self._drop(self.fc_out(F.gelu(self.fc(self.ln_2(x)))))
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, self.dropout, self.training) if self.dropout else x
 
 
 class GPT(nn.Module):
@@ -75,15 +102,18 @@ class GPT(nn.Module):
         super().__init__()
         self.config = c
         self.wte = nn.Embedding(c.vocab, c.hidden)
-        self.wpe = nn.Embedding(c.seq, c.hidden)
+        self.wpe = nn.Embedding(c.seq, c.hidden) if c.positions else None
         self.h = nn.ModuleList(GPTBlock(c) for _ in range(c.layers))
         self.ln_f = nn.LayerNorm(c.hidden)
         self.lm_head = nn.Linear(c.hidden, c.vocab, bias=False)
         self.lm_head.weight = self.wte.weight  # tied, as in GPT-2 and GPT-3
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        pos = torch.arange(ids.shape[1], device=ids.device)
-        x = self.wte(ids) + self.wpe(pos)
+        x = self.wte(ids)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+        if self.config.dropout:
+            x = F.dropout(x, self.config.dropout, self.training)
         for blk in self.h:
             x = blk(x)
         logits = self.lm_head(self.ln_f(x))
