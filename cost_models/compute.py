@@ -356,9 +356,15 @@ def op_classes(graph: Graph) -> list[int]:
     return out
 
 
+def _target_base(target: str) -> str:
+    """``aten.dropout.default`` -> ``dropout``; a synthetic graph's ``dropout`` stays."""
+    parts = target.split(".")
+    return parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[0]
+
+
 def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split: float = 1.0,
             flops_scale: float = 1.0, fused: bool | None = None, sharded: bool = False,
-            eager: bool = False) -> OpCost:
+            eager: bool = False, own_kernels: frozenset[str] = frozenset()) -> OpCost:
     """Roofline time of ``op`` on ``device`` at compute precision ``dtype``.
 
     Args:
@@ -371,6 +377,8 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
         eager: elementwise ops absorbed by ``fuse_elementwise`` (``attrs["fused"]``) run as their
             own kernels, as eager PyTorch runs them: each streams its operands (temporaries
             included) through memory; default: they run inside their producer's kernel.
+        own_kernels: the absorbed elementwise ops of these kinds (``"dropout"``) run as their own
+            kernels even when the rest is fused (``ParallelConfig.fused_dropout``).
     """
     if split <= 0:
         raise ValueError(f"split must be > 0, got {split}")
@@ -392,11 +400,15 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
     t = t_b = flops_tot = bytes_tot = 0.0
     bound, worst = "launch", -1.0
     kernels = _kernels(graph, op, dtype, fused)
-    absorbed = len(op.attr.get("fused", ())) if op.nest is not None else 0
-    if eager and absorbed and len(op.nest.statements) > absorbed:
-        # eager: the absorbed statements (appended last by fuse_elementwise) are kernels of their own;
-        # the base kernel already streams the op's operands, each absorbed one its own reads and write
-        kernels = kernels + [(0.0, b, False) for _, b, _ in _kernels(graph, op, dtype, False)[-absorbed:]]
+    targets = op.attr.get("fused", ()) if op.nest is not None else ()
+    absorbed = len(targets)
+    own = [i for i, t in enumerate(targets) if eager or _target_base(t) in own_kernels]
+    if own and len(op.nest.statements) > absorbed:
+        # the absorbed statements (appended last by fuse_elementwise, in ``targets``' order) that run
+        # as kernels of their own (all of them when eager); the base kernel already streams the op's
+        # operands, each absorbed one its own reads and write
+        tail = _kernels(graph, op, dtype, False)[-absorbed:]
+        kernels = kernels + [(0.0, tail[i][1], False) for i in own]
     # a calibrated GPU's measured normalisation rows price a batch / layer norm by its input's size
     nrows = device.streaming_curve(dtype, "batch_norm" if "batch_norm" in op.target else "layer_norm") \
         if kind is OpKind.NORM and device.streaming_rows else ()

@@ -4,22 +4,33 @@ schedule, memory knobs, precision, optional per-op placements as :class:`OpPlan`
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from polyparallel.cluster import Cluster
 from polyparallel.ir import TRAINING_DTYPE_BYTES
 
-from .memory import MemoryReport
+from .memory import OPTIMIZER_STATE_BYTES, MemoryReport
 from .pipeline import SCHEDULES, PipelineResult
 
-__all__ = ["GRAD_ACCUMULATION", "GRAD_REDUCE", "PIPELINE_P2P", "RECOMPUTE", "OpPlan", "ParallelConfig",
-           "StageBreakdown", "StepEstimate"]
+__all__ = ["EXECUTION_FIELDS", "GRAD_ACCUMULATION", "GRAD_REDUCE", "PIPELINE_P2P", "RECOMPUTE", "OpPlan",
+           "ParallelConfig", "StageBreakdown", "StepEstimate", "execution_options",
+           "parse_execution"]
 
 RECOMPUTE = ("none", "selective", "full")
 PIPELINE_P2P = ("megatron", "deepspeed")
 GRAD_REDUCE = ("reduce_scatter", "all_reduce")
 GRAD_ACCUMULATION = ("in_place", "cast_add")
+OPTIMIZERS = tuple(OPTIMIZER_STATE_BYTES)
+
+# How the training framework runs a plan, as distinct from the plan (degrees, micro-batching, schedule,
+# memory knobs): which kernels it fuses, whether it overlaps the gradient reduction with the backward,
+# how its pipeline exchanges activations and its optimizer reduces and accumulates gradients. Unset,
+# each is what the torch backend does; a recipe measured under another framework (Megatron-LM,
+# DeepSpeed) sets them to what that framework did (``pp.evaluate(execution=...)``, ``--execution``).
+EXECUTION_FIELDS = ("fused_elementwise", "fused_attention", "fused_dropout", "fused_optimizer", "grad_overlap",
+                    "optimizer", "pipeline_p2p", "grad_reduce", "grad_accumulation")
 
 
 @dataclass(frozen=True)
@@ -77,6 +88,11 @@ class ParallelConfig:
             streaming its operands and its own host dispatch, and a 16-bit plan runs under
             ``torch.autocast``; ``None`` (default): what the torch backend runs, eager on accelerators,
             and on CPUs the prices their calibration and profiles measured (of eager steps).
+        fused_dropout: ``False``: a dropout absorbed by ``fuse_elementwise`` still runs as its own
+            kernel (reads its input, writes its output; the backward likewise) where
+            ``fused_elementwise`` fuses the rest: Megatron-LM's attention dropout, a ``torch.nn.Dropout``
+            on the probabilities its fused scale-mask-softmax kernel wrote (``megatron/model/transformer.py``
+            ``ParallelAttention``). Eager steps run every elementwise op on its own anyway.
         devices: device ids in rank order (default: the cluster's first ``world`` devices).
         partition: how layers are cut into pipeline chunks: ``flops`` (balance forward FLOPs) or
             ``layers`` (equal layer counts, embedding/head on the end stages: Megatron/DeepSpeed).
@@ -127,6 +143,7 @@ class ParallelConfig:
     fused_attention: bool | None = None
     fused_optimizer: bool = True
     fused_elementwise: bool | None = None
+    fused_dropout: bool = True
     devices: tuple[int, ...] | None = None
     partition: str = "flops"
     pipeline_p2p: str = "megatron"
@@ -211,6 +228,66 @@ class ParallelConfig:
         if self.ep > 1:
             extra.insert(0, f"ep{self.ep}")
         return f"dp{self.dp} tp{self.tp} pp{self.pp} sp{self.sp} " + " ".join(extra)
+
+
+def execution_options(values: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:
+    """``values`` (a subset of :data:`EXECUTION_FIELDS`) checked and as sorted pairs, hashable for a
+    frozen record; ``ValueError`` names an unknown field or a bad value and what to give instead.
+
+    >>> execution_options({"grad_overlap": 0, "fused_elementwise": True})
+    (('fused_elementwise', True), ('grad_overlap', 0.0))
+    """
+    if not values:
+        return ()
+    unknown = sorted(set(values) - set(EXECUTION_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown execution option(s) {unknown}: use {', '.join(EXECUTION_FIELDS)}")
+    out = dict(values)
+    if out.get("grad_overlap") is not None:
+        if isinstance(out["grad_overlap"], bool) or not isinstance(out["grad_overlap"], int | float):
+            raise ValueError(f"execution grad_overlap={out['grad_overlap']!r}: give the overlapped share in [0, 1]")
+        out["grad_overlap"] = float(out["grad_overlap"])
+    for name in ("fused_elementwise", "fused_attention"):
+        if name in out and out[name] not in (None, True, False):
+            raise ValueError(f"execution {name}={out[name]!r}: give true, false or none (the torch backend's choice)")
+    for name in ("fused_optimizer", "fused_dropout"):
+        if name in out and out[name] not in (True, False):
+            raise ValueError(f"execution {name}={out[name]!r}: give true or false")
+    for name, allowed in (("pipeline_p2p", PIPELINE_P2P), ("grad_reduce", GRAD_REDUCE),
+                          ("grad_accumulation", GRAD_ACCUMULATION), ("optimizer", OPTIMIZERS)):
+        if name in out and out[name] not in allowed:
+            raise ValueError(f"execution {name}={out[name]!r}: give one of {', '.join(allowed)}")
+    # the combined checks (ZeRO-1 for grad_reduce, 16 bits for cast_add, overlap in [0, 1]) are
+    # ParallelConfig.validate's, made on each priced plan
+    return tuple(sorted(out.items()))
+
+
+def parse_execution(items: Iterable[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` strings (the CLI's ``--execution``) as an ``execution`` mapping: ``true`` /
+    ``false`` / ``none`` and numbers are read as such, anything else stays a string; checked by
+    :func:`execution_options`.
+
+    >>> parse_execution(["grad_overlap=0", "fused_dropout=false", "pipeline_p2p=deepspeed"])
+    {'grad_overlap': 0, 'fused_dropout': False, 'pipeline_p2p': 'deepspeed'}
+    """
+    words = {"true": True, "false": False, "none": None}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, eq, raw = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"--execution {item!r}: give KEY=VALUE, KEY one of {', '.join(EXECUTION_FIELDS)}")
+        raw = raw.strip()
+        value: Any = words.get(raw.lower(), raw)
+        if isinstance(value, str):
+            for kind in (int, float):
+                try:
+                    value = kind(raw)
+                    break
+                except ValueError:
+                    pass
+        out[key.strip()] = value
+    execution_options(out)
+    return out
 
 
 @dataclass(frozen=True)
