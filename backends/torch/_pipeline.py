@@ -119,8 +119,10 @@ class PipelinePlan:
 
 
 def _export(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> fx.GraphModule:
+    from polyparallel.frontends.torch import _export_program  # the frontend's export (no stack traces)
+
     try:
-        ep = torch.export.export(model, (inputs, labels), strict=False)
+        ep = _export_program(model, (inputs, labels), {})
     except Exception as e:  # any export failure means the model cannot be cut this way
         raise Unsupported(f"pipeline parallelism needs the model captured by torch.export to cut it into stages, "
                            f"and export failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e

@@ -21,7 +21,7 @@ from polyparallel.ir import Graph, _Any
 __all__ = ["ANCHORS", "MAX_MICRO", "ModelGraphs", "NotAffine", "Rebatcher", "divisors", "graph_batch", "rebatch",
            "rebatch_graph"]
 
-MAX_MICRO = 8
+MAX_MICRO = 8  # the largest micro-batch the default enumeration tries (besides the whole batch)
 ANCHORS = (2, 4)  # batch sizes a module is captured at; the others are re-batched from these
 
 
@@ -139,14 +139,22 @@ class ModelGraphs:
             self.rebatch_failed = f"{type(e).__name__}: {e}"
             return None
 
-    def micro_sizes(self, per_replica: int, exhaustive: bool, whole: bool = False) -> list[int]:
-        """Micro-batch sizes to try for ``per_replica`` samples per replica; ``whole`` adds
-        ``per_replica`` itself (one micro-batch: no gradient accumulation)."""
+    def micro_sizes(self, per_replica: int, exhaustive: bool, whole: bool = False,
+                    pinned: int | None = None) -> list[int]:
+        """Micro-batch sizes to try for ``per_replica`` samples per replica.
+
+        Every divisor of ``per_replica`` up to ``MAX_MICRO`` (6 or 12 as well as powers of two:
+        a published recipe's micro-batch must be a choice); ``exhaustive`` tries every divisor;
+        ``whole`` adds ``per_replica`` itself (one micro-batch: no gradient accumulation);
+        ``pinned`` (a micro-batch count the user fixed) gives exactly that size whenever it
+        divides, however large. A model captured at a fixed batch has only that size.
+        """
         if not self.resizable:
             return [self.b0] if per_replica % self.b0 == 0 else []
-        # powers of two up to MAX_MICRO: larger micro-batches gain little efficiency and each
-        # size costs a capture; `exhaustive` tries every divisor
-        sizes = [d for d in divisors(per_replica) if exhaustive or (d & (d - 1) == 0 and d <= MAX_MICRO)]
+        if pinned is not None:
+            return [per_replica // pinned] if pinned >= 1 and per_replica % pinned == 0 else []
+        # larger micro-batches gain little GEMM efficiency and each size is priced on every rung
+        sizes = [d for d in divisors(per_replica) if exhaustive or d <= MAX_MICRO]
         return sorted({*sizes, per_replica}) if whole else sizes
 
 

@@ -38,13 +38,15 @@ How it is solved
 The outer variables are enumerated over the divisors of ``n`` (a few hundred mesh
 shapes at most), pruned by feasibility (``tp·sp`` within a node, ``pp`` at most the
 number of layers, ``B`` divisible). For each mesh shape the micro-batch sizes are
-powers of two up to ``MAX_MICRO`` (captured on demand and cached); with a pipeline, the
-sizes giving ``m = pp, 2pp, 4pp`` micro-batches and ``m = 1``. Schedules: 1F1B, GPipe (same bubble,
-but its p2p and activation timing differ in the simulation) and interleaved with 2 or
-4 chunks where the layers divide. Memory knobs
-are tried cheapest-first along the ladder ``(z, r) = (0, none), (1, none), (2, none),
-(1, selective), (3, none), (3, selective), (1, full), (3, full)``: every *free* rung that fits (ZeRO 0-2
-without recomputation move the same gradient volume but shard the optimizer step
+every divisor of the per-replica batch up to ``MAX_MICRO`` (re-batched from two captures),
+and any size a pinned micro-batch count gives; with a pipeline (unless ``dp``, ``tp`` and ``pp``
+are all pinned: one mesh shape, every size), for each ``m = pp, 2pp, 4pp`` the largest size
+giving at least ``m`` micro-batches, the smallest size and ``m = 1``.
+Schedules: 1F1B, GPipe (same bubble, but its p2p and activation timing differ in the
+simulation) and interleaved with 2 or 4 chunks where the layers divide. Memory knobs are
+tried cheapest-first along the ladder ``(z, r) = (0, none), (1, none), (2, none),
+(1, selective), (3, none), (3, selective), (1, full), (3, full)``: every *free* rung that fits
+(ZeRO 0-2 without recomputation move the same gradient volume but shard the optimizer step
 differently) is priced; past them, the first rung that fits is kept (later rungs only add
 communication or recomputation). ``exhaustive=True`` drops every pruning
 rule and prices every combination: it is the yardstick the planner is tested against.
@@ -113,7 +115,7 @@ from polyparallel.backends.torch.capabilities import EXECUTED_DTYPES, plan_probl
 from polyparallel.backends.torch.op_timing import profiled_cluster
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, StepEstimate, estimate_step
-from polyparallel.cost_models.parallel_config import RECOMPUTE
+from polyparallel.cost_models.parallel_config import RECOMPUTE, execution_options
 from polyparallel.cost_models.pipeline import SCHEDULES
 from polyparallel.cost_models.step import StepBound, step_lower_bound
 from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Hint
@@ -164,6 +166,16 @@ class Constraints:
         placements: per-op placements of the chosen plan: ``torch`` (the exact per-stage solver,
             restricted to what the torch backend executes), ``any`` (the solver over every legal
             placement; the torch backend may refuse the strategy) or ``rule`` (Megatron's rule).
+        chunks: model chunks per pipeline stage of the interleaved schedule (implies it).
+        sequence_parallel: Megatron's sequence parallelism inside tensor parallelism (norms,
+            dropouts and residuals split along the sequence; all-gather / reduce-scatter in place of
+            all-reduce), on every plan with ``tp > 1``.
+        partition: how layers are cut into pipeline stages: ``flops`` (balanced) or ``layers``
+            (equal layer counts, Megatron / DeepSpeed).
+        execution: how the training framework runs the plan
+            (:data:`~polyparallel.cost_models.parallel_config.EXECUTION_FIELDS`: fused kernels, gradient
+            overlap, pipeline p2p, gradient reduction and accumulation, optimizer); unset, what the torch
+            backend does. A dict, kept as sorted pairs.
     """
 
     dp: int | None = None
@@ -185,8 +197,14 @@ class Constraints:
     max_local_steps: int | None = None
     cross_node_tp: bool = False
     placements: str = "torch"
+    chunks: int | None = None
+    sequence_parallel: bool = False
+    partition: str | None = None
+    execution: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.execution, dict):
+            object.__setattr__(self, "execution", execution_options(self.execution))
         bad = self.problems()
         if bad:
             raise ValueError("bad constraint: " + "; ".join(bad))
@@ -194,7 +212,7 @@ class Constraints:
     def problems(self) -> list[str]:
         """Each pinned value that no plan can have, with the values it can take."""
         why = []
-        for name in ("dp", "tp", "pp", "sp", "ep", "microbatches", "devices", "max_local_steps"):
+        for name in ("dp", "tp", "pp", "sp", "ep", "microbatches", "devices", "max_local_steps", "chunks"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 why.append(f"{name}={v!r}: give a whole number >= 1 (or leave it unset to let the search choose)")
@@ -206,11 +224,30 @@ class Constraints:
             v = getattr(self, name)
             if v is not None and str(v).partition(":")[0] not in allowed:
                 why.append(f"{name}={v!r}: give one of {', '.join(allowed)}")
+        if self.chunks is not None and self.chunks > 1 and self.schedule not in (None, "interleaved"):
+            why.append(f"chunks={self.chunks} needs the interleaved schedule, not schedule={self.schedule!r}")
+        if self.partition is not None and self.partition not in ("flops", "layers"):
+            why.append(f"partition={self.partition!r}: give flops or layers")
+        if self.sequence_parallel and self.tp is not None and self.tp == 1:
+            why.append("sequence_parallel splits inside tensor parallelism: pin tp > 1 with it")
+        try:
+            execution_options(dict(self.execution))
+        except ValueError as e:
+            why.append(str(e))
         if self.memory_cap is not None and not self.memory_cap > 0:
             why.append(f"memory_cap={self.memory_cap!r}: give bytes per device > 0")
         if not 0 < self.comm_fraction < 1:
             why.append(f"comm_fraction={self.comm_fraction!r}: give a share of the round between 0 and 1")
         return why
+
+    def pinned_schedule(self) -> tuple[str | None, int | None]:
+        """The pinned schedule and interleaving depth: ``schedule="interleaved:4"`` (as a Strategy
+        writes it) and ``schedule="interleaved", chunks=4`` both give ``("interleaved", 4)``."""
+        name, _, depth = str(self.schedule or "").partition(":")
+        chunks = int(depth) if depth.isdigit() else self.chunks
+        if chunks is not None and chunks > 1:
+            return "interleaved", chunks
+        return name or None, chunks
 
     @classmethod
     def of(cls, value: Constraints | dict[str, Any] | None) -> Constraints:
@@ -267,6 +304,7 @@ class _Best:
     priced: int = 0  # plans priced in full (pipeline simulated)
     closest: StepEstimate | None = None  # the plan that misses memory by the least
     notes: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # why a mesh shape gave no plan to offer
     fitting: list[_Candidate] = field(default_factory=list)
     # why the executor would refuse a plan (empty: it runs it); a refused plan that fits stays out
     # of ``fitting`` but counts as fitting for the enumeration's control flow
@@ -389,6 +427,34 @@ def _mesh_shapes(n: int, c: Constraints, node: int, layers: int, exhaustive: boo
     return out
 
 
+def _no_mesh_shape(n: int, c: Constraints, node: int, layers: int) -> str:
+    """Why :func:`_mesh_shapes` gives no shape for these constraints: the first rule that refuses."""
+    fixed = [(k, v) for k, v in (("tp", c.tp), ("sp", c.sp), ("pp", c.pp)) if v is not None]
+    prod = math.prod(v for _, v in fixed)
+    if n % prod:
+        return f"{'*'.join(k for k, _ in fixed)} = {prod} does not divide the {n} devices"
+    if c.pp is not None and c.pp > max(1, layers):
+        return (f"pp={c.pp} exceeds the model's {layers} repeated layers (a stage would hold no layer); "
+                f"use pp <= {max(1, layers)}")
+    if c.dp is not None and c.dp * prod != n and not (c.tp and c.sp and c.pp):
+        return f"dp={c.dp} with {' '.join(f'{k}={v}' for k, v in fixed)} does not use the {n} devices"
+    if (c.tp or 1) * (c.sp or 1) > node and not c.cross_node_tp:
+        return f"tp*sp = {(c.tp or 1) * (c.sp or 1)} exceeds a node's {node} devices (pass cross_node_tp=True)"
+    return f"no split of the {n} devices matches dp={c.dp} tp={c.tp} pp={c.pp} sp={c.sp}"
+
+
+def _no_micro_batch(mdl: ModelGraphs, per_replica: int, c: Constraints) -> str:
+    """Why a mesh shape has no micro-batch size to try."""
+    if c.microbatches is not None and per_replica % c.microbatches:
+        return (f"{c.microbatches} micro-batches do not divide the {per_replica} samples per replica; pick a "
+                f"count that divides {per_replica}")
+    if not mdl.resizable:
+        return (f"the model was captured at a fixed batch of {mdl.b0}, which does not divide into the "
+                f"{per_replica} samples per replica" + (f" as {c.microbatches} micro-batches" if c.microbatches
+                                                        else ""))
+    return f"no micro-batch size divides the {per_replica} samples per replica"
+
+
 def _plans(base: ParallelConfig, c: Constraints, layers: int,
            runs: Callable[[ParallelConfig], bool] | None = None) -> Iterable[list[ParallelConfig]]:
     """Per schedule, the memory-knob ladder for one mesh shape and micro-batching, cheapest first;
@@ -400,9 +466,12 @@ def _plans(base: ParallelConfig, c: Constraints, layers: int,
         for v in (2, 4):
             if layers % (base.pp * v) == 0 and base.microbatches % base.pp == 0:
                 scheds.append(("interleaved", v))
-    if c.schedule is not None:
-        scheds = [(s, v) for s, v in scheds if s == c.schedule] or [(c.schedule, 1 if c.schedule != "interleaved"
-                                                                      else 2)]
+    schedule, chunks = c.pinned_schedule()
+    if chunks is not None:  # a pinned depth is priced whatever the layer count (the partition may be uneven)
+        scheds = [("interleaved", chunks)] if chunks > 1 else [(s, v) for s, v in scheds if v == 1]
+    if schedule is not None:
+        scheds = [(s, v) for s, v in scheds if s == schedule] or [(schedule, 1 if schedule != "interleaved"
+                                                                    else chunks or 2)]
     ladder = [(int(z), r) for z, r in MEMORY_LADDER if base.ep == 1 or int(z) < 3]  # ZeRO-3 + ep: not modelled
     if base.dp * base.sp == 1:
         ladder = [(z, r) for z, r in ladder if z == 0] + [(0, "selective"), (0, "full")]
@@ -496,6 +565,9 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
         notes.append("priced as the torch backend runs a step on accelerators: eager PyTorch (each elementwise op "
                      "its own kernel), 16-bit plans under torch.autocast with fp32 weights, "
                      "scaled_dot_product_attention as torch's fused kernel")
+    if c.execution:
+        notes.append("priced as executed with " + ", ".join(f"{k}={v}" for k, v in c.execution) +
+                     " (constraints.execution), which the strategy does not record: the torch backend runs its own")
     if c.mode != "collaborative":
         best = _search_sync(mdl, cl, B, c, devs, exhaustive, objective, say)
         notes += best.notes
@@ -578,18 +650,30 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
     # the ladders hold only executed rungs
     runs = (lambda cfg: not problems(cfg)) if enforce and not wide else None
     say(f"{len(shapes)} mesh shapes over {n} devices")
+    if not shapes:
+        best.skipped.append(_no_mesh_shape(n, c, node, layers))
+    one_mesh = None not in (c.dp, c.tp, c.pp)
     for i, (dp, tp, pp, sp, ep) in enumerate(shapes):
+        shape = f"dp={dp} tp={tp} pp={pp} sp={sp}" + (f" ep={ep}" if ep > 1 else "")
         if B % dp:
+            best.skipped.append(f"{shape}: the global batch {B} does not divide over dp={dp}")
             continue
         per_replica = B // dp
-        base = ParallelConfig(dp=dp, tp=tp, pp=pp, sp=sp, ep=ep, microbatches=1, dtype=dtype, devices=tuple(devs))
+        base = ParallelConfig(dp=dp, tp=tp, pp=pp, sp=sp, ep=ep, microbatches=1, dtype=dtype, devices=tuple(devs),
+                              sequence_parallel=c.sequence_parallel and tp > 1,
+                              **({"partition": c.partition} if c.partition else {}), **dict(c.execution))
         wan_group, wan_pipe = _crosses_wan(cl, base, devs)
         if wan_group and not c.allow_wan:
+            best.skipped.append(f"{shape}: a data/tensor group would span the WAN (allow_wan=False)")
             continue
         if wan_pipe and not all(ce.activations_may_leave for ce in cl.centers):
+            best.skipped.append(f"{shape}: a pipeline would send activations out of a center that keeps them")
             continue
-        order = _micro_order(mdl.micro_sizes(per_replica, exhaustive, whole=enforce), per_replica, pp, c, wide)
+        sizes = mdl.micro_sizes(per_replica, exhaustive, whole=enforce, pinned=c.microbatches)
+        # a mesh the user pinned is one shape: every micro-batch size of it is tried
+        order = _micro_order(sizes, per_replica, pp, c, wide or one_mesh)
         if not order:
+            best.skipped.append(f"{shape}: " + _no_micro_batch(mdl, per_replica, c))
             continue
         # the most memory-frugal plan of this shape (smallest micro-batch, last ladder rung): if even
         # that does not fit, no plan of this shape does (when the backend runs no rung of it, say
@@ -723,19 +807,31 @@ def _executable(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B: 
     if batch is None:
         return strat
     refused: list[str] = []
+    # a refused plan that runs with Megatron's placements instead, at the rule's price: taken
+    # unless a plan the walk reaches later is faster
+    fallback: tuple[Strategy, StepEstimate, int, _Candidate] | None = None
     while True:
         try:
             plan_for(strat, mdl.model, batch if strat.pp > 1 else None, graph=mdl.exact(best.b))
+            if fallback is not None and fallback[0].estimate.step_time_s < strat.estimate.step_time_s:
+                strat, (best.est, best.b, best.chosen) = fallback[0], fallback[1:]
             break
         except Unsupported as e:
             assert best.chosen is not None
-            refused.append(f"{best.chosen.bound.config}: {e}")
-            say(f"the torch backend refuses {best.chosen.bound.config}; trying the next plan")
+            ruled = _rule_placed(strat, mdl, cl, best, B, devs, record, c)
+            if ruled is None:
+                refused.append(f"{best.chosen.bound.config}: {e}")
+            elif fallback is None or ruled.estimate.step_time_s < fallback[0].estimate.step_time_s:
+                fallback = (ruled, best.est, best.b, best.chosen)
+            say(f"the torch backend refuses {best.chosen.bound.config} as placed; trying the next plan")
             best.fitting.remove(best.chosen)
             best.est, best.b, best.chosen = None, 0, None
             best.solve()
-            if best.est is None:
-                raise DoesNotFit("no plan the torch backend executes fits: " + "; ".join(refused[-3:])) from e
+            if best.est is None or (fallback is not None and best.est.step_time >= fallback[0].estimate.step_time_s):
+                if fallback is None:
+                    raise DoesNotFit("no plan the torch backend executes fits: " + "; ".join(refused[-3:])) from e
+                strat, (best.est, best.b, best.chosen) = fallback[0], fallback[1:]
+                break
             strat = strategy_of(mdl, cl, best.est, best.b, B, devs, record, c.placements, c.memory_cap)
     if refused:  # the axes' reasons were the refused plan's: give the chosen one's
         notes = [*(n for n in strat.search.notes if not n.startswith("why ")), *_why_axes(best, c),
@@ -743,6 +839,23 @@ def _executable(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B: 
                  "model: " + " | ".join(r[:300] for r in refused)]
         strat = strat.model_copy(update={"search": strat.search.model_copy(update={"notes": notes})})
     return strat
+
+
+def _rule_placed(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B: int, devs: list[int],
+                 record: SearchRecord, c: Constraints) -> Strategy | None:
+    """The refused plan ``strat`` with Megatron's rule placements where the solver placed a stage,
+    when the torch backend accepts that (the solver does not see every rule of the backend: a tied
+    embedding and output layer must shard alike); None otherwise. Its price is the rule's."""
+    from polyparallel.backends.torch import Unsupported, plan_for
+
+    if c.placements != "torch" or strat.tp == 1 or all(st.placed_by != "solver" for st in strat.stages):
+        return None
+    ruled = strategy_of(mdl, cl, best.est, best.b, B, devs, record, "rule", c.memory_cap)
+    try:
+        plan_for(ruled, mdl.model, _train_batch(mdl, B) if ruled.pp > 1 else None, graph=mdl.exact(best.b))
+    except Unsupported:
+        return None
+    return ruled
 
 
 def _checked_as_placed(strat: Strategy, mdl: ModelGraphs, best: _Best, B: int, placements: str) -> Strategy:
@@ -794,20 +907,23 @@ def _micro_order(sizes: list[int], per_replica: int, pp: int, c: Constraints, ex
     Without a pipeline, every size is tried, largest first (a smaller micro-batch can be faster:
     per-shape GEMM efficiency, memory rungs; the bound keeps the extra plans cheap). With ``pp``
     stages the bubble ``(pp-1)/(m+pp-1)`` favours many micro-batches while efficiency favours large
-    ones: the sizes giving ``m = pp, 2pp, 4pp`` micro-batches and ``m = 1`` are tried.
+    ones: for each target ``m = pp, 2pp, 4pp`` the largest size giving at least that many
+    micro-batches, the smallest size (the most micro-batches, Megatron's usual micro-batch 1 or 2)
+    and the whole batch (``m = 1``). A pinned micro-batch count gives its one size.
     """
     if c.microbatches is not None:
-        return [per_replica // c.microbatches] if per_replica % c.microbatches == 0 and \
-            per_replica // c.microbatches in sizes else []
-    if exhaustive:
-        return sorted(sizes, reverse=True)
-    if pp == 1:
+        b = per_replica // c.microbatches
+        return [b] if per_replica % c.microbatches == 0 and b in sizes else []
+    if exhaustive or pp == 1 or not sizes:
         return sorted(sizes, reverse=True)
     # one micro-batch (no pipelining, the stages only split the weights) is kept too: with few
     # samples per replica it can beat a deeper data-parallel group (ViT-B on 64 A100: dp32 pp2 m1)
-    want = {per_replica // (pp * k) for k in (1, 2, 4) if per_replica % (pp * k) == 0} | {per_replica}
-    picked = sorted({b for b in sizes if b in want} or {min(sizes)}, reverse=True)
-    return picked
+    want = {min(sizes)} | ({per_replica} & set(sizes))
+    for k in (1, 2, 4):
+        deep = [b for b in sizes if per_replica // b >= pp * k]
+        if deep:
+            want.add(max(deep))
+    return sorted(want, reverse=True)
 
 
 def _least_memory(best: _Best) -> None:
@@ -938,7 +1054,8 @@ def _does_not_fit_message(mdl: ModelGraphs, cl: Cluster, best: _Best | None) -> 
         refused = dict.fromkeys(n.split(": ", 1)[1] for n in notes if n.startswith("dp") and ": " in n)
         return (f"no parallel plan of {mdl.name} is possible on {cl.name} under the constraints given "
                 "(check the pinned degrees against the device count)"
-                + "".join(f"; {n}" for n in [*hollow, *list(refused)[:2]]))
+                + "".join(f"; {n}" for n in [*hollow, *list(refused)[:2],
+                                             *(dict.fromkeys(best.skipped) if best else [])][:4]))
     worst = max(best.closest.memory, key=lambda r: r.total - r.capacity)
     return (f"{mdl.name} does not fit on {cl.name}: the closest plan ({best.closest.config}) needs "
             f"{worst.total / 1e9:.2f} GB on {worst.label} but {worst.device} has {worst.capacity / 1e9:.2f} GB "
@@ -975,8 +1092,16 @@ def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Pa
              example_kwargs: dict[str, Any] | None = None, dp: int | None = None, tp: int = 1, pp: int = 1,
              sp: int = 1, microbatches: int | None = None, schedule: str | None = None,
              zero_stage: int | None = None, recompute: str | None = None, batch_size: int | None = None,
-             dtype: str | None = None, placements: str = "rule", ep: int = 1, profile: bool = False) -> Strategy:
+             dtype: str | None = None, placements: str = "rule", ep: int = 1, profile: bool = False,
+             chunks: int | None = None, sequence_parallel: bool = False, partition: str | None = None,
+             execution: dict[str, Any] | None = None) -> Strategy:
     """Price a hand-made recipe with the same cost model; what is not given is chosen as the search would.
+
+    ``chunks``, ``sequence_parallel``, ``partition`` and ``execution`` (how the framework that ran the
+    recipe runs it: fused kernels, gradient overlap, pipeline p2p, ...) are :class:`Constraints`'.
+    A recipe measured under Megatron-LM of 2021, say, is priced with
+    ``execution={"fused_elementwise": True, "grad_overlap": 0}`` (hand-fused 16-bit kernels, gradients
+    all-reduced after the last backward); unset, each is what the torch backend does.
 
     A recipe's tensor parallelism is Megatron's (``placements="rule"``, what the usual recipes
     mean by ``tp``); ``placements="torch"`` or ``"any"`` places its ops with the per-stage solver
@@ -1012,7 +1137,8 @@ def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Pa
                          "data/sequence-parallel ranks")
     c = Constraints(dp=dp, tp=tp, pp=pp, sp=sp, ep=ep, microbatches=microbatches, schedule=schedule,
                     zero_stage=zero_stage, recompute=recompute, dtype=dtype, allow_wan=True, cross_node_tp=True,
-                    devices=world)
+                    devices=world, chunks=chunks, sequence_parallel=sequence_parallel, partition=partition,
+                    execution=execution_options(execution))
     if placements not in MODES:
         raise ValueError(f"placements must be one of {', '.join(MODES)}, not {placements!r}")
     t0 = time.perf_counter()
@@ -1021,8 +1147,11 @@ def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Pa
                           candidates=best.candidates, solver="evaluate")
     if best.est is None:
         if best.closest is None:
+            # the cost model's own refusals ("dp2 tp2 ...: why") first, then the search's notes
+            notes = sorted(best.notes, key=lambda n: not n.startswith("dp"))
+            why = best.skipped[:3] + notes[:3] or [f"{best.candidates} plan(s) enumerated, none priced"]
             raise ValueError(f"the recipe dp={dp} tp={tp} pp={pp} sp={sp} cannot be priced on {cl.name}: "
-                             + "; ".join(best.notes[:3]))
+                             + "; ".join(why))
         est = best.closest
         s = strategy_of(mdl, cl, est, _batch_of(mdl, est), B, devs, record, placements)
         return s.model_copy(update={"search": record.model_copy(update={"notes": [
