@@ -24,6 +24,13 @@ def _console() -> Console:
     return Console(width=None if sys.stdout.isatty() else 140)
 
 
+EXECUTION_HELP = ("how the framework runs the plan, KEY=VALUE, repeatable (fused_elementwise, fused_attention, "
+                  "fused_dropout, fused_optimizer, grad_overlap, optimizer, pipeline_p2p, grad_reduce, "
+                  "grad_accumulation; README: what a plan's price assumes)")
+CHUNKS_HELP = "interleaving depth: model chunks per pipeline stage (> 1 implies the interleaved schedule)"
+SEQ_PAR_HELP = ("Megatron-style sequence parallelism: norms and dropouts split along the sequence inside tensor "
+                "parallelism")
+PARTITION_HELP = "how layers are cut into pipeline stages: flops (balanced by priced time) or layers (equal counts)"
 SEQ_HELP = "sequence length of a built-in LM example (default: its own)"
 LAYERS_HELP = "number of blocks of a built-in LM example (default: its own)"
 
@@ -102,18 +109,25 @@ def search_cmd(
     max_local_steps: Annotated[int | None, typer.Option(help="collaborative: fuse at least every N local steps "
                                                               "(label-skewed data wants frequent fusion)")] = None,
     placements: Annotated[str, typer.Option(help=PLACEMENTS_HELP)] = "torch",
+    chunks: Annotated[int | None, typer.Option(help=CHUNKS_HELP)] = None,
+    sequence_parallel: Annotated[bool, typer.Option("--sequence-parallel", help=SEQ_PAR_HELP)] = False,
+    partition: Annotated[str | None, typer.Option(help=PARTITION_HELP)] = None,
+    execution: Annotated[list[str] | None, typer.Option("--execution", "-x", help=EXECUTION_HELP)] = None,
     seq: Annotated[int | None, typer.Option(help=SEQ_HELP)] = None,
     layers: Annotated[int | None, typer.Option(help=LAYERS_HELP)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the strategy JSON")] = False,
 ) -> None:
     """Find the fastest parallel plan of MODEL that fits CLUSTER."""
+    from polyparallel.cost_models.parallel_config import parse_execution
     from polyparallel.planning.plan_search import Constraints, search
 
     console = _console()
     pinned = {"dp": dp, "tp": tp, "pp": pp, "sp": sp, "ep": ep, "microbatches": microbatches, "schedule": schedule,
               "zero_stage": zero, "recompute": recompute, "dtype": dtype, "devices": devices, "mode": mode,
               "memory_cap": None if memory_cap is None else memory_cap * 1e9, "comm_fraction": comm_fraction,
-              "max_local_steps": max_local_steps}
+              "max_local_steps": max_local_steps, "chunks": chunks, "partition": partition,
+              "sequence_parallel": sequence_parallel or None,
+              "execution": parse_execution(execution) if execution else None}
     constraints = {k: v for k, v in pinned.items() if v is not None}
     constraints["placements"] = placements
     Constraints.of(constraints)  # a bad pin fails before the capture
@@ -259,15 +273,22 @@ def evaluate_cmd(
     layers: Annotated[int | None, typer.Option(help=LAYERS_HELP)] = None,
     batch_size: Annotated[int | None, typer.Option("--batch-size", "-b", help="global batch per step")] = None,
     placements: Annotated[str, typer.Option(help=PLACEMENTS_HELP + "; a recipe's default is rule")] = "rule",
+    chunks: Annotated[int | None, typer.Option(help=CHUNKS_HELP)] = None,
+    sequence_parallel: Annotated[bool, typer.Option("--sequence-parallel", help=SEQ_PAR_HELP)] = False,
+    partition: Annotated[str | None, typer.Option(help=PARTITION_HELP)] = None,
+    execution: Annotated[list[str] | None, typer.Option("--execution", "-x", help=EXECUTION_HELP)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the estimate as JSON")] = False,
 ) -> None:
     """Price a hand-made recipe with the search's cost model; unset choices are made as the search would."""
+    from polyparallel.cost_models.parallel_config import parse_execution
     from polyparallel.planning.plan_search import evaluate
 
+    options = parse_execution(execution or [])  # a bad option fails before the capture
     m, args, kwargs = _load(model, seq, layers)
     s = evaluate(m, args, cluster, example_kwargs=kwargs, dp=dp, tp=tp, pp=pp, sp=sp, ep=ep, microbatches=microbatches,
                  schedule=schedule, zero_stage=zero, recompute=recompute, batch_size=batch_size, dtype=dtype,
-                 placements=placements)
+                 placements=placements, chunks=chunks, sequence_parallel=sequence_parallel, partition=partition,
+                 execution=options)
     if as_json:
         d = s.estimate.model_dump() if s.estimate else {}
         d.update({"dp": s.dp, "tp": s.tp, "pp": s.pp, "sp": s.sp, "ep": s.ep, "microbatches": s.microbatches,
