@@ -12,12 +12,18 @@ listed with the reason. Reported: the error per recipe and the Spearman rank cor
 (target >= 0.8).
 
 Part 2 (``--part published``): published training throughputs of large models on GPU
-clusters, re-priced with the same cost model on the matching cluster preset and parallel
-configuration (target: within ±25% of the published per-GPU throughput, 80% of the rows within
-±15%). The FLOPs per step are counted with the formula each source used, so the comparison is a
-comparison of step times. Parameters a source does not state (micro-batch size, interleaving
-depth) are marked as assumptions in the table. What the training framework of the source did is
-part of the recipe: Megatron-LM (2021) and DeepSpeed's pipeline engine reduced the gradients
+clusters, priced the way a user prices a recipe: the row's model built as a module
+(``polyparallel.models``' GPT or Llama on the meta device), captured by ``pp.evaluate`` with the
+published degrees on the matching cluster preset (target: within ±25% of the published per-GPU
+throughput, 80% of the rows within ±15%). There is no synthetic side path: what the source's
+framework did differently is passed as ``evaluate(..., execution=...)``, the options a user has too
+(``polyparallel evaluate -x KEY=VALUE``). The FLOPs per step are counted with the formula each
+source used, so the comparison is a comparison of step times. Parameters a source does not state
+(micro-batch size, interleaving depth) are marked as assumptions in the table. What the training
+framework of the source did is part of the recipe: Megatron-LM of 2021-2022 computed attention as separate kernels
+(``GPTConfig(attention="explicit")``) with dropouts of 0.1 and ran the attention dropout as its
+own kernel after its fused scale-mask-softmax (``fused_dropout`` False), its other elementwise ops
+hand-fused (``fused_elementwise``); Megatron-LM (2021) and DeepSpeed's pipeline engine reduced the gradients
 after the last backward (``grad_overlap`` 0), torch DDP overlaps them bucket by bucket (the
 default on accelerators); Megatron-LM scatters a boundary activation over the tensor-parallel
 ranks and sends it asynchronously, DeepSpeed's engine sends the same slices with a synchronous
@@ -53,8 +59,6 @@ from pathlib import Path
 from typing import Any
 
 from polyparallel.cluster import Cluster, default_calibration_path
-from polyparallel.cost_models import ParallelConfig, estimate_step
-from polyparallel.cost_models.synthetic import gpt_graph
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from executor import MLP, Recipe, calibrate_now, print_table, run_recipes, spearman
@@ -129,7 +133,8 @@ def _megatron_row(params: float, heads: int, hidden: int, layers: int, t: int, p
         # micro-batch's backward (megatron/training.py train_step: forward_backward_func, then
         # allreduce_gradients); overlapping them came later (--overlap-grad-reduce, 2023)
         "config": {"dp": d, "tp": t, "pp": p, "microbatches": batch // (d * micro), **sched, "dtype": "fp16",
-                   "recompute": "full", "grad_overlap": 0.0, **({"partition": "layers"} if p > 1 else {})},
+                   "recompute": "full", "grad_overlap": 0.0, "fused_dropout": False,
+                   **({"partition": "layers"} if p > 1 else {})},
         "global_batch": batch, "published_tflops": float(tflops), "flops": "megatron",
         "assumptions": f"micro-batch {micro}; {'interleaved, 2 chunks per stage' if interleaved else '1F1B'}; "
                        "full recompute; equal layers per stage; Megatron's default dropouts (0.1, on the hidden "
@@ -167,6 +172,7 @@ def _korthikanti_rows(params: int, heads: int, hidden: int, layers: int, t: int,
             # out of the checkpoint and recompute them (the paper's §4.2)
             "config": {"dp": 1, "tp": t, "pp": p, "microbatches": batch, **sched, "dtype": "fp16",
                        "recompute": recompute, "sequence_parallel": recompute == "selective", "grad_overlap": 0.0,
+                       "fused_dropout": False,
                        **({"partition": "layers"} if p > 1 else {})},
             "global_batch": batch, "published_step_s": seconds, "flops": "megatron",
             "assumptions": f"micro-batch 1; {'interleaved, 2 chunks per stage' if 'chunks' in sched else '1F1B'} "
@@ -198,7 +204,7 @@ def _mtnlg_row(nodes: int, seconds: float, tflops: float) -> dict[str, Any]:
         "config": {"dp": d, "tp": 8, "pp": 35, "microbatches": 1920 // d, "schedule": "1f1b", "dtype": "bf16",
                    "recompute": "full", "zero_stage": 1, "partition": "layers", "grad_overlap": 0.0,
                    "pipeline_p2p": "deepspeed", "grad_reduce": "all_reduce",
-                   "grad_accumulation": "cast_add"},
+                   "grad_accumulation": "cast_add", "fused_dropout": False},
         "global_batch": 1920, "published_tflops": float(tflops), "flops": "megatron",
         "assumptions": "micro-batch 1; ZeRO-1 (Megatron-DeepSpeed's usual data-parallel optimizer); Megatron's "
                        "default dropouts (0.1, attention included); vocabulary 51200 (GPT-2 BPE, padded); "
@@ -278,42 +284,79 @@ PUBLISHED: list[dict[str, Any]] = [
 ]
 
 
-def run_published() -> list[dict[str, Any]]:
+# the recipe's fields that say what the plan is (pp.evaluate's keywords); the others say how the
+# source's framework ran it (pp.evaluate's ``execution``)
+_PLAN_FIELDS = ("dp", "tp", "pp", "microbatches", "schedule", "chunks", "dtype", "recompute", "zero_stage",
+                "sequence_parallel", "partition")
+
+
+def published_module(model: dict[str, Any]) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    """The row's model as a user would write it: the package's own GPT or Llama module on the meta
+    device (no weights), with the example batch of one micro-batch. GPT rows compute attention as the
+    source's framework did before flash attention (explicit scores, mask, softmax, dropout; Megatron-LM
+    and DeepSpeed of 2021-2022), with Megatron's dropouts of 0.1 where the source trained with them."""
+    import torch
+
+    from polyparallel.models import GPT, GPTConfig, Llama, LlamaConfig
+
+    with torch.device("meta"):
+        if model.get("norm") == "rms":
+            m = Llama(LlamaConfig(vocab=model["vocab"], seq=model["seq"], layers=model["layers"],
+                                  hidden=model["hidden"], heads=model["heads"], kv_heads=model["kv_heads"],
+                                  ffn=model["ffn"]))
+        else:
+            m = GPT(GPTConfig(vocab=model["vocab"], seq=model["seq"], layers=model["layers"], hidden=model["hidden"],
+                              heads=model["heads"], dropout=0.1 if model.get("dropout") else 0.0,
+                              attention="explicit", positions=model.get("positions", True)))
+    ids = torch.zeros(model["batch"], model["seq"], dtype=torch.long)
+    return m, (ids,), {"labels": ids}
+
+
+def run_published(cases: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Each row priced the way a user prices a recipe: its model captured by ``pp.evaluate`` with the
+    published degrees, and what the source's framework did differently as ``execution`` options."""
+    import polyparallel as pp
+
     rows = []
-    for case in PUBLISHED:
+    for case in PUBLISHED if cases is None else cases:
         t0 = time.perf_counter()
         mk = dict(case["model"])
-        g = gpt_graph(**mk)
         cl = case["cluster"]
         cluster = Cluster.from_dict(cl, source=cl["name"]) if isinstance(cl, dict) else Cluster.preset(cl)
+        recipe = {k: v for k, v in case["config"].items() if k in _PLAN_FIELDS}
         # the sources' frameworks ran hand-fused kernels in 16 bits (Megatron-LM, DeepSpeed, Llama 3's),
         # not eager autocast: fused_elementwise unless a row says otherwise
-        cfg = ParallelConfig(**{"fused_elementwise": True, **case["config"]})
-        est = estimate_step(g, cluster, cfg)
-        n = cfg.world
+        execution = {"fused_elementwise": True, **{k: v for k, v in case["config"].items() if k not in _PLAN_FIELDS}}
+        dp, micro = recipe.pop("dp"), recipe.pop("microbatches")
+        zero = recipe.pop("zero_stage", 0)
+        model, args, kwargs = published_module(mk)
+        s = pp.evaluate(model, args, cluster, example_kwargs=kwargs, dp=dp, microbatches=micro, zero_stage=zero,
+                        batch_size=case["global_batch"], execution=execution, **recipe)
+        est = s.estimate
+        n = len(s.mesh.devices)
         if case["flops"] == "megatron":
             flops = megatron_flops(case["global_batch"], mk["seq"], mk["layers"], mk["hidden"], mk["vocab"],
-                                   recompute=cfg.recompute == "full")
-        elif case["flops"] == "palm":
-            flops = palm_flops(case["global_batch"], mk["seq"], g.param_count(), mk["layers"], mk["hidden"])
+                                   recompute=s.recompute == "full")
         else:
-            flops = est.model_flops_per_step
-        pred = flops / est.step_time / n / 1e12
+            flops = palm_flops(case["global_batch"], mk["seq"], s.model.params, mk["layers"], mk["hidden"])
+        pred = flops / est.step_time_s / n / 1e12
         # a source that publishes seconds per iteration: its TFLOP/s by the same FLOP count
         pub = case["published_tflops"] if "published_tflops" in case else flops / case["published_step_s"] / n / 1e12
+        config = (f"dp{s.dp} tp{s.tp} pp{s.pp} m={s.microbatches} {s.schedule} zero{s.zero_stage} "
+                  f"rc={s.recompute}" + (" seqpar" if recipe.get("sequence_parallel") else ""))
         rows.append({
             "name": case["name"], "citation": case["citation"], "assumptions": case["assumptions"],
-            "cluster": cluster.name, "gpus": n, "config": str(cfg), "params": g.param_count(),
+            "cluster": cluster.name, "gpus": n, "config": config, "execution": execution, "params": s.model.params,
             "published_tflops_per_gpu": round(pub, 1), "predicted_tflops_per_gpu": round(pred, 1),
             "error": round(pred / pub - 1, 4), "within_25pct": abs(pred / pub - 1) <= 0.25,
             "within_15pct": abs(pred / pub - 1) <= 0.15,
-            "predicted_step_s": round(est.step_time, 3), "published_step_s": round(flops / (pub * 1e12 * n), 3),
-            "breakdown_s": {k: round(v, 4) for k, v in est.breakdown().items()},
-            "fits": est.fits, "memory": [r.why() for r in est.memory[:1]] + est.why_not_fit()[:1],
+            "predicted_step_s": round(est.step_time_s, 3), "published_step_s": round(flops / (pub * 1e12 * n), 3),
+            "breakdown_s": {k: round(v, 4) for k, v in est.breakdown.items()},
+            "memory_bytes_max": est.memory_bytes_max, "does_not_fit": s.search.notes[:1],
             "price_s": round(time.perf_counter() - t0, 2),
         })
         r = rows[-1]
-        print(f"  {r['name']:<24} {r['gpus']:>5} GPUs  {r['config']:<58} published {pub:6.1f}  predicted "
+        print(f"  {r['name']:<24} {r['gpus']:>5} GPUs  {r['config']:<52} published {pub:6.1f}  predicted "
               f"{r['predicted_tflops_per_gpu']:6.1f} TFLOP/s/GPU  error {100 * r['error']:+6.1f}%", flush=True)
     return rows
 
