@@ -12,14 +12,15 @@ The brute force does not run the search: it walks every mesh shape the search ad
 a node, sp <= 8, pp <= the numbered blocks, a pipeline across centers only where activations may
 leave; on aisynergy-5 dp/tp/sp groups may cross centers: ``allow_wan``, as no synchronous plan
 over its 88 devices exists otherwise), every micro-batch size the search captures for it
-(powers of two and the whole replica batch), every schedule, every ZeRO x recomputation rung and
+(every divisor up to MAX_MICRO and the whole replica batch), every schedule, every ZeRO x recomputation rung and
 every placement candidate of the plan (the solver's derived placements and Megatron's,
 ``polyparallel.planning.derived.variants``), keeps those the torch backend executes
 (``plan_problems``) and that fit in memory, and prices **each** in full with ``estimate_step``
 (pipeline simulated; no bound, no pruning); its optimum is the fastest of those that the backend's
 pre-launch check (``plan_for``) accepts on the module, as the search's last step requires.
 The search instead walks micro-batch sizes largest first
-and stops at the first that fits without a pipeline, tries ``m = pp, 2pp, 4pp`` with one, keeps the
+and stops at the first that fits without a pipeline, tries with one the largest sizes giving at
+least ``pp, 2pp, 4pp`` micro-batches, the smallest size and the whole batch, keeps the
 first fitting rung past the free ones, and prices in full only the plans whose lower bound is below
 the best found. ``gap`` = search / brute force - 1 (target: 0 on small cases, <= 2% on big ones).
 
