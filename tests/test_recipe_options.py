@@ -182,3 +182,26 @@ def test_cli_recipe_flags_and_their_errors():
     assert ok.returncode == 0, ok.stderr
     bad = subprocess.run([*exe, "-x", "grad_overlapp=0"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "unknown execution option" in bad.stderr and len(bad.stderr.splitlines()) == 1
+
+
+def test_uneven_vocabulary_split_inside_stages_is_refused_before_export(monkeypatch):
+    """The output layer of a 101-word vocabulary over tp=2 inside pipeline stages: refused with the
+    fix named (pad the vocabulary), without exporting the model first (a search walks many such plans)."""
+    from polyparallel.backends.torch import Unsupported, _pipeline, plan_for
+
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(vocab=101, seq=16, layers=4, hidden=32, heads=4))
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    s = evaluate(m, (ids,), "dgx-a100x1", example_kwargs={"labels": ids}, dp=2, tp=2, pp=2, batch_size=8,
+                 microbatches=2, schedule="1f1b", zero_stage=1, placements="rule")
+    splits = {p.placement for p in s.placements if any(o.startswith(("embedding", "linear")) for o in p.ops)}
+    assert any("v:tp" in x or "n:tp" in x for x in splits)
+    g = ModelGraphs(m, (ids,), {"labels": ids}).exact(2)
+
+    def no_export(*a, **k):
+        raise AssertionError("exported before the cheap check")
+
+    monkeypatch.setattr(_pipeline, "_export", no_export)
+    batch = (torch.zeros(8, 16, dtype=torch.long), torch.zeros(8, 16, dtype=torch.long))
+    with pytest.raises(Unsupported, match=r"does not split evenly over tp=2.*pad it"):
+        plan_for(s, m, batch, graph=g)

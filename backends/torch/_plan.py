@@ -66,6 +66,7 @@ from polyparallel.backends.torch._tensor_parallel import (
     reads_head_shards,
     sharded_consumer,
     tied_shards,
+    uneven_shards,
 )
 from polyparallel.backends.torch.capabilities import Unsupported, dp_split_ok, op_role, plan_problems
 from polyparallel.ir import Graph, OpKind
@@ -286,6 +287,10 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
         if batch is None:
             raise ValueError(f"pp={s.pp}: plan_for needs one global batch (data_fn(0)) to cut the model into stages")
         from polyparallel.backends.torch._pipeline import pipeline_plan
+
+        uneven = uneven_shards(model, seen, s.tp) if s.tp > 1 else []
+        if uneven:  # what the stage rewrite would refuse after exporting the model, said first
+            raise Unsupported("tensor parallelism inside pipeline stages: " + "; ".join(uneven[:2]))
 
         pipe = pipeline_plan(s, model, batch, graph, tp_kinds=dict(seen),
                              fused={p: seg for p, seg in heads.items() if len(seg) > 1})

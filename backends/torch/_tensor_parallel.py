@@ -368,6 +368,22 @@ def reads_head_shards(graph: Graph, module: str, attention: frozenset[str]) -> b
 _WEIGHT_SHARD = {"col": 0, "col_fused": None, "col_gather": 0, "col_to_loss": 0, "row": 1, "emb_row": 0}
 
 
+def uneven_shards(model: nn.Module, kinds: dict[str, str], tp: int) -> list[str]:
+    """The tensor-parallel modules whose weight's sharded dim does not divide by ``tp`` (an output
+    layer over a 50257-word vocabulary at tp=4): the rewrite inside pipeline stages shards evenly
+    only, so such a plan is refused here, before the model is exported to cut it."""
+    modules = dict(model.named_modules())
+    out = []
+    for path, kind in sorted(kinds.items()):
+        dim = _WEIGHT_SHARD.get(kind)
+        w = getattr(modules.get(path), "weight", None)
+        if dim is not None and w is not None and w.dim() > dim and w.shape[dim] % tp:
+            out.append(f"parameter {path + '.weight'!r} ({tuple(w.shape)}) does not split evenly over tp={tp} "
+                       f"(dim {dim}); pad it to a multiple of {tp} (Megatron pads the vocabulary to 128 x tp) or "
+                       "keep the module whole")
+    return out
+
+
 def tied_shards(model: nn.Module, kinds: dict[str, str]) -> tuple[list[tuple[str, ...]], list[str]]:
     """The tied parameter groups touched by tensor parallelism, and why a group cannot be kept tied.
 
