@@ -589,7 +589,13 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
     t1 = time.perf_counter()
     strat = strategy_of(mdl, cl, best.est, best.b, B, devs, record, c.placements, c.memory_cap)
     if best.refuse is not None:
-        strat = _executable(strat, mdl, cl, best, B, devs, record, c, say)
+        # the backend's check exports the model to cut a pipeline: a burst of cyclic garbage the
+        # paused collector would keep to the end, and few allocations
+        gc.enable()
+        try:
+            strat = _executable(strat, mdl, cl, best, B, devs, record, c, say)
+        finally:
+            gc.disable()
     elif c.placements != "torch":
         strat = _checked_as_placed(strat, mdl, best, B, c.placements)
     # placing the chosen plan's ops is part of the search (its capture, if any, was counted above)
