@@ -184,24 +184,20 @@ def test_cli_recipe_flags_and_their_errors():
     assert bad.returncode == 2 and "unknown execution option" in bad.stderr and len(bad.stderr.splitlines()) == 1
 
 
-def test_uneven_vocabulary_split_inside_stages_is_refused_before_export(monkeypatch):
-    """The output layer of a 101-word vocabulary over tp=2 inside pipeline stages: refused with the
-    fix named (pad the vocabulary), without exporting the model first (a search walks many such plans)."""
-    from polyparallel.backends.torch import Unsupported, _pipeline, plan_for
+def test_uneven_shards_inside_stages_are_named_before_export():
+    """Inside pipeline stages a vocabulary is cut as torch.chunk cuts it (GPT-3's 50257 words over
+    tp=4; training equals single-process: tests/test_torch_tp_pipeline.py), any other dim must
+    divide; what cannot be cut is refused with the fix, before the model is exported."""
+    from torch import nn
 
-    torch.manual_seed(0)
-    m = GPT(GPTConfig(vocab=101, seq=16, layers=4, hidden=32, heads=4))
-    ids = torch.zeros(2, 16, dtype=torch.long)
-    s = evaluate(m, (ids,), "dgx-a100x1", example_kwargs={"labels": ids}, dp=2, tp=2, pp=2, batch_size=8,
-                 microbatches=2, schedule="1f1b", zero_stage=1, placements="rule")
-    splits = {p.placement for p in s.placements if any(o.startswith(("embedding", "linear")) for o in p.ops)}
-    assert any("v:tp" in x or "n:tp" in x for x in splits)
-    g = ModelGraphs(m, (ids,), {"labels": ids}).exact(2)
+    from polyparallel.backends.torch._tensor_parallel import chunked_evenly, uneven_shards
 
-    def no_export(*a, **k):
-        raise AssertionError("exported before the cheap check")
+    assert chunked_evenly(50257, 4) and chunked_evenly(63, 2) and not chunked_evenly(5, 4)
+    assert [n for n in range(1, 40) if chunked_evenly(n, 4)] == [n for n in range(1, 40)
+                                                              if len(torch.arange(n).chunk(4)) == 4]
+    m = nn.ModuleDict({"wte": nn.Embedding(101, 8), "fc": nn.Linear(8, 7), "tiny": nn.Embedding(5, 8)})
+    assert uneven_shards(m, {"wte": "emb_row"}, 2) == []
+    (why,) = uneven_shards(m, {"wte": "emb_row", "fc": "col"}, 2)
+    assert "'fc.weight' ((7, 8)) does not split over tp=2" in why and "multiple of 2" in why
+    assert len(uneven_shards(m, {"tiny": "emb_row"}, 4)) == 1
 
-    monkeypatch.setattr(_pipeline, "_export", no_export)
-    batch = (torch.zeros(8, 16, dtype=torch.long), torch.zeros(8, 16, dtype=torch.long))
-    with pytest.raises(Unsupported, match=r"does not split evenly over tp=2.*pad it"):
-        plan_for(s, m, batch, graph=g)

@@ -138,3 +138,33 @@ def test_hf_llama_tp2_pp2_matches_single_process() -> None:
     # stage 0 (embedding, block 0) per micro-batch: the embedding's, o's and down's all-reduces forward,
     # q|k|v's and gate|up's backward; 2 micro-batches and the loss statistics
     assert log[-1]["comm_ops"]["gloo:all_reduce"] == 2 * 5 + 1
+
+
+ODD_VOCAB = 63  # not a multiple of tp=2: torch.chunk gives the ranks 32 and 31 rows of the tied table
+
+
+def odd_vocab_gpt() -> torch.nn.Module:
+    from polyparallel.models import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab=ODD_VOCAB, seq=16, layers=2, hidden=32, heads=4))
+
+
+def odd_vocab_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2000 + step)
+    ids = torch.randint(0, ODD_VOCAB, (ex.BATCH, 17), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+@pytest.mark.timeout(240)
+def test_vocabulary_not_divisible_by_tp_splits_unevenly_inside_stages() -> None:
+    """GPT-3's 50257 words do not divide by tp: the vocabulary-parallel embedding, the class-parallel
+    output layer and its loss run on torch.chunk's uneven shards (32 and 31 rows here), with the
+    losses of single-process training, where the stage rewrite used to refuse the plan."""
+    x, y = odd_vocab_data(0)
+    s = pp.evaluate(odd_vocab_gpt(), (x[:4], y[:4]), "local-cpu:4", batch_size=ex.BATCH, recompute="none",
+                    microbatches=2, tp=2, pp=2, dp=1, schedule="1f1b")
+    assert {"v:tp", "c:tp"} <= {p.placement for p in s.placements}
+    log = train(s, odd_vocab_gpt, odd_vocab_data, steps=STEPS, lr=LR, seed=SEED)
+    err = _max_rel(log, _single(odd_vocab_gpt, odd_vocab_data))
+    print(f"TP2 x PP2, vocabulary {ODD_VOCAB}: max relative loss difference {err:.2e}")
+    assert err <= 1e-5

@@ -513,8 +513,23 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
     tail = split.tail.to(device)
     # tail inputs split over tp (class-parallel logits) enter the loss as DTensors, under loss_parallel
     tp_split = split.rewritten if tp > 1 else {}
-    tail_split = [tp_split.get(p.name) for p in tail.graph.nodes if p.op == "placeholder"][:-1]
+    placeholders = [p for p in tail.graph.nodes if p.op == "placeholder"][:-1]
+    tail_split = [tp_split.get(p.name) for p in placeholders]
     parallel_loss = any(d is not None for d in tail_split)
+    # the loss reads one split value, the class-parallel output layer's logits: the whole class count
+    # (a vocabulary need not divide by tp; its shards are then torch.chunk's, which DTensor reads
+    # right only when told the global shape)
+    classes = {getattr(model.get_submodule(path), "out_features", None)
+               for path, kind in plan.tp_plan if kind == "col_to_loss"}
+    n_classes = next(iter(classes)) if len(classes) == 1 else None
+    whole = [None if d is None else n_classes for d in tail_split]
+
+    def as_dtensor(o: torch.Tensor, d: int, n: int | None) -> Any:
+        from torch.distributed.tensor import DTensor, Shard
+
+        shape = (*o.shape[:d], n if n is not None else o.shape[d] * tp, *o.shape[d + 1:])
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(o, mesh["tp"], [Shard(d)], run_check=False, shape=shape, stride=stride)
 
     target_counts: list[float | None] = []  # per micro-batch of the step: the targets its loss counted
 
@@ -522,10 +537,7 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
         counter = TargetCount()
         outs = out if isinstance(out, tuple) else (out,)
         if parallel_loss:
-            from torch.distributed.tensor import DTensor, Shard
-
-            outs = tuple(o if d is None else DTensor.from_local(o, mesh["tp"], [Shard(d)], run_check=False)
-                         for o, d in zip(outs, tail_split))
+            outs = tuple(o if d is None else as_dtensor(o, d, n) for o, d, n in zip(outs, tail_split, whole))
         with counter, prec.autocast():
             loss = tail(*outs, target)
         target_counts.append(counter.count_for(loss))

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from polyparallel.backends.torch._tensor_parallel import qkv_rows
+from polyparallel.backends.torch._tensor_parallel import chunked_evenly, qkv_rows
 from polyparallel.backends.torch.capabilities import Unsupported
 
 __all__ = ["StageTP", "copy_to_tp", "gather_from_tp", "local_tensor", "reduce_from_tp", "shard_graph",
@@ -170,7 +170,8 @@ def _view_dim(gin: tuple[int, ...], gout: tuple[int, ...], d: int, tp: int) -> i
     want = period(gin, d)
     for e, size in enumerate(gout):
         if size > 1 and period(gout, e) == want:
-            return e if size % tp == 0 else None
+            # a dim kept whole through the view holds the same blocks, even ones torch.chunk cut unevenly
+            return e if size % tp == 0 or size == gin[d] else None
     return None
 
 
@@ -192,7 +193,15 @@ class StageTP:
         self.tail: set[fx.Node] = set()  # the loss tail: ops using the labels (run on DTensors)
 
     # -- helpers ---------------------------------------------------------------------------
-    def _param(self, node: Any, dim: int, segments: tuple[int, ...] = ()) -> None:
+    def _local(self, n: int) -> int:
+        """This rank's share of a dim of ``n`` split over tp, as ``torch.chunk`` cuts it."""
+        c = -(-n // self.tp)
+        return max(0, min(c, n - self.rank * c))
+
+    def _param(self, node: Any, dim: int, segments: tuple[int, ...] = (), uneven: bool = False) -> None:
+        """Shard parameter ``node`` along ``dim`` (by the fused blocks ``segments``). ``uneven``: a
+        vocabulary dim may not divide by tp; it is then cut as ``torch.chunk`` and DTensor cut it
+        (``ceil(N/tp)`` rows per rank, fewer on the last), which every rank must get some of."""
         if not isinstance(node, fx.Node) or node.op != "get_attr":
             raise Unsupported(f"tensor parallelism inside pipeline stages: {node} is not a parameter read")
         shape = _shape(node)
@@ -201,7 +210,8 @@ class StageTP:
         if old != (dim, segs):
             raise Unsupported(f"parameter {node.target!r} is split two ways over tp ({old} and {(dim, segs)}) by the "
                               "modules sharing it")
-        if shape is None or any(s % self.tp for s in segs):
+        if shape is None or (any(s % self.tp for s in segs) and not (uneven and len(segs) == 1
+                                                                    and chunked_evenly(segs[0], self.tp))):
             raise Unsupported(f"parameter {node.target!r} ({shape}) does not split evenly over tp={self.tp}")
 
     def _insert(self, graph: fx.Graph, before: fx.Node, fn: Any, args: tuple[Any, ...], like: Any) -> fx.Node:
@@ -253,8 +263,8 @@ class StageTP:
             return self._linear(graph, n, kind, path)
         if t is aten.embedding.default and kind == "emb_row":
             self._whole(n, "embedding ids")
-            self._param(n.args[0], 0)
-            shard = (_shape(n.args[0]) or (0,))[0] // self.tp
+            self._param(n.args[0], 0, uneven=True)
+            shard = -(-(_shape(n.args[0]) or (0,))[0] // self.tp)  # torch.chunk's rows per rank
             n.target = vocab_parallel_embedding
             n.args = (n.args[0], n.args[1], self.rank * shard, self.group)
             n.kwargs = {}
@@ -349,9 +359,10 @@ class StageTP:
         if sx is not None:
             raise Unsupported(f"column-parallel Linear {path!r} (op {n.name!r}) reads {x}, which is split over tp")
         segs = self.fused.get(path, ())
-        self._param(w, 0, segs)
+        vocab = kind == "col_to_loss" and not segs  # the output layer: its classes may not divide by tp
+        self._param(w, 0, segs, uneven=vocab)
         if b is not None:
-            self._param(b, 0, segs)
+            self._param(b, 0, segs, uneven=vocab)
         if x not in self.copies:
             self.copies[x] = self._insert(graph, n, copy_to_tp, (x, self.group), x)
         n.replace_input_with(x, self.copies[x])
@@ -387,7 +398,7 @@ class StageTP:
         if n.target in _SIZED:
             sizes = list(n.args[1])
             if sizes[e] != -1:
-                sizes[e] = out[e] // self.tp
+                sizes[e] = self._local(out[e])
             n.args = (n.args[0], sizes, *n.args[2:])
         segs = s0.segments if out[e] == gin[s0.dim] else (out[e],)
         return _Split(e, segs)

@@ -368,19 +368,32 @@ def reads_head_shards(graph: Graph, module: str, attention: frozenset[str]) -> b
 _WEIGHT_SHARD = {"col": 0, "col_fused": None, "col_gather": 0, "col_to_loss": 0, "row": 1, "emb_row": 0}
 
 
+# tp kinds whose sharded dim is a vocabulary (an embedding table's rows, an output layer's classes):
+# inside pipeline stages these are cut unevenly where the vocabulary does not divide by tp
+VOCAB_KINDS = frozenset({"emb_row", "col_to_loss"})
+
+
+def chunked_evenly(n: int, tp: int) -> bool:
+    """Whether ``torch.chunk`` cuts ``n`` rows into ``tp`` non-empty blocks (``ceil(n/tp)`` each, the
+    last fewer), as an uneven vocabulary split needs: 50257 over 4 yes, 5 over 4 no (2, 2, 1)."""
+    return n >= tp and -(-n // tp) * (tp - 1) < n
+
+
 def uneven_shards(model: nn.Module, kinds: dict[str, str], tp: int) -> list[str]:
-    """The tensor-parallel modules whose weight's sharded dim does not divide by ``tp`` (an output
-    layer over a 50257-word vocabulary at tp=4): the rewrite inside pipeline stages shards evenly
-    only, so such a plan is refused here, before the model is exported to cut it."""
+    """The tensor-parallel modules inside pipeline stages whose weight's sharded dim ``tp`` cannot
+    cut: any dim that does not divide, except a vocabulary (:data:`VOCAB_KINDS`) that ``torch.chunk``
+    still gives every rank rows of. Checked before the model is exported to cut it."""
     modules = dict(model.named_modules())
     out = []
     for path, kind in sorted(kinds.items()):
         dim = _WEIGHT_SHARD.get(kind)
         w = getattr(modules.get(path), "weight", None)
-        if dim is not None and w is not None and w.dim() > dim and w.shape[dim] % tp:
-            out.append(f"parameter {path + '.weight'!r} ({tuple(w.shape)}) does not split evenly over tp={tp} "
-                       f"(dim {dim}); pad it to a multiple of {tp} (Megatron pads the vocabulary to 128 x tp) or "
-                       "keep the module whole")
+        if dim is None or w is None or w.dim() <= dim or not w.shape[dim] % tp:
+            continue
+        if kind in VOCAB_KINDS and chunked_evenly(w.shape[dim], tp):
+            continue
+        out.append(f"parameter {path + '.weight'!r} ({tuple(w.shape)}) does not split over tp={tp} (dim {dim}); "
+                   f"make it a multiple of {tp} or keep the module whole")
     return out
 
 
