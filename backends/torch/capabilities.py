@@ -246,15 +246,21 @@ def expressible(g: Graph, tp: int) -> Any:
     """``expressible(op, placement)`` over a ``tp``-device mesh, for the per-stage solver (module
     docstring, op level)."""
 
+    logits = _loss_inputs(g)
+
     def ok(op: Op, p: Any) -> bool:
         if not p.splits:
             return True
         if len(p.splits) > 1:
             return False
         d = p.splits[0][0]
-        if op.nest.extents[d] % tp:
-            return False  # the backend shards evenly (DTensor, whole heads)
         role = op_role(g, op)
+        n = op.nest.extents[d]
+        # the backend shards evenly (whole heads, Megatron pairs), except a vocabulary: the embedding
+        # table, the output layer's classes and the loss over them are cut as torch.chunk cuts them
+        vocab = (role == "embedding" or role == "loss" or (role == "linear" and op.outputs[0] in logits))
+        if n % tp and not (vocab and n >= tp and -(-n // tp) * (tp - 1) < n):
+            return False
         if role == "loss":
             return d == "c"
         if role == "linear":
@@ -269,6 +275,22 @@ def expressible(g: Graph, tp: int) -> Any:
         return False
 
     return ok
+
+
+def _loss_inputs(g: Graph) -> set[str]:
+    """The tensors a cross-entropy loss reads, and what they are views of (the output layer's logits)."""
+    producer = {t: op for op in g.ops for t in op.outputs}
+    out: set[str] = set()
+    todo = [t for op in g.ops if op_role(g, op) == "loss" for t in op.inputs]
+    while todo:
+        t = todo.pop()
+        if t in out:
+            continue
+        out.add(t)
+        prod = producer.get(t)
+        if prod is not None and OpKind(prod.kind) is OpKind.VIEW:
+            todo.extend(prod.inputs)
+    return out
 
 
 def _split(p: Any) -> bool:
