@@ -14,14 +14,14 @@ from polyparallel.ir import TRAINING_DTYPE_BYTES
 from .memory import OPTIMIZER_STATE_BYTES, MemoryReport
 from .pipeline import SCHEDULES, PipelineResult
 
-__all__ = ["EXECUTION_FIELDS", "GRAD_ACCUMULATION", "GRAD_REDUCE", "PIPELINE_P2P", "RECOMPUTE", "OpPlan",
-           "ParallelConfig", "StageBreakdown", "StepEstimate", "execution_options",
-           "parse_execution"]
+__all__ = ["EXECUTION_FIELDS", "GRAD_ACCUMULATION", "GRAD_REDUCE", "PIPELINE_P2P", "RECOMPUTE", "ZERO3_GATHER",
+           "OpPlan", "ParallelConfig", "StageBreakdown", "StepEstimate", "execution_options", "parse_execution"]
 
 RECOMPUTE = ("none", "selective", "full")
 PIPELINE_P2P = ("megatron", "deepspeed")
 GRAD_REDUCE = ("reduce_scatter", "all_reduce")
 GRAD_ACCUMULATION = ("in_place", "cast_add")
+ZERO3_GATHER = ("unit", "parameter")
 OPTIMIZERS = tuple(OPTIMIZER_STATE_BYTES)
 
 # How the training framework runs a plan, as distinct from the plan (degrees, micro-batching, schedule,
@@ -30,7 +30,7 @@ OPTIMIZERS = tuple(OPTIMIZER_STATE_BYTES)
 # each is what the torch backend does; a recipe measured under another framework (Megatron-LM,
 # DeepSpeed) sets them to what that framework did (``pp.evaluate(execution=...)``, ``--execution``).
 EXECUTION_FIELDS = ("fused_elementwise", "fused_attention", "fused_dropout", "fused_optimizer", "grad_overlap",
-                    "optimizer", "pipeline_p2p", "grad_reduce", "grad_accumulation")
+                    "optimizer", "pipeline_p2p", "grad_reduce", "grad_accumulation", "zero3_gather")
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,15 @@ class ParallelConfig:
             (``hp_grad.add_(lp.grad.to(hp_grad.dtype))``), which its pipeline engine calls after each
             backward pass (``_exec_backward_pass``) and which ``grad_reduce="all_reduce"`` reduces.
             16-bit dtypes only.
+        zero3_gather: how ZeRO-3 gathers the weights before a layer runs. ``unit``: one all-gather
+            per FSDP2 unit (a numbered layer, the root's weights), prefetched during the previous
+            unit's compute (the torch backend). ``parameter``: DeepSpeed's ZeRO-3 of 2021
+            (``deepspeed/runtime/zero/partition_parameters.py``, ``_allgather_param``): every
+            parameter tensor by its own ``all_gather`` into a list of one view per rank, which torch
+            copies out of the collective's flat buffer one kernel per rank, the host waiting for the
+            device first (``torch.cuda.synchronize()``): per tensor the ring's latency and ``p``
+            kernel launches, none of it hidden behind compute. Its gradient reduce-scatter is priced
+            as FSDP2's. ZeRO-3 without a pipeline only.
         op_plans: one :class:`OpPlan` per graph op, from per-op placements (a placement solver);
             ``None`` prices the Megatron rule of the module docstring.
     """
@@ -149,6 +158,7 @@ class ParallelConfig:
     pipeline_p2p: str = "megatron"
     grad_reduce: str = "reduce_scatter"
     grad_accumulation: str = "in_place"
+    zero3_gather: str = "unit"
     op_plans: tuple[OpPlan, ...] | None = field(default=None, repr=False)
 
     @property
@@ -193,6 +203,8 @@ class ParallelConfig:
         if self.grad_accumulation == "cast_add" and TRAINING_DTYPE_BYTES[self.dtype] >= 4:
             raise ValueError("ParallelConfig.grad_accumulation='cast_add' casts 16-bit gradients into fp32: set "
                              "dtype='bf16' or 'fp16', or use 'in_place'")
+        if self.zero3_gather not in ZERO3_GATHER:
+            raise ValueError(f"ParallelConfig.zero3_gather {self.zero3_gather!r}: use one of {', '.join(ZERO3_GATHER)}")
         if self.fused_attention not in (None, True, False):
             raise ValueError(f"ParallelConfig.fused_attention must be None, True or False, got "
                              f"{self.fused_attention!r}")
@@ -254,7 +266,8 @@ def execution_options(values: Mapping[str, Any] | None) -> tuple[tuple[str, Any]
         if name in out and out[name] not in (True, False):
             raise ValueError(f"execution {name}={out[name]!r}: give true or false")
     for name, allowed in (("pipeline_p2p", PIPELINE_P2P), ("grad_reduce", GRAD_REDUCE),
-                          ("grad_accumulation", GRAD_ACCUMULATION), ("optimizer", OPTIMIZERS)):
+                          ("grad_accumulation", GRAD_ACCUMULATION), ("optimizer", OPTIMIZERS),
+                          ("zero3_gather", ZERO3_GATHER)):
         if name in out and out[name] not in allowed:
             raise ValueError(f"execution {name}={out[name]!r}: give one of {', '.join(allowed)}")
     # the combined checks (ZeRO-1 for grad_reduce, 16 bits for cast_add, overlap in [0, 1]) are

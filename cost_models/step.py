@@ -472,7 +472,11 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
         buckets = cfg.grad_overlap is None and dt.kind != "cpu"
         units = _fsdp_units(graph, cfg, dterms, s) if (cfg.zero_stage >= 1 and cfg.pp == 1 and moe is None
                                                        and cfg.grad_reduce == "reduce_scatter") else ()
-        events, t_dp, exposed, ef, eb = _data_parallel(cluster, ccache, dterms, s, cfg, gb, omega, v, buckets, units)
+        # DeepSpeed's ZeRO-3 of 2021 gathers parameter tensor by parameter tensor (ParallelConfig.zero3_gather)
+        per_tensor = (_unit_tensors(graph, cfg, s), dt.launch_overhead) if (
+            units and cfg.zero_stage == 3 and cfg.zero3_gather == "parameter") else None
+        events, t_dp, exposed, ef, eb = _data_parallel(cluster, ccache, dterms, s, cfg, gb, omega, v, buckets, units,
+                                                       per_tensor)
         if dgrp_size > 1 and cfg.pp == 1:
             nf, nb = _cross_rank_norms(graph, cluster, ccache, terms.dp_groups[s][0], dt, cfg)
             ef, eb = ef + nf, eb + nb
@@ -716,6 +720,7 @@ def _cross_rank_norms(graph: Graph, cluster: Cluster, ccache: dict, group: tuple
 
 def _data_parallel(cluster: Cluster, ccache: dict, terms: _StageTerms, s: int, cfg: ParallelConfig, gb: int,
                    omega: float, v: int, buckets: bool = False, units: Sequence[tuple[float, float]] = (),
+                   per_tensor: tuple[Sequence[int], float] | None = None,
                    ) -> tuple[tuple[tuple[str, float], ...], float, float, float, float]:
     """Stage ``s``'s data-parallel traffic (module docstring): ``(events, seconds before overlap,
     exposed seconds per step, exposed seconds per micro-batch forward, and backward)``.
@@ -744,6 +749,8 @@ def _data_parallel(cluster: Cluster, ccache: dict, terms: _StageTerms, s: int, c
                                          cfg.grad_reduce)
         return hit
     if cfg.pp == 1 and units:
+        if per_tensor is not None:
+            return _per_tensor_exposed(cluster, ccache, groups, units, per_tensor, cfg, gb, rb, omega, terms.bwd[s])
         return _fsdp_exposed(cluster, ccache, groups, units, cfg, gb, rb, omega, terms.bwd[s])
     # ZeRO-3: per micro-batch, each layer's weights are gathered before its forward (the next
     # layer's gather runs during this layer's compute), gathered again for its backward, and its
@@ -809,6 +816,48 @@ def _fsdp_units(graph: Graph, cfg: ParallelConfig, terms: _StageTerms, s: int) -
             since = 0.0
         since += f
     return tuple(units)
+
+
+def _unit_tensors(graph: Graph, cfg: ParallelConfig, s: int) -> tuple[int, ...]:
+    """The distinct parameter tensors of each of stage ``s``'s FSDP2 units (:func:`_fsdp_units`'
+    order: the root's, then one count per numbered layer)."""
+    segs = segments(graph)
+    chunk_of_op = chunks(graph, cfg.pp * (cfg.chunks if cfg.schedule == "interleaved" else 1), cfg.partition)
+    root: set[str] = set()
+    layers: list[int] = []
+    for sg in segs:
+        if chunk_of_op[sg[0]] % cfg.pp != s:
+            continue
+        names = {t for i in sg for t in graph.ops[i].inputs if graph.tensors[t].kind is TensorKind.PARAM}
+        if LAYER.match(graph.ops[sg[0]].module or ""):
+            layers.append(len(names))
+        else:
+            root |= names
+    return (len(root), *layers)
+
+
+def _per_tensor_exposed(cluster: Cluster, ccache: dict, groups: Sequence[_Group], units: Sequence[tuple[float, float]],
+                        per_tensor: tuple[Sequence[int], float], cfg: ParallelConfig, gb: int, rb: int, omega: float,
+                        bwd: float) -> tuple[tuple[tuple[str, float], ...], float, float, float, float]:
+    """ZeRO-3 gathering tensor by tensor (``zero3_gather="parameter"``), as :func:`_data_parallel`
+    returns it: a unit of ``w`` elements in ``n`` tensors costs ``n`` all-gathers of ``w/n`` elements
+    and ``n·p`` copy kernels (one per rank's view) at ``launch`` seconds each, exposed in full in the
+    forward and again before the backward (the host waits for the device before each); the
+    reduce-scatters are FSDP2's (:func:`_fsdp_exposed`)."""
+    tensors, launch = per_tensor
+    m = cfg.microbatches
+    ef = eb = t_dp = 0.0
+    for grp, gid in groups:
+        p = len(grp)
+        ag = [n * (_price(cluster, ccache, (("all_gather", w / n * gb),), grp, gid) + p * launch) if w and n else 0.0
+              for (w, _), n in zip(units, tensors)]
+        rs = [_price(cluster, ccache, (("reduce_scatter", w * rb),), grp, gid) if w else 0.0 for w, _ in units]
+        f = sum(ag)
+        b = sum(ag[1:]) + max(0.0, sum(rs[1:]) - omega * bwd) + rs[0]
+        ef, eb = max(ef, f), max(eb, b)
+        t_dp = max(t_dp, m * (sum(ag) + sum(ag[1:]) + sum(rs)))
+    params = sum(w for w, _ in units)
+    return (("all_gather", params * gb), ("reduce_scatter", params * rb)), t_dp, 0.0, ef, eb
 
 
 def fsdp_collectives(units: Sequence[tuple[float, float]], zero_stage: int, microbatches: int, gb: int

@@ -219,3 +219,38 @@ def test_the_search_splits_a_vocabulary_that_does_not_divide_by_tp():
         assert not [n for n in s.search.notes if "refuses" in n]
         prices[vocab] = s.estimate.step_time_s
     assert prices[8191] == pytest.approx(prices[8192], rel=1e-3)
+
+
+def test_zero3_gathered_tensor_by_tensor_costs_its_collectives_and_copies_exposed():
+    """``zero3_gather="parameter"`` (DeepSpeed's ZeRO-3 of 2021): each FSDP unit's ``n`` parameter
+    tensors are gathered one by one, each followed by one copy kernel per rank, none hidden: the
+    exposed data-parallel time is that sum, by hand from the collective prices (GPT block: 12
+    tensors; root: wte (tied with lm_head), wpe, ln_f's two)."""
+    from polyparallel.cost_models import step as st
+    from polyparallel.cost_models.comm import collective_time
+
+    with torch.device("meta"):
+        m = GPT(GPTConfig(vocab=1024, seq=256, layers=2, hidden=256, heads=4))
+    ids = torch.zeros(2, 256, dtype=torch.long)
+    g = ModelGraphs(m, (ids,), {"labels": ids}).graph(2)
+    cl = Cluster.preset("dgx-a100x2")
+    devs = tuple(range(16))
+    cfg = ParallelConfig(dp=16, microbatches=1, dtype="bf16", devices=devs, zero_stage=3, zero3_gather="parameter")
+    assert st._unit_tensors(g, cfg, 0) == (4, 12, 12)
+    widths = [w for w, _ in st._fsdp_units(g, cfg, st._stage_terms(g, cl, cfg, 1), 0)]
+    launch = next(iter(cl.device_types.values())).launch_overhead if isinstance(cl.device_types, dict) else \
+        cl.device_types[0].launch_overhead
+
+    def ag(w: float, n: int) -> float:
+        return n * (collective_time(cl, "all_gather", w / n * 2, devs).seconds + 16 * launch)
+
+    gathers = [ag(w, n) for w, n in zip(widths, (4, 12, 12))]
+    rs_root = collective_time(cl, "reduce_scatter", widths[0] * 4, devs).seconds
+    loss = collective_time(cl, "all_reduce", 32.0, devs).seconds  # the step's loss and target count
+    est = estimate_step(g, cl, cfg)
+    # the layers' reduce-scatters hide behind the backward (grad_overlap 1 on accelerators)
+    assert est.breakdown()["data_parallel"] == pytest.approx(sum(gathers) + sum(gathers[1:]) + rs_root + loss,
+                                                             rel=1e-9)
+    assert est.step_time > estimate_step(g, cl, replace(cfg, zero3_gather="unit")).step_time
+    with pytest.raises(ValueError, match="zero3_gather 'module'"):
+        replace(cfg, zero3_gather="module").validate()
