@@ -58,13 +58,13 @@ def _sc21_zero3(gpus: int, micro: int, tflops: float) -> dict[str, Any]:
         "cluster": f"dgx-a100x{gpus // 8}",
         "model": {**GPT175, "batch": micro},
         # DeepSpeed ZeRO-3 on Megatron's GPT model: its fused kernels, the attention dropout on its own,
-        # gradients reduce-scattered during the backward (the overlap ZeRO-3 has by default)
+        # weights gathered tensor by tensor (zero3_gather), gradients reduce-scattered during the backward
         "config": {"dp": gpus, "tp": 1, "pp": 1, "microbatches": 1536 // (gpus * micro), "dtype": "fp16",
-                   "recompute": "full", "zero_stage": 3, "fused_dropout": False},
+                   "recompute": "full", "zero_stage": 3, "fused_dropout": False, "zero3_gather": "parameter"},
         "global_batch": 1536, "published_tflops": float(tflops), "flops": "megatron",
         "assumptions": "activation checkpointing (175B cannot train without it at these micro-batches); "
-                       "Megatron's dropouts; DeepSpeed's gathers and reduce-scatters priced as FSDP2's per-layer "
-                       "units (its per-module fetching and 2021 prefetcher are not modelled)",
+                       "Megatron's dropouts; DeepSpeed's 2021 gathers (zero3_gather='parameter': one list "
+                       "all_gather per parameter tensor after a device synchronize); its reduce-scatters as FSDP2's",
     }
 
 
