@@ -231,9 +231,12 @@ def test_round_one_update_equals_torch():
     p_ms, m_ms = MindSporeTrainer(SPEC, x, y, **kw).train(sd, steps=3, round_idx=1, proximal_mu=0.1)
     p_t, m_t = TorchTrainer(SPEC, x, y, **kw).train(sd, steps=3, round_idx=1, proximal_mu=0.1)
     assert abs(m_ms["train_loss"] - m_t["train_loss"]) < 1e-5
+    # body.3's bias feeds a train-mode BatchNorm, which subtracts the batch mean: its gradient is zero
+    # exactly (any update it shows is rounding), so only the other parameters must have moved
+    still = {"body.3.bias"}
     for k in sd:
         upd_ms, upd_t = p_ms[k] - sd[k], p_t[k] - sd[k]
-        assert np.abs(upd_t).max() > 0, k
+        assert k in still or np.abs(upd_t).max() > 0, k
         np.testing.assert_allclose(upd_ms, upd_t, atol=1e-5, rtol=1e-4, err_msg=k)
 
 
