@@ -829,7 +829,7 @@ def _executable(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B: 
                 refused.append(f"{best.chosen.bound.config}: {e}")
             elif fallback is None or ruled.estimate.step_time_s < fallback[0].estimate.step_time_s:
                 fallback = (ruled, best.est, best.b, best.chosen)
-            say(f"the torch backend refuses {best.chosen.bound.config} as placed; trying the next plan")
+            say(f"the torch backend refuses {best.chosen.bound.config}; trying the next plan")
             best.fitting.remove(best.chosen)
             best.est, best.b, best.chosen = None, 0, None
             best.solve()
