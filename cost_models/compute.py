@@ -88,7 +88,17 @@ from dataclasses import dataclass
 
 from polyparallel.cluster import DeviceType
 from polyparallel.cluster.devices import HOPPER_GEMM_DEVICES, HOPPER_GEMM_EFFICIENCY, HOPPER_SQUARE_GEMM_EFFICIENCY
-from polyparallel.ir import FLOAT_DTYPES, TRAINING_DTYPE_BYTES, Graph, Hint, Op, OpKind, TensorKind, element_bytes
+from polyparallel.ir import (
+    FLOAT_DTYPES,
+    TRAINING_DTYPE_BYTES,
+    Graph,
+    Hint,
+    Op,
+    OpKind,
+    TensorKind,
+    element_bytes,
+    target_base,
+)
 
 from .memo import PRICES
 
@@ -356,12 +366,6 @@ def op_classes(graph: Graph) -> list[int]:
     return out
 
 
-def _target_base(target: str) -> str:
-    """``aten.dropout.default`` -> ``dropout``; a synthetic graph's ``dropout`` stays."""
-    parts = target.split(".")
-    return parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[0]
-
-
 def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split: float = 1.0,
             flops_scale: float = 1.0, fused: bool | None = None, sharded: bool = False,
             eager: bool = False, own_kernels: frozenset[str] = frozenset()) -> OpCost:
@@ -402,7 +406,7 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
     kernels = _kernels(graph, op, dtype, fused)
     targets = op.attr.get("fused", ()) if op.nest is not None else ()
     absorbed = len(targets)
-    own = [i for i, t in enumerate(targets) if eager or _target_base(t) in own_kernels]
+    own = [i for i, t in enumerate(targets) if eager or target_base(t) in own_kernels]
     if own and len(op.nest.statements) > absorbed:
         # the absorbed statements (appended last by fuse_elementwise, in ``targets``' order) that run
         # as kernels of their own (all of them when eager); the base kernel already streams the op's

@@ -44,7 +44,7 @@ import json
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 __all__ = [
@@ -67,6 +67,7 @@ __all__ = [
     "TensorKind",
     "TensorSpec",
     "element_bytes",
+    "target_base",
 ]
 
 Shape = tuple[int, ...]
@@ -484,6 +485,14 @@ def _freeze(v: Any) -> Any:
     if isinstance(v, float) and math.isnan(v):
         return "nan"
     return v
+
+
+@lru_cache(maxsize=256)
+def target_base(target: str) -> str:
+    """An op target's base name, as rules that name kernels match it: ``aten.linear.default`` ->
+    ``linear``; a synthetic graph's ``dropout`` and ONNX targets (``Gemm``, ``Dropout``) lower-cased."""
+    parts = target.split(".")
+    return (parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[-1 if len(parts) == 1 else 0]).lower()
 
 
 @dataclass(frozen=True, slots=True)

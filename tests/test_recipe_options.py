@@ -190,7 +190,8 @@ def test_uneven_shards_inside_stages_are_named_before_export():
     divide; what cannot be cut is refused with the fix, before the model is exported."""
     from torch import nn
 
-    from polyparallel.backends.torch._tensor_parallel import chunked_evenly, uneven_shards
+    from polyparallel.backends.torch._tensor_parallel import uneven_shards
+    from polyparallel.backends.torch.capabilities import chunked_evenly
 
     assert chunked_evenly(50257, 4) and chunked_evenly(63, 2) and not chunked_evenly(5, 4)
     assert [n for n in range(1, 40) if chunked_evenly(n, 4)] == [n for n in range(1, 40)

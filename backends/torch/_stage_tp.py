@@ -45,8 +45,8 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from polyparallel.backends.torch._tensor_parallel import chunked_evenly, qkv_rows
-from polyparallel.backends.torch.capabilities import Unsupported
+from polyparallel.backends.torch._tensor_parallel import qkv_rows
+from polyparallel.backends.torch.capabilities import Unsupported, chunked_evenly
 
 __all__ = ["StageTP", "copy_to_tp", "gather_from_tp", "local_tensor", "reduce_from_tp", "shard_graph",
            "shard_parameters", "vocab_parallel_embedding"]

@@ -75,6 +75,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.overrides import TorchFunctionMode
 
+from polyparallel.backends.torch.capabilities import chunked_evenly
 from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind
 
 __all__ = ["FingerprintMismatch", "FusedColwiseParallel", "HeadSplit", "Region", "UlyssesAttention", "build_mesh",
@@ -371,12 +372,6 @@ _WEIGHT_SHARD = {"col": 0, "col_fused": None, "col_gather": 0, "col_to_loss": 0,
 # tp kinds whose sharded dim is a vocabulary (an embedding table's rows, an output layer's classes):
 # inside pipeline stages these are cut unevenly where the vocabulary does not divide by tp
 VOCAB_KINDS = frozenset({"emb_row", "col_to_loss"})
-
-
-def chunked_evenly(n: int, tp: int) -> bool:
-    """Whether ``torch.chunk`` cuts ``n`` rows into ``tp`` non-empty blocks (``ceil(n/tp)`` each, the
-    last fewer), as an uneven vocabulary split needs: 50257 over 4 yes, 5 over 4 no (2, 2, 1)."""
-    return n >= tp and -(-n // tp) * (tp - 1) < n
 
 
 def uneven_shards(model: nn.Module, kinds: dict[str, str], tp: int) -> list[str]:

@@ -43,11 +43,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from functools import lru_cache
 from typing import Any
 
 from polyparallel.cost_models.memo import PRICES
-from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind
+from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind, target_base
 
 __all__ = [
     "EXECUTED_DTYPES",
@@ -56,6 +55,7 @@ __all__ = [
     "Unsupported",
     "batch_statistics",
     "chain_problems",
+    "chunked_evenly",
     "dp_split_ok",
     "edge_rule",
     "expressible",
@@ -218,15 +218,8 @@ def op_role(g: Graph, op: Op) -> str:
     return "other"
 
 
-@lru_cache(maxsize=256)
-def _target_base(target: str) -> str:
-    """``aten.linear.default`` -> ``linear``; ONNX targets (``Gemm``) are returned lower-cased."""
-    parts = target.split(".")
-    return (parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[-1 if len(parts) == 1 else 0]).lower()
-
-
 def _target_is(op: Op, base: str) -> bool:
-    return _target_base(op.target) == base
+    return target_base(op.target) == base
 
 
 def dp_split_ok(op: Op, dim: str) -> bool:
@@ -259,7 +252,7 @@ def expressible(g: Graph, tp: int) -> Any:
         # the backend shards evenly (whole heads, Megatron pairs), except a vocabulary: the embedding
         # table, the output layer's classes and the loss over them are cut as torch.chunk cuts them
         vocab = (role == "embedding" or role == "loss" or (role == "linear" and op.outputs[0] in logits))
-        if n % tp and not (vocab and n >= tp and -(-n // tp) * (tp - 1) < n):
+        if n % tp and not (vocab and chunked_evenly(n, tp)):
             return False
         if role == "loss":
             return d == "c"
@@ -275,6 +268,12 @@ def expressible(g: Graph, tp: int) -> Any:
         return False
 
     return ok
+
+
+def chunked_evenly(n: int, tp: int) -> bool:
+    """Whether ``torch.chunk`` cuts ``n`` rows into ``tp`` non-empty blocks (``ceil(n/tp)`` each, the
+    last fewer), as an uneven vocabulary split needs: 50257 over 4 yes, 5 over 4 no (2, 2, 1)."""
+    return n >= tp and -(-n // tp) * (tp - 1) < n
 
 
 def _loss_inputs(g: Graph) -> set[str]:
