@@ -805,9 +805,7 @@ def _fsdp_units(graph: Graph, cfg: ParallelConfig, terms: _StageTerms, s: int) -
     holding every parameter outside the numbered layers, then one unit per numbered layer, in
     execution order; each as ``(parameter elements, forward seconds from the previous unit's start
     to its own)``, the compute its gather can hide behind (none for the root, gathered first)."""
-    segs = segments(graph)
-    chunk_of_op = chunks(graph, cfg.pp * (cfg.chunks if cfg.schedule == "interleaved" else 1), cfg.partition)
-    layer = [bool(LAYER.match(graph.ops[sg[0]].module or "")) for sg in segs if chunk_of_op[sg[0]] % cfg.pp == s]
+    layer = [is_layer for _, is_layer in _stage_segments(graph, cfg, s)]
     units = [(sum(w for w, is_layer in zip(terms.seg_params[s], layer) if not is_layer), 0.0)]
     since = 0.0
     for w, f, is_layer in zip(terms.seg_params[s], terms.seg_fwd[s], layer):
@@ -818,18 +816,22 @@ def _fsdp_units(graph: Graph, cfg: ParallelConfig, terms: _StageTerms, s: int) -
     return tuple(units)
 
 
+def _stage_segments(graph: Graph, cfg: ParallelConfig, s: int) -> list[tuple[list[int], bool]]:
+    """Stage ``s``'s segments in execution order (the order of ``_StageTerms.seg_params[s]``), each
+    with whether it is a numbered layer (an FSDP2 unit of its own) or part of the root."""
+    chunk_of_op = chunks(graph, cfg.pp * (cfg.chunks if cfg.schedule == "interleaved" else 1), cfg.partition)
+    return [(sg, bool(LAYER.match(graph.ops[sg[0]].module or ""))) for sg in segments(graph)
+            if chunk_of_op[sg[0]] % cfg.pp == s]
+
+
 def _unit_tensors(graph: Graph, cfg: ParallelConfig, s: int) -> tuple[int, ...]:
     """The distinct parameter tensors of each of stage ``s``'s FSDP2 units (:func:`_fsdp_units`'
     order: the root's, then one count per numbered layer)."""
-    segs = segments(graph)
-    chunk_of_op = chunks(graph, cfg.pp * (cfg.chunks if cfg.schedule == "interleaved" else 1), cfg.partition)
     root: set[str] = set()
     layers: list[int] = []
-    for sg in segs:
-        if chunk_of_op[sg[0]] % cfg.pp != s:
-            continue
+    for sg, is_layer in _stage_segments(graph, cfg, s):
         names = {t for i in sg for t in graph.ops[i].inputs if graph.tensors[t].kind is TensorKind.PARAM}
-        if LAYER.match(graph.ops[sg[0]].module or ""):
+        if is_layer:
             layers.append(len(names))
         else:
             root |= names
