@@ -143,7 +143,7 @@ class ModelGraphs:
                     pinned: int | None = None) -> list[int]:
         """Micro-batch sizes to try for ``per_replica`` samples per replica.
 
-        Every divisor of ``per_replica`` up to ``MAX_MICRO`` (6 or 12 as well as powers of two:
+        Every divisor of ``per_replica`` up to ``MAX_MICRO`` (3, 5, 6, 7 as well as powers of two:
         a published recipe's micro-batch must be a choice); ``exhaustive`` tries every divisor;
         ``whole`` adds ``per_replica`` itself (one micro-batch: no gradient accumulation);
         ``pinned`` (a micro-batch count the user fixed) gives exactly that size whenever it

@@ -824,7 +824,7 @@ def _executable(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B: 
             break
         except Unsupported as e:
             assert best.chosen is not None
-            ruled = _rule_placed(strat, mdl, cl, best, B, devs, record, c)
+            ruled = _rule_placed(strat, mdl, cl, best, B, devs, record, c, batch)
             if ruled is None:
                 refused.append(f"{best.chosen.bound.config}: {e}")
             elif fallback is None or ruled.estimate.step_time_s < fallback[0].estimate.step_time_s:
@@ -848,17 +848,18 @@ def _executable(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B: 
 
 
 def _rule_placed(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B: int, devs: list[int],
-                 record: SearchRecord, c: Constraints) -> Strategy | None:
+                 record: SearchRecord, c: Constraints, batch: Any) -> Strategy | None:
     """The refused plan ``strat`` with Megatron's rule placements where the solver placed a stage,
     when the torch backend accepts that (the solver does not see every rule of the backend: a tied
-    embedding and output layer must shard alike); None otherwise. Its price is the rule's."""
+    embedding and output layer must shard alike); None otherwise. Its price is the rule's.
+    ``batch``: the global batch the backend's check cuts a pipeline on (:func:`_train_batch`)."""
     from polyparallel.backends.torch import Unsupported, plan_for
 
     if c.placements != "torch" or strat.tp == 1 or all(st.placed_by != "solver" for st in strat.stages):
         return None
     ruled = strategy_of(mdl, cl, best.est, best.b, B, devs, record, "rule", c.memory_cap)
     try:
-        plan_for(ruled, mdl.model, _train_batch(mdl, B) if ruled.pp > 1 else None, graph=mdl.exact(best.b))
+        plan_for(ruled, mdl.model, batch if ruled.pp > 1 else None, graph=mdl.exact(best.b))
     except Unsupported:
         return None
     return ruled
@@ -1144,7 +1145,7 @@ def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Pa
     c = Constraints(dp=dp, tp=tp, pp=pp, sp=sp, ep=ep, microbatches=microbatches, schedule=schedule,
                     zero_stage=zero_stage, recompute=recompute, dtype=dtype, allow_wan=True, cross_node_tp=True,
                     devices=world, chunks=chunks, sequence_parallel=sequence_parallel, partition=partition,
-                    execution=execution_options(execution))
+                    execution=execution or {})  # checked and kept as sorted pairs by Constraints
     if placements not in MODES:
         raise ValueError(f"placements must be one of {', '.join(MODES)}, not {placements!r}")
     t0 = time.perf_counter()
