@@ -143,10 +143,11 @@ def run_comparisons() -> list[dict[str, Any]]:
 
 
 def _family(zero_stage: int, tp: int, pp: int) -> str:
-    """A recipe's kind as the comparisons name them: sharded data parallelism alone, or tensor +
-    pipeline parallelism (with data parallelism over the rest)."""
+    """A recipe's kind as the comparisons name them: sharded data parallelism without a pipeline
+    (whatever tensor parallelism inside a node), or tensor + pipeline parallelism (with data
+    parallelism over the rest)."""
     if zero_stage == 3 and pp == 1:
-        return "ZeRO-3" + (f" + tp{tp}" if tp > 1 else "")
+        return "ZeRO-3"
     return "PTD-P" if tp > 1 and pp > 1 else f"tp{tp} pp{pp}"
 
 
@@ -165,7 +166,7 @@ def run_search(comp: dict[str, Any]) -> dict[str, Any]:
     flops = megatron_flops(best["global_batch"], mk["seq"], mk["layers"], mk["hidden"], mk["vocab"],
                            recompute=s.recompute == "full")
     n = len(s.mesh.devices)
-    plan = (f"dp{s.dp} tp{s.tp} pp{s.pp} m={s.microbatches} {s.schedule} zero{s.zero_stage} rc={s.recompute}")
+    plan = f"dp{s.dp} tp{s.tp} pp{s.pp} m={s.microbatches} {s.schedule} zero{s.zero_stage} rc={s.recompute}"
     row = {"comparison": comp["name"], "cluster": best["cluster"], "search_plan": plan,
            "search_priced_tflops_per_gpu": round(flops / s.estimate.step_time_s / n / 1e12, 1),
            "best_published": best["name"], "best_published_tflops_per_gpu": best["published_tflops"],
