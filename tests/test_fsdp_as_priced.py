@@ -12,7 +12,6 @@ graph), and the step's price must be what those collectives cost.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from collections import Counter
 from types import SimpleNamespace
@@ -24,23 +23,17 @@ import torch.multiprocessing as mp
 
 from polyparallel.backends.torch import _examples as ex
 
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 CASES = [(1, 1), (1, 2), (2, 2), (3, 1), (3, 2)]  # (ZeRO stage, micro-batches)
 
 
-def _rank(rank: int, port: int, out: str) -> None:
+def _rank(rank: int, store: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from polyparallel.backends.torch._worker import _fully_shard, _gradient_sync
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # a file rendezvous (as test_exact_semantics): a probed free port can be taken by a test running
+    # beside this one before the ranks bind it, and gloo then aborts the rank
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,))
     seen: list[tuple[str, int]] = []
     real = {"all_gather": dist.all_gather_single, "reduce_scatter": dist.reduce_scatter_single}
@@ -83,7 +76,7 @@ def _rank(rank: int, port: int, out: str) -> None:
 def executed() -> dict[tuple[int, int], list[tuple[str, int]]]:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "counts.pt")
-        mp.spawn(_rank, args=(_port(), out), nprocs=2)
+        mp.spawn(_rank, args=(os.path.join(d, "store"), out), nprocs=2)
         return torch.load(out)
 
 
