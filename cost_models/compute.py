@@ -495,7 +495,7 @@ def autocast_seconds(graph: Graph, op: Op, device: DeviceType, dtype: str, width
                      split: float = 1.0) -> tuple[float, float]:
     """Device seconds ``(forward, backward)`` that eager ``torch.autocast`` adds to ``op`` over pricing
     every tensor at the 16-bit ``dtype``; ``widths``: bytes per element of each tensor as the step
-    holds it (fp32 parameters, fp32 where torch promotes: ``step._sent_widths``).
+    holds it (fp32 parameters, fp32 where torch promotes: ``activations.sent_widths``).
 
     * An op of autocast's lower-precision list casts each wider operand it multiplies (the first
       two inputs: activations, and fp32 parameters unless FSDP2 holds them in 16 bits) to ``dtype``:

@@ -21,7 +21,7 @@ ZeRO-1/2 the weights are gathered for the whole step while the sharded parameter
 through every micro-batch, and the largest layer's twice (one in use, one prefetched).
 
 Activations: ``A`` bytes per micro-batch for the device's stage (the tensors autograd saves for
-its ops, at their split size: ``step._kept_tensors``; ``scaled_dot_product_attention`` keeps its
+its ops, at their split size: ``activations.kept_tensors``; ``scaled_dot_product_attention`` keeps its
 output and log-sum-exp, other attention ops their score matrices unless fused; a pipeline stage
 also holds the activations it received) times the peak number of micro-batches alive under the
 pipeline schedule (``m`` for GPipe, ``p − s`` for 1F1B stage ``s``, ``p(1 + (p−1)/(p·v))`` for

@@ -26,7 +26,7 @@ dim); per micro-batch and MoE layer the routed rows are all-to-all dispatched to
 and the outputs combined back, forward and backward, at the volumes the polyhedral model counts
 (:func:`expert_all_to_all_elements`); the experts' weights, gradients and optimizer state are ``1/ep``
 per rank and their gradients are reduced over the ``dp·sp/ep`` ranks holding the same experts
-(:func:`_expert_parallel`).
+(:func:`expert_parallel`).
 
 **Per micro-batch and stage**: ``F_s = Σ_{ops} t_fwd + Σ t_tp,fwd + Σ t_sp,fwd`` and
 ``B_s = Σ t_bwd + Σ t_tp,bwd + Σ t_sp,bwd + R_s`` where ``R_s`` is the recomputed forward
@@ -96,7 +96,7 @@ bytes streamed per micro-batch.
 ``None``: the torch backend) runs under ``torch.autocast``: each op also pays
 :func:`~polyparallel.cost_models.compute.autocast_seconds`, its cast kernels and the operands torch
 holds in fp32 (parameters, a residual stream that adds a 16-bit projection to fp32 embeddings, layer
-norms, the loss), at the widths :func:`_sent_widths` gives.
+norms, the loss), at the widths :func:`sent_widths` gives.
 
 **Host-bound accelerators.** Eager PyTorch dispatches every kernel from the host; the device
 runs ahead only while the host enqueues faster than the kernels run. On an accelerator with
@@ -116,32 +116,38 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from polyparallel.cluster import Cluster, DeviceType
-from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Hint, Op, OpKind, TensorKind, element_bytes
+from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Op, OpKind, TensorKind
 
-from .comm import collective_time, p2p_time
+from .activations import (
+    crossing,
+    loss_transient,
+    recomputed_segments,
+    segment_activations,
+    segment_inputs,
+    sent_widths,
+)
 from .compute import (
-    AUTOCAST_LOW,
     autocast_seconds,
-    batch_statistics_ops,
     host_seconds,
     host_step_fixed,
     is_sdpa,
-    math_sdpa_saved_bytes,
-    math_sdpa_upcasts,
     op_classes,
     op_cost,
     streaming_bandwidth,
 )
-from .layers import LAYER, chunk_of_ops, chunk_ranges, chunks, layer_segments, segments
-from .megatron_rule import op_plans, tensor_bytes
+from .data_parallel import DataParallel, cross_rank_norms, data_parallel, fsdp_units, max_segment_params, unit_tensors
+from .expert_parallel import expert_parallel
+from .layers import chunk_of_ops, chunk_ranges, chunks, layer_segments, segments
+from .megatron_rule import op_plans
 from .memo import PRICES
 from .memory import MemoryReport, device_memory
 from .op_profile import profile_for, profiled_op
 from .parallel_config import OpPlan, ParallelConfig, StageBreakdown, StepEstimate
 from .pipeline import makespan_bound, peak_in_flight, simulate
+from .stage_layout import Group, StageLayout, StageTerms, group_seconds, p2p_seconds, reduce_over, stage_layouts
 
 __all__ = ["OpPlan", "ParallelConfig", "StageBreakdown", "StepBound", "StepEstimate", "chunk_of_ops", "estimate_step",
            "layer_segments", "op_seconds", "optimizer_element_time", "step_lower_bound"]
@@ -156,173 +162,19 @@ _OPT_KERNELS = {"adam": 9, "adamw": 10, "lamb": 12, "lion": 5, "sgd": 1, "sgd_mo
 _FOREACH_ACCESSES = {"adam": 18, "adamw": 20, "lamb": 24, "lion": 10, "sgd": 3, "sgd_momentum": 8}
 
 
-# what an absorbed elementwise op's backward keeps (torch's derivatives.yaml): nothing, its output,
-# or (the default: gelu, silu, mul, div, pow, sin, ...) its input
-_SAVES_NOTHING = frozenset({"add", "sub", "rsub", "neg", "to", "_to_copy", "clone", "contiguous", "alias", "type_as",
-                            "mul.Scalar", "div.Scalar", "add.Scalar", "sub.Scalar"})
-# torch DDP's gradient buckets (torch.nn.parallel.DistributedDataParallel: bucket_cap_mb=25, and
-# dist._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB for the first bucket, so that communication starts early)
-DDP_BUCKET_BYTES = 25 * 2**20
-DDP_FIRST_BUCKET_BYTES = 2**20
-
-_SAVES_OUTPUT = frozenset({"relu", "sigmoid", "tanh", "exp", "rsqrt", "sqrt", "reciprocal"})
 
 
-def _saves(target: str) -> str:
-    """``nothing``, ``output`` or ``input``: what the backward of the elementwise op ``target`` keeps."""
-    parts = target.split(".")
-    base = parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[0]
-    overload = f"{base}.{parts[2]}" if parts[0] == "aten" and len(parts) > 2 else base
-    if base in _SAVES_NOTHING or overload in _SAVES_NOTHING:
-        return "nothing"
-    return "output" if base in _SAVES_OUTPUT else "input"
 
 
-def _fused_temporaries(op: Op) -> int:
-    """Intermediate values of a fused elementwise chain (``attrs["fused"]``: the producer's output
-    ``v_0``, then each absorbed op's) that eager torch keeps for the backward: ``v_{i-1}`` when the
-    ``i``-th absorbed op saves its input, ``v_i`` when it saves its output (the last, the op's
-    output, is counted with the outputs). GPT's ``gelu(fc(x))`` keeps the pre-activation; LLaMA's
-    ``silu(gate(x)) * up`` the gate's output and the silu's."""
-    kept: set[int] = set()
-    chain = op.attr.get("fused", ())
-    for i, target in enumerate(chain, start=1):
-        how = "nothing" if _base(target) in _NO_GRAD else _saves(target)
-        if how == "input":
-            kept.add(i - 1)
-        elif how == "output" and i < len(chain):
-            kept.add(i)
-    return len(kept)
 
 
-_NO_GRAD = frozenset({"eq", "ne", "le", "lt", "ge", "gt", "__and__", "__or__", "__xor__", "logical_and", "logical_or",
-                      "logical_not", "bitwise_and", "bitwise_or", "bitwise_not", "isnan", "isinf", "sign"})
-_FLOATS = ("float32", "float16", "bfloat16", "float64")
-_BINARY_SAVERS = frozenset({"mul", "div", "where", "maximum", "minimum", "pow", "atan2"})
 
 
-def _base(target: str) -> str:
-    parts = target.split(".")
-    return parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[0]
 
 
-def _kept_tensors(graph: Graph) -> tuple[frozenset[str], dict[str, int]]:
-    """The activations eager torch keeps alive for the backward: autograd's saved tensors.
-
-    A tensor is kept when an op recorded by autograd (one with an input that requires grad) saves
-    it: contractions, convolutions, norms and attention save their activation inputs (a Linear its
-    input, a matmul both operands); an elementwise op its input (gelu, silu, pow, ...; ``mul`` each
-    operand when the other requires grad), its output (relu, exp, rsqrt, ...) or nothing (add, sub,
-    casts, comparisons); softmax its output; the loss its logits (its log-softmax, the same size);
-    reductions (mean, sum), concatenations, splits and index gathers none of their float inputs.
-    A kept view keeps the tensor it views. An op's fused elementwise chain saves what its ops save
-    (:func:`_fused_temporaries`); its extra inputs are kept when the chain multiplies by them.
-    Returns the kept tensors and, per op recorded by autograd, its kept fused temporaries."""
-    cache = PRICES.of(graph)
-    if ("kept",) in cache:
-        return cache[("kept",)]
-    grad = {n for n, t in graph.tensors.items() if t.kind is TensorKind.PARAM}
-    temps: dict[str, int] = {}
-    producer = {t: op for op in graph.ops for t in op.outputs}
-    kept: set[str] = set()
-
-    def keep(t: str) -> None:
-        while True:
-            p = producer.get(t)
-            if p is not None and OpKind(p.kind) is OpKind.VIEW and p.inputs:
-                t = p.inputs[0]  # a view's storage is its input's
-                continue
-            kept.add(t)
-            return
-
-    for op in graph.ops:
-        acts = [t for t in op.inputs if graph.tensors[t].kind is not TensorKind.PARAM]
-        floats = [t for t in acts if graph.tensors[t].dtype in _FLOATS]
-        if not any(t in grad for t in op.inputs):
-            continue  # autograd records nothing
-        kind, base = OpKind(op.kind), _base(op.target)
-        chain = op.attr.get("fused", ())
-        if base not in _NO_GRAD:
-            grad.update(t for t in op.outputs if graph.tensors[t].dtype in _FLOATS)
-        main = acts
-        temps[op.name] = _fused_temporaries(op)
-        if chain and kind in (OpKind.CONTRACTION, OpKind.CONV, OpKind.ELEMENTWISE):
-            # the fused op's own inputs come first, those of the absorbed ops after them
-            if kind is OpKind.ELEMENTWISE:
-                n_main = 2 if base in _BINARY_SAVERS or base in ("add", "sub", "rsub") else 1
-            else:
-                n_main = 1 if any(graph.tensors[t].kind is TensorKind.PARAM for t in op.inputs) else 2
-            main = [t for t in acts if t in floats[:n_main] or t not in floats]
-            if any(_base(c) in _BINARY_SAVERS for c in chain):
-                for t in floats[n_main:]:
-                    keep(t)
-        if kind is OpKind.ATTENTION:
-            for t in floats:
-                keep(t)  # q, k, v (a boolean mask is not kept: torch's kernels take it as is)
-        elif kind in (OpKind.CONTRACTION, OpKind.CONV, OpKind.NORM, OpKind.LOSS, OpKind.OPAQUE):
-            for t in main:
-                keep(t)
-        elif kind is OpKind.EMBEDDING or kind is OpKind.GATHER:
-            for t in acts:
-                if t not in floats:
-                    keep(t)  # the indices
-        elif kind is OpKind.POOL and "max" in base:
-            for t in main:
-                keep(t)
-        elif kind is OpKind.ELEMENTWISE and base not in _NO_GRAD:
-            how = _saves(op.target)
-            if how == "input":
-                for t in main:
-                    if t in floats and (base not in _BINARY_SAVERS or any(o in grad for o in main if o != t)):
-                        keep(t)
-            elif how == "output" and not chain:
-                kept.update(op.outputs)
-        elif kind is OpKind.SOFTMAX or (kind is OpKind.REDUCE and "softmax" in base):
-            kept.update(op.outputs)
-        elif kind is OpKind.REDUCE and base in ("amax", "max", "min", "amin", "prod", "var", "std", "norm"):
-            for t in main:
-                keep(t)
-        if chain and _saves(chain[-1]) == "output":
-            kept.update(op.outputs)
-    cache[("kept",)] = (frozenset(kept), temps)
-    return cache[("kept",)]
 
 
-def _activation_bytes(graph: Graph, op: Op, dtype: str, fused_attention: bool | None, selective: bool,
-                      math_sdpa: bool = False) -> float:
-    """Bytes an op stores for its backward: its outputs, the temporaries of its fused elementwise
-    chain that eager torch keeps, and for attention what its kernel keeps.
 
-    ``scaled_dot_product_attention`` runs as torch's fused kernels (flash / memory-efficient, on
-    CPU the flash kernel), which keep the output and the softmax's log-sum-exp (``B·H·S`` fp32), never
-    the ``S×S`` scores (its inputs q, k, v are their producers' outputs, counted there); under
-    selective recomputation the checkpoint drops the log-sum-exp too. ``math_sdpa``: it runs as
-    torch's upcast math kernel instead (an accelerator, 16 bits, no fused kernel), which keeps fp32
-    probabilities and fp32 copies of q, k and v (:func:`math_sdpa_saved_bytes`; measured on an H200,
-    GPT-1.7B at batch 4 x 2048: 85.7 GB against 43.9 with flash attention). Any other attention op keeps
-    its scores and probabilities unless ``fused_attention`` says it runs as a fused kernel, and
-    selective recomputation drops them (Korthikanti et al., 2022)."""
-    if OpKind(op.kind) in (OpKind.VIEW, OpKind.CREATE):
-        return 0.0
-    kept, temps = _kept_tensors(graph)
-    total = sum(tensor_bytes(graph, t, dtype) for t in op.outputs if t in kept)
-    if op.outputs:
-        total += temps.get(op.name, 0) * tensor_bytes(graph, op.outputs[0], dtype)
-    if is_sdpa(op) and math_sdpa and op.nest is not None:
-        if not selective:
-            total += math_sdpa_saved_bytes(op)
-    elif is_sdpa(op):
-        if not selective and op.outputs:
-            out = graph.tensors[op.outputs[0]]
-            total += out.numel / max(out.shape[-1], 1) * 4 if out.shape else 0.0
-    elif OpKind(op.kind) is OpKind.ATTENTION and op.nest is not None and not fused_attention and not selective:
-        ext = op.nest.extents
-        for st in op.nest.statements:
-            for w in st.writes:
-                if w.operand == "scores":
-                    n = math.prod(ext[d] for e in w.index for d in e.dims)
-                    total += 2 * n * TRAINING_DTYPE_BYTES[dtype]  # scores and probabilities
-    return total
 
 
 # --------------------------------------------------------------------------------------------
@@ -403,49 +255,17 @@ def step_lower_bound(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> Ste
 
 # -- the parts of the estimate that do not need the pipeline simulation --------------------------
 
-@dataclass(frozen=True)
-class _StageTerms:
-    """Per stage and micro-batch, what does not depend on ``m``, the schedule order, ZeRO or the optimizer."""
-
-    devices: tuple[tuple[int, ...], ...]
-    types: tuple[DeviceType, ...]
-    fwd: tuple[float, ...]
-    bwd: tuple[float, ...]
-    comp: tuple[float, ...]
-    tp_t: tuple[float, ...]
-    sp_t: tuple[float, ...]
-    act: tuple[float, ...]
-    seg_act_max: tuple[float, ...]
-    params: tuple[float, ...]
-    p2p: tuple[float, ...]
-    p2p_sum: tuple[float, ...]
-    spans: tuple[str, ...]
-    seg_params: tuple[tuple[float, ...], ...]  # per stage, parameters first used in each of its layers
-    seg_fwd: tuple[tuple[float, ...], ...]  # per stage, forward seconds of each of its layers
-    dp_groups: tuple[tuple[_Group, ...], ...]  # distinct (by nodes) dp groups of each stage
-    memo: dict = field(default_factory=dict, compare=False, repr=False)  # per-plan parts that repeat
-    param_tensors: tuple[int, ...] = ()  # distinct parameter tensors of each stage
-    tp_param_tensors: tuple[int, ...] = ()  # of those, the ones split over tp (DTensors in torch)
-    p2p_block: tuple[float, ...] = ()  # per micro-batch, in each of forward and backward: synchronous p2p
-    tied: tuple[tuple[tuple[tuple[int, ...], float], ...], ...] = ()  # per stage: _StageBase.tied
 
 
-@dataclass(frozen=True)
-class _DataParallel:
-    exposed: float  # per step, after the pipeline
-    t_opt: float
-    t_dp: float  # before overlap, per step
-    events: tuple[tuple[str, float], ...]
-    per_microbatch: float = 0.0  # exposed inside every micro-batch (ZeRO-3 gathers), forward + backward
 
 
 @dataclass(frozen=True)
 class _Prepared:
-    terms: _StageTerms
+    terms: StageTerms
     chunks: int
     fwd: tuple[float, ...]
     bwd: tuple[float, ...]
-    dp: tuple[_DataParallel, ...]
+    dp: tuple[DataParallel, ...]
     memory: tuple[MemoryReport, ...]
     accumulation: tuple[float, ...] = ()  # per stage and micro-batch, inside the backward
     expert: tuple[float, ...] = ()  # per stage and micro-batch, expert-parallel all-to-alls (forward = backward)
@@ -459,7 +279,8 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
     gb = TRAINING_DTYPE_BYTES[cfg.dtype]
     dps, mems, accum = [], [], []
     fwd, bwd = list(terms.fwd), list(terms.bwd)
-    moe = _expert_parallel(graph, cluster, cfg, terms, ccache, gb) if cfg.ep > 1 else None
+    moe = expert_parallel(graph, cluster, cfg, terms, ccache, gb, per_plan(graph, cfg, op_plans(graph, cfg))[3]) \
+        if cfg.ep > 1 else None
     # the data-parallel group reduces the stage's other weights; the experts' own reduction is added
     dterms = terms if moe is None else replace(
         terms, params=tuple(x - e for x, e in zip(terms.params, moe.expert_params)), memo={})
@@ -470,15 +291,15 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
         omega = cfg.grad_overlap if cfg.grad_overlap is not None else (0.0 if dt.kind == "cpu" else 1.0)
         # an accelerator's DDP all-reduce is priced by its buckets unless an overlap is given
         buckets = cfg.grad_overlap is None and dt.kind != "cpu"
-        units = _fsdp_units(graph, cfg, dterms, s) if (cfg.zero_stage >= 1 and cfg.pp == 1 and moe is None
+        units = fsdp_units(graph, cfg, dterms, s) if (cfg.zero_stage >= 1 and cfg.pp == 1 and moe is None
                                                        and cfg.grad_reduce == "reduce_scatter") else ()
         # DeepSpeed's ZeRO-3 of 2021 gathers parameter tensor by parameter tensor (ParallelConfig.zero3_gather)
-        per_tensor = (_unit_tensors(graph, cfg, s), dt.launch_overhead) if (
+        per_tensor = (unit_tensors(graph, cfg, s), dt.launch_overhead) if (
             units and cfg.zero_stage == 3 and cfg.zero3_gather == "parameter") else None
-        events, t_dp, exposed, ef, eb = _data_parallel(cluster, ccache, dterms, s, cfg, gb, omega, v, buckets, units,
+        events, t_dp, exposed, ef, eb = data_parallel(cluster, ccache, dterms, s, cfg, gb, omega, v, buckets, units,
                                                        per_tensor)
         if dgrp_size > 1 and cfg.pp == 1:
-            nf, nb = _cross_rank_norms(graph, cluster, ccache, terms.dp_groups[s][0], dt, cfg)
+            nf, nb = cross_rank_norms(graph, cluster, ccache, terms.dp_groups[s][0], dt, cfg)
             ef, eb = ef + nf, eb + nb
         fwd[s] += ef
         bwd[s] += eb
@@ -504,12 +325,12 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
         if cfg.pp > 1:
             # a pipeline combines its micro-batches' losses and target counts with one all-reduce over
             # the whole world after the flush (the torch backend's weigh_microbatches)
-            exposed += _reduce_over(cluster, ccache, tuple(d for ds in terms.devices for d in ds), 32.0)
+            exposed += reduce_over(cluster, ccache, tuple(d for ds in terms.devices for d in ds), 32.0)
         elif dgrp_size > 1:
             # the step's loss and its target count are all-reduced over the replicas between the
             # forward and the backward, on every rank's critical path (the torch backend's
             # weigh_replicas; Megatron-LM all-reduces the loss every step for its log)
-            exposed += _price(cluster, ccache, (("all_reduce", 32.0),), *terms.dp_groups[s][0])
+            exposed += group_seconds(cluster, ccache, (("all_reduce", 32.0),), *terms.dp_groups[s][0])
         for holders, numel in terms.tied[s] if terms.tied else ():
             # a weight several stages use (a tied embedding and output head) gets its gradient
             # summed over them after the flush, before the optimizer: Megatron-LM's
@@ -517,7 +338,7 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
             # backend's tie groups; every replica's group at once, those on one node sharing its ports
             first = terms.devices[s][0]
             on_node = sum(cluster.device(d).node == cluster.device(first).node for d in terms.devices[s])
-            exposed += _reduce_over(cluster, ccache, tuple(terms.devices[h][0] for h in holders),
+            exposed += reduce_over(cluster, ccache, tuple(terms.devices[h][0] for h in holders),
                                     numel * max(gb, 4), on_node)
         master = 4 if gb < 4 else 0
         opt_state = 8 if cfg.optimizer in ("adam", "adamw", "lamb") else 4 if cfg.optimizer in (
@@ -584,14 +405,14 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
             acc = rate * (m - 1) / m * (local if cfg.zero_stage >= 2 else held)
         bwd[s] += acc
         accum.append(acc)
-        dps.append(_DataParallel(exposed, t_opt, t_dp, events, ef + eb))
-        ws = terms.seg_act_max[s] + _loss_transient(graph, cfg, v, _eager(cfg, dt)).get(s, 0.0)
+        dps.append(DataParallel(exposed, t_opt, t_dp, events, ef + eb))
+        ws = terms.seg_act_max[s] + loss_transient(graph, cfg, v, _eager(cfg, dt)).get(s, 0.0)
         if cfg.zero_stage == 3 and units:
             # FSDP2 keeps the root's weights gathered through each micro-batch, a layer's while it
             # runs and the next one's, prefetched
             ws += (units[0][0] + 2 * max((w for w, _ in units[1:]), default=0.0)) * gb
         elif cfg.zero_stage == 3:
-            ws += 2 * _max_segment_params(graph) * gb / cfg.tp
+            ws += 2 * max_segment_params(graph) * gb / cfg.tp
         mems.append(device_memory(
             label=f"stage {s} (devices {terms.spans[s]})", device=f"{dt.name} {dt.memory / 1e9:.0f} GB",
             capacity=dt.memory, params=params - experts, dp=dgrp_size, zero_stage=cfg.zero_stage,
@@ -612,36 +433,6 @@ def _low_params(cfg: ParallelConfig) -> bool:
     return cfg.zero_stage >= 1 and cfg.dp * cfg.sp > 1
 
 
-def _loss_transient(graph: Graph, cfg: ParallelConfig, v: int, eager: bool) -> dict[int, float]:
-    """Bytes an eager cross-entropy adds at the start of the backward pass, per pipeline stage.
-
-    Eager PyTorch computes the loss in fp32 (autocast upcasts it): ``log_softmax`` of the ``N``
-    logits is saved for the backward (``4N`` bytes), whose start allocates the gradient of the
-    log-probabilities and of the logits (``4N`` each) while they are still held, a peak of ``12N``
-    bytes where the activations count the logits once at the compute precision. A fused loss
-    kernel (``fused_elementwise``: Megatron's vocabulary-parallel cross entropy) keeps none of it.
-    ``N`` is the op's local share of its input (a vocabulary-parallel split divides it).
-    """
-    if not eager:
-        return {}
-    key = ("loss_ws", cfg.pp, v, cfg.partition, cfg.dtype, cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.op_plans)
-    cache = PRICES.of(graph)
-    if key not in cache:
-        chunk_of_op = chunks(graph, cfg.pp * v, cfg.partition)
-        plans = op_plans(graph, cfg)
-        out: dict[int, float] = {}
-        for i, op in enumerate(graph.ops):
-            if OpKind(op.kind) is not OpKind.LOSS or not op.inputs:
-                continue
-            spec = graph.tensors[op.inputs[0]]
-            if spec.dtype not in ("float32", "float16", "bfloat16"):
-                continue
-            n = spec.numel / plans[i].split
-            extra = 12 * n - tensor_bytes(graph, op.inputs[0], cfg.dtype) / plans[i].split
-            stage = chunk_of_op[i] % cfg.pp
-            out[stage] = out.get(stage, 0.0) + max(extra, 0.0)
-        cache[key] = out
-    return cache[key]
 
 
 def optimizer_element_time(rates: Sequence[tuple[float, float]], elements: float) -> float:
@@ -657,298 +448,33 @@ def optimizer_element_time(rates: Sequence[tuple[float, float]], elements: float
     return float(np.interp(math.log(max(elements, 1.0)), [x for x, _ in pts], [r for _, r in pts]))
 
 
-def _ddp_exposed(cluster: Cluster, ccache: dict, groups: Sequence, grad_bytes: float, window: float) -> float:
-    """Seconds torch DDP's bucketed all-reduce runs past the backward ``window`` that produces the gradients.
-
-    DDP reduces ``grad_bytes`` in buckets, in the order the backward produces them: a first bucket of
-    ``DDP_FIRST_BUCKET_BYTES``, then ``DDP_BUCKET_BYTES`` each (torch's defaults). A bucket is ready once
-    the backward has produced its last gradient (gradients come out at an even rate over ``window``) and
-    its all-reduce starts when it is ready and the previous one has finished (one communication
-    stream): ``f_i = max(r_i, f_{i-1}) + AR(b_i)``. Exposed: ``max(0, f_last − window)`` — the last
-    bucket never overlaps, and nothing is reduced before the first bucket fills.
-    """
-    key = ("ddp_exposed", tuple(gid for _, gid in groups), grad_bytes, window)
-    hit = ccache.get(key)  # plans differing in m, the schedule or memory knobs share it
-    if hit is not None:
-        return hit
-    first = min(DDP_FIRST_BUCKET_BYTES, grad_bytes)
-    full, tail = divmod(grad_bytes - first, DDP_BUCKET_BYTES)
-    # the buckets: `first`, `full` of DDP_BUCKET_BYTES, then `tail` (a big model has ~10^4 of them;
-    # the loop below is the recurrence above, operation for operation, with its prices hoisted)
-    runs = [(first, 1), (DDP_BUCKET_BYTES, int(full))] + ([(tail, 1)] if tail > 0 else [])
-    worst = 0.0
-    for grp, gid in groups:
-        price: dict[float, float] = {}
-        done = produced = 0.0
-        for b, count in runs:
-            if not count:
-                continue
-            if b not in price:
-                price[b] = _price(cluster, ccache, (("all_reduce", b),), grp, gid)
-            p_b = price[b]
-            for _ in range(count):
-                produced += b
-                ready = window * produced / grad_bytes
-                done = (done if done > ready else ready) + p_b
-        worst = max(worst, done - window)
-    ccache[key] = out = max(0.0, worst)
-    return out
 
 
-def _cross_rank_norms(graph: Graph, cluster: Cluster, ccache: dict, group: tuple[Sequence[int], int],
-                      dt: DeviceType, cfg: ParallelConfig) -> tuple[float, float]:
-    """Forward and backward seconds per micro-batch that BatchNorm over the replicas adds
-    (``backends/torch/_batchnorm.py``): per op, in the forward an all-reduce of the per-channel sums
-    and the count (``8(C+1)`` bytes, float64), then of the squared deviations (``8C``), each
-    waited for before the next op; the backward all-reduces both gradients alike. A profiled
-    device adds what computing the statistics op by op costs over the fused kernel (measured)."""
-    ops = batch_statistics_ops(graph)
-    if not ops:
-        return 0.0, 0.0
-    grp, gid = group
-    t = 0.0
-    for op in ops:
-        c = graph.tensors[op.inputs[0]].shape[1]
-        t += _price(cluster, ccache, (("all_reduce", 8.0 * (c + 1)), ("all_reduce", 8.0 * c)), grp, gid)
-    f, b = t, t
-    prof = profile_for(dt, graph, cfg.dtype)
-    extra = prof.wrapper(cfg.world, "cross_rank_norm/op") if prof is not None else None
-    if extra is not None:
-        f, b = f + len(ops) * extra[0], b + len(ops) * extra[1]
-    return f, b
 
 
-def _data_parallel(cluster: Cluster, ccache: dict, terms: _StageTerms, s: int, cfg: ParallelConfig, gb: int,
-                   omega: float, v: int, buckets: bool = False, units: Sequence[tuple[float, float]] = (),
-                   per_tensor: tuple[Sequence[int], float] | None = None,
-                   ) -> tuple[tuple[tuple[str, float], ...], float, float, float, float]:
-    """Stage ``s``'s data-parallel traffic (module docstring): ``(events, seconds before overlap,
-    exposed seconds per step, exposed seconds per micro-batch forward, and backward)``.
-    ``buckets``: ZeRO-0's all-reduce is exposed as torch DDP's buckets leave it (:func:`_ddp_exposed`)
-    instead of by ``ω``. ``units``: the FSDP2 units of a stage without pipeline parallelism
-    (:func:`_fsdp_units`), which ZeRO-1/2/3 are priced by (:func:`_fsdp_exposed`).
-
-    Weights move at ``gb`` bytes per element (the compute precision: FSDP2's
-    ``MixedPrecisionPolicy(param_dtype=...)`` all-gathers them in it), gradients are reduced at
-    ``rb = max(gb, 4)``: with bf16/fp16 the torch backend keeps fp32 master weights, so DDP
-    all-reduces their fp32 gradients and FSDP2 reduce-scatters with ``reduce_dtype=float32``."""
-    rb = max(gb, 4)
-    groups = terms.dp_groups[s]
-    if len(groups[0][0]) == 1:
-        return (), 0.0, 0.0, 0.0, 0.0
-    m, z = cfg.microbatches, cfg.zero_stage
-    params = terms.params[s]
-    if z == 0 or (z in (1, 2) and not (cfg.pp == 1 and units)):
-        # a function of the group's price classes and a few numbers: the stages and plans sharing them
-        # (the repeated layers' stages, plans differing in the schedule or, below ZeRO-2, in m) share it
-        key = ("data_parallel", z, m if z == 2 else 0, tuple(gid for _, gid in groups), params, terms.bwd[s], gb,
-               omega, v, buckets, cfg.grad_reduce)
-        hit = ccache.get(key)
-        if hit is None:
-            hit = ccache[key] = _dp_flat(cluster, ccache, groups, params, terms.bwd[s], z, m, gb, omega, v, buckets,
-                                         cfg.grad_reduce)
-        return hit
-    if cfg.pp == 1 and units:
-        if per_tensor is not None:
-            return _per_tensor_exposed(cluster, ccache, groups, units, per_tensor, cfg, gb, rb, omega, terms.bwd[s])
-        return _fsdp_exposed(cluster, ccache, groups, units, cfg, gb, rb, omega, terms.bwd[s])
-    # ZeRO-3: per micro-batch, each layer's weights are gathered before its forward (the next
-    # layer's gather runs during this layer's compute), gathered again for its backward, and its
-    # gradients reduce-scattered; the backward's two share the link against the backward compute
-    key = ("zero3", s, gb, omega)
-    hit = terms.memo.get(key)  # independent of m: the plans of one stage layout share it
-    if hit is None:
-        seg_fwd = terms.seg_fwd[s]
-        per_mb = ef = eb = 0.0
-        for grp, gid in groups:
-            price: dict[float, tuple[float, float]] = {}  # the repeated layers gather the same bytes
-            for x in terms.seg_params[s]:
-                if x not in price:
-                    price[x] = (_price(cluster, ccache, (("all_gather", x * gb),), grp, gid),
-                                _price(cluster, ccache, (("reduce_scatter", x * rb),), grp, gid))
-            ag = [price[x][0] for x in terms.seg_params[s]]
-            rs = [price[x][1] for x in terms.seg_params[s]]
-            f = (ag[0] if ag else 0.0) + sum(max(0.0, ag[i] - omega * seg_fwd[i - 1]) for i in range(1, len(ag)))
-            b = max(0.0, sum(ag) + sum(rs) - omega * terms.bwd[s])
-            per_mb = max(per_mb, 2 * sum(ag) + sum(rs))
-            ef, eb = max(ef, f), max(eb, b)
-        hit = terms.memo[key] = (per_mb, ef, eb)
-    per_mb, ef, eb = hit
-    return (("all_gather", params * gb), ("reduce_scatter", params * rb)), m * per_mb, 0.0, ef, eb
 
 
-def _dp_flat(cluster: Cluster, ccache: dict, groups: Sequence[_Group], params: float, bwd: float, z: int, m: int,
-             gb: int, omega: float, v: int, buckets: bool, grad_reduce: str = "reduce_scatter",
-             ) -> tuple[tuple[tuple[str, float], ...], float, float, float, float]:
-    """:func:`_data_parallel` without FSDP2 units: ZeRO-0 (DDP), or ZeRO-1/2 inside pipeline stages
-    (and ZeRO-1 whose gradients are all-reduced, ``grad_reduce="all_reduce"``)."""
-    rb = max(gb, 4)
-    if z == 0:
-        events: tuple[tuple[str, float], ...] = (("all_reduce", params * rb),)
-        t_dp = max(_price(cluster, ccache, events, grp, gid) for grp, gid in groups)
-        if buckets and params:
-            return events, t_dp, _ddp_exposed(cluster, ccache, groups, params * rb, bwd / v), 0.0, 0.0
-        return events, t_dp, max(0.0, t_dp - omega * bwd / v), 0.0, 0.0
-    # ZeRO-2 shards the gradients, so every micro-batch's are reduce-scattered as they come
-    n_rs = m if z == 2 else 1
-    events = ((grad_reduce, params * rb), ("all_gather", params * gb))
-    t_dp = max(n_rs * _price(cluster, ccache, events[:1], grp, gid) + _price(cluster, ccache, events[1:], grp, gid)
-               for grp, gid in groups)
-    # ZeRO-1 overlaps the last micro-batch's backward (of its last chunk, interleaved); ZeRO-2
-    # each micro-batch's reduce-scatter with that micro-batch's whole backward
-    hide = omega * (m * bwd if z == 2 else bwd / v)
-    return events, t_dp, max(0.0, t_dp - hide), 0.0, 0.0
 
 
-def _fsdp_units(graph: Graph, cfg: ParallelConfig, terms: _StageTerms, s: int) -> tuple[tuple[float, float], ...]:
-    """Stage ``s``'s FSDP2 units as the torch backend wraps them (``_worker._fully_shard``): the root,
-    holding every parameter outside the numbered layers, then one unit per numbered layer, in
-    execution order; each as ``(parameter elements, forward seconds from the previous unit's start
-    to its own)``, the compute its gather can hide behind (none for the root, gathered first)."""
-    layer = [is_layer for _, is_layer in _stage_segments(graph, cfg, s)]
-    units = [(sum(w for w, is_layer in zip(terms.seg_params[s], layer) if not is_layer), 0.0)]
-    since = 0.0
-    for w, f, is_layer in zip(terms.seg_params[s], terms.seg_fwd[s], layer):
-        if is_layer:
-            units.append((w, since))
-            since = 0.0
-        since += f
-    return tuple(units)
 
 
-def _stage_segments(graph: Graph, cfg: ParallelConfig, s: int) -> list[tuple[list[int], bool]]:
-    """Stage ``s``'s segments in execution order (the order of ``_StageTerms.seg_params[s]``), each
-    with whether it is a numbered layer (an FSDP2 unit of its own) or part of the root."""
-    chunk_of_op = chunks(graph, cfg.pp * (cfg.chunks if cfg.schedule == "interleaved" else 1), cfg.partition)
-    return [(sg, bool(LAYER.match(graph.ops[sg[0]].module or ""))) for sg in segments(graph)
-            if chunk_of_op[sg[0]] % cfg.pp == s]
 
 
-def _unit_tensors(graph: Graph, cfg: ParallelConfig, s: int) -> tuple[int, ...]:
-    """The distinct parameter tensors of each of stage ``s``'s FSDP2 units (:func:`_fsdp_units`'
-    order: the root's, then one count per numbered layer)."""
-    root: set[str] = set()
-    layers: list[int] = []
-    for sg, is_layer in _stage_segments(graph, cfg, s):
-        names = {t for i in sg for t in graph.ops[i].inputs if graph.tensors[t].kind is TensorKind.PARAM}
-        if is_layer:
-            layers.append(len(names))
-        else:
-            root |= names
-    return (len(root), *layers)
 
 
-def _per_tensor_exposed(cluster: Cluster, ccache: dict, groups: Sequence[_Group], units: Sequence[tuple[float, float]],
-                        per_tensor: tuple[Sequence[int], float], cfg: ParallelConfig, gb: int, rb: int, omega: float,
-                        bwd: float) -> tuple[tuple[tuple[str, float], ...], float, float, float, float]:
-    """ZeRO-3 gathering tensor by tensor (``zero3_gather="parameter"``), as :func:`_data_parallel`
-    returns it: a unit of ``w`` elements in ``n`` tensors costs ``n`` all-gathers of ``w/n`` elements
-    and ``n·p`` copy kernels (one per rank's view) at ``launch`` seconds each, exposed in full in the
-    forward and again before the backward (the host waits for the device before each); the
-    reduce-scatters are FSDP2's (:func:`_fsdp_exposed`)."""
-    tensors, launch = per_tensor
-    m = cfg.microbatches
-    ef = eb = t_dp = 0.0
-    for grp, gid in groups:
-        p = len(grp)
-        ag = [n * (_price(cluster, ccache, (("all_gather", w / n * gb),), grp, gid) + p * launch) if w and n else 0.0
-              for (w, _), n in zip(units, tensors)]
-        rs = [_price(cluster, ccache, (("reduce_scatter", w * rb),), grp, gid) if w else 0.0 for w, _ in units]
-        f = sum(ag)
-        b = sum(ag[1:]) + max(0.0, sum(rs[1:]) - omega * bwd) + rs[0]
-        ef, eb = max(ef, f), max(eb, b)
-        t_dp = max(t_dp, m * (sum(ag) + sum(ag[1:]) + sum(rs)))
-    params = sum(w for w, _ in units)
-    return (("all_gather", params * gb), ("reduce_scatter", params * rb)), t_dp, 0.0, ef, eb
 
 
-def fsdp_collectives(units: Sequence[tuple[float, float]], zero_stage: int, microbatches: int, gb: int
-                     ) -> list[tuple[str, float]]:
-    """The collectives one optimizer step of FSDP2 issues per rank, as :func:`_fsdp_exposed` prices
-    them: ``(kind, bytes)`` over the units (:func:`_fsdp_units`), root first. ZeRO-1/2 gather every
-    unit once per step (its weights stay gathered through all the micro-batches); ZeRO-3 gathers the
-    root once per micro-batch (FSDP2 does not reshard it after the forward) and every layer twice
-    (forward, and again for its backward). ZeRO-1 reduce-scatters each unit's gradients once per
-    step (accumulated unsharded), ZeRO-2/3 once per micro-batch."""
-    rb = max(gb, 4)
-    ag = [("all_gather", w * gb) for w, _ in units if w]  # a unit without parameters issues nothing
-    rs = [("reduce_scatter", w * rb) for w, _ in units if w]
-    if zero_stage == 3:
-        return (ag + [("all_gather", w * gb) for w, _ in units[1:] if w] + rs) * microbatches
-    return ag + rs * (microbatches if zero_stage == 2 else 1)
 
 
-def _fsdp_exposed(cluster: Cluster, ccache: dict, groups: Sequence[_Group], units: Sequence[tuple[float, float]],
-                  cfg: ParallelConfig, gb: int, rb: int, omega: float, bwd: float,
-                  ) -> tuple[tuple[tuple[str, float], ...], float, float, float, float]:
-    """FSDP2 with a unit per numbered layer (:func:`_fsdp_units`), as :func:`_data_parallel` returns it.
-
-    Forward: the root's gather has nothing to hide behind; layer ``k``'s is prefetched during the
-    compute since the previous unit started (``c_k``): ``E_fwd = AG(W_root) + Σ_k max(0, AG(W_k) −
-    ω·c_k)``. Backward: the layers' reduce-scatters (and, under ZeRO-3, their second gathers) share
-    the link against the backward; the root's reduce-scatter runs after it, exposed: ``E_bwd =
-    max(0, Σ_k [RS(W_k) (+ AG(W_k))] − ω·B) + RS(W_root)``. ZeRO-3 pays both in every micro-batch;
-    ZeRO-1/2 gather once per step (``E_fwd`` after the pipeline, with the step), ZeRO-2 reduces in
-    every micro-batch's backward, ZeRO-1 in the last one's only."""
-    z, m = cfg.zero_stage, cfg.microbatches
-    ef = eb = t_dp = 0.0
-    for grp, gid in groups:
-        ag = [_price(cluster, ccache, (("all_gather", w * gb),), grp, gid) if w else 0.0 for w, _ in units]
-        rs = [_price(cluster, ccache, (("reduce_scatter", w * rb),), grp, gid) if w else 0.0 for w, _ in units]
-        f = ag[0] + sum(max(0.0, a - omega * c) for a, (_, c) in zip(ag[1:], units[1:]))
-        b = max(0.0, sum(rs[1:]) + (sum(ag[1:]) if z == 3 else 0.0) - omega * bwd) + rs[0]
-        ef, eb = max(ef, f), max(eb, b)
-        t_dp = max(t_dp, sum(_price(cluster, ccache, (e,), grp, gid)
-                             for e in fsdp_collectives(units, z, m, gb)))
-    params = sum(w for w, _ in units)
-    events = (("all_gather", params * gb), ("reduce_scatter", params * rb))
-    if z == 3:
-        return events, t_dp, 0.0, ef, eb
-    if z == 2:
-        return events, t_dp, ef, 0.0, eb
-    return events, t_dp, ef + eb, 0.0, 0.0
 
 
-def _price(cluster: Cluster, ccache: dict, events: Sequence[tuple[str, float]], grp: Sequence[int],
-           gid: int) -> float:
-    """Seconds of a list of collectives over one group, each distinct one priced once per cluster.
-
-    ``gid`` names the group's price class (:func:`_layout`): nodes are homogeneous (one device
-    type, one intra-node link), so a collective's time depends on how many members sit on which
-    node and how many groups of its kind share those nodes' ports, not on which devices they are.
-    """
-    tot = 0.0
-    for kind, nbytes in events:
-        key = (kind, nbytes, gid)
-        t = ccache.get(key)
-        if t is None:
-            conc = PRICES.of(cluster)["group_concurrency"][gid]
-            t = ccache[key] = collective_time(cluster, kind, nbytes, grp, concurrent=conc).seconds
-        tot += t
-    return tot
 
 
-def _reduce_over(cluster: Cluster, ccache: dict, group: tuple[int, ...], nbytes: float, concurrent: int = 1) -> float:
-    """Seconds of one all-reduce of ``nbytes`` over the devices ``group`` (a group the layout does
-    not name: the whole world, the stages sharing a weight), ``concurrent`` such groups sharing a node."""
-    key = ("all_reduce over", group, nbytes, concurrent)
-    t = ccache.get(key)
-    if t is None:
-        t = ccache[key] = collective_time(cluster, "all_reduce", nbytes, group, concurrent=concurrent).seconds
-    return t
 
 
-def _max_segment_params(graph: Graph) -> int:
-    """Parameters of the largest layer (ZeRO-3 gathers one layer at a time)."""
-    cache = PRICES.of(graph)
-    if ("max_seg_params",) not in cache:
-        cache[("max_seg_params",)] = max((sum(graph.tensors[t].numel for i in sg for t in graph.ops[i].inputs
-                                              if graph.tensors[t].kind is TensorKind.PARAM)
-                                          for sg in segments(graph)), default=0)
-    return cache[("max_seg_params",)]
 
 
-def _stage_terms(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int) -> _StageTerms:
+def _stage_terms(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int) -> StageTerms:
     """Memoised per graph and cluster: the search prices many configurations sharing these.
 
     Two levels: the per-stage sums that do not depend on recomputation (:func:`_stage_base`,
@@ -974,7 +500,7 @@ def _stage_terms(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int) ->
 class _StageBase:
     """One stage's sums per micro-batch before a recomputation choice."""
 
-    layout: _StageLayout
+    layout: StageLayout
     # (type, forward, backward, attention forward, forward of each layer)
     by_type: tuple[tuple[DeviceType, float, float, float, tuple[float, ...]], ...]
     tf: float  # tensor-parallel collectives, forward and backward
@@ -998,10 +524,10 @@ class _StageBase:
     tied: tuple[tuple[tuple[int, ...], float], ...] = ()
 
 
-def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, ...]) -> _StageTerms:
+def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, ...]) -> StageTerms:
     plans = op_plans(graph, cfg)
     full = cfg.recompute == "full"
-    out: dict[str, list] = {k: [] for k in _StageTerms.__dataclass_fields__ if k != "memo"}
+    out: dict[str, list] = {k: [] for k in StageTerms.__dataclass_fields__ if k != "memo"}
     for st in base:
         # The slowest device type of the stage sets its pace (synchronous collectives).
         best: tuple[DeviceType, float, float, float, tuple[float, ...]] | None = None
@@ -1011,7 +537,7 @@ def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, 
                 best = (dt, f, b, rc, seg_f)
         assert best is not None
         dt, f, b, rc, seg_f = best
-        seg_act = _segment_activations(graph, cfg, plans, dt)
+        seg_act = segment_activations(graph, cfg, plans, dt)
         tf, tb, qf, qb = st.tf, st.tb, st.qf, st.qb
         # recomputing a forward repeats its tensor/sequence-parallel collectives too
         rc_comm = (tf + qf) if full else 0.0
@@ -1029,7 +555,7 @@ def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, 
         out["param_tensors"].append(st.param_tensors)
         out["tp_param_tensors"].append(st.tp_param_tensors)
         full_act = seg_max = 0.0
-        rec = _recomputed_segments(graph) if full else ()
+        rec = recomputed_segments(graph) if full else ()
         for j in st.segs:
             full_act += seg_act[j]
             if full and rec[j]:
@@ -1039,7 +565,7 @@ def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, 
             # outside the numbered layers (embeddings, final norm, head, loss) keep theirs, as
             # Megatron-LM and torch's checkpointing of the blocks do
             kept = 0.0
-            seg_in = _segment_inputs(graph, cfg.dtype)
+            seg_in = segment_inputs(graph, cfg.dtype)
             for j in st.segs:
                 kept += seg_in[j] / (cfg.tp if cfg.sequence_parallel else 1) / cfg.sp + (0.0 if rec[j] else seg_act[j])
             out["act"].append(kept + st.held[1])
@@ -1052,7 +578,7 @@ def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, 
         out["p2p_sum"].append(st.p2p_sum)
         out["p2p_block"].append(st.p2p_block)
         out["tied"].append(st.tied)
-    return _StageTerms(**{k: tuple(x) for k, x in out.items()})
+    return StageTerms(**{k: tuple(x) for k, x in out.items()})
 
 
 def op_seconds(graph: Graph, op: Op, dt: DeviceType, cfg: ParallelConfig, split: float = 1.0,
@@ -1080,7 +606,7 @@ def op_seconds(graph: Graph, op: Op, dt: DeviceType, cfg: ParallelConfig, split:
                 own_kernels=frozenset() if cfg.fused_dropout else frozenset({"dropout"}))
     out = (c.forward, c.backward)
     if autocast:
-        extra = autocast_seconds(graph, op, dt, cfg.dtype, _sent_widths(graph, cfg.dtype, low_params), split)
+        extra = autocast_seconds(graph, op, dt, cfg.dtype, sent_widths(graph, cfg.dtype, low_params), split)
         out = (out[0] + extra[0], out[1] + extra[1])
     memo[key] = out
     return out
@@ -1121,7 +647,7 @@ def _host_vector(graph: Graph, dt: DeviceType, cfg: ParallelConfig) -> list[tupl
     return cache[key]
 
 
-def _per_plan(graph: Graph, cfg: ParallelConfig, plans: list[OpPlan]) -> tuple[list[int], list[tuple], list[int],
+def per_plan(graph: Graph, cfg: ParallelConfig, plans: list[OpPlan]) -> tuple[list[int], list[tuple], list[int],
                                                                                  list[tuple[int, str, float, int]]]:
     """Ops with tensor/sequence-parallel collectives, and parameter uses ``(op, tensor, local numel,
     numel)``, in op order."""
@@ -1146,129 +672,14 @@ def _per_plan(graph: Graph, cfg: ParallelConfig, plans: list[OpPlan]) -> tuple[l
     return out
 
 
-def _segment_activations(graph: Graph, cfg: ParallelConfig, plans: list[OpPlan], device: DeviceType) -> list[float]:
-    selective = cfg.recompute == "selective"
-    math_sdpa = cfg.fused_attention is False and math_sdpa_upcasts(device, cfg.dtype)
-    key = ("seg_act", cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.dtype, cfg.fused_attention, selective,
-           cfg.op_plans, math_sdpa)
-    cache = PRICES.of(graph)
-    if key not in cache:
-        op_key = ("op_act", cfg.dtype, cfg.fused_attention, selective, math_sdpa)
-        if op_key not in cache:
-            cache[op_key] = [_activation_bytes(graph, op, cfg.dtype, cfg.fused_attention, selective, math_sdpa)
-                             for op in graph.ops]
-        act = cache[op_key]
-        cache[key] = [sum(act[i] / plans[i].split for i in sg) for sg in segments(graph)]
-    return cache[key]
 
 
-def _recomputed_segments(graph: Graph) -> list[bool]:
-    """Which layer segments full recomputation checkpoints: the numbered layers, or every run of
-    ``√n`` ops in a graph without numbered layers."""
-    cache = PRICES.of(graph)
-    if ("recomputed",) not in cache:
-        segs = segments(graph)
-        layer = [bool(LAYER.match(graph.ops[sg[0]].module or "")) for sg in segs]
-        cache[("recomputed",)] = layer if any(layer) else [True] * len(segs)
-    return cache[("recomputed",)]
 
 
-def _segment_inputs(graph: Graph, dtype: str) -> list[float]:
-    """Bytes full recomputation keeps per layer segment besides the activations it does not recompute.
-
-    A recomputed segment keeps its inputs (each layer's input); a segment it does not recompute
-    also keeps the inputs it reads from recomputed ones (the head's input after the last layer),
-    which its own ops save for their backward. Tensors written by ops that are not recomputed are
-    counted with those ops' activations, once."""
-    key = ("seg_in", dtype)
-    cache = PRICES.of(graph)
-    if key not in cache:
-        segs, rec = segments(graph), _recomputed_segments(graph)
-        by_rec = {t: rec[j] for j, sg in enumerate(segs) for i in sg for t in graph.ops[i].outputs}
-        out = []
-        for j, sg in enumerate(segs):
-            produced = {t for i in sg for t in graph.ops[i].outputs}
-            ins = {t for i in sg for t in graph.ops[i].inputs
-                   if graph.tensors[t].kind is not TensorKind.PARAM and t not in produced
-                   and by_rec.get(t, rec[j])}
-            out.append(sum(tensor_bytes(graph, t, dtype) for t in ins))
-        cache[key] = out
-    return cache[key]
 
 
-def _sent_widths(graph: Graph, dtype: str, low_params: bool) -> dict[str, float]:
-    """Bytes per element of every tensor as the torch backend holds it in training at ``dtype``.
-
-    fp32: every float tensor 4. bf16/fp16 run under autocast with fp32 parameters (or, where
-    FSDP2 shards them with ``MixedPrecisionPolicy``, ``low_params``, parameters cast to ``dtype``):
-    contractions, convolutions and attention compute in ``dtype`` (autocast's lower-precision list,
-    :data:`~polyparallel.cost_models.compute.AUTOCAST_LOW`), the loss and
-    layer/group norms in fp32 (its fp32 list), batch norm in its input's dtype (cuDNN's), a cast to
-    its dtype, and every other op promotes its float inputs as torch does. So a
-    residual stream that adds a bf16 projection to fp32 embeddings stays fp32 (what a pipeline
-    stage sends), unless FSDP2 made the embeddings bf16."""
-    from polyparallel.ir import DTYPE_BYTES, FLOAT_DTYPES, element_bytes
-
-    key = ("widths", dtype, low_params)
-    cache = PRICES.of(graph)
-    if key in cache:
-        return cache[key]
-    low = float(TRAINING_DTYPE_BYTES.get(dtype, 4))
-    width: dict[str, float] = {}
-    floats = FLOAT_DTYPES
-    for name, t in graph.tensors.items():
-        if t.dtype not in floats:
-            width[name] = float(DTYPE_BYTES.get(t.dtype, 4))
-        elif low < 4 and t.kind is TensorKind.PARAM and low_params:
-            width[name] = low
-        elif t.kind is not TensorKind.ACTIVATION:
-            width[name] = 4.0 if low < 4 else float(element_bytes(t.dtype, dtype))
-    for op in graph.ops:
-        ins = [width.get(t, 4.0) for t in op.inputs if graph.tensors[t].dtype in floats]
-        kind = OpKind(op.kind)
-        cast = op.attr.get("dtype")
-        if low >= 4:
-            w = low
-        elif kind in AUTOCAST_LOW:
-            others = [width.get(t, 4.0) for t in op.inputs[2:] if graph.tensors[t].dtype in floats
-                      and graph.tensors[t].kind is not TensorKind.PARAM]
-            # a fused epilogue (the residual add) promotes to its other inputs' width
-            w = max([low, *others]) if op.attr.get("fused") else low
-        elif kind is OpKind.LOSS:
-            w = 4.0
-        elif kind is OpKind.NORM and "batch_norm" in op.target:
-            # cuDNN's batch norm returns its input's dtype whatever its fp32 affine parameters and statistics
-            w = max([width.get(t, 4.0) for t in op.inputs if graph.tensors[t].dtype in floats
-                     and graph.tensors[t].kind in (TensorKind.ACTIVATION, TensorKind.INPUT)], default=4.0)
-        elif kind is OpKind.NORM and ("layer_norm" in op.target or "group_norm" in op.target):
-            w = 4.0  # autocast's fp32 list
-        elif isinstance(cast, str) and cast.startswith("torch."):
-            w = {"torch.float32": 4.0, "torch.bfloat16": 2.0, "torch.float16": 2.0}.get(cast, max(ins, default=4.0))
-        else:
-            w = max(ins, default=4.0)
-        for t in op.outputs:
-            if graph.tensors[t].dtype in floats:
-                width[t] = w
-            else:
-                width.setdefault(t, float(DTYPE_BYTES.get(graph.tensors[t].dtype, 4)))
-    cache[key] = width
-    return width
 
 
-def _crossing(graph: Graph, dtype: str, low_params: bool = False) -> list[tuple[int, int, float]]:
-    """(producer op, last consumer op, bytes) of every tensor read after the op that writes it, in op
-    order; the bytes as the executor holds and sends it (:func:`_sent_widths`)."""
-    key = ("crossing", dtype, low_params)
-    cache = PRICES.of(graph)
-    if key not in cache:
-        last: dict[str, int] = {}
-        for i, op in enumerate(graph.ops):
-            for t in op.inputs:
-                last[t] = i
-        width = _sent_widths(graph, dtype, low_params)
-        cache[key] = [(i, last[t], graph.tensors[t].numel * width[t]) for i, op in enumerate(graph.ops)
-                      for t in op.outputs if last.get(t, -1) > i]
-    return cache[key]
 
 
 def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
@@ -1277,12 +688,12 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
     segs = segments(graph)
     chunk_of_op = chunks(graph, p * v, cfg.partition)
     plans = op_plans(graph, cfg)
-    ev_idx, ev, use_idx, uses = _per_plan(graph, cfg, plans)
+    ev_idx, ev, use_idx, uses = per_plan(graph, cfg, plans)
     gmemo = PRICES.of(graph)
     ccache: dict = PRICES.of(cluster).setdefault("collectives", {})
     n = len(graph.ops)
     ranges = chunk_ranges(graph, p * v, cfg.partition)
-    layout = _layout(cluster, cfg, devs)
+    layout = stage_layouts(cluster, cfg, devs)
     stage_of_seg = [chunk_of_op[sg[0]] % p for sg in segs]
     seg_of_op = gmemo.get(("seg_of_op",))
     if seg_of_op is None:
@@ -1300,8 +711,8 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
     if hit is None:
         boundary = [0.0] * (p * v)
         from_rec = [0.0] * (p * v)
-        rec = _recomputed_segments(graph)
-        cross = _crossing(graph, cfg.dtype, low_params)
+        rec = recomputed_segments(graph)
+        cross = crossing(graph, cfg.dtype, low_params)
         active: list[tuple[int, int, float]] = []
         k = 0
         for g in range(p * v - 1):
@@ -1324,8 +735,8 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
     # 65 KB transfer, while the receiver's wait ended 0.02-0.3 ms after the sender posted
     deepspeed = cfg.pipeline_p2p == "deepspeed"
     host_p2p = all(t.kind == "cpu" for lay in layout for t in lay.types)
-    sync_hop = [(max(_p2p(cluster, ccache, a, b, boundary[g]) for a, b in layout[g % p].p2p_pairs),
-                 max(_price(cluster, ccache, [("all_gather", boundary[g] * cfg.tp)], grp, gid)
+    sync_hop = [(max(p2p_seconds(cluster, ccache, a, b, boundary[g]) for a, b in layout[g % p].p2p_pairs),
+                 max(group_seconds(cluster, ccache, [("all_gather", boundary[g] * cfg.tp)], grp, gid)
                      for grp, gid in layout[(g + 1) % p].tp_groups) if cfg.tp > 1 and deepspeed else 0.0)
                 for g in range(p * v - 1)] if deepspeed or host_p2p else []
     out = []
@@ -1365,7 +776,7 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
                         agg[x] = agg.get(x, 0) + 1
                 stage_memo[0].append(agg)
 
-        def slowest(which: int, groups: tuple[_Group, ...], stage_memo: tuple = stage_memo) -> float:
+        def slowest(which: int, groups: tuple[Group, ...], stage_memo: tuple = stage_memo) -> float:
             # identical (kind, bytes) events repeat in every layer: price each distinct one once
             # per group, and each distinct group (by the nodes its members sit on) once
             agg = stage_memo[0][which]
@@ -1375,7 +786,8 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
             hit = stage_memo[1].get(key)
             if hit is not None and hit[0] is cluster:  # the cluster is held, so its id is not reused
                 return hit[1]
-            t = max(sum(k * _price(cluster, ccache, [x], grp, gid) for x, k in agg.items()) for grp, gid in groups)
+            t = max(sum(k * group_seconds(cluster, ccache, [x], grp, gid) for x, k in agg.items())
+                    for grp, gid in groups)
             stage_memo[1][key] = (cluster, t)
             return t
 
@@ -1391,7 +803,7 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
                     params += numel
                     split_tensors += numel < whole
                     seg_params[seg_of_op[i]] += numel
-        times = [max(_p2p(cluster, ccache, a, b, boundary[g]) for a, b in lay.p2p_pairs)
+        times = [max(p2p_seconds(cluster, ccache, a, b, boundary[g]) for a, b in lay.p2p_pairs)
                  for g in range(s, p * v - 1, p)]
         block = 0.0
         if sync_hop:
@@ -1426,236 +838,20 @@ def _tied(held: list[dict[str, float]], s: int) -> tuple[tuple[tuple[int, ...], 
     return tuple(sorted(by.items()))
 
 
-# -- expert parallelism ---------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class _ExpertParallel:
-    """Per stage: the expert weights it holds before the ``ep`` split, the seconds of its MoE
-    layers' all-to-alls per micro-batch (forward and backward alike), and the experts' gradient
-    reduction over the ranks holding the same experts (events, seconds per step)."""
-
-    expert_params: tuple[float, ...]
-    a2a: tuple[float, ...]
-    grad_events: tuple[tuple[tuple[str, float], ...], ...]
-    grad_t: tuple[float, ...]
 
 
-def _moe_layers(graph: Graph) -> tuple[list[tuple[int, int]], dict[str, int]]:
-    """The MoE layers as ``(first, last)`` expert-matmul op indices (one layer per module: the
-    first's input is dispatched, the last's output combined), and the expert weight tensors
-    (parameters reaching an expert matmul's weight operand through views and casts)."""
-    cache = PRICES.of(graph)
-    hit = cache.get(("moe",))
-    if hit is not None:
-        return hit
-    by_module: dict[str, list[int]] = {}
-    weights: dict[str, int] = {}
-    for i, op in enumerate(graph.ops):
-        if op.nest is None or not any(d.hint is Hint.EXPERT for d in op.nest.dims) or len(op.inputs) < 2:
-            continue
-        by_module.setdefault(op.module or op.name, []).append(i)
-        t = op.inputs[1]
-        while graph.tensors[t].kind is not TensorKind.PARAM:
-            prod = graph.producer(t)
-            if prod is None or OpKind(prod.kind) not in (OpKind.VIEW, OpKind.ELEMENTWISE) or not prod.inputs:
-                break
-            t = prod.inputs[0]
-        if graph.tensors[t].kind is TensorKind.PARAM:
-            weights[t] = i
-    out = ([(ix[0], ix[-1]) for ix in by_module.values()], weights)
-    cache[("moe",)] = out
-    return out
 
 
-def expert_all_to_all_elements(rows: int, hidden_in: int, hidden_out: int, experts: int, ep: int) -> tuple[int, int]:
-    """Elements one device receives in a MoE layer's dispatch and in its combine over ``ep`` ranks
-    holding ``rows`` routed rows each, from the polyhedral model: the expert matmul of the
-    ``ep`` ranks' rows side by side (:func:`polyparallel.ops.grouped_mm` with ``sources = ep``)
-    placed ``e:ep``; the dispatch is the footprint of its input minus the rank's own rows, the
-    combine its output block back to the rows' ranks. Rows that do not divide over the experts
-    are padded up (a bound)."""
-    from polyparallel import ops
-    from polyparallel.ir import Graph as _Graph
-    from polyparallel.ir import Op as _Op
-    from polyparallel.ir import TensorSpec
-    from polyparallel.poly import DeviceMesh, Placement, TensorLayout, operand_need, output_layout, reshard
-
-    rows = -(-rows // experts) * experts
-    n = ep * rows
-    g = _Graph("moe_layer")
-    for name, shape, kind in (("x", (n, hidden_in), TensorKind.ACTIVATION),
-                              ("w", (experts, hidden_in, hidden_out), TensorKind.PARAM),
-                              ("y", (n, hidden_out), TensorKind.ACTIVATION)):
-        g.add_tensor(TensorSpec(name, shape, kind=kind))
-    op = g.add_op(_Op("experts", OpKind.CONTRACTION, "grouped_mm", ("x", "w"), ("y",),
-                      ops.grouped_mm((n, hidden_in), (experts, hidden_in, hidden_out), sources=ep)))
-    mesh, placed = DeviceMesh.of(ep=ep), Placement.parse("e:ep")
-    dispatch = reshard(TensorLayout.sharded((n, hidden_in), ep=0), operand_need(g, op, placed, mesh, "in0"), mesh)
-    combine = reshard(output_layout(g, op, placed, mesh), TensorLayout.sharded((n, hidden_out), ep=0), mesh)
-    return dispatch.elements, combine.elements
 
 
-def _expert_parallel(graph: Graph, cluster: Cluster, cfg: ParallelConfig, terms: _StageTerms, ccache: dict,
-                     gb: int) -> _ExpertParallel:
-    """Expert parallelism's terms per stage (``cfg.ep`` ranks of each data-parallel group, consecutive).
-
-    Forward, per micro-batch and MoE layer: the dispatch of the routed rows to the experts'
-    ranks and the combine of the experts' outputs back, each an all-to-all over the ``ep``
-    group of the bytes :func:`expert_all_to_all_elements` counts (a rank's rows: its
-    ``T = tokens·top_k`` rows divided over ``sp``, and over ``tp`` under Megatron sequence
-    parallelism); the backward moves the gradients of both the same way. The balanced routing of
-    the loop nest makes every expert's work ``1/E`` of the rows, so the compute per rank is
-    unchanged. Gradients of the expert weights (``1/ep`` of the stage's per rank) are reduced
-    over the ``dp·sp/ep`` ranks holding the same experts (every ``ep``-th member of the data-parallel
-    group): all-reduce under ZeRO-0, reduce-scatter + all-gather under ZeRO-1/2.
-    """
-    p, ep, v = cfg.pp, cfg.ep, cfg.chunks if cfg.schedule == "interleaved" else 1
-    layers, weights = _moe_layers(graph)
-    chunk_of_op = chunks(graph, p * v, cfg.partition)
-    plans = op_plans(graph, cfg)
-    expert = [0.0] * p
-    counted: set[tuple[int, str]] = set()
-    for i, t, numel, _ in _per_plan(graph, cfg, plans)[3]:
-        s = chunk_of_op[i] % p
-        if t in weights and (s, t) not in counted:
-            counted.add((s, t))
-            expert[s] += numel
-    rows_div = cfg.sp * (cfg.tp if cfg.sequence_parallel else 1)
-    conc_of = PRICES.of(cluster)["group_concurrency"]
-    nodes = [d.node for d in cluster.devices]
-
-    def subgroups_time(grp: tuple[int, ...], gid: int, subs: list[tuple[int, ...]],
-                       events: Sequence[tuple[str, float]]) -> float:
-        # the subgroups of every data-parallel group run at once: those with a member on a node
-        # share its ports with each other and with the other tensor-parallel ranks' groups
-        on_node: dict[int, int] = {}
-        for sub in subs:
-            for nd in {nodes[d] for d in sub}:
-                on_node[nd] = on_node.get(nd, 0) + 1
-        worst = 0.0
-        for sub in subs:
-            conc = conc_of[gid] * max(on_node[nodes[d]] for d in sub)
-            tot = 0.0
-            for kind, nbytes in events:
-                key = ("ep", kind, nbytes, tuple(sorted(nodes[d] for d in sub)), conc)
-                if key not in ccache:
-                    ccache[key] = collective_time(cluster, kind, nbytes, sub, concurrent=conc).seconds
-                tot += ccache[key]
-            worst = max(worst, tot)
-        return worst
-
-    a2a, grad_events, grad_t = [0.0] * p, [], []
-    for s in range(p):
-        events = []
-        for first, last in layers:
-            if chunk_of_op[first] % p != s:
-                continue
-            x, w = (graph.tensors[t] for t in graph.ops[first].inputs[:2])
-            y = graph.tensors[graph.ops[last].outputs[0]]
-            key = ("moe_a2a", ep, x.shape, w.shape, y.shape, rows_div)
-            if key not in PRICES.of(graph):
-                PRICES.of(graph)[key] = expert_all_to_all_elements(
-                    max(1, x.shape[0] // rows_div), x.shape[1], y.shape[1], w.shape[0], ep)
-            d_el, c_el = PRICES.of(graph)[key]
-            for el, spec in ((d_el, x), (c_el, y)):
-                events.append(("all_to_all", el * element_bytes(spec.dtype, cfg.dtype) * ep / (ep - 1)))
-        groups = terms.dp_groups[s]
-        a2a[s] = max(subgroups_time(grp, gid, [grp[i:i + ep] for i in range(0, len(grp), ep)], events)
-                     for grp, gid in groups) if events else 0.0
-        held = expert[s] / ep
-        ev: tuple[tuple[str, float], ...] = ()
-        if len(groups[0][0]) > ep and held:
-            rb = max(gb, 4)
-            ev = ((("all_reduce", held * rb),) if cfg.zero_stage == 0 else
-                  (("reduce_scatter", held * rb),) * (cfg.microbatches if cfg.zero_stage == 2 else 1)
-                  + (("all_gather", held * gb),))
-        grad_events.append(ev)
-        grad_t.append(max(subgroups_time(grp, gid, [grp[j::ep] for j in range(ep)], ev) for grp, gid in groups)
-                      if ev else 0.0)
-    return _ExpertParallel(tuple(expert), tuple(a2a), tuple(grad_events), tuple(grad_t))
 
 
-# (device ids, price class: the id of their sorted node ids and the groups running alongside on a node)
-_Group = tuple[tuple[int, ...], int]
 
 
-@dataclass(frozen=True)
-class _StageLayout:
-    devices: tuple[int, ...]
-    span: str
-    types: tuple[DeviceType, ...]  # in order of first appearance
-    tp_groups: tuple[_Group, ...]  # distinct by the nodes they span: each distinct group priced once
-    sp_groups: tuple[_Group, ...]
-    dp_groups: tuple[_Group, ...]
-    p2p_pairs: tuple[tuple[int, int], ...]  # (device of this stage, its peer on the next), distinct by nodes
 
 
-def _layout(cluster: Cluster, cfg: ParallelConfig, devs: tuple[int, ...]) -> tuple[_StageLayout, ...]:
-    """Devices, groups and p2p pairs of every stage (kept on the cluster: it is graph-independent).
-
-    Ranks are ``((s·dp + d)·sp + q)·tp + t``, so the device array reshaped to ``(pp, dp, sp, tp)``
-    gives tensor-parallel groups along the last axis, sequence-parallel along the third, and the
-    data-parallel (× sequence) group of ``t`` as the ``(dp, sp)`` slab at ``t``.
-    """
-    import numpy as np
-
-    key = (devs, cfg.dp, cfg.tp, cfg.pp, cfg.sp)
-    cache = PRICES.of(cluster).setdefault("layouts", {})
-    if key in cache:
-        return cache[key]
-    ids: dict[tuple[tuple[int, ...], int], int] = PRICES.of(cluster).setdefault("group_ids", {})
-    conc_of: dict[int, int] = PRICES.of(cluster).setdefault("group_concurrency", {})
-    D = np.asarray(devs, dtype=np.int64).reshape(cfg.pp, cfg.dp, cfg.sp, cfg.tp)
-    N = np.asarray([d.node for d in cluster.devices], dtype=np.int64)[D]
-
-    def distinct(dg: np.ndarray, ng: np.ndarray) -> tuple[_Group, ...]:
-        # groups of one kind run their collectives at the same time: those sharing a node
-        # share its network ports (comm.collective_time's ``concurrent``)
-        rows = np.sort(ng, axis=1).tolist()
-        per_node: dict[int, int] = {}
-        for row in rows:
-            for nd in set(row):
-                per_node[nd] = per_node.get(nd, 0) + 1
-        first: dict[tuple[int, ...], int] = {}
-        for i, row in enumerate(map(tuple, rows)):
-            first.setdefault(row, i)
-        out = []
-        for row, i in first.items():
-            conc = max(per_node[nd] for nd in row)
-            out.append((tuple(dg[i].tolist()), ids.setdefault((row, conc), len(ids))))
-            conc_of[out[-1][1]] = conc
-        return tuple(out)
-
-    out = []
-    for s in range(cfg.pp):
-        ds, ns = D[s], N[s]
-        flat = tuple(ds.ravel().tolist())
-        nodes = ns.ravel().tolist()
-        first_idx: dict[int, int] = {}
-        for i, nd in enumerate(nodes):
-            first_idx.setdefault(nd, i)
-        types = {cluster.device(flat[i]).type.name: cluster.device(flat[i]).type for i in first_idx.values()}
-        nxt = (s + 1) % cfg.pp
-        peers = D[nxt].ravel().tolist()
-        pairs: dict[tuple[int, int], tuple[int, int]] = {}
-        for a, b, na, nb in zip(flat, peers, nodes, N[nxt].ravel().tolist()):
-            pairs.setdefault((na, nb), (a, b))
-        out.append(_StageLayout(
-            devices=flat, span=_span(flat), types=tuple(types.values()),
-            tp_groups=distinct(ds.reshape(-1, cfg.tp), ns.reshape(-1, cfg.tp)),
-            sp_groups=distinct(ds.transpose(0, 2, 1).reshape(-1, cfg.sp), ns.transpose(0, 2, 1).reshape(-1, cfg.sp)),
-            dp_groups=distinct(ds.transpose(2, 0, 1).reshape(cfg.tp, -1), ns.transpose(2, 0, 1).reshape(cfg.tp, -1)),
-            p2p_pairs=tuple(pairs.values())))
-    cache[key] = tuple(out)
-    return cache[key]
 
 
-def _p2p(cluster: Cluster, ccache: dict, a: int, b: int, nbytes: float) -> float:
-    key = ("p2p", cluster.device(a).node, cluster.device(b).node, a == b, nbytes)
-    t = ccache.get(key)
-    if t is None:
-        t = ccache[key] = p2p_time(cluster, a, b, nbytes)
-    return t
 
 
 def _batch(graph: Graph) -> int:
@@ -1665,9 +861,3 @@ def _batch(graph: Graph) -> int:
             return t.shape[0]
     return 1
 
-
-def _span(ids: Sequence[int]) -> str:
-    ids = sorted(ids)
-    if ids and ids == list(range(ids[0], ids[-1] + 1)):
-        return f"{ids[0]}..{ids[-1]}" if len(ids) > 1 else str(ids[0])
-    return ",".join(map(str, ids[:8])) + ("..." if len(ids) > 8 else "")

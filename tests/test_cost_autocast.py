@@ -1,6 +1,6 @@
 """Eager ``torch.autocast`` mixed precision as the step model prices it on accelerators
 (:func:`polyparallel.cost_models.compute.autocast_seconds`): the tensors' widths as torch holds them
-(``step._sent_widths``), each cast kernel autocast adds, and the wider operands of the ops it leaves
+(``activations.sent_widths``), each cast kernel autocast adds, and the wider operands of the ops it leaves
 in fp32, checked by hand on captured modules."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from torch import nn
 import polyparallel as pp
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, estimate_step
+from polyparallel.cost_models.activations import sent_widths as _sent_widths
 from polyparallel.cost_models.compute import (
     BACKWARD_FACTOR,
     DEFAULT_BACKWARD_FACTOR,
     autocast_seconds,
     streaming_bandwidth,
 )
-from polyparallel.cost_models.step import _sent_widths
 from polyparallel.ir import OpKind
 
 GPU = Cluster.preset("dgx-a100").device(0).type

@@ -223,21 +223,21 @@ def test_prices_cached_on_a_graph_keep_same_named_device_types_apart():
 def test_ddp_buckets_expose_the_last_bucket_or_the_slow_link(monkeypatch):
     """torch DDP's buckets (1 MiB first, 25 MiB after): with a fast link only the last bucket's
     all-reduce runs past the backward; with a slow one everything after the first bucket fills."""
-    from polyparallel.cost_models import step
+    from polyparallel.cost_models import data_parallel as dpar
 
     alpha, mib = 1e-4, 2**20
     grads = 60.5 * mib  # buckets 1, 25, 25, 9.5 MiB
     sizes = [1 * mib, 25 * mib, 25 * mib, 9.5 * mib]
     for beta in (1e12, 1e8):  # bytes/s: fast, slow against a 10 ms backward
-        monkeypatch.setattr(step, "_price", lambda cl, cc, ev, grp, gid, beta=beta: alpha + ev[0][1] / beta)
-        got = step._ddp_exposed(None, {}, [((0, 1), 0)], grads, 0.01)
+        monkeypatch.setattr(dpar, "group_seconds", lambda cl, cc, ev, grp, gid, beta=beta: alpha + ev[0][1] / beta)
+        got = dpar.ddp_exposed(None, {}, [((0, 1), 0)], grads, 0.01)
         if beta == 1e12:
             want = alpha + 9.5 * mib / beta  # every earlier bucket finishes before the next is ready
         else:
             want = 0.01 * mib / grads + sum(alpha + b / beta for b in sizes) - 0.01
         assert got == pytest.approx(want)
-    monkeypatch.setattr(step, "_price", lambda *a: 1.0)
-    assert step._ddp_exposed(None, {}, [((0, 1), 0)], 0.5 * mib, 0.01) == pytest.approx(1.0)  # one bucket
+    monkeypatch.setattr(dpar, "group_seconds", lambda *a: 1.0)
+    assert dpar.ddp_exposed(None, {}, [((0, 1), 0)], 0.5 * mib, 0.01) == pytest.approx(1.0)  # one bucket
 
 
 def test_uncalibrated_gpu_small_model_is_host_bound():

@@ -5,7 +5,7 @@ per numbered layer, then the root) and run optimizer steps with ``m`` micro-batc
 backend's gradient-sync policy (``_worker._gradient_sync``); FSDP2's all-gathers and
 reduce-scatters are counted, with their bytes, by wrapping the two ``torch.distributed`` calls it
 makes. The count of the second step (the first also initialises FSDP2's buffers) must equal the
-list the cost model prices (``step.fsdp_collectives`` over ``step._fsdp_units`` of the captured
+list the cost model prices (``data_parallel.fsdp_collectives`` over ``data_parallel.fsdp_units`` of the captured
 graph), and the step's price must be what those collectives cost.
 """
 
@@ -87,17 +87,19 @@ def test_fsdp_step_issues_the_priced_collectives(executed, zero: int, m: int) ->
     import polyparallel as pp
     from polyparallel._cli_cluster import load_cluster
     from polyparallel.cost_models import ParallelConfig
+    from polyparallel.cost_models import data_parallel as dpar
     from polyparallel.cost_models import step as cost_step
+    from polyparallel.cost_models.stage_layout import group_seconds
 
     x, y = ex.gpt_data(0)
     graph = pp.capture(ex.tiny_gpt(), (x[: ex.BATCH // 2 // m], y[: ex.BATCH // 2 // m]))
     cluster = load_cluster("local-cpu:2")
     cfg = ParallelConfig(dp=2, microbatches=m, zero_stage=zero, dtype="fp32", recompute="none", optimizer="sgd")
     terms = cost_step._stage_terms(graph, cluster, cfg, 1)
-    units = cost_step._fsdp_units(graph, cfg, terms, 0)
+    units = dpar.fsdp_units(graph, cfg, terms, 0)
     n_params = sum(p.numel() for p in ex.tiny_gpt().parameters())
     assert len(units) == 3 and sum(w for w, _ in units) == n_params  # root, h.0, h.1
-    priced = sorted((k, int(b)) for k, b in cost_step.fsdp_collectives(units, zero, m, 4))
+    priced = sorted((k, int(b)) for k, b in dpar.fsdp_collectives(units, zero, m, 4))
     second = executed[zero, m]
     print(f"ZeRO-{zero} m={m}: executed {Counter(k for k, _ in second)}, priced {Counter(k for k, _ in priced)}")
     assert second == priced
@@ -105,4 +107,4 @@ def test_fsdp_step_issues_the_priced_collectives(executed, zero: int, m: int) ->
     prep = cost_step._prepare(graph, cluster, cfg)
     ccache = cost_step.PRICES.of(cluster)["collectives"]
     grp, gid = terms.dp_groups[0][0]
-    assert prep.dp[0].t_dp == pytest.approx(sum(cost_step._price(cluster, ccache, [e], grp, gid) for e in priced))
+    assert prep.dp[0].t_dp == pytest.approx(sum(group_seconds(cluster, ccache, [e], grp, gid) for e in priced))

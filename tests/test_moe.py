@@ -16,7 +16,7 @@ from polyparallel import ops
 from polyparallel.backends.torch.capabilities import plan_problems
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, estimate_step
-from polyparallel.cost_models.step import expert_all_to_all_elements
+from polyparallel.cost_models.expert_parallel import expert_all_to_all_elements
 from polyparallel.frontends.torch import capture_torch
 from polyparallel.ir import Hint, OpKind
 from polyparallel.strategy import Strategy, StrategyError

@@ -227,6 +227,7 @@ def test_zero3_gathered_tensor_by_tensor_costs_its_collectives_and_copies_expose
     tensors are gathered one by one, each followed by one copy kernel per rank, none hidden: the
     exposed data-parallel time is that sum, by hand from the collective prices (GPT block: 12
     tensors; root: wte (tied with lm_head), wpe, ln_f's two)."""
+    from polyparallel.cost_models import data_parallel as dpar
     from polyparallel.cost_models import step as st
     from polyparallel.cost_models.comm import collective_time
 
@@ -237,8 +238,8 @@ def test_zero3_gathered_tensor_by_tensor_costs_its_collectives_and_copies_expose
     cl = Cluster.preset("dgx-a100x2")
     devs = tuple(range(16))
     cfg = ParallelConfig(dp=16, microbatches=1, dtype="bf16", devices=devs, zero_stage=3, zero3_gather="parameter")
-    assert st._unit_tensors(g, cfg, 0) == (4, 12, 12)
-    widths = [w for w, _ in st._fsdp_units(g, cfg, st._stage_terms(g, cl, cfg, 1), 0)]
+    assert dpar.unit_tensors(g, cfg, 0) == (4, 12, 12)
+    widths = [w for w, _ in dpar.fsdp_units(g, cfg, st._stage_terms(g, cl, cfg, 1), 0)]
     launch = next(iter(cl.device_types.values())).launch_overhead if isinstance(cl.device_types, dict) else \
         cl.device_types[0].launch_overhead
 

@@ -12,8 +12,9 @@ import torch
 import polyparallel as pp
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig
-from polyparallel.cost_models import step as S
+from polyparallel.cost_models import data_parallel as DP
 from polyparallel.cost_models.compute import op_classes, op_cost
+from polyparallel.cost_models.stage_layout import group_seconds, stage_layouts
 from polyparallel.models import GPT, GPTConfig
 from polyparallel.planning.model_graphs import Rebatcher, rebatch
 from polyparallel.transforms import canonicalize, fuse_elementwise
@@ -46,26 +47,26 @@ def test_ops_of_one_class_cost_the_same_and_layers_share_classes(gpt):
 def test_ddp_exposed_equals_the_bucket_recurrence():
     cl = Cluster.resolve("dgx-a100x8")
     cfg = ParallelConfig(dp=8, devices=tuple(range(8)))
-    groups = S._layout(cl, cfg, tuple(range(8)))[0].dp_groups
+    groups = stage_layouts(cl, cfg, tuple(range(8)))[0].dp_groups
     ccache: dict = {}
 
     def plain(grad_bytes: float, window: float) -> float:  # the recurrence as documented, bucket by bucket
-        sizes = [min(S.DDP_FIRST_BUCKET_BYTES, grad_bytes)]
-        full, tail = divmod(grad_bytes - sizes[0], S.DDP_BUCKET_BYTES)
-        sizes += [S.DDP_BUCKET_BYTES] * int(full) + ([tail] if tail > 0 else [])
+        sizes = [min(DP.DDP_FIRST_BUCKET_BYTES, grad_bytes)]
+        full, tail = divmod(grad_bytes - sizes[0], DP.DDP_BUCKET_BYTES)
+        sizes += [DP.DDP_BUCKET_BYTES] * int(full) + ([tail] if tail > 0 else [])
         worst = 0.0
         for grp, gid in groups:
             done = produced = 0.0
             for b in sizes:
                 produced += b
-                t = S._price(cl, {}, (("all_reduce", b),), grp, gid)
+                t = group_seconds(cl, {}, (("all_reduce", b),), grp, gid)
                 done = max(window * produced / grad_bytes, done) + t
             worst = max(worst, done - window)
         return max(0.0, worst)
 
     for grad_bytes, window in itertools.product((1e5, 3e7, 25 * 2**20 * 7, 2.3e9), (1e-4, 0.05, 2.0)):
-        assert S._ddp_exposed(cl, ccache, groups, grad_bytes, window) == plain(grad_bytes, window)
-        assert S._ddp_exposed(cl, ccache, groups, grad_bytes, window) == plain(grad_bytes, window)  # memoised
+        assert DP.ddp_exposed(cl, ccache, groups, grad_bytes, window) == plain(grad_bytes, window)
+        assert DP.ddp_exposed(cl, ccache, groups, grad_bytes, window) == plain(grad_bytes, window)  # memoised
 
 
 def test_rebatcher_serves_every_size_as_a_capture_would(gpt):

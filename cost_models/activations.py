@@ -1,0 +1,353 @@
+"""What a training step keeps for its backward, and at which widths the torch backend holds tensors.
+
+:func:`kept_tensors` lists autograd's saved tensors of a captured graph (what each op's backward
+keeps: torch's ``derivatives.yaml``), :func:`activation_bytes` what one op stores,
+:func:`segment_activations` the sums per layer segment, :func:`recomputed_segments` and
+:func:`segment_inputs` what full recomputation checkpoints and keeps. :func:`sent_widths` gives the
+bytes per element of every tensor as the torch backend holds it under ``torch.autocast`` (the widths
+pipeline transfers and autocast's casts are priced at), :func:`crossing` the tensors read after the
+op that writes them, and :func:`loss_transient` the peak an eager cross-entropy adds.
+"""
+
+from __future__ import annotations
+
+import math
+
+from polyparallel.cluster import DeviceType
+from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Op, OpKind, TensorKind
+
+from .compute import AUTOCAST_LOW, is_sdpa, math_sdpa_saved_bytes, math_sdpa_upcasts
+from .layers import LAYER, chunks, segments
+from .megatron_rule import op_plans, tensor_bytes
+from .memo import PRICES
+from .parallel_config import OpPlan, ParallelConfig
+
+__all__ = ["activation_bytes", "crossing", "kept_tensors", "loss_transient", "recomputed_segments",
+           "segment_activations", "segment_inputs", "sent_widths"]
+
+
+# what an absorbed elementwise op's backward keeps (torch's derivatives.yaml): nothing, its output,
+# or (the default: gelu, silu, mul, div, pow, sin, ...) its input
+_SAVES_NOTHING = frozenset({"add", "sub", "rsub", "neg", "to", "_to_copy", "clone", "contiguous", "alias", "type_as",
+                            "mul.Scalar", "div.Scalar", "add.Scalar", "sub.Scalar"})
+
+
+_SAVES_OUTPUT = frozenset({"relu", "sigmoid", "tanh", "exp", "rsqrt", "sqrt", "reciprocal"})
+
+
+def _saves(target: str) -> str:
+    """``nothing``, ``output`` or ``input``: what the backward of the elementwise op ``target`` keeps."""
+    parts = target.split(".")
+    base = parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[0]
+    overload = f"{base}.{parts[2]}" if parts[0] == "aten" and len(parts) > 2 else base
+    if base in _SAVES_NOTHING or overload in _SAVES_NOTHING:
+        return "nothing"
+    return "output" if base in _SAVES_OUTPUT else "input"
+
+
+def _fused_temporaries(op: Op) -> int:
+    """Intermediate values of a fused elementwise chain (``attrs["fused"]``: the producer's output
+    ``v_0``, then each absorbed op's) that eager torch keeps for the backward: ``v_{i-1}`` when the
+    ``i``-th absorbed op saves its input, ``v_i`` when it saves its output (the last, the op's
+    output, is counted with the outputs). GPT's ``gelu(fc(x))`` keeps the pre-activation; LLaMA's
+    ``silu(gate(x)) * up`` the gate's output and the silu's."""
+    kept: set[int] = set()
+    chain = op.attr.get("fused", ())
+    for i, target in enumerate(chain, start=1):
+        how = "nothing" if _base(target) in _NO_GRAD else _saves(target)
+        if how == "input":
+            kept.add(i - 1)
+        elif how == "output" and i < len(chain):
+            kept.add(i)
+    return len(kept)
+
+
+_NO_GRAD = frozenset({"eq", "ne", "le", "lt", "ge", "gt", "__and__", "__or__", "__xor__", "logical_and", "logical_or",
+                      "logical_not", "bitwise_and", "bitwise_or", "bitwise_not", "isnan", "isinf", "sign"})
+
+
+_FLOATS = ("float32", "float16", "bfloat16", "float64")
+
+
+_BINARY_SAVERS = frozenset({"mul", "div", "where", "maximum", "minimum", "pow", "atan2"})
+
+
+def _base(target: str) -> str:
+    parts = target.split(".")
+    return parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[0]
+
+
+def kept_tensors(graph: Graph) -> tuple[frozenset[str], dict[str, int]]:
+    """The activations eager torch keeps alive for the backward: autograd's saved tensors.
+
+    A tensor is kept when an op recorded by autograd (one with an input that requires grad) saves
+    it: contractions, convolutions, norms and attention save their activation inputs (a Linear its
+    input, a matmul both operands); an elementwise op its input (gelu, silu, pow, ...; ``mul`` each
+    operand when the other requires grad), its output (relu, exp, rsqrt, ...) or nothing (add, sub,
+    casts, comparisons); softmax its output; the loss its logits (its log-softmax, the same size);
+    reductions (mean, sum), concatenations, splits and index gathers none of their float inputs.
+    A kept view keeps the tensor it views. An op's fused elementwise chain saves what its ops save
+    (:func:`_fused_temporaries`); its extra inputs are kept when the chain multiplies by them.
+    Returns the kept tensors and, per op recorded by autograd, its kept fused temporaries."""
+    cache = PRICES.of(graph)
+    if ("kept",) in cache:
+        return cache[("kept",)]
+    grad = {n for n, t in graph.tensors.items() if t.kind is TensorKind.PARAM}
+    temps: dict[str, int] = {}
+    producer = {t: op for op in graph.ops for t in op.outputs}
+    kept: set[str] = set()
+
+    def keep(t: str) -> None:
+        while True:
+            p = producer.get(t)
+            if p is not None and OpKind(p.kind) is OpKind.VIEW and p.inputs:
+                t = p.inputs[0]  # a view's storage is its input's
+                continue
+            kept.add(t)
+            return
+
+    for op in graph.ops:
+        acts = [t for t in op.inputs if graph.tensors[t].kind is not TensorKind.PARAM]
+        floats = [t for t in acts if graph.tensors[t].dtype in _FLOATS]
+        if not any(t in grad for t in op.inputs):
+            continue  # autograd records nothing
+        kind, base = OpKind(op.kind), _base(op.target)
+        chain = op.attr.get("fused", ())
+        if base not in _NO_GRAD:
+            grad.update(t for t in op.outputs if graph.tensors[t].dtype in _FLOATS)
+        main = acts
+        temps[op.name] = _fused_temporaries(op)
+        if chain and kind in (OpKind.CONTRACTION, OpKind.CONV, OpKind.ELEMENTWISE):
+            # the fused op's own inputs come first, those of the absorbed ops after them
+            if kind is OpKind.ELEMENTWISE:
+                n_main = 2 if base in _BINARY_SAVERS or base in ("add", "sub", "rsub") else 1
+            else:
+                n_main = 1 if any(graph.tensors[t].kind is TensorKind.PARAM for t in op.inputs) else 2
+            main = [t for t in acts if t in floats[:n_main] or t not in floats]
+            if any(_base(c) in _BINARY_SAVERS for c in chain):
+                for t in floats[n_main:]:
+                    keep(t)
+        if kind is OpKind.ATTENTION:
+            for t in floats:
+                keep(t)  # q, k, v (a boolean mask is not kept: torch's kernels take it as is)
+        elif kind in (OpKind.CONTRACTION, OpKind.CONV, OpKind.NORM, OpKind.LOSS, OpKind.OPAQUE):
+            for t in main:
+                keep(t)
+        elif kind is OpKind.EMBEDDING or kind is OpKind.GATHER:
+            for t in acts:
+                if t not in floats:
+                    keep(t)  # the indices
+        elif kind is OpKind.POOL and "max" in base:
+            for t in main:
+                keep(t)
+        elif kind is OpKind.ELEMENTWISE and base not in _NO_GRAD:
+            how = _saves(op.target)
+            if how == "input":
+                for t in main:
+                    if t in floats and (base not in _BINARY_SAVERS or any(o in grad for o in main if o != t)):
+                        keep(t)
+            elif how == "output" and not chain:
+                kept.update(op.outputs)
+        elif kind is OpKind.SOFTMAX or (kind is OpKind.REDUCE and "softmax" in base):
+            kept.update(op.outputs)
+        elif kind is OpKind.REDUCE and base in ("amax", "max", "min", "amin", "prod", "var", "std", "norm"):
+            for t in main:
+                keep(t)
+        if chain and _saves(chain[-1]) == "output":
+            kept.update(op.outputs)
+    cache[("kept",)] = (frozenset(kept), temps)
+    return cache[("kept",)]
+
+
+def activation_bytes(graph: Graph, op: Op, dtype: str, fused_attention: bool | None, selective: bool,
+                      math_sdpa: bool = False) -> float:
+    """Bytes an op stores for its backward: its outputs, the temporaries of its fused elementwise
+    chain that eager torch keeps, and for attention what its kernel keeps.
+
+    ``scaled_dot_product_attention`` runs as torch's fused kernels (flash / memory-efficient, on
+    CPU the flash kernel), which keep the output and the softmax's log-sum-exp (``B·H·S`` fp32), never
+    the ``S×S`` scores (its inputs q, k, v are their producers' outputs, counted there); under
+    selective recomputation the checkpoint drops the log-sum-exp too. ``math_sdpa``: it runs as
+    torch's upcast math kernel instead (an accelerator, 16 bits, no fused kernel), which keeps fp32
+    probabilities and fp32 copies of q, k and v (:func:`math_sdpa_saved_bytes`; measured on an H200,
+    GPT-1.7B at batch 4 x 2048: 85.7 GB against 43.9 with flash attention). Any other attention op keeps
+    its scores and probabilities unless ``fused_attention`` says it runs as a fused kernel, and
+    selective recomputation drops them (Korthikanti et al., 2022)."""
+    if OpKind(op.kind) in (OpKind.VIEW, OpKind.CREATE):
+        return 0.0
+    kept, temps = kept_tensors(graph)
+    total = sum(tensor_bytes(graph, t, dtype) for t in op.outputs if t in kept)
+    if op.outputs:
+        total += temps.get(op.name, 0) * tensor_bytes(graph, op.outputs[0], dtype)
+    if is_sdpa(op) and math_sdpa and op.nest is not None:
+        if not selective:
+            total += math_sdpa_saved_bytes(op)
+    elif is_sdpa(op):
+        if not selective and op.outputs:
+            out = graph.tensors[op.outputs[0]]
+            total += out.numel / max(out.shape[-1], 1) * 4 if out.shape else 0.0
+    elif OpKind(op.kind) is OpKind.ATTENTION and op.nest is not None and not fused_attention and not selective:
+        ext = op.nest.extents
+        for st in op.nest.statements:
+            for w in st.writes:
+                if w.operand == "scores":
+                    n = math.prod(ext[d] for e in w.index for d in e.dims)
+                    total += 2 * n * TRAINING_DTYPE_BYTES[dtype]  # scores and probabilities
+    return total
+
+
+def loss_transient(graph: Graph, cfg: ParallelConfig, v: int, eager: bool) -> dict[int, float]:
+    """Bytes an eager cross-entropy adds at the start of the backward pass, per pipeline stage.
+
+    Eager PyTorch computes the loss in fp32 (autocast upcasts it): ``log_softmax`` of the ``N``
+    logits is saved for the backward (``4N`` bytes), whose start allocates the gradient of the
+    log-probabilities and of the logits (``4N`` each) while they are still held, a peak of ``12N``
+    bytes where the activations count the logits once at the compute precision. A fused loss
+    kernel (``fused_elementwise``: Megatron's vocabulary-parallel cross entropy) keeps none of it.
+    ``N`` is the op's local share of its input (a vocabulary-parallel split divides it).
+    """
+    if not eager:
+        return {}
+    key = ("loss_ws", cfg.pp, v, cfg.partition, cfg.dtype, cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.op_plans)
+    cache = PRICES.of(graph)
+    if key not in cache:
+        chunk_of_op = chunks(graph, cfg.pp * v, cfg.partition)
+        plans = op_plans(graph, cfg)
+        out: dict[int, float] = {}
+        for i, op in enumerate(graph.ops):
+            if OpKind(op.kind) is not OpKind.LOSS or not op.inputs:
+                continue
+            spec = graph.tensors[op.inputs[0]]
+            if spec.dtype not in ("float32", "float16", "bfloat16"):
+                continue
+            n = spec.numel / plans[i].split
+            extra = 12 * n - tensor_bytes(graph, op.inputs[0], cfg.dtype) / plans[i].split
+            stage = chunk_of_op[i] % cfg.pp
+            out[stage] = out.get(stage, 0.0) + max(extra, 0.0)
+        cache[key] = out
+    return cache[key]
+
+
+def segment_activations(graph: Graph, cfg: ParallelConfig, plans: list[OpPlan], device: DeviceType) -> list[float]:
+    selective = cfg.recompute == "selective"
+    math_sdpa = cfg.fused_attention is False and math_sdpa_upcasts(device, cfg.dtype)
+    key = ("seg_act", cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.dtype, cfg.fused_attention, selective,
+           cfg.op_plans, math_sdpa)
+    cache = PRICES.of(graph)
+    if key not in cache:
+        op_key = ("op_act", cfg.dtype, cfg.fused_attention, selective, math_sdpa)
+        if op_key not in cache:
+            cache[op_key] = [activation_bytes(graph, op, cfg.dtype, cfg.fused_attention, selective, math_sdpa)
+                             for op in graph.ops]
+        act = cache[op_key]
+        cache[key] = [sum(act[i] / plans[i].split for i in sg) for sg in segments(graph)]
+    return cache[key]
+
+
+def recomputed_segments(graph: Graph) -> list[bool]:
+    """Which layer segments full recomputation checkpoints: the numbered layers, or every run of
+    ``√n`` ops in a graph without numbered layers."""
+    cache = PRICES.of(graph)
+    if ("recomputed",) not in cache:
+        segs = segments(graph)
+        layer = [bool(LAYER.match(graph.ops[sg[0]].module or "")) for sg in segs]
+        cache[("recomputed",)] = layer if any(layer) else [True] * len(segs)
+    return cache[("recomputed",)]
+
+
+def segment_inputs(graph: Graph, dtype: str) -> list[float]:
+    """Bytes full recomputation keeps per layer segment besides the activations it does not recompute.
+
+    A recomputed segment keeps its inputs (each layer's input); a segment it does not recompute
+    also keeps the inputs it reads from recomputed ones (the head's input after the last layer),
+    which its own ops save for their backward. Tensors written by ops that are not recomputed are
+    counted with those ops' activations, once."""
+    key = ("seg_in", dtype)
+    cache = PRICES.of(graph)
+    if key not in cache:
+        segs, rec = segments(graph), recomputed_segments(graph)
+        by_rec = {t: rec[j] for j, sg in enumerate(segs) for i in sg for t in graph.ops[i].outputs}
+        out = []
+        for j, sg in enumerate(segs):
+            produced = {t for i in sg for t in graph.ops[i].outputs}
+            ins = {t for i in sg for t in graph.ops[i].inputs
+                   if graph.tensors[t].kind is not TensorKind.PARAM and t not in produced
+                   and by_rec.get(t, rec[j])}
+            out.append(sum(tensor_bytes(graph, t, dtype) for t in ins))
+        cache[key] = out
+    return cache[key]
+
+
+def sent_widths(graph: Graph, dtype: str, low_params: bool) -> dict[str, float]:
+    """Bytes per element of every tensor as the torch backend holds it in training at ``dtype``.
+
+    fp32: every float tensor 4. bf16/fp16 run under autocast with fp32 parameters (or, where
+    FSDP2 shards them with ``MixedPrecisionPolicy``, ``low_params``, parameters cast to ``dtype``):
+    contractions, convolutions and attention compute in ``dtype`` (autocast's lower-precision list,
+    :data:`~polyparallel.cost_models.compute.AUTOCAST_LOW`), the loss and
+    layer/group norms in fp32 (its fp32 list), batch norm in its input's dtype (cuDNN's), a cast to
+    its dtype, and every other op promotes its float inputs as torch does. So a
+    residual stream that adds a bf16 projection to fp32 embeddings stays fp32 (what a pipeline
+    stage sends), unless FSDP2 made the embeddings bf16."""
+    from polyparallel.ir import DTYPE_BYTES, FLOAT_DTYPES, element_bytes
+
+    key = ("widths", dtype, low_params)
+    cache = PRICES.of(graph)
+    if key in cache:
+        return cache[key]
+    low = float(TRAINING_DTYPE_BYTES.get(dtype, 4))
+    width: dict[str, float] = {}
+    floats = FLOAT_DTYPES
+    for name, t in graph.tensors.items():
+        if t.dtype not in floats:
+            width[name] = float(DTYPE_BYTES.get(t.dtype, 4))
+        elif low < 4 and t.kind is TensorKind.PARAM and low_params:
+            width[name] = low
+        elif t.kind is not TensorKind.ACTIVATION:
+            width[name] = 4.0 if low < 4 else float(element_bytes(t.dtype, dtype))
+    for op in graph.ops:
+        ins = [width.get(t, 4.0) for t in op.inputs if graph.tensors[t].dtype in floats]
+        kind = OpKind(op.kind)
+        cast = op.attr.get("dtype")
+        if low >= 4:
+            w = low
+        elif kind in AUTOCAST_LOW:
+            others = [width.get(t, 4.0) for t in op.inputs[2:] if graph.tensors[t].dtype in floats
+                      and graph.tensors[t].kind is not TensorKind.PARAM]
+            # a fused epilogue (the residual add) promotes to its other inputs' width
+            w = max([low, *others]) if op.attr.get("fused") else low
+        elif kind is OpKind.LOSS:
+            w = 4.0
+        elif kind is OpKind.NORM and "batch_norm" in op.target:
+            # cuDNN's batch norm returns its input's dtype whatever its fp32 affine parameters and statistics
+            w = max([width.get(t, 4.0) for t in op.inputs if graph.tensors[t].dtype in floats
+                     and graph.tensors[t].kind in (TensorKind.ACTIVATION, TensorKind.INPUT)], default=4.0)
+        elif kind is OpKind.NORM and ("layer_norm" in op.target or "group_norm" in op.target):
+            w = 4.0  # autocast's fp32 list
+        elif isinstance(cast, str) and cast.startswith("torch."):
+            w = {"torch.float32": 4.0, "torch.bfloat16": 2.0, "torch.float16": 2.0}.get(cast, max(ins, default=4.0))
+        else:
+            w = max(ins, default=4.0)
+        for t in op.outputs:
+            if graph.tensors[t].dtype in floats:
+                width[t] = w
+            else:
+                width.setdefault(t, float(DTYPE_BYTES.get(graph.tensors[t].dtype, 4)))
+    cache[key] = width
+    return width
+
+
+def crossing(graph: Graph, dtype: str, low_params: bool = False) -> list[tuple[int, int, float]]:
+    """(producer op, last consumer op, bytes) of every tensor read after the op that writes it, in op
+    order; the bytes as the executor holds and sends it (:func:`sent_widths`)."""
+    key = ("crossing", dtype, low_params)
+    cache = PRICES.of(graph)
+    if key not in cache:
+        last: dict[str, int] = {}
+        for i, op in enumerate(graph.ops):
+            for t in op.inputs:
+                last[t] = i
+        width = sent_widths(graph, dtype, low_params)
+        cache[key] = [(i, last[t], graph.tensors[t].numel * width[t]) for i, op in enumerate(graph.ops)
+                      for t in op.outputs if last.get(t, -1) > i]
+    return cache[key]
