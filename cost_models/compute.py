@@ -87,7 +87,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from polyparallel.cluster import DeviceType
-from polyparallel.cluster.devices import HOPPER_GEMM_DEVICES, HOPPER_GEMM_EFFICIENCY, HOPPER_SQUARE_GEMM_EFFICIENCY
+from polyparallel.cluster.devices import HOPPER_GEMM_EFFICIENCY, HOPPER_SQUARE_GEMM_EFFICIENCY, is_hopper
 from polyparallel.ir import (
     FLOAT_DTYPES,
     TRAINING_DTYPE_BYTES,
@@ -321,7 +321,7 @@ def gemm_efficiency(device: DeviceType, dtype: str, m: float, k: float, n: float
     if device.kind != "gpu" or TRAINING_DTYPE_BYTES.get(dtype, 4) != 2 or min(m, k, n) <= 0:
         return None
     eff = min(HOPPER_SQUARE_GEMM_EFFICIENCY, gemm_rate(_HOPPER_REF, m, k, n))
-    if device.name in HOPPER_GEMM_DEVICES:
+    if is_hopper(device.name):
         return eff
     return eff / HOPPER_SQUARE_GEMM_EFFICIENCY * COMPUTE_EFFICIENCY[OpKind.CONTRACTION]
 

@@ -21,7 +21,7 @@ RECOMPUTE = ("none", "selective", "full")
 PIPELINE_P2P = ("megatron", "deepspeed")
 GRAD_REDUCE = ("reduce_scatter", "all_reduce")
 GRAD_ACCUMULATION = ("in_place", "cast_add")
-ZERO3_GATHER = ("unit", "parameter")
+ZERO3_GATHER = ("unit", "flat", "parameter")
 OPTIMIZERS = tuple(OPTIMIZER_STATE_BYTES)
 
 # How the training framework runs a plan, as distinct from the plan (degrees, micro-batching, schedule,
@@ -122,15 +122,21 @@ class ParallelConfig:
             (``hp_grad.add_(lp.grad.to(hp_grad.dtype))``), which its pipeline engine calls after each
             backward pass (``_exec_backward_pass``) and which ``grad_reduce="all_reduce"`` reduces.
             16-bit dtypes only.
-        zero3_gather: how ZeRO-3 gathers the weights before a layer runs. ``unit``: one all-gather
-            per FSDP2 unit (a numbered layer, the root's weights), prefetched during the previous
-            unit's compute (the torch backend). ``parameter``: DeepSpeed's ZeRO-3 of 2021
+        zero3_gather: how sharded data parallelism gathers the weights before a layer runs. ``unit``:
+            one all-gather per FSDP2 unit (a numbered layer, the root's weights) into one buffer,
+            prefetched during the previous unit's compute, then copied out into the parameters on
+            the compute stream; the gradients copied into the reduce-scatter's buffer likewise (the
+            torch backend). ``flat``: FSDP1's ``FlatParameter`` (torch's ``FullyShardedDataParallel``,
+            MosaicML Composer, fairscale): the same units and overlap, but the gathered buffer is the
+            parameters' storage and the gradient one flat tensor, so only the cast of the gradient to
+            the reduction precision is copied (:func:`~.data_parallel.fsdp_copy_seconds`).
+            ``parameter``: DeepSpeed's ZeRO-3 of 2021
             (``deepspeed/runtime/zero/partition_parameters.py``, ``_allgather_param``): every
             parameter tensor by its own ``all_gather`` into a list of one view per rank, which torch
             copies out of the collective's flat buffer one kernel per rank, the host waiting for the
             device first (``torch.cuda.synchronize()``): per tensor the ring's latency and ``p``
             kernel launches, none of it hidden behind compute. Its gradient reduce-scatter is priced
-            as FSDP2's. ZeRO-3 without a pipeline only.
+            as FSDP2's; ZeRO-3 without a pipeline only.
         op_plans: one :class:`OpPlan` per graph op, from per-op placements (a placement solver);
             ``None`` prices the Megatron rule of the module docstring.
     """

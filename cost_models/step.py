@@ -138,7 +138,16 @@ from .compute import (
     op_cost,
     streaming_bandwidth,
 )
-from .data_parallel import DataParallel, cross_rank_norms, data_parallel, fsdp_units, max_segment_params, unit_tensors
+from .data_parallel import (
+    DataParallel,
+    cross_rank_norms,
+    data_parallel,
+    fsdp_units,
+    max_segment_params,
+    overlap_slowdown,
+    overlapped,
+    unit_tensors,
+)
 from .expert_parallel import expert_parallel
 from .layers import chunk_of_ops, chunk_ranges, chunks, layer_segments, segments
 from .megatron_rule import op_plans
@@ -296,17 +305,17 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
         # DeepSpeed's ZeRO-3 of 2021 gathers parameter tensor by parameter tensor (ParallelConfig.zero3_gather)
         per_tensor = (unit_tensors(graph, cfg, s), dt.launch_overhead) if (
             units and cfg.zero_stage == 3 and cfg.zero3_gather == "parameter") else None
+        # a profiled CPU measured what FSDP2 itself (hooks, copies, the DTensor optimizer) adds to a step
+        prof = profile_for(dt, graph, cfg.dtype)
+        fsdp = prof.wrapper(cfg.world, f"zero{min(3, max(2, cfg.zero_stage))}/{cfg.optimizer}") if (
+            units and dgrp_size > 1 and prof is not None) else None
         events, t_dp, exposed, ef, eb = data_parallel(cluster, ccache, dterms, s, cfg, gb, omega, v, buckets, units,
-                                                       per_tensor)
+                                                      per_tensor, copies=fsdp is None)
         if dgrp_size > 1 and cfg.pp == 1:
             nf, nb = cross_rank_norms(graph, cluster, ccache, terms.dp_groups[s][0], dt, cfg)
             ef, eb = ef + nf, eb + nb
         fwd[s] += ef
         bwd[s] += eb
-        # a profiled CPU measured what FSDP2 itself (hooks, copies, the DTensor optimizer) adds to a step
-        prof = profile_for(dt, graph, cfg.dtype)
-        fsdp = prof.wrapper(cfg.world, f"zero{min(3, max(2, cfg.zero_stage))}/{cfg.optimizer}") if (
-            units and dgrp_size > 1 and prof is not None) else None
         if fsdp is not None:
             fwd[s] += fsdp[0]
             bwd[s] += fsdp[1]
@@ -321,7 +330,7 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
             if moe.grad_t[s]:
                 hide = omega * (m * terms.bwd[s] if cfg.zero_stage == 2 else terms.bwd[s] / v)
                 events, t_dp = events + moe.grad_events[s], t_dp + moe.grad_t[s]
-                exposed = max(0.0, t_dp - hide)
+                exposed = overlapped(t_dp, hide, overlap_slowdown(dt))
         if cfg.pp > 1:
             # a pipeline combines its micro-batches' losses and target counts with one all-reduce over
             # the whole world after the flush (the torch backend's weigh_microbatches)

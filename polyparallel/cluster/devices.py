@@ -46,8 +46,14 @@ HOPPER_GEMM_EFFICIENCY: tuple[tuple[str, int, int, float], ...] = (
 )
 # square n^3 bf16 GEMMs on the same H200: 0.685 (n = 2048), 0.695 (4096), 0.697 (8192)
 HOPPER_SQUARE_GEMM_EFFICIENCY = 0.697
-# device types whose compute is the measured chip's (the H200 is an H100 with more and faster memory)
+# device types whose compute is the measured chip's (the H200 is an H100 with more and faster memory):
+# the catalog's, and a cluster spec's own variants of them (a name starting ``h100-`` or ``h200-``)
 HOPPER_GEMM_DEVICES = frozenset({"h100-sxm", "h200-sxm"})
+
+
+def is_hopper(name: str) -> bool:
+    """Whether a device type of this name takes the H200's measured GEMM and attention rows."""
+    return name in HOPPER_GEMM_DEVICES or name.startswith(("h100-", "h200-"))
 
 # Fused causal attention (torch scaled_dot_product_attention, is_causal=True) for GPUs without a
 # calibration of their own: (FLOPs of the unmasked half, forward s, backward s) measured on the same
@@ -56,7 +62,7 @@ HOPPER_GEMM_DEVICES = frozenset({"h100-sxm", "h200-sxm"})
 # 4,16,4096,128 and 2,32,8192,128; the backward is the forward + backward's time less the forward's).
 # At S = 8192 the bf16 forward runs at 0.58 of the peak and the backward takes 3.1x the forward's time
 # (it recomputes the scores and does ~2.5x the forward's matrix FLOPs), where the flat figures assumed
-# 0.5 and twice the forward. Taken by the HOPPER_GEMM_DEVICES, like the GEMM rows. Independent of the
+# 0.5 and twice the forward. Taken by the Hopper devices (is_hopper), like the GEMM rows. Independent of the
 # published validation rows.
 HOPPER_ATTENTION_ROWS: tuple[tuple[str, tuple[tuple[float, float, float], ...]], ...] = (
     ("bf16", (
@@ -107,6 +113,9 @@ class DeviceType:
         memory_bandwidth: bytes/s.
         launch_overhead: seconds: the floor of any kernel.
         source: where the numbers come from.
+        sms: streaming multiprocessors (a GPU's compute units; 0: not given). A collective's kernels
+            hold some of them while they run, which slows the compute they overlap
+            (:func:`polyparallel.cost_models.data_parallel.overlap_slowdown`).
         matmul_curve: measured ``(flops, seconds)`` of matmuls by size (calibrated devices).
         sharded_op_overhead: seconds a sharded-tensor (DTensor) op adds on the host over a plain
             one (calibrated CPU processes); 0 where the host runs ahead of the device.
@@ -157,6 +166,7 @@ class DeviceType:
     launch_overhead: float = 5e-6
     vendor: str = ""
     source: str = ""
+    sms: int = 0
     matmul_curve: tuple[tuple[float, float], ...] = ()
     sharded_op_overhead: float = 0.0
     matmul_curves: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
@@ -191,7 +201,7 @@ class DeviceType:
         the device's own calibration, else, on an H100/H200, the H200's (``HOPPER_ATTENTION_ROWS``)."""
         short = TORCH_TO_SHORT.get(dtype, dtype)
         own = dict(self.attention_curves).get(short, ())
-        if own or self.kind != "gpu" or self.name not in HOPPER_GEMM_DEVICES:
+        if own or self.kind != "gpu" or not is_hopper(self.name):
             return own
         return dict(HOPPER_ATTENTION_ROWS).get(short, ())
 

@@ -58,6 +58,7 @@ class _DeviceTypeSpec(_Strict):
     memory: float | str
     memory_bandwidth: float | str
     launch_overhead: float | str = 5e-6
+    sms: int | None = Field(None, ge=1)
     source: str = ""
     calibration: str | None = None
 
@@ -213,7 +214,7 @@ def catalog() -> dict[str, DeviceType]:
 def _device_type(name: str, s: _DeviceTypeSpec, base: Path | None) -> DeviceType:
     dt = DeviceType(name=name, kind=s.kind, peak=tuple(sorted(s.peak.items())), memory=float(s.memory),
                     memory_bandwidth=float(s.memory_bandwidth), launch_overhead=float(s.launch_overhead),
-                    vendor=s.vendor, source=s.source)
+                    vendor=s.vendor, source=s.source, sms=s.sms or 0)
     if s.calibration:
         p = Path(s.calibration)
         if base is not None and not p.is_absolute():
