@@ -26,7 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-MODES = ("none", "selective", "full")
+MODES = ("none", "selective", "op", "full")
 
 
 def hf_llama_training() -> Any:
@@ -67,7 +67,7 @@ def measured(model_fn: Callable[[], Any], x: Any, y: Any, mode: str) -> int:
 
     torch.manual_seed(0)
     m = model_fn()
-    blocks = recompute_blocks(pp.capture(m, (x, y))) if mode == "full" else ()
+    blocks = recompute_blocks(pp.capture(m, (x, y))) if mode in ("full", "op") else ()
     apply_recompute(m, mode, blocks)
     return retained_activation_bytes(m, x, y)
 

@@ -22,8 +22,8 @@ from .megatron_rule import op_plans, tensor_bytes
 from .memo import PRICES
 from .parallel_config import OpPlan, ParallelConfig
 
-__all__ = ["activation_bytes", "crossing", "kept_tensors", "loss_transient", "recomputed_segments",
-           "segment_activations", "segment_inputs", "sent_widths"]
+__all__ = ["activation_bytes", "crossing", "kept_tensors", "loss_transient", "op_policy_kept", "op_policy_recomputed",
+           "op_policy_saved", "recomputed_segments", "segment_activations", "segment_inputs", "sent_widths"]
 
 
 # what an absorbed elementwise op's backward keeps (torch's derivatives.yaml): nothing, its output,
@@ -241,6 +241,89 @@ def segment_activations(graph: Graph, cfg: ParallelConfig, plans: list[OpPlan], 
                              for op in graph.ops]
         act = cache[op_key]
         cache[key] = [sum(act[i] / plans[i].split for i in sg) for sg in segments(graph)]
+    return cache[key]
+
+
+def op_policy_saved(graph: Graph) -> list[bool]:
+    """Per op, whether the operator policy of ``recompute="op"`` keeps its output: in each
+    checkpointed segment (:func:`recomputed_segments`) every second matrix product with a weight
+    (a Linear: the 1st, 3rd, ... in execution order) and every fused attention
+    (``scaled_dot_product_attention``); everything else there is recomputed in the backward. Ops
+    outside those segments keep what they keep without recomputation (``True``).
+
+    It is torchtitan's "selective op" activation checkpointing (``torchtitan/models/llama/
+    parallelize_llama.py``: save ``aten.mm`` outputs except every second one, and the flash /
+    memory-efficient attention outputs), which the torch backend runs (``_recompute.py``)."""
+    cache = PRICES.of(graph)
+    if ("op_saved",) not in cache:
+        out = [True] * len(graph.ops)
+        for sg, rec in zip(segments(graph), recomputed_segments(graph)):
+            if not rec:
+                continue
+            n_mm = 0
+            for i in sg:
+                op = graph.ops[i]
+                kind = OpKind(op.kind)
+                if kind is OpKind.CONTRACTION and any(graph.tensors[t].kind is TensorKind.PARAM for t in op.inputs):
+                    n_mm += 1
+                    out[i] = n_mm % 2 == 1
+                else:
+                    out[i] = is_sdpa(op)
+        cache[("op_saved",)] = out
+    return cache[("op_saved",)]
+
+
+def op_policy_recomputed(graph: Graph) -> list[bool]:
+    """Per op, whether the operator policy runs it again in the backward: in a checkpointed segment,
+    an op whose output it does not keep, up to the last one whose output the backward needs (a
+    tensor autograd saves: :func:`kept_tensors`). torch's non-reentrant checkpoint stops the
+    recomputation there (``set_checkpoint_early_stop``), so a layer's trailing projection and
+    residual add, needed by no saved tensor, do not run twice."""
+    cache = PRICES.of(graph)
+    if ("op_recomputed",) not in cache:
+        saved, (kept, _) = op_policy_saved(graph), kept_tensors(graph)
+        out = [False] * len(graph.ops)
+        for sg, rec in zip(segments(graph), recomputed_segments(graph)):
+            if not rec:
+                continue
+            inside = set(sg)
+            readers: dict[str, list[int]] = {}
+            for i in sg:
+                for t in graph.ops[i].inputs:
+                    readers.setdefault(t, []).append(i)
+            # an output an op of this segment saves for its backward (a tensor read only by the
+            # next layer is that layer's checkpointed input, kept anyway)
+            needed = [i for i in sg if not saved[i] and any(
+                t in kept and any(r in inside for r in readers.get(t, ())) for t in graph.ops[i].outputs)]
+            last = max(needed, default=-1)
+            for i in sg:
+                out[i] = not saved[i] and i <= last
+        cache[("op_recomputed",)] = out
+    return cache[("op_recomputed",)]
+
+
+def op_policy_kept(graph: Graph, cfg: ParallelConfig, plans: list[OpPlan]) -> list[float]:
+    """Per segment, the bytes the operator policy (:func:`op_policy_saved`) keeps of a checkpointed
+    segment beside its inputs: the kept ops' outputs at their split sizes (an attention's with its
+    fp32 log-sum-exp, ``B·H·S·4``); 0 for segments that are not checkpointed."""
+    key = ("op_kept", cfg.dtype, cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.op_plans)
+    cache = PRICES.of(graph)
+    if key not in cache:
+        saved = op_policy_saved(graph)
+        out = []
+        for sg, rec in zip(segments(graph), recomputed_segments(graph)):
+            total = 0.0
+            for i in sg if rec else ():
+                op = graph.ops[i]
+                if not saved[i] or not op.outputs:
+                    continue
+                nbytes = tensor_bytes(graph, op.outputs[0], cfg.dtype)
+                if is_sdpa(op):
+                    o = graph.tensors[op.outputs[0]]
+                    nbytes += o.numel / max(o.shape[-1], 1) * 4 if o.shape else 0.0
+                total += nbytes / plans[i].split
+            out.append(total)
+        cache[key] = out
     return cache[key]
 
 

@@ -17,7 +17,7 @@ from .pipeline import SCHEDULES, PipelineResult
 __all__ = ["EXECUTION_FIELDS", "GRAD_ACCUMULATION", "GRAD_REDUCE", "PIPELINE_P2P", "RECOMPUTE", "ZERO3_GATHER",
            "OpPlan", "ParallelConfig", "StageBreakdown", "StepEstimate", "execution_options", "parse_execution"]
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "op", "full")
 PIPELINE_P2P = ("megatron", "deepspeed")
 GRAD_REDUCE = ("reduce_scatter", "all_reduce")
 GRAD_ACCUMULATION = ("in_place", "cast_add")
@@ -66,7 +66,10 @@ class ParallelConfig:
         schedule: ``gpipe``, ``1f1b`` or ``interleaved``; ``chunks``: model chunks per stage
             (interleaved only).
         zero_stage: 0 (plain DP), 1 (optimizer), 2 (+gradients), 3 (+weights, FSDP).
-        recompute: ``none``, ``selective`` (attention scores) or ``full`` (per layer).
+        recompute: ``none``, ``selective`` (attention scores: Korthikanti et al.), ``op`` (every
+            layer checkpointed, keeping every second matrix product's output and the fused
+            attention's: torchtitan's "selective op" policy, :func:`~.activations.op_policy_saved`)
+            or ``full`` (every layer checkpointed, keeping its input only).
         sequence_parallel: Megatron sequence parallelism alongside ``tp``.
         dtype: compute precision (``fp32``, ``bf16``, ``fp16``); weights and gradients use it.
         optimizer: ``adam``, ``adamw``, ``sgd``, ``sgd_momentum``, ``lion``, ``lamb``.

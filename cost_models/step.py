@@ -124,6 +124,8 @@ from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Op, OpKind, TensorKind
 from .activations import (
     crossing,
     loss_transient,
+    op_policy_kept,
+    op_policy_recomputed,
     recomputed_segments,
     segment_activations,
     segment_inputs,
@@ -510,8 +512,9 @@ class _StageBase:
     """One stage's sums per micro-batch before a recomputation choice."""
 
     layout: StageLayout
-    # (type, forward, backward, attention forward, forward of each layer)
-    by_type: tuple[tuple[DeviceType, float, float, float, tuple[float, ...]], ...]
+    # (type, forward, backward, attention forward, forward of what the operator policy recomputes,
+    # forward of each layer)
+    by_type: tuple[tuple[DeviceType, float, float, float, float, tuple[float, ...]], ...]
     tf: float  # tensor-parallel collectives, forward and backward
     tb: float
     qf: float  # sequence-parallel collectives
@@ -535,48 +538,53 @@ class _StageBase:
 
 def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, ...]) -> StageTerms:
     plans = op_plans(graph, cfg)
-    full = cfg.recompute == "full"
+    # the operator policy checkpoints the same layers as full recomputation, keeping some outputs
+    layers = cfg.recompute in ("full", "op")
     out: dict[str, list] = {k: [] for k in StageTerms.__dataclass_fields__ if k != "memo"}
     for st in base:
         # The slowest device type of the stage sets its pace (synchronous collectives).
         best: tuple[DeviceType, float, float, float, tuple[float, ...]] | None = None
-        for dt, f, b, att, seg_f in st.by_type:
-            rc = f if full else att if cfg.recompute == "selective" else 0.0
+        for dt, f, b, att, opf, seg_f in st.by_type:
+            rc = {"full": f, "selective": att, "op": opf}.get(cfg.recompute, 0.0)
             if best is None or f + b + rc > best[1] + best[2] + best[3]:
                 best = (dt, f, b, rc, seg_f)
         assert best is not None
         dt, f, b, rc, seg_f = best
         seg_act = segment_activations(graph, cfg, plans, dt)
         tf, tb, qf, qb = st.tf, st.tb, st.qf, st.qb
-        # recomputing a forward repeats its tensor/sequence-parallel collectives too
-        rc_comm = (tf + qf) if full else 0.0
+        # recomputing a forward repeats its tensor/sequence-parallel collectives too (the operator
+        # policy keeps matrix products' outputs, not what their all-reduces and all-gathers return)
+        rc_comm = (tf + qf) if layers else 0.0
         out["devices"].append(st.layout.devices)
         out["spans"].append(st.layout.span)
         out["types"].append(dt)
         out["fwd"].append(f + tf + qf + st.p2p_block)
         out["bwd"].append(b + rc + tb + qb + rc_comm + st.p2p_block)
         out["comp"].append(f + b + rc)
-        out["tp_t"].append(tf + tb + (tf if full else 0.0))
-        out["sp_t"].append(qf + qb + (qf if full else 0.0))
+        out["tp_t"].append(tf + tb + (tf if layers else 0.0))
+        out["sp_t"].append(qf + qb + (qf if layers else 0.0))
         out["params"].append(st.params)
         out["seg_params"].append(st.seg_params)
         out["seg_fwd"].append(seg_f)
         out["param_tensors"].append(st.param_tensors)
         out["tp_param_tensors"].append(st.tp_param_tensors)
         full_act = seg_max = 0.0
-        rec = recomputed_segments(graph) if full else ()
+        rec = recomputed_segments(graph) if layers else ()
         for j in st.segs:
             full_act += seg_act[j]
-            if full and rec[j]:
+            if layers and rec[j]:
                 seg_max = max(seg_max, seg_act[j])
-        if full:
+        if layers:
             # keep each layer's input (its first op's activation inputs), recompute the rest; ops
             # outside the numbered layers (embeddings, final norm, head, loss) keep theirs, as
-            # Megatron-LM and torch's checkpointing of the blocks do
+            # Megatron-LM and torch's checkpointing of the blocks do; the operator policy also keeps
+            # the outputs it saves. While a layer's backward runs its activations are back (seg_max)
             kept = 0.0
             seg_in = segment_inputs(graph, cfg.dtype)
+            saved = op_policy_kept(graph, cfg, plans) if cfg.recompute == "op" else [0.0] * len(seg_in)
             for j in st.segs:
-                kept += seg_in[j] / (cfg.tp if cfg.sequence_parallel else 1) / cfg.sp + (0.0 if rec[j] else seg_act[j])
+                kept += seg_in[j] / (cfg.tp if cfg.sequence_parallel else 1) / cfg.sp + (
+                    saved[j] if rec[j] else seg_act[j])
             out["act"].append(kept + st.held[1])
             out["seg_act_max"].append(seg_max)
         else:
@@ -622,8 +630,9 @@ def op_seconds(graph: Graph, op: Op, dt: DeviceType, cfg: ParallelConfig, split:
 
 
 def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
-                plans: list[OpPlan]) -> tuple[list[float], list[float], list[float]]:
-    """Forward, backward and attention-forward seconds of every op on one device type."""
+                plans: list[OpPlan]) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Forward, backward, attention-forward and operator-policy-recomputed forward
+    (:func:`~.activations.op_policy_recomputed`) seconds of every op on one device type."""
     # a profiled device (op_profile.py) prices the model's ops as measured with `world` processes
     world = cfg.world if dt.op_profile is not None else 0
     key = ("opvec", dt.cache_key, cfg.dtype, cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.fused_attention, cfg.op_plans,
@@ -634,6 +643,7 @@ def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
         return hit
     fw, bw, att = [], [], []
     classes = op_classes(graph)
+    recomputed = op_policy_recomputed(graph)
     for i, op in enumerate(graph.ops):
         # tensor-parallel parameters are DTensors: their ops pay the host's dispatch (compute.py)
         sharded = plans[i].param_split > 1
@@ -643,8 +653,9 @@ def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
         fw.append(measured[0])
         bw.append(measured[1])
         att.append(measured[0] if OpKind(op.kind) is OpKind.ATTENTION else 0.0)
-    op_costs[key] = (fw, bw, att)
-    return fw, bw, att
+    opr = [f if again else 0.0 for again, f in zip(recomputed, fw)]
+    op_costs[key] = (fw, bw, att, opr)
+    return fw, bw, att, opr
 
 
 def _host_vector(graph: Graph, dt: DeviceType, cfg: ParallelConfig) -> list[tuple[float, float]]:
@@ -756,12 +767,13 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
         stage_segs = tuple(j for j in range(len(segs)) if stage_of_seg[j] == s)
         by_type = []
         for dt in lay.types:
-            fw, bw, att = _op_vectors(graph, dt, cfg, plans)
-            f = b = a_f = 0.0
+            fw, bw, att, opr = _op_vectors(graph, dt, cfg, plans)
+            f = b = a_f = o_f = 0.0
             for a, z in rng:
                 f = sum(fw[a:z], f)
                 b = sum(bw[a:z], b)
                 a_f = sum(att[a:z], a_f)
+                o_f = sum(opr[a:z], o_f)
             if dt.host_table(cfg.dtype):
                 # an accelerator's host enqueues the micro-batch's kernels; when that takes longer
                 # than the kernels run, the device waits: forward + backward last the host's time
@@ -769,7 +781,7 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
                 h = sum(x + y for a, z in rng for x, y in host[a:z]) + host_step_fixed(dt, cfg.dtype)
                 if h > f + b > 0:
                     f, b = f * h / (f + b), b * h / (f + b)
-            by_type.append((dt, f, b, a_f, tuple(sum(fw[i] for i in segs[j]) for j in stage_segs)))
+            by_type.append((dt, f, b, a_f, o_f, tuple(sum(fw[i] for i in segs[j]) for j in stage_segs)))
         # every group of the stage runs the same collectives; the slowest one sets the pace
         # (the events and their prices depend on the plans and the stage's op ranges, not on dp, m or
         # the memory knobs: memoised per graph for the plans sharing them)

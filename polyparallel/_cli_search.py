@@ -98,7 +98,7 @@ def search_cmd(
     microbatches: Annotated[int | None, typer.Option(help="pin the micro-batches per step")] = None,
     schedule: Annotated[str | None, typer.Option(help="pin the pipeline schedule: gpipe, 1f1b or interleaved")] = None,
     zero: Annotated[int | None, typer.Option(help="pin the ZeRO stage 0-3")] = None,
-    recompute: Annotated[str | None, typer.Option(help="pin recomputation: none, selective or full")] = None,
+    recompute: Annotated[str | None, typer.Option(help="pin recomputation: none, selective, op or full")] = None,
     dtype: Annotated[str | None, typer.Option(help="training precision: fp32, bf16 or fp16 (default: bf16 on "
                                                    "accelerators, fp32 on CPUs)")] = None,
     devices: Annotated[int | None, typer.Option(help="use only the first N devices of the cluster")] = None,
@@ -267,7 +267,7 @@ def evaluate_cmd(
     microbatches: Annotated[int | None, typer.Option(help="micro-batches per step")] = None,
     schedule: Annotated[str | None, typer.Option(help="gpipe, 1f1b or interleaved")] = None,
     zero: Annotated[int | None, typer.Option(help="ZeRO stage 0-3")] = None,
-    recompute: Annotated[str | None, typer.Option(help="none, selective or full")] = None,
+    recompute: Annotated[str | None, typer.Option(help="none, selective, op or full")] = None,
     dtype: Annotated[str | None, typer.Option(help="training precision: fp32, bf16 or fp16")] = None,
     seq: Annotated[int | None, typer.Option(help=SEQ_HELP)] = None,
     layers: Annotated[int | None, typer.Option(help=LAYERS_HELP)] = None,

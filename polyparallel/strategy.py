@@ -175,7 +175,7 @@ class Strategy(_Model):
     microbatches: int = Field(1, ge=1)
     schedule: str = "1f1b"
     zero_stage: int = Field(0, ge=0, le=3)
-    recompute: Literal["none", "selective", "full"] = "none"
+    recompute: Literal["none", "selective", "op", "full"] = "none"
     dtype: str = "fp32"
     mesh: Mesh
     stages: list[Stage] = Field(default_factory=list)

@@ -1,7 +1,9 @@
 """Activation recomputation in the torch backend (``backends/torch/_recompute.py``).
 
-* It recomputes: a checkpointed layer's forward (``full``) or attention (``selective``) runs again
-  in the backward, and the gradients equal those of training without recomputation, bit for bit.
+* It recomputes: a checkpointed layer's forward (``full``), its attention (``selective``) or what
+  torchtitan's operator policy does not keep (``op``: every second matrix product, the norms and
+  elementwise ops) runs again in the backward, and the gradients equal those of training without
+  recomputation, bit for bit.
 * It keeps what the memory model counts: the bytes one forward leaves alive for the backward
   (``retained_activation_bytes``) against the ``activations`` term the search prices for the same
   graph and micro-batch (``benchmarks/recompute_memory.py`` prints the whole table).
@@ -33,20 +35,24 @@ STEPS, LR, SEED = 3, 0.1, 0
 
 
 class _CountAttention(TorchDispatchMode):
-    """Counts the attention kernels run (forward and recomputed forward; not their backward)."""
+    """Counts the attention kernels run (forward and recomputed forward; not their backward), and
+    the matrix products with a bias (``addmm``: the GPT's linears, forward and recomputed)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.n = 0
+        self.addmm = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
         self.n += "scaled_dot_product" in name and "backward" not in name
+        self.addmm += func is torch.ops.aten.addmm.default
         return func(*args, **(kwargs or {}))
 
 
-def _step(mode: str) -> tuple[float, torch.Tensor, int, int]:
-    """Loss, gradients, attention kernels run and calls of layer h.0 in one step under ``mode``."""
+def _step(mode: str) -> tuple[float, torch.Tensor, int, int, int]:
+    """Loss, gradients, attention kernels run, calls of layer h.0 and matrix products in one step
+    under ``mode``."""
     torch.manual_seed(0)
     m = ex.tiny_gpt()
     x, y = ex.gpt_data(0)
@@ -57,18 +63,41 @@ def _step(mode: str) -> tuple[float, torch.Tensor, int, int]:
     with _CountAttention() as count:
         loss = m(x, y)
         loss.backward()
-    return loss.item(), torch.cat([p.grad.flatten() for p in m.parameters()]), count.n, calls[0]
+    return loss.item(), torch.cat([p.grad.flatten() for p in m.parameters()]), count.n, calls[0], count.addmm
 
 
 def test_recomputation_reruns_forwards_and_keeps_the_gradients() -> None:
-    ref_loss, ref, n_att, calls = _step("none")
-    assert (n_att, calls) == (2, 101)  # two layers' attention once; h.0 and its fc once
-    loss, g, n_att, calls = _step("selective")
+    ref_loss, ref, n_att, calls, mm = _step("none")
+    assert (n_att, calls, mm) == (2, 101, 8)  # two layers' attention once; h.0 and its fc once; 4 linears a layer
+    loss, g, n_att, calls, _ = _step("selective")
     assert (n_att, calls) == (4, 101)  # the attention again in the backward, nothing else
     assert loss == ref_loss and torch.equal(g, ref)
-    loss, g, n_att, calls = _step("full")
+    loss, g, n_att, calls, _ = _step("full")
     assert (n_att, calls) == (4, 201)  # the whole layer again, inside its checkpoint (fc's hook)
     assert loss == ref_loss and torch.equal(g, ref)
+    loss, g, n_att, calls, mm = _step("op")
+    # the attention's and the 1st and 3rd linear's outputs are kept; of the 2nd and 4th, the
+    # recomputation stops before the 4th (fc_out), whose output no saved tensor needs: one more a layer
+    assert (n_att, mm) == (2, 10)
+    assert loss == ref_loss and torch.equal(g, ref)
+
+
+def test_operator_policy_prices_what_the_backend_recomputes() -> None:
+    """The ops the cost model prices as recomputed under ``op`` are those the backend reruns: per
+    layer the first norm, the heads' views, the 2nd linear (proj), the residual add, the second norm
+    and the activation; the kept outputs are the 1st and 3rd linears' and the attention's."""
+    from polyparallel.cost_models.activations import op_policy_recomputed, op_policy_saved
+
+    x, y = ex.gpt_data(0)
+    g = pp.capture(ex.tiny_gpt(), (x, y))
+    again, kept = op_policy_recomputed(g), op_policy_saved(g)
+    layer0 = [i for i, op in enumerate(g.ops) if (op.module or "").startswith("h.0")]
+    linears = [i for i in layer0 if g.ops[i].kind == "contraction"]
+    assert [g.ops[i].module for i in linears] == ["h.0.qkv", "h.0.proj", "h.0.fc", "h.0.fc_out"]
+    assert [kept[i] for i in linears] == [True, False, True, False]
+    assert [again[i] for i in linears] == [False, True, False, False]
+    assert {g.ops[i].kind for i in layer0 if again[i]} == {"norm", "view", "split", "contraction", "elementwise"}
+    assert not any(again[i] for i in range(len(g.ops)) if not (g.ops[i].module or "").startswith("h."))
 
 
 def test_full_recomputation_checkpoints_the_planners_layers() -> None:
@@ -100,10 +129,12 @@ def test_what_recomputation_the_backend_refuses() -> None:
     mx, my = ex.mlp_data(0)
     mlp = pp.capture(_Flat(), (mx, my))
     assert plan_problems(gpt, _plan(recompute="full")) == []
+    assert plan_problems(gpt, _plan(recompute="op")) == []
     assert plan_problems(gpt, _plan(recompute="selective")) == []
     assert plan_problems(mlp, _plan(recompute="selective")) == []
     why = plan_problems(mlp, _plan(recompute="full"))
     assert len(why) == 1 and "no numbered layers" in why[0]
+    assert "no numbered layers" in plan_problems(mlp, _plan(recompute="op"))[0]
     # inside pipeline stages too (tests/test_recompute_pipeline.py)
     assert plan_problems(gpt, _plan(recompute="full", dp=1, pp=2, microbatches=2)) == []
     assert plan_problems(gpt, _plan(recompute="selective", dp=1, pp=2, microbatches=2)) == []
@@ -119,7 +150,7 @@ def test_what_recomputation_the_backend_refuses() -> None:
 def _table(model_fn, data_fn) -> dict[str, tuple[int, float]]:
     x, y = data_fn(0)
     return {mode: (measured(model_fn, x, y, mode), predicted(model_fn(), x, y, mode))
-            for mode in ("none", "selective", "full")}
+            for mode in ("none", "selective", "op", "full")}
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +159,8 @@ def gpt_table() -> dict[str, tuple[int, float]]:
 
 
 def test_measured_bytes_follow_the_recomputation(gpt_table) -> None:
-    none, sel, full = (gpt_table[m][0] for m in ("none", "selective", "full"))
+    none, sel, op, full = (gpt_table[m][0] for m in ("none", "selective", "op", "full"))
+    assert full < op < sel  # the operator policy keeps the layers' inputs and some outputs
     # selective drops each attention's softmax statistics (B·heads·S fp32 logsumexp, 2 layers);
     # full keeps the layers' inputs and what lies outside them
     assert none - sel == 2 * 8 * 4 * 16 * 4
@@ -138,7 +170,7 @@ def test_measured_bytes_follow_the_recomputation(gpt_table) -> None:
     assert retained_activation_bytes(ex.tiny_gpt(), x, y) == none  # no wrapper: the bytes of "none"
 
 
-@pytest.mark.parametrize("mode", ["none", "full"])
+@pytest.mark.parametrize("mode", ["none", "op", "full"])
 def test_memory_model_matches_kept_bytes_gpt(gpt_table, mode: str) -> None:
     meas, pred = gpt_table[mode]
     print(f"tiny GPT {mode}: measured {meas} B, predicted {pred:.0f} B ({pred / meas - 1:+.1%})")
@@ -209,6 +241,14 @@ def test_selective_recompute_tp2_gpt_trains_exactly() -> None:
     assert (s.tp, s.recompute) == (2, "selective")
     assert {"h:tp", "k_0:tp"} <= {p.placement for p in s.placements}  # attention really is head-parallel
     _trains_exactly(s, ex.tiny_gpt, ex.gpt_data, "selective recompute TP2 GPT")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_operator_policy_recompute_fsdp2_gpt_trains_exactly() -> None:
+    s = _search(ex.tiny_gpt, ex.gpt_data, ex.BATCH, recompute="op", dp=2, zero_stage=3)
+    assert (s.dp, s.zero_stage, s.recompute) == (2, 3, "op")
+    _trains_exactly(s, ex.tiny_gpt, ex.gpt_data, "operator-policy recompute FSDP2 DP2 GPT")
 
 
 @pytest.mark.slow

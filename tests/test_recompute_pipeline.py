@@ -177,7 +177,7 @@ def test_pp2_recompute_trains_exactly(model: str, recompute: str, schedule: str)
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(("model", "recompute", "schedule", "zero_stage"),
-                         [("gpt", "selective", "gpipe", 0), ("llama", "full", "1f1b", 3)])
+                         [("gpt", "op", "gpipe", 0), ("llama", "full", "1f1b", 3)])
 def test_dp2_x_pp2_recompute_trains_exactly(model: str, recompute: str, schedule: str, zero_stage: int) -> None:
     """Replicated parameters (FSDP2's replicate) or FSDP2 (ZeRO-3) over dp=2 in each stage."""
     _trains_exactly(model, 4, recompute, dp=2, microbatches=2, schedule=schedule, zero_stage=zero_stage)

@@ -100,7 +100,7 @@ class ExecPlan:
     dtype: str = "fp32"  # compute precision (._precision)
     microbatches: int = 1  # with pp == 1: gradient accumulation over this many micro-batches
     recompute: str = "none"  # activation recomputation (._recompute)
-    recompute_blocks: tuple[str, ...] = ()  # the layers recompute="full" checkpoints
+    recompute_blocks: tuple[str, ...] = ()  # the layers recompute="full" or "op" checkpoints
     ep: int = 1  # expert parallelism over the dp ranks (._expert_parallel)
     zero_stage: int = 3  # with data_parallel == "fsdp": how FSDP2 reshards and reduces (._worker._fully_shard)
 
@@ -269,11 +269,11 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
     if loss_parallel and not any(k == "col_to_loss" for k in seen.values()):
         raise Unsupported("cross entropy is class-parallel over tp but no column-parallel Linear produces its "
                           "logits")
-    if s.recompute == "full" and graph is not None:
+    if s.recompute in ("full", "op") and graph is not None:
         absent = [b for b in recompute_blocks(graph) if b not in modules]
         if absent:
-            raise Unsupported(f"recompute='full' checkpoints the layer module {absent[0]!r} of the model's graph, "
-                              "which the model has no module for; build the model the strategy was searched for")
+            raise Unsupported(f"recompute={s.recompute!r} checkpoints the layer module {absent[0]!r} of the model's "
+                              "graph, which the model has no module for; build the model the strategy was searched for")
     if s.ep > 1:
         from polyparallel.backends.torch._expert_parallel import expert_modules
 
@@ -299,4 +299,4 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
                     fused=tuple(sorted((p, seg) for p, seg in heads.items() if len(seg) > 1)),
                     tied=tuple(tied), positions=tuple(position_embeddings(graph)) if s.sp > 1 and graph else (),
                     dtype=s.dtype, microbatches=s.microbatches, recompute=s.recompute, ep=s.ep, zero_stage=s.zero_stage,
-                    recompute_blocks=tuple(recompute_blocks(graph)) if s.recompute == "full" and graph else ())
+                    recompute_blocks=tuple(recompute_blocks(graph)) if s.recompute in ("full", "op") and graph else ())

@@ -9,6 +9,12 @@ r"""Activation recomputation, exactly as the cost model prices it (``cost_models
   attention; Korthikanti et al., 2022) runs under the checkpoint and is recomputed in its
   backward; every other op saves what autograd saves. SDPA's kernels never store the scores, so
   this drops only its log-sum-exp, as the memory model counts it.
+* ``op``: the layers ``full`` checkpoints, under torchtitan's operator policy ("selective op",
+  ``torchtitan/models/llama/parallelize_llama.py``): the checkpoint keeps the output of every
+  second matrix product of the layer (``aten.mm`` / ``aten.addmm``: the 1st, 3rd, ...) and of its
+  fused attention kernels, and recomputes everything else in the backward
+  (``torch.utils.checkpoint.create_selective_checkpoint_contexts``), as
+  :func:`polyparallel.cost_models.activations.op_policy_saved` prices it.
 
 Inside pipeline stages (:func:`recompute_chunk`) the stage is an ``fx.GraphModule`` cut out of
 ``torch.export``'s graph (``_pipeline.split_model``), whose nodes name their module
@@ -34,7 +40,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from polyparallel.cost_models.layers import layer_of
 from polyparallel.ir import Graph
@@ -55,16 +61,16 @@ def recompute_blocks(graph: Graph) -> list[str]:
 
 def recompute_problems(graph: Graph | None, recompute: str) -> list[str]:
     """Why ``recompute`` cannot be run exactly as priced on the model captured as ``graph``."""
-    if recompute != "full":
+    if recompute not in ("full", "op"):
         return []
     if graph is None:
-        return ["recompute='full' checkpoints the model's numbered layers, found in its captured graph, but the "
-                "model could not be captured"]
+        return [f"recompute={recompute!r} checkpoints the model's numbered layers, found in its captured graph, but "
+                "the model could not be captured"]
     if not recompute_blocks(graph):
-        return ["recompute='full': the model has no numbered layers (modules named like 'layers.<i>', 'h.<i>' or "
-                "'blocks.<i>'), so the cost model recomputes runs of √n ops, which the backend cannot checkpoint; "
-                "search with constraints={'recompute': 'selective'} or 'none', or hold the repeated blocks in an "
-                "nn.ModuleList named 'layers'"]
+        return [f"recompute={recompute!r}: the model has no numbered layers (modules named like 'layers.<i>', "
+                "'h.<i>' or 'blocks.<i>'), so the cost model recomputes runs of √n ops, which the backend cannot "
+                "checkpoint; search with constraints={'recompute': 'selective'} or 'none', or hold the repeated "
+                "blocks in an nn.ModuleList named 'layers'"]
     return []
 
 
@@ -87,15 +93,46 @@ def _checkpointed(inner: Any, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
 
+_aten = torch.ops.aten
+# the matrix products the operator policy keeps every second output of, and the attention kernels
+# whose outputs it always keeps (those this build has)
+_POLICY_MM = frozenset({_aten.mm.default, _aten.addmm.default})
+_POLICY_ATTENTION = frozenset(getattr(_aten, name).default for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu") if hasattr(_aten, name))
+
+
+def _operator_policy() -> tuple[Any, Any]:
+    """A fresh pair of selective-checkpoint contexts for one layer call: the forward and its
+    recomputation count the layer's matrix products apart, so both keep the same ones."""
+    count = {False: 0, True: 0}
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if func in _POLICY_MM:
+            count[ctx.is_recompute] += 1
+            keep = count[ctx.is_recompute] % 2 == 1
+        else:
+            keep = func in _POLICY_ATTENTION
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _operator_checkpointed(inner: Any, *args: Any, **kwargs: Any) -> Any:
+    if not torch.is_grad_enabled():
+        return inner(*args, **kwargs)
+    return checkpoint(inner, *args, use_reentrant=False, context_fn=_operator_policy, **kwargs)
+
+
 def _attention_recomputed(inner: Any, *args: Any, **kwargs: Any) -> Any:
     with _RecomputeAttention():
         return inner(*args, **kwargs)
 
 
 def apply_recompute(model: nn.Module, recompute: str, blocks: tuple[str, ...] | list[str] = ()) -> nn.Module:
-    """Make ``model`` recompute as ``recompute`` says (``none``, ``selective`` or ``full``), in place.
+    """Make ``model`` recompute as ``recompute`` says (``none``, ``selective``, ``op`` or ``full``), in place.
 
-    ``blocks``: the module paths ``full`` checkpoints (:func:`recompute_blocks` of the model's graph).
+    ``blocks``: the module paths ``full`` and ``op`` checkpoint (:func:`recompute_blocks` of the model's graph).
     Apply it after tensor parallelism and before DDP / FSDP2 wrap the model. Returns ``model``.
     """
     if recompute == "none":
@@ -103,31 +140,34 @@ def apply_recompute(model: nn.Module, recompute: str, blocks: tuple[str, ...] | 
     if recompute == "selective":
         model.forward = functools.partial(_attention_recomputed, model.forward)  # type: ignore[method-assign]
         return model
-    if recompute != "full":
-        raise ValueError(f"recompute={recompute!r}: use 'none', 'selective' or 'full'")
+    if recompute not in ("full", "op"):
+        raise ValueError(f"recompute={recompute!r}: use 'none', 'selective', 'op' or 'full'")
     if not blocks:
-        raise ValueError("recompute='full' needs the module paths of the model's layers (recompute_blocks(graph))")
+        raise ValueError(f"recompute={recompute!r} needs the module paths of the model's layers "
+                         "(recompute_blocks(graph))")
     modules = dict(model.named_modules())
     missing = [b for b in blocks if b not in modules]
     if missing:
-        raise ValueError(f"recompute='full': the model has no module {missing[0]!r} (a layer of its captured graph); "
-                         "build the same model the strategy was searched for")
+        raise ValueError(f"recompute={recompute!r}: the model has no module {missing[0]!r} (a layer of its captured "
+                         "graph); build the same model the strategy was searched for")
+    wrap = _checkpointed if recompute == "full" else _operator_checkpointed
     for b in blocks:
         mod = modules[b]
-        mod.forward = functools.partial(_checkpointed, mod.forward)  # type: ignore[method-assign]
+        mod.forward = functools.partial(wrap, mod.forward)  # type: ignore[method-assign]
     return model
 
 
 class _Checkpointed(nn.Module):
     """Runs ``inner`` (a parameter-free GraphModule: what it reads comes in as arguments) under a
-    non-reentrant checkpoint while gradients are recorded."""
+    non-reentrant checkpoint while gradients are recorded (the operator policy's, ``by_operator``)."""
 
-    def __init__(self, inner: fx.GraphModule) -> None:
+    def __init__(self, inner: fx.GraphModule, by_operator: bool = False) -> None:
         super().__init__()
         self.inner = inner
+        self.by_operator = by_operator
 
     def forward(self, *args: Any) -> Any:
-        return _checkpointed(self.inner, *args)
+        return (_operator_checkpointed if self.by_operator else _checkpointed)(self.inner, *args)
 
 
 def _sdpa_recomputed(*args: Any, **kwargs: Any) -> Any:
@@ -163,7 +203,7 @@ def _layer_runs(gm: fx.GraphModule, blocks: set[str]) -> list[list[fx.Node]]:
     return runs
 
 
-def _outline(gm: fx.GraphModule, run: list[fx.Node], name: str) -> None:
+def _outline(gm: fx.GraphModule, run: list[fx.Node], name: str, by_operator: bool = False) -> None:
     """Replace ``run`` by one call of a checkpointed sub-GraphModule computing it."""
     g = gm.graph
     inside = set(run)
@@ -178,7 +218,7 @@ def _outline(gm: fx.GraphModule, run: list[fx.Node], name: str) -> None:
     for n in run:
         env[n] = sub.node_copy(n, lambda a: env[a])
     sub.output(tuple(env[n] for n in outs))
-    gm.add_submodule(name, _Checkpointed(fx.GraphModule({}, sub, f"Recomputed_{name}")))
+    gm.add_submodule(name, _Checkpointed(fx.GraphModule({}, sub, f"Recomputed_{name}"), by_operator))
     with g.inserting_after(run[-1]):
         call = g.call_module(name, tuple(ins))
     last = call
@@ -197,8 +237,9 @@ def recompute_chunk(gm: fx.GraphModule, recompute: str, blocks: tuple[str, ...] 
     ``full``: every run of nodes of a layer in ``blocks`` (:func:`recompute_blocks` of the model's
     graph: the layers the memory model counts as recomputed) becomes one checkpointed call, which
     keeps the run's inputs and recomputes the rest in the backward; nodes outside those layers
-    (embeddings, final norm, head) keep their activations. ``selective``: every
-    ``aten.scaled_dot_product_attention`` node runs under the checkpoint. Returns ``gm``.
+    (embeddings, final norm, head) keep their activations; ``op`` likewise, under the operator
+    policy. ``selective``: every ``aten.scaled_dot_product_attention`` node runs under the
+    checkpoint. Returns ``gm``.
     """
     if recompute == "none":
         return gm
@@ -206,13 +247,14 @@ def recompute_chunk(gm: fx.GraphModule, recompute: str, blocks: tuple[str, ...] 
         for n in gm.graph.nodes:
             if n.op == "call_function" and n.target is torch.ops.aten.scaled_dot_product_attention.default:
                 n.target = _sdpa_recomputed
-    elif recompute == "full":
+    elif recompute in ("full", "op"):
         if not blocks:
-            raise ValueError("recompute='full' needs the module paths of the model's layers (recompute_blocks(graph))")
+            raise ValueError(f"recompute={recompute!r} needs the module paths of the model's layers "
+                             "(recompute_blocks(graph))")
         for i, run in enumerate(_layer_runs(gm, set(blocks))):
-            _outline(gm, run, f"recompute_{i}")
+            _outline(gm, run, f"recompute_{i}", by_operator=recompute == "op")
     else:
-        raise ValueError(f"recompute={recompute!r}: use 'none', 'selective' or 'full'")
+        raise ValueError(f"recompute={recompute!r}: use 'none', 'selective', 'op' or 'full'")
     gm.graph.lint()
     gm.recompile()
     return gm

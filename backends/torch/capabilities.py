@@ -69,7 +69,7 @@ class Unsupported(ValueError):
 
 
 EXECUTED_SCHEDULES = ("gpipe", "1f1b", "interleaved")
-EXECUTED_RECOMPUTE = ("none", "selective", "full")  # activation recomputation the executor runs (._recompute)
+EXECUTED_RECOMPUTE = ("none", "selective", "op", "full")  # activation recomputation the executor runs (._recompute)
 EXECUTED_DTYPES = ("fp32", "bf16", "fp16")  # training precisions it runs (._precision)
 _POINTWISE = (OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.CONCAT, OpKind.SPLIT)
 

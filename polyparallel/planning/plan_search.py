@@ -45,7 +45,7 @@ giving at least ``m`` micro-batches, the smallest size and ``m = 1``.
 Schedules: 1F1B, GPipe (same bubble, but its p2p and activation timing differ in the
 simulation) and interleaved with 2 or 4 chunks where the layers divide. Memory knobs are
 tried cheapest-first along the ladder ``(z, r) = (0, none), (1, none), (2, none),
-(1, selective), (3, none), (3, selective), (1, full), (3, full)``: every *free* rung that fits
+(1, selective), (3, none), (3, selective), (1, op), (3, op), (1, full), (3, full)``: every *free* rung that fits
 (ZeRO 0-2 without recomputation move the same gradient volume but shard the optimizer step
 differently) is priced; past them, the first rung that fits is kept (later rungs only add
 communication or recomputation). ``exhaustive=True`` drops every pruning
@@ -138,7 +138,7 @@ __all__ = ["Constraints", "DoesNotFit", "evaluate", "search"]
 
 AXES = ("dp", "tp", "pp", "sp")
 MEMORY_LADDER = (("0", "none"), ("1", "none"), ("2", "none"), ("1", "selective"), ("3", "none"), ("3", "selective"),
-                 ("1", "full"), ("3", "full"))
+                 ("1", "op"), ("3", "op"), ("1", "full"), ("3", "full"))
 
 
 class DoesNotFit(ValueError):
@@ -474,10 +474,10 @@ def _plans(base: ParallelConfig, c: Constraints, layers: int,
                                                                     else chunks or 2)]
     ladder = [(int(z), r) for z, r in MEMORY_LADDER if base.ep == 1 or int(z) < 3]  # ZeRO-3 + ep: not modelled
     if base.dp * base.sp == 1:
-        ladder = [(z, r) for z, r in ladder if z == 0] + [(0, "selective"), (0, "full")]
+        ladder = [(z, r) for z, r in ladder if z == 0] + [(0, "selective"), (0, "op"), (0, "full")]
         ladder = list(dict.fromkeys(ladder))
     if c.zero_stage is not None:
-        ladder = [(c.zero_stage, r) for r in ("none", "selective", "full")]
+        ladder = [(c.zero_stage, r) for r in ("none", "selective", "op", "full")]
     if c.recompute is not None:
         ladder = list(dict.fromkeys((z, c.recompute) for z, _ in ladder))
     for s, v in scheds:
