@@ -819,6 +819,25 @@ def _executable(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B: 
     while True:
         try:
             plan_for(strat, mdl.model, batch if strat.pp > 1 else None, graph=mdl.exact(best.b))
+            if _replicated_tp(strat, best, c):
+                # the plan was ranked at the placements the polyhedral model derives, but the torch
+                # backend runs none of them on this model: each tp rank would do the whole stage's
+                # work. That is the model's ops, not this mesh's, so every tp > 1 plan is dropped
+                say(f"the torch backend runs {best.chosen.bound.config} only replicated over tp; searching "
+                    "without tensor parallelism")
+                replicated_note = (f"left out tensor parallelism: the torch backend splits none of this model's "
+                                   f"ops over tp as priced ({best.chosen.bound.config} would be written with every "
+                                   f"op replicated, {strat.estimate.step_time_s:.3g} s per step)")
+                best.fitting = [f for f in best.fitting if f.bound.config.tp == 1]
+                best.est, best.b, best.chosen = None, 0, None
+                best.solve()
+                if best.est is None:
+                    break  # no plan without tp: keep the replicated one, which says so
+                strat = strategy_of(mdl, cl, best.est, best.b, B, devs, record, c.placements, c.memory_cap)
+                notes = [*(n for n in strat.search.notes if not n.startswith("why ")), *_why_axes(best, c),
+                         replicated_note]
+                strat = strat.model_copy(update={"search": strat.search.model_copy(update={"notes": notes})})
+                continue
             if fallback is not None and fallback[0].estimate.step_time_s < strat.estimate.step_time_s:
                 strat, (best.est, best.b, best.chosen) = fallback[0], fallback[1:]
             break
@@ -845,6 +864,14 @@ def _executable(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B: 
                  "model: " + " | ".join(r[:300] for r in refused)]
         strat = strat.model_copy(update={"search": strat.search.model_copy(update={"notes": notes})})
     return strat
+
+
+def _replicated_tp(strat: Strategy, best: _Best, c: Constraints) -> bool:
+    """Whether the written plan replicates whole stages over an unpinned ``tp > 1`` while plans
+    without tensor parallelism are left to choose from."""
+    if strat.tp == 1 or c.tp is not None or not any(st.placed_by == "replicated" for st in strat.stages):
+        return False
+    return any(f.bound.config.tp == 1 for f in best.fitting)
 
 
 def _rule_placed(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B: int, devs: list[int],
