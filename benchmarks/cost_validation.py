@@ -62,6 +62,7 @@ from polyparallel.cluster import Cluster, default_calibration_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from executor import MLP, Recipe, calibrate_now, print_table, run_recipes, spearman
+from published_sharded import sharded_rows
 
 OUT = Path(__file__).parent / "results" / "cost_validation.json"
 
@@ -294,7 +295,8 @@ def published_module(model: dict[str, Any]) -> tuple[Any, tuple[Any, ...], dict[
     """The row's model as a user would write it: the package's own GPT or Llama module on the meta
     device (no weights), with the example batch of one micro-batch. GPT rows compute attention as the
     source's framework did before flash attention (explicit scores, mask, softmax, dropout; Megatron-LM
-    and DeepSpeed of 2021-2022), with Megatron's dropouts of 0.1 where the source trained with them."""
+    and DeepSpeed of 2021-2022) unless the row says ``attention: sdpa`` (a fused kernel), with
+    Megatron's dropouts of 0.1 where the source trained with them."""
     import torch
 
     from polyparallel.models import GPT, GPTConfig, Llama, LlamaConfig
@@ -307,7 +309,7 @@ def published_module(model: dict[str, Any]) -> tuple[Any, tuple[Any, ...], dict[
         else:
             m = GPT(GPTConfig(vocab=model["vocab"], seq=model["seq"], layers=model["layers"], hidden=model["hidden"],
                               heads=model["heads"], dropout=0.1 if model.get("dropout") else 0.0,
-                              attention="explicit", positions=model.get("positions", True)))
+                              attention=model.get("attention", "explicit"), positions=model.get("positions", True)))
     ids = torch.zeros(model["batch"], model["seq"], dtype=torch.long)
     return m, (ids,), {"labels": ids}
 
@@ -334,31 +336,59 @@ def run_published(cases: list[dict[str, Any]] | None = None) -> list[dict[str, A
                         batch_size=case["global_batch"], execution=execution, **recipe)
         est = s.estimate
         n = len(s.mesh.devices)
-        if case["flops"] == "megatron":
-            flops = megatron_flops(case["global_batch"], mk["seq"], mk["layers"], mk["hidden"], mk["vocab"],
-                                   recompute=s.recompute == "full")
+        if "published_tokens_per_s_per_gpu" in case:
+            # a source that publishes tokens per second per GPU is compared in them: the step's
+            # tokens are its work, no FLOP formula needed
+            work, unit, metric = case["global_batch"] * mk["seq"], 1.0, "tokens/s/GPU"
+            pub = case["published_tokens_per_s_per_gpu"]
         else:
-            flops = palm_flops(case["global_batch"], mk["seq"], s.model.params, mk["layers"], mk["hidden"])
-        pred = flops / est.step_time_s / n / 1e12
-        # a source that publishes seconds per iteration: its TFLOP/s by the same FLOP count
-        pub = case["published_tflops"] if "published_tflops" in case else flops / case["published_step_s"] / n / 1e12
+            work = megatron_flops(case["global_batch"], mk["seq"], mk["layers"], mk["hidden"], mk["vocab"],
+                                  recompute=s.recompute == "full") if case["flops"] == "megatron" else \
+                palm_flops(case["global_batch"], mk["seq"], s.model.params, mk["layers"], mk["hidden"])
+            unit, metric = 1e12, "TFLOP/s/GPU"
+            # a source that publishes seconds per iteration: its TFLOP/s by the same FLOP count
+            pub = case["published_tflops"] if "published_tflops" in case else \
+                work / case["published_step_s"] / n / unit
+        pred = work / est.step_time_s / n / unit
         config = (f"dp{s.dp} tp{s.tp} pp{s.pp} m={s.microbatches} {s.schedule} zero{s.zero_stage} "
                   f"rc={s.recompute}" + (" seqpar" if recipe.get("sequence_parallel") else ""))
         rows.append({
             "name": case["name"], "citation": case["citation"], "assumptions": case["assumptions"],
             "cluster": cluster.name, "gpus": n, "config": config, "execution": execution, "params": s.model.params,
-            "published_tflops_per_gpu": round(pub, 1), "predicted_tflops_per_gpu": round(pred, 1),
+            "metric": metric, "published_per_gpu": round(pub, 1), "predicted_per_gpu": round(pred, 1),
             "error": round(pred / pub - 1, 4), "within_25pct": abs(pred / pub - 1) <= 0.25,
-            "within_15pct": abs(pred / pub - 1) <= 0.15,
-            "predicted_step_s": round(est.step_time_s, 3), "published_step_s": round(flops / (pub * 1e12 * n), 3),
+            "within_15pct": abs(pred / pub - 1) <= 0.15, "held_out": case.get("held_out", False),
+            "predicted_step_s": round(est.step_time_s, 5), "published_step_s": round(work / (pub * unit * n), 5),
             "breakdown_s": {k: round(v, 4) for k, v in est.breakdown.items()},
             "memory_bytes_max": est.memory_bytes_max, "does_not_fit": s.search.notes[:1],
             "price_s": round(time.perf_counter() - t0, 2),
         })
         r = rows[-1]
-        print(f"  {r['name']:<24} {r['gpus']:>5} GPUs  {r['config']:<52} published {pub:6.1f}  predicted "
-              f"{r['predicted_tflops_per_gpu']:6.1f} TFLOP/s/GPU  error {100 * r['error']:+6.1f}%", flush=True)
+        print(f"  {r['name']:<24} {r['gpus']:>5} GPUs  {r['config']:<52} published {pub:8.1f}  predicted "
+              f"{pred:8.1f} {metric}  error {100 * r['error']:+6.1f}%", flush=True)
     return rows
+
+
+def sharded_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The sharded rows' errors per source table, apart for the rows looked at while the cost model
+    changed and the held-out ones (``published_sharded.py``), printed and returned with the rows."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        table = r["name"][r["name"].rfind("(") + 1:-1].split(" ", 1)[1] if "(" in r["name"] else "?"
+        source = "torchtitan" if r["name"].startswith("torchtitan") else "MPT"
+        for key in (f"{source} {table} {'held out' if r['held_out'] else 'seen'}",
+                    "all held out" if r["held_out"] else "all seen"):
+            groups.setdefault(key, []).append(r)
+    out: dict[str, Any] = {"rows": rows, "groups": {}}
+    for key, sel in sorted(groups.items()):
+        g = {"rows": len(sel), "within_25pct": sum(r["within_25pct"] for r in sel),
+             "within_15pct": sum(r["within_15pct"] for r in sel),
+             "median_error": round(statistics.median(r["error"] for r in sel), 4),
+             "priced_slow": sum(r["error"] < 0 for r in sel)}
+        out["groups"][key] = g
+        print(f"  {key:<34} {g['rows']:3d} rows  within ±25% {g['within_25pct']:3d}  within ±15% "
+              f"{g['within_15pct']:3d}  median error {100 * g['median_error']:+6.1f}%  priced slow {g['priced_slow']}")
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -414,7 +444,8 @@ def run_local(steps: int, warmup: int, recalibrate: bool, repeats: int) -> dict[
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=["local", "published", "both"], default="both")
+    ap.add_argument("--part", choices=["local", "published", "sharded", "both"], default="both",
+                    help="both: local and published; sharded: the FSDP/ZeRO-3 rows of published_sharded.py")
     ap.add_argument("--steps", type=int, default=20, help="training steps per run (warm-up included)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=2, help="runs of every configuration (interleaved)")
@@ -435,6 +466,9 @@ def main() -> None:
                                "median_abs_error": statistics.median(abs(r["error"]) for r in rows)}
         print(f"  within ±25%: {result['published']['within_25pct']} of {len(rows)}; within ±15%: "
               f"{result['published']['within_15pct']}")
+    if args.part == "sharded":
+        print("published sharded-data-parallel runs (tokens/s/GPU; benchmarks/published_sharded.py):")
+        result["sharded"] = sharded_summary(run_published(sharded_rows()))
     if args.part in ("local", "both"):
         print(f"this machine ({os.cpu_count()} cores), pp.train on gloo processes, {args.repeats} x {args.steps} steps "
               f"per recipe, first {args.warmup} left out:")

@@ -20,3 +20,45 @@ def test_published_runs_within_bounds(capsys):
     errors = {r["name"]: round(100 * r["error"], 1) for r in rows}
     assert all(abs(e) <= 25 for e in errors.values()), errors
     assert sum(abs(e) <= 15 for e in errors.values()) >= 0.8 * len(rows), errors
+
+
+def _sharded(prefix: str) -> dict[str, dict]:
+    from benchmarks.published_sharded import sharded_rows
+
+    return {r["name"]: r for r in run_published([c for c in sharded_rows() if c["name"].startswith(prefix)])}
+
+
+def test_fsdp2_runs_held_out_within_15pct(capsys):
+    """torchtitan's FSDP2 recipes on 64 A100 (Llama 2 13B/70B, Llama 3 8B/70B; no recomputation,
+    the operator policy, full), held out of every change this table prompted: each within ±15%."""
+    rows = _sharded("torchtitan Llama 2") | _sharded("torchtitan Llama 3 ")
+    capsys.readouterr()
+    a100 = {k: r for k, r in rows.items() if "A100" in k}
+    assert len(a100) == 6 and all(r["held_out"] for r in a100.values())
+    errors = {k: round(100 * r["error"], 1) for k, r in a100.items()}
+    assert all(abs(e) <= 15 for e in errors.values()), errors
+
+
+def test_fsdp_scaling_and_compilation_priced_as_measured(capsys):
+    """What the measurements change between recipes, priced: torch.compile speeds Llama 3.1 8B's FSDP2
+    step up 16% on 8 and on 128 H100, and 128 GPUs lose 3% against 8 (torchtitan); MPT-13B holds its
+    throughput from 16 to 128 A100 40GB (FSDP1, micro-batches 10-16). Each ratio within 3 points of
+    the measured one (the H100 rows' absolute error, +33%, is the platform's: see the README)."""
+    tt = _sharded("torchtitan Llama 3.1")
+    mpt = _sharded("MPT-13b s2048")
+    capsys.readouterr()
+
+    def ratio(a: str, b: str, rows: dict) -> tuple[float, float]:
+        ra, rb = rows[a], rows[b]
+        return (ra["published_per_gpu"] / rb["published_per_gpu"], ra["predicted_per_gpu"] / rb["predicted_per_gpu"])
+
+    for gpus in (8, 128):
+        pub, pred = ratio(f"torchtitan Llama 3.1 8B rc=op compiled ({gpus} H100)",
+                          f"torchtitan Llama 3.1 8B rc=op ({gpus} H100)", tt)
+        assert abs(pred - pub) <= 0.03, (gpus, pub, pred)
+    pub, pred = ratio("torchtitan Llama 3.1 8B rc=op (128 H100)", "torchtitan Llama 3.1 8B rc=op (8 H100)", tt)
+    assert abs(pred - pub) <= 0.03, (pub, pred)
+    a40 = [r for k, r in mpt.items() if "A100 40GB" in k and r["gpus"] >= 16]
+    assert len(a40) == 4
+    spread = [max(r[k] for r in a40) / min(r[k] for r in a40) for k in ("published_per_gpu", "predicted_per_gpu")]
+    assert spread[0] < 1.03 and spread[1] < 1.03, spread
