@@ -136,28 +136,22 @@ def _mpt_row(table: str, model: str, seq: int, gpus: int, micro: int, accum: int
 # H100 with 96 GB HBM2e at 2.4 TB/s and a 500 W power limit, NVLink inside a host, 400 Gb/s RDMA
 # per GPU. "The actual peak TFLOPs number is between SXM and NVL": the midpoint of the SXM's 989.5
 # and the NVL's 835 TFLOP/s dense bf16 (H100 datasheet) is taken.
-GRAND_TETON_H100 = {
-    "name": "grand-teton-h100",
-    "description": "Meta Grand Teton: 8 x H100 96GB HBM2e (500 W) per host, 400 Gb/s RDMA per GPU",
-    "device_types": {"h100-hbm2e-500w": {
-        "kind": "gpu", "vendor": "NVIDIA", "sms": 132, "memory": "96 GB", "memory_bandwidth": "2400 GB/s",
-        "peak": {"bf16": "912 TFLOP/s", "fp16": "912 TFLOP/s", "fp32": "61.5 TFLOP/s", "tf32": "456 TFLOP/s"},
-        "launch_overhead": "4 us",
-        "source": "torchtitan docs/performance.md (96GB HBM2e, 2.4 TB/s, 500W; peak between H100 SXM and NVL)"}},
-    "centers": [{"name": "dc", "framework": "torch", "nodes": [{
-        "name": "host", "count": 1, "device": "h100-hbm2e-500w", "devices_per_node": 8,
-        "intra": {"kind": "nvlink", "bandwidth": "450 GB/s", "latency": "3 us", "efficiency": 0.8,
-                  "source": "H100 SXM NVLink 900 GB/s bidirectional"},
-        "nic": {"kind": "rdma", "bandwidth": "400 Gb/s", "ports": 8, "latency": "5 us", "efficiency": 0.9,
-                "source": "torchtitan docs/performance.md: 400 Gb/s per GPU"}}]}],
-}
-
-
 def _grand_teton(gpus: int) -> dict[str, Any]:
-    spec = {**GRAND_TETON_H100, "centers": [dict(GRAND_TETON_H100["centers"][0])]}
-    node = dict(spec["centers"][0]["nodes"][0], count=max(1, gpus // 8))
-    spec["centers"][0]["nodes"] = [node]
-    return spec
+    return {
+        "name": "grand-teton-h100",
+        "description": "Meta Grand Teton: 8 x H100 96GB HBM2e (500 W) per host, 400 Gb/s RDMA per GPU",
+        "device_types": {"h100-hbm2e-500w": {
+            "kind": "gpu", "vendor": "NVIDIA", "sms": 132, "memory": "96 GB", "memory_bandwidth": "2400 GB/s",
+            "peak": {"bf16": "912 TFLOP/s", "fp16": "912 TFLOP/s", "fp32": "61.5 TFLOP/s", "tf32": "456 TFLOP/s"},
+            "launch_overhead": "4 us",
+            "source": "torchtitan docs/performance.md (96GB HBM2e, 2.4 TB/s, 500W; peak between H100 SXM and NVL)"}},
+        "centers": [{"name": "dc", "framework": "torch", "nodes": [{
+            "name": "host", "count": max(1, gpus // 8), "device": "h100-hbm2e-500w", "devices_per_node": 8,
+            "intra": {"kind": "nvlink", "bandwidth": "450 GB/s", "latency": "3 us", "efficiency": 0.8,
+                      "source": "H100 SXM NVLink 900 GB/s bidirectional"},
+            "nic": {"kind": "rdma", "bandwidth": "400 Gb/s", "ports": 8, "latency": "5 us", "efficiency": 0.9,
+                    "source": "torchtitan docs/performance.md: 400 Gb/s per GPU"}}]}],
+    }
 
 
 LLAMA_SHAPES = {  # hidden, layers, heads, kv heads, ffn, vocabulary

@@ -30,8 +30,6 @@ __all__ = ["activation_bytes", "crossing", "kept_tensors", "loss_transient", "op
 # or (the default: gelu, silu, mul, div, pow, sin, ...) its input
 _SAVES_NOTHING = frozenset({"add", "sub", "rsub", "neg", "to", "_to_copy", "clone", "contiguous", "alias", "type_as",
                             "mul.Scalar", "div.Scalar", "add.Scalar", "sub.Scalar"})
-
-
 _SAVES_OUTPUT = frozenset({"relu", "sigmoid", "tanh", "exp", "rsqrt", "sqrt", "reciprocal"})
 
 
@@ -64,11 +62,7 @@ def _fused_temporaries(op: Op) -> int:
 
 _NO_GRAD = frozenset({"eq", "ne", "le", "lt", "ge", "gt", "__and__", "__or__", "__xor__", "logical_and", "logical_or",
                       "logical_not", "bitwise_and", "bitwise_or", "bitwise_not", "isnan", "isinf", "sign"})
-
-
 _FLOATS = ("float32", "float16", "bfloat16", "float64")
-
-
 _BINARY_SAVERS = frozenset({"mul", "div", "where", "maximum", "minimum", "pow", "atan2"})
 
 
@@ -183,9 +177,8 @@ def activation_bytes(graph: Graph, op: Op, dtype: str, fused_attention: bool | N
         if not selective:
             total += math_sdpa_saved_bytes(op)
     elif is_sdpa(op):
-        if not selective and op.outputs:
-            out = graph.tensors[op.outputs[0]]
-            total += out.numel / max(out.shape[-1], 1) * 4 if out.shape else 0.0
+        if not selective:
+            total += _log_sum_exp_bytes(graph, op)
     elif OpKind(op.kind) is OpKind.ATTENTION and op.nest is not None and not fused_attention and not selective:
         ext = op.nest.extents
         for st in op.nest.statements:
@@ -194,6 +187,15 @@ def activation_bytes(graph: Graph, op: Op, dtype: str, fused_attention: bool | N
                     n = math.prod(ext[d] for e in w.index for d in e.dims)
                     total += 2 * n * TRAINING_DTYPE_BYTES[dtype]  # scores and probabilities
     return total
+
+
+def _log_sum_exp_bytes(graph: Graph, op: Op) -> float:
+    """What a fused attention kernel keeps beside its output: the softmax's log-sum-exp, fp32, one
+    per output row (``B·H·S·4`` bytes)."""
+    if not op.outputs:
+        return 0.0
+    out = graph.tensors[op.outputs[0]]
+    return out.numel / max(out.shape[-1], 1) * 4 if out.shape else 0.0
 
 
 def loss_transient(graph: Graph, cfg: ParallelConfig, v: int, eager: bool) -> dict[int, float]:
@@ -319,8 +321,7 @@ def op_policy_kept(graph: Graph, cfg: ParallelConfig, plans: list[OpPlan]) -> li
                     continue
                 nbytes = tensor_bytes(graph, op.outputs[0], cfg.dtype)
                 if is_sdpa(op):
-                    o = graph.tensors[op.outputs[0]]
-                    nbytes += o.numel / max(o.shape[-1], 1) * 4 if o.shape else 0.0
+                    nbytes += _log_sum_exp_bytes(graph, op)
                 total += nbytes / plans[i].split
             out.append(total)
         cache[key] = out
