@@ -162,11 +162,12 @@ def run_comparisons() -> list[dict[str, Any]]:
 
 
 def _family(zero_stage: int, tp: int, pp: int) -> str:
-    """A recipe's kind as the comparisons name them: sharded data parallelism without a pipeline
-    (whatever tensor parallelism inside a node), or tensor + pipeline parallelism (with data
-    parallelism over the rest)."""
+    """A recipe's kind as the comparisons name them: sharded data parallelism without model
+    parallelism (SC'21's "ZeRO-3 without any model parallelism"), the same with tensor parallelism
+    inside a node (torchtitan's FSDP + TP; no comparison measured it), or tensor + pipeline
+    parallelism (with data parallelism over the rest)."""
     if zero_stage == 3 and pp == 1:
-        return "ZeRO-3"
+        return "ZeRO-3" if tp == 1 else f"ZeRO-3 + TP{tp}"
     return "PTD-P" if tp > 1 and pp > 1 else f"tp{tp} pp{pp}"
 
 

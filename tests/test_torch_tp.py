@@ -9,6 +9,7 @@ equal a plain single-process loop on the same seed and global batch (SGD, fp32, 
 from __future__ import annotations
 
 import pytest
+import torch
 
 import polyparallel as pp
 from polyparallel.backends.torch import FingerprintMismatch, Unsupported, _launch, plan_for, train
@@ -48,14 +49,14 @@ def test_qkv_rows_give_each_rank_whole_heads() -> None:
     """The regrouping read off the attention's accesses: rank r gets [q_r | k_r | v_r]."""
     x, y = ex.gpt_data(0)
     g = capture_for_strategy(ex.tiny_gpt, (x, y))
-    splits, why = head_split(g, "scaled_dot_product_attention", "h", 2)
+    splits, why = head_split(g, [("scaled_dot_product_attention", "h")], 2)
     assert not why and [(h.module, h.segments) for h in splits] == [("h.0.qkv", (32, 32, 32))]
     rows = qkv_rows((32, 32, 32), 2)
     H = 32
     for r in range(2):  # brute force: the heads 2r, 2r+1 of q, k, v, 8 features each
         want = [j * H + h * 8 + e for j in range(3) for h in (2 * r, 2 * r + 1) for e in range(8)]
         assert rows[48 * r: 48 * (r + 1)] == want
-    assert head_split(g, "scaled_dot_product_attention", "h", 3)[1]  # 4 heads do not split in 3
+    assert head_split(g, [("scaled_dot_product_attention", "h")], 3)[1]  # 4 heads do not split in 3
     # Megatron pairs are read off the graph: fc's shards flow through gelu into fc_out only
     assert sharded_consumer(g, "h.0.fc", "h.0.fc_out") is None and sharded_consumer(g, "lm_head", None) is None
     assert "linear_3" in sharded_consumer(g, "h.0.fc", "h.1.fc_out")  # h.0.fc_out would take a shard as whole
@@ -73,6 +74,44 @@ def test_head_parallel_gpt_matches_single_process() -> None:
     log = train(s, ex.tiny_gpt, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED)
     err = _max_rel(log)
     print(f"TP=2 GPT: max relative loss difference {err:.2e}")
+    assert err <= 1e-4
+
+
+def test_explicit_attention_heads_are_traced_through_its_products_and_softmax() -> None:
+    """Attention written out (q @ k.T, causal mask, softmax, p @ v): the products and the softmax
+    split over heads read, together, whole heads of q, k and v of the fused projection; one product
+    alone does not cover v, and a softmax left whole cannot be traced back to the projection."""
+    x, y = ex.gpt_data(0)
+    g = capture_for_strategy(ex.tiny_gpt_explicit, (x, y))
+    heads = [("matmul", "b1"), ("softmax", "d1"), ("matmul_1", "b1")]
+    splits, why = head_split(g, heads, 2)
+    assert not why and [(h.module, h.segments) for h in splits] == [("h.0.qkv", (32, 32, 32))]
+    assert "do not tile" in head_split(g, heads[:1], 2)[1][0]  # v is read by p @ v only
+    assert "comes from op 'softmax'" in head_split(g, [heads[0], heads[2]], 2)[1][0]
+    # the search's own placements (torch's capabilities) split them so on a cluster where tp pays
+    with torch.device("meta"):
+        big = pp.models.GPT(pp.models.GPTConfig(vocab=51200, seq=2048, layers=2, hidden=4096, heads=32,
+                                                attention="explicit"))
+    ids = torch.zeros(1, 2048, dtype=torch.long)
+    s = pp.search(big, (ids,), "dgx-a100x2", example_kwargs={"labels": ids}, batch_size=16,
+                  constraints={"tp": 4, "pp": 1})
+    by_op = {op: [x for x in p.placement.split(",") if x.endswith(":tp")] for p in s.placements for op in p.ops}
+    assert s.stages[0].placed_by != "replicated"
+    assert [by_op[o] for o in ("matmul", "softmax", "matmul_1")] == [["b1:tp"], ["d1:tp"], ["b1:tp"]]
+
+
+@pytest.mark.timeout(60)
+def test_explicit_attention_head_parallel_gpt_matches_single_process() -> None:
+    x, y = ex.gpt_data(0)
+    s = pp.evaluate(ex.tiny_gpt_explicit(), (x, y), "local-cpu:2", batch_size=ex.BATCH, recompute="none",
+                    microbatches=1, tp=2, placements="rule")
+    assert {"n:tp", "b1:tp", "d1:tp", "k_0:tp"} <= {p.placement for p in s.placements}
+    plan = plan_for(s, ex.tiny_gpt_explicit(), graph=capture_for_strategy(ex.tiny_gpt_explicit, (x, y)))
+    assert dict(plan.fused) == {"h.0.qkv": (32, 32, 32), "h.1.qkv": (32, 32, 32)}
+    log = train(s, ex.tiny_gpt_explicit, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED)
+    ref = _single(ex.tiny_gpt_explicit, ex.gpt_data)
+    err = max(abs(r["loss"] - want) / abs(want) for r, want in zip(log, ref))
+    print(f"TP=2 GPT, attention written out: max relative loss difference {err:.2e}")
     assert err <= 1e-4
 
 

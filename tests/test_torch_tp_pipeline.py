@@ -121,6 +121,20 @@ def test_dp2_tp2_pp2_gpt_matches_single_process() -> None:
 
 
 @pytest.mark.timeout(240)
+def test_explicit_attention_tp2_pp2_gpt_matches_single_process() -> None:
+    """Attention written out inside pipeline stages: the rewrite keeps q @ k.T, the masked softmax,
+    the dropout and p @ v on each rank's heads, views sized for them."""
+    x, y = ex.gpt_data(0)
+    s = pp.evaluate(ex.tiny_gpt_explicit(), (x[:4], y[:4]), "local-cpu:4", batch_size=ex.BATCH,
+                    recompute="none", microbatches=2, tp=2, pp=2, schedule="1f1b", placements="rule")
+    assert {"b1:tp", "d1:tp"} <= {p.placement for p in s.placements}
+    log = train(s, ex.tiny_gpt_explicit, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED)
+    err = _max_rel(log, _single(ex.tiny_gpt_explicit, ex.gpt_data))
+    print(f"TP2 x PP2 GPT, attention written out: max relative loss difference {err:.2e}")
+    assert err <= 1e-5
+
+
+@pytest.mark.timeout(240)
 def test_hf_llama_tp2_pp2_matches_single_process() -> None:
     """HF LLaMA built from a config (GQA, rotary tables, RMSNorm, padded labels), Megatron's placements:
     head-parallel attention (q, k, v column-parallel reading one copied input, the repeated kv heads

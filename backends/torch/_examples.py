@@ -8,7 +8,7 @@ import torch
 
 from polyparallel.models import GPT, MLP, GPTConfig
 
-__all__ = ["gpt_data", "gpt_example", "mlp_data", "single_process_losses", "tiny_gpt", "tiny_mlp"]
+__all__ = ["gpt_data", "gpt_example", "mlp_data", "single_process_losses", "tiny_gpt", "tiny_gpt_explicit", "tiny_mlp"]
 
 BATCH = 8
 
@@ -24,6 +24,12 @@ def mlp_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def tiny_gpt() -> GPT:
     return GPT(GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4))
+
+
+def tiny_gpt_explicit() -> GPT:
+    """``tiny_gpt`` with its attention written out (scores, causal mask, softmax, weighted sum), as
+    GPT-2's reference code and Megatron-LM before fused kernels compute it."""
+    return GPT(GPTConfig(vocab=64, seq=16, layers=2, hidden=32, heads=4, attention="explicit"))
 
 
 def gpt_example() -> tuple[GPT, tuple[torch.Tensor], dict[str, torch.Tensor]]:

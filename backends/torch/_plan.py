@@ -29,7 +29,8 @@ torch's parallel styles:
   gradients summed over those stages.
 
 * head-parallel attention (:mod:`._tensor_parallel`): an attention op split over its heads
-  (``h:tp``) runs locally on each rank's heads; the Linear(s) producing its ``q, k, v`` are
+  (``h:tp``), or an attention written out (``q @ k.T``, softmax, ``p @ v`` split over their heads
+  dim), runs locally on each rank's heads; the Linear(s) producing its ``q, k, v`` are
   column-parallel, a fused ``qkv`` projection with its rows regrouped so every rank owns whole heads
   of ``q``, ``k`` and ``v`` (read off the attention's accesses in the model's captured graph), and
   the output projection is row-parallel. The module's forward must size its views from the tensors
@@ -69,7 +70,7 @@ from polyparallel.backends.torch._tensor_parallel import (
     uneven_shards,
 )
 from polyparallel.backends.torch.capabilities import Unsupported, dp_split_ok, op_role, plan_problems
-from polyparallel.ir import Graph, OpKind
+from polyparallel.ir import Graph
 from polyparallel.strategy import Strategy
 
 __all__ = ["ExecPlan", "Unsupported", "plan_for"]
@@ -189,7 +190,7 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
                 loss_parallel = True
                 continue
             mod = modules.get(path) if path else None
-            if OpKind(gop.kind) is OpKind.ATTENTION if gop is not None else "attention" in op:
+            if op_role(graph, gop) in ("attention", "heads") if gop is not None else "attention" in op:
                 attention.append((op, d))  # checked against the graph below
                 continue
             if isinstance(mod, nn.Embedding) and re.fullmatch(r"v(_0)?", d):
@@ -214,13 +215,14 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
                           + ". Search with other constraints (e.g. {'tp': 1}) or change the model")
     linears.sort()
     heads: dict[str, tuple[int, ...]] = {}  # projection module -> blocks the head-split attention reads
-    for op, d in attention:
-        splits, why = head_split(graph, op, d, s.tp) if graph is not None else (
-            [], [f"attention op {op!r} is split over tp but the model could not be captured to check its inputs"])
+    if attention:
+        splits, why = head_split(graph, attention, s.tp) if graph is not None else (
+            [], [f"attention op {attention[0][0]!r} is split over tp but the model could not be captured to check "
+                 "its inputs"])
         for h in splits:
             if h.module not in {p for _, p, k in linears if k == "col"}:
-                why.append(f"attention op {op!r} is head-parallel but its input projection {h.module!r} is not "
-                           "column-parallel in the strategy")
+                why.append(f"attention op(s) {', '.join(op for op, _ in attention[:3])} are head-parallel but their "
+                           f"input projection {h.module!r} is not column-parallel in the strategy")
             heads[h.module] = h.segments
         if why:
             raise Unsupported("the torch backend cannot execute this strategy exactly: " + "; ".join(why[:3]))

@@ -18,7 +18,9 @@ stage's ``tp`` group computes on its shards, as Megatron's column/row-parallel l
   (identity forward, gradient all-reduce backward: Megatron's ``f``; one per input, shared by the
   Linears reading it, e.g. ``q, k, v`` or LLaMA's ``gate`` and ``up``) and leaves its output split
   along the features; pointwise ops, views, transposes, splits of a fused projection into its
-  blocks and ``scaled_dot_product_attention`` over split heads keep the split (a view's constant
+  blocks, ``scaled_dot_product_attention`` over split heads, and attention written out (the
+  products ``q @ k.T`` and ``p @ v`` of blocks split alike along a batch dim, a softmax along
+  another dim, dropout, each rank drawing its own shard's mask) keep the split (a view's constant
   sizes are rewritten to the local ones: the block of dim ``d`` is the block of the output dim
   with the same period, :func:`_view_dim`); a row-parallel Linear reads the split features, its
   partial product is all-reduced (:func:`reduce_from_tp`: all-reduce forward, identity backward,
@@ -282,7 +284,7 @@ class StageTP:
                 return None
             self._whole(n, "in the loss, only cross entropy over split classes (dim 1) is executed")
         (a0, s0) = split_ins[0]
-        if t in _SAME or (t is aten.dropout.default and not n.args[1]):  # (dropout with p = 0: the identity)
+        if t in _SAME:
             return s0 if n.args[0] is a0 else self._whole(n, "an argument")
         if t is aten.t.default:
             return _Split(1 - s0.dim, s0.segments)
@@ -314,6 +316,16 @@ class StageTP:
             if len(states) != 1 or s0.dim == dim:
                 raise Unsupported(f"op {n.name!r} concatenates tensors split differently over tp")
             return s0
+        if t in (aten.matmul.default, aten.bmm.default):
+            return self._product(n, out)
+        if t in (aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default):
+            nd = len(out or ())
+            if n.args[0] is not a0 or s0.dim == n.args[1] % nd:
+                raise Unsupported(f"op {n.name!r} ({t}) normalises along its dim split over tp")
+            return s0
+        if t is aten.dropout.default:
+            # each rank draws the mask of its own shard, as Megatron's attention dropout does
+            return s0 if n.args[0] is a0 else self._whole(n, "an argument")
         if t is aten.scaled_dot_product_attention.default:
             q, k, v = n.args[:3]
             mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
@@ -421,6 +433,18 @@ class StageTP:
         else:
             n.args = (n.args[0], [w // self.tp for w in n.args[1]], *n.args[2:])
         return tuple(_Split(dim, (w,)) for w in widths)
+
+    def _product(self, n: fx.Node, out: tuple[int, ...] | None) -> _Split:
+        """A batched product of two tensors split along the same batch dim (the heads of
+        ``q @ k.T`` and ``p @ v``): each rank multiplies its blocks."""
+        a, b = n.args[:2]
+        sa, sb = self.state.get(a), self.state.get(b)
+        nd = len(out or ())
+        if not (isinstance(sa, _Split) and isinstance(sb, _Split) and len(_shape(a) or ()) == nd
+                and len(_shape(b) or ()) == nd and sa.dim == sb.dim < nd - 2 and sa.segments == sb.segments):
+            raise Unsupported(f"op {n.name!r} ({n.target}) multiplies tensors not split alike along a batch dim over "
+                              "tp")
+        return sa
 
     def _pointwise(self, n: fx.Node, out: tuple[int, ...] | None) -> _Split:
         nd = len(out or ())

@@ -66,7 +66,7 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,7 +75,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.overrides import TorchFunctionMode
 
-from polyparallel.backends.torch.capabilities import chunked_evenly
+from polyparallel.backends.torch.capabilities import chunked_evenly, op_role
 from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind
 
 __all__ = ["FingerprintMismatch", "FusedColwiseParallel", "HeadSplit", "Region", "UlyssesAttention", "build_mesh",
@@ -217,59 +217,69 @@ def _back(graph: Graph, tensor: str, region: Region, found: dict[str, list[Regio
                     _reads_under(graph, prod, cons, found, [st])
 
 
-def head_split(graph: Graph, op_name: str, dim: str, parts: int) -> tuple[list[HeadSplit], list[str]]:
-    """Check that attention op ``op_name`` split over ``dim`` in ``parts`` blocks reads contiguous
-    feature blocks of projection outputs (module docstring), directly or through pointwise ops
-    (e.g. rotary embeddings); return the projections, or the reasons it does not."""
-    op = next((o for o in graph.ops if o.name == op_name), None)
-    if op is None or op.nest is None or OpKind(op.kind) is not OpKind.ATTENTION:
-        return [], [f"op {op_name!r} is not an attention op of the model's captured graph"]
-    ext = op.nest.extents
-    if dim not in ext:
-        return [], [f"attention op {op_name!r} has no dim {dim!r}"]
-    if ext[dim] % parts:
-        return [], [f"attention op {op_name!r}: {ext[dim]} heads ({dim!r}) do not split into {parts} equal blocks"]
-    step = ext[dim] // parts
-    # per projection output: per attention operand: the features each rank's heads need
-    need: dict[str, dict[int, list[set[int]]]] = {}
-    try:
-        for j, t in enumerate(op.inputs):
-            if graph.tensors[t].kind is not TensorKind.ACTIVATION:
-                continue
-            for r in range(parts):
-                found: dict[str, list[Region]] = {}
-                cons = {dim: frozenset(range(r * step, (r + 1) * step))}
-                for a in (a for st in op.nest.statements for a in st.reads if a.operand == f"in{j}"):
-                    _back(graph, t, tuple(_values(e, ext, cons) for e in a.index), found)
-                for lt, regions in found.items():
-                    feats: set[int] = set()
-                    for reg in regions:
-                        if reg[-1] is None or any(c is not None for c in reg[:-1]):
-                            raise _NotHeadLocal(f"its heads block reads {lt!r} along other axes than a block of "
-                                                "its features")
-                        feats |= reg[-1]
-                    need.setdefault(lt, {}).setdefault(j, []).append(feats)
-    except _NotHeadLocal as e:
-        return [], [f"attention op {op_name!r} split over {dim!r}: {e}"]
+def head_split(graph: Graph, split: Sequence[tuple[str, str]], parts: int) -> tuple[list[HeadSplit], list[str]]:
+    """Check that the ops ``split`` over heads (``(op name, dim)`` pairs: attention ops, or the
+    products and softmax of an attention written out) read, together, contiguous feature blocks of
+    projection outputs (module docstring), directly or through pointwise ops (e.g. rotary
+    embeddings); return the projections, or the reasons it does not. An input another op of
+    ``split`` produces is that op's local shard (``p`` of ``p @ v`` from the softmax), not traced:
+    every rank computes the chain from its projection shards to the output projection on local
+    tensors, whatever shapes they have."""
+    ops = {o.name: o for o in graph.ops}
+    local = {t for name, _ in split if name in ops for t in ops[name].outputs}
+    # per projection output: per (op, operand): the features each rank's heads need
+    need: dict[str, dict[tuple[str, int], list[set[int]]]] = {}
+    for op_name, dim in split:
+        op = ops.get(op_name)
+        if op is None or op.nest is None or op_role(graph, op) not in ("attention", "heads"):
+            return [], [f"op {op_name!r} is not an attention op (or a product or softmax of one) of the model's "
+                        "captured graph"]
+        ext = op.nest.extents
+        if dim not in ext:
+            return [], [f"attention op {op_name!r} has no dim {dim!r}"]
+        if ext[dim] % parts:
+            return [], [f"attention op {op_name!r}: {ext[dim]} heads ({dim!r}) do not split into {parts} equal "
+                        "blocks"]
+        step = ext[dim] // parts
+        try:
+            for j, t in enumerate(op.inputs):
+                if graph.tensors[t].kind is not TensorKind.ACTIVATION or t in local:
+                    continue
+                for r in range(parts):
+                    found: dict[str, list[Region]] = {}
+                    cons = {dim: frozenset(range(r * step, (r + 1) * step))}
+                    for a in (a for st in op.nest.statements for a in st.reads if a.operand == f"in{j}"):
+                        _back(graph, t, tuple(_values(e, ext, cons) for e in a.index), found)
+                    for lt, regions in found.items():
+                        feats: set[int] = set()
+                        for reg in regions:
+                            if reg[-1] is None or any(c is not None for c in reg[:-1]):
+                                raise _NotHeadLocal(f"its heads block reads {lt!r} along other axes than a block "
+                                                    "of its features")
+                            feats |= reg[-1]
+                        need.setdefault(lt, {}).setdefault((op_name, j), []).append(feats)
+        except _NotHeadLocal as e:
+            return [], [f"attention op {op_name!r} split over {dim!r}: {e}"]
     out: list[HeadSplit] = []
     problems: list[str] = []
     for lt, by_operand in need.items():
-        segs: list[tuple[int, int]] = []  # (offset, width)
-        for j, blocks in by_operand.items():
+        segs: set[tuple[int, int]] = set()  # (offset, width); an operand read by two ops counts once
+        for (op_name, j), blocks in by_operand.items():
             w, c = len(blocks[0]), min(blocks[0])
             if len(blocks) != parts or any(b != set(range(c + r * w, c + (r + 1) * w)) for r, b in enumerate(blocks)):
                 problems.append(f"attention op {op_name!r}: the heads blocks of in{j} are not consecutive ranges "
                                 f"of {lt!r}'s features")
-            segs.append((c, w * parts))
-        segs.sort()
+            segs.add((c, w * parts))
+        order = sorted(segs)
         width = graph.tensors[lt].shape[-1]
-        ends = [c + w for c, w in segs]
-        if segs[0][0] != 0 or ends[-1] != width or any(segs[i + 1][0] != ends[i] for i in range(len(segs) - 1)):
-            problems.append(f"attention op {op_name!r} reads {lt!r} in blocks {segs} that do not tile its "
+        ends = [c + w for c, w in order]
+        if order[0][0] != 0 or ends[-1] != width or any(order[i + 1][0] != ends[i] for i in range(len(order) - 1)):
+            names = ", ".join(sorted({n for n, _ in by_operand}))
+            problems.append(f"attention op(s) {names} read {lt!r} in blocks {order} that do not tile its "
                             f"{width} features")
         prod = graph.producer(lt)
         assert prod is not None
-        out.append(HeadSplit(producer=prod.name, module=prod.module, segments=tuple(w for _, w in segs)))
+        out.append(HeadSplit(producer=prod.name, module=prod.module, segments=tuple(w for _, w in order)))
     return (out, []) if not problems else ([], problems)
 
 

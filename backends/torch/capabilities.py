@@ -35,8 +35,11 @@ placements over the ``tp`` axis run, and how neighbouring placements chain. A ``
 factor ``k_i``) or replicated; an embedding vocabulary-parallel (``v``) or replicated; attention
 split over its heads (``h...``) or replicated; cross entropy class-parallel (``c``) or replicated;
 pointwise ops (elementwise, views, concat, split) may stay split along a non-batch, non-sequence
-dim; every other op (convolutions, ``addmm`` of HF's ``Conv1D``, norms, ...) is replicated over
-``tp``. Over ``dp`` only an op's batch dim is split (:func:`dp_split_ok`).
+dim; a product of two activations (``q @ k.T`` and ``p @ v`` of attention written out, as GPT-2's
+and Megatron's code before fused kernels) and a softmax may be split along a dim they do not
+reduce that indexes every operand (:func:`local_dims`: the heads); every other op (convolutions,
+``addmm`` of HF's ``Conv1D``, norms, ...) is replicated over ``tp``. Over ``dp`` only an op's batch
+dim is split (:func:`dp_split_ok`).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ __all__ = [
     "dp_split_ok",
     "edge_rule",
     "expressible",
+    "local_dims",
     "op_role",
     "plan_problems",
 ]
@@ -72,6 +76,7 @@ EXECUTED_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 EXECUTED_RECOMPUTE = ("none", "selective", "op", "full")  # activation recomputation the executor runs (._recompute)
 EXECUTED_DTYPES = ("fp32", "bf16", "fp16")  # training precisions it runs (._precision)
 _POINTWISE = (OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.CONCAT, OpKind.SPLIT)
+_PRODUCTS = ("matmul", "bmm", "einsum")  # products of activations a rank computes on its shards
 
 
 def batch_statistics(graph: Graph) -> list[str]:
@@ -202,8 +207,9 @@ def _has_param(g: Graph, op: Op) -> bool:
 def op_role(g: Graph, op: Op) -> str:
     """How the backend can split ``op`` over ``tp``: ``loss`` (class-parallel cross entropy),
     ``linear`` (an ``nn.Linear``: column/row-parallel), ``embedding`` (vocabulary-parallel),
-    ``attention`` (head-parallel), ``pointwise`` (follows its input's split) or ``other``
-    (replicated)."""
+    ``attention`` (head-parallel), ``pointwise`` (follows its input's split), ``heads`` (a product
+    of two activations or a softmax, computed on local shards along one of :func:`local_dims`) or
+    ``other`` (replicated)."""
     kind = OpKind(op.kind)
     if kind is OpKind.LOSS and "cross_entropy" in op.target:
         return "loss"
@@ -215,7 +221,27 @@ def op_role(g: Graph, op: Op) -> str:
         return "attention"
     if kind in _POINTWISE and not _has_param(g, op):
         return "pointwise"
+    if (kind is OpKind.CONTRACTION and not _has_param(g, op) and target_base(op.target) in _PRODUCTS) or (
+            kind is OpKind.SOFTMAX and not _has_param(g, op)):
+        return "heads"
     return "other"
+
+
+def local_dims(op: Op) -> tuple[str, ...]:
+    """The dims a ``heads`` op (:func:`op_role`) computes correctly on local shards along: not the
+    batch or the sequence (data and sequence parallelism split those), reduced by none of its
+    statements (a contraction's ``k``, a softmax's row), and indexing every tensor its first
+    statement reads (a batched product's batch dims: for ``q @ k.T`` over ``[B, h, S, d]``, the
+    heads ``h``; a whole tensor broadcast along the others, as a causal mask, is read whole)."""
+    if op.nest is None:
+        return ()
+    reduced = {d for st in op.nest.statements for d in st.reduction_dims()}
+    first = op.nest.statements[0]
+    reads = [a for a in first.reads if a.operand.startswith("in")]
+    inputs = {a.operand for a in reads}
+    return tuple(d.name for d in op.nest.dims
+                 if d.hint not in (Hint.BATCH, Hint.SEQUENCE) and d.name not in reduced and reads
+                 and all(any(d.name in a.dims for a in reads if a.operand == i) for i in inputs))
 
 
 def _target_is(op: Op, base: str) -> bool:
@@ -262,6 +288,8 @@ def expressible(g: Graph, tp: int) -> Any:
             return re.fullmatch(r"v(_0)?", d) is not None
         if role == "attention":
             return d == "h" or re.fullmatch(r"h_\d+", d) is not None
+        if role == "heads":
+            return d in local_dims(op)
         if role == "pointwise":
             hint = next(x.hint for x in op.nest.dims if x.name == d)
             return hint not in (Hint.BATCH, Hint.SEQUENCE)
@@ -304,13 +332,15 @@ def edge_rule(g: Graph, u: Op, pu: Any, v: Op, pv: Any, pos: int) -> str | None:
     """How the torch backend runs the edge ``u -> v`` (``v``'s input ``pos``), for
     :func:`polyparallel.planning.stage_solver.solve_stage`'s ``edge_rule``.
 
-    * ``"free"``: a column-parallel Linear feeding a head-split attention; the backend regroups the
-      projection's rows so each rank's shard holds whole heads of ``q``, ``k``, ``v``
-      (``_tensor_parallel.head_split``): nothing moves although the block layouts differ.
-    * ``"local"``: ``v`` computes on the local shards it is handed (a split pointwise op or
-      attention, the contracted input of a row-parallel Linear, the logits of a class-parallel
+    * ``"free"``: a column-parallel Linear feeding a head-split attention (or the products of an
+      attention written out); the backend regroups the projection's rows so each rank's shard
+      holds whole heads of ``q``, ``k``, ``v`` (``_tensor_parallel.head_split``): nothing moves
+      although the block layouts differ.
+    * ``"local"``: ``v`` computes on the local shards it is handed (a split pointwise op, attention
+      or ``heads`` op, the contracted input of a row-parallel Linear, the logits of a class-parallel
       loss, the epilogue inputs of a column-parallel Linear): ``u`` must leave exactly those.
-    * ``"forbid"``: such an input left whole, or shards of a split op other than a
+    * ``"forbid"``: such an input left whole (unless a ``heads`` op reads it whole on every rank,
+      a causal mask broadcast over the heads), or shards of a split op other than a
       column-parallel Linear (which the backend gathers) read by a replicated op.
     * ``"forward"``: an input of the epilogue fused into a row-parallel Linear or a
       vocabulary-parallel embedding (GPT's residual add, the position embedding added to the token
@@ -320,19 +350,27 @@ def edge_rule(g: Graph, u: Op, pu: Any, v: Op, pv: Any, pos: int) -> str | None:
     """
     su, sv = _split(pu), _split(pv)
     ru, rv = op_role(g, u), op_role(g, v)
-    if su and sv and ru == "linear" and pu.splits[0][0] == "n" and rv == "attention":
+    if su and sv and ru == "linear" and pu.splits[0][0] == "n" and rv in ("attention", "heads"):
         return "free"
     if sv:
         first = pos == _first_act(g, v)
         d = pv.splits[0][0]
         if not first and ((rv == "linear" and d != "n") or rv == "embedding"):
             return "forward"
-        if rv in ("pointwise", "attention") or (rv == "linear" and (d != "n") == first) or (
+        if rv == "heads" and not su and not _reads_along(v, pos, d):
+            return None  # read whole by every rank (a mask broadcast over the split dim)
+        if rv in ("pointwise", "attention", "heads") or (rv == "linear" and (d != "n") == first) or (
                 rv == "loss" and first):
             return "local" if su else "forbid"
-    if su and not sv and ru in ("pointwise", "attention"):
+    if su and not sv and ru in ("pointwise", "attention", "heads"):
         return "forbid"
     return None
+
+
+def _reads_along(op: Op, pos: int, dim: str) -> bool:
+    """Whether any statement of ``op`` indexes its input ``pos`` by loop dim ``dim``."""
+    return op.nest is not None and any(dim in a.dims for st in op.nest.statements for a in st.reads
+                                       if a.operand == f"in{pos}")
 
 
 def chain_problems(g: Graph, placed: dict[str, Any], mesh: Any) -> list[str]:

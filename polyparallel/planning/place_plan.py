@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from polyparallel.backends.torch.capabilities import chain_problems, edge_rule, expressible
+from polyparallel.backends.torch.capabilities import chain_problems, edge_rule, expressible, local_dims, op_role
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, StepEstimate, estimate_step
 from polyparallel.cost_models.megatron_rule import op_plans as rule_op_plans
@@ -99,7 +99,8 @@ def rule_placements(g: Graph, cfg: ParallelConfig) -> list[str]:
         if cfg.dp > 1 and batch:
             parts.append(f"{batch}:dp")
         if cfg.tp > 1 and plan.split % cfg.tp == 0:
-            dim = _tp_dim(op, _has_param(g, op), plan)
+            dim = local_dims(op)[0] if op_role(g, op) == "heads" and local_dims(op) else _tp_dim(
+                op, _has_param(g, op), plan)
             if dim:
                 parts.append(f"{dim}:tp")
         out.append(",".join(parts))
