@@ -187,7 +187,10 @@ def _torchtitan_row(model: str, seq: int, gpus: int, local: int, recompute: str,
         "model": {"layers": layers, "hidden": hidden, "heads": heads, "kv_heads": kv, "ffn": ffn, "seq": seq,
                   "vocab": vocab, "batch": local, "norm": "rms"},
         "config": {"dp": gpus, "tp": 1, "pp": 1, "microbatches": 1, "dtype": "bf16", "zero_stage": 3,
-                   "recompute": recompute, "fused_elementwise": True if compiled else None},
+                   "recompute": recompute, "fused_elementwise": True if compiled else None,
+                   # torchtitan runs SDPA's flash backend (FlashAttention-2) off Blackwell; the A100
+                   # has no published rates of it here, so its attention keeps the roofline price
+                   **({"attention_kernel": "fa2"} if hw == "h100" else {})},
         "global_batch": gpus * local, "published_tokens_per_s_per_gpu": float(tps), "held_out": held_out,
         "assumptions": "FSDP2 with bf16 parameters and fp32 gradient reduction, eager (torch.compile rows: fused "
                        "elementwise kernels), SDPA flash attention; A100 hosts as DGX A100 nodes (not stated)",

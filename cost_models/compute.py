@@ -100,15 +100,18 @@ from polyparallel.ir import (
     target_base,
 )
 
+from .calibrate import attention_flops
 from .memo import PRICES
 
 __all__ = [
+    "ATTENTION_KERNELS",
     "AUTOCAST_LOW",
     "BACKWARD_FACTOR",
     "COMPUTE_EFFICIENCY",
     "MATRIX_KINDS",
     "MEMORY_EFFICIENCY",
     "OpCost",
+    "attention_rows",
     "autocast_seconds",
     "batch_statistics_ops",
     "gemm_efficiency",
@@ -366,9 +369,56 @@ def op_classes(graph: Graph) -> list[int]:
     return out
 
 
+# Published fused-attention rates of three kernels on an H100 80GB SXM5, FP16, head dim 128, 16 heads,
+# batch x sequence = 16k tokens: FlashAttention-3 paper (Shah et al. 2024, arXiv:2407.08608), Figure 5
+# (forward with a causal mask) and Figure 6 (backward; the paper shows it without a mask only), TFLOP/s as
+# labelled on the bars at sequence lengths 512, 1k, 2k, 4k, 8k, 16k, FLOPs counted as FlashAttention's
+# benchmarks count them (the masked half left out; the backward 2.5x the forward). "fa2" is the kernel
+# torch's scaled_dot_product_attention ran on Hopper from torch 2.5.1 (cuDNN made opt-in,
+# pytorch/pytorch#138522; an H100 SDPA at 329 TFLOP/s where cuDNN gave 631, pytorch/pytorch#142132)
+# until the bundled cuDNN passed 9.15 (torch 2.11, check_prefer_cudnn_attention in sdp_utils.cpp), and
+# the one torchtitan forces off Blackwell (SDPBackend.FLASH_ATTENTION first, pytorch/torchtitan#1196);
+# "cudnn" is what torch 2.11+ runs there (the H200 calibration measured that stack); "fa3" the
+# flash-attn package's Hopper kernel.
+_ATTENTION_SEQ = (512, 1024, 2048, 4096, 8192, 16384)
+_ATTENTION_TFLOPS: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
+    "fa2": ((191, 260, 298, 319, 333, 335), (214, 260, 291, 310, 318, 322)),
+    "cudnn": ((315, 410, 484, 518, 529, 539), (305, 408, 465, 499, 518, 516)),
+    "fa3": ((292, 423, 521, 579, 602, 616), (316, 424, 501, 542, 559, 561)),
+}
+ATTENTION_KERNELS = tuple(_ATTENTION_TFLOPS)
+
+
+def attention_rows(device: DeviceType, dtype: str,
+                   kernel: str | None = None) -> tuple[tuple[float, float, float], ...]:
+    """Fused-attention ``(flops, forward_s, backward_s)`` rows pricing an attention op on ``device``:
+    the device's own (:meth:`~polyparallel.cluster.DeviceType.attention_curve`: its calibration, or
+    the H200's on a Hopper GPU) unless ``kernel`` names one of :data:`ATTENTION_KERNELS`, whose
+    published rates (the table above) stand for a recipe run with that kernel. ``flops`` as the IR
+    counts them (:func:`~polyparallel.cost_models.calibrate.attention_flops`), the times at the
+    published rates, which count the masked half out."""
+    if kernel is None:
+        return device.attention_curve(dtype)
+    if kernel not in _ATTENTION_TFLOPS:
+        raise ValueError(f"attention_kernel={kernel!r}: use one of {', '.join(ATTENTION_KERNELS)}, or none (the "
+                         "device's own rows)")
+    if device.kind != "gpu" or not is_hopper(device.name) or TRAINING_DTYPE_BYTES.get(dtype, 4) != 2:
+        raise ValueError(f"attention_kernel={kernel!r}: its published rates are for 16-bit attention on Hopper GPUs "
+                         f"(H100/H200); {device.name} at {dtype} prices its fused attention by its own rows or "
+                         "roofline: leave attention_kernel unset")
+    fwd, bwd = _ATTENTION_TFLOPS[kernel]
+    rows = []
+    for s, rf, rb in zip(_ATTENTION_SEQ, fwd, bwd):
+        b = 16384 // s
+        published = 4.0 * b * 16 * 128 * s * s / 2  # FlashAttention's count: the masked half left out
+        rows.append((attention_flops(b, 16, s, 128), published / (rf * 1e12), 2.5 * published / (rb * 1e12)))
+    return tuple(rows)
+
+
 def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split: float = 1.0,
             flops_scale: float = 1.0, fused: bool | None = None, sharded: bool = False,
-            eager: bool = False, own_kernels: frozenset[str] = frozenset()) -> OpCost:
+            eager: bool = False, own_kernels: frozenset[str] = frozenset(),
+            attention_kernel: str | None = None) -> OpCost:
     """Roofline time of ``op`` on ``device`` at compute precision ``dtype``.
 
     Args:
@@ -383,6 +433,8 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
             included) through memory; default: they run inside their producer's kernel.
         own_kernels: the absorbed elementwise ops of these kinds (``"dropout"``) run as their own
             kernels even when the rest is fused (``ParallelConfig.fused_dropout``).
+        attention_kernel: a fused attention op is priced by this kernel's published rates
+            (:func:`attention_rows`) instead of the device's own rows.
     """
     if split <= 0:
         raise ValueError(f"split must be > 0, got {split}")
@@ -398,7 +450,7 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
     curve = device.curve(dtype)
     # a calibrated GPU's measured flash-attention rows price a fused attention op, its conv rows (per
     # kernel class) a convolution: forward and backward each by its own measured rate
-    att = device.attention_curve(dtype) if kind is OpKind.ATTENTION and fused else \
+    att = attention_rows(device, dtype, attention_kernel) if kind is OpKind.ATTENTION and fused else \
         device.conv_curve(dtype, _pointwise(op)) if kind is OpKind.CONV and device.conv_curves else ()
     stream = streaming_bandwidth(device)
     t = t_b = flops_tot = bytes_tot = 0.0

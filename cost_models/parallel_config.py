@@ -11,6 +11,7 @@ from typing import Any
 from polyparallel.cluster import Cluster
 from polyparallel.ir import TRAINING_DTYPE_BYTES
 
+from .compute import ATTENTION_KERNELS
 from .memory import OPTIMIZER_STATE_BYTES, MemoryReport
 from .pipeline import SCHEDULES, PipelineResult
 
@@ -30,7 +31,7 @@ OPTIMIZERS = tuple(OPTIMIZER_STATE_BYTES)
 # each is what the torch backend does; a recipe measured under another framework (Megatron-LM,
 # DeepSpeed) sets them to what that framework did (``pp.evaluate(execution=...)``, ``--execution``).
 EXECUTION_FIELDS = ("fused_elementwise", "fused_attention", "fused_dropout", "fused_optimizer", "grad_overlap",
-                    "optimizer", "pipeline_p2p", "grad_reduce", "grad_accumulation", "zero3_gather")
+                    "optimizer", "pipeline_p2p", "grad_reduce", "grad_accumulation", "zero3_gather", "attention_kernel")
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,10 @@ class ParallelConfig:
             device first (``torch.cuda.synchronize()``): per tensor the ring's latency and ``p``
             kernel launches, none of it hidden behind compute. Its gradient reduce-scatter is priced
             as FSDP2's; ZeRO-3 without a pipeline only.
+        attention_kernel: which fused attention kernel runs: ``None``, the device's own rows (its
+            calibration; on a Hopper GPU without one the H200's, torch 2.11's cuDNN kernel), or a
+            kernel of :data:`~.compute.ATTENTION_KERNELS` at its published rates (``fa2``: torch's
+            SDPA on Hopper from 2.5.1 to 2.10, and torchtitan's choice; ``cudnn``; ``fa3``).
         op_plans: one :class:`OpPlan` per graph op, from per-op placements (a placement solver);
             ``None`` prices the Megatron rule of the module docstring.
     """
@@ -168,6 +173,7 @@ class ParallelConfig:
     grad_reduce: str = "reduce_scatter"
     grad_accumulation: str = "in_place"
     zero3_gather: str = "unit"
+    attention_kernel: str | None = None
     op_plans: tuple[OpPlan, ...] | None = field(default=None, repr=False)
 
     @property
@@ -214,6 +220,9 @@ class ParallelConfig:
                              "dtype='bf16' or 'fp16', or use 'in_place'")
         if self.zero3_gather not in ZERO3_GATHER:
             raise ValueError(f"ParallelConfig.zero3_gather {self.zero3_gather!r}: use one of {', '.join(ZERO3_GATHER)}")
+        if self.attention_kernel is not None and self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"ParallelConfig.attention_kernel {self.attention_kernel!r}: use one of "
+                             f"{', '.join(ATTENTION_KERNELS)}, or None (the device's own rows)")
         if self.fused_attention not in (None, True, False):
             raise ValueError(f"ParallelConfig.fused_attention must be None, True or False, got "
                              f"{self.fused_attention!r}")
@@ -279,6 +288,9 @@ def execution_options(values: Mapping[str, Any] | None) -> tuple[tuple[str, Any]
                           ("zero3_gather", ZERO3_GATHER)):
         if name in out and out[name] not in allowed:
             raise ValueError(f"execution {name}={out[name]!r}: give one of {', '.join(allowed)}")
+    if out.get("attention_kernel") not in (None, *ATTENTION_KERNELS):
+        raise ValueError(f"execution attention_kernel={out['attention_kernel']!r}: give one of "
+                         f"{', '.join(ATTENTION_KERNELS)} or none (the device's own rows)")
     # the combined checks (ZeRO-1 for grad_reduce, 16 bits for cast_add, overlap in [0, 1]) are
     # ParallelConfig.validate's, made on each priced plan
     return tuple(sorted(out.items()))

@@ -494,7 +494,7 @@ def _stage_terms(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int) ->
     devs = cfg.devices if cfg.devices is not None else tuple(range(cfg.world))
     key = ("stages", id(cluster), devs, cfg.dp, cfg.tp, cfg.pp, cfg.sp, v, cfg.partition, cfg.sequence_parallel,
            cfg.dtype, cfg.fused_attention, cfg.op_plans, cfg.zero_stage >= 1, cfg.pipeline_p2p, cfg.fused_elementwise,
-           cfg.fused_dropout)
+           cfg.fused_dropout, cfg.attention_kernel)
     cache = PRICES.of(graph)
     hit = cache.get((*key, cfg.recompute))
     if hit is not None and hit[0] is cluster:  # the cluster is held, so its id is not reused
@@ -611,7 +611,7 @@ def op_seconds(graph: Graph, op: Op, dt: DeviceType, cfg: ParallelConfig, split:
     autocast = eager and TRAINING_DTYPE_BYTES.get(cfg.dtype, 4) < 4 and dt.kind != "cpu"
     memo = PRICES.of(graph)
     key = ("op_seconds", op_class if op_class is not None else op.name, dt.cache_key, cfg.dtype, split,
-           cfg.fused_attention, sharded, eager, autocast and low_params, cfg.fused_dropout)
+           cfg.fused_attention, sharded, eager, autocast and low_params, cfg.fused_dropout, cfg.attention_kernel)
     hit = memo.get(key)
     if hit is not None:
         return hit
@@ -620,7 +620,8 @@ def op_seconds(graph: Graph, op: Op, dt: DeviceType, cfg: ParallelConfig, split:
     fused = True if cfg.fused_attention or (cfg.fused_attention is None and is_sdpa(op) and dt.kind != "cpu") \
         else None
     c = op_cost(graph, op, dt, cfg.dtype, split=split, fused=fused, sharded=sharded, eager=eager,
-                own_kernels=frozenset() if cfg.fused_dropout else frozenset({"dropout"}))
+                own_kernels=frozenset() if cfg.fused_dropout else frozenset({"dropout"}),
+                attention_kernel=cfg.attention_kernel)
     out = (c.forward, c.backward)
     if autocast:
         extra = autocast_seconds(graph, op, dt, cfg.dtype, sent_widths(graph, cfg.dtype, low_params), split)
@@ -636,7 +637,7 @@ def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
     # a profiled device (op_profile.py) prices the model's ops as measured with `world` processes
     world = cfg.world if dt.op_profile is not None else 0
     key = ("opvec", dt.cache_key, cfg.dtype, cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.fused_attention, cfg.op_plans,
-           _eager(cfg, dt), world, _low_params(cfg), cfg.fused_dropout)
+           _eager(cfg, dt), world, _low_params(cfg), cfg.fused_dropout, cfg.attention_kernel)
     op_costs = PRICES.of(graph)
     hit = op_costs.get(key)
     if hit is not None:

@@ -261,3 +261,35 @@ def test_causal_mask_halves_fused_attention_work_but_not_unfused():
     assert cost[True][0].flops == cost[False][0].flops  # unfused: the full score matrix is computed, then masked
     assert cost[True][0].forward == pytest.approx(cost[False][0].forward)
     assert cost[True][1].flops == cost[True][2] < cost[False][1].flops  # flash skips the masked blocks
+
+
+@pytest.mark.parametrize(("kernel", "s", "fwd_tflops", "bwd_tflops"), [
+    ("fa2", 8192, 333, 318), ("fa2", 2048, 298, 291), ("cudnn", 4096, 518, 499), ("fa3", 16384, 616, 561)])
+def test_published_attention_kernels_price_at_their_published_rates(kernel, s, fwd_tflops, bwd_tflops):
+    # FlashAttention-3 paper (H100 SXM5, head dim 128, B*S = 16k, 16 heads): a causal attention op of
+    # exactly that shape takes FlashAttention's FLOP count (the masked half out) at the labelled
+    # rate, forward and backward (2.5x the forward's FLOPs)
+    h100 = Cluster.preset("dgx-h100").device(0).type
+    b = 16384 // s
+    g, op = _attention_graph(b, 16, s, 128, causal=True)
+    fa_flops = 4 * b * 16 * s * s * 128 / 2
+    c = op_cost(g, op, h100, "bf16", fused=True, attention_kernel=kernel)
+    # (rows are indexed by the products' FLOPs, the op's count adds its softmax: 0.6% at head dim 128)
+    assert c.forward == pytest.approx(fa_flops / (fwd_tflops * 1e12), rel=0.01)
+    assert c.backward == pytest.approx(2.5 * fa_flops / (bwd_tflops * 1e12), rel=0.01)
+    # unset: the device's own rows (an H100 without a calibration takes the H200's torch 2.11 run)
+    assert op_cost(g, op, h100, "bf16", fused=True).forward < c.forward or kernel != "fa2"
+
+
+def test_attention_kernel_outside_its_published_scope_names_the_fix():
+    from polyparallel.cost_models import parallel_config as pc
+
+    g, op = _attention_graph(4, 16, 2048, 128, causal=True)
+    with pytest.raises(ValueError, match="Hopper GPUs.*leave attention_kernel unset"):
+        op_cost(g, op, A100, "bf16", fused=True, attention_kernel="fa2")
+    h100 = Cluster.preset("dgx-h100").device(0).type
+    with pytest.raises(ValueError, match="16-bit attention"):
+        op_cost(g, op, h100, "fp32", fused=True, attention_kernel="fa2")
+    with pytest.raises(ValueError, match="attention_kernel='fa1'.*fa2, cudnn, fa3 or none"):
+        pc.parse_execution(["attention_kernel=fa1"]) and pc.execution_options({"attention_kernel": "fa1"})
+    assert pc.execution_options(pc.parse_execution(["attention_kernel=none"])) == (("attention_kernel", None),)
