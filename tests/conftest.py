@@ -15,6 +15,10 @@ from hypothesis import settings
 
 # runs the tests start without a run directory of their own go to a temporary folder, not the checkout
 os.environ.setdefault("POLYPARALLEL_RUNS", tempfile.mkdtemp(prefix="pp-test-runs-"))
+# prices on `local-cpu` come from this machine's calibration when there is one
+# (~/.cache/polyparallel/calibration.json): the tests price with the nominal figures a fresh clone
+# has, so a developer's calibration changes no result; a test wanting one sets its own file
+os.environ["POLYPARALLEL_CALIBRATION"] = os.path.join(tempfile.mkdtemp(prefix="pp-test-cal-"), "none.json")
 
 settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):
