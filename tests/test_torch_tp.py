@@ -232,3 +232,23 @@ def test_llama_head_parallel_through_rotary_and_gqa_matches_single_process() -> 
     err = max(abs(r["loss"] - want) / abs(want) for r, want in zip(log, ref))
     print(f"TP=2 LLaMA (GQA, rotary): max relative loss difference {err:.2e}")
     assert err <= 1e-4
+
+
+def test_an_embedding_subclass_with_its_own_forward_is_not_split_as_a_vocabulary() -> None:
+    """HF OPT's learned positions (an nn.Embedding subclass deriving its indices from the mask) were
+    vocabulary-split by Megatron's rule and crashed at step 0 mixing DTensor and Tensor: refused before
+    launch, naming the module's class; the token embedding (nn.Embedding itself) is still split."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    def opt() -> torch.nn.Module:
+        return OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, ffn_dim=64,
+                                        num_attention_heads=4, max_position_embeddings=32, word_embed_proj_dim=32,
+                                        use_cache=False))
+
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
+    s = pp.evaluate(opt(), (ids,), "local-cpu:2", example_kwargs={"labels": ids}, tp=2, placements="rule",
+                    recompute="none")
+    by_module = {m: p.placement for p in s.placements for m in p.modules}
+    assert by_module["model.decoder.embed_positions"] == by_module["model.decoder.embed_tokens"] == "v:tp"
+    with pytest.raises(Unsupported, match=r"splits the rows of OPTLearnedPositionalEmbedding, an nn\.Embedding"):
+        plan_for(s, opt(), graph=capture_for_strategy(opt, (ids, ids)))

@@ -194,6 +194,13 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
                 attention.append((op, d))  # checked against the graph below
                 continue
             if isinstance(mod, nn.Embedding) and re.fullmatch(r"v(_0)?", d):
+                if type(mod).forward is not nn.Embedding.forward:
+                    # a subclass computing its own indices (HF OPT's learned positions add an offset
+                    # to positions it derives from the mask) would mix the sharded table with whole tensors
+                    problems.append(f"{where}: placement {pl.placement!r} splits the rows of {type(mod).__name__}, "
+                                    "an nn.Embedding subclass with its own forward; only nn.Embedding's own lookup "
+                                    "is vocabulary-parallel: pin tp=1 or keep this embedding replicated")
+                    continue
                 embeddings.append(path)
                 continue
             if not isinstance(mod, nn.Linear):
