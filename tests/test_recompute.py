@@ -260,3 +260,17 @@ def test_full_recompute_fsdp2_hf_llama_trains_exactly() -> None:
     s = _search(model_fn, data_fn, BATCH, recompute="full", dp=2, zero_stage=3)
     assert (s.dp, s.zero_stage, s.recompute) == (2, 3, "full")
     _trains_exactly(s, model_fn, data_fn, "full recompute FSDP2 DP2 HF LLaMA")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_full_recompute_turns_off_an_hf_models_cache() -> None:
+    """HF BLOOM with its default use_cache=True: the checkpointed layers' recomputation used to see
+    the cache the first run filled (ALiBi broadcast against twice the length, a crash at step 0);
+    the backend turns the cache off, as HF's own gradient checkpointing does, and trains exactly."""
+    from tests.zoo import BATCH, hf_bloom, lm_data
+
+    assert hf_bloom().model.config.use_cache
+    s = _search(hf_bloom, lm_data, BATCH, recompute="full", dp=1)
+    assert s.recompute == "full"
+    _trains_exactly(s, hf_bloom, lm_data, "full recompute HF BLOOM")

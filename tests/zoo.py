@@ -72,6 +72,15 @@ def hf_llama() -> nn.Module:
     return _HFLoss(LlamaForCausalLM(cfg), "input_ids")
 
 
+def hf_bloom() -> nn.Module:
+    """BLOOM keeps a key/value cache by default (``use_cache=True``) and adds ALiBi biases sized by
+    it: a recomputed layer must not see its first run's cache (not in ``ZOO``: the recomputation
+    tests use it)."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    return _HFLoss(BloomForCausalLM(BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4)), "input_ids")
+
+
 def hf_qwen2() -> nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -150,11 +150,23 @@ def apply_recompute(model: nn.Module, recompute: str, blocks: tuple[str, ...] | 
     if missing:
         raise ValueError(f"recompute={recompute!r}: the model has no module {missing[0]!r} (a layer of its captured "
                          "graph); build the same model the strategy was searched for")
+    _no_cache(model)
     wrap = _checkpointed if recompute == "full" else _operator_checkpointed
     for b in blocks:
         mod = modules[b]
         mod.forward = functools.partial(wrap, mod.forward)  # type: ignore[method-assign]
     return model
+
+
+def _no_cache(model: nn.Module) -> None:
+    """Turn off an HF model's key/value cache (``config.use_cache``), as HF's own gradient
+    checkpointing does: a checkpointed layer's recomputation would append to the cache its first
+    run filled (BLOOM's alibi then broadcasts against twice the length) or save another number of
+    tensors (CheckpointError). Training never reads the cache, so the loss is unchanged."""
+    for mod in model.modules():
+        cfg = getattr(mod, "config", None)
+        if getattr(cfg, "use_cache", False) is True:
+            cfg.use_cache = False
 
 
 class _Checkpointed(nn.Module):
