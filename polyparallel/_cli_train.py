@@ -47,6 +47,8 @@ def train(
     master_port: Annotated[int, typer.Option(help="port of the rendezvous on node 0")] = 29500,
     profile_comm: Annotated[bool, typer.Option(help="log per step the time torch's profiler records inside "
                                                     "collectives (comm_s, comm_ops); slows small steps")] = False,
+    keep_nonfinite: Annotated[bool, typer.Option(help="train on after a NaN or infinite loss (default: stop with "
+                                                      "the step and the likely causes)")] = False,
 ) -> None:
     """Train MODEL on DATA exactly as the strategy says (refused, exit 2, if it cannot be executed)."""
     if run_dir is not None and log_dir is not None and run_dir != log_dir:
@@ -72,7 +74,7 @@ def train(
                 checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                 keep_checkpoints=keep_checkpoints or None, timeout_s=timeout, progress=_StepPrinter(progress),
                 check_fingerprint=fingerprint_check, node_rank=node_rank, master_addr=master_addr,
-                master_port=master_port, profile_comm=profile_comm)
+                master_port=master_port, profile_comm=profile_comm, stop_on_nonfinite=not keep_nonfinite)
     except MultiNode:
         typer.echo("this strategy spans several nodes; run on each node, node 0 first:")
         for cmd in launch_commands(strategy, model, data, steps=steps, master_port=master_port):

@@ -111,6 +111,28 @@ def test_dead_worker_is_named() -> None:
     assert (e.value.rank, e.value.step) == (1, 2)
 
 
+def nan_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = ex.mlp_data(step)
+    if step == 1:
+        x[0, 0] = float("nan")  # one poisoned value in the global batch
+    return x, y
+
+
+@pytest.mark.timeout(90)
+def test_a_non_finite_loss_stops_the_run_on_every_rank(tmp_path: Path) -> None:
+    """NaN in the data at step 1: the step is logged, then every rank stops with the step and the
+    likely causes (it used to train on, loss nan every step, exit 0); stop_on_nonfinite=False trains on."""
+    s = _strategy(ex.tiny_mlp(), ex.mlp_data, dp=2, tp=1)
+    with pytest.raises(TrainError, match=r"failed at step 1: NonFiniteLoss: the loss of step 1 is nan"):
+        train(s, ex.tiny_mlp, nan_data, steps=STEPS, run_dir=tmp_path / "stop")
+    logged = [line for line in (tmp_path / "stop" / "train.jsonl").read_text().splitlines() if line]
+    assert len(logged) == 2
+    log = train(s, ex.tiny_mlp, nan_data, steps=STEPS, run_dir=tmp_path / "on", stop_on_nonfinite=False)
+    assert [r["step"] for r in log] == list(range(STEPS)) and all(r["loss"] != r["loss"] for r in log[1:])
+    with pytest.raises(ValueError, match=r"lr=nan: the learning rate must be a positive finite number"):
+        train(s, ex.tiny_mlp, ex.mlp_data, steps=STEPS, lr=float("nan"))
+
+
 @pytest.mark.timeout(75)
 def test_resume_after_a_dead_worker_loses_no_step(tmp_path: Path) -> None:
     """FSDP run killed at step 2 (rank 1), resumed from the step-1 checkpoint: same trajectory."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import pickle
 import re
@@ -189,7 +190,8 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
           keep_checkpoints: int | None = 2, timeout_s: float = 600.0,
           progress: Callable[[dict[str, Any]], None] | None = None, check_fingerprint: bool = True,
           node_rank: int | None = None, master_addr: str = "127.0.0.1", master_port: int = 29500,
-          profile_comm: bool = False, batchnorm: str = "cross_rank") -> list[dict[str, Any]]:
+          profile_comm: bool = False, batchnorm: str = "cross_rank",
+          stop_on_nonfinite: bool = True) -> list[dict[str, Any]]:
     """Train ``model_fn()`` as ``strategy`` says on ``dp * sp * tp * pp`` local processes; return the step log.
 
     ``model_fn`` and ``data_fn`` are ``"package.module:function"`` strings or picklable callables
@@ -253,6 +255,9 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
     single-process training), and a mean cross entropy with ignored targets is weighted by the
     targets each replica and micro-batch saw (each log line's ``loss_weighting`` says
     ``"tokens"``, or ``"mean_of_means"`` for a loss it cannot count; see ``_worker.py``).
+
+    A step whose loss is NaN or infinite stops the run after its log line (:class:`TrainError`
+    naming the step and the likely causes); ``stop_on_nonfinite=False`` trains on.
     """
     if not isinstance(strategy, Strategy):
         strategy = Strategy.from_json(strategy)
@@ -262,6 +267,9 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
         raise ValueError(f"batchnorm={batchnorm!r}: choose 'cross_rank' or 'per_replica'")
     if optimizer not in ("sgd", "adam", "adamw"):
         raise ValueError(f"optimizer {optimizer!r}: choose sgd, adam or adamw")
+    if not (isinstance(lr, int | float) and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr={lr}: the learning rate must be a positive finite number (e.g. 0.1 for sgd, 1e-3 for "
+                         "adam)")
     if checkpoint_every is not None and checkpoint_every < 1:
         raise ValueError(f"checkpoint_every={checkpoint_every}: must be >= 1")
     if keep_checkpoints is not None and keep_checkpoints < 1:
@@ -279,7 +287,7 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
                             checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
                             timeout_s=timeout_s, progress=progress, check_fingerprint=check_fingerprint,
                             node_rank=node_rank, master_addr=master_addr, master_port=master_port,
-                            profile_comm=profile_comm, batchnorm=batchnorm)
+                            profile_comm=profile_comm, batchnorm=batchnorm, stop_on_nonfinite=stop_on_nonfinite)
     finally:
         if agent.returncode is None:  # refused before launch (or interrupted): it has started nothing
             agent.kill()
@@ -291,7 +299,7 @@ def _checked_run(strategy: Strategy, model_fn: Any, data_fn: Any, agent: subproc
                  run_dir: str | Path | None, checkpoint_dir: str | Path | None, checkpoint_every: int | None,
                  keep_checkpoints: int | None, timeout_s: float, progress: Callable[[dict[str, Any]], None] | None,
                  check_fingerprint: bool, node_rank: int | None, master_addr: str, master_port: int,
-                 profile_comm: bool, batchnorm: str) -> list[dict[str, Any]]:
+                 profile_comm: bool, batchnorm: str, stop_on_nonfinite: bool) -> list[dict[str, Any]]:
     """:func:`train` after its argument checks: the checks of batch, model, plan and checkpoint,
     then the run directory and the launch by ``agent``."""
     import torch
@@ -355,6 +363,7 @@ def _checked_run(strategy: Strategy, model_fn: Any, data_fn: Any, agent: subproc
             trim_log(log, done)  # steps after the checkpoint run again
         job = {"plan": plan, "model_fn": model_fn, "data_fn": data_fn, "steps": steps, "optimizer": optimizer,
                "lr": lr, "seed": seed, "checkpoint_every": checkpoint_every or 1, "profile_comm": profile_comm,
+               "stop_on_nonfinite": stop_on_nonfinite,
                "checkpoint_dir": str(ckpt.resolve()) if ckpt is not None else None,
                "keep_checkpoints": keep_checkpoints, "strategy_json": strategy.to_json(), "batchnorm": batchnorm}
         (run_dir / "job.pkl").write_bytes(pickle.dumps(job))

@@ -457,7 +457,7 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
     from polyparallel.backends.torch._loss_weighting import TargetCount, weigh_microbatches
     from polyparallel.backends.torch._precision import Precision
     from polyparallel.backends.torch._recompute import recompute_chunk
-    from polyparallel.backends.torch._steps import batch_counts, comm_profile, finish_step, log_step
+    from polyparallel.backends.torch._steps import batch_counts, check_finite, comm_profile, finish_step, log_step
     from polyparallel.references import resolve
 
     plan, pipe = job["plan"], job["plan"].pipeline
@@ -620,6 +620,7 @@ def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.
             amp, dt = finish_step(prec, opt, device, t0)
         if rank == 0:
             log_step(log, step, global_loss, weighting, dt, device, **counts, **comm, **amp)
+        check_finite(global_loss, step, job.get("stop_on_nonfinite", True))
         if ckpt is not None and ((step + 1) % job["checkpoint_every"] == 0 or step + 1 == job["steps"]):
             save_checkpoint(ckpt, step, owner, opt, rank, optim_key, job=job)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +15,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["batch_counts", "comm_profile", "finish_step", "log_step", "make_optimizer"]
+__all__ = ["NonFiniteLoss", "batch_counts", "check_finite", "comm_profile", "finish_step", "log_step",
+           "make_optimizer"]
+
+
+class NonFiniteLoss(ArithmeticError):
+    """A step's loss is NaN or infinite: every later step would train on it."""
+
+
+def check_finite(loss: float, step: int, stop: bool) -> None:
+    """Raise :class:`NonFiniteLoss` when ``loss`` (the step's global loss, the same on every rank,
+    so the ranks stop together) is not finite and ``stop``."""
+    if stop and not math.isfinite(loss):
+        raise NonFiniteLoss(f"the loss of step {step} is {loss}: lower the learning rate, look for NaN/inf in the "
+                            "data (or a batch whose targets are all ignored), or pass stop_on_nonfinite=False "
+                            "(CLI: --keep-nonfinite) to train on")
 
 
 def finish_step(prec: Any, opt: torch.optim.Optimizer, device: torch.device, t0: float) -> tuple[dict[str, Any], float]:

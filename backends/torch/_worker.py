@@ -48,7 +48,14 @@ import torch.distributed as dist
 
 from polyparallel.backends.torch._checkpoint import resume, save_checkpoint
 from polyparallel.backends.torch._precision import Precision
-from polyparallel.backends.torch._steps import batch_counts, comm_profile, finish_step, log_step, make_optimizer
+from polyparallel.backends.torch._steps import (
+    batch_counts,
+    check_finite,
+    comm_profile,
+    finish_step,
+    log_step,
+    make_optimizer,
+)
 from polyparallel.references import resolve
 
 __all__ = ["resolve", "run_worker"]
@@ -254,6 +261,7 @@ def run_worker(run_dir: Path) -> None:
                 # rank0_input_shape: what a rank trains on, its dp and sp share
                 log_step(log, step, global_loss, weighting, dt, device, rank0_input_shape=list(x.shape),
                          **batch_counts(inputs), **comm, **amp, **extra)
+            check_finite(global_loss, step, job.get("stop_on_nonfinite", True))
             if ckpt is not None and ((step + 1) % job["checkpoint_every"] == 0 or step + 1 == job["steps"]):
                 save_checkpoint(ckpt, step, model, opt, rank, job=job)
         # every rank leaves together: a rank tearing gloo down while its peer still has work in
