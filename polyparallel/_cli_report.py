@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from polyparallel.cli import UserError, app
+from polyparallel.cli import UserError, app, writable_file
 from polyparallel.strategy import Strategy, StrategyError
 
 
@@ -23,6 +23,7 @@ def report_cmd(
     round timeline, and with --run the measured loss, accuracy and phase times."""
     from polyparallel.report import read_run, render
 
+    writable_file(out)
     try:
         s = Strategy.from_json(strategy)
     except StrategyError as e:

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from polyparallel._cli_graph import MODEL_HELP
-from polyparallel.cli import app
+from polyparallel.cli import app, writable_file
 from polyparallel.strategy import Strategy
 
 PLACEMENTS_HELP = ("per-op placements: torch (the exact per-stage solver, restricted to what the torch backend "
@@ -131,6 +131,8 @@ def search_cmd(
     constraints = {k: v for k, v in pinned.items() if v is not None}
     constraints["placements"] = placements
     Constraints.of(constraints)  # a bad pin fails before the capture
+    if out is not None:
+        writable_file(out)
     m, args, kwargs = _load(model, seq, layers)
     with console.status(f"searching {model} on {cluster} ...") as status:
         s = search(m, args, cluster, example_kwargs=kwargs, batch_size=batch_size, objective=objective,

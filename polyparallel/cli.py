@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from pathlib import Path
 
 import typer
 
@@ -42,6 +43,18 @@ def _options(version: bool = typer.Option(False, "--version", callback=_version,
 
 class UserError(Exception):
     """A problem with the user's input: printed as one line, exit status 2."""
+
+
+def writable_file(path: Path, flag: str = "--out") -> Path:
+    """``path`` when a file can be written there, checked before any long work: its folder exists
+    and it is not a folder itself; else :class:`UserError` naming the fix."""
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a folder: give a file name inside it, e.g. {path / 'strategy.json'}")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise UserError(f"{flag} {path}: the folder {parent} does not exist; create it (mkdir -p {parent}) or write "
+                        "elsewhere")
+    return path
 
 
 def _load_commands() -> None:

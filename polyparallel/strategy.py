@@ -204,8 +204,10 @@ class Strategy(_Model):
     def to_json(self, path: str | os.PathLike[str] | None = None, *, indent: int = 1) -> str:
         """Serialise; with ``path``, also write the file."""
         text = json.dumps(self.to_dict(), indent=indent)
-        if path is not None:
-            Path(path).write_text(text + "\n")
+        if path is not None:  # written whole, then renamed: an interrupted write leaves the old file
+            tmp = Path(path).with_name(f".{Path(path).name}.tmp")
+            tmp.write_text(text + "\n")
+            os.replace(tmp, path)
         return text
 
     @classmethod

@@ -67,6 +67,10 @@ CLI_CASES = [
     (["graph", "no-such-model"], ["unknown model", ".onnx path"]),
     (["graph", "gpt-tiny", "--seq", "0"], ["sequence length 0", ">= 1"]),
     (["train", "missing.json", "--model", "m:f", "--data", "m:g"], ["missing.json"]),
+    # it used to enumerate 10^12 micro-batch counts and hang
+    (["search", "gpt-tiny", "--batch-size", "1000000000000"], ["4096 micro-batches", "--microbatches"]),
+    (["report", "keep.json", "-o", "no-such-dir/r.html"], ["no-such-dir does not exist", "mkdir -p"]),
+    (["report", "keep.json", "-o", "."], ["is a folder", "give a file name"]),
 ]
 
 

@@ -10,6 +10,7 @@ anything else, each size is captured instead. ONNX models and graphs have one fi
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from dataclasses import fields, is_dataclass
@@ -292,4 +293,7 @@ def graph_batch(g: Graph) -> int:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n`` in increasing order, by trial division up to its square root (a batch
+    of 10^12 samples has 169 of them, found in a million trials rather than 10^12)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]

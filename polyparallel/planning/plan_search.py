@@ -121,7 +121,7 @@ from polyparallel.cost_models.step import StepBound, step_lower_bound
 from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Hint
 from polyparallel.planning.assemble import model_info, strategy_of
 from polyparallel.planning.derived import variants
-from polyparallel.planning.model_graphs import ModelGraphs, divisors, rebatch
+from polyparallel.planning.model_graphs import MAX_MICRO, ModelGraphs, divisors, rebatch
 from polyparallel.planning.model_inputs import model_and_inputs
 from polyparallel.planning.place_plan import MODES
 from polyparallel.strategy import (
@@ -452,6 +452,9 @@ def _no_micro_batch(mdl: ModelGraphs, per_replica: int, c: Constraints) -> str:
         return (f"the model was captured at a fixed batch of {mdl.b0}, which does not divide into the "
                 f"{per_replica} samples per replica" + (f" as {c.microbatches} micro-batches" if c.microbatches
                                                         else ""))
+    if per_replica > MAX_MICROBATCHES * MAX_MICRO:
+        return (f"{per_replica} samples per replica need more than {MAX_MICROBATCHES} micro-batches of at most "
+                f"{MAX_MICRO} samples; pin the micro-batch count (--microbatches) or use a smaller global batch")
     return f"no micro-batch size divides the {per_replica} samples per replica"
 
 
@@ -935,6 +938,9 @@ def _ep_degrees(g: Graph, shape: tuple[int, int, int, int], c: Constraints) -> l
     return [e for e in out if e == c.ep] if c.ep is not None else out
 
 
+MAX_MICROBATCHES = 4096  # micro-batches per step the search considers unless a count is pinned
+
+
 def _micro_order(sizes: list[int], per_replica: int, pp: int, c: Constraints, exhaustive: bool) -> list[int]:
     """Micro-batch sizes to try for one mesh shape.
 
@@ -943,11 +949,15 @@ def _micro_order(sizes: list[int], per_replica: int, pp: int, c: Constraints, ex
     stages the bubble ``(pp-1)/(m+pp-1)`` favours many micro-batches while efficiency favours large
     ones: for each target ``m = pp, 2pp, 4pp`` the largest size giving at least that many
     micro-batches, the smallest size (the most micro-batches, Megatron's usual micro-batch 1 or 2)
-    and the whole batch (``m = 1``). A pinned micro-batch count gives its one size.
+    and the whole batch (``m = 1``). Never more than :data:`MAX_MICROBATCHES` micro-batches, unless
+    pinned: a pinned micro-batch count gives its one size.
     """
     if c.microbatches is not None:
         b = per_replica // c.microbatches
         return [b] if per_replica % c.microbatches == 0 and b in sizes else []
+    # no recipe runs more micro-batches per step than this (GPT-1T on 3072 GPUs: 512), and pricing a
+    # pipeline schedule walks every micro-batch: a batch of 10^12 samples would never finish
+    sizes = [b for b in sizes if per_replica // b <= MAX_MICROBATCHES]
     if exhaustive or pp == 1 or not sizes:
         return sorted(sizes, reverse=True)
     # one micro-batch (no pipelining, the stages only split the weights) is kept too: with few
