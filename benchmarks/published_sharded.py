@@ -125,10 +125,12 @@ def _mpt_row(table: str, model: str, seq: int, gpus: int, micro: int, accum: int
                   "attention": "sdpa"},
         "config": {"dp": gpus, "tp": 1, "pp": 1, "microbatches": accum, "dtype": "bf16", "zero_stage": 3,
                    "recompute": "full" if ckpt else "none", "fused_elementwise": None, "fused_attention": True,
-                   "zero3_gather": "flat"},
+                   # llm-foundry's ComposerMPTCausalLM: loss_fn defaults to 'fused_crossentropy', flash-attn's
+                   # CrossEntropyLoss (llmfoundry/models/mpt/modeling_mpt.py)
+                   "zero3_gather": "flat", "fused_loss": True},
         "global_batch": gpus * micro * accum, "published_tokens_per_s_per_gpu": float(tps), "held_out": held_out,
-        "assumptions": "Composer's FSDP (FULL_SHARD) with flat parameters, bf16 autocast, Triton flash attention; "
-                       "gradients reduced in fp32 (the PURE rows reduced in bf16)",
+        "assumptions": "Composer's FSDP (FULL_SHARD) with flat parameters, bf16 autocast, Triton flash attention, "
+                       "flash-attn's fused cross entropy; gradients reduced in fp32 (the PURE rows reduced in bf16)",
     }
 
 

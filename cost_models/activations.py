@@ -205,12 +205,16 @@ def loss_transient(graph: Graph, cfg: ParallelConfig, v: int, eager: bool) -> di
     logits is saved for the backward (``4N`` bytes), whose start allocates the gradient of the
     log-probabilities and of the logits (``4N`` each) while they are still held, a peak of ``12N``
     bytes where the activations count the logits once at the compute precision. A fused loss
-    kernel (``fused_elementwise``: Megatron's vocabulary-parallel cross entropy) keeps none of it.
-    ``N`` is the op's local share of its input (a vocabulary-parallel split divides it).
+    kernel keeps none of it: Megatron's vocabulary-parallel cross entropy (``fused_elementwise``)
+    writes its gradient in place; flash-attn's (``fused_loss``) allocates the logits' gradient at
+    their width. ``N`` is the op's local share of its input (a vocabulary-parallel split divides it).
     """
-    if not eager:
+    if cfg.fused_loss is False:
+        eager = True
+    elif cfg.fused_loss is None and not eager:
         return {}
-    key = ("loss_ws", cfg.pp, v, cfg.partition, cfg.dtype, cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.op_plans)
+    key = ("loss_ws", cfg.pp, v, cfg.partition, cfg.dtype, cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.op_plans,
+           cfg.fused_loss)
     cache = PRICES.of(graph)
     if key not in cache:
         chunk_of_op = chunks(graph, cfg.pp * v, cfg.partition)
@@ -223,7 +227,8 @@ def loss_transient(graph: Graph, cfg: ParallelConfig, v: int, eager: bool) -> di
             if spec.dtype not in ("float32", "float16", "bfloat16"):
                 continue
             n = spec.numel / plans[i].split
-            extra = 12 * n - tensor_bytes(graph, op.inputs[0], cfg.dtype) / plans[i].split
+            logits = tensor_bytes(graph, op.inputs[0], cfg.dtype) / plans[i].split
+            extra = logits if cfg.fused_loss else 12 * n - logits
             stage = chunk_of_op[i] % cfg.pp
             out[stage] = out.get(stage, 0.0) + max(extra, 0.0)
         cache[key] = out

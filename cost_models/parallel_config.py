@@ -31,7 +31,8 @@ OPTIMIZERS = tuple(OPTIMIZER_STATE_BYTES)
 # each is what the torch backend does; a recipe measured under another framework (Megatron-LM,
 # DeepSpeed) sets them to what that framework did (``pp.evaluate(execution=...)``, ``--execution``).
 EXECUTION_FIELDS = ("fused_elementwise", "fused_attention", "fused_dropout", "fused_optimizer", "grad_overlap",
-                    "optimizer", "pipeline_p2p", "grad_reduce", "grad_accumulation", "zero3_gather", "attention_kernel")
+                    "optimizer", "pipeline_p2p", "grad_reduce", "grad_accumulation", "zero3_gather", "attention_kernel",
+                    "fused_loss")
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,12 @@ class ParallelConfig:
             streaming its operands and its own host dispatch, and a 16-bit plan runs under
             ``torch.autocast``; ``None`` (default): what the torch backend runs, eager on accelerators,
             and on CPUs the prices their calibration and profiles measured (of eager steps).
+        fused_loss: ``True``: an eager step's cross entropy is one fused kernel on 16-bit logits
+            (flash-attn's ``CrossEntropyLoss``, llm-foundry's default ``loss_fn: fused_crossentropy``):
+            it keeps per-row statistics and allocates one logits-sized gradient, where torch's upcast
+            loss holds fp32 log-probabilities and their gradients (:func:`~.activations.loss_transient`;
+            its time is still priced as the eager loss's, a few ms at most). ``None``: fused exactly
+            when ``fused_elementwise`` fuses (Megatron's in-place vocabulary-parallel loss).
         fused_dropout: ``False``: a dropout absorbed by ``fuse_elementwise`` still runs as its own
             kernel (reads its input, writes its output; the backward likewise) where
             ``fused_elementwise`` fuses the rest: Megatron-LM's attention dropout, a ``torch.nn.Dropout``
@@ -167,6 +174,7 @@ class ParallelConfig:
     fused_optimizer: bool = True
     fused_elementwise: bool | None = None
     fused_dropout: bool = True
+    fused_loss: bool | None = None
     devices: tuple[int, ...] | None = None
     partition: str = "flops"
     pipeline_p2p: str = "megatron"
@@ -223,6 +231,8 @@ class ParallelConfig:
         if self.attention_kernel is not None and self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"ParallelConfig.attention_kernel {self.attention_kernel!r}: use one of "
                              f"{', '.join(ATTENTION_KERNELS)}, or None (the device's own rows)")
+        if self.fused_loss not in (None, True, False):
+            raise ValueError(f"ParallelConfig.fused_loss must be None, True or False, got {self.fused_loss!r}")
         if self.fused_attention not in (None, True, False):
             raise ValueError(f"ParallelConfig.fused_attention must be None, True or False, got "
                              f"{self.fused_attention!r}")
@@ -277,7 +287,7 @@ def execution_options(values: Mapping[str, Any] | None) -> tuple[tuple[str, Any]
         if isinstance(out["grad_overlap"], bool) or not isinstance(out["grad_overlap"], int | float):
             raise ValueError(f"execution grad_overlap={out['grad_overlap']!r}: give the overlapped share in [0, 1]")
         out["grad_overlap"] = float(out["grad_overlap"])
-    for name in ("fused_elementwise", "fused_attention"):
+    for name in ("fused_elementwise", "fused_attention", "fused_loss"):
         if name in out and out[name] not in (None, True, False):
             raise ValueError(f"execution {name}={out[name]!r}: give true, false or none (the torch backend's choice)")
     for name in ("fused_optimizer", "fused_dropout"):

@@ -26,7 +26,7 @@ def _console() -> Console:
 
 EXECUTION_HELP = ("how the framework runs the plan, KEY=VALUE, repeatable (fused_elementwise, fused_attention, "
                   "fused_dropout, fused_optimizer, grad_overlap, optimizer, pipeline_p2p, grad_reduce, "
-                  "grad_accumulation, zero3_gather, attention_kernel; README: what a plan's price assumes)")
+                  "grad_accumulation, zero3_gather, attention_kernel, fused_loss; README: what a plan's price assumes)")
 CHUNKS_HELP = "interleaving depth: model chunks per pipeline stage (> 1 implies the interleaved schedule)"
 SEQ_PAR_HELP = ("Megatron-style sequence parallelism: norms and dropouts split along the sequence inside tensor "
                 "parallelism")

@@ -69,3 +69,31 @@ def test_why_names_the_overflowing_term_and_device():
     why = e.why_not_fit()
     assert why and "stage 0" in why[0] and "does not fit" in why[0]
     assert "largest term activations" in why[0] and "8 micro-batches in flight" in why[0]
+
+
+@pytest.mark.parametrize(("fused_loss", "eager", "want"), [
+    (None, True, 12 - 2),   # torch's upcast loss: fp32 log-probabilities, their gradient and the logits'
+    (True, True, 2),        # flash-attn's fused kernel: the logits' gradient at their width
+    (None, False, 0),       # Megatron's in-place vocabulary-parallel loss (fused_elementwise)
+    (False, False, 12 - 2),
+])
+def test_loss_workspace_by_kernel(fused_loss, eager, want):
+    """The cross entropy's backward peak beyond the 16-bit logits the activations count, in bytes per
+    logit, by hand: N = 4 x 32 x 1000 logits of a captured Linear + cross entropy."""
+    import torch
+
+    from polyparallel.cost_models.activations import loss_transient
+    from polyparallel.frontends.torch import capture_torch
+
+    class Head(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.out = torch.nn.Linear(16, 1000)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(self.out(x).flatten(0, 1), y.flatten())
+
+    g = capture_torch(Head(), (torch.zeros(4, 32, 16), torch.zeros(4, 32, dtype=torch.long)))
+    cfg = ParallelConfig(dtype="bf16", fused_loss=fused_loss)
+    n = 4 * 32 * 1000
+    assert loss_transient(g, cfg, 1, eager).get(0, 0.0) == want * n

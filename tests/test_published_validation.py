@@ -62,3 +62,21 @@ def test_fsdp_scaling_and_compilation_priced_as_measured(capsys):
     assert len(a40) == 4
     spread = [max(r[k] for r in a40) / min(r[k] for r in a40) for k in ("published_per_gpu", "predicted_per_gpu")]
     assert spread[0] < 1.03 and spread[1] < 1.03, spread
+
+
+def test_published_long_sequence_runs_fit_their_memory(capsys):
+    """Every MPT-7B run the llm-foundry tables published (sequences 1k-64k, 8 GPUs of 40 or 80 GB)
+    ran, so its recipe must fit: priced with the fused cross entropy llm-foundry trains with
+    (``fused_loss``), none is over its GPU's memory. torch's upcast loss on the same logits
+    (``fused_loss=False``) would not fit at 8k on 80 GB: the workspace of 8 x 8192 x 50432 fp32
+    log-probabilities and their gradients (measured fitting; the issue's 81.1 GB)."""
+    from benchmarks.published_sharded import sharded_rows
+
+    cases = [c for c in sharded_rows() if c["name"].startswith("MPT-7b") and "(8 " in c["name"]]
+    rows = run_published(cases)
+    capsys.readouterr()
+    assert len(rows) >= 10 and all(not r["does_not_fit"] for r in rows), [r["name"] for r in rows if r["does_not_fit"]]
+    s8k = next(c for c in cases if c["name"] == "MPT-7b s8192 (8 H100 80GB)")
+    eager = run_published([{**s8k, "config": {**s8k["config"], "fused_loss": False}}])
+    capsys.readouterr()
+    assert eager[0]["does_not_fit"]
