@@ -28,8 +28,9 @@ __all__ = ["activation_bytes", "crossing", "kept_tensors", "loss_transient", "op
 
 # what an absorbed elementwise op's backward keeps (torch's derivatives.yaml): nothing, its output,
 # or (the default: gelu, silu, mul, div, pow, sin, ...) its input
+# (masked_fill's backward zeroes the gradient where the mask is set: it keeps the boolean mask only)
 _SAVES_NOTHING = frozenset({"add", "sub", "rsub", "neg", "to", "_to_copy", "clone", "contiguous", "alias", "type_as",
-                            "mul.Scalar", "div.Scalar", "add.Scalar", "sub.Scalar"})
+                            "mul.Scalar", "div.Scalar", "add.Scalar", "sub.Scalar", "masked_fill"})
 _SAVES_OUTPUT = frozenset({"relu", "sigmoid", "tanh", "exp", "rsqrt", "sqrt", "reciprocal"})
 
 
@@ -51,8 +52,12 @@ def _fused_temporaries(op: Op) -> int:
     ``silu(gate(x)) * up`` the gate's output and the silu's."""
     kept: set[int] = set()
     chain = op.attr.get("fused", ())
+    # the absorbed ops' statements, appended last by fuse_elementwise in the chain's order
+    absorbed = op.nest.statements[len(op.nest.statements) - len(chain):] if op.nest is not None and chain else ()
     for i, target in enumerate(chain, start=1):
         how = "nothing" if _base(target) in _NO_GRAD else _saves(target)
+        if _base(target) in ("mul", "div") and i <= len(absorbed) and len(absorbed[i - 1].reads) == 1:
+            how = "nothing"  # by a constant (attention's scale): autograd saves the constant only
         if how == "input":
             kept.add(i - 1)
         elif how == "output" and i < len(chain):

@@ -177,6 +177,18 @@ def test_memory_model_matches_kept_bytes_gpt(gpt_table, mode: str) -> None:
     assert abs(pred / meas - 1) <= 0.10
 
 
+@pytest.mark.parametrize("mode", ["none", "op", "full"])
+def test_memory_model_matches_kept_bytes_explicit_attention(mode: str) -> None:
+    """Attention written out: autograd keeps the projection, the softmax's output and the boolean
+    mask, not the scaled scores (a multiply by a constant saves the constant, masked_fill its mask);
+    the model counted both, +18.8% without recomputation."""
+    x, y = ex.gpt_data(0)
+    meas, pred = measured(ex.tiny_gpt_explicit, x, y, mode), predicted(ex.tiny_gpt_explicit(), x, y, mode)
+    print(f"tiny GPT, attention written out, {mode}: measured {meas} B, predicted {pred:.0f} B "
+          f"({pred / meas - 1:+.1%})")
+    assert abs(pred / meas - 1) <= 0.03
+
+
 def test_memory_model_matches_kept_bytes_gpt_selective(gpt_table) -> None:
     """SDPA keeps its output and log-sum-exp, never the S×S scores, so selective recomputation of it
     drops the log-sum-exp only; the model counts that (it priced unfused scores before, 23% off)."""
