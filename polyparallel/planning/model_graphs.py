@@ -18,6 +18,7 @@ from enum import Enum
 from typing import Any
 
 from polyparallel.ir import Graph, _Any
+from polyparallel.planning.collector import young_collected
 
 __all__ = ["ANCHORS", "MAX_MICRO", "ModelGraphs", "NotAffine", "Rebatcher", "divisors", "graph_batch", "rebatch",
            "rebatch_graph"]
@@ -67,7 +68,7 @@ class ModelGraphs:
         import polyparallel as pp
 
         t, c = time.perf_counter(), time.process_time()
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), young_collected():  # export's cycles go as they form
             warnings.simplefilter("ignore")
             if b is None:
                 g = pp.capture(self.model)

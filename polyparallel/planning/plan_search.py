@@ -101,8 +101,6 @@ center's share of the data is proportional to its throughput.
 
 from __future__ import annotations
 
-import functools
-import gc
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -120,6 +118,7 @@ from polyparallel.cost_models.pipeline import SCHEDULES
 from polyparallel.cost_models.step import StepBound, step_lower_bound
 from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Hint
 from polyparallel.planning.assemble import model_info, strategy_of
+from polyparallel.planning.collector import collector_paused, young_collected
 from polyparallel.planning.derived import variants
 from polyparallel.planning.model_graphs import MAX_MICRO, ModelGraphs, divisors, rebatch
 from polyparallel.planning.model_inputs import model_and_inputs
@@ -490,27 +489,7 @@ def _plans(base: ParallelConfig, c: Constraints, layers: int,
             yield rungs
 
 
-def _collector_paused(fn: Callable[..., Strategy]) -> Callable[..., Strategy]:
-    """Run ``fn`` with Python's cyclic garbage collector paused. A search builds millions of
-    short-lived objects next to a big heap that lives through it (the captured graphs, the model's
-    fake tensors), and the collector rescanned that heap every few thousand allocations: ~20% of
-    llama-8b's search CPU. The objects go by reference count; the few cycles wait until the
-    search returns (gpt3-175b: 900 MB peak instead of 770 MB)."""
-
-    @functools.wraps(fn)
-    def paused(*args: Any, **kwargs: Any) -> Strategy:
-        if not gc.isenabled():
-            return fn(*args, **kwargs)
-        gc.disable()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            gc.enable()
-
-    return paused
-
-
-@_collector_paused
+@collector_paused
 def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path = "local-cpu:2", *,
            example_kwargs: dict[str, Any] | None = None, objective: str = "throughput",
            constraints: Constraints | dict[str, Any] | None = None, exhaustive: bool = False,
@@ -591,16 +570,12 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
         raise DoesNotFit(_does_not_fit_message(mdl, cl, best))
     t1 = time.perf_counter()
     strat = strategy_of(mdl, cl, best.est, best.b, B, devs, record, c.placements, c.memory_cap)
-    if best.refuse is not None:
-        # the backend's check exports the model to cut a pipeline: a burst of cyclic garbage the
-        # paused collector would keep to the end, and few allocations
-        gc.enable()
-        try:
+    # the backend's check exports the model to cut a pipeline: a burst of cyclic garbage
+    with young_collected():
+        if best.refuse is not None:
             strat = _executable(strat, mdl, cl, best, B, devs, record, c, say)
-        finally:
-            gc.disable()
-    elif c.placements != "torch":
-        strat = _checked_as_placed(strat, mdl, best, B, c.placements)
+        elif c.placements != "torch":
+            strat = _checked_as_placed(strat, mdl, best, B, c.placements)
     # placing the chosen plan's ops is part of the search (its capture, if any, was counted above)
     return strat.model_copy(update={"search": strat.search.model_copy(update={
         "search_s": round(search_s + time.perf_counter() - t1, 3)})})
