@@ -150,7 +150,7 @@ from .data_parallel import (
     overlapped,
     unit_tensors,
 )
-from .expert_parallel import expert_parallel
+from .expert_parallel import ExpertParallel, expert_parallel
 from .layers import chunk_of_ops, chunk_ranges, chunks, layer_segments, segments
 from .megatron_rule import op_plans
 from .memo import PRICES
@@ -161,7 +161,7 @@ from .pipeline import makespan_bound, peak_in_flight, simulate
 from .stage_layout import Group, StageLayout, StageTerms, group_seconds, p2p_seconds, reduce_over, stage_layouts
 
 __all__ = ["OpPlan", "ParallelConfig", "StageBreakdown", "StepBound", "StepEstimate", "chunk_of_ops", "estimate_step",
-           "layer_segments", "op_seconds", "optimizer_element_time", "step_lower_bound"]
+           "layer_segments", "op_seconds", "optimizer_element_time", "step_lower_bound", "step_memory"]
 
 # kernels per parameter tensor of torch's single-tensor optimizer step (torch/optim/adam.py etc.):
 # Adam: step += 1, lerp_, mul_ + addcmul_, sqrt / c + eps, addcdiv_
@@ -264,6 +264,18 @@ def step_lower_bound(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> Ste
     return StepBound(cfg, mk + max(x.exposed + x.t_opt for x in pre.dp), pre.memory)
 
 
+def step_memory(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> tuple[MemoryReport, ...]:
+    """``estimate_step(...).memory`` without pricing the step's time: a search needs no time of a
+    plan that does not fit (most of the plans it enumerates on a big model)."""
+    cfg.validate(cluster)
+    v = cfg.chunks if cfg.schedule == "interleaved" else 1
+    terms = _stage_terms(graph, cluster, cfg, v)
+    moe = _expert(graph, cluster, cfg, terms)
+    in_flight = peak_in_flight(cfg.schedule, cfg.pp, cfg.microbatches, v)
+    return tuple(_stage_memory(graph, cfg, terms, s, v, in_flight[s], _units(graph, cfg, terms, moe, s),
+                               moe.expert_params[s] if moe is not None else 0.0) for s in range(cfg.pp))
+
+
 # -- the parts of the estimate that do not need the pipeline simulation --------------------------
 
 
@@ -290,8 +302,7 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
     gb = TRAINING_DTYPE_BYTES[cfg.dtype]
     dps, mems, accum = [], [], []
     fwd, bwd = list(terms.fwd), list(terms.bwd)
-    moe = expert_parallel(graph, cluster, cfg, terms, ccache, gb, per_plan(graph, cfg, op_plans(graph, cfg))[3]) \
-        if cfg.ep > 1 else None
+    moe = _expert(graph, cluster, cfg, terms)
     # the data-parallel group reduces the stage's other weights; the experts' own reduction is added
     dterms = terms if moe is None else replace(
         terms, params=tuple(x - e for x, e in zip(terms.params, moe.expert_params)), memo={})
@@ -302,8 +313,7 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
         omega = cfg.grad_overlap if cfg.grad_overlap is not None else (0.0 if dt.kind == "cpu" else 1.0)
         # an accelerator's DDP all-reduce is priced by its buckets unless an overlap is given
         buckets = cfg.grad_overlap is None and dt.kind != "cpu"
-        units = fsdp_units(graph, cfg, dterms, s) if (cfg.zero_stage >= 1 and cfg.pp == 1 and moe is None
-                                                       and cfg.grad_reduce == "reduce_scatter") else ()
+        units = _units(graph, cfg, dterms, moe, s)
         # DeepSpeed's ZeRO-3 of 2021 gathers parameter tensor by parameter tensor (ParallelConfig.zero3_gather)
         per_tensor = (unit_tensors(graph, cfg, s), dt.launch_overhead) if (
             units and cfg.zero_stage == 3 and cfg.zero3_gather == "parameter") else None
@@ -336,7 +346,7 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
         if cfg.pp > 1:
             # a pipeline combines its micro-batches' losses and target counts with one all-reduce over
             # the whole world after the flush (the torch backend's weigh_microbatches)
-            exposed += reduce_over(cluster, ccache, tuple(d for ds in terms.devices for d in ds), 32.0)
+            exposed += _loss_reduce(cluster, ccache, terms)
         elif dgrp_size > 1:
             # the step's loss and its target count are all-reduced over the replicas between the
             # forward and the backward, on every rank's critical path (the torch backend's
@@ -347,10 +357,8 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
             # summed over them after the flush, before the optimizer: Megatron-LM's
             # _allreduce_word_embedding_grads, DeepSpeed's _exec_reduce_tied_grads, the torch
             # backend's tie groups; every replica's group at once, those on one node sharing its ports
-            first = terms.devices[s][0]
-            on_node = sum(cluster.device(d).node == cluster.device(first).node for d in terms.devices[s])
             exposed += reduce_over(cluster, ccache, tuple(terms.devices[h][0] for h in holders),
-                                    numel * max(gb, 4), on_node)
+                                    numel * max(gb, 4), _on_first_node(cluster, terms, s))
         master = 4 if gb < 4 else 0
         opt_state = 8 if cfg.optimizer in ("adam", "adamw", "lamb") else 4 if cfg.optimizer in (
             "sgd_momentum", "lion") else 0
@@ -417,20 +425,68 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
         bwd[s] += acc
         accum.append(acc)
         dps.append(DataParallel(exposed, t_opt, t_dp, events, ef + eb))
-        ws = terms.seg_act_max[s] + loss_transient(graph, cfg, v, _eager(cfg, dt)).get(s, 0.0)
-        if cfg.zero_stage == 3 and units:
-            # FSDP2 keeps the root's weights gathered through each micro-batch, a layer's while it
-            # runs and the next one's, prefetched
-            ws += (units[0][0] + 2 * max((w for w, _ in units[1:]), default=0.0)) * gb
-        elif cfg.zero_stage == 3:
-            ws += 2 * max_segment_params(graph) * gb / cfg.tp
-        mems.append(device_memory(
-            label=f"stage {s} (devices {terms.spans[s]})", device=f"{dt.name} {dt.memory / 1e9:.0f} GB",
-            capacity=dt.memory, params=params - experts, dp=dgrp_size, zero_stage=cfg.zero_stage,
-            param_dtype=cfg.dtype, optimizer=cfg.optimizer, activations=terms.act[s], in_flight=in_flight[s] / v,
-            workspace=ws, expert_params=experts / cfg.ep, expert_dp=max(1, dgrp_size // cfg.ep)))
+        mems.append(_stage_memory(graph, cfg, terms, s, v, in_flight[s], units, experts))
     return _Prepared(terms, v, tuple(fwd), tuple(bwd), tuple(dps), tuple(mems), tuple(accum),
                      moe.a2a if moe is not None else ())
+
+
+def _expert(graph: Graph, cluster: Cluster, cfg: ParallelConfig, terms: StageTerms) -> ExpertParallel | None:
+    """The expert-parallel terms of ``cfg`` (None without expert parallelism)."""
+    if cfg.ep == 1:
+        return None
+    ccache: dict = PRICES.of(cluster).setdefault("collectives", {})
+    return expert_parallel(graph, cluster, cfg, terms, ccache, TRAINING_DTYPE_BYTES[cfg.dtype],
+                           per_plan(graph, cfg, op_plans(graph, cfg))[3])
+
+
+def _units(graph: Graph, cfg: ParallelConfig, terms: StageTerms, moe: ExpertParallel | None,
+           s: int) -> tuple[tuple[float, float], ...]:
+    """Stage ``s``'s FSDP2 units where ZeRO-1/2/3 are priced by them (no pipeline, no experts)."""
+    if cfg.zero_stage >= 1 and cfg.pp == 1 and moe is None and cfg.grad_reduce == "reduce_scatter":
+        return fsdp_units(graph, cfg, terms, s)
+    return ()
+
+
+def _stage_memory(graph: Graph, cfg: ParallelConfig, terms: StageTerms, s: int, v: int, in_flight: int,
+                  units: tuple[tuple[float, float], ...], experts: float) -> MemoryReport:
+    """Stage ``s``'s memory per device: ``experts``, the stage's expert parameters before the ``ep`` split."""
+    dt = terms.types[s]
+    dgrp_size = len(terms.dp_groups[s][0][0])
+    gb = TRAINING_DTYPE_BYTES[cfg.dtype]
+    ws = terms.seg_act_max[s] + loss_transient(graph, cfg, v, _eager(cfg, dt)).get(s, 0.0)
+    if cfg.zero_stage == 3 and units:
+        # FSDP2 keeps the root's weights gathered through each micro-batch, a layer's while it
+        # runs and the next one's, prefetched
+        ws += (units[0][0] + 2 * max((w for w, _ in units[1:]), default=0.0)) * gb
+    elif cfg.zero_stage == 3:
+        ws += 2 * max_segment_params(graph) * gb / cfg.tp
+    return device_memory(
+        label=f"stage {s} (devices {terms.spans[s]})", device=f"{dt.name} {dt.memory / 1e9:.0f} GB",
+        capacity=dt.memory, params=terms.params[s] - experts, dp=dgrp_size, zero_stage=cfg.zero_stage,
+        param_dtype=cfg.dtype, optimizer=cfg.optimizer, activations=terms.act[s], in_flight=in_flight / v,
+        workspace=ws, expert_params=experts / cfg.ep, expert_dp=max(1, dgrp_size // cfg.ep))
+
+
+def _loss_reduce(cluster: Cluster, ccache: dict, terms: StageTerms) -> float:
+    """Seconds of the pipeline's loss all-reduce over every device of the plan: the same for each
+    stage and for every plan sharing ``terms`` (kept in its memo: the world is 10^3 devices on a
+    big cluster, and its tuple is the collective's key)."""
+    hit = terms.memo.get("loss_reduce")
+    if hit is None:
+        hit = terms.memo["loss_reduce"] = reduce_over(cluster, ccache, tuple(d for ds in terms.devices for d in ds),
+                                                      32.0)
+    return hit
+
+
+def _on_first_node(cluster: Cluster, terms: StageTerms, s: int) -> int:
+    """Devices of stage ``s`` on its first device's node (the replicas' tied-weight groups sharing
+    that node's ports), kept in the memo of ``terms``."""
+    key = ("on_first_node", s)
+    hit = terms.memo.get(key)
+    if hit is None:
+        first = terms.devices[s][0]
+        hit = terms.memo[key] = sum(cluster.device(d).node == cluster.device(first).node for d in terms.devices[s])
+    return hit
 
 
 def _eager(cfg: ParallelConfig, device: DeviceType) -> bool:
@@ -846,18 +902,26 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
             tp_param_tensors=split_tensors, segs=stage_segs, seg_params=tuple(seg_params.values()),
             p2p=max(times) if times else 0.0, p2p_sum=sum(times), p2p_block=block, held=held))
         held_params.append(seen)
-    return tuple(replace(b, tied=_tied(held_params, s)) for s, b in enumerate(out)) if p > 1 else tuple(out)
+    return tuple(replace(b, tied=t) for b, t in zip(out, _tied(held_params))) if p > 1 else tuple(out)
 
 
-def _tied(held: list[dict[str, float]], s: int) -> tuple[tuple[tuple[int, ...], float], ...]:
-    """The parameters stage ``s`` shares with other stages, as ``(stages holding them, local
+def _tied(held: list[dict[str, float]]) -> list[tuple[tuple[tuple[int, ...], float], ...]]:
+    """Per stage, the parameters it shares with other stages, as ``(stages holding them, local
     elements)`` per set of holders."""
-    by: dict[tuple[int, ...], float] = {}
-    for t, numel in held[s].items():
-        holders = tuple(o for o, h in enumerate(held) if t in h)
-        if len(holders) > 1:
-            by[holders] = by.get(holders, 0.0) + numel
-    return tuple(sorted(by.items()))
+    holders: dict[str, list[int]] = {}
+    for o, h in enumerate(held):
+        for t in h:
+            holders.setdefault(t, []).append(o)
+    out = []
+    for h in held:
+        by: dict[tuple[int, ...], float] = {}
+        for t, numel in h.items():
+            hs = holders[t]
+            if len(hs) > 1:
+                key = tuple(hs)
+                by[key] = by.get(key, 0.0) + numel
+        out.append(tuple(sorted(by.items())))
+    return out
 
 
 

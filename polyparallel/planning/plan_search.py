@@ -115,7 +115,7 @@ from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, StepEstimate, estimate_step
 from polyparallel.cost_models.parallel_config import RECOMPUTE, execution_options
 from polyparallel.cost_models.pipeline import SCHEDULES
-from polyparallel.cost_models.step import StepBound, step_lower_bound
+from polyparallel.cost_models.step import StepBound, step_lower_bound, step_memory
 from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Hint
 from polyparallel.planning.assemble import model_info, strategy_of
 from polyparallel.planning.collector import collector_paused, young_collected
@@ -277,6 +277,7 @@ class _Candidate:
     b: int
     graph: Graph
     bound: StepBound
+    short: float = 0.0  # bytes by which it misses memory on its worst device (plans that do not fit)
 
     @property
     def peak(self) -> float:
@@ -287,12 +288,13 @@ class _Candidate:
 class _Best:
     """Branch and bound over the enumerated plans.
 
-    Enumeration (:meth:`offer`) prices every plan's memory exactly and its step time from
-    below (:func:`~polyparallel.cost_models.step.step_lower_bound`, no pipeline simulation);
-    the control flow of the enumeration depends only on whether plans fit, so the candidate
-    set is the same as pricing each in full. :meth:`solve` then prices the fitting plans in
-    full in increasing order of their bounds and stops at the first bound above the best
-    step time found: a skipped plan cannot be faster, so the optimum is unchanged.
+    Enumeration (:meth:`offer`) prices every plan's memory exactly and, when it fits, its step
+    time from below (:func:`~polyparallel.cost_models.step.step_lower_bound`, no pipeline
+    simulation; a plan that does not fit is never ranked, so its time is not priced); the
+    control flow of the enumeration depends only on whether plans fit, so the candidate set is
+    the same as pricing each in full. :meth:`solve` then prices the fitting plans in full in
+    increasing order of their bounds and stops at the first bound above the best step time
+    found: a skipped plan cannot be faster, so the optimum is unchanged.
     """
 
     cl: Cluster | None = None
@@ -317,16 +319,20 @@ class _Best:
     def offer(self, graph: Graph, cfg: ParallelConfig, b: int) -> bool:
         """Enumerate one plan: ``True`` when it fits (``ValueError`` when the cost model refuses it)."""
         assert self.cl is not None
-        bound = step_lower_bound(graph, self.cl, cfg)
+        # 0 bounds the step time of a plan that does not fit: it is never ranked
+        bound = StepBound(cfg, 0.0, step_memory(graph, self.cl, cfg))
+        fits = _fits(bound, self.cap)
+        if fits:
+            bound = step_lower_bound(graph, self.cl, cfg)
         cand = _Candidate(self.candidates, b, graph, bound)
         self.candidates += 1
-        if not _fits(bound, self.cap):
-            if self._closest is None or _shortfall(bound, self.cap) < _shortfall(self._closest.bound, self.cap):
+        if not fits:
+            cand.short = _shortfall(bound, self.cap)
+            if self._closest is None or cand.short < self._closest.short:
                 self._closest = cand
             for axis in AXES:  # per axis: the plan without it that misses memory by the least (explain)
                 held = self.short_without.get(axis)
-                if getattr(cfg, axis) == 1 and (held is None or _shortfall(bound, self.cap) <
-                                                _shortfall(held.bound, self.cap)):
+                if getattr(cfg, axis) == 1 and (held is None or cand.short < held.short):
                     self.short_without[axis] = cand
             return False
         if self.refuse is None or not self.refuse(cfg):
