@@ -85,6 +85,7 @@ from typing import Any
 import numpy as np
 
 from polyparallel.cluster import Cluster
+from polyparallel.cost_models.memo import PRICES
 from polyparallel.ir import ANY as _ANY
 from polyparallel.ir import FLOAT_DTYPES, TRAINING_DTYPE_BYTES, Graph, Op, TensorKind, element_bytes
 
@@ -153,6 +154,7 @@ class _Pricer:
     _groups: dict = field(default_factory=dict)
     _ops: dict = field(default_factory=dict)
     _edges: dict = field(default_factory=dict)
+    _keys: dict = field(default_factory=dict)
 
     def group(self, axes: Sequence[str]) -> list[int]:
         """Device ids of the group spanned by ``axes`` through the stage's first device."""
@@ -222,12 +224,16 @@ class _Pricer:
         return hit
 
     def key(self, op: Op) -> tuple:
-        """What an op's prices depend on: its signature and its candidate set."""
-        from polyparallel.poly._cache import signature_of
+        """What an op's prices depend on: its signature and its candidate set (kept per op name:
+        the pricer's graph is fixed, and each op's key is asked for once per edge it is on)."""
+        hit = self._keys.get(op.name)
+        if hit is None:
+            from polyparallel.poly._cache import signature_of
 
-        pls, forced = self.legal(op)
-        extra = tuple(self.param_cost(op, p) for p in pls) if self.param_cost is not None else None
-        return (signature_of(self.graph, op), pls, forced, extra)
+            pls, forced = self.legal(op)
+            extra = tuple(self.param_cost(op, p) for p in pls) if self.param_cost is not None else None
+            hit = self._keys[op.name] = (signature_of(self.graph, op), pls, forced, extra)
+        return hit
 
     def op(self, op: Op) -> tuple[list, list[float], list[float], list[float]]:
         """(candidates, total own seconds, compute seconds, own-collective seconds), K cheapest."""
@@ -602,29 +608,36 @@ def _block_factor(pr: _Pricer, inst: list[Op], prev: list[Op] | None, in_set: se
         return f"x:{name}"
 
     names = {role(op.name): op.name for op in inst}
-    factors: list[Factor] = []
-    size: dict[str, int] = {}
     pattern = []
+    edges: list[list[tuple[str, Op, int]]] = []  # per op of the instance, its edges from this stage
     for op in inst:
-        c, total, _, _ = pr.op(op)
         r = role(op.name)
-        size[r] = len(c)
-        factors.append(((r,), np.asarray(total, dtype=float)))
+        edges.append([])
         for t, u, p in in_edges(g, op):
             if u.name not in in_set:
                 continue  # produced in an earlier stage: not this stage's choice
             ru = role(u.name)
             names[ru] = u.name
-            size[ru] = len(pr.op(u)[0])
-            fwd, bwd = pr.edge(t, u, op, p)
-            factors.append(((ru, r), fwd + bwd))
+            edges[-1].append((t, u, p))
             pattern.append((ru, r, p, u.outputs.index(t)))
     keep = {role(op.name) for op in inst if op.name in later}
     key = (tuple(pr.key(op) for op in inst), tuple(pattern), tuple(sorted(keep)), pr.mesh,
            id(pr.cluster), tuple(pr.devices), pr.dtype, pr.k, max_table, pr.edge_rule,
            tuple(pr.key(u) for op in inst for _t, u, _p in in_edges(g, op) if u.name not in pos and u.name in in_set))
     hit = _BLOCK_CACHE.get(key)
-    if hit is None:
+    if hit is None:  # the instance's factors, needed only to solve it (its repeats share the table)
+        factors: list[Factor] = []
+        size: dict[str, int] = {}
+        for op, op_edges in zip(inst, edges):
+            c, total, _, _ = pr.op(op)
+            r = role(op.name)
+            size[r] = len(c)
+            factors.append(((r,), np.asarray(total, dtype=float)))
+            for t, u, p in op_edges:
+                ru = role(u.name)
+                size[ru] = len(pr.op(u)[0])
+                fwd, bwd = pr.edge(t, u, op, p)
+                factors.append(((ru, r), fwd + bwd))
         interior = {role(op.name) for op in inst} - keep
         rest, trace = _eliminate(factors, size, interior, max_table)
         scope = tuple(dict.fromkeys(v for vars_, _ in rest for v in vars_))
@@ -689,7 +702,12 @@ def solve_stage(graph: Graph, mesh: Any, cluster: Cluster, *, dtype: str = "fp32
     contiguous = idx == list(range(lo, hi))
     runs: list[tuple[str, list[range]]] = []
     if ops and contiguous:
-        for b in find_repeated_blocks(graph):
+        # the same graph is solved once per tensor-parallel degree: its blocks are found once
+        memo = PRICES.of(graph)
+        blocks = memo.get(("repeated_blocks",))
+        if blocks is None:
+            blocks = memo[("repeated_blocks",)] = find_repeated_blocks(graph)
+        for b in blocks:
             # a pipeline stage may cut a run of layers: keep the instances wholly inside it
             inside = [r for r in b.instances if r.start >= lo and r.stop <= hi]
             if len(inside) >= 2:
