@@ -32,16 +32,27 @@ __all__ = ["activation_bytes", "crossing", "kept_tensors", "loss_transient", "op
 _SAVES_NOTHING = frozenset({"add", "sub", "rsub", "neg", "to", "_to_copy", "clone", "contiguous", "alias", "type_as",
                             "mul.Scalar", "div.Scalar", "add.Scalar", "sub.Scalar", "masked_fill"})
 _SAVES_OUTPUT = frozenset({"relu", "sigmoid", "tanh", "exp", "rsqrt", "sqrt", "reciprocal"})
+_DROPOUTS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"})
 
 
 def _saves(target: str) -> str:
-    """``nothing``, ``output`` or ``input``: what the backward of the elementwise op ``target`` keeps."""
+    """``nothing``, ``output``, ``input`` or ``mask``: what the backward of the elementwise op
+    ``target`` keeps (a dropout its boolean mask, one byte per element: torch's ``native_dropout``,
+    Megatron's uint8 mask)."""
     parts = target.split(".")
     base = parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[0]
     overload = f"{base}.{parts[2]}" if parts[0] == "aten" and len(parts) > 2 else base
     if base in _SAVES_NOTHING or overload in _SAVES_NOTHING:
         return "nothing"
+    if base in _DROPOUTS:
+        return "mask"
     return "output" if base in _SAVES_OUTPUT else "input"
+
+
+def _dropout_masks(op: Op) -> int:
+    """How many dropout masks ``op`` keeps for its backward: itself a dropout, or dropouts absorbed
+    into it (``attrs["fused"]``); each is one byte per element of the op's output."""
+    return (_base(op.target) in _DROPOUTS) + sum(_base(t) in _DROPOUTS for t in op.attr.get("fused", ()))
 
 
 def _fused_temporaries(op: Op) -> int:
@@ -52,6 +63,9 @@ def _fused_temporaries(op: Op) -> int:
     ``silu(gate(x)) * up`` the gate's output and the silu's."""
     kept: set[int] = set()
     chain = op.attr.get("fused", ())
+    if chain and (OpKind(op.kind) is OpKind.SOFTMAX or (OpKind(op.kind) is OpKind.ELEMENTWISE
+                                                        and _saves(op.target) == "output")):
+        kept.add(0)  # the op's own output, which its backward reads (a softmax's probabilities before a dropout)
     # the absorbed ops' statements, appended last by fuse_elementwise in the chain's order
     absorbed = op.nest.statements[len(op.nest.statements) - len(chain):] if op.nest is not None and chain else ()
     for i, target in enumerate(chain, start=1):
@@ -159,7 +173,7 @@ def kept_tensors(graph: Graph) -> tuple[frozenset[str], dict[str, int]]:
 
 
 def activation_bytes(graph: Graph, op: Op, dtype: str, fused_attention: bool | None, selective: bool,
-                      math_sdpa: bool = False) -> float:
+                      math_sdpa: bool = False, mask_bytes: float = 1.0) -> float:
     """Bytes an op stores for its backward: its outputs, the temporaries of its fused elementwise
     chain that eager torch keeps, and for attention what its kernel keeps.
 
@@ -171,13 +185,15 @@ def activation_bytes(graph: Graph, op: Op, dtype: str, fused_attention: bool | N
     probabilities and fp32 copies of q, k and v (:func:`math_sdpa_saved_bytes`; measured on an H200,
     GPT-1.7B at batch 4 x 2048: 85.7 GB against 43.9 with flash attention). Any other attention op keeps
     its scores and probabilities unless ``fused_attention`` says it runs as a fused kernel, and
-    selective recomputation drops them (Korthikanti et al., 2022)."""
+    selective recomputation drops them (Korthikanti et al., 2022). A dropout (or one absorbed into
+    the op) keeps its mask, ``mask_bytes`` per element of the output."""
     if OpKind(op.kind) in (OpKind.VIEW, OpKind.CREATE):
         return 0.0
     kept, temps = kept_tensors(graph)
     total = sum(tensor_bytes(graph, t, dtype) for t in op.outputs if t in kept)
     if op.outputs:
         total += temps.get(op.name, 0) * tensor_bytes(graph, op.outputs[0], dtype)
+        total += _dropout_masks(op) * graph.tensors[op.outputs[0]].numel * mask_bytes
     if is_sdpa(op) and math_sdpa and op.nest is not None:
         if not selective:
             total += math_sdpa_saved_bytes(op)
@@ -243,13 +259,16 @@ def loss_transient(graph: Graph, cfg: ParallelConfig, v: int, eager: bool) -> di
 def segment_activations(graph: Graph, cfg: ParallelConfig, plans: list[OpPlan], device: DeviceType) -> list[float]:
     selective = cfg.recompute == "selective"
     math_sdpa = cfg.fused_attention is False and math_sdpa_upcasts(device, cfg.dtype)
+    # a dropout keeps a boolean mask on accelerators (native_dropout); torch's CPU dropout multiplies
+    # by a float noise tensor, which autograd keeps at the compute width
+    mask = 1.0 if device.kind != "cpu" else float(TRAINING_DTYPE_BYTES[cfg.dtype])
     key = ("seg_act", cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.dtype, cfg.fused_attention, selective,
-           cfg.op_plans, math_sdpa)
+           cfg.op_plans, math_sdpa, mask)
     cache = PRICES.of(graph)
     if key not in cache:
-        op_key = ("op_act", cfg.dtype, cfg.fused_attention, selective, math_sdpa)
+        op_key = ("op_act", cfg.dtype, cfg.fused_attention, selective, math_sdpa, mask)
         if op_key not in cache:
-            cache[op_key] = [activation_bytes(graph, op, cfg.dtype, cfg.fused_attention, selective, math_sdpa)
+            cache[op_key] = [activation_bytes(graph, op, cfg.dtype, cfg.fused_attention, selective, math_sdpa, mask)
                              for op in graph.ops]
         act = cache[op_key]
         cache[key] = [sum(act[i] / plans[i].split for i in sg) for sg in segments(graph)]

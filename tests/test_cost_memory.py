@@ -97,3 +97,29 @@ def test_loss_workspace_by_kernel(fused_loss, eager, want):
     cfg = ParallelConfig(dtype="bf16", fused_loss=fused_loss)
     n = 4 * 32 * 1000
     assert loss_transient(g, cfg, 1, eager).get(0, 0.0) == want * n
+
+
+@pytest.mark.parametrize(("cluster", "dtype", "per_element"), [("dgx-a100", "bf16", 1), ("local-cpu:1", "fp32", 4)])
+def test_a_dropout_keeps_its_mask(cluster, dtype, per_element):
+    """Linear -> dropout -> Linear: the dropout adds its mask to what the backward keeps, one byte per
+    element on an accelerator (native_dropout's boolean mask), the compute width on a CPU (torch's
+    CPU dropout multiplies by a float noise tensor); a dropout with p=0 is no op at all."""
+    import torch
+
+    from polyparallel.frontends.torch import capture_torch
+    from polyparallel.transforms import canonicalize, fuse_elementwise
+
+    class Net(torch.nn.Module):
+        def __init__(self, p: float) -> None:
+            super().__init__()
+            self.a, self.b, self.p = torch.nn.Linear(16, 64), torch.nn.Linear(64, 8), p
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.nn.functional.dropout(self.a(x), self.p, True))
+
+    def activations(p: float) -> float:
+        g = fuse_elementwise(canonicalize(capture_torch(Net(p), (torch.zeros(32, 16),))))
+        est = estimate_step(g, Cluster.preset(cluster), ParallelConfig(dtype=dtype))
+        return est.memory[0].term("activations")
+
+    assert activations(0.1) - activations(0.0) == 32 * 64 * per_element
