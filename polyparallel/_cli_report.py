@@ -27,8 +27,10 @@ def report_cmd(
     try:
         s = Strategy.from_json(strategy)
     except StrategyError as e:
-        first = str(e).splitlines()[0]
-        raise UserError(f"{first}; give a strategy written by `polyparallel search MODEL -o {strategy}`") from None
+        first, *fields = str(e).splitlines()
+        detail = f" ({'; '.join(f.strip() for f in fields[:3])})" if fields else ""
+        raise UserError(f"{first}{detail}; give a strategy written by `polyparallel search MODEL -o {strategy}`") \
+            from None
     records = read_run(run) if run is not None else None
     out.write_text(render(s, records))
     typer.echo(f"wrote {out}  (open it in a browser)")

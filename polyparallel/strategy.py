@@ -29,6 +29,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from polyparallel.ir import TRAINING_DTYPE_BYTES
+
 __all__ = [
     "SCHEMA_VERSION",
     "CenterPlan",
@@ -141,11 +143,12 @@ class Collaborative(_Model):
 
 
 class Estimate(_Model):
-    step_time_s: float
-    samples_per_s: float
-    model_flops_per_s_per_device: float
-    memory_bytes_max: float
-    comm_fraction: float
+    # a price is a finite, non-negative number: a hand-edited NaN or negative figure is refused on load
+    step_time_s: float = Field(ge=0, allow_inf_nan=False)
+    samples_per_s: float = Field(ge=0, allow_inf_nan=False)
+    model_flops_per_s_per_device: float = Field(ge=0, allow_inf_nan=False)
+    memory_bytes_max: float = Field(ge=0, allow_inf_nan=False)
+    comm_fraction: float = Field(ge=0, le=1, allow_inf_nan=False)
     breakdown: dict[str, float] = Field(default_factory=dict)
     memory_by_device: dict[str, float] = Field(default_factory=dict)
 
@@ -186,9 +189,14 @@ class Strategy(_Model):
 
     @model_validator(mode="after")
     def _consistent(self) -> Strategy:
+        if self.dtype not in TRAINING_DTYPE_BYTES:
+            raise ValueError(f"dtype {self.dtype!r} is not a training precision: use one of "
+                             f"{', '.join(TRAINING_DTYPE_BYTES)}")
         if self.mode == "collaborative" and self.collaborative is None:
             raise ValueError("mode is 'collaborative' but the 'collaborative' section is missing")
         if self.mode == "synchronous":
+            if not self.stages:
+                raise ValueError("a synchronous strategy lists its pipeline stages ('stages' is missing or empty)")
             world = self.dp * self.tp * self.pp * self.sp
             if world != len(self.mesh.devices):
                 raise ValueError(f"dp*tp*pp*sp = {world} but the mesh has {len(self.mesh.devices)} devices")

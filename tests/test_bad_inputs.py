@@ -137,3 +137,32 @@ def test_api_bad_input_raises_a_message_naming_the_fix(call, words: list[str], w
 
 def test_the_table_is_large_enough() -> None:
     assert len(CLI_CASES) + len(API_CASES) >= 40
+
+
+@pytest.mark.parametrize(("edit", "words"), [
+    (lambda d: d.update(dtype="fp8x"), ["dtype 'fp8x'", "bf16"]),
+    (lambda d: d.pop("stages"), ["stages", "missing or empty"]),
+    (lambda d: d["estimate"].update(step_time_s=float("nan")), ["estimate.step_time_s", "finite"]),
+    (lambda d: d["estimate"].update(memory_bytes_max=-5), ["estimate.memory_bytes_max", "greater than or equal to 0"]),
+])
+def test_a_hand_edited_strategy_with_impossible_values_is_refused(edit, words, workdir: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """explain and report read a strategy file: an impossible value (an unknown precision, no stages,
+    a NaN step time, negative memory) is refused naming the field, where they printed 'step nan s'."""
+    import json
+
+    with pytest.raises(SystemExit) as done:
+        main(["search", "gpt-tiny", "-o", "s.json", "--json"])
+    assert done.value.code == 0
+    capsys.readouterr()
+    d = json.loads((workdir / "s.json").read_text())
+    edit(d)
+    (workdir / "edited.json").write_text(json.dumps(d))
+    for argv in (["explain", "edited.json"], ["report", "edited.json", "-o", "r.html"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "Traceback" not in err, err
+        for w in words:
+            assert w in err, (w, err)
+    assert not (workdir / "r.html").exists()
