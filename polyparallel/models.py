@@ -435,9 +435,9 @@ def load_model(spec: str, *, batch_size: int | None = None, seq_len: int | None 
             raise FileNotFoundError(f"ONNX file {spec!r} does not exist")
         return p
     if ":" in spec:
-        from polyparallel.references import resolve
+        from polyparallel.references import call_user, resolve
 
-        out = resolve(spec, "model")()
+        out = call_user(resolve(spec, "model"), f"the model function {spec}:")
         if not isinstance(out, tuple) or len(out) not in (2, 3):
             raise ValueError(f"{spec} must return (model, args) or (model, args, kwargs), got {type(out).__name__}")
         model, args = out[0], out[1]

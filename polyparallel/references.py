@@ -15,10 +15,11 @@ from __future__ import annotations
 import importlib
 import re
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["is_reference", "resolve"]
+__all__ = ["UserCodeError", "call_user", "is_reference", "resolve"]
 
 _REF = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 
@@ -48,3 +49,23 @@ def resolve(ref: Any, what: str = "function") -> Callable[..., Any]:
     if not callable(obj):
         raise ValueError(f"{what} {ref!r} is a {type(obj).__name__}, not a function")
     return obj
+
+
+class UserCodeError(ValueError):
+    """The user's model, data or builder function raised: the message names the function, the
+    exception and the line of the user's code it came from."""
+
+
+def call_user(fn: Callable[..., Any], what: str, *args: Any) -> Any:
+    """``fn(*args)``; an exception it raises becomes :class:`UserCodeError` in one line: what it
+    is (``what``), the exception, and the innermost frame outside polyparallel and torch, where the
+    user's code failed (the original is chained as its cause)."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        frames = [f for f in traceback.extract_tb(e.__traceback__)
+                  if "/polyparallel/" not in f.filename and "/site-packages/" not in f.filename]
+        where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise UserCodeError(f"{what} {name}({', '.join(map(repr, args))}) raised {type(e).__name__}: {e}{where}; "
+                            "fix it, or run it alone to see the whole traceback") from e

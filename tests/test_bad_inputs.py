@@ -71,6 +71,9 @@ CLI_CASES = [
     (["search", "gpt-tiny", "--batch-size", "1000000000000"], ["4096 micro-batches", "--microbatches"]),
     (["report", "keep.json", "-o", "no-such-dir/r.html"], ["no-such-dir does not exist", "mkdir -p"]),
     (["report", "keep.json", "-o", "."], ["is a folder", "give a file name"]),
+    # the user's own function raising: one line with the exception and the line of their code
+    (["search", "user_code_that_raises:build"], ["build() raised RuntimeError: config file missing",
+                                                 "user_code_that_raises.py:2"]),
 ]
 
 
@@ -82,6 +85,7 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "notjson.json").write_text("dp=2 tp=2\n")
     (tmp_path / "other.json").write_text('{"name": "not a strategy"}\n')
     (tmp_path / "keep.json").write_text("precious\n")
+    (tmp_path / "user_code_that_raises.py").write_text('def build():\n    raise RuntimeError("config file missing")\n')
     return tmp_path
 
 

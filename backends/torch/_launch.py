@@ -21,7 +21,7 @@ from polyparallel.backends.torch._checkpoint import check_resume, trim_log
 from polyparallel.backends.torch._plan import plan_for
 from polyparallel.backends.torch._procs import kill_tree, recorded_pids
 from polyparallel.backends.torch._tensor_parallel import strategy_graph
-from polyparallel.references import resolve
+from polyparallel.references import call_user, resolve
 from polyparallel.strategy import Strategy
 
 __all__ = ["MultiNode", "RunDirInUse", "TrainError", "check_batch", "launch_commands", "new_run_dir", "node_layout",
@@ -305,13 +305,14 @@ def _checked_run(strategy: Strategy, model_fn: Any, data_fn: Any, agent: subproc
     import torch
 
     torch.manual_seed(seed)
-    batch = resolve(data_fn)(0)  # pipeline stages are cut, and the model captured, on (a micro-batch of) it
+    # pipeline stages are cut, and the model captured, on (a micro-batch of) it
+    batch = call_user(resolve(data_fn), "the data function", 0)
     if strategy.mode == "synchronous":
         check_batch(strategy, batch)
     graph = strategy_graph(strategy, resolve(model_fn), batch, check_fingerprint) if strategy.mode == "synchronous" \
         else None  # plan_for says where a collaborative strategy runs
     torch.manual_seed(seed)
-    model = resolve(model_fn)()
+    model = call_user(resolve(model_fn), "the model function")
     plan = plan_for(strategy, model, batch if strategy.pp > 1 else None, graph=graph)  # refuse before any launch
     for name, t in zip(("inputs", "labels"), batch) if plan.sp > 1 else ():
         if t.dim() < 2 or t.shape[1] % plan.sp:
