@@ -180,12 +180,13 @@ def collab_cmd(
     classes: Annotated[int, typer.Option("--classes")] = 4,
     hidden: Annotated[int, typer.Option("--hidden", help="width / first conv channels / embedding size")] = 32,
     vocab: Annotated[int, typer.Option("--vocab", help="embbag vocabulary")] = 0,
-    fusion: Annotated[str, typer.Option("--fusion", help="centered_clip (robust FedAvg) fedavg fedprox fedadam "
-                                        "fedyogi diloco scaffold trimmed_mean median krum")]
-    = "centered_clip",
+    fusion: Annotated[str | None, typer.Option("--fusion", help="centered_clip (robust FedAvg, the default) fedavg "
+                                               "fedprox fedadam fedyogi diloco scaffold trimmed_mean median krum")]
+    = None,
     fusion_opt: Annotated[list[str] | None, typer.Option("--fusion-opt", help="NAME=NUMBER, repeatable")] = None,
-    rounds: Annotated[int, typer.Option("--rounds")] = 3,
-    local_steps: Annotated[int, typer.Option("--local-steps", "-H", help="local steps per round")] = 10,
+    rounds: Annotated[int | None, typer.Option("--rounds", help="rounds of fusion (default 3)")] = None,
+    local_steps: Annotated[int | None, typer.Option("--local-steps", "-H", help="local steps per round (default 10)")]
+    = None,
     batch_size: Annotated[int, typer.Option("--batch-size")] = 32,
     lr: Annotated[float, typer.Option("--lr")] = 0.05,
     momentum: Annotated[float, typer.Option("--momentum", help="local SGD momentum (fresh each round)")] = 0.0,
@@ -194,7 +195,7 @@ def collab_cmd(
     logit_adjust: Annotated[float, typer.Option(
         "--logit-adjust", help="tau of the logit-adjusted local loss against label skew (0: plain; 1: theory)")]
     = 0.0,
-    compression: Annotated[str, typer.Option("--compression", help="none, fp16 or int8")] = "none",
+    compression: Annotated[str | None, typer.Option("--compression", help="none (the default), fp16 or int8")] = None,
     min_centers: Annotated[int, typer.Option("--min-centers", help="0: all")] = 0,
     norm_bound: Annotated[float, typer.Option(
         "--norm-bound", help="refuse an update whose norm exceeds K x the median norm of the round's and recent "
@@ -256,6 +257,13 @@ def collab_cmd(
         elif strategy is not None:
             cfg = config_from_strategy(strategy, spec, emulate_links=emulate_wan,
                                        fusion_options=_parse_options(fusion_opt or []), **training)
+            # a flag given beside --strategy wins over the strategy's value, and says so
+            given = {k: v for k, v in (("rounds", rounds), ("local_steps", local_steps), ("fusion", fusion),
+                                       ("compression", compression)) if v is not None}
+            for k, v in given.items():
+                if getattr(cfg, k) != v:
+                    typer.echo(f"--{k.replace('_', '-')} {v} replaces the strategy's {getattr(cfg, k)}")
+            cfg = replace(cfg, **given)
         else:
             names = [n.strip() for n in centers.split(",") if n.strip()]
             fws = [f.strip() for f in frameworks.split(",")] if frameworks else ["torch"] * len(names)
@@ -266,8 +274,9 @@ def collab_cmd(
                 raise UserError(f"--devices has {len(devs)} entries for {len(names)} centers")
             cfg = CollabConfig(
                 centers=tuple(CenterSpec(n, framework=f, devices=d) for n, f, d in zip(names, fws, devs)),
-                model=spec, fusion=fusion, fusion_options=_parse_options(fusion_opt or []), rounds=rounds,
-                local_steps=local_steps, compression=compression, **training)
+                model=spec, fusion=fusion or "centered_clip", fusion_options=_parse_options(fusion_opt or []),
+                rounds=3 if rounds is None else rounds, local_steps=10 if local_steps is None else local_steps,
+                compression=compression or "none", **training)
         if source:  # every center calls the source itself; only the reference goes in the job
             cfg = replace(cfg, centers=tuple(replace(c, data=source) for c in cfg.centers))
         if emulate_wan and strategy is None:

@@ -97,3 +97,22 @@ def test_collab_from_a_strategy_file(tmp_path, capsys):
     assert code == 0, err
     res = json.loads((tmp_path / "o" / "result.json").read_text())
     assert [r["accepted"] for r in res["rounds"]] == [["u", "v"]] * 3
+
+
+def test_flags_beside_a_strategy_win_and_say_so(tmp_path, capsys):
+    """--rounds 2 beside a strategy of 3 rounds used to run the strategy's rounds without a word."""
+    from polyparallel.strategy import CenterPlan, Collaborative, Mesh, MeshAxis, ModelInfo, Strategy
+
+    st = Strategy(model=ModelInfo(name="m", fingerprint="f"), mode="collaborative",
+                  mesh=Mesh(axes=[MeshAxis(name="center", size=2, level="inter_center")], devices=[0, 1]),
+                  collaborative=Collaborative(centers=[CenterPlan(name="u", devices=[0], share=0.5),
+                                                       CenterPlan(name="v", devices=[1], share=0.5)],
+                                              fusion="median", local_steps=2, rounds=3))
+    st.to_json(tmp_path / "s.json")
+    job = tmp_path / "job.json"
+    code, out, err = _run(["collab", "--strategy", str(tmp_path / "s.json"), "--in-shape", "4", "--classes", "2",
+                           "--rounds", "2", "-H", "5", "--save-config", str(job)], capsys)
+    assert code == 0, err
+    assert "--rounds 2 replaces the strategy's 3" in out and "--local-steps 5 replaces the strategy's 2" in out
+    cfg = CollabConfig.from_json(job.read_text())
+    assert (cfg.rounds, cfg.local_steps, cfg.fusion) == (2, 5, "median")
