@@ -102,6 +102,7 @@ center's share of the data is proportional to its throughput.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -549,6 +550,10 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
         notes.append("priced from this machine's calibrated kernel rates, which a CPU training step does not reach "
                      "(benchmarks/executor.py: a median 49-57% too fast); profile=True (--profile) measures this "
                      "model's own ops first")
+    cores = os.cpu_count() or 1
+    if cl.name.startswith("local-cpu:") and cl.num_devices > cores:
+        notes.append(f"{cl.name} is {cl.num_devices} processes on this machine's {cores} cores: each is priced at "
+                     f"its share, {cores / cl.num_devices:.2g} of a core, and train would run them time-sharing")
     if c.placements == "torch" and any(cl.device(d).type.kind != "cpu" for d in devs):
         notes.append("priced as the torch backend runs a step on accelerators: eager PyTorch (each elementwise op "
                      "its own kernel), 16-bit plans under torch.autocast with fp32 weights, "
