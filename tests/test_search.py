@@ -242,3 +242,15 @@ def test_memory_objective_is_least_memory_within_ten_percent(tiny_gpt):
                   (estimate_step(c.graph, cl, c.bound.config) for c in wide.fitting)]
     limit = 1.1 * min(t for _, t in everything)
     assert lean.estimate.memory_bytes_max == pytest.approx(min(mem for mem, t in everything if t <= limit), rel=1e-12)
+
+
+def test_more_local_processes_than_cores_are_noted():
+    import os
+
+    cores = os.cpu_count() or 1
+    m = MLP((16, 32, 4))
+    s = search(m, (torch.zeros(8, 16),), f"local-cpu:{4 * cores}", batch_size=8 * cores)
+    note = [n for n in s.search.notes if "processes on this machine's" in n]
+    assert len(note) == 1 and f"{cores} cores" in note[0] and "time-sharing" in note[0]
+    assert not any("processes on this machine's" in n
+                   for n in search(m, (torch.zeros(8, 16),), "local-cpu:1", batch_size=8).search.notes)
