@@ -32,5 +32,15 @@ def report_cmd(
         raise UserError(f"{first}{detail}; give a strategy written by `polyparallel search MODEL -o {strategy}`") \
             from None
     records = read_run(run) if run is not None else None
+    if run is not None and (run / "strategy.json").is_file():
+        ran = Strategy.from_json(run / "strategy.json")
+        differs = [f"{k} {getattr(ran, k)} there, {getattr(s, k)} here"
+                   for k in ("dp", "tp", "pp", "sp", "microbatches", "global_batch", "zero_stage", "dtype")
+                   if getattr(ran, k) != getattr(s, k)]
+        if ran.model.fingerprint != s.model.fingerprint:
+            differs.insert(0, f"another model ({ran.model.name}, fingerprint {ran.model.fingerprint[:12]})")
+        if differs:
+            raise UserError(f"--run {run} trained another strategy than {strategy}: {'; '.join(differs[:3])}; give the "
+                            "run of this strategy, or its own strategy.json")
     out.write_text(render(s, records))
     typer.echo(f"wrote {out}  (open it in a browser)")

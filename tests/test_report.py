@@ -183,6 +183,7 @@ def test_collab_run_as_serve_writes_it(collab_strategy: Path, collab_run: Path, 
     ("empty-run", ["no run records", "--run-dir"]),
     ("missing-run", ["does not exist", "--out of `polyparallel collab`"]),
     ("no-steps", ["no step records", "train"]),
+    ("other-run", ["trained another strategy", "global_batch 999 there, "]),
 ])
 def test_bad_input_exits_2(case: str, words: list[str], sync_strategy: Path, tmp_path: Path,
                            capsys: pytest.CaptureFixture[str]) -> None:
@@ -197,6 +198,12 @@ def test_bad_input_exits_2(case: str, words: list[str], sync_strategy: Path, tmp
         run = tmp_path
     elif case == "missing-run":
         run = tmp_path / "nowhere"
+    elif case == "other-run":  # a run of another plan: the strategy.json train writes beside its log
+        run = tmp_path
+        (run / "train.jsonl").write_text(json.dumps({"step": 0, "loss": 1.0, "step_time_s": 0.1}) + "\n")
+        other = json.loads(sync_strategy.read_text())
+        other["global_batch"] = 999
+        (run / "strategy.json").write_text(json.dumps(other))
     else:
         run = tmp_path
         (run / "train.jsonl").write_text("")

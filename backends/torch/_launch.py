@@ -202,8 +202,9 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
 
     **Run directory.** ``run_dir`` (``log_dir`` is its older name; default: a new
     ``runs/<YYYYmmdd-HHMMSS>`` under the current folder, or ``checkpoint_dir`` when only that is
-    given) holds ``job.pkl`` (what the workers run), ``launcher.log`` (torch.distributed.run's and
-    the workers' output, written as they print it; appended to on a rerun), ``train.jsonl`` (rank
+    given) holds ``job.pkl`` (what the workers run), ``strategy.json`` (the strategy run),
+    ``launcher.log`` (torch.distributed.run's and the workers' output, written as they print it;
+    appended to on a rerun), ``train.jsonl`` (rank
     0's ``{"step", "loss", "step_time_s", "samples", "tokens", "rank0_input_shape", ...}`` line per
     step: ``samples`` is the global batch's rows, ``tokens`` its numel for integer inputs of >= 2
     dims, ``rank0_input_shape`` rank 0's share after the dp and sp splits, absent with pipeline
@@ -368,6 +369,7 @@ def _checked_run(strategy: Strategy, model_fn: Any, data_fn: Any, agent: subproc
                "checkpoint_dir": str(ckpt.resolve()) if ckpt is not None else None,
                "keep_checkpoints": keep_checkpoints, "strategy_json": strategy.to_json(), "batchnorm": batchnorm}
         (run_dir / "job.pkl").write_bytes(pickle.dumps(job))
+        strategy.to_json(run_dir / "strategy.json")  # what `polyparallel report --run` checks the run against
         if worker_env() != env:  # sys.path changed while loading model_fn/data_fn: the agent must see it too
             agent.kill()
             agent.wait()
