@@ -75,15 +75,20 @@ def schedule_order(schedule: str, stages: int, microbatches: int, chunks: int = 
     return _build_order(schedule, stages, microbatches, chunks)
 
 
-# Orders are built where they are read, not kept: building one costs less than walking it once more,
-# and a search reads the in-flight peaks of every plan it enumerates (GPT-3 on 1536 GPUs: ~10^3
-# orders of up to 10^5 tasks, 20 MB had they been kept); the peaks and simulations are memoised.
-def _build_order(schedule: str, stages: int, microbatches: int, chunks: int) -> list[list[tuple[str, int, int]]]:
-    p, m, v = stages, microbatches, chunks
+def _check(schedule: str, p: int, m: int, v: int) -> None:
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; one of {', '.join(SCHEDULES)}")
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"pipeline needs stages, microbatches, chunks >= 1 (got {p}, {m}, {v})")
+    if schedule == "interleaved" and m % p:
+        raise ValueError(f"the interleaved schedule needs microbatches ({m}) to be a multiple of stages ({p})")
+
+
+# Orders are built where they are read, not kept: a simulation walks its order once, and the
+# simulations are memoised (a search simulates a few plans and enumerates ~10^3 schedules).
+def _build_order(schedule: str, stages: int, microbatches: int, chunks: int) -> list[list[tuple[str, int, int]]]:
+    p, m, v = stages, microbatches, chunks
+    _check(schedule, p, m, v)
     orders: list[list[tuple[str, int, int]]] = []
     if schedule == "gpipe":
         for _ in range(p):
@@ -102,8 +107,6 @@ def _build_order(schedule: str, stages: int, microbatches: int, chunks: int) -> 
                 nb += 1
             orders.append(o)
         return orders
-    if m % p:
-        raise ValueError(f"the interleaved schedule needs microbatches ({m}) to be a multiple of stages ({p})")
     total = m * v
 
     def fwd(k: int) -> tuple[str, int, int]:
@@ -130,21 +133,22 @@ def peak_in_flight(schedule: str, stages: int, microbatches: int, chunks: int = 
     """Peak chunk-activations alive per stage (``F`` done, ``B`` not yet).
 
     It depends only on each stage's task order, not on task durations, so memory can be
-    priced without simulating: ``min(p − s, m)`` for 1F1B, ``m`` for GPipe.
+    priced without simulating: ``m`` for GPipe; for 1F1B and interleaved 1F1B the ``w_s`` warm-up
+    forwards are alive when the first steady forward adds one, after which every forward is
+    followed by a backward: ``min(w_s + 1, v·m)``, i.e. ``min(p − s, m)`` for 1F1B and
+    ``min(2(p − s − 1) + (v − 1)p + 1, v·m)`` interleaved (:func:`schedule_order`'s orders).
     """
     return _in_flight(schedule, stages, microbatches, chunks if schedule == "interleaved" else 1)
 
 
 @lru_cache(maxsize=4096)
 def _in_flight(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]:
-    peaks = []
-    for o in _build_order(schedule, p, m, v):
-        alive = peak = 0
-        for kind, _, _ in o:
-            alive += 1 if kind == "F" else -1
-            peak = max(peak, alive)
-        peaks.append(peak)
-    return tuple(peaks)
+    _check(schedule, p, m, v)
+    if schedule == "gpipe":
+        return (m,) * p
+    if schedule == "1f1b":
+        return tuple(min(p - s, m) for s in range(p))
+    return tuple(min(2 * (p - s - 1) + (v - 1) * p + 1, m * v) for s in range(p))
 
 
 def makespan_bound(forward: Sequence[float], backward: Sequence[float], microbatches: int, chunks: int = 1,
