@@ -83,7 +83,8 @@ def test_bad_input_is_one_line(argv, msg, capsys):
     assert msg in err and "Traceback" not in err
 
 
-def test_collab_from_a_strategy_file(tmp_path, capsys):
+def _two_center_strategy(path):
+    """A collaborative strategy of two centers u and v: median fusion, H = 2, 3 rounds."""
     from polyparallel.strategy import CenterPlan, Collaborative, Mesh, MeshAxis, ModelInfo, Strategy
 
     st = Strategy(model=ModelInfo(name="m", fingerprint="f"), mode="collaborative",
@@ -91,7 +92,11 @@ def test_collab_from_a_strategy_file(tmp_path, capsys):
                   collaborative=Collaborative(centers=[CenterPlan(name="u", devices=[0], share=0.5),
                                                        CenterPlan(name="v", devices=[1], share=0.5)],
                                               fusion="median", local_steps=2, rounds=3))
-    st.to_json(tmp_path / "s.json")
+    st.to_json(path)
+
+
+def test_collab_from_a_strategy_file(tmp_path, capsys):
+    _two_center_strategy(tmp_path / "s.json")
     code, _, err = _run(["collab", "--strategy", str(tmp_path / "s.json"), "--in-shape", "4", "--classes", "2",
                            "--synthetic", "32", "--out", str(tmp_path / "o")], capsys)
     assert code == 0, err
@@ -101,14 +106,7 @@ def test_collab_from_a_strategy_file(tmp_path, capsys):
 
 def test_flags_beside_a_strategy_win_and_say_so(tmp_path, capsys):
     """--rounds 2 beside a strategy of 3 rounds used to run the strategy's rounds without a word."""
-    from polyparallel.strategy import CenterPlan, Collaborative, Mesh, MeshAxis, ModelInfo, Strategy
-
-    st = Strategy(model=ModelInfo(name="m", fingerprint="f"), mode="collaborative",
-                  mesh=Mesh(axes=[MeshAxis(name="center", size=2, level="inter_center")], devices=[0, 1]),
-                  collaborative=Collaborative(centers=[CenterPlan(name="u", devices=[0], share=0.5),
-                                                       CenterPlan(name="v", devices=[1], share=0.5)],
-                                              fusion="median", local_steps=2, rounds=3))
-    st.to_json(tmp_path / "s.json")
+    _two_center_strategy(tmp_path / "s.json")
     job = tmp_path / "job.json"
     code, out, err = _run(["collab", "--strategy", str(tmp_path / "s.json"), "--in-shape", "4", "--classes", "2",
                            "--rounds", "2", "-H", "5", "--save-config", str(job)], capsys)
