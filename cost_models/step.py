@@ -701,15 +701,25 @@ def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
     fw, bw, att = [], [], []
     classes = op_classes(graph)
     recomputed = op_policy_recomputed(graph)
+    attention = op_costs.get(("attention_ops",))
+    if attention is None:
+        attention = op_costs[("attention_ops",)] = [OpKind(op.kind) is OpKind.ATTENTION for op in graph.ops]
+    # op_seconds prices an op by its class (the repeated layers' ops share one): each class, split
+    # and sharding looked up once here
+    priced: dict[tuple[int, float, bool], tuple[float, float]] = {}
     for i, op in enumerate(graph.ops):
         # tensor-parallel parameters are DTensors: their ops pay the host's dispatch (compute.py)
-        sharded = plans[i].param_split > 1
-        measured = profiled_op(graph, op, dt, world, plans[i].split, sharded, cfg.dtype) if world else None
+        plan = plans[i]
+        sharded = plan.param_split > 1
+        measured = profiled_op(graph, op, dt, world, plan.split, sharded, cfg.dtype) if world else None
         if measured is None:
-            measured = op_seconds(graph, op, dt, cfg, plans[i].split, sharded, classes[i])
+            k = (classes[i], plan.split, sharded)
+            measured = priced.get(k)
+            if measured is None:
+                measured = priced[k] = op_seconds(graph, op, dt, cfg, plan.split, sharded, classes[i])
         fw.append(measured[0])
         bw.append(measured[1])
-        att.append(measured[0] if OpKind(op.kind) is OpKind.ATTENTION else 0.0)
+        att.append(measured[0] if attention[i] else 0.0)
     opr = [f if again else 0.0 for again, f in zip(recomputed, fw)]
     op_costs[key] = (fw, bw, att, opr)
     return fw, bw, att, opr
