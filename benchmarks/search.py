@@ -1,9 +1,14 @@
 """Search time and plan quality.
 
     .venv/bin/python benchmarks/search.py            # all parts (slow on 2 cores)
-    .venv/bin/python benchmarks/search.py --part big|quality|baselines|placements
+    .venv/bin/python benchmarks/search.py --part big|memory|quality|baselines|placements
 
-Part ``big``: capture and search time and the plan found for the issue's cases.
+Part ``big``: capture and search time and the plan found for the issue's cases (with the machine's
+load average when each started: CPU time grows when the cores are shared).
+Part ``memory``: the planning process's peak memory: the peak resident set (``VmHWM``, Linux's
+``ru_maxrss`` of the process image) of a fresh Python process that imports polyparallel, builds the
+model and searches (and the peak before the search, after the imports and after building the
+model), for the cases of ``MEMORY``.
 Part ``quality``: on small problems (<= 8 devices, <= 6 layers, mixed model kinds) the
 planner's step time vs the exhaustive optimum (gap must be <= 1%).
 Part ``baselines``: on the big cases, the planner vs pure data parallel, FSDP (ZeRO-3) and
@@ -16,6 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -30,6 +38,7 @@ from polyparallel.planning.stage_solver import FORBIDDEN
 OUT = Path(__file__).parent / "results" / "search.json"
 BIG = [("gpt2-small", "dgx-a100x1", 64), ("llama-8b", "dgx-a100x8", 512), ("gpt3-175b", "dgx-a100x192", 1536),
        ("resnet50", "dgx-a100x4", 1024), ("gpt2-small", "aisynergy-5", 512)]
+MEMORY = [("llama-8b", "dgx-a100x8", 512), ("gpt3-175b", "dgx-a100x192", 1536)]
 
 
 def _row(name, cluster, B, s, wall):
@@ -61,6 +70,7 @@ def big() -> list[dict]:
         for name, cluster, B in BIG:
             m, a, k = EXAMPLES[name].build(1, None)
             made.clear()
+            load = os.getloadavg()[0]
             t, c = time.perf_counter(), time.process_time()
             s = search(m, a, cluster, example_kwargs=k, batch_size=B)
             rows.append(_row(name, cluster, B, s, time.perf_counter() - t))
@@ -68,13 +78,51 @@ def big() -> list[dict]:
             r["cpu_s"] = round(time.process_time() - c, 2)  # capture + search, this process only
             r["capture_cpu_s"] = round(sum(x.capture_cpu_s for x in made), 2)
             r["search_cpu_s"] = round(r["cpu_s"] - r["capture_cpu_s"], 2)
+            r["load_1min"] = round(load, 2)
             print(f"{name:11s} {cluster:13s} B={B:5d} {r['mode']:12s} dp={r['dp']} tp={r['tp']} pp={r['pp']} "
                   f"sp={r['sp']} m={r['microbatches']} {r['schedule']} z{r['zero']} {r['recompute']:9s} "
                   f"step {r['step_time_s']:.3f}s cpu {r['cpu_s']:.1f}s = capture {r['capture_cpu_s']:.1f}s + search "
                   f"{r['search_cpu_s']:.1f}s (wall: capture {r['capture_s']:.1f}s search {r['search_s']:.1f}s; "
-                  f"{r['candidates']} plans)")
+                  f"{r['candidates']} plans; load {load:.2f})")
     finally:
         ps.ModelGraphs = ModelGraphs
+    return rows
+
+
+# run in a fresh interpreter: the peak is the whole planning process's. Its own image's peak (VmHWM):
+# getrusage's ru_maxrss would carry over this benchmark's resident set, which the child had when it
+# was forked, across the exec
+_PEAK = r"""
+import json, sys, warnings
+warnings.simplefilter("ignore")
+
+def peak():  # bytes
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+from polyparallel.models import EXAMPLES
+from polyparallel.planning import search
+imported = peak()
+model, args, kwargs = EXAMPLES[sys.argv[1]].build(1, None)
+built = peak()
+s = search(model, args, sys.argv[2], example_kwargs=kwargs, batch_size=int(sys.argv[3]))
+print(json.dumps({"imported_bytes": imported, "built_bytes": built, "peak_bytes": peak(),
+                  "step_time_s": s.estimate.step_time_s}))
+"""
+
+
+def memory() -> list[dict]:
+    """Peak resident memory of a planning process, one fresh process per case (Linux)."""
+    rows = []
+    for name, cluster, B in MEMORY:
+        out = subprocess.run([sys.executable, "-c", _PEAK, name, cluster, str(B)], capture_output=True, text=True,
+                             check=True)
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        gib = {k.replace("_bytes", "_gib"): round(v / 2**30, 3) for k, v in r.items() if k.endswith("_bytes")}
+        rows.append({"model": name, "cluster": cluster, "global_batch": B, **gib, "step_time_s": r["step_time_s"],
+                     "measured": "peak resident set (VmHWM) of a fresh process: imports, model build, search"})
+        print(f"{name:11s} {cluster:13s} B={B:5d} peak {gib['peak_gib']:.3f} GiB (after imports "
+              f"{gib['imported_gib']:.3f} GiB, after building the model {gib['built_gib']:.3f} GiB)")
     return rows
 
 
@@ -192,7 +240,7 @@ def placements() -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", choices=["big", "quality", "baselines", "placements", "all"], default="all")
+    ap.add_argument("--part", choices=["big", "memory", "quality", "baselines", "placements", "all"], default="all")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     res = json.loads(OUT.read_text()) if OUT.exists() else {}
@@ -200,6 +248,8 @@ def main() -> None:
         res["quality"] = quality()
     if args.part in ("big", "all"):
         res["big"] = big()
+    if args.part in ("memory", "all"):
+        res["memory"] = memory()
     if args.part in ("baselines", "all"):
         res["baselines"] = baselines()
     if args.part in ("placements", "all"):
