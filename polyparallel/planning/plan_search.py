@@ -551,10 +551,6 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
         notes.append("priced from this machine's calibrated kernel rates, which a CPU training step does not reach "
                      "(benchmarks/executor.py: a median 49-57% too fast); profile=True (--profile) measures this "
                      "model's own ops first")
-    cores = os.cpu_count() or 1
-    if cl.name.startswith("local-cpu:") and cl.num_devices > cores:
-        notes.append(f"{cl.name} is {cl.num_devices} processes on this machine's {cores} cores: each is priced at "
-                     f"its share, {cores / cl.num_devices:.2g} of a core, and train would run them time-sharing")
     if c.placements == "torch" and any(cl.device(d).type.kind != "cpu" for d in devs):
         notes.append("priced as the torch backend runs a step on accelerators: eager PyTorch (each elementwise op "
                      "its own kernel), 16-bit plans under torch.autocast with fp32 weights, "
@@ -565,6 +561,10 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
     if c.mode != "collaborative":
         best = _search_sync(mdl, cl, B, c, devs, exhaustive, objective, say)
         notes += best.notes
+    cores = os.cpu_count() or 1
+    if cl.name.startswith("local-cpu:") and cl.num_devices > cores:
+        notes.append(f"{cl.name} is {cl.num_devices} processes on this machine's {cores} cores: each is priced at "
+                     f"its share, {cores / cl.num_devices:.2g} of a core, and train would run them time-sharing")
     if len(cl.centers) > 1 and c.mode != "synchronous" and not c.centers:
         collab = _search_collab(mdl, cl, B, c, exhaustive, say)
     sync_ok = best is not None and best.est is not None
