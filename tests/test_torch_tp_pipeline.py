@@ -93,7 +93,9 @@ def test_searched_tp2_pp2_interleaved_gpt_matches_single_process_and_resumes(tmp
     s = pp.search(ex.tiny_gpt(), (x,), "local-cpu:4", example_kwargs={"labels": y}, batch_size=ex.BATCH,
                   constraints={"tp": 2, "pp": 2, "placements": "rule", "microbatches": 2,
                                "schedule": "interleaved", "recompute": "none"})
-    assert (s.tp, s.pp, s.dp, s.schedule) == (2, 2, 1, "interleaved:2") and not s.search.notes
+    # (no note but the one on more processes than this machine's cores, where that is so)
+    assert (s.tp, s.pp, s.dp, s.schedule) == (2, 2, 1, "interleaved:2")
+    assert not [n for n in s.search.notes if "processes on this machine's" not in n]
     assert {"n:tp", "h:tp", "k_0:tp", "k:tp", "v:tp", "c:tp"} <= {p.placement for p in s.placements}
     first = train(s, ex.tiny_gpt, ex.gpt_data, steps=STEPS - 1, lr=LR, seed=SEED, checkpoint_dir=tmp_path,
                   profile_comm=True)
