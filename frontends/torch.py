@@ -758,8 +758,24 @@ def _no_stack_traces() -> Iterator[None]:
         fx_config.do_not_emit_stack_traces = before
 
 
+@contextlib.contextmanager
+def _quiet_fake_tensors() -> Iterator[None]:
+    """torch's fake-tensor dispatch logs each op that fails on meta tensors with its traceback at
+    ERROR level (``torch._subclasses.fake_tensor``) before raising: the raised error, which the
+    capture reports in one line, says the same; the log lines are held back."""
+    import logging
+
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    before = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(before)
+
+
 def _export_program(model: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-    with _no_stack_traces():
+    with _no_stack_traces(), _quiet_fake_tensors():
         return torch.export.export(model, args, kwargs=kwargs, strict=False)
 
 
