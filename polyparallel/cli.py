@@ -81,6 +81,18 @@ def main(argv: list[str] | None = None) -> None:
     except (UserError, CaptureError, FileNotFoundError, ValueError, OSError) as e:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         sys.exit(2)
+    except KeyboardInterrupt:
+        _interrupted()
+    except SystemExit as e:
+        if e.code == 130:  # click turns Ctrl-C into a silent exit 130
+            _interrupted()
+        raise
+
+
+def _interrupted() -> None:
+    typer.secho("interrupted (Ctrl-C): the command stopped before finishing; the processes it started are stopped "
+                "(a train run resumes from its last checkpoint with the same --run-dir)", err=True)
+    sys.exit(130)
 
 
 if __name__ == "__main__":  # pragma: no cover - run as `python -m polyparallel`

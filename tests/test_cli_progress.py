@@ -59,3 +59,23 @@ def test_a_terminal_gets_the_lines_and_a_live_bar():
     for r in range(1, 4):
         assert f"round {r}/3  accepted a,b" in text
     assert "\x1b[" in text and "rounds" in text  # the bar was drawn (and cleared: transient)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_ctrl_c_exits_130_with_a_line():
+    """Ctrl-C in a long search: exit 130 with one line (click's own handling exited 130 silently)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    argv = ["search", "gpt3-175b", "-c", "dgx-a100x192", "--exhaustive"]
+    p = subprocess.Popen([sys.executable, "-m", "polyparallel", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    time.sleep(6)  # mid-search: an exhaustive search of GPT-3 on 1536 GPUs runs far longer
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130
+    lines = err.decode().strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("interrupted (Ctrl-C)")
