@@ -15,6 +15,7 @@ import math
 
 from polyparallel.cluster import DeviceType
 from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Op, OpKind, TensorKind
+from polyparallel.ops import DROPOUT_TARGETS
 
 from .compute import AUTOCAST_LOW, is_sdpa, math_sdpa_saved_bytes, math_sdpa_upcasts
 from .layers import LAYER, chunks, segments
@@ -32,7 +33,6 @@ __all__ = ["activation_bytes", "crossing", "kept_tensors", "loss_transient", "op
 _SAVES_NOTHING = frozenset({"add", "sub", "rsub", "neg", "to", "_to_copy", "clone", "contiguous", "alias", "type_as",
                             "mul.Scalar", "div.Scalar", "add.Scalar", "sub.Scalar", "masked_fill"})
 _SAVES_OUTPUT = frozenset({"relu", "sigmoid", "tanh", "exp", "rsqrt", "sqrt", "reciprocal"})
-_DROPOUTS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"})
 
 
 def _saves(target: str) -> str:
@@ -44,7 +44,7 @@ def _saves(target: str) -> str:
     overload = f"{base}.{parts[2]}" if parts[0] == "aten" and len(parts) > 2 else base
     if base in _SAVES_NOTHING or overload in _SAVES_NOTHING:
         return "nothing"
-    if base in _DROPOUTS:
+    if base in DROPOUT_TARGETS:
         return "mask"
     return "output" if base in _SAVES_OUTPUT else "input"
 
@@ -52,7 +52,7 @@ def _saves(target: str) -> str:
 def _dropout_masks(op: Op) -> int:
     """How many dropout masks ``op`` keeps for its backward: itself a dropout, or dropouts absorbed
     into it (``attrs["fused"]``); each is one byte per element of the op's output."""
-    return (_base(op.target) in _DROPOUTS) + sum(_base(t) in _DROPOUTS for t in op.attr.get("fused", ()))
+    return (_base(op.target) in DROPOUT_TARGETS) + sum(_base(t) in DROPOUT_TARGETS for t in op.attr.get("fused", ()))
 
 
 def _fused_temporaries(op: Op) -> int:
@@ -230,9 +230,7 @@ def loss_transient(graph: Graph, cfg: ParallelConfig, v: int, eager: bool) -> di
     writes its gradient in place; flash-attn's (``fused_loss``) allocates the logits' gradient at
     their width. ``N`` is the op's local share of its input (a vocabulary-parallel split divides it).
     """
-    if cfg.fused_loss is False:
-        eager = True
-    elif cfg.fused_loss is None and not eager:
+    if cfg.fused_loss is None and not eager:
         return {}
     key = ("loss_ws", cfg.pp, v, cfg.partition, cfg.dtype, cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.op_plans,
            cfg.fused_loss)

@@ -54,6 +54,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from polyparallel.ir import ANY, Access, AffineExpr, Dim, E, Graph, LoopNest, Op, OpKind, Statement, TensorKind
+from polyparallel.ops import DROPOUT_TARGETS
 
 __all__ = [
     "Block",
@@ -141,8 +142,6 @@ _COPY_TARGETS = frozenset({"identity", "clone", "contiguous", "alias", "detach",
                            "lift_fresh", "copy", "view_as", "reshape_as", "expand_as"})
 _CAST_TARGETS = frozenset({"_to_copy", "to", "cast", "type_as", "_to_dtype", "type", "float", "half",
                            "bfloat16", "double"})
-_DROPOUT_TARGETS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout",
-                              "feature_alpha_dropout"})
 
 
 def _is_identity_copy(op: Op) -> bool:
@@ -166,7 +165,7 @@ def _noop_reason(graph: Graph, op: Op) -> str | None:
         return None
     name = _short(op.target)
     attrs = op.attr
-    if name in _DROPOUT_TARGETS:
+    if name in DROPOUT_TARGETS:
         p = attrs.get("p", attrs.get("ratio"))
         train = attrs.get("train", attrs.get("training", attrs.get("training_mode")))
         if p is not None and float(p) == 0.0:

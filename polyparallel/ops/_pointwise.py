@@ -21,6 +21,11 @@ FLOPS_PER_ELEMENT: dict[str, float] = {
 }
 
 
+# the dropout ops of the front ends (ATen, ONNX): the identity at p = 0 or in eval mode, otherwise a
+# random mask whose backward keeps the mask
+DROPOUT_TARGETS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"})
+
+
 def flops_per_element(name: str) -> float:
     return FLOPS_PER_ELEMENT.get(name.lower(), 1.0)
 
