@@ -284,7 +284,8 @@ class StageTP:
                 return None
             self._whole(n, "in the loss, only cross entropy over split classes (dim 1) is executed")
         (a0, s0) = split_ins[0]
-        if t in _SAME:
+        # (a dropout keeps the split: each rank draws its own shard's mask, as Megatron's attention dropout)
+        if t in _SAME or t is aten.dropout.default:
             return s0 if n.args[0] is a0 else self._whole(n, "an argument")
         if t is aten.t.default:
             return _Split(1 - s0.dim, s0.segments)
@@ -323,9 +324,6 @@ class StageTP:
             if n.args[0] is not a0 or s0.dim == n.args[1] % nd:
                 raise Unsupported(f"op {n.name!r} ({t}) normalises along its dim split over tp")
             return s0
-        if t is aten.dropout.default:
-            # each rank draws the mask of its own shard, as Megatron's attention dropout does
-            return s0 if n.args[0] is a0 else self._whole(n, "an argument")
         if t is aten.scaled_dot_product_attention.default:
             q, k, v = n.args[:3]
             mask = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")

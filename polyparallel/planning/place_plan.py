@@ -99,8 +99,8 @@ def rule_placements(g: Graph, cfg: ParallelConfig) -> list[str]:
         if cfg.dp > 1 and batch:
             parts.append(f"{batch}:dp")
         if cfg.tp > 1 and plan.split % cfg.tp == 0:
-            dim = local_dims(op)[0] if op_role(g, op) == "heads" and local_dims(op) else _tp_dim(
-                op, _has_param(g, op), plan)
+            heads = local_dims(op) if op_role(g, op) == "heads" else ()
+            dim = heads[0] if heads else _tp_dim(op, _has_param(g, op), plan)
             if dim:
                 parts.append(f"{dim}:tp")
         out.append(",".join(parts))
