@@ -13,6 +13,7 @@ Examples:
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import sys
 import traceback
@@ -63,9 +64,23 @@ def call_user(fn: Callable[..., Any], what: str, *args: Any) -> Any:
     try:
         return fn(*args)
     except Exception as e:
-        frames = [f for f in traceback.extract_tb(e.__traceback__)
-                  if "/polyparallel/" not in f.filename and "/site-packages/" not in f.filename]
-        where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+        frame = user_frame(e)
+        where = f" at {frame.filename}:{frame.lineno}" if frame else ""
         name = getattr(fn, "__qualname__", repr(fn))
         raise UserCodeError(f"{what} {name}({', '.join(map(repr, args))}) raised {type(e).__name__}: {e}{where}; "
                             "fix it, or run it alone to see the whole traceback") from e
+
+
+def user_frame(e: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of ``e``'s traceback in the user's code: outside this project's packages
+    (``polyparallel`` and the folders installed under it: backends, frontends, cost models) and
+    outside installed packages (torch, transformers, ...)."""
+    ours = {os.path.dirname(os.path.abspath(__file__))}  # this module's package, polyparallel
+    for sub in ("backends", "frontends", "cost_models"):
+        mod = sys.modules.get(f"polyparallel.{sub}")
+        if mod is not None and mod.__file__:
+            ours.add(os.path.dirname(os.path.abspath(mod.__file__)))
+    skip = tuple(d + os.sep for d in ours)
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not os.path.abspath(f.filename).startswith(skip) and "site-packages" not in f.filename]
+    return frames[-1] if frames else None

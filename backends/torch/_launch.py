@@ -314,7 +314,8 @@ def _checked_run(strategy: Strategy, model_fn: Any, data_fn: Any, agent: subproc
         else None  # plan_for says where a collaborative strategy runs
     torch.manual_seed(seed)
     model = call_user(resolve(model_fn), "the model function")
-    plan = plan_for(strategy, model, batch if strategy.pp > 1 else None, graph=graph)  # refuse before any launch
+    # refused before any launch; the batch cuts pipeline stages and tries the forward on tensor-parallel shards
+    plan = plan_for(strategy, model, batch if strategy.pp > 1 or strategy.tp > 1 else None, graph=graph)
     for name, t in zip(("inputs", "labels"), batch) if plan.sp > 1 else ():
         if t.dim() < 2 or t.shape[1] % plan.sp:
             raise ValueError(f"data_fn(0)'s {name} has shape {tuple(t.shape)}; sequence parallelism over "

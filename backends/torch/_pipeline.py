@@ -419,7 +419,7 @@ def _layout(s: Any) -> tuple[bool, tuple[str, ...]]:
     ``k``'s chunks on the ranks the mesh gives it."""
     sizes = {a.name: a.size for a in s.mesh.axes if a.size > 1}
     sp = getattr(s, "sp", 1)
-    if sizes.get("pp") != s.pp or sizes.get("dp", 1) != s.dp or sizes.get("tp", 1) != s.tp or \
+    if sizes.get("pp", 1) != s.pp or sizes.get("dp", 1) != s.dp or sizes.get("tp", 1) != s.tp or \
             sizes.get("sp", 1) != sp:
         raise Unsupported(f"the mesh axes {sizes} do not match pp={s.pp}, dp={s.dp}, sp={sp}, tp={s.tp}")
     names = ("pp", "dp", "sp", "tp") if sp > 1 else ("pp", "dp", "tp")

@@ -33,8 +33,13 @@ torch's parallel styles:
   dim), runs locally on each rank's heads; the Linear(s) producing its ``q, k, v`` are
   column-parallel, a fused ``qkv`` projection with its rows regrouped so every rank owns whole heads
   of ``q``, ``k`` and ``v`` (read off the attention's accesses in the model's captured graph), and
-  the output projection is row-parallel. The module's forward must size its views from the tensors
-  (``view(B, S, -1, head_dim)``), as ``polyparallel.models.GPT`` does;
+  the output projection is row-parallel;
+* the model's own forward runs on each rank's shards only if it sizes its views from the tensors
+  (``view(B, S, -1, head_dim)``, as ``polyparallel.models.GPT`` does). Before launch it is tried on
+  fake local shards (:func:`._tensor_parallel.eager_tp_problem`); a forward sizing them from its
+  configuration (nanoGPT's ``c_attn(x).split(n_embd, dim=2)``) fails there, and then the plan runs as
+  the exported graph rewritten on local shards (:mod:`._stage_tp`, the pipeline stages' rewrite, as one
+  stage; ``microbatches`` are the schedule's micro-batches), which rewrites every view's sizes;
 * vocabulary-parallel embeddings (``v:tp``): ``RowwiseParallel`` on ``nn.Embedding``; a weight tied
   between such an embedding and a column-parallel output head stays tied (both shard the vocabulary);
 * sequence parallelism over an ``sp`` axis as the cost model prices it (DeepSpeed-Ulysses, on a
@@ -62,6 +67,7 @@ from torch import nn
 
 from polyparallel.backends.torch._recompute import recompute_blocks
 from polyparallel.backends.torch._tensor_parallel import (
+    eager_tp_problem,
     head_split,
     position_embeddings,
     reads_head_shards,
@@ -93,7 +99,9 @@ class ExecPlan:
     loss_parallel: bool
     global_batch: int
     pp: int = 1
-    pipeline: Any = None  # a ._pipeline.PipelinePlan when pp > 1
+    # a ._pipeline.PipelinePlan when pp > 1, and with pp == 1 when tensor parallelism runs as the
+    # exported graph rewritten on local shards (the model's forward fails on them)
+    pipeline: Any = None
     sp: int = 1
     fused: tuple[tuple[str, tuple[int, ...]], ...] = ()
     tied: tuple[tuple[str, ...], ...] = ()
@@ -292,17 +300,29 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
                               else "the model has no HF experts module (3-D gate_up_proj / down_proj) to split"))
     dp_kind = "none" if s.dp * s.sp == 1 else ("fsdp" if s.zero_stage >= 1 else "ddp")
     pipe = None
-    if s.pp > 1:
+    eager_why = None  # why the model's own forward cannot run on a rank's shards
+    if s.pp == 1 and s.tp > 1 and s.sp == 1 and batch is not None:
+        b = s.global_batch // (s.dp * s.microbatches)
+        eager_why = eager_tp_problem(model, dict(seen), s.tp, (batch[0][:b], batch[1][:b]))
+    if s.pp > 1 or eager_why:
         if batch is None:
             raise ValueError(f"pp={s.pp}: plan_for needs one global batch (data_fn(0)) to cut the model into stages")
         from polyparallel.backends.torch._pipeline import pipeline_plan
 
         uneven = uneven_shards(model, seen, s.tp) if s.tp > 1 else []
-        if uneven:  # what the stage rewrite would refuse after exporting the model, said first
-            raise Unsupported("tensor parallelism inside pipeline stages: " + "; ".join(uneven[:2]))
-
-        pipe = pipeline_plan(s, model, batch, graph, tp_kinds=dict(seen),
-                             fused={p: seg for p, seg in heads.items() if len(seg) > 1})
+        try:
+            if uneven:  # what the stage rewrite would refuse after exporting the model, said first
+                raise Unsupported("tensor parallelism inside pipeline stages: " + "; ".join(uneven[:2]))
+            # With pp == 1, the exported graph rewritten on local shards runs as one stage: it
+            # computes what the forward computes, with view sizes rewritten to the local ones.
+            pipe = pipeline_plan(s, model, batch, graph, tp_kinds=dict(seen),
+                                 fused={p: seg for p, seg in heads.items() if len(seg) > 1})
+        except Unsupported as e:
+            if not eager_why:
+                raise
+            raise Unsupported(f"tp={s.tp}: the model's forward fails on a rank's shards ({eager_why}), and its "
+                              f"exported graph cannot be rewritten on them either ({e}); search with "
+                              "constraints={'tp': 1}") from None
     return ExecPlan(dp=s.dp, tp=s.tp, data_parallel=dp_kind, tp_plan=tuple(sorted(seen.items())),
                     loss_parallel=loss_parallel, global_batch=s.global_batch, pp=s.pp, pipeline=pipe, sp=s.sp,
                     fused=tuple(sorted((p, seg) for p, seg in heads.items() if len(seg) > 1)),

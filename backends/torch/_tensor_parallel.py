@@ -79,8 +79,8 @@ from polyparallel.backends.torch.capabilities import chunked_evenly, op_role
 from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind
 
 __all__ = ["FingerprintMismatch", "FusedColwiseParallel", "HeadSplit", "Region", "UlyssesAttention", "build_mesh",
-           "capture_for_strategy", "check_fingerprint", "head_split", "offset_positions", "parallelize",
-           "position_embeddings", "qkv_rows", "reads_head_shards", "replica_mesh", "sequence_shard",
+           "capture_for_strategy", "check_fingerprint", "eager_tp_problem", "head_split", "offset_positions",
+           "parallelize", "position_embeddings", "qkv_rows", "reads_head_shards", "replica_mesh", "sequence_shard",
            "sharded_consumer", "sp_problems", "step_context", "strategy_graph", "tie_groups", "tied_shards"]
 
 
@@ -679,6 +679,55 @@ def parallelize(model: nn.Module, plan: Any, mesh: Any) -> None:
         rank = mesh["sp"].get_local_rank()
         for path in plan.positions:
             offset_positions(model.get_submodule(path), rank)
+
+
+def _local_rows(n: int, tp: int, rank: int) -> int:
+    """How many of ``n`` rows ``torch.chunk`` (DTensor's ``Shard``) gives ``rank`` of ``tp``."""
+    size = -(-n // tp)
+    return max(0, min(size, n - rank * size))
+
+
+def eager_tp_problem(model: nn.Module, tp_plan: dict[str, str], tp: int, batch: tuple[Any, Any]) -> str | None:
+    """Why ``model``'s own forward fails on the local shards :func:`parallelize` gives a rank, or
+    None when it runs: the forward is run on fake tensors (no memory, no compute) with every
+    column-parallel Linear's weight and bias cut to the rank's rows and every row-parallel weight to
+    its columns, as ``parallelize_module``'s local outputs are. The other styles (gathered columns,
+    vocabulary-parallel embeddings, class-parallel logits) leave the module's output whole.
+
+    A forward that sizes views from its configuration rather than from the tensors (nanoGPT's
+    ``c_attn(x).split(n_embd, dim=2)``) fails here, where the exported-graph rewrite of
+    :mod:`._stage_tp`, which rewrites view sizes to the local ones, runs it. ``batch`` is one
+    rank's ``(inputs, labels)``; ranks 0 and ``tp - 1`` are tried (uneven splits differ only there)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+
+    from polyparallel.references import user_frame
+
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for rank in sorted({0, tp - 1}):
+        shapes: dict[str, tuple[int, ...]] = {}
+        for path, kind in tp_plan.items():
+            mod = model.get_submodule(path)
+            if not isinstance(mod, nn.Linear) or kind not in ("col", "row"):
+                continue
+            if kind == "col":
+                rows = _local_rows(mod.out_features, tp, rank)
+                shapes[path + ".weight"] = (rows, mod.in_features)
+                if mod.bias is not None:
+                    shapes[path + ".bias"] = (rows,)
+            else:
+                shapes[path + ".weight"] = (mod.out_features, _local_rows(mod.in_features, tp, rank))
+        with FakeTensorMode() as mode:
+            state = {n: torch.empty(shapes[n], dtype=t.dtype) if n in shapes else mode.from_tensor(t)
+                     for n, t in tensors}
+            args = tuple(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in batch)
+            try:
+                functional_call(model, state, args, tie_weights=False)
+            except Exception as e:  # any failure of the user's forward is the answer
+                frame = user_frame(e)
+                where = f" (at {frame.filename}:{frame.lineno}: {frame.line})" if frame else ""
+                return f"{type(e).__name__}: {e}{where}"
+    return None
 
 
 def sequence_shard(t: torch.Tensor, plan: Any, mesh: Any) -> torch.Tensor:

@@ -209,7 +209,8 @@ def run_worker(run_dir: Path) -> None:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         dist.init_process_group("nccl" if cuda else "gloo")
-        if job["plan"].pp > 1:  # pipeline stages have their own loop (same log and checkpoint format)
+        if job["plan"].pipeline is not None:  # the exported graph cut into stages: its own loop (same log and
+            # checkpoint format)
             from polyparallel.backends.torch._pipeline import train_pipeline
 
             for step in train_pipeline(job, run_dir, rank, device):  # noqa: B007 - a failure names `step`
