@@ -14,8 +14,9 @@ deployment runs):
 - ``sign_flip``: ``−δ``, the honest update negated;
 - ``replay``: the center's round-1 reply re-sent every round (refused: it names round 1 and the
   round-1 model);
-- ``replay_forged``: the round-1 update re-sent with this round's metrics (round index and model
-  digest forged): accepted, and harmless — an old update of ordinary size;
+- ``replay_forged``: the round-1 update re-sent with this round's metrics, round index, model digest
+  and binding forged under this round's nonce (the center knows it): refused, the server has seen
+  those bytes for another model;
 - ``label_flip``: the center trains honestly on permuted labels (``y → (y + 1) mod 10``).
 
 ``none`` is the run with every center honest; ``absent`` the run without the malicious center at all.
@@ -43,6 +44,7 @@ if str(ROOT.parent) not in sys.path:
     sys.path.insert(0, str(ROOT.parent))
 
 from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, run_inprocess  # noqa: E402
+from polyparallel.backends.collab._validation import bound_metrics  # noqa: E402
 from polyparallel.backends.collab._wire import decode_update, encode_update  # noqa: E402
 
 ATTACKS = ("none", "absent", "huge", "scaled", "int8_scale", "samples", "samples_declared", "sign_flip", "replay",
@@ -78,23 +80,37 @@ def _recode(payload: dict[str, np.ndarray], method: str, f: Callable[[np.ndarray
     return encode_update({k: f(v) for k, v in decode_update(payload, method).items()}, method)
 
 
+def _rebound(f: Callable) -> Callable:
+    """``f`` followed by what a malicious center does last: bind whatever it sends to this round's nonce."""
+    def tamper(r: int, p: dict, m: dict, nonce: int) -> tuple[dict, dict]:
+        p, m = f(r, p, m, nonce)
+        return p, {**m, **bound_metrics(nonce, r, int(m["model_digest"]), p)}
+    return tamper
+
+
 def tampers(attack: str, method: str) -> dict[str, Callable]:
-    """The malicious center's rewrite of its reply (``run_inprocess(tamper=...)``)."""
+    """The malicious center's rewrite of its reply (``run_inprocess(tamper=...)``), bound to the round's
+    nonce after the rewrite (except ``replay``, which re-sends its round-1 reply as it was)."""
+    out = _tampers(attack, method)
+    return out if attack == "replay" else {c: _rebound(f) for c, f in out.items()}
+
+
+def _tampers(attack: str, method: str) -> dict[str, Callable]:
     if attack == "huge":
-        return {BAD: lambda r, p, m: ({k: np.full_like(v, 1e30) for k, v in p.items()}, m)}
+        return {BAD: lambda r, p, m, nonce: ({k: np.full_like(v, 1e30) for k, v in p.items()}, m)}
     if attack == "scaled":
-        return {BAD: lambda r, p, m: (_recode(p, method, lambda d: d * 1000.0), m)}
+        return {BAD: lambda r, p, m, nonce: (_recode(p, method, lambda d: d * 1000.0), m)}
     if attack == "sign_flip":
-        return {BAD: lambda r, p, m: (_recode(p, method, lambda d: -d), m)}
+        return {BAD: lambda r, p, m, nonce: (_recode(p, method, lambda d: -d), m)}
     if attack == "int8_scale":
-        return {BAD: lambda r, p, m: ({k: np.full_like(v, 3e38) if k.startswith("s/") else v
+        return {BAD: lambda r, p, m, nonce: ({k: np.full_like(v, 3e38) if k.startswith("s/") else v
                                        for k, v in p.items()}, m)}
     if attack in ("samples", "samples_declared"):
-        return {BAD: lambda r, p, m: (p, {**m, "num_samples": 1e9})}
+        return {BAD: lambda r, p, m, nonce: (p, {**m, "num_samples": 1e9})}
     if attack in ("replay", "replay_forged"):
         first: dict[str, Any] = {}
 
-        def replay(r: int, p: dict, m: dict) -> tuple[dict, dict]:
+        def replay(r: int, p: dict, m: dict, nonce: int) -> tuple[dict, dict]:
             old_p, old_m = first.setdefault("reply", (p, m))
             return (old_p, m) if attack == "replay_forged" else (old_p, old_m)
         return {BAD: replay}

@@ -29,7 +29,8 @@ from polyparallel.backends.collab import (
     MultiKrum,
     run_inprocess,
 )
-from polyparallel.backends.collab._validation import check_values
+from polyparallel.backends.collab._fusion import FUSIONS
+from polyparallel.backends.collab._validation import bound_metrics, check_values
 from polyparallel.backends.collab._wire import decode_update, encode_update
 from tests.collab_fixtures import mlp_config, random_data
 
@@ -41,7 +42,8 @@ EXPECTED = {
     "int8_scale": (range(1, ROUNDS + 1), "has scale 3e+38"),
     "samples_declared": (range(1, ROUNDS + 1), "claims 1000000000 samples, enrolled with"),
     "replay": (range(2, ROUNDS + 1), "replayed"),
-    "replay_forged": None,  # round and digest forged: an old update of ordinary size, harmless
+    # round, digest and binding forged under this round's nonce: the bytes were seen for the round-1 model
+    "replay_forged": (range(2, ROUNDS + 1), "byte-identical"),
     "samples": None,
     "sign_flip": None,
     "label_flip": None,
@@ -73,6 +75,62 @@ def test_one_malicious_center_does_not_ruin_the_model(attack, n):
         assert any(words in r for r in got["reasons"]), got["reasons"]
 
 
+@pytest.mark.parametrize("fusion", sorted(FUSIONS))
+def test_a_forged_replay_is_refused_whatever_the_fusion(fusion):
+    """The round-1 update re-sent with this round's metrics bound under this round's nonce (what the
+    malicious center itself can compute): refused from round 2 on under every fusion, honest centers never."""
+    got = run_case("replay_forged", fusion, 3, rounds=3)
+    assert (got["bad_accepted"], got["bad_rejected"], got["honest_rejected"]) == (1, 2, 0), got
+    assert any("byte-identical" in r for r in got["reasons"]), got["reasons"]
+
+
+def test_an_old_update_under_this_rounds_metrics_is_refused_by_its_binding():
+    """A reply whose payload was swapped for another (its metrics, binding included, left as the center
+    computed them) fails the binding check; one bound under another nonce fails it too."""
+    cfg = mlp_config(NAMES, fusion="fedavg", min_centers=2, rounds=1)
+    server = FederationServer(cfg, _initial(cfg))
+    r, x = server.begin_round()
+    reps = _replies(server, r, {c: _honest(x, i) for i, c in enumerate(NAMES)})
+    reps[1] = CenterReply("b", encode_update(_honest(x, 99)), reps[1].metrics)  # another update, old metrics
+    other = bound_metrics(server.nonce(r) ^ 1, r, server.model_digest(r), reps[2].payload)
+    reps[2] = CenterReply("c", reps[2].payload, {"num_samples": 40.0, **other})
+    unbound = CenterReply("a", reps[0].payload, {"num_samples": 40.0, "round": r,
+                                                 "model_digest": server.model_digest(r)})
+    rec = server.finish_round(r, [unbound, *reps[1:]])
+    assert rec.accepted == () and not rec.fused
+    assert "binding does not match" in rec.rejected["b"][0] and "binding does not match" in rec.rejected["c"][0]
+    assert "carries no binding" in rec.rejected["a"][0]
+
+
+def test_replayed_bytes_are_refused_across_a_restart_and_identical_bytes_for_the_same_model_are_not(tmp_path):
+    cfg = mlp_config(NAMES, fusion="fedavg", min_centers=2, rounds=4)
+    first = FederationServer(cfg, _initial(cfg), checkpoint_dir=tmp_path)
+    r, x = first.begin_round()
+    deltas = {c: _honest(x, i) for i, c in enumerate(NAMES)}
+    old = encode_update(deltas["c"])
+    rec = first.finish_round(r, _replies(first, r, deltas))
+    assert rec.fused and rec.accepted == NAMES
+    again = FederationServer(cfg, _initial(cfg), checkpoint_dir=tmp_path)
+    assert again.resume() and again.guard.seen == first.guard.seen and len(again.guard.seen) == 3
+    r, x = again.begin_round()
+    reps = _replies(again, r, {c: _honest(x, 10 + i) for i, c in enumerate(NAMES[:2])})
+    zero = {k: np.zeros_like(v) for k, v in x.items()}
+    rec = again.finish_round(r, [*reps, _bound(again, r, "c", old)])
+    assert rec.accepted == ("a", "b") and "byte-identical to the one c sent in round 1" in rec.rejected["c"][0]
+    # an all-zero update is the same bytes for every model, and no replay; so is c's update copied by b
+    r, x = again.begin_round()
+    rec = again.finish_round(r, [_bound(again, r, "a", encode_update(zero)), _bound(again, r, "c", encode_update(zero)),
+                                 _bound(again, r, "b", old)])
+    assert rec.accepted == ("a", "c") and "byte-identical to the one c sent in round 1" in rec.rejected["b"][0]
+    # the same bytes again for the same model (a round that did not fuse, re-run): not a replay
+    r, x = again.begin_round()
+    mine = encode_update(_honest(x, 7))
+    assert not again.finish_round(r, [_bound(again, r, "a", mine)]).fused  # 1 valid < min_centers 2
+    r, _ = again.begin_round()
+    rec = again.finish_round(r, [_bound(again, r, "a", mine), *_replies(again, r, {"b": _honest(x, 8)})])
+    assert rec.fused and rec.accepted == ("a", "b")
+
+
 def test_the_attacker_free_runs_learn():
     for n in (3, 5):
         assert _run("none", n)["accuracy"] > 90 and _run("absent", n)["accuracy"] > 90
@@ -84,8 +142,14 @@ NAMES = ("a", "b", "c")
 
 def _replies(server: FederationServer, r: int, deltas: dict[str, dict[str, np.ndarray]], method: str = "none",
              samples: dict[str, float] | None = None) -> list[CenterReply]:
-    return [CenterReply(c, encode_update(d, method), {"num_samples": (samples or {}).get(c, 40.0), "round": r})
-            for c, d in deltas.items()]
+    return [_bound(server, r, c, encode_update(d, method), (samples or {}).get(c, 40.0)) for c, d in deltas.items()]
+
+
+def _bound(server: FederationServer, r: int, center: str, payload: dict[str, np.ndarray],
+           samples: float = 40.0) -> CenterReply:
+    """A reply bound to round ``r``'s nonce, as a center computes it."""
+    return CenterReply(center, payload, {"num_samples": samples,
+                                         **bound_metrics(server.nonce(r), r, server.model_digest(r), payload)})
 
 
 def _honest(params, seed: int, scale: float = 0.01) -> dict[str, np.ndarray]:
@@ -136,8 +200,7 @@ def test_a_huge_scaffold_control_variate_is_refused():
     reps = []
     for i, c in enumerate(NAMES):
         grad = {k: np.full_like(v, 1e6 if c == "c" else 0.1) for k, v in server.control().items()}
-        reps.append(CenterReply(c, {**encode_update(_honest(x, i), "int8"), **encode_controls(grad, "int8")},
-                                {"num_samples": 40.0, "round": r}))
+        reps.append(_bound(server, r, c, {**encode_update(_honest(x, i), "int8"), **encode_controls(grad, "int8")}))
     rec = server.finish_round(r, reps)
     assert rec.fused and rec.accepted == ("a", "b") and "'c/s/" in rec.rejected["c"][0]
 

@@ -19,6 +19,7 @@ from polyparallel.backends.collab import (
     initial_params,
     run_inprocess,
 )
+from polyparallel.backends.collab._validation import bound_metrics
 
 SPEC = ModelSpec("mlp", (6,), 3, hidden=8)
 
@@ -144,7 +145,8 @@ def test_malformed_updates_are_rejected_logged_and_never_fused(caplog):
     nan["q/fc2.bias"] = np.full(3, np.nan, np.float32)
     wrong_dtype = {k: v.astype(np.float64) for k, v in good.items()}
     wrong_shape = {**good, "q/fc1.weight": np.zeros((6, 8), np.float32)}
-    replies = [CenterReply("a", good, {"num_samples": 10}), CenterReply("b", nan, {"num_samples": 10}),
+    bound = bound_metrics(server.nonce(r), r, server.model_digest(r), good)
+    replies = [CenterReply("a", good, {"num_samples": 10, **bound}), CenterReply("b", nan, {"num_samples": 10}),
                CenterReply("c", wrong_dtype, {"num_samples": 10}), CenterReply("zz", wrong_shape, {"num_samples": 1}),
                CenterReply("b", good, {"num_samples": -3})]
     with caplog.at_level("WARNING", logger="polyparallel.collab"):

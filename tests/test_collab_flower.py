@@ -81,10 +81,11 @@ def test_only_parameters_and_metrics_leave_a_center(tmp_path):
     from flwr.supercore.task_identity import TaskIdentity
 
     from polyparallel.backends.collab._flower_app import client_app
-    from polyparallel.backends.collab._validation import model_digest
+    from polyparallel.backends.collab._validation import model_digest, reply_binding
     from polyparallel.backends.collab._wire import pack_arrays, unpack_arrays
 
     cfg = _cfg(("a", "b"), compression="fp16")
+    nonce = 0xA5A5_1234_5678
     data = _data(("a", "b"))
     paths = write_center_data(tmp_path, data)
     x0 = initial_params(cfg)
@@ -92,7 +93,7 @@ def test_only_parameters_and_metrics_leave_a_center(tmp_path):
     buffers, layout = pack_arrays(x0)
     msg = Message(RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in buffers.items()}),
                               "layout": ConfigRecord(layout),
-                              "config": ConfigRecord({"round": 1, "proximal_mu": 0.0})}),
+                              "config": ConfigRecord({"round": 1, "nonce": nonce, "proximal_mu": 0.0})}),
                   dst_node_id=7, message_type="train")
     ctx = Context(run_id=1, node_id=7, node_config={"center": "b", "data": str(paths["b"])}, state=RecordDict(),
                   run_config={"collab-config": cfg.to_json(), "out-dir": str(tmp_path)})
@@ -107,10 +108,12 @@ def test_only_parameters_and_metrics_leave_a_center(tmp_path):
         assert a.shape == x0[k[2:]].shape and a.dtype == np.float16
     assert dict(content["center"]) == {"name": "b"}
     metrics = dict(content["metrics"])
-    # round and model_digest (of the global model received) bind the reply to its round against replays
-    assert set(metrics) == {"num_samples", "train_loss", "t_received", "t_trained", "t_sent", "round", "model_digest"}
+    # round, model_digest (of the global model received) and the binding of the update to the round's nonce
+    assert set(metrics) == {"num_samples", "train_loss", "t_received", "t_trained", "t_sent", "round", "model_digest",
+                            "binding"}
     assert metrics["num_samples"] == len(data["b"][0])
     assert metrics["round"] == 1 and metrics["model_digest"] == model_digest(x0)
+    assert metrics["binding"] == reply_binding(nonce, 1, model_digest(x0), update)
     x, y = data["b"]
     raw = b"".join(arr.numpy().tobytes() for arr in content["update"].values())
     assert x[:1].tobytes()[:16] not in raw and y.tobytes()[:16] not in raw  # no rows of data inside

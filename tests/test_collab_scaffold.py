@@ -166,7 +166,7 @@ def test_the_server_rejects_a_reply_without_control_variates():
     server = FederationServer(cfg, initial_params(cfg))
     r, x = server.begin_round()
     full, m = center_round(make_trainer(cfg, "a", *data["a"]), x, round_idx=r, config=cfg,
-                           control=server.control(), center_state={})
+                           control=server.control(), center_state={}, nonce=server.nonce(r))
     bare = {k: v for k, v in full.items() if not k.startswith("c/")}
     rec = server.finish_round(r, [CenterReply("a", full, m), CenterReply("b", bare, m)])
     assert rec.accepted == ("a",) and "missing tensor 'c/q/fc1.weight'" in rec.rejected["b"]

@@ -253,9 +253,9 @@ def test_the_server_never_receives_training_data(monkeypatch):
         if isinstance(item, dict):  # an aggregated evaluation
             assert set(item) <= {"loss", "accuracy", "count", "centers"}
             continue
-        # round and model_digest (a hash of the global model received) bind the reply to its round
+        # round, model_digest (a hash of the global model received) and binding tie the reply to its round
         assert set(item.metrics) == {"num_samples", "train_loss", "t_received", "t_trained", "t_sent", "round",
-                                     "model_digest"}
+                                     "model_digest", "binding"}
         assert set(item.payload) == {f"q/{k}" for k in initial_params(cfg)}
         blobs.append(b"".join(np.asarray(v).tobytes() for v in item.payload.values()))
     assert len(blobs) == 2

@@ -40,7 +40,7 @@ import numpy as np
 from ._config import CollabConfig, check_logit_adjust
 from ._models import ModelSpec, build_torch_model, load_torch_state, resolve_reference, torch_state
 from ._objective import TorchObjective, label_tensor
-from ._validation import model_digest
+from ._validation import bound_metrics, model_digest
 from ._wire import Payload, decode_controls, encode_controls, encode_update
 
 __all__ = ["LR_SCHEDULES", "CenterData", "LocalTrainer", "TorchTrainer", "batch_indices",
@@ -324,8 +324,12 @@ def center_evaluate(trainer: LocalTrainer, params: Mapping[str, np.ndarray]) -> 
 def center_round(trainer: LocalTrainer, global_params: Mapping[str, np.ndarray], *, round_idx: int,
                  config: CollabConfig, proximal_mu: float = 0.0, t_received: float | None = None,
                  control: Mapping[str, np.ndarray] | None = None,
-                 center_state: MutableMapping[str, np.ndarray] | None = None) -> tuple[Payload, dict[str, float]]:
+                 center_state: MutableMapping[str, np.ndarray] | None = None,
+                 nonce: int | None = None) -> tuple[Payload, dict[str, float]]:
     """Run one round at a center: returns the encoded update ``x_i − x`` and the metrics to send.
+
+    ``nonce`` is the round's nonce the server sent with the model: the metrics then bind the payload to
+    it (``binding``, :func:`~._validation.reply_binding`); a server refuses a reply without one.
 
     With ``control`` (the server's ``c``, SCAFFOLD) the center corrects its gradients by ``c − c_i``,
     ``c_i`` read from ``center_state`` (zero when absent), stores its new ``c_i⁺`` there (as the server
@@ -352,8 +356,11 @@ def center_round(trainer: LocalTrainer, global_params: Mapping[str, np.ndarray],
         payload.update(controls)
         center_state.clear()
         center_state.update(decode_controls(controls, config.compression))
-    # round and model digest bind the reply to this round: the server refuses an old reply re-sent
-    out = {"num_samples": float(trainer.num_samples), **{k: float(v) for k, v in metrics.items()},
-           "round": float(round_idx), "model_digest": float(model_digest(global_params)),
+    # round, model digest and the binding of the payload under the round's nonce tie the reply to this
+    # round: the server refuses an old reply re-sent, and an old update under this round's metrics
+    digest = model_digest(global_params)
+    bound = (bound_metrics(nonce, round_idx, digest, payload) if nonce is not None
+             else {"round": float(round_idx), "model_digest": float(digest)})
+    out = {"num_samples": float(trainer.num_samples), **{k: float(v) for k, v in metrics.items()}, **bound,
            "t_received": t_received, "t_trained": t_trained, "t_sent": time.time()}
     return payload, out

@@ -27,8 +27,9 @@ from ._trainers import make_trainer
 __all__ = ["CollabResult", "check_data", "initial_params", "run_inprocess"]
 
 Data = Mapping[str, tuple[np.ndarray, np.ndarray]]
-#: rewrites one center's reply: (round, payload, metrics) -> (payload, metrics)
-Tamper = Callable[[int, dict[str, np.ndarray], dict[str, float]], tuple[dict[str, np.ndarray], dict[str, float]]]
+#: rewrites one center's reply: (round, payload, metrics, the round's nonce) -> (payload, metrics)
+Tamper = Callable[[int, dict[str, np.ndarray], dict[str, float], int],
+                  tuple[dict[str, np.ndarray], dict[str, float]]]
 
 
 @dataclass(frozen=True)
@@ -115,8 +116,9 @@ def run_inprocess(config: CollabConfig, data: Data | None = None, *,
             pass the same dict to a resumed run to model centers that stayed up while the server
             restarted (default: a fresh, empty memory per center for this call).
         on_round: called with each round's record as soon as the round ends (progress).
-        tamper: center -> ``f(round, payload, metrics) -> (payload, metrics)`` applied to that center's
-            reply before the server sees it (a malicious center, for the adversarial tests).
+        tamper: center -> ``f(round, payload, metrics, nonce) -> (payload, metrics)`` applied to that
+            center's reply before the server sees it (a malicious center, for the adversarial tests; it
+            knows the round's nonce, as a center does).
     """
     check_data(config, data)
     data = data or {}
@@ -168,10 +170,11 @@ def _run_rounds(config: CollabConfig, server: FederationServer, pool: Mapping[st
             t_recv = time.time()
             payload, metrics = center_round(pool[c.name], {k: v.copy() for k, v in global_params.items()},
                                             round_idx=r, config=config, proximal_mu=server.fusion.proximal_mu,
-                                            t_received=t_recv, control=control, center_state=center_states[c.name])
+                                            t_received=t_recv, control=control, center_state=center_states[c.name],
+                                            nonce=server.nonce(r))
             links[c.name].upload(nbytes_of(payload))
             if tamper and c.name in tamper:
-                payload, metrics = tamper[c.name](r, payload, metrics)
+                payload, metrics = tamper[c.name](r, payload, metrics, server.nonce(r))
             replies.append(CenterReply(c.name, payload, metrics))
             server.timing.record(r, "server", c.name, "update_received")
         rec = server.finish_round(r, replies, evaluate=None if evaluate is None else lambda p, r=r: evaluate(p, r))

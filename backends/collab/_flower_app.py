@@ -10,7 +10,8 @@ Messages (all a center ever sends is in :func:`reply_content`):
 
 - server → center: ``arrays`` + ``layout`` (the global model under torch names, packed by
   :func:`~._wire.pack_arrays`: an ArrayRecord with one flat buffer per dtype and a ConfigRecord of
-  names, dtypes and shapes), ``config`` (ConfigRecord: ``round``, ``proximal_mu``), and for SCAFFOLD
+  names, dtypes and shapes), ``config`` (ConfigRecord: ``round``, ``nonce`` (drawn afresh for the round; the
+  reply's ``binding`` metric ties its update to it, see :mod:`._validation`), ``proximal_mu``), and for SCAFFOLD
   ``control`` + ``control-layout`` (the server's control variate ``c``, packed the same way);
 - center → server: ``update`` + ``layout`` (the encoded update, see :mod:`._wire`, packed the same
   way; for SCAFFOLD it also holds the center's ``c_i⁺`` under ``c/`` keys), ``metrics`` (MetricRecord:
@@ -52,8 +53,9 @@ Run config keys: ``collab-config`` (the :class:`~._config.CollabConfig` JSON), `
 ``eval-data`` (optional ``.npz`` with ``x``, ``y``), ``poll-s``, ``pull-backoff-s`` (first retry of
 a reply object not yet at the SuperLink; 0: Flower's 1 s), ``max-rounds`` (exit after that many
 rounds, as a server taken down between rounds; 0: run to the end), ``node-names`` (above),
-``rejoin-wait-s`` (before each round after the first, wait up to so long for every center to be connected:
-a grace for a center that is restarting; 0: start with ``required_centers``),
+``rejoin-wait-s`` (before a round after the first, wait up to so long for every center to be connected:
+a grace for a center that is restarting, spent once per lost center (:func:`rejoin_grace`); default
+:data:`REJOIN_WAIT_S`; 0: start with ``required_centers``),
 ``superlink-pid`` (the ServerApp exits when that process is gone), ``center-wait-s`` (how long to wait
 for ``required_centers`` connected centers before a round; the
 ServerApp fails after that rather than record rounds nobody could train). Node config keys: ``center``, ``data``
@@ -88,7 +90,7 @@ from ._server import CenterReply, FederationServer, TimingLog, aggregate_evaluat
 from ._trainers import make_trainer
 from ._wire import pack_arrays, unpack_arrays
 
-__all__ = ["client_app", "reply_content", "server_app"]
+__all__ = ["REJOIN_WAIT_S", "client_app", "rejoin_grace", "reply_content", "server_app"]
 
 log = logging.getLogger("polyparallel.collab")
 
@@ -161,7 +163,8 @@ def _center_train(msg: Message, context: Context) -> Message:
         ci = {k: v.numpy() for k, v in context.state[_CI_KEY].items()} if _CI_KEY in context.state else {}
     payload, metrics = center_round(trainer, global_params, round_idx=int(cfg["round"]), config=config,
                                     proximal_mu=float(cfg["proximal_mu"]), t_received=t_received,
-                                    control=control, center_state=ci)
+                                    control=control, center_state=ci,
+                                    nonce=int(cfg["nonce"]) if "nonce" in cfg else None)
     if ci is not None:
         context.state[_CI_KEY] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in ci.items()})
     # the upload's emulated link is held at the server (ServerApp), from this message's created_at
@@ -178,6 +181,24 @@ def _center_evaluate(msg: Message, context: Context) -> Message:
 
 
 # --------------------------------------------------------------------------------------------- server
+#: default ``rejoin-wait-s``: a restarted center was back 3–11 s after its crash in the fault tests
+#: (docs/collab.md, loads 5–16 on 2 cores); the grace is spent once per lost center, not every round
+REJOIN_WAIT_S = 30.0
+
+
+def rejoin_grace(wait_s: float, connected: int, centers: int, settled: int | None) -> float:
+    """How long to wait before a later round for every center to be connected.
+
+    ``wait_s`` when some center is missing and the server has not already waited that long for the
+    centers missing now (``settled``: the count connected at the end of the last full grace; fewer
+    now means another center was lost); 0 when all are there, or once a grace passed without them —
+    a center gone for good costs one grace, not one per round.
+    """
+    if wait_s <= 0 or connected >= centers or (settled is not None and connected >= settled):
+        return 0.0
+    return wait_s
+
+
 def _wait_for_nodes(grid: Grid, want: int, timeout_s: float, poll_s: float, need: int = 0,
                     need_s: float = 0.0) -> list[int]:
     """The connected nodes once ``want`` are, or after ``timeout_s``; but not before ``need`` are
@@ -309,7 +330,7 @@ def _serve_rounds(grid: Grid, context: Context, out: Path) -> None:
 
     node_names = {int(k): str(v) for k, v in json.loads(str(rc.get("node-names", "") or "{}")).items()}
     center_wait_s = float(rc.get("center-wait-s", 600.0))
-    rejoin_wait_s = float(rc.get("rejoin-wait-s", 0.0))
+    rejoin_wait_s = float(rc.get("rejoin-wait-s", REJOIN_WAIT_S))
     server = FederationServer(config, initial_params(config), TimingLog(out / "timing.jsonl"), out / "checkpoint")
     server.resume()
     recorded = (out / "rounds.jsonl").read_text().count("\n") if (out / "rounds.jsonl").exists() else 0
@@ -319,18 +340,22 @@ def _serve_rounds(grid: Grid, context: Context, out: Path) -> None:
     log.info("serving rounds %d..%d of %d centers%s", server.round + 1, config.rounds, len(config.centers),
              f" (identities bound to {len(node_names)} registered keys)" if node_names else "")
     first = True
+    settled: int | None = None  # connected centers after a whole grace that did not bring the rest back
     links = {c.name: LinkThrottle.of(c) for c in config.centers if LinkThrottle.of(c).limited}
     stop_after = int(rc.get("max-rounds", 0)) or None  # rounds this ServerApp runs before exiting (0: all)
     ran = 0
     while not server.done and (stop_after is None or ran < stop_after):
         ran += 1
-        nodes = _wait_for_nodes(grid, len(config.centers) if first or rejoin_wait_s else config.required_centers,
-                                config.round_timeout_s if first else rejoin_wait_s, poll_s,
+        grace = config.round_timeout_s if first else rejoin_grace(rejoin_wait_s, len(grid.get_node_ids()),
+                                                                   len(config.centers), settled)
+        nodes = _wait_for_nodes(grid, len(config.centers) if grace else config.required_centers, grace, poll_s,
                                 need=config.required_centers, need_s=center_wait_s)
+        settled = len(nodes) if len(nodes) < len(config.centers) else None
         first = False
         r, params = server.begin_round()
         content = {**_to_records(params, pack),
-                   "config": ConfigRecord({"round": r, "proximal_mu": server.fusion.proximal_mu})}
+                   "config": ConfigRecord({"round": r, "nonce": server.nonce(r),
+                                           "proximal_mu": server.fusion.proximal_mu})}
         control = server.control()
         if control is not None:
             rec = _to_records(control, pack)

@@ -1,15 +1,17 @@
 """The server side of a round, shared by the in-process engine and the Flower ServerApp.
 
 Per round ``t``: the server hands out the global model ``x_t``; for every reply it checks the payload
-(:func:`~._wire.check_payload`), the metrics and, before decoding, the magnitudes and the round the
-reply was trained for; then the update norms and sample counts (:mod:`._validation`, which also checks
-the fused model before it replaces ``x_t``). It decodes accepted updates ``δ̂_i`` into local models
-``x_t + δ̂_i`` (float64, so ``x_i − x_t`` is ``δ̂_i`` again), and, when at least ``min_centers`` are
-valid, fuses them into ``x_{t+1}``. A fusion with control variates (SCAFFOLD) also hands out ``c``
-(:meth:`FederationServer.control`), and every reply must carry the center's ``c_i⁺`` for each trained
-tensor, checked and decoded the same way. Otherwise the round is recorded as skipped and ``x_t`` stays.
-After every round the global model, the fusion's optimiser state and the round number are written
-atomically to ``checkpoint_dir``; :meth:`FederationServer.resume` continues from the last one.
+(:func:`~._wire.check_payload`), the metrics, the round the reply was trained for and its binding to the
+round's nonce (drawn in :meth:`FederationServer.begin_round`, sent with the model), whether its bytes
+are a replay, and, before decoding, the magnitudes; then the update norms and sample counts
+(:mod:`._validation`, which also checks the fused model before it replaces ``x_t``). It decodes accepted
+updates ``δ̂_i`` into local models ``x_t + δ̂_i`` (float64, so ``x_i − x_t`` is ``δ̂_i`` again), and,
+when at least ``min_centers`` are valid, fuses them into ``x_{t+1}``. A fusion with control variates
+(SCAFFOLD) also hands out ``c`` (:meth:`FederationServer.control`), and every reply must carry the
+center's ``c_i⁺`` for each trained tensor, checked and decoded the same way. Otherwise the round is
+recorded as skipped and ``x_t`` stays. After every round the global model, the fusion's optimiser state
+and the round number are written atomically to ``checkpoint_dir``; :meth:`FederationServer.resume`
+continues from the last one.
 
 Time stamps (seconds since the epoch) go to a JSON-lines file, one object per event:
 ``{"round", "role": "center"|"server", "who", "event", "t"}`` with center events ``received_model``,
@@ -35,7 +37,7 @@ import numpy as np
 
 from ._config import CollabConfig
 from ._fusion import CenterUpdate, Params, trained_names
-from ._validation import UpdateGuard, check_binding, check_values, model_digest, params_norm
+from ._validation import UpdateGuard, check_binding, check_values, draw_nonce, model_digest, params_norm
 from ._wire import check_payload, decode_controls, decode_update, payload_nbytes
 
 __all__ = ["CenterReply", "FederationServer", "RoundRecord", "TimingLog", "aggregate_evaluations"]
@@ -153,6 +155,7 @@ class FederationServer:
         self._t_round = 0.0  # when the current round began (its record's seconds)
         self.guard = UpdateGuard(config.norm_bound, config.step_bound, {c.name: c.samples for c in config.centers})
         self._digest: tuple[int, int] | None = None  # (round, digest of the model sent in it)
+        self._nonce: tuple[int, int] | None = None  # (round, the nonce drawn for it)
 
     # ----------------------------------------------------------------- checkpoints
     def _ckpt_path(self) -> Path:
@@ -202,7 +205,15 @@ class FederationServer:
         self._t_round = time.time()
         self.timing.record(r, "server", "server", "round_start", t=self._t_round)
         self._digest = (r, model_digest(self.params))
+        self._nonce = (r, draw_nonce())
         return r, self.params
+
+    def nonce(self, round_idx: int) -> int:
+        """The nonce of ``round_idx``, sent with its model; a reply must bind its update to it
+        (:func:`~._validation.reply_binding`). Drawn afresh for a round :meth:`begin_round` did not start."""
+        if self._nonce is None or self._nonce[0] != round_idx:
+            self._nonce = (round_idx, draw_nonce())
+        return self._nonce[1]
 
     def model_digest(self, round_idx: int) -> int:
         """The digest of the global model sent in ``round_idx`` (what a reply of that round must name)."""
@@ -234,7 +245,7 @@ class FederationServer:
         bytes_up: dict[str, int] = {}
         metrics: dict[str, dict[str, float]] = {}
         control_names = trained_names(self.params) if self.fusion.uses_controls else []
-        digest = self.model_digest(round_idx)
+        digest, nonce = self.model_digest(round_idx), self.nonce(round_idx)
         candidates: list[tuple[CenterReply, dict[str, Any], dict[str, np.ndarray]]] = []
         for rep in replies:
             m = dict(rep.metrics)
@@ -248,9 +259,11 @@ class FederationServer:
                 problems.append(f"{rep.center!r} is not a center of this federation")
             elif rep.center in bytes_up:
                 problems.append("a second reply in the same round")
-            if not problems:  # magnitudes before decoding, and the round the reply was trained for
-                problems = check_values(payload, cfg.compression, cfg.max_abs_update) + check_binding(
-                    m, round_idx, digest)
+            if not problems:  # the round the reply was trained for, replays, and magnitudes before decoding
+                problems = check_binding(m, round_idx, digest, nonce, payload)
+                if not problems and (why := self.guard.replayed(rep.center, payload, round_idx, digest)):
+                    problems = [why]
+                problems = problems or check_values(payload, cfg.compression, cfg.max_abs_update)
             if problems:
                 self._reject(round_idx, rep.center, problems, rejected)
                 continue

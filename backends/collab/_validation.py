@@ -10,10 +10,23 @@ below as well, on by default (``CollabConfig.max_abs_update``, ``norm_bound``, `
   inf; a scale must also be finite and ``> 0``. Control variates (SCAFFOLD, gradient estimates) are held
   to the same bound: one huge ``c_i`` would otherwise enter the server's ``c`` and every center's
   correction.
-- **Binding to the round** (:func:`check_binding`): a center's reply carries the round index and the
-  digest (:func:`model_digest`) of the global model it trained from; a reply naming another round or
-  model (an old payload re-sent) is refused. A reply without them is accepted (older centers), and
-  then an old update can only be as large as the norm check lets any update be.
+- **Binding to the round** (:func:`check_binding`): the server draws a fresh 48-bit nonce per round
+  (:func:`draw_nonce`, ``secrets``: nobody can predict it before the round's model is sent) and sends it
+  with the model. A center's reply carries the round index, the digest (:func:`model_digest`) of the
+  global model it trained from, and ``binding`` (:func:`reply_binding`): a keyed hash, under the
+  nonce, of the round, that digest and the exact bytes of its payload (:func:`payload_digest`). A reply
+  naming another round or model, a reply without a binding, and a reply whose binding does not match
+  its payload (an old update slipped under this round's metrics) are refused.
+- **Replays** (:meth:`UpdateGuard.replayed`): a malicious center can forge everything above, since it
+  receives the nonce; what it cannot do is send, as the update of a new model, the bytes of an update
+  it (or any center) already sent for another model. The server keeps the payload digest of every
+  reply that reached it with the model it was bound to (in the checkpoint too) and refuses a payload
+  seen before under another global model, whatever the fusion. The same bytes for the same model (a
+  round that did not fuse, re-run) and an all-zero update are not replays. A near copy (an old update
+  plus noise) is not caught here: it is an update of ordinary size pointing an old way, the robust
+  fusions' and the direction checks' business. Over Flower the reply also travels under the center's
+  key (node authentication: the SuperLink sets the sender from the key, :mod:`._flower_app`), and is
+  only pulled as the answer to this round's message.
 - **Norm of the update** (:class:`UpdateGuard`): ``‖δ_i‖₂`` (all tensors, float64) must not exceed
   ``norm_bound · ref`` (default ``k = 4``), where ``ref`` is the *upper* median of the round's norms,
   lowered to the median of the accepted norms of the last :data:`HISTORY` rounds when that is smaller.
@@ -37,12 +50,14 @@ below as well, on by default (``CollabConfig.max_abs_update``, ``norm_bound``, `
 from __future__ import annotations
 
 import hashlib
+import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["HISTORY", "SAMPLE_CAP", "UpdateGuard", "check_binding", "check_values", "model_digest", "params_norm"]
+__all__ = ["HISTORY", "SAMPLE_CAP", "UpdateGuard", "bound_metrics", "check_binding", "check_values", "draw_nonce",
+           "model_digest", "params_norm", "payload_digest", "reply_binding"]
 
 #: how many past rounds' accepted norms and fused steps the bounds look back on
 HISTORY = 5
@@ -61,6 +76,35 @@ def model_digest(params: Mapping[str, np.ndarray]) -> int:
         h.update(name.encode() + b"\0" + repr(a.shape).encode())
         h.update(a.tobytes())
     return int.from_bytes(h.digest(), "big")
+
+
+def draw_nonce() -> int:
+    """A fresh, unpredictable 48-bit round nonce (48 bits: exact as a float metric, like the digests)."""
+    return secrets.randbits(48)
+
+
+def payload_digest(payload: Mapping[str, np.ndarray]) -> bytes:
+    """A 128-bit digest of a payload's exact bytes (keys, dtypes, shapes and data, in key order)."""
+    h = hashlib.blake2b(digest_size=16)
+    for key in sorted(payload):
+        a = np.ascontiguousarray(payload[key])
+        h.update(key.encode() + b"\0" + a.dtype.str.encode() + repr(a.shape).encode())
+        h.update(a.tobytes())
+    return h.digest()
+
+
+def reply_binding(nonce: int, round_idx: int, digest: int, payload: Mapping[str, np.ndarray]) -> int:
+    """The 48-bit tag binding a payload to a round: blake2b keyed by the round's nonce over the round
+    index, the digest of the model trained from and :func:`payload_digest` of the payload."""
+    h = hashlib.blake2b(digest_size=6, key=int(nonce).to_bytes(8, "big"))
+    h.update(int(round_idx).to_bytes(8, "big") + int(digest).to_bytes(8, "big") + payload_digest(payload))
+    return int.from_bytes(h.digest(), "big")
+
+
+def bound_metrics(nonce: int, round_idx: int, digest: int, payload: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """The metrics that bind a reply to its round: ``round``, ``model_digest`` and ``binding``."""
+    return {"round": float(round_idx), "model_digest": float(digest),
+            "binding": float(reply_binding(nonce, round_idx, digest, payload))}
 
 
 def params_norm(params: Mapping[str, np.ndarray]) -> float:
@@ -87,8 +131,10 @@ def check_values(payload: Mapping[str, np.ndarray], method: str, max_abs: float)
     return problems
 
 
-def check_binding(metrics: Mapping[str, Any], round_idx: int, digest: int) -> list[str]:
-    """A reply trained for another round, or from another global model, is a replay or a stale reply."""
+def check_binding(metrics: Mapping[str, Any], round_idx: int, digest: int, nonce: int,
+                  payload: Mapping[str, np.ndarray]) -> list[str]:
+    """A reply trained for another round or from another global model, or whose binding under this
+    round's ``nonce`` does not match its payload, is a replay, a stale or a forged reply."""
     problems = []
     r = metrics.get("round")
     if r is not None and r != round_idx:
@@ -96,6 +142,16 @@ def check_binding(metrics: Mapping[str, Any], round_idx: int, digest: int) -> li
     d = metrics.get("model_digest")
     if d is not None and d != digest:
         problems.append("the reply was trained from another global model than this round's (replayed or stale)")
+    b = metrics.get("binding")
+    if problems:
+        return problems
+    if r is None or d is None or b is None:
+        missing = [k for k, v in (("round", r), ("model_digest", d), ("binding", b)) if v is None]
+        problems.append(f"the reply carries no {', '.join(missing)}: it is not bound to this round's nonce "
+                        "(a forged reply, or a center of an older version)")
+    elif b != reply_binding(nonce, round_idx, digest, payload):
+        problems.append("the reply's binding does not match its update under this round's nonce (an old or "
+                        "altered update sent with this round's metrics)")
     return problems
 
 
@@ -113,6 +169,24 @@ class UpdateGuard:
         self.pinned: dict[str, int] = {}
         self.norms: list[list[float]] = []  # per fused round, the accepted norms
         self.steps: list[float] = []  # per fused round, ‖x' − x‖
+        self.seen: dict[bytes, tuple[str, int, int]] = {}  # payload digest -> (center, round, model digest)
+
+    # ----------------------------------------------------------------- replays
+    def replayed(self, center: str, payload: Mapping[str, np.ndarray], round_idx: int, digest: int) -> str | None:
+        """Why ``payload`` is a replay (None: it is not), remembering it either way.
+
+        A replay is a payload whose exact bytes reached the server before, bound to another global model.
+        """
+        if all(not np.any(np.asarray(v)) for k, v in payload.items() if k.removeprefix("c/").startswith("q/")):
+            return None  # all-zero: the same bytes whatever the model, and harmless
+        key = payload_digest(payload)
+        before = self.seen.get(key)
+        if before is not None and before[2] != digest:
+            return (f"the update is byte-identical to the one {before[0]} sent in round {before[1]} for another "
+                    "global model (a replay)")
+        if before is None:
+            self.seen[key] = (center, int(round_idx), int(digest))
+        return None
 
     # ----------------------------------------------------------------- sample counts
     def samples(self, claims: Mapping[str, float]) -> tuple[dict[str, int], dict[str, str], dict[str, str]]:
@@ -192,6 +266,10 @@ class UpdateGuard:
         out["steps"] = np.array(self.steps, dtype=np.float64)
         for i, r in enumerate(self.norms):
             out[f"norms/{i}"] = np.array(r, dtype=np.float64)
+        if self.seen:
+            out["seen/digest"] = np.array([np.frombuffer(k, np.uint8) for k in self.seen])
+            out["seen/center"] = np.array([c for c, _, _ in self.seen.values()], dtype=str)
+            out["seen/round_digest"] = np.array([(r, d) for _, r, d in self.seen.values()], dtype=np.int64)
         return out
 
     def load_state(self, state: Mapping[str, np.ndarray]) -> None:
@@ -199,3 +277,7 @@ class UpdateGuard:
         self.steps = [float(x) for x in state.get("steps", np.zeros(0))]
         keys = sorted((k for k in state if k.startswith("norms/")), key=lambda k: int(k[6:]))
         self.norms = [[float(x) for x in state[k]] for k in keys]
+        self.seen = {}
+        if "seen/digest" in state:
+            for k, c, (r, d) in zip(state["seen/digest"], state["seen/center"], state["seen/round_digest"]):
+                self.seen[np.asarray(k, np.uint8).tobytes()] = (str(c), int(r), int(d))
