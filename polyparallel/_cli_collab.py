@@ -355,7 +355,8 @@ def serve_cmd(
     center_wait: Annotated[float, typer.Option(
         "--center-wait", help="seconds to wait for enough centers to connect before a round, then fail")] = 600.0,
     rejoin_wait: Annotated[float, typer.Option(
-        "--rejoin-wait", help="before each later round, seconds to wait for every center (one restarting)")] = 0.0,
+        "--rejoin-wait", help="before a later round, seconds to wait for a lost center to be back (once per "
+        "lost center; a restarted one was back in 3-11 s; 0: no wait)")] = 30.0,
 ) -> None:
     """Start the server side of a deployment: a SuperLink, then the federation's ServerApp; wait for it.
 

@@ -65,8 +65,8 @@ def test_a_center_killed_mid_round_is_missed_at_the_timeout_and_rejoins_within_s
     """c1's executor is stopped before the run, so c1 takes round 1's model and cannot answer; it is
     SIGKILLed then — mid-round for sure — and restarted at once with the same key. Round 1 fuses c0
     and c2 by the round timeout (earlier: the SuperLink reports c1's node unavailable after 2 missed
-    heartbeats); c1 is activated again within 10 s and, the server giving a restarting center up to
-    30 s before the next round, trains rounds 2 and 3."""
+    heartbeats); c1 is activated again within 10 s and, with the default rejoin wait (a restarting
+    center gets up to 30 s before the next round), trains rounds 2 and 3."""
     timeout = 20
     cfg = mlp_config(NAMES, rounds=3, min_centers=2, round_timeout_s=timeout)
     creds = make_credentials(tmp_path / "certs", NAMES)
@@ -76,7 +76,7 @@ def test_a_center_killed_mid_round_is_missed_at_the_timeout_and_rejoins_within_s
         for c in NAMES:
             fed.wait_connected(c, 60)
         os.kill(fed.latest("executor-c1").popen.pid, signal.SIGSTOP)  # c1 will take round 1 but not answer
-        fed.submit(cfg, out, rejoin_wait_s=30)
+        fed.submit(cfg, out)  # the default rejoin wait
         node = fed.latest("supernode-c1")
         _until(lambda: "ROUND 1]" in node.log_text(), 90, "c1 to receive round 1")
         fed.kill_center("c1")
@@ -94,6 +94,17 @@ def test_a_center_killed_mid_round_is_missed_at_the_timeout_and_rejoins_within_s
     assert rejoin_s < 10
     assert got[1]["accepted"] == got[2]["accepted"] == list(NAMES)
     assert fed.stray_pids() == []
+
+
+def test_the_rejoin_grace_is_spent_once_per_lost_center():
+    from polyparallel.backends.collab._flower_app import REJOIN_WAIT_S, rejoin_grace
+
+    assert REJOIN_WAIT_S == 30.0
+    assert rejoin_grace(30.0, 3, 3, None) == 0.0  # everyone is there
+    assert rejoin_grace(30.0, 2, 3, None) == 30.0  # c1 just crashed: wait for it
+    assert rejoin_grace(30.0, 2, 3, 2) == 0.0  # waited a whole grace already, it did not come back
+    assert rejoin_grace(30.0, 1, 3, 2) == 30.0  # another center lost since: a grace for it
+    assert rejoin_grace(0.0, 1, 3, None) == 0.0  # --rejoin-wait 0: never wait
 
 
 @pytest.mark.slow

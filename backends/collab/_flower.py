@@ -469,14 +469,15 @@ class LoopbackFederation:
     # ------------------------------------------------------------------ runs
     def submit(self, config: CollabConfig, out_dir: Path, *, eval_data: Path | None = None,
                poll_s: float = 0.05, max_rounds: int = 0, center_wait_s: float = 600.0,
-               rejoin_wait_s: float = 0.0) -> int:
+               rejoin_wait_s: float = 30.0) -> int:
         """Write the Flower App for ``config``, start it with ``flwr run`` and return the run id.
 
         Submitting again with the same ``out_dir`` resumes from the server's last checkpoint.
         ``center_wait_s``: how long the ServerApp waits for ``config.required_centers`` centers to be
         connected before a round (it fails after that instead of recording rounds nobody trained);
-        ``rejoin_wait_s``: how long it waits, before each later round, for every center to be connected
-        (a grace for a center that is restarting; 0: a round starts with ``required_centers``).
+        ``rejoin_wait_s``: how long it waits, before a later round, for every center to be connected
+        (a grace for a center that is restarting, once per lost center, see
+        :func:`~._flower_app.rejoin_grace`; 0: a round starts with ``required_centers``).
         """
         app = self.workdir / "app"
         app.mkdir(parents=True, exist_ok=True)
