@@ -86,6 +86,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from polyparallel.ir import OpKind
+
+from .compute import BACKWARD_FACTOR, DEFAULT_BACKWARD_FACTOR, attention_flops
+
 __all__ = [
     "ATTENTION_SHAPES",
     "GEMM_LARGE",
@@ -130,15 +134,6 @@ OPTIMIZER_WORKING_SETS = ((4, 1 << 14), (4, 1 << 18), (4, 1 << 20))
 # model prices each as (its backward kernel count κ comes from that kind)
 TRAINING_OP_CLASSES: dict[str, str] = {"scale": "elementwise", "bias_add": "elementwise", "gelu": "elementwise",
                                        "softmax": "softmax", "linear": "contraction", "layer_norm": "norm"}
-
-
-def attention_flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool = True) -> float:
-    """FLOPs of ``softmax(QKᵀ)V`` as the IR counts them: ``2·2·B·H·d`` per (query, key) pair kept.
-
-    A causal mask keeps ``S(S+1)/2`` pairs (the IR's closed-form point count), else ``S²``.
-    """
-    pairs = seq * (seq + 1) / 2 if causal else seq * seq
-    return 4.0 * batch * heads * head_dim * pairs
 
 
 def free_port() -> int:
@@ -502,9 +497,6 @@ def fit_training_op_overhead(per_op: Mapping[str, float], floor: float) -> float
 
     (least squares over the measured classes; unknown class names are an error).
     """
-    from polyparallel.cost_models.compute import BACKWARD_FACTOR, DEFAULT_BACKWARD_FACTOR
-    from polyparallel.ir import OpKind
-
     if not per_op:
         raise ValueError("fitting the training-op floor needs at least one measured op class")
     unknown = sorted(set(per_op) - set(TRAINING_OP_CLASSES))

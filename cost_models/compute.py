@@ -100,7 +100,6 @@ from polyparallel.ir import (
     target_base,
 )
 
-from .calibrate import attention_flops
 from .memo import PRICES
 
 __all__ = [
@@ -111,6 +110,7 @@ __all__ = [
     "MATRIX_KINDS",
     "MEMORY_EFFICIENCY",
     "OpCost",
+    "attention_flops",
     "attention_rows",
     "autocast_seconds",
     "batch_statistics_ops",
@@ -162,6 +162,15 @@ class OpCost:
     @property
     def total(self) -> float:
         return self.forward + self.backward
+
+
+def attention_flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool = True) -> float:
+    """FLOPs of ``softmax(QKᵀ)V`` as the IR counts them: ``2·2·B·H·d`` per (query, key) pair kept.
+
+    A causal mask keeps ``S(S+1)/2`` pairs (the IR's closed-form point count), else ``S²``.
+    """
+    pairs = seq * (seq + 1) / 2 if causal else seq * seq
+    return 4.0 * batch * heads * head_dim * pairs
 
 
 def streaming_bandwidth(device: DeviceType) -> float:
@@ -395,7 +404,7 @@ def attention_rows(device: DeviceType, dtype: str,
     the device's own (:meth:`~polyparallel.cluster.DeviceType.attention_curve`: its calibration, or
     the H200's on a Hopper GPU) unless ``kernel`` names one of :data:`ATTENTION_KERNELS`, whose
     published rates (the table above) stand for a recipe run with that kernel. ``flops`` as the IR
-    counts them (:func:`~polyparallel.cost_models.calibrate.attention_flops`), the times at the
+    counts them (:func:`attention_flops`), the times at the
     published rates, which count the masked half out."""
     if kernel is None:
         return device.attention_curve(dtype)

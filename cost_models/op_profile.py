@@ -6,7 +6,8 @@ weights and optimizer state stream from memory, and a second process on the othe
 both (the executor benchmark priced a small GPT's eager step 35-50% too fast from such rates).
 Profiling-based planners (Alpa, Galvatron, nnScaler) measure the model's own layers instead;
 a search on ``local-cpu:<P>`` with ``profile=True`` does that
-(:mod:`polyparallel.backends.torch.op_timing` measures, :func:`build_profile` fits).
+(:mod:`polyparallel.backends.torch.op_timing` measures,
+:func:`polyparallel.cost_models.profile_fit.build_profile` fits).
 
 Every op of the priced graph gets a curve per direction: its measured seconds against its roofline
 price ``r`` (:func:`polyparallel.cost_models.compute.op_cost`, eager) at each measured micro-batch
@@ -30,16 +31,18 @@ from the calibration alone.
 from __future__ import annotations
 
 import hashlib
-import time
 from bisect import bisect_left
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 from polyparallel.ir import Graph, TensorKind
 
-__all__ = ["OpProfile", "build_profile", "fingerprint", "on_curve", "profile_for", "profiled_op", "with_profile"]
+from .compute import op_cost
+from .memo import PRICES
+
+__all__ = ["OpProfile", "fingerprint", "on_curve", "profile_for", "profiled_op", "with_profile"]
 
 
 _Points = tuple[tuple[float, float], ...]
@@ -106,21 +109,6 @@ def fingerprint(graph: Graph) -> str:
     return h.hexdigest()[:16]
 
 
-def _attribute(rows: list[tuple[str, float, float]], graph: Graph) -> dict[str, tuple[float, float]]:
-    """Node times summed per priced op: a node the graph has no op for (a view, an elementwise op
-    fused into its producer) is charged to the op before it, or the first op if none is."""
-    by_node = {op.source_node or op.name: op.name for op in graph.ops}
-    first = next((by_node[n] for n, _, _ in rows if n in by_node), graph.ops[0].name if graph.ops else "")
-    out: dict[str, list[float]] = {}
-    current = first
-    for node, f, b in rows:
-        current = by_node.get(node, current)
-        acc = out.setdefault(current, [0.0, 0.0])
-        acc[0] += f
-        acc[1] += b
-    return {k: (v[0], v[1]) for k, v in out.items()}
-
-
 def on_curve(points: Sequence[tuple[float, float]], r: float) -> float:
     """Measured seconds at roofline seconds ``r``: on the line through the two measured points around
     ``r`` (the nearest two at either end). Below the first point the line is not followed under
@@ -137,57 +125,6 @@ def on_curve(points: Sequence[tuple[float, float]], r: float) -> float:
         return (t1 + t2) / (r1 + r2) * r if r1 + r2 > 0 else (t1 + t2) / 2
     t = t1 + (t2 - t1) / (r2 - r1) * (r - r1)
     return max(t, t1 * r / r1) if r < r1 and r1 > 0 else t
-
-
-def build_profile(graphs: Callable[[int], Graph], cluster: Any,
-                  nodes: dict[int, tuple[list[tuple[str, float, float]], dict[str, float]]],
-                  optimizer_s: dict[str, float], kappa: dict[int, float],
-                  wrappers: dict[str, tuple[float, float, float]]) -> OpProfile:
-    """The profile of measurements (module docstring): ``nodes[b]`` the per-node times and plain step
-    of micro-batch ``b``, ``optimizer_s`` the optimizer step per optimizer, ``kappa`` the
-    slowdown per world size, ``wrappers`` what a parallel wrapper adds; curves against the
-    roofline of ``cluster``'s device (a calibrated ``local-cpu``), ``graphs(b)`` the priced graph."""
-    from polyparallel.cost_models.compute import op_cost
-
-    device = cluster.device(0).type
-    batches = sorted(nodes)
-    measured: dict[int, dict[str, tuple[float, float]]] = {}
-    roof: dict[int, dict[str, tuple[float, float]]] = {}
-    for b in batches:
-        rows, plain = nodes[b]
-        g = graphs(b)
-        per_op = _attribute(rows, g)
-        # scaled to the plain step: what no node's interval holds (the hooks' own time, the engine's
-        # start) is spread over the ops in proportion
-        sf = plain["forward"] / max(sum(f for f, _ in per_op.values()), 1e-12)
-        sb = plain["backward"] / max(sum(b_ for _, b_ in per_op.values()), 1e-12)
-        measured[b] = {k: (f * sf, bw * sb) for k, (f, bw) in per_op.items()}
-        roof[b] = {op.name: (c.forward, c.backward) for op in g.ops for c in [op_cost(g, op, device, eager=True)]}
-    b1 = batches[0]
-
-    def points(name: str, d: int) -> _Points:
-        return tuple(sorted({(roof[b][name][d], measured[b].get(name, (0.0, 0.0))[d])
-                             for b in batches if name in roof[b]}))
-
-    base = [(name, points(name, 0), points(name, 1)) for name in roof[b1]]
-    opt_priced = _priced_optimizer(graphs(b1), cluster, list(optimizer_s))
-    curves, opt, wraps = [], [], []
-    for w, k in sorted(kappa.items()):
-        curves.append((w, tuple((n, tuple((r, k * t) for r, t in f), tuple((r, k * t) for r, t in b))
-                                for n, f, b in base)))
-        opt.append((w, tuple((o, k * t / opt_priced[o]) for o, t in optimizer_s.items() if opt_priced.get(o))))
-        wraps.append((w, tuple((key, *(k * x for x in v)) for key, v in sorted(wrappers.items()))))
-    shared = ", ".join(f"{w} procs x{k:.2f}" for w, k in sorted(kappa.items()))
-    src = (f"ops profiled on this machine ({time.strftime('%Y-%m-%d %H:%M')}, micro-batches "
-           f"{', '.join(map(str, batches))}; sharing it: {shared})")
-    return OpProfile(fingerprint(graphs(b1)), tuple(curves), tuple(opt), tuple(batches), src, tuple(wraps))
-
-
-def _priced_optimizer(graph: Graph, cluster: Any, optimizers: Sequence[str]) -> dict[str, float]:
-    """The calibration's price of one single-process optimizer step, per optimizer."""
-    from polyparallel.cost_models import ParallelConfig, estimate_step
-
-    return {o: estimate_step(graph, cluster, ParallelConfig(optimizer=o)).breakdown()["optimizer"] for o in optimizers}
 
 
 def with_profile(cluster: Any, prof: OpProfile, link: tuple[float, float] | None = None) -> Any:
@@ -224,8 +161,6 @@ def profiled_op(graph: Graph, op: Any, device: Any, world: int, split: float, sh
                 dtype: str) -> tuple[float, float] | None:
     """Forward and backward seconds of ``op`` from the device's profile, ``None`` where it has none
     for this graph (another model) or this op."""
-    from polyparallel.cost_models.compute import op_cost
-
     prof = profile_for(device, graph, dtype)
     if prof is None:
         return None
@@ -245,8 +180,6 @@ def profiled_op(graph: Graph, op: Any, device: Any, world: int, split: float, sh
 
 
 def _fingerprint_of(graph: Graph) -> str:
-    from polyparallel.cost_models.memo import PRICES
-
     memo = PRICES.of(graph)
     if "fingerprint" not in memo:
         memo["fingerprint"] = fingerprint(graph)

@@ -9,10 +9,11 @@ Examples:
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
+from .backends.torch import executor as _torch_executor  # noqa: F401  (registers the planner's default executor)
 from .cluster import Cluster
+from .frontends import capture
 from .ir import Graph, Op, OpKind, TensorSpec
 from .strategy import Strategy
 
@@ -20,36 +21,6 @@ __version__ = "0.1.0"
 
 __all__ = ["Cluster", "Constraints", "DoesNotFit", "Graph", "Op", "OpKind", "Strategy", "TensorSpec", "__version__",
            "capture", "collaborate", "evaluate", "search", "simulate", "train"]
-
-
-def capture(model: Any, example_inputs: Any = None, example_kwargs: dict[str, Any] | None = None,
-            **options: Any) -> Graph:
-    """Capture a model into the Graph IR.
-
-    Args:
-        model: an ``nn.Module`` (parameters may live on the ``meta`` device), a path to an
-            ``.onnx`` file, or an ``onnx.ModelProto``.
-        example_inputs: positional example inputs (a tensor or a tuple) for a module.
-        example_kwargs: keyword example inputs for a module.
-        options: passed to the frontend (e.g. ``method="fx"`` for the torch frontend).
-
-    Returns:
-        The captured :class:`~polyparallel.ir.Graph`.
-    """
-    if isinstance(model, str | Path) or type(model).__name__ == "ModelProto":
-        from polyparallel.frontends.onnx import capture_onnx
-
-        return capture_onnx(model, **options)
-    try:
-        import torch
-    except ImportError as e:  # pragma: no cover - torch is a hard dependency
-        raise TypeError("capturing a module needs torch installed") from e
-    if isinstance(model, torch.nn.Module):
-        from polyparallel.frontends.torch import capture_torch
-
-        return capture_torch(model, example_inputs, example_kwargs, **options)
-    raise TypeError(f"cannot capture a {type(model).__name__}: pass an nn.Module, an .onnx path "
-                    "or an onnx.ModelProto")
 
 
 # The executors and the search import torch and the solvers; they load on first use, and

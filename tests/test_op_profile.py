@@ -14,7 +14,8 @@ from polyparallel.backends.torch.op_timing import measure_nodes, profiled_cluste
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, estimate_step
 from polyparallel.cost_models.compute import op_cost
-from polyparallel.cost_models.op_profile import OpProfile, _attribute, fingerprint, with_profile
+from polyparallel.cost_models.op_profile import OpProfile, fingerprint, with_profile
+from polyparallel.cost_models.profile_fit import _attribute
 from polyparallel.models import MLP
 from polyparallel.planning.model_graphs import ModelGraphs
 from tests.test_calibrate import _calibration

@@ -14,8 +14,9 @@ import polyparallel as pp
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, estimate_step
 from polyparallel.models import GPT, MLP, GPTConfig
+from polyparallel.planning.executability import executor
 from polyparallel.planning.model_graphs import ModelGraphs
-from polyparallel.planning.place_plan import _op_plans, param_cost_of, torch_edge_rule, torch_expressible
+from polyparallel.planning.placement_prices import param_cost_of, placed_op_plans
 from polyparallel.planning.stage_solver import price_placements
 from polyparallel.poly import DeviceMesh, Placement
 
@@ -69,9 +70,9 @@ def test_stage_objective_equals_brute_force_and_is_never_above_the_rule(make, cl
     cl = Cluster.resolve(cluster)
     mesh = DeviceMesh.of(tp=tp)
     tab = price_placements(g, mesh, cl, dtype=s.dtype, devices=s.stages[0].devices[:tp], k=6,
-                           expressible=torch_expressible(g, tp) if mode == "torch" else None,
+                           expressible=executor("torch").expressible(g, tp) if mode == "torch" else None,
                            include=lambda op: _rule_of(s, g, op, mesh),
-                           edge_rule=torch_edge_rule if mode == "torch" else None,
+                           edge_rule=executor("torch").edge_rule if mode == "torch" else None,
                            param_cost=param_cost_of(g, _cfg(s), cl.device(0).type, mesh))
     assert len(tab.ops) <= 16 and np.prod([len(c) for c in tab.candidates.values()]) <= 2_000_000
     best = _brute_force(tab)
@@ -86,7 +87,7 @@ def _cfg(s, **kw) -> ParallelConfig:
 
 def _rule_of(s, g, op, mesh):
     """The Megatron rule's tp placement of ``op`` for the strategy's degrees (as the planner includes it)."""
-    from polyparallel.planning.place_plan import rule_placements
+    from polyparallel.planning.placement_prices import rule_placements
     from polyparallel.poly import legal_placements
 
     cfg = ParallelConfig(dp=s.dp, tp=s.tp, dtype=s.dtype)
@@ -110,7 +111,7 @@ def test_the_estimate_prices_the_listed_placements():
     cl = Cluster.resolve("dgx-a100x1")
     placed = {o: Placement.parse(p.placement) for p in s2.placements for o in p.ops}
     mesh = DeviceMesh.of(tp=2)
-    plans = _op_plans(g, placed, mesh, s2.dtype, torch_edge_rule)
+    plans = placed_op_plans(g, placed, mesh, s2.dtype, executor("torch").edge_rule)
     est = estimate_step(g, cl, _cfg(s2, op_plans=tuple(plans[op.name] for op in g.ops)))
     assert s2.estimate.step_time_s == pytest.approx(est.step_time, rel=1e-12)
     # the objective also holds each op's optimizer step over its local parameters (no kernel floor)

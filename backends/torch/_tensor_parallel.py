@@ -75,7 +75,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.overrides import TorchFunctionMode
 
-from polyparallel.backends.torch.capabilities import chunked_evenly, op_role
+from polyparallel.backends.torch.op_roles import chunked_evenly, op_role
 from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind
 
 __all__ = ["FingerprintMismatch", "FusedColwiseParallel", "HeadSplit", "Region", "UlyssesAttention", "build_mesh",
@@ -558,7 +558,7 @@ class UlyssesAttention(TorchFunctionMode):
 def _captures(model_fn: Callable[[], nn.Module], example: tuple[Any, ...]) -> Iterator[Graph | str]:
     """The graph the planner would price for ``model_fn()`` on ``example`` (captured, canonicalised,
     fused), built on the meta device and then on the CPU; a capture that fails yields its error."""
-    import polyparallel as pp
+    from polyparallel import frontends as pp
     from polyparallel.transforms import canonicalize, fuse_elementwise
 
     for device in ("meta", None):

@@ -48,8 +48,10 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from polyparallel.backends.torch.op_roles import chunked_evenly, local_dims, op_role
 from polyparallel.cost_models.memo import PRICES
-from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind, target_base
+from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind
+from polyparallel.planning.executability import NotExecutable
 
 __all__ = [
     "EXECUTED_DTYPES",
@@ -68,15 +70,15 @@ __all__ = [
 ]
 
 
-class Unsupported(ValueError):
-    """The strategy asks for something this backend cannot execute exactly; the message says what."""
+class Unsupported(NotExecutable):
+    """The strategy asks for something this backend cannot execute exactly; the message says what
+    (a ValueError, and the :class:`~polyparallel.planning.executability.NotExecutable` the planner catches)."""
 
 
 EXECUTED_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 EXECUTED_RECOMPUTE = ("none", "selective", "op", "full")  # activation recomputation the executor runs (._recompute)
 EXECUTED_DTYPES = ("fp32", "bf16", "fp16")  # training precisions it runs (._precision)
-_POINTWISE = (OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.CONCAT, OpKind.SPLIT)
-_PRODUCTS = ("matmul", "bmm", "einsum")  # products of activations a rank computes on its shards
+
 
 
 def batch_statistics(graph: Graph) -> list[str]:
@@ -200,54 +202,6 @@ def _sp_problems(graph: Graph, sp: int, heads_parts: int) -> list[str]:
 # op level
 
 
-def _has_param(g: Graph, op: Op) -> bool:
-    return any(g.tensors[t].kind is TensorKind.PARAM for t in op.inputs)
-
-
-def op_role(g: Graph, op: Op) -> str:
-    """How the backend can split ``op`` over ``tp``: ``loss`` (class-parallel cross entropy),
-    ``linear`` (an ``nn.Linear``: column/row-parallel), ``embedding`` (vocabulary-parallel),
-    ``attention`` (head-parallel), ``pointwise`` (follows its input's split), ``heads`` (a product
-    of two activations or a softmax, computed on local shards along one of :func:`local_dims`) or
-    ``other`` (replicated)."""
-    kind = OpKind(op.kind)
-    if kind is OpKind.LOSS and "cross_entropy" in op.target:
-        return "loss"
-    if kind is OpKind.CONTRACTION and _has_param(g, op) and _target_is(op, "linear"):
-        return "linear"
-    if kind is OpKind.EMBEDDING and _has_param(g, op):
-        return "embedding"
-    if kind is OpKind.ATTENTION:
-        return "attention"
-    if kind in _POINTWISE and not _has_param(g, op):
-        return "pointwise"
-    if (kind is OpKind.CONTRACTION and not _has_param(g, op) and target_base(op.target) in _PRODUCTS) or (
-            kind is OpKind.SOFTMAX and not _has_param(g, op)):
-        return "heads"
-    return "other"
-
-
-def local_dims(op: Op) -> tuple[str, ...]:
-    """The dims a ``heads`` op (:func:`op_role`) computes correctly on local shards along: not the
-    batch or the sequence (data and sequence parallelism split those), reduced by none of its
-    statements (a contraction's ``k``, a softmax's row), and indexing every tensor its first
-    statement reads (a batched product's batch dims: for ``q @ k.T`` over ``[B, h, S, d]``, the
-    heads ``h``; a whole tensor broadcast along the others, as a causal mask, is read whole)."""
-    if op.nest is None:
-        return ()
-    reduced = {d for st in op.nest.statements for d in st.reduction_dims()}
-    first = op.nest.statements[0]
-    reads = [a for a in first.reads if a.operand.startswith("in")]
-    inputs = {a.operand for a in reads}
-    return tuple(d.name for d in op.nest.dims
-                 if d.hint not in (Hint.BATCH, Hint.SEQUENCE) and d.name not in reduced and reads
-                 and all(any(d.name in a.dims for a in reads if a.operand == i) for i in inputs))
-
-
-def _target_is(op: Op, base: str) -> bool:
-    return target_base(op.target) == base
-
-
 def dp_split_ok(op: Op, dim: str) -> bool:
     """Whether splitting ``op``'s loop dim ``dim`` over ``dp`` is what data parallelism does: the
     op's batch dim (for a loss over flattened ``(batch·seq, classes)`` logits, its row dim)."""
@@ -296,12 +250,6 @@ def expressible(g: Graph, tp: int) -> Any:
         return False
 
     return ok
-
-
-def chunked_evenly(n: int, tp: int) -> bool:
-    """Whether ``torch.chunk`` cuts ``n`` rows into ``tp`` non-empty blocks (``ceil(n/tp)`` each, the
-    last fewer), as an uneven vocabulary split needs: 50257 over 4 yes, 5 over 4 no (2, 2, 1)."""
-    return n >= tp and -(-n // tp) * (tp - 1) < n
 
 
 def _loss_inputs(g: Graph) -> set[str]:

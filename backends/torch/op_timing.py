@@ -1,6 +1,6 @@
 """Timing the user's model on this machine as the torch backend runs it: what a profiled search prices.
 
-The measurements :func:`polyparallel.cost_models.op_profile.build_profile` fits (its docstring
+The measurements :func:`polyparallel.cost_models.profile_fit.build_profile` fits (its docstring
 says how): each node's forward and backward in eager training steps at several micro-batch sizes
 (:func:`measure_nodes`), the optimizer step (:func:`measure_optimizer`), what the backend's FSDP2
 wrapping and DTensor's dispatch add on one rank (:func:`measure_wrappers`), and how much slower a step runs while other
@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from polyparallel.cost_models.op_profile import OpProfile, build_profile, with_profile
+from polyparallel.cost_models.op_profile import OpProfile, with_profile
+from polyparallel.cost_models.profile_fit import build_profile
 from polyparallel.ir import Graph
 
 __all__ = ["NodeTimer", "contention", "measure_collectives", "measure_nodes", "measure_optimizer", "measure_wrappers",

@@ -10,6 +10,8 @@ The modules, in the order the data flows through them:
 * :mod:`.stage_solver`: the exact per-stage solver of per-op placements on the polyhedral model.
 * :mod:`.place_plan`: applies the stage solver to the chosen plan (or Megatron's rule) and re-prices it.
 * :mod:`.assemble`: writes the chosen plan as a Strategy.
+* :mod:`.executability`: what the search asks of an executor (which plans and placements it runs),
+  registered by the backends: planning imports none.
 
 Examples:
     >>> from polyparallel.planning import Constraints, DoesNotFit, evaluate, search
@@ -17,6 +19,22 @@ Examples:
     2
 """
 
-from polyparallel.planning.plan_search import Constraints, DoesNotFit, evaluate, search
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from polyparallel.planning.plan_search import Constraints, DoesNotFit, evaluate, search
 
 __all__ = ["Constraints", "DoesNotFit", "evaluate", "search"]
+
+
+def __getattr__(name: str) -> Any:
+    """The search's names, loaded on first use: a backend registering into :mod:`.executability`
+    (which ``import polyparallel`` does) loads this package without the search."""
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module("polyparallel.planning.plan_search"), name)
+    globals()[name] = value
+    return value

@@ -20,7 +20,7 @@ of its placements under the same step model that prices its memory and pipeline.
 ``pp``, ``m``, the schedule or the memory knobs: they are solved once per (``tp``, target, device
 group of the first ``tp`` devices, dtype) on the anchor graph (the example micro-batch) and mapped
 by op name onto the graph of every other micro-batch size, whose OpPlans (collective bytes scale with
-the batch) are then priced from the same placements (:func:`polyparallel.planning.place_plan._op_plans`,
+the batch) are then priced from the same placements (:func:`polyparallel.planning.placement_prices.placed_op_plans`,
 milliseconds per op signature). A graph whose ops do not carry the anchor's placements (a capture at
 batch 1 names extent-1 dims differently) is solved on its own. Two approximations, both made good
 when the chosen plan is written (:func:`polyparallel.planning.place_plan.place` re-solves it stage
@@ -44,6 +44,10 @@ from polyparallel.cost_models.megatron_rule import op_plans as rule_op_plans
 from polyparallel.cost_models.memo import PRICES
 from polyparallel.cost_models.parallel_config import OpPlan
 from polyparallel.ir import Graph
+from polyparallel.planning.executability import executor
+from polyparallel.planning.placement_prices import param_cost_of, placed_op_plans, rule_placements
+from polyparallel.planning.stage_solver import solve_stage
+from polyparallel.poly import DeviceMesh, Placement, legal_placements
 
 __all__ = ["PlacedPlans", "variants"]
 
@@ -77,9 +81,6 @@ class PlacedPlans(tuple):
 
 def _tp_rule(g: Graph, cfg: ParallelConfig) -> list[str]:
     """Per op, the tensor-parallel part of Megatron's placement."""
-    from polyparallel.planning.place_plan import rule_placements
-    from polyparallel.poly import Placement
-
     tp_part: dict[str, str] = {}  # the ops of a model share a handful of placements
     out = []
     for s in rule_placements(g, replace(cfg, dp=1)):
@@ -106,10 +107,7 @@ def rule_plans(g: Graph, cfg: ParallelConfig) -> PlacedPlans:
 def _solve(g: Graph, cl: Cluster, cfg: ParallelConfig, mode: str) -> tuple[dict[str, Any], str]:
     """The whole graph's tensor-parallel placements by the exact solver, checked as ``place`` checks
     a stage; ``({}, why)`` when the solved placements are not executed (then only the rule ranks)."""
-    from polyparallel.planning.place_plan import param_cost_of, torch_edge_rule, torch_expressible, torch_problems
-    from polyparallel.planning.stage_solver import solve_stage
-    from polyparallel.poly import DeviceMesh, Placement, legal_placements
-
+    torch = executor("torch")
     mesh = DeviceMesh.of(tp=cfg.tp)
     rule = _tp_rule(g, cfg)
     index = {op.name: i for i, op in enumerate(g.ops)}
@@ -122,11 +120,11 @@ def _solve(g: Graph, cl: Cluster, cfg: ParallelConfig, mode: str) -> tuple[dict[
     group = list(devs[: cfg.tp])
     ref = replace(cfg, dp=1, pp=1, sp=1, microbatches=1, zero_stage=0, op_plans=None)
     plan = solve_stage(g, mesh, cl, dtype=cfg.dtype, devices=group, k=6,
-                       expressible=torch_expressible(g, cfg.tp) if mode == "torch" else None, include=tp_part,
-                       edge_rule=torch_edge_rule if mode == "torch" else None,
+                       expressible=torch.expressible(g, cfg.tp) if mode == "torch" else None, include=tp_part,
+                       edge_rule=torch.edge_rule if mode == "torch" else None,
                        param_cost=param_cost_of(g, ref, cl.device(group[0]).type, mesh))
     placed = {name: Placement.parse(p) for name, p in plan.placements.items()}
-    why = torch_problems(g, placed, mesh) if mode == "torch" else []
+    why = torch.chain_problems(g, placed, mesh) if mode == "torch" else []
     if why:
         return {}, "the solver's placements are not executed by the torch backend: " + why[0]
     return placed, ""
@@ -134,8 +132,6 @@ def _solve(g: Graph, cl: Cluster, cfg: ParallelConfig, mode: str) -> tuple[dict[
 
 def _placed_on(g: Graph, placed: dict[str, Any], mesh: Any) -> dict[str, Any] | None:
     """The anchor's placements on another micro-batch's graph, or None where an op lacks them."""
-    from polyparallel.poly import Placement
-
     out = {}
     for op in g.ops:
         pl = placed.get(op.name)
@@ -151,9 +147,6 @@ def _placed_on(g: Graph, placed: dict[str, Any], mesh: Any) -> dict[str, Any] | 
 def derived_plans(g: Graph, anchor: Graph, cl: Cluster, cfg: ParallelConfig, mode: str) -> PlacedPlans | None:
     """The solver's candidate for ``g`` (a micro-batch's graph; ``anchor``: the example's), or None
     when it has none (its placements are not executed, or equal Megatron's)."""
-    from polyparallel.planning.place_plan import _op_plans, torch_edge_rule
-    from polyparallel.poly import DeviceMesh
-
     devs = cfg.devices if cfg.devices is not None else tuple(range(cfg.world))
     key = ("derived", mode, cfg.tp, cfg.dtype, tuple(devs[: cfg.tp]), id(cl))
     memo = PRICES.of(g)
@@ -171,7 +164,7 @@ def derived_plans(g: Graph, anchor: Graph, cl: Cluster, cfg: ParallelConfig, mod
         if on_g is None:  # names differ (batch-1 capture): solve this graph itself
             on_g, _why = _solve(g, cl, cfg, mode)
         if on_g:
-            plans = _op_plans(g, on_g, mesh, cfg.dtype, torch_edge_rule if mode == "torch" else None)
+            plans = placed_op_plans(g, on_g, mesh, cfg.dtype, executor("torch").edge_rule if mode == "torch" else None)
             tp_pl = tuple(str(on_g[op.name]) if on_g[op.name].splits else "" for op in g.ops)
             rule = rule_plans(g, cfg)
             if tp_pl != rule.placements:

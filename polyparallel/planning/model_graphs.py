@@ -17,6 +17,7 @@ from dataclasses import fields, is_dataclass
 from enum import Enum
 from typing import Any
 
+from polyparallel.frontends import capture
 from polyparallel.ir import Graph, _Any
 from polyparallel.planning.collector import young_collected
 
@@ -65,17 +66,15 @@ class ModelGraphs:
             self.name = g.name
 
     def _capture_raw(self, b: int | None) -> Graph:
-        import polyparallel as pp
-
         t, c = time.perf_counter(), time.process_time()
         with warnings.catch_warnings(), young_collected():  # export's cycles go as they form
             warnings.simplefilter("ignore")
             if b is None:
-                g = pp.capture(self.model)
+                g = capture(self.model)
             else:
                 args = tuple(rebatch(a, self.b0, b) for a in self.args)
                 kwargs = {k: rebatch(v, self.b0, b) for k, v in self.kwargs.items()}
-                g = pp.capture(self.model, args, kwargs)
+                g = capture(self.model, args, kwargs)
         self.capture_s += time.perf_counter() - t
         self.capture_cpu_s += time.process_time() - c
         return g

@@ -109,9 +109,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from polyparallel.backends.collab._center_plan import CENTER_LIMITS
-from polyparallel.backends.torch.capabilities import EXECUTED_DTYPES, plan_problems
-from polyparallel.backends.torch.op_timing import profiled_cluster
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, StepEstimate, estimate_step
 from polyparallel.cost_models.memo import PRICES
@@ -122,6 +119,7 @@ from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Hint
 from polyparallel.planning.assemble import model_info, strategy_of
 from polyparallel.planning.collector import collector_paused, young_collected
 from polyparallel.planning.derived import variants
+from polyparallel.planning.executability import CENTER_LIMITS, NotExecutable, executor
 from polyparallel.planning.model_graphs import MAX_MICRO, ModelGraphs, divisors, rebatch
 from polyparallel.planning.model_inputs import model_and_inputs
 from polyparallel.planning.place_plan import MODES
@@ -543,7 +541,7 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
     B = batch_size or mdl.b0 * len(devs)
     say = progress or (lambda _: None)
     if profile:
-        cl = profiled_cluster(cl, mdl, say)
+        cl = executor("torch").profile(cl, mdl, say)
 
     best, collab = None, None
     notes: list[str] = [inferred] if inferred else []
@@ -617,7 +615,8 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
     target ``rank_by``, default ``c.placements``); it fits when one of them does."""
     dtype = c.dtype or _default_dtype(cl, devs)
     rank_by = rank_by or c.placements
-    enforce = executable and c.placements == "torch" and dtype in EXECUTED_DTYPES
+    torch = executor("torch")
+    enforce = executable and c.placements == "torch" and dtype in torch.dtypes
     best = _Best(cl=cl, cap=c.memory_cap)
     g = mdl.graph(mdl.b0)
     # each distinct plan judged once, on the example graph (what plan_problems reads of a graph,
@@ -629,14 +628,14 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
             cfg = replace(cfg, op_plans=None)  # a plan's placement candidates count as one plan
         hit = verdicts.get(cfg)
         if hit is None:
-            hit = verdicts[cfg] = plan_problems(g, cfg)
+            hit = verdicts[cfg] = torch.plan_problems(g, cfg)
             for w in hit:
                 best.refused[w] = best.refused.get(w, 0) + 1
         return hit
 
     best.refuse = problems if enforce else None
     if executable and c.placements == "torch" and not enforce:
-        best.notes.append(f"the torch backend trains in {', '.join(EXECUTED_DTYPES)} only: this {dtype} strategy is "
+        best.notes.append(f"the torch backend trains in {', '.join(torch.dtypes)} only: this {dtype} strategy is "
                           f"for planning only (polyparallel train refuses it)")
     # the memory objective looks for the least memory near the fastest plan, so it enumerates
     # every micro-batch size and ladder rung instead of stopping at the first that fits
@@ -813,8 +812,7 @@ def _executable(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B: 
     is checked here, and a refused plan is replaced by the next fastest until one is accepted (every
     refusal removes a candidate, so the walk ends; :class:`DoesNotFit` when none is left). Plans of a
     model that does not follow ``train``'s ``forward(inputs, labels)`` form are not checked."""
-    from polyparallel.backends.torch import Unsupported, plan_for
-
+    check = executor("torch").check
     batch = _train_batch(mdl, B)
     if batch is None:
         return strat
@@ -824,7 +822,7 @@ def _executable(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B: 
     fallback: tuple[Strategy, StepEstimate, int, _Candidate] | None = None
     while True:
         try:
-            plan_for(strat, mdl.model, batch if strat.pp > 1 else None, graph=mdl.exact(best.b))
+            check(strat, mdl.model, batch if strat.pp > 1 else None, mdl.exact(best.b))
             if _replicated_tp(strat, best, c):
                 # the plan was ranked at the placements the polyhedral model derives, but the torch
                 # backend runs none of them on this model: each tp rank would do the whole stage's
@@ -847,7 +845,7 @@ def _executable(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B: 
             if fallback is not None and fallback[0].estimate.step_time_s < strat.estimate.step_time_s:
                 strat, (best.est, best.b, best.chosen) = fallback[0], fallback[1:]
             break
-        except Unsupported as e:
+        except NotExecutable as e:
             assert best.chosen is not None
             ruled = _rule_placed(strat, mdl, cl, best, B, devs, record, c, batch)
             if ruled is None:
@@ -886,14 +884,12 @@ def _rule_placed(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B:
     when the torch backend accepts that (the solver does not see every rule of the backend: a tied
     embedding and output layer must shard alike); None otherwise. Its price is the rule's.
     ``batch``: the global batch the backend's check cuts a pipeline on (:func:`_train_batch`)."""
-    from polyparallel.backends.torch import Unsupported, plan_for
-
     if c.placements != "torch" or strat.tp == 1 or all(st.placed_by != "solver" for st in strat.stages):
         return None
     ruled = strategy_of(mdl, cl, best.est, best.b, B, devs, record, "rule", c.memory_cap)
     try:
-        plan_for(ruled, mdl.model, batch if ruled.pp > 1 else None, graph=mdl.exact(best.b))
-    except Unsupported:
+        executor("torch").check(ruled, mdl.model, batch if ruled.pp > 1 else None, mdl.exact(best.b))
+    except NotExecutable:
         return None
     return ruled
 
@@ -901,15 +897,13 @@ def _rule_placed(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B:
 def _checked_as_placed(strat: Strategy, mdl: ModelGraphs, best: _Best, B: int, placements: str) -> Strategy:
     """Placements the user chose (``rule``, ``any``) are kept even where the torch backend refuses
     them; the backend's pre-launch check then says so first in the notes (train refuses it the same way)."""
-    from polyparallel.backends.torch import Unsupported, plan_for
-
     batch = _train_batch(mdl, B)
     if batch is None:
         return strat
     try:
-        plan_for(strat, mdl.model, batch if strat.pp > 1 else None, graph=mdl.exact(best.b))
+        executor("torch").check(strat, mdl.model, batch if strat.pp > 1 else None, mdl.exact(best.b))
         return strat
-    except Unsupported as e:
+    except NotExecutable as e:
         note = (f"planning only: the torch backend refuses this plan with placements={placements!r} ({e}); search "
                 "with placements='torch' for a plan polyparallel train runs")
     return strat.model_copy(update={"search": strat.search.model_copy(update={"notes": [note, *strat.search.notes]})})
@@ -1165,7 +1159,7 @@ def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Pa
     cl = cluster if isinstance(cluster, Cluster) else Cluster.resolve(str(cluster))
     mdl = ModelGraphs(model, example_inputs, example_kwargs)
     if profile:
-        cl = profiled_cluster(cl, mdl)
+        cl = executor("torch").profile(cl, mdl, lambda _: None)
     devs = list(range(cl.num_devices))
     if dp is None:
         dp = len(devs) // (tp * pp * sp)
