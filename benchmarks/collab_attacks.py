@@ -52,6 +52,7 @@ ATTACKS = ("none", "absent", "huge", "scaled", "int8_scale", "samples", "samples
 FUSIONS = ("fedavg", "median", "trimmed_mean", "krum", "centered_clip")
 SPEC = ModelSpec("mlp", (64,), 10, hidden=32)
 BAD = "c0"  # the malicious center
+ROOT_ROWS = 100  # the server's root set (FLTrust), never a center's training rows
 
 
 def digits(n_centers: int) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], tuple[np.ndarray, np.ndarray]]:
@@ -132,8 +133,11 @@ def run_case(attack: str, fusion: str, n_centers: int, **kw: Any) -> dict[str, A
     if attack == "label_flip":
         x, y = data[BAD]
         data = {**data, BAD: (x, (y + 1) % 10)}
+    root = None
+    if cfg.make_fusion().needs_root:  # the server's root set: 100 held-out digits, not evaluated on
+        root, test = (test[0][:ROOT_ROWS], test[1][:ROOT_ROWS]), (test[0][ROOT_ROWS:], test[1][ROOT_ROWS:])
     t0 = time.perf_counter()
-    res = run_inprocess(cfg, data, eval_data=test, tamper=tampers(attack, method))
+    res = run_inprocess(cfg, data, eval_data=test, tamper=tampers(attack, method), root_data=root)
     acc = res.rounds[-1].eval.get("accuracy", float("nan"))
     return {"attack": attack, "fusion": fusion, "centers": n_centers, "accuracy": 100.0 * acc,
             "fused_rounds": res.fused_rounds, "ok": res.ok,
@@ -144,26 +148,131 @@ def run_case(attack: str, fusion: str, n_centers: int, **kw: Any) -> dict[str, A
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
-def table(rows: Sequence[dict[str, Any]]) -> str:
+# ------------------------------------------------------------------------ BatchNorm CNN, label skew, backdoor
+BN_SPEC = ModelSpec("cnn", (1, 8, 8), 10, hidden=8)  # conv-BN-ReLU-pool twice, then a linear layer
+BN_ATTACKS = ("none", "absent", "sign_flip", "backdoor", "backdoor_boost", "replay_forged")
+BN_FUSIONS = ("fedavg", "centered_clip", "fltrust")
+TARGET = 0  # the backdoor's class
+POISONED = 0.2  # share of the malicious center's rows carrying the trigger, relabelled TARGET
+SKEW = 0.8  # share of a center's rows from its own classes (class k belongs to center k mod K)
+
+
+def trigger(x: np.ndarray) -> np.ndarray:
+    """The backdoor's pixel trigger: the bottom-right 2×2 pixels at full intensity."""
+    x = x.copy()
+    x[..., 6:, 6:] = 1.0
+    return x
+
+
+def skewed_digits(n_centers: int, seed: int) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]],
+                                                       tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """Label-skewed centers (``SKEW`` of a center's rows from its own classes), the server's root set
+    (``ROOT_ROWS`` rows, balanced by chance, no center's) and a 25% test set, all disjoint; images (1, 8, 8)."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x, y = (d.data / 16.0).astype(np.float32).reshape(-1, 1, 8, 8), d.target.astype(np.int64)
+    rng = np.random.default_rng([seed, 0x5EED])
+    rows = rng.permutation(len(y))
+    n_test = len(y) // 4
+    test, root, train = rows[:n_test], rows[n_test:n_test + ROOT_ROWS], rows[n_test + ROOT_ROWS:]
+    owner = y[train] % n_centers
+    other = (owner + rng.integers(1, n_centers, len(train))) % n_centers
+    where = np.where(rng.random(len(train)) < SKEW, owner, other)
+    data = {f"c{i}": (x[train[where == i]], y[train[where == i]]) for i in range(n_centers)}
+    return data, (x[root], y[root]), (x[test], y[test])
+
+
+def attack_success(params: dict[str, np.ndarray], test: tuple[np.ndarray, np.ndarray]) -> float:
+    """% of test rows of another class than ``TARGET`` that the model puts in ``TARGET`` once triggered."""
+    from polyparallel.backends.collab._center import evaluate_torch
+
+    x, y = test
+    keep = y != TARGET
+    return 100.0 * evaluate_torch(BN_SPEC, params, trigger(x[keep]), np.full(int(keep.sum()), TARGET))["accuracy"]
+
+
+def run_bn_case(attack: str, fusion: str, n_centers: int, seed: int, rounds: int = 10) -> dict[str, Any]:
+    """One label-skewed federation of the BatchNorm CNN under ``attack`` (``BN_ATTACKS``)."""
+    data, root, test = skewed_digits(n_centers, seed)
+    names = list(data)
+    if attack == "absent":
+        names = names[1:]
+    if attack in ("backdoor", "backdoor_boost"):
+        x, y = data[BAD]
+        k = int(POISONED * len(y))
+        pick = np.random.default_rng([seed, 0xBAD]).permutation(len(y))[:k]
+        x, y = x.copy(), y.copy()
+        x[pick], y[pick] = trigger(x[pick]), TARGET
+        data = {**data, BAD: (x, y)}
+    cfg = CollabConfig(centers=tuple(CenterSpec(c) for c in names), model=BN_SPEC, fusion=fusion,
+                       min_centers=max(1, len(names) - (attack != "absent")), rounds=rounds, local_steps=10,
+                       batch_size=32, lr=0.05, momentum=0.5, seed=seed)
+    tamper = {}
+    if attack == "sign_flip":
+        tamper = tampers("sign_flip", "none")
+    elif attack == "replay_forged":
+        tamper = tampers("replay_forged", "none")
+    elif attack == "backdoor_boost":  # scaled to just under the norm bound (k = 4 × the honest norms)
+        tamper = {BAD: _rebound(lambda r, p, m, nonce: (_recode(p, "none", lambda d: d * 3.5), m))}
+    t0 = time.perf_counter()
+    res = run_inprocess(cfg, {c: data[c] for c in names}, eval_data=test, tamper=tamper,
+                        root_data=root if cfg.make_fusion().needs_root else None)
+    audit = [{c: {k: round(v, 4) for k, v in m.items() if k in ("update_norm", "cos_fused", "cos_root", "trust")}
+              for c, m in r.metrics.items()} for r in res.rounds]
+    return {"attack": attack, "fusion": fusion, "centers": n_centers, "seed": seed,
+            "accuracy": 100.0 * res.rounds[-1].eval.get("accuracy", float("nan")),
+            "attack_success": attack_success(res.params, test), "fused_rounds": res.fused_rounds,
+            "bad_accepted": sum(BAD in r.accepted for r in res.rounds),
+            "bad_rejected": sum(BAD in r.rejected for r in res.rounds),
+            "honest_rejected": sum(len(set(r.rejected) - {BAD}) for r in res.rounds),
+            "audit": audit, "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def _grid(rows: Sequence[dict[str, Any]], title: Callable[[int], str], width: int, first: int,
+          cell: Callable[[str, str, int], str | None]) -> str:
+    """Attack × fusion tables, one per center count: ``cell(attack, fusion, centers)`` (None: ``-``)."""
     fusions = list(dict.fromkeys(r["fusion"] for r in rows))
     out = []
     for n in sorted({r["centers"] for r in rows}):
-        out.append(f"\n1 malicious of {n} centers: final accuracy % (malicious reply accepted/rejected over "
-                   "8 rounds; !h = honest replies rejected)")
-        out.append(f"{'attack':<18}" + "".join(f"{f:>20}" for f in fusions))
+        out += [title(n), f"{'attack':<{first}}" + "".join(f"{f:>{width}}" for f in fusions)]
         for a in dict.fromkeys(r["attack"] for r in rows):
-            cells = []
-            for f in fusions:
-                r = next((r for r in rows if r["attack"] == a and r["fusion"] == f and r["centers"] == n), None)
-                if r is None:
-                    cells.append(f"{'-':>20}")
-                    continue
-                acc = f"{r['accuracy']:.1f}" + ("" if r["ok"] else " FAIL")
-                ar = "" if a in ("none", "absent") else f" {r['bad_accepted']}/{r['bad_rejected']}"
-                h = f" !h{r['honest_rejected']}" if r["honest_rejected"] else ""
-                cells.append(f"{acc + ar + h:>20}")
-            out.append(f"{a:<18}" + "".join(cells))
+            out.append(f"{a:<{first}}" + "".join(f"{cell(a, f, n) or '-':>{width}}" for f in fusions))
     return "\n".join(out)
+
+
+def bn_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Mean over seeds: accuracy % (attack success % for the backdoors), and the worst seed's change
+    against ``absent`` of the same seed."""
+    def title(n: int) -> str:
+        seeds = {r["seed"] for r in rows if r["centers"] == n}
+        return (f"\n1 malicious of {n} (BatchNorm CNN, label skew {SKEW:g}, {len(seeds)} seeds): mean accuracy % "
+                "[worst seed − absent]; backdoors: (attack success %)")
+
+    def cell(a: str, f: str, n: int) -> str | None:
+        got = {r["seed"]: r for r in rows if (r["attack"], r["fusion"], r["centers"]) == (a, f, n)}
+        base = {r["seed"]: r for r in rows if (r["attack"], r["fusion"], r["centers"]) == ("absent", f, n)}
+        if not got:
+            return None
+        out = f"{np.mean([r['accuracy'] for r in got.values()]):.1f}"
+        if a != "absent" and base and set(got) <= set(base):
+            out += f" [{min(got[s]['accuracy'] - base[s]['accuracy'] for s in got):+.1f}]"
+        if a.startswith("backdoor") or a == "none":
+            out += f" ({np.mean([r['attack_success'] for r in got.values()]):.0f})"
+        return out
+    return _grid(rows, title, 28, 16, cell)
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    def cell(a: str, f: str, n: int) -> str | None:
+        r = next((r for r in rows if r["attack"] == a and r["fusion"] == f and r["centers"] == n), None)
+        if r is None:
+            return None
+        acc = f"{r['accuracy']:.1f}" + ("" if r["ok"] else " FAIL")
+        ar = "" if a in ("none", "absent") else f" {r['bad_accepted']}/{r['bad_rejected']}"
+        return acc + ar + (f" !h{r['honest_rejected']}" if r["honest_rejected"] else "")
+    return _grid(rows, lambda n: f"\n1 malicious of {n} centers: final accuracy % (malicious reply accepted/rejected "
+                 "over 8 rounds; !h = honest replies rejected)", 20, 18, cell)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -171,9 +280,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="3 centers, fedavg only")
     ap.add_argument("--fusions", nargs="*", default=list(FUSIONS))
     ap.add_argument("--centers", nargs="*", type=int, default=[3, 5])
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "collab_attacks.json")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--part", choices=("mlp", "bn"), default="mlp",
+                    help="mlp: the IID MLP table; bn: BatchNorm CNN under label skew, backdoors, seeds")
+    ap.add_argument("--seeds", type=int, default=3, help="bn: seeds per cell")
+    ap.add_argument("--attacks", nargs="*", default=None, help="bn: a subset of " + ", ".join(BN_ATTACKS))
     args = ap.parse_args(argv)
     logging.getLogger("polyparallel.collab").setLevel(logging.ERROR)  # the rejections are in the table
+    if args.part == "bn":
+        fusions = [f for f in args.fusions if f in BN_FUSIONS or f not in FUSIONS] if args.fusions != list(FUSIONS) \
+            else list(BN_FUSIONS)
+        rows = [run_bn_case(a, f, n, s) for n in args.centers for f in fusions for a in (args.attacks or BN_ATTACKS)
+                for s in range(args.seeds)]
+        print(bn_table(rows))
+        out = args.out or ROOT / "benchmarks" / "results" / "collab_attacks_bn.json"
+        out.write_text(json.dumps({"model": f"{BN_SPEC}", "skew": SKEW, "poisoned": POISONED, "target": TARGET,
+                                   "root_rows": ROOT_ROWS, "rounds": 10, "local_steps": 10, "rows": rows},
+                                  indent=1) + "\n")
+        print(f"\nwrote {out}")
+        return 0
+    args.out = args.out or ROOT / "benchmarks" / "results" / "collab_attacks.json"
     fusions, centers = (["fedavg"], [3]) if args.quick else (args.fusions, args.centers)
     rows = [run_case(a, f, n) for n in centers for f in fusions for a in ATTACKS]
     print(table(rows))

@@ -227,6 +227,10 @@ def collab_cmd(
         "with its name, returning its (x, y)")] = None,
     eval_data: Annotated[Path | None, typer.Option(
         "--eval-data", help=".npz (x, y) the server evaluates every fused model on")] = None,
+    root_data: Annotated[Path | None, typer.Option(
+        "--root-data", help=".npz (x, y): the server's own small root set, never a center's rows; the fusion is then "
+        "fltrust unless --fusion says otherwise")]
+    = None,
     synthetic: Annotated[int, typer.Option("--synthetic", help="samples per center when --data is not given")] = 256,
     out: Annotated[Path | None, typer.Option("--out", help="write result.json, final.npz, timing.jsonl here")]
     = None,
@@ -274,7 +278,9 @@ def collab_cmd(
                 raise UserError(f"--devices has {len(devs)} entries for {len(names)} centers")
             cfg = CollabConfig(
                 centers=tuple(CenterSpec(n, framework=f, devices=d) for n, f, d in zip(names, fws, devs)),
-                model=spec, fusion=fusion or "centered_clip", fusion_options=_parse_options(fusion_opt or []),
+                # with a root set the server judges direction itself: FLTrust (collab_attacks.py --part bn)
+                model=spec, fusion=fusion or ("fltrust" if root_data is not None else "centered_clip"),
+                fusion_options=_parse_options(fusion_opt or []),
                 rounds=3 if rounds is None else rounds, local_steps=10 if local_steps is None else local_steps,
                 compression=compression or "none", **training)
         if source:  # every center calls the source itself; only the reference goes in the job
@@ -300,6 +306,11 @@ def collab_cmd(
         raise UserError(f"--engine {engine!r}: use inprocess or flower")
     ev = _load_npz(eval_data, "--eval-data") if eval_data is not None else None
     kw: dict[str, Any] = {}
+    if root_data is not None:
+        kw["root_data"] = _load_npz(root_data, "--root-data")
+    elif cfg.make_fusion().needs_root:
+        raise UserError(f"--fusion {cfg.fusion}: give --root-data FILE.npz, a small labelled set the server holds "
+                        "(never a center's training rows)")
     try:
         # the centers import these themselves; check them here first, for a one-line error
         from polyparallel.backends.collab._models import build_torch_model, resolve_reference

@@ -47,6 +47,30 @@ def test_collab_command_runs_and_writes_what_the_api_computes(tmp_path, capsys):
     assert (tmp_path / "out" / "timing.jsonl").read_text().count("fusion_end") == 2
 
 
+def test_a_root_set_makes_fltrust_the_fusion_and_the_audit_reaches_result_json(tmp_path, capsys):
+    rng = np.random.default_rng(1)
+    arrays = {c: (rng.normal(size=(40, 5)).astype(np.float32), rng.integers(0, 3, 40)) for c in ("x1", "x2", "r")}
+    for c, (x, y) in arrays.items():
+        np.savez(tmp_path / f"{c}.npz", x=x, y=y)
+    argv = ["collab", "--centers", "x1,x2", "--in-shape", "5", "--classes", "3", "--hidden", "6", "--rounds", "2",
+            "--local-steps", "3", "--data", str(tmp_path), "--root-data", str(tmp_path / "r.npz"),
+            "--out", str(tmp_path / "out")]
+    code, _, err = _run(argv, capsys)
+    assert code == 0, err
+    res = json.loads((tmp_path / "out" / "result.json").read_text())
+    cfg = CollabConfig(centers=(CenterSpec("x1"), CenterSpec("x2")), model=ModelSpec("mlp", (5,), 3, hidden=6),
+                       rounds=2, local_steps=3, fusion="fltrust")
+    ref = run_inprocess(cfg, {c: arrays[c] for c in ("x1", "x2")}, root_data=arrays["r"])
+    with np.load(tmp_path / "out" / "final.npz") as z:
+        for k, v in ref.params.items():
+            np.testing.assert_array_equal(z[k], v)
+    for got, want in zip(res["rounds"], ref.rounds):
+        for c in ("x1", "x2"):
+            assert {k: got["metrics"][c][k] for k in ("trust", "cos_root", "cos_fused", "update_norm")} == {
+                k: want.metrics[c][k] for k in ("trust", "cos_root", "cos_fused", "update_norm")}
+    assert res["flagged"] == ref.flagged()
+
+
 def test_job_file_round_trip(tmp_path, capsys):
     job = tmp_path / "job.json"
     code, out, _ = _run(["collab", "--centers", "p,q", "--frameworks", "torch,mindspore", "--model", "cnn",
@@ -76,6 +100,8 @@ def test_devices_per_center_reach_the_job(tmp_path, capsys):
     (["collab", "--engine", "ray"], "--engine 'ray'"),
     (["collab", "--logit-adjust", "-1"], "logit_adjust must be a finite number >= 0"),
     (["collab", "--lr-schedule", "step"], "unknown lr_schedule 'step'"),
+    (["collab", "--fusion", "fltrust"], "--fusion fltrust: give --root-data FILE.npz"),
+    (["collab", "--root-data", "/nonexistent.npz"], "--root-data: expected /nonexistent.npz"),
 ])
 def test_bad_input_is_one_line(argv, msg, capsys):
     code, _, err = _run(argv, capsys)

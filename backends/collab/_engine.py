@@ -63,7 +63,28 @@ class CollabResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"rounds": [r.to_dict() for r in self.rounds], "timing": [dict(t) for t in self.timing],
-                "fused_rounds": self.fused_rounds, "ok": self.ok}
+                "fused_rounds": self.fused_rounds, "ok": self.ok, "flagged": self.flagged()}
+
+    def flagged(self) -> dict[str, dict[str, Any]]:
+        """The centers flagged in at least one round, with the rounds and why (the audit's summary).
+
+        A center is flagged in a round when its reply was refused, when the fusion gave it no trust
+        (FLTrust's ``trust == 0``), or when its update pointed against the fused step (``cos_fused < 0``).
+        The per-round values stay in each round's ``metrics``; this names who to look at.
+        """
+        out: dict[str, dict[str, Any]] = {}
+        for r in self.rounds:
+            why: dict[str, str] = {c: "refused: " + reasons[0] for c, reasons in r.rejected.items()}
+            for c, m in r.metrics.items():
+                if m.get("trust", 1.0) <= 0.0:
+                    why[c] = f"no trust (cosine to the server's root update {m.get('cos_root', 0.0):+.3f})"
+                elif m.get("cos_fused", 0.0) < 0.0:
+                    why[c] = f"pulled against the fused step (cosine {m['cos_fused']:+.3f})"
+            for c, w in why.items():
+                entry = out.setdefault(c, {"rounds": [], "why": []})
+                entry["rounds"].append(r.round)
+                entry["why"].append(w)
+        return dict(sorted(out.items()))
 
 
 def initial_params(config: CollabConfig) -> Params:
@@ -96,7 +117,8 @@ def run_inprocess(config: CollabConfig, data: Data | None = None, *,
                   absent: Mapping[int, tuple[str, ...]] | None = None,
                   center_states: dict[str, dict[str, np.ndarray]] | None = None,
                   on_round: Callable[[RoundRecord], None] | None = None,
-                  tamper: Mapping[str, Tamper] | None = None) -> CollabResult:
+                  tamper: Mapping[str, Tamper] | None = None,
+                  root_data: tuple[np.ndarray, np.ndarray] | None = None) -> CollabResult:
     """Run the federation in this process.
 
     Args:
@@ -119,11 +141,13 @@ def run_inprocess(config: CollabConfig, data: Data | None = None, *,
         tamper: center -> ``f(round, payload, metrics, nonce) -> (payload, metrics)`` applied to that
             center's reply before the server sees it (a malicious center, for the adversarial tests; it
             knows the round's nonce, as a center does).
+        root_data: the server's own small labelled ``(x, y)`` (never a center's training data), which a
+            fusion with ``needs_root`` (FLTrust) trains on each round for its reference direction.
     """
     check_data(config, data)
     data = data or {}
     timing = TimingLog(timing_path)
-    server = FederationServer(config, initial_params(config), timing, checkpoint_dir)
+    server = FederationServer(config, initial_params(config), timing, checkpoint_dir, root=root_data)
     if resume:
         server.resume()
     pool: dict[str, LocalTrainer] = {

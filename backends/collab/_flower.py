@@ -469,7 +469,7 @@ class LoopbackFederation:
     # ------------------------------------------------------------------ runs
     def submit(self, config: CollabConfig, out_dir: Path, *, eval_data: Path | None = None,
                poll_s: float = 0.05, max_rounds: int = 0, center_wait_s: float = 600.0,
-               rejoin_wait_s: float = 30.0) -> int:
+               rejoin_wait_s: float = 30.0, root_data: Path | None = None) -> int:
         """Write the Flower App for ``config``, start it with ``flwr run`` and return the run id.
 
         Submitting again with the same ``out_dir`` resumes from the server's last checkpoint.
@@ -478,6 +478,7 @@ class LoopbackFederation:
         ``rejoin_wait_s``: how long it waits, before a later round, for every center to be connected
         (a grace for a center that is restarting, once per lost center, see
         :func:`~._flower_app.rejoin_grace`; 0: a round starts with ``required_centers``).
+        ``root_data``: ``.npz`` (``x``, ``y``) of the server's own root set, for a fusion that needs one (FLTrust).
         """
         app = self.workdir / "app"
         app.mkdir(parents=True, exist_ok=True)
@@ -487,7 +488,8 @@ class LoopbackFederation:
             "# plain assignments: `flwr run` finds the components by reading this file, not importing it\n"
             "server_app = _flower_app.server_app\nclient_app = _flower_app.client_app\n")
         run_config = {"collab-config": config.to_json(), "out-dir": str(out_dir),
-                      "eval-data": str(eval_data or ""), "poll-s": poll_s, "max-rounds": max_rounds,
+                      "eval-data": str(eval_data or ""), "root-data": str(root_data or ""),
+                      "poll-s": poll_s, "max-rounds": max_rounds,
                       "pull-backoff-s": self.pull_backoff_s or 0.0, "pack-arrays": self.pack_arrays,
                       "node-names": json.dumps({str(k): v for k, v in self.node_names.items()}),
                       "center-wait-s": center_wait_s, "rejoin-wait-s": rejoin_wait_s,
@@ -595,7 +597,8 @@ def run_flower(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.nda
                supernode_poll_s: float | None = 0.25, supernode_wait_s: float | None = 0.02,
                pull_backoff_s: float | None = 0.02, superlink_database: str | None = None,
                pack_arrays: bool = True, credentials: Credentials | None = None,
-               on_round: Callable[[RoundRecord], None] | None = None) -> CollabResult:
+               on_round: Callable[[RoundRecord], None] | None = None,
+               root_data: tuple[np.ndarray, np.ndarray] | None = None) -> CollabResult:
     """Run the federation with Flower on 127.0.0.1 and return what the ServerApp fused.
 
     Args:
@@ -611,6 +614,7 @@ def run_flower(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.nda
             fixed waits, the SuperLink's store and the message layout, see :class:`LoopbackFederation`.
         credentials: run with TLS and SuperNode authentication (see :func:`~._security.make_credentials`).
         on_round: called with each round's record as the ServerApp writes it (progress).
+        root_data: the server's own ``(x, y)`` root set (FLTrust), read by the ServerApp only.
     """
     check_data(config, data)
     # the Flower processes import these with this process's import path: fail here, before starting them
@@ -625,16 +629,19 @@ def run_flower(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.nda
         wd = Path(workdir).resolve()
         paths = write_center_data(wd, data or {})
         paths.update({c.name: "" for c in config.centers if c.data})  # the center loads its own
-        ev = None
+        ev, root = None, None
         if eval_data is not None:
             ev = wd / "data" / "_eval.npz"
             np.savez(ev, x=eval_data[0], y=eval_data[1])
+        if root_data is not None:
+            root = wd / "data" / "_root.npz"
+            np.savez(root, x=root_data[0], y=root_data[1])
         out = wd / "out"
         fed = stack.enter_context(LoopbackFederation(
             wd, paths, warm=warm, executor_poll_s=poll_s, supernode_poll_s=supernode_poll_s,
             supernode_wait_s=supernode_wait_s, pull_backoff_s=pull_backoff_s, superlink_database=superlink_database,
             pack_arrays=pack_arrays, credentials=credentials))
-        fed.submit(config, out, eval_data=ev, poll_s=poll_s)
+        fed.submit(config, out, eval_data=ev, poll_s=poll_s, root_data=root)
         try:
             fed.wait(out, timeout_s, on_round)
         except FlowerError as e:

@@ -50,7 +50,8 @@ Log: the ServerApp's log (``polyparallel.collab``: rejections, refused identitie
 that did not fuse) is written to ``out-dir/server.log``, which ``polyparallel serve`` prints.
 
 Run config keys: ``collab-config`` (the :class:`~._config.CollabConfig` JSON), ``out-dir``,
-``eval-data`` (optional ``.npz`` with ``x``, ``y``), ``poll-s``, ``pull-backoff-s`` (first retry of
+``eval-data`` (optional ``.npz`` with ``x``, ``y``), ``root-data`` (the server's root set, ``.npz``, for
+FLTrust), ``poll-s``, ``pull-backoff-s`` (first retry of
 a reply object not yet at the SuperLink; 0: Flower's 1 s), ``max-rounds`` (exit after that many
 rounds, as a server taken down between rounds; 0: run to the end), ``node-names`` (above),
 ``rejoin-wait-s`` (before a round after the first, wait up to so long for every center to be connected:
@@ -331,7 +332,12 @@ def _serve_rounds(grid: Grid, context: Context, out: Path) -> None:
     node_names = {int(k): str(v) for k, v in json.loads(str(rc.get("node-names", "") or "{}")).items()}
     center_wait_s = float(rc.get("center-wait-s", 600.0))
     rejoin_wait_s = float(rc.get("rejoin-wait-s", REJOIN_WAIT_S))
-    server = FederationServer(config, initial_params(config), TimingLog(out / "timing.jsonl"), out / "checkpoint")
+    root = None
+    if rc.get("root-data"):
+        with np.load(str(rc["root-data"])) as z:
+            root = (z["x"], z["y"])
+    server = FederationServer(config, initial_params(config), TimingLog(out / "timing.jsonl"), out / "checkpoint",
+                              root=root)
     server.resume()
     recorded = (out / "rounds.jsonl").read_text().count("\n") if (out / "rounds.jsonl").exists() else 0
     if recorded < server.round:  # killed between the checkpoint and the record: the model has the round

@@ -60,6 +60,7 @@ __all__ = [
     "CenterUpdate",
     "CenteredClip",
     "DiLoCo",
+    "FLTrust",
     "FedAdam",
     "FedAvg",
     "FedProx",
@@ -130,6 +131,10 @@ class FusionStrategy(ABC):
     #: whether the server sends a control variate ``c`` with the model and every center answers with
     #: its own ``c_i⁺`` (only SCAFFOLD)
     uses_controls: ClassVar[bool] = False
+    #: whether the server must train on its own root set each round and hand the result over as
+    #: :attr:`reference` before :meth:`fuse` (only FLTrust)
+    needs_root: ClassVar[bool] = False
+    reference: Params | None = None
 
     def control(self, global_params: Mapping[str, np.ndarray]) -> Params:
         """The server control variate ``c`` sent with the model of the next round (fusions with
@@ -494,15 +499,56 @@ class CenteredClip(FusionStrategy):
         return _unflatten(global_params, v)
 
 
+class FLTrust(FusionStrategy):
+    """FLTrust (Cao, Fang, Liu & Gong, NDSS 2021): trust in an update is its agreement with the server's own.
+
+    Each round the server trains the global model on a small labelled *root* set of its own (never a
+    center's training data) with the centers' local procedure; its update ``g₀`` is :attr:`reference`.
+    Over the trained tensors, ``TS_i = max(0, cos(δ_i, g₀))`` and every update is rescaled to ``‖g₀‖``:
+    ``Δ = Σ TS_i (‖g₀‖/‖δ_i‖) δ_i / Σ TS_i``. An update pointing away from the server's (a sign flip)
+    gets no say, and no update counts for more than the server's own step length. Running statistics
+    take the trust-and-sample-weighted mean of the centers' values. With ``Σ TS_i = 0`` the model stays.
+    Sample counts weigh only the statistics: a center cannot buy trust with a claim.
+    """
+
+    name = "fltrust"
+    needs_root = True
+
+    def __init__(self) -> None:
+        self.reference = None
+        #: per center, the numbers the last :meth:`fuse` judged it by (the server's audit records them)
+        self.scores: dict[str, dict[str, float]] = {}
+
+    def fuse(self, global_params: Mapping[str, np.ndarray], updates: Sequence[CenterUpdate]) -> Params:
+        if self.reference is None:
+            raise ValueError("fusion 'fltrust' needs the server's update on its root set (FederationServer(root=...))")
+        names = list(global_params)
+        trained = np.concatenate([np.full(global_params[k].size, not is_statistic(k)) for k in names])
+        g0 = np.concatenate([np.asarray(self.reference[k], np.float64).ravel() for k in names])[trained]
+        d = _deltas(global_params, updates)
+        n0 = float(np.linalg.norm(g0))
+        norms = np.linalg.norm(d[:, trained], axis=1)
+        cos = np.where((norms > 0) & (n0 > 0), d[:, trained] @ g0 / np.maximum(norms * n0, 1e-300), 0.0)
+        ts = np.maximum(cos, 0.0)
+        self.scores = {u.center: {"cos_root": float(c), "trust": float(t)} for u, c, t in zip(updates, cos, ts)}
+        out = np.zeros(d.shape[1])
+        if ts.sum() > 0:
+            scale = ts * n0 / np.maximum(norms, 1e-300)
+            out[trained] = (scale @ d[:, trained]) / ts.sum()
+            w = ts * _weights(updates)
+            out[~trained] = (w @ d[:, ~trained]) / w.sum()
+        return _unflatten(global_params, out)
+
+
 FUSIONS: dict[str, type[FusionStrategy]] = {
     cls.name: cls for cls in (FedAvg, FedProx, FedAdam, FedYogi, DiLoCo, Scaffold, TrimmedMean, Median, MultiKrum,
-                              CenteredClip)
+                              CenteredClip, FLTrust)
 }
 
 
 def make_fusion(name: str, **options: Any) -> FusionStrategy:
     """Build a fusion strategy by name (``fedavg``, ``fedprox``, ``fedadam``, ``fedyogi``, ``diloco``,
-    ``scaffold``, ``trimmed_mean``, ``median``, ``krum``, ``centered_clip``) with its keyword options."""
+    ``scaffold``, ``trimmed_mean``, ``median``, ``krum``, ``centered_clip``, ``fltrust``) with its keyword options."""
     try:
         cls = FUSIONS[name.lower()]
     except KeyError:

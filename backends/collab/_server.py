@@ -140,13 +140,40 @@ def _check_metrics(metrics: Mapping[str, Any]) -> list[str]:
     return []
 
 
+def _audit(metrics: dict[str, dict[str, float]], deltas: Mapping[str, Mapping[str, np.ndarray]],
+           old: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray], scores: Mapping[str, Mapping[str, float]]
+           ) -> None:
+    """Per accepted center, what the fusion made of it, into its round metrics: ``cos_fused``, the
+    cosine of its update to the fused step ``x' − x`` (the consensus; negative: it pulled against it),
+    and the fusion's own scores (FLTrust: ``cos_root``, ``trust``)."""
+    step = np.concatenate([(np.asarray(new[k], np.float64) - np.asarray(old[k], np.float64)).ravel() for k in old])
+    ns = float(np.linalg.norm(step))
+    for c, m in metrics.items():
+        d = np.concatenate([np.asarray(deltas[c][k], np.float64).ravel() for k in old])
+        nd = float(np.linalg.norm(d))
+        m["cos_fused"] = float(d @ step / (nd * ns)) if nd > 0 and ns > 0 else 0.0
+        m.update({k: float(v) for k, v in scores.get(c, {}).items()})
+
+
 class FederationServer:
     """Holds the global model and fuses the centers' replies round by round."""
 
     def __init__(self, config: CollabConfig, initial_params: Mapping[str, np.ndarray],
-                 timing: TimingLog | None = None, checkpoint_dir: str | Path | None = None) -> None:
+                 timing: TimingLog | None = None, checkpoint_dir: str | Path | None = None,
+                 root: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         self.config = config
         self.fusion = config.make_fusion()
+        self._root = None  # the server's own trainer on its root set (FLTrust)
+        if self.fusion.needs_root:
+            if root is None:
+                raise ValueError(f"fusion {config.fusion!r} needs a root set: a small labelled (x, y) the server "
+                                 "holds, never a center's training data (run_inprocess(root_data=...), "
+                                 "--root-data FILE.npz)")
+            from ._center import TorchTrainer
+
+            self._root = TorchTrainer(config.model, *root, center_index=len(config.centers),
+                                      batch_size=config.batch_size, lr=config.lr, momentum=config.momentum,
+                                      seed=config.seed, lr_schedule=config.lr_schedule, rounds=config.rounds)
         self.params: Params = {k: np.asarray(v, dtype=np.float32).copy() for k, v in initial_params.items()}
         self.round = 0  # rounds completed
         self.timing = timing or TimingLog()
@@ -297,7 +324,12 @@ class FederationServer:
             # order by center so the fused numbers do not depend on arrival order
             updates.sort(key=lambda u: cfg.center_index(u.center))
             saved = {k: np.array(v, copy=True) for k, v in self.fusion.state().items()}
+            if self._root is not None:  # the server's own update on its root set, FLTrust's reference
+                local, _ = self._root.train(self.params, steps=cfg.local_steps, round_idx=round_idx,
+                                            proximal_mu=self.fusion.proximal_mu)
+                self.fusion.reference = {k: np.asarray(local[k], np.float64) - self.params[k] for k in self.params}
             new = self.fusion.fuse(self.params, updates)
+            _audit(metrics, deltas, self.params, new, getattr(self.fusion, "scores", {}))
             why = self.guard.check_step(self.params, new)
             if why is None:
                 self.guard.record([norms[u.center] for u in updates], self.params, new)

@@ -1,0 +1,103 @@
+"""Defences that look at an update's direction: FLTrust against the server's root set, and the audit of
+per-round, per-center check values (``cos_fused``, ``cos_root``, ``trust``) and the flagged centers.
+
+The fused numbers are checked against a hand computation of the published formulas; the end-to-end
+run checks that a sign-flipping center gets no trust under FLTrust and is named in the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from benchmarks.collab_attacks import run_bn_case, tampers
+from polyparallel.backends.collab import CenterReply, CenterUpdate, FederationServer, run_inprocess
+from polyparallel.backends.collab._fusion import FLTrust, make_fusion
+from polyparallel.backends.collab._validation import bound_metrics
+from polyparallel.backends.collab._wire import encode_update
+from tests.collab_fixtures import mlp_config, random_data
+
+X = {"w": np.zeros(3), "bn.running_mean": np.zeros(2)}
+
+
+def _upd(c: str, w, rm, n: int = 10) -> CenterUpdate:
+    return CenterUpdate(c, {"w": np.array(w, float), "bn.running_mean": np.array(rm, float)}, n)
+
+
+def test_fltrust_rescales_to_the_root_norm_and_weighs_by_positive_cosine():
+    f = FLTrust()
+    f.reference = {"w": np.array([2.0, 0.0, 0.0]), "bn.running_mean": np.array([9.0, 9.0])}  # stats: not compared
+    new = f.fuse(X, [_upd("a", [4, 0, 0], [1, 1], 10), _upd("b", [1, 1, 0], [3, 3], 30), _upd("c", [-5, 0, 0], [7, 7])])
+    # a: cos 1, rescaled to ‖g0‖ = 2 -> [2, 0, 0]; b: cos 1/√2, rescaled -> √2 [1, 1, 0]; c: cos -1, trust 0
+    t = 1 / np.sqrt(2)
+    want_w = (1.0 * np.array([2, 0, 0]) + t * np.sqrt(2) * np.array([1, 1, 0])) / (1 + t)
+    np.testing.assert_allclose(new["w"], want_w, rtol=1e-12)
+    # running statistics: trust × sample weight (10 and 30 of 50) mean of the centers' values; c counts 0
+    wa, wb = 1.0 * 10 / 50, t * 30 / 50
+    np.testing.assert_allclose(new["bn.running_mean"], (wa * 1 + wb * 3) / (wa + wb) * np.ones(2), rtol=1e-12)
+    assert f.scores["c"] == {"cos_root": -1.0, "trust": 0.0}
+    assert f.scores["b"]["trust"] == pytest.approx(t, rel=1e-12)
+
+
+def test_fltrust_keeps_the_model_when_nobody_agrees_and_needs_a_root_set():
+    f = FLTrust()
+    f.reference = {"w": np.array([1.0, 0.0, 0.0]), "bn.running_mean": np.zeros(2)}
+    new = f.fuse(X, [_upd("a", [-1, 0, 0], [5, 5]), _upd("b", [0, 2, 0], [5, 5])])
+    assert all(np.array_equal(new[k], X[k]) for k in X)
+    with pytest.raises(ValueError, match="needs the server's update on its root set"):
+        FLTrust().fuse(X, [_upd("a", [1, 0, 0], [0, 0])])
+    cfg = mlp_config(("a", "b"), fusion="fltrust")
+    with pytest.raises(ValueError, match="needs a root set"):
+        FederationServer(cfg, {"fc1.weight": np.zeros((2, 2), np.float32)})
+    assert make_fusion("fltrust").needs_root and not make_fusion("fedavg").needs_root
+
+
+def test_the_audit_records_the_cosine_of_each_update_to_the_fused_step():
+    cfg = mlp_config(("a", "b", "c"), fusion="fedavg", min_centers=2, rounds=1)
+    x0 = {"fc1.weight": np.ones((2, 3), np.float32), "fc1.bias": np.zeros(2, np.float32)}
+    server = FederationServer(cfg, x0)
+    r, x = server.begin_round()
+    rng = np.random.default_rng(0)
+    deltas = {c: {k: (0.01 * rng.normal(size=v.shape)).astype(np.float32) for k, v in x.items()} for c in "ab"}
+    deltas["c"] = {k: -0.5 * v for k, v in deltas["a"].items()}  # points against a, and so against the step
+    reps = []
+    for c, d in deltas.items():
+        p = encode_update(d)
+        reps.append(CenterReply(c, p, {"num_samples": 40.0, **bound_metrics(server.nonce(r), r,
+                                                                             server.model_digest(r), p)}))
+    rec = server.finish_round(r, reps)
+    flat = {c: np.concatenate([d[k].astype(np.float64).ravel() for k in x]) for c, d in deltas.items()}
+    step = sum(flat.values()) / 3  # equal counts: FedAvg's step
+    for c, v in flat.items():
+        want = v @ step / (np.linalg.norm(v) * np.linalg.norm(step))
+        assert rec.metrics[c]["cos_fused"] == pytest.approx(want, abs=1e-6)
+    assert rec.metrics["c"]["cos_fused"] < 0 < rec.metrics["a"]["cos_fused"]
+
+
+def test_a_sign_flipper_gets_no_trust_under_fltrust_and_is_named_in_the_summary():
+    names = ("c0", "c1", "c2")
+    data = random_data(names, seed=5, grow=0)
+    root = random_data(("root",), seed=6, grow=0)["root"]  # the server's own rows, no center's
+    cfg = mlp_config(names, fusion="fltrust", min_centers=2, rounds=3)
+    logging.getLogger("polyparallel.collab").setLevel(logging.ERROR)
+    try:
+        res = run_inprocess(cfg, data, root_data=root, tamper=tampers("sign_flip", "none"))
+    finally:
+        logging.getLogger("polyparallel.collab").setLevel(logging.NOTSET)
+    assert res.fused_rounds == 3
+    for r in res.rounds:
+        assert r.metrics["c0"]["trust"] == 0.0 and r.metrics["c0"]["cos_root"] < 0
+        assert all(r.metrics[c]["trust"] > 0 for c in ("c1", "c2"))
+    summary = json.loads(json.dumps(res.to_dict()))["flagged"]
+    assert summary["c0"]["rounds"] == [1, 2, 3] and "no trust" in summary["c0"]["why"][0]
+    assert "c1" not in summary and "c2" not in summary
+
+
+def test_the_benchmark_backdoor_is_measured_on_triggered_rows_of_other_classes():
+    """The attack-success number is the share of triggered non-target test rows put in the target
+    class; an honest federation's is small, and the poisoned center's rows carry the trigger."""
+    got = run_bn_case("none", "fedavg", 3, 0, rounds=2)
+    assert 0.0 <= got["attack_success"] < 30.0 and got["accuracy"] > 50.0
