@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import math
 import operator
 from collections.abc import Callable, Iterator, Sequence
@@ -33,7 +34,7 @@ from polyparallel.ir import Graph, LoopNest, OpKind, TensorKind
 from ._builder import CaptureError, GraphBuilder
 from ._fold import export_folded, input_kinds
 
-__all__ = ["capture_torch"]
+__all__ = ["capture_torch", "quiet_fake_tensors"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -759,7 +760,7 @@ def _no_stack_traces() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _quiet_fake_tensors() -> Iterator[None]:
+def quiet_fake_tensors() -> Iterator[None]:
     """torch's fake-tensor dispatch logs each op that fails on meta tensors with its traceback at
     ERROR level (``torch._subclasses.fake_tensor``) before raising: the raised error, which the
     capture reports in one line, says the same; the log lines are held back."""
@@ -775,7 +776,7 @@ def _quiet_fake_tensors() -> Iterator[None]:
 
 
 def _export_program(model: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-    with _no_stack_traces(), _quiet_fake_tensors():
+    with _no_stack_traces(), quiet_fake_tensors():
         return torch.export.export(model, args, kwargs=kwargs, strict=False)
 
 
@@ -878,7 +879,8 @@ def _fx(model: torch.nn.Module, args: tuple, kwargs: dict, name: str) -> Graph:
     concrete = {n: p.default for n, p in sig.parameters.items()
                 if n not in bound.arguments and p.default is not inspect.Parameter.empty}
     gm = torch.fx.symbolic_trace(model, concrete_args=concrete or None)
-    ShapeProp(gm).propagate(*[bound.arguments[n] for n in sig.parameters if n in bound.arguments])
+    with contextlib.redirect_stderr(io.StringIO()):  # ShapeProp prints each failure's traceback, then raises it
+        ShapeProp(gm).propagate(*[bound.arguments[n] for n in sig.parameters if n in bound.arguments])
     gb = GraphBuilder(name, "torch.fx")
     w = _Walker(gb)
     graph = gb.graph
@@ -1048,7 +1050,9 @@ def capture_torch(model: torch.nn.Module, example_inputs: Any = None, example_kw
     except CaptureError:
         raise
     except Exception as e:
-        errors.append(f"torch.fx.symbolic_trace failed: {_first_lines(e)}")
+        # ShapeProp wraps the op's own error in one naming the fx node: the op's error says what is wrong
+        cause = e.__cause__ if str(e).startswith("ShapeProp error") and e.__cause__ is not None else e
+        errors.append(f"torch.fx.symbolic_trace failed: {_first_lines(cause)}")
         raise CaptureError(
             f"could not capture {name}:\n  " + "\n  ".join(errors) +
             "\n  fixes: give example inputs of the right shapes/dtypes; avoid data-dependent Python control flow "

@@ -170,3 +170,38 @@ def test_a_hand_edited_strategy_with_impossible_values_is_refused(edit, words, w
         for w in words:
             assert w in err, (w, err)
     assert not (workdir / "r.html").exists()
+
+
+def _float_labels(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from polyparallel.backends.torch._examples import gpt_data
+
+    x, y = gpt_data(step)
+    return x, y.float()
+
+
+def _narrow_inputs(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from polyparallel.backends.torch._examples import mlp_data
+
+    x, y = mlp_data(step)
+    return x[:, :20], y
+
+
+@pytest.mark.parametrize(("model", "data", "words"), [
+    ("tiny_gpt", _float_labels, ["labels float32 (4, 16)", "Expected dtype int32/int64", "return the inputs"]),
+    ("tiny_mlp", _narrow_inputs, ["inputs float32 (4, 20)", "[4, 20] X [32, 64]", "return the inputs"]),
+], ids=["float labels", "wrong width"])
+def test_train_on_data_the_model_cannot_take_is_refused_in_one_line(model: str, data, words: list[str],
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """The forward is tried on a micro-batch of data_fn(0) (fake tensors) before the capture, whose
+    account of the same failure was several lines of export and fx errors, plus torch's logged tracebacks."""
+    from polyparallel.backends.torch import _examples as ex
+    from polyparallel.backends.torch import train
+
+    fn = getattr(ex, model)
+    good = ex.gpt_data if model == "tiny_gpt" else ex.mlp_data
+    s = pp.evaluate(fn(), good(0), "local-cpu:2", batch_size=8, dp=2, microbatches=1, recompute="none")
+    with pytest.raises(ValueError, match="the model's forward fails on a micro-batch of data_fn") as exc:
+        train(s, fn, data, steps=1)
+    msg = str(exc.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]  # torch's fake-tensor logs held back

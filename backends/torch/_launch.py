@@ -20,7 +20,7 @@ from polyparallel.backends.torch._agent import take as take_agent
 from polyparallel.backends.torch._checkpoint import check_resume, trim_log
 from polyparallel.backends.torch._plan import plan_for
 from polyparallel.backends.torch._procs import kill_tree, recorded_pids
-from polyparallel.backends.torch._tensor_parallel import strategy_graph
+from polyparallel.backends.torch._tensor_parallel import forward_problem, strategy_graph
 from polyparallel.references import call_user, resolve
 from polyparallel.strategy import Strategy
 
@@ -107,6 +107,10 @@ def check_batch(strategy: Strategy, batch: Any) -> None:
         raise ValueError(f"the global batch {B} does not split into dp={strategy.dp} x microbatches="
                          f"{strategy.microbatches} = {shares} equal shares; search again with a batch size divisible "
                          f"by {shares}")
+
+
+def _shape(t: Any) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"
 
 
 def new_run_dir(root: str | Path | None = None) -> Path:
@@ -308,12 +312,19 @@ def _checked_run(strategy: Strategy, model_fn: Any, data_fn: Any, agent: subproc
     torch.manual_seed(seed)
     # pipeline stages are cut, and the model captured, on (a micro-batch of) it
     batch = call_user(resolve(data_fn), "the data function", 0)
-    if strategy.mode == "synchronous":
-        check_batch(strategy, batch)
-    graph = strategy_graph(strategy, resolve(model_fn), batch, check_fingerprint) if strategy.mode == "synchronous" \
-        else None  # plan_for says where a collaborative strategy runs
     torch.manual_seed(seed)
     model = call_user(resolve(model_fn), "the model function")
+    graph = None  # plan_for says where a collaborative strategy runs
+    if strategy.mode == "synchronous":
+        check_batch(strategy, batch)
+        b = strategy.global_batch // (strategy.dp * strategy.microbatches)
+        micro = tuple(t[:b] for t in batch)
+        why = forward_problem(model, micro)  # said before the capture's longer account of it
+        if why:
+            raise ValueError(f"the model's forward fails on a micro-batch of data_fn(0) (inputs {_shape(micro[0])}, "
+                             f"labels {_shape(micro[1])}): {why}; return the inputs and labels model(inputs, labels) "
+                             "takes")
+        graph = strategy_graph(strategy, resolve(model_fn), batch, check_fingerprint)
     # refused before any launch; the batch cuts pipeline stages and tries the forward on tensor-parallel shards
     plan = plan_for(strategy, model, batch if strategy.pp > 1 or strategy.tp > 1 else None, graph=graph)
     for name, t in zip(("inputs", "labels"), batch) if plan.sp > 1 else ():

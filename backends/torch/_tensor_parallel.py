@@ -79,9 +79,10 @@ from polyparallel.backends.torch.op_roles import chunked_evenly, op_role
 from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind
 
 __all__ = ["FingerprintMismatch", "FusedColwiseParallel", "HeadSplit", "Region", "UlyssesAttention", "build_mesh",
-           "capture_for_strategy", "check_fingerprint", "eager_tp_problem", "head_split", "offset_positions",
-           "parallelize", "position_embeddings", "qkv_rows", "reads_head_shards", "replica_mesh", "sequence_shard",
-           "sharded_consumer", "sp_problems", "step_context", "strategy_graph", "tie_groups", "tied_shards"]
+           "capture_for_strategy", "check_fingerprint", "eager_tp_problem", "forward_problem", "head_split",
+           "offset_positions", "parallelize", "position_embeddings", "qkv_rows", "reads_head_shards", "replica_mesh",
+           "sequence_shard", "sharded_consumer", "sp_problems", "step_context", "strategy_graph", "tie_groups",
+           "tied_shards"]
 
 
 class FingerprintMismatch(ValueError):
@@ -687,23 +688,42 @@ def _local_rows(n: int, tp: int, rank: int) -> int:
     return max(0, min(size, n - rank * size))
 
 
+def forward_problem(model: nn.Module, batch: tuple[Any, ...], shapes: dict[str, tuple[int, ...]] | None = None
+                    ) -> str | None:
+    """Why ``model(*batch)`` fails, in one line naming the user's line, or None when it runs. It runs
+    on fake tensors (no memory, no compute), with the parameters and buffers named in ``shapes``
+    replaced by tensors of those shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+
+    from polyparallel.frontends.torch import quiet_fake_tensors
+    from polyparallel.references import user_frame
+
+    shapes = shapes or {}
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    with quiet_fake_tensors(), FakeTensorMode() as mode:
+        state = {n: torch.empty(shapes[n], dtype=t.dtype) if n in shapes else mode.from_tensor(t) for n, t in tensors}
+        args = tuple(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in batch)
+        try:
+            functional_call(model, state, args, tie_weights=False)
+        except Exception as e:  # any failure of the user's forward is the answer
+            frame = user_frame(e)
+            where = f" (at {frame.filename}:{frame.lineno}: {frame.line})" if frame else ""
+            return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}{where}"
+    return None
+
+
 def eager_tp_problem(model: nn.Module, tp_plan: dict[str, str], tp: int, batch: tuple[Any, Any]) -> str | None:
     """Why ``model``'s own forward fails on the local shards :func:`parallelize` gives a rank, or
-    None when it runs: the forward is run on fake tensors (no memory, no compute) with every
-    column-parallel Linear's weight and bias cut to the rank's rows and every row-parallel weight to
-    its columns, as ``parallelize_module``'s local outputs are. The other styles (gathered columns,
-    vocabulary-parallel embeddings, class-parallel logits) leave the module's output whole.
+    None when it runs (:func:`forward_problem`), with every column-parallel Linear's weight and bias
+    cut to the rank's rows and every row-parallel weight to its columns, as ``parallelize_module``'s
+    local outputs are. The other styles (gathered columns, vocabulary-parallel embeddings,
+    class-parallel logits) leave the module's output whole.
 
     A forward that sizes views from its configuration rather than from the tensors (nanoGPT's
     ``c_attn(x).split(n_embd, dim=2)``) fails here, where the exported-graph rewrite of
     :mod:`._stage_tp`, which rewrites view sizes to the local ones, runs it. ``batch`` is one
     rank's ``(inputs, labels)``; ranks 0 and ``tp - 1`` are tried (uneven splits differ only there)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.func import functional_call
-
-    from polyparallel.references import user_frame
-
-    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     for rank in sorted({0, tp - 1}):
         shapes: dict[str, tuple[int, ...]] = {}
         for path, kind in tp_plan.items():
@@ -717,16 +737,9 @@ def eager_tp_problem(model: nn.Module, tp_plan: dict[str, str], tp: int, batch: 
                     shapes[path + ".bias"] = (rows,)
             else:
                 shapes[path + ".weight"] = (mod.out_features, _local_rows(mod.in_features, tp, rank))
-        with FakeTensorMode() as mode:
-            state = {n: torch.empty(shapes[n], dtype=t.dtype) if n in shapes else mode.from_tensor(t)
-                     for n, t in tensors}
-            args = tuple(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in batch)
-            try:
-                functional_call(model, state, args, tie_weights=False)
-            except Exception as e:  # any failure of the user's forward is the answer
-                frame = user_frame(e)
-                where = f" (at {frame.filename}:{frame.lineno}: {frame.line})" if frame else ""
-                return f"{type(e).__name__}: {e}{where}"
+        why = forward_problem(model, batch, shapes)
+        if why:
+            return why
     return None
 
 
