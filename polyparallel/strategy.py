@@ -48,7 +48,7 @@ __all__ = [
     "json_schema",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Literal[1] = 1
 SCHEMA_FILE = Path(__file__).with_name("strategy.schema.json")
 
 
@@ -275,7 +275,7 @@ class Strategy(_Model):
         if graph is not None:
             from polyparallel.poly import DeviceMesh, Placement, legal_placements
 
-            mesh = DeviceMesh.of(**self.mesh.shape()) if self.mesh.axes else None
+            mesh = DeviceMesh.of(None, (), **self.mesh.shape()) if self.mesh.axes else None
             names = {op.name: op for op in graph.ops}
             for entry in self.placements:
                 try:

@@ -121,6 +121,7 @@ class _LinkSpec(_Strict):
     def link(self) -> Link:
         up = self.up if self.up is not None else self.bandwidth
         down = self.down if self.down is not None else self.bandwidth
+        assert up is not None and down is not None  # _dirs: bandwidth, or both up and down
         return Link(self.kind, float(up), float(down), float(self.latency), self.ports, self.efficiency,
                     self.oversubscription, self.source)
 
@@ -212,7 +213,8 @@ def catalog() -> dict[str, DeviceType]:
 
 
 def _device_type(name: str, s: _DeviceTypeSpec, base: Path | None) -> DeviceType:
-    dt = DeviceType(name=name, kind=s.kind, peak=tuple(sorted(s.peak.items())), memory=float(s.memory),
+    peak = tuple(sorted((k, float(v)) for k, v in s.peak.items()))
+    dt = DeviceType(name=name, kind=s.kind, peak=peak, memory=float(s.memory),
                     memory_bandwidth=float(s.memory_bandwidth), launch_overhead=float(s.launch_overhead),
                     vendor=s.vendor, source=s.source, sms=s.sms or 0)
     if s.calibration:
@@ -252,9 +254,9 @@ def build_fields(spec: _ClusterSpec, source: str) -> dict[str, Any]:
                                        "ports: add nic: {kind: infiniband, bandwidth: '200 Gb/s', ports: 8}")
             dt = types[g.device]
             intra = g.intra.link() if g.intra else Link("none", math.inf, math.inf, 0.0)
-            for k in range(g.count):
+            for i in range(g.count):
                 nid = len(nodes)
-                nname = f"{c.name}/{g.name}{k}" if g.count > 1 else f"{c.name}/{g.name}"
+                nname = f"{c.name}/{g.name}{i}" if g.count > 1 else f"{c.name}/{g.name}"
                 ids = tuple(range(len(devices), len(devices) + g.devices_per_node))
                 for j, did in enumerate(ids):
                     devices.append(Device(did, f"{nname}/{dt.kind}{j}", dt, ci, nid, j))

@@ -265,18 +265,18 @@ def _diff(x: Any, y: Any, rb: Rebatcher, where: str, rebuild: bool = False) -> B
                 out[k] = f(v[k], b)
             return out
         return dct
-    if is_dataclass(x):
+    if is_dataclass(x) and not isinstance(x, type):
         names = [f.name for f in fields(x)]
-        subs = [(n, f) for n in names
-                if (f := _diff(getattr(x, n), getattr(y, n), rb, f"{where}.{n}")) is not None]
-        if not subs and not rebuild:
+        fsubs = [(n, sub) for n in names
+                 if (sub := _diff(getattr(x, n), getattr(y, n), rb, f"{where}.{n}")) is not None]
+        if not fsubs and not rebuild:
             return None
         cls = type(x)
 
         def obj(v: Any, b: int) -> Any:
             kw = {n: getattr(v, n) for n in names}
-            for n, f in subs:
-                kw[n] = f(kw[n], b)
+            for n, sub in fsubs:
+                kw[n] = sub(kw[n], b)
             return cls(**kw)
         return obj
     if x == y:  # an attribute value of another type (a dtype, a device...)

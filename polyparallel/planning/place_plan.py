@@ -121,9 +121,9 @@ def _place_stages(g: Graph, cl: Cluster, est: StepEstimate, stage_ops: list[list
     cfg = est.config
     rule = rule_placements(g, cfg)
     if mode == "rule" or cfg.tp == 1 or cfg.sp > 1:
-        why = ("asked for" if mode == "rule" else "no tensor-parallel axis to place" if cfg.tp == 1 else
-               "sp > 1: Ulysses is run for every op, as the step model prices it")
-        return Placed(est, rule, [StagePlacement("rule", why) for _ in stage_ops])
+        reason = ("asked for" if mode == "rule" else "no tensor-parallel axis to place" if cfg.tp == 1 else
+                  "sp > 1: Ulysses is run for every op, as the step model prices it")
+        return Placed(est, rule, [StagePlacement("rule", reason) for _ in stage_ops])
     mesh = DeviceMesh.of(tp=cfg.tp)
     devs = cfg.devices if cfg.devices is not None else tuple(range(cfg.world))
     index = {op.name: i for i, op in enumerate(g.ops)}
@@ -140,6 +140,7 @@ def _place_stages(g: Graph, cl: Cluster, est: StepEstimate, stage_ops: list[list
     def rule_runs(ops: list[Op]) -> list[str]:
         """Why the backend cannot run the rule's placements of these ops (empty: it can)."""
         placed = {o.name: tp_part(o) or Placement() for o in ops}
+        assert expressible is not None  # asked only of the torch target's stages
         bad = [f"{o.name} ({placed[o.name]})" for o in ops if not expressible(o, placed[o.name])]
         return [f"the rule's placement of {bad[0]} is not executed"] if bad else torch.chain_problems(g, placed, mesh)
 
@@ -182,10 +183,10 @@ def _place_stages(g: Graph, cl: Cluster, est: StepEstimate, stage_ops: list[list
     est2 = estimate_step(g, cl, replace(cfg, op_plans=op_plans))
     rule_ok = mode != "torch" or not any(st.source == "replicated" for st in stages)
     if rule_ok and (not _fits(est2, cap) or est2.step_time > est.step_time * (1 + 1e-12)):
-        why = ("the solver's placements do not fit in memory" if not _fits(est2, cap) else
-               f"the step model prices the solver's placements slower ({est2.step_time:.6g} s vs "
-               f"{est.step_time:.6g} s per step)")
-        return Placed(est, rule, [StagePlacement("rule", why, st.objective_s, st.rule_objective_s, st.solver,
+        reason = ("the solver's placements do not fit in memory" if not _fits(est2, cap) else
+                  f"the step model prices the solver's placements slower ({est2.step_time:.6g} s vs "
+                  f"{est.step_time:.6g} s per step)")
+        return Placed(est, rule, [StagePlacement("rule", reason, st.objective_s, st.rule_objective_s, st.solver,
                                                  st.solve_s) for st in stages])
     out = []
     for op, r in zip(g.ops, rule):

@@ -565,31 +565,38 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
                      f"its share, {cores / cl.num_devices:.2g} of a core, and train would run them time-sharing")
     if len(cl.centers) > 1 and c.mode != "synchronous" and not c.centers:
         collab = _search_collab(mdl, cl, B, c, exhaustive, say)
-    sync_ok = best is not None and best.est is not None
-    if sync_ok:
-        _release_prices(mdl, best.b)
-        mdl.exact(best.b)  # the strategy names a captured graph: count its capture as capture time
+    sync = best if best is not None and best.est is not None else None  # the synchronous plan found
+    if sync is not None:
+        _release_prices(mdl, sync.b)
+        mdl.exact(sync.b)  # the strategy names a captured graph: count its capture as capture time
     notes += _opaque_note(next(iter(mdl.priced.values()), None) or next(iter(mdl.graphs.values()), None))
     search_s = time.perf_counter() - t0 - mdl.capture_s
     cands = (best.candidates if best else 0) + (collab[1] if collab else 0)
     record = SearchRecord(capture_s=round(mdl.capture_s, 3), search_s=round(search_s, 3), candidates=cands,
                           solver="enumeration+min-max-partition" + ("(exhaustive)" if exhaustive else ""), notes=notes)
-    if collab is not None and (not sync_ok or collab[0].estimate.samples_per_s > best.est.throughput or
+    sync_est = sync.est if sync is not None else None
+    if collab is not None and (sync_est is None or _estimate(collab[0]).samples_per_s > sync_est.throughput or
                                c.mode == "collaborative"):
         return collab[0].model_copy(update={"search": record})
-    if not sync_ok:
+    if sync is None:
         raise DoesNotFit(_does_not_fit_message(mdl, cl, best))
     t1 = time.perf_counter()
-    strat = strategy_of(mdl, cl, best.est, best.b, B, devs, record, c.placements, c.memory_cap)
+    strat = strategy_of(mdl, cl, sync.est, sync.b, B, devs, record, c.placements, c.memory_cap)
     # the backend's check exports the model to cut a pipeline: a burst of cyclic garbage
     with young_collected():
-        if best.refuse is not None:
-            strat = _executable(strat, mdl, cl, best, B, devs, record, c, say)
+        if sync.refuse is not None:
+            strat = _executable(strat, mdl, cl, sync, B, devs, record, c, say)
         elif c.placements != "torch":
-            strat = _checked_as_placed(strat, mdl, best, B, c.placements)
+            strat = _checked_as_placed(strat, mdl, sync, B, c.placements)
     # placing the chosen plan's ops is part of the search (its capture, if any, was counted above)
     return strat.model_copy(update={"search": strat.search.model_copy(update={
         "search_s": round(search_s + time.perf_counter() - t1, 3)})})
+
+
+def _estimate(s: Strategy) -> Estimate:
+    """The estimate of a strategy the search wrote (it always writes one)."""
+    assert s.estimate is not None, "a searched strategy carries its estimate"
+    return s.estimate
 
 
 def _release_prices(mdl: ModelGraphs, b: int) -> None:
@@ -827,11 +834,12 @@ def _executable(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B: 
                 # the plan was ranked at the placements the polyhedral model derives, but the torch
                 # backend runs none of them on this model: each tp rank would do the whole stage's
                 # work. That is the model's ops, not this mesh's, so every tp > 1 plan is dropped
+                assert best.chosen is not None  # the candidate behind strat
                 say(f"the torch backend runs {best.chosen.bound.config} only replicated over tp; searching "
                     "without tensor parallelism")
                 replicated_note = (f"left out tensor parallelism: the torch backend splits none of this model's "
                                    f"ops over tp as priced ({best.chosen.bound.config} would be written with every "
-                                   f"op replicated, {strat.estimate.step_time_s:.3g} s per step)")
+                                   f"op replicated, {_estimate(strat).step_time_s:.3g} s per step)")
                 best.fitting = [f for f in best.fitting if f.bound.config.tp == 1]
                 best.est, best.b, best.chosen = None, 0, None
                 best.solve()
@@ -842,7 +850,7 @@ def _executable(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B: 
                          replicated_note]
                 strat = strat.model_copy(update={"search": strat.search.model_copy(update={"notes": notes})})
                 continue
-            if fallback is not None and fallback[0].estimate.step_time_s < strat.estimate.step_time_s:
+            if fallback is not None and _estimate(fallback[0]).step_time_s < _estimate(strat).step_time_s:
                 strat, (best.est, best.b, best.chosen) = fallback[0], fallback[1:]
             break
         except NotExecutable as e:
@@ -850,13 +858,13 @@ def _executable(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B: 
             ruled = _rule_placed(strat, mdl, cl, best, B, devs, record, c, batch)
             if ruled is None:
                 refused.append(f"{best.chosen.bound.config}: {e}")
-            elif fallback is None or ruled.estimate.step_time_s < fallback[0].estimate.step_time_s:
+            elif fallback is None or _estimate(ruled).step_time_s < _estimate(fallback[0]).step_time_s:
                 fallback = (ruled, best.est, best.b, best.chosen)
             say(f"the torch backend refuses {best.chosen.bound.config}; trying the next plan")
             best.fitting.remove(best.chosen)
             best.est, best.b, best.chosen = None, 0, None
             best.solve()
-            if best.est is None or (fallback is not None and best.est.step_time >= fallback[0].estimate.step_time_s):
+            if best.est is None or (fallback is not None and best.est.step_time >= _estimate(fallback[0]).step_time_s):
                 if fallback is None:
                     raise DoesNotFit("no plan the torch backend executes fits: " + "; ".join(refused[-3:])) from e
                 strat, (best.est, best.b, best.chosen) = fallback[0], fallback[1:]
@@ -921,7 +929,7 @@ def _train_batch(mdl: ModelGraphs, B: int) -> tuple[Any, Any] | None:
     if len(pair) != 2 or not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in pair):
         return None
     device = next((p.device for p in mdl.model.parameters()), pair[0].device)
-    return tuple(rebatch(t, mdl.b0, B).to(device) for t in pair)  # type: ignore[return-value]
+    return tuple(rebatch(t, mdl.b0, B).to(device) for t in pair)
 
 
 def _ep_degrees(g: Graph, shape: tuple[int, int, int, int], c: Constraints) -> list[int]:
@@ -1021,7 +1029,7 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
                    say: Callable[[str], None]) -> tuple[Strategy, int] | None:
     """Each center trains locally with its own best plan; fuse every H steps over the WAN."""
     say("pricing the collaborative mode: one synchronous plan per center")
-    per_center: list[tuple[Any, _Best, list[int]]] = []
+    per_center: list[tuple[Any, StepEstimate, list[int]]] = []  # (center, its best plan's estimate, devices)
     cands = 0
     for ce in cl.centers:
         devs = cl.devices_of(center=ce.index)
@@ -1042,10 +1050,10 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
                 break
         if best.est is None:
             return None  # a center cannot hold the model: no collaborative plan
-        per_center.append((ce, best, devs))
+        per_center.append((ce, best.est, devs))
     if len(per_center) < 2:
         return None
-    rates = [b.est.throughput for _, b, _ in per_center]
+    rates = [e.throughput for _, e, _ in per_center]
     total_rate = sum(rates)
     # H from the round simulator (cost_models/collab_simulator.py): every center's own step time and WAN
     # link, the server's fusion and Flower's fixed cost per round; the slowest center sets the pace
@@ -1053,27 +1061,27 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
 
     links = [ce.wan for ce, _, _ in per_center]
     H, sim = choose_local_steps(SimInputs.make(
-        [ce.name for ce, _, _ in per_center], [b.est.step_time for _, b, _ in per_center], 1,
+        [ce.name for ce, _, _ in per_center], [e.step_time for _, e, _ in per_center], 1,
         mdl.graph(mdl.b0).param_count(), down_Bps=[w.down_bandwidth if w else math.inf for w in links],
         up_Bps=[w.up_bandwidth if w else math.inf for w in links], latency_s=[w.latency if w else 0.0 for w in links]),
         c.comm_fraction, c.max_local_steps)
     round_time, comm = float(sim.round_s[0]), sim.critical_comm_share()
     fixed, fuse = float(sim.dur["framework"][0, 0]), float(sim.dur["fuse"][0, 0])
     fusion = float((sim.dur["distribute"][0] + sim.dur["upload"][0]).max())  # the slowest link's transfers
-    local = round_time - fixed - fuse - fusion
+    local_s = round_time - fixed - fuse - fusion
     centers = [CenterPlan(name=ce.name, framework=ce.framework, devices=devs, share=round(r / total_rate, 6),
-                          local_strategy={"dp": b.est.config.dp, "tp": b.est.config.tp, "pp": b.est.config.pp,
-                                          "sp": b.est.config.sp, "microbatches": b.est.config.microbatches,
-                                          "zero_stage": b.est.config.zero_stage, "recompute": b.est.config.recompute,
-                                          "dtype": b.est.config.dtype,
-                                          "step_time_s": b.est.step_time, "samples_per_s": b.est.throughput})
-               for (ce, b, devs), r in zip(per_center, rates)]
+                          local_strategy={"dp": e.config.dp, "tp": e.config.tp, "pp": e.config.pp,
+                                          "sp": e.config.sp, "microbatches": e.config.microbatches,
+                                          "zero_stage": e.config.zero_stage, "recompute": e.config.recompute,
+                                          "dtype": e.config.dtype,
+                                          "step_time_s": e.step_time, "samples_per_s": e.throughput})
+               for (ce, e, devs), r in zip(per_center, rates)]
     all_devs = [d for _, _, ds in per_center for d in ds]
     est = Estimate(step_time_s=round_time / H, samples_per_s=B * H / round_time,
                    model_flops_per_s_per_device=3 * mdl.graph(mdl.b0).flops() / mdl.b0 * B * H / round_time
-                   / len(all_devs), memory_bytes_max=max(max(r.total for r in b.est.memory)
-                                                         for _, b, _ in per_center),
-                   comm_fraction=comm, breakdown={"local_compute": local, "fusion": fusion, "framework": fixed,
+                   / len(all_devs), memory_bytes_max=max(max(r.total for r in e.memory)
+                                                         for _, e, _ in per_center),
+                   comm_fraction=comm, breakdown={"local_compute": local_s, "fusion": fusion, "framework": fixed,
                                                   "server_fusion": fuse})
     collab = Collaborative(centers=centers, fusion="fedavg", local_steps=H, rounds=1, compression="none",
                            round_time_s=round_time, comm_fraction=comm)
@@ -1178,7 +1186,7 @@ def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Pa
     c = Constraints(dp=dp, tp=tp, pp=pp, sp=sp, ep=ep, microbatches=microbatches, schedule=schedule,
                     zero_stage=zero_stage, recompute=recompute, dtype=dtype, allow_wan=True, cross_node_tp=True,
                     devices=world, chunks=chunks, sequence_parallel=sequence_parallel, partition=partition,
-                    execution=execution or {})  # checked and kept as sorted pairs by Constraints
+                    execution=execution_options(execution))  # checked, as sorted pairs
     if placements not in MODES:
         raise ValueError(f"placements must be one of {', '.join(MODES)}, not {placements!r}")
     t0 = time.perf_counter()

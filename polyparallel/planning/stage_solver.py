@@ -249,7 +249,9 @@ class _Pricer:
         pls, forced = self.legal(op)
         extra = key[3] or (0.0,) * len(pls)
         w = TRAINING_DTYPE_BYTES.get(self.dtype, 4)  # collectives inside an op move partial sums / gradients
-        costs, computes, comms = [], [], []
+        costs: list[float] = []
+        computes: list[float] = []
+        comms: list[float] = []
         # the step model's price of each candidate as the torch backend runs it (eager on accelerators)
         run = ParallelConfig(dtype=self.dtype)
         for p in pls:
@@ -755,8 +757,8 @@ def _solve_chain(pr: _Pricer, ops: list[Op], runs: list[tuple[str, list[range]]]
     traces = []
     for inst, prev in instances:
         scope, table, trace, rename, names = _block_factor(pr, inst, prev, in_set, max_table)
-        for r, n in zip(scope, names):
-            size[n] = table.shape[scope.index(r)]
+        for dim, n in zip(scope, names):
+            size[n] = table.shape[scope.index(dim)]
         factors.append((tuple(names), table))
         traces.append((trace, rename))
     _, top = _eliminate(factors, size, set(size), max_table)
