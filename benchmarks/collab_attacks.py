@@ -49,7 +49,7 @@ from polyparallel.backends.collab._wire import decode_update, encode_update  # n
 
 ATTACKS = ("none", "absent", "huge", "scaled", "int8_scale", "samples", "samples_declared", "sign_flip", "replay",
            "replay_forged", "label_flip")
-FUSIONS = ("fedavg", "median", "trimmed_mean", "krum", "centered_clip")
+FUSIONS = ("fedavg", "median", "trimmed_mean", "krum", "centered_clip", "fltrust")
 SPEC = ModelSpec("mlp", (64,), 10, hidden=32)
 BAD = "c0"  # the malicious center
 ROOT_ROWS = 100  # the server's root set (FLTrust), never a center's training rows
@@ -192,8 +192,9 @@ def attack_success(params: dict[str, np.ndarray], test: tuple[np.ndarray, np.nda
     return 100.0 * evaluate_torch(BN_SPEC, params, trigger(x[keep]), np.full(int(keep.sum()), TARGET))["accuracy"]
 
 
-def run_bn_case(attack: str, fusion: str, n_centers: int, seed: int, rounds: int = 10) -> dict[str, Any]:
-    """One label-skewed federation of the BatchNorm CNN under ``attack`` (``BN_ATTACKS``)."""
+def run_bn_case(attack: str, fusion: str, n_centers: int, seed: int, rounds: int = 10, **kw: Any) -> dict[str, Any]:
+    """One label-skewed federation of the BatchNorm CNN under ``attack`` (``BN_ATTACKS``); ``kw``: more
+    :class:`CollabConfig` fields (e.g. ``min_cosine``)."""
     data, root, test = skewed_digits(n_centers, seed)
     names = list(data)
     if attack == "absent":
@@ -207,7 +208,7 @@ def run_bn_case(attack: str, fusion: str, n_centers: int, seed: int, rounds: int
         data = {**data, BAD: (x, y)}
     cfg = CollabConfig(centers=tuple(CenterSpec(c) for c in names), model=BN_SPEC, fusion=fusion,
                        min_centers=max(1, len(names) - (attack != "absent")), rounds=rounds, local_steps=10,
-                       batch_size=32, lr=0.05, momentum=0.5, seed=seed)
+                       batch_size=32, lr=0.05, momentum=0.5, seed=seed, **kw)
     tamper = {}
     if attack == "sign_flip":
         tamper = tampers("sign_flip", "none")
@@ -218,9 +219,10 @@ def run_bn_case(attack: str, fusion: str, n_centers: int, seed: int, rounds: int
     t0 = time.perf_counter()
     res = run_inprocess(cfg, {c: data[c] for c in names}, eval_data=test, tamper=tamper,
                         root_data=root if cfg.make_fusion().needs_root else None)
-    audit = [{c: {k: round(v, 4) for k, v in m.items() if k in ("update_norm", "cos_fused", "cos_root", "trust")}
+    audit = [{c: {k: round(v, 4) for k, v in m.items()
+                  if k in ("update_norm", "cos_fused", "cos_others", "cos_root", "trust")}
               for c, m in r.metrics.items()} for r in res.rounds]
-    return {"attack": attack, "fusion": fusion, "centers": n_centers, "seed": seed,
+    return {"attack": attack, "fusion": fusion, "centers": n_centers, "seed": seed, **kw,
             "accuracy": 100.0 * res.rounds[-1].eval.get("accuracy", float("nan")),
             "attack_success": attack_success(res.params, test), "fused_rounds": res.fused_rounds,
             "bad_accepted": sum(BAD in r.accepted for r in res.rounds),
@@ -285,13 +287,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="mlp: the IID MLP table; bn: BatchNorm CNN under label skew, backdoors, seeds")
     ap.add_argument("--seeds", type=int, default=3, help="bn: seeds per cell")
     ap.add_argument("--attacks", nargs="*", default=None, help="bn: a subset of " + ", ".join(BN_ATTACKS))
+    ap.add_argument("--min-cosine", type=float, default=None, help="CollabConfig.min_cosine (default: the config's)")
     args = ap.parse_args(argv)
     logging.getLogger("polyparallel.collab").setLevel(logging.ERROR)  # the rejections are in the table
+    kw = {} if args.min_cosine is None else {"min_cosine": args.min_cosine}
     if args.part == "bn":
-        fusions = [f for f in args.fusions if f in BN_FUSIONS or f not in FUSIONS] if args.fusions != list(FUSIONS) \
-            else list(BN_FUSIONS)
-        rows = [run_bn_case(a, f, n, s) for n in args.centers for f in fusions for a in (args.attacks or BN_ATTACKS)
-                for s in range(args.seeds)]
+        fusions = list(BN_FUSIONS) if args.fusions == list(FUSIONS) else args.fusions
+        rows = [run_bn_case(a, f, n, s, **kw) for n in args.centers for f in fusions
+                for a in (args.attacks or BN_ATTACKS) for s in range(args.seeds)]
         print(bn_table(rows))
         out = args.out or ROOT / "benchmarks" / "results" / "collab_attacks_bn.json"
         out.write_text(json.dumps({"model": f"{BN_SPEC}", "skew": SKEW, "poisoned": POISONED, "target": TARGET,
@@ -301,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     args.out = args.out or ROOT / "benchmarks" / "results" / "collab_attacks.json"
     fusions, centers = (["fedavg"], [3]) if args.quick else (args.fusions, args.centers)
-    rows = [run_case(a, f, n) for n in centers for f in fusions for a in ATTACKS]
+    rows = [run_case(a, f, n, **kw) for n in centers for f in fusions for a in ATTACKS]
     print(table(rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": "mlp 64-32-10, sklearn digits (80/20 split, IID over centers)",

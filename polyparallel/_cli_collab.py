@@ -207,6 +207,9 @@ def collab_cmd(
     step_bound: Annotated[float, typer.Option(
         "--step-bound", help="keep the old model when the fused step exceeds this x the median recent step "
         "(0: only finiteness)")] = 10.0,
+    min_cosine: Annotated[float, typer.Option(
+        "--min-cosine", help="refuse an update whose cosine to the median of the others is below this (3+ "
+        "updates; -1: off, the default: under label skew it refuses honest centers)")] = -1.0,
     samples: Annotated[str | None, typer.Option(
         "--samples", help="each center's training sample count, comma separated, declared at enrolment: the server "
         "weights with it and refuses a reply claiming another (default: the first claim, capped)")] = None,
@@ -252,7 +255,7 @@ def collab_cmd(
     training = dict(batch_size=batch_size, lr=lr, momentum=momentum, lr_schedule=lr_schedule,
                     logit_adjust=logit_adjust, min_centers=min_centers, seed=seed, round_timeout_s=round_timeout,
                     holdout=holdout, norm_bound=0.0 if no_norm_bound else norm_bound, max_abs_update=max_abs_update,
-                    step_bound=step_bound)
+                    step_bound=step_bound, min_cosine=min_cosine)
     try:
         spec = (ModelSpec(model, loss=loss, mindspore=mindspore_model) if ":" in model else
                 ModelSpec(model, _parse_shape(in_shape), classes, hidden=hidden, vocab=vocab, norm=norm, loss=loss))

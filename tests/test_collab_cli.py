@@ -101,6 +101,7 @@ def test_devices_per_center_reach_the_job(tmp_path, capsys):
     (["collab", "--logit-adjust", "-1"], "logit_adjust must be a finite number >= 0"),
     (["collab", "--lr-schedule", "step"], "unknown lr_schedule 'step'"),
     (["collab", "--fusion", "fltrust"], "--fusion fltrust: give --root-data FILE.npz"),
+    (["collab", "--min-cosine", "2"], "min_cosine must be in [-1, 1)"),
     (["collab", "--root-data", "/nonexistent.npz"], "--root-data: expected /nonexistent.npz"),
 ])
 def test_bad_input_is_one_line(argv, msg, capsys):

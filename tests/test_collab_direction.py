@@ -101,3 +101,57 @@ def test_the_benchmark_backdoor_is_measured_on_triggered_rows_of_other_classes()
     class; an honest federation's is small, and the poisoned center's rows carry the trigger."""
     got = run_bn_case("none", "fedavg", 3, 0, rounds=2)
     assert 0.0 <= got["attack_success"] < 30.0 and got["accuracy"] > 50.0
+
+
+def test_the_direction_check_compares_each_update_to_the_median_of_the_others():
+    from polyparallel.backends.collab._validation import direction_screen
+
+    rng = np.random.default_rng(3)
+    base = rng.normal(size=6)
+    deltas = {c: {"w": base + 0.3 * rng.normal(size=6), "bn.running_mean": rng.normal(size=2)} for c in "abc"}
+    deltas["d"] = {"w": -base, "bn.running_mean": np.zeros(2)}
+    cos, refused = direction_screen(deltas, ["w"], 0.0)
+    for c in deltas:  # by hand: the median of the other three, running statistics left out
+        ref = np.median(np.stack([deltas[o]["w"] for o in deltas if o != c]), axis=0)
+        assert cos[c] == pytest.approx(deltas[c]["w"] @ ref / np.linalg.norm(deltas[c]["w"]) / np.linalg.norm(ref))
+    assert set(refused) == {"d"} and "cosine" in refused["d"] and "min_cosine" in refused["d"]
+    assert direction_screen(deltas, ["w"], -1.0)[1] == {}  # off
+    assert direction_screen({c: deltas[c] for c in "ad"}, ["w"], 0.0) == ({}, {})  # 2 updates: nothing to compare
+
+
+def test_a_sign_flipper_is_refused_by_the_direction_check_and_the_check_is_in_the_audit():
+    names = ("c0", "c1", "c2", "c3")
+    data = random_data(names, seed=5, grow=0)
+    cfg = mlp_config(names, fusion="centered_clip", min_centers=3, rounds=3, min_cosine=0.0)
+    logging.getLogger("polyparallel.collab").setLevel(logging.ERROR)
+    try:
+        res = run_inprocess(cfg, data, tamper=tampers("sign_flip", "none"))
+    finally:
+        logging.getLogger("polyparallel.collab").setLevel(logging.NOTSET)
+    for r in res.rounds:
+        assert r.fused and r.accepted == names[1:] and "points away from the others" in r.rejected["c0"][0]
+        assert all(r.metrics[c]["cos_others"] > 0 for c in names[1:])
+    assert res.flagged()["c0"]["rounds"] == [1, 2, 3]
+    with pytest.raises(ValueError, match="min_cosine must be in"):
+        mlp_config(names, min_cosine=1.0)
+
+
+def test_per_layer_fltrust_takes_the_least_agreeing_layer():
+    x = {"a.weight": np.zeros(2), "b.weight": np.zeros(2)}
+    ref = {"a.weight": np.array([3.0, 0.0]), "b.weight": np.array([0.0, 1.0])}
+    # cosine over everything (3·2 − 1·0.5)/(√10.25·√10) > 0, but layer b points away: no trust per layer
+    bad = CenterUpdate("bad", {"a.weight": np.array([2.0, 0.0]), "b.weight": np.array([0.0, -0.5])}, 10)
+    good = CenterUpdate("good", {"a.weight": np.array([1.0, 1.0]), "b.weight": np.array([0.0, 2.0])}, 10)
+    whole, layered = FLTrust(), FLTrust(per_layer=1)
+    for f in (whole, layered):
+        f.reference = ref
+        f.fuse(x, [bad, good])
+    assert whole.scores["bad"]["trust"] == pytest.approx(5.5 / (np.sqrt(4.25) * np.sqrt(10)))
+    assert layered.scores["bad"]["trust"] == 0.0
+    # good: layer a cos 3/(√2·3) = 1/√2, layer b cos 1, overall (3 + 2)/(√6·√10) = 0.645: the least
+    assert layered.scores["good"]["trust"] == pytest.approx(min(5 / np.sqrt(60), 1 / np.sqrt(2)))
+    new = layered.fuse(x, [bad, good])  # only good counts, rescaled to ‖g0‖ = √10
+    scale = np.sqrt(10) / np.sqrt(6)
+    np.testing.assert_allclose(np.concatenate([new["a.weight"], new["b.weight"]]), scale * np.array([1, 1, 0, 2.0]))
+    with pytest.raises(ValueError, match="per_layer is 0 or 1"):
+        FLTrust(per_layer=2)

@@ -116,6 +116,9 @@ class CollabConfig:
             and recent rounds' norms is refused (0: no norm bound). See ``_validation``.
         step_bound: a fused model whose step exceeds this × the median recent step is not taken
             (0: only finiteness is checked).
+        min_cosine: with at least 3 updates left after the norm check, an update whose cosine (over
+            the trained tensors) to the coordinate-wise median of the *other* updates is below this is
+            refused (-1: off). See ``_validation``.
     """
 
     centers: tuple[CenterSpec, ...]
@@ -137,6 +140,7 @@ class CollabConfig:
     max_abs_update: float = 1e4
     norm_bound: float = 4.0
     step_bound: float = 10.0
+    min_cosine: float = -1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "centers", tuple(self.centers))
@@ -166,6 +170,8 @@ class CollabConfig:
             v = getattr(self, knob)
             if not (v == 0 or (1 < v < math.inf)):
                 raise ValueError(f"{knob} must be 0 (off) or a finite number > 1, got {v}")
+        if not -1.0 <= self.min_cosine < 1.0:
+            raise ValueError(f"min_cosine must be in [-1, 1) (-1: off), got {self.min_cosine}")
         if not self.round_timeout_s > 0:
             raise ValueError(f"round_timeout_s must be > 0, got {self.round_timeout_s}")
         if self.model.user:

@@ -509,15 +509,25 @@ class FLTrust(FusionStrategy):
     gets no say, and no update counts for more than the server's own step length. Running statistics
     take the trust-and-sample-weighted mean of the centers' values. With ``Σ TS_i = 0`` the model stays.
     Sample counts weigh only the statistics: a center cannot buy trust with a claim.
+
+    ``per_layer=1``: the trust is ``max(0, min(cos over everything, cos over each layer))``, tensors
+    grouped by module (``conv1.weight`` and ``conv1.bias`` are one layer): an update that agrees
+    overall but points away in one layer (a backdoor rewiring the last layer) gets less or no trust.
     """
 
     name = "fltrust"
     needs_root = True
 
-    def __init__(self) -> None:
+    def __init__(self, per_layer: float = 0) -> None:
+        if per_layer not in (0, 1):
+            raise ValueError(f"fltrust's per_layer is 0 or 1, got {per_layer}")
+        self.per_layer = int(per_layer)
         self.reference = None
         #: per center, the numbers the last :meth:`fuse` judged it by (the server's audit records them)
         self.scores: dict[str, dict[str, float]] = {}
+
+    def options(self) -> dict[str, float]:
+        return {"per_layer": self.per_layer}
 
     def fuse(self, global_params: Mapping[str, np.ndarray], updates: Sequence[CenterUpdate]) -> Params:
         if self.reference is None:
@@ -530,6 +540,13 @@ class FLTrust(FusionStrategy):
         norms = np.linalg.norm(d[:, trained], axis=1)
         cos = np.where((norms > 0) & (n0 > 0), d[:, trained] @ g0 / np.maximum(norms * n0, 1e-300), 0.0)
         ts = np.maximum(cos, 0.0)
+        if self.per_layer:  # the least agreeing layer (tensors grouped by module) sets the trust
+            layer = np.concatenate([np.full(global_params[k].size, k.rpartition(".")[0]) for k in names])[trained]
+            for g in np.unique(layer):
+                m = layer == g
+                a, b = d[:, trained][:, m], g0[m]
+                den = np.linalg.norm(a, axis=1) * np.linalg.norm(b)
+                ts = np.minimum(ts, np.maximum(np.where(den > 0, a @ b / np.maximum(den, 1e-300), 0.0), 0.0))
         self.scores = {u.center: {"cos_root": float(c), "trust": float(t)} for u, c, t in zip(updates, cos, ts)}
         out = np.zeros(d.shape[1])
         if ts.sum() > 0:

@@ -37,7 +37,15 @@ import numpy as np
 
 from ._config import CollabConfig
 from ._fusion import CenterUpdate, Params, trained_names
-from ._validation import UpdateGuard, check_binding, check_values, draw_nonce, model_digest, params_norm
+from ._validation import (
+    UpdateGuard,
+    check_binding,
+    check_values,
+    direction_screen,
+    draw_nonce,
+    model_digest,
+    params_norm,
+)
 from ._wire import check_payload, decode_controls, decode_update, payload_nbytes
 
 __all__ = ["CenterReply", "FederationServer", "RoundRecord", "TimingLog", "aggregate_evaluations"]
@@ -304,6 +312,9 @@ class FederationServer:
                   if rep.center not in liars}
         norms = {c: params_norm(d) for c, d in deltas.items()}
         outliers = {**liars, **self.guard.screen(norms, params_norm(self.params))}
+        cos_others, away = direction_screen({c: d for c, d in deltas.items() if c not in outliers},
+                                            trained_names(self.params), cfg.min_cosine)
+        outliers.update(away)
         for rep, m, payload in candidates:
             if rep.center in outliers:
                 self._reject(round_idx, rep.center, [outliers[rep.center]], rejected)
@@ -311,6 +322,8 @@ class FederationServer:
             metrics[rep.center] = {k: float(v) for k, v in m.items() if isinstance(v, int | float)}
             metrics[rep.center]["num_samples"] = float(counts[rep.center])  # the server's count, not the claim
             metrics[rep.center]["update_norm"] = norms[rep.center]
+            if rep.center in cos_others:
+                metrics[rep.center]["cos_others"] = cos_others[rep.center]
             delta = deltas[rep.center]
             local = {k: self.params[k].astype(np.float64) + delta[k].astype(np.float64) for k in self.params}
             controls = decode_controls(payload, cfg.compression) if control_names else None
