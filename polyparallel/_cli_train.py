@@ -36,7 +36,9 @@ def train(
                                                               "with the same --run-dir resumes); default 1 with "
                                                               "--checkpoint-dir, else no checkpoints")] = None,
     keep_checkpoints: Annotated[int, typer.Option(help="newest checkpoints kept (0: all)")] = 2,
-    timeout: Annotated[float, typer.Option(help="seconds before the run is stopped (every process killed)")] = 600.0,
+    timeout: Annotated[float, typer.Option(
+        help="seconds from the command's start (checks and capture included) until the run is stopped (every "
+             "process killed)")] = 600.0,
     fingerprint_check: Annotated[bool, typer.Option(
         "--fingerprint-check/--no-fingerprint-check",
         help="refuse a model whose captured graph is not the strategy's (--no-fingerprint-check: run a "

@@ -57,6 +57,11 @@ def writable_file(path: Path, flag: str = "--out") -> Path:
     return path
 
 
+#: optional dependency (top-level module) -> the pyproject extra that installs it
+OPTIONAL_EXTRAS = {"flwr": "collab", "sklearn": "collab", "mindspore": "mindspore", "onnxruntime": "onnx",
+                   "onnxscript": "onnx", "transformers": "hf"}
+
+
 def _load_commands() -> None:
     for name in _COMMAND_MODULES:
         try:
@@ -80,6 +85,13 @@ def main(argv: list[str] | None = None) -> None:
         app(args=argv, standalone_mode=True)
     except (UserError, CaptureError, FileNotFoundError, ValueError, OSError) as e:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        sys.exit(2)
+    except ModuleNotFoundError as e:
+        extra = OPTIONAL_EXTRAS.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        typer.secho(f"error: this command needs {e.name!r}, which is not installed: "
+                    f"pip install 'polyparallel[{extra}]' (or the package itself)", fg=typer.colors.RED, err=True)
         sys.exit(2)
     except KeyboardInterrupt:
         _interrupted()

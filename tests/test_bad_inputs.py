@@ -205,3 +205,17 @@ def test_train_on_data_the_model_cannot_take_is_refused_in_one_line(model: str, 
     msg = str(exc.value)
     assert "\n" not in msg and all(w in msg for w in words), msg
     assert not [r for r in caplog.records if r.levelname == "ERROR"]  # torch's fake-tensor logs held back
+
+
+def test_a_missing_optional_dependency_names_the_extra_that_installs_it(tmp_path: Path) -> None:
+    """A MindSpore center on an install without MindSpore (blocked here in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['mindspore'] = None\n"
+            "from polyparallel.cli import main\n"
+            "main(['collab', '--frameworks', 'torch,mindspore,torch', '--rounds', '1', '--holdout', '0.2', "
+            f"'--out', {str(tmp_path / 'out')!r}])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and "pip install 'polyparallel[mindspore]'" in r.stderr, r.stderr

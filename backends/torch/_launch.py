@@ -235,8 +235,8 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
 
     **Processes.** torch.distributed.run's agent and every worker are killed with the process that
     called ``train`` (Linux: ``PR_SET_PDEATHSIG``), and on every way out of ``train`` (``timeout_s``
-    passed, a worker failed, an exception such as KeyboardInterrupt) the whole tree is SIGKILLed
-    before it returns or raises (:mod:`._procs`).
+    seconds passed since the call, the checks and the capture included; a worker failed; an exception
+    such as KeyboardInterrupt) the whole tree is SIGKILLed before it returns or raises (:mod:`._procs`).
 
     Raises :class:`~polyparallel.backends.torch.Unsupported` (a ValueError) before launching when the
     plan cannot be executed exactly, :class:`~polyparallel.backends.torch.FingerprintMismatch` (a
@@ -284,13 +284,15 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
     if run_dir is not None and log_dir is not None and Path(run_dir) != Path(log_dir):
         raise ValueError(f"run_dir={run_dir} and log_dir={log_dir}: log_dir is run_dir's older name, give one")
     run_dir = run_dir if run_dir is not None else log_dir if log_dir is not None else checkpoint_dir
+    deadline = time.monotonic() + timeout_s  # the checks and the capture count too
     env = worker_env()
     agent = take_agent(env)  # it imports what the ranks need while the checks below run
     try:
         return _checked_run(strategy, model_fn, data_fn, agent, env, steps=steps, optimizer=optimizer, lr=lr,
                             seed=seed, run_dir=run_dir, checkpoint_dir=checkpoint_dir,
                             checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints,
-                            timeout_s=timeout_s, progress=progress, check_fingerprint=check_fingerprint,
+                            timeout_s=timeout_s, deadline=deadline, progress=progress,
+                            check_fingerprint=check_fingerprint,
                             node_rank=node_rank, master_addr=master_addr, master_port=master_port,
                             profile_comm=profile_comm, batchnorm=batchnorm, stop_on_nonfinite=stop_on_nonfinite)
     finally:
@@ -302,7 +304,8 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
 def _checked_run(strategy: Strategy, model_fn: Any, data_fn: Any, agent: subprocess.Popen[bytes],
                  env: dict[str, str], *, steps: int, optimizer: str, lr: float, seed: int,
                  run_dir: str | Path | None, checkpoint_dir: str | Path | None, checkpoint_every: int | None,
-                 keep_checkpoints: int | None, timeout_s: float, progress: Callable[[dict[str, Any]], None] | None,
+                 keep_checkpoints: int | None, timeout_s: float, deadline: float,
+                 progress: Callable[[dict[str, Any]], None] | None,
                  check_fingerprint: bool, node_rank: int | None, master_addr: str, master_port: int,
                  profile_comm: bool, batchnorm: str, stop_on_nonfinite: bool) -> list[dict[str, Any]]:
     """:func:`train` after its argument checks: the checks of batch, model, plan and checkpoint,
@@ -392,7 +395,7 @@ def _checked_run(strategy: Strategy, model_fn: Any, data_fn: Any, agent: subproc
         argv = [*where, f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", "polyparallel.backends.torch._entry",
                 str(run_dir.resolve())]
         try:
-            _launch(agent, argv, run_dir, timeout_s, _Tail(log, 0 if done is None else done + 1, progress))
+            _launch(agent, argv, run_dir, timeout_s, deadline, _Tail(log, 0 if done is None else done + 1, progress))
         finally:
             if agent.returncode is None:
                 agent.kill()
@@ -400,10 +403,12 @@ def _checked_run(strategy: Strategy, model_fn: Any, data_fn: Any, agent: subproc
         return [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.exists() else []
 
 
-def _launch(proc: subprocess.Popen[bytes], argv: list[str], run_dir: Path, timeout_s: float, tail: _Tail) -> None:
+def _launch(proc: subprocess.Popen[bytes], argv: list[str], run_dir: Path, timeout_s: float, deadline: float,
+            tail: _Tail) -> None:
     """Have the agent ``proc`` run torch.distributed.run ``argv`` with its output streamed to
     ``launcher.log``, follow the step log; kill the whole tree on any way out; raise
-    :class:`TrainError` for a timeout or a failed worker."""
+    :class:`TrainError` for a failed worker or when ``deadline`` (``time.monotonic()``: the command's
+    start plus ``timeout_s``) passes."""
     out_path = run_dir / "launcher.log"
     with out_path.open("ab") as out:
         out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} torch.distributed.run {' '.join(argv)}\n".encode())
@@ -413,7 +418,6 @@ def _launch(proc: subprocess.Popen[bytes], argv: list[str], run_dir: Path, timeo
         proc.wait()
         raise TrainError(f"the launcher exited with status {proc.returncode} before the launch:\n"
                          f"{proc.stdout.read().decode(errors='replace')[-4000:] if proc.stdout else ''}") from None
-    deadline = time.monotonic() + timeout_s
     failed_at: float | None = None
     timed_out = False
     try:
@@ -440,8 +444,9 @@ def _launch(proc: subprocess.Popen[bytes], argv: list[str], run_dir: Path, timeo
         left = kill_tree(proc.pid if proc.returncode is None else None, recorded_pids(run_dir).items())
         proc.wait()
     if timed_out:
-        raise TrainError(f"training did not finish within {timeout_s:g} s; the launcher and its workers were "
-                         f"killed{_not_gone(left)}. Output: {out_path}")
+        raise TrainError(f"training did not finish within {timeout_s:g} s of the command's start (checks and "
+                         f"capture included); the launcher and its workers were killed{_not_gone(left)}. "
+                         f"Output: {out_path}")
     if proc.returncode == 0 and failed_at is None:
         return
     failures = sorted((json.loads(p.read_text()) for p in run_dir.glob("failure-rank*.json")), key=lambda f: f["time"])
