@@ -317,3 +317,25 @@ def test_a_forward_that_sizes_views_by_its_config_runs_tensor_parallel_as_the_re
     # the models whose forward reads sizes off the tensors keep the module path
     assert eager_tp_problem(ex.tiny_gpt(), dict(plan_for(_strategy(2, tp=2), ex.tiny_gpt(), graph=capture_for_strategy(
         ex.tiny_gpt, ex.gpt_data(0))).tp_plan), 2, ex.gpt_data(0)) is None
+
+
+@pytest.mark.timeout(90)
+def test_heads_interleaved_in_the_fused_projection_are_a_plain_column_split() -> None:
+    """GPT-NeoX's fused projection holds its heads one after another, each with its own q, k, v
+    (features ``h·3d + j``): a rank's q alone is strided, but q, k and v of its heads together are
+    its block of the features, so the projection is column-parallel with no regrouping (refused
+    before: "not consecutive ranges"). Equal to single-process training."""
+    from tests import zoo_recipes
+
+    x, y = zoo_recipes.lm_data(0)
+    s = pp.evaluate(zoo_recipes.gpt_neox(), (x, y), "local-cpu:2", batch_size=ex.BATCH, tp=2, dp=1,
+                    microbatches=1, recompute="none")
+    plan = plan_for(s, zoo_recipes.gpt_neox(), (x, y), graph=capture_for_strategy(zoo_recipes.gpt_neox, (x, y)))
+    kinds = dict(plan.tp_plan)
+    assert kinds["model.gpt_neox.layers.0.attention.query_key_value"] == "col" and plan.fused == ()
+    assert kinds["model.gpt_neox.layers.0.attention.dense"] == "row" and plan.pipeline is None
+    log = train(s, zoo_recipes.gpt_neox, zoo_recipes.lm_data, steps=STEPS, lr=LR, seed=SEED)
+    ref = _single(zoo_recipes.gpt_neox, zoo_recipes.lm_data)
+    err = max(abs(r["loss"] - want) / abs(want) for r, want in zip(log, ref))
+    print(f"TP=2 GPT-NeoX: max relative loss difference {err:.2e}")
+    assert err <= 1e-4

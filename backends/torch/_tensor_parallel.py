@@ -19,7 +19,9 @@ multiply by cos/sin), the footprint is carried back through each op's write and 
 until a projection is reached (an operand every heads block reads whole and that no projection
 produces, as HF LLaMA's rotary ``cos``/``sin`` built from positions, is replicated: not traced);
 grouped-query attention's ``q = g + G h`` index is handled the same way. Separate projections (one
-block each) are plain ``ColwiseParallel``. The projection's weight rows (and bias) are then regrouped rank-major,
+block each) are plain ``ColwiseParallel``, and so is a fused projection whose heads each hold their
+own ``q, k, v`` one after another (GPT-NeoX, BLOOM: features ``h·3d + j``), where a rank's operands
+together read the ``r``-th block of the features. The projection's weight rows (and bias) are then regrouped rank-major,
 
 .. math::  \pi = \big[\, c_j + r w_j + i \;\big|\; r < t,\ j \text{ by offset},\ i < w_j \,\big],
 
@@ -264,6 +266,17 @@ def head_split(graph: Graph, split: Sequence[tuple[str, str]], parts: int) -> tu
     out: list[HeadSplit] = []
     problems: list[str] = []
     for lt, by_operand in need.items():
+        prod = graph.producer(lt)
+        assert prod is not None
+        width = graph.tensors[lt].shape[-1]
+        # Heads laid out one after another, each with its own q, k, v (GPT-NeoX's and BLOOM's fused
+        # projection: features h·3d + j): a rank's operands together read the r-th block of the
+        # features, which the plain column split gives it, with no regrouping.
+        union = [set().union(*(blocks[r] for blocks in by_operand.values())) for r in range(parts)]
+        if width % parts == 0 and all(len(b) == parts for b in by_operand.values()) and all(
+                union[r] == set(range(r * width // parts, (r + 1) * width // parts)) for r in range(parts)):
+            out.append(HeadSplit(producer=prod.name, module=prod.module, segments=(width,)))
+            continue
         segs: set[tuple[int, int]] = set()  # (offset, width); an operand read by two ops counts once
         for (op_name, j), blocks in by_operand.items():
             w, c = len(blocks[0]), min(blocks[0])
@@ -272,14 +285,11 @@ def head_split(graph: Graph, split: Sequence[tuple[str, str]], parts: int) -> tu
                                 f"of {lt!r}'s features")
             segs.add((c, w * parts))
         order = sorted(segs)
-        width = graph.tensors[lt].shape[-1]
         ends = [c + w for c, w in order]
         if order[0][0] != 0 or ends[-1] != width or any(order[i + 1][0] != ends[i] for i in range(len(order) - 1)):
             names = ", ".join(sorted({n for n, _ in by_operand}))
             problems.append(f"attention op(s) {names} read {lt!r} in blocks {order} that do not tile its "
                             f"{width} features")
-        prod = graph.producer(lt)
-        assert prod is not None
         out.append(HeadSplit(producer=prod.name, module=prod.module, segments=tuple(w for _, w in order)))
     return (out, []) if not problems else ([], problems)
 
