@@ -49,7 +49,9 @@ from collections.abc import Callable
 from typing import Any
 
 from polyparallel.backends.torch.op_roles import chunked_evenly, local_dims, op_role
+from polyparallel.cost_models.compute import batch_statistics_ops
 from polyparallel.cost_models.memo import PRICES
+from polyparallel.cost_models.spatial import splits_image_rows
 from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind
 from polyparallel.planning.executability import NotExecutable
 
@@ -83,8 +85,6 @@ EXECUTED_DTYPES = ("fp32", "bf16", "fp16")  # training precisions it runs (._pre
 
 def batch_statistics(graph: Graph) -> list[str]:
     """The ops that normalise with statistics of the batch they see (BatchNorm in training mode)."""
-    from polyparallel.cost_models.compute import batch_statistics_ops
-
     return [op.name for op in batch_statistics_ops(graph)]
 
 
@@ -137,8 +137,6 @@ def plan_problems(graph: Graph | None, s: Any) -> list[str]:
     if s.sp > 1 and s.pp == 1:
         sp_why = ["the model could not be captured to check it"] if graph is None else \
             list(_sp_problems(graph, s.sp, s.tp * s.sp))
-        from polyparallel.cost_models.spatial import splits_image_rows
-
         # the search prices sp there as image rows split
         if graph is not None and _per_graph(graph, ("image_rows",), lambda: splits_image_rows(graph)):
             why.append(f"sp={s.sp} splits image rows (spatial parallelism, halo exchanges): the search prices it, "

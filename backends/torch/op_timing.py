@@ -15,11 +15,14 @@ import multiprocessing as mp
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
+from polyparallel.cost_models.calibrate import STOLEN, cpu_clock, fit_alpha_beta, stolen_since
 from polyparallel.cost_models.op_profile import OpProfile, with_profile
 from polyparallel.cost_models.profile_fit import build_profile
 from polyparallel.ir import Graph
+from polyparallel.planning.model_graphs import rebatch
 
 __all__ = ["NodeTimer", "contention", "measure_collectives", "measure_nodes", "measure_optimizer", "measure_wrappers",
            "profile_model", "profiled_cluster"]
@@ -384,8 +387,6 @@ def measure_collectives(model: Any, args: tuple, kwargs: dict[str, Any], world: 
     ``α`` alone is fitted."""
     import tempfile
 
-    from polyparallel.cost_models.calibrate import fit_alpha_beta
-
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
@@ -419,8 +420,6 @@ def _median_run(runs: list[tuple[list[tuple[str, float, float]], dict[str, float
 def profiled_cluster(cluster: Any, graphs: Any, say: Callable[[str], None] = lambda _: None) -> Any:
     """``cluster`` (a calibrated ``local-cpu:<P>``) with its device type carrying the profile of the
     module ``graphs`` (a :class:`~polyparallel.planning.model_graphs.ModelGraphs`) holds."""
-    from polyparallel.planning.model_graphs import rebatch
-
     dt = cluster.device(0).type
     if not cluster.name.startswith("local-cpu:") or dt.kind != "cpu" or not getattr(graphs, "resizable", False):
         raise ValueError("profiling measures the model's ops on this machine: it needs a torch module (not an "
@@ -428,9 +427,6 @@ def profiled_cluster(cluster: Any, graphs: Any, say: Callable[[str], None] = lam
     if cluster.calibration is None:
         raise ValueError("profiling fits the model's ops to this machine's calibration: run `polyparallel "
                          "calibrate` first")
-    from dataclasses import replace
-
-    from polyparallel.cost_models.calibrate import STOLEN, cpu_clock, stolen_since
 
     b0 = graphs.b0
     clock = cpu_clock()

@@ -13,6 +13,7 @@ from typing import Any
 
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, StepEstimate, estimate_step
+from polyparallel.cost_models.layers import LAYER, chunk_of_ops
 from polyparallel.ir import Graph
 from polyparallel.planning.derived import replaced_plans
 from polyparallel.planning.model_graphs import ModelGraphs
@@ -94,8 +95,6 @@ def placement_solver(stages: list[Any]) -> str:
 
 def stage_chunks(g: Graph, cfg: ParallelConfig) -> list[list[tuple[int, int]]]:
     """(first, last) op index of each chunk of each stage, as the cost model cuts them."""
-    from polyparallel.cost_models.layers import chunk_of_ops
-
     chunk = chunk_of_ops(g, cfg)
     out: list[list[tuple[int, int]]] = [[] for _ in range(cfg.pp)]
     for k in range(max(chunk) + 1 if chunk else 0):
@@ -108,8 +107,6 @@ def stage_chunks(g: Graph, cfg: ParallelConfig) -> list[list[tuple[int, int]]]:
 def layer_ids(g: Graph, a: int, z: int) -> set[int]:
     """Indices of the numbered layers (``h.3``, ``layers.7``) among ops ``a..z``, matched by the
     cost model's own layer pattern so the stages list the layers it cut at."""
-    from polyparallel.cost_models.layers import LAYER
-
     ids = set()
     for op in g.ops[a: z + 1]:
         m = LAYER.match(op.module or "")

@@ -111,6 +111,9 @@ from typing import Any
 
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, StepEstimate, estimate_step
+from polyparallel.cost_models.collab_simulator import SimInputs, choose_local_steps
+from polyparallel.cost_models.layers import LAYER, chunk_of_ops, layer_segments
+from polyparallel.cost_models.megatron_rule import op_roles
 from polyparallel.cost_models.memo import PRICES
 from polyparallel.cost_models.parallel_config import RECOMPUTE, execution_options
 from polyparallel.cost_models.pipeline import SCHEDULES
@@ -118,7 +121,7 @@ from polyparallel.cost_models.step import StepBound, step_lower_bound, step_memo
 from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Hint
 from polyparallel.planning.assemble import model_info, strategy_of
 from polyparallel.planning.collector import collector_paused, young_collected
-from polyparallel.planning.derived import variants
+from polyparallel.planning.derived import plan_note, variants
 from polyparallel.planning.executability import CENTER_LIMITS, NotExecutable, executor
 from polyparallel.planning.model_graphs import MAX_MICRO, ModelGraphs, divisors, rebatch
 from polyparallel.planning.model_inputs import model_and_inputs
@@ -762,8 +765,6 @@ def _why_axes(best: _Best, c: Constraints) -> list[str]:
     """Per mesh axis of the chosen plan: what it splits and what the fastest plan without it costs
     (priced in full, in bound order as :meth:`_Best.solve`), or why no plan without it fits.
     Lines start with ``why <axis>=``; ``explain`` shows them as a table."""
-    from polyparallel.planning.derived import plan_note
-
     assert best.est is not None
     chosen = best.est
     out = []
@@ -1001,8 +1002,6 @@ def _layer_count(g: Graph) -> int:
     ``layers.7``), which bounds ``pp`` (a 2-layer GPT is not cut into 4 stages, one of them the
     embedding alone) and decides which interleavings divide. A model without numbered modules
     counts its ``⌈√n⌉`` runs of ops."""
-    from polyparallel.cost_models.layers import LAYER, layer_segments
-
     numbered = {m.group(1) for op in g.ops if (m := LAYER.match(op.module or ""))}
     return len(numbered) or len(layer_segments(g))
 
@@ -1011,8 +1010,6 @@ def _paramless_stage(g: Graph, cfg: ParallelConfig) -> int | None:
     """The first pipeline stage whose ops (as the cost model cuts them) read no parameter, or None."""
     if cfg.pp == 1:
         return None
-    from polyparallel.cost_models.layers import chunk_of_ops
-    from polyparallel.cost_models.megatron_rule import op_roles
 
     v = cfg.chunks if cfg.schedule == "interleaved" else 1
     key = ("paramless_stage", cfg.pp, v, cfg.partition)
@@ -1057,8 +1054,6 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
     total_rate = sum(rates)
     # H from the round simulator (cost_models/collab_simulator.py): every center's own step time and WAN
     # link, the server's fusion and Flower's fixed cost per round; the slowest center sets the pace
-    from polyparallel.cost_models.collab_simulator import SimInputs, choose_local_steps
-
     links = [ce.wan for ce, _, _ in per_center]
     H, sim = choose_local_steps(SimInputs.make(
         [ce.name for ce, _, _ in per_center], [e.step_time for _, e, _ in per_center], 1,

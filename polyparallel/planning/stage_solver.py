@@ -85,9 +85,15 @@ from typing import Any
 import numpy as np
 
 from polyparallel.cluster import Cluster
+from polyparallel.cost_models import ParallelConfig
+from polyparallel.cost_models.comm import collective_time
 from polyparallel.cost_models.memo import PRICES
+from polyparallel.cost_models.step import op_seconds
 from polyparallel.ir import ANY as _ANY
 from polyparallel.ir import FLOAT_DTYPES, TRAINING_DTYPE_BYTES, Graph, Op, TensorKind, element_bytes
+from polyparallel.poly import comm_of_op, edge_costs, legal_placements
+from polyparallel.poly._cache import signature_of
+from polyparallel.transforms import find_repeated_blocks
 
 __all__ = ["FORBIDDEN", "PlacementPlan", "PlacementTables", "param_split", "price_placements", "solve_placements",
            "solve_stage", "work_split"]
@@ -171,8 +177,6 @@ class _Pricer:
 
     def collective(self, kind: str, axes: Sequence[str], payload_bytes: float, received_bytes: float) -> float:
         """Seconds of one poly collective (see the module docstring for the mapping)."""
-        from polyparallel.cost_models.comm import collective_time
-
         if received_bytes <= 0 and payload_bytes <= 0:
             return 0.0
         key = (kind, tuple(axes), payload_bytes, received_bytes)
@@ -207,8 +211,6 @@ class _Pricer:
         """The op's legal placements the target can run, plus the included one."""
         hit = self._cands.get(op.name)
         if hit is None:
-            from polyparallel.poly import legal_placements
-
             pls = legal_placements(self.graph, op, self.mesh)
             if self.expressible is not None:
                 pls = [p for p in pls if self.expressible(op, p)]
@@ -228,8 +230,6 @@ class _Pricer:
         the pricer's graph is fixed, and each op's key is asked for once per edge it is on)."""
         hit = self._keys.get(op.name)
         if hit is None:
-            from polyparallel.poly._cache import signature_of
-
             pls, forced = self.legal(op)
             extra = tuple(self.param_cost(op, p) for p in pls) if self.param_cost is not None else None
             hit = self._keys[op.name] = (signature_of(self.graph, op), pls, forced, extra)
@@ -237,10 +237,6 @@ class _Pricer:
 
     def op(self, op: Op) -> tuple[list, list[float], list[float], list[float]]:
         """(candidates, total own seconds, compute seconds, own-collective seconds), K cheapest."""
-        from polyparallel.cost_models import ParallelConfig
-        from polyparallel.cost_models.step import op_seconds
-        from polyparallel.poly import comm_of_op
-
         key = self.key(op)
         hit = self._ops.get(key)
         if hit is not None:
@@ -279,8 +275,6 @@ class _Pricer:
 
     def edge(self, tensor: str, u: Op, v: Op, pos: int) -> tuple[np.ndarray, np.ndarray]:
         """(forward seconds, backward seconds) matrices over (candidates of u, candidates of v)."""
-        from polyparallel.poly import edge_costs
-
         key = (self.key(u), u.outputs.index(tensor), self.key(v), pos)
         hit = self._edges.get(key)
         if hit is not None:
@@ -693,8 +687,6 @@ def solve_stage(graph: Graph, mesh: Any, cluster: Cluster, *, dtype: str = "fp32
         param_cost: ``(op, placement) -> seconds per micro-batch`` added to the op's cost (module
             docstring).
     """
-    from polyparallel.transforms import find_repeated_blocks
-
     t0 = time.perf_counter()
     ops = list(ops if ops is not None else graph.ops)
     pr = _pricer(graph, mesh, cluster, dtype, devices, k, expressible, include, edge_rule, param_cost)
