@@ -39,13 +39,27 @@ def plan_summary(s: Any) -> str:
     return " ".join(parts)
 
 
+def against_single_process(rec: dict[str, Any], log: list[dict[str, Any]], model_fn: Any, data_fn: Any,
+                           steps: int) -> float | None:
+    """Record the run's and single-process training's losses in ``rec``; the largest relative
+    difference, or None (with ``rec["error"]``) when the run logged another number of steps."""
+    from polyparallel.backends.torch._examples import single_process_losses
+
+    ref = single_process_losses(model_fn, data_fn, steps=steps, lr=LR, seed=SEED)
+    got = [r["loss"] for r in log]
+    rec.update(losses=got, reference=ref)
+    if len(got) != len(ref):
+        rec["error"] = f"{len(got)} steps logged, {len(ref)} expected"
+        return None
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, ref))
+
+
 def run_one(name: str, n: int, *, steps: int = STEPS, run_dir: Path | None = None) -> dict[str, Any]:
     """Search ``name`` on ``local-cpu:n``, train the strategy, compare with one process."""
     import torch
 
     import polyparallel as pp
     from polyparallel.backends.torch import train
-    from polyparallel.backends.torch._examples import single_process_losses
     from tests.zoo import BATCH, ZOO
 
     model_fn, data_fn = ZOO[name]
@@ -71,13 +85,11 @@ def run_one(name: str, n: int, *, steps: int = STEPS, run_dir: Path | None = Non
             rec["traceback"] = traceback.format_exc()[-1500:]
             return rec
     rec["train_s"] = round(time.perf_counter() - t1, 2)
-    ref = single_process_losses(model_fn, data_fn, steps=steps, lr=LR, seed=SEED)
-    got = [r["loss"] for r in log]
-    rec.update(losses=got, reference=ref)
-    if len(got) != len(ref):
-        rec.update(status="failed", error=f"{len(got)} steps logged, {len(ref)} expected")
+    err = against_single_process(rec, log, model_fn, data_fn, steps)
+    if err is None:
+        rec.update(status="failed")
         return rec
-    rec["max_rel"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, ref))
+    rec["max_rel"] = err
     rec["status"] = "exact" if rec["max_rel"] <= 1e-5 else "inexact"
     return rec
 
