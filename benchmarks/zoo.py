@@ -40,12 +40,12 @@ def plan_summary(s: Any) -> str:
 
 
 def against_single_process(rec: dict[str, Any], log: list[dict[str, Any]], model_fn: Any, data_fn: Any,
-                           steps: int) -> float | None:
+                           steps: int, lr: float = LR) -> float | None:
     """Record the run's and single-process training's losses in ``rec``; the largest relative
     difference, or None (with ``rec["error"]``) when the run logged another number of steps."""
     from polyparallel.backends.torch._examples import single_process_losses
 
-    ref = single_process_losses(model_fn, data_fn, steps=steps, lr=LR, seed=SEED)
+    ref = single_process_losses(model_fn, data_fn, steps=steps, lr=lr, seed=SEED)
     got = [r["loss"] for r in log]
     rec.update(losses=got, reference=ref)
     if len(got) != len(ref):
