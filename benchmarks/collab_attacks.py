@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT.parent) not in sys.path:
     sys.path.insert(0, str(ROOT.parent))
 
-from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, run_inprocess  # noqa: E402
+from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, make_trainer, run_inprocess  # noqa: E402
 from polyparallel.backends.collab._validation import bound_metrics  # noqa: E402
 from polyparallel.backends.collab._wire import decode_update, encode_update  # noqa: E402
 
@@ -150,7 +150,8 @@ def run_case(attack: str, fusion: str, n_centers: int, **kw: Any) -> dict[str, A
 
 # ------------------------------------------------------------------------ BatchNorm CNN, label skew, backdoor
 BN_SPEC = ModelSpec("cnn", (1, 8, 8), 10, hidden=8)  # conv-BN-ReLU-pool twice, then a linear layer
-BN_ATTACKS = ("none", "absent", "sign_flip", "backdoor", "backdoor_boost", "replay_forged")
+BN_ATTACKS = ("none", "absent", "sign_flip", "backdoor", "backdoor_boost", "replay_forged", "alie0.5", "alie1",
+              "alie2", "alie3")
 BN_FUSIONS = ("fedavg", "centered_clip", "fltrust")
 TARGET = 0  # the backdoor's class
 POISONED = 0.2  # share of the malicious center's rows carrying the trigger, relabelled TARGET
@@ -192,6 +193,31 @@ def attack_success(params: dict[str, np.ndarray], test: tuple[np.ndarray, np.nda
     return 100.0 * evaluate_torch(BN_SPEC, params, trigger(x[keep]), np.full(int(keep.sum()), TARGET))["accuracy"]
 
 
+class _Recorder:
+    """An honest center's trainer that lets the omniscient attacker read its update of each round."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.num_samples, self.updates = inner, inner.num_samples, {}
+
+    def train(self, global_params: dict[str, np.ndarray], **kw: Any) -> tuple[dict, dict]:
+        local, m = self.inner.train(global_params, **kw)
+        self.updates[kw["round_idx"]] = {k: np.asarray(local[k], np.float64) - global_params[k] for k in global_params}
+        return local, m
+
+    def evaluate(self, params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+        return self.inner.evaluate(params, x, y)
+
+
+def _alie(z: float, honest: dict[str, _Recorder]) -> Callable:
+    """ALIE (Baruch et al. 2019), omniscient: the coordinate-wise mean of the honest updates minus ``z``
+    of their standard deviations, sent in place of the attacker's own."""
+    def tamper(r: int, p: dict, m: dict, nonce: int) -> tuple[dict, dict]:
+        ups = [h.updates[r] for h in honest.values()]
+        return encode_update({k: np.mean([u[k] for u in ups], axis=0) - z * np.std([u[k] for u in ups], axis=0)
+                              for k in ups[0]}), m
+    return tamper
+
+
 def run_bn_case(attack: str, fusion: str, n_centers: int, seed: int, rounds: int = 10, **kw: Any) -> dict[str, Any]:
     """One label-skewed federation of the BatchNorm CNN under ``attack`` (``BN_ATTACKS``); ``kw``: more
     :class:`CollabConfig` fields (e.g. ``min_cosine``)."""
@@ -206,6 +232,8 @@ def run_bn_case(attack: str, fusion: str, n_centers: int, seed: int, rounds: int
         x, y = x.copy(), y.copy()
         x[pick], y[pick] = trigger(x[pick]), TARGET
         data = {**data, BAD: (x, y)}
+    if attack.startswith("alie"):  # the attacker answers last, having seen the honest updates
+        names = [*names[1:], BAD]
     cfg = CollabConfig(centers=tuple(CenterSpec(c) for c in names), model=BN_SPEC, fusion=fusion,
                        min_centers=max(1, len(names) - (attack != "absent")), rounds=rounds, local_steps=10,
                        batch_size=32, lr=0.05, momentum=0.5, seed=seed, **kw)
@@ -216,9 +244,13 @@ def run_bn_case(attack: str, fusion: str, n_centers: int, seed: int, rounds: int
         tamper = tampers("replay_forged", "none")
     elif attack == "backdoor_boost":  # scaled to just under the norm bound (k = 4 × the honest norms)
         tamper = {BAD: _rebound(lambda r, p, m, nonce: (_recode(p, "none", lambda d: d * 3.5), m))}
+    trainers = None
+    if attack.startswith("alie"):
+        trainers = {c: _Recorder(make_trainer(cfg, c, *data[c])) for c in names if c != BAD}
+        tamper = {BAD: _rebound(_alie(float(attack[4:]), trainers))}
     t0 = time.perf_counter()
-    res = run_inprocess(cfg, {c: data[c] for c in names}, eval_data=test, tamper=tamper,
-                        root_data=root if cfg.make_fusion().needs_root else None)
+    res = run_inprocess(cfg, {c: data[c] for c in names}, eval_data=test,
+                        tamper=tamper, trainers=trainers, root_data=root if cfg.make_fusion().needs_root else None)
     audit = [{c: {k: round(v, 4) for k, v in m.items()
                   if k in ("update_norm", "cos_fused", "cos_others", "cos_root", "trust")}
               for c, m in r.metrics.items()} for r in res.rounds]

@@ -155,3 +155,15 @@ def test_per_layer_fltrust_takes_the_least_agreeing_layer():
     np.testing.assert_allclose(np.concatenate([new["a.weight"], new["b.weight"]]), scale * np.array([1, 1, 0, 2.0]))
     with pytest.raises(ValueError, match="per_layer is 0 or 1"):
         FLTrust(per_layer=2)
+
+
+def test_with_a_root_set_a_sign_flipper_costs_the_batchnorm_federation_nothing():
+    """The benchmark's label-skewed BatchNorm federation, one seed: FLTrust gives the flipper no trust
+    in any round and stays within 1 point of the run without it (centered clipping fell to ~66%)."""
+    logging.getLogger("polyparallel.collab").setLevel(logging.ERROR)
+    try:
+        got, without = run_bn_case("sign_flip", "fltrust", 3, 0), run_bn_case("absent", "fltrust", 3, 0)
+    finally:
+        logging.getLogger("polyparallel.collab").setLevel(logging.NOTSET)
+    assert all(r["c0"]["trust"] == 0.0 for r in got["audit"])
+    assert got["accuracy"] >= without["accuracy"] - 1.0, (got["accuracy"], without["accuracy"])
