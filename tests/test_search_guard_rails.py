@@ -15,7 +15,7 @@ import polyparallel.planning.plan_search as ps
 from polyparallel.cost_models import ParallelConfig
 from polyparallel.ir import TensorKind
 from polyparallel.models import GPT, GPTConfig
-from polyparallel.planning import DoesNotFit, search
+from polyparallel.planning import DoesNotFit, evaluate, search
 from polyparallel.planning.assemble import stage_chunks
 from polyparallel.planning.model_graphs import ModelGraphs
 
@@ -79,7 +79,8 @@ def test_why_each_axis_prices_the_fastest_plan_without_it():
     ps_graphs = ps.ModelGraphs
     ps.ModelGraphs = lambda *_, **__: shared
     try:
-        s = search(m, (ids,), "dgx-a100x1", example_kwargs={"labels": ids}, batch_size=16)
+        # all 8 devices: on them the fastest plan is a tp=8 that splits no op (else 1 device is used)
+        s = search(m, (ids,), "dgx-a100x1", example_kwargs={"labels": ids}, batch_size=16, constraints={"devices": 8})
         why = {n.split("=")[0][4:]: n for n in s.search.notes if n.startswith("why ")}
         axes = [a for a in ("dp", "tp", "pp", "sp") if getattr(s, a) > 1]
         assert axes and sorted(why) == sorted(axes)
@@ -87,27 +88,37 @@ def test_why_each_axis_prices_the_fastest_plan_without_it():
             alt, chosen = map(float, re.search(r"\(([0-9.e-]+) s vs ([0-9.e-]+) s per step", why[axis]).groups())
             assert chosen == pytest.approx(s.estimate.step_time_s, rel=1e-3)
             pinned = search(m, (ids,), "dgx-a100x1", example_kwargs={"labels": ids}, batch_size=16,
-                            constraints={axis: 1}, exhaustive=True)
+                            constraints={axis: 1, "devices": 8}, exhaustive=True)
             assert alt == pytest.approx(pinned.estimate.step_time_s, rel=1e-3)  # the note prints 4 digits
             assert alt >= chosen * (1 - 1e-3)
     finally:
         ps.ModelGraphs = ps_graphs
 
 
-def test_a_tensor_parallel_plan_that_splits_no_op_says_so():
+def test_a_tensor_parallel_plan_that_splits_no_op_gives_way_to_fewer_devices():
     # a link so slow that every plan dividing the work (batch, layers, ops) loses to running the
-    # whole model on each rank: the chosen tp=2 replicates every op, and its note must not claim a split
+    # whole model on each rank: the fastest plan on both devices is a tp=2 that replicates every op,
+    # the same step as one device, which the search writes instead and says so
     from polyparallel.cluster import Cluster
     from polyparallel.models import MLP
 
     cl = Cluster.from_dict({"name": "slow", "centers": [{"name": "c", "nodes": [
         {"device": "h100-sxm", "devices_per_node": 2, "intra": {"bandwidth": 1e6, "latency": 0.5}}]}]})
+    example = (torch.randn(8, 32, generator=torch.Generator().manual_seed(0)), torch.randint(0, 10, (8,)))
     torch.manual_seed(0)
-    s = search(MLP((32, 64, 64, 10)), (torch.randn(8, 32), torch.randint(0, 10, (8,))), cl, batch_size=8)
+    s = search(MLP((32, 64, 64, 10)), example, cl, batch_size=8)
+    assert (s.dp, s.tp, s.pp, s.mesh.devices) == (1, 1, 1, [0])
+    [fewer] = [n for n in s.search.notes if n.startswith("uses 1 of the cluster's 2 devices")]
+    assert "splits no op over tp=2" in fewer
+    one = evaluate(MLP((32, 64, 64, 10)), example, cl, batch_size=8, dp=1)
+    assert s.estimate.step_time_s == pytest.approx(one.estimate.step_time_s, rel=1e-9)
+    # asked to use both devices, it keeps the replicated tp=2, whose note must not claim a split
+    s = search(MLP((32, 64, 64, 10)), example, cl, batch_size=8, constraints={"devices": 2})
     assert s.tp == 2 and [p.placement for p in s.placements] == [""]
     [why] = [n for n in s.search.notes if n.startswith("why tp=")]
     assert "splits no op" in why and "fewer devices give the same step" in why
     assert "splits each op's loop dims" not in why
+    assert s.estimate.step_time_s == pytest.approx(one.estimate.step_time_s, rel=1e-9)
 
 
 def test_search_writes_tensor_parallelism_only_as_the_backend_runs_it():

@@ -561,6 +561,7 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
                      " (constraints.execution), which the strategy does not record: the torch backend runs its own")
     if c.mode != "collaborative":
         best = _search_sync(mdl, cl, B, c, devs, exhaustive, objective, say)
+        best, devs = _on_fewer_devices(best, mdl, cl, B, c, devs, exhaustive, objective, say)
         notes += best.notes
     cores = os.cpu_count() or 1
     if cl.name.startswith("local-cpu:") and cl.num_devices > cores:
@@ -581,7 +582,7 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
     if collab is not None and (sync_est is None or _estimate(collab[0]).samples_per_s > sync_est.throughput or
                                c.mode == "collaborative"):
         return collab[0].model_copy(update={"search": record})
-    if sync is None:
+    if sync is None or sync.est is None:
         raise DoesNotFit(_does_not_fit_message(mdl, cl, best))
     t1 = time.perf_counter()
     strat = strategy_of(mdl, cl, sync.est, sync.b, B, devs, record, c.placements, c.memory_cap)
@@ -594,6 +595,35 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
     # placing the chosen plan's ops is part of the search (its capture, if any, was counted above)
     return strat.model_copy(update={"search": strat.search.model_copy(update={
         "search_s": round(search_s + time.perf_counter() - t1, 3)})})
+
+
+def _replicates_over_tp(est: StepEstimate | None) -> bool:
+    """Whether ``est``'s plan has tp > 1 and splits no op over it: each tp rank computes, and holds,
+    what one process would."""
+    plans = est.config.op_plans if est is not None else None
+    return est is not None and est.config.tp > 1 and bool(plans) and not any(
+        p.split > 1 or p.param_split > 1 for p in plans or ())
+
+
+def _on_fewer_devices(best: _Best, mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: list[int],
+                      exhaustive: bool, objective: str, say: Callable[[str], None]) -> tuple[_Best, list[int]]:
+    """A plan whose tp splits no op is the same step on ``1/tp`` of the devices with tp=1, which a
+    user would rather have (the other devices stay free); the search is run again on the first
+    ``len(devs) / tp`` devices and its plan taken when it is no slower. With tp pinned, or
+    ``constraints.devices`` given, the user's choice stands."""
+    while _replicates_over_tp(best.est) and c.tp is None and c.devices is None:
+        assert best.est is not None
+        tp, fewer = best.est.config.tp, devs[: len(devs) // best.est.config.tp]
+        smaller = _search_sync(mdl, cl, B, c, fewer, exhaustive, objective, say)
+        if smaller.est is None or smaller.est.step_time > best.est.step_time * (1 + 1e-9):
+            break
+        smaller.notes.insert(0, f"uses {len(fewer)} of the cluster's {len(devs)} devices: the fastest plan on all of "
+                                f"them ({_brief(best.est.config)}) splits no op over tp={tp}, so each tp rank would "
+                                f"compute what one process does, and every plan that divides the work priced slower "
+                                f"(the model may be too small to gain from more devices); constraints={{'devices': "
+                                f"{len(devs)}}} keeps them all")
+        best, devs = smaller, fewer
+    return best, devs
 
 
 def _estimate(s: Strategy) -> Estimate:
@@ -674,6 +704,8 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
     if not shapes:
         best.skipped.append(_no_mesh_shape(n, c, node, layers))
     one_mesh = None not in (c.dp, c.tp, c.pp)
+    # what every plan is priced with: the pinned partition and how the framework executes (disjoint keys)
+    options: dict[str, Any] = {**({"partition": c.partition} if c.partition else {}), **dict(c.execution)}
     for i, (dp, tp, pp, sp, ep) in enumerate(shapes):
         shape = f"dp={dp} tp={tp} pp={pp} sp={sp}" + (f" ep={ep}" if ep > 1 else "")
         if B % dp:
@@ -681,8 +713,7 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
             continue
         per_replica = B // dp
         base = ParallelConfig(dp=dp, tp=tp, pp=pp, sp=sp, ep=ep, microbatches=1, dtype=dtype, devices=tuple(devs),
-                              sequence_parallel=c.sequence_parallel and tp > 1,
-                              **({"partition": c.partition} if c.partition else {}), **dict(c.execution))
+                              sequence_parallel=c.sequence_parallel and tp > 1, **options)
         wan_group, wan_pipe = _crosses_wan(cl, base, devs)
         if wan_group and not c.allow_wan:
             best.skipped.append(f"{shape}: a data/tensor group would span the WAN (allow_wan=False)")
@@ -855,7 +886,7 @@ def _executable(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B: 
                 strat, (best.est, best.b, best.chosen) = fallback[0], fallback[1:]
             break
         except NotExecutable as e:
-            assert best.chosen is not None
+            assert best.chosen is not None and best.est is not None  # the refused plan's
             ruled = _rule_placed(strat, mdl, cl, best, B, devs, record, c, batch)
             if ruled is None:
                 refused.append(f"{best.chosen.bound.config}: {e}")
@@ -895,6 +926,7 @@ def _rule_placed(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B:
     ``batch``: the global batch the backend's check cuts a pipeline on (:func:`_train_batch`)."""
     if c.placements != "torch" or strat.tp == 1 or all(st.placed_by != "solver" for st in strat.stages):
         return None
+    assert best.est is not None  # the refused plan's estimate
     ruled = strategy_of(mdl, cl, best.est, best.b, B, devs, record, "rule", c.memory_cap)
     try:
         executor("torch").check(ruled, mdl.model, batch if ruled.pp > 1 else None, mdl.exact(best.b))
