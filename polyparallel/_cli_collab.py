@@ -371,6 +371,8 @@ def serve_cmd(
     rejoin_wait: Annotated[float, typer.Option(
         "--rejoin-wait", help="before a later round, seconds to wait for a lost center to be back (once per "
         "lost center; a restarted one was back in 3-11 s; 0: no wait)")] = 30.0,
+    root_data: Annotated[Path | None, typer.Option(
+        "--root-data", help=".npz (x, y): the server's own root set for a job with fusion fltrust")] = None,
 ) -> None:
     """Start the server side of a deployment: a SuperLink, then the federation's ServerApp; wait for it.
 
@@ -390,6 +392,10 @@ def serve_cmd(
             cfg = replace(cfg, round_timeout_s=round_timeout)
     except (ValueError, KeyError, json.JSONDecodeError) as e:
         raise UserError(f"{config}: not a collab job file: {e}") from None
+    if cfg.make_fusion().needs_root and root_data is None:
+        raise UserError(f"the job's fusion {cfg.fusion!r} needs the server's root set: give --root-data FILE.npz")
+    if root_data is not None:
+        _load_npz(root_data, "--root-data")  # checked here, read by the ServerApp
     try:
         creds = load_credentials(credentials, [c.name for c in cfg.centers]) if credentials else None
     except OSError as e:
@@ -403,7 +409,8 @@ def serve_cmd(
             fed.start_superlink(host=host, port=port)
             if creds:
                 fed.register_centers((name, pub) for name, _, pub in creds.node_keys)
-            fed.submit(cfg, res, center_wait_s=center_wait, rejoin_wait_s=rejoin_wait)
+            fed.submit(cfg, res, center_wait_s=center_wait, rejoin_wait_s=rejoin_wait,
+                       root_data=root_data.resolve() if root_data else None)
             typer.echo(f"SuperLink on {host}:{port}; waiting for {len(cfg.centers)} centers "
                        f"({', '.join(c.name for c in cfg.centers)}); logs in {wd / 'logs'}")
             with LineProgress(cfg.rounds, "rounds") as progress:

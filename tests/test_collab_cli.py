@@ -141,3 +141,14 @@ def test_flags_beside_a_strategy_win_and_say_so(tmp_path, capsys):
     assert "--rounds 2 replaces the strategy's 3" in out and "--local-steps 5 replaces the strategy's 2" in out
     cfg = CollabConfig.from_json(job.read_text())
     assert (cfg.rounds, cfg.local_steps, cfg.fusion) == (2, 5, "median")
+
+
+def test_serve_of_an_fltrust_job_needs_the_root_set_before_starting_anything(tmp_path, capsys):
+    job = tmp_path / "job.json"
+    code, _, err = _run(["collab", "--centers", "a,b", "--fusion", "fltrust", "--save-config", str(job)], capsys)
+    assert code == 0, err
+    code, _, err = _run(["serve", "--config", str(job), "--workdir", str(tmp_path / "wd")], capsys)
+    assert code == 2 and "needs the server's root set: give --root-data FILE.npz" in err
+    code, _, err = _run(["serve", "--config", str(job), "--root-data", str(tmp_path / "none.npz")], capsys)
+    assert code == 2 and "--root-data: expected" in err
+    assert not (tmp_path / "wd").exists()

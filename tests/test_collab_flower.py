@@ -75,6 +75,25 @@ def test_flower_with_tls_and_node_auth_fuses_exactly_what_the_inprocess_engine_f
     assert _no_stray_processes(tmp_path) == []
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fltrust_over_flower_trains_on_the_servers_root_set_as_in_process(tmp_path):
+    """The root set reaches the ServerApp only (run config ``root-data``); the fused model and the
+    audit's trust values are the in-process engine's."""
+    names = ("a", "b", "c")
+    cfg = _cfg(names, fusion="fltrust")
+    data = _data(names)
+    root = random_data(("root",), seed=11, grow=0)["root"]  # the server's own rows, no center's
+    res = run_flower(cfg, data, workdir=tmp_path, root_data=root, timeout_s=240)
+    ref = run_inprocess(cfg, data, root_data=root)
+    for k, v in ref.params.items():
+        np.testing.assert_array_equal(res.params[k], v)
+    for got, want in zip(res.rounds, ref.rounds, strict=True):
+        assert got.accepted == names
+        assert {c: got.metrics[c]["trust"] for c in names} == {c: want.metrics[c]["trust"] for c in names}
+    assert _no_stray_processes(tmp_path) == []
+
+
 def test_only_parameters_and_metrics_leave_a_center(tmp_path):
     """Run the ClientApp on a message as the SuperNode would and read everything in its reply."""
     from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
