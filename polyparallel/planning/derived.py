@@ -184,7 +184,8 @@ def _affine(lo: PlacedPlans, hi: PlacedPlans, t: float) -> PlacedPlans | None:
             if len(xa) != len(xc) or any(ka != kc for (ka, _), (kc, _) in zip(xa, xc)):
                 return None
             evs.append(tuple((k, ba + t * (bc - ba)) for (k, ba), (_, bc) in zip(xa, xc)))
-        out.append(OpPlan(a.split, *evs, param_split=a.param_split))
+        tp_fwd, tp_bwd, sp_fwd, sp_bwd = evs
+        out.append(OpPlan(a.split, tp_fwd, tp_bwd, sp_fwd, sp_bwd, param_split=a.param_split))
     return PlacedPlans(out, lo.placements, lo.source)
 
 
@@ -220,7 +221,7 @@ def variants(g: Graph, anchor: Graph, cl: Cluster, cfg: ParallelConfig, mode: st
     return [rule] if solved is None else [solved, rule]
 
 
-def replaced_plans(g: Graph, cl: Cluster, cfg: ParallelConfig, mode: str) -> PlacedPlans | None:
+def replaced_plans(g: Graph, cl: Cluster, cfg: ParallelConfig, mode: str) -> tuple[OpPlan, ...] | None:
     """The same placement candidate as ``cfg.op_plans`` (priced on another graph), on ``g``."""
     plans = cfg.op_plans
     if not isinstance(plans, PlacedPlans):
