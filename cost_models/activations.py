@@ -14,7 +14,16 @@ from __future__ import annotations
 import math
 
 from polyparallel.cluster import DeviceType
-from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Op, OpKind, TensorKind
+from polyparallel.ir import (
+    DTYPE_BYTES,
+    FLOAT_DTYPES,
+    TRAINING_DTYPE_BYTES,
+    Graph,
+    Op,
+    OpKind,
+    TensorKind,
+    element_bytes,
+)
 from polyparallel.ops import DROPOUT_TARGETS
 
 from .compute import AUTOCAST_LOW, is_sdpa, math_sdpa_saved_bytes, math_sdpa_upcasts
@@ -400,8 +409,6 @@ def sent_widths(graph: Graph, dtype: str, low_params: bool) -> dict[str, float]:
     its dtype, and every other op promotes its float inputs as torch does. So a
     residual stream that adds a bf16 projection to fp32 embeddings stays fp32 (what a pipeline
     stage sends), unless FSDP2 made the embeddings bf16."""
-    from polyparallel.ir import DTYPE_BYTES, FLOAT_DTYPES, element_bytes
-
     key = ("widths", dtype, low_params)
     cache = PRICES.of(graph)
     if key in cache:

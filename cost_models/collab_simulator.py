@@ -44,6 +44,9 @@ from typing import Any
 
 import numpy as np
 
+from polyparallel.cluster.devices import Link
+from polyparallel.strategy import Strategy
+
 __all__ = ["FIXED_ROUND_S", "FUSE_S_PER_PARAM", "PHASES", "SimInputs", "SimResult", "balanced_local_steps",
            "center_links", "choose_local_steps", "inputs_from_strategy", "measured_phases", "simulate",
            "simulate_rounds", "update_bytes"]
@@ -133,8 +136,6 @@ def center_links(strategy: Any) -> dict[str, tuple[float, float, float]]:
     bandwidths as the cluster's ``Link`` counts them (× ports × efficiency / oversubscription); centers
     without a ``wan`` are left out (loopback). The simulator prices transfers with these figures and the
     collaborative backend emulates them (``config_from_strategy(..., emulate_links=True)``)."""
-    from polyparallel.cluster.devices import Link
-
     out = {}
     for c in (getattr(strategy, "cluster", None) or {}).get("centers", []):
         w = c.get("wan")
@@ -325,8 +326,6 @@ def simulate(strategy: Any, rounds: int = 100, *, framework: str = "flower", com
     """``rounds`` rounds of a collaborative strategy (a :class:`~polyparallel.strategy.Strategy` or its
     JSON path) as planned: :func:`inputs_from_strategy` then :func:`simulate_rounds`."""
     if isinstance(strategy, str | Path):
-        from polyparallel.strategy import Strategy
-
         strategy = Strategy.from_json(strategy)
     return simulate_rounds(inputs_from_strategy(strategy, framework=framework), rounds,
                            compute_jitter=compute_jitter, link_jitter=link_jitter, dropout=dropout, seed=seed)
