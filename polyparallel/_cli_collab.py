@@ -149,6 +149,12 @@ def _round_table(result: Any) -> Table:
     return t
 
 
+def _flagged_lines(result: Any) -> list[str]:
+    """One line per center flagged in some round (refused, no trust, against the fused step): the audit's summary."""
+    return [f"flagged: {c} in {len(f['rounds'])} of {len(result.rounds)} rounds "
+            f"({','.join(map(str, f['rounds']))}): {f['why'][-1]}" for c, f in result.flagged().items()]
+
+
 def _data_option(data: str | None) -> tuple[Path | None, str]:
     """``--data``: a directory of CENTER.npz, or a MODULE:FUNCTION data source."""
     from polyparallel.backends.collab._models import is_reference
@@ -344,6 +350,8 @@ def collab_cmd(
         raise UserError(str(e)) from None
     typer.echo(f"{cfg.rounds} rounds in {time.time() - t0:.1f} s")
     Console().print(_round_table(result))
+    for line in _flagged_lines(result):
+        typer.echo(line)
     if out is not None:
         (out / "result.json").write_text(json.dumps(result.to_dict(), indent=1))
         np.savez(out / "final.npz", **result.params)
@@ -422,6 +430,8 @@ def serve_cmd(
         raise typer.Exit(1) from None
     result = read_outputs(res)
     Console().print(_round_table(result))
+    for line in _flagged_lines(result):
+        typer.echo(line)
     if not result.ok:  # a run in which no round fused is not a success
         typer.echo(f"error: {result.problem}", err=True)
         raise typer.Exit(1)

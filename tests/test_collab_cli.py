@@ -152,3 +152,17 @@ def test_serve_of_an_fltrust_job_needs_the_root_set_before_starting_anything(tmp
     code, _, err = _run(["serve", "--config", str(job), "--root-data", str(tmp_path / "none.npz")], capsys)
     assert code == 2 and "--root-data: expected" in err
     assert not (tmp_path / "wd").exists()
+
+
+def test_flagged_centers_are_named_one_line_each():
+    from polyparallel._cli_collab import _flagged_lines
+    from polyparallel.backends.collab import CollabResult, RoundRecord
+
+    def rec(r, rejected, metrics):
+        return RoundRecord(r, tuple(metrics), rejected, (), True, {}, 0, 0.0, metrics)
+
+    res = CollabResult({}, (rec(1, {"c0": ("update norm 9 > 4 x 1",)}, {"c1": {"cos_fused": 0.9}}),
+                            rec(2, {}, {"c0": {"trust": 0.0, "cos_root": -0.5}, "c1": {"cos_fused": -0.2}})), ())
+    assert _flagged_lines(res) == [
+        "flagged: c0 in 2 of 2 rounds (1,2): no trust (cosine to the server's root update -0.500)",
+        "flagged: c1 in 1 of 2 rounds (2): pulled against the fused step (cosine -0.200)"]
