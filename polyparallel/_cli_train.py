@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -69,6 +70,7 @@ def train(
 
         # a new run directory is created at once: a name only chosen here could be taken by another
         # run of the same second (a test's train() in POLYPARALLEL_RUNS) before train() creates it
+        fresh_root = not Path(os.environ.get("POLYPARALLEL_RUNS", "runs")).exists()
         made = None if run_dir or log_dir or checkpoint_dir else new_run_dir()
         where = run_dir or log_dir or checkpoint_dir or made
         with LineProgress(steps, "steps") as progress:
@@ -88,6 +90,8 @@ def train(
         _agent.discard()  # not taken if the run was refused before train() started one
         if made is not None and not any(made.iterdir()):  # refused before launch: no empty run directory
             made.rmdir()
+            if fresh_root and not any(made.parent.iterdir()):  # nor the runs/ folder made for it
+                made.parent.rmdir()
     typer.echo(f"run directory: {where}")
 
 

@@ -51,6 +51,8 @@ def writable_file(path: Path, flag: str = "--out") -> Path:
     if path.is_dir():
         raise UserError(f"{flag} {path} is a folder: give a file name inside it, e.g. {path / 'strategy.json'}")
     parent = path.parent if str(path.parent) else Path(".")
+    if parent.exists() and not parent.is_dir():
+        raise UserError(f"{flag} {path}: {parent} is a file, not a folder; write elsewhere")
     if not parent.is_dir():
         raise UserError(f"{flag} {path}: the folder {parent} does not exist; create it (mkdir -p {parent}) or write "
                         "elsewhere")

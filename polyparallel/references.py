@@ -42,6 +42,9 @@ def resolve(ref: Any, what: str = "function") -> Callable[..., Any]:
         obj: Any = importlib.import_module(mod)
         for part in name.split("."):
             obj = getattr(obj, part)
+    except SyntaxError as e:
+        raise ValueError(f"{what} {ref!r} cannot be loaded: {e.filename}:{e.lineno}: {e.msg}; fix the module's "
+                         "syntax") from e
     except (ImportError, AttributeError) as e:
         raise ValueError(f"{what} {ref!r} cannot be loaded here ({type(e).__name__}: {e}): the module must be "
                          "importable in every process that runs it; run from its folder (the CLI puts the current "

@@ -7,6 +7,7 @@ change, the values it takes, the unit to write), not just the symptom.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,13 @@ CLI_CASES = [
     (["search", "gpt-tiny", "--batch-size", "1000000000000"], ["4096 micro-batches", "--microbatches"]),
     (["report", "keep.json", "-o", "no-such-dir/r.html"], ["no-such-dir does not exist", "mkdir -p"]),
     (["report", "keep.json", "-o", "."], ["is a folder", "give a file name"]),
+    (["search", "user_code_with_a_typo:build"], ["user_code_with_a_typo.py:1", "fix the module's syntax"]),
+    (["search", "gpt-tiny", "--mode", "collaborative", "-c", "local-cpu:2"], ["has 1", "several centers"]),
+    (["report", "s.json", "-o", "afile/r.html"], ["afile is a file, not a folder"]),
+    # refused before launch: neither the run directory nor the runs/ folder made for it is left behind
+    (["train", "s.json", "--model", "mlp", "--steps", "0"], ["steps=0", "at least one"]),
+    (["train", "s.json", "--model", "mlp", "--lr", "-1"], ["lr=-1", "positive"]),
+    (["train", "s.json", "--model", "mlp", "--run-dir", "afile"], ["afile is a file", "give a folder"]),
     # the user's own function raising: one line with the exception and the line of their code
     (["search", "user_code_that_raises:build"], ["build() raised RuntimeError: config file missing",
                                                  "user_code_that_raises.py:2"]),
@@ -86,7 +94,17 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "other.json").write_text('{"name": "not a strategy"}\n')
     (tmp_path / "keep.json").write_text("precious\n")
     (tmp_path / "user_code_that_raises.py").write_text('def build():\n    raise RuntimeError("config file missing")\n')
+    (tmp_path / "user_code_with_a_typo.py").write_text("def build(:\n    pass\n")
+    (tmp_path / "afile").write_text("a file, not a folder\n")
+    (tmp_path / "s.json").write_text(_a_strategy())
     return tmp_path
+
+
+@functools.cache
+def _a_strategy() -> str:
+    """A valid strategy (of a small MLP), for commands whose other arguments are wrong."""
+    s = pp.evaluate(torch.nn.Sequential(torch.nn.Linear(8, 4)), (torch.zeros(4, 8),), "local-cpu:2", dp=2)
+    return s.model_dump_json()
 
 
 @pytest.mark.parametrize(("argv", "words"), CLI_CASES, ids=[" ".join(a) for a, _ in CLI_CASES])

@@ -283,6 +283,9 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
         raise ValueError(f"timeout_s={timeout_s}: must be > 0 seconds")
     if run_dir is not None and log_dir is not None and Path(run_dir) != Path(log_dir):
         raise ValueError(f"run_dir={run_dir} and log_dir={log_dir}: log_dir is run_dir's older name, give one")
+    for name, folder in (("run_dir", run_dir), ("log_dir", log_dir), ("checkpoint_dir", checkpoint_dir)):
+        if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
+            raise ValueError(f"{name}={folder} is a file; give a folder (created if missing)")
     run_dir = run_dir if run_dir is not None else log_dir if log_dir is not None else checkpoint_dir
     deadline = time.monotonic() + timeout_s  # the checks and the capture count too
     env = worker_env()

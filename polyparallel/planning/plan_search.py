@@ -546,6 +546,10 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
     if profile:
         cl = executor("torch").profile(cl, mdl, say)
 
+    if c.mode == "collaborative" and len(cl.centers) < 2:
+        raise ValueError(f"mode='collaborative' trains across compute centers, and {cl.name} has "
+                         f"{len(cl.centers)}: give a cluster of several centers (e.g. aisynergy-5, or a spec with "
+                         "two 'centers'), or leave the mode 'auto'")
     best, collab = None, None
     notes: list[str] = [inferred] if inferred else []
     if not profile and mdl.resizable and cl.name.startswith("local-cpu:") and cl.calibration is not None:
