@@ -313,6 +313,9 @@ def collab_cmd(
         return
     if engine not in ("inprocess", "flower"):
         raise UserError(f"--engine {engine!r}: use inprocess or flower")
+    if not (np.isfinite(lr) and lr > 0) or not (np.isfinite(momentum) and 0 <= momentum < 1):
+        raise UserError(f"--lr {lr} --momentum {momentum}: the learning rate must be a positive finite number "
+                        "(e.g. 0.05) and the momentum in [0, 1)")
     ev = _load_npz(eval_data, "--eval-data") if eval_data is not None else None
     kw: dict[str, Any] = {}
     if root_data is not None:
@@ -334,6 +337,11 @@ def collab_cmd(
         d = _load_data(cfg, data_dir, synthetic)
     except (ValueError, TypeError) as e:
         raise UserError(str(e)) from None
+    rows = next(iter(d.values()), None)  # a center's (x, y): the server's sets must have its features
+    for flag, arrays in (("--eval-data", ev), ("--root-data", kw.get("root_data"))):
+        if arrays is not None and rows is not None and tuple(arrays[0].shape[1:]) != tuple(rows[0].shape[1:]):
+            raise UserError(f"{flag}: its rows x have shape {tuple(arrays[0].shape[1:])}, the centers' "
+                            f"{tuple(rows[0].shape[1:])}; give rows with the same features as the centers' data")
     if ev is None and not cfg.holdout:
         typer.echo("no evaluation: give --eval-data FILE.npz, or --holdout FRACTION for the centers' held-out rows")
     if out is not None:

@@ -79,6 +79,9 @@ CLI_CASES = [
     (["train", "s.json", "--model", "mlp", "--steps", "0"], ["steps=0", "at least one"]),
     (["train", "s.json", "--model", "mlp", "--lr", "-1"], ["lr=-1", "positive"]),
     (["train", "s.json", "--model", "mlp", "--run-dir", "afile"], ["afile is a file", "give a folder"]),
+    (["collab", "--rounds", "1", "--synthetic", "64", "--lr", "-1"], ["--lr -1.0", "positive finite"]),
+    # the server's evaluation set with other features than the centers' data: a traceback in round 1
+    (["collab", "--rounds", "1", "--synthetic", "64", "--eval-data", "wide.npz"], ["shape (5,)", "same features"]),
     # the user's own function raising: one line with the exception and the line of their code
     (["search", "user_code_that_raises:build"], ["build() raised RuntimeError: config file missing",
                                                  "user_code_that_raises.py:2"]),
@@ -97,6 +100,9 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "user_code_with_a_typo.py").write_text("def build(:\n    pass\n")
     (tmp_path / "afile").write_text("a file, not a folder\n")
     (tmp_path / "s.json").write_text(_a_strategy())
+    import numpy as np
+
+    np.savez(tmp_path / "wide.npz", x=np.zeros((10, 5), np.float32), y=np.zeros(10, np.int64))
     return tmp_path
 
 
