@@ -20,7 +20,7 @@ from polyparallel.backends.torch._agent import take as take_agent
 from polyparallel.backends.torch._checkpoint import check_resume, trim_log
 from polyparallel.backends.torch._plan import plan_for
 from polyparallel.backends.torch._procs import kill_tree, recorded_pids
-from polyparallel.backends.torch._tensor_parallel import forward_problem, strategy_graph
+from polyparallel.backends.torch._tensor_parallel import UncapturedModel, forward_problem, strategy_graph
 from polyparallel.references import call_user, resolve
 from polyparallel.strategy import Strategy
 
@@ -323,14 +323,20 @@ def _checked_run(strategy: Strategy, model_fn: Any, data_fn: Any, agent: subproc
     graph = None  # plan_for says where a collaborative strategy runs
     if strategy.mode == "synchronous":
         check_batch(strategy, batch)
-        b = strategy.global_batch // (strategy.dp * strategy.microbatches)
-        micro = tuple(t[:b] for t in batch)
-        why = forward_problem(model, micro)  # said before the capture's longer account of it
-        if why:
-            raise ValueError(f"the model's forward fails on a micro-batch of data_fn(0) (inputs {_shape(micro[0])}, "
-                             f"labels {_shape(micro[1])}): {why}; return the inputs and labels model(inputs, labels) "
-                             "takes")
-        graph = strategy_graph(strategy, resolve(model_fn), batch, check_fingerprint)
+        try:
+            graph = strategy_graph(strategy, resolve(model_fn), batch, check_fingerprint)
+        except UncapturedModel:
+            # the capture's account (export's and fx's errors) hides a plain cause, data the model
+            # cannot take; the forward tried on fake tensors names it and the user's line. Only
+            # here: a meta kernel may refuse what the CPU runs (grouped_mm in fp32)
+            b = strategy.global_batch // (strategy.dp * strategy.microbatches)
+            micro = tuple(t[:b] for t in batch)
+            why = forward_problem(model, micro)
+            if why:
+                raise ValueError(f"the model's forward fails on a micro-batch of data_fn(0) (inputs "
+                                 f"{_shape(micro[0])}, labels {_shape(micro[1])}): {why}; return the inputs and "
+                                 "labels model(inputs, labels) takes") from None
+            raise
     # refused before any launch; the batch cuts pipeline stages and tries the forward on tensor-parallel shards
     plan = plan_for(strategy, model, batch if strategy.pp > 1 or strategy.tp > 1 else None, graph=graph)
     for name, t in zip(("inputs", "labels"), batch) if plan.sp > 1 else ():

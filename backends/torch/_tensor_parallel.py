@@ -80,15 +80,41 @@ from torch.overrides import TorchFunctionMode
 from polyparallel.backends.torch.op_roles import chunked_evenly, op_role
 from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind
 
-__all__ = ["FingerprintMismatch", "FusedColwiseParallel", "HeadSplit", "Region", "UlyssesAttention", "build_mesh",
-           "capture_for_strategy", "check_fingerprint", "eager_tp_problem", "forward_problem", "head_split",
-           "offset_positions", "parallelize", "position_embeddings", "qkv_rows", "reads_head_shards", "replica_mesh",
-           "sequence_shard", "sharded_consumer", "sp_problems", "step_context", "strategy_graph", "tie_groups",
-           "tied_shards"]
+__all__ = [
+    "FingerprintMismatch",
+    "FusedColwiseParallel",
+    "HeadSplit",
+    "Region",
+    "UlyssesAttention",
+    "UncapturedModel",
+    "build_mesh",
+    "capture_for_strategy",
+    "check_fingerprint",
+    "eager_tp_problem",
+    "forward_problem",
+    "head_split",
+    "offset_positions",
+    "parallelize",
+    "position_embeddings",
+    "qkv_rows",
+    "reads_head_shards",
+    "replica_mesh",
+    "sequence_shard",
+    "sharded_consumer",
+    "sp_problems",
+    "step_context",
+    "strategy_graph",
+    "tie_groups",
+    "tied_shards",
+]
 
 
 class FingerprintMismatch(ValueError):
     """The model given to ``train`` is not the model the strategy was searched for."""
+
+
+class UncapturedModel(FingerprintMismatch):
+    """The model given to ``train`` could not be captured to compare it with the strategy's."""
 
 
 @dataclass(frozen=True)
@@ -627,7 +653,7 @@ def strategy_graph(strategy: Any, model_fn: Callable[[], nn.Module], batch: tupl
         check_fingerprint(strategy, graphs[0])  # raises, naming the first capture's fingerprint
     e = ValueError("cannot capture the model to compare it with the strategy's: " + "; ".join(errors))
     if check:
-        raise FingerprintMismatch(f"{e}. Pass check_fingerprint=False (CLI: --no-fingerprint-check) to run "
+        raise UncapturedModel(f"{e}. Pass check_fingerprint=False (CLI: --no-fingerprint-check) to run "
                                   "without comparing the model with the strategy's") from e
     return None
 
