@@ -54,9 +54,11 @@ lint: $(TSTAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# docs/architecture.md is generated from the import graph (tests/test_architecture.py checks it)
+# docs/architecture.md is generated from the import graph, docs/cluster-spec.md from the spec's
+# models (tests/test_architecture.py and tests/test_cluster_spec_docs.py check they are current)
 architecture: $(STAMP)
 	$(BIN)/python docs/architecture.py
+	$(BIN)/python docs/cluster_spec.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -119,6 +119,30 @@ def show_cmd(
     Console().print(cluster_tree(c))
 
 
+@cluster_app.command("check")
+def check_cmd(
+    spec: Annotated[str, typer.Argument(help="a YAML/JSON cluster spec (docs/cluster-spec.md), or a preset")],
+) -> None:
+    """Validate a cluster spec: exit 2 naming the field and the fix, else say what it describes."""
+    from polyparallel.cluster.spec import catalog
+
+    c = load_cluster(spec)
+    t = c.totals
+    kinds = ", ".join(f"{n} x {k}" for k, n in t["devices_by_type"].items())
+    typer.echo(f"ok: {c.name}: {t['centers']} center(s), {t['nodes']} node(s), {t['devices']} device(s) ({kinds}), "
+               f"{_gb(t['memory_bytes'])}, peak {_flops(t['peak_flops']['bf16'])} bf16")
+    used = {c.devices[d].type.name for d in range(c.num_devices)}
+    for name in sorted(used):
+        dt = c.device_types[name]
+        if "nominal" in dt.source:
+            typer.echo(f"note: {name} is priced from nominal rates ({dt.source})")
+        elif name in catalog() and dt != catalog()[name]:
+            typer.echo(f"note: {name} is defined in the spec and replaces the catalog's type of that name")
+    if len(c.centers) > 1 and not c.pair_latency:
+        typer.echo("note: no wan.latency between centers: a message between two centers takes the sum of their "
+                   "uplinks' latencies")
+
+
 @contextlib.contextmanager
 def _steps(what: str) -> Iterator[Callable[[str], None]]:
     """Each measurement's line on stderr as it ends; on a terminal, under a spinner saying what runs

@@ -51,16 +51,27 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _doc(description: str, example: Any, default: Any = ..., **kw: Any) -> Any:
+    """A field with its meaning and one example value: the reference page (docs/cluster-spec.md,
+    ``docs/cluster_spec.py``) is generated from them."""
+    return Field(default, description=description, examples=[example], **kw)
+
+
 class _DeviceTypeSpec(_Strict):
-    kind: Literal["gpu", "npu", "cpu"] = "gpu"
-    vendor: str = ""
-    peak: dict[str, float | str]
-    memory: float | str
-    memory_bandwidth: float | str
-    launch_overhead: float | str = 5e-6
-    sms: int | None = Field(None, ge=1)
-    source: str = ""
-    calibration: str | None = None
+    """A device type of one's own, beside the catalog's (``presets/devices.yaml``)."""
+
+    kind: Literal["gpu", "npu", "cpu"] = _doc("what the device is", "gpu", "gpu")
+    vendor: str = _doc("who makes it (shown by `cluster show`)", "nvidia", "")
+    peak: dict[str, float | str] = _doc("dense peak throughput per dtype (fp32, tf32, bf16, fp16, fp8); a dtype "
+                                        "not given falls back to a listed one",
+                                        {"bf16": "989 TFLOP/s", "fp32": "67 TFLOP/s"})
+    memory: float | str = _doc("device memory", "80 GB")
+    memory_bandwidth: float | str = _doc("device memory bandwidth", "3.35 TB/s")
+    launch_overhead: float | str = _doc("the smallest time a kernel takes (launch and sync floor)", "5 us", 5e-6)
+    sms: int | None = _doc("streaming multiprocessors (GPUs: how many blocks run at once)", 132, None, ge=1)
+    source: str = _doc("where the figures come from (a datasheet, a measurement)", "H100 SXM datasheet", "")
+    calibration: str | None = _doc("a `polyparallel calibrate --device cuda` file (relative to the spec) whose "
+                                   "measured rates replace the nominal ones", "h100-calibration.json", None)
 
     @field_validator("peak")
     @classmethod
@@ -91,15 +102,20 @@ class _DeviceTypeSpec(_Strict):
 
 
 class _LinkSpec(_Strict):
-    kind: str = "link"
-    bandwidth: float | str | None = None
-    up: float | str | None = None
-    down: float | str | None = None
-    latency: float | str = 0.0
-    ports: int = Field(1, ge=1)
-    efficiency: float = Field(1.0, gt=0, le=1)
-    oversubscription: float = Field(1.0, ge=1)
-    source: str = ""
+    """A link: inside a node (``intra``), a node's network ports (``nic``), a center's WAN uplink
+    (``wan``) or the WAN backbone. Give ``bandwidth`` (both directions) or ``up`` and ``down``."""
+
+    kind: str = _doc("what the link is (shown, and how collectives are priced on it: nvlink, infiniband, "
+                     "ethernet, ...)", "nvlink", "link")
+    bandwidth: float | str | None = _doc("per-direction bandwidth, both directions", "450 GB/s", None)
+    up: float | str | None = _doc("bandwidth out of the node or center (with 'down', instead of 'bandwidth')",
+                                  "10 Gb/s", None)
+    down: float | str | None = _doc("bandwidth into the node or center", "10 Gb/s", None)
+    latency: float | str = _doc("one-way latency of a message", "3 us", 0.0)
+    ports: int = _doc("ports per node (a nic's rails): the bandwidth is per port", 8, 1, ge=1)
+    efficiency: float = _doc("the fraction of the bandwidth transfers reach", 0.8, 1.0, gt=0, le=1)
+    oversubscription: float = _doc("how many senders share the fabric's bandwidth (>= 1)", 2.0, 1.0, ge=1)
+    source: str = _doc("where the figures come from", "measured with nccl-tests", "")
 
     @field_validator("bandwidth", "up", "down")
     @classmethod
@@ -127,26 +143,39 @@ class _LinkSpec(_Strict):
 
 
 class _NodeGroupSpec(_Strict):
-    name: str = "node"
-    count: int = Field(1, ge=1)
-    device: str
-    devices_per_node: int = Field(ge=1)
-    intra: _LinkSpec | None = None
-    nic: _LinkSpec | None = None
+    """``count`` identical nodes of a center."""
+
+    name: str = _doc("the nodes' name (numbered when count > 1)", "dgx", "node")
+    count: int = _doc("how many such nodes", 4, 1, ge=1)
+    device: str = _doc("a device type: the catalog's (`polyparallel cluster list` shows them) or one under "
+                       "device_types", "a100-80gb-sxm")
+    devices_per_node: int = _doc("devices in each node", 8, ge=1)
+    intra: _LinkSpec | None = _doc("the link between the devices of a node; needed with devices_per_node > 1",
+                                   {"kind": "nvlink", "bandwidth": "300 GB/s", "latency": "3 us"}, None)
+    nic: _LinkSpec | None = _doc("each node's network ports; needed with several nodes",
+                                 {"kind": "infiniband", "bandwidth": "200 Gb/s", "ports": 8}, None)
 
 
 class _ResidencySpec(_Strict):
-    data_may_leave: bool = False
-    activations_may_leave: bool = True
+    """What may leave a center: the collaborative search keeps data (and, if set, activations) home."""
+
+    data_may_leave: bool = _doc("whether training data may be sent to other centers", False, False)
+    activations_may_leave: bool = _doc("whether activations may cross to other centers (pipeline stages "
+                                       "spanning centers)", True, True)
 
 
 class _CenterSpec(_Strict):
-    name: str
-    city: str = ""
-    framework: str = "torch"
-    residency: _ResidencySpec = _ResidencySpec()
-    nodes: list[_NodeGroupSpec] = []
-    wan: _LinkSpec | None = None
+    """A compute center: its nodes, its framework, its WAN uplink, what may leave it."""
+
+    name: str = _doc("a unique name", "beijing")
+    city: str = _doc("where it is (shown)", "Beijing", "")
+    framework: str = _doc("the training framework its centers run (torch, mindspore)", "torch", "torch")
+    residency: _ResidencySpec = _doc("what may leave the center", {"data_may_leave": False}, _ResidencySpec())
+    nodes: list[_NodeGroupSpec] = _doc("its node groups (at least one)",
+                                       [{"device": "a100-80gb-sxm", "devices_per_node": 8,
+                                         "intra": {"kind": "nvlink", "bandwidth": "300 GB/s"}}], [])
+    wan: _LinkSpec | None = _doc("its uplink to the other centers; needed with several centers",
+                                 {"up": "10 Gb/s", "down": "10 Gb/s", "latency": "10 ms"}, None)
 
     @field_validator("framework")
     @classmethod
@@ -164,8 +193,13 @@ class _CenterSpec(_Strict):
 
 
 class _WanSpec(_Strict):
-    backbone: _LinkSpec | None = None
-    latency: dict[str, float | str] = {}
+    """Between centers: a shared backbone and latencies per pair of centers."""
+
+    backbone: _LinkSpec | None = _doc("a link every inter-center transfer also crosses",
+                                      {"bandwidth": "100 Gb/s", "latency": "5 ms"}, None)
+    latency: dict[str, float | str] = _doc("one-way latency between two centers, keyed 'centerA-centerB' "
+                                           "(instead of adding their uplinks' latencies)",
+                                           {"beijing-wuhan": "12 ms"}, {})
 
     @field_validator("latency")
     @classmethod
@@ -179,15 +213,22 @@ class _WanSpec(_Strict):
 
 
 class _ClusterSpec(_Strict):
-    name: str
-    description: str = ""
-    device_types: dict[str, _DeviceTypeSpec] = {}
-    centers: list[_CenterSpec] = Field(min_length=1)
-    wan: _WanSpec = _WanSpec()
+    """A cluster: one or more centers of nodes of devices, and the links between them."""
+
+    name: str = _doc("the cluster's name (in strategies and reports)", "two-centers")
+    description: str = _doc("free text", "two A100 centers 1000 km apart", "")
+    device_types: dict[str, _DeviceTypeSpec] = _doc("device types of one's own, by name",
+                                                    {"my-gpu": {"peak": {"bf16": "400 TFLOP/s"}, "memory": "48 GB",
+                                                                "memory_bandwidth": "1 TB/s"}}, {})
+    centers: list[_CenterSpec] = _doc("the centers (at least one)", [{"name": "a", "nodes": [
+        {"device": "h100-sxm", "devices_per_node": 1}]}], min_length=1)
+    wan: _WanSpec = _doc("what lies between the centers", {"latency": {"a-b": "20 ms"}}, _WanSpec())
 
 
 def _explain(source: str, err: ValidationError) -> str:
-    lines = [f"{source}: invalid cluster spec"]
+    """The first bad field on the first line (``SOURCE: invalid cluster spec: FIELD: what to do``),
+    any others on indented lines after it."""
+    lines = []
     for e in err.errors():
         loc = ".".join(str(x) for x in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
@@ -197,8 +238,8 @@ def _explain(source: str, err: ValidationError) -> str:
             msg = "unknown field: remove it or check its spelling"
         elif e["type"] == "too_short" and loc.endswith("centers"):
             msg = "a cluster needs at least one center"
-        lines.append(f"  {loc or '(top level)'}: {msg}")
-    return "\n".join(lines)
+        lines.append(f"{loc or '(top level)'}: {msg}")
+    return "\n  ".join([f"{source}: invalid cluster spec: {lines[0]}", *lines[1:]])
 
 
 _CATALOG_CACHE: dict[str, DeviceType] | None = None
