@@ -318,6 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--part", choices=("mlp", "bn"), default="mlp",
                     help="mlp: the IID MLP table; bn: BatchNorm CNN under label skew, backdoors, seeds")
     ap.add_argument("--seeds", type=int, default=3, help="bn: seeds per cell")
+    ap.add_argument("--first-seed", type=int, default=0, help="bn: seeds first-seed .. first-seed + seeds - 1")
     ap.add_argument("--attacks", nargs="*", default=None, help="bn: a subset of " + ", ".join(BN_ATTACKS))
     ap.add_argument("--min-cosine", type=float, default=None, help="CollabConfig.min_cosine (default: the config's)")
     args = ap.parse_args(argv)
@@ -326,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.part == "bn":
         fusions = list(BN_FUSIONS) if args.fusions == list(FUSIONS) else args.fusions
         rows = [run_bn_case(a, f, n, s, **kw) for n in args.centers for f in fusions
-                for a in (args.attacks or BN_ATTACKS) for s in range(args.seeds)]
+                for a in (args.attacks or BN_ATTACKS) for s in range(args.first_seed, args.first_seed + args.seeds)]
         print(bn_table(rows))
         out = args.out or ROOT / "benchmarks" / "results" / "collab_attacks_bn.json"
         out.write_text(json.dumps({"model": f"{BN_SPEC}", "skew": SKEW, "poisoned": POISONED, "target": TARGET,
