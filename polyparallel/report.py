@@ -64,6 +64,7 @@ class Run:
     steps: list[dict[str, Any]] = field(default_factory=list)
     rounds: list[dict[str, Any]] = field(default_factory=list)
     timing: list[dict[str, Any]] = field(default_factory=list)
+    flagged: dict[str, Any] = field(default_factory=dict)  # result.json's: center -> rounds and why
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -92,9 +93,11 @@ def read_run(path: str | Path) -> Run:
         return Run(p, "torch", steps=steps)
     rounds: list[dict[str, Any]] = []
     timing: list[dict[str, Any]] = []
+    flagged: dict[str, Any] = {}
     if (p / "result.json").is_file():
         result = json.loads((p / "result.json").read_text())
         rounds, timing = list(result.get("rounds", [])), list(result.get("timing", []))
+        flagged = dict(result.get("flagged", {}))
     for folder in (p, p / "flower"):
         if not rounds and (folder / "rounds.jsonl").is_file():
             rounds = _jsonl(folder / "rounds.jsonl")
@@ -102,7 +105,7 @@ def read_run(path: str | Path) -> Run:
             timing = _jsonl(folder / "timing.jsonl")
     if not rounds:
         raise ValueError(f"{p} holds no run records (no train.jsonl, result.json or rounds.jsonl); {fix}")
-    return Run(p, "collab", rounds=rounds, timing=timing)
+    return Run(p, "collab", rounds=rounds, timing=timing, flagged=flagged)
 
 
 # -- formatting -----------------------------------------------------------------------------------
@@ -508,6 +511,35 @@ def _phases(run: Run) -> list[tuple[int, dict[str, float]]]:
     return out
 
 
+_CHECKS = (("update_norm", "norm"), ("cos_fused", "cos to fused"), ("cos_others", "cos to others"),
+           ("cos_root", "cos to root"), ("trust", "trust"))
+
+
+def _audit(rounds: list[dict[str, Any]], flagged: dict[str, Any]) -> str:
+    """Per round and center, what the server's checks measured on the update and what it decided
+    (the round records' metrics and refusals), and the centers flagged in some round."""
+    shown = [(k, h) for k, h in _CHECKS if any(k in m for r in rounds for m in r.get("metrics", {}).values())]
+    rows = []
+    for r in rounds:
+        for c in sorted({*r.get("metrics", {}), *r.get("rejected", {})}):
+            m = r.get("metrics", {}).get(c, {})
+            why = r.get("rejected", {}).get(c)
+            rows.append([str(r["round"]), c, *(f"{m[k]:.4g}" if k in m else "" for k, _ in shown),
+                         "refused: " + "; ".join(why) if why else "accepted"])
+    if not rows:
+        return ""
+    out = ("<h3>Update checks per round and center</h3><p class=\"note\">What the server measured on each "
+           "update before fusing it (norm; cosine to the fused step, to the other centers' median, to the server's "
+           "root update; FLTrust's trust) and its decision.</p>"
+           + _table(["round", "center", *(h for _, h in shown), "decision"], rows, "run-audit"))
+    if flagged:
+        out += "<h3>Flagged centers</h3>" + _table(
+            ["center", "rounds", "why (last)"],
+            [[c, ", ".join(map(str, f.get("rounds", []))), (f.get("why") or [""])[-1]] for c, f in flagged.items()],
+            "run-flagged")
+    return out
+
+
 def collab_run_section(run: Run) -> str:
     rounds = sorted(run.rounds, key=lambda r: r["round"])
     train: dict[str, list[tuple[float, float]]] = {}
@@ -523,6 +555,7 @@ def collab_run_section(run: Run) -> str:
     if evals["loss"]:
         out += "<h3>Evaluation of the fused model</h3>" + line_svg(
             "run-eval", {f"eval {k}": v for k, v in evals.items() if v}, "round", "value")
+    out += _audit(rounds, run.flagged)
     phases = _phases(run)
     if phases:
         out += ("<h3>Phase times per round (mean over centers; measured)</h3><p class=\"note\">download: round "

@@ -216,3 +216,27 @@ def test_bad_input_exits_2(case: str, words: list[str], sync_strategy: Path, tmp
     for w in words:
         assert w in err, err
     assert not (tmp_path / "r.html").exists()
+
+
+def test_the_update_checks_and_flagged_centers_are_shown(collab_run: Path) -> None:
+    """The audit the server records (update norm, cosines, FLTrust's trust, refusals) as the page's table;
+    a refused center and result.json's flagged list, as a federation with an attacker writes them."""
+    from polyparallel.report import Run, collab_run_section
+
+    run = read_run(collab_run)
+    page = collab_run_section(run)
+    assert 'id="run-audit"' in page and 'id="run-flagged"' not in page  # honest centers: nobody flagged
+    for rec in run.rounds:
+        for c, m in rec["metrics"].items():
+            assert f"<td>{rec['round']}</td><td>{c}</td><td>{m['update_norm']:.4g}</td>" in page
+    attacked = [{"round": 1, "metrics": {"a": {"update_norm": 2.5, "cos_root": 0.31, "trust": 0.31}},
+                 "rejected": {"m": ["update norm 9e3 exceeds the bound 25"]}},
+                {"round": 2, "metrics": {"a": {"update_norm": 2.0, "cos_root": 0.2, "trust": 0.2},
+                                         "m": {"update_norm": 1.9, "cos_root": -0.7, "trust": 0.0}}}]
+    flagged = {"m": {"rounds": [1, 2], "why": ["refused: update norm 9e3 exceeds the bound 25",
+                                               "no trust (cosine to the server's root update -0.700)"]}}
+    page = collab_run_section(Run(collab_run, "collab", rounds=attacked, flagged=flagged))
+    assert "<td>1</td><td>m</td><td></td><td></td><td></td><td>refused: update norm 9e3 exceeds the bound 25</td>" \
+        in page
+    assert "<td>2</td><td>m</td><td>1.9</td><td>-0.7</td><td>0</td><td>accepted</td>" in page
+    assert "<td>m</td><td>1, 2</td><td>no trust (cosine to the server&#x27;s root update -0.700)</td>" in page
