@@ -102,7 +102,9 @@ def page() -> str:
             example = _value(f.examples[0]) if f.examples else ""
             out.append(f"| `{name}` | {_type(f.annotation)} | {default} | {f.description or ''} | {example} |")
         out.append("")
-    out += ["## A whole example", "", "```yaml", EXAMPLE.rstrip(), "```", ""]
+    out += ["## A whole example", "", "```yaml", EXAMPLE.rstrip(), "```", "",
+            "## Check a spec", "", "Say what a spec describes, or name its first bad field and the fix (exit 2):", "",
+            "```bash", "polyparallel cluster check aisynergy-5", "```", ""]
     return "\n".join(out)
 
 

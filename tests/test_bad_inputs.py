@@ -211,8 +211,8 @@ def _narrow_inputs(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize(("model", "data", "words"), [
-    ("tiny_gpt", _float_labels, ["labels float32 (4, 16)", "Expected dtype int32/int64", "return the inputs"]),
-    ("tiny_mlp", _narrow_inputs, ["inputs float32 (4, 20)", "[4, 20] X [32, 64]", "return the inputs"]),
+    ("tiny_gpt", _float_labels, ["labels float32 (4, 16)", "Expected dtype int32/int64", "data model(inputs"]),
+    ("tiny_mlp", _narrow_inputs, ["inputs float32 (4, 20)", "[4, 20] X [32, 64]", "data model(inputs"]),
 ], ids=["float labels", "wrong width"])
 def test_train_on_data_the_model_cannot_take_is_refused_in_one_line(model: str, data, words: list[str],
                                                                      caplog: pytest.LogCaptureFixture) -> None:

@@ -163,5 +163,7 @@ def test_refuses_what_it_cannot_run(tmp_path: Path, capsys: pytest.CaptureFixtur
         main(["train", str(path), "--model", f"{EX}:tiny_mlp", "--data", f"{EX}:gpt_data", "--steps", "1",
               "--log-dir", str(tmp_path / "log")])
     assert e.value.code == 2
-    assert "--no-fingerprint-check" in capsys.readouterr().err  # another model: refused
+    # another model, which cannot take the strategy's data: refused, naming the strategy's model
+    err = capsys.readouterr().err
+    assert "forward fails on a micro-batch" in err and f"the strategy was made for ({gpt.model.name})" in err
     assert not (tmp_path / "log").exists()  # refused before anything ran

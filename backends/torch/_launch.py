@@ -334,8 +334,8 @@ def _checked_run(strategy: Strategy, model_fn: Any, data_fn: Any, agent: subproc
             why = forward_problem(model, micro)
             if why:
                 raise ValueError(f"the model's forward fails on a micro-batch of data_fn(0) (inputs "
-                                 f"{_shape(micro[0])}, labels {_shape(micro[1])}): {why}; return the inputs and "
-                                 "labels model(inputs, labels) takes") from None
+                                 f"{_shape(micro[0])}, labels {_shape(micro[1])}): {why}; give the model the strategy "
+                                 f"was made for ({strategy.model.name}) and data model(inputs, labels) takes") from None
             raise
     # refused before any launch; the batch cuts pipeline stages and tries the forward on tensor-parallel shards
     plan = plan_for(strategy, model, batch if strategy.pp > 1 or strategy.tp > 1 else None, graph=graph)

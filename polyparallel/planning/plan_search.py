@@ -621,6 +621,8 @@ def _on_fewer_devices(best: _Best, mdl: ModelGraphs, cl: Cluster, B: int, c: Con
         smaller = _search_sync(mdl, cl, B, c, fewer, exhaustive, objective, say)
         if smaller.est is None or smaller.est.step_time > best.est.step_time * (1 + 1e-9):
             break
+        # what was left out on all the devices stays said (the smaller search may have no such plans)
+        smaller.notes[:0] = [n for n in best.notes if n.startswith("left out") and n not in smaller.notes]
         smaller.notes.insert(0, f"uses {len(fewer)} of the cluster's {len(devs)} devices: the fastest plan on all of "
                                 f"them ({_brief(best.est.config)}) splits no op over tp={tp}, so each tp rank would "
                                 f"compute what one process does, and every plan that divides the work priced slower "
