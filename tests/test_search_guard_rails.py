@@ -141,3 +141,36 @@ def test_search_writes_tensor_parallelism_only_as_the_backend_runs_it():
                           pp=s.pp, microbatches=s.microbatches, zero_stage=s.zero_stage, recompute=s.recompute,
                           placements="torch")
     assert written.estimate.step_time_s == pytest.approx(s.estimate.step_time_s, rel=1e-9)
+
+
+def test_a_collaborative_center_whose_tp_splits_no_op_uses_fewer_of_its_devices():
+    """A small CNN on two centers of 4 A100s: each center's fastest plan on its 4 devices was a tp=4
+    that replicates every op (Conv2d and BatchNorm are not split); the center now uses 1 of them, says
+    so, and the collaborative backend runs that plan (a plain one-device center)."""
+    from polyparallel.backends.collab import ModelSpec, config_from_strategy
+    from polyparallel.cluster import Cluster
+
+    node = {"device": "a100-80gb-sxm", "devices_per_node": 4, "intra": {"bandwidth": "300 GB/s", "latency": "3 us"}}
+    cl = Cluster.from_dict({"name": "two", "centers": [
+        {"name": n, "nodes": [node], "wan": {"bandwidth": "100 MB/s", "latency": "10 ms"}} for n in "ab"]})
+
+    class SmallCNN(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn = torch.nn.Conv2d(1, 16, 3, padding=1), torch.nn.BatchNorm2d(16)
+            self.fc = torch.nn.Linear(16 * 64, 10)
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.bn(self.conv(x.view(-1, 1, 8, 8))))
+            return torch.nn.functional.cross_entropy(self.fc(h.flatten(1)), labels)
+
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    s = search(SmallCNN(), (x,), cl, example_kwargs={"labels": y}, batch_size=512,
+               constraints={"mode": "collaborative"})
+    assert s.mode == "collaborative"
+    for c in s.collaborative.centers:
+        assert len(c.devices) == 1 and c.local_strategy["tp"] == 1 and c.local_strategy["dp"] == 1
+        [note] = [n for n in s.search.notes if n.startswith(f"center {c.name}: uses 1 of its 4 devices")]
+        assert "splits no op over tp=4" in note
+    cfg = config_from_strategy(s, ModelSpec("polyparallel.backends.torch._examples:tiny_mlp"))
+    assert [cc.devices for cc in cfg.centers] == [1, 1]

@@ -585,7 +585,7 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
     sync_est = sync.est if sync is not None else None
     if collab is not None and (sync_est is None or _estimate(collab[0]).samples_per_s > sync_est.throughput or
                                c.mode == "collaborative"):
-        return collab[0].model_copy(update={"search": record})
+        return collab[0].model_copy(update={"search": record.model_copy(update={"notes": record.notes + collab[2]})})
     if sync is None or sync.est is None:
         raise DoesNotFit(_does_not_fit_message(mdl, cl, best))
     t1 = time.perf_counter()
@@ -1061,11 +1061,13 @@ def _paramless_stage(g: Graph, cfg: ParallelConfig) -> int | None:
 
 
 def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaustive: bool,
-                   say: Callable[[str], None]) -> tuple[Strategy, int] | None:
-    """Each center trains locally with its own best plan; fuse every H steps over the WAN."""
+                   say: Callable[[str], None]) -> tuple[Strategy, int, list[str]] | None:
+    """Each center trains locally with its own best plan; fuse every H steps over the WAN. Returns
+    the strategy, the candidates priced and the centers' notes (one using fewer of its devices)."""
     say("pricing the collaborative mode: one synchronous plan per center")
     per_center: list[tuple[Any, StepEstimate, list[int]]] = []  # (center, its best plan's estimate, devices)
     cands = 0
+    notes: list[str] = []
     for ce in cl.centers:
         devs = cl.devices_of(center=ce.index)
         if not devs:
@@ -1085,6 +1087,12 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
                 break
         if best.est is None:
             return None  # a center cannot hold the model: no collaborative plan
+        fewer = _on_fewer_devices(best, mdl, cl, local, cc, devs, exhaustive, "throughput", lambda _: None)
+        if fewer[1] != devs:
+            said = next(n for n in fewer[0].notes if n.startswith("uses "))
+            notes.append(f"center {ce.name}: " + said.replace("the cluster's", "its").partition("; constraints=")[0])
+        best, devs = fewer
+        assert best.est is not None
         per_center.append((ce, best.est, devs))
     if len(per_center) < 2:
         return None
@@ -1124,7 +1132,7 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
                      mesh=Mesh(axes=[MeshAxis(name="center", size=len(all_devs), level="inter_center")],
                                devices=all_devs),
                      collaborative=collab, estimate=est)
-    return strat, cands
+    return strat, cands, notes
 
 
 def _does_not_fit_message(mdl: ModelGraphs, cl: Cluster, best: _Best | None) -> str:
