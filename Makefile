@@ -6,7 +6,7 @@ PIP     := $(BIN)/python -m pip
 STAMP   := $(VENV)/.installed
 TSTAMP  := $(VENV)/.installed-test
 
-.PHONY: demo test lint venv clean architecture
+.PHONY: demo test test-fast lint venv clean architecture
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -46,9 +46,19 @@ demo: $(STAMP)
 # tests that start Flower federations run one after another on one of them (tests/conftest.py).
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
+# Two tiers, both run by `make test` (and CI): the default tier (-m "not slow": units, search,
+# pricing, single trainings), then the slow tier (federations over Flower, multi-process trainings of
+# HF models, published-run pricing, the docs' examples). `make test-fast` runs the default tier alone.
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15
+
 test: $(TSTAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
+	$(PYTEST) -m "not slow"
+	$(PYTEST) -m slow
+
+test-fast: $(TSTAMP)
+	$(BIN)/ruff check .
+	$(PYTEST) -m "not slow"
 
 lint: $(TSTAMP)
 	$(BIN)/ruff check .

@@ -9,8 +9,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.cost_validation import PUBLISHED, run_published
+
+pytestmark = pytest.mark.slow  # minutes of pricing: the second tier (make test runs both)
 
 
 def test_published_runs_within_bounds(capsys):
