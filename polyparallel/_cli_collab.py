@@ -95,6 +95,9 @@ def _load_data(config: Any, data_dir: Path | None, synthetic: int) -> dict[str, 
     if not names:
         return {}
     if data_dir is not None:
+        if data_dir.is_file():
+            raise UserError(f"--data {data_dir} is a file: give the folder holding one CENTER.npz per center "
+                            f"({', '.join(f'{n}.npz' for n in names)}), or MODULE:FUNCTION")
         return {n: _load_npz(data_dir / f"{n}.npz", f"no data for center {n!r}") for n in names}
     spec = config.model
     if spec.user:
@@ -402,6 +405,9 @@ def serve_cmd(
     from polyparallel.backends.collab._flower import FlowerError, LoopbackFederation, read_outputs
     from polyparallel.backends.collab._security import load_credentials
 
+    if not config.is_file():
+        raise UserError(f"--config {config}: no such file; write one with `polyparallel collab ... "
+                        f"--save-config {config}`")
     try:
         cfg = CollabConfig.from_json(config.read_text())
         if round_timeout is not None:

@@ -82,6 +82,8 @@ CLI_CASES = [
     (["collab", "--rounds", "1", "--synthetic", "64", "--lr", "-1"], ["--lr -1.0", "positive finite"]),
     # the server's evaluation set with other features than the centers' data: a traceback in round 1
     (["collab", "--rounds", "1", "--synthetic", "64", "--eval-data", "wide.npz"], ["shape (5,)", "same features"]),
+    (["collab", "--rounds", "1", "--synthetic", "64", "--data", "wide.npz"], ["is a file", "one CENTER.npz"]),
+    (["serve", "--config", "missing.json"], ["no such file", "--save-config"]),
     # the user's own function raising: one line with the exception and the line of their code
     (["search", "user_code_that_raises:build"], ["build() raised RuntimeError: config file missing",
                                                  "user_code_that_raises.py:2"]),
