@@ -87,7 +87,7 @@ def _apply(model: torch.nn.Module, job: dict[str, Any], device: torch.device,
         # cross-rank BatchNorm keeps the running statistics equal on every replica: nothing to broadcast
         model = DistributedDataParallel(model, process_group=replica_mesh(mesh, plan).get_group(),
                                         device_ids=[device.index] if device.type == "cuda" else None,
-                                        broadcast_buffers=not cross_rank_bn)
+                                        forward_sync_buffers=not cross_rank_bn)
     elif plan.data_parallel == "fsdp":
         _fully_shard(model, replica_mesh(mesh, plan), plan.zero_stage, fsdp_kwargs)
     return model, mesh
