@@ -3,20 +3,25 @@ unit, plus, on a terminal, a live bar with the count, elapsed time and time left
 
 Piped or redirected (a log file, CI), only the lines are written, each flushed as its unit ends and
 ending with ``eta N s`` while units remain, so a log reads the same as the screen without control
-codes. The time left is the mean wall time per unit since the first unit ended, times the units
-left: the first unit carries the start-up (process launch, capture, compilation) and would inflate
-every later estimate.
+codes; a unit that takes long (a Flower federation starting, a round of thousands of local steps)
+gets a line every ``heartbeat_s`` (8 s) saying it is under way, so no log falls silent for longer.
+The time left is the mean wall time per unit since the first unit ended, times the units left: the
+first unit carries the start-up (process launch, capture, compilation) and would inflate every
+later estimate.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from types import TracebackType
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as _Bar
+
+_since = time.monotonic  # the heartbeat's clock, apart from the time-left estimate's
 
 
 class LineProgress:
@@ -26,15 +31,21 @@ class LineProgress:
         total: units expected (steps, rounds).
         label: what a unit is, shown on the bar.
         console: where to write; by default standard output, live only when it is a terminal.
+        heartbeat_s: without a live bar, the longest silence before a line saying the unit is under way.
     """
 
-    def __init__(self, total: int, label: str, *, console: Console | None = None) -> None:
+    def __init__(self, total: int, label: str, *, console: Console | None = None, heartbeat_s: float = 8.0) -> None:
         self.total, self.label = total, label
         self.console = console or Console(width=None if sys.stdout.isatty() else 160)
         self.live = self.console.is_terminal
         self.done, self._seen, self._t_first = 0, 0, 0.0
         self._bar: _Bar | None = None
         self._task = 0
+        self.heartbeat_s = heartbeat_s
+        self._said = _since()  # when the last line was written
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
 
     def __enter__(self) -> LineProgress:
         if self.live:
@@ -42,9 +53,29 @@ class LineProgress:
                              TextColumn("{task.fields[eta]}"), console=self.console, transient=True)
             self._bar.start()
             self._task = self._bar.add_task(self.label, total=self.total, eta="")
+        else:
+            self._said = _since()
+            self._beat = threading.Thread(target=self._heartbeat, name="progress-heartbeat", daemon=True)
+            self._beat.start()
         return self
 
+    def _heartbeat(self) -> None:
+        started = _since()
+        while not self._stop.wait(min(1.0, self.heartbeat_s / 4)):
+            with self._lock:
+                quiet = _since() - self._said
+                if quiet >= self.heartbeat_s and self.done < self.total:
+                    self.console.print(f"  ... {self.label[:-1] if self.label.endswith('s') else self.label} "
+                                       f"{self.done + 1}/{self.total} under way ({_since() - started:.0f} s since "
+                                       "the start)", highlight=False, markup=False, soft_wrap=True)
+                    self.console.file.flush()
+                    self._said = _since()
+
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
+            self._beat = None
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
@@ -69,5 +100,7 @@ class LineProgress:
             self._bar.console.print(text, highlight=False, markup=False)
             self._bar.update(self._task, completed=self.done, eta=tail.strip())
         else:
-            self.console.print(text + tail, highlight=False, markup=False, soft_wrap=True)
-            self.console.file.flush()
+            with self._lock:
+                self.console.print(text + tail, highlight=False, markup=False, soft_wrap=True)
+                self.console.file.flush()
+                self._said = _since()

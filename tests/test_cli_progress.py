@@ -79,3 +79,17 @@ def test_ctrl_c_exits_130_with_a_line():
     assert p.returncode == 130
     lines = err.decode().strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("interrupted (Ctrl-C)")
+
+
+def test_a_long_unit_in_a_log_gets_a_line_saying_it_is_under_way():
+    """Piped output of a unit slower than the heartbeat (Flower's start-up before round 1, a round of
+    thousands of local steps): lines saying it is under way, so no log falls silent for longer."""
+    import time
+
+    out = io.StringIO()
+    with LineProgress(2, "rounds", console=Console(file=out, force_terminal=False), heartbeat_s=0.2) as p:
+        time.sleep(1.0)  # five heartbeats' worth
+        p.line("round 1/2")
+    lines = out.getvalue().splitlines()
+    assert len(lines) >= 2 and lines[-1].startswith("round 1/2"), lines
+    assert all(ln.startswith("  ... round 1/2 under way (") for ln in lines[:-1]), lines
