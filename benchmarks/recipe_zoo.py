@@ -81,12 +81,20 @@ def chaos(name: str, steps: int) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
+def _failed(rec: dict[str, Any], by: str, e: Exception) -> dict[str, Any]:
+    """``rec`` for a cell that did not train: refused before launch (a ValueError: evaluate's
+    refusal, train's checks) or a crash (a worker failed after launch, TrainError, or anything else)."""
+    rec.update(status="refused" if isinstance(e, ValueError) else "crash", by=by,
+               error=f"{type(e).__name__}: {e}"[:700])
+    return rec
+
+
 def run_cell(name: str, recipe: str, *, steps: int = STEPS) -> dict[str, Any]:
     import torch
 
     import polyparallel as pp
     from benchmarks.zoo import against_single_process
-    from polyparallel.backends.torch import TrainError, train
+    from polyparallel.backends.torch import train
     from tests.zoo import BATCH
     from tests.zoo_recipes import ZOO
 
@@ -101,27 +109,16 @@ def run_cell(name: str, recipe: str, *, steps: int = STEPS) -> dict[str, Any]:
             s = pp.search(model_fn(), (x, y), f"local-cpu:{devices}", batch_size=BATCH)
         else:
             s = pp.evaluate(model_fn(), (x, y), f"local-cpu:{devices}", batch_size=BATCH, **kw)
-    except ValueError as e:
-        rec.update(status="refused", by="evaluate", error=f"{type(e).__name__}: {e}"[:500])
-        return rec
     except Exception as e:
-        rec.update(status="crash", by="evaluate", error=f"{type(e).__name__}: {e}"[:500])
-        return rec
+        return _failed(rec, "evaluate", e)
     rec.update(plan=_summary(s), plan_s=round(time.perf_counter() - t0, 2), notes=list(s.search.notes)[:3])
     t1 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pp-recipe-zoo-") as tmp:
         try:
             log = train(s, f"tests.zoo_recipes:{model_fn.__name__}", f"tests.zoo_recipes:{data_fn.__name__}",
                         steps=steps, lr=LR, seed=SEED, run_dir=tmp, timeout_s=400)
-        except TrainError as e:
-            rec.update(status="crash", by="train", error=f"{type(e).__name__}: {e}"[:700])
-            return rec
-        except ValueError as e:
-            rec.update(status="refused", by="train", error=f"{type(e).__name__}: {e}"[:500])
-            return rec
         except Exception as e:
-            rec.update(status="crash", by="train", error=f"{type(e).__name__}: {e}"[:700])
-            return rec
+            return _failed(rec, "train", e)
     rec["train_s"] = round(time.perf_counter() - t1, 2)
     err = against_single_process(rec, log, model_fn, data_fn, steps)
     if err is None:

@@ -10,6 +10,7 @@ lists them per section with their types and defaults, and ends with a whole exam
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -57,12 +58,14 @@ wan:
 """
 
 
+# the spec's section models, as the page names them
+_WORDS = {"_LinkSpec": "link", "_NodeGroupSpec": "node group", "_CenterSpec": "center",
+          "_DeviceTypeSpec": "device type", "_ResidencySpec": "residency", "_WanSpec": "wan"}
+
+
 def _type(annotation: Any) -> str:
-    text = str(annotation).replace("typing.", "").replace("NoneType", "None")
-    for private in ("polyparallel.cluster.spec._", "_"):
-        text = text.replace(private + "LinkSpec", "link").replace(private + "NodeGroupSpec", "node group")
-        text = text.replace(private + "CenterSpec", "center").replace(private + "DeviceTypeSpec", "device type")
-        text = text.replace(private + "ResidencySpec", "residency").replace(private + "WanSpec", "wan")
+    text = str(annotation).replace("typing.", "").replace("NoneType", "None").replace("polyparallel.cluster.spec.", "")
+    text = re.sub(r"_\w+Spec", lambda m: _WORDS[m.group()], text)
     return text.replace("<class '", "").replace("'>", "").replace(" | ", " or ")
 
 

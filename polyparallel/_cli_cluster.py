@@ -131,7 +131,7 @@ def check_cmd(
     kinds = ", ".join(f"{n} x {k}" for k, n in t["devices_by_type"].items())
     typer.echo(f"ok: {c.name}: {t['centers']} center(s), {t['nodes']} node(s), {t['devices']} device(s) ({kinds}), "
                f"{_gb(t['memory_bytes'])}, peak {_flops(t['peak_flops']['bf16'])} bf16")
-    used = {c.devices[d].type.name for d in range(c.num_devices)}
+    used = {d.type.name for d in c.devices}
     for name in sorted(used):
         dt = c.device_types[name]
         if "nominal" in dt.source:

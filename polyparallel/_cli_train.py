@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -66,11 +65,11 @@ def train(
     made = None
     try:
         from polyparallel.backends.torch import train as run
-        from polyparallel.backends.torch._launch import new_run_dir
+        from polyparallel.backends.torch._launch import new_run_dir, runs_root
 
         # a new run directory is created at once: a name only chosen here could be taken by another
         # run of the same second (a test's train() in POLYPARALLEL_RUNS) before train() creates it
-        fresh_root = not Path(os.environ.get("POLYPARALLEL_RUNS", "runs")).exists()
+        fresh_root = not runs_root().exists()
         made = None if run_dir or log_dir or checkpoint_dir else new_run_dir()
         where = run_dir or log_dir or checkpoint_dir or made
         with LineProgress(steps, "steps") as progress:

@@ -20,7 +20,12 @@ from polyparallel.backends.torch._agent import take as take_agent
 from polyparallel.backends.torch._checkpoint import check_resume, trim_log
 from polyparallel.backends.torch._plan import plan_for
 from polyparallel.backends.torch._procs import kill_tree, recorded_pids
-from polyparallel.backends.torch._tensor_parallel import UncapturedModel, forward_problem, strategy_graph
+from polyparallel.backends.torch._tensor_parallel import (
+    UncapturedModel,
+    forward_problem,
+    micro_batch,
+    strategy_graph,
+)
 from polyparallel.references import call_user, resolve
 from polyparallel.strategy import Strategy
 
@@ -113,11 +118,16 @@ def _shape(t: Any) -> str:
     return f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"
 
 
+def runs_root() -> Path:
+    """Where run directories go by default: ``$POLYPARALLEL_RUNS``, else ``runs`` under the current folder."""
+    return Path(os.environ.get("POLYPARALLEL_RUNS", "runs"))
+
+
 def new_run_dir(root: str | Path | None = None) -> Path:
     """A new, empty ``root/<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``, ... when taken), created here: a
     name chosen without creating it could be taken by another run of the same second before it is
-    used. ``root`` defaults to ``$POLYPARALLEL_RUNS``, else ``runs`` under the current folder."""
-    root = root if root is not None else os.environ.get("POLYPARALLEL_RUNS", "runs")
+    used. ``root`` defaults to :func:`runs_root`."""
+    root = root if root is not None else runs_root()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for i in range(1, 1000):
         path = Path(root) / (stamp if i == 1 else f"{stamp}-{i}")
@@ -329,8 +339,7 @@ def _checked_run(strategy: Strategy, model_fn: Any, data_fn: Any, agent: subproc
             # the capture's account (export's and fx's errors) hides a plain cause, data the model
             # cannot take; the forward tried on fake tensors names it and the user's line. Only
             # here: a meta kernel may refuse what the CPU runs (grouped_mm in fp32)
-            b = strategy.global_batch // (strategy.dp * strategy.microbatches)
-            micro = tuple(t[:b] for t in batch)
+            micro = micro_batch(strategy, batch)
             why = forward_problem(model, micro)
             if why:
                 raise ValueError(f"the model's forward fails on a micro-batch of data_fn(0) (inputs "

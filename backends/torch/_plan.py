@@ -69,6 +69,7 @@ from polyparallel.backends.torch._recompute import recompute_blocks
 from polyparallel.backends.torch._tensor_parallel import (
     eager_tp_problem,
     head_split,
+    micro_batch,
     position_embeddings,
     reads_head_shards,
     sharded_consumer,
@@ -302,8 +303,7 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
     pipe = None
     eager_why = None  # why the model's own forward cannot run on a rank's shards
     if s.pp == 1 and s.tp > 1 and s.sp == 1 and batch is not None:
-        b = s.global_batch // (s.dp * s.microbatches)
-        eager_why = eager_tp_problem(model, dict(seen), s.tp, (batch[0][:b], batch[1][:b]))
+        eager_why = eager_tp_problem(model, dict(seen), s.tp, micro_batch(s, batch))
     if s.pp > 1 or eager_why:
         if batch is None:
             raise ValueError(f"pp={s.pp}: plan_for needs one global batch (data_fn(0)) to cut the model into stages")

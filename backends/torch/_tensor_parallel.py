@@ -21,7 +21,8 @@ produces, as HF LLaMA's rotary ``cos``/``sin`` built from positions, is replicat
 grouped-query attention's ``q = g + G h`` index is handled the same way. Separate projections (one
 block each) are plain ``ColwiseParallel``, and so is a fused projection whose heads each hold their
 own ``q, k, v`` one after another (GPT-NeoX, BLOOM: features ``h·3d + j``), where a rank's operands
-together read the ``r``-th block of the features. The projection's weight rows (and bias) are then regrouped rank-major,
+together read the ``r``-th block of the features, with no regrouping. A fused ``q|k|v`` projection's
+weight rows (and bias) are regrouped rank-major,
 
 .. math::  \pi = \big[\, c_j + r w_j + i \;\big|\; r < t,\ j \text{ by offset},\ i < w_j \,\big],
 
@@ -93,6 +94,7 @@ __all__ = [
     "eager_tp_problem",
     "forward_problem",
     "head_split",
+    "micro_batch",
     "offset_positions",
     "parallelize",
     "position_embeddings",
@@ -623,6 +625,13 @@ def capture_for_strategy(model_fn: Callable[[], nn.Module], example: tuple[Any, 
     raise ValueError("cannot capture the model to compare it with the strategy's: " + "; ".join(errors))
 
 
+def micro_batch(strategy: Any, batch: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The first micro-batch of one global ``batch``: the ``B / (dp·m)`` rows a rank computes on,
+    at which the planner captured (and fingerprinted) the model."""
+    b = strategy.global_batch // (strategy.dp * strategy.microbatches)
+    return tuple(t[:b] if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in batch)
+
+
 def strategy_graph(strategy: Any, model_fn: Callable[[], nn.Module], batch: tuple[Any, ...],
                    check: bool) -> Graph | None:
     """Capture ``model_fn()`` on one micro-batch of ``batch`` (``B / (dp·m)`` rows, the size the
@@ -638,8 +647,7 @@ def strategy_graph(strategy: Any, model_fn: Callable[[], nn.Module], batch: tupl
     """
     from polyparallel.strategy import fingerprint
 
-    b = strategy.global_batch // (strategy.dp * strategy.microbatches)
-    example = tuple(t[:b] if isinstance(t, torch.Tensor) and t.dim() > 0 else t for t in batch)
+    example = micro_batch(strategy, batch)
     graphs: list[Graph] = []
     errors: list[str] = []
     for g in _captures(model_fn, example):

@@ -604,9 +604,9 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
 def _replicates_over_tp(est: StepEstimate | None) -> bool:
     """Whether ``est``'s plan has tp > 1 and splits no op over it: each tp rank computes, and holds,
     what one process would."""
-    plans = est.config.op_plans if est is not None else None
-    return est is not None and est.config.tp > 1 and bool(plans) and not any(
-        p.split > 1 or p.param_split > 1 for p in plans or ())
+    if est is None or est.config.tp == 1 or not est.config.op_plans:
+        return False
+    return not any(p.split > 1 or p.param_split > 1 for p in est.config.op_plans)
 
 
 def _on_fewer_devices(best: _Best, mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: list[int],
@@ -812,8 +812,7 @@ def _why_axes(best: _Best, c: Constraints) -> list[str]:
         if getattr(c, axis) is not None:
             continue  # pinned: the user's choice, not the search's
         head = f"why {axis}={size}: " + _SPLITS[axis].format(placed=plan_note(chosen.config.op_plans)) + "; "
-        plans = chosen.config.op_plans
-        if axis == "tp" and plans and not any(p.split > 1 or p.param_split > 1 for p in plans):
+        if axis == "tp" and _replicates_over_tp(chosen):
             head = (f"why tp={size}: it splits no op: every op is replicated over tp, so each of the {size} tp ranks "
                     f"computes what one process would; every plan that divides the work over these devices priced "
                     f"slower (the model may be too small to gain from them): fewer devices give the same step; ")
