@@ -31,8 +31,8 @@ import torch.fx
 from polyparallel import ops
 from polyparallel.ir import Graph, LoopNest, OpKind, TensorKind
 
-from ._builder import CaptureError, GraphBuilder
-from ._fold import export_folded, input_kinds
+from .._builder import CaptureError, GraphBuilder
+from .._fold import export_folded, input_kinds
 
 __all__ = ["capture_torch", "quiet_fake_tensors"]
 
