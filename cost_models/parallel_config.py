@@ -10,15 +10,15 @@ from typing import Any
 
 from polyparallel.cluster import Cluster
 from polyparallel.ir import TRAINING_DTYPE_BYTES
+from polyparallel.plan import RECOMPUTE, Plan
 
 from .compute import ATTENTION_KERNELS
 from .memory import OPTIMIZER_STATE_BYTES, MemoryReport
-from .pipeline import SCHEDULES, PipelineResult
+from .pipeline import PipelineResult
 
 __all__ = ["EXECUTION_FIELDS", "GRAD_ACCUMULATION", "GRAD_REDUCE", "PIPELINE_P2P", "RECOMPUTE", "ZERO3_GATHER",
            "OpPlan", "ParallelConfig", "StageBreakdown", "StepEstimate", "execution_options", "parse_execution"]
 
-RECOMPUTE = ("none", "selective", "op", "full")
 PIPELINE_P2P = ("megatron", "deepspeed")
 GRAD_REDUCE = ("reduce_scatter", "all_reduce")
 GRAD_ACCUMULATION = ("in_place", "cast_add")
@@ -55,25 +55,19 @@ class OpPlan:
 
 
 @dataclass(frozen=True)
-class ParallelConfig:
-    """Parallel degrees and training options priced by :func:`estimate_step`.
+class ParallelConfig(Plan):
+    """A :class:`~polyparallel.plan.Plan` (degrees, micro-batching, schedule, memory knobs, precision)
+    with the options :func:`estimate_step` prices it under: how the training framework runs it and,
+    optionally, per-op placements.
 
     Args:
-        dp / tp / pp / sp: data, tensor, pipeline and sequence (Ulysses) parallel degrees.
-        ep: expert parallelism, carved from the ``dp·sp`` ranks (it adds no devices): each group of
-            ``ep`` consecutive members of a data-parallel group holds ``1/ep`` of every MoE layer's
-            experts, all-to-alls the routed tokens to them and back, and reduces the experts'
-            gradients only over the ``dp·sp/ep`` ranks holding the same experts.
-        microbatches: micro-batches per step per pipeline (gradient accumulation without pp).
-        schedule: ``gpipe``, ``1f1b`` or ``interleaved``; ``chunks``: model chunks per stage
-            (interleaved only).
-        zero_stage: 0 (plain DP), 1 (optimizer), 2 (+gradients), 3 (+weights, FSDP).
-        recompute: ``none``, ``selective`` (attention scores: Korthikanti et al.), ``op`` (every
-            layer checkpointed, keeping every second matrix product's output and the fused
-            attention's: torchtitan's "selective op" policy, :func:`~.activations.op_policy_saved`)
-            or ``full`` (every layer checkpointed, keeping its input only).
-        sequence_parallel: Megatron sequence parallelism alongside ``tp``.
-        dtype: compute precision (``fp32``, ``bf16``, ``fp16``); weights and gradients use it.
+        dp ... dtype: the plan (:class:`~polyparallel.plan.Plan`). Priced here: ``ep`` all-to-alls
+            the routed tokens to the experts and back and reduces the experts' gradients only over
+            the ``dp·sp/ep`` ranks holding the same experts; ``recompute`` ``selective`` recomputes
+            the attention scores (Korthikanti et al.), ``op`` checkpoints every layer keeping every
+            second matrix product's output and the fused attention's (torchtitan's "selective op"
+            policy, :func:`~.activations.op_policy_saved`), ``full`` checkpoints every layer keeping
+            its input only; ``dtype`` is also the weights' and gradients' precision.
         optimizer: ``adam``, ``adamw``, ``sgd``, ``sgd_momentum``, ``lion``, ``lamb``.
         grad_overlap: ω of the module docstring; ``None`` picks 1 on accelerators, 0 on CPUs.
         fused_attention: which attention kernels run. ``None`` (default): as eager torch chooses:
@@ -156,18 +150,6 @@ class ParallelConfig:
             ``None`` prices the Megatron rule of the module docstring.
     """
 
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    sp: int = 1
-    ep: int = 1
-    microbatches: int = 1
-    schedule: str = "1f1b"
-    chunks: int = 1
-    zero_stage: int = 0
-    recompute: str = "none"
-    sequence_parallel: bool = False
-    dtype: str = "fp32"
     optimizer: str = "adam"
     grad_overlap: float | None = None
     fused_attention: bool | None = None
@@ -184,33 +166,14 @@ class ParallelConfig:
     attention_kernel: str | None = None
     op_plans: tuple[OpPlan, ...] | None = field(default=None, repr=False)
 
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp * self.sp
-
     def validate(self, cluster: Cluster | None = None) -> None:
         """Raise ``ValueError`` naming the bad field and the fix."""
-        for name in ("dp", "tp", "pp", "sp", "ep", "microbatches", "chunks"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"ParallelConfig.{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        if (self.dp * self.sp) % self.ep:
-            raise ValueError(f"ParallelConfig.ep {self.ep} must divide dp x sp = {self.dp * self.sp}: expert "
-                             f"parallelism splits the experts over data/sequence-parallel ranks")
+        why = self.problems("ParallelConfig.")
+        if why:
+            raise ValueError(why[0])
         if self.ep > 1 and self.zero_stage == 3:
             raise ValueError("ParallelConfig.ep > 1 with zero_stage 3 is not modelled: use ZeRO 0-2 with expert "
                              "parallelism (the experts are already sharded over ep)")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"ParallelConfig.schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
-        if self.chunks > 1 and self.schedule != "interleaved":
-            raise ValueError("ParallelConfig.chunks > 1 needs schedule='interleaved'")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"ParallelConfig.zero_stage must be 0..3, got {self.zero_stage}")
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"ParallelConfig.recompute {self.recompute!r}: use one of {', '.join(RECOMPUTE)}")
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError("ParallelConfig.sequence_parallel needs tp > 1")
-        if self.dtype not in TRAINING_DTYPE_BYTES:
-            raise ValueError(f"ParallelConfig.dtype {self.dtype!r}: use one of {', '.join(TRAINING_DTYPE_BYTES)}")
         if self.partition not in ("flops", "layers"):
             raise ValueError(f"ParallelConfig.partition {self.partition!r}: use 'flops' or 'layers'")
         if self.pipeline_p2p not in PIPELINE_P2P:
@@ -245,9 +208,6 @@ class ParallelConfig:
             if self.world > cluster.num_devices or min(devs) < 0 or max(devs) >= cluster.num_devices:
                 raise ValueError(f"the configuration needs {self.world} devices (dp {self.dp} x tp {self.tp} x pp "
                                  f"{self.pp} x sp {self.sp}); cluster {cluster.name!r} has {cluster.num_devices}")
-
-    def rank(self, pp: int, dp: int, sp: int, tp: int) -> int:
-        return ((pp * self.dp + dp) * self.sp + sp) * self.tp + tp
 
     def __str__(self) -> str:
         extra = [f"m={self.microbatches}", self.schedule + (f"x{self.chunks}" if self.chunks > 1 else "")]

@@ -36,10 +36,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from polyparallel.plan import SCHEDULES
+
 __all__ = ["SCHEDULES", "PipelineResult", "bubble_fraction", "makespan_bound", "peak_in_flight", "schedule_order",
            "simulate"]
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 @dataclass(frozen=True)

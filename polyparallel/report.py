@@ -34,6 +34,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from polyparallel.plan import parse_schedule
 from polyparallel.strategy import Strategy
 
 __all__ = ["Run", "pipeline_tasks", "read_run", "render"]
@@ -380,8 +381,8 @@ def time_section(s: Strategy) -> str:
 
 
 def _schedule(s: Strategy) -> tuple[str, int]:
-    name, _, chunks = s.schedule.partition(":")
-    return name, int(chunks) if chunks else (2 if name == "interleaved" else 1)
+    name, chunks = parse_schedule(s.schedule)
+    return name, 2 if name == "interleaved" and chunks == 1 else chunks  # a bare "interleaved": 2 chunks
 
 
 def pipeline_tasks(s: Strategy) -> tuple[list[tuple[int, float, float, str, str]], Any]:

@@ -30,6 +30,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from polyparallel.ir import TRAINING_DTYPE_BYTES
+from polyparallel.plan import Plan
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -197,13 +198,18 @@ class Strategy(_Model):
         if self.mode == "synchronous":
             if not self.stages:
                 raise ValueError("a synchronous strategy lists its pipeline stages ('stages' is missing or empty)")
-            world = self.dp * self.tp * self.pp * self.sp
+            world = self.plan.world
             if world != len(self.mesh.devices):
                 raise ValueError(f"dp*tp*pp*sp = {world} but the mesh has {len(self.mesh.devices)} devices")
-            if (self.dp * self.sp) % self.ep:
-                raise ValueError(f"ep = {self.ep} must divide dp*sp = {self.dp * self.sp}: expert parallelism "
-                                 f"splits the experts over data/sequence-parallel ranks")
+            why = self.plan.problems()
+            if why:
+                raise ValueError(why[0])
         return self
+
+    @property
+    def plan(self) -> Plan:
+        """The plan this strategy records (``schedule="interleaved:K"`` read as ``chunks=K``)."""
+        return Plan.from_record(self)
 
     # -- I/O ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -155,6 +155,6 @@ def test_unexecuted_precisions_are_refused_by_the_predicates() -> None:
     s = pp.evaluate(ex.tiny_gpt(), (x, y), "local-cpu:2", batch_size=BATCH, dp=2, microbatches=1,
                     recompute="none", dtype="bf16")
     assert set(EXECUTED_DTYPES) == {"fp32", "bf16", "fp16"}
-    assert plan_problems(None, s) == []
-    why = plan_problems(None, s.model_copy(update={"dtype": "fp8"}))
+    assert plan_problems(None, s.plan) == []
+    why = plan_problems(None, s.plan.replace(dtype="fp8"))
     assert len(why) == 1 and "dtype 'fp8'" in why[0]

@@ -110,7 +110,7 @@ def test_expert_parallelism_divides_expert_memory_and_prices_the_all_to_alls(mix
     assert ep.breakdown()["expert_parallel"] > 0
     assert "expert_parallel" not in dense.breakdown()
     assert sum(ep.breakdown().values()) == pytest.approx(ep.step_time)
-    with pytest.raises(ValueError, match="ep 3 must divide dp x sp"):
+    with pytest.raises(ValueError, match=r"ep=3 must divide dp\*sp"):
         ParallelConfig(dp=4, ep=3).validate()
 
 
@@ -168,5 +168,5 @@ def _round_trip(s: Strategy, tmp_path) -> None:
     del d["ep"]
     assert Strategy.from_dict(d).ep == 1
     d["ep"] = 3
-    with pytest.raises(StrategyError, match="ep = 3 must divide dp\\*sp = 4"):
+    with pytest.raises(StrategyError, match=r"ep=3 must divide dp\*sp = 4"):
         Strategy.from_dict(d)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ from polyparallel.backends.torch import plan_for, train
 from polyparallel.backends.torch._recompute import apply_recompute, recompute_blocks, retained_activation_bytes
 from polyparallel.backends.torch._tensor_parallel import capture_for_strategy
 from polyparallel.backends.torch.capabilities import plan_problems
+from polyparallel.plan import Plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.recompute_memory import measured, predicted
@@ -118,9 +118,8 @@ class _Flat(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.down(torch.relu(self.up(x))), labels)
 
 
-def _plan(**kw: object) -> SimpleNamespace:
-    base = dict(dp=2, tp=1, pp=1, sp=1, microbatches=1, zero_stage=0, recompute="none", dtype="fp32", schedule="1f1b")
-    return SimpleNamespace(**{**base, **kw})
+def _plan(**kw: object) -> Plan:
+    return Plan(dp=2).replace(**kw)
 
 
 def test_what_recomputation_the_backend_refuses() -> None:

@@ -9,13 +9,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from polyparallel.plan import CENTER_FIELDS
 from polyparallel.planning.executability import CENTER_LIMITS  # what a center runs: the planner searches under it
 
 __all__ = ["CENTER_LIMITS", "PLAN_KEYS", "normalize_plan", "plan_from_local_strategy"]
 
-#: what a center's plan may set: the mesh degrees, ZeRO stage, recomputation, precision, and the
-#: placement mode the planner prices tensor parallelism with (``rule``: Megatron; ``torch``: its solver)
-PLAN_KEYS = ("dp", "tp", "pp", "sp", "microbatches", "zero_stage", "recompute", "dtype", "placements")
+#: what a center's plan may set: the plan's center fields (mesh degrees, ZeRO stage, recomputation,
+#: precision) and the placement mode the planner prices tensor parallelism with (``rule``: Megatron;
+#: ``torch``: its solver)
+PLAN_KEYS = (*CENTER_FIELDS, "placements")
 
 
 def normalize_plan(plan: Mapping[str, Any] | None, devices: int, center: str = "") -> dict[str, Any]:

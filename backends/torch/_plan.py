@@ -78,6 +78,7 @@ from polyparallel.backends.torch._tensor_parallel import (
 )
 from polyparallel.backends.torch.capabilities import Unsupported, dp_split_ok, op_role, plan_problems
 from polyparallel.ir import Graph
+from polyparallel.plan import Plan
 from polyparallel.strategy import Strategy
 
 __all__ = ["ExecPlan", "Unsupported", "plan_for"]
@@ -85,34 +86,29 @@ __all__ = ["ExecPlan", "Unsupported", "plan_for"]
 
 
 
-@dataclass(frozen=True)
-class ExecPlan:
-    """What each worker applies. ``tp_plan`` maps module path -> ``"col"`` / ``"row"`` /
-    ``"col_to_loss"`` (column-parallel whose output feeds the loss directly) / ``"col_gather"`` /
-    ``"emb_row"`` (vocabulary-parallel embedding); ``fused`` gives the head-major blocks of fused
-    projections (regrouped column-parallel), ``tied`` the ``module.param`` paths re-tied after
-    sharding, ``positions`` the position embeddings offset on sequence shards."""
+@dataclass(frozen=True, kw_only=True)
+class ExecPlan(Plan):
+    """The strategy's :class:`~polyparallel.plan.Plan` and what each worker applies for it.
+    ``tp_plan`` maps module path -> ``"col"`` / ``"row"`` / ``"col_to_loss"`` (column-parallel whose
+    output feeds the loss directly) / ``"col_gather"`` / ``"emb_row"`` (vocabulary-parallel
+    embedding); ``fused`` gives the head-major blocks of fused projections (regrouped
+    column-parallel), ``tied`` the ``module.param`` paths re-tied after sharding, ``positions`` the
+    position embeddings offset on sequence shards. Of the plan: ``microbatches`` with ``pp == 1``
+    is gradient accumulation, ``zero_stage`` with ``data_parallel == "fsdp"`` how FSDP2 reshards and
+    reduces (``._worker._fully_shard``), ``ep`` splits the experts over the dp ranks
+    (``._expert_parallel``), ``dtype`` is applied by ``._precision``, ``recompute`` by ``._recompute``."""
 
-    dp: int
-    tp: int
     data_parallel: str  # "none", "ddp" or "fsdp"
     tp_plan: tuple[tuple[str, str], ...]
     loss_parallel: bool
     global_batch: int
-    pp: int = 1
     # a ._pipeline.PipelinePlan when pp > 1, and with pp == 1 when tensor parallelism runs as the
     # exported graph rewritten on local shards (the model's forward fails on them)
     pipeline: Any = None
-    sp: int = 1
     fused: tuple[tuple[str, tuple[int, ...]], ...] = ()
     tied: tuple[tuple[str, ...], ...] = ()
     positions: tuple[str, ...] = ()
-    dtype: str = "fp32"  # compute precision (._precision)
-    microbatches: int = 1  # with pp == 1: gradient accumulation over this many micro-batches
-    recompute: str = "none"  # activation recomputation (._recompute)
     recompute_blocks: tuple[str, ...] = ()  # the layers recompute="full" or "op" checkpoints
-    ep: int = 1  # expert parallelism over the dp ranks (._expert_parallel)
-    zero_stage: int = 3  # with data_parallel == "fsdp": how FSDP2 reshards and reduces (._worker._fully_shard)
 
 
 def _parse(placement: str) -> dict[str, tuple[str, ...]]:
@@ -149,7 +145,7 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
         if ax.name not in ("dp", "tp", "pp", "sp") and ax.size > 1:
             raise Unsupported(f"mesh axis {ax.name!r} of size {ax.size}: only 'dp', 'tp', 'sp' and 'pp' axes are "
                               "executed")
-    why = plan_problems(graph, s)  # the predicates the search enumerates with
+    why = plan_problems(graph, s.plan)  # the predicates the search enumerates with
     if why:
         raise Unsupported("the torch backend cannot execute this strategy exactly: " + "; ".join(why)
                           + ". Search again (polyparallel search leaves such plans out) or pin other constraints")
@@ -323,9 +319,9 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
             raise Unsupported(f"tp={s.tp}: the model's forward fails on a rank's shards ({eager_why}), and its "
                               f"exported graph cannot be rewritten on them either ({e}); search with "
                               "constraints={'tp': 1}") from None
-    return ExecPlan(dp=s.dp, tp=s.tp, data_parallel=dp_kind, tp_plan=tuple(sorted(seen.items())),
-                    loss_parallel=loss_parallel, global_batch=s.global_batch, pp=s.pp, pipeline=pipe, sp=s.sp,
-                    fused=tuple(sorted((p, seg) for p, seg in heads.items() if len(seg) > 1)),
-                    tied=tuple(tied), positions=tuple(position_embeddings(graph)) if s.sp > 1 and graph else (),
-                    dtype=s.dtype, microbatches=s.microbatches, recompute=s.recompute, ep=s.ep, zero_stage=s.zero_stage,
-                    recompute_blocks=tuple(recompute_blocks(graph)) if s.recompute in ("full", "op") and graph else ())
+    return ExecPlan.from_record(
+        s, data_parallel=dp_kind, tp_plan=tuple(sorted(seen.items())), loss_parallel=loss_parallel,
+        global_batch=s.global_batch, pipeline=pipe,
+        fused=tuple(sorted((p, seg) for p, seg in heads.items() if len(seg) > 1)),
+        tied=tuple(tied), positions=tuple(position_embeddings(graph)) if s.sp > 1 and graph else (),
+        recompute_blocks=tuple(recompute_blocks(graph)) if s.recompute in ("full", "op") and graph else ())

@@ -53,6 +53,7 @@ from polyparallel.cost_models.compute import batch_statistics_ops
 from polyparallel.cost_models.memo import PRICES
 from polyparallel.cost_models.spatial import splits_image_rows
 from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind
+from polyparallel.plan import Plan
 from polyparallel.planning.executability import NotExecutable
 
 __all__ = [
@@ -99,14 +100,13 @@ def _per_graph(graph: Graph, key: tuple[Any, ...], compute: Callable[[], Any]) -
     return memo[tag]
 
 
-def plan_problems(graph: Graph | None, s: Any) -> list[str]:
-    """Why the torch backend cannot execute the plan ``s`` (a :class:`~polyparallel.strategy.Strategy`
-    or a cost-model ``ParallelConfig``: both have ``dp, tp, pp, sp, microbatches, zero_stage,
-    recompute, dtype, schedule``) on the model captured as ``graph`` exactly; empty when it can.
+def plan_problems(graph: Graph | None, s: Plan) -> list[str]:
+    """Why the torch backend cannot execute the plan ``s`` (a cost-model ``ParallelConfig`` or a
+    Strategy's ``.plan``) on the model captured as ``graph`` exactly; empty when it can.
 
     ``graph`` None (the model could not be captured) judges the plan alone and refuses what needs
     the graph (sequence parallelism)."""
-    schedule = str(s.schedule).partition(":")[0]  # a Strategy writes "interleaved:2"
+    schedule = s.schedule
     why: list[str] = []
     if s.dtype not in EXECUTED_DTYPES:
         why.append(f"dtype {s.dtype!r}: the torch backend trains in {', '.join(EXECUTED_DTYPES)}; search with "
@@ -145,7 +145,7 @@ def plan_problems(graph: Graph | None, s: Any) -> list[str]:
         elif sp_why:
             why.append(f"sp={s.sp} (Ulysses sequence parallelism) is not exact for this model: "
                        + "; ".join(sp_why[:3]))
-    ep = getattr(s, "ep", 1)
+    ep = s.ep
     if ep > 1 and (ep != s.dp or s.tp > 1 or s.sp > 1 or s.pp > 1 or s.zero_stage != 0):
         why.append(f"ep={ep} with dp={s.dp} tp={s.tp} sp={s.sp} pp={s.pp} zero_stage={s.zero_stage}: expert "
                    "parallelism is executed only over all the data-parallel ranks (ep = dp) with DDP (zero_stage 0) "

@@ -75,10 +75,8 @@ def strategy_of(mdl: ModelGraphs, cl: Cluster, est: StepEstimate, b: int, B: int
                         breakdown={k: float(v) for k, v in bd.items()},
                         memory_by_device={r.label: float(r.total) for r in est.memory})
     return Strategy(model=model_info(mdl, g, b, B), cluster=cl.to_dict() if hasattr(cl, "to_dict") else {},
-                    mode="synchronous", global_batch=B, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, sp=cfg.sp, ep=cfg.ep,
-                    microbatches=cfg.microbatches, schedule=cfg.schedule if cfg.chunks == 1 else
-                    f"interleaved:{cfg.chunks}", zero_stage=cfg.zero_stage, recompute=cfg.recompute, dtype=cfg.dtype,
-                    mesh=Mesh(axes=axes, devices=order), stages=stages,
+                    mode="synchronous", global_batch=B, **cfg.record_fields(), mesh=Mesh(axes=axes, devices=order),
+                    stages=stages,
                     placements=group_placements(g, placed.placements),
                     estimate=estimate, search=record.model_copy(update={"solver": record.solver + placement_solver(
                         placed.stages)}))
@@ -119,7 +117,7 @@ def axis_level(cl: Cluster, cfg: ParallelConfig, axis: str, devs: list[int]) -> 
     def members(t: int, q: int, d: int, s: int) -> int:
         return devs[cfg.rank(s, d, q, t)]
 
-    size = {"tp": cfg.tp, "sp": cfg.sp, "dp": cfg.dp, "pp": cfg.pp}[axis]
+    size = cfg.degree(axis)
     if size == 1:
         return "intra_node"
     group = []

@@ -24,6 +24,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from polyparallel.ir import Graph, Op
+from polyparallel.plan import Plan
 
 if TYPE_CHECKING:
     from polyparallel.cluster import Cluster
@@ -50,9 +51,9 @@ class Executor:
     """What one executor runs exactly, as the search asks it (the torch backend's
     :mod:`~polyparallel.backends.torch.capabilities` documents its answers).
 
-    Plan level: ``plan_problems(graph, plan)`` why it cannot run a plan (a Strategy or a cost-model
-    ``ParallelConfig``) on the model captured as ``graph`` (None: not captured), empty when it can;
-    ``dtypes`` the training precisions it runs. Op level, over the ``tp`` axis:
+    Plan level: ``plan_problems(graph, plan)`` why it cannot run a :class:`~polyparallel.plan.Plan` (a
+    cost-model ``ParallelConfig``, a Strategy's ``.plan``) on the model captured as ``graph`` (None:
+    not captured), empty when it can; ``dtypes`` the training precisions it runs. Op level, over the ``tp`` axis:
     ``expressible(graph, tp)`` the ``(op, placement) -> bool`` filter of the per-stage solver,
     ``edge_rule`` how neighbouring placements chain, ``chain_problems(graph, placed, mesh)`` why a
     stage's placements do not chain, ``heads_dims(graph, op)`` the dims a product of activations
@@ -64,7 +65,7 @@ class Executor:
 
     name: str
     dtypes: tuple[str, ...]
-    plan_problems: Callable[[Graph | None, Any], list[str]]
+    plan_problems: Callable[[Graph | None, Plan], list[str]]
     expressible: Callable[[Graph, int], Expressible]
     edge_rule: EdgeRule
     chain_problems: Callable[[Graph, dict[str, Any], Any], list[str]]

@@ -115,10 +115,10 @@ from polyparallel.cost_models.collab_simulator import SimInputs, choose_local_st
 from polyparallel.cost_models.layers import LAYER, chunk_of_ops, layer_segments
 from polyparallel.cost_models.megatron_rule import op_roles
 from polyparallel.cost_models.memo import PRICES
-from polyparallel.cost_models.parallel_config import RECOMPUTE, execution_options
-from polyparallel.cost_models.pipeline import SCHEDULES
+from polyparallel.cost_models.parallel_config import execution_options
 from polyparallel.cost_models.step import StepBound, step_lower_bound, step_memory
-from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Hint
+from polyparallel.ir import Graph, Hint
+from polyparallel.plan import CENTER_FIELDS, PLAN_FIELDS, parse_schedule, value_problem
 from polyparallel.planning.assemble import model_info, strategy_of
 from polyparallel.planning.collector import collector_paused, young_collected
 from polyparallel.planning.derived import plan_note, variants
@@ -214,18 +214,16 @@ class Constraints:
     def problems(self) -> list[str]:
         """Each pinned value that no plan can have, with the values it can take."""
         why = []
-        for name in ("dp", "tp", "pp", "sp", "ep", "microbatches", "devices", "max_local_steps", "chunks"):
+        for name in PLAN_FIELDS:  # each pinned value of the plan record, checked as the record checks it
+            v = getattr(self, name)
+            if v is not None and (p := value_problem(name, v)):
+                why.append(f"{p} (or leave it unset to let the search choose)")
+        for name in ("devices", "max_local_steps"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 why.append(f"{name}={v!r}: give a whole number >= 1 (or leave it unset to let the search choose)")
-        if self.zero_stage is not None and self.zero_stage not in (0, 1, 2, 3):
-            why.append(f"zero_stage={self.zero_stage!r}: give 0, 1, 2 or 3")
-        choices = (("schedule", SCHEDULES), ("recompute", RECOMPUTE), ("dtype", tuple(TRAINING_DTYPE_BYTES)),
-                   ("mode", ("synchronous", "collaborative")))
-        for name, allowed in choices:
-            v = getattr(self, name)
-            if v is not None and str(v).partition(":")[0] not in allowed:
-                why.append(f"{name}={v!r}: give one of {', '.join(allowed)}")
+        if self.mode is not None and self.mode not in ("synchronous", "collaborative"):
+            why.append(f"mode={self.mode!r}: give one of synchronous, collaborative")
         if self.chunks is not None and self.chunks > 1 and self.schedule not in (None, "interleaved"):
             why.append(f"chunks={self.chunks} needs the interleaved schedule, not schedule={self.schedule!r}")
         if self.partition is not None and self.partition not in ("flops", "layers"):
@@ -245,11 +243,13 @@ class Constraints:
     def pinned_schedule(self) -> tuple[str | None, int | None]:
         """The pinned schedule and interleaving depth: ``schedule="interleaved:4"`` (as a Strategy
         writes it) and ``schedule="interleaved", chunks=4`` both give ``("interleaved", 4)``."""
-        name, _, depth = str(self.schedule or "").partition(":")
-        chunks = int(depth) if depth.isdigit() else self.chunks
+        if self.schedule is None:
+            return None, self.chunks
+        name, depth = parse_schedule(self.schedule)
+        chunks = depth if depth > 1 else self.chunks
         if chunks is not None and chunks > 1:
             return "interleaved", chunks
-        return name or None, chunks
+        return name, chunks
 
     @classmethod
     def of(cls, value: Constraints | dict[str, Any] | None) -> Constraints:
@@ -1110,10 +1110,7 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
     fusion = float((sim.dur["distribute"][0] + sim.dur["upload"][0]).max())  # the slowest link's transfers
     local_s = round_time - fixed - fuse - fusion
     centers = [CenterPlan(name=ce.name, framework=ce.framework, devices=devs, share=round(r / total_rate, 6),
-                          local_strategy={"dp": e.config.dp, "tp": e.config.tp, "pp": e.config.pp,
-                                          "sp": e.config.sp, "microbatches": e.config.microbatches,
-                                          "zero_stage": e.config.zero_stage, "recompute": e.config.recompute,
-                                          "dtype": e.config.dtype,
+                          local_strategy={**e.config.record_fields(CENTER_FIELDS),
                                           "step_time_s": e.step_time, "samples_per_s": e.throughput})
                for (ce, e, devs), r in zip(per_center, rates)]
     all_devs = [d for _, _, ds in per_center for d in ds]

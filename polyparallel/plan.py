@@ -1,0 +1,177 @@
+"""The plan record: parallel degrees keyed by one axis enum, micro-batching, schedule, memory knobs
+and precision, defined once.
+
+Every layer that holds a plan holds (or derives) this record:
+
+- the cost model's :class:`~polyparallel.cost_models.parallel_config.ParallelConfig` *is* a
+  :class:`Plan` with pricing options added (how the training framework runs it, per-op placements);
+- the torch backend's ``ExecPlan`` is a :class:`Plan` with what each worker applies added
+  (module-level tensor-parallel styles, the pipeline's stages);
+- the :class:`~polyparallel.strategy.Strategy` serialises it as its top-level fields
+  (:meth:`Plan.record_fields`; the JSON schema is unchanged) and reads it back as ``strategy.plan``;
+- a collaborative center's plan (``local_strategy`` in a Strategy, ``CenterSpec.plan``) is the same
+  fields as a dict (:meth:`Plan.from_record`);
+- the search's ``Constraints`` pin any subset of :data:`PLAN_FIELDS` and check each pinned value
+  with :func:`value_problem`.
+
+A new parallelism adds its axis to :class:`Axis`, its degree to :class:`Plan` (and, where it has
+a consistency rule, to :meth:`Plan.problems`); the records above pick it up from here.
+
+Rank order: a device's rank is ``((pp·dp + dp)·sp + sp)·tp + tp`` (:meth:`Plan.rank`): tensor
+parallelism innermost (the fastest links), then sequence, data, pipeline outermost. Expert
+parallelism adds no devices: it is carved from the ``dp·sp`` ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, TypeVar
+
+from polyparallel.ir import TRAINING_DTYPE_BYTES
+
+__all__ = ["CENTER_FIELDS", "MESH_AXES", "PLAN_FIELDS", "RECOMPUTE", "SCHEDULES", "Axis", "Plan", "parse_schedule",
+           "value_problem"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+RECOMPUTE = ("none", "selective", "op", "full")
+
+
+class Axis(StrEnum):
+    """A parallel axis; its value is the field of :class:`Plan` that holds its degree."""
+
+    DP = "dp"  # data parallelism (ZeRO / FSDP shard over it)
+    TP = "tp"  # tensor parallelism
+    PP = "pp"  # pipeline parallelism
+    SP = "sp"  # sequence parallelism (Ulysses)
+    EP = "ep"  # expert parallelism, carved from dp·sp
+
+
+#: the axes whose degrees multiply to the plan's devices, outermost first (:meth:`Plan.rank`)
+MESH_AXES = (Axis.PP, Axis.DP, Axis.SP, Axis.TP)
+
+P = TypeVar("P", bound="Plan")
+
+
+def parse_schedule(label: str) -> tuple[str, int]:
+    """``"interleaved:4"`` (as a Strategy writes an interleaved schedule) -> ``("interleaved", 4)``;
+    ``"1f1b"`` -> ``("1f1b", 1)``."""
+    name, _, depth = str(label).partition(":")
+    return name, int(depth) if depth.isdigit() else 1
+
+
+def value_problem(name: str, value: Any) -> str | None:
+    """Why ``value`` is no plan's ``name`` (a field of :data:`PLAN_FIELDS`), in words naming what it
+    can take; ``None`` when some plan has it. A schedule may be written ``interleaved:K``."""
+    if name in ("dp", "tp", "pp", "sp", "ep", "microbatches", "chunks"):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"{name}={value!r}: give a whole number >= 1"
+        return None
+    choices: dict[str, tuple[Any, ...]] = {"zero_stage": (0, 1, 2, 3), "schedule": SCHEDULES,
+                                           "recompute": RECOMPUTE, "dtype": tuple(TRAINING_DTYPE_BYTES),
+                                           "sequence_parallel": (False, True)}
+    if name not in choices:
+        raise KeyError(f"{name!r} is not a plan field: {', '.join(PLAN_FIELDS)}")
+    v = parse_schedule(value)[0] if name == "schedule" and isinstance(value, str) else value
+    if v in choices[name] and not (name == "zero_stage" and isinstance(v, bool)):
+        return None
+    return f"{name}={value!r}: give one of {', '.join(map(str, choices[name]))}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One training plan's choices. Defaults are the plan of one device.
+
+    Args:
+        dp / tp / pp / sp: data, tensor, pipeline and sequence (Ulysses) parallel degrees; they
+            multiply to the plan's devices (:attr:`world`).
+        ep: expert parallelism, carved from the ``dp·sp`` ranks (it adds no devices): each group of
+            ``ep`` consecutive members of a data-parallel group holds ``1/ep`` of every MoE layer's
+            experts.
+        microbatches: micro-batches per step per pipeline (gradient accumulation without pp).
+        schedule: ``gpipe``, ``1f1b`` or ``interleaved``; ``chunks``: model chunks per stage
+            (interleaved only).
+        zero_stage: 0 (plain DP), 1 (optimizer), 2 (+gradients), 3 (+weights, FSDP).
+        recompute: ``none``, ``selective``, ``op`` or ``full`` (see ``ParallelConfig``).
+        sequence_parallel: Megatron sequence parallelism alongside ``tp``.
+        dtype: compute precision (``fp32``, ``bf16``, ``fp16``).
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sp: int = 1
+    ep: int = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    chunks: int = 1
+    zero_stage: int = 0
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    dtype: str = "fp32"
+
+    @property
+    def world(self) -> int:
+        """Devices the plan uses: the product of the mesh degrees."""
+        return self.dp * self.tp * self.pp * self.sp
+
+    def degree(self, axis: Axis | str) -> int:
+        return int(getattr(self, Axis(axis).value))
+
+    def rank(self, pp: int, dp: int, sp: int, tp: int) -> int:
+        """The rank of the device at these coordinates of the mesh (:data:`MESH_AXES` order)."""
+        return ((pp * self.dp + dp) * self.sp + sp) * self.tp + tp
+
+    @property
+    def schedule_label(self) -> str:
+        """The schedule as a Strategy writes it: ``interleaved:K`` with ``K`` chunks per stage."""
+        return f"interleaved:{self.chunks}" if self.chunks > 1 else self.schedule
+
+    def plan(self) -> Plan:
+        """The plan part of a record that extends :class:`Plan`."""
+        return Plan(**{f: getattr(self, f) for f in PLAN_FIELDS})
+
+    def record_fields(self, names: tuple[str, ...] | None = None) -> dict[str, Any]:
+        """The plan as a Strategy's fields (``chunks`` folded into the schedule label,
+        ``sequence_parallel`` left out: a Strategy does not record it), or only ``names`` of them
+        (:data:`CENTER_FIELDS`: a collaborative center's plan)."""
+        names = names or tuple(f for f in PLAN_FIELDS if f not in ("chunks", "sequence_parallel"))
+        return {f: self.schedule_label if f == "schedule" else getattr(self, f) for f in names}
+
+    @classmethod
+    def from_record(cls: type[P], record: Mapping[str, Any] | Any, **extra: Any) -> P:
+        """The plan a Strategy, a center's plan dict or any record with the plan's fields holds
+        (missing fields take their defaults; ``schedule="interleaved:K"`` sets ``chunks``)."""
+        get = record.get if isinstance(record, Mapping) else (lambda k, d=None: getattr(record, k, d))
+        values = {f: get(f) for f in PLAN_FIELDS if get(f) is not None}
+        if isinstance(values.get("schedule"), str) and ":" in values["schedule"]:
+            values["schedule"], values["chunks"] = parse_schedule(values["schedule"])
+        return cls(**values, **extra)
+
+    def replace(self: P, **changes: Any) -> P:
+        return dataclasses.replace(self, **changes)
+
+    def problems(self, who: str = "") -> list[str]:
+        """Each value no plan has and each inconsistency between values, in words naming the fix;
+        empty for a well-formed plan. ``who`` prefixes each (``"ParallelConfig."``)."""
+        why = [f"{who}{p}" for f in PLAN_FIELDS if (p := value_problem(f, getattr(self, f)))]
+        if why:
+            return why
+        if (self.dp * self.sp) % self.ep:
+            why.append(f"{who}ep={self.ep} must divide dp*sp = {self.dp * self.sp}: expert parallelism splits the "
+                       "experts over data/sequence-parallel ranks")
+        if self.chunks > 1 and self.schedule != "interleaved":
+            why.append(f"{who}chunks={self.chunks} needs the interleaved schedule, not schedule={self.schedule!r}")
+        if self.sequence_parallel and self.tp == 1:
+            why.append(f"{who}sequence_parallel splits inside tensor parallelism: it needs tp > 1")
+        return why
+
+
+#: the plan's fields, in the order they are declared
+PLAN_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Plan))
+#: what a collaborative center's plan sets (its ``local_strategy``): a center's round is local steps on
+#: its whole model, so it has no pipeline schedule, no expert parallelism and no Megatron sequence
+#: parallelism to record
+CENTER_FIELDS = ("dp", "tp", "pp", "sp", "microbatches", "zero_stage", "recompute", "dtype")
