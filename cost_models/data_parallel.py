@@ -14,9 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from polyparallel.cluster import Cluster, DeviceType
-from polyparallel.ir import Graph, TensorKind
+from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, TensorKind
 
 from .compute import batch_statistics_ops, streaming_bandwidth
+from .expert_parallel import ExpertParallel
 from .layers import LAYER, chunks, segments
 from .memo import PRICES
 from .op_profile import profile_for
@@ -25,7 +26,7 @@ from .stage_layout import Group, StageTerms, group_seconds
 
 __all__ = ["DDP_BUCKET_BYTES", "DDP_FIRST_BUCKET_BYTES", "NCCL_CHANNELS", "DataParallel", "cross_rank_norms",
            "data_parallel", "ddp_exposed", "fsdp_collectives", "fsdp_copy_seconds", "fsdp_units", "max_segment_params",
-           "overlap_slowdown", "overlapped", "stage_segments", "unit_tensors"]
+           "overlap_slowdown", "overlapped", "stage_data_parallel", "stage_segments", "unit_tensors"]
 
 
 # torch DDP's gradient buckets (torch.nn.parallel.DistributedDataParallel: bucket_cap_mb=25, and
@@ -136,6 +137,34 @@ def cross_rank_norms(graph: Graph, cluster: Cluster, ccache: dict, group: tuple[
     if extra is not None:
         f, b = f + len(ops) * extra[0], b + len(ops) * extra[1]
     return f, b
+
+
+def stage_data_parallel(graph: Graph, cluster: Cluster, ccache: dict, cfg: ParallelConfig, terms: StageTerms, s: int,
+                        v: int, units: Sequence[tuple[float, float]], moe: ExpertParallel | None, copies: bool = True,
+                        ) -> tuple[tuple[tuple[str, float], ...], float, float, float, float]:
+    """Stage ``s``'s gradient reduction and sharded weights as a step pays them, in
+    :func:`data_parallel`'s form: its traffic (``terms``: the stage's weights less the experts'),
+    with ``ω`` = ``grad_overlap`` (1 on accelerators, whose collectives run on their own
+    engines/streams; 0 on CPU processes, where gloo's threads compete with the compute for the same
+    cores), plus BatchNorm's statistics over the replicas (:func:`cross_rank_norms`) and the experts'
+    own gradient reduction (``moe``), which joins the reduction and its overlap."""
+    dt = terms.types[s]
+    omega = cfg.grad_overlap if cfg.grad_overlap is not None else (0.0 if dt.kind == "cpu" else 1.0)
+    # an accelerator's DDP all-reduce is priced by its buckets unless an overlap is given
+    buckets = cfg.grad_overlap is None and dt.kind != "cpu"
+    # DeepSpeed's ZeRO-3 of 2021 gathers parameter tensor by parameter tensor (ParallelConfig.zero3_gather)
+    per_tensor = (unit_tensors(graph, cfg, s), dt.launch_overhead) if (
+        units and cfg.zero_stage == 3 and cfg.zero3_gather == "parameter") else None
+    events, t_dp, exposed, ef, eb = data_parallel(cluster, ccache, terms, s, cfg, TRAINING_DTYPE_BYTES[cfg.dtype],
+                                                  omega, v, buckets, units, per_tensor, copies=copies)
+    if len(terms.dp_groups[s][0][0]) > 1 and cfg.pp == 1:
+        nf, nb = cross_rank_norms(graph, cluster, ccache, terms.dp_groups[s][0], dt, cfg)
+        ef, eb = ef + nf, eb + nb
+    if moe is not None and moe.grad_t[s]:
+        hide = omega * (cfg.microbatches * terms.bwd[s] if cfg.zero_stage == 2 else terms.bwd[s] / v)
+        events, t_dp = events + moe.grad_events[s], t_dp + moe.grad_t[s]
+        exposed = overlapped(t_dp, hide, overlap_slowdown(dt))
+    return events, t_dp, exposed, ef, eb
 
 
 def data_parallel(cluster: Cluster, ccache: dict, terms: StageTerms, s: int, cfg: ParallelConfig, gb: int,

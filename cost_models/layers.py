@@ -13,7 +13,7 @@ from polyparallel.ir import Graph
 from .memo import PRICES
 from .parallel_config import ParallelConfig
 
-__all__ = ["LAYER", "chunk_of_ops", "chunk_ranges", "chunks", "layer_of", "layer_segments", "segments"]
+__all__ = ["LAYER", "chunk_of_ops", "chunk_ranges", "chunks", "layer_of", "layer_segments", "segment_of_op", "segments"]
 
 
 # a numbered layer's module path: ``h.3``, ``model.layers.7``, ``encoder.layer.1``, ``blocks.0``
@@ -32,6 +32,18 @@ def segments(graph: Graph) -> list[list[int]]:
     if segs is None:
         segs = cache[("segments",)] = _layer_segments(graph)
     return segs
+
+
+def segment_of_op(graph: Graph) -> list[int]:
+    """The index in :func:`segments` of every op's layer segment, in op order."""
+    cache = PRICES.of(graph)
+    seg_of_op = cache.get(("seg_of_op",))
+    if seg_of_op is None:
+        seg_of_op = cache[("seg_of_op",)] = [0] * len(graph.ops)
+        for j, sg in enumerate(segments(graph)):
+            for i in sg:
+                seg_of_op[i] = j
+    return seg_of_op
 
 
 def layer_segments(graph: Graph) -> list[list[int]]:

@@ -33,7 +33,7 @@ per rank and their gradients are reduced over the ``dp·sp/ep`` ranks holding th
 (all of ``F_s``'s compute for full recomputation, the attention ops for selective), each on
 the slowest device type of the stage. The pipeline schedule is simulated
 (:mod:`.pipeline`) with the boundary p2p times (activations scattered over ``tp``, sent
-asynchronously: a hop delays the receiver). Under ``pipeline_p2p="deepspeed"`` (DeepSpeed's
+asynchronously: a hop delays the receiver; :mod:`.pipeline_boundary`). Under ``pipeline_p2p="deepspeed"`` (DeepSpeed's
 pipeline engine) the slices go by synchronous send/recv and the receiver all-gathers them over its
 tensor-parallel group, so the transfers into and out of a stage lengthen its ``F_s`` and ``B_s``;
 CPU stages (gloo) do too, the transfer being host work on the cores the stages compute on (no
@@ -79,7 +79,7 @@ the same cores):
   ``E_fwd = AG(W_0) + Σ_{i≥1} max(0, AG(W_i) − ω·c_{i−1})``, ``E_bwd = max(0, Σ_i [AG(W_i) +
   RS(W_i)] − ω·B_s)`` in every micro-batch.
 
-**Step**: ``T_s = makespan + T_dp,exposed + T_opt`` per stage (``T_opt`` streams the
+**Step**: ``T_s = makespan + T_dp,exposed + T_opt`` per stage (:mod:`.optimizer`; ``T_opt`` streams the
 optimizer state once; on a calibrated CPU it is ``N·r(N) + n_t·c_t`` for ``N`` local parameter
 elements in ``n_t`` tensors: the measured seconds per element ``r`` at that working set and per
 tensor ``c_t``, a sharded (DTensor: FSDP2, tensor-parallel) tensor at its own measured
@@ -113,16 +113,13 @@ sequence-parallel, p2p, bubble, data-parallel, optimizer, idle) sums to ``T``.
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_left
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from polyparallel.cluster import Cluster, DeviceType
 from polyparallel.ir import TRAINING_DTYPE_BYTES, Graph, Op, OpKind, TensorKind
 
 from .activations import (
-    crossing,
     loss_transient,
     op_policy_kept,
     op_policy_recomputed,
@@ -131,61 +128,22 @@ from .activations import (
     segment_inputs,
     sent_widths,
 )
-from .compute import (
-    autocast_seconds,
-    host_seconds,
-    host_step_fixed,
-    is_sdpa,
-    op_classes,
-    op_cost,
-    streaming_bandwidth,
-)
-from .data_parallel import (
-    DataParallel,
-    cross_rank_norms,
-    data_parallel,
-    fsdp_units,
-    max_segment_params,
-    overlap_slowdown,
-    overlapped,
-    unit_tensors,
-)
+from .compute import autocast_seconds, host_seconds, host_step_fixed, is_sdpa, op_classes, op_cost
+from .data_parallel import DataParallel, fsdp_units, max_segment_params, stage_data_parallel
 from .expert_parallel import ExpertParallel, expert_parallel
-from .layers import chunk_of_ops, chunk_ranges, chunks, layer_segments, segments
+from .layers import chunk_of_ops, chunk_ranges, chunks, layer_segments, segment_of_op, segments
 from .megatron_rule import op_plans
 from .memo import PRICES
 from .memory import MemoryReport, device_memory
 from .op_profile import profile_for, profiled_op
+from .optimizer import accumulation_seconds, optimizer_seconds
 from .parallel_config import OpPlan, ParallelConfig, StageBreakdown, StepEstimate
 from .pipeline import makespan_bound, peak_in_flight, simulate
-from .stage_layout import Group, StageLayout, StageTerms, group_seconds, p2p_seconds, reduce_over, stage_layouts
+from .pipeline_boundary import boundary_bytes, flush_reductions, stage_p2p, sync_hops, tied_params
+from .stage_layout import Group, StageLayout, StageTerms, group_seconds, stage_layouts
 
 __all__ = ["OpPlan", "ParallelConfig", "StageBreakdown", "StepBound", "StepEstimate", "chunk_of_ops", "estimate_step",
-           "layer_segments", "op_seconds", "optimizer_element_time", "step_lower_bound", "step_memory"]
-
-# kernels per parameter tensor of torch's single-tensor optimizer step (torch/optim/adam.py etc.):
-# Adam: step += 1, lerp_, mul_ + addcmul_, sqrt / c + eps, addcdiv_
-_OPT_KERNELS = {"adam": 9, "adamw": 10, "lamb": 12, "lion": 5, "sgd": 1, "sgd_momentum": 3}
-# fp32 accesses per parameter of torch's multi-tensor (foreach) step, kernel by kernel
-# (torch/optim/adam.py _multi_tensor_adam, not capturable): lerp_(m, g) 3, mul_(v) 2,
-# addcmul_(v, g, g) 3, sqrt(v) 2, div_ 2, add_(eps) 2, addcdiv_(p, m, .) 4 = 18; AdamW's
-# decoupled decay mul_(p) adds 2; SGD add_(p, g) 3, with momentum mul_/add_(buf) + add_(p) 8
-_FOREACH_ACCESSES = {"adam": 18, "adamw": 20, "lamb": 24, "lion": 10, "sgd": 3, "sgd_momentum": 8}
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
+           "layer_segments", "op_seconds", "step_lower_bound", "step_memory"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,9 +237,6 @@ def step_memory(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> tuple[Me
 # -- the parts of the estimate that do not need the pipeline simulation --------------------------
 
 
-
-
-
 @dataclass(frozen=True)
 class _Prepared:
     terms: StageTerms
@@ -309,119 +264,30 @@ def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
     for s in range(p):
         dt = terms.types[s]
         dgrp_size = len(terms.dp_groups[s][0][0])
-        params = terms.params[s]
-        omega = cfg.grad_overlap if cfg.grad_overlap is not None else (0.0 if dt.kind == "cpu" else 1.0)
-        # an accelerator's DDP all-reduce is priced by its buckets unless an overlap is given
-        buckets = cfg.grad_overlap is None and dt.kind != "cpu"
         units = _units(graph, cfg, dterms, moe, s)
-        # DeepSpeed's ZeRO-3 of 2021 gathers parameter tensor by parameter tensor (ParallelConfig.zero3_gather)
-        per_tensor = (unit_tensors(graph, cfg, s), dt.launch_overhead) if (
-            units and cfg.zero_stage == 3 and cfg.zero3_gather == "parameter") else None
         # a profiled CPU measured what FSDP2 itself (hooks, copies, the DTensor optimizer) adds to a step
         prof = profile_for(dt, graph, cfg.dtype)
         fsdp = prof.wrapper(cfg.world, f"zero{min(3, max(2, cfg.zero_stage))}/{cfg.optimizer}") if (
             units and dgrp_size > 1 and prof is not None) else None
-        events, t_dp, exposed, ef, eb = data_parallel(cluster, ccache, dterms, s, cfg, gb, omega, v, buckets, units,
-                                                      per_tensor, copies=fsdp is None)
-        if dgrp_size > 1 and cfg.pp == 1:
-            nf, nb = cross_rank_norms(graph, cluster, ccache, terms.dp_groups[s][0], dt, cfg)
-            ef, eb = ef + nf, eb + nb
+        events, t_dp, exposed, ef, eb = stage_data_parallel(graph, cluster, ccache, cfg, dterms, s, v, units, moe,
+                                                            copies=fsdp is None)
         fwd[s] += ef
         bwd[s] += eb
         if fsdp is not None:
             fwd[s] += fsdp[0]
             bwd[s] += fsdp[1]
-        shard = dgrp_size if cfg.zero_stage >= 1 else 1
-        # parameter elements this rank updates: with expert parallelism it holds 1/ep of the
-        # experts, whose ZeRO shards span the dp·sp/ep ranks holding the same experts
-        experts = moe.expert_params[s] if moe is not None else 0.0
-        local = (params - experts) / shard + experts / cfg.ep / max(1, shard // cfg.ep)
         if moe is not None:
             fwd[s] += moe.a2a[s]
             bwd[s] += moe.a2a[s]
-            if moe.grad_t[s]:
-                hide = omega * (m * terms.bwd[s] if cfg.zero_stage == 2 else terms.bwd[s] / v)
-                events, t_dp = events + moe.grad_events[s], t_dp + moe.grad_t[s]
-                exposed = overlapped(t_dp, hide, overlap_slowdown(dt))
-        if cfg.pp > 1:
-            # a pipeline combines its micro-batches' losses and target counts with one all-reduce over
-            # the whole world after the flush (the torch backend's weigh_microbatches)
-            exposed += _loss_reduce(cluster, ccache, terms)
-        elif dgrp_size > 1:
-            # the step's loss and its target count are all-reduced over the replicas between the
-            # forward and the backward, on every rank's critical path (the torch backend's
-            # weigh_replicas; Megatron-LM all-reduces the loss every step for its log)
-            exposed += group_seconds(cluster, ccache, (("all_reduce", 32.0),), *terms.dp_groups[s][0])
-        for holders, numel in terms.tied[s] if terms.tied else ():
-            # a weight several stages use (a tied embedding and output head) gets its gradient
-            # summed over them after the flush, before the optimizer: Megatron-LM's
-            # _allreduce_word_embedding_grads, DeepSpeed's _exec_reduce_tied_grads, the torch
-            # backend's tie groups; every replica's group at once, those on one node sharing its ports
-            exposed += reduce_over(cluster, ccache, tuple(terms.devices[h][0] for h in holders),
-                                    numel * max(gb, 4), _on_first_node(cluster, terms, s))
-        master = 4 if gb < 4 else 0
-        opt_state = 8 if cfg.optimizer in ("adam", "adamw", "lamb") else 4 if cfg.optimizer in (
-            "sgd_momentum", "lion") else 0
-        opt_bytes = local * (gb * 3 + 2 * (master + opt_state))
-        if not cfg.fused_optimizer or dt.kind == "cpu":
-            # torch's unfused step: the same kernels foreach runs (one tensor at a time on a CPU,
-            # where the torch backend never asks for the fused kernel), each a pass over fp32 state
-            opt_bytes = local * 4 * _FOREACH_ACCESSES.get(cfg.optimizer, 18)
-        t_opt = max(opt_bytes / streaming_bandwidth(dt), dt.launch_overhead) if params else 0.0
-        rates = dict(dt.optimizer_element_rates).get(cfg.optimizer)
-        if rates and params:
-            # measured per element at the stage's own working set (in cache or in memory), not streamed
-            t_opt = local * optimizer_element_time(rates, local)
-        sharded_extra = 0.0
-        if dt.kind == "cpu" and terms.param_tensors:
-            # torch's CPU optimizers update tensor by tensor (no multi-tensor kernels there): each
-            # parameter tensor costs ~k kernels at least at the kernel floor, plus DTensor's dispatch
-            # per kernel for sharded ones (FSDP2 shards all of them, tensor parallelism its own).
-            # Where calibration measured the step per tensor (on tensors too small for their kernels
-            # to take time: the host's loop and dispatch), that host work runs in series with the
-            # streaming on the one thread, so it adds to it
-            k = _OPT_KERNELS.get(cfg.optimizer, 9)
-            per_tensor = dict(dt.optimizer_tensor_overhead).get(cfg.optimizer)
-            dtensors = terms.param_tensors[s] if cfg.zero_stage >= 1 and dgrp_size > 1 else terms.tp_param_tensors[s]
-            n_t, dispatch = terms.param_tensors[s], k * dtensors * dt.sharded_op_overhead
-            per_dtensor = dict(dt.optimizer_dtensor_overhead).get(cfg.optimizer)
-            if per_tensor is None:
-                t_opt = max(t_opt, k * n_t * dt.launch_overhead + dispatch)
-            elif per_dtensor is not None:
-                # measured per sharded tensor too: the whole host cost of a DTensor's update
-                t_opt += (n_t - dtensors) * per_tensor + dtensors * per_dtensor
-                sharded_extra = dtensors * (per_dtensor - per_tensor)
-            else:
-                t_opt += n_t * per_tensor + dispatch
-                sharded_extra = dispatch
-        ratio = prof.optimizer_ratio(cfg.world, cfg.optimizer) if prof is not None else None
-        if ratio is not None:
-            # the model's plain step as measured against its price (op_profile.py); what DTensors
-            # add on top stays as the calibration measured it
-            t_opt = ratio * (t_opt - sharded_extra) + (fsdp[2] if fsdp is not None else sharded_extra)
-        host = dict((k, (a, b)) for k, a, b in dt.optimizer_host).get(
-            f"{cfg.optimizer}/{'fused' if cfg.fused_optimizer else 'foreach'}")
-        if host and terms.param_tensors and dt.kind != "cpu":
-            # an accelerator's optimizer step is dispatched by the host (measured: a fixed part and a
-            # part per tensor); the device cannot finish it sooner than the host enqueues it
-            t_opt = max(t_opt, host[0] + host[1] * terms.param_tensors[s])
-        # autograd adds every micro-batch's weight gradient after the first into .grad: on average
-        # (m-1)/m of the stage's local gradient elements per micro-batch (calibrated CPUs measure it)
-        held = params - experts * (1 - 1 / cfg.ep)
-        if cfg.grad_accumulation == "cast_add":
-            # DeepSpeed's BF16_Optimizer, after every micro-batch's backward: the fresh 16-bit
-            # gradient read and cast into a temporary fp32 tensor (gb + 4 bytes), which is added to
-            # the fp32 buffer (both read, the buffer written: 3 x 4), the first micro-batch's included
-            acc = (gb + 16) / streaming_bandwidth(dt) * (local if cfg.zero_stage >= 2 else held)
-        else:
-            rate = dt.grad_accumulation
-            if not rate and dt.kind != "cpu":
-                # uncalibrated accelerators: one streaming pass reading the new gradient at the compute
-                # precision and reading and writing the accumulator at the reduction precision (torch's
-                # AccumulateGrad on fp32 .grad; Megatron-LM's main_grad hook, megatron/model/distributed.py;
-                # Llama 3's "FP32 gradient accumulation")
-                rate = (gb + 2 * max(gb, 4)) / streaming_bandwidth(dt)
-            acc = rate * (m - 1) / m * (local if cfg.zero_stage >= 2 else held)
+        for t in flush_reductions(cluster, ccache, cfg, terms, s, gb):
+            exposed += t
+        # parameter elements this rank updates: with expert parallelism it holds 1/ep of the
+        # experts, whose ZeRO shards span the dp·sp/ep ranks holding the same experts
+        shard = dgrp_size if cfg.zero_stage >= 1 else 1
+        experts = moe.expert_params[s] if moe is not None else 0.0
+        local = (terms.params[s] - experts) / shard + experts / cfg.ep / max(1, shard // cfg.ep)
+        t_opt = optimizer_seconds(cfg, terms, s, local, dgrp_size, prof, fsdp)
+        acc = accumulation_seconds(cfg, terms, s, local, terms.params[s] - experts * (1 - 1 / cfg.ep))
         bwd[s] += acc
         accum.append(acc)
         dps.append(DataParallel(exposed, t_opt, t_dp, events, ef + eb))
@@ -467,28 +333,6 @@ def _stage_memory(graph: Graph, cfg: ParallelConfig, terms: StageTerms, s: int, 
         workspace=ws, expert_params=experts / cfg.ep, expert_dp=max(1, dgrp_size // cfg.ep))
 
 
-def _loss_reduce(cluster: Cluster, ccache: dict, terms: StageTerms) -> float:
-    """Seconds of the pipeline's loss all-reduce over every device of the plan: the same for each
-    stage and for every plan sharing ``terms`` (kept in its memo: the world is 10^3 devices on a
-    big cluster, and its tuple is the collective's key)."""
-    hit = terms.memo.get("loss_reduce")
-    if hit is None:
-        hit = terms.memo["loss_reduce"] = reduce_over(cluster, ccache, tuple(d for ds in terms.devices for d in ds),
-                                                      32.0)
-    return hit
-
-
-def _on_first_node(cluster: Cluster, terms: StageTerms, s: int) -> int:
-    """Devices of stage ``s`` on its first device's node (the replicas' tied-weight groups sharing
-    that node's ports), kept in the memo of ``terms``."""
-    key = ("on_first_node", s)
-    hit = terms.memo.get(key)
-    if hit is None:
-        first = terms.devices[s][0]
-        hit = terms.memo[key] = sum(cluster.device(d).node == cluster.device(first).node for d in terms.devices[s])
-    return hit
-
-
 def _eager(cfg: ParallelConfig, device: DeviceType) -> bool:
     """Whether ``cfg`` runs as eager PyTorch on ``device`` (``ParallelConfig.fused_elementwise``)."""
     return cfg.fused_elementwise is False or (cfg.fused_elementwise is None and device.kind != "cpu")
@@ -498,47 +342,6 @@ def _low_params(cfg: ParallelConfig) -> bool:
     """Whether FSDP2 holds the parameters in the compute dtype (its ``MixedPrecisionPolicy``): ZeRO over
     more than one data/sequence-parallel rank; otherwise a 16-bit step keeps fp32 parameters."""
     return cfg.zero_stage >= 1 and cfg.dp * cfg.sp > 1
-
-
-
-
-def optimizer_element_time(rates: Sequence[tuple[float, float]], elements: float) -> float:
-    """Seconds per parameter element of an optimizer step over ``elements`` elements.
-
-    ``rates``: measured ``(elements, seconds per element)`` rows (``polyparallel calibrate``, by
-    working-set size: in cache, in memory), interpolated linearly in ``log elements`` and
-    clamped at both ends.
-    """
-    import numpy as np
-
-    pts = sorted((math.log(e), r) for e, r in rates)
-    return float(np.interp(math.log(max(elements, 1.0)), [x for x, _ in pts], [r for _, r in pts]))
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def _stage_terms(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int) -> StageTerms:
@@ -759,16 +562,6 @@ def per_plan(graph: Graph, cfg: ParallelConfig, plans: list[OpPlan]) -> tuple[li
     return out
 
 
-
-
-
-
-
-
-
-
-
-
 def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
                 devs: tuple[int, ...]) -> tuple[_StageBase, ...]:
     p = cfg.pp
@@ -776,178 +569,113 @@ def _stage_base(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int,
     chunk_of_op = chunks(graph, p * v, cfg.partition)
     plans = op_plans(graph, cfg)
     ev_idx, ev, use_idx, uses = per_plan(graph, cfg, plans)
-    gmemo = PRICES.of(graph)
     ccache: dict = PRICES.of(cluster).setdefault("collectives", {})
-    n = len(graph.ops)
     ranges = chunk_ranges(graph, p * v, cfg.partition)
     layout = stage_layouts(cluster, cfg, devs)
     stage_of_seg = [chunk_of_op[sg[0]] % p for sg in segs]
-    seg_of_op = gmemo.get(("seg_of_op",))
-    if seg_of_op is None:
-        seg_of_op = gmemo[("seg_of_op",)] = [0] * n
-        for j, sg in enumerate(segs):
-            for i in sg:
-                seg_of_op[i] = j
-    # p2p between consecutive chunks: tensors produced at or before chunk g, read after it, in the
-    # dtype the executor sends (fp32 residual streams under autocast, the compute precision where
-    # FSDP2 casts the parameters); of those, the bytes made by layers full recomputation checkpoints
-    # (the same for every plan of one cut, dtype and tp·sp: memoised per graph)
-    low_params = _low_params(cfg)
-    bkey = ("boundary", p * v, cfg.partition, cfg.dtype, low_params, cfg.tp * cfg.sp)
-    hit = gmemo.get(bkey)
-    if hit is None:
-        boundary = [0.0] * (p * v)
-        from_rec = [0.0] * (p * v)
-        rec = recomputed_segments(graph)
-        cross = crossing(graph, cfg.dtype, low_params)
-        active: list[tuple[int, int, float]] = []
-        k = 0
-        for g in range(p * v - 1):
-            cut = next((ranges[h][0] for h in range(g + 1, p * v) if ranges[h][1] > ranges[h][0]), n)
-            while k < len(cross) and cross[k][0] < cut:
-                active.append(cross[k])
-                k += 1
-            active = [x for x in active if x[1] >= cut]
-            for i, _, nb in active:
-                boundary[g] += nb / (cfg.tp * cfg.sp)
-                from_rec[g] += nb / (cfg.tp * cfg.sp) if rec[seg_of_op[i]] else 0.0
-        hit = gmemo[bkey] = (tuple(boundary), tuple(from_rec))
-    boundary, from_rec = hit
-    # DeepSpeed's engine (pipe_partitioned / grad_partitioned, its defaults under tensor parallelism):
-    # each tensor-parallel rank sends its 1/tp slice, blocking the stream on both ends, and the
-    # receiver rebuilds the tensor with an all-gather over its tensor-parallel group (PartitionedTensor.full).
-    # CPU stages (gloo) block both ends too: a transfer is host work on the threads and cores the
-    # stages compute on. Measured for the executor benchmark's GPT on 2 ranks (torch's pipelining
-    # schedules): per micro-batch and stage ~1 ms of posting, waiting and unpacking around each
-    # 65 KB transfer, while the receiver's wait ended 0.02-0.3 ms after the sender posted
-    deepspeed = cfg.pipeline_p2p == "deepspeed"
-    host_p2p = all(t.kind == "cpu" for lay in layout for t in lay.types)
-    sync_hop = [(max(p2p_seconds(cluster, ccache, a, b, boundary[g]) for a, b in layout[g % p].p2p_pairs),
-                 max(group_seconds(cluster, ccache, [("all_gather", boundary[g] * cfg.tp)], grp, gid)
-                     for grp, gid in layout[(g + 1) % p].tp_groups) if cfg.tp > 1 and deepspeed else 0.0)
-                for g in range(p * v - 1)] if deepspeed or host_p2p else []
+    boundaries = boundary_bytes(graph, cfg, v, _low_params(cfg))
+    sync_hop = sync_hops(cluster, ccache, cfg, layout, v, boundaries[0])
     out = []
     held_params: list[dict[str, float]] = []
     for s in range(p):
         lay = layout[s]
         rng = [ranges[g] for g in range(s, p * v, p)]
         stage_segs = tuple(j for j in range(len(segs)) if stage_of_seg[j] == s)
-        by_type = []
-        for dt in lay.types:
-            fw, bw, att, opr = _op_vectors(graph, dt, cfg, plans)
-            f = b = a_f = o_f = 0.0
-            for a, z in rng:
-                f = sum(fw[a:z], f)
-                b = sum(bw[a:z], b)
-                a_f = sum(att[a:z], a_f)
-                o_f = sum(opr[a:z], o_f)
-            if dt.host_table(cfg.dtype):
-                # an accelerator's host enqueues the micro-batch's kernels; when that takes longer
-                # than the kernels run, the device waits: forward + backward last the host's time
-                host = _host_vector(graph, dt, cfg)
-                h = sum(x + y for a, z in rng for x, y in host[a:z]) + host_step_fixed(dt, cfg.dtype)
-                if h > f + b > 0:
-                    f, b = f * h / (f + b), b * h / (f + b)
-            by_type.append((dt, f, b, a_f, o_f, tuple(sum(fw[i] for i in segs[j]) for j in stage_segs)))
-        # every group of the stage runs the same collectives; the slowest one sets the pace
-        # (the events and their prices depend on the plans and the stage's op ranges, not on dp, m or
-        # the memory knobs: memoised per graph for the plans sharing them)
-        stage_key = ("stage_ev", cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.dtype, cfg.op_plans, tuple(rng))
-        stage_memo = gmemo.get(stage_key)
-        if stage_memo is None:
-            stage_memo = gmemo[stage_key] = ([], {})
-            stage_ev = [e for a, z in rng for e in ev[bisect_left(ev_idx, a): bisect_left(ev_idx, z)]]
-            for which in range(4):
-                agg: dict[tuple[str, float], int] = {}
-                for e in stage_ev:
-                    for x in e[which]:
-                        agg[x] = agg.get(x, 0) + 1
-                stage_memo[0].append(agg)
-
-        def slowest(which: int, groups: tuple[Group, ...], stage_memo: tuple = stage_memo) -> float:
-            # identical (kind, bytes) events repeat in every layer: price each distinct one once
-            # per group, and each distinct group (by the nodes its members sit on) once
-            agg = stage_memo[0][which]
-            if not agg:
-                return 0.0
-            key = (which, id(cluster), tuple(gid for _, gid in groups))
-            hit = stage_memo[1].get(key)
-            if hit is not None and hit[0] is cluster:  # the cluster is held, so its id is not reused
-                return hit[1]
-            t = max(sum(k * group_seconds(cluster, ccache, [x], grp, gid) for x, k in agg.items())
-                    for grp, gid in groups)
-            stage_memo[1][key] = (cluster, t)
-            return t
-
-        # memory inputs
-        seen: dict[str, float] = {}
-        params = 0.0
-        split_tensors = 0
-        seg_params = dict.fromkeys(stage_segs, 0.0)
-        for a, z in rng:
-            for i, t, numel, whole in uses[bisect_left(use_idx, a): bisect_left(use_idx, z)]:
-                if t not in seen:
-                    seen[t] = numel
-                    params += numel
-                    split_tensors += numel < whole
-                    seg_params[seg_of_op[i]] += numel
-        times = [max(p2p_seconds(cluster, ccache, a, b, boundary[g]) for a, b in lay.p2p_pairs)
-                 for g in range(s, p * v - 1, p)]
-        block = 0.0
-        if sync_hop:
-            # per micro-batch the forward receives and gathers boundary g − 1 and sends boundary g; the
-            # backward receives and gathers g's gradient and sends g − 1's: half the gathers in each
-            ends = [sync_hop[g - 1] for g in range(s, p * v, p) if g > 0] + [
-                sync_hop[g] for g in range(s, p * v - 1, p)]
-            block = sum(x + ag / 2 for x, ag in ends)
-            times = []
-        # a stage holds, until their gradients pass, what it received (its own buffers) and what it sent
-        recv = [g - 1 for g in range(s, p * v, p) if g > 0]
-        sent = [g for g in range(s, p * v - 1, p)]
-        held = (sum(boundary[g] for g in recv),
-                sum(from_rec[g] for g in sent) + sum(boundary[g] - from_rec[g] for g in recv))
+        by_type = tuple(_stage_compute(graph, cfg, plans, dt, rng, stage_segs) for dt in lay.types)
+        tf, tb, qf, qb = _stage_collectives(graph, cluster, ccache, cfg, lay, rng, ev_idx, ev)
+        seen, params, split_tensors, seg_params = _stage_params(graph, rng, stage_segs, use_idx, uses)
+        p2p, p2p_sum, block, held = stage_p2p(cluster, ccache, lay, s, p, v, boundaries, sync_hop)
         out.append(_StageBase(
-            layout=lay, by_type=tuple(by_type), tf=slowest(0, lay.tp_groups), tb=slowest(1, lay.tp_groups),
-            qf=slowest(2, lay.sp_groups), qb=slowest(3, lay.sp_groups), params=params, param_tensors=len(seen),
-            tp_param_tensors=split_tensors, segs=stage_segs, seg_params=tuple(seg_params.values()),
-            p2p=max(times) if times else 0.0, p2p_sum=sum(times), p2p_block=block, held=held))
+            layout=lay, by_type=by_type, tf=tf, tb=tb, qf=qf, qb=qb, params=params, param_tensors=len(seen),
+            tp_param_tensors=split_tensors, segs=stage_segs, seg_params=seg_params,
+            p2p=p2p, p2p_sum=p2p_sum, p2p_block=block, held=held))
         held_params.append(seen)
-    return tuple(replace(b, tied=t) for b, t in zip(out, _tied(held_params))) if p > 1 else tuple(out)
+    return tuple(replace(b, tied=t) for b, t in zip(out, tied_params(held_params))) if p > 1 else tuple(out)
 
 
-def _tied(held: list[dict[str, float]]) -> list[tuple[tuple[tuple[int, ...], float], ...]]:
-    """Per stage, the parameters it shares with other stages, as ``(stages holding them, local
-    elements)`` per set of holders."""
-    holders: dict[str, list[int]] = {}
-    for o, h in enumerate(held):
-        for t in h:
-            holders.setdefault(t, []).append(o)
-    out = []
-    for h in held:
-        by: dict[tuple[int, ...], float] = {}
-        for t, numel in h.items():
-            hs = holders[t]
-            if len(hs) > 1:
-                key = tuple(hs)
-                by[key] = by.get(key, 0.0) + numel
-        out.append(tuple(sorted(by.items())))
-    return out
+def _stage_compute(graph: Graph, cfg: ParallelConfig, plans: list[OpPlan], dt: DeviceType,
+                   rng: list[tuple[int, int]], stage_segs: tuple[int, ...]
+                   ) -> tuple[DeviceType, float, float, float, float, tuple[float, ...]]:
+    """One stage's ops on device type ``dt`` per micro-batch (``rng``: its chunks' op ranges): one
+    row of :attr:`_StageBase.by_type`."""
+    fw, bw, att, opr = _op_vectors(graph, dt, cfg, plans)
+    f = b = a_f = o_f = 0.0
+    for a, z in rng:
+        f = sum(fw[a:z], f)
+        b = sum(bw[a:z], b)
+        a_f = sum(att[a:z], a_f)
+        o_f = sum(opr[a:z], o_f)
+    if dt.host_table(cfg.dtype):
+        # an accelerator's host enqueues the micro-batch's kernels; when that takes longer
+        # than the kernels run, the device waits: forward + backward last the host's time
+        host = _host_vector(graph, dt, cfg)
+        h = sum(x + y for a, z in rng for x, y in host[a:z]) + host_step_fixed(dt, cfg.dtype)
+        if h > f + b > 0:
+            f, b = f * h / (f + b), b * h / (f + b)
+    segs = segments(graph)
+    return dt, f, b, a_f, o_f, tuple(sum(fw[i] for i in segs[j]) for j in stage_segs)
 
 
+def _stage_collectives(graph: Graph, cluster: Cluster, ccache: dict, cfg: ParallelConfig, lay: StageLayout,
+                       rng: list[tuple[int, int]], ev_idx: list[int], ev: list[tuple]
+                       ) -> tuple[float, float, float, float]:
+    """One stage's tensor-parallel (forward, backward) and sequence-parallel (forward, backward)
+    collective seconds per micro-batch: ``ev`` the plans' events at ops ``ev_idx`` (:func:`per_plan`).
+
+    Every group of the stage runs the same collectives; the slowest one sets the pace. The events
+    and their prices depend on the plans and the stage's op ranges, not on dp, m or the memory
+    knobs: memoised per graph for the plans sharing them."""
+    gmemo = PRICES.of(graph)
+    stage_key = ("stage_ev", cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.dtype, cfg.op_plans, tuple(rng))
+    stage_memo = gmemo.get(stage_key)
+    if stage_memo is None:
+        stage_memo = gmemo[stage_key] = ([], {})
+        stage_ev = [e for a, z in rng for e in ev[bisect_left(ev_idx, a): bisect_left(ev_idx, z)]]
+        for which in range(4):
+            agg: dict[tuple[str, float], int] = {}
+            for e in stage_ev:
+                for x in e[which]:
+                    agg[x] = agg.get(x, 0) + 1
+            stage_memo[0].append(agg)
+
+    def slowest(which: int, groups: tuple[Group, ...]) -> float:
+        # identical (kind, bytes) events repeat in every layer: price each distinct one once
+        # per group, and each distinct group (by the nodes its members sit on) once
+        agg = stage_memo[0][which]
+        if not agg:
+            return 0.0
+        key = (which, id(cluster), tuple(gid for _, gid in groups))
+        hit = stage_memo[1].get(key)
+        if hit is not None and hit[0] is cluster:  # the cluster is held, so its id is not reused
+            return hit[1]
+        t = max(sum(k * group_seconds(cluster, ccache, [x], grp, gid) for x, k in agg.items())
+                for grp, gid in groups)
+        stage_memo[1][key] = (cluster, t)
+        return t
+
+    return (slowest(0, lay.tp_groups), slowest(1, lay.tp_groups), slowest(2, lay.sp_groups),
+            slowest(3, lay.sp_groups))
 
 
-
-
-
-
-
-
-
-
-
-
-
-
+def _stage_params(graph: Graph, rng: list[tuple[int, int]], stage_segs: tuple[int, ...], use_idx: list[int],
+                  uses: list[tuple[int, str, float, int]]
+                  ) -> tuple[dict[str, float], float, int, tuple[float, ...]]:
+    """One stage's parameters (``uses``: the plans' parameter uses at ops ``use_idx``,
+    :func:`per_plan`): their local elements by name, the total, how many are split over ``tp``, and
+    the elements first used in each of the stage's layer segments."""
+    seg_of_op = segment_of_op(graph)
+    seen: dict[str, float] = {}
+    params = 0.0
+    split_tensors = 0
+    seg_params = dict.fromkeys(stage_segs, 0.0)
+    for a, z in rng:
+        for i, t, numel, whole in uses[bisect_left(use_idx, a): bisect_left(use_idx, z)]:
+            if t not in seen:
+                seen[t] = numel
+                params += numel
+                split_tensors += numel < whole
+                seg_params[seg_of_op[i]] += numel
+    return seen, params, split_tensors, tuple(seg_params.values())
 
 
 def _batch(graph: Graph) -> int:

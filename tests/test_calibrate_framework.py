@@ -17,7 +17,7 @@ from polyparallel.cluster import Cluster, ClusterSpecError
 from polyparallel.cost_models import ParallelConfig, estimate_step
 from polyparallel.cost_models import calibrate as cal_mod
 from polyparallel.cost_models.compute import gemm_rate, gemm_shape, op_cost
-from polyparallel.cost_models.step import optimizer_element_time
+from polyparallel.cost_models.optimizer import optimizer_element_time
 from polyparallel.cost_models.synthetic import mlp_graph
 from polyparallel.ir import TensorKind
 

@@ -205,14 +205,14 @@ def _sharded_extra(g, cl, cfg):
     """What the calibration adds to FSDP's optimizer step for its DTensors: the step priced with and
     without them (ZeRO-3 with every parameter sharded against the same elements unsharded)."""
     dt = cl.device(0).type
-    from polyparallel.cost_models.step import _OPT_KERNELS
+    from polyparallel.cost_models.optimizer import OPTIMIZER_KERNELS
 
     n = sum(1 for t in g.tensors.values() if t.kind.value == "param")
     per_t = dict(dt.optimizer_tensor_overhead).get("sgd")
     per_d = dict(dt.optimizer_dtensor_overhead).get("sgd")
     if per_t is not None and per_d is not None:
         return n * (per_d - per_t)
-    return _OPT_KERNELS.get("sgd", 9) * n * dt.sharded_op_overhead
+    return OPTIMIZER_KERNELS.get("sgd", 9) * n * dt.sharded_op_overhead
 
 
 def test_a_sharded_op_pays_the_measured_dtensor_dispatch(calibrated):
