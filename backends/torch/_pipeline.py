@@ -76,19 +76,19 @@ between the ranks of equal ``(dp, sp)`` index. Not executed together with ``tp >
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import fx, nn
 
 from polyparallel.backends.torch.capabilities import Unsupported
 
-__all__ = ["PipelinePlan", "pipeline_plan", "split_model", "train_pipeline"]
+if TYPE_CHECKING:
+    from polyparallel.backends.torch._train_loop import TrainingMode
 
+__all__ = ["PipelinePlan", "pipeline_mode", "pipeline_plan", "split_model"]
 
 
 @dataclass(frozen=True)
@@ -444,185 +444,237 @@ def _grid(axes: tuple[str, ...], pp: int, dp: int, tp: int, ranks: torch.Tensor 
     return r.permute([axes.index(a) for a in ("pp", "dp", "sp", "tp") if a in axes]).reshape(pp, dp, sp * tp)
 
 
-def train_pipeline(job: dict[str, Any], run_dir: Path, rank: int, device: torch.device) -> Iterator[int]:
-    """Run the pipeline training loop on this rank; yields each step index as it starts.
+@dataclass(frozen=True)
+class _Ranks:
+    """Where this rank sits in the pipeline's mesh (ranks in the Strategy's mesh order)."""
 
-    Logs (rank 0) and checkpoints exactly as the non-pipeline worker does.
-    """
-    import torch.distributed as dist
+    mesh: Any
+    grid: torch.Tensor  # grid[stage][dp index][sp·tp index] = global rank
+    stage: int
+    dp: int
+    sp: int
+    tp: int
+    replicas: Any  # the ranks holding replicas of this stage's parameters: dp, times sp (other tokens)
+
+
+def _ranks(pipe: PipelinePlan, dp: int, device: torch.device) -> _Ranks:
     from torch.distributed.device_mesh import init_device_mesh
+
+    # ranks follow the Strategy's mesh order: stage-major (pp, dp, tp) as the planner writes it, or another
+    deg = {"pp": pipe.stages, "dp": dp, "sp": pipe.sp, "tp": pipe.tp}
+    mesh = init_device_mesh(device.type, tuple(deg[a] for a in pipe.axes), mesh_dim_names=pipe.axes)
+    grid = _grid(pipe.axes, pipe.stages, dp, pipe.tp, mesh.mesh, pipe.sp)
+    stage, dp_rank, tp_rank = (mesh[a].get_local_rank() for a in ("pp", "dp", "tp"))
+    sp_rank = mesh["sp"].get_local_rank() if pipe.sp > 1 else 0
+    replicas = mesh["dp", "sp"]._flatten("dp_sp") if pipe.sp > 1 else mesh["dp"]
+    return _Ranks(mesh, grid, stage, dp_rank, sp_rank, tp_rank, replicas)
+
+
+def _split_on_rank(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], plan: Any, ranks: _Ranks) -> _Split:
+    """``model`` cut into the plan's chunks as this rank runs them: exported on one micro-batch of
+    ``batch`` (its sequence shard with ``sp > 1``), rewritten for tensor or sequence parallelism
+    inside the stages."""
+    pipe = plan.pipeline
+    inputs, labels = batch
+    mb = plan.global_batch // (plan.dp * pipe.microbatches)
+    rewrite = None
+    if pipe.tp > 1:  # Megatron inside each stage, on local shards (._stage_tp)
+        from polyparallel.backends.torch._stage_tp import register_group
+
+        register_group("tp", ranks.mesh["tp"].get_group())
+        rewrite = _tp_rewrite(dict(plan.tp_plan), dict(plan.fused), pipe.tp, ranks.tp, ranks.mesh["tp"])
+    x0, y0 = inputs[:mb], labels[:mb]
+    if pipe.sp > 1:  # Ulysses inside each stage (._stage_sp): exported at the local sequence length
+        from polyparallel.backends.torch._stage_sp import register_mesh
+
+        register_mesh("sp", ranks.mesh["sp"])
+        n = inputs.shape[1] // pipe.sp
+        rewrite = _sp_rewrite(pipe.sp, ranks.sp, n)
+        x0, y0 = inputs[:mb, :n], labels[:mb, :n]
+    return split_model(model, x0, y0, pipe.cuts, rewrite=rewrite)
+
+
+def _stage_module(chunk: fx.GraphModule, plan: Any, replicas: Any, prec: Any, device: torch.device) -> nn.Module:
+    """One chunk as its stage runs it: recomputation, its parameters over the stage's replicas,
+    autocast inside its forward (the schedule runs backwards between forwards)."""
+    from polyparallel.backends.torch._recompute import recompute_chunk
+
+    mod = recompute_chunk(chunk, plan.recompute, plan.recompute_blocks).to(device)
+    has_params = any(p.requires_grad for p in mod.parameters())
+    if plan.data_parallel == "ddp" and has_params:
+        # ZeRO-0 (replicated parameters, all-reduced gradients) with the FSDP2-based `replicate`,
+        # which PipelineStage syncs once per step: DistributedDataParallel's bucket rebuild fails
+        # after a step of several micro-batch backwards (reducer.cpp, "rebuilt parameter indices")
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        replicate(mod, mesh=replicas)
+    elif plan.data_parallel == "fsdp" and has_params:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(mod, mesh=replicas, **prec.fsdp_kwargs())
+    return prec.autocast_forward(mod)
+
+
+class _LossTail:
+    """The schedule's ``loss_fn``: the loss tail on the last stage, each micro-batch's loss weighted
+    by the targets it counted (``counts``, in call order)."""
+
+    def __init__(self, split: _Split, model: nn.Module, plan: Any, mesh: Any, prec: Any, device: torch.device) -> None:
+        self.tail = split.tail.to(device)
+        self.mesh, self.tp, self.prec = mesh, plan.pipeline.tp, prec
+        # tail inputs split over tp (class-parallel logits) enter the loss as DTensors, under loss_parallel
+        tp_split = split.rewritten if self.tp > 1 else {}
+        placeholders = [p for p in self.tail.graph.nodes if p.op == "placeholder"][:-1]
+        self.split_dims = [tp_split.get(p.name) for p in placeholders]
+        self.parallel = any(d is not None for d in self.split_dims)
+        # the loss reads one split value, the class-parallel output layer's logits: the whole class count
+        # (a vocabulary need not divide by tp; its shards are then torch.chunk's, which DTensor reads
+        # right only when told the global shape)
+        classes = {getattr(model.get_submodule(path), "out_features", None)
+                   for path, kind in plan.tp_plan if kind == "col_to_loss"}
+        n_classes = next(iter(classes)) if len(classes) == 1 else None
+        self.whole = [None if d is None else n_classes for d in self.split_dims]
+        self.counts: list[float | None] = []  # per micro-batch of the step: the targets its loss counted
+
+    def _as_dtensor(self, o: torch.Tensor, d: int, n: int | None) -> Any:
+        from torch.distributed.tensor import DTensor, Shard
+
+        shape = (*o.shape[:d], n if n is not None else o.shape[d] * self.tp, *o.shape[d + 1:])
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(o, self.mesh["tp"], [Shard(d)], run_check=False, shape=shape, stride=stride)
+
+    def __call__(self, out: Any, target: torch.Tensor) -> torch.Tensor:
+        from polyparallel.backends.torch._loss_weighting import TargetCount
+
+        counter = TargetCount()
+        outs = out if isinstance(out, tuple) else (out,)
+        if self.parallel:
+            outs = tuple(o if d is None else self._as_dtensor(o, d, n)
+                         for o, d, n in zip(outs, self.split_dims, self.whole))
+        with counter, self.prec.autocast():
+            loss = self.tail(*outs, target)
+        self.counts.append(counter.count_for(loss))
+        if self.parallel:
+            loss = loss.to_local()  # replicated
+        # L·c/unit (weigh_microbatches): L·c alone is c times the mean loss, which overflows fp16 gradients
+        return self.prec.scale(loss if self.counts[-1] is None else loss * (self.counts[-1] / target.numel()))
+
+
+def _schedule(pipe: PipelinePlan, modules: list[nn.Module], mine: list[int], device: torch.device, group: Any,
+              loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> Any:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-    from polyparallel.backends.torch._checkpoint import resume, save_checkpoint
-    from polyparallel.backends.torch._loss_weighting import TargetCount, weigh_microbatches
+    K = pipe.stages * pipe.virtual
+    stages = [PipelineStage(mod, k, K, device, group=group) for mod, k in zip(modules, mine)]
+    if pipe.schedule == "interleaved":
+        return ScheduleInterleaved1F1B(stages, n_microbatches=pipe.microbatches, loss_fn=loss_fn)
+    cls = ScheduleGPipe if pipe.schedule == "gpipe" else Schedule1F1B
+    return cls(stages[0], n_microbatches=pipe.microbatches, loss_fn=loss_fn)
+
+
+def _tie_groups(pipe: PipelinePlan, dp: int, ranks: _Ranks) -> list[tuple[str, Any]]:
+    """The groups over which this rank sums a tied parameter's gradients, with the parameter: one
+    group per (set of stages holding it, dp index, sp·tp index); every rank creates every group in
+    the same order, as new_group requires."""
+    import torch.distributed as dist
+
+    groups: list[tuple[str, Any]] = []
+    for name, ks in pipe.tied:
+        holders = sorted({k % pipe.stages for k in ks})
+        for d in range(dp):
+            for t in range(pipe.sp * pipe.tp):
+                g = dist.new_group([int(ranks.grid[s][d][t]) for s in holders])
+                if ranks.stage in holders and (d, t) == (ranks.dp, ranks.sp * pipe.tp + ranks.tp):
+                    groups.append((name, g))
+    return groups
+
+
+@dataclass
+class _PipelineStep:
+    """One step of this rank's chunks: its share of the batch through the schedule, the gradients
+    weighted by the step's target count and the tied parameters' summed over their stages."""
+
+    plan: Any
+    ranks: _Ranks
+    schedule: Any
+    loss: _LossTail
+    modules: list[nn.Module]
+    mine: list[int]
+    tie_groups: list[tuple[str, Any]]
+    device: torch.device
+
+    def __post_init__(self) -> None:
+        self.owner = self.modules[0] if len(self.modules) == 1 else nn.ModuleList(self.modules)
+        self.named = {n.removeprefix("module."): p for mod in self.modules for n, p in mod.named_parameters()}
+        pipe = self.plan.pipeline
+        self.first, self.last = 0 in self.mine, (pipe.stages * pipe.virtual - 1) in self.mine
+
+    def share(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        pipe, r = self.plan.pipeline, self.ranks
+        local = self.plan.global_batch // self.plan.dp
+        sl = slice(r.dp * local, (r.dp + 1) * local)
+        x, y = inputs[sl].to(self.device), labels[sl].to(self.device)
+        if pipe.sp > 1:
+            from polyparallel.backends.torch._stage_sp import label_shard, shard_sequence
+
+            x, y = shard_sequence(x, pipe.sp, r.sp), label_shard(y, pipe.sp, r.sp, pipe.halo)
+        return x, y
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, str]:
+        import torch.distributed as dist
+
+        from polyparallel.backends.torch._loss_weighting import weigh_microbatches
+        from polyparallel.backends.torch._steps import scale_gradients
+
+        pipe = self.plan.pipeline
+        losses: list[torch.Tensor] = []
+        self.loss.counts.clear()
+        args = (x,) if self.first else ()
+        with _loss_parallel(self.last and self.loss.parallel):  # the tail's backward runs inside the step too
+            self.schedule.step(*args, target=y if self.last else None, losses=losses if self.last else None,
+                               return_outputs=False)
+        if self.ranks.tp:  # tensor-parallel peers computed copies of tp rank 0's losses
+            losses = []
+        # the schedule's first step also calls loss_fn once for its shape inference, before the
+        # micro-batches: their counts are the last ones
+        loss_scale = self.loss.prec.loss_scale  # the schedule's losses are what loss_fn returned: scaled with fp16
+        mb = self.plan.global_batch // (self.plan.dp * pipe.microbatches)
+        factor, global_loss, weighting = weigh_microbatches(
+            [v / loss_scale for v in losses] if loss_scale != 1.0 else losses,
+            self.loss.counts[len(self.loss.counts) - len(losses):], pipe.microbatches, self.plan.dp * pipe.sp,
+            self.device, unit=y[:mb].numel())
+        scale_gradients(self.owner.parameters(), factor)
+        for name, g in self.tie_groups:
+            grad = self.named[name].grad
+            if grad is not None:
+                dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=g)
+        return global_loss, weighting
+
+
+def pipeline_mode(job: dict[str, Any], device: torch.device) -> TrainingMode:
+    """This rank's pipeline chunks, their schedule and optimiser, as :func:`._train_loop.train` runs
+    them; logs and checkpoints as the unpipelined worker does, the optimiser under its stage's key."""
     from polyparallel.backends.torch._precision import Precision
-    from polyparallel.backends.torch._recompute import recompute_chunk
-    from polyparallel.backends.torch._steps import batch_counts, check_finite, comm_profile, finish_step, log_step
+    from polyparallel.backends.torch._steps import make_optimizer
+    from polyparallel.backends.torch._train_loop import TrainingMode
     from polyparallel.references import resolve
 
     plan, pipe = job["plan"], job["plan"].pipeline
-    pp, dp, tp, K = pipe.stages, plan.dp, pipe.tp, pipe.stages * pipe.virtual
-    # ranks follow the Strategy's mesh order: stage-major (pp, dp, tp) as the planner writes it, or another
-    sp = pipe.sp
-    deg = {"pp": pp, "dp": dp, "sp": sp, "tp": tp}
-    mesh = init_device_mesh(device.type, tuple(deg[a] for a in pipe.axes), mesh_dim_names=pipe.axes)
-    grid = _grid(pipe.axes, pp, dp, tp, mesh.mesh, sp)  # grid[stage][dp index][sp·tp index] = global rank
-    stage, dp_rank, tp_rank = (mesh[a].get_local_rank() for a in ("pp", "dp", "tp"))
-    sp_rank = mesh["sp"].get_local_rank() if sp > 1 else 0
-    # the ranks holding replicas of a stage's parameters: dp, times sp (sequence shards see other tokens)
-    replicas = mesh["dp", "sp"]._flatten("dp_sp") if sp > 1 else mesh["dp"]
-    data_fn = resolve(job["data_fn"])
-    inputs, labels = data_fn(0)
-    mb = plan.global_batch // (dp * pipe.microbatches)
+    ranks = _ranks(pipe, plan.dp, device)
+    batch = resolve(job["data_fn"])(0)
     torch.manual_seed(job["seed"])  # every rank builds the same initial weights, then keeps its chunks
     model = resolve(job["model_fn"])()
-    rewrite = None
-    if tp > 1:  # Megatron inside each stage, on local shards (._stage_tp)
-        from polyparallel.backends.torch._stage_tp import register_group
-
-        register_group("tp", mesh["tp"].get_group())
-        rewrite = _tp_rewrite(dict(plan.tp_plan), dict(plan.fused), tp, tp_rank, mesh["tp"])
-    x0, y0 = inputs[:mb], labels[:mb]
-    if sp > 1:  # Ulysses inside each stage (._stage_sp): exported at the local sequence length
-        from polyparallel.backends.torch._stage_sp import label_shard, register_mesh, shard_sequence
-
-        register_mesh("sp", mesh["sp"])
-        n = inputs.shape[1] // sp
-        rewrite = _sp_rewrite(sp, sp_rank, n)
-        x0, y0 = inputs[:mb, :n], labels[:mb, :n]
-    split = split_model(model, x0, y0, pipe.cuts, rewrite=rewrite)
+    split = _split_on_rank(model, batch, plan, ranks)
     prec = Precision(plan.dtype, device)
-    mine = list(range(stage, K, pp))
-    modules: list[nn.Module] = []
-    for k in mine:
-        mod = recompute_chunk(split.chunks[k], plan.recompute, plan.recompute_blocks).to(device)
-        has_params = any(p.requires_grad for p in mod.parameters())
-        if plan.data_parallel == "ddp" and has_params:
-            # ZeRO-0 (replicated parameters, all-reduced gradients) with the FSDP2-based `replicate`,
-            # which PipelineStage syncs once per step: DistributedDataParallel's bucket rebuild fails
-            # after a step of several micro-batch backwards (reducer.cpp, "rebuilt parameter indices")
-            from torch.distributed._composable.replicate_with_fsdp import replicate
-
-            replicate(mod, mesh=replicas)
-        elif plan.data_parallel == "fsdp" and has_params:
-            from torch.distributed.fsdp import fully_shard
-
-            fully_shard(mod, mesh=replicas, **prec.fsdp_kwargs())
-        # autocast inside the stage's forward: the schedule runs backwards between forwards
-        modules.append(prec.autocast_forward(mod))
-    tail = split.tail.to(device)
-    # tail inputs split over tp (class-parallel logits) enter the loss as DTensors, under loss_parallel
-    tp_split = split.rewritten if tp > 1 else {}
-    placeholders = [p for p in tail.graph.nodes if p.op == "placeholder"][:-1]
-    tail_split = [tp_split.get(p.name) for p in placeholders]
-    parallel_loss = any(d is not None for d in tail_split)
-    # the loss reads one split value, the class-parallel output layer's logits: the whole class count
-    # (a vocabulary need not divide by tp; its shards are then torch.chunk's, which DTensor reads
-    # right only when told the global shape)
-    classes = {getattr(model.get_submodule(path), "out_features", None)
-               for path, kind in plan.tp_plan if kind == "col_to_loss"}
-    n_classes = next(iter(classes)) if len(classes) == 1 else None
-    whole = [None if d is None else n_classes for d in tail_split]
-
-    def as_dtensor(o: torch.Tensor, d: int, n: int | None) -> Any:
-        from torch.distributed.tensor import DTensor, Shard
-
-        shape = (*o.shape[:d], n if n is not None else o.shape[d] * tp, *o.shape[d + 1:])
-        stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(o, mesh["tp"], [Shard(d)], run_check=False, shape=shape, stride=stride)
-
-    target_counts: list[float | None] = []  # per micro-batch of the step: the targets its loss counted
-
-    def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
-        counter = TargetCount()
-        outs = out if isinstance(out, tuple) else (out,)
-        if parallel_loss:
-            outs = tuple(o if d is None else as_dtensor(o, d, n) for o, d, n in zip(outs, tail_split, whole))
-        with counter, prec.autocast():
-            loss = tail(*outs, target)
-        target_counts.append(counter.count_for(loss))
-        if parallel_loss:
-            loss = loss.to_local()  # replicated
-        # L·c/unit (weigh_microbatches): L·c alone is c times the mean loss, which overflows fp16 gradients
-        return prec.scale(loss if target_counts[-1] is None else loss * (target_counts[-1] / target.numel()))
-
-
-    pp_group = mesh["pp"].get_group()
-    stages = [PipelineStage(mod, k, K, device, group=pp_group) for mod, k in zip(modules, mine)]
-    if pipe.schedule == "interleaved":
-        schedule: Any = ScheduleInterleaved1F1B(stages, n_microbatches=pipe.microbatches, loss_fn=loss_fn)
-    else:
-        cls = ScheduleGPipe if pipe.schedule == "gpipe" else Schedule1F1B
-        schedule = cls(stages[0], n_microbatches=pipe.microbatches, loss_fn=loss_fn)
-    # tied parameters: one group per (set of stages holding it, dp index, tp index); every rank
-    # creates every group in the same order, as new_group requires
-    tie_groups: list[tuple[str, Any]] = []
-    for name, ks in pipe.tied:
-        holders = sorted({k % pp for k in ks})
-        for d in range(dp):
-            for t in range(sp * tp):
-                g = dist.new_group([int(grid[s][d][t]) for s in holders])
-                if stage in holders and (d, t) == (dp_rank, sp_rank * tp + tp_rank):
-                    tie_groups.append((name, g))
-    owner = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
-    named = {n.removeprefix("module."): p for mod in modules for n, p in mod.named_parameters()}
-    from polyparallel.backends.torch._steps import make_optimizer
-
-    opt = make_optimizer(job["optimizer"], owner.parameters(), job["lr"], device)
-    ckpt = Path(job["checkpoint_dir"]) if job.get("checkpoint_dir") else None
-    log = run_dir / "train.jsonl"
+    mine = list(range(ranks.stage, pipe.stages * pipe.virtual, pipe.stages))
+    modules = [_stage_module(split.chunks[k], plan, ranks.replicas, prec, device) for k in mine]
+    loss = _LossTail(split, model, plan, ranks.mesh, prec, device)
+    schedule = _schedule(pipe, modules, mine, device, ranks.mesh["pp"].get_group(), loss)
+    step = _PipelineStep(plan, ranks, schedule, loss, modules, mine, _tie_groups(pipe, plan.dp, ranks), device)
+    opt = make_optimizer(job["optimizer"], step.owner.parameters(), job["lr"], device)
     # parameters keep their model paths, but each stage's optimiser has its own param_groups: one
     # optimiser entry per stage, or the stages would overwrite each other's
-    optim_key = f"optim.stage{stage}"
-    start = resume(ckpt, owner, opt, log if rank == 0 else None, optim_key)
-    first, last = 0 in mine, (K - 1) in mine
-    local = plan.global_batch // dp
-    cuda = device.type == "cuda"
-    for step in range(start, job["steps"]):
-        yield step
-        x, y = data_fn(step)
-        if x.shape[0] != plan.global_batch:
-            raise ValueError(f"data_fn({step}) returned a batch of {x.shape[0]}; the strategy's global_batch is "
-                             f"{plan.global_batch}")
-        sl = slice(dp_rank * local, (dp_rank + 1) * local)
-        counts = batch_counts(x)  # of the global batch, for throughput
-        x, y = x[sl].to(device), y[sl].to(device)
-        if sp > 1:
-            x, y = shard_sequence(x, sp, sp_rank), label_shard(y, sp, sp_rank, pipe.halo)
-        if cuda:
-            torch.cuda.synchronize()
-        with comm_profile(bool(job.get("profile_comm"))) as comm:
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            losses: list[torch.Tensor] = []
-            target_counts.clear()
-            args = (x,) if first else ()
-            with _loss_parallel(last and parallel_loss):  # the tail's backward runs inside the step too
-                schedule.step(*args, target=y if last else None, losses=losses if last else None,
-                              return_outputs=False)
-            if tp_rank:  # tensor-parallel peers computed copies of tp rank 0's losses
-                losses = []
-            # the schedule's first step also calls loss_fn once for its shape inference, before the
-            # micro-batches: their counts are the last ones
-            loss_scale = prec.loss_scale  # the schedule's losses are what loss_fn returned: scaled with fp16
-            factor, global_loss, weighting = weigh_microbatches(
-                [v / loss_scale for v in losses] if loss_scale != 1.0 else losses,
-                target_counts[len(target_counts) - len(losses):], pipe.microbatches, dp * sp, device,
-                unit=y[:mb].numel())
-            if factor != 1.0:
-                for p in owner.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(factor)
-            for name, g in tie_groups:
-                grad = named[name].grad
-                if grad is not None:
-                    dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=g)
-            amp, dt = finish_step(prec, opt, device, t0)
-        if rank == 0:
-            log_step(log, step, global_loss, weighting, dt, device, **counts, **comm, **amp)
-        check_finite(global_loss, step, job.get("stop_on_nonfinite", True))
-        if ckpt is not None and ((step + 1) % job["checkpoint_every"] == 0 or step + 1 == job["steps"]):
-            save_checkpoint(ckpt, step, owner, opt, rank, optim_key, job=job)
+    return TrainingMode(step.owner, opt, prec, step.share, step.forward_backward, optim_key=f"optim.stage{ranks.stage}")
 
 
 def _loss_parallel(on: bool) -> Any:

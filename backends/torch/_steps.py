@@ -1,6 +1,6 @@
-"""One training step's bookkeeping, shared by the plain worker loop and the pipeline loop: the optimiser,
-finishing a step (scaler, device sync, seconds), what rank 0 logs per step, and the collectives'
-time as torch's profiler records it."""
+"""One training step's bookkeeping, for the training loop (``_train_loop``) and the layouts' steps: the
+optimiser, scaling gradients by the loss weighting, finishing a step (scaler, device sync, seconds),
+what rank 0 logs per step, and the collectives' time as torch's profiler records it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["NonFiniteLoss", "batch_counts", "check_finite", "comm_profile", "finish_step", "log_step",
-           "make_optimizer"]
+           "make_optimizer", "scale_gradients"]
 
 
 class NonFiniteLoss(ArithmeticError):
@@ -30,6 +30,15 @@ def check_finite(loss: float, step: int, stop: bool) -> None:
         raise NonFiniteLoss(f"the loss of step {step} is {loss}: lower the learning rate, look for NaN/inf in the "
                             "data (or a batch whose targets are all ignored), or pass stop_on_nonfinite=False "
                             "(CLI: --keep-nonfinite) to train on")
+
+
+def scale_gradients(params: Any, factor: float) -> None:
+    """Multiply the gradients of ``params`` by ``factor`` (a step's loss weighting, ``_loss_weighting``)."""
+    if factor == 1.0:
+        return
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(factor)
 
 
 def finish_step(prec: Any, opt: torch.optim.Optimizer, device: torch.device, t0: float) -> tuple[dict[str, Any], float]:

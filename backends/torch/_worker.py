@@ -46,16 +46,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from polyparallel.backends.torch._checkpoint import resume, save_checkpoint
 from polyparallel.backends.torch._precision import Precision
-from polyparallel.backends.torch._steps import (
-    batch_counts,
-    check_finite,
-    comm_profile,
-    finish_step,
-    log_step,
-    make_optimizer,
-)
+from polyparallel.backends.torch._steps import make_optimizer, scale_gradients
+from polyparallel.backends.torch._train_loop import TrainingMode, train
 from polyparallel.references import resolve
 
 __all__ = ["resolve", "run_worker"]
@@ -192,11 +185,57 @@ def _accumulate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, plan: 
             losses.append(_local(part).detach())
             counts.append(count)
     factor, global_loss, weighting = weigh_microbatches(losses, counts, m, replicas, device, unit=y.numel() // m)
-    if factor != 1.0:
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(factor)
+    scale_gradients(model.parameters(), factor)
     return global_loss, weighting
+
+
+def _whole_batch(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, plan: Any, mesh: Any, prec: Precision,
+                 replicas: Any, device: torch.device) -> tuple[float, str]:
+    """Without accumulation: the rank's share in one forward and backward, its loss weighted over the
+    replicas (``_loss_weighting``); returns the step's loss and weighting."""
+    from polyparallel.backends.torch._loss_weighting import TargetCount, weigh_replicas
+    from polyparallel.backends.torch._tensor_parallel import step_context
+
+    with step_context(plan, mesh):
+        counter = TargetCount()
+        with counter, prec.autocast():
+            loss = model(x, y)
+        scale, global_loss, weighting = weigh_replicas(
+            loss, counter.count_for(loss), replicas.get_group(), replicas.size(), device)
+        prec.scale(loss if scale == 1.0 else loss * scale).backward()
+    return global_loss, weighting
+
+
+def _whole_model_mode(job: dict[str, Any], device: torch.device) -> TrainingMode:
+    """The model whole on every rank, parallelised over the strategy's mesh (:func:`_apply`); each
+    ``dp`` replica trains on a contiguous share of the batch, each ``sp`` rank on its block of the
+    sequence."""
+    from polyparallel.backends.torch._tensor_parallel import replica_mesh, sequence_shard
+
+    plan = job["plan"]
+    torch.manual_seed(job["seed"])  # every rank builds the same initial weights
+    model = resolve(job["model_fn"])().to(device)
+    prec = Precision(plan.dtype, device)
+    model, mesh = _apply(model, job, device, prec.fsdp_kwargs())
+    opt = make_optimizer(job["optimizer"], model.parameters(), job["lr"], device)
+    dp_rank = mesh["dp"].get_local_rank()
+    local = plan.global_batch // plan.dp
+    sl = slice(dp_rank * local, (dp_rank + 1) * local)
+    replicas = replica_mesh(mesh, plan)  # dp, times sp: each holds an equal share of the tokens
+
+    def share(inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = (sequence_shard(t[sl], plan, mesh).to(device) for t in (inputs, labels))
+        return x, y
+
+    def forward_backward(x: torch.Tensor, y: torch.Tensor) -> tuple[float, str]:
+        if plan.microbatches > 1:
+            return _accumulate(model, x, y, plan, mesh, prec, replicas.size(), device)
+        return _whole_batch(model, x, y, plan, mesh, prec, replicas, device)
+
+    # rank0_input_shape: what a rank trains on, its dp and sp share
+    return TrainingMode(model, opt, prec, share, forward_backward,
+                        log_first=lambda x: {"rank0_input_shape": list(x.shape)},
+                        log_last={"microbatches": plan.microbatches} if plan.microbatches > 1 else {})
 
 
 def run_worker(run_dir: Path) -> None:
@@ -209,62 +248,14 @@ def run_worker(run_dir: Path) -> None:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         dist.init_process_group("nccl" if cuda else "gloo")
-        if job["plan"].pipeline is not None:  # the exported graph cut into stages: its own loop (same log and
-            # checkpoint format)
-            from polyparallel.backends.torch._pipeline import train_pipeline
+        if job["plan"].pipeline is not None:  # the exported graph cut into stages (same loop, log and checkpoints)
+            from polyparallel.backends.torch._pipeline import pipeline_mode
 
-            for step in train_pipeline(job, run_dir, rank, device):  # noqa: B007 - a failure names `step`
-                pass
-            dist.barrier()
-            dist.destroy_process_group()
-            return
-        plan = job["plan"]
-        torch.manual_seed(job["seed"])  # every rank builds the same initial weights
-        model = resolve(job["model_fn"])().to(device)
-        prec = Precision(plan.dtype, device)
-        model, mesh = _apply(model, job, device, prec.fsdp_kwargs())
-        data_fn = resolve(job["data_fn"])
-        opt = make_optimizer(job["optimizer"], model.parameters(), job["lr"], device)
-        dp_rank = mesh["dp"].get_local_rank()
-        local = plan.global_batch // plan.dp
-        from polyparallel.backends.torch._loss_weighting import TargetCount, weigh_replicas
-        from polyparallel.backends.torch._tensor_parallel import replica_mesh, sequence_shard, step_context
-
-        replicas = replica_mesh(mesh, plan)  # dp, times sp: each holds an equal share of the tokens
-        log = run_dir / "train.jsonl"
-        ckpt = Path(job["checkpoint_dir"]) if job.get("checkpoint_dir") else None
-        start = resume(ckpt, model, opt, log if rank == 0 else None)
-        for step in range(start, job["steps"]):
-            inputs, labels = data_fn(step)
-            if inputs.shape[0] != plan.global_batch:
-                raise ValueError(f"data_fn({step}) returned a batch of {inputs.shape[0]}; the strategy's "
-                                 f"global_batch is {plan.global_batch}")
-            sl = slice(dp_rank * local, (dp_rank + 1) * local)
-            x, y = (sequence_shard(t[sl], plan, mesh).to(device) for t in (inputs, labels))
-            if cuda:
-                torch.cuda.synchronize()
-            with comm_profile(bool(job.get("profile_comm"))) as comm:
-                t0 = time.perf_counter()
-                opt.zero_grad(set_to_none=True)
-                if plan.microbatches > 1:
-                    global_loss, weighting = _accumulate(model, x, y, plan, mesh, prec, replicas.size(), device)
-                else:
-                    with step_context(plan, mesh):
-                        counter = TargetCount()
-                        with counter, prec.autocast():
-                            loss = model(x, y)
-                        scale, global_loss, weighting = weigh_replicas(
-                            loss, counter.count_for(loss), replicas.get_group(), replicas.size(), device)
-                        prec.scale(loss if scale == 1.0 else loss * scale).backward()
-                amp, dt = finish_step(prec, opt, device, t0)
-            if rank == 0:
-                extra = {"microbatches": plan.microbatches} if plan.microbatches > 1 else {}
-                # rank0_input_shape: what a rank trains on, its dp and sp share
-                log_step(log, step, global_loss, weighting, dt, device, rank0_input_shape=list(x.shape),
-                         **batch_counts(inputs), **comm, **amp, **extra)
-            check_finite(global_loss, step, job.get("stop_on_nonfinite", True))
-            if ckpt is not None and ((step + 1) % job["checkpoint_every"] == 0 or step + 1 == job["steps"]):
-                save_checkpoint(ckpt, step, model, opt, rank, job=job)
+            mode = pipeline_mode(job, device)
+        else:
+            mode = _whole_model_mode(job, device)
+        for step in train(job, run_dir, rank, device, mode):  # noqa: B007 - a failure names `step`
+            pass
         # every rank leaves together: a rank tearing gloo down while its peer still has work in
         # flight aborts the peer ("terminate called without an active exception")
         dist.barrier()
