@@ -165,8 +165,6 @@ def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cu
     ``rewrite`` transforms the exported graph before it is cut (tensor parallelism inside the stages,
     :mod:`._stage_tp`); nodes it inserts for an op (``meta["attached_to"]``) go with that op's chunk.
     """
-    from polyparallel.cost_models.layers import LAYER  # the planner's own layer pattern
-
     gm = _export(model, inputs, labels)
     rewritten = rewrite(gm) if rewrite is not None else None
     nodes = list(gm.graph.nodes)
@@ -176,6 +174,33 @@ def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cu
                            "forward(inputs, labels)")
     x_in, y_in = user_inputs
     ops = [n for n in nodes if n.op == "call_function"]
+    mutated = _in_place_writes(nodes)
+    # the loss tail: everything that depends on the labels
+    tail: set[fx.Node] = set()
+    for n in ops:
+        if any(a is y_in or a in tail for a in n.all_input_nodes):
+            tail.add(n)
+    starts = _chunk_starts(ops, cuts)
+    chunk_of = _chunk_of(gm, ops, starts, tail)
+    last = len(starts) - 1  # (the graph is in topological order, so no op is used before its chunk)
+    for n, t in mutated:  # an in-place write must stay with its tensor, or it would hit a stage's copy
+        if (chunk_of.get(n), n in tail) != (chunk_of.get(t), t in tail):
+            raise Unsupported(f"op {n.name!r} writes in place to {t.name!r}, which another pipeline stage made; "
+                               "cut at another op")
+    live = _live_values(x_in, ops, chunk_of, tail, last)
+    chunks, params, layers = [], [], []
+    for c in range(last + 1):
+        chunk, held, lyr = _chunk_module(gm, c, [x_in] if c == 0 else live[c], ops, chunk_of, live[c + 1],
+                                         c == last, counted)
+        chunks.append(chunk)
+        params.append(held)
+        layers.append(lyr)
+    return _Split(chunks, _tail_module(gm, nodes, ops, tail, live[last + 1], y_in), params, layers, rewritten)
+
+
+def _in_place_writes(nodes: list[fx.Node]) -> list[tuple[fx.Node, fx.Node]]:
+    """The exported graph's in-place ops with the tensor each writes; refuses module calls and
+    writes to a parameter, buffer or input (e.g. BatchNorm's running statistics)."""
     mutated: list[tuple[fx.Node, fx.Node]] = []  # (in-place op, the tensor it writes)
     for n in nodes:
         if n.op == "call_module" and n.target != "_guards_fn":  # export's input-shape guard: not computation
@@ -189,14 +214,13 @@ def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cu
                     raise Unsupported(f"op {n.name!r} ({n.target}) writes to {t.target!r} in forward (e.g. BatchNorm "
                                        "running statistics): each micro-batch would update it; not executed")
                 mutated.append((n, t))
+    return mutated
+
+
+def _chunk_starts(ops: list[fx.Node], cuts: Sequence[str]) -> list[int]:
+    """The index in ``ops`` at which each chunk starts (0, then one per cut), in model order."""
     pos = {n.name: i for i, n in enumerate(ops)}
-    # the loss tail: everything that depends on the labels
-    tail: set[fx.Node] = set()
-    for n in ops:
-        if any(a is y_in or a in tail for a in n.all_input_nodes):
-            tail.add(n)
-    chunk_of: dict[fx.Node, int] = {}
-    k, starts = 0, [0]
+    starts = [0]
     for name in cuts:
         if name not in pos:
             raise Unsupported(f"a pipeline stage starts at op {name!r}, which the model's exported graph does not "
@@ -209,6 +233,13 @@ def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cu
             raise Unsupported(f"pipeline chunk starting at op {name!r} does not come after the previous chunk's "
                                "start; stage op ranges must be contiguous and in model order")
         starts.append(start)
+    return starts
+
+
+def _chunk_of(gm: fx.GraphModule, ops: list[fx.Node], starts: list[int], tail: set[fx.Node]) -> dict[fx.Node, int]:
+    """The chunk of every op outside the loss tail; refuses a tail op that uses a parameter."""
+    chunk_of: dict[fx.Node, int] = {}
+    k = 0
     for i, n in enumerate(ops):
         while k + 1 < len(starts) and i >= starts[k + 1]:
             k += 1
@@ -218,12 +249,12 @@ def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cu
                  for a in n.all_input_nodes):
             raise Unsupported(f"op {n.name!r} uses the labels and parameters: the loss must be parameter-free to run "
                                "as the pipeline's loss function")
-    last = len(starts) - 1  # (the graph is in topological order, so no op is used before its chunk)
-    for n, t in mutated:  # an in-place write must stay with its tensor, or it would hit a stage's copy
-        if (chunk_of.get(n), n in tail) != (chunk_of.get(t), t in tail):
-            raise Unsupported(f"op {n.name!r} writes in place to {t.name!r}, which another pipeline stage made; "
-                               "cut at another op")
-    # values crossing cut c (c = 1..last) and into the tail (c = last + 1)
+    return chunk_of
+
+
+def _live_values(x_in: fx.Node, ops: list[fx.Node], chunk_of: dict[fx.Node, int], tail: set[fx.Node],
+                 last: int) -> list[list[fx.Node]]:
+    """``live[c]``: the values crossing cut ``c`` (c = 1..last) and into the loss tail (c = last + 1)."""
     live: list[list[fx.Node]] = [[] for _ in range(last + 2)]
     for n in [x_in, *ops]:
         src = 0 if n is x_in else chunk_of.get(n)
@@ -241,35 +272,44 @@ def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cu
                                    "only activations cross stage boundaries in this backend")
             for c in range(src + 1, far + 1):
                 live[c].append(n)
-    chunks, params, layers = [], [], []
-    for c in range(last + 1):
-        g = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        for n in ([x_in] if c == 0 else live[c]):
-            env[n] = g.placeholder(n.name)
+    return live
 
-        def arg(a: fx.Node, g: fx.Graph = g, env: dict[fx.Node, fx.Node] = env) -> fx.Node:
-            if a not in env:  # a parameter or buffer: each chunk that uses it holds it
-                assert a.op == "get_attr", a
-                env[a] = g.get_attr(a.target)
-            return env[a]
 
-        lyr: set[int] = set()
-        for n in ops:
-            if chunk_of.get(n) == c:
-                env[n] = g.node_copy(n, arg)
-                m = LAYER.match(_module_path(n)) if counted is None or n.name in counted else None
-                if m:
-                    lyr.add(int(m.group(1).rsplit(".", 1)[1]))
-        # p2p sends and receives whole contiguous buffers (an expanded mask or a transposed view is not)
-        outs = tuple(env[n] if c == last else g.call_method("contiguous", (env[n],)) for n in live[c + 1])
-        g.output(outs)
-        chunks.append(fx.GraphModule(gm, g, f"PipelineChunk{c}"))
-        params.append(tuple(sorted(str(n.target) for n in g.nodes if n.op == "get_attr"
-                                   and isinstance(_attr(gm, str(n.target)), nn.Parameter))))
-        layers.append(lyr)
+def _chunk_module(gm: fx.GraphModule, c: int, inputs: list[fx.Node], ops: list[fx.Node],
+                  chunk_of: dict[fx.Node, int], outputs: list[fx.Node], last: bool,
+                  counted: set[str] | None) -> tuple[fx.GraphModule, tuple[str, ...], set[int]]:
+    """Chunk ``c`` (the ops ``chunk_of`` gives it) as a module from ``inputs`` to ``outputs``, with
+    the paths of the parameters it holds and the layers of its (``counted``) ops."""
+    from polyparallel.cost_models.layers import LAYER  # the planner's own layer pattern
+
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {n: g.placeholder(n.name) for n in inputs}
+
+    def arg(a: fx.Node) -> fx.Node:
+        if a not in env:  # a parameter or buffer: each chunk that uses it holds it
+            assert a.op == "get_attr", a
+            env[a] = g.get_attr(a.target)
+        return env[a]
+
+    layers: set[int] = set()
+    for n in ops:
+        if chunk_of.get(n) == c:
+            env[n] = g.node_copy(n, arg)
+            m = LAYER.match(_module_path(n)) if counted is None or n.name in counted else None
+            if m:
+                layers.add(int(m.group(1).rsplit(".", 1)[1]))
+    # p2p sends and receives whole contiguous buffers (an expanded mask or a transposed view is not)
+    g.output(tuple(env[n] if last else g.call_method("contiguous", (env[n],)) for n in outputs))
+    params = tuple(sorted(str(n.target) for n in g.nodes if n.op == "get_attr"
+                          and isinstance(_attr(gm, str(n.target)), nn.Parameter)))
+    return fx.GraphModule(gm, g, f"PipelineChunk{c}"), params, layers
+
+
+def _tail_module(gm: fx.GraphModule, nodes: list[fx.Node], ops: list[fx.Node], tail: set[fx.Node],
+                 inputs: list[fx.Node], y_in: fx.Node) -> fx.GraphModule:
+    """The loss tail as a module from ``inputs`` (the last chunk's outputs) and the labels to the loss."""
     tg = fx.Graph()
-    tenv = {n: tg.placeholder(n.name) for n in live[last + 1]}
+    tenv = {n: tg.placeholder(n.name) for n in inputs}
     tenv[y_in] = tg.placeholder(y_in.name)
     for n in ops:
         if n in tail:
@@ -280,7 +320,7 @@ def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cu
         raise Unsupported("the model's output does not depend on the labels: forward(inputs, labels) must return "
                            "the loss")
     tg.output(tenv[loss])
-    return _Split(chunks, fx.GraphModule(gm, tg, "PipelineLoss"), params, layers, rewritten)
+    return fx.GraphModule(gm, tg, "PipelineLoss")
 
 
 def _attr(root: nn.Module, target: str) -> Any:
