@@ -238,7 +238,7 @@ def _retaken_while_stolen(fn: Callable[[], Any], retries: int, again: Callable[[
     """``fn()``, called again (up to ``retries`` times, ``again(share)`` said before each) while the
     hypervisor took more than ``STOLEN`` of the CPU time during it (a virtual machine's neighbours:
     the same run took 2-3x as long); the last result and the share stolen during it."""
-    from polyparallel.cost_models.calibrate import STOLEN, cpu_clock, stolen_since
+    from polyparallel.cost_models.machine_load import STOLEN, cpu_clock, stolen_since
 
     for attempt in range(retries + 1):
         clock = cpu_clock()
@@ -625,7 +625,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     load0 = os.getloadavg()[0]
-    from polyparallel.cost_models.calibrate import cpu_clock, other_work
+    from polyparallel.cost_models.machine_load import cpu_clock, other_work
 
     clock = cpu_clock()
     if not args.no_recalibrate or not default_calibration_path().is_file():

@@ -68,7 +68,9 @@ each size); each collective time is the median over repetitions of the slowest r
 medians match how :mod:`benchmarks.executor` reads a training run (median step time), so on a
 machine shared with other work the calibration and the run see the same kind of interference.
 
-Every multi-process run has a timeout: a hung group is killed and reported, never waited on.
+Every multi-process run has a timeout: a hung group is killed and reported, never waited on. What
+other work took of the machine while it measured is recorded (``other_work``) and turned into the
+calibration's ``warnings`` by :mod:`.machine_load`.
 """
 
 from __future__ import annotations
@@ -89,18 +91,23 @@ from typing import Any
 from polyparallel.ir import OpKind
 
 from .compute import BACKWARD_FACTOR, DEFAULT_BACKWARD_FACTOR, attention_flops
+from .machine_load import STOLEN, calibration_warnings, cpu_clock, load_average, other_work, stolen_since
 
+# STOLEN, cpu_clock and stolen_since are re-exported for backends/torch/op_timing.py, which imports them from
+# here; their home is machine_load.py
 __all__ = [
     "ATTENTION_SHAPES",
     "GEMM_LARGE",
     "GEMM_SMALL",
     "OPTIMIZER_WORKING_SETS",
+    "STOLEN",
     "THREADS_PER_PROCESS",
     "TRAINING_OP_CLASSES",
     "allreduce_sizes",
     "attention_flops",
     "attention_rows",
     "calibrate",
+    "cpu_clock",
     "fit_alpha_beta",
     "fit_training_op_overhead",
     "free_port",
@@ -111,6 +118,7 @@ __all__ = [
     "optimizer_tensor_floor",
     "run_group",
     "slowest_rank",
+    "stolen_since",
     "tp_kernel_overhead",
     "training_op_floor",
 ]
@@ -729,7 +737,7 @@ def calibrate(out: str | os.PathLike[str] | None = None, *, group_sizes: Sequenc
         "host": platform.node(), "machine": platform.machine(), "processor": platform.processor(),
         "cores": cores, "torch": torch.__version__, "threads_per_process": THREADS_PER_PROCESS,
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "memory_bytes": _total_memory(), "load_average": _load_average(),
+        "memory_bytes": _total_memory(), "load_average": load_average(),
     }
     clock = cpu_clock()
     per_procs: dict[str, Any] = {}
@@ -833,83 +841,6 @@ def _say_rates(say: Callable[[str], None], p: int, k: dict[str, Any]) -> None:
     say(f"{p} process(es) at once, {THREADS_PER_PROCESS} thread each: best matmul {best / 1e9:.1f} GFLOP/s per "
         f"process, copy {k['memory_bandwidth'] / 1e9:.1f} GB/s, 1-element op {k['launch_overhead'] * 1e6:.1f} us"
         f"{dt}{tr}")
-
-
-LOADED = 0.5  # load average per core above which measurements are slowed by other work
-STOLEN = 0.05  # share of a virtual machine's CPU time its hypervisor gave to other machines
-
-
-def cpu_clock() -> dict[str, Any]:
-    """The machine's CPU time counters (``/proc/stat``: user nice system idle iowait irq softirq
-    steal, in seconds) and this process's own CPU seconds with its waited-for children's, now;
-    empty counters where ``/proc/stat`` is not there."""
-    import resource
-
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    try:
-        tick = os.sysconf("SC_CLK_TCK")
-        machine = [int(x) / tick for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:9]]
-    except (OSError, ValueError, IndexError):
-        machine = []
-    return {"machine": machine, "own": me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime}
-
-
-def other_work(start: dict[str, Any], end: dict[str, Any], cores: int) -> dict[str, float]:
-    """Between two :func:`cpu_clock` readings: ``others``, the cores other processes kept busy on
-    average (the machine's busy time less this process tree's), and ``steal``, the share of the CPU
-    time a hypervisor gave to other virtual machines; empty without the machine's counters."""
-    a, b = start["machine"], end["machine"]
-    if len(a) != 8 or len(b) != 8:
-        return {}
-    d = [y - x for x, y in zip(a, b, strict=True)]
-    total = sum(d)
-    if total <= 0:
-        return {}
-    busy = d[0] + d[1] + d[2] + d[5] + d[6]
-    wall = total / max(cores, 1)
-    return {"others": round(max(0.0, busy - (end["own"] - start["own"])) / wall, 3), "steal": round(d[7] / total, 4)}
-
-
-def stolen_since(start: dict[str, Any]) -> float:
-    """The share of the CPU time the hypervisor took since the :func:`cpu_clock` reading ``start``
-    (0 without the machine's counters)."""
-    return other_work(start, cpu_clock(), 1).get("steal", 0.0)
-
-
-def calibration_warnings(cal: dict[str, Any]) -> list[str]:
-    """What makes a calibration untrustworthy: other work running while it measured (the cores
-    other processes kept busy during it, or without those counters the load average before it,
-    above ``LOADED`` per core; a hypervisor taking more than ``STOLEN`` of the CPU time), or a
-    matmul rate far below the machine's own best (a measurement hit by a burst)."""
-    out = []
-    cores = int(cal.get("cores") or 1)
-    during = cal.get("other_work") or {}
-    # the CPU time other processes took while it measured; the load average before it (it also
-    # counts work that had just ended) only where the machine's counters were not there
-    busy = during.get("others", cal.get("load_average"))
-    again = "run `polyparallel calibrate` again when it is quiet"
-    if busy is not None and busy > LOADED * cores:
-        what = (f"other processes kept {busy:.1f} cores busy" if "others" in during else
-                f"load average {busy:.1f}")
-        out.append(f"the machine was busy while measuring ({what} on {cores} cores): the figures are slower than "
-                   f"this machine; {again}")
-    if during.get("steal", 0.0) > STOLEN:
-        out.append(f"the virtual machine lost {100 * during['steal']:.0f}% of its CPU time to its hypervisor while "
-                   f"measuring (other machines on the host): the figures are slower and noisier; {again}")
-    rows = [r for rs in (cal.get("matmul") or {}).values() for r in rs if r.get("seconds")]
-    rates = sorted(r["flops"] / r["seconds"] for r in rows)
-    if rates and rates[0] < 0.01 * rates[-1] and rows:
-        worst = min(rows, key=lambda r: r["flops"] / r["seconds"])
-        out.append(f"matmul {worst['n']}x{worst['n']} ran at {worst['flops'] / worst['seconds'] / 1e9:.3f} GFLOP/s, "
-                   f"under 1% of the best {rates[-1] / 1e9:.1f} GFLOP/s: a measurement disturbed by other work")
-    return out
-
-
-def _load_average() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except (OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return None
 
 
 def _total_memory() -> int:

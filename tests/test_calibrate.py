@@ -437,7 +437,7 @@ def test_cpu_optimizer_pays_the_measured_cost_per_parameter_tensor(tmp_path, mon
 
 
 def test_other_work_is_the_machines_busy_time_less_the_calibrations_own():
-    from polyparallel.cost_models.calibrate import other_work
+    from polyparallel.cost_models.machine_load import other_work
 
     # 10 s on 2 cores (20 CPU-seconds): 12 busy (user, system), 6 idle, 2 stolen; the calibration's
     # own processes used 9 of the 12, so other work kept (12 - 9) / 10 = 0.3 cores busy
@@ -450,7 +450,7 @@ def test_other_work_is_the_machines_busy_time_less_the_calibrations_own():
 
 
 def test_a_calibration_measured_under_load_says_so_where_it_prices(tmp_path, monkeypatch):
-    from polyparallel.cost_models.calibrate import calibration_warnings
+    from polyparallel.cost_models.machine_load import calibration_warnings
 
     quiet = {**_calibration(cores=2), "load_average": 0.3, "other_work": {"others": 0.1, "steal": 0.01}}
     assert calibration_warnings(quiet) == []
