@@ -273,10 +273,11 @@ def _routes(shape: Shape, lays: Sequence[TensorLayout], deps: Sequence[Shards],
     ``deps[d]``, and ``ends[end[x, d]]`` the layout it ends in. The state of every pair is,
     per mesh axis ``a``, the tensor axis ``t[a]`` it splits (-1: none) and a rank ``r[a]``
     ordering the mesh axes of one tensor axis (outermost first); each step of the module
-    docstring updates these columns for all pairs at once. A step is priced in closed form
-    where the layouts it moves between have equal blocks on every device (even mesh, each
-    extent divisible by its group): a reduce-scatter over ``g`` devices receives ``(g-1)|B'|``,
-    an all-reduce ``2(g-1)ceil(|B|/g)``, a gather or all-to-all ``|B'| - prod_k min(b'_k, b_k)``
+    docstring updates these columns for all pairs at once (a method of :class:`_RoutePairs`
+    each). A step is priced in closed form where the layouts it moves between have equal
+    blocks on every device (even mesh, each extent divisible by its group): a reduce-scatter
+    over ``g`` devices receives ``(g-1)|B'|``, an all-reduce ``2(g-1)ceil(|B|/g)``, a gather or
+    all-to-all ``|B'| - prod_k min(b'_k, b_k)``
     when along every tensor axis one list of mesh axes is a prefix of the other (the finer
     block lies inside the coarser one of the same device; :func:`_gain`). Other gathers and
     all-to-alls are counted per device as :func:`_gain` does (blocks are products of per-axis
@@ -285,50 +286,83 @@ def _routes(shape: Shape, lays: Sequence[TensorLayout], deps: Sequence[Shards],
     axis). The result is exactly :func:`_route`'s, without its Python work per pair
     (``tests/test_poly_fast.py`` compares them on random layouts).
     """
-    H, D, m, rank = len(lays), len(deps), len(mesh.names), len(shape)
-    pos = {a: i for i, a in enumerate(mesh.names)}
-    size = np.array(mesh.shape, dtype=np.int64)
-    th = np.full((H, m), -1, dtype=np.int64)
-    rh = np.zeros((H, m), dtype=np.int64)
-    order = np.full((H, m), -1, dtype=np.int64)  # partial axes, in the layout's order
-    for i, lay in enumerate(lays):
-        for k, s in enumerate(lay.shards):
-            for q, a in enumerate(s):
-                th[i, pos[a]], rh[i, pos[a]] = k, q
-        for q, a in enumerate(lay.partial):
-            order[i, q] = pos[a]
-    tn = np.full((D, m), -1, dtype=np.int64)
-    rn = np.zeros((D, m), dtype=np.int64)
-    for d, dk in enumerate(deps):
-        for k, s in enumerate(dk):
-            for q, a in enumerate(s):
-                tn[d, pos[a]], rn[d, pos[a]] = k, q
-    P = H * D
-    t = np.repeat(th, D, axis=0)
-    r = np.repeat(rh, D, axis=0)
-    po = np.repeat(order, D, axis=0)
-    need = np.tile(tn, (H, 1))
-    need_r = np.tile(rn, (H, 1))
-    even_mesh = bool(mesh.even)
-    elems = np.zeros(P, dtype=np.int64)
-    ext = np.asarray(shape, dtype=np.int64)
-    base = m + 1
-    rows = np.arange(P)
-    inner = m  # ranks of appended axes: larger than any rank so far (innermost)
+    pairs = _RoutePairs(shape, lays, deps, mesh)
+    pairs.settle_partials()
+    pairs.slice_locally()
+    pairs.all_to_all()
+    pairs.all_gather()
+    end, ends = pairs.ends()
+    return pairs.elems.reshape(len(lays), len(deps)), end.reshape(len(lays), len(deps)), ends
 
-    def blocks(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+
+def _split_columns(shards: Sequence[Shards], pos: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
+    """Per layout (a row) and mesh axis (a column): the tensor axis the mesh axis splits (-1: none)
+    and its place in that tensor axis' list of mesh axes (0: outermost)."""
+    t = np.full((len(shards), len(pos)), -1, dtype=np.int64)
+    r = np.zeros((len(shards), len(pos)), dtype=np.int64)
+    for i, sh in enumerate(shards):
+        for k, s in enumerate(sh):
+            for q, a in enumerate(s):
+                t[i, pos[a]], r[i, pos[a]] = k, q
+    return t, r
+
+
+class _RoutePairs:
+    """Every (layout, need axes) pair of :func:`_routes` on its way along steps 1-4, one row a pair.
+
+    Per mesh axis ``a`` (a column): ``t[:, a]`` the tensor axis the pair's current layout
+    splits on ``a`` (-1: none) and ``r[:, a]`` a rank ordering the mesh axes of one tensor axis
+    (outermost first); ``need`` and ``need_r`` the same for the need's mesh axes; ``elems`` the
+    elements the steps so far gain. ``b_cur``, ``e_cur`` and ``s_cur`` are the current layout's
+    :meth:`blocks` and :meth:`seqs`, kept up to date by the steps. Each step method updates the
+    rows it moves, all at once.
+    """
+
+    def __init__(self, shape: Shape, lays: Sequence[TensorLayout], deps: Sequence[Shards],
+                 mesh: DeviceMesh) -> None:
+        H, D, m = len(lays), len(deps), len(mesh.names)
+        self.shape, self.mesh, self.m, self.rank = shape, mesh, m, len(shape)
+        pos = {a: i for i, a in enumerate(mesh.names)}
+        self.size = np.array(mesh.shape, dtype=np.int64)
+        th, rh = _split_columns([lay.shards for lay in lays], pos)
+        order = np.full((H, m), -1, dtype=np.int64)  # partial axes, in the layout's order
+        for i, lay in enumerate(lays):
+            for q, a in enumerate(lay.partial):
+                order[i, q] = pos[a]
+        tn, rn = _split_columns(deps, pos)
+        self.P = H * D
+        self.t = np.repeat(th, D, axis=0)
+        self.r = np.repeat(rh, D, axis=0)
+        self.partial_order = np.repeat(order, D, axis=0)
+        self.need = np.tile(tn, (H, 1))
+        self.need_r = np.tile(rn, (H, 1))
+        self.even_mesh = bool(mesh.even)
+        self.elems = np.zeros(self.P, dtype=np.int64)
+        self.ext = np.asarray(shape, dtype=np.int64)
+        self.base = m + 1
+        self.rows = np.arange(self.P)
+        self.inner = m  # ranks of appended axes: larger than any rank so far (innermost)
+        self.b_cur, self.e_cur = self.blocks(self.t)
+        self.s_cur = self.seqs(self.t, self.r)
+
+    # ---- layouts as columns: blocks, codes of the lists of mesh axes, distinct rows
+
+    def blocks(self, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per pair: the block extents of the layout ``t`` (as if every device's were equal), and
+        whether they are (an even mesh, every extent divisible by its group)."""
         # group[k]: the product of the sizes of the mesh axes splitting tensor axis k (contiguous rows)
         tt = np.ascontiguousarray(t.T)
-        group = np.ones((rank, P), dtype=np.int64)
-        for a in range(m):
-            for k in range(rank):
-                group[k] = np.where(tt[a] == k, group[k] * size[a], group[k])
+        group = np.ones((self.rank, self.P), dtype=np.int64)
+        for a in range(self.m):
+            for k in range(self.rank):
+                group[k] = np.where(tt[a] == k, group[k] * self.size[a], group[k])
         group = group.T
-        return ext // group, (ext % group == 0).all(axis=1) & even_mesh
+        return self.ext // group, (self.ext % group == 0).all(axis=1) & self.even_mesh
 
-    def seqs(t: np.ndarray, r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def seqs(self, t: np.ndarray, r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per tensor axis: the ordered list of its mesh axes as a base-(m+1) code (first axis most
         significant, digit = mesh axis + 1) and its length."""
+        m, rank, P = self.m, self.rank, self.P
         # position of mesh axis a in its tensor axis' list: the axes of that list ranked before it
         # one contiguous row per mesh axis and per tensor axis (columns of (P, m) arrays are strided)
         tt, rr = np.ascontiguousarray(t.T), np.ascontiguousarray(r.T)
@@ -339,27 +373,41 @@ def _routes(shape: Shape, lays: Sequence[TensorLayout], deps: Sequence[Shards],
             for b in range(m):
                 if a != b:
                     place += (tt[b] == tt[a]) & (rr[b] < rr[a])
-            digit = (a + 1) * base ** (m - 1 - place)
+            digit = (a + 1) * self.base ** (m - 1 - place)
             for k in range(rank):
                 on = tt[a] == k
                 code[k] += np.where(on, digit, 0)
                 length[k] += on
         return code.T, length.T
 
-    def decode_axes(c: int) -> tuple[str, ...]:
+    def decode_axes(self, c: int) -> tuple[str, ...]:
+        """The list of mesh axes a code of :meth:`seqs` stands for."""
         axes: list[str] = []
-        for _ in range(m):
-            c, dgt = divmod(c, base)
+        for _ in range(self.m):
+            c, dgt = divmod(c, self.base)
             if dgt:
-                axes.append(mesh.names[dgt - 1])
+                axes.append(self.mesh.names[dgt - 1])
         return tuple(reversed(axes))
 
-    def decode(row: np.ndarray) -> Shards:
-        return tuple(decode_axes(c) for c in row.tolist())
+    def decode(self, row: np.ndarray) -> Shards:
+        return tuple(self.decode_axes(c) for c in row.tolist())
 
-    def exact_gains(rows: np.ndarray) -> np.ndarray:
+    def unique_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The distinct rows of ``rows`` (codes and mesh axes) and the index of each row among them."""
+        radix = self.base ** self.m  # every column is a code below it (or a mesh axis)
+        if radix ** rows.shape[1] < 1 << 62:  # rows packed into one int: a 1-D unique
+            key = rows @ (radix ** np.arange(rows.shape[1], dtype=np.int64))
+            _u, first, inv = np.unique(key, return_index=True, return_inverse=True)
+            return rows[first], inv.reshape(-1)
+        uniq, inv = np.unique(rows, axis=0, return_inverse=True)
+        return uniq, inv.reshape(-1)
+
+    # ---- prices where blocks differ between devices
+
+    def exact_gains(self, rows: np.ndarray) -> np.ndarray:
         """``max_p |B'(p) \\ B(p)|`` for each row (codes of ``B'`` then of ``B``): :func:`_gain`'s
         per-device interval products, for all rows at once (intervals tabled per distinct list)."""
+        rank, mesh = self.rank, self.mesh
         U, ndev = len(rows), mesh.size
         out = np.zeros(U, dtype=np.int64)
         if not rank:
@@ -367,7 +415,7 @@ def _routes(shape: Shape, lays: Sequence[TensorLayout], deps: Sequence[Shards],
         tabs = []  # per tensor axis: the distinct lists' interval tables, each row's two entries
         for k in range(rank):
             codes, inv = np.unique(np.concatenate([rows[:, k], rows[:, rank + k]]), return_inverse=True)
-            bounds = [mesh.bounds(int(shape[k]), decode_axes(int(c))) for c in codes]
+            bounds = [mesh.bounds(int(self.shape[k]), self.decode_axes(int(c))) for c in codes]
             lo_t, hi_t = np.stack([b[0] for b in bounds]), np.stack([b[1] for b in bounds])
             inv = inv.reshape(-1)
             tabs.append((lo_t, hi_t, hi_t - lo_t, inv[:U], inv[U:]))
@@ -389,107 +437,116 @@ def _routes(shape: Shape, lays: Sequence[TensorLayout], deps: Sequence[Shards],
             out[s0:s1] = size.max(axis=1, initial=0)
         return out
 
-    def unique_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        radix = base ** m  # every column is a code below it (or a mesh axis)
-        if radix ** rows.shape[1] < 1 << 62:  # rows packed into one int: a 1-D unique
-            key = rows @ (radix ** np.arange(rows.shape[1], dtype=np.int64))
-            _u, first, inv = np.unique(key, return_index=True, return_inverse=True)
-            return rows[first], inv.reshape(-1)
-        uniq, inv = np.unique(rows, axis=0, return_inverse=True)
-        return uniq, inv.reshape(-1)
-
-    def exact(mask: np.ndarray, cols: np.ndarray, fn: Callable[[np.ndarray], int]) -> np.ndarray:
+    def exact(self, mask: np.ndarray, cols: np.ndarray, fn: Callable[[np.ndarray], int]) -> np.ndarray:
         """``fn`` of each distinct row of ``cols`` among the pairs in ``mask`` (the scalar, memoised
         prices), as an array over all pairs (0 outside ``mask``)."""
-        out = np.zeros(P, dtype=np.int64)
+        out = np.zeros(self.P, dtype=np.int64)
         idx = np.nonzero(mask)[0]
         if len(idx):
-            uniq, inv = unique_rows(cols[idx])
+            uniq, inv = self.unique_rows(cols[idx])
             out[idx] = np.array([fn(u) for u in uniq], dtype=np.int64)[inv]
         return out
 
-    b_cur, e_cur = blocks(t)
-    s_cur = seqs(t, r)
-
-    def gain(t2: np.ndarray, r2: np.ndarray, moved: np.ndarray) -> None:
-        """Price the move to (t2, r2) of the pairs in ``moved`` and make it the current layout."""
-        nonlocal b_cur, e_cur, s_cur, t, r
-        b_nxt, e_nxt = blocks(t2)
-        s_nxt = seqs(t2, r2)
-        (c1, l1), (c2, l2) = s_nxt, s_cur
+    def move(self, t2: np.ndarray, r2: np.ndarray, moved: np.ndarray) -> None:
+        """Price the move to (t2, r2) of the pairs in ``moved`` (a gather or an all-to-all) and make it
+        their current layout."""
+        base, m = self.base, self.m
+        b_nxt, e_nxt = self.blocks(t2)
+        s_nxt = self.seqs(t2, r2)
+        (c1, l1), (c2, l2) = s_nxt, self.s_cur
         cut = base ** (m - np.minimum(l1, l2))
         prefix = (c1 // cut == c2 // cut).all(axis=1)
-        closed = e_nxt & e_cur & prefix
-        g = b_nxt.prod(axis=1) - np.minimum(b_nxt, b_cur).prod(axis=1)
-        elems[moved & closed] += g[moved & closed]
+        closed = e_nxt & self.e_cur & prefix
+        g = b_nxt.prod(axis=1) - np.minimum(b_nxt, self.b_cur).prod(axis=1)
+        self.elems[moved & closed] += g[moved & closed]
         idx = np.nonzero(moved & ~closed)[0]
         if len(idx):
-            uniq, inv = unique_rows(np.concatenate([c1, c2], axis=1)[idx])
-            elems[idx] += exact_gains(uniq)[inv]
+            uniq, inv = self.unique_rows(np.concatenate([c1, c2], axis=1)[idx])
+            self.elems[idx] += self.exact_gains(uniq)[inv]
         sel = moved[:, None]
-        t, r = np.where(sel, t2, t), np.where(sel, r2, r)
-        b_cur, e_cur = np.where(sel, b_nxt, b_cur), np.where(moved, e_nxt, e_cur)
-        s_cur = (np.where(sel, s_nxt[0], s_cur[0]), np.where(sel, s_nxt[1], s_cur[1]))
+        self.t, self.r = np.where(sel, t2, self.t), np.where(sel, r2, self.r)
+        self.b_cur, self.e_cur = np.where(sel, b_nxt, self.b_cur), np.where(moved, e_nxt, self.e_cur)
+        self.s_cur = (np.where(sel, s_nxt[0], self.s_cur[0]), np.where(sel, s_nxt[1], self.s_cur[1]))
 
-    # 1. partial sums, in the layout's order
-    for q in range(m):
-        a = po[:, q]
-        has = a >= 0
-        if not has.any():
-            continue
-        ai = np.maximum(a, 0)
-        j = need[rows, ai]
-        g = size[ai]
-        rs = has & (j >= 0)
-        ar = has & (j < 0)
-        blk = b_cur.prod(axis=1)
-        elems[ar & e_cur] += (2 * (g - 1) * (-(-blk // g)))[ar & e_cur]
-        elems[:] += exact(ar & ~e_cur, np.concatenate([s_cur[0], ai[:, None]], axis=1),
-                          lambda u: _all_reduce_of(shape, decode(u[:rank]), mesh.names[u[rank]], mesh).elements)
-        if rs.any():
-            t2, r2 = t.copy(), r.copy()
-            t2[rows[rs], ai[rs]] = j[rs]
-            r2[rows[rs], ai[rs]] = inner
-            inner += 1
-            b_nxt, e_nxt = blocks(t2)
-            elems[rs & e_nxt] += ((g - 1) * b_nxt.prod(axis=1))[rs & e_nxt]
-            elems[:] += exact(rs & ~e_nxt, np.concatenate([seqs(t2, r2)[0], ai[:, None]], axis=1),
-                              lambda u: (size[u[rank]] - 1) * _block_stats(shape, decode(u[:rank]), mesh)[0])
-            sel = rs[:, None]
-            t, r, b_cur = np.where(sel, t2, t), np.where(sel, r2, r), np.where(sel, b_nxt, b_cur)
-            e_cur = np.where(rs, e_nxt, e_cur)
-            s_cur = seqs(t, r)
-    # 2. free local slices, innermost
-    for a in range(m):
-        sl = (t[:, a] < 0) & (need[:, a] >= 0)
-        if sl.any():
-            t, r = t.copy(), r.copy()
-            t[sl, a], r[sl, a] = need[sl, a], inner
-            inner += 1
-    b_cur, e_cur = blocks(t)
-    s_cur = seqs(t, r)
-    # 3. all-to-all: the axis moves to the need's tensor axis, whose list is reordered as the need's
-    for a in range(m):
-        mv = (t[:, a] >= 0) & (need[:, a] >= 0) & (t[:, a] != need[:, a])
-        if not mv.any():
-            continue
-        j = need[:, a]
-        t2 = t.copy()
-        t2[mv, a] = j[mv]
-        on_j = (t2 == j[:, None]) & mv[:, None]
-        # _ordered: the need's axes first in its order, then the others as they were
-        in_need = need == j[:, None]
-        r2 = np.where(on_j, np.where(in_need, need_r, r + (1 << 20)), r)
-        gain(t2, r2, mv)
-    # 4. all-gather of the axes the need does not split along, per tensor axis in increasing order
-    for k in range(rank):
-        ga = (t == k) & (need < 0)
-        mv = ga.any(axis=1)
-        if mv.any():
-            gain(np.where(ga, -1, t), np.where(ga, 0, r), mv)
-    # the final layouts
-    uniq, inv = unique_rows(seqs(t, r)[0])
-    return elems.reshape(H, D), inv.reshape(H, D), [decode(u) for u in uniq]
+    # ---- the steps of the route (module docstring)
+
+    def settle_partials(self) -> None:
+        """Step 1, partial sums in the layout's order: a reduce-scatter onto the tensor axis the need
+        splits on that mesh axis (innermost), else an all-reduce."""
+        shape, mesh, rank, size, rows = self.shape, self.mesh, self.rank, self.size, self.rows
+        for q in range(self.m):
+            a = self.partial_order[:, q]
+            has = a >= 0
+            if not has.any():
+                continue
+            ai = np.maximum(a, 0)
+            j = self.need[rows, ai]
+            g = size[ai]
+            rs = has & (j >= 0)
+            ar = has & (j < 0)
+            blk = self.b_cur.prod(axis=1)
+            self.elems[ar & self.e_cur] += (2 * (g - 1) * (-(-blk // g)))[ar & self.e_cur]
+            self.elems[:] += self.exact(
+                ar & ~self.e_cur, np.concatenate([self.s_cur[0], ai[:, None]], axis=1),
+                lambda u: _all_reduce_of(shape, self.decode(u[:rank]), mesh.names[u[rank]], mesh).elements)
+            if rs.any():
+                t2, r2 = self.t.copy(), self.r.copy()
+                t2[rows[rs], ai[rs]] = j[rs]
+                r2[rows[rs], ai[rs]] = self.inner
+                self.inner += 1
+                b_nxt, e_nxt = self.blocks(t2)
+                self.elems[rs & e_nxt] += ((g - 1) * b_nxt.prod(axis=1))[rs & e_nxt]
+                self.elems[:] += self.exact(
+                    rs & ~e_nxt, np.concatenate([self.seqs(t2, r2)[0], ai[:, None]], axis=1),
+                    lambda u: (size[u[rank]] - 1) * _block_stats(shape, self.decode(u[:rank]), mesh)[0])
+                sel = rs[:, None]
+                self.t, self.r = np.where(sel, t2, self.t), np.where(sel, r2, self.r)
+                self.b_cur = np.where(sel, b_nxt, self.b_cur)
+                self.e_cur = np.where(rs, e_nxt, self.e_cur)
+                self.s_cur = self.seqs(self.t, self.r)
+
+    def slice_locally(self) -> None:
+        """Step 2, free local slices: each mesh axis the need splits on and the layout does not, innermost."""
+        for a in range(self.m):
+            sl = (self.t[:, a] < 0) & (self.need[:, a] >= 0)
+            if sl.any():
+                self.t, self.r = self.t.copy(), self.r.copy()
+                self.t[sl, a], self.r[sl, a] = self.need[sl, a], self.inner
+                self.inner += 1
+        self.b_cur, self.e_cur = self.blocks(self.t)
+        self.s_cur = self.seqs(self.t, self.r)
+
+    def all_to_all(self) -> None:
+        """Step 3, all-to-all: the mesh axis moves to the need's tensor axis, whose list is reordered as
+        the need's."""
+        need = self.need
+        for a in range(self.m):
+            t, r = self.t, self.r  # as the moves of the mesh axes before left them
+            mv = (t[:, a] >= 0) & (need[:, a] >= 0) & (t[:, a] != need[:, a])
+            if not mv.any():
+                continue
+            j = need[:, a]
+            t2 = t.copy()
+            t2[mv, a] = j[mv]
+            on_j = (t2 == j[:, None]) & mv[:, None]
+            # _ordered: the need's axes first in its order, then the others as they were
+            in_need = need == j[:, None]
+            r2 = np.where(on_j, np.where(in_need, self.need_r, r + (1 << 20)), r)
+            self.move(t2, r2, mv)
+
+    def all_gather(self) -> None:
+        """Step 4, all-gather of the mesh axes the need does not split along, per tensor axis in
+        increasing order."""
+        for k in range(self.rank):
+            ga = (self.t == k) & (self.need < 0)
+            mv = ga.any(axis=1)
+            if mv.any():
+                self.move(np.where(ga, -1, self.t), np.where(ga, 0, self.r), mv)
+
+    def ends(self) -> tuple[np.ndarray, list[Shards]]:
+        """The layouts the routes end in: the index of each pair's among them, and the distinct ones."""
+        uniq, inv = self.unique_rows(self.seqs(self.t, self.r)[0])
+        return inv, [self.decode(u) for u in uniq]
 
 
 Shards = tuple[tuple[str, ...], ...]
