@@ -285,10 +285,11 @@ def _missing_pairs(needs: Sequence[Distribution], others: Sequence[Distribution]
 
     Each set is a signed sum of products (:func:`_terms`), so
     ``|N(p) ∩ O(p)| = sum_{t,u} s_t s_u prod_k c_k(p)`` with ``c_k`` the memoised
-    one-dimensional overlaps of the terms' axes; that is evaluated for all pairs at once,
-    per group of pairs whose counts vary along the same mesh axes (on one slice of the
-    mesh, weighted by the devices it stands for), over classes of devices equal in every
-    count (see :class:`ReshardTable`). Other pairs: :meth:`Distribution.missing`.
+    one-dimensional overlaps of the terms' axes (:func:`_term_pairs`); that is evaluated for
+    all pairs at once, per group of pairs whose counts vary along the same mesh axes (on one
+    slice of the mesh, weighted by the devices it stands for), over classes of devices equal in
+    every count (see :class:`ReshardTable`; :func:`_count_closed_form`). Other pairs:
+    :meth:`Distribution.missing`.
     """
     npairs = len(pn)
     mx = np.zeros(npairs, dtype=np.int64)
@@ -299,16 +300,45 @@ def _missing_pairs(needs: Sequence[Distribution], others: Sequence[Distribution]
     n_terms = [_terms(n.region) if rank else None for n in needs]
     o_terms = [_terms(o.region) if rank else None for o in others]
     fast = np.array([t is not None for t in n_terms])[pn] & np.array([t is not None for t in o_terms])[po]
+    rows = _term_pairs(n_terms, o_terms, pn, po, fast, rank, mesh)
+    idx = np.nonzero(fast)[0]
+    if len(idx):
+        _count_closed_form(needs, pn, idx, rows, mesh, mx, sm)
+    for k in np.nonzero(~fast)[0]:
+        miss = needs[pn[k]].missing(others[po[k]])
+        mx[k], sm[k] = int(miss.max(initial=0)), int(miss.sum())
+    return mx, sm
 
-    def flat(terms: list) -> tuple[np.ndarray, np.ndarray, list, np.ndarray]:
-        length = np.array([len(t) if t is not None else 0 for t in terms], dtype=np.int64)
-        offset = np.concatenate([[0], np.cumsum(length)[:-1]]).astype(np.int64)
-        prods = [pc for t in terms if t is not None for _, pc in t]
-        sign = np.array([sg for t in terms if t is not None for sg, _ in t] or [0], dtype=np.int64)
-        return length, offset, prods, sign
 
-    n_len, n_off, n_prods, n_sign = flat(n_terms)
-    o_len, o_off, o_prods, o_sign = flat(o_terms)
+@dataclass(frozen=True)
+class _TermPairs:
+    """The rows of the closed-form count: one per (term ``t`` of the need, term ``u`` of the other)
+    of each pair, a pair's rows consecutive, pair after pair. ``|N(p) ∩ O(p)|`` of a pair is the
+    sum over its rows of ``sign * prod_k tables[k][combos[k]](p)``."""
+
+    pair: np.ndarray  # the pair of each row
+    sign: np.ndarray  # s_t s_u of each row
+    combos: list[np.ndarray]  # per tensor axis k: each row's entry in tables[k]
+    tables: list[np.ndarray]  # per tensor axis k: the distinct one-dimensional overlaps, a count per device
+
+
+def _signed_products(terms: Sequence[list | None]) -> tuple[np.ndarray, np.ndarray, list, np.ndarray]:
+    """The terms of every set in one list: per set its number of terms and the offset of its first,
+    then every term's product and sign."""
+    length = np.array([len(t) if t is not None else 0 for t in terms], dtype=np.int64)
+    offset = np.concatenate([[0], np.cumsum(length)[:-1]]).astype(np.int64)
+    prods = [pc for t in terms if t is not None for _, pc in t]
+    sign = np.array([sg for t in terms if t is not None for sg, _ in t] or [0], dtype=np.int64)
+    return length, offset, prods, sign
+
+
+def _term_pairs(n_terms: Sequence[list | None], o_terms: Sequence[list | None], pn: np.ndarray, po: np.ndarray,
+                fast: np.ndarray, rank: int, mesh: DeviceMesh) -> _TermPairs:
+    """The rows of the pairs in ``fast``. A pair with a one-dimensional overlap that is not closed-form
+    on some device leaves ``fast`` (in place; the per-pair path counts it with isl), and its rows
+    are dropped."""
+    n_len, n_off, n_prods, n_sign = _signed_products(n_terms)
+    o_len, o_off, o_prods, o_sign = _signed_products(o_terms)
     # rows: every (term of the need, term of the other) of every fast pair, pair after pair
     fidx = np.nonzero(fast)[0]
     cnt = n_len[pn[fidx]] * o_len[po[fidx]]
@@ -316,6 +346,17 @@ def _missing_pairs(needs: Sequence[Distribution], others: Sequence[Distribution]
     within = np.arange(len(row_pair)) - np.repeat(np.cumsum(cnt) - cnt, cnt)
     row_n = n_off[pn[row_pair]] + within // np.maximum(o_len[po[row_pair]], 1)
     row_o = o_off[po[row_pair]] + within % np.maximum(o_len[po[row_pair]], 1)
+    combos, tables = _axis_overlaps(n_prods, o_prods, row_n, row_o, row_pair, fast, rank, mesh)
+    keep = fast[row_pair]
+    row_n, row_o = row_n[keep], row_o[keep]
+    return _TermPairs(row_pair[keep], n_sign[row_n] * o_sign[row_o], [c[keep] for c in combos], tables)
+
+
+def _axis_overlaps(n_prods: list, o_prods: list, row_n: np.ndarray, row_o: np.ndarray, row_pair: np.ndarray,
+                   fast: np.ndarray, rank: int, mesh: DeviceMesh) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per tensor axis ``k``: the distinct one-dimensional overlaps ``|N_k(p) ∩ O_k(p)|`` of the rows'
+    (need term, other term) pairs (a count per device, memoised), and each row's index among them.
+    A pair with an overlap that is not closed-form on some device leaves ``fast`` (in place)."""
     combos: list[np.ndarray] = []
     tables: list[np.ndarray] = []
     for k in range(rank):
@@ -333,76 +374,86 @@ def _missing_pairs(needs: Sequence[Distribution], others: Sequence[Distribution]
             arrays.append(cnt_k)
         combos.append(ci.reshape(-1))
         tables.append(np.stack(arrays) if arrays else np.zeros((0, mesh.size), dtype=np.int64))
-    keep = fast[row_pair]
-    row_pair, row_n, row_o = row_pair[keep], row_n[keep], row_o[keep]
-    combos = [c[keep] for c in combos]
-    row_sign = n_sign[row_n] * o_sign[row_o]
-    idx = np.nonzero(fast)[0]
-    if len(idx):
-        ncount = np.zeros((len(needs), mesh.size), dtype=np.int64)
-        for a in np.unique(pn[idx]):
-            ncount[a] = needs[a].counts()
-        # rows of pair idx[q]: [start[q], start[q] + count[q])
-        per_pair = np.bincount(np.searchsorted(idx, row_pair), minlength=len(idx))
-        start = np.concatenate([[0], np.cumsum(per_pair)[:-1]]).astype(np.int64)
-        # the mesh axes each count varies along; a pair's counts are constant along every other axis
-        support = _support(ncount, mesh)[pn[idx]]
-        row_support = np.zeros(len(row_pair), dtype=np.int64)
-        for k in range(rank):
-            row_support |= _support(tables[k], mesh)[combos[k]]
-        if len(row_pair):
-            support |= np.bitwise_or.reduceat(row_support, start)
-        for s_mask in np.unique(support):
-            group = np.nonzero(support == s_mask)[0]  # positions in idx
-            # one slice of the mesh: coordinate 0 on the axes the group's counts do not vary along
-            off = [a for a in range(len(mesh.shape)) if not (int(s_mask) >> a) & 1]
-            devs = np.nonzero((mesh.coords[:, off] == 0).all(axis=1))[0] if off else np.arange(mesh.size)
-            times = math.prod(mesh.shape[a] for a in off)
-            sub = [t[:, devs] for t in tables]
-            nsub = ncount[:, devs]
-            # within the slice, devices equal in every count are one class (translated blocks)
-            rep, cls = _column_classes([*sub, nsub])
-            if len(rep) == len(devs):  # every device its own class: the columns as they are (max and sum
-                weight = np.full(len(devs), times, dtype=np.int64)  # do not depend on their order)
-            else:
-                weight = np.bincount(cls, minlength=len(rep)).astype(np.int64) * times
-                sub = [t[:, rep] for t in sub]
-                nsub = nsub[:, rep]
-            # the group's rows, pair after pair (pair j of the group: rows roff[j] .. roff[j + 1]), indexed once
-            c = per_pair[group]
-            rows = np.repeat(start[group], c) + (np.arange(int(c.sum())) - np.repeat(np.cumsum(c) - c, c))
-            roff = np.concatenate([[0], np.cumsum(c)])
-            g_combos = [cb[rows] for cb in combos]
-            g_sign = row_sign[rows]
-            signed = not bool((g_sign == 1).all())
-            single = bool((c == 1).all())
-            g_pairs = idx[group]
-            g_need = pn[g_pairs]
-            # chunks of ~256 KiB of rows x classes: the products stay in cache
-            step = max(1, (1 << 15) // max(len(rep) * int(c.max(initial=1)), 1))
-            for s0 in range(0, len(group), step):
-                s1 = min(len(group), s0 + step)
-                r0, r1 = int(roff[s0]), int(roff[s1])
-                prod = sub[0][g_combos[0][r0:r1]] if rank else np.ones((r1 - r0, len(rep)), dtype=np.int64)
-                for k in range(1, rank):
-                    prod *= sub[k][g_combos[k][r0:r1]]
-                if signed:
-                    prod *= g_sign[r0:r1, None]
-                if single:
-                    common = prod  # one term each: no sum to take
-                else:  # each pair's rows are consecutive: differences of running sums
-                    run = np.cumsum(prod, axis=0)
-                    ends = roff[s0 + 1:s1 + 1] - r0 - 1
-                    common = run[ends]
-                    common[1:] -= run[ends[:-1]]
-                miss = nsub[g_need[s0:s1]]
-                miss -= common
-                mx[g_pairs[s0:s1]] = miss.max(axis=1, initial=0)
-                sm[g_pairs[s0:s1]] = miss @ weight
-    for k in np.nonzero(~fast)[0]:
-        miss = needs[pn[k]].missing(others[po[k]])
-        mx[k], sm[k] = int(miss.max(initial=0)), int(miss.sum())
-    return mx, sm
+    return combos, tables
+
+
+def _count_closed_form(needs: Sequence[Distribution], pn: np.ndarray, idx: np.ndarray, rows: _TermPairs,
+                       mesh: DeviceMesh, mx: np.ndarray, sm: np.ndarray) -> None:
+    """``mx``/``sm`` of the pairs ``idx`` (those with rows), in place: the pairs grouped by the mesh axes
+    their counts vary along (their support), each group counted on one slice of the mesh
+    (:func:`_count_on_slice`)."""
+    ncount = np.zeros((len(needs), mesh.size), dtype=np.int64)
+    for a in np.unique(pn[idx]):
+        ncount[a] = needs[a].counts()
+    # rows of pair idx[q]: [start[q], start[q] + count[q])
+    per_pair = np.bincount(np.searchsorted(idx, rows.pair), minlength=len(idx))
+    start = np.concatenate([[0], np.cumsum(per_pair)[:-1]]).astype(np.int64)
+    # the mesh axes each count varies along; a pair's counts are constant along every other axis
+    support = _support(ncount, mesh)[pn[idx]]
+    row_support = np.zeros(len(rows.pair), dtype=np.int64)
+    for table, combo in zip(rows.tables, rows.combos):
+        row_support |= _support(table, mesh)[combo]
+    if len(rows.pair):
+        support |= np.bitwise_or.reduceat(row_support, start)
+    for s_mask in np.unique(support):
+        group = np.nonzero(support == s_mask)[0]  # positions in idx
+        _count_on_slice(int(s_mask), idx[group], start[group], per_pair[group], pn, ncount, rows, mesh, mx, sm)
+
+
+def _slice_classes(s_mask: int, tables: Sequence[np.ndarray], ncount: np.ndarray,
+                   mesh: DeviceMesh) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """The slice of the mesh at coordinate 0 on the mesh axes not in ``s_mask``, cut into classes of
+    devices equal in every count (translated blocks): the overlap tables and need counts per class,
+    and how many devices each class stands for."""
+    off = [a for a in range(len(mesh.shape)) if not (s_mask >> a) & 1]
+    devs = np.nonzero((mesh.coords[:, off] == 0).all(axis=1))[0] if off else np.arange(mesh.size)
+    times = math.prod(mesh.shape[a] for a in off)
+    sub = [t[:, devs] for t in tables]
+    nsub = ncount[:, devs]
+    rep, cls = _column_classes([*sub, nsub])
+    if len(rep) == len(devs):  # every device its own class: the columns as they are (max and sum
+        return sub, nsub, np.full(len(devs), times, dtype=np.int64)  # do not depend on their order)
+    weight = np.bincount(cls, minlength=len(rep)).astype(np.int64) * times
+    return [t[:, rep] for t in sub], nsub[:, rep], weight
+
+
+def _count_on_slice(s_mask: int, pairs: np.ndarray, start: np.ndarray, count: np.ndarray, pn: np.ndarray,
+                    ncount: np.ndarray, rows: _TermPairs, mesh: DeviceMesh, mx: np.ndarray, sm: np.ndarray) -> None:
+    """``mx``/``sm`` of ``pairs``, whose counts vary along the mesh axes in ``s_mask`` only, in place:
+    ``|N(p)|`` less the sum of each pair's rows (``count`` rows from ``start``), over the classes
+    of :func:`_slice_classes`, in chunks of pairs."""
+    sub, nsub, weight = _slice_classes(s_mask, rows.tables, ncount, mesh)
+    rank, width = len(sub), nsub.shape[1]
+    # the group's rows, pair after pair (pair j of the group: rows roff[j] .. roff[j + 1]), indexed once
+    c = count
+    sel = np.repeat(start, c) + (np.arange(int(c.sum())) - np.repeat(np.cumsum(c) - c, c))
+    roff = np.concatenate([[0], np.cumsum(c)])
+    g_combos = [cb[sel] for cb in rows.combos]
+    g_sign = rows.sign[sel]
+    signed = not bool((g_sign == 1).all())
+    single = bool((c == 1).all())
+    g_need = pn[pairs]
+    # chunks of ~256 KiB of rows x classes: the products stay in cache
+    step = max(1, (1 << 15) // max(width * int(c.max(initial=1)), 1))
+    for s0 in range(0, len(pairs), step):
+        s1 = min(len(pairs), s0 + step)
+        r0, r1 = int(roff[s0]), int(roff[s1])
+        prod = sub[0][g_combos[0][r0:r1]] if rank else np.ones((r1 - r0, width), dtype=np.int64)
+        for k in range(1, rank):
+            prod *= sub[k][g_combos[k][r0:r1]]
+        if signed:
+            prod *= g_sign[r0:r1, None]
+        if single:
+            common = prod  # one term each: no sum to take
+        else:  # each pair's rows are consecutive: differences of running sums
+            run = np.cumsum(prod, axis=0)
+            ends = roff[s0 + 1:s1 + 1] - r0 - 1
+            common = run[ends]
+            common[1:] -= run[ends[:-1]]
+        miss = nsub[g_need[s0:s1]]
+        miss -= common
+        mx[pairs[s0:s1]] = miss.max(axis=1, initial=0)
+        sm[pairs[s0:s1]] = miss @ weight
 
 
 @dataclass(frozen=True, eq=False)
