@@ -13,6 +13,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -255,9 +256,7 @@ def collab_cmd(
                               "(the figures `polyparallel simulate` prices)")] = False,
 ) -> None:
     """Run a whole federation on this machine: every center trains on its own data, the server fuses."""
-    from dataclasses import replace
-
-    from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, collaborate, config_from_strategy
+    from polyparallel.backends.collab import CollabConfig, ModelSpec
 
     data_dir, source = _data_option(data)
     # what the options set beside the centers, fusion, H, rounds and compression (a Strategy fixes those)
@@ -265,60 +264,95 @@ def collab_cmd(
                     logit_adjust=logit_adjust, min_centers=min_centers, seed=seed, round_timeout_s=round_timeout,
                     holdout=holdout, norm_bound=0.0 if no_norm_bound else norm_bound, max_abs_update=max_abs_update,
                     step_bound=step_bound, min_cosine=min_cosine)
-    try:
+    fixed = dict(rounds=rounds, local_steps=local_steps, fusion=fusion, compression=compression)  # or the Strategy's
+    with _user_errors(ValueError, KeyError, json.JSONDecodeError):
         spec = (ModelSpec(model, loss=loss, mindspore=mindspore_model) if ":" in model else
                 ModelSpec(model, _parse_shape(in_shape), classes, hidden=hidden, vocab=vocab, norm=norm, loss=loss))
         if config is not None:
             cfg = CollabConfig.from_json(config.read_text())
         elif strategy is not None:
-            cfg = config_from_strategy(strategy, spec, emulate_links=emulate_wan,
-                                       fusion_options=_parse_options(fusion_opt or []), **training)
-            # a flag given beside --strategy wins over the strategy's value, and says so
-            given = {k: v for k, v in (("rounds", rounds), ("local_steps", local_steps), ("fusion", fusion),
-                                       ("compression", compression)) if v is not None}
-            for k, v in given.items():
-                if getattr(cfg, k) != v:
-                    typer.echo(f"--{k.replace('_', '-')} {v} replaces the strategy's {getattr(cfg, k)}")
-            cfg = replace(cfg, **given)
+            cfg = _strategy_config(strategy, spec, training, fixed, fusion_opt or [], emulate_wan)
         else:
-            names = [n.strip() for n in centers.split(",") if n.strip()]
-            fws = [f.strip() for f in frameworks.split(",")] if frameworks else ["torch"] * len(names)
-            if len(fws) != len(names):
-                raise UserError(f"--frameworks has {len(fws)} entries for {len(names)} centers")
-            devs = [int(d) for d in devices.split(",")] if devices else [1] * len(names)
-            if len(devs) != len(names):
-                raise UserError(f"--devices has {len(devs)} entries for {len(names)} centers")
-            cfg = CollabConfig(
-                centers=tuple(CenterSpec(n, framework=f, devices=d) for n, f, d in zip(names, fws, devs)),
-                # with a root set the server judges direction itself: FLTrust (collab_attacks.py --part bn)
-                model=spec, fusion=fusion or ("fltrust" if root_data is not None else "centered_clip"),
-                fusion_options=_parse_options(fusion_opt or []),
-                rounds=3 if rounds is None else rounds, local_steps=10 if local_steps is None else local_steps,
-                compression=compression or "none", **training)
-        if source:  # every center calls the source itself; only the reference goes in the job
-            cfg = replace(cfg, centers=tuple(replace(c, data=source) for c in cfg.centers))
-        if emulate_wan and strategy is None:
-            raise UserError("--emulate-wan reads the links from --strategy's cluster: give --strategy, or --link")
-        if link:
-            links = _parse_links(link, [c.name for c in cfg.centers])
-            cfg = replace(cfg, centers=tuple(replace(c, **dict(zip(("down_Bps", "up_Bps", "latency_s"), links[c.name])))
-                                             if c.name in links else c for c in cfg.centers))
-        if samples:  # enrolment: the server weights each center with its declared count
-            counts = [int(n) for n in samples.split(",")]
-            if len(counts) != len(cfg.centers):
-                raise UserError(f"--samples has {len(counts)} entries for {len(cfg.centers)} centers")
-            cfg = replace(cfg, centers=tuple(replace(c, samples=n) for c, n in zip(cfg.centers, counts)))
-    except (ValueError, KeyError, json.JSONDecodeError) as e:
-        raise UserError(str(e)) from None
+            cfg = _options_config(centers, frameworks, devices, spec, training, fixed, fusion_opt or [],
+                                  root_set=root_data is not None)
+        cfg = _center_options(cfg, source, link or [], samples, emulate_wan and strategy is None)
     if save_config is not None:
         save_config.write_text(cfg.to_json() + "\n")
         typer.echo(f"wrote {save_config}")
         return
-    if engine not in ("inprocess", "flower"):
-        raise UserError(f"--engine {engine!r}: use inprocess or flower")
-    if not (np.isfinite(lr) and lr > 0) or not (np.isfinite(momentum) and 0 <= momentum < 1):
-        raise UserError(f"--lr {lr} --momentum {momentum}: the learning rate must be a positive finite number "
-                        "(e.g. 0.05) and the momentum in [0, 1)")
+    _run_federation(cfg, engine, data_dir, synthetic, eval_data, root_data, out, lr=lr, momentum=momentum)
+
+
+@contextlib.contextmanager
+def _user_errors(*kinds: type[BaseException]) -> Iterator[None]:
+    """Report an error of ``kinds`` raised in the block as the user's (one line, exit status 2)."""
+    try:
+        yield
+    except kinds as e:
+        raise UserError(str(e)) from None
+
+
+def _strategy_config(strategy: Path, spec: Any, training: dict[str, Any], fixed: dict[str, Any],
+                     fusion_opt: list[str], emulate_wan: bool) -> Any:
+    """The job of a collaborative Strategy: a flag of ``fixed`` given beside it wins over the
+    strategy's value, and says so."""
+    from dataclasses import replace
+
+    from polyparallel.backends.collab import config_from_strategy
+
+    cfg = config_from_strategy(strategy, spec, emulate_links=emulate_wan,
+                               fusion_options=_parse_options(fusion_opt), **training)
+    given = {k: v for k, v in fixed.items() if v is not None}
+    for k, v in given.items():
+        if getattr(cfg, k) != v:
+            typer.echo(f"--{k.replace('_', '-')} {v} replaces the strategy's {getattr(cfg, k)}")
+    return replace(cfg, **given)
+
+
+def _options_config(centers: str, frameworks: str, devices: str, spec: Any, training: dict[str, Any],
+                    fixed: dict[str, Any], fusion_opt: list[str], root_set: bool) -> Any:
+    """The job the options describe: one center per name, their frameworks and devices."""
+    from polyparallel.backends.collab import CenterSpec, CollabConfig
+
+    names = [n.strip() for n in centers.split(",") if n.strip()]
+    fws = [f.strip() for f in frameworks.split(",")] if frameworks else ["torch"] * len(names)
+    if len(fws) != len(names):
+        raise UserError(f"--frameworks has {len(fws)} entries for {len(names)} centers")
+    devs = [int(d) for d in devices.split(",")] if devices else [1] * len(names)
+    if len(devs) != len(names):
+        raise UserError(f"--devices has {len(devs)} entries for {len(names)} centers")
+    return CollabConfig(
+        centers=tuple(CenterSpec(n, framework=f, devices=d) for n, f, d in zip(names, fws, devs)),
+        # with a root set the server judges direction itself: FLTrust (collab_attacks.py --part bn)
+        model=spec, fusion=fixed["fusion"] or ("fltrust" if root_set else "centered_clip"),
+        fusion_options=_parse_options(fusion_opt),
+        rounds=3 if fixed["rounds"] is None else fixed["rounds"],
+        local_steps=10 if fixed["local_steps"] is None else fixed["local_steps"],
+        compression=fixed["compression"] or "none", **training)
+
+
+def _center_options(cfg: Any, source: str, link: list[str], samples: str | None, wan_without_strategy: bool) -> Any:
+    """``cfg`` with what the options say of every center: its data source, WAN link and sample count."""
+    from dataclasses import replace
+
+    if source:  # every center calls the source itself; only the reference goes in the job
+        cfg = replace(cfg, centers=tuple(replace(c, data=source) for c in cfg.centers))
+    if wan_without_strategy:
+        raise UserError("--emulate-wan reads the links from --strategy's cluster: give --strategy, or --link")
+    if link:
+        links = _parse_links(link, [c.name for c in cfg.centers])
+        cfg = replace(cfg, centers=tuple(replace(c, **dict(zip(("down_Bps", "up_Bps", "latency_s"), links[c.name])))
+                                         if c.name in links else c for c in cfg.centers))
+    if samples:  # enrolment: the server weights each center with its declared count
+        counts = [int(n) for n in samples.split(",")]
+        if len(counts) != len(cfg.centers):
+            raise UserError(f"--samples has {len(counts)} entries for {len(cfg.centers)} centers")
+        cfg = replace(cfg, centers=tuple(replace(c, samples=n) for c, n in zip(cfg.centers, counts)))
+    return cfg
+
+
+def _server_sets(cfg: Any, eval_data: Path | None, root_data: Path | None) -> tuple[Any, dict[str, Any]]:
+    """The server's evaluation set (or None) and, in ``collaborate``'s keywords, its root set."""
     ev = _load_npz(eval_data, "--eval-data") if eval_data is not None else None
     kw: dict[str, Any] = {}
     if root_data is not None:
@@ -326,10 +360,15 @@ def collab_cmd(
     elif cfg.make_fusion().needs_root:
         raise UserError(f"--fusion {cfg.fusion}: give --root-data FILE.npz, a small labelled set the server holds "
                         "(never a center's training rows)")
-    try:
-        # the centers import these themselves; check them here first, for a one-line error
-        from polyparallel.backends.collab._models import build_torch_model, resolve_reference
+    return ev, kw
 
+
+def _centers_data(cfg: Any, data_dir: Path | None, synthetic: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The centers' data, their user code (model, MindSpore model, data sources) checked first here:
+    the centers import it themselves, and an error here is one line."""
+    from polyparallel.backends.collab._models import build_torch_model, resolve_reference
+
+    with _user_errors(ValueError, TypeError):
         if cfg.model.user:
             build_torch_model(cfg.model)
         if cfg.model.mindspore and any(c.framework == "mindspore" for c in cfg.centers):
@@ -337,9 +376,21 @@ def collab_cmd(
         for c in cfg.centers:
             if c.data:
                 resolve_reference(c.data, "data source")
-        d = _load_data(cfg, data_dir, synthetic)
-    except (ValueError, TypeError) as e:
-        raise UserError(str(e)) from None
+        return _load_data(cfg, data_dir, synthetic)
+
+
+def _run_federation(cfg: Any, engine: str, data_dir: Path | None, synthetic: int, eval_data: Path | None,
+                    root_data: Path | None, out: Path | None, *, lr: float, momentum: float) -> None:
+    """Check the run's inputs, run the federation on ``engine``, print (and with ``out`` write) the result."""
+    from polyparallel.backends.collab import collaborate
+
+    if engine not in ("inprocess", "flower"):
+        raise UserError(f"--engine {engine!r}: use inprocess or flower")
+    if not (np.isfinite(lr) and lr > 0) or not (np.isfinite(momentum) and 0 <= momentum < 1):
+        raise UserError(f"--lr {lr} --momentum {momentum}: the learning rate must be a positive finite number "
+                        "(e.g. 0.05) and the momentum in [0, 1)")
+    ev, kw = _server_sets(cfg, eval_data, root_data)
+    d = _centers_data(cfg, data_dir, synthetic)
     rows = next(iter(d.values()), None)  # a center's (x, y): the server's sets must have its features
     for flag, arrays in (("--eval-data", ev), ("--root-data", kw.get("root_data"))):
         if arrays is not None and rows is not None and tuple(arrays[0].shape[1:]) != tuple(rows[0].shape[1:]):
@@ -354,12 +405,16 @@ def collab_cmd(
         else:
             kw["workdir"] = out / "flower"
     t0 = time.time()
-    try:
-        with LineProgress(cfg.rounds, "rounds") as progress:
-            result = collaborate(cfg, d, engine=engine, eval_data=ev, on_round=_progress(progress), **kw)
-    except ValueError as e:  # e.g. a data source returning the wrong thing, found at the center
-        raise UserError(str(e)) from None
+    # a ValueError here: e.g. a data source returning the wrong thing, found at the center
+    with _user_errors(ValueError), LineProgress(cfg.rounds, "rounds") as progress:
+        result = collaborate(cfg, d, engine=engine, eval_data=ev, on_round=_progress(progress), **kw)
     typer.echo(f"{cfg.rounds} rounds in {time.time() - t0:.1f} s")
+    _print_result(result, out)
+
+
+def _print_result(result: Any, out: Path | None) -> None:
+    """The rounds' table and the flagged centers; with ``out``, result.json and final.npz written there.
+    Raises :class:`UserError` when no round fused (the model is the initial one)."""
     Console().print(_round_table(result))
     for line in _flagged_lines(result):
         typer.echo(line)
