@@ -51,7 +51,9 @@ from polyparallel.cost_models import ParallelConfig, estimate_step
 from polyparallel.models import EXAMPLES
 from polyparallel.planning import DoesNotFit, evaluate, search
 from polyparallel.planning.derived import variants
+from polyparallel.planning.executor_check import train_batch
 from polyparallel.planning.model_graphs import ModelGraphs
+from polyparallel.planning.place_plan import fits_memory
 
 OUT = Path(__file__).parent / "results" / "plan_quality.json"
 CLUSTERS = ("dgx-a100x1", "dgx-a100x8", "aisynergy-5")
@@ -166,14 +168,14 @@ def brute_force(mdl: ModelGraphs, cl: Cluster, B: int, placements: str = "torch"
                         except ValueError:
                             continue
                         priced += 1
-                        if ps._fits(est, None):
+                        if fits_memory(est, None):
                             fitting.append((est.step_time, priced, est, b))
     # the fastest that the torch backend's own pre-launch check accepts on the module (as the search's
     # last step does: plan_for sees what plan_problems cannot, e.g. 12 heads over tp=8)
     from polyparallel.backends.torch import Unsupported, plan_for
     from polyparallel.strategy import SearchRecord
 
-    batch = ps._train_batch(mdl, B) if placements == "torch" else None
+    batch = train_batch(mdl, B) if placements == "torch" else None
     for _, _, est, b in sorted(fitting, key=lambda x: x[:2]):
         if batch is None:
             return est, priced

@@ -41,6 +41,7 @@ from typing import Any
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import StepEstimate, estimate_step
 from polyparallel.cost_models.megatron_rule import op_plans as rule_op_plans
+from polyparallel.cost_models.step import StepBound
 from polyparallel.ir import Graph, Op
 from polyparallel.planning.derived import PlacedPlans, rule_plans
 from polyparallel.planning.executability import executor
@@ -74,7 +75,9 @@ class Placed:
     stages: list[StagePlacement]
 
 
-def _fits(est: StepEstimate, cap: float | None) -> bool:
+def fits_memory(est: StepEstimate | StepBound, cap: float | None) -> bool:
+    """Whether a plan's memory (priced in full or bounded) fits every device, and under ``cap``
+    bytes per device when one is given."""
     return est.fits and (cap is None or all(r.total <= cap for r in est.memory))
 
 
@@ -93,7 +96,7 @@ def place(g: Graph, cl: Cluster, est: StepEstimate, stage_ops: list[list[Op]], m
         return _place_stages(g, cl, est, stage_ops, mode, cap, k)
     rule_est = estimate_step(g, cl, replace(est.config, op_plans=rule_plans(g, est.config)))
     out = _place_stages(g, cl, rule_est, stage_ops, mode, cap, k)
-    if out.est.step_time <= est.step_time * (1 + 1e-12) or not _fits(est, cap):
+    if out.est.step_time <= est.step_time * (1 + 1e-12) or not fits_memory(est, cap):
         return out
     note = ("the exact solver's placements over the whole graph, with which the plan was ranked: "
             f"{est.step_time:.6g} s per step vs {out.est.step_time:.6g} s solved stage by stage "
@@ -182,8 +185,8 @@ def _place_stages(g: Graph, cl: Cluster, est: StepEstimate, stage_ops: list[list
     op_plans = tuple(solved.get(op.name) or r for op, r in zip(g.ops, rules))
     est2 = estimate_step(g, cl, replace(cfg, op_plans=op_plans))
     rule_ok = mode != "torch" or not any(st.source == "replicated" for st in stages)
-    if rule_ok and (not _fits(est2, cap) or est2.step_time > est.step_time * (1 + 1e-12)):
-        reason = ("the solver's placements do not fit in memory" if not _fits(est2, cap) else
+    if rule_ok and (not fits_memory(est2, cap) or est2.step_time > est.step_time * (1 + 1e-12)):
+        reason = ("the solver's placements do not fit in memory" if not fits_memory(est2, cap) else
                   f"the step model prices the solver's placements slower ({est2.step_time:.6g} s vs "
                   f"{est.step_time:.6g} s per step)")
         return Placed(est, rule, [StagePlacement("rule", reason, st.objective_s, st.rule_objective_s, st.solver,

@@ -105,25 +105,27 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from polyparallel.cluster import Cluster
-from polyparallel.cost_models import ParallelConfig, StepEstimate, estimate_step
+from polyparallel.cost_models import ParallelConfig, StepEstimate
 from polyparallel.cost_models.collab_simulator import SimInputs, choose_local_steps
 from polyparallel.cost_models.layers import LAYER, chunk_of_ops, layer_segments
 from polyparallel.cost_models.megatron_rule import op_roles
 from polyparallel.cost_models.memo import PRICES
 from polyparallel.cost_models.parallel_config import execution_options
-from polyparallel.cost_models.step import StepBound, step_lower_bound, step_memory
 from polyparallel.ir import Graph, Hint
-from polyparallel.plan import CENTER_FIELDS, PLAN_FIELDS, parse_schedule, value_problem
+from polyparallel.plan import CENTER_FIELDS
 from polyparallel.planning.assemble import model_info, strategy_of
+from polyparallel.planning.branch_bound import Best, brief, least_memory, replicates_over_tp, why_axes
 from polyparallel.planning.collector import collector_paused, young_collected
-from polyparallel.planning.derived import plan_note, variants
-from polyparallel.planning.executability import CENTER_LIMITS, NotExecutable, executor
-from polyparallel.planning.model_graphs import MAX_MICRO, ModelGraphs, divisors, rebatch
+from polyparallel.planning.constraints import Constraints, DoesNotFit
+from polyparallel.planning.derived import variants
+from polyparallel.planning.executability import CENTER_LIMITS, executor
+from polyparallel.planning.executor_check import checked_as_placed, executor_checked, written_estimate
+from polyparallel.planning.model_graphs import MAX_MICRO, ModelGraphs, divisors
 from polyparallel.planning.model_inputs import model_and_inputs
 from polyparallel.planning.place_plan import MODES
 from polyparallel.strategy import (
@@ -138,243 +140,12 @@ from polyparallel.strategy import (
 
 __all__ = ["Constraints", "DoesNotFit", "evaluate", "search"]
 
-AXES = ("dp", "tp", "pp", "sp")
 MEMORY_LADDER = (("0", "none"), ("1", "none"), ("2", "none"), ("1", "selective"), ("3", "none"), ("3", "selective"),
                  ("1", "op"), ("3", "op"), ("1", "full"), ("3", "full"))
 
 
-class DoesNotFit(ValueError):
-    """No plan fits the cluster's memory; the message names the smallest shortfall."""
-
-
-@dataclass(frozen=True)
-class Constraints:
-    """Choices an expert pins; the search optimises the rest.
-
-    Args:
-        dp / tp / pp / sp / microbatches / schedule / zero_stage / recompute: fixed values.
-        ep: the expert-parallel degree (MoE models; carved from ``dp·sp``). Unset, the search
-            tries 1 and every divisor of ``dp·sp`` that divides the experts of each MoE layer.
-        devices: use only this many devices (the first ones in the cluster's order).
-        centers: use only these centers (by name).
-        memory_cap: bytes per device the plan may use (below the device capacity).
-        dtype: training precision (default: bf16 on accelerators, fp32 on CPUs).
-        allow_wan: allow data/tensor-parallel collectives across centers.
-        mode: force ``synchronous`` or ``collaborative``.
-        comm_fraction: target communication share of a collaborative round.
-        max_local_steps: fuse at least every this many local steps (label-skewed centers drift
-            apart between fusions), even when the communication share then exceeds the target.
-        cross_node_tp: allow tensor parallelism across nodes.
-        placements: per-op placements of the chosen plan: ``torch`` (the exact per-stage solver,
-            restricted to what the torch backend executes), ``any`` (the solver over every legal
-            placement; the torch backend may refuse the strategy) or ``rule`` (Megatron's rule).
-        chunks: model chunks per pipeline stage of the interleaved schedule (implies it).
-        sequence_parallel: Megatron's sequence parallelism inside tensor parallelism (norms,
-            dropouts and residuals split along the sequence; all-gather / reduce-scatter in place of
-            all-reduce), on every plan with ``tp > 1``.
-        partition: how layers are cut into pipeline stages: ``flops`` (balanced) or ``layers``
-            (equal layer counts, Megatron / DeepSpeed).
-        execution: how the training framework runs the plan
-            (:data:`~polyparallel.cost_models.parallel_config.EXECUTION_FIELDS`: fused kernels, gradient
-            overlap, pipeline p2p, gradient reduction and accumulation, optimizer); unset, what the torch
-            backend does. A dict, kept as sorted pairs.
-    """
-
-    dp: int | None = None
-    tp: int | None = None
-    pp: int | None = None
-    sp: int | None = None
-    ep: int | None = None
-    microbatches: int | None = None
-    schedule: str | None = None
-    zero_stage: int | None = None
-    recompute: str | None = None
-    devices: int | None = None
-    centers: tuple[str, ...] | None = None
-    memory_cap: float | None = None
-    dtype: str | None = None
-    allow_wan: bool = False
-    mode: str | None = None
-    comm_fraction: float = 0.2
-    max_local_steps: int | None = None
-    cross_node_tp: bool = False
-    placements: str = "torch"
-    chunks: int | None = None
-    sequence_parallel: bool = False
-    partition: str | None = None
-    execution: tuple[tuple[str, Any], ...] = ()
-
-    def __post_init__(self) -> None:
-        if isinstance(self.execution, dict):
-            object.__setattr__(self, "execution", execution_options(self.execution))
-        bad = self.problems()
-        if bad:
-            raise ValueError("bad constraint: " + "; ".join(bad))
-
-    def problems(self) -> list[str]:
-        """Each pinned value that no plan can have, with the values it can take."""
-        why = []
-        for name in PLAN_FIELDS:  # each pinned value of the plan record, checked as the record checks it
-            v = getattr(self, name)
-            if v is not None and (p := value_problem(name, v)):
-                why.append(f"{p} (or leave it unset to let the search choose)")
-        for name in ("devices", "max_local_steps"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                why.append(f"{name}={v!r}: give a whole number >= 1 (or leave it unset to let the search choose)")
-        if self.mode is not None and self.mode not in ("synchronous", "collaborative"):
-            why.append(f"mode={self.mode!r}: give one of synchronous, collaborative")
-        if self.chunks is not None and self.chunks > 1 and self.schedule not in (None, "interleaved"):
-            why.append(f"chunks={self.chunks} needs the interleaved schedule, not schedule={self.schedule!r}")
-        if self.partition is not None and self.partition not in ("flops", "layers"):
-            why.append(f"partition={self.partition!r}: give flops or layers")
-        if self.sequence_parallel and self.tp is not None and self.tp == 1:
-            why.append("sequence_parallel splits inside tensor parallelism: pin tp > 1 with it")
-        try:
-            execution_options(dict(self.execution))
-        except ValueError as e:
-            why.append(str(e))
-        if self.memory_cap is not None and not self.memory_cap > 0:
-            why.append(f"memory_cap={self.memory_cap!r}: give bytes per device > 0")
-        if not 0 < self.comm_fraction < 1:
-            why.append(f"comm_fraction={self.comm_fraction!r}: give a share of the round between 0 and 1")
-        return why
-
-    def pinned_schedule(self) -> tuple[str | None, int | None]:
-        """The pinned schedule and interleaving depth: ``schedule="interleaved:4"`` (as a Strategy
-        writes it) and ``schedule="interleaved", chunks=4`` both give ``("interleaved", 4)``."""
-        if self.schedule is None:
-            return None, self.chunks
-        name, depth = parse_schedule(self.schedule)
-        chunks = depth if depth > 1 else self.chunks
-        if chunks is not None and chunks > 1:
-            return "interleaved", chunks
-        return name, chunks
-
-    @classmethod
-    def of(cls, value: Constraints | dict[str, Any] | None) -> Constraints:
-        if value is None:
-            return cls()
-        if isinstance(value, Constraints):
-            return value
-        known = set(cls.__dataclass_fields__)
-        bad = sorted(set(value) - known)
-        if bad:
-            raise ValueError(f"unknown constraint(s) {bad}; known: {', '.join(sorted(known))}")
-        v = dict(value)
-        if v.get("centers") is not None:
-            v["centers"] = tuple(v["centers"])
-        out = cls(**v)
-        if out.placements not in MODES:
-            raise ValueError(f"constraints.placements must be one of {', '.join(MODES)}, not {out.placements!r}")
-        return out
-
-
 # ----------------------------------------------------------------------------------------
 # search
-
-
-@dataclass
-class _Candidate:
-    index: int  # enumeration order: ties in step time go to the earliest, as a plain scan would
-    b: int
-    graph: Graph
-    bound: StepBound
-    short: float = 0.0  # bytes by which it misses memory on its worst device (plans that do not fit)
-
-    @property
-    def peak(self) -> float:
-        return max(r.total for r in self.bound.memory)
-
-
-@dataclass
-class _Best:
-    """Branch and bound over the enumerated plans.
-
-    Enumeration (:meth:`offer`) prices every plan's memory exactly and, when it fits, its step
-    time from below (:func:`~polyparallel.cost_models.step.step_lower_bound`, no pipeline
-    simulation; a plan that does not fit is never ranked, so its time is not priced); the
-    control flow of the enumeration depends only on whether plans fit, so the candidate set is
-    the same as pricing each in full. :meth:`solve` then prices the fitting plans in full in
-    increasing order of their bounds and stops at the first bound above the best step time
-    found: a skipped plan cannot be faster, so the optimum is unchanged.
-    """
-
-    cl: Cluster | None = None
-    cap: float | None = None
-    est: StepEstimate | None = None
-    b: int = 0
-    candidates: int = 0
-    priced: int = 0  # plans priced in full (pipeline simulated)
-    closest: StepEstimate | None = None  # the plan that misses memory by the least
-    notes: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)  # why a mesh shape gave no plan to offer
-    fitting: list[_Candidate] = field(default_factory=list)
-    # why the executor would refuse a plan (empty: it runs it); a refused plan that fits stays out
-    # of ``fitting`` but counts as fitting for the enumeration's control flow
-    refuse: Callable[[ParallelConfig], list[str]] | None = None
-    refused: dict[str, int] = field(default_factory=dict)  # reason -> distinct plans it kept out
-    chosen: _Candidate | None = None  # the candidate behind ``est``
-    _closest: _Candidate | None = None
-    _full: dict[int, StepEstimate] = field(default_factory=dict)
-    short_without: dict[str, _Candidate] = field(default_factory=dict)  # axis -> closest misfit with it at 1
-
-    def offer(self, graph: Graph, cfg: ParallelConfig, b: int) -> bool:
-        """Enumerate one plan: ``True`` when it fits (``ValueError`` when the cost model refuses it)."""
-        assert self.cl is not None
-        # 0 bounds the step time of a plan that does not fit: it is never ranked
-        bound = StepBound(cfg, 0.0, step_memory(graph, self.cl, cfg))
-        fits = _fits(bound, self.cap)
-        if fits:
-            bound = step_lower_bound(graph, self.cl, cfg)
-        cand = _Candidate(self.candidates, b, graph, bound)
-        self.candidates += 1
-        if not fits:
-            cand.short = _shortfall(bound, self.cap)
-            if self._closest is None or cand.short < self._closest.short:
-                self._closest = cand
-            for axis in AXES:  # per axis: the plan without it that misses memory by the least (explain)
-                held = self.short_without.get(axis)
-                if getattr(cfg, axis) == 1 and (held is None or cand.short < held.short):
-                    self.short_without[axis] = cand
-            return False
-        if self.refuse is None or not self.refuse(cfg):
-            self.fitting.append(cand)
-        return True
-
-    def full(self, cand: _Candidate) -> StepEstimate:
-        est = self._full.get(cand.index)
-        if est is None:
-            assert self.cl is not None
-            est = self._full[cand.index] = estimate_step(cand.graph, self.cl, cand.bound.config)
-            self.priced += 1
-        return est
-
-    def solve(self, prune: bool = True) -> None:
-        """Price the fitting plans; ``prune=False`` prices every one (the exhaustive yardstick)."""
-        best: _Candidate | None = None
-        for cand in sorted(self.fitting, key=lambda x: (x.bound.lower_bound, x.index)):
-            if prune and self.est is not None and cand.bound.lower_bound > self.est.step_time * (1 + 1e-9):
-                break  # sorted by bound: no later plan can be faster
-            est = self.full(cand)
-            faster = self.est is None or est.step_time < self.est.step_time * (1 - 1e-12)
-            tie = self.est is not None and best is not None and est.step_time <= self.est.step_time * (1 + 1e-12) \
-                and cand.index < best.index
-            if faster or tie:
-                self.est, self.b, best = est, cand.b, cand
-        self.chosen = best
-        if self._closest is not None:
-            self.closest = self.full(self._closest)
-
-
-def _fits(est: StepEstimate | StepBound, cap: float | None) -> bool:
-    if not est.fits:
-        return False
-    return cap is None or all(r.total <= cap for r in est.memory)
-
-
-def _shortfall(est: StepEstimate | StepBound, cap: float | None) -> float:
-    return max(r.total - min(r.capacity, cap or math.inf) for r in est.memory)
 
 
 def _default_dtype(cluster: Cluster, devices: Iterable[int]) -> str:
@@ -409,6 +180,16 @@ def _crosses_wan(cluster: Cluster, cfg: ParallelConfig, devs: list[int]) -> tupl
                          for t in range(cfg.tp)}) > 1 for s in range(cfg.pp))
     stage_centers = [center[cfg.rank(s, 0, 0, 0)] for s in range(cfg.pp)]
     return group_wan, len(set(stage_centers)) > 1
+
+
+def _wan_problem(cluster: Cluster, cfg: ParallelConfig, devs: list[int], c: Constraints) -> str | None:
+    """Why a plan's mesh may not be laid over the WAN links between centers (None: it may)."""
+    wan_group, wan_pipe = _crosses_wan(cluster, cfg, devs)
+    if wan_group and not c.allow_wan:
+        return "a data/tensor group would span the WAN (allow_wan=False)"
+    if wan_pipe and not all(ce.activations_may_leave for ce in cluster.centers):
+        return "a pipeline would send activations out of a center that keeps them"
+    return None
 
 
 def _mesh_shapes(n: int, c: Constraints, node: int, layers: int, exhaustive: bool) -> list[tuple[int, int, int, int]]:
@@ -583,7 +364,7 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
     record = SearchRecord(capture_s=round(mdl.capture_s, 3), search_s=round(search_s, 3), candidates=cands,
                           solver="enumeration+min-max-partition" + ("(exhaustive)" if exhaustive else ""), notes=notes)
     sync_est = sync.est if sync is not None else None
-    if collab is not None and (sync_est is None or _estimate(collab[0]).samples_per_s > sync_est.throughput or
+    if collab is not None and (sync_est is None or written_estimate(collab[0]).samples_per_s > sync_est.throughput or
                                c.mode == "collaborative"):
         return collab[0].model_copy(update={"search": record.model_copy(update={"notes": record.notes + collab[2]})})
     if sync is None or sync.est is None:
@@ -593,29 +374,21 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
     # the backend's check exports the model to cut a pipeline: a burst of cyclic garbage
     with young_collected():
         if sync.refuse is not None:
-            strat = _executable(strat, mdl, cl, sync, B, devs, record, c, say)
+            strat = executor_checked(strat, mdl, cl, sync, B, devs, record, c, say)
         elif c.placements != "torch":
-            strat = _checked_as_placed(strat, mdl, sync, B, c.placements)
+            strat = checked_as_placed(strat, mdl, sync, B, c.placements)
     # placing the chosen plan's ops is part of the search (its capture, if any, was counted above)
     return strat.model_copy(update={"search": strat.search.model_copy(update={
         "search_s": round(search_s + time.perf_counter() - t1, 3)})})
 
 
-def _replicates_over_tp(est: StepEstimate | None) -> bool:
-    """Whether ``est``'s plan has tp > 1 and splits no op over it: each tp rank computes, and holds,
-    what one process would."""
-    if est is None or est.config.tp == 1 or not est.config.op_plans:
-        return False
-    return not any(p.split > 1 or p.param_split > 1 for p in est.config.op_plans)
-
-
-def _on_fewer_devices(best: _Best, mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: list[int],
-                      exhaustive: bool, objective: str, say: Callable[[str], None]) -> tuple[_Best, list[int]]:
+def _on_fewer_devices(best: Best, mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: list[int],
+                      exhaustive: bool, objective: str, say: Callable[[str], None]) -> tuple[Best, list[int]]:
     """A plan whose tp splits no op is the same step on ``1/tp`` of the devices with tp=1, which a
     user would rather have (the other devices stay free); the search is run again on the first
     ``len(devs) / tp`` devices and its plan taken when it is no slower. With tp pinned, or
     ``constraints.devices`` given, the user's choice stands."""
-    while _replicates_over_tp(best.est) and c.tp is None and c.devices is None:
+    while replicates_over_tp(best.est) and c.tp is None and c.devices is None:
         assert best.est is not None
         tp, fewer = best.est.config.tp, devs[: len(devs) // best.est.config.tp]
         smaller = _search_sync(mdl, cl, B, c, fewer, exhaustive, objective, say)
@@ -624,18 +397,12 @@ def _on_fewer_devices(best: _Best, mdl: ModelGraphs, cl: Cluster, B: int, c: Con
         # what was left out on all the devices stays said (the smaller search may have no such plans)
         smaller.notes[:0] = [n for n in best.notes if n.startswith("left out") and n not in smaller.notes]
         smaller.notes.insert(0, f"uses {len(fewer)} of the cluster's {len(devs)} devices: the fastest plan on all of "
-                                f"them ({_brief(best.est.config)}) splits no op over tp={tp}, so each tp rank would "
+                                f"them ({brief(best.est.config)}) splits no op over tp={tp}, so each tp rank would "
                                 f"compute what one process does, and every plan that divides the work priced slower "
                                 f"(the model may be too small to gain from more devices); constraints={{'devices': "
                                 f"{len(devs)}}} keeps them all")
         best, devs = smaller, fewer
     return best, devs
-
-
-def _estimate(s: Strategy) -> Estimate:
-    """The estimate of a strategy the search wrote (it always writes one)."""
-    assert s.estimate is not None, "a searched strategy carries its estimate"
-    return s.estimate
 
 
 def _release_prices(mdl: ModelGraphs, b: int) -> None:
@@ -651,22 +418,12 @@ def _release_prices(mdl: ModelGraphs, b: int) -> None:
             PRICES.of(g).clear()
 
 
-def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: list[int], exhaustive: bool,
-                 objective: str, say: Callable[[str], None], executable: bool = True,
-                 rank_by: str | None = None) -> _Best:
-    """Branch and bound over the plans (module docstring). With ``placements="torch"`` and
-    ``executable``, only plans the torch backend executes are candidates (:mod:`polyparallel.backends.torch.
-    capabilities`); when none of those fits, the search runs again over every plan and says so.
-    Each plan is offered with each of its placement candidates (:func:`.derived.variants`, for the
-    target ``rank_by``, default ``c.placements``); it fits when one of them does."""
-    dtype = c.dtype or _default_dtype(cl, devs)
-    rank_by = rank_by or c.placements
+def _verdicts(best: Best, g: Graph) -> Callable[[ParallelConfig], list[str]]:
+    """The torch backend's reasons not to run a plan (empty: it runs it), each distinct plan judged
+    once, on the example graph ``g`` (what ``plan_problems`` reads of a graph, batch statistics,
+    layers and attention, does not depend on the batch size); each reason is counted in
+    ``best.refused`` once per plan it keeps out."""
     torch = executor("torch")
-    enforce = executable and c.placements == "torch" and dtype in torch.dtypes
-    best = _Best(cl=cl, cap=c.memory_cap)
-    g = mdl.graph(mdl.b0)
-    # each distinct plan judged once, on the example graph (what plan_problems reads of a graph,
-    # batch statistics, layers and attention, does not depend on the batch size)
     verdicts: dict[ParallelConfig, list[str]] = {}
 
     def problems(cfg: ParallelConfig) -> list[str]:
@@ -679,6 +436,37 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
                 best.refused[w] = best.refused.get(w, 0) + 1
         return hit
 
+    return problems
+
+
+def _hollow_note(hollow: set[tuple[int, int, int]]) -> str:
+    """The note on pipelines left out because a stage would hold no parameter: ``(pp, chunks, stage)``."""
+    return ("left out pipelines with a stage that would hold no parameter (its ops as the layer partition cuts "
+            "them): " + ", ".join(f"pp={p}" + (f" interleaved:{v}" if v > 1 else "") + f" (stage {s})"
+                                  for p, v, s in sorted(hollow)))
+
+
+def _refusal_reasons(best: Best) -> str:
+    """The backend's eight commonest reasons to refuse the enumerated plans, with how many each kept out."""
+    reasons = sorted(best.refused.items(), key=lambda kv: -kv[1])
+    return "; ".join(f"{why} ({n} plan{'s' * (n > 1)})" for why, n in reasons[:8])
+
+
+def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: list[int], exhaustive: bool,
+                 objective: str, say: Callable[[str], None], executable: bool = True,
+                 rank_by: str | None = None) -> Best:
+    """Branch and bound over the plans (module docstring). With ``placements="torch"`` and
+    ``executable``, only plans the torch backend executes are candidates (:mod:`polyparallel.backends.torch.
+    capabilities`); when none of those fits, the search runs again over every plan and says so.
+    Each plan is offered with each of its placement candidates (:func:`.derived.variants`, for the
+    target ``rank_by``, default ``c.placements``); it fits when one of them does."""
+    dtype = c.dtype or _default_dtype(cl, devs)
+    rank_by = rank_by or c.placements
+    torch = executor("torch")
+    enforce = executable and c.placements == "torch" and dtype in torch.dtypes
+    best = Best(cl=cl, cap=c.memory_cap)
+    g = mdl.graph(mdl.b0)
+    problems = _verdicts(best, g)
     best.refuse = problems if enforce else None
     if executable and c.placements == "torch" and not enforce:
         best.notes.append(f"the torch backend trains in {', '.join(torch.dtypes)} only: this {dtype} strategy is "
@@ -720,12 +508,9 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
         per_replica = B // dp
         base = ParallelConfig(dp=dp, tp=tp, pp=pp, sp=sp, ep=ep, microbatches=1, dtype=dtype, devices=tuple(devs),
                               sequence_parallel=c.sequence_parallel and tp > 1, **options)
-        wan_group, wan_pipe = _crosses_wan(cl, base, devs)
-        if wan_group and not c.allow_wan:
-            best.skipped.append(f"{shape}: a data/tensor group would span the WAN (allow_wan=False)")
-            continue
-        if wan_pipe and not all(ce.activations_may_leave for ce in cl.centers):
-            best.skipped.append(f"{shape}: a pipeline would send activations out of a center that keeps them")
+        wan = _wan_problem(cl, base, devs, c)
+        if wan:
+            best.skipped.append(f"{shape}: {wan}")
             continue
         sizes = mdl.micro_sizes(per_replica, exhaustive, whole=enforce, pinned=c.microbatches)
         # a mesh the user pinned is one shape: every micro-batch size of it is tried
@@ -771,12 +556,9 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
     best.solve(prune=not exhaustive)
     say(f"{best.candidates} plans, {best.priced} priced in full (the others bounded out)")
     if hollow:
-        best.notes.append("left out pipelines with a stage that would hold no parameter (its ops as the layer "
-                          "partition cuts them): " + ", ".join(f"pp={p}" + (f" interleaved:{v}" if v > 1 else "") +
-                                                           f" (stage {s})" for p, v, s in sorted(hollow)))
+        best.notes.append(_hollow_note(hollow))
     if best.refused:
-        reasons = sorted(best.refused.items(), key=lambda kv: -kv[1])
-        left = "; ".join(f"{why} ({n} plan{'s' * (n > 1)})" for why, n in reasons[:8])
+        left = _refusal_reasons(best)
         if best.est is None:
             say("no plan the torch backend executes fits; searching every plan")
             again = _search_sync(mdl, cl, B, c, devs, exhaustive, objective, say, executable=False, rank_by=rank_by)
@@ -786,188 +568,10 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
         best.notes.append(f"left out {sum(best.refused.values())} plan(s) the torch backend does not execute "
                           f"exactly: {left}")
     if objective == "memory" and best.est is not None:
-        _least_memory(best)
+        least_memory(best)
     if best.est is not None:
-        best.notes += _why_axes(best, c)
+        best.notes += why_axes(best, c)
     return best
-
-
-_SPLITS = {"dp": "splits the batch: each replica trains on its share and the gradients are reduced",
-           "tp": "splits each op's loop dims over devices inside a node (placements: {placed})",
-           "pp": "splits the layers into stages that pass activations point to point",
-           "sp": "splits the sequence (Ulysses: all-to-all around attention)"}
-
-
-def _why_axes(best: _Best, c: Constraints) -> list[str]:
-    """Per mesh axis of the chosen plan: what it splits and what the fastest plan without it costs
-    (priced in full, in bound order as :meth:`_Best.solve`), or why no plan without it fits.
-    Lines start with ``why <axis>=``; ``explain`` shows them as a table."""
-    assert best.est is not None
-    chosen = best.est
-    out = []
-    for axis in AXES:
-        size = getattr(chosen.config, axis)
-        if size == 1:
-            continue
-        if getattr(c, axis) is not None:
-            continue  # pinned: the user's choice, not the search's
-        head = f"why {axis}={size}: " + _SPLITS[axis].format(placed=plan_note(chosen.config.op_plans)) + "; "
-        if axis == "tp" and _replicates_over_tp(chosen):
-            head = (f"why tp={size}: it splits no op: every op is replicated over tp, so each of the {size} tp ranks "
-                    f"computes what one process would; every plan that divides the work over these devices priced "
-                    f"slower (the model may be too small to gain from them): fewer devices give the same step; ")
-        alt: StepEstimate | None = None
-        for cand in sorted((x for x in best.fitting if getattr(x.bound.config, axis) == 1),
-                           key=lambda x: (x.bound.lower_bound, x.index)):
-            if alt is not None and cand.bound.lower_bound > alt.step_time * (1 + 1e-9):
-                break
-            est = best.full(cand)
-            if alt is None or est.step_time < alt.step_time:
-                alt = est
-        short = best.short_without.get(axis)
-        if alt is not None:
-            a, b = alt.breakdown(), chosen.breakdown()
-            part = max(a, key=lambda k: a[k] - b.get(k, 0.0))
-            ratio = alt.step_time / chosen.step_time
-            out.append(head + f"the fastest plan without {axis} ({_brief(alt.config)}) is {ratio:.2f}× slower "
-                       f"({alt.step_time:.4g} s vs {chosen.step_time:.4g} s per step; most of the difference in "
-                       f"{part}: {a[part]:.4g} s vs {b.get(part, 0.0):.4g} s)")
-        elif short is not None:
-            worst = max(short.bound.memory, key=lambda r: r.total - min(r.capacity, best.cap or math.inf))
-            out.append(head + f"no plan without {axis} fits: the closest ({_brief(short.bound.config)}) needs "
-                       f"{worst.total / 1e9:.1f} GB > {min(worst.capacity, best.cap or math.inf) / 1e9:.1f} GB "
-                       f"on {worst.label}")
-        else:
-            out.append(head + f"no plan without {axis} was a candidate (the backend or the cluster rules them out)")
-    return out
-
-
-def _brief(cfg: ParallelConfig) -> str:
-    sched = cfg.schedule + (f":{cfg.chunks}" if cfg.chunks > 1 else "")
-    return (f"dp={cfg.dp} tp={cfg.tp} pp={cfg.pp} sp={cfg.sp} m={cfg.microbatches} {sched} ZeRO-{cfg.zero_stage} "
-            f"recompute {cfg.recompute}")
-
-
-def _executable(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B: int, devs: list[int],
-                record: SearchRecord, c: Constraints, say: Callable[[str], None]) -> Strategy:
-    """The fastest plan the torch backend's own pre-launch check (:func:`~polyparallel.backends.torch.plan_for`)
-    accepts on the user's module: what the plan-level predicates cannot see without the model
-    (where the pipeline cuts fall in torch.export's graph, module types behind tensor-parallel ops)
-    is checked here, and a refused plan is replaced by the next fastest until one is accepted (every
-    refusal removes a candidate, so the walk ends; :class:`DoesNotFit` when none is left). Plans of a
-    model that does not follow ``train``'s ``forward(inputs, labels)`` form are not checked."""
-    check = executor("torch").check
-    batch = _train_batch(mdl, B)
-    if batch is None:
-        return strat
-    refused: list[str] = []
-    # a refused plan that runs with Megatron's placements instead, at the rule's price: taken
-    # unless a plan the walk reaches later is faster
-    fallback: tuple[Strategy, StepEstimate, int, _Candidate] | None = None
-    while True:
-        try:
-            check(strat, mdl.model, batch if strat.pp > 1 else None, mdl.exact(best.b))
-            if _replicated_tp(strat, best, c):
-                # the plan was ranked at the placements the polyhedral model derives, but the torch
-                # backend runs none of them on this model: each tp rank would do the whole stage's
-                # work. That is the model's ops, not this mesh's, so every tp > 1 plan is dropped
-                assert best.chosen is not None  # the candidate behind strat
-                say(f"the torch backend runs {best.chosen.bound.config} only replicated over tp; searching "
-                    "without tensor parallelism")
-                replicated_note = (f"left out tensor parallelism: the torch backend splits none of this model's "
-                                   f"ops over tp as priced ({best.chosen.bound.config} would be written with every "
-                                   f"op replicated, {_estimate(strat).step_time_s:.3g} s per step)")
-                best.fitting = [f for f in best.fitting if f.bound.config.tp == 1]
-                best.est, best.b, best.chosen = None, 0, None
-                best.solve()
-                if best.est is None:
-                    break  # no plan without tp: keep the replicated one, which says so
-                strat = strategy_of(mdl, cl, best.est, best.b, B, devs, record, c.placements, c.memory_cap)
-                notes = [*(n for n in strat.search.notes if not n.startswith("why ")), *_why_axes(best, c),
-                         replicated_note]
-                strat = strat.model_copy(update={"search": strat.search.model_copy(update={"notes": notes})})
-                continue
-            if fallback is not None and _estimate(fallback[0]).step_time_s < _estimate(strat).step_time_s:
-                strat, (best.est, best.b, best.chosen) = fallback[0], fallback[1:]
-            break
-        except NotExecutable as e:
-            assert best.chosen is not None and best.est is not None  # the refused plan's
-            ruled = _rule_placed(strat, mdl, cl, best, B, devs, record, c, batch)
-            if ruled is None:
-                refused.append(f"{best.chosen.bound.config}: {e}")
-            elif fallback is None or _estimate(ruled).step_time_s < _estimate(fallback[0]).step_time_s:
-                fallback = (ruled, best.est, best.b, best.chosen)
-            say(f"the torch backend refuses {best.chosen.bound.config}; trying the next plan")
-            best.fitting.remove(best.chosen)
-            best.est, best.b, best.chosen = None, 0, None
-            best.solve()
-            if best.est is None or (fallback is not None and best.est.step_time >= _estimate(fallback[0]).step_time_s):
-                if fallback is None:
-                    raise DoesNotFit("no plan the torch backend executes fits: " + "; ".join(refused[-3:])) from e
-                strat, (best.est, best.b, best.chosen) = fallback[0], fallback[1:]
-                break
-            strat = strategy_of(mdl, cl, best.est, best.b, B, devs, record, c.placements, c.memory_cap)
-    if refused:  # the axes' reasons were the refused plan's: give the chosen one's
-        notes = [*(n for n in strat.search.notes if not n.startswith("why ")), *_why_axes(best, c),
-                 f"left out {len(refused)} faster plan(s) the torch backend refuses for this "
-                 "model: " + " | ".join(r[:300] for r in refused)]
-        strat = strat.model_copy(update={"search": strat.search.model_copy(update={"notes": notes})})
-    return strat
-
-
-def _replicated_tp(strat: Strategy, best: _Best, c: Constraints) -> bool:
-    """Whether the written plan replicates whole stages over an unpinned ``tp > 1`` while plans
-    without tensor parallelism are left to choose from."""
-    if strat.tp == 1 or c.tp is not None or not any(st.placed_by == "replicated" for st in strat.stages):
-        return False
-    return any(f.bound.config.tp == 1 for f in best.fitting)
-
-
-def _rule_placed(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: _Best, B: int, devs: list[int],
-                 record: SearchRecord, c: Constraints, batch: Any) -> Strategy | None:
-    """The refused plan ``strat`` with Megatron's rule placements where the solver placed a stage,
-    when the torch backend accepts that (the solver does not see every rule of the backend: a tied
-    embedding and output layer must shard alike); None otherwise. Its price is the rule's.
-    ``batch``: the global batch the backend's check cuts a pipeline on (:func:`_train_batch`)."""
-    if c.placements != "torch" or strat.tp == 1 or all(st.placed_by != "solver" for st in strat.stages):
-        return None
-    assert best.est is not None  # the refused plan's estimate
-    ruled = strategy_of(mdl, cl, best.est, best.b, B, devs, record, "rule", c.memory_cap)
-    try:
-        executor("torch").check(ruled, mdl.model, batch if ruled.pp > 1 else None, mdl.exact(best.b))
-    except NotExecutable:
-        return None
-    return ruled
-
-
-def _checked_as_placed(strat: Strategy, mdl: ModelGraphs, best: _Best, B: int, placements: str) -> Strategy:
-    """Placements the user chose (``rule``, ``any``) are kept even where the torch backend refuses
-    them; the backend's pre-launch check then says so first in the notes (train refuses it the same way)."""
-    batch = _train_batch(mdl, B)
-    if batch is None:
-        return strat
-    try:
-        executor("torch").check(strat, mdl.model, batch if strat.pp > 1 else None, mdl.exact(best.b))
-        return strat
-    except NotExecutable as e:
-        note = (f"planning only: the torch backend refuses this plan with placements={placements!r} ({e}); search "
-                "with placements='torch' for a plan polyparallel train runs")
-    return strat.model_copy(update={"search": strat.search.model_copy(update={"notes": [note, *strat.search.notes]})})
-
-
-def _train_batch(mdl: ModelGraphs, B: int) -> tuple[Any, Any] | None:
-    """One global batch ``(inputs, labels)`` of zeros shaped like the example, for ``train``'s
-    ``forward(inputs, labels)`` form, on the model's device; None for another form."""
-    import torch
-
-    if not isinstance(mdl.model, torch.nn.Module):
-        return None
-    pair = (*mdl.args, mdl.kwargs["labels"]) if set(mdl.kwargs) == {"labels"} else (
-        mdl.args if not mdl.kwargs else ())
-    if len(pair) != 2 or not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in pair):
-        return None
-    device = next((p.device for p in mdl.model.parameters()), pair[0].device)
-    return tuple(rebatch(t, mdl.b0, B).to(device) for t in pair)
 
 
 def _ep_degrees(g: Graph, shape: tuple[int, int, int, int], c: Constraints) -> list[int]:
@@ -1013,27 +617,6 @@ def _micro_order(sizes: list[int], per_replica: int, pp: int, c: Constraints, ex
     return sorted(want, reverse=True)
 
 
-def _least_memory(best: _Best) -> None:
-    """Among plans within 10% of the fastest step time, the one with the least peak memory.
-
-    The enumeration already holds every fitting plan's exact memory and a lower bound on its
-    step time: plans are visited least memory first, those bounded above the limit skipped
-    unpriced, and the first whose full price is within the limit is taken.
-    """
-    assert best.est is not None
-    limit = best.est.step_time * 1.1
-    peak = max(r.total for r in best.est.memory)
-    for cand in sorted(best.fitting, key=lambda x: (x.peak, x.index)):
-        if cand.peak >= peak:
-            break
-        if cand.bound.lower_bound > limit * (1 + 1e-9):
-            continue
-        est = best.full(cand)
-        if est.step_time <= limit:
-            best.est, best.b = est, cand.b
-            return
-
-
 def _layer_count(g: Graph) -> int:
     """The repeated blocks a pipeline spreads over its stages (numbered modules, ``h.3``,
     ``layers.7``), which bounds ``pp`` (a 2-layer GPT is not cut into 4 stages, one of them the
@@ -1075,7 +658,7 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
         cc = replace(c, centers=(ce.name,), devices=None, mode="synchronous", **CENTER_LIMITS)
         # the center's local batch: its device share of B, in whole example batches
         share = max(mdl.b0, round(B * len(devs) / cl.num_devices / mdl.b0) * mdl.b0)
-        best = _Best()
+        best = Best()
         for local in dict.fromkeys((share, mdl.b0 * len(devs))):
             try:
                 best = _search_sync(mdl, cl, local, cc, devs, exhaustive, "throughput", lambda _: None)
@@ -1131,7 +714,7 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
     return strat, cands, notes
 
 
-def _does_not_fit_message(mdl: ModelGraphs, cl: Cluster, best: _Best | None) -> str:
+def _does_not_fit_message(mdl: ModelGraphs, cl: Cluster, best: Best | None) -> str:
     if best is None or best.closest is None:
         notes = best.notes if best else []
         hollow = [n for n in notes if "no parameter" in n]

@@ -1,0 +1,145 @@
+"""What a user pins of a plan (:class:`Constraints`), and the search's error when no plan fits
+(:class:`DoesNotFit`).
+
+A pinned value of the plan record is checked as the record checks it
+(:func:`polyparallel.plan.value_problem`); the other fields say where and how to search (devices,
+centers, memory cap, mode, placements, how the framework executes the plan).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from polyparallel.cost_models.parallel_config import execution_options
+from polyparallel.plan import PLAN_FIELDS, parse_schedule, value_problem
+from polyparallel.planning.place_plan import MODES
+
+__all__ = ["Constraints", "DoesNotFit"]
+
+
+class DoesNotFit(ValueError):
+    """No plan fits the cluster's memory; the message names the smallest shortfall."""
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """Choices an expert pins; the search optimises the rest.
+
+    Args:
+        dp / tp / pp / sp / microbatches / schedule / zero_stage / recompute: fixed values.
+        ep: the expert-parallel degree (MoE models; carved from ``dp·sp``). Unset, the search
+            tries 1 and every divisor of ``dp·sp`` that divides the experts of each MoE layer.
+        devices: use only this many devices (the first ones in the cluster's order).
+        centers: use only these centers (by name).
+        memory_cap: bytes per device the plan may use (below the device capacity).
+        dtype: training precision (default: bf16 on accelerators, fp32 on CPUs).
+        allow_wan: allow data/tensor-parallel collectives across centers.
+        mode: force ``synchronous`` or ``collaborative``.
+        comm_fraction: target communication share of a collaborative round.
+        max_local_steps: fuse at least every this many local steps (label-skewed centers drift
+            apart between fusions), even when the communication share then exceeds the target.
+        cross_node_tp: allow tensor parallelism across nodes.
+        placements: per-op placements of the chosen plan: ``torch`` (the exact per-stage solver,
+            restricted to what the torch backend executes), ``any`` (the solver over every legal
+            placement; the torch backend may refuse the strategy) or ``rule`` (Megatron's rule).
+        chunks: model chunks per pipeline stage of the interleaved schedule (implies it).
+        sequence_parallel: Megatron's sequence parallelism inside tensor parallelism (norms,
+            dropouts and residuals split along the sequence; all-gather / reduce-scatter in place of
+            all-reduce), on every plan with ``tp > 1``.
+        partition: how layers are cut into pipeline stages: ``flops`` (balanced) or ``layers``
+            (equal layer counts, Megatron / DeepSpeed).
+        execution: how the training framework runs the plan
+            (:data:`~polyparallel.cost_models.parallel_config.EXECUTION_FIELDS`: fused kernels, gradient
+            overlap, pipeline p2p, gradient reduction and accumulation, optimizer); unset, what the torch
+            backend does. A dict, kept as sorted pairs.
+    """
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    sp: int | None = None
+    ep: int | None = None
+    microbatches: int | None = None
+    schedule: str | None = None
+    zero_stage: int | None = None
+    recompute: str | None = None
+    devices: int | None = None
+    centers: tuple[str, ...] | None = None
+    memory_cap: float | None = None
+    dtype: str | None = None
+    allow_wan: bool = False
+    mode: str | None = None
+    comm_fraction: float = 0.2
+    max_local_steps: int | None = None
+    cross_node_tp: bool = False
+    placements: str = "torch"
+    chunks: int | None = None
+    sequence_parallel: bool = False
+    partition: str | None = None
+    execution: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.execution, dict):
+            object.__setattr__(self, "execution", execution_options(self.execution))
+        bad = self.problems()
+        if bad:
+            raise ValueError("bad constraint: " + "; ".join(bad))
+
+    def problems(self) -> list[str]:
+        """Each pinned value that no plan can have, with the values it can take."""
+        why = []
+        for name in PLAN_FIELDS:  # each pinned value of the plan record, checked as the record checks it
+            v = getattr(self, name)
+            if v is not None and (p := value_problem(name, v)):
+                why.append(f"{p} (or leave it unset to let the search choose)")
+        for name in ("devices", "max_local_steps"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                why.append(f"{name}={v!r}: give a whole number >= 1 (or leave it unset to let the search choose)")
+        if self.mode is not None and self.mode not in ("synchronous", "collaborative"):
+            why.append(f"mode={self.mode!r}: give one of synchronous, collaborative")
+        if self.chunks is not None and self.chunks > 1 and self.schedule not in (None, "interleaved"):
+            why.append(f"chunks={self.chunks} needs the interleaved schedule, not schedule={self.schedule!r}")
+        if self.partition is not None and self.partition not in ("flops", "layers"):
+            why.append(f"partition={self.partition!r}: give flops or layers")
+        if self.sequence_parallel and self.tp is not None and self.tp == 1:
+            why.append("sequence_parallel splits inside tensor parallelism: pin tp > 1 with it")
+        try:
+            execution_options(dict(self.execution))
+        except ValueError as e:
+            why.append(str(e))
+        if self.memory_cap is not None and not self.memory_cap > 0:
+            why.append(f"memory_cap={self.memory_cap!r}: give bytes per device > 0")
+        if not 0 < self.comm_fraction < 1:
+            why.append(f"comm_fraction={self.comm_fraction!r}: give a share of the round between 0 and 1")
+        return why
+
+    def pinned_schedule(self) -> tuple[str | None, int | None]:
+        """The pinned schedule and interleaving depth: ``schedule="interleaved:4"`` (as a Strategy
+        writes it) and ``schedule="interleaved", chunks=4`` both give ``("interleaved", 4)``."""
+        if self.schedule is None:
+            return None, self.chunks
+        name, depth = parse_schedule(self.schedule)
+        chunks = depth if depth > 1 else self.chunks
+        if chunks is not None and chunks > 1:
+            return "interleaved", chunks
+        return name, chunks
+
+    @classmethod
+    def of(cls, value: Constraints | dict[str, Any] | None) -> Constraints:
+        if value is None:
+            return cls()
+        if isinstance(value, Constraints):
+            return value
+        known = set(cls.__dataclass_fields__)
+        bad = sorted(set(value) - known)
+        if bad:
+            raise ValueError(f"unknown constraint(s) {bad}; known: {', '.join(sorted(known))}")
+        v = dict(value)
+        if v.get("centers") is not None:
+            v["centers"] = tuple(v["centers"])
+        out = cls(**v)
+        if out.placements not in MODES:
+            raise ValueError(f"constraints.placements must be one of {', '.join(MODES)}, not {out.placements!r}")
+        return out
