@@ -60,7 +60,7 @@ than the plan priced.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -139,6 +139,30 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
     cannot be expressed with DDP / FSDP2 / ``parallelize_module``.
     """
     s = strategy
+    _check_plan(s, graph)
+    modules = dict(model.named_modules())
+    ops = _tp_ops(s, graph, modules)
+    heads = _head_blocks(graph, ops, s.tp)
+    seen = _tp_styles(graph, ops, heads, modules)
+    tied, why = tied_shards(model, seen)
+    if why:
+        raise Unsupported("the torch backend cannot execute this strategy exactly: " + "; ".join(why[:3]))
+    if ops.loss_parallel and not any(k == "col_to_loss" for k in seen.values()):
+        raise Unsupported("cross entropy is class-parallel over tp but no column-parallel Linear produces its "
+                          "logits")
+    _check_modules(s, model, graph, modules)
+    fused = {p: seg for p, seg in heads.items() if len(seg) > 1}
+    return ExecPlan.from_record(
+        s, data_parallel="none" if s.dp * s.sp == 1 else ("fsdp" if s.zero_stage >= 1 else "ddp"),
+        tp_plan=tuple(sorted(seen.items())), loss_parallel=ops.loss_parallel, global_batch=s.global_batch,
+        pipeline=_graph_stages(s, model, batch, graph, seen, fused), fused=tuple(sorted(fused.items())),
+        tied=tuple(tied), positions=tuple(position_embeddings(graph)) if s.sp > 1 and graph else (),
+        recompute_blocks=tuple(recompute_blocks(graph)) if s.recompute in ("full", "op") and graph else ())
+
+
+def _check_plan(s: Strategy, graph: Graph | None) -> None:
+    """The plan-level checks: a synchronous strategy over dp/tp/sp/pp axes that the backend's
+    predicates accept (:func:`.capabilities.plan_problems`) and whose batch divides as it says."""
     if s.mode != "synchronous":
         raise Unsupported(f"a {s.mode} strategy is run by `polyparallel collab`, not the torch backend")
     for ax in s.mesh.axes:
@@ -154,93 +178,126 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
     if s.pp == 1 and s.global_batch % (s.dp * s.microbatches):
         raise Unsupported(f"global_batch={s.global_batch} is not divisible by dp*microbatches={s.dp * s.microbatches}: "
                           "accumulated micro-batches must be equal for their mean loss to equal the full batch's")
-    modules = dict(model.named_modules())
-    linears: list[tuple[int, str, str]] = []  # (capture index, module path, "col"/"row")
-    attention: list[tuple[str, str]] = []  # (op, dim) split over tp
-    embeddings: list[str] = []
+
+
+@dataclass
+class _TpOps:
+    """What the strategy's placements split over tp, by the module kind that executes it."""
+
+    linears: list[tuple[int, str, str]] = field(default_factory=list)  # (capture index, module path, "col"/"row")
+    attention: list[tuple[str, str]] = field(default_factory=list)  # (op, dim) split over tp
+    embeddings: list[str] = field(default_factory=list)  # vocabulary-parallel nn.Embedding paths
+    loss_parallel: bool = False  # the cross entropy split over its classes
+
+
+def _tp_ops(s: Strategy, graph: Graph | None, modules: dict[str, nn.Module]) -> _TpOps:
+    """Read each placement: the dp splits must be the batch's, and each tp split must be one the
+    backend executes (a Linear's columns or rows, an embedding's vocabulary, attention's heads, the
+    loss's classes). Raises :class:`Unsupported` listing the first five that are not."""
+    out = _TpOps()
     graph_ops = {o.name: o for o in graph.ops} if graph is not None else {}
-    loss_parallel = False
     problems: list[str] = []
     for pl in s.placements:
         dims = _parse(pl.placement)
         for i, op in enumerate(pl.ops):
             path = pl.modules[i] if i < len(pl.modules) else ""
             where = f"op {op!r}" + (f" (module {path!r})" if path else "")
-            for dim, axes in dims.items():
-                bad = [a for a in axes if a not in ("dp", "tp", "sp")]
-                if bad:
-                    problems.append(f"{where}: placement {pl.placement!r} uses mesh axis {bad[0]!r}")
-                    continue
-                gop = graph_ops.get(op)
-                # without the graph, by the frontend's dim names: the batch 'b'; a loss sees logits
-                # flattened to (batch*seq, classes), whose row dim 'n' (or its factor 'n_0') is the batch
-                batch_dim = dp_split_ok(gop, dim) if gop is not None else dim in (
-                    ("b", "n", "n_0") if op.startswith("cross_entropy") else ("b",))
-                if "dp" in axes and (not batch_dim or len(axes) > 1):
-                    problems.append(f"{where}: placement {pl.placement!r} splits {dim!r} over dp; only the "
-                                      "batch dim alone is data-parallel in this backend")
+            gop = graph_ops.get(op)
+            problems += _dp_problems(pl.placement, dims, op, gop, where)
             tp_dims = [d for d, axes in dims.items() if "tp" in axes]
             if not tp_dims or s.tp == 1:
                 continue
             if len(tp_dims) > 1:
                 problems.append(f"{where}: placement {pl.placement!r} splits several dims over tp")
                 continue
-            d = tp_dims[0]
-            gop = graph_ops.get(op)
-            if op_role(graph, gop) == "loss" if gop is not None else op.startswith("cross_entropy"):
-                if d != "c":
-                    problems.append(f"{where}: cross entropy split over {d!r}; only the class dim 'c' is "
-                                      "executed (loss_parallel)")
-                    continue
-                loss_parallel = True
-                continue
-            mod = modules.get(path) if path else None
-            if op_role(graph, gop) in ("attention", "heads") if gop is not None else "attention" in op:
-                attention.append((op, d))  # checked against the graph below
-                continue
-            if isinstance(mod, nn.Embedding) and re.fullmatch(r"v(_0)?", d):
-                if type(mod).forward is not nn.Embedding.forward:
-                    # a subclass computing its own indices (HF OPT's learned positions add an offset
-                    # to positions it derives from the mask) would mix the sharded table with whole tensors
-                    problems.append(f"{where}: placement {pl.placement!r} splits the rows of {type(mod).__name__}, "
-                                    "an nn.Embedding subclass with its own forward; only nn.Embedding's own lookup "
-                                    "is vocabulary-parallel: pin tp=1 or keep this embedding replicated")
-                    continue
-                embeddings.append(path)
-                continue
-            if not isinstance(mod, nn.Linear):
-                kind = type(mod).__name__ if mod is not None else "no module"
-                problems.append(f"{where}: placement {pl.placement!r} splits {d!r} over tp on a {kind}; only "
-                                  "nn.Linear, nn.Embedding (vocabulary) and attention (heads) are tensor-parallel "
-                                  "in this backend")
-                continue
-            if d == "n":
-                linears.append((_op_index(op), path, "col"))
-            elif d == "k" or re.fullmatch(r"k_\d+", d):
-                linears.append((_op_index(op), path, "row"))
-            else:
-                problems.append(f"{where}: placement {pl.placement!r} splits Linear dim {d!r} over tp; "
-                                  "only 'n' (column-parallel) and 'k' (row-parallel) are executed")
+            why = _tp_op(out, graph, gop, op, path, tp_dims[0], modules.get(path) if path else None)
+            if why:
+                problems.append(f"{where}: placement {pl.placement!r} {why}")
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise Unsupported("the torch backend cannot execute this strategy exactly: " + "; ".join(problems[:5]) + more
                           + ". Search with other constraints (e.g. {'tp': 1}) or change the model")
-    linears.sort()
-    heads: dict[str, tuple[int, ...]] = {}  # projection module -> blocks the head-split attention reads
-    if attention:
-        splits, why = head_split(graph, attention, s.tp) if graph is not None else (
-            [], [f"attention op {attention[0][0]!r} is split over tp but the model could not be captured to check "
-                 "its inputs"])
-        for h in splits:
-            if h.module not in {p for _, p, k in linears if k == "col"}:
-                why.append(f"attention op(s) {', '.join(op for op, _ in attention[:3])} are head-parallel but their "
-                           f"input projection {h.module!r} is not column-parallel in the strategy")
-            heads[h.module] = h.segments
-        if why:
-            raise Unsupported("the torch backend cannot execute this strategy exactly: " + "; ".join(why[:3]))
+    out.linears.sort()
+    return out
+
+
+def _dp_problems(placement: str, dims: dict[str, tuple[str, ...]], op: str, gop: Any, where: str) -> list[str]:
+    """Why one op's placement splits something other than the batch over dp (or uses an unknown axis)."""
+    out = []
+    for dim, axes in dims.items():
+        bad = [a for a in axes if a not in ("dp", "tp", "sp")]
+        if bad:
+            out.append(f"{where}: placement {placement!r} uses mesh axis {bad[0]!r}")
+            continue
+        # without the graph, by the frontend's dim names: the batch 'b'; a loss sees logits
+        # flattened to (batch*seq, classes), whose row dim 'n' (or its factor 'n_0') is the batch
+        batch_dim = dp_split_ok(gop, dim) if gop is not None else dim in (
+            ("b", "n", "n_0") if op.startswith("cross_entropy") else ("b",))
+        if "dp" in axes and (not batch_dim or len(axes) > 1):
+            out.append(f"{where}: placement {placement!r} splits {dim!r} over dp; only the "
+                       "batch dim alone is data-parallel in this backend")
+    return out
+
+
+def _tp_op(out: _TpOps, graph: Graph | None, gop: Any, op: str, path: str, d: str, mod: nn.Module | None) -> str:
+    """Record one op split over tp along ``d`` in ``out``; the reason the backend cannot (after
+    "placement ..."), or ``""``."""
+    if op_role(graph, gop) == "loss" if gop is not None else op.startswith("cross_entropy"):
+        if d != "c":
+            return f"splits a cross entropy over {d!r}; only the class dim 'c' is executed (loss_parallel)"
+        out.loss_parallel = True
+        return ""
+    if op_role(graph, gop) in ("attention", "heads") if gop is not None else "attention" in op:
+        out.attention.append((op, d))  # checked against the graph by _head_blocks
+        return ""
+    if isinstance(mod, nn.Embedding) and re.fullmatch(r"v(_0)?", d):
+        if type(mod).forward is not nn.Embedding.forward:
+            # a subclass computing its own indices (HF OPT's learned positions add an offset
+            # to positions it derives from the mask) would mix the sharded table with whole tensors
+            return (f"splits the rows of {type(mod).__name__}, an nn.Embedding subclass with its own forward; only "
+                    "nn.Embedding's own lookup is vocabulary-parallel: pin tp=1 or keep this embedding replicated")
+        out.embeddings.append(path)
+        return ""
+    if not isinstance(mod, nn.Linear):
+        kind = type(mod).__name__ if mod is not None else "no module"
+        return (f"splits {d!r} over tp on a {kind}; only nn.Linear, nn.Embedding (vocabulary) and attention (heads) "
+                "are tensor-parallel in this backend")
+    if d == "n":
+        out.linears.append((_op_index(op), path, "col"))
+    elif d == "k" or re.fullmatch(r"k_\d+", d):
+        out.linears.append((_op_index(op), path, "row"))
+    else:
+        return f"splits Linear dim {d!r} over tp; only 'n' (column-parallel) and 'k' (row-parallel) are executed"
+    return ""
+
+
+def _head_blocks(graph: Graph | None, ops: _TpOps, tp: int) -> dict[str, tuple[int, ...]]:
+    """Projection module -> the blocks the head-split attention ops read of its output; each such
+    projection must be column-parallel in the strategy."""
+    heads: dict[str, tuple[int, ...]] = {}
+    if not ops.attention:
+        return heads
+    splits, why = head_split(graph, ops.attention, tp) if graph is not None else (
+        [], [f"attention op {ops.attention[0][0]!r} is split over tp but the model could not be captured to check "
+             "its inputs"])
+    for h in splits:
+        if h.module not in {p for _, p, k in ops.linears if k == "col"}:
+            why.append(f"attention op(s) {', '.join(op for op, _ in ops.attention[:3])} are head-parallel but their "
+                       f"input projection {h.module!r} is not column-parallel in the strategy")
+        heads[h.module] = h.segments
+    if why:
+        raise Unsupported("the torch backend cannot execute this strategy exactly: " + "; ".join(why[:3]))
+    return heads
+
+
+def _tp_styles(graph: Graph | None, ops: _TpOps, heads: dict[str, tuple[int, ...]],
+               modules: dict[str, nn.Module]) -> dict[str, str]:
+    """Module path -> its tensor-parallel style (``ExecPlan.tp_plan``): each column-parallel Linear
+    paired with the row-parallel one its shards reach (Megatron), else gathered or fed to the
+    class-parallel loss; each row-parallel Linear must be such a partner (or read head shards)."""
     seen: dict[str, str] = {}
     partners: set[str] = set()  # row-parallel Linears a column-parallel one feeds
-    for j, (_, path, kind) in enumerate(linears):
+    for j, (_, path, kind) in enumerate(ops.linears):
         dst = None
         if path in seen and seen[path] != kind:
             raise Unsupported(f"module {path!r} is called more than once with different tp placements")
@@ -251,14 +308,14 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
             # pairing) or by a class-parallel loss; otherwise it must be gathered. With the graph the
             # partner is the row-parallel Linear its shards reach through pointwise ops; without it,
             # the next Linear in op order.
-            rows = [p for _, p, k in linears[j + 1:] if k == "row"]
+            rows = [p for _, p, k in ops.linears[j + 1:] if k == "row"]
             if graph is None:
-                dst = rows[0] if j + 1 < len(linears) and linears[j + 1][2] == "row" else None
-                to_loss = loss_parallel
+                dst = rows[0] if j + 1 < len(ops.linears) and ops.linears[j + 1][2] == "row" else None
+                to_loss = ops.loss_parallel
             else:
-                cols = frozenset(p for _, p, k in linears if k == "col")
+                cols = frozenset(p for _, p, k in ops.linears if k == "col")
                 dst = next((r for r in rows if sharded_consumer(graph, path, r, cols) is None), None)
-                to_loss = loss_parallel and sharded_consumer(graph, path, None, cols) is None
+                to_loss = ops.loss_parallel and sharded_consumer(graph, path, None, cols) is None
             kind = "col" if dst else ("col_to_loss" if to_loss else "col_gather")
             if dst:
                 a, b = modules[path], modules[dst]
@@ -269,20 +326,19 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
         seen[path] = kind
         if kind == "col" and dst:
             partners.add(dst)
-    heads_ops = frozenset(op for op, _ in attention)
-    for _, path, kind in linears if graph is not None else ():
+    heads_ops = frozenset(op for op, _ in ops.attention)
+    for _, path, kind in ops.linears if graph is not None else ():
         if kind == "row" and path not in partners and not reads_head_shards(graph, path, heads_ops):
             raise Unsupported(f"row-parallel Linear {path!r} reads an input that no column-parallel Linear or "
                               "head-parallel attention leaves split over tp in the model's graph: the strategy's "
                               "placements are not a Megatron pairing here")
-    for path in embeddings:
+    for path in ops.embeddings:
         seen[path] = "emb_row"
-    tied, why = tied_shards(model, seen)
-    if why:
-        raise Unsupported("the torch backend cannot execute this strategy exactly: " + "; ".join(why[:3]))
-    if loss_parallel and not any(k == "col_to_loss" for k in seen.values()):
-        raise Unsupported("cross entropy is class-parallel over tp but no column-parallel Linear produces its "
-                          "logits")
+    return seen
+
+
+def _check_modules(s: Strategy, model: nn.Module, graph: Graph | None, modules: dict[str, nn.Module]) -> None:
+    """The modules the plan's recomputation checkpoints and its expert parallelism splits exist in ``model``."""
     if s.recompute in ("full", "op") and graph is not None:
         absent = [b for b in recompute_blocks(graph) if b not in modules]
         if absent:
@@ -295,7 +351,13 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
         if not expert_modules(model) or bad:
             raise Unsupported(f"ep={s.ep}: " + (f"experts module {bad[0]!r} has experts not divisible by ep" if bad
                               else "the model has no HF experts module (3-D gate_up_proj / down_proj) to split"))
-    dp_kind = "none" if s.dp * s.sp == 1 else ("fsdp" if s.zero_stage >= 1 else "ddp")
+
+
+def _graph_stages(s: Strategy, model: nn.Module, batch: Any, graph: Graph | None, seen: dict[str, str],
+                  fused: dict[str, tuple[int, ...]]) -> Any:
+    """The exported graph cut into the strategy's pipeline stages (a ``._pipeline.PipelinePlan``);
+    with ``pp == 1`` the graph rewritten on local shards as one stage, where the model's own forward
+    fails on a rank's shards (its views sized from its configuration); None when neither is needed."""
     pipe = None
     eager_why = None  # why the model's own forward cannot run on a rank's shards
     if s.pp == 1 and s.tp > 1 and s.sp == 1 and batch is not None:
@@ -311,17 +373,11 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
                 raise Unsupported("tensor parallelism inside pipeline stages: " + "; ".join(uneven[:2]))
             # With pp == 1, the exported graph rewritten on local shards runs as one stage: it
             # computes what the forward computes, with view sizes rewritten to the local ones.
-            pipe = pipeline_plan(s, model, batch, graph, tp_kinds=dict(seen),
-                                 fused={p: seg for p, seg in heads.items() if len(seg) > 1})
+            pipe = pipeline_plan(s, model, batch, graph, tp_kinds=dict(seen), fused=fused)
         except Unsupported as e:
             if not eager_why:
                 raise
             raise Unsupported(f"tp={s.tp}: the model's forward fails on a rank's shards ({eager_why}), and its "
                               f"exported graph cannot be rewritten on them either ({e}); search with "
                               "constraints={'tp': 1}") from None
-    return ExecPlan.from_record(
-        s, data_parallel=dp_kind, tp_plan=tuple(sorted(seen.items())), loss_parallel=loss_parallel,
-        global_batch=s.global_batch, pipeline=pipe,
-        fused=tuple(sorted((p, seg) for p, seg in heads.items() if len(seg) > 1)),
-        tied=tuple(tied), positions=tuple(position_embeddings(graph)) if s.sp > 1 and graph else (),
-        recompute_blocks=tuple(recompute_blocks(graph)) if s.recompute in ("full", "op") and graph else ())
+    return pipe
