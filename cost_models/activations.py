@@ -1,12 +1,13 @@
 """What a training step keeps for its backward, and at which widths the torch backend holds tensors.
 
 :func:`kept_tensors` lists autograd's saved tensors of a captured graph (what each op's backward
-keeps: torch's ``derivatives.yaml``), :func:`activation_bytes` what one op stores,
-:func:`segment_activations` the sums per layer segment, :func:`recomputed_segments` and
-:func:`segment_inputs` what full recomputation checkpoints and keeps. :func:`sent_widths` gives the
-bytes per element of every tensor as the torch backend holds it under ``torch.autocast`` (the widths
-pipeline transfers and autocast's casts are priced at), :func:`crossing` the tensors read after the
-op that writes them, and :func:`loss_transient` the peak an eager cross-entropy adds.
+keeps: torch's ``derivatives.yaml``, the elementwise ops' tables in :mod:`polyparallel.ops`),
+:func:`activation_bytes` what one op stores, :func:`segment_activations` the sums per layer segment,
+:func:`recomputed_segments` and :func:`segment_inputs` what full recomputation checkpoints and keeps.
+:func:`sent_widths` gives the bytes per element of every tensor as the torch backend holds it under
+``torch.autocast`` (the widths pipeline transfers and autocast's casts are priced at),
+:func:`crossing` the tensors read after the op that writes them, and :func:`loss_transient` the peak
+an eager cross-entropy adds.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from polyparallel.ir import (
     TensorKind,
     element_bytes,
 )
-from polyparallel.ops import DROPOUT_TARGETS
+from polyparallel.ops import DROPOUT_TARGETS, NO_GRAD, SAVES_OPERANDS, aten_name, backward_saves
 
 from .compute import AUTOCAST_LOW, is_sdpa, math_sdpa_saved_bytes, math_sdpa_upcasts
 from .layers import LAYER, chunks, segments
@@ -36,32 +37,10 @@ __all__ = ["activation_bytes", "crossing", "kept_tensors", "loss_transient", "op
            "op_policy_saved", "recomputed_segments", "segment_activations", "segment_inputs", "sent_widths"]
 
 
-# what an absorbed elementwise op's backward keeps (torch's derivatives.yaml): nothing, its output,
-# or (the default: gelu, silu, mul, div, pow, sin, ...) its input
-# (masked_fill's backward zeroes the gradient where the mask is set: it keeps the boolean mask only)
-_SAVES_NOTHING = frozenset({"add", "sub", "rsub", "neg", "to", "_to_copy", "clone", "contiguous", "alias", "type_as",
-                            "mul.Scalar", "div.Scalar", "add.Scalar", "sub.Scalar", "masked_fill"})
-_SAVES_OUTPUT = frozenset({"relu", "sigmoid", "tanh", "exp", "rsqrt", "sqrt", "reciprocal"})
-
-
-def _saves(target: str) -> str:
-    """``nothing``, ``output``, ``input`` or ``mask``: what the backward of the elementwise op
-    ``target`` keeps (a dropout its boolean mask, one byte per element: torch's ``native_dropout``,
-    Megatron's uint8 mask)."""
-    parts = target.split(".")
-    base = parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[0]
-    overload = f"{base}.{parts[2]}" if parts[0] == "aten" and len(parts) > 2 else base
-    if base in _SAVES_NOTHING or overload in _SAVES_NOTHING:
-        return "nothing"
-    if base in DROPOUT_TARGETS:
-        return "mask"
-    return "output" if base in _SAVES_OUTPUT else "input"
-
-
 def _dropout_masks(op: Op) -> int:
     """How many dropout masks ``op`` keeps for its backward: itself a dropout, or dropouts absorbed
     into it (``attrs["fused"]``); each is one byte per element of the op's output."""
-    return (_base(op.target) in DROPOUT_TARGETS) + sum(_base(t) in DROPOUT_TARGETS for t in op.attr.get("fused", ()))
+    return sum(aten_name(t) in DROPOUT_TARGETS for t in (op.target, *op.attr.get("fused", ())))
 
 
 def _fused_temporaries(op: Op) -> int:
@@ -73,30 +52,19 @@ def _fused_temporaries(op: Op) -> int:
     kept: set[int] = set()
     chain = op.attr.get("fused", ())
     if chain and (OpKind(op.kind) is OpKind.SOFTMAX or (OpKind(op.kind) is OpKind.ELEMENTWISE
-                                                        and _saves(op.target) == "output")):
+                                                        and backward_saves(op.target) == "output")):
         kept.add(0)  # the op's own output, which its backward reads (a softmax's probabilities before a dropout)
     # the absorbed ops' statements, appended last by fuse_elementwise in the chain's order
     absorbed = op.nest.statements[len(op.nest.statements) - len(chain):] if op.nest is not None and chain else ()
     for i, target in enumerate(chain, start=1):
-        how = "nothing" if _base(target) in _NO_GRAD else _saves(target)
-        if _base(target) in ("mul", "div") and i <= len(absorbed) and len(absorbed[i - 1].reads) == 1:
+        how = "nothing" if aten_name(target) in NO_GRAD else backward_saves(target)
+        if aten_name(target) in ("mul", "div") and i <= len(absorbed) and len(absorbed[i - 1].reads) == 1:
             how = "nothing"  # by a constant (attention's scale): autograd saves the constant only
         if how == "input":
             kept.add(i - 1)
         elif how == "output" and i < len(chain):
             kept.add(i)
     return len(kept)
-
-
-_NO_GRAD = frozenset({"eq", "ne", "le", "lt", "ge", "gt", "__and__", "__or__", "__xor__", "logical_and", "logical_or",
-                      "logical_not", "bitwise_and", "bitwise_or", "bitwise_not", "isnan", "isinf", "sign"})
-_FLOATS = ("float32", "float16", "bfloat16", "float64")
-_BINARY_SAVERS = frozenset({"mul", "div", "where", "maximum", "minimum", "pow", "atan2"})
-
-
-def _base(target: str) -> str:
-    parts = target.split(".")
-    return parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[0]
 
 
 def kept_tensors(graph: Graph) -> tuple[frozenset[str], dict[str, int]]:
@@ -130,23 +98,23 @@ def kept_tensors(graph: Graph) -> tuple[frozenset[str], dict[str, int]]:
 
     for op in graph.ops:
         acts = [t for t in op.inputs if graph.tensors[t].kind is not TensorKind.PARAM]
-        floats = [t for t in acts if graph.tensors[t].dtype in _FLOATS]
+        floats = [t for t in acts if graph.tensors[t].dtype in FLOAT_DTYPES]
         if not any(t in grad for t in op.inputs):
             continue  # autograd records nothing
-        kind, base = OpKind(op.kind), _base(op.target)
+        kind, base = OpKind(op.kind), aten_name(op.target)
         chain = op.attr.get("fused", ())
-        if base not in _NO_GRAD:
-            grad.update(t for t in op.outputs if graph.tensors[t].dtype in _FLOATS)
+        if base not in NO_GRAD:
+            grad.update(t for t in op.outputs if graph.tensors[t].dtype in FLOAT_DTYPES)
         main = acts
         temps[op.name] = _fused_temporaries(op)
         if chain and kind in (OpKind.CONTRACTION, OpKind.CONV, OpKind.ELEMENTWISE):
             # the fused op's own inputs come first, those of the absorbed ops after them
             if kind is OpKind.ELEMENTWISE:
-                n_main = 2 if base in _BINARY_SAVERS or base in ("add", "sub", "rsub") else 1
+                n_main = 2 if base in SAVES_OPERANDS or base in ("add", "sub", "rsub") else 1
             else:
                 n_main = 1 if any(graph.tensors[t].kind is TensorKind.PARAM for t in op.inputs) else 2
             main = [t for t in acts if t in floats[:n_main] or t not in floats]
-            if any(_base(c) in _BINARY_SAVERS for c in chain):
+            if any(aten_name(c) in SAVES_OPERANDS for c in chain):
                 for t in floats[n_main:]:
                     keep(t)
         if kind is OpKind.ATTENTION:
@@ -162,11 +130,11 @@ def kept_tensors(graph: Graph) -> tuple[frozenset[str], dict[str, int]]:
         elif kind is OpKind.POOL and "max" in base:
             for t in main:
                 keep(t)
-        elif kind is OpKind.ELEMENTWISE and base not in _NO_GRAD:
-            how = _saves(op.target)
+        elif kind is OpKind.ELEMENTWISE and base not in NO_GRAD:
+            how = backward_saves(op.target)
             if how == "input":
                 for t in main:
-                    if t in floats and (base not in _BINARY_SAVERS or any(o in grad for o in main if o != t)):
+                    if t in floats and (base not in SAVES_OPERANDS or any(o in grad for o in main if o != t)):
                         keep(t)
             elif how == "output" and not chain:
                 kept.update(op.outputs)
@@ -175,7 +143,7 @@ def kept_tensors(graph: Graph) -> tuple[frozenset[str], dict[str, int]]:
         elif kind is OpKind.REDUCE and base in ("amax", "max", "min", "amin", "prod", "var", "std", "norm"):
             for t in main:
                 keep(t)
-        if chain and _saves(chain[-1]) == "output":
+        if chain and backward_saves(chain[-1]) == "output":
             kept.update(op.outputs)
     cache[("kept",)] = (frozenset(kept), temps)
     return cache[("kept",)]

@@ -7,6 +7,7 @@ shapes has no affine description (the frontend then keeps it as an opaque op).
 """
 
 from ._attention import attention
+from ._autograd import NO_GRAD, SAVES_NOTHING, SAVES_OPERANDS, SAVES_OUTPUT, aten_name, backward_saves
 from ._common import NotModelled, broadcast_shapes
 from ._contraction import einsum, linear, matmul
 from ._conv import adaptive_pool, conv, conv_transpose, out_extent, pool
@@ -32,10 +33,16 @@ from ._view import (
 __all__ = [
     "DROPOUT_TARGETS",
     "FLOPS_PER_ELEMENT",
+    "NO_GRAD",
+    "SAVES_NOTHING",
+    "SAVES_OPERANDS",
+    "SAVES_OUTPUT",
     "NotModelled",
     "adaptive_pool",
     "advanced_index",
+    "aten_name",
     "attention",
+    "backward_saves",
     "batch_norm",
     "broadcast_shapes",
     "concat",
