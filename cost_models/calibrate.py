@@ -91,23 +91,19 @@ from typing import Any
 from polyparallel.ir import OpKind
 
 from .compute import BACKWARD_FACTOR, DEFAULT_BACKWARD_FACTOR, attention_flops
-from .machine_load import STOLEN, calibration_warnings, cpu_clock, load_average, other_work, stolen_since
+from .machine_load import calibration_warnings, cpu_clock, load_average, other_work
 
-# STOLEN, cpu_clock and stolen_since are re-exported for backends/torch/op_timing.py, which imports them from
-# here; their home is machine_load.py
 __all__ = [
     "ATTENTION_SHAPES",
     "GEMM_LARGE",
     "GEMM_SMALL",
     "OPTIMIZER_WORKING_SETS",
-    "STOLEN",
     "THREADS_PER_PROCESS",
     "TRAINING_OP_CLASSES",
     "allreduce_sizes",
     "attention_flops",
     "attention_rows",
     "calibrate",
-    "cpu_clock",
     "fit_alpha_beta",
     "fit_training_op_overhead",
     "free_port",
@@ -118,7 +114,6 @@ __all__ = [
     "optimizer_tensor_floor",
     "run_group",
     "slowest_rank",
-    "stolen_since",
     "tp_kernel_overhead",
     "training_op_floor",
 ]

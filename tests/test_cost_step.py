@@ -132,7 +132,7 @@ def test_ulysses_sequence_parallel_adds_all_to_all():
     (ParallelConfig(pipeline_p2p="nccl"), "pipeline_p2p"),
     (ParallelConfig(grad_accumulation="fused"), "grad_accumulation"),
     (ParallelConfig(grad_accumulation="cast_add"), "16-bit gradients"),
-    (ParallelConfig(dp=0), "dp must be"),
+    (ParallelConfig(dp=0), "dp=0: give a whole number"),
     (ParallelConfig(pp=2, devices=(0,)), "lists 1 devices"),
 ])
 def test_config_validation(cfg, msg):

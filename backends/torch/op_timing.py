@@ -18,7 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from polyparallel.cost_models.calibrate import STOLEN, cpu_clock, fit_alpha_beta, stolen_since
+from polyparallel.cost_models.calibrate import fit_alpha_beta
+from polyparallel.cost_models.machine_load import STOLEN, cpu_clock, stolen_since
 from polyparallel.cost_models.op_profile import OpProfile, with_profile
 from polyparallel.cost_models.profile_fit import build_profile
 from polyparallel.ir import Graph

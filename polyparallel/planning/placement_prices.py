@@ -12,6 +12,7 @@ from typing import Any
 
 from polyparallel.cost_models import ParallelConfig
 from polyparallel.cost_models.megatron_rule import op_plans as rule_op_plans
+from polyparallel.cost_models.memory import OPTIMIZER_STATE_BYTES
 from polyparallel.cost_models.parallel_config import OpPlan
 from polyparallel.ir import FLOAT_DTYPES, TRAINING_DTYPE_BYTES, Graph, Hint, Op, TensorKind
 from polyparallel.planning.executability import executor
@@ -149,7 +150,7 @@ def param_cost_of(g: Graph, cfg: ParallelConfig, device: Any, mesh: Any) -> Any:
     a weight over ``tp`` is then not free for the solver either."""
     gb = TRAINING_DTYPE_BYTES[cfg.dtype]
     master = 4 if gb < 4 else 0
-    state = 8 if cfg.optimizer in ("adam", "adamw", "lamb") else 4 if cfg.optimizer in ("sgd_momentum", "lion") else 0
+    state = OPTIMIZER_STATE_BYTES[cfg.optimizer]
     shard = cfg.dp * cfg.sp if cfg.zero_stage >= 1 else 1
     per_elem = (3 * gb + 2 * (master + state)) / shard / (0.8 * device.memory_bandwidth) / cfg.microbatches
     owned: dict[str, float] = {}
