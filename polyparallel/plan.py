@@ -134,10 +134,9 @@ class Plan:
         return Plan(**{f: getattr(self, f) for f in PLAN_FIELDS})
 
     def record_fields(self, names: tuple[str, ...] | None = None) -> dict[str, Any]:
-        """The plan as a Strategy's fields (``chunks`` folded into the schedule label,
-        ``sequence_parallel`` left out: a Strategy does not record it), or only ``names`` of them
-        (:data:`CENTER_FIELDS`: a collaborative center's plan)."""
-        names = names or tuple(f for f in PLAN_FIELDS if f not in ("chunks", "sequence_parallel"))
+        """The plan as a Strategy's fields (``chunks`` folded into the schedule label), or only
+        ``names`` of them (:data:`CENTER_FIELDS`: a collaborative center's plan)."""
+        names = names or tuple(f for f in PLAN_FIELDS if f != "chunks")
         return {f: self.schedule_label if f == "schedule" else getattr(self, f) for f in names}
 
     @classmethod

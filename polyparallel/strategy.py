@@ -180,6 +180,8 @@ class Strategy(_Model):
     schedule: str = "1f1b"
     zero_stage: int = Field(0, ge=0, le=3)
     recompute: Literal["none", "selective", "op", "full"] = "none"
+    sequence_parallel: bool = Field(False, description="Megatron sequence parallelism inside tensor parallelism: "
+                                    "norms, dropouts and residuals split along the sequence over the tp ranks")
     dtype: str = "fp32"
     mesh: Mesh
     stages: list[Stage] = Field(default_factory=list)

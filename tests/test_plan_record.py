@@ -80,3 +80,23 @@ def test_a_center_plan_is_the_record_s_center_fields() -> None:
     plan = normalize_plan({"tp": 2}, 4, "a")
     assert set(plan) == set(PLAN_KEYS)
     assert Plan.from_record(plan) == Plan(dp=2, tp=2, zero_stage=3)
+
+
+def test_megatron_sequence_parallelism_is_recorded_and_refused_with_its_reason() -> None:
+    """A plan knob the record gained: the strategy keeps it (an older file without it loads as off), and
+    the torch backend, which does not split norms along the sequence, refuses it by name."""
+    from polyparallel.backends.torch import Unsupported, plan_for
+    from polyparallel.models import example_module
+
+    s = pp.search("gpt-tiny", cluster="local-cpu:4", batch_size=8, constraints={"tp": 2, "sequence_parallel": True})
+    assert s.sequence_parallel and s.plan.sequence_parallel and s.tp == 2
+    assert "planning only" in s.search.notes[0] and "sequence_parallel" in s.search.notes[0]
+    assert Strategy.from_json(s.to_json()).sequence_parallel
+    older = s.to_dict()
+    del older["sequence_parallel"]
+    assert not Strategy.from_dict(older).sequence_parallel
+    model = example_module("gpt-tiny")
+    with pytest.raises(Unsupported, match="sequence_parallel"):
+        plan_for(s, model)
+    off = pp.evaluate("gpt-tiny", cluster="local-cpu:4", batch_size=8, tp=2)
+    assert not off.sequence_parallel

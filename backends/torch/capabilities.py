@@ -111,6 +111,11 @@ def plan_problems(graph: Graph | None, s: Plan) -> list[str]:
     if s.dtype not in EXECUTED_DTYPES:
         why.append(f"dtype {s.dtype!r}: the torch backend trains in {', '.join(EXECUTED_DTYPES)}; search with "
                    "constraints={'dtype': 'bf16'} (or 'fp32', 'fp16')")
+    if s.sequence_parallel:
+        why.append("sequence_parallel (Megatron's: norms, dropouts and residuals split along the sequence inside "
+                   "tensor parallelism) is priced, not executed: the torch backend keeps them whole on every tp rank; "
+                   "search without it (--sequence-parallel, constraints={'sequence_parallel': True}) for a plan "
+                   "polyparallel train runs")
     if s.recompute not in EXECUTED_RECOMPUTE:
         why.append(f"recompute={s.recompute!r}: the torch backend recomputes {', '.join(EXECUTED_RECOMPUTE)}; search "
                    "with constraints={'recompute': 'none'}")
