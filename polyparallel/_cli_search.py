@@ -57,10 +57,10 @@ def _summary(s: Strategy) -> list[str]:
     lines = [f"{s.model.name}: {s.mode} plan on {s.cluster.get('name', '?')} ({len(s.mesh.devices)} devices), "
              f"global batch {s.global_batch}"]
     if s.mode == "synchronous":
-        sched = s.schedule
         ep = f" ep={s.ep}" if s.ep > 1 else ""
-        lines.append(f"  dp={s.dp} tp={s.tp} pp={s.pp} sp={s.sp}{ep}, {s.microbatches} micro-batches ({sched}), "
-                     f"ZeRO-{s.zero_stage}, recompute {s.recompute}, {s.dtype}")
+        seq = " with Megatron sequence parallelism" if s.sequence_parallel else ""
+        lines.append(f"  dp={s.dp} tp={s.tp}{seq} pp={s.pp} sp={s.sp}{ep}, {s.microbatches} micro-batches "
+                     f"({s.schedule}), ZeRO-{s.zero_stage}, recompute {s.recompute}, {s.dtype}")
     elif s.collaborative:
         c = s.collaborative
         lines.append(f"  {len(c.centers)} centers, fusion {c.fusion} every H={c.local_steps} local steps, "
