@@ -494,7 +494,7 @@ class _Ranks:
     dp: int
     sp: int
     tp: int
-    replicas: Any  # the ranks holding replicas of this stage's parameters: dp, times sp (other tokens)
+    replicas: Any  # the ranks holding replicas of this stage's parameters: dp, times sp (shards see other tokens)
 
 
 def _ranks(pipe: PipelinePlan, dp: int, device: torch.device) -> _Ranks:
