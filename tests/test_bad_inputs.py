@@ -37,7 +37,7 @@ CLI_CASES = [
     (["search", "gpt-tiny", "--devices", "0"], ["devices=0", ">= 1"]),
     (["search", "gpt-tiny", "--dtype", "int4"], ["dtype='int4'", "bf16"]),
     (["search", "gpt-tiny", "--schedule", "zb"], ["schedule='zb'", "1f1b"]),
-    (["search", "gpt-tiny", "--zero", "5"], ["zero_stage=5", "0, 1, 2 or 3"]),
+    (["search", "gpt-tiny", "--zero", "5"], ["zero_stage=5", "0, 1, 2, 3"]),
     (["search", "gpt-tiny", "--recompute", "some"], ["recompute='some'", "selective"]),
     (["search", "gpt-tiny", "--mode", "async"], ["mode='async'", "collaborative"]),
     (["search", "gpt-tiny", "--memory-cap", "-1"], ["memory_cap", "> 0"]),
@@ -151,7 +151,7 @@ API_CASES = [
     (lambda: pp.search("gpt-tiny", X), ["brings its own example inputs"]),
     (lambda: pp.search("no-such-model"), ["no-such-model"]),
     (lambda: pp.evaluate(_mlp(), X, tp=0), ["tp=0", ">= 1"]),
-    (lambda: pp.Constraints(zero_stage=4), ["zero_stage=4", "0, 1, 2 or 3"]),
+    (lambda: pp.Constraints(zero_stage=4), ["zero_stage=4", "0, 1, 2, 3"]),
     (lambda: pp.Constraints(comm_fraction=2.0), ["comm_fraction", "between 0 and 1"]),
 ]
 
