@@ -1,29 +1,20 @@
-"""Layers and pipeline chunks: the one place that says which numbered layer an op belongs to
-(:data:`LAYER`, :func:`layer_of`), groups ops into layer segments and cuts them into pipeline chunks
-(balanced forward FLOPs by bisection on the bottleneck, or equal layer counts)."""
+"""Layer segments and pipeline chunks as the cost model prices them: ops grouped into the layers of
+the layer stack (:data:`~polyparallel.layers.LAYER`, re-exported here with :func:`layer_of` for the
+cost model and the executor) and cut into pipeline chunks at layer boundaries (balanced forward FLOPs
+by bisection on the bottleneck, or equal layer counts)."""
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 
 from polyparallel.ir import Graph
+from polyparallel.layers import LAYER, layer_of
 
 from .memo import PRICES
 from .parallel_config import ParallelConfig
 
 __all__ = ["LAYER", "chunk_of_ops", "chunk_ranges", "chunks", "layer_of", "layer_segments", "segment_of_op", "segments"]
-
-
-# a numbered layer's module path: ``h.3``, ``model.layers.7``, ``encoder.layer.1``, ``blocks.0``
-LAYER = re.compile(r"^(.*?\b(?:layers?|h|blocks?|layer)\.\d+)(?:\.|$)")
-
-
-def layer_of(module: str) -> str | None:
-    """The numbered layer a module path lies in (``model.layers.7.mlp`` -> ``model.layers.7``), or None."""
-    m = LAYER.match(module or "")
-    return m.group(1) if m else None
 
 
 def segments(graph: Graph) -> list[list[int]]:

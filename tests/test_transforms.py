@@ -18,17 +18,9 @@ import pytest
 from polyparallel import ops
 from polyparallel.frontends import GraphBuilder
 from polyparallel.ir import ANY, Graph, OpKind, TensorKind
-from polyparallel.transforms import (
-    Block,
-    balance,
-    canonicalize,
-    find_repeated_blocks,
-    fuse_elementwise,
-    history,
-    layer_chain,
-    partition,
-)
-from polyparallel.transforms import _best_repeat as best_repeat
+from polyparallel.layers import Block, balance, find_repeated_blocks, layer_chain, partition
+from polyparallel.layers import _best_repeat as best_repeat
+from polyparallel.transforms import canonicalize, fuse_elementwise, history
 
 # -- reference interpreter ----------------------------------------------------------------------------
 
@@ -882,10 +874,10 @@ def test_gpt2_capture_has_three_blocks():
     assert len(layer_chain(fuse_elementwise(c))) >= 5
 
 
-def test_docstring_examples_run():
+@pytest.mark.parametrize("name", ["polyparallel.transforms", "polyparallel.layers"])
+def test_docstring_examples_run(name):
     import doctest
+    import importlib
 
-    import polyparallel.transforms as mod
-
-    res = doctest.testmod(mod)
+    res = doctest.testmod(importlib.import_module(name))
     assert res.attempted >= 3 and res.failed == 0

@@ -53,7 +53,7 @@ as the step model prices it.
   neighbours ``N(o)``; ops are eliminated smallest-table first, and the argmin tables
   give the optimum back. On a chain this *is* the DP along the chain; with residual
   connections the tables stay small (a transformer block's width is 2-3).
-* *blocks*: for repeated blocks (:func:`polyparallel.transforms.find_repeated_blocks`)
+* *blocks*: for repeated blocks (:func:`polyparallel.layers.find_repeated_blocks`)
   one instance is solved with its boundary as DP state: eliminating the interior of
   instance ``m`` leaves ``F(s_in, s_out)``, a table over the placements of the ops that
   feed it (state in) and of its ops read later (state out). Instances ``1..L-1`` of a
@@ -91,9 +91,9 @@ from polyparallel.cost_models.memo import PRICES
 from polyparallel.cost_models.step import op_seconds
 from polyparallel.ir import ANY as _ANY
 from polyparallel.ir import FLOAT_DTYPES, TRAINING_DTYPE_BYTES, Graph, Op, TensorKind, element_bytes
+from polyparallel.layers import find_repeated_blocks
 from polyparallel.poly import comm_of_op, edge_costs, legal_placements
 from polyparallel.poly._cache import signature_of
-from polyparallel.transforms import find_repeated_blocks
 
 __all__ = ["FORBIDDEN", "PlacementPlan", "PlacementTables", "param_split", "price_placements", "solve_placements",
            "solve_stage", "work_split"]
