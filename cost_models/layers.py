@@ -1,15 +1,15 @@
 """Layer segments and pipeline chunks as the cost model prices them: ops grouped into the layers of
 the layer stack (:data:`~polyparallel.layers.LAYER`, re-exported here with :func:`layer_of` for the
-cost model and the executor) and cut into pipeline chunks at layer boundaries (balanced forward FLOPs
-by bisection on the bottleneck, or equal layer counts)."""
+cost model and the executor) and cut into pipeline chunks at layer boundaries (balanced forward FLOPs,
+:func:`polyparallel.layers.partition`'s ``"first_fit"`` cut, or equal layer counts)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 from polyparallel.ir import Graph
 from polyparallel.layers import LAYER, layer_of
+from polyparallel.layers import partition as min_max_partition
 
 from .memo import PRICES
 from .parallel_config import ParallelConfig
@@ -84,7 +84,9 @@ def chunks(graph: Graph, k: int, partition: str) -> list[int]:
         sf = cache.get(("seg_flops",))
         if sf is None:
             sf = cache[("seg_flops",)] = [float(sum(graph.ops[i].flops for i in s)) + 1.0 for s in segs]
-        starts = _partition(sf, k)
+        if k > len(sf):
+            raise ValueError(f"cannot cut {len(sf)} layers into {k} pipeline chunks: use fewer stages/chunks")
+        starts = min_max_partition(sf, k, ties="first_fit")[0][:-1]
     out = [0] * len(graph.ops)
     for g, (a, b) in enumerate(zip(starts, [*starts[1:], len(segs)])):
         for sg in segs[a:b]:
@@ -92,38 +94,6 @@ def chunks(graph: Graph, k: int, partition: str) -> list[int]:
                 out[i] = g
     cache[key] = out
     return out
-
-
-def _partition(weights: Sequence[float], k: int) -> list[int]:
-    """Cut a sequence into ``k`` contiguous non-empty parts minimising the largest sum; returns starts."""
-    n = len(weights)
-    if k > n:
-        raise ValueError(f"cannot cut {n} layers into {k} pipeline chunks: use fewer stages/chunks")
-
-    def cuts(limit: float) -> list[int] | None:
-        starts, acc = [0], 0.0
-        for i, w in enumerate(weights):
-            if acc + w > limit and acc > 0:
-                starts.append(i)
-                acc = 0.0
-            acc += w
-        return starts if len(starts) <= k else None
-
-    lo, hi = max(weights), sum(weights)
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if cuts(mid) is None:
-            lo = mid
-        else:
-            hi = mid
-    starts = cuts(hi) or [0]
-    # every chunk must be non-empty: split the largest parts until there are k
-    while len(starts) < k:
-        bounds = [*starts, n]
-        sizes = [(bounds[j + 1] - bounds[j], j) for j in range(len(starts))]
-        size, j = max(sizes)
-        starts.insert(j + 1, bounds[j] + size // 2)
-    return starts
 
 
 def _uniform_layers(graph: Graph, segs: list[list[int]], k: int) -> list[int]:

@@ -33,7 +33,9 @@ left and right of it. One numpy pass per period: O(n²) elementary comparisons, 
 
 **Balance** (:func:`balance`, :func:`partition`): split costs ``x_1..x_n >= 0`` into
 ``K`` contiguous non-empty parts minimising the largest part sum (exact DP; proof in
-:func:`partition`).
+:func:`partition`). The one min-max partitioner: :func:`balance` and :func:`layer_chain`
+cut ops with it, the cost model's pipeline chunks (``polyparallel.cost_models.layers``)
+cut layer segments with it.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import math
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -232,7 +235,8 @@ def find_repeated_blocks(graph: Graph, *, min_length: int = 2, min_count: int = 
 # -- balancing ---------------------------------------------------------------------------------------
 
 
-def partition(costs: Sequence[float], k: int) -> tuple[tuple[int, ...], float]:
+def partition(costs: Sequence[float], k: int, *,
+              ties: Literal["backtrack", "first_fit"] = "backtrack") -> tuple[tuple[int, ...], float]:
     """Split ``costs`` into ``k`` contiguous non-empty parts minimising the largest part sum.
 
     Returns the ``k + 1`` boundaries ``0 = c_0 < c_1 < ... < c_k = n`` and the optimum.
@@ -255,41 +259,80 @@ def partition(costs: Sequence[float], k: int) -> tuple[tuple[int, ...], float]:
     first ``t*`` with ``F_{j-1}(t*) + S_{t*} >= S_i`` — found by binary search because
     ``F_{j-1}(t) + S_t`` is non-decreasing — or at ``t* - 1``; clipping ``t*`` to the
     feasible range keeps this true (the function is monotone on either side). Every
-    ``i`` is solved at once with ``numpy.searchsorted``: O(k · n log n).
+    ``i`` is solved at once with ``numpy.searchsorted``: O(k · n log n). Whole-number costs
+    (FLOPs, bytes; total below 2**61) are summed in integers, so equal parts tie exactly also
+    where float64 would round (a LLaMA-8B micro-batch's forward FLOPs sum past 2**53);
+    other costs in float64.
+
+    Which optimal partition (there are often many: the parts off the bottleneck have slack),
+    as ``ties`` says:
+
+    * ``"backtrack"``: the recursion's own, read back from ``i = n``: the last part of the
+      first ``i`` items starts at the crossing ``t*`` unless ``t* - 1`` is strictly better.
+      :func:`balance` and :func:`layer_chain` cut this way.
+    * ``"first_fit"``: left to right, every part takes as many items as the optimum ``B``
+      allows. That is feasible: its ``j``-th cut is at or after that of any partition whose
+      parts sum to at most ``B`` (induction on ``j``: ``S_i - S_t`` does not grow with
+      ``t``, also in floating point), so it makes at most ``k`` parts; while they are fewer,
+      the part of most items (the later on ties) is halved, which never raises the largest
+      sum. The cost model's pipeline chunks cut this way (early chunks full).
 
     Examples:
         >>> partition([1, 2, 3, 4, 5], 2)
         ((0, 3, 5), 9.0)
+        >>> partition([4, 1, 1, 1, 1], 3), partition([4, 1, 1, 1, 1], 3, ties="first_fit")
+        (((0, 1, 2, 5), 4.0), ((0, 1, 3, 5), 4.0))
     """
+    if ties not in ("backtrack", "first_fit"):
+        raise ValueError(f"ties={ties!r}: give 'backtrack' or 'first_fit'")
     x = np.asarray(costs, dtype=np.float64)
     n = len(x)
     if k < 1 or k > n:
         raise ValueError(f"cannot split {n} item(s) into {k} non-empty part(s); use 1 <= parts <= {n}")
     if not np.all(np.isfinite(x)) or (n and x.min() < 0):
         raise ValueError("costs must be finite and non-negative")
-    S = np.concatenate(([0.0], np.cumsum(x)))
+    # whole costs (FLOPs, bytes) are summed in integers: equal parts tie exactly, also past 2**53
+    exact = n > 0 and float(x.sum()) < 2.0**61 and bool(np.all(x == np.floor(x)))
+    S = np.concatenate(([0], np.cumsum(x.astype(np.int64)))) if exact else np.concatenate(([0.0], np.cumsum(x)))
+    inf = 2**62 if exact else np.inf  # above every sum
     F = S.copy()  # F_1(i) = S_i
     arg = np.zeros((k + 1, n + 1), dtype=np.int64)
     i = np.arange(n + 1)
     for j in range(2, k + 1):
         h = F + S  # non-decreasing in t on the feasible range t >= j - 1
-        h[: j - 1] = -np.inf  # infeasible t: keep h sorted; they are clipped away below
+        h[: j - 1] = -inf  # infeasible t: keep h sorted; they are clipped away below
         t = np.searchsorted(h, S, side="left")
         lo, hi = j - 1, np.maximum(i - 1, j - 1)
-        best_val = np.full(n + 1, np.inf)
+        best_val = np.full(n + 1, inf, dtype=S.dtype)
         best_t = np.zeros(n + 1, dtype=np.int64)
         for cand in (np.clip(t, lo, hi), np.clip(t - 1, lo, hi)):
             val = np.maximum(F[cand], S - S[cand])
             better = val < best_val
             best_val = np.where(better, val, best_val)
             best_t = np.where(better, cand, best_t)
-        best_val[:j] = np.inf  # fewer items than parts
+        best_val[:j] = inf  # fewer items than parts
         F, arg[j] = best_val, best_t
+    if ties == "first_fit":
+        return _first_fit(S.tolist(), k, F[n].item()), float(F[n])
     cuts = [n]
     for j in range(k, 1, -1):
         cuts.append(int(arg[j][cuts[-1]]))
     cuts.append(0)
     return tuple(reversed(cuts)), float(F[n])
+
+
+def _first_fit(S: list[int] | list[float], k: int, limit: float) -> tuple[int, ...]:
+    """Boundaries of :func:`partition`'s ``"first_fit"`` cut of the items with prefix sums ``S``."""
+    n = len(S) - 1
+    starts = [0]
+    for i in range(1, n):
+        if S[i + 1] - S[starts[-1]] > limit:
+            starts.append(i)
+    while len(starts) < k:
+        bounds = [*starts, n]
+        size, j = max((bounds[j + 1] - bounds[j], j) for j in range(len(starts)))
+        starts.insert(j + 1, bounds[j] + size // 2)
+    return (*starts, n)
 
 
 @dataclass(frozen=True)

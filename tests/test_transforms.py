@@ -686,17 +686,52 @@ def brute_partition(x, k):
     return best
 
 
+@pytest.mark.parametrize("ties", ["backtrack", "first_fit"])
 @pytest.mark.parametrize("seed", range(60))
-def test_partition_is_optimal(seed):
+def test_partition_is_optimal(seed, ties):
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 10))
     k = int(rng.integers(1, n + 1))
     x = [int(v) for v in rng.integers(0, 20, n)] if seed % 3 else [int(v) for v in rng.integers(0, 2, n)]
-    cuts, best = partition(x, k)
+    cuts, best = partition(x, k, ties=ties)
     assert best == brute_partition(x, k)
     assert len(cuts) == k + 1 and cuts[0] == 0 and cuts[-1] == n
     assert all(u < v for u, v in itertools.pairwise(cuts))
     assert max(sum(x[u:v]) for u, v in itertools.pairwise(cuts)) == best
+
+
+def first_fit_reference(x, k):
+    """The cut pipeline chunks take, in exact integer arithmetic from the brute-force optimum: every
+    part as full as the optimum allows, then the part of most items (the later on ties) halved."""
+    n, limit = len(x), brute_partition(x, k)
+    starts, acc = [0], 0
+    for i, w in enumerate(x):
+        if i and acc + w > limit:
+            starts.append(i)
+            acc = 0
+        acc += w
+    while len(starts) < k:
+        bounds = [*starts, n]
+        size, j = max((bounds[j + 1] - bounds[j], j) for j in range(len(starts)))
+        starts.insert(j + 1, bounds[j] + size // 2)
+    return (*starts, n), limit
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_first_fit_fills_parts_left_to_right_then_halves_the_longest(seed):
+    rng = np.random.default_rng(100 + seed)
+    n = int(rng.integers(1, 12))
+    k = int(rng.integers(1, n + 1))
+    x = [int(v) for v in rng.integers(1, 6 if seed % 2 else 10**12, n)]
+    assert partition(x, k, ties="first_fit") == first_fit_reference(x, k)
+
+
+def test_equal_whole_costs_tie_exactly_past_float_precision():
+    # seven equal layers whose prefix sums pass 2**53 (as LLaMA-8B's forward FLOPs do at a large
+    # micro-batch): in float64 their differences round and the first-fit cut would move
+    x = [3, *[3 * 10**15 + 1] * 7, 7]
+    assert partition(x, 6, ties="first_fit") == first_fit_reference(x, 6)
+    assert partition(x, 6, ties="first_fit")[0] == (0, 2, 4, 6, 7, 8, 9)
 
 
 def test_partition_rejects_bad_input():
@@ -704,6 +739,8 @@ def test_partition_rejects_bad_input():
         partition([1, 2], 3)
     with pytest.raises(ValueError, match="non-negative"):
         partition([1, -2], 1)
+    with pytest.raises(ValueError, match="ties"):
+        partition([1, 2], 1, ties="last")
 
 
 def test_balance_prefers_block_boundaries():
