@@ -2,27 +2,28 @@
 IR without per-op placements: the price of a plan whose ops the per-stage solver has not placed,
 and the placement the solver always has as a candidate.
 
-Each tensor is *full* or *split* over the ``tp`` group. A contraction/conv with a parameter reading a
-full input is column-parallel (output split, backward all-reduce of its input gradient, once per
+Each tensor is *full* or *split* over the ``tp`` group. A contraction/conv with a parameter reading
+a full input is column-parallel (output split, backward all-reduce of its input gradient, once per
 input tensor); reading a split input it is row-parallel (output full, forward all-reduce of the
-output). A parameterised embedding is vocabulary-parallel (forward all-reduce). Any other op on a
+output). A vocabulary embedding is row-parallel (forward all-reduce). Any other op on a
 split input stays split (heads, activation functions); a loss on split logits needs three per-row
-scalars all-reduced. Split ops do ``1/tp`` of the work. With Megatron sequence parallelism each
-all-reduce becomes reduce-scatter + all-gather (same volume) and the remaining ops run on ``1/tp``
-of the sequence. Under Ulysses ``sp`` every op does ``1/sp`` of the work and each attention op
-all-to-alls its inputs and output, forward and backward; on images ``sp`` splits rows instead
-(:mod:`.spatial`: halos, gathers and statistics from the polyhedral model).
+scalars all-reduced. Only a vocabulary is split (:func:`vocabulary_lookups`): a position table stays
+whole, as Megatron keeps its position embeddings. Split ops do ``1/tp`` of the work. With Megatron
+sequence parallelism each all-reduce becomes reduce-scatter + all-gather (same volume) and the
+remaining ops run on ``1/tp`` of the sequence. Under Ulysses ``sp`` every op does ``1/sp`` of the
+work and each attention op all-to-alls its inputs and output, forward and backward; on images ``sp``
+splits rows instead (:mod:`.spatial`: halos, gathers and statistics from the polyhedral model).
 """
 
 from __future__ import annotations
 
-from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind, element_bytes
+from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind, element_bytes, target_base
 
 from .memo import PRICES
 from .parallel_config import OpPlan, ParallelConfig
 from .spatial import spatial_plan
 
-__all__ = ["op_plans", "op_roles", "tensor_bytes"]
+__all__ = ["op_plans", "op_roles", "tensor_bytes", "vocabulary_lookups"]
 
 
 def tensor_bytes(graph: Graph, name: str, dtype: str) -> float:
@@ -56,6 +57,7 @@ def _propagate(graph: Graph, cfg: ParallelConfig) -> list[OpPlan]:
     grad_ar_done: set[str] = set()
     plans: list[OpPlan] = []
     ar = ("reduce_scatter", "all_gather") if cfg.sequence_parallel else ("all_reduce",)
+    vocab = vocabulary_lookups(graph)
     for op, (kind, acts, has_param) in zip(graph.ops, op_roles(graph)):
         split, param_split = 1.0, 1.0
         tp_fwd: list[tuple[str, float]] = []
@@ -79,7 +81,7 @@ def _propagate(graph: Graph, cfg: ParallelConfig) -> list[OpPlan]:
                         if t not in grad_ar_done and graph.tensors[t].kind is not TensorKind.INPUT:
                             grad_ar_done.add(t)
                             tp_bwd += [(c, tensor_bytes(graph, t, cfg.dtype)) for c in ar]
-            elif kind is OpKind.EMBEDDING and has_param:
+            elif kind is OpKind.EMBEDDING and has_param and op.name in vocab:
                 split = param_split = tp
                 for t in op.outputs:
                     tp_fwd += [(c, tensor_bytes(graph, t, cfg.dtype)) for c in ar]
@@ -136,3 +138,55 @@ def op_roles(graph: Graph) -> list[tuple[OpKind, tuple[str, ...], bool]]:
             (OpKind(op.kind), tuple(t for t in op.inputs if graph.tensors[t].kind is not TensorKind.PARAM),
              any(graph.tensors[t].kind is TensorKind.PARAM for t in op.inputs)) for op in graph.ops]
     return roles
+
+
+# ops that move or select the values of their input without computing new ones: ids read through
+# them are still the data's ids (HF's shift of the labels into decoder inputs, a mask filled in)
+_VALUE_MOVES = frozenset({"masked_fill", "where", "clone", "copy", "_to_copy", "slice_scatter", "select_scatter",
+                          "index_put", "scatter", "alias", "contiguous", "lift_fresh_copy", "detach", "to", "type_as"})
+
+
+def vocabulary_lookups(graph: Graph) -> frozenset[str]:
+    """The embedding ops that look up a vocabulary, which tensor parallelism splits by rows.
+
+    A lookup is a vocabulary's when its indices are the data's (a graph input, through views and
+    ops that only move values: token ids), or when its table is one a vocabulary lookup or a
+    contraction also reads (a decoder's tied token embedding, whose ids the model shifts in place,
+    the output layer tied to the embedding). Any other table is indexed by ids the graph computes
+    (positions from ``arange`` or a cumulative sum of the mask, an offset added to them, relative
+    position buckets) and stays whole, as Megatron keeps its position embeddings: splitting it
+    would all-reduce every lookup for rows no output layer shares (memoised per graph)."""
+    cache = PRICES.of(graph)
+    hit = cache.get(("vocabulary",))
+    if hit is not None:
+        return hit
+    lookups: dict[str, set[str]] = {}  # embedding op -> its parameter tables
+    read_by_contractions: set[str] = set()
+    for op in graph.ops:
+        params = {t for t in op.inputs if graph.tensors[t].kind is TensorKind.PARAM}
+        if OpKind(op.kind) is OpKind.EMBEDDING and params:
+            lookups[op.name] = params
+        elif OpKind(op.kind) is OpKind.CONTRACTION:
+            read_by_contractions |= params
+    by_data = {name for name in lookups if _reads_data_ids(graph, graph.op(name))}
+    tables = set().union(*(lookups[n] for n in by_data)) | read_by_contractions
+    hit = cache[("vocabulary",)] = frozenset(n for n, ps in lookups.items() if n in by_data or ps & tables)
+    return hit
+
+
+def _reads_data_ids(graph: Graph, op: Op) -> bool:
+    """Whether some index operand of ``op`` is a graph input, read through views and value moves."""
+    stack = [t for t in op.inputs if graph.tensors[t].kind is not TensorKind.PARAM]
+    seen: set[str] = set()
+    while stack:
+        t = stack.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        if graph.tensors[t].kind is TensorKind.INPUT:
+            return True
+        producer = graph.producer(t)
+        if producer is not None and (OpKind(producer.kind) in (OpKind.VIEW, OpKind.GATHER, OpKind.CONCAT, OpKind.SPLIT)
+                                     or target_base(producer.target).rstrip("_") in _VALUE_MOVES):
+            stack += producer.inputs
+    return False

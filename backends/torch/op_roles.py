@@ -7,6 +7,7 @@ do not import each other).
 
 from __future__ import annotations
 
+from polyparallel.cost_models.megatron_rule import vocabulary_lookups
 from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind, target_base
 
 __all__ = ["chunked_evenly", "local_dims", "op_role"]
@@ -21,7 +22,7 @@ def _has_param(g: Graph, op: Op) -> bool:
 
 def op_role(g: Graph, op: Op) -> str:
     """How the backend can split ``op`` over ``tp``: ``loss`` (class-parallel cross entropy),
-    ``linear`` (an ``nn.Linear``: column/row-parallel), ``embedding`` (vocabulary-parallel),
+    ``linear`` (an ``nn.Linear``: column/row-parallel), ``embedding`` (a vocabulary: row-parallel),
     ``attention`` (head-parallel), ``pointwise`` (follows its input's split), ``heads`` (a product
     of two activations or a softmax, computed on local shards along one of :func:`local_dims`) or
     ``other`` (replicated)."""
@@ -30,7 +31,7 @@ def op_role(g: Graph, op: Op) -> str:
         return "loss"
     if kind is OpKind.CONTRACTION and _has_param(g, op) and _target_is(op, "linear"):
         return "linear"
-    if kind is OpKind.EMBEDDING and _has_param(g, op):
+    if kind is OpKind.EMBEDDING and op.name in vocabulary_lookups(g):  # a position table stays whole
         return "embedding"
     if kind is OpKind.ATTENTION:
         return "attention"
