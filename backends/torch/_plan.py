@@ -144,7 +144,7 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
     ops = _tp_ops(s, graph, modules)
     heads = _head_blocks(graph, ops, s.tp)
     seen = _tp_styles(graph, ops, heads, modules)
-    tied, why = tied_shards(model, seen)
+    tied, why = tied_shards(model, seen, {op.module for op in graph.ops if op.module} if graph is not None else None)
     if why:
         raise Unsupported("the torch backend cannot execute this strategy exactly: " + "; ".join(why[:3]))
     if ops.loss_parallel and not any(k == "col_to_loss" for k in seen.values()):
@@ -155,7 +155,8 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
     return ExecPlan.from_record(
         s, data_parallel="none" if s.dp * s.sp == 1 else ("fsdp" if s.zero_stage >= 1 else "ddp"),
         tp_plan=tuple(sorted(seen.items())), loss_parallel=ops.loss_parallel, global_batch=s.global_batch,
-        pipeline=_graph_stages(s, model, batch, graph, seen, fused), fused=tuple(sorted(fused.items())),
+        pipeline=_graph_stages(s, model, batch, graph, seen, fused, ops.own_forward),
+        fused=tuple(sorted(fused.items())),
         tied=tuple(tied), positions=tuple(position_embeddings(graph)) if s.sp > 1 and graph else (),
         recompute_blocks=tuple(recompute_blocks(graph)) if s.recompute in ("full", "op") and graph else ())
 
@@ -188,6 +189,7 @@ class _TpOps:
     attention: list[tuple[str, str]] = field(default_factory=list)  # (op, dim) split over tp
     embeddings: list[str] = field(default_factory=list)  # vocabulary-parallel nn.Embedding paths
     loss_parallel: bool = False  # the cross entropy split over its classes
+    own_forward: list[str] = field(default_factory=list)  # vocabulary embeddings whose class has its own forward
 
 
 def _tp_ops(s: Strategy, graph: Graph | None, modules: dict[str, nn.Module]) -> _TpOps:
@@ -252,10 +254,9 @@ def _tp_op(out: _TpOps, graph: Graph | None, gop: Any, op: str, path: str, d: st
         return ""
     if isinstance(mod, nn.Embedding) and re.fullmatch(r"v(_0)?", d):
         if type(mod).forward is not nn.Embedding.forward:
-            # a subclass computing its own indices (HF OPT's learned positions add an offset
-            # to positions it derives from the mask) would mix the sharded table with whole tensors
-            return (f"splits the rows of {type(mod).__name__}, an nn.Embedding subclass with its own forward; only "
-                    "nn.Embedding's own lookup is vocabulary-parallel: pin tp=1 or keep this embedding replicated")
+            # a subclass's own forward (a scaled lookup: BART's, Gemma's) would mix the sharded table
+            # with whole tensors in eager mode: the exported graph's lookup runs it instead
+            out.own_forward.append(f"{path} ({type(mod).__name__})")
         out.embeddings.append(path)
         return ""
     if not isinstance(mod, nn.Linear):
@@ -354,13 +355,20 @@ def _check_modules(s: Strategy, model: nn.Module, graph: Graph | None, modules: 
 
 
 def _graph_stages(s: Strategy, model: nn.Module, batch: Any, graph: Graph | None, seen: dict[str, str],
-                  fused: dict[str, tuple[int, ...]]) -> Any:
+                  fused: dict[str, tuple[int, ...]], own_forward: list[str]) -> Any:
     """The exported graph cut into the strategy's pipeline stages (a ``._pipeline.PipelinePlan``);
     with ``pp == 1`` the graph rewritten on local shards as one stage, where the model's own forward
-    fails on a rank's shards (its views sized from its configuration); None when neither is needed."""
+    fails on a rank's shards (its views sized from its configuration, a vocabulary embedding with
+    its own forward: ``own_forward``); None when neither is needed."""
     pipe = None
     eager_why = None  # why the model's own forward cannot run on a rank's shards
-    if s.pp == 1 and s.tp > 1 and s.sp == 1 and batch is not None:
+    if s.pp == 1 and s.tp > 1 and own_forward:
+        eager_why = (f"vocabulary embedding {own_forward[0]} has its own forward, which would mix the sharded "
+                     "table with whole tensors")
+        if batch is None or s.sp > 1:
+            raise Unsupported(f"tp={s.tp}: {eager_why}; only its exported graph runs it, which needs one global batch "
+                              "and no sequence parallelism: pin tp=1 or keep this embedding replicated")
+    elif s.pp == 1 and s.tp > 1 and s.sp == 1 and batch is not None:
         eager_why = eager_tp_problem(model, dict(seen), s.tp, micro_batch(s, batch))
     if s.pp > 1 or eager_why:
         if batch is None:

@@ -117,11 +117,14 @@ def gather_from_tp(x: torch.Tensor, group: str) -> torch.Tensor:
     return _GatherFromTP.apply(x, group)
 
 
-def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int, group: str) -> torch.Tensor:
+def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, start: int, group: str,
+                             padding_idx: int = -1) -> torch.Tensor:
     """Rows ``[start, start + len(weight))`` of the table are this rank's: look up the ids among
-    them, zeros for the others, and all-reduce the partial rows."""
+    them, zeros for the others, and all-reduce the partial rows. ``padding_idx``, the table's row
+    that gets no gradient (``nn.Embedding(padding_idx=...)``), keeps none on the rank holding it."""
     outside = (ids < start) | (ids >= start + weight.shape[0])
-    rows = aten.embedding.default(weight, (ids - start).masked_fill(outside, 0))
+    local_pad = padding_idx - start if 0 <= padding_idx - start < weight.shape[0] else -1
+    rows = aten.embedding.default(weight, (ids - start).masked_fill(outside, 0), local_pad)
     return reduce_from_tp(rows.masked_fill(outside.unsqueeze(-1), 0), group)
 
 
@@ -267,8 +270,9 @@ class StageTP:
             self._whole(n, "embedding ids")
             self._param(n.args[0], 0, uneven=True)
             shard = -(-(_shape(n.args[0]) or (0,))[0] // self.tp)  # torch.chunk's rows per rank
+            pad = n.args[2] if len(n.args) > 2 else n.kwargs.get("padding_idx", -1)
             n.target = vocab_parallel_embedding
-            n.args = (n.args[0], n.args[1], self.rank * shard, self.group)
+            n.args = (n.args[0], n.args[1], self.rank * shard, self.group, pad)
             n.kwargs = {}
             return None
         if kind is not None and t in (aten.linear.default, aten.embedding.default):

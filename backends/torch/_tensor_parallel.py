@@ -77,6 +77,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from polyparallel.backends.torch.op_roles import chunked_evenly, op_role
 from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind
@@ -441,17 +442,21 @@ def uneven_shards(model: nn.Module, kinds: dict[str, str], tp: int) -> list[str]
     return out
 
 
-def tied_shards(model: nn.Module, kinds: dict[str, str]) -> tuple[list[tuple[str, ...]], list[str]]:
+def tied_shards(model: nn.Module, kinds: dict[str, str], called: set[str] | None = None
+                ) -> tuple[list[tuple[str, ...]], list[str]]:
     """The tied parameter groups touched by tensor parallelism, and why a group cannot be kept tied.
 
     A tie survives sharding only when every module sharing the parameter shards the same dim of it
     (a vocabulary-parallel embedding and a column-parallel output head both shard the vocabulary
     rows); the group is then re-tied to one DTensor parameter after ``parallelize_module``.
+    ``called``: the module paths the forward runs (the captured graph's); a module holding the
+    table that the forward never calls (BART's ``shared``, whose weight the encoder's and decoder's
+    embeddings use) has no split of its own.
     """
     groups, problems = [], []
     for group in tie_groups(model):
         mods = [p.rsplit(".", 1)[0] if "." in p else "" for p in group]
-        dims = {kinds.get(m, "none") for m in mods}
+        dims = {kinds.get(m, "none") for m in mods if called is None or m in kinds or m in called}
         if dims == {"none"}:
             continue
         shard = {_WEIGHT_SHARD.get(k, "none") if k != "none" else "none" for k in dims}
@@ -767,7 +772,10 @@ def eager_tp_problem(model: nn.Module, tp_plan: dict[str, str], tp: int, batch: 
     A forward that sizes views from its configuration rather than from the tensors (nanoGPT's
     ``c_attn(x).split(n_embd, dim=2)``) fails here, where the exported-graph rewrite of
     :mod:`._stage_tp`, which rewrites view sizes to the local ones, runs it. ``batch`` is one
-    rank's ``(inputs, labels)``; ranks 0 and ``tp - 1`` are tried (uneven splits differ only there)."""
+    rank's ``(inputs, labels)``; ranks 0 and ``tp - 1`` are tried (uneven splits differ only there). A
+    forward that runs on the shards but reshapes the data instead of the features is caught by
+    :func:`_sized_from_config`."""
+    locals_: list[dict[str, tuple[int, ...]]] = []
     for rank in sorted({0, tp - 1}):
         shapes: dict[str, tuple[int, ...]] = {}
         for path, kind in tp_plan.items():
@@ -784,7 +792,59 @@ def eager_tp_problem(model: nn.Module, tp_plan: dict[str, str], tp: int, batch: 
         why = forward_problem(model, batch, shapes)
         if why:
             return why
-    return None
+        locals_.append(shapes)
+    return _sized_from_config(model, batch, locals_)
+
+
+class _ShapeLog(TorchDispatchMode):
+    """The symbolic sizes (expressions of the inputs' sizes) of every tensor an op outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: set[str] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.sizes.update(str(d) for d in t.shape if isinstance(d, torch.SymInt))
+        return out
+
+
+def _sized_from_config(model: nn.Module, batch: tuple[Any, ...], local: list[dict[str, tuple[int, ...]]]) -> str | None:
+    """Why the forward on a rank's shards reshapes a data dimension, or None. The model runs on fake
+    inputs whose sizes are symbols, once whole and once per shard layout in ``local``: a forward that
+    runs on the shards but sizes a view from its configuration (OPT's ``view(bsz, -1, num_heads,
+    head_dim)`` on ``1/tp`` of the features puts half the sequence where the heads were) makes sizes
+    such as ``seq // 2`` that the whole model never makes; a forward that follows its tensors splits
+    only the features, whose sizes are numbers. A forward that cannot run on symbolic sizes is not
+    judged here (None)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.func import functional_call
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from polyparallel.frontends.torch import quiet_fake_tensors
+
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    seen: list[set[str]] = []
+    with quiet_fake_tensors(), FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        args = tuple(mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(
+            dynamic_sizes=[DimDynamic.DYNAMIC] * t.dim())) if isinstance(t, torch.Tensor) else t for t in batch)
+        for shapes in ({}, *local):
+            state = {n: torch.empty(shapes[n], dtype=t.dtype) if n in shapes else
+                     mode.from_tensor(t, static_shapes=True) for n, t in tensors}
+            try:
+                with _ShapeLog() as log:
+                    functional_call(model, state, args, tie_weights=False)
+            except Exception:  # symbolic sizes the forward cannot take (data-dependent guards, ...)
+                return None
+            seen.append(log.sizes)
+    new = sorted(set().union(*seen[1:]) - seen[0])
+    if not new:
+        return None
+    return (f"on a rank's shards the forward makes tensors sized {', '.join(new[:3])} (in the inputs' sizes), "
+            "which the whole model never makes: a view sized from the model's configuration (e.g. view(batch, -1, "
+            "num_heads, head_dim) on 1/tp of the features) reshapes the sequence or batch instead of the features")
 
 
 def sequence_shard(t: torch.Tensor, plan: Any, mesh: Any) -> torch.Tensor:
