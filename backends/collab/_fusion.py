@@ -23,6 +23,12 @@ averaged update ``Δ = sum_i p_i (x_i - x)``. Every strategy below is one small 
 - :class:`CenteredClip` start at the coordinate-wise median ``v`` of the updates, then
                        ``v ← v + Σ p_i clip_τ(δ_i − v)`` a few times, ``clip_τ(z) = z·min(1, τ/‖z‖)``,
                        ``τ`` = ``tau`` × the median distance ``‖δ_i − v‖`` (Karimireddy, He & Jaggi 2021)
+- :class:`FLTrust`     trust ``max(0, cos(δ_i, g₀))`` in each update, ``g₀`` the server's own update on a
+                       root set (Cao et al. 2021)
+- :class:`FLAME`       keep the majority cluster of the updates' cosine distances, clip each to the median
+                       norm, average, add Gaussian noise (Nguyen et al. 2022)
+- :class:`FoolsGold`   weight ``α_i`` falls as a center's summed updates grow alike to another's
+                       (Fung, Yoon & Beschastnikh 2020)
 
 Choosing a robust fusion. The server (:mod:`._validation`) already refuses updates that are
 non-finite, too large per coordinate or in norm, lie about their sample count, or replay an old round;
@@ -56,6 +62,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 __all__ = [
+    "FLAME",
     "FUSIONS",
     "CenterUpdate",
     "CenteredClip",
@@ -65,6 +72,7 @@ __all__ = [
     "FedAvg",
     "FedProx",
     "FedYogi",
+    "FoolsGold",
     "FusionStrategy",
     "Median",
     "MultiKrum",
@@ -72,6 +80,7 @@ __all__ = [
     "Scaffold",
     "TrimmedMean",
     "is_statistic",
+    "majority_cluster",
     "make_fusion",
 ]
 
@@ -533,7 +542,7 @@ class FLTrust(FusionStrategy):
         if self.reference is None:
             raise ValueError("fusion 'fltrust' needs the server's update on its root set (FederationServer(root=...))")
         names = list(global_params)
-        trained = np.concatenate([np.full(global_params[k].size, not is_statistic(k)) for k in names])
+        trained = _trained_mask(global_params)
         g0 = np.concatenate([np.asarray(self.reference[k], np.float64).ravel() for k in names])[trained]
         d = _deltas(global_params, updates)
         n0 = float(np.linalg.norm(g0))
@@ -557,15 +566,209 @@ class FLTrust(FusionStrategy):
         return _unflatten(global_params, out)
 
 
+def _trained_mask(global_params: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Over :func:`_deltas`' columns: True for a trained coordinate, False for a running statistic."""
+    return np.concatenate([np.full(x.size, not is_statistic(k)) for k, x in global_params.items()])
+
+
+def _cosines(rows: np.ndarray) -> np.ndarray:
+    """Pairwise cosine similarity of the rows (a zero row is orthogonal to every row, itself included)."""
+    n = np.linalg.norm(rows, axis=1)
+    u = rows / np.where(n > 0, n, 1.0)[:, None]
+    return np.where((n[:, None] > 0) & (n[None, :] > 0), u @ u.T, 0.0)
+
+
+def _longest_link(dist: np.ndarray) -> float:
+    """The largest edge of a minimum spanning tree of ``dist`` (Prim): where single linkage joins the last two parts."""
+    seen = np.zeros(len(dist), dtype=bool)
+    seen[0] = True
+    reach, longest = dist[0].astype(np.float64), 0.0
+    for _ in range(len(dist) - 1):
+        j = int(np.argmin(np.where(seen, np.inf, reach)))
+        longest = max(longest, float(reach[j]))
+        seen[j] = True
+        reach = np.minimum(reach, dist[j])
+    return longest
+
+
+def _components(linked: np.ndarray) -> list[list[int]]:
+    """Connected components of the boolean adjacency matrix ``linked``."""
+    left, parts = set(range(len(linked))), []
+    while left:
+        stack, part = [min(left)], []
+        left.discard(stack[0])
+        while stack:
+            i = stack.pop()
+            part.append(i)
+            near = {j for j in left if linked[i, j]}
+            left -= near
+            stack += sorted(near)
+        parts.append(sorted(part))
+    return parts
+
+
+def majority_cluster(dist: np.ndarray) -> list[int]:
+    """The members HDBSCAN keeps on the ``K × K`` distance matrix ``dist`` with FLAME's settings
+    (``min_cluster_size = K//2 + 1``, ``min_samples = 1``, ``allow_single_cluster``), sorted.
+
+    With ``min_samples = 1`` the mutual reachability distance is the distance itself, so the hierarchy
+    is single linkage. A majority minimum admits one cluster only (two would need more than ``K``
+    members): the condensed tree is its root. Walking down from all ``K`` members, each split at the
+    group's longest single-linkage link drops the pieces smaller than ``K//2 + 1`` as noise and goes on
+    with the one that is not; when no piece is that large, the members left fall out together at the
+    largest λ (1/distance) and are the cluster. Pieces split off at equal distances go at once. The
+    cluster always holds a majority: of 3 centers, the closest pair; of 2, both.
+    """
+    need = len(dist) // 2 + 1
+    group = list(range(len(dist)))
+    while len(group) > 1:
+        sub = dist[np.ix_(group, group)]
+        big = [p for p in _components(sub < _longest_link(sub)) if len(p) >= need]
+        if not big:
+            break
+        group = [group[i] for i in big[0]]
+    return group
+
+
+class FLAME(FusionStrategy):
+    """FLAME (Nguyen et al., USENIX Security 2022): cluster the directions, clip to the median norm, add noise.
+
+    Over the trained tensors, with ``K`` accepted updates ``δ_i``:
+
+    1. cosine distances ``d_ij = 1 − cos(δ_i, δ_j)``; the kept set ``S`` is the cluster HDBSCAN finds
+       with ``min_cluster_size = K//2 + 1``, ``min_samples = 1`` (:func:`majority_cluster`, computed
+       here without scikit-learn); the others are outliers and get no weight;
+    2. ``s = median_i ‖δ_i‖`` over all ``K``; every kept update is clipped to it,
+       ``γ_i = min(1, s/‖δ_i‖)``;
+    3. ``Δ = Σ_{i∈S} p_i γ_i δ_i`` (``p_i`` sample weights renormalised over ``S``; the paper averages
+       without weights) plus ``N(0, (noise · s)²)`` in every trained coordinate. The paper's
+       ``noise = λ = 0.001`` for image classification; the noise is drawn from ``(seed, fused round)``,
+       the round count is :meth:`state` and so checkpointed.
+
+    Running statistics (BatchNorm) take the sample-weighted mean over ``S``, unclipped and without noise.
+    The audit gets ``trust = γ_i`` for a kept center (the factor its update enters with) and ``0`` for
+    an outlier.
+
+    With few centers the clustering degenerates: the majority cluster has no choice but to be a
+    majority, so of 3 centers exactly one (the one farthest, by single linkage, from the closest
+    pair) is dropped every round, honest or not, and of 5 one or two; of 2 none. Under label skew the
+    dropped center is usually an honest one whose classes differ most, which costs accuracy when nobody
+    attacks (``docs/collab.md`` has the numbers).
+    """
+
+    name = "flame"
+
+    def __init__(self, noise: float = 0.001, seed: float = 0) -> None:
+        if not noise >= 0 or seed != int(seed):
+            raise ValueError(f"flame needs noise >= 0 and an integer seed, got noise={noise}, seed={seed}")
+        self.noise, self.seed = float(noise), int(seed)
+        self._fused = 0
+        #: per center, the numbers the last :meth:`fuse` judged it by (the server's audit records them)
+        self.scores: dict[str, dict[str, float]] = {}
+
+    def options(self) -> dict[str, float]:
+        return {"noise": self.noise, "seed": self.seed}
+
+    def state(self) -> Params:
+        return {"fused": np.array(self._fused, dtype=np.float64)}
+
+    def load_state(self, state: Mapping[str, np.ndarray]) -> None:
+        if set(state) - {"fused"}:
+            raise ValueError(f"FLAME: unknown state entries {sorted(set(state) - {'fused'})} in checkpoint")
+        self._fused = int(state.get("fused", 0))
+
+    def fuse(self, global_params: Mapping[str, np.ndarray], updates: Sequence[CenterUpdate]) -> Params:
+        trained = _trained_mask(global_params)
+        d = _deltas(global_params, updates)
+        kept = majority_cluster(1.0 - _cosines(d[:, trained]))
+        norms = np.linalg.norm(d[:, trained], axis=1)
+        s = float(np.median(norms))
+        gamma = np.where(norms > s, s / np.maximum(norms, 1e-300), 1.0)
+        p = np.zeros(len(updates))
+        p[kept] = _weights([updates[i] for i in kept])
+        out = np.zeros(d.shape[1])
+        out[trained] = (p * gamma) @ d[:, trained]
+        out[~trained] = p @ d[:, ~trained]
+        rng = np.random.default_rng([self.seed, self._fused])
+        out[trained] += rng.normal(0.0, self.noise * s, int(trained.sum())) if self.noise > 0 else 0.0
+        self._fused += 1
+        self.scores = {u.center: {"trust": float(gamma[i]) if p[i] > 0 else 0.0} for i, u in enumerate(updates)}
+        return _unflatten(global_params, out)
+
+
+class FoolsGold(FusionStrategy):
+    """FoolsGold (Fung, Yoon & Beschastnikh, RAID 2020): centers whose updates keep pointing alike lose weight.
+
+    The server keeps each center's history ``H_i = Σ_rounds δ_i`` (trained tensors; :meth:`state`).
+    For the round's ``K`` centers: ``cs_ij = cos(H_i, H_j)`` (``i ≠ j``), ``v_i = max_j cs_ij``;
+    pardoning: ``cs_ij ← cs_ij · v_i / v_j`` where ``v_j > v_i``; ``α_i = clip(1 − max_j cs_ij, 0, 1)``,
+    ``α ← α / max α`` (``1 → 0.99``), ``α_i ← clip(κ (ln(α_i / (1 − α_i)) + 0.5), 0, 1)``. Then
+    ``Δ = Σ α_i p_i δ_i / Σ α_i p_i`` (sample weights ``p_i``; statistics alike); all ``α = 0``: the
+    model stays. The paper's optional feature-importance weighting of the output layer is left out.
+
+    It is a defence against *sybils*: several attacker-held centers sending alike updates. One attacker
+    alone is not alike to anybody, and its weight stays at 1 (a sign flipper's cosines are negative):
+    it does nothing against a single malicious center (``docs/collab.md``). The audit gets
+    ``trust = α_i``.
+    """
+
+    name = "foolsgold"
+
+    def __init__(self, kappa: float = 1.0) -> None:
+        if not kappa > 0:
+            raise ValueError(f"foolsgold needs kappa > 0, got {kappa}")
+        self.kappa = float(kappa)
+        self._history: Params = {}
+        self.scores: dict[str, dict[str, float]] = {}
+
+    def options(self) -> dict[str, float]:
+        return {"kappa": self.kappa}
+
+    def state(self) -> Params:
+        return dict(self._history)
+
+    def load_state(self, state: Mapping[str, np.ndarray]) -> None:
+        self._history = {c: np.asarray(h, np.float64).copy() for c, h in state.items()}
+
+    def weights(self, histories: np.ndarray) -> np.ndarray:
+        """FoolsGold's ``α`` for the rows of ``histories`` (one summed update per center)."""
+        k = len(histories)
+        if k < 2:
+            return np.ones(k)
+        cs = _cosines(histories) - 2.0 * np.eye(k)  # the diagonal never wins a max
+        v = cs.max(axis=1)
+        cs = np.where(v[None, :] > v[:, None], cs * v[:, None] / np.where(v[None, :] != 0, v[None, :], 1.0), cs)
+        alpha = np.clip(1.0 - cs.max(axis=1), 0.0, 1.0)
+        if alpha.max() <= 0:
+            return np.zeros(k)
+        alpha = alpha / alpha.max()
+        alpha[alpha == 1.0] = 0.99
+        with np.errstate(divide="ignore"):
+            logit = self.kappa * (np.log(alpha / (1.0 - alpha)) + 0.5)
+        return np.clip(np.nan_to_num(logit, nan=0.0, neginf=0.0, posinf=1.0), 0.0, 1.0)
+
+    def fuse(self, global_params: Mapping[str, np.ndarray], updates: Sequence[CenterUpdate]) -> Params:
+        trained = _trained_mask(global_params)
+        d = _deltas(global_params, updates)
+        for u, row in zip(updates, d):
+            self._history[u.center] = self._history.get(u.center, 0.0) + row[trained]
+        alpha = self.weights(np.stack([self._history[u.center] for u in updates]))
+        self.scores = {u.center: {"trust": float(a)} for u, a in zip(updates, alpha)}
+        w = alpha * _weights(updates)
+        out = (w @ d) / w.sum() if w.sum() > 0 else np.zeros(d.shape[1])
+        return _unflatten(global_params, out)
+
+
 FUSIONS: dict[str, type[FusionStrategy]] = {
     cls.name: cls for cls in (FedAvg, FedProx, FedAdam, FedYogi, DiLoCo, Scaffold, TrimmedMean, Median, MultiKrum,
-                              CenteredClip, FLTrust)
+                              CenteredClip, FLTrust, FLAME, FoolsGold)
 }
 
 
 def make_fusion(name: str, **options: Any) -> FusionStrategy:
     """Build a fusion strategy by name (``fedavg``, ``fedprox``, ``fedadam``, ``fedyogi``, ``diloco``,
-    ``scaffold``, ``trimmed_mean``, ``median``, ``krum``, ``centered_clip``, ``fltrust``) with its keyword options."""
+    ``scaffold``, ``trimmed_mean``, ``median``, ``krum``, ``centered_clip``, ``fltrust``, ``flame``,
+    ``foolsgold``) with its keyword options."""
     try:
         cls = FUSIONS[name.lower()]
     except KeyError:
