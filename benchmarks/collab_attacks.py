@@ -152,7 +152,7 @@ def run_case(attack: str, fusion: str, n_centers: int, **kw: Any) -> dict[str, A
 BN_SPEC = ModelSpec("cnn", (1, 8, 8), 10, hidden=8)  # conv-BN-ReLU-pool twice, then a linear layer
 BN_ATTACKS = ("none", "absent", "sign_flip", "backdoor", "backdoor_boost", "replay_forged", "alie0.5", "alie1",
               "alie2", "alie3")
-BN_FUSIONS = ("fedavg", "centered_clip", "fltrust")
+BN_FUSIONS = ("fedavg", "centered_clip", "fltrust", "flame", "foolsgold")
 TARGET = 0  # the backdoor's class
 POISONED = 0.2  # share of the malicious center's rows carrying the trigger, relabelled TARGET
 SKEW = 0.8  # share of a center's rows from its own classes (class k belongs to center k mod K)
@@ -218,9 +218,15 @@ def _alie(z: float, honest: dict[str, _Recorder]) -> Callable:
     return tamper
 
 
+def fusion_spec(spec: str) -> tuple[str, dict[str, float]]:
+    """``NAME`` or ``NAME:OPT=NUMBER,...`` (``flame:noise=0.01``) -> the fusion and its options."""
+    name, _, opts = spec.partition(":")
+    return name, {k: float(v) for k, v in (o.split("=", 1) for o in opts.split(",") if o)}
+
+
 def run_bn_case(attack: str, fusion: str, n_centers: int, seed: int, rounds: int = 10, **kw: Any) -> dict[str, Any]:
-    """One label-skewed federation of the BatchNorm CNN under ``attack`` (``BN_ATTACKS``); ``kw``: more
-    :class:`CollabConfig` fields (e.g. ``min_cosine``)."""
+    """One label-skewed federation of the BatchNorm CNN under ``attack`` (``BN_ATTACKS``); ``fusion``: a
+    :func:`fusion_spec`; ``kw``: more :class:`CollabConfig` fields (e.g. ``min_cosine``)."""
     data, root, test = skewed_digits(n_centers, seed)
     names = list(data)
     if attack == "absent":
@@ -234,9 +240,10 @@ def run_bn_case(attack: str, fusion: str, n_centers: int, seed: int, rounds: int
         data = {**data, BAD: (x, y)}
     if attack.startswith("alie"):  # the attacker answers last, having seen the honest updates
         names = [*names[1:], BAD]
-    cfg = CollabConfig(centers=tuple(CenterSpec(c) for c in names), model=BN_SPEC, fusion=fusion,
-                       min_centers=max(1, len(names) - (attack != "absent")), rounds=rounds, local_steps=10,
-                       batch_size=32, lr=0.05, momentum=0.5, seed=seed, **kw)
+    name, options = fusion_spec(fusion)
+    cfg = CollabConfig(centers=tuple(CenterSpec(c) for c in names), model=BN_SPEC, fusion=name,
+                       fusion_options=options, min_centers=max(1, len(names) - (attack != "absent")), rounds=rounds,
+                       local_steps=10, batch_size=32, lr=0.05, momentum=0.5, seed=seed, **kw)
     tamper = {}
     if attack == "sign_flip":
         tamper = tampers("sign_flip", "none")
@@ -260,6 +267,8 @@ def run_bn_case(attack: str, fusion: str, n_centers: int, seed: int, rounds: int
             "bad_accepted": sum(BAD in r.accepted for r in res.rounds),
             "bad_rejected": sum(BAD in r.rejected for r in res.rounds),
             "honest_rejected": sum(len(set(r.rejected) - {BAD}) for r in res.rounds),
+            "bad_untrusted": sum(r.get(BAD, {}).get("trust", 1.0) <= 0 for r in audit),  # fused without it
+            "honest_untrusted": sum(m.get("trust", 1.0) <= 0 for r in audit for c, m in r.items() if c != BAD),
             "audit": audit, "seconds": round(time.perf_counter() - t0, 2)}
 
 
@@ -312,7 +321,8 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="3 centers, fedavg only")
-    ap.add_argument("--fusions", nargs="*", default=list(FUSIONS))
+    ap.add_argument("--fusions", nargs="*", default=list(FUSIONS),
+                    help="bn: NAME or NAME:OPT=NUMBER,... (flame:noise=0.01)")
     ap.add_argument("--centers", nargs="*", type=int, default=[3, 5])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--part", choices=("mlp", "bn"), default="mlp",
