@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -207,7 +207,8 @@ class TorchTrainer(CenterData):
 def local_sgd(model: Any, net: Any, opt: Any, x: Any, y: Any, batches: Iterable[np.ndarray],
               proximal_mu: float, correction: Mapping[str, np.ndarray] | None = None,
               grad_mean: dict[str, np.ndarray] | None = None, logit_bias: np.ndarray | None = None,
-              objective: TorchObjective | None = None) -> list[float]:
+              objective: TorchObjective | None = None,
+              weigh: Callable[[Callable[[], Any]], tuple[Any, float]] | None = None) -> list[float]:
     """A center's local steps: the loss of ``net`` (the model, or its DDP wrapper) on each index
     batch, plus FedProx's ``mu/2 * ||w - w_round_start||^2`` on ``model``'s parameters when
     ``proximal_mu > 0``; returns the data losses (without the proximal term).
@@ -218,6 +219,10 @@ def local_sgd(model: Any, net: Any, opt: Any, x: Any, y: Any, batches: Iterable[
 
     ``logit_bias`` (one value per class, :func:`label_log_prior`) is added to the logits inside the
     loss only (the logit-adjusted loss); the reported losses include it.
+
+    ``weigh``: a center whose data-parallel ranks each see a share of the batch runs each step's
+    forward through it, ``weigh(forward) -> (loss to backpropagate, the whole batch's loss)``, so the
+    ranks' gradients average to the whole batch's where shares count different targets (padding).
 
     SCAFFOLD: ``correction`` (parameter name -> ``c − c_i``) is added to every parameter's gradient
     before the optimiser step; ``grad_mean``, when given, is filled with the mean over the steps of the
@@ -240,8 +245,12 @@ def local_sgd(model: Any, net: Any, opt: Any, x: Any, y: Any, batches: Iterable[
     losses = []
     for idx in batches:
         t = torch.from_numpy(idx)
-        loss = objective(net, x[t], y[t], bias)
-        losses.append(float(loss.detach()))
+        if weigh is None:
+            loss = objective(net, x[t], y[t], bias)
+            losses.append(float(loss.detach()))
+        else:
+            loss, whole = weigh(lambda t=t: objective(net, x[t], y[t], bias))
+            losses.append(whole)
         if anchors:
             loss = loss + 0.5 * proximal_mu * sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchors))
         opt.zero_grad(set_to_none=True)

@@ -39,9 +39,10 @@ import multiprocessing as mp
 import socket
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -214,7 +215,7 @@ def _worker(rank: int, world: int, init_method: str, conn: Any, spec_json: str, 
                 len(x), int(center["batch_size"]), steps, int(center["seed"]), int(center["center_index"]), round_idx))
             with step_context(plan, mesh):  # class-parallel loss: forward and backward under loss_parallel
                 losses = local_sgd(model, net, opt, xt, yt, batches, 0.0, logit_bias=center["logit_bias"],
-                                   objective=objective)
+                                   objective=objective, weigh=partial(_weigh, mesh["dp"], plan.dp))
             state = get_model_state_dict(model, options=full)  # a collective: every rank gathers
             conn.send(("done", _exchanged(state, fused) if rank == 0 else None, losses))
         except BaseException as e:
@@ -222,6 +223,21 @@ def _worker(rank: int, world: int, init_method: str, conn: Any, spec_json: str, 
             break
     with contextlib.suppress(Exception):  # a peer already left; nothing to tear down cleanly
         dist.destroy_process_group()
+
+
+def _weigh(dp: Any, replicas: int, forward: Callable[[], Any]) -> tuple[Any, float]:
+    """One step's forward on this rank's share, its loss weighted over the ``dp`` replicas by the
+    targets each counted (``_loss_weighting``: padding spread unevenly over the shares), as the
+    torch backend's workers weigh theirs: ``(loss to backpropagate, the whole batch's loss)``."""
+    import torch
+
+    from polyparallel.backends.torch._loss_weighting import TargetCount, weigh_replicas
+
+    counter = TargetCount()
+    with counter:
+        loss = forward()
+    scale, whole, _ = weigh_replicas(loss, counter.count_for(loss), dp.get_group(), replicas, torch.device("cpu"))
+    return (loss if scale == 1.0 else loss * scale), whole
 
 
 def _stop(procs: list[Any], conns: list[Any]) -> None:
