@@ -191,7 +191,8 @@ def collab_cmd(
     hidden: Annotated[int, typer.Option("--hidden", help="width / first conv channels / embedding size")] = 32,
     vocab: Annotated[int, typer.Option("--vocab", help="embbag vocabulary")] = 0,
     fusion: Annotated[str | None, typer.Option("--fusion", help="centered_clip (robust FedAvg, the default) fedavg "
-                                               "fedprox fedadam fedyogi diloco scaffold trimmed_mean median krum")]
+                                               "fedprox fedadam fedyogi diloco scaffold trimmed_mean median krum "
+                                               "fltrust (with --root-data) flame foolsgold")]
     = None,
     fusion_opt: Annotated[list[str] | None, typer.Option("--fusion-opt", help="NAME=NUMBER, repeatable")] = None,
     rounds: Annotated[int | None, typer.Option("--rounds", help="rounds of fusion (default 3)")] = None,

@@ -69,15 +69,17 @@ class CollabResult:
         """The centers flagged in at least one round, with the rounds and why (the audit's summary).
 
         A center is flagged in a round when its reply was refused, when the fusion gave it no trust
-        (FLTrust's ``trust == 0``), or when its update pointed against the fused step (``cos_fused < 0``).
-        The per-round values stay in each round's ``metrics``; this names who to look at.
+        (``trust == 0``: FLTrust, FLAME, FoolsGold), or when its update pointed against the fused step
+        (``cos_fused < 0``). The per-round values stay in each round's ``metrics``; this names who to look at.
         """
         out: dict[str, dict[str, Any]] = {}
         for r in self.rounds:
             why: dict[str, str] = {c: "refused: " + reasons[0] for c, reasons in r.rejected.items()}
             for c, m in r.metrics.items():
-                if m.get("trust", 1.0) <= 0.0:
-                    why[c] = f"no trust (cosine to the server's root update {m.get('cos_root', 0.0):+.3f})"
+                if m.get("trust", 1.0) <= 0.0 and "cos_root" in m:  # FLTrust: against the server's root set
+                    why[c] = f"no trust (cosine to the server's root update {m['cos_root']:+.3f})"
+                elif m.get("trust", 1.0) <= 0.0:  # FLAME's minority cluster, FoolsGold's look-alike
+                    why[c] = "no trust: the fusion left its update out of the fused model"
                 elif m.get("cos_fused", 0.0) < 0.0:
                     why[c] = f"pulled against the fused step (cosine {m['cos_fused']:+.3f})"
             for c, w in why.items():
