@@ -120,7 +120,7 @@ from polyparallel.ir import Graph, Hint
 from polyparallel.plan import CENTER_FIELDS
 from polyparallel.planning.assemble import model_info, strategy_of
 from polyparallel.planning.branch_bound import Best, brief, least_memory, replicates_over_tp, why_axes
-from polyparallel.planning.collector import collector_paused, young_collected
+from polyparallel.planning.collector import collector_paused, drop_source_caches, young_collected
 from polyparallel.planning.constraints import Constraints, DoesNotFit
 from polyparallel.planning.derived import variants
 from polyparallel.planning.executability import CENTER_LIMITS, executor
@@ -412,6 +412,7 @@ def _release_prices(mdl: ModelGraphs, b: int) -> None:
     the search to the next one, whose prices are memoised again as they are needed. The example
     graph's memo is kept too: it holds the placement solver's results, which the derived placements
     of every graph are read from."""
+    drop_source_caches()
     keep = {id(mdl.graph(mdl.b0)), id(mdl.graph(b))}
     for g in {id(g): g for g in (*mdl.priced.values(), *mdl.graphs.values())}.values():
         if id(g) not in keep:
