@@ -25,7 +25,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from polyparallel.ir import ANY, DTYPE_BYTES, Graph, LoopNest, Op, Shape, TensorKind
+from polyparallel.ir import ANY, DTYPE_BYTES, Graph, LoopNest, Op, Shape, Statement, TensorKind
 
 from ._cache import CACHE, MISSING
 from ._cache import signature_of as _signature
@@ -40,10 +40,10 @@ from ._distribution import (
     operand_need,
     output_layout,
 )
-from ._footprint import Prog, Region, operand_region
-from ._isl import count, footprint_set
+from ._footprint import Grid, Prog, Region, _intersect_products, grid_cut, operand_region
+from ._isl import count, domain_set, footprint_set
 from ._mesh import DeviceMesh
-from ._placement import Placement, check_placement, dim_split_kind, padding_of
+from ._placement import Placement, check_placement, dim_split_kind, legal_placements, padding_of
 from ._reshard import Reshard, _all_reduce, reshard
 
 __all__ = ["Collective", "OpComm", "backward_reshard_edge", "comm_of_op", "grad_held", "grad_needed",
@@ -129,8 +129,6 @@ def comm_of_op(graph: Graph, op: Op, placement: Placement, mesh: DeviceMesh) -> 
         return hit
 
     def make() -> OpComm:
-        from ._placement import legal_placements
-
         check_placement(op.nest, placement, mesh, op=op.name)
         legal = legal_placements(graph, op, mesh)
         table = CACHE.tables.get("op_comm", {})
@@ -332,8 +330,6 @@ def grad_needed(graph: Graph, op: Op, placement: Placement, mesh: DeviceMesh, in
 
 def _restrict(a: Distribution, u: Distribution) -> Distribution:
     """``a(p) ∩ u(p)`` on every device (pieces intersected pairwise; isl where not closed-form)."""
-    from ._footprint import Grid, _intersect_products, grid_cut
-
     fallback = a.region.fallback | u.region.fallback
     pieces = []
     disjoint = len(a.region.pieces) == 1 and len(u.region.pieces) == 1
@@ -390,8 +386,6 @@ def _temporary_block(nest: LoopNest, tmp: str, bounds, block: np.ndarray, bad: n
     """Count a temporary written as ``tmp[d1, .., dk]`` (plain dims) by a constrained statement:
     its block is the domain projected onto ``d1..dk``, i.e. the points of the statement
     restricted to those dims when every constraint lives on them (attention scores)."""
-    from polyparallel.ir import Statement
-
     writers = [(st, w) for st in nest.statements for w in st.writes if w.operand == tmp]
     if len(writers) != 1:
         return block, bad
@@ -447,8 +441,6 @@ def _points(nest: LoopNest, st, bounds, ndev: int) -> np.ndarray:
             pairs = _sum_clip(m - b + 1, m - a + 1, width)
         rest = box // np.maximum((b - a) * width, 1)
         return np.where((b > a) & (width > 0), pairs * rest, 0)
-    from ._isl import domain_set
-
     keys = np.stack([np.stack(bounds[d]) for d in st.dims]).reshape(-1, ndev).T
     out = np.zeros(ndev, dtype=np.int64)
     seen: dict[bytes, int] = {}

@@ -43,6 +43,7 @@ from functools import lru_cache
 
 from polyparallel.ir import ANY, Graph, LoopNest, Op
 
+from ._cache import CACHE, MISSING, signature_of
 from ._isl import write_is_injective
 from ._mesh import DeviceMesh
 
@@ -341,8 +342,6 @@ def legal_placements(graph: Graph | None, op: Op | LoopNest | None, mesh: Device
     nest = op.nest if isinstance(op, Op) else op
     if nest is None:
         return [Placement()]
-    from ._cache import CACHE, MISSING, signature_of
-
     sig = signature_of(graph, op) if graph is not None and isinstance(op, Op) else nest
     key = (sig, mesh, uneven, max_split_dims)
     hit = CACHE.hit("legal", key)

@@ -28,7 +28,7 @@ from ._distribution import Distribution, TensorLayout, _op_distributions, layout
 from ._footprint import Region, _axis_common_memo, _intersect_products, _product_count, axis_key
 from ._mesh import DeviceMesh
 from ._op_comm import grad_held, grad_needed
-from ._placement import Placement
+from ._placement import Placement, legal_placements
 from ._reshard import Reshard, Shards, Step, _all_reduce, _last_exchange, _route, _routes, reshard
 
 __all__ = ["EdgeCosts", "ReshardTable", "edge_costs", "reshard_table"]
@@ -548,8 +548,6 @@ def edge_costs(graph: Graph, tensor: str, consumer: Op, operand: str, mesh: Devi
     placement" (replicated). Cached by (producer signature, consumer signature, operand,
     mesh, placements), so the edges of repeated layers are lookups.
     """
-    from ._placement import legal_placements
-
     prod = graph.producer(tensor)
     psig = _signature(graph, prod) if prod is not None else ("input", graph.shape(tensor))
     out_idx = prod.outputs.index(tensor) if prod is not None else 0
