@@ -9,6 +9,7 @@ Examples:
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from .backends.torch import executor as _torch_executor  # noqa: F401  (registers the planner's default executor)
@@ -39,8 +40,6 @@ _LAZY = {
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         mod, attr = _LAZY[name]
         value = getattr(importlib.import_module(mod), attr)
         globals()[name] = value

@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import Any
 
+import numpy as np
+
 __all__ = [
     "ANY",
     "DTYPE_BYTES",
@@ -453,8 +455,6 @@ def _count_constrained(involved: list[str], ext: dict[str, int], constraints: tu
     the count is ``max(0, min(upper) − max(lower) + 1)`` within ``[0, extent)``. So a causal
     mask over ``s, t`` costs ``O(s)``, not ``O(s·t)``.
     """
-    import numpy as np
-
     if not involved:
         return int(all(c.const >= 0 for c in constraints))
     *rest, y = involved

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from polyparallel.references import call_user, resolve
+
 __all__ = ["EXAMPLES", "GPT", "GPTConfig", "Llama", "LlamaConfig", "ResNet", "example_batch", "example_module",
            "load_model", "trainable_example", "trainable_examples"]
 
@@ -435,8 +437,6 @@ def load_model(spec: str, *, batch_size: int | None = None, seq_len: int | None 
             raise FileNotFoundError(f"ONNX file {spec!r} does not exist")
         return p
     if ":" in spec:
-        from polyparallel.references import call_user, resolve
-
         out = call_user(resolve(spec, "model"), f"the model function {spec}:")
         if not isinstance(out, tuple) or len(out) not in (2, 3):
             raise ValueError(f"{spec} must return (model, args) or (model, args, kwargs), got {type(out).__name__}")

@@ -34,6 +34,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from polyparallel.cost_models.pipeline import schedule_order, simulate
 from polyparallel.plan import parse_schedule
 from polyparallel.strategy import Strategy
 
@@ -394,8 +395,6 @@ def pipeline_tasks(s: Strategy) -> tuple[list[tuple[int, float, float, str, str]
     (no point-to-point time: the strategy keeps only its exposed total); the makespan equals
     :func:`~polyparallel.cost_models.pipeline.simulate`'s, which is returned beside the tasks.
     """
-    from polyparallel.cost_models.pipeline import schedule_order, simulate
-
     name, v = _schedule(s)
     p, m = len(s.stages), s.microbatches
     fwd = [st.compute_s / m / 3 for st in s.stages]

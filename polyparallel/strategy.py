@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -307,8 +308,6 @@ def fingerprint(graph: Any) -> str:
     The device an op creates tensors on (``arange(device=...)``) is left out: the same model
     captured on the meta device, the CPU or a GPU is the same model.
     """
-    from dataclasses import replace
-
     h = hashlib.blake2b(digest_size=12)
     for op in graph.ops:
         if any(k == "device" for k, _ in op.attrs):

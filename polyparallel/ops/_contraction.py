@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from polyparallel.ir import Access, Dim, E, Hint, LoopNest, Role, Statement
 
-from ._common import NotModelled, broadcast_shapes, lead_dims
+from ._common import NotModelled, broadcast_index, broadcast_shapes, lead_dims
 
 
 def linear(x: Sequence[int], w: Sequence[int], bias: Sequence[int] | None = None) -> LoopNest:
@@ -84,7 +84,6 @@ def matmul(a: Sequence[int], b: Sequence[int], *, bias: Sequence[int] | None = N
 
 
 def _bias_index(bias: Sequence[int], out_dims: Sequence[Dim]) -> tuple:
-    from ._common import broadcast_index
     return broadcast_index(bias, out_dims)
 
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from polyparallel.ir import ANY, Access, Dim, E, Hint, LoopNest, Role, Statement
 
-from ._common import NotModelled, generic_dims, lead_dims, norm_axis
+from ._common import NotModelled, broadcast_index, broadcast_shapes, generic_dims, lead_dims, norm_axis
 
 
 def embedding(weight: Sequence[int], ids: Sequence[int]) -> LoopNest:
@@ -113,8 +113,6 @@ def advanced_index(data: Sequence[int], indices: Sequence[Sequence[int] | None])
     ``indices[k]`` is the shape of the index tensor for axis k, or ``None`` for ``:``;
     the indexed axes must be leading and consecutive (the common case).
     """
-    from ._common import broadcast_index, broadcast_shapes
-
     k = len(indices)
     if any(s is None for s in indices) or k > len(data) or k == 0:
         raise NotModelled("advanced indexing on non-leading or non-consecutive axes")
