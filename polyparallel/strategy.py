@@ -3,9 +3,10 @@
 A strategy is self-describing and validated on load. Two parts are a contract read by
 outside tools and must keep their keys: ``estimate`` (``step_time_s``, ``samples_per_s``,
 ``model_flops_per_s_per_device``, ``memory_bytes_max``, ``comm_fraction``, ``breakdown``)
-and ``search`` (``capture_s``, ``search_s``, ``candidates``, ``solver``); the parallel
-degrees ``dp``, ``tp``, ``pp`` (``sp``, ``microbatches``, ``schedule``) sit at the top
-level whenever the strategy is expressible that way.
+and ``search`` (``capture_s``, ``search_s``, ``candidates``, ``solver``); the plan
+(:class:`polyparallel.plan.Plan`: ``dp``, ``tp``, ``pp``, ``sp``, ``ep``, ``microbatches``,
+``schedule``, ``zero_stage``, ``recompute``, ``sequence_parallel``, ``dtype``) sits at the top
+level, and ``strategy.plan`` reads it back as one record.
 
 The JSON Schema of the format ships as ``polyparallel/strategy.schema.json``
 (:func:`json_schema` regenerates it; a test keeps the two equal).
