@@ -839,7 +839,9 @@ def _sized_from_config(model: nn.Module, batch: tuple[Any, ...], local: list[dic
             except Exception:  # symbolic sizes the forward cannot take (data-dependent guards, ...)
                 return None
             seen.append(log.sizes)
-    new = sorted(set().union(*seen[1:]) - seen[0])
+    # a shard's sizes may multiply a data size by fewer features (a flatten), but a size divided
+    # (seq // 2) means a view cut the data where the whole model does not
+    new = sorted(e for e in set().union(*seen[1:]) - seen[0] if any(op in e for op in ("/", "%", "Mod", "floor")))
     if not new:
         return None
     return (f"on a rank's shards the forward makes tensors sized {', '.join(new[:3])} (in the inputs' sizes), "
