@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
+from polyparallel._cli_progress import Heartbeat
 from polyparallel.cli import UserError, app
 from polyparallel.cluster import (
     PRESET_NAMES,
@@ -25,6 +26,8 @@ from polyparallel.cluster import (
     format_bandwidth,
     format_duration,
 )
+from polyparallel.cluster.spec import catalog
+from polyparallel.cost_models.calibrate import calibrate
 
 cluster_app = typer.Typer(help="Inspect cluster specs and presets.", no_args_is_help=True)
 app.add_typer(cluster_app, name="cluster")
@@ -124,8 +127,6 @@ def check_cmd(
     spec: Annotated[str, typer.Argument(help="a YAML/JSON cluster spec (docs/cluster-spec.md), or a preset")],
 ) -> None:
     """Validate a cluster spec: exit 2 naming the field and the fix, else say what it describes."""
-    from polyparallel.cluster.spec import catalog
-
     c = load_cluster(spec)
     t = c.totals
     kinds = ", ".join(f"{n} x {k}" for k, n in t["devices_by_type"].items())
@@ -144,14 +145,18 @@ def check_cmd(
 
 
 @contextlib.contextmanager
-def _steps(what: str) -> Iterator[Callable[[str], None]]:
+def _steps(what: str, heartbeat_s: float = 8.0) -> Iterator[Callable[[str], None]]:
     """Each measurement's line on stderr as it ends; on a terminal, under a spinner saying what runs
-    and for how long (a calibration takes minutes, its phases have no common unit to count)."""
+    and for how long (a calibration takes minutes, its phases have no common unit to count); piped,
+    a line every 8 s of silence saying what runs (a group of measuring workers takes minutes)."""
     console = Console(stderr=True)
     t0 = time.monotonic()
-    with console.status(what) as status:
+    last = ["starting"]
+    beat = Heartbeat(console, lambda t: f"  ... {what} ({t:.0f} s; last done: {last[0]})", heartbeat_s)
+    with console.status(what) as status, beat if not console.is_terminal else contextlib.nullcontext():
         def say(line: str) -> None:
-            console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
+            last[0] = line
+            beat.write(f"  {line}")
             status.update(f"{what} ({time.monotonic() - t0:.0f} s): {line}")
         yield say
 
@@ -169,8 +174,6 @@ def calibrate_cmd(
     """Measure this machine for `local-cpu:<P>`: matmul throughput, memory bandwidth, kernel and DTensor
     floors with 1..P processes at once (one thread each, as the torch backend runs them), gloo all-reduce.
     With --device cuda: the GPU, for a cluster spec's `device_types: {NAME: {calibration: FILE}}`."""
-    from polyparallel.cost_models.calibrate import calibrate
-
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device {device!r}: choose cpu or cuda")
     if device == "cuda":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 
 from rich.console import Console
@@ -22,6 +23,51 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 from rich.progress import Progress as _Bar
 
 _since = time.monotonic  # the heartbeat's clock, apart from the time-left estimate's
+
+
+class Heartbeat:
+    """Lines on ``console`` (not a terminal), and one more whenever it has been silent for
+    ``every_s`` seconds: ``what(seconds since the start)`` says what is under way (None: nothing now).
+
+    ``with Heartbeat(console, what) as beat: beat.write(line)``; the thread stops with the block.
+    """
+
+    def __init__(self, console: Console, what: Callable[[float], str | None], every_s: float = 8.0) -> None:
+        self.console, self.what, self.every_s = console, what, every_s
+        self._said = _since()  # when the last line was written
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Heartbeat:
+        self._said = _since()
+        self._thread = threading.Thread(target=self._run, name="progress-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def write(self, text: str) -> None:
+        with self._lock:
+            self._print(text)
+
+    def _print(self, text: str) -> None:
+        self.console.print(text, highlight=False, markup=False, soft_wrap=True)
+        self.console.file.flush()
+        self._said = _since()
+
+    def _run(self) -> None:
+        started = _since()
+        while not self._stop.wait(min(1.0, self.every_s / 4)):
+            with self._lock:
+                if _since() - self._said >= self.every_s:
+                    text = self.what(_since() - started)
+                    if text:
+                        self._print(text)
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
 
 class LineProgress:
@@ -41,11 +87,7 @@ class LineProgress:
         self.done, self._seen, self._t_first = 0, 0, 0.0
         self._bar: _Bar | None = None
         self._task = 0
-        self.heartbeat_s = heartbeat_s
-        self._said = _since()  # when the last line was written
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._beat: threading.Thread | None = None
+        self._beat = Heartbeat(self.console, self._under_way, heartbeat_s)
 
     def __enter__(self) -> LineProgress:
         if self.live:
@@ -54,28 +96,17 @@ class LineProgress:
             self._bar.start()
             self._task = self._bar.add_task(self.label, total=self.total, eta="")
         else:
-            self._said = _since()
-            self._beat = threading.Thread(target=self._heartbeat, name="progress-heartbeat", daemon=True)
-            self._beat.start()
+            self._beat.__enter__()
         return self
 
-    def _heartbeat(self) -> None:
-        started = _since()
-        while not self._stop.wait(min(1.0, self.heartbeat_s / 4)):
-            with self._lock:
-                quiet = _since() - self._said
-                if quiet >= self.heartbeat_s and self.done < self.total:
-                    self.console.print(f"  ... {self.label[:-1] if self.label.endswith('s') else self.label} "
-                                       f"{self.done + 1}/{self.total} under way ({_since() - started:.0f} s since "
-                                       "the start)", highlight=False, markup=False, soft_wrap=True)
-                    self.console.file.flush()
-                    self._said = _since()
+    def _under_way(self, elapsed: float) -> str | None:
+        if self.done >= self.total:
+            return None
+        unit = self.label[:-1] if self.label.endswith("s") else self.label
+        return f"  ... {unit} {self.done + 1}/{self.total} under way ({elapsed:.0f} s since the start)"
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
-        self._stop.set()
-        if self._beat is not None:
-            self._beat.join()
-            self._beat = None
+        self._beat.__exit__(et, e, tb)
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
@@ -100,7 +131,4 @@ class LineProgress:
             self._bar.console.print(text, highlight=False, markup=False)
             self._bar.update(self._task, completed=self.done, eta=tail.strip())
         else:
-            with self._lock:
-                self.console.print(text + tail, highlight=False, markup=False, soft_wrap=True)
-                self.console.file.flush()
-                self._said = _since()
+            self._beat.write(text + tail)

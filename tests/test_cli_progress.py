@@ -93,3 +93,19 @@ def test_a_long_unit_in_a_log_gets_a_line_saying_it_is_under_way():
     lines = out.getvalue().splitlines()
     assert len(lines) >= 2 and lines[-1].startswith("round 1/2"), lines
     assert all(ln.startswith("  ... round 1/2 under way (") for ln in lines[:-1]), lines
+
+
+def test_a_piped_calibration_says_what_runs_when_a_measurement_is_long(capsys: pytest.CaptureFixture[str]) -> None:
+    """`polyparallel calibrate` writes a line per measurement; a group of measuring workers can take
+    minutes, so piped output gets a line per heartbeat saying what runs and what was done last."""
+    import time
+
+    from polyparallel._cli_cluster import _steps
+
+    with _steps("calibrating", heartbeat_s=0.2) as say:
+        say("matmul 512x512: 10 GFLOP/s")
+        time.sleep(0.7)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].strip() == "matmul 512x512: 10 GFLOP/s"
+    beats = [line for line in err[1:] if line.strip().startswith("... calibrating")]
+    assert beats and "last done: matmul 512x512" in beats[0]
