@@ -75,6 +75,7 @@ calibration's ``warnings`` by :mod:`.machine_load`.
 
 from __future__ import annotations
 
+import datetime
 import datetime as _dt
 import json
 import os
@@ -87,6 +88,8 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from polyparallel.ir import OpKind
 
@@ -147,8 +150,6 @@ def free_port() -> int:
 
 def _worker(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, threads: int, q: Any,
             backend: str = "gloo") -> None:
-    import datetime
-
     import torch
     import torch.distributed as dist
 
@@ -686,7 +687,6 @@ def fit_alpha_beta(points: Sequence[tuple[int, float, float]], bandwidth: float 
     formula describes the measurements. With ``bandwidth`` given, ``B`` is that and ``α ≥ 0``
     alone is fitted, by the same weighted least squares.
     """
-    import numpy as np
     from scipy.optimize import nnls
 
     if len(points) < 2 and bandwidth is None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from polyparallel import ops
 from polyparallel.cluster import Cluster
-from polyparallel.ir import Graph, Hint, OpKind, TensorKind, element_bytes
+from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind, TensorSpec, element_bytes
 
 from .comm import collective_time
 from .layers import chunks
@@ -68,21 +69,17 @@ def expert_all_to_all_elements(rows: int, hidden_in: int, hidden_out: int, exper
     placed ``e:ep``; the dispatch is the footprint of its input minus the rank's own rows, the
     combine its output block back to the rows' ranks. Rows that do not divide over the experts
     are padded up (a bound)."""
-    from polyparallel import ops
-    from polyparallel.ir import Graph as _Graph
-    from polyparallel.ir import Op as _Op
-    from polyparallel.ir import TensorSpec
     from polyparallel.poly import DeviceMesh, Placement, TensorLayout, operand_need, output_layout, reshard
 
     rows = -(-rows // experts) * experts
     n = ep * rows
-    g = _Graph("moe_layer")
+    g = Graph("moe_layer")
     for name, shape, kind in (("x", (n, hidden_in), TensorKind.ACTIVATION),
                               ("w", (experts, hidden_in, hidden_out), TensorKind.PARAM),
                               ("y", (n, hidden_out), TensorKind.ACTIVATION)):
         g.add_tensor(TensorSpec(name, shape, kind=kind))
-    op = g.add_op(_Op("experts", OpKind.CONTRACTION, "grouped_mm", ("x", "w"), ("y",),
-                      ops.grouped_mm((n, hidden_in), (experts, hidden_in, hidden_out), sources=ep)))
+    op = g.add_op(Op("experts", OpKind.CONTRACTION, "grouped_mm", ("x", "w"), ("y",),
+                     ops.grouped_mm((n, hidden_in), (experts, hidden_in, hidden_out), sources=ep)))
     mesh, placed = DeviceMesh.of(ep=ep), Placement.parse("e:ep")
     dispatch = reshard(TensorLayout.sharded((n, hidden_in), ep=0), operand_need(g, op, placed, mesh, "in0"), mesh)
     combine = reshard(output_layout(g, op, placed, mesh), TensorLayout.sharded((n, hidden_out), ep=0), mesh)

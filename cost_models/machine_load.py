@@ -11,6 +11,7 @@ the CPU time a hypervisor gave to other virtual machines (:func:`stolen_since` t
 from __future__ import annotations
 
 import os
+import resource
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,6 @@ def cpu_clock() -> dict[str, Any]:
     """The machine's CPU time counters (``/proc/stat``: user nice system idle iowait irq softirq
     steal, in seconds) and this process's own CPU seconds with its waited-for children's, now;
     empty counters where ``/proc/stat`` is not there."""
-    import resource
-
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
         tick = os.sysconf("SC_CLK_TCK")

@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 from bisect import bisect_left
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -130,8 +130,6 @@ def on_curve(points: Sequence[tuple[float, float]], r: float) -> float:
 def with_profile(cluster: Any, prof: OpProfile, link: tuple[float, float] | None = None) -> Any:
     """``cluster`` with its (first) device type carrying ``prof``, its source saying so; with ``link``
     ``(α seconds, bytes/s)``, its nodes' links carry collectives at that measured α and bandwidth."""
-    from dataclasses import replace
-
     dt = cluster.device(0).type
     new = replace(dt, op_profile=prof, source=f"{dt.source}; {prof.source}")
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 from polyparallel.ir import TRAINING_DTYPE_BYTES
 
 from .compute import streaming_bandwidth
@@ -120,7 +122,5 @@ def optimizer_element_time(rates: Sequence[tuple[float, float]], elements: float
     working-set size: in cache, in memory), interpolated linearly in ``log elements`` and
     clamped at both ends.
     """
-    import numpy as np
-
     pts = sorted((math.log(e), r) for e, r in rates)
     return float(np.interp(math.log(max(elements, 1.0)), [x for x, _ in pts], [r for _, r in pts]))

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from polyparallel.cluster import Cluster, DeviceType
 
 from .comm import collective_time, p2p_time
@@ -72,8 +74,6 @@ def stage_layouts(cluster: Cluster, cfg: ParallelConfig, devs: tuple[int, ...]) 
     gives tensor-parallel groups along the last axis, sequence-parallel along the third, and the
     data-parallel (× sequence) group of ``t`` as the ``(dp, sp)`` slab at ``t``.
     """
-    import numpy as np
-
     key = (devs, cfg.dp, cfg.tp, cfg.pp, cfg.sp)
     cache = PRICES.of(cluster).setdefault("layouts", {})
     if key in cache:

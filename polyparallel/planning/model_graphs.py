@@ -20,7 +20,6 @@ from typing import Any
 from polyparallel.frontends import capture
 from polyparallel.ir import Graph, _Any
 from polyparallel.planning.collector import young_collected
-from polyparallel.transforms import canonicalize, fuse_elementwise
 
 __all__ = ["ANCHORS", "MAX_MICRO", "ModelGraphs", "NotAffine", "Rebatcher", "divisors", "graph_batch", "rebatch",
            "rebatch_graph"]
@@ -125,6 +124,9 @@ class ModelGraphs:
             if not self.resizable:
                 raise ValueError(f"the model has a fixed batch of {self.b0}; micro-batch {b} is not available")
             self.graphs[b] = self._capture_raw(b)
+        # import polyparallel loads this module: the transforms load with the first graph
+        from polyparallel.transforms import canonicalize, fuse_elementwise
+
         return fuse_elementwise(canonicalize(self.graphs[b]))
 
     def _derive(self, b: int) -> Graph | None:
