@@ -20,7 +20,9 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import AttributeProto, TensorProto, helper, numpy_helper
+from onnx import AttributeProto, TensorProto, helper, numpy_helper, shape_inference
+from onnx.external_data_helper import load_external_data_for_tensor
+from onnx.reference import ReferenceEvaluator
 
 from polyparallel import ops
 from polyparallel.ir import Graph, OpKind, TensorKind
@@ -132,8 +134,6 @@ class _Capture:
             d.dim_value = int(val)
 
     def _infer(self, sk: onnx.ModelProto) -> onnx.ModelProto:
-        from onnx import shape_inference
-
         errors = []
         for strict in (True, False):
             try:
@@ -227,8 +227,6 @@ class _Capture:
         Whole-model inference loses shapes where an input is computed by ops it cannot
         evaluate (``axes = Range(...)``); here those inputs are constants we folded.
         """
-        from onnx import shape_inference
-
         names = [x for x in dict.fromkeys(n.input) if x]
         if any(x not in self.values and x not in self.b.graph.tensors for x in names):
             return  # reads a sequence: nothing to infer from here
@@ -261,8 +259,6 @@ class _Capture:
             if t.data_location == TensorProto.EXTERNAL:
                 if self.where == "<ModelProto>":
                     return None
-                from onnx.external_data_helper import load_external_data_for_tensor
-
                 t2 = TensorProto()
                 t2.CopyFrom(t)
                 load_external_data_for_tensor(t2, str(Path(self.where).parent))
@@ -276,8 +272,6 @@ class _Capture:
         if a.name == "value":
             return numpy_helper.to_array(a.t)
         if a.name == "sparse_value":
-            from onnx.reference import ReferenceEvaluator
-
             return ReferenceEvaluator(self._single(n, [])).run(None, {})[0]
         v = helper.get_attribute_value(a)
         dt = {"value_float": np.float32, "value_floats": np.float32, "value_int": np.int64,
@@ -328,8 +322,6 @@ class _Capture:
             if dims is not None and all(isinstance(d, int) for d in dims) and math.prod(dims) > _FOLD_MAX_ELEMS:
                 return False
         try:
-            from onnx.reference import ReferenceEvaluator
-
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 res = ReferenceEvaluator(self._single(n, names)).run(None, {x: self.values[x] for x in names})

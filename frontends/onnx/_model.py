@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import AttributeProto, TensorProto, helper
+from onnx import AttributeProto, TensorProto, helper, inliner
 
 from .._builder import CaptureError
 
@@ -55,8 +55,6 @@ def _load(model: str | Path | onnx.ModelProto) -> tuple[str, onnx.ModelProto]:
                            "either not ONNX or truncated — re-export or re-download it")
     if proto.functions:
         try:
-            from onnx import inliner
-
             proto = inliner.inline_local_functions(proto)
         except Exception as e:  # keep going: function calls then stay opaque
             warnings.warn(f"{where}: could not inline model-local functions ({e})", stacklevel=3)

@@ -25,10 +25,12 @@ export itself, and the switches around it).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.fx.config as fx_config
 
 from polyparallel.ir import Graph
 
@@ -54,8 +56,6 @@ def _to_meta_if_needed(model: torch.nn.Module, value: Any) -> Any:
 def _no_stack_traces() -> Iterator[None]:
     """Tracing without recording each node's Python stack: a quarter of export's time, and the
     frontend never reads ``node.meta["stack_trace"]``."""
-    import torch.fx.config as fx_config
-
     before = fx_config.do_not_emit_stack_traces
     fx_config.do_not_emit_stack_traces = True
     try:
@@ -69,8 +69,6 @@ def quiet_fake_tensors() -> Iterator[None]:
     """torch's fake-tensor dispatch logs each op that fails on meta tensors with its traceback at
     ERROR level (``torch._subclasses.fake_tensor``) before raising: the raised error, which the
     capture reports in one line, says the same; the log lines are held back."""
-    import logging
-
     log = logging.getLogger("torch._subclasses.fake_tensor")
     before = log.level
     log.setLevel(logging.CRITICAL)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.fx.passes.shape_prop import ShapeProp
 
 from polyparallel.ir import Graph, TensorKind
 
@@ -65,8 +66,6 @@ def _leaf_args(mod: torch.nn.Module, x: Any) -> tuple[str, dict[str, Any]] | Non
 
 
 def _fx(model: torch.nn.Module, args: tuple, kwargs: dict, name: str) -> Graph:
-    from torch.fx.passes.shape_prop import ShapeProp
-
     # forward parameters the caller did not give are fixed to their defaults, so that
     # `if labels is None:` branches are traced the way the example call takes them
     sig = inspect.signature(model.forward)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from polyparallel import ops
-from polyparallel.ir import LoopNest, OpKind
+from polyparallel.ir import Access, LoopNest, OpKind, Statement
 
 from ._registry import Call, Spec, TRef, _ints, handles
 
@@ -107,8 +107,6 @@ def _unbind(c: Call) -> Spec:
 
 def _unbind_nest(shape: tuple[int, ...], dim: int) -> LoopNest:
     # unbind == split into size-1 pieces, then squeeze: the split's accesses with the axis removed
-    from polyparallel.ir import Access, Statement
-
     sp = ops.split(shape, [1] * shape[dim], dim)
     sts = []
     for st in sp.statements:
