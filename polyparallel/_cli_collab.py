@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -24,6 +25,7 @@ from rich.table import Table
 
 from polyparallel._cli_progress import LineProgress
 from polyparallel.cli import UserError, app
+from polyparallel.cluster.units import parse_quantity
 
 _FW_HELP = "framework per center, comma separated (torch, mindspore); default all torch"
 
@@ -50,8 +52,6 @@ def _parse_options(items: list[str]) -> dict[str, float]:
 
 def _parse_links(items: list[str], names: list[str]) -> dict[str, tuple[float, float, float]]:
     """``--link [NAME=]DOWN[,UP[,LATENCY]]`` → center → (down B/s, up B/s, latency s); no NAME: every center."""
-    from polyparallel.cluster.units import parse_quantity
-
     out: dict[str, tuple[float, float, float]] = {}
     for it in items:
         who, sep, spec = it.rpartition("=") if "=" in it.split(",")[0] else ("", "", it)
@@ -297,8 +297,6 @@ def _strategy_config(strategy: Path, spec: Any, training: dict[str, Any], fixed:
                      fusion_opt: list[str], emulate_wan: bool) -> Any:
     """The job of a collaborative Strategy: a flag of ``fixed`` given beside it wins over the
     strategy's value, and says so."""
-    from dataclasses import replace
-
     from polyparallel.backends.collab import config_from_strategy
 
     cfg = config_from_strategy(strategy, spec, emulate_links=emulate_wan,
@@ -334,8 +332,6 @@ def _options_config(centers: str, frameworks: str, devices: str, spec: Any, trai
 
 def _center_options(cfg: Any, source: str, link: list[str], samples: str | None, wan_without_strategy: bool) -> Any:
     """``cfg`` with what the options say of every center: its data source, WAN link and sample count."""
-    from dataclasses import replace
-
     if source:  # every center calls the source itself; only the reference goes in the job
         cfg = replace(cfg, centers=tuple(replace(c, data=source) for c in cfg.centers))
     if wan_without_strategy:
@@ -455,8 +451,6 @@ def serve_cmd(
     A restarted server with the same --out resumes from its last checkpoint (no round lost or repeated).
     The ServerApp's log (rejected updates, refused identities) is printed here and kept in OUT/server.log.
     """
-    from dataclasses import replace
-
     from polyparallel.backends.collab import CollabConfig
     from polyparallel.backends.collab._flower import FlowerError, LoopbackFederation, read_outputs
     from polyparallel.backends.collab._security import load_credentials

@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+import polyparallel as pp
 from polyparallel.cli import UserError, app
 from polyparallel.ir import Graph, Role
 
@@ -34,7 +35,6 @@ def parse_dims(dims: list[str] | None) -> dict[str, int]:
 def capture_model(model: str, batch_size: int | None = None, seq_len: int | None = None,
                   method: str = "auto", dims: dict[str, int] | None = None) -> Graph:
     """Resolve a MODEL argument and capture it (shared by the commands that take a MODEL)."""
-    import polyparallel as pp
     from polyparallel.models import load_model
 
     loaded = load_model(model, batch_size=batch_size, seq_len=seq_len)

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from polyparallel._cli_graph import MODEL_HELP
 from polyparallel.cli import app, writable_file
+from polyparallel.cost_models.parallel_config import parse_execution
 from polyparallel.strategy import Strategy
 
 PLACEMENTS_HELP = ("per-op placements: torch (the exact per-stage solver, restricted to what the torch backend "
@@ -118,7 +119,6 @@ def search_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="print the strategy JSON")] = False,
 ) -> None:
     """Find the fastest parallel plan of MODEL that fits CLUSTER."""
-    from polyparallel.cost_models.parallel_config import parse_execution
     from polyparallel.planning.plan_search import Constraints, search
 
     console = _console()
@@ -282,7 +282,6 @@ def evaluate_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="print the estimate as JSON")] = False,
 ) -> None:
     """Price a hand-made recipe with the search's cost model; unset choices are made as the search would."""
-    from polyparallel.cost_models.parallel_config import parse_execution
     from polyparallel.planning.plan_search import evaluate
 
     options = parse_execution(execution or [])  # a bad option fails before the capture

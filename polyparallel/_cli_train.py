@@ -10,6 +10,7 @@ import typer
 
 from polyparallel._cli_progress import LineProgress
 from polyparallel.cli import UserError, app
+from polyparallel.strategy import Strategy
 
 
 @app.command()
@@ -107,8 +108,6 @@ def _model_and_data(model: str, data: str | None, strategy: Path) -> tuple[Any, 
     trainable_example(model, synthetic=data is None)  # refused here, before anything is built or started
     if data is not None:
         return functools.partial(example_module, model), data
-    from polyparallel.strategy import Strategy
-
     batch = Strategy.from_json(strategy).global_batch
     return functools.partial(example_module, model), functools.partial(example_batch, model, batch)
 

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import typer
 
+from polyparallel import __version__
+from polyparallel.frontends import CaptureError
+
 app = typer.Typer(
     name="polyparallel",
     help="Find how to parallelise deep-learning training, and run it.",
@@ -29,8 +32,6 @@ _COMMAND_MODULES = ("polyparallel._cli_graph", "polyparallel._cli_cluster", "pol
 
 def _version(value: bool) -> None:
     if value:
-        from polyparallel import __version__
-
         typer.echo(f"polyparallel {__version__}")
         raise typer.Exit()
 
@@ -81,8 +82,6 @@ def main(argv: list[str] | None = None) -> None:
     if not sys.stdout.isatty() and "COLUMNS" not in os.environ:
         os.environ["COLUMNS"] = "160"  # piped help: rich would wrap at 80 and cut option names
     _load_commands()
-    from polyparallel.frontends import CaptureError
-
     try:
         app(args=argv, standalone_mode=True)
     except (UserError, CaptureError, FileNotFoundError, ValueError, OSError) as e:
