@@ -51,6 +51,7 @@ class Axis(StrEnum):
 
 #: the axes whose degrees multiply to the plan's devices, outermost first (:meth:`Plan.rank`)
 MESH_AXES = (Axis.PP, Axis.DP, Axis.SP, Axis.TP)
+_COUNTS = frozenset({*(a.value for a in Axis), "microbatches", "chunks"})  # fields that are whole numbers >= 1
 
 P = TypeVar("P", bound="Plan")
 
@@ -65,7 +66,7 @@ def parse_schedule(label: str) -> tuple[str, int]:
 def value_problem(name: str, value: Any) -> str | None:
     """Why ``value`` is no plan's ``name`` (a field of :data:`PLAN_FIELDS`), in words naming what it
     can take; ``None`` when some plan has it. A schedule may be written ``interleaved:K``."""
-    if name in ("dp", "tp", "pp", "sp", "ep", "microbatches", "chunks"):
+    if name in _COUNTS:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             return f"{name}={value!r}: give a whole number >= 1"
         return None
