@@ -21,14 +21,17 @@ starts each rank with its own interpreter as torch.distributed.run does by defau
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import runpy
 import subprocess
 import sys
 import threading
 from pathlib import Path
 from typing import Any
 
+from polyparallel.backends.torch._entry import main
 from polyparallel.backends.torch._procs import AGENT_PID_ENV, LAUNCHER_PID_ENV, die_with_parent
 
 __all__ = ["discard", "go", "prestart", "start", "take", "worker_env"]
@@ -116,8 +119,6 @@ def _forking(config_from_args: Any) -> Any:
     def config(args: Any) -> Any:
         cfg, cmd, cmd_args = config_from_args(args)
         if args.module and args.training_script == ENTRY:
-            from polyparallel.backends.torch._entry import main
-
             cfg.start_method = "fork"
             return cfg, main, list(args.training_script_args)
         return cfg, cmd, cmd_args
@@ -126,8 +127,6 @@ def _forking(config_from_args: Any) -> Any:
 
 
 def _serve() -> None:
-    import importlib
-
     fork = sys.platform.startswith("linux") and os.environ.get(WORKER_START_ENV, "fork") == "fork"
     if fork:
         import torch.distributed.run as tdr
@@ -148,8 +147,6 @@ def _serve() -> None:
         tdr.config_from_args = _forking(tdr.config_from_args)
         tdr.main(request["argv"])
     else:
-        import runpy
-
         sys.argv = ["torch.distributed.run", *request["argv"]]
         runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
 

@@ -17,6 +17,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from polyparallel.strategy import Strategy
+
 __all__ = ["check_resume", "latest", "prune", "resume", "save_checkpoint", "trim_log"]
 
 STRATEGY_FILE = "strategy.json"
@@ -131,8 +133,6 @@ def check_resume(ckpt: Path, strategy: Any, model: Any = None) -> int | None:
     strategy's fingerprint, comparable at the same micro-batch size, or the parameter names and
     shapes of ``model`` against the checkpoint's), or a pipeline layout that differs from the
     checkpoint's."""
-    from polyparallel.strategy import Strategy
-
     done = latest(ckpt)
     if done is None:
         return None

@@ -10,6 +10,7 @@ that no exit path of ``train()`` leaves it running.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 from pathlib import Path
@@ -23,8 +24,6 @@ def main(run_dir: str) -> None:
     agent = os.environ.get(AGENT_PID_ENV)
     die_with_parent(int(agent) if agent else None)
     record_pid(Path(run_dir), f"rank{os.environ.get('RANK', os.getpid())}")
-
-    import faulthandler
 
     import torch
 

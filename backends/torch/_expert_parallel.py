@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.nn.functional import all_to_all_single
 
 __all__ = ["apply_expert_parallel", "expert_modules"]
 
@@ -50,8 +51,6 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
-    from torch.distributed.nn.functional import all_to_all_single
-
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     return all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
 

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from polyparallel.backends.torch._agent import go, worker_env
 from polyparallel.backends.torch._agent import start as start_agent
 from polyparallel.backends.torch._agent import take as take_agent
@@ -88,8 +90,6 @@ def launch_commands(strategy: Strategy | str | Path, model_fn: str, data_fn: str
 def check_batch(strategy: Strategy, batch: Any) -> None:
     """Refuse, before launch, a first batch ``data_fn(0)`` the workers could not split as the plan
     says: ValueError with one line naming what is wrong and what to change."""
-    import torch
-
     B = strategy.global_batch
     if not isinstance(batch, tuple | list) or len(batch) != 2:
         what = f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, tuple | list) \
@@ -323,8 +323,6 @@ def _checked_run(strategy: Strategy, model_fn: Any, data_fn: Any, agent: subproc
                  profile_comm: bool, batchnorm: str, stop_on_nonfinite: bool) -> list[dict[str, Any]]:
     """:func:`train` after its argument checks: the checks of batch, model, plan and checkpoint,
     then the run directory and the launch by ``agent``."""
-    import torch
-
     torch.manual_seed(seed)
     # pipeline stages are cut, and the model captured, on (a micro-batch of) it
     batch = call_user(resolve(data_fn), "the data function", 0)

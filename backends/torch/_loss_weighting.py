@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn import _reduction
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["TargetCount", "weigh_microbatches", "weigh_replicas"]
@@ -76,8 +77,6 @@ class TargetCount(TorchFunctionMode):
             bound.apply_defaults()
             a = dict(bound.arguments)
             if a.get("size_average") is not None or a.get("reduce") is not None:
-                from torch.nn import _reduction
-
                 a["reduction"] = _reduction.legacy_get_string(a["size_average"], a["reduce"], emit_warning=False)
                 a["size_average"] = a["reduce"] = None
             if a["reduction"] != "mean":

@@ -77,16 +77,32 @@ between the ranks of equal ``(dp, sp)`` index. Not executed together with ``tp >
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import fx, nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import loss_parallel
 
+from polyparallel.backends.torch._batchnorm import has_batch_statistics
+from polyparallel.backends.torch._loss_weighting import TargetCount, weigh_microbatches
+from polyparallel.backends.torch._precision import Precision
+from polyparallel.backends.torch._recompute import recompute_chunk
+from polyparallel.backends.torch._stage_sp import label_shard, register_mesh, shard_sequence
+from polyparallel.backends.torch._stage_sp import rewrite as sp_rewrite
+from polyparallel.backends.torch._stage_tp import register_group, shard_graph, shard_parameters
+from polyparallel.backends.torch._steps import make_optimizer, scale_gradients
+from polyparallel.backends.torch._train_loop import TrainingMode
 from polyparallel.backends.torch.capabilities import Unsupported
-
-if TYPE_CHECKING:
-    from polyparallel.backends.torch._train_loop import TrainingMode
+from polyparallel.cost_models.layers import LAYER  # the planner's own layer pattern
+from polyparallel.frontends.torch import _export_program  # the frontend's export (no stack traces)
+from polyparallel.references import resolve
 
 __all__ = ["PipelinePlan", "pipeline_mode", "pipeline_plan", "split_model"]
 
@@ -119,8 +135,6 @@ class PipelinePlan:
 
 
 def _export(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> fx.GraphModule:
-    from polyparallel.frontends.torch import _export_program  # the frontend's export (no stack traces)
-
     try:
         ep = _export_program(model, (inputs, labels), {})
     except Exception as e:  # any export failure means the model cannot be cut this way
@@ -280,8 +294,6 @@ def _chunk_module(gm: fx.GraphModule, c: int, inputs: list[fx.Node], ops: list[f
                   counted: set[str] | None) -> tuple[fx.GraphModule, tuple[str, ...], set[int]]:
     """Chunk ``c`` (the ops ``chunk_of`` gives it) as a module from ``inputs`` to ``outputs``, with
     the paths of the parameters it holds and the layers of its (``counted``) ops."""
-    from polyparallel.cost_models.layers import LAYER  # the planner's own layer pattern
-
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {n: g.placeholder(n.name) for n in inputs}
 
@@ -377,8 +389,6 @@ def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, to
     if s.global_batch % n:
         raise Unsupported(f"global_batch={s.global_batch} is not divisible by dp*microbatches={n}: pipeline "
                            "micro-batches must be equal for the mean loss to equal the full-batch loss")
-    from polyparallel.backends.torch._batchnorm import has_batch_statistics
-
     if has_batch_statistics(model):  # even without running statistics (no buffer write to refuse)
         raise Unsupported("the model has BatchNorm: pipeline micro-batches would each be normalised with their own "
                            "statistics, unlike single-process training on the whole batch; search with "
@@ -430,8 +440,6 @@ def _sp_rewrite(sp: int, rank: int, n: int) -> Callable[[fx.GraphModule], Any]:
     """Ulysses inside the stages (:mod:`._stage_sp`) for ``sp`` rank ``rank``, sequence shards of ``n``."""
 
     def rewrite(gm: fx.GraphModule) -> Any:
-        from polyparallel.backends.torch._stage_sp import rewrite as sp_rewrite
-
         return sp_rewrite(gm, sp, rank, n)
 
     return rewrite
@@ -443,8 +451,6 @@ def _tp_rewrite(kinds: dict[str, str], fused: dict[str, tuple[int, ...]], tp: in
     workers' 1-D ``tp`` mesh) the split parameters become DTensors too. Returns the split values."""
 
     def rewrite(gm: fx.GraphModule) -> dict[str, int]:
-        from polyparallel.backends.torch._stage_tp import shard_graph, shard_parameters
-
         split, params = shard_graph(gm, kinds, fused, tp, rank)
         if mesh is not None:
             shard_parameters(gm, params, mesh)
@@ -498,8 +504,6 @@ class _Ranks:
 
 
 def _ranks(pipe: PipelinePlan, dp: int, device: torch.device) -> _Ranks:
-    from torch.distributed.device_mesh import init_device_mesh
-
     # ranks follow the Strategy's mesh order: stage-major (pp, dp, tp) as the planner writes it, or another
     deg = {"pp": pipe.stages, "dp": dp, "sp": pipe.sp, "tp": pipe.tp}
     mesh = init_device_mesh(device.type, tuple(deg[a] for a in pipe.axes), mesh_dim_names=pipe.axes)
@@ -519,14 +523,10 @@ def _split_on_rank(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], p
     mb = plan.global_batch // (plan.dp * pipe.microbatches)
     rewrite = None
     if pipe.tp > 1:  # Megatron inside each stage, on local shards (._stage_tp)
-        from polyparallel.backends.torch._stage_tp import register_group
-
         register_group("tp", ranks.mesh["tp"].get_group())
         rewrite = _tp_rewrite(dict(plan.tp_plan), dict(plan.fused), pipe.tp, ranks.tp, ranks.mesh["tp"])
     x0, y0 = inputs[:mb], labels[:mb]
     if pipe.sp > 1:  # Ulysses inside each stage (._stage_sp): exported at the local sequence length
-        from polyparallel.backends.torch._stage_sp import register_mesh
-
         register_mesh("sp", ranks.mesh["sp"])
         n = inputs.shape[1] // pipe.sp
         rewrite = _sp_rewrite(pipe.sp, ranks.sp, n)
@@ -537,20 +537,14 @@ def _split_on_rank(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], p
 def _stage_module(chunk: fx.GraphModule, plan: Any, replicas: Any, prec: Any, device: torch.device) -> nn.Module:
     """One chunk as its stage runs it: recomputation, its parameters over the stage's replicas,
     autocast inside its forward (the schedule runs backwards between forwards)."""
-    from polyparallel.backends.torch._recompute import recompute_chunk
-
     mod = recompute_chunk(chunk, plan.recompute, plan.recompute_blocks).to(device)
     has_params = any(p.requires_grad for p in mod.parameters())
     if plan.data_parallel == "ddp" and has_params:
         # ZeRO-0 (replicated parameters, all-reduced gradients) with the FSDP2-based `replicate`,
         # which PipelineStage syncs once per step: DistributedDataParallel's bucket rebuild fails
         # after a step of several micro-batch backwards (reducer.cpp, "rebuilt parameter indices")
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
         replicate(mod, mesh=replicas)
     elif plan.data_parallel == "fsdp" and has_params:
-        from torch.distributed.fsdp import fully_shard
-
         fully_shard(mod, mesh=replicas, **prec.fsdp_kwargs())
     return prec.autocast_forward(mod)
 
@@ -577,15 +571,11 @@ class _LossTail:
         self.counts: list[float | None] = []  # per micro-batch of the step: the targets its loss counted
 
     def _as_dtensor(self, o: torch.Tensor, d: int, n: int | None) -> Any:
-        from torch.distributed.tensor import DTensor, Shard
-
         shape = (*o.shape[:d], n if n is not None else o.shape[d] * self.tp, *o.shape[d + 1:])
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(o, self.mesh["tp"], [Shard(d)], run_check=False, shape=shape, stride=stride)
 
     def __call__(self, out: Any, target: torch.Tensor) -> torch.Tensor:
-        from polyparallel.backends.torch._loss_weighting import TargetCount
-
         counter = TargetCount()
         outs = out if isinstance(out, tuple) else (out,)
         if self.parallel:
@@ -602,6 +592,7 @@ class _LossTail:
 
 def _schedule(pipe: PipelinePlan, modules: list[nn.Module], mine: list[int], device: torch.device, group: Any,
               loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> Any:
+    # import cost: torch.distributed.pipelining loads ~290 modules (0.4 s) that only pipelined runs need
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     K = pipe.stages * pipe.virtual
@@ -616,8 +607,6 @@ def _tie_groups(pipe: PipelinePlan, dp: int, ranks: _Ranks) -> list[tuple[str, A
     """The groups over which this rank sums a tied parameter's gradients, with the parameter: one
     group per (set of stages holding it, dp index, sp·tp index); every rank creates every group in
     the same order, as new_group requires."""
-    import torch.distributed as dist
-
     groups: list[tuple[str, Any]] = []
     for name, ks in pipe.tied:
         holders = sorted({k % pipe.stages for k in ks})
@@ -655,17 +644,10 @@ class _PipelineStep:
         sl = slice(r.dp * local, (r.dp + 1) * local)
         x, y = inputs[sl].to(self.device), labels[sl].to(self.device)
         if pipe.sp > 1:
-            from polyparallel.backends.torch._stage_sp import label_shard, shard_sequence
-
             x, y = shard_sequence(x, pipe.sp, r.sp), label_shard(y, pipe.sp, r.sp, pipe.halo)
         return x, y
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, str]:
-        import torch.distributed as dist
-
-        from polyparallel.backends.torch._loss_weighting import weigh_microbatches
-        from polyparallel.backends.torch._steps import scale_gradients
-
         pipe = self.plan.pipeline
         losses: list[torch.Tensor] = []
         self.loss.counts.clear()
@@ -694,11 +676,6 @@ class _PipelineStep:
 def pipeline_mode(job: dict[str, Any], device: torch.device) -> TrainingMode:
     """This rank's pipeline chunks, their schedule and optimiser, as :func:`._train_loop.train` runs
     them; logs and checkpoints as the unpipelined worker does, the optimiser under its stage's key."""
-    from polyparallel.backends.torch._precision import Precision
-    from polyparallel.backends.torch._steps import make_optimizer
-    from polyparallel.backends.torch._train_loop import TrainingMode
-    from polyparallel.references import resolve
-
     plan, pipe = job["plan"], job["plan"].pipeline
     ranks = _ranks(pipe, plan.dp, device)
     batch = resolve(job["data_fn"])(0)
@@ -718,8 +695,4 @@ def pipeline_mode(job: dict[str, Any], device: torch.device) -> TrainingMode:
 
 
 def _loss_parallel(on: bool) -> Any:
-    from contextlib import nullcontext
-
-    from torch.distributed.tensor.parallel import loss_parallel
-
     return loss_parallel() if on else nullcontext()

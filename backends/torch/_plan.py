@@ -65,6 +65,8 @@ from typing import Any
 
 from torch import nn
 
+from polyparallel.backends.torch._expert_parallel import expert_modules
+from polyparallel.backends.torch._pipeline import pipeline_plan
 from polyparallel.backends.torch._recompute import recompute_blocks
 from polyparallel.backends.torch._tensor_parallel import (
     eager_tp_problem,
@@ -346,8 +348,6 @@ def _check_modules(s: Strategy, model: nn.Module, graph: Graph | None, modules: 
             raise Unsupported(f"recompute={s.recompute!r} checkpoints the layer module {absent[0]!r} of the model's "
                               "graph, which the model has no module for; build the model the strategy was searched for")
     if s.ep > 1:
-        from polyparallel.backends.torch._expert_parallel import expert_modules
-
         bad = [p for p, m in expert_modules(model) if m.gate_up_proj.shape[0] % s.ep]
         if not expert_modules(model) or bad:
             raise Unsupported(f"ep={s.ep}: " + (f"experts module {bad[0]!r} has experts not divisible by ep" if bad
@@ -373,8 +373,6 @@ def _graph_stages(s: Strategy, model: nn.Module, batch: Any, graph: Graph | None
     if s.pp > 1 or eager_why:
         if batch is None:
             raise ValueError(f"pp={s.pp}: plan_for needs one global batch (data_fn(0)) to cut the model into stages")
-        from polyparallel.backends.torch._pipeline import pipeline_plan
-
         uneven = uneven_shards(model, seen, s.tp) if s.tp > 1 else []
         try:
             if uneven:  # what the stage rewrite would refuse after exporting the model, said first

@@ -31,6 +31,10 @@ import functools
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
 
 __all__ = ["Precision"]
 
@@ -47,8 +51,6 @@ class Precision:
         self.compute: torch.dtype | None = _COMPUTE[dtype]
         self.scaler: Any = None
         if dtype == "fp16":
-            import torch.distributed as dist
-
             self.scaler = _local_shard_scaler()(device.type, process_group=dist.group.WORLD)
             # the scale starts on the first scale() call, which pipeline stages without the loss never make
             self.scaler.scale(torch.ones((), device=device))
@@ -63,8 +65,6 @@ class Precision:
         """Keyword arguments for ``fully_shard``: low-precision all-gathers, fp32 gradient reduction."""
         if self.compute is None:
             return {}
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
         return {"mp_policy": MixedPrecisionPolicy(param_dtype=self.compute, reduce_dtype=torch.float32)}
 
     def autocast_forward(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -110,9 +110,6 @@ def _local_shard_scaler() -> type:
     plain tensors mixed with DTensors (tensor parallelism shards some modules' parameters and
     replicates the others); each rank's local shards are what it holds, and the overflow flag is
     all-reduced over the process group afterwards, so checking them covers every shard."""
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-    from torch.distributed.tensor import DTensor
-
     class LocalShardScaler(ShardedGradScaler):
         def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
                             allow_fp16: bool = True) -> dict[torch.device, torch.Tensor]:

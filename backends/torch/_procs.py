@@ -17,6 +17,7 @@ Only Linux has ``PR_SET_PDEATHSIG`` and ``/proc``; elsewhere the agent's group i
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import sys
@@ -37,8 +38,6 @@ def die_with_parent(expected_parent: int | None = None) -> None:
     ``expected_parent`` is already gone (it died before the request was made)."""
     if not sys.platform.startswith("linux"):
         return
-    import ctypes
-
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")

@@ -34,12 +34,16 @@ without recomputation.
 from __future__ import annotations
 
 import functools
+import gc
 import operator
 from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from polyparallel.cost_models.layers import layer_of
@@ -281,8 +285,6 @@ def retained_activation_bytes(model: nn.Module, *args: Any, **kwargs: Any) -> in
     backward. It counts storages, so views and tensors saved twice count once. The backward is run
     afterwards so no graph is left behind. ``model`` must return a scalar loss.
     """
-    from torch.utils._pytree import tree_flatten
-
     given = [*model.parameters(), *model.buffers(), *tree_flatten((args, kwargs))[0]]
     total, loss = _alive_after(lambda: model(*args, **kwargs), given)
     loss.backward()
@@ -322,12 +324,6 @@ def retained_stage_bytes(chunk: nn.Module, *inputs: torch.Tensor, tail: nn.Modul
 def _alive_after(fn: Any, given: list[Any]) -> tuple[int, Any]:
     """Run ``fn()``; the bytes of the storages its ATen ops wrote that are still alive after it
     (``given`` and the returned tensor aside), and what it returned."""
-    import gc
-
-    from torch.multiprocessing.reductions import StorageWeakRef
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
-
     class Track(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()

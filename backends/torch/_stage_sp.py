@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from polyparallel.backends.torch._tensor_parallel import UlyssesAttention
 from polyparallel.backends.torch.capabilities import Unsupported
 
 __all__ = ["SPRewrite", "label_shard", "register_mesh", "shard_sequence", "ulysses_attention"]
@@ -49,8 +50,6 @@ def register_mesh(name: str, mesh: Any) -> None:
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, mesh: str = "sp",
                       **kwargs: Any) -> torch.Tensor:
     """SDPA on sequence shards ``[B, h, n, d]``: all-to-all to ``[B, h/sp, S, d]``, attention, back."""
-    from polyparallel.backends.torch._tensor_parallel import UlyssesAttention
-
     u = UlyssesAttention(_MESHES[mesh])  # (its exchanges, not entered as a mode)
     out = aten.scaled_dot_product_attention.default(*(u.seq_to_heads(t) for t in (q, k, v)), *args, **kwargs)
     return u.heads_to_seq(out)

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import fx, nn
+from torch.distributed.tensor import DTensor, Shard
 
 from polyparallel.backends.torch._tensor_parallel import qkv_rows
 from polyparallel.backends.torch.capabilities import Unsupported, chunked_evenly
@@ -483,8 +484,6 @@ def shard_parameters(root: nn.Module, params: dict[str, tuple[int, tuple[int, ..
     """Replace each parameter named in ``params`` (and its aliases) by a ``DTensor`` parameter sharded
     along its dim on the 1-D ``tp`` mesh, a fused projection's rows regrouped first. Every rank built
     the same initial weights, so each keeps its block without communication."""
-    from torch.distributed.tensor import DTensor, Shard
-
     tp, rank = mesh.size(), mesh.get_local_rank()
     by_id: dict[int, list[str]] = {}
     for name, p in root.named_parameters(remove_duplicate=False):

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, profile
 
 __all__ = ["NonFiniteLoss", "batch_counts", "check_finite", "comm_profile", "finish_step", "log_step",
            "make_optimizer", "scale_gradients"]
@@ -62,8 +64,6 @@ def log_step(log: Path, step: int, loss: float, weighting: str, seconds: float, 
 def make_optimizer(name: str, params: Any, lr: float, device: torch.device) -> torch.optim.Optimizer:
     """torch's ``sgd``/``adam``/``adamw``; on CUDA its fused kernel (one pass over every state, as the
     cost model prices a GPU's optimizer step) unless a parameter is sharded (DTensor: foreach)."""
-    from torch.distributed.tensor import DTensor
-
     cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
     params = list(params)
     if device.type == "cuda" and not any(isinstance(p, DTensor) for p in params):
@@ -79,8 +79,6 @@ def comm_profile(enabled: bool) -> Iterator[dict[str, Any]]:
     if not enabled:
         yield rec
         return
-    from torch.profiler import ProfilerActivity, profile
-
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         yield rec
     events = [e for e in prof.key_averages() if e.key.startswith(("gloo:", "nccl:"))]

@@ -70,17 +70,30 @@ import itertools
 import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+from torch.func import functional_call
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from polyparallel import frontends as pp
 from polyparallel.backends.torch.op_roles import chunked_evenly, op_role
+from polyparallel.frontends.torch import quiet_fake_tensors
 from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind
+from polyparallel.references import user_frame
+from polyparallel.strategy import fingerprint
+from polyparallel.transforms import canonicalize, fuse_elementwise
 
 __all__ = [
     "FingerprintMismatch",
@@ -162,8 +175,6 @@ def _values(e: Any, ext: dict[str, int], cons: dict[str, frozenset[int]]) -> fro
     ranges = [sorted(cons[d]) if d in cons else range(ext[d]) for d in dims]
     if math.prod(len(r) for r in ranges) > _MAX_POINTS:
         raise _NotHeadLocal(f"index {e} spans too many points to enumerate")
-    import numpy as np
-
     # the sums over the product of the ranges, one axis at a time (an attention's heads block is ~10^4 points)
     vals = np.array([e.const], dtype=np.int64)
     for (_, c), r in zip(e.terms, ranges):
@@ -333,8 +344,6 @@ class FusedColwiseParallel(ColwiseParallel):
         self.segments = tuple(segments)
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
-        from torch.distributed.tensor import Shard, distribute_tensor
-
         rows = torch.tensor(qkv_rows(self.segments, device_mesh.size()))
         for pname, param in module.named_parameters(recurse=False):
             if param.shape[0] != sum(self.segments):
@@ -567,8 +576,6 @@ class UlyssesAttention(TorchFunctionMode):
         self.p = mesh.size()
 
     def _exchange(self, x: torch.Tensor) -> torch.Tensor:
-        import torch.distributed._functional_collectives as funcol
-
         return funcol.wait_tensor(funcol.all_to_all_single_autograd(x.contiguous(), None, None, self.mesh))
 
     def seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -602,9 +609,6 @@ class UlyssesAttention(TorchFunctionMode):
 def _captures(model_fn: Callable[[], nn.Module], example: tuple[Any, ...]) -> Iterator[Graph | str]:
     """The graph the planner would price for ``model_fn()`` on ``example`` (captured, canonicalised,
     fused), built on the meta device and then on the CPU; a capture that fails yields its error."""
-    from polyparallel import frontends as pp
-    from polyparallel.transforms import canonicalize, fuse_elementwise
-
     for device in ("meta", None):
         try:
             if device is None:
@@ -650,8 +654,6 @@ def strategy_graph(strategy: Any, model_fn: Callable[[], nn.Module], batch: tupl
     Returns None when the capture fails and ``check`` is off (plans that need the graph are then
     refused by :func:`~polyparallel.backends.torch.plan_for`).
     """
-    from polyparallel.strategy import fingerprint
-
     example = micro_batch(strategy, batch)
     graphs: list[Graph] = []
     errors: list[str] = []
@@ -673,8 +675,6 @@ def strategy_graph(strategy: Any, model_fn: Callable[[], nn.Module], batch: tupl
 
 def check_fingerprint(strategy: Any, graph: Graph) -> None:
     """Refuse a model that is not the one the strategy was searched for (module docstring)."""
-    from polyparallel.strategy import fingerprint
-
     got = fingerprint(graph)
     want = strategy.model.fingerprint
     if got == want:
@@ -694,8 +694,6 @@ def check_fingerprint(strategy: Any, graph: Graph) -> None:
 
 def build_mesh(device_type: str, plan: Any) -> Any:
     """The ``("dp", "sp", "tp")`` mesh, tensor-parallel fastest as in the strategy's device order."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     return init_device_mesh(device_type, (plan.dp, plan.sp, plan.tp), mesh_dim_names=("dp", "sp", "tp"))
 
 
@@ -708,9 +706,6 @@ def replica_mesh(mesh: Any, plan: Any) -> Any:
 def parallelize(model: nn.Module, plan: Any, mesh: Any) -> None:
     """Apply the plan's tensor-parallel styles on ``mesh["tp"]``, re-tie shared weights, and offset
     position indices on sequence shards."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
-
     if plan.tp > 1 and plan.tp_plan:
         fused = dict(plan.fused)
         styles = {"col": ColwiseParallel, "row": RowwiseParallel,
@@ -742,12 +737,6 @@ def forward_problem(model: nn.Module, batch: tuple[Any, ...], shapes: dict[str, 
     """Why ``model(*batch)`` fails, in one line naming the user's line, or None when it runs. It runs
     on fake tensors (no memory, no compute), with the parameters and buffers named in ``shapes``
     replaced by tensors of those shapes."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.func import functional_call
-
-    from polyparallel.frontends.torch import quiet_fake_tensors
-    from polyparallel.references import user_frame
-
     shapes = shapes or {}
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     with quiet_fake_tensors(), FakeTensorMode() as mode:
@@ -819,12 +808,6 @@ def _sized_from_config(model: nn.Module, batch: tuple[Any, ...], local: list[dic
     such as ``seq // 2`` that the whole model never makes; a forward that follows its tensors splits
     only the features, whose sizes are numbers. A forward that cannot run on symbolic sizes is not
     judged here (None)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.func import functional_call
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
-
-    from polyparallel.frontends.torch import quiet_fake_tensors
-
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     seen: list[set[str]] = []
     with quiet_fake_tensors(), FakeTensorMode(shape_env=ShapeEnv()) as mode:
@@ -864,12 +847,8 @@ def sequence_shard(t: torch.Tensor, plan: Any, mesh: Any) -> torch.Tensor:
 def step_context(plan: Any, mesh: Any) -> Any:
     """What a forward and backward run under: ``loss_parallel`` for a class-parallel loss, the
     Ulysses attention mode with ``sp > 1``."""
-    from contextlib import ExitStack
-
     stack = ExitStack()
     if plan.loss_parallel:
-        from torch.distributed.tensor.parallel import loss_parallel
-
         stack.enter_context(loss_parallel())
     if plan.sp > 1:
         stack.enter_context(UlyssesAttention(mesh["sp"]))

@@ -45,10 +45,25 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
+from polyparallel.backends.torch._batchnorm import has_batch_statistics, use_cross_rank_batchnorm
+from polyparallel.backends.torch._expert_parallel import apply_expert_parallel
+from polyparallel.backends.torch._loss_weighting import TargetCount, _local, weigh_microbatches, weigh_replicas
+from polyparallel.backends.torch._pipeline import pipeline_mode
 from polyparallel.backends.torch._precision import Precision
+from polyparallel.backends.torch._recompute import apply_recompute
 from polyparallel.backends.torch._steps import make_optimizer, scale_gradients
+from polyparallel.backends.torch._tensor_parallel import (
+    build_mesh,
+    parallelize,
+    replica_mesh,
+    sequence_shard,
+    step_context,
+)
 from polyparallel.backends.torch._train_loop import TrainingMode, train
+from polyparallel.cost_models.layers import layer_of
 from polyparallel.references import resolve
 
 __all__ = ["resolve", "run_worker"]
@@ -56,27 +71,17 @@ __all__ = ["resolve", "run_worker"]
 
 def _apply(model: torch.nn.Module, job: dict[str, Any], device: torch.device,
            fsdp_kwargs: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
-    from polyparallel.backends.torch._tensor_parallel import build_mesh, parallelize, replica_mesh
-
     plan = job["plan"]
     mesh = build_mesh(device.type, plan)
     parallelize(model, plan, mesh)
     cross_rank_bn = job.get("batchnorm", "cross_rank") == "cross_rank" and _cross_rank_batchnorm(model, mesh, plan)
-    from polyparallel.backends.torch._recompute import apply_recompute
-
     apply_recompute(model, plan.recompute, plan.recompute_blocks)  # after TP, before DDP / FSDP2 wrap the model
     if getattr(plan, "ep", 1) > 1:  # before DDP, which must not average (or broadcast) the expert shards
-        from torch.nn.parallel import DistributedDataParallel
-
-        from polyparallel.backends.torch._expert_parallel import apply_expert_parallel
-
         replicas = replica_mesh(mesh, plan)
         ignored = apply_expert_parallel(model, plan.ep, replicas.size(), dist.get_process_group_ranks(
             replicas.get_group()))
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     if plan.data_parallel == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
         # cross-rank BatchNorm keeps the running statistics equal on every replica: nothing to broadcast
         model = DistributedDataParallel(model, process_group=replica_mesh(mesh, plan).get_group(),
                                         device_ids=[device.index] if device.type == "cuda" else None,
@@ -97,10 +102,6 @@ def _fully_shard(model: torch.nn.Module, mesh: Any, zero_stage: int, fsdp_kwargs
     them behind. ZeRO-3 reshards each block after its forward (gathered again for its backward);
     ZeRO-1/2 keep the gathered weights from the forward to the backward (``reshard_after_forward=
     False``)."""
-    from torch.distributed.fsdp import fully_shard
-
-    from polyparallel.cost_models.layers import layer_of
-
     blocks: list[str] = []
     for name, _ in model.named_modules():
         # outermost numbered layers only: a unit inside another would split its gather
@@ -122,8 +123,6 @@ def _cross_rank_batchnorm(model: torch.nn.Module, mesh: Any, plan: Any) -> int:
     FSDP's gradient reductions are issued from backward hooks on theirs, and BatchNorm's backward
     all-reduces interleaved with them on one group could be ordered differently on two ranks.
     """
-    from polyparallel.backends.torch._batchnorm import has_batch_statistics, use_cross_rank_batchnorm
-
     grid = mesh.mesh  # global ranks, shape (dp, sp, tp)
     if not has_batch_statistics(model) or plan.dp * plan.sp == 1:
         return 0
@@ -164,9 +163,6 @@ def _accumulate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, plan: 
     has run one all-reduce gives the count over all micro-batches and replicas, by which the
     gradients are then scaled (:func:`.weigh_microbatches`): the step's gradient is that of the
     global batch's mean over its valid targets, whatever the micro-batches' padding."""
-    from polyparallel.backends.torch._loss_weighting import TargetCount, _local, weigh_microbatches
-    from polyparallel.backends.torch._tensor_parallel import step_context
-
     m = plan.microbatches
     if x.shape[0] % m:
         raise ValueError(f"a rank's share of {x.shape[0]} samples does not split into {m} equal micro-batches")
@@ -193,9 +189,6 @@ def _whole_batch(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, plan:
                  replicas: Any, device: torch.device) -> tuple[float, str]:
     """Without accumulation: the rank's share in one forward and backward, its loss weighted over the
     replicas (``_loss_weighting``); returns the step's loss and weighting."""
-    from polyparallel.backends.torch._loss_weighting import TargetCount, weigh_replicas
-    from polyparallel.backends.torch._tensor_parallel import step_context
-
     with step_context(plan, mesh):
         counter = TargetCount()
         with counter, prec.autocast():
@@ -210,8 +203,6 @@ def _whole_model_mode(job: dict[str, Any], device: torch.device) -> TrainingMode
     """The model whole on every rank, parallelised over the strategy's mesh (:func:`_apply`); each
     ``dp`` replica trains on a contiguous share of the batch, each ``sp`` rank on its block of the
     sequence."""
-    from polyparallel.backends.torch._tensor_parallel import replica_mesh, sequence_shard
-
     plan = job["plan"]
     torch.manual_seed(job["seed"])  # every rank builds the same initial weights
     model = resolve(job["model_fn"])().to(device)
@@ -249,8 +240,6 @@ def run_worker(run_dir: Path) -> None:
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         dist.init_process_group("nccl" if cuda else "gloo")
         if job["plan"].pipeline is not None:  # the exported graph cut into stages (same loop, log and checkpoints)
-            from polyparallel.backends.torch._pipeline import pipeline_mode
-
             mode = pipeline_mode(job, device)
         else:
             mode = _whole_model_mode(job, device)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import multiprocessing as mp
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -191,8 +192,6 @@ def measure_wrappers(model: Any, args: tuple, kwargs: dict[str, Any], optimizers
 
     A one-rank gloo group runs them; empty when this process already has a process group (it is
     not ours to replace)."""
-    import tempfile
-
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -386,8 +385,6 @@ def measure_collectives(model: Any, args: tuple, kwargs: dict[str, Any], world: 
     collective between training passes does not exceed; where the fit says more (more processes
     than cores: every size took about as long, so the fit found no slope), the bandwidth is that and
     ``α`` alone is fitted."""
-    import tempfile
-
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
