@@ -37,6 +37,7 @@ from ._center import (
 )
 from ._config import FRAMEWORKS, CenterSpec, CollabConfig, config_from_strategy
 from ._engine import CollabResult, initial_params, run_inprocess
+from ._flower import run_flower
 from ._fusion import (
     FUSIONS,
     CenteredClip,
@@ -141,7 +142,5 @@ def collaborate(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.nd
     if engine == "inprocess":
         return run_inprocess(config, data, **options)
     if engine == "flower":
-        from ._flower import run_flower
-
         return run_flower(config, data, **options)
     raise ValueError(f"unknown engine {engine!r}; use 'inprocess' or 'flower'")

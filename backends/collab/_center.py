@@ -39,7 +39,7 @@ import numpy as np
 
 from ._config import CollabConfig, check_logit_adjust
 from ._models import ModelSpec, build_torch_model, load_torch_state, resolve_reference, torch_state
-from ._objective import TorchObjective, label_tensor
+from ._objective import TorchObjective, evaluate, label_tensor
 from ._validation import bound_metrics, model_digest
 from ._wire import Payload, decode_controls, encode_controls, encode_update
 
@@ -271,8 +271,6 @@ def evaluate_torch(spec: ModelSpec, params: Mapping[str, np.ndarray], x: np.ndar
     """The metrics of the torch model with ``params`` on ``(x, y)``: ``loss`` (the spec's loss, mean
     over targets), ``count`` (targets), ``accuracy`` for classifiers, ``perplexity`` for per-token
     labels (see :func:`~._objective.evaluate`). ``model``: a built model of ``spec`` to reuse."""
-    from ._objective import evaluate
-
     model = build_torch_model(spec) if model is None else model
     load_torch_state(model, dict(params))
     model.eval()

@@ -15,7 +15,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from polyparallel.cluster import FRAMEWORKS
+from polyparallel.cost_models.collab_simulator import center_links
+from polyparallel.strategy import Strategy
 
+from ._center_plan import normalize_plan, plan_from_local_strategy
 from ._fusion import FUSIONS, FusionStrategy, make_fusion
 from ._models import ModelSpec, is_reference
 from ._wire import COMPRESSIONS
@@ -79,8 +82,6 @@ class CenterSpec:
             raise ValueError(f"center {self.name!r}: data source {self.data!r} must be 'package.module:function'")
         plan = dict(self.plan.items() if isinstance(self.plan, Mapping) else (tuple(kv) for kv in self.plan))
         if plan:
-            from ._center_plan import normalize_plan
-
             normalize_plan(plan, self.devices, self.name)  # plans no center runs are refused with the job
         object.__setattr__(self, "plan", tuple(sorted(plan.items())))
 
@@ -235,20 +236,14 @@ def config_from_strategy(strategy: Any, model: ModelSpec, *, emulate_links: bool
     (``CenterSpec.down_Bps`` ...; the figures the round simulator prices), for a federation on one
     machine. Off for a real deployment, whose links are the real ones.
     """
-    from polyparallel.strategy import Strategy
-
     if not isinstance(strategy, Strategy):
         strategy = Strategy.from_json(strategy)
     if strategy.mode != "collaborative" or strategy.collaborative is None:
         raise ValueError(f"strategy for {strategy.model.name!r} is in {strategy.mode!r} mode; "
                          "collaborative training needs mode 'collaborative' with a 'collaborative' section")
-    from ._center_plan import plan_from_local_strategy
-
     c = strategy.collaborative
     links: dict[str, tuple[float, float, float]] = {}
     if emulate_links:
-        from polyparallel.cost_models.collab_simulator import center_links
-
         links = center_links(strategy)
     try:
         centers = tuple(CenterSpec(cp.name, framework=cp.framework, devices=max(1, len(cp.devices)),

@@ -47,9 +47,13 @@ from typing import Any
 
 import numpy as np
 
-from ._center import CenterData, evaluate_torch
+import polyparallel as pp
+from polyparallel.transforms import canonicalize, fuse_elementwise
+
+from ._center import CenterData, batch_indices, evaluate_torch, local_sgd
 from ._center_plan import normalize_plan
-from ._models import ModelSpec
+from ._models import ModelSpec, build_torch_model
+from ._objective import TorchObjective, label_tensor
 
 __all__ = ["DataParallelTrainer", "PlannedTrainer", "center_exec_plan"]
 
@@ -75,14 +79,8 @@ def center_exec_plan(spec: ModelSpec, plan: Mapping[str, Any], x: np.ndarray, y:
     """
     import torch
 
-    import polyparallel as pp
     from polyparallel.backends.torch._plan import Unsupported, plan_for
     from polyparallel.backends.torch._tensor_parallel import check_fingerprint
-    from polyparallel.transforms import canonicalize, fuse_elementwise
-
-    from ._models import build_torch_model
-    from ._objective import TorchObjective, label_tensor
-
     b = min(batch_size, len(x))
     devices = plan["dp"] * plan["tp"]
     if b % plan["dp"]:
@@ -175,10 +173,6 @@ def _worker(rank: int, world: int, init_method: str, conn: Any, spec_json: str, 
 
     from polyparallel.backends.torch._tensor_parallel import qkv_rows, step_context
     from polyparallel.backends.torch._worker import _apply
-
-    from ._center import batch_indices, local_sgd
-    from ._models import build_torch_model
-    from ._objective import TorchObjective, label_tensor
 
     try:
         torch.set_num_threads(int(center["threads"]))

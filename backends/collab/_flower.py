@@ -54,6 +54,8 @@ from typing import Any
 
 import numpy as np
 
+from polyparallel.backends.torch._procs import die_with_parent
+
 from ._config import CollabConfig
 from ._engine import CollabResult, check_data
 from ._models import resolve_reference
@@ -203,8 +205,6 @@ class LoopbackFederation:
         return env
 
     def _spawn(self, name: str, argv: list[str]) -> _Proc:
-        from polyparallel.backends.torch._procs import die_with_parent
-
         log = self.workdir / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         parent = os.getpid()

@@ -82,6 +82,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
+from polyparallel.backends.torch._procs import alive
+
 from ._center import LocalTrainer, center_evaluate, center_round, evaluate_torch, load_center_data
 from ._config import CollabConfig
 from ._engine import initial_params
@@ -283,8 +285,6 @@ def _exit_with(pid: int, every_s: float = 0.5) -> None:
     Flower starts the ServerApp detached from the SuperLink; when the SuperLink is killed the ServerApp
     would retry for ~10 s and then fail, possibly writing ``failed.json`` into the out-dir that a
     restarted server is already resuming from."""
-    from polyparallel.backends.torch._procs import alive
-
     while alive(pid):
         time.sleep(every_s)
     os._exit(3)

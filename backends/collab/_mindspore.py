@@ -33,6 +33,7 @@ shared with a cell, and under ``loss="auto"`` the check above requires it to equ
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +41,8 @@ from typing import Any
 import numpy as np
 
 from ._center import CenterData, batch_indices
-from ._models import MODEL_KINDS, ModelSpec, build_torch_model, resolve_reference, torch_state
+from ._models import MODEL_KINDS, ModelSpec, build_torch_model, load_torch_state, resolve_reference, torch_state
+from ._objective import TorchObjective, label_tensor
 from ._param_map import ParamMapping, TensorInfo, apply_map, infer_map, invert_map
 
 __all__ = [
@@ -255,9 +257,6 @@ def verify_mindspore_map(spec: ModelSpec, torch_model: Any, cell: Any, mapping: 
     """
     import torch
 
-    from ._models import load_torch_state
-    from ._objective import TorchObjective, label_tensor
-
     ms = _ms()
     which = _which(spec)
     state = _probe_state(torch_state(torch_model), seed)
@@ -406,8 +405,6 @@ class MindSporeTrainer(CenterData):
     def evaluate(self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray,
                  batch: int = 2048) -> dict[str, float]:
         """``loss`` (mean over targets), ``count``, and ``accuracy`` / ``perplexity`` as the torch centers report."""
-        import math
-
         ms = _ms()
         load_mindspore_state(self._model, torch_to_mindspore(params, self.mapping))
         self._model.set_train(False)

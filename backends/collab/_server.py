@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from ._center import TorchTrainer
 from ._config import CollabConfig
 from ._fusion import CenterUpdate, Params, trained_names
 from ._validation import (
@@ -177,8 +178,6 @@ class FederationServer:
                 raise ValueError(f"fusion {config.fusion!r} needs a root set: a small labelled (x, y) the server "
                                  "holds, never a center's training data (run_inprocess(root_data=...), "
                                  "--root-data FILE.npz)")
-            from ._center import TorchTrainer
-
             self._root = TorchTrainer(config.model, *root, center_index=len(config.centers),
                                       batch_size=config.batch_size, lr=config.lr, momentum=config.momentum,
                                       seed=config.seed, lr_schedule=config.lr_schedule, rounds=config.rounds)

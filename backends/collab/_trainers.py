@@ -10,6 +10,8 @@ import numpy as np
 
 from ._center import LocalTrainer, TorchTrainer, split_holdout
 from ._config import CollabConfig
+from ._dp_center import PlannedTrainer
+from ._mindspore import MindSporeTrainer
 
 __all__ = ["TRAINERS", "make_trainer"]
 
@@ -17,8 +19,6 @@ __all__ = ["TRAINERS", "make_trainer"]
 def _torch_trainer(config: CollabConfig, center: str, x: np.ndarray, y: np.ndarray, kw: dict[str, Any]) -> Any:
     spec = config.center(center)
     if spec.devices > 1:
-        from ._dp_center import PlannedTrainer
-
         return PlannedTrainer(config.model, x, y, devices=spec.devices, plan=dict(spec.plan),
                               timeout_s=config.round_timeout_s, **kw)
     return TorchTrainer(config.model, x, y, **kw)
@@ -30,8 +30,6 @@ def _mindspore_trainer(config: CollabConfig, center: str, x: np.ndarray, y: np.n
         raise ValueError(f"center {center!r}: MindSpore centers train in one process; data parallelism inside "
                          f"a center ({spec.devices} devices) is implemented for torch centers — set devices=1 "
                          "or framework='torch'")
-    from ._mindspore import MindSporeTrainer
-
     return MindSporeTrainer(config.model, x, y, **kw)
 
 

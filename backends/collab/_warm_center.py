@@ -20,6 +20,8 @@ import logging
 import time
 from typing import Any
 
+from polyparallel.backends.collab._flwr_timing import set_object_pull_backoff
+
 __all__ = ["serve"]
 
 log = logging.getLogger("polyparallel.collab.warm")
@@ -86,8 +88,6 @@ def serve(address: str, poll_s: float = 0.05, pull_backoff_s: float | None = Non
     import polyparallel.backends.collab._flower_app  # noqa: F401
 
     if pull_backoff_s:
-        from polyparallel.backends.collab._flwr_timing import set_object_pull_backoff
-
         set_object_pull_backoff(pull_backoff_s)
 
     acquirer = RuntimeHttpClient.from_server_address(
