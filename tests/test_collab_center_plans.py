@@ -163,3 +163,20 @@ def test_a_tp2_center_inside_flower_fuses_what_the_inprocess_engine_fuses(tmp_pa
     assert _rel(res.params, run_inprocess(_federation(TP2), FED_DATA).params) == 0.0  # bit for bit
     _check_against_one_process(res.params)
     assert LoopbackFederation(tmp_path, {}).stray_pids() == []  # the center's TP workers left with it
+
+
+@pytest.mark.timeout(120)
+def test_a_center_never_runs_tensor_parallelism_its_forward_does_not_survive():
+    """A center runs the model's own forward on each rank's shards. HF OPT's attention views its
+    projections with the configured head count, which on half the features runs but reshapes the
+    sequence (0.27 of the round's update off); Megatron's placements are refused for it before any
+    worker starts, and the center falls back to the planner's own placements, which keep those
+    projections whole."""
+    from polyparallel.backends.collab._center_plan import normalize_plan
+    from polyparallel.backends.collab._dp_center import center_exec_plan
+    from tests import zoo_recipes
+
+    spec = ModelSpec("tests.zoo_recipes:opt")
+    x, y = (t.numpy() for t in zoo_recipes.lm_data(0))
+    _, exec_plan = center_exec_plan(spec, normalize_plan({"tp": 2}, 2), x, y, batch_size=8)
+    assert not any(k.endswith(("q_proj", "k_proj", "v_proj")) and v == "col" for k, v in exec_plan.tp_plan)

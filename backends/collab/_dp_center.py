@@ -99,10 +99,29 @@ def center_exec_plan(spec: ModelSpec, plan: Mapping[str, Any], x: np.ndarray, y:
                         batch_size=b, placements=mode)
         check_fingerprint(s, graph)  # the graph plan_for reads is the one the planner priced
         try:
-            return s, plan_for(s, model, graph=graph)
+            exec_plan = plan_for(s, model, graph=graph)
+            _check_eager(model, exec_plan, args, kwargs)
+            return s, exec_plan
         except Unsupported as e:
             refused.append(f"placements={mode!r}: {e}")
     raise Unsupported(" | ".join(refused))
+
+
+def _check_eager(model: Any, exec_plan: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A center's local steps run the model's own forward on each rank's shards (the torch backend's
+    exported-graph rewrite is not a center's trainer): refuse a tensor-parallel plan whose forward
+    fails there (nanoGPT's ``split(n_embd)``) or silently reshapes the data (OPT's ``view(bsz, -1,
+    num_heads, head_dim)``), which crashed in round 1 or trained another model."""
+    from polyparallel.backends.torch._plan import Unsupported
+    from polyparallel.backends.torch._tensor_parallel import eager_tp_problem
+
+    if exec_plan.tp == 1:
+        return
+    why = eager_tp_problem(model, dict(exec_plan.tp_plan), exec_plan.tp, args, kwargs)
+    if why:
+        raise Unsupported(f"tp={exec_plan.tp}: the model's forward does not run on a rank's shards as written "
+                          f"({why}); a collaborative center runs the model's own forward: plan this center with "
+                          "tp=1")
 
 
 def _free_port() -> int:

@@ -732,8 +732,8 @@ def _local_rows(n: int, tp: int, rank: int) -> int:
     return max(0, min(size, n - rank * size))
 
 
-def forward_problem(model: nn.Module, batch: tuple[Any, ...], shapes: dict[str, tuple[int, ...]] | None = None
-                    ) -> str | None:
+def forward_problem(model: nn.Module, batch: tuple[Any, ...], shapes: dict[str, tuple[int, ...]] | None = None,
+                    kwargs: dict[str, Any] | None = None) -> str | None:
     """Why ``model(*batch)`` fails, in one line naming the user's line, or None when it runs. It runs
     on fake tensors (no memory, no compute), with the parameters and buffers named in ``shapes``
     replaced by tensors of those shapes."""
@@ -742,8 +742,9 @@ def forward_problem(model: nn.Module, batch: tuple[Any, ...], shapes: dict[str, 
     with quiet_fake_tensors(), FakeTensorMode() as mode:
         state = {n: torch.empty(shapes[n], dtype=t.dtype) if n in shapes else mode.from_tensor(t) for n, t in tensors}
         args = tuple(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in batch)
+        kw = {k: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for k, t in (kwargs or {}).items()}
         try:
-            functional_call(model, state, args, tie_weights=False)
+            functional_call(model, state, args, kw, tie_weights=False)
         except Exception as e:  # any failure of the user's forward is the answer
             frame = user_frame(e)
             where = f" (at {frame.filename}:{frame.lineno}: {frame.line})" if frame else ""
@@ -751,7 +752,8 @@ def forward_problem(model: nn.Module, batch: tuple[Any, ...], shapes: dict[str, 
     return None
 
 
-def eager_tp_problem(model: nn.Module, tp_plan: dict[str, str], tp: int, batch: tuple[Any, Any]) -> str | None:
+def eager_tp_problem(model: nn.Module, tp_plan: dict[str, str], tp: int, batch: tuple[Any, ...],
+                     kwargs: dict[str, Any] | None = None) -> str | None:
     """Why ``model``'s own forward fails on the local shards :func:`parallelize` gives a rank, or
     None when it runs (:func:`forward_problem`), with every column-parallel Linear's weight and bias
     cut to the rank's rows and every row-parallel weight to its columns, as ``parallelize_module``'s
@@ -778,11 +780,11 @@ def eager_tp_problem(model: nn.Module, tp_plan: dict[str, str], tp: int, batch: 
                     shapes[path + ".bias"] = (rows,)
             else:
                 shapes[path + ".weight"] = (mod.out_features, _local_rows(mod.in_features, tp, rank))
-        why = forward_problem(model, batch, shapes)
+        why = forward_problem(model, batch, shapes, kwargs)
         if why:
             return why
         locals_.append(shapes)
-    return _sized_from_config(model, batch, locals_)
+    return _sized_from_config(model, batch, locals_, kwargs)
 
 
 class _ShapeLog(TorchDispatchMode):
@@ -800,7 +802,8 @@ class _ShapeLog(TorchDispatchMode):
         return out
 
 
-def _sized_from_config(model: nn.Module, batch: tuple[Any, ...], local: list[dict[str, tuple[int, ...]]]) -> str | None:
+def _sized_from_config(model: nn.Module, batch: tuple[Any, ...], local: list[dict[str, tuple[int, ...]]],
+                       kwargs: dict[str, Any] | None = None) -> str | None:
     """Why the forward on a rank's shards reshapes a data dimension, or None. The model runs on fake
     inputs whose sizes are symbols, once whole and once per shard layout in ``local``: a forward that
     runs on the shards but sizes a view from its configuration (OPT's ``view(bsz, -1, num_heads,
@@ -811,14 +814,18 @@ def _sized_from_config(model: nn.Module, batch: tuple[Any, ...], local: list[dic
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     seen: list[set[str]] = []
     with quiet_fake_tensors(), FakeTensorMode(shape_env=ShapeEnv()) as mode:
-        args = tuple(mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(
-            dynamic_sizes=[DimDynamic.DYNAMIC] * t.dim())) if isinstance(t, torch.Tensor) else t for t in batch)
+        def symbolic(t: Any) -> Any:
+            return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(
+                dynamic_sizes=[DimDynamic.DYNAMIC] * t.dim())) if isinstance(t, torch.Tensor) else t
+
+        args = tuple(symbolic(t) for t in batch)
+        kw = {k: symbolic(t) for k, t in (kwargs or {}).items()}
         for shapes in ({}, *local):
             state = {n: torch.empty(shapes[n], dtype=t.dtype) if n in shapes else
                      mode.from_tensor(t, static_shapes=True) for n, t in tensors}
             try:
                 with _ShapeLog() as log:
-                    functional_call(model, state, args, tie_weights=False)
+                    functional_call(model, state, args, kw, tie_weights=False)
             except Exception:  # symbolic sizes the forward cannot take (data-dependent guards, ...)
                 return None
             seen.append(log.sizes)
