@@ -40,6 +40,10 @@ and Megatron's code before fused kernels) and a softmax may be split along a dim
 reduce that indexes every operand (:func:`local_dims`: the heads); every other op (convolutions,
 ``addmm`` of HF's ``Conv1D``, norms, ...) is replicated over ``tp``. Over ``dp`` only an op's batch
 dim is split (:func:`dp_split_ok`).
+
+Imports of the backend's execution modules and of the polyhedral model stay inside the functions that
+use them: ``import polyparallel`` loads this module (the executor registry), and those load torch or
+islpy.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ def heads_dims(g: Graph, op: Op) -> tuple[str, ...]:
 def check(strategy: Strategy, model: Any, batch: Any, graph: Graph) -> None:
     """:func:`~polyparallel.backends.torch.plan_for` on the user's module (raises ``Unsupported``)."""
     # torch.export and torch.distributed: loaded on the first check, not with the planner
-    from polyparallel.backends.torch._plan import plan_for
+    from polyparallel.backends.torch._plan import plan_for  # loads torch; import polyparallel loads this module
 
     plan_for(strategy, model, batch, graph=graph)
 

@@ -36,7 +36,7 @@ def _optimizer(name: str, params: Any) -> Any:
     which must not load torch.distributed at import."""
     import torch
 
-    from polyparallel.backends.torch._steps import make_optimizer
+    from polyparallel.backends.torch._steps import make_optimizer  # loads torch: import polyparallel loads op_timing
 
     return make_optimizer(name, params, 1e-6, torch.device("cpu"))
 
