@@ -18,6 +18,7 @@ splits rows instead (:mod:`.spatial`: halos, gathers and statistics from the pol
 from __future__ import annotations
 
 from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind, element_bytes, target_base
+from polyparallel.ops import CAST_TARGETS, COPY_TARGETS
 
 from .memo import PRICES
 from .parallel_config import OpPlan, ParallelConfig
@@ -142,8 +143,8 @@ def op_roles(graph: Graph) -> list[tuple[OpKind, tuple[str, ...], bool]]:
 
 # ops that move or select the values of their input without computing new ones: ids read through
 # them are still the data's ids (HF's shift of the labels into decoder inputs, a mask filled in)
-_VALUE_MOVES = frozenset({"masked_fill", "where", "clone", "copy", "_to_copy", "slice_scatter", "select_scatter",
-                          "index_put", "scatter", "alias", "contiguous", "lift_fresh_copy", "detach", "to", "type_as"})
+_VALUE_MOVES = COPY_TARGETS | CAST_TARGETS | {"masked_fill", "where", "slice_scatter", "select_scatter", "index_put",
+                                              "scatter"}
 
 
 def vocabulary_lookups(graph: Graph) -> frozenset[str]:
@@ -186,7 +187,11 @@ def _reads_data_ids(graph: Graph, op: Op) -> bool:
         if graph.tensors[t].kind is TensorKind.INPUT:
             return True
         producer = graph.producer(t)
-        if producer is not None and (OpKind(producer.kind) in (OpKind.VIEW, OpKind.GATHER, OpKind.CONCAT, OpKind.SPLIT)
-                                     or target_base(producer.target).rstrip("_") in _VALUE_MOVES):
+        if producer is None:
+            continue
+        name = target_base(producer.target).rstrip("_")
+        if name.endswith("_as"):  # expand_as(x, other), type_as(x, other): the values are x's alone
+            stack.append(producer.inputs[0])
+        elif OpKind(producer.kind) in (OpKind.VIEW, OpKind.GATHER, OpKind.CONCAT, OpKind.SPLIT) or name in _VALUE_MOVES:
             stack += producer.inputs
     return False

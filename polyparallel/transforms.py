@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 
 from polyparallel.ir import ANY, Access, AffineExpr, Dim, E, Graph, LoopNest, Op, OpKind, Statement, TensorKind
 from polyparallel.layers import Block, Layer, Segment, balance, find_repeated_blocks, layer_chain, partition
-from polyparallel.ops import DROPOUT_TARGETS
+from polyparallel.ops import CAST_TARGETS, COPY_TARGETS, DROPOUT_TARGETS
 
 __all__ = [
     "Block",
@@ -124,12 +124,6 @@ def _short(target: str) -> str:
 
 # -- canonicalisation: no-ops ------------------------------------------------------------------------
 
-_COPY_TARGETS = frozenset({"identity", "clone", "contiguous", "alias", "detach", "lift_fresh_copy",
-                           "lift_fresh", "copy", "view_as", "reshape_as", "expand_as"})
-_CAST_TARGETS = frozenset({"_to_copy", "to", "cast", "type_as", "_to_dtype", "type", "float", "half",
-                           "bfloat16", "double"})
-
-
 def _is_identity_copy(op: Op) -> bool:
     """One zero-FLOP statement writing ``out0[i] = in0[i]`` (same index both sides)."""
     if op.nest is None or len(op.nest.statements) != 1:
@@ -158,9 +152,9 @@ def _noop_reason(graph: Graph, op: Op) -> str | None:
             return "dropout with p=0"
         if train is not None and not train:
             return "dropout in eval mode"
-    elif name in _CAST_TARGETS and len(op.inputs) == 1:
+    elif name in CAST_TARGETS and len(op.inputs) == 1:
         return "cast to the same dtype"
-    elif name in _COPY_TARGETS and (len(op.inputs) == 1 or name.endswith("_as")):
+    elif name in COPY_TARGETS and (len(op.inputs) == 1 or name.endswith("_as")):
         return f"{name} is a copy"
     if op.kind is OpKind.VIEW and _is_identity_copy(op):
         return "view to the same shape"

@@ -14,7 +14,17 @@ from ._conv import adaptive_pool, conv, conv_transpose, out_extent, pool
 from ._gather import advanced_index, cross_entropy, embedding, gather, nll_loss, take_along_axis
 from ._moe import grouped_mm
 from ._norm import batch_norm, group_norm, layer_norm, softmax
-from ._pointwise import DROPOUT_TARGETS, FLOPS_PER_ELEMENT, create, elementwise, flops_per_element, reduce, scan
+from ._pointwise import (
+    CAST_TARGETS,
+    COPY_TARGETS,
+    DROPOUT_TARGETS,
+    FLOPS_PER_ELEMENT,
+    create,
+    elementwise,
+    flops_per_element,
+    reduce,
+    scan,
+)
 from ._rnn import onnx_recurrent, torch_recurrent, torch_recurrent_cell
 from ._view import (
     concat,
@@ -31,6 +41,8 @@ from ._view import (
 )
 
 __all__ = [
+    "CAST_TARGETS",
+    "COPY_TARGETS",
     "DROPOUT_TARGETS",
     "FLOPS_PER_ELEMENT",
     "NO_GRAD",

@@ -25,6 +25,13 @@ FLOPS_PER_ELEMENT: dict[str, float] = {
 # random mask whose backward keeps the mask
 DROPOUT_TARGETS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"})
 
+# ops that pass their input's values on unchanged: copies (the identity on one input; ``*_as`` take
+# the other operand's shape only) and casts (a cast to the same dtype is a copy)
+COPY_TARGETS = frozenset({"identity", "clone", "contiguous", "alias", "detach", "lift_fresh_copy", "lift_fresh",
+                          "copy", "view_as", "reshape_as", "expand_as"})
+CAST_TARGETS = frozenset({"_to_copy", "to", "cast", "type_as", "_to_dtype", "type", "float", "half", "bfloat16",
+                          "double"})
+
 
 def flops_per_element(name: str) -> float:
     return FLOPS_PER_ELEMENT.get(name.lower(), 1.0)
