@@ -737,19 +737,26 @@ def forward_problem(model: nn.Module, batch: tuple[Any, ...], shapes: dict[str, 
     """Why ``model(*batch)`` fails, in one line naming the user's line, or None when it runs. It runs
     on fake tensors (no memory, no compute), with the parameters and buffers named in ``shapes``
     replaced by tensors of those shapes."""
-    shapes = shapes or {}
-    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     with quiet_fake_tensors(), FakeTensorMode() as mode:
-        state = {n: torch.empty(shapes[n], dtype=t.dtype) if n in shapes else mode.from_tensor(t) for n, t in tensors}
         args = tuple(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in batch)
         kw = {k: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for k, t in (kwargs or {}).items()}
         try:
-            functional_call(model, state, args, kw, tie_weights=False)
+            _fake_call(mode, model, shapes or {}, args, kw)
         except Exception as e:  # any failure of the user's forward is the answer
             frame = user_frame(e)
             where = f" (at {frame.filename}:{frame.lineno}: {frame.line})" if frame else ""
             return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}{where}"
     return None
+
+
+def _fake_call(mode: FakeTensorMode, model: nn.Module, shapes: dict[str, tuple[int, ...]], args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> Any:
+    """``model(*args, **kwargs)`` under ``mode`` on fake parameters and buffers of their own shapes
+    (static ones, under a symbolic ``mode`` too), those named in ``shapes`` of those shapes."""
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    state = {n: torch.empty(shapes[n], dtype=t.dtype) if n in shapes else mode.from_tensor(t, static_shapes=True)
+             for n, t in tensors}
+    return functional_call(model, state, args, kwargs, tie_weights=False)
 
 
 def eager_tp_problem(model: nn.Module, tp_plan: dict[str, str], tp: int, batch: tuple[Any, ...],
@@ -811,7 +818,6 @@ def _sized_from_config(model: nn.Module, batch: tuple[Any, ...], local: list[dic
     such as ``seq // 2`` that the whole model never makes; a forward that follows its tensors splits
     only the features, whose sizes are numbers. A forward that cannot run on symbolic sizes is not
     judged here (None)."""
-    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     seen: list[set[str]] = []
     with quiet_fake_tensors(), FakeTensorMode(shape_env=ShapeEnv()) as mode:
         def symbolic(t: Any) -> Any:
@@ -821,11 +827,9 @@ def _sized_from_config(model: nn.Module, batch: tuple[Any, ...], local: list[dic
         args = tuple(symbolic(t) for t in batch)
         kw = {k: symbolic(t) for k, t in (kwargs or {}).items()}
         for shapes in ({}, *local):
-            state = {n: torch.empty(shapes[n], dtype=t.dtype) if n in shapes else
-                     mode.from_tensor(t, static_shapes=True) for n, t in tensors}
             try:
                 with _ShapeLog() as log:
-                    functional_call(model, state, args, kw, tie_weights=False)
+                    _fake_call(mode, model, shapes, args, kw)
             except Exception:  # symbolic sizes the forward cannot take (data-dependent guards, ...)
                 return None
             seen.append(log.sizes)
