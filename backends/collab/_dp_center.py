@@ -244,13 +244,10 @@ def _weigh(dp: Any, replicas: int, forward: Callable[[], Any]) -> tuple[Any, flo
     torch backend's workers weigh theirs: ``(loss to backpropagate, the whole batch's loss)``."""
     import torch
 
-    from polyparallel.backends.torch._loss_weighting import TargetCount, weigh_replicas
+    from polyparallel.backends.torch._loss_weighting import weighed_forward
 
-    counter = TargetCount()
-    with counter:
-        loss = forward()
-    scale, whole, _ = weigh_replicas(loss, counter.count_for(loss), dp.get_group(), replicas, torch.device("cpu"))
-    return (loss if scale == 1.0 else loss * scale), whole
+    loss, whole, _ = weighed_forward(forward, dp.get_group(), replicas, torch.device("cpu"))
+    return loss, whole
 
 
 def _stop(procs: list[Any], conns: list[Any]) -> None:

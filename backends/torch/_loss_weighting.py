@@ -29,6 +29,7 @@ global sum.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 from torch.nn import _reduction
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["TargetCount", "weigh_microbatches", "weigh_replicas"]
+__all__ = ["TargetCount", "weigh_microbatches", "weigh_replicas", "weighed_forward"]
 
 _FUNCTIONS = {F.cross_entropy: inspect.signature(F.cross_entropy), F.nll_loss: inspect.signature(F.nll_loss)}
 _ATEN = {torch.ops.aten.cross_entropy_loss.default, torch.ops.aten.nll_loss.default,
@@ -137,6 +138,18 @@ def weigh_replicas(loss: Any, count: float | None, group: Any, replicas: int,
             return 0.0, float("nan"), "tokens"
         return c * replicas / total, weighted_sum / total, "tokens"
     return 1.0, plain_sum / replicas, "mean_of_means"
+
+
+def weighed_forward(forward: Callable[[], Any], group: Any, replicas: int, device: torch.device
+                    ) -> tuple[Any, float, str]:
+    """One replica's ``forward()`` (its share of the batch), counted (:class:`TargetCount`) and weighed
+    over the replicas (:func:`weigh_replicas`): ``(the loss to backpropagate, the whole batch's loss,
+    the weighting)``."""
+    counter = TargetCount()
+    with counter:
+        loss = forward()
+    scale, whole, weighting = weigh_replicas(loss, counter.count_for(loss), group, replicas, device)
+    return (loss if scale == 1.0 else loss * scale), whole, weighting
 
 
 def weigh_microbatches(losses: list[Any], counts: list[float | None], microbatches: int, replicas: int,

@@ -50,7 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from polyparallel.backends.torch._batchnorm import has_batch_statistics, use_cross_rank_batchnorm
 from polyparallel.backends.torch._expert_parallel import apply_expert_parallel
-from polyparallel.backends.torch._loss_weighting import TargetCount, _local, weigh_microbatches, weigh_replicas
+from polyparallel.backends.torch._loss_weighting import TargetCount, _local, weigh_microbatches, weighed_forward
 from polyparallel.backends.torch._pipeline import pipeline_mode
 from polyparallel.backends.torch._precision import Precision
 from polyparallel.backends.torch._recompute import apply_recompute
@@ -189,13 +189,13 @@ def _whole_batch(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, plan:
                  replicas: Any, device: torch.device) -> tuple[float, str]:
     """Without accumulation: the rank's share in one forward and backward, its loss weighted over the
     replicas (``_loss_weighting``); returns the step's loss and weighting."""
+    def forward() -> torch.Tensor:
+        with prec.autocast():
+            return model(x, y)
+
     with step_context(plan, mesh):
-        counter = TargetCount()
-        with counter, prec.autocast():
-            loss = model(x, y)
-        scale, global_loss, weighting = weigh_replicas(
-            loss, counter.count_for(loss), replicas.get_group(), replicas.size(), device)
-        prec.scale(loss if scale == 1.0 else loss * scale).backward()
+        loss, global_loss, weighting = weighed_forward(forward, replicas.get_group(), replicas.size(), device)
+        prec.scale(loss).backward()
     return global_loss, weighting
 
 
