@@ -39,6 +39,7 @@ import polyparallel as pp  # noqa: E402
 from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, TorchTrainer, initial_params  # noqa: E402
 from polyparallel.backends.collab._center_plan import plan_from_local_strategy  # noqa: E402
 from polyparallel.backends.collab._dp_center import PlannedTrainer  # noqa: E402
+from polyparallel.plan import Plan  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "collab_plan_zoo.json"
 CLUSTER = """
@@ -93,7 +94,7 @@ def cell(name: str, module: str, model_fn: Any, data_fn: Any, cluster: Path, pin
     for c in s.collaborative.centers:
         plan = plan_from_local_strategy(c.local_strategy)
         row: dict[str, Any] = {"center": c.name, "plan": plan}
-        devices = plan.get("dp", 1) * plan.get("tp", 1) * plan.get("pp", 1) * plan.get("sp", 1)
+        devices = Plan.from_record(plan).world
         if devices < 2:
             centers.append({**row, "status": "one device"})
             continue
