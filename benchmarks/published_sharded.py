@@ -18,8 +18,23 @@ Sources:
   0.1%). Execution: eager PyTorch under autocast (``amp_bf16``), FSDP's mixed precision holding
   16-bit parameters, Triton flash attention (``attn_impl: triton``: ``fused_attention``), FSDP1's
   flat parameters (``zero3_gather="flat"``), activation checkpointing of every block where the row
-  says so. Not modelled: the ``PURE`` rows reduce their gradients in bf16 (priced in fp32: their
-  reduce-scatters cost twice what they did; hidden behind compute in all but the smallest models).
+  says so. The attention kernel is FlashAttention (v1)'s Triton port, priced at FlashAttention (v1)'s
+  published rates per device (``attention_kernel="fa1"``, ``cost_models/compute.py``): the benchmark
+  sweep that made the H100 table (llm-foundry commit b2a43a1, Oct 2023: ``sweep.sh`` with the image
+  ``mosaicml/pytorch:2.1.0_cu121``, ``submit_benchmarks.py --attn_impl triton`` by default, the
+  ``-e .[gpu]`` install of llm-foundry v0.3.0) ran ``llmfoundry/models/layers/flash_attn_triton.py``,
+  a copy of flash-attn's ``flash_attn_triton.py`` on ``triton-pre-mlir`` (the pre-MLIR Triton of
+  Dec 2022 with sm90 added: no Hopper wgmma/TMA), whose docstring says its forward + backward is
+  "slightly slower" than FlashAttention (v1)'s CUDA kernel; the A100 tables are older (v0.1-v0.2,
+  May-July 2023, the same kernel on ``triton==2.0.0.dev20221202``). The rates (FlashAttention-2
+  paper, Figures 4 and 7, "FlashAttention" bars, causal, head dimension 128): A100 55-83, H100 98-137
+  TFLOP/s forward + backward at sequences 512-16k, where the cost model's defaults price a fused
+  attention at ~180 (A100 roofline) and ~400-490 (the H200's torch 2.11 cuDNN run). Chosen from
+  these sources and written down before the held-out rows were priced with it; their errors with the
+  device defaults (an earlier session's pricing: growing with the sequence length on every GPU) were
+  known when it was chosen, and no number of it was set from them. Not modelled: the ``PURE`` rows
+  reduce their gradients in bf16 (priced in fp32: their reduce-scatters cost twice what they did;
+  hidden behind compute in all but the smallest models).
 * PyTorch, torchtitan ``docs/performance.md``: the 2024 tables (Llama 3 8B/70B, Llama 2 13B/70B
   with FSDP2 on 64 A100 80GB; words per second per GPU) and the December 2024 tables (Llama 3.1 8B
   with FSDP2 on 8 and 128 H100 of Meta's Grand Teton platform: 96 GB HBM2e at 2.4 TB/s, 500 W,
@@ -127,9 +142,12 @@ def _mpt_row(table: str, model: str, seq: int, gpus: int, micro: int, accum: int
                    "recompute": "full" if ckpt else "none", "fused_elementwise": None, "fused_attention": True,
                    # llm-foundry's ComposerMPTCausalLM: loss_fn defaults to 'fused_crossentropy', flash-attn's
                    # CrossEntropyLoss (llmfoundry/models/mpt/modeling_mpt.py)
-                   "zero3_gather": "flat", "fused_loss": True},
+                   "zero3_gather": "flat", "fused_loss": True,
+                   # attn_impl: triton, flash-attn 1.x's Triton kernel (llmfoundry/models/layers/flash_attn_triton.py)
+                   "attention_kernel": "fa1"},
         "global_batch": gpus * micro * accum, "published_tokens_per_s_per_gpu": float(tps), "held_out": held_out,
-        "assumptions": "Composer's FSDP (FULL_SHARD) with flat parameters, bf16 autocast, Triton flash attention, "
+        "assumptions": "Composer's FSDP (FULL_SHARD) with flat parameters, bf16 autocast, Triton flash attention "
+                       "(flash-attn 1.x's port, priced at FlashAttention v1's published rates), "
                        "flash-attn's fused cross entropy; gradients reduced in fp32 (the PURE rows reduced in bf16)",
     }
 

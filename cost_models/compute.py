@@ -80,6 +80,7 @@ Examples:
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import math
@@ -112,6 +113,7 @@ __all__ = [
     "OpCost",
     "attention_flops",
     "attention_rows",
+    "attention_shape",
     "autocast_seconds",
     "batch_statistics_ops",
     "gemm_efficiency",
@@ -395,19 +397,82 @@ _ATTENTION_TFLOPS: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
     "cudnn": ((315, 410, 484, 518, 529, 539), (305, 408, 465, 499, 518, 516)),
     "fa3": ((292, 423, 521, 579, 602, 616), (316, 424, 501, 542, 559, 561)),
 }
-ATTENTION_KERNELS = tuple(_ATTENTION_TFLOPS)
+# FlashAttention (v1)'s forward + backward rates, TFLOP/s at sequence lengths 512..16k (B x S = 16k tokens,
+# hidden 2048: 32 heads of 64 or 16 of 128; fp16), as labelled on the "FlashAttention" bars of the
+# FlashAttention-2 paper's Figure 4 (A100 80GB SXM4) and Figure 7 (H100 80GB SXM5) (Dao 2023,
+# arXiv:2307.08691; the repository's assets/flash2_a100_fwd_bwd_benchmark.png and
+# flash2_h100_fwd_bwd_benchmark.png), per (device, causal mask, head dimension). FLOPs counted as
+# FlashAttention's benchmarks count them: 4·B·S²·H·d for the forward, halved with a causal mask, and
+# 3.5x that for forward + backward. The kernel class is flash-attn 1.x's: its CUDA kernel and its Triton
+# port (flash_attn/flash_attn_triton.py, the ``attn_impl: triton`` that llm-foundry vendored and ran on
+# ``triton-pre-mlir``), whose docstring says "Triton forward + backward is slightly slower than CUDA
+# forward + backward"; the same figure's "FlashAttention Triton" bars (OpenAI's Triton kernel) on the A100
+# are 0.91-1.02x the CUDA kernel's with a causal mask. Neither uses Hopper's wgmma/TMA: on an H100 FA1 runs
+# at 98-137 TFLOP/s (head dim 128, causal) where FlashAttention-2 of the same figure reaches 163-328.
+_FA1_TFLOPS: dict[tuple[str, bool, int], tuple[float, ...]] = {
+    ("a100", True, 64): (58, 70, 77, 87, 92, 97), ("a100", True, 128): (55, 62, 69, 76, 80, 83),
+    ("a100", False, 64): (91, 92, 104, 108, 110, 110), ("a100", False, 128): (76, 72, 76, 80, 82, 83),
+    ("h100", True, 64): (104, 123, 136, 138, 149, 156), ("h100", True, 128): (98, 109, 108, 126, 135, 137),
+    ("h100", False, 64): (157, 159, 161, 161, 166, 168), ("h100", False, 128): (127, 127, 128, 131, 137, 139),
+}
+ATTENTION_KERNELS = (*_ATTENTION_TFLOPS, "fa1")
 
 
-def attention_rows(device: DeviceType, dtype: str,
-                   kernel: str | None = None) -> tuple[tuple[float, float, float], ...]:
+def _fa1_row(device: DeviceType, dtype: str,
+             shape: tuple[int, int, bool, float] | None) -> tuple[float, float, float]:
+    """One ``(flops, forward_s, backward_s)`` row of an attention op of ``shape`` (sequence, head
+    dimension, causal, the IR's FLOPs per (batch, head) pair) at FlashAttention (v1)'s published
+    rate (``_FA1_TFLOPS``): log-log between the figure's sequence lengths, flat past its ends (its
+    rates level off: +1.5% from 8k to 16k on the H100 at head dimension 128); a head dimension runs in
+    the kernel's block of the next of 64 or 128 (the Triton port pads it to a power of two, the CUDA
+    kernel has blocks of 32, 64 and 128), its rate scaled by d / that block. The figure gives forward
+    + backward only: both are priced at that rate (the forward 1/3.5 of the time, the backward 2.5/3.5,
+    as the FLOPs)."""
+    family = "h100" if is_hopper(device.name) else "a100" if device.name.startswith("a100") else None
+    if device.kind != "gpu" or family is None or TRAINING_DTYPE_BYTES.get(dtype, 4) != 2:
+        raise ValueError(f"attention_kernel='fa1': its published rates are for 16-bit attention on A100 and H100 "
+                         f"GPUs; {device.name} at {dtype} prices its fused attention by its own rows or roofline: "
+                         "leave attention_kernel unset")
+    if shape is None or not 0 < shape[1] <= 128:
+        raise ValueError(f"attention_kernel='fa1' prices an attention over (batch, heads, sequence, head dim) "
+                         f"operands with a head dimension of at most 128 (FlashAttention's); got {shape}")
+    seq, d, causal, flops = shape
+    block = 64 if d <= 64 else 128
+    rates = _FA1_TFLOPS[(family, causal, block)]
+    x = math.log(min(max(seq, _ATTENTION_SEQ[0]), _ATTENTION_SEQ[-1]))
+    logs = [math.log(s) for s in _ATTENTION_SEQ]
+    i = min(max(bisect.bisect_right(logs, x) - 1, 0), len(logs) - 2)
+    w = (x - logs[i]) / (logs[i + 1] - logs[i])
+    rate = math.exp((1 - w) * math.log(rates[i]) + w * math.log(rates[i + 1])) * 1e12 * d / block
+    published = 4.0 * seq * seq * d / (2 if causal else 1)  # one (batch, head) pair, FlashAttention's count
+    return flops, published / rate, 2.5 * published / rate
+
+
+def attention_shape(graph: Graph, op: Op) -> tuple[int, int, bool, float] | None:
+    """(sequence, head dimension, causal, FLOPs per (batch, head) pair) of an attention op over
+    ``(..., S, d)`` queries: causal when the IR counts about half the (query, key) pairs of the full
+    square (the causal nest's)."""
+    q = graph.tensors[op.inputs[0]].shape if op.inputs else ()
+    if len(q) < 3 or op.nest is None:
+        return None
+    seq, d = int(q[-2]), int(q[-1])
+    pairs = math.prod(int(x) for x in q[:-2])
+    return seq, d, op.flops < 0.75 * attention_flops(pairs, 1, seq, d, causal=False), op.flops / pairs
+
+
+def attention_rows(device: DeviceType, dtype: str, kernel: str | None = None,
+                   shape: tuple[int, int, bool, float] | None = None) -> tuple[tuple[float, float, float], ...]:
     """Fused-attention ``(flops, forward_s, backward_s)`` rows pricing an attention op on ``device``:
     the device's own (:meth:`~polyparallel.cluster.DeviceType.attention_curve`: its calibration, or
     the H200's on a Hopper GPU) unless ``kernel`` names one of :data:`ATTENTION_KERNELS`, whose
-    published rates (the table above) stand for a recipe run with that kernel. ``flops`` as the IR
+    published rates (the tables above) stand for a recipe run with that kernel. ``flops`` as the IR
     counts them (:func:`attention_flops`), the times at the
-    published rates, which count the masked half out."""
+    published rates, which count the masked half out. ``fa1`` gives one row, at the rate of the op's
+    ``shape`` (:func:`attention_shape`; its figure is indexed by sequence length and head dimension)."""
     if kernel is None:
         return device.attention_curve(dtype)
+    if kernel == "fa1":
+        return (_fa1_row(device, dtype, shape),)
     if kernel not in _ATTENTION_TFLOPS:
         raise ValueError(f"attention_kernel={kernel!r}: use one of {', '.join(ATTENTION_KERNELS)}, or none (the "
                          "device's own rows)")
@@ -459,7 +524,8 @@ def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split
     curve = device.curve(dtype)
     # a calibrated GPU's measured flash-attention rows price a fused attention op, its conv rows (per
     # kernel class) a convolution: forward and backward each by its own measured rate
-    att = attention_rows(device, dtype, attention_kernel) if kind is OpKind.ATTENTION and fused else \
+    att = attention_rows(device, dtype, attention_kernel, attention_shape(graph, op) if attention_kernel == "fa1"
+                         else None) if kind is OpKind.ATTENTION and fused else \
         device.conv_curve(dtype, _pointwise(op)) if kind is OpKind.CONV and device.conv_curves else ()
     stream = streaming_bandwidth(device)
     t = t_b = flops_tot = bytes_tot = 0.0

@@ -145,7 +145,10 @@ class ParallelConfig(Plan):
         attention_kernel: which fused attention kernel runs: ``None``, the device's own rows (its
             calibration; on a Hopper GPU without one the H200's, torch 2.11's cuDNN kernel), or a
             kernel of :data:`~.compute.ATTENTION_KERNELS` at its published rates (``fa2``: torch's
-            SDPA on Hopper from 2.5.1 to 2.10, and torchtitan's choice; ``cudnn``; ``fa3``).
+            SDPA on Hopper from 2.5.1 to 2.10, and torchtitan's choice; ``cudnn``; ``fa3``; ``fa1``:
+            FlashAttention v1's CUDA kernel and its Triton port, llm-foundry's ``attn_impl: triton`` of
+            2023, at the FlashAttention-2 paper's published A100 and H100 rates by sequence length and
+            head dimension, 55-83 and 98-137 TFLOP/s forward + backward causal at head dimension 128).
         op_plans: one :class:`OpPlan` per graph op, from per-op placements (a placement solver);
             ``None`` prices the Megatron rule of the module docstring.
     """

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from polyparallel.cluster import Cluster, DeviceType
@@ -290,6 +292,49 @@ def test_attention_kernel_outside_its_published_scope_names_the_fix():
     h100 = Cluster.preset("dgx-h100").device(0).type
     with pytest.raises(ValueError, match="16-bit attention"):
         op_cost(g, op, h100, "fp32", fused=True, attention_kernel="fa2")
-    with pytest.raises(ValueError, match=r"attention_kernel='fa1'.*fa2, cudnn, fa3 or none"):
-        pc.execution_options({"attention_kernel": "fa1"})
+    with pytest.raises(ValueError, match=r"attention_kernel='fa0'.*fa2, cudnn, fa3, fa1 or none"):
+        pc.execution_options({"attention_kernel": "fa0"})
     assert pc.execution_options(pc.parse_execution(["attention_kernel=none"])) == (("attention_kernel", None),)
+
+
+@pytest.mark.parametrize(("preset", "causal", "d", "s", "tflops"), [
+    ("dgx-a100", True, 128, 2048, 69), ("dgx-a100", True, 128, 16384, 83), ("dgx-a100", True, 64, 512, 58),
+    ("dgx-a100", False, 128, 4096, 80), ("dgx-h100", True, 128, 2048, 108), ("dgx-h100", True, 128, 8192, 135),
+    ("dgx-h100", True, 64, 1024, 123), ("dgx-h100", False, 64, 16384, 168)])
+def test_fa1_prices_flashattention_v1_at_its_published_rates(preset, causal, d, s, tflops):
+    # FlashAttention-2 paper, Figures 4 (A100 80GB SXM4) and 7 (H100 80GB SXM5), "FlashAttention" bars:
+    # forward + backward TFLOP/s at B*S = 16k tokens, hidden 2048, FLOPs counted 4*B*S^2*H*d (halved
+    # with a causal mask) x 3.5 for forward + backward
+    dev = Cluster.preset(preset).device(0).type
+    h = 2048 // d
+    b = 16384 // s
+    g, op = _attention_graph(b, h, s, d, causal=causal)
+    c = op_cost(g, op, dev, "bf16", fused=True, attention_kernel="fa1")
+    fa_flops = 3.5 * 4 * b * h * s * s * d / (2 if causal else 1)
+    assert c.forward + c.backward == pytest.approx(fa_flops / (tflops * 1e12), rel=0.01)
+    assert c.backward == pytest.approx(2.5 * c.forward)
+    # the rate is the sequence's, whatever the batch and heads: 8x the batch, the same rate
+    g8, op8 = _attention_graph(8 * b, h, s, d, causal=causal)
+    c8 = op_cost(g8, op8, dev, "bf16", fused=True, attention_kernel="fa1")
+    assert c8.forward == pytest.approx(8 * c.forward, rel=1e-6)
+
+
+def test_fa1_between_and_beyond_the_figure_and_padded_head_dims():
+    h100 = Cluster.preset("dgx-h100").device(0).type
+
+    def rate(b, h, s, d):
+        g, op = _attention_graph(b, h, s, d, causal=True)
+        c = op_cost(g, op, h100, "bf16", fused=True, attention_kernel="fa1")
+        return 3.5 * 4 * b * h * s * s * d / 2 / (c.forward + c.backward) / 1e12
+
+    # 3k: log-log between the 2k (108) and 4k (126) bars; 64k: the 16k bar (137), flat past the figure
+    assert rate(2, 16, 3072, 128) == pytest.approx(108 * (126 / 108) ** (math.log(1.5) / math.log(2)), rel=0.01)
+    assert rate(1, 8, 65536, 128) == pytest.approx(137, rel=0.01)
+    # head dimension 112 (MPT-30B) runs in the kernel's 128-wide block: the 128 rate times 112/128
+    assert rate(4, 16, 2048, 112) == pytest.approx(108 * 112 / 128, rel=0.01)
+    g, op = _attention_graph(4, 16, 2048, 128, causal=True)
+    with pytest.raises(ValueError, match=r"fa1.*A100 and H100.*leave attention_kernel unset"):
+        op_cost(g, op, Cluster.preset("dgx-h100").device(0).type, "fp32", fused=True, attention_kernel="fa1")
+    g, op = _attention_graph(2, 4, 512, 256, causal=True)
+    with pytest.raises(ValueError, match="head dimension of at most 128"):
+        op_cost(g, op, h100, "bf16", fused=True, attention_kernel="fa1")
