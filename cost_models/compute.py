@@ -449,15 +449,19 @@ def _fa1_row(device: DeviceType, dtype: str,
 
 
 def attention_shape(graph: Graph, op: Op) -> tuple[int, int, bool, float] | None:
-    """(sequence, head dimension, causal, FLOPs per (batch, head) pair) of an attention op over
-    ``(..., S, d)`` queries: causal when the IR counts about half the (query, key) pairs of the full
-    square (the causal nest's)."""
-    q = graph.tensors[op.inputs[0]].shape if op.inputs else ()
-    if len(q) < 3 or op.nest is None:
+    """(sequence, head dimension, causal, FLOPs per (batch, head) pair) of an attention op, read from
+    its loop nest (the operands may be views the planner folded in): the parallel sequence dimension,
+    the reduced feature dimension, causal when a statement is constrained (``s - t >= 0``)."""
+    if op.nest is None:
         return None
-    seq, d = int(q[-2]), int(q[-1])
-    pairs = math.prod(int(x) for x in q[:-2])
-    return seq, d, op.flops < 0.75 * attention_flops(pairs, 1, seq, d, causal=False), op.flops / pairs
+    par = [d for d in op.nest.dims if d.role.value == "parallel"]
+    seq = next((d.extent for d in par if d.hint is Hint.SEQUENCE), None)
+    head = next((d.extent for d in op.nest.dims if d.role.value == "reduction" and d.hint is Hint.FEATURE), None)
+    if seq is None or head is None:
+        return None
+    pairs = math.prod(d.extent for d in par if d.hint not in (Hint.SEQUENCE, Hint.FEATURE))
+    causal = any(st.constraints for st in op.nest.statements)
+    return int(seq), int(head), causal, op.flops / max(pairs, 1)
 
 
 def attention_rows(device: DeviceType, dtype: str, kernel: str | None = None,
