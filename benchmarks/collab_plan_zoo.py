@@ -11,8 +11,8 @@ them) is then run for one round of local steps by the center's trainer (``Planne
 over 2 gloo processes) and compared with the single-process trainer of the same round
 (``TorchTrainer``): the updated parameters must be equal (within 1e-5 of the largest change the round
 makes to a parameter). A cell is ``exact``, ``inexact``, ``one device`` (the planner gave
-the center one process: its trainer is the single-process one), ``refused`` (with the reason, before
-any worker starts) or a crash.
+the center one process: its trainer is the single-process one), ``refused`` (with the reason, by the
+search when no plan a center runs fits the pins, or by the center before any worker starts) or a crash.
 Writes benchmarks/results/collab_plan_zoo.json.
 """
 
@@ -82,6 +82,8 @@ def cell(name: str, module: str, model_fn: Any, data_fn: Any, cluster: Path, pin
     try:
         s = pp.search(model_fn(), (x, y), str(cluster), batch_size=len(x),
                       constraints={"mode": "collaborative", **pins})
+    except pp.DoesNotFit as e:  # no plan a center runs: refused by the search, with the reason
+        return {**rec, "status": "refused", "by": "search", "reason": str(e).splitlines()[0][:300]}
     except Exception as e:
         return {**rec, "status": "crash", "by": "search", "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
     assert s.collaborative is not None

@@ -24,7 +24,9 @@ def normalize_plan(plan: Mapping[str, Any] | None, devices: int, center: str = "
     """Check a center's plan against its device count and what a center executes; the full plan.
 
     ``dp`` defaults to ``devices / (tp·pp·sp)``; ``zero_stage`` to 0, or 3 (FSDP2) when ``dp`` and
-    ``tp`` are both > 1, the one data-parallel form the backend runs over tensor-parallel parameters.
+    ``tp`` are both > 1, the one data-parallel form the backend runs over tensor-parallel parameters;
+    ``placements`` to None: Megatron's where the backend runs them, else the planner's own (a plan
+    the collaborative search wrote names the placements it priced, and runs only with those).
     Raises ValueError naming the fix for plans no center runs, whatever its model.
     """
     who = f"center {center!r}" if center else "center"
@@ -55,7 +57,7 @@ def normalize_plan(plan: Mapping[str, Any] | None, devices: int, center: str = "
         raise ValueError(f"{who} cannot run its plan: " + "; ".join(why))
     zero = int(plan.get("zero_stage", 3 if dp > 1 and tp > 1 else 0))
     return {"dp": dp, "tp": tp, "pp": 1, "sp": 1, "microbatches": 1, "zero_stage": zero,
-            "recompute": plan.get("recompute", "none"), "dtype": "fp32", "placements": plan.get("placements", "rule")}
+            "recompute": plan.get("recompute", "none"), "dtype": "fp32", "placements": plan.get("placements")}
 
 
 def plan_from_local_strategy(local: Mapping[str, Any]) -> dict[str, Any]:

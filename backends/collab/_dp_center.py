@@ -72,14 +72,17 @@ def center_exec_plan(spec: ModelSpec, plan: Mapping[str, Any], x: np.ndarray, y:
     model, the global batch ``min(batch_size, len(x))``: priced by the planner, checked by the torch
     backend's ``plan_for`` against the model's captured graph.
 
-    With ``placements="rule"`` (the default) tensor parallelism is Megatron's; when the backend cannot
-    execute the rule's placements on this model (a norm between two Linears, say) the planner's own
-    per-op placements over what the backend executes (``"torch"``) are used instead. Raises
-    ``Unsupported`` (a ValueError) with the backend's reason for a plan it cannot run.
+    The plan's ``placements`` are the ones run (the collaborative search writes those it priced,
+    Megatron's: ``"rule"``); without them tensor parallelism is Megatron's, and where the backend
+    cannot execute the rule's placements on this model (a norm between two Linears, say) the
+    planner's own per-op placements over what the backend executes (``"torch"``). The model's own
+    forward runs on each rank's shards (:func:`~polyparallel.backends.torch.own_forward_plan`): a
+    plan whose forward does not survive them is refused. Raises ``Unsupported`` (a ValueError) with
+    the backend's reason for a plan it cannot run.
     """
     import torch
 
-    from polyparallel.backends.torch._plan import Unsupported, plan_for
+    from polyparallel.backends.torch._plan import Unsupported, own_forward_plan
     from polyparallel.backends.torch._tensor_parallel import check_fingerprint
     b = min(batch_size, len(x))
     devices = plan["dp"] * plan["tp"]
@@ -91,7 +94,7 @@ def center_exec_plan(spec: ModelSpec, plan: Mapping[str, Any], x: np.ndarray, y:
     args, kwargs = _capture_args(TorchObjective(model, spec.loss), torch.from_numpy(np.ascontiguousarray(x[:share])),
                                  label_tensor(np.asarray(y[:share]), spec.loss))
     graph = fuse_elementwise(canonicalize(pp.capture(model, args, kwargs)))
-    modes = [plan["placements"]] + (["torch"] if plan["placements"] == "rule" and plan["tp"] > 1 else [])
+    modes = [plan["placements"]] if plan["placements"] else ["rule", "torch"][:1 + (plan["tp"] > 1)]
     refused = []
     for mode in modes:
         s = pp.evaluate(model, args, f"local-cpu:{devices}", example_kwargs=kwargs, dp=plan["dp"], tp=plan["tp"],
@@ -99,29 +102,10 @@ def center_exec_plan(spec: ModelSpec, plan: Mapping[str, Any], x: np.ndarray, y:
                         batch_size=b, placements=mode)
         check_fingerprint(s, graph)  # the graph plan_for reads is the one the planner priced
         try:
-            exec_plan = plan_for(s, model, graph=graph)
-            _check_eager(model, exec_plan, args, kwargs)
-            return s, exec_plan
+            return s, own_forward_plan(s, model, args, kwargs, graph=graph)
         except Unsupported as e:
             refused.append(f"placements={mode!r}: {e}")
     raise Unsupported(" | ".join(refused))
-
-
-def _check_eager(model: Any, exec_plan: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """A center's local steps run the model's own forward on each rank's shards (the torch backend's
-    exported-graph rewrite is not a center's trainer): refuse a tensor-parallel plan whose forward
-    fails there (nanoGPT's ``split(n_embd)``) or silently reshapes the data (OPT's ``view(bsz, -1,
-    num_heads, head_dim)``), which crashed in round 1 or trained another model."""
-    from polyparallel.backends.torch._plan import Unsupported
-    from polyparallel.backends.torch._tensor_parallel import eager_tp_problem
-
-    if exec_plan.tp == 1:
-        return
-    why = eager_tp_problem(model, dict(exec_plan.tp_plan), exec_plan.tp, args, kwargs)
-    if why:
-        raise Unsupported(f"tp={exec_plan.tp}: the model's forward does not run on a rank's shards as written "
-                          f"({why}); a collaborative center runs the model's own forward: plan this center with "
-                          "tp=1")
 
 
 def _free_port() -> int:

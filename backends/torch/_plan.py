@@ -83,7 +83,7 @@ from polyparallel.ir import Graph
 from polyparallel.plan import Plan
 from polyparallel.strategy import Strategy
 
-__all__ = ["ExecPlan", "Unsupported", "plan_for"]
+__all__ = ["ExecPlan", "Unsupported", "own_forward_plan", "plan_for"]
 
 
 
@@ -161,6 +161,22 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
         fused=tuple(sorted(fused.items())),
         tied=tuple(tied), positions=tuple(position_embeddings(graph)) if s.sp > 1 and graph else (),
         recompute_blocks=tuple(recompute_blocks(graph)) if s.recompute in ("full", "op") and graph else ())
+
+
+def own_forward_plan(strategy: Strategy, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
+                     *, graph: Graph) -> ExecPlan:
+    """:func:`plan_for` of a run that calls the model's own forward on each rank's shards, as a
+    collaborative center's local steps do (no exported-graph rewrite, no pipeline): a
+    tensor-parallel plan whose forward fails there (nanoGPT's ``split(n_embd)``) or silently
+    reshapes the data (OPT's ``view(bsz, -1, num_heads, head_dim)``) is refused, where the torch
+    backend's workers would run the rewrite. ``args, kwargs``: how the run calls the model."""
+    exec_plan = plan_for(strategy, model, graph=graph)
+    if exec_plan.tp > 1:
+        why = eager_tp_problem(model, dict(exec_plan.tp_plan), exec_plan.tp, args, kwargs)
+        if why:
+            raise Unsupported(f"tp={exec_plan.tp}: the model's forward does not run on a rank's shards as written "
+                              f"({why}), and this run calls the model's own forward: plan it with tp=1")
+    return exec_plan
 
 
 def _check_plan(s: Strategy, graph: Graph | None) -> None:

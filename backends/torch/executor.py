@@ -39,7 +39,15 @@ def check(strategy: Strategy, model: Any, batch: Any, graph: Graph) -> None:
     plan_for(strategy, model, batch, graph=graph)
 
 
+def own_forward_check(strategy: Strategy, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      graph: Graph) -> None:
+    """:func:`~polyparallel.backends.torch.own_forward_plan` on the user's module (raises ``Unsupported``)."""
+    from polyparallel.backends.torch._plan import own_forward_plan  # loads torch, as check does
+
+    own_forward_plan(strategy, model, args, kwargs, graph=graph)
+
+
 TORCH = Executor(name="torch", dtypes=EXECUTED_DTYPES, plan_problems=plan_problems, expressible=expressible,
                  edge_rule=edge_rule, chain_problems=chain_problems, heads_dims=heads_dims, check=check,
-                 profile=profiled_cluster)
+                 own_forward_check=own_forward_check, profile=profiled_cluster)
 register(TORCH)

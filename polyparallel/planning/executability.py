@@ -59,7 +59,10 @@ class Executor:
     stage's placements do not chain, ``heads_dims(graph, op)`` the dims a product of activations
     or a softmax is computed on locally (empty for other ops). Model level: ``check(strategy, model,
     batch, graph)`` its pre-launch check on the user's module (raises :class:`NotExecutable`);
-    ``profile(cluster, graphs, say)`` the cluster with the model's ops measured as it runs them.
+    ``own_forward_check(strategy, model, args, kwargs, graph)`` the same for a run that calls the
+    model's own forward ``model(*args, **kwargs)`` on each rank's shards with no graph rewrite (a
+    collaborative center's local steps); ``profile(cluster, graphs, say)`` the cluster with the
+    model's ops measured as it runs them.
     ``edge_rule`` is a key of the solver's memo: register one function, not a new closure per call.
     """
 
@@ -71,6 +74,7 @@ class Executor:
     chain_problems: Callable[[Graph, dict[str, Any], Any], list[str]]
     heads_dims: Callable[[Graph, Op], tuple[str, ...]]
     check: Callable[[Strategy, Any, Any, Graph], None]
+    own_forward_check: Callable[[Strategy, Any, tuple[Any, ...], dict[str, Any], Graph], None]
     profile: Callable[[Cluster, Any, Callable[[str], None]], Cluster]
 
 

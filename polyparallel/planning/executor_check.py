@@ -19,7 +19,7 @@ from polyparallel.planning.executability import NotExecutable, executor
 from polyparallel.planning.model_graphs import ModelGraphs, rebatch
 from polyparallel.strategy import Estimate, SearchRecord, Strategy
 
-__all__ = ["checked_as_placed", "executor_checked", "train_batch", "written_estimate"]
+__all__ = ["center_checked", "checked_as_placed", "executor_checked", "train_batch", "written_estimate"]
 
 
 def written_estimate(s: Strategy) -> Estimate:
@@ -119,6 +119,32 @@ def _rule_placed(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: Best, B: 
     except NotExecutable:
         return None
     return ruled
+
+
+def center_checked(mdl: ModelGraphs, cl: Cluster, best: Best, B: int, devs: list[int], c: Constraints) -> list[str]:
+    """Walk ``best`` (a collaborative center's search, ranked at Megatron's placements) to the fastest
+    plan the center runs: the torch backend's check for a run that calls the model's own forward on
+    each rank's shards (``Executor.own_forward_check``: what a center's local steps do), with the
+    example's call. Returns the refused plans' reasons; ``best.est`` is None when every plan is
+    refused. A model that is not a torch module is not checked (no center runs it)."""
+    import torch
+
+    if not isinstance(mdl.model, torch.nn.Module):
+        return []
+    check = executor("torch").own_forward_check
+    refused: list[str] = []
+    while best.est is not None:
+        assert best.chosen is not None  # the candidate behind best.est
+        strat = strategy_of(mdl, cl, best.est, best.b, B, devs, SearchRecord(), "rule", c.memory_cap)
+        try:
+            check(strat, mdl.model, tuple(mdl.args), dict(mdl.kwargs), mdl.exact(best.b))
+            break
+        except NotExecutable as e:
+            refused.append(f"{best.chosen.bound.config}: {e}")
+            best.fitting.remove(best.chosen)
+            best.est, best.b, best.chosen = None, 0, None
+            best.solve()
+    return refused
 
 
 def checked_as_placed(strat: Strategy, mdl: ModelGraphs, best: Best, B: int, placements: str) -> Strategy:

@@ -124,7 +124,7 @@ from polyparallel.planning.collector import collector_paused, drop_source_caches
 from polyparallel.planning.constraints import Constraints, DoesNotFit
 from polyparallel.planning.derived import variants
 from polyparallel.planning.executability import CENTER_LIMITS, executor
-from polyparallel.planning.executor_check import checked_as_placed, executor_checked, written_estimate
+from polyparallel.planning.executor_check import center_checked, checked_as_placed, executor_checked, written_estimate
 from polyparallel.planning.model_graphs import MAX_MICRO, ModelGraphs, divisors
 from polyparallel.planning.model_inputs import model_and_inputs
 from polyparallel.planning.place_plan import MODES
@@ -383,7 +383,8 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
 
 
 def _on_fewer_devices(best: Best, mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: list[int],
-                      exhaustive: bool, objective: str, say: Callable[[str], None]) -> tuple[Best, list[int]]:
+                      exhaustive: bool, objective: str, say: Callable[[str], None],
+                      rank_by: str | None = None) -> tuple[Best, list[int]]:
     """A plan whose tp splits no op is the same step on ``1/tp`` of the devices with tp=1, which a
     user would rather have (the other devices stay free); the search is run again on the first
     ``len(devs) / tp`` devices and its plan taken when it is no slower. With tp pinned, or
@@ -391,7 +392,7 @@ def _on_fewer_devices(best: Best, mdl: ModelGraphs, cl: Cluster, B: int, c: Cons
     while replicates_over_tp(best.est) and c.tp is None and c.devices is None:
         assert best.est is not None
         tp, fewer = best.est.config.tp, devs[: len(devs) // best.est.config.tp]
-        smaller = _search_sync(mdl, cl, B, c, fewer, exhaustive, objective, say)
+        smaller = _search_sync(mdl, cl, B, c, fewer, exhaustive, objective, say, rank_by=rank_by)
         if smaller.est is None or smaller.est.step_time > best.est.step_time * (1 + 1e-9):
             break
         # what was left out on all the devices stays said (the smaller search may have no such plans)
@@ -655,27 +656,41 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
         devs = cl.devices_of(center=ce.index)
         if not devs:
             continue
-        # a center's round runs only the plans a collaborative center executes
+        # a center's round runs only the plans a collaborative center executes, with Megatron's
+        # placements, which its trainer derives the same on any hardware (the solver's depend on the prices)
         cc = replace(c, centers=(ce.name,), devices=None, mode="synchronous", **CENTER_LIMITS)
+        rank_by = "rule" if c.placements == "torch" else c.placements
         # the center's local batch: its device share of B, in whole example batches
         share = max(mdl.b0, round(B * len(devs) / cl.num_devices / mdl.b0) * mdl.b0)
-        best = Best()
+        best, refused = Best(), []
         for local in dict.fromkeys((share, mdl.b0 * len(devs))):
             try:
-                best = _search_sync(mdl, cl, local, cc, devs, exhaustive, "throughput", lambda _: None)
+                best = _search_sync(mdl, cl, local, cc, devs, exhaustive, "throughput", lambda _: None,
+                                    rank_by=rank_by)
             except ValueError:
                 continue
             cands += best.candidates
+            refused = center_checked(mdl, cl, best, local, devs, cc) if rank_by == "rule" else []
             if best.est is not None:
                 break
-        if best.est is None:
-            return None  # a center cannot hold the model: no collaborative plan
-        fewer = _on_fewer_devices(best, mdl, cl, local, cc, devs, exhaustive, "throughput", lambda _: None)
+        if best.est is None:  # a center cannot hold the model, or runs none of the plans that fit it
+            if c.mode == "collaborative" and refused:
+                raise DoesNotFit(f"no plan center {ce.name} runs fits: a collaborative center calls the model's own "
+                                 "forward on each device's shards, and refuses " + " | ".join(r[:300] for r in
+                                                                                              refused[-2:]))
+            return None
+        fewer = _on_fewer_devices(best, mdl, cl, local, cc, devs, exhaustive, "throughput", lambda _: None, rank_by)
         if fewer[1] != devs:
             said = next(n for n in fewer[0].notes if n.startswith("uses "))
             notes.append(f"center {ce.name}: " + said.replace("the cluster's", "its").partition("; constraints=")[0])
+            if rank_by == "rule":
+                refused += center_checked(mdl, cl, fewer[0], local, fewer[1], cc)
         best, devs = fewer
-        assert best.est is not None
+        if best.est is None:
+            return None
+        if refused:
+            notes.append(f"center {ce.name}: left out {len(refused)} faster plan(s) its trainer refuses: "
+                         + " | ".join(r[:300] for r in refused[-2:]))
         per_center.append((ce, best.est, devs))
     if len(per_center) < 2:
         return None
@@ -694,7 +709,7 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
     fusion = float((sim.dur["distribute"][0] + sim.dur["upload"][0]).max())  # the slowest link's transfers
     local_s = round_time - fixed - fuse - fusion
     centers = [CenterPlan(name=ce.name, framework=ce.framework, devices=devs, share=round(r / total_rate, 6),
-                          local_strategy={**e.config.record_fields(CENTER_FIELDS),
+                          local_strategy={**e.config.record_fields(CENTER_FIELDS), "placements": rank_by,
                                           "step_time_s": e.step_time, "samples_per_s": e.throughput})
                for (ce, e, devs), r in zip(per_center, rates)]
     all_devs = [d for _, _, ds in per_center for d in ds]
