@@ -296,16 +296,36 @@ def _user_errors(*kinds: type[BaseException]) -> Iterator[None]:
 def _strategy_config(strategy: Path, spec: Any, training: dict[str, Any], fixed: dict[str, Any],
                      fusion_opt: list[str], emulate_wan: bool) -> Any:
     """The job of a collaborative Strategy: a flag of ``fixed`` given beside it wins over the
-    strategy's value, and says so."""
+    strategy's value, and says so; a strategy priced for accelerators says so before round 1."""
     from polyparallel.backends.collab import config_from_strategy
+    from polyparallel.strategy import Strategy
 
-    cfg = config_from_strategy(strategy, spec, emulate_links=emulate_wan,
+    st = Strategy.from_json(strategy)
+    cfg = config_from_strategy(st, spec, emulate_links=emulate_wan,
                                fusion_options=_parse_options(fusion_opt), **training)
     given = {k: v for k, v in fixed.items() if v is not None}
     for k, v in given.items():
         if getattr(cfg, k) != v:
             typer.echo(f"--{k.replace('_', '-')} {v} replaces the strategy's {getattr(cfg, k)}")
+    line = _priced_elsewhere(st, "local_steps" in given)
+    if line:
+        typer.echo(line)
     return replace(cfg, **given)
+
+
+def _priced_elsewhere(st: Any, local_steps_given: bool) -> str:
+    """One line when the strategy's centers were priced on accelerators: this command trains every
+    center on this machine's CPUs, where the strategy's rounds (H local steps each) take longer."""
+    types = st.cluster.get("device_types", {})
+    used = {n["device_type"] for c in st.cluster.get("centers", []) for n in c.get("nodes", [])
+            if c["name"] in {cp.name for cp in st.collaborative.centers}}
+    accel = sorted(t for t in used if types.get(t, {}).get("kind", "cpu") != "cpu")
+    if not accel:
+        return ""
+    c = st.collaborative
+    return (f"note: this strategy was priced for centers of {', '.join(accel)}, where a round of {c.local_steps} "
+            f"local steps takes {c.round_time_s:.3g} s; here every center trains on this machine's CPUs, so a round "
+            "takes longer" + ("" if local_steps_given else " (--local-steps sets fewer steps per round)"))
 
 
 def _options_config(centers: str, frameworks: str, devices: str, spec: Any, training: dict[str, Any],

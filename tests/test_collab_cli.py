@@ -110,15 +110,18 @@ def test_bad_input_is_one_line(argv, msg, capsys):
     assert msg in err and "Traceback" not in err
 
 
-def _two_center_strategy(path):
-    """A collaborative strategy of two centers u and v: median fusion, H = 2, 3 rounds."""
+def _two_center_strategy(path, device: str = ""):
+    """A collaborative strategy of two centers u and v: median fusion, H = 2, 3 rounds; priced for
+    centers of one ``device`` (a GPU type) when given, as the search writes its cluster."""
     from polyparallel.strategy import CenterPlan, Collaborative, Mesh, MeshAxis, ModelInfo, Strategy
 
-    st = Strategy(model=ModelInfo(name="m", fingerprint="f"), mode="collaborative",
+    cluster = {"device_types": {device: {"kind": "gpu"}},
+               "centers": [{"name": n, "nodes": [{"device_type": device, "devices": [i]}]} for i, n in enumerate("uv")]}
+    st = Strategy(model=ModelInfo(name="m", fingerprint="f"), mode="collaborative", cluster=cluster if device else {},
                   mesh=Mesh(axes=[MeshAxis(name="center", size=2, level="inter_center")], devices=[0, 1]),
                   collaborative=Collaborative(centers=[CenterPlan(name="u", devices=[0], share=0.5),
                                                        CenterPlan(name="v", devices=[1], share=0.5)],
-                                              fusion="median", local_steps=2, rounds=3))
+                                              fusion="median", local_steps=2, rounds=3, round_time_s=0.25))
     st.to_json(path)
 
 
@@ -141,6 +144,23 @@ def test_flags_beside_a_strategy_win_and_say_so(tmp_path, capsys):
     assert "--rounds 2 replaces the strategy's 3" in out and "--local-steps 5 replaces the strategy's 2" in out
     cfg = CollabConfig.from_json(job.read_text())
     assert (cfg.rounds, cfg.local_steps, cfg.fusion) == (2, 5, "median")
+
+
+def test_a_strategy_priced_for_accelerators_says_so_before_round_one(tmp_path, capsys):
+    """collab runs every center on this machine's CPUs: a strategy whose H was priced for GPUs says
+    so first (100 s of silence in a round on CPU was the symptom), and what sets fewer steps."""
+    _two_center_strategy(tmp_path / "s.json", device="a100-80gb-sxm")
+    args = ["collab", "--strategy", str(tmp_path / "s.json"), "--in-shape", "4", "--classes", "2",
+            "--save-config", str(tmp_path / "job.json")]
+    code, out, err = _run(args, capsys)
+    assert code == 0, err
+    assert ("note: this strategy was priced for centers of a100-80gb-sxm, where a round of 2 local steps takes "
+            "0.25 s; here every center trains on this machine's CPUs, so a round takes longer (--local-steps") in out
+    code, out, err = _run([*args, "-H", "1"], capsys)
+    assert code == 0 and "priced for centers of a100-80gb-sxm" in out and "(--local-steps" not in out
+    _two_center_strategy(tmp_path / "cpu.json")
+    code, out, err = _run([*args[:2], str(tmp_path / "cpu.json"), *args[3:]], capsys)
+    assert code == 0 and "priced for" not in out
 
 
 def test_serve_of_an_fltrust_job_needs_the_root_set_before_starting_anything(tmp_path, capsys):
