@@ -2,7 +2,9 @@
 
 Every model prices ops of :mod:`polyparallel.ir` graphs on a :class:`polyparallel.cluster.Cluster`;
 a parallel configuration is a plain :class:`ParallelConfig` (degrees and options), so the models
-do not depend on the search or on the polyhedral placements. The maths of each model is in its
+do not depend on the search. Three read loop nests through :mod:`polyparallel.poly` (expert
+dispatch footprints, spatial halos, an LSTM's carried dims); they import it inside the function
+that needs it, as ``import polyparallel`` must not load islpy. The maths of each model is in its
 module's docstring.
 """
 

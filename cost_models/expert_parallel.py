@@ -69,6 +69,7 @@ def expert_all_to_all_elements(rows: int, hidden_in: int, hidden_out: int, exper
     placed ``e:ep``; the dispatch is the footprint of its input minus the rank's own rows, the
     combine its output block back to the rows' ranks. Rows that do not divide over the experts
     are padded up (a bound)."""
+    # islpy: loaded when a loop nest is read, not with polyparallel (cost_models/__init__)
     from polyparallel.poly import DeviceMesh, Placement, TensorLayout, operand_need, output_layout, reshard
 
     rows = -(-rows // experts) * experts

@@ -122,6 +122,7 @@ def _sequence_splits(op: Op, sp: int) -> None:
     recurrence (:func:`polyparallel.poly.carried_dims`: an LSTM's time steps run one after another)."""
     if op.nest is None:
         return
+    # islpy: loaded when a loop nest is read, not with polyparallel (cost_models/__init__)
     from polyparallel.poly import carried_dims
 
     seq = {d.name for d in op.nest.dims if d.hint is Hint.SEQUENCE}

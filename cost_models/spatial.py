@@ -39,6 +39,7 @@ def spatial_plan(graph: Graph, op: Op, sp: int, dtype: str) -> tuple[float, Even
     acts = [t for t in op.inputs if graph.tensors[t].kind is not TensorKind.PARAM]
     if not acts or len(graph.tensors[acts[0]].shape) < 4 or not splits_image_rows(graph):
         return None
+    # islpy: loaded when a loop nest is read, not with polyparallel (cost_models/__init__)
     from polyparallel.poly import (
         DeviceMesh,
         Placement,
