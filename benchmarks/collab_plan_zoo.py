@@ -1,6 +1,6 @@
 """Every collaborative plan the search writes runs: the per-center plans of both zoos' models.
 
-    .venv/bin/python benchmarks/collab_plan_zoo.py [--models a,b] [--out FILE]
+    .venv/bin/python benchmarks/collab_plan_zoo.py [--models a,b] [--pins searched,tp2] [--out FILE [--update]]
 
 For each model of ``tests/zoo.py`` and ``tests/zoo_recipes.py`` (as a user brings it:
 ``forward(inputs, labels) -> loss``), the search plans a collaborative job on two centers of 2 CPU
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -117,32 +118,45 @@ def cell(name: str, module: str, model_fn: Any, data_fn: Any, cluster: Path, pin
     return {**rec, "H": s.collaborative.local_steps, "centers": centers}
 
 
+def _write(out: Path, rows: list[dict[str, Any]]) -> dict[str, int]:
+    """The table with its counts of center plans by status (rewritten after every cell)."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        for c in r.get("centers", [r]):
+            counts[c["status"]] = counts.get(c["status"], 0) + 1
+    out.write_text(json.dumps({"steps": STEPS, "lr": LR, "rows": rows, "counts": counts}, indent=1) + "\n")
+    return counts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     zoo = _zoo()
     ap.add_argument("--models", default=",".join(zoo))
+    ap.add_argument("--pins", default=",".join(PINS), help="which of " + ", ".join(PINS))
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--update", action="store_true",
+                    help="replace only the cells run in --out's table, keep its others (each row says its commit)")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
-    rows = []
+    out = Path(args.out)
+    rows = json.loads(out.read_text())["rows"] if args.update and out.exists() else []
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:
         cluster = Path(tmp) / "two-cpu-centers.yaml"
         cluster.write_text(CLUSTER)
-        for name, (label, pins) in itertools.product(args.models.split(","), PINS.items()):
-            rec = cell(name, *zoo[name], cluster, pins)
-            rows.append(rec)
+        for name, label in itertools.product(args.models.split(","), args.pins.split(",")):
+            rec = {**cell(name, *zoo[name], cluster, PINS[label]), "commit": commit}
+            rows = [r for r in rows if (r["model"], r["pinned"]) != (name, PINS[label])] + [rec]
+            _write(out, rows)
             cells = rec.get("centers", [rec])
             print(f"{name:20s} {label:9s} " + "  ".join(f"{c.get('center', '-')}: {c.get('plan', '')} {c['status']}"
                                              + (f" {c['max_rel']:.1e}" if "max_rel" in c else "")
                                              + (f" ({(c.get('reason') or c.get('error'))[:90]})"
                                                 if c.get("reason") or c.get("error") else "") for c in cells),
                   flush=True)
-    counts: dict[str, int] = {}
-    for r in rows:
-        for c in r.get("centers", [r]):
-            counts[c["status"]] = counts.get(c["status"], 0) + 1
+    counts = _write(out, rows)
     print(", ".join(f"{n} {k}" for k, n in sorted(counts.items())) + f" of {sum(counts.values())} center plans")
-    Path(args.out).write_text(json.dumps({"steps": STEPS, "lr": LR, "rows": rows, "counts": counts}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
