@@ -340,3 +340,28 @@ def test_a_scaled_update_is_refused_over_flower_with_an_audit_line(tmp_path, mon
     logs = "\n".join(p.read_text(errors="replace") for p in tmp_path.rglob("*.log"))
     assert "rejected the update of c: update norm" in logs
     assert LoopbackFederation(tmp_path, {}).stray_pids() == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("fusion", ["flame", "foolsgold"])
+def test_direction_fusions_fuse_over_flower_what_they_fuse_in_process(tmp_path, monkeypatch, fusion):
+    """FLAME (seeded noise, clustering each round) and FoolsGold (each center's update history, kept
+    across rounds by the server) with a relabelling center: the ServerApp fuses bit for bit what
+    the in-process engine fuses, and gives the centers the same trust every round."""
+    pytest.importorskip("flwr", reason="the Flower engine needs flwr==1.42.0")
+    from polyparallel.backends.collab._flower import LoopbackFederation, run_flower
+
+    monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
+    names = ("a", "b", "c", "d")
+    data = random_data(names, 48, seed=5, grow=0)
+    data["d"] = (data["d"][0], (2 - data["d"][1]) % 3)  # relabelled: its update pulls the other way
+    cfg = mlp_config(names, fusion=fusion, rounds=3, min_centers=3)
+    res = run_flower(cfg, data, workdir=tmp_path, timeout_s=300)
+    ref = run_inprocess(cfg, data)
+    assert res.ok and [r.accepted for r in res.rounds] == [r.accepted for r in ref.rounds]
+    for k in ref.params:
+        np.testing.assert_array_equal(res.params[k], ref.params[k])
+    trust = [{c: m.get("trust") for c, m in r.metrics.items()} for r in res.rounds]
+    assert trust == [{c: m.get("trust") for c, m in r.metrics.items()} for r in ref.rounds]
+    assert LoopbackFederation(tmp_path, {}).stray_pids() == []
