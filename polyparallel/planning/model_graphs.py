@@ -33,7 +33,10 @@ class ModelGraphs:
 
     def __init__(self, model: Any, example_inputs: Any, example_kwargs: dict[str, Any] | None) -> None:
         self.model, self.args, self.kwargs = model, example_inputs, example_kwargs or {}
+        # the model's graph as given (a Graph, or an ONNX model's capture); a module's captures are
+        # not kept once transformed (3 MB each for llama-8b): none is captured twice
         self.graphs: dict[int, Graph] = {}
+        self.captured: list[int] = []  # the sizes captured, in order
         self.priced: dict[int, Graph] = {}
         self.capture_s = 0.0
         self.capture_cpu_s = 0.0  # the same, in this process's CPU time (independent of the machine's load)
@@ -110,6 +113,11 @@ class ModelGraphs:
             self.derived.discard(b)
         return self.graph(b)
 
+    def drop_rebatcher(self) -> None:
+        """Free the anchors' comparison (2.4 MB for llama-8b) once every size the search needs is
+        priced; a size asked for later builds it again."""
+        self._rebatcher = None
+
     def affine_of(self, g: Graph) -> tuple[Graph, Graph, float] | None:
         """For a graph this re-batched from the anchors: ``(anchor lo, anchor hi, t)`` with ``g`` the
         anchors' graph at batch ``lo + t (hi - lo)``; None for a captured graph."""
@@ -120,14 +128,17 @@ class ModelGraphs:
         return self.graph(lo), self.graph(hi), (b - lo) / (hi - lo)
 
     def _captured(self, b: int) -> Graph:
-        if b not in self.graphs:
-            if not self.resizable:
-                raise ValueError(f"the model has a fixed batch of {self.b0}; micro-batch {b} is not available")
-            self.graphs[b] = self._capture_raw(b)
+        if b in self.graphs:
+            raw = self.graphs[b]
+        elif not self.resizable:
+            raise ValueError(f"the model has a fixed batch of {self.b0}; micro-batch {b} is not available")
+        else:
+            raw = self._capture_raw(b)
+            self.captured.append(b)
         # import polyparallel loads this module: the transforms load with the first graph
         from polyparallel.transforms import canonicalize, fuse_elementwise
 
-        return fuse_elementwise(canonicalize(self.graphs[b]))
+        return fuse_elementwise(canonicalize(raw))
 
     def _derive(self, b: int) -> Graph | None:
         lo, hi = ANCHORS

@@ -407,13 +407,13 @@ def _on_fewer_devices(best: Best, mdl: ModelGraphs, cl: Cluster, B: int, c: Cons
 
 
 def _release_prices(mdl: ModelGraphs, b: int) -> None:
-    """Free the enumeration's price memos of the graphs but the chosen micro-batch's once the plan is
-    chosen: the capture and the torch backend's check that follow (which exports the whole model)
-    reuse their memory (llama-8b on 64 A100: peak 448 -> ~430 MB). A plan the backend refuses sends
-    the search to the next one, whose prices are memoised again as they are needed. The example
-    graph's memo is kept too: it holds the placement solver's results, which the derived placements
-    of every graph are read from."""
+    """Free the enumeration's price memos of the graphs but the chosen micro-batch's, and the anchors'
+    comparison, once the plan is chosen: the capture and the torch backend's check that follow (which
+    exports the whole model) reuse their memory. A plan the backend refuses sends the search to the
+    next one, whose prices are memoised again as needed. The example graph's memo is kept: it holds
+    the placement solver's results, which the derived placements of every graph are read from."""
     drop_source_caches()
+    mdl.drop_rebatcher()
     keep = {id(mdl.graph(mdl.b0)), id(mdl.graph(b))}
     for g in {id(g): g for g in (*mdl.priced.values(), *mdl.graphs.values())}.values():
         if id(g) not in keep:
