@@ -183,3 +183,28 @@ def test_a_collaborative_center_is_planned_as_its_trainer_runs():
     with pytest.raises(DoesNotFit, match=r"no plan center a runs fits: .*Conv2d"):
         search(SmallCNN(), (x,), cl, example_kwargs={"labels": y}, batch_size=512,
                constraints={"mode": "collaborative", "tp": 4})
+
+
+def test_a_recipe_train_refuses_is_priced_with_the_refusal_first():
+    """evaluate prices a pinned recipe whatever the executor runs, and says first what train would
+    refuse (it wrote a tensor-parallel CNN without a word; train then refused it at launch)."""
+    from polyparallel.backends.torch import Unsupported, plan_for
+
+    class TinyCNN(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.fc = torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.Linear(8 * 64, 10)
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.conv(x.view(-1, 1, 8, 8)))
+            return torch.nn.functional.cross_entropy(self.fc(h.flatten(1)), labels)
+
+    model, x, y = TinyCNN(), torch.randn(8, 64), torch.randint(0, 10, (8,))
+    s = evaluate(model, (x,), "local-cpu:2", example_kwargs={"labels": y}, tp=2, batch_size=8)
+    assert s.estimate is not None and s.tp == 2
+    note = s.search.notes[0]
+    assert note.startswith("planning only: the torch backend refuses this plan") and "Conv2d" in note
+    with pytest.raises(Unsupported, match="Conv2d"):
+        plan_for(s, model, (x, y))
+    assert not any(n.startswith("planning only") for n in evaluate(
+        model, (x,), "local-cpu:2", example_kwargs={"labels": y}, dp=2, batch_size=8).search.notes)

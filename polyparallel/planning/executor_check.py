@@ -148,17 +148,21 @@ def center_checked(mdl: ModelGraphs, cl: Cluster, best: Best, B: int, devs: list
 
 
 def checked_as_placed(strat: Strategy, mdl: ModelGraphs, best: Best, B: int, placements: str) -> Strategy:
-    """Placements the user chose (``rule``, ``any``) are kept even where the torch backend refuses
-    them; the backend's pre-launch check then says so first in the notes (train refuses it the same way)."""
+    """Placements the user chose (``rule``, ``any``), or a recipe ``evaluate`` prices, are kept even
+    where the torch backend refuses them; the backend's pre-launch check, given one global batch as
+    train gives it (so a forward that fails on a rank's shards is tried as the exported graph, as
+    train does), then says so first in the notes (train refuses it the same way)."""
     batch = train_batch(mdl, B)
     if batch is None:
         return strat
     try:
-        executor("torch").check(strat, mdl.model, batch if strat.pp > 1 else None, mdl.exact(best.b))
+        executor("torch").check(strat, mdl.model, batch, mdl.exact(best.b))
         return strat
     except NotExecutable as e:
-        note = (f"planning only: the torch backend refuses this plan with placements={placements!r} ({e}); search "
-                "with placements='torch' for a plan polyparallel train runs")
+        hint = (" (placements='torch' places tensor parallelism as it runs)" if placements != "torch" and strat.tp > 1
+                else "")
+        note = (f"planning only: the torch backend refuses this plan with placements={placements!r} ({e}); "
+                f"polyparallel search writes only plans train runs{hint}")
     return strat.model_copy(update={"search": strat.search.model_copy(update={"notes": [note, *strat.search.notes]})})
 
 

@@ -840,7 +840,10 @@ def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Pa
         s = strategy_of(mdl, cl, est, _batch_of(mdl, est), B, devs, record, placements)
         return s.model_copy(update={"search": record.model_copy(update={"notes": [
             r.why() for r in est.memory if not r.fits]})})
-    return strategy_of(mdl, cl, best.est, best.b, B, devs, record, placements)
+    strat = strategy_of(mdl, cl, best.est, best.b, B, devs, record, placements)
+    # a recipe the torch backend would refuse at launch says so now, as a pinned search's does
+    with young_collected():
+        return checked_as_placed(strat, mdl, best, B, placements)
 
 
 def _batch_of(mdl: ModelGraphs, est: StepEstimate) -> int:
