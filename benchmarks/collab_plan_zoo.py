@@ -96,7 +96,8 @@ def cell(name: str, module: str, model_fn: Any, data_fn: Any, cluster: Path, pin
     centers = []
     for c in s.collaborative.centers:
         plan = plan_from_local_strategy(c.local_strategy)
-        row: dict[str, Any] = {"center": c.name, "plan": plan}
+        # the table shows the plan's degrees; the per-op placements it runs are in the strategy
+        row: dict[str, Any] = {"center": c.name, "plan": {k: v for k, v in plan.items() if k != "op_placements"}}
         devices = Plan.from_record(plan).world
         if devices < 2:
             centers.append({**row, "status": "one device"})

@@ -47,8 +47,10 @@ __all__ = [
     "Stage",
     "Strategy",
     "StrategyError",
+    "center_placements",
     "fingerprint",
     "json_schema",
+    "op_placements_of",
 ]
 
 SCHEMA_VERSION: Literal[1] = 1
@@ -132,7 +134,25 @@ class CenterPlan(_Model):
     framework: Literal["torch", "mindspore"] = "torch"
     devices: list[int]
     share: float = Field(gt=0, le=1, description="fraction of the global batch / data the center trains on")
-    local_strategy: dict[str, Any] = Field(default_factory=dict)
+    local_strategy: dict[str, Any] = Field(default_factory=dict, description=(
+        "the center's synchronous plan: the plan record's center fields, the placement mode it was searched with "
+        "and, with tp > 1, its per-op placements (op_placements: [ops, placement, modules] per group), which the "
+        "center runs as priced; step_time_s, samples_per_s"))
+
+
+def center_placements(s: Strategy) -> dict[str, Any]:
+    """What a center's ``local_strategy`` records of its synchronous Strategy's placements: with
+    ``tp > 1``, every group's per-op placement (``op_placements``), so the center runs the placements
+    the search priced on the center's hardware rather than ones it would derive on its own
+    (:func:`op_placements_of` reads them back); nothing without tensor parallelism."""
+    if s.tp == 1:
+        return {}
+    return {"op_placements": [[list(p.ops), p.placement, list(p.modules)] for p in s.placements]}
+
+
+def op_placements_of(record: Any) -> list[OpPlacement]:
+    """The :class:`OpPlacement` groups of a center plan's ``op_placements`` (:func:`center_placements`)."""
+    return [OpPlacement(ops=list(ops), placement=str(pl), modules=list(mods)) for ops, pl, mods in record]
 
 
 class Collaborative(_Model):

@@ -180,3 +180,46 @@ def test_a_center_never_runs_tensor_parallelism_its_forward_does_not_survive():
     x, y = (t.numpy() for t in zoo_recipes.lm_data(0))
     _, exec_plan = center_exec_plan(spec, normalize_plan({"tp": 2}, 2), x, y, batch_size=8)
     assert not any(k.endswith(("q_proj", "k_proj", "v_proj")) and v == "col" for k, v in exec_plan.tp_plan)
+
+
+def wide_mlp():
+    """An MLP wide enough that splitting its hidden layers over tp=2 pays on the zoo's CPU centers."""
+    from polyparallel.backends.torch._examples import MLP
+
+    return MLP((256, 2048, 2048, 64))
+
+
+@pytest.mark.timeout(120)
+def test_a_searched_center_plan_runs_the_placements_the_search_priced(tmp_path):
+    """The collaborative search prices a center's tensor parallelism on the center's hardware and
+    writes its per-op placements; the center runs those, not placements it would derive pricing the
+    plan on its own machine (local-cpu:P). Placements naming an op the center's model lacks (a
+    strategy searched for another model or call) are refused before any worker starts."""
+    import torch
+
+    import polyparallel as pp
+    from benchmarks.collab_plan_zoo import CLUSTER
+    from polyparallel.backends.collab._center_plan import normalize_plan, plan_from_local_strategy
+    from polyparallel.backends.collab._dp_center import center_exec_plan
+    from polyparallel.backends.torch import Unsupported
+
+    (tmp_path / "two.yaml").write_text(CLUSTER)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 256, generator=g), torch.randint(0, 64, (8,), generator=g)
+    s = pp.search(wide_mlp(), (x, y), str(tmp_path / "two.yaml"), batch_size=len(x),
+                  constraints={"mode": "collaborative", "tp": 2})
+    plan = plan_from_local_strategy(s.collaborative.centers[0].local_strategy)
+    searched = [(ops, pl) for ops, pl, _ in plan["op_placements"]]
+    assert any("tp" in pl for _, pl in searched)  # tensor parallelism that splits ops
+    spec = ModelSpec(f"{__name__}:wide_mlp")
+    strat, exec_plan = center_exec_plan(spec, normalize_plan(plan, 2), x.numpy(), y.numpy(), batch_size=len(x))
+    assert [(p.ops, p.placement) for p in strat.placements] == searched
+    assert exec_plan.tp == 2 and exec_plan.tp_plan
+    # every op replicated, as the search would write it on hardware where splitting does not pay: run so,
+    # though pricing on this machine splits the hidden layers
+    whole = {**plan, "op_placements": [[ops, "", mods] for ops, _, mods in plan["op_placements"]]}
+    strat, exec_plan = center_exec_plan(spec, normalize_plan(whole, 2), x.numpy(), y.numpy(), batch_size=len(x))
+    assert exec_plan.tp == 2 and not exec_plan.tp_plan
+    bad = {**plan, "op_placements": [[["no_such_op"], "n:tp", [""]], *plan["op_placements"]]}
+    with pytest.raises(Unsupported, match="does not have"):
+        center_exec_plan(spec, normalize_plan(bad, 2), x.numpy(), y.numpy(), batch_size=len(x))

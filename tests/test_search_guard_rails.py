@@ -143,13 +143,10 @@ def test_search_writes_tensor_parallelism_only_as_the_backend_runs_it():
     assert written.estimate.step_time_s == pytest.approx(s.estimate.step_time_s, rel=1e-9)
 
 
-def test_a_collaborative_center_is_planned_as_its_trainer_runs():
-    """A small CNN on two centers of 4 A100s. Each center's fastest plan was once a tp=4 priced with
-    its convolutions split, which the center's trainer ran with every op replicated (4 devices doing
-    one's work). A center is now ranked at Megatron's placements, which its trainer derives the same
-    on any hardware, and checked as its trainer runs the model (its own forward on each device's
-    shards): the convolution split is refused there, the center data-parallel over its 4 devices,
-    and the note says what was left out."""
+def test_a_collaborative_center_whose_tp_splits_no_op_uses_fewer_of_its_devices():
+    """A small CNN on two centers of 4 A100s: each center's fastest plan on its 4 devices was a tp=4
+    that replicates every op (Conv2d and BatchNorm are not split); the center now uses 1 of them, says
+    so, and the collaborative backend runs that plan (a plain one-device center)."""
     from polyparallel.backends.collab import ModelSpec, config_from_strategy
     from polyparallel.cluster import Cluster
 
@@ -172,17 +169,18 @@ def test_a_collaborative_center_is_planned_as_its_trainer_runs():
                constraints={"mode": "collaborative"})
     assert s.mode == "collaborative"
     for c in s.collaborative.centers:
-        assert c.local_strategy["tp"] == 1 and c.local_strategy["dp"] == len(c.devices) == 4
-        assert c.local_strategy["placements"] == "rule"
-        [note] = [n for n in s.search.notes if n.startswith(f"center {c.name}: left out")]
-        assert "its trainer refuses" in note and "Conv2d" in note
+        assert len(c.devices) == 1 and c.local_strategy["tp"] == 1 and c.local_strategy["dp"] == 1
+        [note] = [n for n in s.search.notes if n.startswith(f"center {c.name}: uses 1 of its 4 devices")]
+        assert "splits no op over tp=4" in note
     cfg = config_from_strategy(s, ModelSpec("polyparallel.backends.torch._examples:tiny_mlp"))
-    assert [cc.devices for cc in cfg.centers] == [4, 4]
-    assert dict(cfg.centers[0].plan)["placements"] == "rule"
-    # pinned to a tensor parallelism no center runs on this model: refused by the search, with the reason
-    with pytest.raises(DoesNotFit, match=r"no plan center a runs fits: .*Conv2d"):
-        search(SmallCNN(), (x,), cl, example_kwargs={"labels": y}, batch_size=512,
+    assert [cc.devices for cc in cfg.centers] == [1, 1]
+    # pinned to tp=4: the user's choice stands, and the note says that it splits no op
+    s = search(SmallCNN(), (x,), cl, example_kwargs={"labels": y}, batch_size=512,
                constraints={"mode": "collaborative", "tp": 4})
+    for c in s.collaborative.centers:
+        assert c.local_strategy["tp"] == 4 and len(c.devices) == 4
+        assert all(pl == "" for _, pl, _ in c.local_strategy["op_placements"])  # every op replicated, as run
+        assert any(n.startswith(f"center {c.name}: tp=4 as pinned splits no op") for n in s.search.notes)
 
 
 def test_a_recipe_train_refuses_is_priced_with_the_refusal_first():

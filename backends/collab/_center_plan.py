@@ -15,9 +15,10 @@ from polyparallel.planning.executability import CENTER_LIMITS  # what a center r
 __all__ = ["CENTER_LIMITS", "PLAN_KEYS", "normalize_plan", "plan_from_local_strategy"]
 
 #: what a center's plan may set: the plan's center fields (mesh degrees, ZeRO stage, recomputation,
-#: precision) and the placement mode the planner prices tensor parallelism with (``rule``: Megatron;
-#: ``torch``: its solver)
-PLAN_KEYS = (*CENTER_FIELDS, "placements")
+#: precision), the placement mode the planner prices tensor parallelism with (``rule``: Megatron;
+#: ``torch``: its solver) and the per-op placements the collaborative search priced
+#: (``op_placements``, :func:`polyparallel.strategy.center_placements`)
+PLAN_KEYS = (*CENTER_FIELDS, "placements", "op_placements")
 
 
 def normalize_plan(plan: Mapping[str, Any] | None, devices: int, center: str = "") -> dict[str, Any]:
@@ -25,8 +26,9 @@ def normalize_plan(plan: Mapping[str, Any] | None, devices: int, center: str = "
 
     ``dp`` defaults to ``devices / (tp·pp·sp)``; ``zero_stage`` to 0, or 3 (FSDP2) when ``dp`` and
     ``tp`` are both > 1, the one data-parallel form the backend runs over tensor-parallel parameters;
-    ``placements`` to None: Megatron's where the backend runs them, else the planner's own (a plan
-    the collaborative search wrote names the placements it priced, and runs only with those).
+    ``placements`` to None: Megatron's where the backend runs them, else the planner's own; a plan
+    the collaborative search wrote carries the per-op placements it priced (``op_placements``), which
+    the center runs.
     Raises ValueError naming the fix for plans no center runs, whatever its model.
     """
     who = f"center {center!r}" if center else "center"
@@ -57,7 +59,19 @@ def normalize_plan(plan: Mapping[str, Any] | None, devices: int, center: str = "
         raise ValueError(f"{who} cannot run its plan: " + "; ".join(why))
     zero = int(plan.get("zero_stage", 3 if dp > 1 and tp > 1 else 0))
     return {"dp": dp, "tp": tp, "pp": 1, "sp": 1, "microbatches": 1, "zero_stage": zero,
-            "recompute": plan.get("recompute", "none"), "dtype": "fp32", "placements": plan.get("placements")}
+            "recompute": plan.get("recompute", "none"), "dtype": "fp32", "placements": plan.get("placements"),
+            "op_placements": _op_placements(plan.get("op_placements"), who) if tp > 1 else None}
+
+
+def _op_placements(record: Any, who: str) -> tuple[tuple[tuple[str, ...], str, tuple[str, ...]], ...] | None:
+    """The per-op placements of a plan (``[ops, placement, modules]`` per group) as hashable tuples."""
+    if record is None:
+        return None
+    try:
+        return tuple((tuple(map(str, ops)), str(pl), tuple(map(str, mods))) for ops, pl, mods in record)
+    except (TypeError, ValueError):
+        raise ValueError(f"{who}: op_placements must be [ops, placement, modules] groups, as the collaborative "
+                         "search writes them; search the strategy again or leave op_placements out") from None
 
 
 def plan_from_local_strategy(local: Mapping[str, Any]) -> dict[str, Any]:

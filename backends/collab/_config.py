@@ -82,7 +82,10 @@ class CenterSpec:
             raise ValueError(f"center {self.name!r}: data source {self.data!r} must be 'package.module:function'")
         plan = dict(self.plan.items() if isinstance(self.plan, Mapping) else (tuple(kv) for kv in self.plan))
         if plan:
-            normalize_plan(plan, self.devices, self.name)  # plans no center runs are refused with the job
+            # plans no center runs are refused with the job; the per-op placements kept hashable
+            checked = normalize_plan(plan, self.devices, self.name)
+            if "op_placements" in plan:
+                plan["op_placements"] = checked["op_placements"]
         object.__setattr__(self, "plan", tuple(sorted(plan.items())))
 
 

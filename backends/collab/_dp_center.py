@@ -72,10 +72,11 @@ def center_exec_plan(spec: ModelSpec, plan: Mapping[str, Any], x: np.ndarray, y:
     model, the global batch ``min(batch_size, len(x))``: priced by the planner, checked by the torch
     backend's ``plan_for`` against the model's captured graph.
 
-    The plan's ``placements`` are the ones run (the collaborative search writes those it priced,
-    Megatron's: ``"rule"``); without them tensor parallelism is Megatron's, and where the backend
-    cannot execute the rule's placements on this model (a norm between two Linears, say) the
-    planner's own per-op placements over what the backend executes (``"torch"``). The model's own
+    A plan the collaborative search wrote carries the per-op placements it priced on the center's
+    hardware (``op_placements``): those are run. Otherwise the plan's ``placements`` mode places
+    them; without one tensor parallelism is Megatron's, and where the backend cannot execute the
+    rule's placements on this model (a norm between two Linears, say) the planner's own per-op
+    placements over what the backend executes (``"torch"``). The model's own
     forward runs on each rank's shards (:func:`~polyparallel.backends.torch.own_forward_plan`): a
     plan whose forward does not survive them is refused. Raises ``Unsupported`` (a ValueError) with
     the backend's reason for a plan it cannot run.
@@ -101,11 +102,33 @@ def center_exec_plan(spec: ModelSpec, plan: Mapping[str, Any], x: np.ndarray, y:
                         microbatches=1, zero_stage=plan["zero_stage"], recompute=plan["recompute"], dtype="fp32",
                         batch_size=b, placements=mode)
         check_fingerprint(s, graph)  # the graph plan_for reads is the one the planner priced
+        if plan.get("op_placements"):
+            s = _as_searched(s, plan["op_placements"], graph)
         try:
             return s, own_forward_plan(s, model, args, kwargs, graph=graph)
         except Unsupported as e:
             refused.append(f"placements={mode!r}: {e}")
     raise Unsupported(" | ".join(refused))
+
+
+def _as_searched(s: Any, record: Any, graph: Any) -> Any:
+    """``s`` with the per-op placements the collaborative search priced on the center's hardware (the
+    center's own pricing on ``local-cpu:P`` could place its ops otherwise). Raises ``Unsupported``
+    when they name ops or modules this center's capture of the model does not have."""
+    from polyparallel.backends.torch._plan import Unsupported
+    from polyparallel.strategy import op_placements_of
+
+    groups = op_placements_of(record)
+    modules = {o.name: o.module or "" for o in graph.ops}
+    wrong = [(op, m) for g in groups for op, m in zip(g.ops, g.modules or [""] * len(g.ops))
+             if op not in modules or (m and modules[op] != m)]
+    if wrong:
+        op, m = wrong[0]
+        raise Unsupported(f"the plan's per-op placements name op {op!r} (module {m!r}), which this center's capture of "
+                          f"the model {'places on module ' + repr(modules[op]) if op in modules else 'does not have'} "
+                          f"({len(wrong)} such op(s)): search the collaborative strategy with the model called as the "
+                          "center calls it (model(inputs, labels))")
+    return s.model_copy(update={"placements": groups})
 
 
 def _free_port() -> int:

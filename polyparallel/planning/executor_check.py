@@ -121,30 +121,33 @@ def _rule_placed(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: Best, B: 
     return ruled
 
 
-def center_checked(mdl: ModelGraphs, cl: Cluster, best: Best, B: int, devs: list[int], c: Constraints) -> list[str]:
-    """Walk ``best`` (a collaborative center's search, ranked at Megatron's placements) to the fastest
-    plan the center runs: the torch backend's check for a run that calls the model's own forward on
-    each rank's shards (``Executor.own_forward_check``: what a center's local steps do), with the
-    example's call. Returns the refused plans' reasons; ``best.est`` is None when every plan is
+def center_checked(mdl: ModelGraphs, cl: Cluster, best: Best, B: int, devs: list[int],
+                   c: Constraints) -> tuple[Strategy | None, list[str]]:
+    """Walk ``best`` (a collaborative center's search) to the fastest plan the center runs: the torch
+    backend's check for a run that calls the model's own forward on each rank's shards
+    (``Executor.own_forward_check``: what a center's local steps do), with the example's call.
+    Returns that plan's synchronous Strategy, placed as ``c.placements`` says (its per-op placements
+    are what the center runs: :func:`~polyparallel.backends.collab._center_plan.placements_record`),
+    and the refused plans' reasons; ``(None, reasons)`` with ``best.est`` None when every plan is
     refused. A model that is not a torch module is not checked (no center runs it)."""
     import torch
 
-    if not isinstance(mdl.model, torch.nn.Module):
-        return []
     check = executor("torch").own_forward_check
     refused: list[str] = []
     while best.est is not None:
         assert best.chosen is not None  # the candidate behind best.est
-        strat = strategy_of(mdl, cl, best.est, best.b, B, devs, SearchRecord(), "rule", c.memory_cap)
+        strat = strategy_of(mdl, cl, best.est, best.b, B, devs, SearchRecord(), c.placements, c.memory_cap)
+        if not isinstance(mdl.model, torch.nn.Module):
+            return strat, refused
         try:
             check(strat, mdl.model, tuple(mdl.args), dict(mdl.kwargs), mdl.exact(best.b))
-            break
+            return strat, refused
         except NotExecutable as e:
             refused.append(f"{best.chosen.bound.config}: {e}")
             best.fitting.remove(best.chosen)
             best.est, best.b, best.chosen = None, 0, None
             best.solve()
-    return refused
+    return None, refused
 
 
 def checked_as_placed(strat: Strategy, mdl: ModelGraphs, best: Best, B: int, placements: str) -> Strategy:

@@ -136,6 +136,7 @@ from polyparallel.strategy import (
     MeshAxis,
     SearchRecord,
     Strategy,
+    center_placements,
 )
 
 __all__ = ["Constraints", "DoesNotFit", "evaluate", "search"]
@@ -649,28 +650,27 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
     """Each center trains locally with its own best plan; fuse every H steps over the WAN. Returns
     the strategy, the candidates priced and the centers' notes (one using fewer of its devices)."""
     say("pricing the collaborative mode: one synchronous plan per center")
-    per_center: list[tuple[Any, StepEstimate, list[int]]] = []  # (center, its best plan's estimate, devices)
+    # (center, its best plan's estimate, devices, its synchronous Strategy as placed)
+    per_center: list[tuple[Any, StepEstimate, list[int], Strategy]] = []
     cands = 0
     notes: list[str] = []
     for ce in cl.centers:
         devs = cl.devices_of(center=ce.index)
         if not devs:
             continue
-        # a center's round runs only the plans a collaborative center executes, with Megatron's
-        # placements, which its trainer derives the same on any hardware (the solver's depend on the prices)
+        # a center's round runs only the plans a collaborative center executes
         cc = replace(c, centers=(ce.name,), devices=None, mode="synchronous", **CENTER_LIMITS)
-        rank_by = "rule" if c.placements == "torch" else c.placements
         # the center's local batch: its device share of B, in whole example batches
         share = max(mdl.b0, round(B * len(devs) / cl.num_devices / mdl.b0) * mdl.b0)
-        best, refused = Best(), []
+        best, placed = Best(), None
+        refused: list[str] = []
         for local in dict.fromkeys((share, mdl.b0 * len(devs))):
             try:
-                best = _search_sync(mdl, cl, local, cc, devs, exhaustive, "throughput", lambda _: None,
-                                    rank_by=rank_by)
+                best = _search_sync(mdl, cl, local, cc, devs, exhaustive, "throughput", lambda _: None)
             except ValueError:
                 continue
             cands += best.candidates
-            refused = center_checked(mdl, cl, best, local, devs, cc) if rank_by == "rule" else []
+            placed, refused = center_checked(mdl, cl, best, local, devs, cc)
             if best.est is not None:
                 break
         if best.est is None:  # a center cannot hold the model, or runs none of the plans that fit it
@@ -679,28 +679,32 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
                                  "forward on each device's shards, and refuses " + " | ".join(r[:300] for r in
                                                                                               refused[-2:]))
             return None
-        fewer = _on_fewer_devices(best, mdl, cl, local, cc, devs, exhaustive, "throughput", lambda _: None, rank_by)
+        fewer = _on_fewer_devices(best, mdl, cl, local, cc, devs, exhaustive, "throughput", lambda _: None)
         if fewer[1] != devs:
             said = next(n for n in fewer[0].notes if n.startswith("uses "))
             notes.append(f"center {ce.name}: " + said.replace("the cluster's", "its").partition("; constraints=")[0])
-            if rank_by == "rule":
-                refused += center_checked(mdl, cl, fewer[0], local, fewer[1], cc)
+            placed, more = center_checked(mdl, cl, fewer[0], local, fewer[1], cc)
+            refused += more
         best, devs = fewer
-        if best.est is None:
+        if best.est is None or placed is None:
             return None
         if refused:
             notes.append(f"center {ce.name}: left out {len(refused)} faster plan(s) its trainer refuses: "
                          + " | ".join(r[:300] for r in refused[-2:]))
-        per_center.append((ce, best.est, devs))
+        if placed.tp > 1 and not any("tp" in p.placement for p in placed.placements):
+            notes.append(f"center {ce.name}: tp={placed.tp}{' as pinned' if c.tp else ''} splits no op: each of its "
+                         f"{len(devs)} devices computes what one would (its trainer runs every op replicated)")
+        assert best.est is not None
+        per_center.append((ce, best.est, devs, placed))
     if len(per_center) < 2:
         return None
-    rates = [e.throughput for _, e, _ in per_center]
+    rates = [e.throughput for _, e, _, _ in per_center]
     total_rate = sum(rates)
     # H from the round simulator (cost_models/collab_simulator.py): every center's own step time and WAN
     # link, the server's fusion and Flower's fixed cost per round; the slowest center sets the pace
-    links = [ce.wan for ce, _, _ in per_center]
+    links = [ce.wan for ce, _, _, _ in per_center]
     H, sim = choose_local_steps(SimInputs.make(
-        [ce.name for ce, _, _ in per_center], [e.step_time for _, e, _ in per_center], 1,
+        [ce.name for ce, _, _, _ in per_center], [e.step_time for _, e, _, _ in per_center], 1,
         mdl.graph(mdl.b0).param_count(), down_Bps=[w.down_bandwidth if w else math.inf for w in links],
         up_Bps=[w.up_bandwidth if w else math.inf for w in links], latency_s=[w.latency if w else 0.0 for w in links]),
         c.comm_fraction, c.max_local_steps)
@@ -709,14 +713,15 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
     fusion = float((sim.dur["distribute"][0] + sim.dur["upload"][0]).max())  # the slowest link's transfers
     local_s = round_time - fixed - fuse - fusion
     centers = [CenterPlan(name=ce.name, framework=ce.framework, devices=devs, share=round(r / total_rate, 6),
-                          local_strategy={**e.config.record_fields(CENTER_FIELDS), "placements": rank_by,
+                          local_strategy={**e.config.record_fields(CENTER_FIELDS), "placements": c.placements,
+                                          **center_placements(placed),
                                           "step_time_s": e.step_time, "samples_per_s": e.throughput})
-               for (ce, e, devs), r in zip(per_center, rates)]
-    all_devs = [d for _, _, ds in per_center for d in ds]
+               for (ce, e, devs, placed), r in zip(per_center, rates)]
+    all_devs = [d for _, _, ds, _ in per_center for d in ds]
     est = Estimate(step_time_s=round_time / H, samples_per_s=B * H / round_time,
                    model_flops_per_s_per_device=3 * mdl.graph(mdl.b0).flops() / mdl.b0 * B * H / round_time
                    / len(all_devs), memory_bytes_max=max(max(r.total for r in e.memory)
-                                                         for _, e, _ in per_center),
+                                                         for _, e, _, _ in per_center),
                    comm_fraction=comm, breakdown={"local_compute": local_s, "fusion": fusion, "framework": fixed,
                                                   "server_fusion": fuse})
     collab = Collaborative(centers=centers, fusion="fedavg", local_steps=H, rounds=1, compression="none",
