@@ -75,7 +75,7 @@ from __future__ import annotations
 from ._cache import CACHE, PolyCache, cache_stats, clear_cache
 from ._distribution import Distribution, TensorLayout, layout_distribution, operand_need, output_layout
 from ._isl import ISL_TIME, access_map, count, domain_set, footprint_set
-from ._mesh import DeviceMesh, MeshAxis
+from ._mesh import DeviceAxis, DeviceMesh
 from ._op_comm import Collective, OpComm, backward_reshard_edge, comm_of_op, grad_held, grad_needed, grad_partial_axes
 from ._placement import (
     IllegalPlacement,
@@ -94,11 +94,11 @@ __all__ = [
     "CACHE",
     "ISL_TIME",
     "Collective",
+    "DeviceAxis",
     "DeviceMesh",
     "Distribution",
     "EdgeCosts",
     "IllegalPlacement",
-    "MeshAxis",
     "NotSymbolic",
     "OpComm",
     "Placement",

@@ -22,12 +22,13 @@ from functools import cached_property
 
 import numpy as np
 
-__all__ = ["DeviceMesh", "MeshAxis"]
+__all__ = ["DeviceAxis", "DeviceMesh"]
 
 
 @dataclass(frozen=True, slots=True)
-class MeshAxis:
-    """One named axis of a mesh, optionally with integer speed weights per coordinate."""
+class DeviceAxis:
+    """One named axis of a :class:`DeviceMesh`, optionally with integer speed weights per coordinate (the
+    Strategy records a mesh axis as :class:`polyparallel.strategy.MeshAxis`: its name, size and level)."""
 
     name: str
     size: int
@@ -76,7 +77,7 @@ class DeviceMesh:
         ([0, 0, 6, 6], [6, 6, 8, 8])
     """
 
-    axes: tuple[MeshAxis, ...]
+    axes: tuple[DeviceAxis, ...]
     device_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -98,7 +99,7 @@ class DeviceMesh:
         unknown = set(weights) - set(sizes)
         if unknown:
             raise ValueError(f"weights given for unknown mesh axes {sorted(unknown)}; axes are {list(sizes)}")
-        return cls(tuple(MeshAxis(k, int(v), tuple(weights[k]) if k in weights else None)
+        return cls(tuple(DeviceAxis(k, int(v), tuple(weights[k]) if k in weights else None)
                          for k, v in sizes.items()), tuple(device_ids))
 
     @classmethod
@@ -111,7 +112,7 @@ class DeviceMesh:
             if not size.isdigit():
                 raise ValueError(f"mesh {text!r}: expected NAME=SIZE or NAME=SIZE[w0:w1:...], got {part!r}")
             weights = tuple(int(x) for x in w.rstrip("]").split(":")) if w else None
-            axes.append(MeshAxis(name.strip(), int(size), weights))
+            axes.append(DeviceAxis(name.strip(), int(size), weights))
         return cls(tuple(axes))
 
     def __hash__(self) -> int:
@@ -141,7 +142,7 @@ class DeviceMesh:
         if math.prod(factors.values()) != ax.size or not factors:
             raise ValueError(f"factors {factors} of mesh axis {axis!r} must multiply to its size {ax.size}")
         i = self.index(axis)
-        new = (*self.axes[:i], *(MeshAxis(k, int(v)) for k, v in factors.items()), *self.axes[i + 1:])
+        new = (*self.axes[:i], *(DeviceAxis(k, int(v)) for k, v in factors.items()), *self.axes[i + 1:])
         return DeviceMesh(new, self.device_ids)
 
     # -- queries ----------------------------------------------------------------------------
@@ -165,7 +166,7 @@ class DeviceMesh:
     def _axis_index(self) -> dict[str, int]:
         return {a.name: i for i, a in enumerate(self.axes)}
 
-    def axis(self, name: str) -> MeshAxis:
+    def axis(self, name: str) -> DeviceAxis:
         i = self._axis_index.get(name)
         if i is None:
             raise KeyError(f"mesh {self} has no axis {name!r}; axes are {list(self.names)}")
