@@ -29,6 +29,7 @@ $(TSTAMP): $(STAMP) requirements-flwr.txt
 	  grep -v -e "dependency resolver does not currently" -e "^flwr 1.42.0 requires" $(VENV)/pip-flwr.log >&2; \
 	  echo "note: flwr 1.42.0 runs on protobuf 7, rich 15 and typer 0.29 although it declares older pins"; exit $$s
 	$(PIP) install -q -c constraints.txt scikit-learn
+	$(PIP) install -q -c constraints.txt -e '.[prune]'
 	touch $@
 
 venv: $(STAMP)
