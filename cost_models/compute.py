@@ -88,7 +88,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from polyparallel.cluster import DeviceType
-from polyparallel.cluster.devices import HOPPER_GEMM_EFFICIENCY, HOPPER_SQUARE_GEMM_EFFICIENCY, is_hopper
+from polyparallel.cluster.devices import (
+    HOPPER_GEMM_EFFICIENCY,
+    HOPPER_SQUARE_GEMM_EFFICIENCY,
+    TORCH_TO_SHORT,
+    is_hopper,
+)
 from polyparallel.ir import (
     FLOAT_DTYPES,
     TRAINING_DTYPE_BYTES,
@@ -416,6 +421,23 @@ _FA1_TFLOPS: dict[tuple[str, bool, int], tuple[float, ...]] = {
     ("h100", False, 64): (157, 159, 161, 161, 166, 168), ("h100", False, 128): (127, 127, 128, 131, 137, 139),
 }
 ATTENTION_KERNELS = (*_ATTENTION_TFLOPS, "fa1")
+# The dense 16-bit peaks of the chips those rates were measured on (the catalog's figures, from the same
+# datasheets): the H100 SXM5 of the papers and the H200 SXM of the calibration (the H100's compute), and
+# the A100 SXM4. A kernel's rate on a part of the same chip with another peak (a cluster spec's
+# ``h100-...`` at a lower power limit: the same SMs at a lower clock) is scaled by the peaks' ratio, as
+# a GEMM's measured efficiency is (:func:`gemm_efficiency`: efficiency x the device's own peak).
+_MEASURED_PEAK = {"h100": 989.5e12, "a100": 312e12}
+
+
+def _rate_scale(device: DeviceType, dtype: str, family: str) -> float:
+    """How much slower a kernel runs on ``device`` than on the chip its published or measured rates
+    were taken on (``_MEASURED_PEAK[family]``): that peak over the device's own; 1 on the catalog's parts."""
+    own = device.peak_flops(dtype)
+    return _MEASURED_PEAK[family] / own if own > 0 else 1.0
+
+
+def _scaled(rows: tuple[tuple[float, float, float], ...], scale: float) -> tuple[tuple[float, float, float], ...]:
+    return rows if scale == 1.0 else tuple((f, fw * scale, bw * scale) for f, fw, bw in rows)
 
 
 def _fa1_row(device: DeviceType, dtype: str,
@@ -427,7 +449,7 @@ def _fa1_row(device: DeviceType, dtype: str,
     the kernel's block of the next of 64 or 128 (the Triton port pads it to a power of two, the CUDA
     kernel has blocks of 32, 64 and 128), its rate scaled by d / that block. The figure gives forward
     + backward only: both are priced at that rate (the forward 1/3.5 of the time, the backward 2.5/3.5,
-    as the FLOPs)."""
+    as the FLOPs). A device whose peak is not the figure's chip's runs at the rate scaled by the peaks."""
     family = "h100" if is_hopper(device.name) else "a100" if device.name.startswith("a100") else None
     if device.kind != "gpu" or family is None or TRAINING_DTYPE_BYTES.get(dtype, 4) != 2:
         raise ValueError(f"attention_kernel='fa1': its published rates are for 16-bit attention on A100 and H100 "
@@ -445,7 +467,8 @@ def _fa1_row(device: DeviceType, dtype: str,
     w = (x - logs[i]) / (logs[i + 1] - logs[i])
     rate = math.exp((1 - w) * math.log(rates[i]) + w * math.log(rates[i + 1])) * 1e12 * d / block
     published = 4.0 * seq * seq * d / (2 if causal else 1)  # one (batch, head) pair, FlashAttention's count
-    return flops, published / rate, 2.5 * published / rate
+    scale = _rate_scale(device, dtype, family)
+    return flops, published / rate * scale, 2.5 * published / rate * scale
 
 
 def attention_shape(graph: Graph, op: Op) -> tuple[int, int, bool, float] | None:
@@ -472,9 +495,15 @@ def attention_rows(device: DeviceType, dtype: str, kernel: str | None = None,
     published rates (the tables above) stand for a recipe run with that kernel. ``flops`` as the IR
     counts them (:func:`attention_flops`), the times at the
     published rates, which count the masked half out. ``fa1`` gives one row, at the rate of the op's
-    ``shape`` (:func:`attention_shape`; its figure is indexed by sequence length and head dimension)."""
+    ``shape`` (:func:`attention_shape`; its figure is indexed by sequence length and head dimension).
+    Rates taken on another part (the H200's rows, the papers' H100 SXM5 and A100) are scaled to the
+    device's own peak (``_MEASURED_PEAK``: a cluster spec's ``h100-...`` at a lower power limit runs the
+    same kernel at its lower clock); the catalog's parts keep them as they are."""
     if kernel is None:
-        return device.attention_curve(dtype)
+        rows = device.attention_curve(dtype)
+        own = dict(device.attention_curves).get(TORCH_TO_SHORT.get(dtype, dtype), ())
+        # the H200's measured rows on another Hopper part: at that part's peak
+        return rows if own or not rows else _scaled(rows, _rate_scale(device, dtype, "h100"))
     if kernel == "fa1":
         return (_fa1_row(device, dtype, shape),)
     if kernel not in _ATTENTION_TFLOPS:
@@ -490,7 +519,7 @@ def attention_rows(device: DeviceType, dtype: str, kernel: str | None = None,
         b = 16384 // s
         published = 4.0 * b * 16 * 128 * s * s / 2  # FlashAttention's count: the masked half left out
         rows.append((attention_flops(b, 16, s, 128), published / (rf * 1e12), 2.5 * published / (rb * 1e12)))
-    return tuple(rows)
+    return _scaled(tuple(rows), _rate_scale(device, dtype, "h100"))
 
 
 def op_cost(graph: Graph, op: Op, device: DeviceType, dtype: str = "fp32", split: float = 1.0,

@@ -338,3 +338,33 @@ def test_fa1_between_and_beyond_the_figure_and_padded_head_dims():
     g, op = _attention_graph(2, 4, 512, 256, causal=True)
     with pytest.raises(ValueError, match="head dimension of at most 128"):
         op_cost(g, op, h100, "bf16", fused=True, attention_kernel="fa1")
+
+
+def test_kernel_rates_taken_on_one_part_scale_to_another_parts_peak():
+    # a cluster spec's own H100 at a lower power limit (torchtitan's Grand Teton parts: 500 W) is the
+    # same chip at a lower clock: the published attention rates (taken on an H100 SXM5, 989.5 TFLOP/s)
+    # and the H200's measured rows run slower by the peaks' ratio, as its GEMMs do (efficiency x its
+    # own peak); the catalog's H100 keeps them as published
+    from dataclasses import replace
+
+    from polyparallel.cost_models.compute import gemm_shape
+
+    h100 = Cluster.preset("dgx-h100").device(0).type
+    slow = replace(h100, name="h100-500w", peak=tuple((k, v * 0.9) for k, v in h100.peak))
+    g, op = _attention_graph(2, 16, 8192, 128, causal=True)
+    for kernel in ("fa2", "cudnn", "fa3", "fa1", None):
+        ref = op_cost(g, op, h100, "bf16", fused=True, attention_kernel=kernel)
+        own = op_cost(g, op, slow, "bf16", fused=True, attention_kernel=kernel)
+        assert own.forward == pytest.approx(ref.forward / 0.9, rel=1e-9), kernel
+        assert own.backward == pytest.approx(ref.backward / 0.9, rel=1e-9), kernel
+    # the same for a GEMM (big enough to be compute bound)
+    from polyparallel import ops
+    from polyparallel.ir import Graph, Op, TensorKind, TensorSpec
+
+    gm = Graph("mm")
+    gm.add_tensor(TensorSpec("a", (8192, 8192), "float32", TensorKind.INPUT))
+    gm.add_tensor(TensorSpec("b", (8192, 8192), "float32", TensorKind.PARAM))
+    gm.add_tensor(TensorSpec("c", (8192, 8192)))
+    mm = gm.add_op(Op("mm", OpKind.CONTRACTION, "matmul", ("a", "b"), ("c",), ops.matmul((8192, 8192), (8192, 8192))))
+    assert gemm_shape(mm) is not None
+    assert op_cost(gm, mm, slow, "bf16").forward == pytest.approx(op_cost(gm, mm, h100, "bf16").forward / 0.9)
