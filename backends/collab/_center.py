@@ -328,6 +328,27 @@ def center_evaluate(trainer: LocalTrainer, params: Mapping[str, np.ndarray]) -> 
     return {k: float(v) for k, v in m.items()}
 
 
+def _scores(trainer: Any, local: Mapping[str, np.ndarray], config: CollabConfig, round_idx: int) -> Payload:
+    """The center's pruning scores of its local model (``_pruning.center_scores``), on batches of its own rows
+    drawn apart from the training batches; every process of the job imports the pruning library only here."""
+    from ._pruning import center_scores
+
+    model = getattr(trainer, "_model", None)
+    if model is None:
+        raise ValueError(f"pruning needs a torch trainer holding its model; {type(trainer).__name__} does not")
+    load_torch_state(model, dict(local))
+    batches = batch_indices(len(trainer.x), trainer.batch_size, config.prune.score_batches, trainer.seed,
+                            trainer.center_index, 0x5C0000 + round_idx)
+    return center_scores(model, trainer._objective, torch_from(trainer.x),
+                         label_tensor(trainer.y, trainer.model_spec.loss), batches, config.prune, config.compression)
+
+
+def torch_from(x: np.ndarray) -> Any:
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(x))
+
+
 def center_round(trainer: LocalTrainer, global_params: Mapping[str, np.ndarray], *, round_idx: int,
                  config: CollabConfig, proximal_mu: float = 0.0, t_received: float | None = None,
                  control: Mapping[str, np.ndarray] | None = None,
@@ -363,6 +384,8 @@ def center_round(trainer: LocalTrainer, global_params: Mapping[str, np.ndarray],
         payload.update(controls)
         center_state.clear()
         center_state.update(decode_controls(controls, config.compression))
+    if config.prune is not None and round_idx <= config.prune.rounds:  # scores of its channels, on its own rows
+        payload.update(_scores(trainer, local, config, round_idx))
     # round, model digest and the binding of the payload under the round's nonce tie the reply to this
     # round: the server refuses an old reply re-sent, and an old update under this round's metrics
     digest = model_digest(global_params)

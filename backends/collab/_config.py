@@ -21,6 +21,7 @@ from polyparallel.strategy import Strategy
 from ._center_plan import normalize_plan, plan_from_local_strategy
 from ._fusion import FUSIONS, FusionStrategy, make_fusion
 from ._models import ModelSpec, is_reference
+from ._pruning import SCORE_FUSIONS, PruneSpec
 from ._wire import COMPRESSIONS
 
 __all__ = ["FRAMEWORKS", "CenterSpec", "CollabConfig", "check_logit_adjust", "config_from_strategy"]
@@ -123,6 +124,9 @@ class CollabConfig:
         min_cosine: with at least 3 updates left after the norm check, an update whose cosine (over
             the trained tensors) to the coordinate-wise median of the *other* updates is below this is
             refused (-1: off). See ``_validation``.
+        prune: online pruning (:class:`~._pruning.PruneSpec`: ratio, rounds ``K``, score): centers score
+            channels on their own rows, the server fuses the scores, soft-masks, and cuts the model
+            structurally after round ``K``; None: the job trains the full model (see ``_pruning``).
     """
 
     centers: tuple[CenterSpec, ...]
@@ -145,9 +149,12 @@ class CollabConfig:
     norm_bound: float = 4.0
     step_bound: float = 10.0
     min_cosine: float = -1.0
+    prune: PruneSpec | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "centers", tuple(self.centers))
+        if isinstance(self.prune, Mapping):
+            object.__setattr__(self, "prune", PruneSpec(**self.prune))
         if isinstance(self.fusion_options, Mapping):
             object.__setattr__(self, "fusion_options", tuple(sorted(self.fusion_options.items())))
         if not self.centers:
@@ -194,6 +201,27 @@ class CollabConfig:
                 raise ValueError(f"fusion {self.fusion!r} corrects every local gradient with control variates, "
                                  f"which is implemented for single-process torch centers; centers {other} run "
                                  "MindSpore or several devices: use framework='torch', devices=1 or another fusion")
+        if self.prune is not None:
+            self._check_prune(self.prune)
+
+    def _check_prune(self, p: PruneSpec) -> None:
+        """A pruning job needs a fusion that can fuse score vectors and centers that can score."""
+        if p.rounds > self.rounds:
+            raise ValueError(f"pruning rounds K={p.rounds} > rounds={self.rounds}: the cut comes after round K "
+                             "(give K < rounds to fine-tune the smaller model in the rounds after it)")
+        fusion = self.fusion.lower()
+        if fusion == "scaffold":
+            raise ValueError("pruning with SCAFFOLD is refused: its control variates are shaped like the model, "
+                             "which the structural cut changes, and they mean nothing for channel scores; use "
+                             f"one of {', '.join(SCORE_FUSIONS)}")
+        if fusion not in SCORE_FUSIONS:
+            raise ValueError(f"fusion {self.fusion!r} cannot carry pruning scores (it keeps server state or "
+                             f"needs a root set, meaningless for channel scores); use one of "
+                             f"{', '.join(SCORE_FUSIONS)}")
+        other = [c.name for c in self.centers if c.framework != "torch" or c.devices > 1]
+        if other:
+            raise ValueError(f"pruning is implemented for single-process torch centers; centers {other} run "
+                             "MindSpore or several devices")
 
     @property
     def required_centers(self) -> int:
@@ -214,6 +242,8 @@ class CollabConfig:
     def to_json(self) -> str:
         d = asdict(self)
         d["model"] = asdict(self.model)
+        if self.prune is None:  # a job without pruning writes the JSON it wrote before pruning existed
+            del d["prune"]
         return json.dumps(d, sort_keys=True)
 
     @classmethod
@@ -222,6 +252,8 @@ class CollabConfig:
         d["centers"] = tuple(CenterSpec(**c) for c in d["centers"])
         d["model"] = ModelSpec(**{**d["model"], "in_shape": tuple(d["model"]["in_shape"])})
         d["fusion_options"] = tuple((k, v) for k, v in d["fusion_options"])
+        if d.get("prune") is not None:
+            d["prune"] = PruneSpec(**d["prune"])
         return cls(**d)
 
 

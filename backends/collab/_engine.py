@@ -43,6 +43,8 @@ class CollabResult:
     params: Params
     rounds: tuple[RoundRecord, ...]
     timing: tuple[Mapping[str, Any], ...]
+    #: a pruning job's plan, per-round masks and full-size model at the cut (``_pruning.ServerPruning.outcome``)
+    pruning: Mapping[str, Any] | None = None
 
     @property
     def fused_rounds(self) -> int:
@@ -62,8 +64,11 @@ class CollabResult:
                 + (" (rejected: " + " | ".join(reasons[:4]) + ")" if reasons else ""))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rounds": [r.to_dict() for r in self.rounds], "timing": [dict(t) for t in self.timing],
-                "fused_rounds": self.fused_rounds, "ok": self.ok, "flagged": self.flagged()}
+        out = {"rounds": [r.to_dict() for r in self.rounds], "timing": [dict(t) for t in self.timing],
+               "fused_rounds": self.fused_rounds, "ok": self.ok, "flagged": self.flagged()}
+        if self.pruning is not None:
+            out["pruning"] = {k: v for k, v in self.pruning.items() if k != "cut_params"}
+        return out
 
     def flagged(self) -> dict[str, dict[str, Any]]:
         """The centers flagged in at least one round, with the rounds and why (the audit's summary).
@@ -149,19 +154,23 @@ def run_inprocess(config: CollabConfig, data: Data | None = None, *,
     check_data(config, data)
     data = data or {}
     timing = TimingLog(timing_path)
-    server = FederationServer(config, initial_params(config), timing, checkpoint_dir, root=root_data)
-    if resume:
-        server.resume()
     pool: dict[str, LocalTrainer] = {
         c.name: make_trainer(config, c.name, *(data[c.name] if c.name in data else load_center_data(c.data, c.name)))
         for c in config.centers if not trainers or c.name not in trainers}
     pool.update(trainers or {})
+    # a pruning job traces the model on an input shaped like the centers' (zeros; the server reads no row)
+    x_like = next((t.x[:1] for t in pool.values() if hasattr(t, "x")), None) if config.prune else None
+    server = FederationServer(config, initial_params(config), timing, checkpoint_dir, root=root_data, x_like=x_like)
+    if resume:
+        server.resume()
     evaluate: Callable[[Params, int], dict[str, float]] | None = None
     if eval_data is not None:
         def evaluate(p: Params, r: int) -> dict[str, float]:
-            return evaluate_torch(config.model, p, *eval_data)
+            # a pruned job's model is the server's own, cut to the plan
+            return evaluate_torch(config.model, p, *eval_data, model=server.pruning.model if server.pruning else None)
     elif config.holdout > 0:
         def evaluate(p: Params, r: int) -> dict[str, float]:
+            _conform(server, pool)
             return aggregate_evaluations({c.name: center_evaluate(pool[c.name], p) for c in config.centers
                                           if c.name not in (absent or {}).get(r, ())})
     try:
@@ -173,7 +182,17 @@ def run_inprocess(config: CollabConfig, data: Data | None = None, *,
         for name, t in pool.items():
             if not trainers or name not in trainers:
                 getattr(t, "close", lambda: None)()
-    return CollabResult(server.params, tuple(server.history), tuple(timing.events))
+    return CollabResult(server.params, tuple(server.history), tuple(timing.events),
+                        server.pruning.outcome() if server.pruning is not None else None)
+
+
+def _conform(server: FederationServer, pool: Mapping[str, LocalTrainer]) -> None:
+    """Hand the pruning plan (once cut) to every center, which cuts its own model the same way."""
+    if server.pruning is not None and server.pruning.plan is not None:
+        from ._pruning import conform_trainer
+
+        for t in pool.values():
+            conform_trainer(t, server.pruning.plan)
 
 
 def _run_rounds(config: CollabConfig, server: FederationServer, pool: Mapping[str, LocalTrainer],
@@ -187,6 +206,7 @@ def _run_rounds(config: CollabConfig, server: FederationServer, pool: Mapping[st
     while not server.done and (max_rounds is None or done < max_rounds):
         r, global_params = server.begin_round()
         control = server.control()
+        _conform(server, pool)  # after the cut, every center takes the pruned architecture with the model
         replies = []
         for c in config.centers:
             if c.name in (absent or {}).get(r, ()):

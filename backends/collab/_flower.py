@@ -64,6 +64,10 @@ from ._server import RoundRecord
 
 __all__ = ["FlowerError", "LoopbackFederation", "run_flower"]
 
+#: the Flower engine does not yet send the pruning plan with the model, so a center could not take the cut
+PRUNE_IN_PROCESS_ONLY = ("pruning (CollabConfig.prune, --prune) runs on the in-process engine only for now: the Flower "
+                         "messages do not carry the pruning plan to the centers yet")
+
 
 class FlowerError(RuntimeError):
     """A Flower process failed or the run did not finish in time (the message names the log to read)."""
@@ -617,6 +621,8 @@ def run_flower(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.nda
         root_data: the server's own ``(x, y)`` root set (FLTrust), read by the ServerApp only.
     """
     check_data(config, data)
+    if config.prune is not None:
+        raise ValueError(PRUNE_IN_PROCESS_ONLY)
     # the Flower processes import these with this process's import path: fail here, before starting them
     if config.model.user:
         resolve_reference(config.model.kind)

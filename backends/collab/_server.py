@@ -169,7 +169,9 @@ class FederationServer:
 
     def __init__(self, config: CollabConfig, initial_params: Mapping[str, np.ndarray],
                  timing: TimingLog | None = None, checkpoint_dir: str | Path | None = None,
-                 root: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+                 root: tuple[np.ndarray, np.ndarray] | None = None, x_like: np.ndarray | None = None) -> None:
+        """``x_like``: an array shaped like the centers' inputs (only its shape and dtype are read), which
+        a pruning job (``config.prune``) needs to trace the model."""
         self.config = config
         self.fusion = config.make_fusion()
         self._root = None  # the server's own trainer on its root set (FLTrust)
@@ -190,6 +192,13 @@ class FederationServer:
         self.guard = UpdateGuard(config.norm_bound, config.step_bound, {c.name: c.samples for c in config.centers})
         self._digest: tuple[int, int] | None = None  # (round, digest of the model sent in it)
         self._nonce: tuple[int, int] | None = None  # (round, the nonce drawn for it)
+        self.pruning = None  # online pruning's server side (_pruning.ServerPruning)
+        if config.prune is not None:
+            from ._pruning import ServerPruning
+
+            if x_like is None:
+                raise ValueError("a pruning job needs the shape of the centers' inputs to trace the model (x_like)")
+            self.pruning = ServerPruning(config, self.params, x_like)
 
     # ----------------------------------------------------------------- checkpoints
     def _ckpt_path(self) -> Path:
@@ -213,6 +222,9 @@ class FederationServer:
         """Load the last checkpoint if there is one; returns whether it did."""
         if self.checkpoint_dir is None or not self._ckpt_path().exists():
             return False
+        if self.pruning is not None:
+            raise ValueError("resuming a pruning job is not supported yet: the checkpoint does not carry the "
+                             "running scores nor the pruning plan; start it again")
         with np.load(self._ckpt_path()) as z:
             saved = bytes(z["meta/config"]).decode()
             if CollabConfig.from_json(saved) != self.config:
@@ -281,6 +293,7 @@ class FederationServer:
         control_names = trained_names(self.params) if self.fusion.uses_controls else []
         digest, nonce = self.model_digest(round_idx), self.nonce(round_idx)
         candidates: list[tuple[CenterReply, dict[str, Any], dict[str, np.ndarray]]] = []
+        score_parts: dict[str, dict[str, np.ndarray]] = {}  # pruning: each candidate's scores
         for rep in replies:
             m = dict(rep.metrics)
             for ev, key in (("received_model", "t_received"), ("finished_training", "t_trained"),
@@ -288,21 +301,29 @@ class FederationServer:
                 if isinstance(m.get(key), int | float):
                     self.timing.record(round_idx, "center", rep.center, ev, t=float(m[key]))
             payload = dict(rep.payload)
+            scores: dict[str, Any] = {}
+            if self.pruning is not None:  # the pruning scores travel beside the update, checked on their own
+                payload, scores = self.pruning.split(payload)
             problems = check_payload(payload, self.params, cfg.compression, control_names) + _check_metrics(m)
+            if self.pruning is not None:
+                problems += self.pruning.check(scores, round_idx)
             if rep.center not in {c.name for c in cfg.centers}:
                 problems.append(f"{rep.center!r} is not a center of this federation")
             elif rep.center in bytes_up:
                 problems.append("a second reply in the same round")
             if not problems:  # the round the reply was trained for, replays, and magnitudes before decoding
-                problems = check_binding(m, round_idx, digest, nonce, payload)
-                if not problems and (why := self.guard.replayed(rep.center, payload, round_idx, digest)):
+                problems = check_binding(m, round_idx, digest, nonce, {**payload, **scores})
+                if not problems and (why := self.guard.replayed(rep.center, {**payload, **scores}, round_idx,
+                                                                digest)):
                     problems = [why]
                 problems = problems or check_values(payload, cfg.compression, cfg.max_abs_update)
             if problems:
                 self._reject(round_idx, rep.center, problems, rejected)
                 continue
-            bytes_up[rep.center] = payload_nbytes(payload)
+            bytes_up[rep.center] = payload_nbytes(payload) + payload_nbytes(scores)
             candidates.append((rep, m, payload))
+            if scores:
+                score_parts[rep.center] = scores
         counts, liars, capped = self.guard.samples({rep.center: float(m["num_samples"]) for rep, m, _ in candidates})
         for c, why in capped.items():
             log.warning("round %d: %s %s", round_idx, c, why)
@@ -355,6 +376,10 @@ class FederationServer:
         else:
             log.warning("round %d: %d valid updates < %d required; global model kept", round_idx, len(updates),
                         cfg.required_centers)
+        if self.pruning is not None:  # the accepted centers' scores: masks in rounds < K, the cut after K
+            self.params = self.pruning.after_round(round_idx, self.params, [
+                (u.center, u.num_samples, score_parts[u.center]) for u in updates if u.center in score_parts]
+                if fused else [])
         fusion_s = time.time() - t0
         self.round = round_idx
         ev = dict(evaluate(self.params)) if evaluate is not None else {}

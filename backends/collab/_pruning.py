@@ -1,0 +1,457 @@
+"""Online pruning across centers: importance where the data is, fused scores, soft masks, one structural cut.
+
+A job with ``CollabConfig.prune`` (a :class:`PruneSpec`: target ``ratio``, ``rounds`` ``K``, ``score``)
+runs as any other for its first ``K`` rounds, with three additions:
+
+1. **Scores at the centers.** After its local steps a torch center scores every prunable channel /
+   neuron of its *local* model on its *own* rows (:func:`center_scores`) and sends one vector per
+   channel group with its update, under the update's compression and bound to the round like it
+   (keys ``p/q/<root layer>``, :data:`SCORE_PREFIX`). The groups are Torch-Pruning's (DepGraph, Fang
+   et al. 2023): the layers that must lose the same channel together (residual adds, BatchNorm,
+   grouped / depthwise convs, concatenations, tied parameters). A channel's score is the sum over its
+   group of an element-wise saliency ``S``:
+
+   - ``magnitude``: ``S = w²`` (the group L2 norm; needs no data, but is taken on the center's
+     locally trained weights),
+   - ``taylor``: ``S = |w · ḡ|``, ``ḡ`` the mean gradient over ``score_batches`` of the center's
+     batches: the first-order estimate of the loss change when the weight goes (Molchanov et al. 2019),
+   - ``fisher``: ``S = ½ w² · mean(g²)``: Optimal Brain Damage with the empirical Fisher diagonal as
+     the Hessian (LeCun et al. 1990; Theis et al. 2018). Chosen as the third because near a trained
+     point ``ḡ ≈ 0``, so per-batch gradients of opposite sign cancel in ``taylor`` (worse with few
+     batches and non-IID centers); ``g²`` does not cancel and estimates the *second*-order loss increase.
+
+   Each vector is divided by its mean, so no center's loss scale outweighs another's. A center sends
+   numbers about channels, never data; it never sees another center's scores.
+2. **Fusion of the scores.** The server fuses the accepted centers' vectors with a fresh instance of
+   the job's own fusion (same options; global value zero), so a robust fusion is robust for the scores
+   too (a center refused for its update is left out of the scores as well), and keeps an average over
+   the rounds (``ema``). Only memoryless fusions can do that (:data:`SCORE_FUSIONS`): a server
+   optimiser's moments, SCAFFOLD's control variates, FLTrust's root update or FoolsGold's history mean
+   nothing for scores, so the config refuses them.
+3. **Soft masks.** After round ``t <= K`` the server zeroes, in every group, the channels the fused
+   scores rank lowest, ``ratio_t = ratio · (1 − (1 − t/K)³)`` of them (the cubic schedule of Zhu & Gupta
+   2017): every tensor that *produces* the channel (conv / linear rows and bias, normalisation affine),
+   so the channel carries exact zeros. The centers train on from the masked model, so a channel can
+   grow back while ``ratio_t`` is below the target (soft filter pruning, He et al. 2018).
+
+After round ``K`` the server removes the channels of the last mask for good: the *plan* (Torch-Pruning's
+pruning history: root layer, output or input side, indices) is applied to the server's model with
+the DepGraph and, before its next round, to every center's model (:func:`conform_trainer`), the same
+list on the same architecture, so every side holds the same smaller model. Since the removed channels
+carried zeros, the cut does not change what the model computes (where a removed channel is not read
+by a normalisation over channels, e.g. LayerNorm over the pruned dimension). The remaining rounds
+fine-tune the smaller model collaboratively.
+
+Torch-only for now: MindSpore centers, data-parallel centers and the Flower engine refuse a pruning
+job with a line saying so.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._fusion import CenterUpdate, make_fusion
+from ._wire import check_payload, decode_update, encode_update
+
+__all__ = ["PRUNE_SCORES", "SCORE_FUSIONS", "SCORE_PREFIX", "PruneError", "PruneSpec", "ServerPruning",
+           "apply_plan", "center_scores", "conform_trainer", "example_input", "group_scores", "mask_and_plan",
+           "output_layers", "saliency"]
+
+PRUNE_SCORES = ("magnitude", "taylor", "fisher")
+SCORE_PREFIX = "p/"
+#: fusions whose ``fuse`` is a memoryless function of the replies, so it can fuse score vectors too
+SCORE_FUSIONS = ("fedavg", "fedprox", "trimmed_mean", "median", "krum", "centered_clip")
+
+
+class PruneError(ValueError):
+    """A pruning job that cannot run (a model the dependency graph cannot trace, a bad option)."""
+
+
+@dataclass(frozen=True)
+class PruneSpec:
+    """Online pruning of a collaborative job (see the module docstring).
+
+    Args:
+        ratio: the share of every prunable group's channels removed, in (0, 1).
+        rounds: ``K``: soft masks in rounds ``1..K``, the structural cut after round ``K``.
+        score: ``magnitude``, ``taylor`` or ``fisher`` (:data:`PRUNE_SCORES`).
+        score_batches: batches of the center's rows its data-dependent scores average over.
+        ema: weight of the past rounds in the server's running fused scores (0: the last round only).
+    """
+
+    ratio: float
+    rounds: int = 1
+    score: str = "taylor"
+    score_batches: int = 4
+    ema: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.ratio, int | float) and 0.0 < self.ratio < 1.0):
+            raise PruneError(f"pruning ratio must be in (0, 1) (the share of channels removed), got {self.ratio}")
+        if int(self.rounds) != self.rounds or self.rounds < 1:
+            raise PruneError(f"pruning rounds K must be an integer >= 1, got {self.rounds}")
+        if self.score not in PRUNE_SCORES:
+            raise PruneError(f"unknown pruning score {self.score!r}; choose one of {PRUNE_SCORES}")
+        if int(self.score_batches) != self.score_batches or self.score_batches < 1:
+            raise PruneError(f"score_batches must be an integer >= 1, got {self.score_batches}")
+        if not 0.0 <= self.ema < 1.0:
+            raise PruneError(f"ema must be in [0, 1), got {self.ema}")
+
+    def sparsity(self, round_idx: int) -> float:
+        """The share of channels masked after round ``round_idx``: ``ratio · (1 − (1 − t/K)³)``."""
+        t = min(max(round_idx, 0), self.rounds) / self.rounds
+        return self.ratio * (1.0 - (1.0 - t) ** 3)
+
+
+# --------------------------------------------------------------------------- the dependency graph
+def example_input(x_like: np.ndarray) -> Any:
+    """A tracing input shaped like two rows of ``x_like`` (zeros: the server needs shapes, not data)."""
+    import torch
+
+    a = np.asarray(x_like)
+    dtype = torch.float32 if a.dtype.kind == "f" else torch.int64
+    return torch.zeros((2, *a.shape[1:]), dtype=dtype)
+
+
+def _logits(out: Any) -> Any:
+    if hasattr(out, "logits"):
+        return out.logits
+    return out[0] if isinstance(out, tuple | list) else out
+
+
+def output_layers(model: Any, example: Any) -> list[Any]:
+    """The layer that writes the model's output (its channels are the classes: never pruned): the last
+    conv / linear called whose output has the output's shape."""
+    import torch
+    from torch import nn
+
+    calls: list[tuple[Any, Any]] = []
+    hooks = [m.register_forward_hook(lambda m, i, o: calls.append((m, o)))
+             for m in model.modules() if isinstance(m, nn.Linear | nn.modules.conv._ConvNd)]
+    try:
+        with torch.no_grad():
+            out = _logits(model(example))
+    finally:
+        for h in hooks:
+            h.remove()
+    for m, o in reversed(calls):
+        if torch.is_tensor(o) and tuple(o.shape) == tuple(out.shape):
+            return [m]
+    return []
+
+
+def _traced(model: Any, build: Any) -> Any:
+    """Run ``build()`` (which traces ``model``) in eval mode, so tracing moves no running statistic; a
+    failure names the layer the forward was in."""
+    import torch
+
+    names = {m: n for n, m in model.named_modules()}
+    entered: list[str] = []
+    hooks = [m.register_forward_pre_hook(lambda m, i: entered.append(names[m])) for m in model.modules()]
+    was = model.training
+    model.eval()
+    try:
+        with torch.enable_grad():
+            return build()
+    except Exception as e:  # any tracing failure is the user's model's: one line naming the layer
+        where = f" in layer {entered[-1]!r}" if entered and entered[-1] else ""
+        raise PruneError(f"the pruning library (Torch-Pruning's DepGraph) cannot trace the model{where}: "
+                         f"{type(e).__name__}: {e}") from None
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was)
+
+
+def _check_covered(model: Any, dg: Any) -> None:
+    """Every conv / linear layer with weights must be in the traced graph; one that is not (its output
+    left the autograd graph: numpy, ``.detach()``, a data-dependent branch) cannot be pruned consistently."""
+    from torch import nn
+
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear | nn.modules.conv._ConvNd) and m not in dg.module2node:
+            raise PruneError(f"the pruning library (Torch-Pruning's DepGraph) cannot trace layer {name!r}: its "
+                             "output does not reach the model's output through autograd (numpy, .detach(), "
+                             "in-place writes); prune without it or make its forward differentiable")
+
+
+def _pruner(model: Any, example: Any, ratio: float, importance: Any) -> Any:
+    import torch_pruning as tp
+
+    def build() -> Any:
+        return tp.pruner.BasePruner(model, example, importance=importance, pruning_ratio=ratio,
+                                    ignored_layers=output_layers(model, example))
+
+    pruner = _traced(model, build)
+    _check_covered(model, pruner.DG)
+    return pruner
+
+
+class _Recorded:
+    """An importance that records, per group root, the vector ``inner`` gives."""
+
+    def __init__(self, inner: Any, names: Mapping[Any, str]) -> None:
+        self.inner, self.names, self.out = inner, names, {}
+
+    def __call__(self, group: Any) -> Any:
+        imp = self.inner(group)
+        if imp is not None:
+            self.out[self.names[group[0].dep.target.module]] = imp.detach().double().numpy().copy()
+        return imp
+
+
+class _Fixed:
+    """An importance that returns the given (fused) vector of each group root."""
+
+    def __init__(self, scores: Mapping[str, np.ndarray], names: Mapping[Any, str]) -> None:
+        self.scores, self.names = scores, names
+
+    def __call__(self, group: Any) -> Any:
+        import torch
+
+        v = self.scores.get(self.names.get(group[0].dep.target.module, ""))
+        return None if v is None else torch.as_tensor(np.asarray(v, dtype=np.float64)).float()
+
+
+# --------------------------------------------------------------------------- scores
+def saliency(model: Any, score: str, objective: Any = None, x: Any = None, y: Any = None,
+             batches: Sequence[np.ndarray] = ()) -> dict[str, Any]:
+    """The element-wise saliency ``S`` of every parameter (see the module docstring), in eval mode
+    (no running statistic moves). ``objective(model, xb, yb, None)`` is the loss; ``batches`` row indices."""
+    import torch
+
+    named = dict(model.named_parameters())
+    if score == "magnitude":
+        return {n: p.detach() ** 2 for n, p in named.items()}
+    if objective is None or not len(batches):
+        raise PruneError(f"the {score!r} score needs the center's rows and batches")
+    g1 = {n: torch.zeros_like(p) for n, p in named.items()}
+    g2 = {n: torch.zeros_like(p) for n, p in named.items()}
+    was = model.training
+    model.eval()
+    try:
+        for idx in batches:
+            t = torch.from_numpy(np.asarray(idx))
+            model.zero_grad(set_to_none=True)
+            objective(model, x[t], y[t], None).backward()
+            for n, p in named.items():
+                if p.grad is not None:
+                    g1[n] += p.grad
+                    g2[n] += p.grad ** 2
+    finally:
+        model.zero_grad(set_to_none=True)
+        model.train(was)
+    k = float(len(batches))
+    if score == "taylor":
+        return {n: (p.detach() * g1[n] / k).abs() for n, p in named.items()}
+    return {n: 0.5 * p.detach() ** 2 * g2[n] / k for n, p in named.items()}
+
+
+def group_scores(model: Any, example: Any, sal: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Per channel group (keyed by its root layer's name): the sum over the group of ``sal``, one value
+    per channel of the root. The groups are those the pruner ranks (Torch-Pruning's, output layer kept)."""
+    import torch
+    import torch_pruning as tp
+
+    names = {m: n for n, m in model.named_modules()}
+    rec = _Recorded(tp.importance.GroupMagnitudeImportance(p=1, group_reduction="sum", normalizer=None, bias=True),
+                    names)
+    pruner = _pruner(model, example, 0.5, rec)
+    params = dict(model.named_parameters())
+    saved = {n: p.data for n, p in params.items()}
+    try:
+        with torch.no_grad():
+            for n, p in params.items():
+                p.data = sal[n].to(p.dtype)
+        for _ in pruner.step(interactive=True):  # importance of every group; nothing is pruned
+            pass
+    finally:
+        for n, p in params.items():
+            p.data = saved[n]
+    return rec.out
+
+
+def _normalised(scores: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    out = {}
+    for k, v in scores.items():
+        v = np.asarray(v, dtype=np.float64)
+        m = float(v.mean()) if v.size else 0.0
+        out[k] = (v / m if m > 0 and math.isfinite(m) else np.ones_like(v)).astype(np.float32)
+    return out
+
+
+def center_scores(model: Any, objective: Any, x: Any, y: Any, batches: Sequence[np.ndarray], spec: PruneSpec,
+                  compression: str) -> dict[str, np.ndarray]:
+    """A center's encoded score vectors for the payload (keys ``p/q/<root>``, plus ``p/s/<root>`` for int8)."""
+    ex = example_input(x[:1].numpy() if hasattr(x, "numpy") else x[:1])
+    sal = saliency(model, spec.score, objective, x, y, batches)
+    scores = _normalised(group_scores(model, ex, sal))
+    return {SCORE_PREFIX + k: v for k, v in encode_update(scores, compression).items()}
+
+
+# --------------------------------------------------------------------------- masks and the cut
+def _zero(dep: Any, idxs: Sequence[int]) -> None:
+    """Zero, in the layer of ``dep``, what produces channels ``idxs`` (nothing for a layer that only
+    reads them: its inputs are zero then)."""
+    import torch
+    from torch import nn
+    from torch_pruning.pruner import function as F
+
+    fn = getattr(dep.handler, "__self__", None)
+    m = dep.target.module
+    out_side = dep.handler == getattr(fn, "prune_out_channels", None)
+    i = torch.as_tensor(list(idxs), dtype=torch.long)
+    with torch.no_grad():
+        if isinstance(fn, F.DepthwiseConvPruner) or (isinstance(fn, F.ConvPruner) and out_side):
+            m.weight.data.index_fill_(1 if m.transposed and not isinstance(fn, F.DepthwiseConvPruner) else 0, i, 0.0)
+            if m.bias is not None:
+                m.bias.data.index_fill_(0, i, 0.0)
+        elif isinstance(fn, F.LinearPruner) and out_side:
+            m.weight.data.index_fill_(0, i, 0.0)
+            if m.bias is not None:
+                m.bias.data.index_fill_(0, i, 0.0)
+        elif isinstance(fn, F.BatchnormPruner | F.LayernormPruner | F.GroupNormPruner | F.InstanceNormPruner):
+            for p in (getattr(m, "weight", None), getattr(m, "bias", None)):
+                if isinstance(p, nn.Parameter) and p.dim() >= 1:
+                    p.data.index_fill_(0, i, 0.0)
+        elif isinstance(fn, F.EmbeddingPruner):
+            m.weight.data.index_fill_(1, i, 0.0)
+        elif isinstance(fn, F.ParameterPruner) and isinstance(m, nn.Parameter):
+            m.data.index_fill_(fn.pruning_dim % m.dim(), i, 0.0)
+
+
+def mask_and_plan(model: Any, example: Any, ratio: float, scores: Mapping[str, np.ndarray]
+                  ) -> list[list[Any]]:
+    """Zero (in ``model``, in place) the channels ``scores`` rank lowest, ``ratio`` of every group, and
+    return the plan that removes them: ``[[root layer, output side?, indices], ...]`` (Torch-Pruning's
+    pruning history, replayed by :func:`apply_plan`)."""
+    names = {m: n for n, m in model.named_modules()}
+    pruner = _pruner(model, example, ratio, _Fixed(scores, names))
+    plan = []
+    for group in pruner.step(interactive=True):
+        for dep, idxs in group:
+            _zero(dep, idxs)
+        root, idxs = group[0].dep, group[0].idxs
+        plan.append([names[root.target.module], bool(pruner.DG.is_out_channel_pruning_fn(root.trigger)),
+                     sorted(int(j) for j in idxs)])
+    return plan
+
+
+def apply_plan(model: Any, example: Any, plan: Sequence[Sequence[Any]]) -> None:
+    """Remove the channels of ``plan`` from ``model`` (in place) with Torch-Pruning's DepGraph: every
+    dependent layer loses the same channels."""
+    import torch_pruning as tp
+
+    def build() -> Any:
+        return tp.DependencyGraph().build_dependency(model, example_inputs=example, verbose=False)
+
+    dg = _traced(model, build)
+    dg.load_pruning_history([[str(n), bool(o), [int(j) for j in idxs]] for n, o, idxs in plan])
+
+
+def conform_trainer(trainer: Any, plan: Sequence[Sequence[Any]] | None) -> None:
+    """Give a center's torch model the pruned architecture of ``plan`` (once: a later call is a no-op)."""
+    if not plan or getattr(trainer, "_pruned_by", None) is not None:
+        return
+    from ._objective import TorchObjective
+
+    apply_plan(trainer._model, example_input(trainer.x[:1]), plan)
+    trainer._objective = TorchObjective(trainer._model, trainer.model_spec.loss)
+    trainer._pruned_by = plan
+
+
+# --------------------------------------------------------------------------- the server's side
+def _scores_of(payload: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    n = len(SCORE_PREFIX)
+    return {k[n:]: v for k, v in payload.items() if k.startswith(SCORE_PREFIX)}
+
+
+class ServerPruning:
+    """What the server keeps of a pruning job: its own copy of the model (for masks, the cut and
+    evaluation), the running fused scores, the plan once cut, and the model at the cut."""
+
+    def __init__(self, config: Any, params: Mapping[str, np.ndarray], x_like: np.ndarray) -> None:
+        from ._models import build_torch_model, load_torch_state
+
+        self.spec: PruneSpec = config.prune
+        self.config = config
+        self.model = build_torch_model(config.model, config.seed)
+        load_torch_state(self.model, dict(params))
+        self.example = example_input(x_like)
+        # the expected score vectors: one per group, as long as its root's channels
+        self.layout = {k: v.shape for k, v in group_scores(self.model, self.example,
+                                                           saliency(self.model, "magnitude")).items()}
+        if not self.layout:
+            raise PruneError(f"model {config.model.kind!r} has no prunable channel group (conv / linear layers "
+                             "feeding other layers); nothing to prune")
+        self.scores: dict[str, np.ndarray] = {}
+        self.plan: list[list[Any]] | None = None
+        self.cut_params: dict[str, np.ndarray] | None = None  # the full-size (masked) model at the cut
+        self.history: list[dict[str, Any]] = []
+
+    def expects_scores(self, round_idx: int) -> bool:
+        return self.plan is None and round_idx <= self.spec.rounds
+
+    @staticmethod
+    def split(payload: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """``(update part, score part)`` of a payload."""
+        return ({k: v for k, v in payload.items() if not k.startswith(SCORE_PREFIX)},
+                {k: v for k, v in payload.items() if k.startswith(SCORE_PREFIX)})
+
+    def check(self, scores: Mapping[str, np.ndarray], round_idx: int) -> list[str]:
+        """Problems with a reply's score part: present exactly in rounds ``1..K``, one finite vector >= 0
+        per group of the right length under the job's compression."""
+        if not self.expects_scores(round_idx):
+            return [f"pruning scores sent in round {round_idx}, after the scoring rounds"] if scores else []
+        ref = {k: np.zeros(s, np.float32) for k, s in self.layout.items()}
+        problems = [f"pruning scores: {p}" for p in check_payload(_scores_of(scores), ref, self.config.compression)]
+        if not problems:
+            for k, v in decode_update(_scores_of(scores), self.config.compression).items():
+                if np.any(v < 0) or float(v.max(initial=0.0)) > v.size + 1e-3:
+                    problems.append(f"pruning scores of {k!r} outside [0, {v.size}] (they are normalised to mean 1)")
+        return problems
+
+    def fuse(self, replies: Sequence[tuple[str, int, Mapping[str, np.ndarray]]]) -> dict[str, np.ndarray]:
+        """The job's fusion (a fresh instance) over the centers' decoded score vectors."""
+        fusion = make_fusion(self.config.fusion, **dict(self.config.fusion_options))
+        zero = {k: np.zeros(s, np.float32) for k, s in self.layout.items()}
+        ups = [CenterUpdate(c, {k: np.asarray(v, np.float64) for k, v in
+                                decode_update(_scores_of(s), self.config.compression).items()}, n)
+               for c, n, s in replies]
+        return {k: np.asarray(v, np.float64) for k, v in fusion.fuse(zero, ups).items()}
+
+    def after_round(self, round_idx: int, params: Mapping[str, np.ndarray],
+                    replies: Sequence[tuple[str, int, Mapping[str, np.ndarray]]]) -> dict[str, np.ndarray]:
+        """The global model after round ``round_idx``'s fusion: masked (rounds ``< K``), cut (round ``K``)."""
+        from ._models import load_torch_state, torch_state
+
+        params = dict(params)
+        if not self.expects_scores(round_idx):
+            return params
+        if replies:
+            new = self.fuse(replies)
+            b = self.spec.ema if self.scores else 0.0
+            self.scores = {k: b * self.scores.get(k, 0.0) + (1 - b) * v for k, v in new.items()}
+        if not self.scores:  # no center has scored yet: nothing to rank by
+            return params
+        ratio = self.spec.sparsity(round_idx)
+        load_torch_state(self.model, params)
+        plan = mask_and_plan(self.model, self.example, ratio, self.scores)
+        masked = torch_state(self.model)
+        self.history.append({"round": round_idx, "sparsity": ratio, "masked_channels": sum(len(p[2]) for p in plan)})
+        if round_idx < self.spec.rounds:
+            return masked
+        self.cut_params, self.plan = masked, plan
+        apply_plan(self.model, self.example, plan)
+        return torch_state(self.model)
+
+    def outcome(self) -> dict[str, Any]:
+        """What a release needs: the plan (None when the job stopped before round ``K``), the masks of
+        each round, and the full-size model at the cut."""
+        return {"plan": self.plan, "masks": list(self.history), "cut_params": self.cut_params,
+                "spec": {"ratio": self.spec.ratio, "rounds": self.spec.rounds, "score": self.spec.score}}
