@@ -255,6 +255,17 @@ def collab_cmd(
     emulate_wan: Annotated[bool, typer.Option(
         "--emulate-wan", help="with --strategy: every center emulates its WAN link of the strategy's cluster "
                               "(the figures `polyparallel simulate` prices)")] = False,
+    prune: Annotated[float | None, typer.Option(
+        "--prune", help="prune RATIO (0..1) of every channel group while training (Torch-Pruning's DepGraph)")] = None,
+    prune_rounds: Annotated[int | None, typer.Option(
+        "--prune-rounds", help="K: soft masks in rounds 1..K, the structural cut after K (default rounds // 2)")]
+        = None,
+    prune_score: Annotated[str, typer.Option(
+        "--prune-score", help="channel importance on each center's rows: magnitude, taylor or fisher")] = "taylor",
+    release: Annotated[Path | None, typer.Option(
+        "--release", help="with --prune: write model.pt2, model.onnx and release.json here")] = None,
+    force: Annotated[bool, typer.Option("--force", help="overwrite the release files in an existing --release")]
+        = False,
 ) -> None:
     """Run a whole federation on this machine: every center trains on its own data, the server fuses."""
     from polyparallel.backends.collab import CollabConfig, ModelSpec
@@ -277,11 +288,31 @@ def collab_cmd(
             cfg = _options_config(centers, frameworks, devices, spec, training, fixed, fusion_opt or [],
                                   root_set=root_data is not None)
         cfg = _center_options(cfg, source, link or [], samples, emulate_wan and strategy is None)
+        cfg = _prune_options(cfg, prune, prune_rounds, prune_score, release, force, eval_data)
     if save_config is not None:
         save_config.write_text(cfg.to_json() + "\n")
         typer.echo(f"wrote {save_config}")
         return
-    _run_federation(cfg, engine, data_dir, synthetic, eval_data, root_data, out, lr=lr, momentum=momentum)
+    _run_federation(cfg, engine, data_dir, synthetic, eval_data, root_data, out, lr=lr, momentum=momentum,
+                    release=release, force=force)
+
+
+def _prune_options(cfg: Any, ratio: float | None, rounds: int | None, score: str, release: Path | None,
+                   force: bool, eval_data: Path | None) -> Any:
+    """``cfg`` with the pruning the options ask for; a release directory is refused here, before training."""
+    from polyparallel.backends.collab._pruning import PruneSpec
+    from polyparallel.backends.collab._release import check_release_dir
+
+    if ratio is None:
+        if rounds is not None or release is not None:
+            raise UserError("--prune-rounds and --release go with --prune RATIO")
+        return cfg
+    spec = PruneSpec(ratio, max(1, cfg.rounds // 2) if rounds is None else rounds, score)
+    if release is not None:
+        if eval_data is None:
+            raise UserError("--release measures accuracy before and after the cut on --eval-data FILE.npz: give it")
+        check_release_dir(release, force)
+    return replace(cfg, prune=spec)
 
 
 @contextlib.contextmanager
@@ -397,7 +428,8 @@ def _centers_data(cfg: Any, data_dir: Path | None, synthetic: int) -> dict[str, 
 
 
 def _run_federation(cfg: Any, engine: str, data_dir: Path | None, synthetic: int, eval_data: Path | None,
-                    root_data: Path | None, out: Path | None, *, lr: float, momentum: float) -> None:
+                    root_data: Path | None, out: Path | None, *, lr: float, momentum: float,
+                    release: Path | None = None, force: bool = False) -> None:
     """Check the run's inputs, run the federation on ``engine``, print (and with ``out`` write) the result."""
     from polyparallel.backends.collab import collaborate
 
@@ -427,6 +459,22 @@ def _run_federation(cfg: Any, engine: str, data_dir: Path | None, synthetic: int
         result = collaborate(cfg, d, engine=engine, eval_data=ev, on_round=_progress(progress), **kw)
     typer.echo(f"{cfg.rounds} rounds in {time.time() - t0:.1f} s")
     _print_result(result, out)
+    if release is not None and ev is not None:
+        _write_release(release, cfg, result, ev, force)
+
+
+def _write_release(release: Path, cfg: Any, result: Any, ev: Any, force: bool) -> None:
+    """The pruned model's release files and one line of its numbers."""
+    from polyparallel.backends.collab._release import write_release
+
+    with _user_errors(ValueError):
+        rel = write_release(release, cfg, result.params, result.pruning or {}, ev, force=force)
+    acc = " ".join(f"{k.removeprefix('accuracy_')} {rel[k]:.4f}" for k in ("accuracy_before", "accuracy_at_cut",
+                                                                           "accuracy_after") if rel[k] is not None)
+    typer.echo(f"release {release}: params {rel['params_before']} -> {rel['params_after']}, FLOPs "
+               f"{rel['flops_before']} -> {rel['flops_after']}, accuracy {acc}, latency b32 "
+               f"{rel['latency_s']['before']['32'] * 1e3:.3g} -> {rel['latency_s']['after']['32'] * 1e3:.3g} ms, "
+               f"onnxruntime max |diff| {rel['onnx_check']['max_abs_diff']:.2g}")
 
 
 def _print_result(result: Any, out: Path | None) -> None:
@@ -486,6 +534,10 @@ def serve_cmd(
         raise UserError(f"{config}: not a collab job file: {e}") from None
     if cfg.make_fusion().needs_root and root_data is None:
         raise UserError(f"the job's fusion {cfg.fusion!r} needs the server's root set: give --root-data FILE.npz")
+    if cfg.prune is not None:
+        from polyparallel.backends.collab._flower import PRUNE_IN_PROCESS_ONLY
+
+        raise UserError(f"{config}: {PRUNE_IN_PROCESS_ONLY}")
     if root_data is not None:
         _load_npz(root_data, "--root-data")  # checked here, read by the ServerApp
     try:
