@@ -1,0 +1,323 @@
+"""Online pruning across centers (issue 35): scores against hand computations, the cut against the
+masked model, a pruning federation that releases, and the one-line refusals."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch_pruning")
+
+import torch
+from torch import nn
+
+from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, collaborate
+from polyparallel.backends.collab import _pruning as P
+from polyparallel.backends.collab._pruning import PruneError, PruneSpec
+from tests.test_collab_cli import _run  # the command's exit code, stdout and stderr
+
+HERE = "tests.test_collab_pruning"
+
+
+# --------------------------------------------------------------------------- models (also used by reference)
+class ResBlock(nn.Module):
+    """conv-BN, depthwise conv-BN and a residual add: one channel group across all of them."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.b1 = nn.BatchNorm2d(c)
+        self.dw = nn.Conv2d(c, c, 3, padding=1, groups=c)
+        self.b2 = nn.BatchNorm2d(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.b2(self.dw(torch.relu(self.b1(self.c1(x))))))
+
+
+class ResNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(1, 16, 3, padding=1)
+        self.bn = nn.BatchNorm2d(16)
+        self.block = ResBlock(16)
+        self.grouped = nn.Conv2d(16, 32, 3, padding=1, groups=4)
+        self.fc1 = nn.Linear(32, 24)
+        self.fc = nn.Linear(24, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.block(torch.relu(self.bn(self.stem(x))))
+        x = torch.relu(self.grouped(x)).mean((2, 3))
+        return self.fc(torch.relu(self.fc1(x)))
+
+
+def resnet() -> nn.Module:
+    return ResNet()
+
+
+class Untraceable(nn.Module):
+    """``hidden``'s output leaves autograd (numpy round trip): the dependency graph cannot see it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(64, 16)
+        self.out = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.from_numpy(self.hidden(x.flatten(1)).detach().numpy())
+        return self.out(torch.relu(h))
+
+
+def untraceable() -> nn.Module:
+    return Untraceable()
+
+
+def _digits(n_centers: int = 3, rows: int = 300) -> tuple[dict, tuple]:
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = (x / 16).astype(np.float32).reshape(-1, 1, 8, 8)
+    order = np.random.default_rng(0).permutation(len(x))
+    x, y = x[order], y[order].astype(np.int64)
+    names = "abcdefgh"[:n_centers]
+    data = {c: (x[i * rows:(i + 1) * rows], y[i * rows:(i + 1) * rows]) for i, c in enumerate(names)}
+    return data, (x[1400:], y[1400:])
+
+
+# --------------------------------------------------------------------------- the spec
+def test_spec_refuses_bad_values_and_schedules_cubically():
+    for bad in (0.0, 1.0, 1.5, -0.1):
+        with pytest.raises(PruneError, match=r"in \(0, 1\)"):
+            PruneSpec(bad)
+    with pytest.raises(PruneError, match="rounds"):
+        PruneSpec(0.5, rounds=0)
+    with pytest.raises(PruneError, match="unknown pruning score"):
+        PruneSpec(0.5, score="random")
+    s = PruneSpec(0.5, rounds=4)
+    assert s.sparsity(1) == pytest.approx(0.5 * (1 - 0.75 ** 3))
+    assert s.sparsity(2) == pytest.approx(0.5 * (1 - 0.5 ** 3))
+    assert s.sparsity(4) == s.sparsity(9) == 0.5
+
+
+# --------------------------------------------------------------------------- scores by hand
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 3)
+        self.fc2 = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _hand_group(w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor) -> np.ndarray:
+    """The hidden neuron i's group: row i of fc1 (weight and bias) and column i of fc2 (fc2 is the output)."""
+    return (w1.sum(1) + b1 + w2.sum(0)).double().numpy()
+
+
+def test_magnitude_scores_are_the_group_sum_of_squares():
+    torch.manual_seed(0)
+    m = MLP()
+    got = P.group_scores(m, torch.zeros(2, 4), P.saliency(m, "magnitude"))
+    assert set(got) == {"fc1"}  # fc2 writes the output: never pruned, not scored
+    want = _hand_group(m.fc1.weight.detach() ** 2, m.fc1.bias.detach() ** 2, m.fc2.weight.detach() ** 2)
+    np.testing.assert_allclose(got["fc1"], want, rtol=1e-5)
+
+
+def test_taylor_and_fisher_scores_match_gradients_taken_by_hand():
+    torch.manual_seed(1)
+    m = MLP()
+    x, y = torch.randn(12, 4), torch.randint(0, 2, (12,))
+    batches = [np.arange(0, 6), np.arange(6, 12)]
+    grads = []
+    for b in batches:  # independent: autograd.grad of the cross-entropy, batch by batch
+        loss = nn.functional.cross_entropy(m(x[b]), y[b])
+        grads.append(torch.autograd.grad(loss, [m.fc1.weight, m.fc1.bias, m.fc2.weight]))
+    ws = [m.fc1.weight.detach(), m.fc1.bias.detach(), m.fc2.weight.detach()]
+    mean_g = [(a + b) / 2 for a, b in zip(*grads)]
+    mean_g2 = [(a ** 2 + b ** 2) / 2 for a, b in zip(*grads)]
+
+    def objective(model, xb, yb, bias):
+        return nn.functional.cross_entropy(model(xb), yb)
+
+    taylor = P.group_scores(m, x[:2], P.saliency(m, "taylor", objective, x, y, batches))["fc1"]
+    fisher = P.group_scores(m, x[:2], P.saliency(m, "fisher", objective, x, y, batches))["fc1"]
+    np.testing.assert_allclose(taylor, _hand_group(*[(w * g).abs() for w, g in zip(ws, mean_g)]), rtol=1e-5)
+    np.testing.assert_allclose(fisher, _hand_group(*[0.5 * w ** 2 * g for w, g in zip(ws, mean_g2)]), rtol=1e-5)
+    assert m.fc1.weight.grad is None  # scoring leaves no gradient behind
+
+
+# --------------------------------------------------------------------------- the cut
+def _randomised_bn(model: nn.Module) -> nn.Module:
+    g = torch.Generator().manual_seed(3)
+    for mod in model.modules():
+        if isinstance(mod, nn.BatchNorm2d):  # non-trivial statistics and affine, so a wrong cut shows
+            mod.running_mean.copy_(torch.randn(mod.num_features, generator=g))
+            mod.running_var.copy_(torch.rand(mod.num_features, generator=g) + 0.5)
+            mod.weight.data.copy_(torch.randn(mod.num_features, generator=g))
+            mod.bias.data.copy_(torch.randn(mod.num_features, generator=g))
+    return model
+
+
+@pytest.mark.parametrize("ratio", [0.3, 0.5, 0.7])
+def test_cut_computes_what_the_masked_model_computes(ratio):
+    torch.manual_seed(0)
+    full = _randomised_bn(ResNet()).eval()
+    ex = torch.zeros(2, 1, 8, 8)
+    rng = np.random.default_rng(4)
+    layout = P.group_scores(full, ex, P.saliency(full, "magnitude"))
+    scores = {k: rng.random(len(v)) for k, v in layout.items()}  # any fused scores
+    x = torch.randn(6, 1, 8, 8)
+    with torch.no_grad():
+        y_full = full(x)
+    masked = copy.deepcopy(full)
+    plan = P.mask_and_plan(masked, ex, ratio, scores)
+    with torch.no_grad():
+        y_masked = masked(x)
+    assert not torch.allclose(y_full, y_masked)  # the mask did something
+    # every group lost its share: the residual group (stem, bn, block), the grouped conv's, fc1's
+    assert {p[0] for p in plan} == set(layout)
+    # the grouped conv's output and its input (the residual stream, rooted at the depthwise conv) lose the
+    # same share of each of its 4 channel groups, so its groups stay equal
+    for name, _, idxs in plan:
+        groups = 4 if name in ("grouped", "block.dw") else 1
+        per = len(layout[name]) // groups
+        assert len(idxs) == groups * (per - int(per * (1 - ratio)))
+    cut = copy.deepcopy(masked)
+    P.apply_plan(cut, ex, plan)
+    cut.eval()
+    with torch.no_grad():
+        y_cut = cut(x)
+    torch.testing.assert_close(y_cut, y_masked, rtol=1e-5, atol=1e-5)
+    n_full, n_cut = (sum(p.numel() for p in m.parameters()) for m in (full, cut))
+    assert n_cut < (1 - ratio + 0.1) * n_full
+    # consistency across the dependent layers: the residual add and the depthwise conv agree
+    assert cut.stem.out_channels == cut.block.c1.out_channels == cut.block.dw.groups == cut.bn.num_features
+    assert cut.grouped.groups == 4 and cut.grouped.out_channels % 4 == 0
+
+
+def test_untraceable_layer_is_named():
+    with pytest.raises(PruneError, match="'hidden'"):
+        P.group_scores(Untraceable(), torch.zeros(2, 1, 8, 8), P.saliency(Untraceable(), "magnitude"))
+
+
+# --------------------------------------------------------------------------- the federation
+def _config(**kw) -> CollabConfig:
+    base = dict(centers=(CenterSpec("a"), CenterSpec("b"), CenterSpec("c")), model=ModelSpec(f"{HERE}:resnet"),
+                rounds=2, local_steps=8, batch_size=32, lr=0.1, fusion="fedavg",
+                prune=PruneSpec(0.5, rounds=1, score="taylor", score_batches=2))
+    return CollabConfig(**{**base, **kw})
+
+
+def test_two_round_federation_cuts_after_round_k_and_every_side_agrees():
+    data, ev = _digits()
+    res = collaborate(_config(), data, eval_data=ev)
+    assert [r.accepted for r in res.rounds] == [("a", "b", "c")] * 2
+    plan = res.pruning["plan"]
+    assert plan and res.pruning["masks"][0]["sparsity"] == 0.5
+    # the server's final model has the cut architecture: the same plan on a fresh model fits it
+    m = resnet()
+    P.apply_plan(m, torch.zeros(2, 1, 8, 8), plan)
+    assert {k: tuple(v.shape) for k, v in m.state_dict().items() if v.is_floating_point()} == \
+        {k: v.shape for k, v in res.params.items()}
+    assert res.params["stem.weight"].shape[0] == 8 and res.params["fc1.weight"].shape[0] == 12
+    # round 2's updates were trained on the pruned model by every center (same shapes, accepted)
+    assert res.rounds[1].bytes_up["a"] < res.rounds[0].bytes_up["a"]
+    assert np.isfinite(res.rounds[1].eval["loss"])  # the server evaluates the cut model
+    assert json.dumps(res.to_dict()["pruning"])  # plan and masks are JSON
+
+
+def test_scores_are_checked_like_the_update():
+    data, _ = _digits(rows=100)
+
+    def drop_scores(r, payload, metrics, nonce):
+        return {k: v for k, v in payload.items() if not k.startswith("p/")}, metrics
+
+    def negative_scores(r, payload, metrics, nonce):
+        return {k: (-v if k.startswith("p/") else v) for k, v in payload.items()}, metrics
+
+    res = collaborate(_config(rounds=1, local_steps=2, prune=PruneSpec(0.5, 1, "magnitude")), data,
+                      tamper={"b": drop_scores, "c": negative_scores})
+    rej = res.rounds[0].rejected
+    assert any("pruning scores: missing tensor 'q/" in p for p in rej["b"])
+    assert any("outside [0," in p for p in rej["c"])
+    assert res.rounds[0].accepted == ("a",)
+
+
+def test_config_refuses_what_cannot_prune_and_round_trips():
+    with pytest.raises(ValueError, match="SCAFFOLD"):
+        _config(fusion="scaffold")
+    with pytest.raises(ValueError, match="cannot carry pruning scores"):
+        _config(fusion="fedadam")
+    with pytest.raises(ValueError, match="K=3 > rounds=2"):
+        _config(prune=PruneSpec(0.5, rounds=3))
+    cfg = _config()
+    assert CollabConfig.from_json(cfg.to_json()) == cfg
+    off = _config(prune=None)
+    assert "prune" not in json.loads(off.to_json())  # a job without pruning writes the JSON it wrote before
+
+
+# --------------------------------------------------------------------------- the command and its release
+def _write_digits(tmp_path, rows=300):
+    data, ev = _digits(rows=rows)
+    d = tmp_path / "data"
+    d.mkdir()
+    for c, (x, y) in data.items():
+        np.savez(d / f"{c}.npz", x=x, y=y)
+    np.savez(tmp_path / "ev.npz", x=ev[0], y=ev[1])
+    return ["--centers", "a,b,c", "--data", str(d), "--eval-data", str(tmp_path / "ev.npz"), "--fusion", "fedavg"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--prune", "1.5"], "pruning ratio must be in (0, 1)"),
+    (["--prune", "0", "--model", f"{HERE}:resnet"], "pruning ratio must be in (0, 1)"),
+    (["--prune", "0.5", "--fusion", "scaffold"], "pruning with SCAFFOLD is refused"),
+    (["--prune", "0.5", "--fusion", "fltrust"], "cannot carry pruning scores"),
+    (["--prune", "0.5", "--model", f"{HERE}:untraceable"], "cannot trace layer 'hidden'"),
+    (["--prune", "0.5", "--engine", "flower"], "in-process engine only"),
+    (["--release", "REL"], "go with --prune"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, extra, message):
+    argv = ["collab", *_write_digits(tmp_path, rows=40), "--model", f"{HERE}:resnet", "--rounds", "2",
+            "--local-steps", "1", *[str(tmp_path / "rel") if a == "REL" else a for a in extra]]
+    code, out, err = _run(argv, capsys)
+    assert code == 2, (out, err)
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_existing_release_dir_is_refused_before_training(tmp_path, capsys):
+    (tmp_path / "rel").mkdir()
+    argv = ["collab", *_write_digits(tmp_path, rows=40), "--model", f"{HERE}:resnet", "--rounds", "2",
+            "--prune", "0.5", "--release", str(tmp_path / "rel")]
+    code, out, err = _run(argv, capsys)
+    assert code == 2 and "exists" in err and "--force" in err and "round 1" not in out
+
+
+@pytest.mark.slow
+def test_command_prunes_and_releases_a_model_that_deploys(tmp_path, capsys):
+    import onnxruntime as ort
+
+    rel = tmp_path / "rel"
+    argv = ["collab", *_write_digits(tmp_path), "--model", f"{HERE}:resnet", "--rounds", "3", "--local-steps",
+            "10", "--lr", "0.1", "--prune", "0.5", "--prune-rounds", "1", "--prune-score", "fisher",
+            "--release", str(rel), "--out", str(tmp_path / "out")]
+    code, out, err = _run(argv, capsys)
+    assert code == 0, err
+    assert f"release {rel}" in out
+    r = json.loads((rel / "release.json").read_text())
+    assert r["params_after"] < 0.6 * r["params_before"] and r["flops_after"] < 0.6 * r["flops_before"]
+    assert r["accuracy_at_cut"] == pytest.approx(r["accuracy_before"])  # the cut keeps the masked function
+    assert r["onnx_check"]["max_abs_diff"] < 1e-4 and r["onnx_check"]["argmax_agreement"] == 1.0
+    assert set(r["latency_s"]["before"]) == set(r["latency_s"]["after"]) == {"1", "32"}
+    # the released files load and compute the same as each other
+    x = np.load(tmp_path / "ev.npz")["x"][:32]
+    ep = torch.export.load(str(rel / "model.pt2"))
+    want = ep.module()(torch.from_numpy(x)).detach().numpy()
+    sess = ort.InferenceSession(str(rel / "model.onnx"), providers=["CPUExecutionProvider"])
+    got = sess.run(None, {sess.get_inputs()[0].name: x})[0]
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    # --force overwrites
+    code, _, err = _run([*argv, "--force"], capsys)
+    assert code == 0, err
