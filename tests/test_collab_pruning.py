@@ -74,6 +74,88 @@ def untraceable() -> nn.Module:
     return Untraceable()
 
 
+class UserBlock(nn.Module):
+    """A user's basic block: conv-BN-ReLU-conv-BN plus an identity or strided 1×1-conv-BN shortcut."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
+                                  nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout))
+        self.skip = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                     if stride != 1 or cin != cout else nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x) + self.skip(x))
+
+
+class UserResCNN(nn.Module):
+    """A residual CNN with BatchNorm as a user writes one (none of the benchmark's or the other tests'):
+    two blocks, the second strided with a projection shortcut, adaptive pooling, dropout, a classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, 12, 3, padding=1, bias=False), nn.BatchNorm2d(12), nn.ReLU())
+        self.b1 = UserBlock(12, 12, 1)
+        self.b2 = UserBlock(12, 24, 2)
+        self.drop = nn.Dropout(0.1)
+        self.fc = nn.Linear(24, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.b2(self.b1(self.stem(x)))
+        return self.fc(self.drop(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1)))
+
+
+def user_rescnn() -> nn.Module:
+    return UserResCNN()
+
+
+class HeadAttention(nn.Module):
+    """Attention that keeps its head count as ``num_heads`` and reads the head width from ``qkv``."""
+
+    def __init__(self, dim: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.scale = num_heads, (dim // num_heads) ** -0.5
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.proj(((q @ k.transpose(-2, -1)) * self.scale).softmax(-1).matmul(v).transpose(1, 2)
+                         .reshape(b, n, -1))
+
+
+class FixedAttention(HeadAttention):
+    """The same attention with its shapes written as constants (no head count the pruner can read)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, 4, d // 4).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.proj(((q @ k.transpose(-2, -1)) * self.scale).softmax(-1).matmul(v).transpose(1, 2)
+                         .reshape(b, n, d))
+
+
+class TinyViT(nn.Module):
+    """Patches of an 8×8 image (2×2 grid), one pre-LayerNorm block of width 16 with 4 heads, MLP 32."""
+
+    def __init__(self, attention: type = HeadAttention) -> None:
+        super().__init__()
+        self.embed = nn.Conv2d(1, 16, 4, 4)
+        self.norm1, self.attn = nn.LayerNorm(16), attention(16, 4)
+        self.norm2, self.fc1, self.fc2 = nn.LayerNorm(16), nn.Linear(16, 32), nn.Linear(32, 16)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x).flatten(2).transpose(1, 2)
+        x = x + self.attn(self.norm1(x))
+        x = x + self.fc2(nn.functional.gelu(self.fc1(self.norm2(x))))
+        return self.head(x.mean(1))
+
+
+def tiny_vit() -> nn.Module:
+    return TinyViT()
+
+
 def _digits(n_centers: int = 3, rows: int = 300) -> tuple[dict, tuple]:
     from sklearn.datasets import load_digits
 
@@ -321,3 +403,90 @@ def test_command_prunes_and_releases_a_model_that_deploys(tmp_path, capsys):
     # --force overwrites
     code, _, err = _run([*argv, "--force"], capsys)
     assert code == 0, err
+
+
+# --------------------------------------------------------------------------- attention
+def _mask_cut(model: nn.Module, ex: torch.Tensor, ratio: float, seed: int = 0):
+    """(masked model, its cut copy, the plan, the layout) for random fused scores."""
+    layout = P.group_scores(model, ex, P.saliency(model, "magnitude"))
+    rng = np.random.default_rng(seed)
+    masked = copy.deepcopy(model).eval()
+    plan = P.mask_and_plan(masked, ex, ratio, {k: rng.random(len(v)) for k, v in layout.items()})
+    cut = copy.deepcopy(masked)
+    P.apply_plan(cut, ex, plan)
+    return masked, cut.eval(), plan, layout
+
+
+def test_attention_loses_the_same_dimensions_in_every_head_and_keeps_the_residual_stream():
+    torch.manual_seed(0)
+    model = TinyViT().eval()
+    ex = torch.zeros(2, 1, 8, 8)
+    assert P.attention_heads(model) == {model.attn.qkv: 4}
+    # the residual stream is read by LayerNorm: removing its zeroed channels would change the model
+    kept = P.kept_whole(model, ex)
+    assert len(kept) == 1 and kept[0] in ("embed", "attn.proj", "fc2")
+    masked, cut, _, layout = _mask_cut(model, ex, 0.5)
+    assert set(layout) == {"fc1", "attn.proj:in"}  # the MLP's neurons; the heads' dimensions (at proj's input)
+    x = torch.randn(5, 1, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(cut(x), masked(x), rtol=1e-5, atol=1e-5)
+    assert cut.embed.out_channels == 16 and cut.norm1.normalized_shape == (16,)  # the stream kept whole
+    assert cut.fc1.out_features == 16  # half the MLP's neurons
+    assert cut.attn.num_heads == 4 and cut.attn.qkv.out_features == 3 * 4 * 2  # 4 heads of 2 dims (from 4)
+    assert cut.attn.proj.in_features == 4 * 2
+
+
+def test_attention_whose_shapes_are_constants_is_kept_whole_and_its_mlp_pruned():
+    torch.manual_seed(0)
+    model = TinyViT(FixedAttention).eval()
+    ex = torch.zeros(2, 1, 8, 8)
+    kept = P.kept_whole(model, ex)  # cutting head dimensions breaks its reshape: found on a copy, kept
+    assert "attn.proj:in" in kept
+    masked, cut, _, layout = _mask_cut(model, ex, 0.5)
+    assert set(layout) == {"fc1"}
+    x = torch.randn(5, 1, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(cut(x), masked(x), rtol=1e-5, atol=1e-5)
+    assert cut.attn.qkv.out_features == 48 and cut.fc1.out_features == 16
+
+
+# --------------------------------------------------------------------------- a user's model on unseen data
+@pytest.mark.slow
+def test_users_residual_cnn_on_unseen_data_prunes_releases_and_is_captured_again(tmp_path, capsys):
+    """A residual CNN with BatchNorm the pruning was never tried on, on a data set no setting was chosen
+    on (scikit-learn's digits upsampled to 16×16), through the command as a user runs it; its released
+    ONNX captured again by ``pp.capture`` with the pruned widths, and searched."""
+    from sklearn.datasets import load_digits
+
+    import polyparallel as pp
+
+    x, y = load_digits(return_X_y=True)
+    x = np.kron((x / 16).astype(np.float32).reshape(-1, 1, 8, 8), np.ones((1, 1, 2, 2), np.float32))
+    order = np.random.default_rng(1).permutation(len(x))
+    x, y = x[order], y[order].astype(np.int64)
+    d = tmp_path / "data"
+    d.mkdir()
+    for i, c in enumerate("abc"):
+        np.savez(d / f"{c}.npz", x=x[i * 450:(i + 1) * 450], y=y[i * 450:(i + 1) * 450])
+    np.savez(tmp_path / "ev.npz", x=x[1350:], y=y[1350:])
+    rel = tmp_path / "rel"
+    code, _, err = _run(["collab", "--centers", "a,b,c", "--data", str(d), "--eval-data", str(tmp_path / "ev.npz"),
+                         "--fusion", "fedavg", "--model", f"{HERE}:user_rescnn", "--rounds", "10", "--local-steps",
+                         "20", "--lr", "0.05", "--momentum", "0.9", "--prune", "0.5", "--prune-rounds", "5",
+                         "--release", str(rel)], capsys)
+    assert code == 0, err
+    r = json.loads((rel / "release.json").read_text())
+    assert r["params_after"] < 0.5 * r["params_before"] and r["flops_after"] < 0.5 * r["flops_before"]
+    assert r["accuracy_at_cut"] == pytest.approx(r["accuracy_before"])
+    assert r["accuracy_after"] > 0.8  # 447 held-out digits, 10 classes
+    assert r["onnx_check"]["argmax_agreement"] == 1.0 and r["pruning"]["kept_whole"] == []
+    # the released ONNX, captured again: every weight with the pruned model's shape, the batch bound
+    pruned = torch.export.load(str(rel / "model.pt2")).module()
+    state = {k: tuple(v.shape) for k, v in pruned.state_dict().items()}
+    g = pp.capture(rel / "model.onnx", dim_values={"batch": 8})
+    convs = {n: t.shape for n, t in g.tensors.items() if n in state and n.endswith("weight") and len(t.shape) == 4}
+    assert len(convs) == 6 and all(shape == state[n] for n, shape in convs.items())
+    assert g.tensors["b2.body.0.weight"].shape[0] < 24  # narrower than the model the user wrote
+    assert g.tensors[g.inputs[0]].shape == (8, 1, 16, 16) and g.tensors[g.outputs[0]].shape == (8, 10)
+    s = pp.search(g, cluster="local-cpu:2")
+    assert s.estimate.step_time_s > 0

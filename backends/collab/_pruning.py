@@ -42,6 +42,17 @@ carried zeros, the cut does not change what the model computes (where a removed 
 by a normalisation over channels, e.g. LayerNorm over the pruned dimension). The remaining rounds
 fine-tune the smaller model collaboratively.
 
+Which groups are pruned: every group Torch-Pruning forms (the output layer's classes excepted) whose cut
+preserves the function, which :func:`kept_whole` checks once per model on a copy (half the group's
+channels masked at random, the copy cut, both run on a random input). A group failing it is kept whole
+and named in the release: a transformer's residual stream (LayerNorm reads every channel, so zeros do
+not leave without changing its statistics), or an attention whose forward hard-codes its widths.
+Attention heads: a module with a head count (``num_heads``, :data:`HEAD_ATTRS`) has its query / key /
+value projection (:data:`QKV_NAMES`) given to Torch-Pruning with that count (:func:`attention_heads`),
+which then removes the *same* dimensions from every head, q, k and v alike, and the output projection's
+matching inputs (the group keyed ``<proj>:in``); whole heads are not removed (the module's head count
+would have to change with the cut on every center).
+
 Torch-only for now: MindSpore centers, data-parallel centers and the Flower engine refuse a pruning
 job with a line saying so.
 """
@@ -59,8 +70,8 @@ from ._fusion import CenterUpdate, make_fusion
 from ._wire import check_payload, decode_update, encode_update
 
 __all__ = ["PRUNE_SCORES", "SCORE_FUSIONS", "SCORE_PREFIX", "PruneError", "PruneSpec", "ServerPruning",
-           "apply_plan", "center_scores", "conform_trainer", "example_input", "group_scores", "mask_and_plan",
-           "output_layers", "saliency"]
+           "apply_plan", "attention_heads", "center_scores", "conform_trainer", "example_input", "group_scores",
+           "kept_whole", "mask_and_plan", "output_layers", "saliency"]
 
 PRUNE_SCORES = ("magnitude", "taylor", "fisher")
 SCORE_PREFIX = "p/"
@@ -180,29 +191,134 @@ def _check_covered(model: Any, dg: Any) -> None:
                              "in-place writes); prune without it or make its forward differentiable")
 
 
-def _pruner(model: Any, example: Any, ratio: float, importance: Any) -> Any:
+#: attribute names under which an attention module keeps its head count
+HEAD_ATTRS = ("num_heads", "n_heads", "n_head", "heads", "num_attention_heads")
+#: names of the linear layers that project into query / key / value heads
+QKV_NAMES = ("qkv", "to_qkv", "c_attn", "in_proj", "q", "k", "v", "query", "key", "value",
+             "q_proj", "k_proj", "v_proj", "to_q", "to_k", "to_v")
+
+
+def attention_heads(model: Any) -> dict[Any, int]:
+    """The query / key / value projections of the model's attention modules and their head count:
+    a module with an integer head count (:data:`HEAD_ATTRS`) and linear children named like
+    :data:`QKV_NAMES` whose output divides by it. Torch-Pruning, told these, removes the same
+    dimensions from every head (q, k and v alike) instead of any channels of the projection."""
+    from torch import nn
+
+    out: dict[Any, int] = {}
+    for m in model.modules():
+        h = next((getattr(m, a) for a in HEAD_ATTRS if isinstance(getattr(m, a, None), int)), None)
+        if not h or h < 1:
+            continue
+        for name, c in m.named_children():
+            if name in QKV_NAMES and isinstance(c, nn.Linear) and c.out_features % h == 0:
+                out[c] = h
+    return out
+
+
+def _pruner(model: Any, example: Any, ratio: float, importance: Any, kept: Sequence[str] | None = None) -> Any:
+    """Torch-Pruning's pruner over the model's channel groups: the output layer, and the groups
+    :func:`kept_whole` finds (``kept``, computed when None), left whole; attention heads kept consistent."""
     import torch_pruning as tp
+
+    if kept is None:
+        kept_whole(model, example)
+        kept = model.__dict__["_pp_kept_whole"][2]
+    mods = dict(model.named_modules())
 
     def build() -> Any:
         return tp.pruner.BasePruner(model, example, importance=importance, pruning_ratio=ratio,
-                                    ignored_layers=output_layers(model, example))
+                                    ignored_layers=output_layers(model, example) + [mods[n] for n in kept],
+                                    num_heads=attention_heads(model))
 
     pruner = _traced(model, build)
     _check_covered(model, pruner.DG)
     return pruner
 
 
+def _check_input(example: Any) -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    if example.is_floating_point():
+        return torch.randn(4, *example.shape[1:], generator=g)
+    return torch.zeros((4, *example.shape[1:]), dtype=example.dtype)
+
+
+def kept_whole(model: Any, example: Any) -> tuple[str, ...]:
+    """The root layers of the channel groups that are *not* pruned because removing channels that
+    carry zeros would change what the model computes: on a copy, half of the group's channels (chosen
+    at random) are masked, the copy is cut, and the two must agree on a random input. That keeps
+    whole a group whose channels a normalisation over channels reads (LayerNorm / GroupNorm over a
+    transformer's residual stream: its statistics change when zeros leave), one whose cut breaks a
+    reshape (heads the pruner was not told of), and one it would scramble. Computed once per
+    model instance (two models with the same layers can differ in their forward)."""
+    import copy
+
+    import torch
+
+    key = tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
+    cached = model.__dict__.get("_pp_kept_whole")  # (key, roots kept whole, the layers producing them)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    names = {m: n for n, m in model.named_modules()}
+    rec = _Recorded(_magnitude(), names)
+    for _ in _pruner(model, example, 0.5, rec, kept=()).step(interactive=True):
+        pass
+    x, rng, kept = _check_input(example), np.random.default_rng(0), []
+    for root, v in rec.out.items():
+        masked = copy.deepcopy(model).eval()
+        try:
+            plan = mask_and_plan(masked, example, 0.5, {root: rng.random(len(v))}, kept=())
+            cut = copy.deepcopy(masked)
+            apply_plan(cut, example, plan)
+            cut.eval()
+            with torch.no_grad():
+                want, got = _logits(masked(x)), _logits(cut(x))
+            same = want.shape == got.shape and torch.allclose(got, want, rtol=1e-4,
+                                                              atol=1e-5 * (1.0 + float(want.abs().max())))
+        except Exception:  # the cut model does not run: its forward assumes the width
+            same = False
+        if not same:
+            kept.append(root)
+    producers = sorted({n for root in kept for n in rec.producers[root]})
+    model.__dict__["_pp_kept_whole"] = (key, tuple(kept), tuple(producers))
+    return tuple(kept)
+
+
+def _magnitude() -> Any:
+    import torch_pruning as tp
+
+    return tp.importance.GroupMagnitudeImportance(p=1, group_reduction="sum", normalizer=None, bias=True)
+
+
 class _Recorded:
     """An importance that records, per group root, the vector ``inner`` gives."""
 
     def __init__(self, inner: Any, names: Mapping[Any, str]) -> None:
-        self.inner, self.names, self.out = inner, names, {}
+        self.inner, self.names, self.out, self.producers = inner, names, {}, {}
 
     def __call__(self, group: Any) -> Any:
         imp = self.inner(group)
         if imp is not None:
-            self.out[self.names[group[0].dep.target.module]] = imp.detach().double().numpy().copy()
+            root = _root_key(group, self.names)
+            self.out[root] = imp.detach().double().numpy().copy()
+            # the layers that produce the group's channels: ignoring them keeps the group whole
+            self.producers[root] = [self.names[d.target.module] for d, _ in group
+                                    if _out_side(d) and d.target.module in self.names]
         return imp
+
+
+def _root_key(group: Any, names: Mapping[Any, str]) -> str:
+    """A group's key: its root layer's name, with ``:in`` where the root loses *input* channels (the
+    heads of an attention, rooted at its output projection), so it cannot meet an output group's."""
+    dep = group[0].dep
+    return names.get(dep.target.module, "") + ("" if _out_side(dep) else ":in")
+
+
+def _out_side(dep: Any) -> bool:
+    fn = getattr(dep.handler, "__self__", None)
+    return dep.handler == getattr(fn, "prune_out_channels", None)
 
 
 class _Fixed:
@@ -214,7 +330,7 @@ class _Fixed:
     def __call__(self, group: Any) -> Any:
         import torch
 
-        v = self.scores.get(self.names.get(group[0].dep.target.module, ""))
+        v = self.scores.get(_root_key(group, self.names))
         return None if v is None else torch.as_tensor(np.asarray(v, dtype=np.float64)).float()
 
 
@@ -256,11 +372,9 @@ def group_scores(model: Any, example: Any, sal: Mapping[str, Any]) -> dict[str, 
     """Per channel group (keyed by its root layer's name): the sum over the group of ``sal``, one value
     per channel of the root. The groups are those the pruner ranks (Torch-Pruning's, output layer kept)."""
     import torch
-    import torch_pruning as tp
 
     names = {m: n for n, m in model.named_modules()}
-    rec = _Recorded(tp.importance.GroupMagnitudeImportance(p=1, group_reduction="sum", normalizer=None, bias=True),
-                    names)
+    rec = _Recorded(_magnitude(), names)
     pruner = _pruner(model, example, 0.5, rec)
     params = dict(model.named_parameters())
     saved = {n: p.data for n, p in params.items()}
@@ -325,13 +439,13 @@ def _zero(dep: Any, idxs: Sequence[int]) -> None:
             m.data.index_fill_(fn.pruning_dim % m.dim(), i, 0.0)
 
 
-def mask_and_plan(model: Any, example: Any, ratio: float, scores: Mapping[str, np.ndarray]
-                  ) -> list[list[Any]]:
+def mask_and_plan(model: Any, example: Any, ratio: float, scores: Mapping[str, np.ndarray],
+                  kept: Sequence[str] | None = None) -> list[list[Any]]:
     """Zero (in ``model``, in place) the channels ``scores`` rank lowest, ``ratio`` of every group, and
     return the plan that removes them: ``[[root layer, output side?, indices], ...]`` (Torch-Pruning's
     pruning history, replayed by :func:`apply_plan`)."""
     names = {m: n for n, m in model.named_modules()}
-    pruner = _pruner(model, example, ratio, _Fixed(scores, names))
+    pruner = _pruner(model, example, ratio, _Fixed(scores, names), kept)
     plan = []
     for group in pruner.step(interactive=True):
         for dep, idxs in group:
@@ -383,6 +497,7 @@ class ServerPruning:
         self.model = build_torch_model(config.model, config.seed)
         load_torch_state(self.model, dict(params))
         self.example = example_input(x_like)
+        self.model_full = build_torch_model(config.model, config.seed)  # the architecture before the cut
         # the expected score vectors: one per group, as long as its root's channels
         self.layout = {k: v.shape for k, v in group_scores(self.model, self.example,
                                                            saliency(self.model, "magnitude")).items()}
@@ -454,4 +569,7 @@ class ServerPruning:
         """What a release needs: the plan (None when the job stopped before round ``K``), the masks of
         each round, and the full-size model at the cut."""
         return {"plan": self.plan, "masks": list(self.history), "cut_params": self.cut_params,
+                "kept_whole": list(kept_whole(self.model_full, self.example)),
+                "heads": {n: h for n, m in self.model_full.named_modules()
+                          for q, h in attention_heads(self.model_full).items() if q is m},
                 "spec": {"ratio": self.spec.ratio, "rounds": self.spec.rounds, "score": self.spec.score}}

@@ -152,7 +152,8 @@ def write_release(out: Path, config: Any, params: Mapping[str, np.ndarray], prun
                       "after": {str(b): latency_s(after, x, b) for b in (1, 32)},
                       "threads": 1, "machine": platform.processor() or platform.machine()},
         "onnx_check": check,
-        "pruning": {**dict(pruning.get("spec", {})), "masks": pruning.get("masks", []), "plan": plan},
+        "pruning": {**dict(pruning.get("spec", {})), "masks": pruning.get("masks", []), "plan": plan,
+                    "kept_whole": list(pruning.get("kept_whole", [])), "heads": dict(pruning.get("heads", {}))},
         "eval_rows": len(x),
     }
     (out / "release.json").write_text(json.dumps(rel, indent=1) + "\n")
