@@ -741,7 +741,7 @@ def forward_problem(model: nn.Module, batch: tuple[Any, ...], shapes: dict[str, 
         args = tuple(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in batch)
         kw = {k: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for k, t in (kwargs or {}).items()}
         try:
-            _fake_call(mode, model, shapes or {}, args, kw)
+            _fake_call(model, shapes or {}, args, kw)
         except Exception as e:  # any failure of the user's forward is the answer
             frame = user_frame(e)
             where = f" (at {frame.filename}:{frame.lineno}: {frame.line})" if frame else ""
@@ -749,12 +749,18 @@ def forward_problem(model: nn.Module, batch: tuple[Any, ...], shapes: dict[str, 
     return None
 
 
-def _fake_call(mode: FakeTensorMode, model: nn.Module, shapes: dict[str, tuple[int, ...]], args: tuple[Any, ...],
+def _fake_call(model: nn.Module, shapes: dict[str, tuple[int, ...]], args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> Any:
-    """``model(*args, **kwargs)`` under ``mode`` on fake parameters and buffers of their own shapes
-    (static ones, under a symbolic ``mode`` too), those named in ``shapes`` of those shapes."""
+    """``model(*args, **kwargs)`` under the caller's fake tensor mode on fake parameters and buffers of their own shapes
+    (static ones, under a symbolic mode too), those named in ``shapes`` of those shapes.
+
+    The fakes are made from the tensors' metadata, not with ``mode.from_tensor``: its memo keeps
+    weak references to the module's own tensors, and a planning process that also exported the
+    module (the collaborative search checks each center's plan so) crashed freeing a parameter later
+    (a dangling weak reference in ``PyObject_ClearWeakRefs``)."""
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-    state = {n: torch.empty(shapes[n], dtype=t.dtype) if n in shapes else mode.from_tensor(t, static_shapes=True)
+    state = {n: torch.empty(shapes[n], dtype=t.dtype) if n in shapes else
+             torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=t.device)
              for n, t in tensors}
     return functional_call(model, state, args, kwargs, tie_weights=False)
 
@@ -829,7 +835,7 @@ def _sized_from_config(model: nn.Module, batch: tuple[Any, ...], local: list[dic
         for shapes in ({}, *local):
             try:
                 with _ShapeLog() as log:
-                    _fake_call(mode, model, shapes, args, kw)
+                    _fake_call(model, shapes, args, kw)
             except Exception:  # symbolic sizes the forward cannot take (data-dependent guards, ...)
                 return None
             seen.append(log.sizes)
