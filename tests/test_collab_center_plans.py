@@ -223,3 +223,33 @@ def test_a_searched_center_plan_runs_the_placements_the_search_priced(tmp_path):
     bad = {**plan, "op_placements": [[["no_such_op"], "n:tp", [""]], *plan["op_placements"]]}
     with pytest.raises(Unsupported, match="does not have"):
         center_exec_plan(spec, normalize_plan(bad, 2), x.numpy(), y.numpy(), batch_size=len(x))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_searching_a_collaborative_plan_twice_in_one_process_does_not_crash(tmp_path):
+    """The collaborative search checks each center's plan with the model's own forward on fake
+    shards after capturing the model; fakes made with FakeTensorMode.from_tensor left a dangling weak
+    reference on the module's parameters, and the next search in the process segfaulted freeing them
+    (HF Llama: searched, then tp2). Run in a child process, whose exit code is the verdict."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from benchmarks.collab_plan_zoo import CLUSTER
+
+    (tmp_path / "two.yaml").write_text(CLUSTER)
+    script = f"""
+import warnings; warnings.simplefilter("ignore")
+import polyparallel as pp
+from tests.zoo import ZOO
+model_fn, data_fn = ZOO["llama"]
+x, y = data_fn(0)
+for pins in ({{}}, {{"tp": 2}}, {{}}):
+    s = pp.search(model_fn(), (x, y), {str(tmp_path / "two.yaml")!r}, batch_size=len(x),
+                  constraints={{"mode": "collaborative", **pins}})
+print("ok", s.mode)
+"""
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0 and "ok collaborative" in r.stdout, (r.returncode, r.stderr[-2000:])
