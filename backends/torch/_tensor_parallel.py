@@ -715,6 +715,9 @@ def parallelize(model: nn.Module, plan: Any, mesh: Any) -> None:
         parallelize_module(model, mesh["tp"], {
             path: FusedColwiseParallel(fused[path]) if path in fused else styles[kind]()
             for path, kind in plan.tp_plan})
+        for path, kind in plan.tp_plan:
+            if kind != "col_to_loss":  # the others return DTensor.to_local()'s view of the result
+                model.get_submodule(path).register_forward_hook(_own_output)
         for group in plan.tied:
             param = model.get_parameter(group[0])
             for other in group[1:]:
@@ -724,6 +727,14 @@ def parallelize(model: nn.Module, plan: Any, mesh: Any) -> None:
         rank = mesh["sp"].get_local_rank()
         for path in plan.positions:
             offset_positions(model.get_submodule(path), rank)
+
+
+def _own_output(module: nn.Module, args: Any, output: Any) -> Any:
+    """A tensor-parallel module's local output as a tensor of its own: ``to_local()`` returns a view
+    made inside a custom autograd Function, which autograd refuses to see modified in place, and
+    models do that (HF Falcon's ``mlp_output += attention_output`` on the row-parallel MLP's
+    output). One copy of the module's output per call."""
+    return output.clone() if isinstance(output, torch.Tensor) else output
 
 
 def _local_rows(n: int, tp: int, rank: int) -> int:
