@@ -206,3 +206,27 @@ def test_a_recipe_train_refuses_is_priced_with_the_refusal_first():
         plan_for(s, model, (x, y))
     assert not any(n.startswith("planning only") for n in evaluate(
         model, (x,), "local-cpu:2", example_kwargs={"labels": y}, dp=2, batch_size=8).search.notes)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_solver_never_writes_the_rules_placement_where_the_backend_does_not_run_it(tmp_path):
+    """The rule's placement is always among an op's candidates (so the solver never prices above
+    the rule), also where the torch backend cannot run it; on the collaborative zoo's CPU centers the
+    solver chose it for HF ResNet's convolutions ('h:tp') and GPT-2's Conv1D columns, and every center
+    plan pinned to tp=2 was refused. Such a stage is now the rule's where that runs, else replicated,
+    as the backend executes it."""
+    from benchmarks.collab_plan_zoo import CLUSTER
+    from polyparallel.backends.torch import plan_for
+    from tests.zoo import ZOO
+
+    (tmp_path / "two.yaml").write_text(CLUSTER)
+    model_fn, data_fn = ZOO["resnet"]
+    x, y = data_fn(0)
+    s = search(model_fn(), (x, y), str(tmp_path / "two.yaml"), batch_size=len(x),
+               constraints={"mode": "collaborative", "tp": 2})
+    for c in s.collaborative.centers:
+        assert c.local_strategy["tp"] == 2 and all(pl == "" for _, pl, _ in c.local_strategy["op_placements"])
+    sync = search(model_fn(), (x, y), "local-cpu:2", batch_size=len(x), constraints={"tp": 2})
+    assert not any("tp" in p.placement and "conv" in p.ops[0] for p in sync.placements)
+    plan_for(sync, model_fn(), (x, y))  # runs as written

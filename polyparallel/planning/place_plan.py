@@ -55,6 +55,14 @@ MODES = ("torch", "any", "rule")
 
 
 
+def _not_run(ops: list[Op], placed: dict[str, Any], expressible: Any) -> list[str]:
+    """The solver's placements the backend does not execute: the rule's placement is always among an
+    op's candidates (so the solver never prices above the rule), also where the backend cannot run it
+    (a convolution's image rows, HF GPT-2's Conv1D columns), and the solver may choose it."""
+    bad = [f"{o.name} ({placed[o.name]})" for o in ops if o.name in placed and not expressible(o, placed[o.name])]
+    return [f"the solver's placement of {bad[0]} is not executed"] if bad else []
+
+
 @dataclass(frozen=True)
 class StagePlacement:
     """Where one stage's placements came from and their objective (seconds per micro-batch:
@@ -160,7 +168,7 @@ def _place_stages(g: Graph, cl: Cluster, est: StepEstimate, stage_ops: list[list
         if rule_obj >= FORBIDDEN:  # a pair the edge model forbids: not a price (the step estimate prices the plan)
             rule_obj = 0.0
         placed = {name: Placement.parse(pl) for name, pl in plan.placements.items()}
-        why = torch.chain_problems(g, placed, mesh) if mode == "torch" else []
+        why = _not_run(ops, placed, expressible) + torch.chain_problems(g, placed, mesh) if mode == "torch" else []
         rule_why = rule_runs(ops) if why else []
         if why and rule_why:
             # neither runs: every op of the stage replicated over tp (the stage computes redundantly,
