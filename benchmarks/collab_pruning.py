@@ -1,0 +1,266 @@
+"""Online pruning across collaborative centers (issue 35) on Fashion-MNIST: what the pruned release
+costs and how well it does, against the unpruned collaborative model and against pruning once after
+training.
+
+Setting: Debian's ``dataset-fashion-mnist`` (``/usr/share/datasets/fashion-mnist``), ``--train`` rows drawn
+at random from the 60k training images (12k by default, to fit 2 shared CPU cores), split over 3 centers
+by Dirichlet(0.3) label skew (``examples/collab_fashion_mnist.py``'s split); accuracy on the official 10k
+test images. FedAvg, local SGD with momentum, a cosine learning rate over the rounds. Two user models
+given as ``--model MODULE:FUNCTION`` would be: ``models.resnet_small:resnet`` (3 residual stages of 8, 16,
+32 channels with BatchNorm, about 24k parameters) and ``models.vit_patch:vit`` (a vision transformer over
+7×7 patches, width 48, 2 blocks of 4 heads, MLP 192, about 60k parameters), both in ``examples/models``.
+
+Arms, per model, the same data, seed, rounds ``R`` and local steps ``H``:
+
+- ``unpruned``: the collaborative model, ``R`` rounds;
+- ``online``: ``PruneSpec(ratio, rounds=K, score)``: centers score channel groups, the server fuses the
+  scores and soft-masks on a cubic schedule in rounds ``1..K``, cuts after round ``K``, and the remaining
+  ``R - K`` rounds fine-tune the smaller model (``backends/collab/_pruning.py``);
+- ``once`` (prune once after training): from the ``unpruned`` model, one more round in which the centers
+  train and score (the same score), the cut at the full ratio at once, then the same ``R - K``
+  fine-tuning rounds (a fresh cosine schedule over those ``1 + R - K`` rounds).
+
+``ratio`` is ``--prune RATIO``: the share of every prunable channel group's channels removed (groups
+whose cut would change what the model computes, e.g. a transformer's residual stream read by
+LayerNorm, are kept whole; see ``kept_whole``). Parameters and FLOPs (2 × multiply-accumulates of one
+image) are Torch-Pruning's counts, latency is the median eval-mode forward on one thread at batch 1 and
+32 (``_release.latency_s``), accuracy is on the 10k test images; each pruned arm also writes a release
+(``model.pt2``, ``model.onnx`` checked by onnxruntime on the test images) into a temporary directory.
+
+Settings (``--rounds 60 --local-steps 20 --lr 0.05 --momentum 0.9 --prune-rounds 10 --score fisher``, the
+defaults) were chosen on the ResNet's ``online`` row at ratio 0.5 only (``--only resnet:online:0.5``, which
+runs it and its unpruned reference: K in 5/10/20/30 and the score, kept in the output's ``tuning``); every
+other row, the transformer's all, is held out (``held_out``). ``unpruned-long`` (only when named in
+``--only``) trains the unpruned model as many rounds as the ``once`` arm's model gets in all
+(``2R + 1 - K``), the reference at equal training.
+
+Run (the committed table: one process per model and one for the long references, then merged; about
+45 CPU-minutes on a shared 2-core machine)::
+
+    B="nice -n 10 .venv/bin/python benchmarks/collab_pruning.py"
+    $B --models resnet --out /tmp/final_resnet.json & $B --models vit --out /tmp/final_vit.json &
+    $B --only resnet:unpruned-long,vit:unpruned-long --out /tmp/long.json; wait
+    $B --merge /tmp/final_resnet.json,/tmp/final_vit.json,/tmp/long.json --tuning-runs TUNING.json,... \
+       --out benchmarks/results/collab_pruning.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "examples")]  # the user models (models.*) and the Fashion-MNIST loader
+
+from collab_fashion_mnist import DATA_DIR, load_fashion_mnist, split  # noqa: E402
+
+from polyparallel.backends.collab import (  # noqa: E402
+    CenterSpec,
+    CollabConfig,
+    ModelSpec,
+    _engine,
+    run_inprocess,
+)
+from polyparallel.backends.collab._center import evaluate_torch  # noqa: E402
+from polyparallel.backends.collab._models import build_torch_model, load_torch_state  # noqa: E402
+from polyparallel.backends.collab._pruning import PruneSpec, example_input  # noqa: E402
+from polyparallel.backends.collab._release import latency_s, size_of, write_release  # noqa: E402
+
+MODELS = {"resnet": "models.resnet_small:resnet", "vit": "models.vit_patch:vit"}
+
+
+@contextlib.contextmanager
+def warm_start(params: Mapping[str, np.ndarray]) -> Iterator[None]:
+    """Jobs started inside begin from ``params`` instead of the model's fresh initialisation (the
+    in-process engine's ``initial_params``): the ``once`` arm continues the unpruned model."""
+    saved = _engine.initial_params
+    _engine.initial_params = lambda config: {k: np.array(v) for k, v in params.items()}
+    try:
+        yield
+    finally:
+        _engine.initial_params = saved
+
+
+def unpruned_row(spec: ModelSpec, params: Mapping[str, np.ndarray], xte: np.ndarray, yte: np.ndarray) -> dict:
+    model = build_torch_model(spec)
+    load_torch_state(model, dict(params))
+    model.eval()
+    n, f = size_of(model, example_input(xte[:1]))
+    return {"params": n, "flops": f, "accuracy": evaluate_torch(spec, params, xte, yte, model=model)["accuracy"],
+            "latency_ms": {str(b): 1e3 * latency_s(model, xte, b) for b in (1, 32)}}
+
+
+def pruned_row(cfg: CollabConfig, res: Any, xte: np.ndarray, yte: np.ndarray) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        rel = write_release(Path(d) / "rel", cfg, res.params, res.pruning, (xte, yte))
+    return {"params": rel["params_after"], "flops": rel["flops_after"], "accuracy": rel["accuracy_after"],
+            "accuracy_before_cut": rel["accuracy_before"], "accuracy_at_cut": rel["accuracy_at_cut"],
+            "latency_ms": {b: 1e3 * v for b, v in rel["latency_s"]["after"].items()},
+            "onnx_max_abs_diff": rel["onnx_check"]["max_abs_diff"],
+            "onnx_argmax_agreement": rel["onnx_check"]["argmax_agreement"],
+            "kept_whole": rel["pruning"]["kept_whole"], "heads": rel["pruning"]["heads"],
+            "groups_cut": len(rel["pruning"]["plan"])}
+
+
+def run(args: argparse.Namespace) -> dict:
+    xtr, ytr, xte, yte = load_fashion_mnist(Path(args.data))
+    rng = np.random.default_rng(args.seed)
+    pick = rng.choice(len(ytr), args.train, replace=False)
+    xtr, ytr = xtr[pick], ytr[pick]
+    if args.test:
+        xte, yte = xte[:args.test], yte[:args.test]
+    parts = split(ytr, args.centers, args.alpha, args.seed)
+    names = [f"c{i}" for i in range(args.centers)]
+    data = {n: (xtr[p], ytr[p]) for n, p in zip(names, parts)}
+    K = args.prune_rounds or args.rounds // 2
+    only = set(args.only.split(",")) if args.only else None
+    out: dict[str, Any] = {
+        "setting": {"data": "Fashion-MNIST (Debian dataset-fashion-mnist)", "train_rows": args.train,
+                    "test_rows": len(yte), "centers": args.centers, "alpha": args.alpha,
+                    "center_sizes": [len(p) for p in parts],
+                    "center_labels": [np.bincount(ytr[p], minlength=10).tolist() for p in parts],
+                    "rounds": args.rounds, "local_steps": args.local_steps, "batch": args.batch, "lr": args.lr,
+                    "momentum": args.momentum, "lr_schedule": "cosine", "fusion": "fedavg",
+                    "prune_rounds": K, "score": args.score, "score_batches": args.score_batches,
+                    "seed": args.seed, "machine": platform.processor() or platform.machine(),
+                    "cpus": os.cpu_count(), "load_avg_start": os.getloadavg()[0]},
+        "models": {},
+    }
+    for mname in args.models.split(","):
+        spec = ModelSpec(MODELS.get(mname, mname))
+        base = dict(centers=tuple(CenterSpec(n, samples=len(p)) for n, p in zip(names, parts)), model=spec,
+                    fusion="fedavg",
+                    local_steps=args.local_steps, batch_size=args.batch, lr=args.lr, momentum=args.momentum,
+                    lr_schedule="cosine", seed=args.seed)
+        rows: dict[str, Any] = {}
+        out["models"][mname] = {"model": spec.kind, "rows": rows}
+
+        def want(arm: str, mname: str = mname) -> bool:
+            return (only is None and arm != "unpruned-long") or f"{mname}:{arm}" in (only or ())
+
+        t0 = time.time()
+        cfg = CollabConfig(rounds=args.rounds, **base)
+        res = run_inprocess(cfg, data)
+        rows["unpruned"] = {**unpruned_row(spec, res.params, xte, yte), "wall_s": time.time() - t0}
+        print(f"[{mname}] unpruned {rows['unpruned']['accuracy']:.4f} params {rows['unpruned']['params']} "
+              f"({time.time() - t0:.0f} s)", flush=True)
+        trained = res.params
+        if want("unpruned-long"):  # the unpruned model trained as many rounds as the once arm's model in all
+            t0 = time.time()
+            cfg = CollabConfig(rounds=2 * args.rounds + 1 - K, **base)
+            res = run_inprocess(cfg, data)
+            rows["unpruned-long"] = {**unpruned_row(spec, res.params, xte, yte), "wall_s": time.time() - t0}
+            print(f"[{mname}] unpruned-long {rows['unpruned-long']['accuracy']:.4f} ({time.time() - t0:.0f} s)",
+                  flush=True)
+        for ratio in [float(r) for r in args.ratios.split(",")]:
+            prune = PruneSpec(ratio, rounds=K, score=args.score, score_batches=args.score_batches)
+            for arm in ("online", "once"):
+                if not want(f"{arm}:{ratio:g}"):
+                    continue
+                t0 = time.time()
+                if arm == "online":
+                    cfg = CollabConfig(rounds=args.rounds, prune=prune, **base)
+                    res = run_inprocess(cfg, data)
+                else:
+                    cfg = CollabConfig(rounds=1 + args.rounds - K, prune=PruneSpec(
+                        ratio, rounds=1, score=args.score, score_batches=args.score_batches), **base)
+                    with warm_start(trained):
+                        res = run_inprocess(cfg, data)
+                row = {**pruned_row(cfg, res, xte, yte), "ratio": ratio, "wall_s": time.time() - t0}
+                u = rows["unpruned"]
+                row["params_removed"] = 1 - row["params"] / u["params"]
+                row["flops_removed"] = 1 - row["flops"] / u["flops"]
+                row["points_lost"] = 100 * (u["accuracy"] - row["accuracy"])
+                row["held_out"] = f"{mname}:{arm}:{ratio:g}" not in args.tuned.split(",")
+                rows[f"{arm}:{ratio:g}"] = row
+                print(f"[{mname}] {arm}@{ratio:g} acc {row['accuracy']:.4f} (at cut {row['accuracy_at_cut']:.4f}) "
+                      f"params -{100 * row['params_removed']:.1f}% FLOPs -{100 * row['flops_removed']:.1f}% "
+                      f"lost {row['points_lost']:+.2f} pt ({time.time() - t0:.0f} s)", flush=True)
+    out["setting"]["load_avg_end"] = os.getloadavg()[0]
+    return out
+
+
+def table(res: Mapping[str, Any]) -> str:
+    R, K = res["setting"]["rounds"], res["setting"]["prune_rounds"]
+    lines = ["| model | arm | ratio | rounds | params | FLOPs | latency b1 / b32 ms | accuracy | lost (pt) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for mname, m in res["models"].items():
+        for arm, r in m["rows"].items():
+            name, _, ratio = arm.partition(":")
+            rounds = {"unpruned": f"{R}", "unpruned-long": f"{2 * R + 1 - K}", "online": f"{R} (cut after {K})",
+                      "once": f"{R} + 1 + {R - K}"}[name]
+            pr = f" (-{100 * r['params_removed']:.0f}%)" if "params_removed" in r else ""
+            fr = f" (-{100 * r['flops_removed']:.0f}%)" if "flops_removed" in r else ""
+            lost = f"{r['points_lost']:+.2f}" if "points_lost" in r else ""
+            held = "" if r.get("held_out", True) else " (tuned)"
+            lines.append(f"| {mname} | {name}{held} | {ratio or '-'} | {rounds} | {r['params']}{pr} | "
+                         f"{r['flops']}{fr} | {r['latency_ms']['1']:.3f} / {r['latency_ms']['32']:.2f} | "
+                         f"{r['accuracy']:.4f} | {lost} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", default=str(DATA_DIR))
+    ap.add_argument("--models", default="resnet,vit", help="resnet, vit or MODULE:FUNCTION, comma-separated")
+    ap.add_argument("--ratios", default="0.3,0.5,0.7")
+    ap.add_argument("--train", type=int, default=12000)
+    ap.add_argument("--test", type=int, default=0, help="first N test images (0: all 10k)")
+    ap.add_argument("--centers", type=int, default=3)
+    ap.add_argument("--alpha", type=float, default=0.3)
+    ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--local-steps", type=int, default=20)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--momentum", type=float, default=0.9)
+    ap.add_argument("--prune-rounds", type=int, default=10, help="K (0: rounds // 2)")
+    ap.add_argument("--score", default="fisher")
+    ap.add_argument("--score-batches", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", default="", help="MODEL:ARM:RATIO,... (the unpruned arm always runs)")
+    ap.add_argument("--tuned", default="resnet:online:0.5",
+                    help="the rows the settings were chosen on (the others are marked held_out)")
+    ap.add_argument("--tuning-runs", default="",
+                    help="JSON files of the tuning runs (this script with --only), kept in the output's 'tuning'")
+    ap.add_argument("--merge", default="",
+                    help="JSON files of runs of this script with the same setting (e.g. one process per model): "
+                         "join their models instead of running")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    if args.merge:
+        parts = [json.loads(Path(f).read_text()) for f in args.merge.split(",")]
+        res = {**parts[0], "models": {}}
+        for part in parts:  # rows of the same model from several runs are joined; the first run's row is kept
+            for k, v in part["models"].items():
+                rows = res["models"].setdefault(k, {**v, "rows": {}})["rows"]
+                for arm, row in v["rows"].items():
+                    rows.setdefault(arm, row)
+        keys = ("rounds", "local_steps", "lr", "prune_rounds", "score", "seed", "train_rows", "alpha")
+        if any({k: p["setting"][k] for k in keys} != {k: res["setting"][k] for k in keys} for p in parts):
+            raise SystemExit("--merge: the runs' settings differ")
+        res["setting"]["load_avg"] = [[p["setting"]["load_avg_start"], p["setting"]["load_avg_end"]] for p in parts]
+    else:
+        res = run(args)
+        res["args"] = vars(args)
+    res["tuning"] = [{"args": t["args"], "rows": {m: v["rows"] for m, v in t["models"].items()}}
+                     for t in (json.loads(Path(f).read_text()) for f in args.tuning_runs.split(",") if f)]
+    print(table(res))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
