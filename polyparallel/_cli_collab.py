@@ -268,7 +268,7 @@ def collab_cmd(
         = False,
 ) -> None:
     """Run a whole federation on this machine: every center trains on its own data, the server fuses."""
-    from polyparallel.backends.collab import CollabConfig, ModelSpec
+    from polyparallel.backends.collab import ModelSpec
 
     data_dir, source = _data_option(data)
     # what the options set beside the centers, fusion, H, rounds and compression (a Strategy fixes those)
@@ -280,13 +280,8 @@ def collab_cmd(
     with _user_errors(ValueError, KeyError, json.JSONDecodeError):
         spec = (ModelSpec(model, loss=loss, mindspore=mindspore_model) if ":" in model else
                 ModelSpec(model, _parse_shape(in_shape), classes, hidden=hidden, vocab=vocab, norm=norm, loss=loss))
-        if config is not None:
-            cfg = CollabConfig.from_json(config.read_text())
-        elif strategy is not None:
-            cfg = _strategy_config(strategy, spec, training, fixed, fusion_opt or [], emulate_wan)
-        else:
-            cfg = _options_config(centers, frameworks, devices, spec, training, fixed, fusion_opt or [],
-                                  root_set=root_data is not None)
+        cfg = _job_config(config, strategy, (centers, frameworks, devices), spec, training, fixed, fusion_opt or [],
+                          emulate_wan, root_data is not None)
         cfg = _center_options(cfg, source, link or [], samples, emulate_wan and strategy is None)
         cfg = _prune_options(cfg, prune, prune_rounds, prune_score, release, force, eval_data)
     if save_config is not None:
@@ -295,6 +290,20 @@ def collab_cmd(
         return
     _run_federation(cfg, engine, data_dir, synthetic, eval_data, root_data, out, lr=lr, momentum=momentum,
                     release=release, force=force)
+
+
+def _job_config(config: Path | None, strategy: Path | None, options: tuple[str, str, str], spec: Any,
+                training: dict[str, Any], fixed: dict[str, Any], fusion_opt: list[str], emulate_wan: bool,
+                root_set: bool) -> Any:
+    """The job: a saved configuration, a collaborative Strategy's, or the one ``--centers``,
+    ``--frameworks`` and ``--devices`` (``options``) describe."""
+    from polyparallel.backends.collab import CollabConfig
+
+    if config is not None:
+        return CollabConfig.from_json(config.read_text())
+    if strategy is not None:
+        return _strategy_config(strategy, spec, training, fixed, fusion_opt, emulate_wan)
+    return _options_config(*options, spec, training, fixed, fusion_opt, root_set=root_set)
 
 
 def _prune_options(cfg: Any, ratio: float | None, rounds: int | None, score: str, release: Path | None,
