@@ -117,6 +117,11 @@ def pruned_row(cfg: CollabConfig, res: Any, xte: np.ndarray, yte: np.ndarray) ->
             "groups_cut": len(rel["pruning"]["plan"])}
 
 
+def held_out(args: argparse.Namespace, model: str, arm: str, seed: int) -> bool:
+    """Whether no setting was chosen on this row: any row but ``--tuned``'s at ``--tuned-seed``."""
+    return f"{model}:{arm}" not in args.tuned.split(",") or seed != args.tuned_seed
+
+
 def run(args: argparse.Namespace) -> dict:
     xtr, ytr, xte, yte = load_fashion_mnist(Path(args.data))
     rng = np.random.default_rng(args.seed)
@@ -186,7 +191,7 @@ def run(args: argparse.Namespace) -> dict:
                 row["params_removed"] = 1 - row["params"] / u["params"]
                 row["flops_removed"] = 1 - row["flops"] / u["flops"]
                 row["points_lost"] = 100 * (u["accuracy"] - row["accuracy"])
-                row["held_out"] = f"{mname}:{arm}:{ratio:g}" not in args.tuned.split(",")
+                row["held_out"] = held_out(args, mname, f"{arm}:{ratio:g}", args.seed)
                 rows[f"{arm}:{ratio:g}"] = row
                 print(f"[{mname}] {arm}@{ratio:g} acc {row['accuracy']:.4f} (at cut {row['accuracy_at_cut']:.4f}) "
                       f"params -{100 * row['params_removed']:.1f}% FLOPs -{100 * row['flops_removed']:.1f}% "
@@ -270,6 +275,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="MODEL:ARM:RATIO,... (the unpruned arm always runs)")
     ap.add_argument("--tuned", default="resnet:online:0.5",
                     help="the rows the settings were chosen on (the others are marked held_out)")
+    ap.add_argument("--tuned-seed", type=int, default=0, help="the seed the settings were chosen at")
     ap.add_argument("--tuning-runs", default="",
                     help="JSON files of the tuning runs (this script with --only), kept in the output's 'tuning'")
     ap.add_argument("--merge", default="",
@@ -286,6 +292,8 @@ def main() -> None:
             for k, v in part["models"].items():
                 rows = res["models"].setdefault(k, {**v, "rows": {}})["rows"]
                 for arm, row in v["rows"].items():
+                    if "held_out" in row:
+                        row["held_out"] = held_out(args, k, arm, part["setting"]["seed"])
                     rows.setdefault(arm, row)
         keys = ("rounds", "local_steps", "lr", "prune_rounds", "score", "seed", "train_rows", "alpha")
         if any({k: p["setting"][k] for k in keys} != {k: res["setting"][k] for k in keys} for p in parts):
