@@ -11,8 +11,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+import polyparallel as pp
 from polyparallel._cli_graph import MODEL_HELP
-from polyparallel.cli import app, writable_file
+from polyparallel.cli import UserError, app, writable_file
 from polyparallel.cost_models.parallel_config import parse_execution
 from polyparallel.strategy import Strategy
 
@@ -34,14 +35,22 @@ SEQ_PAR_HELP = ("Megatron-style sequence parallelism: norms and dropouts split a
 PARTITION_HELP = "how layers are cut into pipeline stages: flops (balanced by priced time) or layers (equal counts)"
 SEQ_HELP = "sequence length of a built-in LM example (default: its own)"
 LAYERS_HELP = "number of blocks of a built-in LM example (default: its own)"
+DIM_HELP = "value of a dynamic dim of an .onnx MODEL, NAME=N (repeatable), e.g. --dim batch=8"
 
 
-def _load(model: str, seq: int | None = None, layers: int | None = None) -> tuple[Any, Any, dict[str, Any]]:
+def _load(model: str, seq: int | None = None, layers: int | None = None,
+          dims: list[str] | None = None) -> tuple[Any, Any, dict[str, Any]]:
+    """MODEL as ``(model, args, kwargs)``; an ONNX file with ``--dim NAME=N`` values for its dynamic dims
+    is captured with them (the planner takes the graph)."""
+    from polyparallel._cli_graph import parse_dims
     from polyparallel.models import load_model
 
     loaded = load_model(model, batch_size=None, seq_len=seq, layers=layers)
     if isinstance(loaded, Path):
-        return loaded, None, {}
+        values = parse_dims(dims)
+        return (pp.capture(loaded, dim_values=values) if values else loaded), None, {}
+    if dims:
+        raise UserError(f"--dim sets a dynamic dim of an .onnx model; {model} is not one (its example sets its shapes)")
     return loaded
 
 
@@ -116,6 +125,7 @@ def search_cmd(
     execution: Annotated[list[str] | None, typer.Option("--execution", "-x", help=EXECUTION_HELP)] = None,
     seq: Annotated[int | None, typer.Option(help=SEQ_HELP)] = None,
     layers: Annotated[int | None, typer.Option(help=LAYERS_HELP)] = None,
+    dim: Annotated[list[str] | None, typer.Option("--dim", help=DIM_HELP)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the strategy JSON")] = False,
 ) -> None:
     """Find the fastest parallel plan of MODEL that fits CLUSTER."""
@@ -133,7 +143,7 @@ def search_cmd(
     Constraints.of(constraints)  # a bad pin fails before the capture
     if out is not None:
         writable_file(out)
-    m, args, kwargs = _load(model, seq, layers)
+    m, args, kwargs = _load(model, seq, layers, dim)
     with console.status(f"searching {model} on {cluster} ...") as status:
         s = search(m, args, cluster, example_kwargs=kwargs, batch_size=batch_size, objective=objective,
                    constraints=constraints, exhaustive=exhaustive, profile=profile,
@@ -279,13 +289,14 @@ def evaluate_cmd(
     sequence_parallel: Annotated[bool, typer.Option("--sequence-parallel", help=SEQ_PAR_HELP)] = False,
     partition: Annotated[str | None, typer.Option(help=PARTITION_HELP)] = None,
     execution: Annotated[list[str] | None, typer.Option("--execution", "-x", help=EXECUTION_HELP)] = None,
+    dim: Annotated[list[str] | None, typer.Option("--dim", help=DIM_HELP)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the estimate as JSON")] = False,
 ) -> None:
     """Price a hand-made recipe with the search's cost model; unset choices are made as the search would."""
     from polyparallel.planning.plan_search import evaluate
 
     options = parse_execution(execution or [])  # a bad option fails before the capture
-    m, args, kwargs = _load(model, seq, layers)
+    m, args, kwargs = _load(model, seq, layers, dim)
     s = evaluate(m, args, cluster, example_kwargs=kwargs, dp=dp, tp=tp, pp=pp, sp=sp, ep=ep, microbatches=microbatches,
                  schedule=schedule, zero_stage=zero, recompute=recompute, batch_size=batch_size, dtype=dtype,
                  placements=placements, chunks=chunks, sequence_parallel=sequence_parallel, partition=partition,
@@ -293,7 +304,10 @@ def evaluate_cmd(
     if as_json:
         d = s.estimate.model_dump() if s.estimate else {}
         d.update({"dp": s.dp, "tp": s.tp, "pp": s.pp, "sp": s.sp, "ep": s.ep, "microbatches": s.microbatches,
-                  "schedule": s.schedule, "fits": not s.search.notes, "notes": s.search.notes})
+                  "schedule": s.schedule, "notes": s.search.notes,
+                  # evaluate's notes: what does not fit, and first, when train would refuse the recipe
+                  "fits": not [n for n in s.search.notes if not n.startswith("planning only")],
+                  "planning_only": any(n.startswith("planning only") for n in s.search.notes)})
         typer.echo(json.dumps(d, indent=1))
         return
     console = _console()

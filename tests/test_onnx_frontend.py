@@ -8,6 +8,7 @@ onnxruntime, and view/pool loop nests executed point by point against its result
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import warnings
 from pathlib import Path
@@ -415,6 +416,26 @@ def test_dynamic_dim_needs_a_value():
         capture_onnx(m)
     assert capture_onnx(m, dim_values={"batch": 3}).shape("y") == (3, 7, 16)
     assert capture_onnx(m, input_shapes={"x": [5, 7, 16]}).shape("y") == (5, 7, 16)
+
+
+def test_search_and_evaluate_take_a_dynamic_dim_on_the_command_line(tmp_path, capsys):
+    """The capture error tells the user to pass ``--dim batch=N``; search and evaluate take it (only
+    graph did), and refuse it for a model that is not an ONNX file."""
+    from polyparallel.cli import main
+
+    def run(*argv: str) -> int:
+        with pytest.raises(SystemExit) as e:
+            main(list(argv))
+        return int(e.value.code or 0)
+
+    path = tmp_path / "block.onnx"
+    onnx.save(_attention_block(2, 7, 16, 4), str(path))
+    assert run("search", str(path), "--dim", "batch=4", "--cluster", "local-cpu:2", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["global_batch"] == 8
+    assert run("evaluate", str(path), "--dim", "batch=4", "--dp", "2", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["fits"] is True
+    assert run("search", "gpt-tiny", "--dim", "batch=4") == 2
+    assert "--dim sets a dynamic dim of an .onnx model" in capsys.readouterr().err
 
 
 def test_anonymous_dynamic_dim_named_by_input_and_axis():
