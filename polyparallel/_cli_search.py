@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 import polyparallel as pp
-from polyparallel._cli_graph import MODEL_HELP
+from polyparallel._cli_graph import MODEL_HELP, parse_dims
 from polyparallel.cli import UserError, app, writable_file
 from polyparallel.cost_models.parallel_config import parse_execution
 from polyparallel.strategy import Strategy
@@ -42,7 +42,6 @@ def _load(model: str, seq: int | None = None, layers: int | None = None,
           dims: list[str] | None = None) -> tuple[Any, Any, dict[str, Any]]:
     """MODEL as ``(model, args, kwargs)``; an ONNX file with ``--dim NAME=N`` values for its dynamic dims
     is captured with them (the planner takes the graph)."""
-    from polyparallel._cli_graph import parse_dims
     from polyparallel.models import load_model
 
     loaded = load_model(model, batch_size=None, seq_len=seq, layers=layers)
