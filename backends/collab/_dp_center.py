@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 import polyparallel as pp
+from polyparallel.strategy import op_placements_of
 from polyparallel.transforms import canonicalize, fuse_elementwise
 
 from ._center import CenterData, batch_indices, evaluate_torch, local_sgd
@@ -116,7 +117,6 @@ def _as_searched(s: Any, record: Any, graph: Any) -> Any:
     center's own pricing on ``local-cpu:P`` could place its ops otherwise). Raises ``Unsupported``
     when they name ops or modules this center's capture of the model does not have."""
     from polyparallel.backends.torch._plan import Unsupported
-    from polyparallel.strategy import op_placements_of
 
     groups = op_placements_of(record)
     modules = {o.name: o.module or "" for o in graph.ops}

@@ -127,17 +127,18 @@ def center_checked(mdl: ModelGraphs, cl: Cluster, best: Best, B: int, devs: list
     backend's check for a run that calls the model's own forward on each rank's shards
     (``Executor.own_forward_check``: what a center's local steps do), with the example's call.
     Returns that plan's synchronous Strategy, placed as ``c.placements`` says (its per-op placements
-    are what the center runs: :func:`~polyparallel.backends.collab._center_plan.placements_record`),
-    and the refused plans' reasons; ``(None, reasons)`` with ``best.est`` None when every plan is
-    refused. A model that is not a torch module is not checked (no center runs it)."""
+    are what the center runs: :func:`polyparallel.strategy.center_placements`), and the refused
+    plans' reasons; ``(None, reasons)`` with ``best.est`` None when every plan is refused. A model
+    that is not a torch module is not checked (no center runs it)."""
     import torch
 
     check = executor("torch").own_forward_check
+    checked = isinstance(mdl.model, torch.nn.Module)
     refused: list[str] = []
     while best.est is not None:
         assert best.chosen is not None  # the candidate behind best.est
         strat = strategy_of(mdl, cl, best.est, best.b, B, devs, SearchRecord(), c.placements, c.memory_cap)
-        if not isinstance(mdl.model, torch.nn.Module):
+        if not checked:
             return strat, refused
         try:
             check(strat, mdl.model, tuple(mdl.args), dict(mdl.kwargs), mdl.exact(best.b))

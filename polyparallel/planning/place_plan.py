@@ -55,12 +55,13 @@ MODES = ("torch", "any", "rule")
 
 
 
-def _not_run(ops: list[Op], placed: dict[str, Any], expressible: Any) -> list[str]:
-    """The solver's placements the backend does not execute: the rule's placement is always among an
-    op's candidates (so the solver never prices above the rule), also where the backend cannot run it
-    (a convolution's image rows, HF GPT-2's Conv1D columns), and the solver may choose it."""
+def _not_run(whose: str, ops: list[Op], placed: dict[str, Any], expressible: Any) -> list[str]:
+    """Why the torch backend does not execute ``placed`` on ``ops`` op by op (``whose``: the rule's
+    or the solver's); empty when it does. The rule's placement is always among an op's candidates
+    (so the solver never prices above the rule), also where the backend cannot run it (a
+    convolution's image rows, HF GPT-2's Conv1D columns), and the solver may choose it."""
     bad = [f"{o.name} ({placed[o.name]})" for o in ops if o.name in placed and not expressible(o, placed[o.name])]
-    return [f"the solver's placement of {bad[0]} is not executed"] if bad else []
+    return [f"the {whose} placement of {bad[0]} is not executed"] if bad else []
 
 
 @dataclass(frozen=True)
@@ -152,8 +153,7 @@ def _place_stages(g: Graph, cl: Cluster, est: StepEstimate, stage_ops: list[list
         """Why the backend cannot run the rule's placements of these ops (empty: it can)."""
         placed = {o.name: tp_part(o) or Placement() for o in ops}
         assert expressible is not None  # asked only of the torch target's stages
-        bad = [f"{o.name} ({placed[o.name]})" for o in ops if not expressible(o, placed[o.name])]
-        return [f"the rule's placement of {bad[0]} is not executed"] if bad else torch.chain_problems(g, placed, mesh)
+        return _not_run("rule's", ops, placed, expressible) or torch.chain_problems(g, placed, mesh)
 
     stages = []
     for s, ops in enumerate(stage_ops):
@@ -168,7 +168,8 @@ def _place_stages(g: Graph, cl: Cluster, est: StepEstimate, stage_ops: list[list
         if rule_obj >= FORBIDDEN:  # a pair the edge model forbids: not a price (the step estimate prices the plan)
             rule_obj = 0.0
         placed = {name: Placement.parse(pl) for name, pl in plan.placements.items()}
-        why = _not_run(ops, placed, expressible) + torch.chain_problems(g, placed, mesh) if mode == "torch" else []
+        why = ((_not_run("solver's", ops, placed, expressible) + torch.chain_problems(g, placed, mesh))
+               if mode == "torch" else [])
         rule_why = rule_runs(ops) if why else []
         if why and rule_why:
             # neither runs: every op of the stage replicated over tp (the stage computes redundantly,

@@ -384,8 +384,7 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
 
 
 def _on_fewer_devices(best: Best, mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: list[int],
-                      exhaustive: bool, objective: str, say: Callable[[str], None],
-                      rank_by: str | None = None) -> tuple[Best, list[int]]:
+                      exhaustive: bool, objective: str, say: Callable[[str], None]) -> tuple[Best, list[int]]:
     """A plan whose tp splits no op is the same step on ``1/tp`` of the devices with tp=1, which a
     user would rather have (the other devices stay free); the search is run again on the first
     ``len(devs) / tp`` devices and its plan taken when it is no slower. With tp pinned, or
@@ -393,7 +392,7 @@ def _on_fewer_devices(best: Best, mdl: ModelGraphs, cl: Cluster, B: int, c: Cons
     while replicates_over_tp(best.est) and c.tp is None and c.devices is None:
         assert best.est is not None
         tp, fewer = best.est.config.tp, devs[: len(devs) // best.est.config.tp]
-        smaller = _search_sync(mdl, cl, B, c, fewer, exhaustive, objective, say, rank_by=rank_by)
+        smaller = _search_sync(mdl, cl, B, c, fewer, exhaustive, objective, say)
         if smaller.est is None or smaller.est.step_time > best.est.step_time * (1 + 1e-9):
             break
         # what was left out on all the devices stays said (the smaller search may have no such plans)
