@@ -80,7 +80,6 @@ Examples:
 
 from __future__ import annotations
 
-import bisect
 import functools
 import itertools
 import math
@@ -461,11 +460,8 @@ def _fa1_row(device: DeviceType, dtype: str,
     seq, d, causal, flops = shape
     block = 64 if d <= 64 else 128
     rates = _FA1_TFLOPS[(family, causal, block)]
-    x = math.log(min(max(seq, _ATTENTION_SEQ[0]), _ATTENTION_SEQ[-1]))
-    logs = [math.log(s) for s in _ATTENTION_SEQ]
-    i = min(max(bisect.bisect_right(logs, x) - 1, 0), len(logs) - 2)
-    w = (x - logs[i]) / (logs[i + 1] - logs[i])
-    rate = math.exp((1 - w) * math.log(rates[i]) + w * math.log(rates[i + 1])) * 1e12 * d / block
+    loglog = [(math.log(s), math.log(r)) for s, r in zip(_ATTENTION_SEQ, rates, strict=True)]
+    rate = math.exp(_interp(loglog, math.log(seq))) * 1e12 * d / block
     published = 4.0 * seq * seq * d / (2 if causal else 1)  # one (batch, head) pair, FlashAttention's count
     scale = _rate_scale(device, dtype, family)
     return flops, published / rate * scale, 2.5 * published / rate * scale
