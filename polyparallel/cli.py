@@ -27,7 +27,7 @@ app = typer.Typer(
 # Modules that add commands to `app` when imported. Keep the list explicit.
 _COMMAND_MODULES = ("polyparallel._cli_graph", "polyparallel._cli_cluster", "polyparallel._cli_search",
                     "polyparallel._cli_collab", "polyparallel._cli_train", "polyparallel._cli_report",
-                    "polyparallel._cli_simulate")
+                    "polyparallel._cli_simulate", "polyparallel._cli_tasks")
 
 
 def _version(value: bool) -> None:
@@ -62,7 +62,7 @@ def writable_file(path: Path, flag: str = "--out") -> Path:
 
 #: optional dependency (top-level module) -> the pyproject extra that installs it
 OPTIONAL_EXTRAS = {"flwr": "collab", "sklearn": "collab", "mindspore": "mindspore", "onnxruntime": "onnx",
-                   "onnxscript": "onnx", "transformers": "hf"}
+                   "onnxscript": "onnx", "transformers": "hf", "paddle": "paddle", "tensorflow": "tensorflow"}
 
 
 def _load_commands() -> None:
