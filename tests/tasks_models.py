@@ -60,10 +60,11 @@ def center_digits(center: str) -> tuple[np.ndarray, np.ndarray]:
     return x[rows], y[rows]
 
 
-def write_digits_tasks(folder: Path, centers: int = 4, **overrides: Any) -> Path:
+def write_digits_tasks(folder: Path, centers: int = 4, names: list[str] | None = None, **overrides: Any) -> Path:
     """A digits task folder: rows 0..999 (shuffled) over ``centers`` centers (c0, c1, ...), rows 1000..1299 as
     the public set (labels dropped), 1300..1796 as the evaluation set; two groups, the residual CNN on the first
-    half of the centers and the MLP on the second. ``overrides`` replace top-level keys; returns tasks.yaml."""
+    half of the centers and the MLP on the second; ``names``: the centers' names (default c0, c1, ...).
+    ``overrides`` replace top-level keys (None drops one); returns the task file's path."""
     folder.mkdir(parents=True, exist_ok=True)
     x, y = digits()
     order = np.random.default_rng(0).permutation(len(y))
@@ -76,7 +77,8 @@ def write_digits_tasks(folder: Path, centers: int = 4, **overrides: Any) -> Path
     task = {
         "algorithms": {"resnet": {"model": "tests.tasks_models:resnet", "framework": "torch", "loss": "auto"},
                        "mlp": {"model": "tests.tasks_models:mlp"}},
-        "datasets": {f"d{i}": {"path": f"c{i}.npz", "center": f"c{i}"} for i in range(centers)},
+        "datasets": {f"d{i}": {"path": f"c{i}.npz", "center": (names or [])[i] if names else f"c{i}"}
+                     for i in range(centers)},
         "groups": {"cnn": {"algorithm": "resnet", "datasets": [f"d{i}" for i in range(half)]},
                    "dense": {"algorithm": "mlp", "datasets": [f"d{i}" for i in range(half, centers)]}},
         "eval": "eval.npz", "public": "public.npz", "fusion": "auto",

@@ -105,13 +105,9 @@ def test_plan_with_cluster_prices_each_center_and_simulates_the_group(tmp_path: 
     from polyparallel.cost_models.collab_simulator import SimInputs, simulate_rounds
 
     names = ["beijing", "shanghai", "chengdu"]
-    path = write_digits_tasks(tmp_path, centers=3, cluster="aisynergy-5", groups={
+    path = write_digits_tasks(tmp_path, centers=3, names=names, cluster="aisynergy-5", groups={
         "cnn": {"algorithm": "resnet", "datasets": ["d0", "d1"]},
         "dense": {"algorithm": "mlp", "datasets": ["d2"], "rounds": 4}})
-    raw = yaml.safe_load(path.read_text())
-    for i, n in enumerate(names):
-        raw["datasets"][f"d{i}"]["center"] = n
-    path.write_text(yaml.safe_dump(raw))
     with pytest.raises(SystemExit):
         main(["tasks", "plan", str(path), "--json"])
     plans = json.loads(capsys.readouterr().out)
