@@ -27,7 +27,8 @@ from polyparallel._cli_progress import LineProgress
 from polyparallel.cli import UserError, app
 from polyparallel.cluster.units import parse_quantity
 
-_FW_HELP = "framework per center, comma separated (torch, mindspore); default all torch"
+_FW_HELP = ("framework per center, comma separated (torch, mindspore, paddle, tensorflow); default all torch. Several "
+            "in one process are imported in the one order they share it: torch, mindspore, paddle, tensorflow")
 
 
 def _parse_shape(text: str) -> tuple[int, ...]:
@@ -35,6 +36,22 @@ def _parse_shape(text: str) -> tuple[int, ...]:
         return tuple(int(d) for d in text.split(","))
     except ValueError:
         raise UserError(f"--in-shape {text!r}: give integers separated by commas, e.g. 1,28,28") from None
+
+
+def _parse_builders(items: list[str]) -> dict[str, str]:
+    """``--builder FRAMEWORK=MODULE:FUNCTION`` (and ``--mindspore-model``) → framework → reference."""
+    from polyparallel.backends.collab._models import FOREIGN_FRAMEWORKS
+
+    out: dict[str, str] = {}
+    for it in items:
+        fw, sep, ref = (x.strip() for x in it.partition("="))
+        if not sep or fw not in FOREIGN_FRAMEWORKS or ":" not in ref:
+            raise UserError(f"--builder {it!r}: use FRAMEWORK=MODULE:FUNCTION with FRAMEWORK one of "
+                            f"{', '.join(FOREIGN_FRAMEWORKS)} (the torch model is --model)")
+        if out.get(fw, ref) != ref:
+            raise UserError(f"two builders for {fw}: {out[fw]!r} and {ref!r} (--builder / --mindspore-model)")
+        out[fw] = ref
+    return out
 
 
 def _parse_options(items: list[str]) -> dict[str, float]:
@@ -178,9 +195,12 @@ def collab_cmd(
         "--devices", help="devices per center, comma separated (torch centers with > 1 train data parallel)")] = "",
     model: Annotated[str, typer.Option(
         "--model", help="mlp, cnn, embbag, or your model as MODULE:FUNCTION (returns an nn.Module)")] = "mlp",
+    builder: Annotated[list[str] | None, typer.Option(
+        "--builder", help="for a MODULE:FUNCTION --model on centers of another framework: FRAMEWORK=MODULE:FUNCTION "
+        "returning the same architecture there (mindspore: an nn.Cell, paddle: a paddle.nn.Layer, tensorflow: a "
+        "keras.Model); the parameter map is inferred and checked before round 1. Repeatable")] = None,
     mindspore_model: Annotated[str, typer.Option(
-        "--mindspore-model", help="for a MODULE:FUNCTION --model on MindSpore centers: MODULE:FUNCTION returning the "
-        "same architecture as a mindspore.nn.Cell (the parameter map is inferred and checked before round 1)")] = "",
+        "--mindspore-model", help="the same as --builder mindspore=MODULE:FUNCTION")] = "",
     loss: Annotated[str, typer.Option(
         "--loss", help="auto (the model's own loss if its forward takes labels, else cross_entropy), model, "
         "cross_entropy (over the last dim, -100 ignored) or mse")] = "auto",
@@ -278,7 +298,11 @@ def collab_cmd(
                     step_bound=step_bound, min_cosine=min_cosine)
     fixed = dict(rounds=rounds, local_steps=local_steps, fusion=fusion, compression=compression)  # or the Strategy's
     with _user_errors(ValueError, KeyError, json.JSONDecodeError):
-        spec = (ModelSpec(model, loss=loss, mindspore=mindspore_model) if ":" in model else
+        builders = _parse_builders([*(builder or []), *([f"mindspore={mindspore_model}"] if mindspore_model else [])])
+        if builders and ":" not in model:
+            raise UserError(f"--builder is for your own --model MODULE:FUNCTION; the built-in {model!r} has its model "
+                            "in every framework already")
+        spec = (ModelSpec(model, loss=loss, builders=builders) if ":" in model else
                 ModelSpec(model, _parse_shape(in_shape), classes, hidden=hidden, vocab=vocab, norm=norm, loss=loss))
         cfg = _job_config(config, strategy, (centers, frameworks, devices), spec, training, fixed, fusion_opt or [],
                           emulate_wan, root_data is not None)
@@ -420,16 +444,22 @@ def _server_sets(cfg: Any, eval_data: Path | None, root_data: Path | None) -> tu
     return ev, kw
 
 
-def _centers_data(cfg: Any, data_dir: Path | None, synthetic: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """The centers' data, their user code (model, MindSpore model, data sources) checked first here:
+def _centers_data(cfg: Any, data_dir: Path | None, synthetic: int,
+                  inprocess: bool = True) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The centers' data, their user code (model, other frameworks' builders, data sources) checked first here:
     the centers import it themselves, and an error here is one line."""
+    from polyparallel.backends.collab._foreign import import_frameworks
     from polyparallel.backends.collab._models import build_torch_model, resolve_reference
 
     with _user_errors(ValueError, TypeError):
         if cfg.model.user:
             build_torch_model(cfg.model)
-        if cfg.model.mindspore and any(c.framework == "mindspore" for c in cfg.centers):
-            resolve_reference(cfg.model.mindspore, "MindSpore model")
+        foreign = {c.framework for c in cfg.centers} - {"torch"}
+        if inprocess:  # one process: its frameworks in the order they share it, before any user module imports one
+            import_frameworks(foreign)
+        for fw in sorted(foreign) if inprocess else ():  # a Flower center checks its own builder, in its process
+            if cfg.model.builder_for(fw):
+                resolve_reference(cfg.model.builder_for(fw), f"{fw} model")
         for c in cfg.centers:
             if c.data:
                 resolve_reference(c.data, "data source")
@@ -448,7 +478,7 @@ def _run_federation(cfg: Any, engine: str, data_dir: Path | None, synthetic: int
         raise UserError(f"--lr {lr} --momentum {momentum}: the learning rate must be a positive finite number "
                         "(e.g. 0.05) and the momentum in [0, 1)")
     ev, kw = _server_sets(cfg, eval_data, root_data)
-    d = _centers_data(cfg, data_dir, synthetic)
+    d = _centers_data(cfg, data_dir, synthetic, inprocess=engine == "inprocess")
     rows = next(iter(d.values()), None)  # a center's (x, y): the server's sets must have its features
     for flag, arrays in (("--eval-data", ev), ("--root-data", kw.get("root_data"))):
         if arrays is not None and rows is not None and tuple(arrays[0].shape[1:]) != tuple(rows[0].shape[1:]):
@@ -598,6 +628,10 @@ def center_cmd(
     = 60.0,
     reconnect: Annotated[float, typer.Option(
         "--reconnect", help="seconds to keep reconnecting after the server went away (e.g. restarted)")] = 600.0,
+    framework: Annotated[str | None, typer.Option(
+        "--framework", help="the framework the job trains this center in (torch, mindspore, paddle, tensorflow): "
+        "checked importable here before joining; the center trains with this command's Python, so start it with "
+        "the Python of the environment that has the framework")] = None,
 ) -> None:
     """Start one center of a deployment: a SuperNode and a long-lived trainer; runs until stopped.
 
@@ -610,6 +644,11 @@ def center_cmd(
     d_path, source = _data_option(data)
     if d_path is not None and not d_path.exists():
         raise UserError(f"--data {data}: no such file (an .npz with arrays x and y) and not a MODULE:FUNCTION")
+    if framework is not None:
+        from polyparallel.backends.collab._foreign import import_frameworks
+
+        with _user_errors(ValueError):
+            import_frameworks([framework])
     if (ca is None) != (key is None):
         raise UserError("--ca and --key go together (TLS and node authentication)")
     creds = None

@@ -16,7 +16,6 @@ from polyparallel.backends.collab import (  # noqa: E402
     build_torch_model,
     load_torch_state,
     run_inprocess,
-    torch_state,
 )
 from polyparallel.backends.collab._mindspore import (  # noqa: E402
     MindSporeTrainer,
@@ -27,6 +26,7 @@ from polyparallel.backends.collab._mindspore import (  # noqa: E402
     parameter_map,
     torch_to_mindspore,
 )
+from tests.collab_fixtures import perturbed_state  # noqa: E402
 
 SPECS = {
     "mlp": ModelSpec("mlp", (6,), 3, hidden=8),                     # Linear, LayerNorm
@@ -35,12 +35,7 @@ SPECS = {
 }
 
 
-def _perturbed_state(spec, seed=0):
-    """Torch state with non-default values everywhere (BN statistics, LN affine) so the map is tested."""
-    rng = np.random.default_rng(seed)
-    sd = {k: v + rng.normal(scale=0.2, size=v.shape).astype(np.float32)
-          for k, v in torch_state(build_torch_model(spec, seed=1)).items()}
-    return {k: (np.abs(v) + 0.5 if "running_var" in k else v) for k, v in sd.items()}
+_perturbed_state = perturbed_state  # torch state with non-default values everywhere, so the map is tested
 
 
 def _inputs(spec, n=4, seed=1):

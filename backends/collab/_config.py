@@ -186,12 +186,15 @@ class CollabConfig:
         if not self.round_timeout_s > 0:
             raise ValueError(f"round_timeout_s must be > 0, got {self.round_timeout_s}")
         if self.model.user:
-            other = [c.name for c in self.centers if c.framework != "torch"]
-            if other and not self.model.mindspore:
-                raise ValueError(f"centers {other} train in MindSpore, but model {self.model.kind!r} is a torch "
-                                 "model: give the same architecture as a MindSpore Cell builder, "
-                                 "ModelSpec(mindspore='package.module:function') (--mindspore-model), or use "
-                                 "framework='torch' for them")
+            for fw in sorted({c.framework for c in self.centers} - {"torch"}):
+                other = [c.name for c in self.centers if c.framework == fw]
+                if not self.model.builder_for(fw):
+                    how = ("a MindSpore Cell builder, ModelSpec(mindspore='package.module:function') (--mindspore-model"
+                           " or --builder mindspore=MODULE:FUNCTION)" if fw == "mindspore" else
+                           f"a {fw} model builder, ModelSpec(builders={{'{fw}': 'package.module:function'}}) "
+                           f"(--builder {fw}=MODULE:FUNCTION)")
+                    raise ValueError(f"centers {other} train in {fw}, but model {self.model.kind!r} is a torch "
+                                     f"model: give the same architecture as {how}, or use framework='torch' for them")
             if self.logit_adjust:
                 raise ValueError("logit_adjust needs the class count of a built-in classifier; for a user model "
                                  "set logit_adjust=0")
@@ -200,7 +203,8 @@ class CollabConfig:
             if other:
                 raise ValueError(f"fusion {self.fusion!r} corrects every local gradient with control variates, "
                                  f"which is implemented for single-process torch centers; centers {other} run "
-                                 "MindSpore or several devices: use framework='torch', devices=1 or another fusion")
+                                 "another framework or several devices: use framework='torch', devices=1 or another "
+                                 "fusion")
         if self.prune is not None:
             self._check_prune(self.prune)
 
@@ -221,7 +225,7 @@ class CollabConfig:
         other = [c.name for c in self.centers if c.framework != "torch" or c.devices > 1]
         if other:
             raise ValueError(f"pruning is implemented for single-process torch centers; centers {other} run "
-                             "MindSpore or several devices")
+                             "another framework or several devices")
 
     @property
     def required_centers(self) -> int:
@@ -241,7 +245,7 @@ class CollabConfig:
 
     def to_json(self) -> str:
         d = asdict(self)
-        d["model"] = asdict(self.model)
+        d["model"] = self.model.to_dict()
         if self.prune is None:  # a job without pruning writes the JSON it wrote before pruning existed
             del d["prune"]
         return json.dumps(d, sort_keys=True)

@@ -18,6 +18,7 @@ import numpy as np
 
 from ._center import LocalTrainer, center_evaluate, center_round, evaluate_torch, load_center_data
 from ._config import CollabConfig
+from ._foreign import import_frameworks
 from ._fusion import Params
 from ._link import LinkThrottle, nbytes_of
 from ._models import build_torch_model, torch_state
@@ -153,6 +154,7 @@ def run_inprocess(config: CollabConfig, data: Data | None = None, *,
     """
     check_data(config, data)
     data = data or {}
+    import_frameworks({c.framework for c in config.centers})  # together, in the one order they share a process
     timing = TimingLog(timing_path)
     pool: dict[str, LocalTrainer] = {
         c.name: make_trainer(config, c.name, *(data[c.name] if c.name in data else load_center_data(c.data, c.name)))

@@ -11,12 +11,13 @@ importable there (the Flower engine passes ``PYTHONPATH`` down). The exchanged t
 module's ``state_dict`` entries (floating parameters and buffers) under their own names.
 
 Builders are looked up per framework (:data:`MODEL_BUILDERS`, :func:`build_model`): a torch center
-builds with :func:`build_torch_model`, a MindSpore center with ``_mindspore.build_mindspore_model``
-(a user model's cell comes from ``ModelSpec.mindspore``). Another framework is one more entry.
+builds with :func:`build_torch_model`, a MindSpore, PaddlePaddle or TensorFlow center with its
+framework's builder (a user model's comes from ``ModelSpec.builder_for``: ``mindspore=`` or
+``builders=``). Another framework is one more entry.
 
-Built-in kinds — a torch center and a MindSpore center build the *same architecture* and exchange
-parameters through the map inferred in :mod:`._mindspore` (attribute names are identical in
-both frameworks on purpose):
+Built-in kinds — torch, MindSpore, Paddle and Keras centers build the *same architecture* and exchange
+parameters through the map inferred in :mod:`._foreign` (attribute names are identical in every
+framework on purpose):
 
 - ``mlp``:    flatten → ``fc1`` Linear → ``norm`` LayerNorm → ReLU → ``fc2`` Linear
 - ``cnn``:    ``conv1`` 3×3 → ``bn1`` → ReLU → maxpool 2 → ``conv2`` 3×3 → ``bn2`` → ReLU → maxpool 2
@@ -30,7 +31,7 @@ both frameworks on purpose):
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -38,10 +39,13 @@ import numpy as np
 
 from polyparallel.references import is_reference, resolve
 
-__all__ = ["LOSSES", "MODEL_BUILDERS", "MODEL_KINDS", "ModelSpec", "build_model", "build_torch_model",
-           "is_reference", "load_torch_state", "resolve_reference", "torch_state"]
+__all__ = ["FOREIGN_FRAMEWORKS", "LOSSES", "MODEL_BUILDERS", "MODEL_KINDS", "ModelSpec", "build_model",
+           "build_torch_model", "is_reference", "load_torch_state", "resolve_reference", "torch_state"]
 
 MODEL_KINDS = ("mlp", "cnn", "embbag")
+
+#: the frameworks a center may train in besides torch (each builds the model itself, ``_foreign``)
+FOREIGN_FRAMEWORKS = ("mindspore", "paddle", "tensorflow")
 
 #: ``auto``: the model's own loss when its forward takes labels (see :mod:`._objective`), else
 #: ``cross_entropy``; ``model``: the model's own loss, required; ``cross_entropy`` over the last
@@ -73,7 +77,11 @@ class ModelSpec:
         loss: one of :data:`LOSSES` (the built-in kinds are classifiers: ``auto`` or ``cross_entropy``).
         mindspore: for a user model, the same architecture as a ``mindspore.nn.Cell``:
             ``"package.module:function"`` returning the cell, which MindSpore centers build and map to
-            the torch tensors (``_mindspore``); empty: the model trains on torch centers only.
+            the torch tensors (``_foreign``); empty: no MindSpore center can train it.
+        builders: for a user model, its builder in other frameworks: ``(framework, "package.module:function")``
+            pairs (a dict is accepted), e.g. ``{"paddle": "m:paddle_cnn", "tensorflow": "m:keras_cnn"}``
+            returning a ``paddle.nn.Layer`` / ``keras.Model`` of the same architecture; a ``mindspore``
+            entry is the same as ``mindspore=``. A framework without one cannot train the model.
     """
 
     kind: str
@@ -84,6 +92,27 @@ class ModelSpec:
     norm: str = "batch"
     loss: str = "auto"
     mindspore: str = ""
+    builders: tuple[tuple[str, str], ...] = ()
+
+    def builder_for(self, framework: str) -> str:
+        """The user's builder of the model in ``framework`` (``""``: none given)."""
+        return self.mindspore if framework == "mindspore" else dict(self.builders).get(framework, "")
+
+    def _normalize_builders(self) -> None:
+        b = dict(self.builders.items() if isinstance(self.builders, Mapping) else (tuple(kv) for kv in self.builders))
+        ms = b.pop("mindspore", "")
+        if ms and self.mindspore and ms != self.mindspore:
+            raise ValueError(f"two MindSpore builders: mindspore={self.mindspore!r} and builders['mindspore']={ms!r}")
+        if ms:
+            object.__setattr__(self, "mindspore", ms)
+        for fw, ref in b.items():
+            if fw not in FOREIGN_FRAMEWORKS:
+                raise ValueError(f"builder for framework {fw!r}: give one of {FOREIGN_FRAMEWORKS} (the torch model is "
+                                 "the model itself)")
+            if not is_reference(ref):
+                raise ValueError(f"{fw} model {ref!r}: expected 'package.module:function' (a function returning the "
+                                 "same architecture in that framework)")
+        object.__setattr__(self, "builders", tuple(sorted(b.items())))
 
     @property
     def user(self) -> bool:
@@ -92,6 +121,7 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "in_shape", tuple(int(d) for d in self.in_shape))
+        self._normalize_builders()
         if self.loss not in LOSSES:
             raise ValueError(f"unknown loss {self.loss!r}; choose one of {LOSSES}")
         if self.user:
@@ -108,6 +138,9 @@ class ModelSpec:
         if self.mindspore:
             raise ValueError(f"the built-in {self.kind!r} has its MindSpore model already; mindspore="
                              f"{self.mindspore!r} is for a user model ('package.module:function')")
+        if self.builders:
+            raise ValueError(f"the built-in {self.kind!r} has its model in every framework already; builders "
+                             f"{dict(self.builders)} are for a user model ('package.module:function')")
         if self.loss not in ("auto", "cross_entropy"):
             raise ValueError(f"the built-in {self.kind!r} is a classifier: loss 'auto' or 'cross_entropy' "
                              f"(loss {self.loss!r} needs a user model, 'package.module:function')")
@@ -120,8 +153,15 @@ class ModelSpec:
         if self.num_classes <= 0 or self.hidden <= 0:
             raise ValueError("num_classes and hidden must be positive")
 
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON takes them (``builders`` left out when there are none, as before they existed)."""
+        d = asdict(self)
+        if not self.builders:
+            del d["builders"]
+        return d
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return json.dumps(self.to_dict())
 
     @classmethod
     def from_json(cls, text: str) -> ModelSpec:
@@ -134,6 +174,8 @@ class ModelSpec:
 MODEL_BUILDERS: dict[str, str] = {
     "torch": "polyparallel.backends.collab._models:build_torch_model",
     "mindspore": "polyparallel.backends.collab._mindspore:build_mindspore_seeded",
+    "paddle": "polyparallel.backends.collab._paddle:build_paddle_model",
+    "tensorflow": "polyparallel.backends.collab._keras:build_keras_model",
 }
 
 

@@ -11,7 +11,8 @@ import numpy as np
 from ._center import LocalTrainer, TorchTrainer, split_holdout
 from ._config import CollabConfig
 from ._dp_center import PlannedTrainer
-from ._mindspore import MindSporeTrainer
+from ._foreign import ForeignTrainer
+from ._param_map import DISPLAY
 
 __all__ = ["TRAINERS", "make_trainer"]
 
@@ -24,17 +25,19 @@ def _torch_trainer(config: CollabConfig, center: str, x: np.ndarray, y: np.ndarr
     return TorchTrainer(config.model, x, y, **kw)
 
 
-def _mindspore_trainer(config: CollabConfig, center: str, x: np.ndarray, y: np.ndarray, kw: dict[str, Any]) -> Any:
+def _foreign_trainer(config: CollabConfig, center: str, x: np.ndarray, y: np.ndarray, kw: dict[str, Any]) -> Any:
+    """A MindSpore, Paddle or TensorFlow center (:class:`._foreign.ForeignTrainer`)."""
     spec = config.center(center)
     if spec.devices > 1:
-        raise ValueError(f"center {center!r}: MindSpore centers train in one process; data parallelism inside "
-                         f"a center ({spec.devices} devices) is implemented for torch centers — set devices=1 "
-                         "or framework='torch'")
-    return MindSporeTrainer(config.model, x, y, **kw)
+        raise ValueError(f"center {center!r}: {DISPLAY[spec.framework]} centers train in one process; data "
+                         f"parallelism inside a center ({spec.devices} devices) is implemented for torch centers — "
+                         "set devices=1 or framework='torch'")
+    return ForeignTrainer(config.model, x, y, framework=spec.framework, **kw)
 
 
 #: framework -> its trainer factory ``(config, center, x, y, common options) -> LocalTrainer``
-TRAINERS: dict[str, Any] = {"torch": _torch_trainer, "mindspore": _mindspore_trainer}
+TRAINERS: dict[str, Any] = {"torch": _torch_trainer, "mindspore": _foreign_trainer, "paddle": _foreign_trainer,
+                            "tensorflow": _foreign_trainer}
 
 
 def make_trainer(config: CollabConfig, center: str, x: np.ndarray, y: np.ndarray) -> LocalTrainer:

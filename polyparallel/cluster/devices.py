@@ -9,7 +9,7 @@ from typing import Any
 
 from polyparallel.cluster.units import format_bandwidth, format_duration
 
-FRAMEWORKS = ("torch", "mindspore")
+FRAMEWORKS = ("torch", "mindspore", "paddle", "tensorflow")
 LEVELS = ("intra_node", "inter_node", "inter_center")
 
 # Which dtype's figure prices an op when the device publishes none for the dtype asked:
