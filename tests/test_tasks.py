@@ -277,3 +277,26 @@ def test_distill_without_public_set_uses_synthetic_inputs(tmp_path: Path) -> Non
     assert d.val_accuracy >= max(outcome.member_val.values()) - 1e-12
     x, _ = digits()
     assert d.module(__import__("torch").from_numpy(x[:5])).shape == (5, 10)
+
+
+@pytest.mark.slow
+def test_groups_over_flower_train_what_the_inprocess_engine_trains(tmp_path: Path) -> None:
+    """Each group over a SuperLink and one SuperNode per center (loopback, FLWR_HOME in the group's folder)
+    gives the in-process members bit for bit, and no process outlives it."""
+    from polyparallel.backends.collab._flower import LoopbackFederation
+    from polyparallel.backends.collab._tasks import load_datasets, load_npz, run_groups
+
+    path = write_digits_tasks(tmp_path, centers=4, training={"rounds": 2, "local_steps": 4, "batch_size": 16})
+    ts = load_tasks(path)
+    data = load_datasets(ts)
+    ev = load_npz(str(tmp_path / "eval.npz"), "eval")
+    here = run_groups(ts, data, ev)
+    seen: list[str] = []
+    there = run_groups(ts, data, ev, engine="flower", workdir=tmp_path / "flower", timeout_s=240,
+                       on_round=lambda g, r: seen.append(f"{g.name}:{r.round}"))
+    assert seen == ["cnn:1", "cnn:2", "dense:1", "dense:2"]
+    for a, b in zip(here, there):
+        assert a.name == b.name and a.samples == b.samples
+        for k in a.params:
+            np.testing.assert_array_equal(a.params[k], b.params[k])
+        assert not LoopbackFederation(tmp_path / "flower" / a.name, {}).stray_pids()

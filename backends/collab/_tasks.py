@@ -543,8 +543,11 @@ def run_groups(ts: TaskSet, data: Datasets, eval_data: Data, *, engine: str = "i
         cfg = ts.config(g)
         d = data.center_train(ts, g)
         t0 = time.perf_counter()
+        opts = dict(options)
+        if opts.get("workdir") is not None:  # a Flower run's folder: one per group
+            opts["workdir"] = Path(opts["workdir"]) / g.name
         res = collaborate(cfg, d, engine=engine, eval_data=eval_data,
-                          on_round=(lambda r, g=g: on_round(g, r)) if on_round else None, **options)
+                          on_round=(lambda r, g=g: on_round(g, r)) if on_round else None, **opts)
         if not res.ok:
             raise RuntimeError(f"group {g.name}: {res.problem}")
         members.append(Member(g.name, g.algorithm, g.model, dict(res.params), sum(len(v[1]) for v in d.values()),
