@@ -229,6 +229,18 @@ def test_run_two_architectures_end_to_end(tmp_path: Path, capsys: pytest.Capture
     with pytest.raises(SystemExit):
         main(["tasks", "infer", str(run), str(tmp_path / "t" / "eval.npz"), "--use", "ensemble"])
     assert f"accuracy {res['ensemble']['accuracy']:.4f}" in capsys.readouterr().out
+    # the weighted ensemble as one exported module (what fusion: ensemble writes), under onnxruntime
+    from polyparallel.backends.collab._models import ModelSpec
+    from polyparallel.backends.collab._tasks_fusion import ensemble_module, export, member_module
+
+    mods = [member_module(ModelSpec(m["model"]), dict(np.load(run / "members" / f"{n}.npz")))
+            for n, m in res["members"].items()]
+    (tmp_path / "ens").mkdir()
+    check = export(ensemble_module(mods, [w[n] for n in res["members"]]), x, tmp_path / "ens", "fused")
+    sess = ort.InferenceSession(str(tmp_path / "ens" / "fused.onnx"), providers=["CPUExecutionProvider"])
+    logp = sess.run(None, {sess.get_inputs()[0].name: x})[0]
+    np.testing.assert_allclose(np.exp(logp), ens, atol=1e-5)
+    assert check["argmax_agreement"] == 1.0
 
 
 @pytest.mark.slow
