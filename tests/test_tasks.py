@@ -312,3 +312,28 @@ def test_groups_over_flower_train_what_the_inprocess_engine_trains(tmp_path: Pat
         for k in a.params:
             np.testing.assert_array_equal(a.params[k], b.params[k])
         assert not LoopbackFederation(tmp_path / "flower" / a.name, {}).stray_pids()
+
+
+def test_datasets_from_a_source_hold_out_the_same_rows_in_every_group(tmp_path: Path) -> None:
+    """A MODULE:FUNCTION dataset is called with its center's name; its held-out rows are the same seeded
+    share whichever groups train on it, and never in a group's training rows."""
+    from polyparallel.backends.collab._tasks import load_datasets
+    from tests.tasks_models import center_digits
+
+    raw = {"algorithms": {"m": {"model": "tests.tasks_models:mlp"}, "r": {"model": "tests.tasks_models:resnet"}},
+           "datasets": {"a": {"path": "tests.tasks_models:center_digits", "center": "c0"},
+                        "b": {"path": "tests.tasks_models:center_digits", "center": "c3"}},
+           "groups": {"g1": {"algorithm": "m", "datasets": ["a", "b"]}, "g2": {"algorithm": "r", "datasets": ["b"]}},
+           "eval": "eval.npz", "holdout": 0.2}
+    ts = tasks_from_dict(raw, tmp_path)
+    data = load_datasets(ts)
+    for name, center in (("a", "c0"), ("b", "c3")):
+        x, y = center_digits(center)
+        tr, ho = data.train[name], data.held[name]
+        assert len(ho[1]) == round(0.2 * len(y)) and len(tr[1]) + len(ho[1]) == len(y)
+        rows = {r.tobytes() for r in x}
+        assert {r.tobytes() for r in tr[0]} | {r.tobytes() for r in ho[0]} == rows
+    g1, g2 = (data.center_train(ts, g) for g in ts.groups)
+    np.testing.assert_array_equal(g1["c3"][0], g2["c3"][0])
+    held_b = {r.tobytes() for r in data.held["b"][0]}
+    assert not held_b & {r.tobytes() for r in g1["c3"][0]}
