@@ -8,7 +8,8 @@ model with that list cut to its first three blocks and writes blocks 3..N-1 as c
 block 2's nodes, each wired to its predecessor the way block 2 is wired to block 1. The
 result is the node sequence a full export gives, names included: fx's own namer numbers the
 nodes in order, exactly as the export did (``tests/test_capture_fold.py`` compares whole
-captures with and without folding on the model zoo).
+captures with and without folding on the model zoo). The torch backend cuts pipeline stages from
+the same program, run as a module over the model's own parameters (:meth:`FoldedProgram.module`).
 
 Blocks count as alike, and the copies are trusted, only when all of this holds (otherwise the
 model is exported whole, as before):
@@ -41,6 +42,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
+from torch.fx._lazy_graph_module import _make_graph_module
 
 __all__ = ["MIN_BLOCKS", "FoldedProgram", "export_folded", "input_kinds"]
 
@@ -58,11 +60,42 @@ class FoldedProgram:
 
     ``inputs`` maps each placeholder's name to its input kind (``PARAMETER``, ``BUFFER``,
     ``USER_INPUT``...) and target (a parameter's or buffer's path in the full model);
-    ``graph_module`` is the three-block export's (for ``get_attr`` nodes)."""
+    ``graph_module`` is the three-block export's (for ``get_attr`` nodes); ``outputs`` the kind of
+    each output (``USER_OUTPUT``, ``BUFFER_MUTATION``...)."""
 
     graph: torch.fx.Graph
     inputs: dict[str, tuple[str, str | None]]
     graph_module: torch.fx.GraphModule
+    outputs: tuple[str, ...] = ()
+    single: bool = False  # the model returns one value, not a tuple or dict of them
+
+    def module(self, root: nn.Module) -> torch.fx.GraphModule | None:
+        """The program as a module that runs: what ``ExportedProgram.module()`` gives for the full
+        export, with parameters and buffers read from ``root`` (the full model, shared, not copied)
+        and the user inputs as positional arguments; it returns the flat outputs (a single one as
+        itself). The module takes over this program's graph. None when the program lifts constants
+        or returns anything but user outputs (buffer mutations, tokens): export the model whole."""
+        g = self.graph
+        holders = [x for x in g.nodes if x.op == "placeholder"]
+        kinds = [self.inputs.get(x.name, ("USER_INPUT", None)) for x in holders]
+        if any(kd != "USER_OUTPUT" for kd in self.outputs) or any(x.op == "get_attr" for x in g.nodes) or \
+                any(kd not in ("PARAMETER", "BUFFER", "USER_INPUT") or (kd != "USER_INPUT" and t is None)
+                    for kd, t in kinds):
+            return None
+        first = next(x for x in g.nodes if x.op != "placeholder")
+        for x, (kind, target) in zip(holders, kinds, strict=True):
+            if kind != "USER_INPUT":
+                with g.inserting_before(first):
+                    y = g.get_attr(target)
+                y.meta = x.meta
+                x.replace_all_uses_with(y)
+                g.erase_node(x)
+        if self.single:
+            out = next(x for x in g.nodes if x.op == "output")
+            out.args = (out.args[0][0],)
+        # the lazy kind when asked for (``_use_lazy_graph_module``): its code is generated when it
+        # is first called, never for a check that only reads the graph
+        return _make_graph_module(root, g)
 
 
 def input_kinds(ep: Any) -> dict[str, tuple[str, str | None]]:
@@ -371,7 +404,9 @@ class _Unfolder:
         for x in self.post:
             new[x] = self._emit(x, _base(x.name) if x.op != "output" else "output", remap(x.args, tail),
                                 remap(x.kwargs, tail), dict(x.meta))
-        return FoldedProgram(self.g, self.out_inputs, self.ep.graph_module)
+        outputs = tuple(o.kind.name for o in self.ep.graph_signature.output_specs)
+        return FoldedProgram(self.g, self.out_inputs, self.ep.graph_module, outputs,
+                             single=self.ep.call_spec.out_spec.is_leaf())
 
 
 class _NotFoldable(Exception):

@@ -166,3 +166,84 @@ def test_folding_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("POLYPARALLEL_FOLD", "0")
     m = Llama(LlamaConfig(vocab=VOCAB, seq=SEQ, hidden=32, heads=4, kv_heads=2, layers=LAYERS))
     assert _fold.export_folded(m, lambda _: pytest.fail("no export expected")) is None
+
+
+def _pipeline_pair(model: nn.Module, x: torch.Tensor, y: torch.Tensor, monkeypatch: pytest.MonkeyPatch):
+    """The pipeline's export of ``model`` folded and whole (folding switched off)."""
+    from polyparallel.backends.torch._pipeline import _export
+
+    seen = []
+
+    def spy(*a, **k):
+        seen.append(_fold.export_folded(*a, **k))
+        return seen[-1]
+
+    with monkeypatch.context() as m:
+        m.setattr("polyparallel.backends.torch._pipeline.export_folded", spy)
+        folded = _export(model, x, y)
+    assert seen and seen[0] is not None and seen[0].outputs == ("USER_OUTPUT",)  # folded, not exported whole
+    with monkeypatch.context() as m:
+        m.setattr(_fold, "MIN_BLOCKS", 10 ** 9)
+        full = _export(model, x, y)
+    return folded, full
+
+
+def _nodes(gm: torch.fx.GraphModule) -> list[tuple[str, str, str]]:
+    return [(n.op, n.name, str(n.target)) for n in gm.graph.nodes if n.op in ("call_function", "output")] + \
+        sorted((n.op, "", str(n.target)) for n in gm.graph.nodes if n.op == "get_attr")
+
+
+@pytest.mark.parametrize("name", ["gpt", pytest.param("llama", marks=pytest.mark.slow),
+                                  pytest.param("mixtral", marks=pytest.mark.slow)])
+def test_the_pipeline_export_folds_to_the_full_program(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pipeline cuts the model on a folded export (the frontend's three-block trace, run as a
+    module over the model's own parameters): the same ops by the same names as the whole export,
+    reading the same parameters, and the same loss and gradients."""
+    torch.manual_seed(0)
+    if name == "gpt":
+        model: nn.Module = GPT(GPTConfig(vocab=VOCAB, seq=SEQ, hidden=32, heads=4, layers=LAYERS))
+        x, y = _ids()
+    else:
+        model, (x, y) = _hf(name)
+    folded, full = _pipeline_pair(model, x, y, monkeypatch)
+    assert _nodes(folded) == _nodes(full)
+    grads = []
+    for gm in (folded, full):
+        model.zero_grad()
+        loss = gm(x, y)
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    assert torch.equal(grads[0][0], grads[1][0])
+    assert grads[0][1].keys() == grads[1][1].keys() and len(grads[0][1]) == len(list(model.parameters()))
+    assert all(torch.equal(grads[0][1][k], grads[1][1][k]) for k in grads[0][1])
+
+
+def test_a_folded_model_cut_into_stages_chains_back_to_its_loss(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cut inside the copied blocks (block 4 of 6 is never traced), the chunks chain back to the
+    model's loss and gradients; the planner's check (``modules=False``) lists the same parameters
+    and layers per chunk without making the modules."""
+    from polyparallel.backends.torch._pipeline import _export, split_model
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab=VOCAB, seq=SEQ, hidden=32, heads=4, kv_heads=2, layers=LAYERS))
+    x, y = _ids()
+    loss = model(x, y)
+    loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    cuts = [n.name for n in _export(model, x, y).graph.nodes if n.op == "call_function" and
+            str(list((n.meta.get("nn_module_stack") or {0: ("",)}).values())[-1][0]).startswith("layers.4.")][:1]
+    assert cuts
+    split = split_model(model, x, y, cuts)
+    acts: tuple[torch.Tensor, ...] = (x,)
+    for chunk in split.chunks:
+        acts = chunk(*acts)
+    got = split.tail(*acts, y)
+    got.backward()
+    assert torch.equal(got, loss)
+    for n, g in {n: p.grad for c in split.chunks for n, p in c.named_parameters()}.items():
+        torch.testing.assert_close(g, want[n], rtol=1e-5, atol=1e-6)
+    check = split_model(model, x, y, cuts, modules=False)
+    assert (check.chunks, check.tail) == ([], None)
+    assert check.params == split.params and check.layers == split.layers
+    assert [sorted(lyr) for lyr in split.layers] == [[0, 1, 2, 3], [4, 5]]

@@ -89,6 +89,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 from polyparallel.backends.torch._batchnorm import has_batch_statistics
 from polyparallel.backends.torch._loss_weighting import TargetCount, weigh_microbatches
@@ -101,6 +102,7 @@ from polyparallel.backends.torch._steps import make_optimizer, scale_gradients
 from polyparallel.backends.torch._train_loop import TrainingMode
 from polyparallel.backends.torch.capabilities import Unsupported
 from polyparallel.cost_models.layers import LAYER  # the planner's own layer pattern
+from polyparallel.frontends._fold import export_folded  # the frontend's three-block trace
 from polyparallel.frontends.torch import _export_program  # the frontend's export (no stack traces)
 from polyparallel.references import resolve
 
@@ -135,12 +137,20 @@ class PipelinePlan:
 
 
 def _export(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> fx.GraphModule:
+    """The model exported as the frontend captured it: a deep stack of alike blocks traced three
+    blocks deep and the rest copied (:mod:`polyparallel.frontends._fold`; the same node names, so
+    the strategy's cut ops are found), else exported whole."""
+    def export(m: nn.Module) -> Any:
+        return _export_program(m, (inputs, labels), {})
+
     try:
-        ep = _export_program(model, (inputs, labels), {})
+        folded = export_folded(model, export)
+        gm = folded.module(model) if folded is not None else None
+        if gm is None:
+            gm = export(model).module()
     except Exception as e:  # any export failure means the model cannot be cut this way
         raise Unsupported(f"pipeline parallelism needs the model captured by torch.export to cut it into stages, "
                            f"and export failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
-    gm = ep.module()
     # export's checks of a cast's input (dtype, device) hold for the fp32 capture only: under FSDP2's
     # bf16 parameters or autocast the same cast sees bf16 inputs. They compute nothing.
     for n in list(gm.graph.nodes):
@@ -157,15 +167,16 @@ def _module_path(node: fx.Node) -> str:
 
 @dataclass
 class _Split:
-    chunks: list[fx.GraphModule]
-    tail: fx.GraphModule
+    chunks: list[fx.GraphModule]  # empty, and ``tail`` None, for ``split_model(modules=False)``
+    tail: fx.GraphModule | None
     params: list[tuple[str, ...]]
     layers: list[set[int]]
     rewritten: Any = None  # what ``rewrite`` returned
 
 
 def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cuts: Sequence[str],
-                counted: set[str] | None = None, rewrite: Callable[[fx.GraphModule], Any] | None = None) -> _Split:
+                counted: set[str] | None = None, rewrite: Callable[[fx.GraphModule], Any] | None = None,
+                modules: bool = True) -> _Split:
     """Cut ``model`` (exported on ``(inputs, labels)``, one micro-batch) before each op named in ``cuts``.
 
     Returns ``len(cuts) + 1`` chunk modules (``chunk_k(*live_in) -> tuple(live_out)``; chunk 0 takes
@@ -178,9 +189,14 @@ def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cu
 
     ``rewrite`` transforms the exported graph before it is cut (tensor parallelism inside the stages,
     :mod:`._stage_tp`); nodes it inserts for an op (``meta["attached_to"]``) go with that op's chunk.
+
+    ``modules=False`` checks the cuts and lists each chunk's parameters and layers without making
+    the modules (``chunks`` is then empty and ``tail`` None): the planner's check of a plan, which
+    otherwise spends most of its time and memory generating the chunks' code.
     """
-    gm = _export(model, inputs, labels)
-    rewritten = rewrite(gm) if rewrite is not None else None
+    with _use_lazy_graph_module(not modules):  # a check runs nothing: no code is generated
+        gm = _export(model, inputs, labels)
+        rewritten = rewrite(gm) if rewrite is not None else None
     nodes = list(gm.graph.nodes)
     user_inputs = [n for n in nodes if n.op == "placeholder"]
     if len(user_inputs) != 2:
@@ -204,12 +220,14 @@ def split_model(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, cu
     live = _live_values(x_in, ops, chunk_of, tail, last)
     chunks, params, layers = [], [], []
     for c in range(last + 1):
-        chunk, held, lyr = _chunk_module(gm, c, [x_in] if c == 0 else live[c], ops, chunk_of, live[c + 1],
-                                         c == last, counted)
-        chunks.append(chunk)
+        chunk, held, lyr = _chunk_graph(gm, c, [x_in] if c == 0 else live[c], ops, chunk_of, live[c + 1],
+                                        c == last, counted)
+        if modules:
+            chunks.append(fx.GraphModule(gm, chunk, f"PipelineChunk{c}"))
         params.append(held)
         layers.append(lyr)
-    return _Split(chunks, _tail_module(gm, nodes, ops, tail, live[last + 1], y_in), params, layers, rewritten)
+    loss = _tail_graph(nodes, ops, tail, live[last + 1], y_in)
+    return _Split(chunks, fx.GraphModule(gm, loss, "PipelineLoss") if modules else None, params, layers, rewritten)
 
 
 def _in_place_writes(nodes: list[fx.Node]) -> list[tuple[fx.Node, fx.Node]]:
@@ -289,10 +307,10 @@ def _live_values(x_in: fx.Node, ops: list[fx.Node], chunk_of: dict[fx.Node, int]
     return live
 
 
-def _chunk_module(gm: fx.GraphModule, c: int, inputs: list[fx.Node], ops: list[fx.Node],
-                  chunk_of: dict[fx.Node, int], outputs: list[fx.Node], last: bool,
-                  counted: set[str] | None) -> tuple[fx.GraphModule, tuple[str, ...], set[int]]:
-    """Chunk ``c`` (the ops ``chunk_of`` gives it) as a module from ``inputs`` to ``outputs``, with
+def _chunk_graph(gm: fx.GraphModule, c: int, inputs: list[fx.Node], ops: list[fx.Node],
+                 chunk_of: dict[fx.Node, int], outputs: list[fx.Node], last: bool,
+                 counted: set[str] | None) -> tuple[fx.Graph, tuple[str, ...], set[int]]:
+    """Chunk ``c`` (the ops ``chunk_of`` gives it) as a graph from ``inputs`` to ``outputs``, with
     the paths of the parameters it holds and the layers of its (``counted``) ops."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {n: g.placeholder(n.name) for n in inputs}
@@ -314,12 +332,12 @@ def _chunk_module(gm: fx.GraphModule, c: int, inputs: list[fx.Node], ops: list[f
     g.output(tuple(env[n] if last else g.call_method("contiguous", (env[n],)) for n in outputs))
     params = tuple(sorted(str(n.target) for n in g.nodes if n.op == "get_attr"
                           and isinstance(_attr(gm, str(n.target)), nn.Parameter)))
-    return fx.GraphModule(gm, g, f"PipelineChunk{c}"), params, layers
+    return g, params, layers
 
 
-def _tail_module(gm: fx.GraphModule, nodes: list[fx.Node], ops: list[fx.Node], tail: set[fx.Node],
-                 inputs: list[fx.Node], y_in: fx.Node) -> fx.GraphModule:
-    """The loss tail as a module from ``inputs`` (the last chunk's outputs) and the labels to the loss."""
+def _tail_graph(nodes: list[fx.Node], ops: list[fx.Node], tail: set[fx.Node], inputs: list[fx.Node],
+                y_in: fx.Node) -> fx.Graph:
+    """The loss tail as a graph from ``inputs`` (the last chunk's outputs) and the labels to the loss."""
     tg = fx.Graph()
     tenv = {n: tg.placeholder(n.name) for n in inputs}
     tenv[y_in] = tg.placeholder(y_in.name)
@@ -332,7 +350,7 @@ def _tail_module(gm: fx.GraphModule, nodes: list[fx.Node], ops: list[fx.Node], t
         raise Unsupported("the model's output does not depend on the labels: forward(inputs, labels) must return "
                            "the loss")
     tg.output(tenv[loss])
-    return fx.GraphModule(gm, tg, "PipelineLoss")
+    return tg
 
 
 def _attr(root: nn.Module, target: str) -> Any:
@@ -407,7 +425,7 @@ def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, to
                               f"with seq divisible by sp; got {tuple(inputs.shape)} and {tuple(labels.shape)}")
         rewrite = _sp_rewrite(s.sp, 0, n)
     x0, y0 = (inputs[:mb], labels[:mb]) if n is None else (inputs[:mb, :n], labels[:mb, :n])
-    split = split_model(model, x0, y0, cuts, set(nodes.values()) if nodes else None, rewrite=rewrite)
+    split = split_model(model, x0, y0, cuts, set(nodes.values()) if nodes else None, rewrite=rewrite, modules=False)
     for st in s.stages:
         have = set().union(*(split.layers[k] for k in range(st.index, len(chunks), s.pp)))
         if st.layers and have != set(st.layers):
