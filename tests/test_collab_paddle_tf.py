@@ -364,3 +364,74 @@ def test_the_import_order_is_enforced_with_the_fix():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "PaddlePaddle must be imported before TensorFlow" in out.stdout
     assert "torch -> mindspore -> paddle -> tensorflow" in out.stdout and "--engine flower" in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not (HAVE["paddle"] and HAVE["tensorflow"]), reason="needs paddlepaddle and tensorflow-cpu")
+def test_flower_paddle_and_tensorflow_centers_each_in_its_own_process(tmp_path):
+    """Over Flower every center is its own SuperNode and executor process, which imports only its framework;
+    the fused model is the in-process engine's (one process, all frameworks) within float32 rounding."""
+    pytest.importorskip("flwr")
+    from polyparallel.backends.collab._flower import run_flower
+
+    spec = ModelSpec(f"{HERE}:torch_digits", loss="cross_entropy",
+                     builders={k: v for k, v in BUILDERS.items() if k != "mindspore"})
+    cfg = CollabConfig(centers=tuple(CenterSpec(n, framework=f, data=f"{HERE}:center_digits") for n, f in
+                                     (("t", "torch"), ("p", "paddle"), ("k", "tensorflow"))),
+                       model=spec, rounds=2, local_steps=3, batch_size=16, holdout=0.25)
+    res = run_flower(cfg, workdir=tmp_path, timeout_s=200)
+    ref = run_inprocess(cfg)
+    assert [r.accepted for r in res.rounds] == [("t", "p", "k")] * 2
+    assert _max_rel(res.params, ref.params, list(ref.params)) < 1e-5
+    for ra, rb in zip(res.rounds, ref.rounds):
+        assert ra.eval["count"] == rb.eval["count"] and abs(ra.eval["loss"] - rb.eval["loss"]) < 1e-5
+
+
+def test_center_command_refuses_a_framework_it_cannot_train(capsys):
+    from tests.test_collab_cli import _run as _cli
+
+    code, _, err = _cli(["center", "--name", "p", "--superlink", "127.0.0.1:1", "--data", f"{HERE}:center_digits",
+                         "--framework", "jax"], capsys)
+    assert code == 2 and "no center trainer for framework(s) ['jax']" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not HAVE["paddle"], reason="needs paddlepaddle==3.3.1")
+def test_deployed_paddle_center_joins_with_polyparallel_center(tmp_path):
+    """`polyparallel serve` with a torch center and a `polyparallel center --framework paddle` (each its own
+    process tree): every round fuses both, and the model is the in-process engine's within float32 rounding."""
+    pytest.importorskip("flwr")
+    import signal
+
+    from polyparallel.backends.collab._flower import free_port, read_outputs
+    from tests.test_collab_faults import _cli as _proc
+    from tests.test_collab_faults import _rounds, _until
+
+    cfg = CollabConfig(centers=(CenterSpec("t"), CenterSpec("p", framework="paddle")),
+                       model=ModelSpec("cnn", (1, 8, 8), 10, hidden=4), rounds=2, local_steps=3, batch_size=16,
+                       round_timeout_s=120)
+    (tmp_path / "job.json").write_text(cfg.to_json())
+    data = {c: center_digits(c) for c in ("t", "p")}
+    for c, (x, y) in data.items():
+        np.savez(tmp_path / f"{c}.npz", x=x, y=y)
+    port = free_port()
+    procs = []
+    try:
+        procs.append(serve := _proc(["serve", "--config", "job.json", "--port", str(port), "--host", "127.0.0.1",
+                                     "--out", "out", "--workdir", "srv"], tmp_path, tmp_path / "serve.log"))
+        _until(lambda: "waiting for 2 centers" in (tmp_path / "serve.log").read_text(), 60, "the SuperLink")
+        for c, extra in (("t", []), ("p", ["--framework", "paddle"])):
+            procs.append(_proc(["center", "--name", c, "--superlink", f"127.0.0.1:{port}", "--data", f"{c}.npz",
+                                "--workdir", f"w-{c}", *extra], tmp_path, tmp_path / f"{c}.log"))
+        assert serve.wait(200) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+        got = _rounds(tmp_path / "out")
+        assert [r["round"] for r in got] == [1, 2] and all(r["accepted"] == ["t", "p"] for r in got)
+        ref = run_inprocess(cfg, data)
+        assert _max_rel(read_outputs(tmp_path / "out").params, ref.params, list(ref.params)) < 1e-5
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait(20)

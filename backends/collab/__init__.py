@@ -2,8 +2,9 @@
 
 Two engines run the same round logic (:mod:`._center`, :mod:`._server`): an in-process one for
 tests and as the reference, and a Flower deployment (SuperLink + one SuperNode per center) in
-:mod:`._flower`. Centers train in PyTorch or MindSpore; parameters cross as numpy arrays under torch
-names (:mod:`._mindspore` holds the name-and-layout map).
+:mod:`._flower`. Centers train in PyTorch, MindSpore, PaddlePaddle or TensorFlow; parameters cross as
+numpy arrays under torch names (:mod:`._foreign` infers and checks each framework's name-and-layout
+map; :func:`import_frameworks` imports several in the one order they share a process).
 
 Examples:
     >>> import numpy as np
@@ -38,6 +39,7 @@ from ._center import (
 from ._config import FRAMEWORKS, CenterSpec, CollabConfig, config_from_strategy
 from ._engine import CollabResult, initial_params, run_inprocess
 from ._flower import run_flower
+from ._foreign import IMPORT_ORDER, ForeignTrainer, import_frameworks
 from ._fusion import (
     FUSIONS,
     CenteredClip,
@@ -74,6 +76,7 @@ __all__ = [
     "COMPRESSIONS",
     "FRAMEWORKS",
     "FUSIONS",
+    "IMPORT_ORDER",
     "LOSSES",
     "MODEL_BUILDERS",
     "MODEL_KINDS",
@@ -90,6 +93,7 @@ __all__ = [
     "FedProx",
     "FedYogi",
     "FederationServer",
+    "ForeignTrainer",
     "FusionStrategy",
     "LocalTrainer",
     "Median",
@@ -113,6 +117,7 @@ __all__ = [
     "decode_update",
     "encode_update",
     "evaluate_torch",
+    "import_frameworks",
     "initial_params",
     "is_statistic",
     "label_log_prior",
