@@ -20,9 +20,14 @@ Arms, per model, the same data, seed, rounds ``R`` and local steps ``H``:
   train and score (the same score), the cut at the full ratio at once, then the same ``R - K``
   fine-tuning rounds (a fresh cosine schedule over those ``1 + R - K`` rounds).
 
-``ratio`` is ``--prune RATIO``: the share of every prunable channel group's channels removed (groups
-whose cut would change what the model computes, e.g. a transformer's residual stream read by
-LayerNorm, are kept whole; see ``kept_whole``). Parameters and FLOPs (2 × multiply-accumulates of one
+``ratio`` is ``--prune RATIO``: the target sparsity, the share of the model's *parameters* the cut
+removes (``--target params``, the default; at least that share, since whole channels go: the server
+bisects over the channel ratio, ``_pruning.channel_ratio_for``); ``--target channels`` makes it the share
+of every prunable group's channels, as before. ``--allocation`` spreads the removed channels uniformly
+over the groups or by one global ranking of the fused scores (``PruneSpec.allocation``). Groups whose
+cut would change what the model computes (a transformer's residual stream read by LayerNorm, see
+``kept_whole``) stay whole, so a high parameter target can be out of reach: the row says so.
+Parameters and FLOPs (2 × multiply-accumulates of one
 image) are Torch-Pruning's counts, latency is the median eval-mode forward on one thread at batch 1 and
 32 (``_release.latency_s``), accuracy is on the 10k test images; each pruned arm also writes a release
 (``model.pt2``, ``model.onnx`` checked by onnxruntime on the test images) into a temporary directory.
@@ -78,7 +83,7 @@ from polyparallel.backends.collab import (  # noqa: E402
 )
 from polyparallel.backends.collab._center import evaluate_torch  # noqa: E402
 from polyparallel.backends.collab._models import build_torch_model, load_torch_state  # noqa: E402
-from polyparallel.backends.collab._pruning import PruneSpec, example_input  # noqa: E402
+from polyparallel.backends.collab._pruning import PruneError, PruneSpec, example_input  # noqa: E402
 from polyparallel.backends.collab._release import latency_s, size_of, write_release  # noqa: E402
 
 MODELS = {"resnet": "models.resnet_small:resnet", "vit": "models.vit_patch:vit"}
@@ -114,7 +119,24 @@ def pruned_row(cfg: CollabConfig, res: Any, xte: np.ndarray, yte: np.ndarray) ->
             "onnx_max_abs_diff": rel["onnx_check"]["max_abs_diff"],
             "onnx_argmax_agreement": rel["onnx_check"]["argmax_agreement"],
             "kept_whole": rel["pruning"]["kept_whole"], "heads": rel["pruning"]["heads"],
-            "groups_cut": len(rel["pruning"]["plan"])}
+            "groups_cut": len(rel["pruning"]["plan"]), "plan": rel["pruning"]["plan"],
+            "channel_ratio": rel["pruning"]["masks"][-1].get("channel_ratio")}
+
+
+def trained(cfg: CollabConfig, data: Mapping[str, Any], cache: str, key: str) -> tuple[dict, float]:
+    """The unpruned job's parameters and seconds, from ``cache/key.npz`` when an earlier run of the same
+    setting left them there (the unpruned arm does not depend on the pruning options)."""
+    path = Path(cache) / f"{key}.npz" if cache else None
+    if path is not None and path.exists():
+        with np.load(path) as z:
+            return {k: z[k] for k in z.files if k != "__wall_s"}, float(z["__wall_s"])
+    t0 = time.time()
+    params = dict(run_inprocess(cfg, data).params)
+    wall = time.time() - t0
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(path, __wall_s=np.float64(wall), **params)
+    return params, wall
 
 
 def held_out(args: argparse.Namespace, model: str, arm: str, seed: int) -> bool:
@@ -142,6 +164,7 @@ def run(args: argparse.Namespace) -> dict:
                     "rounds": args.rounds, "local_steps": args.local_steps, "batch": args.batch, "lr": args.lr,
                     "momentum": args.momentum, "lr_schedule": "cosine", "fusion": "fedavg",
                     "prune_rounds": K, "score": args.score, "score_batches": args.score_batches,
+                    "target": args.target, "allocation": args.allocation,
                     "seed": args.seed, "machine": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "load_avg_start": os.getloadavg()[0]},
         "models": {},
@@ -158,13 +181,12 @@ def run(args: argparse.Namespace) -> dict:
         def want(arm: str, mname: str = mname) -> bool:
             return (only is None and arm != "unpruned-long") or f"{mname}:{arm}" in (only or ())
 
-        t0 = time.time()
-        cfg = CollabConfig(rounds=args.rounds, **base)
-        res = run_inprocess(cfg, data)
-        rows["unpruned"] = {**unpruned_row(spec, res.params, xte, yte), "wall_s": time.time() - t0}
+        key = f"{mname}_s{args.seed}_n{args.train}_a{args.alpha}_c{args.centers}_R{args.rounds}_H{args.local_steps}" \
+              f"_b{args.batch}_lr{args.lr}_m{args.momentum}"
+        params, wall = trained(CollabConfig(rounds=args.rounds, **base), data, args.cache, key)
+        rows["unpruned"] = {**unpruned_row(spec, params, xte, yte), "wall_s": wall}
         print(f"[{mname}] unpruned {rows['unpruned']['accuracy']:.4f} params {rows['unpruned']['params']} "
-              f"({time.time() - t0:.0f} s)", flush=True)
-        trained = res.params
+              f"({wall:.0f} s)", flush=True)
         if want("unpruned-long"):  # the unpruned model trained as many rounds as the once arm's model in all
             t0 = time.time()
             cfg = CollabConfig(rounds=2 * args.rounds + 1 - K, **base)
@@ -173,19 +195,24 @@ def run(args: argparse.Namespace) -> dict:
             print(f"[{mname}] unpruned-long {rows['unpruned-long']['accuracy']:.4f} ({time.time() - t0:.0f} s)",
                   flush=True)
         for ratio in [float(r) for r in args.ratios.split(",")]:
-            prune = PruneSpec(ratio, rounds=K, score=args.score, score_batches=args.score_batches)
+            opts = dict(score=args.score, score_batches=args.score_batches, target=args.target,
+                        allocation=args.allocation)
             for arm in ("online", "once"):
                 if not want(f"{arm}:{ratio:g}"):
                     continue
                 t0 = time.time()
-                if arm == "online":
-                    cfg = CollabConfig(rounds=args.rounds, prune=prune, **base)
-                    res = run_inprocess(cfg, data)
-                else:
-                    cfg = CollabConfig(rounds=1 + args.rounds - K, prune=PruneSpec(
-                        ratio, rounds=1, score=args.score, score_batches=args.score_batches), **base)
-                    with warm_start(trained):
+                try:
+                    if arm == "online":
+                        cfg = CollabConfig(rounds=args.rounds, prune=PruneSpec(ratio, rounds=K, **opts), **base)
                         res = run_inprocess(cfg, data)
+                    else:
+                        cfg = CollabConfig(rounds=1 + args.rounds - K, prune=PruneSpec(ratio, rounds=1, **opts), **base)
+                        with warm_start(params):
+                            res = run_inprocess(cfg, data)
+                except PruneError as e:  # a parameter target the model cannot reach (its groups kept whole)
+                    rows[f"{arm}:{ratio:g}"] = {"ratio": ratio, "error": str(e)}
+                    print(f"[{mname}] {arm}@{ratio:g}: {e}", flush=True)
+                    continue
                 row = {**pruned_row(cfg, res, xte, yte), "ratio": ratio, "wall_s": time.time() - t0}
                 u = rows["unpruned"]
                 row["params_removed"] = 1 - row["params"] / u["params"]
@@ -202,31 +229,32 @@ def run(args: argparse.Namespace) -> dict:
 
 def remeasure_latency(res: dict, repeats: int = 3) -> None:
     """Latency again for every row, in one process, the architectures interleaved: a forward's time
-    depends on the widths only, and a ratio gives every group the same number of channels whatever the
-    scores, so each (model, ratio) is rebuilt with random scores; the median over ``repeats`` rounds
-    (each a median of timed runs). The in-run figures stay as ``latency_ms_in_run``."""
+    depends on the widths only, so each row's architecture is rebuilt from its plan (random weights);
+    the median over ``repeats`` rounds (each a median of timed runs). The in-run figures stay as
+    ``latency_ms_in_run``."""
     import torch
 
-    from polyparallel.backends.collab._pruning import apply_plan, group_scores, mask_and_plan, saliency
+    from polyparallel.backends.collab._pruning import apply_plan
 
     x = np.zeros((1, 1, 28, 28), np.float32)
     for m in res["models"].values():
         full = build_torch_model(ModelSpec(m["model"])).eval()
         ex = torch.zeros(2, 1, 28, 28)
-        layout = group_scores(full, ex, saliency(full, "magnitude"))
-        rng = np.random.default_rng(0)
         archs = {"-": full}
-        for ratio in sorted({r["ratio"] for r in m["rows"].values() if "ratio" in r}):
-            cut = build_torch_model(ModelSpec(m["model"])).eval()
-            apply_plan(cut, ex, mask_and_plan(cut, ex, ratio, {k: rng.random(len(v)) for k, v in layout.items()}))
-            archs[f"{ratio:g}"] = cut.eval()
+        for arm, r in m["rows"].items():
+            if "plan" in r:
+                cut = build_torch_model(ModelSpec(m["model"])).eval()
+                apply_plan(cut, ex, r["plan"])
+                archs[arm] = cut.eval()
         times: dict[str, dict[str, list[float]]] = {k: {"1": [], "32": []} for k in archs}
         for _ in range(repeats):
             for k, model in archs.items():
                 for b in (1, 32):
                     times[k][str(b)].append(1e3 * latency_s(model, x, b))
-        for r in m["rows"].values():
-            k = f"{r['ratio']:g}" if "ratio" in r else "-"
+        for arm, r in m["rows"].items():
+            if "error" in r:
+                continue
+            k = arm if "plan" in r else "-"
             if size_of(archs[k], ex)[0] != r["params"]:  # the rebuilt architecture must be the row's
                 raise SystemExit(f"{m['model']} at ratio {k}: rebuilt with {size_of(archs[k], ex)[0]} parameters, "
                                  f"the run's model had {r['params']}")
@@ -242,6 +270,9 @@ def table(res: Mapping[str, Any]) -> str:
     for mname, m in res["models"].items():
         for arm, r in m["rows"].items():
             name, _, ratio = arm.partition(":")
+            if "error" in r:
+                lines.append(f"| {mname} | {name} | {ratio} | | {r['error']} | | | | |")
+                continue
             rounds = {"unpruned": f"{R}", "unpruned-long": f"{2 * R + 1 - K}", "online": f"{R} (cut after {K})",
                       "once": f"{R} + 1 + {R - K}"}[name]
             pr = f" (-{100 * r['params_removed']:.0f}%)" if "params_removed" in r else ""
@@ -271,6 +302,10 @@ def main() -> None:
     ap.add_argument("--prune-rounds", type=int, default=10, help="K (0: rounds // 2)")
     ap.add_argument("--score", default="fisher")
     ap.add_argument("--score-batches", type=int, default=4)
+    ap.add_argument("--target", default="params", help="what RATIO is a share of: params or channels")
+    ap.add_argument("--allocation", default="uniform", help="uniform or global (PruneSpec.allocation)")
+    ap.add_argument("--cache", default="", help="folder for the unpruned models' parameters (reused by a run of "
+                                                "the same setting)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", default="", help="MODEL:ARM:RATIO,... (the unpruned arm always runs)")
     ap.add_argument("--tuned", default="resnet:online:0.5",
@@ -295,8 +330,9 @@ def main() -> None:
                     if "held_out" in row:
                         row["held_out"] = held_out(args, k, arm, part["setting"]["seed"])
                     rows.setdefault(arm, row)
-        keys = ("rounds", "local_steps", "lr", "prune_rounds", "score", "seed", "train_rows", "alpha")
-        if any({k: p["setting"][k] for k in keys} != {k: res["setting"][k] for k in keys} for p in parts):
+        keys = ("rounds", "local_steps", "lr", "prune_rounds", "score", "seed", "train_rows", "alpha", "target",
+                "allocation")
+        if any({k: p["setting"].get(k) for k in keys} != {k: res["setting"].get(k) for k in keys} for p in parts):
             raise SystemExit("--merge: the runs' settings differ")
         res["setting"]["load_avg"] = [[p["setting"]["load_avg_start"], p["setting"]["load_avg_end"]] for p in parts]
         if args.remeasure_latency:

@@ -276,12 +276,19 @@ def collab_cmd(
         "--emulate-wan", help="with --strategy: every center emulates its WAN link of the strategy's cluster "
                               "(the figures `polyparallel simulate` prices)")] = False,
     prune: Annotated[float | None, typer.Option(
-        "--prune", help="prune RATIO (0..1) of every channel group while training (Torch-Pruning's DepGraph)")] = None,
+        "--prune", help="prune RATIO (0..1) of the model's parameters while training (whole channels, "
+                        "Torch-Pruning's DepGraph); --prune-target channels: of every channel group's channels")]
+        = None,
     prune_rounds: Annotated[int | None, typer.Option(
         "--prune-rounds", help="K: soft masks in rounds 1..K, the structural cut after K (default rounds // 2)")]
         = None,
     prune_score: Annotated[str, typer.Option(
         "--prune-score", help="channel importance on each center's rows: magnitude, taylor or fisher")] = "taylor",
+    prune_target: Annotated[str, typer.Option(
+        "--prune-target", help="what --prune RATIO is a share of: params or channels")] = "params",
+    prune_allocation: Annotated[str | None, typer.Option(
+        "--prune-allocation", help="uniform (each group loses the same share) or global (one ranking across "
+                                   "the groups); default: PruneSpec's")] = None,
     release: Annotated[Path | None, typer.Option(
         "--release", help="with --prune: write model.pt2, model.onnx and release.json here")] = None,
     force: Annotated[bool, typer.Option("--force", help="overwrite the release files in an existing --release")]
@@ -307,7 +314,8 @@ def collab_cmd(
         cfg = _job_config(config, strategy, (centers, frameworks, devices), spec, training, fixed, fusion_opt or [],
                           emulate_wan, root_data is not None)
         cfg = _center_options(cfg, source, link or [], samples, emulate_wan and strategy is None)
-        cfg = _prune_options(cfg, prune, prune_rounds, prune_score, release, force, eval_data)
+        cfg = _prune_options(cfg, prune, prune_rounds, (prune_score, prune_target, prune_allocation), release, force,
+                             eval_data)
     if save_config is not None:
         save_config.write_text(cfg.to_json() + "\n")
         typer.echo(f"wrote {save_config}")
@@ -330,8 +338,8 @@ def _job_config(config: Path | None, strategy: Path | None, options: tuple[str, 
     return _options_config(*options, spec, training, fixed, fusion_opt, root_set=root_set)
 
 
-def _prune_options(cfg: Any, ratio: float | None, rounds: int | None, score: str, release: Path | None,
-                   force: bool, eval_data: Path | None) -> Any:
+def _prune_options(cfg: Any, ratio: float | None, rounds: int | None, how: tuple[str, str, str | None],
+                   release: Path | None, force: bool, eval_data: Path | None) -> Any:
     """``cfg`` with the pruning the options ask for; a release directory is refused here, before training."""
     from polyparallel.backends.collab._pruning import PruneSpec
     from polyparallel.backends.collab._release import check_release_dir
@@ -340,7 +348,9 @@ def _prune_options(cfg: Any, ratio: float | None, rounds: int | None, score: str
         if rounds is not None or release is not None:
             raise UserError("--prune-rounds and --release go with --prune RATIO")
         return cfg
-    spec = PruneSpec(ratio, max(1, cfg.rounds // 2) if rounds is None else rounds, score)
+    score, target, allocation = how
+    spec = PruneSpec(ratio, max(1, cfg.rounds // 2) if rounds is None else rounds, score, target=target,
+                     **({} if allocation is None else {"allocation": allocation}))
     if release is not None:
         if eval_data is None:
             raise UserError("--release measures accuracy before and after the cut on --eval-data FILE.npz: give it")

@@ -28,10 +28,18 @@ runs as any other for its first ``K`` rounds, with three additions:
    the rounds (``ema``). Only memoryless fusions can do that (:data:`SCORE_FUSIONS`): a server
    optimiser's moments, SCAFFOLD's control variates, FLTrust's root update or FoolsGold's history mean
    nothing for scores, so the config refuses them.
-3. **Soft masks.** After round ``t <= K`` the server zeroes, in every group, the channels the fused
-   scores rank lowest, ``ratio_t = ratio · (1 − (1 − t/K)³)`` of them (the cubic schedule of Zhu & Gupta
+3. **Soft masks.** After round ``t <= K`` the server zeroes the channels the fused scores rank lowest,
+   for a target sparsity ``ratio_t = ratio · (1 − (1 − t/K)³)`` (the cubic schedule of Zhu & Gupta
    2017): every tensor that *produces* the channel (conv / linear rows and bias, normalisation affine),
-   so the channel carries exact zeros. The centers train on from the masked model, so a channel can
+   so the channel carries exact zeros. ``ratio`` is a share of the model's *parameters* (``target=
+   "params"``, the default, what a user calls target sparsity): the server finds, by bisection over the
+   channel ratio (:func:`channel_ratio_for`), the fewest channels whose cut leaves at most
+   ``(1 − ratio_t)`` of the parameters, counted on a cut copy (a channel ratio of 0.5 removes about 3/4
+   of a CNN's parameters, since a conv's weights shrink with its input and its output channels).
+   ``target="channels"`` makes ``ratio`` the share of every group's channels instead. The channels go
+   with the same share of every group (``uniform``) or by one ``global`` ranking of the fused scores
+   (each group's normalised to mean 1, Torch-Pruning's global pruning) that keeps at least
+   :data:`MIN_KEEP` of every group. The centers train on from the masked model, so a channel can
    grow back while ``ratio_t`` is below the target (soft filter pruning, He et al. 2018).
 
 After round ``K`` the server removes the channels of the last mask for good: the *plan* (Torch-Pruning's
@@ -69,11 +77,18 @@ import numpy as np
 from ._fusion import CenterUpdate, make_fusion
 from ._wire import check_payload, decode_update, encode_update
 
-__all__ = ["PRUNE_SCORES", "SCORE_FUSIONS", "SCORE_PREFIX", "PruneError", "PruneSpec", "ServerPruning",
-           "apply_plan", "attention_heads", "center_scores", "conform_trainer", "example_input", "group_scores",
-           "kept_whole", "mask_and_plan", "output_layers", "saliency"]
+__all__ = ["MIN_KEEP", "PRUNE_ALLOCATIONS", "PRUNE_SCORES", "PRUNE_TARGETS", "SCORE_FUSIONS", "SCORE_PREFIX",
+           "PruneError", "PruneSpec", "ServerPruning", "apply_plan", "attention_heads", "center_scores",
+           "channel_ratio_for", "conform_trainer", "example_input", "group_scores", "kept_whole", "mask_and_plan",
+           "output_layers", "params_after", "saliency"]
 
 PRUNE_SCORES = ("magnitude", "taylor", "fisher")
+#: what ``PruneSpec.ratio`` is a share of: the model's parameters, or every prunable group's channels
+PRUNE_TARGETS = ("params", "channels")
+#: how the channels removed are spread over the groups: the same share of each, or one global ranking
+PRUNE_ALLOCATIONS = ("uniform", "global")
+#: with the global allocation, the share of a group's channels that always stays (no layer collapses)
+MIN_KEEP = 0.1
 SCORE_PREFIX = "p/"
 #: fusions whose ``fuse`` is a memoryless function of the replies, so it can fuse score vectors too
 SCORE_FUSIONS = ("fedavg", "fedprox", "trimmed_mean", "median", "krum", "centered_clip")
@@ -88,11 +103,17 @@ class PruneSpec:
     """Online pruning of a collaborative job (see the module docstring).
 
     Args:
-        ratio: the share of every prunable group's channels removed, in (0, 1).
+        ratio: the target sparsity, in (0, 1): with ``target="params"`` (the default) the share of the
+            model's parameters the cut removes (at least that: channels are whole), with
+            ``target="channels"`` the share of every prunable group's channels.
         rounds: ``K``: soft masks in rounds ``1..K``, the structural cut after round ``K``.
         score: ``magnitude``, ``taylor`` or ``fisher`` (:data:`PRUNE_SCORES`).
         score_batches: batches of the center's rows its data-dependent scores average over.
         ema: weight of the past rounds in the server's running fused scores (0: the last round only).
+        target: ``params`` or ``channels`` (:data:`PRUNE_TARGETS`): what ``ratio`` is a share of.
+        allocation: ``uniform`` (every group loses the same share of its channels) or ``global`` (one
+            ranking of the fused, group-normalised scores across the groups, Torch-Pruning's global
+            pruning, each group keeping at least :data:`MIN_KEEP` of its channels).
     """
 
     ratio: float
@@ -100,10 +121,12 @@ class PruneSpec:
     score: str = "taylor"
     score_batches: int = 4
     ema: float = 0.5
+    target: str = "params"
+    allocation: str = "uniform"
 
     def __post_init__(self) -> None:
         if not (isinstance(self.ratio, int | float) and 0.0 < self.ratio < 1.0):
-            raise PruneError(f"pruning ratio must be in (0, 1) (the share of channels removed), got {self.ratio}")
+            raise PruneError(f"pruning ratio must be in (0, 1) (the share of parameters removed), got {self.ratio}")
         if int(self.rounds) != self.rounds or self.rounds < 1:
             raise PruneError(f"pruning rounds K must be an integer >= 1, got {self.rounds}")
         if self.score not in PRUNE_SCORES:
@@ -112,9 +135,14 @@ class PruneSpec:
             raise PruneError(f"score_batches must be an integer >= 1, got {self.score_batches}")
         if not 0.0 <= self.ema < 1.0:
             raise PruneError(f"ema must be in [0, 1), got {self.ema}")
+        if self.target not in PRUNE_TARGETS:
+            raise PruneError(f"unknown pruning target {self.target!r}; choose one of {PRUNE_TARGETS}")
+        if self.allocation not in PRUNE_ALLOCATIONS:
+            raise PruneError(f"unknown pruning allocation {self.allocation!r}; choose one of {PRUNE_ALLOCATIONS}")
 
     def sparsity(self, round_idx: int) -> float:
-        """The share of channels masked after round ``round_idx``: ``ratio · (1 − (1 − t/K)³)``."""
+        """The target sparsity after round ``round_idx``: ``ratio · (1 − (1 − t/K)³)`` (a share of the
+        parameters or of the channels, as ``target`` says)."""
         t = min(max(round_idx, 0), self.rounds) / self.rounds
         return self.ratio * (1.0 - (1.0 - t) ** 3)
 
@@ -216,9 +244,11 @@ def attention_heads(model: Any) -> dict[Any, int]:
     return out
 
 
-def _pruner(model: Any, example: Any, ratio: float, importance: Any, kept: Sequence[str] | None = None) -> Any:
+def _pruner(model: Any, example: Any, ratio: float, importance: Any, kept: Sequence[str] | None = None,
+            allocation: str = "uniform") -> Any:
     """Torch-Pruning's pruner over the model's channel groups: the output layer, and the groups
-    :func:`kept_whole` finds (``kept``, computed when None), left whole; attention heads kept consistent."""
+    :func:`kept_whole` finds (``kept``, computed when None), left whole; attention heads kept consistent;
+    ``allocation="global"``: one ranking across the groups (``global_pruning``)."""
     import torch_pruning as tp
 
     if kept is None:
@@ -228,6 +258,7 @@ def _pruner(model: Any, example: Any, ratio: float, importance: Any, kept: Seque
 
     def build() -> Any:
         return tp.pruner.BasePruner(model, example, importance=importance, pruning_ratio=ratio,
+                                    global_pruning=allocation == "global",
                                     ignored_layers=output_layers(model, example) + [mods[n] for n in kept],
                                     num_heads=attention_heads(model))
 
@@ -322,16 +353,25 @@ def _out_side(dep: Any) -> bool:
 
 
 class _Fixed:
-    """An importance that returns the given (fused) vector of each group root."""
+    """An importance that returns the given (fused) vector of each group root; with ``floor``, the
+    top ``ceil(floor · n)`` channels of every group ranked above every other channel (a global ranking
+    never empties a group)."""
 
-    def __init__(self, scores: Mapping[str, np.ndarray], names: Mapping[Any, str]) -> None:
-        self.scores, self.names = scores, names
+    def __init__(self, scores: Mapping[str, np.ndarray], names: Mapping[Any, str], floor: float = 0.0) -> None:
+        self.scores, self.names, self.floor = scores, names, floor
 
     def __call__(self, group: Any) -> Any:
         import torch
 
         v = self.scores.get(_root_key(group, self.names))
-        return None if v is None else torch.as_tensor(np.asarray(v, dtype=np.float64)).float()
+        if v is None:
+            return None
+        v = np.array(v, dtype=np.float64)
+        if self.floor > 0 and v.size:  # global ranking: ties broken within the group, the floor on top
+            order = np.argsort(-v, kind="stable")
+            v[order] += (float(np.abs(v).mean()) + 1e-12) * 1e-6 * np.linspace(1.0, 0.0, v.size)
+            v[order[:math.ceil(self.floor * v.size)]] += 1.0 + float(np.abs(v).max()) * 1e6
+        return torch.as_tensor(v).float()
 
 
 # --------------------------------------------------------------------------- scores
@@ -440,12 +480,14 @@ def _zero(dep: Any, idxs: Sequence[int]) -> None:
 
 
 def mask_and_plan(model: Any, example: Any, ratio: float, scores: Mapping[str, np.ndarray],
-                  kept: Sequence[str] | None = None) -> list[list[Any]]:
-    """Zero (in ``model``, in place) the channels ``scores`` rank lowest, ``ratio`` of every group, and
-    return the plan that removes them: ``[[root layer, output side?, indices], ...]`` (Torch-Pruning's
-    pruning history, replayed by :func:`apply_plan`)."""
+                  kept: Sequence[str] | None = None, allocation: str = "uniform") -> list[list[Any]]:
+    """Zero (in ``model``, in place) the channels ``scores`` rank lowest, ``ratio`` of every group
+    (``allocation="uniform"``) or of all prunable channels in one ranking (``"global"``), and return
+    the plan that removes them: ``[[root layer, output side?, indices], ...]`` (Torch-Pruning's pruning
+    history, replayed by :func:`apply_plan`)."""
     names = {m: n for n, m in model.named_modules()}
-    pruner = _pruner(model, example, ratio, _Fixed(scores, names), kept)
+    pruner = _pruner(model, example, ratio, _Fixed(scores, names, MIN_KEEP if allocation == "global" else 0.0),
+                     kept, allocation)
     plan = []
     for group in pruner.step(interactive=True):
         for dep, idxs in group:
@@ -466,6 +508,60 @@ def apply_plan(model: Any, example: Any, plan: Sequence[Sequence[Any]]) -> None:
 
     dg = _traced(model, build)
     dg.load_pruning_history([[str(n), bool(o), [int(j) for j in idxs]] for n, o, idxs in plan])
+
+
+def _params(model: Any) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def params_after(model: Any, example: Any, channel_ratio: float, scores: Mapping[str, np.ndarray],
+                 kept: Sequence[str] | None = None, allocation: str = "uniform") -> int:
+    """The parameters ``model`` keeps when ``mask_and_plan(..., channel_ratio, scores)``'s plan is cut
+    (counted on a pruned copy; ``model`` is left as it is)."""
+    import copy
+
+    if channel_ratio <= 0:
+        return _params(model)
+    cut = copy.deepcopy(model)
+    names = {m: n for n, m in cut.named_modules()}
+    pruner = _pruner(cut, example, channel_ratio,
+                     _Fixed(scores, names, MIN_KEEP if allocation == "global" else 0.0), kept, allocation)
+    for group in pruner.step(interactive=True):
+        group.prune()
+    return _params(cut)
+
+
+def channel_ratio_for(model: Any, example: Any, target: float, scores: Mapping[str, np.ndarray],
+                      kept: Sequence[str] | None = None, allocation: str = "uniform",
+                      steps: int = 8) -> tuple[float, int]:
+    """``(channel ratio, parameters kept)``: the smallest channel ratio (bisection, ``steps`` halvings)
+    whose cut removes at least ``target`` of ``model``'s parameters (whole channels: a little more).
+    A target no channel ratio reaches (the groups kept whole and the output layer hold too many of
+    the parameters) is a :class:`PruneError` naming the most that can go."""
+    total = _params(model)
+    want = (1.0 - target) * total
+    # an upper end that reaches the target, from below (near 1 a group can lose all its channels and
+    # Torch-Pruning then leaves it whole, so more channels do not always mean fewer parameters)
+    lo, best, fewest = 0.0, None, total
+    for hi in (0.5, 0.6, 0.7, 0.8, 0.85):  # below 1 - MIN_KEEP: the floors never make the whole cut
+        n = params_after(model, example, hi, scores, kept, allocation)
+        fewest = min(fewest, n)
+        if n <= want:
+            best = (hi, n)
+            break
+        lo = hi
+    if best is None:
+        raise PruneError(f"pruning {target:.0%} of the parameters is out of reach: at most {1 - fewest / total:.1%} "
+                         f"can go (the output layer and the groups kept whole hold the rest); lower the ratio")
+    hi = best[0]
+    for _ in range(steps):
+        mid = 0.5 * (lo + hi)
+        n = params_after(model, example, mid, scores, kept, allocation)
+        if n <= want:
+            hi, best = mid, (mid, n)
+        else:
+            lo = mid
+    return best
 
 
 def conform_trainer(trainer: Any, plan: Sequence[Sequence[Any]] | None) -> None:
@@ -499,15 +595,34 @@ class ServerPruning:
         self.example = example_input(x_like)
         self.model_full = build_torch_model(config.model, config.seed)  # the architecture before the cut
         # the expected score vectors: one per group, as long as its root's channels
-        self.layout = {k: v.shape for k, v in group_scores(self.model, self.example,
-                                                           saliency(self.model, "magnitude")).items()}
+        magnitude = _normalised(group_scores(self.model, self.example, saliency(self.model, "magnitude")))
+        self.layout = {k: v.shape for k, v in magnitude.items()}
         if not self.layout:
             raise PruneError(f"model {config.model.kind!r} has no prunable channel group (conv / linear layers "
                              "feeding other layers); nothing to prune")
+        self.params_full = _params(self.model)
+        self._ratios: dict[float, tuple[float, int]] = {}  # uniform allocation: target -> (channel ratio, params)
+        if self.spec.target == "params":  # an unreachable target is refused before round 1
+            self.channel_ratio(self.spec.ratio, magnitude)
         self.scores: dict[str, np.ndarray] = {}
         self.plan: list[list[Any]] | None = None
         self.cut_params: dict[str, np.ndarray] | None = None  # the full-size (masked) model at the cut
         self.history: list[dict[str, Any]] = []
+
+    def channel_ratio(self, sparsity: float, scores: Mapping[str, np.ndarray]) -> tuple[float, int | None]:
+        """``(channel ratio, parameters the cut keeps)`` for the target ``sparsity`` (with
+        ``target="channels"`` the sparsity is the channel ratio; the count is then not taken)."""
+        spec = self.spec
+        if spec.target == "channels":
+            return sparsity, None
+        if sparsity <= 0:
+            return 0.0, self.params_full
+        if spec.allocation == "uniform" and sparsity in self._ratios:  # the same widths whatever the scores
+            return self._ratios[sparsity]
+        got = channel_ratio_for(self.model, self.example, sparsity, scores, allocation=spec.allocation)
+        if spec.allocation == "uniform":
+            self._ratios[sparsity] = got
+        return got
 
     def expects_scores(self, round_idx: int) -> bool:
         return self.plan is None and round_idx <= self.spec.rounds
@@ -556,9 +671,11 @@ class ServerPruning:
             return params
         ratio = self.spec.sparsity(round_idx)
         load_torch_state(self.model, params)
-        plan = mask_and_plan(self.model, self.example, ratio, self.scores)
+        channels, kept_params = self.channel_ratio(ratio, self.scores)
+        plan = mask_and_plan(self.model, self.example, channels, self.scores, allocation=self.spec.allocation)
         masked = torch_state(self.model)
-        self.history.append({"round": round_idx, "sparsity": ratio, "masked_channels": sum(len(p[2]) for p in plan)})
+        self.history.append({"round": round_idx, "sparsity": ratio, "channel_ratio": channels,
+                             "params_kept": kept_params, "masked_channels": sum(len(p[2]) for p in plan)})
         if round_idx < self.spec.rounds:
             return masked
         self.cut_params, self.plan = masked, plan
@@ -572,4 +689,5 @@ class ServerPruning:
                 "kept_whole": list(kept_whole(self.model_full, self.example)),
                 "heads": {n: h for n, m in self.model_full.named_modules()
                           for q, h in attention_heads(self.model_full).items() if q is m},
-                "spec": {"ratio": self.spec.ratio, "rounds": self.spec.rounds, "score": self.spec.score}}
+                "spec": {"ratio": self.spec.ratio, "rounds": self.spec.rounds, "score": self.spec.score,
+                         "target": self.spec.target, "allocation": self.spec.allocation}}

@@ -5,7 +5,8 @@
 - ``model.onnx``: the same through ``torch.onnx.export``; checked with onnxruntime against torch on
   the evaluation rows (``onnx_check``: the largest absolute difference of the outputs and the share of
   rows whose predicted class agrees).
-- ``release.json``: ``params_before`` / ``params_after`` (parameters), ``flops_before`` /
+- ``release.json``: ``params_before`` / ``params_after`` (parameters; ``params_removed`` their share,
+  at least the job's ``--prune`` ratio when its ``target`` is ``params``), ``flops_before`` /
   ``flops_after`` (2 × the multiply-accumulates of one example, Torch-Pruning's counter),
   ``accuracy_before`` (the full-size model at the cut: the job's model of round ``K`` with its last
   soft mask), ``accuracy_at_cut`` (the pruned model right after the cut, before fine-tuning: equal to
