@@ -194,26 +194,61 @@ def tiny_llama() -> pp.models.Llama:
     return pp.models.Llama(pp.models.LlamaConfig(vocab=64, seq=16, layers=1, hidden=32, heads=4, kv_heads=2, ffn=64))
 
 
+def sharp_llama() -> pp.models.Llama:
+    """The tiny LLaMA with queries and keys 8x larger: attention peaked enough that the rotary
+    angles (positions) move the loss (at the small initialisation they barely do)."""
+    m = tiny_llama()
+    with torch.no_grad():
+        for blk in m.layers:
+            blk.q.weight.mul_(8)
+            blk.k.weight.mul_(8)
+    return m
+
+
 def _llama_strategy(**degrees: int) -> pp.Strategy:
     x, y = ex.gpt_data(0)
     return pp.evaluate(tiny_llama(), (x, y), "local-cpu:2", batch_size=ex.BATCH, recompute="none", microbatches=1,
                        **degrees)
 
 
-def test_llama_sp_is_refused_and_the_planners_mlp_split_is_megatrons() -> None:
-    """cos/sin are tables read by position, so a sequence shard would rotate by the wrong angles:
-    refused before launch. The planner sees ``silu(gate(h)) * up(h)`` fused into ``gate``; the
+def test_llama_rotary_tables_are_sharded_with_the_sequence_and_the_planners_mlp_split_is_megatrons() -> None:
+    """cos/sin are tables read by position: under Ulysses each sequence shard holds its rows of them
+    (found by following the sequence dim from the inputs to the rotary multiply); a persistent table
+    (a checkpoint would save the shard) is refused, and so are tables inside pipeline stages, whose
+    pass does not shard them. The planner sees ``silu(gate(h)) * up(h)`` fused into ``gate``; the
     fused epilogue's second input (up's column-split output) must not make ``gate`` row-parallel."""
     x, y = ex.gpt_data(0)
     g = capture_for_strategy(tiny_llama, (x, y))
-    with pytest.raises(Unsupported, match=r"sp=2 .*reads buffer 'b_sin' by sequence position"):
-        plan_for(_llama_strategy(sp=2), tiny_llama(), graph=g)
+    assert plan_for(_llama_strategy(sp=2), tiny_llama(), graph=g).tables == (("sin", 0, 16), ("cos", 0, 16))
+    kept = tiny_llama()
+    kept.register_buffer("cos", kept.cos.clone())  # persistent
+    with pytest.raises(Unsupported, match=r"sp=2: buffer 'cos' is read by sequence position .* persistent"):
+        plan_for(_llama_strategy(sp=2), kept, graph=g)
+    from polyparallel.backends.torch.capabilities import _stage_sp_problems
+
+    assert any("buffer 'cos' is read by sequence position" in p for p in _stage_sp_problems(g, 2))
     s = _llama_strategy(tp=2)
     by_module = {m: p.placement for p in s.placements for m in p.modules}
     assert [by_module[f"layers.0.{m}"] for m in ("gate", "up", "down")] == ["n:tp", "n:tp", "k:tp"]
     assert by_module["lm_head"] == "n:tp"
     kinds = dict(plan_for(s, tiny_llama(), graph=g).tp_plan)
     assert [kinds[f"layers.0.{m}"] for m in ("gate", "up", "down")] == ["col", "col", "row"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_sequence_parallel_llama_with_rotary_tables_matches_single_process(zero_stage: int) -> None:
+    """Ulysses on LLaMA under DDP and FSDP2: each rank holds half of every sequence and its half of
+    the rotary tables (reading the tables' first rows on both ranks is 6e-3 off; DDP must not
+    broadcast rank 0's rows)."""
+    s = _llama_strategy(sp=2, zero_stage=zero_stage)
+    assert (s.sp, s.tp, s.dp, s.zero_stage) == (2, 1, 1, zero_stage)
+    log = train(s, sharp_llama, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED)
+    assert log[0]["rank0_input_shape"] == [ex.BATCH, 8]
+    ref = _single(sharp_llama, ex.gpt_data)
+    err = max(abs(r["loss"] - want) / abs(want) for r, want in zip(log, ref, strict=True))
+    print(f"SP=2 (Ulysses) LLaMA, rotary tables sharded: max relative loss difference {err:.2e}")
+    assert err <= 1e-4
 
 
 @pytest.mark.timeout(60)

@@ -74,6 +74,7 @@ from polyparallel.backends.torch._tensor_parallel import (
     micro_batch,
     position_embeddings,
     reads_head_shards,
+    sequence_tables,
     sharded_consumer,
     tied_shards,
     uneven_shards,
@@ -95,10 +96,12 @@ class ExecPlan(Plan):
     output feeds the loss directly) / ``"col_gather"`` / ``"emb_row"`` (vocabulary-parallel
     embedding); ``fused`` gives the head-major blocks of fused projections (regrouped
     column-parallel), ``tied`` the ``module.param`` paths re-tied after sharding, ``positions`` the
-    position embeddings offset on sequence shards. Of the plan: ``microbatches`` with ``pp == 1``
-    is gradient accumulation, ``zero_stage`` with ``data_parallel == "fsdp"`` how FSDP2 reshards and
-    reduces (``._worker._fully_shard``), ``ep`` splits the experts over the dp ranks
-    (``._expert_parallel``), ``dtype`` is applied by ``._precision``, ``recompute`` by ``._recompute``."""
+    position embeddings offset on sequence shards, ``tables`` the buffers read by position (rotary
+    tables) each sequence shard holds its slice of (``._tensor_parallel.sequence_tables``). Of the
+    plan: ``microbatches`` with ``pp == 1`` is gradient accumulation, ``zero_stage`` with
+    ``data_parallel == "fsdp"`` how FSDP2 reshards and reduces (``._worker._fully_shard``), ``ep``
+    splits the experts over the dp ranks (``._expert_parallel``), ``dtype`` is applied by
+    ``._precision``, ``recompute`` by ``._recompute``."""
 
     data_parallel: str  # "none", "ddp" or "fsdp"
     tp_plan: tuple[tuple[str, str], ...]
@@ -110,6 +113,7 @@ class ExecPlan(Plan):
     fused: tuple[tuple[str, tuple[int, ...]], ...] = ()
     tied: tuple[tuple[str, ...], ...] = ()
     positions: tuple[str, ...] = ()
+    tables: tuple[tuple[str, int, int], ...] = ()  # (buffer path, dim, sequence length): sharded with the sequence
     recompute_blocks: tuple[str, ...] = ()  # the layers recompute="full" or "op" checkpoints
 
 
@@ -160,7 +164,24 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
         pipeline=_graph_stages(s, model, batch, graph, seen, fused, ops.own_forward),
         fused=tuple(sorted(fused.items())),
         tied=tuple(tied), positions=tuple(position_embeddings(graph)) if s.sp > 1 and graph else (),
+        tables=_sequence_tables(s, model, graph),
         recompute_blocks=tuple(recompute_blocks(graph)) if s.recompute in ("full", "op") and graph else ())
+
+
+def _sequence_tables(s: Strategy, model: nn.Module, graph: Graph | None) -> tuple[tuple[str, int, int], ...]:
+    """The tables a sequence shard holds its slice of, with Ulysses outside pipeline stages; a
+    persistent buffer is refused (each shard's checkpoint would hold its slice, not the table)."""
+    if s.sp == 1 or s.pp > 1 or graph is None:
+        return ()
+    out = []
+    for t in sequence_tables(graph)[0]:
+        owner, _, name = t.path.rpartition(".")
+        if name not in model.get_submodule(owner)._non_persistent_buffers_set:
+            raise Unsupported(f"sp={s.sp}: buffer {t.path!r} is read by sequence position and would be sharded with "
+                              "the sequence, but it is persistent (saved in the state dict): register it with "
+                              "persistent=False, or pin sp=1")
+        out.append((t.path, t.dim, t.length))
+    return tuple(out)
 
 
 def own_forward_plan(strategy: Strategy, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,

@@ -100,6 +100,7 @@ __all__ = [
     "FusedColwiseParallel",
     "HeadSplit",
     "Region",
+    "SequenceTable",
     "UlyssesAttention",
     "UncapturedModel",
     "build_mesh",
@@ -116,6 +117,7 @@ __all__ = [
     "reads_head_shards",
     "replica_mesh",
     "sequence_shard",
+    "sequence_tables",
     "sharded_consumer",
     "sp_problems",
     "step_context",
@@ -493,13 +495,95 @@ def position_embeddings(graph: Graph) -> list[str]:
     return out
 
 
-def sp_problems(graph: Graph, sp: int, heads_parts: int) -> list[str]:
+def _sequence_lengths(graph: Graph) -> set[int]:
+    """The sequence lengths the attention ops see (their query and key extents)."""
+    return {d.extent for op in graph.ops if OpKind(op.kind) is OpKind.ATTENTION and op.nest is not None
+            for d in op.nest.dims if d.hint is Hint.SEQUENCE}
+
+
+def _sequence_dims(graph: Graph) -> dict[str, set[int]]:
+    """Which dims of each activation hold sequence positions: dim 1 of every input, then forward
+    through the ops' accesses (a loop dim indexing a sequence dim of an input is a sequence loop
+    dim; an output dim indexed by one holds positions)."""
+    seq: dict[str, set[int]] = {t: {1} for t in graph.inputs if len(graph.tensors[t].shape) >= 2}
+    for op in graph.ops:
+        if op.nest is None:
+            continue
+        loops: set[str] = set()
+        for st in op.nest.statements:
+            for a in st.reads:
+                t = op.operand_name(a.operand)
+                for k in seq.get(t, ()) if t is not None else ():
+                    if k < len(a.index):
+                        loops.update(a.index[k].dims)
+        if not loops:
+            continue
+        for st in op.nest.statements:
+            for a in st.writes:
+                t = op.operand_name(a.operand)
+                if t is not None:
+                    seq.setdefault(t, set()).update(k for k, e in enumerate(a.index) if loops.intersection(e.dims))
+    return seq
+
+
+@dataclass(frozen=True)
+class SequenceTable:
+    """A stored table read by sequence position (rotary ``cos``/``sin``): on sequence shard ``r`` of
+    ``sp`` it holds rows ``[r·S/sp, (r+1)·S/sp)`` of its dim ``dim``, so a shard reading the table
+    from position 0 (``cos[:S_local]``, or the whole table broadcast) reads its own positions."""
+
+    path: str  # the buffer's path in the model
+    dim: int
+    length: int  # S, the whole sequence
+
+
+def sequence_tables(graph: Graph) -> tuple[list[SequenceTable], list[str]]:
+    """The buffers read by sequence position that a sequence shard can hold its slice of, and why
+    the others cannot be: a table must be read with one of its dims indexed exactly by a sequence
+    loop dim (``cos[s, d]``, ``s`` running over the positions from 0) and no other."""
+    lengths = _sequence_lengths(graph)
+    seq = _sequence_dims(graph)
+    tables: dict[str, SequenceTable] = {}
+    problems: list[str] = []
+    for op in graph.ops:
+        if op.nest is None or OpKind(op.kind) is OpKind.ATTENTION:
+            continue
+        seq_loops = {d for st in op.nest.statements for a in st.reads
+                     for k in seq.get(op.operand_name(a.operand) or "", ()) if k < len(a.index)
+                     for d in a.index[k].dims}
+        # pointwise nests carry no hints: a dim as long as the sequence counts as one too (a false
+        # alarm refuses, it never runs something else)
+        suspect = seq_loops | {d.name for d in op.nest.dims if d.hint is Hint.SEQUENCE or d.extent in lengths}
+        for st in op.nest.statements:
+            for a in st.reads:
+                t = op.operand_name(a.operand)
+                if t is None or not a.operand.startswith("in") or \
+                        graph.tensors[t].kind not in (TensorKind.BUFFER, TensorKind.CONST) or not suspect & a.dims:
+                    continue
+                spec = graph.tensors[t]
+                at = [k for k, e in enumerate(a.index) if suspect.intersection(e.dims)]
+                e = a.index[at[0]] if len(at) == 1 else None
+                exact = e is not None and len(e.dims) == 1 and next(iter(e.dims)) in seq_loops and \
+                    str(e) == next(iter(e.dims))
+                length = next(iter(lengths)) if len(lengths) == 1 else None
+                table = SequenceTable(str(spec.origin or ""), at[0], length) if exact and length and \
+                    spec.kind is TensorKind.BUFFER and spec.origin and spec.shape[at[0]] >= length else None
+                if table is None or tables.get(t, table) != table:
+                    problems.append(f"op {op.name!r} reads {spec.kind} {t!r} by sequence position as {a}, not as "
+                                    "a table of positions along one dim: every shard would read the first positions")
+                else:
+                    tables[t] = table
+    return list(tables.values()), problems
+
+
+def sp_problems(graph: Graph, sp: int, heads_parts: int, tables: bool = True) -> list[str]:
     """Why running ``graph`` with its sequence split over ``sp`` ranks (Ulysses) would compute
-    something else than the unsplit model; empty when it is exact."""
+    something else than the unsplit model; empty when it is exact. ``tables``: whether the tables
+    read by sequence position are sharded with the sequence (:func:`sequence_tables`; the module
+    path does, the pipeline's pass does not)."""
     problems: list[str] = []
     # the sequence length is the attention's query extent; every input is split along its dim 1
-    lengths = {d.extent for op in graph.ops if OpKind(op.kind) is OpKind.ATTENTION and op.nest is not None
-               for d in op.nest.dims if d.hint is Hint.SEQUENCE}
+    lengths = _sequence_lengths(graph)
     if len(lengths) != 1:
         problems.append("the model has no attention over one sequence length: no sequence dim to split"
                         if not lengths else f"attention ops see several sequence lengths {sorted(lengths)}")
@@ -532,20 +616,15 @@ def sp_problems(graph: Graph, sp: int, heads_parts: int) -> list[str]:
             if mixed:
                 problems.append(f"op {op.name!r} ({op.target}) reduces over sequence dim {mixed[0]!r} outside "
                                 "attention: a sequence shard would see only its part")
-        if op.nest is not None and kind is not OpKind.ATTENTION:
-            # a stored table indexed by position (rotary cos/sin, a mask buffer) would be read from
-            # position 0 on every shard; pointwise nests carry no hints, so any dim as long as the
-            # sequence counts (a false alarm refuses, it never runs something else)
-            seq_dims = {d.name for d in op.nest.dims if d.hint is Hint.SEQUENCE or d.extent in lengths}
-            for st in op.nest.statements:
-                for a in st.reads:
-                    j = int(a.operand[2:]) if a.operand[:2] == "in" and a.operand[2:].isdigit() else -1
-                    t = op.inputs[j] if 0 <= j < len(op.inputs) else None
-                    if t is not None and graph.tensors[t].kind in (TensorKind.BUFFER, TensorKind.CONST) and \
-                            a.dims & seq_dims:
-                        problems.append(f"op {op.name!r} reads {graph.tensors[t].kind} {t!r} by sequence position "
-                                        "(e.g. rotary tables): every shard would read the first positions")
-                        break
+    found, why = sequence_tables(graph)
+    problems.extend(why)
+    if not tables:
+        problems.extend(f"buffer {t.path!r} is read by sequence position (e.g. rotary tables): every shard would "
+                        "read the first positions" for t in found)
+    for t in found:
+        if t.length % sp:
+            problems.append(f"buffer {t.path!r} is read by sequence position over {t.length} positions, not "
+                            f"divisible by sp={sp}")
     return problems
 
 
@@ -727,6 +806,11 @@ def parallelize(model: nn.Module, plan: Any, mesh: Any) -> None:
         rank = mesh["sp"].get_local_rank()
         for path in plan.positions:
             offset_positions(model.get_submodule(path), rank)
+        for path, dim, length in plan.tables:
+            owner, _, name = path.rpartition(".")
+            module = model.get_submodule(owner)
+            n = length // plan.sp
+            setattr(module, name, getattr(module, name).narrow(dim, rank * n, n).clone())
 
 
 def _own_output(module: nn.Module, args: Any, output: Any) -> Any:

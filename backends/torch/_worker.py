@@ -76,10 +76,13 @@ def _apply(model: torch.nn.Module, job: dict[str, Any], device: torch.device,
     parallelize(model, plan, mesh)
     cross_rank_bn = job.get("batchnorm", "cross_rank") == "cross_rank" and _cross_rank_batchnorm(model, mesh, plan)
     apply_recompute(model, plan.recompute, plan.recompute_blocks)  # after TP, before DDP / FSDP2 wrap the model
-    if getattr(plan, "ep", 1) > 1:  # before DDP, which must not average (or broadcast) the expert shards
+    # what DDP must not average or broadcast: the expert shards, each sequence shard's rows of a table
+    ignored = [path for path, _, _ in plan.tables]
+    if getattr(plan, "ep", 1) > 1:  # before DDP
         replicas = replica_mesh(mesh, plan)
-        ignored = apply_expert_parallel(model, plan.ep, replicas.size(), dist.get_process_group_ranks(
+        ignored += apply_expert_parallel(model, plan.ep, replicas.size(), dist.get_process_group_ranks(
             replicas.get_group()))
+    if ignored:
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     if plan.data_parallel == "ddp":
         # cross-rank BatchNorm keeps the running statistics equal on every replica: nothing to broadcast
