@@ -303,7 +303,7 @@ def main() -> None:
     ap.add_argument("--score", default="fisher")
     ap.add_argument("--score-batches", type=int, default=4)
     ap.add_argument("--target", default="params", help="what RATIO is a share of: params or channels")
-    ap.add_argument("--allocation", default="uniform", help="uniform or global (PruneSpec.allocation)")
+    ap.add_argument("--allocation", default="global", help="uniform or global (PruneSpec.allocation)")
     ap.add_argument("--cache", default="", help="folder for the unpruned models' parameters (reused by a run of "
                                                 "the same setting)")
     ap.add_argument("--seed", type=int, default=0)

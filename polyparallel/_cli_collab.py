@@ -280,10 +280,10 @@ def collab_cmd(
                         "Torch-Pruning's DepGraph); --prune-target channels: of every channel group's channels")]
         = None,
     prune_rounds: Annotated[int | None, typer.Option(
-        "--prune-rounds", help="K: soft masks in rounds 1..K, the structural cut after K (default rounds // 2)")]
+        "--prune-rounds", help="K: soft masks in rounds 1..K, the structural cut after K (default rounds // 6)")]
         = None,
     prune_score: Annotated[str, typer.Option(
-        "--prune-score", help="channel importance on each center's rows: magnitude, taylor or fisher")] = "taylor",
+        "--prune-score", help="channel importance on each center's rows: magnitude, taylor or fisher")] = "fisher",
     prune_target: Annotated[str, typer.Option(
         "--prune-target", help="what --prune RATIO is a share of: params or channels")] = "params",
     prune_allocation: Annotated[str | None, typer.Option(
@@ -349,7 +349,7 @@ def _prune_options(cfg: Any, ratio: float | None, rounds: int | None, how: tuple
             raise UserError("--prune-rounds and --release go with --prune RATIO")
         return cfg
     score, target, allocation = how
-    spec = PruneSpec(ratio, max(1, cfg.rounds // 2) if rounds is None else rounds, score, target=target,
+    spec = PruneSpec(ratio, max(1, cfg.rounds // 6) if rounds is None else rounds, score, target=target,
                      **({} if allocation is None else {"allocation": allocation}))
     if release is not None:
         if eval_data is None:

