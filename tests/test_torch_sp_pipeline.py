@@ -24,6 +24,7 @@ from polyparallel.backends.torch._tensor_parallel import sp_problems, strategy_g
 from polyparallel.backends.torch.capabilities import plan_problems
 from tests import zoo
 from tests.test_torch_backend import LR, SEED, STEPS, _max_rel, _single
+from tests.test_torch_tp import sharp_llama as _sharp_llama
 
 pytestmark = pytest.mark.slow
 
@@ -110,3 +111,23 @@ def test_hf_llama_sp2_pp2_gpipe_matches_single_process() -> None:
     err = _max_rel(log, ref)
     print(f"HF LLaMA SP2 x PP2 (GPipe): max relative loss difference {err:.2e}")
     assert err <= 1e-5 and log[-1]["loss_weighting"] == "tokens"
+
+
+def sharp_llama() -> nn.Module:  # picklable for the workers
+    return _sharp_llama(layers=2)
+
+
+@pytest.mark.timeout(120)
+def test_llama_rotary_tables_sp2_pp2_matches_single_process() -> None:
+    """The project's LLaMA keeps its rotary tables as buffers read from position 0 at the local
+    length (``cos[:S]``): each sequence shard holds its rows before the stages are exported, so the
+    second half is rotated by its own angles (queries and keys scaled so the angles move the loss)."""
+    x, y = ex.gpt_data(0)
+    s = pp.evaluate(sharp_llama(), (x, y), "local-cpu:4", batch_size=ex.BATCH, recompute="none", microbatches=2,
+                    sp=2, pp=2, schedule="gpipe")
+    g = strategy_graph(s, sharp_llama, ex.gpt_data(0), True)
+    assert plan_problems(g, s) == [] and plan_for(s, sharp_llama(), ex.gpt_data(0), graph=g).tables
+    log = train(s, sharp_llama, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED)
+    err = _max_rel(log, _single(sharp_llama, ex.gpt_data))
+    print(f"LLaMA (rotary tables) SP2 x PP2 (GPipe): max relative loss difference {err:.2e}")
+    assert err <= 1e-5

@@ -99,6 +99,7 @@ from polyparallel.backends.torch._stage_sp import label_shard, register_mesh, sh
 from polyparallel.backends.torch._stage_sp import rewrite as sp_rewrite
 from polyparallel.backends.torch._stage_tp import register_group, shard_graph, shard_parameters
 from polyparallel.backends.torch._steps import make_optimizer, scale_gradients
+from polyparallel.backends.torch._tensor_parallel import shard_tables
 from polyparallel.backends.torch._train_loop import TrainingMode
 from polyparallel.backends.torch.capabilities import Unsupported
 from polyparallel.cost_models.layers import LAYER  # the planner's own layer pattern
@@ -546,6 +547,7 @@ def _split_on_rank(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], p
     x0, y0 = inputs[:mb], labels[:mb]
     if pipe.sp > 1:  # Ulysses inside each stage (._stage_sp): exported at the local sequence length
         register_mesh("sp", ranks.mesh["sp"])
+        shard_tables(model, plan.tables, pipe.sp, ranks.sp)  # read from position 0 at the local length
         n = inputs.shape[1] // pipe.sp
         rewrite = _sp_rewrite(pipe.sp, ranks.sp, n)
         x0, y0 = inputs[:mb, :n], labels[:mb, :n]

@@ -169,9 +169,9 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
 
 
 def _sequence_tables(s: Strategy, model: nn.Module, graph: Graph | None) -> tuple[tuple[str, int, int], ...]:
-    """The tables a sequence shard holds its slice of, with Ulysses outside pipeline stages; a
-    persistent buffer is refused (each shard's checkpoint would hold its slice, not the table)."""
-    if s.sp == 1 or s.pp > 1 or graph is None:
+    """The tables a sequence shard holds its slice of; a persistent buffer is refused (each shard's
+    checkpoint would hold its slice, not the table)."""
+    if s.sp == 1 or graph is None:
         return ()
     out = []
     for t in sequence_tables(graph)[0]:

@@ -118,6 +118,7 @@ __all__ = [
     "replica_mesh",
     "sequence_shard",
     "sequence_tables",
+    "shard_tables",
     "sharded_consumer",
     "sp_problems",
     "step_context",
@@ -576,11 +577,10 @@ def sequence_tables(graph: Graph) -> tuple[list[SequenceTable], list[str]]:
     return list(tables.values()), problems
 
 
-def sp_problems(graph: Graph, sp: int, heads_parts: int, tables: bool = True) -> list[str]:
+def sp_problems(graph: Graph, sp: int, heads_parts: int) -> list[str]:
     """Why running ``graph`` with its sequence split over ``sp`` ranks (Ulysses) would compute
-    something else than the unsplit model; empty when it is exact. ``tables``: whether the tables
-    read by sequence position are sharded with the sequence (:func:`sequence_tables`; the module
-    path does, the pipeline's pass does not)."""
+    something else than the unsplit model; empty when it is exact. The tables read by sequence
+    position are sharded with the sequence (:func:`sequence_tables`)."""
     problems: list[str] = []
     # the sequence length is the attention's query extent; every input is split along its dim 1
     lengths = _sequence_lengths(graph)
@@ -618,9 +618,6 @@ def sp_problems(graph: Graph, sp: int, heads_parts: int, tables: bool = True) ->
                                 "attention: a sequence shard would see only its part")
     found, why = sequence_tables(graph)
     problems.extend(why)
-    if not tables:
-        problems.extend(f"buffer {t.path!r} is read by sequence position (e.g. rotary tables): every shard would "
-                        "read the first positions" for t in found)
     for t in found:
         if t.length % sp:
             problems.append(f"buffer {t.path!r} is read by sequence position over {t.length} positions, not "
@@ -806,11 +803,17 @@ def parallelize(model: nn.Module, plan: Any, mesh: Any) -> None:
         rank = mesh["sp"].get_local_rank()
         for path in plan.positions:
             offset_positions(model.get_submodule(path), rank)
-        for path, dim, length in plan.tables:
-            owner, _, name = path.rpartition(".")
-            module = model.get_submodule(owner)
-            n = length // plan.sp
-            setattr(module, name, getattr(module, name).narrow(dim, rank * n, n).clone())
+        shard_tables(model, plan.tables, plan.sp, rank)
+
+
+def shard_tables(model: nn.Module, tables: Any, sp: int, rank: int) -> None:
+    """Replace each table ``(buffer path, dim, sequence length)`` by the rows sequence shard
+    ``rank`` of ``sp`` reads (:class:`SequenceTable`)."""
+    for path, dim, length in tables:
+        owner, _, name = path.rpartition(".")
+        module = model.get_submodule(owner)
+        n = length // sp
+        setattr(module, name, getattr(module, name).narrow(dim, rank * n, n).clone())
 
 
 def _own_output(module: nn.Module, args: Any, output: Any) -> Any:

@@ -195,15 +195,14 @@ def _stage_sp_problems_of(graph: Graph, sp: int) -> list[str]:
     handled = {op.name for op in graph.ops if OpKind(op.kind) is OpKind.CREATE and "arange" in op.target
                and op.outputs and (not graph.consumers(op.outputs[0])
                                    or tuple(graph.tensors[op.outputs[0]].shape) in {(n,) for n in lengths})}
-    return [p for p in _sp_problems(graph, sp, sp, tables=False)
+    return [p for p in _sp_problems(graph, sp, sp)
             if not (p.startswith("op '") and p.split("'")[1] in handled and "builds a tensor from the sequence" in p)]
 
 
-def _sp_problems(graph: Graph, sp: int, heads_parts: int, tables: bool = True) -> list[str]:
+def _sp_problems(graph: Graph, sp: int, heads_parts: int) -> list[str]:
     from polyparallel.backends.torch._tensor_parallel import sp_problems
 
-    return list(_per_graph(graph, ("sp", sp, heads_parts, tables),
-                           lambda: tuple(sp_problems(graph, sp, heads_parts, tables))))
+    return list(_per_graph(graph, ("sp", sp, heads_parts), lambda: tuple(sp_problems(graph, sp, heads_parts))))
 
 
 # ---------------------------------------------------------------------------------------------
