@@ -131,7 +131,7 @@ class OpPlacement(_Model):
 
 class CenterPlan(_Model):
     name: str
-    framework: Literal["torch", "mindspore"] = "torch"
+    framework: Literal["torch", "mindspore", "paddle", "tensorflow"] = "torch"
     devices: list[int]
     share: float = Field(gt=0, le=1, description="fraction of the global batch / data the center trains on")
     local_strategy: dict[str, Any] = Field(default_factory=dict, description=(

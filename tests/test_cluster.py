@@ -241,3 +241,24 @@ def test_example_cluster_lays_the_h200_calibration_over_the_data_sheet():
     assert max(f / s for f, s in dict(dt.matmul_curves)["bf16"]) == pytest.approx(best)
     assert dt.memory_efficiency == pytest.approx(cal["memory_bandwidth"] / 4800e9)
     assert dt.peak_flops("bf16") == 989.5e12  # the data sheet stays for what was not measured
+
+
+def test_a_collaborative_plan_names_paddle_and_tensorflow_centers(tmp_path) -> None:
+    """Every framework a cluster file may give a center is one a Strategy's center plan can name: the
+    five-center preset with two centers switched to PaddlePaddle and TensorFlow searches to a plan
+    that writes and reads back (the record allowed torch and mindspore only)."""
+    import torch
+
+    import polyparallel as pp
+    from polyparallel.cluster.spec import preset_raw
+    from polyparallel.models import MLP
+
+    raw = preset_raw("aisynergy-5")
+    raw["centers"][0]["framework"], raw["centers"][1]["framework"] = "paddle", "tensorflow"
+    cl = Cluster.from_dict(raw, source="test")
+    s = pp.search(MLP(), (torch.randn(8, 784),), cl, batch_size=64)
+    frameworks = {c.name: c.framework for c in s.collaborative.centers}
+    assert frameworks[raw["centers"][0]["name"]] == "paddle" and frameworks[raw["centers"][1]["name"]] == "tensorflow"
+    s.to_json(tmp_path / "s.json")
+    back = pp.Strategy.from_json(tmp_path / "s.json").collaborative
+    assert {c.framework for c in back.centers} >= {"paddle", "tensorflow"}
