@@ -116,12 +116,12 @@ def test_expert_parallelism_divides_expert_memory_and_prices_the_all_to_alls(mix
 
 def test_torch_backend_refuses_the_expert_parallelism_it_does_not_run_by_name(mixtral):
     _, graph = mixtral
-    for cfg in (ParallelConfig(dp=4, ep=2), ParallelConfig(dp=2, ep=2, zero_stage=1),
-                ParallelConfig(dp=2, tp=2, ep=2, zero_stage=1)):
+    for cfg in (ParallelConfig(dp=4, ep=2), ParallelConfig(dp=2, tp=2, ep=2, zero_stage=1)):
         why = plan_problems(graph, cfg)
         assert any(w.startswith(f"ep=2 with dp={cfg.dp} tp={cfg.tp}") and "ep = dp" in w for w in why), why
     assert plan_problems(None, ParallelConfig(dp=2, ep=2))  # without the graph, no expert matmul to check
     assert not plan_problems(graph, ParallelConfig(dp=2, ep=2))
+    assert not plan_problems(graph, ParallelConfig(dp=2, ep=2, zero_stage=1))  # under FSDP2
     assert not plan_problems(graph, ParallelConfig(dp=2))
 
 
@@ -141,10 +141,12 @@ def test_search_writes_an_ep_plan_the_backend_refuses_only_as_planning_only(mixt
 
 
 @pytest.mark.timeout(300)
-def test_expert_parallel_training_matches_one_process():
-    """ep = dp = 2 on gloo: each rank holds half the experts, tokens all-to-all dispatched and combined;
-    three SGD steps give the single-process losses (a missing 1/replicas on the expert gradients
-    alone shows as a 4e-6 relative error at this learning rate)."""
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_expert_parallel_training_matches_one_process(zero_stage):
+    """ep = dp = 2 on gloo, under DDP and FSDP2 (the expert shards left unsharded by it): each rank
+    holds half the experts, tokens all-to-all dispatched and combined; three SGD steps give the
+    single-process losses (a missing 1/replicas on the expert gradients alone shows as a 4e-6
+    relative error at this learning rate)."""
     import polyparallel as pp
     from polyparallel.backends.torch import train
     from polyparallel.backends.torch._examples import single_process_losses
@@ -152,8 +154,8 @@ def test_expert_parallel_training_matches_one_process():
     x, y = lm_data(0)
     torch.manual_seed(0)
     s = pp.search(hf_mixtral(), (x,), "local-cpu:2", example_kwargs={"labels": y}, batch_size=BATCH,
-                  constraints={"dp": 2, "ep": 2, "zero_stage": 0, "microbatches": 1})
-    assert (s.dp, s.ep) == (2, 2) and not any("planning only" in n for n in s.search.notes)
+                  constraints={"dp": 2, "ep": 2, "zero_stage": zero_stage, "microbatches": 1})
+    assert (s.dp, s.ep, s.zero_stage) == (2, 2, zero_stage) and not any("planning only" in n for n in s.search.notes)
     log = train(s, "tests.zoo:hf_mixtral", "tests.zoo:lm_data", steps=3, lr=1.0, seed=0, timeout_s=280)
     ref = single_process_losses(hf_mixtral, lm_data, steps=3, lr=1.0, seed=0)
     got = [r["loss"] for r in log]

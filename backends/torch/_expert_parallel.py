@@ -16,9 +16,9 @@ expert group keeps experts ``[r·E/ep, (r+1)·E/ep)``, and its forward
 Gradients: the dispatch's backward brings every rank's rows' gradients to the expert, so an expert
 weight's gradient is the sum over the group's ranks of their (loss-weighted) backward; the replicas'
 average that DDP applies to the other weights is a division by the number of replicas, applied here
-by a hook on each expert weight. DDP is told to ignore the expert weights. The executor runs this
-with ``ep = dp`` (every data-parallel rank in one expert group), so no two ranks hold the same
-expert and no expert gradient needs a reduction.
+by a hook on each expert weight. DDP is told to ignore the expert weights, FSDP2 leaves them
+unsharded (``ignored_params``). The executor runs this with ``ep = dp`` (every data-parallel rank
+in one expert group), so no two ranks hold the same expert and no expert gradient needs a reduction.
 
 The all-to-alls run on a process group of their own: DDP's gradient all-reduces are issued from
 backward hooks on the replica group, and the dispatch/combine backward all-to-alls interleaved with

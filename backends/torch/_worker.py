@@ -76,7 +76,8 @@ def _apply(model: torch.nn.Module, job: dict[str, Any], device: torch.device,
     parallelize(model, plan, mesh)
     cross_rank_bn = job.get("batchnorm", "cross_rank") == "cross_rank" and _cross_rank_batchnorm(model, mesh, plan)
     apply_recompute(model, plan.recompute, plan.recompute_blocks)  # after TP, before DDP / FSDP2 wrap the model
-    # what DDP must not average or broadcast: the expert shards, each sequence shard's rows of a table
+    # what DDP must not average or broadcast: the expert shards, each sequence shard's rows of a table;
+    # what FSDP2 must not shard: the expert shards
     ignored = [path for path, _, _ in plan.tables]
     if getattr(plan, "ep", 1) > 1:  # before DDP
         replicas = replica_mesh(mesh, plan)
@@ -90,7 +91,10 @@ def _apply(model: torch.nn.Module, job: dict[str, Any], device: torch.device,
                                         device_ids=[device.index] if device.type == "cuda" else None,
                                         forward_sync_buffers=not cross_rank_bn)
     elif plan.data_parallel == "fsdp":
-        _fully_shard(model, replica_mesh(mesh, plan), plan.zero_stage, fsdp_kwargs)
+        # the expert shards stay whole on their rank (each holds other experts: nothing to shard or average)
+        experts = {p for name, p in model.named_parameters() if name in set(ignored)}
+        _fully_shard(model, replica_mesh(mesh, plan), plan.zero_stage,
+                     {**fsdp_kwargs, "ignored_params": experts} if experts else fsdp_kwargs)
     return model, mesh
 
 

@@ -155,11 +155,10 @@ def plan_problems(graph: Graph | None, s: Plan) -> list[str]:
             why.append(f"sp={s.sp} (Ulysses sequence parallelism) is not exact for this model: "
                        + "; ".join(sp_why[:3]))
     ep = s.ep
-    if ep > 1 and (ep != s.dp or s.tp > 1 or s.sp > 1 or s.pp > 1 or s.zero_stage != 0):
-        why.append(f"ep={ep} with dp={s.dp} tp={s.tp} sp={s.sp} pp={s.pp} zero_stage={s.zero_stage}: expert "
-                   "parallelism is executed only over all the data-parallel ranks (ep = dp) with DDP (zero_stage 0) "
-                   "and no tensor, sequence or pipeline parallelism; pin ep=1 or ep=dp, or keep this strategy "
-                   "for planning only")
+    if ep > 1 and (ep != s.dp or s.tp > 1 or s.sp > 1 or s.pp > 1):
+        why.append(f"ep={ep} with dp={s.dp} tp={s.tp} sp={s.sp} pp={s.pp}: expert parallelism is executed only "
+                   "over all the data-parallel ranks (ep = dp, with DDP or FSDP2) and no tensor, sequence or "
+                   "pipeline parallelism; pin ep=1 or ep=dp, or keep this strategy for planning only")
     elif ep > 1 and (graph is None or not any(d.hint is Hint.EXPERT for op in graph.ops if op.nest is not None
                                               for d in op.nest.dims)):
         why.append(f"ep={ep}: the model's graph has no expert matmul (grouped_mm of an HF experts module) to "
