@@ -60,7 +60,8 @@ def task_file(folder: Path, args: argparse.Namespace, scenario: str, seed: int) 
         "training": {"rounds": args.rounds, "local_steps": args.local_steps, "batch_size": 32, "lr": 0.05,
                      "momentum": 0.9, "fusion": "fedavg", "seed": seed},
         "distill": {"steps": args.distill_steps, "batch_size": 128, "lr": 1e-3, "temperature": 1.0,
-                    "check_every": max(1, args.distill_steps // 10)},
+                    "check_every": max(1, args.distill_steps // 10), "synthetic": args.synthetic,
+                    "synthesis_steps": args.synthesis_steps},
     }
     if scenario.endswith("-synthetic"):
         del task["public"]
@@ -115,7 +116,10 @@ def run_one(args: argparse.Namespace, scenario: str, seed: int) -> dict[str, Any
             if e.code not in (0, None):
                 raise
         res = json.loads((folder / "run" / "result.json").read_text())
-    out = {"scenario": scenario, "seed": seed, "held_out": seed != args.tuned_seed, "center_sizes": sizes,
+    settings = {k: getattr(args, k) for k in ("rounds", "local_steps", "distill_steps", "synthetic",
+                                              "synthesis_steps")}
+    out = {"scenario": scenario, "seed": seed, "settings": settings, "held_out": seed != args.tuned_seed,
+           "center_sizes": sizes,
            "seconds": time.time() - t0, "load_start": load0, "load_end": os.getloadavg()[0], **row(res)}
     return out
 
@@ -150,6 +154,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--local-steps", type=int, default=50)
     ap.add_argument("--distill-steps", type=int, default=1500)
+    ap.add_argument("--synthetic", type=int, default=2048, help="synthetic inputs (two-arch-synthetic)")
+    ap.add_argument("--synthesis-steps", type=int, default=100, help="their optimisation's passes")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tasks_fusion.json"))
     args = ap.parse_args()
     rows = []
