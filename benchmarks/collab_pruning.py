@@ -32,25 +32,29 @@ image) are Torch-Pruning's counts, latency is the median eval-mode forward on on
 32 (``_release.latency_s``), accuracy is on the 10k test images; each pruned arm also writes a release
 (``model.pt2``, ``model.onnx`` checked by onnxruntime on the test images) into a temporary directory.
 
-Settings (``--rounds 60 --local-steps 20 --lr 0.05 --momentum 0.9 --prune-rounds 10 --score fisher``, the
-defaults) were chosen on the ResNet's ``online`` row at ratio 0.5 only (``--only resnet:online:0.5``, which
-runs it and its unpruned reference: K in 5/10/20/30 and the score, kept in the output's ``tuning``); every
-other row, the transformer's all, is held out (``held_out``). ``unpruned-long`` (only when named in
-``--only``) trains the unpruned model as many rounds as the ``once`` arm's model gets in all
-(``2R + 1 - K``), the reference at equal training.
+Settings (``--rounds 60 --local-steps 20 --lr 0.05 --momentum 0.9 --prune-rounds 10 --score fisher``) were
+chosen by an earlier session on the ResNet's ``online`` row at seed 0 (K in 5/10/20/30 and the score,
+with ``--target channels``); ``--target params --allocation global`` (the defaults) on the ``online`` rows
+at 0.5 of both models at seed 0 (``--tuned resnet:online:0.5,vit:online:0.5 --tuned-seed 0``). Seeds 1
+and 2 (other rows drawn, another split and initialisation) are held out (``held_out``), as is every
+other row. ``unpruned-long`` (only when named in ``--only``) trains the unpruned model as many rounds
+as the ``once`` arm's model gets in all (``2R + 1 - K``), the reference at equal training.
 
-Run (the committed table: one process per model and one for the long references, then merged; about
-45 CPU-minutes on a shared 2-core machine)::
+Run (the committed tables; ``--cache`` keeps each unpruned model, so a later run of the same seed
+starts from it; one benchmark at a time on the shared 2-core machine, about 15 minutes a seed at load
+average 5)::
 
-    B="nice -n 10 .venv/bin/python benchmarks/collab_pruning.py"
-    $B --models resnet --out /tmp/final_resnet.json & $B --models vit --out /tmp/final_vit.json &
-    $B --only resnet:unpruned-long,vit:unpruned-long --out /tmp/long.json; wait
-    $B --merge /tmp/final_resnet.json,/tmp/final_vit.json,/tmp/long.json --tuning-runs TUNING.json,... \
-       --remeasure-latency --out benchmarks/results/collab_pruning.json
+    B="nice -n 10 .venv/bin/python benchmarks/collab_pruning.py --cache /tmp/pr/cache \
+       --tuned resnet:online:0.5,vit:online:0.5"
+    $B --models resnet --only resnet:online:0.5 --out /tmp/pr/t_res.json    # seed 0: the tuning rows
+    $B --models vit --only vit:online:0.5 --out /tmp/pr/t_vit.json
+    $B --merge /tmp/pr/t_res.json,/tmp/pr/t_vit.json --remeasure-latency --out benchmarks/results/collab_pruning.json
+    for s in 1 2; do $B --models resnet,vit --only resnet:online:0.5,vit:online:0.5 --seed $s \
+       --out benchmarks/results/collab_pruning_seed$s.json; done
 
-The committed latencies are the ``--remeasure-latency`` ones (load average 1.7); those taken in the runs,
-at load averages up to 7.7 with other work on the machine, are kept as ``latency_ms_in_run``. The tuning
-runs were R=20 (K=10) and R=60 with K=30/20/10/5 (fisher), K=20 (taylor), K=10 (magnitude).
+The other rows (``once``, 0.3 and 0.7) run with ``--only`` naming them, or without ``--only`` (all).
+Latencies taken in the runs are at the load the machine had (``load_avg`` in the setting);
+``--remeasure-latency`` times every architecture again in one process, interleaved.
 """
 
 from __future__ import annotations
