@@ -413,6 +413,7 @@ def _write_digits(tmp_path, rows=300):
     (["--prune", "0.5", "--fusion", "fltrust"], "cannot carry pruning scores"),
     (["--prune", "0.5", "--model", f"{HERE}:untraceable"], "cannot trace layer 'hidden'"),
     (["--prune", "0.99"], "of the parameters is out of reach"),
+    (["--prune", "0.5", "--prune-allocation", "random"], "unknown pruning allocation"),
     (["--prune", "0.5", "--engine", "flower"], "in-process engine only"),
     (["--release", "REL"], "go with --prune"),
 ])
