@@ -53,7 +53,10 @@ def op_plans(graph: Graph, cfg: ParallelConfig) -> list[OpPlan]:
 def _propagate(graph: Graph, cfg: ParallelConfig) -> list[OpPlan]:
     tp, sp = cfg.tp, cfg.sp
     if tp == 1 and sp == 1:
-        return [OpPlan() for _ in graph.ops]
+        return [OpPlan()] * len(graph.ops)
+    # the blocks of a deep model repeat their ops' plans: one object per distinct plan (a search
+    # keeps the plans of every configuration it prices)
+    distinct: dict[OpPlan, OpPlan] = {}
     split_state: dict[str, bool] = {}
     grad_ar_done: set[str] = set()
     plans: list[OpPlan] = []
@@ -113,7 +116,8 @@ def _propagate(graph: Graph, cfg: ParallelConfig) -> list[OpPlan]:
                     b = tensor_bytes(graph, t, cfg.dtype) / (sp * (tp if any_split else 1))
                     sp_fwd.append(("all_to_all", b))
                     sp_bwd.append(("all_to_all", b))
-        plans.append(OpPlan(split, tuple(tp_fwd), tuple(tp_bwd), tuple(sp_fwd), tuple(sp_bwd), param_split))
+        plan = OpPlan(split, tuple(tp_fwd), tuple(tp_bwd), tuple(sp_fwd), tuple(sp_bwd), param_split)
+        plans.append(distinct.setdefault(plan, plan))
     return plans
 
 

@@ -551,13 +551,17 @@ def per_plan(graph: Graph, cfg: ParallelConfig, plans: list[OpPlan]) -> tuple[li
         if pl.tp_fwd or pl.tp_bwd or pl.sp_fwd or pl.sp_bwd:
             ev_idx.append(i)
             ev.append((pl.tp_fwd, pl.tp_bwd, pl.sp_fwd, pl.sp_bwd))
-    uses = []
-    for i, op in enumerate(graph.ops):
-        for t in op.inputs:
-            if graph.tensors[t].kind is TensorKind.PARAM:
-                whole = graph.tensors[t].numel
-                uses.append((i, t, whole / (plans[i].param_split if cfg.tp > 1 else 1), whole))
-    out = (ev_idx, ev, [u[0] for u in uses], uses)
+    # without tensor parallelism the uses are whole whatever the plans: one list for every sp
+    ukey = key if cfg.tp > 1 else ("param_uses",)
+    if ukey not in cache:
+        uses = []
+        for i, op in enumerate(graph.ops):
+            for t in op.inputs:
+                if graph.tensors[t].kind is TensorKind.PARAM:
+                    whole = graph.tensors[t].numel
+                    uses.append((i, t, whole / (plans[i].param_split if cfg.tp > 1 else 1), whole))
+        cache[ukey] = ([u[0] for u in uses], uses)
+    out = (ev_idx, ev, *cache[ukey])
     cache[key] = out
     return out
 

@@ -108,6 +108,7 @@ def placed_op_plans(g: Graph, placed: dict[str, Any], mesh: Any, dtype: str, edg
     w = TRAINING_DTYPE_BYTES.get(dtype, 4)
     p = mesh.size
     out = {}
+    distinct: dict[OpPlan, OpPlan] = {}
     seen: set[tuple] = set()
 
     def once(t: str, way: str, events: list[tuple[str, float]]) -> list[tuple[str, float]]:
@@ -133,8 +134,9 @@ def placed_op_plans(g: Graph, placed: dict[str, Any], mesh: Any, dtype: str, edg
             if g.tensors[t].dtype in FLOAT_DTYPES and (edge_rule is None or
                                                  edge_rule(g, u, placed[u.name], op, pl, pos) != "forward"):
                 bwd += once(t, "backward", _events(ec.backward_cost(0, 0), wt, p))
-        out[name] = OpPlan(split=split, tp_fwd=tuple(e for e in fwd if e[1] > 0),
-                           tp_bwd=tuple(e for e in bwd if e[1] > 0), param_split=param_split(g, op, pl, mesh))
+        plan = OpPlan(split=split, tp_fwd=tuple(e for e in fwd if e[1] > 0),
+                      tp_bwd=tuple(e for e in bwd if e[1] > 0), param_split=param_split(g, op, pl, mesh))
+        out[name] = distinct.setdefault(plan, plan)  # one object per distinct plan (repeated blocks)
     return out
 
 
