@@ -216,9 +216,12 @@ def loss_transient(graph: Graph, cfg: ParallelConfig, v: int, eager: bool) -> di
         chunk_of_op = chunks(graph, cfg.pp * v, cfg.partition)
         plans = op_plans(graph, cfg)
         out: dict[int, float] = {}
-        for i, op in enumerate(graph.ops):
-            if OpKind(op.kind) is not OpKind.LOSS or not op.inputs:
-                continue
+        losses = cache.get(("loss_ops",))
+        if losses is None:
+            losses = cache[("loss_ops",)] = [i for i, op in enumerate(graph.ops)
+                                             if OpKind(op.kind) is OpKind.LOSS and op.inputs]
+        for i in losses:
+            op = graph.ops[i]
             spec = graph.tensors[op.inputs[0]]
             if spec.dtype not in ("float32", "float16", "bfloat16"):
                 continue
