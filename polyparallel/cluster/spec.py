@@ -169,7 +169,8 @@ class _CenterSpec(_Strict):
 
     name: str = _doc("a unique name", "beijing")
     city: str = _doc("where it is (shown)", "Beijing", "")
-    framework: str = _doc("the training framework its centers run (torch, mindspore, paddle, tensorflow)", "torch", "torch")
+    framework: str = _doc("the training framework its centers run (torch, mindspore, paddle, tensorflow)",
+                          "torch", "torch")
     residency: _ResidencySpec = _doc("what may leave the center", {"data_may_leave": False}, _ResidencySpec())
     nodes: list[_NodeGroupSpec] = _doc("its node groups (at least one)",
                                        [{"device": "a100-80gb-sxm", "devices_per_node": 8,
