@@ -508,23 +508,22 @@ def _sequence_dims(graph: Graph) -> dict[str, set[int]]:
     dim; an output dim indexed by one holds positions)."""
     seq: dict[str, set[int]] = {t: {1} for t in graph.inputs if len(graph.tensors[t].shape) >= 2}
     for op in graph.ops:
-        if op.nest is None:
-            continue
-        loops: set[str] = set()
-        for st in op.nest.statements:
-            for a in st.reads:
-                t = op.operand_name(a.operand)
-                for k in seq.get(t, ()) if t is not None else ():
-                    if k < len(a.index):
-                        loops.update(a.index[k].dims)
+        loops = _sequence_loops(op, seq)
         if not loops:
             continue
+        assert op.nest is not None
         for st in op.nest.statements:
             for a in st.writes:
                 t = op.operand_name(a.operand)
                 if t is not None:
                     seq.setdefault(t, set()).update(k for k, e in enumerate(a.index) if loops.intersection(e.dims))
     return seq
+
+
+def _sequence_loops(op: Op, seq: dict[str, set[int]]) -> set[str]:
+    """The loop dims of ``op`` that index a sequence dim (``seq``, :func:`_sequence_dims`) of what it reads."""
+    return {d for st in (op.nest.statements if op.nest is not None else ()) for a in st.reads
+            for k in seq.get(op.operand_name(a.operand) or "", ()) if k < len(a.index) for d in a.index[k].dims}
 
 
 @dataclass(frozen=True)
@@ -543,15 +542,14 @@ def sequence_tables(graph: Graph) -> tuple[list[SequenceTable], list[str]]:
     the others cannot be: a table must be read with one of its dims indexed exactly by a sequence
     loop dim (``cos[s, d]``, ``s`` running over the positions from 0) and no other."""
     lengths = _sequence_lengths(graph)
+    length = next(iter(lengths)) if len(lengths) == 1 else None
     seq = _sequence_dims(graph)
     tables: dict[str, SequenceTable] = {}
     problems: list[str] = []
     for op in graph.ops:
         if op.nest is None or OpKind(op.kind) is OpKind.ATTENTION:
             continue
-        seq_loops = {d for st in op.nest.statements for a in st.reads
-                     for k in seq.get(op.operand_name(a.operand) or "", ()) if k < len(a.index)
-                     for d in a.index[k].dims}
+        seq_loops = _sequence_loops(op, seq)
         # pointwise nests carry no hints: a dim as long as the sequence counts as one too (a false
         # alarm refuses, it never runs something else)
         suspect = seq_loops | {d.name for d in op.nest.dims if d.hint is Hint.SEQUENCE or d.extent in lengths}
@@ -566,7 +564,6 @@ def sequence_tables(graph: Graph) -> tuple[list[SequenceTable], list[str]]:
                 e = a.index[at[0]] if len(at) == 1 else None
                 exact = e is not None and len(e.dims) == 1 and next(iter(e.dims)) in seq_loops and \
                     str(e) == next(iter(e.dims))
-                length = next(iter(lengths)) if len(lengths) == 1 else None
                 table = SequenceTable(str(spec.origin or ""), at[0], length) if exact and length and \
                     spec.kind is TensorKind.BUFFER and spec.origin and spec.shape[at[0]] >= length else None
                 if table is None or tables.get(t, table) != table:
