@@ -365,3 +365,30 @@ def test_direction_fusions_fuse_over_flower_what_they_fuse_in_process(tmp_path, 
     trust = [{c: m.get("trust") for c, m in r.metrics.items()} for r in res.rounds]
     assert trust == [{c: m.get("trust") for c, m in r.metrics.items()} for r in ref.rounds]
     assert LoopbackFederation(tmp_path, {}).stray_pids() == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_forged_replay_is_refused_over_flower_under_fedavg(tmp_path, monkeypatch):
+    """Center c's ClientApp (tests/collab_replay_app.py) re-sends its round-1 update in rounds 2 and 3
+    with each round's index, model digest and binding forged under that round's nonce: the ServerApp
+    refuses it as a replay even under FedAvg, the honest centers fuse, and the model is the one the
+    in-process engine fuses from the two honest updates alone in those rounds."""
+    pytest.importorskip("flwr", reason="the Flower engine needs flwr==1.42.0")
+    from polyparallel.backends.collab._flower import LoopbackFederation, read_outputs, write_center_data
+
+    monkeypatch.setenv("FLWR_TELEMETRY_ENABLED", "0")
+    names = ("a", "b", "c")
+    data = random_data(names, 48, seed=3, grow=4)
+    cfg = mlp_config(names, fusion="fedavg", min_centers=2, rounds=3)
+    out = tmp_path / "out"
+    with LoopbackFederation(tmp_path, write_center_data(tmp_path, data)) as fed:
+        fed.submit(cfg, out, client_app="tests.collab_replay_app:client_app")
+        fed.wait(out, 240)
+    res = read_outputs(out)
+    assert [r.accepted for r in res.rounds] == [names, ("a", "b"), ("a", "b")]
+    assert all("byte-identical to the one c sent in round 1" in r.rejected["c"][0] for r in res.rounds[1:])
+    ref = run_inprocess(cfg, data, absent={2: ("c",), 3: ("c",)})
+    for k, v in ref.params.items():
+        np.testing.assert_array_equal(res.params[k], v)
+    assert LoopbackFederation(tmp_path, {}).stray_pids() == []

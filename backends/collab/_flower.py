@@ -473,7 +473,7 @@ class LoopbackFederation:
     # ------------------------------------------------------------------ runs
     def submit(self, config: CollabConfig, out_dir: Path, *, eval_data: Path | None = None,
                poll_s: float = 0.05, max_rounds: int = 0, center_wait_s: float = 600.0,
-               rejoin_wait_s: float = 30.0, root_data: Path | None = None) -> int:
+               rejoin_wait_s: float = 30.0, root_data: Path | None = None, client_app: str | None = None) -> int:
         """Write the Flower App for ``config``, start it with ``flwr run`` and return the run id.
 
         Submitting again with the same ``out_dir`` resumes from the server's last checkpoint.
@@ -483,14 +483,17 @@ class LoopbackFederation:
         (a grace for a center that is restarting, once per lost center, see
         :func:`~._flower_app.rejoin_grace`; 0: a round starts with ``required_centers``).
         ``root_data``: ``.npz`` (``x``, ``y``) of the server's own root set, for a fusion that needs one (FLTrust).
+        ``client_app``: ``"package.module:name"`` of the ClientApp the centers run instead of polyparallel's
+        (importable by the centers; the adversarial tests' misbehaving center).
         """
         app = self.workdir / "app"
         app.mkdir(parents=True, exist_ok=True)
+        module, _, name = (client_app or "polyparallel.backends.collab._flower_app:client_app").partition(":")
         (app / "ppcollab_app.py").write_text(
             '"""Flower App entry points of a polyparallel federation."""\n'
-            "from polyparallel.backends.collab import _flower_app\n\n"
+            f"import {module} as _clients\nfrom polyparallel.backends.collab import _flower_app\n\n"
             "# plain assignments: `flwr run` finds the components by reading this file, not importing it\n"
-            "server_app = _flower_app.server_app\nclient_app = _flower_app.client_app\n")
+            f"server_app = _flower_app.server_app\nclient_app = _clients.{name}\n")
         run_config = {"collab-config": config.to_json(), "out-dir": str(out_dir),
                       "eval-data": str(eval_data or ""), "root-data": str(root_data or ""),
                       "poll-s": poll_s, "max-rounds": max_rounds,
