@@ -187,6 +187,24 @@ def _data_option(data: str | None) -> tuple[Path | None, str]:
     return Path(data), ""
 
 
+#: the longer help texts of ``collab``'s options
+_HELP = {
+    "link": "emulate a WAN link: [CENTER=]DOWN[,UP[,LATENCY]], e.g. 'a=5 MB/s,2 MB/s,20 ms' (no CENTER: every center); "
+            "the center holds its download and upload to it (loopback is otherwise ~GB/s). Repeatable",
+    "root_data": ".npz (x, y): the server's own small root set, never a center's rows; the fusion is then fltrust "
+                 "unless --fusion says otherwise",
+    "prune": "prune RATIO (0..1) of the model's parameters while training (whole channels, Torch-Pruning's "
+             "DepGraph); --prune-target channels: of every channel group's channels",
+    "rounds": "K: soft masks in rounds 1..K, the structural cut after K (default rounds // 6)",
+    "score": "channel importance on each center's rows: magnitude, taylor or fisher",
+    "target": "what --prune RATIO is a share of: params or channels",
+    "allocation": "uniform (each group loses the same share) or global (one ranking across the groups); default: "
+                  "PruneSpec's",
+    "release": "with --prune: write model.pt2, model.onnx and release.json here",
+    "force": "overwrite the release files in an existing --release",
+}
+
+
 @app.command("collab")
 def collab_cmd(
     centers: Annotated[str, typer.Option("--centers", help="center names, comma separated")] = "a,b,c",
@@ -261,38 +279,22 @@ def collab_cmd(
         "with its name, returning its (x, y)")] = None,
     eval_data: Annotated[Path | None, typer.Option(
         "--eval-data", help=".npz (x, y) the server evaluates every fused model on")] = None,
-    root_data: Annotated[Path | None, typer.Option(
-        "--root-data", help=".npz (x, y): the server's own small root set, never a center's rows; the fusion is then "
-        "fltrust unless --fusion says otherwise")]
-    = None,
+    root_data: Annotated[Path | None, typer.Option("--root-data", help=_HELP["root_data"])] = None,
     synthetic: Annotated[int, typer.Option("--synthetic", help="samples per center when --data is not given")] = 256,
     out: Annotated[Path | None, typer.Option("--out", help="write result.json, final.npz, timing.jsonl here")]
     = None,
-    link: Annotated[list[str] | None, typer.Option(
-        "--link", help="emulate a WAN link: [CENTER=]DOWN[,UP[,LATENCY]], e.g. 'a=5 MB/s,2 MB/s,20 ms' (no CENTER: "
-                       "every center); the center holds its download and upload to it (loopback is otherwise "
-                       "~GB/s). Repeatable")] = None,
+    link: Annotated[list[str] | None, typer.Option("--link", help=_HELP["link"])] = None,
     emulate_wan: Annotated[bool, typer.Option(
         "--emulate-wan", help="with --strategy: every center emulates its WAN link of the strategy's cluster "
                               "(the figures `polyparallel simulate` prices)")] = False,
-    prune: Annotated[float | None, typer.Option(
-        "--prune", help="prune RATIO (0..1) of the model's parameters while training (whole channels, "
-                        "Torch-Pruning's DepGraph); --prune-target channels: of every channel group's channels")]
-        = None,
-    prune_rounds: Annotated[int | None, typer.Option(
-        "--prune-rounds", help="K: soft masks in rounds 1..K, the structural cut after K (default rounds // 6)")]
-        = None,
-    prune_score: Annotated[str, typer.Option(
-        "--prune-score", help="channel importance on each center's rows: magnitude, taylor or fisher")] = "fisher",
-    prune_target: Annotated[str, typer.Option(
-        "--prune-target", help="what --prune RATIO is a share of: params or channels")] = "params",
-    prune_allocation: Annotated[str | None, typer.Option(
-        "--prune-allocation", help="uniform (each group loses the same share) or global (one ranking across "
-                                   "the groups); default: PruneSpec's")] = None,
-    release: Annotated[Path | None, typer.Option(
-        "--release", help="with --prune: write model.pt2, model.onnx and release.json here")] = None,
-    force: Annotated[bool, typer.Option("--force", help="overwrite the release files in an existing --release")]
-        = False,
+    prune: Annotated[float | None, typer.Option("--prune", help=_HELP["prune"])] = None,
+    prune_rounds: Annotated[int | None, typer.Option("--prune-rounds", help=_HELP["rounds"])] = None,
+    prune_score: Annotated[str, typer.Option("--prune-score", help=_HELP["score"])] = "fisher",
+    prune_target: Annotated[str, typer.Option("--prune-target", help=_HELP["target"])] = "params",
+    prune_allocation: Annotated[str | None, typer.Option("--prune-allocation", help=_HELP["allocation"])]
+    = None,
+    release: Annotated[Path | None, typer.Option("--release", help=_HELP["release"])] = None,
+    force: Annotated[bool, typer.Option("--force", help=_HELP["force"])] = False,
 ) -> None:
     """Run a whole federation on this machine: every center trains on its own data, the server fuses."""
     from polyparallel.backends.collab import ModelSpec

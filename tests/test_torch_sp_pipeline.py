@@ -19,8 +19,9 @@ import polyparallel as pp
 from polyparallel.backends.torch import Unsupported, plan_for, train
 from polyparallel.backends.torch import _examples as ex
 from polyparallel.backends.torch._pipeline import _sp_rewrite, split_model
+from polyparallel.backends.torch._sequence_parallel import sp_problems
 from polyparallel.backends.torch._stage_sp import label_shard, ulysses_attention
-from polyparallel.backends.torch._tensor_parallel import sp_problems, strategy_graph
+from polyparallel.backends.torch._tensor_parallel import strategy_graph
 from polyparallel.backends.torch.capabilities import plan_problems
 from tests import zoo
 from tests.test_torch_backend import LR, SEED, STEPS, _max_rel, _single

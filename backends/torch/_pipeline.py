@@ -66,7 +66,7 @@ summed over the stages holding it per ``(dp, tp)`` index.
 **Sequence parallelism inside a stage** (``sp > 1``, DeepSpeed-Ulysses, a ``("pp", "dp", "sp")``
 mesh in the Strategy's order): the model is exported at the local sequence length ``S/sp`` and
 :mod:`._stage_sp` rewrites the graph before it is cut (each attention wrapped in the all-to-alls of
-:class:`._tensor_parallel.UlyssesAttention`, positions offset by the shard's first one, a causal mask
+:class:`._sequence_parallel.UlyssesAttention`, positions offset by the shard's first one, a causal mask
 built from positions folded into ``is_causal``, an HF label shift fed the next shard's first label).
 The first stage reads its sequence shard of the micro-batch, the loss tail its shard of the labels;
 every ``(dp, sp)`` replica's micro-batch losses are token-weighted as for ``dp`` alone, and the
@@ -95,11 +95,11 @@ from polyparallel.backends.torch._batchnorm import has_batch_statistics
 from polyparallel.backends.torch._loss_weighting import TargetCount, weigh_microbatches
 from polyparallel.backends.torch._precision import Precision
 from polyparallel.backends.torch._recompute import recompute_chunk
+from polyparallel.backends.torch._sequence_parallel import shard_tables
 from polyparallel.backends.torch._stage_sp import label_shard, register_mesh, shard_sequence
 from polyparallel.backends.torch._stage_sp import rewrite as sp_rewrite
 from polyparallel.backends.torch._stage_tp import register_group, shard_graph, shard_parameters
 from polyparallel.backends.torch._steps import make_optimizer, scale_gradients
-from polyparallel.backends.torch._tensor_parallel import shard_tables
 from polyparallel.backends.torch._train_loop import TrainingMode
 from polyparallel.backends.torch.capabilities import Unsupported
 from polyparallel.cost_models.layers import LAYER  # the planner's own layer pattern

@@ -68,13 +68,12 @@ from torch import nn
 from polyparallel.backends.torch._expert_parallel import expert_modules
 from polyparallel.backends.torch._pipeline import pipeline_plan
 from polyparallel.backends.torch._recompute import recompute_blocks
+from polyparallel.backends.torch._sequence_parallel import position_embeddings, sequence_tables
 from polyparallel.backends.torch._tensor_parallel import (
     eager_tp_problem,
     head_split,
     micro_batch,
-    position_embeddings,
     reads_head_shards,
-    sequence_tables,
     sharded_consumer,
     tied_shards,
     uneven_shards,
@@ -97,7 +96,7 @@ class ExecPlan(Plan):
     embedding); ``fused`` gives the head-major blocks of fused projections (regrouped
     column-parallel), ``tied`` the ``module.param`` paths re-tied after sharding, ``positions`` the
     position embeddings offset on sequence shards, ``tables`` the buffers read by position (rotary
-    tables) each sequence shard holds its slice of (``._tensor_parallel.sequence_tables``). Of the
+    tables) each sequence shard holds its slice of (``._sequence_parallel.sequence_tables``). Of the
     plan: ``microbatches`` with ``pp == 1`` is gradient accumulation, ``zero_stage`` with
     ``data_parallel == "fsdp"`` how FSDP2 reshards and reduces (``._worker._fully_shard``), ``ep``
     splits the experts over the dp ranks (``._expert_parallel``), ``dtype`` is applied by

@@ -7,7 +7,7 @@ length ``n = S/sp`` (one micro-batch's sequence shard), so every view size in th
 the shard's, and this pass rewrites the graph before it is cut:
 
 * each ``scaled_dot_product_attention`` becomes :func:`ulysses_attention`, the same all-to-alls
-  (:class:`._tensor_parallel.UlyssesAttention`): ``q, k, v`` from sequence-sharded to head-sharded,
+  (:class:`._sequence_parallel.UlyssesAttention`): ``q, k, v`` from sequence-sharded to head-sharded,
   attention over the whole sequence, the output back;
 * an explicit attention mask computed from positions only (HF's causal mask, built from
   ``arange``\ s) is evaluated at the export; it is the causal mask of the shard, so it is dropped
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from polyparallel.backends.torch._tensor_parallel import UlyssesAttention
+from polyparallel.backends.torch._sequence_parallel import UlyssesAttention
 from polyparallel.backends.torch.capabilities import Unsupported
 
 __all__ = ["SPRewrite", "label_shard", "register_mesh", "shard_sequence", "ulysses_attention"]

@@ -1,5 +1,5 @@
-r"""Head-parallel attention, vocabulary-parallel embeddings, Ulysses sequence parallelism and the
-model fingerprint check of the torch backend.
+r"""Head-parallel attention, vocabulary-parallel embeddings and the model fingerprint check of the
+torch backend (sequence parallelism: :mod:`._sequence_parallel`).
 
 **Head-parallel attention over a fused projection.** GPT-style blocks compute ``q, k, v`` with one
 ``nn.Linear`` of ``3H`` outputs. The strategy splits that Linear's output dim ``n`` over ``tp`` and
@@ -46,17 +46,6 @@ table's rows; each rank looks up the ids it owns and the partial rows are all-re
 head tied to the token embedding is column-parallel over the same vocabulary rows (``Shard(0)`` of
 the same table), so the tie is kept: both modules hold one DTensor parameter.
 
-**Sequence parallelism** ``sp`` is what the cost model prices (DeepSpeed-Ulysses, see
-``cost_models/step.py``): each ``sp`` rank holds a contiguous ``1/sp`` of every sequence, every op
-runs on its shard, and each attention call is wrapped in two all-to-alls over the ``sp`` group —
-``q, k, v`` from sequence-sharded ``[B, h, S/sp, d]`` to head-sharded ``[B, h/sp, S, d]``, the
-output back (:class:`UlyssesAttention`, one differentiable ``all_to_all_single`` each way, on gloo
-as on NCCL). Positions indexed by ``arange(S/sp)`` are offset by the
-shard's first position. Gradients are averaged over the ``dp·sp`` ranks, the loss is the mean of
-the ``sp`` shards' mean losses (equal token counts). Models whose graph mixes positions outside
-SDPA attention, or builds other tables from the sequence length (rotary tables, explicit masks),
-are refused.
-
 **Fingerprint**: the strategy names its model by :func:`polyparallel.strategy.fingerprint` of the
 canonicalised, fused graph the planner priced, captured at one micro-batch ``b = B / (dp·m)``. The
 hash covers every extent, the batch included, so the model given to ``train`` is captured at that
@@ -76,7 +65,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
@@ -84,13 +72,13 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 from torch.func import functional_call
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from polyparallel import frontends as pp
+from polyparallel.backends.torch._sequence_parallel import UlyssesAttention, offset_positions, shard_tables
 from polyparallel.backends.torch.op_roles import chunked_evenly, op_role
 from polyparallel.frontends.torch import quiet_fake_tensors
-from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind
+from polyparallel.ir import Graph, Op, OpKind, TensorKind
 from polyparallel.references import user_frame
 from polyparallel.strategy import fingerprint
 from polyparallel.transforms import canonicalize, fuse_elementwise
@@ -100,8 +88,6 @@ __all__ = [
     "FusedColwiseParallel",
     "HeadSplit",
     "Region",
-    "SequenceTable",
-    "UlyssesAttention",
     "UncapturedModel",
     "build_mesh",
     "capture_for_strategy",
@@ -110,17 +96,11 @@ __all__ = [
     "forward_problem",
     "head_split",
     "micro_batch",
-    "offset_positions",
     "parallelize",
-    "position_embeddings",
     "qkv_rows",
     "reads_head_shards",
     "replica_mesh",
-    "sequence_shard",
-    "sequence_tables",
-    "shard_tables",
     "sharded_consumer",
-    "sp_problems",
     "step_context",
     "strategy_graph",
     "tie_groups",
@@ -481,201 +461,6 @@ def tied_shards(model: nn.Module, kinds: dict[str, str], called: set[str] | None
 
 
 # ---------------------------------------------------------------------------------------------
-# sequence parallelism (Ulysses)
-
-
-def position_embeddings(graph: Graph) -> list[str]:
-    """Module paths of embeddings indexed by an ``arange`` (positions), whose indices a sequence
-    shard must offset."""
-    out = []
-    for op in graph.ops:
-        if OpKind(op.kind) is OpKind.EMBEDDING and len(op.inputs) > 1:
-            prod = graph.producer(op.inputs[1])
-            if prod is not None and OpKind(prod.kind) is OpKind.CREATE and "arange" in prod.target:
-                out.append(op.module)
-    return out
-
-
-def _sequence_lengths(graph: Graph) -> set[int]:
-    """The sequence lengths the attention ops see (their query and key extents)."""
-    return {d.extent for op in graph.ops if OpKind(op.kind) is OpKind.ATTENTION and op.nest is not None
-            for d in op.nest.dims if d.hint is Hint.SEQUENCE}
-
-
-def _sequence_dims(graph: Graph) -> dict[str, set[int]]:
-    """Which dims of each activation hold sequence positions: dim 1 of every input, then forward
-    through the ops' accesses (a loop dim indexing a sequence dim of an input is a sequence loop
-    dim; an output dim indexed by one holds positions)."""
-    seq: dict[str, set[int]] = {t: {1} for t in graph.inputs if len(graph.tensors[t].shape) >= 2}
-    for op in graph.ops:
-        loops = _sequence_loops(op, seq)
-        if not loops:
-            continue
-        assert op.nest is not None
-        for st in op.nest.statements:
-            for a in st.writes:
-                t = op.operand_name(a.operand)
-                if t is not None:
-                    seq.setdefault(t, set()).update(k for k, e in enumerate(a.index) if loops.intersection(e.dims))
-    return seq
-
-
-def _sequence_loops(op: Op, seq: dict[str, set[int]]) -> set[str]:
-    """The loop dims of ``op`` that index a sequence dim (``seq``, :func:`_sequence_dims`) of what it reads."""
-    return {d for st in (op.nest.statements if op.nest is not None else ()) for a in st.reads
-            for k in seq.get(op.operand_name(a.operand) or "", ()) if k < len(a.index) for d in a.index[k].dims}
-
-
-@dataclass(frozen=True)
-class SequenceTable:
-    """A stored table read by sequence position (rotary ``cos``/``sin``): on sequence shard ``r`` of
-    ``sp`` it holds rows ``[r·S/sp, (r+1)·S/sp)`` of its dim ``dim``, so a shard reading the table
-    from position 0 (``cos[:S_local]``, or the whole table broadcast) reads its own positions."""
-
-    path: str  # the buffer's path in the model
-    dim: int
-    length: int  # S, the whole sequence
-
-
-def sequence_tables(graph: Graph) -> tuple[list[SequenceTable], list[str]]:
-    """The buffers read by sequence position that a sequence shard can hold its slice of, and why
-    the others cannot be: a table must be read with one of its dims indexed exactly by a sequence
-    loop dim (``cos[s, d]``, ``s`` running over the positions from 0) and no other."""
-    lengths = _sequence_lengths(graph)
-    length = next(iter(lengths)) if len(lengths) == 1 else None
-    seq = _sequence_dims(graph)
-    tables: dict[str, SequenceTable] = {}
-    problems: list[str] = []
-    for op in graph.ops:
-        if op.nest is None or OpKind(op.kind) is OpKind.ATTENTION:
-            continue
-        seq_loops = _sequence_loops(op, seq)
-        # pointwise nests carry no hints: a dim as long as the sequence counts as one too (a false
-        # alarm refuses, it never runs something else)
-        suspect = seq_loops | {d.name for d in op.nest.dims if d.hint is Hint.SEQUENCE or d.extent in lengths}
-        for st in op.nest.statements:
-            for a in st.reads:
-                t = op.operand_name(a.operand)
-                if t is None or not a.operand.startswith("in") or \
-                        graph.tensors[t].kind not in (TensorKind.BUFFER, TensorKind.CONST) or not suspect & a.dims:
-                    continue
-                spec = graph.tensors[t]
-                at = [k for k, e in enumerate(a.index) if suspect.intersection(e.dims)]
-                e = a.index[at[0]] if len(at) == 1 else None
-                exact = e is not None and len(e.dims) == 1 and next(iter(e.dims)) in seq_loops and \
-                    str(e) == next(iter(e.dims))
-                table = SequenceTable(str(spec.origin or ""), at[0], length) if exact and length and \
-                    spec.kind is TensorKind.BUFFER and spec.origin and spec.shape[at[0]] >= length else None
-                if table is None or tables.get(t, table) != table:
-                    problems.append(f"op {op.name!r} reads {spec.kind} {t!r} by sequence position as {a}, not as "
-                                    "a table of positions along one dim: every shard would read the first positions")
-                else:
-                    tables[t] = table
-    return list(tables.values()), problems
-
-
-def sp_problems(graph: Graph, sp: int, heads_parts: int) -> list[str]:
-    """Why running ``graph`` with its sequence split over ``sp`` ranks (Ulysses) would compute
-    something else than the unsplit model; empty when it is exact. The tables read by sequence
-    position are sharded with the sequence (:func:`sequence_tables`)."""
-    problems: list[str] = []
-    # the sequence length is the attention's query extent; every input is split along its dim 1
-    lengths = _sequence_lengths(graph)
-    if len(lengths) != 1:
-        problems.append("the model has no attention over one sequence length: no sequence dim to split"
-                        if not lengths else f"attention ops see several sequence lengths {sorted(lengths)}")
-    for t in graph.inputs:
-        shape = graph.tensors[t].shape
-        if len(lengths) == 1 and (len(shape) < 2 or shape[1] not in lengths):
-            problems.append(f"input {t!r} of shape {shape} has no sequence dim 1 of length {min(lengths)}")
-        elif len(shape) >= 2 and shape[1] % sp:
-            problems.append(f"input {t!r} has sequence length {shape[1]}, not divisible by sp={sp}")
-    pos = set(position_embeddings(graph))
-    for op in graph.ops:
-        kind = OpKind(op.kind)
-        if kind is OpKind.ATTENTION:
-            if "scaled_dot_product_attention" not in op.target:
-                problems.append(f"attention op {op.name!r} ({op.target}) is not torch's scaled_dot_product_attention, "
-                                "the call the sequence-parallel all-to-alls wrap")
-            elif op.nest is not None:
-                heads = next((d.extent for d in op.nest.dims if d.hint is Hint.HEAD), None)
-                if heads is None or heads % heads_parts:
-                    problems.append(f"attention op {op.name!r}: {heads} heads do not split over {heads_parts} ranks "
-                                    "(tp·sp)")
-        elif kind is OpKind.CREATE:
-            users = graph.consumers(op.outputs[0]) if op.outputs else []
-            if not users or any(OpKind(u.kind) is not OpKind.EMBEDDING or u.module not in pos for u in users):
-                problems.append(f"op {op.name!r} ({op.target}) builds a tensor from the sequence length that is not "
-                                "only a position-embedding index (rotary tables, masks): its values would be per shard")
-        elif kind is not OpKind.LOSS and op.nest is not None:
-            mixed = [d.name for d in op.nest.dims if d.hint is Hint.SEQUENCE
-                     and any(d.name in st.reduction_dims() for st in op.nest.statements)]
-            if mixed:
-                problems.append(f"op {op.name!r} ({op.target}) reduces over sequence dim {mixed[0]!r} outside "
-                                "attention: a sequence shard would see only its part")
-    found, why = sequence_tables(graph)
-    problems.extend(why)
-    for t in found:
-        if t.length % sp:
-            problems.append(f"buffer {t.path!r} is read by sequence position over {t.length} positions, not "
-                            f"divisible by sp={sp}")
-    return problems
-
-
-def offset_positions(module: nn.Module, rank: int) -> Any:
-    """Pre-hook on a position embedding: ``arange(S/sp)`` becomes this shard's ``rank·S/sp + arange``."""
-
-    def hook(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        idx = args[0]
-        return (idx + rank * idx.shape[-1], *args[1:])
-
-    return module.register_forward_pre_hook(hook, prepend=True)
-
-
-class UlyssesAttention(TorchFunctionMode):
-    """Inside this mode every ``F.scaled_dot_product_attention`` on sequence shards runs on whole
-    sequences of ``1/sp`` of the heads.
-
-    With ``p = sp``, rank ``r`` holds ``x[:, :, rS/p:(r+1)S/p]`` of ``[B, h, S, d]``. It cuts its
-    heads into ``p`` blocks and sends block ``j`` to rank ``j`` (one ``all_to_all_single``, autograd
-    through it): rank ``r`` receives head block ``r`` of every sequence block, in sequence order. The
-    output goes back by the inverse exchange. Each exchange moves ``(p-1)/p`` of the local tensor,
-    the all-to-all volume the cost model prices.
-    """
-
-    def __init__(self, mesh: Any) -> None:
-        super().__init__()
-        self.mesh = mesh
-        self.p = mesh.size()
-
-    def _exchange(self, x: torch.Tensor) -> torch.Tensor:
-        return funcol.wait_tensor(funcol.all_to_all_single_autograd(x.contiguous(), None, None, self.mesh))
-
-    def seq_to_heads(self, x: torch.Tensor) -> torch.Tensor:
-        B, h, s, d = x.shape
-        y = self._exchange(x.reshape(B, self.p, h // self.p, s, d).transpose(0, 1))  # [p(seq block), B, h/p, s, d]
-        return y.permute(1, 2, 0, 3, 4).reshape(B, h // self.p, self.p * s, d)
-
-    def heads_to_seq(self, x: torch.Tensor) -> torch.Tensor:
-        B, hp, S, d = x.shape
-        y = self._exchange(x.reshape(B, hp, self.p, S // self.p, d).permute(2, 0, 1, 3, 4))  # [p(head block), ...]
-        return y.transpose(0, 1).reshape(B, self.p * hp, S // self.p, d)
-
-    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is not torch.nn.functional.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        if kwargs.get("attn_mask") is not None or (len(args) > 3 and args[3] is not None):
-            raise ValueError("sequence-parallel attention with an explicit attn_mask is not executed; "
-                             "use is_causal=True or sp=1")
-        if any(t.dim() != 4 for t in args[:3]):
-            raise ValueError("sequence-parallel attention expects q, k, v of shape [batch, heads, seq, head_dim]")
-        q, k, v = (self.seq_to_heads(t) for t in args[:3])
-        return self.heads_to_seq(func(q, k, v, *args[3:], **kwargs))
-
-
-# ---------------------------------------------------------------------------------------------
 # the model fingerprint
 
 
@@ -801,16 +586,6 @@ def parallelize(model: nn.Module, plan: Any, mesh: Any) -> None:
         for path in plan.positions:
             offset_positions(model.get_submodule(path), rank)
         shard_tables(model, plan.tables, plan.sp, rank)
-
-
-def shard_tables(model: nn.Module, tables: Any, sp: int, rank: int) -> None:
-    """Replace each table ``(buffer path, dim, sequence length)`` by the rows sequence shard
-    ``rank`` of ``sp`` reads (:class:`SequenceTable`)."""
-    for path, dim, length in tables:
-        owner, _, name = path.rpartition(".")
-        module = model.get_submodule(owner)
-        n = length // sp
-        setattr(module, name, getattr(module, name).narrow(dim, rank * n, n).clone())
 
 
 def _own_output(module: nn.Module, args: Any, output: Any) -> Any:
@@ -942,18 +717,6 @@ def _sized_from_config(model: nn.Module, batch: tuple[Any, ...], local: list[dic
     return (f"on a rank's shards the forward makes tensors sized {', '.join(new[:3])} (in the inputs' sizes), "
             "which the whole model never makes: a view sized from the model's configuration (e.g. view(batch, -1, "
             "num_heads, head_dim) on 1/tp of the features) reshapes the sequence or batch instead of the features")
-
-
-def sequence_shard(t: torch.Tensor, plan: Any, mesh: Any) -> torch.Tensor:
-    """This ``sp`` rank's contiguous block of dim 1 (the sequence) of an input or label batch."""
-    if plan.sp == 1:
-        return t
-    if t.dim() < 2 or t.shape[1] % plan.sp:
-        raise ValueError(f"sequence parallelism over sp={plan.sp} needs inputs and labels of shape (batch, seq, ...) "
-                         f"with seq divisible by {plan.sp}; got {tuple(t.shape)}")
-    n = t.shape[1] // plan.sp
-    r = mesh["sp"].get_local_rank()
-    return t[:, r * n:(r + 1) * n]
 
 
 def step_context(plan: Any, mesh: Any) -> Any:

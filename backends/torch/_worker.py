@@ -54,12 +54,12 @@ from polyparallel.backends.torch._loss_weighting import TargetCount, _local, wei
 from polyparallel.backends.torch._pipeline import pipeline_mode
 from polyparallel.backends.torch._precision import Precision
 from polyparallel.backends.torch._recompute import apply_recompute
+from polyparallel.backends.torch._sequence_parallel import sequence_shard
 from polyparallel.backends.torch._steps import make_optimizer, scale_gradients
 from polyparallel.backends.torch._tensor_parallel import (
     build_mesh,
     parallelize,
     replica_mesh,
-    sequence_shard,
     step_context,
 )
 from polyparallel.backends.torch._train_loop import TrainingMode, train

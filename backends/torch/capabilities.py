@@ -17,7 +17,7 @@ of a plan, against the model's captured graph:
   graph), and sequence parallelism (Ulysses) there (:mod:`._stage_sp`: the plan-level checks of
   ``sp_problems`` except the tensors built from positions, which the pass offsets or folds, the rest
   checked by ``plan_for`` on the exported graph), but not both together;
-* sequence parallelism (Ulysses) only where it is exact (:func:`._tensor_parallel.sp_problems`:
+* sequence parallelism (Ulysses) only where it is exact (:func:`._sequence_parallel.sp_problems`:
   attention over one sequence length through ``scaled_dot_product_attention``, no position tables);
 * data or sequence parallelism together with tensor parallelism only with FSDP2 (``zero_stage >= 1``):
   DDP over DTensor parameters is not executed;
@@ -185,7 +185,7 @@ def _stage_sp_problems(graph: Graph, sp: int) -> list[str]:
 
 
 def _stage_sp_problems_of(graph: Graph, sp: int) -> list[str]:
-    """:func:`._tensor_parallel.sp_problems` less what the pipeline's pass executes: an ``arange`` over
+    """:func:`._sequence_parallel.sp_problems` less what the pipeline's pass executes: an ``arange`` over
     the sequence length (position indices, rotary tables' positions, a causal mask's indices) or one
     the graph does not use (a mask's batch index) is offset or folded by :mod:`._stage_sp`, which
     checks the exported graph again when the stages are cut (e.g. that a mask is the causal one)."""
@@ -199,7 +199,7 @@ def _stage_sp_problems_of(graph: Graph, sp: int) -> list[str]:
 
 
 def _sp_problems(graph: Graph, sp: int, heads_parts: int) -> list[str]:
-    from polyparallel.backends.torch._tensor_parallel import sp_problems
+    from polyparallel.backends.torch._sequence_parallel import sp_problems
 
     return list(_per_graph(graph, ("sp", sp, heads_parts), lambda: tuple(sp_problems(graph, sp, heads_parts))))
 
