@@ -21,7 +21,7 @@ from .strategy import Strategy
 __version__ = "0.1.0"
 
 __all__ = ["Cluster", "Constraints", "DoesNotFit", "Graph", "Op", "OpKind", "Strategy", "TensorSpec", "__version__",
-           "capture", "collaborate", "evaluate", "search", "simulate", "train"]
+           "capture", "collaborate", "evaluate", "export", "search", "simulate", "train"]
 
 
 # The executors and the search import torch and the solvers; they load on first use, and
@@ -34,6 +34,7 @@ _LAZY = {
     "DoesNotFit": ("polyparallel.planning", "DoesNotFit"),
     "train": ("polyparallel.backends.torch", "train"),
     "collaborate": ("polyparallel.backends.collab", "collaborate"),
+    "export": ("polyparallel.backends.mindspore", "export"),
     "simulate": ("polyparallel.cost_models.collab_simulator", "simulate"),
 }
 

@@ -27,7 +27,7 @@ app = typer.Typer(
 # Modules that add commands to `app` when imported. Keep the list explicit.
 _COMMAND_MODULES = ("polyparallel._cli_graph", "polyparallel._cli_cluster", "polyparallel._cli_search",
                     "polyparallel._cli_collab", "polyparallel._cli_train", "polyparallel._cli_report",
-                    "polyparallel._cli_simulate", "polyparallel._cli_tasks")
+                    "polyparallel._cli_simulate", "polyparallel._cli_tasks", "polyparallel._cli_export")
 
 
 def _version(value: bool) -> None:

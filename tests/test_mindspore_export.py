@@ -1,0 +1,120 @@
+"""The MindSpore export: shard tuples from placements, the context, the cell map, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import polyparallel as pp
+from polyparallel.backends.mindspore._shards import op_shards, operand_tuple
+from polyparallel.ir import Access, E
+from polyparallel.transforms import canonicalize, fuse_elementwise
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _graph(model: torch.nn.Module, x: torch.Tensor):
+    return fuse_elementwise(canonicalize(pp.capture(model, (x,))))
+
+
+def _brute_blocks(expr, extents, split_dim, k, dim_extent):
+    """Which tensor indices each of the k blocks of ``split_dim`` touches, enumerated."""
+    import itertools
+
+    names = list(extents)
+    touched = [set() for _ in range(k)]
+    size = extents[split_dim] // k
+    for pt in itertools.product(*(range(extents[n]) for n in names)):
+        env = dict(zip(names, pt))
+        touched[env[split_dim] // size].add(expr.eval(env))
+    return touched
+
+
+def test_operand_tuple_matches_enumeration():
+    # 64*h + d: h is the outer term, 2 blocks of h are 2 contiguous halves of the tensor dim
+    ext = {"h": 4, "d": 8}
+    expr = E("h") * 8 + E("d")
+    t, why = operand_tuple(Access("in0", (expr,)), {"h": 2}, ext)
+    blocks = _brute_blocks(expr, ext, "h", 2, 32)
+    assert t == (2,) and not why
+    assert all(b == set(range(i * 16, (i + 1) * 16)) for i, b in enumerate(blocks))
+    # the inner term split interleaves: no MindSpore tuple
+    t, why = operand_tuple(Access("in0", (expr,)), {"d": 2}, ext)
+    blocks = _brute_blocks(expr, ext, "d", 2, 32)
+    assert t is None and "inner term" in why
+    assert blocks[0] != set(range(16))
+
+
+def test_linear_shards_are_megatron_tuples():
+    g = _graph(torch.nn.Sequential(torch.nn.Linear(16, 32)), torch.randn(8, 4, 16))
+    op = next(o for o in g.ops if o.target == "aten.linear.default")
+    prims, notes = op_shards(g, op, {"b": 4, "n": 2})  # column parallel: weight rows split
+    assert not notes
+    assert [(p.primitive, p.in_strategy) for p in prims] == [("MatMul", ((4, 1), (2, 1))),
+                                                             ("BiasAdd", ((4, 2), (2,)))]
+    prims, _ = op_shards(g, op, {"b": 4, "k": 2})  # row parallel: the reduction dim split on both
+    assert prims[0].in_strategy == ((4, 2), (1, 2))
+    # splitting the sequence (inner leading dim) under nn.Dense's flattening: no contiguous blocks
+    prims, notes = op_shards(g, op, {"s": 2})
+    assert not prims and "merges the leading dims" in notes[0]
+
+
+def test_layernorm_last_dim_split_is_reported():
+    g = _graph(torch.nn.Sequential(torch.nn.LayerNorm(16)), torch.randn(8, 16))
+    op = next(o for o in g.ops if o.kind == "norm")
+    norm_dim = [d.name for d in op.nest.dims][-1]
+    prims, notes = op_shards(g, op, {norm_dim: 2})
+    assert prims[0].in_strategy[0][-1] == 1 and any("last dim inside one device" in n for n in notes)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "polyparallel", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+
+
+@pytest.mark.slow
+def test_bad_input_is_one_line_exit_2(tmp_path):
+    r = _cli("export", str(tmp_path / "none.json"), "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "cannot read" in r.stderr
+    s = pp.Strategy(model=pp.strategy.ModelInfo(name="m", fingerprint="0" * 24),
+                    mesh=pp.strategy.Mesh(axes=[pp.strategy.MeshAxis(name="dp", size=2)], devices=[0, 1]), dp=2,
+                    stages=[pp.strategy.Stage(index=0, ops=["a", "b"], devices=[0, 1])])
+    path = tmp_path / "s.json"
+    s.to_json(path)
+    r = _cli("export", str(path), "--to", "jax", "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "export targets are mindspore" in r.stderr
+    r = _cli("export", str(path), "--out", str(tmp_path / "o"), "--mindspore-model", "x:y", "--no-validate")
+    assert r.returncode == 2 and "needs --model" in r.stderr
+    # without a model: the context alone, the shards reported as not derived
+    r = _cli("export", str(path), "--out", str(tmp_path / "o"), "--no-validate")
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads((tmp_path / "o" / "mindspore_parallel.json").read_text())
+    assert cfg["context"]["parallel_mode"] == "data_parallel" and cfg["context"]["device_num"] == 2
+    assert any("no model was given" in u["why"] for u in cfg["unexpressed"])
+
+
+@pytest.mark.slow
+def test_user_cell_map_and_mindspore_check(tmp_path):
+    pytest.importorskip("mindspore")
+    strat = tmp_path / "s.json"
+    r = _cli("search", "tests.mindspore_models:torch_mlp", "-c", "local-cpu:2", "--tp", "2", "--placements", "rule",
+             "-o", str(strat))
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "ms"
+    r = _cli("export", str(strat), "--out", str(out), "--model", "tests.mindspore_models:torch_mlp",
+             "--mindspore-model", "tests.mindspore_models:mindspore_mlp")
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads((out / "mindspore_parallel.json").read_text())
+    assert [(m["torch_module"], m["cell"], m["layer"]) for m in cfg["cell_map"]] == [
+        ("0", "inp", "Dense"), ("1", "ln", "LayerNorm"), ("3", "head", "Dense")]
+    v = cfg["validation"]
+    assert v["context"].startswith("accepted") and "stand-alone graph mode" in v["cell"]
+    assert "Invalid communication backend: CPU" in v["parallel_compile"]  # MindSpore 2.10's CPU refusal
+    r = _cli("export", str(strat), "--out", str(tmp_path / "bad"), "--model", "tests.mindspore_models:torch_mlp",
+             "--mindspore-model", "tests.mindspore_models:mindspore_wrong")
+    assert r.returncode == 2 and "inp.weight" in r.stderr
