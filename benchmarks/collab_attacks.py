@@ -152,6 +152,16 @@ def run_case(attack: str, fusion: str, n_centers: int, **kw: Any) -> dict[str, A
 BN_SPEC = ModelSpec("cnn", (1, 8, 8), 10, hidden=8)  # conv-BN-ReLU-pool twice, then a linear layer
 BN_ATTACKS = ("none", "absent", "sign_flip", "backdoor", "backdoor_boost", "replay_forged", "alie0.5", "alie1",
               "alie2", "alie3")
+#: the omniscient and adaptive attacks (issue 33): the attacker answers last, having seen the honest
+#: updates of the round, and sizes its update to the bounds it knows (run with --attacks)
+ADAPTIVE_ATTACKS = ("ipm0.5", "ipm2", "sign_flip_norm", "sign_flip_bound", "sign_flip_cos", "backdoor_bound",
+                    "backdoor_layer")
+#: the cosine to the last global step an adaptive sign flip keeps (``sign_flip_cos``)
+COS_KEPT = 0.05
+#: how close to a bound an adaptive attacker goes (0.95: 5% under, a margin for the history's reference)
+UNDER = 0.95
+#: the per-layer bound an adaptive backdoor sizes its layers to when the server runs none
+LAYER_GUESS = 3.0
 BN_FUSIONS = ("fedavg", "centered_clip", "fltrust", "flame", "foolsgold")
 TARGET = 0  # the backdoor's class
 POISONED = 0.2  # share of the malicious center's rows carrying the trigger, relabelled TARGET
@@ -197,9 +207,10 @@ class _Recorder:
     """An honest center's trainer that lets the omniscient attacker read its update of each round."""
 
     def __init__(self, inner: Any) -> None:
-        self.inner, self.num_samples, self.updates = inner, inner.num_samples, {}
+        self.inner, self.num_samples, self.updates, self.models = inner, inner.num_samples, {}, {}
 
     def train(self, global_params: dict[str, np.ndarray], **kw: Any) -> tuple[dict, dict]:
+        self.models[kw["round_idx"]] = {k: np.asarray(v, np.float64) for k, v in global_params.items()}
         local, m = self.inner.train(global_params, **kw)
         self.updates[kw["round_idx"]] = {k: np.asarray(local[k], np.float64) - global_params[k] for k in global_params}
         return local, m
@@ -218,10 +229,89 @@ def _alie(z: float, honest: dict[str, _Recorder]) -> Callable:
     return tamper
 
 
+def _ipm(eps: float, honest: dict[str, _Recorder]) -> Callable:
+    """IPM (inner product manipulation, Xie, Koyejo & Gupta 2020), omniscient: ``−ε`` × the mean of the
+    honest updates, whose inner product with the honest mean is negative."""
+    def tamper(r: int, p: dict, m: dict, nonce: int) -> tuple[dict, dict]:
+        ups = [h.updates[r] for h in honest.values()]
+        return encode_update({k: -eps * np.mean([u[k] for u in ups], axis=0) for k in ups[0]}), m
+    return tamper
+
+
+def _norm(d: dict[str, np.ndarray], names: Sequence[str] | None = None) -> float:
+    return float(np.sqrt(sum(float(np.sum(np.square(d[k]))) for k in (names or d))))
+
+
+def _upper_median(values: Sequence[float]) -> float:
+    return float(sorted(values)[len(values) // 2])
+
+
+def _sized(kind: str, norm_bound: float, layer_bound: float, honest: dict[str, _Recorder]) -> Callable:
+    """The adaptive attacks: the attacker's own update (``kind`` ``flip``: negated) scaled to just under the
+    bounds the server checks, as the attacker computes them from the honest updates of the round (the
+    upper median of the round's norms with its own, larger, among them; ``UNDER`` of the way).
+
+    ``norm``: to the median honest norm; ``bound``: to just under ``norm_bound``; ``layer``: every trained
+    tensor to just under ``layer_bound`` (``LAYER_GUESS`` when the server runs none) × that tensor's upper
+    median, then all of it down to just under ``norm_bound`` if it exceeds it."""
+    def tamper(r: int, p: dict, m: dict, nonce: int) -> tuple[dict, dict]:
+        own = {k: np.asarray(v, np.float64) for k, v in decode_update(p, "none").items()}
+        if kind.startswith("flip"):
+            own = {k: -v for k, v in own.items()}
+        ups = [h.updates[r] for h in honest.values()]
+        ref = _upper_median([_norm(u) for u in ups] + [np.inf])
+        if kind.endswith("norm"):
+            own = {k: v * float(np.median([_norm(u) for u in ups])) / _norm(own) for k, v in own.items()}
+        if kind.endswith("layer"):
+            for k in (k for k in own if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))):
+                ref_k = _upper_median([_norm(u, [k]) for u in ups] + [np.inf])
+                if _norm(own, [k]) > 0:
+                    own[k] = own[k] * UNDER * (layer_bound or LAYER_GUESS) * ref_k / _norm(own, [k])
+        if kind.endswith(("bound", "layer")) and (kind.endswith("bound") or _norm(own) > UNDER * norm_bound * ref):
+            own = {k: v * UNDER * norm_bound * ref / _norm(own) for k, v in own.items()}
+        return encode_update({k: v.astype(np.float32) for k, v in own.items()}), m
+    return tamper
+
+
+def _flip_cos(honest: dict[str, _Recorder]) -> Callable:
+    """A sign flip that keeps a small positive cosine (``COS_KEPT``) to the last global step, which every
+    center sees (the difference of the last two global models it received), and to the mean of this
+    round's honest updates (omniscient): ``−δ`` with just enough added along each (a few alternating
+    passes), over the trained tensors."""
+    rec = next(iter(honest.values()))
+
+    def tamper(r: int, p: dict, m: dict, nonce: int) -> tuple[dict, dict]:
+        own = {k: -np.asarray(v, np.float64) for k, v in decode_update(p, "none").items()}
+        names = [k for k in own if not k.endswith(("running_mean", "running_var", "num_batches_tracked"))]
+        steps = [{k: rec.models[t][k] - rec.models[t - 1][k] for k in names} for t in range(r, 1, -1)]
+        ups = [h.updates[r] for h in honest.values()]
+        refs = [{k: np.mean([u[k] for u in ups], axis=0) for k in names},
+                *[s for s in steps if _norm(s) > 0][:1]]
+        u = {k: own[k] for k in names}
+        for _ in range(8):
+            for ref in refs:
+                w = {k: ref[k] / _norm(ref) for k in names}
+                along = sum(float(np.sum(u[k] * w[k])) for k in names)
+                perp = _norm({k: u[k] - along * w[k] for k in names})
+                want = 1.05 * COS_KEPT * perp / np.sqrt(1.0 - COS_KEPT ** 2)
+                if along < want:
+                    u = {k: u[k] + (want - along) * w[k] for k in names}
+        own.update(u)
+        return encode_update({k: v.astype(np.float32) for k, v in own.items()}), m
+    return tamper
+
+
 def fusion_spec(spec: str) -> tuple[str, dict[str, float]]:
     """``NAME`` or ``NAME:OPT=NUMBER,...`` (``flame:noise=0.01``) -> the fusion and its options."""
     name, _, opts = spec.partition(":")
     return name, {k: float(v) for k, v in (o.split("=", 1) for o in opts.split(",") if o)}
+
+
+def defence_spec(spec: str) -> tuple[str, dict[str, float], dict[str, float]]:
+    """A :func:`fusion_spec` with server checks after ``+``: ``centered_clip+layer_bound=3`` -> the fusion,
+    its options and more :class:`CollabConfig` fields."""
+    fusion, _, checks = spec.partition("+")
+    return (*fusion_spec(fusion), {k: float(v) for k, v in (o.split("=", 1) for o in checks.split(",") if o)})
 
 
 def run_bn_case(attack: str, fusion: str, n_centers: int, seed: int, rounds: int = 10, **kw: Any) -> dict[str, Any]:
@@ -231,19 +321,20 @@ def run_bn_case(attack: str, fusion: str, n_centers: int, seed: int, rounds: int
     names = list(data)
     if attack == "absent":
         names = names[1:]
-    if attack in ("backdoor", "backdoor_boost"):
+    if attack.startswith("backdoor"):
         x, y = data[BAD]
         k = int(POISONED * len(y))
         pick = np.random.default_rng([seed, 0xBAD]).permutation(len(y))[:k]
         x, y = x.copy(), y.copy()
         x[pick], y[pick] = trigger(x[pick]), TARGET
         data = {**data, BAD: (x, y)}
-    if attack.startswith("alie"):  # the attacker answers last, having seen the honest updates
+    omniscient = attack.startswith("alie") or attack in ADAPTIVE_ATTACKS
+    if omniscient:  # the attacker answers last, having seen the honest updates
         names = [*names[1:], BAD]
-    name, options = fusion_spec(fusion)
+    name, options, checks = defence_spec(fusion)
     cfg = CollabConfig(centers=tuple(CenterSpec(c) for c in names), model=BN_SPEC, fusion=name,
                        fusion_options=options, min_centers=max(1, len(names) - (attack != "absent")), rounds=rounds,
-                       local_steps=10, batch_size=32, lr=0.05, momentum=0.5, seed=seed, **kw)
+                       local_steps=10, batch_size=32, lr=0.05, momentum=0.5, seed=seed, **{**checks, **kw})
     tamper = {}
     if attack == "sign_flip":
         tamper = tampers("sign_flip", "none")
@@ -252,14 +343,24 @@ def run_bn_case(attack: str, fusion: str, n_centers: int, seed: int, rounds: int
     elif attack == "backdoor_boost":  # scaled to just under the norm bound (k = 4 × the honest norms)
         tamper = {BAD: _rebound(lambda r, p, m, nonce: (_recode(p, "none", lambda d: d * 3.5), m))}
     trainers = None
-    if attack.startswith("alie"):
+    if omniscient:
         trainers = {c: _Recorder(make_trainer(cfg, c, *data[c])) for c in names if c != BAD}
-        tamper = {BAD: _rebound(_alie(float(attack[4:]), trainers))}
+        if attack.startswith("alie"):
+            tamper = {BAD: _rebound(_alie(float(attack[4:]), trainers))}
+        elif attack.startswith("ipm"):
+            tamper = {BAD: _rebound(_ipm(float(attack[3:]), trainers))}
+        elif attack == "sign_flip_cos":
+            tamper = {BAD: _rebound(_flip_cos(trainers))}
+        else:
+            kind = {"sign_flip_norm": "flip_norm", "sign_flip_bound": "flip_bound", "backdoor_bound": "bound",
+                    "backdoor_layer": "layer"}[attack]
+            tamper = {BAD: _rebound(_sized(kind, cfg.norm_bound, cfg.layer_bound, trainers))}
     t0 = time.perf_counter()
     res = run_inprocess(cfg, {c: data[c] for c in names}, eval_data=test,
                         tamper=tamper, trainers=trainers, root_data=root if cfg.make_fusion().needs_root else None)
     audit = [{c: {k: round(v, 4) for k, v in m.items()
-                  if k in ("update_norm", "cos_fused", "cos_others", "cos_root", "trust")}
+                  if k in ("update_norm", "cos_fused", "cos_others", "cos_root", "cos_consensus", "trust",
+                           "layer_ratio")}
               for c, m in r.metrics.items()} for r in res.rounds]
     return {"attack": attack, "fusion": fusion, "centers": n_centers, "seed": seed, **kw,
             "accuracy": 100.0 * res.rounds[-1].eval.get("accuracy", float("nan")),
@@ -322,14 +423,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="3 centers, fedavg only")
     ap.add_argument("--fusions", nargs="*", default=list(FUSIONS),
-                    help="bn: NAME or NAME:OPT=NUMBER,... (flame:noise=0.01)")
+                    help="bn: NAME or NAME:OPT=NUMBER,... (flame:noise=0.01), then +FIELD=NUMBER,... for server "
+                    "checks (centered_clip:min_cos=0+layer_bound=3)")
     ap.add_argument("--centers", nargs="*", type=int, default=[3, 5])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--part", choices=("mlp", "bn"), default="mlp",
                     help="mlp: the IID MLP table; bn: BatchNorm CNN under label skew, backdoors, seeds")
     ap.add_argument("--seeds", type=int, default=3, help="bn: seeds per cell")
     ap.add_argument("--first-seed", type=int, default=0, help="bn: seeds first-seed .. first-seed + seeds - 1")
-    ap.add_argument("--attacks", nargs="*", default=None, help="bn: a subset of " + ", ".join(BN_ATTACKS))
+    ap.add_argument("--attacks", nargs="*", default=None,
+                    help="bn: a subset of " + ", ".join(BN_ATTACKS + ADAPTIVE_ATTACKS))
     ap.add_argument("--min-cosine", type=float, default=None, help="CollabConfig.min_cosine (default: the config's)")
     args = ap.parse_args(argv)
     logging.getLogger("polyparallel.collab").setLevel(logging.ERROR)  # the rejections are in the table

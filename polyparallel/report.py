@@ -511,8 +511,9 @@ def _phases(run: Run) -> list[tuple[int, dict[str, float]]]:
     return out
 
 
-_CHECKS = (("update_norm", "norm"), ("cos_fused", "cos to fused"), ("cos_others", "cos to others"),
-           ("cos_root", "cos to root"), ("trust", "trust"))
+_CHECKS = (("update_norm", "norm"), ("layer_ratio", "max layer ratio"), ("cos_fused", "cos to fused"),
+           ("cos_others", "cos to others"), ("cos_consensus", "cos to consensus"), ("cos_root", "cos to root"),
+           ("trust", "trust"))
 
 
 def _audit(rounds: list[dict[str, Any]], flagged: dict[str, Any]) -> str:
@@ -529,8 +530,9 @@ def _audit(rounds: list[dict[str, Any]], flagged: dict[str, Any]) -> str:
     if not rows:
         return ""
     out = ("<h3>Update checks per round and center</h3><p class=\"note\">What the server measured on each "
-           "update before fusing it (norm; cosine to the fused step, to the other centers' median, to the server's "
-           "root update; FLTrust's trust) and its decision.</p>"
+           "update before fusing it (norm; its largest tensor norm over that tensor's median; cosine to the fused "
+           "step, to the other centers' median, to the consensus, to the server's root update; the fusion's trust) "
+           "and its decision.</p>"
            + _table(["round", "center", *(h for _, h in shown), "decision"], rows, "run-audit"))
     if flagged:
         out += "<h3>Flagged centers</h3>" + _table(

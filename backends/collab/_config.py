@@ -124,6 +124,8 @@ class CollabConfig:
         min_cosine: with at least 3 updates left after the norm check, an update whose cosine (over
             the trained tensors) to the coordinate-wise median of the *other* updates is below this is
             refused (-1: off). See ``_validation``.
+        layer_bound: an update one of whose trained tensors has a norm above this × that tensor's upper
+            median norm over the round's updates is refused (0: off; a boosted backdoor). See ``_validation``.
         prune: online pruning (:class:`~._pruning.PruneSpec`: ratio, rounds ``K``, score): centers score
             channels on their own rows, the server fuses the scores, soft-masks, and cuts the model
             structurally after round ``K``; None: the job trains the full model (see ``_pruning``).
@@ -149,6 +151,7 @@ class CollabConfig:
     norm_bound: float = 4.0
     step_bound: float = 10.0
     min_cosine: float = -1.0
+    layer_bound: float = 0.0
     prune: PruneSpec | None = None
 
     def __post_init__(self) -> None:
@@ -177,7 +180,7 @@ class CollabConfig:
             raise ValueError(f"holdout must be a fraction in [0, 1), got {self.holdout}")
         if not (0 < self.max_abs_update < math.inf):
             raise ValueError(f"max_abs_update must be a finite number > 0, got {self.max_abs_update}")
-        for knob in ("norm_bound", "step_bound"):
+        for knob in ("norm_bound", "step_bound", "layer_bound"):
             v = getattr(self, knob)
             if not (v == 0 or (1 < v < math.inf)):
                 raise ValueError(f"{knob} must be 0 (off) or a finite number > 1, got {v}")
@@ -248,6 +251,8 @@ class CollabConfig:
         d["model"] = self.model.to_dict()
         if self.prune is None:  # a job without pruning writes the JSON it wrote before pruning existed
             del d["prune"]
+        if not self.layer_bound:  # likewise without the per-layer bound
+            del d["layer_bound"]
         return json.dumps(d, sort_keys=True)
 
     @classmethod

@@ -75,8 +75,9 @@ class CollabResult:
         """The centers flagged in at least one round, with the rounds and why (the audit's summary).
 
         A center is flagged in a round when its reply was refused, when the fusion gave it no trust
-        (``trust == 0``: FLTrust, FLAME, FoolsGold), or when its update pointed against the fused step
-        (``cos_fused < 0``). The per-round values stay in each round's ``metrics``; this names who to look at.
+        (``trust == 0``: FLTrust, FLAME, FoolsGold, centered clipping's consensus filter), or when its update
+        pointed against the fused step (``cos_fused < 0``). The per-round values stay in each round's
+        ``metrics``; this names who to look at.
         """
         out: dict[str, dict[str, Any]] = {}
         for r in self.rounds:
@@ -84,6 +85,9 @@ class CollabResult:
             for c, m in r.metrics.items():
                 if m.get("trust", 1.0) <= 0.0 and "cos_root" in m:  # FLTrust: against the server's root set
                     why[c] = f"no trust (cosine to the server's root update {m['cos_root']:+.3f})"
+                elif m.get("trust", 1.0) <= 0.0 and "cos_consensus" in m:  # centered_clip's consensus filter
+                    why[c] = (f"no trust: the fusion left its update out of the fused model (cosine to the "
+                              f"consensus {m['cos_consensus']:+.3f})")
                 elif m.get("trust", 1.0) <= 0.0:  # FLAME's minority cluster, FoolsGold's look-alike
                     why[c] = "no trust: the fusion left its update out of the fused model"
                 elif m.get("cos_fused", 0.0) < 0.0:

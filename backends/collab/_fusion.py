@@ -483,21 +483,48 @@ class CenteredClip(FusionStrategy):
     ``v₀`` = coordinate-wise median of the updates; ``iters`` times ``v ← v + Σ p_i clip_τ(δ_i − v)``;
     ``τ = tau × median_i ‖δ_i − v₀‖``. An update farther than ``τ`` from the centre counts only with
     length ``τ``; with every update within ``τ`` one iteration is exactly FedAvg's ``Σ p_i δ_i``.
+
+    ``min_cos > -1`` (off by default): a consensus filter. The cosine of each update to that result ``v``
+    (over the trained tensors; ``v`` is the robust consensus, which one attacker moves by at most ``τ``)
+    is its ``cos_consensus``; the updates below ``min_cos`` get no trust (``trust`` 0, 1 for the others)
+    and the fusion is run again on the others alone. An update pointing against the consensus (a sign
+    flip, IPM) is then left out instead of pulling by ``τ``; an update agreeing with it (a backdoor, ALIE)
+    is not. With no update left the model stays. ``ref=1``: the consensus is the last fused step instead
+    (this round's ``v`` in the first round), which this round's attacker cannot move: with 3 centers one
+    sign flipper drags ``v`` enough to keep a positive cosine to it, not to the last step. ``ref=2``: the
+    smaller of the two cosines (an attacker must agree with both). The last step is the fusion's state
+    (checkpointed).
     """
 
     name = "centered_clip"
 
-    def __init__(self, tau: float = 1.0, iters: float = 3) -> None:
+    def __init__(self, tau: float = 1.0, iters: float = 3, min_cos: float = -1.0, ref: float = 0) -> None:
         if not tau > 0 or iters < 1 or iters != int(iters):
             raise ValueError(f"centered_clip needs tau > 0 and an integer iters >= 1, got tau={tau}, iters={iters}")
-        self.tau, self.iters = float(tau), int(iters)
+        if not -1.0 <= min_cos < 1.0:
+            raise ValueError(f"centered_clip's min_cos is in [-1, 1) (-1: off), got {min_cos}")
+        if ref not in (0, 1, 2):
+            raise ValueError(f"centered_clip's ref is 0 (this round's result), 1 (the last fused step) or 2 (both), "
+                             f"got {ref}")
+        self.tau, self.iters, self.min_cos, self.ref = float(tau), int(iters), float(min_cos), int(ref)
+        self.last: np.ndarray | None = None  # the last fused step (ref=1)
+        #: per center, the numbers the last :meth:`fuse` judged it by (with ``min_cos``; the audit records them)
+        self.scores: dict[str, dict[str, float]] = {}
 
     def options(self) -> dict[str, float]:
-        return {"tau": self.tau, "iters": self.iters}
+        return {"tau": self.tau, "iters": self.iters,
+                **({"min_cos": self.min_cos, "ref": self.ref} if self.min_cos > -1 else {})}
 
-    def fuse(self, global_params: Mapping[str, np.ndarray], updates: Sequence[CenterUpdate]) -> Params:
-        d = _deltas(global_params, updates)
-        p = _weights(updates)
+    def state(self) -> Params:
+        return {} if self.last is None else {"last": self.last}
+
+    def load_state(self, state: Mapping[str, np.ndarray]) -> None:
+        extra = sorted(set(state) - {"last"})
+        if extra:
+            raise ValueError(f"CenteredClip keeps only its last step, but the checkpoint holds {extra}")
+        self.last = np.asarray(state["last"], np.float64) if "last" in state else None
+
+    def _clip(self, d: np.ndarray, p: np.ndarray) -> np.ndarray:
         v = np.median(d, axis=0)
         radius = self.tau * float(np.median(np.linalg.norm(d - v, axis=1)))
         for _ in range(self.iters):
@@ -505,7 +532,33 @@ class CenteredClip(FusionStrategy):
             n = np.linalg.norm(z, axis=1)
             scale = np.where(n > radius, radius / np.maximum(n, 1e-300), 1.0)
             v = v + (p * scale) @ z
+        return v
+
+    def fuse(self, global_params: Mapping[str, np.ndarray], updates: Sequence[CenterUpdate]) -> Params:
+        d = _deltas(global_params, updates)
+        p = _weights(updates)
+        v = self._clip(d, p)
+        self.scores = {}
+        if self.min_cos > -1.0:
+            t = _trained_mask(global_params)
+            refs = [v]
+            if self.ref and self.last is not None and self.last.shape == v.shape:
+                refs = [self.last] if self.ref == 1 else [v, self.last]
+            cos = np.min([_cos_rows(d[:, t], r[t]) for r in refs], axis=0)
+            keep = cos >= self.min_cos
+            self.scores = {u.center: {"cos_consensus": float(c), "trust": float(k)}
+                           for u, c, k in zip(updates, cos, keep)}
+            if not keep.all():
+                v = self._clip(d[keep], p[keep] / p[keep].sum()) if keep.any() else np.zeros(d.shape[1])
+            if keep.any():
+                self.last = v
         return _unflatten(global_params, v)
+
+
+def _cos_rows(rows: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """The cosine of every row to ``ref`` (0 where either is zero)."""
+    den = np.linalg.norm(rows, axis=1) * float(np.linalg.norm(ref))
+    return np.where(den > 0, rows @ ref / np.maximum(den, 1e-300), 0.0)
 
 
 class FLTrust(FusionStrategy):

@@ -44,6 +44,7 @@ from ._validation import (
     check_values,
     direction_screen,
     draw_nonce,
+    layer_screen,
     model_digest,
     params_norm,
 )
@@ -332,6 +333,9 @@ class FederationServer:
                   if rep.center not in liars}
         norms = {c: params_norm(d) for c, d in deltas.items()}
         outliers = {**liars, **self.guard.screen(norms, params_norm(self.params))}
+        layer_ratio, boosted = layer_screen({c: d for c, d in deltas.items() if c not in outliers},
+                                            trained_names(self.params), cfg.layer_bound)
+        outliers.update(boosted)
         cos_others, away = direction_screen({c: d for c, d in deltas.items() if c not in outliers},
                                             trained_names(self.params), cfg.min_cosine)
         outliers.update(away)
@@ -344,6 +348,8 @@ class FederationServer:
             metrics[rep.center]["update_norm"] = norms[rep.center]
             if rep.center in cos_others:
                 metrics[rep.center]["cos_others"] = cos_others[rep.center]
+            if rep.center in layer_ratio:
+                metrics[rep.center]["layer_ratio"] = layer_ratio[rep.center]
             delta = deltas[rep.center]
             local = {k: self.params[k].astype(np.float64) + delta[k].astype(np.float64) for k in self.params}
             controls = decode_controls(payload, cfg.compression) if control_names else None

@@ -48,6 +48,12 @@ below as well, on by default (``CollabConfig.max_abs_update``, ``norm_bound``, `
   drags, and the check refused honest centers (benchmarks/collab_attacks.py --part bn --min-cosine 0:
   honest-only 96.7 -> 94.1%, a sign flip of 1 of 3 at 26%). A trusted direction needs a root set
   (FLTrust, :mod:`._fusion`).
+- **Per-layer norms** (:func:`layer_screen`): for each trained tensor ``k`` the reference ``ref_k`` is
+  the upper median of ``‖δ_j[k]‖`` over the round's updates left after the norm check; an update's
+  ``layer_ratio`` is ``max_k ‖δ_i[k]‖ / ref_k`` (recorded in the round metrics, the audit) and, with
+  ``layer_bound > 0``, an update above it is refused. A backdoor boosted in the few tensors that carry
+  it keeps its whole norm under ``norm_bound`` while those tensors stand out. Off by default: see
+  docs/collab.md for what it was measured to cost and catch.
 - **The fused model** (:meth:`UpdateGuard.check_step`): finite, and its step ``‖x' − x‖`` at most
   ``step_bound`` (default 10) × the median step of the recent fused rounds (first round: at most
   ``step_bound`` × the model norm). Otherwise the round is not fused, the old model and the fusion's
@@ -64,7 +70,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["HISTORY", "SAMPLE_CAP", "UpdateGuard", "bound_metrics", "check_binding", "check_values",
-           "direction_screen", "draw_nonce", "model_digest", "params_norm", "payload_digest", "reply_binding"]
+           "direction_screen", "draw_nonce", "layer_screen", "model_digest", "params_norm", "payload_digest",
+           "reply_binding"]
 
 #: how many past rounds' accepted norms and fused steps the bounds look back on
 HISTORY = 5
@@ -180,6 +187,27 @@ def direction_screen(deltas: Mapping[str, Mapping[str, np.ndarray]], trained: Se
             refused[c] = (f"update points away from the others: cosine {cos[c]:+.3f} to the median of the other "
                           f"{len(names) - 1} updates < {min_cosine:g} (min_cosine)")
     return cos, refused
+
+
+def layer_screen(deltas: Mapping[str, Mapping[str, np.ndarray]], trained: Sequence[str],
+                 bound: float) -> tuple[dict[str, float], dict[str, str]]:
+    """Each update's largest ratio of a tensor's norm to that tensor's upper-median norm over the
+    updates (``layer_ratio``), and the centers refused for a ratio above ``bound`` (0: none refused).
+    Fewer than 2 updates: nothing to compare to."""
+    if len(deltas) < 2:
+        return {}, {}
+    norms = {c: {k: float(np.linalg.norm(np.asarray(d[k], np.float64))) for k in trained} for c, d in deltas.items()}
+    ref = {k: _upper_median([n[k] for n in norms.values()]) for k in trained}
+    ratios: dict[str, float] = {}
+    refused: dict[str, str] = {}
+    for c, n in norms.items():
+        worst = max(((n[k] / ref[k], k) for k in trained if ref[k] > 0), default=(0.0, ""))
+        ratios[c] = worst[0]
+        k = worst[1]
+        if bound > 0 and worst[0] > bound:
+            refused[c] = (f"tensor {k!r} of the update has norm {n[k]:.4g} > {bound:g} × {ref[k]:.4g} (its upper "
+                          "median over the round's updates; layer_bound)")
+    return ratios, refused
 
 
 def _upper_median(values: Sequence[float]) -> float:
