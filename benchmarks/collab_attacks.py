@@ -150,6 +150,28 @@ def run_case(attack: str, fusion: str, n_centers: int, **kw: Any) -> dict[str, A
 
 # ------------------------------------------------------------------------ BatchNorm CNN, label skew, backdoor
 BN_SPEC = ModelSpec("cnn", (1, 8, 8), 10, hidden=8)  # conv-BN-ReLU-pool twice, then a linear layer
+#: a user model (the project's code does not know it): a small residual CNN with BatchNorm
+RESNET_SPEC = ModelSpec("benchmarks.collab_attacks:residual_cnn", (1, 8, 8), 10)
+SPECS = {"cnn": BN_SPEC, "resnet": RESNET_SPEC}
+
+
+def residual_cnn() -> Any:
+    """conv 3×3 (16)–BN–ReLU, one residual block (conv–BN–ReLU–conv–BN, + the input, ReLU), 2×2 max-pool,
+    a second block, global average pool, linear 16 → 10 (11k parameters)."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, c: int) -> None:
+            super().__init__()
+            self.c1, self.b1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+            self.c2, self.b2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(x + self.b2(self.c2(torch.relu(self.b1(self.c1(x))))))
+
+    return nn.Sequential(nn.Conv2d(1, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(), Block(16),
+                         nn.MaxPool2d(2), Block(16), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
 BN_ATTACKS = ("none", "absent", "sign_flip", "backdoor", "backdoor_boost", "replay_forged", "alie0.5", "alie1",
               "alie2", "alie3")
 #: the omniscient and adaptive attacks (issue 33): the attacker answers last, having seen the honest
@@ -175,9 +197,10 @@ def trigger(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def skewed_digits(n_centers: int, seed: int) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]],
-                                                       tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
-    """Label-skewed centers (``SKEW`` of a center's rows from its own classes), the server's root set
+def skewed_digits(n_centers: int, seed: int, dirichlet: float = 0.0) -> tuple[
+        dict[str, tuple[np.ndarray, np.ndarray]], tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """Label-skewed centers (``SKEW`` of a center's rows from its own classes; with ``dirichlet`` = α > 0
+    instead each class's rows shared out by proportions drawn from Dir(α, ..., α)), the server's root set
     (``ROOT_ROWS`` rows, balanced by chance, no center's) and a 25% test set, all disjoint; images (1, 8, 8)."""
     from sklearn.datasets import load_digits
 
@@ -187,20 +210,30 @@ def skewed_digits(n_centers: int, seed: int) -> tuple[dict[str, tuple[np.ndarray
     rows = rng.permutation(len(y))
     n_test = len(y) // 4
     test, root, train = rows[:n_test], rows[n_test:n_test + ROOT_ROWS], rows[n_test + ROOT_ROWS:]
-    owner = y[train] % n_centers
-    other = (owner + rng.integers(1, n_centers, len(train))) % n_centers
-    where = np.where(rng.random(len(train)) < SKEW, owner, other)
+    if dirichlet > 0:
+        where = np.zeros(len(train), dtype=np.int64)
+        for k in range(10):
+            rows_k = np.flatnonzero(y[train] == k)
+            share = rng.dirichlet(np.full(n_centers, dirichlet))
+            cuts = (np.cumsum(share)[:-1] * len(rows_k)).astype(int)
+            for i, part in enumerate(np.split(rng.permutation(rows_k), cuts)):
+                where[part] = i
+    else:
+        owner = y[train] % n_centers
+        other = (owner + rng.integers(1, n_centers, len(train))) % n_centers
+        where = np.where(rng.random(len(train)) < SKEW, owner, other)
     data = {f"c{i}": (x[train[where == i]], y[train[where == i]]) for i in range(n_centers)}
     return data, (x[root], y[root]), (x[test], y[test])
 
 
-def attack_success(params: dict[str, np.ndarray], test: tuple[np.ndarray, np.ndarray]) -> float:
+def attack_success(params: dict[str, np.ndarray], test: tuple[np.ndarray, np.ndarray],
+                   spec: ModelSpec = BN_SPEC) -> float:
     """% of test rows of another class than ``TARGET`` that the model puts in ``TARGET`` once triggered."""
     from polyparallel.backends.collab._center import evaluate_torch
 
     x, y = test
     keep = y != TARGET
-    return 100.0 * evaluate_torch(BN_SPEC, params, trigger(x[keep]), np.full(int(keep.sum()), TARGET))["accuracy"]
+    return 100.0 * evaluate_torch(spec, params, trigger(x[keep]), np.full(int(keep.sum()), TARGET))["accuracy"]
 
 
 class _Recorder:
@@ -314,10 +347,11 @@ def defence_spec(spec: str) -> tuple[str, dict[str, float], dict[str, float]]:
     return (*fusion_spec(fusion), {k: float(v) for k, v in (o.split("=", 1) for o in checks.split(",") if o)})
 
 
-def run_bn_case(attack: str, fusion: str, n_centers: int, seed: int, rounds: int = 10, **kw: Any) -> dict[str, Any]:
+def run_bn_case(attack: str, fusion: str, n_centers: int, seed: int, rounds: int = 10, *, model: str = "cnn",
+                dirichlet: float = 0.0, **kw: Any) -> dict[str, Any]:
     """One label-skewed federation of the BatchNorm CNN under ``attack`` (``BN_ATTACKS``); ``fusion``: a
     :func:`fusion_spec`; ``kw``: more :class:`CollabConfig` fields (e.g. ``min_cosine``)."""
-    data, root, test = skewed_digits(n_centers, seed)
+    data, root, test = skewed_digits(n_centers, seed, dirichlet)
     names = list(data)
     if attack == "absent":
         names = names[1:]
@@ -332,7 +366,7 @@ def run_bn_case(attack: str, fusion: str, n_centers: int, seed: int, rounds: int
     if omniscient:  # the attacker answers last, having seen the honest updates
         names = [*names[1:], BAD]
     name, options, checks = defence_spec(fusion)
-    cfg = CollabConfig(centers=tuple(CenterSpec(c) for c in names), model=BN_SPEC, fusion=name,
+    cfg = CollabConfig(centers=tuple(CenterSpec(c) for c in names), model=SPECS[model], fusion=name,
                        fusion_options=options, min_centers=max(1, len(names) - (attack != "absent")), rounds=rounds,
                        local_steps=10, batch_size=32, lr=0.05, momentum=0.5, seed=seed, **{**checks, **kw})
     tamper = {}
@@ -362,9 +396,10 @@ def run_bn_case(attack: str, fusion: str, n_centers: int, seed: int, rounds: int
                   if k in ("update_norm", "cos_fused", "cos_others", "cos_root", "cos_consensus", "trust",
                            "layer_ratio")}
               for c, m in r.metrics.items()} for r in res.rounds]
-    return {"attack": attack, "fusion": fusion, "centers": n_centers, "seed": seed, **kw,
+    return {"attack": attack, "fusion": fusion, "centers": n_centers, "seed": seed, "model": model,
+            "dirichlet": dirichlet, **kw,
             "accuracy": 100.0 * res.rounds[-1].eval.get("accuracy", float("nan")),
-            "attack_success": attack_success(res.params, test), "fused_rounds": res.fused_rounds,
+            "attack_success": attack_success(res.params, test, SPECS[model]), "fused_rounds": res.fused_rounds,
             "bad_accepted": sum(BAD in r.accepted for r in res.rounds),
             "bad_rejected": sum(BAD in r.rejected for r in res.rounds),
             "honest_rejected": sum(len(set(r.rejected) - {BAD}) for r in res.rounds),
@@ -390,7 +425,9 @@ def bn_table(rows: Sequence[dict[str, Any]]) -> str:
     against ``absent`` of the same seed."""
     def title(n: int) -> str:
         seeds = {r["seed"] for r in rows if r["centers"] == n}
-        return (f"\n1 malicious of {n} (BatchNorm CNN, label skew {SKEW:g}, {len(seeds)} seeds): mean accuracy % "
+        r0 = next(r for r in rows if r["centers"] == n)
+        skew = f"Dirichlet {r0['dirichlet']:g}" if r0.get("dirichlet") else f"label skew {SKEW:g}"
+        return (f"\n1 malicious of {n} ({r0.get('model', 'cnn')}, {skew}, {len(seeds)} seeds): mean accuracy % "
                 "[worst seed − absent]; backdoors: (attack success %)")
 
     def cell(a: str, f: str, n: int) -> str | None:
@@ -433,19 +470,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--first-seed", type=int, default=0, help="bn: seeds first-seed .. first-seed + seeds - 1")
     ap.add_argument("--attacks", nargs="*", default=None,
                     help="bn: a subset of " + ", ".join(BN_ATTACKS + ADAPTIVE_ATTACKS))
+    ap.add_argument("--model", choices=sorted(SPECS), default="cnn",
+                    help="bn: the built-in cnn, or resnet (a user model: a residual CNN with BatchNorm)")
+    ap.add_argument("--dirichlet", type=float, default=0.0,
+                    help="bn: label skew by Dirichlet(α) proportions per class instead of 80%% own classes")
     ap.add_argument("--min-cosine", type=float, default=None, help="CollabConfig.min_cosine (default: the config's)")
     args = ap.parse_args(argv)
     logging.getLogger("polyparallel.collab").setLevel(logging.ERROR)  # the rejections are in the table
     kw = {} if args.min_cosine is None else {"min_cosine": args.min_cosine}
     if args.part == "bn":
         fusions = list(BN_FUSIONS) if args.fusions == list(FUSIONS) else args.fusions
-        rows = [run_bn_case(a, f, n, s, **kw) for n in args.centers for f in fusions
-                for a in (args.attacks or BN_ATTACKS) for s in range(args.first_seed, args.first_seed + args.seeds)]
+        rows = []
+        for n in args.centers:
+            for f in fusions:
+                for a in args.attacks or BN_ATTACKS:
+                    for s in range(args.first_seed, args.first_seed + args.seeds):
+                        rows.append(run_bn_case(a, f, n, s, model=args.model, dirichlet=args.dirichlet, **kw))
+                        r = rows[-1]
+                        print(f"{n} {f} {a} seed {s}: {r['accuracy']:.1f}% (attack success {r['attack_success']:.0f}%, "
+                              f"{r['seconds']:.1f} s)", file=sys.stderr, flush=True)
         print(bn_table(rows))
         out = args.out or ROOT / "benchmarks" / "results" / "collab_attacks_bn.json"
-        out.write_text(json.dumps({"model": f"{BN_SPEC}", "skew": SKEW, "poisoned": POISONED, "target": TARGET,
-                                   "root_rows": ROOT_ROWS, "rounds": 10, "local_steps": 10, "rows": rows},
-                                  indent=1) + "\n")
+        skew = f"Dirichlet {args.dirichlet:g}" if args.dirichlet > 0 else SKEW
+        out.write_text(json.dumps({"model": f"{SPECS[args.model]}", "skew": skew, "poisoned": POISONED,
+                                   "target": TARGET, "root_rows": ROOT_ROWS, "rounds": 10, "local_steps": 10,
+                                   "rows": rows}, indent=1) + "\n")
         print(f"\nwrote {out}")
         return 0
     args.out = args.out or ROOT / "benchmarks" / "results" / "collab_attacks.json"
