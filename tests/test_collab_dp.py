@@ -63,8 +63,8 @@ def test_data_parallel_center_refuses_bad_settings_before_starting_workers():
         DataParallelTrainer(spec, x, y, batch_size=16, devices=3)
     with pytest.raises(ValueError, match="devices >= 2"):
         DataParallelTrainer(spec, x, y, batch_size=16, devices=1)
-    cfg = CollabConfig(centers=(CenterSpec("m", framework="mindspore", devices=2),), model=spec)
-    with pytest.raises(ValueError, match="MindSpore centers train in one process"):
+    cfg = CollabConfig(centers=(CenterSpec("m", framework="paddle", devices=2),), model=spec)
+    with pytest.raises(ValueError, match="PaddlePaddle centers train in one process"):
         make_trainer(cfg, "m", x, y)
 
 

@@ -277,14 +277,25 @@ class _MindSpore(Framework):
             return loss, data  # the data loss is reported, as the torch trainer does, without the proximal term
 
         grad_fn = ms.value_and_grad(forward, None, opt.parameters, has_aux=True)
+        reduce = self.grad_reducer(opt.parameters)
         losses = []
-        for idx in trainer.batches(steps, round_idx):
+        for batch in trainer.batches(steps, round_idx):
+            idx = self.share(batch)
             xb = ms.Tensor(np.ascontiguousarray(trainer.x[idx]))
             yb = ms.Tensor(_ms_labels(spec, trainer.y[idx]))
             (_, data), grads = grad_fn(xb, yb)
-            opt(grads)
+            opt(reduce(grads))
             losses.append(float(data.asnumpy()))
         return losses
+
+    def share(self, batch: np.ndarray) -> np.ndarray:
+        """The rows of a global batch this process trains on: all of them (a data-parallel rank: its share)."""
+        return batch
+
+    def grad_reducer(self, parameters: Any) -> Any:
+        """What turns this process's gradients into the step's (one process: themselves; data parallel: their
+        mean over the ranks)."""
+        return lambda grads: grads
 
 
 #: MindSpore's :class:`._foreign.Framework`

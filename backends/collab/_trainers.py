@@ -26,12 +26,18 @@ def _torch_trainer(config: CollabConfig, center: str, x: np.ndarray, y: np.ndarr
 
 
 def _foreign_trainer(config: CollabConfig, center: str, x: np.ndarray, y: np.ndarray, kw: dict[str, Any]) -> Any:
-    """A MindSpore, Paddle or TensorFlow center (:class:`._foreign.ForeignTrainer`)."""
+    """A MindSpore, Paddle or TensorFlow center (:class:`._foreign.ForeignTrainer`); a MindSpore center with
+    several devices runs data parallelism over msrun ranks (:mod:`polyparallel.backends.mindspore._center`)."""
     spec = config.center(center)
+    if spec.devices > 1 and spec.framework == "mindspore":  # data parallel over msrun ranks
+        from polyparallel.backends.mindspore._center import MindSporeDataParallelTrainer
+
+        return MindSporeDataParallelTrainer(config.model, x, y, devices=spec.devices, plan=dict(spec.plan),
+                                            timeout_s=config.round_timeout_s, **kw)
     if spec.devices > 1:
         raise ValueError(f"center {center!r}: {DISPLAY[spec.framework]} centers train in one process; data "
-                         f"parallelism inside a center ({spec.devices} devices) is implemented for torch centers — "
-                         "set devices=1 or framework='torch'")
+                         f"parallelism inside a center ({spec.devices} devices) is implemented for torch and "
+                         "MindSpore centers — set devices=1 or framework='torch'")
     return ForeignTrainer(config.model, x, y, framework=spec.framework, **kw)
 
 
