@@ -42,6 +42,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT.parent) not in sys.path:
     sys.path.insert(0, str(ROOT.parent))
+if str(ROOT) not in sys.path:  # residual_cnn is loaded by reference, benchmarks.collab_attacks:residual_cnn
+    sys.path.append(str(ROOT))
 
 from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, make_trainer, run_inprocess  # noqa: E402
 from polyparallel.backends.collab._validation import bound_metrics  # noqa: E402
