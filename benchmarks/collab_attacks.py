@@ -446,6 +446,36 @@ def bn_table(rows: Sequence[dict[str, Any]]) -> str:
     return _grid(rows, title, 28, 16, cell)
 
 
+def verdict_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Per fusion and center count, issue 33's bars: the honest-only federation's mean change against
+    FedAvg's on the same seeds (bar: ≥ −0.5), the attacks whose worst seed is more than 1 point under
+    ``absent`` (same fusion, same seed), the backdoors' mean attack success (bar: ≤ 10%), and the rounds
+    in which the fusion gave the attacker / an honest center no trust."""
+    out = ["\nfusion, K: honest-only vs fedavg (mean, worst seed) | attacks > 1 point under absent (worst seed) | "
+           "backdoor success % | attacker / honest untrusted rounds"]
+    for n in sorted({r["centers"] for r in rows}):
+        fed = {r["seed"]: r["accuracy"] for r in rows
+               if (r["fusion"], r["attack"], r["centers"]) == ("fedavg", "none", n)}
+        for f in dict.fromkeys(r["fusion"] for r in rows):
+            mine = [r for r in rows if r["fusion"] == f and r["centers"] == n]
+            none = {r["seed"]: r["accuracy"] for r in mine if r["attack"] == "none"}
+            base = {r["seed"]: r["accuracy"] for r in mine if r["attack"] == "absent"}
+            common = sorted(set(none) & set(fed))
+            diff = [none[s] - fed[s] for s in common]
+            honest = f"{np.mean(diff):+.2f} ({min(diff):+.1f})" if common else "-"
+            bad = []
+            for a in dict.fromkeys(r["attack"] for r in mine if r["attack"] not in ("none", "absent")):
+                d = [r["accuracy"] - base[r["seed"]] for r in mine if r["attack"] == a and r["seed"] in base]
+                if d and min(d) < -1.0:
+                    bad.append(f"{a} {min(d):+.1f}")
+            asr = " ".join(f"{a}:{np.mean([r['attack_success'] for r in mine if r['attack'] == a]):.0f}"
+                           for a in dict.fromkeys(r["attack"] for r in mine if r["attack"].startswith("backdoor")))
+            untrusted = (f"{sum(r['bad_untrusted'] for r in mine if r['attack'] not in ('none', 'absent'))}/"
+                         f"{sum(r['honest_untrusted'] for r in mine)}")
+            out.append(f"{f:>40} K={n}: {honest:>14} | {', '.join(bad) or 'none'} | {asr} | {untrusted}")
+    return "\n".join(out)
+
+
 def table(rows: Sequence[dict[str, Any]]) -> str:
     def cell(a: str, f: str, n: int) -> str | None:
         r = next((r for r in rows if r["attack"] == a and r["fusion"] == f and r["centers"] == n), None)
@@ -477,7 +507,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--dirichlet", type=float, default=0.0,
                     help="bn: label skew by Dirichlet(α) proportions per class instead of 80%% own classes")
     ap.add_argument("--min-cosine", type=float, default=None, help="CollabConfig.min_cosine (default: the config's)")
+    ap.add_argument("--from-json", type=Path, default=None, help="bn: print the tables of a results file, run nothing")
     args = ap.parse_args(argv)
+    if args.from_json:
+        rows = json.loads(args.from_json.read_text())["rows"]
+        print(bn_table(rows))
+        print(verdict_table(rows))
+        return 0
     logging.getLogger("polyparallel.collab").setLevel(logging.ERROR)  # the rejections are in the table
     kw = {} if args.min_cosine is None else {"min_cosine": args.min_cosine}
     if args.part == "bn":
@@ -492,6 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         print(f"{n} {f} {a} seed {s}: {r['accuracy']:.1f}% (attack success {r['attack_success']:.0f}%, "
                               f"{r['seconds']:.1f} s)", file=sys.stderr, flush=True)
         print(bn_table(rows))
+        print(verdict_table(rows))
         out = args.out or ROOT / "benchmarks" / "results" / "collab_attacks_bn.json"
         skew = f"Dirichlet {args.dirichlet:g}" if args.dirichlet > 0 else SKEW
         out.write_text(json.dumps({"model": f"{SPECS[args.model]}", "skew": skew, "poisoned": POISONED,
