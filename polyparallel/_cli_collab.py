@@ -287,6 +287,9 @@ def collab_cmd(
     emulate_wan: Annotated[bool, typer.Option(
         "--emulate-wan", help="with --strategy: every center emulates its WAN link of the strategy's cluster "
                               "(the figures `polyparallel simulate` prices)")] = False,
+    scale_devices: Annotated[int | None, typer.Option(
+        "--scale-devices", help="with --strategy: run each center on at most N of its devices (its plan's dp "
+                                "shrinks; tp/pp/sp kept), to try a big plan on this machine")] = None,
     prune: Annotated[float | None, typer.Option("--prune", help=_HELP["prune"])] = None,
     prune_rounds: Annotated[int | None, typer.Option("--prune-rounds", help=_HELP["rounds"])] = None,
     prune_score: Annotated[str, typer.Option("--prune-score", help=_HELP["score"])] = "fisher",
@@ -316,6 +319,8 @@ def collab_cmd(
         cfg = _job_config(config, strategy, (centers, frameworks, devices), spec, training, fixed, fusion_opt or [],
                           emulate_wan, root_data is not None)
         cfg = _center_options(cfg, source, link or [], samples, emulate_wan and strategy is None)
+        if scale_devices is not None:
+            cfg = _scaled(cfg, scale_devices, strategy is not None)
         cfg = _prune_options(cfg, prune, prune_rounds, (prune_score, prune_target, prune_allocation), release, force,
                              eval_data)
     if save_config is not None:
@@ -387,6 +392,21 @@ def _strategy_config(strategy: Path, spec: Any, training: dict[str, Any], fixed:
     if line:
         typer.echo(line)
     return replace(cfg, **given)
+
+
+def _scaled(cfg: Any, max_devices: int, from_strategy: bool) -> Any:
+    """``cfg`` with every center on at most ``max_devices`` devices (:func:`scaled_plan`), said per center."""
+    from polyparallel.backends.collab._center_plan import scaled_plan
+
+    if not from_strategy or max_devices < 1:
+        raise UserError("--scale-devices N (N >= 1) scales the centers of --strategy: give --strategy")
+    centers = []
+    for c in cfg.centers:
+        devices, plan = scaled_plan(dict(c.plan), c.devices, max_devices, c.name)
+        if devices != c.devices:
+            typer.echo(f"center {c.name} ({c.framework}): {c.devices} devices -> {devices} (dp={plan.get('dp')})")
+        centers.append(replace(c, devices=devices, plan=tuple(sorted(plan.items()))))
+    return replace(cfg, centers=tuple(centers))
 
 
 def _priced_elsewhere(st: Any, local_steps_given: bool) -> str:

@@ -82,3 +82,46 @@ def test_federation_with_a_mindspore_dp2_center_equals_its_one_process_federatio
     assert [r.accepted for r in got.rounds] == [("t", "m"), ("t", "m")]
     assert _rel(got.params, ref.params) <= 1e-5
     assert _rel(got.params, initial_params(cfg(1))) > 1e-2
+
+
+def test_scaled_plan_shrinks_dp_and_keeps_model_parallel_degrees():
+    from polyparallel.backends.collab._center_plan import scaled_plan
+
+    assert scaled_plan({"dp": 32}, 32, 2) == (2, {"dp": 2})
+    assert scaled_plan({"dp": 4, "tp": 2, "zero_stage": 3}, 8, 4) == (4, {"dp": 2, "tp": 2, "zero_stage": 3})
+    assert scaled_plan({"dp": 8, "zero_stage": 1}, 8, 1) == (1, {"dp": 1, "zero_stage": 0})
+    assert scaled_plan({"dp": 2}, 2, 4) == (2, {"dp": 2})
+    with pytest.raises(ValueError, match="tp·pp·sp = 4 needs more than 2"):
+        scaled_plan({"tp": 4, "dp": 2}, 8, 2, "x")
+
+
+def test_collab_strategy_with_a_32_device_mindspore_center_scales_to_this_machine(tmp_path):
+    """The five-center preset's plan for ResNet-50 gives Shenzhen (MindSpore) 32 devices, dp=32; scaled
+    to 2 devices per center the job is data parallelism over 2 ranks everywhere (the run itself:
+    docs/mindspore.md)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from polyparallel.strategy import CenterPlan, Collaborative, Mesh, MeshAxis, ModelInfo, Strategy
+
+    centers = [CenterPlan(name="bj", framework="torch", devices=list(range(16)), share=0.3,
+                          local_strategy={"dp": 16}),
+               CenterPlan(name="sz", framework="mindspore", devices=list(range(16, 48)), share=0.7,
+                          local_strategy={"dp": 32, "tp": 1, "pp": 1, "sp": 1, "microbatches": 1, "zero_stage": 0,
+                                          "placements": "torch", "step_time_s": 0.05})]
+    s = Strategy(model=ModelInfo(name="m", fingerprint="0" * 24), mode="collaborative",
+                 mesh=Mesh(axes=[MeshAxis(name="center", size=2, level="inter_center")], devices=[0, 16]),
+                 collaborative=Collaborative(centers=centers, local_steps=5))
+    path = tmp_path / "five.json"
+    s.to_json(path)
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "polyparallel", "collab", "--strategy", str(path), "--scale-devices",
+                        "2", "--save-config", str(tmp_path / "job.json")], capture_output=True, text=True, cwd=root,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "center sz (mindspore): 32 devices -> 2 (dp=2)" in r.stdout
+    job = json.loads((tmp_path / "job.json").read_text())
+    assert [(c["name"], c["framework"], c["devices"], dict(c["plan"])["dp"]) for c in job["centers"]] == [
+        ("bj", "torch", 2, 2), ("sz", "mindspore", 2, 2)]

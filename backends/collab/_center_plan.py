@@ -12,7 +12,7 @@ from typing import Any
 from polyparallel.plan import CENTER_FIELDS
 from polyparallel.planning.executability import CENTER_LIMITS  # what a center runs: the planner searches under it
 
-__all__ = ["CENTER_LIMITS", "PLAN_KEYS", "normalize_plan", "plan_from_local_strategy"]
+__all__ = ["CENTER_LIMITS", "PLAN_KEYS", "normalize_plan", "plan_from_local_strategy", "scaled_plan"]
 
 #: what a center's plan may set: the plan's center fields (mesh degrees, ZeRO stage, recomputation,
 #: precision), the placement mode the planner prices tensor parallelism with (``rule``: Megatron;
@@ -77,3 +77,23 @@ def _op_placements(record: Any, who: str) -> tuple[tuple[tuple[str, ...], str, t
 def plan_from_local_strategy(local: Mapping[str, Any]) -> dict[str, Any]:
     """The plan keys of a collaborative Strategy's per-center ``local_strategy`` (its estimates dropped)."""
     return {k: local[k] for k in PLAN_KEYS if k in local}
+
+
+def scaled_plan(plan: Mapping[str, Any], devices: int, max_devices: int,
+                center: str = "") -> tuple[int, dict[str, Any]]:
+    """``(devices, plan)`` of a center run on at most ``max_devices`` of its ``devices``: the data-parallel
+    degree shrinks (a center's round is then the same computation on fewer ranks); tensor, pipeline and
+    sequence degrees are kept. ValueError when they alone need more than ``max_devices``."""
+    if devices <= max_devices:
+        return devices, dict(plan)
+    model_parallel = 1
+    for k in ("tp", "pp", "sp"):
+        model_parallel *= int(plan.get(k, 1))
+    if model_parallel > max_devices:
+        raise ValueError(f"center {center!r}: its plan's tp·pp·sp = {model_parallel} needs more than {max_devices} "
+                         "devices; scale to at least that many")
+    dp = max(1, max_devices // model_parallel)
+    out = {**plan, "dp": dp}
+    if dp == 1 and int(out.get("zero_stage", 0)):
+        out["zero_stage"] = 0  # nothing left to shard over
+    return dp * model_parallel, out
