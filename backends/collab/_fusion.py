@@ -484,7 +484,8 @@ class CenteredClip(FusionStrategy):
     ``τ = tau × median_i ‖δ_i − v₀‖``. An update farther than ``τ`` from the centre counts only with
     length ``τ``; with every update within ``τ`` one iteration is exactly FedAvg's ``Σ p_i δ_i``.
 
-    ``min_cos > -1`` (off by default): a consensus filter. The cosine of each update to that result ``v``
+    ``min_cos > -1`` (off by default): a consensus filter, with 3 updates or more. The cosine of each update
+    to that result ``v``
     (over the trained tensors; ``v`` is the robust consensus, which one attacker moves by at most ``τ``)
     is its ``cos_consensus``; the updates below ``min_cos`` get no trust (``trust`` 0, 1 for the others)
     and the fusion is run again on the others alone. An update pointing against the consensus (a sign
@@ -539,7 +540,7 @@ class CenteredClip(FusionStrategy):
         p = _weights(updates)
         v = self._clip(d, p)
         self.scores = {}
-        if self.min_cos > -1.0:
+        if self.min_cos > -1.0 and len(updates) >= 3:  # of two, either may be the odd one out
             t = _trained_mask(global_params)
             refs = [v]
             if self.ref and self.last is not None and self.last.shape == v.shape:
@@ -550,8 +551,8 @@ class CenteredClip(FusionStrategy):
                            for u, c, k in zip(updates, cos, keep)}
             if not keep.all():
                 v = self._clip(d[keep], p[keep] / p[keep].sum()) if keep.any() else np.zeros(d.shape[1])
-            if keep.any():
-                self.last = v
+        if self.min_cos > -1.0 and np.any(v):
+            self.last = v
         return _unflatten(global_params, v)
 
 
