@@ -507,10 +507,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--dirichlet", type=float, default=0.0,
                     help="bn: label skew by Dirichlet(α) proportions per class instead of 80%% own classes")
     ap.add_argument("--min-cosine", type=float, default=None, help="CollabConfig.min_cosine (default: the config's)")
-    ap.add_argument("--from-json", type=Path, default=None, help="bn: print the tables of a results file, run nothing")
+    ap.add_argument("--from-json", type=Path, nargs="*", default=None,
+                    help="bn: print the tables of results files (their rows together), run nothing")
     args = ap.parse_args(argv)
     if args.from_json:
-        rows = json.loads(args.from_json.read_text())["rows"]
+        rows = [r for f in args.from_json for r in json.loads(f.read_text())["rows"]]
         print(bn_table(rows))
         print(verdict_table(rows))
         return 0
