@@ -116,5 +116,29 @@ def test_user_cell_map_and_mindspore_check(tmp_path):
     assert v["context"].startswith("accepted") and "stand-alone graph mode" in v["cell"]
     assert "Invalid communication backend: CPU" in v["parallel_compile"]  # MindSpore 2.10's CPU refusal
     r = _cli("export", str(strat), "--out", str(tmp_path / "bad"), "--model", "tests.mindspore_models:torch_mlp",
-             "--mindspore-model", "tests.mindspore_models:mindspore_wrong")
+             "--mindspore-model", "tests.mindspore_models:mindspore_wrong", "--no-validate")
     assert r.returncode == 2 and "inp.weight" in r.stderr
+
+
+@pytest.mark.slow
+def test_gpt_pipeline_export_puts_each_block_in_its_stage(tmp_path):
+    """gpt-tiny, dp=4 x pp=2 on 8 devices: each block's cell gets the stage whose layers list it, the
+    attention's primitives of the user Cell are found by its module, and MindSpore compiles the Cell."""
+    pytest.importorskip("mindspore")
+    strat = tmp_path / "s.json"
+    r = _cli("search", "gpt-tiny", "-c", "local-cpu:8", "--pp", "2", "--dp", "4", "--sp", "1", "-o", str(strat))
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "ms"
+    r = subprocess.run([sys.executable, "-m", "polyparallel", "export", str(strat), "--out", str(out), "--model",
+                        "gpt-tiny", "--mindspore-model", "models.mindspore_gpt:gpt_tiny"], capture_output=True,
+                       text=True, cwd=ROOT / "examples", timeout=300)
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads((out / "mindspore_parallel.json").read_text())
+    s = json.loads(strat.read_text())
+    want = {f"h.{layer}": st["index"] for st in s["stages"] for layer in st["layers"]}
+    got = {c["cell"]: c["pipeline_stage"] for c in cfg["pipeline"] if c["cell"].startswith("h.")}
+    assert got == want and len(want) == 2
+    assert cfg["context"]["pipeline_stages"] == 2 and cfg["micro_batches"]["micro_size"] == s["microbatches"]
+    attention = [m for m in cfg["cell_map"] if m["layer"] == "Block"]
+    assert [a["shards"] for a in attention][0] == [["scores", 0], ["softmax", 1], ["weighted", 2]]
+    assert "6 of its cells given their pipeline stage" in cfg["validation"]["cell"]

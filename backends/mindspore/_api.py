@@ -25,10 +25,12 @@ def _graph_and_model(model: str, s: Strategy) -> tuple[Any, Any, tuple[Any, ...]
 
     b = max(1, s.global_batch // (s.dp * s.microbatches))
     loaded = load_model(model, batch_size=None)
-    if isinstance(loaded, Path):
-        return ModelGraphs(loaded, None, None).exact(b), None, ()
-    m, args, kwargs = loaded
-    return ModelGraphs(m, args, kwargs).exact(b), m, tuple(args)
+    m, args, kwargs = (loaded, None, None) if isinstance(loaded, Path) else loaded
+    mdl = ModelGraphs(m, args, kwargs)
+    mdl.graph(b)  # priced first, then the exact graph: the search's order (a batch-1 graph is then re-captured)
+    # the Cell takes the torch model's inputs positionally (ids, then labels)
+    inputs = (*args, *(kwargs or {}).values()) if args is not None else ()
+    return mdl.exact(b), (None if isinstance(loaded, Path) else m), inputs
 
 
 def export(strategy: Strategy | str | Path, to: str = "mindspore", out: str | Path = "mindspore_config", *,
@@ -49,22 +51,27 @@ def export(strategy: Strategy | str | Path, to: str = "mindspore", out: str | Pa
     if mindspore_model and not model:
         raise ValueError("--mindspore-model needs --model: the op map is inferred between the torch model and the Cell")
     graph, torch_model, args = _graph_and_model(model, s) if model else (None, None, ())
-    cell_map, extra = None, {}
+    cell_map: list[dict[str, Any]] | None = None
+    extra: dict[str, Any] = {}
     if mindspore_model:
         if torch_model is None:
             raise ValueError("--mindspore-model needs a torch --model (built-in or MODULE:FUNCTION), not an .onnx file")
         from polyparallel.backends.collab._foreign import import_frameworks
 
         import_frameworks(["mindspore"])
-        from ._export import shard_groups
-        from .cell_map import build_cell, infer_cell_map
+        from ._export import pipeline_cells, shard_groups
+        from .cell_map import build_cell, infer_cell_map, pipeline_cells_of
 
         cell, _ = build_cell(mindspore_model)
         cell_map = infer_cell_map(torch_model, cell, shard_groups(s, graph)[0])
+        if s.pp > 1:
+            extra["cell_pipeline"] = pipeline_cells_of(torch_model, cell, pipeline_cells(s, graph))
         Path(out).mkdir(parents=True, exist_ok=True)
         inputs = Path(out) / "cell_inputs.npz"
-        np.savez(inputs, **{f"a{i}": a.detach().cpu().numpy() for i, a in enumerate(args)})
-        extra = {"cell_reference": mindspore_model, "cell_inputs": str(inputs.resolve())}
+        # a model built on the meta device (the large built-ins) has example inputs without values: zeros
+        np.savez(inputs, **{f"a{i}": (np.zeros(tuple(a.shape), str(a.dtype).removeprefix("torch."))
+                                      if a.is_meta else a.detach().cpu().numpy()) for i, a in enumerate(args)})
+        extra.update(cell_reference=mindspore_model, cell_inputs=str(inputs.resolve()))
     result = export_mindspore(s, out, graph=graph, cell_map=cell_map, extra=extra)
     if validate:
         from ._validate import validate_export

@@ -36,8 +36,9 @@ def validate_export(out: str | Path, timeout_s: float = 600.0) -> dict[str, Any]
                           capture_output=True, text=True, timeout=timeout_s)
     path = out / RESULT_FILE
     if proc.returncode != 0 or not path.exists():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        raise RuntimeError(f"the MindSpore check of {out} failed: {tail[0]}")
+        lines = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip() and "[WARNING]" not in ln]
+        errors = [ln for ln in lines if ln.split(":", 1)[0].endswith(("Error", "Exception"))]
+        raise RuntimeError(f"the MindSpore check of {out} failed: {(errors or lines or ['(no output)'])[-1].strip()}")
     result: dict[str, Any] = json.loads(path.read_text())
     from ._export import CONFIG_FILE, REPORT_FILE, report_markdown
 
@@ -92,17 +93,21 @@ def _check(out: Path) -> dict[str, Any]:
         cell.pipeline_segment = c["pipeline_segment"]
     if config["pipeline"]:
         result["pipeline"] = (f"{len(config['pipeline'])} cells' pipeline_stage/pipeline_segment accepted; "
-                              f"{config['micro_batches'].get('cell')} is {nn.PipelineCell.__name__}")
+                              f"micro-batches by nn.PipelineCell(micro_size={config['micro_batches']['micro_size']})")
     result["parallel_compile"] = _parallel_compile(ms, nn, ops, config, ctx)
     if config.get("cell_reference"):
-        from .cell_map import apply_shards, build_cell
+        from .cell_map import apply_pipeline, apply_shards, build_cell
 
         cell, inputs = build_cell(config["cell_reference"], config.get("cell_inputs"))
         ms.reset_auto_parallel_context()
         applied = apply_shards(cell, config)
+        staged = apply_pipeline(cell, config)
+        if staged:
+            nn.PipelineCell(cell, config["micro_batches"]["micro_size"])  # the wrapper accepts the staged cell
         cell.compile(*[ms.Tensor(x) for x in inputs])
-        result["cell"] = (f"{applied} primitives of {config['cell_reference']} sharded; the cell compiled in "
-                          "stand-alone graph mode")
+        result["cell"] = (f"{applied} primitives of {config['cell_reference']} sharded"
+                          + (f", {staged} of its cells given their pipeline stage" if staged else "")
+                          + "; the cell compiled in stand-alone graph mode")
     return result
 
 
