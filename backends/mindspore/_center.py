@@ -45,7 +45,7 @@ import numpy as np
 
 from polyparallel.backends.collab._center import CenterData, evaluate_torch
 
-__all__ = ["MindSporeDataParallelTrainer", "check_mindspore_plan"]
+__all__ = ["MindSporeDataParallelTrainer", "check_mindspore_plan", "import_path"]
 
 WORKER = Path(__file__).with_name("_worker.py")
 
@@ -69,6 +69,12 @@ def check_mindspore_plan(plan: Mapping[str, Any] | None, devices: int, center: s
     dp = int(plan.get("dp", devices))
     if dp != devices:
         raise ValueError(f"{who}: dp={dp} but the center has {devices} devices; a MindSpore center runs dp={devices}")
+
+
+def import_path() -> str:
+    """This process's import path as a PYTHONPATH, so a process it starts resolves ``MODULE:FUNCTION``
+    references (user models, data sources) as it does."""
+    return os.pathsep.join(dict.fromkeys([os.getcwd(), *(p for p in sys.path if p and os.path.isdir(p))]))
 
 
 def _msrun() -> str:
@@ -129,7 +135,7 @@ class MindSporeDataParallelTrainer(CenterData):
         self._log_dir = tempfile.mkdtemp(prefix="polyparallel-ms-center-")
         env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                "POLYPARALLEL_MS_CENTER": f"127.0.0.1:{listener.address[1]}", "POLYPARALLEL_MS_KEY": key.hex(),
-               "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)}
+               "PYTHONPATH": import_path()}
         cmd = [_msrun(), f"--worker_num={self.devices}", f"--local_worker_num={self.devices}",
                "--master_addr=127.0.0.1", f"--master_port={_free_port()}", f"--log_dir={self._log_dir}",
                "--join=True", str(WORKER)]

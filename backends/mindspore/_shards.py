@@ -134,7 +134,9 @@ def op_shards(graph: Graph, op: Op, splits: dict[str, int]) -> tuple[list[Primit
     for d in op.nest.dims:  # the batch dims are the replica's share here: the global dim is dp times it
         if splits.get(d.name, 1) > 1 and d.hint != "batch" and d.extent % splits[d.name]:
             notes.append(f"{op.name}: dim {d.name} ({d.extent}) is cut into {splits[d.name]} uneven blocks; MindSpore "
-                         "cuts a tensor dim into equal blocks only")
+                         f"cuts a tensor dim into equal blocks only, so the split is dropped (pad {d.name} to a "
+                         f"multiple of {splits[d.name]} to keep it)")
+            splits = {k: v for k, v in splits.items() if k != d.name}
 
     def tup(operand: str) -> Strat | None:
         t, why = operand_tuple(acc[operand], splits, ext)

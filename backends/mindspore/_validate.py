@@ -18,6 +18,7 @@ What MindSpore 2.10 on CPU allows (measured; docs/mindspore.md):
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,9 +32,12 @@ RESULT_FILE = "validation.json"
 def validate_export(out: str | Path, timeout_s: float = 600.0) -> dict[str, Any]:
     """Run the checks on ``out/mindspore_parallel.json`` in a new Python process (MindSpore's context is
     global); the results, also written to ``out/validation.json`` and into the report."""
+    from ._center import import_path
+
     out = Path(out)
     proc = subprocess.run([sys.executable, "-m", "polyparallel.backends.mindspore._validate", str(out)],
-                          capture_output=True, text=True, timeout=timeout_s)
+                          capture_output=True, text=True, timeout=timeout_s,
+                          env={**os.environ, "PYTHONPATH": import_path()})
     path = out / RESULT_FILE
     if proc.returncode != 0 or not path.exists():
         lines = [ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip() and "[WARNING]" not in ln]
