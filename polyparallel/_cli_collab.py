@@ -210,7 +210,8 @@ def collab_cmd(
     centers: Annotated[str, typer.Option("--centers", help="center names, comma separated")] = "a,b,c",
     frameworks: Annotated[str, typer.Option("--frameworks", help=_FW_HELP)] = "",
     devices: Annotated[str, typer.Option(
-        "--devices", help="devices per center, comma separated (torch centers with > 1 train data parallel)")] = "",
+        "--devices", help="devices per center, comma separated (torch and MindSpore centers with > 1 train data "
+                          "parallel)")] = "",
     model: Annotated[str, typer.Option(
         "--model", help="mlp, cnn, embbag, or your model as MODULE:FUNCTION (returns an nn.Module)")] = "mlp",
     builder: Annotated[list[str] | None, typer.Option(

@@ -37,6 +37,10 @@ def test_plans_mindspore_cannot_run_on_cpu_are_refused_before_msrun_starts():
         cfg = CollabConfig(centers=(CenterSpec("m", framework="mindspore", devices=2, plan=plan),), model=SPEC)
         with pytest.raises(ValueError, match=f"cannot run {what}.*Invalid communication backend: CPU"):
             make_trainer(cfg, "m", x, y)
+    cnn = ModelSpec("cnn", (1, 8, 8), 4, hidden=4)
+    cfg = CollabConfig(centers=(CenterSpec("m", framework="mindspore", devices=2),), model=cnn)
+    with pytest.raises(ValueError, match="cross-rank BatchNorm is not implemented"):
+        make_trainer(cfg, "m", np.zeros((32, 1, 8, 8), np.float32), np.zeros(32, np.int64))
     cfg = CollabConfig(centers=(CenterSpec("m", framework="mindspore", devices=3),), model=SPEC, batch_size=16)
     with pytest.raises(ValueError, match="does not split evenly over 3 MindSpore ranks"):
         make_trainer(cfg, "m", x, y)

@@ -122,6 +122,10 @@ class MindSporeDataParallelTrainer(CenterData):
         if self.devices < 2:
             raise ValueError(f"a data-parallel MindSpore center needs devices >= 2, got {self.devices}")
         check_mindspore_plan(self.plan, self.devices, str(self.center_index))
+        if not self.model_spec.user and self.model_spec.kind == "cnn" and self.model_spec.norm == "batch":
+            raise ValueError(f"center {self.center_index}: the built-in cnn has BatchNorm, which the ranks of a "
+                             "data-parallel MindSpore center would compute on their own shares (cross-rank BatchNorm "
+                             "is not implemented for MindSpore centers); use norm='group', devices=1 or torch")
         b = min(self.batch_size, len(self.x))
         if b % self.devices:
             raise ValueError(f"center {self.center_index}: its global batch {b} does not split evenly over "
