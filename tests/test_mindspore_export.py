@@ -142,3 +142,25 @@ def test_gpt_pipeline_export_puts_each_block_in_its_stage(tmp_path):
     attention = [m for m in cfg["cell_map"] if m["layer"] == "Block"]
     assert len(attention) == 2 and attention[0]["shards"] == [["scores", 0], ["softmax", 1], ["weighted", 2]]
     assert "6 of its cells given their pipeline stage" in cfg["validation"]["cell"]
+
+
+def test_api_context_of_a_pipeline_plan(tmp_path):
+    from polyparallel.strategy import Mesh, MeshAxis, ModelInfo, Stage, Strategy
+
+    s = Strategy(model=ModelInfo(name="m", fingerprint="0" * 24), dp=2, pp=2, microbatches=4, zero_stage=2, sp=1,
+                 schedule="interleaved:2", global_batch=16,
+                 mesh=Mesh(axes=[MeshAxis(name="pp", size=2), MeshAxis(name="dp", size=2)], devices=[0, 1, 2, 3]),
+                 stages=[Stage(index=0, ops=["a", "b", "e", "f"], devices=[0, 1]),
+                         Stage(index=1, ops=["c", "d", "g", "h"], devices=[2, 3])])
+    r = pp.export(s, to="mindspore", out=tmp_path / "o", validate=False)
+    ctx = r.config["context"]
+    assert (ctx["parallel_mode"], ctx["device_num"], ctx["pipeline_stages"]) == ("semi_auto_parallel", 4, 2)
+    assert ctx["pipeline_config"] == {"pipeline_interleave": True, "pipeline_scheduler": "1f1b"}
+    assert ctx["parallel_optimizer_config"] == {"optimizer_level": "level2"} and ctx["enable_parallel_optimizer"]
+    assert r.config["micro_batches"] == {"cell": "nn.PipelineCell", "micro_size": 4}
+    assert (tmp_path / "o" / "report.md").read_text().startswith("# MindSpore parallel configuration of m")
+    collab = s.model_copy(update={"mode": "collaborative"})
+    with pytest.raises(ValueError, match="collaborative: export a center's synchronous plan"):
+        pp.export(collab.model_copy(update={"collaborative": pp.strategy.Collaborative(
+            centers=[pp.strategy.CenterPlan(name="a", devices=[0], share=1.0)], local_steps=1)}), out=tmp_path / "c",
+            validate=False)
