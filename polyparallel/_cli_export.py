@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from polyparallel._cli_search import LAYERS_HELP, SEQ_HELP
 from polyparallel.cli import UserError, app
 from polyparallel.strategy import Strategy, StrategyError
 
@@ -22,6 +23,8 @@ def export_cmd(
     mindspore_model: Annotated[str | None, typer.Option(
         "--mindspore-model", help="MODULE:FUNCTION returning the same network as a mindspore.nn.Cell: the torch op "
                                   "-> cell map is inferred, checked and the shards set on it")] = None,
+    seq: Annotated[int | None, typer.Option("--seq", help=SEQ_HELP)] = None,
+    layers: Annotated[int | None, typer.Option("--layers", help=LAYERS_HELP)] = None,
     validate: Annotated[bool, typer.Option("--validate/--no-validate",
                                            help="check the configuration with MindSpore (docs/mindspore.md)")] = True,
 ) -> None:
@@ -38,7 +41,8 @@ def export_cmd(
     except StrategyError as e:
         raise UserError(f"{str(e).splitlines()[0]}; give a strategy written by `polyparallel search MODEL -o FILE`") \
             from None
-    result = export(s, to, out, model=model, mindspore_model=mindspore_model, validate=validate)
+    result = export(s, to, out, model=model, mindspore_model=mindspore_model, validate=validate, seq=seq,
+                    layers=layers)
     c = result.config
     typer.echo(f"parallel_mode={c['context']['parallel_mode']} device_num={c['context']['device_num']} "
                f"pipeline_stages={c['context'].get('pipeline_stages', 1)}; {len(c['shards'])} shard groups, "

@@ -142,6 +142,8 @@ def test_gpt_pipeline_export_puts_each_block_in_its_stage(tmp_path):
     attention = [m for m in cfg["cell_map"] if m["layer"] == "Block"]
     assert len(attention) == 2 and attention[0]["shards"] == [["scores", 0], ["softmax", 1], ["weighted", 2]]
     assert "6 of its cells given their pipeline stage" in cfg["validation"]["cell"]
+    r = _cli("export", str(strat), "--out", str(tmp_path / "other"), "--model", "gpt-tiny", "--layers", "3")
+    assert r.returncode == 2 and "not the one the strategy was searched for" in r.stderr  # another model
 
 
 def test_api_context_of_a_pipeline_plan(tmp_path):

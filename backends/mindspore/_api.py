@@ -17,14 +17,15 @@ __all__ = ["TARGETS", "export"]
 TARGETS = ("mindspore",)
 
 
-def _graph_and_model(model: str, s: Strategy) -> tuple[Any, Any, tuple[Any, ...]]:
+def _graph_and_model(model: str, s: Strategy, seq: int | None = None,
+                     layers: int | None = None) -> tuple[Any, Any, tuple[Any, ...]]:
     """The graph the search fingerprinted and placed (one replica's micro-batch, re-batched from the
     example as the search does), the torch model and its example inputs."""
     from polyparallel.models import load_model
     from polyparallel.planning.model_graphs import ModelGraphs
 
     b = max(1, s.global_batch // (s.dp * s.microbatches))
-    loaded = load_model(model, batch_size=None)
+    loaded = load_model(model, batch_size=None, seq_len=seq, layers=layers)
     m, args, kwargs = (loaded, None, None) if isinstance(loaded, Path) else loaded
     mdl = ModelGraphs(m, args, kwargs)
     mdl.graph(b)  # priced first, then the exact graph: the search's order (a batch-1 graph is then re-captured)
@@ -34,7 +35,8 @@ def _graph_and_model(model: str, s: Strategy) -> tuple[Any, Any, tuple[Any, ...]
 
 
 def export(strategy: Strategy | str | Path, to: str = "mindspore", out: str | Path = "mindspore_config", *,
-           model: str | None = None, mindspore_model: str | None = None, validate: bool = True) -> ExportResult:
+           model: str | None = None, mindspore_model: str | None = None, validate: bool = True,
+           seq: int | None = None, layers: int | None = None) -> ExportResult:
     """Write ``strategy`` as ``to``'s parallel configuration into the folder ``out`` (see
     :mod:`polyparallel.backends.mindspore._export`).
 
@@ -44,13 +46,14 @@ def export(strategy: Strategy | str | Path, to: str = "mindspore", out: str | Pa
         mindspore_model: ``MODULE:FUNCTION`` returning the user's ``mindspore.nn.Cell`` of the same
             network: the torch op -> cell map is inferred and checked, and the shards are set on it.
         validate: check the configuration with MindSpore (:mod:`._validate`) and record the result.
+        seq, layers: the sequence length and block count of a built-in LM, as the search was given them.
     """
     if to not in TARGETS:
         raise ValueError(f"--to {to!r}: export targets are {', '.join(TARGETS)}")
     s = strategy if isinstance(strategy, Strategy) else Strategy.from_json(strategy)
     if mindspore_model and not model:
         raise ValueError("--mindspore-model needs --model: the op map is inferred between the torch model and the Cell")
-    graph, torch_model, args = _graph_and_model(model, s) if model else (None, None, ())
+    graph, torch_model, args = _graph_and_model(model, s, seq, layers) if model else (None, None, ())
     cell_map: list[dict[str, Any]] | None = None
     extra: dict[str, Any] = {}
     if mindspore_model:

@@ -212,7 +212,7 @@ def export_mindspore(strategy: Strategy | str | Path, out: str | Path, *, graph:
         fp = fingerprint(graph)
         if fp != s.model.fingerprint:
             raise ValueError(f"the model's graph (fingerprint {fp}) is not the one the strategy was searched for "
-                             f"({s.model.fingerprint}): give the same model, sequence length and layers as the search")
+                             f"({s.model.fingerprint}): give the same model, and --seq/--layers as the search had them")
         if s.pp > 1:
             config["pipeline"] = pipeline_cells(s, graph)
         config["shards"], more = shard_groups(s, graph)
