@@ -6,7 +6,8 @@ server's default validation. For every attack the final accuracy stays within 1 
 without the attacker (its center left out), the honest centers are never refused, and the malicious
 replies are refused exactly when the validation should refuse them (finite poison of abnormal size,
 lies about the sample count, replays) and accepted otherwise (sign flipping, flipped labels: ordinary
-size, the fusion bounds their pull). Then the server-side pieces one by one, and one attack over Flower.
+size, the fusion bounds their pull or, by its consensus filter, leaves them out; flipped labels may meet
+the norm bound in a round or two once left out). Then the server-side pieces one by one, and one attack over Flower.
 """
 
 from __future__ import annotations
@@ -67,7 +68,11 @@ def test_one_malicious_center_does_not_ruin_the_model(attack, n):
     assert got["honest_rejected"] == 0, got
     assert got["accuracy"] >= without["accuracy"] - 1.0, (got, without, _run("none", n))
     exp = EXPECTED[attack]
-    if exp is None:
+    if attack == "label_flip":  # an update of ordinary size; left out by the default's consensus filter, the
+        # trajectory then lets the norm bound refuse it in a round or two
+        assert got["bad_accepted"] + got["bad_rejected"] == ROUNDS and got["bad_rejected"] <= 2, got
+        assert all("update norm" in r for r in got["reasons"]), got["reasons"]
+    elif exp is None:
         assert (got["bad_accepted"], got["bad_rejected"]) == (ROUNDS, 0), got
     else:
         rounds, words = exp

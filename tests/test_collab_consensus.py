@@ -55,14 +55,22 @@ ROWS = [np.array([*u.params["w"], *u.params["bn.running_mean"]]) for u in UPS]
 
 
 def test_centered_clip_without_the_filter_is_plain_centered_clipping():
-    got = CenteredClip().fuse(X, UPS)
+    f = CenteredClip(min_cos=-1)
+    got = f.fuse(X, UPS)
     want = _plain_clip(ROWS, [10, 30, 10])
     np.testing.assert_allclose(np.r_[got["w"], got["bn.running_mean"]], want, rtol=1e-12, atol=1e-15)
-    assert CenteredClip().scores == {} and CenteredClip().options() == {"tau": 1.0, "iters": 3}
+    assert f.scores == {} and f.options() == {"tau": 1.0, "iters": 3} and f.state() == {}
+    assert CenteredClip().options() == {"tau": 1.0, "iters": 3, "min_cos": 0.0, "ref": 1}  # the default filters
+
+
+def test_the_filter_needs_three_updates():
+    two = CenteredClip().fuse(X, UPS[1:])
+    want = _plain_clip(ROWS[1:], [30, 10])
+    np.testing.assert_allclose(np.r_[two["w"], two["bn.running_mean"]], want, rtol=1e-12, atol=1e-15)
 
 
 def test_the_filter_leaves_out_an_update_against_the_consensus_and_refuses_again_on_the_rest():
-    f = CenteredClip(min_cos=0.0)
+    f = CenteredClip(min_cos=0.0, ref=0)
     got = f.fuse(X, UPS)
     v = _plain_clip(ROWS, [10, 30, 10])
     cos = {u.center: _cos(u.params["w"], v[:3]) for u in UPS}  # over the trained tensor only
@@ -77,7 +85,7 @@ def test_ref_1_judges_by_the_last_fused_step_and_ref_2_by_both_and_the_step_is_c
     first = [_upd("a", [1.0, 0.0, 0.0], 0.0), _upd("b", [1.0, 0.1, 0.0], 0.0), _upd("c", [0.9, 0.0, 0.1], 0.0)]
     # round 2: everyone moved to +y; d also agrees with this round's result, but not with the last step
     second = [_upd("a", [0.0, 1.0, 0.0], 0.0), _upd("b", [0.1, 1.0, 0.0], 0.0), _upd("c", [-0.6, 1.0, 0.0], 0.0)]
-    f1, f2, f0 = CenteredClip(min_cos=0.0, ref=1), CenteredClip(min_cos=0.0, ref=2), CenteredClip(min_cos=0.0)
+    f1, f2, f0 = CenteredClip(min_cos=0.0, ref=1), CenteredClip(min_cos=0.0, ref=2), CenteredClip(min_cos=0.0, ref=0)
     for f in (f1, f2, f0):
         f.fuse(X, first)
     last = _plain_clip([np.r_[u.params["w"], u.params["bn.running_mean"]] for u in first], [10, 10, 10])
@@ -133,10 +141,9 @@ def test_the_server_records_layer_ratios_refuses_a_boosted_layer_and_the_job_fil
         mlp_config(("a",), layer_bound=0.5)
 
 
-def test_a_sign_flipper_is_left_out_by_the_filter_and_named_in_the_summary():
+def test_a_sign_flipper_is_left_out_by_the_default_filter_and_named_in_the_summary():
     names = ("c0", "c1", "c2")
-    cfg = mlp_config(names, fusion="centered_clip", fusion_options={"min_cos": 0.0, "ref": 2}, min_centers=2,
-                     rounds=3)
+    cfg = mlp_config(names, min_centers=2, rounds=3)  # the default fusion: centered clipping, filtered
     logging.getLogger("polyparallel.collab").setLevel(logging.ERROR)
     try:
         res = run_inprocess(cfg, random_data(names, seed=5, grow=0), tamper=tampers("sign_flip", "none"))

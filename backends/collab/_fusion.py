@@ -484,22 +484,24 @@ class CenteredClip(FusionStrategy):
     ``τ = tau × median_i ‖δ_i − v₀‖``. An update farther than ``τ`` from the centre counts only with
     length ``τ``; with every update within ``τ`` one iteration is exactly FedAvg's ``Σ p_i δ_i``.
 
-    ``min_cos > -1`` (off by default): a consensus filter, with 3 updates or more. The cosine of each update
-    to that result ``v``
-    (over the trained tensors; ``v`` is the robust consensus, which one attacker moves by at most ``τ``)
+    ``min_cos > -1`` (default 0, with ``ref=1``; ``min_cos=-1`` is plain centered clipping): a consensus
+    filter, with 3 updates or more. The cosine of each update to a reference (over the trained tensors)
     is its ``cos_consensus``; the updates below ``min_cos`` get no trust (``trust`` 0, 1 for the others)
-    and the fusion is run again on the others alone. An update pointing against the consensus (a sign
-    flip, IPM) is then left out instead of pulling by ``τ``; an update agreeing with it (a backdoor, ALIE)
-    is not. With no update left the model stays. ``ref=1``: the consensus is the last fused step instead
-    (this round's ``v`` in the first round), which this round's attacker cannot move: with 3 centers one
-    sign flipper drags ``v`` enough to keep a positive cosine to it, not to the last step. ``ref=2``: the
-    smaller of the two cosines (an attacker must agree with both). The last step is the fusion's state
-    (checkpointed).
+    and the fusion is run again on the others alone. ``ref=0``: the reference is this round's result
+    ``v`` (the robust consensus, which one attacker moves by at most ``τ``); ``ref=1``: the last fused
+    step (this round's ``v`` in the first round), which this round's attacker cannot move: with 3
+    centers one sign flipper drags ``v`` enough to keep a positive cosine to it, not to the last step;
+    ``ref=2``: the smaller of the two cosines. An update pointing against the reference (a sign flip,
+    IPM) is then left out instead of pulling by ``τ``; one agreeing with it (a backdoor, ALIE) is not.
+    With no update left the model stays. The last step is the fusion's state
+    (checkpointed). The default was chosen by measurement (docs/collab.md, benchmarks/collab_attacks.py):
+    no honest update was left out of an honest-only label-skewed federation, sign flips and IPM were;
+    an attacker that keeps a small positive cosine to the last step is not.
     """
 
     name = "centered_clip"
 
-    def __init__(self, tau: float = 1.0, iters: float = 3, min_cos: float = -1.0, ref: float = 0) -> None:
+    def __init__(self, tau: float = 1.0, iters: float = 3, min_cos: float = 0.0, ref: float = 1) -> None:
         if not tau > 0 or iters < 1 or iters != int(iters):
             raise ValueError(f"centered_clip needs tau > 0 and an integer iters >= 1, got tau={tau}, iters={iters}")
         if not -1.0 <= min_cos < 1.0:
