@@ -48,6 +48,7 @@ import polyparallel.planning.plan_search as ps
 from backends.torch.capabilities import EXECUTED_DTYPES, plan_problems
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, estimate_step
+from polyparallel.ir import OpKind
 from polyparallel.models import EXAMPLES
 from polyparallel.planning import DoesNotFit, evaluate, search
 from polyparallel.planning.derived import variants
@@ -149,10 +150,11 @@ def brute_force(mdl: ModelGraphs, cl: Cluster, B: int, placements: str = "torch"
     layers = ps._layer_count(g0)
     node = ps._node_size(cl, devs)
     fitting, priced = [], 0
-    for dp, tp, pp, sp in ps._mesh_shapes(len(devs), c, node, layers, False):
+    ring = any(OpKind(op.kind) is OpKind.ATTENTION for op in g0.ops)  # as the search enumerates
+    for dp, tp, pp, sp, cp in ps._mesh_shapes(len(devs), c, node, layers, False, ring):
         if B % dp:
             continue
-        base = ParallelConfig(dp=dp, tp=tp, pp=pp, sp=sp, microbatches=1, dtype=dtype, devices=tuple(devs))
+        base = ParallelConfig(dp=dp, tp=tp, pp=pp, sp=sp, cp=cp, microbatches=1, dtype=dtype, devices=tuple(devs))
         wan_group, wan_pipe = ps._crosses_wan(cl, base, devs)
         if (wan_group and not c.allow_wan) or (wan_pipe and not all(ce.activations_may_leave for ce in cl.centers)):
             continue

@@ -209,7 +209,7 @@ def loss_transient(graph: Graph, cfg: ParallelConfig, v: int, eager: bool) -> di
     """
     if cfg.fused_loss is None and not eager:
         return {}
-    key = ("loss_ws", cfg.pp, v, cfg.partition, cfg.dtype, cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.op_plans,
+    key = ("loss_ws", cfg.pp, v, cfg.partition, cfg.dtype, *cfg.split_key, cfg.op_plans,
            cfg.fused_loss)
     cache = PRICES.of(graph)
     if key not in cache:
@@ -240,7 +240,7 @@ def segment_activations(graph: Graph, cfg: ParallelConfig, plans: list[OpPlan], 
     # a dropout keeps a boolean mask on accelerators (native_dropout); torch's CPU dropout multiplies
     # by a float noise tensor, which autograd keeps at the compute width
     mask = 1.0 if device.kind != "cpu" else float(TRAINING_DTYPE_BYTES[cfg.dtype])
-    key = ("seg_act", cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.dtype, cfg.fused_attention, selective,
+    key = ("seg_act", *cfg.split_key, cfg.dtype, cfg.fused_attention, selective,
            cfg.op_plans, math_sdpa, mask)
     cache = PRICES.of(graph)
     if key not in cache:
@@ -315,7 +315,7 @@ def op_policy_kept(graph: Graph, cfg: ParallelConfig, plans: list[OpPlan]) -> li
     """Per segment, the bytes the operator policy (:func:`op_policy_saved`) keeps of a checkpointed
     segment beside its inputs: the kept ops' outputs at their split sizes (an attention's with its
     fp32 log-sum-exp, ``B·H·S·4``); 0 for segments that are not checkpointed."""
-    key = ("op_kept", cfg.dtype, cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.op_plans)
+    key = ("op_kept", cfg.dtype, *cfg.split_key, cfg.op_plans)
     cache = PRICES.of(graph)
     if key not in cache:
         saved = op_policy_saved(graph)

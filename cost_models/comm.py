@@ -14,6 +14,7 @@ all-to-all            (p−1)/p · n/B + (p−1)·α           (pairwise exchang
 broadcast             n/B + (p−1)·α (pipelined chain)   ⌈log₂p⌉·(n/B + α)
 p2p                   n/B + α
 halo                  α + n/B_eff (neighbour exchange, below)
+shift                 α + n/B_eff (ring shift, below)
 ====================  ================================  ==============================
 
 A **halo** (neighbour exchange: convolution rows split over a mesh axis) is priced with ``n``
@@ -24,6 +25,10 @@ share the device's own link (``B/k`` for ``k`` such flows), a flow from another 
 node's ports with the other boundary flows leaving it (and the ``concurrent`` groups). The step
 is the slowest device. It is independent of ``p`` beyond the boundaries it crosses (not an
 all-to-all over the group).
+
+A **shift** (ring attention's step: every device of the ordered group sends ``n`` bytes to the
+next and receives ``n`` from the previous, cyclically, all at once) is priced like a halo with one
+incoming flow per device, the last device's flow to the first included.
 
 NCCL picks the algorithm whose predicted time is smallest for the message size and the
 topology; :func:`collective_time` does the same over the candidates that apply: those every
@@ -81,7 +86,7 @@ __all__ = [
     "tree_time",
 ]
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p", "halo")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p", "halo", "shift")
 
 
 @dataclass(frozen=True)
@@ -259,8 +264,8 @@ def collective_time(cluster: Cluster, kind: str, nbytes: float, group: Sequence[
             raise ValueError(f"p2p is between two devices, got a group of {p}")
         return CollectiveCost(kind, nbytes, 2, p2p_time(cluster, group[0], group[1], nbytes), "direct",
                               cluster.level(group[0], group[1]))
-    if kind == "halo":
-        t, level = _halo_time(cluster, nbytes, group, concurrent)
+    if kind in ("halo", "shift"):
+        t, level = _halo_time(cluster, nbytes, group, concurrent, cyclic=kind == "shift")
         return CollectiveCost(kind, nbytes, p, t, "neighbour", level)
     tree = _tree_allowed(cluster, group)
     flat_t, flat_algo, flat_level = _flat(cluster, kind, nbytes, group, concurrent, tree)
@@ -301,22 +306,24 @@ def collective_time(cluster: Cluster, kind: str, nbytes: float, group: Sequence[
     return best
 
 
-def _halo_time(cluster: Cluster, received: float, group: Sequence[int], concurrent: int = 1) -> tuple[float, str]:
+def _halo_time(cluster: Cluster, received: float, group: Sequence[int], concurrent: int = 1,
+               cyclic: bool = False) -> tuple[float, str]:
     """Neighbour exchange over the ordered ``group``: every device receives ``received`` bytes from
-    its neighbours at once (module docstring); (seconds of the slowest device, slowest level)."""
+    its neighbours at once (module docstring); (seconds of the slowest device, slowest level).
+    ``cyclic``: a ring shift, each device receiving from its predecessor only (the first from the last)."""
     p = len(group)
-    per_flow = received / min(2, p - 1)
+    per_flow = received if cyclic else received / min(2, p - 1)
     dev = [cluster.device(d) for d in group]
     # flows leaving each node: one per ordered pair of neighbours on different nodes
     out_node: dict[int, int] = {}
-    for i in range(p - 1):
-        a, b = dev[i], dev[i + 1]
+    for i in range(p if cyclic else p - 1):
+        a, b = dev[i], dev[(i + 1) % p]
         if a.node != b.node:
             out_node[a.node] = out_node.get(a.node, 0) + concurrent
             out_node[b.node] = out_node.get(b.node, 0) + concurrent
     worst, worst_level = 0.0, "intra_node"
     for i in range(p):
-        peers = [j for j in (i - 1, i + 1) if 0 <= j < p and group[j] != group[i]]
+        peers = [(i - 1) % p] if cyclic else [j for j in (i - 1, i + 1) if 0 <= j < p and group[j] != group[i]]
         local = [j for j in peers if dev[j].node == dev[i].node]
         for j in peers:
             bw, lat = cluster.link(group[j], group[i])

@@ -111,7 +111,7 @@ def expert_parallel(graph: Graph, cluster: Cluster, cfg: ParallelConfig, terms: 
         if t in weights and (s, t) not in counted:
             counted.add((s, t))
             expert[s] += numel
-    rows_div = cfg.sp * (cfg.tp if cfg.sequence_parallel else 1)
+    rows_div = cfg.seq * (cfg.tp if cfg.sequence_parallel else 1)
     conc_of = PRICES.of(cluster)["group_concurrency"]
     nodes = [d.node for d in cluster.devices]
 

@@ -13,6 +13,14 @@ sequence parallelism each all-reduce becomes reduce-scatter + all-gather (same v
 remaining ops run on ``1/tp`` of the sequence. Under Ulysses ``sp`` every op does ``1/sp`` of the
 work and each attention op all-to-alls its inputs and output, forward and backward; on images ``sp``
 splits rows instead (:mod:`.spatial`: halos, gathers and statistics from the polyhedral model).
+
+Under context parallelism ``cp`` (ring attention, load-balanced causal sharding: shard ``r`` holds
+sequence chunks ``r`` and ``2cp-1-r`` of ``2cp``) every op also does ``1/cp`` of the work, and each
+attention op passes its local ``K, V`` block to the next shard ``cp - 1`` times in the forward
+pass; the backward pass passes ``K, V`` on ``cp - 1`` times and the ``dK, dV`` accumulators ``cp``
+times (home again after a full turn): ``2cp - 1`` point-to-point transfers of the same size. The
+K/V transfers run while the attention computes the block in hand, the accumulators' after it; what
+the step model charges is the part the compute does not hide (``step.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ def tensor_bytes(graph: Graph, name: str, dtype: str) -> float:
 
 def op_plans(graph: Graph, cfg: ParallelConfig) -> list[OpPlan]:
     """Per op: its work split and its tensor/sequence-parallel collectives (read-only, memoised)."""
-    key = ("plans", cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.dtype, cfg.op_plans)
+    key = ("plans", *cfg.split_key, cfg.dtype, cfg.op_plans)
     cache = PRICES.of(graph)
     plans = cache.get(key)
     if plans is None:
@@ -51,8 +59,11 @@ def op_plans(graph: Graph, cfg: ParallelConfig) -> list[OpPlan]:
 
 
 def _propagate(graph: Graph, cfg: ParallelConfig) -> list[OpPlan]:
-    tp, sp = cfg.tp, cfg.sp
-    if tp == 1 and sp == 1:
+    tp, sp, cp = cfg.tp, cfg.sp, cfg.cp
+    if cp > 1 and not any(OpKind(op.kind) is OpKind.ATTENTION for op in graph.ops):
+        raise ValueError(f"cp={cp}: context parallelism splits a token sequence around attention, and the model has "
+                         "no attention op; pin cp=1 (sp splits image rows)")
+    if tp == 1 and sp == 1 and cp == 1:
         return [OpPlan()] * len(graph.ops)
     # the blocks of a deep model repeat their ops' plans: one object per distinct plan (a search
     # keeps the plans of every configuration it prices)
@@ -116,6 +127,13 @@ def _propagate(graph: Graph, cfg: ParallelConfig) -> list[OpPlan]:
                     b = tensor_bytes(graph, t, cfg.dtype) / (sp * (tp if any_split else 1))
                     sp_fwd.append(("all_to_all", b))
                     sp_bwd.append(("all_to_all", b))
+        elif cp > 1:
+            _sequence_splits(op, cp)
+            split *= cp
+            if kind is OpKind.ATTENTION:
+                kv = sum(tensor_bytes(graph, t, cfg.dtype) for t in acts[1:3]) / (cp * (tp if any_split else 1))
+                sp_fwd += [("shift", kv)] * (cp - 1)
+                sp_bwd += [("shift", kv)] * (2 * cp - 1)
         plan = OpPlan(split, tuple(tp_fwd), tuple(tp_bwd), tuple(sp_fwd), tuple(sp_bwd), param_split)
         plans.append(distinct.setdefault(plan, plan))
     return plans
@@ -131,8 +149,8 @@ def _sequence_splits(op: Op, sp: int) -> None:
 
     seq = {d.name for d in op.nest.dims if d.hint is Hint.SEQUENCE}
     if seq and seq <= carried_dims(op.nest):
-        raise ValueError(f"sp={sp}: op {op.name!r} ({op.target}) carries a recurrence over its sequence dim(s) "
-                         f"{sorted(seq)}, so its steps cannot be split over devices; pin sp=1")
+        raise ValueError(f"sp/cp={sp}: op {op.name!r} ({op.target}) carries a recurrence over its sequence dim(s) "
+                         f"{sorted(seq)}, so its steps cannot be split over devices; pin sp=1 and cp=1")
 
 
 def op_roles(graph: Graph) -> list[tuple[OpKind, tuple[str, ...], bool]]:

@@ -210,7 +210,8 @@ class ParallelConfig(Plan):
                 raise ValueError(f"ParallelConfig.devices lists {len(devs)} devices for a world of {self.world}")
             if self.world > cluster.num_devices or min(devs) < 0 or max(devs) >= cluster.num_devices:
                 raise ValueError(f"the configuration needs {self.world} devices (dp {self.dp} x tp {self.tp} x pp "
-                                 f"{self.pp} x sp {self.sp}); cluster {cluster.name!r} has {cluster.num_devices}")
+                                 f"{self.pp} x sp {self.sp} x cp {self.cp}); cluster {cluster.name!r} has "
+                                 f"{cluster.num_devices}")
 
     def __str__(self) -> str:
         extra = [f"m={self.microbatches}", self.schedule + (f"x{self.chunks}" if self.chunks > 1 else "")]
@@ -230,7 +231,8 @@ class ParallelConfig(Plan):
             extra.append(f"accum={self.grad_accumulation}")
         if self.ep > 1:
             extra.insert(0, f"ep{self.ep}")
-        return f"dp{self.dp} tp{self.tp} pp{self.pp} sp{self.sp} " + " ".join(extra)
+        return f"dp{self.dp} tp{self.tp} pp{self.pp} sp{self.sp} " + (f"cp{self.cp} " if self.cp > 1 else "") + \
+            " ".join(extra)
 
 
 def execution_options(values: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:

@@ -32,7 +32,7 @@ def boundary_bytes(graph: Graph, cfg: ParallelConfig, v: int, low_params: bool
     cut, dtype and ``tp·sp``: memoised per graph."""
     k = cfg.pp * v
     gmemo = PRICES.of(graph)
-    bkey = ("boundary", k, cfg.partition, cfg.dtype, low_params, cfg.tp * cfg.sp)
+    bkey = ("boundary", k, cfg.partition, cfg.dtype, low_params, cfg.tp * cfg.seq)
     hit = gmemo.get(bkey)
     if hit is not None:
         return hit
@@ -52,8 +52,8 @@ def boundary_bytes(graph: Graph, cfg: ParallelConfig, v: int, low_params: bool
             j += 1
         active = [x for x in active if x[1] >= cut]
         for i, _, nb in active:
-            boundary[g] += nb / (cfg.tp * cfg.sp)
-            from_rec[g] += nb / (cfg.tp * cfg.sp) if rec[seg_of_op[i]] else 0.0
+            boundary[g] += nb / (cfg.tp * cfg.seq)
+            from_rec[g] += nb / (cfg.tp * cfg.seq) if rec[seg_of_op[i]] else 0.0
     hit = gmemo[bkey] = (tuple(boundary), tuple(from_rec))
     return hit
 

@@ -74,13 +74,13 @@ def stage_layouts(cluster: Cluster, cfg: ParallelConfig, devs: tuple[int, ...]) 
     gives tensor-parallel groups along the last axis, sequence-parallel along the third, and the
     data-parallel (× sequence) group of ``t`` as the ``(dp, sp)`` slab at ``t``.
     """
-    key = (devs, cfg.dp, cfg.tp, cfg.pp, cfg.sp)
+    key = (devs, cfg.dp, cfg.tp, cfg.pp, cfg.seq)
     cache = PRICES.of(cluster).setdefault("layouts", {})
     if key in cache:
         return cache[key]
     ids: dict[tuple[tuple[int, ...], int], int] = PRICES.of(cluster).setdefault("group_ids", {})
     conc_of: dict[int, int] = PRICES.of(cluster).setdefault("group_concurrency", {})
-    D = np.asarray(devs, dtype=np.int64).reshape(cfg.pp, cfg.dp, cfg.sp, cfg.tp)
+    D = np.asarray(devs, dtype=np.int64).reshape(cfg.pp, cfg.dp, cfg.seq, cfg.tp)
     N = np.asarray([d.node for d in cluster.devices], dtype=np.int64)[D]
 
     def distinct(dg: np.ndarray, ng: np.ndarray) -> tuple[Group, ...]:
@@ -118,7 +118,7 @@ def stage_layouts(cluster: Cluster, cfg: ParallelConfig, devs: tuple[int, ...]) 
         out.append(StageLayout(
             devices=flat, span=span(flat), types=tuple(types.values()),
             tp_groups=distinct(ds.reshape(-1, cfg.tp), ns.reshape(-1, cfg.tp)),
-            sp_groups=distinct(ds.transpose(0, 2, 1).reshape(-1, cfg.sp), ns.transpose(0, 2, 1).reshape(-1, cfg.sp)),
+            sp_groups=distinct(ds.transpose(0, 2, 1).reshape(-1, cfg.seq), ns.transpose(0, 2, 1).reshape(-1, cfg.seq)),
             dp_groups=distinct(ds.transpose(2, 0, 1).reshape(cfg.tp, -1), ns.transpose(2, 0, 1).reshape(cfg.tp, -1)),
             p2p_pairs=tuple(pairs.values())))
     cache[key] = tuple(out)

@@ -18,7 +18,9 @@ candidate (:mod:`polyparallel.planning.derived`). A config without them (a recip
 is priced with Megatron's rule (:mod:`.megatron_rule`), the layout such recipes mean by ``tp``.
 Under DeepSpeed-Ulysses ``sp`` every op does ``1/sp`` of the work; each attention op all-to-alls its
 three inputs and its output, forward and backward, over the ``sp`` group; parameters are replicated over ``sp`` and
-their gradients reduced with ``dp``.
+their gradients reduced with ``dp``. Context parallelism ``cp`` (ring attention) splits the work the same way; its
+``K, V`` transfers (:mod:`.megatron_rule`) are charged for what the attention's compute does not hide
+(:func:`_ring_exposed`).
 
 **Expert parallelism** (``ep``, carved from the ``dp·sp`` ranks): each group of ``ep`` consecutive
 data-parallel ranks splits every MoE layer's experts (the loop nests' :attr:`~polyparallel.ir.Hint.EXPERT`
@@ -341,7 +343,7 @@ def _eager(cfg: ParallelConfig, device: DeviceType) -> bool:
 def _low_params(cfg: ParallelConfig) -> bool:
     """Whether FSDP2 holds the parameters in the compute dtype (its ``MixedPrecisionPolicy``): ZeRO over
     more than one data/sequence-parallel rank; otherwise a 16-bit step keeps fp32 parameters."""
-    return cfg.zero_stage >= 1 and cfg.dp * cfg.sp > 1
+    return cfg.zero_stage >= 1 and cfg.dp * cfg.seq > 1
 
 
 def _stage_terms(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int) -> StageTerms:
@@ -351,7 +353,7 @@ def _stage_terms(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int) ->
     shared by the three recomputation choices), then the cheap step that applies one.
     """
     devs = cfg.devices if cfg.devices is not None else tuple(range(cfg.world))
-    key = ("stages", id(cluster), devs, cfg.dp, cfg.tp, cfg.pp, cfg.sp, v, cfg.partition, cfg.sequence_parallel,
+    key = ("stages", id(cluster), devs, cfg.dp, cfg.pp, *cfg.split_key, v, cfg.partition,
            cfg.dtype, cfg.fused_attention, cfg.op_plans, cfg.zero_stage >= 1, cfg.pipeline_p2p, cfg.fused_elementwise,
            cfg.fused_dropout, cfg.attention_kernel)
     cache = PRICES.of(graph)
@@ -395,6 +397,21 @@ class _StageBase:
     tied: tuple[tuple[tuple[int, ...], float], ...] = ()
 
 
+def _ring_exposed(comm: float, attention: float, cp: int, backward: bool = False) -> float:
+    """What of ring attention's transfers (``comm`` seconds per micro-batch) the attention's compute
+    (``attention`` seconds, forward or backward) does not hide; ``comm`` itself without cp.
+
+    Forward: ``cp - 1`` K/V shifts, each travelling while a block (``attention / cp``) is computed.
+    Backward: the same ``cp - 1`` K/V shifts hidden so, and ``cp`` shifts of the dK/dV accumulators,
+    each sent after its block is computed and waited for (exposed), as the executor runs them."""
+    if cp == 1:
+        return comm
+    if not backward:
+        return max(0.0, comm - attention * (cp - 1) / cp)
+    per_shift = comm / (2 * cp - 1)
+    return cp * per_shift + max(0.0, (cp - 1) * per_shift - attention * (cp - 1) / cp)
+
+
 def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, ...]) -> StageTerms:
     plans = op_plans(graph, cfg)
     # the operator policy checkpoints the same layers as full recomputation, keeping some outputs
@@ -402,15 +419,16 @@ def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, 
     out: dict[str, list] = {k: [] for k in StageTerms.__dataclass_fields__ if k != "memo"}
     for st in base:
         # The slowest device type of the stage sets its pace (synchronous collectives).
-        best: tuple[DeviceType, float, float, float, tuple[float, ...]] | None = None
+        best: tuple[DeviceType, float, float, float, tuple[float, ...], float] | None = None
         for dt, f, b, att, opf, seg_f in st.by_type:
             rc = {"full": f, "selective": att, "op": opf}.get(cfg.recompute, 0.0)
             if best is None or f + b + rc > best[1] + best[2] + best[3]:
-                best = (dt, f, b, rc, seg_f)
+                best = (dt, f, b, rc, seg_f, att)
         assert best is not None
-        dt, f, b, rc, seg_f = best
+        dt, f, b, rc, seg_f, att = best
         seg_act = segment_activations(graph, cfg, plans, dt)
-        tf, tb, qf, qb = st.tf, st.tb, st.qf, st.qb
+        tf, tb, qf, qb = st.tf, st.tb, _ring_exposed(st.qf, att, cfg.cp), \
+            _ring_exposed(st.qb, 2 * att, cfg.cp, backward=True)
         # recomputing a forward repeats its tensor/sequence-parallel collectives too (the operator
         # policy keeps matrix products' outputs, not what their all-reduces and all-gathers return)
         rc_comm = (tf + qf) if layers else 0.0
@@ -442,7 +460,7 @@ def _apply_recompute(graph: Graph, cfg: ParallelConfig, base: tuple[_StageBase, 
             seg_in = segment_inputs(graph, cfg.dtype)
             saved = op_policy_kept(graph, cfg, plans) if cfg.recompute == "op" else [0.0] * len(seg_in)
             for j in st.segs:
-                kept += seg_in[j] / (cfg.tp if cfg.sequence_parallel else 1) / cfg.sp + (
+                kept += seg_in[j] / (cfg.tp if cfg.sequence_parallel else 1) / cfg.seq + (
                     saved[j] if rec[j] else seg_act[j])
             out["act"].append(kept + st.held[1])
             out["seg_act_max"].append(seg_max)
@@ -495,8 +513,8 @@ def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
     (:func:`~.activations.op_policy_recomputed`) seconds of every op on one device type."""
     # a profiled device (op_profile.py) prices the model's ops as measured with `world` processes
     world = cfg.world if dt.op_profile is not None else 0
-    key = ("opvec", dt.cache_key, cfg.dtype, cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.fused_attention, cfg.op_plans,
-           _eager(cfg, dt), world, _low_params(cfg), cfg.fused_dropout, cfg.attention_kernel)
+    key = ("opvec", dt.cache_key, cfg.dtype, *cfg.split_key, cfg.fused_attention,
+           cfg.op_plans, _eager(cfg, dt), world, _low_params(cfg), cfg.fused_dropout, cfg.attention_kernel)
     op_costs = PRICES.of(graph)
     hit = op_costs.get(key)
     if hit is not None:
@@ -514,12 +532,18 @@ def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
         # tensor-parallel parameters are DTensors: their ops pay the host's dispatch (compute.py)
         plan = plans[i]
         sharded = plan.param_split > 1
-        measured = profiled_op(graph, op, dt, world, plan.split, sharded, cfg.dtype) if world else None
+        # ring attention (cp) computes a rank's 1/cp of the attention as cp kernels of 1/cp of that,
+        # one per K/V block: each priced at its own size (smaller kernels run less efficiently)
+        ring = cfg.cp if cfg.cp > 1 and attention[i] else 1
+        split = plan.split * ring
+        measured = profiled_op(graph, op, dt, world, split, sharded, cfg.dtype) if world else None
         if measured is None:
-            k = (classes[i], plan.split, sharded)
+            k = (classes[i], split, sharded)
             measured = priced.get(k)
             if measured is None:
-                measured = priced[k] = op_seconds(graph, op, dt, cfg, plan.split, sharded, classes[i])
+                measured = priced[k] = op_seconds(graph, op, dt, cfg, split, sharded, classes[i])
+        if ring > 1:
+            measured = (measured[0] * ring, measured[1] * ring)
         fw.append(measured[0])
         bw.append(measured[1])
         att.append(measured[0] if attention[i] else 0.0)
@@ -541,7 +565,7 @@ def per_plan(graph: Graph, cfg: ParallelConfig, plans: list[OpPlan]) -> tuple[li
                                                                                  list[tuple[int, str, float, int]]]:
     """Ops with tensor/sequence-parallel collectives, and parameter uses ``(op, tensor, local numel,
     numel)``, in op order."""
-    key = ("per_plan", cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.dtype, cfg.op_plans)
+    key = ("per_plan", *cfg.split_key, cfg.dtype, cfg.op_plans)
     cache = PRICES.of(graph)
     hit = cache.get(key)
     if hit is not None:
@@ -630,7 +654,7 @@ def _stage_collectives(graph: Graph, cluster: Cluster, ccache: dict, cfg: Parall
     and their prices depend on the plans and the stage's op ranges, not on dp, m or the memory
     knobs: memoised per graph for the plans sharing them."""
     gmemo = PRICES.of(graph)
-    stage_key = ("stage_ev", cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.dtype, cfg.op_plans, tuple(rng))
+    stage_key = ("stage_ev", *cfg.split_key, cfg.dtype, cfg.op_plans, tuple(rng))
     stage_memo = gmemo.get(stage_key)
     if stage_memo is None:
         stage_memo = gmemo[stage_key] = ([], {})

@@ -67,8 +67,9 @@ def _summary(s: Strategy) -> list[str]:
              f"global batch {s.global_batch}"]
     if s.mode == "synchronous":
         ep = f" ep={s.ep}" if s.ep > 1 else ""
+        cp = f" cp={s.cp} (ring attention)" if s.cp > 1 else ""
         seq = " with Megatron sequence parallelism" if s.sequence_parallel else ""
-        lines.append(f"  dp={s.dp} tp={s.tp}{seq} pp={s.pp} sp={s.sp}{ep}, {s.microbatches} micro-batches "
+        lines.append(f"  dp={s.dp} tp={s.tp}{seq} pp={s.pp} sp={s.sp}{cp}{ep}, {s.microbatches} micro-batches "
                      f"({s.schedule}), ZeRO-{s.zero_stage}, recompute {s.recompute}, {s.dtype}")
     elif s.collaborative:
         c = s.collaborative
@@ -103,7 +104,9 @@ def search_cmd(
     tp: Annotated[int | None, typer.Option(help="pin the tensor-parallel degree")] = None,
     pp: Annotated[int | None, typer.Option(help="pin the number of pipeline stages")] = None,
     sp: Annotated[int | None, typer.Option(help="pin the sequence-parallel (Ulysses) degree")] = None,
-    ep: Annotated[int | None, typer.Option(help="pin the expert-parallel degree (MoE models; divides dp*sp)")] = None,
+    cp: Annotated[int | None, typer.Option(help="pin the context-parallel (ring attention) degree")] = None,
+    ep: Annotated[int | None, typer.Option(help="pin the expert-parallel degree (MoE models; divides dp*sp*cp)")]
+    = None,
     microbatches: Annotated[int | None, typer.Option(help="pin the micro-batches per step")] = None,
     schedule: Annotated[str | None, typer.Option(help="pin the pipeline schedule: gpipe, 1f1b or interleaved")] = None,
     zero: Annotated[int | None, typer.Option(help="pin the ZeRO stage 0-3")] = None,
@@ -131,8 +134,9 @@ def search_cmd(
     from polyparallel.planning.plan_search import Constraints, search
 
     console = _console()
-    pinned = {"dp": dp, "tp": tp, "pp": pp, "sp": sp, "ep": ep, "microbatches": microbatches, "schedule": schedule,
-              "zero_stage": zero, "recompute": recompute, "dtype": dtype, "devices": devices, "mode": mode,
+    pinned = {"dp": dp, "tp": tp, "pp": pp, "sp": sp, "cp": cp, "ep": ep, "microbatches": microbatches,
+              "schedule": schedule, "zero_stage": zero, "recompute": recompute, "dtype": dtype, "devices": devices,
+              "mode": mode,
               "memory_cap": None if memory_cap is None else memory_cap * 1e9, "comm_fraction": comm_fraction,
               "max_local_steps": max_local_steps, "chunks": chunks, "partition": partition,
               "sequence_parallel": sequence_parallel or None,
@@ -187,9 +191,9 @@ def explain_cmd(
         console.print(f"expert parallelism: ep={s.ep} — each group of {s.ep} data/sequence-parallel ranks splits "
                       f"every MoE layer's experts ({s.ep} shards), dispatches the routed tokens to them and "
                       "combines the outputs by all-to-all; "
-                      + (f"the experts' gradients are reduced over the {s.dp * s.sp // s.ep} ranks holding the same "
-                         "experts" if s.dp * s.sp > s.ep else "no other rank holds the same experts, so their "
-                         "gradients need no reduction"))
+                      + (f"the experts' gradients are reduced over the {s.dp * s.plan.seq // s.ep} ranks holding the "
+                         "same experts" if s.dp * s.plan.seq > s.ep else "no other rank holds the same experts, so "
+                         "their gradients need no reduction"))
     if s.stages:
         t = Table(title="pipeline stages")
         for col in ("stage", "ops (first .. last)", "layers", "devices", "device type", "compute", "placed by",
@@ -209,7 +213,7 @@ def explain_cmd(
                 console.print(f"stage {st.index} placements: {st.placed_by or 'rule'} ({st.placement_note})")
     if s.placements:
         # an op with no tp split: batch-split over dp (and sp) like every op, or whole on one device
-        whole = "replicated over tp" if s.tp > 1 else "batch split over dp" if s.dp * s.sp > 1 else "whole"
+        whole = "replicated over tp" if s.tp > 1 else "batch split over dp" if s.dp * s.plan.seq > 1 else "whole"
         t = Table(title="placements (loop dim : mesh axis)")
         t.add_column("placement")
         t.add_column("ops")
@@ -273,8 +277,9 @@ def evaluate_cmd(
     dp: Annotated[int | None, typer.Option(help="data-parallel degree (default: what the devices leave)")] = None,
     tp: Annotated[int, typer.Option(help="tensor-parallel degree")] = 1,
     pp: Annotated[int, typer.Option(help="pipeline stages")] = 1,
-    sp: Annotated[int, typer.Option(help="sequence-parallel degree")] = 1,
-    ep: Annotated[int, typer.Option(help="expert-parallel degree (MoE models; divides dp*sp)")] = 1,
+    sp: Annotated[int, typer.Option(help="sequence-parallel (Ulysses) degree")] = 1,
+    cp: Annotated[int, typer.Option(help="context-parallel (ring attention) degree")] = 1,
+    ep: Annotated[int, typer.Option(help="expert-parallel degree (MoE models; divides dp*sp*cp)")] = 1,
     microbatches: Annotated[int | None, typer.Option(help="micro-batches per step")] = None,
     schedule: Annotated[str | None, typer.Option(help="gpipe, 1f1b or interleaved")] = None,
     zero: Annotated[int | None, typer.Option(help="ZeRO stage 0-3")] = None,
@@ -296,14 +301,15 @@ def evaluate_cmd(
 
     options = parse_execution(execution or [])  # a bad option fails before the capture
     m, args, kwargs = _load(model, seq, layers, dim)
-    s = evaluate(m, args, cluster, example_kwargs=kwargs, dp=dp, tp=tp, pp=pp, sp=sp, ep=ep, microbatches=microbatches,
+    s = evaluate(m, args, cluster, example_kwargs=kwargs, dp=dp, tp=tp, pp=pp, sp=sp, cp=cp, ep=ep,
+                 microbatches=microbatches,
                  schedule=schedule, zero_stage=zero, recompute=recompute, batch_size=batch_size, dtype=dtype,
                  placements=placements, chunks=chunks, sequence_parallel=sequence_parallel, partition=partition,
                  execution=options)
     if as_json:
         d = s.estimate.model_dump() if s.estimate else {}
-        d.update({"dp": s.dp, "tp": s.tp, "pp": s.pp, "sp": s.sp, "ep": s.ep, "microbatches": s.microbatches,
-                  "schedule": s.schedule, "notes": s.search.notes,
+        d.update({"dp": s.dp, "tp": s.tp, "pp": s.pp, "sp": s.sp, "cp": s.cp, "ep": s.ep,
+                  "microbatches": s.microbatches, "schedule": s.schedule, "notes": s.search.notes,
                   # evaluate's notes: what does not fit, and first, when train would refuse the recipe
                   "fits": not [n for n in s.search.notes if not n.startswith("planning only")],
                   "planning_only": any(n.startswith("planning only") for n in s.search.notes)})

@@ -17,9 +17,11 @@ Every layer that holds a plan holds (or derives) this record:
 A new parallelism adds its axis to :class:`Axis`, its degree to :class:`Plan` (and, where it has
 a consistency rule, to :meth:`Plan.problems`); the records above pick it up from here.
 
-Rank order: a device's rank is ``((pp·dp + dp)·sp + sp)·tp + tp`` (:meth:`Plan.rank`): tensor
-parallelism innermost (the fastest links), then sequence, data, pipeline outermost. Expert
-parallelism adds no devices: it is carved from the ``dp·sp`` ranks.
+Rank order: a device's rank is ``((pp·dp + dp)·seq + s)·tp + tp`` (:meth:`Plan.rank`): tensor
+parallelism innermost (the fastest links), then the sequence split, data, pipeline outermost. The
+sequence is split by Ulysses (``sp``) or by ring attention (``cp``, context parallelism), not both:
+``seq = sp·cp`` is the one that is not 1 and ``s`` its coordinate. Expert parallelism adds no
+devices: it is carved from the ``dp·seq`` ranks.
 """
 
 from __future__ import annotations
@@ -45,12 +47,13 @@ class Axis(StrEnum):
     DP = "dp"  # data parallelism (ZeRO / FSDP shard over it)
     TP = "tp"  # tensor parallelism
     PP = "pp"  # pipeline parallelism
-    SP = "sp"  # sequence parallelism (Ulysses)
-    EP = "ep"  # expert parallelism, carved from dp·sp
+    SP = "sp"  # sequence parallelism (Ulysses: all-to-all to whole sequences of some heads)
+    CP = "cp"  # context parallelism (ring attention: K/V blocks passed around the sequence shards)
+    EP = "ep"  # expert parallelism, carved from dp·sp·cp
 
 
 #: the axes whose degrees multiply to the plan's devices, outermost first (:meth:`Plan.rank`)
-MESH_AXES = (Axis.PP, Axis.DP, Axis.SP, Axis.TP)
+MESH_AXES = (Axis.PP, Axis.DP, Axis.CP, Axis.SP, Axis.TP)
 _COUNTS = frozenset({*(a.value for a in Axis), "microbatches", "chunks"})  # fields that are whole numbers >= 1
 
 P = TypeVar("P", bound="Plan")
@@ -86,9 +89,10 @@ class Plan:
     """One training plan's choices. Defaults are the plan of one device.
 
     Args:
-        dp / tp / pp / sp: data, tensor, pipeline and sequence (Ulysses) parallel degrees; they
-            multiply to the plan's devices (:attr:`world`).
-        ep: expert parallelism, carved from the ``dp·sp`` ranks (it adds no devices): each group of
+        dp / tp / pp / sp / cp: data, tensor, pipeline, sequence (Ulysses) and context (ring
+            attention) parallel degrees; they multiply to the plan's devices (:attr:`world`). ``sp``
+            and ``cp`` both split the sequence: at most one of them is above 1.
+        ep: expert parallelism, carved from the ``dp·sp·cp`` ranks (it adds no devices): each group of
             ``ep`` consecutive members of a data-parallel group holds ``1/ep`` of every MoE layer's
             experts.
         microbatches: micro-batches per step per pipeline (gradient accumulation without pp).
@@ -104,6 +108,7 @@ class Plan:
     tp: int = 1
     pp: int = 1
     sp: int = 1
+    cp: int = 1
     ep: int = 1
     microbatches: int = 1
     schedule: str = "1f1b"
@@ -116,14 +121,27 @@ class Plan:
     @property
     def world(self) -> int:
         """Devices the plan uses: the product of the mesh degrees."""
-        return self.dp * self.tp * self.pp * self.sp
+        return self.dp * self.tp * self.pp * self.sp * self.cp
+
+    @property
+    def seq(self) -> int:
+        """How many shards the sequence is split into (by Ulysses ``sp`` or ring ``cp``)."""
+        return self.sp * self.cp
+
+    @property
+    def split_key(self) -> tuple[int, int, int, bool]:
+        """What decides how each op is split and what it communicates (``tp``, ``sp``, ``cp``,
+        Megatron sequence parallelism): the part of the plan every per-op price is memoised on. A
+        parallelism that changes per-op work or collectives adds its degree here."""
+        return (self.tp, self.sp, self.cp, self.sequence_parallel)
 
     def degree(self, axis: Axis | str) -> int:
         return int(getattr(self, Axis(axis).value))
 
-    def rank(self, pp: int, dp: int, sp: int, tp: int) -> int:
-        """The rank of the device at these coordinates of the mesh (:data:`MESH_AXES` order)."""
-        return ((pp * self.dp + dp) * self.sp + sp) * self.tp + tp
+    def rank(self, pp: int, dp: int, s: int, tp: int) -> int:
+        """The rank of the device at these coordinates of the mesh (:data:`MESH_AXES` order; ``s``
+        the sequence shard, of ``sp`` or ``cp``)."""
+        return ((pp * self.dp + dp) * self.seq + s) * self.tp + tp
 
     @property
     def schedule_label(self) -> str:
@@ -159,9 +177,12 @@ class Plan:
         why = [f"{who}{p}" for f in PLAN_FIELDS if (p := value_problem(f, getattr(self, f)))]
         if why:
             return why
-        if (self.dp * self.sp) % self.ep:
-            why.append(f"{who}ep={self.ep} must divide dp*sp = {self.dp * self.sp}: expert parallelism splits the "
-                       "experts over data/sequence-parallel ranks")
+        if self.sp > 1 and self.cp > 1:
+            why.append(f"{who}sp={self.sp} and cp={self.cp} both split the sequence: choose Ulysses (sp) or ring "
+                       "attention (cp)")
+        if (self.dp * self.seq) % self.ep:
+            why.append(f"{who}ep={self.ep} must divide dp*{'cp' if self.cp > 1 else 'sp'} = {self.dp * self.seq}: "
+                       "expert parallelism splits the experts over data/sequence-parallel ranks")
         if self.chunks > 1 and self.schedule != "interleaved":
             why.append(f"{who}chunks={self.chunks} needs the interleaved schedule, not schedule={self.schedule!r}")
         if self.sequence_parallel and self.tp == 1:

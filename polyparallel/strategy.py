@@ -76,7 +76,7 @@ class ModelInfo(_Model):
 
 
 class MeshAxis(_Model):
-    name: str = Field(description="dp, fsdp, tp, sp, pp, or a center axis")
+    name: str = Field(description="dp, fsdp, tp, sp, cp, pp, or a center axis")
     size: int = Field(ge=1)
     level: Literal["intra_node", "inter_node", "inter_center"] = Field(
         "intra_node", description="the highest topology level a group of this axis spans")
@@ -195,7 +195,9 @@ class Strategy(_Model):
     dp: int = Field(1, ge=1)
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
-    sp: int = Field(1, ge=1)
+    sp: int = Field(1, ge=1, description="sequence parallelism (Ulysses): all-to-all around each attention")
+    cp: int = Field(1, ge=1, description="context parallelism (ring attention with causal load balancing): K/V "
+                    "blocks passed around the sequence shards; at most one of sp and cp is above 1")
     ep: int = Field(1, ge=1, description="expert-parallel degree: each group of ep data/sequence-parallel ranks "
                     "splits every MoE layer's experts (1: experts replicated like the other weights)")
     microbatches: int = Field(1, ge=1)
@@ -224,7 +226,7 @@ class Strategy(_Model):
                 raise ValueError("a synchronous strategy lists its pipeline stages ('stages' is missing or empty)")
             world = self.plan.world
             if world != len(self.mesh.devices):
-                raise ValueError(f"dp*tp*pp*sp = {world} but the mesh has {len(self.mesh.devices)} devices")
+                raise ValueError(f"dp*tp*pp*sp*cp = {world} but the mesh has {len(self.mesh.devices)} devices")
             why = self.plan.problems()
             if why:
                 raise ValueError(why[0])

@@ -61,7 +61,7 @@ def test_bad_strategy_files_get_clear_errors(tmp_path, tiny_gpt):
     s = search(m, a, "local-cpu:2", example_kwargs=k, batch_size=8)
     d = s.to_dict()
     d["dp"] = s.dp + 1  # no longer the mesh's device count, whatever plan was found
-    with pytest.raises(StrategyError, match=f"dp\\*tp\\*pp\\*sp = {(s.dp + 1) * s.tp * s.pp * s.sp}"):
+    with pytest.raises(StrategyError, match=f"dp\\*tp\\*pp\\*sp\\*cp = {(s.dp + 1) * s.tp * s.pp * s.sp}"):
         Strategy.from_dict(d)
     with pytest.raises(StrategyError, match="device ids \\[2, 3\\] are not in cluster"):
         s.model_copy(update={"mesh": s.mesh.model_copy(update={"devices": [2, 3]})}).validate_against(

@@ -204,7 +204,7 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
           keep_checkpoints: int | None = 2, timeout_s: float = 600.0,
           progress: Callable[[dict[str, Any]], None] | None = None, check_fingerprint: bool = True,
           node_rank: int | None = None, master_addr: str = "127.0.0.1", master_port: int = 29500,
-          profile_comm: bool = False, batchnorm: str = "cross_rank",
+          profile_comm: bool = False, profile_memory: bool = False, batchnorm: str = "cross_rank",
           stop_on_nonfinite: bool = True) -> list[dict[str, Any]]:
     """Train ``model_fn()`` as ``strategy`` says on ``dp * sp * tp * pp`` local processes; return the step log.
 
@@ -263,6 +263,10 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
     ``comm_s``, rank 0's seconds inside collectives as torch records them (``gloo:*`` / ``nccl:*``
     events, from issue to completion; they may overlap compute, so this is not the exposed part),
     and ``comm_ops`` (collective -> count). The profiler slows small steps down; off by default.
+    ``profile_memory=True`` adds ``peak_memory_bytes``: the most bytes of tensors rank 0 held during
+    the step (parameters, gradients, optimizer state, activations, temporaries): CUDA's allocator
+    peak on a GPU, torch's ``MemTracker`` (every tensor created, by its storage) on the CPU; the
+    number the cost model's per-device memory predicts.
 
     Data-parallel replicas train as single-process training on the global batch does: BatchNorm
     normalises with the statistics of the whole global batch (``batchnorm="cross_rank"``;
@@ -307,7 +311,8 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
                             timeout_s=timeout_s, deadline=deadline, progress=progress,
                             check_fingerprint=check_fingerprint,
                             node_rank=node_rank, master_addr=master_addr, master_port=master_port,
-                            profile_comm=profile_comm, batchnorm=batchnorm, stop_on_nonfinite=stop_on_nonfinite)
+                            profile_comm=profile_comm, profile_memory=profile_memory, batchnorm=batchnorm,
+                            stop_on_nonfinite=stop_on_nonfinite)
     finally:
         if agent.returncode is None:  # refused before launch (or interrupted): it has started nothing
             agent.kill()
@@ -320,7 +325,8 @@ def _checked_run(strategy: Strategy, model_fn: Any, data_fn: Any, agent: subproc
                  keep_checkpoints: int | None, timeout_s: float, deadline: float,
                  progress: Callable[[dict[str, Any]], None] | None,
                  check_fingerprint: bool, node_rank: int | None, master_addr: str, master_port: int,
-                 profile_comm: bool, batchnorm: str, stop_on_nonfinite: bool) -> list[dict[str, Any]]:
+                 profile_comm: bool, profile_memory: bool, batchnorm: str,
+                 stop_on_nonfinite: bool) -> list[dict[str, Any]]:
     """:func:`train` after its argument checks: the checks of batch, model, plan and checkpoint,
     then the run directory and the launch by ``agent``."""
     torch.manual_seed(seed)
@@ -345,12 +351,15 @@ def _checked_run(strategy: Strategy, model_fn: Any, data_fn: Any, agent: subproc
                                  f"was made for ({strategy.model.name}) and data model(inputs, labels) takes") from None
             raise
     # refused before any launch; the batch cuts pipeline stages and tries the forward on tensor-parallel shards
-    plan = plan_for(strategy, model, batch if strategy.pp > 1 or strategy.tp > 1 else None, graph=graph)
-    for name, t in zip(("inputs", "labels"), batch) if plan.sp > 1 else ():
-        if t.dim() < 2 or t.shape[1] % plan.sp:
-            raise ValueError(f"data_fn(0)'s {name} has shape {tuple(t.shape)}; sequence parallelism over "
-                             f"sp={plan.sp} needs (batch, seq, ...) with seq divisible by {plan.sp}")
-    nproc = plan.dp * plan.sp * plan.tp * plan.pp
+    plan = plan_for(strategy, model, batch if strategy.pp > 1 or strategy.tp > 1 or strategy.plan.seq > 1 else None,
+                    graph=graph)
+    div = 2 * plan.cp if plan.cp > 1 else plan.sp  # ring attention's shards hold two chunks each
+    for name, t in zip(("inputs", "labels"), batch) if plan.seq > 1 else ():
+        if t.dim() < 2 or t.shape[1] % div:
+            raise ValueError(f"data_fn(0)'s {name} has shape {tuple(t.shape)}; splitting the sequence over "
+                             f"{'cp' if plan.cp > 1 else 'sp'}={plan.seq} needs (batch, seq, ...) with seq divisible "
+                             f"by {div}")
+    nproc = plan.world
     nodes = node_layout(strategy)
     if len(nodes) > 1:
         if node_rank is None:
@@ -396,7 +405,7 @@ def _checked_run(strategy: Strategy, model_fn: Any, data_fn: Any, agent: subproc
             trim_log(log, done)  # steps after the checkpoint run again
         job = {"plan": plan, "model_fn": model_fn, "data_fn": data_fn, "steps": steps, "optimizer": optimizer,
                "lr": lr, "seed": seed, "checkpoint_every": checkpoint_every or 1, "profile_comm": profile_comm,
-               "stop_on_nonfinite": stop_on_nonfinite,
+               "profile_memory": profile_memory, "stop_on_nonfinite": stop_on_nonfinite,
                "checkpoint_dir": str(ckpt.resolve()) if ckpt is not None else None,
                "keep_checkpoints": keep_checkpoints, "strategy_json": strategy.to_json(), "batchnorm": batchnorm}
         (run_dir / "job.pkl").write_bytes(pickle.dumps(job))

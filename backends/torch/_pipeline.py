@@ -71,7 +71,8 @@ built from positions folded into ``is_causal``, an HF label shift fed the next s
 The first stage reads its sequence shard of the micro-batch, the loss tail its shard of the labels;
 every ``(dp, sp)`` replica's micro-batch losses are token-weighted as for ``dp`` alone, and the
 gradients are averaged over the ``dp·sp`` ranks of a stage (FSDP2 over the flattened mesh). p2p goes
-between the ranks of equal ``(dp, sp)`` index. Not executed together with ``tp > 1``.
+between the ranks of equal ``(dp, sp)`` index. Not executed together with ``tp > 1``. Context parallelism
+(``cp > 1``: ring attention, load-balanced positions) runs the same way, on the same mesh dim.
 """
 
 from __future__ import annotations
@@ -133,7 +134,8 @@ class PipelinePlan:
     pp_major: bool = True
     axes: tuple[str, ...] = ("pp", "dp", "tp")
     tp: int = 1
-    sp: int = 1  # Ulysses inside the stages (._stage_sp): the model exported at the local sequence length
+    sp: int = 1  # sequence shards inside the stages (._stage_sp): the model exported at the local sequence length
+    ring: bool = False  # the shards run ring attention (context parallelism, cp = sp) rather than Ulysses
     halo: tuple[int, float] | None = None  # the labels' right halo the loss tail's pad needs (._stage_sp)
 
 
@@ -417,14 +419,16 @@ def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, to
     nodes = {op.name: op.source_node for op in graph.ops if op.source_node} if graph is not None else {}
     cuts = tuple(nodes.get(first, first) for first, _ in chunks[1:])
     rewrite = _tp_rewrite(tp_kinds or {}, fused or {}, s.tp) if s.tp > 1 else None
-    n = inputs.shape[1] // s.sp if s.sp > 1 else None
-    if s.sp > 1:
+    seq, ring = s.sp * s.cp, s.cp > 1
+    axis, div = ("cp", 2 * s.cp) if ring else ("sp", s.sp)
+    n = inputs.shape[1] // seq if seq > 1 else None
+    if seq > 1:
         if s.tp > 1:
-            raise Unsupported(f"sp={s.sp} with tp={s.tp} inside pipeline stages is not executed")
-        if inputs.dim() < 2 or labels.dim() < 2 or inputs.shape[1] % s.sp or labels.shape[1] != inputs.shape[1]:
-            raise Unsupported(f"sp={s.sp} inside pipeline stages needs inputs and labels of shape (batch, seq, ...) "
-                              f"with seq divisible by sp; got {tuple(inputs.shape)} and {tuple(labels.shape)}")
-        rewrite = _sp_rewrite(s.sp, 0, n)
+            raise Unsupported(f"{axis}={seq} with tp={s.tp} inside pipeline stages is not executed")
+        if inputs.dim() < 2 or labels.dim() < 2 or inputs.shape[1] % div or labels.shape[1] != inputs.shape[1]:
+            raise Unsupported(f"{axis}={seq} inside pipeline stages needs inputs and labels of shape (batch, seq, ...) "
+                              f"with seq divisible by {div}; got {tuple(inputs.shape)} and {tuple(labels.shape)}")
+        rewrite = _sp_rewrite(seq, 0, n, ring)
     x0, y0 = (inputs[:mb], labels[:mb]) if n is None else (inputs[:mb, :n], labels[:mb, :n])
     split = split_model(model, x0, y0, cuts, set(nodes.values()) if nodes else None, rewrite=rewrite, modules=False)
     for st in s.stages:
@@ -451,15 +455,16 @@ def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, to
             raise Unsupported(f"parameter {p!r} is used by chunks {list(ks)}, two of them on one stage; not executed")
     return PipelinePlan(stages=s.pp, virtual=v, schedule=sched, microbatches=s.microbatches,
                         cuts=cuts, chunk_params=tuple(split.params), tied=tied,
-                        pp_major=pp_major, axes=axes, tp=s.tp, sp=s.sp,
-                        halo=split.rewritten.halo if s.sp > 1 else None)
+                        pp_major=pp_major, axes=axes, tp=s.tp, sp=seq, ring=ring,
+                        halo=split.rewritten.halo if seq > 1 else None)
 
 
-def _sp_rewrite(sp: int, rank: int, n: int) -> Callable[[fx.GraphModule], Any]:
-    """Ulysses inside the stages (:mod:`._stage_sp`) for ``sp`` rank ``rank``, sequence shards of ``n``."""
+def _sp_rewrite(sp: int, rank: int, n: int, ring: bool = False) -> Callable[[fx.GraphModule], Any]:
+    """Ulysses (ring attention with ``ring``) inside the stages (:mod:`._stage_sp`) for sequence
+    shard ``rank`` of ``sp``, shards of ``n`` positions."""
 
     def rewrite(gm: fx.GraphModule) -> Any:
-        return sp_rewrite(gm, sp, rank, n)
+        return sp_rewrite(gm, sp, rank, n, ring=ring)
 
     return rewrite
 
@@ -482,13 +487,14 @@ def _layout(s: Any) -> tuple[bool, tuple[str, ...]]:
     """Whether the mesh numbers ranks stage-major, and the order of its ``pp``, ``dp``, ``tp`` dims;
     checks the mesh against the degrees and the stages' device lists, since the workers place stage
     ``k``'s chunks on the ranks the mesh gives it."""
-    sizes = {a.name: a.size for a in s.mesh.axes if a.size > 1}
-    sp = getattr(s, "sp", 1)
+    # the sequence split is one mesh dim, "sp", whether Ulysses (sp) or ring attention (cp) runs on it
+    sizes = {"sp" if a.name == "cp" else a.name: a.size for a in s.mesh.axes if a.size > 1}
+    sp = getattr(s, "sp", 1) * getattr(s, "cp", 1)
     if sizes.get("pp", 1) != s.pp or sizes.get("dp", 1) != s.dp or sizes.get("tp", 1) != s.tp or \
             sizes.get("sp", 1) != sp:
         raise Unsupported(f"the mesh axes {sizes} do not match pp={s.pp}, dp={s.dp}, sp={sp}, tp={s.tp}")
     names = ("pp", "dp", "sp", "tp") if sp > 1 else ("pp", "dp", "tp")
-    named = [a.name for a in s.mesh.axes if a.name in names]
+    named = [n for n in ("sp" if a.name == "cp" else a.name for a in s.mesh.axes) if n in names]
     axes = (*named, *(a for a in names if a not in named))
     order = [a for a in sizes if a in names]
     grid = _grid(axes, s.pp, s.dp, s.tp, sp=sp)
@@ -547,9 +553,10 @@ def _split_on_rank(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], p
     x0, y0 = inputs[:mb], labels[:mb]
     if pipe.sp > 1:  # Ulysses inside each stage (._stage_sp): exported at the local sequence length
         register_mesh("sp", ranks.mesh["sp"])
-        shard_tables(model, plan.tables, pipe.sp, ranks.sp)  # read from position 0 at the local length
+        # the tables are read from position 0 at the local length
+        shard_tables(model, plan.tables, 1 if pipe.ring else pipe.sp, ranks.sp, pipe.sp if pipe.ring else 1)
         n = inputs.shape[1] // pipe.sp
-        rewrite = _sp_rewrite(pipe.sp, ranks.sp, n)
+        rewrite = _sp_rewrite(pipe.sp, ranks.sp, n, pipe.ring)
         x0, y0 = inputs[:mb, :n], labels[:mb, :n]
     return split_model(model, x0, y0, pipe.cuts, rewrite=rewrite)
 
@@ -664,7 +671,7 @@ class _PipelineStep:
         sl = slice(r.dp * local, (r.dp + 1) * local)
         x, y = inputs[sl].to(self.device), labels[sl].to(self.device)
         if pipe.sp > 1:
-            x, y = shard_sequence(x, pipe.sp, r.sp), label_shard(y, pipe.sp, r.sp, pipe.halo)
+            x, y = shard_sequence(x, pipe.sp, r.sp, pipe.ring), label_shard(y, pipe.sp, r.sp, pipe.halo, pipe.ring)
         return x, y
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, str]:

@@ -78,7 +78,13 @@ from polyparallel.backends.torch._tensor_parallel import (
     tied_shards,
     uneven_shards,
 )
-from polyparallel.backends.torch.capabilities import Unsupported, dp_split_ok, op_role, plan_problems
+from polyparallel.backends.torch.capabilities import (
+    Unsupported,
+    dp_split_ok,
+    op_role,
+    plan_problems,
+    sequence_via_graph,
+)
 from polyparallel.ir import Graph
 from polyparallel.plan import Plan
 from polyparallel.strategy import Strategy
@@ -158,11 +164,11 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
     _check_modules(s, model, graph, modules)
     fused = {p: seg for p, seg in heads.items() if len(seg) > 1}
     return ExecPlan.from_record(
-        s, data_parallel="none" if s.dp * s.sp == 1 else ("fsdp" if s.zero_stage >= 1 else "ddp"),
+        s, data_parallel="none" if s.dp * s.plan.seq == 1 else ("fsdp" if s.zero_stage >= 1 else "ddp"),
         tp_plan=tuple(sorted(seen.items())), loss_parallel=ops.loss_parallel, global_batch=s.global_batch,
         pipeline=_graph_stages(s, model, batch, graph, seen, fused, ops.own_forward),
         fused=tuple(sorted(fused.items())),
-        tied=tuple(tied), positions=tuple(position_embeddings(graph)) if s.sp > 1 and graph else (),
+        tied=tuple(tied), positions=tuple(position_embeddings(graph)) if s.plan.seq > 1 and graph else (),
         tables=_sequence_tables(s, model, graph),
         recompute_blocks=tuple(recompute_blocks(graph)) if s.recompute in ("full", "op") and graph else ())
 
@@ -170,15 +176,16 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
 def _sequence_tables(s: Strategy, model: nn.Module, graph: Graph | None) -> tuple[tuple[str, int, int], ...]:
     """The tables a sequence shard holds its slice of; a persistent buffer is refused (each shard's
     checkpoint would hold its slice, not the table)."""
-    if s.sp == 1 or graph is None:
+    if s.plan.seq == 1 or graph is None:
         return ()
     out = []
     for t in sequence_tables(graph)[0]:
         owner, _, name = t.path.rpartition(".")
         if name not in model.get_submodule(owner)._non_persistent_buffers_set:
-            raise Unsupported(f"sp={s.sp}: buffer {t.path!r} is read by sequence position and would be sharded with "
-                              "the sequence, but it is persistent (saved in the state dict): register it with "
-                              "persistent=False, or pin sp=1")
+            axis = "cp" if s.cp > 1 else "sp"
+            raise Unsupported(f"{axis}={s.plan.seq}: buffer {t.path!r} is read by sequence position and would be "
+                              "sharded with the sequence, but it is persistent (saved in the state dict): register it "
+                              f"with persistent=False, or pin {axis}=1")
         out.append((t.path, t.dim, t.length))
     return tuple(out)
 
@@ -205,9 +212,9 @@ def _check_plan(s: Strategy, graph: Graph | None) -> None:
     if s.mode != "synchronous":
         raise Unsupported(f"a {s.mode} strategy is run by `polyparallel collab`, not the torch backend")
     for ax in s.mesh.axes:
-        if ax.name not in ("dp", "tp", "pp", "sp") and ax.size > 1:
-            raise Unsupported(f"mesh axis {ax.name!r} of size {ax.size}: only 'dp', 'tp', 'sp' and 'pp' axes are "
-                              "executed")
+        if ax.name not in ("dp", "tp", "pp", "sp", "cp") and ax.size > 1:
+            raise Unsupported(f"mesh axis {ax.name!r} of size {ax.size}: only 'dp', 'tp', 'sp', 'cp' and 'pp' axes "
+                              "are executed")
     why = plan_problems(graph, s.plan)  # the predicates the search enumerates with
     if why:
         raise Unsupported("the torch backend cannot execute this strategy exactly: " + "; ".join(why)
@@ -265,7 +272,7 @@ def _dp_problems(placement: str, dims: dict[str, tuple[str, ...]], op: str, gop:
     """Why one op's placement splits something other than the batch over dp (or uses an unknown axis)."""
     out = []
     for dim, axes in dims.items():
-        bad = [a for a in axes if a not in ("dp", "tp", "sp")]
+        bad = [a for a in axes if a not in ("dp", "tp", "sp", "cp")]
         if bad:
             out.append(f"{where}: placement {placement!r} uses mesh axis {bad[0]!r}")
             continue
@@ -401,11 +408,13 @@ def _graph_stages(s: Strategy, model: nn.Module, batch: Any, graph: Graph | None
     if s.pp == 1 and s.tp > 1 and own_forward:
         eager_why = (f"vocabulary embedding {own_forward[0]} has its own forward, which would mix the sharded "
                      "table with whole tensors")
-        if batch is None or s.sp > 1:
+        if batch is None or s.plan.seq > 1:
             raise Unsupported(f"tp={s.tp}: {eager_why}; only its exported graph runs it, which needs one global batch "
                               "and no sequence parallelism: pin tp=1 or keep this embedding replicated")
-    elif s.pp == 1 and s.tp > 1 and s.sp == 1 and batch is not None:
+    elif s.pp == 1 and s.tp > 1 and s.plan.seq == 1 and batch is not None:
         eager_why = eager_tp_problem(model, dict(seen), s.tp, micro_batch(s, batch))
+    elif graph is not None and sequence_via_graph(graph, s.plan):
+        eager_why = "the model builds tensors from the sequence length (a causal mask, positions) per shard"
     if s.pp > 1 or eager_why:
         if batch is None:
             raise ValueError(f"pp={s.pp}: plan_for needs one global batch (data_fn(0)) to cut the model into stages")

@@ -11,6 +11,11 @@ shard's first position. Gradients are averaged over the ``dp·sp`` ranks, the lo
 the ``sp`` shards' mean losses (equal token counts). Models whose graph mixes positions outside
 SDPA attention, or builds other tables from the sequence length (rotary tables, explicit masks),
 are refused.
+
+Context parallelism (``cp``, ring attention: :mod:`._context_parallel`) splits the sequence on the
+same mesh dim with other shards (chunks ``r`` and ``2cp-1-r`` of ``2cp``) and no head-count limit:
+:func:`sp_problems`, :func:`offset_positions`, :func:`shard_tables` and :func:`sequence_shard` take
+it as a parameter, so the two share what makes a model's sequence splittable.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from polyparallel.backends.torch._context_parallel import context_shard, shard_positions
 from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind
 
 __all__ = ["SequenceTable", "UlyssesAttention", "offset_positions", "position_embeddings", "sequence_shard",
@@ -123,11 +129,15 @@ def sequence_tables(graph: Graph) -> tuple[list[SequenceTable], list[str]]:
     return list(tables.values()), problems
 
 
-def sp_problems(graph: Graph, sp: int, heads_parts: int) -> list[str]:
-    """Why running ``graph`` with its sequence split over ``sp`` ranks (Ulysses) would compute
-    something else than the unsplit model; empty when it is exact. The tables read by sequence
-    position are sharded with the sequence (:func:`sequence_tables`)."""
+def sp_problems(graph: Graph, sp: int, heads_parts: int, cp: int = 1) -> list[str]:
+    """Why running ``graph`` with its sequence split over ``sp`` ranks (Ulysses), or over ``cp``
+    ranks by ring attention (``sp = 1``), would compute something else than the unsplit model; empty
+    when it is exact. The tables read by sequence position are sharded with the sequence
+    (:func:`sequence_tables`). ``heads_parts``: what the attention's heads are split over (``tp·sp``;
+    ring attention keeps a rank's heads whole: ``tp``)."""
     problems: list[str] = []
+    # ring attention cuts the sequence into 2·cp chunks (load-balanced causal sharding)
+    div, label = (2 * cp, f"2·cp = {2 * cp}") if cp > 1 else (sp, f"sp={sp}")
     # the sequence length is the attention's query extent; every input is split along its dim 1
     lengths = _sequence_lengths(graph)
     if len(lengths) != 1:
@@ -137,20 +147,21 @@ def sp_problems(graph: Graph, sp: int, heads_parts: int) -> list[str]:
         shape = graph.tensors[t].shape
         if len(lengths) == 1 and (len(shape) < 2 or shape[1] not in lengths):
             problems.append(f"input {t!r} of shape {shape} has no sequence dim 1 of length {min(lengths)}")
-        elif len(shape) >= 2 and shape[1] % sp:
-            problems.append(f"input {t!r} has sequence length {shape[1]}, not divisible by sp={sp}")
+        elif len(shape) >= 2 and shape[1] % div:
+            problems.append(f"input {t!r} has sequence length {shape[1]}, not divisible by {label}")
     pos = set(position_embeddings(graph))
     for op in graph.ops:
         kind = OpKind(op.kind)
         if kind is OpKind.ATTENTION:
             if "scaled_dot_product_attention" not in op.target:
                 problems.append(f"attention op {op.name!r} ({op.target}) is not torch's scaled_dot_product_attention, "
-                                "the call the sequence-parallel all-to-alls wrap")
+                                "the call " + ("ring attention replaces" if cp > 1 else
+                                               "the sequence-parallel all-to-alls wrap"))
             elif op.nest is not None:
                 heads = next((d.extent for d in op.nest.dims if d.hint is Hint.HEAD), None)
                 if heads is None or heads % heads_parts:
                     problems.append(f"attention op {op.name!r}: {heads} heads do not split over {heads_parts} ranks "
-                                    "(tp·sp)")
+                                    f"({'tp' if cp > 1 else 'tp·sp'})")
         elif kind is OpKind.CREATE:
             users = graph.consumers(op.outputs[0]) if op.outputs else []
             if not users or any(OpKind(u.kind) is not OpKind.EMBEDDING or u.module not in pos for u in users):
@@ -165,18 +176,22 @@ def sp_problems(graph: Graph, sp: int, heads_parts: int) -> list[str]:
     found, why = sequence_tables(graph)
     problems.extend(why)
     for t in found:
-        if t.length % sp:
+        if t.length % div:
             problems.append(f"buffer {t.path!r} is read by sequence position over {t.length} positions, not "
-                            f"divisible by sp={sp}")
+                            f"divisible by {label}")
     return problems
 
 
-def offset_positions(module: nn.Module, rank: int) -> Any:
-    """Pre-hook on a position embedding: ``arange(S/sp)`` becomes this shard's ``rank·S/sp + arange``."""
+def offset_positions(module: nn.Module, rank: int, cp: int = 1) -> Any:
+    """Pre-hook on a position embedding: ``arange(S/sp)`` becomes this shard's ``rank·S/sp + arange``;
+    under context parallelism (``cp > 1``) the shard's positions (:func:`._context_parallel.shard_positions`)."""
 
     def hook(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         idx = args[0]
-        return (idx + rank * idx.shape[-1], *args[1:])
+        n = idx.shape[-1]
+        if cp > 1:
+            return (shard_positions(n * cp, cp, rank, idx.device)[idx], *args[1:])
+        return (idx + rank * n, *args[1:])
 
     return module.register_forward_pre_hook(hook, prepend=True)
 
@@ -225,23 +240,33 @@ class UlyssesAttention(TorchFunctionMode):
 
 
 
-def shard_tables(model: nn.Module, tables: Any, sp: int, rank: int) -> None:
+def shard_tables(model: nn.Module, tables: Any, sp: int, rank: int, cp: int = 1) -> None:
     """Replace each table ``(buffer path, dim, sequence length)`` by the rows sequence shard
-    ``rank`` of ``sp`` reads (:class:`SequenceTable`)."""
+    ``rank`` of ``sp`` reads (:class:`SequenceTable`); with ``cp > 1`` (and ``sp = 1``) the rows of
+    the shard's positions under context parallelism (:func:`._context_parallel.shard_positions`)."""
     for path, dim, length in tables:
         owner, _, name = path.rpartition(".")
         module = model.get_submodule(owner)
-        n = length // sp
-        setattr(module, name, getattr(module, name).narrow(dim, rank * n, n).clone())
+        table = getattr(module, name)
+        if cp > 1:
+            rows = table.narrow(dim, 0, length).index_select(dim, shard_positions(length, cp, rank, table.device))
+        else:
+            rows = table.narrow(dim, rank * (length // sp), length // sp)
+        setattr(module, name, rows.clone())
 
 
 def sequence_shard(t: torch.Tensor, plan: Any, mesh: Any) -> torch.Tensor:
-    """This ``sp`` rank's contiguous block of dim 1 (the sequence) of an input or label batch."""
-    if plan.sp == 1:
+    """This sequence shard's part of dim 1 (the sequence) of an input or label batch: a contiguous
+    block of ``1/sp`` (Ulysses), or the load-balanced chunks of context parallelism
+    (:func:`._context_parallel.context_shard`). The mesh's ``"sp"`` dim is the sequence split."""
+    if plan.seq == 1:
         return t
-    if t.dim() < 2 or t.shape[1] % plan.sp:
-        raise ValueError(f"sequence parallelism over sp={plan.sp} needs inputs and labels of shape (batch, seq, ...) "
-                         f"with seq divisible by {plan.sp}; got {tuple(t.shape)}")
-    n = t.shape[1] // plan.sp
+    what, div = ("context", 2 * plan.cp) if plan.cp > 1 else ("sequence", plan.sp)
+    if t.dim() < 2 or t.shape[1] % div:
+        raise ValueError(f"{what} parallelism over {'cp' if plan.cp > 1 else 'sp'}={plan.seq} needs inputs and labels "
+                         f"of shape (batch, seq, ...) with seq divisible by {div}; got {tuple(t.shape)}")
     r = mesh["sp"].get_local_rank()
+    if plan.cp > 1:
+        return context_shard(t, plan.cp, r)
+    n = t.shape[1] // plan.sp
     return t[:, r * n:(r + 1) * n]

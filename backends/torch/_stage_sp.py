@@ -1,4 +1,5 @@
-r"""Sequence parallelism (Ulysses) inside pipeline stages: a pass over the exported graph.
+r"""Sequence parallelism (Ulysses) and context parallelism (ring attention) inside pipeline stages:
+a pass over the exported graph.
 
 Pipeline stages are chunks of the model's ``torch.export`` graph (:mod:`._pipeline`), so the
 ``TorchFunctionMode`` and module hooks of the unpipelined Ulysses path (:mod:`._tensor_parallel`,
@@ -21,6 +22,10 @@ the shard's, and this pass rewrites the graph before it is cut:
   next shard's first ``k`` labels: the pad is removed from the graph and the workers feed the
   labels ``[r·n, (r+1)·n + k)`` of the sequence padded as the model pads it (:func:`label_shard`).
 
+Under context parallelism (``ring=True``, ``sp`` then counts the ``cp`` shards) the same pass makes
+each attention :func:`ring_attention_call` (:mod:`._context_parallel`), each ``arange(n)`` the
+shard's load-balanced positions, and the labels the positions' (a right halo read at ``p + k``).
+
 Gradients are averaged over the ``dp·sp`` ranks holding a stage's parameters, and the micro-batch
 losses of every ``(dp, sp)`` replica are token-weighted as the pipeline does for ``dp``.
 """
@@ -33,10 +38,11 @@ from typing import Any
 import torch
 from torch import fx
 
+from polyparallel.backends.torch._context_parallel import context_shard, ring_attention, shard_positions
 from polyparallel.backends.torch._sequence_parallel import UlyssesAttention
 from polyparallel.backends.torch.capabilities import Unsupported
 
-__all__ = ["SPRewrite", "label_shard", "register_mesh", "shard_sequence", "ulysses_attention"]
+__all__ = ["SPRewrite", "label_shard", "register_mesh", "ring_attention_call", "shard_sequence", "ulysses_attention"]
 
 aten = torch.ops.aten
 _MESHES: dict[str, Any] = {}  # the sp meshes the graph's all-to-alls run on, by name
@@ -53,6 +59,22 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: 
     u = UlyssesAttention(_MESHES[mesh])  # (its exchanges, not entered as a mode)
     out = aten.scaled_dot_product_attention.default(*(u.seq_to_heads(t) for t in (q, k, v)), *args, **kwargs)
     return u.heads_to_seq(out)
+
+
+def ring_attention_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None,
+                        dropout_p: float = 0.0, is_causal: bool = False, *, mesh: str = "sp",
+                        scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+    """SDPA on context-parallel shards ``[B, h, n, d]``: ring attention over the mesh named ``mesh``."""
+    if dropout_p:
+        raise ValueError("context-parallel attention with dropout_p > 0 is not executed; use dropout_p=0 or cp=1")
+    return ring_attention(q, k, v, _MESHES[mesh].get_group(), is_causal=is_causal, scale=scale,
+                          enable_gqa=enable_gqa)
+
+
+def shard_arange(length: int, cp: int, rank: int, **kwargs: Any) -> torch.Tensor:
+    """``arange(length/cp)`` on context-parallel shard ``rank``: the shard's positions."""
+    out = shard_positions(length, cp, rank, kwargs.get("device"))
+    return out.to(kwargs["dtype"]) if kwargs.get("dtype") is not None else out
 
 
 @dataclass(frozen=True)
@@ -102,8 +124,9 @@ def _causal(mask: torch.Tensor, n: int) -> bool:
     return bool((allowed == torch.ones(n, n, dtype=torch.bool, device=allowed.device).tril()).all())
 
 
-def rewrite(gm: fx.GraphModule, sp: int, rank: int, n: int, mesh: str = "sp") -> SPRewrite:
-    """Rewrite ``gm`` (exported at the local sequence length ``n``) for ``sp`` rank ``rank`` in place."""
+def rewrite(gm: fx.GraphModule, sp: int, rank: int, n: int, mesh: str = "sp", ring: bool = False) -> SPRewrite:
+    """Rewrite ``gm`` (exported at the local sequence length ``n``) for ``sp`` rank ``rank`` in place;
+    ``ring``: for context-parallel shard ``rank`` of ``sp`` (ring attention, load-balanced positions)."""
     graph = gm.graph
     inputs = [x for x in graph.nodes if x.op == "placeholder"]
     labels = inputs[-1]
@@ -116,7 +139,7 @@ def rewrite(gm: fx.GraphModule, sp: int, rank: int, n: int, mesh: str = "sp") ->
         if any(len(s) != 4 or s[2] != n for s in shapes):
             raise Unsupported(f"attention {node.name!r}: q, k, v of shapes {shapes} are not [batch, heads, "
                               f"{n}, head_dim] sequence shards")
-        if any(s[1] % sp for s in shapes):
+        if not ring and any(s[1] % sp for s in shapes):
             raise Unsupported(f"attention {node.name!r}: {shapes[0][1]} heads do not split over sp={sp}")
         names = ["attn_mask", "dropout_p", "is_causal"]
         full = dict(zip(names, node.args[3:6]))
@@ -128,7 +151,7 @@ def rewrite(gm: fx.GraphModule, sp: int, rank: int, n: int, mesh: str = "sp") ->
                 raise Unsupported(f"attention {node.name!r} has an explicit mask other than the causal one: "
                                   "sequence parallelism inside pipeline stages does not execute it")
             full["is_causal"] = True
-        node.target = ulysses_attention
+        node.target = ring_attention_call if ring else ulysses_attention
         node.args = (q, k, v, None, full.get("dropout_p", 0.0), bool(full.get("is_causal", False)))
         node.kwargs = {**rest, "mesh": mesh}
         attentions.append(node.name)
@@ -145,7 +168,11 @@ def rewrite(gm: fx.GraphModule, sp: int, rank: int, n: int, mesh: str = "sp") ->
         if bounds != (0, n):
             raise Unsupported(f"op {node.name!r} is arange{bounds}, not the {n} positions of a sequence shard: "
                               "sequence parallelism inside pipeline stages offsets positions only")
-        node.target, node.args = aten.arange.start, (rank * n, (rank + 1) * n)
+        if ring:
+            node.target, node.args = shard_arange, (sp * n, sp, rank)
+            node.kwargs = {k: w for k, w in node.kwargs.items() if k in ("dtype", "device")}
+        else:
+            node.target, node.args = aten.arange.start, (rank * n, (rank + 1) * n)
         positions.append(node.name)
     halo = None
     readers = [u for u in labels.users if u.op == "call_function"]  # (not export's shape guard)
@@ -167,17 +194,27 @@ def rewrite(gm: fx.GraphModule, sp: int, rank: int, n: int, mesh: str = "sp") ->
     return SPRewrite(tuple(attentions), tuple(positions), halo)
 
 
-def shard_sequence(t: torch.Tensor, sp: int, rank: int) -> torch.Tensor:
-    """This ``sp`` rank's contiguous block of dim 1 (the sequence)."""
+def shard_sequence(t: torch.Tensor, sp: int, rank: int, ring: bool = False) -> torch.Tensor:
+    """This ``sp`` rank's contiguous block of dim 1 (the sequence); ``ring``: context-parallel shard
+    ``rank``'s positions (:func:`._context_parallel.context_shard`)."""
+    if ring:
+        return context_shard(t, sp, rank)
     n = t.shape[1] // sp
     return t[:, rank * n:(rank + 1) * n]
 
 
-def label_shard(y: torch.Tensor, sp: int, rank: int, halo: tuple[int, float] | None) -> torch.Tensor:
+def label_shard(y: torch.Tensor, sp: int, rank: int, halo: tuple[int, float] | None,
+                ring: bool = False) -> torch.Tensor:
     """The labels the rewritten loss tail reads: the shard, plus the next ``k`` labels of the sequence
-    (the model's pad value past its end) when the model pads them before shifting."""
+    (the model's pad value past its end) when the model pads them before shifting. The tail drops
+    the first ``k`` of what it reads; under context parallelism what remains must be the labels at
+    ``p + k`` for each of the shard's positions ``p``, so those are gathered after ``k`` fillers."""
     if halo is None:
-        return shard_sequence(y, sp, rank)
+        return shard_sequence(y, sp, rank, ring)
     k, value = halo
+    padded = torch.nn.functional.pad(y, (0, k), value=value)
+    if ring:
+        pos = shard_positions(y.shape[1], sp, rank, y.device)
+        return padded.index_select(1, torch.cat([pos[:k], pos + k]))
     n = y.shape[1] // sp
-    return torch.nn.functional.pad(y, (0, k), value=value)[:, rank * n:(rank + 1) * n + k]
+    return padded[:, rank * n:(rank + 1) * n + k]

@@ -86,6 +86,30 @@ def comm_profile(enabled: bool) -> Iterator[dict[str, Any]]:
     rec["comm_ops"] = {e.key: e.count for e in events}
 
 
+@contextlib.contextmanager
+def memory_profile(enabled: bool, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                   device: torch.device) -> Iterator[dict[str, Any]]:
+    """Record the block's peak tensor memory on this rank in the yielded dict (``peak_memory_bytes``):
+    the CUDA allocator's peak, or on the CPU what torch's ``MemTracker`` counts (every live storage,
+    the model's and optimizer's included)."""
+    rec: dict[str, Any] = {}
+    if not enabled:
+        yield rec
+        return
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        yield rec
+        rec["peak_memory_bytes"] = int(torch.cuda.max_memory_allocated(device))
+        return
+    from torch.distributed._tools.mem_tracker import MemTracker  # (torch's private tool: loaded when asked for)
+
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        yield rec
+    rec["peak_memory_bytes"] = int(sum(v.get("Total", 0) for v in tracker.get_tracker_snapshot("peak").values()))
+
+
 def batch_counts(inputs: torch.Tensor) -> dict[str, int]:
     """What one step of the global batch ``inputs`` trains on, for throughput: ``samples`` (its
     rows) and, for token ids (integer inputs with a sequence dim), ``tokens``."""

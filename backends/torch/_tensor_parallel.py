@@ -75,6 +75,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from polyparallel import frontends as pp
+from polyparallel.backends.torch._context_parallel import RingAttention
 from polyparallel.backends.torch._sequence_parallel import UlyssesAttention, offset_positions, shard_tables
 from polyparallel.backends.torch.op_roles import chunked_evenly, op_role
 from polyparallel.frontends.torch import quiet_fake_tensors
@@ -551,14 +552,15 @@ def check_fingerprint(strategy: Any, graph: Graph) -> None:
 
 
 def build_mesh(device_type: str, plan: Any) -> Any:
-    """The ``("dp", "sp", "tp")`` mesh, tensor-parallel fastest as in the strategy's device order."""
-    return init_device_mesh(device_type, (plan.dp, plan.sp, plan.tp), mesh_dim_names=("dp", "sp", "tp"))
+    """The ``("dp", "sp", "tp")`` mesh, tensor-parallel fastest as in the strategy's device order;
+    its ``"sp"`` dim is the sequence split, by Ulysses (``sp``) or ring attention (``cp``)."""
+    return init_device_mesh(device_type, (plan.dp, plan.seq, plan.tp), mesh_dim_names=("dp", "sp", "tp"))
 
 
 def replica_mesh(mesh: Any, plan: Any) -> Any:
     """The ranks holding replicas of the same parameters, over which gradients are averaged: ``dp``,
     times ``sp`` (sequence shards hold the full parameters and see different tokens)."""
-    return mesh["dp", "sp"]._flatten("dp_sp") if plan.sp > 1 else mesh["dp"]
+    return mesh["dp", "sp"]._flatten("dp_sp") if plan.seq > 1 else mesh["dp"]
 
 
 def parallelize(model: nn.Module, plan: Any, mesh: Any) -> None:
@@ -581,11 +583,11 @@ def parallelize(model: nn.Module, plan: Any, mesh: Any) -> None:
             for other in group[1:]:
                 path, _, name = other.rpartition(".")
                 setattr(model.get_submodule(path), name, param)
-    if plan.sp > 1:
+    if plan.seq > 1:
         rank = mesh["sp"].get_local_rank()
         for path in plan.positions:
-            offset_positions(model.get_submodule(path), rank)
-        shard_tables(model, plan.tables, plan.sp, rank)
+            offset_positions(model.get_submodule(path), rank, plan.cp)
+        shard_tables(model, plan.tables, plan.sp, rank, plan.cp)
 
 
 def _own_output(module: nn.Module, args: Any, output: Any) -> Any:
@@ -721,10 +723,12 @@ def _sized_from_config(model: nn.Module, batch: tuple[Any, ...], local: list[dic
 
 def step_context(plan: Any, mesh: Any) -> Any:
     """What a forward and backward run under: ``loss_parallel`` for a class-parallel loss, the
-    Ulysses attention mode with ``sp > 1``."""
+    Ulysses attention mode with ``sp > 1``, ring attention with ``cp > 1``."""
     stack = ExitStack()
     if plan.loss_parallel:
         stack.enter_context(loss_parallel())
     if plan.sp > 1:
         stack.enter_context(UlyssesAttention(mesh["sp"]))
+    elif plan.cp > 1:
+        stack.enter_context(RingAttention(mesh["sp"]))
     return stack

@@ -19,7 +19,14 @@ import torch
 
 from polyparallel.backends.torch._checkpoint import resume, save_checkpoint
 from polyparallel.backends.torch._precision import Precision
-from polyparallel.backends.torch._steps import batch_counts, check_finite, comm_profile, finish_step, log_step
+from polyparallel.backends.torch._steps import (
+    batch_counts,
+    check_finite,
+    comm_profile,
+    finish_step,
+    log_step,
+    memory_profile,
+)
 from polyparallel.references import resolve
 
 __all__ = ["TrainingMode", "train"]
@@ -70,14 +77,15 @@ def train(job: dict[str, Any], run_dir: Path, rank: int, device: torch.device, m
         x, y = mode.share(inputs, labels)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        with comm_profile(bool(job.get("profile_comm"))) as comm:
+        with comm_profile(bool(job.get("profile_comm"))) as comm, \
+                memory_profile(bool(job.get("profile_memory")), mode.model, mode.opt, device) as mem:
             t0 = time.perf_counter()
             mode.opt.zero_grad(set_to_none=True)
             global_loss, weighting = mode.forward_backward(x, y)
             amp, dt = finish_step(mode.prec, mode.opt, device, t0)
         if rank == 0:
             log_step(log, step, global_loss, weighting, dt, device, **mode.log_first(x), **batch_counts(inputs),
-                     **comm, **amp, **mode.log_last)
+                     **comm, **mem, **amp, **mode.log_last)
         check_finite(global_loss, step, job.get("stop_on_nonfinite", True))
         if ckpt is not None and ((step + 1) % job["checkpoint_every"] == 0 or step + 1 == job["steps"]):
             save_checkpoint(ckpt, step, mode.model, mode.opt, rank, mode.optim_key, job=job)

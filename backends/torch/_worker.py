@@ -130,12 +130,13 @@ def _cross_rank_batchnorm(model: torch.nn.Module, mesh: Any, plan: Any) -> int:
     FSDP's gradient reductions are issued from backward hooks on theirs, and BatchNorm's backward
     all-reduces interleaved with them on one group could be ordered differently on two ranks.
     """
-    grid = mesh.mesh  # global ranks, shape (dp, sp, tp)
-    if not has_batch_statistics(model) or plan.dp * plan.sp == 1:
+    grid = mesh.mesh  # global ranks, shape (dp, sp or cp, tp)
+    if not has_batch_statistics(model) or plan.dp * plan.seq == 1:
         return 0
-    # the replica groups: every rank with the same tp coordinate (and sp, unless sp shards the batch's tokens)
-    groups = ([grid[:, :, t].flatten().tolist() for t in range(plan.tp)] if plan.sp > 1 else
-              [grid[:, s, t].tolist() for s in range(plan.sp) for t in range(plan.tp)])
+    # the replica groups: every rank with the same tp coordinate (and sequence shard, unless the
+    # sequence is split: then the shards hold the batch's tokens between them)
+    groups = ([grid[:, :, t].flatten().tolist() for t in range(plan.tp)] if plan.seq > 1 else
+              [grid[:, s, t].tolist() for s in range(plan.seq) for t in range(plan.tp)])
     mine, _ = dist.new_subgroups_by_enumeration(groups)
     return use_cross_rank_batchnorm(model, mine, len(groups[0]))
 

@@ -110,6 +110,8 @@ def plan_problems(graph: Graph | None, s: Plan) -> list[str]:
 
     ``graph`` None (the model could not be captured) judges the plan alone and refuses what needs
     the graph (sequence parallelism)."""
+    if not isinstance(s, Plan):  # a Strategy (or any record with the plan's fields)
+        s = Plan.from_record(s)
     schedule = s.schedule
     why: list[str] = []
     if s.dtype not in EXECUTED_DTYPES:
@@ -140,12 +142,28 @@ def plan_problems(graph: Graph | None, s: Plan) -> list[str]:
         why.append(f"1f1b with {s.microbatches} micro-batch(es) for {s.pp} stages: torch's 1F1B schedule needs at "
                    "least as many micro-batches as stages; use schedule 'gpipe' (the same order when every stage "
                    f"holds one micro-batch) or microbatches >= {s.pp}")
-    if s.dp * s.sp > 1 and s.tp > 1 and s.zero_stage == 0:
-        why.append(f"dp·sp={s.dp * s.sp} with tp={s.tp} and zero_stage=0: DDP over DTensor parameters is not "
+    if s.cp > 1 and s.pp > 1 and s.tp > 1:
+        why.append(f"pp={s.pp} with cp={s.cp} and tp={s.tp}: context and tensor parallelism together inside "
+                   "pipeline stages are not executed")
+    elif s.cp > 1 and s.pp > 1:  # ring attention as a pass over the stages' exported graph (._stage_sp)
+        cp_why = ["the model could not be captured to check it"] if graph is None else \
+            _stage_sp_problems(graph, 1, s.cp)
+        if cp_why:
+            why.append(f"cp={s.cp} inside pipeline stages (ring attention) is not exact for this model: "
+                       + "; ".join(cp_why[:3]))
+    elif s.cp > 1:
+        cp_why = ["the model could not be captured to check it"] if graph is None else \
+            [] if sequence_via_graph(graph, s) else list(_sp_problems(graph, 1, s.tp, s.cp))
+        if cp_why:
+            why.append(f"cp={s.cp} (context parallelism, ring attention) is not exact for this model: "
+                       + "; ".join(cp_why[:3]))
+    if s.dp * s.seq > 1 and s.tp > 1 and s.zero_stage == 0:
+        why.append(f"dp·{'cp' if s.cp > 1 else 'sp'}={s.dp * s.seq} with tp={s.tp} and zero_stage=0: DDP over DTensor "
+                   "parameters is not "
                    "executed; 2-D plans run with FSDP2 (zero_stage>=1)")
     if s.sp > 1 and s.pp == 1:
         sp_why = ["the model could not be captured to check it"] if graph is None else \
-            list(_sp_problems(graph, s.sp, s.tp * s.sp))
+            [] if sequence_via_graph(graph, s) else list(_sp_problems(graph, s.sp, s.tp * s.sp))
         # the search prices sp there as image rows split
         if graph is not None and _per_graph(graph, ("image_rows",), lambda: splits_image_rows(graph)):
             why.append(f"sp={s.sp} splits image rows (spatial parallelism, halo exchanges): the search prices it, "
@@ -155,9 +173,9 @@ def plan_problems(graph: Graph | None, s: Plan) -> list[str]:
             why.append(f"sp={s.sp} (Ulysses sequence parallelism) is not exact for this model: "
                        + "; ".join(sp_why[:3]))
     ep = s.ep
-    if ep > 1 and (ep != s.dp or s.tp > 1 or s.sp > 1 or s.pp > 1):
-        why.append(f"ep={ep} with dp={s.dp} tp={s.tp} sp={s.sp} pp={s.pp}: expert parallelism is executed only "
-                   "over all the data-parallel ranks (ep = dp, with DDP or FSDP2) and no tensor, sequence or "
+    if ep > 1 and (ep != s.dp or s.tp > 1 or s.seq > 1 or s.pp > 1):
+        why.append(f"ep={ep} with dp={s.dp} tp={s.tp} sp={s.sp} cp={s.cp} pp={s.pp}: expert parallelism is executed "
+                   "only over all the data-parallel ranks (ep = dp, with DDP or FSDP2) and no tensor, sequence or "
                    "pipeline parallelism; pin ep=1 or ep=dp, or keep this strategy for planning only")
     elif ep > 1 and (graph is None or not any(d.hint is Hint.EXPERT for op in graph.ops if op.nest is not None
                                               for d in op.nest.dims)):
@@ -180,11 +198,24 @@ def _recompute_problems(graph: Graph | None, recompute: str) -> list[str]:
     return list(_per_graph(graph, ("recompute", recompute), lambda: tuple(recompute_problems(graph, recompute))))
 
 
-def _stage_sp_problems(graph: Graph, sp: int) -> list[str]:
-    return list(_per_graph(graph, ("stage_sp", sp), lambda: tuple(_stage_sp_problems_of(graph, sp))))
+def sequence_via_graph(graph: Graph, s: Plan) -> bool:
+    """Whether a plan without pipeline stages splits the sequence (``sp`` or ``cp``) exactly only as
+    the exported graph rewritten by :mod:`._stage_sp` (one stage): the model builds tensors from
+    the sequence length (a causal mask, rotary positions from ``arange``) that the eager run cannot
+    shard and the pass does. Without tensor parallelism (not executed with it inside the stages)."""
+    s = s if isinstance(s, Plan) else Plan.from_record(s)
+    if s.pp > 1 or s.seq == 1 or s.tp > 1:
+        return False
+    sp, cp = (1, s.cp) if s.cp > 1 else (s.sp, 1)
+    heads = 1 if cp > 1 else sp
+    return bool(_sp_problems(graph, sp, heads, cp)) and not _stage_sp_problems(graph, sp, cp)
 
 
-def _stage_sp_problems_of(graph: Graph, sp: int) -> list[str]:
+def _stage_sp_problems(graph: Graph, sp: int, cp: int = 1) -> list[str]:
+    return list(_per_graph(graph, ("stage_sp", sp, cp), lambda: tuple(_stage_sp_problems_of(graph, sp, cp))))
+
+
+def _stage_sp_problems_of(graph: Graph, sp: int, cp: int = 1) -> list[str]:
     """:func:`._sequence_parallel.sp_problems` less what the pipeline's pass executes: an ``arange`` over
     the sequence length (position indices, rotary tables' positions, a causal mask's indices) or one
     the graph does not use (a mask's batch index) is offset or folded by :mod:`._stage_sp`, which
@@ -194,14 +225,14 @@ def _stage_sp_problems_of(graph: Graph, sp: int) -> list[str]:
     handled = {op.name for op in graph.ops if OpKind(op.kind) is OpKind.CREATE and "arange" in op.target
                and op.outputs and (not graph.consumers(op.outputs[0])
                                    or tuple(graph.tensors[op.outputs[0]].shape) in {(n,) for n in lengths})}
-    return [p for p in _sp_problems(graph, sp, sp)
+    return [p for p in _sp_problems(graph, sp, sp, cp)
             if not (p.startswith("op '") and p.split("'")[1] in handled and "builds a tensor from the sequence" in p)]
 
 
-def _sp_problems(graph: Graph, sp: int, heads_parts: int) -> list[str]:
+def _sp_problems(graph: Graph, sp: int, heads_parts: int, cp: int = 1) -> list[str]:
     from polyparallel.backends.torch._sequence_parallel import sp_problems
 
-    return list(_per_graph(graph, ("sp", sp, heads_parts), lambda: tuple(sp_problems(graph, sp, heads_parts))))
+    return list(_per_graph(graph, ("sp", sp, heads_parts, cp), lambda: tuple(sp_problems(graph, sp, heads_parts, cp))))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -51,16 +51,16 @@ def strategy_of(mdl: ModelGraphs, cl: Cluster, est: StepEstimate, b: int, B: int
     est = placed.est
     cfg = est.config
     axes = []
-    for name, size in (("pp", cfg.pp), ("dp", cfg.dp), ("sp", cfg.sp), ("tp", cfg.tp)):
+    for name, size in (("pp", cfg.pp), ("dp", cfg.dp), ("cp", cfg.cp), ("sp", cfg.sp), ("tp", cfg.tp)):
         if size > 1 or name == "dp":
             axes.append(MeshAxis(name=name, size=size, level=axis_level(cl, cfg, name, devs)))
-    order = [devs[cfg.rank(s, d, q, t)] for s in range(cfg.pp) for d in range(cfg.dp) for q in range(cfg.sp)
+    order = [devs[cfg.rank(s, d, q, t)] for s in range(cfg.pp) for d in range(cfg.dp) for q in range(cfg.seq)
              for t in range(cfg.tp)]
     stages = []
     for s, st in enumerate(est.stages):
         names = [name for a, z in chunks[s] for name in (g.ops[a].name, g.ops[z].name)]
         layers = sorted({i for a, z in chunks[s] for i in layer_ids(g, a, z)})
-        stage_devs = [devs[cfg.rank(s, d, q, t)] for d in range(cfg.dp) for q in range(cfg.sp) for t in range(cfg.tp)]
+        stage_devs = [devs[cfg.rank(s, d, q, t)] for d in range(cfg.dp) for q in range(cfg.seq) for t in range(cfg.tp)]
         sp_ = placed.stages[s]
         stages.append(Stage(index=s, ops=names, layers=layers, devices=stage_devs, device_type=est.memory[s].device,
                             compute_s=round(st.part("compute"), 9), placed_by=sp_.source, placement_note=sp_.note,
@@ -122,7 +122,7 @@ def axis_level(cl: Cluster, cfg: ParallelConfig, axis: str, devs: list[int]) -> 
         return "intra_node"
     group = []
     for x in range(size):
-        idx = {"tp": (x, 0, 0, 0), "sp": (0, x, 0, 0), "dp": (0, 0, x, 0), "pp": (0, 0, 0, x)}[axis]
+        idx = {"tp": (x, 0, 0, 0), "sp": (0, x, 0, 0), "cp": (0, x, 0, 0), "dp": (0, 0, x, 0), "pp": (0, 0, 0, x)}[axis]
         group.append(members(*idx))
     levels = {cl.level(group[0], d) for d in group[1:]}
     for lvl in ("inter_center", "inter_node", "intra_node"):

@@ -19,7 +19,7 @@ from polyparallel.planning.place_plan import fits_memory
 
 __all__ = ["AXES", "Best", "Candidate", "brief", "least_memory", "replicates_over_tp", "shortfall", "why_axes"]
 
-AXES = ("dp", "tp", "pp", "sp")
+AXES = ("dp", "tp", "pp", "sp", "cp")
 
 
 @dataclass
@@ -130,7 +130,9 @@ def replicates_over_tp(est: StepEstimate | None) -> bool:
 _SPLITS = {"dp": "splits the batch: each replica trains on its share and the gradients are reduced",
            "tp": "splits each op's loop dims over devices inside a node (placements: {placed})",
            "pp": "splits the layers into stages that pass activations point to point",
-           "sp": "splits the sequence (Ulysses: all-to-all around attention)"}
+           "sp": "splits the sequence (Ulysses: all-to-all around attention)",
+           "cp": "splits the sequence (ring attention: K/V blocks passed around the shards, overlapped with the "
+                 "attention's compute)"}
 
 
 def why_axes(best: Best, c: Constraints) -> list[str]:
@@ -178,7 +180,8 @@ def why_axes(best: Best, c: Constraints) -> list[str]:
 
 
 def brief(cfg: ParallelConfig) -> str:
-    return (f"dp={cfg.dp} tp={cfg.tp} pp={cfg.pp} sp={cfg.sp} m={cfg.microbatches} {cfg.schedule_label} "
+    cp = f" cp={cfg.cp}" if cfg.cp > 1 else ""
+    return (f"dp={cfg.dp} tp={cfg.tp} pp={cfg.pp} sp={cfg.sp}{cp} m={cfg.microbatches} {cfg.schedule_label} "
             f"ZeRO-{cfg.zero_stage} "
             f"recompute {cfg.recompute}")
 

@@ -27,9 +27,10 @@ class Constraints:
     """Choices an expert pins; the search optimises the rest.
 
     Args:
-        dp / tp / pp / sp / microbatches / schedule / zero_stage / recompute: fixed values.
-        ep: the expert-parallel degree (MoE models; carved from ``dp·sp``). Unset, the search
-            tries 1 and every divisor of ``dp·sp`` that divides the experts of each MoE layer.
+        dp / tp / pp / sp / cp / microbatches / schedule / zero_stage / recompute: fixed values
+            (``sp``: Ulysses sequence parallelism, ``cp``: context parallelism, ring attention).
+        ep: the expert-parallel degree (MoE models; carved from ``dp·sp·cp``). Unset, the search
+            tries 1 and every divisor of ``dp·sp·cp`` that divides the experts of each MoE layer.
         devices: use only this many devices (the first ones in the cluster's order).
         centers: use only these centers (by name).
         memory_cap: bytes per device the plan may use (below the device capacity).
@@ -59,6 +60,7 @@ class Constraints:
     tp: int | None = None
     pp: int | None = None
     sp: int | None = None
+    cp: int | None = None
     ep: int | None = None
     microbatches: int | None = None
     schedule: str | None = None
@@ -103,6 +105,9 @@ class Constraints:
             why.append(f"chunks={self.chunks} needs the interleaved schedule, not schedule={self.schedule!r}")
         if self.partition is not None and self.partition not in ("flops", "layers"):
             why.append(f"partition={self.partition!r}: give flops or layers")
+        if (self.sp or 1) > 1 and (self.cp or 1) > 1:
+            why.append(f"sp={self.sp} and cp={self.cp} both split the sequence: pin Ulysses (sp) or ring attention "
+                       "(cp), not both")
         if self.sequence_parallel and self.tp is not None and self.tp == 1:
             why.append("sequence_parallel splits inside tensor parallelism: pin tp > 1 with it")
         try:

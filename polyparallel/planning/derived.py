@@ -95,7 +95,7 @@ def _tp_rule(g: Graph, cfg: ParallelConfig) -> list[str]:
 
 def rule_plans(g: Graph, cfg: ParallelConfig) -> PlacedPlans:
     """Megatron's candidate (memoised per graph, ``tp``, ``sp``, dtype)."""
-    key = ("derived:rule", cfg.tp, cfg.sp, cfg.sequence_parallel, cfg.dtype)
+    key = ("derived:rule", *cfg.split_key, cfg.dtype)
     memo = PRICES.of(g)
     hit = memo.get(key)
     if hit is None:
@@ -198,10 +198,10 @@ def variants(g: Graph, anchor: Graph, cl: Cluster, cfg: ParallelConfig, mode: st
     anchors' graph at ``lo + t (hi - lo)``; its derived OpPlans are then the anchors' interpolated
     (collective bytes are affine in the batch as the graph's integers are), instead of priced op
     by op again. A pair whose events differ in more than bytes is priced on ``g`` itself."""
-    if cfg.tp == 1 and cfg.sp == 1:
+    if cfg.tp == 1 and cfg.seq == 1:
         return [None]
     rule = rule_plans(g, cfg)
-    if mode == "rule" or cfg.tp == 1 or cfg.sp > 1:
+    if mode == "rule" or cfg.tp == 1 or cfg.seq > 1:
         return [rule]
     solved = None
     ab = affine(g) if affine is not None else None

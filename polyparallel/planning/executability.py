@@ -38,7 +38,7 @@ EdgeRule = Callable[[Graph, Op, Any, Op, Any, int], "str | None"]  # "free"/"for
 #: what a collaborative center's round runs beyond the torch backend's own limits (the collaborative
 #: backend's ``normalize_plan`` says why): the planner's collaborative mode searches each center's plan
 #: under these constraints
-CENTER_LIMITS: Mapping[str, Any] = MappingProxyType({"pp": 1, "sp": 1, "microbatches": 1, "dtype": "fp32"})
+CENTER_LIMITS: Mapping[str, Any] = MappingProxyType({"pp": 1, "sp": 1, "cp": 1, "microbatches": 1, "dtype": "fp32"})
 
 
 class NotExecutable(ValueError):

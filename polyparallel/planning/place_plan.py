@@ -132,7 +132,7 @@ def _place_stages(g: Graph, cl: Cluster, est: StepEstimate, stage_ops: list[list
         raise ValueError(f"placements must be one of {', '.join(MODES)}, not {mode!r}")
     cfg = est.config
     rule = rule_placements(g, cfg)
-    if mode == "rule" or cfg.tp == 1 or cfg.sp > 1:
+    if mode == "rule" or cfg.tp == 1 or cfg.seq > 1:
         reason = ("asked for" if mode == "rule" else "no tensor-parallel axis to place" if cfg.tp == 1 else
                   "sp > 1: Ulysses is run for every op, as the step model prices it")
         return Placed(est, rule, [StagePlacement("rule", reason) for _ in stage_ops])

@@ -153,7 +153,7 @@ def param_cost_of(g: Graph, cfg: ParallelConfig, device: Any, mesh: Any) -> Any:
     gb = TRAINING_DTYPE_BYTES[cfg.dtype]
     master = 4 if gb < 4 else 0
     state = OPTIMIZER_STATE_BYTES[cfg.optimizer]
-    shard = cfg.dp * cfg.sp if cfg.zero_stage >= 1 else 1
+    shard = cfg.dp * cfg.seq if cfg.zero_stage >= 1 else 1
     per_elem = (3 * gb + 2 * (master + state)) / shard / (0.8 * device.memory_bandwidth) / cfg.microbatches
     owned: dict[str, float] = {}
     seen: set[str] = set()

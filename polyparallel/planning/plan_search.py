@@ -116,7 +116,7 @@ from polyparallel.cost_models.layers import LAYER, chunk_of_ops, layer_segments
 from polyparallel.cost_models.megatron_rule import op_roles
 from polyparallel.cost_models.memo import PRICES
 from polyparallel.cost_models.parallel_config import execution_options
-from polyparallel.ir import Graph, Hint
+from polyparallel.ir import Graph, Hint, OpKind
 from polyparallel.plan import CENTER_FIELDS
 from polyparallel.planning.assemble import model_info, strategy_of
 from polyparallel.planning.branch_bound import Best, brief, least_memory, replicates_over_tp, why_axes
@@ -177,7 +177,7 @@ def _node_size(cluster: Cluster, devs: list[int]) -> int:
 def _crosses_wan(cluster: Cluster, cfg: ParallelConfig, devs: list[int]) -> tuple[bool, bool]:
     """(a dp/tp/sp group spans two centers, a pipeline boundary spans two centers)."""
     center = [cluster.device(d).center for d in devs]
-    group_wan = any(len({center[cfg.rank(s, d, q, t)] for d in range(cfg.dp) for q in range(cfg.sp)
+    group_wan = any(len({center[cfg.rank(s, d, q, t)] for d in range(cfg.dp) for q in range(cfg.seq)
                          for t in range(cfg.tp)}) > 1 for s in range(cfg.pp))
     stage_centers = [center[cfg.rank(s, 0, 0, 0)] for s in range(cfg.pp)]
     return group_wan, len(set(stage_centers)) > 1
@@ -193,44 +193,58 @@ def _wan_problem(cluster: Cluster, cfg: ParallelConfig, devs: list[int], c: Cons
     return None
 
 
-def _mesh_shapes(n: int, c: Constraints, node: int, layers: int, exhaustive: bool) -> list[tuple[int, int, int, int]]:
+def _sequence_splits(seq: int, c: Constraints, ring: bool) -> list[tuple[int, int]]:
+    """The ``(sp, cp)`` pairs splitting the sequence ``seq`` ways: Ulysses, and ring attention when
+    the model has attention (``ring``) or ``cp`` is pinned, each unless the constraints pin the other."""
+    if seq == 1:
+        return [(1, 1)] if (c.sp or 1) == 1 and (c.cp or 1) == 1 else []
+    out = [(seq, 1)] if c.sp in (None, seq) and c.cp in (None, 1) else []
+    if (ring or c.cp == seq) and c.cp in (None, seq) and c.sp in (None, 1):  # pinned: the cost model says why not
+        out.append((1, seq))
+    return out
+
+
+def _mesh_shapes(n: int, c: Constraints, node: int, layers: int, exhaustive: bool,
+                 ring: bool = True) -> list[tuple[int, int, int, int, int]]:
+    """The ``(dp, tp, pp, sp, cp)`` splits of ``n`` devices the search tries."""
     out = []
     for tp in divisors(n):
         if c.tp is not None and tp != c.tp:
             continue
-        for sp in divisors(n // tp):
-            if c.sp is not None and sp != c.sp:
+        for seq in divisors(n // tp):
+            if c.sp is None and c.cp is None and seq > 1 and not exhaustive and seq > 8:
                 continue
-            if c.sp is None and sp > 1 and not exhaustive and sp > 8:
+            if tp * seq > node and not (c.cross_node_tp or exhaustive or c.tp or c.sp or c.cp):
                 continue
-            if tp * sp > node and not (c.cross_node_tp or exhaustive or c.tp or c.sp):
-                continue
-            for pp in divisors(n // (tp * sp)):
-                if c.pp is not None and pp != c.pp:
-                    continue
-                if pp > max(1, layers):
-                    continue
-                dp = n // (tp * sp * pp)
-                if c.dp is not None and dp != c.dp:
-                    continue
-                out.append((dp, tp, pp, sp))
+            for sp, cp in _sequence_splits(seq, c, ring):
+                for pp in divisors(n // (tp * seq)):
+                    if c.pp is not None and pp != c.pp:
+                        continue
+                    if pp > max(1, layers):
+                        continue
+                    dp = n // (tp * seq * pp)
+                    if c.dp is not None and dp != c.dp:
+                        continue
+                    out.append((dp, tp, pp, sp, cp))
     return out
 
 
 def _no_mesh_shape(n: int, c: Constraints, node: int, layers: int) -> str:
     """Why :func:`_mesh_shapes` gives no shape for these constraints: the first rule that refuses."""
-    fixed = [(k, v) for k, v in (("tp", c.tp), ("sp", c.sp), ("pp", c.pp)) if v is not None]
+    fixed = [(k, v) for k, v in (("tp", c.tp), ("sp", c.sp), ("cp", c.cp), ("pp", c.pp)) if v is not None]
     prod = math.prod(v for _, v in fixed)
     if n % prod:
         return f"{'*'.join(k for k, _ in fixed)} = {prod} does not divide the {n} devices"
     if c.pp is not None and c.pp > max(1, layers):
         return (f"pp={c.pp} exceeds the model's {layers} repeated layers (a stage would hold no layer); "
                 f"use pp <= {max(1, layers)}")
-    if c.dp is not None and c.dp * prod != n and not (c.tp and c.sp and c.pp):
+    if c.dp is not None and c.dp * prod != n and not (c.tp and (c.sp or c.cp) and c.pp):
         return f"dp={c.dp} with {' '.join(f'{k}={v}' for k, v in fixed)} does not use the {n} devices"
-    if (c.tp or 1) * (c.sp or 1) > node and not c.cross_node_tp:
-        return f"tp*sp = {(c.tp or 1) * (c.sp or 1)} exceeds a node's {node} devices (pass cross_node_tp=True)"
-    return f"no split of the {n} devices matches dp={c.dp} tp={c.tp} pp={c.pp} sp={c.sp}"
+    seq = (c.sp or 1) * (c.cp or 1)
+    if (c.tp or 1) * seq > node and not c.cross_node_tp:
+        return (f"tp*{'cp' if c.cp else 'sp'} = {(c.tp or 1) * seq} exceeds a node's {node} devices (pass "
+                "cross_node_tp=True)")
+    return f"no split of the {n} devices matches dp={c.dp} tp={c.tp} pp={c.pp} sp={c.sp} cp={c.cp}"
 
 
 def _no_micro_batch(mdl: ModelGraphs, per_replica: int, c: Constraints) -> str:
@@ -266,7 +280,7 @@ def _plans(base: ParallelConfig, c: Constraints, layers: int,
         scheds = [(s, v) for s, v in scheds if s == schedule] or [(schedule, 1 if schedule != "interleaved"
                                                                     else chunks or 2)]
     ladder = [(int(z), r) for z, r in MEMORY_LADDER if base.ep == 1 or int(z) < 3]  # ZeRO-3 + ep: not modelled
-    if base.dp * base.sp == 1:
+    if base.dp * base.seq == 1:
         ladder = [(z, r) for z, r in ladder if z == 0] + [(0, "selective"), (0, "op"), (0, "full")]
         ladder = list(dict.fromkeys(ladder))
     if c.zero_stage is not None:
@@ -492,7 +506,8 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
         fits = [best.offer(graph, replace(cfg, op_plans=v), b) for v in variants(graph, g, cl, cfg, rank_by, affine)]
         return any(fits)
 
-    shapes = [(*sh, ep) for sh in _mesh_shapes(n, c, node, layers, exhaustive) for ep in _ep_degrees(g, sh, c)]
+    ring = any(OpKind(op.kind) is OpKind.ATTENTION for op in g.ops)  # ring attention needs attention to split
+    shapes = [(*sh, ep) for sh in _mesh_shapes(n, c, node, layers, exhaustive, ring) for ep in _ep_degrees(g, sh, c)]
     # the exhaustive yardstick walks every rung (`offer` refuses the unexecuted ones); otherwise
     # the ladders hold only executed rungs
     runs = (lambda cfg: not problems(cfg)) if enforce and not wide else None
@@ -502,14 +517,14 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
     one_mesh = None not in (c.dp, c.tp, c.pp)
     # what every plan is priced with: the pinned partition and how the framework executes (disjoint keys)
     options: dict[str, Any] = {**({"partition": c.partition} if c.partition else {}), **dict(c.execution)}
-    for i, (dp, tp, pp, sp, ep) in enumerate(shapes):
-        shape = f"dp={dp} tp={tp} pp={pp} sp={sp}" + (f" ep={ep}" if ep > 1 else "")
+    for i, (dp, tp, pp, sp, cp, ep) in enumerate(shapes):
+        shape = f"dp={dp} tp={tp} pp={pp} sp={sp}" + (f" cp={cp}" if cp > 1 else "") + (f" ep={ep}" if ep > 1 else "")
         if B % dp:
             best.skipped.append(f"{shape}: the global batch {B} does not divide over dp={dp}")
             continue
         per_replica = B // dp
-        base = ParallelConfig(dp=dp, tp=tp, pp=pp, sp=sp, ep=ep, microbatches=1, dtype=dtype, devices=tuple(devs),
-                              sequence_parallel=c.sequence_parallel and tp > 1, **options)
+        base = ParallelConfig(dp=dp, tp=tp, pp=pp, sp=sp, cp=cp, ep=ep, microbatches=1, dtype=dtype,
+                              devices=tuple(devs), sequence_parallel=c.sequence_parallel and tp > 1, **options)
         wan = _wan_problem(cl, base, devs, c)
         if wan:
             best.skipped.append(f"{shape}: {wan}")
@@ -576,10 +591,10 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
     return best
 
 
-def _ep_degrees(g: Graph, shape: tuple[int, int, int, int], c: Constraints) -> list[int]:
-    """Expert-parallel degrees of one mesh shape ``(dp, tp, pp, sp)``: 1, and each divisor of
-    ``dp·sp`` that divides every MoE layer's expert count (``c.ep`` when pinned)."""
-    ranks = shape[0] * shape[3]
+def _ep_degrees(g: Graph, shape: tuple[int, int, int, int, int], c: Constraints) -> list[int]:
+    """Expert-parallel degrees of one mesh shape ``(dp, tp, pp, sp, cp)``: 1, and each divisor of
+    ``dp·sp·cp`` that divides every MoE layer's expert count (``c.ep`` when pinned)."""
+    ranks = shape[0] * shape[3] * shape[4]
     experts = {d.extent for op in g.ops if op.nest is not None for d in op.nest.dims if d.hint is Hint.EXPERT}
     if c.ep is not None and c.ep > 1 and not experts:
         raise ValueError(f"ep={c.ep}: the model has no mixture-of-experts layer (no expert matmul was captured)")
@@ -778,7 +793,7 @@ def _check_batch(batch_size: Any) -> None:
 
 def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path = "local-cpu:2", *,
              example_kwargs: dict[str, Any] | None = None, dp: int | None = None, tp: int = 1, pp: int = 1,
-             sp: int = 1, microbatches: int | None = None, schedule: str | None = None,
+             sp: int = 1, cp: int = 1, microbatches: int | None = None, schedule: str | None = None,
              zero_stage: int | None = None, recompute: str | None = None, batch_size: int | None = None,
              dtype: str | None = None, placements: str = "rule", ep: int = 1, profile: bool = False,
              chunks: int | None = None, sequence_parallel: bool = False, partition: str | None = None,
@@ -800,7 +815,7 @@ def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Pa
     Returns a Strategy whose ``estimate`` holds the price (even when the recipe does not fit:
     then ``estimate.memory_bytes_max`` exceeds the capacity and ``search.notes`` says why).
     """
-    Constraints(dp=dp, tp=tp, pp=pp, sp=sp, ep=ep)  # raises on degrees no plan has
+    Constraints(dp=dp, tp=tp, pp=pp, sp=sp, cp=cp, ep=ep)  # raises on degrees no plan has
     _check_batch(batch_size)
     _check_cluster(cluster)
     model, example_inputs, example_kwargs, _ = model_and_inputs(model, example_inputs, example_kwargs)
@@ -809,21 +824,22 @@ def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Pa
     if profile:
         cl = executor("torch").profile(cl, mdl, lambda _: None)
     devs = list(range(cl.num_devices))
+    seq = sp * cp
     if dp is None:
-        dp = len(devs) // (tp * pp * sp)
+        dp = len(devs) // (tp * pp * seq)
         if dp < 1:
-            raise ValueError(f"tp*pp*sp = {tp * pp * sp} exceeds the {len(devs)} devices of {cl.name}")
-    world = dp * tp * pp * sp
+            raise ValueError(f"tp*pp*sp*cp = {tp * pp * seq} exceeds the {len(devs)} devices of {cl.name}")
+    world = dp * tp * pp * seq
     if world > len(devs):
-        raise ValueError(f"dp*tp*pp*sp = {world} but {cl.name} has {len(devs)} devices")
+        raise ValueError(f"dp*tp*pp*sp*cp = {world} but {cl.name} has {len(devs)} devices")
     devs = devs[:world]
     B = batch_size or mdl.b0 * dp
     if B % dp:
         raise ValueError(f"the global batch {B} is not divisible by dp={dp}")
-    if (dp * sp) % ep:
-        raise ValueError(f"ep={ep} must divide dp*sp = {dp * sp}: expert parallelism splits the experts over "
+    if (dp * seq) % ep:
+        raise ValueError(f"ep={ep} must divide dp*sp*cp = {dp * seq}: expert parallelism splits the experts over "
                          "data/sequence-parallel ranks")
-    c = Constraints(dp=dp, tp=tp, pp=pp, sp=sp, ep=ep, microbatches=microbatches, schedule=schedule,
+    c = Constraints(dp=dp, tp=tp, pp=pp, sp=sp, cp=cp, ep=ep, microbatches=microbatches, schedule=schedule,
                     zero_stage=zero_stage, recompute=recompute, dtype=dtype, allow_wan=True, cross_node_tp=True,
                     devices=world, chunks=chunks, sequence_parallel=sequence_parallel, partition=partition,
                     execution=execution_options(execution))  # checked, as sorted pairs
@@ -838,7 +854,7 @@ def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Pa
             # the cost model's own refusals ("dp2 tp2 ...: why") first, then the search's notes
             notes = sorted(best.notes, key=lambda n: not n.startswith("dp"))
             why = best.skipped[:3] + notes[:3] or [f"{best.candidates} plan(s) enumerated, none priced"]
-            raise ValueError(f"the recipe dp={dp} tp={tp} pp={pp} sp={sp} cannot be priced on {cl.name}: "
+            raise ValueError(f"the recipe dp={dp} tp={tp} pp={pp} sp={sp} cp={cp} cannot be priced on {cl.name}: "
                              + "; ".join(why))
         est = best.closest
         s = strategy_of(mdl, cl, est, _batch_of(mdl, est), B, devs, record, placements)

@@ -1,0 +1,145 @@
+"""Context parallelism at a long sequence on this machine: losses, step time and memory of cp plans,
+predicted vs measured.
+
+The project's LLaMA at small width (2 layers, hidden 64, 4 heads, FFN 128, vocabulary 256) at
+sequence ``--seq`` (default 8192), global batch 1 (2 with dp), SGD, fp32, on ``local-cpu:P``
+processes (gloo). For each recipe — one process, ring attention cp=2 and cp=4, cp=2 × dp=2, and
+Ulysses sp=4 for comparison —
+
+1. the price: ``pp.evaluate`` on ``local-cpu:P`` with the model's ops profiled on this machine
+   (``profile=True``), as a user prices a recipe: step time and per-device memory;
+2. the run: ``pp.train`` for ``--steps`` steps (the median of rank 0's step times after the
+   first), and one more run of 2 steps with ``profile_memory=True`` (rank 0's peak tensor bytes,
+   torch's ``MemTracker``; the tracker slows the step, so it is a run of its own);
+3. the losses against one process training the whole batch (max relative difference).
+
+Then ``pp.search`` on ``local-cpu:4`` at this sequence: the plan it writes and why.
+
+    .venv/bin/python benchmarks/context_parallel.py            # ~10 min on 2 idle cores
+    .venv/bin/python benchmarks/context_parallel.py --seq 2048 --steps 3
+    .venv/bin/python benchmarks/context_parallel.py --calibration /tmp/cal.json  # reuse a calibration
+
+Writes ``benchmarks/results/context_parallel.json``. Timings on a shared 2-core machine: the load
+is printed with the table; 4 processes on 2 cores share them, so cp=4's measured time is what 2
+cores give, which the ``local-cpu:4`` price (4 cores) does not assume.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # the workers import this module by name to build the model
+    sys.path.insert(0, str(HERE))
+
+import torch  # noqa: E402
+
+import polyparallel as pp  # noqa: E402
+from polyparallel import models  # noqa: E402
+from polyparallel.backends.torch._examples import single_process_losses  # noqa: E402
+
+SHAPE = dict(vocab=256, layers=2, hidden=64, heads=4, kv_heads=4, ffn=128)
+RECIPES = [dict(), dict(cp=2), dict(cp=4), dict(cp=2, dp=2), dict(sp=4)]
+
+
+def model(seq: int = 8192) -> torch.nn.Module:
+    return models.Llama(models.LlamaConfig(seq=seq, **SHAPE))
+
+
+def data(step: int, seq: int = 8192, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, SHAPE["vocab"], (batch, seq + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _world(r: dict[str, int]) -> int:
+    return r.get("cp", 1) * r.get("sp", 1) * r.get("dp", 1)
+
+
+def _calibrated(path: Path) -> None:
+    """Price with this machine's rates: measured now into ``path`` (unless it exists), read through
+    ``POLYPARALLEL_CALIBRATION`` (the user's default calibration file is left alone)."""
+    if not path.exists():
+        from polyparallel.cost_models.calibrate import calibrate
+
+        print(f"calibrating this machine -> {path}", flush=True)
+        calibrate(path)
+    os.environ["POLYPARALLEL_CALIBRATION"] = str(path)
+
+
+def run(seq: int, steps: int, lr: float = 0.05) -> dict[str, Any]:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    load = os.getloadavg()[0]
+    rows = []
+    refs: dict[int, list[float]] = {}
+    for r in RECIPES:
+        batch = r.get("dp", 1)
+        # by this module's importable name (not __main__'s): the workers rebuild the partials
+        me = importlib.import_module("context_parallel")
+        model_fn = functools.partial(me.model, seq=seq)
+        data_fn = functools.partial(me.data, seq=seq, batch=batch)
+        name = " ".join(f"{k}={v}" for k, v in r.items()) or "one process"
+        t0 = time.time()
+        s = pp.evaluate(model_fn(), data_fn(0), f"local-cpu:{_world(r)}", batch_size=batch, recompute="none",
+                        microbatches=1, profile=True, **r)
+        if batch not in refs:
+            refs[batch] = single_process_losses(model_fn, data_fn, steps=steps, lr=lr, seed=0)
+        log = pp.train(s, model_fn, data_fn, steps=steps, lr=lr, timeout_s=1200)
+        mem = pp.train(s, model_fn, data_fn, steps=2, lr=lr, timeout_s=1200, profile_memory=True)
+        times = [x["step_time_s"] for x in log[1:]] or [log[0]["step_time_s"]]
+        err = max(abs(x["loss"] - w) / abs(w) for x, w in zip(log, refs[batch], strict=True))
+        row = {"recipe": name, "devices": _world(r), "seq": seq, "batch": batch,
+               "predicted_step_s": s.estimate.step_time_s, "measured_step_s": statistics.median(times),
+               "predicted_memory_bytes": s.estimate.memory_bytes_max,
+               "measured_memory_bytes": max(x["peak_memory_bytes"] for x in mem),
+               "sequence_comm_s": s.estimate.breakdown.get("sequence_parallel", 0.0),
+               "max_rel_loss_diff": err, "seconds": round(time.time() - t0, 1)}
+        rows.append(row)
+        mib = row["measured_memory_bytes"] / 2**20, row["predicted_memory_bytes"] / 2**20
+        print(f"{name:14s} step {row['measured_step_s']:.3f} s (predicted {row['predicted_step_s']:.3f}), memory "
+              f"{mib[0]:.1f} MiB (predicted {mib[1]:.1f}), loss diff {err:.1e}", flush=True)
+    chosen = pp.search(model(seq), data(0, seq), "local-cpu:4", batch_size=1)
+    return {"machine_load_1min": load, "seq": seq, "steps": steps, "shape": SHAPE, "rows": rows,
+            "search": {"plan": {k: getattr(chosen, k) for k in ("dp", "tp", "pp", "sp", "cp")},
+                       "step_time_s": chosen.estimate.step_time_s,
+                       "why": [n for n in chosen.search.notes if n.startswith("why ")]}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "context_parallel.json")
+    ap.add_argument("--calibration", type=Path, default=Path("/tmp/polyparallel_cp_calibration.json"),
+                    help="this machine's calibration (measured first when the file is absent)")
+    a = ap.parse_args()
+    _calibrated(a.calibration)
+    res = run(a.seq, a.steps)
+    print(f"\nload (1 min) at the start: {res['machine_load_1min']:.1f}")
+    print(f"{'recipe':14s} {'step pred':>10s} {'step meas':>10s} {'err':>6s} {'mem pred MiB':>13s} "
+          f"{'mem meas MiB':>13s} {'err':>6s} {'loss diff':>9s}")
+    for r in res["rows"]:
+        te = r["predicted_step_s"] / r["measured_step_s"] - 1
+        me = r["predicted_memory_bytes"] / r["measured_memory_bytes"] - 1
+        print(f"{r['recipe']:14s} {r['predicted_step_s']:10.3f} {r['measured_step_s']:10.3f} {te:+6.0%} "
+              f"{r['predicted_memory_bytes'] / 2**20:13.1f} {r['measured_memory_bytes'] / 2**20:13.1f} {me:+6.0%} "
+              f"{r['max_rel_loss_diff']:9.1e}")
+    print(f"search on local-cpu:4 at seq {res['seq']}: {res['search']['plan']} ({res['search']['step_time_s']:.3f} s)")
+    for w in res["search"]["why"]:
+        print("  " + w)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
