@@ -71,7 +71,8 @@ built from positions folded into ``is_causal``, an HF label shift fed the next s
 The first stage reads its sequence shard of the micro-batch, the loss tail its shard of the labels;
 every ``(dp, sp)`` replica's micro-batch losses are token-weighted as for ``dp`` alone, and the
 gradients are averaged over the ``dp·sp`` ranks of a stage (FSDP2 over the flattened mesh). p2p goes
-between the ranks of equal ``(dp, sp)`` index. Not executed together with ``tp > 1``. Context parallelism
+between the ranks of equal ``(dp, sp)`` index. With ``tp > 1`` the tensor-parallel pass runs first and
+the all-to-alls move the rank's ``h/tp`` heads (heads divisible by ``tp·sp``). Context parallelism
 (``cp > 1``: ring attention, load-balanced positions) runs the same way, on the same mesh dim.
 """
 
@@ -418,19 +419,19 @@ def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, to
     mb = s.global_batch // n
     nodes = {op.name: op.source_node for op in graph.ops if op.source_node} if graph is not None else {}
     cuts = tuple(nodes.get(first, first) for first, _ in chunks[1:])
-    rewrite = _tp_rewrite(tp_kinds or {}, fused or {}, s.tp) if s.tp > 1 else None
+    tp_rewrite = _tp_rewrite(tp_kinds or {}, fused or {}, s.tp) if s.tp > 1 else None
+    seq_rewrite = None
     seq, ring = s.sp * s.cp, s.cp > 1
     axis, div = ("cp", 2 * s.cp) if ring else ("sp", s.sp)
     n = inputs.shape[1] // seq if seq > 1 else None
     if seq > 1:
-        if s.tp > 1:
-            raise Unsupported(f"{axis}={seq} with tp={s.tp} inside pipeline stages is not executed")
         if inputs.dim() < 2 or labels.dim() < 2 or inputs.shape[1] % div or labels.shape[1] != inputs.shape[1]:
             raise Unsupported(f"{axis}={seq} inside pipeline stages needs inputs and labels of shape (batch, seq, ...) "
                               f"with seq divisible by {div}; got {tuple(inputs.shape)} and {tuple(labels.shape)}")
-        rewrite = _sp_rewrite(seq, 0, n, ring)
+        seq_rewrite = _sp_rewrite(seq, 0, n, ring, s.tp)
     x0, y0 = (inputs[:mb], labels[:mb]) if n is None else (inputs[:mb, :n], labels[:mb, :n])
-    split = split_model(model, x0, y0, cuts, set(nodes.values()) if nodes else None, rewrite=rewrite, modules=False)
+    split = split_model(model, x0, y0, cuts, set(nodes.values()) if nodes else None,
+                        rewrite=_stage_rewrite(tp_rewrite, seq_rewrite), modules=False)
     for st in s.stages:
         have = set().union(*(split.layers[k] for k in range(st.index, len(chunks), s.pp)))
         if st.layers and have != set(st.layers):
@@ -456,15 +457,28 @@ def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, to
     return PipelinePlan(stages=s.pp, virtual=v, schedule=sched, microbatches=s.microbatches,
                         cuts=cuts, chunk_params=tuple(split.params), tied=tied,
                         pp_major=pp_major, axes=axes, tp=s.tp, sp=seq, ring=ring,
-                        halo=split.rewritten.halo if seq > 1 else None)
+                        halo=split.rewritten[1].halo if seq > 1 else None)
 
 
-def _sp_rewrite(sp: int, rank: int, n: int, ring: bool = False) -> Callable[[fx.GraphModule], Any]:
+def _sp_rewrite(sp: int, rank: int, n: int, ring: bool = False, tp: int = 1) -> Callable[[fx.GraphModule], Any]:
     """Ulysses (ring attention with ``ring``) inside the stages (:mod:`._stage_sp`) for sequence
-    shard ``rank`` of ``sp``, shards of ``n`` positions."""
+    shard ``rank`` of ``sp``, shards of ``n`` positions (``tp``: the heads are split over it too)."""
 
     def rewrite(gm: fx.GraphModule) -> Any:
-        return sp_rewrite(gm, sp, rank, n, ring=ring)
+        return sp_rewrite(gm, sp, rank, n, ring=ring, tp=tp)
+
+    return rewrite
+
+
+def _stage_rewrite(tp_rewrite: Callable[[fx.GraphModule], Any] | None,
+                   seq_rewrite: Callable[[fx.GraphModule], Any] | None) -> Callable[[fx.GraphModule], Any]:
+    """Both passes over the exported graph: tensor parallelism first (it finds the attention ops
+    whose heads it splits), then the sequence split around the attention on the local heads.
+    Returns (the tensor-parallel split values, the sequence pass's :class:`._stage_sp.SPRewrite`)."""
+
+    def rewrite(gm: fx.GraphModule) -> tuple[dict[str, int], Any]:
+        split = tp_rewrite(gm) if tp_rewrite is not None else {}
+        return split, seq_rewrite(gm) if seq_rewrite is not None else None
 
     return rewrite
 
@@ -546,19 +560,19 @@ def _split_on_rank(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], p
     pipe = plan.pipeline
     inputs, labels = batch
     mb = plan.global_batch // (plan.dp * pipe.microbatches)
-    rewrite = None
+    tp_rewrite = seq_rewrite = None
     if pipe.tp > 1:  # Megatron inside each stage, on local shards (._stage_tp)
         register_group("tp", ranks.mesh["tp"].get_group())
-        rewrite = _tp_rewrite(dict(plan.tp_plan), dict(plan.fused), pipe.tp, ranks.tp, ranks.mesh["tp"])
+        tp_rewrite = _tp_rewrite(dict(plan.tp_plan), dict(plan.fused), pipe.tp, ranks.tp, ranks.mesh["tp"])
     x0, y0 = inputs[:mb], labels[:mb]
-    if pipe.sp > 1:  # Ulysses inside each stage (._stage_sp): exported at the local sequence length
+    if pipe.sp > 1:  # Ulysses / ring attention inside each stage (._stage_sp): exported at the local length
         register_mesh("sp", ranks.mesh["sp"])
         # the tables are read from position 0 at the local length
         shard_tables(model, plan.tables, 1 if pipe.ring else pipe.sp, ranks.sp, pipe.sp if pipe.ring else 1)
         n = inputs.shape[1] // pipe.sp
-        rewrite = _sp_rewrite(pipe.sp, ranks.sp, n, pipe.ring)
+        seq_rewrite = _sp_rewrite(pipe.sp, ranks.sp, n, pipe.ring, pipe.tp)
         x0, y0 = inputs[:mb, :n], labels[:mb, :n]
-    return split_model(model, x0, y0, pipe.cuts, rewrite=rewrite)
+    return split_model(model, x0, y0, pipe.cuts, rewrite=_stage_rewrite(tp_rewrite, seq_rewrite))
 
 
 def _stage_module(chunk: fx.GraphModule, plan: Any, replicas: Any, prec: Any, device: torch.device) -> nn.Module:
@@ -584,7 +598,7 @@ class _LossTail:
         self.tail = split.tail.to(device)
         self.mesh, self.tp, self.prec = mesh, plan.pipeline.tp, prec
         # tail inputs split over tp (class-parallel logits) enter the loss as DTensors, under loss_parallel
-        tp_split = split.rewritten if self.tp > 1 else {}
+        tp_split = split.rewritten[0] if self.tp > 1 else {}
         placeholders = [p for p in self.tail.graph.nodes if p.op == "placeholder"][:-1]
         self.split_dims = [tp_split.get(p.name) for p in placeholders]
         self.parallel = any(d is not None for d in self.split_dims)

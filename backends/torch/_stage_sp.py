@@ -124,9 +124,12 @@ def _causal(mask: torch.Tensor, n: int) -> bool:
     return bool((allowed == torch.ones(n, n, dtype=torch.bool, device=allowed.device).tril()).all())
 
 
-def rewrite(gm: fx.GraphModule, sp: int, rank: int, n: int, mesh: str = "sp", ring: bool = False) -> SPRewrite:
+def rewrite(gm: fx.GraphModule, sp: int, rank: int, n: int, mesh: str = "sp", ring: bool = False,
+            tp: int = 1) -> SPRewrite:
     """Rewrite ``gm`` (exported at the local sequence length ``n``) for ``sp`` rank ``rank`` in place;
-    ``ring``: for context-parallel shard ``rank`` of ``sp`` (ring attention, load-balanced positions)."""
+    ``ring``: for context-parallel shard ``rank`` of ``sp`` (ring attention, load-balanced positions).
+    ``tp``: the tensor-parallel pass ran first, each rank holds ``1/tp`` of the heads (the graph's
+    recorded shapes are still the whole model's)."""
     graph = gm.graph
     inputs = [x for x in graph.nodes if x.op == "placeholder"]
     labels = inputs[-1]
@@ -139,8 +142,8 @@ def rewrite(gm: fx.GraphModule, sp: int, rank: int, n: int, mesh: str = "sp", ri
         if any(len(s) != 4 or s[2] != n for s in shapes):
             raise Unsupported(f"attention {node.name!r}: q, k, v of shapes {shapes} are not [batch, heads, "
                               f"{n}, head_dim] sequence shards")
-        if not ring and any(s[1] % sp for s in shapes):
-            raise Unsupported(f"attention {node.name!r}: {shapes[0][1]} heads do not split over sp={sp}")
+        if not ring and any(s[1] % (sp * tp) for s in shapes):
+            raise Unsupported(f"attention {node.name!r}: {shapes[0][1]} heads do not split over tp·sp={tp * sp}")
         names = ["attn_mask", "dropout_p", "is_causal"]
         full = dict(zip(names, node.args[3:6]))
         full.update({a: node.kwargs[a] for a in names if a in node.kwargs})

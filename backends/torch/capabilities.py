@@ -127,12 +127,9 @@ def plan_problems(graph: Graph | None, s: Plan) -> list[str]:
                    "with constraints={'recompute': 'none'}")
     elif s.recompute != "none":  # with or without pipeline stages (._recompute.recompute_chunk)
         why.extend(_recompute_problems(graph, s.recompute))
-    if s.pp > 1 and s.sp > 1 and s.tp > 1:
-        why.append(f"pp={s.pp} with sp={s.sp} and tp={s.tp}: sequence and tensor parallelism together inside "
-                   "pipeline stages are not executed")
-    elif s.pp > 1 and s.sp > 1:  # Ulysses as a pass over the stages' exported graph (._stage_sp)
+    if s.pp > 1 and s.sp > 1:  # Ulysses as a pass over the stages' exported graph (._stage_sp)
         sp_why = ["the model could not be captured to check it"] if graph is None else \
-            _stage_sp_problems(graph, s.sp)
+            _stage_sp_problems(graph, s.sp, heads_parts=s.tp * s.sp)
         if sp_why:
             why.append(f"sp={s.sp} inside pipeline stages (Ulysses) is not exact for this model: "
                        + "; ".join(sp_why[:3]))
@@ -142,12 +139,9 @@ def plan_problems(graph: Graph | None, s: Plan) -> list[str]:
         why.append(f"1f1b with {s.microbatches} micro-batch(es) for {s.pp} stages: torch's 1F1B schedule needs at "
                    "least as many micro-batches as stages; use schedule 'gpipe' (the same order when every stage "
                    f"holds one micro-batch) or microbatches >= {s.pp}")
-    if s.cp > 1 and s.pp > 1 and s.tp > 1:
-        why.append(f"pp={s.pp} with cp={s.cp} and tp={s.tp}: context and tensor parallelism together inside "
-                   "pipeline stages are not executed")
-    elif s.cp > 1 and s.pp > 1:  # ring attention as a pass over the stages' exported graph (._stage_sp)
+    if s.cp > 1 and s.pp > 1:  # ring attention as a pass over the stages' exported graph (._stage_sp)
         cp_why = ["the model could not be captured to check it"] if graph is None else \
-            _stage_sp_problems(graph, 1, s.cp)
+            _stage_sp_problems(graph, 1, s.cp, heads_parts=s.tp)
         if cp_why:
             why.append(f"cp={s.cp} inside pipeline stages (ring attention) is not exact for this model: "
                        + "; ".join(cp_why[:3]))
@@ -211,11 +205,13 @@ def sequence_via_graph(graph: Graph, s: Plan) -> bool:
     return bool(_sp_problems(graph, sp, heads, cp)) and not _stage_sp_problems(graph, sp, cp)
 
 
-def _stage_sp_problems(graph: Graph, sp: int, cp: int = 1) -> list[str]:
-    return list(_per_graph(graph, ("stage_sp", sp, cp), lambda: tuple(_stage_sp_problems_of(graph, sp, cp))))
+def _stage_sp_problems(graph: Graph, sp: int, cp: int = 1, heads_parts: int | None = None) -> list[str]:
+    parts = heads_parts or (1 if cp > 1 else sp)
+    return list(_per_graph(graph, ("stage_sp", sp, cp, parts),
+                           lambda: tuple(_stage_sp_problems_of(graph, sp, cp, parts))))
 
 
-def _stage_sp_problems_of(graph: Graph, sp: int, cp: int = 1) -> list[str]:
+def _stage_sp_problems_of(graph: Graph, sp: int, cp: int, heads_parts: int) -> list[str]:
     """:func:`._sequence_parallel.sp_problems` less what the pipeline's pass executes: an ``arange`` over
     the sequence length (position indices, rotary tables' positions, a causal mask's indices) or one
     the graph does not use (a mask's batch index) is offset or folded by :mod:`._stage_sp`, which
@@ -225,7 +221,7 @@ def _stage_sp_problems_of(graph: Graph, sp: int, cp: int = 1) -> list[str]:
     handled = {op.name for op in graph.ops if OpKind(op.kind) is OpKind.CREATE and "arange" in op.target
                and op.outputs and (not graph.consumers(op.outputs[0])
                                    or tuple(graph.tensors[op.outputs[0]].shape) in {(n,) for n in lengths})}
-    return [p for p in _sp_problems(graph, sp, sp, cp)
+    return [p for p in _sp_problems(graph, sp, heads_parts, cp)
             if not (p.startswith("op '") and p.split("'")[1] in handled and "builds a tensor from the sequence" in p)]
 
 
