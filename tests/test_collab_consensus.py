@@ -69,7 +69,7 @@ def test_the_filter_needs_three_updates():
     np.testing.assert_allclose(np.r_[two["w"], two["bn.running_mean"]], want, rtol=1e-12, atol=1e-15)
 
 
-def test_the_filter_leaves_out_an_update_against_the_consensus_and_refuses_again_on_the_rest():
+def test_the_filter_leaves_out_an_update_against_the_consensus_and_fuses_the_rest_again():
     f = CenteredClip(min_cos=0.0, ref=0)
     got = f.fuse(X, UPS)
     v = _plain_clip(ROWS, [10, 30, 10])
