@@ -6,8 +6,9 @@ sequence ``--seq`` (default 8192), global batch 1 (2 with dp), SGD, fp32, on ``l
 processes (gloo). For each recipe — one process, ring attention cp=2 and cp=4, cp=2 × dp=2, and
 Ulysses sp=4 for comparison —
 
-1. the price: ``pp.evaluate`` on ``local-cpu:P`` with the model's ops profiled on this machine
-   (``profile=True``), as a user prices a recipe: step time and per-device memory;
+1. the price: ``pp.evaluate`` on ``local-cpu:P`` with this machine's calibration, as a user prices
+   a recipe (the default path; ``profile=True``'s op profiling at 8k positions takes longer than the
+   runs): step time and per-device memory;
 2. the run: ``pp.train`` for ``--steps`` steps (the median of rank 0's step times after the
    first), and one more run of 2 steps with ``profile_memory=True`` (rank 0's peak tensor bytes,
    torch's ``MemTracker``; the tracker slows the step, so it is a run of its own);
@@ -90,7 +91,7 @@ def run(seq: int, steps: int, lr: float = 0.05) -> dict[str, Any]:
         name = " ".join(f"{k}={v}" for k, v in r.items()) or "one process"
         t0 = time.time()
         s = pp.evaluate(model_fn(), data_fn(0), f"local-cpu:{_world(r)}", batch_size=batch, recompute="none",
-                        microbatches=1, profile=True, **r)
+                        microbatches=1, **r)
         if batch not in refs:
             refs[batch] = single_process_losses(model_fn, data_fn, steps=steps, lr=lr, seed=0)
         log = pp.train(s, model_fn, data_fn, steps=steps, lr=lr, timeout_s=1200)

@@ -25,14 +25,17 @@ the step model charges is the part the compute does not hide (``step.py``).
 
 from __future__ import annotations
 
+from typing import Any
+
 from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind, element_bytes, target_base
 from polyparallel.ops import CAST_TARGETS, COPY_TARGETS
 
+from .comm import collective_time
 from .memo import PRICES
 from .parallel_config import OpPlan, ParallelConfig
 from .spatial import spatial_plan
 
-__all__ = ["op_plans", "op_roles", "tensor_bytes", "vocabulary_lookups"]
+__all__ = ["op_plans", "op_roles", "ring_dominated", "tensor_bytes", "vocabulary_lookups"]
 
 
 def tensor_bytes(graph: Graph, name: str, dtype: str) -> float:
@@ -137,6 +140,33 @@ def _propagate(graph: Graph, cfg: ParallelConfig) -> list[OpPlan]:
         plan = OpPlan(split, tuple(tp_fwd), tuple(tp_bwd), tuple(sp_fwd), tuple(sp_bwd), param_split)
         plans.append(distinct.setdefault(plan, plan))
     return plans
+
+
+def ring_dominated(graph: Graph, cluster: Any, cfg: ParallelConfig, group: list[int]) -> bool:
+    """Whether ring attention (``cfg.cp``) can never be faster than Ulysses at the same degree on the
+    sequence group ``group``, so the search need not price it where Ulysses runs.
+
+    The two split every op's work alike and hold the same activations; ring attention computes its
+    attention as smaller kernels (never faster) and, of its transfers, at least the ``cp`` dK/dV
+    shifts of the backward pass are exposed (:mod:`.step`), ``2·S·h_kv·d`` values per attention
+    in all; Ulysses' eight all-to-alls move ``8(p-1)/p²·S·h·d``. When the first is no less than the
+    second, on this group's links, at the graph's micro-batch and a thousand times its bytes
+    (latency- and bandwidth-bound), the ring plan is dominated (grouped K/V heads, ``h_kv < h``,
+    are what let it win)."""
+    cp, tp = cfg.cp, cfg.tp
+    if cp == 1:
+        return False
+    ring, ulysses = [0.0, 0.0], [0.0, 0.0]
+    for op, (kind, acts, _) in zip(graph.ops, op_roles(graph)):
+        if kind is not OpKind.ATTENTION or len(acts) < 3:
+            continue
+        heads = tp if tp > 1 else 1
+        kv = sum(tensor_bytes(graph, t, cfg.dtype) for t in acts[1:3]) / (cp * heads)
+        moved = [tensor_bytes(graph, t, cfg.dtype) / (cp * heads) for t in (*acts[:3], *op.outputs)]
+        for i, scale in enumerate((1.0, 1e3)):
+            ring[i] += cp * collective_time(cluster, "shift", kv * scale, group).seconds
+            ulysses[i] += 2 * sum(collective_time(cluster, "all_to_all", b * scale, group).seconds for b in moved)
+    return ring[0] >= ulysses[0] and ring[1] >= ulysses[1]
 
 
 def _sequence_splits(op: Op, sp: int) -> None:

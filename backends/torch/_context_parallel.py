@@ -21,7 +21,10 @@ e^{s_j}`` of a block and output ``o = \mathrm{softmax}(s)\,V``,
 .. math::  ℓ \leftarrow \log(e^{ℓ} + e^{ℓ_b}),\qquad
            o \leftarrow o\,e^{ℓ_{old} - ℓ} + o_b\,e^{ℓ_b - ℓ}.
 
-The backward pass is written out (a ``torch.autograd.Function``), as FlashAttention's: with
+Each block runs torch's fused (flash) attention kernel on the CPU, forward with its log-sum-exp,
+backward given the rows' merged output and log-sum-exp, so no block's scores are held; on other
+devices the same arithmetic is written out (not yet measured on a GPU). The backward pass (a
+``torch.autograd.Function``) is FlashAttention's: with
 ``P = e^{s - ℓ}`` and ``D = \mathrm{rowsum}(dO \odot O)``, per pair ``dV_b \mathrel{+}= P^T dO``,
 ``dS = P \odot (dO\,V_b^T - D)``, ``dQ \mathrel{+}= dS\,K_b\,σ``, ``dK_b \mathrel{+}= dS^T Q\,σ``.
 ``K, V`` travel the ring again, each with the ``dK, dV`` accumulated for it; after the last step
@@ -113,6 +116,41 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, diagonal: bool) -> t
     return s
 
 
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           diagonal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's attention output and per-row log-sum-exp, in the accumulation precision: torch's
+    fused (flash) kernel on the CPU, which never holds the block's scores; written out elsewhere."""
+    acc = _acc(q)
+    if q.device.type == "cpu":
+        o, lse = _FLASH_CPU(q, k, v, 0.0, diagonal, scale=scale)
+        return o.to(acc), lse.to(acc)
+    s = _scores(q.to(acc), k.to(acc), scale, diagonal)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.to(acc)), lse
+
+
+def _block_grads(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, delta: torch.Tensor, scale: float,
+                 diagonal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's contributions to dQ, dK, dV given the rows' *merged* output and log-sum-exp
+    (FlashAttention's backward; ``delta = rowsum(dO * O)``): the fused CPU kernel, or written out."""
+    acc = _acc(q)
+    if q.device.type == "cpu":
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        grads = _FLASH_CPU_BACKWARD(do.to(q.dtype), q, k, v, out.to(q.dtype), lse.to(lse_dtype), 0.0, diagonal,
+                                    scale=scale)
+        return tuple(g.to(acc) for g in grads)  # type: ignore[return-value]
+    qa, kb, vb, doa = q.to(acc), k.to(acc), v.to(acc), do.to(acc)
+    p = torch.exp(_scores(qa, kb, scale, diagonal) - lse.unsqueeze(-1))
+    ds = p * (torch.matmul(doa, vb.transpose(-1, -2)) - delta.unsqueeze(-1))
+    return torch.matmul(ds, kb) * scale, torch.matmul(ds.transpose(-1, -2), qa) * scale, \
+        torch.matmul(p.transpose(-1, -2), doa)
+
+
 class _RingAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
@@ -120,19 +158,14 @@ class _RingAttentionFn(torch.autograd.Function):
         cp, r = ring.size, ring.rank
         c = q.shape[-2] // 2
         acc = _acc(q)
-        qf = q.to(acc)
-        out = torch.zeros_like(qf)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack([k, v])
         for i in range(cp):
             pending = ring.start(kv) if i < cp - 1 else None
-            kb_all, vb_all = kv[0].to(acc), kv[1].to(acc)
             for a, b, diag in _pairs(r, (r - i) % cp, cp, causal):
-                qa = qf[..., a * c:(a + 1) * c, :]
-                kb, vb = kb_all[..., b * c:(b + 1) * c, :], vb_all[..., b * c:(b + 1) * c, :]
-                s = _scores(qa, kb, scale, diag)
-                lse_b = torch.logsumexp(s, dim=-1)
-                o_b = torch.matmul(torch.exp(s - lse_b.unsqueeze(-1)), vb)
+                rows, cols = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
+                o_b, lse_b = _block(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], scale, diag)
                 old = lse[..., a * c:(a + 1) * c]
                 new = torch.logaddexp(old, lse_b)
                 rows = out[..., a * c:(a + 1) * c, :]
@@ -151,23 +184,20 @@ class _RingAttentionFn(torch.autograd.Function):
         cp, r = ring.size, ring.rank
         c = q.shape[-2] // 2
         acc = _acc(q)
-        qf, do = q.to(acc), dout.to(acc)
-        delta = (do * out).sum(-1)
-        dq = torch.zeros_like(qf)
+        delta = (dout.to(acc) * out).sum(-1)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
         for i in range(cp):
             pending = ring.start(kv) if i < cp - 1 else None
-            kb_all, vb_all = kv[0].to(acc), kv[1].to(acc)
             for a, b, diag in _pairs(r, (r - i) % cp, cp, causal):
                 rows, cols = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
-                qa, doa = qf[..., rows, :], do[..., rows, :]
-                kb, vb = kb_all[..., cols, :], vb_all[..., cols, :]
-                p = torch.exp(_scores(qa, kb, scale, diag) - lse[..., rows].unsqueeze(-1))
-                dkv[1][..., cols, :] += torch.matmul(p.transpose(-1, -2), doa)
-                ds = p * (torch.matmul(doa, vb.transpose(-1, -2)) - delta[..., rows].unsqueeze(-1))
-                dq[..., rows, :] += torch.matmul(ds, kb) * scale
-                dkv[0][..., cols, :] += torch.matmul(ds.transpose(-1, -2), qa) * scale
+                gq, gk, gv = _block_grads(dout[..., rows, :], q[..., rows, :], kv[0][..., cols, :],
+                                          kv[1][..., cols, :], out[..., rows, :], lse[..., rows],
+                                          delta[..., rows], scale, diag)
+                dq[..., rows, :] += gq
+                dkv[0][..., cols, :] += gk
+                dkv[1][..., cols, :] += gv
             dkv = _Ring.wait(ring.start(dkv))  # the accumulators follow their block (home after the last)
             if pending is not None:
                 kv = _Ring.wait(pending)

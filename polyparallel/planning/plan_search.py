@@ -113,7 +113,7 @@ from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, StepEstimate
 from polyparallel.cost_models.collab_simulator import SimInputs, choose_local_steps
 from polyparallel.cost_models.layers import LAYER, chunk_of_ops, layer_segments
-from polyparallel.cost_models.megatron_rule import op_roles
+from polyparallel.cost_models.megatron_rule import op_roles, ring_dominated
 from polyparallel.cost_models.memo import PRICES
 from polyparallel.cost_models.parallel_config import execution_options
 from polyparallel.ir import Graph, Hint, OpKind
@@ -529,6 +529,8 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
         if wan:
             best.skipped.append(f"{shape}: {wan}")
             continue
+        if cp > 1 and c.cp is None and _ulysses_instead(g, cl, base, devs, torch if runs is not None else None):
+            continue  # ring attention cannot beat Ulysses here, which runs this shape
         sizes = mdl.micro_sizes(per_replica, exhaustive, whole=enforce, pinned=c.microbatches)
         # a mesh the user pinned is one shape: every micro-batch size of it is tried
         order = _micro_order(sizes, per_replica, pp, c, wide or one_mesh)
@@ -589,6 +591,20 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
     if best.est is not None:
         best.notes += why_axes(best, c)
     return best
+
+
+def _ulysses_instead(g: Graph, cl: Cluster, cfg: ParallelConfig, devs: list[int], backend: Any) -> bool:
+    """Whether the ring-attention shape ``cfg`` is dominated by its Ulysses twin (same degrees,
+    ``sp = cp``), which the backend runs wherever it runs the ring plan
+    (:func:`~polyparallel.cost_models.megatron_rule.ring_dominated`). The twins differ only in the
+    sequence split, so the backend is asked about one plan of the shape that no other rule refuses
+    (a pipeline's GPipe with a micro-batch per stage); ``backend`` None: every plan counts."""
+    if backend is not None:
+        probe = replace(cfg, microbatches=cfg.pp, schedule="gpipe")
+        if backend.plan_problems(g, replace(probe, sp=cfg.cp, cp=1)) and not backend.plan_problems(g, probe):
+            return False
+    group = [devs[cfg.rank(0, 0, q, 0)] for q in range(cfg.seq)]
+    return ring_dominated(g, cl, cfg, group)
 
 
 def _ep_degrees(g: Graph, shape: tuple[int, int, int, int, int], c: Constraints) -> list[int]:
