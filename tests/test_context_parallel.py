@@ -200,8 +200,8 @@ def test_llama_under_context_parallelism_matches_single_process(degrees: dict[st
 
 
 def test_cp_refusals_name_the_fix() -> None:
-    """A sequence that does not cut into 2cp chunks, and cp with tp inside pipeline stages, are
-    refused before launch with what to change."""
+    """A sequence that does not cut into 2cp chunks is refused before launch with what to change;
+    grouped K/V heads that Ulysses cannot split over tp*sp do not limit ring attention."""
     from polyparallel.backends.torch._tensor_parallel import capture_for_strategy
     from tests.test_torch_tp import tiny_llama
 
@@ -211,8 +211,10 @@ def test_cp_refusals_name_the_fix() -> None:
     why = plan_problems(g, Plan(cp=3))
     assert any("not divisible by 2·cp = 6" in w for w in why), why
     assert plan_problems(g, Plan(cp=2, pp=2, microbatches=2)) == []  # inside stages: the graph pass
-    assert any("context and tensor parallelism together inside pipeline stages" in w
-               for w in plan_problems(g, Plan(cp=2, pp=2, tp=2, microbatches=2, zero_stage=1)))
+    # 2 K/V heads: Ulysses cannot split them over tp*sp = 4, ring attention needs them over tp only
+    assert plan_problems(g, Plan(cp=2, pp=2, tp=2, microbatches=2, zero_stage=1)) == []
+    assert any("2 heads do not split over 4 ranks" in w
+               for w in plan_problems(g, Plan(sp=2, pp=2, tp=2, microbatches=2, zero_stage=1)))
 
 
 @pytest.mark.slow
