@@ -64,8 +64,8 @@ def main() -> None:
     from polyparallel.backends.collab._center import TorchTrainer
     from polyparallel.backends.collab._dp_center import DataParallelTrainer
     from polyparallel.backends.collab._foreign import ForeignTrainer
+    from polyparallel.backends.collab._mindspore_dp import MindSporeDataParallelTrainer
     from polyparallel.backends.collab._models import ModelSpec, build_torch_model, torch_state
-    from polyparallel.backends.mindspore._center import MindSporeDataParallelTrainer
 
     d = load_digits()
     x, y = (d.data / 16).astype(np.float32), d.target.astype(np.int64)

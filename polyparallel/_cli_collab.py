@@ -189,6 +189,10 @@ def _data_option(data: str | None) -> tuple[Path | None, str]:
 
 #: the longer help texts of ``collab``'s options
 _HELP = {
+    "norm_bound": "refuse an update whose norm exceeds K x the median norm of the round's and recent rounds' updates",
+    "max_abs_update": "refuse an update with a coordinate larger than this (int8: checked on the scales, before "
+                      "decoding)",
+    "step_bound": "keep the old model when the fused step exceeds this x the median recent step (0: only finiteness)",
     "link": "emulate a WAN link: [CENTER=]DOWN[,UP[,LATENCY]], e.g. 'a=5 MB/s,2 MB/s,20 ms' (no CENTER: every center); "
             "the center holds its download and upload to it (loopback is otherwise ~GB/s). Repeatable",
     "root_data": ".npz (x, y): the server's own small root set, never a center's rows; the fusion is then fltrust "
@@ -247,16 +251,10 @@ def collab_cmd(
     = 0.0,
     compression: Annotated[str | None, typer.Option("--compression", help="none (the default), fp16 or int8")] = None,
     min_centers: Annotated[int, typer.Option("--min-centers", help="0: all")] = 0,
-    norm_bound: Annotated[float, typer.Option(
-        "--norm-bound", help="refuse an update whose norm exceeds K x the median norm of the round's and recent "
-        "rounds' updates")] = 4.0,
+    norm_bound: Annotated[float, typer.Option("--norm-bound", help=_HELP["norm_bound"])] = 4.0,
     no_norm_bound: Annotated[bool, typer.Option("--no-norm-bound", help="no norm bound (--norm-bound 0)")] = False,
-    max_abs_update: Annotated[float, typer.Option(
-        "--max-abs-update", help="refuse an update with a coordinate larger than this (int8: checked on the "
-        "scales, before decoding)")] = 1e4,
-    step_bound: Annotated[float, typer.Option(
-        "--step-bound", help="keep the old model when the fused step exceeds this x the median recent step "
-        "(0: only finiteness)")] = 10.0,
+    max_abs_update: Annotated[float, typer.Option("--max-abs-update", help=_HELP["max_abs_update"])] = 1e4,
+    step_bound: Annotated[float, typer.Option("--step-bound", help=_HELP["step_bound"])] = 10.0,
     min_cosine: Annotated[float, typer.Option(
         "--min-cosine", help="refuse an update whose cosine to the median of the others is below this (3+ "
         "updates; -1: off, the default: under label skew it refuses honest centers)")] = -1.0,

@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["UserCodeError", "call_user", "is_reference", "resolve"]
+__all__ = ["UserCodeError", "call_user", "import_path", "is_reference", "resolve"]
 
 _REF = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 
@@ -87,3 +87,20 @@ def user_frame(e: BaseException) -> traceback.FrameSummary | None:
     frames = [f for f in traceback.extract_tb(e.__traceback__)
               if not os.path.abspath(f.filename).startswith(skip) and "site-packages" not in f.filename]
     return frames[-1] if frames else None
+
+
+def import_path() -> str:
+    """This process's import path minus the interpreter's own directories, as ``PYTHONPATH``.
+
+    Flower's processes (SuperNodes, their ClientApps, the ServerApp) import the user's model and data
+    modules themselves and run in another working directory: they get the directories this process
+    imports from (the current directory first, as for ``python -m``), so a module importable here is
+    importable there.
+    """
+    own = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    out: list[str] = []
+    for p in [os.getcwd(), *sys.path, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]:
+        rp = os.path.realpath(p or os.getcwd())
+        if os.path.isdir(rp) and not any(rp == o or rp.startswith(o + os.sep) for o in own) and rp not in out:
+            out.append(rp)
+    return os.pathsep.join(out)

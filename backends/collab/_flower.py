@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from polyparallel.backends.torch._procs import die_with_parent
+from polyparallel.references import import_path
 
 from ._config import CollabConfig
 from ._engine import CollabResult, check_data
@@ -71,23 +72,6 @@ PRUNE_IN_PROCESS_ONLY = ("pruning (CollabConfig.prune, --prune) runs on the in-p
 
 class FlowerError(RuntimeError):
     """A Flower process failed or the run did not finish in time (the message names the log to read)."""
-
-
-def import_path() -> str:
-    """This process's import path minus the interpreter's own directories, as ``PYTHONPATH``.
-
-    Flower's processes (SuperNodes, their ClientApps, the ServerApp) import the user's model and data
-    modules themselves and run in another working directory: they get the directories this process
-    imports from (the current directory first, as for ``python -m``), so a module importable here is
-    importable there.
-    """
-    own = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
-    out: list[str] = []
-    for p in [os.getcwd(), *sys.path, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]:
-        rp = os.path.realpath(p or os.getcwd())
-        if os.path.isdir(rp) and not any(rp == o or rp.startswith(o + os.sep) for o in own) and rp not in out:
-            out.append(rp)
-    return os.pathsep.join(out)
 
 
 def free_port() -> int:

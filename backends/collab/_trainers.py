@@ -27,10 +27,10 @@ def _torch_trainer(config: CollabConfig, center: str, x: np.ndarray, y: np.ndarr
 
 def _foreign_trainer(config: CollabConfig, center: str, x: np.ndarray, y: np.ndarray, kw: dict[str, Any]) -> Any:
     """A MindSpore, Paddle or TensorFlow center (:class:`._foreign.ForeignTrainer`); a MindSpore center with
-    several devices runs data parallelism over msrun ranks (:mod:`polyparallel.backends.mindspore._center`)."""
+    several devices runs data parallelism over msrun ranks (:mod:`polyparallel.backends.collab._mindspore_dp`)."""
     spec = config.center(center)
     if spec.devices > 1 and spec.framework == "mindspore":  # data parallel over msrun ranks
-        from polyparallel.backends.mindspore._center import MindSporeDataParallelTrainer
+        from polyparallel.backends.collab._mindspore_dp import MindSporeDataParallelTrainer
 
         return MindSporeDataParallelTrainer(config.model, x, y, devices=spec.devices, plan=dict(spec.plan),
                                             timeout_s=config.round_timeout_s, **kw)

@@ -1,5 +1,6 @@
 """The MindSpore backend: a Strategy exported as MindSpore's parallel configuration
-(:func:`export_mindspore`), and MindSpore centers with several devices (:mod:`._center`)."""
+(:func:`export_mindspore`) and checked by MindSpore (:mod:`._validate`). A MindSpore center with
+several devices is a collaborative center (:mod:`polyparallel.backends.collab._mindspore_dp`)."""
 
 from __future__ import annotations
 

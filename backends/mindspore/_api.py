@@ -10,6 +10,7 @@ import numpy as np
 from polyparallel.strategy import Strategy
 
 from ._export import ExportResult, export_mindspore
+from ._validate import validate_export
 
 __all__ = ["TARGETS", "export"]
 
@@ -77,7 +78,6 @@ def export(strategy: Strategy | str | Path, to: str = "mindspore", out: str | Pa
         extra.update(cell_reference=mindspore_model, cell_inputs=str(inputs.resolve()))
     result = export_mindspore(s, out, graph=graph, cell_map=cell_map, extra=extra)
     if validate:
-        from ._validate import validate_export
 
         result.config["validation"] = validate_export(out)
     return result

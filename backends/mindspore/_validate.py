@@ -24,6 +24,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from polyparallel.references import import_path
+
+from ._export import CONFIG_FILE, REPORT_FILE, report_markdown
+from .cell_map import apply_pipeline, apply_shards, build_cell
+
 __all__ = ["validate_export"]
 
 RESULT_FILE = "validation.json"
@@ -32,7 +37,6 @@ RESULT_FILE = "validation.json"
 def validate_export(out: str | Path, timeout_s: float = 600.0) -> dict[str, Any]:
     """Run the checks on ``out/mindspore_parallel.json`` in a new Python process (MindSpore's context is
     global); the results, also written to ``out/validation.json`` and into the report."""
-    from ._center import import_path
 
     out = Path(out)
     proc = subprocess.run([sys.executable, "-m", "polyparallel.backends.mindspore._validate", str(out)],
@@ -44,7 +48,6 @@ def validate_export(out: str | Path, timeout_s: float = 600.0) -> dict[str, Any]
         errors = [ln for ln in lines if ln.split(":", 1)[0].endswith(("Error", "Exception"))]
         raise RuntimeError(f"the MindSpore check of {out} failed: {(errors or lines or ['(no output)'])[-1].strip()}")
     result: dict[str, Any] = json.loads(path.read_text())
-    from ._export import CONFIG_FILE, REPORT_FILE, report_markdown
 
     config = json.loads((out / CONFIG_FILE).read_text())
     config["validation"] = result
@@ -61,7 +64,6 @@ def _check(out: Path) -> dict[str, Any]:
     import mindspore as ms
     from mindspore import nn, ops
 
-    from ._export import CONFIG_FILE
 
     config = json.loads((out / CONFIG_FILE).read_text())
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
@@ -100,7 +102,6 @@ def _check(out: Path) -> dict[str, Any]:
                               f"micro-batches by nn.PipelineCell(micro_size={config['micro_batches']['micro_size']})")
     result["parallel_compile"] = _parallel_compile(ms, nn, ops, config, ctx)
     if config.get("cell_reference"):
-        from .cell_map import apply_pipeline, apply_shards, build_cell
 
         cell, inputs = build_cell(config["cell_reference"], config.get("cell_inputs"))
         ms.reset_auto_parallel_context()

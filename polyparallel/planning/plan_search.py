@@ -482,8 +482,7 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
     enforce = executable and c.placements == "torch" and dtype in torch.dtypes
     best = Best(cl=cl, cap=c.memory_cap)
     g = mdl.graph(mdl.b0)
-    problems = _verdicts(best, g)
-    best.refuse = problems if enforce else None
+    best.refuse = (problems := _verdicts(best, g)) if enforce else None
     if executable and c.placements == "torch" and not enforce:
         best.notes.append(f"the torch backend trains in {', '.join(torch.dtypes)} only: this {dtype} strategy is "
                           f"for planning only (polyparallel train refuses it)")
@@ -525,12 +524,10 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
         per_replica = B // dp
         base = ParallelConfig(dp=dp, tp=tp, pp=pp, sp=sp, cp=cp, ep=ep, microbatches=1, dtype=dtype,
                               devices=tuple(devs), sequence_parallel=c.sequence_parallel and tp > 1, **options)
-        wan = _wan_problem(cl, base, devs, c)
-        if wan:
-            best.skipped.append(f"{shape}: {wan}")
+        skip = _shape_skip(g, cl, base, devs, c, torch if runs is not None else None)
+        if skip is not None:
+            best.skipped += [f"{shape}: {skip}"] if skip else []
             continue
-        if cp > 1 and c.cp is None and _ulysses_instead(g, cl, base, devs, torch if runs is not None else None):
-            continue  # ring attention cannot beat Ulysses here, which runs this shape
         sizes = mdl.micro_sizes(per_replica, exhaustive, whole=enforce, pinned=c.microbatches)
         # a mesh the user pinned is one shape: every micro-batch size of it is tried
         order = _micro_order(sizes, per_replica, pp, c, wide or one_mesh)
@@ -591,6 +588,18 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
     if best.est is not None:
         best.notes += why_axes(best, c)
     return best
+
+
+def _shape_skip(g: Graph, cl: Cluster, cfg: ParallelConfig, devs: list[int], c: Constraints,
+                backend: Any) -> str | None:
+    """Why the search does not enumerate the mesh shape ``cfg`` (``""``: said nowhere, it cannot win),
+    or None: a WAN group it may not have, a ring-attention shape its Ulysses twin dominates."""
+    wan = _wan_problem(cl, cfg, devs, c)
+    if wan:
+        return wan
+    if cfg.cp > 1 and c.cp is None and _ulysses_instead(g, cl, cfg, devs, backend):
+        return ""
+    return None
 
 
 def _ulysses_instead(g: Graph, cl: Cluster, cfg: ParallelConfig, devs: list[int], backend: Any) -> bool:

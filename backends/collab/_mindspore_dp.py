@@ -1,10 +1,10 @@
 """A MindSpore center with several devices: data parallelism over ranks launched by ``msrun``.
 
 :class:`MindSporeDataParallelTrainer` starts MindSpore's own launcher once per center,
-``msrun --worker_num=P --local_worker_num=P ... _worker.py``, which starts a scheduler and ``P`` ranks
+``msrun --worker_num=P --local_worker_num=P ... _mindspore_dp_worker.py``, which starts a scheduler and ``P`` ranks
 that join MindSpore's communication (MCCL on CPU). Each rank connects back to this trainer over an
 authenticated loopback connection, receives the model spec, the center's data and its SGD settings,
-and then serves one request per round (:mod:`._worker`): load the global parameters, take ``H`` SGD
+and then serves one request per round (:mod:`._mindspore_dp_worker`): load the global parameters, take ``H`` SGD
 steps on its share of each global batch with gradients averaged over the ranks, send the model back
 (rank 0). Start-up (msrun, the imports, the rendezvous) is paid once per center, not once per round.
 
@@ -44,10 +44,11 @@ from typing import Any
 import numpy as np
 
 from polyparallel.backends.collab._center import CenterData, evaluate_torch
+from polyparallel.references import import_path
 
-__all__ = ["MindSporeDataParallelTrainer", "check_mindspore_plan", "import_path"]
+__all__ = ["MindSporeDataParallelTrainer", "check_mindspore_plan"]
 
-WORKER = Path(__file__).with_name("_worker.py")
+WORKER = Path(__file__).with_name("_mindspore_dp_worker.py")
 
 
 def check_mindspore_plan(plan: Mapping[str, Any] | None, devices: int, center: str = "") -> None:
@@ -69,12 +70,6 @@ def check_mindspore_plan(plan: Mapping[str, Any] | None, devices: int, center: s
     dp = int(plan.get("dp", devices))
     if dp != devices:
         raise ValueError(f"{who}: dp={dp} but the center has {devices} devices; a MindSpore center runs dp={devices}")
-
-
-def import_path() -> str:
-    """This process's import path as a PYTHONPATH, so a process it starts resolves ``MODULE:FUNCTION``
-    references (user models, data sources) as it does."""
-    return os.pathsep.join(dict.fromkeys([os.getcwd(), *(p for p in sys.path if p and os.path.isdir(p))]))
 
 
 def _msrun() -> str:
