@@ -187,8 +187,8 @@ def test_refuses_stages_it_cannot_cut() -> None:
         plan_for(s.model_copy(update={"schedule": "zero-bubble"}), model, batch)
     with pytest.raises(Unsupported, match=r"not divisible by dp\*microbatches=3"):
         plan_for(s.model_copy(update={"microbatches": 3}), model, batch)
-    # sequence parallelism inside the stages runs (tests/test_torch_sp_pipeline.py), but not with tp too
-    with pytest.raises(Unsupported, match=r"pp=2 with sp=2 and tp=2: sequence and tensor parallelism together"):
+    # sequence and tensor parallelism inside the stages run (tests/test_torch_sp_pipeline.py), with FSDP2
+    with pytest.raises(Unsupported, match=r"dp·sp=2 with tp=2 and zero_stage=0: DDP over DTensor parameters"):
         plan_for(s.model_copy(update={"sp": 2, "tp": 2}), model, batch)
 
 

@@ -94,19 +94,19 @@ def test_pinned_tensor_parallelism_on_a_cnn_splits_only_what_the_backend_runs() 
 
 
 def test_pinned_plan_the_backend_cannot_run_is_written_for_planning_only() -> None:
-    """sp=2, tp=2 and pp=2 pinned together (sequence and tensor parallelism together inside pipeline
-    stages, not executed): the search still prices the plan, says first that it is for planning only,
-    and train's pre-launch check refuses it with the same reason."""
+    """sp=4, tp=2 and pp=2 pinned together on a model of 4 heads (Ulysses inside the stages would split
+    them over tp·sp = 8 ranks): the search still prices the plan, says first that it is for planning
+    only, and train's pre-launch check refuses it with the same reason."""
     from polyparallel.backends.torch import Unsupported
     from polyparallel.backends.torch import _examples as ex
 
     x, y = ex.gpt_data(0)
-    s = pp.search(ex.tiny_gpt(), (x,), "local-cpu:8", example_kwargs={"labels": y}, batch_size=ex.BATCH,
-                  constraints={"sp": 2, "pp": 2, "tp": 2})
-    assert (s.sp, s.pp, s.tp) == (2, 2, 2)
+    s = pp.search(ex.tiny_gpt(), (x,), "local-cpu:16", example_kwargs={"labels": y}, batch_size=ex.BATCH,
+                  constraints={"sp": 4, "pp": 2, "tp": 2})
+    assert (s.sp, s.pp, s.tp) == (4, 2, 2)
     assert s.search.notes[0].startswith("no plan the torch backend executes exactly fits")
-    assert "sequence and tensor parallelism together inside pipeline stages" in s.search.notes[0]
-    with pytest.raises(Unsupported, match="sequence and tensor parallelism together inside pipeline stages"):
+    assert "4 heads do not split over 8 ranks" in s.search.notes[0]
+    with pytest.raises(Unsupported, match=r"sp=4 inside pipeline stages \(Ulysses\) is not exact for this model"):
         plan_for(s, ex.tiny_gpt(), (x, y))
 
 
