@@ -107,7 +107,7 @@ def test_cp_is_refused_on_a_model_without_attention() -> None:
 
 def test_the_cli_pins_cp_and_refuses_it_with_sp(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
-        main(["search", "nanogpt", "--cluster", "local-cpu:2", "--sp", "2", "--cp", "2"])
+        main(["search", "gpt-tiny", "--cluster", "local-cpu:2", "--sp", "2", "--cp", "2"])
     assert e.value.code == 2
     assert "pin Ulysses (sp) or ring attention (cp)" in capsys.readouterr().err
 

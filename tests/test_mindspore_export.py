@@ -166,3 +166,16 @@ def test_api_context_of_a_pipeline_plan(tmp_path):
         pp.export(collab.model_copy(update={"collaborative": pp.strategy.Collaborative(
             centers=[pp.strategy.CenterPlan(name="a", devices=[0], share=1.0)], local_steps=1)}), out=tmp_path / "c",
             validate=False)
+
+
+def test_context_parallelism_is_reported_as_not_expressed(tmp_path):
+    """MindSpore's auto-parallel has no ring attention: a cp plan's devices are counted, and the
+    report says that nothing splits the sequence between them."""
+    from polyparallel.strategy import Mesh, MeshAxis, ModelInfo, Stage, Strategy
+
+    s = Strategy(model=ModelInfo(name="m", fingerprint="0" * 24), cp=2, global_batch=4,
+                 mesh=Mesh(axes=[MeshAxis(name="dp", size=1), MeshAxis(name="cp", size=2)], devices=[0, 1]),
+                 stages=[Stage(index=0, ops=["a", "b"], devices=[0, 1])])
+    r = pp.export(s, to="mindspore", out=tmp_path / "o", validate=False)
+    assert r.config["context"]["device_num"] == 2
+    assert "**cp=2**: context parallelism (ring attention" in (tmp_path / "o" / "report.md").read_text()

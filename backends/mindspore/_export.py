@@ -74,7 +74,7 @@ def context_of(s: Strategy) -> tuple[dict[str, Any], dict[str, Any], list[dict[s
     plan = s.plan
     world = plan.world
     lost: list[dict[str, str]] = []
-    semi = plan.tp > 1 or plan.pp > 1 or plan.sp > 1 or bool(s.placements and any(p.placement for p in s.placements
+    semi = plan.tp > 1 or plan.pp > 1 or plan.seq > 1 or bool(s.placements and any(p.placement for p in s.placements
                                                                                 if "tp" in p.placement))
     ctx: dict[str, Any] = {"parallel_mode": "semi_auto_parallel" if semi else "data_parallel", "device_num": world,
                            "gradients_mean": True, "dataset_strategy": "data_parallel",
@@ -98,6 +98,10 @@ def context_of(s: Strategy) -> tuple[dict[str, Any], dict[str, Any], list[dict[s
         lost.append({"what": f"sp={plan.sp}", "why": "Ulysses sequence parallelism (an all-to-all from sequence "
                      "shards to head shards around attention) has no MindSpore setting; the shards below split the "
                      "sequence where the placements do and MindSpore chooses its own redistribution"})
+    if plan.cp > 1:
+        lost.append({"what": f"cp={plan.cp}", "why": "context parallelism (ring attention: K/V blocks passed around "
+                     "load-balanced sequence shards) has no MindSpore auto-parallel setting; the devices are counted "
+                     "in device_num, but nothing here splits the sequence or passes K/V between them"})
     if plan.ep > 1:
         lost.append({"what": f"ep={plan.ep}", "why": "expert parallelism is MindSpore's MoE layer's own "
                      "configuration (MoEConfig.expert_parallel), not a context setting"})
