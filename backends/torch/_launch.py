@@ -265,8 +265,9 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
     and ``comm_ops`` (collective -> count). The profiler slows small steps down; off by default.
     ``profile_memory=True`` adds ``peak_memory_bytes``: the most bytes of tensors rank 0 held during
     the step (parameters, gradients, optimizer state, activations, temporaries): CUDA's allocator
-    peak on a GPU, torch's ``MemTracker`` (every tensor created, by its storage) on the CPU; the
-    number the cost model's per-device memory predicts.
+    peak on a GPU, torch's ``MemTracker`` (every tensor created, by its storage) on the CPU, where it
+    is refused with pipeline stages (MemTracker does not follow their backward); the number the cost
+    model's per-device memory predicts.
 
     Data-parallel replicas train as single-process training on the global batch does: BatchNorm
     normalises with the statistics of the whole global batch (``batchnorm="cross_rank"``;
@@ -359,6 +360,9 @@ def _checked_run(strategy: Strategy, model_fn: Any, data_fn: Any, agent: subproc
             raise ValueError(f"data_fn(0)'s {name} has shape {tuple(t.shape)}; splitting the sequence over "
                              f"{'cp' if plan.cp > 1 else 'sp'}={plan.seq} needs (batch, seq, ...) with seq divisible "
                              f"by {div}")
+    if profile_memory and plan.pp > 1 and not torch.cuda.is_available():
+        raise ValueError("profile_memory=True on the CPU counts tensors with torch's MemTracker, which does not "
+                         "support the pipeline schedule's backward (autograd.grad); run this pp>1 strategy without it")
     nproc = plan.world
     nodes = node_layout(strategy)
     if len(nodes) > 1:
