@@ -129,6 +129,17 @@ class Plan:
         return self.sp * self.cp
 
     @property
+    def seq_axis(self) -> str:
+        """The axis that splits the sequence, by its name: ``cp`` (ring attention) or ``sp``."""
+        return "cp" if self.cp > 1 else "sp"
+
+    @property
+    def seq_chunks(self) -> int:
+        """How many equal pieces a sequence is cut into: ``sp`` blocks (Ulysses), ``2·cp`` chunks
+        (ring attention's load balancing gives each shard two); its length must divide by this."""
+        return 2 * self.cp if self.cp > 1 else self.sp
+
+    @property
     def split_key(self) -> tuple[int, int, int, bool]:
         """What decides how each op is split and what it communicates (``tp``, ``sp``, ``cp``,
         Megatron sequence parallelism): the part of the plan every per-op price is memoised on. A

@@ -166,10 +166,9 @@ class _RingAttentionFn(torch.autograd.Function):
             for a, b, diag in _pairs(r, (r - i) % cp, cp, causal):
                 rows, cols = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
                 o_b, lse_b = _block(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], scale, diag)
-                old = lse[..., a * c:(a + 1) * c]
+                o, old = out[..., rows, :], lse[..., rows]  # views: merged in place
                 new = torch.logaddexp(old, lse_b)
-                rows = out[..., a * c:(a + 1) * c, :]
-                rows.copy_(rows * torch.exp(old - new).unsqueeze(-1) + o_b * torch.exp(lse_b - new).unsqueeze(-1))
+                o.copy_(o * torch.exp(old - new).unsqueeze(-1) + o_b * torch.exp(lse_b - new).unsqueeze(-1))
                 old.copy_(new)
             if pending is not None:
                 kv = _Ring.wait(pending)
@@ -205,9 +204,11 @@ class _RingAttentionFn(torch.autograd.Function):
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, *, is_causal: bool = False,
-                   scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
+                   scale: float | None = None, enable_gqa: bool = False, dropout_p: float = 0.0) -> torch.Tensor:
     """``scaled_dot_product_attention`` of this shard's queries ``[B, h, S/cp, d]`` against the
     whole sequence's keys and values, held in shards by the ``cp`` ranks of ``group``."""
+    if dropout_p:
+        raise ValueError("context-parallel attention with dropout_p > 0 is not executed; use dropout_p=0 or cp=1")
     if q.shape[-2] % 2:
         raise ValueError(f"ring attention holds two chunks per shard; the local sequence {q.shape[-2]} is odd")
     if k.shape[-3] != q.shape[-3]:
@@ -237,9 +238,8 @@ class RingAttention(TorchFunctionMode):
         if given.get("attn_mask") is not None:
             raise ValueError("context-parallel attention with an explicit attn_mask is not executed; use "
                              "is_causal=True or cp=1")
-        if given.get("dropout_p", 0.0):
-            raise ValueError("context-parallel attention with dropout_p > 0 is not executed; use dropout_p=0 or cp=1")
         if any(t.dim() != 4 for t in args[:3]):
             raise ValueError("context-parallel attention expects q, k, v of shape [batch, heads, seq, head_dim]")
         return ring_attention(*args[:3], self.group, is_causal=bool(given.get("is_causal", False)),
-                              scale=given.get("scale"), enable_gqa=bool(given.get("enable_gqa", False)))
+                              scale=given.get("scale"), enable_gqa=bool(given.get("enable_gqa", False)),
+                              dropout_p=float(given.get("dropout_p", 0.0)))

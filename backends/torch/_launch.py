@@ -354,12 +354,11 @@ def _checked_run(strategy: Strategy, model_fn: Any, data_fn: Any, agent: subproc
     # refused before any launch; the batch cuts pipeline stages and tries the forward on tensor-parallel shards
     plan = plan_for(strategy, model, batch if strategy.pp > 1 or strategy.tp > 1 or strategy.plan.seq > 1 else None,
                     graph=graph)
-    div = 2 * plan.cp if plan.cp > 1 else plan.sp  # ring attention's shards hold two chunks each
     for name, t in zip(("inputs", "labels"), batch) if plan.seq > 1 else ():
-        if t.dim() < 2 or t.shape[1] % div:
+        if t.dim() < 2 or t.shape[1] % plan.seq_chunks:
             raise ValueError(f"data_fn(0)'s {name} has shape {tuple(t.shape)}; splitting the sequence over "
-                             f"{'cp' if plan.cp > 1 else 'sp'}={plan.seq} needs (batch, seq, ...) with seq divisible "
-                             f"by {div}")
+                             f"{plan.seq_axis}={plan.seq} needs (batch, seq, ...) with seq divisible by "
+                             f"{plan.seq_chunks}")
     if profile_memory and plan.pp > 1 and not torch.cuda.is_available():
         raise ValueError("profile_memory=True on the CPU counts tensors with torch's MemTracker, which does not "
                          "support the pipeline schedule's backward (autograd.grad); run this pp>1 strategy without it")

@@ -97,8 +97,8 @@ from polyparallel.backends.torch._batchnorm import has_batch_statistics
 from polyparallel.backends.torch._loss_weighting import TargetCount, weigh_microbatches
 from polyparallel.backends.torch._precision import Precision
 from polyparallel.backends.torch._recompute import recompute_chunk
-from polyparallel.backends.torch._sequence_parallel import shard_tables
-from polyparallel.backends.torch._stage_sp import label_shard, register_mesh, shard_sequence
+from polyparallel.backends.torch._sequence_parallel import shard_along, shard_tables
+from polyparallel.backends.torch._stage_sp import label_shard, register_mesh
 from polyparallel.backends.torch._stage_sp import rewrite as sp_rewrite
 from polyparallel.backends.torch._stage_tp import register_group, shard_graph, shard_parameters
 from polyparallel.backends.torch._steps import make_optimizer, scale_gradients
@@ -421,13 +421,15 @@ def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, to
     cuts = tuple(nodes.get(first, first) for first, _ in chunks[1:])
     tp_rewrite = _tp_rewrite(tp_kinds or {}, fused or {}, s.tp) if s.tp > 1 else None
     seq_rewrite = None
-    seq, ring = s.sp * s.cp, s.cp > 1
-    axis, div = ("cp", 2 * s.cp) if ring else ("sp", s.sp)
+    plan = s.plan
+    seq, ring = plan.seq, plan.cp > 1
     n = inputs.shape[1] // seq if seq > 1 else None
     if seq > 1:
-        if inputs.dim() < 2 or labels.dim() < 2 or inputs.shape[1] % div or labels.shape[1] != inputs.shape[1]:
-            raise Unsupported(f"{axis}={seq} inside pipeline stages needs inputs and labels of shape (batch, seq, ...) "
-                              f"with seq divisible by {div}; got {tuple(inputs.shape)} and {tuple(labels.shape)}")
+        if inputs.dim() < 2 or labels.dim() < 2 or inputs.shape[1] % plan.seq_chunks or \
+                labels.shape[1] != inputs.shape[1]:
+            raise Unsupported(f"{plan.seq_axis}={seq} inside pipeline stages needs inputs and labels of shape (batch, "
+                              f"seq, ...) with seq divisible by {plan.seq_chunks}; got {tuple(inputs.shape)} and "
+                              f"{tuple(labels.shape)}")
         seq_rewrite = _sp_rewrite(seq, 0, n, ring, s.tp)
     x0, y0 = (inputs[:mb], labels[:mb]) if n is None else (inputs[:mb, :n], labels[:mb, :n])
     split = split_model(model, x0, y0, cuts, set(nodes.values()) if nodes else None,
@@ -568,7 +570,7 @@ def _split_on_rank(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], p
     if pipe.sp > 1:  # Ulysses / ring attention inside each stage (._stage_sp): exported at the local length
         register_mesh("sp", ranks.mesh["sp"])
         # the tables are read from position 0 at the local length
-        shard_tables(model, plan.tables, 1 if pipe.ring else pipe.sp, ranks.sp, pipe.sp if pipe.ring else 1)
+        shard_tables(model, plan.tables, pipe.sp, ranks.sp, pipe.ring)
         n = inputs.shape[1] // pipe.sp
         seq_rewrite = _sp_rewrite(pipe.sp, ranks.sp, n, pipe.ring, pipe.tp)
         x0, y0 = inputs[:mb, :n], labels[:mb, :n]
@@ -685,7 +687,7 @@ class _PipelineStep:
         sl = slice(r.dp * local, (r.dp + 1) * local)
         x, y = inputs[sl].to(self.device), labels[sl].to(self.device)
         if pipe.sp > 1:
-            x, y = shard_sequence(x, pipe.sp, r.sp, pipe.ring), label_shard(y, pipe.sp, r.sp, pipe.halo, pipe.ring)
+            x, y = shard_along(x, 1, pipe.sp, r.sp, pipe.ring), label_shard(y, pipe.sp, r.sp, pipe.halo, pipe.ring)
         return x, y
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, str]:

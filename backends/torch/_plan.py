@@ -182,7 +182,7 @@ def _sequence_tables(s: Strategy, model: nn.Module, graph: Graph | None) -> tupl
     for t in sequence_tables(graph)[0]:
         owner, _, name = t.path.rpartition(".")
         if name not in model.get_submodule(owner)._non_persistent_buffers_set:
-            axis = "cp" if s.cp > 1 else "sp"
+            axis = s.plan.seq_axis
             raise Unsupported(f"{axis}={s.plan.seq}: buffer {t.path!r} is read by sequence position and would be "
                               "sharded with the sequence, but it is persistent (saved in the state dict): register it "
                               f"with persistent=False, or pin {axis}=1")

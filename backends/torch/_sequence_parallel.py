@@ -15,7 +15,8 @@ are refused.
 Context parallelism (``cp``, ring attention: :mod:`._context_parallel`) splits the sequence on the
 same mesh dim with other shards (chunks ``r`` and ``2cp-1-r`` of ``2cp``) and no head-count limit:
 :func:`sp_problems`, :func:`offset_positions`, :func:`shard_tables` and :func:`sequence_shard` take
-it as a parameter, so the two share what makes a model's sequence splittable.
+it as a parameter (:func:`shard_along`: which rows a shard holds), so the two share what makes a
+model's sequence splittable.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from polyparallel.backends.torch._context_parallel import context_shard, shard_p
 from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind
 
 __all__ = ["SequenceTable", "UlyssesAttention", "offset_positions", "position_embeddings", "sequence_shard",
-           "sequence_tables", "shard_tables", "sp_problems"]
+           "sequence_tables", "shard_along", "shard_tables", "sp_problems"]
 
 # ---------------------------------------------------------------------------------------------
 # sequence parallelism (Ulysses)
@@ -182,15 +183,25 @@ def sp_problems(graph: Graph, sp: int, heads_parts: int, cp: int = 1) -> list[st
     return problems
 
 
-def offset_positions(module: nn.Module, rank: int, cp: int = 1) -> Any:
-    """Pre-hook on a position embedding: ``arange(S/sp)`` becomes this shard's ``rank·S/sp + arange``;
-    under context parallelism (``cp > 1``) the shard's positions (:func:`._context_parallel.shard_positions`)."""
+def shard_along(t: torch.Tensor, dim: int, shards: int, rank: int, ring: bool) -> torch.Tensor:
+    """Sequence shard ``rank`` of ``shards`` of ``t`` along ``dim``: a contiguous block (Ulysses), or
+    with ``ring`` the load-balanced positions of context parallelism (:func:`._context_parallel.context_shard`)."""
+    if ring:
+        return context_shard(t, shards, rank, dim)
+    n = t.shape[dim] // shards
+    return t.narrow(dim, rank * n, n)
+
+
+def offset_positions(module: nn.Module, shards: int, rank: int, ring: bool) -> Any:
+    """Pre-hook on a position embedding: ``arange(S/shards)`` becomes this shard's positions,
+    ``rank·S/shards + arange`` (Ulysses), or with ``ring`` context parallelism's
+    (:func:`._context_parallel.shard_positions`)."""
 
     def hook(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         idx = args[0]
         n = idx.shape[-1]
-        if cp > 1:
-            return (shard_positions(n * cp, cp, rank, idx.device)[idx], *args[1:])
+        if ring:
+            return (shard_positions(n * shards, shards, rank, idx.device)[idx], *args[1:])
         return (idx + rank * n, *args[1:])
 
     return module.register_forward_pre_hook(hook, prepend=True)
@@ -240,18 +251,13 @@ class UlyssesAttention(TorchFunctionMode):
 
 
 
-def shard_tables(model: nn.Module, tables: Any, sp: int, rank: int, cp: int = 1) -> None:
+def shard_tables(model: nn.Module, tables: Any, shards: int, rank: int, ring: bool) -> None:
     """Replace each table ``(buffer path, dim, sequence length)`` by the rows sequence shard
-    ``rank`` of ``sp`` reads (:class:`SequenceTable`); with ``cp > 1`` (and ``sp = 1``) the rows of
-    the shard's positions under context parallelism (:func:`._context_parallel.shard_positions`)."""
+    ``rank`` of ``shards`` reads (:class:`SequenceTable`, :func:`shard_along`)."""
     for path, dim, length in tables:
         owner, _, name = path.rpartition(".")
         module = model.get_submodule(owner)
-        table = getattr(module, name)
-        if cp > 1:
-            rows = table.narrow(dim, 0, length).index_select(dim, shard_positions(length, cp, rank, table.device))
-        else:
-            rows = table.narrow(dim, rank * (length // sp), length // sp)
+        rows = shard_along(getattr(module, name).narrow(dim, 0, length), dim, shards, rank, ring)
         setattr(module, name, rows.clone())
 
 
@@ -261,12 +267,7 @@ def sequence_shard(t: torch.Tensor, plan: Any, mesh: Any) -> torch.Tensor:
     (:func:`._context_parallel.context_shard`). The mesh's ``"sp"`` dim is the sequence split."""
     if plan.seq == 1:
         return t
-    what, div = ("context", 2 * plan.cp) if plan.cp > 1 else ("sequence", plan.sp)
-    if t.dim() < 2 or t.shape[1] % div:
-        raise ValueError(f"{what} parallelism over {'cp' if plan.cp > 1 else 'sp'}={plan.seq} needs inputs and labels "
-                         f"of shape (batch, seq, ...) with seq divisible by {div}; got {tuple(t.shape)}")
-    r = mesh["sp"].get_local_rank()
-    if plan.cp > 1:
-        return context_shard(t, plan.cp, r)
-    n = t.shape[1] // plan.sp
-    return t[:, r * n:(r + 1) * n]
+    if t.dim() < 2 or t.shape[1] % plan.seq_chunks:
+        raise ValueError(f"splitting the sequence over {plan.seq_axis}={plan.seq} needs inputs and labels of shape "
+                         f"(batch, seq, ...) with seq divisible by {plan.seq_chunks}; got {tuple(t.shape)}")
+    return shard_along(t, 1, plan.seq, mesh["sp"].get_local_rank(), plan.cp > 1)

@@ -38,11 +38,11 @@ from typing import Any
 import torch
 from torch import fx
 
-from polyparallel.backends.torch._context_parallel import context_shard, ring_attention, shard_positions
-from polyparallel.backends.torch._sequence_parallel import UlyssesAttention
+from polyparallel.backends.torch._context_parallel import ring_attention, shard_positions
+from polyparallel.backends.torch._sequence_parallel import UlyssesAttention, shard_along
 from polyparallel.backends.torch.capabilities import Unsupported
 
-__all__ = ["SPRewrite", "label_shard", "register_mesh", "ring_attention_call", "shard_sequence", "ulysses_attention"]
+__all__ = ["SPRewrite", "label_shard", "register_mesh", "ring_attention_call", "ulysses_attention"]
 
 aten = torch.ops.aten
 _MESHES: dict[str, Any] = {}  # the sp meshes the graph's all-to-alls run on, by name
@@ -65,10 +65,8 @@ def ring_attention_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_
                         dropout_p: float = 0.0, is_causal: bool = False, *, mesh: str = "sp",
                         scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
     """SDPA on context-parallel shards ``[B, h, n, d]``: ring attention over the mesh named ``mesh``."""
-    if dropout_p:
-        raise ValueError("context-parallel attention with dropout_p > 0 is not executed; use dropout_p=0 or cp=1")
     return ring_attention(q, k, v, _MESHES[mesh].get_group(), is_causal=is_causal, scale=scale,
-                          enable_gqa=enable_gqa)
+                          enable_gqa=enable_gqa, dropout_p=dropout_p)
 
 
 def shard_arange(length: int, cp: int, rank: int, **kwargs: Any) -> torch.Tensor:
@@ -197,15 +195,6 @@ def rewrite(gm: fx.GraphModule, sp: int, rank: int, n: int, mesh: str = "sp", ri
     return SPRewrite(tuple(attentions), tuple(positions), halo)
 
 
-def shard_sequence(t: torch.Tensor, sp: int, rank: int, ring: bool = False) -> torch.Tensor:
-    """This ``sp`` rank's contiguous block of dim 1 (the sequence); ``ring``: context-parallel shard
-    ``rank``'s positions (:func:`._context_parallel.context_shard`)."""
-    if ring:
-        return context_shard(t, sp, rank)
-    n = t.shape[1] // sp
-    return t[:, rank * n:(rank + 1) * n]
-
-
 def label_shard(y: torch.Tensor, sp: int, rank: int, halo: tuple[int, float] | None,
                 ring: bool = False) -> torch.Tensor:
     """The labels the rewritten loss tail reads: the shard, plus the next ``k`` labels of the sequence
@@ -213,7 +202,7 @@ def label_shard(y: torch.Tensor, sp: int, rank: int, halo: tuple[int, float] | N
     the first ``k`` of what it reads; under context parallelism what remains must be the labels at
     ``p + k`` for each of the shard's positions ``p``, so those are gathered after ``k`` fillers."""
     if halo is None:
-        return shard_sequence(y, sp, rank, ring)
+        return shard_along(y, 1, sp, rank, ring)
     k, value = halo
     padded = torch.nn.functional.pad(y, (0, k), value=value)
     if ring:

@@ -586,8 +586,8 @@ def parallelize(model: nn.Module, plan: Any, mesh: Any) -> None:
     if plan.seq > 1:
         rank = mesh["sp"].get_local_rank()
         for path in plan.positions:
-            offset_positions(model.get_submodule(path), rank, plan.cp)
-        shard_tables(model, plan.tables, plan.sp, rank, plan.cp)
+            offset_positions(model.get_submodule(path), plan.seq, rank, plan.cp > 1)
+        shard_tables(model, plan.tables, plan.seq, rank, plan.cp > 1)
 
 
 def _own_output(module: nn.Module, args: Any, output: Any) -> Any:

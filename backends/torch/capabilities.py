@@ -152,7 +152,7 @@ def plan_problems(graph: Graph | None, s: Plan) -> list[str]:
             why.append(f"cp={s.cp} (context parallelism, ring attention) is not exact for this model: "
                        + "; ".join(cp_why[:3]))
     if s.dp * s.seq > 1 and s.tp > 1 and s.zero_stage == 0:
-        why.append(f"dp·{'cp' if s.cp > 1 else 'sp'}={s.dp * s.seq} with tp={s.tp} and zero_stage=0: DDP over DTensor "
+        why.append(f"dp·{s.seq_axis}={s.dp * s.seq} with tp={s.tp} and zero_stage=0: DDP over DTensor "
                    "parameters is not "
                    "executed; 2-D plans run with FSDP2 (zero_stage>=1)")
     if s.sp > 1 and s.pp == 1:
