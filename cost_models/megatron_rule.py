@@ -147,26 +147,28 @@ def ring_dominated(graph: Graph, cluster: Any, cfg: ParallelConfig, group: list[
     sequence group ``group``, so the search need not price it where Ulysses runs.
 
     The two split every op's work alike and hold the same activations; ring attention computes its
-    attention as smaller kernels (never faster) and, of its transfers, at least the ``cp`` dK/dV
-    shifts of the backward pass are exposed (:mod:`.step`), ``2·S·h_kv·d`` values per attention
-    in all; Ulysses' eight all-to-alls move ``8(p-1)/p²·S·h·d``. When the first is no less than the
-    second, on this group's links, at the graph's micro-batch and a thousand times its bytes
-    (latency- and bandwidth-bound), the ring plan is dominated (grouped K/V heads, ``h_kv < h``,
-    are what let it win)."""
-    cp, tp = cfg.cp, cfg.tp
+    attention as smaller kernels (never faster), and of its ``2cp - 1`` equal backward shifts per
+    attention the ``cp`` of dK/dV are exposed whatever the compute (:mod:`.step`): ``2·S·h_kv·d``
+    values in all, against Ulysses' all-to-alls of ``8(p-1)/p²·S·h·d``. Both are read off the plans'
+    events (:func:`op_plans`) and priced on this group's links at the graph's micro-batch and a
+    thousand times its bytes (latency- and bandwidth-bound); ring attention is dominated when its
+    exposed part costs no less in both (grouped K/V heads, ``h_kv < h``, are what let it win)."""
+    cp = cfg.cp
     if cp == 1:
         return False
-    ring, ulysses = [0.0, 0.0], [0.0, 0.0]
-    for op, (kind, acts, _) in zip(graph.ops, op_roles(graph)):
-        if kind is not OpKind.ATTENTION or len(acts) < 3:
-            continue
-        heads = tp if tp > 1 else 1
-        kv = sum(tensor_bytes(graph, t, cfg.dtype) for t in acts[1:3]) / (cp * heads)
-        moved = [tensor_bytes(graph, t, cfg.dtype) / (cp * heads) for t in (*acts[:3], *op.outputs)]
-        for i, scale in enumerate((1.0, 1e3)):
-            ring[i] += cp * collective_time(cluster, "shift", kv * scale, group).seconds
-            ulysses[i] += 2 * sum(collective_time(cluster, "all_to_all", b * scale, group).seconds for b in moved)
-    return ring[0] >= ulysses[0] and ring[1] >= ulysses[1]
+    try:
+        ring, ulysses = op_plans(graph, cfg), op_plans(graph, cfg.replace(sp=cp, cp=1, op_plans=None))
+    except ValueError:  # Ulysses cannot split this model's sequence: nothing dominates ring attention
+        return False
+
+    def seconds(events: tuple[tuple[str, float], ...], scale: float) -> float:
+        return sum(collective_time(cluster, kind, nbytes * scale, group).seconds for kind, nbytes in events)
+
+    for scale in (1.0, 1e3):
+        exposed = sum(seconds(p.sp_bwd, scale) for p in ring) * cp / (2 * cp - 1)
+        if exposed < sum(seconds(p.sp_fwd + p.sp_bwd, scale) for p in ulysses):
+            return False
+    return True
 
 
 def _sequence_splits(op: Op, sp: int) -> None:

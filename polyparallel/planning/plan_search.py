@@ -193,7 +193,7 @@ def _wan_problem(cluster: Cluster, cfg: ParallelConfig, devs: list[int], c: Cons
     return None
 
 
-def _sequence_splits(seq: int, c: Constraints, ring: bool) -> list[tuple[int, int]]:
+def _ulysses_or_ring(seq: int, c: Constraints, ring: bool) -> list[tuple[int, int]]:
     """The ``(sp, cp)`` pairs splitting the sequence ``seq`` ways: Ulysses, and ring attention when
     the model has attention (``ring``) or ``cp`` is pinned, each unless the constraints pin the other."""
     if seq == 1:
@@ -216,7 +216,7 @@ def _mesh_shapes(n: int, c: Constraints, node: int, layers: int, exhaustive: boo
                 continue
             if tp * seq > node and not (c.cross_node_tp or exhaustive or c.tp or c.sp or c.cp):
                 continue
-            for sp, cp in _sequence_splits(seq, c, ring):
+            for sp, cp in _ulysses_or_ring(seq, c, ring):
                 for pp in divisors(n // (tp * seq)):
                     if c.pp is not None and pp != c.pp:
                         continue
