@@ -6,7 +6,6 @@ prices cp and chooses it for long sequences (and says why)."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ import polyparallel as pp
 from polyparallel.backends.torch import _examples as ex
 from polyparallel.backends.torch import train
 from polyparallel.backends.torch._context_parallel import _pairs, context_shard, ring_attention, shard_positions
+from polyparallel.backends.torch._procs import free_port
 from polyparallel.backends.torch.capabilities import plan_problems
 from polyparallel.cli import main
 from polyparallel.cost_models.comm import collective_time
@@ -116,12 +116,6 @@ def test_the_cli_pins_cp_and_refuses_it_with_sp(capsys: pytest.CaptureFixture[st
 # with processes (slow tier)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ring_worker(rank: int, cp: int, port: int, causal: bool, gqa: bool, out: mp.Queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=cp)
@@ -154,7 +148,7 @@ def test_ring_attention_equals_sdpa_on_the_whole_sequence(cp: int) -> None:
     for causal in (True, False):
         for gqa in (False, True):
             q = ctx.Queue()
-            port = _free_port()
+            port = free_port()
             procs = [ctx.Process(target=_ring_worker, args=(r, cp, port, causal, gqa, q)) for r in range(cp)]
             for p in procs:
                 p.start()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 import polyparallel as pp
 from polyparallel.backends.torch import MultiNode, launch_commands, node_layout, train
 from polyparallel.backends.torch import _examples as ex
+from polyparallel.backends.torch._procs import free_port
 from tests.test_torch_backend import EX, LR, SEED, STEPS, _max_rel, _single, _strategy
 
 pytestmark = pytest.mark.slow
@@ -27,12 +27,6 @@ def _on_hosts(s: pp.Strategy, hosts: list[list[int]]) -> pp.Strategy:
     """The strategy with a cluster echo placing mesh devices on the given hosts."""
     nodes = [{"name": f"host{i}", "devices": [s.mesh.devices[r] for r in ranks]} for i, ranks in enumerate(hosts)]
     return s.model_copy(update={"cluster": {"name": "two-hosts", "centers": [{"name": "dc", "nodes": nodes}]}})
-
-
-def _free_port() -> int:
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        return sk.getsockname()[1]
 
 
 def test_node_layout_and_commands() -> None:
@@ -59,7 +53,7 @@ def test_two_node_data_parallel_matches_single_process(tmp_path: Path) -> None:
     s = _on_hosts(_strategy(ex.tiny_gpt(), ex.gpt_data, dp=2, tp=1, zero_stage=0), [[0], [1]])
     path = tmp_path / "strategy.json"
     s.to_json(path)
-    port = _free_port()
+    port = free_port()
     cmd = launch_commands(path, f"{EX}:tiny_gpt", f"{EX}:gpt_data", steps=STEPS, master_addr="127.0.0.1",
                           master_port=port)[1].splitlines()[1].split()
     assert cmd[:2] == ["polyparallel", "train"]

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
-import socket
 import time
 import weakref
 from collections.abc import Callable, Mapping
@@ -48,6 +47,7 @@ from typing import Any
 import numpy as np
 
 import polyparallel as pp
+from polyparallel.backends.torch._procs import free_port
 from polyparallel.strategy import op_placements_of
 from polyparallel.transforms import canonicalize, fuse_elementwise
 
@@ -129,12 +129,6 @@ def _as_searched(s: Any, record: Any, graph: Any) -> Any:
                           f"({len(wrong)} such op(s)): search the collaborative strategy with the model called as the "
                           "center calls it (model(inputs, labels))")
     return s.model_copy(update={"placements": groups})
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class _ProximalOptimizer:
@@ -305,7 +299,7 @@ class PlannedTrainer(CenterData):
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")  # fork after torch threads exist is unsafe; spawn is clean
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        init = f"tcp://127.0.0.1:{free_port()}"
         center = {"seed": self.seed, "center_index": self.center_index, "batch_size": self.batch_size,
                   "momentum": self.momentum, "threads": self.threads, "timeout_s": self.timeout_s,
                   "logit_bias": self.logit_bias()}  # from the whole center's labels, as one process would

@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from polyparallel.backends.torch._procs import die_with_parent
+from polyparallel.backends.torch._procs import die_with_parent, free_port
 from polyparallel.references import import_path
 
 from ._config import CollabConfig
@@ -72,12 +72,6 @@ PRUNE_IN_PROCESS_ONLY = ("pruning (CollabConfig.prune, --prune) runs on the in-p
 
 class FlowerError(RuntimeError):
     """A Flower process failed or the run did not finish in time (the message names the log to read)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_port(port: int, timeout_s: float, proc: subprocess.Popen, log: Path) -> None:

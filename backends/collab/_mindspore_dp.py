@@ -28,7 +28,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from polyparallel.backends.collab._center import CenterData, evaluate_torch
+from polyparallel.backends.torch._procs import free_port
 from polyparallel.references import import_path
 
 __all__ = ["MindSporeDataParallelTrainer", "check_mindspore_plan"]
@@ -79,12 +79,6 @@ def _msrun() -> str:
     if not found:
         raise ValueError("msrun (MindSpore's launcher) is not installed: pip install 'polyparallel[mindspore]'")
     return found
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _stop(proc: subprocess.Popen, conns: list[Any], log_dir: str) -> None:
@@ -136,7 +130,7 @@ class MindSporeDataParallelTrainer(CenterData):
                "POLYPARALLEL_MS_CENTER": f"127.0.0.1:{listener.address[1]}", "POLYPARALLEL_MS_KEY": key.hex(),
                "PYTHONPATH": import_path()}
         cmd = [_msrun(), f"--worker_num={self.devices}", f"--local_worker_num={self.devices}",
-               "--master_addr=127.0.0.1", f"--master_port={_free_port()}", f"--log_dir={self._log_dir}",
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}", f"--log_dir={self._log_dir}",
                "--join=True", str(WORKER)]
         self._proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                       start_new_session=True)

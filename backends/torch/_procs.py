@@ -20,12 +20,13 @@ import contextlib
 import ctypes
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["AGENT_PID_ENV", "LAUNCHER_PID_ENV", "alive", "die_with_parent", "kill_tree", "record_pid",
+__all__ = ["AGENT_PID_ENV", "LAUNCHER_PID_ENV", "alive", "die_with_parent", "free_port", "kill_tree", "record_pid",
            "recorded_pids"]
 
 LAUNCHER_PID_ENV = "POLYPARALLEL_LAUNCHER_PID"  # set by train() for the agent
@@ -140,3 +141,10 @@ def kill_tree(root: int | None, recorded: Iterable[tuple[int, int]] = (), wait_s
     while time.monotonic() < deadline and any(alive(p) for p in killed):
         time.sleep(0.02)
     return sorted(p for p in killed if alive(p))
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now (for a rendezvous or a server a test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
