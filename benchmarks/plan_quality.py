@@ -48,7 +48,6 @@ import polyparallel.planning.plan_search as ps
 from backends.torch.capabilities import EXECUTED_DTYPES, plan_problems
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, estimate_step
-from polyparallel.ir import OpKind
 from polyparallel.models import EXAMPLES
 from polyparallel.planning import DoesNotFit, evaluate, search
 from polyparallel.planning.derived import variants
@@ -150,8 +149,7 @@ def brute_force(mdl: ModelGraphs, cl: Cluster, B: int, placements: str = "torch"
     layers = ps._layer_count(g0)
     node = ps._node_size(cl, devs)
     fitting, priced = [], 0
-    ring = any(OpKind(op.kind) is OpKind.ATTENTION for op in g0.ops)  # as the search enumerates
-    for dp, tp, pp, sp, cp in ps._mesh_shapes(len(devs), c, node, layers, False, ring):
+    for dp, tp, pp, sp, cp in ps._mesh_shapes(len(devs), c, node, layers, False, ps._attends(g0)):
         if B % dp:
             continue
         base = ParallelConfig(dp=dp, tp=tp, pp=pp, sp=sp, cp=cp, microbatches=1, dtype=dtype, devices=tuple(devs))

@@ -193,6 +193,11 @@ def _wan_problem(cluster: Cluster, cfg: ParallelConfig, devs: list[int], c: Cons
     return None
 
 
+def _attends(g: Graph) -> bool:
+    """Whether the model has an attention op: ring attention (cp) splits the sequence around one."""
+    return any(OpKind(op.kind) is OpKind.ATTENTION for op in g.ops)
+
+
 def _ulysses_or_ring(seq: int, c: Constraints, ring: bool) -> list[tuple[int, int]]:
     """The ``(sp, cp)`` pairs splitting the sequence ``seq`` ways: Ulysses, and ring attention when
     the model has attention (``ring``) or ``cp`` is pinned, each unless the constraints pin the other."""
@@ -505,8 +510,8 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
         fits = [best.offer(graph, replace(cfg, op_plans=v), b) for v in variants(graph, g, cl, cfg, rank_by, affine)]
         return any(fits)
 
-    ring = any(OpKind(op.kind) is OpKind.ATTENTION for op in g.ops)  # ring attention needs attention to split
-    shapes = [(*sh, ep) for sh in _mesh_shapes(n, c, node, layers, exhaustive, ring) for ep in _ep_degrees(g, sh, c)]
+    shapes = [(*sh, ep) for sh in _mesh_shapes(n, c, node, layers, exhaustive, _attends(g))
+              for ep in _ep_degrees(g, sh, c)]
     # the exhaustive yardstick walks every rung (`offer` refuses the unexecuted ones); otherwise
     # the ladders hold only executed rungs
     runs = (lambda cfg: not problems(cfg)) if enforce and not wide else None
