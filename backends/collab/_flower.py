@@ -138,6 +138,8 @@ class LoopbackFederation:
             parameters). The federation's own checkpoint does not need it.
         pack_arrays: send the model and the updates as one buffer per dtype (see :mod:`._flower_app`);
             False: one message object per tensor (the benchmark compares the two).
+        data_channel: ``flower`` (every round's arrays in Flower messages) or ``socket`` (the lean path,
+            :mod:`._lean`: one long-lived TCP connection per center carries the rounds).
         credentials: TLS on the SuperLink's HTTP APIs and SuperNode authentication (only the
             public keys registered with :meth:`register_center` may join); None: plain HTTP, no auth.
         heartbeat_s: the SuperNodes' heartbeat interval (Flower: 30 s, at least 10 s): a SuperNode that
@@ -159,6 +161,7 @@ class LoopbackFederation:
     pull_backoff_s: float | None = 0.02
     superlink_database: str | None = None
     pack_arrays: bool = True
+    data_channel: str = "flower"
     credentials: Credentials | None = None
     heartbeat_s: float | None = 2.0
     activate_wait_s: float = 30.0
@@ -476,6 +479,7 @@ class LoopbackFederation:
                       "eval-data": str(eval_data or ""), "root-data": str(root_data or ""),
                       "poll-s": poll_s, "max-rounds": max_rounds,
                       "pull-backoff-s": self.pull_backoff_s or 0.0, "pack-arrays": self.pack_arrays,
+                      "data-channel": self.data_channel,
                       "node-names": json.dumps({str(k): v for k, v in self.node_names.items()}),
                       "center-wait-s": center_wait_s, "rejoin-wait-s": rejoin_wait_s,
                       "superlink-pid": self._superlink_pid()}
@@ -581,7 +585,7 @@ def run_flower(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.nda
                warm: bool = True, timeout_s: float = 600.0, poll_s: float = 0.05,
                supernode_poll_s: float | None = 0.25, supernode_wait_s: float | None = 0.02,
                pull_backoff_s: float | None = 0.02, superlink_database: str | None = None,
-               pack_arrays: bool = True, credentials: Credentials | None = None,
+               pack_arrays: bool = True, credentials: Credentials | None = None, data_channel: str = "flower",
                on_round: Callable[[RoundRecord], None] | None = None,
                root_data: tuple[np.ndarray, np.ndarray] | None = None) -> CollabResult:
     """Run the federation with Flower on 127.0.0.1 and return what the ServerApp fused.
@@ -595,13 +599,16 @@ def run_flower(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.nda
         warm: long-lived ClientApp executors (see the module docstring).
         timeout_s: limit for the whole run; every process is stopped when it passes.
         poll_s: the ServerApp's and executors' polling interval.
-        supernode_poll_s, supernode_wait_s, pull_backoff_s, superlink_database, pack_arrays: Flower's
-            fixed waits, the SuperLink's store and the message layout, see :class:`LoopbackFederation`.
+        supernode_poll_s, supernode_wait_s, pull_backoff_s, superlink_database, pack_arrays, data_channel:
+            Flower's fixed waits, the SuperLink's store, the message layout and the path of the rounds'
+            arrays, see :class:`LoopbackFederation`.
         credentials: run with TLS and SuperNode authentication (see :func:`~._security.make_credentials`).
         on_round: called with each round's record as the ServerApp writes it (progress).
         root_data: the server's own ``(x, y)`` root set (FLTrust), read by the ServerApp only.
     """
     check_data(config, data)
+    if data_channel not in ("flower", "socket"):
+        raise ValueError(f"data_channel must be 'flower' or 'socket', got {data_channel!r}")
     if config.prune is not None:
         raise ValueError(PRUNE_IN_PROCESS_ONLY)
     # the Flower processes import these with this process's import path: fail here, before starting them
@@ -627,7 +634,7 @@ def run_flower(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.nda
         fed = stack.enter_context(LoopbackFederation(
             wd, paths, warm=warm, executor_poll_s=poll_s, supernode_poll_s=supernode_poll_s,
             supernode_wait_s=supernode_wait_s, pull_backoff_s=pull_backoff_s, superlink_database=superlink_database,
-            pack_arrays=pack_arrays, credentials=credentials))
+            pack_arrays=pack_arrays, credentials=credentials, data_channel=data_channel))
         fed.submit(config, out, eval_data=ev, poll_s=poll_s, root_data=root)
         try:
             fed.wait(out, timeout_s, on_round)

@@ -88,6 +88,7 @@ from ._center import LocalTrainer, center_evaluate, center_round, evaluate_torch
 from ._config import CollabConfig
 from ._engine import initial_params
 from ._flwr_timing import set_object_pull_backoff
+from ._lean import serve_center, serve_rounds
 from ._link import LinkThrottle, nbytes_of
 from ._server import CenterReply, FederationServer, TimingLog, aggregate_evaluations
 from ._trainers import make_trainer
@@ -151,8 +152,28 @@ def _link(config_json: str, center: str) -> LinkThrottle:
     return LinkThrottle.of(CollabConfig.from_json(config_json).center(center))
 
 
+def _channel_center(msg: Message, context: Context) -> Message:
+    """Serve every round of the run over the data channel the invitation names (see :mod:`._lean`)."""
+    config, center, trainer = _node_trainer(context)
+    link = _link(str(context.run_config["collab-config"]), center)
+    state: dict[str, np.ndarray] = {}  # SCAFFOLD's c_i, kept for the run
+
+    def on_train(model: dict, control: dict | None, cfg: dict, t_sent: float) -> tuple[dict, dict]:
+        link.download(nbytes_of(model) + (nbytes_of(control) if control else 0), sent_at=t_sent)
+        return center_round(trainer, model, round_idx=int(cfg["round"]), config=config,
+                            proximal_mu=float(cfg["proximal_mu"]), t_received=time.time(), control=control,
+                            center_state=state, nonce=int(cfg["nonce"]))
+
+    ch = msg.content["channel"]
+    n = serve_center(str(ch["address"]), str(ch["token"]), center, on_train, lambda p: center_evaluate(trainer, p),
+                     config.round_timeout_s, 1 << 36)
+    return Message(RecordDict({"center": ConfigRecord({"name": center, "rounds": n})}), reply_to=msg)
+
+
 @client_app.train()
 def _center_train(msg: Message, context: Context) -> Message:
+    if "channel" in msg.content:  # the lean message path: this one message serves the whole run
+        return _channel_center(msg, context)
     link = _link(str(context.run_config["collab-config"]), str(context.node_config["center"]))
     # an emulated WAN link: the model's bytes arrive latency + bytes / bandwidth after the server sent them
     link.download(sum(nbytes_of(v) for v in msg.content.array_records.values()), sent_at=msg.metadata.created_at)
@@ -350,7 +371,12 @@ def _serve_rounds(grid: Grid, context: Context, out: Path) -> None:
     links = {c.name: LinkThrottle.of(c) for c in config.centers if LinkThrottle.of(c).limited}
     stop_after = int(rc.get("max-rounds", 0)) or None  # rounds this ServerApp runs before exiting (0: all)
     ran = 0
-    while not server.done and (stop_after is None or ran < stop_after):
+    channel = str(rc.get("data-channel", "flower")) == "socket"
+    if channel:  # the lean message path (see _lean): one Flower message per center for the whole run
+        nodes = _wait_for_nodes(grid, len(config.centers), config.round_timeout_s, poll_s,
+                                need=config.required_centers, need_s=center_wait_s)
+        serve_rounds(grid, server, config, nodes, node_names, out, evaluate, links, stop_after=stop_after)
+    while not channel and not server.done and (stop_after is None or ran < stop_after):
         ran += 1
         grace = config.round_timeout_s if first else rejoin_grace(rejoin_wait_s, len(grid.get_node_ids()),
                                                                    len(config.centers), settled)
