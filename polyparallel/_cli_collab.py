@@ -155,8 +155,17 @@ def _progress(progress: LineProgress) -> Any:
         missing = ",".join([*r.rejected, *r.missing])
         progress.line(f"round {r.round}/{progress.total}  accepted {','.join(r.accepted) or '-'}"
                       f"{f'  rejected/missing {missing}' if missing else ''}  {train}  eval {_eval_text(r.eval)}  "
-                      f"{r.seconds:.2f} s", done=r.round)
+                      f"{r.seconds:.2f} s{_comm_text(r)}", done=r.round)
     return show
+
+
+def _comm_text(r: Any) -> str:
+    """Overlapped rounds: the centers' mean communication time, exposed (waited for) and hidden behind steps."""
+    m = [v for v in r.metrics.values() if "exposed_s" in v and "comm_s" in v]
+    if not m or r.round == 1:
+        return ""
+    exposed, comm = (sum(v[k] for v in m) / len(m) for k in ("exposed_s", "comm_s"))
+    return f"  comm exposed {exposed:.2f} s hidden {max(0.0, comm - exposed):.2f} s"
 
 
 def _round_table(result: Any) -> Table:
@@ -267,6 +276,9 @@ def collab_cmd(
         "--holdout", help="fraction of each center's rows kept out of training; the centers evaluate every "
         "fused model on them (used when --eval-data is not given)")] = 0.0,
     seed: Annotated[int, typer.Option("--seed")] = 0,
+    overlap: Annotated[int, typer.Option(
+        "--overlap", help="K: each center takes K local steps of the next round while its update travels and the "
+        "server fuses, then merges the fused model (0: synchronous rounds; K <= H; in-process engine)")] = 0,
     config: Annotated[Path | None, typer.Option("--config", help="job JSON (overrides the options above)")] = None,
     strategy: Annotated[Path | None, typer.Option(
         "--strategy", help="collaborative Strategy JSON: centers, fusion, H, rounds, compression from it")] = None,
@@ -306,7 +318,7 @@ def collab_cmd(
     training = dict(batch_size=batch_size, lr=lr, momentum=momentum, lr_schedule=lr_schedule,
                     logit_adjust=logit_adjust, min_centers=min_centers, seed=seed, round_timeout_s=round_timeout,
                     holdout=holdout, norm_bound=0.0 if no_norm_bound else norm_bound, max_abs_update=max_abs_update,
-                    step_bound=step_bound, min_cosine=min_cosine)
+                    step_bound=step_bound, min_cosine=min_cosine, overlap=overlap)
     fixed = dict(rounds=rounds, local_steps=local_steps, fusion=fusion, compression=compression)  # or the Strategy's
     with _user_errors(ValueError, KeyError, json.JSONDecodeError):
         builders = _parse_builders([*(builder or []), *([f"mindspore={mindspore_model}"] if mindspore_model else [])])

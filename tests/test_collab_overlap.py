@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 
@@ -98,3 +99,124 @@ def test_rounds_over_the_data_channel_fuse_what_the_inprocess_engine_fuses(tmp_p
         np.testing.assert_array_equal(res.params[k], ref.params[k])
     assert [r.eval for r in res.rounds] == [r.eval for r in ref.rounds]
     assert (tmp_path / "out" / "server.log").read_text().count("data channel") >= 1
+
+
+# ------------------------------------------------------------------------------------ overlapped fusion
+def _digits(centers: int = 3):
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x, y = (d.data / 16).astype(np.float32), d.target
+    order = np.random.default_rng(0).permutation(len(y))
+    k = centers + 1
+    return ({n: (x[order[i::k]], y[order[i::k]]) for i, n in enumerate("abcde"[:centers])},
+            (x[order[centers::k]], y[order[centers::k]]))
+
+
+def _cfg(overlap: int = 0, **kw):
+    from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec
+
+    link = kw.pop("link", {})
+    base = dict(centers=tuple(CenterSpec(n, **link) for n in kw.pop("names", "abc")),
+                model=ModelSpec("mlp", (64,), 10, hidden=kw.pop("hidden", 16)), rounds=4, local_steps=6, batch_size=16,
+                lr=0.05, momentum=0.5, fusion="fedavg")
+    return CollabConfig(**{**base, **kw}, overlap=overlap)
+
+
+def test_overlap_after_zero_steps_is_the_synchronous_round_bit_for_bit():
+    """The pipelined engine with the merge before any step of the next round (overlap 0) fuses exactly
+    what the synchronous in-process engine fuses: the merge is then x_r + 0 and the round starts from x_r."""
+    from polyparallel.backends.collab import run_inprocess
+
+    data, _ = _digits()
+    cfg = _cfg(0, fusion="centered_clip", holdout=0.2)
+    sync = run_inprocess(cfg, data)
+    piped = run_inprocess(cfg, data, pipelined=True)
+    for k in sync.params:
+        np.testing.assert_array_equal(piped.params[k], sync.params[k])
+    assert [r.eval for r in piped.rounds] == [r.eval for r in sync.rounds]
+    assert all(m["exposed_s"] >= 0 for r in piped.rounds for m in r.metrics.values())
+
+
+def test_overlapped_rounds_are_the_delayed_outer_step():
+    """An independent computation of the one-round-delayed outer step (overlap = H) with each center's
+    own trainer: round r trains H steps from the center's own model s to a, merges m = x_r + (a - s) and
+    sends m - x_r; FedAvg of equal-sized centers is their mean."""
+    from polyparallel.backends.collab import run_inprocess
+    from polyparallel.backends.collab._engine import initial_params
+    from polyparallel.backends.collab._trainers import make_trainer
+
+    data, _ = _digits(2)
+    data = {n: (x[:200], y[:200]) for n, (x, y) in data.items()}
+    cfg = _cfg(6, names="ab", rounds=3)
+    res = run_inprocess(cfg, data)
+    trainers = {n: make_trainer(cfg, n, *data[n]) for n in "ab"}
+    x = {k: v.astype(np.float64) for k, v in initial_params(cfg).items()}
+    own: dict[str, dict[str, np.ndarray]] = {}
+    for r in range(1, cfg.rounds + 1):
+        x32 = {k: v.astype(np.float32) for k, v in x.items()}
+        deltas = []
+        for n, t in trainers.items():
+            start = own.get(n, x32)
+            a, _ = t.train(start, steps=cfg.local_steps, round_idx=r)
+            merged = a if r == 1 else {k: x32[k] + (a[k] - start[k]) for k in x32}
+            own[n] = merged
+            deltas.append({k: merged[k].astype(np.float32) - x32[k] for k in x32})
+        x = {k: x[k] + np.mean([d[k].astype(np.float64) for d in deltas], axis=0) for k in x}
+    for k in x:
+        np.testing.assert_allclose(res.params[k], x[k], rtol=1e-5, atol=1e-6)
+    # and not the synchronous result: the check can tell the two apart
+    sync = run_inprocess(_cfg(0, names="ab", rounds=3), data)
+    assert max(float(np.abs(sync.params[k] - x[k]).max()) for k in x) > 1e-3
+
+
+def test_overlap_hides_communication_on_a_slow_link_and_keeps_digits_accuracy():
+    """Emulated link 1 MB/s, 30 ms each way: a center waits the upload, the fusion and the download in
+    every synchronous round; overlapped by a whole round (30 steps) it waits for less of it."""
+    from polyparallel.backends.collab import run_inprocess
+
+    data, test = _digits()
+    link = dict(down_Bps=1e6, up_Bps=1e6, latency_s=0.03)
+    out = {}
+    for k in (0, 30):
+        res = run_inprocess(_cfg(k, link=link, hidden=64, rounds=6, local_steps=30), data, eval_data=test,
+                            pipelined=True)
+        later = [m for r in res.rounds[1:] for m in r.metrics.values()]
+        comm_events = [e for e in res.timing if e["event"] == "comm"]
+        assert len(comm_events) == len(later)
+        out[k] = (sum(m["exposed_s"] for m in later), sum(m["comm_s"] for m in later),
+                  res.rounds[-1].eval["accuracy"])
+    (sync_exposed, sync_comm, sync_acc), (ov_exposed, ov_comm, ov_acc) = out[0], out[30]
+    assert sync_exposed > 0.9 * sync_comm > 5 * 2 * 0.03 * 3  # synchronous: every transfer is waited for
+    assert ov_exposed < 0.75 * sync_exposed and ov_comm - ov_exposed > 0.3 * ov_comm, out  # hidden behind steps
+    assert abs(ov_acc - sync_acc) <= 0.03 and sync_acc > 0.9, out
+
+
+def test_overlap_is_refused_where_it_is_not_defined():
+    from polyparallel.backends.collab import CenterSpec
+
+    with pytest.raises(ValueError, match=r"overlap must be a whole number of local steps in \[0, local_steps=6\]"):
+        _cfg(7)
+    with pytest.raises(ValueError, match="SCAFFOLD"):
+        _cfg(2, fusion="scaffold")
+    with pytest.raises(ValueError, match="several devices"):
+        _cfg(2, centers=(CenterSpec("a", devices=2), CenterSpec("b")))
+    assert "overlap" not in _cfg(0).to_json() and _cfg(3).to_json().count('"overlap": 3') == 1
+    from polyparallel.backends.collab import CollabConfig
+
+    assert CollabConfig.from_json(_cfg(3).to_json()).overlap == 3
+
+
+def test_overlap_flag_reports_exposed_and_hidden_communication(tmp_path, capsys):
+    from tests.test_collab_cli import _run
+
+    code, out, err = _run(["collab", "--centers", "a,b", "--synthetic", "64", "--in-shape", "16", "--rounds", "3",
+                           "-H", "4", "--overlap", "4", "--link", "1 MB/s,1 MB/s,10 ms", "--holdout", "0.25",
+                           "--fusion", "fedavg", "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    assert "round 2/3" in out and "comm exposed" in out and "hidden" in out
+    events = [json.loads(x) for x in (tmp_path / "timing.jsonl").read_text().splitlines()]
+    assert sum(e["event"] == "comm" for e in events) == 4  # rounds 2 and 3, two centers
+    code, _, err = _run(["collab", "--centers", "a,b", "--synthetic", "64", "--in-shape", "16", "-H", "4",
+                         "--overlap", "5"], capsys)
+    assert code == 2 and "overlap must be a whole number of local steps" in err

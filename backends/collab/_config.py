@@ -126,6 +126,8 @@ class CollabConfig:
             refused (-1: off). See ``_validation``.
         layer_bound: an update one of whose trained tensors has a norm above this × that tensor's upper
             median norm over the round's updates is refused (0: off; a boosted backdoor). See ``_validation``.
+        overlap: ``k`` local steps of the next round a center takes while its update travels and the
+            server fuses; it merges the fused model after them (0: synchronous rounds). See ``_overlap``.
         prune: online pruning (:class:`~._pruning.PruneSpec`: ratio, rounds ``K``, score): centers score
             channels on their own rows, the server fuses the scores, soft-masks, and cuts the model
             structurally after round ``K``; None: the job trains the full model (see ``_pruning``).
@@ -153,6 +155,7 @@ class CollabConfig:
     min_cosine: float = -1.0
     layer_bound: float = 0.0
     prune: PruneSpec | None = None
+    overlap: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "centers", tuple(self.centers))
@@ -210,6 +213,22 @@ class CollabConfig:
                                  "fusion")
         if self.prune is not None:
             self._check_prune(self.prune)
+        self._check_overlap()
+
+    def _check_overlap(self) -> None:
+        """Overlapped fusion (``_overlap``) runs single-process torch centers, without SCAFFOLD or pruning."""
+        k = self.overlap
+        if not (isinstance(k, int) and 0 <= k <= self.local_steps):
+            raise ValueError(f"overlap must be a whole number of local steps in [0, local_steps={self.local_steps}]"
+                             f" (0: synchronous rounds), got {k!r}")
+        other = [c.name for c in self.centers if c.framework != "torch" or c.devices > 1]
+        why = (f"centers {other} run another framework or several devices" if other else
+               "SCAFFOLD's control variates correct towards the round's global model, not merged yet"
+               if self.fusion.lower() == "scaffold" else
+               "online pruning cuts the model under the centers' running steps" if self.prune is not None else "")
+        if k and why:
+            raise ValueError(f"overlapped fusion (overlap={k}) is implemented for single-process torch centers "
+                             f"without SCAFFOLD or pruning: {why}; use overlap=0")
 
     def _check_prune(self, p: PruneSpec) -> None:
         """A pruning job needs a fusion that can fuse score vectors and centers that can score."""
@@ -253,6 +272,8 @@ class CollabConfig:
             del d["prune"]
         if not self.layer_bound:  # likewise without the per-layer bound
             del d["layer_bound"]
+        if not self.overlap:  # and synchronous rounds
+            del d["overlap"]
         return json.dumps(d, sort_keys=True)
 
     @classmethod

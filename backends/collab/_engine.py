@@ -130,7 +130,7 @@ def run_inprocess(config: CollabConfig, data: Data | None = None, *,
                   center_states: dict[str, dict[str, np.ndarray]] | None = None,
                   on_round: Callable[[RoundRecord], None] | None = None,
                   tamper: Mapping[str, Tamper] | None = None,
-                  root_data: tuple[np.ndarray, np.ndarray] | None = None) -> CollabResult:
+                  root_data: tuple[np.ndarray, np.ndarray] | None = None, pipelined: bool = False) -> CollabResult:
     """Run the federation in this process.
 
     Args:
@@ -155,6 +155,9 @@ def run_inprocess(config: CollabConfig, data: Data | None = None, *,
             knows the round's nonce, as a center does).
         root_data: the server's own small labelled ``(x, y)`` (never a center's training data), which a
             fusion with ``needs_root`` (FLTrust) trains on each round for its reference direction.
+        pipelined: every center in its own thread, transfers delayed by their links concurrently with the
+            steps (``_overlap.pipelined_rounds``; always so with ``config.overlap``): synchronous rounds
+            timed as the overlapped ones are.
     """
     check_data(config, data)
     data = data or {}
@@ -183,7 +186,15 @@ def run_inprocess(config: CollabConfig, data: Data | None = None, *,
         states = {} if center_states is None else center_states
         for c in config.centers:
             states.setdefault(c.name, {})
-        _run_rounds(config, server, pool, evaluate, max_rounds, absent, states, on_round, tamper or {})
+        if config.overlap or pipelined:
+            from ._overlap import pipelined_rounds
+
+            if absent:
+                raise ValueError("absent centers are not modelled with overlapped or pipelined rounds")
+            pipelined_rounds(config, server, pool, evaluate, max_rounds, on_round, tamper,
+                             holdout_eval=eval_data is None and config.holdout > 0)
+        else:
+            _run_rounds(config, server, pool, evaluate, max_rounds, absent, states, on_round, tamper or {})
     finally:  # a data-parallel center's worker processes end with the run
         for name, t in pool.items():
             if not trainers or name not in trainers:

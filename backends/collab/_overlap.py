@@ -1,0 +1,214 @@
+"""Overlapped fusion: a center keeps training while its update travels and the server fuses.
+
+Synchronous rounds (``overlap=0``) leave every center idle from the moment it sends its update until
+the fused model has come back: upload, the server's wait for the slowest center, its checks and
+fusion, download. With ``CollabConfig(overlap=k)`` (``--overlap K``, ``1 <= k <= H``) a center goes on
+with the next round's first ``k`` local steps from its own local model meanwhile, and merges the fused
+model when those are done — a one-round-delayed outer step, as in overlapped DiLoCo (Kale et al.
+2025) and Streaming DiLoCo's overlap of ``τ`` inner steps (Douillard et al. 2025):
+
+* round ``r`` starts from the center's model ``s`` (its own result of round ``r − 1``); it takes the
+  round's first ``k`` steps (batches of ``(seed, center, r)``, as a synchronous round) to ``a``;
+* it waits for the fused ``x_r`` (the exposed communication: zero when upload, fusion and download
+  took less than those ``k`` steps) and merges: ``m = x_r + (a − s)``, the fused model plus the
+  progress made since — its own result of round ``r − 1`` is replaced by the federation's;
+* it takes the remaining ``H − k`` steps from ``m`` (same optimiser: momentum carries over the merge)
+  to ``e`` and sends ``δ_r = e − x_r``, bound to round ``r``'s nonce and the digest of ``x_r`` like any
+  reply, so the server's checks and fusions are unchanged: ``x_{r+1} = x_r + F(δ_r)``.
+
+Round 1 has nothing to overlap (the center starts from ``x_1``). With ``k = 0`` the merge comes before
+any step (``m = x_r``) and a round is the synchronous one bit for bit; ``k = H`` hides up to a whole
+round's compute. The updates are one round stale in their first ``k`` steps, which is what costs
+accuracy (``docs/collab.md``).
+
+The engine (:func:`pipelined_rounds`): every center trains in its own thread (torch with one
+intra-op thread, the centers' steps overlap where the GIL allows), the server fuses in the calling
+thread; an emulated link (``CenterSpec.down_Bps`` ...) delays each transfer to when the link would
+deliver it (:meth:`~._link.LinkThrottle.done_at`, the receiver waits), so uploads, fusion and
+downloads run concurrently with the centers' steps. Each reply's metrics carry ``comm_s`` (from
+sending its previous update until the fused model was there: what a synchronous center waits) and
+``exposed_s`` (what this center actually waited), and the timing log a ``comm`` event per center and
+round with ``exposed_s`` and ``hidden_s``. Single-process torch centers only; SCAFFOLD (its control
+variates assume the round's start is the global model) and pruning are refused with the job.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from ._center import batch_indices, evaluate_torch, label_tensor, local_sgd, torch_from
+from ._link import LinkThrottle, nbytes_of
+from ._models import load_torch_state, torch_state
+from ._server import CenterReply, FederationServer, RoundRecord, aggregate_evaluations
+from ._validation import bound_metrics, model_digest
+from ._wire import encode_update
+
+__all__ = ["pipelined_rounds"]
+
+
+class _Center:
+    """One center's thread: its local model, the fused models it is sent, the replies it sends."""
+
+    def __init__(self, name: str, trainer: Any, config: Any, steps_before_merge: int, proximal_mu: float,
+                 replies: queue.Queue) -> None:
+        for need in ("_model", "_objective", "x", "y"):
+            if not hasattr(trainer, need):
+                raise ValueError(f"center {name!r}: overlapped fusion needs a torch trainer holding its model "
+                                 f"and data; {type(trainer).__name__} has no {need!r}")
+        self.name, self.t, self.config, self.k = name, trainer, config, steps_before_merge
+        self.mu = proximal_mu
+        self.inbox: queue.Queue = queue.Queue()  # (round, x_r, nonce, available_at) or None: stop
+        self.replies = replies
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=f"center-{name}", daemon=True)
+
+    def _fused(self) -> tuple[int, dict[str, np.ndarray], int, float] | None:
+        item = self.inbox.get()
+        if item is not None and item[3] > time.time():
+            time.sleep(item[3] - time.time())  # the emulated downlink delivers it then
+        return item
+
+    def _run(self) -> None:
+        try:
+            self._rounds()
+        except BaseException as e:  # reported by the server thread
+            self.error = e
+            self.replies.put((self.name, None))
+
+    def _rounds(self) -> None:
+        import torch
+
+        t, cfg, model = self.t, self.config, self.t._model
+        x_all, y_all = torch_from(t.x), label_tensor(t.y, t.model_spec.loss)
+        bias = t.logit_bias()
+        local: dict[str, np.ndarray] | None = None  # the center's own model: None before round 1
+        t_sent_prev = 0.0
+        while True:
+            if local is None:  # round 1: nothing to overlap, the center starts from x_1
+                item = self._fused()
+                if item is None:
+                    return
+                r, x_r, nonce, _ = item
+                start = x_r
+            else:
+                r, start = r + 1, local
+            load_torch_state(model, dict(start))
+            model.train()
+            opt = torch.optim.SGD(model.parameters(), lr=t.lr_at(r), momentum=t.momentum)
+            batches = batch_indices(len(t.x), t.batch_size, cfg.local_steps, t.seed, t.center_index, r)
+            k = 0 if local is None else self.k
+            losses = local_sgd(model, model, opt, x_all, y_all, batches[:k], self.mu, logit_bias=bias,
+                               objective=t._objective)
+            t_ready = time.time()
+            if local is not None:
+                item = self._fused()
+                if item is None:
+                    return
+                got_r, x_r, nonce, _ = item
+                assert got_r == r, (got_r, r)
+                a = torch_state(model)
+                load_torch_state(model, {n: x_r[n] + (a[n] - start[n]) for n in x_r})  # the delayed outer step
+            t_received = time.time()
+            losses += local_sgd(model, model, opt, x_all, y_all, batches[k:], self.mu, logit_bias=bias,
+                                objective=t._objective)
+            t_trained = time.time()
+            local = torch_state(model)
+            delta = {n: local[n].astype(np.float32) - np.asarray(x_r[n], dtype=np.float32) for n in x_r}
+            payload = encode_update(delta, cfg.compression)
+            metrics = {"num_samples": float(t.num_samples), "train_loss": float(np.mean(losses)),
+                       **bound_metrics(nonce, r, model_digest(x_r), payload), "t_received": t_received,
+                       "t_trained": t_trained, "exposed_s": t_received - t_ready,
+                       "comm_s": t_received - t_sent_prev if t_sent_prev else t_received - t_ready}
+            metrics["t_sent"] = t_sent_prev = time.time()
+            self.replies.put((self.name, (r, payload, metrics)))
+
+
+def _holdout_evaluator(pool: Mapping[str, Any], spec: Any) -> Callable[[dict[str, np.ndarray], int], dict[str, float]]:
+    """The centers' held-out evaluation on a model of the server's own (the centers' models are busy training)."""
+    from ._models import build_torch_model
+
+    model = build_torch_model(spec)
+
+    def evaluate(p: dict[str, np.ndarray], r: int) -> dict[str, float]:
+        per = {}
+        for name, t in pool.items():
+            m = dict(evaluate_torch(spec, p, *t.holdout, model=model))
+            m.setdefault("count", float(len(t.holdout[1])))
+            per[name] = {k: float(v) for k, v in m.items()}
+        return aggregate_evaluations(per)
+
+    return evaluate
+
+
+def pipelined_rounds(config: Any, server: FederationServer, pool: Mapping[str, Any], evaluate: Any,
+                     max_rounds: int | None, on_round: Callable[[RoundRecord], None] | None = None,
+                     tamper: Mapping[str, Any] | None = None, holdout_eval: bool = False) -> None:
+    """Run the rounds with every center in its own thread, merging the fused model after
+    ``config.overlap`` steps of the next round (0: synchronous rounds on the same threads and links,
+    which is what the overlapped ones are compared with). ``evaluate(params, round)``: the server's
+    evaluation of each fused model; ``holdout_eval``: instead, the centers' held-out rows, evaluated on
+    a model of the server's own (the centers' models are busy training)."""
+    import torch
+
+    if holdout_eval:
+        evaluate = _holdout_evaluator(pool, config.model)
+
+    k = config.overlap
+    replies: queue.Queue = queue.Queue()
+    centers = {c.name: _Center(c.name, pool[c.name], config, k, server.fusion.proximal_mu, replies)
+               for c in config.centers}
+    links = {c.name: LinkThrottle.of(c) for c in config.centers}
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    for c in centers.values():
+        c.thread.start()
+    done = 0
+    try:
+        while not server.done and (max_rounds is None or done < max_rounds):
+            r, x_r = server.begin_round()
+            t_pub, nonce = time.time(), server.nonce(r)
+            for name, c in centers.items():
+                c.inbox.put((r, {n: v.copy() for n, v in x_r.items()}, nonce,
+                             links[name].done_at("down", nbytes_of(x_r), t_pub) if links[name].limited else t_pub))
+            got: list[CenterReply] = []
+            delivered: dict[str, float] = {}
+            while len(got) < len(centers):
+                name, reply = replies.get()
+                if reply is None:
+                    raise RuntimeError(f"center {name!r} failed in round {r}: {centers[name].error!r}") \
+                        from centers[name].error
+                rr, payload, metrics = reply
+                assert rr == r, (rr, r)
+                link = links[name]
+                delivered[name] = (link.done_at("up", nbytes_of(payload), metrics["t_sent"]) if link.limited
+                                   else time.time())
+                if tamper and name in tamper:
+                    payload, metrics = tamper[name](r, payload, metrics, nonce)
+                got.append(CenterReply(name, payload, metrics))
+            last = max(delivered.values())
+            if last > time.time():
+                time.sleep(last - time.time())
+            for rep in sorted(got, key=lambda g: delivered[g.center]):
+                server.timing.record(r, "server", rep.center, "update_received", t=max(delivered[rep.center], 0.0))
+                m = rep.metrics
+                if isinstance(m.get("comm_s"), float) and r > 1:
+                    server.timing.record(r, "center", rep.center, "comm", exposed_s=m["exposed_s"],
+                                         hidden_s=max(0.0, m["comm_s"] - m["exposed_s"]))
+            order = [c.name for c in config.centers]  # the synchronous engine's order: the same sums
+            rec = server.finish_round(r, sorted(got, key=lambda g: order.index(g.center)),
+                                      evaluate=None if evaluate is None else lambda p, r=r: evaluate(p, r))
+            if on_round is not None:
+                on_round(rec)
+            done += 1
+    finally:
+        for c in centers.values():
+            c.inbox.put(None)
+        for c in centers.values():
+            c.thread.join(timeout=60)
+        torch.set_num_threads(old_threads)
