@@ -19,6 +19,20 @@ So a round lasts ``T = K + max_i (D_i + C_i + U_i) + F`` and the phases of every
 With ``concurrent=False`` the centers run one after another (the in-process engine): center ``i``
 starts when center ``i−1`` has uploaded, and ``T = K + Σ_i (D_i + C_i + U_i) + F``.
 
+**Overlapped rounds** (``SimInputs.overlap = k``, the collaborative backend's ``CollabConfig.overlap``):
+a center sends its update and goes on with the next round's first ``k`` steps; it needs the fused
+model only then. Center ``i`` sends round ``r``'s update at ``t_i(r)``; the server fuses when the last
+update is in, so the fused model reaches it at ``A_i = max_j (t_j(r) + U_j) + F + K + D_i`` and
+
+    t_i(r+1) = max(t_i(r) + k·s_i, A_i) + (H − k)·s_i,   exposed E_i = max(0, A_i − t_i(r) − k·s_i)
+
+— the exposed communication is what is left of the communication ``A_i − t_i(r)`` after the ``k``
+overlapped steps (``k = 0``: the synchronous round). A round is the server's, from one fused model to
+the next; per center it splits into ``compute`` (its ``H`` steps) and ``wait`` (the rest: the exposed
+communication and waiting for the slowest center); distribute, upload, fusion and the framework's
+cost run behind the steps and are reported as ``hidden_comm_s`` (the trace draws a round's steps as
+one block). Concurrent centers only.
+
 Variability (seeded): ``compute_jitter`` and ``link_jitter`` multiply ``C_i`` and the transfer times of
 ``D_i``/``U_i`` by a log-normal factor of mean 1 and that standard deviation of its log; a center
 drops out of a round with probability ``dropout`` (it receives nothing, sends nothing and idles the
@@ -97,13 +111,15 @@ class SimInputs:
     fuse_s_per_param: float = FUSE_S_PER_PARAM
     compression: str = "none"
     fixed_per_center_s: float = 0.0
+    overlap: int = 0
 
     @classmethod
     def make(cls, names: Sequence[str], step_s: Sequence[float] | float, local_steps: int, params: int, *,
              down_Bps: Sequence[float] | float = math.inf, up_Bps: Sequence[float] | float = math.inf,
              latency_s: Sequence[float] | float = 0.0, compression: str = "none", model_bytes: float | None = None,
              upload_bytes: float | None = None, fixed_s: float = FIXED_ROUND_S["flower"],
-             fuse_s_per_param: float = FUSE_S_PER_PARAM, fixed_per_center_s: float = 0.0) -> SimInputs:
+             fuse_s_per_param: float = FUSE_S_PER_PARAM, fixed_per_center_s: float = 0.0,
+             overlap: int = 0) -> SimInputs:
         n = len(names)
 
         def vec(v: Sequence[float] | float, what: str) -> np.ndarray:
@@ -121,10 +137,12 @@ class SimInputs:
             raise ValueError("link bandwidths must be > 0 (inf for loopback)")
         if fixed_s < 0 or fuse_s_per_param < 0 or fixed_per_center_s < 0:
             raise ValueError("the fixed round cost and the fusion cost per parameter must be >= 0")
+        if not 0 <= int(overlap) <= int(local_steps):
+            raise ValueError(f"overlap must be in [0, H={local_steps}] local steps, got {overlap}")
         return cls(tuple(names), vec(step_s, "step time"), int(local_steps), int(params), down, up,
                    vec(latency_s, "latency"), float(4 * params if model_bytes is None else model_bytes),
                    float(update_bytes(params, compression) if upload_bytes is None else upload_bytes),
-                   float(fixed_s), float(fuse_s_per_param), compression, float(fixed_per_center_s))
+                   float(fixed_s), float(fuse_s_per_param), compression, float(fixed_per_center_s), int(overlap))
 
     @property
     def n(self) -> int:
@@ -148,7 +166,7 @@ def center_links(strategy: Any) -> dict[str, tuple[float, float, float]]:
 
 def inputs_from_strategy(strategy: Any, *, framework: str = "flower", fixed_s: float | None = None,
                          fuse_s_per_param: float = FUSE_S_PER_PARAM, local_steps: int | None = None,
-                         compression: str | None = None) -> SimInputs:
+                         compression: str | None = None, overlap: int = 0) -> SimInputs:
     """The simulator's inputs from a collaborative :class:`~polyparallel.strategy.Strategy`: each center's
     step time as the planner priced it (``local_strategy["step_time_s"]``), its WAN link from the
     strategy's cluster echo (none: loopback), ``H`` and the compression of the plan (or the overrides)."""
@@ -177,7 +195,7 @@ def inputs_from_strategy(strategy: Any, *, framework: str = "flower", fixed_s: f
         raise ValueError("the strategy's model has no parameter count (model.params): re-run the search")
     return SimInputs.make([c.name for c in collab.centers], steps, local_steps or collab.local_steps, params,
                           down_Bps=down, up_Bps=up, latency_s=lat, compression=compression or collab.compression,
-                          fixed_s=fixed_s, fuse_s_per_param=fuse_s_per_param)
+                          fixed_s=fixed_s, fuse_s_per_param=fuse_s_per_param, overlap=overlap)
 
 
 @dataclass
@@ -245,6 +263,10 @@ class SimResult:
                          + f"{100 * row['utilisation']:>9.1f}")
         if self.inputs.n > max_centers:
             lines.append(f"  ... {self.inputs.n - max_centers} more centers")
+        if self.inputs.overlap:
+            lines.append(f"overlapped rounds (K = {self.inputs.overlap} steps): communication exposed "
+                         f"{s['exposed_comm_s']:.4g} s, hidden {s['hidden_comm_s']:.4g} s per center and round "
+                         "(distribute, upload, fusion and framework run behind the steps)")
         sh = s["shares"]
         lines.append("shares of wall time: " + ", ".join(f"{p} {100 * sh[p]:.1f}%" for p in PHASES))
         lines.append(f"communication {100 * sh['communication']:.1f}% (distribute + upload + framework), idle "
@@ -352,6 +374,12 @@ def simulate_rounds(inputs: SimInputs, rounds: int, *, compute_jitter: float = 0
     comp = np.where(present, x.local_steps * steps * _factor(rng, compute_jitter, (R, N)), 0.0)
     up = np.where(present, x.latency_s + u_tx * (link_f[1] if link_jitter > 0 else 1.0), 0.0)
     busy = dist + comp + up
+    fuse = x.fuse_s_per_param * x.params * present.sum(axis=1)  # (R,)
+    fw = x.fixed_s + x.fixed_per_center_s * present.sum(axis=1)  # (R,)
+    if x.overlap:
+        if not concurrent or dropout > 0:
+            raise ValueError("overlapped rounds are simulated for concurrent centers without dropouts")
+        return _overlapped(x, dist, comp, up, fuse, fw)
     if concurrent:
         offset = np.zeros((R, N))
         ready = busy
@@ -359,8 +387,6 @@ def simulate_rounds(inputs: SimInputs, rounds: int, *, compute_jitter: float = 0
         ready = np.cumsum(busy, axis=1)
         offset = ready - busy
     slowest = ready.max(axis=1)  # (R,)
-    fuse = x.fuse_s_per_param * x.params * present.sum(axis=1)  # (R,)
-    fw = x.fixed_s + x.fixed_per_center_s * present.sum(axis=1)  # (R,)
     round_s = fw + slowest + fuse
     round_start = np.concatenate([[0.0], np.cumsum(round_s)[:-1]])
     t0 = round_start[:, None] + fw[:, None] + offset
@@ -372,6 +398,48 @@ def simulate_rounds(inputs: SimInputs, rounds: int, *, compute_jitter: float = 0
              "compute": t0 + dist, "upload": t0 + dist + comp, "wait": t0 + busy,
              "fuse": np.broadcast_to((round_start + fw + slowest)[:, None], (R, N)).copy()}
     return SimResult(x, round_start, round_s, dur, start, present, concurrent, lead=offset)
+
+
+def _overlapped(x: SimInputs, dist: np.ndarray, comp: np.ndarray, up: np.ndarray, fuse: np.ndarray,
+                fw: np.ndarray) -> SimResult:
+    """Overlapped rounds (module docstring): the send times ``t_i(r)`` round by round, vectorised over centers."""
+    R, N = comp.shape
+    H, k = x.local_steps, x.overlap
+    step = comp / H
+    round_start = np.zeros(R)
+    compute_start, exposed, ready = np.zeros((R, N)), np.zeros((R, N)), np.zeros((R, N))
+    hidden = np.zeros((R, N))
+    sent = np.zeros(N)
+    t = 0.0
+    for r in range(R):
+        round_start[r] = t
+        avail = t + fw[r] + dist[r]  # the fused model x_r at each center
+        if r == 0:
+            compute_start[r] = avail
+            sent = avail + comp[r]
+        else:
+            ready[r] = sent + k * step[r]
+            exposed[r] = np.maximum(0.0, avail - ready[r])
+            hidden[r] = (avail - sent) - exposed[r]
+            compute_start[r] = sent
+            sent = np.maximum(ready[r], avail) + (H - k) * step[r]
+        t = float((sent + up[r]).max() + fuse[r])  # the next fused model leaves the server
+    round_s = np.diff(np.append(round_start, t))
+    wait = np.maximum(0.0, round_s[:, None] - comp)
+    zero = np.zeros((R, N))
+    first = np.zeros((R, N))
+    first[0] = dist[0]
+    dur = {"framework": zero.copy(), "distribute": first, "compute": comp, "upload": zero.copy(), "wait": wait,
+           "fuse": zero.copy()}
+    start = {"framework": np.broadcast_to(round_start[:, None], (R, N)).copy(),
+             "distribute": np.broadcast_to(round_start[:, None], (R, N)) + first * 0, "compute": compute_start,
+             "upload": compute_start + comp, "wait": np.where(exposed > 0, ready, compute_start + comp),
+             "fuse": np.broadcast_to(round_start[:, None], (R, N)).copy()}
+    dur["wait"] = wait - first
+    res = SimResult(x, round_start, round_s, dur, start, np.ones((R, N), dtype=bool), True)
+    res.extra.update(overlap=k, exposed_comm_s=float(exposed[1:].mean()) if R > 1 else 0.0,
+                     hidden_comm_s=float(hidden[1:].mean()) if R > 1 else 0.0)
+    return res
 
 
 def measured_phases(timing: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, Any]]:

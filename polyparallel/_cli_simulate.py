@@ -35,6 +35,9 @@ def simulate_cmd(
                           "measured, see cost_models/collab_simulator.py FIXED_ROUND_S)")] = None,
     sequential: Annotated[bool, typer.Option("--sequential", help="centers one after another (the in-process "
                                                                   "engine), not concurrently")] = False,
+    overlap: Annotated[int, typer.Option("--overlap", help="K: overlapped rounds, each center takes K steps of "
+                                                          "the next round while its update travels (0: synchronous)")]
+    = 0,
 ) -> None:
     """Simulate N rounds of a collaborative strategy: time to N rounds, utilisation per center, and the
     communication, idle and fusion shares of wall time. A synchronous strategy with pipeline stages: one
@@ -71,9 +74,12 @@ def simulate_cmd(
     if jitter < 0 or (fixed_s is not None and fixed_s < 0):
         raise UserError("--jitter and --fixed-s must be >= 0")
     try:
-        x = inputs_from_strategy(s, fixed_s=fixed_s, local_steps=local_steps, compression=compression)
+        x = inputs_from_strategy(s, fixed_s=fixed_s, local_steps=local_steps, compression=compression,
+                                 overlap=overlap)
     except ValueError as e:
         raise UserError(str(e)) from None
+    if overlap and sequential:
+        raise UserError("--overlap with --sequential: overlapped rounds are simulated for concurrent centers")
     res = simulate_rounds(x, rounds, compute_jitter=jitter, link_jitter=jitter, dropout=dropout, seed=seed,
                           concurrent=not sequential)
     typer.echo(json.dumps(res.summary(), indent=1) if as_json else res.table())

@@ -220,3 +220,60 @@ def test_overlap_flag_reports_exposed_and_hidden_communication(tmp_path, capsys)
     code, _, err = _run(["collab", "--centers", "a,b", "--synthetic", "64", "--in-shape", "16", "-H", "4",
                          "--overlap", "5"], capsys)
     assert code == 2 and "overlap must be a whole number of local steps" in err
+
+
+# ------------------------------------------------------------------------------------------ simulator
+def test_simulated_overlap_prices_exposed_communication():
+    """One center: each round is H steps plus what is left of the communication c = U + F + K + D after
+    the k overlapped steps; k = 0 is the synchronous round."""
+    from polyparallel.cost_models.collab_simulator import SimInputs, _overlapped, simulate_rounds
+
+    s, H, P, bw, lat, fixed = 0.01, 20, 10**6, 4e7, 0.02, 0.3
+    comm = 2 * (lat + 4 * P / bw) + 2e-8 * P + fixed
+    for k in (0, 5, 10, 20):
+        x = SimInputs.make(["a"], s, H, P, down_Bps=bw, up_Bps=bw, latency_s=lat, fixed_s=fixed, overlap=k)
+        res = simulate_rounds(x, 6) if k else _overlapped(x, *_phases(x, 6))
+        np.testing.assert_allclose(res.round_s[1:-1], H * s + max(0.0, comm - k * s), rtol=1e-12)
+        assert res.summary()["exposed_comm_s"] == pytest.approx(max(0.0, comm - k * s))
+        assert res.summary()["exposed_comm_s"] + res.summary()["hidden_comm_s"] == pytest.approx(comm)
+        if not k:  # the synchronous simulation, round for round
+            np.testing.assert_allclose(res.round_s, simulate_rounds(x, 6).round_s, rtol=1e-12)
+
+
+def _phases(x, rounds):
+    R, N = rounds, x.n
+    d = np.full((R, N), x.latency_s + x.model_bytes / x.down_Bps)
+    u = np.full((R, N), x.latency_s + x.upload_bytes / x.up_Bps)
+    c = np.full((R, N), x.local_steps * x.step_s)
+    return d, c, u, np.full(R, x.fuse_s_per_param * x.params * N), np.full(R, x.fixed_s)
+
+
+def test_simulated_overlap_waits_for_the_slowest_center():
+    """Two centers, one 3x slower: the fast one's exposed time includes waiting for the slow one's update."""
+    from polyparallel.cost_models.collab_simulator import SimInputs, simulate_rounds
+
+    x = SimInputs.make(["fast", "slow"], [0.01, 0.03], 10, 1000, fixed_s=0.0, fuse_s_per_param=0.0, overlap=10)
+    res = simulate_rounds(x, 5)
+    np.testing.assert_allclose(res.round_s[1:], 10 * 0.03)  # the slow center sets the pace, its comm hidden
+    np.testing.assert_allclose(res.dur["wait"][1:, 0], 10 * 0.02)
+    np.testing.assert_allclose(res.dur["wait"][1:, 1], 0.0, atol=1e-12)
+
+
+def test_simulate_command_prices_overlapped_rounds(tmp_path, capsys):
+    from tests.test_collab_cli import _run
+    from tests.test_collab_simulator import _strategy
+
+    path = tmp_path / "s.json"
+    _strategy().to_json(path)
+    code, out, err = _run(["simulate", str(path), "--rounds", "5", "--json", "--fixed-s", "0.5"], capsys)
+    assert code == 0, err
+    sync = json.loads(out)
+    code, out, err = _run(["simulate", str(path), "--rounds", "5", "--json", "--fixed-s", "0.5", "--overlap", "5"],
+                          capsys)
+    assert code == 0, err
+    ov = json.loads(out)
+    # the slow center (5 x 0.03 s) hides 0.15 s of its communication: rounds shorter by that much
+    assert ov["overlap"] == 5 and ov["hidden_comm_s"] > 0
+    assert ov["mean_round_s"] == pytest.approx(sync["mean_round_s"] - 4 / 5 * 5 * 0.03)  # rounds 2-5
+    code, out, err = _run(["simulate", str(path), "--overlap", "6"], capsys)
+    assert code == 2 and "overlap must be in [0, H=5]" in err and len(err.strip().splitlines()) == 1
