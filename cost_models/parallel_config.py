@@ -85,8 +85,9 @@ class ParallelConfig(Plan):
             producer's kernel and 16-bit plans compute in 16 bits throughout (a compiler, or hand-fused
             kernels and 16-bit weights as in Megatron); ``False``: eager PyTorch, each is its own kernel
             streaming its operands and its own host dispatch, and a 16-bit plan runs under
-            ``torch.autocast``; ``None`` (default): what the torch backend runs, eager on accelerators,
-            and on CPUs the prices their calibration and profiles measured (of eager steps).
+            ``torch.autocast``; ``None`` (default): what the torch backend runs, eager on accelerators
+            (fused where the plan compiles its blocks, ``compile="regional"``), and on CPUs the
+            prices their calibration and profiles measured (of eager steps).
         fused_loss: ``True``: an eager step's cross entropy is one fused kernel on 16-bit logits
             (flash-attn's ``CrossEntropyLoss``, llm-foundry's default ``loss_fn: fused_crossentropy``):
             it keeps per-row statistics and allocates one logits-sized gradient, where torch's upcast

@@ -336,8 +336,10 @@ def _stage_memory(graph: Graph, cfg: ParallelConfig, terms: StageTerms, s: int, 
 
 
 def _eager(cfg: ParallelConfig, device: DeviceType) -> bool:
-    """Whether ``cfg`` runs as eager PyTorch on ``device`` (``ParallelConfig.fused_elementwise``)."""
-    return cfg.fused_elementwise is False or (cfg.fused_elementwise is None and device.kind != "cpu")
+    """Whether ``cfg`` runs as eager PyTorch on ``device`` (``ParallelConfig.fused_elementwise``; unset,
+    eager on accelerators unless the plan compiles its blocks, ``Plan.compile``)."""
+    return cfg.fused_elementwise is False or (cfg.fused_elementwise is None and device.kind != "cpu"
+                                              and cfg.compile == "none")
 
 
 def _low_params(cfg: ParallelConfig) -> bool:
@@ -355,6 +357,7 @@ def _stage_terms(graph: Graph, cluster: Cluster, cfg: ParallelConfig, v: int) ->
     devs = cfg.devices if cfg.devices is not None else tuple(range(cfg.world))
     key = ("stages", id(cluster), devs, cfg.dp, cfg.pp, *cfg.split_key, v, cfg.partition,
            cfg.dtype, cfg.fused_attention, cfg.op_plans, cfg.zero_stage >= 1, cfg.pipeline_p2p, cfg.fused_elementwise,
+           cfg.compile,
            cfg.fused_dropout, cfg.attention_kernel)
     cache = PRICES.of(graph)
     hit = cache.get((*key, cfg.recompute))
@@ -554,7 +557,7 @@ def _op_vectors(graph: Graph, dt: DeviceType, cfg: ParallelConfig,
 
 def _host_vector(graph: Graph, dt: DeviceType, cfg: ParallelConfig) -> list[tuple[float, float]]:
     """Host seconds (forward, backward) of every op on an accelerator with measured dispatch costs."""
-    key = ("host", dt.cache_key, cfg.dtype, cfg.fused_elementwise)
+    key = ("host", dt.cache_key, cfg.dtype, _eager(cfg, dt))
     cache = PRICES.of(graph)
     if key not in cache:
         cache[key] = host_seconds(graph, dt, cfg.dtype, eager=_eager(cfg, dt))

@@ -26,6 +26,8 @@ def _console() -> Console:
     return Console(width=None if sys.stdout.isatty() else 140)
 
 
+COMPILE_HELP = ("regional: compile each repeated block with torch.compile (priced as fused kernels); "
+                "none: eager (default)")
 EXECUTION_HELP = ("how the framework runs the plan, KEY=VALUE, repeatable (fused_elementwise, fused_attention, "
                   "fused_dropout, fused_optimizer, grad_overlap, optimizer, pipeline_p2p, grad_reduce, "
                   "grad_accumulation, zero3_gather, attention_kernel, fused_loss; README: what a plan's price assumes)")
@@ -70,7 +72,8 @@ def _summary(s: Strategy) -> list[str]:
         cp = f" cp={s.cp} (ring attention)" if s.cp > 1 else ""
         seq = " with Megatron sequence parallelism" if s.sequence_parallel else ""
         lines.append(f"  dp={s.dp} tp={s.tp}{seq} pp={s.pp} sp={s.sp}{cp}{ep}, {s.microbatches} micro-batches "
-                     f"({s.schedule}), ZeRO-{s.zero_stage}, recompute {s.recompute}, {s.dtype}")
+                     f"({s.schedule}), ZeRO-{s.zero_stage}, recompute {s.recompute}, {s.dtype}"
+                     + (", blocks compiled" if s.compile == "regional" else ""))
     elif s.collaborative:
         c = s.collaborative
         lines.append(f"  {len(c.centers)} centers, fusion {c.fusion} every H={c.local_steps} local steps, "
@@ -111,6 +114,7 @@ def search_cmd(
     schedule: Annotated[str | None, typer.Option(help="pin the pipeline schedule: gpipe, 1f1b or interleaved")] = None,
     zero: Annotated[int | None, typer.Option(help="pin the ZeRO stage 0-3")] = None,
     recompute: Annotated[str | None, typer.Option(help="pin recomputation: none, selective, op or full")] = None,
+    compile: Annotated[str | None, typer.Option("--compile", help=COMPILE_HELP)] = None,
     dtype: Annotated[str | None, typer.Option(help="training precision: fp32, bf16 or fp16 (default: bf16 on "
                                                    "accelerators, fp32 on CPUs)")] = None,
     devices: Annotated[int | None, typer.Option(help="use only the first N devices of the cluster")] = None,
@@ -135,7 +139,8 @@ def search_cmd(
 
     console = _console()
     pinned = {"dp": dp, "tp": tp, "pp": pp, "sp": sp, "cp": cp, "ep": ep, "microbatches": microbatches,
-              "schedule": schedule, "zero_stage": zero, "recompute": recompute, "dtype": dtype, "devices": devices,
+              "schedule": schedule, "zero_stage": zero, "recompute": recompute, "compile": compile, "dtype": dtype,
+              "devices": devices,
               "mode": mode,
               "memory_cap": None if memory_cap is None else memory_cap * 1e9, "comm_fraction": comm_fraction,
               "max_local_steps": max_local_steps, "chunks": chunks, "partition": partition,
@@ -258,7 +263,7 @@ def _diff(console: Console, a: Strategy, b: Strategy, pa: Path, pb: Path) -> Non
     t.add_column(pa.name)
     t.add_column(pb.name)
     fields = ["mode", "global_batch", "dp", "tp", "pp", "sp", "ep", "microbatches", "schedule", "zero_stage",
-              "recompute", "dtype"]
+              "recompute", "dtype", "compile"]
     for f in fields:
         va, vb = getattr(a, f), getattr(b, f)
         style = "" if va == vb else "bold"
@@ -284,6 +289,7 @@ def evaluate_cmd(
     schedule: Annotated[str | None, typer.Option(help="gpipe, 1f1b or interleaved")] = None,
     zero: Annotated[int | None, typer.Option(help="ZeRO stage 0-3")] = None,
     recompute: Annotated[str | None, typer.Option(help="none, selective, op or full")] = None,
+    compile: Annotated[str, typer.Option("--compile", help=COMPILE_HELP)] = "none",
     dtype: Annotated[str | None, typer.Option(help="training precision: fp32, bf16 or fp16")] = None,
     seq: Annotated[int | None, typer.Option(help=SEQ_HELP)] = None,
     layers: Annotated[int | None, typer.Option(help=LAYERS_HELP)] = None,
@@ -297,15 +303,15 @@ def evaluate_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="print the estimate as JSON")] = False,
 ) -> None:
     """Price a hand-made recipe with the search's cost model; unset choices are made as the search would."""
-    from polyparallel.planning.plan_search import evaluate
+    from polyparallel.planning.evaluate_recipe import evaluate
 
     options = parse_execution(execution or [])  # a bad option fails before the capture
     m, args, kwargs = _load(model, seq, layers, dim)
     s = evaluate(m, args, cluster, example_kwargs=kwargs, dp=dp, tp=tp, pp=pp, sp=sp, cp=cp, ep=ep,
                  microbatches=microbatches,
                  schedule=schedule, zero_stage=zero, recompute=recompute, batch_size=batch_size, dtype=dtype,
-                 placements=placements, chunks=chunks, sequence_parallel=sequence_parallel, partition=partition,
-                 execution=options)
+                 compile=compile, placements=placements, chunks=chunks, sequence_parallel=sequence_parallel,
+                 partition=partition, execution=options)
     if as_json:
         d = s.estimate.model_dump() if s.estimate else {}
         d.update({"dp": s.dp, "tp": s.tp, "pp": s.pp, "sp": s.sp, "cp": s.cp, "ep": s.ep,

@@ -34,11 +34,12 @@ from typing import Any, TypeVar
 
 from polyparallel.ir import TRAINING_DTYPE_BYTES
 
-__all__ = ["CENTER_FIELDS", "MESH_AXES", "PLAN_FIELDS", "RECOMPUTE", "SCHEDULES", "Axis", "Plan", "parse_schedule",
-           "value_problem"]
+__all__ = ["CENTER_FIELDS", "COMPILE", "MESH_AXES", "PLAN_FIELDS", "RECOMPUTE", "SCHEDULES", "Axis", "Plan",
+           "parse_schedule", "value_problem"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE = ("none", "selective", "op", "full")
+COMPILE = ("none", "regional")
 
 
 class Axis(StrEnum):
@@ -75,7 +76,7 @@ def value_problem(name: str, value: Any) -> str | None:
         return None
     choices: dict[str, tuple[Any, ...]] = {"zero_stage": (0, 1, 2, 3), "schedule": SCHEDULES,
                                            "recompute": RECOMPUTE, "dtype": tuple(TRAINING_DTYPE_BYTES),
-                                           "sequence_parallel": (False, True)}
+                                           "sequence_parallel": (False, True), "compile": COMPILE}
     if name not in choices:
         raise KeyError(f"{name!r} is not a plan field: {', '.join(PLAN_FIELDS)}")
     v = parse_schedule(value)[0] if name == "schedule" and isinstance(value, str) else value
@@ -102,6 +103,11 @@ class Plan:
         recompute: ``none``, ``selective``, ``op`` or ``full`` (see ``ParallelConfig``).
         sequence_parallel: Megatron sequence parallelism alongside ``tp``.
         dtype: compute precision (``fp32``, ``bf16``, ``fp16``).
+        compile: ``none`` (eager PyTorch) or ``regional``: each repeated block (numbered layer) is
+            compiled with ``torch.compile`` on its own (torchtitan's per-block compilation: one
+            compiled graph serves every identical block, and the collectives between blocks stay
+            eager), so its elementwise ops run fused into their producers' kernels; priced so
+            (``ParallelConfig.fused_elementwise``). Opt-in: the search does not choose it.
     """
 
     dp: int = 1
@@ -117,6 +123,7 @@ class Plan:
     recompute: str = "none"
     sequence_parallel: bool = False
     dtype: str = "fp32"
+    compile: str = "none"
 
     @property
     def world(self) -> int:

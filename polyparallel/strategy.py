@@ -207,6 +207,9 @@ class Strategy(_Model):
     sequence_parallel: bool = Field(False, description="Megatron sequence parallelism inside tensor parallelism: "
                                     "norms, dropouts and residuals split along the sequence over the tp ranks")
     dtype: str = "fp32"
+    compile: Literal["none", "regional"] = Field(
+        "none", description="regional: each repeated block compiled with torch.compile on its own (elementwise ops "
+                            "fused into their producers' kernels); none: eager PyTorch")
     mesh: Mesh
     stages: list[Stage] = Field(default_factory=list)
     placements: list[OpPlacement] = Field(default_factory=list)

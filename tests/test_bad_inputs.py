@@ -38,6 +38,8 @@ CLI_CASES = [
     (["search", "gpt-tiny", "--dtype", "int4"], ["dtype='int4'", "bf16"]),
     (["search", "gpt-tiny", "--schedule", "zb"], ["schedule='zb'", "1f1b"]),
     (["search", "gpt-tiny", "--zero", "5"], ["zero_stage=5", "0, 1, 2, 3"]),
+    (["search", "gpt-tiny", "--compile", "max"], ["compile='max'", "none, regional"]),
+    (["evaluate", "gpt-tiny", "--compile", "max"], ["compile='max'", "none, regional"]),
     (["search", "gpt-tiny", "--recompute", "some"], ["recompute='some'", "selective"]),
     (["search", "gpt-tiny", "--mode", "async"], ["mode='async'", "collaborative"]),
     (["search", "gpt-tiny", "--memory-cap", "-1"], ["memory_cap", "> 0"]),

@@ -581,6 +581,8 @@ def _stage_module(chunk: fx.GraphModule, plan: Any, replicas: Any, prec: Any, de
     """One chunk as its stage runs it: recomputation, its parameters over the stage's replicas,
     autocast inside its forward (the schedule runs backwards between forwards)."""
     mod = recompute_chunk(chunk, plan.recompute, plan.recompute_blocks).to(device)
+    if plan.compile == "regional":  # the chunk's graph is the compiled region (its blocks are inlined in it)
+        mod.compile()
     has_params = any(p.requires_grad for p in mod.parameters())
     if plan.data_parallel == "ddp" and has_params:
         # ZeRO-0 (replicated parameters, all-reduced gradients) with the FSDP2-based `replicate`,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._dynamo.utils import counters
 
 from polyparallel.backends.torch._checkpoint import resume, save_checkpoint
 from polyparallel.backends.torch._precision import Precision
@@ -60,6 +61,14 @@ class TrainingMode:
     log_last: dict[str, Any] = field(default_factory=dict)
 
 
+def _compiled(plan: Any) -> dict[str, Any]:
+    """With ``compile="regional"``: the graphs torch.compile has built in this process so far
+    (``compiled_graphs``; 0 would mean every region fell back to eager)."""
+    if plan.compile != "regional":
+        return {}
+    return {"compiled_graphs": int(counters["stats"]["unique_graphs"])}
+
+
 def train(job: dict[str, Any], run_dir: Path, rank: int, device: torch.device, mode: TrainingMode) -> Iterator[int]:
     """Train ``mode`` for ``job["steps"]`` steps, from the checkpoint if there is one; yields each
     step index as it starts (a failing rank's report names it)."""
@@ -85,7 +94,7 @@ def train(job: dict[str, Any], run_dir: Path, rank: int, device: torch.device, m
             amp, dt = finish_step(mode.prec, mode.opt, device, t0)
         if rank == 0:
             log_step(log, step, global_loss, weighting, dt, device, **mode.log_first(x), **batch_counts(inputs),
-                     **comm, **mem, **amp, **mode.log_last)
+                     **comm, **mem, **amp, **_compiled(job["plan"]), **mode.log_last)
         check_finite(global_loss, step, job.get("stop_on_nonfinite", True))
         if ckpt is not None and ((step + 1) % job["checkpoint_every"] == 0 or step + 1 == job["steps"]):
             save_checkpoint(ckpt, step, mode.model, mode.opt, rank, mode.optim_key, job=job)

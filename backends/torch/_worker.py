@@ -76,6 +76,9 @@ def _apply(model: torch.nn.Module, job: dict[str, Any], device: torch.device,
     parallelize(model, plan, mesh)
     cross_rank_bn = job.get("batchnorm", "cross_rank") == "cross_rank" and _cross_rank_batchnorm(model, mesh, plan)
     apply_recompute(model, plan.recompute, plan.recompute_blocks)  # after TP, before DDP / FSDP2 wrap the model
+    if plan.compile == "regional":  # after TP and checkpointing, before DDP / FSDP2 (torchtitan's order)
+        for name in _blocks(model):
+            model.get_submodule(name).compile()
     # what DDP must not average or broadcast: the expert shards, each sequence shard's rows of a table;
     # what FSDP2 must not shard: the expert shards
     ignored = [path for path, _, _ in plan.tables]
@@ -109,16 +112,23 @@ def _fully_shard(model: torch.nn.Module, mesh: Any, zero_stage: int, fsdp_kwargs
     them behind. ZeRO-3 reshards each block after its forward (gathered again for its backward);
     ZeRO-1/2 keep the gathered weights from the forward to the backward (``reshard_after_forward=
     False``)."""
-    blocks: list[str] = []
-    for name, _ in model.named_modules():
-        # outermost numbered layers only: a unit inside another would split its gather
-        if name and layer_of(name) == name and not any(name.startswith(b + ".") for b in blocks):
-            blocks.append(name)
+    blocks = _blocks(model)
     for name in blocks:
         fully_shard(model.get_submodule(name), mesh=mesh, reshard_after_forward=zero_stage >= 3, **fsdp_kwargs)
     # the root's weights (the head is the last used by the forward, the first by the backward) stay
     # gathered from its forward to its backward
     fully_shard(model, mesh=mesh, reshard_after_forward=False, **fsdp_kwargs)
+    return blocks
+
+
+def _blocks(model: torch.nn.Module) -> list[str]:
+    """Module paths of the outermost numbered layers (``layers.3``, ``h.0``): the repeated blocks that
+    FSDP2 shards one by one and ``compile="regional"`` compiles one by one (a unit inside another
+    would split its gather, a compiled region inside another would be compiled twice)."""
+    blocks: list[str] = []
+    for name, _ in model.named_modules():
+        if name and layer_of(name) == name and not any(name.startswith(b + ".") for b in blocks):
+            blocks.append(name)
     return blocks
 
 

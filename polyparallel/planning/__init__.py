@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from polyparallel.planning.constraints import Constraints, DoesNotFit
-    from polyparallel.planning.plan_search import evaluate, search
+    from polyparallel.planning.evaluate_recipe import evaluate
+    from polyparallel.planning.plan_search import search
 
 __all__ = ["Constraints", "DoesNotFit", "evaluate", "search"]
 
@@ -41,7 +42,8 @@ def __getattr__(name: str) -> Any:
     (which ``import polyparallel`` does) loads this package without the search."""
     if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module = "constraints" if name in ("Constraints", "DoesNotFit") else "plan_search"
+    module = {"Constraints": "constraints", "DoesNotFit": "constraints", "evaluate": "evaluate_recipe"}.get(
+        name, "plan_search")
     value = getattr(importlib.import_module(f"polyparallel.planning.{module}"), name)
     globals()[name] = value
     return value

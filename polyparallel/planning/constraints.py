@@ -29,6 +29,8 @@ class Constraints:
     Args:
         dp / tp / pp / sp / cp / microbatches / schedule / zero_stage / recompute: fixed values
             (``sp``: Ulysses sequence parallelism, ``cp``: context parallelism, ring attention).
+        compile: ``regional`` compiles each repeated block with ``torch.compile`` and prices the
+            plans as fused kernels (:class:`~polyparallel.plan.Plan`); unset or ``none``: eager.
         ep: the expert-parallel degree (MoE models; carved from ``dp·sp·cp``). Unset, the search
             tries 1 and every divisor of ``dp·sp·cp`` that divides the experts of each MoE layer.
         devices: use only this many devices (the first ones in the cluster's order).
@@ -66,6 +68,7 @@ class Constraints:
     schedule: str | None = None
     zero_stage: int | None = None
     recompute: str | None = None
+    compile: str | None = None
     devices: int | None = None
     centers: tuple[str, ...] | None = None
     memory_cap: float | None = None

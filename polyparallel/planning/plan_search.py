@@ -115,7 +115,6 @@ from polyparallel.cost_models.collab_simulator import SimInputs, choose_local_st
 from polyparallel.cost_models.layers import LAYER, chunk_of_ops, layer_segments
 from polyparallel.cost_models.megatron_rule import op_roles, ring_dominated
 from polyparallel.cost_models.memo import PRICES
-from polyparallel.cost_models.parallel_config import execution_options
 from polyparallel.ir import Graph, Hint, OpKind
 from polyparallel.plan import CENTER_FIELDS
 from polyparallel.planning.assemble import model_info, strategy_of
@@ -127,7 +126,6 @@ from polyparallel.planning.executability import CENTER_LIMITS, executor
 from polyparallel.planning.executor_check import center_checked, checked_as_placed, executor_checked, written_estimate
 from polyparallel.planning.model_graphs import MAX_MICRO, ModelGraphs, divisors
 from polyparallel.planning.model_inputs import model_and_inputs
-from polyparallel.planning.place_plan import MODES
 from polyparallel.strategy import (
     CenterPlan,
     Collaborative,
@@ -139,7 +137,7 @@ from polyparallel.strategy import (
     center_placements,
 )
 
-__all__ = ["Constraints", "DoesNotFit", "evaluate", "search"]
+__all__ = ["Constraints", "DoesNotFit", "search"]
 
 MEMORY_LADDER = (("0", "none"), ("1", "none"), ("2", "none"), ("1", "selective"), ("3", "none"), ("3", "selective"),
                  ("1", "op"), ("3", "op"), ("1", "full"), ("3", "full"))
@@ -528,7 +526,8 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
             continue
         per_replica = B // dp
         base = ParallelConfig(dp=dp, tp=tp, pp=pp, sp=sp, cp=cp, ep=ep, microbatches=1, dtype=dtype,
-                              devices=tuple(devs), sequence_parallel=c.sequence_parallel and tp > 1, **options)
+                              devices=tuple(devs), sequence_parallel=c.sequence_parallel and tp > 1,
+                              compile=c.compile or "none", **options)
         skip = _shape_skip(g, cl, base, devs, c, torch if runs is not None else None)
         if skip is not None:
             best.skipped += [f"{shape}: {skip}"] if skip else []
@@ -819,85 +818,3 @@ def _check_batch(batch_size: Any) -> None:
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size={batch_size!r}: give the global batch as a whole number >= 1 (samples per "
                          "optimizer step), or leave it unset for the example batch times the devices")
-
-
-def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path = "local-cpu:2", *,
-             example_kwargs: dict[str, Any] | None = None, dp: int | None = None, tp: int = 1, pp: int = 1,
-             sp: int = 1, cp: int = 1, microbatches: int | None = None, schedule: str | None = None,
-             zero_stage: int | None = None, recompute: str | None = None, batch_size: int | None = None,
-             dtype: str | None = None, placements: str = "rule", ep: int = 1, profile: bool = False,
-             chunks: int | None = None, sequence_parallel: bool = False, partition: str | None = None,
-             execution: dict[str, Any] | None = None) -> Strategy:
-    """Price a hand-made recipe with the same cost model; what is not given is chosen as the search would.
-
-    ``chunks``, ``sequence_parallel``, ``partition`` and ``execution`` (how the framework that ran the
-    recipe runs it: fused kernels, gradient overlap, pipeline p2p, ...) are :class:`Constraints`'.
-    A recipe measured under Megatron-LM of 2021, say, is priced with
-    ``execution={"fused_elementwise": True, "grad_overlap": 0}`` (hand-fused 16-bit kernels, gradients
-    all-reduced after the last backward); unset, each is what the torch backend does.
-
-    A recipe's tensor parallelism is Megatron's (``placements="rule"``, what the usual recipes
-    mean by ``tp``); ``placements="torch"`` or ``"any"`` places its ops with the per-stage solver
-    as the search does (:class:`Constraints`).
-
-    ``profile``: as :func:`search`'s.
-
-    Returns a Strategy whose ``estimate`` holds the price (even when the recipe does not fit:
-    then ``estimate.memory_bytes_max`` exceeds the capacity and ``search.notes`` says why).
-    """
-    Constraints(dp=dp, tp=tp, pp=pp, sp=sp, cp=cp, ep=ep)  # raises on degrees no plan has
-    _check_batch(batch_size)
-    _check_cluster(cluster)
-    model, example_inputs, example_kwargs, _ = model_and_inputs(model, example_inputs, example_kwargs)
-    cl = cluster if isinstance(cluster, Cluster) else Cluster.resolve(str(cluster))
-    mdl = ModelGraphs(model, example_inputs, example_kwargs)
-    if profile:
-        cl = executor("torch").profile(cl, mdl, lambda _: None)
-    devs = list(range(cl.num_devices))
-    seq = sp * cp
-    if dp is None:
-        dp = len(devs) // (tp * pp * seq)
-        if dp < 1:
-            raise ValueError(f"tp*pp*sp*cp = {tp * pp * seq} exceeds the {len(devs)} devices of {cl.name}")
-    world = dp * tp * pp * seq
-    if world > len(devs):
-        raise ValueError(f"dp*tp*pp*sp*cp = {world} but {cl.name} has {len(devs)} devices")
-    devs = devs[:world]
-    B = batch_size or mdl.b0 * dp
-    if B % dp:
-        raise ValueError(f"the global batch {B} is not divisible by dp={dp}")
-    if (dp * seq) % ep:
-        raise ValueError(f"ep={ep} must divide dp*sp*cp = {dp * seq}: expert parallelism splits the experts over "
-                         "data/sequence-parallel ranks")
-    c = Constraints(dp=dp, tp=tp, pp=pp, sp=sp, cp=cp, ep=ep, microbatches=microbatches, schedule=schedule,
-                    zero_stage=zero_stage, recompute=recompute, dtype=dtype, allow_wan=True, cross_node_tp=True,
-                    devices=world, chunks=chunks, sequence_parallel=sequence_parallel, partition=partition,
-                    execution=execution_options(execution))  # checked, as sorted pairs
-    if placements not in MODES:
-        raise ValueError(f"placements must be one of {', '.join(MODES)}, not {placements!r}")
-    t0 = time.perf_counter()
-    best = _search_sync(mdl, cl, B, c, devs, False, "throughput", lambda _: None, rank_by=placements)
-    record = SearchRecord(capture_s=round(mdl.capture_s, 3), search_s=round(time.perf_counter() - t0, 3),
-                          candidates=best.candidates, solver="evaluate")
-    if best.est is None:
-        if best.closest is None:
-            # the cost model's own refusals ("dp2 tp2 ...: why") first, then the search's notes
-            notes = sorted(best.notes, key=lambda n: not n.startswith("dp"))
-            why = best.skipped[:3] + notes[:3] or [f"{best.candidates} plan(s) enumerated, none priced"]
-            raise ValueError(f"the recipe dp={dp} tp={tp} pp={pp} sp={sp} cp={cp} cannot be priced on {cl.name}: "
-                             + "; ".join(why))
-        est = best.closest
-        s = strategy_of(mdl, cl, est, _batch_of(mdl, est), B, devs, record, placements)
-        return s.model_copy(update={"search": record.model_copy(update={"notes": [
-            r.why() for r in est.memory if not r.fits]})})
-    strat = strategy_of(mdl, cl, best.est, best.b, B, devs, record, placements)
-    # a recipe the torch backend would refuse at launch says so now, as a pinned search's does
-    with young_collected():
-        return checked_as_placed(strat, mdl, best, B, placements)
-
-
-def _batch_of(mdl: ModelGraphs, est: StepEstimate) -> int:
-    for b in mdl.priced:
-        if est.samples_per_step == b * est.config.dp * est.config.microbatches:
-            return b
-    return mdl.b0
