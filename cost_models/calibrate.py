@@ -124,8 +124,11 @@ __all__ = [
 # intra-op threads of one training process: what pp.train gives its workers (OMP_NUM_THREADS=1)
 THREADS_PER_PROCESS = 1
 
-# causal attention (batch, heads, sequence, head dim) measured by `calibrate`: small-model training sizes
-ATTENTION_SHAPES = ((2, 4, 64, 32), (4, 4, 128, 32), (4, 8, 256, 64))
+# causal attention (batch, heads, sequence, head dim) measured by `calibrate`: small-model training sizes,
+# and one long sequence (the flash kernel's rate keeps rising with the sequence: 2-3x from 256 to 2048
+# positions on a Xeon core; beyond the last row the rate is held, so without it an 8k-position
+# attention was priced at the 256-position rate)
+ATTENTION_SHAPES = ((2, 4, 64, 32), (4, 4, 128, 32), (4, 8, 256, 64), (1, 8, 2048, 32))
 
 # skinny GEMMs measured by `calibrate`: the small dimension s (tokens of a micro-batch) and the two
 # large ones L x L (a layer's width), in both roles a Linear layer's training runs

@@ -123,6 +123,13 @@ class Constraints:
             why.append(f"comm_fraction={self.comm_fraction!r}: give a share of the round between 0 and 1")
         return why
 
+    def pricing_options(self) -> dict[str, Any]:
+        """What every plan of the search is priced with (``ParallelConfig`` keyword arguments): the
+        pinned partition, whether the blocks are compiled, and how the framework executes
+        (:data:`~polyparallel.cost_models.parallel_config.EXECUTION_FIELDS`; disjoint keys)."""
+        return {**({"partition": self.partition} if self.partition else {}), **dict(self.execution),
+                "compile": self.compile or "none"}
+
     def pinned_schedule(self) -> tuple[str | None, int | None]:
         """The pinned schedule and interleaving depth: ``schedule="interleaved:4"`` (as a Strategy
         writes it) and ``schedule="interleaved", chunks=4`` both give ``("interleaved", 4)``."""

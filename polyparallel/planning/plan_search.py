@@ -517,8 +517,7 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
     if not shapes:
         best.skipped.append(_no_mesh_shape(n, c, node, layers))
     one_mesh = None not in (c.dp, c.tp, c.pp)
-    # what every plan is priced with: the pinned partition and how the framework executes (disjoint keys)
-    options: dict[str, Any] = {**({"partition": c.partition} if c.partition else {}), **dict(c.execution)}
+    options = c.pricing_options()
     for i, (dp, tp, pp, sp, cp, ep) in enumerate(shapes):
         shape = f"dp={dp} tp={tp} pp={pp} sp={sp}" + (f" cp={cp}" if cp > 1 else "") + (f" ep={ep}" if ep > 1 else "")
         if B % dp:
@@ -526,8 +525,7 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
             continue
         per_replica = B // dp
         base = ParallelConfig(dp=dp, tp=tp, pp=pp, sp=sp, cp=cp, ep=ep, microbatches=1, dtype=dtype,
-                              devices=tuple(devs), sequence_parallel=c.sequence_parallel and tp > 1,
-                              compile=c.compile or "none", **options)
+                              devices=tuple(devs), sequence_parallel=c.sequence_parallel and tp > 1, **options)
         skip = _shape_skip(g, cl, base, devs, c, torch if runs is not None else None)
         if skip is not None:
             best.skipped += [f"{shape}: {skip}"] if skip else []
