@@ -285,6 +285,9 @@ def collab_cmd(
     save_config: Annotated[Path | None, typer.Option("--save-config", help="write the job JSON and exit")] = None,
     engine: Annotated[str, typer.Option("--engine", help="inprocess or flower (processes on 127.0.0.1)")]
     = "inprocess",
+    data_channel: Annotated[str, typer.Option(
+        "--data-channel", help="with --engine flower: flower (every round's arrays in Flower messages) or socket "
+        "(Flower enrols the centers, one TCP connection per center carries the rounds; plain TCP)")] = "flower",
     data: Annotated[str | None, typer.Option(
         "--data", help="directory with CENTER.npz (x, y) per center, or MODULE:FUNCTION called at each center "
         "with its name, returning its (x, y)")] = None,
@@ -339,7 +342,7 @@ def collab_cmd(
         typer.echo(f"wrote {save_config}")
         return
     _run_federation(cfg, engine, data_dir, synthetic, eval_data, root_data, out, lr=lr, momentum=momentum,
-                    release=release, force=force)
+                    release=release, force=force, data_channel=data_channel)
 
 
 def _job_config(config: Path | None, strategy: Path | None, options: tuple[str, str, str], spec: Any,
@@ -511,8 +514,10 @@ def _centers_data(cfg: Any, data_dir: Path | None, synthetic: int,
 
 def _run_federation(cfg: Any, engine: str, data_dir: Path | None, synthetic: int, eval_data: Path | None,
                     root_data: Path | None, out: Path | None, *, lr: float, momentum: float,
-                    release: Path | None = None, force: bool = False) -> None:
+                    release: Path | None = None, force: bool = False, data_channel: str = "flower") -> None:
     """Check the run's inputs, run the federation on ``engine``, print (and with ``out`` write) the result."""
+    if data_channel not in ("flower", "socket") or (data_channel == "socket" and engine != "flower"):
+        raise UserError(f"--data-channel {data_channel!r}: use flower or socket, the latter with --engine flower")
     from polyparallel.backends.collab import collaborate
 
     if engine not in ("inprocess", "flower"):
@@ -535,6 +540,8 @@ def _run_federation(cfg: Any, engine: str, data_dir: Path | None, synthetic: int
             kw["timing_path"] = out / "timing.jsonl"
         else:
             kw["workdir"] = out / "flower"
+    if engine == "flower":
+        kw["data_channel"] = data_channel
     t0 = time.time()
     # a ValueError here: e.g. a data source returning the wrong thing, found at the center
     with _user_errors(ValueError), LineProgress(cfg.rounds, "rounds") as progress:

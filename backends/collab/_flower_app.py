@@ -90,6 +90,7 @@ from ._engine import initial_params
 from ._flwr_timing import set_object_pull_backoff
 from ._lean import serve_center, serve_rounds
 from ._link import LinkThrottle, nbytes_of
+from ._overlap import OverlapCenter
 from ._server import CenterReply, FederationServer, TimingLog, aggregate_evaluations
 from ._trainers import make_trainer
 from ._wire import pack_arrays, unpack_arrays
@@ -157,16 +158,21 @@ def _channel_center(msg: Message, context: Context) -> Message:
     config, center, trainer = _node_trainer(context)
     link = _link(str(context.run_config["collab-config"]), center)
     state: dict[str, np.ndarray] = {}  # SCAFFOLD's c_i, kept for the run
+    ahead = OverlapCenter(trainer, config) if config.overlap else None  # overlapped fusion (see _overlap)
+    mu = [0.0]
 
     def on_train(model: dict, control: dict | None, cfg: dict, t_sent: float) -> tuple[dict, dict]:
         link.download(nbytes_of(model) + (nbytes_of(control) if control else 0), sent_at=t_sent)
+        mu[0] = float(cfg["proximal_mu"])
+        if ahead is not None:
+            return ahead.finish(int(cfg["round"]), model, int(cfg["nonce"]), mu[0])
         return center_round(trainer, model, round_idx=int(cfg["round"]), config=config,
                             proximal_mu=float(cfg["proximal_mu"]), t_received=time.time(), control=control,
                             center_state=state, nonce=int(cfg["nonce"]))
 
     ch = msg.content["channel"]
     n = serve_center(str(ch["address"]), str(ch["token"]), center, on_train, lambda p: center_evaluate(trainer, p),
-                     config.round_timeout_s, 1 << 36)
+                     config.round_timeout_s, 1 << 36, on_sent=None if ahead is None else lambda: ahead.ahead(mu[0]))
     return Message(RecordDict({"center": ConfigRecord({"name": center, "rounds": n})}), reply_to=msg)
 
 

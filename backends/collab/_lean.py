@@ -131,10 +131,12 @@ def _model_bytes(params: Mapping[str, np.ndarray]) -> int:
 # --------------------------------------------------------------------------------------------- center
 def serve_center(address: str, token: str, center: str, on_train: Callable[..., tuple[dict, dict]],
                  on_evaluate: Callable[[dict[str, np.ndarray]], dict[str, float]], timeout_s: float,
-                 max_bytes: int) -> int:
+                 max_bytes: int, on_sent: Callable[[], None] | None = None) -> int:
     """A center's side: connect, present ``token``, then answer frames until ``done``; returns rounds served.
 
-    ``on_train(model, control, config, t_sent)`` -> ``(payload, metrics)``; ``on_evaluate(model)`` -> metrics.
+    ``on_train(model, control, config, t_sent)`` -> ``(payload, metrics)``; ``on_evaluate(model)`` -> metrics;
+    ``on_sent()`` runs after each update is sent, before the next frame is read (an overlapped center's
+    steps ahead, :class:`~._overlap.OverlapCenter`: the next model travels meanwhile).
     """
     rounds = 0
     with _connect(address, timeout_s) as sock:
@@ -152,6 +154,8 @@ def serve_center(address: str, token: str, center: str, on_train: Callable[..., 
                 metrics["t_sent"] = time.time()
                 send_frame(sock, {"kind": "update", "metrics": metrics, "t_sent": metrics["t_sent"]}, payload)
                 rounds += 1
+                if on_sent is not None:
+                    on_sent()
             elif kind == "evaluate":
                 send_frame(sock, {"kind": "metrics", "metrics": on_evaluate(model)})
             else:

@@ -27,14 +27,18 @@ thread; an emulated link (``CenterSpec.down_Bps`` ...) delays each transfer to w
 deliver it (:meth:`~._link.LinkThrottle.done_at`, the receiver waits), so uploads, fusion and
 downloads run concurrently with the centers' steps. Each reply's metrics carry ``comm_s`` (from
 sending its previous update until the fused model was there: what a synchronous center waits) and
-``exposed_s`` (what this center actually waited), and the timing log a ``comm`` event per center and
-round with ``exposed_s`` and ``hidden_s``. Single-process torch centers only; SCAFFOLD (its control
-variates assume the round's start is the global model) and pruning are refused with the job.
+``exposed_s`` (what this center actually waited) and ``ahead_s`` (how long its steps before the
+merge took), and the timing log a ``comm`` event per center and round with ``exposed_s`` and
+``hidden_s``. Over Flower the same center runs on the lean data channel (:mod:`._lean`): it runs ahead
+after sending its update, and the next frame is the fused model. Single-process torch centers only;
+SCAFFOLD (its control variates assume the round's start is the global model) and pruning are refused
+with the job.
 """
 
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -49,84 +53,110 @@ from ._server import CenterReply, FederationServer, RoundRecord, aggregate_evalu
 from ._validation import bound_metrics, model_digest
 from ._wire import encode_update
 
-__all__ = ["pipelined_rounds"]
+__all__ = ["OverlapCenter", "pipelined_rounds"]
+
+
+class OverlapCenter:
+    """One center's overlapped rounds, whatever carries its messages (this module's threads, or the lean
+    data channel over Flower, :mod:`._lean`): :meth:`ahead` takes the next round's first ``k`` steps from
+    the center's own model (call it right after sending an update), :meth:`finish` merges the fused model
+    that came meanwhile, takes the rest of the round and returns the reply."""
+
+    def __init__(self, trainer: Any, config: Any, steps_before_merge: int | None = None) -> None:
+        for need in ("_model", "_objective", "x", "y"):
+            if not hasattr(trainer, need):
+                raise ValueError(f"overlapped fusion needs a torch trainer holding its model and data; "
+                                 f"{type(trainer).__name__} has no {need!r}")
+        self.t, self.config = trainer, config
+        self.k = config.overlap if steps_before_merge is None else steps_before_merge
+        self.local: dict[str, np.ndarray] | None = None  # the center's own model: None before round 1
+        self.r = 0  # the last round it sent
+        self._ahead: tuple[int, Any, dict, dict, list[float], float] | None = None  # round, opt, start, a, losses, t
+        self._t_sent = 0.0
+        self._ahead_s = 0.0  # how long the last steps ahead took
+        self._x, self._y = torch_from(trainer.x), label_tensor(trainer.y, trainer.model_spec.loss)
+
+    def _steps(self, opt: Any, batches: np.ndarray, mu: float) -> list[float]:
+        t = self.t
+        return local_sgd(t._model, t._model, opt, self._x, self._y, batches, mu, logit_bias=t.logit_bias(),
+                         objective=t._objective)
+
+    def _begin(self, r: int, start: dict[str, np.ndarray]) -> tuple[Any, np.ndarray]:
+        import torch
+
+        t = self.t
+        load_torch_state(t._model, dict(start))
+        t._model.train()
+        opt = torch.optim.SGD(t._model.parameters(), lr=t.lr_at(r), momentum=t.momentum)
+        return opt, batch_indices(len(t.x), t.batch_size, self.config.local_steps, t.seed, t.center_index, r)
+
+    def ahead(self, mu: float = 0.0) -> None:
+        """The next round's first ``k`` steps, before its fused model is there (nothing before round 1)."""
+        if self.local is None or self._ahead is not None:
+            return
+        r, t0 = self.r + 1, time.time()
+        opt, batches = self._begin(r, self.local)
+        losses = self._steps(opt, batches[:self.k], mu)
+        self._ahead = (r, opt, self.local, torch_state(self.t._model), losses, time.time())
+        self._ahead_s = self._ahead[5] - t0
+
+    def finish(self, r: int, x_r: dict[str, np.ndarray], nonce: int, mu: float = 0.0) -> tuple[dict, dict]:
+        """Merge ``x_r`` (the fused model of round ``r``), take the round's remaining steps, return
+        ``(payload, metrics)`` bound to round ``r`` and ``x_r``."""
+        t = self.t
+        t_got = time.time()
+        if self._ahead is None:  # round 1 (or a center that did not run ahead): start from x_r
+            opt, batches = self._begin(r, x_r)
+            k, losses, t_ready, self._ahead_s = 0, [], t_got, 0.0
+        else:
+            ahead_r, opt, start, a, losses, t_ready = self._ahead
+            if ahead_r != r:
+                raise ValueError(f"the fused model of round {r} came while the center ran ahead into round {ahead_r}")
+            batches = batch_indices(len(t.x), t.batch_size, self.config.local_steps, t.seed, t.center_index, r)
+            k = self.k
+            load_torch_state(t._model, {n: x_r[n] + (a[n] - start[n]) for n in x_r})  # the delayed outer step
+        self._ahead = None
+        losses = losses + self._steps(opt, batches[k:], mu)
+        t_trained = time.time()
+        self.local, self.r = torch_state(t._model), r
+        delta = {n: self.local[n].astype(np.float32) - np.asarray(x_r[n], dtype=np.float32) for n in x_r}
+        payload = encode_update(delta, self.config.compression)
+        metrics = {"num_samples": float(t.num_samples), "train_loss": float(np.mean(losses)),
+                   **bound_metrics(nonce, r, model_digest(x_r), payload), "t_received": t_got,
+                   "t_trained": t_trained, "exposed_s": max(0.0, t_got - t_ready), "ahead_s": self._ahead_s,
+                   "comm_s": t_got - self._t_sent if self._t_sent else max(0.0, t_got - t_ready)}
+        metrics["t_sent"] = self._t_sent = time.time()
+        return payload, metrics
 
 
 class _Center:
-    """One center's thread: its local model, the fused models it is sent, the replies it sends."""
+    """A center's thread in the in-process engine: the fused models it is sent, the replies it sends."""
 
-    def __init__(self, name: str, trainer: Any, config: Any, steps_before_merge: int, proximal_mu: float,
-                 replies: queue.Queue) -> None:
-        for need in ("_model", "_objective", "x", "y"):
-            if not hasattr(trainer, need):
-                raise ValueError(f"center {name!r}: overlapped fusion needs a torch trainer holding its model "
-                                 f"and data; {type(trainer).__name__} has no {need!r}")
-        self.name, self.t, self.config, self.k = name, trainer, config, steps_before_merge
-        self.mu = proximal_mu
+    def __init__(self, name: str, trainer: Any, config: Any, proximal_mu: float, replies: queue.Queue) -> None:
+        try:
+            self.oc = OverlapCenter(trainer, config)
+        except ValueError as e:
+            raise ValueError(f"center {name!r}: {e}") from None
+        self.name, self.mu = name, proximal_mu
         self.inbox: queue.Queue = queue.Queue()  # (round, x_r, nonce, available_at) or None: stop
         self.replies = replies
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name=f"center-{name}", daemon=True)
 
-    def _fused(self) -> tuple[int, dict[str, np.ndarray], int, float] | None:
-        item = self.inbox.get()
-        if item is not None and item[3] > time.time():
-            time.sleep(item[3] - time.time())  # the emulated downlink delivers it then
-        return item
-
     def _run(self) -> None:
         try:
-            self._rounds()
+            while True:
+                self.oc.ahead(self.mu)
+                item = self.inbox.get()
+                if item is None:
+                    return
+                r, x_r, nonce, available = item
+                if available > time.time():
+                    time.sleep(available - time.time())  # the emulated downlink delivers it then
+                self.replies.put((self.name, (r, *self.oc.finish(r, x_r, nonce, self.mu))))
         except BaseException as e:  # reported by the server thread
             self.error = e
             self.replies.put((self.name, None))
-
-    def _rounds(self) -> None:
-        import torch
-
-        t, cfg, model = self.t, self.config, self.t._model
-        x_all, y_all = torch_from(t.x), label_tensor(t.y, t.model_spec.loss)
-        bias = t.logit_bias()
-        local: dict[str, np.ndarray] | None = None  # the center's own model: None before round 1
-        t_sent_prev = 0.0
-        while True:
-            if local is None:  # round 1: nothing to overlap, the center starts from x_1
-                item = self._fused()
-                if item is None:
-                    return
-                r, x_r, nonce, _ = item
-                start = x_r
-            else:
-                r, start = r + 1, local
-            load_torch_state(model, dict(start))
-            model.train()
-            opt = torch.optim.SGD(model.parameters(), lr=t.lr_at(r), momentum=t.momentum)
-            batches = batch_indices(len(t.x), t.batch_size, cfg.local_steps, t.seed, t.center_index, r)
-            k = 0 if local is None else self.k
-            losses = local_sgd(model, model, opt, x_all, y_all, batches[:k], self.mu, logit_bias=bias,
-                               objective=t._objective)
-            t_ready = time.time()
-            if local is not None:
-                item = self._fused()
-                if item is None:
-                    return
-                got_r, x_r, nonce, _ = item
-                assert got_r == r, (got_r, r)
-                a = torch_state(model)
-                load_torch_state(model, {n: x_r[n] + (a[n] - start[n]) for n in x_r})  # the delayed outer step
-            t_received = time.time()
-            losses += local_sgd(model, model, opt, x_all, y_all, batches[k:], self.mu, logit_bias=bias,
-                                objective=t._objective)
-            t_trained = time.time()
-            local = torch_state(model)
-            delta = {n: local[n].astype(np.float32) - np.asarray(x_r[n], dtype=np.float32) for n in x_r}
-            payload = encode_update(delta, cfg.compression)
-            metrics = {"num_samples": float(t.num_samples), "train_loss": float(np.mean(losses)),
-                       **bound_metrics(nonce, r, model_digest(x_r), payload), "t_received": t_received,
-                       "t_trained": t_trained, "exposed_s": t_received - t_ready,
-                       "comm_s": t_received - t_sent_prev if t_sent_prev else t_received - t_ready}
-            metrics["t_sent"] = t_sent_prev = time.time()
-            self.replies.put((self.name, (r, payload, metrics)))
 
 
 def _holdout_evaluator(pool: Mapping[str, Any], spec: Any) -> Callable[[dict[str, np.ndarray], int], dict[str, float]]:
@@ -159,13 +189,15 @@ def pipelined_rounds(config: Any, server: FederationServer, pool: Mapping[str, A
     if holdout_eval:
         evaluate = _holdout_evaluator(pool, config.model)
 
-    k = config.overlap
     replies: queue.Queue = queue.Queue()
-    centers = {c.name: _Center(c.name, pool[c.name], config, k, server.fusion.proximal_mu, replies)
+    centers = {c.name: _Center(c.name, pool[c.name], config, server.fusion.proximal_mu, replies)
                for c in config.centers}
     links = {c.name: LinkThrottle.of(c) for c in config.centers}
-    old_threads = torch.get_num_threads()
+    old_threads, old_switch = torch.get_num_threads(), sys.getswitchinterval()
     torch.set_num_threads(1)
+    # the server thread's many short numpy calls queue for the GIL behind the centers' training loops;
+    # a short switch interval keeps that wait (not a deployment's: its server is another machine) small
+    sys.setswitchinterval(min(old_switch, 2e-4))
     for c in centers.values():
         c.thread.start()
     done = 0
@@ -212,3 +244,4 @@ def pipelined_rounds(config: Any, server: FederationServer, pool: Mapping[str, A
         for c in centers.values():
             c.thread.join(timeout=60)
         torch.set_num_threads(old_threads)
+        sys.setswitchinterval(old_switch)
