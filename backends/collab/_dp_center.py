@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
-import time
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -51,10 +50,11 @@ from polyparallel.backends.torch._procs import free_port
 from polyparallel.strategy import op_placements_of
 from polyparallel.transforms import canonicalize, fuse_elementwise
 
-from ._center import CenterData, batch_indices, evaluate_torch, local_sgd
+from ._center import batch_indices, evaluate_torch, local_sgd
 from ._center_plan import normalize_plan
 from ._models import ModelSpec, build_torch_model
 from ._objective import TorchObjective, label_tensor
+from ._rank_center import RankedCenter
 
 __all__ = ["DataParallelTrainer", "PlannedTrainer", "center_exec_plan"]
 
@@ -265,7 +265,7 @@ def _stop(procs: list[Any], conns: list[Any]) -> None:
 
 
 @dataclass
-class PlannedTrainer(CenterData):
+class PlannedTrainer(RankedCenter):
     """Local SGD of one center running ``plan`` over ``devices`` long-lived worker processes (see the
     module docstring); ``plan`` None is data parallelism over every device (DDP).
 
@@ -275,14 +275,11 @@ class PlannedTrainer(CenterData):
     a context manager) to stop the workers; they also leave when this process exits.
     """
 
-    devices: int = 2
     plan: Mapping[str, Any] | None = None
     threads: int = 1
-    timeout_s: float = 300.0
     strategy: Any = field(default=None, init=False, repr=False)
     exec_plan: Any = field(default=None, init=False, repr=False)
     _procs: list[Any] = field(default_factory=list, init=False, repr=False)
-    _conns: list[Any] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -316,52 +313,15 @@ class PlannedTrainer(CenterData):
         for rank in range(self.devices):
             self._recv(rank, "start")
 
-    def _recv(self, rank: int, what: str) -> tuple:
-        conn, proc = self._conns[rank], self._procs[rank]
-        end = time.time() + self.timeout_s
-        while not conn.poll(0.1):
-            if not proc.is_alive():
-                self.close()
-                raise RuntimeError(f"worker rank {rank} of center {self.center_index} died "
-                                   f"(exit code {proc.exitcode}) during {what}")
-            if time.time() > end:
-                self.close()
-                raise RuntimeError(f"worker rank {rank} of center {self.center_index} did not "
-                                   f"answer within {self.timeout_s:.0f} s during {what}")
-        msg = conn.recv()
-        if msg[0] == "error":
-            self.close()
-            raise RuntimeError(f"worker of center {self.center_index} failed during {what}: {msg[1]}")
-        return msg
+    def _dead(self, rank: int) -> str | None:
+        proc = self._procs[rank]
+        return None if proc.is_alive() else f"the worker died (exit code {proc.exitcode})"
 
-    def train(self, global_params: Mapping[str, np.ndarray], *, steps: int, round_idx: int,
-              proximal_mu: float = 0.0) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-        if not self._procs:
-            raise RuntimeError("this center's trainer was closed")
-        params = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in global_params.items()}
-        for conn in self._conns:
-            conn.send(("round", params, steps, round_idx, float(proximal_mu), self.lr_at(round_idx)))
-        replies = [self._recv(r, f"round {round_idx}") for r in range(self.devices)]
-        local = replies[0][1]
-        # each rank's loss is the mean over its equal share (tensor-parallel peers: the same share):
-        # the global-batch loss is their mean
-        loss = float(np.mean([np.mean(r[2]) for r in replies]))
-        return local, {"train_loss": loss}
+    def _round_request(self, params: dict[str, np.ndarray], steps: int, round_idx: int, mu: float) -> tuple:
+        return ("round", params, steps, round_idx, mu, self.lr_at(round_idx))
 
     def evaluate(self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         return evaluate_torch(self.model_spec, params, x, y, threads=self.threads)
-
-    def close(self) -> None:
-        """Stop the worker processes (idempotent)."""
-        if self._procs:
-            self._finalizer()
-            self._procs, self._conns = [], []
-
-    def __enter__(self) -> PlannedTrainer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 #: data parallelism over every device is the plan a center runs when none is given

@@ -42,7 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from polyparallel.backends.collab._center import CenterData, evaluate_torch
+from polyparallel.backends.collab._center import evaluate_torch
+from polyparallel.backends.collab._rank_center import RankedCenter
 from polyparallel.backends.torch._procs import free_port
 from polyparallel.references import import_path
 
@@ -96,15 +97,12 @@ def _stop(proc: subprocess.Popen, conns: list[Any], log_dir: str) -> None:
 
 
 @dataclass
-class MindSporeDataParallelTrainer(CenterData):
+class MindSporeDataParallelTrainer(RankedCenter):
     """Local SGD of one MindSpore center over ``devices`` msrun ranks (see the module docstring). The
     global batch ``min(batch_size, len(x))`` must divide evenly over the ranks. Call :meth:`close`."""
 
-    devices: int = 2
     plan: Mapping[str, Any] | None = None
-    timeout_s: float = 300.0
     startup_s: float = field(default=0.0, init=False)
-    _conns: list[Any] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -177,42 +175,11 @@ class MindSporeDataParallelTrainer(CenterData):
                 break
         return (f"msrun exited with {code}" if code is not None else f"no answer within {self.timeout_s:.0f} s") + tail
 
-    def _recv(self, rank: int, what: str) -> tuple:
-        conn = self._conns[rank]
-        end = time.time() + self.timeout_s
-        while not conn.poll(0.2):
-            if self._proc.poll() is not None or time.time() > end:
-                why = self._why()
-                self.close()
-                raise RuntimeError(f"rank {rank} of MindSpore center {self.center_index} failed during {what} ({why})")
-        msg = conn.recv()
-        if msg[0] == "error":
-            self.close()
-            raise RuntimeError(f"MindSpore center {self.center_index} failed during {what}: {msg[1]}")
-        return msg
+    def _dead(self, rank: int) -> str | None:
+        return self._why() if self._proc.poll() is not None else None
 
-    def train(self, global_params: Mapping[str, np.ndarray], *, steps: int, round_idx: int,
-              proximal_mu: float = 0.0) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-        if not self._conns:
-            raise RuntimeError("this center's trainer was closed")
-        params = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in global_params.items()}
-        for c in self._conns:
-            c.send(("round", params, steps, round_idx, float(proximal_mu)))
-        replies = [self._recv(r, f"round {round_idx}") for r in range(self.devices)]
-        # each rank's loss is the mean over its equal share: the global batch's is their mean
-        return replies[0][1], {"train_loss": float(np.mean([r[2] for r in replies]))}
+    def _late(self, rank: int) -> str:
+        return self._why()
 
     def evaluate(self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> dict[str, float]:
         return evaluate_torch(self.model_spec, params, x, y)
-
-    def close(self) -> None:
-        """Stop msrun and its ranks (idempotent)."""
-        if self._finalizer.alive:
-            self._finalizer()
-        self._conns.clear()
-
-    def __enter__(self) -> MindSporeDataParallelTrainer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
