@@ -6,6 +6,7 @@ prices cp and chooses it for long sequences (and says why)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -232,6 +233,19 @@ def test_hf_models_under_cp_and_sp_run_as_the_rewritten_graph_and_match_single_p
         err = max(abs(r["loss"] - want) / abs(want) for r, want in zip(log, ref, strict=True))
         print(f"{name} {degrees}: max relative loss difference {err:.2e}")
         assert err <= 1e-6
+
+
+def test_profile_memory_is_refused_before_launch_where_the_pipeline_schedule_runs_the_plan(tmp_path: Path) -> None:
+    """HF LLaMA's cp=2 runs as its exported graph rewritten for the shards, under the pipeline
+    schedule (pp=1): torch's MemTracker cannot count its backward, so it is refused before launch."""
+    from tests import zoo
+
+    x, y = zoo.lm_data(0)
+    s = pp.evaluate(zoo.hf_llama(), (x[:4], y[:4]), "local-cpu:2", batch_size=zoo.BATCH, recompute="none",
+                    microbatches=1, cp=2)
+    with pytest.raises(ValueError, match="MemTracker"):
+        train(s, zoo.hf_llama, zoo.lm_data, steps=1, profile_memory=True, run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow

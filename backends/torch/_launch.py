@@ -266,7 +266,8 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
     ``profile_memory=True`` adds ``peak_memory_bytes``: the most bytes of tensors rank 0 held during
     the step (parameters, gradients, optimizer state, activations, temporaries): CUDA's allocator
     peak on a GPU, torch's ``MemTracker`` (every tensor created, by its storage) on the CPU, where it
-    is refused with pipeline stages (MemTracker does not follow their backward); the number the cost
+    is refused where the strategy runs as pipeline stages or as the model's graph rewritten for its shards
+    (MemTracker does not follow their backward); the number the cost
     model's per-device memory predicts.
 
     Data-parallel replicas train as single-process training on the global batch does: BatchNorm
@@ -359,9 +360,11 @@ def _checked_run(strategy: Strategy, model_fn: Any, data_fn: Any, agent: subproc
             raise ValueError(f"data_fn(0)'s {name} has shape {tuple(t.shape)}; splitting the sequence over "
                              f"{plan.seq_axis}={plan.seq} needs (batch, seq, ...) with seq divisible by "
                              f"{plan.seq_chunks}")
-    if profile_memory and plan.pp > 1 and not torch.cuda.is_available():
+    if profile_memory and plan.pipeline is not None and not torch.cuda.is_available():
+        # pipeline stages, and a model that runs as its exported graph rewritten for its shards (HF LLaMA's sp/cp)
         raise ValueError("profile_memory=True on the CPU counts tensors with torch's MemTracker, which does not "
-                         "support the pipeline schedule's backward (autograd.grad); run this pp>1 strategy without it")
+                         "support the pipeline schedule's backward (autograd.grad) that runs this strategy (pipeline "
+                         "stages, or the model's graph rewritten for its shards); run it without profile_memory")
     nproc = plan.world
     nodes = node_layout(strategy)
     if len(nodes) > 1:
