@@ -38,7 +38,6 @@ with the job.
 from __future__ import annotations
 
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -193,11 +192,8 @@ def pipelined_rounds(config: Any, server: FederationServer, pool: Mapping[str, A
     centers = {c.name: _Center(c.name, pool[c.name], config, server.fusion.proximal_mu, replies)
                for c in config.centers}
     links = {c.name: LinkThrottle.of(c) for c in config.centers}
-    old_threads, old_switch = torch.get_num_threads(), sys.getswitchinterval()
+    old_threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    # the server thread's many short numpy calls queue for the GIL behind the centers' training loops;
-    # a short switch interval keeps that wait (not a deployment's: its server is another machine) small
-    sys.setswitchinterval(min(old_switch, 2e-4))
     for c in centers.values():
         c.thread.start()
     done = 0
@@ -244,4 +240,3 @@ def pipelined_rounds(config: Any, server: FederationServer, pool: Mapping[str, A
         for c in centers.values():
             c.thread.join(timeout=60)
         torch.set_num_threads(old_threads)
-        sys.setswitchinterval(old_switch)
