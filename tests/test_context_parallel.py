@@ -235,6 +235,25 @@ def test_hf_models_under_cp_and_sp_run_as_the_rewritten_graph_and_match_single_p
         assert err <= 1e-6
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["hf_llama", "hf_qwen2"])
+def test_hf_models_cp2_x_tp2_run_as_the_rewritten_graph_and_match_single_process(name: str) -> None:
+    """cp=2 × tp=2 (FSDP2) without pipeline stages: the one graph stage takes the tensor-parallel pass,
+    then ring attention over each rank's h/tp heads (HF's 2 K/V heads: Ulysses would need 4)."""
+    from tests import zoo
+    from tests.test_torch_backend import LR, SEED, STEPS
+
+    fn = getattr(zoo, name)
+    x, y = zoo.lm_data(0)
+    s = pp.evaluate(fn(), (x[:4], y[:4]), "local-cpu:4", batch_size=zoo.BATCH, recompute="none", microbatches=1,
+                    cp=2, tp=2, zero_stage=1)
+    assert (s.cp, s.tp, s.pp) == (2, 2, 1) and not s.search.notes
+    log = train(s, fn, zoo.lm_data, steps=STEPS, lr=LR, seed=SEED)
+    ref = ex.single_process_losses(fn, zoo.lm_data, steps=STEPS, lr=LR, seed=SEED)
+    assert max(abs(r["loss"] - w) / abs(w) for r, w in zip(log, ref, strict=True)) <= 1e-6
+
+
 def test_profile_memory_is_refused_before_launch_where_the_pipeline_schedule_runs_the_plan(tmp_path: Path) -> None:
     """HF LLaMA's cp=2 runs as its exported graph rewritten for the shards, under the pipeline
     schedule (pp=1): torch's MemTracker cannot count its backward, so it is refused before launch."""

@@ -196,13 +196,14 @@ def sequence_via_graph(graph: Graph, s: Plan) -> bool:
     """Whether a plan without pipeline stages splits the sequence (``sp`` or ``cp``) exactly only as
     the exported graph rewritten by :mod:`._stage_sp` (one stage): the model builds tensors from
     the sequence length (a causal mask, rotary positions from ``arange``) that the eager run cannot
-    shard and the pass does. Without tensor parallelism (not executed with it inside the stages)."""
+    shard and the pass does. With tensor parallelism the stage takes the tensor-parallel pass first,
+    as inside pipeline stages: the heads are split over ``tp`` (ring attention) or ``tp·sp`` (Ulysses)."""
     s = s if isinstance(s, Plan) else Plan.from_record(s)
-    if s.pp > 1 or s.seq == 1 or s.tp > 1:
+    if s.pp > 1 or s.seq == 1:
         return False
     sp, cp = (1, s.cp) if s.cp > 1 else (s.sp, 1)
-    heads = 1 if cp > 1 else sp
-    return bool(_sp_problems(graph, sp, heads, cp)) and not _stage_sp_problems(graph, sp, cp)
+    heads = s.tp if cp > 1 else s.tp * sp
+    return bool(_sp_problems(graph, sp, heads, cp)) and not _stage_sp_problems(graph, sp, cp, heads_parts=heads)
 
 
 def _stage_sp_problems(graph: Graph, sp: int, cp: int = 1, heads_parts: int | None = None) -> list[str]:
