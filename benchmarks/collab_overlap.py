@@ -2,7 +2,9 @@
 
 Setting: Fashion-MNIST (Debian's ``dataset-fashion-mnist``), ``--train`` rows split over ``--centers``
 centers by Dirichlet(0.3) label skew (``examples/collab_fashion_mnist.py``'s split), its CNN (width 8,
-GroupNorm), SGD lr 0.02 momentum 0.9, ``--epochs`` epochs of each center's rows, fusion ``--fusion``;
+GroupNorm), SGD lr 0.02 momentum 0.9, ``--epochs`` epochs of each center's rows, fusion ``--fusion``
+with the server's default checks and ``min_centers = centers − 1`` (an update the norm bound refuses
+does not stop the round; the refusals are counted);
 every center's link emulated at ``--link-mbit`` Mbit/s and ``--latency-ms`` each way. The in-process
 engine runs every center in its own thread (``run_inprocess(pipelined=True)``): synchronous rounds
 (``overlap 0``) and overlapped ones (``overlap K``) on the same threads and links. Accuracy on the
@@ -11,7 +13,8 @@ official 10k test images after the last round.
 Per run, rounds 2..: the median round (the server's, fused model to fused model), per center and round
 the mean communication (``comm``: from sending its update until the next fused model was there),
 what of it the center waited for (``exposed``) and what it spent taking steps (``hidden``), and
-``exposed % = exposed / round``.
+``exposed %``: the exposed communication's share of the centers' wall time (summed over rounds 2.. and
+centers, over the time from one update sent to the next).
 
 Simulated (``polyparallel.cost_models.collab_simulator``, concurrent centers): each center's step time
 and the server's time per round (checks, fusion) are calibrated on the *synchronous* run of the same
@@ -19,8 +22,15 @@ seed and H — step time = the center's (sent − received) / H, the server's = 
 — and both modes are predicted from them with the configured links; the error is against the measured
 median round.
 
+The pooled model (one model on the union of the rows, ``centers × H`` steps a round, the same SGD) is
+the reference of the seeds' target "≤ 1 point below pooled".
+
+``--engine flower``: the same over Flower, one SuperNode process per center, the rounds on the lean
+data channel (``data_channel="socket"``; the links emulated at the receivers as in Flower messages).
+
 Run: ``nice .venv/bin/python benchmarks/collab_overlap.py`` (defaults: 5 centers, 12k rows, H 5 and 20,
-seeds 0 and 1, 100 Mbit/s, 30 ms). Writes ``benchmarks/results/collab_overlap.json`` and prints the table.
+seeds 0 and 1, 100 Mbit/s, 30 ms). Writes ``benchmarks/results/collab_overlap.json`` (``--engine flower``:
+``collab_overlap_flower.json``) and prints the table.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from collab_fashion_mnist import DATA_DIR, load_fashion_mnist, split  # noqa: E4
 
 from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, run_inprocess  # noqa: E402
 from polyparallel.backends.collab._center import evaluate_torch  # noqa: E402
+from polyparallel.backends.collab._flower import run_flower  # noqa: E402
 from polyparallel.cost_models.collab_simulator import SimInputs, simulate_rounds  # noqa: E402
 
 
@@ -52,6 +63,15 @@ def _events(res) -> dict:
 def measure(res, names: list[str]) -> dict:
     ev = _events(res)
     later = res.rounds[1:]
+    # only the rounds where every center's update was accepted (a refused one's metrics are not recorded)
+    later = [r for r in later if len(r.metrics) == len(names) and len(res.rounds) >= r.round > 1
+             and len(res.rounds[r.round - 2].metrics) == len(names)]
+    for r in later:  # a synchronous center over Flower reports no overlap metrics: all of its comm is exposed
+        for c, m in r.metrics.items():
+            if "comm_s" not in m:
+                m = r.metrics[c] = dict(m)
+                m["comm_s"] = m["exposed_s"] = ev[(r.round, c, "received_model")] - ev[(r.round - 1, c, "sent_update")]
+                m["ahead_s"] = 0.0
     comm = [m["comm_s"] for r in later for m in r.metrics.values()]
     exposed = [m["exposed_s"] for r in later for m in r.metrics.values()]
     rounds = [r.seconds for r in later]
@@ -60,9 +80,13 @@ def measure(res, names: list[str]) -> dict:
     # a center's busy time in a round: its steps after the merge and the encoding, plus its steps ahead
     busy = {c: [ev[(r.round, c, "sent_update")] - ev[(r.round, c, "received_model")] + r.metrics[c]["ahead_s"]
                 for r in later] for c in names}
+    # a center's wall time per round: from one update sent to the next (its steps plus what it waited)
+    period = [ev[(r.round, c, "sent_update")] - ev[(r.round - 1, c, "sent_update")] for r in later for c in names]
+    refused = sum(len(r.rejected) for r in res.rounds)
     return {"round_s": float(np.median(rounds)), "comm_s": float(np.mean(comm)), "exposed_s": float(np.mean(exposed)),
-            "hidden_s": float(np.mean(comm) - np.mean(exposed)),
-            "exposed_pct": 100 * float(np.mean(exposed) / np.median(rounds)), "server_s": float(np.median(server)),
+            "hidden_s": float(np.mean(comm) - np.mean(exposed)), "period_s": float(np.mean(period)),
+            "exposed_pct": 100 * float(np.sum(exposed) / np.sum(period)), "server_s": float(np.median(server)),
+            "refused_updates": refused, "unfused_rounds": sum(not r.fused for r in res.rounds),
             "busy_s": {c: float(np.median(v)) for c, v in busy.items()}}
 
 
@@ -76,6 +100,41 @@ def simulated(cfg: CollabConfig, calib: dict, overlap: int, params: int) -> floa
     return float(np.median(simulate_rounds(x, cfg.rounds).round_s[1:]))
 
 
+def _pooled(spec: ModelSpec, data: dict, H: int, rounds: int, seed: int, xte, yte) -> float:
+    """The pooled model's accuracy: one model on the union of the centers' rows, centers x H steps a round."""
+    from polyparallel.backends.collab._center import TorchTrainer
+    from polyparallel.backends.collab._engine import initial_params
+
+    x = np.concatenate([v[0] for v in data.values()])
+    y = np.concatenate([v[1] for v in data.values()])
+    t = TorchTrainer(spec, x, y, batch_size=32, lr=0.02, momentum=0.9, seed=seed, rounds=rounds)
+    p = initial_params(CollabConfig(centers=(CenterSpec("c0"),), model=spec, seed=seed))
+    for r in range(1, rounds + 1):
+        p = t.train(p, steps=H * len(data), round_idx=r)[0]
+    return float(evaluate_torch(spec, p, xte, yte)["accuracy"])
+
+
+def table(rows: list[dict]) -> str:
+    """Mean ± std over seeds per (H, overlap): accuracy vs pooled and vs synchronous (per seed), exposed
+    communication's share of the centers' time, round, simulated-round errors, refusals."""
+    def pm(v: list[float], f: str = "+.2f") -> str:
+        return f"{np.mean(v):{f}} ± {np.std(v):.2f}" if len(v) > 1 else f"{v[0]:{f}}"
+
+    sync = {(r["seed"], r["H"]): r for r in rows if r["overlap"] == 0}
+    out = ["| H | overlap K | seeds | accuracy % | vs pooled (points) | vs synchronous (points) | exposed comm % "
+           "| hidden comm s | round s | simulated from sync, error % | from own phases, error % | refused |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for H, k in sorted({(r["H"], r["overlap"]) for r in rows}):
+        g = [r for r in rows if (r["H"], r["overlap"]) == (H, k)]
+        out.append(f"| {H} | {k} | {len(g)} | {pm([100 * r['accuracy'] for r in g], '.2f')} "
+                   f"| {pm([100 * (r['accuracy'] - r['pooled']) for r in g])} "
+                   f"| {pm([100 * (r['accuracy'] - sync[(r['seed'], H)]['accuracy']) for r in g])} "
+                   f"| {pm([r['exposed_pct'] for r in g], '.1f')} | {pm([r['hidden_s'] for r in g], '.3f')} "
+                   f"| {pm([r['round_s'] for r in g], '.3f')} | {pm([r['sim_error_pct'] for r in g], '+.1f')} "
+                   f"| {pm([r['sim_own_error_pct'] for r in g], '+.1f')} | {sum(r['refused_updates'] for r in g)} |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=str(DATA_DIR))
@@ -85,10 +144,20 @@ def main() -> None:
     ap.add_argument("--steps", default="5,20", help="H values")
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--fusion", default="fedavg")
+    ap.add_argument("--overlaps", default="0.5,1", help="overlapped steps as fractions of H (0: synchronous, "
+                    "always run first: the simulator is calibrated on it)")
     ap.add_argument("--link-mbit", type=float, default=100.0)
     ap.add_argument("--latency-ms", type=float, default=30.0)
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/collab_overlap.json"))
+    ap.add_argument("--engine", default="inprocess", help="inprocess (centers in threads) or flower (one "
+                    "SuperNode process per center, the rounds on the lean data channel)")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--table-only", action="store_true", help="print the table of --out's rows and exit")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = Path(f"benchmarks/results/collab_overlap{'_flower' if args.engine == 'flower' else ''}.json")
+    if args.table_only:
+        print(table(json.loads(args.out.read_text())["rows"]))
+        return
     xtr, ytr, xte, yte = load_fashion_mnist(Path(args.data))
     load0 = os.getloadavg()
     print(f"{os.cpu_count()} CPUs; load {load0}", flush=True)
@@ -103,32 +172,42 @@ def main() -> None:
         centers = tuple(CenterSpec(n, down_Bps=bps, up_Bps=bps, latency_s=args.latency_ms / 1e3) for n in names)
         for H in [int(h) for h in args.steps.split(",")]:
             rounds = max(2, round(args.epochs * np.mean([len(p) for p in parts]) / (32 * H)))
+            pooled = _pooled(spec, data, H, rounds, seed, xte, yte)
+            print(f"seed {seed} H {H:>3} pooled (one model, {len(names) * H} steps a round): {100 * pooled:.2f}%",
+                  flush=True)
             calib = None
-            for k in (0, H):
+            for k in sorted({0, *(int(float(f) * H) for f in args.overlaps.split(","))}):
                 cfg = CollabConfig(centers=centers, model=spec, rounds=rounds, local_steps=H, batch_size=32, lr=0.02,
-                                   momentum=0.9, fusion=args.fusion, seed=seed, overlap=k)
+                                   momentum=0.9, fusion=args.fusion, seed=seed, overlap=k,
+                                   min_centers=len(names) - 1)  # a refused update does not stop the round
                 t0 = time.time()
-                res = run_inprocess(cfg, data, pipelined=True)
+                res = (run_inprocess(cfg, data, pipelined=True) if args.engine == "inprocess" else
+                       run_flower(cfg, data, data_channel="socket", timeout_s=3600))
                 wall = time.time() - t0
                 acc = evaluate_torch(spec, res.params, xte, yte)["accuracy"]
                 m = measure(res, names)
                 params = int(sum(v.size for v in res.params.values()))
                 calib = calib or m
                 sim, own = simulated(cfg, calib, k, params), simulated(cfg, m, k, params)
-                row = {"seed": seed, "H": H, "overlap": k, "rounds": rounds, "accuracy": acc, "wall_s": wall,
+                row = {"seed": seed, "H": H, "overlap": k, "rounds": rounds, "accuracy": acc, "pooled": pooled,
+                       "engine": args.engine, "wall_s": wall,
                        "params": params, **m, "simulated_round_s": sim, "simulated_own_s": own,
                        "sim_error_pct": 100 * (sim - m["round_s"]) / m["round_s"],
                        "sim_own_error_pct": 100 * (own - m["round_s"]) / m["round_s"], "load": os.getloadavg()[0]}
                 rows.append(row)
-                print(f"seed {seed} H {H:>3} overlap {k:>3}: {rounds} rounds, acc {100 * acc:.2f}% | round "
+                print(f"seed {seed} H {H:>3} overlap {k:>3}: {rounds} rounds, acc {100 * acc:.2f}% "
+                      f"({100 * (acc - pooled):+.2f} vs pooled) | round "
                       f"{m['round_s']:.3f} s (simulated from sync {sim:.3f}, {row['sim_error_pct']:+.1f}%; from its "
                       f"own phases {own:.3f}, {row['sim_own_error_pct']:+.1f}%) | comm "
-                      f"{m['comm_s']:.3f} s, exposed {m['exposed_s']:.3f} s ({m['exposed_pct']:.1f}% of the round), "
-                      f"hidden {m['hidden_s']:.3f} s | wall {wall:.0f} s | load {row['load']:.1f}", flush=True)
+                      f"{m['comm_s']:.3f} s, exposed {m['exposed_s']:.3f} s ({m['exposed_pct']:.1f}% of the centers' "
+                      f"time), "
+                      f"hidden {m['hidden_s']:.3f} s | refused {m['refused_updates']} | wall {wall:.0f} s | "
+                      f"load {row['load']:.1f}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                                 "loadavg_at_start": load0, "loadavg_at_end": os.getloadavg()},
                                     "setting": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1))
+    print(table(rows))
     print(f"wrote {args.out}")
 
 
