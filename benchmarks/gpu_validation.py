@@ -93,10 +93,11 @@ def catalog_type(name: str) -> str:
     raise SystemExit(f"no data-sheet device type for {name!r} in polyparallel/presets/devices.yaml")
 
 
-def one_gpu_cluster(type_name: str, calibration: str | None) -> Cluster:
-    """A cluster of one GPU: the catalog type, or a type with its data-sheet figures and ``calibration``."""
+def one_gpu_cluster(type_name: str, calibration: str | None, n: int = 1) -> Cluster:
+    """A cluster of one GPU (``n`` on one node): the catalog type, or a type with its data-sheet
+    figures and ``calibration``."""
     device = type_name
-    spec: dict[str, Any] = {"name": f"1x{type_name}" + ("-calibrated" if calibration else "")}
+    spec: dict[str, Any] = {"name": f"{n}x{type_name}" + ("-calibrated" if calibration else "")}
     if calibration:
         base = one_gpu_cluster(type_name, None).device_types[type_name]
         device = f"{type_name}-calibrated"
@@ -105,7 +106,7 @@ def one_gpu_cluster(type_name: str, calibration: str | None) -> Cluster:
             "memory_bandwidth": base.memory_bandwidth, "launch_overhead": base.launch_overhead,
             "source": base.source, "calibration": str(Path(calibration).resolve())}}
     spec["centers"] = [{"name": "here", "framework": "torch", "nodes": [
-        {"name": "gpu", "count": 1, "devices_per_node": 1, "device": device}]}]
+        {"name": "gpu", "count": 1, "devices_per_node": n, "device": device}]}]
     return Cluster.from_dict(spec, source=spec["name"])
 
 

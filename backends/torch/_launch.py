@@ -267,7 +267,8 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
     the step (parameters, gradients, optimizer state, activations, temporaries): CUDA's allocator
     peak on a GPU, torch's ``MemTracker`` (every tensor created, by its storage) on the CPU, where it
     is refused where the strategy runs as pipeline stages or as the model's graph rewritten for its shards
-    (MemTracker does not follow their backward); the number the cost
+    (MemTracker does not follow their backward; torch.compile runs eager under it, so a compiled plan's
+    tensors are those of its eager run); the number the cost
     model's per-device memory predicts.
 
     Data-parallel replicas train as single-process training on the global batch does: BatchNorm
