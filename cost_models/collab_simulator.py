@@ -265,8 +265,9 @@ class SimResult:
             lines.append(f"  ... {self.inputs.n - max_centers} more centers")
         if self.inputs.overlap:
             lines.append(f"overlapped rounds (K = {self.inputs.overlap} steps): communication exposed "
-                         f"{s['exposed_comm_s']:.4g} s, hidden {s['hidden_comm_s']:.4g} s per center and round "
-                         "(distribute, upload, fusion and framework run behind the steps)")
+                         f"{s['exposed_comm_s']:.4g} s, hidden {s['hidden_comm_s']:.4g} s per center and round; "
+                         "the exposed part and waiting for the slowest center are 'wait', the rest runs behind "
+                         "the steps")
         sh = s["shares"]
         lines.append("shares of wall time: " + ", ".join(f"{p} {100 * sh[p]:.1f}%" for p in PHASES))
         lines.append(f"communication {100 * sh['communication']:.1f}% (distribute + upload + framework), idle "
