@@ -480,27 +480,39 @@ def measured_phases(timing: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, 
 
 
 def choose_local_steps(inputs: SimInputs, target_comm: float, max_local_steps: int | None = None,
-                       limit: int = 1 << 24) -> tuple[int, SimResult]:
+                       limit: int = 1 << 24, overlapped: bool = False) -> tuple[int, SimResult]:
     """The smallest ``H`` whose simulated round has a critical-path communication share
     (:meth:`SimResult.critical_comm_share`) of at most ``target_comm``, capped at ``max_local_steps``
     (label skew wants frequent fusion); with the simulated round at that ``H``.
 
     The share falls with ``H`` (numerator ``K + max_i(D_i + U_i − H(s_max − s_i))`` falls, the round
     grows), so a bisection over ``H`` finds it.
+
+    ``overlapped``: rounds overlapped by a whole round (``overlap = H``); the share is then the steady
+    state's (the third simulated round): the exposed communication ``max(0, c − H·s)`` over the round.
+    One center with communication ``c`` and step ``s`` needs ``H ≥ c(1 − t) / s`` instead of the
+    synchronous ``c(1 − t) / (t·s)``: a ``1/t`` times smaller ``H`` for a budget ``t``.
     """
     if not 0 < target_comm < 1:
         raise ValueError(f"the target communication share must be in (0, 1), got {target_comm}")
     cap = limit if max_local_steps is None else max(1, int(max_local_steps))
 
     def at(h: int) -> SimResult:
-        return simulate_rounds(replace(inputs, local_steps=h), 1)
+        if overlapped:
+            return simulate_rounds(replace(inputs, local_steps=h, overlap=h), 3)
+        return simulate_rounds(replace(inputs, local_steps=h, overlap=0), 1)
+
+    def share(res: SimResult) -> float:
+        if not overlapped:
+            return res.critical_comm_share()
+        return float(1 - res.dur["compute"][-1].max() / res.round_s[-1])
 
     lo, hi = 1, 1
-    while hi < cap and at(hi).critical_comm_share() > target_comm:
+    while hi < cap and share(at(hi)) > target_comm:
         lo, hi = hi + 1, min(cap, 2 * hi)
     while lo < hi:  # at(hi) meets the target (or hi == cap); the first H that does lies in [lo, hi]
         mid = (lo + hi) // 2
-        if at(mid).critical_comm_share() <= target_comm:
+        if share(at(mid)) <= target_comm:
             hi = mid
         else:
             lo = mid + 1

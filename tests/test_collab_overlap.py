@@ -302,3 +302,21 @@ def test_simulate_command_prices_overlapped_rounds(tmp_path, capsys):
     assert ov["mean_round_s"] == pytest.approx(sync["mean_round_s"] - 4 / 5 * 5 * 0.03)  # rounds 2-5
     code, out, err = _run(["simulate", str(path), "--overlap", "6"], capsys)
     assert code == 2 and "overlap must be in [0, H=5]" in err and len(err.strip().splitlines()) == 1
+
+
+def test_overlapped_rounds_meet_a_communication_budget_at_a_smaller_H():
+    """One center, step s, budget t: synchronous rounds need (K + D + U) <= t (K + D + U + H s + F),
+    rounds overlapped by a whole round c - H s <= t c with c = K + D + U + F (the fusion is hidden too)."""
+    import math
+
+    from polyparallel.cost_models.collab_simulator import SimInputs, choose_local_steps
+
+    s, P, bw, lat, fixed, t = 0.002, 10**6, 4e7, 0.02, 0.3, 0.2
+    x = SimInputs.make(["a"], s, 1, P, down_Bps=bw, up_Bps=bw, latency_s=lat, fixed_s=fixed)
+    comm, fuse = 2 * (lat + 4 * P / bw) + fixed, 2e-8 * P
+    c = comm + fuse
+    h_sync, _ = choose_local_steps(x, t)
+    h_over, sim = choose_local_steps(x, t, overlapped=True)
+    assert abs(h_sync - math.ceil((comm * (1 - t) - t * fuse) / (t * s))) <= 1
+    assert abs(h_over - math.ceil(c * (1 - t) / s)) <= 1
+    assert sim.inputs.overlap == h_over and sim.round_s[-1] == pytest.approx(max(c, h_over * s))
