@@ -279,6 +279,11 @@ def collab_cmd(
     overlap: Annotated[int, typer.Option(
         "--overlap", help="K: each center takes K local steps of the next round while its update travels and the "
         "server fuses, then merges the fused model (0: synchronous rounds; K <= H; in-process engine)")] = 0,
+    buffer: Annotated[int, typer.Option(
+        "--buffer", help="K: asynchronous buffered rounds, the server fuses the first K updates in, stale ones "
+        "weighted by staleness (0: synchronous rounds; in-process engine)")] = 0,
+    max_staleness: Annotated[int, typer.Option(
+        "--max-staleness", help="with --buffer: refuse updates trained from a model more versions old")] = 4,
     config: Annotated[Path | None, typer.Option("--config", help="job JSON (overrides the options above)")] = None,
     strategy: Annotated[Path | None, typer.Option(
         "--strategy", help="collaborative Strategy JSON: centers, fusion, H, rounds, compression from it")] = None,
@@ -321,7 +326,8 @@ def collab_cmd(
     training = dict(batch_size=batch_size, lr=lr, momentum=momentum, lr_schedule=lr_schedule,
                     logit_adjust=logit_adjust, min_centers=min_centers, seed=seed, round_timeout_s=round_timeout,
                     holdout=holdout, norm_bound=0.0 if no_norm_bound else norm_bound, max_abs_update=max_abs_update,
-                    step_bound=step_bound, min_cosine=min_cosine, overlap=overlap)
+                    step_bound=step_bound, min_cosine=min_cosine, overlap=overlap, buffer=buffer,
+                    max_staleness=max_staleness)
     fixed = dict(rounds=rounds, local_steps=local_steps, fusion=fusion, compression=compression)  # or the Strategy's
     with _user_errors(ValueError, KeyError, json.JSONDecodeError):
         builders = _parse_builders([*(builder or []), *([f"mindspore={mindspore_model}"] if mindspore_model else [])])

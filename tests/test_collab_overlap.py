@@ -320,3 +320,76 @@ def test_overlapped_rounds_meet_a_communication_budget_at_a_smaller_H():
     assert abs(h_sync - math.ceil((comm * (1 - t) - t * fuse) / (t * s))) <= 1
     assert abs(h_over - math.ceil(c * (1 - t) / s)) <= 1
     assert sim.inputs.overlap == h_over and sim.round_s[-1] == pytest.approx(max(c, h_over * s))
+
+
+# ------------------------------------------------------------------------------- buffered asynchronous rounds
+class _Slow:
+    """A center that takes ``extra_s`` longer for every round (a slow site)."""
+
+    def __init__(self, trainer, extra_s: float) -> None:
+        self.t, self.extra_s = trainer, extra_s
+
+    def __getattr__(self, name):
+        return getattr(self.t, name)
+
+    def train(self, *a, **kw):
+        import time
+
+        out = self.t.train(*a, **kw)
+        time.sleep(self.extra_s)
+        return out
+
+
+def test_buffer_of_every_center_is_the_synchronous_round_bit_for_bit():
+    """With K = N every fusion takes one update from each center, all trained from the newest version
+    (a center never trains twice from one version): the synchronous rounds exactly."""
+    from polyparallel.backends.collab import run_inprocess
+
+    data, _ = _digits()
+    sync = run_inprocess(_cfg(0, fusion="centered_clip"), data)
+    buffered = run_inprocess(_cfg(0, fusion="centered_clip", buffer=3), data)
+    for k in sync.params:
+        np.testing.assert_array_equal(buffered.params[k], sync.params[k])
+    assert all(m["staleness"] == 0 for r in buffered.rounds for m in r.metrics.values())
+
+
+def test_a_slow_center_does_not_block_buffered_rounds():
+    from polyparallel.backends.collab import run_inprocess
+    from polyparallel.backends.collab._trainers import make_trainer
+
+    data, test = _digits()
+    out = {}
+    for k, rounds in ((0, 4), (2, 24)):  # synchronous rounds (centers one after another), then buffered
+        cfg = _cfg(0, hidden=32, rounds=rounds, local_steps=20, buffer=k, max_staleness=24)
+        res = run_inprocess(cfg, data, eval_data=test, trainers={"c": _Slow(make_trainer(cfg, "c", *data["c"]), 0.3)})
+        out[k] = (float(np.median([r.seconds for r in res.rounds[1:]])), res.rounds[-1].eval["accuracy"], res)
+    (sync_round, _, _), (buf_round, buf_acc, res) = out[0], out[2]
+    assert sync_round > 0.3 > 2 * buf_round, (sync_round, buf_round)  # the slow center paces every sync round
+    stale = [m for r in res.rounds for c, m in r.metrics.items() if c == "c"]
+    assert stale and all(m["staleness"] >= 1 for m in stale)  # its updates arrive versions late, weighted:
+    assert all(m["staleness_weight"] == pytest.approx((1 + m["staleness"]) ** -0.5) for m in stale)
+    assert sum(len(r.accepted) for r in res.rounds) == 2 * 24 and buf_acc > 0.9, buf_acc
+
+
+def test_stale_updates_are_checked_against_their_version():
+    """An update staler than max_staleness is refused; a stale update altered after its center bound it
+    is refused by its own version's binding (a stale update is not a free pass)."""
+    from polyparallel.backends.collab import run_inprocess
+    from polyparallel.backends.collab._trainers import make_trainer
+
+    data, _ = _digits()
+    cfg = _cfg(0, rounds=30, buffer=2, max_staleness=0)
+    res = run_inprocess(cfg, data, trainers={"c": _Slow(make_trainer(cfg, "c", *data["c"]), 0.05)})
+    refused = [why for r in res.rounds for c, whys in r.rejected.items() if c == "c" for why in whys]
+    assert refused and all("keeps versions" in w for w in refused)
+
+    def alter(r, payload, metrics, nonce):
+        return {k: v * 1.01 for k, v in payload.items()}, metrics
+
+    res = run_inprocess(_cfg(0, rounds=4, buffer=2), data, tamper={"b": alter},
+                        trainers={"c": _Slow(make_trainer(cfg, "c", *data["c"]), 0.05)})
+    why = [w for r in res.rounds for w in r.rejected.get("b", ())]
+    assert why and all("binding does not match" in w for w in why)
+    assert all("b" not in r.accepted for r in res.rounds)
+    with pytest.raises(ValueError, match="buffered asynchronous rounds"):
+        _cfg(2, buffer=2)

@@ -128,6 +128,9 @@ class CollabConfig:
             median norm over the round's updates is refused (0: off; a boosted backdoor). See ``_validation``.
         overlap: ``k`` local steps of the next round a center takes while its update travels and the
             server fuses; it merges the fused model after them (0: synchronous rounds). See ``_overlap``.
+        buffer: ``K``: asynchronous buffered rounds, the server fuses the first ``K`` updates that are in,
+            stale ones weighted by staleness, refused beyond ``max_staleness`` versions (0: synchronous
+            rounds; ``rounds`` counts fusions). See ``_buffered``.
         prune: online pruning (:class:`~._pruning.PruneSpec`: ratio, rounds ``K``, score): centers score
             channels on their own rows, the server fuses the scores, soft-masks, and cuts the model
             structurally after round ``K``; None: the job trains the full model (see ``_pruning``).
@@ -156,6 +159,8 @@ class CollabConfig:
     layer_bound: float = 0.0
     prune: PruneSpec | None = None
     overlap: int = 0
+    buffer: int = 0
+    max_staleness: int = 4
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "centers", tuple(self.centers))
@@ -229,6 +234,19 @@ class CollabConfig:
         if k and why:
             raise ValueError(f"overlapped fusion (overlap={k}) is implemented for single-process torch centers "
                              f"without SCAFFOLD or pruning: {why}; use overlap=0")
+        b = self.buffer
+        if not (isinstance(b, int) and 0 <= b <= len(self.centers)) or not (
+                isinstance(self.max_staleness, int) and self.max_staleness >= 0):
+            raise ValueError(f"buffer must be a whole number of updates in [0, {len(self.centers)} centers] (0: "
+                             f"synchronous rounds) and max_staleness >= 0, got {b!r}, {self.max_staleness!r}")
+        why = ("it is not combined with overlapped fusion (overlap=0)" if k else
+               "SCAFFOLD's control variates assume every update of a round starts from its global model"
+               if self.fusion.lower() == "scaffold" else
+               "online pruning cuts the model under the centers' running steps" if self.prune is not None else
+               f"min_centers={self.min_centers} > buffer={b}" if self.min_centers > b else "")
+        if b and why:
+            raise ValueError(f"buffered asynchronous rounds (buffer={b}): {why}; use buffer=0 for synchronous "
+                             "rounds")
 
     def _check_prune(self, p: PruneSpec) -> None:
         """A pruning job needs a fusion that can fuse score vectors and centers that can score."""
@@ -251,7 +269,7 @@ class CollabConfig:
 
     @property
     def required_centers(self) -> int:
-        return self.min_centers or len(self.centers)
+        return self.min_centers or self.buffer or len(self.centers)
 
     def center(self, name: str) -> CenterSpec:
         for c in self.centers:
@@ -274,6 +292,8 @@ class CollabConfig:
             del d["layer_bound"]
         if not self.overlap:  # and synchronous rounds
             del d["overlap"]
+        if not self.buffer:
+            del d["buffer"], d["max_staleness"]
         return json.dumps(d, sort_keys=True)
 
     @classmethod

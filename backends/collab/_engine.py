@@ -186,13 +186,15 @@ def run_inprocess(config: CollabConfig, data: Data | None = None, *,
         states = {} if center_states is None else center_states
         for c in config.centers:
             states.setdefault(c.name, {})
-        if config.overlap or pipelined:
+        if config.overlap or config.buffer or pipelined:
+            from ._buffered import buffered_rounds
             from ._overlap import pipelined_rounds
 
             if absent:
-                raise ValueError("absent centers are not modelled with overlapped or pipelined rounds")
-            pipelined_rounds(config, server, pool, evaluate, max_rounds, on_round, tamper,
-                             holdout_eval=eval_data is None and config.holdout > 0)
+                raise ValueError("absent centers are not modelled with overlapped, buffered or pipelined rounds")
+            (buffered_rounds if config.buffer else pipelined_rounds)(
+                config, server, pool, evaluate, max_rounds, on_round, tamper,
+                holdout_eval=eval_data is None and config.holdout > 0)
         else:
             _run_rounds(config, server, pool, evaluate, max_rounds, absent, states, on_round, tamper or {})
     finally:  # a data-parallel center's worker processes end with the run

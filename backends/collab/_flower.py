@@ -611,6 +611,9 @@ def run_flower(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.nda
         raise ValueError(f"data_channel must be 'flower' or 'socket', got {data_channel!r}")
     if config.prune is not None:
         raise ValueError(PRUNE_IN_PROCESS_ONLY)
+    if config.buffer:
+        raise ValueError(f"buffered asynchronous rounds (buffer={config.buffer}) run in the in-process engine only "
+                         "so far: use engine='inprocess' or buffer=0")
     if config.overlap and data_channel != "socket":
         raise ValueError(f"overlapped fusion (overlap={config.overlap}) over Flower runs on the lean data channel: "
                          "use data_channel='socket' (--data-channel socket), engine='inprocess' or overlap=0")
