@@ -254,6 +254,16 @@ def test_hf_models_cp2_x_tp2_run_as_the_rewritten_graph_and_match_single_process
     assert max(abs(r["loss"] - w) / abs(w) for r, w in zip(log, ref, strict=True)) <= 1e-6
 
 
+def test_search_checks_a_graph_run_cp_plan_with_the_batch_train_gives() -> None:
+    """A search that writes HF LLaMA's cp=2 (pp=1, run as its exported graph) checks it as train does,
+    with one global batch: the check without one raised 'plan_for needs one global batch'."""
+    from tests import zoo
+
+    x, y = zoo.lm_data(0)
+    s = pp.search(zoo.hf_llama(), (x, y), "local-cpu:2", batch_size=zoo.BATCH, constraints={"cp": 2})
+    assert (s.cp, s.pp) == (2, 1) and not any(n.startswith("planning only") for n in s.search.notes)
+
+
 def test_profile_memory_is_refused_before_launch_where_the_pipeline_schedule_runs_the_plan(tmp_path: Path) -> None:
     """HF LLaMA's cp=2 runs as its exported graph rewritten for the shards, under the pipeline
     schedule (pp=1): torch's MemTracker cannot count its backward, so it is refused before launch."""

@@ -20,7 +20,7 @@ from polyparallel.backends.torch._agent import go, worker_env
 from polyparallel.backends.torch._agent import start as start_agent
 from polyparallel.backends.torch._agent import take as take_agent
 from polyparallel.backends.torch._checkpoint import check_resume, trim_log
-from polyparallel.backends.torch._plan import plan_for
+from polyparallel.backends.torch._plan import checked_batch, plan_for
 from polyparallel.backends.torch._procs import kill_tree, recorded_pids
 from polyparallel.backends.torch._tensor_parallel import (
     UncapturedModel,
@@ -354,8 +354,7 @@ def _checked_run(strategy: Strategy, model_fn: Any, data_fn: Any, agent: subproc
                                  f"was made for ({strategy.model.name}) and data model(inputs, labels) takes") from None
             raise
     # refused before any launch; the batch cuts pipeline stages and tries the forward on tensor-parallel shards
-    plan = plan_for(strategy, model, batch if strategy.pp > 1 or strategy.tp > 1 or strategy.plan.seq > 1 else None,
-                    graph=graph)
+    plan = plan_for(strategy, model, checked_batch(strategy, batch), graph=graph)
     for name, t in zip(("inputs", "labels"), batch) if plan.seq > 1 else ():
         if t.dim() < 2 or t.shape[1] % plan.seq_chunks:
             raise ValueError(f"data_fn(0)'s {name} has shape {tuple(t.shape)}; splitting the sequence over "

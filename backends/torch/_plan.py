@@ -89,7 +89,7 @@ from polyparallel.ir import Graph
 from polyparallel.plan import Plan
 from polyparallel.strategy import Strategy
 
-__all__ = ["ExecPlan", "Unsupported", "own_forward_plan", "plan_for"]
+__all__ = ["ExecPlan", "Unsupported", "checked_batch", "own_forward_plan", "plan_for"]
 
 
 
@@ -171,6 +171,13 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
         tied=tuple(tied), positions=tuple(position_embeddings(graph)) if s.plan.seq > 1 and graph else (),
         tables=_sequence_tables(s, model, graph),
         recompute_blocks=tuple(recompute_blocks(graph)) if s.recompute in ("full", "op") and graph else ())
+
+
+def checked_batch(strategy: Strategy, batch: Any) -> Any:
+    """The global batch :func:`plan_for` is given for ``strategy``, as ``train`` gives it: where the model
+    may run as its exported graph (pipeline stages; tensor parallelism whose forward fails on a rank's
+    shards; a sequence split the eager run cannot shard), None otherwise (nothing to cut or try)."""
+    return batch if strategy.pp > 1 or strategy.tp > 1 or strategy.plan.seq > 1 else None
 
 
 def _sequence_tables(s: Strategy, model: nn.Module, graph: Graph | None) -> tuple[tuple[str, int, int], ...]:

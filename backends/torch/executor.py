@@ -32,11 +32,12 @@ def heads_dims(g: Graph, op: Op) -> tuple[str, ...]:
 
 
 def check(strategy: Strategy, model: Any, batch: Any, graph: Graph) -> None:
-    """:func:`~polyparallel.backends.torch.plan_for` on the user's module (raises ``Unsupported``)."""
+    """:func:`~polyparallel.backends.torch.plan_for` on the user's module given the global batch ``batch``
+    as train gives it (:func:`~._plan.checked_batch`; raises ``Unsupported``)."""
     # torch.export and torch.distributed: loaded on the first check, not with the planner
-    from polyparallel.backends.torch._plan import plan_for  # loads torch; import polyparallel loads this module
+    from polyparallel.backends.torch._plan import checked_batch, plan_for  # loads torch (not with polyparallel)
 
-    plan_for(strategy, model, batch, graph=graph)
+    plan_for(strategy, model, checked_batch(strategy, batch), graph=graph)
 
 
 def own_forward_check(strategy: Strategy, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any],

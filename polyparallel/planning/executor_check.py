@@ -46,7 +46,7 @@ def executor_checked(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: Best,
     fallback: tuple[Strategy, StepEstimate, int, Candidate] | None = None
     while True:
         try:
-            check(strat, mdl.model, batch if strat.pp > 1 else None, mdl.exact(best.b))
+            check(strat, mdl.model, batch, mdl.exact(best.b))
             if _replicated_tp(strat, best, c):
                 # the plan was ranked at the placements the polyhedral model derives, but the torch
                 # backend runs none of them on this model: each tp rank would do the whole stage's
@@ -115,7 +115,7 @@ def _rule_placed(strat: Strategy, mdl: ModelGraphs, cl: Cluster, best: Best, B: 
     assert best.est is not None  # the refused plan's estimate
     ruled = strategy_of(mdl, cl, best.est, best.b, B, devs, record, "rule", c.memory_cap)
     try:
-        executor("torch").check(ruled, mdl.model, batch if ruled.pp > 1 else None, mdl.exact(best.b))
+        executor("torch").check(ruled, mdl.model, batch, mdl.exact(best.b))
     except NotExecutable:
         return None
     return ruled
