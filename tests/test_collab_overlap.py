@@ -195,24 +195,27 @@ def test_overlapped_rounds_are_the_delayed_outer_step():
     assert max(float(np.abs(sync.params[k] - x[k]).max()) for k in x) > 1e-3
 
 
+@pytest.mark.slow
 def test_overlap_hides_communication_on_a_slow_link_and_keeps_digits_accuracy():
-    """Emulated link 2 MB/s, 20 ms each way: a center waits the upload, the fusion and the download in
-    every synchronous round; overlapped by a whole round (80 steps) it waits for less of it."""
+    """Emulated link 2 MB/s, 150 ms each way: a center waits the upload, the fusion and the download in
+    every synchronous round; overlapped by a whole round (160 steps) it waits for less of it. (The
+    centers share this machine's cores with the server: under load a center starved of CPU makes the
+    others wait for its update, which the long latency keeps small against what is hidden.)"""
     from polyparallel.backends.collab import run_inprocess
 
     data, test = _digits()
-    link = dict(down_Bps=2e6, up_Bps=2e6, latency_s=0.02)
+    link = dict(down_Bps=2e6, up_Bps=2e6, latency_s=0.15)
     out = {}
-    for k in (0, 80):
-        res = run_inprocess(_cfg(k, link=link, hidden=64, rounds=5, local_steps=80), data, eval_data=test,
+    for k in (0, 160):
+        res = run_inprocess(_cfg(k, link=link, hidden=64, rounds=5, local_steps=160), data, eval_data=test,
                             pipelined=True)
         later = [m for r in res.rounds[1:] for m in r.metrics.values()]
         comm_events = [e for e in res.timing if e["event"] == "comm"]
         assert len(comm_events) == len(later)
         out[k] = (sum(m["exposed_s"] for m in later), sum(m["comm_s"] for m in later),
                   res.rounds[-1].eval["accuracy"])
-    (sync_exposed, sync_comm, sync_acc), (ov_exposed, ov_comm, ov_acc) = out[0], out[80]
-    assert sync_exposed > 0.9 * sync_comm > 4 * 2 * 0.02 * 3  # synchronous: every transfer is waited for
+    (sync_exposed, sync_comm, sync_acc), (ov_exposed, ov_comm, ov_acc) = out[0], out[160]
+    assert sync_exposed > 0.9 * sync_comm > 4 * 2 * 0.15 * 3  # synchronous: every transfer is waited for
     assert ov_exposed < 0.75 * sync_exposed and ov_comm - ov_exposed > 0.3 * ov_comm, out  # hidden behind steps
     assert abs(ov_acc - sync_acc) <= 0.03 and sync_acc > 0.9, out
 
