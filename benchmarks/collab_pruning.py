@@ -41,20 +41,24 @@ other row. ``unpruned-long`` (only when named in ``--only``) trains the unpruned
 as the ``once`` arm's model gets in all (``2R + 1 - K``), the reference at equal training.
 
 Run (the committed tables; ``--cache`` keeps each unpruned model, so a later run of the same seed
-starts from it; one benchmark at a time on the shared 2-core machine, about 15 minutes a seed at load
-average 5)::
+starts from it; one benchmark at a time on the shared 2-core machine: at load average 1-4 a ViT row
+takes 0.5-2 minutes, a ResNet row 2-4, the first run of a seed adds its unpruned models' 1-9 minutes)::
 
     B="nice -n 10 .venv/bin/python benchmarks/collab_pruning.py --cache /tmp/pr/cache \
        --tuned resnet:online:0.5,vit:online:0.5"
     $B --models resnet --only resnet:online:0.5 --out /tmp/pr/t_res.json    # seed 0: the tuning rows
     $B --models vit --only vit:online:0.5 --out /tmp/pr/t_vit.json
-    $B --merge /tmp/pr/t_res.json,/tmp/pr/t_vit.json --remeasure-latency --out benchmarks/results/collab_pruning.json
+    for row in vit:online:0.3 vit:online:0.7 vit:once:0.3 vit:once:0.5 vit:once:0.7 resnet:online:0.3 \
+               resnet:online:0.7 resnet:once:0.3 resnet:once:0.5 resnet:once:0.7; do   # seed 0, the other rows
+      $B --models ${row%%:*} --only $row --out /tmp/p1/$(echo $row | tr : _).json; done
+    $B --merge /tmp/pr/t_res.json,/tmp/pr/t_vit.json,$(ls /tmp/p1/*.json | paste -sd,) --remeasure-latency \
+       --out benchmarks/results/collab_pruning.json
     for s in 1 2; do $B --models resnet,vit --only resnet:online:0.5,vit:online:0.5 --seed $s \
        --out benchmarks/results/collab_pruning_seed$s.json; done
 
-The other rows (``once``, 0.3 and 0.7) run with ``--only`` naming them, or without ``--only`` (all).
-Latencies taken in the runs are at the load the machine had (``load_avg`` in the setting);
-``--remeasure-latency`` times every architecture again in one process, interleaved.
+Without ``--only`` a run takes every row of its models. Latencies taken in the runs are at the load
+the machine had (``load_avg`` in the setting); ``--remeasure-latency`` times every architecture again
+in one process, interleaved, and keeps the in-run figures as ``latency_ms_in_run``.
 """
 
 from __future__ import annotations
@@ -267,6 +271,12 @@ def remeasure_latency(res: dict, repeats: int = 3) -> None:
     res["setting"]["latency_remeasured"] = {"load_avg": os.getloadavg()[0], "repeats": repeats, "threads": 1}
 
 
+def row_order(item: tuple[str, Any]) -> tuple[float, int]:
+    """Sort key of a ``(arm, row)`` item: the unpruned arms first, then by ratio, ``online`` before ``once``."""
+    name, _, ratio = item[0].partition(":")
+    return (float(ratio) if ratio else -1.0, ("unpruned", "unpruned-long", "online", "once").index(name))
+
+
 def table(res: Mapping[str, Any]) -> str:
     R, K = res["setting"]["rounds"], res["setting"]["prune_rounds"]
     lines = ["| model | arm | ratio | rounds | params | FLOPs | latency b1 / b32 ms | accuracy | lost (pt) |",
@@ -334,6 +344,8 @@ def main() -> None:
                     if "held_out" in row:
                         row["held_out"] = held_out(args, k, arm, part["setting"]["seed"])
                     rows.setdefault(arm, row)
+        for m in res["models"].values():  # the table's order: unpruned arms, then by ratio, online before once
+            m["rows"] = dict(sorted(m["rows"].items(), key=row_order))
         keys = ("rounds", "local_steps", "lr", "prune_rounds", "score", "seed", "train_rows", "alpha", "target",
                 "allocation")
         if any({k: p["setting"].get(k) for k in keys} != {k: res["setting"].get(k) for k in keys} for p in parts):

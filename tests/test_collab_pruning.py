@@ -550,3 +550,36 @@ def test_users_residual_cnn_on_unseen_data_prunes_releases_and_is_captured_again
     assert g.tensors[g.inputs[0]].shape == (8, 1, 16, 16) and g.tensors[g.outputs[0]].shape == (8, 10)
     s = pp.search(g, cluster="local-cpu:2")
     assert s.estimate.step_time_s > 0
+
+
+def _masked_then_trained(model: nn.Module, seed: int) -> tuple[dict, dict]:
+    """``(entries the mask zeroed, the parameters after 3 SGD steps)`` for half of every group masked."""
+    ex = torch.zeros(2, 1, 8, 8)
+    layout = P.group_scores(model, ex, P.saliency(model, "magnitude"))
+    rng = np.random.default_rng(seed)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    P.mask_and_plan(model, ex, 0.5, {k: rng.random(len(v)) for k, v in layout.items()})
+    zeroed = {n: (p.detach() == 0) & (before[n] != 0) for n, p in model.named_parameters()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(32, 1, 8, 8, generator=g), torch.randint(0, 10, (32,), generator=g)
+    model.train()
+    for _ in range(3):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return zeroed, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def test_masked_channels_grow_back_only_where_a_zero_passes_a_gradient():
+    # conv-BatchNorm-ReLU: a masked channel's ReLU input is exactly 0, where ReLU's gradient is 0, so no
+    # entry the mask zeroed moves again (the docs: a ResNet's soft masks are hard ones)
+    torch.manual_seed(0)
+    zeroed, after = _masked_then_trained(_randomised_bn(UserResCNN()), 7)
+    assert sum(int(z.sum()) for z in zeroed.values()) > 100  # conv rows, BatchNorm scales and shifts
+    assert all(torch.all(after[n][z] == 0) for n, z in zeroed.items())
+    # a linear layer before GELU (the MLP of a transformer): GELU'(0) = 1/2, the zeroed rows train again
+    torch.manual_seed(0)
+    zeroed, after = _masked_then_trained(TinyViT(), 7)
+    assert int(zeroed["fc1.weight"].sum()) >= 16 * 16  # half of fc1's 32 rows, 16 inputs each
+    assert torch.count_nonzero(after["fc1.weight"][zeroed["fc1.weight"]]) > 0.9 * int(zeroed["fc1.weight"].sum())

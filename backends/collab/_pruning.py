@@ -40,7 +40,11 @@ runs as any other for its first ``K`` rounds, with three additions:
    with the same share of every group (``uniform``) or by one ``global`` ranking of the fused scores
    (each group's normalised to mean 1, Torch-Pruning's global pruning) that keeps at least
    :data:`MIN_KEEP` of every group. The centers train on from the masked model, so a channel can
-   grow back while ``ratio_t`` is below the target (soft filter pruning, He et al. 2018).
+   grow back while ``ratio_t`` is below the target (soft filter pruning, He et al. 2018) where a zero
+   passes a gradient: a linear layer before GELU (a transformer's MLP, its q/k/v projections). A
+   channel that a ReLU follows does not: its input is exactly 0, where ReLU's gradient is 0, so
+   nothing that produces it moves again (a conv-BatchNorm-ReLU network's masks are hard ones; zeroing
+   only the BatchNorm's scale and shift, the conv rows kept, trains the same).
 
 After round ``K`` the server removes the channels of the last mask for good: the *plan* (Torch-Pruning's
 pruning history: root layer, output or input side, indices) is applied to the server's model with
