@@ -28,24 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from collab_overlap import DATA_DIR, _pooled, load_fashion_mnist, split
 
 from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, run_inprocess
+from polyparallel.backends.collab._buffered import SlowTrainer
 from polyparallel.backends.collab._center import evaluate_torch
 from polyparallel.backends.collab._trainers import make_trainer
-
-
-class Slow:
-    """A center ``factor`` times slower than its trainer."""
-
-    def __init__(self, trainer, factor: float) -> None:
-        self.t, self.factor = trainer, factor
-
-    def __getattr__(self, name):
-        return getattr(self.t, name)
-
-    def train(self, *a, **kw):
-        t0 = time.time()
-        out = self.t.train(*a, **kw)
-        time.sleep((self.factor - 1) * (time.time() - t0))
-        return out
 
 
 def main() -> None:
@@ -76,7 +61,7 @@ def main() -> None:
             cfg = CollabConfig(centers=tuple(CenterSpec(n, down_Bps=bps, up_Bps=bps, latency_s=0.03) for n in names),
                                model=spec, rounds=fusions, local_steps=H, batch_size=32, lr=0.02, momentum=0.9,
                                fusion="fedavg", seed=seed, buffer=k, max_staleness=8)
-            slow = Slow(make_trainer(cfg, names[-1], *data[names[-1]]), args.factor)
+            slow = SlowTrainer(make_trainer(cfg, names[-1], *data[names[-1]]), args.factor)
             t0 = time.time()
             res = run_inprocess(cfg, data, trainers={names[-1]: slow})
             wall = time.time() - t0

@@ -326,23 +326,6 @@ def test_overlapped_rounds_meet_a_communication_budget_at_a_smaller_H():
 
 
 # ------------------------------------------------------------------------------- buffered asynchronous rounds
-class _Slow:
-    """A center that takes ``extra_s`` longer for every round (a slow site)."""
-
-    def __init__(self, trainer, extra_s: float) -> None:
-        self.t, self.extra_s = trainer, extra_s
-
-    def __getattr__(self, name):
-        return getattr(self.t, name)
-
-    def train(self, *a, **kw):
-        import time
-
-        out = self.t.train(*a, **kw)
-        time.sleep(self.extra_s)
-        return out
-
-
 def test_buffer_of_every_center_is_the_synchronous_round_bit_for_bit():
     """With K = N every fusion takes one update from each center, all trained from the newest version
     (a center never trains twice from one version): the synchronous rounds exactly."""
@@ -358,13 +341,15 @@ def test_buffer_of_every_center_is_the_synchronous_round_bit_for_bit():
 
 def test_a_slow_center_does_not_block_buffered_rounds():
     from polyparallel.backends.collab import run_inprocess
+    from polyparallel.backends.collab._buffered import SlowTrainer
     from polyparallel.backends.collab._trainers import make_trainer
 
     data, test = _digits()
     out = {}
     for k, rounds in ((0, 4), (2, 24)):  # synchronous rounds (centers one after another), then buffered
         cfg = _cfg(0, hidden=32, rounds=rounds, local_steps=20, buffer=k, max_staleness=24)
-        res = run_inprocess(cfg, data, eval_data=test, trainers={"c": _Slow(make_trainer(cfg, "c", *data["c"]), 0.3)})
+        slow = SlowTrainer(make_trainer(cfg, "c", *data["c"]), extra_s=0.3)
+        res = run_inprocess(cfg, data, eval_data=test, trainers={"c": slow})
         out[k] = (float(np.median([r.seconds for r in res.rounds[1:]])), res.rounds[-1].eval["accuracy"], res)
     (sync_round, _, _), (buf_round, buf_acc, res) = out[0], out[2]
     assert sync_round > 0.3 > 2 * buf_round, (sync_round, buf_round)  # the slow center paces every sync round
@@ -378,11 +363,12 @@ def test_stale_updates_are_checked_against_their_version():
     """An update staler than max_staleness is refused; a stale update altered after its center bound it
     is refused by its own version's binding (a stale update is not a free pass)."""
     from polyparallel.backends.collab import run_inprocess
+    from polyparallel.backends.collab._buffered import SlowTrainer
     from polyparallel.backends.collab._trainers import make_trainer
 
     data, _ = _digits()
     cfg = _cfg(0, rounds=30, buffer=2, max_staleness=0)
-    res = run_inprocess(cfg, data, trainers={"c": _Slow(make_trainer(cfg, "c", *data["c"]), 0.05)})
+    res = run_inprocess(cfg, data, trainers={"c": SlowTrainer(make_trainer(cfg, "c", *data["c"]), extra_s=0.05)})
     refused = [why for r in res.rounds for c, whys in r.rejected.items() if c == "c" for why in whys]
     assert refused and all("keeps versions" in w for w in refused)
 
@@ -390,7 +376,7 @@ def test_stale_updates_are_checked_against_their_version():
         return {k: v * 1.01 for k, v in payload.items()}, metrics
 
     res = run_inprocess(_cfg(0, rounds=4, buffer=2), data, tamper={"b": alter},
-                        trainers={"c": _Slow(make_trainer(cfg, "c", *data["c"]), 0.05)})
+                        trainers={"c": SlowTrainer(make_trainer(cfg, "c", *data["c"]), extra_s=0.05)})
     why = [w for r in res.rounds for w in r.rejected.get("b", ())]
     assert why and all("binding does not match" in w for w in why)
     assert all("b" not in r.accepted for r in res.rounds)

@@ -41,7 +41,27 @@ from ._server import CenterReply, FederationServer, RoundRecord
 from ._validation import bound_metrics, check_binding
 from ._wire import decode_update, encode_update
 
-__all__ = ["buffered_rounds", "staleness_weight"]
+__all__ = ["SlowTrainer", "buffered_rounds", "staleness_weight"]
+
+
+class SlowTrainer:
+    """A center's trainer made slower, to emulate a slow site on one machine (as ``_link`` emulates its
+    link): after each round it sleeps ``(factor − 1)`` times the round's training time plus ``extra_s``.
+    Everything else is the wrapped trainer's."""
+
+    def __init__(self, trainer: Any, factor: float = 1.0, extra_s: float = 0.0) -> None:
+        if factor < 1 or extra_s < 0:
+            raise ValueError(f"a slower trainer needs factor >= 1 and extra_s >= 0, got {factor}, {extra_s}")
+        self.trainer, self.factor, self.extra_s = trainer, factor, extra_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.trainer, name)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.time()
+        out = self.trainer.train(*args, **kwargs)
+        time.sleep((self.factor - 1) * (time.time() - t0) + self.extra_s)
+        return out
 
 
 def staleness_weight(tau: int) -> float:
