@@ -28,6 +28,12 @@ Packing matters for speed only: Flower moves each array (and each 5 MB chunk of 
 object with an HTTP request per hop (server → SuperLink → SuperNode → ClientApp and back); packed, a
 message is 7 objects (plus a chunk per 5 MB) whatever the number of tensors.
 
+The lean path (run config ``data-channel`` = ``socket``, :mod:`._lean`): the ServerApp sends each center
+one ``train`` message for the whole run, holding only ``channel`` (a ConfigRecord: the server's address
+and a token for that node); the ClientApp connects and serves every round over that connection
+(:func:`_channel_center`; an overlapped center runs ahead there, :class:`~._overlap.OverlapCenter`) and
+answers the message when the run ends.
+
 Evaluation: with ``eval-data`` the ServerApp evaluates each fused model itself. Without it and with
 ``holdout > 0`` in the job, it sends the fused model to every center as an ``evaluate`` message
 (``arrays`` + ``layout``); a center answers with numbers only — ``metrics`` (its loss, accuracy or
