@@ -26,7 +26,9 @@ intra-op thread, the centers' steps overlap where the GIL allows), the server fu
 thread; an emulated link (``CenterSpec.down_Bps`` ...) delays each transfer to when the link would
 deliver it (:meth:`~._link.LinkThrottle.done_at`, the receiver waits), so uploads, fusion and
 downloads run concurrently with the centers' steps. Each reply's metrics carry ``comm_s`` (from
-sending its previous update until the fused model was there: what a synchronous center waits) and
+sending its previous update until the fused model was there for it: what a synchronous center waits;
+over the data channel, where the frame's arrival is not observed while the center runs ahead, until
+the center took it, so there it is at least the time of the steps ahead) and
 ``exposed_s`` (what this center actually waited) and ``ahead_s`` (how long its steps before the
 merge took), and the timing log a ``comm`` event per center and round with ``exposed_s`` and
 ``hidden_s``. Over Flower the same center runs on the lean data channel (:mod:`._lean`): it runs ahead
@@ -99,11 +101,15 @@ class OverlapCenter:
         self._ahead = (r, opt, self.local, torch_state(self.t._model), losses, time.time())
         self._ahead_s = self._ahead[5] - t0
 
-    def finish(self, r: int, x_r: dict[str, np.ndarray], nonce: int, mu: float = 0.0) -> tuple[dict, dict]:
+    def finish(self, r: int, x_r: dict[str, np.ndarray], nonce: int, mu: float = 0.0,
+               t_available: float | None = None) -> tuple[dict, dict]:
         """Merge ``x_r`` (the fused model of round ``r``), take the round's remaining steps, return
-        ``(payload, metrics)`` bound to round ``r`` and ``x_r``."""
+        ``(payload, metrics)`` bound to round ``r`` and ``x_r``. ``t_available``: when ``x_r`` was there
+        for the center (its link delivered it), for ``comm_s``; None: when it is taken (now), which is
+        later when it came during the steps ahead."""
         t = self.t
         t_got = time.time()
+        t_available = t_got if t_available is None else min(t_available, t_got)
         if self._ahead is None:  # round 1 (or a center that did not run ahead): start from x_r
             opt, batches = self._begin(r, x_r)
             k, losses, t_ready, self._ahead_s = 0, [], t_got, 0.0
@@ -123,7 +129,7 @@ class OverlapCenter:
         metrics = {"num_samples": float(t.num_samples), "train_loss": float(np.mean(losses)),
                    **bound_metrics(nonce, r, model_digest(x_r), payload), "t_received": t_got,
                    "t_trained": t_trained, "exposed_s": max(0.0, t_got - t_ready), "ahead_s": self._ahead_s,
-                   "comm_s": t_got - self._t_sent if self._t_sent else max(0.0, t_got - t_ready)}
+                   "comm_s": t_available - self._t_sent if self._t_sent else max(0.0, t_got - t_ready)}
         metrics["t_sent"] = self._t_sent = time.time()
         return payload, metrics
 
@@ -152,7 +158,7 @@ class _Center:
                 r, x_r, nonce, available = item
                 if available > time.time():
                     time.sleep(available - time.time())  # the emulated downlink delivers it then
-                self.replies.put((self.name, (r, *self.oc.finish(r, x_r, nonce, self.mu))))
+                self.replies.put((self.name, (r, *self.oc.finish(r, x_r, nonce, self.mu, t_available=available))))
         except BaseException as e:  # reported by the server thread
             self.error = e
             self.replies.put((self.name, None))
