@@ -12,7 +12,9 @@ official 10k test images after the last round.
 
 Per run, rounds 2..: the median round (the server's, fused model to fused model), per center and round
 the mean communication (``comm``: from sending its update until the next fused model was there),
-what of it the center waited for (``exposed``) and what it spent taking steps (``hidden``), and
+what of it the center waited for (``exposed``) and what it spent taking steps (``hidden``; over Flower,
+where the frame's arrival is not observed while a center runs ahead, the time of its steps ahead, the
+most they can hide), and
 ``exposed %``: the exposed communication's share of the centers' wall time (summed over rounds 2.. and
 centers, over the time from one update sent to the next).
 
