@@ -215,6 +215,30 @@ _HELP = {
                   "PruneSpec's",
     "release": "with --prune: write model.pt2, model.onnx and release.json here",
     "force": "overwrite the release files in an existing --release",
+    "devices": "devices per center, comma separated (torch and MindSpore centers with > 1 train data parallel)",
+    "builder": ("for a MODULE:FUNCTION --model on centers of another framework: FRAMEWORK=MODULE:FUNCTION "
+                "returning the same architecture there (mindspore: an nn.Cell, paddle: a paddle.nn.Layer, "
+                "tensorflow: a keras.Model); the parameter map is inferred and checked before round 1. Repeatable"),
+    "loss": ("auto (the model's own loss if its forward takes labels, else cross_entropy), model, cross_entropy "
+             "(over the last dim, -100 ignored) or mse"),
+    "min_cosine": ("refuse an update whose cosine to the median of the others is below this (3+ updates; -1: off, "
+                   "the default: under label skew it refuses honest centers)"),
+    "samples": ("each center's training sample count, comma separated, declared at enrolment: the server weights "
+                "with it and refuses a reply claiming another (default: the first claim, capped)"),
+    "holdout": ("fraction of each center's rows kept out of training; the centers evaluate every fused model on "
+                "them (used when --eval-data is not given)"),
+    "overlap": ("K: each center takes K local steps of the next round while its update travels and the server "
+                "fuses, then merges the fused model (0: synchronous rounds; K <= H; in-process engine)"),
+    "buffer": ("K: asynchronous buffered rounds, the server fuses the first K updates in, stale ones weighted by "
+               "staleness (0: synchronous rounds; in-process engine)"),
+    "data_channel": ("with --engine flower: flower (every round's arrays in Flower messages) or socket (Flower enrols "
+                     "the centers, one TCP connection per center carries the rounds; plain TCP)"),
+    "data": ("directory with CENTER.npz (x, y) per center, or MODULE:FUNCTION called at each center with its "
+             "name, returning its (x, y)"),
+    "emulate_wan": ("with --strategy: every center emulates its WAN link of the strategy's cluster (the figures "
+                    "`polyparallel simulate` prices)"),
+    "scale_devices": ("with --strategy: run each center on at most N of its devices (its plan's dp shrinks; tp/pp/sp "
+                      "kept), to try a big plan on this machine"),
 }
 
 
@@ -222,20 +246,13 @@ _HELP = {
 def collab_cmd(
     centers: Annotated[str, typer.Option("--centers", help="center names, comma separated")] = "a,b,c",
     frameworks: Annotated[str, typer.Option("--frameworks", help=_FW_HELP)] = "",
-    devices: Annotated[str, typer.Option(
-        "--devices", help="devices per center, comma separated (torch and MindSpore centers with > 1 train data "
-                          "parallel)")] = "",
+    devices: Annotated[str, typer.Option("--devices", help=_HELP["devices"])] = "",
     model: Annotated[str, typer.Option(
         "--model", help="mlp, cnn, embbag, or your model as MODULE:FUNCTION (returns an nn.Module)")] = "mlp",
-    builder: Annotated[list[str] | None, typer.Option(
-        "--builder", help="for a MODULE:FUNCTION --model on centers of another framework: FRAMEWORK=MODULE:FUNCTION "
-        "returning the same architecture there (mindspore: an nn.Cell, paddle: a paddle.nn.Layer, tensorflow: a "
-        "keras.Model); the parameter map is inferred and checked before round 1. Repeatable")] = None,
+    builder: Annotated[list[str] | None, typer.Option("--builder", help=_HELP["builder"])] = None,
     mindspore_model: Annotated[str, typer.Option(
         "--mindspore-model", help="the same as --builder mindspore=MODULE:FUNCTION")] = "",
-    loss: Annotated[str, typer.Option(
-        "--loss", help="auto (the model's own loss if its forward takes labels, else cross_entropy), model, "
-        "cross_entropy (over the last dim, -100 ignored) or mse")] = "auto",
+    loss: Annotated[str, typer.Option("--loss", help=_HELP["loss"])] = "auto",
     norm: Annotated[str, typer.Option("--norm", help="the built-in cnn's normalisation: batch or group")]
     = "batch",
     in_shape: Annotated[str, typer.Option("--in-shape", help="one example's shape, e.g. 1,28,28")] = "16",
@@ -264,24 +281,14 @@ def collab_cmd(
     no_norm_bound: Annotated[bool, typer.Option("--no-norm-bound", help="no norm bound (--norm-bound 0)")] = False,
     max_abs_update: Annotated[float, typer.Option("--max-abs-update", help=_HELP["max_abs_update"])] = 1e4,
     step_bound: Annotated[float, typer.Option("--step-bound", help=_HELP["step_bound"])] = 10.0,
-    min_cosine: Annotated[float, typer.Option(
-        "--min-cosine", help="refuse an update whose cosine to the median of the others is below this (3+ "
-        "updates; -1: off, the default: under label skew it refuses honest centers)")] = -1.0,
-    samples: Annotated[str | None, typer.Option(
-        "--samples", help="each center's training sample count, comma separated, declared at enrolment: the server "
-        "weights with it and refuses a reply claiming another (default: the first claim, capped)")] = None,
+    min_cosine: Annotated[float, typer.Option("--min-cosine", help=_HELP["min_cosine"])] = -1.0,
+    samples: Annotated[str | None, typer.Option("--samples", help=_HELP["samples"])] = None,
     round_timeout: Annotated[float, typer.Option(
         "--round-timeout", help="seconds the server waits for a round's updates (Flower)")] = 600.0,
-    holdout: Annotated[float, typer.Option(
-        "--holdout", help="fraction of each center's rows kept out of training; the centers evaluate every "
-        "fused model on them (used when --eval-data is not given)")] = 0.0,
+    holdout: Annotated[float, typer.Option("--holdout", help=_HELP["holdout"])] = 0.0,
     seed: Annotated[int, typer.Option("--seed")] = 0,
-    overlap: Annotated[int, typer.Option(
-        "--overlap", help="K: each center takes K local steps of the next round while its update travels and the "
-        "server fuses, then merges the fused model (0: synchronous rounds; K <= H; in-process engine)")] = 0,
-    buffer: Annotated[int, typer.Option(
-        "--buffer", help="K: asynchronous buffered rounds, the server fuses the first K updates in, stale ones "
-        "weighted by staleness (0: synchronous rounds; in-process engine)")] = 0,
+    overlap: Annotated[int, typer.Option("--overlap", help=_HELP["overlap"])] = 0,
+    buffer: Annotated[int, typer.Option("--buffer", help=_HELP["buffer"])] = 0,
     max_staleness: Annotated[int, typer.Option(
         "--max-staleness", help="with --buffer: refuse updates trained from a model more versions old")] = 4,
     config: Annotated[Path | None, typer.Option("--config", help="job JSON (overrides the options above)")] = None,
@@ -290,12 +297,8 @@ def collab_cmd(
     save_config: Annotated[Path | None, typer.Option("--save-config", help="write the job JSON and exit")] = None,
     engine: Annotated[str, typer.Option("--engine", help="inprocess or flower (processes on 127.0.0.1)")]
     = "inprocess",
-    data_channel: Annotated[str, typer.Option(
-        "--data-channel", help="with --engine flower: flower (every round's arrays in Flower messages) or socket "
-        "(Flower enrols the centers, one TCP connection per center carries the rounds; plain TCP)")] = "flower",
-    data: Annotated[str | None, typer.Option(
-        "--data", help="directory with CENTER.npz (x, y) per center, or MODULE:FUNCTION called at each center "
-        "with its name, returning its (x, y)")] = None,
+    data_channel: Annotated[str, typer.Option("--data-channel", help=_HELP["data_channel"])] = "flower",
+    data: Annotated[str | None, typer.Option("--data", help=_HELP["data"])] = None,
     eval_data: Annotated[Path | None, typer.Option(
         "--eval-data", help=".npz (x, y) the server evaluates every fused model on")] = None,
     root_data: Annotated[Path | None, typer.Option("--root-data", help=_HELP["root_data"])] = None,
@@ -303,12 +306,8 @@ def collab_cmd(
     out: Annotated[Path | None, typer.Option("--out", help="write result.json, final.npz, timing.jsonl here")]
     = None,
     link: Annotated[list[str] | None, typer.Option("--link", help=_HELP["link"])] = None,
-    emulate_wan: Annotated[bool, typer.Option(
-        "--emulate-wan", help="with --strategy: every center emulates its WAN link of the strategy's cluster "
-                              "(the figures `polyparallel simulate` prices)")] = False,
-    scale_devices: Annotated[int | None, typer.Option(
-        "--scale-devices", help="with --strategy: run each center on at most N of its devices (its plan's dp "
-                                "shrinks; tp/pp/sp kept), to try a big plan on this machine")] = None,
+    emulate_wan: Annotated[bool, typer.Option("--emulate-wan", help=_HELP["emulate_wan"])] = False,
+    scale_devices: Annotated[int | None, typer.Option("--scale-devices", help=_HELP["scale_devices"])] = None,
     prune: Annotated[float | None, typer.Option("--prune", help=_HELP["prune"])] = None,
     prune_rounds: Annotated[int | None, typer.Option("--prune-rounds", help=_HELP["rounds"])] = None,
     prune_score: Annotated[str, typer.Option("--prune-score", help=_HELP["score"])] = "fisher",

@@ -265,11 +265,9 @@ def train(strategy: Strategy | str | Path, model_fn: Any, data_fn: Any, *, steps
     and ``comm_ops`` (collective -> count). The profiler slows small steps down; off by default.
     ``profile_memory=True`` adds ``peak_memory_bytes``: the most bytes of tensors rank 0 held during
     the step (parameters, gradients, optimizer state, activations, temporaries): CUDA's allocator
-    peak on a GPU, torch's ``MemTracker`` (every tensor created, by its storage) on the CPU, where it
-    is refused where the strategy runs as pipeline stages or as the model's graph rewritten for its shards
-    (MemTracker does not follow their backward; torch.compile runs eager under it, so a compiled plan's
-    tensors are those of its eager run); the number the cost
-    model's per-device memory predicts.
+    peak on a GPU, torch's ``MemTracker`` (every tensor created, by its storage; compiled blocks run
+    eager under it) on the CPU, refused there for plans run by the pipeline schedule, whose backward it
+    does not follow; the number the cost model's per-device memory predicts.
 
     Data-parallel replicas train as single-process training on the global batch does: BatchNorm
     normalises with the statistics of the whole global batch (``batchnorm="cross_rank"``;
