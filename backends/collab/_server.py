@@ -47,6 +47,7 @@ from ._validation import (
     layer_screen,
     model_digest,
     params_norm,
+    payload_digest,
 )
 from ._wire import check_payload, decode_controls, decode_update, payload_nbytes
 
@@ -150,16 +151,29 @@ def _check_metrics(metrics: Mapping[str, Any]) -> list[str]:
     return []
 
 
+def _flat_step(old: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray]
+               ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The fused step ``x' − x`` in float64, flat over ``old``'s tensors (in order), and the same
+    numbers per tensor (views into it): computed once for the audit and the step bound."""
+    flat = np.empty(sum(int(np.asarray(v).size) for v in old.values()), dtype=np.float64)
+    views, off = {}, 0
+    for k, v in old.items():
+        v = np.asarray(v)
+        np.subtract(np.asarray(new[k]).reshape(-1), v.reshape(-1), out=flat[off:off + v.size], dtype=np.float64)
+        views[k] = flat[off:off + v.size].reshape(v.shape)
+        off += v.size
+    return flat, views
+
+
 def _audit(metrics: dict[str, dict[str, float]], deltas: Mapping[str, Mapping[str, np.ndarray]],
-           old: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray], scores: Mapping[str, Mapping[str, float]]
-           ) -> None:
+           keys: Sequence[str], step: np.ndarray, scores: Mapping[str, Mapping[str, float]]) -> None:
     """Per accepted center, what the fusion made of it, into its round metrics: ``cos_fused``, the
-    cosine of its update to the fused step ``x' − x`` (the consensus; negative: it pulled against it),
-    and the fusion's own scores (FLTrust: ``cos_root``, ``trust``)."""
-    step = np.concatenate([(np.asarray(new[k], np.float64) - np.asarray(old[k], np.float64)).ravel() for k in old])
+    cosine of its update to the fused step ``step`` (``x' − x`` flat over ``keys``, :func:`_flat_step`;
+    the consensus; negative: it pulled against it), and the fusion's own scores (FLTrust: ``cos_root``,
+    ``trust``)."""
     ns = float(np.linalg.norm(step))
     for c, m in metrics.items():
-        d = np.concatenate([np.asarray(deltas[c][k], np.float64).ravel() for k in old])
+        d = np.concatenate([np.asarray(deltas[c][k]).reshape(-1) for k in keys], dtype=np.float64)
         nd = float(np.linalg.norm(d))
         m["cos_fused"] = float(d @ step / (nd * ns)) if nd > 0 and ns > 0 else 0.0
         m.update({k: float(v) for k, v in scores.get(c, {}).items()})
@@ -313,9 +327,10 @@ class FederationServer:
             elif rep.center in bytes_up:
                 problems.append("a second reply in the same round")
             if not problems:  # the round the reply was trained for, replays, and magnitudes before decoding
-                problems = check_binding(m, round_idx, digest, nonce, {**payload, **scores})
-                if not problems and (why := self.guard.replayed(rep.center, {**payload, **scores}, round_idx,
-                                                                digest)):
+                sealed = {**payload, **scores}
+                pdigest = payload_digest(sealed)  # once: the binding and the replay check both hash the bytes
+                problems = check_binding(m, round_idx, digest, nonce, sealed, pdigest)
+                if not problems and (why := self.guard.replayed(rep.center, sealed, round_idx, digest, pdigest)):
                     problems = [why]
                 problems = problems or check_values(payload, cfg.compression, cfg.max_abs_update)
             if problems:
@@ -351,7 +366,7 @@ class FederationServer:
             if rep.center in layer_ratio:
                 metrics[rep.center]["layer_ratio"] = layer_ratio[rep.center]
             delta = deltas[rep.center]
-            local = {k: self.params[k].astype(np.float64) + delta[k].astype(np.float64) for k in self.params}
+            local = {k: np.add(self.params[k], delta[k], dtype=np.float64) for k in self.params}  # no float64 copies
             controls = decode_controls(payload, cfg.compression) if control_names else None
             updates.append(CenterUpdate(rep.center, local, counts[rep.center], metrics[rep.center], controls))
         answered = {r.center for r in replies}
@@ -368,10 +383,13 @@ class FederationServer:
                                             proximal_mu=self.fusion.proximal_mu)
                 self.fusion.reference = {k: np.asarray(local[k], np.float64) - self.params[k] for k in self.params}
             new = self.fusion.fuse(self.params, updates)
-            _audit(metrics, deltas, self.params, new, getattr(self.fusion, "scores", {}))
-            why = self.guard.check_step(self.params, new)
+            flat, diff = _flat_step(self.params, new)
+            _audit(metrics, deltas, list(self.params), flat, getattr(self.fusion, "scores", {}))
+            step = params_norm(diff)
+            del flat, diff
+            why = self.guard.check_step(self.params, new, step)
             if why is None:
-                self.guard.record([norms[u.center] for u in updates], self.params, new)
+                self.guard.record([norms[u.center] for u in updates], self.params, new, step)
                 self.params = new
             else:  # the old model and the optimiser state stay; later rounds are judged against them
                 self.fusion.load_state(saved)

@@ -71,7 +71,7 @@ import numpy as np
 
 __all__ = ["HISTORY", "SAMPLE_CAP", "UpdateGuard", "bound_metrics", "check_binding", "check_values",
            "direction_screen", "draw_nonce", "layer_screen", "model_digest", "params_norm", "payload_digest",
-           "reply_binding"]
+           "reply_binding", "step_norm"]
 
 #: how many past rounds' accepted norms and fused steps the bounds look back on
 HISTORY = 5
@@ -107,11 +107,14 @@ def payload_digest(payload: Mapping[str, np.ndarray]) -> bytes:
     return h.digest()
 
 
-def reply_binding(nonce: int, round_idx: int, digest: int, payload: Mapping[str, np.ndarray]) -> int:
+def reply_binding(nonce: int, round_idx: int, digest: int, payload: Mapping[str, np.ndarray],
+                  pdigest: bytes | None = None) -> int:
     """The 48-bit tag binding a payload to a round: blake2b keyed by the round's nonce over the round
-    index, the digest of the model trained from and :func:`payload_digest` of the payload."""
+    index, the digest of the model trained from and :func:`payload_digest` of the payload (``pdigest``
+    if the caller has it already)."""
     h = hashlib.blake2b(digest_size=6, key=int(nonce).to_bytes(8, "big"))
-    h.update(int(round_idx).to_bytes(8, "big") + int(digest).to_bytes(8, "big") + payload_digest(payload))
+    pd = payload_digest(payload) if pdigest is None else pdigest
+    h.update(int(round_idx).to_bytes(8, "big") + int(digest).to_bytes(8, "big") + pd)
     return int.from_bytes(h.digest(), "big")
 
 
@@ -123,7 +126,13 @@ def bound_metrics(nonce: int, round_idx: int, digest: int, payload: Mapping[str,
 
 def params_norm(params: Mapping[str, np.ndarray]) -> float:
     """``‖x‖₂`` over all tensors, in float64."""
-    return float(np.sqrt(sum(float(np.sum(np.square(np.asarray(v, dtype=np.float64)))) for v in params.values())))
+    # squared in float64 without a float64 copy first: the same numbers as squaring the copy
+    return float(np.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64))) for v in params.values())))
+
+
+def step_norm(old: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray]) -> float:
+    """``‖new − old‖₂`` over ``old``'s tensors, the differences taken in float64 (:func:`params_norm`)."""
+    return params_norm({k: np.subtract(new[k], old[k], dtype=np.float64) for k in old})
 
 
 def check_values(payload: Mapping[str, np.ndarray], method: str, max_abs: float) -> list[str]:
@@ -139,16 +148,18 @@ def check_values(payload: Mapping[str, np.ndarray], method: str, max_abs: float)
                 problems.append(f"{key!r} has scale {float(s.max()):.3g}: decodes to |δ| up to "
                                 f"{float(s.max()) * 127.0:.3g} > {max_abs:.3g} (max_abs_update)")
         elif kind == "q" and method != "int8" and a.size:
-            m = float(np.max(np.abs(np.asarray(a, dtype=np.float64))))
+            a = np.asarray(a)  # max and min in the payload's own dtype: exact, and no float64 copy
+            m = max(float(a.max()), -float(a.min()))
             if m > max_abs:
                 problems.append(f"{key!r} has |δ| up to {m:.3g} > {max_abs:.3g} (max_abs_update)")
     return problems
 
 
 def check_binding(metrics: Mapping[str, Any], round_idx: int, digest: int, nonce: int,
-                  payload: Mapping[str, np.ndarray]) -> list[str]:
+                  payload: Mapping[str, np.ndarray], pdigest: bytes | None = None) -> list[str]:
     """A reply trained for another round or from another global model, or whose binding under this
-    round's ``nonce`` does not match its payload, is a replay, a stale or a forged reply."""
+    round's ``nonce`` does not match its payload, is a replay, a stale or a forged reply
+    (``pdigest``: :func:`payload_digest` of ``payload``, if the caller has it)."""
     problems = []
     r = metrics.get("round")
     if r is not None and r != round_idx:
@@ -163,7 +174,7 @@ def check_binding(metrics: Mapping[str, Any], round_idx: int, digest: int, nonce
         missing = [k for k, v in (("round", r), ("model_digest", d), ("binding", b)) if v is None]
         problems.append(f"the reply carries no {', '.join(missing)}: it is not bound to this round's nonce "
                         "(a forged reply, or a center of an older version)")
-    elif b != reply_binding(nonce, round_idx, digest, payload):
+    elif b != reply_binding(nonce, round_idx, digest, payload, pdigest):
         problems.append("the reply's binding does not match its update under this round's nonce (an old or "
                         "altered update sent with this round's metrics)")
     return problems
@@ -172,21 +183,76 @@ def check_binding(metrics: Mapping[str, Any], round_idx: int, digest: int, nonce
 def direction_screen(deltas: Mapping[str, Mapping[str, np.ndarray]], trained: Sequence[str],
                      min_cosine: float) -> tuple[dict[str, float], dict[str, str]]:
     """Each update's cosine to the coordinate-wise median of the others (over ``trained``), and the
-    centers refused for a cosine below ``min_cosine``. Fewer than 3 updates: nothing to compare to."""
+    centers refused for a cosine below ``min_cosine``. Fewer than 3 updates: nothing to compare to.
+
+    The leave-one-out medians come from one sort of every coordinate (:func:`_loo_medians`), not
+    from a median of a copy per center; they, the norms and the dots are the float64 numbers
+    ``np.median(np.delete(d, i, 0), 0)`` and the plain per-center loop give, bit for bit."""
     if len(deltas) < 3:
         return {}, {}
     names = list(deltas)
-    d = np.stack([np.concatenate([np.asarray(deltas[c][k], np.float64).ravel() for k in trained]) for c in names])
+    d = _stack64([deltas[c] for c in names], trained)
+    refs = _loo_medians(d)
     cos: dict[str, float] = {}
     refused: dict[str, str] = {}
     for i, c in enumerate(names):
-        ref = np.median(np.delete(d, i, axis=0), axis=0)
+        ref = refs[i]
         n = float(np.linalg.norm(d[i]) * np.linalg.norm(ref))
         cos[c] = float(d[i] @ ref / n) if n > 0 else 0.0
         if min_cosine > -1.0 and cos[c] < min_cosine:
             refused[c] = (f"update points away from the others: cosine {cos[c]:+.3f} to the median of the other "
                           f"{len(names) - 1} updates < {min_cosine:g} (min_cosine)")
     return cos, refused
+
+
+def _stack64(rows: Sequence[Mapping[str, np.ndarray]], keys: Sequence[str]) -> np.ndarray:
+    """``rows`` flattened over ``keys`` (in that order) into one float64 ``(len(rows), size)`` array,
+    each tensor cast once into its slice (no per-tensor float64 copies, no concatenation)."""
+    sizes = [int(np.asarray(rows[0][k]).size) for k in keys]
+    out = np.empty((len(rows), sum(sizes)), dtype=np.float64)
+    for i, r in enumerate(rows):
+        off = 0
+        for k, n in zip(keys, sizes):
+            out[i, off:off + n] = np.asarray(r[k]).reshape(-1)
+            off += n
+    return out
+
+
+#: columns per block in :func:`_loo_medians`: a block's rows stay in cache through the sorting network
+_BLOCK = 1 << 15
+
+
+def _loo_medians(d: np.ndarray) -> np.ndarray:
+    """Row ``i``: the coordinate-wise median of the rows of ``d`` other than ``i`` (``d``: ``(n, N)``
+    float64, finite, ``n >= 2``), equal to ``np.median(np.delete(d, i, 0), 0)``.
+
+    Every column is sorted once (a compare-exchange network on blocks of columns: ``n`` is the number
+    of centers, small); removing the value ``v`` from a sorted column ``s`` leaves ``s_j`` at rank ``j``
+    where ``s_j < v`` and ``s_{j+1}`` elsewhere (ties remove an equal value: same multiset), so each
+    median of the others is one order statistic (``n`` even) or the mean ``(lo + hi) / 2`` of two, as
+    ``np.median`` takes it. ``O(n^2 N)`` cheap vector operations instead of ``n`` partitions of copies."""
+    n, size = d.shape
+    m = n - 1
+    out = np.empty_like(d)
+    if n == 3:  # the median of two others is their mean, (a + b) / 2 as np.median takes it: no sort
+        for i, (j, k) in enumerate(((1, 2), (0, 2), (0, 1))):
+            np.add(d[j], d[k], out=out[i])
+            out[i] /= 2
+        return out
+    ranks = [m // 2] if m % 2 else [m // 2 - 1, m // 2]  # the others' ranks np.median averages
+    for a in range(0, size, _BLOCK):
+        b = min(size, a + _BLOCK)
+        s = [d[j, a:b].copy() for j in range(n)]
+        for top in range(n - 1, 0, -1):  # bubble network: after a pass s[top] is the largest left
+            for j in range(top):
+                lo = np.minimum(s[j], s[j + 1])
+                np.maximum(s[j], s[j + 1], out=s[j + 1])
+                s[j] = lo
+        for i in range(n):
+            v = d[i, a:b]
+            picks = [np.where(s[r] < v, s[r], s[r + 1]) for r in ranks]
+            out[i, a:b] = picks[0] if len(picks) == 1 else (picks[0] + picks[1]) / 2
+    return out
 
 
 def layer_screen(deltas: Mapping[str, Mapping[str, np.ndarray]], trained: Sequence[str],
@@ -227,14 +293,16 @@ class UpdateGuard:
         self.seen: dict[bytes, tuple[str, int, int]] = {}  # payload digest -> (center, round, model digest)
 
     # ----------------------------------------------------------------- replays
-    def replayed(self, center: str, payload: Mapping[str, np.ndarray], round_idx: int, digest: int) -> str | None:
+    def replayed(self, center: str, payload: Mapping[str, np.ndarray], round_idx: int, digest: int,
+                 pdigest: bytes | None = None) -> str | None:
         """Why ``payload`` is a replay (None: it is not), remembering it either way.
 
         A replay is a payload whose exact bytes reached the server before, bound to another global model.
+        ``pdigest``: :func:`payload_digest` of ``payload``, if the caller has it.
         """
         if all(not np.any(np.asarray(v)) for k, v in payload.items() if k.removeprefix("c/").startswith("q/")):
             return None  # all-zero: the same bytes whatever the model, and harmless
-        key = payload_digest(payload)
+        key = payload_digest(payload) if pdigest is None else pdigest
         before = self.seen.get(key)
         if before is not None and before[2] != digest:
             return (f"the update is byte-identical to the one {before[0]} sent in round {before[1]} for another "
@@ -293,14 +361,16 @@ class UpdateGuard:
                 out[c] = f"update norm {n:.4g} > {self.norm_bound:g} × the global model's norm {model_norm:.4g}"
         return out
 
-    def check_step(self, old: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray]) -> str | None:
-        """Why the fused model ``new`` must not replace ``old`` (None: it may)."""
+    def check_step(self, old: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray],
+                   step: float | None = None) -> str | None:
+        """Why the fused model ``new`` must not replace ``old`` (None: it may). ``step``: ``‖new − old‖``
+        if the caller has it (:func:`params_norm` of the float64 differences), computed here otherwise."""
         for k, v in new.items():
             if not np.all(np.isfinite(v)):
                 return f"the fused model holds non-finite values in {k!r}"
         if self.step_bound <= 0:
             return None
-        step = params_norm({k: np.asarray(new[k], np.float64) - np.asarray(old[k], np.float64) for k in old})
+        step = step_norm(old, new) if step is None else step
         recent = self.steps[-HISTORY:]
         ref, what = (float(np.median(recent)), "the median recent step") if recent else (params_norm(old),
                                                                                          "the model's norm")
@@ -309,10 +379,10 @@ class UpdateGuard:
         return None
 
     def record(self, accepted_norms: Sequence[float], old: Mapping[str, np.ndarray],
-               new: Mapping[str, np.ndarray]) -> None:
-        """Remember a fused round."""
+               new: Mapping[str, np.ndarray], step: float | None = None) -> None:
+        """Remember a fused round (``step`` as in :meth:`check_step`)."""
         self.norms = [*self.norms[-(HISTORY - 1):], [float(n) for n in accepted_norms]]
-        step = params_norm({k: np.asarray(new[k], np.float64) - np.asarray(old[k], np.float64) for k in old})
+        step = step_norm(old, new) if step is None else step
         self.steps = [*self.steps[-(HISTORY - 1):], step]
 
     # ----------------------------------------------------------------- checkpoint
