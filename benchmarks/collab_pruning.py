@@ -37,8 +37,9 @@ chosen by an earlier session on the ResNet's ``online`` row at seed 0 (K in 5/10
 with ``--target channels``); ``--target params --allocation global`` (the defaults) on the ``online`` rows
 at 0.5 of both models at seed 0 (``--tuned resnet:online:0.5,vit:online:0.5 --tuned-seed 0``). Seeds 1
 and 2 (other rows drawn, another split and initialisation) are held out (``held_out``), as is every
-other row. ``unpruned-long`` (only when named in ``--only``) trains the unpruned model as many rounds
-as the ``once`` arm's model gets in all (``2R + 1 - K``), the reference at equal training.
+other row. ``unpruned-long`` and ``online-long`` (only when named in ``--only``) train the unpruned
+model, and prune online (the cut after round ``K`` as ``online``), for as many rounds as the ``once``
+arm's model gets in all (``2R + 1 - K``): the references at equal training.
 
 Run (the committed tables; ``--cache`` keeps each unpruned model, so a later run of the same seed
 starts from it; one benchmark at a time on the shared 2-core machine: at load average 1-4 a ViT row
@@ -51,10 +52,12 @@ takes 0.5-2 minutes, a ResNet row 2-4, the first run of a seed adds its unpruned
     for row in vit:online:0.3 vit:online:0.7 vit:once:0.3 vit:once:0.5 vit:once:0.7 resnet:online:0.3 \
                resnet:online:0.7 resnet:once:0.3 resnet:once:0.5 resnet:once:0.7; do   # seed 0, the other rows
       $B --models ${row%%:*} --only $row --out /tmp/p1/$(echo $row | tr : _).json; done
-    $B --merge /tmp/pr/t_res.json,/tmp/pr/t_vit.json,$(ls /tmp/p1/*.json | paste -sd,) --remeasure-latency \
-       --out benchmarks/results/collab_pruning.json
-    for s in 1 2; do $B --models resnet,vit --only resnet:online:0.5,vit:online:0.5 --seed $s \
-       --out benchmarks/results/collab_pruning_seed$s.json; done
+    for m in vit resnet; do   # seed 0 at equal training: both arms 2R + 1 - K = 111 rounds
+      $B --models $m --only $m:online-long:0.5,$m:unpruned-long --out /tmp/p2/${m}_long_s0.json; done
+    $B --merge /tmp/pr/t_res.json,/tmp/pr/t_vit.json,$(ls /tmp/p1/*.json /tmp/p2/*_long_s0.json | paste -sd,) \
+       --remeasure-latency --out benchmarks/results/collab_pruning.json
+    for s in 1 2; do $B --models resnet,vit --only resnet:online:0.5,vit:online:0.5,resnet:once:0.5,vit:once:0.5 \
+       --seed $s --out benchmarks/results/collab_pruning_seed$s.json; done
 
 Without ``--only`` a run takes every row of its models. Latencies taken in the runs are at the load
 the machine had (``load_avg`` in the setting); ``--remeasure-latency`` times every architecture again
@@ -187,7 +190,7 @@ def run(args: argparse.Namespace) -> dict:
         out["models"][mname] = {"model": spec.kind, "rows": rows}
 
         def want(arm: str, mname: str = mname) -> bool:
-            return (only is None and arm != "unpruned-long") or f"{mname}:{arm}" in (only or ())
+            return (only is None and not arm.partition(":")[0].endswith("-long")) or f"{mname}:{arm}" in (only or ())
 
         key = f"{mname}_s{args.seed}_n{args.train}_a{args.alpha}_c{args.centers}_R{args.rounds}_H{args.local_steps}" \
               f"_b{args.batch}_lr{args.lr}_m{args.momentum}"
@@ -205,13 +208,14 @@ def run(args: argparse.Namespace) -> dict:
         for ratio in [float(r) for r in args.ratios.split(",")]:
             opts = dict(score=args.score, score_batches=args.score_batches, target=args.target,
                         allocation=args.allocation)
-            for arm in ("online", "once"):
+            for arm in ("online", "once", "online-long"):
                 if not want(f"{arm}:{ratio:g}"):
                     continue
                 t0 = time.time()
                 try:
-                    if arm == "online":
-                        cfg = CollabConfig(rounds=args.rounds, prune=PruneSpec(ratio, rounds=K, **opts), **base)
+                    if arm.startswith("online"):  # online-long: as many rounds as the once arm's model in all
+                        rounds = args.rounds if arm == "online" else 2 * args.rounds + 1 - K
+                        cfg = CollabConfig(rounds=rounds, prune=PruneSpec(ratio, rounds=K, **opts), **base)
                         res = run_inprocess(cfg, data)
                     else:
                         cfg = CollabConfig(rounds=1 + args.rounds - K, prune=PruneSpec(ratio, rounds=1, **opts), **base)
@@ -274,7 +278,7 @@ def remeasure_latency(res: dict, repeats: int = 3) -> None:
 def row_order(item: tuple[str, Any]) -> tuple[float, int]:
     """Sort key of a ``(arm, row)`` item: the unpruned arms first, then by ratio, ``online`` before ``once``."""
     name, _, ratio = item[0].partition(":")
-    return (float(ratio) if ratio else -1.0, ("unpruned", "unpruned-long", "online", "once").index(name))
+    return (float(ratio) if ratio else -1.0, ("unpruned", "unpruned-long", "online", "once", "online-long").index(name))
 
 
 def table(res: Mapping[str, Any]) -> str:
@@ -288,6 +292,7 @@ def table(res: Mapping[str, Any]) -> str:
                 lines.append(f"| {mname} | {name} | {ratio} | | {r['error']} | | | | |")
                 continue
             rounds = {"unpruned": f"{R}", "unpruned-long": f"{2 * R + 1 - K}", "online": f"{R} (cut after {K})",
+                      "online-long": f"{2 * R + 1 - K} (cut after {K})",
                       "once": f"{R} + 1 + {R - K}"}[name]
             pr = f" (-{100 * r['params_removed']:.0f}%)" if "params_removed" in r else ""
             fr = f" (-{100 * r['flops_removed']:.0f}%)" if "flops_removed" in r else ""
