@@ -414,7 +414,7 @@ def _write_digits(tmp_path, rows=300):
     (["--prune", "0.5", "--model", f"{HERE}:untraceable"], "cannot trace layer 'hidden'"),
     (["--prune", "0.99"], "of the parameters is out of reach"),
     (["--prune", "0.5", "--prune-allocation", "random"], "unknown pruning allocation"),
-    (["--prune", "0.5", "--engine", "flower"], "in-process engine only"),
+    (["--prune", "0.5", "--engine", "flower", "--data-channel", "socket"], "socket data channel"),
     (["--release", "REL"], "go with --prune"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, extra, message):

@@ -12,9 +12,12 @@ Messages (all a center ever sends is in :func:`reply_content`):
   :func:`~._wire.pack_arrays`: an ArrayRecord with one flat buffer per dtype and a ConfigRecord of
   names, dtypes and shapes), ``config`` (ConfigRecord: ``round``, ``nonce`` (drawn afresh for the round; the
   reply's ``binding`` metric ties its update to it, see :mod:`._validation`), ``proximal_mu``), and for SCAFFOLD
-  ``control`` + ``control-layout`` (the server's control variate ``c``, packed the same way);
+  ``control`` + ``control-layout`` (the server's control variate ``c``, packed the same way); a pruning job,
+  once the server has cut, ``pruning`` (ConfigRecord: ``plan``, the JSON plan the center cuts its own model
+  with, once, before training or evaluating: :func:`~._pruning.conform_trainer`);
 - center → server: ``update`` + ``layout`` (the encoded update, see :mod:`._wire`, packed the same
-  way; for SCAFFOLD it also holds the center's ``c_i⁺`` under ``c/`` keys), ``metrics`` (MetricRecord:
+  way; for SCAFFOLD it also holds the center's ``c_i⁺`` under ``c/`` keys, in a pruning job's scoring rounds its
+  channel scores under ``p/`` keys, :mod:`._pruning`), ``metrics`` (MetricRecord:
   numbers only), ``center`` (ConfigRecord: ``name``).
 
 SCAFFOLD's per-center ``c_i`` stays at the center: the ClientApp keeps it in ``context.state``
@@ -124,6 +127,21 @@ def _from_records(content: RecordDict, key: str = "arrays", layout: str = "layou
 
 
 _CI_KEY = "scaffold-ci"  # the center's SCAFFOLD control variate in context.state
+_PLAN_KEY = "pruning"  # a pruned job's messages after the cut: ConfigRecord {"plan": JSON of the pruning plan}
+
+
+def _plan_records(server: FederationServer) -> dict[str, ConfigRecord]:
+    """The pruning plan, once the server has cut, for a message to a center (which cuts its model alike)."""
+    plan = server.pruning.plan if server.pruning is not None else None
+    return {} if plan is None else {_PLAN_KEY: ConfigRecord({"plan": json.dumps(plan)})}
+
+
+def _conform_to(msg: Message, trainer: LocalTrainer) -> None:
+    """Give the center's model the architecture of the plan the message carries (once per trainer)."""
+    if _PLAN_KEY in msg.content:
+        from ._pruning import conform_trainer
+
+        conform_trainer(trainer, json.loads(str(msg.content[_PLAN_KEY]["plan"])))
 
 
 # --------------------------------------------------------------------------------------------- center
@@ -171,7 +189,7 @@ def _channel_center(msg: Message, context: Context) -> Message:
         link.download(nbytes_of(model) + (nbytes_of(control) if control else 0), sent_at=t_sent)
         mu[0] = float(cfg["proximal_mu"])
         if ahead is not None:
-            return ahead.finish(int(cfg["round"]), model, int(cfg["nonce"]), mu[0])
+            return ahead.finish(int(cfg["round"]), model, int(cfg["nonce"]), mu[0], control=control)
         return center_round(trainer, model, round_idx=int(cfg["round"]), config=config,
                             proximal_mu=float(cfg["proximal_mu"]), t_received=time.time(), control=control,
                             center_state=state, nonce=int(cfg["nonce"]))
@@ -191,6 +209,7 @@ def _center_train(msg: Message, context: Context) -> Message:
     link.download(sum(nbytes_of(v) for v in msg.content.array_records.values()), sent_at=msg.metadata.created_at)
     t_received = time.time()
     config, center, trainer = _node_trainer(context)
+    _conform_to(msg, trainer)
     global_params = _from_records(msg.content)
     cfg = msg.content["config"]
     control, ci = None, None
@@ -211,6 +230,7 @@ def _center_train(msg: Message, context: Context) -> Message:
 def _center_evaluate(msg: Message, context: Context) -> Message:
     # the fused model on this center's held-out rows: numbers and the center's name go back, nothing else
     _, center, trainer = _node_trainer(context)
+    _conform_to(msg, trainer)
     metrics = center_evaluate(trainer, _from_records(msg.content))
     return Message(RecordDict({"metrics": MetricRecord(metrics), "center": ConfigRecord({"name": center})}),
                    reply_to=msg)
@@ -293,9 +313,11 @@ def _exchange(grid: Grid, messages: list[Message], centers: set[str], timeout_s:
 
 def _federated_evaluate(grid: Grid, nodes: list[int], config: CollabConfig, params: dict[str, np.ndarray],
                         round_idx: int, pack: bool, poll_s: float,
-                        node_names: dict[int, str] | None = None) -> dict[str, float]:
-    """Send ``params`` to the centers as ``evaluate`` messages; the count-weighted mean of their answers."""
-    msgs = [grid.create_message(RecordDict(dict(_to_records(params, pack))), "evaluate", n,
+                        node_names: dict[int, str] | None = None,
+                        extra: dict[str, ConfigRecord] | None = None) -> dict[str, float]:
+    """Send ``params`` (and ``extra`` records: the pruning plan) to the centers as ``evaluate`` messages;
+    the count-weighted mean of their answers."""
+    msgs = [grid.create_message(RecordDict({**_to_records(params, pack), **(extra or {})}), "evaluate", n,
                                 group_id=f"{round_idx}-eval") for n in nodes]
     per: dict[str, dict[str, float]] = {}
     for m, _ in _exchange(grid, msgs, {c.name for c in config.centers}, config.round_timeout_s, poll_s, node_names):
@@ -360,7 +382,8 @@ def _serve_rounds(grid: Grid, context: Context, out: Path) -> None:
             ex, ey = z["x"], z["y"]
 
         def evaluate(p: dict[str, np.ndarray]) -> dict[str, float]:
-            return evaluate_torch(config.model, p, ex, ey)
+            # a pruned job's model is the server's own, cut to the plan (as in-process)
+            return evaluate_torch(config.model, p, ex, ey, model=server.pruning.model if server.pruning else None)
 
     node_names = {int(k): str(v) for k, v in json.loads(str(rc.get("node-names", "") or "{}")).items()}
     center_wait_s = float(rc.get("center-wait-s", 600.0))
@@ -369,8 +392,9 @@ def _serve_rounds(grid: Grid, context: Context, out: Path) -> None:
     if rc.get("root-data"):
         with np.load(str(rc["root-data"])) as z:
             root = (z["x"], z["y"])
+    like = json.loads(str(rc.get("input-like", "") or "null"))  # a pruning job traces the model on these zeros
     server = FederationServer(config, initial_params(config), TimingLog(out / "timing.jsonl"), out / "checkpoint",
-                              root=root)
+                              root=root, x_like=None if like is None else np.zeros(like["shape"], like["dtype"]))
     server.resume()
     recorded = (out / "rounds.jsonl").read_text().count("\n") if (out / "rounds.jsonl").exists() else 0
     if recorded < server.round:  # killed between the checkpoint and the record: the model has the round
@@ -399,7 +423,7 @@ def _serve_rounds(grid: Grid, context: Context, out: Path) -> None:
         r, params = server.begin_round()
         content = {**_to_records(params, pack),
                    "config": ConfigRecord({"round": r, "nonce": server.nonce(r),
-                                           "proximal_mu": server.fusion.proximal_mu})}
+                                           "proximal_mu": server.fusion.proximal_mu}), **_plan_records(server)}
         control = server.control()
         if control is not None:
             rec = _to_records(control, pack)
@@ -439,7 +463,8 @@ def _serve_rounds(grid: Grid, context: Context, out: Path) -> None:
         round_eval = evaluate
         if round_eval is None and config.holdout > 0:
             def round_eval(p: dict[str, np.ndarray], nodes: list[int] = nodes, r: int = r) -> dict[str, float]:
-                return _federated_evaluate(grid, nodes, config, p, r, pack, poll_s, node_names)
+                return _federated_evaluate(grid, nodes, config, p, r, pack, poll_s, node_names,
+                                           _plan_records(server))
         rec = server.finish_round(r, replies, sent_to=len(nodes), evaluate=round_eval)
         if refused:
             rec = dataclasses.replace(rec, rejected={**rec.rejected, **refused})
@@ -449,5 +474,10 @@ def _serve_rounds(grid: Grid, context: Context, out: Path) -> None:
         (out / f"stopped-after-{server.round}.json").write_text(json.dumps({"rounds": server.round}))
         return
     np.savez(out / "final.npz", **server.params)
+    if server.pruning is not None:  # what the release needs (read back by _flower.read_outputs)
+        outcome = server.pruning.outcome()
+        if outcome["cut_params"] is not None:
+            np.savez(out / "pruning_cut.npz", **outcome["cut_params"])
+        (out / "pruning.json").write_text(json.dumps({k: v for k, v in outcome.items() if k != "cut_params"}))
     (out / "done.json").write_text(json.dumps({"rounds": server.round}))
 

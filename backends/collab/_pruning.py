@@ -65,8 +65,10 @@ which then removes the *same* dimensions from every head, q, k and v alike, and 
 matching inputs (the group keyed ``<proj>:in``); whole heads are not removed (the module's head count
 would have to change with the cut on every center).
 
-Torch-only for now: MindSpore centers, data-parallel centers and the Flower engine refuse a pruning
-job with a line saying so.
+Engines: in-process, and Flower over its messages (the scores in the replies, the plan in the server's
+messages after the cut, :mod:`._flower_app`; the same model bit for bit). Torch-only for now: MindSpore
+centers, data-parallel centers, the socket data channel and ``serve`` deployments refuse a pruning job
+with a line saying so.
 """
 
 from __future__ import annotations
