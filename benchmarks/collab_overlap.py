@@ -102,14 +102,17 @@ def simulated(cfg: CollabConfig, calib: dict, overlap: int, params: int) -> floa
     return float(np.median(simulate_rounds(x, cfg.rounds).round_s[1:]))
 
 
-def _pooled(spec: ModelSpec, data: dict, H: int, rounds: int, seed: int, xte, yte) -> float:
-    """The pooled model's accuracy: one model on the union of the centers' rows, centers x H steps a round."""
+def _pooled(spec: ModelSpec, data: dict, H: int, rounds: int, seed: int, xte, yte,
+            lr_schedule: str = "constant") -> float:
+    """The pooled model's accuracy: one model on the union of the centers' rows, centers x H steps a round
+    (the same per-round learning-rate schedule)."""
     from polyparallel.backends.collab._center import TorchTrainer
     from polyparallel.backends.collab._engine import initial_params
 
     x = np.concatenate([v[0] for v in data.values()])
     y = np.concatenate([v[1] for v in data.values()])
-    t = TorchTrainer(spec, x, y, batch_size=32, lr=0.02, momentum=0.9, seed=seed, rounds=rounds)
+    t = TorchTrainer(spec, x, y, batch_size=32, lr=0.02, momentum=0.9, seed=seed, rounds=rounds,
+                     lr_schedule=lr_schedule)
     p = initial_params(CollabConfig(centers=(CenterSpec("c0"),), model=spec, seed=seed))
     for r in range(1, rounds + 1):
         p = t.train(p, steps=H * len(data), round_idx=r)[0]
@@ -137,6 +140,13 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _write(args: argparse.Namespace, load0: tuple, rows: list[dict]) -> None:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                                "loadavg_at_start": load0, "loadavg_at_end": os.getloadavg()},
+                                    "setting": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=str(DATA_DIR))
@@ -146,6 +156,9 @@ def main() -> None:
     ap.add_argument("--steps", default="5,20", help="H values")
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--fusion", default="fedavg")
+    ap.add_argument("--fusion-options", default="", help="the fusion's options, e.g. lr=0.7,momentum=0.9 (SCAFFOLD "
+                    "with DiLoCo's outer Nesterov step, the setting that met 'within 1 point of pooled')")
+    ap.add_argument("--lr-schedule", default="constant", help="constant or cosine (per round, every arm)")
     ap.add_argument("--overlaps", default="0.5,1", help="overlapped steps as fractions of H (0: synchronous, "
                     "always run first: the simulator is calibrated on it)")
     ap.add_argument("--link-mbit", type=float, default=100.0)
@@ -157,6 +170,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.out is None:
         args.out = Path(f"benchmarks/results/collab_overlap{'_flower' if args.engine == 'flower' else ''}.json")
+    opts = {k: float(v) for k, v in (o.split("=") for o in args.fusion_options.split(",") if o)}
     if args.table_only:
         print(table(json.loads(args.out.read_text())["rows"]))
         return
@@ -174,13 +188,14 @@ def main() -> None:
         centers = tuple(CenterSpec(n, down_Bps=bps, up_Bps=bps, latency_s=args.latency_ms / 1e3) for n in names)
         for H in [int(h) for h in args.steps.split(",")]:
             rounds = max(2, round(args.epochs * np.mean([len(p) for p in parts]) / (32 * H)))
-            pooled = _pooled(spec, data, H, rounds, seed, xte, yte)
+            pooled = _pooled(spec, data, H, rounds, seed, xte, yte, args.lr_schedule)
             print(f"seed {seed} H {H:>3} pooled (one model, {len(names) * H} steps a round): {100 * pooled:.2f}%",
                   flush=True)
             calib = None
             for k in sorted({0, *(int(float(f) * H) for f in args.overlaps.split(","))}):
                 cfg = CollabConfig(centers=centers, model=spec, rounds=rounds, local_steps=H, batch_size=32, lr=0.02,
-                                   momentum=0.9, fusion=args.fusion, seed=seed, overlap=k,
+                                   momentum=0.9, fusion=args.fusion, fusion_options=opts, seed=seed, overlap=k,
+                                   lr_schedule=args.lr_schedule,
                                    min_centers=len(names) - 1)  # a refused update does not stop the round
                 t0 = time.time()
                 res = (run_inprocess(cfg, data, pipelined=True) if args.engine == "inprocess" else
@@ -197,6 +212,7 @@ def main() -> None:
                        "sim_error_pct": 100 * (sim - m["round_s"]) / m["round_s"],
                        "sim_own_error_pct": 100 * (own - m["round_s"]) / m["round_s"], "load": os.getloadavg()[0]}
                 rows.append(row)
+                _write(args, load0, rows)  # after every run: a long sweep stopped early keeps what it measured
                 print(f"seed {seed} H {H:>3} overlap {k:>3}: {rounds} rounds, acc {100 * acc:.2f}% "
                       f"({100 * (acc - pooled):+.2f} vs pooled) | round "
                       f"{m['round_s']:.3f} s (simulated from sync {sim:.3f}, {row['sim_error_pct']:+.1f}%; from its "
@@ -205,10 +221,7 @@ def main() -> None:
                       f"time), "
                       f"hidden {m['hidden_s']:.3f} s | refused {m['refused_updates']} | wall {wall:.0f} s | "
                       f"load {row['load']:.1f}", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                                                "loadavg_at_start": load0, "loadavg_at_end": os.getloadavg()},
-                                    "setting": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1))
+    _write(args, load0, rows)
     print(table(rows))
     print(f"wrote {args.out}")
 

@@ -106,14 +106,15 @@ def test_rounds_over_the_data_channel_fuse_what_the_inprocess_engine_fuses(tmp_p
 def test_overlapped_rounds_over_the_data_channel_fuse_what_the_inprocess_engine_fuses(tmp_path):
     """Overlap over Flower: each center runs ahead on its connection after sending, merges the model
     when its frame is read; a federated evaluation arrives while it runs ahead and must not disturb its
-    steps. Bit for bit the in-process overlapped engine."""
+    steps; SCAFFOLD's c comes down with the model and c_i+ goes up. Bit for bit the in-process
+    overlapped engine."""
     from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, run_inprocess
     from polyparallel.backends.collab._flower import run_flower
 
     rng = np.random.default_rng(2)
     names = ["a", "b", "c"]
     cfg = CollabConfig(centers=tuple(CenterSpec(n) for n in names), model=ModelSpec("mlp", (16,), 4, hidden=8),
-                       rounds=3, local_steps=4, batch_size=8, lr=0.1, momentum=0.5, fusion="fedavg", holdout=0.25,
+                       rounds=3, local_steps=4, batch_size=8, lr=0.1, momentum=0.5, fusion="scaffold", holdout=0.25,
                        overlap=3, round_timeout_s=120)
     data = {n: (rng.normal(size=(40, 16)).astype(np.float32), rng.integers(0, 4, 40)) for n in names}
     res = run_flower(cfg, data, workdir=tmp_path, data_channel="socket", timeout_s=240)
@@ -225,8 +226,9 @@ def test_overlap_is_refused_where_it_is_not_defined():
 
     with pytest.raises(ValueError, match=r"overlap must be a whole number of local steps in \[0, local_steps=6\]"):
         _cfg(7)
+    assert _cfg(2, fusion="scaffold").overlap == 2  # SCAFFOLD overlapped: tests/test_collab_overlap_scaffold.py
     with pytest.raises(ValueError, match="SCAFFOLD"):
-        _cfg(2, fusion="scaffold")
+        _cfg(0, fusion="scaffold", buffer=2)
     with pytest.raises(ValueError, match="several devices"):
         _cfg(2, centers=(CenterSpec("a", devices=2), CenterSpec("b")))
     assert "overlap" not in _cfg(0).to_json() and _cfg(3).to_json().count('"overlap": 3') == 1

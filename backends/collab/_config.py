@@ -221,19 +221,17 @@ class CollabConfig:
         self._check_overlap()
 
     def _check_overlap(self) -> None:
-        """Overlapped fusion (``_overlap``) runs single-process torch centers, without SCAFFOLD or pruning."""
+        """Overlapped fusion (``_overlap``) runs single-process torch centers, without pruning."""
         k = self.overlap
         if not (isinstance(k, int) and 0 <= k <= self.local_steps):
             raise ValueError(f"overlap must be a whole number of local steps in [0, local_steps={self.local_steps}]"
                              f" (0: synchronous rounds), got {k!r}")
         other = [c.name for c in self.centers if c.framework != "torch" or c.devices > 1]
         why = (f"centers {other} run another framework or several devices" if other else
-               "SCAFFOLD's control variates correct towards the round's global model, not merged yet"
-               if self.fusion.lower() == "scaffold" else
                "online pruning cuts the model under the centers' running steps" if self.prune is not None else "")
         if k and why:
             raise ValueError(f"overlapped fusion (overlap={k}) is implemented for single-process torch centers "
-                             f"without SCAFFOLD or pruning: {why}; use overlap=0")
+                             f"without pruning: {why}; use overlap=0")
         b = self.buffer
         if not (isinstance(b, int) and 0 <= b <= len(self.centers)) or not (
                 isinstance(self.max_staleness, int) and self.max_staleness >= 0):

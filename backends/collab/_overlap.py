@@ -21,6 +21,21 @@ any step (``m = x_r``) and a round is the synchronous one bit for bit; ``k = H``
 round's compute. The updates are one round stale in their first ``k`` steps, which is what costs
 accuracy (``docs/collab.md``).
 
+SCAFFOLD (Karimireddy et al. 2020) overlapped: a synchronous center corrects each gradient of round
+``r`` by ``c_r − c_i`` (``c_r`` the server's control variate sent with ``x_r``, ``c_i`` its own, the
+mean raw gradient of its round ``r − 1``) and sends ``c_i⁺``, the mean raw gradient of the round's
+``H`` steps. Both are estimates — ``c_r − c_i`` of the drift between the federation's gradient and the
+center's own — and the correction works with the freshest estimate a center holds. Overlapped, the
+``k`` steps ahead are taken before ``c_r`` arrives, from the center's own model, which continues round
+``r − 1``'s trajectory: they are corrected by ``c_{r−1} − c_i`` (the server's variate that came with
+``x_{r−1}``, the one that round's steps used, and the center's newest ``c_i``); the ``H − k`` steps
+after the merge by ``c_r − c_i``. ``c_i⁺`` is the mean raw (uncorrected) gradient over all ``H``
+steps of the round, ahead and after the merge, as a synchronous center's over its ``H``: it estimates
+the center's gradient near the models it trains, which is what ``c`` averages. The server's side is
+unchanged (``c ← c + (1/N) Σ (c_i⁺ − c_i)`` over the reported variates, whatever steps produced them).
+With ``k = 0`` there are no steps ahead and this is synchronous SCAFFOLD bit for bit (test); the
+two-round example in ``tests/test_collab_overlap_scaffold.py`` recomputes it independently.
+
 The engine (:func:`pipelined_rounds`): every center trains in its own thread (torch with one
 intra-op thread, the centers' steps overlap where the GIL allows), the server fuses in the calling
 thread; an emulated link (``CenterSpec.down_Bps`` ...) delays each transfer to when the link would
@@ -33,8 +48,7 @@ the center took it, so there it is at least the time of the steps ahead) and
 merge took), and the timing log a ``comm`` event per center and round with ``exposed_s`` and
 ``hidden_s``. Over Flower the same center runs on the lean data channel (:mod:`._lean`): it runs ahead
 after sending its update, and the next frame is the fused model. Single-process torch centers only;
-SCAFFOLD (its control variates assume the round's start is the global model) and pruning are refused
-with the job.
+pruning is refused with the job.
 """
 
 from __future__ import annotations
@@ -52,7 +66,7 @@ from ._link import LinkThrottle, nbytes_of
 from ._models import load_torch_state, torch_state
 from ._server import CenterReply, FederationServer, RoundRecord, aggregate_evaluations
 from ._validation import bound_metrics, model_digest
-from ._wire import encode_update
+from ._wire import decode_controls, encode_controls, encode_update
 
 __all__ = ["OverlapCenter", "pipelined_rounds"]
 
@@ -72,15 +86,24 @@ class OverlapCenter:
         self.k = config.overlap if steps_before_merge is None else steps_before_merge
         self.local: dict[str, np.ndarray] | None = None  # the center's own model: None before round 1
         self.r = 0  # the last round it sent
-        self._ahead: tuple[int, Any, dict, dict, list[float], float] | None = None  # round, opt, start, a, losses, t
+        # round, opt, start, a, losses, t, mean raw gradient of the steps ahead (SCAFFOLD)
+        self._ahead: tuple[int, Any, dict, dict, list[float], float, dict] | None = None
+        self.ci: dict[str, np.ndarray] = {}  # SCAFFOLD: the center's c_i, as the server decoded it
+        self.c_prev: dict[str, np.ndarray] | None = None  # SCAFFOLD: the server's c that came with the last model
         self._t_sent = 0.0
         self._ahead_s = 0.0  # how long the last steps ahead took
         self._x, self._y = torch_from(trainer.x), label_tensor(trainer.y, trainer.model_spec.loss)
 
-    def _steps(self, opt: Any, batches: np.ndarray, mu: float) -> list[float]:
+    def _steps(self, opt: Any, batches: np.ndarray, mu: float, control: dict | None = None,
+               grad_mean: dict | None = None) -> list[float]:
+        """Local steps; with SCAFFOLD's ``control`` (``c``) each gradient is corrected by ``c − c_i`` and
+        ``grad_mean`` gets the steps' mean raw gradient (as :func:`~._center.center_round` does)."""
         t = self.t
-        return local_sgd(t._model, t._model, opt, self._x, self._y, batches, mu, logit_bias=t.logit_bias(),
-                         objective=t._objective)
+        correction = None if control is None else {
+            k: np.asarray(control[k], dtype=np.float32) - (self.ci[k] if k in self.ci else np.zeros_like(v))
+            for k, v in control.items()}
+        return local_sgd(t._model, t._model, opt, self._x, self._y, batches, mu, correction, grad_mean,
+                         logit_bias=t.logit_bias(), objective=t._objective)
 
     def _begin(self, r: int, start: dict[str, np.ndarray]) -> tuple[Any, np.ndarray]:
         import torch
@@ -97,35 +120,47 @@ class OverlapCenter:
             return
         r, t0 = self.r + 1, time.time()
         opt, batches = self._begin(r, self.local)
-        losses = self._steps(opt, batches[:self.k], mu)
-        self._ahead = (r, opt, self.local, torch_state(self.t._model), losses, time.time())
+        g: dict[str, np.ndarray] = {}
+        losses = self._steps(opt, batches[:self.k], mu, self.c_prev, g if self.c_prev is not None else None)
+        self._ahead = (r, opt, self.local, torch_state(self.t._model), losses, time.time(), g)
         self._ahead_s = self._ahead[5] - t0
 
     def finish(self, r: int, x_r: dict[str, np.ndarray], nonce: int, mu: float = 0.0,
-               t_available: float | None = None) -> tuple[dict, dict]:
+               t_available: float | None = None, control: dict[str, np.ndarray] | None = None) -> tuple[dict, dict]:
         """Merge ``x_r`` (the fused model of round ``r``), take the round's remaining steps, return
         ``(payload, metrics)`` bound to round ``r`` and ``x_r``. ``t_available``: when ``x_r`` was there
         for the center (its link delivered it), for ``comm_s``; None: when it is taken (now), which is
-        later when it came during the steps ahead."""
+        later when it came during the steps ahead. ``control``: SCAFFOLD's ``c_r`` that came with ``x_r``
+        (the payload then carries ``c_i⁺``, see the module's docstring)."""
         t = self.t
         t_got = time.time()
         t_available = t_got if t_available is None else min(t_available, t_got)
+        g_ahead: dict[str, np.ndarray] = {}
         if self._ahead is None:  # round 1 (or a center that did not run ahead): start from x_r
             opt, batches = self._begin(r, x_r)
             k, losses, t_ready, self._ahead_s = 0, [], t_got, 0.0
         else:
-            ahead_r, opt, start, a, losses, t_ready = self._ahead
+            ahead_r, opt, start, a, losses, t_ready, g_ahead = self._ahead
             if ahead_r != r:
                 raise ValueError(f"the fused model of round {r} came while the center ran ahead into round {ahead_r}")
             batches = batch_indices(len(t.x), t.batch_size, self.config.local_steps, t.seed, t.center_index, r)
             k = self.k
             load_torch_state(t._model, {n: x_r[n] + (a[n] - start[n]) for n in x_r})  # the delayed outer step
         self._ahead = None
-        losses = losses + self._steps(opt, batches[k:], mu)
+        g_rest: dict[str, np.ndarray] = {}
+        losses = losses + self._steps(opt, batches[k:], mu, control, g_rest if control is not None else None)
         t_trained = time.time()
         self.local, self.r = torch_state(t._model), r
         delta = {n: self.local[n].astype(np.float32) - np.asarray(x_r[n], dtype=np.float32) for n in x_r}
         payload = encode_update(delta, self.config.compression)
+        if control is not None:  # c_i+: the mean raw gradient over the round's H steps, ahead and after the merge
+            H = len(batches)
+            g = g_rest if not (k and g_ahead) else {
+                n: ((k * g_ahead[n].astype(np.float64) + (H - k) * g_rest[n]) / H).astype(np.float32) for n in g_rest}
+            controls = encode_controls(g, self.config.compression)
+            payload.update(controls)
+            self.ci = decode_controls(controls, self.config.compression)  # as the server will decode it
+            self.c_prev = {n: np.asarray(v, dtype=np.float32) for n, v in control.items()}
         metrics = {"num_samples": float(t.num_samples), "train_loss": float(np.mean(losses)),
                    **bound_metrics(nonce, r, model_digest(x_r), payload), "t_received": t_got,
                    "t_trained": t_trained, "exposed_s": max(0.0, t_got - t_ready), "ahead_s": self._ahead_s,
@@ -143,7 +178,7 @@ class _Center:
         except ValueError as e:
             raise ValueError(f"center {name!r}: {e}") from None
         self.name, self.mu = name, proximal_mu
-        self.inbox: queue.Queue = queue.Queue()  # (round, x_r, nonce, available_at) or None: stop
+        self.inbox: queue.Queue = queue.Queue()  # (round, x_r, nonce, available_at, c_r) or None: stop
         self.replies = replies
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name=f"center-{name}", daemon=True)
@@ -155,10 +190,11 @@ class _Center:
                 item = self.inbox.get()
                 if item is None:
                     return
-                r, x_r, nonce, available = item
+                r, x_r, nonce, available, control = item
                 if available > time.time():
                     time.sleep(available - time.time())  # the emulated downlink delivers it then
-                self.replies.put((self.name, (r, *self.oc.finish(r, x_r, nonce, self.mu, t_available=available))))
+                self.replies.put((self.name, (r, *self.oc.finish(r, x_r, nonce, self.mu, t_available=available,
+                                                                 control=control))))
         except BaseException as e:  # reported by the server thread
             self.error = e
             self.replies.put((self.name, None))
@@ -206,10 +242,12 @@ def pipelined_rounds(config: Any, server: FederationServer, pool: Mapping[str, A
     try:
         while not server.done and (max_rounds is None or done < max_rounds):
             r, x_r = server.begin_round()
-            t_pub, nonce = time.time(), server.nonce(r)
+            t_pub, nonce, control = time.time(), server.nonce(r), server.control()
+            down = nbytes_of(x_r) + (nbytes_of(control) if control else 0)
             for name, c in centers.items():
                 c.inbox.put((r, {n: v.copy() for n, v in x_r.items()}, nonce,
-                             links[name].done_at("down", nbytes_of(x_r), t_pub) if links[name].limited else t_pub))
+                             links[name].done_at("down", down, t_pub) if links[name].limited else t_pub,
+                             None if control is None else {n: v.copy() for n, v in control.items()}))
             got: list[CenterReply] = []
             delivered: dict[str, float] = {}
             while len(got) < len(centers):
