@@ -165,6 +165,10 @@ def main() -> None:
     ap.add_argument("--latency-ms", type=float, default=30.0)
     ap.add_argument("--engine", default="inprocess", help="inprocess (centers in threads) or flower (one "
                     "SuperNode process per center, the rounds on the lean data channel)")
+    ap.add_argument("--skip-pooled", action="store_true", help="no pooled reference (a probe of settings: "
+                    "'vs pooled' is then nan)")
+    ap.add_argument("--no-sync", action="store_true", help="no synchronous run (a probe: the simulator is then "
+                    "calibrated on the first run)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--table-only", action="store_true", help="print the table of --out's rows and exit")
     args = ap.parse_args()
@@ -188,11 +192,12 @@ def main() -> None:
         centers = tuple(CenterSpec(n, down_Bps=bps, up_Bps=bps, latency_s=args.latency_ms / 1e3) for n in names)
         for H in [int(h) for h in args.steps.split(",")]:
             rounds = max(2, round(args.epochs * np.mean([len(p) for p in parts]) / (32 * H)))
-            pooled = _pooled(spec, data, H, rounds, seed, xte, yte, args.lr_schedule)
+            pooled = (float("nan") if args.skip_pooled else
+                      _pooled(spec, data, H, rounds, seed, xte, yte, args.lr_schedule))
             print(f"seed {seed} H {H:>3} pooled (one model, {len(names) * H} steps a round): {100 * pooled:.2f}%",
                   flush=True)
             calib = None
-            for k in sorted({0, *(int(float(f) * H) for f in args.overlaps.split(","))}):
+            for k in sorted({*(() if args.no_sync else (0,)), *(int(float(f) * H) for f in args.overlaps.split(","))}):
                 cfg = CollabConfig(centers=centers, model=spec, rounds=rounds, local_steps=H, batch_size=32, lr=0.02,
                                    momentum=0.9, fusion=args.fusion, fusion_options=opts, seed=seed, overlap=k,
                                    lr_schedule=args.lr_schedule,

@@ -166,10 +166,11 @@ def center_links(strategy: Any) -> dict[str, tuple[float, float, float]]:
 
 def inputs_from_strategy(strategy: Any, *, framework: str = "flower", fixed_s: float | None = None,
                          fuse_s_per_param: float = FUSE_S_PER_PARAM, local_steps: int | None = None,
-                         compression: str | None = None, overlap: int = 0) -> SimInputs:
+                         compression: str | None = None, overlap: int | None = None) -> SimInputs:
     """The simulator's inputs from a collaborative :class:`~polyparallel.strategy.Strategy`: each center's
     step time as the planner priced it (``local_strategy["step_time_s"]``), its WAN link from the
-    strategy's cluster echo (none: loopback), ``H`` and the compression of the plan (or the overrides)."""
+    strategy's cluster echo (none: loopback), ``H``, the compression and the overlapped steps of the plan
+    (or the overrides)."""
     collab = getattr(strategy, "collaborative", None)
     if collab is None:
         raise ValueError("the strategy has no 'collaborative' section: simulate a strategy from "
@@ -193,9 +194,11 @@ def inputs_from_strategy(strategy: Any, *, framework: str = "flower", fixed_s: f
     params = int(strategy.model.params)
     if params <= 0:
         raise ValueError("the strategy's model has no parameter count (model.params): re-run the search")
-    return SimInputs.make([c.name for c in collab.centers], steps, local_steps or collab.local_steps, params,
+    H = local_steps or collab.local_steps
+    return SimInputs.make([c.name for c in collab.centers], steps, H, params,
                           down_Bps=down, up_Bps=up, latency_s=lat, compression=compression or collab.compression,
-                          fixed_s=fixed_s, fuse_s_per_param=fuse_s_per_param, overlap=overlap)
+                          fixed_s=fixed_s, fuse_s_per_param=fuse_s_per_param,
+                          overlap=min(H, collab.overlap) if overlap is None else overlap)
 
 
 @dataclass

@@ -35,9 +35,9 @@ def simulate_cmd(
                           "measured, see cost_models/collab_simulator.py FIXED_ROUND_S)")] = None,
     sequential: Annotated[bool, typer.Option("--sequential", help="centers one after another (the in-process "
                                                                   "engine), not concurrently")] = False,
-    overlap: Annotated[int, typer.Option("--overlap", help="K: overlapped rounds, each center takes K steps of "
-                                                          "the next round while its update travels (0: synchronous)")]
-    = 0,
+    overlap: Annotated[int | None, typer.Option(
+        "--overlap", help="K: overlapped rounds, each center takes K steps of the next round while its update "
+                          "travels (0: synchronous; default: the strategy's)")] = None,
 ) -> None:
     """Simulate N rounds of a collaborative strategy: time to N rounds, utilisation per center, and the
     communication, idle and fusion shares of wall time. A synchronous strategy with pipeline stages: one
@@ -78,7 +78,7 @@ def simulate_cmd(
                                  overlap=overlap)
     except ValueError as e:
         raise UserError(str(e)) from None
-    if overlap and sequential:
+    if x.overlap and sequential:
         raise UserError("--overlap with --sequential: overlapped rounds are simulated for concurrent centers")
     res = simulate_rounds(x, rounds, compute_jitter=jitter, link_jitter=jitter, dropout=dropout, seed=seed,
                           concurrent=not sequential)

@@ -163,6 +163,8 @@ class Collaborative(_Model):
     compression: Literal["none", "fp16", "int8"] = "none"
     round_time_s: float = 0.0
     comm_fraction: float = 0.0
+    overlap: int = Field(0, ge=0, description="K: local steps of the next round a center takes while its update "
+                         "travels and the server fuses (overlapped fusion; 0: synchronous rounds)")
 
 
 class Estimate(_Model):
@@ -242,7 +244,10 @@ class Strategy(_Model):
 
     # -- I/O ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        d = self.model_dump(mode="json")
+        if d.get("collaborative") and not d["collaborative"]["overlap"]:
+            del d["collaborative"]["overlap"]  # synchronous rounds: written as before the field existed
+        return d
 
     def to_json(self, path: str | os.PathLike[str] | None = None, *, indent: int = 1) -> str:
         """Serialise; with ``path``, also write the file."""

@@ -106,8 +106,8 @@ def test_rounds_over_the_data_channel_fuse_what_the_inprocess_engine_fuses(tmp_p
 def test_overlapped_rounds_over_the_data_channel_fuse_what_the_inprocess_engine_fuses(tmp_path):
     """Overlap over Flower: each center runs ahead on its connection after sending, merges the model
     when its frame is read; a federated evaluation arrives while it runs ahead and must not disturb its
-    steps; SCAFFOLD's c comes down with the model and c_i+ goes up. Bit for bit the in-process
-    overlapped engine."""
+    steps; SCAFFOLD's c and the outer momentum come down with the model, c_i+ goes up. Bit for bit the
+    in-process overlapped engine."""
     from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, run_inprocess
     from polyparallel.backends.collab._flower import run_flower
 
@@ -115,7 +115,7 @@ def test_overlapped_rounds_over_the_data_channel_fuse_what_the_inprocess_engine_
     names = ["a", "b", "c"]
     cfg = CollabConfig(centers=tuple(CenterSpec(n) for n in names), model=ModelSpec("mlp", (16,), 4, hidden=8),
                        rounds=3, local_steps=4, batch_size=8, lr=0.1, momentum=0.5, fusion="scaffold", holdout=0.25,
-                       overlap=3, round_timeout_s=120)
+                       fusion_options={"lr": 0.7, "momentum": 0.9}, overlap=3, round_timeout_s=120)
     data = {n: (rng.normal(size=(40, 16)).astype(np.float32), rng.integers(0, 4, 40)) for n in names}
     res = run_flower(cfg, data, workdir=tmp_path, data_channel="socket", timeout_s=240)
     ref = run_inprocess(cfg, data)

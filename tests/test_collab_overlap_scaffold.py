@@ -1,6 +1,6 @@
 """SCAFFOLD with overlapped fusion (issue 39): the steps ahead are corrected by the previous round's
-``c``, the steps after the merge by the new one, ``c_i⁺`` is the mean raw gradient over the round's
-``H`` steps (``backends/collab/_overlap.py``'s docstring says why)."""
+``c`` and the center's ``c_i`` of the same age, the steps after the merge by the new ones, ``c_i⁺`` is
+the mean raw gradient over the round's ``H`` steps (``backends/collab/_overlap.py``'s docstring says why)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def test_scaffold_overlap_zero_is_synchronous_scaffold_bit_for_bit():
 def _by_hand(cfg, data) -> dict[str, np.ndarray]:
     """Overlapped SCAFFOLD written out with plain tensors: SGD with heavy-ball momentum by hand, each
     gradient + (c − c_i), c_i⁺ the mean raw gradient of the H steps, the server's Nesterov outer step
-    and c = the sample-weighted mean of the reported c_i."""
+    and c = the sample-weighted mean of the reported c_i; the steps ahead start from the center's guess
+    of the next model, the outer step with its own update for the average."""
     import torch
 
     from polyparallel.backends.collab._center import batch_indices
@@ -56,7 +57,9 @@ def _by_hand(cfg, data) -> dict[str, np.ndarray]:
     x = {n: v.astype(np.float64) for n, v in initial_params(cfg).items()}
     u = {n: np.zeros_like(v) for n, v in x.items()}  # the server's outer momentum
     ci = {c: {n: np.zeros(x[n].shape, np.float32) for n in names} for c in data}
+    ci_prev = {c: dict(v) for c, v in ci.items()}  # the c_i of the round before, which c_prev averages
     own: dict[str, dict] = {}  # the center's own model after its last round
+    x_last, u_last = x, u  # the fused model the centers last trained on, the server's momentum as of it
     c_prev = None
 
     def steps(c, params, buf, idx, corr):
@@ -84,15 +87,19 @@ def _by_hand(cfg, data) -> dict[str, np.ndarray]:
             idx = batch_indices(len(data[cn][1]), cfg.batch_size, H, cfg.seed, i, r)
             if r == 1:  # nothing ahead
                 a, buf, g_a, start, kk = x, {}, {n: 0.0 for n in names}, x, 0
-            else:  # the k steps ahead, from its own model, corrected by the previous round's c
-                start, kk = own[cn], k
-                a, buf, g_a = steps(cn, start, {}, idx[:k], {n: c_prev[n] - ci[cn][n] for n in names})
+            else:  # the k steps ahead, from its guess of x_r, corrected by the previous round's c
+                mu = opts["momentum"]
+                start = {n: x_last[n] + opts["lr"] * ((1 + mu) * (own[cn][n] - x_last[n]) - mu * mu * u_last[n])
+                         for n in x}
+                kk = k
+                a, buf, g_a = steps(cn, start, {}, idx[:k], {n: c_prev[n] - ci_prev[cn][n] for n in names})
             merged = {n: x[n] + (a[n] - start[n]) for n in x}
             e, _, g_b = steps(cn, merged, buf, idx[kk:], {n: c[n] - ci[cn][n] for n in names})
             own[cn] = e
-            ci[cn] = {n: ((g_a[n] + g_b[n]) / H).astype(np.float32) for n in names}
+            ci_prev[cn], ci[cn] = ci[cn], {n: ((g_a[n] + g_b[n]) / H).astype(np.float32) for n in names}
             deltas.append({n: e[n] - x[n] for n in x})
         avg = {n: np.mean([d[n] for d in deltas], axis=0) for n in x}  # equal sample counts
+        x_last, u_last = dict(x), {n: v.copy() for n, v in u.items()}
         for n in x:
             u[n] = opts["momentum"] * u[n] - avg[n]
             x[n] = x[n] - opts["lr"] * (-avg[n] + opts["momentum"] * u[n])
@@ -101,7 +108,7 @@ def _by_hand(cfg, data) -> dict[str, np.ndarray]:
 
 
 def test_overlapped_scaffold_matches_an_independent_computation():
-    """Three rounds, H 4, overlap 2 (round 2's steps ahead use c_1 = 0 - c_i, round 3's c_2 - c_i): the
+    """Three rounds, H 4, overlap 2 (round 3's steps ahead use c_2 and the c_i of round 1): the
     engine's fused model is the one written out by hand, and not synchronous SCAFFOLD's (the check
     tells them apart)."""
     from polyparallel.backends.collab import run_inprocess

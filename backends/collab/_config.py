@@ -260,10 +260,10 @@ class CollabConfig:
             raise ValueError(f"fusion {self.fusion!r} cannot carry pruning scores (it keeps server state or "
                              f"needs a root set, meaningless for channel scores); use one of "
                              f"{', '.join(SCORE_FUSIONS)}")
-        other = [c.name for c in self.centers if c.framework != "torch" or c.devices > 1]
+        other = [c.name for c in self.centers if c.framework not in ("torch", "mindspore") or c.devices > 1]
         if other:
-            raise ValueError(f"pruning is implemented for single-process torch centers; centers {other} run "
-                             "another framework or several devices")
+            raise ValueError(f"pruning is implemented for single-process torch and MindSpore centers; centers "
+                             f"{other} run another framework or several devices")
 
     @property
     def required_centers(self) -> int:
@@ -311,9 +311,10 @@ def config_from_strategy(strategy: Any, model: ModelSpec, *, emulate_links: bool
 
     Read from the Strategy: the centers (name, framework, number of devices, and the synchronous plan
     the planner chose for each: its ``local_strategy`` degrees become ``CenterSpec.plan``), fusion,
-    local steps per round, rounds, compression. The Strategy fingerprints the model but does not carry it, so the
-    shared architecture comes as ``model``; ``training`` sets the remaining :class:`CollabConfig`
-    fields (``batch_size``, ``lr``, ``min_centers``, ``fusion_options``, ...).
+    local steps per round, rounds, compression, overlapped fusion (``overlap``). The Strategy
+    fingerprints the model but does not carry it, so the shared architecture comes as ``model``;
+    ``training`` sets the remaining :class:`CollabConfig` fields (``batch_size``, ``lr``,
+    ``min_centers``, ``fusion_options``, ...).
 
     ``emulate_links``: every center holds its transfers to its WAN link in the Strategy's cluster
     (``CenterSpec.down_Bps`` ...; the figures the round simulator prices), for a federation on one
@@ -340,4 +341,4 @@ def config_from_strategy(strategy: Any, model: ModelSpec, *, emulate_links: bool
     return CollabConfig(
         centers=centers,
         model=model, fusion=c.fusion, rounds=c.rounds, local_steps=c.local_steps, compression=c.compression,
-        **training)
+        **{"overlap": c.overlap, **training})

@@ -185,11 +185,12 @@ def _channel_center(msg: Message, context: Context) -> Message:
     ahead = OverlapCenter(trainer, config) if config.overlap else None  # overlapped fusion (see _overlap)
     mu = [0.0]
 
-    def on_train(model: dict, control: dict | None, cfg: dict, t_sent: float) -> tuple[dict, dict]:
-        link.download(nbytes_of(model) + (nbytes_of(control) if control else 0), sent_at=t_sent)
+    def on_train(model: dict, control: dict | None, cfg: dict, t_sent: float,
+                 outer_u: dict | None = None) -> tuple[dict, dict]:
+        link.download(nbytes_of(model) + sum(nbytes_of(a) for a in (control, outer_u) if a), sent_at=t_sent)
         mu[0] = float(cfg["proximal_mu"])
         if ahead is not None:
-            return ahead.finish(int(cfg["round"]), model, int(cfg["nonce"]), mu[0], control=control)
+            return ahead.finish(int(cfg["round"]), model, int(cfg["nonce"]), mu[0], control=control, outer_u=outer_u)
         return center_round(trainer, model, round_idx=int(cfg["round"]), config=config,
                             proximal_mu=float(cfg["proximal_mu"]), t_received=time.time(), control=control,
                             center_state=state, nonce=int(cfg["nonce"]))

@@ -134,7 +134,9 @@ def serve_center(address: str, token: str, center: str, on_train: Callable[..., 
                  max_bytes: int, on_sent: Callable[[], None] | None = None) -> int:
     """A center's side: connect, present ``token``, then answer frames until ``done``; returns rounds served.
 
-    ``on_train(model, control, config, t_sent)`` -> ``(payload, metrics)``; ``on_evaluate(model)`` -> metrics;
+    ``on_train(model, control, config, t_sent)`` -> ``(payload, metrics)`` (with ``outer_u=`` the server's
+    outer momentum buffer when the frame carries one, ``u/`` keys: overlapped fusion's guess of the next
+    model, :func:`~._overlap.guess_next`); ``on_evaluate(model)`` -> metrics;
     ``on_sent()`` runs after each update is sent, before the next frame is read (an overlapped center's
     steps ahead, :class:`~._overlap.OverlapCenter`: the next model travels meanwhile).
     """
@@ -150,7 +152,9 @@ def serve_center(address: str, token: str, center: str, on_train: Callable[..., 
             model = {k[2:]: v for k, v in arrays.items() if k.startswith("x/")}
             if kind == "train":
                 control = {k[2:]: v for k, v in arrays.items() if k.startswith("c/")} or None
-                payload, metrics = on_train(model, control, header["config"], float(header["t_sent"]))
+                outer = {k[2:]: v for k, v in arrays.items() if k.startswith("u/")}
+                payload, metrics = on_train(model, control, header["config"], float(header["t_sent"]),
+                                            **({"outer_u": outer} if outer else {}))
                 metrics["t_sent"] = time.time()
                 send_frame(sock, {"kind": "update", "metrics": metrics, "t_sent": metrics["t_sent"]}, payload)
                 rounds += 1
@@ -234,6 +238,7 @@ def serve_rounds(grid: Any, server: Any, config: Any, nodes: list[int], node_nam
     from flwr.app import ConfigRecord, RecordDict
 
     from ._link import nbytes_of
+    from ._overlap import server_momentum
     from ._server import CenterReply
 
     listener = socket.create_server((host, 0))
@@ -257,6 +262,9 @@ def serve_rounds(grid: Any, server: Any, config: Any, nodes: list[int], node_nam
             control = server.control()
             if control is not None:
                 arrays.update({f"c/{k}": v for k, v in control.items()})
+            u = server_momentum(server) if config.overlap else None
+            if u is not None:
+                arrays.update({f"u/{k}": v for k, v in u.items()})
             cfg = {"round": r, "nonce": server.nonce(r), "proximal_mu": server.fusion.proximal_mu}
             sent_to = len(peers)
             head = {"kind": "train", "config": cfg, "t_sent": time.time()}

@@ -26,10 +26,12 @@ SCAFFOLD (Karimireddy et al. 2020) overlapped: a synchronous center corrects eac
 mean raw gradient of its round ``r − 1``) and sends ``c_i⁺``, the mean raw gradient of the round's
 ``H`` steps. Both are estimates — ``c_r − c_i`` of the drift between the federation's gradient and the
 center's own — and the correction works with the freshest estimate a center holds. Overlapped, the
-``k`` steps ahead are taken before ``c_r`` arrives, from the center's own model, which continues round
-``r − 1``'s trajectory: they are corrected by ``c_{r−1} − c_i`` (the server's variate that came with
-``x_{r−1}``, the one that round's steps used, and the center's newest ``c_i``); the ``H − k`` steps
-after the merge by ``c_r − c_i``. ``c_i⁺`` is the mean raw (uncorrected) gradient over all ``H``
+``k`` steps ahead are taken before ``c_r`` arrives: they are corrected by ``c_{r−1} − c_i'`` (the
+server's variate that came with ``x_{r−1}`` and the center's ``c_i'`` of the round before its newest,
+the one ``c_{r−1}`` averages: estimates of the same age, so that the corrections of all centers still
+sum to zero, ``Σ_i p_i (c − c_i) = 0``, as SCAFFOLD's do; pairing ``c_{r−1}`` with the newest ``c_i``
+would add ``c_{r−1} − c_r`` to every center's steps); the ``H − k`` steps after the merge by
+``c_r − c_i``. ``c_i⁺`` is the mean raw (uncorrected) gradient over all ``H``
 steps of the round, ahead and after the merge, as a synchronous center's over its ``H``: it estimates
 the center's gradient near the models it trains, which is what ``c`` averages. The server's side is
 unchanged (``c ← c + (1/N) Σ (c_i⁺ − c_i)`` over the reported variates, whatever steps produced them).
@@ -62,6 +64,7 @@ from typing import Any
 import numpy as np
 
 from ._center import batch_indices, evaluate_torch, label_tensor, local_sgd, torch_from
+from ._fusion import is_statistic
 from ._link import LinkThrottle, nbytes_of
 from ._models import load_torch_state, torch_state
 from ._server import CenterReply, FederationServer, RoundRecord, aggregate_evaluations
@@ -85,22 +88,27 @@ class OverlapCenter:
         self.t, self.config = trainer, config
         self.k = config.overlap if steps_before_merge is None else steps_before_merge
         self.local: dict[str, np.ndarray] | None = None  # the center's own model: None before round 1
+        self.start: dict[str, np.ndarray] | None = None  # where its steps ahead start: its guess of the next model
+        self.outer = outer_step(config)
         self.r = 0  # the last round it sent
         # round, opt, start, a, losses, t, mean raw gradient of the steps ahead (SCAFFOLD)
         self._ahead: tuple[int, Any, dict, dict, list[float], float, dict] | None = None
         self.ci: dict[str, np.ndarray] = {}  # SCAFFOLD: the center's c_i, as the server decoded it
+        self.ci_prev: dict[str, np.ndarray] = {}  # SCAFFOLD: its c_i of the round before, which c_prev averages
         self.c_prev: dict[str, np.ndarray] | None = None  # SCAFFOLD: the server's c that came with the last model
         self._t_sent = 0.0
         self._ahead_s = 0.0  # how long the last steps ahead took
         self._x, self._y = torch_from(trainer.x), label_tensor(trainer.y, trainer.model_spec.loss)
 
     def _steps(self, opt: Any, batches: np.ndarray, mu: float, control: dict | None = None,
-               grad_mean: dict | None = None) -> list[float]:
-        """Local steps; with SCAFFOLD's ``control`` (``c``) each gradient is corrected by ``c − c_i`` and
-        ``grad_mean`` gets the steps' mean raw gradient (as :func:`~._center.center_round` does)."""
+               grad_mean: dict | None = None, ci: dict | None = None) -> list[float]:
+        """Local steps; with SCAFFOLD's ``control`` (``c``) each gradient is corrected by ``c − c_i``
+        (``ci``, default the center's newest) and ``grad_mean`` gets the steps' mean raw gradient (as
+        :func:`~._center.center_round` does)."""
         t = self.t
+        ci = self.ci if ci is None else ci
         correction = None if control is None else {
-            k: np.asarray(control[k], dtype=np.float32) - (self.ci[k] if k in self.ci else np.zeros_like(v))
+            k: np.asarray(control[k], dtype=np.float32) - (ci[k] if k in ci else np.zeros_like(v))
             for k, v in control.items()}
         return local_sgd(t._model, t._model, opt, self._x, self._y, batches, mu, correction, grad_mean,
                          logit_bias=t.logit_bias(), objective=t._objective)
@@ -116,22 +124,26 @@ class OverlapCenter:
 
     def ahead(self, mu: float = 0.0) -> None:
         """The next round's first ``k`` steps, before its fused model is there (nothing before round 1)."""
-        if self.local is None or self._ahead is not None:
+        if self.start is None or self._ahead is not None:
             return
         r, t0 = self.r + 1, time.time()
-        opt, batches = self._begin(r, self.local)
+        opt, batches = self._begin(r, self.start)
         g: dict[str, np.ndarray] = {}
-        losses = self._steps(opt, batches[:self.k], mu, self.c_prev, g if self.c_prev is not None else None)
-        self._ahead = (r, opt, self.local, torch_state(self.t._model), losses, time.time(), g)
+        losses = self._steps(opt, batches[:self.k], mu, self.c_prev, g if self.c_prev is not None else None,
+                             ci=self.ci_prev)
+        self._ahead = (r, opt, self.start, torch_state(self.t._model), losses, time.time(), g)
         self._ahead_s = self._ahead[5] - t0
 
     def finish(self, r: int, x_r: dict[str, np.ndarray], nonce: int, mu: float = 0.0,
-               t_available: float | None = None, control: dict[str, np.ndarray] | None = None) -> tuple[dict, dict]:
+               t_available: float | None = None, control: dict[str, np.ndarray] | None = None,
+               outer_u: dict[str, np.ndarray] | None = None) -> tuple[dict, dict]:
         """Merge ``x_r`` (the fused model of round ``r``), take the round's remaining steps, return
         ``(payload, metrics)`` bound to round ``r`` and ``x_r``. ``t_available``: when ``x_r`` was there
         for the center (its link delivered it), for ``comm_s``; None: when it is taken (now), which is
         later when it came during the steps ahead. ``control``: SCAFFOLD's ``c_r`` that came with ``x_r``
-        (the payload then carries ``c_i⁺``, see the module's docstring)."""
+        (the payload then carries ``c_i⁺``, see the module's docstring); ``outer_u``: the server's outer
+        momentum buffer as of ``x_r`` (fusions with an outer Nesterov step), for the guess of ``x_{r+1}``
+        the next steps ahead start from."""
         t = self.t
         t_got = time.time()
         t_available = t_got if t_available is None else min(t_available, t_got)
@@ -152,6 +164,7 @@ class OverlapCenter:
         t_trained = time.time()
         self.local, self.r = torch_state(t._model), r
         delta = {n: self.local[n].astype(np.float32) - np.asarray(x_r[n], dtype=np.float32) for n in x_r}
+        self.start = self.local if self.outer is None else guess_next(x_r, delta, *self.outer, outer_u or {})
         payload = encode_update(delta, self.config.compression)
         if control is not None:  # c_i+: the mean raw gradient over the round's H steps, ahead and after the merge
             H = len(batches)
@@ -159,7 +172,7 @@ class OverlapCenter:
                 n: ((k * g_ahead[n].astype(np.float64) + (H - k) * g_rest[n]) / H).astype(np.float32) for n in g_rest}
             controls = encode_controls(g, self.config.compression)
             payload.update(controls)
-            self.ci = decode_controls(controls, self.config.compression)  # as the server will decode it
+            self.ci_prev, self.ci = self.ci, decode_controls(controls, self.config.compression)  # as the server has it
             self.c_prev = {n: np.asarray(v, dtype=np.float32) for n, v in control.items()}
         metrics = {"num_samples": float(t.num_samples), "train_loss": float(np.mean(losses)),
                    **bound_metrics(nonce, r, model_digest(x_r), payload), "t_received": t_got,
@@ -167,6 +180,42 @@ class OverlapCenter:
                    "comm_s": t_available - self._t_sent if self._t_sent else max(0.0, t_got - t_ready)}
         metrics["t_sent"] = self._t_sent = time.time()
         return payload, metrics
+
+
+def outer_step(config: Any) -> tuple[float, float] | None:
+    """``(lr, momentum)`` of the fusion's outer step on the averaged update ``δ̄`` where a center can
+    replay it on its own update (SCAFFOLD, DiLoCo: ``x' = x + lr((1 + μ) δ̄ − μ² u)``, ``u`` the server's
+    momentum buffer before the step; FedAvg and FedProx are ``lr = 1, μ = 0``, a center's own model);
+    None for the others (adaptive server optimisers: the steps ahead start from the center's own model)."""
+    f = config.make_fusion()
+    if f.name in ("scaffold", "diloco"):
+        o = f.options()
+        return float(o["lr"]), float(o.get("momentum", 0.0))
+    return None
+
+
+def server_momentum(server: FederationServer) -> dict[str, np.ndarray] | None:
+    """The outer momentum buffer ``u`` of the server's fusion, sent with the model to overlapped centers
+    (zeros before the first fusion); None where the fusion has no outer momentum."""
+    o = outer_step(server.config)
+    if o is None or not o[1]:
+        return None
+    u = {k[2:]: v for k, v in server.fusion.state().items() if k.startswith("u/")}
+    return {k: np.asarray(u[k], dtype=np.float32) if k in u else np.zeros(np.shape(v), np.float32)
+            for k, v in server.params.items() if not is_statistic(k)}
+
+
+def guess_next(x_r: Mapping[str, np.ndarray], delta: Mapping[str, np.ndarray], lr: float, mu: float,
+               u: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A center's guess of ``x_{r+1}``: the server's outer step with its own update ``δ_i`` for the
+    average (the eager update of Kale et al. 2025), ``x_r + lr((1 + μ) δ_i − μ² u)``; running statistics
+    take ``x_r + δ_i`` as the server's average does."""
+    out = {}
+    for n, x in x_r.items():
+        x64, d = np.asarray(x, dtype=np.float64), np.asarray(delta[n], dtype=np.float64)
+        step = d if is_statistic(n) else lr * ((1 + mu) * d - mu * mu * np.asarray(u.get(n, 0.0), dtype=np.float64))
+        out[n] = (x64 + step).astype(np.asarray(x).dtype)
+    return out
 
 
 class _Center:
@@ -190,11 +239,11 @@ class _Center:
                 item = self.inbox.get()
                 if item is None:
                     return
-                r, x_r, nonce, available, control = item
+                r, x_r, nonce, available, control, outer_u = item
                 if available > time.time():
                     time.sleep(available - time.time())  # the emulated downlink delivers it then
                 self.replies.put((self.name, (r, *self.oc.finish(r, x_r, nonce, self.mu, t_available=available,
-                                                                 control=control))))
+                                                                 control=control, outer_u=outer_u))))
         except BaseException as e:  # reported by the server thread
             self.error = e
             self.replies.put((self.name, None))
@@ -242,12 +291,12 @@ def pipelined_rounds(config: Any, server: FederationServer, pool: Mapping[str, A
     try:
         while not server.done and (max_rounds is None or done < max_rounds):
             r, x_r = server.begin_round()
-            t_pub, nonce, control = time.time(), server.nonce(r), server.control()
-            down = nbytes_of(x_r) + (nbytes_of(control) if control else 0)
+            t_pub, nonce, control, u = time.time(), server.nonce(r), server.control(), server_momentum(server)
+            down = nbytes_of(x_r) + sum(nbytes_of(a) for a in (control, u) if a)
             for name, c in centers.items():
                 c.inbox.put((r, {n: v.copy() for n, v in x_r.items()}, nonce,
                              links[name].done_at("down", down, t_pub) if links[name].limited else t_pub,
-                             None if control is None else {n: v.copy() for n, v in control.items()}))
+                             None if control is None else {n: v.copy() for n, v in control.items()}, u))
             got: list[CenterReply] = []
             delivered: dict[str, float] = {}
             while len(got) < len(centers):

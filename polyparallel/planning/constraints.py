@@ -42,6 +42,10 @@ class Constraints:
         comm_fraction: target communication share of a collaborative round.
         max_local_steps: fuse at least every this many local steps (label-skewed centers drift
             apart between fusions), even when the communication share then exceeds the target.
+        overlap: allow overlapped fusion (``Collaborative.overlap``): where synchronous rounds cannot meet
+            ``comm_fraction`` within ``max_local_steps``, the search overlaps each round with the next
+            one's ``H`` steps (single-process torch centers) at the smallest ``H`` that then meets it.
+            False: synchronous rounds only.
         cross_node_tp: allow tensor parallelism across nodes.
         placements: per-op placements of the chosen plan: ``torch`` (the exact per-stage solver,
             restricted to what the torch backend executes), ``any`` (the solver over every legal
@@ -77,6 +81,7 @@ class Constraints:
     mode: str | None = None
     comm_fraction: float = 0.2
     max_local_steps: int | None = None
+    overlap: bool = True
     cross_node_tp: bool = False
     placements: str = "torch"
     chunks: int | None = None

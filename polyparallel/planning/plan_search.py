@@ -333,10 +333,10 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
     t0 = time.perf_counter()
     if objective not in ("throughput", "memory"):
         raise ValueError(f"objective must be 'throughput' or 'memory', not {objective!r}")
-    _check_cluster(cluster)
+    check_cluster(cluster)
     cl = cluster if isinstance(cluster, Cluster) else Cluster.resolve(str(cluster))
     c = Constraints.of(constraints)
-    _check_batch(batch_size)
+    check_batch_size(batch_size)
     model, example_inputs, example_kwargs, inferred = model_and_inputs(model, example_inputs, example_kwargs)
     mdl = ModelGraphs(model, example_inputs, example_kwargs)
     devs = _pool(cl, c)
@@ -363,7 +363,7 @@ def search(model: Any, example_inputs: Any = None, cluster: Cluster | str | Path
         notes.append("priced as executed with " + ", ".join(f"{k}={v}" for k, v in c.execution) +
                      " (constraints.execution), which the strategy does not record: the torch backend runs its own")
     if c.mode != "collaborative":
-        best = _search_sync(mdl, cl, B, c, devs, exhaustive, objective, say)
+        best = search_sync(mdl, cl, B, c, devs, exhaustive, objective, say)
         best, devs = _on_fewer_devices(best, mdl, cl, B, c, devs, exhaustive, objective, say)
         notes += best.notes
     cores = os.cpu_count() or 1
@@ -409,7 +409,7 @@ def _on_fewer_devices(best: Best, mdl: ModelGraphs, cl: Cluster, B: int, c: Cons
     while replicates_over_tp(best.est) and c.tp is None and c.devices is None:
         assert best.est is not None
         tp, fewer = best.est.config.tp, devs[: len(devs) // best.est.config.tp]
-        smaller = _search_sync(mdl, cl, B, c, fewer, exhaustive, objective, say)
+        smaller = search_sync(mdl, cl, B, c, fewer, exhaustive, objective, say)
         if smaller.est is None or smaller.est.step_time > best.est.step_time * (1 + 1e-9):
             break
         # what was left out on all the devices stays said (the smaller search may have no such plans)
@@ -471,9 +471,9 @@ def _refusal_reasons(best: Best) -> str:
     return "; ".join(f"{why} ({n} plan{'s' * (n > 1)})" for why, n in reasons[:8])
 
 
-def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: list[int], exhaustive: bool,
-                 objective: str, say: Callable[[str], None], executable: bool = True,
-                 rank_by: str | None = None) -> Best:
+def search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: list[int], exhaustive: bool,
+                objective: str, say: Callable[[str], None], executable: bool = True,
+                rank_by: str | None = None) -> Best:
     """Branch and bound over the plans (module docstring). With ``placements="torch"`` and
     ``executable``, only plans the torch backend executes are candidates (:mod:`polyparallel.backends.torch.
     capabilities`); when none of those fits, the search runs again over every plan and says so.
@@ -579,7 +579,7 @@ def _search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: li
         left = _refusal_reasons(best)
         if best.est is None:
             say("no plan the torch backend executes fits; searching every plan")
-            again = _search_sync(mdl, cl, B, c, devs, exhaustive, objective, say, executable=False, rank_by=rank_by)
+            again = search_sync(mdl, cl, B, c, devs, exhaustive, objective, say, executable=False, rank_by=rank_by)
             again.notes.insert(0, "no plan the torch backend executes exactly fits: this strategy is for planning "
                                f"only (polyparallel train refuses it). Left out: {left}")
             return again
@@ -707,7 +707,7 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
         refused: list[str] = []
         for local in dict.fromkeys((share, mdl.b0 * len(devs))):
             try:
-                best = _search_sync(mdl, cl, local, cc, devs, exhaustive, "throughput", lambda _: None)
+                best = search_sync(mdl, cl, local, cc, devs, exhaustive, "throughput", lambda _: None)
             except ValueError:
                 continue
             cands += best.candidates
@@ -744,15 +744,20 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
     # H from the round simulator (cost_models/collab_simulator.py): every center's own step time and WAN
     # link, the server's fusion and Flower's fixed cost per round; the slowest center sets the pace
     links = [ce.wan for ce, _, _, _ in per_center]
-    H, sim = choose_local_steps(SimInputs.make(
+    inputs = SimInputs.make(
         [ce.name for ce, _, _, _ in per_center], [e.step_time for _, e, _, _ in per_center], 1,
         mdl.graph(mdl.b0).param_count(), down_Bps=[w.down_bandwidth if w else math.inf for w in links],
-        up_Bps=[w.up_bandwidth if w else math.inf for w in links], latency_s=[w.latency if w else 0.0 for w in links]),
-        c.comm_fraction, c.max_local_steps)
+        up_Bps=[w.up_bandwidth if w else math.inf for w in links], latency_s=[w.latency if w else 0.0 for w in links])
+    H, sim = choose_local_steps(inputs, c.comm_fraction, c.max_local_steps)
     round_time, comm = float(sim.round_s[0]), sim.critical_comm_share()
     fixed, fuse = float(sim.dur["framework"][0, 0]), float(sim.dur["fuse"][0, 0])
     fusion = float((sim.dur["distribute"][0] + sim.dur["upload"][0]).max())  # the slowest link's transfers
     local_s = round_time - fixed - fuse - fusion
+    overlap = _overlapped_rounds(inputs, c, per_center, comm, notes)
+    if overlap:  # priced at the steady overlapped round: what is exposed of the communication is 'fusion'
+        H, sim = overlap
+        round_time, local_s = float(sim.round_s[-1]), float(sim.dur["compute"][-1].max())
+        comm, fixed, fuse, fusion = 1 - local_s / round_time, 0.0, 0.0, round_time - local_s
     centers = [CenterPlan(name=ce.name, framework=ce.framework, devices=devs, share=round(r / total_rate, 6),
                           local_strategy={**e.config.record_fields(CENTER_FIELDS), "placements": c.placements,
                                           **center_placements(placed),
@@ -766,7 +771,7 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
                    comm_fraction=comm, breakdown={"local_compute": local_s, "fusion": fusion, "framework": fixed,
                                                   "server_fusion": fuse})
     collab = Collaborative(centers=centers, fusion="fedavg", local_steps=H, rounds=1, compression="none",
-                           round_time_s=round_time, comm_fraction=comm)
+                           round_time_s=round_time, comm_fraction=comm, overlap=H if overlap else 0)
     g = mdl.graph(mdl.b0)
     strat = Strategy(model=model_info(mdl, g, mdl.b0, B), cluster=cl.to_dict() if hasattr(cl, "to_dict") else {},
                      mode="collaborative", global_batch=B, dp=1, tp=1, pp=1, sp=1,
@@ -774,6 +779,26 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
                                devices=all_devs),
                      collaborative=collab, estimate=est)
     return strat, cands, notes
+
+
+def _overlapped_rounds(inputs: SimInputs, c: Constraints, per_center: list, sync_comm: float,
+                       notes: list[str]) -> tuple[int, Any] | None:
+    """Overlapped fusion (``overlap = H``, ``backends/collab/_overlap.py``) where synchronous rounds
+    cannot meet the communication budget within ``max_local_steps``: the smallest ``H`` whose steady
+    overlapped round exposes at most the budget (:func:`choose_local_steps`), and its simulated rounds;
+    None where synchronous rounds meet it (overlap costs accuracy: every update is one round stale in
+    its steps ahead), where it would not expose less, or where a center is not one torch process."""
+    if sync_comm <= c.comm_fraction or not c.overlap or any(
+            ce.framework != "torch" or len(devs) != 1 for ce, _, devs, _ in per_center):
+        return None
+    H, sim = choose_local_steps(inputs, c.comm_fraction, c.max_local_steps, overlapped=True)
+    exposed = 1 - float(sim.dur["compute"][-1].max() / sim.round_s[-1])
+    if exposed >= sync_comm:
+        return None
+    notes.append(f"overlapped fusion (overlap={H}): synchronous rounds expose {sync_comm:.0%} of the round to "
+                 f"communication at the most local steps allowed; overlapped by a whole round {exposed:.0%} at H={H} "
+                 "(constraints overlap=False: synchronous rounds only)")
+    return H, sim
 
 
 def _does_not_fit_message(mdl: ModelGraphs, cl: Cluster, best: Best | None) -> str:
@@ -806,13 +831,15 @@ def _opaque_note(graph: Graph | None) -> list[str]:
             f"so their cost and splits are not modelled: {shown}{' ...' if len(ops) > 3 else ''}"]
 
 
-def _check_cluster(cluster: Any) -> None:
+def check_cluster(cluster: Any) -> None:
+    """Refuse a cluster argument that is not a preset name, a spec path or a Cluster (search and evaluate)."""
     if not isinstance(cluster, Cluster | str | Path):
         raise ValueError(f"cluster (the third argument) must be a preset name, a spec path or a Cluster, not a "
                          f"{type(cluster).__name__}; keyword inputs of the model go in example_kwargs={{...}}")
 
 
-def _check_batch(batch_size: Any) -> None:
+def check_batch_size(batch_size: Any) -> None:
+    """Refuse a global batch that is not unset or a whole number >= 1 (search and evaluate)."""
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size={batch_size!r}: give the global batch as a whole number >= 1 (samples per "
                          "optimizer step), or leave it unset for the example batch times the devices")

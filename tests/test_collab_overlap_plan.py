@@ -1,0 +1,62 @@
+"""The collaborative search chooses and prices overlapped fusion (issue 39): a Strategy records
+``collaborative.overlap``, the simulator and the collaborative backend read it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def plans():
+    """Three one-GPU torch centers on 100 Mbit/s, 30 ms links: the free search (synchronous rounds meet
+    20% at a large H), the search capped at a quarter of that H (they cannot), and the same capped
+    search with overlapped fusion ruled out."""
+    import polyparallel as pp
+    from polyparallel.cluster import Cluster
+
+    cl = Cluster.from_dict({"name": "w", "centers": [
+        {"name": n, "nodes": [{"device": "v100-sxm2-32gb", "devices_per_node": 1}],
+         "wan": {"bandwidth": "100 Mb/s", "latency": "30 ms"}} for n in ("x", "y", "z")]})
+    free = pp.search("mlp", cluster=cl, constraints={"mode": "collaborative"})
+    cap = free.collaborative.local_steps // 4
+    capped = pp.search("mlp", cluster=cl, constraints={"mode": "collaborative", "max_local_steps": cap})
+    sync = pp.search("mlp", cluster=cl, constraints={"mode": "collaborative", "max_local_steps": cap,
+                                                     "overlap": False})
+    return free, cap, capped, sync
+
+
+def test_search_overlaps_rounds_where_synchronous_ones_cannot_meet_the_budget(plans):
+    from polyparallel.cost_models.collab_simulator import inputs_from_strategy, simulate_rounds
+
+    free, cap, capped, sync = plans
+    assert free.collaborative.overlap == 0 and '"overlap"' not in free.to_json()  # synchronous: the file as before
+    assert sync.collaborative.overlap == 0 and sync.collaborative.local_steps == cap
+    assert sync.collaborative.comm_fraction > 0.2
+    c = capped.collaborative
+    assert 1 <= c.local_steps <= cap and c.overlap == c.local_steps
+    assert c.comm_fraction <= 0.2 + 1e-9 and any("overlapped fusion" in n for n in capped.search.notes)
+    # priced as the simulator's steady overlapped round of the written plan (it reads overlap from it)
+    x = inputs_from_strategy(capped)
+    assert x.overlap == c.overlap
+    res = simulate_rounds(x, 3)
+    assert c.round_time_s == pytest.approx(float(res.round_s[-1]), rel=1e-9)
+    exposed = 1 - res.dur["compute"][-1].max() / res.round_s[-1]
+    assert c.comm_fraction == pytest.approx(float(exposed), rel=1e-9)
+    # the smallest such H: one step fewer exposes more than the budget
+    h = c.local_steps - 1
+    fewer = simulate_rounds(dataclasses.replace(x, local_steps=h, overlap=h), 3)
+    assert 1 - fewer.dur["compute"][-1].max() / fewer.round_s[-1] > 0.2
+
+
+def test_a_strategy_with_overlap_runs_overlapped(plans, tmp_path):
+    from polyparallel.backends.collab import ModelSpec, config_from_strategy
+    from polyparallel.strategy import Strategy
+
+    _, _, capped, _ = plans
+    back = Strategy.from_json(capped.to_json())
+    assert back.collaborative.overlap == capped.collaborative.overlap
+    cfg = config_from_strategy(back, ModelSpec("mlp", (8,), 2))
+    assert cfg.overlap == cfg.local_steps == capped.collaborative.local_steps
+    assert config_from_strategy(back, ModelSpec("mlp", (8,), 2), overlap=0).overlap == 0
