@@ -60,17 +60,10 @@ def model(seq: int = 8192, name: str = "llama") -> torch.nn.Module:
     positions and the causal mask built from aranges; 2 K/V heads) at the same width."""
     if name == "llama":
         return models.Llama(models.LlamaConfig(seq=seq, **SHAPE))
-    import transformers
+    from tests.zoo import hf_decoder
 
-    from tests.zoo import _HFLoss
-
-    config, causal_lm = {"hf_llama": ("LlamaConfig", "LlamaForCausalLM"),
-                         "hf_qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[name]
-    cfg = getattr(transformers, config)(
-        vocab_size=SHAPE["vocab"], hidden_size=SHAPE["hidden"], intermediate_size=SHAPE["ffn"],
-        num_hidden_layers=SHAPE["layers"], num_attention_heads=SHAPE["heads"], num_key_value_heads=2,
-        max_position_embeddings=seq)
-    return _HFLoss(getattr(transformers, causal_lm)(cfg), "input_ids")
+    return hf_decoder(name.removeprefix("hf_"), vocab=SHAPE["vocab"], layers=SHAPE["layers"], hidden=SHAPE["hidden"],
+                      heads=SHAPE["heads"], kv_heads=2, ffn=SHAPE["ffn"], seq=seq)
 
 
 def data(step: int, seq: int = 8192, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

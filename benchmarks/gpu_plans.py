@@ -52,14 +52,9 @@ def model(name: str, seq: int, size: str) -> torch.nn.Module:
                                                kv_heads=kv, ffn=ffn))
     if name == "gpt":
         return models.GPT(models.GPTConfig(vocab=vocab, seq=seq, layers=layers, hidden=hidden, heads=heads))
-    import transformers
+    from tests.zoo import hf_decoder
 
-    from tests.zoo import _HFLoss
-
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
-                                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-                                   max_position_embeddings=seq)
-    return _HFLoss(transformers.LlamaForCausalLM(cfg), "input_ids")
+    return hf_decoder("llama", vocab=vocab, layers=layers, hidden=hidden, heads=heads, kv_heads=kv, ffn=ffn, seq=seq)
 
 
 def data(step: int, seq: int, batch: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -239,7 +239,7 @@ def test_memory_objective_is_least_memory_within_ten_percent(tiny_gpt):
     # brute force over the wide enumeration the memory objective uses
     mdl = ModelGraphs(m, a, k)
     cl = Cluster.preset("local-cpu:4")
-    wide = planner._search_sync(mdl, cl, 16, planner.Constraints(), list(range(4)), False, "memory", lambda _: None)
+    wide = planner.search_sync(mdl, cl, 16, planner.Constraints(), list(range(4)), False, "memory", lambda _: None)
     everything = [(max(r.total for r in e.memory), e.step_time) for e in
                   (estimate_step(c.graph, cl, c.bound.config) for c in wide.fitting)]
     limit = 1.1 * min(t for _, t in everything)

@@ -64,12 +64,22 @@ def hf_gpt2() -> nn.Module:
     return _HFLoss(GPT2LMHeadModel(cfg), "input_ids")
 
 
-def hf_llama() -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def hf_decoder(family: str, *, vocab: int, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int,
+               seq: int) -> nn.Module:
+    """HF's ``llama`` or ``qwen2`` causal LM of the given shape, wrapped as ``forward(ids, labels)``
+    (the benchmarks build theirs at other widths with it)."""
+    import transformers
 
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
-    return _HFLoss(LlamaForCausalLM(cfg), "input_ids")
+    config, causal_lm = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[family]
+    cfg = getattr(transformers, config)(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=seq)
+    return _HFLoss(getattr(transformers, causal_lm)(cfg), "input_ids")
+
+
+def hf_llama() -> nn.Module:
+    return hf_decoder("llama", vocab=VOCAB, layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, seq=SEQ)
 
 
 def hf_bloom() -> nn.Module:
@@ -82,11 +92,7 @@ def hf_bloom() -> nn.Module:
 
 
 def hf_qwen2() -> nn.Module:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ)
-    return _HFLoss(Qwen2ForCausalLM(cfg), "input_ids")
+    return hf_decoder("qwen2", vocab=VOCAB, layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, seq=SEQ)
 
 
 def hf_mixtral() -> nn.Module:

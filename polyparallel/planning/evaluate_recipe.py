@@ -19,7 +19,7 @@ from polyparallel.planning.executor_check import checked_as_placed
 from polyparallel.planning.model_graphs import ModelGraphs
 from polyparallel.planning.model_inputs import model_and_inputs
 from polyparallel.planning.place_plan import MODES
-from polyparallel.planning.plan_search import _check_batch, _check_cluster, _search_sync
+from polyparallel.planning.plan_search import check_batch_size, check_cluster, search_sync
 from polyparallel.strategy import SearchRecord, Strategy
 
 __all__ = ["evaluate"]
@@ -51,8 +51,8 @@ def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Pa
     then ``estimate.memory_bytes_max`` exceeds the capacity and ``search.notes`` says why).
     """
     Constraints(dp=dp, tp=tp, pp=pp, sp=sp, cp=cp, ep=ep)  # raises on degrees no plan has
-    _check_batch(batch_size)
-    _check_cluster(cluster)
+    check_batch_size(batch_size)
+    check_cluster(cluster)
     model, example_inputs, example_kwargs, _ = model_and_inputs(model, example_inputs, example_kwargs)
     cl = cluster if isinstance(cluster, Cluster) else Cluster.resolve(str(cluster))
     mdl = ModelGraphs(model, example_inputs, example_kwargs)
@@ -82,7 +82,7 @@ def evaluate(model: Any, example_inputs: Any = None, cluster: Cluster | str | Pa
     if placements not in MODES:
         raise ValueError(f"placements must be one of {', '.join(MODES)}, not {placements!r}")
     t0 = time.perf_counter()
-    best = _search_sync(mdl, cl, B, c, devs, False, "throughput", lambda _: None, rank_by=placements)
+    best = search_sync(mdl, cl, B, c, devs, False, "throughput", lambda _: None, rank_by=placements)
     record = SearchRecord(capture_s=round(mdl.capture_s, 3), search_s=round(time.perf_counter() - t0, 3),
                           candidates=best.candidates, solver="evaluate")
     if best.est is None:
