@@ -174,7 +174,8 @@ def run(args: argparse.Namespace) -> dict:
                     "center_labels": [np.bincount(ytr[p], minlength=10).tolist() for p in parts],
                     "rounds": args.rounds, "local_steps": args.local_steps, "batch": args.batch, "lr": args.lr,
                     "momentum": args.momentum, "lr_schedule": "cosine", "fusion": "fedavg",
-                    "prune_rounds": K, "score": args.score, "score_batches": args.score_batches,
+                    "prune_rounds": K, "prune_warmup": args.prune_warmup, "score": args.score,
+                    "score_batches": args.score_batches,
                     "target": args.target, "allocation": args.allocation,
                     "seed": args.seed, "machine": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "load_avg_start": os.getloadavg()[0]},
@@ -208,6 +209,7 @@ def run(args: argparse.Namespace) -> dict:
         for ratio in [float(r) for r in args.ratios.split(",")]:
             opts = dict(score=args.score, score_batches=args.score_batches, target=args.target,
                         allocation=args.allocation)
+            warm = dict(warmup=args.prune_warmup)  # the online arms' dense rounds before the masks
             for arm in ("online", "once", "online-long"):
                 if not want(f"{arm}:{ratio:g}"):
                     continue
@@ -215,7 +217,7 @@ def run(args: argparse.Namespace) -> dict:
                 try:
                     if arm.startswith("online"):  # online-long: as many rounds as the once arm's model in all
                         rounds = args.rounds if arm == "online" else 2 * args.rounds + 1 - K
-                        cfg = CollabConfig(rounds=rounds, prune=PruneSpec(ratio, rounds=K, **opts), **base)
+                        cfg = CollabConfig(rounds=rounds, prune=PruneSpec(ratio, rounds=K, **opts, **warm), **base)
                         res = run_inprocess(cfg, data)
                     else:
                         cfg = CollabConfig(rounds=1 + args.rounds - K, prune=PruneSpec(ratio, rounds=1, **opts), **base)
@@ -319,6 +321,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--prune-rounds", type=int, default=10, help="K (0: rounds // 2)")
+    ap.add_argument("--prune-warmup", type=int, default=0,
+                    help="online arms: rounds of dense training before the masks (PruneSpec.warmup)")
     ap.add_argument("--score", default="fisher")
     ap.add_argument("--score-batches", type=int, default=4)
     ap.add_argument("--target", default="params", help="what RATIO is a share of: params or channels")
@@ -351,8 +355,8 @@ def main() -> None:
                     rows.setdefault(arm, row)
         for m in res["models"].values():  # the table's order: unpruned arms, then by ratio, online before once
             m["rows"] = dict(sorted(m["rows"].items(), key=row_order))
-        keys = ("rounds", "local_steps", "lr", "prune_rounds", "score", "seed", "train_rows", "alpha", "target",
-                "allocation")
+        keys = ("rounds", "local_steps", "lr", "prune_rounds", "prune_warmup", "score", "seed", "train_rows", "alpha",
+                "target", "allocation")
         if any({k: p["setting"].get(k) for k in keys} != {k: res["setting"].get(k) for k in keys} for p in parts):
             raise SystemExit("--merge: the runs' settings differ")
         res["setting"]["load_avg"] = [[p["setting"]["load_avg_start"], p["setting"]["load_avg_end"]] for p in parts]

@@ -186,6 +186,12 @@ def test_spec_refuses_bad_values_and_schedules_cubically():
     assert s.sparsity(1) == pytest.approx(0.5 * (1 - 0.75 ** 3))
     assert s.sparsity(2) == pytest.approx(0.5 * (1 - 0.5 ** 3))
     assert s.sparsity(4) == s.sparsity(9) == 0.5
+    for bad in (-1, 4, 1.5):
+        with pytest.raises(PruneError, match=r"warmup must be an integer in \[0, K=4\)"):
+            PruneSpec(0.5, rounds=4, warmup=bad)
+    w = PruneSpec(0.5, rounds=6, warmup=2)  # dense rounds 1-2, then the same cubic ramp over rounds 3..6
+    assert w.sparsity(1) == w.sparsity(2) == 0.0
+    assert [w.sparsity(t) for t in (3, 4, 6)] == [s.sparsity(t) for t in (1, 2, 4)]
 
 
 # --------------------------------------------------------------------------- scores by hand
@@ -363,6 +369,20 @@ def test_two_round_federation_cuts_after_round_k_and_every_side_agrees():
     assert res.rounds[1].bytes_up["a"] < res.rounds[0].bytes_up["a"]
     assert np.isfinite(res.rounds[1].eval["loss"])  # the server evaluates the cut model
     assert json.dumps(res.to_dict()["pruning"])  # plan and masks are JSON
+
+
+@pytest.mark.slow
+def test_warmup_rounds_train_the_whole_model_and_still_score():
+    """With warmup 1 the first round's fused model is left whole (no channel zeroed), its scores count."""
+    data, _ = _digits(rows=60)
+    seen = []
+    cfg = _config(rounds=2, local_steps=1, prune=PruneSpec(0.5, rounds=2, score="magnitude", warmup=1,
+                                                            target="channels", allocation="uniform"))
+    res = collaborate(cfg, data, on_round=lambda rec: seen.append(rec.accepted))
+    assert seen == [("a", "b", "c")] * 2  # round 1's scores were checked and taken
+    assert [m["sparsity"] for m in res.pruning["masks"]] == [0.0, 0.5]
+    assert res.pruning["masks"][0]["masked_channels"] == 0 and res.pruning["masks"][1]["masked_channels"] > 0
+    assert res.params["stem.weight"].shape[0] == 8  # cut after round 2 at half the channels
 
 
 def test_scores_are_checked_like_the_update():

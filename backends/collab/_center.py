@@ -331,15 +331,15 @@ def center_evaluate(trainer: LocalTrainer, params: Mapping[str, np.ndarray]) -> 
 def _scores(trainer: Any, local: Mapping[str, np.ndarray], config: CollabConfig, round_idx: int) -> Payload:
     """The center's pruning scores of its local model (``_pruning.center_scores``), on batches of its own rows
     drawn apart from the training batches; every process of the job imports the pruning library only here."""
-    from ._pruning import center_scores
+    from ._pruning import center_scores, scoring_model
 
-    model = getattr(trainer, "_model", None)
-    if model is None:
-        raise ValueError(f"pruning needs a torch trainer holding its model; {type(trainer).__name__} does not")
+    if getattr(trainer, "_model", None) is None:
+        raise ValueError(f"pruning needs a trainer holding its model; {type(trainer).__name__} does not")
+    model, objective = scoring_model(trainer)  # a MindSpore center's: its torch twin, under the map's names
     load_torch_state(model, dict(local))
     batches = batch_indices(len(trainer.x), trainer.batch_size, config.prune.score_batches, trainer.seed,
                             trainer.center_index, 0x5C0000 + round_idx)
-    return center_scores(model, trainer._objective, torch_from(trainer.x),
+    return center_scores(model, objective, torch_from(trainer.x),
                          label_tensor(trainer.y, trainer.model_spec.loss), batches, config.prune, config.compression)
 
 

@@ -208,10 +208,10 @@ def run_inprocess(config: CollabConfig, data: Data | None = None, *,
 def _conform(server: FederationServer, pool: Mapping[str, LocalTrainer]) -> None:
     """Hand the pruning plan (once cut) to every center, which cuts its own model the same way."""
     if server.pruning is not None and server.pruning.plan is not None:
-        from ._pruning import conform_trainer
+        from ._pruning_foreign import conform  # a torch center cuts its model, a MindSpore one masks its twin
 
         for t in pool.values():
-            conform_trainer(t, server.pruning.plan)
+            conform(t, server.pruning.plan)
 
 
 def _run_rounds(config: CollabConfig, server: FederationServer, pool: Mapping[str, LocalTrainer],

@@ -14,7 +14,7 @@ Messages (all a center ever sends is in :func:`reply_content`):
   reply's ``binding`` metric ties its update to it, see :mod:`._validation`), ``proximal_mu``), and for SCAFFOLD
   ``control`` + ``control-layout`` (the server's control variate ``c``, packed the same way); a pruning job,
   once the server has cut, ``pruning`` (ConfigRecord: ``plan``, the JSON plan the center cuts its own model
-  with, once, before training or evaluating: :func:`~._pruning.conform_trainer`);
+  with, once, before training or evaluating: :func:`~._pruning_foreign.conform`);
 - center → server: ``update`` + ``layout`` (the encoded update, see :mod:`._wire`, packed the same
   way; for SCAFFOLD it also holds the center's ``c_i⁺`` under ``c/`` keys, in a pruning job's scoring rounds its
   channel scores under ``p/`` keys, :mod:`._pruning`), ``metrics`` (MetricRecord:
@@ -139,9 +139,9 @@ def _plan_records(server: FederationServer) -> dict[str, ConfigRecord]:
 def _conform_to(msg: Message, trainer: LocalTrainer) -> None:
     """Give the center's model the architecture of the plan the message carries (once per trainer)."""
     if _PLAN_KEY in msg.content:
-        from ._pruning import conform_trainer
+        from ._pruning_foreign import conform
 
-        conform_trainer(trainer, json.loads(str(msg.content[_PLAN_KEY]["plan"])))
+        conform(trainer, json.loads(str(msg.content[_PLAN_KEY]["plan"])))
 
 
 # --------------------------------------------------------------------------------------------- center

@@ -278,6 +278,7 @@ class _MindSpore(Framework):
 
         grad_fn = ms.value_and_grad(forward, None, opt.parameters, has_aux=True)
         reduce = self.grad_reducer(opt.parameters)
+        after_step = getattr(trainer, "after_step", None)  # a pruned job's masked twin: removed entries back to 0
         losses = []
         for batch in trainer.batches(steps, round_idx):
             idx = self.share(batch)
@@ -285,6 +286,8 @@ class _MindSpore(Framework):
             yb = ms.Tensor(_ms_labels(spec, trainer.y[idx]))
             (_, data), grads = grad_fn(xb, yb)
             opt(reduce(grads))
+            if after_step is not None:
+                after_step()
             losses.append(float(data.asnumpy()))
         return losses
 

@@ -66,9 +66,10 @@ matching inputs (the group keyed ``<proj>:in``); whole heads are not removed (th
 would have to change with the cut on every center).
 
 Engines: in-process, and Flower over its messages (the scores in the replies, the plan in the server's
-messages after the cut, :mod:`._flower_app`; the same model bit for bit). Torch-only for now: MindSpore
-centers, data-parallel centers, the socket data channel and ``serve`` deployments refuse a pruning job
-with a line saying so.
+messages after the cut, :mod:`._flower_app`; the same model bit for bit). Centers: torch, and MindSpore
+through the parameter map (scores by its torch twin, the cut model trained as its masked full-size cell,
+:mod:`._pruning_foreign`); data-parallel and other frameworks' centers, the socket data channel and
+``serve`` deployments refuse a pruning job with a line saying so.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ from ._wire import check_payload, decode_update, encode_update
 __all__ = ["MIN_KEEP", "PRUNE_ALLOCATIONS", "PRUNE_SCORES", "PRUNE_TARGETS", "SCORE_FUSIONS", "SCORE_PREFIX",
            "PruneError", "PruneSpec", "ServerPruning", "apply_plan", "attention_heads", "center_scores",
            "channel_ratio_for", "conform_trainer", "example_input", "group_scores", "kept_whole", "mask_and_plan",
-           "output_layers", "params_after", "saliency"]
+           "output_layers", "params_after", "saliency", "scoring_model"]
 
 PRUNE_SCORES = ("magnitude", "taylor", "fisher")
 #: what ``PruneSpec.ratio`` is a share of: the model's parameters, or every prunable group's channels
@@ -112,7 +113,7 @@ class PruneSpec:
         ratio: the target sparsity, in (0, 1): with ``target="params"`` (the default) the share of the
             model's parameters the cut removes (at least that: channels are whole), with
             ``target="channels"`` the share of every prunable group's channels.
-        rounds: ``K``: soft masks in rounds ``1..K``, the structural cut after round ``K``.
+        rounds: ``K``: soft masks in rounds ``warmup+1..K``, the structural cut after round ``K``.
         score: ``magnitude``, ``taylor`` or ``fisher`` (:data:`PRUNE_SCORES`).
         score_batches: batches of the center's rows its data-dependent scores average over.
         ema: weight of the past rounds in the server's running fused scores (0: the last round only).
@@ -120,6 +121,9 @@ class PruneSpec:
         allocation: ``uniform`` (every group loses the same share of its channels) or ``global`` (one
             ranking of the fused, group-normalised scores across the groups, Torch-Pruning's global
             pruning, each group keeping at least :data:`MIN_KEEP` of its channels).
+        warmup: rounds ``1..warmup`` train the full model unmasked (the centers score from round 1, so
+            the ranking the masks start from has averaged over them), the sparsity then rises over rounds
+            ``warmup+1..K`` (Zhu & Gupta's schedule starts after ``t0`` steps of dense training); ``0 <= warmup < K``.
     """
 
     ratio: float
@@ -129,6 +133,7 @@ class PruneSpec:
     ema: float = 0.5
     target: str = "params"
     allocation: str = "global"
+    warmup: int = 0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.ratio, int | float) and 0.0 < self.ratio < 1.0):
@@ -143,13 +148,16 @@ class PruneSpec:
             raise PruneError(f"ema must be in [0, 1), got {self.ema}")
         if self.target not in PRUNE_TARGETS:
             raise PruneError(f"unknown pruning target {self.target!r}; choose one of {PRUNE_TARGETS}")
+        if int(self.warmup) != self.warmup or not 0 <= self.warmup < self.rounds:
+            raise PruneError(f"pruning warmup must be an integer in [0, K={self.rounds}), got {self.warmup}")
         if self.allocation not in PRUNE_ALLOCATIONS:
             raise PruneError(f"unknown pruning allocation {self.allocation!r}; choose one of {PRUNE_ALLOCATIONS}")
 
     def sparsity(self, round_idx: int) -> float:
-        """The target sparsity after round ``round_idx``: ``ratio · (1 − (1 − t/K)³)`` (a share of the
-        parameters or of the channels, as ``target`` says)."""
-        t = min(max(round_idx, 0), self.rounds) / self.rounds
+        """The target sparsity after round ``round_idx``: ``ratio · (1 − (1 − t)³)``, ``t = (round − W) /
+        (K − W)`` clipped to [0, 1], ``W`` the warmup (a share of the parameters or of the channels, as
+        ``target`` says): 0 in the warmup rounds, ``ratio`` at round ``K``."""
+        t = min(max(round_idx - self.warmup, 0), self.rounds - self.warmup) / (self.rounds - self.warmup)
         return self.ratio * (1.0 - (1.0 - t) ** 3)
 
 
@@ -574,11 +582,28 @@ def conform_trainer(trainer: Any, plan: Sequence[Sequence[Any]] | None) -> None:
     """Give a center's torch model the pruned architecture of ``plan`` (once: a later call is a no-op)."""
     if not plan or getattr(trainer, "_pruned_by", None) is not None:
         return
+    if hasattr(trainer, "fw"):  # a MindSpore center: its full-size cell, the removed channels held at zero
+        raise TypeError("a foreign center takes the cut with _pruning_foreign.conform (its masked twin)")
     from ._objective import TorchObjective
 
     apply_plan(trainer._model, example_input(trainer.x[:1]), plan)
     trainer._objective = TorchObjective(trainer._model, trainer.model_spec.loss)
     trainer._pruned_by = plan
+
+
+def scoring_model(trainer: Any) -> tuple[Any, Any]:
+    """``(torch model, objective)`` a center scores its channels with: a torch center's own; a foreign
+    (MindSpore) center's torch twin, built once: the model its parameter map was checked against."""
+    from ._models import build_torch_model
+    from ._objective import TorchObjective
+
+    if not hasattr(trainer, "fw"):
+        return trainer._model, trainer._objective
+    twin = trainer.__dict__.get("_pp_twin")
+    if twin is None:
+        model = build_torch_model(trainer.model_spec, trainer.seed)
+        twin = trainer.__dict__["_pp_twin"] = (model, TorchObjective(model, trainer.model_spec.loss))
+    return twin
 
 
 # --------------------------------------------------------------------------- the server's side
@@ -676,6 +701,10 @@ class ServerPruning:
         if not self.scores:  # no center has scored yet: nothing to rank by
             return params
         ratio = self.spec.sparsity(round_idx)
+        if ratio <= 0.0:  # a warmup round: the scores add up, the model stays whole
+            self.history.append({"round": round_idx, "sparsity": 0.0, "channel_ratio": 0.0,
+                                 "params_kept": self.params_full, "masked_channels": 0})
+            return params
         load_torch_state(self.model, params)
         channels, kept_params = self.channel_ratio(ratio, self.scores)
         plan = mask_and_plan(self.model, self.example, channels, self.scores, allocation=self.spec.allocation)
@@ -696,4 +725,4 @@ class ServerPruning:
                 "heads": {n: h for n, m in self.model_full.named_modules()
                           for q, h in attention_heads(self.model_full).items() if q is m},
                 "spec": {"ratio": self.spec.ratio, "rounds": self.spec.rounds, "score": self.spec.score,
-                         "target": self.spec.target, "allocation": self.spec.allocation}}
+                         "target": self.spec.target, "allocation": self.spec.allocation, "warmup": self.spec.warmup}}
