@@ -357,7 +357,10 @@ def main() -> None:
             m["rows"] = dict(sorted(m["rows"].items(), key=row_order))
         keys = ("rounds", "local_steps", "lr", "prune_rounds", "prune_warmup", "score", "seed", "train_rows", "alpha",
                 "target", "allocation")
-        if any({k: p["setting"].get(k) for k in keys} != {k: res["setting"].get(k) for k in keys} for p in parts):
+        def same(p: dict) -> dict:  # runs from before --prune-warmup existed had none
+            return {k: p["setting"].get(k, 0 if k == "prune_warmup" else None) for k in keys}
+
+        if any(same(p) != same(res) for p in parts):
             raise SystemExit("--merge: the runs' settings differ")
         res["setting"]["load_avg"] = [[p["setting"]["load_avg_start"], p["setting"]["load_avg_end"]] for p in parts]
         if args.remeasure_latency:
