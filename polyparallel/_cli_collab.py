@@ -228,7 +228,8 @@ _HELP = {
     "holdout": ("fraction of each center's rows kept out of training; the centers evaluate every fused model on "
                 "them (used when --eval-data is not given)"),
     "overlap": ("K: each center takes K local steps of the next round while its update travels and the server "
-                "fuses, then merges the fused model (0: synchronous rounds; K <= H; in-process engine)"),
+                "fuses, then merges the fused model (0: synchronous rounds; K <= H; default: a --strategy's, else 0; "
+                "in-process, or --engine flower --data-channel socket)"),
     "buffer": ("K: asynchronous buffered rounds, the server fuses the first K updates in, stale ones weighted by "
                "staleness (0: synchronous rounds; in-process engine)"),
     "data_channel": ("with --engine flower: flower (every round's arrays in Flower messages) or socket (Flower enrols "
@@ -287,7 +288,7 @@ def collab_cmd(
         "--round-timeout", help="seconds the server waits for a round's updates (Flower)")] = 600.0,
     holdout: Annotated[float, typer.Option("--holdout", help=_HELP["holdout"])] = 0.0,
     seed: Annotated[int, typer.Option("--seed")] = 0,
-    overlap: Annotated[int, typer.Option("--overlap", help=_HELP["overlap"])] = 0,
+    overlap: Annotated[int | None, typer.Option("--overlap", help=_HELP["overlap"])] = None,
     buffer: Annotated[int, typer.Option("--buffer", help=_HELP["buffer"])] = 0,
     max_staleness: Annotated[int, typer.Option(
         "--max-staleness", help="with --buffer: refuse updates trained from a model more versions old")] = 4,
@@ -325,8 +326,8 @@ def collab_cmd(
     training = dict(batch_size=batch_size, lr=lr, momentum=momentum, lr_schedule=lr_schedule,
                     logit_adjust=logit_adjust, min_centers=min_centers, seed=seed, round_timeout_s=round_timeout,
                     holdout=holdout, norm_bound=0.0 if no_norm_bound else norm_bound, max_abs_update=max_abs_update,
-                    step_bound=step_bound, min_cosine=min_cosine, overlap=overlap, buffer=buffer,
-                    max_staleness=max_staleness)
+                    step_bound=step_bound, min_cosine=min_cosine, buffer=buffer, max_staleness=max_staleness,
+                    **({} if overlap is None else {"overlap": overlap}))  # unset: a Strategy's, else 0
     fixed = dict(rounds=rounds, local_steps=local_steps, fusion=fusion, compression=compression)  # or the Strategy's
     with _user_errors(ValueError, KeyError, json.JSONDecodeError):
         builders = _parse_builders([*(builder or []), *([f"mindspore={mindspore_model}"] if mindspore_model else [])])

@@ -60,3 +60,21 @@ def test_a_strategy_with_overlap_runs_overlapped(plans, tmp_path):
     cfg = config_from_strategy(back, ModelSpec("mlp", (8,), 2))
     assert cfg.overlap == cfg.local_steps == capped.collaborative.local_steps
     assert config_from_strategy(back, ModelSpec("mlp", (8,), 2), overlap=0).overlap == 0
+
+
+def test_collab_runs_a_strategys_overlap_unless_the_flag_says_otherwise(tmp_path, capsys):
+    import json
+
+    from polyparallel.backends.collab import CollabConfig
+    from tests.test_collab_cli import _run, _two_center_strategy
+
+    _two_center_strategy(tmp_path / "s.json")
+    doc = json.loads((tmp_path / "s.json").read_text())
+    doc["collaborative"]["overlap"] = 2
+    (tmp_path / "s.json").write_text(json.dumps(doc))
+    for flag, want in (([], 2), (["--overlap", "0"], 0)):
+        job = tmp_path / f"job{want}.json"
+        code, _, err = _run(["collab", "--strategy", str(tmp_path / "s.json"), "--in-shape", "4", "--classes", "2",
+                             "--fusion", "fedavg", *flag, "--save-config", str(job)], capsys)
+        assert code == 0, err
+        assert CollabConfig.from_json(job.read_text()).overlap == want
