@@ -111,7 +111,7 @@ from typing import Any
 
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, StepEstimate
-from polyparallel.cost_models.collab_simulator import SimInputs, choose_local_steps
+from polyparallel.cost_models.collab_simulator import SimInputs, choose_local_steps, simulate_rounds
 from polyparallel.cost_models.layers import LAYER, chunk_of_ops, layer_segments
 from polyparallel.cost_models.megatron_rule import op_roles, ring_dominated
 from polyparallel.cost_models.memo import PRICES
@@ -753,9 +753,9 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
     fixed, fuse = float(sim.dur["framework"][0, 0]), float(sim.dur["fuse"][0, 0])
     fusion = float((sim.dur["distribute"][0] + sim.dur["upload"][0]).max())  # the slowest link's transfers
     local_s = round_time - fixed - fuse - fusion
-    overlap = _overlapped_rounds(inputs, c, per_center, comm, notes)
+    overlap = _overlapped_rounds(inputs, H, c, per_center, comm, notes)
     if overlap:  # priced at the steady overlapped round: what is exposed of the communication is 'fusion'
-        H, sim = overlap
+        sim = overlap[1]
         round_time, local_s = float(sim.round_s[-1]), float(sim.dur["compute"][-1].max())
         comm, fixed, fuse, fusion = 1 - local_s / round_time, 0.0, 0.0, round_time - local_s
     centers = [CenterPlan(name=ce.name, framework=ce.framework, devices=devs, share=round(r / total_rate, 6),
@@ -771,7 +771,7 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
                    comm_fraction=comm, breakdown={"local_compute": local_s, "fusion": fusion, "framework": fixed,
                                                   "server_fusion": fuse})
     collab = Collaborative(centers=centers, fusion="fedavg", local_steps=H, rounds=1, compression="none",
-                           round_time_s=round_time, comm_fraction=comm, overlap=H if overlap else 0)
+                           round_time_s=round_time, comm_fraction=comm, overlap=overlap[0] if overlap else 0)
     g = mdl.graph(mdl.b0)
     strat = Strategy(model=model_info(mdl, g, mdl.b0, B), cluster=cl.to_dict() if hasattr(cl, "to_dict") else {},
                      mode="collaborative", global_batch=B, dp=1, tp=1, pp=1, sp=1,
@@ -781,24 +781,37 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
     return strat, cands, notes
 
 
-def _overlapped_rounds(inputs: SimInputs, c: Constraints, per_center: list, sync_comm: float,
+def _overlapped_rounds(inputs: SimInputs, H: int, c: Constraints, per_center: list, sync_comm: float,
                        notes: list[str]) -> tuple[int, Any] | None:
-    """Overlapped fusion (``overlap = H``, ``backends/collab/_overlap.py``) where synchronous rounds
-    cannot meet the communication budget within ``max_local_steps``: the smallest ``H`` whose steady
-    overlapped round exposes at most the budget (:func:`choose_local_steps`), and its simulated rounds;
-    None where synchronous rounds meet it (overlap costs accuracy: every update is one round stale in
-    its steps ahead), where it would not expose less, or where a center is not one torch process."""
+    """Overlapped fusion (``backends/collab/_overlap.py``) where synchronous rounds cannot meet the
+    communication budget within ``max_local_steps``: at the same ``H`` (the cap), the fewest steps
+    ahead ``K`` whose steady overlapped round exposes at most the budget (all ``H`` where none does),
+    and its simulated rounds. Fewest, because every step ahead is one round stale: on Fashion-MNIST
+    under Dirichlet(0.3) skew one step of five cost 0.6 points against synchronous rounds, two 1.6,
+    five 6 (``docs/collab.md``), more than a larger ``H`` would. None where synchronous rounds meet
+    the budget, where overlap would not expose less, or where a center is not one torch process."""
     if sync_comm <= c.comm_fraction or not c.overlap or any(
             ce.framework != "torch" or len(devs) != 1 for ce, _, devs, _ in per_center):
         return None
-    H, sim = choose_local_steps(inputs, c.comm_fraction, c.max_local_steps, overlapped=True)
-    exposed = 1 - float(sim.dur["compute"][-1].max() / sim.round_s[-1])
+
+    def at(k: int) -> tuple[float, Any]:
+        sim = simulate_rounds(replace(inputs, local_steps=H, overlap=k), 3)
+        return 1 - float(sim.dur["compute"][-1].max() / sim.round_s[-1]), sim
+
+    lo, hi = 1, H  # the exposed share falls with K: the first K that meets the budget lies in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if at(mid)[0] <= c.comm_fraction:
+            hi = mid
+        else:
+            lo = mid + 1
+    exposed, sim = at(hi)
     if exposed >= sync_comm:
         return None
-    notes.append(f"overlapped fusion (overlap={H}): synchronous rounds expose {sync_comm:.0%} of the round to "
-                 f"communication at the most local steps allowed; overlapped by a whole round {exposed:.0%} at H={H} "
+    notes.append(f"overlapped fusion (overlap={hi} of H={H}): synchronous rounds expose {sync_comm:.0%} of the round "
+                 f"to communication at the most local steps allowed, {hi} steps ahead {exposed:.0%} "
                  "(constraints overlap=False: synchronous rounds only)")
-    return H, sim
+    return hi, sim
 
 
 def _does_not_fit_message(mdl: ModelGraphs, cl: Cluster, best: Best | None) -> str:
