@@ -58,6 +58,10 @@ takes 0.5-2 minutes, a ResNet row 2-4, the first run of a seed adds its unpruned
        --remeasure-latency --out benchmarks/results/collab_pruning.json
     for s in 1 2; do $B --models resnet,vit --only resnet:online:0.5,vit:online:0.5,resnet:once:0.5,vit:once:0.5 \
        --seed $s --out benchmarks/results/collab_pruning_seed$s.json; done
+    for s in 1 2; do for row in vit:online:0.3 vit:online:0.7 resnet:online:0.3 resnet:online:0.7; do  # held out
+       $B --models ${row%%:*} --only $row --seed $s --out /tmp/pr35/held/s${s}_$(echo $row | tr : _).json; done
+       $B --merge benchmarks/results/collab_pruning_seed$s.json,$(ls /tmp/pr35/held/s${s}_*.json | paste -sd,) \
+          --out benchmarks/results/collab_pruning_seed$s.json; done
 
 Without ``--only`` a run takes every row of its models. Latencies taken in the runs are at the load
 the machine had (``load_avg`` in the setting); ``--remeasure-latency`` times every architecture again
@@ -362,7 +366,9 @@ def main() -> None:
 
         if any(same(p) != same(res) for p in parts):
             raise SystemExit("--merge: the runs' settings differ")
-        res["setting"]["load_avg"] = [[p["setting"]["load_avg_start"], p["setting"]["load_avg_end"]] for p in parts]
+        res["setting"]["load_avg"] = [pair for p in parts for pair in  # a merged part keeps its runs' loads
+                                      p["setting"].get("load_avg") or [[p["setting"]["load_avg_start"],
+                                                                        p["setting"]["load_avg_end"]]]]
         if args.remeasure_latency:
             remeasure_latency(res)
     else:
