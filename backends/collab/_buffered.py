@@ -19,9 +19,11 @@ A stale update (``τ = v' − v > 0`` versions old) is not a free pass:
   it to the current version itself (having checked the center's binding), and records ``staleness``
   and ``trained_on`` in the update's metrics.
 
-In-process engine only (every center in its own thread, links as delivery times, as
-:mod:`._overlap`); refused with SCAFFOLD, pruning, overlapped fusion and over Flower. ``rounds`` counts
-fusions. Rounds without ``K`` valid updates (refusals) keep the model and wait for more.
+In-process every center runs in its own thread (links as delivery times, as :mod:`._overlap`); over
+Flower on the lean data channel (:mod:`._lean`) a server thread per center connection hands it the newest
+version each time its update is in. Refused with SCAFFOLD, pruning, overlapped fusion, over Flower
+messages, and with the centers' held-out evaluation over Flower (their connections are busy training).
+``rounds`` counts fusions. Rounds without ``K`` valid updates (refusals) keep the model and wait for more.
 """
 
 from __future__ import annotations
@@ -114,10 +116,14 @@ def _rescaled(payload: Mapping[str, np.ndarray], w: float, method: str) -> dict[
     return encode_update({k: w * v for k, v in decode_update(payload, method).items()}, method)
 
 
-def buffered_rounds(config: Any, server: FederationServer, pool: Mapping[str, Any], evaluate: Any,
+def buffered_rounds(config: Any, server: FederationServer, pool: Mapping[str, Any] | None, evaluate: Any,
                     max_rounds: int | None, on_round: Callable[[RoundRecord], None] | None = None,
-                    tamper: Mapping[str, Any] | None = None, holdout_eval: bool = False) -> None:
-    """Run ``config.rounds`` buffered fusions (module docstring) with every center in its own thread."""
+                    tamper: Mapping[str, Any] | None = None, holdout_eval: bool = False,
+                    centers: Callable[[_Published, queue.Queue], list[threading.Thread]] | None = None) -> None:
+    """Run ``config.rounds`` buffered fusions (module docstring) with every center in its own thread
+    (``pool``: their trainers), or with the threads ``centers(board, replies)`` makes, each serving one
+    center elsewhere (the lean data channel, :mod:`._lean`): it takes the newest version from ``board``
+    (:meth:`_Published.newer_than`) and puts ``(name, payload, metrics)`` on ``replies``."""
     import torch
 
     from ._overlap import _holdout_evaluator
@@ -128,9 +134,9 @@ def buffered_rounds(config: Any, server: FederationServer, pool: Mapping[str, An
     board, replies = _Published(), queue.Queue()
     links = {c.name: LinkThrottle.of(c) for c in config.centers}
     mu = server.fusion.proximal_mu
-    threads = [threading.Thread(target=_center_loop, args=(c.name, pool[c.name], config, mu, links[c.name], board,
-                                                            replies), name=f"center-{c.name}", daemon=True)
-               for c in config.centers]
+    threads = centers(board, replies) if centers is not None else [
+        threading.Thread(target=_center_loop, args=(c.name, pool[c.name], config, mu, links[c.name], board, replies),
+                         name=f"center-{c.name}", daemon=True) for c in config.centers]
     versions: dict[int, tuple[int, int]] = {}  # version -> (nonce, model digest)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(1)

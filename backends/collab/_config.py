@@ -54,6 +54,9 @@ class CenterSpec:
     end of each transfer holds it to ``latency + bytes / bandwidth`` (``_link``): the center its download
     of the model, the server the center's update; so a federation on one machine, where transfers
     otherwise run at memory speed, reproduces WAN-like rounds.
+
+    ``slowdown``: an emulated slower site, as the link fields emulate its link: after each round the
+    center sleeps ``slowdown − 1`` times that round's training time (``_buffered.SlowTrainer``; 1: none).
     """
 
     name: str
@@ -65,8 +68,12 @@ class CenterSpec:
     down_Bps: float = 0.0
     up_Bps: float = 0.0
     latency_s: float = 0.0
+    slowdown: float = 1.0
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.slowdown, int | float) and math.isfinite(self.slowdown) and self.slowdown >= 1):
+            raise ValueError(f"center {self.name!r}: slowdown must be a finite number >= 1 (1: none), "
+                             f"got {self.slowdown!r}")
         if not self.name or not self.name.replace("-", "").replace("_", "").isalnum():
             raise ValueError(f"center name {self.name!r}: use letters, digits, '-' and '_' only")
         if self.framework not in FRAMEWORKS:
@@ -292,6 +299,9 @@ class CollabConfig:
             del d["overlap"]
         if not self.buffer:
             del d["buffer"], d["max_staleness"]
+        for c in d["centers"]:
+            if c["slowdown"] == 1:  # a center of its own speed
+                del c["slowdown"]
         return json.dumps(d, sort_keys=True)
 
     @classmethod

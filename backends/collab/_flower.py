@@ -628,9 +628,11 @@ def run_flower(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.nda
             raise ValueError("a pruning job over Flower traces the model on the shape of the centers' rows: give "
                              "eval_data (--eval-data) or the centers' data here")
         input_like = json.dumps({"shape": [1, *np.shape(rows)[1:]], "dtype": np.asarray(rows).dtype.str})
-    if config.buffer:
-        raise ValueError(f"buffered asynchronous rounds (buffer={config.buffer}) run in the in-process engine only "
-                         "so far: use engine='inprocess' or buffer=0")
+    if config.buffer and (data_channel != "socket" or config.holdout > 0):
+        raise ValueError(f"buffered asynchronous rounds (buffer={config.buffer}) over Flower run on the lean data "
+                         "channel, without the centers' held-out evaluation (their connections are busy training): use "
+                         "data_channel='socket' (--data-channel socket) and holdout=0 (eval_data evaluates on the "
+                         "server), engine='inprocess' or buffer=0")
     if config.overlap and data_channel != "socket":
         raise ValueError(f"overlapped fusion (overlap={config.overlap}) over Flower runs on the lean data channel: "
                          "use data_channel='socket' (--data-channel socket), engine='inprocess' or overlap=0")

@@ -231,6 +231,44 @@ def _ask(peers: dict[str, _Peer], frames: Mapping[str, tuple[dict, dict]], timeo
     return out
 
 
+def _serve_buffered(peers: dict[str, _Peer], server: Any, config: Any, out: Path,
+                    evaluate: Callable[[dict[str, np.ndarray]], dict[str, float]] | None, max_bytes: int,
+                    stop_after: int | None) -> None:
+    """Buffered asynchronous rounds (:mod:`._buffered`) over the connections: a thread per center sends
+    it the newest version as soon as its previous update is in, and hands the update to the server's
+    buffer; the centers' side is the synchronous one (:func:`serve_center`, a round per frame)."""
+    from ._buffered import buffered_rounds
+
+    mu = server.fusion.proximal_mu
+
+    def serve(p: _Peer, board: Any, replies: Any) -> None:
+        v = 0
+        try:
+            p.sock.settimeout(config.round_timeout_s)
+            while (item := board.newer_than(v)) is not None:
+                v, x_v, nonce, _ = item
+                cfg = {"round": v, "nonce": nonce, "proximal_mu": mu}
+                send_frame(p.sock, {"kind": "train", "config": cfg, "t_sent": time.time()},
+                           {f"x/{k}": a for k, a in x_v.items()})
+                header, payload = recv_frame(p.sock, max_bytes)
+                if header.get("kind") != "update" or not isinstance(header.get("metrics"), dict):
+                    raise ValueError(f"a {header.get('kind')!r} frame where an update was due")
+                replies.put((p.name, payload, header["metrics"]))
+        except (OSError, ValueError, ConnectionError) as e:
+            replies.put((p.name, None, {"error": f"data channel: lost {p.name}: {e}"}))
+
+    def centers(board: Any, replies: Any) -> list[threading.Thread]:
+        return [threading.Thread(target=serve, args=(p, board, replies), name=f"channel-{p.name}", daemon=True)
+                for p in peers.values()]
+
+    def record(rec: Any) -> None:
+        with (out / "rounds.jsonl").open("a") as f:
+            f.write(json.dumps(rec.to_dict()) + "\n")
+
+    buffered_rounds(config, server, None, None if evaluate is None else lambda p, v: evaluate(p), stop_after,
+                    on_round=record, centers=centers)
+
+
 def serve_rounds(grid: Any, server: Any, config: Any, nodes: list[int], node_names: Mapping[int, str], out: Path,
                  evaluate: Callable[[dict[str, np.ndarray]], dict[str, float]] | None, links: Mapping[str, Any],
                  host: str = "127.0.0.1", stop_after: int | None = None) -> None:
@@ -255,7 +293,9 @@ def serve_rounds(grid: Any, server: Any, config: Any, nodes: list[int], node_nam
     log.info("data channel %s: %d centers connected (%s)", address, len(peers), ", ".join(sorted(peers)))
     ran = 0
     try:
-        while not server.done and (stop_after is None or ran < stop_after) and peers:
+        if config.buffer:  # asynchronous buffered rounds: each connection takes the newest version when free
+            _serve_buffered(peers, server, config, out, evaluate, max_bytes, stop_after)
+        while not config.buffer and not server.done and (stop_after is None or ran < stop_after) and peers:
             ran += 1
             r, params = server.begin_round()
             arrays = {f"x/{k}": v for k, v in params.items()}

@@ -65,4 +65,8 @@ def make_trainer(config: CollabConfig, center: str, x: np.ndarray, y: np.ndarray
         raise ValueError(f"center {center!r}: no trainer for framework {spec.framework!r}; known: {sorted(TRAINERS)}")
     trainer = TRAINERS[spec.framework](config, center, x, y, kw)
     trainer.holdout = held
+    if spec.slowdown > 1:  # an emulated slower site (CenterSpec.slowdown)
+        from ._buffered import SlowTrainer
+
+        return SlowTrainer(trainer, spec.slowdown)
     return trainer
