@@ -231,7 +231,7 @@ _HELP = {
                 "fuses, then merges the fused model (0: synchronous rounds; K <= H; default: a --strategy's, else 0; "
                 "in-process, or --engine flower --data-channel socket)"),
     "buffer": ("K: asynchronous buffered rounds, the server fuses the first K updates in, stale ones weighted by "
-               "staleness (0: synchronous rounds; in-process engine)"),
+               "staleness (0: synchronous rounds; in-process, or --engine flower --data-channel socket)"),
     "data_channel": ("with --engine flower: flower (every round's arrays in Flower messages) or socket (Flower enrols "
                      "the centers, one TCP connection per center carries the rounds; plain TCP)"),
     "data": ("directory with CENTER.npz (x, y) per center, or MODULE:FUNCTION called at each center with its "
