@@ -353,8 +353,12 @@ def test_a_slow_center_does_not_block_buffered_rounds():
         slow = SlowTrainer(make_trainer(cfg, "c", *data["c"]), extra_s=0.3)
         res = run_inprocess(cfg, data, eval_data=test, trainers={"c": slow})
         out[k] = (float(np.median([r.seconds for r in res.rounds[1:]])), res.rounds[-1].eval["accuracy"], res)
-    (sync_round, _, _), (buf_round, buf_acc, res) = out[0], out[2]
-    assert sync_round > 0.3 > 2 * buf_round, (sync_round, buf_round)  # the slow center paces every sync round
+    (_, _, sync), (_, buf_acc, res) = out[0], out[2]
+    assert all(len(r.accepted) == 3 for r in sync.rounds)  # the slow center is in (and paces) every sync round
+    # buffered: the fusions go on without it, the fast centers fill them (counts, not wall-clock times,
+    # which a loaded machine stretches)
+    count = {n: sum(n in r.accepted for r in res.rounds) for n in "abc"}
+    assert count["c"] < min(count["a"], count["b"]) / 2, count
     stale = [m for r in res.rounds for c, m in r.metrics.items() if c == "c"]
     assert stale and all(m["staleness"] >= 1 for m in stale)  # its updates arrive versions late, weighted:
     assert all(m["staleness_weight"] == pytest.approx((1 + m["staleness"]) ** -0.5) for m in stale)
