@@ -131,6 +131,11 @@ def table(rows: list[dict]) -> str:
         return f"{np.mean(v):{f}} ± {np.std(v):.2f}" if len(v) > 1 else f"{v[0]:{f}}"
 
     sync = {(r["seed"], r["H"]): r for r in rows if r["overlap"] == 0}
+
+    def vs_sync(r: dict) -> float:  # nan where the synchronous run was not made (--no-sync)
+        s = sync.get((r["seed"], r["H"]))
+        return 100 * (r["accuracy"] - s["accuracy"]) if s else float("nan")
+
     out = ["| H | overlap K | seeds | accuracy % | vs pooled (points) | vs synchronous (points) | exposed comm % "
            "| hidden comm s | round s | simulated from sync, error % | from own phases, error % | refused |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -138,7 +143,7 @@ def table(rows: list[dict]) -> str:
         g = [r for r in rows if (r["H"], r["overlap"]) == (H, k)]
         out.append(f"| {H} | {k} | {len(g)} | {pm([100 * r['accuracy'] for r in g], '.2f')} "
                    f"| {pm([100 * (r['accuracy'] - r['pooled']) for r in g])} "
-                   f"| {pm([100 * (r['accuracy'] - sync[(r['seed'], H)]['accuracy']) for r in g])} "
+                   f"| {pm([vs_sync(r) for r in g])} "
                    f"| {pm([r['exposed_pct'] for r in g], '.1f')} | {pm([r['hidden_s'] for r in g], '.3f')} "
                    f"| {pm([r['round_s'] for r in g], '.3f')} | {pm([r['sim_error_pct'] for r in g], '+.1f')} "
                    f"| {pm([r['sim_own_error_pct'] for r in g], '+.1f')} | {sum(r['refused_updates'] for r in g)} |")
