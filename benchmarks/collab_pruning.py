@@ -58,7 +58,8 @@ takes 0.5-2 minutes, a ResNet row 2-4, the first run of a seed adds its unpruned
        --remeasure-latency --out benchmarks/results/collab_pruning.json
     for s in 1 2; do $B --models resnet,vit --only resnet:online:0.5,vit:online:0.5,resnet:once:0.5,vit:once:0.5 \
        --seed $s --out benchmarks/results/collab_pruning_seed$s.json; done
-    for s in 1 2; do for row in vit:online:0.3 vit:online:0.7 resnet:online:0.3 resnet:online:0.7; do  # held out
+    for s in 1 2; do for row in vit:online:0.3 vit:online:0.7 resnet:online:0.3 resnet:online:0.7 \
+                             vit:once:0.3 vit:once:0.7 resnet:once:0.3 resnet:once:0.7; do  # held out
        $B --models ${row%%:*} --only $row --seed $s --out /tmp/pr35/held/s${s}_$(echo $row | tr : _).json; done
        $B --merge benchmarks/results/collab_pruning_seed$s.json,$(ls /tmp/pr35/held/s${s}_*.json | paste -sd,) \
           --out benchmarks/results/collab_pruning_seed$s.json; done
