@@ -151,6 +151,21 @@ def _check_metrics(metrics: Mapping[str, Any]) -> list[str]:
     return []
 
 
+def _round_metrics(center: str, m: Mapping[str, Any], counts: Mapping[str, float], norms: Mapping[str, float],
+                   cos_others: Mapping[str, float], layer_ratio: Mapping[str, float]) -> dict[str, float]:
+    """An accepted center's numbers in the round record: its reply's metrics with the server's sample
+    count (not the claim), its update norm and, where the checks computed them, its direction and layer
+    numbers."""
+    out = {k: float(v) for k, v in m.items() if isinstance(v, int | float)}
+    out["num_samples"] = float(counts[center])
+    out["update_norm"] = norms[center]
+    if center in cos_others:
+        out["cos_others"] = cos_others[center]
+    if center in layer_ratio:
+        out["layer_ratio"] = layer_ratio[center]
+    return out
+
+
 def _flat_step(old: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray]
                ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """The fused step ``x' − x`` in float64, flat over ``old``'s tensors (in order), and the same
@@ -358,13 +373,7 @@ class FederationServer:
             if rep.center in outliers:
                 self._reject(round_idx, rep.center, [outliers[rep.center]], rejected)
                 continue
-            metrics[rep.center] = {k: float(v) for k, v in m.items() if isinstance(v, int | float)}
-            metrics[rep.center]["num_samples"] = float(counts[rep.center])  # the server's count, not the claim
-            metrics[rep.center]["update_norm"] = norms[rep.center]
-            if rep.center in cos_others:
-                metrics[rep.center]["cos_others"] = cos_others[rep.center]
-            if rep.center in layer_ratio:
-                metrics[rep.center]["layer_ratio"] = layer_ratio[rep.center]
+            metrics[rep.center] = _round_metrics(rep.center, m, counts, norms, cos_others, layer_ratio)
             delta = deltas[rep.center]
             local = {k: np.add(self.params[k], delta[k], dtype=np.float64) for k in self.params}  # no float64 copies
             controls = decode_controls(payload, cfg.compression) if control_names else None
