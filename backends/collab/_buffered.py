@@ -39,6 +39,7 @@ import numpy as np
 
 from ._center import center_round
 from ._link import LinkThrottle, nbytes_of
+from ._overlap import _holdout_evaluator
 from ._server import CenterReply, FederationServer, RoundRecord
 from ._validation import bound_metrics, check_binding
 from ._wire import decode_update, encode_update
@@ -125,8 +126,6 @@ def buffered_rounds(config: Any, server: FederationServer, pool: Mapping[str, An
     center elsewhere (the lean data channel, :mod:`._lean`): it takes the newest version from ``board``
     (:meth:`_Published.newer_than`) and puts ``(name, payload, metrics)`` on ``replies``."""
     import torch
-
-    from ._overlap import _holdout_evaluator
 
     if holdout_eval:
         evaluate = _holdout_evaluator(pool, config.model)

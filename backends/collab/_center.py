@@ -40,6 +40,7 @@ import numpy as np
 from ._config import CollabConfig, check_logit_adjust
 from ._models import ModelSpec, build_torch_model, load_torch_state, resolve_reference, torch_state
 from ._objective import TorchObjective, evaluate, label_tensor
+from ._pruning import center_scores, scoring_model
 from ._validation import bound_metrics, model_digest
 from ._wire import Payload, decode_controls, encode_controls, encode_update
 
@@ -330,9 +331,7 @@ def center_evaluate(trainer: LocalTrainer, params: Mapping[str, np.ndarray]) -> 
 
 def _scores(trainer: Any, local: Mapping[str, np.ndarray], config: CollabConfig, round_idx: int) -> Payload:
     """The center's pruning scores of its local model (``_pruning.center_scores``), on batches of its own rows
-    drawn apart from the training batches; every process of the job imports the pruning library only here."""
-    from ._pruning import center_scores, scoring_model
-
+    drawn apart from the training batches (torch_pruning is imported only where a score or a cut needs it)."""
     if getattr(trainer, "_model", None) is None:
         raise ValueError(f"pruning needs a trainer holding its model; {type(trainer).__name__} does not")
     model, objective = scoring_model(trainer)  # a MindSpore center's: its torch twin, under the map's names

@@ -16,12 +16,15 @@ from typing import Any
 
 import numpy as np
 
+from ._buffered import buffered_rounds
 from ._center import LocalTrainer, center_evaluate, center_round, evaluate_torch, load_center_data
 from ._config import CollabConfig
 from ._foreign import import_frameworks
 from ._fusion import Params
 from ._link import LinkThrottle, nbytes_of
 from ._models import build_torch_model, torch_state
+from ._overlap import pipelined_rounds
+from ._pruning_foreign import conform
 from ._server import CenterReply, FederationServer, RoundRecord, TimingLog, aggregate_evaluations
 from ._trainers import make_trainer
 
@@ -187,9 +190,6 @@ def run_inprocess(config: CollabConfig, data: Data | None = None, *,
         for c in config.centers:
             states.setdefault(c.name, {})
         if config.overlap or config.buffer or pipelined:
-            from ._buffered import buffered_rounds
-            from ._overlap import pipelined_rounds
-
             if absent:
                 raise ValueError("absent centers are not modelled with overlapped, buffered or pipelined rounds")
             (buffered_rounds if config.buffer else pipelined_rounds)(
@@ -208,9 +208,7 @@ def run_inprocess(config: CollabConfig, data: Data | None = None, *,
 def _conform(server: FederationServer, pool: Mapping[str, LocalTrainer]) -> None:
     """Hand the pruning plan (once cut) to every center, which cuts its own model the same way."""
     if server.pruning is not None and server.pruning.plan is not None:
-        from ._pruning_foreign import conform  # a torch center cuts its model, a MindSpore one masks its twin
-
-        for t in pool.values():
+        for t in pool.values():  # a torch center cuts its model, a MindSpore one masks its twin
             conform(t, server.pruning.plan)
 
 

@@ -100,6 +100,7 @@ from ._flwr_timing import set_object_pull_backoff
 from ._lean import serve_center, serve_rounds
 from ._link import LinkThrottle, nbytes_of
 from ._overlap import OverlapCenter
+from ._pruning_foreign import conform
 from ._server import CenterReply, FederationServer, TimingLog, aggregate_evaluations
 from ._trainers import make_trainer
 from ._wire import pack_arrays, unpack_arrays
@@ -139,8 +140,6 @@ def _plan_records(server: FederationServer) -> dict[str, ConfigRecord]:
 def _conform_to(msg: Message, trainer: LocalTrainer) -> None:
     """Give the center's model the architecture of the plan the message carries (once per trainer)."""
     if _PLAN_KEY in msg.content:
-        from ._pruning_foreign import conform
-
         conform(trainer, json.loads(str(msg.content[_PLAN_KEY]["plan"])))
 
 

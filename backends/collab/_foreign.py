@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ._center import CenterData, batch_indices
-from ._models import ModelSpec, build_torch_model, load_torch_state, resolve_reference, torch_state
+from ._models import MODEL_KINDS, ModelSpec, build_torch_model, load_torch_state, resolve_reference, torch_state
 from ._objective import TorchObjective, label_tensor
 from ._param_map import DISPLAY, ParamMapping, TensorInfo, apply_map, infer_map, invert_map
 
@@ -212,8 +212,6 @@ def build_foreign_model(spec: ModelSpec, fw: str, seed: int = 0, sample: np.ndar
         return f.ready(f.build(spec), sample)
     ref = spec.builder_for(fw)
     if not ref:
-        from ._models import MODEL_KINDS
-
         hint = "ModelSpec(mindspore='package.module:function') (--mindspore-model)" if fw == "mindspore" else \
             f"ModelSpec(builders={{'{fw}': 'package.module:function'}})"
         raise ValueError(f"model {spec.kind!r} is a torch model: a {DISPLAY[fw]} center needs the same architecture "

@@ -40,6 +40,11 @@ from typing import Any
 
 import numpy as np
 
+from ._buffered import buffered_rounds
+from ._link import nbytes_of
+from ._overlap import server_momentum
+from ._server import CenterReply, aggregate_evaluations
+
 __all__ = ["recv_frame", "send_frame", "serve_center", "serve_rounds"]
 
 log = logging.getLogger("polyparallel.collab")
@@ -237,8 +242,6 @@ def _serve_buffered(peers: dict[str, _Peer], server: Any, config: Any, out: Path
     """Buffered asynchronous rounds (:mod:`._buffered`) over the connections: a thread per center sends
     it the newest version as soon as its previous update is in, and hands the update to the server's
     buffer; the centers' side is the synchronous one (:func:`serve_center`, a round per frame)."""
-    from ._buffered import buffered_rounds
-
     mu = server.fusion.proximal_mu
 
     def serve(p: _Peer, board: Any, replies: Any) -> None:
@@ -274,10 +277,6 @@ def serve_rounds(grid: Any, server: Any, config: Any, nodes: list[int], node_nam
                  host: str = "127.0.0.1", stop_after: int | None = None) -> None:
     """The ServerApp's rounds over the data channel (see the module docstring); records as the Flower loop does."""
     from flwr.app import ConfigRecord, RecordDict
-
-    from ._link import nbytes_of
-    from ._overlap import server_momentum
-    from ._server import CenterReply
 
     listener = socket.create_server((host, 0))
     address = f"{host}:{listener.getsockname()[1]}"
@@ -325,8 +324,6 @@ def serve_rounds(grid: Any, server: Any, config: Any, nodes: list[int], node_nam
             round_eval = evaluate
             if round_eval is None and config.holdout > 0:
                 def round_eval(p: dict[str, np.ndarray]) -> dict[str, float]:
-                    from ._server import aggregate_evaluations
-
                     got = _ask(peers, {q: ({"kind": "evaluate"}, {f"x/{k}": v for k, v in p.items()})
                                        for q in peers}, config.round_timeout_s, max_bytes)
                     return aggregate_evaluations({n: {k: float(v) for k, v in h.get("metrics", {}).items()}

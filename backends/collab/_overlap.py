@@ -66,7 +66,7 @@ import numpy as np
 from ._center import batch_indices, evaluate_torch, label_tensor, local_sgd, torch_from
 from ._fusion import is_statistic
 from ._link import LinkThrottle, nbytes_of
-from ._models import load_torch_state, torch_state
+from ._models import build_torch_model, load_torch_state, torch_state
 from ._server import CenterReply, FederationServer, RoundRecord, aggregate_evaluations
 from ._validation import bound_metrics, model_digest
 from ._wire import decode_controls, encode_controls, encode_update
@@ -251,8 +251,6 @@ class _Center:
 
 def _holdout_evaluator(pool: Mapping[str, Any], spec: Any) -> Callable[[dict[str, np.ndarray], int], dict[str, float]]:
     """The centers' held-out evaluation on a model of the server's own (the centers' models are busy training)."""
-    from ._models import build_torch_model
-
     model = build_torch_model(spec)
 
     def evaluate(p: dict[str, np.ndarray], r: int) -> dict[str, float]:

@@ -82,6 +82,8 @@ from typing import Any
 import numpy as np
 
 from ._fusion import CenterUpdate, make_fusion
+from ._models import build_torch_model, load_torch_state, torch_state
+from ._objective import TorchObjective
 from ._wire import check_payload, decode_update, encode_update
 
 __all__ = ["MIN_KEEP", "PRUNE_ALLOCATIONS", "PRUNE_SCORES", "PRUNE_TARGETS", "SCORE_FUSIONS", "SCORE_PREFIX",
@@ -584,7 +586,6 @@ def conform_trainer(trainer: Any, plan: Sequence[Sequence[Any]] | None) -> None:
         return
     if hasattr(trainer, "fw"):  # a MindSpore center: its full-size cell, the removed channels held at zero
         raise TypeError("a foreign center takes the cut with _pruning_foreign.conform (its masked twin)")
-    from ._objective import TorchObjective
 
     apply_plan(trainer._model, example_input(trainer.x[:1]), plan)
     trainer._objective = TorchObjective(trainer._model, trainer.model_spec.loss)
@@ -594,9 +595,6 @@ def conform_trainer(trainer: Any, plan: Sequence[Sequence[Any]] | None) -> None:
 def scoring_model(trainer: Any) -> tuple[Any, Any]:
     """``(torch model, objective)`` a center scores its channels with: a torch center's own; a foreign
     (MindSpore) center's torch twin, built once: the model its parameter map was checked against."""
-    from ._models import build_torch_model
-    from ._objective import TorchObjective
-
     if not hasattr(trainer, "fw"):
         return trainer._model, trainer._objective
     twin = trainer.__dict__.get("_pp_twin")
@@ -617,8 +615,6 @@ class ServerPruning:
     evaluation), the running fused scores, the plan once cut, and the model at the cut."""
 
     def __init__(self, config: Any, params: Mapping[str, np.ndarray], x_like: np.ndarray) -> None:
-        from ._models import build_torch_model, load_torch_state
-
         self.spec: PruneSpec = config.prune
         self.config = config
         self.model = build_torch_model(config.model, config.seed)
@@ -689,8 +685,6 @@ class ServerPruning:
     def after_round(self, round_idx: int, params: Mapping[str, np.ndarray],
                     replies: Sequence[tuple[str, int, Mapping[str, np.ndarray]]]) -> dict[str, np.ndarray]:
         """The global model after round ``round_idx``'s fusion: masked (rounds ``< K``), cut (round ``K``)."""
-        from ._models import load_torch_state, torch_state
-
         params = dict(params)
         if not self.expects_scores(round_idx):
             return params

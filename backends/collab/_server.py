@@ -38,6 +38,7 @@ import numpy as np
 from ._center import TorchTrainer
 from ._config import CollabConfig
 from ._fusion import CenterUpdate, Params, trained_names
+from ._pruning import ServerPruning
 from ._validation import (
     UpdateGuard,
     check_binding,
@@ -224,8 +225,6 @@ class FederationServer:
         self._nonce: tuple[int, int] | None = None  # (round, the nonce drawn for it)
         self.pruning = None  # online pruning's server side (_pruning.ServerPruning)
         if config.prune is not None:
-            from ._pruning import ServerPruning
-
             if x_like is None:
                 raise ValueError("a pruning job needs the shape of the centers' inputs to trace the model (x_like)")
             self.pruning = ServerPruning(config, self.params, x_like)

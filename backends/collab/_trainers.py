@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ._buffered import SlowTrainer
 from ._center import LocalTrainer, TorchTrainer, split_holdout
 from ._config import CollabConfig
 from ._dp_center import PlannedTrainer
@@ -66,7 +67,6 @@ def make_trainer(config: CollabConfig, center: str, x: np.ndarray, y: np.ndarray
     trainer = TRAINERS[spec.framework](config, center, x, y, kw)
     trainer.holdout = held
     if spec.slowdown > 1:  # an emulated slower site (CenterSpec.slowdown)
-        from ._buffered import SlowTrainer
 
         return SlowTrainer(trainer, spec.slowdown)
     return trainer
