@@ -227,7 +227,7 @@ class _Center:
         except ValueError as e:
             raise ValueError(f"center {name!r}: {e}") from None
         self.name, self.mu = name, proximal_mu
-        self.inbox: queue.Queue = queue.Queue()  # (round, x_r, nonce, available_at, c_r) or None: stop
+        self.inbox: queue.Queue = queue.Queue()  # (round, x_r, nonce, available_at, c_r, u_r) or None: stop
         self.replies = replies
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name=f"center-{name}", daemon=True)

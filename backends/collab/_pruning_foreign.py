@@ -28,7 +28,7 @@ is the torch one (``model.pt2``, ``model.onnx``), which a MindSpore deployment i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -133,10 +133,8 @@ def conform_foreign(trainer: Any, plan: Sequence[Sequence[Any]]) -> None:
     def pruned_evaluate(params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray, **kw: Any) -> dict:
         return evaluate(expand(params, full_shapes, kept), x, y, **kw)
 
-    after: Callable[[], None] = remask
-    trainer.__dict__.update(train=pruned_train, evaluate=pruned_evaluate, after_step=after, twin_error=checked,
+    trainer.__dict__.update(train=pruned_train, evaluate=pruned_evaluate, after_step=remask, twin_error=checked,
                             _pruned_by=plan)
-
 
 
 def conform(trainer: Any, plan: Sequence[Sequence[Any]] | None) -> None:

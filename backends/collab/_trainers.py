@@ -67,6 +67,5 @@ def make_trainer(config: CollabConfig, center: str, x: np.ndarray, y: np.ndarray
     trainer = TRAINERS[spec.framework](config, center, x, y, kw)
     trainer.holdout = held
     if spec.slowdown > 1:  # an emulated slower site (CenterSpec.slowdown)
-
         return SlowTrainer(trainer, spec.slowdown)
     return trainer

@@ -43,9 +43,9 @@ class Constraints:
         max_local_steps: fuse at least every this many local steps (label-skewed centers drift
             apart between fusions), even when the communication share then exceeds the target.
         overlap: allow overlapped fusion (``Collaborative.overlap``): where synchronous rounds cannot meet
-            ``comm_fraction`` within ``max_local_steps``, the search overlaps each round with the next
-            one's ``H`` steps (single-process torch centers) at the smallest ``H`` that then meets it.
-            False: synchronous rounds only.
+            ``comm_fraction`` within ``max_local_steps``, the search keeps ``H`` at that cap and overlaps
+            each round with the fewest of the next round's steps that then meets it (single-process torch
+            centers; every step ahead is one round stale). False: synchronous rounds only.
         cross_node_tp: allow tensor parallelism across nodes.
         placements: per-op placements of the chosen plan: ``torch`` (the exact per-stage solver,
             restricted to what the torch backend executes), ``any`` (the solver over every legal
