@@ -402,6 +402,28 @@ def test_scores_are_checked_like_the_update():
     assert res.rounds[0].accepted == ("a",)
 
 
+def test_a_restarted_server_resumes_a_pruning_job_before_and_after_the_cut(tmp_path):
+    """Four rounds, masks in 1-2, the cut after round 2, stopped after rounds 1 and 3 and resumed from the
+    checkpoint by a fresh server and fresh centers: the same model, plan and masks as the run that never
+    stopped (bit for bit)."""
+    from polyparallel.backends.collab import run_inprocess
+
+    data, _ = _digits(rows=100)
+    cfg = _config(rounds=4, local_steps=2, prune=PruneSpec(0.5, rounds=2, score="taylor", score_batches=1,
+                                                           target="channels", allocation="uniform"))
+    straight = run_inprocess(cfg, data)
+    parts = [run_inprocess(cfg, data, checkpoint_dir=tmp_path, resume=True, max_rounds=n) for n in (1, 2, 1)]
+    assert [[r.round for r in p.rounds] for p in parts] == [[1], [2, 3], [4]]
+    assert [p.pruning["plan"] is None for p in parts] == [True, False, False]
+    end = parts[-1]
+    assert end.pruning["plan"] == straight.pruning["plan"] and end.pruning["masks"] == straight.pruning["masks"]
+    assert {k: v.shape for k, v in end.params.items()} == {k: v.shape for k, v in straight.params.items()}
+    for k, v in straight.params.items():
+        np.testing.assert_array_equal(end.params[k], v)
+    for k, v in straight.pruning["cut_params"].items():  # the release's "at the cut" model survives the restart
+        np.testing.assert_array_equal(end.pruning["cut_params"][k], v)
+
+
 def test_config_refuses_what_cannot_prune_and_round_trips():
     with pytest.raises(ValueError, match="SCAFFOLD"):
         _config(fusion="scaffold")

@@ -74,6 +74,7 @@ through the parameter map (scores by its torch twin, the cut model trained as it
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -710,6 +711,27 @@ class ServerPruning:
         self.cut_params, self.plan = masked, plan
         apply_plan(self.model, self.example, plan)
         return torch_state(self.model)
+
+    def state(self) -> dict[str, np.ndarray]:
+        """What a restarted server needs to go on (:meth:`load_state`): the running fused scores, the
+        per-round masks' record, and once cut the plan and the full-size model at the cut."""
+        out = {f"score/{k}": np.asarray(v) for k, v in self.scores.items()}
+        out.update({f"cut/{k}": np.asarray(v) for k, v in (self.cut_params or {}).items()})
+        meta = {"history": self.history, "plan": self.plan}
+        out["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+        return out
+
+    def load_state(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Take back :meth:`state`; with a plan, the server's model is cut to it (as the centers'
+        are, with the next round's model), so it holds the checkpoint's parameters."""
+        meta = json.loads(bytes(arrays["meta"]).decode())
+        self.history = list(meta["history"])
+        self.scores = {k[6:]: np.asarray(v, np.float64) for k, v in arrays.items() if k.startswith("score/")}
+        cut = {k[4:]: np.asarray(v) for k, v in arrays.items() if k.startswith("cut/")}
+        self.cut_params = cut or None
+        self.plan = meta["plan"]
+        if self.plan is not None:
+            apply_plan(self.model, self.example, self.plan)
 
     def outcome(self) -> dict[str, Any]:
         """What a release needs: the plan (None when the job stopped before round ``K``), the masks of

@@ -241,6 +241,8 @@ class FederationServer:
         arrays = {f"param/{k}": v for k, v in self.params.items()}
         arrays.update({f"fusion/{k}": v for k, v in self.fusion.state().items()})
         arrays.update({f"guard/{k}": v for k, v in self.guard.state().items()})
+        if self.pruning is not None:
+            arrays.update({f"prune/{k}": v for k, v in self.pruning.state().items()})
         arrays["meta/round"] = np.array(self.round, dtype=np.int64)
         arrays["meta/config"] = np.frombuffer(self.config.to_json().encode(), dtype=np.uint8)
         tmp = self._ckpt_path().with_suffix(".tmp.npz")
@@ -251,9 +253,6 @@ class FederationServer:
         """Load the last checkpoint if there is one; returns whether it did."""
         if self.checkpoint_dir is None or not self._ckpt_path().exists():
             return False
-        if self.pruning is not None:
-            raise ValueError("resuming a pruning job is not supported yet: the checkpoint does not carry the "
-                             "running scores nor the pruning plan; start it again")
         with np.load(self._ckpt_path()) as z:
             saved = bytes(z["meta/config"]).decode()
             if CollabConfig.from_json(saved) != self.config:
@@ -265,6 +264,8 @@ class FederationServer:
             self.params = params
             self.fusion.load_state({k[7:]: z[k] for k in z.files if k.startswith("fusion/")})
             self.guard.load_state({k[6:]: z[k] for k in z.files if k.startswith("guard/")})
+            if self.pruning is not None:  # after the cut, the server's model takes the plan's architecture
+                self.pruning.load_state({k[6:]: z[k] for k in z.files if k.startswith("prune/")})
             self.round = int(z["meta/round"])
         log.info("resumed from %s after round %d", self._ckpt_path(), self.round)
         return True
