@@ -77,3 +77,21 @@ def test_collab_runs_a_strategys_overlap_unless_the_flag_says_otherwise(tmp_path
                              "--fusion", "fedavg", *flag, "--save-config", str(job)], capsys)
         assert code == 0, err
         assert CollabConfig.from_json(job.read_text()).overlap == want
+
+
+def test_search_says_why_it_does_not_overlap_for_a_mindspore_center(plans):
+    """The capped search with one MindSpore center: rounds over the budget, overlap not chosen, and a
+    note naming the center that rules it out (overlapped fusion runs single-process torch centers)."""
+    import polyparallel as pp
+    from polyparallel.cluster import Cluster
+
+    _, cap, _, sync = plans
+    cl = Cluster.from_dict({"name": "w", "centers": [
+        {"name": n, "framework": fw, "nodes": [{"device": "v100-sxm2-32gb", "devices_per_node": 1}],
+         "wan": {"bandwidth": "100 Mb/s", "latency": "30 ms"}} for n, fw in (("x", "torch"), ("y", "mindspore"),
+                                                                             ("z", "torch"))]})
+    s = pp.search("mlp", cluster=cl, constraints={"mode": "collaborative", "max_local_steps": cap})
+    assert s.collaborative.overlap == 0 and s.collaborative.comm_fraction > 0.2
+    assert any("overlapped fusion would hide" in n and "centers y are not" in n for n in s.search.notes), \
+        s.search.notes
+    assert not any("overlapped fusion would hide" in n for n in sync.search.notes)  # overlap=False: no note

@@ -790,8 +790,13 @@ def _overlapped_rounds(inputs: SimInputs, H: int, c: Constraints, per_center: li
     under Dirichlet(0.3) skew one step of five cost 0.6 points against synchronous rounds, two 1.6,
     five 6 (``docs/collab.md``), more than a larger ``H`` would. None where synchronous rounds meet
     the budget, where overlap would not expose less, or where a center is not one torch process."""
-    if sync_comm <= c.comm_fraction or not c.overlap or any(
-            ce.framework != "torch" or len(devs) != 1 for ce, _, devs, _ in per_center):
+    if sync_comm <= c.comm_fraction or not c.overlap:
+        return None
+    other = [ce.name for ce, _, devs, _ in per_center if ce.framework != "torch" or len(devs) != 1]
+    if other:
+        notes.append(f"communication is {sync_comm:.0%} of the round at the most local steps allowed, over the "
+                     f"budget comm_fraction={c.comm_fraction:g}; overlapped fusion would hide part of it, but it runs "
+                     f"single-process torch centers and centers {', '.join(other)} are not: synchronous rounds")
         return None
 
     def at(k: int) -> tuple[float, Any]:
