@@ -167,6 +167,13 @@ class FusionStrategy(ABC):
         """The constructor arguments, for logs and configs."""
         return {}
 
+    def outer_step(self) -> tuple[float, float] | None:
+        """``(lr, momentum)`` where the fusion is an outer SGD step on the averaged update ``δ̄`` that a
+        center can replay on its own update (``x' = x + lr((1 + μ) δ̄ − μ² u)``, ``u`` the momentum buffer
+        before the step; overlapped fusion's guess of the next model, ``_overlap.guess_next``); None
+        for the others (FedAvg and FedProx are ``lr = 1, μ = 0``: the center's own model)."""
+        return None
+
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v}" for k, v in self.options().items())
         return f"{type(self).__name__}({opts})"
@@ -284,6 +291,9 @@ class DiLoCo(_ServerOptimizer):
     def options(self) -> dict[str, float]:
         return {"lr": self.lr, "momentum": self.momentum}
 
+    def outer_step(self) -> tuple[float, float]:
+        return self.lr, self.momentum
+
     def _step(self, name: str, x: np.ndarray, delta: np.ndarray) -> np.ndarray:
         g = -delta
         u = self._buf("u", name, x)
@@ -331,6 +341,9 @@ class Scaffold(FusionStrategy):
 
     def options(self) -> dict[str, float]:
         return {"lr": self.lr, "momentum": self.momentum}
+
+    def outer_step(self) -> tuple[float, float]:
+        return self.lr, self.momentum
 
     def control(self, global_params: Mapping[str, np.ndarray]) -> Params:
         names = trained_names(global_params)

@@ -183,15 +183,10 @@ class OverlapCenter:
 
 
 def outer_step(config: Any) -> tuple[float, float] | None:
-    """``(lr, momentum)`` of the fusion's outer step on the averaged update ``δ̄`` where a center can
-    replay it on its own update (SCAFFOLD, DiLoCo: ``x' = x + lr((1 + μ) δ̄ − μ² u)``, ``u`` the server's
-    momentum buffer before the step; FedAvg and FedProx are ``lr = 1, μ = 0``, a center's own model);
-    None for the others (adaptive server optimisers: the steps ahead start from the center's own model)."""
-    f = config.make_fusion()
-    if f.name in ("scaffold", "diloco"):
-        o = f.options()
-        return float(o["lr"]), float(o.get("momentum", 0.0))
-    return None
+    """``(lr, momentum)`` of the job's fusion's outer step that a center replays on its own update
+    (:meth:`~._fusion.FusionStrategy.outer_step`: SCAFFOLD, DiLoCo); None for the others (the steps
+    ahead start from the center's own model)."""
+    return config.make_fusion().outer_step()
 
 
 def server_momentum(server: FederationServer) -> dict[str, np.ndarray] | None:
