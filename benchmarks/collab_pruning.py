@@ -155,6 +155,20 @@ def trained(cfg: CollabConfig, data: Mapping[str, Any], cache: str, key: str) ->
     return params, wall
 
 
+def unpruned_from(args: argparse.Namespace, mname: str, setting: Mapping[str, Any]) -> dict:
+    """The ``unpruned`` row of ``mname`` in ``--unpruned-from``'s JSON (a run of this script), which must have
+    the same setting as this run; marked with the file it came from."""
+    path = args.unpruned_from
+    res = json.loads(Path(path).read_text())
+    keys = ("data", "train_rows", "test_rows", "centers", "alpha", "center_sizes", "rounds", "local_steps", "batch",
+            "lr", "momentum", "seed")
+    diff = [k for k in keys if res["setting"].get(k) != setting[k]]
+    if diff or mname not in res.get("models", {}) or "unpruned" not in res["models"][mname]["rows"]:
+        raise SystemExit(f"--unpruned-from {path}: no unpruned {mname} row of this setting "
+                         f"({'differs in ' + ', '.join(diff) if diff else 'model not in it'})")
+    return {**res["models"][mname]["rows"]["unpruned"], "from": path}
+
+
 def held_out(args: argparse.Namespace, model: str, arm: str, seed: int) -> bool:
     """Whether no setting was chosen on this row: any row but ``--tuned``'s at ``--tuned-seed``."""
     return f"{model}:{arm}" not in args.tuned.split(",") or seed != args.tuned_seed
@@ -180,6 +194,8 @@ def run(args: argparse.Namespace) -> dict:
                     "rounds": args.rounds, "local_steps": args.local_steps, "batch": args.batch, "lr": args.lr,
                     "momentum": args.momentum, "lr_schedule": "cosine", "fusion": "fedavg",
                     "prune_rounds": K, "prune_warmup": args.prune_warmup, "score": args.score,
+                    "distill": args.distill, "distill_temperature": args.distill_temperature,
+                    "distill_teacher": args.distill_teacher,
                     "score_batches": args.score_batches,
                     "target": args.target, "allocation": args.allocation,
                     "seed": args.seed, "machine": platform.processor() or platform.machine(),
@@ -200,8 +216,12 @@ def run(args: argparse.Namespace) -> dict:
 
         key = f"{mname}_s{args.seed}_n{args.train}_a{args.alpha}_c{args.centers}_R{args.rounds}_H{args.local_steps}" \
               f"_b{args.batch}_lr{args.lr}_m{args.momentum}"
-        params, wall = trained(CollabConfig(rounds=args.rounds, **base), data, args.cache, key)
-        rows["unpruned"] = {**unpruned_row(spec, params, xte, yte), "wall_s": wall}
+        if args.unpruned_from:  # the unpruned row of an earlier run of this setting, not trained again
+            params, rows["unpruned"] = {}, unpruned_from(args, mname, out["setting"])
+            wall = rows["unpruned"]["wall_s"]
+        else:
+            params, wall = trained(CollabConfig(rounds=args.rounds, **base), data, args.cache, key)
+            rows["unpruned"] = {**unpruned_row(spec, params, xte, yte), "wall_s": wall}
         print(f"[{mname}] unpruned {rows['unpruned']['accuracy']:.4f} params {rows['unpruned']['params']} "
               f"({wall:.0f} s)", flush=True)
         if want("unpruned-long"):  # the unpruned model trained as many rounds as the once arm's model in all
@@ -214,10 +234,14 @@ def run(args: argparse.Namespace) -> dict:
         for ratio in [float(r) for r in args.ratios.split(",")]:
             opts = dict(score=args.score, score_batches=args.score_batches, target=args.target,
                         allocation=args.allocation)
-            warm = dict(warmup=args.prune_warmup)  # the online arms' dense rounds before the masks
+            # the online arms' dense rounds before the masks, and their distillation after the cut
+            warm = dict(warmup=args.prune_warmup, distill=args.distill, distill_temperature=args.distill_temperature,
+                        distill_teacher=args.distill_teacher)
             for arm in ("online", "once", "online-long"):
                 if not want(f"{arm}:{ratio:g}"):
                     continue
+                if arm == "once" and args.unpruned_from:
+                    raise SystemExit("the once arm continues the unpruned model: run it without --unpruned-from")
                 t0 = time.time()
                 try:
                     if arm.startswith("online"):  # online-long: as many rounds as the once arm's model in all
@@ -328,12 +352,19 @@ def main() -> None:
     ap.add_argument("--prune-rounds", type=int, default=10, help="K (0: rounds // 2)")
     ap.add_argument("--prune-warmup", type=int, default=0,
                     help="online arms: rounds of dense training before the masks (PruneSpec.warmup)")
+    ap.add_argument("--distill", type=float, default=0.0,
+                    help="online arms: distillation weight a in the rounds after the cut (PruneSpec.distill; 0: off)")
+    ap.add_argument("--distill-temperature", type=float, default=4.0, help="T of --distill")
+    ap.add_argument("--distill-teacher", default="cut", help="cut or round (PruneSpec.distill_teacher)")
     ap.add_argument("--score", default="fisher")
     ap.add_argument("--score-batches", type=int, default=4)
     ap.add_argument("--target", default="params", help="what RATIO is a share of: params or channels")
     ap.add_argument("--allocation", default="global", help="uniform or global (PruneSpec.allocation)")
     ap.add_argument("--cache", default="", help="folder for the unpruned models' parameters (reused by a run of "
                                                 "the same setting)")
+    ap.add_argument("--unpruned-from", default="",
+                    help="a JSON of this script with the same setting: its unpruned rows instead of training them "
+                         "(not with the once arm)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", default="", help="MODEL:ARM:RATIO,... (the unpruned arm always runs)")
     ap.add_argument("--tuned", default="resnet:online:0.5",

@@ -213,6 +213,8 @@ _HELP = {
     "target": "what --prune RATIO is a share of: params or channels",
     "allocation": "uniform (each group loses the same share) or global (one ranking across the groups); default: "
                   "PruneSpec's",
+    "distill": "with --prune: distillation weight A in [0, 1) of the fine-tuning rounds after the cut, each "
+               "center's teacher the fused model at the cut, on its own rows (torch centers; 0: off)",
     "release": "with --prune: write model.pt2, model.onnx and release.json here",
     "force": "overwrite the release files in an existing --release",
     "devices": "devices per center, comma separated (torch and MindSpore centers with > 1 train data parallel)",
@@ -315,6 +317,9 @@ def collab_cmd(
     prune_target: Annotated[str, typer.Option("--prune-target", help=_HELP["target"])] = "params",
     prune_allocation: Annotated[str | None, typer.Option("--prune-allocation", help=_HELP["allocation"])]
     = None,
+    prune_distill: Annotated[float, typer.Option("--prune-distill", help=_HELP["distill"])] = 0.0,
+    prune_distill_temperature: Annotated[float | None, typer.Option(
+        "--prune-distill-temperature", help="T of --prune-distill (default: PruneSpec's)")] = None,
     release: Annotated[Path | None, typer.Option("--release", help=_HELP["release"])] = None,
     force: Annotated[bool, typer.Option("--force", help=_HELP["force"])] = False,
 ) -> None:
@@ -342,7 +347,7 @@ def collab_cmd(
         if scale_devices is not None:
             cfg = _scaled(cfg, scale_devices, strategy is not None)
         cfg = _prune_options(cfg, prune, prune_rounds, (prune_score, prune_target, prune_allocation), release, force,
-                             eval_data)
+                             eval_data, (prune_distill, prune_distill_temperature))
     if save_config is not None:
         save_config.write_text(cfg.to_json() + "\n")
         typer.echo(f"wrote {save_config}")
@@ -366,18 +371,22 @@ def _job_config(config: Path | None, strategy: Path | None, options: tuple[str, 
 
 
 def _prune_options(cfg: Any, ratio: float | None, rounds: int | None, how: tuple[str, str, str | None],
-                   release: Path | None, force: bool, eval_data: Path | None) -> Any:
-    """``cfg`` with the pruning the options ask for; a release directory is refused here, before training."""
+                   release: Path | None, force: bool, eval_data: Path | None,
+                   distill: tuple[float, float | None] = (0.0, None)) -> Any:
+    """``cfg`` with the pruning the options ask for; a release directory is refused here, before training.
+    ``distill``: ``(A, T)`` of ``--prune-distill`` and its temperature (None: PruneSpec's)."""
     from polyparallel.backends.collab._pruning import PruneSpec
     from polyparallel.backends.collab._release import check_release_dir
 
     if ratio is None:
-        if rounds is not None or release is not None:
-            raise UserError("--prune-rounds and --release go with --prune RATIO")
+        if rounds is not None or release is not None or distill != (0.0, None):
+            raise UserError("--prune-rounds, --prune-distill, --prune-distill-temperature and --release go with "
+                            "--prune RATIO")
         return cfg
     score, target, allocation = how
     spec = PruneSpec(ratio, max(1, cfg.rounds // 6) if rounds is None else rounds, score, target=target,
-                     **({} if allocation is None else {"allocation": allocation}))
+                     distill=distill[0], **({} if allocation is None else {"allocation": allocation}),
+                     **({} if distill[1] is None else {"distill_temperature": distill[1]}))
     if release is not None:
         if eval_data is None:
             raise UserError("--release measures accuracy before and after the cut on --eval-data FILE.npz: give it")

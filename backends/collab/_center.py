@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ._config import CollabConfig, check_logit_adjust
+from ._distill import Distill, distill_teacher
 from ._models import ModelSpec, build_torch_model, load_torch_state, resolve_reference, torch_state
 from ._objective import TorchObjective, evaluate, label_tensor
 from ._pruning import center_scores, scoring_model
@@ -185,8 +186,10 @@ class TorchTrainer(CenterData):
 
     def train(self, global_params: Mapping[str, np.ndarray], *, steps: int, round_idx: int,
               proximal_mu: float = 0.0, correction: Mapping[str, np.ndarray] | None = None,
-              grad_mean: dict[str, np.ndarray] | None = None) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-        """Local SGD from ``global_params``; see :func:`local_sgd` for ``correction`` and ``grad_mean``."""
+              grad_mean: dict[str, np.ndarray] | None = None,
+              distill: Distill | None = None) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """Local SGD from ``global_params``; see :func:`local_sgd` for ``correction``, ``grad_mean`` and
+        ``distill``."""
         import torch
 
         with torch_threads(self.threads):
@@ -198,7 +201,7 @@ class TorchTrainer(CenterData):
             yb_all = label_tensor(self.y, self.model_spec.loss)
             batches = batch_indices(len(self.x), self.batch_size, steps, self.seed, self.center_index, round_idx)
             losses = local_sgd(model, model, opt, xb_all, yb_all, batches, proximal_mu, correction, grad_mean,
-                               logit_bias=self.logit_bias(), objective=self._objective)
+                               logit_bias=self.logit_bias(), objective=self._objective, distill=distill)
             return torch_state(model), {"train_loss": float(np.mean(losses))}
 
     def evaluate(self, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> dict[str, float]:
@@ -209,7 +212,8 @@ def local_sgd(model: Any, net: Any, opt: Any, x: Any, y: Any, batches: Iterable[
               proximal_mu: float, correction: Mapping[str, np.ndarray] | None = None,
               grad_mean: dict[str, np.ndarray] | None = None, logit_bias: np.ndarray | None = None,
               objective: TorchObjective | None = None,
-              weigh: Callable[[Callable[[], Any]], tuple[Any, float]] | None = None) -> list[float]:
+              weigh: Callable[[Callable[[], Any]], tuple[Any, float]] | None = None,
+              distill: Distill | None = None) -> list[float]:
     """A center's local steps: the loss of ``net`` (the model, or its DDP wrapper) on each index
     batch, plus FedProx's ``mu/2 * ||w - w_round_start||^2`` on ``model``'s parameters when
     ``proximal_mu > 0``; returns the data losses (without the proximal term).
@@ -224,6 +228,9 @@ def local_sgd(model: Any, net: Any, opt: Any, x: Any, y: Any, batches: Iterable[
     ``weigh``: a center whose data-parallel ranks each see a share of the batch runs each step's
     forward through it, ``weigh(forward) -> (loss to backpropagate, the whole batch's loss)``, so the
     ranks' gradients average to the whole batch's where shares count different targets (padding).
+
+    ``distill`` (a pruning job's fine-tuning rounds, :mod:`._distill`): the loss backpropagated is
+    ``(1 − a)·CE + a·T²·KL(teacher ‖ student)``; the reported losses are the cross-entropy alone.
 
     SCAFFOLD: ``correction`` (parameter name -> ``c − c_i``) is added to every parameter's gradient
     before the optimiser step; ``grad_mean``, when given, is filled with the mean over the steps of the
@@ -246,7 +253,12 @@ def local_sgd(model: Any, net: Any, opt: Any, x: Any, y: Any, batches: Iterable[
     losses = []
     for idx in batches:
         t = torch.from_numpy(idx)
-        if weigh is None:
+        if distill is not None:
+            if weigh is not None:
+                raise ValueError("distillation while fine-tuning runs in single-process centers only")
+            loss, ce = distill.loss(objective, net, x[t], y[t], bias)
+            losses.append(float(ce.detach()))
+        elif weigh is None:
             loss = objective(net, x[t], y[t], bias)
             losses.append(float(loss.detach()))
         else:
@@ -372,6 +384,8 @@ def center_round(trainer: LocalTrainer, global_params: Mapping[str, np.ndarray],
               for k, v in control.items()}
         extra = {"correction": {k: np.asarray(control[k], dtype=np.float32) - ci[k] for k in control},
                  "grad_mean": {}}
+    if config.prune is not None and config.prune.distill > 0 and getattr(trainer, "_pruned_by", None) is not None:
+        extra["distill"] = distill_teacher(trainer, global_params, config.prune)  # fine-tuning after the cut
     local, metrics = trainer.train(global_params, steps=config.local_steps, round_idx=round_idx,
                                    proximal_mu=proximal_mu, **extra)
     t_trained = time.time()

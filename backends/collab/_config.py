@@ -271,6 +271,11 @@ class CollabConfig:
         if other:
             raise ValueError(f"pruning is implemented for single-process torch and MindSpore centers; centers "
                              f"{other} run another framework or several devices")
+        foreign = [c.name for c in self.centers if c.framework != "torch"]
+        if p.distill > 0 and foreign:
+            raise ValueError(f"distillation while fine-tuning (distill={p.distill}) is implemented for torch centers "
+                             f"only; centers {foreign} are MindSpore (their masked full-size cell has no teacher): "
+                             "set distill=0")
 
     @property
     def required_centers(self) -> int:

@@ -87,8 +87,8 @@ from ._models import build_torch_model, load_torch_state, torch_state
 from ._objective import TorchObjective
 from ._wire import check_payload, decode_update, encode_update
 
-__all__ = ["MIN_KEEP", "PRUNE_ALLOCATIONS", "PRUNE_SCORES", "PRUNE_TARGETS", "SCORE_FUSIONS", "SCORE_PREFIX",
-           "PruneError", "PruneSpec", "ServerPruning", "apply_plan", "attention_heads", "center_scores",
+__all__ = ["DISTILL_TEACHERS", "MIN_KEEP", "PRUNE_ALLOCATIONS", "PRUNE_SCORES", "PRUNE_TARGETS", "SCORE_FUSIONS",
+           "SCORE_PREFIX", "PruneError", "PruneSpec", "ServerPruning", "apply_plan", "attention_heads", "center_scores",
            "channel_ratio_for", "conform_trainer", "example_input", "group_scores", "kept_whole", "mask_and_plan",
            "output_layers", "params_after", "saliency", "scoring_model"]
 
@@ -100,6 +100,8 @@ PRUNE_ALLOCATIONS = ("uniform", "global")
 #: with the global allocation, the share of a group's channels that always stays (no layer collapses)
 MIN_KEEP = 0.1
 SCORE_PREFIX = "p/"
+#: the teacher of ``PruneSpec.distill``: the fused model at the cut, or each round's fused model
+DISTILL_TEACHERS = ("cut", "round")
 #: fusions whose ``fuse`` is a memoryless function of the replies, so it can fuse score vectors too
 SCORE_FUSIONS = ("fedavg", "fedprox", "trimmed_mean", "median", "krum", "centered_clip")
 
@@ -127,6 +129,15 @@ class PruneSpec:
         warmup: rounds ``1..warmup`` train the full model unmasked (the centers score from round 1, so
             the ranking the masks start from has averaged over them), the sparsity then rises over rounds
             ``warmup+1..K`` (Zhu & Gupta's schedule starts after ``t0`` steps of dense training); ``0 <= warmup < K``.
+        distill: ``a`` in [0, 1): in the fine-tuning rounds after the cut each torch center's local loss is
+            ``(1 − a)·CE + a·T²·KL(softmax(teacher/T) ‖ softmax(student/T))`` on its own rows (Hinton et
+            al. 2015), the teacher a frozen model the center keeps in memory (:mod:`._distill`); 0: off
+            (the local step is the one without it, bit for bit).
+        distill_temperature: ``T`` > 0 of the distillation term.
+        distill_teacher: ``cut``: the first fused model the center receives after the cut (the fused
+            model at the cut: the masked full-size model computes the same function), kept for the
+            remaining rounds; ``round``: the fused model the center receives at the start of each round
+            (the global model as teacher of the local steps, as in FedGKD / FedNTD against client drift).
     """
 
     ratio: float
@@ -137,6 +148,9 @@ class PruneSpec:
     target: str = "params"
     allocation: str = "global"
     warmup: int = 0
+    distill: float = 0.0
+    distill_temperature: float = 4.0
+    distill_teacher: str = "cut"
 
     def __post_init__(self) -> None:
         if not (isinstance(self.ratio, int | float) and 0.0 < self.ratio < 1.0):
@@ -155,6 +169,13 @@ class PruneSpec:
             raise PruneError(f"pruning warmup must be an integer in [0, K={self.rounds}), got {self.warmup}")
         if self.allocation not in PRUNE_ALLOCATIONS:
             raise PruneError(f"unknown pruning allocation {self.allocation!r}; choose one of {PRUNE_ALLOCATIONS}")
+        if not (isinstance(self.distill, int | float) and 0.0 <= self.distill < 1.0):
+            raise PruneError(f"distillation weight must be in [0, 1) (0: off), got {self.distill}")
+        if not (isinstance(self.distill_temperature, int | float) and self.distill_temperature > 0
+                and math.isfinite(self.distill_temperature)):
+            raise PruneError(f"distillation temperature must be a finite number > 0, got {self.distill_temperature}")
+        if self.distill_teacher not in DISTILL_TEACHERS:
+            raise PruneError(f"unknown distillation teacher {self.distill_teacher!r}; choose one of {DISTILL_TEACHERS}")
 
     def sparsity(self, round_idx: int) -> float:
         """The target sparsity after round ``round_idx``: ``ratio · (1 − (1 − t)³)``, ``t = (round − W) /
@@ -741,4 +762,6 @@ class ServerPruning:
                 "heads": {n: h for n, m in self.model_full.named_modules()
                           for q, h in attention_heads(self.model_full).items() if q is m},
                 "spec": {"ratio": self.spec.ratio, "rounds": self.spec.rounds, "score": self.spec.score,
-                         "target": self.spec.target, "allocation": self.spec.allocation, "warmup": self.spec.warmup}}
+                         "target": self.spec.target, "allocation": self.spec.allocation, "warmup": self.spec.warmup,
+                         "distill": self.spec.distill, "distill_temperature": self.spec.distill_temperature,
+                         "distill_teacher": self.spec.distill_teacher}}
