@@ -364,7 +364,10 @@ def _job_config(config: Path | None, strategy: Path | None, options: tuple[str, 
     from polyparallel.backends.collab import CollabConfig
 
     if config is not None:
-        return CollabConfig.from_json(config.read_text())
+        try:
+            return CollabConfig.from_json(config.read_text())
+        except ValueError as e:
+            raise UserError(f"{config}: not a collab job file: {e}") from None
     if strategy is not None:
         return _strategy_config(strategy, spec, training, fixed, fusion_opt, emulate_wan)
     return _options_config(*options, spec, training, fixed, fusion_opt, root_set=root_set)
@@ -634,7 +637,7 @@ def serve_cmd(
         cfg = CollabConfig.from_json(config.read_text())
         if round_timeout is not None:
             cfg = replace(cfg, round_timeout_s=round_timeout)
-    except (ValueError, KeyError, json.JSONDecodeError) as e:
+    except ValueError as e:  # one line: a field, or the job's own check
         raise UserError(f"{config}: not a collab job file: {e}") from None
     if cfg.make_fusion().needs_root and root_data is None:
         raise UserError(f"the job's fusion {cfg.fusion!r} needs the server's root set: give --root-data FILE.npz")

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
 from typing import Any
+
+from pydantic import Field
 
 from polyparallel.cluster import FRAMEWORKS
 from polyparallel.cost_models.collab_simulator import center_links
@@ -22,6 +22,7 @@ from ._center_plan import normalize_plan, plan_from_local_strategy
 from ._fusion import FUSIONS, FusionStrategy, make_fusion
 from ._models import ModelSpec, is_reference
 from ._pruning import SCORE_FUSIONS, PruneSpec
+from ._records import Pairs, Real, config_record, record_data, record_from_json
 from ._wire import COMPRESSIONS
 
 __all__ = ["FRAMEWORKS", "CenterSpec", "CollabConfig", "check_logit_adjust", "config_from_strategy"]
@@ -34,7 +35,7 @@ def check_logit_adjust(tau: float) -> None:
         raise ValueError(f"logit_adjust must be a finite number >= 0, got {tau}")
 
 
-@dataclass(frozen=True)
+@config_record
 class CenterSpec:
     """One compute center: its name, the framework it trains with, and how many local devices.
 
@@ -56,19 +57,20 @@ class CenterSpec:
     otherwise run at memory speed, reproduces WAN-like rounds.
 
     ``slowdown``: an emulated slower site, as the link fields emulate its link: after each round the
-    center sleeps ``slowdown − 1`` times that round's training time (``_buffered.SlowTrainer``; 1: none).
+    center sleeps ``slowdown − 1`` times that round's training time (``_buffered.SlowTrainer``; 1: none);
+    left out of the job's JSON at 1.
     """
 
     name: str
     framework: str = "torch"
     devices: int = 1
     data: str = ""
-    plan: tuple[tuple[str, Any], ...] = ()
+    plan: Pairs[Any] = ()
     samples: int = 0
-    down_Bps: float = 0.0
-    up_Bps: float = 0.0
-    latency_s: float = 0.0
-    slowdown: float = 1.0
+    down_Bps: Real = 0.0
+    up_Bps: Real = 0.0
+    latency_s: Real = 0.0
+    slowdown: Real = Field(1.0, exclude_if=lambda v: v == 1)  # a center of its own speed: the JSON of before
 
     def __post_init__(self) -> None:
         if not (isinstance(self.slowdown, int | float) and math.isfinite(self.slowdown) and self.slowdown >= 1):
@@ -88,7 +90,7 @@ class CenterSpec:
                 raise ValueError(f"center {self.name!r}: {what} must be a finite number >= 0 (0: unlimited), got {v!r}")
         if self.data and not is_reference(self.data):
             raise ValueError(f"center {self.name!r}: data source {self.data!r} must be 'package.module:function'")
-        plan = dict(self.plan.items() if isinstance(self.plan, Mapping) else (tuple(kv) for kv in self.plan))
+        plan = dict(self.plan)
         if plan:
             # plans no center runs are refused with the job; the per-op placements kept hashable
             checked = normalize_plan(plan, self.devices, self.name)
@@ -97,7 +99,7 @@ class CenterSpec:
         object.__setattr__(self, "plan", tuple(sorted(plan.items())))
 
 
-@dataclass(frozen=True)
+@config_record
 class CollabConfig:
     """A collaborative training job.
 
@@ -146,35 +148,31 @@ class CollabConfig:
     centers: tuple[CenterSpec, ...]
     model: ModelSpec
     fusion: str = "centered_clip"
-    fusion_options: tuple[tuple[str, float], ...] = ()
+    fusion_options: Pairs[Real] = ()
     rounds: int = 3
     local_steps: int = 10
     batch_size: int = 32
-    lr: float = 0.05
-    momentum: float = 0.0
+    lr: Real = 0.05
+    momentum: Real = 0.0
     lr_schedule: str = "constant"
-    logit_adjust: float = 0.0
+    logit_adjust: Real = 0.0
     compression: str = "none"
     min_centers: int = 0
     seed: int = 0
-    round_timeout_s: float = 600.0
-    holdout: float = 0.0
-    max_abs_update: float = 1e4
-    norm_bound: float = 4.0
-    step_bound: float = 10.0
-    min_cosine: float = -1.0
-    layer_bound: float = 0.0
-    prune: PruneSpec | None = None
-    overlap: int = 0
-    buffer: int = 0
-    max_staleness: int = 4
+    round_timeout_s: Real = 600.0
+    holdout: Real = 0.0
+    max_abs_update: Real = 1e4
+    norm_bound: Real = 4.0
+    step_bound: Real = 10.0
+    min_cosine: Real = -1.0
+    # left out of the job's JSON when off, so a job without them writes the JSON it wrote before they existed
+    layer_bound: Real = Field(0.0, exclude_if=lambda v: not v)
+    prune: PruneSpec | None = Field(None, exclude_if=lambda v: v is None)
+    overlap: int = Field(0, exclude_if=lambda v: not v)
+    buffer: int = Field(0, exclude_if=lambda v: not v)
+    max_staleness: int = 4  # and left out with buffer=0 (``to_json``)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "centers", tuple(self.centers))
-        if isinstance(self.prune, Mapping):
-            object.__setattr__(self, "prune", PruneSpec(**self.prune))
-        if isinstance(self.fusion_options, Mapping):
-            object.__setattr__(self, "fusion_options", tuple(sorted(self.fusion_options.items())))
         if not self.centers:
             raise ValueError("a federation needs at least one center")
         names = [c.name for c in self.centers]
@@ -294,30 +292,16 @@ class CollabConfig:
         return make_fusion(self.fusion, **dict(self.fusion_options))
 
     def to_json(self) -> str:
-        d = asdict(self)
-        d["model"] = self.model.to_dict()
-        if self.prune is None:  # a job without pruning writes the JSON it wrote before pruning existed
-            del d["prune"]
-        if not self.layer_bound:  # likewise without the per-layer bound
-            del d["layer_bound"]
-        if not self.overlap:  # and synchronous rounds
-            del d["overlap"]
-        if not self.buffer:
-            del d["buffer"], d["max_staleness"]
-        for c in d["centers"]:
-            if c["slowdown"] == 1:  # a center of its own speed
-                del c["slowdown"]
+        """The job as one JSON string (keys sorted), which travels to Flower's apps in the run config."""
+        d = record_data(self)
+        if not self.buffer:  # synchronous rounds: no staleness bound either
+            del d["max_staleness"]
         return json.dumps(d, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> CollabConfig:
-        d: dict[str, Any] = json.loads(text)
-        d["centers"] = tuple(CenterSpec(**c) for c in d["centers"])
-        d["model"] = ModelSpec(**{**d["model"], "in_shape": tuple(d["model"]["in_shape"])})
-        d["fusion_options"] = tuple((k, v) for k, v in d["fusion_options"])
-        if d.get("prune") is not None:
-            d["prune"] = PruneSpec(**d["prune"])
-        return cls(**d)
+    def from_json(cls, text: str | bytes) -> CollabConfig:
+        """The job :meth:`to_json` wrote; ``ValueError`` (one line) for a text that is not one."""
+        return record_from_json(cls, text)
 
 
 def config_from_strategy(strategy: Any, model: ModelSpec, *, emulate_links: bool = False,

@@ -31,13 +31,15 @@ framework on purpose):
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from pydantic import Field
 
 from polyparallel.references import is_reference, resolve
+
+from ._records import Pairs, config_record, record_data, record_from_json
 
 __all__ = ["FOREIGN_FRAMEWORKS", "LOSSES", "MODEL_BUILDERS", "MODEL_KINDS", "ModelSpec", "build_model",
            "build_torch_model", "is_reference", "load_torch_state", "resolve_reference", "torch_state"]
@@ -61,7 +63,7 @@ def resolve_reference(ref: str, what: str = "model") -> Callable[..., Any]:
     return resolve(ref, what)
 
 
-@dataclass(frozen=True)
+@config_record
 class ModelSpec:
     """The shared model and its training loss.
 
@@ -92,14 +94,14 @@ class ModelSpec:
     norm: str = "batch"
     loss: str = "auto"
     mindspore: str = ""
-    builders: tuple[tuple[str, str], ...] = ()
+    builders: Pairs[str] = Field((), exclude_if=lambda v: not v)  # none: the JSON of before they existed
 
     def builder_for(self, framework: str) -> str:
         """The user's builder of the model in ``framework`` (``""``: none given)."""
         return self.mindspore if framework == "mindspore" else dict(self.builders).get(framework, "")
 
     def _normalize_builders(self) -> None:
-        b = dict(self.builders.items() if isinstance(self.builders, Mapping) else (tuple(kv) for kv in self.builders))
+        b = dict(self.builders)
         ms = b.pop("mindspore", "")
         if ms and self.mindspore and ms != self.mindspore:
             raise ValueError(f"two MindSpore builders: mindspore={self.mindspore!r} and builders['mindspore']={ms!r}")
@@ -120,7 +122,6 @@ class ModelSpec:
         return self.kind not in MODEL_KINDS
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "in_shape", tuple(int(d) for d in self.in_shape))
         self._normalize_builders()
         if self.loss not in LOSSES:
             raise ValueError(f"unknown loss {self.loss!r}; choose one of {LOSSES}")
@@ -155,18 +156,14 @@ class ModelSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as JSON takes them (``builders`` left out when there are none, as before they existed)."""
-        d = asdict(self)
-        if not self.builders:
-            del d["builders"]
-        return d
+        return record_data(self)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
 
     @classmethod
-    def from_json(cls, text: str) -> ModelSpec:
-        d = json.loads(text)
-        return cls(**{**d, "in_shape": tuple(d["in_shape"])})
+    def from_json(cls, text: str | bytes) -> ModelSpec:
+        return record_from_json(cls, text)
 
 
 #: framework -> ``"module:function"`` of its builder ``(spec, seed) -> model`` (imported on first use,

@@ -77,7 +77,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -85,6 +84,7 @@ import numpy as np
 from ._fusion import CenterUpdate, make_fusion
 from ._models import build_torch_model, load_torch_state, torch_state
 from ._objective import TorchObjective
+from ._records import Real, config_record
 from ._wire import check_payload, decode_update, encode_update
 
 __all__ = ["DISTILL_TEACHERS", "MIN_KEEP", "PRUNE_ALLOCATIONS", "PRUNE_SCORES", "PRUNE_TARGETS", "SCORE_FUSIONS",
@@ -110,7 +110,7 @@ class PruneError(ValueError):
     """A pruning job that cannot run (a model the dependency graph cannot trace, a bad option)."""
 
 
-@dataclass(frozen=True)
+@config_record
 class PruneSpec:
     """Online pruning of a collaborative job (see the module docstring).
 
@@ -140,16 +140,16 @@ class PruneSpec:
             (the global model as teacher of the local steps, as in FedGKD / FedNTD against client drift).
     """
 
-    ratio: float
-    rounds: int = 1
+    ratio: Real
+    rounds: Real = 1  # the counts are checked whole below, with their messages
     score: str = "fisher"
-    score_batches: int = 4
-    ema: float = 0.5
+    score_batches: Real = 4
+    ema: Real = 0.5
     target: str = "params"
     allocation: str = "global"
-    warmup: int = 0
-    distill: float = 0.0
-    distill_temperature: float = 4.0
+    warmup: Real = 0
+    distill: Real = 0.0
+    distill_temperature: Real = 4.0
     distill_teacher: str = "cut"
 
     def __post_init__(self) -> None:
