@@ -22,6 +22,11 @@ docs/collab.md, "Why the ResNet loses 1.91 points")::
     $D --arm online --ratio 0.5 --no-soft --out /tmp/pd/nosoft05.json
     $D --arm unpruned --max-rounds 12 --out /tmp/pd/unpruned12.json
     $D --arm online --ratio 0.5 --rounds 111 --no-traj --out /tmp/pd/online111.json
+
+Distillation after the cut (``benchmarks/results/collab_pruning_distill.json``'s ``trajectories``)::
+
+    $D --arm online --ratio 0.5 --out /tmp/kd/traj_control.json
+    $D --arm online --ratio 0.5 --distill 0.5 --distill-temperature 4 --out /tmp/kd/traj_cut.json
 """
 
 from __future__ import annotations
@@ -96,6 +101,9 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=0.5)
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--no-soft", action="store_true", help="online: no mask before round K")
+    ap.add_argument("--distill", type=float, default=0.0, help="online: PruneSpec.distill (0: off)")
+    ap.add_argument("--distill-temperature", type=float, default=4.0, help="online: PruneSpec.distill_temperature")
+    ap.add_argument("--distill-teacher", default="cut", help="online: PruneSpec.distill_teacher (cut or round)")
     ap.add_argument("--no-traj", action="store_true", help="evaluate the final model only")
     ap.add_argument("--plan", default="", help="dense: RESULTS.json:MODEL:ROW of benchmarks/collab_pruning.py")
     ap.add_argument("--out", required=True)
@@ -112,7 +120,8 @@ def main() -> None:
     names = [f"c{i}" for i in range(3)]
     data = {n: (xtr[p], ytr[p]) for n, p in zip(names, parts)}
     spec = dense_spec(a.plan) if a.arm == "dense" else ModelSpec(MODELS.get(a.model, a.model))
-    prune = PruneSpec(a.ratio, rounds=a.k) if a.arm == "online" else None
+    prune = PruneSpec(a.ratio, rounds=a.k, distill=a.distill, distill_temperature=a.distill_temperature,
+                      distill_teacher=a.distill_teacher) if a.arm == "online" else None
     cfg = CollabConfig(centers=tuple(CenterSpec(n, samples=len(p)) for n, p in zip(names, parts)), model=spec,
                        fusion="fedavg", rounds=a.rounds, local_steps=20, batch_size=32, lr=0.05, momentum=0.9,
                        lr_schedule="cosine", seed=a.seed, prune=prune)
