@@ -349,11 +349,29 @@ def collab_cmd(
         cfg = _prune_options(cfg, prune, prune_rounds, (prune_score, prune_target, prune_allocation), release, force,
                              eval_data, (prune_distill, prune_distill_temperature))
     if save_config is not None:
+        if cfg.prune is not None:  # a deployment's server reads no row: the job file names the input's shape
+            cfg = _with_pruning_input(cfg, eval_data, data_dir)
         save_config.write_text(cfg.to_json() + "\n")
         typer.echo(f"wrote {save_config}")
         return
     _run_federation(cfg, engine, data_dir, synthetic, eval_data, root_data, out, lr=lr, momentum=momentum,
                     release=release, force=force, data_channel=data_channel)
+
+
+def _with_pruning_input(cfg: Any, eval_data: Path | None, data_dir: Path | None) -> Any:
+    """``cfg`` whose pruning spec names one input row's shape and dtype, which ``serve``'s server traces
+    the model on: those of --eval-data's rows, else of a center's file under --data, else a built-in
+    model's ``in_shape``."""
+    from polyparallel.backends.collab._pruning import PruneError, with_input_of
+
+    rows = None
+    files = sorted(data_dir.glob("*.npz")) if data_dir is not None and data_dir.is_dir() else []
+    if eval_data is not None or files:
+        rows = _load_npz(eval_data or files[0], "--eval-data" if eval_data else "--data")[0][:1]
+    elif not cfg.model.user and not cfg.prune.input_shape:
+        rows = np.zeros((1, *cfg.model.in_shape), np.float32)
+    with _user_errors(PruneError):
+        return with_input_of(cfg, rows)
 
 
 def _job_config(config: Path | None, strategy: Path | None, options: tuple[str, str, str], spec: Any,
@@ -619,6 +637,12 @@ def serve_cmd(
         "lost center; a restarted one was back in 3-11 s; 0: no wait)")] = 30.0,
     root_data: Annotated[Path | None, typer.Option(
         "--root-data", help=".npz (x, y): the server's own root set for a job with fusion fltrust")] = None,
+    eval_data: Annotated[Path | None, typer.Option(
+        "--eval-data", help=".npz (x, y): held-out rows the server evaluates every fused model on (never a "
+        "center's training rows)")] = None,
+    release: Annotated[Path | None, typer.Option("--release", help=_HELP["release"] + " (needs --eval-data)")]
+    = None,
+    force: Annotated[bool, typer.Option("--force", help="overwrite an existing --release directory")] = False,
 ) -> None:
     """Start the server side of a deployment: a SuperLink, then the federation's ServerApp; wait for it.
 
@@ -628,6 +652,8 @@ def serve_cmd(
     """
     from polyparallel.backends.collab import CollabConfig
     from polyparallel.backends.collab._flower import FlowerError, LoopbackFederation, read_outputs
+    from polyparallel.backends.collab._pruning import PruneError, with_input_of
+    from polyparallel.backends.collab._release import check_release_dir
     from polyparallel.backends.collab._security import load_credentials
 
     if not config.is_file():
@@ -641,12 +667,22 @@ def serve_cmd(
         raise UserError(f"{config}: not a collab job file: {e}") from None
     if cfg.make_fusion().needs_root and root_data is None:
         raise UserError(f"the job's fusion {cfg.fusion!r} needs the server's root set: give --root-data FILE.npz")
-    if cfg.prune is not None:
-        from polyparallel.backends.collab._flower import PRUNE_IN_PROCESS_ONLY
-
-        raise UserError(f"{config}: {PRUNE_IN_PROCESS_ONLY}")
     if root_data is not None:
         _load_npz(root_data, "--root-data")  # checked here, read by the ServerApp
+    ev = _load_npz(eval_data, "--eval-data") if eval_data is not None else None
+    if cfg.prune is not None:
+        if not cfg.prune.input_shape and ev is None:
+            raise UserError(f"{config}: a pruning job's server traces the model on the shape of one input row, which "
+                            "the job file does not give: give --eval-data FILE.npz, or write the job with "
+                            "`polyparallel collab ... --prune RATIO --eval-data FILE.npz --save-config`")
+        with _user_errors(PruneError):  # the shape of --eval-data's rows, checked against the job's
+            cfg = with_input_of(cfg, None if ev is None else ev[0][:1])
+    if release is not None:
+        if cfg.prune is None or ev is None:
+            raise UserError("--release writes a pruning job's smaller model and measures it on --eval-data: give "
+                            "both a job file with prune and --eval-data FILE.npz")
+        with _user_errors(ValueError):
+            check_release_dir(release, force)
     try:
         creds = load_credentials(credentials, [c.name for c in cfg.centers]) if credentials else None
     except OSError as e:
@@ -661,7 +697,8 @@ def serve_cmd(
             if creds:
                 fed.register_centers((name, pub) for name, _, pub in creds.node_keys)
             fed.submit(cfg, res, center_wait_s=center_wait, rejoin_wait_s=rejoin_wait,
-                       root_data=root_data.resolve() if root_data else None)
+                       root_data=root_data.resolve() if root_data else None,
+                       eval_data=eval_data.resolve() if eval_data else None)
             typer.echo(f"SuperLink on {host}:{port}; waiting for {len(cfg.centers)} centers "
                        f"({', '.join(c.name for c in cfg.centers)}); logs in {wd / 'logs'}")
             with LineProgress(cfg.rounds, "rounds") as progress:
@@ -678,6 +715,8 @@ def serve_cmd(
     if not result.ok:  # a run in which no round fused is not a success
         typer.echo(f"error: {result.problem}", err=True)
         raise typer.Exit(1)
+    if release is not None and ev is not None:
+        _write_release(release, cfg, result, ev, force)
 
 
 @app.command("center")

@@ -4,6 +4,7 @@ masked model, a pruning federation that releases, and the one-line refusals."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import numpy as np
@@ -456,7 +457,6 @@ def _write_digits(tmp_path, rows=300):
     (["--prune", "0.5", "--model", f"{HERE}:untraceable"], "cannot trace layer 'hidden'"),
     (["--prune", "0.99"], "of the parameters is out of reach"),
     (["--prune", "0.5", "--prune-allocation", "random"], "unknown pruning allocation"),
-    (["--prune", "0.5", "--engine", "flower", "--data-channel", "socket"], "socket data channel"),
     (["--release", "REL"], "go with --prune"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, extra, message):
@@ -465,6 +465,31 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, extra, message):
     code, out, err = _run(argv, capsys)
     assert code == 2, (out, err)
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_saved_pruning_job_names_the_input_row_and_serve_refuses_one_that_does_not(tmp_path, capsys):
+    """`collab --prune --save-config` writes the shape a deployment's server traces the model on (from
+    --eval-data's rows); `serve` refuses a job file without it before starting anything, in one line."""
+    job = tmp_path / "job.json"
+    argv = ["collab", *_write_digits(tmp_path, rows=40), "--model", f"{HERE}:resnet", "--rounds", "2",
+            "--prune", "0.5", "--save-config", str(job)]
+    code, _, err = _run(argv, capsys)
+    assert code == 0, err
+    cfg = CollabConfig.from_json(job.read_text())
+    assert cfg.prune.input_shape == (1, 8, 8) and cfg.prune.input_dtype == "float32"
+    bare = dataclasses.replace(cfg, prune=dataclasses.replace(cfg.prune, input_shape=()))
+    job.write_text(bare.to_json())
+    code, _, err = _run(["serve", "--config", str(job), "--workdir", str(tmp_path / "wd")], capsys)
+    assert code == 2 and "input row" in err and "--save-config" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "wd").exists()
+    job.write_text(cfg.to_json())
+    for extra, message in ((["--release", str(tmp_path / "rel")], "--release writes a pruning job"),
+                           (["--eval-data", str(tmp_path / "data" / "a.npz"), "--release", str(tmp_path / "data")],
+                            "exists")):
+        code, _, err = _run(["serve", "--config", str(job), "--workdir", str(tmp_path / "wd"), *extra], capsys)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    with pytest.raises(PruneError, match=r"shape \(1, 8, 8\) \(input_shape\), but the centers. rows are \(64,\)"):
+        P.with_input_of(cfg, np.zeros((3, 64), np.float32))
 
 
 def test_existing_release_dir_is_refused_before_training(tmp_path, capsys):

@@ -4,6 +4,8 @@ engine's, bit for bit."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -19,14 +21,16 @@ from tests.test_collab_pruning import _config, _digits
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_pruning_over_flower_is_the_inprocess_pruning_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("channel", ["flower", "socket"])
+def test_pruning_over_flower_is_the_inprocess_pruning_bit_for_bit(tmp_path, channel):
     """3 centers on digits, masks in rounds 1-2, the cut after round 2, one fine-tuning round; the
-    centers evaluate each fused model on their held-out rows (``evaluate`` messages, which carry the
-    plan after the cut as the ``train`` ones do)."""
+    centers evaluate each fused model on their held-out rows (``evaluate`` messages or frames, which
+    carry the plan after the cut as the ``train`` ones do), over Flower's messages and over the lean
+    data channel."""
     data, ev = _digits(rows=200)
     cfg: CollabConfig = _config(rounds=3, local_steps=6, holdout=0.2, round_timeout_s=120,
                                 prune=PruneSpec(0.5, rounds=2, score="fisher", score_batches=2))
-    res = run_flower(cfg, data, workdir=tmp_path / "flwr", timeout_s=240)
+    res = run_flower(cfg, data, workdir=tmp_path / "flwr", timeout_s=240, data_channel=channel)
     ref = run_inprocess(cfg, data)
     assert [r.accepted for r in res.rounds] == [("a", "b", "c")] * 3
     assert {k: v.shape for k, v in res.params.items()} == {k: v.shape for k, v in ref.params.items()}
@@ -48,3 +52,68 @@ def test_pruning_over_flower_is_the_inprocess_pruning_bit_for_bit(tmp_path):
               "accuracy_at_cut", "accuracy_after"):
         assert a[k] == b[k], k
     assert LoopbackFederation(tmp_path / "flwr", {}).stray_pids() == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_deployed_pruning_job_resumes_after_a_server_kill_and_is_the_inprocess_job(tmp_path, monkeypatch):
+    """`polyparallel serve` of a pruning job file (the input row's shape in it, as `collab --save-config`
+    writes it) with three `polyparallel center`s: masks in rounds 1-2, the cut after round 2; the server
+    is SIGKILLed once the cut is checkpointed and started again. Rounds 1..5 are recorded once each,
+    every center trains the cut model, and the model, plan and masks are the in-process job's bit for bit."""
+    import os
+    import signal
+    from pathlib import Path
+
+    from polyparallel.backends.collab._flower import free_port, read_outputs
+    from polyparallel.backends.collab._pruning import with_input_of
+    from tests.test_collab_faults import _cli, _pids_with_home, _rounds, _until
+
+    data, ev = _digits(rows=100)
+    cfg = with_input_of(_config(rounds=5, local_steps=2, round_timeout_s=120,
+                                prune=PruneSpec(0.5, rounds=2, score="taylor", score_batches=1, target="channels",
+                                                allocation="uniform")), ev[0][:1])
+    (tmp_path / "job.json").write_text(cfg.to_json())
+    for c, (x, y) in data.items():
+        np.savez(tmp_path / f"{c}.npz", x=x, y=y)
+    np.savez(tmp_path / "ev.npz", x=ev[0], y=ev[1])
+    root = str(Path(__file__).resolve().parent.parent)  # the centers import the model from tests/
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH", "")])))
+    port = free_port()
+    serve_args = ["serve", "--config", "job.json", "--port", str(port), "--host", "127.0.0.1", "--out", "out",
+                  "--workdir", "srv", "--eval-data", "ev.npz", "--release", "rel"]
+    procs = []
+    try:
+        procs.append(serve := _cli(serve_args, tmp_path, tmp_path / "serve.log"))
+        _until(lambda: "waiting for 3 centers" in (tmp_path / "serve.log").read_text(), 60, "the SuperLink")
+        for c in data:
+            procs.append(_cli(["center", "--name", c, "--superlink", f"127.0.0.1:{port}", "--data", f"{c}.npz",
+                               "--workdir", f"w-{c}"], tmp_path, tmp_path / f"{c}.log"))
+        out = tmp_path / "out"
+        _until(lambda: len(_rounds(out)) >= 2, 120, "the cut after round 2")
+        serve.send_signal(signal.SIGKILL)
+        serve.wait(10)
+        killed_after = len(_rounds(out))
+        assert 2 <= killed_after < 5, killed_after
+        procs.append(serve := _cli(serve_args, tmp_path, tmp_path / "serve.log"))
+        assert serve.wait(150) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+    log = (tmp_path / "serve.log").read_text()
+    assert "resumed from" in log, log[-3000:]
+    res, ref = read_outputs(out), run_inprocess(cfg, data)
+    assert [r.round for r in res.rounds] == [1, 2, 3, 4, 5] and all(r.fused for r in res.rounds)
+    assert [r.accepted for r in res.rounds] == [("a", "b", "c")] * 5
+    assert res.pruning["plan"] == ref.pruning["plan"] and res.pruning["masks"] == ref.pruning["masks"]
+    assert {k: v.shape for k, v in res.params.items()} == {k: v.shape for k, v in ref.params.items()}
+    for k, v in ref.params.items():
+        np.testing.assert_array_equal(res.params[k], v)
+    # the release: the smaller model measured on the server's evaluation rows, as `collab --release` writes it
+    rel = json.loads((tmp_path / "rel" / "release.json").read_text())
+    assert rel["params_after"] < rel["params_before"] and rel["accuracy_after"] == res.rounds[-1].eval["accuracy"]
+    assert (tmp_path / "rel" / "model.onnx").exists() and (tmp_path / "rel" / "model.pt2").exists()
+    for home in ("srv", "w-a", "w-b", "w-c"):
+        assert _until(lambda h=home: not _pids_with_home(tmp_path / h / "flwr-home"), 10, f"{home} processes")

@@ -24,6 +24,7 @@ from ._fusion import Params
 from ._link import LinkThrottle, nbytes_of
 from ._models import build_torch_model, torch_state
 from ._overlap import pipelined_rounds
+from ._pruning import with_input_of
 from ._pruning_foreign import conform
 from ._server import CenterReply, FederationServer, RoundRecord, TimingLog, aggregate_evaluations
 from ._trainers import make_trainer
@@ -170,9 +171,9 @@ def run_inprocess(config: CollabConfig, data: Data | None = None, *,
         c.name: make_trainer(config, c.name, *(data[c.name] if c.name in data else load_center_data(c.data, c.name)))
         for c in config.centers if not trainers or c.name not in trainers}
     pool.update(trainers or {})
-    # a pruning job traces the model on an input shaped like the centers' (zeros; the server reads no row)
-    x_like = next((t.x[:1] for t in pool.values() if hasattr(t, "x")), None) if config.prune else None
-    server = FederationServer(config, initial_params(config), timing, checkpoint_dir, root=root_data, x_like=x_like)
+    if config.prune is not None:  # the server traces the model on zeros shaped like the centers' rows
+        config = with_input_of(config, next((t.x[:1] for t in pool.values() if hasattr(t, "x")), None))
+    server = FederationServer(config, initial_params(config), timing, checkpoint_dir, root=root_data)
     if resume:
         server.resume()
     evaluate: Callable[[Params, int], dict[str, float]] | None = None

@@ -60,16 +60,11 @@ from polyparallel.references import import_path
 from ._config import CollabConfig
 from ._engine import CollabResult, check_data
 from ._models import resolve_reference
+from ._pruning import with_input_of
 from ._security import Credentials
 from ._server import RoundRecord
 
 __all__ = ["FlowerError", "LoopbackFederation", "run_flower"]
-
-#: where a pruning job cannot run yet: the lean data channel does not carry the plan, and a ``serve`` deployment's
-#: server holds no row to trace the model on
-PRUNE_IN_PROCESS_ONLY = ("pruning (CollabConfig.prune, --prune) runs in-process or with `collab --engine flower` "
-                         "over Flower messages only for now: the socket data channel and `serve` deployments do not "
-                         "carry the pruning plan to the centers yet")
 
 
 class FlowerError(RuntimeError):
@@ -456,8 +451,7 @@ class LoopbackFederation:
     # ------------------------------------------------------------------ runs
     def submit(self, config: CollabConfig, out_dir: Path, *, eval_data: Path | None = None,
                poll_s: float = 0.05, max_rounds: int = 0, center_wait_s: float = 600.0,
-               rejoin_wait_s: float = 30.0, root_data: Path | None = None, client_app: str | None = None,
-               input_like: str = "") -> int:
+               rejoin_wait_s: float = 30.0, root_data: Path | None = None, client_app: str | None = None) -> int:
         """Write the Flower App for ``config``, start it with ``flwr run`` and return the run id.
 
         Submitting again with the same ``out_dir`` resumes from the server's last checkpoint.
@@ -469,7 +463,6 @@ class LoopbackFederation:
         ``root_data``: ``.npz`` (``x``, ``y``) of the server's own root set, for a fusion that needs one (FLTrust).
         ``client_app``: ``"package.module:name"`` of the ClientApp the centers run instead of polyparallel's
         (importable by the centers; the adversarial tests' misbehaving center).
-        ``input_like``: JSON ``{"shape", "dtype"}`` of one center row, which a pruning job's ServerApp traces.
         """
         app = self.workdir / "app"
         app.mkdir(parents=True, exist_ok=True)
@@ -486,7 +479,7 @@ class LoopbackFederation:
                       "data-channel": self.data_channel,
                       "node-names": json.dumps({str(k): v for k, v in self.node_names.items()}),
                       "center-wait-s": center_wait_s, "rejoin-wait-s": rejoin_wait_s,
-                      "superlink-pid": self._superlink_pid(), "input-like": input_like}
+                      "superlink-pid": self._superlink_pid()}
         import tomli_w
 
         (app / "pyproject.toml").write_text(tomli_w.dumps({
@@ -619,15 +612,9 @@ def run_flower(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.nda
     check_data(config, data)
     if data_channel not in ("flower", "socket"):
         raise ValueError(f"data_channel must be 'flower' or 'socket', got {data_channel!r}")
-    input_like = ""
     if config.prune is not None:  # the ServerApp traces the model on zeros shaped like a center's rows
-        if data_channel != "flower":
-            raise ValueError(PRUNE_IN_PROCESS_ONLY)
-        rows = next((x for x, _ in (data or {}).values()), eval_data[0] if eval_data is not None else None)
-        if rows is None:
-            raise ValueError("a pruning job over Flower traces the model on the shape of the centers' rows: give "
-                             "eval_data (--eval-data) or the centers' data here")
-        input_like = json.dumps({"shape": [1, *np.shape(rows)[1:]], "dtype": np.asarray(rows).dtype.str})
+        config = with_input_of(config, next((x for x, _ in (data or {}).values()),
+                                            eval_data[0] if eval_data is not None else None))
     if config.buffer and (data_channel != "socket" or config.holdout > 0):
         raise ValueError(f"buffered asynchronous rounds (buffer={config.buffer}) over Flower run on the lean data "
                          "channel, without the centers' held-out evaluation (their connections are busy training): use "
@@ -660,7 +647,7 @@ def run_flower(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.nda
             wd, paths, warm=warm, executor_poll_s=poll_s, supernode_poll_s=supernode_poll_s,
             supernode_wait_s=supernode_wait_s, pull_backoff_s=pull_backoff_s, superlink_database=superlink_database,
             pack_arrays=pack_arrays, credentials=credentials, data_channel=data_channel))
-        fed.submit(config, out, eval_data=ev, poll_s=poll_s, root_data=root, input_like=input_like)
+        fed.submit(config, out, eval_data=ev, poll_s=poll_s, root_data=root)
         try:
             fed.wait(out, timeout_s, on_round)
         except FlowerError as e:

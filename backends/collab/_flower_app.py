@@ -196,7 +196,8 @@ def _channel_center(msg: Message, context: Context) -> Message:
 
     ch = msg.content["channel"]
     n = serve_center(str(ch["address"]), str(ch["token"]), center, on_train, lambda p: center_evaluate(trainer, p),
-                     config.round_timeout_s, 1 << 36, on_sent=None if ahead is None else lambda: ahead.ahead(mu[0]))
+                     config.round_timeout_s, 1 << 36, on_sent=None if ahead is None else lambda: ahead.ahead(mu[0]),
+                     on_plan=lambda plan: conform(trainer, plan))
     return Message(RecordDict({"center": ConfigRecord({"name": center, "rounds": n})}), reply_to=msg)
 
 
@@ -392,9 +393,8 @@ def _serve_rounds(grid: Grid, context: Context, out: Path) -> None:
     if rc.get("root-data"):
         with np.load(str(rc["root-data"])) as z:
             root = (z["x"], z["y"])
-    like = json.loads(str(rc.get("input-like", "") or "null"))  # a pruning job traces the model on these zeros
     server = FederationServer(config, initial_params(config), TimingLog(out / "timing.jsonl"), out / "checkpoint",
-                              root=root, x_like=None if like is None else np.zeros(like["shape"], like["dtype"]))
+                              root=root)
     server.resume()
     recorded = (out / "rounds.jsonl").read_text().count("\n") if (out / "rounds.jsonl").exists() else 0
     if recorded < server.round:  # killed between the checkpoint and the record: the model has the round

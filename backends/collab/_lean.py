@@ -136,14 +136,17 @@ def _model_bytes(params: Mapping[str, np.ndarray]) -> int:
 # --------------------------------------------------------------------------------------------- center
 def serve_center(address: str, token: str, center: str, on_train: Callable[..., tuple[dict, dict]],
                  on_evaluate: Callable[[dict[str, np.ndarray]], dict[str, float]], timeout_s: float,
-                 max_bytes: int, on_sent: Callable[[], None] | None = None) -> int:
+                 max_bytes: int, on_sent: Callable[[], None] | None = None,
+                 on_plan: Callable[[list], None] | None = None) -> int:
     """A center's side: connect, present ``token``, then answer frames until ``done``; returns rounds served.
 
     ``on_train(model, control, config, t_sent)`` -> ``(payload, metrics)`` (with ``outer_u=`` the server's
     outer momentum buffer when the frame carries one, ``u/`` keys: overlapped fusion's guess of the next
     model, :func:`~._overlap.guess_next`); ``on_evaluate(model)`` -> metrics;
     ``on_sent()`` runs after each update is sent, before the next frame is read (an overlapped center's
-    steps ahead, :class:`~._overlap.OverlapCenter`: the next model travels meanwhile).
+    steps ahead, :class:`~._overlap.OverlapCenter`: the next model travels meanwhile);
+    ``on_plan(plan)`` runs before a frame that carries a pruning job's plan (after the cut: every frame)
+    is trained or evaluated (the center cuts its model alike, once).
     """
     rounds = 0
     with _connect(address, timeout_s) as sock:
@@ -155,6 +158,8 @@ def serve_center(address: str, token: str, center: str, on_train: Callable[..., 
             if kind == "done":
                 return rounds
             model = {k[2:]: v for k, v in arrays.items() if k.startswith("x/")}
+            if header.get("plan") and on_plan is not None:
+                on_plan(header["plan"])
             if kind == "train":
                 control = {k[2:]: v for k, v in arrays.items() if k.startswith("c/")} or None
                 outer = {k[2:]: v for k, v in arrays.items() if k.startswith("u/")}
@@ -272,6 +277,12 @@ def _serve_buffered(peers: dict[str, _Peer], server: Any, config: Any, out: Path
                     on_round=record, centers=centers)
 
 
+def _plan_of(server: Any) -> dict[str, Any]:
+    """A pruning job's plan once the server has cut, for a frame's header (the center cuts its model alike)."""
+    plan = server.pruning.plan if server.pruning is not None else None
+    return {} if plan is None else {"plan": plan}
+
+
 def serve_rounds(grid: Any, server: Any, config: Any, nodes: list[int], node_names: Mapping[int, str], out: Path,
                  evaluate: Callable[[dict[str, np.ndarray]], dict[str, float]] | None, links: Mapping[str, Any],
                  host: str = "127.0.0.1", stop_after: int | None = None) -> None:
@@ -294,43 +305,46 @@ def serve_rounds(grid: Any, server: Any, config: Any, nodes: list[int], node_nam
     try:
         if config.buffer:  # asynchronous buffered rounds: each connection takes the newest version when free
             _serve_buffered(peers, server, config, out, evaluate, max_bytes, stop_after)
-        while not config.buffer and not server.done and (stop_after is None or ran < stop_after) and peers:
-            ran += 1
-            r, params = server.begin_round()
-            arrays = {f"x/{k}": v for k, v in params.items()}
-            control = server.control()
-            if control is not None:
-                arrays.update({f"c/{k}": v for k, v in control.items()})
-            u = server_momentum(server) if config.overlap else None
-            if u is not None:
-                arrays.update({f"u/{k}": v for k, v in u.items()})
-            cfg = {"round": r, "nonce": server.nonce(r), "proximal_mu": server.fusion.proximal_mu}
-            sent_to = len(peers)
-            head = {"kind": "train", "config": cfg, "t_sent": time.time()}
-            answers = _ask(peers, {p: (head, arrays) for p in peers}, config.round_timeout_s, max_bytes)
-            replies, delivered = [], []
-            for name in sorted(answers):
-                header, payload, t_arrived = answers[name]
-                if header.get("kind") != "update" or not isinstance(header.get("metrics"), dict):
-                    log.warning("round %d: malformed reply from %s dropped", r, name)
-                    continue
-                if name in links:  # an emulated uplink: received when the link would deliver it
-                    t_arrived = links[name].delivered("up", nbytes_of(payload), float(header["t_sent"]), t_arrived)
-                    delivered.append(t_arrived)
-                replies.append(CenterReply(name, payload, header["metrics"]))
-                server.timing.record(r, "server", name, "update_received", t=t_arrived)
-            if delivered and max(delivered) > time.time():
-                time.sleep(max(delivered) - time.time())
-            round_eval = evaluate
-            if round_eval is None and config.holdout > 0:
-                def round_eval(p: dict[str, np.ndarray]) -> dict[str, float]:
-                    got = _ask(peers, {q: ({"kind": "evaluate"}, {f"x/{k}": v for k, v in p.items()})
-                                       for q in peers}, config.round_timeout_s, max_bytes)
-                    return aggregate_evaluations({n: {k: float(v) for k, v in h.get("metrics", {}).items()}
-                                                  for n, (h, _, _) in got.items()})
-            rec = server.finish_round(r, replies, sent_to=sent_to, evaluate=round_eval)
-            with (out / "rounds.jsonl").open("a") as f:
-                f.write(json.dumps(rec.to_dict()) + "\n")
+        else:
+            while not server.done and (stop_after is None or ran < stop_after) and peers:
+                ran += 1
+                r, params = server.begin_round()
+                arrays = {f"x/{k}": v for k, v in params.items()}
+                control = server.control()
+                if control is not None:
+                    arrays.update({f"c/{k}": v for k, v in control.items()})
+                u = server_momentum(server) if config.overlap else None
+                if u is not None:
+                    arrays.update({f"u/{k}": v for k, v in u.items()})
+                cfg = {"round": r, "nonce": server.nonce(r), "proximal_mu": server.fusion.proximal_mu}
+                sent_to = len(peers)
+                plan = _plan_of(server)
+                head = {"kind": "train", "config": cfg, "t_sent": time.time(), **plan}
+                answers = _ask(peers, {p: (head, arrays) for p in peers}, config.round_timeout_s, max_bytes)
+                replies, delivered = [], []
+                for name in sorted(answers):
+                    header, payload, t_arrived = answers[name]
+                    if header.get("kind") != "update" or not isinstance(header.get("metrics"), dict):
+                        log.warning("round %d: malformed reply from %s dropped", r, name)
+                        continue
+                    if name in links:  # an emulated uplink: received when the link would deliver it
+                        t_arrived = links[name].delivered("up", nbytes_of(payload), float(header["t_sent"]), t_arrived)
+                        delivered.append(t_arrived)
+                    replies.append(CenterReply(name, payload, header["metrics"]))
+                    server.timing.record(r, "server", name, "update_received", t=t_arrived)
+                if delivered and max(delivered) > time.time():
+                    time.sleep(max(delivered) - time.time())
+                round_eval = evaluate
+                if round_eval is None and config.holdout > 0:
+                    def round_eval(p: dict[str, np.ndarray]) -> dict[str, float]:
+                        head = {"kind": "evaluate", **_plan_of(server)}  # the model evaluated may be just cut
+                        got = _ask(peers, {q: (head, {f"x/{k}": v for k, v in p.items()}) for q in peers},
+                                   config.round_timeout_s, max_bytes)
+                        return aggregate_evaluations({n: {k: float(v) for k, v in h.get("metrics", {}).items()}
+                                                      for n, (h, _, _) in got.items()})
+                rec = server.finish_round(r, replies, sent_to=sent_to, evaluate=round_eval)
+                with (out / "rounds.jsonl").open("a") as f:
+                    f.write(json.dumps(rec.to_dict()) + "\n")
     finally:
         for p in peers.values():
             with contextlib.suppress(OSError):

@@ -66,10 +66,13 @@ matching inputs (the group keyed ``<proj>:in``); whole heads are not removed (th
 would have to change with the cut on every center).
 
 Engines: in-process, and Flower over its messages (the scores in the replies, the plan in the server's
-messages after the cut, :mod:`._flower_app`; the same model bit for bit). Centers: torch, and MindSpore
+messages after the cut, :mod:`._flower_app`) or over the lean data channel (the plan in the frames'
+headers, :mod:`._lean`); the same model bit for bit. Centers: torch, and MindSpore
 through the parameter map (scores by its torch twin, the cut model trained as its masked full-size cell,
-:mod:`._pruning_foreign`); data-parallel and other frameworks' centers, the socket data channel and
-``serve`` deployments refuse a pruning job with a line saying so.
+:mod:`._pruning_foreign`); data-parallel and other frameworks' centers refuse a pruning job with a line
+saying so. ``serve`` deployments prune too: the job file names
+the input row's shape the server traces on (``PruneSpec.input_shape``, :func:`with_input_of`), and the
+server's checkpoint carries the pruning state (:meth:`ServerPruning.state`), so a restarted server goes on.
 """
 
 from __future__ import annotations
@@ -77,9 +80,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
+from pydantic import Field
 
 from ._fusion import CenterUpdate, make_fusion
 from ._models import build_torch_model, load_torch_state, torch_state
@@ -90,7 +95,7 @@ from ._wire import check_payload, decode_update, encode_update
 __all__ = ["DISTILL_TEACHERS", "MIN_KEEP", "PRUNE_ALLOCATIONS", "PRUNE_SCORES", "PRUNE_TARGETS", "SCORE_FUSIONS",
            "SCORE_PREFIX", "PruneError", "PruneSpec", "ServerPruning", "apply_plan", "attention_heads", "center_scores",
            "channel_ratio_for", "conform_trainer", "example_input", "group_scores", "kept_whole", "mask_and_plan",
-           "output_layers", "params_after", "saliency", "scoring_model"]
+           "output_layers", "params_after", "saliency", "scoring_model", "with_input_of"]
 
 PRUNE_SCORES = ("magnitude", "taylor", "fisher")
 #: what ``PruneSpec.ratio`` is a share of: the model's parameters, or every prunable group's channels
@@ -138,6 +143,9 @@ class PruneSpec:
             model at the cut: the masked full-size model computes the same function), kept for the
             remaining rounds; ``round``: the fused model the center receives at the start of each round
             (the global model as teacher of the local steps, as in FedGKD / FedNTD against client drift).
+        input_shape, input_dtype: one input row's shape (no batch dimension) and numpy dtype, on whose
+            zeros the server traces the model (it reads no row). Empty: taken from the centers' rows by
+            the engine (:func:`with_input_of`); a deployment's job file (``serve``) must give them.
     """
 
     ratio: Real
@@ -151,8 +159,16 @@ class PruneSpec:
     distill: Real = 0.0
     distill_temperature: Real = 4.0
     distill_teacher: str = "cut"
+    input_shape: tuple[int, ...] = Field((), exclude_if=lambda v: not v)  # none: the JSON of before
+    input_dtype: str = Field("float32", exclude_if=lambda v: v == "float32")
 
     def __post_init__(self) -> None:
+        if not all(d >= 1 for d in self.input_shape):
+            raise PruneError(f"input_shape must be whole numbers >= 1 (one input row's shape), got {self.input_shape}")
+        try:
+            np.dtype(self.input_dtype)
+        except TypeError:
+            raise PruneError(f"input_dtype {self.input_dtype!r} is no numpy dtype (float32, int64, ...)") from None
         if not (isinstance(self.ratio, int | float) and 0.0 < self.ratio < 1.0):
             raise PruneError(f"pruning ratio must be in (0, 1) (the share of parameters removed), got {self.ratio}")
         if int(self.rounds) != self.rounds or self.rounds < 1:
@@ -627,6 +643,26 @@ def scoring_model(trainer: Any) -> tuple[Any, Any]:
 
 
 # --------------------------------------------------------------------------- the server's side
+def with_input_of(config: Any, rows: np.ndarray | None) -> Any:
+    """``config`` whose pruning spec names the shape and dtype of one input row, which the server
+    traces the model on (zeros: it reads no row): the spec's own when it gives them (checked against
+    ``rows``), else those of ``rows`` (a center's or the evaluation rows, where the caller has them).
+    A deployment's server (``serve``) has no row: its job file carries them."""
+    spec: PruneSpec = config.prune
+    if rows is not None:
+        shape, dtype = tuple(int(d) for d in np.shape(rows)[1:]), np.asarray(rows).dtype.name
+        if spec.input_shape and spec.input_shape != shape:
+            raise PruneError(f"the pruning job traces the model on rows of shape {spec.input_shape} (input_shape), "
+                             f"but the centers' rows are {shape}: fix input_shape or the data")
+        if not spec.input_shape:
+            spec = replace(spec, input_shape=shape, input_dtype=dtype)
+    if not spec.input_shape:
+        raise PruneError("a pruning job's server traces the model on the shape of one input row, and none is known "
+                         "here: give the job's PruneSpec(input_shape=..., input_dtype=...) (`collab --prune ... "
+                         "--save-config` takes them from --eval-data or --data)")
+    return replace(config, prune=spec)
+
+
 def _scores_of(payload: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     n = len(SCORE_PREFIX)
     return {k[n:]: v for k, v in payload.items() if k.startswith(SCORE_PREFIX)}
@@ -636,8 +672,12 @@ class ServerPruning:
     """What the server keeps of a pruning job: its own copy of the model (for masks, the cut and
     evaluation), the running fused scores, the plan once cut, and the model at the cut."""
 
-    def __init__(self, config: Any, params: Mapping[str, np.ndarray], x_like: np.ndarray) -> None:
+    def __init__(self, config: Any, params: Mapping[str, np.ndarray]) -> None:
         self.spec: PruneSpec = config.prune
+        if not self.spec.input_shape:
+            raise PruneError("a pruning job's server needs the shape of one input row to trace the model: "
+                             "give the config through _pruning.with_input_of first")
+        x_like = np.zeros((1, *self.spec.input_shape), np.dtype(self.spec.input_dtype))
         self.config = config
         self.model = build_torch_model(config.model, config.seed)
         load_torch_state(self.model, dict(params))

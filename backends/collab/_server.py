@@ -200,9 +200,9 @@ class FederationServer:
 
     def __init__(self, config: CollabConfig, initial_params: Mapping[str, np.ndarray],
                  timing: TimingLog | None = None, checkpoint_dir: str | Path | None = None,
-                 root: tuple[np.ndarray, np.ndarray] | None = None, x_like: np.ndarray | None = None) -> None:
-        """``x_like``: an array shaped like the centers' inputs (only its shape and dtype are read), which
-        a pruning job (``config.prune``) needs to trace the model."""
+                 root: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """A pruning job's ``config.prune`` names the shape of one input row, which the server traces
+        the model on (``_pruning.with_input_of``)."""
         self.config = config
         self.fusion = config.make_fusion()
         self._root = None  # the server's own trainer on its root set (FLTrust)
@@ -225,9 +225,7 @@ class FederationServer:
         self._nonce: tuple[int, int] | None = None  # (round, the nonce drawn for it)
         self.pruning = None  # online pruning's server side (_pruning.ServerPruning)
         if config.prune is not None:
-            if x_like is None:
-                raise ValueError("a pruning job needs the shape of the centers' inputs to trace the model (x_like)")
-            self.pruning = ServerPruning(config, self.params, x_like)
+            self.pruning = ServerPruning(config, self.params)
 
     # ----------------------------------------------------------------- checkpoints
     def _ckpt_path(self) -> Path:
