@@ -89,7 +89,7 @@ from pydantic import Field
 from ._fusion import CenterUpdate, make_fusion
 from ._models import build_torch_model, load_torch_state, torch_state
 from ._objective import TorchObjective
-from ._records import Real, config_record
+from ._records import Real, config_record, record_data
 from ._wire import check_payload, decode_update, encode_update
 
 __all__ = ["DISTILL_TEACHERS", "MIN_KEEP", "PRUNE_ALLOCATIONS", "PRUNE_SCORES", "PRUNE_TARGETS", "SCORE_FUSIONS",
@@ -801,7 +801,4 @@ class ServerPruning:
                 "kept_whole": list(kept_whole(self.model_full, self.example)),
                 "heads": {n: h for n, m in self.model_full.named_modules()
                           for q, h in attention_heads(self.model_full).items() if q is m},
-                "spec": {"ratio": self.spec.ratio, "rounds": self.spec.rounds, "score": self.spec.score,
-                         "target": self.spec.target, "allocation": self.spec.allocation, "warmup": self.spec.warmup,
-                         "distill": self.spec.distill, "distill_temperature": self.spec.distill_temperature,
-                         "distill_teacher": self.spec.distill_teacher}}
+                "spec": record_data(self.spec)}
