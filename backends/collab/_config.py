@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import Field
@@ -25,7 +26,8 @@ from ._pruning import SCORE_FUSIONS, PruneSpec
 from ._records import Pairs, Real, config_record, record_data, record_from_json
 from ._wire import COMPRESSIONS
 
-__all__ = ["FRAMEWORKS", "CenterSpec", "CollabConfig", "check_logit_adjust", "config_from_strategy"]
+__all__ = ["FRAMEWORKS", "REJOIN_WAIT_S", "CenterSpec", "CollabConfig", "FlowerRun", "check_logit_adjust",
+           "config_from_strategy"]
 
 
 
@@ -302,6 +304,43 @@ class CollabConfig:
     def from_json(cls, text: str | bytes) -> CollabConfig:
         """The job :meth:`to_json` wrote; ``ValueError`` (one line) for a text that is not one."""
         return record_from_json(cls, text)
+
+
+#: default ``rejoin_wait_s``: a restarted center was back 3–11 s after its crash in the fault tests
+#: (docs/collab.md, loads 5–16 on 2 cores); the grace is spent once per lost center, not every round
+REJOIN_WAIT_S = 30.0
+
+
+@config_record
+class FlowerRun:
+    """What a federation's ServerApp is told in Flower's run config (the App's ``[tool.flwr.app.config]``,
+    written by ``_flower.LoopbackFederation.submit``; Flower's run config holds scalars, its keys are
+    these fields' names with ``-`` for ``_``): the job, where the ServerApp writes, its data files and
+    its waits. ``node_names``: JSON of node id -> the center name its registered key belongs to."""
+
+    collab_config: str
+    out_dir: str
+    eval_data: str = ""
+    root_data: str = ""
+    poll_s: Real = 0.05
+    max_rounds: int = 0  # rounds this ServerApp runs before exiting (0: all)
+    pull_backoff_s: Real = 0.0
+    pack_arrays: bool = True
+    data_channel: str = "flower"
+    node_names: str = "{}"
+    center_wait_s: Real = 600.0
+    rejoin_wait_s: Real = REJOIN_WAIT_S
+    superlink_pid: int = 0
+
+    @classmethod
+    def of(cls, run_config: Mapping[str, Any]) -> FlowerRun:
+        return cls(**{k.replace("-", "_"): v for k, v in run_config.items()})
+
+    def run_config(self) -> dict[str, Any]:
+        return {k.replace("_", "-"): v for k, v in record_data(self).items()}
+
+    def names(self) -> dict[int, str]:
+        return {int(k): str(v) for k, v in json.loads(self.node_names or "{}").items()}
 
 
 def config_from_strategy(strategy: Any, model: ModelSpec, *, emulate_links: bool = False,

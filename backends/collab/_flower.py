@@ -57,7 +57,7 @@ import numpy as np
 from polyparallel.backends.torch._procs import die_with_parent, free_port
 from polyparallel.references import import_path
 
-from ._config import CollabConfig
+from ._config import CollabConfig, FlowerRun
 from ._engine import CollabResult, check_data
 from ._models import resolve_reference
 from ._pruning import with_input_of
@@ -472,14 +472,12 @@ class LoopbackFederation:
             f"import {module} as _clients\nfrom polyparallel.backends.collab import _flower_app\n\n"
             "# plain assignments: `flwr run` finds the components by reading this file, not importing it\n"
             f"server_app = _flower_app.server_app\nclient_app = _clients.{name}\n")
-        run_config = {"collab-config": config.to_json(), "out-dir": str(out_dir),
-                      "eval-data": str(eval_data or ""), "root-data": str(root_data or ""),
-                      "poll-s": poll_s, "max-rounds": max_rounds,
-                      "pull-backoff-s": self.pull_backoff_s or 0.0, "pack-arrays": self.pack_arrays,
-                      "data-channel": self.data_channel,
-                      "node-names": json.dumps({str(k): v for k, v in self.node_names.items()}),
-                      "center-wait-s": center_wait_s, "rejoin-wait-s": rejoin_wait_s,
-                      "superlink-pid": self._superlink_pid()}
+        run_config = FlowerRun(
+            config.to_json(), str(out_dir), eval_data=str(eval_data or ""), root_data=str(root_data or ""),
+            poll_s=poll_s, max_rounds=max_rounds, pull_backoff_s=self.pull_backoff_s or 0.0,
+            pack_arrays=self.pack_arrays, data_channel=self.data_channel,
+            node_names=json.dumps({str(k): v for k, v in self.node_names.items()}), center_wait_s=center_wait_s,
+            rejoin_wait_s=rejoin_wait_s, superlink_pid=self._superlink_pid()).run_config()
         import tomli_w
 
         (app / "pyproject.toml").write_text(tomli_w.dumps({

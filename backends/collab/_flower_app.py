@@ -94,7 +94,7 @@ from flwr.serverapp import Grid, ServerApp
 from polyparallel.backends.torch._procs import alive
 
 from ._center import LocalTrainer, center_evaluate, center_round, evaluate_torch, load_center_data
-from ._config import CollabConfig
+from ._config import REJOIN_WAIT_S, CollabConfig, FlowerRun
 from ._engine import initial_params
 from ._flwr_timing import set_object_pull_backoff
 from ._lean import serve_center, serve_rounds
@@ -238,11 +238,6 @@ def _center_evaluate(msg: Message, context: Context) -> Message:
 
 
 # --------------------------------------------------------------------------------------------- server
-#: default ``rejoin-wait-s``: a restarted center was back 3–11 s after its crash in the fault tests
-#: (docs/collab.md, loads 5–16 on 2 cores); the grace is spent once per lost center, not every round
-REJOIN_WAIT_S = 30.0
-
-
 def rejoin_grace(wait_s: float, connected: int, centers: int, settled: int | None) -> float:
     """How long to wait before a later round for every center to be connected.
 
@@ -348,9 +343,10 @@ def _exit_with(pid: int, every_s: float = 0.5) -> None:
 
 @server_app.main()
 def _serve(grid: Grid, context: Context) -> None:
-    if int(context.run_config.get("superlink-pid", 0)):
-        threading.Thread(target=_exit_with, args=(int(context.run_config["superlink-pid"]),), daemon=True).start()
-    out = Path(str(context.run_config["out-dir"]))
+    run = FlowerRun.of(context.run_config)
+    if run.superlink_pid:
+        threading.Thread(target=_exit_with, args=(run.superlink_pid,), daemon=True).start()
+    out = Path(run.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(out / "server.log")  # the submitter (``serve``) shows it to the user
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
@@ -359,7 +355,7 @@ def _serve(grid: Grid, context: Context) -> None:
     if root.getEffectiveLevel() > logging.INFO:
         root.setLevel(logging.INFO)
     try:
-        _serve_rounds(grid, context, out)
+        _serve_rounds(grid, run, out)
     except BaseException as e:  # the submitter waits on out-dir: tell it why instead of letting it time out
         log.error("the ServerApp failed: %s: %s", type(e).__name__, e)
         (out / "failed.json").write_text(json.dumps({"error": f"{type(e).__name__}: {e}",
@@ -370,28 +366,25 @@ def _serve(grid: Grid, context: Context) -> None:
         handler.close()
 
 
-def _serve_rounds(grid: Grid, context: Context, out: Path) -> None:
-    rc = context.run_config
-    config = CollabConfig.from_json(str(rc["collab-config"]))
-    poll_s = float(rc.get("poll-s", 0.05))
-    pack = bool(rc.get("pack-arrays", True))
-    if float(rc.get("pull-backoff-s", 0)) > 0:  # see _flwr_timing: Flower's 1 s first retry of a reply object
-        set_object_pull_backoff(float(rc["pull-backoff-s"]))
+def _serve_rounds(grid: Grid, run: FlowerRun, out: Path) -> None:
+    config = CollabConfig.from_json(run.collab_config)
+    poll_s, pack = run.poll_s, run.pack_arrays
+    if run.pull_backoff_s > 0:  # see _flwr_timing: Flower's 1 s first retry of a reply object
+        set_object_pull_backoff(run.pull_backoff_s)
     evaluate = None
-    if rc.get("eval-data"):
-        with np.load(str(rc["eval-data"])) as z:
+    if run.eval_data:
+        with np.load(run.eval_data) as z:
             ex, ey = z["x"], z["y"]
 
         def evaluate(p: dict[str, np.ndarray]) -> dict[str, float]:
             # a pruned job's model is the server's own, cut to the plan (as in-process)
             return evaluate_torch(config.model, p, ex, ey, model=server.pruning.model if server.pruning else None)
 
-    node_names = {int(k): str(v) for k, v in json.loads(str(rc.get("node-names", "") or "{}")).items()}
-    center_wait_s = float(rc.get("center-wait-s", 600.0))
-    rejoin_wait_s = float(rc.get("rejoin-wait-s", REJOIN_WAIT_S))
+    node_names = run.names()
+    center_wait_s, rejoin_wait_s = run.center_wait_s, run.rejoin_wait_s
     root = None
-    if rc.get("root-data"):
-        with np.load(str(rc["root-data"])) as z:
+    if run.root_data:
+        with np.load(run.root_data) as z:
             root = (z["x"], z["y"])
     server = FederationServer(config, initial_params(config), TimingLog(out / "timing.jsonl"), out / "checkpoint",
                               root=root)
@@ -405,9 +398,9 @@ def _serve_rounds(grid: Grid, context: Context, out: Path) -> None:
     first = True
     settled: int | None = None  # connected centers after a whole grace that did not bring the rest back
     links = {c.name: LinkThrottle.of(c) for c in config.centers if LinkThrottle.of(c).limited}
-    stop_after = int(rc.get("max-rounds", 0)) or None  # rounds this ServerApp runs before exiting (0: all)
+    stop_after = run.max_rounds or None
     ran = 0
-    channel = str(rc.get("data-channel", "flower")) == "socket"
+    channel = run.data_channel == "socket"
     if channel:  # the lean message path (see _lean): one Flower message per center for the whole run
         nodes = _wait_for_nodes(grid, len(config.centers), config.round_timeout_s, poll_s,
                                 need=config.required_centers, need_s=center_wait_s)
