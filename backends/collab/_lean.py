@@ -283,6 +283,52 @@ def _plan_of(server: Any) -> dict[str, Any]:
     return {} if plan is None else {"plan": plan}
 
 
+def _serve_synchronous(peers: dict[str, _Peer], server: Any, config: Any, out: Path,
+                       evaluate: Callable[[dict[str, np.ndarray]], dict[str, float]] | None, links: Mapping[str, Any],
+                       max_bytes: int, stop_after: int | None) -> None:
+    """Synchronous rounds over the connections: each round's model to every center, their updates back,
+    one fusion; recorded as the Flower loop records them."""
+    ran = 0
+    while not server.done and (stop_after is None or ran < stop_after) and peers:
+        ran += 1
+        r, params = server.begin_round()
+        arrays = {f"x/{k}": v for k, v in params.items()}
+        control = server.control()
+        if control is not None:
+            arrays.update({f"c/{k}": v for k, v in control.items()})
+        u = server_momentum(server) if config.overlap else None
+        if u is not None:
+            arrays.update({f"u/{k}": v for k, v in u.items()})
+        cfg = {"round": r, "nonce": server.nonce(r), "proximal_mu": server.fusion.proximal_mu}
+        sent_to = len(peers)
+        head = {"kind": "train", "config": cfg, "t_sent": time.time(), **_plan_of(server)}
+        answers = _ask(peers, {p: (head, arrays) for p in peers}, config.round_timeout_s, max_bytes)
+        replies, delivered = [], []
+        for name in sorted(answers):
+            header, payload, t_arrived = answers[name]
+            if header.get("kind") != "update" or not isinstance(header.get("metrics"), dict):
+                log.warning("round %d: malformed reply from %s dropped", r, name)
+                continue
+            if name in links:  # an emulated uplink: received when the link would deliver it
+                t_arrived = links[name].delivered("up", nbytes_of(payload), float(header["t_sent"]), t_arrived)
+                delivered.append(t_arrived)
+            replies.append(CenterReply(name, payload, header["metrics"]))
+            server.timing.record(r, "server", name, "update_received", t=t_arrived)
+        if delivered and max(delivered) > time.time():
+            time.sleep(max(delivered) - time.time())
+        round_eval = evaluate
+        if round_eval is None and config.holdout > 0:
+            def round_eval(p: dict[str, np.ndarray]) -> dict[str, float]:
+                head = {"kind": "evaluate", **_plan_of(server)}  # the model evaluated may be just cut
+                got = _ask(peers, {q: (head, {f"x/{k}": v for k, v in p.items()}) for q in peers},
+                           config.round_timeout_s, max_bytes)
+                return aggregate_evaluations({n: {k: float(v) for k, v in h.get("metrics", {}).items()}
+                                              for n, (h, _, _) in got.items()})
+        rec = server.finish_round(r, replies, sent_to=sent_to, evaluate=round_eval)
+        with (out / "rounds.jsonl").open("a") as f:
+            f.write(json.dumps(rec.to_dict()) + "\n")
+
+
 def serve_rounds(grid: Any, server: Any, config: Any, nodes: list[int], node_names: Mapping[int, str], out: Path,
                  evaluate: Callable[[dict[str, np.ndarray]], dict[str, float]] | None, links: Mapping[str, Any],
                  host: str = "127.0.0.1", stop_after: int | None = None) -> None:
@@ -301,50 +347,11 @@ def serve_rounds(grid: Any, server: Any, config: Any, nodes: list[int], node_nam
                     config.round_timeout_s, max_bytes)
     listener.close()
     log.info("data channel %s: %d centers connected (%s)", address, len(peers), ", ".join(sorted(peers)))
-    ran = 0
     try:
         if config.buffer:  # asynchronous buffered rounds: each connection takes the newest version when free
             _serve_buffered(peers, server, config, out, evaluate, max_bytes, stop_after)
         else:
-            while not server.done and (stop_after is None or ran < stop_after) and peers:
-                ran += 1
-                r, params = server.begin_round()
-                arrays = {f"x/{k}": v for k, v in params.items()}
-                control = server.control()
-                if control is not None:
-                    arrays.update({f"c/{k}": v for k, v in control.items()})
-                u = server_momentum(server) if config.overlap else None
-                if u is not None:
-                    arrays.update({f"u/{k}": v for k, v in u.items()})
-                cfg = {"round": r, "nonce": server.nonce(r), "proximal_mu": server.fusion.proximal_mu}
-                sent_to = len(peers)
-                plan = _plan_of(server)
-                head = {"kind": "train", "config": cfg, "t_sent": time.time(), **plan}
-                answers = _ask(peers, {p: (head, arrays) for p in peers}, config.round_timeout_s, max_bytes)
-                replies, delivered = [], []
-                for name in sorted(answers):
-                    header, payload, t_arrived = answers[name]
-                    if header.get("kind") != "update" or not isinstance(header.get("metrics"), dict):
-                        log.warning("round %d: malformed reply from %s dropped", r, name)
-                        continue
-                    if name in links:  # an emulated uplink: received when the link would deliver it
-                        t_arrived = links[name].delivered("up", nbytes_of(payload), float(header["t_sent"]), t_arrived)
-                        delivered.append(t_arrived)
-                    replies.append(CenterReply(name, payload, header["metrics"]))
-                    server.timing.record(r, "server", name, "update_received", t=t_arrived)
-                if delivered and max(delivered) > time.time():
-                    time.sleep(max(delivered) - time.time())
-                round_eval = evaluate
-                if round_eval is None and config.holdout > 0:
-                    def round_eval(p: dict[str, np.ndarray]) -> dict[str, float]:
-                        head = {"kind": "evaluate", **_plan_of(server)}  # the model evaluated may be just cut
-                        got = _ask(peers, {q: (head, {f"x/{k}": v for k, v in p.items()}) for q in peers},
-                                   config.round_timeout_s, max_bytes)
-                        return aggregate_evaluations({n: {k: float(v) for k, v in h.get("metrics", {}).items()}
-                                                      for n, (h, _, _) in got.items()})
-                rec = server.finish_round(r, replies, sent_to=sent_to, evaluate=round_eval)
-                with (out / "rounds.jsonl").open("a") as f:
-                    f.write(json.dumps(rec.to_dict()) + "\n")
+            _serve_synchronous(peers, server, config, out, evaluate, links, max_bytes, stop_after)
     finally:
         for p in peers.values():
             with contextlib.suppress(OSError):
