@@ -350,9 +350,11 @@ def defence_spec(spec: str) -> tuple[str, dict[str, float], dict[str, float]]:
 
 
 def run_bn_case(attack: str, fusion: str, n_centers: int, seed: int, rounds: int = 10, *, model: str = "cnn",
-                dirichlet: float = 0.0, **kw: Any) -> dict[str, Any]:
+                dirichlet: float = 0.0, record: dict[str, _Recorder] | None = None, **kw: Any) -> dict[str, Any]:
     """One label-skewed federation of the BatchNorm CNN under ``attack`` (``BN_ATTACKS``); ``fusion``: a
-    :func:`fusion_spec`; ``kw``: more :class:`CollabConfig` fields (e.g. ``min_cosine``)."""
+    :func:`fusion_spec`; ``kw``: more :class:`CollabConfig` fields (e.g. ``min_cosine``). ``record``: a dict
+    that receives every center's :class:`_Recorder` (the global model and the update of each round; not the
+    omniscient attacker's), for offline analyses (``collab_crowdguard_probe.py``)."""
     data, root, test = skewed_digits(n_centers, seed, dirichlet)
     names = list(data)
     if attack == "absent":
@@ -391,6 +393,9 @@ def run_bn_case(attack: str, fusion: str, n_centers: int, seed: int, rounds: int
             kind = {"sign_flip_norm": "flip_norm", "sign_flip_bound": "flip_bound", "backdoor_bound": "bound",
                     "backdoor_layer": "layer"}[attack]
             tamper = {BAD: _rebound(_sized(kind, cfg.norm_bound, cfg.layer_bound, trainers))}
+    if record is not None:
+        trainers = trainers or {c: _Recorder(make_trainer(cfg, c, *data[c])) for c in names}
+        record.update(trainers)
     t0 = time.perf_counter()
     res = run_inprocess(cfg, {c: data[c] for c in names}, eval_data=test,
                         tamper=tamper, trainers=trainers, root_data=root if cfg.make_fusion().needs_root else None)

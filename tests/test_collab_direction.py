@@ -103,6 +103,23 @@ def test_the_benchmark_backdoor_is_measured_on_triggered_rows_of_other_classes()
     assert 0.0 <= got["attack_success"] < 30.0 and got["accuracy"] > 50.0
 
 
+def test_the_benchmark_records_every_center_without_changing_the_run():
+    """``run_bn_case(record=...)`` (the CrowdGuard probe's input) wraps every center: the run is the same
+    to the digit, and the recorded updates are the ones fused: under FedAvg the round-2 model is the
+    round-1 model plus their sample-weighted mean, by hand."""
+    rec: dict = {}
+    plain = run_bn_case("backdoor", "fedavg", 3, 0, rounds=2)
+    got = run_bn_case("backdoor", "fedavg", 3, 0, rounds=2, record=rec)
+    assert sorted(rec) == ["c0", "c1", "c2"]
+    assert (got["accuracy"], got["attack_success"], got["audit"]) == (
+        plain["accuracy"], plain["attack_success"], plain["audit"])
+    n = {c: t.num_samples for c, t in rec.items()}
+    g1, g2 = rec["c1"].models[1], rec["c2"].models[2]
+    for k in g1:
+        want = g1[k] + sum(n[c] * rec[c].updates[1][k] for c in rec) / sum(n.values())
+        np.testing.assert_allclose(g2[k], want, rtol=1e-5, atol=1e-6)
+
+
 def test_the_direction_check_compares_each_update_to_the_median_of_the_others():
     from polyparallel.backends.collab._validation import direction_screen
 
