@@ -371,7 +371,7 @@ def _with_pruning_input(cfg: Any, eval_data: Path | None, data_dir: Path | None)
     elif not cfg.model.user and not cfg.prune.input_shape:
         rows = np.zeros((1, *cfg.model.in_shape), np.float32)
     with _user_errors(PruneError):
-        return with_input_of(cfg, rows)
+        return with_input_of(cfg, rows, f"the rows of {eval_data or (files[0] if files else '--in-shape')}")
 
 
 def _job_config(config: Path | None, strategy: Path | None, options: tuple[str, str, str], spec: Any,
@@ -397,22 +397,31 @@ def _prune_options(cfg: Any, ratio: float | None, rounds: int | None, how: tuple
     """``cfg`` with the pruning the options ask for; a release directory is refused here, before training.
     ``distill``: ``(A, T)`` of ``--prune-distill`` and its temperature (None: PruneSpec's)."""
     from polyparallel.backends.collab._pruning import PruneSpec
-    from polyparallel.backends.collab._release import check_release_dir
 
-    if ratio is None:
-        if rounds is not None or release is not None or distill != (0.0, None):
+    if ratio is None:  # a --config job file may carry the pruning already: its --release is checked as well
+        if rounds is not None or distill != (0.0, None) or (release is not None and cfg.prune is None):
+            kept = "" if cfg.prune is None else " (the job file's pruning is used as it is)"
             raise UserError("--prune-rounds, --prune-distill, --prune-distill-temperature and --release go with "
-                            "--prune RATIO")
+                            "--prune RATIO" + kept)
+        if release is not None:
+            _check_release(release, force, eval_data)
         return cfg
     score, target, allocation = how
     spec = PruneSpec(ratio, max(1, cfg.rounds // 6) if rounds is None else rounds, score, target=target,
                      distill=distill[0], **({} if allocation is None else {"allocation": allocation}),
                      **({} if distill[1] is None else {"distill_temperature": distill[1]}))
     if release is not None:
-        if eval_data is None:
-            raise UserError("--release measures accuracy before and after the cut on --eval-data FILE.npz: give it")
-        check_release_dir(release, force)
+        _check_release(release, force, eval_data)
     return replace(cfg, prune=spec)
+
+
+def _check_release(release: Path, force: bool, eval_data: Path | None) -> None:
+    """Refuse a --release that cannot be written, before training."""
+    from polyparallel.backends.collab._release import check_release_dir
+
+    if eval_data is None:
+        raise UserError("--release measures accuracy before and after the cut on --eval-data FILE.npz: give it")
+    check_release_dir(release, force)
 
 
 @contextlib.contextmanager
@@ -676,7 +685,7 @@ def serve_cmd(
                             "the job file does not give: give --eval-data FILE.npz, or write the job with "
                             "`polyparallel collab ... --prune RATIO --eval-data FILE.npz --save-config`")
         with _user_errors(PruneError):  # the shape of --eval-data's rows, checked against the job's
-            cfg = with_input_of(cfg, None if ev is None else ev[0][:1])
+            cfg = with_input_of(cfg, None if ev is None else ev[0][:1], f"the rows of --eval-data {eval_data}")
     if release is not None:
         if cfg.prune is None or ev is None:
             raise UserError("--release writes a pruning job's smaller model and measures it on --eval-data: give "

@@ -490,6 +490,48 @@ def test_a_saved_pruning_job_names_the_input_row_and_serve_refuses_one_that_does
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     with pytest.raises(PruneError, match=r"shape \(1, 8, 8\) \(input_shape\), but the centers. rows are \(64,\)"):
         P.with_input_of(cfg, np.zeros((3, 64), np.float32))
+    flat = tmp_path / "flat.npz"  # --eval-data of the wrong shape: the line names that file, not the centers
+    np.savez(flat, x=np.zeros((3, 64), np.float32), y=np.zeros(3, np.int64))
+    code, _, err = _run(["serve", "--config", str(job), "--workdir", str(tmp_path / "wd"), "--eval-data", str(flat)],
+                        capsys)
+    assert code == 2 and f"the rows of --eval-data {flat} are (64,)" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "wd").exists()
+
+
+def _pruning_job_file(tmp_path, capsys):
+    """(job file of a pruning job, --data DIR, --eval-data FILE) on a few digits."""
+    job = tmp_path / "job.json"
+    common = _write_digits(tmp_path, rows=40)
+    code, _, err = _run(["collab", *common, "--model", f"{HERE}:resnet", "--rounds", "2", "--local-steps", "1",
+                         "--prune", "0.5", "--prune-rounds", "1", "--save-config", str(job)], capsys)
+    assert code == 0, err
+    return job, common[common.index("--data") + 1], common[common.index("--eval-data") + 1]
+
+
+def test_a_pruning_job_file_takes_release_in_process(tmp_path, capsys):
+    """`collab --config job.json --release DIR` with a job file that prunes: the job's pruning is used, so
+    --release is accepted (it was refused as if no --prune had been given) and checked before training."""
+    job, data, ev = _pruning_job_file(tmp_path, capsys)
+    (tmp_path / "old").mkdir()
+    for extra, message in ((["--eval-data", ev, "--release", str(tmp_path / "old")], "exists"),
+                           (["--release", str(tmp_path / "rel")], "--release measures accuracy")):
+        code, out, err = _run(["collab", "--config", str(job), "--data", data, *extra], capsys)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and "round 1" not in out, err
+    plain = tmp_path / "plain.json"
+    plain.write_text(dataclasses.replace(CollabConfig.from_json(job.read_text()), prune=None).to_json())
+    code, _, err = _run(["collab", "--config", str(plain), "--data", data, "--eval-data", ev, "--release",
+                         str(tmp_path / "rel")], capsys)
+    assert code == 2 and "go with --prune" in err, err
+
+
+@pytest.mark.slow
+def test_a_pruning_job_file_releases_in_process(tmp_path, capsys):
+    job, data, ev = _pruning_job_file(tmp_path, capsys)
+    code, _, err = _run(["collab", "--config", str(job), "--data", data, "--eval-data", ev, "--release",
+                           str(tmp_path / "rel")], capsys)
+    assert code == 0, err
+    r = json.loads((tmp_path / "rel" / "release.json").read_text())
+    assert r["pruning"]["ratio"] == 0.5 and r["params_after"] < r["params_before"]
 
 
 def test_existing_release_dir_is_refused_before_training(tmp_path, capsys):

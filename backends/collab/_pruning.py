@@ -643,17 +643,17 @@ def scoring_model(trainer: Any) -> tuple[Any, Any]:
 
 
 # --------------------------------------------------------------------------- the server's side
-def with_input_of(config: Any, rows: np.ndarray | None) -> Any:
+def with_input_of(config: Any, rows: np.ndarray | None, what: str = "the centers' rows") -> Any:
     """``config`` whose pruning spec names the shape and dtype of one input row, which the server
     traces the model on (zeros: it reads no row): the spec's own when it gives them (checked against
-    ``rows``), else those of ``rows`` (a center's or the evaluation rows, where the caller has them).
-    A deployment's server (``serve``) has no row: its job file carries them."""
+    ``rows``), else those of ``rows`` (a center's or the evaluation rows, where the caller has them;
+    ``what`` names them in the error). A deployment's server (``serve``) has no row: its job file carries them."""
     spec: PruneSpec = config.prune
     if rows is not None:
         shape, dtype = tuple(int(d) for d in np.shape(rows)[1:]), np.asarray(rows).dtype.name
         if spec.input_shape and spec.input_shape != shape:
             raise PruneError(f"the pruning job traces the model on rows of shape {spec.input_shape} (input_shape), "
-                             f"but the centers' rows are {shape}: fix input_shape or the data")
+                             f"but {what} are {shape}: fix input_shape or the data")
         if not spec.input_shape:
             spec = replace(spec, input_shape=shape, input_dtype=dtype)
     if not spec.input_shape:
