@@ -109,6 +109,38 @@ def test_the_rejoin_grace_is_spent_once_per_lost_center():
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+def test_a_supernode_that_gave_up_but_did_not_exit_counts_as_lost(tmp_path):
+    """flwr 1.42's SuperNode sometimes logs that it gives up reconnecting to a restarted SuperLink and then
+    blocks instead of exiting; the center's supervisor must treat it as lost (it restarts a lost one), not
+    wait on it forever. Before it was activated again, a give-up line past the grace counts; one
+    followed by a new activation does not."""
+    from polyparallel.backends.collab._flower import _NODE_ID, _Proc
+
+    fed = LoopbackFederation(tmp_path, {})
+    log = tmp_path / "supernode-a.log"
+    log.write_text(f"{_NODE_ID}7\nreconnecting\n")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        node = _Proc("supernode-a", sleeper, log)
+        assert not fed._gave_up(node, grace_s=0.0)  # activated, nothing given up
+        with log.open("a") as f:
+            f.write("Giving up reconnection after 10.00 seconds and 5 tries.\n")
+        assert not fed._gave_up(node, grace_s=0.5)  # seen now: it may still be on its way out
+        time.sleep(0.6)
+        assert fed._gave_up(node, grace_s=0.5)  # still alive past the grace: lost
+        with log.open("a") as f:
+            f.write(f"{_NODE_ID}9\n")
+        assert not fed._gave_up(node, grace_s=0.0)  # activated again after it: fine
+        sleeper.kill()
+        sleeper.wait(10)
+        log.write_text("Giving up reconnection after 10.00 seconds and 5 tries.\n")
+        assert not fed._gave_up(node, grace_s=0.0)  # exited: the supervisor's exit check handles it
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()
+            sleeper.wait(10)
+
+
 def test_a_node_with_another_centers_key_claiming_a_third_name_is_refused(tmp_path):
     """Beside c1 and the real c2, a node holding c0's key starts with --node-config center="c2": the
     SuperLink admits it (the key is registered) as c0's node, and the ServerApp refuses its replies

@@ -110,6 +110,7 @@ print(json.dumps(ids))
 """
 
 _NODE_ID = "SuperNode ID: "  # what flwr 1.42's SuperNode logs once the SuperLink activated it
+_GAVE_UP = "Giving up reconnection"  # what it logs when it stops retrying a lost SuperLink
 
 
 @dataclass
@@ -168,6 +169,7 @@ class LoopbackFederation:
     superlink_port: int = 0
     node_ports: dict[str, int] = field(default_factory=dict)
     _old_term: Any = field(default=None, repr=False)
+    _gave_up_at: dict[int, float] = field(default_factory=dict, repr=False)  # SuperNode pid -> when it gave up
 
     # ------------------------------------------------------------------ processes
     @property
@@ -361,11 +363,17 @@ class LoopbackFederation:
         lost: float | None = None
         while True:
             procs = [p for p in (self.latest(f"supernode-{name}"), self.latest(f"executor-{name}")) if p]
+            hung = self._gave_up(procs[0]) if procs and procs[0].name.startswith("supernode") else False
+            if hung:  # alive but done for: it will not reconnect, so it is restarted as if it had exited
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(procs[0].popen.pid, signal.SIGKILL)
+                procs[0].popen.wait(timeout=10)
             if lost is None and any(p.popen.poll() is not None for p in procs):
                 dead = next(p for p in procs if p.popen.poll() is not None)
                 lost = time.time()
-                say(f"center {name}: {dead.name} exited with {dead.popen.returncode}; reconnecting "
-                    f"(for up to {reconnect_s:.0f} s)")
+                say(f"center {name}: {dead.name} " + ("gave up reconnecting and did not exit" if hung else
+                                                      f"exited with {dead.popen.returncode}")
+                    + f"; reconnecting (for up to {reconnect_s:.0f} s)")
             if lost is not None:
                 if time.time() - lost > reconnect_s:
                     raise FlowerError(f"center {name}: not reconnected within {reconnect_s:.0f} s; see "
@@ -381,6 +389,19 @@ class LoopbackFederation:
                     say(f"center {name}: reconnected as node {self.node_id(name)} after {time.time() - lost:.1f} s")
                     lost = None
             time.sleep(0.2)
+
+    def _gave_up(self, node: _Proc, grace_s: float = 5.0) -> bool:
+        """Whether a SuperNode logged that it gave up reconnecting (after its last activation) and has
+        not exited ``grace_s`` after that was first seen: flwr 1.42's SuperNode sometimes stays alive
+        then, blocked, and never connects again."""
+        if node.popen.poll() is not None:
+            return False
+        text = node.log_text()
+        if text.rfind(_GAVE_UP) <= text.rfind(_NODE_ID):
+            self._gave_up_at.pop(node.popen.pid, None)
+            return False
+        seen = self._gave_up_at.setdefault(node.popen.pid, time.time())
+        return time.time() - seen > grace_s
 
     def stop(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGKILL):
