@@ -105,6 +105,22 @@ from polyparallel.backends.collab._release import latency_s, size_of, write_rele
 MODELS = {"resnet": "models.resnet_small:resnet", "vit": "models.vit_patch:vit"}
 
 
+def _cpu_capability() -> str:
+    """The instruction set torch's CPU kernels run with (``AVX512``, ``AVX2``, ...)."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo), or the platform's word for it."""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
 @contextlib.contextmanager
 def warm_start(params: Mapping[str, np.ndarray]) -> Iterator[None]:
     """Jobs started inside begin from ``params`` instead of the model's fresh initialisation (the
@@ -199,6 +215,8 @@ def run(args: argparse.Namespace) -> dict:
                     "score_batches": args.score_batches,
                     "target": args.target, "allocation": args.allocation,
                     "seed": args.seed, "machine": platform.processor() or platform.machine(),
+                    # a row repeats bit for bit on one CPU, not across CPUs whose kernels round differently
+                    "cpu": _cpu_model(), "cpu_capability": _cpu_capability(),
                     "cpus": os.cpu_count(), "load_avg_start": os.getloadavg()[0]},
         "models": {},
     }
