@@ -141,6 +141,43 @@ def test_a_supernode_that_gave_up_but_did_not_exit_counts_as_lost(tmp_path):
             sleeper.wait(10)
 
 
+def test_a_failing_task_is_told_at_the_center_once_per_error():
+    """The executor logs a failed ClientApp task with its traceback (default logging format, as it runs);
+    `polyparallel center` shows each task's exception line (a center whose rows do not fit the model
+    used to print "connected" and nothing else while the server logged errors every round)."""
+    import io
+    import logging
+
+    from polyparallel.backends.collab import _warm_center as W
+
+    buf = io.StringIO()
+    handler = logging.StreamHandler(buf)
+    handler.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
+    W.log.addHandler(handler)
+    try:
+        for bad in ("Expected 3D (unbatched) or 4D (batched) input to conv2d, but got input of size: [32, 64]",
+                    "Expected 3D (unbatched) or 4D (batched) input to conv2d, but got input of size: [32, 64]",
+                    "second"):
+            try:
+                try:
+                    raise KeyError("inner")
+                except KeyError:
+                    raise RuntimeError(bad) from None
+            except RuntimeError:
+                W.log.exception(W.RAISED)
+            W.log.warning("next record")
+    finally:
+        W.log.removeHandler(handler)
+    got = W.client_failures(buf.getvalue())
+    assert got[0] == got[1] == ("RuntimeError: Expected 3D (unbatched) or 4D (batched) input to conv2d, but got "
+                                "input of size: [32, 64]")
+    assert got[2] == "RuntimeError: second" and len(got) == 3
+    assert W.client_failures("INFO:x:round 1 done\n") == []
+    flwr_line = "\x1b[92mINFO \x1b[0m:      [RUN 1, ROUND 2]"  # Flower's own records end a traceback too
+    assert W.client_failures(f"ERROR:w:{W.RAISED}\nTraceback (most recent call last):\n  x\nValueError: v\n"
+                             f"{flwr_line}\n") == ["ValueError: v"]
+
+
 def test_a_node_with_another_centers_key_claiming_a_third_name_is_refused(tmp_path):
     """Beside c1 and the real c2, a node holding c0's key starts with --node-config center="c2": the
     SuperLink admits it (the key is registered) as c0's node, and the ServerApp refuses its replies

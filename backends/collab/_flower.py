@@ -63,6 +63,7 @@ from ._models import resolve_reference
 from ._pruning import with_input_of
 from ._security import Credentials
 from ._server import RoundRecord
+from ._warm_center import client_failures
 
 __all__ = ["FlowerError", "LoopbackFederation", "run_flower"]
 
@@ -361,8 +362,18 @@ class LoopbackFederation:
         disconnected for ``reconnect_s`` seconds."""
         say = on_event or (lambda _: None)
         lost: float | None = None
+        told: set[str] = set()  # the task failures already shown
+        read: dict[int, int] = {}  # executor pid -> its log's size when last read
         while True:
             procs = [p for p in (self.latest(f"supernode-{name}"), self.latest(f"executor-{name}")) if p]
+            for p in procs[1:]:  # a round that fails here (its data, its model) is said here, once per error
+                size = p.log.stat().st_size if p.log.exists() else 0
+                if read.get(p.popen.pid) != size:
+                    read[p.popen.pid] = size
+                    for why in dict.fromkeys(client_failures(p.log_text())):
+                        if why not in told:
+                            told.add(why)
+                            say(f"center {name}: a task failed here: {why} (log: {p.log})")
             hung = self._gave_up(procs[0]) if procs and procs[0].name.startswith("supernode") else False
             if hung:  # alive but done for: it will not reconnect, so it is restarted as if it had exited
                 with contextlib.suppress(ProcessLookupError):

@@ -17,14 +17,33 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import time
 from typing import Any
 
 from polyparallel.backends.collab._flwr_timing import set_object_pull_backoff
 
-__all__ = ["serve"]
+__all__ = ["RAISED", "client_failures", "serve"]
 
 log = logging.getLogger("polyparallel.collab.warm")
+#: the log line of a failed ClientApp task, followed by its traceback (``polyparallel center`` shows the error)
+RAISED = "ClientApp raised"
+_RECORD = re.compile(r"^(\x1b\[[0-9;]*m)?\s*(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
+
+
+def client_failures(text: str) -> list[str]:
+    """The exception line (``RuntimeError: ...``) of each failed task in a piece of this executor's log."""
+    out = []
+    for block in text.split(RAISED)[1:]:
+        last = ""
+        for line in block.splitlines()[1:]:
+            if _RECORD.match(line):
+                break  # the next log record (ours, or Flower's coloured "INFO :" lines)
+            if line.strip() and not line.startswith((" ", "\t", "Traceback", "During handling", "The above")):
+                last = line.strip()
+        if last:
+            out.append(last)
+    return out
 
 
 def _run_task(address: str, token: str, apps: dict[str, Any]) -> None:
@@ -57,7 +76,7 @@ def _run_task(address: str, token: str, apps: dict[str, Any]) -> None:
         reply = apps[fab.hash_str](message=message, context=context)
         status, details = SubStatus.COMPLETED, ""
     except Exception as ex:  # a failing round must not kill the center: report it and keep serving
-        log.exception("ClientApp raised")
+        log.exception(RAISED)
         details = f"{type(ex).__name__}: {ex}"
         if message is not None:
             reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=details), reply_to=message)
