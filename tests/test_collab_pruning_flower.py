@@ -55,7 +55,7 @@ def test_pruning_over_flower_is_the_inprocess_pruning_bit_for_bit(tmp_path, chan
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(540)
 def test_a_deployed_pruning_job_resumes_after_a_server_kill_and_is_the_inprocess_job(tmp_path, monkeypatch):
     """`polyparallel serve` of a pruning job file (the input row's shape in it, as `collab --save-config`
     writes it) with three `polyparallel center`s: masks in rounds 1-2, the cut after round 2; the server
@@ -63,6 +63,7 @@ def test_a_deployed_pruning_job_resumes_after_a_server_kill_and_is_the_inprocess
     every center trains the cut model, and the model, plan and masks are the in-process job's bit for bit."""
     import os
     import signal
+    import subprocess
     from pathlib import Path
 
     from polyparallel.backends.collab._flower import free_port, read_outputs
@@ -96,7 +97,12 @@ def test_a_deployed_pruning_job_resumes_after_a_server_kill_and_is_the_inprocess
         killed_after = len(_rounds(out))
         assert 2 <= killed_after < 5, killed_after
         procs.append(serve := _cli(serve_args, tmp_path, tmp_path / "serve.log"))
-        assert serve.wait(150) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+        try:  # the centers' SuperNodes give up on the killed SuperLink after 10 s and are started again
+            code = serve.wait(300)
+        except subprocess.TimeoutExpired:
+            code = None
+        assert code == 0, "\n".join(f"--- {f}\n" + (tmp_path / f).read_text()[-1500:]
+                                     for f in ("serve.log", "a.log", "b.log", "c.log"))
     finally:
         for p in procs:
             if p.poll() is None:
