@@ -148,9 +148,12 @@ def _eval_text(ev: Any) -> str:
     return " ".join(p.replace("accuracy", "acc").replace("perplexity", "ppl") for p in parts) or "-"
 
 
-def _progress(progress: LineProgress) -> Any:
-    """One line per round as it ends (round, accepted centers, losses, seconds) with the time left."""
+def _progress(progress: LineProgress, after: int = 0) -> Any:
+    """One line per round as it ends (round, accepted centers, losses, seconds) with the time left; the
+    rounds up to ``after`` (a resumed server's, recorded by its predecessor) are not shown again."""
     def show(r: Any) -> None:
+        if r.round <= after:
+            return
         train = f"train loss {r.train_loss:.4f}" if r.train_loss is not None else "no update"
         missing = ",".join([*r.rejected, *r.missing])
         progress.line(f"round {r.round}/{progress.total}  accepted {','.join(r.accepted) or '-'}"
@@ -699,6 +702,7 @@ def serve_cmd(
     _exit_on_sigterm()
     wd = (workdir or Path(tempfile.mkdtemp(prefix="ppcollab-serve-"))).resolve()
     res = out.resolve()
+    earlier = len((res / "rounds.jsonl").read_text().splitlines()) if (res / "rounds.jsonl").exists() else 0
     try:
         with LoopbackFederation(wd, {}, autostart=False, credentials=creds) as fed:
             fed.kill_strays()  # a killed predecessor's ServerApp or SuperExec (same workdir) still going
@@ -710,8 +714,10 @@ def serve_cmd(
                        eval_data=eval_data.resolve() if eval_data else None)
             typer.echo(f"SuperLink on {host}:{port}; waiting for {len(cfg.centers)} centers "
                        f"({', '.join(c.name for c in cfg.centers)}); logs in {wd / 'logs'}")
+            if earlier:
+                typer.echo(f"resuming: {earlier} rounds recorded in {res} already")
             with LineProgress(cfg.rounds, "rounds") as progress:
-                fed.wait(res, timeout, on_round=_progress(progress),
+                fed.wait(res, timeout, on_round=_progress(progress, earlier),
                          on_log=lambda line: progress.console.print(f"server: {line}", markup=False, highlight=False,
                                                                    soft_wrap=True))
     except FlowerError as e:

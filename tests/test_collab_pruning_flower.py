@@ -109,7 +109,9 @@ def test_a_deployed_pruning_job_resumes_after_a_server_kill_and_is_the_inprocess
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(10)
     log = (tmp_path / "serve.log").read_text()
-    assert "resumed from" in log, log[-3000:]
+    assert "resumed from" in log and f"resuming: {killed_after} rounds recorded" in log, log[-3000:]
+    # the restarted serve does not show its predecessor's rounds again
+    assert [ln.startswith("round 1/5 ") for ln in log.splitlines()].count(True) == 1
     res, ref = read_outputs(out), run_inprocess(cfg, data)
     assert [r.round for r in res.rounds] == [1, 2, 3, 4, 5] and all(r.fused for r in res.rounds)
     assert [r.accepted for r in res.rounds] == [("a", "b", "c")] * 5
