@@ -420,11 +420,13 @@ def _prune_options(cfg: Any, ratio: float | None, rounds: int | None, how: tuple
 
 def _check_release(release: Path, force: bool, eval_data: Path | None) -> None:
     """Refuse a --release that cannot be written, before training."""
+    from polyparallel.backends.collab._pruning import PruneError
     from polyparallel.backends.collab._release import check_release_dir
 
     if eval_data is None:
         raise UserError("--release measures accuracy before and after the cut on --eval-data FILE.npz: give it")
-    check_release_dir(release, force)
+    with _user_errors(PruneError):
+        check_release_dir(release, force)
 
 
 @contextlib.contextmanager
@@ -665,7 +667,6 @@ def serve_cmd(
     from polyparallel.backends.collab import CollabConfig
     from polyparallel.backends.collab._flower import FlowerError, LoopbackFederation, read_outputs
     from polyparallel.backends.collab._pruning import PruneError, with_input_of
-    from polyparallel.backends.collab._release import check_release_dir
     from polyparallel.backends.collab._security import load_credentials
 
     if not config.is_file():
@@ -693,8 +694,7 @@ def serve_cmd(
         if cfg.prune is None or ev is None:
             raise UserError("--release writes a pruning job's smaller model and measures it on --eval-data: give "
                             "both a job file with prune and --eval-data FILE.npz")
-        with _user_errors(ValueError):
-            check_release_dir(release, force)
+        _check_release(release, force, eval_data)
     try:
         creds = load_credentials(credentials, [c.name for c in cfg.centers]) if credentials else None
     except OSError as e:

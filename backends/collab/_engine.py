@@ -208,9 +208,9 @@ def run_inprocess(config: CollabConfig, data: Data | None = None, *,
 
 def _conform(server: FederationServer, pool: Mapping[str, LocalTrainer]) -> None:
     """Hand the pruning plan (once cut) to every center, which cuts its own model the same way."""
-    if server.pruning is not None and server.pruning.plan is not None:
+    if server.cut_plan is not None:
         for t in pool.values():  # a torch center cuts its model, a MindSpore one masks its twin
-            conform(t, server.pruning.plan)
+            conform(t, server.cut_plan)
 
 
 def _run_rounds(config: CollabConfig, server: FederationServer, pool: Mapping[str, LocalTrainer],

@@ -133,7 +133,7 @@ _PLAN_KEY = "pruning"  # a pruned job's messages after the cut: ConfigRecord {"p
 
 def _plan_records(server: FederationServer) -> dict[str, ConfigRecord]:
     """The pruning plan, once the server has cut, for a message to a center (which cuts its model alike)."""
-    plan = server.pruning.plan if server.pruning is not None else None
+    plan = server.cut_plan
     return {} if plan is None else {_PLAN_KEY: ConfigRecord({"plan": json.dumps(plan)})}
 
 

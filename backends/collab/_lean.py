@@ -279,7 +279,7 @@ def _serve_buffered(peers: dict[str, _Peer], server: Any, config: Any, out: Path
 
 def _plan_of(server: Any) -> dict[str, Any]:
     """A pruning job's plan once the server has cut, for a frame's header (the center cuts its model alike)."""
-    plan = server.pruning.plan if server.pruning is not None else None
+    plan = server.cut_plan
     return {} if plan is None else {"plan": plan}
 
 

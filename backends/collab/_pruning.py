@@ -673,10 +673,7 @@ class ServerPruning:
     evaluation), the running fused scores, the plan once cut, and the model at the cut."""
 
     def __init__(self, config: Any, params: Mapping[str, np.ndarray]) -> None:
-        self.spec: PruneSpec = config.prune
-        if not self.spec.input_shape:
-            raise PruneError("a pruning job's server needs the shape of one input row to trace the model: "
-                             "give the config through _pruning.with_input_of first")
+        self.spec: PruneSpec = with_input_of(config, None).prune  # refused here without the input row's shape
         x_like = np.zeros((1, *self.spec.input_shape), np.dtype(self.spec.input_dtype))
         self.config = config
         self.model = build_torch_model(config.model, config.seed)

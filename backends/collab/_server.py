@@ -273,6 +273,12 @@ class FederationServer:
     def done(self) -> bool:
         return self.round >= self.config.rounds
 
+    @property
+    def cut_plan(self) -> list[list[Any]] | None:
+        """A pruning job's plan once the server has cut (every center cuts its model alike with the next
+        message it gets); None before the cut and for a job without pruning."""
+        return self.pruning.plan if self.pruning is not None else None
+
     def begin_round(self) -> tuple[int, Params]:
         """Index of the next round (1-based) and the model to send."""
         r = self.round + 1
