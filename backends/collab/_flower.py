@@ -90,11 +90,19 @@ class _Proc:
     popen: subprocess.Popen
     log: Path
     log_start: int = 0  # the log's size when this process started (a restart appends to the same file)
+    log_seen: int = -1  # the log's size when :meth:`log_grew` last looked
 
     def log_text(self) -> str:
         with self.log.open("rb") as f:
             f.seek(self.log_start)
             return f.read().decode(errors="replace")
+
+    def log_grew(self) -> bool:
+        """Whether the log has been written to since the last call (a supervisor polling it reads it
+        again only then)."""
+        size = self.log.stat().st_size if self.log.exists() else 0
+        grew, self.log_seen = size != self.log_seen, size
+        return grew
 
 
 # `flwr supernode register KEY loopback --name NAME` for several keys: flwr 1.42's own helpers, one process
@@ -363,13 +371,10 @@ class LoopbackFederation:
         say = on_event or (lambda _: None)
         lost: float | None = None
         told: set[str] = set()  # the task failures already shown
-        read: dict[int, int] = {}  # executor pid -> its log's size when last read
         while True:
             procs = [p for p in (self.latest(f"supernode-{name}"), self.latest(f"executor-{name}")) if p]
             for p in procs[1:]:  # a round that fails here (its data, its model) is said here, once per error
-                size = p.log.stat().st_size if p.log.exists() else 0
-                if read.get(p.popen.pid) != size:
-                    read[p.popen.pid] = size
+                if p.log_grew():
                     for why in dict.fromkeys(client_failures(p.log_text())):
                         if why not in told:
                             told.add(why)
@@ -407,12 +412,14 @@ class LoopbackFederation:
         then, blocked, and never connects again."""
         if node.popen.poll() is not None:
             return False
-        text = node.log_text()
-        if text.rfind(_GAVE_UP) <= text.rfind(_NODE_ID):
-            self._gave_up_at.pop(node.popen.pid, None)
-            return False
-        seen = self._gave_up_at.setdefault(node.popen.pid, time.time())
-        return time.time() - seen > grace_s
+        if node.log_grew():  # read again only when written to: the verdict on the text stands until then
+            text = node.log_text()
+            if text.rfind(_GAVE_UP) <= text.rfind(_NODE_ID):
+                self._gave_up_at.pop(node.popen.pid, None)
+            else:
+                self._gave_up_at.setdefault(node.popen.pid, time.time())
+        seen = self._gave_up_at.get(node.popen.pid)
+        return seen is not None and time.time() - seen > grace_s
 
     def stop(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGKILL):
