@@ -57,7 +57,7 @@ import numpy as np
 from polyparallel.backends.torch._procs import die_with_parent, free_port
 from polyparallel.references import import_path
 
-from ._config import CollabConfig, FlowerRun
+from ._config import REJOIN_WAIT_S, CollabConfig, FlowerRun
 from ._engine import CollabResult, check_data
 from ._models import resolve_reference
 from ._pruning import with_input_of
@@ -490,7 +490,8 @@ class LoopbackFederation:
     # ------------------------------------------------------------------ runs
     def submit(self, config: CollabConfig, out_dir: Path, *, eval_data: Path | None = None,
                poll_s: float = 0.05, max_rounds: int = 0, center_wait_s: float = 600.0,
-               rejoin_wait_s: float = 30.0, root_data: Path | None = None, client_app: str | None = None) -> int:
+               rejoin_wait_s: float = REJOIN_WAIT_S, root_data: Path | None = None,
+               client_app: str | None = None) -> int:
         """Write the Flower App for ``config``, start it with ``flwr run`` and return the run id.
 
         Submitting again with the same ``out_dir`` resumes from the server's last checkpoint.
