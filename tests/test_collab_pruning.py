@@ -157,6 +157,29 @@ def tiny_vit() -> nn.Module:
     return TinyViT()
 
 
+class TiedTokens(nn.Module):
+    """Digits as 64 tokens (pixel intensities 0..16): an embedding, a residual MLP, a projection back
+    onto the 17-token vocabulary that shares the embedding's weight (tied, as a language model's output
+    layer does), and a classifier over the mean of those logits."""
+
+    def __init__(self, vocab: int = 17, d: int = 16, hidden: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.fc1, self.fc2 = nn.Linear(d, hidden), nn.Linear(hidden, d)
+        self.unembed = nn.Linear(d, vocab, bias=False)
+        self.unembed.weight = self.emb.weight
+        self.head = nn.Linear(vocab, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        h = h + self.fc2(torch.relu(self.fc1(h)))
+        return self.head(self.unembed(h).mean(1))
+
+
+def tied_tokens() -> nn.Module:
+    return TiedTokens()
+
+
 def _digits(n_centers: int = 3, rows: int = 300) -> tuple[dict, tuple]:
     from sklearn.datasets import load_digits
 
@@ -343,6 +366,34 @@ def test_global_cut_computes_what_the_masked_model_computes():
 def test_untraceable_layer_is_named():
     with pytest.raises(PruneError, match="'hidden'"):
         P.group_scores(Untraceable(), torch.zeros(2, 1, 8, 8), P.saliency(Untraceable(), "magnitude"))
+
+
+def test_tied_weights_stay_one_parameter_through_the_cut_and_the_federation():
+    """The embedding and the vocabulary projection share one weight: the cut removes the residual
+    stream's channels from it once and both layers keep holding it (Torch-Pruning alone leaves two
+    parameters that then train apart); the vocabulary group itself is kept whole (its rows are the
+    tokens the embedding looks up)."""
+    torch.manual_seed(0)
+    full, ex = TiedTokens().eval(), torch.zeros(2, 64, dtype=torch.long)
+    layout = P.group_scores(full, ex, P.saliency(full, "magnitude"))
+    assert set(layout) == {"fc1", "fc2"} and "unembed" in P.kept_whole(full, ex)
+    rng = np.random.default_rng(1)
+    masked = copy.deepcopy(full)
+    plan = P.mask_and_plan(masked, ex, 0.5, {k: rng.random(len(v)) for k, v in layout.items()})
+    cut = copy.deepcopy(masked)
+    P.apply_plan(cut, ex, plan)
+    x = torch.randint(0, 17, (4, 64))
+    with torch.no_grad():
+        torch.testing.assert_close(cut(x), masked(x), rtol=1e-5, atol=1e-5)
+    assert cut.unembed.weight is cut.emb.weight and cut.emb.weight.shape == (17, 8)
+    assert _count(cut) == 17 * 8 + (8 * 16 + 16) + (16 * 8 + 8) + (17 * 10 + 10)
+
+    data, _ = _digits()
+    tokens = {c: (np.rint(x.reshape(len(x), 64) * 16).astype(np.int64), y) for c, (x, y) in data.items()}
+    res = collaborate(_config(model=ModelSpec(f"{HERE}:tied_tokens"), rounds=3), tokens)
+    assert res.pruning["plan"] and res.params["emb.weight"].shape == (17, 8)
+    # two rounds trained after the cut: apart, the two would differ (each its own gradient)
+    np.testing.assert_array_equal(res.params["emb.weight"], res.params["unembed.weight"])
 
 
 # --------------------------------------------------------------------------- the federation

@@ -59,6 +59,8 @@ preserves the function, which :func:`kept_whole` checks once per model on a copy
 channels masked at random, the copy cut, both run on a random input). A group failing it is kept whole
 and named in the release: a transformer's residual stream (LayerNorm reads every channel, so zeros do
 not leave without changing its statistics), or an attention whose forward hard-codes its widths.
+A tied parameter (an embedding and the output projection that reads its weight) stays one parameter
+through the cut (:func:`apply_plan` ties it again), so it loses the same channels once and trains as one.
 Attention heads: a module with a head count (``num_heads``, :data:`HEAD_ATTRS`) has its query / key /
 value projection (:data:`QKV_NAMES`) given to Torch-Pruning with that count (:func:`attention_heads`),
 which then removes the *same* dimensions from every head, q, k and v alike, and the output projection's
@@ -560,8 +562,37 @@ def apply_plan(model: Any, example: Any, plan: Sequence[Sequence[Any]]) -> None:
     def build() -> Any:
         return tp.DependencyGraph().build_dependency(model, example_inputs=example, verbose=False)
 
+    tied = _tied_parameters(model)
     dg = _traced(model, build)
     dg.load_pruning_history([[str(n), bool(o), [int(j) for j in idxs]] for n, o, idxs in plan])
+    _retie(tied)
+
+
+def _tied_parameters(model: Any) -> list[list[tuple[Any, str]]]:
+    """The places ``(module, attribute)`` that hold one parameter object, for every parameter held in
+    more than one (tied weights: an embedding and the output layer reading it)."""
+    places: dict[int, list[tuple[Any, str]]] = {}
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                places.setdefault(id(p), []).append((mod, name))
+    return [v for v in places.values() if len(v) > 1]
+
+
+def _retie(tied: Sequence[Sequence[tuple[Any, str]]]) -> None:
+    """Make each group of places hold one parameter again. Torch-Pruning prunes a tied parameter once
+    per layer that holds it and gives each layer a new parameter object, which would then train
+    apart (and count twice); the dependency graph removed the same channels from each."""
+    import torch
+
+    for places in tied:
+        first = getattr(*places[0])
+        for mod, name in places[1:]:
+            other = getattr(mod, name)
+            if other.shape != first.shape or not torch.equal(other, first):
+                raise PruneError(f"the cut pruned the tied parameter {name!r} of {type(mod).__name__} unlike its "
+                                 "other holder: prune without tying it or keep its layers whole")
+            setattr(mod, name, first)
 
 
 def _params(model: Any) -> int:
