@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> dict:
                     "distill": args.distill, "distill_temperature": args.distill_temperature,
                     "distill_teacher": args.distill_teacher,
                     "score_batches": args.score_batches,
-                    "target": args.target, "allocation": args.allocation,
+                    "target": args.target, "allocation": args.allocation, "heads": args.heads,
                     "seed": args.seed, "machine": platform.processor() or platform.machine(),
                     # a row repeats bit for bit on one CPU, not across CPUs whose kernels round differently
                     "cpu": _cpu_model(), "cpu_capability": _cpu_capability(),
@@ -251,7 +251,7 @@ def run(args: argparse.Namespace) -> dict:
                   flush=True)
         for ratio in [float(r) for r in args.ratios.split(",")]:
             opts = dict(score=args.score, score_batches=args.score_batches, target=args.target,
-                        allocation=args.allocation)
+                        allocation=args.allocation, heads=args.heads)
             # the online arms' dense rounds before the masks, and their distillation after the cut
             warm = dict(warmup=args.prune_warmup, distill=args.distill, distill_temperature=args.distill_temperature,
                         distill_teacher=args.distill_teacher)
@@ -378,6 +378,7 @@ def main() -> None:
     ap.add_argument("--score-batches", type=int, default=4)
     ap.add_argument("--target", default="params", help="what RATIO is a share of: params or channels")
     ap.add_argument("--allocation", default="global", help="uniform or global (PruneSpec.allocation)")
+    ap.add_argument("--heads", default="dims", help="dims or whole: what an attention loses (PruneSpec.heads)")
     ap.add_argument("--cache", default="", help="folder for the unpruned models' parameters (reused by a run of "
                                                 "the same setting)")
     ap.add_argument("--unpruned-from", default="",
@@ -410,9 +411,11 @@ def main() -> None:
         for m in res["models"].values():  # the table's order: unpruned arms, then by ratio, online before once
             m["rows"] = dict(sorted(m["rows"].items(), key=row_order))
         keys = ("rounds", "local_steps", "lr", "prune_rounds", "prune_warmup", "score", "seed", "train_rows", "alpha",
-                "target", "allocation")
-        def same(p: dict) -> dict:  # runs from before --prune-warmup existed had none
-            return {k: p["setting"].get(k, 0 if k == "prune_warmup" else None) for k in keys}
+                "target", "allocation", "heads")
+        before = {"prune_warmup": 0, "heads": "dims"}  # runs from before these options existed
+
+        def same(p: dict) -> dict:
+            return {k: p["setting"].get(k, before.get(k)) for k in keys}
 
         if any(same(p) != same(res) for p in parts):
             raise SystemExit("--merge: the runs' settings differ")

@@ -216,6 +216,8 @@ _HELP = {
     "target": "what --prune RATIO is a share of: params or channels",
     "allocation": "uniform (each group loses the same share) or global (one ranking across the groups); default: "
                   "PruneSpec's",
+    "heads": "what an attention module (a head count attribute such as num_heads) loses: dims (the same "
+             "dimensions of every head) or whole heads",
     "distill": "with --prune: distillation weight A in [0, 1) of the fine-tuning rounds after the cut, each "
                "center's teacher the fused model at the cut, on its own rows (torch centers; 0: off)",
     "release": "with --prune: write model.pt2, model.onnx and release.json here",
@@ -320,6 +322,7 @@ def collab_cmd(
     prune_target: Annotated[str, typer.Option("--prune-target", help=_HELP["target"])] = "params",
     prune_allocation: Annotated[str | None, typer.Option("--prune-allocation", help=_HELP["allocation"])]
     = None,
+    prune_heads: Annotated[str, typer.Option("--prune-heads", help=_HELP["heads"])] = "dims",
     prune_distill: Annotated[float, typer.Option("--prune-distill", help=_HELP["distill"])] = 0.0,
     prune_distill_temperature: Annotated[float | None, typer.Option(
         "--prune-distill-temperature", help="T of --prune-distill (default: PruneSpec's)")] = None,
@@ -349,8 +352,8 @@ def collab_cmd(
         cfg = _center_options(cfg, source, link or [], samples, emulate_wan and strategy is None)
         if scale_devices is not None:
             cfg = _scaled(cfg, scale_devices, strategy is not None)
-        cfg = _prune_options(cfg, prune, prune_rounds, (prune_score, prune_target, prune_allocation), release, force,
-                             eval_data, (prune_distill, prune_distill_temperature))
+        cfg = _prune_options(cfg, prune, prune_rounds, (prune_score, prune_target, prune_allocation, prune_heads),
+                             release, force, eval_data, (prune_distill, prune_distill_temperature))
     if save_config is not None:
         if cfg.prune is not None:  # a deployment's server reads no row: the job file names the input's shape
             cfg = _with_pruning_input(cfg, eval_data, data_dir)
@@ -394,7 +397,7 @@ def _job_config(config: Path | None, strategy: Path | None, options: tuple[str, 
     return _options_config(*options, spec, training, fixed, fusion_opt, root_set=root_set)
 
 
-def _prune_options(cfg: Any, ratio: float | None, rounds: int | None, how: tuple[str, str, str | None],
+def _prune_options(cfg: Any, ratio: float | None, rounds: int | None, how: tuple[str, str, str | None, str],
                    release: Path | None, force: bool, eval_data: Path | None,
                    distill: tuple[float, float | None] = (0.0, None)) -> Any:
     """``cfg`` with the pruning the options ask for; a release directory is refused here, before training.
@@ -409,8 +412,8 @@ def _prune_options(cfg: Any, ratio: float | None, rounds: int | None, how: tuple
         if release is not None:
             _check_release(release, force, eval_data)
         return cfg
-    score, target, allocation = how
-    spec = PruneSpec(ratio, max(1, cfg.rounds // 6) if rounds is None else rounds, score, target=target,
+    score, target, allocation, heads = how
+    spec = PruneSpec(ratio, max(1, cfg.rounds // 6) if rounds is None else rounds, score, target=target, heads=heads,
                      distill=distill[0], **({} if allocation is None else {"allocation": allocation}),
                      **({} if distill[1] is None else {"distill_temperature": distill[1]}))
     if release is not None:

@@ -508,6 +508,7 @@ def _write_digits(tmp_path, rows=300):
     (["--prune", "0.5", "--model", f"{HERE}:untraceable"], "cannot trace layer 'hidden'"),
     (["--prune", "0.99"], "of the parameters is out of reach"),
     (["--prune", "0.5", "--prune-allocation", "random"], "unknown pruning allocation"),
+    (["--prune", "0.5", "--prune-heads", "some"], "unknown head pruning 'some'"),
     (["--release", "REL"], "go with --prune"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, extra, message):
@@ -654,6 +655,52 @@ def test_attention_loses_the_same_dimensions_in_every_head_and_keeps_the_residua
     assert cut.fc1.out_features == 16  # half the MLP's neurons
     assert cut.attn.num_heads == 4 and cut.attn.qkv.out_features == 3 * 4 * 2  # 4 heads of 2 dims (from 4)
     assert cut.attn.proj.in_features == 4 * 2
+
+
+def test_whole_heads_leave_and_the_head_count_follows():
+    """heads="whole": half of the 4 heads go, the two whose channels score lowest on average (the heads'
+    score vector is at the output projection's input: 4 heads x 4 dimensions); the masked and the cut
+    model both compute the full model with those heads' output-projection columns zeroed."""
+    torch.manual_seed(0)
+    full, ex = TinyViT().eval(), torch.zeros(2, 1, 8, 8)
+    assert "attn.proj:in" not in P.kept_whole(full, ex, heads="whole")
+    scores = {"attn.proj:in": np.random.default_rng(3).random(16)}  # the heads only: the MLP stays
+    masked = copy.deepcopy(full)
+    plan = P.mask_and_plan(masked, ex, 0.5, scores, heads="whole")
+    assert plan[-1] == ["attn", "heads", 2] and len(P.channels_of(plan)) == len(plan) - 1
+    gone = np.argsort(scores["attn.proj:in"].reshape(4, 4).mean(1))[:2]
+    ref = copy.deepcopy(full)
+    with torch.no_grad():
+        for h in gone:
+            ref.attn.proj.weight[:, 4 * h:4 * h + 4] = 0
+    cut = copy.deepcopy(masked)
+    P.apply_plan(cut, ex, plan)
+    x = torch.randn(5, 1, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(masked(x), ref(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cut.eval()(x), ref(x), rtol=1e-5, atol=1e-5)
+    assert cut.attn.num_heads == 2 and cut.attn.qkv.out_features == 3 * 2 * 4 and cut.attn.proj.in_features == 2 * 4
+    # an attention that hard-codes its head count cannot lose heads either: kept whole, its MLP still pruned
+    fixed = TinyViT(FixedAttention).eval()
+    assert "attn.proj:in" in P.kept_whole(fixed, ex, heads="whole")
+    with pytest.raises(PruneError, match=r"'blocks\.0\.attn'.*no attention module"):
+        P.apply_plan(copy.deepcopy(full), ex, [["blocks.0.attn", "heads", 2]])
+
+
+def test_a_federation_prunes_whole_heads_and_releases_the_smaller_attention(tmp_path):
+    from polyparallel.backends.collab._release import write_release
+
+    data, ev = _digits()
+    spec = PruneSpec(0.5, rounds=1, score="taylor", score_batches=2, target="channels", allocation="uniform",
+                     heads="whole")
+    cfg = _config(model=ModelSpec(f"{HERE}:tiny_vit"), prune=spec)
+    assert CollabConfig.from_json(cfg.to_json()).prune.heads == "whole"
+    assert '"heads"' not in _config(model=ModelSpec(f"{HERE}:tiny_vit")).to_json()  # the default: as before
+    res = collaborate(cfg, data, eval_data=ev)
+    assert ["attn", "heads", 2] in res.pruning["plan"]
+    assert res.params["attn.qkv.weight"].shape == (24, 16) and res.params["attn.proj.weight"].shape == (16, 8)
+    rel = write_release(tmp_path / "rel", cfg, res.params, res.pruning, ev)
+    assert rel["params_after"] < rel["params_before"] and rel["onnx_check"]["argmax_agreement"] == 1.0
 
 
 def test_attention_whose_shapes_are_constants_is_kept_whole_and_its_mlp_pruned():

@@ -64,8 +64,9 @@ through the cut (:func:`apply_plan` ties it again), so it loses the same channel
 Attention heads: a module with a head count (``num_heads``, :data:`HEAD_ATTRS`) has its query / key /
 value projection (:data:`QKV_NAMES`) given to Torch-Pruning with that count (:func:`attention_heads`),
 which then removes the *same* dimensions from every head, q, k and v alike, and the output projection's
-matching inputs (the group keyed ``<proj>:in``); whole heads are not removed (the module's head count
-would have to change with the cut on every center).
+matching inputs (the group keyed ``<proj>:in``); or, with ``PruneSpec.heads="whole"``, whole heads (the
+head width stays): the plan then also says each such module's new head count, which every side sets
+with the cut (:func:`apply_plan`), and :func:`kept_whole` checks that the module's forward follows it.
 
 Engines: in-process, and Flower over its messages (the scores in the replies, the plan in the server's
 messages after the cut, :mod:`._flower_app`) or over the lean data channel (the plan in the frames'
@@ -94,16 +95,18 @@ from ._objective import TorchObjective
 from ._records import Real, config_record, record_data
 from ._wire import check_payload, decode_update, encode_update
 
-__all__ = ["DISTILL_TEACHERS", "MIN_KEEP", "PRUNE_ALLOCATIONS", "PRUNE_SCORES", "PRUNE_TARGETS", "SCORE_FUSIONS",
-           "SCORE_PREFIX", "PruneError", "PruneSpec", "ServerPruning", "apply_plan", "attention_heads", "center_scores",
-           "channel_ratio_for", "conform_trainer", "example_input", "group_scores", "kept_whole", "mask_and_plan",
-           "output_layers", "params_after", "saliency", "scoring_model", "with_input_of"]
+__all__ = ["DISTILL_TEACHERS", "MIN_KEEP", "PRUNE_ALLOCATIONS", "PRUNE_HEADS", "PRUNE_SCORES", "PRUNE_TARGETS",
+           "SCORE_FUSIONS", "SCORE_PREFIX", "PruneError", "PruneSpec", "ServerPruning", "apply_plan", "attention_heads",
+           "center_scores", "channel_ratio_for", "channels_of", "conform_trainer", "example_input", "group_scores",
+           "kept_whole", "mask_and_plan", "output_layers", "params_after", "saliency", "scoring_model", "with_input_of"]
 
 PRUNE_SCORES = ("magnitude", "taylor", "fisher")
 #: what ``PruneSpec.ratio`` is a share of: the model's parameters, or every prunable group's channels
 PRUNE_TARGETS = ("params", "channels")
 #: how the channels removed are spread over the groups: the same share of each, or one global ranking
 PRUNE_ALLOCATIONS = ("uniform", "global")
+#: what an attention loses: the same dimensions of every head, or whole heads (its head count drops)
+PRUNE_HEADS = ("dims", "whole")
 #: with the global allocation, the share of a group's channels that always stays (no layer collapses)
 MIN_KEEP = 0.1
 SCORE_PREFIX = "p/"
@@ -133,6 +136,9 @@ class PruneSpec:
         allocation: ``uniform`` (every group loses the same share of its channels) or ``global`` (one
             ranking of the fused, group-normalised scores across the groups, Torch-Pruning's global
             pruning, each group keeping at least :data:`MIN_KEEP` of its channels).
+        heads: what an attention module with a head count (:func:`attention_heads`) loses: ``dims``, the
+            same dimensions of every head (its head count stays), or ``whole`` heads, ranked by their
+            channels' mean score (the head width stays, the module's head count drops; the plan says so).
         warmup: rounds ``1..warmup`` train the full model unmasked (the centers score from round 1, so
             the ranking the masks start from has averaged over them), the sparsity then rises over rounds
             ``warmup+1..K`` (Zhu & Gupta's schedule starts after ``t0`` steps of dense training); ``0 <= warmup < K``.
@@ -157,6 +163,7 @@ class PruneSpec:
     ema: Real = 0.5
     target: str = "params"
     allocation: str = "global"
+    heads: str = Field("dims", exclude_if=lambda v: v == "dims")  # the default: the JSON of before
     warmup: Real = 0
     distill: Real = 0.0
     distill_temperature: Real = 4.0
@@ -187,6 +194,8 @@ class PruneSpec:
             raise PruneError(f"pruning warmup must be an integer in [0, K={self.rounds}), got {self.warmup}")
         if self.allocation not in PRUNE_ALLOCATIONS:
             raise PruneError(f"unknown pruning allocation {self.allocation!r}; choose one of {PRUNE_ALLOCATIONS}")
+        if self.heads not in PRUNE_HEADS:
+            raise PruneError(f"unknown head pruning {self.heads!r}; choose one of {PRUNE_HEADS}")
         if not (isinstance(self.distill, int | float) and 0.0 <= self.distill < 1.0):
             raise PruneError(f"distillation weight must be in [0, 1) (0: off), got {self.distill}")
         if not (isinstance(self.distill_temperature, int | float) and self.distill_temperature > 0
@@ -282,33 +291,40 @@ QKV_NAMES = ("qkv", "to_qkv", "c_attn", "in_proj", "q", "k", "v", "query", "key"
              "q_proj", "k_proj", "v_proj", "to_q", "to_k", "to_v")
 
 
-def attention_heads(model: Any) -> dict[Any, int]:
-    """The query / key / value projections of the model's attention modules and their head count:
+def _attentions(model: Any) -> list[tuple[str, Any, str, list[Any]]]:
+    """``(name, module, head-count attribute, its q/k/v projections)`` of the model's attention modules:
     a module with an integer head count (:data:`HEAD_ATTRS`) and linear children named like
-    :data:`QKV_NAMES` whose output divides by it. Torch-Pruning, told these, removes the same
-    dimensions from every head (q, k and v alike) instead of any channels of the projection."""
+    :data:`QKV_NAMES` whose output divides by it."""
     from torch import nn
 
-    out: dict[Any, int] = {}
-    for m in model.modules():
-        h = next((getattr(m, a) for a in HEAD_ATTRS if isinstance(getattr(m, a, None), int)), None)
-        if not h or h < 1:
-            continue
-        for name, c in m.named_children():
-            if name in QKV_NAMES and isinstance(c, nn.Linear) and c.out_features % h == 0:
-                out[c] = h
+    out = []
+    for mname, m in model.named_modules():
+        attr = next((a for a in HEAD_ATTRS if isinstance(getattr(m, a, None), int)), None)
+        h = getattr(m, attr) if attr else 0
+        qkv = [c for name, c in m.named_children()
+               if h >= 1 and name in QKV_NAMES and isinstance(c, nn.Linear) and c.out_features % h == 0]
+        if qkv:
+            out.append((mname, m, attr, qkv))
     return out
 
 
+def attention_heads(model: Any) -> dict[Any, int]:
+    """The query / key / value projections of the model's attention modules and their head count.
+    Torch-Pruning, told these, removes the same dimensions from every head (q, k and v alike) instead
+    of any channels of the projection, or whole heads (``heads="whole"``)."""
+    return {c: getattr(m, attr) for _, m, attr, qkv in _attentions(model) for c in qkv}
+
+
 def _pruner(model: Any, example: Any, ratio: float, importance: Any, kept: Sequence[str] | None = None,
-            allocation: str = "uniform") -> Any:
+            allocation: str = "uniform", heads: str = "dims") -> Any:
     """Torch-Pruning's pruner over the model's channel groups: the output layer, and the groups
-    :func:`kept_whole` finds (``kept``, computed when None), left whole; attention heads kept consistent;
+    :func:`kept_whole` finds (``kept``, computed when None), left whole; attention heads kept consistent
+    (``heads="whole"``: ``ratio`` of the heads go whole, ranked by their channels' mean importance);
     ``allocation="global"``: one ranking across the groups (``global_pruning``)."""
     import torch_pruning as tp
 
     if kept is None:
-        kept_whole(model, example)
+        kept_whole(model, example, heads)
         kept = model.__dict__["_pp_kept_whole"][2]
     mods = dict(model.named_modules())
 
@@ -316,7 +332,9 @@ def _pruner(model: Any, example: Any, ratio: float, importance: Any, kept: Seque
         return tp.pruner.BasePruner(model, example, importance=importance, pruning_ratio=ratio,
                                     global_pruning=allocation == "global",
                                     ignored_layers=output_layers(model, example) + [mods[n] for n in kept],
-                                    num_heads=attention_heads(model))
+                                    num_heads=attention_heads(model), prune_num_heads=heads == "whole",
+                                    prune_head_dims=heads != "whole",
+                                    head_pruning_ratio=ratio if heads == "whole" else 0.0)
 
     pruner = _traced(model, build)
     _check_covered(model, pruner.DG)
@@ -332,31 +350,32 @@ def _check_input(example: Any) -> Any:
     return torch.zeros((4, *example.shape[1:]), dtype=example.dtype)
 
 
-def kept_whole(model: Any, example: Any) -> tuple[str, ...]:
+def kept_whole(model: Any, example: Any, heads: str = "dims") -> tuple[str, ...]:
     """The root layers of the channel groups that are *not* pruned because removing channels that
     carry zeros would change what the model computes: on a copy, half of the group's channels (chosen
     at random) are masked, the copy is cut, and the two must agree on a random input. That keeps
     whole a group whose channels a normalisation over channels reads (LayerNorm / GroupNorm over a
     transformer's residual stream: its statistics change when zeros leave), one whose cut breaks a
-    reshape (heads the pruner was not told of), and one it would scramble. Computed once per
-    model instance (two models with the same layers can differ in their forward)."""
+    reshape (heads the pruner was not told of), and one it would scramble; with ``heads="whole"`` an
+    attention whose forward does not follow its head count. Computed once per model instance and
+    ``heads`` (two models with the same layers can differ in their forward)."""
     import copy
 
     import torch
 
-    key = tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
+    key = (heads, *((n, tuple(p.shape)) for n, p in model.named_parameters()))
     cached = model.__dict__.get("_pp_kept_whole")  # (key, roots kept whole, the layers producing them)
     if cached is not None and cached[0] == key:
         return cached[1]
     names = {m: n for n, m in model.named_modules()}
     rec = _Recorded(_magnitude(), names)
-    for _ in _pruner(model, example, 0.5, rec, kept=()).step(interactive=True):
+    for _ in _pruner(model, example, 0.5, rec, kept=(), heads=heads).step(interactive=True):
         pass
     x, rng, kept = _check_input(example), np.random.default_rng(0), []
     for root, v in rec.out.items():
         masked = copy.deepcopy(model).eval()
         try:
-            plan = mask_and_plan(masked, example, 0.5, {root: rng.random(len(v))}, kept=())
+            plan = mask_and_plan(masked, example, 0.5, {root: rng.random(len(v))}, kept=(), heads=heads)
             cut = copy.deepcopy(masked)
             apply_plan(cut, example, plan)
             cut.eval()
@@ -536,22 +555,34 @@ def _zero(dep: Any, idxs: Sequence[int]) -> None:
 
 
 def mask_and_plan(model: Any, example: Any, ratio: float, scores: Mapping[str, np.ndarray],
-                  kept: Sequence[str] | None = None, allocation: str = "uniform") -> list[list[Any]]:
+                  kept: Sequence[str] | None = None, allocation: str = "uniform",
+                  heads: str = "dims") -> list[list[Any]]:
     """Zero (in ``model``, in place) the channels ``scores`` rank lowest, ``ratio`` of every group
     (``allocation="uniform"``) or of all prunable channels in one ranking (``"global"``), and return
     the plan that removes them: ``[[root layer, output side?, indices], ...]`` (Torch-Pruning's pruning
-    history, replayed by :func:`apply_plan`)."""
+    history, replayed by :func:`apply_plan`), then ``[attention module, "heads", count]`` for each
+    attention whose head count the cut lowers (``heads="whole"``). A masked head computes zeros (its
+    query and key rows give uniform weights, its value rows zeros), so the cut changes nothing."""
     names = {m: n for n, m in model.named_modules()}
     pruner = _pruner(model, example, ratio, _Fixed(scores, names, MIN_KEEP if allocation == "global" else 0.0),
-                     kept, allocation)
-    plan = []
+                     kept, allocation, heads)
+    plan: list[list[Any]] = []
     for group in pruner.step(interactive=True):
         for dep, idxs in group:
             _zero(dep, idxs)
         root, idxs = group[0].dep, group[0].idxs
         plan.append([names[root.target.module], bool(pruner.DG.is_out_channel_pruning_fn(root.trigger)),
                      sorted(int(j) for j in idxs)])
+    for mname, m, attr, qkv in _attentions(model):
+        left = pruner.num_heads.get(qkv[0], getattr(m, attr))
+        if left != getattr(m, attr):
+            plan.append([mname, "heads", int(left)])
     return plan
+
+
+def channels_of(plan: Sequence[Sequence[Any]]) -> list[Sequence[Any]]:
+    """The plan's channel entries ``[root layer, output side?, indices]`` (not its head counts)."""
+    return [e for e in plan if isinstance(e[1], bool)]
 
 
 def apply_plan(model: Any, example: Any, plan: Sequence[Sequence[Any]]) -> None:
@@ -564,8 +595,14 @@ def apply_plan(model: Any, example: Any, plan: Sequence[Sequence[Any]]) -> None:
 
     tied = _tied_parameters(model)
     dg = _traced(model, build)
-    dg.load_pruning_history([[str(n), bool(o), [int(j) for j in idxs]] for n, o, idxs in plan])
+    dg.load_pruning_history([[str(n), bool(o), [int(j) for j in idxs]] for n, o, idxs in channels_of(plan)])
     _retie(tied)
+    attentions = {mname: (m, attr) for mname, m, attr, _ in _attentions(model)}
+    for mname, _, count in (e for e in plan if e[1] == "heads"):
+        if mname not in attentions:
+            raise PruneError(f"the plan lowers the head count of {mname!r}, which is no attention module with a "
+                             f"head count ({', '.join(HEAD_ATTRS)}) in this model")
+        setattr(*attentions[mname], int(count))
 
 
 def _tied_parameters(model: Any) -> list[list[tuple[Any, str]]]:
@@ -600,7 +637,7 @@ def _params(model: Any) -> int:
 
 
 def params_after(model: Any, example: Any, channel_ratio: float, scores: Mapping[str, np.ndarray],
-                 kept: Sequence[str] | None = None, allocation: str = "uniform") -> int:
+                 kept: Sequence[str] | None = None, allocation: str = "uniform", heads: str = "dims") -> int:
     """The parameters ``model`` keeps when ``mask_and_plan(..., channel_ratio, scores)``'s plan is cut
     (counted on a pruned copy; ``model`` is left as it is)."""
     import copy
@@ -610,7 +647,7 @@ def params_after(model: Any, example: Any, channel_ratio: float, scores: Mapping
     cut = copy.deepcopy(model)
     names = {m: n for n, m in cut.named_modules()}
     pruner = _pruner(cut, example, channel_ratio,
-                     _Fixed(scores, names, MIN_KEEP if allocation == "global" else 0.0), kept, allocation)
+                     _Fixed(scores, names, MIN_KEEP if allocation == "global" else 0.0), kept, allocation, heads)
     for group in pruner.step(interactive=True):
         group.prune()
     return _params(cut)
@@ -618,7 +655,7 @@ def params_after(model: Any, example: Any, channel_ratio: float, scores: Mapping
 
 def channel_ratio_for(model: Any, example: Any, target: float, scores: Mapping[str, np.ndarray],
                       kept: Sequence[str] | None = None, allocation: str = "uniform",
-                      steps: int = 8) -> tuple[float, int]:
+                      steps: int = 8, heads: str = "dims") -> tuple[float, int]:
     """``(channel ratio, parameters kept)``: the smallest channel ratio (bisection, ``steps`` halvings)
     whose cut removes at least ``target`` of ``model``'s parameters (whole channels: a little more).
     A target no channel ratio reaches (the groups kept whole and the output layer hold too many of
@@ -629,7 +666,7 @@ def channel_ratio_for(model: Any, example: Any, target: float, scores: Mapping[s
     # Torch-Pruning then leaves it whole, so more channels do not always mean fewer parameters)
     lo, best, fewest = 0.0, None, total
     for hi in (0.5, 0.6, 0.7, 0.8, 0.85):  # below 1 - MIN_KEEP: the floors never make the whole cut
-        n = params_after(model, example, hi, scores, kept, allocation)
+        n = params_after(model, example, hi, scores, kept, allocation, heads)
         fewest = min(fewest, n)
         if n <= want:
             best = (hi, n)
@@ -641,7 +678,7 @@ def channel_ratio_for(model: Any, example: Any, target: float, scores: Mapping[s
     hi = best[0]
     for _ in range(steps):
         mid = 0.5 * (lo + hi)
-        n = params_after(model, example, mid, scores, kept, allocation)
+        n = params_after(model, example, mid, scores, kept, allocation, heads)
         if n <= want:
             hi, best = mid, (mid, n)
         else:
@@ -736,7 +773,8 @@ class ServerPruning:
             return 0.0, self.params_full
         if spec.allocation == "uniform" and sparsity in self._ratios:  # the same widths whatever the scores
             return self._ratios[sparsity]
-        got = channel_ratio_for(self.model, self.example, sparsity, scores, allocation=spec.allocation)
+        got = channel_ratio_for(self.model, self.example, sparsity, scores, allocation=spec.allocation,
+                                heads=spec.heads)
         if spec.allocation == "uniform":
             self._ratios[sparsity] = got
         return got
@@ -791,10 +829,11 @@ class ServerPruning:
             return params
         load_torch_state(self.model, params)
         channels, kept_params = self.channel_ratio(ratio, self.scores)
-        plan = mask_and_plan(self.model, self.example, channels, self.scores, allocation=self.spec.allocation)
+        plan = mask_and_plan(self.model, self.example, channels, self.scores, allocation=self.spec.allocation,
+                             heads=self.spec.heads)
         masked = torch_state(self.model)
         self.history.append({"round": round_idx, "sparsity": ratio, "channel_ratio": channels,
-                             "params_kept": kept_params, "masked_channels": sum(len(p[2]) for p in plan)})
+                             "params_kept": kept_params, "masked_channels": sum(len(p[2]) for p in channels_of(plan))})
         if round_idx < self.spec.rounds:
             return masked
         self.cut_params, self.plan = masked, plan
@@ -826,7 +865,7 @@ class ServerPruning:
         """What a release needs: the plan (None when the job stopped before round ``K``), the masks of
         each round, and the full-size model at the cut."""
         return {"plan": self.plan, "masks": list(self.history), "cut_params": self.cut_params,
-                "kept_whole": list(kept_whole(self.model_full, self.example)),
+                "kept_whole": list(kept_whole(self.model_full, self.example, self.spec.heads)),
                 "heads": {n: h for n, m in self.model_full.named_modules()
                           for q, h in attention_heads(self.model_full).items() if q is m},
                 "spec": record_data(self.spec)}
