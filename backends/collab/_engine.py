@@ -48,7 +48,7 @@ class CollabResult:
     params: Params
     rounds: tuple[RoundRecord, ...]
     timing: tuple[Mapping[str, Any], ...]
-    #: a pruning job's plan, per-round masks and full-size model at the cut (``_pruning.ServerPruning.outcome``)
+    #: a pruning job's plan, per-round masks and full-size model at the cut (``_pruning_server.ServerPruning.outcome``)
     pruning: Mapping[str, Any] | None = None
 
     @property

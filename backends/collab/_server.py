@@ -38,7 +38,7 @@ import numpy as np
 from ._center import TorchTrainer
 from ._config import CollabConfig
 from ._fusion import CenterUpdate, Params, trained_names
-from ._pruning import ServerPruning
+from ._pruning_server import ServerPruning
 from ._validation import (
     UpdateGuard,
     check_binding,
@@ -223,7 +223,7 @@ class FederationServer:
         self.guard = UpdateGuard(config.norm_bound, config.step_bound, {c.name: c.samples for c in config.centers})
         self._digest: tuple[int, int] | None = None  # (round, digest of the model sent in it)
         self._nonce: tuple[int, int] | None = None  # (round, the nonce drawn for it)
-        self.pruning = None  # online pruning's server side (_pruning.ServerPruning)
+        self.pruning = None  # online pruning's server side (_pruning_server.ServerPruning)
         if config.prune is not None:
             self.pruning = ServerPruning(config, self.params)
 
