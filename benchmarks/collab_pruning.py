@@ -7,8 +7,10 @@ at random from the 60k training images (12k by default, to fit 2 shared CPU core
 by Dirichlet(0.3) label skew (``examples/collab_fashion_mnist.py``'s split); accuracy on the official 10k
 test images. FedAvg, local SGD with momentum, a cosine learning rate over the rounds. Two user models
 given as ``--model MODULE:FUNCTION`` would be: ``models.resnet_small:resnet`` (3 residual stages of 8, 16,
-32 channels with BatchNorm, about 24k parameters) and ``models.vit_patch:vit`` (a vision transformer over
-7×7 patches, width 48, 2 blocks of 4 heads, MLP 192, about 60k parameters), both in ``examples/models``.
+32 channels with BatchNorm, about 20k parameters) and ``models.vit_patch:vit`` (a vision transformer over
+7×7 patches, width 48, 2 blocks of 4 heads, MLP 192, about 60k parameters), both in ``examples/models``;
+``resnet16`` (``models.resnet_small:resnet16``) is the ResNet at the CIFAR ResNets' widths (16, 32, 64
+channels, 78k parameters), on which no setting was chosen.
 
 Arms, per model, the same data, seed, rounds ``R`` and local steps ``H``:
 
@@ -64,6 +66,16 @@ takes 0.5-2 minutes, a ResNet row 2-4, the first run of a seed adds its unpruned
        $B --merge benchmarks/results/collab_pruning_seed$s.json,$(ls /tmp/pr35/held/s${s}_*.json | paste -sd,) \
           --out benchmarks/results/collab_pruning_seed$s.json; done
 
+The ResNet at the CIFAR widths, every seed held out (``results/collab_pruning_resnet16.json``)::
+
+    B="nice -n 10 .venv/bin/python benchmarks/collab_pruning.py --cache /tmp/w16/cache \
+       --tuned resnet:online:0.5,vit:online:0.5 --models resnet16"
+    L=resnet16:online-long:0.5,resnet16:unpruned-long
+    $B --only resnet16:online:0.3,resnet16:online:0.5,resnet16:online:0.7,resnet16:once:0.3,resnet16:once:0.5,\
+    resnet16:once:0.7,$L --seed 0 --out /tmp/w16/s0.json
+    $B --merge /tmp/w16/s0.json --remeasure-latency --out /tmp/w16/s0_lat.json
+    for s in 1 2 3 4 5; do $B --only resnet16:online:0.5,resnet16:once:0.5,$L --seed $s --out /tmp/w16/s$s.json; done
+
 Without ``--only`` a run takes every row of its models. Latencies taken in the runs are at the load
 the machine had (``load_avg`` in the setting); ``--remeasure-latency`` times every architecture again
 in one process, interleaved, and keeps the in-run figures as ``latency_ms_in_run``.
@@ -102,7 +114,8 @@ from polyparallel.backends.collab._models import build_torch_model, load_torch_s
 from polyparallel.backends.collab._pruning import PruneError, PruneSpec, example_input  # noqa: E402
 from polyparallel.backends.collab._release import latency_s, size_of, write_release  # noqa: E402
 
-MODELS = {"resnet": "models.resnet_small:resnet", "vit": "models.vit_patch:vit"}
+MODELS = {"resnet": "models.resnet_small:resnet", "resnet16": "models.resnet_small:resnet16",
+          "vit": "models.vit_patch:vit"}
 
 
 def _cpu_capability() -> str:
