@@ -310,6 +310,7 @@ def test_cli_trains_a_user_model_from_a_data_source_with_progress(tmp_path, caps
     (["collab", "--model", "cnn", "--in-shape", "1,8,8", "--norm", "layer"], "norm 'layer'"),
     (["collab", "--eval-data", "/nonexistent.npz"], "--eval-data"),
     (["collab", "--holdout", "1.5"], "holdout must be a fraction"),
+    (["collab", "--model", f"{HERE}:resnet", "--data", f"{HERE}:resnet"], "define it as def resnet(center)"),
 ])
 def test_cli_errors_are_one_line(argv, msg, capsys):
     code, _, err = _cli(argv, capsys)

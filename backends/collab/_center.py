@@ -28,6 +28,7 @@ evaluates the fused model on them when the server asks (:func:`center_evaluate`)
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
@@ -307,7 +308,15 @@ def load_center_data(source: str, center: str) -> tuple[np.ndarray, np.ndarray]:
             if "x" not in z.files or "y" not in z.files:
                 raise ValueError(f"{source}: needs arrays named x and y, found {z.files}")
             return z["x"], z["y"]
-    out = resolve_reference(source, "data source")(center)
+    fn = resolve_reference(source, "data source")
+    try:
+        inspect.signature(fn).bind(center)
+    except TypeError:
+        raise ValueError(f"data source {source!r} is called with the center's name and returns its (x, y): define it "
+                         f"as def {source.rpartition(':')[2]}(center)") from None
+    except ValueError:  # no signature to read (a builtin): the call says
+        pass
+    out = fn(center)
     if not isinstance(out, tuple | list) or len(out) != 2:
         raise ValueError(f"data source {source!r} returned a {type(out).__name__} for center {center!r}; it must "
                          "return (x, y) arrays")
