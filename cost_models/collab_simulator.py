@@ -49,6 +49,7 @@ Everything is an ``(rounds, centers)`` numpy array: 100 centers × 1000 rounds t
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -61,9 +62,9 @@ import numpy as np
 from polyparallel.cluster.devices import Link
 from polyparallel.strategy import Strategy
 
-__all__ = ["FIXED_ROUND_S", "FUSE_S_PER_PARAM", "PHASES", "SimInputs", "SimResult", "balanced_local_steps",
-           "center_links", "choose_local_steps", "inputs_from_strategy", "measured_phases", "simulate",
-           "simulate_rounds", "update_bytes"]
+__all__ = ["FIXED_ROUND_S", "FUSE_S_PER_PARAM", "PHASES", "BufferedSimResult", "SimInputs", "SimResult",
+           "balanced_local_steps", "center_links", "choose_local_steps", "inputs_from_strategy", "measured_phases",
+           "simulate", "simulate_buffered", "simulate_rounds", "update_bytes"]
 
 PHASES = ("framework", "distribute", "compute", "upload", "wait", "fuse")
 
@@ -444,6 +445,137 @@ def _overlapped(x: SimInputs, dist: np.ndarray, comp: np.ndarray, up: np.ndarray
     res.extra.update(overlap=k, exposed_comm_s=float(exposed[1:].mean()) if R > 1 else 0.0,
                      hidden_comm_s=float(hidden[1:].mean()) if R > 1 else 0.0)
     return res
+
+
+@dataclass
+class BufferedSimResult:
+    """Buffered asynchronous rounds, fusion by fusion: when each version is published, which centers'
+    updates each fusion took and how stale they were, and each center's compute seconds."""
+
+    inputs: SimInputs
+    buffer: int
+    published_s: np.ndarray  # (F + 1,): version 1 at 0, then after each fusion
+    fused: list[list[tuple[str, int]]]  # per fusion: (center, staleness) of the updates it took
+    compute_s: np.ndarray  # (N,): each center's local steps, summed over the simulated time
+    refused: int = 0  # updates staler than max_staleness
+
+    @property
+    def round_s(self) -> np.ndarray:
+        """Seconds between consecutive published versions (one per fusion)."""
+        return np.diff(self.published_s)
+
+    def updates(self) -> dict[str, int]:
+        """Per center, how many of its updates the fusions took."""
+        out = dict.fromkeys(self.inputs.names, 0)
+        for f in self.fused:
+            for c, _ in f:
+                out[c] += 1
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        stale = [t for f in self.fused for _, t in f]
+        total = float(self.published_s[-1])
+        return {"fusions": len(self.fused), "buffer": self.buffer, "centers": self.inputs.n,
+                "time_to_fusions_s": total, "mean_round_s": float(self.round_s.mean()),
+                "updates": self.updates(), "mean_staleness": float(np.mean(stale)) if stale else 0.0,
+                "refused": self.refused,
+                "utilisation": (self.compute_s / total).tolist() if total > 0 else [0.0] * self.inputs.n}
+
+    def table(self) -> str:
+        s = self.summary()
+        stale: dict[str, list[int]] = {c: [] for c in self.inputs.names}
+        for f in self.fused:
+            for c, t in f:
+                stale[c].append(t)
+        lines = [f"{s['fusions']} buffered fusions of K = {self.buffer} of {self.inputs.n} centers' updates (H = "
+                 f"{self.inputs.local_steps}): {s['time_to_fusions_s']:.3f} s, mean round {s['mean_round_s']:.4f} s "
+                 f"(fusion to fusion), mean staleness {s['mean_staleness']:.2f} versions"
+                 + (f", {self.refused} updates refused as too stale" if self.refused else ""),
+                 f"  {'center':<14}{'updates':>9}{'staleness':>11}{'util %':>9}"]
+        for i, c in enumerate(self.inputs.names):
+            mean = f"{np.mean(stale[c]):.2f}" if stale[c] else "-"
+            lines.append(f"  {c[:14]:<14}{len(stale[c]):>9}{mean:>11}{100 * s['utilisation'][i]:>9.1f}")
+        return "\n".join(lines)
+
+
+def simulate_buffered(inputs: SimInputs, fusions: int, buffer: int, max_staleness: int | None = None
+                      ) -> BufferedSimResult:
+    """Buffered asynchronous rounds (``CollabConfig.buffer = K``, ``backends/collab/_buffered.py``), event by
+    event. Version ``v`` is published at ``P_v``. A center that asks for a model at ``t`` takes the newest
+    version if it is newer than the one it trained last, else waits for the next; its download of version
+    ``v`` ends at ``max(P_v, its link's last download) + D_i`` (the server puts the model on the link when it
+    publishes it), its ``H`` steps take ``C_i``, it sends at ``s = max(t, download end) + C_i`` and asks
+    again at once; the update is in at ``max(s, its link's last upload) + U_i``. The server takes updates
+    in the order they are in, one per center per fusion (a center's next one waits for the next fusion,
+    as do updates that come in while it fuses), refuses one staler than ``max_staleness`` versions, and
+    when it holds ``K`` fuses them: the next version is published ``F + K_fixed`` later (``F`` for ``K``
+    updates). ``buffer = N`` is the synchronous round (:func:`simulate_rounds`); the centers' ``step_s``
+    carry any slowdown."""
+    x, K, n = inputs, int(buffer), inputs.n
+    if not 1 <= K <= n:
+        raise ValueError(f"buffer must be in [1, {n}] (the centers), got {buffer}")
+    if int(fusions) < 1:
+        raise ValueError(f"fusions must be >= 1, got {fusions}")
+    S = math.inf if max_staleness is None else int(max_staleness)
+    D = x.latency_s + x.model_bytes / x.down_Bps
+    U = x.latency_s + x.upload_bytes / x.up_Bps
+    C = x.local_steps * x.step_s
+    fuse_s = x.fuse_s_per_param * x.params * K + x.fixed_s + x.fixed_per_center_s * K
+    events: list[tuple[float, int, int, int, int]] = []  # (t, kind, seq, center, version): publish < in < ask
+    seq = iter(range(1 << 62))
+    published, trained = [0.0], [0] * n  # published[v - 1]: when version v came out
+    down_free, up_free, compute = np.zeros(n), np.zeros(n), np.zeros(n)
+    waiting: list[int] = []  # centers that asked and wait for a newer version
+    held: list[tuple[float, int, int]] = []  # updates in but not admissible yet (same center, or fusing)
+    admitted: list[tuple[int, int]] = []
+    fused: list[list[tuple[str, int]]] = []
+    refused, busy_until = 0, 0.0
+
+    def train(i: int, v: int, t: float) -> None:
+        down_free[i] = max(published[v - 1], down_free[i]) + D[i]
+        sent = max(t, down_free[i]) + C[i]
+        up_free[i] = max(sent, up_free[i]) + U[i]
+        trained[i] = v
+        compute[i] += C[i]
+        heapq.heappush(events, (sent, 2, next(seq), i, v))
+        heapq.heappush(events, (up_free[i], 1, next(seq), i, v))
+
+    def admit(t: float, i: int, v_trained: int) -> None:
+        nonlocal refused, busy_until
+        if t < busy_until or any(c == i for c, _ in admitted):
+            held.append((t, i, v_trained))
+            return
+        tau = len(published) - v_trained
+        if tau > S:
+            refused += 1
+            return
+        admitted.append((i, tau))
+        if len(admitted) == K:
+            busy_until = t + fuse_s
+            heapq.heappush(events, (busy_until, 0, next(seq), -1, 0))
+
+    for i in range(n):
+        train(i, 1, 0.0)
+    while len(fused) < fusions:
+        t, kind, _, i, v = heapq.heappop(events)
+        if kind == 0:  # a fusion is done: the next version is out
+            fused.append([(x.names[c], tau) for c, tau in admitted])
+            admitted.clear()
+            published.append(t)
+            for c in waiting:
+                train(c, len(published), t)
+            waiting.clear()
+            again, held[:] = sorted(held), []
+            for item in again:
+                admit(t, item[1], item[2])
+        elif kind == 1:
+            admit(t, i, v)
+        elif len(published) > trained[i]:  # asks: a newer version is out
+            train(i, len(published), t)
+        else:
+            waiting.append(i)
+    return BufferedSimResult(x, buffer=K, published_s=np.array(published), fused=fused, compute_s=compute,
+                             refused=refused)
 
 
 def measured_phases(timing: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, Any]]:

@@ -38,6 +38,11 @@ def simulate_cmd(
     overlap: Annotated[int | None, typer.Option(
         "--overlap", help="K: overlapped rounds, each center takes K steps of the next round while its update "
                           "travels (0: synchronous; default: the strategy's)")] = None,
+    buffer: Annotated[int | None, typer.Option(
+        "--buffer", help="K: asynchronous buffered rounds, the server fuses the first K updates that are in "
+                         "(--rounds counts fusions; 1..centers)")] = None,
+    max_staleness: Annotated[int | None, typer.Option(
+        "--max-staleness", help="with --buffer: refuse updates more versions old than this (default: none)")] = None,
 ) -> None:
     """Simulate N rounds of a collaborative strategy: time to N rounds, utilisation per center, and the
     communication, idle and fusion shares of wall time. A synchronous strategy with pipeline stages: one
@@ -80,6 +85,11 @@ def simulate_cmd(
         raise UserError(str(e)) from None
     if x.overlap and sequential:
         raise UserError("--overlap with --sequential: overlapped rounds are simulated for concurrent centers")
+    if buffer is not None:
+        _buffered(x, rounds, buffer, max_staleness, as_json,
+                  [n for n, v in (("--overlap", overlap), ("--sequential", sequential), ("--jitter", jitter),
+                                  ("--dropout", dropout), ("--trace", trace), ("--plot", plot)) if v])
+        return
     res = simulate_rounds(x, rounds, compute_jitter=jitter, link_jitter=jitter, dropout=dropout, seed=seed,
                           concurrent=not sequential)
     typer.echo(json.dumps(res.summary(), indent=1) if as_json else res.table())
@@ -91,6 +101,21 @@ def simulate_cmd(
             typer.echo(f"no PNG written to {plot}: matplotlib is not installed (pip install matplotlib)", err=True)
         else:
             typer.echo(f"wrote {plot}", err=as_json)
+
+
+def _buffered(x: Any, fusions: int, buffer: int, max_staleness: int | None, as_json: bool, other: list[str]) -> None:
+    """Print the buffered rounds' simulation (``collab_simulator.simulate_buffered``)."""
+    from polyparallel.cost_models.collab_simulator import simulate_buffered
+
+    if other:
+        raise UserError(f"--buffer with {', '.join(other)}: buffered rounds are simulated for concurrent centers, "
+                        "synchronous steps, without jitter, dropouts or a timeline")
+    if not 1 <= buffer <= x.n:
+        raise UserError(f"--buffer {buffer}: give K in [1, {x.n}] (the strategy's centers)")
+    if max_staleness is not None and max_staleness < 0:
+        raise UserError(f"--max-staleness {max_staleness}: give a number of versions >= 0")
+    res = simulate_buffered(x, fusions, buffer, max_staleness)
+    typer.echo(json.dumps(res.summary(), indent=1) if as_json else res.table())
 
 
 def pipeline_timeline(s: Strategy) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -17,6 +17,7 @@ from polyparallel.cost_models.collab_simulator import (
     choose_local_steps,
     inputs_from_strategy,
     measured_phases,
+    simulate_buffered,
     simulate_rounds,
     update_bytes,
 )
@@ -331,3 +332,53 @@ def test_balanced_local_steps_fill_the_wait_without_lengthening_the_round():
     balanced = simulate_rounds(x, 3, step_s=x.step_s * h / H)
     np.testing.assert_allclose(balanced.round_s, equal.round_s)
     assert equal.shares()["idle"] > 0.1 and balanced.shares()["idle"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_buffered_rounds_of_every_center_are_the_synchronous_rounds():
+    """buffer = N: every fusion waits for every center, so a version lasts what a synchronous round lasts."""
+    x = SimInputs.make(list("abcde"), [0.01, 0.012, 0.03, 0.011, 0.02], H, P, down_Bps=[BW, BW / 2, BW, BW / 4, BW],
+                       up_Bps=BW, latency_s=[0.03, 0.01, 0.02, 0.05, 0.0], fixed_s=FIXED)
+    b = simulate_buffered(x, 6, 5)
+    np.testing.assert_allclose(b.round_s, simulate_rounds(x, 6).round_s, rtol=1e-12)
+    assert b.updates() == dict.fromkeys("abcde", 6) and all(t == 0 for f in b.fused for _, t in f)
+
+
+def test_buffered_rounds_of_one_update_take_every_update_as_it_comes():
+    """buffer = 1, two centers on loopback with nothing but their steps: every update is a fusion, the
+    fast one's every a seconds and the slow one's every b, and the slow one's j-th update is as many
+    versions old as the fast one's updates that came in while it trained (b / a not a whole number)."""
+    a, b = 0.1, 0.37
+    x = SimInputs.make(["fast", "slow"], [a / H, b / H], H, 1000, fixed_s=0.0, fuse_s_per_param=0.0)
+    res = simulate_buffered(x, 30, 1)
+    arrivals = sorted([k * a for k in range(1, 40)] + [j * b for j in range(1, 12)])
+    np.testing.assert_allclose(res.published_s[1:], arrivals[:30], rtol=1e-9)
+    def staleness(n: int) -> list[int]:
+        return [int(np.floor(j * b / a + 1e-9) - np.floor((j - 1) * b / a + 1e-9)) for j in range(1, n + 1)]
+
+    slow = [t for f in res.fused for c, t in f if c == "slow"]
+    assert slow == staleness(len(slow))
+    capped = simulate_buffered(x, 30, 1, max_staleness=3)  # 3 or 4 versions old: the 4s are refused
+    n_slow = capped.updates()["slow"] + capped.refused
+    assert capped.refused == sum(t > 3 for t in staleness(n_slow)) > 0
+    assert [t for f in capped.fused for c, t in f if c == "slow"] == [t for t in staleness(n_slow) if t <= 3]
+    with pytest.raises(ValueError, match=r"buffer must be in \[1, 2\]"):
+        simulate_buffered(x, 3, 3)
+
+
+def test_cli_simulates_buffered_rounds_and_refuses_what_they_do_not_model(tmp_path, capsys):
+    from tests.test_collab_cli import _run
+
+    s = _strategy()
+    path = tmp_path / "s.json"
+    s.to_json(path)
+    code, out, err = _run(["simulate", str(path), "--buffer", "1", "--rounds", "6", "--json"], capsys)
+    assert code == 0, err
+    want = simulate_buffered(inputs_from_strategy(s), 6, 1).summary()
+    assert json.loads(out) == json.loads(json.dumps(want))
+    assert want["updates"]["x"] > want["updates"]["y"] > 0  # the 3x faster center is fused more often
+    code, out, err = _run(["simulate", str(path), "--buffer", "2", "--rounds", "3"], capsys)
+    assert code == 0 and "buffered fusions of K = 2 of 2" in out
+    for argv, msg in ((["--buffer", "3"], "give K in [1, 2]"), (["--buffer", "1", "--jitter", "0.1"], "--jitter"),
+                      (["--buffer", "1", "--max-staleness", "-1"], "--max-staleness")):
+        code, out, err = _run(["simulate", str(path), *argv], capsys)
+        assert code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
