@@ -85,6 +85,8 @@ def simulate_cmd(
         raise UserError(str(e)) from None
     if x.overlap and sequential:
         raise UserError("--overlap with --sequential: overlapped rounds are simulated for concurrent centers")
+    if max_staleness is not None and buffer is None:
+        raise UserError("--max-staleness goes with --buffer K (the staleness of buffered rounds' updates)")
     if buffer is not None:
         _buffered(x, rounds, buffer, max_staleness, as_json,
                   [n for n, v in (("--overlap", overlap), ("--sequential", sequential), ("--jitter", jitter),

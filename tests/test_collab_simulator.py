@@ -379,6 +379,7 @@ def test_cli_simulates_buffered_rounds_and_refuses_what_they_do_not_model(tmp_pa
     code, out, err = _run(["simulate", str(path), "--buffer", "2", "--rounds", "3"], capsys)
     assert code == 0 and "buffered fusions of K = 2 of 2" in out
     for argv, msg in ((["--buffer", "3"], "give K in [1, 2]"), (["--buffer", "1", "--jitter", "0.1"], "--jitter"),
-                      (["--buffer", "1", "--max-staleness", "-1"], "--max-staleness")):
+                      (["--buffer", "1", "--max-staleness", "-1"], "--max-staleness"),
+                      (["--max-staleness", "2"], "goes with --buffer")):
         code, out, err = _run(["simulate", str(path), *argv], capsys)
         assert code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
