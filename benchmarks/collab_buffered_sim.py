@@ -1,7 +1,8 @@
 """The buffered-round simulator (``collab_simulator.simulate_buffered``) against measured buffered rounds.
 
 Asynchronous buffered rounds (``CollabConfig.buffer = K``) run through the in-process engine (every center in
-its own thread, its link emulated, one center made slower by ``--slow-factor``); the simulator is given what
+its own thread; ``--engine flower``: a Flower SuperNode process per center, the rounds on the lean data
+channel), each center's link emulated and one center made slower by ``--slow-factor``; the simulator is given what
 the run measured of each center's local steps (received -> trained, the slowdown included, median over its
 updates) and of the server's fusion (median), the links as configured, and nothing else. It predicts the
 seconds between published versions, how many updates of each center the fusions take and how stale they are.
@@ -9,6 +10,14 @@ Table: per buffer, measured vs simulated mean round (fusion to fusion), the slow
 mean staleness. Writes ``benchmarks/results/collab_buffered_sim.json``.
 
     nice -n 5 .venv/bin/python benchmarks/collab_buffered_sim.py
+    nice -n 5 .venv/bin/python benchmarks/collab_buffered_sim.py --centers 4 --buffers 4,3,1 --slow-factor 2 \
+        --down 1e6 --latency 0.08 --local-steps 40 --hidden 256 \
+        --out benchmarks/results/collab_buffered_sim_slowlink.json
+    nice -n 5 .venv/bin/python benchmarks/collab_buffered_sim.py --engine flower --fusions 60 --buffers 5,4,3 \
+        --out benchmarks/results/collab_buffered_sim_flower.json
+
+Over Flower the simulator is given ``pushed=False`` (the data channel sends a center its next model when
+its update frame is in).
 
 The threads share the machine's cores, so a center's measured step time is its time under that contention
 (the input the simulator gets); say the machine's load with the numbers.
@@ -69,6 +78,9 @@ def main() -> None:
     ap.add_argument("--slow-factor", type=float, default=3.0)
     ap.add_argument("--down", type=float, default=2e6, help="B/s of every center's emulated link, both ways")
     ap.add_argument("--latency", type=float, default=0.03)
+    ap.add_argument("--engine", default="inprocess",
+                    help="inprocess (centers in threads) or flower (a SuperNode process per center, the rounds on "
+                         "the lean data channel)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "collab_buffered_sim.json"))
     args = ap.parse_args()
     names = [f"c{i}" for i in range(args.centers)]
@@ -83,12 +95,22 @@ def main() -> None:
         cfg = CollabConfig(centers=centers, model=ModelSpec("mlp", (64,), 10, hidden=args.hidden), rounds=args.fusions,
                            local_steps=H, batch_size=64, lr=0.05, fusion="fedavg", buffer=K,
                            max_staleness=args.fusions)
-        res = run_inprocess(cfg, data)
+        if args.engine == "flower":
+            from polyparallel.backends.collab._flower import run_flower
+
+            res = run_flower(cfg, data, data_channel="socket", timeout_s=1200)
+        else:
+            res = run_inprocess(cfg, data)
         m = measured(res, names, H)
+        missing = [c for c in names if not np.isfinite(m["step_s"][c])]
+        if missing:  # a center none of whose updates was fused: nothing measured of its steps
+            print(f"{K:>3} skipped: no update of {', '.join(missing)} fused in {args.fusions} fusions "
+                  f"(accepted per fusion: {[r.accepted for r in res.rounds]})", flush=True)
+            continue
         params = sum(int(v.size) for v in res.params.values())
         x = SimInputs.make(names, [m["step_s"][c] for c in names], H, params, down_Bps=args.down, up_Bps=args.down,
                            latency_s=args.latency, fixed_s=0.0, fuse_s_per_param=m["fuse_s"] / (params * K))
-        sim = simulate_buffered(x, args.fusions, K, max_staleness=args.fusions)
+        sim = simulate_buffered(x, args.fusions, K, max_staleness=args.fusions, pushed=args.engine != "flower")
         pub = np.array(m["published"])
         meas_round = float(np.diff(pub[1:]).mean())  # the first version's start-up left out, as below
         sim_round = float(sim.round_s[1:].mean())

@@ -498,8 +498,8 @@ class BufferedSimResult:
         return "\n".join(lines)
 
 
-def simulate_buffered(inputs: SimInputs, fusions: int, buffer: int, max_staleness: int | None = None
-                      ) -> BufferedSimResult:
+def simulate_buffered(inputs: SimInputs, fusions: int, buffer: int, max_staleness: int | None = None,
+                      pushed: bool = True) -> BufferedSimResult:
     """Buffered asynchronous rounds (``CollabConfig.buffer = K``, ``backends/collab/_buffered.py``), event by
     event. Version ``v`` is published at ``P_v``. A center that asks for a model at ``t`` takes the newest
     version if it is newer than the one it trained last, else waits for the next; its download of version
@@ -510,7 +510,12 @@ def simulate_buffered(inputs: SimInputs, fusions: int, buffer: int, max_stalenes
     as do updates that come in while it fuses), refuses one staler than ``max_staleness`` versions, and
     when it holds ``K`` fuses them: the next version is published ``F + K_fixed`` later (``F`` for ``K``
     updates). ``buffer = N`` is the synchronous round (:func:`simulate_rounds`); the centers' ``step_s``
-    carry any slowdown."""
+    carry any slowdown.
+
+    ``pushed=False`` is the data channel's protocol (``backends/collab/_lean.py``, one request and one
+    reply per round on a center's connection): the server's thread for a center sends it the newest
+    version when the center's update frame is in (the emulated upload is held on the server's side, after
+    that), so a center's download starts when it asks (or at the next publish), not at ``P_v``."""
     x, K, n = inputs, int(buffer), inputs.n
     if not 1 <= K <= n:
         raise ValueError(f"buffer must be in [1, {n}] (the centers), got {buffer}")
@@ -532,7 +537,7 @@ def simulate_buffered(inputs: SimInputs, fusions: int, buffer: int, max_stalenes
     refused, busy_until = 0, 0.0
 
     def train(i: int, v: int, t: float) -> None:
-        down_free[i] = max(published[v - 1], down_free[i]) + D[i]
+        down_free[i] = max(published[v - 1] if pushed else t, down_free[i]) + D[i]
         sent = max(t, down_free[i]) + C[i]
         up_free[i] = max(sent, up_free[i]) + U[i]
         trained[i] = v

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import subprocess
 import sys
 
@@ -383,3 +384,22 @@ def test_cli_simulates_buffered_rounds_and_refuses_what_they_do_not_model(tmp_pa
                       (["--max-staleness", "2"], "goes with --buffer")):
         code, out, err = _run(["simulate", str(path), *argv], capsys)
         assert code == 2 and msg in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_buffered_downloads_pushed_at_publish_or_sent_when_asked():
+    """K = 1, two centers, downloads of d seconds, nothing else but the steps. On the data channel
+    (``pushed=False``) a center's next model leaves when it asks, so the slow center's j-th update is in at
+    j (d + b) exactly; when the server puts each version on the link as it publishes it (in-process), the
+    fast center's versions are on their way while the slow one trains, so its updates come in earlier
+    (the latency d is paid both ways: the j-th update is in d after its send at j (d + b))."""
+    a, b, d = 0.1, 0.37, 0.05
+    x = SimInputs.make(["fast", "slow"], [a / H, b / H], H, 1000, down_Bps=math.inf, latency_s=[d, d], fixed_s=0.0,
+                       fuse_s_per_param=0.0)
+
+    def slow_times(res):
+        return [float(res.published_s[k + 1]) for k, f in enumerate(res.fused) if f[0][0] == "slow"]
+
+    asked = slow_times(simulate_buffered(x, 40, 1, pushed=False))
+    np.testing.assert_allclose(asked, [j * (d + b) + d for j in range(1, len(asked) + 1)], rtol=1e-9)
+    pushed = slow_times(simulate_buffered(x, 40, 1))
+    assert all(p <= q + 1e-12 for p, q in zip(pushed, asked)) and pushed[-1] < asked[len(pushed) - 1] - 1e-9
