@@ -111,7 +111,7 @@ from polyparallel.backends.collab import (  # noqa: E402
 )
 from polyparallel.backends.collab._center import evaluate_torch  # noqa: E402
 from polyparallel.backends.collab._models import build_torch_model, load_torch_state  # noqa: E402
-from polyparallel.backends.collab._pruning import PruneError, PruneSpec, example_input  # noqa: E402
+from polyparallel.backends.collab._pruning import PruneError, PruneSpec, channels_of, example_input  # noqa: E402
 from polyparallel.backends.collab._release import latency_s, size_of, write_release  # noqa: E402
 
 MODELS = {"resnet": "models.resnet_small:resnet", "resnet16": "models.resnet_small:resnet16",
@@ -164,7 +164,7 @@ def pruned_row(cfg: CollabConfig, res: Any, xte: np.ndarray, yte: np.ndarray) ->
             "onnx_max_abs_diff": rel["onnx_check"]["max_abs_diff"],
             "onnx_argmax_agreement": rel["onnx_check"]["argmax_agreement"],
             "kept_whole": rel["pruning"]["kept_whole"], "heads": rel["pruning"]["heads"],
-            "groups_cut": len(rel["pruning"]["plan"]), "plan": rel["pruning"]["plan"],
+            "groups_cut": len(channels_of(rel["pruning"]["plan"])), "plan": rel["pruning"]["plan"],
             "channel_ratio": rel["pruning"]["masks"][-1].get("channel_ratio")}
 
 

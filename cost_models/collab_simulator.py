@@ -456,7 +456,7 @@ class BufferedSimResult:
     buffer: int
     published_s: np.ndarray  # (F + 1,): version 1 at 0, then after each fusion
     fused: list[list[tuple[str, int]]]  # per fusion: (center, staleness) of the updates it took
-    compute_s: np.ndarray  # (N,): each center's local steps, summed over the simulated time
+    compute_s: np.ndarray  # (N,): each center's seconds of local steps up to the last fusion
     refused: int = 0  # updates staler than max_staleness
 
     @property
@@ -529,7 +529,8 @@ def simulate_buffered(inputs: SimInputs, fusions: int, buffer: int, max_stalenes
     events: list[tuple[float, int, int, int, int]] = []  # (t, kind, seq, center, version): publish < in < ask
     seq = iter(range(1 << 62))
     published, trained = [0.0], [0] * n  # published[v - 1]: when version v came out
-    down_free, up_free, compute = np.zeros(n), np.zeros(n), np.zeros(n)
+    down_free, up_free = np.zeros(n), np.zeros(n)
+    steps: list[tuple[int, float]] = []  # (center, when its local steps end)
     waiting: list[int] = []  # centers that asked and wait for a newer version
     held: list[tuple[float, int, int]] = []  # updates in but not admissible yet (same center, or fusing)
     admitted: list[tuple[int, int]] = []
@@ -541,7 +542,7 @@ def simulate_buffered(inputs: SimInputs, fusions: int, buffer: int, max_stalenes
         sent = max(t, down_free[i]) + C[i]
         up_free[i] = max(sent, up_free[i]) + U[i]
         trained[i] = v
-        compute[i] += C[i]
+        steps.append((i, sent))
         heapq.heappush(events, (sent, 2, next(seq), i, v))
         heapq.heappush(events, (up_free[i], 1, next(seq), i, v))
 
@@ -579,6 +580,9 @@ def simulate_buffered(inputs: SimInputs, fusions: int, buffer: int, max_stalenes
             train(i, len(published), t)
         else:
             waiting.append(i)
+    end, compute = published[-1], np.zeros(n)
+    for i, done in steps:  # the steps within the simulated time (the last fusion's): one may run past it
+        compute[i] += max(0.0, min(done, end) - (done - C[i]))
     return BufferedSimResult(x, buffer=K, published_s=np.array(published), fused=fused, compute_s=compute,
                              refused=refused)
 

@@ -353,6 +353,7 @@ def test_buffered_rounds_of_one_update_take_every_update_as_it_comes():
     res = simulate_buffered(x, 30, 1)
     arrivals = sorted([k * a for k in range(1, 40)] + [j * b for j in range(1, 12)])
     np.testing.assert_allclose(res.published_s[1:], arrivals[:30], rtol=1e-9)
+    np.testing.assert_allclose(res.summary()["utilisation"], [1.0, 1.0], rtol=1e-9)  # never idle, up to the end
     def staleness(n: int) -> list[int]:
         return [int(np.floor(j * b / a + 1e-9) - np.floor((j - 1) * b / a + 1e-9)) for j in range(1, n + 1)]
 
