@@ -168,8 +168,8 @@ class ServerPruning:
     def outcome(self) -> dict[str, Any]:
         """What a release needs: the plan (None when the job stopped before round ``K``), the masks of
         each round, and the full-size model at the cut."""
+        heads = attention_heads(self.model_full)  # the q/k/v projections' head counts, named below
         return {"plan": self.plan, "masks": list(self.history), "cut_params": self.cut_params,
                 "kept_whole": list(kept_whole(self.model_full, self.example, self.spec.heads)),
-                "heads": {n: h for n, m in self.model_full.named_modules()
-                          for q, h in attention_heads(self.model_full).items() if q is m},
+                "heads": {n: heads[m] for n, m in self.model_full.named_modules() if m in heads},
                 "spec": record_data(self.spec)}
