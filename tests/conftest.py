@@ -36,6 +36,10 @@ FEDERATION_FILES = frozenset({
     "test_collab_scaffold.py", "test_collab_security.py", "test_collab_user_model.py", "test_report.py",
 })
 
+#: files whose module-scoped fixture starts processes (gloo ranks): all their tests go to one worker, so the
+#: fixture runs once instead of once on each worker, beside itself
+ONE_WORKER_FILES = frozenset({"test_fsdp_as_priced.py"})
+
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """The ``loadgroup`` scheduler with the federation files as one group. xdist 3.8 marks a group
@@ -47,6 +51,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
     class _FederationsTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "federations" if nodeid.split("::")[0].rsplit("/", 1)[-1] in FEDERATION_FILES else nodeid
+            file = nodeid.split("::")[0].rsplit("/", 1)[-1]
+            if file in FEDERATION_FILES:
+                return "federations"
+            return file if file in ONE_WORKER_FILES else nodeid
 
     return _FederationsTogether(config, log)

@@ -69,7 +69,13 @@ def _rank(rank: int, store: str, out: str) -> None:
         counts[zero, m] = sorted(seen)
     if rank == 0:
         torch.save(counts, out)
+    # both ranks finish communicating before either tears down, and a rank leaves without the
+    # interpreter's finalization: gloo's worker threads, still referenced by the device mesh, were
+    # destroyed there and aborted the rank once in CI ("terminate called without an active exception")
+    dist.barrier()
+    del mesh
     dist.destroy_process_group()
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")
