@@ -278,7 +278,7 @@ def fsdp_units(graph: Graph, cfg: ParallelConfig, terms: StageTerms, s: int) -> 
 def stage_segments(graph: Graph, cfg: ParallelConfig, s: int) -> list[tuple[list[int], bool]]:
     """Stage ``s``'s segments in execution order (the order of ``StageTerms.seg_params[s]``), each
     with whether it is a numbered layer (an FSDP2 unit of its own) or part of the root."""
-    chunk_of_op = chunks(graph, cfg.pp * (cfg.chunks if cfg.schedule == "interleaved" else 1), cfg.partition)
+    chunk_of_op = chunks(graph, cfg.pp * cfg.virtual, cfg.partition)
     return [(sg, bool(LAYER.match(graph.ops[sg[0]].module or ""))) for sg in segments(graph)
             if chunk_of_op[sg[0]] % cfg.pp == s]
 

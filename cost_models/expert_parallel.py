@@ -101,7 +101,7 @@ def expert_parallel(graph: Graph, cluster: Cluster, cfg: ParallelConfig, terms: 
     over the ``dp·sp/ep`` ranks holding the same experts (every ``ep``-th member of the data-parallel
     group): all-reduce under ZeRO-0, reduce-scatter + all-gather under ZeRO-1/2.
     """
-    p, ep, v = cfg.pp, cfg.ep, cfg.chunks if cfg.schedule == "interleaved" else 1
+    p, ep, v = cfg.pp, cfg.ep, cfg.virtual
     layers, weights = moe_layers(graph)
     chunk_of_op = chunks(graph, p * v, cfg.partition)
     expert = [0.0] * p

@@ -67,7 +67,7 @@ def _layer_segments(graph: Graph) -> list[list[int]]:
 def chunk_of_ops(graph: Graph, cfg: ParallelConfig) -> list[int]:
     """The pipeline chunk (``0 .. pp·v − 1``; chunk ``g`` runs on stage ``g mod pp``) of every op,
     cut at layer boundaries as ``cfg.partition`` says — the one place that decides it."""
-    v = cfg.chunks if cfg.schedule == "interleaved" else 1
+    v = cfg.virtual
     return list(chunks(graph, cfg.pp * v, cfg.partition))
 
 

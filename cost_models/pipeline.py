@@ -1,6 +1,6 @@
 """Pipeline schedules (GPipe, 1F1B, interleaved 1F1B) simulated task by task.
 
-``p`` stages, ``m`` micro-batches, ``v`` model chunks per stage (interleaved; ``v = 1``
+``p`` stages, ``m`` micro-batches, ``v`` model chunks per stage (a chunked schedule; ``v = 1``
 otherwise). Stage ``s`` runs forward ``F(j, c)`` and backward ``B(j, c)`` of micro-batch ``j``
 on its chunk ``c`` (global chunk ``c·p + s``) in a fixed per-stage order:
 
@@ -32,14 +32,14 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from polyparallel.plan import SCHEDULES
+from polyparallel.plan import PIPELINE_SCHEDULES, SCHEDULES
 
-__all__ = ["SCHEDULES", "PipelineResult", "bubble_fraction", "makespan_bound", "peak_in_flight", "schedule_order",
-           "simulate"]
+__all__ = ["PRICED", "SCHEDULES", "PipelineResult", "SchedulePrice", "bubble_fraction", "makespan_bound",
+           "order_problem", "peak_in_flight", "schedule_order", "simulate"]
 
 
 @dataclass(frozen=True)
@@ -65,48 +65,49 @@ class PipelineResult:
 
 
 def bubble_fraction(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> float:
-    """Closed form for equal stages: ``(p − 1)/(v·m + p − 1)`` (``v = 1`` unless interleaved)."""
-    v = chunks if schedule == "interleaved" else 1
+    """Closed form for equal stages: ``(p − 1)/(v·m + p − 1)`` (``v = 1`` unless the schedule is chunked)."""
+    v = _chunks(schedule, chunks)
     return (stages - 1) / (v * microbatches + stages - 1)
 
 
-def schedule_order(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> list[list[tuple[str, int, int]]]:
-    """Per-stage task order: lists of ``("F"|"B", microbatch, local chunk)``."""
-    return _build_order(schedule, stages, microbatches, chunks)
+Order = list[list[tuple[str, int, int]]]  # per stage: ("F"|"B", micro-batch, local chunk) in the order run
 
 
-def _check(schedule: str, p: int, m: int, v: int) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; one of {', '.join(SCHEDULES)}")
-    if p < 1 or m < 1 or v < 1:
-        raise ValueError(f"pipeline needs stages, microbatches, chunks >= 1 (got {p}, {m}, {v})")
-    if schedule == "interleaved" and m % p:
-        raise ValueError(f"the interleaved schedule needs microbatches ({m}) to be a multiple of stages ({p})")
+@dataclass(frozen=True)
+class SchedulePrice:
+    """What the cost model knows of one schedule of :data:`~polyparallel.plan.PIPELINE_SCHEDULES`.
+
+    ``order(p, m, v)``: each stage's task order; ``in_flight(p, m, v)``: the peak chunk-activations
+    alive per stage under that order (a closed form; a test checks it against the simulation);
+    ``problem(p, m, v)``: why the order cannot be built, or None.
+    """
+
+    order: Callable[[int, int, int], Order]
+    in_flight: Callable[[int, int, int], tuple[int, ...]]
+    problem: Callable[[int, int, int], str | None] = lambda p, m, v: None
 
 
-# Orders are built where they are read, not kept: a simulation walks its order once, and the
-# simulations are memoised (a search simulates a few plans and enumerates ~10^3 schedules).
-def _build_order(schedule: str, stages: int, microbatches: int, chunks: int) -> list[list[tuple[str, int, int]]]:
-    p, m, v = stages, microbatches, chunks
-    _check(schedule, p, m, v)
-    orders: list[list[tuple[str, int, int]]] = []
-    if schedule == "gpipe":
-        for _ in range(p):
-            orders.append([("F", j, 0) for j in range(m)] + [("B", j, 0) for j in reversed(range(m))])
-        return orders
-    if schedule == "1f1b":
-        for s in range(p):
-            w = min(p - s - 1, m)
-            o = [("F", j, 0) for j in range(w)]
-            nf, nb = w, 0
-            while nb < m:
-                if nf < m:
-                    o.append(("F", nf, 0))
-                    nf += 1
-                o.append(("B", nb, 0))
-                nb += 1
-            orders.append(o)
-        return orders
+def _gpipe(p: int, m: int, v: int) -> Order:
+    return [[("F", j, 0) for j in range(m)] + [("B", j, 0) for j in reversed(range(m))] for _ in range(p)]
+
+
+def _one_f_one_b(p: int, m: int, v: int) -> Order:
+    orders = []
+    for s in range(p):
+        w = min(p - s - 1, m)
+        o = [("F", j, 0) for j in range(w)]
+        nf, nb = w, 0
+        while nb < m:
+            if nf < m:
+                o.append(("F", nf, 0))
+                nf += 1
+            o.append(("B", nb, 0))
+            nb += 1
+        orders.append(o)
+    return orders
+
+
+def _interleaved(p: int, m: int, v: int) -> Order:
     total = m * v
 
     def fwd(k: int) -> tuple[str, int, int]:
@@ -115,6 +116,7 @@ def _build_order(schedule: str, stages: int, microbatches: int, chunks: int) -> 
     def bwd(k: int) -> tuple[str, int, int]:
         return "B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v
 
+    orders = []
     for s in range(p):
         w = min((p - s - 1) * 2 + (v - 1) * p, total)
         o = [fwd(k) for k in range(w)]
@@ -129,6 +131,53 @@ def _build_order(schedule: str, stages: int, microbatches: int, chunks: int) -> 
     return orders
 
 
+def _interleaved_problem(p: int, m: int, v: int) -> str | None:
+    return f"the interleaved schedule needs microbatches ({m}) to be a multiple of stages ({p})" if m % p else None
+
+
+#: each schedule's price, by its name in :data:`~polyparallel.plan.PIPELINE_SCHEDULES` (a test checks both list
+#: the same schedules)
+PRICED: dict[str, SchedulePrice] = {
+    "gpipe": SchedulePrice(_gpipe, lambda p, m, v: (m,) * p),
+    "1f1b": SchedulePrice(_one_f_one_b, lambda p, m, v: tuple(min(p - s, m) for s in range(p))),
+    "interleaved": SchedulePrice(
+        _interleaved, lambda p, m, v: tuple(min(2 * (p - s - 1) + (v - 1) * p + 1, m * v) for s in range(p)),
+        _interleaved_problem),
+}
+
+
+def _chunks(schedule: str, chunks: int) -> int:
+    known = PIPELINE_SCHEDULES.get(schedule)
+    return chunks if known is not None and known.chunked else 1
+
+
+def order_problem(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> str | None:
+    """Why ``schedule`` has no task order for these stages, micro-batches and chunks per stage; None
+    when it has one."""
+    if schedule not in PRICED:
+        return f"unknown pipeline schedule {schedule!r}; one of {', '.join(PRICED)}"
+    if stages < 1 or microbatches < 1 or chunks < 1:
+        return f"pipeline needs stages, microbatches, chunks >= 1 (got {stages}, {microbatches}, {chunks})"
+    return PRICED[schedule].problem(stages, microbatches, chunks)
+
+
+def schedule_order(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> Order:
+    """Per-stage task order: lists of ``("F"|"B", microbatch, local chunk)``."""
+    return _build_order(schedule, stages, microbatches, chunks)
+
+
+def _check(schedule: str, p: int, m: int, v: int) -> None:
+    if (why := order_problem(schedule, p, m, v)) is not None:
+        raise ValueError(why)
+
+
+# Orders are built where they are read, not kept: a simulation walks its order once, and the
+# simulations are memoised (a search simulates a few plans and enumerates ~10^3 schedules).
+def _build_order(schedule: str, stages: int, microbatches: int, chunks: int) -> Order:
+    _check(schedule, stages, microbatches, chunks)
+    return PRICED[schedule].order(stages, microbatches, chunks)
+
+
 def peak_in_flight(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> tuple[int, ...]:
     """Peak chunk-activations alive per stage (``F`` done, ``B`` not yet).
 
@@ -138,17 +187,13 @@ def peak_in_flight(schedule: str, stages: int, microbatches: int, chunks: int = 
     followed by a backward: ``min(w_s + 1, v·m)``, i.e. ``min(p − s, m)`` for 1F1B and
     ``min(2(p − s − 1) + (v − 1)p + 1, v·m)`` interleaved (:func:`schedule_order`'s orders).
     """
-    return _in_flight(schedule, stages, microbatches, chunks if schedule == "interleaved" else 1)
+    return _in_flight(schedule, stages, microbatches, _chunks(schedule, chunks))
 
 
 @lru_cache(maxsize=4096)
 def _in_flight(schedule: str, p: int, m: int, v: int) -> tuple[int, ...]:
     _check(schedule, p, m, v)
-    if schedule == "gpipe":
-        return (m,) * p
-    if schedule == "1f1b":
-        return tuple(min(p - s, m) for s in range(p))
-    return tuple(min(2 * (p - s - 1) + (v - 1) * p + 1, m * v) for s in range(p))
+    return PRICED[schedule].in_flight(p, m, v)
 
 
 def makespan_bound(forward: Sequence[float], backward: Sequence[float], microbatches: int, chunks: int = 1,
@@ -195,7 +240,7 @@ def simulate(schedule: str, forward: Sequence[float], backward: Sequence[float],
     p = len(forward)
     if len(backward) != p:
         raise ValueError("forward and backward need one time per stage")
-    v = chunks if schedule == "interleaved" else 1
+    v = _chunks(schedule, chunks)
     comm = _hops(p2p, p)
     return _simulate(schedule, tuple(float(x) for x in forward), tuple(float(x) for x in backward), microbatches,
                      v, tuple(comm))

@@ -228,7 +228,7 @@ def step_memory(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> tuple[Me
     """``estimate_step(...).memory`` without pricing the step's time: a search needs no time of a
     plan that does not fit (most of the plans it enumerates on a big model)."""
     cfg.validate(cluster)
-    v = cfg.chunks if cfg.schedule == "interleaved" else 1
+    v = cfg.virtual
     terms = _stage_terms(graph, cluster, cfg, v)
     moe = _expert(graph, cluster, cfg, terms)
     in_flight = peak_in_flight(cfg.schedule, cfg.pp, cfg.microbatches, v)
@@ -252,7 +252,7 @@ class _Prepared:
 
 
 def _prepare(graph: Graph, cluster: Cluster, cfg: ParallelConfig) -> _Prepared:
-    p, v, m = cfg.pp, cfg.chunks if cfg.schedule == "interleaved" else 1, cfg.microbatches
+    p, v, m = cfg.pp, cfg.virtual, cfg.microbatches
     terms = _stage_terms(graph, cluster, cfg, v)
     ccache: dict = PRICES.of(cluster).setdefault("collectives", {})
     in_flight = peak_in_flight(cfg.schedule, p, m, v)

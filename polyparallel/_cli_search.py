@@ -15,6 +15,7 @@ import polyparallel as pp
 from polyparallel._cli_graph import MODEL_HELP, parse_dims
 from polyparallel.cli import UserError, app, writable_file
 from polyparallel.cost_models.parallel_config import parse_execution
+from polyparallel.plan import CHUNKED_SCHEDULES, SCHEDULES
 from polyparallel.strategy import Strategy
 
 PLACEMENTS_HELP = ("per-op placements: torch (the exact per-stage solver, restricted to what the torch backend "
@@ -31,7 +32,8 @@ COMPILE_HELP = ("regional: compile each repeated block with torch.compile (price
 EXECUTION_HELP = ("how the framework runs the plan, KEY=VALUE, repeatable (fused_elementwise, fused_attention, "
                   "fused_dropout, fused_optimizer, grad_overlap, optimizer, pipeline_p2p, grad_reduce, "
                   "grad_accumulation, zero3_gather, attention_kernel, fused_loss; README: what a plan's price assumes)")
-CHUNKS_HELP = "interleaving depth: model chunks per pipeline stage (> 1 implies the interleaved schedule)"
+CHUNKS_HELP = ("model chunks per pipeline stage of a chunked schedule (" + ", ".join(CHUNKED_SCHEDULES)
+               + "; > 1 alone implies the interleaved one)")
 SEQ_PAR_HELP = ("Megatron-style sequence parallelism: norms and dropouts split along the sequence inside tensor "
                 "parallelism")
 PARTITION_HELP = "how layers are cut into pipeline stages: flops (balanced by priced time) or layers (equal counts)"
@@ -111,7 +113,7 @@ def search_cmd(
     ep: Annotated[int | None, typer.Option(help="pin the expert-parallel degree (MoE models; divides dp*sp*cp)")]
     = None,
     microbatches: Annotated[int | None, typer.Option(help="pin the micro-batches per step")] = None,
-    schedule: Annotated[str | None, typer.Option(help="pin the pipeline schedule: gpipe, 1f1b or interleaved")] = None,
+    schedule: Annotated[str | None, typer.Option(help=f"pin the pipeline schedule: {', '.join(SCHEDULES)}")] = None,
     zero: Annotated[int | None, typer.Option(help="pin the ZeRO stage 0-3")] = None,
     recompute: Annotated[str | None, typer.Option(help="pin recomputation: none, selective, op or full")] = None,
     compile: Annotated[str | None, typer.Option("--compile", help=COMPILE_HELP)] = None,
@@ -286,7 +288,7 @@ def evaluate_cmd(
     cp: Annotated[int, typer.Option(help="context-parallel (ring attention) degree")] = 1,
     ep: Annotated[int, typer.Option(help="expert-parallel degree (MoE models; divides dp*sp*cp)")] = 1,
     microbatches: Annotated[int | None, typer.Option(help="micro-batches per step")] = None,
-    schedule: Annotated[str | None, typer.Option(help="gpipe, 1f1b or interleaved")] = None,
+    schedule: Annotated[str | None, typer.Option(help=", ".join(SCHEDULES))] = None,
     zero: Annotated[int | None, typer.Option(help="ZeRO stage 0-3")] = None,
     recompute: Annotated[str | None, typer.Option(help="none, selective, op or full")] = None,
     compile: Annotated[str, typer.Option("--compile", help=COMPILE_HELP)] = "none",

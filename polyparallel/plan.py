@@ -34,10 +34,40 @@ from typing import Any, TypeVar
 
 from polyparallel.ir import TRAINING_DTYPE_BYTES
 
-__all__ = ["CENTER_FIELDS", "COMPILE", "MESH_AXES", "PLAN_FIELDS", "RECOMPUTE", "SCHEDULES", "Axis", "Plan",
-           "parse_schedule", "value_problem"]
+__all__ = ["CENTER_FIELDS", "CHUNKED_SCHEDULES", "COMPILE", "MESH_AXES", "PIPELINE_SCHEDULES", "PLAN_FIELDS",
+           "RECOMPUTE", "SCHEDULES", "Axis", "PipelineSchedule", "Plan", "parse_schedule", "value_problem"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """A pipeline schedule the plan record knows.
+
+    Each layer registers what it does with a schedule under its name: the cost model its task order
+    and peak activations (``cost_models.pipeline.PRICED``), the torch backend the schedule class
+    that runs it (``backends.torch._pipeline.SCHEDULE_CLASSES``); the search tries the ``searched``
+    ones. A new schedule is an entry here and one in each of those two tables.
+
+    ``chunked``: the schedule runs ``chunks`` model chunks per stage (chunk ``c`` of stage ``s``
+    is the model's ``c·p + s``-th piece); a Strategy writes it ``NAME:K``, and a bare name means 2.
+    """
+
+    name: str
+    chunked: bool
+    searched: bool
+    summary: str
+
+
+#: the pipeline schedules, by name, in the order the search tries them
+PIPELINE_SCHEDULES: Mapping[str, PipelineSchedule] = {s.name: s for s in (
+    PipelineSchedule("1f1b", False, True, "one forward, one backward (PipeDream-flush): at most p - s micro-batches "
+                     "in flight on stage s"),
+    PipelineSchedule("gpipe", False, True, "every forward, then every backward: all micro-batches in flight"),
+    PipelineSchedule("interleaved", True, True, "1F1B over chunks visited in groups of p micro-batches (Megatron); "
+                     "micro-batches a multiple of the stages"),
+)}
+SCHEDULES = tuple(PIPELINE_SCHEDULES)
+CHUNKED_SCHEDULES = tuple(s.name for s in PIPELINE_SCHEDULES.values() if s.chunked)
 RECOMPUTE = ("none", "selective", "op", "full")
 COMPILE = ("none", "regional")
 
@@ -97,8 +127,8 @@ class Plan:
             ``ep`` consecutive members of a data-parallel group holds ``1/ep`` of every MoE layer's
             experts.
         microbatches: micro-batches per step per pipeline (gradient accumulation without pp).
-        schedule: ``gpipe``, ``1f1b`` or ``interleaved``; ``chunks``: model chunks per stage
-            (interleaved only).
+        schedule: a name of :data:`PIPELINE_SCHEDULES` (``gpipe``, ``1f1b``, ``interleaved``);
+            ``chunks``: model chunks per stage (a ``chunked`` schedule only).
         zero_stage: 0 (plain DP), 1 (optimizer), 2 (+gradients), 3 (+weights, FSDP).
         recompute: ``none``, ``selective``, ``op`` or ``full`` (see ``ParallelConfig``).
         sequence_parallel: Megatron sequence parallelism alongside ``tp``.
@@ -162,9 +192,15 @@ class Plan:
         return ((pp * self.dp + dp) * self.seq + s) * self.tp + tp
 
     @property
+    def virtual(self) -> int:
+        """Model chunks each pipeline stage runs: ``chunks`` under a chunked schedule, else 1."""
+        known = PIPELINE_SCHEDULES.get(self.schedule)
+        return self.chunks if known is not None and known.chunked else 1
+
+    @property
     def schedule_label(self) -> str:
-        """The schedule as a Strategy writes it: ``interleaved:K`` with ``K`` chunks per stage."""
-        return f"interleaved:{self.chunks}" if self.chunks > 1 else self.schedule
+        """The schedule as a Strategy writes it: ``NAME:K`` with ``K`` chunks per stage (``interleaved:4``)."""
+        return f"{self.schedule}:{self.chunks}" if self.chunks > 1 else self.schedule
 
     def plan(self) -> Plan:
         """The plan part of a record that extends :class:`Plan`."""
@@ -201,8 +237,9 @@ class Plan:
         if (self.dp * self.seq) % self.ep:
             why.append(f"{who}ep={self.ep} must divide dp*{'cp' if self.cp > 1 else 'sp'} = {self.dp * self.seq}: "
                        "expert parallelism splits the experts over data/sequence-parallel ranks")
-        if self.chunks > 1 and self.schedule != "interleaved":
-            why.append(f"{who}chunks={self.chunks} needs the interleaved schedule, not schedule={self.schedule!r}")
+        if self.chunks > 1 and self.virtual == 1:
+            why.append(f"{who}chunks={self.chunks} needs a chunked schedule ({', '.join(CHUNKED_SCHEDULES)}), not "
+                       f"schedule={self.schedule!r}")
         if self.sequence_parallel and self.tp == 1:
             why.append(f"{who}sequence_parallel splits inside tensor parallelism: it needs tp > 1")
         return why

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from polyparallel.cost_models.pipeline import schedule_order, simulate
-from polyparallel.plan import parse_schedule
+from polyparallel.plan import CHUNKED_SCHEDULES, parse_schedule
 from polyparallel.strategy import Strategy
 
 __all__ = ["Run", "pipeline_tasks", "read_run", "render"]
@@ -383,7 +383,7 @@ def time_section(s: Strategy) -> str:
 
 def _schedule(s: Strategy) -> tuple[str, int]:
     name, chunks = parse_schedule(s.schedule)
-    return name, 2 if name == "interleaved" and chunks == 1 else chunks  # a bare "interleaved": 2 chunks
+    return name, 2 if name in CHUNKED_SCHEDULES and chunks == 1 else chunks  # a bare "interleaved": 2 chunks
 
 
 def pipeline_tasks(s: Strategy) -> tuple[list[tuple[int, float, float, str, str]], Any]:

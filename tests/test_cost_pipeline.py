@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from polyparallel.cost_models.pipeline import bubble_fraction, schedule_order, simulate
+from polyparallel.cost_models.pipeline import PRICED, bubble_fraction, order_problem, schedule_order, simulate
+from polyparallel.plan import PIPELINE_SCHEDULES, SCHEDULES
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -41,6 +42,14 @@ def test_interleaved_in_flight_matches_megatron():
     assert r.in_flight[0] / v == pytest.approx(p * (1 + (p - 1) / (p * v)))
 
 
+def test_every_schedule_of_the_plan_record_is_priced_and_executed():
+    from polyparallel.backends.torch.capabilities import EXECUTED_SCHEDULES
+
+    assert set(PRICED) == set(PIPELINE_SCHEDULES) == set(SCHEDULES)
+    assert set(EXECUTED_SCHEDULES) == set(SCHEDULES)
+    assert order_problem("interleaved", 2, 3, 2) and order_problem("interleaved", 2, 4, 2) is None
+
+
 def test_unequal_stages_and_p2p():
     # GPipe with backward proportional to forward: (m-1) * max + sum over stages
     f, b, m = [1.0, 2.0, 1.0], [2.0, 4.0, 2.0], 6
@@ -73,7 +82,7 @@ def _stage_times(rng, p):
 
 def test_makespan_bound_is_a_lower_bound_tight_for_equal_stages():
     """The bound the search prunes with never exceeds the simulated makespan (unequal stages, hops,
-    all three schedules), and equals the closed form for equal stages."""
+    every schedule), and equals the closed form for equal stages."""
     import random
 
     from polyparallel.cost_models.pipeline import makespan_bound, peak_in_flight
@@ -81,9 +90,11 @@ def test_makespan_bound_is_a_lower_bound_tight_for_equal_stages():
     rng = random.Random(7)
     for _ in range(300):
         p = rng.randint(1, 6)
-        schedule = rng.choice(["gpipe", "1f1b", "interleaved"])
-        v = rng.choice([2, 3]) if schedule == "interleaved" else 1
-        m = p * rng.randint(1, 4) if schedule == "interleaved" else rng.randint(1, 10)
+        schedule = rng.choice(SCHEDULES)
+        v = rng.choice([2, 3]) if PIPELINE_SCHEDULES[schedule].chunked else 1
+        m = rng.randint(1, 10)
+        if order_problem(schedule, p, m, v):  # the interleaved schedule: a multiple of the stages
+            m = p * rng.randint(1, 4)
         f, b, hop = _stage_times(rng, p)
         r = simulate(schedule, f, b, microbatches=m, chunks=v, p2p=hop)
         assert makespan_bound(f, b, m, v, hop) <= r.makespan * (1 + 1e-12)

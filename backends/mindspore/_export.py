@@ -21,7 +21,8 @@ plan                           MindSpore
 dp, tp, pp, sp (world)         ``device_num = dp·tp·pp·sp``; ``semi_auto_parallel`` when anything but
                                dp splits, else ``data_parallel``
 pp, microbatches, schedule     ``pipeline_stages``; ``pipeline_config`` (``1f1b``/``gpipe``,
-                               ``pipeline_interleave`` for ``interleaved:K``); ``PipelineCell(micro_size)``
+                               ``pipeline_interleave`` for ``interleaved:K``); ``PipelineCell(micro_size)``;
+                               another schedule as 1F1B: reported
 microbatches (pp = 1)          ``GradAccumulationCell(micro_size)``
 zero_stage 1/2/3               ``enable_parallel_optimizer`` + ``optimizer_level`` level1/2/3 (MindSpore's
                                level1 also shards the weights: more than ZeRO-1)
@@ -55,6 +56,8 @@ CONFIG_FILE = "mindspore_parallel.json"
 REPORT_FILE = "report.md"
 
 _OPTIMIZER_LEVEL = {1: "level1", 2: "level2", 3: "level3"}
+#: the MindSpore pipeline scheduler that runs each schedule of the plan record (the chunks go to pipeline_interleave)
+_SCHEDULERS = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "1f1b"}
 
 
 @dataclass
@@ -88,7 +91,12 @@ def context_of(s: Strategy) -> tuple[dict[str, Any], dict[str, Any], list[dict[s
                          "lower and the communication higher than the plan priced"})
     wrapper: dict[str, Any] = {}
     if plan.pp > 1:
-        schedule = "gpipe" if plan.schedule == "gpipe" else "1f1b"
+        schedule = _SCHEDULERS.get(plan.schedule)
+        if schedule is None:
+            schedule = "1f1b"
+            lost.append({"what": f"schedule={plan.schedule_label}", "why": f"MindSpore has no {plan.schedule} pipeline "
+                         "scheduler: exported as its 1F1B (interleaved where the plan has several chunks per "
+                         "stage), whose activation memory and bubble differ from what the plan priced"})
         ctx["pipeline_stages"] = plan.pp
         ctx["pipeline_config"] = {"pipeline_interleave": plan.chunks > 1, "pipeline_scheduler": schedule}
         wrapper = {"cell": "nn.PipelineCell", "micro_size": plan.microbatches}

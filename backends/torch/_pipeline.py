@@ -103,10 +103,12 @@ from polyparallel.backends.torch._stage_sp import rewrite as sp_rewrite
 from polyparallel.backends.torch._stage_tp import register_group, shard_graph, shard_parameters
 from polyparallel.backends.torch._steps import make_optimizer, scale_gradients
 from polyparallel.backends.torch._train_loop import TrainingMode
-from polyparallel.backends.torch.capabilities import Unsupported
+from polyparallel.backends.torch.capabilities import EXECUTED_SCHEDULES, Unsupported
 from polyparallel.cost_models.layers import LAYER  # the planner's own layer pattern
+from polyparallel.cost_models.pipeline import order_problem
 from polyparallel.frontends._fold import export_folded  # the frontend's three-block trace
 from polyparallel.frontends.torch import _export_program  # the frontend's export (no stack traces)
+from polyparallel.plan import CHUNKED_SCHEDULES
 from polyparallel.references import resolve
 
 __all__ = ["PipelinePlan", "pipeline_mode", "pipeline_plan", "split_model"]
@@ -397,16 +399,18 @@ def pipeline_plan(strategy: Any, model: nn.Module, batch: tuple[torch.Tensor, to
     sched, _, v_txt = s.schedule.partition(":")
     chunks = _chunks_of(s)
     v = len(chunks) // s.pp
-    if sched == "interleaved":
+    if sched not in EXECUTED_SCHEDULES:
+        raise Unsupported(f"pipeline schedule {sched!r}: the torch backend runs {', '.join(EXECUTED_SCHEDULES)}")
+    if sched in CHUNKED_SCHEDULES:
         if v_txt and (not v_txt.isdigit() or int(v_txt) != v):
             raise Unsupported(f"schedule {s.schedule!r} but the stages list {v} chunks each")
         if v < 2:
-            raise Unsupported("an interleaved schedule needs at least 2 chunks per stage")
-        if s.microbatches % s.pp:
-            raise Unsupported(f"interleaved 1F1B needs microbatches ({s.microbatches}) divisible by pp ({s.pp})")
+            raise Unsupported(f"the {sched} schedule needs at least 2 chunks per stage")
     elif v != 1:
-        raise Unsupported(f"schedule {s.schedule!r} with {v} chunks per stage: several chunks per stage need "
-                           "schedule 'interleaved'")
+        raise Unsupported(f"schedule {s.schedule!r} with {v} chunks per stage: several chunks per stage need a "
+                          f"chunked schedule ({', '.join(CHUNKED_SCHEDULES)})")
+    if why := order_problem(sched, s.pp, s.microbatches, v) or EXECUTED_SCHEDULES[sched].problem(s.pp, s.microbatches):
+        raise Unsupported(why)
     n = s.dp * s.microbatches
     if s.global_batch % n:
         raise Unsupported(f"global_batch={s.global_batch} is not divisible by dp*microbatches={n}: pipeline "
@@ -638,14 +642,13 @@ class _LossTail:
 def _schedule(pipe: PipelinePlan, modules: list[nn.Module], mine: list[int], device: torch.device, group: Any,
               loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> Any:
     # import cost: torch.distributed.pipelining loads ~290 modules (0.4 s) that only pipelined runs need
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    import torch.distributed.pipelining as pipelining
 
     K = pipe.stages * pipe.virtual
-    stages = [PipelineStage(mod, k, K, device, group=group) for mod, k in zip(modules, mine)]
-    if pipe.schedule == "interleaved":
-        return ScheduleInterleaved1F1B(stages, n_microbatches=pipe.microbatches, loss_fn=loss_fn)
-    cls = ScheduleGPipe if pipe.schedule == "gpipe" else Schedule1F1B
-    return cls(stages[0], n_microbatches=pipe.microbatches, loss_fn=loss_fn)
+    stages = [pipelining.PipelineStage(mod, k, K, device, group=group) for mod, k in zip(modules, mine)]
+    cls = getattr(pipelining, EXECUTED_SCHEDULES[pipe.schedule].cls)
+    return cls(stages if pipe.schedule in CHUNKED_SCHEDULES else stages[0], n_microbatches=pipe.microbatches,
+               loss_fn=loss_fn)
 
 
 def _tie_groups(pipe: PipelinePlan, dp: int, ranks: _Ranks) -> list[tuple[str, Any]]:

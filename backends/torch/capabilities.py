@@ -49,7 +49,9 @@ islpy.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from polyparallel.backends.torch.op_roles import chunked_evenly, local_dims, op_role
@@ -64,6 +66,7 @@ __all__ = [
     "EXECUTED_DTYPES",
     "EXECUTED_RECOMPUTE",
     "EXECUTED_SCHEDULES",
+    "TorchSchedule",
     "Unsupported",
     "batch_statistics",
     "chain_problems",
@@ -82,7 +85,32 @@ class Unsupported(NotExecutable):
     (a ValueError, and the :class:`~polyparallel.planning.executability.NotExecutable` the planner catches)."""
 
 
-EXECUTED_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+@dataclass(frozen=True)
+class TorchSchedule:
+    """How the torch backend runs one pipeline schedule of :data:`~polyparallel.plan.PIPELINE_SCHEDULES`:
+    the class of ``torch.distributed.pipelining`` that runs it (imported when a pipelined run starts;
+    a chunked schedule's class takes the rank's list of stages) and ``problem(p, m)``, why that class
+    cannot run ``m`` micro-batches over ``p`` stages (None when it can), beyond what the schedule's task order
+    itself needs (``cost_models.pipeline.order_problem``, checked where a plan is priced and before a launch)."""
+
+    cls: str
+    problem: Callable[[int, int], str | None] = lambda p, m: None
+
+
+def _one_f_one_b_problem(p: int, m: int) -> str | None:
+    if m >= p:
+        return None
+    return (f"1f1b with {m} micro-batch(es) for {p} stages: torch's 1F1B schedule needs at least as many "
+            "micro-batches as stages; use schedule 'gpipe' (the same order when every stage holds one micro-batch) or "
+            f"microbatches >= {p}")
+
+
+#: the pipeline schedules the torch backend runs, by name
+EXECUTED_SCHEDULES: Mapping[str, TorchSchedule] = MappingProxyType({
+    "gpipe": TorchSchedule("ScheduleGPipe"),
+    "1f1b": TorchSchedule("Schedule1F1B", _one_f_one_b_problem),
+    "interleaved": TorchSchedule("ScheduleInterleaved1F1B"),
+})
 EXECUTED_RECOMPUTE = ("none", "selective", "op", "full")  # activation recomputation the executor runs (._recompute)
 EXECUTED_DTYPES = ("fp32", "bf16", "fp16")  # training precisions it runs (._precision)
 
@@ -135,10 +163,8 @@ def plan_problems(graph: Graph | None, s: Plan) -> list[str]:
                        + "; ".join(sp_why[:3]))
     if s.pp > 1 and schedule not in EXECUTED_SCHEDULES:
         why.append(f"pipeline schedule {schedule!r}: the torch backend runs {', '.join(EXECUTED_SCHEDULES)}")
-    elif s.pp > 1 and schedule == "1f1b" and s.microbatches < s.pp:  # torch's Schedule1F1B refuses it
-        why.append(f"1f1b with {s.microbatches} micro-batch(es) for {s.pp} stages: torch's 1F1B schedule needs at "
-                   "least as many micro-batches as stages; use schedule 'gpipe' (the same order when every stage "
-                   f"holds one micro-batch) or microbatches >= {s.pp}")
+    elif s.pp > 1 and (sched_why := EXECUTED_SCHEDULES[schedule].problem(s.pp, s.microbatches)):
+        why.append(sched_why)
     if s.cp > 1 and s.pp > 1:  # ring attention as a pass over the stages' exported graph (._stage_sp)
         cp_why = ["the model could not be captured to check it"] if graph is None else \
             _stage_sp_problems(graph, 1, s.cp, heads_parts=s.tp)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from polyparallel.cost_models.parallel_config import execution_options
-from polyparallel.plan import PLAN_FIELDS, parse_schedule, value_problem
+from polyparallel.plan import CHUNKED_SCHEDULES, PLAN_FIELDS, parse_schedule, value_problem
 from polyparallel.planning.place_plan import MODES
 
 __all__ = ["Constraints", "DoesNotFit"]
@@ -50,7 +50,7 @@ class Constraints:
         placements: per-op placements of the chosen plan: ``torch`` (the exact per-stage solver,
             restricted to what the torch backend executes), ``any`` (the solver over every legal
             placement; the torch backend may refuse the strategy) or ``rule`` (Megatron's rule).
-        chunks: model chunks per pipeline stage of the interleaved schedule (implies it).
+        chunks: model chunks per pipeline stage of a chunked schedule (alone: the interleaved one).
         sequence_parallel: Megatron's sequence parallelism inside tensor parallelism (norms,
             dropouts and residuals split along the sequence; all-gather / reduce-scatter in place of
             all-reduce), on every plan with ``tp > 1``.
@@ -109,8 +109,10 @@ class Constraints:
                 why.append(f"{name}={v!r}: give a whole number >= 1 (or leave it unset to let the search choose)")
         if self.mode is not None and self.mode not in ("synchronous", "collaborative"):
             why.append(f"mode={self.mode!r}: give one of synchronous, collaborative")
-        if self.chunks is not None and self.chunks > 1 and self.schedule not in (None, "interleaved"):
-            why.append(f"chunks={self.chunks} needs the interleaved schedule, not schedule={self.schedule!r}")
+        if (self.chunks is not None and self.chunks > 1 and self.schedule is not None
+                and parse_schedule(self.schedule)[0] not in CHUNKED_SCHEDULES):
+            why.append(f"chunks={self.chunks} needs a chunked schedule ({', '.join(CHUNKED_SCHEDULES)}), not "
+                       f"schedule={self.schedule!r}")
         if self.partition is not None and self.partition not in ("flops", "layers"):
             why.append(f"partition={self.partition!r}: give flops or layers")
         if (self.sp or 1) > 1 and (self.cp or 1) > 1:
@@ -136,15 +138,13 @@ class Constraints:
                 "compile": self.compile or "none"}
 
     def pinned_schedule(self) -> tuple[str | None, int | None]:
-        """The pinned schedule and interleaving depth: ``schedule="interleaved:4"`` (as a Strategy
-        writes it) and ``schedule="interleaved", chunks=4`` both give ``("interleaved", 4)``."""
+        """The pinned schedule and its chunks per stage: ``schedule="interleaved:4"`` (as a Strategy
+        writes it) and ``schedule="interleaved", chunks=4`` both give ``("interleaved", 4)``; ``chunks``
+        alone leaves the schedule to the search."""
         if self.schedule is None:
             return None, self.chunks
         name, depth = parse_schedule(self.schedule)
-        chunks = depth if depth > 1 else self.chunks
-        if chunks is not None and chunks > 1:
-            return "interleaved", chunks
-        return name, chunks
+        return name, depth if depth > 1 else self.chunks
 
     @classmethod
     def of(cls, value: Constraints | dict[str, Any] | None) -> Constraints:

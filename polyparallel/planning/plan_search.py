@@ -115,8 +115,9 @@ from polyparallel.cost_models.collab_simulator import SimInputs, choose_local_st
 from polyparallel.cost_models.layers import LAYER, chunk_of_ops, layer_segments
 from polyparallel.cost_models.megatron_rule import op_roles, ring_dominated
 from polyparallel.cost_models.memo import PRICES
+from polyparallel.cost_models.pipeline import order_problem
 from polyparallel.ir import Graph, Hint, OpKind
-from polyparallel.plan import CENTER_FIELDS
+from polyparallel.plan import CENTER_FIELDS, CHUNKED_SCHEDULES, PIPELINE_SCHEDULES
 from polyparallel.planning.assemble import model_info, strategy_of
 from polyparallel.planning.branch_bound import Best, brief, least_memory, replicates_over_tp, why_axes
 from polyparallel.planning.collector import collector_paused, drop_source_caches, young_collected
@@ -270,18 +271,7 @@ def _plans(base: ParallelConfig, c: Constraints, layers: int,
     """Per schedule, the memory-knob ladder for one mesh shape and micro-batching, cheapest first;
     with ``runs``, only the rungs it accepts (the plans the torch backend executes), so a refused
     rung (recomputation inside pipeline stages, say) does not end the walk before the next one."""
-    scheds: list[tuple[str, int]] = [("1f1b", 1)]
-    if base.pp > 1:
-        scheds.append(("gpipe", 1))
-        for v in (2, 4):
-            if layers % (base.pp * v) == 0 and base.microbatches % base.pp == 0:
-                scheds.append(("interleaved", v))
-    schedule, chunks = c.pinned_schedule()
-    if chunks is not None:  # a pinned depth is priced whatever the layer count (the partition may be uneven)
-        scheds = [("interleaved", chunks)] if chunks > 1 else [(s, v) for s, v in scheds if v == 1]
-    if schedule is not None:
-        scheds = [(s, v) for s, v in scheds if s == schedule] or [(schedule, 1 if schedule != "interleaved"
-                                                                    else chunks or 2)]
+    scheds = _schedules(base, c, layers)
     ladder = [(int(z), r) for z, r in MEMORY_LADDER if base.ep == 1 or int(z) < 3]  # ZeRO-3 + ep: not modelled
     if base.dp * base.seq == 1:
         ladder = [(z, r) for z, r in ladder if z == 0] + [(0, "selective"), (0, "op"), (0, "full")]
@@ -295,6 +285,30 @@ def _plans(base: ParallelConfig, c: Constraints, layers: int,
         rungs = [cfg for cfg in rungs if runs is None or runs(cfg)]
         if rungs:
             yield rungs
+
+
+def _schedules(base: ParallelConfig, c: Constraints, layers: int) -> list[tuple[str, int]]:
+    """The ``(schedule, chunks per stage)`` pairs tried for one mesh shape and micro-batching: each
+    searched schedule of :data:`~polyparallel.plan.PIPELINE_SCHEDULES` (without stages only the
+    first), a chunked one with 2 and 4 chunks where the layers divide into them and its task order
+    takes the micro-batches; a pinned schedule or depth is priced whatever the layer count (the
+    partition may be uneven)."""
+    out: list[tuple[str, int]] = []
+    for sch in PIPELINE_SCHEDULES.values():
+        if not sch.searched or (out and base.pp == 1):
+            continue
+        for v in (2, 4) if sch.chunked else (1,):
+            if v == 1 or (layers % (base.pp * v) == 0 and not order_problem(sch.name, base.pp, base.microbatches, v)):
+                out.append((sch.name, v))
+    schedule, chunks = c.pinned_schedule()
+    if schedule is None and chunks is not None:
+        default = next(s for s in PIPELINE_SCHEDULES.values() if s.chunked and s.searched).name
+        out = [(default, chunks)] if chunks > 1 else [(s, v) for s, v in out if v == 1]
+    elif schedule is not None:
+        chunked = schedule in CHUNKED_SCHEDULES
+        want = (chunks or 2) if chunked else 1
+        out = [(s, v) for s, v in out if s == schedule and (chunks is None or v == want)] or [(schedule, want)]
+    return out
 
 
 @collector_paused
@@ -675,7 +689,7 @@ def _paramless_stage(g: Graph, cfg: ParallelConfig) -> int | None:
     if cfg.pp == 1:
         return None
 
-    v = cfg.chunks if cfg.schedule == "interleaved" else 1
+    v = cfg.virtual
     key = ("paramless_stage", cfg.pp, v, cfg.partition)
     memo = PRICES.of(g)
     if key not in memo:
