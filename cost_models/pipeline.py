@@ -1,4 +1,4 @@
-"""Pipeline schedules (GPipe, 1F1B, interleaved 1F1B) simulated task by task.
+"""Pipeline schedules (GPipe, 1F1B, interleaved 1F1B, looped BFS) simulated task by task.
 
 ``p`` stages, ``m`` micro-batches, ``v`` model chunks per stage (a chunked schedule; ``v = 1``
 otherwise). Stage ``s`` runs forward ``F(j, c)`` and backward ``B(j, c)`` of micro-batch ``j``
@@ -11,6 +11,10 @@ on its chunk ``c`` (global chunk ``c·p + s``) in a fixed per-stage order:
 * **interleaved 1F1B** (Megatron, Narayanan et al. 2021): forwards visit chunks in groups
   of ``p`` micro-batches (``chunk = ⌊k/p⌋ mod v``), warm-up
   ``w_s = (p − s − 1)·2 + (v − 1)·p`` tasks; needs ``m`` a multiple of ``p``.
+* **looped BFS** (breadth-first, Lamy-Poirier 2023): ``F(0..m−1)`` on chunk 0, then on chunk 1, ...,
+  then the backwards chunk by chunk in reverse, micro-batches in reverse; all ``v·m``
+  chunk-activations are in flight. Equal stages: ``(v·m + p − 1)(f + b)/v`` for ``m ≥ p`` (the
+  interleaved schedule's), ``(v·p + m − 1)(f + b)/v`` below (each chunk's loop waits for the ring).
 
 A task starts when its stage is free and its input has arrived: ``F(j, g)`` needs
 ``F(j, g−1)`` plus the point-to-point time of the boundary, ``B(j, g)`` needs
@@ -131,6 +135,12 @@ def _interleaved(p: int, m: int, v: int) -> Order:
     return orders
 
 
+def _looped_bfs(p: int, m: int, v: int) -> Order:
+    forwards = [("F", j, c) for c in range(v) for j in range(m)]
+    backwards = [("B", j, c) for c in reversed(range(v)) for j in reversed(range(m))]
+    return [forwards + backwards for _ in range(p)]
+
+
 def _interleaved_problem(p: int, m: int, v: int) -> str | None:
     return f"the interleaved schedule needs microbatches ({m}) to be a multiple of stages ({p})" if m % p else None
 
@@ -143,6 +153,7 @@ PRICED: dict[str, SchedulePrice] = {
     "interleaved": SchedulePrice(
         _interleaved, lambda p, m, v: tuple(min(2 * (p - s - 1) + (v - 1) * p + 1, m * v) for s in range(p)),
         _interleaved_problem),
+    "looped_bfs": SchedulePrice(_looped_bfs, lambda p, m, v: (m * v,) * p),
 }
 
 

@@ -42,12 +42,29 @@ def test_interleaved_in_flight_matches_megatron():
     assert r.in_flight[0] / v == pytest.approx(p * (1 + (p - 1) / (p * v)))
 
 
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("v", [2, 3])
+def test_looped_bfs_against_its_closed_form(p, m, v):
+    """Breadth-first: every stage runs chunk c's forwards for all micro-batches before chunk c + 1's,
+    then the backwards in reverse. With ``m >= p`` a chunk's loop around the stages is back at
+    stage 0 before that stage is done with the chunk, so the step is the interleaved schedule's
+    ``(v·m + p − 1)(f + b)/v``; with fewer micro-batches each loop waits for the ring:
+    ``(v·p + m − 1)(f + b)/v``. Every micro-batch of every chunk is alive before the first backward."""
+    f, b = 1.0, 2.0
+    r = simulate("looped_bfs", [f] * p, [b] * p, microbatches=m, chunks=v)
+    assert r.makespan == pytest.approx((max(m, p) * v + min(m, p) - 1) * (f + b) / v)
+    assert r.in_flight == (m * v,) * p
+    if m % p == 0:  # where the interleaved schedule runs too, the same step time
+        assert simulate("interleaved", [f] * p, [b] * p, microbatches=m, chunks=v).makespan == pytest.approx(r.makespan)
+
+
 def test_every_schedule_of_the_plan_record_is_priced_and_executed():
     from polyparallel.backends.torch.capabilities import EXECUTED_SCHEDULES
 
     assert set(PRICED) == set(PIPELINE_SCHEDULES) == set(SCHEDULES)
     assert set(EXECUTED_SCHEDULES) == set(SCHEDULES)
-    assert order_problem("interleaved", 2, 3, 2) and order_problem("interleaved", 2, 4, 2) is None
+    assert order_problem("interleaved", 2, 3, 2) and order_problem("looped_bfs", 2, 3, 2) is None
 
 
 def test_unequal_stages_and_p2p():
@@ -65,7 +82,7 @@ def test_unequal_stages_and_p2p():
 
 
 def test_schedule_orders_are_complete_and_errors():
-    for sched, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 3)):
+    for sched, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 3), ("looped_bfs", 3)):
         orders = schedule_order(sched, 3, 6, v)
         for o in orders:
             assert sorted(o) == sorted({(k, j, c) for k in "FB" for j in range(6) for c in range(v)})

@@ -161,6 +161,12 @@ def test_api_context_of_a_pipeline_plan(tmp_path):
     assert ctx["parallel_optimizer_config"] == {"optimizer_level": "level2"} and ctx["enable_parallel_optimizer"]
     assert r.config["micro_batches"] == {"cell": "nn.PipelineCell", "micro_size": 4}
     assert (tmp_path / "o" / "report.md").read_text().startswith("# MindSpore parallel configuration of m")
+    # a schedule MindSpore has no scheduler for is exported as its interleaved 1F1B, and the report says so
+    bfs = pp.export(s.model_copy(update={"schedule": "looped_bfs:2"}), to="mindspore", out=tmp_path / "bfs",
+                    validate=False)
+    assert bfs.config["context"]["pipeline_config"] == {"pipeline_interleave": True, "pipeline_scheduler": "1f1b"}
+    assert "**schedule=looped_bfs:2**: MindSpore has no looped_bfs pipeline scheduler" in \
+        (tmp_path / "bfs" / "report.md").read_text()
     collab = s.model_copy(update={"mode": "collaborative"})
     with pytest.raises(ValueError, match="collaborative: export a center's synchronous plan"):
         pp.export(collab.model_copy(update={"collaborative": pp.strategy.Collaborative(

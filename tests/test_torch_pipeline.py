@@ -147,6 +147,18 @@ def test_pp2_interleaved_matches_single_process_and_resumes(tmp_path: Path) -> N
     assert err <= 1e-4
 
 
+@pytest.mark.timeout(120)
+def test_pp2_looped_bfs_matches_single_process() -> None:
+    """Breadth-first, 2 chunks per stage: every micro-batch through chunk 0 of both stages, then chunk 1,
+    then the backwards in reverse (the schedule added through the plan record's schedule table)."""
+    s = _pipeline_strategy(2, dp=1, microbatches=4, schedule="looped_bfs")
+    assert (s.pp, s.microbatches, s.schedule) == (2, 4, "looped_bfs:2")
+    log = train(s, ex.tiny_gpt, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED)
+    err = _max_rel(log, _single(ex.tiny_gpt, ex.gpt_data))
+    print(f"PP=2 looped BFS x2 m=4: max relative loss difference {err:.2e}")
+    assert err <= 1e-4
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(("zero_stage", "schedule"), [(3, "1f1b"), (0, "gpipe")])
 def test_dp2_x_pp2_matches_single_process(zero_stage: int, schedule: str) -> None:

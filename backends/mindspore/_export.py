@@ -22,7 +22,7 @@ dp, tp, pp, sp (world)         ``device_num = dp·tp·pp·sp``; ``semi_auto_para
                                dp splits, else ``data_parallel``
 pp, microbatches, schedule     ``pipeline_stages``; ``pipeline_config`` (``1f1b``/``gpipe``,
                                ``pipeline_interleave`` for ``interleaved:K``); ``PipelineCell(micro_size)``;
-                               another schedule as 1F1B: reported
+                               another schedule (``looped_bfs``) as 1F1B: reported
 microbatches (pp = 1)          ``GradAccumulationCell(micro_size)``
 zero_stage 1/2/3               ``enable_parallel_optimizer`` + ``optimizer_level`` level1/2/3 (MindSpore's
                                level1 also shards the weights: more than ZeRO-1)

@@ -110,6 +110,7 @@ EXECUTED_SCHEDULES: Mapping[str, TorchSchedule] = MappingProxyType({
     "gpipe": TorchSchedule("ScheduleGPipe"),
     "1f1b": TorchSchedule("Schedule1F1B", _one_f_one_b_problem),
     "interleaved": TorchSchedule("ScheduleInterleaved1F1B"),
+    "looped_bfs": TorchSchedule("ScheduleLoopedBFS"),
 })
 EXECUTED_RECOMPUTE = ("none", "selective", "op", "full")  # activation recomputation the executor runs (._recompute)
 EXECUTED_DTYPES = ("fp32", "bf16", "fp16")  # training precisions it runs (._precision)
