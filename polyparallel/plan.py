@@ -189,6 +189,12 @@ class Plan:
         parallelism that changes per-op work or collectives adds its degree here."""
         return (self.tp, self.sp, self.cp, self.sequence_parallel)
 
+    def degrees_label(self) -> str:
+        """The degrees as plans are named in notes and reports: ``dp= tp= pp= sp=`` always, ``cp=`` and
+        ``ep=`` where above 1 (``dp=2 tp=4 pp=2 sp=1 cp=2``)."""
+        extra = "".join(f" {a}={self.degree(a)}" for a in (Axis.CP, Axis.EP) if self.degree(a) > 1)
+        return f"dp={self.dp} tp={self.tp} pp={self.pp} sp={self.sp}{extra}"
+
     def degree(self, axis: Axis | str) -> int:
         return int(getattr(self, Axis(axis).value))
 

@@ -579,7 +579,7 @@ def _facts(s: Strategy) -> str:
              ("cluster", f"{s.cluster.get('name', '?')}, {len(s.mesh.devices)} devices"),
              ("mode", s.mode), ("global batch", str(s.global_batch))]
     if s.mode == "synchronous":
-        facts += [("degrees", f"dp={s.dp} tp={s.tp} pp={s.pp} sp={s.sp}" + (f" cp={s.cp}" if s.cp > 1 else "")),
+        facts += [("degrees", s.plan.degrees_label()),
                   ("pipeline", f"{s.microbatches} micro-batches, {s.schedule}"),
                   ("memory", f"ZeRO-{s.zero_stage}, recompute {s.recompute}, {s.dtype}")]
     if e:

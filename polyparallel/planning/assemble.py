@@ -15,6 +15,7 @@ from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, StepEstimate, estimate_step
 from polyparallel.cost_models.layers import LAYER, chunk_of_ops
 from polyparallel.ir import Graph
+from polyparallel.plan import MESH_AXES, Axis
 from polyparallel.planning.derived import replaced_plans
 from polyparallel.planning.model_graphs import ModelGraphs
 from polyparallel.planning.place_plan import place
@@ -51,9 +52,9 @@ def strategy_of(mdl: ModelGraphs, cl: Cluster, est: StepEstimate, b: int, B: int
     est = placed.est
     cfg = est.config
     axes = []
-    for name, size in (("pp", cfg.pp), ("dp", cfg.dp), ("cp", cfg.cp), ("sp", cfg.sp), ("tp", cfg.tp)):
-        if size > 1 or name == "dp":
-            axes.append(MeshAxis(name=name, size=size, level=axis_level(cl, cfg, name, devs)))
+    for axis in MESH_AXES:  # outermost first, as the ranks are numbered
+        if (size := cfg.degree(axis)) > 1 or axis is Axis.DP:
+            axes.append(MeshAxis(name=axis.value, size=size, level=axis_level(cl, cfg, axis.value, devs)))
     order = [devs[cfg.rank(s, d, q, t)] for s in range(cfg.pp) for d in range(cfg.dp) for q in range(cfg.seq)
              for t in range(cfg.tp)]
     stages = []

@@ -180,9 +180,7 @@ def why_axes(best: Best, c: Constraints) -> list[str]:
 
 
 def brief(cfg: ParallelConfig) -> str:
-    cp = f" cp={cfg.cp}" if cfg.cp > 1 else ""
-    return (f"dp={cfg.dp} tp={cfg.tp} pp={cfg.pp} sp={cfg.sp}{cp} m={cfg.microbatches} {cfg.schedule_label} "
-            f"ZeRO-{cfg.zero_stage} "
+    return (f"{cfg.degrees_label()} m={cfg.microbatches} {cfg.schedule_label} ZeRO-{cfg.zero_stage} "
             f"recompute {cfg.recompute}")
 
 

@@ -117,7 +117,7 @@ from polyparallel.cost_models.megatron_rule import op_roles, ring_dominated
 from polyparallel.cost_models.memo import PRICES
 from polyparallel.cost_models.pipeline import order_problem
 from polyparallel.ir import Graph, Hint, OpKind
-from polyparallel.plan import CENTER_FIELDS, CHUNKED_SCHEDULES, PIPELINE_SCHEDULES
+from polyparallel.plan import CENTER_FIELDS, CHUNKED_SCHEDULES, PIPELINE_SCHEDULES, Plan
 from polyparallel.planning.assemble import model_info, strategy_of
 from polyparallel.planning.branch_bound import Best, brief, least_memory, replicates_over_tp, why_axes
 from polyparallel.planning.collector import collector_paused, drop_source_caches, young_collected
@@ -533,7 +533,7 @@ def search_sync(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, devs: lis
     one_mesh = None not in (c.dp, c.tp, c.pp)
     options = c.pricing_options()
     for i, (dp, tp, pp, sp, cp, ep) in enumerate(shapes):
-        shape = f"dp={dp} tp={tp} pp={pp} sp={sp}" + (f" cp={cp}" if cp > 1 else "") + (f" ep={ep}" if ep > 1 else "")
+        shape = Plan(dp=dp, tp=tp, pp=pp, sp=sp, cp=cp, ep=ep).degrees_label()
         if B % dp:
             best.skipped.append(f"{shape}: the global batch {B} does not divide over dp={dp}")
             continue
