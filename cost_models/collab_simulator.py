@@ -62,9 +62,9 @@ import numpy as np
 from polyparallel.cluster.devices import Link
 from polyparallel.strategy import Strategy
 
-__all__ = ["FIXED_ROUND_S", "FUSE_S_PER_PARAM", "PHASES", "BufferedSimResult", "SimInputs", "SimResult",
-           "balanced_local_steps", "center_links", "choose_local_steps", "inputs_from_strategy", "measured_phases",
-           "simulate", "simulate_buffered", "simulate_rounds", "update_bytes"]
+__all__ = ["FIXED_ROUND_S", "FUSE_S_PER_PARAM", "PHASES", "BufferedSimResult", "SimInputs",
+           "SimResult", "balanced_local_steps", "center_links", "choose_local_steps", "inputs_from_strategy",
+           "measured_phases", "simulate", "simulate_buffered", "simulate_rounds", "stragglers", "update_bytes"]
 
 PHASES = ("framework", "distribute", "compute", "upload", "wait", "fuse")
 
@@ -148,6 +148,19 @@ class SimInputs:
     @property
     def n(self) -> int:
         return len(self.names)
+
+    def cycle_s(self) -> np.ndarray:
+        """Per center, the seconds of one round alone: its download of the model (latency + bytes on its
+        link), its ``H`` local steps and its upload of the update; the buffered simulation's ``D + C + U``."""
+        return (2 * self.latency_s + self.model_bytes / self.down_Bps + self.local_steps * self.step_s
+                + self.upload_bytes / self.up_Bps)
+
+
+def stragglers(inputs: SimInputs, factor: float = 1.5) -> list[int]:
+    """The centers whose round alone (:meth:`SimInputs.cycle_s`) takes more than ``factor`` times the
+    median center's: those a synchronous round waits for."""
+    cycle = inputs.cycle_s()
+    return [i for i, c in enumerate(cycle) if c > factor * float(np.median(cycle))]
 
 
 def center_links(strategy: Any) -> dict[str, tuple[float, float, float]]:

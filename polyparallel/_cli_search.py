@@ -34,6 +34,9 @@ EXECUTION_HELP = ("how the framework runs the plan, KEY=VALUE, repeatable (fused
                   "grad_accumulation, zero3_gather, attention_kernel, fused_loss; README: what a plan's price assumes)")
 CHUNKS_HELP = ("model chunks per pipeline stage of a chunked schedule (" + ", ".join(CHUNKED_SCHEDULES)
                + "; > 1 alone implies the interleaved one)")
+BUFFER_HELP = ("collaborative: asynchronous buffered rounds. auto: where a straggler holds synchronous rounds back, "
+               "fuse the first K updates that are in (K the centers that keep pace); K: fuse the first K; "
+               "off (default): synchronous rounds")
 SEQ_PAR_HELP = ("Megatron-style sequence parallelism: norms and dropouts split along the sequence inside tensor "
                 "parallelism")
 PARTITION_HELP = "how layers are cut into pipeline stages: flops (balanced by priced time) or layers (equal counts)"
@@ -95,6 +98,14 @@ def _summary(s: Strategy) -> list[str]:
     return lines
 
 
+def _buffer(text: str) -> bool | int:
+    if text in ("auto", "off"):
+        return text == "auto"
+    if not text.isdigit():
+        raise UserError(f"--buffer {text}: give auto, off or a number of updates K >= 1")
+    return int(text)
+
+
 @app.command("search")
 def search_cmd(
     model: Annotated[str, typer.Argument(help=MODEL_HELP)],
@@ -126,6 +137,7 @@ def search_cmd(
                                                               "round (default 0.2)")] = None,
     max_local_steps: Annotated[int | None, typer.Option(help="collaborative: fuse at least every N local steps "
                                                               "(label-skewed data wants frequent fusion)")] = None,
+    buffer: Annotated[str | None, typer.Option("--buffer", help=BUFFER_HELP)] = None,
     placements: Annotated[str, typer.Option(help=PLACEMENTS_HELP)] = "torch",
     chunks: Annotated[int | None, typer.Option(help=CHUNKS_HELP)] = None,
     sequence_parallel: Annotated[bool, typer.Option("--sequence-parallel", help=SEQ_PAR_HELP)] = False,
@@ -146,6 +158,7 @@ def search_cmd(
               "mode": mode,
               "memory_cap": None if memory_cap is None else memory_cap * 1e9, "comm_fraction": comm_fraction,
               "max_local_steps": max_local_steps, "chunks": chunks, "partition": partition,
+              "buffer": None if buffer is None else _buffer(buffer),
               "sequence_parallel": sequence_parallel or None,
               "execution": parse_execution(execution) if execution else None}
     constraints = {k: v for k, v in pinned.items() if v is not None}

@@ -40,7 +40,7 @@ def simulate_cmd(
                           "travels (0: synchronous; default: the strategy's)")] = None,
     buffer: Annotated[int | None, typer.Option(
         "--buffer", help="K: asynchronous buffered rounds, the server fuses the first K updates that are in "
-                         "(--rounds counts fusions; 1..centers)")] = None,
+                         "(--rounds counts fusions; 1..centers; 0: synchronous; default: the strategy's)")] = None,
     max_staleness: Annotated[int | None, typer.Option(
         "--max-staleness", help="with --buffer: refuse updates more versions old than this (default: none)")] = None,
 ) -> None:
@@ -85,9 +85,12 @@ def simulate_cmd(
         raise UserError(str(e)) from None
     if x.overlap and sequential:
         raise UserError("--overlap with --sequential: overlapped rounds are simulated for concurrent centers")
-    if max_staleness is not None and buffer is None:
+    if buffer is None and s.collaborative.buffer:  # the strategy's buffered rounds
+        buffer = s.collaborative.buffer
+        max_staleness = s.collaborative.max_staleness if max_staleness is None else max_staleness
+    if max_staleness is not None and not buffer:
         raise UserError("--max-staleness goes with --buffer K (the staleness of buffered rounds' updates)")
-    if buffer is not None:
+    if buffer:
         _buffered(x, rounds, buffer, max_staleness, as_json,
                   [n for n, v in (("--overlap", overlap), ("--sequential", sequential), ("--jitter", jitter),
                                   ("--dropout", dropout), ("--trace", trace), ("--plot", plot)) if v])
@@ -110,7 +113,8 @@ def _buffered(x: Any, fusions: int, buffer: int, max_staleness: int | None, as_j
     from polyparallel.cost_models.collab_simulator import simulate_buffered
 
     if other:
-        raise UserError(f"--buffer with {', '.join(other)}: buffered rounds are simulated for concurrent centers, "
+        raise UserError(f"buffered rounds (--buffer {buffer}, or the strategy's) with {', '.join(other)}: buffered "
+                        "rounds are simulated for concurrent centers, "
                         "synchronous steps, without jitter, dropouts or a timeline")
     if not 1 <= buffer <= x.n:
         raise UserError(f"--buffer {buffer}: give K in [1, {x.n}] (the strategy's centers)")

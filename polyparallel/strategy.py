@@ -155,6 +155,11 @@ def op_placements_of(record: Any) -> list[OpPlacement]:
     return [OpPlacement(ops=list(ops), placement=str(pl), modules=list(mods)) for ops, pl, mods in record]
 
 
+#: the staleness (versions) beyond which a buffered round refuses an update unless a job sets another: the
+#: default of ``collaborative.max_staleness``, of ``CollabConfig.max_staleness`` and of the search's pricing
+MAX_STALENESS = 4
+
+
 class Collaborative(_Model):
     centers: list[CenterPlan]
     fusion: str = "fedavg"
@@ -165,6 +170,10 @@ class Collaborative(_Model):
     comm_fraction: float = 0.0
     overlap: int = Field(0, ge=0, description="K: local steps of the next round a center takes while its update "
                          "travels and the server fuses (overlapped fusion; 0: synchronous rounds)")
+    buffer: int = Field(0, ge=0, description="K: asynchronous buffered rounds, the server fuses the first K updates "
+                        "that are in (0: synchronous rounds); round_time_s is then the time between fusions")
+    max_staleness: int = Field(MAX_STALENESS, ge=0, description="with buffer: updates more versions old than this "
+                               "are refused")
 
 
 class Estimate(_Model):
@@ -245,8 +254,11 @@ class Strategy(_Model):
     # -- I/O ------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = self.model_dump(mode="json")
-        if d.get("collaborative") and not d["collaborative"]["overlap"]:
-            del d["collaborative"]["overlap"]  # synchronous rounds: written as before the field existed
+        c = d.get("collaborative")
+        if c:  # synchronous rounds are written as before the overlapped and buffered ones' fields existed
+            unused = ["overlap"] if not c["overlap"] else []
+            for name in unused + (["buffer", "max_staleness"] if not c["buffer"] else []):
+                del c[name]
         return d
 
     def to_json(self, path: str | os.PathLike[str] | None = None, *, indent: int = 1) -> str:

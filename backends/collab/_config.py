@@ -17,7 +17,7 @@ from pydantic import Field
 
 from polyparallel.cluster import FRAMEWORKS
 from polyparallel.cost_models.collab_simulator import center_links
-from polyparallel.strategy import Strategy
+from polyparallel.strategy import MAX_STALENESS, Strategy
 
 from ._center_plan import normalize_plan, plan_from_local_strategy
 from ._fusion import FUSIONS, FusionStrategy, make_fusion
@@ -172,7 +172,7 @@ class CollabConfig:
     prune: PruneSpec | None = Field(None, exclude_if=lambda v: v is None)
     overlap: int = Field(0, exclude_if=lambda v: not v)
     buffer: int = Field(0, exclude_if=lambda v: not v)
-    max_staleness: int = 4  # and left out with buffer=0 (``to_json``)
+    max_staleness: int = MAX_STALENESS  # and left out with buffer=0 (``to_json``)
 
     def __post_init__(self) -> None:
         if not self.centers:
@@ -349,7 +349,8 @@ def config_from_strategy(strategy: Any, model: ModelSpec, *, emulate_links: bool
 
     Read from the Strategy: the centers (name, framework, number of devices, and the synchronous plan
     the planner chose for each: its ``local_strategy`` degrees become ``CenterSpec.plan``), fusion,
-    local steps per round, rounds, compression, overlapped fusion (``overlap``). The Strategy
+    local steps per round, rounds, compression, overlapped fusion (``overlap``), buffered rounds (``buffer``,
+    ``max_staleness``). The Strategy
     fingerprints the model but does not carry it, so the shared architecture comes as ``model``;
     ``training`` sets the remaining :class:`CollabConfig` fields (``batch_size``, ``lr``,
     ``min_centers``, ``fusion_options``, ...).
@@ -379,4 +380,5 @@ def config_from_strategy(strategy: Any, model: ModelSpec, *, emulate_links: bool
     return CollabConfig(
         centers=centers,
         model=model, fusion=c.fusion, rounds=c.rounds, local_steps=c.local_steps, compression=c.compression,
-        **{"overlap": c.overlap, **training})
+        **{"overlap": c.overlap, **({"buffer": c.buffer, "max_staleness": c.max_staleness} if c.buffer else {}),
+           **training})

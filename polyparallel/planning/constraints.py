@@ -46,6 +46,11 @@ class Constraints:
             ``comm_fraction`` within ``max_local_steps``, the search keeps ``H`` at that cap and overlaps
             each round with the fewest of the next round's steps that then meets it (single-process torch
             centers; every step ahead is one round stale). False: synchronous rounds only.
+        buffer: asynchronous buffered rounds (``Collaborative.buffer``): ``True`` lets the search fuse the
+            first ``K`` updates that are in where a straggler holds synchronous rounds back (``K`` the centers
+            whose round alone takes at most 1.5x the median center's), a whole number pins ``K``, ``False``
+            (default) keeps synchronous rounds: a center left out of most fusions is under-represented in
+            the model, which costs accuracy under label skew (measured in docs/collab.md).
         cross_node_tp: allow tensor parallelism across nodes.
         placements: per-op placements of the chosen plan: ``torch`` (the exact per-stage solver,
             restricted to what the torch backend executes), ``any`` (the solver over every legal
@@ -82,6 +87,7 @@ class Constraints:
     comm_fraction: float = 0.2
     max_local_steps: int | None = None
     overlap: bool = True
+    buffer: bool | int = False
     cross_node_tp: bool = False
     placements: str = "torch"
     chunks: int | None = None
@@ -107,6 +113,9 @@ class Constraints:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 why.append(f"{name}={v!r}: give a whole number >= 1 (or leave it unset to let the search choose)")
+        if not isinstance(self.buffer, bool) and (not isinstance(self.buffer, int) or self.buffer < 1):
+            why.append(f"buffer={self.buffer!r}: give True (the search chooses how many updates a fusion waits for), "
+                       "a whole number K >= 1, or False (synchronous rounds)")
         if self.mode is not None and self.mode not in ("synchronous", "collaborative"):
             why.append(f"mode={self.mode!r}: give one of synchronous, collaborative")
         if (self.chunks is not None and self.chunks > 1 and self.schedule is not None

@@ -111,15 +111,15 @@ from typing import Any
 
 from polyparallel.cluster import Cluster
 from polyparallel.cost_models import ParallelConfig, StepEstimate
-from polyparallel.cost_models.collab_simulator import SimInputs, choose_local_steps, simulate_rounds
 from polyparallel.cost_models.layers import LAYER, chunk_of_ops, layer_segments
 from polyparallel.cost_models.megatron_rule import op_roles, ring_dominated
 from polyparallel.cost_models.memo import PRICES
 from polyparallel.cost_models.pipeline import order_problem
 from polyparallel.ir import Graph, Hint, OpKind
-from polyparallel.plan import CENTER_FIELDS, CHUNKED_SCHEDULES, PIPELINE_SCHEDULES, Plan
-from polyparallel.planning.assemble import model_info, strategy_of
+from polyparallel.plan import CHUNKED_SCHEDULES, PIPELINE_SCHEDULES, Plan
+from polyparallel.planning.assemble import strategy_of
 from polyparallel.planning.branch_bound import Best, brief, least_memory, replicates_over_tp, why_axes
+from polyparallel.planning.collab_rounds import collaborative_strategy
 from polyparallel.planning.collector import collector_paused, drop_source_caches, young_collected
 from polyparallel.planning.constraints import Constraints, DoesNotFit
 from polyparallel.planning.derived import variants
@@ -128,14 +128,8 @@ from polyparallel.planning.executor_check import center_checked, checked_as_plac
 from polyparallel.planning.model_graphs import MAX_MICRO, ModelGraphs, divisors
 from polyparallel.planning.model_inputs import model_and_inputs
 from polyparallel.strategy import (
-    CenterPlan,
-    Collaborative,
-    Estimate,
-    Mesh,
-    MeshAxis,
     SearchRecord,
     Strategy,
-    center_placements,
 )
 
 __all__ = ["Constraints", "DoesNotFit", "search"]
@@ -753,84 +747,7 @@ def _search_collab(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints, exhaus
         per_center.append((ce, best.est, devs, placed))
     if len(per_center) < 2:
         return None
-    rates = [e.throughput for _, e, _, _ in per_center]
-    total_rate = sum(rates)
-    # H from the round simulator (cost_models/collab_simulator.py): every center's own step time and WAN
-    # link, the server's fusion and Flower's fixed cost per round; the slowest center sets the pace
-    links = [ce.wan for ce, _, _, _ in per_center]
-    inputs = SimInputs.make(
-        [ce.name for ce, _, _, _ in per_center], [e.step_time for _, e, _, _ in per_center], 1,
-        mdl.graph(mdl.b0).param_count(), down_Bps=[w.down_bandwidth if w else math.inf for w in links],
-        up_Bps=[w.up_bandwidth if w else math.inf for w in links], latency_s=[w.latency if w else 0.0 for w in links])
-    H, sim = choose_local_steps(inputs, c.comm_fraction, c.max_local_steps)
-    round_time, comm = float(sim.round_s[0]), sim.critical_comm_share()
-    fixed, fuse = float(sim.dur["framework"][0, 0]), float(sim.dur["fuse"][0, 0])
-    fusion = float((sim.dur["distribute"][0] + sim.dur["upload"][0]).max())  # the slowest link's transfers
-    local_s = round_time - fixed - fuse - fusion
-    overlap = _overlapped_rounds(inputs, H, c, per_center, comm, notes)
-    if overlap:  # priced at the steady overlapped round: what is exposed of the communication is 'fusion'
-        sim = overlap[1]
-        round_time, local_s = float(sim.round_s[-1]), float(sim.dur["compute"][-1].max())
-        comm, fixed, fuse, fusion = 1 - local_s / round_time, 0.0, 0.0, round_time - local_s
-    centers = [CenterPlan(name=ce.name, framework=ce.framework, devices=devs, share=round(r / total_rate, 6),
-                          local_strategy={**e.config.record_fields(CENTER_FIELDS), "placements": c.placements,
-                                          **center_placements(placed),
-                                          "step_time_s": e.step_time, "samples_per_s": e.throughput})
-               for (ce, e, devs, placed), r in zip(per_center, rates)]
-    all_devs = [d for _, _, ds, _ in per_center for d in ds]
-    est = Estimate(step_time_s=round_time / H, samples_per_s=B * H / round_time,
-                   model_flops_per_s_per_device=3 * mdl.graph(mdl.b0).flops() / mdl.b0 * B * H / round_time
-                   / len(all_devs), memory_bytes_max=max(max(r.total for r in e.memory)
-                                                         for _, e, _, _ in per_center),
-                   comm_fraction=comm, breakdown={"local_compute": local_s, "fusion": fusion, "framework": fixed,
-                                                  "server_fusion": fuse})
-    collab = Collaborative(centers=centers, fusion="fedavg", local_steps=H, rounds=1, compression="none",
-                           round_time_s=round_time, comm_fraction=comm, overlap=overlap[0] if overlap else 0)
-    g = mdl.graph(mdl.b0)
-    strat = Strategy(model=model_info(mdl, g, mdl.b0, B), cluster=cl.to_dict() if hasattr(cl, "to_dict") else {},
-                     mode="collaborative", global_batch=B, dp=1, tp=1, pp=1, sp=1,
-                     mesh=Mesh(axes=[MeshAxis(name="center", size=len(all_devs), level="inter_center")],
-                               devices=all_devs),
-                     collaborative=collab, estimate=est)
-    return strat, cands, notes
-
-
-def _overlapped_rounds(inputs: SimInputs, H: int, c: Constraints, per_center: list, sync_comm: float,
-                       notes: list[str]) -> tuple[int, Any] | None:
-    """Overlapped fusion (``backends/collab/_overlap.py``) where synchronous rounds cannot meet the
-    communication budget within ``max_local_steps``: at the same ``H`` (the cap), the fewest steps
-    ahead ``K`` whose steady overlapped round exposes at most the budget (all ``H`` where none does),
-    and its simulated rounds. Fewest, because every step ahead is one round stale: on Fashion-MNIST
-    under Dirichlet(0.3) skew one step of five cost 0.6 points against synchronous rounds, two 1.6,
-    five 6 (``docs/collab.md``), more than a larger ``H`` would. None where synchronous rounds meet
-    the budget, where overlap would not expose less, or where a center is not one torch process."""
-    if sync_comm <= c.comm_fraction or not c.overlap:
-        return None
-    other = [ce.name for ce, _, devs, _ in per_center if ce.framework != "torch" or len(devs) != 1]
-    if other:
-        notes.append(f"communication is {sync_comm:.0%} of the round at the most local steps allowed, over the "
-                     f"budget comm_fraction={c.comm_fraction:g}; overlapped fusion would hide part of it, but it runs "
-                     f"single-process torch centers and centers {', '.join(other)} are not: synchronous rounds")
-        return None
-
-    def at(k: int) -> tuple[float, Any]:
-        sim = simulate_rounds(replace(inputs, local_steps=H, overlap=k), 3)
-        return 1 - float(sim.dur["compute"][-1].max() / sim.round_s[-1]), sim
-
-    lo, hi = 1, H  # the exposed share falls with K: the first K that meets the budget lies in [lo, hi]
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if at(mid)[0] <= c.comm_fraction:
-            hi = mid
-        else:
-            lo = mid + 1
-    exposed, sim = at(hi)
-    if exposed >= sync_comm:
-        return None
-    notes.append(f"overlapped fusion (overlap={hi} of H={H}): synchronous rounds expose {sync_comm:.0%} of the round "
-                 f"to communication at the most local steps allowed, {hi} steps ahead {exposed:.0%} "
-                 "(constraints overlap=False: synchronous rounds only)")
-    return hi, sim
+    return collaborative_strategy(mdl, cl, B, c, per_center, notes), cands, notes
 
 
 def _does_not_fit_message(mdl: ModelGraphs, cl: Cluster, best: Best | None) -> str:
