@@ -4,7 +4,8 @@ Asynchronous buffered rounds (``CollabConfig.buffer = K``) run through the in-pr
 its own thread; ``--engine flower``: a Flower SuperNode process per center, the rounds on the lean data
 channel), each center's link emulated and one center made slower by ``--slow-factor``; the simulator is given what
 the run measured of each center's local steps (received -> trained, the slowdown included, median over its
-updates) and of the server's fusion (median), the links as configured, and nothing else. It predicts the
+updates), how much later than that its first update left (its start-up), the server's fusion (median), the
+links as configured, and nothing else. It predicts the
 seconds between published versions, how many updates of each center the fusions take and how stale they are.
 Table: per buffer, measured vs simulated mean round (fusion to fusion), the slow center's updates and their
 mean staleness. Writes ``benchmarks/results/collab_buffered_sim.json``.
@@ -15,6 +16,9 @@ mean staleness. Writes ``benchmarks/results/collab_buffered_sim.json``.
         --out benchmarks/results/collab_buffered_sim_slowlink.json
     nice -n 5 .venv/bin/python benchmarks/collab_buffered_sim.py --engine flower --fusions 60 --buffers 5,4,3 \
         --out benchmarks/results/collab_buffered_sim_flower.json
+    nice -n 5 .venv/bin/python benchmarks/collab_buffered_sim.py --engine flower --fusions 60 --centers 4 \
+        --buffers 4,3,1 --slow-factor 2 --down 1e6 --latency 0.08 --local-steps 40 --hidden 256 \
+        --out benchmarks/results/collab_buffered_sim_flower_slowlink.json
 
 Over Flower the simulator is given ``pushed=False`` (the data channel sends a center its next model when
 its update frame is in).
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -54,18 +59,20 @@ def digits(names: list[str]) -> tuple[dict, tuple]:
 
 
 def measured(res, names: list[str], H: int) -> dict:
-    """Per center: median seconds per local step over its fused updates; the median fusion; the
-    published versions' times (the server's round starts)."""
+    """Per center: median seconds per local step over its fused updates and when its first update was
+    trained; the median fusion; the published versions' times (the server's round starts)."""
     comp: dict[str, list[float]] = {c: [] for c in names}
+    first: dict[str, float] = {}
     for r in res.rounds:
         for c, m in r.metrics.items():
             comp[c].append(float(m["t_trained"]) - float(m["t_received"]))
+            first[c] = min(first.get(c, math.inf), float(m["t_trained"]))
     starts = sorted({float(e["t"]) for e in res.timing if e["who"] == "server" and e["event"] == "round_start"})
     fuse = [float(b["t"]) - float(a["t"]) for a, b in zip(
         (e for e in res.timing if e["who"] == "server" and e["event"] == "fusion_start"),
         (e for e in res.timing if e["who"] == "server" and e["event"] == "fusion_end"))]
     return {"step_s": {c: statistics.median(v) / H if v else float("nan") for c, v in comp.items()},
-            "fuse_s": statistics.median(fuse) if fuse else 0.0, "published": starts}
+            "fuse_s": statistics.median(fuse) if fuse else 0.0, "published": starts, "first_trained": first}
 
 
 def main() -> None:
@@ -110,7 +117,13 @@ def main() -> None:
         params = sum(int(v.size) for v in res.params.values())
         x = SimInputs.make(names, [m["step_s"][c] for c in names], H, params, down_Bps=args.down, up_Bps=args.down,
                            latency_s=args.latency, fixed_s=0.0, fuse_s_per_param=m["fuse_s"] / (params * K))
-        sim = simulate_buffered(x, args.fusions, K, max_staleness=args.fusions, pushed=args.engine != "flower")
+        # a center's start-up: how much later than its download and H steps its first update left, from the
+        # first version's publication (process start, the first steps' warm-up; the slow site's is slowed too)
+        down = x.latency_s + x.model_bytes / x.down_Bps
+        startup = [max(0.0, m["first_trained"][c] - m["published"][0] - down[i] - H * m["step_s"][c])
+                   for i, c in enumerate(names)]
+        sim = simulate_buffered(x, args.fusions, K, max_staleness=args.fusions, pushed=args.engine != "flower",
+                                startup_s=startup)
         pub = np.array(m["published"])
         meas_round = float(np.diff(pub[1:]).mean())  # the first version's start-up left out, as below
         sim_round = float(sim.round_s[1:].mean())
@@ -121,7 +134,8 @@ def main() -> None:
                "slow_updates": [len(slow_meas), len(slow_sim)],
                "slow_mean_staleness": [float(np.mean(slow_meas)) if slow_meas else None,
                                        float(np.mean(slow_sim)) if slow_sim else None],
-               "step_s": m["step_s"], "fuse_s": m["fuse_s"], "params": params,
+               "step_s": m["step_s"], "startup_s": dict(zip(names, startup, strict=True)), "fuse_s": m["fuse_s"],
+               "params": params,
                "published_measured_s": (pub - pub[0]).tolist(), "published_simulated_s": sim.published_s.tolist()}
         rows.append(row)
         st = row["slow_mean_staleness"]

@@ -512,7 +512,7 @@ class BufferedSimResult:
 
 
 def simulate_buffered(inputs: SimInputs, fusions: int, buffer: int, max_staleness: int | None = None,
-                      pushed: bool = True) -> BufferedSimResult:
+                      pushed: bool = True, startup_s: Sequence[float] | float = 0.0) -> BufferedSimResult:
     """Buffered asynchronous rounds (``CollabConfig.buffer = K``, ``backends/collab/_buffered.py``), event by
     event. Version ``v`` is published at ``P_v``. A center that asks for a model at ``t`` takes the newest
     version if it is newer than the one it trained last, else waits for the next; its download of version
@@ -528,7 +528,11 @@ def simulate_buffered(inputs: SimInputs, fusions: int, buffer: int, max_stalenes
     ``pushed=False`` is the data channel's protocol (``backends/collab/_lean.py``, one request and one
     reply per round on a center's connection): the server's thread for a center sends it the newest
     version when the center's update frame is in (the emulated upload is held on the server's side, after
-    that), so a center's download starts when it asks (or at the next publish), not at ``P_v``."""
+    that), so a center's download starts when it asks (or at the next publish), not at ``P_v``.
+
+    ``startup_s``: per center (or one for all), the seconds its first round takes beyond its ``H`` steps
+    (a process's first steps warm up its kernels and allocator; a slow site's start-up is slow too). While a
+    straggler starts up, the fusions are the other centers' alone."""
     x, K, n = inputs, int(buffer), inputs.n
     if not 1 <= K <= n:
         raise ValueError(f"buffer must be in [1, {n}] (the centers), got {buffer}")
@@ -538,6 +542,9 @@ def simulate_buffered(inputs: SimInputs, fusions: int, buffer: int, max_stalenes
     D = x.latency_s + x.model_bytes / x.down_Bps
     U = x.latency_s + x.upload_bytes / x.up_Bps
     C = x.local_steps * x.step_s
+    first = np.broadcast_to(np.asarray(startup_s, dtype=float), (n,))
+    if np.any(first < 0) or not np.all(np.isfinite(first)):
+        raise ValueError(f"startup_s must be finite and >= 0 for every center, got {first.tolist()}")
     fuse_s = x.fuse_s_per_param * x.params * K + x.fixed_s + x.fixed_per_center_s * K
     events: list[tuple[float, int, int, int, int]] = []  # (t, kind, seq, center, version): publish < in < ask
     seq = iter(range(1 << 62))
@@ -552,7 +559,7 @@ def simulate_buffered(inputs: SimInputs, fusions: int, buffer: int, max_stalenes
 
     def train(i: int, v: int, t: float) -> None:
         down_free[i] = max(published[v - 1] if pushed else t, down_free[i]) + D[i]
-        sent = max(t, down_free[i]) + C[i]
+        sent = max(t, down_free[i]) + C[i] + (first[i] if v == 1 else 0.0)
         up_free[i] = max(sent, up_free[i]) + U[i]
         trained[i] = v
         steps.append((i, sent))

@@ -367,6 +367,20 @@ def test_buffered_rounds_of_one_update_take_every_update_as_it_comes():
         simulate_buffered(x, 3, 3)
 
 
+def test_a_straggler_s_start_up_leaves_the_first_fusions_to_the_others():
+    """The same two centers, the slow one starting up s seconds longer: its j-th update is in at
+    s + j·b, and until its first one every fusion is the fast center's alone."""
+    a, b, s = 0.1, 0.37, 1.23
+    x = SimInputs.make(["fast", "slow"], [a / H, b / H], H, 1000, fixed_s=0.0, fuse_s_per_param=0.0)
+    res = simulate_buffered(x, 30, 1, startup_s=[0.0, s])
+    arrivals = sorted([k * a for k in range(1, 40)] + [s + j * b for j in range(1, 12)])
+    np.testing.assert_allclose(res.published_s[1:], arrivals[:30], rtol=1e-9)
+    assert [c for c, _ in res.fused[int(s / a) - 1]] == ["fast"]
+    assert res.updates()["slow"] == sum(s + j * b <= arrivals[29] + 1e-9 for j in range(1, 12)) == 3
+    with pytest.raises(ValueError, match="startup_s must be finite and >= 0"):
+        simulate_buffered(x, 3, 1, startup_s=[0.0, -1.0])
+
+
 def test_cli_simulates_buffered_rounds_and_refuses_what_they_do_not_model(tmp_path, capsys):
     from tests.test_collab_cli import _run
 
