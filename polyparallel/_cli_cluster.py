@@ -28,6 +28,7 @@ from polyparallel.cluster import (
 )
 from polyparallel.cluster.spec import catalog
 from polyparallel.cost_models.calibrate import calibrate
+from polyparallel.cost_models.calibrate_gpu import calibrate_gpu
 
 cluster_app = typer.Typer(help="Inspect cluster specs and presets.", no_args_is_help=True)
 app.add_typer(cluster_app, name="cluster")
@@ -177,8 +178,6 @@ def calibrate_cmd(
     if device not in ("cpu", "cuda"):
         raise UserError(f"--device {device!r}: choose cpu or cuda")
     if device == "cuda":
-        from polyparallel.cost_models.calibrate_gpu import calibrate_gpu
-
         if out is None:
             raise UserError("--device cuda needs --out FILE (a GPU calibration is referenced from a cluster spec)")
         try:

@@ -24,8 +24,22 @@ from rich.console import Console
 from rich.table import Table
 
 from polyparallel._cli_progress import LineProgress
+from polyparallel.backends.collab import CenterSpec, CollabConfig, ModelSpec, collaborate, config_from_strategy
+from polyparallel.backends.collab._center_plan import scaled_plan
+from polyparallel.backends.collab._flower import FlowerError, LoopbackFederation, read_outputs
+from polyparallel.backends.collab._foreign import import_frameworks
+from polyparallel.backends.collab._models import FOREIGN_FRAMEWORKS, build_torch_model, is_reference, resolve_reference
+from polyparallel.backends.collab._pruning import PruneError, PruneSpec, with_input_of
+from polyparallel.backends.collab._release import check_release_dir, write_release
+from polyparallel.backends.collab._security import (
+    Credentials,
+    check_node_credentials,
+    load_credentials,
+    make_credentials,
+)
 from polyparallel.cli import UserError, app
 from polyparallel.cluster.units import parse_quantity
+from polyparallel.strategy import Strategy
 
 _FW_HELP = ("framework per center, comma separated (torch, mindspore, paddle, tensorflow); default all torch. Several "
             "in one process are imported in the one order they share it: torch, mindspore, paddle, tensorflow")
@@ -40,8 +54,6 @@ def _parse_shape(text: str) -> tuple[int, ...]:
 
 def _parse_builders(items: list[str]) -> dict[str, str]:
     """``--builder FRAMEWORK=MODULE:FUNCTION`` (and ``--mindspore-model``) → framework → reference."""
-    from polyparallel.backends.collab._models import FOREIGN_FRAMEWORKS
-
     out: dict[str, str] = {}
     for it in items:
         fw, sep, ref = (x.strip() for x in it.partition("="))
@@ -190,8 +202,6 @@ def _flagged_lines(result: Any) -> list[str]:
 
 def _data_option(data: str | None) -> tuple[Path | None, str]:
     """``--data``: a directory of CENTER.npz, or a MODULE:FUNCTION data source."""
-    from polyparallel.backends.collab._models import is_reference
-
     if data is None:
         return None, ""
     if is_reference(data) and not Path(data).exists():
@@ -330,8 +340,6 @@ def collab_cmd(
     force: Annotated[bool, typer.Option("--force", help=_HELP["force"])] = False,
 ) -> None:
     """Run a whole federation on this machine: every center trains on its own data, the server fuses."""
-    from polyparallel.backends.collab import ModelSpec
-
     data_dir, source = _data_option(data)
     # what the options set beside the centers, fusion, H, rounds and compression (a Strategy fixes those)
     training = dict(batch_size=batch_size, lr=lr, momentum=momentum, lr_schedule=lr_schedule,
@@ -368,8 +376,6 @@ def _with_pruning_input(cfg: Any, eval_data: Path | None, data_dir: Path | None)
     """``cfg`` whose pruning spec names one input row's shape and dtype, which ``serve``'s server traces
     the model on: those of --eval-data's rows, else of a center's file under --data, else a built-in
     model's ``in_shape``."""
-    from polyparallel.backends.collab._pruning import PruneError, with_input_of
-
     rows = None
     files = sorted(data_dir.glob("*.npz")) if data_dir is not None and data_dir.is_dir() else []
     if eval_data is not None or files:
@@ -385,8 +391,6 @@ def _job_config(config: Path | None, strategy: Path | None, options: tuple[str, 
                 root_set: bool) -> Any:
     """The job: a saved configuration, a collaborative Strategy's, or the one ``--centers``,
     ``--frameworks`` and ``--devices`` (``options``) describe."""
-    from polyparallel.backends.collab import CollabConfig
-
     if config is not None:
         try:
             return CollabConfig.from_json(config.read_text())
@@ -402,8 +406,6 @@ def _prune_options(cfg: Any, ratio: float | None, rounds: int | None, how: tuple
                    distill: tuple[float, float | None] = (0.0, None)) -> Any:
     """``cfg`` with the pruning the options ask for; a release directory is refused here, before training.
     ``distill``: ``(A, T)`` of ``--prune-distill`` and its temperature (None: PruneSpec's)."""
-    from polyparallel.backends.collab._pruning import PruneSpec
-
     if ratio is None:  # a --config job file may carry the pruning already: its --release is checked as well
         if rounds is not None or distill != (0.0, None) or (release is not None and cfg.prune is None):
             kept = "" if cfg.prune is None else " (the job file's pruning is used as it is)"
@@ -423,9 +425,6 @@ def _prune_options(cfg: Any, ratio: float | None, rounds: int | None, how: tuple
 
 def _check_release(release: Path, force: bool, eval_data: Path | None) -> None:
     """Refuse a --release that cannot be written, before training."""
-    from polyparallel.backends.collab._pruning import PruneError
-    from polyparallel.backends.collab._release import check_release_dir
-
     if eval_data is None:
         raise UserError("--release measures accuracy before and after the cut on --eval-data FILE.npz: give it")
     with _user_errors(PruneError):
@@ -445,9 +444,6 @@ def _strategy_config(strategy: Path, spec: Any, training: dict[str, Any], fixed:
                      fusion_opt: list[str], emulate_wan: bool) -> Any:
     """The job of a collaborative Strategy: a flag of ``fixed`` given beside it wins over the
     strategy's value, and says so; a strategy priced for accelerators says so before round 1."""
-    from polyparallel.backends.collab import config_from_strategy
-    from polyparallel.strategy import Strategy
-
     st = Strategy.from_json(strategy)
     cfg = config_from_strategy(st, spec, emulate_links=emulate_wan,
                                fusion_options=_parse_options(fusion_opt), **training)
@@ -463,8 +459,6 @@ def _strategy_config(strategy: Path, spec: Any, training: dict[str, Any], fixed:
 
 def _scaled(cfg: Any, max_devices: int, from_strategy: bool) -> Any:
     """``cfg`` with every center on at most ``max_devices`` devices (:func:`scaled_plan`), said per center."""
-    from polyparallel.backends.collab._center_plan import scaled_plan
-
     if not from_strategy or max_devices < 1:
         raise UserError("--scale-devices N (N >= 1) scales the centers of --strategy: give --strategy")
     centers = []
@@ -494,8 +488,6 @@ def _priced_elsewhere(st: Any, local_steps_given: bool) -> str:
 def _options_config(centers: str, frameworks: str, devices: str, spec: Any, training: dict[str, Any],
                     fixed: dict[str, Any], fusion_opt: list[str], root_set: bool) -> Any:
     """The job the options describe: one center per name, their frameworks and devices."""
-    from polyparallel.backends.collab import CenterSpec, CollabConfig
-
     names = [n.strip() for n in centers.split(",") if n.strip()]
     fws = [f.strip() for f in frameworks.split(",")] if frameworks else ["torch"] * len(names)
     if len(fws) != len(names):
@@ -547,9 +539,6 @@ def _centers_data(cfg: Any, data_dir: Path | None, synthetic: int,
                   inprocess: bool = True) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """The centers' data, their user code (model, other frameworks' builders, data sources) checked first here:
     the centers import it themselves, and an error here is one line."""
-    from polyparallel.backends.collab._foreign import import_frameworks
-    from polyparallel.backends.collab._models import build_torch_model, resolve_reference
-
     with _user_errors(ValueError, TypeError):
         if cfg.model.user:
             build_torch_model(cfg.model)
@@ -571,7 +560,6 @@ def _run_federation(cfg: Any, engine: str, data_dir: Path | None, synthetic: int
     """Check the run's inputs, run the federation on ``engine``, print (and with ``out`` write) the result."""
     if data_channel not in ("flower", "socket") or (data_channel == "socket" and engine != "flower"):
         raise UserError(f"--data-channel {data_channel!r}: use flower or socket, the latter with --engine flower")
-    from polyparallel.backends.collab import collaborate
 
     if engine not in ("inprocess", "flower"):
         raise UserError(f"--engine {engine!r}: use inprocess or flower")
@@ -607,8 +595,6 @@ def _run_federation(cfg: Any, engine: str, data_dir: Path | None, synthetic: int
 
 def _write_release(release: Path, cfg: Any, result: Any, ev: Any, force: bool) -> None:
     """The pruned model's release files and one line of its numbers."""
-    from polyparallel.backends.collab._release import write_release
-
     with _user_errors(ValueError):
         rel = write_release(release, cfg, result.params, result.pruning or {}, ev, force=force)
     acc = " ".join(f"{k.removeprefix('accuracy_')} {rel[k]:.4f}" for k in ("accuracy_before", "accuracy_at_cut",
@@ -667,11 +653,6 @@ def serve_cmd(
     A restarted server with the same --out resumes from its last checkpoint (no round lost or repeated).
     The ServerApp's log (rejected updates, refused identities) is printed here and kept in OUT/server.log.
     """
-    from polyparallel.backends.collab import CollabConfig
-    from polyparallel.backends.collab._flower import FlowerError, LoopbackFederation, read_outputs
-    from polyparallel.backends.collab._pruning import PruneError, with_input_of
-    from polyparallel.backends.collab._security import load_credentials
-
     if not config.is_file():
         raise UserError(f"--config {config}: no such file; write one with `polyparallel collab ... "
                         f"--save-config {config}`")
@@ -763,15 +744,10 @@ def center_cmd(
     Killing this command (Ctrl-C, SIGTERM, even SIGKILL) stops its SuperNode and trainer; a center
     restarted after a crash rejoins within seconds; when the server goes away it reconnects for --reconnect s.
     """
-    from polyparallel.backends.collab._flower import FlowerError, LoopbackFederation
-    from polyparallel.backends.collab._security import Credentials, check_node_credentials
-
     d_path, source = _data_option(data)
     if d_path is not None and not d_path.exists():
         raise UserError(f"--data {data}: no such file (an .npz with arrays x and y) and not a MODULE:FUNCTION")
     if framework is not None:
-        from polyparallel.backends.collab._foreign import import_frameworks
-
         with _user_errors(ValueError):
             import_frameworks([framework])
     if (ca is None) != (key is None):
@@ -812,8 +788,6 @@ def certs_cmd(
     = "127.0.0.1,localhost",
 ) -> None:
     """Create test credentials: a CA, the server's TLS certificate, and one key pair per center."""
-    from polyparallel.backends.collab._security import make_credentials
-
     names = [c.strip() for c in centers.split(",") if c.strip()]
     if not names:
         raise UserError("--centers: give at least one center name")

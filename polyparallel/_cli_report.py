@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from polyparallel.cli import UserError, app, writable_file
+from polyparallel.report import read_run, render
 from polyparallel.strategy import Strategy, StrategyError
 
 
@@ -21,8 +22,6 @@ def report_cmd(
 ) -> None:
     """Write one HTML page (no network needed): cluster diagram, memory and time per device, the pipeline or
     round timeline, and with --run the measured loss, accuracy and phase times."""
-    from polyparallel.report import read_run, render
-
     writable_file(out)
     try:
         s = Strategy.from_json(strategy)

@@ -12,6 +12,8 @@ from typing import Annotated, Any
 import typer
 
 from polyparallel.cli import UserError, app
+from polyparallel.cost_models.collab_simulator import inputs_from_strategy, simulate_buffered, simulate_rounds
+from polyparallel.report import pipeline_tasks
 from polyparallel.strategy import Strategy, StrategyError
 
 
@@ -47,8 +49,6 @@ def simulate_cmd(
     """Simulate N rounds of a collaborative strategy: time to N rounds, utilisation per center, and the
     communication, idle and fusion shares of wall time. A synchronous strategy with pipeline stages: one
     step per stage, with its bubbles."""
-    from polyparallel.cost_models.collab_simulator import inputs_from_strategy, simulate_rounds
-
     try:
         s = Strategy.from_json(strategy)
     except StrategyError as e:
@@ -110,8 +110,6 @@ def simulate_cmd(
 
 def _buffered(x: Any, fusions: int, buffer: int, max_staleness: int | None, as_json: bool, other: list[str]) -> None:
     """Print the buffered rounds' simulation (``collab_simulator.simulate_buffered``)."""
-    from polyparallel.cost_models.collab_simulator import simulate_buffered
-
     if other:
         raise UserError(f"buffered rounds (--buffer {buffer}, or the strategy's) with {', '.join(other)}: buffered "
                         "rounds are simulated for concurrent centers, "
@@ -129,8 +127,6 @@ def pipeline_timeline(s: Strategy) -> tuple[dict[str, Any], dict[str, Any]]:
     Chrome-trace with one track per stage. The tasks are the report's (:func:`~polyparallel.report.
     pipeline_tasks`, the schedule order of :mod:`polyparallel.cost_models.pipeline`; forward 1/3 and
     backward 2/3 of a stage's compute per micro-batch), its makespan the cost model's."""
-    from polyparallel.report import pipeline_tasks
-
     tasks, sim = pipeline_tasks(s)
     span = sim.makespan
     stages = []

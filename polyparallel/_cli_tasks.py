@@ -14,6 +14,7 @@ import typer
 
 from polyparallel._cli_collab import _eval_text, _exit_on_sigterm
 from polyparallel._cli_progress import LineProgress
+from polyparallel.backends.collab._tasks import load_datasets, load_npz, load_tasks, plan_groups, run_groups
 from polyparallel.cli import UserError, app
 
 tasks_app = typer.Typer(help="Task groups: several algorithms trained across the centers' data, fused into one model.",
@@ -25,8 +26,6 @@ _FILE = typer.Argument(help="the task file (YAML: algorithms, datasets, groups, 
 
 def _load(path: Path) -> tuple[Any, Any]:
     """The validated task set and its datasets (loaded where each center is, held-out rows split off)."""
-    from polyparallel.backends.collab._tasks import load_datasets, load_tasks
-
     ts = load_tasks(path)
     try:
         return ts, load_datasets(ts)
@@ -56,8 +55,6 @@ def plan_cmd(tasks: Annotated[Path, _FILE],
              as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False) -> None:
     """Form the task groups: which algorithm trains on which centers' data, each center's plan from the
     planner and each group's predicted time from the simulator (with a cluster in the task file)."""
-    from polyparallel.backends.collab._tasks import plan_groups
-
     ts, data = _load(tasks)
     plans = plan_groups(ts, data, say=lambda s: typer.echo(s, err=True))
     if as_json:
@@ -80,7 +77,6 @@ def run_cmd(tasks: Annotated[Path, _FILE],
             ) -> None:
     """Run every group with the collaborative engine (progress per group and round), fuse the members
     and write the fused model."""
-    from polyparallel.backends.collab._tasks import load_npz, run_groups
     from polyparallel.backends.collab._tasks_fusion import fuse_members, write_outputs
 
     if engine not in ("inprocess", "flower"):
@@ -154,7 +150,6 @@ def infer_cmd(run_dir: Annotated[Path, typer.Argument(help="the --out folder of 
               out: Annotated[Path | None, typer.Option("--out", help="write logits and predictions (.npz)")] = None,
               ) -> None:
     """Run the fused model (or the members' weighted ensemble) on new data."""
-    from polyparallel.backends.collab._tasks import load_npz
     from polyparallel.backends.collab._tasks_fusion import infer
 
     if use not in ("fused", "ensemble") or runtime not in ("torch", "onnx"):
