@@ -29,12 +29,16 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from polyparallel.cluster import Cluster
+from polyparallel.cluster.spec import preset_raw
+from polyparallel.cluster.units import ClusterSpecError
+from polyparallel.cost_models.collab_simulator import SimInputs, center_links, inputs_from_strategy, simulate_rounds
 from polyparallel.references import is_reference
 
 from ._center import load_center_data, split_holdout
 from ._config import CenterSpec, CollabConfig
 from ._fusion import FUSIONS
-from ._models import LOSSES, ModelSpec
+from ._models import LOSSES, ModelSpec, build_torch_model
 
 __all__ = ["FUSION_METHODS", "GroupPlan", "TaskFile", "TaskFileError", "TaskGroup", "TaskSet", "load_tasks",
            "plan_groups", "run_groups"]
@@ -333,10 +337,6 @@ def _check_cross(ts: TaskSet, source: str) -> None:
 
 def cluster_raw(ts: TaskSet) -> dict[str, Any]:
     """The task file's cluster as plain spec data (a preset's, or the file's)."""
-    from polyparallel.cluster import Cluster
-    from polyparallel.cluster.spec import preset_raw
-    from polyparallel.cluster.units import ClusterSpecError
-
     name = ts.spec.cluster
     assert name is not None
     p = Path(ts.path(name))
@@ -360,8 +360,6 @@ def cluster_centers(ts: TaskSet) -> tuple[str, ...]:
 
 def sub_cluster(raw: Mapping[str, Any], centers: tuple[str, ...]) -> Any:
     """The cluster of only ``centers`` (their nodes and links; the WAN latencies among them)."""
-    from polyparallel.cluster import Cluster
-
     keep = set(centers)
     sub = dict(raw)
     sub["name"] = f"{raw.get('name', 'cluster')}[{','.join(centers)}]"
@@ -473,10 +471,7 @@ def _price(gp: GroupPlan, ts: TaskSet, raw: Mapping[str, Any], x1: np.ndarray) -
     """The planner's per-center plans and the simulator's time for ``gp``'s group."""
     import torch
 
-    from polyparallel.cost_models.collab_simulator import SimInputs, center_links, inputs_from_strategy, simulate_rounds
-    from polyparallel.planning import search
-
-    from ._models import build_torch_model
+    from polyparallel.planning import search  # islpy: loaded when a group is planned
 
     g = gp.group
     model = build_torch_model(g.model, ts.spec.training.seed)

@@ -20,6 +20,7 @@ from typing import Any
 from polyparallel.frontends import capture
 from polyparallel.ir import Graph, _Any
 from polyparallel.planning.collector import young_collected
+from polyparallel.transforms import canonicalize, fuse_elementwise
 
 __all__ = ["ANCHORS", "MAX_MICRO", "ModelGraphs", "NotAffine", "Rebatcher", "divisors", "graph_batch", "rebatch",
            "rebatch_graph"]
@@ -135,9 +136,6 @@ class ModelGraphs:
         else:
             raw = self._capture_raw(b)
             self.captured.append(b)
-        # import polyparallel loads this module: the transforms load with the first graph
-        from polyparallel.transforms import canonicalize, fuse_elementwise
-
         return fuse_elementwise(canonicalize(raw))
 
     def _derive(self, b: int) -> Graph | None:
