@@ -248,7 +248,8 @@ _HELP = {
                 "fuses, then merges the fused model (0: synchronous rounds; K <= H; default: a --strategy's, else 0; "
                 "in-process, or --engine flower --data-channel socket)"),
     "buffer": ("K: asynchronous buffered rounds, the server fuses the first K updates in, stale ones weighted by "
-               "staleness (0: synchronous rounds; in-process, or --engine flower --data-channel socket)"),
+               "staleness (0: synchronous rounds; default: a --strategy's, else 0; in-process, or --engine flower "
+               "--data-channel socket)"),
     "data_channel": ("with --engine flower: flower (every round's arrays in Flower messages) or socket (Flower enrols "
                      "the centers, one TCP connection per center carries the rounds; plain TCP)"),
     "data": ("directory with CENTER.npz (x, y) per center, or MODULE:FUNCTION called at each center with its "
@@ -306,9 +307,10 @@ def collab_cmd(
     holdout: Annotated[float, typer.Option("--holdout", help=_HELP["holdout"])] = 0.0,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     overlap: Annotated[int | None, typer.Option("--overlap", help=_HELP["overlap"])] = None,
-    buffer: Annotated[int, typer.Option("--buffer", help=_HELP["buffer"])] = 0,
-    max_staleness: Annotated[int, typer.Option(
-        "--max-staleness", help="with --buffer: refuse updates trained from a model more versions old")] = 4,
+    buffer: Annotated[int | None, typer.Option("--buffer", help=_HELP["buffer"])] = None,
+    max_staleness: Annotated[int | None, typer.Option(
+        "--max-staleness", help="with --buffer: refuse updates trained from a model more versions old (default: a "
+                                "--strategy's, else 4)")] = None,
     config: Annotated[Path | None, typer.Option("--config", help="job JSON (overrides the options above)")] = None,
     strategy: Annotated[Path | None, typer.Option(
         "--strategy", help="collaborative Strategy JSON: centers, fusion, H, rounds, compression from it")] = None,
@@ -345,8 +347,10 @@ def collab_cmd(
     training = dict(batch_size=batch_size, lr=lr, momentum=momentum, lr_schedule=lr_schedule,
                     logit_adjust=logit_adjust, min_centers=min_centers, seed=seed, round_timeout_s=round_timeout,
                     holdout=holdout, norm_bound=0.0 if no_norm_bound else norm_bound, max_abs_update=max_abs_update,
-                    step_bound=step_bound, min_cosine=min_cosine, buffer=buffer, max_staleness=max_staleness,
-                    **({} if overlap is None else {"overlap": overlap}))  # unset: a Strategy's, else 0
+                    step_bound=step_bound, min_cosine=min_cosine,
+                    # unset: a Strategy's, else CollabConfig's (synchronous rounds)
+                    **{k: v for k, v in (("overlap", overlap), ("buffer", buffer), ("max_staleness", max_staleness))
+                       if v is not None})
     fixed = dict(rounds=rounds, local_steps=local_steps, fusion=fusion, compression=compression)  # or the Strategy's
     with _user_errors(ValueError, KeyError, json.JSONDecodeError):
         builders = _parse_builders([*(builder or []), *([f"mindspore={mindspore_model}"] if mindspore_model else [])])

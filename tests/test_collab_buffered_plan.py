@@ -112,3 +112,21 @@ def test_search_cli_takes_buffer_auto(tmp_path, capsys):
     assert Strategy.from_json(tmp_path / "s.json").collaborative.buffer == 2 and "buffered rounds" in out
     code, out, err = _run(["search", "mlp", "-c", str(spec), "--buffer", "two"], capsys)
     assert code == 2 and "--buffer two: give auto, off or a number" in err and len(err.strip().splitlines()) == 1
+
+
+def test_collab_runs_a_strategys_buffer_unless_the_flag_says_otherwise(tmp_path, capsys):
+    from polyparallel.backends.collab import CollabConfig
+    from tests.test_collab_cli import _run, _two_center_strategy
+
+    _two_center_strategy(tmp_path / "s.json")
+    doc = json.loads((tmp_path / "s.json").read_text())
+    doc["collaborative"].update(buffer=1, max_staleness=2)
+    (tmp_path / "s.json").write_text(json.dumps(doc))
+    # --buffer 0: synchronous rounds, whose job file leaves max_staleness out (read back as the default, 4)
+    for flag, want in (([], (1, 2)), (["--buffer", "0"], (0, 4)), (["--max-staleness", "7"], (1, 7))):
+        job = tmp_path / "job.json"
+        code, _, err = _run(["collab", "--strategy", str(tmp_path / "s.json"), "--in-shape", "4", "--classes", "2",
+                             "--fusion", "fedavg", *flag, "--save-config", str(job)], capsys)
+        assert code == 0, err
+        cfg = CollabConfig.from_json(job.read_text())
+        assert (cfg.buffer, cfg.max_staleness) == want
