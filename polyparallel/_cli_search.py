@@ -81,8 +81,11 @@ def _summary(s: Strategy) -> list[str]:
                      + (", blocks compiled" if s.compile == "regional" else ""))
     elif s.collaborative:
         c = s.collaborative
+        rounds = (f"buffered: each fusion takes the first {c.buffer} updates in, at most {c.max_staleness} versions "
+                  "stale, every " if c.buffer else f"{c.overlap} steps of the next round overlapped, " if c.overlap
+                  else "")
         lines.append(f"  {len(c.centers)} centers, fusion {c.fusion} every H={c.local_steps} local steps, "
-                     f"round {_ms(c.round_time_s)}, communication {100 * c.comm_fraction:.1f}% of the round")
+                     f"{rounds}round {_ms(c.round_time_s)}, communication {100 * c.comm_fraction:.1f}% of the round")
     if e:
         lines.append(f"  step {_ms(e.step_time_s)}, {e.samples_per_s:,.1f} samples/s, "
                      f"{e.model_flops_per_s_per_device / 1e12:.2f} model TFLOP/s per device, "

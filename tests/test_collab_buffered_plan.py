@@ -42,9 +42,13 @@ def test_search_buffers_rounds_that_wait_for_a_straggler(plans):
     cycle = x.cycle_s()  # one round alone: download, H steps, upload
     assert cycle[2] > 1.5 * np.median(cycle) and stragglers(x) == [2]
     c = buffered.collaborative
-    assert c.buffer == 2 and c.max_staleness == 4 and c.local_steps == sync.collaborative.local_steps
+    assert c.buffer == 2 and c.local_steps == sync.collaborative.local_steps
+    # the staleness bound admits every update of the straggler: none is refused, z's are 3 or 4 versions old
+    unbounded = simulate_buffered(x, 8 * x.n, 2)
+    assert c.max_staleness == max(4, *(t for f in unbounded.fused for _, t in f))
     # priced as the simulator's buffered rounds of the written plan, between fusions once every center has sent
-    res = simulate_buffered(x, 8 * x.n, 2, 4)
+    res = simulate_buffered(x, 8 * x.n, 2, c.max_staleness)
+    assert res.refused == 0 and res.updates()["z"] >= 4
     assert c.round_time_s == pytest.approx(float(res.round_s[x.n:].mean()), rel=1e-9)
     assert c.round_time_s < sync.collaborative.round_time_s / 2  # the fast centers no longer wait for z
     # the samples that reach the model: every fused update carries its center's share of the batch
@@ -63,7 +67,7 @@ def test_equal_centers_keep_synchronous_rounds_unless_k_is_pinned(plans):
     assert pinned.collaborative.buffer == 2
     x = inputs_from_strategy(pinned)
     assert pinned.collaborative.round_time_s == pytest.approx(
-        float(simulate_buffered(x, 8 * x.n, 2, 4).round_s[x.n:].mean()), rel=1e-9)
+        float(simulate_buffered(x, 8 * x.n, 2, pinned.collaborative.max_staleness).round_s[x.n:].mean()), rel=1e-9)
 
 
 def test_a_buffered_strategy_runs_and_simulates_buffered(plans, tmp_path, capsys):
@@ -76,12 +80,13 @@ def test_a_buffered_strategy_runs_and_simulates_buffered(plans, tmp_path, capsys
     path = tmp_path / "s.json"
     buffered.to_json(path)
     back = Strategy.from_json(path)
-    assert (back.collaborative.buffer, back.collaborative.max_staleness) == (2, 4)
+    stale = buffered.collaborative.max_staleness
+    assert (back.collaborative.buffer, back.collaborative.max_staleness) == (2, stale)
     cfg = config_from_strategy(back, ModelSpec("mlp", (8,), 2))
-    assert (cfg.buffer, cfg.max_staleness) == (2, 4)
+    assert (cfg.buffer, cfg.max_staleness) == (2, stale)
     code, out, err = _run(["simulate", str(path), "--rounds", "6", "--json"], capsys)
     assert code == 0, err
-    want = simulate_buffered(inputs_from_strategy(back), 6, 2, 4).summary()
+    want = simulate_buffered(inputs_from_strategy(back), 6, 2, stale).summary()
     assert json.loads(out) == json.loads(json.dumps(want))
     code, out, err = _run(["simulate", str(path), "--rounds", "3", "--buffer", "0"], capsys)
     assert code == 0 and "buffered" not in out  # --buffer 0: the synchronous rounds of the same plan

@@ -71,7 +71,7 @@ def collaborative_strategy(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints
     batches: float = B  # every round fuses every center's H steps on its share of B
     seconds: float = round_time
     if buffered:  # priced between fusions once every center has sent its first update
-        K, bsim = buffered
+        K, _, bsim = buffered
         round_time = float(bsim.round_s[inputs.n:].mean())
         util = bsim.compute_s / bsim.published_s[-1]
         comm = 1 - float(np.sort(util)[-K:].mean())  # what the K centers a fusion waits for spend not training
@@ -94,7 +94,7 @@ def collaborative_strategy(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints
                                                   "server_fusion": fuse})
     collab = Collaborative(centers=centers, fusion="fedavg", local_steps=H, rounds=1, compression="none",
                            round_time_s=round_time, comm_fraction=comm, overlap=overlap[0] if overlap else 0,
-                           buffer=buffered[0] if buffered else 0)
+                           **({"buffer": buffered[0], "max_staleness": buffered[1]} if buffered else {}))
     g = mdl.graph(mdl.b0)
     strat = Strategy(model=model_info(mdl, g, mdl.b0, B), cluster=cl.to_dict() if hasattr(cl, "to_dict") else {},
                      mode="collaborative", global_batch=B, dp=1, tp=1, pp=1, sp=1,
@@ -105,10 +105,11 @@ def collaborative_strategy(mdl: ModelGraphs, cl: Cluster, B: int, c: Constraints
 
 
 def _buffered_rounds(inputs: SimInputs, H: int, c: Constraints, sync_round: float,
-                     notes: list[str]) -> tuple[int, BufferedSimResult] | None:
+                     notes: list[str]) -> tuple[int, int, BufferedSimResult] | None:
     """Buffered asynchronous rounds (``backends/collab/_buffered.py``) where the constraints allow them
     (``buffer=True``: ``K`` the centers that are not stragglers, :func:`stragglers`; a whole number: that
-    ``K``) and ``K`` is fewer than the centers; the buffered rounds simulated for ``8·N`` fusions. None
+    ``K``) and ``K`` is fewer than the centers: ``K``, the staleness bound that admits every straggler's update
+    (at least :data:`~polyparallel.strategy.MAX_STALENESS`) and the buffered rounds simulated for ``8·N`` fusions. None
     where every center keeps pace (synchronous rounds lose nothing to waiting)."""
     if c.buffer is False:
         return None
@@ -122,17 +123,22 @@ def _buffered_rounds(inputs: SimInputs, H: int, c: Constraints, sync_round: floa
             notes.append("buffered rounds allowed, not chosen: no center's round takes more than 1.5x the median "
                          "center's, so synchronous rounds wait for no straggler")
         return None
-    sim = simulate_buffered(x, 8 * x.n, k, MAX_STALENESS)
+    # a straggler's update is as many versions old as the fusions the others make while it trains: the
+    # staleness bound admits it (weighted down by its staleness), or the straggler's data would be left out
+    unbounded = simulate_buffered(x, 8 * x.n, k)
+    stale = max(MAX_STALENESS, *(t for f in unbounded.fused for _, t in f))
+    sim = simulate_buffered(x, 8 * x.n, k, stale)
     cycle = x.cycle_s()
     late = ", ".join(f"{x.names[i]} ({cycle[i]:.3g} s)" for i in slow) or "none"
     fused = ", ".join(f"{name} {count}" for name, count in sim.updates().items())
     notes.append(f"buffered rounds (buffer={k} of {x.n}): a center's round alone takes a median {np.median(cycle):.3g} "
                  f"s, stragglers: {late}; synchronous rounds take {sync_round:.3g} s, fusing the first {k} updates in "
                  f"{float(sim.round_s[x.n:].mean()):.3g} s (simulated, {len(sim.fused)} fusions: updates fused per "
-                 f"center {fused}). A center left out of most fusions is under-represented in the model: under label "
+                 f"center {fused}; max_staleness {stale}, which admits every straggler's update). A center left out "
+                 "of most fusions is under-represented in the model: under label "
                  "skew that costs accuracy (docs/collab.md, buffered rounds); constraints={'buffer': False} keeps "
                  "synchronous rounds")
-    return k, sim
+    return k, stale, sim
 
 
 def _overlapped_rounds(inputs: SimInputs, H: int, c: Constraints, per_center: list, sync_comm: float,
