@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from polyparallel.plan import PIPELINE_SCHEDULES, SCHEDULES
+from polyparallel.plan import SCHEDULES, chunks_per_stage
 
 __all__ = ["PRICED", "SCHEDULES", "PipelineResult", "SchedulePrice", "bubble_fraction", "makespan_bound",
            "order_problem", "peak_in_flight", "schedule_order", "simulate"]
@@ -70,7 +70,7 @@ class PipelineResult:
 
 def bubble_fraction(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> float:
     """Closed form for equal stages: ``(p − 1)/(v·m + p − 1)`` (``v = 1`` unless the schedule is chunked)."""
-    v = _chunks(schedule, chunks)
+    v = chunks_per_stage(schedule, chunks)
     return (stages - 1) / (v * microbatches + stages - 1)
 
 
@@ -157,11 +157,6 @@ PRICED: dict[str, SchedulePrice] = {
 }
 
 
-def _chunks(schedule: str, chunks: int) -> int:
-    known = PIPELINE_SCHEDULES.get(schedule)
-    return chunks if known is not None and known.chunked else 1
-
-
 def order_problem(schedule: str, stages: int, microbatches: int, chunks: int = 1) -> str | None:
     """Why ``schedule`` has no task order for these stages, micro-batches and chunks per stage; None
     when it has one."""
@@ -198,7 +193,7 @@ def peak_in_flight(schedule: str, stages: int, microbatches: int, chunks: int = 
     followed by a backward: ``min(w_s + 1, v·m)``, i.e. ``min(p − s, m)`` for 1F1B and
     ``min(2(p − s − 1) + (v − 1)p + 1, v·m)`` interleaved (:func:`schedule_order`'s orders).
     """
-    return _in_flight(schedule, stages, microbatches, _chunks(schedule, chunks))
+    return _in_flight(schedule, stages, microbatches, chunks_per_stage(schedule, chunks))
 
 
 @lru_cache(maxsize=4096)
@@ -251,7 +246,7 @@ def simulate(schedule: str, forward: Sequence[float], backward: Sequence[float],
     p = len(forward)
     if len(backward) != p:
         raise ValueError("forward and backward need one time per stage")
-    v = _chunks(schedule, chunks)
+    v = chunks_per_stage(schedule, chunks)
     comm = _hops(p2p, p)
     return _simulate(schedule, tuple(float(x) for x in forward), tuple(float(x) for x in backward), microbatches,
                      v, tuple(comm))

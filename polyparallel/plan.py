@@ -35,8 +35,8 @@ from typing import Any, TypeVar
 from polyparallel.ir import TRAINING_DTYPE_BYTES
 
 __all__ = ["CENTER_FIELDS", "CHUNKED_SCHEDULES", "COMPILE", "MESH_AXES", "PIPELINE_SCHEDULES", "PLAN_FIELDS",
-           "RECOMPUTE", "SCHEDULES", "Axis", "PipelineSchedule", "Plan", "parse_schedule", "value_problem"]
-
+           "RECOMPUTE", "SCHEDULES", "Axis", "PipelineSchedule", "Plan", "chunks_per_stage", "parse_schedule",
+           "value_problem"]
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,10 @@ class PipelineSchedule:
     """A pipeline schedule the plan record knows.
 
     Each layer registers what it does with a schedule under its name: the cost model its task order
-    and peak activations (``cost_models.pipeline.PRICED``), the torch backend the schedule class
-    that runs it (``backends.torch._pipeline.SCHEDULE_CLASSES``); the search tries the ``searched``
-    ones. A new schedule is an entry here and one in each of those two tables.
+    and peak activations (``cost_models.pipeline.PRICED``), the torch backend the class of
+    ``torch.distributed.pipelining`` that runs it (``backends.torch.capabilities.EXECUTED_SCHEDULES``);
+    the search tries the ``searched`` ones. A new schedule is an entry here and one in each of those
+    two tables.
 
     ``chunked``: the schedule runs ``chunks`` model chunks per stage (chunk ``c`` of stage ``s``
     is the model's ``c·p + s``-th piece); a Strategy writes it ``NAME:K``, and a bare name means 2.
@@ -55,25 +56,27 @@ class PipelineSchedule:
     name: str
     chunked: bool
     searched: bool
-    summary: str
 
 
-#: the pipeline schedules, by name, in the order the search tries them
+#: the pipeline schedules, by name, in the order the search tries them (``cost_models/pipeline.py`` describes
+#: each one's task order)
 PIPELINE_SCHEDULES: Mapping[str, PipelineSchedule] = {s.name: s for s in (
-    PipelineSchedule("1f1b", False, True, "one forward, one backward (PipeDream-flush): at most p - s micro-batches "
-                     "in flight on stage s"),
-    PipelineSchedule("gpipe", False, True, "every forward, then every backward: all micro-batches in flight"),
-    PipelineSchedule("interleaved", True, True, "1F1B over chunks visited in groups of p micro-batches (Megatron); "
-                     "micro-batches a multiple of the stages"),
-    # the bubble of the interleaved schedule with every micro-batch of every chunk in flight (GPipe's memory);
-    # it takes micro-batch counts the interleaved one refuses. Not searched: the cost model prices the same
-    # step time as interleaved 1F1B at more memory wherever both run (what breadth-first order gains with
-    # ZeRO-3, gathering a chunk's weights once for all its micro-batches, is not priced)
-    PipelineSchedule("looped_bfs", True, False, "each chunk's forwards for every micro-batch, chunk after chunk, then "
-                     "the backwards in reverse (breadth-first, Lamy-Poirier 2023)"),
+    PipelineSchedule("1f1b", chunked=False, searched=True),  # PipeDream-flush
+    PipelineSchedule("gpipe", chunked=False, searched=True),
+    PipelineSchedule("interleaved", chunked=True, searched=True),  # Megatron's interleaved 1F1B
+    # looped breadth-first (Lamy-Poirier 2023): the interleaved schedule's bubble with every micro-batch of every
+    # chunk in flight (GPipe's memory); it takes micro-batch counts the interleaved one refuses. Not searched: the
+    # cost model prices the same step as interleaved 1F1B at more memory wherever both run (what breadth-first
+    # order gains with ZeRO-3, a chunk's weights gathered once for all its micro-batches, is not priced)
+    PipelineSchedule("looped_bfs", chunked=True, searched=False),
 )}
 SCHEDULES = tuple(PIPELINE_SCHEDULES)
 CHUNKED_SCHEDULES = tuple(s.name for s in PIPELINE_SCHEDULES.values() if s.chunked)
+
+
+def chunks_per_stage(schedule: str, chunks: int) -> int:
+    """Model chunks each pipeline stage runs under ``schedule``: ``chunks`` if it is chunked, else 1."""
+    return chunks if schedule in CHUNKED_SCHEDULES else 1
 RECOMPUTE = ("none", "selective", "op", "full")
 COMPILE = ("none", "regional")
 
@@ -133,7 +136,7 @@ class Plan:
             ``ep`` consecutive members of a data-parallel group holds ``1/ep`` of every MoE layer's
             experts.
         microbatches: micro-batches per step per pipeline (gradient accumulation without pp).
-        schedule: a name of :data:`PIPELINE_SCHEDULES` (``gpipe``, ``1f1b``, ``interleaved``);
+        schedule: a name of :data:`PIPELINE_SCHEDULES` (``1f1b``, ``gpipe``, ``interleaved``, ``looped_bfs``);
             ``chunks``: model chunks per stage (a ``chunked`` schedule only).
         zero_stage: 0 (plain DP), 1 (optimizer), 2 (+gradients), 3 (+weights, FSDP).
         recompute: ``none``, ``selective``, ``op`` or ``full`` (see ``ParallelConfig``).
@@ -206,8 +209,7 @@ class Plan:
     @property
     def virtual(self) -> int:
         """Model chunks each pipeline stage runs: ``chunks`` under a chunked schedule, else 1."""
-        known = PIPELINE_SCHEDULES.get(self.schedule)
-        return self.chunks if known is not None and known.chunked else 1
+        return chunks_per_stage(self.schedule, self.chunks)
 
     @property
     def schedule_label(self) -> str:
