@@ -104,7 +104,7 @@ def _summary(s: Strategy) -> list[str]:
 def _buffer(text: str) -> bool | int:
     if text in ("auto", "off"):
         return text == "auto"
-    if not text.isdigit():
+    if not text.isdigit() or int(text) < 1:
         raise UserError(f"--buffer {text}: give auto, off or a number of updates K >= 1")
     return int(text)
 

@@ -115,8 +115,9 @@ def test_search_cli_takes_buffer_auto(tmp_path, capsys):
                            "-o", str(tmp_path / "s.json")], capsys)
     assert code == 0, err
     assert Strategy.from_json(tmp_path / "s.json").collaborative.buffer == 2 and "buffered rounds" in out
-    code, out, err = _run(["search", "mlp", "-c", str(spec), "--buffer", "two"], capsys)
-    assert code == 2 and "--buffer two: give auto, off or a number" in err and len(err.strip().splitlines()) == 1
+    for bad in ("two", "0"):
+        code, out, err = _run(["search", "mlp", "-c", str(spec), "--buffer", bad], capsys)
+        assert code == 2 and f"--buffer {bad}: give auto, off or a number" in err and len(err.strip().splitlines()) == 1
 
 
 def test_collab_runs_a_strategys_buffer_unless_the_flag_says_otherwise(tmp_path, capsys):

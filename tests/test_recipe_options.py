@@ -118,6 +118,9 @@ def test_pinned_schedule_spellings_agree():
     assert Constraints(chunks=1).pinned_schedule() == (None, 1)
     with pytest.raises(ValueError, match=r"needs a chunked schedule \(interleaved"):
         Constraints(schedule="gpipe", chunks=2)
+    with pytest.raises(ValueError, match="a chunked schedule runs at least 2 model chunks per stage"):
+        Constraints(schedule="looped_bfs", chunks=1)
+    assert Constraints(schedule="looped_bfs:4").pinned_schedule() == ("looped_bfs", 4)
     with pytest.raises(ValueError, match="pin tp > 1"):
         Constraints(tp=1, sequence_parallel=True)
 
