@@ -512,7 +512,8 @@ class BufferedSimResult:
 
 
 def simulate_buffered(inputs: SimInputs, fusions: int, buffer: int, max_staleness: int | None = None,
-                      pushed: bool = True, startup_s: Sequence[float] | float = 0.0) -> BufferedSimResult:
+                      pushed: bool = True, startup_s: Sequence[float] | float = 0.0,
+                      join_s: Sequence[float] | float = 0.0) -> BufferedSimResult:
     """Buffered asynchronous rounds (``CollabConfig.buffer = K``, ``backends/collab/_buffered.py``), event by
     event. Version ``v`` is published at ``P_v``. A center that asks for a model at ``t`` takes the newest
     version if it is newer than the one it trained last, else waits for the next; its download of version
@@ -532,7 +533,8 @@ def simulate_buffered(inputs: SimInputs, fusions: int, buffer: int, max_stalenes
 
     ``startup_s``: per center (or one for all), the seconds its first round takes beyond its ``H`` steps
     (a process's first steps warm up its kernels and allocator; a slow site's start-up is slow too). While a
-    straggler starts up, the fusions are the other centers' alone."""
+    straggler starts up, the fusions are the other centers' alone. ``join_s``: when each center asks for
+    its first model (a center joining mid-run takes the newest version then; 0: at the start)."""
     x, K, n = inputs, int(buffer), inputs.n
     if not 1 <= K <= n:
         raise ValueError(f"buffer must be in [1, {n}] (the centers), got {buffer}")
@@ -543,8 +545,10 @@ def simulate_buffered(inputs: SimInputs, fusions: int, buffer: int, max_stalenes
     U = x.latency_s + x.upload_bytes / x.up_Bps
     C = x.local_steps * x.step_s
     first = np.broadcast_to(np.asarray(startup_s, dtype=float), (n,))
-    if np.any(first < 0) or not np.all(np.isfinite(first)):
-        raise ValueError(f"startup_s must be finite and >= 0 for every center, got {first.tolist()}")
+    join = np.broadcast_to(np.asarray(join_s, dtype=float), (n,))
+    for what, a in (("startup_s", first), ("join_s", join)):
+        if np.any(a < 0) or not np.all(np.isfinite(a)):
+            raise ValueError(f"{what} must be finite and >= 0 for every center, got {a.tolist()}")
     fuse_s = x.fuse_s_per_param * x.params * K + x.fixed_s + x.fixed_per_center_s * K
     events: list[tuple[float, int, int, int, int]] = []  # (t, kind, seq, center, version): publish < in < ask
     seq = iter(range(1 << 62))
@@ -581,7 +585,10 @@ def simulate_buffered(inputs: SimInputs, fusions: int, buffer: int, max_stalenes
             heapq.heappush(events, (busy_until, 0, next(seq), -1, 0))
 
     for i in range(n):
-        train(i, 1, 0.0)
+        if join[i] > 0:  # it asks when it joins, and takes the newest version then
+            heapq.heappush(events, (float(join[i]), 2, next(seq), i, 0))
+        else:
+            train(i, 1, 0.0)
     while len(fused) < fusions:
         t, kind, _, i, v = heapq.heappop(events)
         if kind == 0:  # a fusion is done: the next version is out

@@ -366,6 +366,27 @@ def test_a_slow_center_does_not_block_buffered_rounds():
     assert sum(len(r.accepted) for r in res.rounds) == 2 * 40 and buf_acc > 0.9, buf_acc
 
 
+def test_a_center_joining_mid_run_starts_from_the_current_model(tmp_path):
+    """Buffered rounds with c joining once version 4 is out: the first three fusions are a's and b's, and
+    c's first update was trained from the version that was newest when it joined, not from the first."""
+    from polyparallel.backends.collab import CenterSpec, run_inprocess
+    from polyparallel.backends.collab._flower import run_flower
+
+    data, _ = _digits()
+    late = (CenterSpec("a"), CenterSpec("b"), CenterSpec("c", joins_after=3))
+    res = run_inprocess(_cfg(0, rounds=8, buffer=2, max_staleness=8, centers=late), data)
+    assert all(set(r.accepted) <= {"a", "b"} for r in res.rounds[:3])
+    joined = [m for r in res.rounds for c, m in r.metrics.items() if c == "c"]
+    assert joined and joined[0]["trained_on"] >= 4, [m["trained_on"] for m in joined]
+    for bad, why in (({"buffer": 3}, r"buffer in \[1, 2\]"), ({"buffer": 0}, r"buffer in \[1, 2\]")):
+        with pytest.raises(ValueError, match=why):
+            _cfg(0, centers=late, **bad)
+    with pytest.raises(ValueError, match="joins_after must be a number of versions >= 0"):
+        CenterSpec("c", joins_after=-1)
+    with pytest.raises(ValueError, match="use engine='inprocess'"):
+        run_flower(_cfg(0, rounds=2, buffer=2, centers=late), data, data_channel="socket")
+
+
 def test_stale_updates_are_checked_against_their_version():
     """An update staler than max_staleness is refused; a stale update altered after its center bound it
     is refused by its own version's binding (a stale update is not a free pass)."""

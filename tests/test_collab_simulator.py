@@ -381,6 +381,20 @@ def test_a_straggler_s_start_up_leaves_the_first_fusions_to_the_others():
         simulate_buffered(x, 3, 1, startup_s=[0.0, -1.0])
 
 
+def test_a_center_joining_mid_run_starts_from_the_newest_version():
+    """The slow center joins at J instead: its j-th update is in at J + j·b, and its first one was trained
+    from the version current at J, as stale as the fast center's updates in (J, J + b]."""
+    a, b, J = 0.1, 0.37, 0.85
+    x = SimInputs.make(["fast", "slow"], [a / H, b / H], H, 1000, fixed_s=0.0, fuse_s_per_param=0.0)
+    res = simulate_buffered(x, 30, 1, join_s=[0.0, J])
+    arrivals = sorted([k * a for k in range(1, 40)] + [J + j * b for j in range(1, 12)])
+    np.testing.assert_allclose(res.published_s[1:], arrivals[:30], rtol=1e-9)
+    first = next(t for f in res.fused for c, t in f if c == "slow")
+    assert first == sum(J < k * a <= J + b for k in range(1, 40)) == 4
+    with pytest.raises(ValueError, match="join_s must be finite and >= 0"):
+        simulate_buffered(x, 3, 1, join_s=[0.0, math.inf])
+
+
 def test_cli_simulates_buffered_rounds_and_refuses_what_they_do_not_model(tmp_path, capsys):
     from tests.test_collab_cli import _run
 

@@ -2,7 +2,8 @@
 
 Synchronous rounds wait for the slowest center. With ``CollabConfig(buffer=K)`` (``--buffer K``,
 ``1 <= K <= centers``; Nguyen et al. 2022, FedBuff) every center trains continuously: it takes the
-newest global model ``x_v`` (version ``v``), its ``H`` local steps (the synchronous round's batches of
+newest global model ``x_v`` (version ``v``; a center that joins later, ``CenterSpec.joins_after``, takes the
+newest one when it joins), its ``H`` local steps (the synchronous round's batches of
 ``(seed, center, v)``), sends ``δ = x_i − x_v`` bound to ``v``'s nonce and ``x_v``'s digest, and takes
 the next version published after ``v`` (a center never trains twice from the same version). The server
 buffers the updates and fuses the first ``K`` that are in, from ``K`` different centers, into ``x_{v'+1}``
@@ -99,6 +100,9 @@ class _Published:
 def _center_loop(name: str, trainer: Any, config: Any, mu: float, link: LinkThrottle, board: _Published,
                  replies: queue.Queue) -> None:
     v = 0
+    joins_after = next(c.joins_after for c in config.centers if c.name == name)
+    if joins_after and board.newer_than(joins_after) is None:  # a late join (emulated): then the newest version
+        return
     try:
         while True:
             item = board.newer_than(v)

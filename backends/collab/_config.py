@@ -61,6 +61,10 @@ class CenterSpec:
     ``slowdown``: an emulated slower site, as the link fields emulate its link: after each round the
     center sleeps ``slowdown − 1`` times that round's training time (``_buffered.SlowTrainer``; 1: none);
     left out of the job's JSON at 1.
+
+    ``joins_after``: an emulated late join, in buffered rounds in-process: the center asks for its first
+    model once version ``joins_after + 1`` is out, and starts from the newest one (0: from the start;
+    left out of the job's JSON at 0).
     """
 
     name: str
@@ -73,8 +77,12 @@ class CenterSpec:
     up_Bps: Real = 0.0
     latency_s: Real = 0.0
     slowdown: Real = Field(1.0, exclude_if=lambda v: v == 1)  # a center of its own speed: the JSON of before
+    joins_after: int = Field(0, exclude_if=lambda v: not v)
 
     def __post_init__(self) -> None:
+        if isinstance(self.joins_after, bool) or not isinstance(self.joins_after, int) or self.joins_after < 0:
+            raise ValueError(f"center {self.name!r}: joins_after must be a number of versions >= 0 (0: from the "
+                             f"start), got {self.joins_after!r}")
         if not (isinstance(self.slowdown, int | float) and math.isfinite(self.slowdown) and self.slowdown >= 1):
             raise ValueError(f"center {self.name!r}: slowdown must be a finite number >= 1 (1: none), "
                              f"got {self.slowdown!r}")
@@ -252,6 +260,11 @@ class CollabConfig:
         if b and why:
             raise ValueError(f"buffered asynchronous rounds (buffer={b}): {why}; use buffer=0 for synchronous "
                              "rounds")
+        late = [c.name for c in self.centers if c.joins_after]
+        if late and not 1 <= b <= len(self.centers) - len(late):
+            raise ValueError(f"centers {late} join after the start (joins_after): that takes buffered rounds whose "
+                             f"fusions the others fill meanwhile, buffer in [1, {len(self.centers) - len(late)}], "
+                             f"got buffer={b}")
 
     def _check_prune(self, p: PruneSpec) -> None:
         """A pruning job needs a fusion that can fuse score vectors and centers that can score."""

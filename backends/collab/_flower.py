@@ -653,6 +653,10 @@ def run_flower(config: CollabConfig, data: Mapping[str, tuple[np.ndarray, np.nda
     if config.prune is not None:  # the ServerApp traces the model on zeros shaped like a center's rows
         config = with_input_of(config, next((x for x, _ in (data or {}).values()),
                                             eval_data[0] if eval_data is not None else None))
+    late = [c.name for c in config.centers if c.joins_after]
+    if late:
+        raise ValueError(f"centers {late} join after the start (joins_after), an emulation of the in-process engine; "
+                         "over Flower a center joins by starting its SuperNode later: use engine='inprocess'")
     if config.buffer and (data_channel != "socket" or config.holdout > 0):
         raise ValueError(f"buffered asynchronous rounds (buffer={config.buffer}) over Flower run on the lean data "
                          "channel, without the centers' held-out evaluation (their connections are busy training): use "
