@@ -119,7 +119,7 @@ def main() -> None:
                            latency_s=args.latency, fixed_s=0.0, fuse_s_per_param=m["fuse_s"] / (params * K))
         # a center's start-up: how much later than its download and H steps its first update left, from the
         # first version's publication (process start, the first steps' warm-up; the slow site's is slowed too)
-        down = x.latency_s + x.model_bytes / x.down_Bps
+        down = x.legs_s()[0]
         startup = [max(0.0, m["first_trained"][c] - m["published"][0] - down[i] - H * m["step_s"][c])
                    for i, c in enumerate(names)]
         sim = simulate_buffered(x, args.fusions, K, max_staleness=args.fusions, pushed=args.engine != "flower",

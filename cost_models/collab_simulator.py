@@ -149,11 +149,15 @@ class SimInputs:
     def n(self) -> int:
         return len(self.names)
 
+    def legs_s(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per center, the seconds of a round's three legs without jitter: its download of the model
+        (latency + bytes on its link) ``D``, its ``H`` local steps ``C`` and its upload of the update ``U``."""
+        return (self.latency_s + self.model_bytes / self.down_Bps, self.local_steps * self.step_s,
+                self.latency_s + self.upload_bytes / self.up_Bps)
+
     def cycle_s(self) -> np.ndarray:
-        """Per center, the seconds of one round alone: its download of the model (latency + bytes on its
-        link), its ``H`` local steps and its upload of the update; the buffered simulation's ``D + C + U``."""
-        return (2 * self.latency_s + self.model_bytes / self.down_Bps + self.local_steps * self.step_s
-                + self.upload_bytes / self.up_Bps)
+        """Per center, the seconds of one round alone: ``D + C + U`` (:meth:`legs_s`)."""
+        return sum(self.legs_s())
 
 
 def stragglers(inputs: SimInputs, factor: float = 1.5) -> list[int]:
@@ -541,9 +545,7 @@ def simulate_buffered(inputs: SimInputs, fusions: int, buffer: int, max_stalenes
     if int(fusions) < 1:
         raise ValueError(f"fusions must be >= 1, got {fusions}")
     S = math.inf if max_staleness is None else int(max_staleness)
-    D = x.latency_s + x.model_bytes / x.down_Bps
-    U = x.latency_s + x.upload_bytes / x.up_Bps
-    C = x.local_steps * x.step_s
+    D, C, U = x.legs_s()
     first = np.broadcast_to(np.asarray(startup_s, dtype=float), (n,))
     join = np.broadcast_to(np.asarray(join_s, dtype=float), (n,))
     for what, a in (("startup_s", first), ("join_s", join)):
@@ -698,7 +700,5 @@ def balanced_local_steps(inputs: SimInputs) -> np.ndarray:
     also needs normalising, as FedNova does), so this is for the simulator and the planner's estimate only.
     Simulate it with ``simulate_rounds(inputs, R, step_s=inputs.step_s * H_i / H)``."""
     x = inputs
-    d = x.latency_s + x.model_bytes / x.down_Bps
-    u = x.latency_s + x.upload_bytes / x.up_Bps
-    busy = d + x.local_steps * x.step_s + u
-    return np.maximum(1, np.floor((busy.max() - d - u) / x.step_s + 1e-9)).astype(int)
+    d, _, u = x.legs_s()
+    return np.maximum(1, np.floor((x.cycle_s().max() - d - u) / x.step_s + 1e-9)).astype(int)

@@ -122,7 +122,7 @@ class Constraints:
                 and parse_schedule(self.schedule)[0] not in CHUNKED_SCHEDULES):
             why.append(f"chunks={self.chunks} needs a chunked schedule ({', '.join(CHUNKED_SCHEDULES)}), not "
                        f"schedule={self.schedule!r}")
-        if self.pinned_schedule()[0] in CHUNKED_SCHEDULES and self.pinned_schedule()[1] == 1:
+        if (pinned := self.pinned_schedule())[0] in CHUNKED_SCHEDULES and pinned[1] == 1:
             why.append(f"chunks=1 with schedule={self.schedule!r}: a chunked schedule runs at least 2 model chunks per "
                        "stage; pin chunks >= 2 or leave chunks unset")
         if self.partition is not None and self.partition not in ("flops", "layers"):

@@ -127,10 +127,7 @@ from polyparallel.planning.executability import CENTER_LIMITS, executor
 from polyparallel.planning.executor_check import center_checked, checked_as_placed, executor_checked, written_estimate
 from polyparallel.planning.model_graphs import MAX_MICRO, ModelGraphs, divisors
 from polyparallel.planning.model_inputs import model_and_inputs
-from polyparallel.strategy import (
-    SearchRecord,
-    Strategy,
-)
+from polyparallel.strategy import SearchRecord, Strategy
 
 __all__ = ["Constraints", "DoesNotFit", "search"]
 
