@@ -171,6 +171,8 @@ def main() -> None:
     ap.add_argument("--lr-schedule", default="constant", help="constant or cosine (per round, every arm)")
     ap.add_argument("--overlaps", default="0.5,1", help="overlapped steps as fractions of H (0: synchronous, "
                     "always run first: the simulator is calibrated on it)")
+    ap.add_argument("--width", type=int, default=8, help="the CNN's channels (conv1; conv2 has twice): 8 is 9.1k "
+                    "parameters, 32 is 50k")
     ap.add_argument("--link-mbit", type=float, default=100.0)
     ap.add_argument("--latency-ms", type=float, default=30.0)
     ap.add_argument("--engine", default="inprocess", help="inprocess (centers in threads) or flower (one "
@@ -192,7 +194,7 @@ def main() -> None:
     load0 = os.getloadavg()
     print(f"{os.cpu_count()} CPUs; load {load0}", flush=True)
     bps = args.link_mbit * 1e6 / 8
-    spec = ModelSpec("cnn", (1, 28, 28), 10, hidden=8, norm="group")
+    spec = ModelSpec("cnn", (1, 28, 28), 10, hidden=args.width, norm="group")
     rows = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         sub = np.random.default_rng(seed).permutation(len(ytr))[:args.train]
