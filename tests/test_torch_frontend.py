@@ -171,6 +171,33 @@ def test_uncapturable_model_names_the_construct():
     assert "_Branchy" in msg and "control flow" in msg and "torch.export" in msg and "symbolic_trace" in msg
 
 
+class _CountsValid(nn.Module):
+    """HF's sequence-classification heads branch on how many labels are valid: ``nonzero`` then ``if size > 0``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.lin(x)
+        valid = (labels >= 0).nonzero()
+        if valid.size(0) > 0:  # data-dependent: export guards on an unbacked size
+            return nn.functional.cross_entropy(logits, labels.clamp(min=0))
+        return logits.sum() * 0
+
+
+def test_a_data_dependent_branch_is_reported_in_a_few_lines_with_where_it_is(capfd):
+    """torch.export prints the partial graph of a failed export to stderr (once per wrapper it passed)
+    before raising; the capture holds it back and names the model's line in its error."""
+    with pytest.raises(CaptureError) as e:
+        pp.capture(_CountsValid(), (torch.randn(4, 8),), example_kwargs={"labels": torch.tensor([0, 1, 2, -1])})
+    msg = str(e.value)
+    assert "data-dependent" in msg and "test_torch_frontend.py" in msg, msg  # torch's "Caused by: (file:line ...)"
+    assert len(msg.splitlines()) <= 5
+    err = capfd.readouterr().err
+    assert "def forward" not in err and len(err) < 2000, err[:500]
+
+
 def test_unknown_op_becomes_opaque_with_one_warning():
     class Sorty(nn.Module):
         def forward(self, x):

@@ -25,7 +25,9 @@ export itself, and the switches around it).
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -78,8 +80,29 @@ def quiet_fake_tensors() -> Iterator[None]:
         log.setLevel(before)
 
 
+@contextlib.contextmanager
+def _no_partial_graph_dump() -> Iterator[None]:
+    """A failed ``torch.export`` prints the partial graph it traced to stderr before raising (hundreds of
+    lines for a model with a data-dependent branch); the capture's error names the cause in a few lines,
+    so that print is held back. Anything else written to stderr meanwhile (warnings) is passed on."""
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    except Exception as e:
+        text, cause = held.getvalue(), e
+        while cause is not None:  # torch may re-raise the traced error wrapped in another
+            graph = getattr(cause, "partial_fx_graph", None)
+            if graph is not None:
+                text = text.replace(f"{graph}\n", "")  # printed once per export wrapper it passed
+            cause = cause.__cause__ or cause.__context__
+        sys.stderr.write(text)
+        raise
+    sys.stderr.write(held.getvalue())
+
+
 def _export_program(model: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-    with _no_stack_traces(), quiet_fake_tensors():
+    with _no_stack_traces(), quiet_fake_tensors(), _no_partial_graph_dump():
         return torch.export.export(model, args, kwargs=kwargs, strict=False)
 
 
@@ -162,5 +185,8 @@ def capture_torch(model: torch.nn.Module, example_inputs: Any = None, example_kw
 
 
 def _first_lines(e: BaseException, n: int = 3) -> str:
-    text = f"{type(e).__name__}: {e}".strip().splitlines()
-    return " / ".join(line.strip() for line in text[:n] if line.strip())
+    """The error's first ``n`` lines, and the line that names where in the model's code it arose (torch's
+    data-dependent errors say ``Caused by: (file.py:line in function)`` further down)."""
+    text = [line.strip() for line in f"{type(e).__name__}: {e}".strip().splitlines() if line.strip()]
+    where = [line for line in text[n:] if line.startswith("Caused by:")][:1]
+    return " / ".join(text[:n] + where)
