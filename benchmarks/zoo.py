@@ -1,17 +1,19 @@
 """Search ⇒ train on models nobody here wrote: does every plan the search writes train, exactly?
 
-For each architecture of ``tests/zoo.py`` and each cluster (``local-cpu:2``, ``local-cpu:4``):
+For each architecture of ``tests/zoo.py`` (``--zoo tests.zoo_hf_more``: sixteen more Hugging Face
+architectures) and each cluster (``local-cpu:2``, ``local-cpu:4``):
 ``polyparallel.search`` on the user's model (real weights, as a user has them), then
 ``polyparallel.backends.torch.train`` for 3 SGD steps on that strategy, and the per-step losses
 compared with single-process training of the same model on the same global batches. Prints a
 table and writes ``benchmarks/results/zoo.json``.
 
-    .venv/bin/python benchmarks/zoo.py [--models gpt2,unet] [--clusters 2,4] [--steps 3]
+    .venv/bin/python benchmarks/zoo.py [--models gpt2,unet] [--clusters 2,4] [--steps 3] [--zoo tests.zoo]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import tempfile
@@ -54,21 +56,23 @@ def against_single_process(rec: dict[str, Any], log: list[dict[str, Any]], model
     return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, ref))
 
 
-def run_one(name: str, n: int, *, steps: int = STEPS, run_dir: Path | None = None) -> dict[str, Any]:
-    """Search ``name`` on ``local-cpu:n``, train the strategy, compare with one process."""
+def run_one(name: str, n: int, *, steps: int = STEPS, run_dir: Path | None = None,
+            zoo: str = "tests.zoo") -> dict[str, Any]:
+    """Search ``name`` (a model of ``zoo``'s ``ZOO``) on ``local-cpu:n``, train the strategy, compare with
+    one process."""
     import torch
 
     import polyparallel as pp
     from polyparallel.backends.torch import train
-    from tests.zoo import BATCH, ZOO
 
-    model_fn, data_fn = ZOO[name]
+    module = importlib.import_module(zoo)
+    model_fn, data_fn = module.ZOO[name]
     x, y = data_fn(0)
     rec: dict[str, Any] = {"model": name, "cluster": f"local-cpu:{n}"}
     t0 = time.perf_counter()
     torch.manual_seed(SEED)
     try:
-        s = pp.search(model_fn(), (x,), f"local-cpu:{n}", example_kwargs={"labels": y}, batch_size=BATCH)
+        s = pp.search(model_fn(), (x,), f"local-cpu:{n}", example_kwargs={"labels": y}, batch_size=module.BATCH)
     except Exception as e:
         rec.update(status="search failed", error=f"{type(e).__name__}: {e}"[:400])
         return rec
@@ -77,7 +81,7 @@ def run_one(name: str, n: int, *, steps: int = STEPS, run_dir: Path | None = Non
     t1 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pp-zoo-") as tmp:
         try:
-            log = train(s, f"tests.zoo:{model_fn.__name__}", f"tests.zoo:{data_fn.__name__}", steps=steps, lr=LR,
+            log = train(s, f"{zoo}:{model_fn.__name__}", f"{zoo}:{data_fn.__name__}", steps=steps, lr=LR,
                         seed=SEED, log_dir=run_dir or tmp, timeout_s=300)
         except Exception as e:
             rec.update(status="refused" if isinstance(e, ValueError) else "failed",
@@ -95,25 +99,26 @@ def run_one(name: str, n: int, *, steps: int = STEPS, run_dir: Path | None = Non
 
 
 def main() -> None:
-    from tests.zoo import ZOO
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default=",".join(ZOO))
+    ap.add_argument("--zoo", default="tests.zoo", help="the module whose ZOO maps names to (model, data) functions")
+    ap.add_argument("--models", default=None, help="comma-separated names (default: the whole zoo)")
     ap.add_argument("--clusters", default="2,4")
     ap.add_argument("--steps", type=int, default=STEPS)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "zoo.json"))
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/<zoo's last name>.json")
     a = ap.parse_args()
+    models = a.models.split(",") if a.models else list(importlib.import_module(a.zoo).ZOO)
+    out = a.out or str(ROOT / "benchmarks" / "results" / f"{a.zoo.rsplit('.', 1)[-1]}.json")
     rows = []
     for n in (int(c) for c in a.clusters.split(",")):
-        for name in a.models.split(","):
-            r = run_one(name, n, steps=a.steps)
+        for name in models:
+            r = run_one(name, n, steps=a.steps, zoo=a.zoo)
             rows.append(r)
             err = f"{r['max_rel']:.1e}" if "max_rel" in r else ""
-            print(f"{r['cluster']:<12} {name:<8} {r.get('plan', '-'):<28} {r['status']:<14} {err:<8} "
+            print(f"{r['cluster']:<12} {name:<10} {r.get('plan', '-'):<28} {r['status']:<14} {err:<8} "
                   f"{r.get('error', '')[:160]}", flush=True)
     ok = sum(r["status"] == "exact" for r in rows)
     print(f"\n{ok} of {len(rows)} searched plans trained with losses within 1e-5 of single-process training")
-    Path(a.out).write_text(json.dumps({"steps": a.steps, "lr": LR, "rows": rows}, indent=1) + "\n")
+    Path(out).write_text(json.dumps({"zoo": a.zoo, "steps": a.steps, "lr": LR, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
