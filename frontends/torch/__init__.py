@@ -83,22 +83,28 @@ def quiet_fake_tensors() -> Iterator[None]:
 @contextlib.contextmanager
 def _no_partial_graph_dump() -> Iterator[None]:
     """A failed ``torch.export`` prints the partial graph it traced to stderr before raising (hundreds of
-    lines for a model with a data-dependent branch); the capture's error names the cause in a few lines,
-    so that print is held back. Anything else written to stderr meanwhile (warnings) is passed on."""
-    held = io.StringIO()
+    lines for a model with a data-dependent branch, once per export wrapper it passed); the capture's error
+    names the cause in a few lines, so those prints are held back. Anything else written to stderr meanwhile
+    (warnings) is passed on, whatever way the export ends."""
+    held, graphs = io.StringIO(), []
     try:
         with contextlib.redirect_stderr(held):
             yield
     except Exception as e:
-        text, cause = held.getvalue(), e
-        while cause is not None:  # torch may re-raise the traced error wrapped in another
+        seen: set[int] = set()
+        cause: BaseException | None = e
+        while cause is not None and id(cause) not in seen:  # torch may re-raise the traced error wrapped
+            seen.add(id(cause))
             graph = getattr(cause, "partial_fx_graph", None)
             if graph is not None:
-                text = text.replace(f"{graph}\n", "")  # printed once per export wrapper it passed
+                graphs.append(f"{graph}\n")
             cause = cause.__cause__ or cause.__context__
-        sys.stderr.write(text)
         raise
-    sys.stderr.write(held.getvalue())
+    finally:
+        text = held.getvalue()
+        for g in graphs:
+            text = text.replace(g, "")
+        sys.stderr.write(text)
 
 
 def _export_program(model: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
