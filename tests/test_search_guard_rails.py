@@ -119,6 +119,11 @@ def test_a_tensor_parallel_plan_that_splits_no_op_gives_way_to_fewer_devices():
     assert "splits no op" in why and "fewer devices give the same step" in why
     assert "splits each op's loop dims" not in why
     assert s.estimate.step_time_s == pytest.approx(one.estimate.step_time_s, rel=1e-9)
+    # tp=2 pinned: the user's choice stands (no "why tp=" line), and a note says it splits no op
+    s = search(MLP((32, 64, 64, 10)), example, cl, batch_size=8, constraints={"tp": 2})
+    assert s.tp == 2 and [p.placement for p in s.placements] == [""]
+    assert not [n for n in s.search.notes if n.startswith("why tp=")]
+    assert [n for n in s.search.notes if n.startswith("tp=2 as pinned splits no op")]
 
 
 def test_search_writes_tensor_parallelism_only_as_the_backend_runs_it():

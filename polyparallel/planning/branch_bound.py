@@ -146,8 +146,12 @@ def why_axes(best: Best, c: Constraints) -> list[str]:
         size = getattr(chosen.config, axis)
         if size == 1:
             continue
-        if getattr(c, axis) is not None:
-            continue  # pinned: the user's choice, not the search's
+        if getattr(c, axis) is not None:  # pinned: the user's choice, not the search's
+            if axis == "tp" and replicates_over_tp(chosen):
+                out.append(f"tp={size} as pinned splits no op: each of the {size} tp ranks computes what one process "
+                           "would, because every placement that splits an op priced slower (or the backend runs "
+                           "none here; see what was left out); constraints without tp leave the devices to dp or pp")
+            continue
         head = f"why {axis}={size}: " + _SPLITS[axis].format(placed=plan_note(chosen.config.op_plans)) + "; "
         if axis == "tp" and replicates_over_tp(chosen):
             head = (f"why tp={size}: it splits no op: every op is replicated over tp, so each of the {size} tp ranks "
