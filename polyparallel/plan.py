@@ -77,6 +77,8 @@ CHUNKED_SCHEDULES = tuple(s.name for s in PIPELINE_SCHEDULES.values() if s.chunk
 def chunks_per_stage(schedule: str, chunks: int) -> int:
     """Model chunks each pipeline stage runs under ``schedule``: ``chunks`` if it is chunked, else 1."""
     return chunks if schedule in CHUNKED_SCHEDULES else 1
+
+
 RECOMPUTE = ("none", "selective", "op", "full")
 COMPILE = ("none", "regional")
 

@@ -6,7 +6,7 @@ QK-norm, soft-capping, fused gate/up projections, parallel blocks, partial rotar
 shared experts; encoders with a factorised embedding (ELECTRA) and relative attention with a
 data-dependent loss (DeBERTa-v2, which torch.export cannot capture: the capture says where); a windowed
 vision transformer (Swin) and a grouped-convolution network (RegNet). Each is wrapped as
-``forward(inputs, labels)`` returning the model's own ``.loss``.
+``forward(inputs, labels)`` returning the model's own ``.loss`` (``tests/zoo.py``'s wrapper and token data).
 """
 
 from __future__ import annotations
@@ -15,33 +15,11 @@ import torch
 import transformers as T
 from torch import nn
 
-BATCH, SEQ, VOCAB = 8, 16, 96
+from tests.zoo import BATCH, SEQ, VOCAB, _HFLoss, _lm_data
+
 NO_DROPOUT = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
 SMALL = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
          "num_attention_heads": 4, "max_position_embeddings": 64, "use_cache": False}
-
-
-class _HFLoss(nn.Module):
-    """``forward(inputs, labels) -> model(<input key>=inputs, labels=labels).loss``."""
-
-    def __init__(self, model: nn.Module, key: str) -> None:
-        super().__init__()
-        self.model, self.key = model, key
-
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.model(**{self.key: inputs}, labels=labels).loss
-
-
-def lm_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and the same ids as labels (HF causal LMs shift inside), a ragged tail of ``-100``."""
-    g = torch.Generator().manual_seed(3000 + step)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    labels = ids.clone()
-    for row in range(BATCH):
-        pad = int(torch.randint(0, SEQ // 2, (1,), generator=g))
-        if pad:
-            labels[row, -pad:] = -100
-    return ids, labels
 
 
 def cls_data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,6 +115,6 @@ def regnet() -> nn.Module:
 
 
 ZOO = {f.__name__: (f, data) for f, data in [
-    (mistral, lm_data), (qwen3, lm_data), (gemma2, lm_data), (stablelm, lm_data), (olmo, lm_data), (phi3, lm_data),
-    (starcoder2, lm_data), (granite, lm_data), (gptj, lm_data), (gpt_neo, lm_data), (qwen2_moe, lm_data),
+    *((f, _lm_data) for f in (mistral, qwen3, gemma2, stablelm, olmo, phi3, starcoder2, granite, gptj, gpt_neo,
+                              qwen2_moe)),
     (roberta, cls_data), (electra, cls_data), (deberta_v2, cls_data), (swin, image_data), (regnet, image_data)]}

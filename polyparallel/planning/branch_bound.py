@@ -146,17 +146,20 @@ def why_axes(best: Best, c: Constraints) -> list[str]:
         size = getattr(chosen.config, axis)
         if size == 1:
             continue
+        # every op replicated over tp: the tp ranks repeat one process's work
+        repeats = f"each of the {size} tp ranks computes what one process would" \
+            if axis == "tp" and replicates_over_tp(chosen) else ""
         if getattr(c, axis) is not None:  # pinned: the user's choice, not the search's
-            if axis == "tp" and replicates_over_tp(chosen):
-                out.append(f"tp={size} as pinned splits no op: each of the {size} tp ranks computes what one process "
-                           "would, because every placement that splits an op priced slower (or the backend runs "
-                           "none here; see what was left out); constraints without tp leave the devices to dp or pp")
+            if repeats:
+                out.append(f"tp={size} as pinned splits no op: {repeats}, because every placement that splits an op "
+                           "priced slower (or the backend runs none here; see what was left out); constraints without "
+                           "tp leave the devices to dp or pp")
             continue
         head = f"why {axis}={size}: " + _SPLITS[axis].format(placed=plan_note(chosen.config.op_plans)) + "; "
-        if axis == "tp" and replicates_over_tp(chosen):
-            head = (f"why tp={size}: it splits no op: every op is replicated over tp, so each of the {size} tp ranks "
-                    f"computes what one process would; every plan that divides the work over these devices priced "
-                    f"slower (the model may be too small to gain from them): fewer devices give the same step; ")
+        if repeats:
+            head = (f"why tp={size}: it splits no op: every op is replicated over tp, so {repeats}; every plan that "
+                    f"divides the work over these devices priced slower (the model may be too small to gain from "
+                    f"them): fewer devices give the same step; ")
         alt: StepEstimate | None = None
         for cand in sorted((x for x in best.fitting if getattr(x.bound.config, axis) == 1),
                            key=lambda x: (x.bound.lower_bound, x.index)):
