@@ -18,7 +18,9 @@ torch's parallel styles:
   to a replicated output when the loss is replicated. With the captured graph the pairing is read off
   it: a column-parallel Linear's partner is the row-parallel Linear (or the loss) its shards reach
   through pointwise ops only (a pointwise epilogue fused into another column-parallel Linear, as
-  LLaMA's ``silu(gate(h)) * up(h)``, counts); otherwise its output is gathered;
+  LLaMA's ``silu(gate(h)) * up(h)``, counts); otherwise its output is gathered. A column-parallel
+  Linear wider than its partner's input (a fused ``[gate; up]`` projection) has its rows regrouped by
+  the blocks the partner's ranks read (``_tensor_parallel.paired_blocks``), as a fused ``qkv`` is;
 * DP x TP on a 2-D ``("dp", "tp")`` mesh with FSDP2 (``zero_stage >= 1``);
 * pipeline parallelism over the ``pp`` axis (:mod:`._pipeline`): the model exported with
   ``torch.export`` is cut before the first op of each stage's op range, each stage runs with
@@ -73,6 +75,7 @@ from polyparallel.backends.torch._tensor_parallel import (
     eager_tp_problem,
     head_split,
     micro_batch,
+    paired_blocks,
     reads_head_shards,
     sharded_consumer,
     tied_shards,
@@ -154,7 +157,7 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
     modules = dict(model.named_modules())
     ops = _tp_ops(s, graph, modules)
     heads = _head_blocks(graph, ops, s.tp)
-    seen = _tp_styles(graph, ops, heads, modules)
+    seen = _tp_styles(graph, ops, heads, modules, s.tp)
     tied, why = tied_shards(model, seen, {op.module for op in graph.ops if op.module} if graph is not None else None)
     if why:
         raise Unsupported("the torch backend cannot execute this strategy exactly: " + "; ".join(why[:3]))
@@ -344,10 +347,12 @@ def _head_blocks(graph: Graph | None, ops: _TpOps, tp: int) -> dict[str, tuple[i
 
 
 def _tp_styles(graph: Graph | None, ops: _TpOps, heads: dict[str, tuple[int, ...]],
-               modules: dict[str, nn.Module]) -> dict[str, str]:
+               modules: dict[str, nn.Module], tp: int) -> dict[str, str]:
     """Module path -> its tensor-parallel style (``ExecPlan.tp_plan``): each column-parallel Linear
     paired with the row-parallel one its shards reach (Megatron), else gathered or fed to the
-    class-parallel loss; each row-parallel Linear must be such a partner (or read head shards)."""
+    class-parallel loss; each row-parallel Linear must be such a partner (or read head shards).
+    A column-parallel Linear wider than its partner's input (a fused ``[gate; up]`` projection)
+    gets its blocks added to ``heads`` (regrouped as a fused ``q|k|v`` is)."""
     seen: dict[str, str] = {}
     partners: set[str] = set()  # row-parallel Linears a column-parallel one feeds
     for j, (_, path, kind) in enumerate(ops.linears):
@@ -373,9 +378,14 @@ def _tp_styles(graph: Graph | None, ops: _TpOps, heads: dict[str, tuple[int, ...
             if dst:
                 a, b = modules[path], modules[dst]
                 if a.out_features != b.in_features:  # type: ignore[union-attr]
-                    raise Unsupported(f"column-parallel {path!r} ({a.out_features} outputs) feeds "
-                                      f"row-parallel {dst!r} ({b.in_features} inputs): not a "
-                                      "Megatron pair whose sharded activation passes straight through")
+                    # a fused [gate; up] projection: rank r must hold the r-th block of each part
+                    blocks = paired_blocks(graph, path, dst, tp) if graph is not None else "no captured graph"
+                    if isinstance(blocks, str):
+                        raise Unsupported(f"column-parallel {path!r} ({a.out_features} outputs) feeds "
+                                          f"row-parallel {dst!r} ({b.in_features} inputs): not a Megatron pair "
+                                          f"whose sharded activation passes straight through ({blocks})")
+                    if len(blocks) > 1:
+                        heads[path] = blocks
         seen[path] = kind
         if kind == "col" and dst:
             partners.add(dst)

@@ -18,7 +18,8 @@ stage's ``tp`` group computes on its shards, as Megatron's column/row-parallel l
   (identity forward, gradient all-reduce backward: Megatron's ``f``; one per input, shared by the
   Linears reading it, e.g. ``q, k, v`` or LLaMA's ``gate`` and ``up``) and leaves its output split
   along the features; pointwise ops, views, transposes, splits of a fused projection into its
-  blocks, ``scaled_dot_product_attention`` over split heads, and attention written out (the
+  blocks (``split``, ``chunk``, or slices of whole blocks), reductions along other dims (QK-norm),
+  ``scaled_dot_product_attention`` over split heads, and attention written out (the
   products ``q @ k.T`` and ``p @ v`` of blocks split alike along a batch dim, a softmax along
   another dim, dropout, each rank drawing its own shard's mask) keep the split (a view's constant
   sizes are rewritten to the local ones: the block of dim ``d`` is the block of the output dim
@@ -151,6 +152,7 @@ _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, at
 _SIZED = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 _LOSSES = {aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default}
+_REDUCTIONS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default}
 
 
 def _shape(n: Any) -> tuple[int, ...] | None:
@@ -307,7 +309,7 @@ class StageTP:
             nd = len(_shape(a0) or ())
             dim = (n.args[1] if len(n.args) > 1 else 0) % nd
             if dim == s0.dim:
-                raise Unsupported(f"op {n.name!r} ({t}) indexes {a0.name!r} along its dim split over tp")
+                return self._slice_blocks(n, a0, s0)
             return _Split(s0.dim - (t is aten.select.int and dim < s0.dim), s0.segments)
         if t in _VIEWS or t in _SIZED:
             return self._view(n, a0, s0, out)
@@ -324,6 +326,8 @@ class StageTP:
             return s0
         if t in (aten.matmul.default, aten.bmm.default):
             return self._product(n, out)
+        if t in _REDUCTIONS and n.args[0] is a0:
+            return self._reduction(n, a0, s0)
         if t in (aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default):
             nd = len(out or ())
             if n.args[0] is not a0 or s0.dim == n.args[1] % nd:
@@ -436,6 +440,37 @@ class StageTP:
         else:
             n.args = (n.args[0], [w // self.tp for w in n.args[1]], *n.args[2:])
         return tuple(_Split(dim, (w,)) for w in widths)
+
+    def _slice_blocks(self, n: fx.Node, a0: fx.Node, s0: _Split) -> _Split:
+        """A slice along the dim split over tp that takes whole blocks of a fused projection (Phi-3's
+        ``qkv[..., :q_width]``): each rank's local value holds its shard of every block one after
+        another, so the slice becomes the same blocks' local offsets."""
+        gin = _shape(a0) or ()
+        args = [*n.args, *[None] * (5 - len(n.args))]
+        start, end, step = args[2], args[3], 1 if args[4] is None else args[4]
+        size = gin[s0.dim] if gin else 0
+        start = 0 if start is None else (start + size if start < 0 else min(start, size))
+        end = size if end is None else (end + size if end < 0 else min(end, size))
+        edges = [0]
+        for w in s0.segments:
+            edges.append(edges[-1] + w)
+        if n.target is not aten.slice.Tensor or step != 1 or start not in edges or end not in edges or start >= end:
+            raise Unsupported(f"op {n.name!r} ({n.target}) indexes {a0.name!r} along its dim split over tp "
+                              f"(blocks {s0.segments}) other than by whole blocks")
+        i, k = edges.index(start), edges.index(end)
+        n.args = (n.args[0], n.args[1], start // self.tp, end // self.tp, 1)
+        return _Split(s0.dim, s0.segments[i:k])
+
+    def _reduction(self, n: fx.Node, a0: fx.Node, s0: _Split) -> _Split:
+        """A reduction along dims other than the one split over tp (QK-norm's mean over each head's
+        features): each rank reduces its own blocks."""
+        nd = len(_shape(a0) or ())
+        dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+        keep = n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False)
+        dims = range(nd) if dims in (None, []) else [d % nd for d in ([dims] if isinstance(dims, int) else dims)]
+        if s0.dim in dims:
+            raise Unsupported(f"op {n.name!r} ({n.target}) reduces {a0.name!r} along its dim split over tp")
+        return _Split(s0.dim if keep else s0.dim - sum(d < s0.dim for d in dims), s0.segments)
 
     def _product(self, n: fx.Node, out: tuple[int, ...] | None) -> _Split:
         """A batched product of two tensors split along the same batch dim (the heads of

@@ -14,11 +14,14 @@ is read off the attention op's affine accesses in the captured graph: operand ``
 is enumerated and must be the contiguous range ``[c_j + r w_j, c_j + (r+1) w_j)`` with
 ``w_j = W_j / t`` (``W_j`` the operand's width); the operands must tile the output features. When
 ``q`` or ``k`` reach the attention through pointwise ops (LLaMA's rotary embedding: negate, concat,
-multiply by cos/sin), the footprint is carried back through each op's write and read accesses
+multiply by cos/sin) or reductions (Qwen3's QK-norm: each head's vector normalised over its own
+features), the footprint is carried back through each op's write and read accesses
 (:func:`_back`; per coordinate a set of indices, an over-approximation that can only refuse more)
 until a projection is reached (an operand every heads block reads whole and that no projection
 produces, as HF LLaMA's rotary ``cos``/``sin`` built from positions, is replicated: not traced);
-grouped-query attention's ``q = g + G h`` index is handled the same way. Separate projections (one
+grouped-query attention's ``q = g + G h`` index is handled the same way. A value another op split
+over heads computes (Gemma-2's scores soft-capped by ``tanh`` between ``q @ k.T`` and the softmax) is
+the rank's own where the footprint stays within what that op computes on the rank's heads. Separate projections (one
 block each) are plain ``ColwiseParallel``, and so is a fused projection whose heads each hold their
 own ``q, k, v`` one after another (GPT-NeoX, BLOOM: features ``h·3d + j``), where a rank's operands
 together read the ``r``-th block of the features, with no regrouping. A fused ``q|k|v`` projection's
@@ -39,7 +42,9 @@ of this plan resumes under the same plan; :func:`qkv_rows` maps it back). The ou
 **Megatron pairs** are read off the graph too: a column-parallel Linear's partner is the
 row-parallel Linear its output shards reach through pointwise ops only (:func:`sharded_consumer`),
 and every row-parallel Linear must have such a partner or read a head-parallel attention's output
-(:func:`reads_head_shards`).
+(:func:`reads_head_shards`). A column-parallel Linear wider than its partner's input (Phi-3's fused
+``[gate; up]`` projection, chunked in two and multiplied) is regrouped like a fused ``q|k|v``, by the
+blocks its partner's ranks read, traced back the same way (:func:`paired_blocks`).
 
 **Vocabulary-parallel embedding** (``v:tp``): ``RowwiseParallel`` on ``nn.Embedding`` shards the
 table's rows; each rank looks up the ids it owns and the partial rows are all-reduced. An output
@@ -58,7 +63,7 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -97,6 +102,7 @@ __all__ = [
     "forward_problem",
     "head_split",
     "micro_batch",
+    "paired_blocks",
     "parallelize",
     "qkv_rows",
     "reads_head_shards",
@@ -192,7 +198,7 @@ def _is_projection(graph: Graph, op: Op | None) -> bool:
 
 
 def _reads_under(graph: Graph, op: Op, cons: dict[str, frozenset[int]], found: dict[str, list[Region]],
-                 statements: Any) -> None:
+                 statements: Any, held: Mapping[str, Region]) -> None:
     """Trace every activation that ``statements`` of ``op`` read under ``cons`` back to projections."""
     assert op.nest is not None
     ext = op.nest.extents
@@ -202,12 +208,12 @@ def _reads_under(graph: Graph, op: Op, cons: dict[str, frozenset[int]], found: d
             if a.operand.startswith("in") and a.operand[2:].isdigit():
                 t = op.inputs[int(a.operand[2:])]
                 if graph.tensors[t].kind is TensorKind.ACTIVATION:
-                    _back(graph, t, tuple(_values(e, ext, cons) for e in a.index), found)
+                    _back(graph, t, tuple(_values(e, ext, cons) for e in a.index), found, held)
             elif not a.operand.startswith("out"):
                 temps.add(a.operand)
     if temps:  # an op-internal temporary (a fused chain): its writers run over the same loop dims
         _reads_under(graph, op, cons, found, [st for st in op.nest.statements
-                                              if any(w.operand in temps for w in st.writes)])
+                                              if any(w.operand in temps for w in st.writes)], held)
 
 
 def _from_projection(graph: Graph, tensor: str) -> bool:
@@ -222,17 +228,30 @@ def _from_projection(graph: Graph, tensor: str) -> bool:
     return False
 
 
-def _back(graph: Graph, tensor: str, region: Region, found: dict[str, list[Region]]) -> None:
-    """Follow ``region`` of ``tensor`` back through pointwise ops (elementwise, concat, views) to the
-    projections producing it; record the region of each projection output reached in ``found``."""
+def _back(graph: Graph, tensor: str, region: Region, found: dict[str, list[Region]],
+          held: Mapping[str, Region] | None = None) -> None:
+    """Follow ``region`` of ``tensor`` back through pointwise ops (elementwise, concat, views) and
+    reductions to the projections producing it; record the region of each projection output reached
+    in ``found``. ``held``: tensors the rank computes itself (the outputs of other head-split ops,
+    Gemma-2's soft-capped scores between ``q @ k.T`` and the softmax) and the region it holds of
+    each; a read inside it is local, one outside it is refused."""
+    held = held or {}
+    if tensor in held:
+        if any(h is not None and (r is None or not r <= h) for r, h in zip(region, held[tensor])):
+            raise _NotHeadLocal(f"{tensor!r}, the output of another op split over heads, is read outside the rank's "
+                                "heads")
+        return
     prod = graph.producer(tensor)
     if _is_projection(graph, prod):
         found.setdefault(tensor, []).append(region)
         return
     if all(r is None for r in region) and not _from_projection(graph, tensor):
         return  # read whole by every heads block and computed without parameters (rotary tables): replicated
+    # a reduction's footprint is exact too: the dims it reduces are in no write index, so the region
+    # constrains none of them and all are read (QK-norm: each head's vector normalised over its own
+    # features stays within the head's block; a norm over every head's features reads all of them)
     if prod is None or prod.nest is None or OpKind(prod.kind) not in (OpKind.ELEMENTWISE, OpKind.CONCAT,
-                                                                        OpKind.VIEW):
+                                                                        OpKind.VIEW, OpKind.REDUCE):
         what = f"op {prod.name!r} ({prod.kind})" if prod is not None else "no op"
         raise _NotHeadLocal(f"{tensor!r} comes from {what}, not from projections through pointwise ops")
     out = f"out{prod.outputs.index(tensor)}"
@@ -241,7 +260,25 @@ def _back(graph: Graph, tensor: str, region: Region, found: dict[str, list[Regio
             if w.operand == out:
                 cons = _constraints(w, region, prod.nest.extents)
                 if cons is not None:
-                    _reads_under(graph, prod, cons, found, [st])
+                    _reads_under(graph, prod, cons, found, [st], held)
+
+
+def _held(ops: Mapping[str, Op], split: Sequence[tuple[str, str]], r: int, parts: int) -> dict[str, Region]:
+    """The region of each output of the ops ``split`` over heads that rank ``r`` computes: its write
+    index under the ``r``-th block of the split dim."""
+    held: dict[str, Region] = {}
+    for name, dim in split:
+        op = ops.get(name)
+        if op is None or op.nest is None or dim not in op.nest.extents:
+            continue
+        ext = op.nest.extents
+        step = ext[dim] // parts
+        cons = {dim: frozenset(range(r * step, (r + 1) * step))}
+        for st in op.nest.statements:
+            for w in st.writes:
+                if w.operand.startswith("out") and w.operand[3:].isdigit():
+                    held[op.outputs[int(w.operand[3:])]] = tuple(_values(e, ext, cons) for e in w.index)
+    return held
 
 
 def head_split(graph: Graph, split: Sequence[tuple[str, str]], parts: int) -> tuple[list[HeadSplit], list[str]]:
@@ -276,7 +313,8 @@ def head_split(graph: Graph, split: Sequence[tuple[str, str]], parts: int) -> tu
                     found: dict[str, list[Region]] = {}
                     cons = {dim: frozenset(range(r * step, (r + 1) * step))}
                     for a in (a for st in op.nest.statements for a in st.reads if a.operand == f"in{j}"):
-                        _back(graph, t, tuple(_values(e, ext, cons) for e in a.index), found)
+                        _back(graph, t, tuple(_values(e, ext, cons) for e in a.index), found,
+                              _held(ops, split, r, parts))
                     for lt, regions in found.items():
                         feats: set[int] = set()
                         for reg in regions:
@@ -316,6 +354,55 @@ def head_split(graph: Graph, split: Sequence[tuple[str, str]], parts: int) -> tu
                             f"{width} features")
         out.append(HeadSplit(producer=prod.name, module=prod.module, segments=tuple(w for _, w in order)))
     return (out, []) if not problems else ([], problems)
+
+
+def paired_blocks(graph: Graph, src: str, dst: str, parts: int) -> tuple[int, ...] | str:
+    """The blocks of the column-parallel Linear ``src``'s output features that the row-parallel
+    Linear ``dst`` reads, when ``src`` is wider than ``dst``'s input: a fused ``[gate; up]``
+    projection (Phi-3's ``gate_up_proj`` chunked in two and multiplied) or a GLU over interleaved
+    features. Rank ``r`` of ``dst`` reads the ``r``-th block of its input features; that region is
+    followed back through the pointwise ops to ``src``'s output (:func:`_back`, as for attention
+    heads). Returns the widths of the blocks to regroup rank-major (:func:`qkv_rows`): one block when
+    rank ``r`` reads the ``r``-th block of ``src``'s features (no regrouping), several when each
+    read takes the ``r``-th block of one segment (``(I, I)`` for ``gate | up``); else the reason."""
+    dst_op = next((op for op in graph.ops if op.module == dst and OpKind(op.kind) is OpKind.CONTRACTION), None)
+    src_out = {t for op in graph.ops if op.module == src and OpKind(op.kind) is OpKind.CONTRACTION for t in op.outputs}
+    if dst_op is None or len(src_out) != 1:
+        return f"no single Linear op of {src!r} feeding one of {dst!r} in the captured graph"
+    (y,) = src_out
+    x = dst_op.inputs[0]
+    shape, width = graph.tensors[x].shape, graph.tensors[y].shape[-1]
+    if shape[-1] % parts or width % parts:
+        return f"{shape[-1]} and {width} features do not split into {parts} equal blocks"
+    step = shape[-1] // parts
+    reads: list[list[frozenset[int]]] = []  # per rank: the features of each read of src's output
+    try:
+        for r in range(parts):
+            found: dict[str, list[Region]] = {}
+            _back(graph, x, (*(None,) * (len(shape) - 1), frozenset(range(r * step, (r + 1) * step))), found)
+            if set(found) - {y}:
+                return f"{dst!r} also reads {sorted(set(found) - {y})[0]!r} through pointwise ops"
+            if any(reg[-1] is None or any(c is not None for c in reg[:-1]) for reg in found.get(y, ())):
+                return f"{dst!r}'s blocks read {y!r} along other axes than a block of its features"
+            reads.append([reg[-1] for reg in found.get(y, []) if reg[-1] is not None])
+    except _NotHeadLocal as e:
+        return str(e)
+    if not reads[0] or any(len(rs) != len(reads[0]) for rs in reads):
+        return f"the blocks of {dst!r}'s input do not each read {y!r} alike"
+    if all(frozenset().union(*rs) == frozenset(range(r * width // parts, (r + 1) * width // parts))
+           for r, rs in enumerate(reads)):
+        return (width,)  # rank r reads the r-th block of src's features: a plain column split
+    segs: set[tuple[int, int]] = set()
+    for j in range(len(reads[0])):
+        c, w = min(reads[0][j]), len(reads[0][j])
+        if any(rs[j] != frozenset(range(c + r * w, c + (r + 1) * w)) for r, rs in enumerate(reads)):
+            return f"the blocks of {dst!r}'s input read {y!r}'s features in no consecutive blocks per rank"
+        segs.add((c, w * parts))
+    order = sorted(segs)
+    ends = [c + w for c, w in order]
+    if order[0][0] != 0 or ends[-1] != width or any(order[i + 1][0] != ends[i] for i in range(len(order) - 1)):
+        return f"{dst!r} reads {y!r} in blocks {order} that do not tile its {width} features"
+    return tuple(w for _, w in order)
 
 
 class FusedColwiseParallel(ColwiseParallel):
