@@ -1,6 +1,7 @@
 """Tensor parallelism whose rank-local blocks are read off the graph's accesses: a fused ``[gate; up]``
 projection (Phi-3's ``gate_up_proj``, any GLU whose two halves come out of one Linear), QK-norm (Qwen3:
-each head normalised over its own features) and soft-capped attention scores (Gemma-2).
+each head normalised over its own features) and soft-capped attention scores (Gemma-2); and Hugging
+Face's ``Conv1D`` (GPT-2's projections, ``addmm(b, x, w)`` with ``w`` stored ``(inputs, outputs)``).
 
 Megatron's rule splits the fused Linear's outputs over ``tp`` and the down projection's inputs: rank
 ``r`` of the down projection reads the ``r``-th block of the activation, which the elementwise product
@@ -185,4 +186,39 @@ def test_qk_norm_and_soft_capped_attention_under_tp2_train_as_one_process() -> N
     ref = _single(head_local_attention, ex.gpt_data)
     err = max(abs(r["loss"] - want) / abs(want) for r, want in zip(log, ref, strict=True))
     print(f"TP=2 QK-norm + soft-capped attention: max relative loss difference {err:.2e}")
+    assert err <= 1e-5
+
+
+def test_hf_gpt2_conv1d_projections_are_megatron_pairs_run_as_the_rewritten_graph() -> None:
+    """HF GPT-2's projections are ``Conv1D``: Megatron's rule was written planning only ("only nn.Linear
+    ... are tensor-parallel"). They pair as Linears do (``c_attn`` column-parallel with its q|k|v rows
+    regrouped, ``c_proj`` row-parallel; ``c_fc``/``c_proj`` of the MLP); torch's parallel styles would
+    cut the transposed weight along the wrong dim, so the plan runs as the exported graph rewritten on
+    local shards, and a run calling the model's own forward is refused with that reason."""
+    from polyparallel.backends.torch._tensor_parallel import eager_tp_problem
+    from tests import zoo
+
+    model_fn, data_fn = zoo.ZOO["gpt2"]
+    s, plan = _plan(model_fn, data_fn)
+    kinds = dict(plan.tp_plan)
+    h = "model.transformer.h.0"
+    assert [kinds[f"{h}.{m}"] for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")] == [
+        "col", "row", "col", "row"]
+    assert dict(plan.fused)[f"{h}.attn.c_attn"] == (32, 32, 32) and plan.pipeline is not None
+    assert not any(n.startswith("planning only") for n in s.search.notes)
+    why = eager_tp_problem(model_fn(), kinds, 2, data_fn(0))
+    assert why is not None and "Conv1D" in why
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_hf_gpt2_under_tp2_trains_as_one_process() -> None:
+    from tests import zoo
+
+    model_fn, data_fn = zoo.ZOO["gpt2"]
+    s, _ = _plan(model_fn, data_fn)
+    log = train(s, model_fn, data_fn, steps=STEPS, lr=LR, seed=SEED)
+    ref = _single(model_fn, data_fn)
+    err = max(abs(r["loss"] - want) / abs(want) for r, want in zip(log, ref, strict=True))
+    print(f"TP=2 HF GPT-2 (Conv1D): max relative loss difference {err:.2e}")
     assert err <= 1e-5

@@ -111,16 +111,18 @@ def test_pinned_plan_the_backend_cannot_run_is_written_for_planning_only() -> No
 
 
 def test_chosen_rule_placements_the_backend_refuses_are_written_for_planning_only() -> None:
-    """Megatron's rule chosen by the user (placements="rule") on HF GPT-2, whose projections are
-    Conv1D, not nn.Linear: the plan is kept as asked, its notes say first that the torch backend
-    refuses it and why, and train's pre-launch check refuses it with the same reason."""
+    """Megatron's rule chosen by the user (placements="rule") on HF T5, whose attention adds a bias per
+    head looked up in a table of relative positions, which the heads split cannot trace to the
+    projections: the plan is kept as asked, its notes say first that the torch backend refuses it
+    and why, and train's pre-launch check refuses it with the same reason."""
     from polyparallel.backends.torch import Unsupported
+    from polyparallel.backends.torch._tensor_parallel import capture_for_strategy
 
-    model_fn, data_fn = ZOO["gpt2"]
+    model_fn, data_fn = ZOO["t5"]
     x, y = data_fn(0)
     s = pp.search(model_fn(), (x,), "local-cpu:2", example_kwargs={"labels": y}, batch_size=BATCH,
                   constraints={"tp": 2, "pp": 1, "placements": "rule"})
     assert s.tp == 2 and s.search.notes[0].startswith("planning only: the torch backend refuses this plan")
-    with pytest.raises(Unsupported) as e:
-        plan_for(s, model_fn(), None)
-    assert str(e.value) in s.search.notes[0]
+    with pytest.raises(Unsupported) as e:  # what train's pre-launch check finds, on the model's captured graph
+        plan_for(s, model_fn(), (x, y), graph=capture_for_strategy(model_fn, (x, y)))
+    assert str(e.value) in s.search.notes[0] and "comes from op 'embedding" in str(e.value)

@@ -11,16 +11,18 @@ torch's parallel styles:
   backward and through all micro-batches of a step; ZeRO-2/3 reduce-scatter every micro-batch's
   gradients, ZeRO-1 the accumulated ones in the last backward. Pipeline stages wrap each chunk as
   one unit;
-* tensor parallelism over the ``tp`` axis on ``nn.Linear`` modules: a placement splitting the output
-  dim ``n`` is ``ColwiseParallel``, one splitting the reduction dim ``k`` (or a factor ``k_0`` of it)
-  is ``RowwiseParallel``; a column-parallel linear not followed by a row-parallel one feeds the loss,
-  which is then class-parallel (``c:tp`` on cross entropy, run under ``loss_parallel``) or gathered
-  to a replicated output when the loss is replicated. With the captured graph the pairing is read off
-  it: a column-parallel Linear's partner is the row-parallel Linear (or the loss) its shards reach
-  through pointwise ops only (a pointwise epilogue fused into another column-parallel Linear, as
-  LLaMA's ``silu(gate(h)) * up(h)``, counts); otherwise its output is gathered. A column-parallel
-  Linear wider than its partner's input (a fused ``[gate; up]`` projection) has its rows regrouped by
-  the blocks the partner's ranks read (``_tensor_parallel.paired_blocks``), as a fused ``qkv`` is;
+* tensor parallelism over the ``tp`` axis on ``nn.Linear`` modules (and Hugging Face's ``Conv1D``,
+  whose weight is stored transposed: it runs as the exported graph rewritten on local shards): a
+  placement splitting the output dim ``n`` is ``ColwiseParallel``, one splitting the reduction dim
+  ``k`` (or a factor ``k_0`` of it) is ``RowwiseParallel``; a column-parallel linear not followed by
+  a row-parallel one feeds the loss, which is then class-parallel (``c:tp`` on cross entropy, run
+  under ``loss_parallel``) or gathered to a replicated output when the loss is replicated. With the
+  captured graph the pairing is read off it: a column-parallel Linear's partner is the row-parallel
+  Linear (or the loss) its shards reach through pointwise ops only (a pointwise epilogue fused into
+  another column-parallel Linear, as LLaMA's ``silu(gate(h)) * up(h)``, counts); otherwise its
+  output is gathered. A column-parallel Linear wider than its partner's input (a fused
+  ``[gate; up]`` projection) has its rows regrouped by the blocks the partner's ranks read
+  (``_tensor_parallel.paired_blocks``), as a fused ``qkv`` is;
 * DP x TP on a 2-D ``("dp", "tp")`` mesh with FSDP2 (``zero_stage >= 1``);
 * pipeline parallelism over the ``pp`` axis (:mod:`._pipeline`): the model exported with
   ``torch.export`` is cut before the first op of each stage's op range, each stage runs with
@@ -74,11 +76,13 @@ from polyparallel.backends.torch._sequence_parallel import position_embeddings, 
 from polyparallel.backends.torch._tensor_parallel import (
     eager_tp_problem,
     head_split,
+    linear_widths,
     micro_batch,
     paired_blocks,
     reads_head_shards,
     sharded_consumer,
     tied_shards,
+    transposed_problem,
     uneven_shards,
 )
 from polyparallel.backends.torch.capabilities import (
@@ -169,7 +173,7 @@ def plan_for(strategy: Strategy, model: nn.Module, batch: Any = None, *, graph: 
     return ExecPlan.from_record(
         s, data_parallel="none" if s.dp * s.plan.seq == 1 else ("fsdp" if s.zero_stage >= 1 else "ddp"),
         tp_plan=tuple(sorted(seen.items())), loss_parallel=ops.loss_parallel, global_batch=s.global_batch,
-        pipeline=_graph_stages(s, model, batch, graph, seen, fused, ops.own_forward),
+        pipeline=_graph_stages(s, model, batch, graph, seen, fused, ops.graph_only),
         fused=tuple(sorted(fused.items())),
         tied=tuple(tied), positions=tuple(position_embeddings(graph)) if s.plan.seq > 1 and graph else (),
         tables=_sequence_tables(s, model, graph),
@@ -244,7 +248,9 @@ class _TpOps:
     attention: list[tuple[str, str]] = field(default_factory=list)  # (op, dim) split over tp
     embeddings: list[str] = field(default_factory=list)  # vocabulary-parallel nn.Embedding paths
     loss_parallel: bool = False  # the cross entropy split over its classes
-    own_forward: list[str] = field(default_factory=list)  # vocabulary embeddings whose class has its own forward
+    # why the model's own forward cannot run the split modules (an embedding class with its own forward,
+    # a Conv1D): the plan then runs as the exported graph rewritten on local shards
+    graph_only: list[str] = field(default_factory=list)
 
 
 def _tp_ops(s: Strategy, graph: Graph | None, modules: dict[str, nn.Module]) -> _TpOps:
@@ -311,13 +317,17 @@ def _tp_op(out: _TpOps, graph: Graph | None, gop: Any, op: str, path: str, d: st
         if type(mod).forward is not nn.Embedding.forward:
             # a subclass's own forward (a scaled lookup: BART's, Gemma's) would mix the sharded table
             # with whole tensors in eager mode: the exported graph's lookup runs it instead
-            out.own_forward.append(f"{path} ({type(mod).__name__})")
+            out.graph_only.append(f"vocabulary embedding {path} ({type(mod).__name__}) has its own forward, "
+                                  "which would mix the sharded table with whole tensors")
         out.embeddings.append(path)
         return ""
-    if not isinstance(mod, nn.Linear):
+    if linear_widths(mod) is None:
         kind = type(mod).__name__ if mod is not None else "no module"
-        return (f"splits {d!r} over tp on a {kind}; only nn.Linear, nn.Embedding (vocabulary) and attention (heads) "
-                "are tensor-parallel in this backend")
+        return (f"splits {d!r} over tp on a {kind}; only nn.Linear (and HF's Conv1D), nn.Embedding (vocabulary) and "
+                "attention (heads) are tensor-parallel in this backend")
+    why = transposed_problem(mod, path)
+    if why and why not in out.graph_only:
+        out.graph_only.append(why)
     if d == "n":
         out.linears.append((_op_index(op), path, "col"))
     elif d == "k" or re.fullmatch(r"k_\d+", d):
@@ -376,13 +386,14 @@ def _tp_styles(graph: Graph | None, ops: _TpOps, heads: dict[str, tuple[int, ...
                 to_loss = ops.loss_parallel and sharded_consumer(graph, path, None, cols) is None
             kind = "col" if dst else ("col_to_loss" if to_loss else "col_gather")
             if dst:
-                a, b = modules[path], modules[dst]
-                if a.out_features != b.in_features:  # type: ignore[union-attr]
+                a, b = linear_widths(modules[path]), linear_widths(modules[dst])
+                assert a is not None and b is not None  # _tp_ops refused any other module
+                if a[1] != b[0]:
                     # a fused [gate; up] projection: rank r must hold the r-th block of each part
                     blocks = paired_blocks(graph, path, dst, tp) if graph is not None else "no captured graph"
                     if isinstance(blocks, str):
-                        raise Unsupported(f"column-parallel {path!r} ({a.out_features} outputs) feeds "
-                                          f"row-parallel {dst!r} ({b.in_features} inputs): not a Megatron pair "
+                        raise Unsupported(f"column-parallel {path!r} ({a[1]} outputs) feeds "
+                                          f"row-parallel {dst!r} ({b[0]} inputs): not a Megatron pair "
                                           f"whose sharded activation passes straight through ({blocks})")
                     if len(blocks) > 1:
                         heads[path] = blocks
@@ -415,19 +426,19 @@ def _check_modules(s: Strategy, model: nn.Module, graph: Graph | None, modules: 
 
 
 def _graph_stages(s: Strategy, model: nn.Module, batch: Any, graph: Graph | None, seen: dict[str, str],
-                  fused: dict[str, tuple[int, ...]], own_forward: list[str]) -> Any:
+                  fused: dict[str, tuple[int, ...]], graph_only: list[str]) -> Any:
     """The exported graph cut into the strategy's pipeline stages (a ``._pipeline.PipelinePlan``);
     with ``pp == 1`` the graph rewritten on local shards as one stage, where the model's own forward
-    fails on a rank's shards (its views sized from its configuration, a vocabulary embedding with
-    its own forward: ``own_forward``); None when neither is needed."""
+    fails on a rank's shards (its views sized from its configuration) or cannot run the split
+    modules (``graph_only``: a vocabulary embedding with its own forward, a Conv1D); None when
+    neither is needed."""
     pipe = None
     eager_why = None  # why the model's own forward cannot run on a rank's shards
-    if s.pp == 1 and s.tp > 1 and own_forward:
-        eager_why = (f"vocabulary embedding {own_forward[0]} has its own forward, which would mix the sharded "
-                     "table with whole tensors")
+    if s.pp == 1 and s.tp > 1 and graph_only:
+        eager_why = graph_only[0]
         if batch is None or s.plan.seq > 1:
             raise Unsupported(f"tp={s.tp}: {eager_why}; only its exported graph runs it, which needs one global batch "
-                              "and no sequence parallelism: pin tp=1 or keep this embedding replicated")
+                              "and no sequence parallelism: pin tp=1 or keep this module replicated")
     elif s.pp == 1 and s.tp > 1 and s.plan.seq == 1 and batch is not None:
         eager_why = eager_tp_problem(model, dict(seen), s.tp, micro_batch(s, batch))
     elif graph is not None and sequence_via_graph(graph, s.plan):

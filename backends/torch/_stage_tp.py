@@ -10,7 +10,8 @@ stage's ``tp`` group computes on its shards, as Megatron's column/row-parallel l
   say which parameters are sharded: a column-parallel Linear's weight and bias by rows (dim 0, the
   rows of a fused ``q|k|v`` projection regrouped rank-major by :func:`._tensor_parallel.qkv_rows`
   first, so each rank holds whole heads of ``q``, ``k`` and ``v``), a row-parallel Linear's weight by
-  columns (dim 1, its bias whole), a vocabulary-parallel embedding's table by rows. On the workers
+  columns (dim 1, its bias whole), a vocabulary-parallel embedding's table by rows (HF ``Conv1D``'s
+  ``addmm(b, x, w)`` stores ``w`` as ``(inputs, outputs)``: its two dims swap roles). On the workers
   they become ``DTensor`` parameters on the ``tp`` mesh (checkpoints save them sharded, FSDP2 shards
   them further over ``dp``), read in the graph through ``to_local`` right before the op using them;
 * a state is propagated through the graph: every value is whole (replicated over ``tp``) or this
@@ -267,7 +268,7 @@ class StageTP:
         ins = [a for a in n.all_input_nodes if a.op != "get_attr"]
         split_ins = [(a, st.get(a)) for a in ins if isinstance(st.get(a), _Split)]
         out = _shape(n)
-        if t is aten.linear.default and kind is not None:
+        if t in (aten.linear.default, aten.addmm.default) and kind is not None:
             return self._linear(graph, n, kind, path)
         if t is aten.embedding.default and kind == "emb_row":
             self._whole(n, "embedding ids")
@@ -278,7 +279,7 @@ class StageTP:
             n.args = (n.args[0], n.args[1], self.rank * shard, self.group, pad)
             n.kwargs = {}
             return None
-        if kind is not None and t in (aten.linear.default, aten.embedding.default):
+        if kind is not None and t in (aten.linear.default, aten.addmm.default, aten.embedding.default):
             raise Unsupported(f"module {path!r} is {kind} over tp but its op {n.name!r} ({t}) is not executed so")
         if t is operator.getitem:
             parts = st.get(n.args[0])
@@ -349,15 +350,24 @@ class StageTP:
         return None
 
     def _linear(self, graph: fx.Graph, n: fx.Node, kind: str, path: str) -> Any:
-        x, w = n.args[0], n.args[1]
-        b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+        # linear(x, w, b) with w (outputs, inputs); HF Conv1D's addmm(b, x, w) with w (inputs, outputs)
+        addmm = n.target is aten.addmm.default
+        if addmm:
+            b, x, w = n.args[:3]
+            if n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1:
+                raise Unsupported(f"op {n.name!r} of {path!r} scales its product (addmm's alpha, beta)")
+        else:
+            x, w = n.args[0], n.args[1]
+            b = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+        out_dim = 1 if addmm else 0  # the weight's output features
         sx = self.state.get(x)
         nd = len(_shape(n) or ())
         if kind == "row":
             if not isinstance(sx, _Split) or sx.dim != len(_shape(x) or ()) - 1 or len(sx.segments) != 1:
                 raise Unsupported(f"row-parallel Linear {path!r} (op {n.name!r}) reads {x} whole, not split along "
                                   "its features over tp")
-            self._param(w, 1)
+            self._param(w, 1 - out_dim)
+            n.target = aten.mm.default if addmm else n.target
             n.args, n.kwargs = (x, w), {}
             users = list(n.users)
             with graph.inserting_after(n):
@@ -379,13 +389,13 @@ class StageTP:
             raise Unsupported(f"column-parallel Linear {path!r} (op {n.name!r}) reads {x}, which is split over tp")
         segs = self.fused.get(path, ())
         vocab = kind == "col_to_loss" and not segs  # the output layer: its classes may not divide by tp
-        self._param(w, 0, segs, uneven=vocab)
+        self._param(w, out_dim, segs, uneven=vocab)
         if b is not None:
             self._param(b, 0, segs, uneven=vocab)
         if x not in self.copies:
             self.copies[x] = self._insert(graph, n, copy_to_tp, (x, self.group), x)
         n.replace_input_with(x, self.copies[x])
-        width = (_shape(w) or (0,))[0]
+        width = (_shape(w) or (0, 0))[out_dim]
         split = _Split(nd - 1, segs or (width,))
         if kind != "col_gather":
             return split
@@ -527,7 +537,7 @@ def shard_parameters(root: nn.Module, params: dict[str, tuple[int, tuple[int, ..
         full = root.get_parameter(target)
         data = full.detach()
         if len(segs) > 1:
-            data = data.index_select(0, torch.tensor(qkv_rows(segs, tp), device=data.device))
+            data = data.index_select(dim, torch.tensor(qkv_rows(segs, tp), device=data.device))
         local = data.chunk(tp, dim=dim)[rank].contiguous().to(mesh.device_type)
         dt = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=data.shape, stride=data.stride())
         new = nn.Parameter(dt, requires_grad=full.requires_grad)

@@ -82,7 +82,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from polyparallel import frontends as pp
 from polyparallel.backends.torch._context_parallel import RingAttention
 from polyparallel.backends.torch._sequence_parallel import UlyssesAttention, offset_positions, shard_tables
-from polyparallel.backends.torch.op_roles import chunked_evenly, op_role
+from polyparallel.backends.torch.op_roles import chunked_evenly, first_activation, op_role
 from polyparallel.frontends.torch import quiet_fake_tensors
 from polyparallel.ir import Graph, Op, OpKind, TensorKind
 from polyparallel.references import user_frame
@@ -101,6 +101,7 @@ __all__ = [
     "eager_tp_problem",
     "forward_problem",
     "head_split",
+    "linear_widths",
     "micro_batch",
     "paired_blocks",
     "parallelize",
@@ -112,6 +113,7 @@ __all__ = [
     "strategy_graph",
     "tie_groups",
     "tied_shards",
+    "transposed_problem",
 ]
 
 
@@ -370,7 +372,7 @@ def paired_blocks(graph: Graph, src: str, dst: str, parts: int) -> tuple[int, ..
     if dst_op is None or len(src_out) != 1:
         return f"no single Linear op of {src!r} feeding one of {dst!r} in the captured graph"
     (y,) = src_out
-    x = dst_op.inputs[0]
+    x = dst_op.inputs[first_activation(graph, dst_op)]
     shape, width = graph.tensors[x].shape, graph.tensors[y].shape[-1]
     if shape[-1] % parts or width % parts:
         return f"{shape[-1]} and {width} features do not split into {parts} equal blocks"
@@ -472,8 +474,8 @@ def sharded_consumer(graph: Graph, src: str, dst: str | None, columns: frozenset
                 continue
             if kind is OpKind.LOSS and dst is None:
                 continue
-            if kind in (OpKind.ELEMENTWISE, OpKind.VIEW) or (
-                    kind is OpKind.CONTRACTION and op.module in columns and op.inputs[0] != t):
+            if kind in (OpKind.ELEMENTWISE, OpKind.VIEW) or (kind is OpKind.CONTRACTION and op.module in columns
+                                                              and op.inputs[first_activation(graph, op)] != t):
                 frontier.extend(op.outputs)
                 continue
             return f"{op.name!r} ({op.target})"
@@ -483,7 +485,8 @@ def sharded_consumer(graph: Graph, src: str, dst: str | None, columns: frozenset
 def reads_head_shards(graph: Graph, module: str, attention: frozenset[str]) -> bool:
     """Whether the Linear at ``module`` reads (through pointwise ops) the output of one of the
     head-parallel ``attention`` ops, i.e. an input already split by heads over ``tp``."""
-    frontier = [op.inputs[0] for op in graph.ops if op.module == module and OpKind(op.kind) is OpKind.CONTRACTION]
+    frontier = [op.inputs[first_activation(graph, op)] for op in graph.ops
+                if op.module == module and OpKind(op.kind) is OpKind.CONTRACTION]
     for t in _each_once(frontier):
         prod = graph.producer(t)
         if prod is None:
@@ -499,6 +502,29 @@ def reads_head_shards(graph: Graph, module: str, attention: frozenset[str]) -> b
 _WEIGHT_SHARD = {"col": 0, "col_fused": None, "col_gather": 0, "col_to_loss": 0, "row": 1, "emb_row": 0}
 
 
+def linear_widths(module: nn.Module | None) -> tuple[int, int, bool] | None:
+    """``(inputs, outputs, transposed)`` of a module tensor parallelism splits as a Linear: an
+    ``nn.Linear`` (weight ``(outputs, inputs)``), or Hugging Face's ``Conv1D`` (GPT-2's projections:
+    ``addmm(bias, x, weight)`` with the weight stored ``(inputs, outputs)``, ``transposed``); None
+    for any other module."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features, False
+    w = getattr(module, "weight", None)
+    if type(module).__name__ == "Conv1D" and isinstance(w, torch.Tensor) and w.dim() == 2:
+        return int(w.shape[0]), int(w.shape[1]), True
+    return None
+
+
+def transposed_problem(module: nn.Module | None, path: str) -> str | None:
+    """Why torch's parallel styles cannot run ``module`` split over tp in the model's own forward (a
+    ``Conv1D``, whose weight they would cut along the wrong dim), or None."""
+    widths = linear_widths(module)
+    if widths is None or not widths[2]:
+        return None
+    return (f"{path!r} is Hugging Face's Conv1D, whose weight is stored (inputs, outputs): torch's parallel styles "
+            "shard an nn.Linear's (outputs, inputs)")
+
+
 # tp kinds whose sharded dim is a vocabulary (an embedding table's rows, an output layer's classes):
 # inside pipeline stages these are cut unevenly where the vocabulary does not divide by tp
 VOCAB_KINDS = frozenset({"emb_row", "col_to_loss"})
@@ -512,6 +538,9 @@ def uneven_shards(model: nn.Module, kinds: dict[str, str], tp: int) -> list[str]
     out = []
     for path, kind in sorted(kinds.items()):
         dim = _WEIGHT_SHARD.get(kind)
+        widths = linear_widths(modules.get(path))
+        if dim is not None and widths is not None and widths[2]:
+            dim = 1 - dim  # Conv1D's weight is (inputs, outputs)
         w = getattr(modules.get(path), "weight", None)
         if dim is None or w is None or w.dim() <= dim or not w.shape[dim] % tp:
             continue
@@ -738,6 +767,10 @@ def eager_tp_problem(model: nn.Module, tp_plan: dict[str, str], tp: int, batch: 
     rank's ``(inputs, labels)``; ranks 0 and ``tp - 1`` are tried (uneven splits differ only there). A
     forward that runs on the shards but reshapes the data instead of the features is caught by
     :func:`_sized_from_config`."""
+    for path in tp_plan:
+        why = transposed_problem(model.get_submodule(path), path)
+        if why:
+            return why
     locals_: list[dict[str, tuple[int, ...]]] = []
     for rank in sorted({0, tp - 1}):
         shapes: dict[str, tuple[int, ...]] = {}

@@ -31,15 +31,15 @@ of a plan, against the model's captured graph:
 
 **Op level** (:func:`expressible`, :func:`edge_rule`, :func:`chain_problems`): which per-op
 placements over the ``tp`` axis run, and how neighbouring placements chain. A ``Linear``
-(``aten.linear`` with a parameter) is column-parallel (``n``), row-parallel (``k`` or its leading
-factor ``k_i``) or replicated; an embedding vocabulary-parallel (``v``) or replicated; attention
-split over its heads (``h...``) or replicated; cross entropy class-parallel (``c``) or replicated;
-pointwise ops (elementwise, views, concat, split) may stay split along a non-batch, non-sequence
-dim; a product of two activations (``q @ k.T`` and ``p @ v`` of attention written out, as GPT-2's
-and Megatron's code before fused kernels) and a softmax may be split along a dim they do not
-reduce that indexes every operand (:func:`local_dims`: the heads); every other op (convolutions,
-``addmm`` of HF's ``Conv1D``, norms, ...) is replicated over ``tp``. Over ``dp`` only an op's batch
-dim is split (:func:`dp_split_ok`).
+(``aten.linear`` with a parameter; ``aten.addmm`` with one, HF's ``Conv1D``, GPT-2's projections) is
+column-parallel (``n``), row-parallel (``k`` or its leading factor ``k_i``) or replicated; an
+embedding vocabulary-parallel (``v``) or replicated; attention split over its heads (``h...``) or
+replicated; cross entropy class-parallel (``c``) or replicated; pointwise ops (elementwise, views,
+concat, split) may stay split along a non-batch, non-sequence dim; a product of two activations
+(``q @ k.T`` and ``p @ v`` of attention written out, as GPT-2's and Megatron's code before fused kernels)
+and a softmax may be split along a dim they do not reduce that indexes every operand
+(:func:`local_dims`: the heads); every other op (convolutions, norms, ...) is replicated over
+``tp``. Over ``dp`` only an op's batch dim is split (:func:`dp_split_ok`).
 
 Imports of the backend's execution modules and of the polyhedral model stay inside the functions that
 use them: ``import polyparallel`` loads this module (the executor registry), and those load torch or
@@ -54,11 +54,11 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from polyparallel.backends.torch.op_roles import chunked_evenly, local_dims, op_role
+from polyparallel.backends.torch.op_roles import chunked_evenly, first_activation, local_dims, op_role
 from polyparallel.cost_models.compute import batch_statistics_ops
 from polyparallel.cost_models.memo import PRICES
 from polyparallel.cost_models.spatial import splits_image_rows
-from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind
+from polyparallel.ir import Graph, Hint, Op, OpKind
 from polyparallel.plan import Plan
 from polyparallel.planning.executability import NotExecutable
 
@@ -333,10 +333,6 @@ def _split(p: Any) -> bool:
     return bool(p.splits)
 
 
-def _first_act(g: Graph, op: Op) -> int:
-    return next((i for i, t in enumerate(op.inputs) if g.tensors[t].kind is not TensorKind.PARAM), 0)
-
-
 def edge_rule(g: Graph, u: Op, pu: Any, v: Op, pv: Any, pos: int) -> str | None:
     """How the torch backend runs the edge ``u -> v`` (``v``'s input ``pos``), for
     :func:`polyparallel.planning.stage_solver.solve_stage`'s ``edge_rule``.
@@ -362,7 +358,7 @@ def edge_rule(g: Graph, u: Op, pu: Any, v: Op, pv: Any, pos: int) -> str | None:
     if su and sv and ru == "linear" and pu.splits[0][0] == "n" and rv in ("attention", "heads"):
         return "free"
     if sv:
-        first = pos == _first_act(g, v)
+        first = pos == first_activation(g, v)
         d = pv.splits[0][0]
         if not first and ((rv == "linear" and d != "n") or rv == "embedding"):
             return "forward"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from polyparallel.cost_models.megatron_rule import vocabulary_lookups
 from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind, target_base
 
-__all__ = ["chunked_evenly", "local_dims", "op_role"]
+__all__ = ["chunked_evenly", "first_activation", "local_dims", "op_role"]
 
 _POINTWISE = (OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.CONCAT, OpKind.SPLIT)
 _PRODUCTS = ("matmul", "bmm", "einsum")  # products of activations a rank computes on its shards
@@ -20,16 +20,24 @@ def _has_param(g: Graph, op: Op) -> bool:
     return any(g.tensors[t].kind is TensorKind.PARAM for t in op.inputs)
 
 
+def first_activation(g: Graph, op: Op) -> int:
+    """The position of ``op``'s first input that is not a parameter: a Linear's contracted input
+    (``x`` of ``linear(x, w, b)``, and of ``addmm(b, x, w)``, HF ``Conv1D``'s op); the inputs after it
+    belong to epilogues fused into the op."""
+    return next((i for i, t in enumerate(op.inputs) if g.tensors[t].kind is not TensorKind.PARAM), 0)
+
+
 def op_role(g: Graph, op: Op) -> str:
     """How the backend can split ``op`` over ``tp``: ``loss`` (class-parallel cross entropy),
-    ``linear`` (an ``nn.Linear``: column/row-parallel), ``embedding`` (a vocabulary: row-parallel),
+    ``linear`` (an ``nn.Linear``, or HF's ``Conv1D`` computing ``addmm(b, x, w)``: column/row-parallel),
+    ``embedding`` (a vocabulary: row-parallel),
     ``attention`` (head-parallel), ``pointwise`` (follows its input's split), ``heads`` (a product
     of two activations or a softmax, computed on local shards along one of :func:`local_dims`) or
     ``other`` (replicated)."""
     kind = OpKind(op.kind)
     if kind is OpKind.LOSS and "cross_entropy" in op.target:
         return "loss"
-    if kind is OpKind.CONTRACTION and _has_param(g, op) and _target_is(op, "linear"):
+    if kind is OpKind.CONTRACTION and _has_param(g, op) and (_target_is(op, "linear") or _target_is(op, "addmm")):
         return "linear"
     if kind is OpKind.EMBEDDING and op.name in vocabulary_lookups(g):  # a position table stays whole
         return "embedding"
