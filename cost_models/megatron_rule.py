@@ -5,14 +5,18 @@ and the placement the solver always has as a candidate.
 Each tensor is *full* or *split* over the ``tp`` group. A contraction/conv with a parameter reading
 a full input is column-parallel (output split, backward all-reduce of its input gradient, once per
 input tensor); reading a split input it is row-parallel (output full, forward all-reduce of the
-output). A vocabulary embedding is row-parallel (forward all-reduce). Any other op on a
-split input stays split (heads, activation functions); a loss on split logits needs three per-row
-scalars all-reduced. Only a vocabulary is split (:func:`vocabulary_lookups`): a position table stays
-whole, as Megatron keeps its position embeddings. Split ops do ``1/tp`` of the work. With Megatron
-sequence parallelism each all-reduce becomes reduce-scatter + all-gather (same volume) and the
-remaining ops run on ``1/tp`` of the sequence. Under Ulysses ``sp`` every op does ``1/sp`` of the
-work and each attention op all-to-alls its inputs and output, forward and backward; on images ``sp``
-splits rows instead (:mod:`.spatial`: halos, gathers and statistics from the polyhedral model).
+output). A Linear is column-parallel only where Megatron pairs it (:func:`paired_columns`: its
+output reaches, through pointwise ops only, a row-parallel partner, attention or the loss); one
+whose output also feeds a norm or the residual stream (ELECTRA's embedding projection, an input
+projection before the blocks) stays whole, as Megatron keeps such layers. A vocabulary embedding is
+row-parallel (forward all-reduce). Any other op on a split input stays split (heads, activation
+functions); a loss on split logits needs three per-row scalars all-reduced. Only a vocabulary is
+split (:func:`vocabulary_lookups`): a position table stays whole, as Megatron keeps its position
+embeddings. Split ops do ``1/tp`` of the work. With Megatron sequence parallelism each all-reduce
+becomes reduce-scatter + all-gather (same volume) and the remaining ops run on ``1/tp`` of the
+sequence. Under Ulysses ``sp`` every op does ``1/sp`` of the work and each attention op all-to-alls
+its inputs and output, forward and backward; on images ``sp`` splits rows instead (:mod:`.spatial`:
+halos, gathers and statistics from the polyhedral model).
 
 Under context parallelism ``cp`` (ring attention, load-balanced causal sharding: shard ``r`` holds
 sequence chunks ``r`` and ``2cp-1-r`` of ``2cp``) every op also does ``1/cp`` of the work, and each
@@ -35,7 +39,7 @@ from .memo import PRICES
 from .parallel_config import OpPlan, ParallelConfig
 from .spatial import spatial_plan
 
-__all__ = ["op_plans", "op_roles", "ring_dominated", "tensor_bytes", "vocabulary_lookups"]
+__all__ = ["op_plans", "op_roles", "paired_columns", "ring_dominated", "tensor_bytes", "vocabulary_lookups"]
 
 
 def tensor_bytes(graph: Graph, name: str, dtype: str) -> float:
@@ -76,6 +80,7 @@ def _propagate(graph: Graph, cfg: ParallelConfig) -> list[OpPlan]:
     plans: list[OpPlan] = []
     ar = ("reduce_scatter", "all_gather") if cfg.sequence_parallel else ("all_reduce",)
     vocab = vocabulary_lookups(graph)
+    paired = paired_columns(graph) if tp > 1 else frozenset()
     for op, (kind, acts, has_param) in zip(graph.ops, op_roles(graph)):
         split, param_split = 1.0, 1.0
         tp_fwd: list[tuple[str, float]] = []
@@ -85,7 +90,10 @@ def _propagate(graph: Graph, cfg: ParallelConfig) -> list[OpPlan]:
         any_split = any(split_state.get(t, False) for t in acts)
         out_split = False
         if tp > 1:
-            if kind in (OpKind.CONTRACTION, OpKind.CONV) and has_param:
+            if kind is OpKind.CONTRACTION and has_param and not (acts and split_state.get(acts[0], False)) \
+                    and op.name not in paired:
+                pass  # no Megatron partner: the Linear stays whole
+            elif kind in (OpKind.CONTRACTION, OpKind.CONV) and has_param:
                 split = param_split = tp
                 # the contracted input comes first; inputs after it belong to pointwise epilogues fused
                 # into the op (LLaMA's silu(gate(h)) * up(h) reads up's column-split output): they follow
@@ -140,6 +148,64 @@ def _propagate(graph: Graph, cfg: ParallelConfig) -> list[OpPlan]:
         plan = OpPlan(split, tuple(tp_fwd), tuple(tp_bwd), tuple(sp_fwd), tuple(sp_bwd), param_split)
         plans.append(distinct.setdefault(plan, plan))
     return plans
+
+
+# ops a column-parallel output is handed to sharded, as Megatron's partners take it
+_PARTNERS = (OpKind.ATTENTION, OpKind.SOFTMAX, OpKind.LOSS)
+_ALONG = (OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.SPLIT, OpKind.CONCAT)  # pointwise: the split passes through
+
+
+def _reduced(op: Op) -> int:
+    """How many values each output of ``op`` reduces (the product of its reduction dims' extents; 0
+    when it reduces none or has no loop nest)."""
+    if op.nest is None:
+        return 0
+    dims = {d for st in op.nest.statements for d in st.reduction_dims()}
+    n = 1
+    for d in dims:
+        n *= op.nest.extents[d]
+    return n if dims else 0
+
+
+def paired_columns(graph: Graph) -> frozenset[str]:
+    """The Linears (contractions with a parameter) Megatron's rule may split by columns: every use of
+    the output reaches, through pointwise ops only, the contracted input of another Linear (its
+    row-parallel partner), an attention op (or the product or softmax of one written out) or the
+    loss; an epilogue fused into a Linear (LLaMA's ``silu(gate(h)) * up(h)``) and a reduction over
+    fewer values than the Linear's features (QK-norm) pass the split on. A use that reaches a norm
+    over all the features, any other op or the graph's output does not take a sharded tensor
+    (memoised per graph)."""
+    cache = PRICES.of(graph)
+    hit = cache.get(("paired columns",))
+    if hit is not None:
+        return hit
+    roles = dict(zip((op.name for op in graph.ops), op_roles(graph)))
+
+    def pairs(op: Op) -> bool:
+        width = graph.tensors[op.outputs[0]].shape[-1]
+        reached = set(op.outputs)  # the tensors the split reaches
+        frontier = list(reached)
+        while frontier:
+            t = frontier.pop()
+            if not graph.consumers(t):
+                return False  # the graph's output
+            for u in graph.consumers(t):
+                kind, acts, has_param = roles[u.name]
+                partner = kind is OpKind.CONTRACTION and has_param and acts and acts[0] == t  # row-parallel
+                if partner or kind in _PARTNERS or (kind is OpKind.CONTRACTION and not has_param):
+                    continue
+                # a norm or reduction over fewer values than the Linear's features stays within a block
+                # (QK-norm over each head's features); one over all of them (a LayerNorm) needs them all
+                within = kind in (OpKind.REDUCE, OpKind.NORM) and 0 < _reduced(u) < width
+                if kind not in _ALONG and kind is not OpKind.CONTRACTION and not within:  # (or a fused epilogue)
+                    return False
+                frontier += [o for o in u.outputs if o not in reached]
+                reached.update(u.outputs)
+        return True
+
+    hit = cache[("paired columns",)] = frozenset(
+        op.name for op in graph.ops if roles[op.name][0] is OpKind.CONTRACTION and roles[op.name][2] and pairs(op))
+    return hit
 
 
 def ring_dominated(graph: Graph, cluster: Any, cfg: ParallelConfig, group: list[int]) -> bool:

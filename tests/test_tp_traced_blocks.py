@@ -168,14 +168,25 @@ def test_qk_norm_per_head_and_soft_capped_scores_are_head_local() -> None:
     """The mean over each head's features reads within the head; the ``tanh`` between ``q @ k.T`` and
     the softmax reads the rank's own scores. Refused before ("comes from op 'mean' (reduce)", "comes
     from op 'matmul' (contraction)"). A norm over every head's features, and scores mixed across the
-    heads, are refused, naming why."""
+    heads, are not split by heads, naming why (the rule keeps a projection normalised over all its
+    features whole, so its plan is refused too)."""
+    from polyparallel.backends.torch._tensor_parallel import head_split
+    from polyparallel.backends.torch.op_roles import local_dims, op_role
+
     _, plan = _plan(head_local_attention, ex.gpt_data)
     kinds = dict(plan.tp_plan)
     assert (kinds["q"], kinds["k"], kinds["v"], kinds["o"]) == ("col", "col", "col", "row")
-    with pytest.raises(Unsupported, match="along other axes than a block of its features"):
-        _plan(lambda: HeadLocalAttention(qk_norm="all"), ex.gpt_data)
-    with pytest.raises(Unsupported, match="read outside the rank's heads"):
-        _plan(lambda: HeadLocalAttention(mix_heads=True), ex.gpt_data)
+    x, y = ex.gpt_data(0)
+    for model_fn, why in [(head_local_attention, None),
+                          (lambda: HeadLocalAttention(qk_norm="all"), "along other axes than a block of its features"),
+                          (lambda: HeadLocalAttention(mix_heads=True), "read outside the rank's heads")]:
+        g = capture_for_strategy(model_fn, (x, y))
+        heads = [(op.name, local_dims(op)[0]) for op in g.ops if op_role(g, op) == "heads"]
+        splits, problems = head_split(g, heads, 2)
+        assert (problems[0] if why else splits) and (why is None or why in problems[0]), problems
+        if why:
+            with pytest.raises(Unsupported):
+                _plan(model_fn, ex.gpt_data)
 
 
 @pytest.mark.slow

@@ -1,0 +1,81 @@
+"""Which Linears Megatron's rule splits by columns (``megatron_rule.paired_columns``), checked on small
+modules whose answer is known by construction, and what the torch backend makes of the rule's plan.
+
+The rule used to split every Linear that reads a whole tensor by columns. An input projection before
+the blocks (ELECTRA's ``embeddings_project``) feeds the residual stream and a norm, which take no
+shard: the split then put every later Linear out of phase (the blocks' ``query`` row-parallel, their
+output projections column-parallel, attention whole), a plan priced for collectives that cannot
+happen and refused by the backend ("row-parallel Linear ... reads an input that no column-parallel
+Linear ... leaves split").
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import polyparallel as pp
+from polyparallel.backends.torch import _examples as ex
+from polyparallel.backends.torch import plan_for, train
+from polyparallel.backends.torch._tensor_parallel import capture_for_strategy
+from polyparallel.cost_models import ParallelConfig
+from polyparallel.cost_models.megatron_rule import op_plans, paired_columns
+from polyparallel.frontends import capture
+from tests.test_torch_backend import LR, SEED, STEPS, _single
+
+
+class InputProjection(nn.Module):
+    """Token embedding of width 16, a projection to 32 (``proj``), one residual MLP block (``fc``,
+    GELU, ``out``), a norm, the output layer (``head``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(64, 16)
+        self.proj = nn.Linear(16, 32)
+        self.fc, self.out = nn.Linear(32, 64), nn.Linear(64, 32)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.proj(self.wte(ids))
+        h = self.norm(h + self.out(nn.functional.gelu(self.fc(h))))
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def input_projection() -> InputProjection:
+    torch.manual_seed(0)
+    return InputProjection()
+
+
+def test_an_input_projection_stays_whole_and_the_block_is_a_megatron_pair() -> None:
+    x, y = ex.gpt_data(0)
+    g = capture(input_projection(), (x, y))
+    assert {g.op(n).module for n in paired_columns(g)} == {"fc", "head"}
+    plans = dict(zip((op.module for op in g.ops), op_plans(g, ParallelConfig(tp=2))))
+    assert plans["proj"].split == 1 and not plans["proj"].tp_fwd + plans["proj"].tp_bwd  # whole: no collective
+    assert plans["fc"].split == 2 and [c for c, _ in plans["fc"].tp_bwd] == ["all_reduce"]  # column-parallel
+    assert plans["out"].split == 2 and [c for c, _ in plans["out"].tp_fwd] == ["all_reduce"]  # its row partner
+
+
+def test_the_rules_plan_for_an_input_projection_is_what_the_torch_backend_runs() -> None:
+    x, y = ex.gpt_data(0)
+    s = pp.evaluate(input_projection(), (x, y), "local-cpu:2", batch_size=ex.BATCH, tp=2, dp=1, microbatches=1,
+                    recompute="none")
+    assert not any(n.startswith("planning only") for n in s.search.notes)
+    plan = plan_for(s, input_projection(), (x, y), graph=capture_for_strategy(input_projection, (x, y)))
+    kinds = dict(plan.tp_plan)
+    assert "proj" not in kinds and (kinds["fc"], kinds["out"], kinds["head"]) == ("col", "row", "col_to_loss")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_rules_plan_for_an_input_projection_trains_as_one_process() -> None:
+    x, y = ex.gpt_data(0)
+    s = pp.evaluate(input_projection(), (x, y), "local-cpu:2", batch_size=ex.BATCH, tp=2, dp=1, microbatches=1,
+                    recompute="none")
+    log = train(s, input_projection, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED)
+    ref = _single(input_projection, ex.gpt_data)
+    err = max(abs(r["loss"] - want) / abs(want) for r, want in zip(log, ref, strict=True))
+    print(f"TP=2 input projection + MLP block: max relative loss difference {err:.2e}")
+    assert err <= 1e-5
