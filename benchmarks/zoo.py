@@ -7,7 +7,12 @@ architectures) and each cluster (``local-cpu:2``, ``local-cpu:4``):
 compared with single-process training of the same model on the same global batches. Prints a
 table and writes ``benchmarks/results/zoo.json``.
 
-    .venv/bin/python benchmarks/zoo.py [--models gpt2,unet] [--clusters 2,4] [--steps 3] [--zoo tests.zoo]
+``--tp N`` prices and trains Megatron's tensor parallelism pinned at ``N`` instead of the search's
+choice (``polyparallel.evaluate(model, tp=N)``, what ``polyparallel evaluate --tp N`` gives a user): a
+plan the torch backend cannot run is written "planning only", with its reason, and reported so here
+(``benchmarks/results/<zoo>_tpN.json``).
+
+    .venv/bin/python benchmarks/zoo.py [--models gpt2,unet] [--clusters 2,4] [--steps 3] [--zoo tests.zoo] [--tp 2]
 """
 
 from __future__ import annotations
@@ -57,9 +62,9 @@ def against_single_process(rec: dict[str, Any], log: list[dict[str, Any]], model
 
 
 def run_one(name: str, n: int, *, steps: int = STEPS, run_dir: Path | None = None,
-            zoo: str = "tests.zoo") -> dict[str, Any]:
-    """Search ``name`` (a model of ``zoo``'s ``ZOO``) on ``local-cpu:n``, train the strategy, compare with
-    one process."""
+            zoo: str = "tests.zoo", tp: int = 0) -> dict[str, Any]:
+    """Search ``name`` (a model of ``zoo``'s ``ZOO``) on ``local-cpu:n`` (with ``tp``: price Megatron's
+    tensor parallelism at that degree instead), train the strategy, compare with one process."""
     import torch
 
     import polyparallel as pp
@@ -72,12 +77,20 @@ def run_one(name: str, n: int, *, steps: int = STEPS, run_dir: Path | None = Non
     t0 = time.perf_counter()
     torch.manual_seed(SEED)
     try:
-        s = pp.search(model_fn(), (x,), f"local-cpu:{n}", example_kwargs={"labels": y}, batch_size=module.BATCH)
+        if tp:
+            s = pp.evaluate(model_fn(), (x,), f"local-cpu:{n}", example_kwargs={"labels": y},
+                            batch_size=module.BATCH, tp=tp)
+        else:
+            s = pp.search(model_fn(), (x,), f"local-cpu:{n}", example_kwargs={"labels": y}, batch_size=module.BATCH)
     except Exception as e:
         rec.update(status="search failed", error=f"{type(e).__name__}: {e}"[:400])
         return rec
     rec.update(plan=plan_summary(s), search_s=round(time.perf_counter() - t0, 2),
                placements=sorted({p.placement for p in s.placements if p.placement}))
+    planning_only = [note for note in s.search.notes if note.startswith("planning only")]
+    if planning_only:
+        rec.update(status="planning only", error=planning_only[0][:600])
+        return rec
     t1 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pp-zoo-") as tmp:
         try:
@@ -104,21 +117,26 @@ def main() -> None:
     ap.add_argument("--models", default=None, help="comma-separated names (default: the whole zoo)")
     ap.add_argument("--clusters", default="2,4")
     ap.add_argument("--steps", type=int, default=STEPS)
-    ap.add_argument("--out", default=None, help="default: benchmarks/results/<zoo's last name>.json")
+    ap.add_argument("--tp", type=int, default=0, help="price and train Megatron's tp at this degree (not the search)")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/<zoo's last name>[_tpN].json")
     a = ap.parse_args()
     models = a.models.split(",") if a.models else list(importlib.import_module(a.zoo).ZOO)
-    out = a.out or str(ROOT / "benchmarks" / "results" / f"{a.zoo.rsplit('.', 1)[-1]}.json")
+    stem = a.zoo.rsplit(".", 1)[-1] + (f"_tp{a.tp}" if a.tp else "")
+    out = a.out or str(ROOT / "benchmarks" / "results" / f"{stem}.json")
     rows = []
     for n in (int(c) for c in a.clusters.split(",")):
         for name in models:
-            r = run_one(name, n, steps=a.steps, zoo=a.zoo)
+            r = run_one(name, n, steps=a.steps, zoo=a.zoo, tp=a.tp)
             rows.append(r)
             err = f"{r['max_rel']:.1e}" if "max_rel" in r else ""
             print(f"{r['cluster']:<12} {name:<10} {r.get('plan', '-'):<28} {r['status']:<14} {err:<8} "
                   f"{r.get('error', '')[:160]}", flush=True)
     ok = sum(r["status"] == "exact" for r in rows)
-    print(f"\n{ok} of {len(rows)} searched plans trained with losses within 1e-5 of single-process training")
-    Path(out).write_text(json.dumps({"zoo": a.zoo, "steps": a.steps, "lr": LR, "rows": rows}, indent=1) + "\n")
+    what = f"tp={a.tp} plans" if a.tp else "searched plans"
+    print(f"\n{ok} of {len(rows)} {what} trained with losses within 1e-5 of single-process training"
+          + (f"; {sum(r['status'] == 'planning only' for r in rows)} written planning only" if a.tp else ""))
+    Path(out).write_text(json.dumps({"zoo": a.zoo, "steps": a.steps, "lr": LR, "tp": a.tp, "rows": rows}, indent=1)
+                         + "\n")
 
 
 if __name__ == "__main__":
