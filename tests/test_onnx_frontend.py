@@ -568,6 +568,21 @@ def test_split_to_sequence_then_sequence_at():
     assert g.shape("b") == (4, 3) and g.flops() == 12
 
 
+def test_sequence_concatenated_along_a_new_axis_is_a_stack():
+    """``ConcatFromSequence`` with ``new_axis=1`` (how a ``torch.stack`` of a sequence exports) has the
+    loop nest of a stack: input ``k`` is slice ``k`` of the new axis (it was left opaque)."""
+    from tests.nest_eval import run
+
+    nodes = [helper.make_node("SequenceConstruct", ["a", "b"], ["seq"]),
+             helper.make_node("ConcatFromSequence", ["seq"], ["y"], axis=1, new_axis=1)]
+    g = _capture(_model(nodes, [_vi("a", [2, 3]), _vi("b", [2, 3])], [_vi("y", None)], opset=17))
+    (stack,) = [op for op in g.ops if op.target == "ConcatFromSequence"]
+    a, b = np.arange(6.0).reshape(2, 3), -np.arange(6.0).reshape(2, 3)
+    assert g.shape("y") == (2, 2, 3) and stack.kind is OpKind.CONCAT and not stack.is_opaque
+    np.testing.assert_array_equal(run(stack.nest, {"in0": a, "in1": b}, {"out0": (2, 2, 3)})["out0"],
+                                  np.stack([a, b], 1))
+
+
 def test_onnxruntime_contrib_ops_keep_shapes_flowing():
     """An ORT-optimised model: ONNX shape inference stops at com.microsoft ops; ORT's goes on."""
     pytest.importorskip("onnxruntime.tools.symbolic_shape_infer")

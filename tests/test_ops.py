@@ -49,6 +49,11 @@ def test_views_reproduce_numpy():
     parts = run(ops.split((2, 8), [3, 5], 1), {"in0": np.concatenate([a, b], 1)}, {"out0": (2, 3), "out1": (2, 5)})
     np.testing.assert_array_equal(parts["out0"], a)
     np.testing.assert_array_equal(parts["out1"], b)
+    c = rng.standard_normal((2, 3))
+    for axis in (0, 1, 2, -1):  # a new dim at every place
+        want = np.stack([a, c], axis)
+        np.testing.assert_array_equal(run(ops.stack([a.shape, c.shape], axis), {"in0": a, "in1": c},
+                                          {"out0": want.shape})["out0"], want)
 
 
 @pytest.mark.parametrize(("a", "b"), [((3, 4), (4, 5)), ((2, 3, 4), (4, 5)), ((4,), (2, 4, 3)),

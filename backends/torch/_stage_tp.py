@@ -19,7 +19,8 @@ stage's ``tp`` group computes on its shards, as Megatron's column/row-parallel l
   (identity forward, gradient all-reduce backward: Megatron's ``f``; one per input, shared by the
   Linears reading it, e.g. ``q, k, v`` or LLaMA's ``gate`` and ``up``) and leaves its output split
   along the features; pointwise ops, views, transposes, splits of a fused projection into its
-  blocks (``split``, ``chunk``, or slices of whole blocks), reductions along other dims (QK-norm),
+  blocks (``split``, ``chunk``, or slices of whole blocks), stacks of values split alike (GPT-J's
+  rotary), reductions along other dims (QK-norm),
   ``scaled_dot_product_attention`` over split heads, and attention written out (the
   products ``q @ k.T`` and ``p @ v`` of blocks split alike along a batch dim, a softmax along
   another dim, dropout, each rank drawing its own shard's mask) keep the split (a view's constant
@@ -325,6 +326,12 @@ class StageTP:
             if len(states) != 1 or s0.dim == dim:
                 raise Unsupported(f"op {n.name!r} concatenates tensors split differently over tp")
             return s0
+        if t is aten.stack.default:
+            nd = len(out or ())
+            axis = (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)) % nd
+            if len({st.get(x) for x in n.args[0]}) != 1:
+                raise Unsupported(f"op {n.name!r} stacks tensors split differently over tp")
+            return _Split(s0.dim + (axis <= s0.dim), s0.segments)
         if t in (aten.matmul.default, aten.bmm.default):
             return self._product(n, out)
         if t in _REDUCTIONS and n.args[0] is a0:

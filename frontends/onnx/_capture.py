@@ -586,9 +586,9 @@ class _Capture:
                 cat[axis % len(cat)] = sum(sh[axis % len(cat)] for sh in shapes)
             self.inferred[out] = (self.b.graph.tensors[seq[0]].dtype, cat)
         self._add(out, TensorKind.ACTIVATION, node=n)
-        fn = None if new_axis else _checked(lambda: ops.concat(shapes, axis), [self.shapes[out]], target)
-        self.b.op(n.name or target, OpKind.CONCAT, target, seq, [out], fn, module=_module_of(n),
-                  reason="stacking along a new axis" if new_axis else None)
+        fn = _checked(lambda: ops.stack(shapes, axis) if new_axis else ops.concat(shapes, axis), [self.shapes[out]],
+                      target)
+        self.b.op(n.name or target, OpKind.CONCAT, target, seq, [out], fn, module=_module_of(n))
 
 
 def _toposort(g: onnx.GraphProto, available: set[str], where: str) -> list[onnx.NodeProto]:

@@ -89,6 +89,13 @@ def _cat(c: Call) -> Spec:
     return OpKind.CONCAT, ts, lambda: ops.concat([c.shape(t) for t in ts], dim)
 
 
+@handles("stack")
+def _stack(c: Call) -> Spec:
+    ts = [t for t in c.get("tensors", default=[]) if isinstance(t, TRef)]
+    dim = int(c.get("dim", default=0))
+    return OpKind.CONCAT, ts, lambda: ops.stack([c.shape(t) for t in ts], dim)
+
+
 @handles("split", "split_with_sizes", "chunk", "tensor_split", "unsafe_split")
 def _split(c: Call) -> Spec:
     x = c.tensor("self", "input")

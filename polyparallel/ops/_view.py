@@ -202,6 +202,23 @@ def concat(shapes: Sequence[Sequence[int]], axis: int) -> LoopNest:
     return LoopNest(tuple(dims), tuple(sts))
 
 
+def stack(shapes: Sequence[Sequence[int]], axis: int) -> LoopNest:
+    """``stack`` of equal shapes along a new dim ``axis`` of the output: input ``k`` is the output's
+    slice ``k`` of that dim (GPT-J's rotary ``stack((-x2, x1), dim=-1)``)."""
+    r = len(shapes[0])
+    if any(tuple(s) != tuple(shapes[0]) for s in shapes):
+        raise NotModelled(f"stack of unequal shapes {[list(s) for s in shapes]}")
+    axis = norm_axis(axis, r + 1)
+    base = generic_dims(shapes[0])
+    names = tuple(d.name for d in base)
+    sts = []
+    for k in range(len(shapes)):
+        oi = (*(E(n) for n in names[:axis]), AffineExpr(const=k), *(E(n) for n in names[axis:]))
+        sts.append(Statement(f"part{k}", names, reads=(Access(f"in{k}", tuple(E(n) for n in names)),),
+                             writes=(Access("out0", oi),), flops_per_point=0))
+    return LoopNest(tuple(base), tuple(sts))
+
+
 def split(x: Sequence[int], sizes: Sequence[int], axis: int) -> LoopNest:
     r = len(x)
     axis = norm_axis(axis, r)
