@@ -150,8 +150,10 @@ def _propagate(graph: Graph, cfg: ParallelConfig) -> list[OpPlan]:
     return plans
 
 
-# ops a column-parallel output is handed to sharded, as Megatron's partners take it
-_PARTNERS = (OpKind.ATTENTION, OpKind.SOFTMAX, OpKind.LOSS)
+# ops a column-parallel output is handed to sharded, as Megatron's partners take it (a softmax is not:
+# one over the split features needs all of them, as an MoE router's does; the softmax of attention
+# written out is reached through the product q @ k.T, a contraction without a parameter)
+_PARTNERS = (OpKind.ATTENTION, OpKind.LOSS)
 _ALONG = (OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.SPLIT, OpKind.CONCAT)  # pointwise: the split passes through
 
 
@@ -173,16 +175,35 @@ def paired_columns(graph: Graph) -> frozenset[str]:
     row-parallel partner), an attention op (or the product or softmax of one written out) or the
     loss; an epilogue fused into a Linear (LLaMA's ``silu(gate(h)) * up(h)``) and a reduction over
     fewer values than the Linear's features (QK-norm) pass the split on. A use that reaches a norm
-    over all the features, any other op or the graph's output does not take a sharded tensor
-    (memoised per graph)."""
+    over all the features, a softmax, any other op or the graph's output does not take a sharded
+    tensor, nor does a pointwise op combining it with a whole tensor of its size (a residual) that
+    no Linear beside it computes (memoised per graph)."""
     cache = PRICES.of(graph)
     hit = cache.get(("paired columns",))
     if hit is not None:
         return hit
     roles = dict(zip((op.name for op in graph.ops), op_roles(graph)))
 
+    def split_alike(x: str, siblings: set[str]) -> bool:
+        """Whether ``x`` comes, through pointwise ops, from the output of a Linear reading the same input
+        as the candidate (LLaMA's ``up`` beside ``gate``), which would be split alike."""
+        frontier, seen = [x], {x}
+        while frontier:
+            t = frontier.pop()
+            if t in siblings:
+                return True
+            prod = graph.producer(t)
+            if prod is None or roles[prod.name][0] not in _ALONG:
+                continue
+            frontier += [i for i in roles[prod.name][1] if i not in seen]
+            seen.update(roles[prod.name][1])
+        return False
+
     def pairs(op: Op) -> bool:
         width = graph.tensors[op.outputs[0]].shape[-1]
+        src = roles[op.name][1][:1]
+        siblings = {o for c in graph.ops if roles[c.name][0] is OpKind.CONTRACTION and roles[c.name][2]
+                    and roles[c.name][1][:1] == src for o in c.outputs}
         reached = set(op.outputs)  # the tensors the split reaches
         frontier = list(reached)
         while frontier:
@@ -198,6 +219,10 @@ def paired_columns(graph: Graph) -> frozenset[str]:
                 # (QK-norm over each head's features); one over all of them (a LayerNorm) needs them all
                 within = kind in (OpKind.REDUCE, OpKind.NORM) and 0 < _reduced(u) < width
                 if kind not in _ALONG and kind is not OpKind.CONTRACTION and not within:  # (or a fused epilogue)
+                    return False
+                # combined with a whole tensor as large (a residual), not one broadcast (rotary tables, masks)
+                if kind in _ALONG and any(x not in reached and graph.tensors[x].numel >= graph.tensors[t].numel
+                                          and not split_alike(x, siblings) for x in acts):
                     return False
                 frontier += [o for o in u.outputs if o not in reached]
                 reached.update(u.outputs)

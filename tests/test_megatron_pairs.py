@@ -27,14 +27,14 @@ from tests.test_torch_backend import LR, SEED, STEPS, _single
 
 class InputProjection(nn.Module):
     """Token embedding of width 16, a projection to 32 (``proj``), one residual MLP block (``fc``,
-    GELU, ``out``), a norm, the output layer (``head``)."""
+    GELU, ``out``), a norm (unless ``norm`` is False), the output layer (``head``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, norm: bool = True) -> None:
         super().__init__()
         self.wte = nn.Embedding(64, 16)
         self.proj = nn.Linear(16, 32)
         self.fc, self.out = nn.Linear(32, 64), nn.Linear(64, 32)
-        self.norm = nn.LayerNorm(32)
+        self.norm = nn.LayerNorm(32) if norm else nn.Identity()
         self.head = nn.Linear(32, 64)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -52,10 +52,35 @@ def test_an_input_projection_stays_whole_and_the_block_is_a_megatron_pair() -> N
     x, y = ex.gpt_data(0)
     g = capture(input_projection(), (x, y))
     assert {g.op(n).module for n in paired_columns(g)} == {"fc", "head"}
+    # without the norm the projection still feeds the residual add, beside the block's output
+    assert {g.op(n).module for n in paired_columns(capture(InputProjection(norm=False), (x, y)))} == {"fc", "head"}
     plans = dict(zip((op.module for op in g.ops), op_plans(g, ParallelConfig(tp=2))))
     assert plans["proj"].split == 1 and not plans["proj"].tp_fwd + plans["proj"].tp_bwd  # whole: no collective
     assert plans["fc"].split == 2 and [c for c, _ in plans["fc"].tp_bwd] == ["all_reduce"]  # column-parallel
     assert plans["out"].split == 2 and [c for c, _ in plans["out"].tp_fwd] == ["all_reduce"]  # its row partner
+
+
+class Routed(nn.Module):
+    """An MLP block scaled by a router's softmax (an MoE's gate, one expert): the router's logits are
+    normalised over all its outputs, which no rank holds alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(64, 32)
+        self.router, self.fc, self.out = nn.Linear(32, 4), nn.Linear(32, 64), nn.Linear(64, 32)
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.wte(ids)
+        gate = torch.softmax(self.router(h), dim=-1)[..., :1]
+        h = h + self.out(nn.functional.gelu(self.fc(h))) * gate
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def test_a_router_normalised_by_a_softmax_stays_whole() -> None:
+    x, y = ex.gpt_data(0)
+    g = capture(Routed(), (x, y))
+    assert {g.op(n).module for n in paired_columns(g)} == {"fc", "head"}
 
 
 def test_the_rules_plan_for_an_input_projection_is_what_the_torch_backend_runs() -> None:

@@ -21,11 +21,11 @@ until a projection is reached (an operand every heads block reads whole and that
 produces, as HF LLaMA's rotary ``cos``/``sin`` built from positions, is replicated: not traced);
 grouped-query attention's ``q = g + G h`` index is handled the same way. A value another op split
 over heads computes (Gemma-2's scores soft-capped by ``tanh`` between ``q @ k.T`` and the softmax) is
-the rank's own where the footprint stays within what that op computes on the rank's heads. Separate projections (one
-block each) are plain ``ColwiseParallel``, and so is a fused projection whose heads each hold their
-own ``q, k, v`` one after another (GPT-NeoX, BLOOM: features ``h·3d + j``), where a rank's operands
-together read the ``r``-th block of the features, with no regrouping. A fused ``q|k|v`` projection's
-weight rows (and bias) are regrouped rank-major,
+the rank's own where the footprint stays within what that op computes on the rank's heads.
+Separate projections (one block each) are plain ``ColwiseParallel``, and so is a fused projection
+whose heads each hold their own ``q, k, v`` one after another (GPT-NeoX, BLOOM: features
+``h·3d + j``), where a rank's operands together read the ``r``-th block of the features, with no
+regrouping. A fused ``q|k|v`` projection's weight rows (and bias) are regrouped rank-major,
 
 .. math::  \pi = \big[\, c_j + r w_j + i \;\big|\; r < t,\ j \text{ by offset},\ i < w_j \,\big],
 
