@@ -17,12 +17,12 @@ from torch import nn
 
 import polyparallel as pp
 from polyparallel.backends.torch import _examples as ex
-from polyparallel.backends.torch import plan_for, train
+from polyparallel.backends.torch import plan_for
 from polyparallel.backends.torch._tensor_parallel import capture_for_strategy
 from polyparallel.cost_models import ParallelConfig
 from polyparallel.cost_models.megatron_rule import op_plans, paired_columns
 from polyparallel.frontends import capture
-from tests.test_torch_backend import LR, SEED, STEPS, _single
+from tests.test_torch_tp import _loss_gap
 
 
 class InputProjection(nn.Module):
@@ -99,8 +99,4 @@ def test_the_rules_plan_for_an_input_projection_trains_as_one_process() -> None:
     x, y = ex.gpt_data(0)
     s = pp.evaluate(input_projection(), (x, y), "local-cpu:2", batch_size=ex.BATCH, tp=2, dp=1, microbatches=1,
                     recompute="none")
-    log = train(s, input_projection, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED)
-    ref = _single(input_projection, ex.gpt_data)
-    err = max(abs(r["loss"] - want) / abs(want) for r, want in zip(log, ref, strict=True))
-    print(f"TP=2 input projection + MLP block: max relative loss difference {err:.2e}")
-    assert err <= 1e-5
+    assert _loss_gap(s, input_projection, ex.gpt_data, "input projection + MLP block") <= 1e-5

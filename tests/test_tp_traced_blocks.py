@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 import polyparallel as pp
-from polyparallel.backends.torch import Unsupported, plan_for, train
+from polyparallel.backends.torch import Unsupported, plan_for
 from polyparallel.backends.torch import _examples as ex
 from polyparallel.backends.torch._tensor_parallel import capture_for_strategy, paired_blocks, qkv_rows
-from tests.test_torch_backend import LR, SEED, STEPS, _single
+from tests.test_torch_tp import _loss_gap
 
 WIDTH, INNER = 32, 64
 
@@ -119,11 +119,7 @@ def test_a_fused_gate_up_projection_under_tp2_trains_as_one_process(model_fn) ->
     (each slice of whole blocks becomes the local blocks' offsets); ``interleaved`` is a plain split."""
     s, plan = _plan(model_fn)
     assert (plan.pipeline is not None) == (model_fn is glu_slice)
-    log = train(s, model_fn, ex.mlp_data, steps=STEPS, lr=LR, seed=SEED)
-    ref = _single(model_fn, ex.mlp_data)
-    err = max(abs(r["loss"] - want) / abs(want) for r, want in zip(log, ref, strict=True))
-    print(f"TP=2 fused gate/up ({model_fn.__name__}): max relative loss difference {err:.2e}")
-    assert err <= 1e-5
+    assert _loss_gap(s, model_fn, ex.mlp_data, f"fused gate/up ({model_fn.__name__})") <= 1e-5
 
 
 class HeadLocalAttention(nn.Module):
@@ -218,11 +214,7 @@ def test_gptj_rotary_of_interleaved_pairs_is_head_local() -> None:
 @pytest.mark.parametrize("model_fn", [head_local_attention, rotary_every_two])
 def test_head_local_attention_under_tp2_trains_as_one_process(model_fn) -> None:
     s, _ = _plan(model_fn, ex.gpt_data)
-    log = train(s, model_fn, ex.gpt_data, steps=STEPS, lr=LR, seed=SEED)
-    ref = _single(model_fn, ex.gpt_data)
-    err = max(abs(r["loss"] - want) / abs(want) for r, want in zip(log, ref, strict=True))
-    print(f"TP=2 {model_fn.__name__}: max relative loss difference {err:.2e}")
-    assert err <= 1e-5
+    assert _loss_gap(s, model_fn, ex.gpt_data, model_fn.__name__) <= 1e-5
 
 
 def test_hf_gpt2_conv1d_projections_are_megatron_pairs_run_as_the_rewritten_graph() -> None:
@@ -253,8 +245,4 @@ def test_hf_gpt2_under_tp2_trains_as_one_process() -> None:
 
     model_fn, data_fn = zoo.ZOO["gpt2"]
     s, _ = _plan(model_fn, data_fn)
-    log = train(s, model_fn, data_fn, steps=STEPS, lr=LR, seed=SEED)
-    ref = _single(model_fn, data_fn)
-    err = max(abs(r["loss"] - want) / abs(want) for r, want in zip(log, ref, strict=True))
-    print(f"TP=2 HF GPT-2 (Conv1D): max relative loss difference {err:.2e}")
-    assert err <= 1e-5
+    assert _loss_gap(s, model_fn, data_fn, "HF GPT-2 (Conv1D)") <= 1e-5
