@@ -29,6 +29,7 @@ the step model charges is the part the compute does not hide (``step.py``).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from polyparallel.ir import Graph, Hint, Op, OpKind, TensorKind, element_bytes, target_base
@@ -163,16 +164,13 @@ def _reduced(op: Op) -> int:
     if op.nest is None:
         return 0
     dims = {d for st in op.nest.statements for d in st.reduction_dims()}
-    n = 1
-    for d in dims:
-        n *= op.nest.extents[d]
-    return n if dims else 0
+    return math.prod(op.nest.extents[d] for d in dims) if dims else 0
 
 
 def paired_columns(graph: Graph) -> frozenset[str]:
     """The Linears (contractions with a parameter) Megatron's rule may split by columns: every use of
     the output reaches, through pointwise ops only, the contracted input of another Linear (its
-    row-parallel partner), an attention op (or the product or softmax of one written out) or the
+    row-parallel partner), an attention op (or the product ``q @ k.T`` of one written out) or the
     loss; an epilogue fused into a Linear (LLaMA's ``silu(gate(h)) * up(h)``) and a reduction over
     fewer values than the Linear's features (QK-norm) pass the split on. A use that reaches a norm
     over all the features, a softmax, any other op or the graph's output does not take a sharded
@@ -183,6 +181,10 @@ def paired_columns(graph: Graph) -> frozenset[str]:
     if hit is not None:
         return hit
     roles = dict(zip((op.name for op in graph.ops), op_roles(graph)))
+    linears = [op for op in graph.ops if roles[op.name][0] is OpKind.CONTRACTION and roles[op.name][2]]
+    outputs_by_input: dict[tuple[str, ...], set[str]] = {}  # a Linear's first activation -> the outputs of its readers
+    for op in linears:
+        outputs_by_input.setdefault(roles[op.name][1][:1], set()).update(op.outputs)
 
     def split_alike(x: str, siblings: set[str]) -> bool:
         """Whether ``x`` comes, through pointwise ops, from the output of a Linear reading the same input
@@ -201,9 +203,7 @@ def paired_columns(graph: Graph) -> frozenset[str]:
 
     def pairs(op: Op) -> bool:
         width = graph.tensors[op.outputs[0]].shape[-1]
-        src = roles[op.name][1][:1]
-        siblings = {o for c in graph.ops if roles[c.name][0] is OpKind.CONTRACTION and roles[c.name][2]
-                    and roles[c.name][1][:1] == src for o in c.outputs}
+        siblings = outputs_by_input[roles[op.name][1][:1]]
         reached = set(op.outputs)  # the tensors the split reaches
         frontier = list(reached)
         while frontier:
@@ -228,8 +228,7 @@ def paired_columns(graph: Graph) -> frozenset[str]:
                 reached.update(u.outputs)
         return True
 
-    hit = cache[("paired columns",)] = frozenset(
-        op.name for op in graph.ops if roles[op.name][0] is OpKind.CONTRACTION and roles[op.name][2] and pairs(op))
+    hit = cache[("paired columns",)] = frozenset(op.name for op in linears if pairs(op))
     return hit
 
 

@@ -333,29 +333,41 @@ def head_split(graph: Graph, split: Sequence[tuple[str, str]], parts: int) -> tu
         prod = graph.producer(lt)
         assert prod is not None
         width = graph.tensors[lt].shape[-1]
-        # Heads laid out one after another, each with its own q, k, v (GPT-NeoX's and BLOOM's fused
-        # projection: features h·3d + j): a rank's operands together read the r-th block of the
-        # features, which the plain column split gives it, with no regrouping.
-        union = [set().union(*(blocks[r] for blocks in by_operand.values())) for r in range(parts)]
-        if width % parts == 0 and all(len(b) == parts for b in by_operand.values()) and all(
-                union[r] == set(range(r * width // parts, (r + 1) * width // parts)) for r in range(parts)):
-            out.append(HeadSplit(producer=prod.name, module=prod.module, segments=(width,)))
-            continue
-        segs: set[tuple[int, int]] = set()  # (offset, width); an operand read by two ops counts once
-        for (op_name, j), blocks in by_operand.items():
-            w, c = len(blocks[0]), min(blocks[0])
-            if len(blocks) != parts or any(b != set(range(c + r * w, c + (r + 1) * w)) for r, b in enumerate(blocks)):
-                problems.append(f"attention op {op_name!r}: the heads blocks of in{j} are not consecutive ranges "
-                                f"of {lt!r}'s features")
-            segs.add((c, w * parts))
-        order = sorted(segs)
-        ends = [c + w for c, w in order]
-        if order[0][0] != 0 or ends[-1] != width or any(order[i + 1][0] != ends[i] for i in range(len(order) - 1)):
+        segments, scattered, untiled = _regrouping(width, parts, by_operand)
+        problems += [f"attention op {op_name!r}: the heads blocks of in{j} are not consecutive ranges of {lt!r}'s "
+                     "features" for op_name, j in scattered]
+        if untiled:
             names = ", ".join(sorted({n for n, _ in by_operand}))
-            problems.append(f"attention op(s) {names} read {lt!r} in blocks {order} that do not tile its "
+            problems.append(f"attention op(s) {names} read {lt!r} in blocks {untiled} that do not tile its "
                             f"{width} features")
-        out.append(HeadSplit(producer=prod.name, module=prod.module, segments=tuple(w for _, w in order)))
+        out.append(HeadSplit(producer=prod.name, module=prod.module, segments=segments))
     return (out, []) if not problems else ([], problems)
+
+
+def _regrouping(width: int, parts: int, reads: Mapping[Any, Sequence[set[int] | frozenset[int]]]
+                ) -> tuple[tuple[int, ...], list[Any], list[tuple[int, int]]]:
+    """How a projection's ``width`` output features are split so that rank ``r`` holds what it reads:
+    ``reads[key][r]``, the features read ``key`` takes on rank ``r``. Returns the widths of the blocks to
+    regroup rank-major (:func:`qkv_rows`), the reads whose features are no consecutive block per rank,
+    and the ``(offset, width)`` blocks when they do not tile the features (else empty). One block,
+    ``(width,)``, is the plain column split: the reads of rank ``r`` together are its ``r``-th block
+    (heads laid out one after another, each with its own ``q, k, v``: GPT-NeoX's and BLOOM's fused
+    projection, features ``h·3d + j``; a GLU over interleaved features)."""
+    union = [set().union(*(blocks[r] for blocks in reads.values())) for r in range(parts)]
+    if width % parts == 0 and all(len(b) == parts for b in reads.values()) and all(
+            union[r] == set(range(r * width // parts, (r + 1) * width // parts)) for r in range(parts)):
+        return (width,), [], []
+    segs: set[tuple[int, int]] = set()  # (offset, width); an operand read by two ops counts once
+    scattered = []
+    for key, blocks in reads.items():
+        w, c = len(blocks[0]), min(blocks[0])
+        if len(blocks) != parts or any(b != set(range(c + r * w, c + (r + 1) * w)) for r, b in enumerate(blocks)):
+            scattered.append(key)
+        segs.add((c, w * parts))
+    order = sorted(segs)
+    ends = [c + w for c, w in order]
+    tiles = order[0][0] == 0 and ends[-1] == width and all(order[i + 1][0] == ends[i] for i in range(len(order) - 1))
+    return tuple(w for _, w in order), scattered, [] if tiles else order
 
 
 def paired_blocks(graph: Graph, src: str, dst: str, parts: int) -> tuple[int, ...] | str:
@@ -391,20 +403,12 @@ def paired_blocks(graph: Graph, src: str, dst: str, parts: int) -> tuple[int, ..
         return str(e)
     if not reads[0] or any(len(rs) != len(reads[0]) for rs in reads):
         return f"the blocks of {dst!r}'s input do not each read {y!r} alike"
-    if all(frozenset().union(*rs) == frozenset(range(r * width // parts, (r + 1) * width // parts))
-           for r, rs in enumerate(reads)):
-        return (width,)  # rank r reads the r-th block of src's features: a plain column split
-    segs: set[tuple[int, int]] = set()
-    for j in range(len(reads[0])):
-        c, w = min(reads[0][j]), len(reads[0][j])
-        if any(rs[j] != frozenset(range(c + r * w, c + (r + 1) * w)) for r, rs in enumerate(reads)):
-            return f"the blocks of {dst!r}'s input read {y!r}'s features in no consecutive blocks per rank"
-        segs.add((c, w * parts))
-    order = sorted(segs)
-    ends = [c + w for c, w in order]
-    if order[0][0] != 0 or ends[-1] != width or any(order[i + 1][0] != ends[i] for i in range(len(order) - 1)):
-        return f"{dst!r} reads {y!r} in blocks {order} that do not tile its {width} features"
-    return tuple(w for _, w in order)
+    segments, scattered, untiled = _regrouping(width, parts, {j: [rs[j] for rs in reads] for j in range(len(reads[0]))})
+    if scattered:
+        return f"the blocks of {dst!r}'s input read {y!r}'s features in no consecutive blocks per rank"
+    if untiled:
+        return f"{dst!r} reads {y!r} in blocks {untiled} that do not tile its {width} features"
+    return segments
 
 
 class FusedColwiseParallel(ColwiseParallel):
