@@ -15,14 +15,12 @@ import pytest
 import torch
 from torch import nn
 
-import polyparallel as pp
 from polyparallel.backends.torch import _examples as ex
-from polyparallel.backends.torch import plan_for
-from polyparallel.backends.torch._tensor_parallel import capture_for_strategy
 from polyparallel.cost_models import ParallelConfig
 from polyparallel.cost_models.megatron_rule import op_plans, paired_columns
 from polyparallel.frontends import capture
 from tests.test_torch_tp import _loss_gap
+from tests.test_tp_traced_blocks import _plan
 
 
 class InputProjection(nn.Module):
@@ -84,11 +82,8 @@ def test_a_router_normalised_by_a_softmax_stays_whole() -> None:
 
 
 def test_the_rules_plan_for_an_input_projection_is_what_the_torch_backend_runs() -> None:
-    x, y = ex.gpt_data(0)
-    s = pp.evaluate(input_projection(), (x, y), "local-cpu:2", batch_size=ex.BATCH, tp=2, dp=1, microbatches=1,
-                    recompute="none")
+    s, plan = _plan(input_projection, ex.gpt_data)
     assert not any(n.startswith("planning only") for n in s.search.notes)
-    plan = plan_for(s, input_projection(), (x, y), graph=capture_for_strategy(input_projection, (x, y)))
     kinds = dict(plan.tp_plan)
     assert "proj" not in kinds and (kinds["fc"], kinds["out"], kinds["head"]) == ("col", "row", "col_to_loss")
 
@@ -96,7 +91,5 @@ def test_the_rules_plan_for_an_input_projection_is_what_the_torch_backend_runs()
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_rules_plan_for_an_input_projection_trains_as_one_process() -> None:
-    x, y = ex.gpt_data(0)
-    s = pp.evaluate(input_projection(), (x, y), "local-cpu:2", batch_size=ex.BATCH, tp=2, dp=1, microbatches=1,
-                    recompute="none")
+    s, _ = _plan(input_projection, ex.gpt_data)
     assert _loss_gap(s, input_projection, ex.gpt_data, "input projection + MLP block") <= 1e-5
